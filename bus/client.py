@@ -1,0 +1,244 @@
+"""The NATS client every phalanx process uses: typed, traced, never killed by input.
+
+:class:`Bus` wraps one ``nats.aio.client.Client``. Outgoing messages are
+encoded with the wire codec and carry W3C trace context in their headers;
+incoming ones are decoded and validated before a handler sees them. A payload
+that does not decode is a *bad message*: it is counted, logged and, if it was
+a request, answered with a ``400`` service error; a handler that raises is
+counted and answered with ``500``. Neither ever reaches the subscription's
+task, so one bad peer cannot take a service down.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import ssl
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
+
+import nats
+import nats.errors
+from nats.aio.client import Client
+from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
+from phalanx.bus import telemetry
+from phalanx.bus.config import BusConfig
+from phalanx.bus.errors import BusUnavailable, NoResponders, RemoteError, RequestTimeout
+from phalanx.schemas.codec import decode, encode
+from phalanx.schemas.errors import WireError
+from phalanx.schemas.messages import Message
+
+log = logging.getLogger("phalanx.bus")
+
+M = TypeVar("M", bound=Message)
+ERROR_CODE_HEADER = "Nats-Service-Error-Code"
+ERROR_HEADER = "Nats-Service-Error"
+DEFAULT_REQUEST_TIMEOUT_S = 2.0
+
+
+@dataclasses.dataclass(frozen=True)
+class Delivery:
+    """Where a handled message came from."""
+
+    subject: str
+    headers: dict[str, str]
+    reply: str
+
+
+Handler = Callable[[M, Delivery], Awaitable[Message | None]]
+
+
+class BadRequest(Exception):
+    """Raised by :func:`process` when the payload is not a valid message (code 400)."""
+
+
+class HandlerFailed(Exception):
+    """Raised by :func:`process` when the handler raised (code 500)."""
+
+
+@dataclasses.dataclass
+class Counters:
+    """What went wrong on this connection, for logs and ``$SRV.STATS``."""
+
+    bad_messages: int = 0
+    handler_errors: int = 0
+    last_error: str = ""
+
+
+async def process(delivery: Delivery, data: bytes, message_type: type[M], handler: Handler[M],
+                  counters: Counters, queue: str | None = None) -> Message | None:
+    """Decode ``data``, run ``handler`` inside a consumer span, and return its reply.
+
+    Raises:
+        BadRequest: the payload is not a valid ``message_type`` (already counted).
+        HandlerFailed: the handler raised (already counted and logged).
+    """
+    subject = delivery.subject
+    with telemetry.consumer_span(subject, delivery.headers, len(data), queue) as span:
+        try:
+            message = decode(data, message_type, subject=subject)
+        except WireError as exc:
+            counters.bad_messages += 1
+            counters.last_error = str(exc)
+            span.record_exception(exc)
+            log.warning("bad message dropped: %s", exc)
+            raise BadRequest(str(exc)) from None
+        try:
+            return await handler(message, delivery)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            counters.handler_errors += 1
+            counters.last_error = f"{type(exc).__name__}: {exc}"
+            span.record_exception(exc)
+            log.exception("handler for %s failed", subject)
+            raise HandlerFailed(counters.last_error) from exc
+
+
+class Bus:
+    """A connected NATS client speaking phalanx's wire contract.
+
+    Use :meth:`connect`; ``async with`` drains the connection on exit.
+    """
+
+    def __init__(self, nc: Client, config: BusConfig) -> None:
+        self.nc = nc
+        self.config = config
+        self.counters = Counters()
+        self.js = nc.jetstream()
+
+    @classmethod
+    async def connect(cls, config: BusConfig | None = None, *, name: str = "phalanx") -> Bus:
+        """Connect to the first reachable server of ``config``.
+
+        Reconnects forever once connected; the *first* connection must succeed
+        within ``config.connect_timeout_s``.
+
+        Raises:
+            BusUnavailable: no server answered in time; names the URLs and the last error.
+        """
+        config = config or BusConfig.load()
+        last_error: list[BaseException] = []
+
+        async def on_error(exc: Exception) -> None:
+            last_error.append(exc)
+            log.debug("nats error: %r", exc)
+
+        async def on_disconnect() -> None:
+            if not (nc.is_closed or nc.is_draining):
+                log.warning("disconnected from NATS; reconnecting")
+
+        async def on_reconnect() -> None:
+            url = nc.connected_url
+            log.info("reconnected to NATS at %s", url.netloc if url else "?")
+
+        nc = Client()
+        options: dict[str, Any] = dict(
+            servers=list(config.servers), name=name, error_cb=on_error,
+            disconnected_cb=on_disconnect, reconnected_cb=on_reconnect,
+            connect_timeout=max(1, int(config.connect_timeout_s)),
+            reconnect_time_wait=config.reconnect_wait_s, max_reconnect_attempts=-1,
+            user=config.user, password=config.password, token=config.token,
+            user_credentials=config.creds_file, nkeys_seed=config.nkey_seed_file,
+        )
+        if config.uses_tls:
+            context = ssl.create_default_context(cafile=config.tls_ca_file)
+            if config.tls_cert_file:
+                context.load_cert_chain(config.tls_cert_file, config.tls_key_file)
+            options["tls"] = context
+        try:
+            await asyncio.wait_for(nc.connect(**options), config.connect_timeout_s)
+        except (TimeoutError, OSError, nats.errors.Error) as exc:
+            await nc.close()
+            cause = last_error[-1] if last_error else exc
+            raise BusUnavailable(
+                f"cannot reach NATS at {', '.join(config.servers)} within "
+                f"{config.connect_timeout_s:g} s ({type(cause).__name__}: {cause}); "
+                "is `phalanx up` running, or is PHALANX_NATS_URL set?"
+            ) from None
+        return cls(nc, config)
+
+    async def __aenter__(self) -> Bus:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        """Drain subscriptions and close the connection (idempotent)."""
+        if self.nc.is_closed:
+            return
+        try:
+            await self.nc.drain()
+        except (nats.errors.Error, TimeoutError, OSError):
+            await self.nc.close()
+
+    async def publish(self, subject: str, message: Message,
+                      headers: dict[str, str] | None = None) -> None:
+        """Publish ``message`` on ``subject`` with the current trace context."""
+        data = encode(message)
+        with telemetry.producer_span(subject, len(data)):
+            await self.nc.publish(subject, data, headers=telemetry.inject(headers))
+
+    async def request(self, subject: str, message: Message, reply_type: type[M], *,
+                      timeout_s: float | None = None) -> M:
+        """Send a request and decode its reply.
+
+        Args:
+            timeout_s: how long to wait; ``None`` means :data:`DEFAULT_REQUEST_TIMEOUT_S`.
+
+        Raises:
+            RequestTimeout: no reply within the timeout.
+            NoResponders: nobody listens on ``subject``.
+            RemoteError: the responder answered with a service error.
+            WireError: the reply is not a valid ``reply_type``.
+        """
+        timeout_s = DEFAULT_REQUEST_TIMEOUT_S if timeout_s is None else timeout_s
+        data = encode(message)
+        with telemetry.producer_span(subject, len(data), request=True):
+            try:
+                reply = await self.nc.request(subject, data, timeout=timeout_s,
+                                              headers=telemetry.inject())
+            except nats.errors.NoRespondersError:
+                raise NoResponders(f"no service listens on {subject}") from None
+            except nats.errors.TimeoutError:
+                raise RequestTimeout(f"no reply on {subject} within {timeout_s:g} s") from None
+        raise_for_error(reply, subject)
+        return decode(reply.data, reply_type, subject=subject)
+
+    async def subscribe(self, subject: str, message_type: type[M], handler: Handler[M], *,
+                        queue: str | None = None) -> Subscription:
+        """Run ``handler`` for each valid ``message_type`` on ``subject``.
+
+        A reply returned by the handler is sent if the message was a request.
+        Bad payloads and handler failures are counted (:attr:`counters`) and,
+        for requests, answered with a 400 / 500 service error.
+        """
+        async def on_message(msg: Msg) -> None:
+            delivery = Delivery(msg.subject, dict(msg.headers or {}), msg.reply)
+            try:
+                reply = await process(delivery, msg.data, message_type, handler, self.counters,
+                                      queue)
+            except BadRequest as exc:
+                await self._respond_error(msg, "400", str(exc))
+            except HandlerFailed as exc:
+                await self._respond_error(msg, "500", str(exc))
+            else:
+                if reply is not None and msg.reply:
+                    await self.nc.publish(msg.reply, encode(reply), headers=telemetry.inject())
+
+        return await self.nc.subscribe(subject, queue=queue or "", cb=on_message)
+
+    async def _respond_error(self, msg: Msg, code: str, description: str) -> None:
+        if msg.reply:
+            await self.nc.publish(msg.reply, b"", headers={
+                ERROR_CODE_HEADER: code, ERROR_HEADER: description[:1024]})
+
+
+def raise_for_error(reply: Msg, subject: str) -> None:
+    """Raise :class:`RemoteError` if ``reply`` carries service error headers."""
+    headers = reply.headers or {}
+    if ERROR_CODE_HEADER in headers:
+        raise RemoteError(headers[ERROR_CODE_HEADER], headers.get(ERROR_HEADER, ""), subject)

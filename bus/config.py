@@ -1,0 +1,130 @@
+"""How to reach the NATS server: URLs, credentials and TLS.
+
+Values come, highest precedence first, from explicit arguments, ``PHALANX_NATS_*``
+environment variables, the ``[bus]`` table of a TOML config file
+(``PHALANX_CONFIG`` or an explicit path), and the defaults here. The config is
+validated when built: a named credentials file that does not exist, a user
+without a password or a certificate without its key is refused at once with
+the field named, not at the first reconnect.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import tomllib
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from phalanx.schemas.errors import ConfigError
+
+DEFAULT_URL = "nats://127.0.0.1:4222"
+
+# field name -> environment variable
+_ENV = {
+    "servers": "PHALANX_NATS_URL",
+    "user": "PHALANX_NATS_USER",
+    "password": "PHALANX_NATS_PASSWORD",
+    "token": "PHALANX_NATS_TOKEN",
+    "nkey_seed_file": "PHALANX_NATS_NKEY",
+    "creds_file": "PHALANX_NATS_CREDS",
+    "tls_ca_file": "PHALANX_NATS_CA",
+    "tls_cert_file": "PHALANX_NATS_CERT",
+    "tls_key_file": "PHALANX_NATS_KEY",
+    "connect_timeout_s": "PHALANX_NATS_CONNECT_TIMEOUT_S",
+}
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class BusConfig:
+    servers: tuple[str, ...] = (DEFAULT_URL,)
+    """NATS URLs (``nats://``, ``tls://``); the env variable takes a comma-separated list."""
+    user: str | None = None
+    """User name for user/password authentication (needs ``password``)."""
+    password: str | None = None
+    """Password for ``user``."""
+    token: str | None = None
+    """Authentication token."""
+    nkey_seed_file: str | None = None
+    """Path of an nkey seed file."""
+    creds_file: str | None = None
+    """Path of a decentralised-auth ``.creds`` file (JWT + nkey seed)."""
+    tls_ca_file: str | None = None
+    """CA bundle to verify the server; setting it turns TLS on."""
+    tls_cert_file: str | None = None
+    """Client certificate for mutual TLS (needs ``tls_key_file``)."""
+    tls_key_file: str | None = None
+    """Private key of ``tls_cert_file``."""
+    connect_timeout_s: float = 5.0
+    """How long the first connection may take before :class:`BusUnavailable` is raised."""
+    reconnect_wait_s: float = 0.25
+    """Pause between reconnect attempts after a connection was lost (reconnects never stop)."""
+
+    def __post_init__(self) -> None:
+        if not self.servers or any(not s.strip() for s in self.servers):
+            raise ConfigError("bus.servers: at least one non-empty NATS URL is required")
+        if (self.user is None) != (self.password is None):
+            raise ConfigError("bus.user and bus.password must be given together")
+        if (self.tls_cert_file is None) != (self.tls_key_file is None):
+            raise ConfigError("bus.tls_cert_file and bus.tls_key_file must be given together")
+        for name in ("nkey_seed_file", "creds_file", "tls_ca_file", "tls_cert_file",
+                     "tls_key_file"):
+            path = getattr(self, name)
+            if path is not None and not Path(path).is_file():
+                raise ConfigError(f"bus.{name}: no such file {path!r}")
+        if self.connect_timeout_s <= 0:
+            raise ConfigError(f"bus.connect_timeout_s must be > 0, got {self.connect_timeout_s}")
+        if self.reconnect_wait_s < 0:
+            raise ConfigError(f"bus.reconnect_wait_s must be >= 0, got {self.reconnect_wait_s}")
+
+    @property
+    def uses_tls(self) -> bool:
+        return self.tls_ca_file is not None or any(s.startswith("tls://") for s in self.servers)
+
+    @classmethod
+    def load(cls, path: str | os.PathLike[str] | None = None,
+             env: Mapping[str, str] | None = None, **overrides: Any) -> BusConfig:
+        """Build a config from file, environment and ``overrides`` (``None`` values ignored).
+
+        Raises:
+            ConfigError: the file is unreadable or a value is invalid.
+        """
+        env = os.environ if env is None else env
+        values: dict[str, Any] = {}
+        path = path or env.get("PHALANX_CONFIG")
+        if path:
+            values.update(_read_file(Path(path)))
+        for field, var in _ENV.items():
+            if env.get(var):
+                values[field] = env[var]
+        values.update({k: v for k, v in overrides.items() if v is not None})
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise ConfigError(f"unknown bus option(s) {unknown}; known: {sorted(known)}")
+        if isinstance(values.get("servers"), str):
+            values["servers"] = tuple(s.strip() for s in values["servers"].split(","))
+        elif "servers" in values:
+            values["servers"] = tuple(values["servers"])
+        for name in ("connect_timeout_s", "reconnect_wait_s"):
+            if name in values:
+                try:
+                    values[name] = float(values[name])
+                except (TypeError, ValueError):
+                    raise ConfigError(
+                        f"bus.{name} must be a number, got {values[name]!r}") from None
+        return cls(**values)
+
+
+def _read_file(path: Path) -> dict[str, Any]:
+    try:
+        data = tomllib.loads(path.read_text())
+    except OSError as exc:
+        raise ConfigError(f"cannot read config file {path}: {exc.strerror}") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"config file {path} is not valid TOML: {exc}") from None
+    bus = data.get("bus", {})
+    if not isinstance(bus, dict):
+        raise ConfigError(f"config file {path}: [bus] must be a table")
+    return bus

@@ -1,0 +1,37 @@
+"""Errors of talking over the bus; each also inherits the builtin it means."""
+
+from __future__ import annotations
+
+from phalanx.schemas.errors import PhalanxError
+
+
+class BusUnavailable(PhalanxError, ConnectionError):
+    """No NATS server could be reached within the connect timeout."""
+
+
+class RequestTimeout(PhalanxError, TimeoutError):
+    """A request got no reply within its timeout."""
+
+
+class NoResponders(PhalanxError, ConnectionError):
+    """Nobody subscribes to the subject a request was sent to."""
+
+
+class RemoteError(PhalanxError, RuntimeError):
+    """The responder answered with a NATS service API error.
+
+    Attributes:
+        code: the ``Nats-Service-Error-Code`` ("400" bad request, "500" handler failure).
+        description: the responder's ``Nats-Service-Error`` text.
+        subject: the subject the request went to.
+    """
+
+    def __init__(self, code: str, description: str, subject: str) -> None:
+        self.code = code
+        self.description = description
+        self.subject = subject
+        super().__init__(f"{subject} answered error {code}: {description}")
+
+
+class Conflict(PhalanxError, RuntimeError):
+    """A KV compare-and-swap lost: the key changed (or exists) since it was read."""

@@ -1,0 +1,148 @@
+"""Typed JetStream key-value buckets with compare-and-swap updates.
+
+Every value is a wire message, so what one process stores another decodes
+with the same validation as a bus message. :meth:`TypedKV.modify` is the
+read-modify-write loop services use for shared state: it retries when another
+writer got there first, so two instances can never both apply a change
+computed from the same old value.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Generic, TypeVar
+
+import nats.js.errors as jse
+from nats.js import JetStreamContext
+from nats.js.api import KeyValueConfig, StorageType
+from nats.js.kv import KeyValue
+from phalanx.bus.errors import Conflict
+from phalanx.schemas.codec import decode, encode
+from phalanx.schemas.errors import WireError
+from phalanx.schemas.messages import Message
+
+M = TypeVar("M", bound=Message)
+
+
+@dataclasses.dataclass(frozen=True)
+class Entry(Generic[M]):
+    key: str
+    value: M
+    revision: int
+
+
+class TypedKV(Generic[M]):
+    """A KV bucket whose values are ``message_type`` messages."""
+
+    def __init__(self, kv: KeyValue, bucket: str, message_type: type[M]) -> None:
+        self.kv = kv
+        self.bucket = bucket
+        self.message_type = message_type
+
+    @classmethod
+    async def open(cls, js: JetStreamContext, bucket: str, message_type: type[M], *,
+                   history: int = 1, storage: StorageType = StorageType.FILE) -> TypedKV[M]:
+        """Open ``bucket``, creating it if it does not exist yet."""
+        try:
+            kv = await js.key_value(bucket)
+        except jse.BucketNotFoundError:
+            kv = await js.create_key_value(
+                KeyValueConfig(bucket=bucket, history=history, storage=storage))
+        return cls(kv, bucket, message_type)
+
+    def _decode(self, key: str, data: bytes | None) -> M:
+        return decode(data or b"", self.message_type, subject=f"kv {self.bucket}/{key}")
+
+    async def get(self, key: str) -> Entry[M] | None:
+        """The current entry, or ``None`` if the key is absent or deleted.
+
+        Raises:
+            WireError: the stored value does not decode.
+        """
+        try:
+            raw = await self.kv.get(key)
+        except jse.KeyNotFoundError:
+            return None
+        return Entry(key, self._decode(key, raw.value), raw.revision or 0)
+
+    async def put(self, key: str, value: M) -> int:
+        """Store ``value`` unconditionally; returns the new revision."""
+        return await self.kv.put(key, encode(value))
+
+    async def create(self, key: str, value: M) -> int:
+        """Store ``value`` only if ``key`` does not exist.
+
+        Raises:
+            Conflict: the key exists.
+        """
+        try:
+            return await self.kv.create(key, encode(value))
+        except jse.KeyWrongLastSequenceError:
+            raise Conflict(f"{self.bucket}/{key} already exists") from None
+
+    async def update(self, key: str, value: M, revision: int) -> int:
+        """Store ``value`` only if ``key`` is still at ``revision``.
+
+        Raises:
+            Conflict: the key changed since ``revision``.
+        """
+        try:
+            return await self.kv.update(key, encode(value), last=revision)
+        except jse.KeyWrongLastSequenceError:
+            raise Conflict(f"{self.bucket}/{key} changed since revision {revision}") from None
+
+    async def modify(self, key: str, change: Callable[[M | None], M], *,
+                     attempts: int = 16) -> Entry[M]:
+        """Apply ``change`` to the current value with compare-and-swap, retrying on conflict.
+
+        ``change`` gets ``None`` when the key is absent and must be pure: it
+        may run several times.
+
+        Raises:
+            Conflict: still losing after ``attempts`` tries.
+        """
+        for _ in range(attempts):
+            current = await self.get(key)
+            new = change(current.value if current else None)
+            try:
+                if current is None:
+                    revision = await self.create(key, new)
+                else:
+                    revision = await self.update(key, new, current.revision)
+            except Conflict:
+                continue
+            return Entry(key, new, revision)
+        raise Conflict(f"{self.bucket}/{key}: lost {attempts} compare-and-swap races in a row")
+
+    async def delete(self, key: str, revision: int | None = None) -> None:
+        """Delete ``key``; with ``revision``, only if it is still at that revision.
+
+        Raises:
+            Conflict: ``revision`` was given and the key has moved on.
+        """
+        try:
+            await self.kv.delete(key, last=revision)
+        except jse.APIError as exc:
+            if revision is None:
+                raise
+            raise Conflict(
+                f"{self.bucket}/{key} changed since revision {revision}: {exc}") from None
+
+    async def entries(self) -> tuple[list[Entry[M]], list[WireError]]:
+        """Every live entry, and the errors of those whose values do not decode."""
+        try:
+            keys = await self.kv.keys()
+        except jse.NoKeysError:
+            return [], []
+        good: list[Entry[M]] = []
+        bad: list[WireError] = []
+        for key in sorted(keys):
+            try:
+                entry = await self.get(key)
+            except WireError as exc:
+                bad.append(exc)
+                continue
+            if entry is not None:
+                good.append(entry)
+        return good, bad

@@ -1,0 +1,1 @@
+"""Rank-local runtime imported by training scripts (see the runtime issue)."""

@@ -1,0 +1,98 @@
+"""The one codec of the wire: typed messages to MessagePack bytes and back.
+
+:func:`decode` never lets a bad payload through and never raises anything but
+:class:`~phalanx.schemas.errors.WireError`: oversized, empty or non-MessagePack
+bytes, a missing or foreign ``type`` name, an unknown schema version, wrong
+field types, out-of-range values, unknown fields and failed cross-field checks
+all name the subject, the expected type and the problem.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import TypeVar, Union
+
+import msgspec
+from phalanx.schemas.errors import WireError
+from phalanx.schemas.messages import ALL_MESSAGES, Message
+
+#: Matches the NATS server's default ``max_payload``; nothing we send needs more.
+MAX_PAYLOAD_BYTES = 1024 * 1024
+
+M = TypeVar("M", bound=Message)
+
+_encoder = msgspec.msgpack.Encoder()
+# Decoding against the union of all messages makes the ``type`` name mandatory
+# (a lone tagged struct would accept a payload without it).
+_decoder = msgspec.msgpack.Decoder(Union[ALL_MESSAGES])  # type: ignore[valid-type]  # noqa: UP007
+_by_base_name = {m.wire_name().rsplit(".v", 1)[0]: m for m in ALL_MESSAGES}
+_VERSIONED = re.compile(r"^(?P<base>.+)\.v(?P<version>\d+)$")
+
+
+def encode(message: Message) -> bytes:
+    """Serialise ``message`` to MessagePack.
+
+    Raises:
+        WireError: the encoded message exceeds :data:`MAX_PAYLOAD_BYTES`.
+    """
+    data = _encoder.encode(message)
+    if len(data) > MAX_PAYLOAD_BYTES:
+        raise WireError(
+            f"encoded size {len(data)} B exceeds the {MAX_PAYLOAD_BYTES} B limit",
+            message_type=message.wire_name(),
+        )
+    return data
+
+
+def decode(data: bytes, expected: type[M], *, subject: str = "") -> M:
+    """Decode and validate ``data`` as an ``expected`` message.
+
+    Args:
+        data: the raw payload.
+        expected: the message type the subject carries.
+        subject: where the payload came from, for the error message.
+
+    Raises:
+        WireError: the payload is not a valid ``expected`` message.
+    """
+    name = expected.wire_name()
+    if not data:
+        raise WireError("empty payload", subject=subject, message_type=name)
+    if len(data) > MAX_PAYLOAD_BYTES:
+        raise WireError(
+            f"payload of {len(data)} B exceeds the {MAX_PAYLOAD_BYTES} B limit",
+            subject=subject, message_type=name,
+        )
+    try:
+        message = _decoder.decode(data)
+    except msgspec.DecodeError as exc:
+        raise WireError(f"not MessagePack ({exc})", subject=subject, message_type=name) from None
+    except msgspec.ValidationError as exc:
+        raise WireError(_explain(data, exc), subject=subject, message_type=name) from None
+    if type(message) is not expected:
+        raise WireError(
+            f"got a {message.wire_name()} message", subject=subject, message_type=name
+        )
+    return message  # type: ignore[return-value]
+
+
+def _explain(data: bytes, exc: msgspec.ValidationError) -> str:
+    """Turn a validation failure on the ``type`` tag into a version-aware message."""
+    text = str(exc)
+    if "$.type" not in text:
+        return text
+    try:
+        raw = msgspec.msgpack.decode(data)
+    except msgspec.DecodeError:
+        return text
+    wire_type = raw.get("type") if isinstance(raw, dict) else None
+    if not isinstance(wire_type, str):
+        return f"the `type` field must name a message type, got {wire_type!r}"
+    match = _VERSIONED.match(wire_type)
+    known = _by_base_name.get(match["base"]) if match else None
+    if known is not None:
+        return (
+            f"unsupported schema version v{match['version']} of {match['base']}; "
+            f"this build speaks {known.wire_name()}"
+        )
+    return f"unknown message type {wire_type!r}"

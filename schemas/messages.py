@@ -1,0 +1,248 @@
+"""Every message that crosses the bus, as typed, versioned structs.
+
+A message type is a frozen ``msgspec.Struct`` whose wire name carries its
+schema version (``phalanx.node_heartbeat.v1``) in the ``type`` field of the
+MessagePack map. Decoding (see :mod:`phalanx.schemas.codec`) checks that name,
+every field's type and range, rejects unknown fields, and runs each struct's
+``__post_init__`` cross-field checks, so a handler only ever sees a valid
+message. Changing a field's meaning or type means a new version name; adding
+an optional field with a default does not.
+
+Nested parts (``ReplicaRange``, ``Member`` …) are untagged: they travel only
+inside a message and are versioned with it.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Annotated
+
+import msgspec
+
+#: A non-empty identifier usable as one subject token (see :mod:`.subjects`).
+Ident = Annotated[str, msgspec.Meta(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9_\-]+$")]
+NonNegInt = Annotated[int, msgspec.Meta(ge=0)]
+PosInt = Annotated[int, msgspec.Meta(ge=1)]
+NonNegFloat = Annotated[float, msgspec.Meta(ge=0.0)]
+PosFloat = Annotated[float, msgspec.Meta(gt=0.0)]
+Labels = Annotated[dict[str, str], msgspec.Meta(max_length=64)]
+
+
+class Message(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True,
+              tag_field="type"):
+    """Base of every top-level message; subclasses set ``tag`` to their wire name."""
+
+    @classmethod
+    def wire_name(cls) -> str:
+        return cls.__struct_config__.tag  # type: ignore[return-value]
+
+
+class Part(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """Base of structs that only travel nested inside a :class:`Message`."""
+
+
+# --- nodes ---------------------------------------------------------------------------------
+
+
+class NodeInfo(Part):
+    """What an agent registers about its machine."""
+
+    node_id: Ident
+    host: str
+    slots: PosInt
+    failure_domain: Ident
+    labels: Labels = {}
+    agent_pid: NonNegInt = 0
+    agent_version: str = ""
+    started_at: NonNegFloat = 0.0
+
+
+class NodeRecord(Message, tag="phalanx.node_record.v1"):
+    """The node registry's entry for one node (KV bucket ``phalanx_nodes``, key = node id).
+
+    ``heartbeat_at`` is the agent's wall clock at its last heartbeat; readers
+    compare it with their own clock, so hosts need roughly synchronised clocks
+    (NTP-level skew is far below the default node timeout).
+    """
+
+    node: NodeInfo
+    heartbeat_seq: NonNegInt = 0
+    heartbeat_at: NonNegFloat = 0.0
+    slots_used: NonNegInt = 0
+    cordoned: bool = False
+
+    def __post_init__(self) -> None:
+        if self.slots_used > self.node.slots:
+            raise ValueError(
+                f"slots_used {self.slots_used} exceeds the node's {self.node.slots} slots"
+            )
+
+
+class NodeHeartbeat(Message, tag="phalanx.node_heartbeat.v1"):
+    """An agent's periodic sign of life, published on ``phalanx.node.<node>.heartbeat``."""
+
+    node_id: Ident
+    seq: NonNegInt
+    sent_at: NonNegFloat
+    slots_used: NonNegInt = 0
+
+
+class NodeStatusRequest(Message, tag="phalanx.node_status_request.v1"):
+    """Asks an agent for its current :class:`NodeRecord` (no fields)."""
+
+
+# --- jobs ----------------------------------------------------------------------------------
+
+
+class ReplicaRange(Part):
+    """Data-parallel replica counts; ``min == max`` is a rigid gang."""
+
+    min: PosInt
+    max: PosInt
+
+    def __post_init__(self) -> None:
+        if self.min > self.max:
+            raise ValueError(f"replicas.min {self.min} is greater than replicas.max {self.max}")
+
+
+class Placement(Part):
+    """Where a job's replicas may go."""
+
+    node_labels: Labels = {}
+    spread_failure_domains: bool = False
+
+
+class JobSpec(Message, tag="phalanx.job_spec.v1"):
+    """A job as submitted: a gang of data-parallel replicas and how to run them."""
+
+    name: Ident
+    team: Ident
+    priority_class: Ident
+    replicas: ReplicaRange
+    command: Annotated[list[str], msgspec.Meta(min_length=1)]
+    slots_per_replica: PosInt = 1
+    placement: Placement = Placement()
+    env: Labels = {}
+    schedule_timeout_s: PosFloat | None = None
+    grace_period_s: NonNegFloat = 10.0
+    hang_timeout_s: PosFloat = 2.0
+
+
+# --- membership ----------------------------------------------------------------------------
+
+
+class GenerationReason(enum.StrEnum):
+    START = "start"
+    FAULT = "fault"
+    JOIN = "join"
+    LEAVE = "leave"
+
+
+class Member(Part):
+    """One replica's place in a generation."""
+
+    replica_id: Ident
+    rank: NonNegInt
+    node_id: Ident
+
+
+class Generation(Message, tag="phalanx.generation.v1"):
+    """One membership of a running job, published on ``phalanx.job.<job>.generation``.
+
+    Members are ordered by rank (0..world_size-1). ``rendezvous`` is a fresh
+    namespace per generation so no process group state leaks across changes.
+    """
+
+    job_id: Ident
+    generation: NonNegInt
+    members: list[Member]
+    world_size: PosInt
+    rendezvous: Ident
+    resume_step: NonNegInt
+    reason: GenerationReason
+    cause: str = ""
+
+    def __post_init__(self) -> None:
+        if len(self.members) != self.world_size:
+            raise ValueError(
+                f"world_size {self.world_size} but {len(self.members)} members listed"
+            )
+        ranks = [m.rank for m in self.members]
+        if ranks != list(range(self.world_size)):
+            raise ValueError(f"member ranks must be 0..{self.world_size - 1} in order, got {ranks}")
+
+
+# --- health --------------------------------------------------------------------------------
+
+
+class FaultKind(enum.StrEnum):
+    CRASH = "crash"
+    HANG = "hang"
+    STRAGGLER = "straggler"
+    NODE_LOST = "node_lost"
+
+
+class Fault(Message, tag="phalanx.fault.v1"):
+    """A detected failure of one rank or node, published on ``phalanx.job.<job>.fault``."""
+
+    fault_id: Ident
+    job_id: Ident
+    kind: FaultKind
+    node_id: Ident
+    detected_at: NonNegFloat
+    rank: NonNegInt | None = None
+    exit_code: int | None = None
+    signal: str | None = None
+    detail: str = ""
+
+
+class RankProgress(Message, tag="phalanx.rank_progress.v1"):
+    """A rank's step progress, published on ``phalanx.health.rank.<job>.<rank>`` each step."""
+
+    job_id: Ident
+    rank: NonNegInt
+    replica_id: Ident
+    generation: NonNegInt
+    step: NonNegInt
+    step_time_s: NonNegFloat
+    sent_at: NonNegFloat
+
+
+# --- checkpoints ---------------------------------------------------------------------------
+
+
+class SnapshotTier(enum.StrEnum):
+    LOCAL = "local"
+    BUDDY = "buddy"
+    DURABLE = "durable"
+
+
+class SnapshotRecord(Message, tag="phalanx.snapshot_record.v1"):
+    """Where one shard of a job's state at one step is held (``phalanx.ckpt.<job>.snapshot``)."""
+
+    job_id: Ident
+    step: NonNegInt
+    shard: NonNegInt
+    num_shards: PosInt
+    node_id: Ident
+    tier: SnapshotTier
+    nbytes: NonNegInt
+    checksum: Annotated[str, msgspec.Meta(pattern=r"^[0-9a-f]{8,128}$")]
+    created_at: NonNegFloat
+
+    def __post_init__(self) -> None:
+        if self.shard >= self.num_shards:
+            raise ValueError(f"shard {self.shard} out of range for {self.num_shards} shards")
+
+
+#: Every top-level message type, in reference order.
+ALL_MESSAGES: tuple[type[Message], ...] = (
+    NodeRecord,
+    NodeHeartbeat,
+    NodeStatusRequest,
+    JobSpec,
+    Generation,
+    Fault,
+    RankProgress,
+    SnapshotRecord,
+)

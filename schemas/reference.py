@@ -1,0 +1,197 @@
+"""Generates ``docs/wire.md``, the reference of every subject and message.
+
+The subject table is built by calling the real subject builders with
+placeholder identifiers and the message sections by inspecting the real
+structs, so the document cannot drift from the code; CI runs
+``python -m phalanx.schemas.reference --check docs/wire.md``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import re
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import msgspec
+import msgspec.inspect as mi
+from phalanx.schemas import messages as m
+from phalanx.schemas import subjects
+from phalanx.schemas.codec import MAX_PAYLOAD_BYTES
+
+
+@dataclasses.dataclass(frozen=True)
+class SubjectDoc:
+    build: Callable[[], str]
+    pattern: str  # "event" (publish) or "request" (request/reply)
+    message: type[m.Message]
+    reply: type[m.Message] | None
+    publisher: str
+    subscribers: str
+    summary: str
+
+
+CATALOG: tuple[SubjectDoc, ...] = (
+    SubjectDoc(lambda: subjects.node_heartbeat("NODE"), "event", m.NodeHeartbeat, None,
+               "agent", "health", "sign of life every `heartbeat_interval_s`"),
+    SubjectDoc(lambda: subjects.agent_status("NODE"), "request", m.NodeStatusRequest,
+               m.NodeRecord, "CLI, services", "agent", "the agent's live registry record"),
+    SubjectDoc(lambda: subjects.agent_launch("NODE"), "request", m.Generation, None,
+               "admission / elasticity", "agent", "start this node's ranks of a generation"),
+    SubjectDoc(lambda: subjects.admission_submit(), "request", m.JobSpec, None,
+               "CLI, Python client", "admission", "submit a job"),
+    SubjectDoc(lambda: subjects.job_generation("JOB"), "event", m.Generation, None,
+               "elasticity", "runtime (every rank), agents", "a job's new membership"),
+    SubjectDoc(lambda: subjects.job_fault("JOB"), "event", m.Fault, None,
+               "health", "elasticity, runtime", "a rank or node of the job failed"),
+    SubjectDoc(lambda: subjects.health_rank("JOB", 0), "event", m.RankProgress, None,
+               "runtime", "health", "step progress, every step"),
+    SubjectDoc(lambda: subjects.ckpt_snapshot("JOB"), "event", m.SnapshotRecord, None,
+               "agent", "checkpoint", "a state shard is held at a tier"),
+)
+
+
+def _display(subject: str) -> str:
+    """Show placeholder tokens (NODE, JOB, 0) as ``<node>``, ``<job>``, ``<rank>``."""
+    subject = re.sub(r"\.0(\.|$)", r".<rank>\1", subject)
+    return re.sub(r"\b([A-Z]+)\b", lambda t: f"<{t[1].lower()}>", subject)
+
+
+def _type_name(t: mi.Type) -> str:
+    match t:
+        case mi.StructType():
+            return f"[{t.cls.__name__}](#{t.cls.__name__.lower()})"
+        case mi.ListType():
+            return f"list[{_type_name(t.item_type)}]"
+        case mi.DictType():
+            return f"dict[{_type_name(t.key_type)}, {_type_name(t.value_type)}]"
+        case mi.UnionType():
+            return " \\| ".join(_type_name(x) for x in t.types)
+        case mi.EnumType():
+            return " \\| ".join(f'"{v.value}"' for v in t.cls)
+        case mi.NoneType():
+            return "null"
+    return type(t).__name__.removesuffix("Type").lower()
+
+
+def _constraints(t: mi.Type) -> str:
+    parts = []
+    for attr, sym in (("ge", "≥"), ("gt", ">"), ("le", "≤"), ("lt", "<"),
+                      ("min_length", "min len"), ("max_length", "max len"), ("pattern", "~")):
+        value = getattr(t, attr, None)
+        if value is not None:
+            parts.append(f"{sym} `{value}`" if attr == "pattern" else f"{sym} {value}")
+    if isinstance(t, mi.UnionType):
+        parts += [c for x in t.types if (c := _constraints(x))]
+    return ", ".join(parts)
+
+
+def _default(f: mi.Field) -> str:
+    if f.required:
+        return "required"
+    value = f.default if f.default is not mi.NODEFAULT else f.default_factory()
+    return f"`{msgspec.json.encode(value).decode()}`"
+
+
+def _struct_section(cls: type[msgspec.Struct]) -> list[str]:
+    info = mi.type_info(cls)
+    doc = (cls.__doc__ or "").strip().split("\n\n")[0].replace("\n", " ")
+    title = cls.__name__
+    lines = [f"### {title}", ""]
+    if issubclass(cls, m.Message):
+        lines += [f"Wire name: `{cls.wire_name()}`", ""]
+    lines += [doc, "", "| field | type | constraints | default |", "| --- | --- | --- | --- |"]
+    for f in info.fields:
+        lines.append(f"| `{f.encode_name}` | {_type_name(f.type)} | {_constraints(f.type)} "
+                     f"| {_default(f)} |")
+    return [*lines, ""]
+
+
+def _parts() -> list[type[m.Part]]:
+    found: list[type[m.Part]] = []
+
+    def walk(t: mi.Type) -> None:
+        match t:
+            case mi.StructType() if issubclass(t.cls, m.Part) and t.cls not in found:
+                found.append(t.cls)
+                for f in t.fields:
+                    walk(f.type)
+            case mi.StructType():
+                for f in t.fields:
+                    walk(f.type)
+            case mi.ListType():
+                walk(t.item_type)
+            case mi.UnionType():
+                for x in t.types:
+                    walk(x)
+
+    for msg in m.ALL_MESSAGES:
+        walk(mi.type_info(msg))
+    return found
+
+
+def render() -> str:
+    """The full text of ``docs/wire.md``."""
+    lines = [
+        "# Wire reference",
+        "",
+        "Generated by `python -m phalanx.schemas.reference > docs/wire.md`; do not edit.",
+        "",
+        "Payloads are MessagePack maps. Every top-level message carries its versioned",
+        "wire name in the `type` field; decoding rejects a missing or foreign name, an",
+        "unknown version, unknown fields, wrong types and out-of-range values with one",
+        f"`WireError` naming the subject and the problem. Payloads are at most {MAX_PAYLOAD_BYTES}",
+        "bytes. W3C `traceparent`/`tracestate` travel in NATS headers. Requests that fail",
+        "are answered with the NATS service API error headers `Nats-Service-Error-Code`",
+        "(400 bad request, 500 handler failure) and `Nats-Service-Error`.",
+        "",
+        "## Subjects",
+        "",
+        "| subject | pattern | message | reply | from | to | what |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for s in CATALOG:
+        reply = f"[{s.reply.__name__}](#{s.reply.__name__.lower()})" if s.reply else "—"
+        lines.append(
+            f"| `{_display(s.build())}` | {s.pattern} "
+            f"| [{s.message.__name__}](#{s.message.__name__.lower()}) | {reply} "
+            f"| {s.publisher} | {s.subscribers} | {s.summary} |"
+        )
+    lines += [
+        "",
+        f"JetStream KV bucket `{subjects.NODES_BUCKET}`: one `NodeRecord` per node, key = node id.",
+        "",
+        "Services also answer the NATS service API: `$SRV.PING`, `$SRV.INFO`, `$SRV.STATS`",
+        "(each endpoint's stats `data` holds its `bad_messages` count).",
+        "",
+        "## Messages",
+        "",
+    ]
+    for msg in m.ALL_MESSAGES:
+        lines += _struct_section(msg)
+    lines += ["## Nested parts", ""]
+    for part in _parts():
+        lines += _struct_section(part)
+    return "\n".join(lines).rstrip() + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--check", metavar="PATH", help="exit 1 if PATH is not current")
+    args = parser.parse_args(argv)
+    text = render()
+    if args.check:
+        path = Path(args.check)
+        if not path.exists() or path.read_text() != text:
+            print(f"{path} is stale: run `python -m phalanx.schemas.reference > {path}`",
+                  file=sys.stderr)
+            return 1
+        return 0
+    sys.stdout.write(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,71 @@
+"""Subject builders: the only place subject strings are spelled.
+
+Subjects are lowercase words under ``phalanx.``, broad to narrow, with
+identifiers (node, job, rank) as single tokens. A token may not be empty or
+contain a dot, a wildcard (``*``/``>``), whitespace or ``$``, so an identifier
+can never widen a subscription or reach the server's own ``$`` subjects.
+"""
+
+from __future__ import annotations
+
+import re
+
+from phalanx.schemas.errors import SubjectError
+
+PREFIX = "phalanx"
+_TOKEN = re.compile(r"^[A-Za-z0-9_\-]+$")
+
+
+def token(value: str | int, what: str) -> str:
+    """Validate one identifier for use as a subject token.
+
+    Raises:
+        SubjectError: ``value`` is empty or contains a forbidden character.
+    """
+    text = str(value)
+    if not _TOKEN.match(text):
+        raise SubjectError(
+            f"{what} {text!r} cannot be a subject token: use letters, digits, '-' and '_' only"
+        )
+    return text
+
+
+def node_heartbeat(node_id: str) -> str:
+    return f"{PREFIX}.node.{token(node_id, 'node id')}.heartbeat"
+
+
+def node_heartbeats() -> str:
+    """Wildcard over every node's heartbeat."""
+    return f"{PREFIX}.node.*.heartbeat"
+
+
+def agent_status(node_id: str) -> str:
+    return f"{PREFIX}.agent.{token(node_id, 'node id')}.status"
+
+
+def agent_launch(node_id: str) -> str:
+    return f"{PREFIX}.agent.{token(node_id, 'node id')}.launch"
+
+
+def admission_submit() -> str:
+    return f"{PREFIX}.admission.submit"
+
+
+def job_generation(job_id: str) -> str:
+    return f"{PREFIX}.job.{token(job_id, 'job id')}.generation"
+
+
+def job_fault(job_id: str) -> str:
+    return f"{PREFIX}.job.{token(job_id, 'job id')}.fault"
+
+
+def health_rank(job_id: str, rank: int) -> str:
+    return f"{PREFIX}.health.rank.{token(job_id, 'job id')}.{token(rank, 'rank')}"
+
+
+def ckpt_snapshot(job_id: str) -> str:
+    return f"{PREFIX}.ckpt.{token(job_id, 'job id')}.snapshot"
+
+
+#: JetStream KV bucket holding one NodeRecord per registered node.
+NODES_BUCKET = "phalanx_nodes"

@@ -1,0 +1,1 @@
+"""phalanx services: admission, elasticity, health, checkpoint, agent, and the CLI."""

@@ -1,0 +1,1 @@
+"""Node agent: registers its machine, heartbeats, and (later) runs rank processes."""

@@ -1,0 +1,82 @@
+"""The agent's configuration: which node it is and how often it heartbeats."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import socket
+from collections.abc import Mapping
+from typing import Any
+
+from phalanx.schemas.errors import ConfigError
+from phalanx.schemas.subjects import token
+from phalanx.services.registry.core import DEFAULT_LOST_AFTER_S
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class AgentConfig:
+    node_id: str = dataclasses.field(default_factory=socket.gethostname)
+    """Unique node id (a subject token); defaults to the host name."""
+    slots: int = dataclasses.field(default_factory=lambda: os.cpu_count() or 1)
+    """Rank slots this node offers; defaults to its CPU count."""
+    failure_domain: str = "default"
+    """Label of what fails together (rack, zone); buddies are placed across domains."""
+    labels: dict[str, str] = dataclasses.field(default_factory=dict)
+    """Node labels placement constraints match against."""
+    heartbeat_interval_s: float = 0.5
+    """Time between heartbeats (registry refresh and heartbeat event)."""
+    lost_after_s: float = DEFAULT_LOST_AFTER_S
+    """A registered node whose heartbeat is older than this is lost (and its id may be reused)."""
+    shutdown_timeout_s: float = 5.0
+    """How long in-flight work gets on SIGTERM."""
+
+    def __post_init__(self) -> None:
+        try:
+            token(self.node_id, "agent.node_id")
+            token(self.failure_domain, "agent.failure_domain")
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
+        if self.slots < 1:
+            raise ConfigError(f"agent.slots must be >= 1, got {self.slots}")
+        if self.heartbeat_interval_s <= 0:
+            raise ConfigError(f"agent.heartbeat_interval_s must be > 0, "
+                              f"got {self.heartbeat_interval_s}")
+        if self.lost_after_s <= self.heartbeat_interval_s:
+            raise ConfigError(f"agent.lost_after_s ({self.lost_after_s}) must exceed "
+                              f"agent.heartbeat_interval_s ({self.heartbeat_interval_s})")
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None, **overrides: Any) -> AgentConfig:
+        """Fields from ``PHALANX_AGENT_<FIELD>`` variables, then ``overrides`` (None ignored).
+
+        Labels are given as ``key=value,key=value``.
+        """
+        env = os.environ if env is None else env
+        values: dict[str, Any] = {}
+        for field in dataclasses.fields(cls):
+            raw = env.get(f"PHALANX_AGENT_{field.name.upper()}")
+            if raw is not None:
+                values[field.name] = raw
+        values.update({k: v for k, v in overrides.items() if v is not None})
+        try:
+            if isinstance(values.get("labels"), str):
+                values["labels"] = parse_labels(values["labels"])
+            if "slots" in values:
+                values["slots"] = int(values["slots"])
+            for name in ("heartbeat_interval_s", "lost_after_s", "shutdown_timeout_s"):
+                if name in values:
+                    values[name] = float(values[name])
+        except ValueError as exc:
+            raise ConfigError(f"agent config: {exc}") from None
+        return cls(**values)
+
+
+def parse_labels(text: str) -> dict[str, str]:
+    """``"gpu=a100,zone=b"`` → ``{"gpu": "a100", "zone": "b"}``."""
+    labels = {}
+    for item in filter(None, (p.strip() for p in text.split(","))):
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise ValueError(f"label {item!r} is not key=value")
+        labels[key.strip()] = value.strip()
+    return labels

@@ -1,0 +1,190 @@
+"""The shell every phalanx service runs in.
+
+A :class:`Service` connects to the bus, registers with the NATS service API
+(``$SRV.PING/INFO/STATS`` via ``nats.micro``), exposes typed request
+endpoints, runs background loops, and shuts down in a fixed order on SIGTERM
+or SIGINT: stop taking requests, give background loops ``shutdown_timeout_s``
+to notice the stop and finish, cancel what is left, run
+:meth:`Service.teardown` while still connected, drain the connection.
+:meth:`Service.stop` is idempotent.
+
+A request whose payload does not decode is answered ``400`` and counted as a
+bad message; a handler that raises is answered ``500`` and counted. Both
+counts appear in each endpoint's ``$SRV.STATS`` ``data``; the service keeps
+running either way. Subclasses put I/O here and their rules in a pure core.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+from collections.abc import Coroutine
+from typing import Any, TypeVar
+
+from nats.micro import add_service
+from nats.micro.request import Request, ServiceError
+from nats.micro.service import EndpointConfig, EndpointStats, ServiceConfig
+from nats.micro.service import Service as MicroService
+from phalanx.bus import telemetry
+from phalanx.bus.client import BadRequest, Bus, Counters, Delivery, Handler, HandlerFailed, process
+from phalanx.bus.config import BusConfig
+from phalanx.schemas import __version__
+from phalanx.schemas.codec import encode
+from phalanx.schemas.messages import Message
+
+log = logging.getLogger("phalanx.service")
+M = TypeVar("M", bound=Message)
+
+
+class Service:
+    """Base of every phalanx service; subclass and override :meth:`setup`/:meth:`teardown`.
+
+    Args:
+        name: service name for ``$SRV`` (letters, digits, ``-``, ``_``).
+        instance: what tells this instance apart in logs (node id, host).
+        bus_config: how to reach NATS; ``None`` loads it from the environment.
+        shutdown_timeout_s: how long background loops get to finish on stop.
+    """
+
+    description = "phalanx service"
+
+    def __init__(self, name: str, instance: str, bus_config: BusConfig | None = None, *,
+                 shutdown_timeout_s: float = 5.0) -> None:
+        self.name = name
+        self.instance = instance
+        self.bus_config = bus_config
+        self.shutdown_timeout_s = shutdown_timeout_s
+        self.bus: Bus | None = None
+        self.micro: MicroService | None = None
+        self._counters: dict[str, Counters] = {}
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self._stop_requested = asyncio.Event()
+        self._stopped = False
+
+    # --- to override -------------------------------------------------------------------
+
+    async def setup(self) -> None:
+        """Add endpoints and start loops; runs once connected."""
+
+    async def teardown(self) -> None:
+        """Release what :meth:`setup` took; runs on stop after the loops ended, still connected."""
+
+    # --- building blocks ----------------------------------------------------------------
+
+    async def add_endpoint(self, name: str, subject: str, request_type: type[M],
+                           handler: Handler[M], *, queue: str | None = None) -> None:
+        """Serve typed requests on ``subject`` as endpoint ``name`` of the NATS service API."""
+        assert self.micro is not None, "add_endpoint is called from setup()"
+        counters = self._counters.setdefault(name, Counters())
+
+        async def on_request(request: Request) -> None:
+            delivery = Delivery(request.subject, dict(request.headers or {}), "")
+            try:
+                reply = await process(delivery, request.data, request_type, handler, counters,
+                                      queue)
+            except BadRequest as exc:
+                raise ServiceError("400", str(exc)[:1024]) from None
+            except HandlerFailed as exc:
+                raise ServiceError("500", str(exc)[:1024]) from None
+            await request.respond(encode(reply) if reply is not None else b"",
+                                  headers=telemetry.inject())
+
+        await self.micro.add_endpoint(EndpointConfig(
+            name=name, subject=subject, handler=on_request,
+            **({"queue_group": queue} if queue else {})))
+
+    def spawn(self, coro: Coroutine[Any, Any, Any], name: str) -> asyncio.Task[Any]:
+        """Run a background loop; if it dies with an error the service stops (and says why)."""
+        task = asyncio.create_task(coro, name=name)
+        self._tasks.add(task)
+
+        def done(t: asyncio.Task[Any]) -> None:
+            self._tasks.discard(t)
+            if not t.cancelled() and t.exception() is not None:
+                log.error("background task %s failed; stopping", name, exc_info=t.exception())
+                self.request_stop()
+
+        task.add_done_callback(done)
+        return task
+
+    def stats_data(self, endpoint: EndpointStats) -> dict[str, Any]:
+        counters = self._counters.get(endpoint.name, Counters())
+        return {"bad_messages": counters.bad_messages, "handler_errors": counters.handler_errors,
+                "last_error": counters.last_error}
+
+    # --- lifecycle ----------------------------------------------------------------------
+
+    def request_stop(self) -> None:
+        self._stop_requested.set()
+
+    async def start(self) -> None:
+        """Connect, register with the service API and run :meth:`setup`."""
+        telemetry.setup_tracing(self.name)
+        self.bus = await Bus.connect(self.bus_config, name=f"{self.name}:{self.instance}")
+        self.micro = await add_service(self.bus.nc, ServiceConfig(
+            name=self.name, version=__version__, description=self.description,
+            metadata={"instance": self.instance}, stats_handler=self.stats_data))
+        await self.setup()
+        log.info("started", extra={"service_id": self.micro.id})
+
+    async def stop(self) -> None:
+        """Shut down in order (idempotent): endpoints, loops, teardown, connection."""
+        if self._stopped:
+            return
+        self._stopped = True
+        self._stop_requested.set()
+        if self.micro is not None:
+            await self.micro.stop()
+        if self._tasks:
+            _, pending = await asyncio.wait(set(self._tasks), timeout=self.shutdown_timeout_s)
+            for task in pending:
+                task.cancel()
+            await asyncio.gather(*pending, return_exceptions=True)
+        try:
+            await self.teardown()
+        except Exception:
+            log.exception("teardown failed")
+        if self.bus is not None:
+            await self.bus.close()
+        telemetry.shutdown_tracing()
+        log.info("stopped")
+
+    async def run(self) -> None:
+        """Start, serve until SIGTERM/SIGINT or :meth:`request_stop`, then stop."""
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            with contextlib.suppress(NotImplementedError, RuntimeError):
+                loop.add_signal_handler(sig, self.request_stop)
+        try:
+            await self.start()
+            await self._stop_requested.wait()
+        finally:
+            await self.stop()
+
+    @property
+    def stopping(self) -> bool:
+        return self._stop_requested.is_set()
+
+    async def sleep_or_stop(self, seconds: float) -> bool:
+        """Wait ``seconds`` unless a stop is requested first; returns True if stopping."""
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._stop_requested.wait(), seconds)
+        return self.stopping
+
+
+def run_service(service: Service) -> int:
+    """Run ``service`` on uvloop (when available) until it is told to stop; exit code."""
+    try:
+        import uvloop
+    except ImportError:
+        runner = asyncio.run
+    else:
+        runner = uvloop.run
+    try:
+        runner(service.run())
+    except Exception as exc:  # start-up failures: say what and exit non-zero
+        log.error("%s failed: %s", service.name, exc)
+        return 1
+    return 0

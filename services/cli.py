@@ -1,0 +1,310 @@
+"""The ``phalanx`` command line.
+
+``phalanx up`` runs a local cluster (embedded NATS + agents), ``phalanx down``
+stops a detached one, ``phalanx nodes`` lists the registry, ``phalanx agent``
+runs one node agent (what ``up`` starts per node, and what a real machine
+runs). Commands that talk to the bus find it through ``--nats``, then
+``PHALANX_NATS_URL``, then the cluster ``up`` recorded in the data dir, then
+``nats://127.0.0.1:4222``. Exit codes: 0 ok, 1 failed, 2 bad usage or input.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from phalanx.schemas import __version__
+from phalanx.schemas.errors import PhalanxError
+
+EXIT_FAILED = 1
+EXIT_USAGE = 2
+
+
+def _bus_config(args: argparse.Namespace):
+    from phalanx.bus.config import BusConfig
+    from phalanx.services.cluster import ClusterState
+
+    url = args.nats
+    if url is None and not os.environ.get("PHALANX_NATS_URL"):
+        state = ClusterState.read(Path(args.data_dir))
+        url = state.nats_url if state else None
+    return BusConfig.load(args.config, servers=[url] if url else None)
+
+
+# --- agent ---------------------------------------------------------------------------------
+
+
+def cmd_agent(args: argparse.Namespace) -> int:
+    from phalanx.services.agent.config import AgentConfig
+    from phalanx.services.agent.service import AgentService
+    from phalanx.services.base import run_service
+    from phalanx.services.logs import configure_logging
+
+    config = AgentConfig.from_env(
+        node_id=args.node_id, slots=args.slots, failure_domain=args.failure_domain,
+        labels=args.labels, heartbeat_interval_s=args.heartbeat_interval,
+        lost_after_s=args.lost_after)
+    configure_logging("phalanx-agent", config.node_id, args.log_level)
+    return run_service(AgentService(config, _bus_config(args)))
+
+
+# --- nodes ---------------------------------------------------------------------------------
+
+
+async def _read_nodes(args: argparse.Namespace):
+    from phalanx.bus.client import Bus
+    from phalanx.bus.kv import TypedKV
+    from phalanx.schemas import subjects
+    from phalanx.schemas.messages import NodeRecord
+    from phalanx.services.registry.core import views
+
+    async with await Bus.connect(_bus_config(args), name="phalanx-cli") as bus:
+        nodes = await TypedKV.open(bus.js, subjects.NODES_BUCKET, NodeRecord)
+        entries, errors = await nodes.entries()
+    return views((e.value for e in entries), time.time(), args.lost_after), errors
+
+
+def _node_rows(nodes) -> list[dict]:
+    return [{
+        "node_id": n.node_id, "state": n.state.value, "slots": n.slots,
+        "slots_used": n.slots_used, "failure_domain": n.failure_domain, "labels": n.labels,
+        "cordoned": n.cordoned, "heartbeat_age_s": round(n.heartbeat_age_s, 3),
+        "host": n.host, "agent_pid": n.agent_pid,
+    } for n in nodes]
+
+
+def _node_table(nodes):
+    from rich.table import Table
+
+    table = Table(title="phalanx nodes")
+    for column in ("node", "state", "slots (used/total)", "domain", "heartbeat", "host", "pid"):
+        table.add_column(column)
+    for n in nodes:
+        state = n.state.value + (" (cordoned)" if n.cordoned else "")
+        color = "green" if n.state.value == "alive" and not n.cordoned else "red"
+        table.add_row(n.node_id, f"[{color}]{state}[/]", f"{n.slots_used}/{n.slots}",
+                      n.failure_domain, f"{n.heartbeat_age_s:.1f} s ago", n.host,
+                      str(n.agent_pid))
+    return table
+
+
+def cmd_nodes(args: argparse.Namespace) -> int:
+    from rich.console import Console
+
+    nodes, errors = asyncio.run(_read_nodes(args))
+    for error in errors:
+        print(f"warning: skipped a registry entry: {error}", file=sys.stderr)
+    if args.json:
+        print(json.dumps(_node_rows(nodes), indent=2))
+    else:
+        Console().print(_node_table(nodes))
+    return 0
+
+
+# --- up / down -----------------------------------------------------------------------------
+
+
+def cmd_up(args: argparse.Namespace) -> int:
+    from phalanx.services.cluster import ClusterState
+
+    data_dir = Path(args.data_dir)
+    running = ClusterState.read(data_dir)
+    if running is not None:
+        print(f"phalanx up: a local cluster already runs from {data_dir} (pid {running.pid}, "
+              f"{running.nats_url}); `phalanx down` stops it", file=sys.stderr)
+        return EXIT_FAILED
+    if args.detach:
+        return _up_detached(args, data_dir)
+    from phalanx.services.logs import configure_logging
+
+    configure_logging("phalanx-up", "local", args.log_level)
+    try:
+        import uvloop
+        return uvloop.run(_up(args, data_dir))
+    except ImportError:
+        return asyncio.run(_up(args, data_dir))
+
+
+async def _up(args: argparse.Namespace, data_dir: Path) -> int:
+    from phalanx.services.cluster import LocalCluster
+
+    cluster = LocalCluster(
+        data_dir, agents=args.agents, slots_per_agent=args.slots_per_agent,
+        nats_url=args.nats, nats_port=args.nats_port,
+        heartbeat_interval_s=args.heartbeat_interval, lost_after_s=args.lost_after)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        await cluster.start()
+    except PhalanxError as exc:
+        await cluster.stop()
+        _notify(args, f"error {exc}")
+        print(f"phalanx up: {exc}", file=sys.stderr)
+        return EXIT_FAILED
+    _notify(args, f"ready {cluster.nats_url}")
+    try:
+        if sys.stdout.isatty() and not args.notify_fd:
+            await _live_status(args, cluster.nats_url, stop)
+        else:
+            print(f"phalanx up: {cluster.nats_url}, {len(cluster.agents)} agents; "
+                  "Ctrl-C stops", flush=True)
+            await stop.wait()
+    finally:
+        await cluster.stop()
+    return 0
+
+
+async def _live_status(args: argparse.Namespace, nats_url: str, stop: asyncio.Event) -> None:
+    from rich.console import Group
+    from rich.live import Live
+    from rich.text import Text
+
+    args.nats = nats_url
+    header = Text(f"phalanx up — NATS {nats_url}, data in {args.data_dir}; Ctrl-C stops")
+    with Live(header, refresh_per_second=2) as live:
+        while not stop.is_set():
+            try:
+                nodes, _ = await _read_nodes(args)
+                live.update(Group(header, _node_table(nodes)))
+            except PhalanxError as exc:
+                live.update(Group(header, Text(f"registry unavailable: {exc}")))
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), 1.0)
+
+
+def _notify(args: argparse.Namespace, line: str) -> None:
+    """Tell the `up --detach` parent how start-up went, through the inherited pipe."""
+    if args.notify_fd:
+        with contextlib.suppress(OSError):
+            os.write(args.notify_fd, (line + "\n").encode())
+            os.close(args.notify_fd)
+        args.notify_fd = None
+
+
+def _up_detached(args: argparse.Namespace, data_dir: Path) -> int:
+    (data_dir / "logs").mkdir(parents=True, exist_ok=True)
+    read_end, write_end = os.pipe()
+    argv = [a for a in sys.argv[1:] if a not in ("--detach", "-d")] if _invoked_as_cli() else \
+        _rebuild_argv(args)
+    log_path = data_dir / "logs" / "up.log"
+    with log_path.open("ab") as log_file:
+        child = subprocess.Popen(
+            [sys.executable, "-m", "phalanx.services.cli", *argv, "--notify-fd", str(write_end)],
+            stdin=subprocess.DEVNULL, stdout=log_file, stderr=log_file, pass_fds=(write_end,),
+            start_new_session=True,
+        )
+    os.close(write_end)
+    with os.fdopen(read_end) as pipe:
+        line = pipe.readline().strip()
+    if line.startswith("ready "):
+        print(f"phalanx up: local cluster running (pid {child.pid}), NATS {line[6:]}, "
+              f"{args.agents} agents; logs in {data_dir / 'logs'}.\n"
+              "  phalanx nodes      list nodes\n  phalanx down       stop it")
+        return 0
+    child.wait()
+    reason = line.removeprefix("error ") or f"exited with code {child.returncode}"
+    print(f"phalanx up: failed to start: {reason} (log: {log_path})", file=sys.stderr)
+    return EXIT_FAILED
+
+
+def _invoked_as_cli() -> bool:
+    return bool(sys.argv) and Path(sys.argv[0]).name in ("phalanx", "cli.py")
+
+
+def _rebuild_argv(args: argparse.Namespace) -> list[str]:
+    argv = ["up", "--agents", str(args.agents), "--slots-per-agent", str(args.slots_per_agent),
+            "--nats-port", str(args.nats_port), "--data-dir", str(args.data_dir),
+            "--heartbeat-interval", str(args.heartbeat_interval),
+            "--lost-after", str(args.lost_after), "--log-level", args.log_level]
+    if args.nats:
+        argv += ["--nats", args.nats]
+    if args.config:
+        argv += ["--config", args.config]
+    return argv
+
+
+def cmd_down(args: argparse.Namespace) -> int:
+    from phalanx.services.cluster import stop_recorded
+
+    state = stop_recorded(Path(args.data_dir), args.timeout)
+    if state is None:
+        print(f"phalanx down: no local cluster recorded in {args.data_dir}; nothing to stop")
+    else:
+        print(f"phalanx down: stopped the local cluster (pid {state.pid}, "
+              f"{len(state.agents)} agents)")
+    return 0
+
+
+# --- parser --------------------------------------------------------------------------------
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from phalanx.services.cluster import default_data_dir
+    from phalanx.services.registry.core import DEFAULT_LOST_AFTER_S
+
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--nats", metavar="URL", help="NATS server URL(s), comma-separated")
+    common.add_argument("--config", metavar="FILE", help="TOML config file with a [bus] table")
+    common.add_argument("--data-dir", default=str(default_data_dir()),
+                        help="local cluster state, logs and JetStream data (default: %(default)s)")
+    common.add_argument("--log-level", default="INFO")
+    lost_after = argparse.ArgumentParser(add_help=False)
+    lost_after.add_argument("--lost-after", type=float, default=DEFAULT_LOST_AFTER_S,
+                            metavar="S", help="a node is lost when its heartbeat is older "
+                            "(default: %(default)s s)")
+
+    parser = argparse.ArgumentParser(prog="phalanx", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--version", action="version", version=f"phalanx {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    up = sub.add_parser("up", parents=[common, lost_after], help="run a local cluster")
+    up.add_argument("--agents", type=int, default=2, metavar="N")
+    up.add_argument("--slots-per-agent", type=int, default=2, metavar="K")
+    up.add_argument("--nats-port", type=int, default=4222,
+                    help="port of the embedded NATS server (0 = any free port)")
+    up.add_argument("--heartbeat-interval", type=float, default=0.5, metavar="S")
+    up.add_argument("--detach", "-d", action="store_true", help="run in the background")
+    up.add_argument("--notify-fd", type=int, help=argparse.SUPPRESS)
+    up.set_defaults(func=cmd_up)
+
+    down = sub.add_parser("down", parents=[common], help="stop a detached local cluster")
+    down.add_argument("--timeout", type=float, default=20.0, metavar="S")
+    down.set_defaults(func=cmd_down)
+
+    nodes = sub.add_parser("nodes", parents=[common, lost_after], help="list registered nodes")
+    nodes.add_argument("--json", action="store_true")
+    nodes.set_defaults(func=cmd_nodes)
+
+    agent = sub.add_parser("agent", parents=[common, lost_after], help="run a node agent")
+    agent.add_argument("--node-id")
+    agent.add_argument("--slots", type=int)
+    agent.add_argument("--failure-domain")
+    agent.add_argument("--labels", help="key=value,key=value")
+    agent.add_argument("--heartbeat-interval", type=float, metavar="S")
+    agent.set_defaults(func=cmd_agent)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except PhalanxError as exc:
+        print(f"phalanx {args.command}: {exc}", file=sys.stderr)
+        return EXIT_USAGE if isinstance(exc, ValueError) else EXIT_FAILED
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

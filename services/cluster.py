@@ -1,0 +1,271 @@
+"""A whole phalanx cluster on this machine: the engine behind ``phalanx up``.
+
+:class:`LocalCluster` starts an embedded ``nats-server`` with JetStream (unless
+it is pointed at an existing server), the services that exist, and N node
+agents as child processes, each logging to ``<data-dir>/logs/``. It returns
+from :meth:`LocalCluster.start` once every agent has heartbeated, records
+itself in ``<data-dir>/up.json`` so ``phalanx down`` and ``phalanx nodes`` can
+find it, and stops everything in reverse order. Children are started with a
+parent-death signal, so even a SIGKILLed ``phalanx up`` leaves nothing behind.
+
+Agents that die are *not* restarted: a killed agent must show as lost, as it
+would on a real machine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import json
+import logging
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+from phalanx.bus.client import Bus, Delivery
+from phalanx.bus.config import BusConfig
+from phalanx.schemas import subjects
+from phalanx.schemas.errors import PhalanxError
+from phalanx.schemas.messages import NodeHeartbeat
+from phalanx.services.natsd import NatsServer, _die_with_parent
+
+log = logging.getLogger("phalanx.cluster")
+STATE_FILE = "up.json"
+
+
+class ClusterError(PhalanxError, RuntimeError):
+    """The local cluster cannot start or is already running."""
+
+
+def default_data_dir() -> Path:
+    return Path(os.environ.get("PHALANX_DATA_DIR") or Path.home() / ".local/state/phalanx")
+
+
+@dataclasses.dataclass(frozen=True)
+class ClusterState:
+    """What ``up.json`` records about a running local cluster."""
+
+    pid: int
+    nats_url: str
+    nats_pid: int | None
+    agents: dict[str, int]  # node id -> pid
+    started_at: float
+
+    @classmethod
+    def read(cls, data_dir: Path) -> ClusterState | None:
+        """The recorded cluster, or None if there is none or its supervisor is gone."""
+        path = data_dir / STATE_FILE
+        try:
+            raw = json.loads(path.read_text())
+            state = cls(**raw)
+        except (OSError, ValueError, TypeError):
+            return None
+        return state if pid_alive(state.pid) else None
+
+    def write(self, data_dir: Path) -> None:
+        tmp = data_dir / f".{STATE_FILE}.tmp"
+        tmp.write_text(json.dumps(dataclasses.asdict(self), indent=2))
+        tmp.replace(data_dir / STATE_FILE)
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    # A zombie is dead for our purposes.
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return True
+
+
+class LocalCluster:
+    """NATS + agents on this machine.
+
+    Args:
+        data_dir: where JetStream data, logs and ``up.json`` live.
+        agents: how many node agents to start.
+        slots_per_agent: slots each agent offers.
+        nats_url: use this server instead of starting one.
+        nats_port: port of the embedded server (0 = any free port).
+        heartbeat_interval_s / lost_after_s: passed to each agent.
+        ready_timeout_s: how long :meth:`start` waits for every agent's first heartbeat.
+    """
+
+    def __init__(self, data_dir: Path, *, agents: int = 2, slots_per_agent: int = 2,
+                 nats_url: str | None = None, nats_port: int = 4222,
+                 heartbeat_interval_s: float = 0.5, lost_after_s: float = 3.0,
+                 ready_timeout_s: float = 30.0) -> None:
+        if agents < 0:
+            raise ClusterError(f"--agents must be >= 0, got {agents}")
+        if slots_per_agent < 1:
+            raise ClusterError(f"--slots-per-agent must be >= 1, got {slots_per_agent}")
+        self.data_dir = data_dir
+        self.n_agents = agents
+        self.slots_per_agent = slots_per_agent
+        self.nats_url = nats_url
+        self.nats_port = nats_port
+        self.heartbeat_interval_s = heartbeat_interval_s
+        self.lost_after_s = lost_after_s
+        self.ready_timeout_s = ready_timeout_s
+        self.nats: NatsServer | None = None
+        self.agents: dict[str, asyncio.subprocess.Process] = {}
+        self.bus: Bus | None = None
+
+    @property
+    def logs_dir(self) -> Path:
+        return self.data_dir / "logs"
+
+    async def start(self) -> None:
+        """Start NATS and the agents; return when every agent has heartbeated.
+
+        Raises:
+            ClusterError: a cluster already runs here, or an agent died / was not ready in time.
+            NatsServerError: the embedded server could not start (e.g. the port is busy).
+        """
+        self.logs_dir.mkdir(parents=True, exist_ok=True)
+        running = ClusterState.read(self.data_dir)
+        if running is not None:
+            raise ClusterError(
+                f"a local cluster already runs from {self.data_dir} (pid {running.pid}, "
+                f"{running.nats_url}); stop it with `phalanx down`"
+            )
+        if self.nats_url is None:
+            self.nats = NatsServer(self.data_dir / "jetstream", port=self.nats_port,
+                                   log_path=self.logs_dir / "nats.log")
+            await asyncio.to_thread(self.nats.start)
+            self.nats_url = self.nats.url
+        self.bus = await Bus.connect(BusConfig.load(servers=[self.nats_url]), name="phalanx-up")
+        seen: set[str] = set()
+        all_seen = asyncio.Event()
+
+        async def on_heartbeat(beat: NodeHeartbeat, _: Delivery) -> None:
+            seen.add(beat.node_id)
+            if seen >= set(self.agents):
+                all_seen.set()
+
+        sub = await self.bus.subscribe(subjects.node_heartbeats(), NodeHeartbeat, on_heartbeat)
+        for i in range(self.n_agents):
+            await self._start_agent(f"local-{i}", f"domain-{i % 2}")
+        if not self.agents:
+            all_seen.set()
+        exits = [asyncio.create_task(p.wait()) for p in self.agents.values()]
+        ready = asyncio.create_task(all_seen.wait())
+        try:
+            done, _ = await asyncio.wait([ready, *exits], timeout=self.ready_timeout_s,
+                                         return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for task in (ready, *exits):
+                task.cancel()
+            await sub.unsubscribe()
+        if ready not in done:
+            dead = [n for n, p in self.agents.items() if p.returncode is not None]
+            await self.stop()
+            why = (f"agent(s) {dead} exited" if dead
+                   else f"agents {sorted(set(self.agents) - seen)} did not heartbeat within "
+                        f"{self.ready_timeout_s:g} s")
+            raise ClusterError(f"{why}; see {self.logs_dir}")
+        self.state().write(self.data_dir)
+
+    async def _start_agent(self, node_id: str, domain: str) -> None:
+        log_file = (self.logs_dir / f"agent-{node_id}.log").open("ab")
+        env = {**os.environ, "PHALANX_NATS_URL": self.nats_url or ""}
+        self.agents[node_id] = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "phalanx.services.agent", "--node-id", node_id,
+            "--slots", str(self.slots_per_agent), "--failure-domain", domain,
+            "--heartbeat-interval", str(self.heartbeat_interval_s),
+            "--lost-after", str(self.lost_after_s),
+            stdin=asyncio.subprocess.DEVNULL, stdout=log_file, stderr=log_file, env=env,
+            preexec_fn=_die_with_parent,
+        )
+        log_file.close()
+
+    def state(self) -> ClusterState:
+        return ClusterState(
+            pid=os.getpid(), nats_url=self.nats_url or "",
+            nats_pid=self.nats.process.pid if self.nats and self.nats.process else None,
+            agents={n: p.pid for n, p in self.agents.items()}, started_at=time.time(),
+        )
+
+    async def stop(self, grace_s: float = 10.0) -> None:
+        """SIGTERM the agents (they deregister), SIGKILL stragglers, stop NATS (idempotent)."""
+        for proc in self.agents.values():
+            if proc.returncode is None:
+                with contextlib.suppress(ProcessLookupError):
+                    proc.send_signal(signal.SIGTERM)
+        waits = [p.wait() for p in self.agents.values()]
+        if waits:
+            try:
+                await asyncio.wait_for(asyncio.gather(*waits), grace_s)
+            except TimeoutError:
+                for proc in self.agents.values():
+                    if proc.returncode is None:
+                        proc.kill()
+                await asyncio.gather(*(p.wait() for p in self.agents.values()))
+        if self.bus is not None:
+            await self.bus.close()
+            self.bus = None
+        if self.nats is not None:
+            await asyncio.to_thread(self.nats.stop)
+        with contextlib.suppress(FileNotFoundError):
+            state_file = self.data_dir / STATE_FILE
+            recorded = json.loads(state_file.read_text())
+            if recorded.get("pid") == os.getpid():
+                state_file.unlink()
+
+
+def stop_recorded(data_dir: Path, timeout_s: float = 20.0) -> ClusterState | None:
+    """Stop the cluster ``up.json`` records (SIGTERM, then SIGKILL); None if none runs.
+
+    Waits on the supervisor's pidfd, so the return is prompt; whatever is still
+    alive after ``timeout_s`` (supervisor, agents, server) is SIGKILLed.
+    """
+    path = data_dir / STATE_FILE
+    try:
+        state = ClusterState(**json.loads(path.read_text()))
+    except (OSError, ValueError, TypeError):
+        return None
+    if pid_alive(state.pid):
+        os.kill(state.pid, signal.SIGTERM)
+        _wait_exit(state.pid, timeout_s)
+    leftovers = [state.pid, *state.agents.values(), *([state.nats_pid] if state.nats_pid else [])]
+    for pid in leftovers:
+        if pid_alive(pid) and _is_ours(pid):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+            _wait_exit(pid, 5.0)
+    with contextlib.suppress(FileNotFoundError):
+        path.unlink()
+    return state
+
+
+def _wait_exit(pid: int, timeout_s: float) -> bool:
+    import select
+
+    try:
+        fd = os.pidfd_open(pid)
+    except ProcessLookupError:
+        return True
+    try:
+        poller = select.poll()
+        poller.register(fd, select.POLLIN)
+        poller.poll(timeout_s * 1000)
+    finally:
+        os.close(fd)
+    return not pid_alive(pid)
+
+
+def _is_ours(pid: int) -> bool:
+    """Only kill a recorded pid if it still runs phalanx or nats-server (pids get reused)."""
+    try:
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return False
+    return b"phalanx" in cmdline or b"nats-server" in cmdline

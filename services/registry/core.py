@@ -1,0 +1,62 @@
+"""The node registry's rule: is a node alive, and what does it offer.
+
+A node is *alive* while its agent's last heartbeat is at most
+``lost_after_s`` old and *lost* after that; a lost node's slots are not
+offered. Cordoned nodes stay listed but offer no slots for new work. Pure:
+the caller passes the records and ``now``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from collections.abc import Iterable
+
+from phalanx.schemas.messages import NodeRecord
+
+DEFAULT_LOST_AFTER_S = 3.0
+
+
+class NodeState(enum.StrEnum):
+    ALIVE = "alive"
+    LOST = "lost"
+
+
+@dataclasses.dataclass(frozen=True)
+class NodeView:
+    node_id: str
+    host: str
+    state: NodeState
+    slots: int
+    slots_used: int
+    failure_domain: str
+    labels: dict[str, str]
+    cordoned: bool
+    heartbeat_age_s: float
+    agent_pid: int
+
+    @property
+    def schedulable_slots(self) -> int:
+        """Free slots new work may use: none on a lost or cordoned node."""
+        if self.state is not NodeState.ALIVE or self.cordoned:
+            return 0
+        return self.slots - self.slots_used
+
+
+def view(record: NodeRecord, now: float, lost_after_s: float = DEFAULT_LOST_AFTER_S) -> NodeView:
+    """How ``record`` looks at time ``now``."""
+    age = max(0.0, now - record.heartbeat_at)
+    node = record.node
+    return NodeView(
+        node_id=node.node_id, host=node.host,
+        state=NodeState.ALIVE if age <= lost_after_s else NodeState.LOST,
+        slots=node.slots, slots_used=record.slots_used, failure_domain=node.failure_domain,
+        labels=dict(node.labels), cordoned=record.cordoned, heartbeat_age_s=age,
+        agent_pid=node.agent_pid,
+    )
+
+
+def views(records: Iterable[NodeRecord], now: float,
+          lost_after_s: float = DEFAULT_LOST_AFTER_S) -> list[NodeView]:
+    """Every record's view, ordered by node id."""
+    return sorted((view(r, now, lost_after_s) for r in records), key=lambda v: v.node_id)
