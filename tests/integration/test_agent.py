@@ -1,0 +1,89 @@
+"""The node agent over a real server: registry entry, heartbeats, status, deregistration."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import sys
+
+import pytest
+
+from phalanx.bus.client import Bus, Delivery
+from phalanx.bus.config import BusConfig
+from phalanx.bus.kv import TypedKV
+from phalanx.schemas import subjects
+from phalanx.schemas.messages import NodeHeartbeat, NodeRecord, NodeStatusRequest
+from phalanx.services.agent.config import AgentConfig
+from phalanx.services.agent.core import NodeIdTaken
+from phalanx.services.agent.service import AgentService
+
+
+async def _heartbeats(bus: Bus, node_id: str) -> asyncio.Queue[NodeHeartbeat]:
+    beats: asyncio.Queue[NodeHeartbeat] = asyncio.Queue()
+
+    async def on_beat(beat: NodeHeartbeat, _: Delivery) -> None:
+        await beats.put(beat)
+
+    await bus.subscribe(subjects.node_heartbeat(node_id), NodeHeartbeat, on_beat)
+    return beats
+
+
+async def test_agent_registers_heartbeats_and_deregisters(bus: Bus, bus_config: BusConfig,
+                                                          uid: str) -> None:
+    config = AgentConfig(node_id=uid, slots=3, failure_domain="rack-a", labels={"cpu": "x86"},
+                         heartbeat_interval_s=0.05, lost_after_s=1.0)
+    beats = await _heartbeats(bus, uid)
+    agent = AgentService(config, bus_config)
+    await agent.start()
+    nodes = await TypedKV.open(bus.js, subjects.NODES_BUCKET, NodeRecord)
+    try:
+        entry = await nodes.get(uid)
+        assert entry is not None
+        assert (entry.value.node.slots, entry.value.node.failure_domain) == (3, "rack-a")
+        assert entry.value.node.labels == {"cpu": "x86"}
+        assert entry.value.node.agent_pid == os.getpid()
+
+        first = await asyncio.wait_for(beats.get(), 5)
+        second = await asyncio.wait_for(beats.get(), 5)
+        assert second.seq == first.seq + 1 and second.sent_at >= first.sent_at
+
+        status = await bus.request(subjects.agent_status(uid), NodeStatusRequest(), NodeRecord)
+        assert status.node.node_id == uid and status.heartbeat_seq >= second.seq
+    finally:
+        await agent.stop()
+    assert await nodes.get(uid) is None
+
+
+async def test_a_second_live_agent_cannot_take_the_node_id(bus_config: BusConfig,
+                                                           uid: str) -> None:
+    config = AgentConfig(node_id=uid, slots=1, heartbeat_interval_s=0.05, lost_after_s=1.0)
+    first = AgentService(config, bus_config)
+    await first.start()
+    try:
+        second = AgentService(config, bus_config)
+        second.info = type(second.info)(**{**_fields(second.info), "agent_pid": 1})
+        with pytest.raises(NodeIdTaken, match=f"held by a live agent \\(pid {os.getpid()}"):
+            await second.start()
+        await second.stop()
+    finally:
+        await first.stop()
+
+
+def _fields(info) -> dict:
+    return {f: getattr(info, f) for f in info.__struct_fields__}
+
+
+async def test_agent_process_drains_on_sigterm(bus: Bus, nats_server, uid: str) -> None:
+    beats = await _heartbeats(bus, uid)
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "phalanx.services.agent", "--node-id", uid, "--slots", "2",
+        "--heartbeat-interval", "0.05", "--nats", nats_server.url,
+        stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE)
+    await asyncio.wait_for(beats.get(), 30)  # up and heartbeating
+    proc.send_signal(signal.SIGTERM)
+    _, stderr = await asyncio.wait_for(proc.communicate(), 15)
+    assert proc.returncode == 0, stderr.decode()
+    assert b'"msg": "deregistered"' in stderr
+    nodes = await TypedKV.open(bus.js, subjects.NODES_BUCKET, NodeRecord)
+    assert await nodes.get(uid) is None

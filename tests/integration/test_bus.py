@@ -1,0 +1,147 @@
+"""The bus layer over a real nats-server: typed pub/sub, requests, errors, KV."""
+
+from __future__ import annotations
+
+import asyncio
+
+import msgspec
+import pytest
+
+from phalanx.bus.client import Bus, Delivery
+from phalanx.bus.config import BusConfig
+from phalanx.bus.errors import BusUnavailable, Conflict, NoResponders, RemoteError, RequestTimeout
+from phalanx.bus.kv import TypedKV
+from phalanx.schemas.codec import encode
+from phalanx.schemas.errors import WireError
+from phalanx.schemas.messages import NodeHeartbeat, NodeInfo, NodeRecord, NodeStatusRequest
+
+
+def beat(node: str, seq: int) -> NodeHeartbeat:
+    return NodeHeartbeat(node_id=node, seq=seq, sent_at=1.0)
+
+
+def record(node: str, seq: int = 0) -> NodeRecord:
+    info = NodeInfo(node_id=node, host="h", slots=4, failure_domain="d")
+    return NodeRecord(node=info, heartbeat_seq=seq, heartbeat_at=1.0)
+
+
+async def test_publish_subscribe_delivers_typed_messages(bus: Bus, uid: str) -> None:
+    got: asyncio.Queue[NodeHeartbeat] = asyncio.Queue()
+
+    async def on_beat(msg: NodeHeartbeat, _: Delivery) -> None:
+        await got.put(msg)
+
+    await bus.subscribe(f"t.{uid}", NodeHeartbeat, on_beat)
+    await bus.publish(f"t.{uid}", beat(uid, 7))
+    assert await asyncio.wait_for(got.get(), 5) == beat(uid, 7)
+
+
+async def test_garbage_is_counted_and_dropped_and_subscription_survives(bus: Bus, uid: str) -> None:
+    got: asyncio.Queue[NodeHeartbeat] = asyncio.Queue()
+
+    async def on_beat(msg: NodeHeartbeat, _: Delivery) -> None:
+        await got.put(msg)
+
+    await bus.subscribe(f"t.{uid}", NodeHeartbeat, on_beat)
+    before = bus.counters.bad_messages
+    for junk in (b"\xc1\xc1", b"", msgspec.msgpack.encode({"type": "nope"}),
+                 encode(NodeStatusRequest())):
+        await bus.nc.publish(f"t.{uid}", junk)
+    await bus.publish(f"t.{uid}", beat(uid, 1))
+    assert await asyncio.wait_for(got.get(), 5) == beat(uid, 1)
+    assert bus.counters.bad_messages - before == 4
+    assert got.empty()
+
+
+async def test_request_reply_and_error_replies(bus: Bus, uid: str) -> None:
+    async def status(_: NodeStatusRequest, __: Delivery) -> NodeRecord:
+        return record(uid)
+
+    await bus.subscribe(f"t.{uid}.status", NodeStatusRequest, status)
+    assert await bus.request(f"t.{uid}.status", NodeStatusRequest(), NodeRecord) == record(uid)
+
+    # A request with a bad payload gets a 400 naming the problem.
+    reply = await bus.nc.request(f"t.{uid}.status", b"\x01garbage", timeout=2)
+    assert reply.headers["Nats-Service-Error-Code"] == "400"
+    assert "not MessagePack" in reply.headers["Nats-Service-Error"] or \
+        "phalanx.node_status_request.v1" in reply.headers["Nats-Service-Error"]
+
+
+async def test_handler_failure_is_a_500_and_the_subscription_lives_on(bus: Bus, uid: str) -> None:
+    calls = 0
+
+    async def flaky(_: NodeStatusRequest, __: Delivery) -> NodeRecord:
+        nonlocal calls
+        calls += 1
+        if calls == 1:
+            raise RuntimeError("disk on fire")
+        return record(uid)
+
+    await bus.subscribe(f"t.{uid}.flaky", NodeStatusRequest, flaky)
+    with pytest.raises(RemoteError) as err:
+        await bus.request(f"t.{uid}.flaky", NodeStatusRequest(), NodeRecord)
+    assert err.value.code == "500" and "disk on fire" in err.value.description
+    assert await bus.request(f"t.{uid}.flaky", NodeStatusRequest(), NodeRecord) == record(uid)
+    assert bus.counters.handler_errors >= 1
+
+
+async def test_request_errors_name_the_subject(bus: Bus, uid: str) -> None:
+    with pytest.raises(NoResponders, match=f"t.{uid}.nobody"):
+        await bus.request(f"t.{uid}.nobody", NodeStatusRequest(), NodeRecord, timeout_s=1)
+
+    async def silent(msg):  # raw responder that never answers
+        return None
+
+    await bus.nc.subscribe(f"t.{uid}.silent", cb=silent)
+    with pytest.raises(RequestTimeout, match="within 0.2 s"):
+        await bus.request(f"t.{uid}.silent", NodeStatusRequest(), NodeRecord, timeout_s=0.2)
+
+
+async def test_reply_of_the_wrong_type_is_a_wire_error(bus: Bus, uid: str) -> None:
+    async def wrong(msg):
+        await msg.respond(encode(beat(uid, 1)))
+
+    await bus.nc.subscribe(f"t.{uid}.wrong", cb=wrong)
+    with pytest.raises(WireError, match="got a phalanx.node_heartbeat.v1 message"):
+        await bus.request(f"t.{uid}.wrong", NodeStatusRequest(), NodeRecord)
+
+
+async def test_connect_to_nothing_fails_clearly_and_fast() -> None:
+    config = BusConfig.load(env={}, servers=["nats://127.0.0.1:1"], connect_timeout_s=1.0)
+    with pytest.raises(BusUnavailable, match="cannot reach NATS at nats://127.0.0.1:1"):
+        await Bus.connect(config)
+
+
+async def test_kv_create_update_cas_and_modify(bus: Bus, uid: str) -> None:
+    kv = await TypedKV.open(bus.js, "phalanx_test", NodeRecord)
+    rev = await kv.create(uid, record(uid, 0))
+    with pytest.raises(Conflict, match="already exists"):
+        await kv.create(uid, record(uid, 1))
+    rev2 = await kv.update(uid, record(uid, 1), rev)
+    with pytest.raises(Conflict, match=f"since revision {rev}"):
+        await kv.update(uid, record(uid, 2), rev)  # stale revision
+    entry = await kv.get(uid)
+    assert entry is not None and entry.revision == rev2 and entry.value.heartbeat_seq == 1
+
+    # Concurrent modifies never lose an increment.
+    def bump(current: NodeRecord | None) -> NodeRecord:
+        assert current is not None
+        return record(uid, current.heartbeat_seq + 1)
+
+    await asyncio.gather(*(kv.modify(uid, bump) for _ in range(10)))
+    final = await kv.get(uid)
+    assert final is not None and final.value.heartbeat_seq == 11
+
+    with pytest.raises(Conflict):
+        await kv.delete(uid, revision=rev2)  # moved on since
+    await kv.delete(uid, revision=final.revision)
+    assert await kv.get(uid) is None
+
+
+async def test_kv_entries_skip_corrupt_values_and_report_them(bus: Bus, uid: str) -> None:
+    kv = await TypedKV.open(bus.js, f"phalanx_test_{uid}", NodeRecord)
+    await kv.put("good", record("good"))
+    await kv.kv.put("bad", b"\x00not a record")
+    entries, errors = await kv.entries()
+    assert [e.key for e in entries] == ["good"]
+    assert len(errors) == 1 and "bad" in errors[0].subject

@@ -1,0 +1,70 @@
+"""The service shell over a real server: $SRV API, bad input, shutdown."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+
+from phalanx.bus.client import Bus, Delivery, raise_for_error
+from phalanx.bus.config import BusConfig
+from phalanx.bus.errors import RemoteError
+from phalanx.schemas.messages import NodeInfo, NodeRecord, NodeStatusRequest
+from phalanx.services.base import Service
+
+
+class EchoService(Service):
+    def __init__(self, config: BusConfig, uid: str) -> None:
+        super().__init__(f"echo-{uid}", "test", config, shutdown_timeout_s=1.0)
+        self.uid = uid
+        self.loop_finished = asyncio.Event()
+
+    async def setup(self) -> None:
+        await self.add_endpoint("status", f"t.{self.uid}.status", NodeStatusRequest, self.status)
+        self.spawn(self.loop(), "loop")
+
+    async def status(self, _: NodeStatusRequest, __: Delivery) -> NodeRecord:
+        info = NodeInfo(node_id=self.uid, host="h", slots=1, failure_domain="d")
+        return NodeRecord(node=info)
+
+    async def loop(self) -> None:
+        while not await self.sleep_or_stop(0.05):
+            pass
+        self.loop_finished.set()
+
+
+async def _srv(bus: Bus, verb: str, name: str) -> dict:
+    reply = await bus.nc.request(f"$SRV.{verb}.{name}", b"", timeout=2)
+    return json.loads(reply.data)
+
+
+async def test_service_answers_srv_api_and_survives_garbage(bus: Bus, bus_config: BusConfig,
+                                                            uid: str) -> None:
+    service = EchoService(bus_config, uid)
+    await service.start()
+    try:
+        ping = await _srv(bus, "PING", service.name)
+        assert ping["name"] == service.name
+        info = await _srv(bus, "INFO", service.name)
+        assert [e["subject"] for e in info["endpoints"]] == [f"t.{uid}.status"]
+
+        for junk in (b"", b"\xc1", b"\x93\x01\x02\x03", b'{"json": true}'):
+            reply = await bus.nc.request(f"t.{uid}.status", junk, timeout=2)
+            with pytest.raises(RemoteError) as err:
+                raise_for_error(reply, f"t.{uid}.status")
+            assert err.value.code == "400"
+            assert "phalanx.node_status_request.v1" in err.value.description
+
+        assert (await _srv(bus, "PING", service.name))["name"] == service.name
+        reply = await bus.request(f"t.{uid}.status", NodeStatusRequest(), NodeRecord)
+        assert reply.node.node_id == uid
+
+        stats = await _srv(bus, "STATS", service.name)
+        endpoint = stats["endpoints"][0]
+        assert endpoint["data"]["bad_messages"] == 4
+        assert endpoint["num_errors"] == 4 and endpoint["num_requests"] == 5
+    finally:
+        await service.stop()
+    assert service.loop_finished.is_set()  # the loop saw the stop and ended by itself
+    await service.stop()  # idempotent

@@ -1,0 +1,86 @@
+"""Trace context crosses processes: a request and its handling are one trace.
+
+Both sides are separate processes configured only through the standard
+``OTEL_*`` variables (console exporter), exactly as a user would run them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import sys
+import textwrap
+
+from phalanx.bus.client import Bus, Delivery
+from phalanx.schemas import subjects
+from phalanx.schemas.messages import NodeHeartbeat
+
+REQUESTER = textwrap.dedent("""
+    import asyncio, sys
+    from phalanx.bus import telemetry
+    from phalanx.bus.client import Bus
+    from phalanx.bus.config import BusConfig
+    from phalanx.schemas import subjects
+    from phalanx.schemas.messages import NodeRecord, NodeStatusRequest
+
+    async def main(url, node):
+        telemetry.setup_tracing("requester")
+        async with await Bus.connect(BusConfig.load(servers=[url])) as bus:
+            with telemetry.tracer().start_as_current_span("operator asks for status"):
+                await bus.request(subjects.agent_status(node), NodeStatusRequest(), NodeRecord)
+        telemetry.shutdown_tracing()
+
+    asyncio.run(main(sys.argv[1], sys.argv[2]))
+""")
+
+
+def _spans(text: str) -> list[dict]:
+    decoder, spans, i = json.JSONDecoder(), [], 0
+    while (start := text.find("{", i)) != -1:
+        obj, i = decoder.raw_decode(text, start)
+        spans.append(obj)
+    return spans
+
+
+async def test_request_and_handling_share_one_trace_across_processes(bus: Bus, nats_server,
+                                                                     uid: str) -> None:
+    env = {**os.environ, "OTEL_TRACES_EXPORTER": "console"}
+    beats: asyncio.Queue[NodeHeartbeat] = asyncio.Queue()
+
+    async def on_beat(beat: NodeHeartbeat, _: Delivery) -> None:
+        await beats.put(beat)
+
+    await bus.subscribe(subjects.node_heartbeat(uid), NodeHeartbeat, on_beat)
+    agent = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "phalanx.services.agent", "--node-id", uid,
+        "--heartbeat-interval", "0.1", "--nats", nats_server.url, env=env,
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.DEVNULL)
+    try:
+        await asyncio.wait_for(beats.get(), 30)
+        requester = await asyncio.create_subprocess_exec(
+            sys.executable, "-c", REQUESTER, nats_server.url, uid, env=env,
+            stdout=asyncio.subprocess.PIPE)
+        req_out, _ = await asyncio.wait_for(requester.communicate(), 30)
+        assert requester.returncode == 0
+    finally:
+        agent.send_signal(signal.SIGTERM)
+        agent_out, _ = await asyncio.wait_for(agent.communicate(), 15)
+
+    sent = {s["name"]: s for s in _spans(req_out.decode())}
+    status_subject = subjects.agent_status(uid)
+    send = sent[f"send {status_subject}"]
+    root = sent["operator asks for status"]
+    assert send["parent_id"] == root["context"]["span_id"]
+    assert send["kind"] == "SpanKind.CLIENT"
+    assert send["attributes"]["messaging.system"] == "nats"
+    assert send["attributes"]["messaging.destination.name"] == status_subject
+
+    handled = [s for s in _spans(agent_out.decode()) if s["name"] == f"process {status_subject}"]
+    assert len(handled) == 1
+    process = handled[0]
+    assert process["context"]["trace_id"] == send["context"]["trace_id"]
+    assert process["parent_id"] == send["context"]["span_id"]
+    assert process["kind"] == "SpanKind.CONSUMER"
+    assert process["attributes"]["messaging.operation.type"] == "process"
