@@ -13,6 +13,8 @@ What it measures
    nats-py: ``nc.request`` against an ``nc.subscribe`` responder that echoes
    the request bytes. The difference is the cost of our typed, traced layer
    (codec, validation, span context managers, ``nats.micro`` dispatch).
+   After a warm-up of each, the two variants run in alternating batches so
+   that drift in the machine's state during the run hits both alike.
    Client, service and baseline responder share one process and one event
    loop (uvloop when importable); nats-server is a separate process.
    Tracing is measured as configured by the environment, which by default
@@ -51,6 +53,7 @@ from typing import Any
 
 from nats.aio.client import Client
 from nats.aio.msg import Msg
+
 from phalanx.bus import telemetry
 from phalanx.bus.client import Bus, Delivery
 from phalanx.bus.config import BusConfig
@@ -63,10 +66,13 @@ TYPED_SUBJECT = "phalanx.bench.status"
 RAW_SUBJECT = "phalanx.bench.raw"
 REQUEST_TIMEOUT_S = 2.0
 CODEC_REPEATS = 5
+ROUNDS = 10  # request batches, alternating between the variants
 CODEC_POOL = 4096  # distinct heartbeats cycled through by the codec loop (power of two)
 
 TARGET_P99_US = 1000.0
 TARGET_CODEC_PER_S = 200_000.0
+
+Call = Callable[[], Awaitable[object]]
 
 RESULTS_PATH = Path(__file__).resolve().parent / "RESULTS.md"
 RESULTS_HEADER = """\
@@ -127,28 +133,54 @@ def summarise(samples_ns: list[int], elapsed_ns: int) -> Latency:
     ordered = sorted(samples_ns)
     return Latency(
         requests=len(ordered),
-        p50_us=percentile(ordered, 50) / 1e3,
-        p90_us=percentile(ordered, 90) / 1e3,
-        p99_us=percentile(ordered, 99) / 1e3,
-        max_us=ordered[-1] / 1e3,
-        mean_us=statistics.fmean(ordered) / 1e3,
-        rate_per_s=len(ordered) / (elapsed_ns / 1e9),
+        p50_us=round(percentile(ordered, 50) / 1e3, 1),
+        p90_us=round(percentile(ordered, 90) / 1e3, 1),
+        p99_us=round(percentile(ordered, 99) / 1e3, 1),
+        max_us=round(ordered[-1] / 1e3, 1),
+        mean_us=round(statistics.fmean(ordered) / 1e3, 1),
+        rate_per_s=round(len(ordered) / (elapsed_ns / 1e9)),
     )
 
 
-async def time_requests(call: Callable[[], Awaitable[object]], warmup: int,
-                        requests: int) -> Latency:
-    """Await ``call`` ``warmup`` times untimed, then ``requests`` times, timing each."""
-    for _ in range(warmup):
-        await call()
-    samples = [0] * requests
+@dataclasses.dataclass
+class Series:
+    """Latencies collected for one variant across rounds, and the time they took in total."""
+
+    samples_ns: list[int] = dataclasses.field(default_factory=list)
+    elapsed_ns: int = 0
+
+
+async def time_batch(call: Call, count: int, series: Series) -> None:
+    """Await ``call`` ``count`` times, one at a time, adding each latency to ``series``."""
     clock = time.perf_counter_ns
+    samples = series.samples_ns
     started = clock()
-    for i in range(requests):
+    for _ in range(count):
         t0 = clock()
         await call()
-        samples[i] = clock() - t0
-    return summarise(samples, clock() - started)
+        samples.append(clock() - t0)
+    series.elapsed_ns += clock() - started
+
+
+async def compare(calls: dict[str, Call], warmup: int, requests: int) -> dict[str, Latency]:
+    """Time ``requests`` calls of each variant, interleaved in rounds.
+
+    Each variant first gets ``warmup`` untimed calls. The timed calls are split
+    into :data:`ROUNDS` batches that alternate between the variants (and swap
+    their order every round), so drift in the machine's state over the run
+    affects every variant alike.
+    """
+    for call in calls.values():
+        for _ in range(warmup):
+            await call()
+    rounds = min(ROUNDS, requests)
+    series = {name: Series() for name in calls}
+    names = list(calls)
+    for r in range(rounds):
+        count = requests // rounds + (1 if r < requests % rounds else 0)
+        for name in names if r % 2 == 0 else reversed(names):
+            await time_batch(calls[name], count, series[name])
+    return {name: summarise(s.samples_ns, s.elapsed_ns) for name, s in series.items()}
 
 
 async def serve_raw_echo(nc: Client) -> None:
@@ -168,7 +200,6 @@ async def bench_request_reply(url: str, warmup: int, requests: int) -> dict[str,
     try:
         await serve_raw_echo(service.bus.nc)
         async with await Bus.connect(config, name="phalanx-bench-client") as bus:
-            await bus.nc.flush()
             payload = encode(NodeStatusRequest())
 
             async def raw() -> Msg:
@@ -181,11 +212,10 @@ async def bench_request_reply(url: str, warmup: int, requests: int) -> dict[str,
             reply = await typed()
             if reply != service.record:
                 raise RuntimeError(f"typed endpoint answered {reply!r}")
-            print(f"  raw nats-py: {warmup} warm-up + {requests} requests ...", flush=True)
-            results = {"raw": await time_requests(raw, warmup, requests)}
+            print(f"  {warmup} warm-up + {requests} timed requests per variant, "
+                  f"interleaved in {min(ROUNDS, requests)} rounds ...", flush=True)
+            results = await compare({"raw": raw, "typed": typed}, warmup, requests)
             print_latency("raw nats-py", results["raw"])
-            print(f"  typed Bus.request: {warmup} warm-up + {requests} requests ...", flush=True)
-            results["typed"] = await time_requests(typed, warmup, requests)
             print_latency("typed Bus.request", results["typed"])
             return results
     finally:
@@ -230,9 +260,9 @@ def bench_codec(iterations: int, repeats: int) -> dict[str, Any]:
         "iterations": iterations,
         "repeats": repeats,
         "encoded_bytes": len(encode(sample)),
-        "best_per_s": max(rates),
-        "median_per_s": statistics.median(rates),
-        "runs_per_s": rates,
+        "best_per_s": round(max(rates)),
+        "median_per_s": round(statistics.median(rates)),
+        "runs_per_s": [round(r) for r in rates],
     }
 
 
@@ -271,8 +301,8 @@ def build_report(args: argparse.Namespace, argv: Sequence[str], loop_name: str, 
             "warmup": args.warmup,
             "raw": dataclasses.asdict(raw),
             "typed": dataclasses.asdict(typed),
-            "overhead_p50_us": typed.p50_us - raw.p50_us,
-            "overhead_p99_us": typed.p99_us - raw.p99_us,
+            "overhead_p50_us": round(typed.p50_us - raw.p50_us, 1),
+            "overhead_p99_us": round(typed.p99_us - raw.p99_us, 1),
         },
         "codec": codec,
         "targets": targets,
@@ -287,23 +317,26 @@ def markdown_section(report: dict[str, Any]) -> str:
     def verdict(name: str) -> str:
         return "pass" if targets[name]["pass"] else "**FAIL**"
 
+    def row(label: str, key: str, digits: int, target: str = "", result: str = "") -> str:
+        return (f"| {label} | {raw[key]:,.{digits}f} | {typed[key]:,.{digits}f} "
+                f"| {target} | {result} |")
+
     rows = [
-        ("round trip p50 (us)", raw["p50_us"], typed["p50_us"], "", ""),
-        ("round trip p90 (us)", raw["p90_us"], typed["p90_us"], "", ""),
-        ("round trip p99 (us)", raw["p99_us"], typed["p99_us"], "< 1000", verdict("typed_p99_us")),
-        ("round trip max (us)", raw["max_us"], typed["max_us"], "", ""),
-        ("requests/s (one in flight)", raw["rate_per_s"], typed["rate_per_s"], "", ""),
+        row("round trip p50 (us)", "p50_us", 1),
+        row("round trip p90 (us)", "p90_us", 1),
+        row("round trip p99 (us)", "p99_us", 1, "< 1000", verdict("typed_p99_us")),
+        row("round trip max (us)", "max_us", 1),
+        row("requests/s, one in flight", "rate_per_s", 0),
     ]
     lines = [
         f"\n## bus.py — {report['date']}\n",
-        f"Command: `{report['command']}`  ",
+        f"Command: `{report['command']}`\n",
         f"Python {report['python']}, {report['event_loop']}, {report['cpus']} CPUs, "
         f"tracing: {report['tracing']}; {typed['requests']} requests after {rr['warmup']} "
         f"warm-up, one in flight; codec: {codec['iterations']:,} pairs x {codec['repeats']}.\n",
         "| figure | raw nats-py | typed `Bus.request` | target | result |",
         "|---|---:|---:|---|---|",
-        *(f"| {name} | {r:,.1f} | {t:,.1f} | {target} | {res} |"
-          for name, r, t, target, res in rows),
+        *rows,
         "",
         "| figure | measured | target | result |",
         "|---|---:|---|---|",

@@ -23,6 +23,7 @@ import nats.errors
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
+
 from phalanx.bus import telemetry
 from phalanx.bus.config import BusConfig
 from phalanx.bus.errors import BusUnavailable, NoResponders, RemoteError, RequestTimeout

@@ -11,6 +11,7 @@ the field named, not at the first reconnect.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import tomllib
 from collections.abc import Mapping
@@ -62,6 +63,13 @@ class BusConfig:
     """Pause between reconnect attempts after a connection was lost (reconnects never stop)."""
 
     def __post_init__(self) -> None:
+        if not isinstance(self.servers, tuple) or not all(isinstance(s, str) for s in self.servers):
+            raise ConfigError(f"bus.servers must be a list of URL strings, got {self.servers!r}")
+        for name in ("user", "password", "token", "nkey_seed_file", "creds_file", "tls_ca_file",
+                     "tls_cert_file", "tls_key_file"):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, str):
+                raise ConfigError(f"bus.{name} must be a string, got {type(value).__name__}")
         if not self.servers or any(not s.strip() for s in self.servers):
             raise ConfigError("bus.servers: at least one non-empty NATS URL is required")
         if (self.user is None) != (self.password is None):
@@ -73,9 +81,9 @@ class BusConfig:
             path = getattr(self, name)
             if path is not None and not Path(path).is_file():
                 raise ConfigError(f"bus.{name}: no such file {path!r}")
-        if self.connect_timeout_s <= 0:
+        if not math.isfinite(self.connect_timeout_s) or self.connect_timeout_s <= 0:
             raise ConfigError(f"bus.connect_timeout_s must be > 0, got {self.connect_timeout_s}")
-        if self.reconnect_wait_s < 0:
+        if not math.isfinite(self.reconnect_wait_s) or self.reconnect_wait_s < 0:
             raise ConfigError(f"bus.reconnect_wait_s must be >= 0, got {self.reconnect_wait_s}")
 
     @property
@@ -103,10 +111,11 @@ class BusConfig:
         unknown = sorted(set(values) - known)
         if unknown:
             raise ConfigError(f"unknown bus option(s) {unknown}; known: {sorted(known)}")
-        if isinstance(values.get("servers"), str):
-            values["servers"] = tuple(s.strip() for s in values["servers"].split(","))
-        elif "servers" in values:
-            values["servers"] = tuple(values["servers"])
+        servers = values.get("servers")
+        if isinstance(servers, str):
+            values["servers"] = tuple(s.strip() for s in servers.split(","))
+        elif isinstance(servers, list | tuple):
+            values["servers"] = tuple(servers)
         for name in ("connect_timeout_s", "reconnect_wait_s"):
             if name in values:
                 try:

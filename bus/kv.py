@@ -17,6 +17,7 @@ import nats.js.errors as jse
 from nats.js import JetStreamContext
 from nats.js.api import KeyValueConfig, StorageType
 from nats.js.kv import KeyValue
+
 from phalanx.bus.errors import Conflict
 from phalanx.schemas.codec import decode, encode
 from phalanx.schemas.errors import WireError

@@ -82,14 +82,22 @@ def _exporter_name(env: Mapping[str, str]) -> str:
 
 
 def tracer() -> trace.Tracer:
-    return trace.get_tracer(_TRACER_NAME)
+    # The API's proxy tracer follows a provider installed later, so one is enough.
+    return _tracer
 
 
-def inject(headers: dict[str, str] | None = None) -> dict[str, str]:
-    """Return ``headers`` with the current trace context added (W3C trace context)."""
+_tracer = trace.get_tracer(_TRACER_NAME)
+
+
+def inject(headers: dict[str, str] | None = None) -> dict[str, str] | None:
+    """Return ``headers`` with the current trace context added (W3C trace context).
+
+    Returns None when there is nothing to send, so nats-py sends a plain
+    message instead of parsing an empty header block on the other side.
+    """
     headers = dict(headers or {})
     propagate.inject(headers)
-    return headers
+    return headers or None
 
 
 def _attributes(subject: str, operation: str, size: int, queue: str | None) -> dict:

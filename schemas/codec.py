@@ -13,6 +13,7 @@ import re
 from typing import TypeVar, Union
 
 import msgspec
+
 from phalanx.schemas.errors import WireError
 from phalanx.schemas.messages import ALL_MESSAGES, Message
 
@@ -65,10 +66,16 @@ def decode(data: bytes, expected: type[M], *, subject: str = "") -> M:
         )
     try:
         message = _decoder.decode(data)
+    except msgspec.ValidationError as exc:  # a DecodeError subclass: catch it first
+        raise WireError(_explain(data, exc), subject=subject, message_type=name) from None
     except msgspec.DecodeError as exc:
         raise WireError(f"not MessagePack ({exc})", subject=subject, message_type=name) from None
-    except msgspec.ValidationError as exc:
-        raise WireError(_explain(data, exc), subject=subject, message_type=name) from None
+    except UnicodeDecodeError as exc:
+        raise WireError(f"a string is not valid UTF-8 ({exc.reason} at byte {exc.start})",
+                        subject=subject, message_type=name) from None
+    except RecursionError:
+        raise WireError("values nested too deeply", subject=subject,
+                        message_type=name) from None
     if type(message) is not expected:
         raise WireError(
             f"got a {message.wire_name()} message", subject=subject, message_type=name
@@ -83,16 +90,16 @@ def _explain(data: bytes, exc: msgspec.ValidationError) -> str:
         return text
     try:
         raw = msgspec.msgpack.decode(data)
-    except msgspec.DecodeError:
+    except (msgspec.DecodeError, UnicodeDecodeError, RecursionError):
         return text
     wire_type = raw.get("type") if isinstance(raw, dict) else None
     if not isinstance(wire_type, str):
-        return f"the `type` field must name a message type, got {wire_type!r}"
+        return f"the `type` field ($.type) must name a message type, got {wire_type!r}"
     match = _VERSIONED.match(wire_type)
     known = _by_base_name.get(match["base"]) if match else None
     if known is not None:
         return (
-            f"unsupported schema version v{match['version']} of {match['base']}; "
-            f"this build speaks {known.wire_name()}"
+            f"got {wire_type}: unsupported schema version v{match['version']} of "
+            f"{match['base']}; this build speaks {known.wire_name()}"
         )
     return f"unknown message type {wire_type!r}"

@@ -20,7 +20,7 @@ from typing import Annotated
 import msgspec
 
 #: A non-empty identifier usable as one subject token (see :mod:`.subjects`).
-Ident = Annotated[str, msgspec.Meta(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9_\-]+$")]
+Ident = Annotated[str, msgspec.Meta(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9_\-]+\Z")]
 NonNegInt = Annotated[int, msgspec.Meta(ge=0)]
 PosInt = Annotated[int, msgspec.Meta(ge=1)]
 NonNegFloat = Annotated[float, msgspec.Meta(ge=0.0)]
@@ -227,7 +227,7 @@ class SnapshotRecord(Message, tag="phalanx.snapshot_record.v1"):
     node_id: Ident
     tier: SnapshotTier
     nbytes: NonNegInt
-    checksum: Annotated[str, msgspec.Meta(pattern=r"^[0-9a-f]{8,128}$")]
+    checksum: Annotated[str, msgspec.Meta(pattern=r"^[0-9a-f]{8,128}\Z")]
     created_at: NonNegFloat
 
     def __post_init__(self) -> None:

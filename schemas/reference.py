@@ -17,6 +17,7 @@ from pathlib import Path
 
 import msgspec
 import msgspec.inspect as mi
+
 from phalanx.schemas import messages as m
 from phalanx.schemas import subjects
 from phalanx.schemas.codec import MAX_PAYLOAD_BYTES

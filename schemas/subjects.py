@@ -13,7 +13,7 @@ import re
 from phalanx.schemas.errors import SubjectError
 
 PREFIX = "phalanx"
-_TOKEN = re.compile(r"^[A-Za-z0-9_\-]+$")
+_TOKEN = re.compile(r"[A-Za-z0-9_\-]+")
 
 
 def token(value: str | int, what: str) -> str:
@@ -23,7 +23,7 @@ def token(value: str | int, what: str) -> str:
         SubjectError: ``value`` is empty or contains a forbidden character.
     """
     text = str(value)
-    if not _TOKEN.match(text):
+    if not _TOKEN.fullmatch(text):
         raise SubjectError(
             f"{what} {text!r} cannot be a subject token: use letters, digits, '-' and '_' only"
         )

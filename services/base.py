@@ -27,6 +27,7 @@ from nats.micro import add_service
 from nats.micro.request import Request, ServiceError
 from nats.micro.service import EndpointConfig, EndpointStats, ServiceConfig
 from nats.micro.service import Service as MicroService
+
 from phalanx.bus import telemetry
 from phalanx.bus.client import BadRequest, Bus, Counters, Delivery, Handler, HandlerFailed, process
 from phalanx.bus.config import BusConfig
@@ -88,8 +89,9 @@ class Service:
                 raise ServiceError("400", str(exc)[:1024]) from None
             except HandlerFailed as exc:
                 raise ServiceError("500", str(exc)[:1024]) from None
-            await request.respond(encode(reply) if reply is not None else b"",
-                                  headers=telemetry.inject())
+            if reply is None:
+                raise ServiceError("500", f"handler of {name} returned no reply")
+            await request.respond(encode(reply), headers=telemetry.inject())
 
         await self.micro.add_endpoint(EndpointConfig(
             name=name, subject=subject, handler=on_request,

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
+import re
 import socket
 from collections.abc import Mapping
 from typing import Any
@@ -15,8 +17,8 @@ from phalanx.services.registry.core import DEFAULT_LOST_AFTER_S
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class AgentConfig:
-    node_id: str = dataclasses.field(default_factory=socket.gethostname)
-    """Unique node id (a subject token); defaults to the host name."""
+    node_id: str = dataclasses.field(default_factory=lambda: default_node_id())
+    """Unique node id (a subject token); defaults to the short host name."""
     slots: int = dataclasses.field(default_factory=lambda: os.cpu_count() or 1)
     """Rank slots this node offers; defaults to its CPU count."""
     failure_domain: str = "default"
@@ -38,6 +40,10 @@ class AgentConfig:
             raise ConfigError(str(exc)) from None
         if self.slots < 1:
             raise ConfigError(f"agent.slots must be >= 1, got {self.slots}")
+        for name in ("heartbeat_interval_s", "lost_after_s", "shutdown_timeout_s"):
+            if not math.isfinite(getattr(self, name)):
+                raise ConfigError(f"agent.{name} must be a finite number, "
+                                  f"got {getattr(self, name)}")
         if self.heartbeat_interval_s <= 0:
             raise ConfigError(f"agent.heartbeat_interval_s must be > 0, "
                               f"got {self.heartbeat_interval_s}")
@@ -69,6 +75,12 @@ class AgentConfig:
         except ValueError as exc:
             raise ConfigError(f"agent config: {exc}") from None
         return cls(**values)
+
+
+def default_node_id() -> str:
+    """The host's short name with anything a subject token cannot hold replaced by '-'."""
+    short = socket.gethostname().split(".")[0]
+    return re.sub(r"[^A-Za-z0-9_\-]", "-", short) or "node"
 
 
 def parse_labels(text: str) -> dict[str, str]:

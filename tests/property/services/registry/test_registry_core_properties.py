@@ -1,0 +1,71 @@
+"""Properties of the registry rule over arbitrary records and clocks."""
+
+from __future__ import annotations
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from phalanx.schemas.messages import NodeInfo, NodeRecord
+from phalanx.services.registry.core import NodeState, view, views
+
+SETTINGS = settings(derandomize=True, database=None, deadline=None, max_examples=200)
+
+times = st.floats(min_value=0.0, max_value=4e9, allow_nan=False)
+lost_afters = st.floats(min_value=0.001, max_value=600.0, allow_nan=False)
+
+
+@st.composite
+def records(draw: st.DrawFn, node_id: st.SearchStrategy[str] | None = None) -> NodeRecord:
+    slots = draw(st.integers(1, 256))
+    info = NodeInfo(
+        node_id=draw(node_id or st.from_regex(r"[a-z0-9-]{1,12}", fullmatch=True)),
+        host="h", slots=slots, failure_domain="d", agent_pid=draw(st.integers(0, 2**22)),
+    )
+    return NodeRecord(node=info, heartbeat_seq=draw(st.integers(0, 10**6)),
+                      heartbeat_at=draw(times), slots_used=draw(st.integers(0, slots)),
+                      cordoned=draw(st.booleans()))
+
+
+@SETTINGS
+@given(record=records(), now=times, lost_after=lost_afters)
+def test_state_follows_the_age_rule(record: NodeRecord, now: float, lost_after: float) -> None:
+    v = view(record, now, lost_after)
+    assert v.heartbeat_age_s >= 0.0
+    assert v.heartbeat_age_s == max(0.0, now - record.heartbeat_at)
+    expected = NodeState.ALIVE if v.heartbeat_age_s <= lost_after else NodeState.LOST
+    assert v.state is expected
+    if now <= record.heartbeat_at:
+        assert v.state is NodeState.ALIVE
+
+
+@SETTINGS
+@given(record=records(), now=times, lost_after=lost_afters)
+def test_schedulable_slots_are_bounded(record: NodeRecord, now: float,
+                                       lost_after: float) -> None:
+    v = view(record, now, lost_after)
+    assert 0 <= v.schedulable_slots <= v.slots
+    if v.state is NodeState.ALIVE and not v.cordoned:
+        assert v.schedulable_slots == v.slots - v.slots_used
+    else:
+        assert v.schedulable_slots == 0
+
+
+@SETTINGS
+@given(record=records(), now=times, later=st.floats(0.0, 1e6), lost_after=lost_afters)
+def test_once_lost_stays_lost_without_a_new_heartbeat(record: NodeRecord, now: float,
+                                                      later: float, lost_after: float) -> None:
+    if view(record, now, lost_after).state is NodeState.LOST:
+        assert view(record, now + later, lost_after).state is NodeState.LOST
+
+
+@SETTINGS
+@given(rs=st.lists(records(), max_size=8), now=times, lost_after=lost_afters)
+def test_views_are_sorted_and_one_per_record(rs: list[NodeRecord], now: float,
+                                             lost_after: float) -> None:
+    got = views(rs, now, lost_after)
+    assert [v.node_id for v in got] == sorted(r.node.node_id for r in rs)
+    assert sorted(got, key=lambda v: v.node_id) == got
+    by_id = {r.node.node_id: r for r in rs}
+    for v in got:
+        if list(r.node.node_id for r in rs).count(v.node_id) == 1:
+            assert v == view(by_id[v.node_id], now, lost_after)

@@ -1,0 +1,168 @@
+"""The agent's registration rules: who may take a node id, and what a heartbeat writes."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from phalanx.schemas.errors import PhalanxError
+from phalanx.schemas.messages import NodeInfo, NodeRecord
+from phalanx.services.agent.core import NodeIdTaken, heartbeat, register
+
+T0 = 1_717_000_000.0
+LOST = 3.0
+
+
+def info(pid: int = 100, host: str = "host-a", node_id: str = "gpu-07", slots: int = 8,
+         **extra) -> NodeInfo:
+    return NodeInfo(node_id=node_id, host=host, slots=slots, failure_domain="rack-1",
+                    agent_pid=pid, **extra)
+
+
+def held(by: NodeInfo, at: float = T0, *, seq: int = 9, used: int = 2,
+         cordoned: bool = False) -> NodeRecord:
+    return NodeRecord(node=by, heartbeat_seq=seq, heartbeat_at=at, slots_used=used,
+                      cordoned=cordoned)
+
+
+# --- register ------------------------------------------------------------------------------
+
+
+def test_register_when_absent() -> None:
+    me = info()
+    assert register(None, me, T0, LOST) == NodeRecord(node=me, heartbeat_seq=0,
+                                                      heartbeat_at=T0, slots_used=0,
+                                                      cordoned=False)
+
+
+def test_re_register_by_the_same_host_and_pid_while_alive() -> None:
+    me = info()
+    new = register(held(me, T0), info(labels={"gpu": "h100"}), T0 + 1.0, LOST)
+    assert new.node == info(labels={"gpu": "h100"})
+    assert new.heartbeat_seq == 0
+    assert new.heartbeat_at == T0 + 1.0
+    assert new.slots_used == 0
+
+
+@pytest.mark.parametrize(
+    "other",
+    [info(pid=200), info(host="host-b"), info(pid=200, host="host-b")],
+    ids=["same-host-other-pid", "other-host-same-pid", "other-host-other-pid"],
+)
+def test_refused_when_a_different_live_agent_holds_the_id(other: NodeInfo) -> None:
+    holder = info()
+    with pytest.raises(NodeIdTaken) as excinfo:
+        register(held(holder, T0), other, T0 + 1.5, LOST)
+    text = str(excinfo.value)
+    assert "'gpu-07'" in text
+    assert "pid 100" in text
+    assert "host-a" in text
+    assert "1.5 s ago" in text
+
+
+def test_refused_at_exactly_lost_after() -> None:
+    with pytest.raises(NodeIdTaken, match=r"3\.0 s ago"):
+        register(held(info(), T0), info(pid=200), T0 + LOST, LOST)
+
+
+def test_refused_when_the_holders_heartbeat_is_in_the_future() -> None:
+    with pytest.raises(NodeIdTaken, match=r"0\.0 s ago"):
+        register(held(info(), T0 + 100.0), info(pid=200), T0, LOST)
+
+
+def test_allowed_when_the_holder_is_lost() -> None:
+    newcomer = info(pid=200, host="host-b")
+    now = math.nextafter(T0 + LOST, math.inf)
+    new = register(held(info(), T0, seq=77, used=5), newcomer, now, LOST)
+    assert new.node == newcomer
+    assert new.heartbeat_seq == 0
+    assert new.heartbeat_at == now
+    assert new.slots_used == 0
+
+
+@pytest.mark.parametrize("cordoned", [True, False])
+def test_register_preserves_cordoned(cordoned: bool) -> None:
+    me = info()
+    assert register(held(me, cordoned=cordoned), me, T0 + 1.0, LOST).cordoned is cordoned
+    taken_over = register(held(info(pid=1), cordoned=cordoned), me, T0 + 60.0, LOST)
+    assert taken_over.cordoned is cordoned
+
+
+def test_node_id_taken_is_a_phalanx_runtime_error() -> None:
+    assert issubclass(NodeIdTaken, PhalanxError)
+    assert issubclass(NodeIdTaken, RuntimeError)
+
+
+# --- heartbeat -----------------------------------------------------------------------------
+
+
+def test_heartbeat_increments_seq_and_sets_time_and_slots() -> None:
+    me = info()
+    new = heartbeat(held(me, T0, seq=9, used=2), me, T0 + 0.5, slots_used=4)
+    assert new == NodeRecord(node=me, heartbeat_seq=10, heartbeat_at=T0 + 0.5, slots_used=4)
+
+
+def test_heartbeats_count_up_from_registration() -> None:
+    me = info()
+    record = register(None, me, T0, LOST)
+    for i in range(1, 6):
+        record = heartbeat(record, me, T0 + i * 0.5)
+        assert record.heartbeat_seq == i
+        assert record.heartbeat_at == T0 + i * 0.5
+
+
+def test_heartbeat_defaults_slots_used_to_zero() -> None:
+    me = info()
+    assert heartbeat(held(me, used=6), me, T0 + 1.0).slots_used == 0
+
+
+@pytest.mark.parametrize("cordoned", [True, False])
+def test_heartbeat_keeps_cordoned(cordoned: bool) -> None:
+    me = info()
+    assert heartbeat(held(me, cordoned=cordoned), me, T0 + 1.0).cordoned is cordoned
+
+
+def test_heartbeat_refreshes_the_node_info() -> None:
+    me = info()
+    updated = info(labels={"zone": "b"}, agent_version="0.2.0")
+    assert heartbeat(held(me), updated, T0 + 1.0).node == updated
+
+
+def test_heartbeat_re_creates_a_removed_record() -> None:
+    me = info()
+    new = heartbeat(None, me, T0 + 1.0, slots_used=3)
+    assert new == NodeRecord(node=me, heartbeat_seq=0, heartbeat_at=T0 + 1.0, slots_used=3,
+                             cordoned=False)
+
+
+@pytest.mark.parametrize(
+    "thief",
+    [info(pid=200), info(host="host-b")],
+    ids=["other-pid", "other-host"],
+)
+def test_heartbeat_raises_when_the_record_belongs_to_another_agent(thief: NodeInfo) -> None:
+    with pytest.raises(NodeIdTaken) as excinfo:
+        heartbeat(held(thief, T0 + 5.0), info(), T0 + 5.5)
+    text = str(excinfo.value)
+    assert "'gpu-07'" in text
+    assert f"pid {thief.agent_pid}" in text
+    assert thief.host in text
+
+
+def test_heartbeat_succeeds_even_when_late() -> None:
+    """A late agent whose record nobody took keeps its id."""
+    me = info()
+    new = heartbeat(held(me, T0, seq=3), me, T0 + 100.0)
+    assert new.heartbeat_seq == 4
+    assert new.heartbeat_at == T0 + 100.0
+
+
+def test_take_over_then_old_agents_heartbeat_is_refused() -> None:
+    old, new = info(pid=100), info(pid=200)
+    record = register(None, old, T0, LOST)
+    record = register(record, new, T0 + 10.0, LOST)  # old agent was lost
+    with pytest.raises(NodeIdTaken, match="taken over by pid 200 on host-a"):
+        heartbeat(record, old, T0 + 10.5)
+    assert heartbeat(record, new, T0 + 10.5).heartbeat_seq == 1
+
