@@ -128,6 +128,104 @@ class JobSpec(Message, tag="phalanx.job_spec.v1"):
     hang_timeout_s: PosFloat = 2.0
 
 
+class JobState(enum.StrEnum):
+    PENDING = "pending"
+    ADMITTED = "admitted"
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+    FINISHED = "finished"
+
+    @property
+    def terminal(self) -> bool:
+        return self in (JobState.FAILED, JobState.CANCELLED, JobState.FINISHED)
+
+
+class ReasonCode(enum.StrEnum):
+    """Why a job is in its state; every pending job has one."""
+
+    QUEUED = "queued"
+    INSUFFICIENT_CAPACITY = "insufficient_capacity"
+    RESERVED = "reserved"
+    QUOTA = "quota"
+    UNSCHEDULABLE = "unschedulable"
+    PREEMPTED = "preempted"
+    NODE_LOST = "node_lost"
+    TIMEOUT = "timeout"
+    CANCELLED = "cancelled"
+    FINISHED = "finished"
+    ADMITTED = "admitted"
+
+
+class JobRecord(Message, tag="phalanx.job_record.v1"):
+    """A job's admission state (KV bucket ``phalanx_jobs``, key = job id).
+
+    Published on ``phalanx.job.<job>.state`` whenever it changes. ``nodes``
+    holds one node id per admitted replica (a node repeats when it runs
+    several); it is empty unless the job is admitted.
+    """
+
+    job_id: Ident
+    spec: JobSpec
+    state: JobState
+    submitted_at: NonNegFloat
+    updated_at: NonNegFloat
+    reason_code: ReasonCode
+    reason: str = ""
+    nodes: list[Ident] = []
+
+
+class SubmitRequest(Message, tag="phalanx.submit_request.v1"):
+    """Submit ``spec`` as ``job_id``; resubmitting the same pair is a no-op (safe to retry)."""
+
+    job_id: Ident
+    spec: JobSpec
+
+
+class JobRequest(Message, tag="phalanx.job_request.v1"):
+    """Names one job (cancel, explain)."""
+
+    job_id: Ident
+
+
+class Explanation(Message, tag="phalanx.explanation.v1"):
+    """Why a job is where it is, as the admission leader sees it now."""
+
+    job_id: Ident
+    state: JobState
+    reason_code: ReasonCode
+    reason: str
+    position: NonNegInt | None = None
+    queue_length: NonNegInt = 0
+    nodes: list[Ident] = []
+
+
+class Allocation(Part):
+    """One admitted job's slots in the ledger."""
+
+    team: Ident
+    slots_per_replica: PosInt
+    nodes: list[Ident]
+
+
+class AllocationLedger(Message, tag="phalanx.allocation_ledger.v1"):
+    """Every admitted job's placement: the single record admission updates by CAS.
+
+    Placement changes of one pass are one compare-and-swap of this record, so
+    two admission instances can never hand out the same slot twice.
+    """
+
+    allocations: dict[Ident, Allocation] = {}
+    updated_at: NonNegFloat = 0.0
+
+
+class Lease(Message, tag="phalanx.lease.v1"):
+    """Leadership of a service: ``holder`` leads until ``expires_at`` unless it renews."""
+
+    holder: Ident
+    epoch: NonNegInt
+    expires_at: NonNegFloat
+
+
 # --- membership ----------------------------------------------------------------------------
 
 
@@ -241,6 +339,12 @@ ALL_MESSAGES: tuple[type[Message], ...] = (
     NodeHeartbeat,
     NodeStatusRequest,
     JobSpec,
+    JobRecord,
+    SubmitRequest,
+    JobRequest,
+    Explanation,
+    AllocationLedger,
+    Lease,
     Generation,
     Fault,
     RankProgress,

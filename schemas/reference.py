@@ -41,8 +41,18 @@ CATALOG: tuple[SubjectDoc, ...] = (
                m.NodeRecord, "CLI, services", "agent", "the agent's live registry record"),
     SubjectDoc(lambda: subjects.agent_launch("NODE"), "request", m.Generation, None,
                "admission / elasticity", "agent", "start this node's ranks of a generation"),
-    SubjectDoc(lambda: subjects.admission_submit(), "request", m.JobSpec, None,
-               "CLI, Python client", "admission", "submit a job"),
+    SubjectDoc(lambda: subjects.admission_submit(), "request", m.SubmitRequest, m.JobRecord,
+               "CLI, Python client", "admission (any instance)", "submit a job (idempotent)"),
+    SubjectDoc(lambda: subjects.admission_cancel(), "request", m.JobRequest, m.JobRecord,
+               "CLI, Python client", "admission (any instance)", "cancel a job"),
+    SubjectDoc(lambda: subjects.admission_explain(), "request", m.JobRequest, m.Explanation,
+               "CLI, Python client", "admission (any instance)",
+               "why a job is pending, with its queue position"),
+    SubjectDoc(lambda: subjects.admission_leader("VERB"), "request", m.SubmitRequest,
+               m.JobRecord, "admission instances", "admission leader",
+               "requests forwarded to the leader (verb = submit, cancel, explain)"),
+    SubjectDoc(lambda: subjects.job_state("JOB"), "event", m.JobRecord, None,
+               "admission", "agents, CLI", "the job's admission state changed"),
     SubjectDoc(lambda: subjects.job_generation("JOB"), "event", m.Generation, None,
                "elasticity", "runtime (every rank), agents", "a job's new membership"),
     SubjectDoc(lambda: subjects.job_fault("JOB"), "event", m.Fault, None,
@@ -162,7 +172,9 @@ def render() -> str:
         )
     lines += [
         "",
-        f"JetStream KV bucket `{subjects.NODES_BUCKET}`: one `NodeRecord` per node, key = node id.",
+        f"JetStream KV buckets: `{subjects.NODES_BUCKET}` (one `NodeRecord` per node, key = node "
+        f"id), `{subjects.JOBS_BUCKET}` (one `JobRecord` per job, key = job id), "
+        f"`{subjects.ADMISSION_BUCKET}` (`ledger`: `AllocationLedger`; `leader`: `Lease`).",
         "",
         "Services also answer the NATS service API: `$SRV.PING`, `$SRV.INFO`, `$SRV.STATS`",
         "(each endpoint's stats `data` holds its `bad_messages` count).",

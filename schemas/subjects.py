@@ -51,6 +51,28 @@ def admission_submit() -> str:
     return f"{PREFIX}.admission.submit"
 
 
+def admission_cancel() -> str:
+    return f"{PREFIX}.admission.cancel"
+
+
+def admission_explain() -> str:
+    return f"{PREFIX}.admission.explain"
+
+
+def admission_leader(verb: str) -> str:
+    """Where the current admission leader takes forwarded requests (``submit``, ...)."""
+    return f"{PREFIX}.admission.leader.{token(verb, 'verb')}"
+
+
+def job_state(job_id: str) -> str:
+    return f"{PREFIX}.job.{token(job_id, 'job id')}.state"
+
+
+def job_states() -> str:
+    """Wildcard over every job's state changes."""
+    return f"{PREFIX}.job.*.state"
+
+
 def job_generation(job_id: str) -> str:
     return f"{PREFIX}.job.{token(job_id, 'job id')}.generation"
 
@@ -69,3 +91,7 @@ def ckpt_snapshot(job_id: str) -> str:
 
 #: JetStream KV bucket holding one NodeRecord per registered node.
 NODES_BUCKET = "phalanx_nodes"
+#: JetStream KV bucket holding one JobRecord per submitted job.
+JOBS_BUCKET = "phalanx_jobs"
+#: JetStream KV bucket with admission's ``ledger`` (AllocationLedger) and ``leader`` (Lease).
+ADMISSION_BUCKET = "phalanx_admission"

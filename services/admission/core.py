@@ -1,0 +1,777 @@
+"""Gang admission rules: who runs, where, and why the rest wait. Pure.
+
+A *gang* is a job's set of data-parallel replicas; each replica needs
+``slots_per_replica`` slots on one node. The rules, applied by
+:meth:`AdmissionCore.schedule` in one pass over the queue:
+
+1. **Order.** Pending gangs are considered by priority weight (high first),
+   then submission order. Preempted or requeued gangs keep their place.
+2. **All or nothing.** A gang is admitted only when ``replicas.min``
+   replicas can be placed at once on schedulable (alive, uncordoned) nodes
+   matching its labels; with ``spread_failure_domains`` no domain gets more
+   than ``ceil(n / domains)`` of its replicas. Placement is best-fit (the
+   fullest node that still fits first) to keep large holes for large gangs.
+3. **Quota.** A team may hold at most ``nominal + borrow_limit`` slots.
+4. **Preemption.** A gang that does not fit may free room by taking slots
+   from *victims*: lower-priority gangs of its own team, and gangs of teams
+   that are borrowing (above nominal) when the preemptor's team is within
+   its nominal quota after admission (reclaim) or the victim has lower
+   priority. Elastic victims are first shrunk toward their ``min``; whole
+   gangs are evicted only after that, lowest priority and newest first, and
+   victims that turn out unnecessary are spared. Never a partial gang.
+5. **Reservation and backfill.** The first ``max_reservations`` gangs that
+   still do not fit hold the free slots they would use, so slots freed later
+   accumulate for them; gangs behind them are admitted only into what is not
+   reserved (backfill). A big gang therefore cannot starve behind a stream
+   of small ones, as long as running work ends.
+6. **Elastic growth.** After the pass, gangs admitted in it get replicas up
+   to ``replicas.max`` from what is still free and unreserved.
+7. **Timeouts.** A gang pending longer than its ``schedule_timeout_s``
+   fails, with the reason it was waiting for.
+
+Every pending gang has a reason (:class:`Reason`); gangs a pass did not
+reach are "queued" behind the ones it did. Capacity changes are events:
+a lost node requeues the gangs on it (or shrinks elastic ones that keep
+their ``min``). The core is synchronous, takes ``now`` as an argument, and
+never reads a clock or does I/O; the service persists its decisions.
+"""
+
+from __future__ import annotations
+
+import bisect
+import dataclasses
+import heapq
+import math
+from collections.abc import Iterable, Iterator
+
+from phalanx.schemas.messages import JobSpec, JobState, ReasonCode
+from phalanx.services.admission.policy import AdmissionPolicy
+
+
+@dataclasses.dataclass(frozen=True)
+class Reason:
+    """A reason code and the one-line message a user sees."""
+
+    code: ReasonCode
+    message: str
+
+
+# --- events --------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class JobSubmitted:
+    job_id: str
+    spec: JobSpec
+    submitted_at: float
+    event_id: str = ""
+
+
+@dataclasses.dataclass(frozen=True)
+class JobCancelled:
+    job_id: str
+    event_id: str = ""
+
+
+@dataclasses.dataclass(frozen=True)
+class JobFinished:
+    job_id: str
+    event_id: str = ""
+
+
+@dataclasses.dataclass(frozen=True)
+class NodeUpdated:
+    """A node joined, changed, was cordoned/uncordoned, or was found lost (``alive=False``)."""
+
+    node_id: str
+    slots: int
+    failure_domain: str
+    labels: dict[str, str]
+    alive: bool = True
+    cordoned: bool = False
+    event_id: str = ""
+
+
+@dataclasses.dataclass(frozen=True)
+class NodeRemoved:
+    node_id: str
+    event_id: str = ""
+
+
+Event = JobSubmitted | JobCancelled | JobFinished | NodeUpdated | NodeRemoved
+
+
+# --- decisions -----------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Admit:
+    """Run the gang with one replica on each listed node (a node may repeat)."""
+
+    job_id: str
+    nodes: tuple[str, ...]
+    cause: str = ""
+
+
+@dataclasses.dataclass(frozen=True)
+class Shrink:
+    """Keep only the listed replicas' nodes (an elastic gang gives slots back)."""
+
+    job_id: str
+    nodes: tuple[str, ...]
+    reason: Reason
+    cause: str = ""
+
+
+@dataclasses.dataclass(frozen=True)
+class Evict:
+    """Stop the whole gang; back to the queue if ``requeue``, else it is over."""
+
+    job_id: str
+    reason: Reason
+    requeue: bool
+    cause: str = ""
+
+
+@dataclasses.dataclass(frozen=True)
+class Fail:
+    """The gang will not run: its final reason."""
+
+    job_id: str
+    reason: Reason
+    cause: str = ""
+
+
+Decision = Admit | Shrink | Evict | Fail
+
+
+# --- state ---------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(eq=False)
+class Gang:
+    job_id: str
+    spec: JobSpec
+    weight: int
+    seq: int
+    submitted_at: float
+    state: JobState = JobState.PENDING
+    nodes: list[str] = dataclasses.field(default_factory=list)
+    reason: Reason = Reason(ReasonCode.QUEUED, "waiting for the first admission pass")
+    reason_pass: int = 0
+    admitted_seq: int = 0
+
+    @property
+    def team(self) -> str:
+        return self.spec.team
+
+    @property
+    def per_replica(self) -> int:
+        return self.spec.slots_per_replica
+
+    @property
+    def min_slots(self) -> int:
+        return self.spec.replicas.min * self.spec.slots_per_replica
+
+    @property
+    def slots(self) -> int:
+        return len(self.nodes) * self.spec.slots_per_replica
+
+    def order_key(self) -> tuple[int, int]:
+        return (-self.weight, self.seq)
+
+
+@dataclasses.dataclass
+class Node:
+    node_id: str
+    slots: int
+    failure_domain: str
+    labels: dict[str, str]
+    alive: bool = True
+    cordoned: bool = False
+    used: int = 0
+    replicas: dict[str, int] = dataclasses.field(default_factory=dict)  # job -> replicas here
+
+    @property
+    def schedulable(self) -> bool:
+        return self.alive and not self.cordoned
+
+    @property
+    def free(self) -> int:
+        return self.slots - self.used if self.schedulable else 0
+
+    def matches(self, spec: JobSpec) -> bool:
+        return all(self.labels.get(k) == v for k, v in spec.placement.node_labels.items())
+
+
+class SpecRejected(ValueError):
+    """A job spec that can never be admitted here; the message names the field."""
+
+
+class AdmissionCore:
+    """The admission state machine. Feed events with :meth:`handle`, run :meth:`schedule`."""
+
+    def __init__(self, policy: AdmissionPolicy) -> None:
+        self.policy = policy
+        self.gangs: dict[str, Gang] = {}
+        self.nodes: dict[str, Node] = {}
+        self.queue: list[Gang] = []  # pending, in admission order
+        self._queue_keys: list[tuple[int, int]] = []  # order_key() of each queue entry
+        self.usage: dict[str, int] = {}  # team -> slots held
+        self._by_free: dict[int, dict[str, None]] = {}  # free slots -> nodes (ordered set)
+        self._free_total = 0
+        self._seq = 0
+        self._admissions = 0
+        self.pass_no = 0
+        self.running: dict[str, Gang] = {}  # admitted gangs
+        self._slots_by_weight: dict[int, int] = {}  # slots held by admitted gangs, per weight
+        self._pending_by_team: dict[str, int] = {}
+        self._fit_cache: dict[tuple, bool] = {}  # _could_ever_fit per shape; cleared on node change
+        self._deadlines: list[tuple[float, int, Gang]] = []  # heap of schedule timeouts
+
+    # --- validation ---------------------------------------------------------------------
+
+    def validate(self, spec: JobSpec) -> None:
+        """Refuse a spec that names an unknown class or could never fit this cluster.
+
+        Raises:
+            SpecRejected: naming the field and the numbers.
+        """
+        if spec.priority_class not in self.policy.priority_classes:
+            known = ", ".join(sorted(self.policy.priority_classes))
+            raise SpecRejected(f"priority_class {spec.priority_class!r} is not one of: {known}")
+        need = spec.replicas.min * spec.slots_per_replica
+        total = sum(n.slots for n in self.nodes.values() if n.alive)
+        if need > total:
+            raise SpecRejected(
+                f"replicas.min x slots_per_replica = {spec.replicas.min} x "
+                f"{spec.slots_per_replica} = {need} slots, but the whole cluster has {total}")
+        if not any(n.alive and n.slots >= spec.slots_per_replica for n in self.nodes.values()):
+            raise SpecRejected(f"slots_per_replica {spec.slots_per_replica} exceeds every "
+                               "node's slots")
+        ceiling = self.policy.quota(spec.team).ceiling
+        if need > ceiling:
+            raise SpecRejected(f"needs {need} slots but team {spec.team!r} may hold at most "
+                               f"{ceiling:g}")
+
+    # --- events -------------------------------------------------------------------------
+
+    def handle(self, event: Event, now: float) -> list[Decision]:
+        """Apply one event; returns the decisions it forces at once (not an admission pass)."""
+        match event:
+            case JobSubmitted():
+                return self._submitted(event)
+            case JobCancelled():
+                return self._ended(event.job_id, JobState.CANCELLED, event.event_id)
+            case JobFinished():
+                return self._ended(event.job_id, JobState.FINISHED, event.event_id)
+            case NodeUpdated():
+                return self._node_updated(event)
+            case NodeRemoved():
+                return self._node_gone(event.node_id, event.event_id, remove=True)
+        raise TypeError(f"unknown event {event!r}")
+
+    def _submitted(self, event: JobSubmitted) -> list[Decision]:
+        if event.job_id in self.gangs:
+            return []  # a replayed submission: already known
+        weight = self.policy.priority_classes.get(event.spec.priority_class)
+        self._seq += 1
+        gang = Gang(event.job_id, event.spec, weight if weight is not None else 0, self._seq,
+                    event.submitted_at)
+        self.gangs[gang.job_id] = gang
+        if weight is None:
+            gang.state = JobState.FAILED
+            gang.reason = Reason(ReasonCode.UNSCHEDULABLE,
+                                      f"unknown priority class {event.spec.priority_class!r}")
+            return [Fail(gang.job_id, gang.reason, event.event_id)]
+        self._enqueue(gang)
+        if event.spec.schedule_timeout_s is not None:
+            deadline = event.submitted_at + event.spec.schedule_timeout_s
+            heapq.heappush(self._deadlines, (deadline, gang.seq, gang))
+        return []
+
+    def restore(self, event: JobSubmitted, nodes: list[str]) -> list[Decision]:
+        """Rebuild a gang the ledger says runs on ``nodes`` (a new leader loading state).
+
+        Call after the nodes are known. A gang whose nodes are gone, lost or now too
+        small goes back to the queue (returned as an :class:`Evict`).
+        """
+        decisions = self._submitted(event)
+        gang = self.gangs[event.job_id]
+        if gang.state is not JobState.PENDING or not nodes:
+            return decisions
+        need: dict[str, int] = {}
+        for node_id in nodes:
+            need[node_id] = need.get(node_id, 0) + gang.per_replica
+        if all(node_id in self.nodes and self.nodes[node_id].alive
+               and self.nodes[node_id].slots - self.nodes[node_id].used >= slots
+               for node_id, slots in need.items()):
+            self._admit(gang, list(nodes))
+            return decisions
+        gang.reason = Reason(ReasonCode.NODE_LOST, f"a node of its placement {sorted(need)} "
+                                                   "is gone or full after a leader change")
+        return [*decisions, Evict(gang.job_id, gang.reason, requeue=True, cause=event.event_id)]
+
+    def _ended(self, job_id: str, state: JobState, cause: str) -> list[Decision]:
+        gang = self.gangs.get(job_id)
+        if gang is None or gang.state not in (JobState.PENDING, JobState.ADMITTED):
+            return []
+        decisions: list[Decision] = []
+        if gang.state is JobState.ADMITTED:
+            self._release(gang, list(gang.nodes))
+            decisions.append(Evict(job_id, Reason(ReasonCode(state.value), state.value),
+                                   requeue=False, cause=cause))
+        else:
+            self._dequeue(gang)
+        gang.state = state
+        gang.reason = Reason(ReasonCode(state.value), f"{state.value} by request")
+        return decisions
+
+    def _node_updated(self, event: NodeUpdated) -> list[Decision]:
+        self._fit_cache.clear()
+        node = self.nodes.get(event.node_id)
+        if node is None:
+            node = Node(event.node_id, event.slots, event.failure_domain, dict(event.labels))
+            self.nodes[node.node_id] = node
+        else:
+            self._index_remove(node)
+            node.slots, node.failure_domain = event.slots, event.failure_domain
+            node.labels = dict(event.labels)
+        node.alive, node.cordoned = event.alive, event.cordoned
+        self._index_add(node)
+        if not node.alive:
+            return self._node_gone(node.node_id, event.event_id, remove=False)
+        decisions: list[Decision] = []
+        # A node that shrank below what runs on it gives back its newest gangs.
+        while node.used > node.slots:
+            newest = max((self.gangs[j] for j in node.replicas), key=lambda g: g.admitted_seq)
+            decisions += self._evict_for_node(newest, node, event.event_id,
+                                              f"node {node.node_id} shrank to {node.slots} slots")
+        return decisions
+
+    def _node_gone(self, node_id: str, cause: str, *, remove: bool) -> list[Decision]:
+        self._fit_cache.clear()
+        node = self.nodes.get(node_id)
+        if node is None:
+            return []
+        decisions: list[Decision] = []
+        for job_id in list(node.replicas):
+            decisions += self._evict_for_node(self.gangs[job_id], node, cause,
+                                              f"node {node_id} lost")
+        if remove:
+            self._index_remove(node)
+            del self.nodes[node_id]
+        return decisions
+
+    def _evict_for_node(self, gang: Gang, node: Node, cause: str, why: str) -> list[Decision]:
+        """Shrink ``gang`` off ``node`` if it keeps its min elsewhere, else requeue it whole."""
+        keep = [n for n in gang.nodes if n != node.node_id]
+        reason = Reason(ReasonCode.NODE_LOST, why)
+        if len(keep) >= gang.spec.replicas.min:
+            self._release(gang, [n for n in gang.nodes if n == node.node_id])
+            return [Shrink(gang.job_id, tuple(gang.nodes), reason, cause)]
+        self._release(gang, list(gang.nodes))
+        gang.state = JobState.PENDING
+        gang.reason = reason
+        self._enqueue(gang)
+        return [Evict(gang.job_id, reason, requeue=True, cause=cause)]
+
+    def expire(self, now: float) -> list[Decision]:
+        """Fail pending gangs that waited longer than their ``schedule_timeout_s``."""
+        decisions: list[Decision] = []
+        while self._deadlines and self._deadlines[0][0] < now:
+            _, _, gang = heapq.heappop(self._deadlines)
+            if gang.state is JobState.PENDING:
+                timeout = gang.spec.schedule_timeout_s
+                self._dequeue(gang)
+                last = gang.reason.message
+                gang.state = JobState.FAILED
+                gang.reason = Reason(ReasonCode.TIMEOUT,
+                                     f"not admitted within {timeout:g} s; last waiting for: {last}")
+                decisions.append(Fail(gang.job_id, gang.reason, "timeout"))
+        return decisions
+
+    # --- the admission pass -------------------------------------------------------------
+
+    def schedule(self, now: float) -> list[Decision]:
+        """One admission pass over the queue (see the module docstring for the rules)."""
+        self.pass_no += 1
+        cause = f"pass-{self.pass_no}"
+        decisions: list[Decision] = self.expire(now)
+        reserved: dict[str, int] = {}
+        reserved_total = 0
+        holders: list[str] = []
+        admitted: list[Gang] = []
+        lowest_running = min((w for w, s in self._slots_by_weight.items() if s), default=None)
+        borrowed = self._borrowed_slots()
+        # Reclaim is possible only for a team below its nominal quota with work waiting.
+        reclaim_possible = borrowed > 0 and any(
+            self.usage.get(t, 0) < self.policy.quota(t).nominal
+            for t, n in self._pending_by_team.items() if n)
+        i = 0
+        while i < len(self.queue):
+            gang = self.queue[i]
+            if (self._free_total - reserved_total <= 0 and not reclaim_possible
+                    and (lowest_running is None or gang.weight <= lowest_running)):
+                break  # nothing free, nothing to preempt or reclaim: the rest stay queued
+            gang.reason_pass = self.pass_no
+            quota = self.policy.quota(gang.team)
+            used = self.usage.get(gang.team, 0)
+            quota_ok = used + gang.min_slots <= quota.ceiling
+            nodes = self._place(gang, gang.spec.replicas.min, reserved) if quota_ok else None
+            if nodes is None and self._preemption_may_help(
+                    gang, self._free_total - reserved_total, borrowed):
+                victims = self._plan_preemption(gang, reserved)
+                if victims is not None:
+                    decisions += self._preempt(victims, gang, cause)
+                    nodes = self._place(gang, gang.spec.replicas.min, reserved)
+                    assert nodes is not None, "preemption plan promised room"
+            if nodes is not None:
+                i = self._queue_index(gang)  # victims may have been queued ahead of it
+                self._admit(gang, nodes)
+                admitted.append(gang)
+                continue
+            i += 1
+            if not quota_ok:
+                gang.reason = Reason(ReasonCode.QUOTA, self._quota_message(gang, used))
+            elif not self._could_ever_fit(gang):
+                gang.reason = Reason(ReasonCode.UNSCHEDULABLE, self._unschedulable_message(gang))
+            elif len(holders) < self.policy.max_reservations:
+                holders.append(gang.job_id)
+                held = self._reserve(gang, reserved)
+                reserved_total += held
+                gang.reason = Reason(ReasonCode.RESERVED, (
+                    f"needs {self._need_text(gang)}; holding {held} freed slot(s) for it "
+                    f"until {gang.min_slots - held} more free up"))
+            else:
+                gang.reason = Reason(ReasonCode.INSUFFICIENT_CAPACITY, self._capacity_message(
+                    gang, self._free_total - reserved_total, holders))
+        for gang in admitted:
+            self._grow(gang, reserved)
+            decisions.append(Admit(gang.job_id, tuple(gang.nodes), cause))
+        return decisions
+
+    def step(self, events: Iterable[Event], now: float) -> list[Decision]:
+        """Apply ``events`` then run one pass: what the service does per batch."""
+        decisions: list[Decision] = []
+        for event in events:
+            decisions += self.handle(event, now)
+        return decisions + self.schedule(now)
+
+    # --- placement ----------------------------------------------------------------------
+
+    def _candidates(self, gang: Gang, reserved: dict[str, int]) -> Iterator[tuple[Node, int]]:
+        """Schedulable matching nodes with room for a replica, fullest first, and their room."""
+        k = gang.per_replica
+        for free in sorted(f for f in self._by_free if f >= k):
+            for node_id in self._by_free[free]:
+                node = self.nodes[node_id]
+                room = free - reserved.get(node_id, 0)
+                if room >= k and node.matches(gang.spec):
+                    yield node, room
+
+    def _place(self, gang: Gang, replicas: int, reserved: dict[str, int],
+               existing: Iterable[str] = ()) -> list[str] | None:
+        """Nodes for ``replicas`` more replicas of ``gang`` (all or None)."""
+        k = gang.per_replica
+        cap = math.inf
+        per_domain: dict[str, int] = {}
+        if gang.spec.placement.spread_failure_domains:
+            domains = {n.failure_domain for n in self.nodes.values()
+                       if n.schedulable and n.matches(gang.spec) and n.slots >= k}
+            total = replicas + len(list(existing))
+            cap = math.ceil(total / max(1, len(domains)))
+            for node_id in existing:
+                domain = self.nodes[node_id].failure_domain
+                per_domain[domain] = per_domain.get(domain, 0) + 1
+        chosen: list[str] = []
+        for node, room in self._candidates(gang, reserved):
+            domain = node.failure_domain
+            take = min(room // k, replicas - len(chosen), cap - per_domain.get(domain, 0))
+            if take > 0:
+                chosen += [node.node_id] * int(take)
+                per_domain[domain] = per_domain.get(domain, 0) + int(take)
+                if len(chosen) == replicas:
+                    return chosen
+        return None
+
+    def _reserve(self, gang: Gang, reserved: dict[str, int]) -> int:
+        """Hold free slots on the nodes ``gang`` would use, up to its need; returns slots held."""
+        k = gang.per_replica
+        held = 0
+        for node, room in self._candidates(gang, reserved):
+            take = min(room // k * k, gang.min_slots - held)
+            reserved[node.node_id] = reserved.get(node.node_id, 0) + take
+            held += take
+            if held >= gang.min_slots:
+                break
+        return held
+
+    def _could_ever_fit(self, gang: Gang) -> bool:
+        """Would ``gang`` fit if every matching schedulable node were empty? (cached)"""
+        placement = gang.spec.placement
+        shape = (gang.per_replica, gang.spec.replicas.min, placement.spread_failure_domains,
+                 tuple(sorted(placement.node_labels.items())))
+        fits = self._fit_cache.get(shape)
+        if fits is None:
+            fits = self._fit_cache[shape] = self._could_fit_empty(gang)
+        return fits
+
+    def _could_fit_empty(self, gang: Gang) -> bool:
+        k = gang.per_replica
+        by_domain: dict[str, int] = {}
+        for node in self.nodes.values():
+            if node.schedulable and node.matches(gang.spec):
+                by_domain[node.failure_domain] = (by_domain.get(node.failure_domain, 0)
+                                                  + node.slots // k)
+        n = gang.spec.replicas.min
+        if gang.spec.placement.spread_failure_domains and by_domain:
+            cap = math.ceil(n / len(by_domain))
+            return sum(min(c, cap) for c in by_domain.values()) >= n
+        return sum(by_domain.values()) >= n
+
+    def _grow(self, gang: Gang, reserved: dict[str, int]) -> None:
+        """Give a just-admitted elastic gang extra replicas from unreserved free slots."""
+        ceiling = self.policy.quota(gang.team).ceiling
+        while len(gang.nodes) < gang.spec.replicas.max:
+            if self.usage.get(gang.team, 0) + gang.per_replica > ceiling:
+                return
+            extra = self._place(gang, 1, reserved, existing=gang.nodes)
+            if extra is None:
+                return
+            self._allocate(gang, extra)
+
+    # --- preemption ---------------------------------------------------------------------
+
+    def _may_preempt(self, gang: Gang, victim: Gang, reclaim: bool) -> bool:
+        """May ``gang`` take ``victim``'s slots? ``reclaim``: gang's team is under nominal."""
+        if victim.team == gang.team:
+            return victim.weight < gang.weight
+        if self.usage.get(victim.team, 0) <= self.policy.quota(victim.team).nominal:
+            return False  # not borrowing: its slots are its own
+        return reclaim or victim.weight < gang.weight
+
+    def _borrowed_slots(self) -> int:
+        return sum(max(0, used - self.policy.quota(t).nominal) for t, used in self.usage.items())
+
+    def _preemption_may_help(self, gang: Gang, free: int, borrowed: int) -> bool:
+        """A cheap upper bound: could free slots plus every preemptible slot hold ``gang``?"""
+        lower = sum(s for w, s in self._slots_by_weight.items() if w < gang.weight)
+        reclaim = (borrowed if self.usage.get(gang.team, 0) + gang.min_slots
+                   <= self.policy.quota(gang.team).nominal else 0)
+        return free + max(lower, reclaim) >= gang.min_slots
+
+    def _plan_preemption(self, gang: Gang,
+                         reserved: dict[str, int]) -> list[tuple[Gang, int]] | None:
+        """Victims (gang, replicas to take) that make room for ``gang``, or None.
+
+        Tries shrinking elastic victims before evicting whole gangs; simulates on
+        the live state and undoes every change before returning.
+        """
+        reclaim = (self.usage.get(gang.team, 0) + gang.min_slots
+                   <= self.policy.quota(gang.team).nominal)
+        running = [g for g in self.running.values()
+                   if (reclaim or g.weight < gang.weight) and self._may_preempt(gang, g, reclaim)]
+        if not running:
+            return None
+        running.sort(key=lambda g: (g.weight, -g.admitted_seq))
+        steps: list[tuple[Gang, int]] = [
+            (g, len(g.nodes) - g.spec.replicas.min) for g in running
+            if len(g.nodes) > g.spec.replicas.min]
+        steps += [(g, -1) for g in running]  # -1: evict whatever it still holds
+        taken: list[tuple[Gang, list[str]]] = []
+        ceiling = self.policy.quota(gang.team).ceiling
+
+        def fits() -> bool:
+            return (self.usage.get(gang.team, 0) + gang.min_slots <= ceiling
+                    and self._place(gang, gang.spec.replicas.min, reserved) is not None)
+
+        def take(victim: Gang, count: int) -> list[str]:
+            nodes = list(victim.nodes) if count < 0 else victim.nodes[-count:]
+            self._release(victim, nodes)
+            return nodes
+
+        try:
+            for victim, count in steps:
+                if not victim.nodes or not self._may_preempt(gang, victim, reclaim):
+                    continue
+                taken.append((victim, take(victim, count)))
+                if fits():
+                    break
+            else:
+                return None
+            # Spare victims that turned out unnecessary, most valuable first.
+            for i in range(len(taken) - 2, -1, -1):
+                victim, nodes = taken[i]
+                self._allocate(victim, nodes)
+                if fits():
+                    taken.pop(i)
+                else:
+                    self._release(victim, nodes)
+            plan: dict[str, tuple[Gang, int]] = {}
+            for victim, nodes in taken:
+                prev = plan.get(victim.job_id, (victim, 0))[1]
+                plan[victim.job_id] = (victim, prev + len(nodes))
+            return list(plan.values())
+        finally:
+            for victim, nodes in reversed(taken):
+                self._allocate(victim, nodes)
+
+    def _preempt(self, victims: list[tuple[Gang, int]], gang: Gang, cause: str) -> list[Decision]:
+        decisions: list[Decision] = []
+        why = (f"preempted for {gang.job_id} (priority {gang.spec.priority_class}, "
+               f"team {gang.team})")
+        for victim, count in victims:
+            reason = Reason(ReasonCode.PREEMPTED, why)
+            if len(victim.nodes) - count >= victim.spec.replicas.min:
+                self._release(victim, victim.nodes[-count:])
+                decisions.append(Shrink(victim.job_id, tuple(victim.nodes), reason, cause))
+            else:
+                self._release(victim, list(victim.nodes))
+                victim.state = JobState.PENDING
+                victim.reason = reason
+                self._enqueue(victim)
+                decisions.append(Evict(victim.job_id, reason, requeue=True, cause=cause))
+        return decisions
+
+    # --- bookkeeping --------------------------------------------------------------------
+
+    def _admit(self, gang: Gang, nodes: list[str]) -> None:
+        self._dequeue(gang)
+        gang.state = JobState.ADMITTED
+        self._admissions += 1
+        gang.admitted_seq = self._admissions
+        gang.reason = Reason(ReasonCode.ADMITTED, "admitted")
+        self._allocate(gang, nodes)
+
+    def _allocate(self, gang: Gang, nodes: list[str]) -> None:
+        for node_id in nodes:
+            node = self.nodes[node_id]
+            self._index_remove(node)
+            node.used += gang.per_replica
+            node.replicas[gang.job_id] = node.replicas.get(gang.job_id, 0) + 1
+            self._index_add(node)
+        gang.nodes.extend(nodes)
+        slots = len(nodes) * gang.per_replica
+        self.usage[gang.team] = self.usage.get(gang.team, 0) + slots
+        self._slots_by_weight[gang.weight] = self._slots_by_weight.get(gang.weight, 0) + slots
+        if gang.nodes:
+            self.running[gang.job_id] = gang
+
+    def _release(self, gang: Gang, nodes: list[str]) -> None:
+        for node_id in nodes:
+            gang.nodes.remove(node_id)
+            node = self.nodes[node_id]
+            self._index_remove(node)
+            node.used -= gang.per_replica
+            node.replicas[gang.job_id] -= 1
+            if not node.replicas[gang.job_id]:
+                del node.replicas[gang.job_id]
+            self._index_add(node)
+        slots = len(nodes) * gang.per_replica
+        self.usage[gang.team] -= slots
+        self._slots_by_weight[gang.weight] -= slots
+        if not gang.nodes:
+            self.running.pop(gang.job_id, None)
+
+    def _index_add(self, node: Node) -> None:
+        if node.free > 0:
+            self._by_free.setdefault(node.free, {})[node.node_id] = None
+            self._free_total += node.free
+
+    def _index_remove(self, node: Node) -> None:
+        bucket = self._by_free.get(node.free)
+        if bucket is not None and node.node_id in bucket:
+            del bucket[node.node_id]
+            if not bucket:
+                del self._by_free[node.free]
+            self._free_total -= node.free
+
+    def _enqueue(self, gang: Gang) -> None:
+        key = gang.order_key()
+        i = bisect.bisect(self._queue_keys, key)
+        self._queue_keys.insert(i, key)
+        self.queue.insert(i, gang)
+        self._pending_by_team[gang.team] = self._pending_by_team.get(gang.team, 0) + 1
+
+    def _queue_index(self, gang: Gang) -> int:
+        return bisect.bisect_left(self._queue_keys, gang.order_key())
+
+    def _dequeue(self, gang: Gang) -> None:
+        i = self._queue_index(gang)
+        assert self.queue[i] is gang
+        del self.queue[i]
+        del self._queue_keys[i]
+        self._pending_by_team[gang.team] -= 1
+
+    # --- explanations -------------------------------------------------------------------
+
+    def explain(self, job_id: str) -> Reason:
+        """Why ``job_id`` is where it is, with its queue position if pending.
+
+        Raises:
+            KeyError: unknown job.
+        """
+        gang = self.gangs[job_id]
+        if gang.state is not JobState.PENDING:
+            return gang.reason
+        position = self._queue_index(gang) + 1
+        if gang.reason_pass != self.pass_no:
+            return Reason(ReasonCode.QUEUED, (
+                f"position {position} of {len(self.queue)} in the queue; the last pass stopped "
+                f"before it (no free or preemptible slots for gangs of priority "
+                f"{gang.spec.priority_class} or lower)"))
+        return Reason(gang.reason.code,
+                           f"{gang.reason.message} (position {position} of {len(self.queue)})")
+
+    def _need_text(self, gang: Gang) -> str:
+        return (f"{gang.spec.replicas.min} replica(s) x {gang.per_replica} slot(s) = "
+                f"{gang.min_slots} slots")
+
+    def _quota_message(self, gang: Gang, used: int) -> str:
+        quota = self.policy.quota(gang.team)
+        limit = "unlimited" if quota.borrow_limit is None else str(quota.borrow_limit)
+        return (f"team {gang.team} quota: {used}/{quota.ceiling:g} slots used (nominal "
+                f"{quota.nominal} + borrow limit {limit}); needs {gang.min_slots} more")
+
+    def _unschedulable_message(self, gang: Gang) -> str:
+        matching = [n for n in self.nodes.values() if n.schedulable and n.matches(gang.spec)]
+        labels = gang.spec.placement.node_labels
+        where = f"nodes labelled {labels}" if labels else "schedulable nodes"
+        spread = ", spread over failure domains" if gang.spec.placement.spread_failure_domains \
+            else ""
+        return (f"needs {self._need_text(gang)}{spread}, but the {len(matching)} {where} "
+                f"offer {sum(n.slots for n in matching)} slots in all")
+
+    def _capacity_message(self, gang: Gang, free: int, holders: list[str]) -> str:
+        held = f"; freed slots are reserved for {', '.join(holders)}" if holders else ""
+        return (f"needs {self._need_text(gang)} placed at once; {free} unreserved slot(s) "
+                f"free in the cluster{held}")
+
+    # --- invariants ---------------------------------------------------------------------
+
+    def check_invariants(self) -> None:
+        """Assert the state is consistent (used by tests after every step)."""
+        used: dict[str, int] = {}
+        team_use: dict[str, int] = {}
+        for gang in self.gangs.values():
+            if gang.state is JobState.ADMITTED:
+                assert len(gang.nodes) >= gang.spec.replicas.min, f"{gang.job_id} below min"
+                assert len(gang.nodes) <= gang.spec.replicas.max, f"{gang.job_id} above max"
+                for node_id in gang.nodes:
+                    used[node_id] = used.get(node_id, 0) + gang.per_replica
+                team_use[gang.team] = team_use.get(gang.team, 0) + gang.slots
+            else:
+                assert not gang.nodes, f"{gang.job_id} is {gang.state} but holds slots"
+            assert (gang in self.queue) == (gang.state is JobState.PENDING), gang.job_id
+        for node in self.nodes.values():
+            assert node.used == used.get(node.node_id, 0), f"{node.node_id} usage drifted"
+            assert node.used <= node.slots, f"{node.node_id} over capacity"
+        assert set(self.running) == {g.job_id for g in self.gangs.values()
+                                     if g.state is JobState.ADMITTED}, "running set drifted"
+        for team, slots in team_use.items():
+            assert slots <= self.policy.quota(team).ceiling, f"team {team} over quota"
+            assert self.usage.get(team, 0) == slots, f"team {team} usage drifted"
+        keys = [g.order_key() for g in self.queue]
+        assert keys == sorted(keys) == self._queue_keys, "queue out of order"
+        assert self._free_total == sum(n.free for n in self.nodes.values()), "free index drifted"
