@@ -26,7 +26,13 @@ from nats.aio.subscription import Subscription
 
 from phalanx.bus import telemetry
 from phalanx.bus.config import BusConfig
-from phalanx.bus.errors import BusUnavailable, NoResponders, RemoteError, RequestTimeout
+from phalanx.bus.errors import (
+    BusUnavailable,
+    NoResponders,
+    RemoteError,
+    RequestRefused,
+    RequestTimeout,
+)
 from phalanx.schemas.codec import decode, encode
 from phalanx.schemas.errors import WireError
 from phalanx.schemas.messages import Message
@@ -51,12 +57,17 @@ class Delivery:
 Handler = Callable[[M, Delivery], Awaitable[Message | None]]
 
 
-class BadRequest(Exception):
-    """Raised by :func:`process` when the payload is not a valid message (code 400)."""
+class Failed(Exception):
+    """Raised by :func:`process`: answer the request with service error ``code``.
 
+    400 for a payload that does not decode, 500 for a handler that raised, or
+    the code of a :class:`~phalanx.bus.errors.RequestRefused` the handler raised.
+    """
 
-class HandlerFailed(Exception):
-    """Raised by :func:`process` when the handler raised (code 500)."""
+    def __init__(self, code: str, description: str) -> None:
+        self.code = code
+        self.description = description[:1024]
+        super().__init__(f"{code}: {description}")
 
 
 @dataclasses.dataclass
@@ -73,8 +84,7 @@ async def process(delivery: Delivery, data: bytes, message_type: type[M], handle
     """Decode ``data``, run ``handler`` inside a consumer span, and return its reply.
 
     Raises:
-        BadRequest: the payload is not a valid ``message_type`` (already counted).
-        HandlerFailed: the handler raised (already counted and logged).
+        Failed: the payload was bad, the handler refused or raised (already counted).
     """
     subject = delivery.subject
     with telemetry.consumer_span(subject, delivery.headers, len(data), queue) as span:
@@ -85,17 +95,20 @@ async def process(delivery: Delivery, data: bytes, message_type: type[M], handle
             counters.last_error = str(exc)
             span.record_exception(exc)
             log.warning("bad message dropped: %s", exc)
-            raise BadRequest(str(exc)) from None
+            raise Failed("400", str(exc)) from None
         try:
             return await handler(message, delivery)
         except asyncio.CancelledError:
             raise
+        except RequestRefused as exc:
+            span.record_exception(exc)
+            raise Failed(exc.code, exc.description) from None
         except Exception as exc:
             counters.handler_errors += 1
             counters.last_error = f"{type(exc).__name__}: {exc}"
             span.record_exception(exc)
             log.exception("handler for %s failed", subject)
-            raise HandlerFailed(counters.last_error) from exc
+            raise Failed("500", counters.last_error) from exc
 
 
 class Bus:
@@ -215,17 +228,16 @@ class Bus:
 
         A reply returned by the handler is sent if the message was a request.
         Bad payloads and handler failures are counted (:attr:`counters`) and,
-        for requests, answered with a 400 / 500 service error.
+        for requests, answered with a 400 / 500 service error (or the code of a
+        :class:`~phalanx.bus.errors.RequestRefused` the handler raised).
         """
         async def on_message(msg: Msg) -> None:
             delivery = Delivery(msg.subject, dict(msg.headers or {}), msg.reply)
             try:
                 reply = await process(delivery, msg.data, message_type, handler, self.counters,
                                       queue)
-            except BadRequest as exc:
-                await self._respond_error(msg, "400", str(exc))
-            except HandlerFailed as exc:
-                await self._respond_error(msg, "500", str(exc))
+            except Failed as exc:
+                await self._respond_error(msg, exc.code, exc.description)
             else:
                 if reply is not None and msg.reply:
                     await self.nc.publish(msg.reply, encode(reply), headers=telemetry.inject())
@@ -235,7 +247,7 @@ class Bus:
     async def _respond_error(self, msg: Msg, code: str, description: str) -> None:
         if msg.reply:
             await self.nc.publish(msg.reply, b"", headers={
-                ERROR_CODE_HEADER: code, ERROR_HEADER: description[:1024]})
+                ERROR_CODE_HEADER: code, ERROR_HEADER: description})
 
 
 def raise_for_error(reply: Msg, subject: str) -> None:

@@ -33,5 +33,17 @@ class RemoteError(PhalanxError, RuntimeError):
         super().__init__(f"{subject} answered error {code}: {description}")
 
 
+class RequestRefused(PhalanxError, RuntimeError):
+    """Raised by a request handler to answer with a specific service error code.
+
+    Codes follow HTTP: 400 bad request, 404 unknown, 409 conflict, 503 try again.
+    """
+
+    def __init__(self, code: str, description: str) -> None:
+        self.code = code
+        self.description = description
+        super().__init__(f"{code}: {description}")
+
+
 class Conflict(PhalanxError, RuntimeError):
     """A KV compare-and-swap lost: the key changed (or exists) since it was read."""

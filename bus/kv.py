@@ -10,7 +10,8 @@ computed from the same old value.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+import logging
+from collections.abc import AsyncIterator, Callable
 from typing import Generic, TypeVar
 
 import nats.js.errors as jse
@@ -24,12 +25,22 @@ from phalanx.schemas.errors import WireError
 from phalanx.schemas.messages import Message
 
 M = TypeVar("M", bound=Message)
+log = logging.getLogger("phalanx.bus.kv")
 
 
 @dataclasses.dataclass(frozen=True)
 class Entry(Generic[M]):
     key: str
     value: M
+    revision: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Change(Generic[M]):
+    """One watched update: ``value`` is None when the key was deleted or purged."""
+
+    key: str
+    value: M | None
     revision: int
 
 
@@ -129,6 +140,29 @@ class TypedKV(Generic[M]):
                 raise
             raise Conflict(
                 f"{self.bucket}/{key} changed since revision {revision}: {exc}") from None
+
+    async def watch(self) -> AsyncIterator[Change[M] | None]:
+        """Current values, then ``None`` once they are all delivered, then every change.
+
+        Values that do not decode are logged and skipped; the watch goes on.
+        """
+        watcher = await self.kv.watchall()
+        try:
+            async for raw in watcher:
+                if raw is None:
+                    yield None
+                    continue
+                if raw.operation in ("DEL", "PURGE"):
+                    yield Change(raw.key, None, raw.revision or 0)
+                    continue
+                try:
+                    value = self._decode(raw.key, raw.value)
+                except WireError as exc:
+                    log.warning("skipping undecodable KV entry: %s", exc)
+                    continue
+                yield Change(raw.key, value, raw.revision or 0)
+        finally:
+            await watcher.stop()
 
     async def entries(self) -> tuple[list[Entry[M]], list[WireError]]:
         """Every live entry, and the errors of those whose values do not decode."""

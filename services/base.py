@@ -29,7 +29,7 @@ from nats.micro.service import EndpointConfig, EndpointStats, ServiceConfig
 from nats.micro.service import Service as MicroService
 
 from phalanx.bus import telemetry
-from phalanx.bus.client import BadRequest, Bus, Counters, Delivery, Handler, HandlerFailed, process
+from phalanx.bus.client import Bus, Counters, Delivery, Failed, Handler, process
 from phalanx.bus.config import BusConfig
 from phalanx.schemas import __version__
 from phalanx.schemas.codec import encode
@@ -85,10 +85,8 @@ class Service:
             try:
                 reply = await process(delivery, request.data, request_type, handler, counters,
                                       queue)
-            except BadRequest as exc:
-                raise ServiceError("400", str(exc)[:1024]) from None
-            except HandlerFailed as exc:
-                raise ServiceError("500", str(exc)[:1024]) from None
+            except Failed as exc:
+                raise ServiceError(exc.code, exc.description) from None
             if reply is None:
                 raise ServiceError("500", f"handler of {name} returned no reply")
             await request.respond(encode(reply), headers=telemetry.inject())

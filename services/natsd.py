@@ -72,7 +72,8 @@ class NatsServer:
         self.log_path = Path(log_path) if log_path else None
         self.ready_timeout_s = ready_timeout_s
         self.process: subprocess.Popen[bytes] | None = None
-        self._ready = threading.Event()
+        self._log_event = threading.Event()  # "Server is ready" seen, or the log ended
+        self._ready = False
         self._fatal: list[str] = []
         self._reader: threading.Thread | None = None
 
@@ -96,8 +97,8 @@ class NatsServer:
         self._reader = threading.Thread(target=self._read_log, name="nats-server-log",
                                         daemon=True)
         self._reader.start()
-        ready = self._ready.wait(self.ready_timeout_s)
-        if not ready or self.process.poll() is not None:
+        self._log_event.wait(self.ready_timeout_s)
+        if not self._ready:
             self.stop()
             self._reader.join(timeout=2)
             detail = "; ".join(self._fatal) or (
@@ -119,13 +120,14 @@ class NatsServer:
                 if (match := _LISTEN.search(line)) is not None:
                     self.port = int(match[2])
                 elif "Server is ready" in line:
-                    self._ready.set()
+                    self._ready = True
+                    self._log_event.set()
                 elif "[FTL]" in line or "[ERR]" in line:
                     self._fatal.append(line.split("]", 2)[-1].strip())
         finally:
             if log:
                 log.close()
-            self._ready.set()  # wake start() if the server died before it was ready
+            self._log_event.set()  # wake start() if the server died before it was ready
 
     def stop(self, grace_s: float = 5.0) -> None:
         """Stop the server: SIGTERM, then SIGKILL after ``grace_s`` (idempotent)."""

@@ -35,9 +35,11 @@ def nodes(data_dir: Path) -> dict[str, dict]:
     return {n["node_id"]: n for n in json.loads(out)}
 
 
-def wait_exit(pid: int, timeout_s: float) -> None:
+def kill_and_wait(pid: int, timeout_s: float) -> None:
+    """SIGKILL ``pid`` through a pidfd (no pid-reuse race) and wait until it is gone."""
     fd = os.pidfd_open(pid)
     try:
+        signal.pidfd_send_signal(fd, signal.SIGKILL)
         assert select.select([fd], [], [], timeout_s)[0], f"pid {pid} still alive"
     finally:
         os.close(fd)
@@ -78,8 +80,7 @@ def test_up_nodes_kill_agent_lost_then_down_leaves_nothing(cluster) -> None:
 
     victim = listed["local-1"]["agent_pid"]
     assert victim == state["agents"]["local-1"]
-    os.kill(victim, signal.SIGKILL)
-    wait_exit(victim, 10)
+    kill_and_wait(victim, 10)
     just_after = nodes(data_dir)["local-1"]
     if just_after["state"] == "alive":
         # Not lost before its timeout; lost once the timeout has passed.

@@ -35,7 +35,7 @@ class EchoService(Service):
 
 
 async def _srv(bus: Bus, verb: str, name: str) -> dict:
-    reply = await bus.nc.request(f"$SRV.{verb}.{name}", b"", timeout=2)
+    reply = await bus.nc.request(f"$SRV.{verb}.{name}", b"", timeout=10)
     return json.loads(reply.data)
 
 
@@ -50,7 +50,7 @@ async def test_service_answers_srv_api_and_survives_garbage(bus: Bus, bus_config
         assert [e["subject"] for e in info["endpoints"]] == [f"t.{uid}.status"]
 
         for junk in (b"", b"\xc1", b"\x93\x01\x02\x03", b'{"json": true}'):
-            reply = await bus.nc.request(f"t.{uid}.status", junk, timeout=2)
+            reply = await bus.nc.request(f"t.{uid}.status", junk, timeout=10)
             with pytest.raises(RemoteError) as err:
                 raise_for_error(reply, f"t.{uid}.status")
             assert err.value.code == "400"
