@@ -56,6 +56,113 @@ def cmd_agent(args: argparse.Namespace) -> int:
     return run_service(AgentService(config, _bus_config(args)))
 
 
+def cmd_admission(args: argparse.Namespace) -> int:
+    from phalanx.services.admission.config import AdmissionConfig
+    from phalanx.services.admission.service import AdmissionService
+    from phalanx.services.base import run_service
+    from phalanx.services.logs import configure_logging
+
+    config = AdmissionConfig.load(args.config)
+    service = AdmissionService(config, _bus_config(args), instance=args.instance)
+    configure_logging("phalanx-admission", service.instance, args.log_level)
+    return run_service(service)
+
+
+# --- jobs ----------------------------------------------------------------------------------
+
+
+async def _with_client(args: argparse.Namespace, action):
+    from phalanx.bus.client import Bus
+    from phalanx.services.client import AdmissionClient
+
+    async with await Bus.connect(_bus_config(args), name="phalanx-cli") as bus:
+        return await action(AdmissionClient(bus))
+
+
+def _record_row(record) -> dict:
+    return {"job_id": record.job_id, "state": record.state.value, "team": record.spec.team,
+            "priority_class": record.spec.priority_class,
+            "replicas": len(record.nodes) or record.spec.replicas.min,
+            "slots_per_replica": record.spec.slots_per_replica, "nodes": list(record.nodes),
+            "reason_code": record.reason_code.value, "reason": record.reason,
+            "submitted_at": record.submitted_at, "updated_at": record.updated_at}
+
+
+def cmd_submit(args: argparse.Namespace) -> int:
+    from phalanx.services.client import load_job_spec
+
+    spec = load_job_spec(args.file)
+    record = asyncio.run(_with_client(args, lambda c: c.submit(spec, args.job_id)))
+    if args.json:
+        print(json.dumps(_record_row(record), indent=2))
+    else:
+        print(f"submitted {record.job_id} ({record.state.value})")
+    return 0
+
+
+def cmd_jobs(args: argparse.Namespace) -> int:
+    from rich.console import Console
+    from rich.table import Table
+
+    records = asyncio.run(_with_client(args, lambda c: c.jobs()))
+    if args.json:
+        print(json.dumps([_record_row(r) for r in records], indent=2))
+        return 0
+    table = Table(title="phalanx jobs")
+    for column in ("job", "state", "team", "priority", "replicas x slots", "nodes", "why"):
+        table.add_column(column)
+    for r in records:
+        replicas = len(r.nodes) or r.spec.replicas.min
+        table.add_row(r.job_id, r.state.value, r.spec.team, r.spec.priority_class,
+                      f"{replicas} x {r.spec.slots_per_replica}",
+                      ",".join(sorted(set(r.nodes))) or "-",
+                      "" if r.state.value == "admitted" else r.reason_code.value)
+    if any(r.state.value == "pending" for r in records):
+        Console().print("`phalanx explain JOB` says why a job waits and where it stands.")
+    Console().print(table)
+    return 0
+
+
+def cmd_job(args: argparse.Namespace) -> int:
+    record = asyncio.run(_with_client(args, lambda c: c.job(args.job)))
+    if record is None:
+        print(f"phalanx job: no job {args.job!r}", file=sys.stderr)
+        return EXIT_FAILED
+    row = _record_row(record)
+    if args.json:
+        print(json.dumps(row, indent=2))
+    else:
+        for key, value in row.items():
+            print(f"{key:>18}: {value}")
+    return 0
+
+
+def cmd_explain(args: argparse.Namespace) -> int:
+    explanation = asyncio.run(_with_client(args, lambda c: c.explain(args.job)))
+    if args.json:
+        print(json.dumps(msgspec_to_builtins(explanation), indent=2))
+        return 0
+    where = (f", position {explanation.position} of {explanation.queue_length}"
+             if explanation.position else "")
+    print(f"{explanation.job_id}: {explanation.state.value}{where}")
+    print(f"  {explanation.reason_code.value}: {explanation.reason}")
+    if explanation.nodes:
+        print(f"  nodes: {', '.join(explanation.nodes)}")
+    return 0
+
+
+def cmd_cancel(args: argparse.Namespace) -> int:
+    record = asyncio.run(_with_client(args, lambda c: c.cancel(args.job)))
+    print(f"{record.job_id}: {record.state.value}")
+    return 0
+
+
+def msgspec_to_builtins(message) -> dict:
+    import msgspec
+
+    return msgspec.to_builtins(message)
+
+
 # --- nodes ---------------------------------------------------------------------------------
 
 
@@ -139,7 +246,8 @@ async def _up(args: argparse.Namespace, data_dir: Path) -> int:
     cluster = LocalCluster(
         data_dir, agents=args.agents, slots_per_agent=args.slots_per_agent,
         nats_url=args.nats, nats_port=args.nats_port,
-        heartbeat_interval_s=args.heartbeat_interval, lost_after_s=args.lost_after)
+        heartbeat_interval_s=args.heartbeat_interval, lost_after_s=args.lost_after,
+        admission_instances=args.admission, config_path=args.config)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -194,8 +302,7 @@ def _notify(args: argparse.Namespace, line: str) -> None:
 def _up_detached(args: argparse.Namespace, data_dir: Path) -> int:
     (data_dir / "logs").mkdir(parents=True, exist_ok=True)
     read_end, write_end = os.pipe()
-    argv = [a for a in sys.argv[1:] if a not in ("--detach", "-d")] if _invoked_as_cli() else \
-        _rebuild_argv(args)
+    argv = _rebuild_argv(args)
     log_path = data_dir / "logs" / "up.log"
     with log_path.open("ab") as log_file:
         child = subprocess.Popen(
@@ -217,15 +324,12 @@ def _up_detached(args: argparse.Namespace, data_dir: Path) -> int:
     return EXIT_FAILED
 
 
-def _invoked_as_cli() -> bool:
-    return bool(sys.argv) and Path(sys.argv[0]).name in ("phalanx", "cli.py")
-
-
 def _rebuild_argv(args: argparse.Namespace) -> list[str]:
     argv = ["up", "--agents", str(args.agents), "--slots-per-agent", str(args.slots_per_agent),
             "--nats-port", str(args.nats_port), "--data-dir", str(args.data_dir),
             "--heartbeat-interval", str(args.heartbeat_interval),
-            "--lost-after", str(args.lost_after), "--log-level", args.log_level]
+            "--lost-after", str(args.lost_after), "--admission", str(args.admission),
+            "--log-level", args.log_level]
     if args.nats:
         argv += ["--nats", args.nats]
     if args.config:
@@ -273,6 +377,8 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--nats-port", type=int, default=4222,
                     help="port of the embedded NATS server (0 = any free port)")
     up.add_argument("--heartbeat-interval", type=float, default=0.5, metavar="S")
+    up.add_argument("--admission", type=int, default=1, metavar="N",
+                    help="admission service instances (one leads, the others stand by)")
     up.add_argument("--detach", "-d", action="store_true", help="run in the background")
     up.add_argument("--notify-fd", type=int, help=argparse.SUPPRESS)
     up.set_defaults(func=cmd_up)
@@ -284,6 +390,30 @@ def build_parser() -> argparse.ArgumentParser:
     nodes = sub.add_parser("nodes", parents=[common, lost_after], help="list registered nodes")
     nodes.add_argument("--json", action="store_true")
     nodes.set_defaults(func=cmd_nodes)
+
+    admission = sub.add_parser("admission", parents=[common],
+                               help="run an admission service instance")
+    admission.add_argument("--instance", help="instance name (default: host-pid-random)")
+    admission.set_defaults(func=cmd_admission)
+
+    submit = sub.add_parser("submit", parents=[common], help="submit a job spec (YAML)")
+    submit.add_argument("file")
+    submit.add_argument("--job-id", help="job id (default: <name>-<random>)")
+    submit.add_argument("--json", action="store_true")
+    submit.set_defaults(func=cmd_submit)
+
+    jobs = sub.add_parser("jobs", parents=[common], help="list jobs")
+    jobs.add_argument("--json", action="store_true")
+    jobs.set_defaults(func=cmd_jobs)
+
+    for name, func, text in (("job", cmd_job, "show one job"),
+                             ("explain", cmd_explain, "why a job waits, and where it stands"),
+                             ("cancel", cmd_cancel, "cancel a job")):
+        command = sub.add_parser(name, parents=[common], help=text)
+        command.add_argument("job")
+        if name != "cancel":
+            command.add_argument("--json", action="store_true")
+        command.set_defaults(func=func)
 
     agent = sub.add_parser("agent", parents=[common, lost_after], help="run a node agent")
     agent.add_argument("--node-id")
@@ -301,7 +431,8 @@ def main(argv: list[str] | None = None) -> int:
         return args.func(args)
     except PhalanxError as exc:
         print(f"phalanx {args.command}: {exc}", file=sys.stderr)
-        return EXIT_USAGE if isinstance(exc, ValueError) else EXIT_FAILED
+        refused = getattr(exc, "code", "").startswith("4")
+        return EXIT_USAGE if isinstance(exc, ValueError) or refused else EXIT_FAILED
     except KeyboardInterrupt:
         return 130
 

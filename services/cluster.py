@@ -27,9 +27,11 @@ from pathlib import Path
 
 from phalanx.bus.client import Bus, Delivery
 from phalanx.bus.config import BusConfig
+from phalanx.bus.errors import RemoteError
 from phalanx.schemas import subjects
 from phalanx.schemas.errors import PhalanxError
 from phalanx.schemas.messages import NodeHeartbeat
+from phalanx.services.client import AdmissionClient
 from phalanx.services.natsd import NatsServer, _die_with_parent
 
 log = logging.getLogger("phalanx.cluster")
@@ -53,6 +55,7 @@ class ClusterState:
     nats_pid: int | None
     agents: dict[str, int]  # node id -> pid
     started_at: float
+    services: dict[str, int] = dataclasses.field(default_factory=dict)  # instance -> pid
 
     @classmethod
     def read(cls, data_dir: Path) -> ClusterState | None:
@@ -102,11 +105,14 @@ class LocalCluster:
     def __init__(self, data_dir: Path, *, agents: int = 2, slots_per_agent: int = 2,
                  nats_url: str | None = None, nats_port: int = 4222,
                  heartbeat_interval_s: float = 0.5, lost_after_s: float = 3.0,
+                 admission_instances: int = 1, config_path: str | None = None,
                  ready_timeout_s: float = 30.0) -> None:
         if agents < 0:
             raise ClusterError(f"--agents must be >= 0, got {agents}")
         if slots_per_agent < 1:
             raise ClusterError(f"--slots-per-agent must be >= 1, got {slots_per_agent}")
+        if admission_instances < 0:
+            raise ClusterError(f"--admission must be >= 0, got {admission_instances}")
         self.data_dir = data_dir
         self.n_agents = agents
         self.slots_per_agent = slots_per_agent
@@ -115,8 +121,11 @@ class LocalCluster:
         self.heartbeat_interval_s = heartbeat_interval_s
         self.lost_after_s = lost_after_s
         self.ready_timeout_s = ready_timeout_s
+        self.n_admission = admission_instances
+        self.config_path = config_path
         self.nats: NatsServer | None = None
         self.agents: dict[str, asyncio.subprocess.Process] = {}
+        self.services: dict[str, asyncio.subprocess.Process] = {}
         self.bus: Bus | None = None
 
     @property
@@ -152,6 +161,8 @@ class LocalCluster:
                 all_seen.set()
 
         sub = await self.bus.subscribe(subjects.node_heartbeats(), NodeHeartbeat, on_heartbeat)
+        for i in range(self.n_admission):
+            await self._start_admission(f"admission-{i}")
         for i in range(self.n_agents):
             await self._start_agent(f"local-{i}", f"domain-{i % 2}")
         if not self.agents:
@@ -172,43 +183,75 @@ class LocalCluster:
                    else f"agents {sorted(set(self.agents) - seen)} did not heartbeat within "
                         f"{self.ready_timeout_s:g} s")
             raise ClusterError(f"{why}; see {self.logs_dir}")
+        if self.services:
+            await self._wait_admission()
         self.state().write(self.data_dir)
 
-    async def _start_agent(self, node_id: str, domain: str) -> None:
-        log_file = (self.logs_dir / f"agent-{node_id}.log").open("ab")
+    async def _wait_admission(self) -> None:
+        """Return once an admission leader answers (a probe job is unknown to it: 404)."""
+        assert self.bus is not None
+        client = AdmissionClient(self.bus, timeout_s=2.0)
+        try:
+            await client.explain("phalanx-ready-probe", retry_s=self.ready_timeout_s)
+        except RemoteError as exc:
+            if exc.code == "404":
+                return
+            cause: Exception = exc
+        except PhalanxError as exc:
+            cause = exc
+        await self.stop()
+        raise ClusterError(f"no admission leader within {self.ready_timeout_s:g} s ({cause}); "
+                           f"see {self.logs_dir}")
+
+    async def _spawn(self, name: str, *argv: str) -> asyncio.subprocess.Process:
+        log_file = (self.logs_dir / f"{name}.log").open("ab")
         env = {**os.environ, "PHALANX_NATS_URL": self.nats_url or ""}
-        self.agents[node_id] = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "phalanx.services.agent", "--node-id", node_id,
+        if self.config_path:
+            env["PHALANX_CONFIG"] = self.config_path
+        try:
+            return await asyncio.create_subprocess_exec(
+                sys.executable, "-m", *argv, stdin=asyncio.subprocess.DEVNULL, stdout=log_file,
+                stderr=log_file, env=env, preexec_fn=_die_with_parent)
+        finally:
+            log_file.close()
+
+    async def _start_admission(self, instance: str) -> None:
+        self.services[instance] = await self._spawn(
+            instance, "phalanx.services.admission", "--instance", instance)
+
+    async def _start_agent(self, node_id: str, domain: str) -> None:
+        self.agents[node_id] = await self._spawn(
+            f"agent-{node_id}", "phalanx.services.agent", "--node-id", node_id,
             "--slots", str(self.slots_per_agent), "--failure-domain", domain,
             "--heartbeat-interval", str(self.heartbeat_interval_s),
-            "--lost-after", str(self.lost_after_s),
-            stdin=asyncio.subprocess.DEVNULL, stdout=log_file, stderr=log_file, env=env,
-            preexec_fn=_die_with_parent,
-        )
-        log_file.close()
+            "--lost-after", str(self.lost_after_s))
 
     def state(self) -> ClusterState:
         return ClusterState(
             pid=os.getpid(), nats_url=self.nats_url or "",
             nats_pid=self.nats.process.pid if self.nats and self.nats.process else None,
             agents={n: p.pid for n, p in self.agents.items()}, started_at=time.time(),
+            services={n: p.pid for n, p in self.services.items()},
         )
 
     async def stop(self, grace_s: float = 10.0) -> None:
-        """SIGTERM the agents (they deregister), SIGKILL stragglers, stop NATS (idempotent)."""
-        for proc in self.agents.values():
+        """SIGTERM agents and services (agents deregister), SIGKILL stragglers, stop NATS.
+
+        Idempotent.
+        """
+        children = [*self.agents.values(), *self.services.values()]
+        for proc in children:
             if proc.returncode is None:
                 with contextlib.suppress(ProcessLookupError):
                     proc.send_signal(signal.SIGTERM)
-        waits = [p.wait() for p in self.agents.values()]
-        if waits:
+        if children:
             try:
-                await asyncio.wait_for(asyncio.gather(*waits), grace_s)
+                await asyncio.wait_for(asyncio.gather(*(p.wait() for p in children)), grace_s)
             except TimeoutError:
-                for proc in self.agents.values():
+                for proc in children:
                     if proc.returncode is None:
                         proc.kill()
-                await asyncio.gather(*(p.wait() for p in self.agents.values()))
+                await asyncio.gather(*(p.wait() for p in children))
         if self.bus is not None:
             await self.bus.close()
             self.bus = None
@@ -235,7 +278,8 @@ def stop_recorded(data_dir: Path, timeout_s: float = 20.0) -> ClusterState | Non
     if pid_alive(state.pid):
         os.kill(state.pid, signal.SIGTERM)
         _wait_exit(state.pid, timeout_s)
-    leftovers = [state.pid, *state.agents.values(), *([state.nats_pid] if state.nats_pid else [])]
+    leftovers = [state.pid, *state.agents.values(), *state.services.values(),
+                 *([state.nats_pid] if state.nats_pid else [])]
     for pid in leftovers:
         if pid_alive(pid) and _is_ours(pid):
             with contextlib.suppress(ProcessLookupError):

@@ -715,7 +715,7 @@ class AdmissionCore:
         gang = self.gangs[job_id]
         if gang.state is not JobState.PENDING:
             return gang.reason
-        position = self._queue_index(gang) + 1
+        position = self.position(job_id)
         if gang.reason_pass != self.pass_no:
             return Reason(ReasonCode.QUEUED, (
                 f"position {position} of {len(self.queue)} in the queue; the last pass stopped "
@@ -723,6 +723,11 @@ class AdmissionCore:
                 f"{gang.spec.priority_class} or lower)"))
         return Reason(gang.reason.code,
                            f"{gang.reason.message} (position {position} of {len(self.queue)})")
+
+    def position(self, job_id: str) -> int | None:
+        """1-based place of a pending job in the queue; None if it is not pending."""
+        gang = self.gangs[job_id]
+        return self._queue_index(gang) + 1 if gang.state is JobState.PENDING else None
 
     def _need_text(self, gang: Gang) -> str:
         return (f"{gang.spec.replicas.min} replica(s) x {gang.per_replica} slot(s) = "

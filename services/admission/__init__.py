@@ -1,0 +1,1 @@
+"""Gang admission: all-or-nothing placement, priorities, quotas, preemption."""

@@ -1,0 +1,447 @@
+"""The admission service's shell: leader lease, KV state, requests, persistence.
+
+Any number of instances run. Each answers ``submit``/``cancel``/``explain``
+on the public subjects and forwards the request to the leader's subject, so
+clients never need to know who leads. One instance at a time leads: it holds
+the ``leader`` lease in the ``phalanx_admission`` bucket (compare-and-swap
+renewed every ``lease_s / 3``; a crashed leader is replaced once its lease
+expires, a stopped one hands over at once by releasing it).
+
+The leader rebuilds the pure :class:`~.core.AdmissionCore` from KV — the
+allocation ledger, the node registry and the job records — then watches the
+jobs and nodes buckets and runs the core on each batch of events. After a
+batch it writes, in this order: the ledger (one CAS: every placement change
+of the batch at once), then the changed job records, then a state event per
+changed job. A restarted leader therefore recovers from any crash point: a
+job in the ledger is admitted, a terminal record (cancelled, failed,
+finished) is final, everything else is pending. A ledger CAS that fails means
+another instance wrote it: this one steps down rather than guess.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import os
+import socket
+import time
+import uuid
+
+import msgspec
+
+from phalanx.bus.client import Delivery
+from phalanx.bus.config import BusConfig
+from phalanx.bus.errors import Conflict, NoResponders, RemoteError, RequestRefused, RequestTimeout
+from phalanx.bus.kv import Change, TypedKV
+from phalanx.schemas import subjects
+from phalanx.schemas.errors import PhalanxError
+from phalanx.schemas.messages import (
+    Allocation,
+    AllocationLedger,
+    Explanation,
+    JobRecord,
+    JobRequest,
+    JobState,
+    Lease,
+    Message,
+    NodeRecord,
+    ReasonCode,
+    SubmitRequest,
+)
+from phalanx.services.admission import core
+from phalanx.services.admission.config import AdmissionConfig
+from phalanx.services.base import Service
+from phalanx.services.registry.core import NodeState, view
+
+log = logging.getLogger("phalanx.admission")
+LEADER_KEY = "leader"
+LEDGER_KEY = "ledger"
+_TICK = object()  # scheduler wake-up for timeouts and node liveness
+
+
+class LeadershipLost(PhalanxError, RuntimeError):
+    """Another instance changed the lease or the ledger: stop leading."""
+
+
+@dataclasses.dataclass
+class Term:
+    """What exists only while this instance leads."""
+
+    lease_revision: int
+    lease_expires_at: float
+    core: core.AdmissionCore
+    events: asyncio.Queue[object]
+    ledger_revision: int = 0
+    allocations: dict[str, Allocation] = dataclasses.field(default_factory=dict)
+    persisted: dict[str, tuple[JobState, ReasonCode, tuple[str, ...]]] = dataclasses.field(
+        default_factory=dict)
+    node_events: dict[str, core.NodeUpdated] = dataclasses.field(default_factory=dict)
+    task: asyncio.Task[None] | None = None
+
+
+class AdmissionService(Service):
+    """Gang admission: one leader decides, every instance takes requests."""
+
+    description = "phalanx gang admission"
+
+    def __init__(self, config: AdmissionConfig, bus_config: BusConfig | None = None, *,
+                 instance: str | None = None) -> None:
+        instance = instance or (f"{socket.gethostname().split('.')[0]}-{os.getpid()}-"
+                                f"{uuid.uuid4().hex[:6]}")
+        super().__init__("phalanx-admission", instance, bus_config)
+        self.config = config
+        self.term: Term | None = None
+        self.node_records: dict[str, NodeRecord] = {}
+
+    @property
+    def leading(self) -> bool:
+        return self.term is not None
+
+    # --- set-up and the lease -----------------------------------------------------------
+
+    async def setup(self) -> None:
+        assert self.bus is not None
+        js = self.bus.js
+        self.jobs = await TypedKV.open(js, subjects.JOBS_BUCKET, JobRecord)
+        self.nodes = await TypedKV.open(js, subjects.NODES_BUCKET, NodeRecord)
+        self.ledger = await TypedKV.open(js, subjects.ADMISSION_BUCKET, AllocationLedger)
+        self.leases = TypedKV(self.ledger.kv, subjects.ADMISSION_BUCKET, Lease)
+        for verb, request_type, reply_type in (("submit", SubmitRequest, JobRecord),
+                                               ("cancel", JobRequest, JobRecord),
+                                               ("explain", JobRequest, Explanation)):
+            await self.add_endpoint(verb, f"{subjects.PREFIX}.admission.{verb}", request_type,
+                                    self._forwarder(verb, reply_type))
+        self.spawn(self.lease_loop(), "lease")
+
+    def _forwarder(self, verb: str, reply_type: type[Message]):
+        subject = subjects.admission_leader(verb)
+
+        async def forward(request: Message, _: Delivery) -> Message:
+            assert self.bus is not None
+            try:
+                return await self.bus.request(subject, request, reply_type,
+                                              timeout_s=self.config.forward_timeout_s)
+            except NoResponders:
+                raise RequestRefused("503", "no admission leader right now (election in "
+                                            "progress); retry shortly") from None
+            except RequestTimeout:
+                raise RequestRefused("504", f"the admission leader did not answer within "
+                                            f"{self.config.forward_timeout_s:g} s") from None
+            except RemoteError as exc:
+                raise RequestRefused(exc.code, exc.description) from None
+
+        return forward
+
+    async def lease_loop(self) -> None:
+        """Acquire or renew the lease every ``lease_s / 3``; lead while holding it."""
+        while True:
+            try:
+                if self.term is None:
+                    await self._try_lead()
+                else:
+                    await self._renew()
+            except LeadershipLost as exc:
+                log.warning("stepping down: %s", exc)
+                await self._step_down(release=False)
+            except (PhalanxError, TimeoutError, OSError) as exc:
+                log.warning("lease check failed: %s", exc)
+                if self.term is not None and time.time() > self.term.lease_expires_at:
+                    await self._step_down(release=False)
+            if await self.sleep_or_stop(self.config.lease_s / 3):
+                break
+        if self.term is not None:
+            await self._step_down(release=True)
+
+    async def _try_lead(self) -> None:
+        now = time.time()
+        entry = await self.leases.get(LEADER_KEY)
+        if entry is not None and entry.value.expires_at > now \
+                and entry.value.holder != self.instance:
+            return
+        lease = Lease(holder=self.instance, epoch=entry.value.epoch + 1 if entry else 1,
+                      expires_at=now + self.config.lease_s)
+        try:
+            revision = (await self.leases.create(LEADER_KEY, lease) if entry is None
+                        else await self.leases.update(LEADER_KEY, lease, entry.revision))
+        except Conflict:
+            return
+        log.info("leading", extra={"epoch": lease.epoch})
+        term = Term(revision, lease.expires_at, core.AdmissionCore(self.config.policy),
+                    asyncio.Queue())
+        self.term = term
+        term.task = asyncio.create_task(self._lead(term), name="lead")
+        term.task.add_done_callback(self._lead_ended)
+
+    def _lead_ended(self, task: asyncio.Task[None]) -> None:
+        if not task.cancelled() and task.exception() is not None:
+            log.error("leading failed; stepping down", exc_info=task.exception())
+            if self.term is not None and self.term.task is task:
+                self.term = None  # the lease runs out; another instance (or we) take over
+
+    async def _renew(self) -> None:
+        term = self.term
+        assert term is not None
+        now = time.time()
+        lease = Lease(holder=self.instance, epoch=0, expires_at=now + self.config.lease_s)
+        current = await self.leases.get(LEADER_KEY)
+        if current is None or current.revision != term.lease_revision:
+            raise LeadershipLost("the lease was taken over")
+        lease = msgspec.structs.replace(lease, epoch=current.value.epoch)
+        try:
+            term.lease_revision = await self.leases.update(LEADER_KEY, lease, term.lease_revision)
+        except Conflict:
+            raise LeadershipLost("the lease changed while renewing") from None
+        term.lease_expires_at = lease.expires_at
+
+    async def _step_down(self, *, release: bool) -> None:
+        term, self.term = self.term, None
+        if term is None:
+            return
+        if term.task is not None:
+            term.task.cancel()
+            await asyncio.gather(term.task, return_exceptions=True)
+        if release:
+            try:
+                await self.leases.delete(LEADER_KEY, revision=term.lease_revision)
+            except (PhalanxError, TimeoutError, OSError) as exc:
+                log.warning("could not release the lease: %s", exc)
+        log.info("stepped down")
+
+    # --- leading ------------------------------------------------------------------------
+
+    async def _lead(self, term: Term) -> None:
+        """Rebuild state from KV, then serve requests and run the core until cancelled."""
+        assert self.bus is not None
+        ledger = await self.ledger.get(LEDGER_KEY)
+        if ledger is not None:
+            term.ledger_revision = ledger.revision
+            term.allocations = dict(ledger.value.allocations)
+        now = time.time()
+        node_entries, _ = await self.nodes.entries()
+        for entry in node_entries:
+            self._node_changed(term, entry.key, entry.value, now)
+        while not term.events.empty():
+            term.core.handle(term.events.get_nowait(), now)
+        job_changes = self.jobs.watch()
+        restored = await self._restore(term, job_changes, now)
+        subscriptions = [
+            await self.bus.subscribe(subjects.admission_leader("submit"), SubmitRequest,
+                                     lambda r, d: self._on_submit(term, r)),
+            await self.bus.subscribe(subjects.admission_leader("cancel"), JobRequest,
+                                     lambda r, d: self._on_cancel(term, r)),
+            await self.bus.subscribe(subjects.admission_leader("explain"), JobRequest,
+                                     lambda r, d: self._on_explain(term, r)),
+        ]
+        try:
+            async with asyncio.TaskGroup() as tasks:
+                tasks.create_task(self._watch_jobs(term, job_changes))
+                tasks.create_task(self._watch_nodes(term))
+                tasks.create_task(self._tick(term))
+                tasks.create_task(self._schedule(term, restored))
+        finally:
+            for sub in subscriptions:
+                try:
+                    await sub.unsubscribe()
+                except Exception as exc:  # the connection may be closing
+                    log.debug("unsubscribe failed: %s", exc)
+            await job_changes.aclose()
+
+    async def _restore(self, term: Term, changes, now: float) -> list[core.Decision]:
+        """Feed the jobs' current records to the core, admitted ones onto their ledger nodes."""
+        current: list[JobRecord] = []
+        async for change in changes:
+            if change is None:
+                break
+            if change.value is not None:
+                current.append(change.value)
+        decisions: list[core.Decision] = []
+        for record in sorted(current, key=lambda r: (r.submitted_at, r.job_id)):
+            if record.state.terminal:
+                term.persisted[record.job_id] = (record.state, record.reason_code, ())
+                continue
+            allocation = term.allocations.get(record.job_id)
+            event = core.JobSubmitted(record.job_id, record.spec, record.submitted_at,
+                                      event_id="restore")
+            decisions += term.core.restore(event, list(allocation.nodes) if allocation else [])
+            term.persisted[record.job_id] = (record.state, record.reason_code,
+                                             tuple(record.nodes))
+        log.info("restored", extra={"jobs": len(current), "admitted": len(term.core.running)})
+        return decisions
+
+    async def _schedule(self, term: Term, first: list[core.Decision]) -> None:
+        """Apply batches of events, run a pass, persist; forever."""
+        decisions = first + term.core.schedule(time.time())
+        await self._persist(term, decisions)
+        while True:
+            batch = [await term.events.get()]
+            while not term.events.empty() and len(batch) < 10_000:
+                batch.append(term.events.get_nowait())
+            now = time.time()
+            decisions = []
+            for event in batch:
+                if event is not _TICK:
+                    decisions += term.core.handle(event, now)  # type: ignore[arg-type]
+            decisions += term.core.schedule(now)
+            await self._persist(term, decisions)
+
+    async def _persist(self, term: Term, decisions: list[core.Decision]) -> None:
+        """Ledger first (one CAS), then changed job records, then state events."""
+        touched = {d.job_id for d in decisions}
+        gangs = term.core.gangs
+        for job_id in touched:
+            gang = gangs[job_id]
+            if gang.state is JobState.ADMITTED:
+                term.allocations[job_id] = Allocation(team=gang.team,
+                                                      slots_per_replica=gang.per_replica,
+                                                      nodes=list(gang.nodes))
+            else:
+                term.allocations.pop(job_id, None)
+        now = time.time()
+        if touched:
+            ledger = AllocationLedger(allocations=term.allocations, updated_at=now)
+            try:
+                term.ledger_revision = (
+                    await self.ledger.update(LEDGER_KEY, ledger, term.ledger_revision)
+                    if term.ledger_revision else await self.ledger.create(LEDGER_KEY, ledger))
+            except Conflict:
+                raise LeadershipLost("the allocation ledger was written by another "
+                                     "instance") from None
+        # Pending gangs whose reason changed get their record refreshed too.
+        for gang in term.core.queue:
+            if gang.reason_pass == term.core.pass_no:
+                persisted = term.persisted.get(gang.job_id)
+                if persisted is None or persisted[1] is not gang.reason.code:
+                    touched.add(gang.job_id)
+        await asyncio.gather(*(self._write_record(term, gangs[j], now) for j in touched))
+
+    async def _write_record(self, term: Term, gang: core.Gang, now: float) -> None:
+        assert self.bus is not None
+        reason = gang.reason  # the record keeps the reason; explain adds the live position
+
+        def change(current: JobRecord | None) -> JobRecord:
+            base = current or JobRecord(
+                job_id=gang.job_id, spec=gang.spec, state=gang.state,
+                submitted_at=gang.submitted_at, updated_at=now, reason_code=reason.code)
+            if base.state.terminal and base.state is not gang.state:
+                return base  # a cancel written meanwhile wins; its watch event follows
+            return msgspec.structs.replace(base, state=gang.state, updated_at=now,
+                                           reason_code=reason.code, reason=reason.message,
+                                           nodes=list(gang.nodes))
+
+        entry = await self.jobs.modify(gang.job_id, change)
+        record = entry.value
+        previous = term.persisted.get(gang.job_id)
+        term.persisted[gang.job_id] = (record.state, record.reason_code, tuple(record.nodes))
+        if previous is None or previous[0] is not record.state or previous[2] != tuple(
+                record.nodes):
+            await self.bus.publish(subjects.job_state(gang.job_id), record)
+
+    # --- event sources ------------------------------------------------------------------
+
+    async def _watch_jobs(self, term: Term, changes) -> None:
+        async for change in changes:
+            if change is not None:
+                self._job_changed(term, change)
+
+    def _job_changed(self, term: Term, change: Change[JobRecord]) -> None:
+        gang = term.core.gangs.get(change.key)
+        record = change.value
+        if gang is None:
+            if record is not None and not record.state.terminal:
+                term.events.put_nowait(core.JobSubmitted(record.job_id, record.spec,
+                                                         record.submitted_at, event_id="watch"))
+            return
+        if gang.state.terminal:
+            return
+        if record is None or record.state is JobState.CANCELLED:
+            term.events.put_nowait(core.JobCancelled(change.key, event_id="watch"))
+        elif record.state is JobState.FINISHED:
+            term.events.put_nowait(core.JobFinished(change.key, event_id="watch"))
+
+    async def _watch_nodes(self, term: Term) -> None:
+        async for change in self.nodes.watch():
+            if change is not None:
+                self._node_changed(term, change.key, change.value, time.time())
+
+    def _node_changed(self, term: Term, node_id: str, record: NodeRecord | None,
+                      now: float) -> None:
+        if record is None:
+            self.node_records.pop(node_id, None)
+            if term.node_events.pop(node_id, None) is not None:
+                term.events.put_nowait(core.NodeRemoved(node_id, event_id="registry"))
+            return
+        self.node_records[node_id] = record
+        self._node_seen(term, record, now)
+
+    def _node_seen(self, term: Term, record: NodeRecord, now: float) -> None:
+        node = record.node
+        alive = view(record, now, self.config.lost_after_s).state is NodeState.ALIVE
+        event = core.NodeUpdated(node.node_id, node.slots, node.failure_domain,
+                                 dict(node.labels), alive=alive, cordoned=record.cordoned,
+                                 event_id="registry")
+        if term.node_events.get(node.node_id) != event:
+            term.node_events[node.node_id] = event
+            term.events.put_nowait(event)
+
+    async def _tick(self, term: Term) -> None:
+        while not await self.sleep_or_stop(self.config.tick_s):
+            now = time.time()
+            for record in list(self.node_records.values()):
+                self._node_seen(term, record, now)
+            term.events.put_nowait(_TICK)
+
+    # --- requests (leader side) ---------------------------------------------------------
+
+    async def _on_submit(self, term: Term, request: SubmitRequest) -> JobRecord:
+        try:
+            term.core.validate(request.spec)
+        except core.SpecRejected as exc:
+            raise RequestRefused("400", f"job spec refused: {exc}") from None
+        now = time.time()
+        record = JobRecord(job_id=request.job_id, spec=request.spec, state=JobState.PENDING,
+                           submitted_at=now, updated_at=now, reason_code=ReasonCode.QUEUED,
+                           reason="submitted; waiting for the next admission pass")
+        try:
+            await self.jobs.create(request.job_id, record)
+        except Conflict:
+            existing = await self.jobs.get(request.job_id)
+            if existing is not None and existing.value.spec == request.spec:
+                return existing.value  # a retried submit: same job, nothing new
+            raise RequestRefused("409", f"job id {request.job_id!r} already exists with a "
+                                        "different spec") from None
+        term.events.put_nowait(core.JobSubmitted(request.job_id, request.spec, now,
+                                                 event_id="submit"))
+        return record
+
+    async def _on_cancel(self, term: Term, request: JobRequest) -> JobRecord:
+        now = time.time()
+
+        def cancel(current: JobRecord | None) -> JobRecord:
+            if current is None:
+                raise RequestRefused("404", f"no job {request.job_id!r}")
+            if current.state.terminal:
+                return current
+            return msgspec.structs.replace(
+                current, state=JobState.CANCELLED, updated_at=now,
+                reason_code=ReasonCode.CANCELLED, reason="cancelled by request", nodes=[])
+
+        entry = await self.jobs.modify(request.job_id, cancel)
+        term.events.put_nowait(core.JobCancelled(request.job_id, event_id="cancel"))
+        return entry.value
+
+    async def _on_explain(self, term: Term, request: JobRequest) -> Explanation:
+        gang = term.core.gangs.get(request.job_id)
+        if gang is None:
+            entry = await self.jobs.get(request.job_id)
+            if entry is None:
+                raise RequestRefused("404", f"no job {request.job_id!r}")
+            record = entry.value
+            return Explanation(job_id=record.job_id, state=record.state,
+                               reason_code=record.reason_code, reason=record.reason,
+                               nodes=list(record.nodes))
+        reason = term.core.explain(gang.job_id)
+        position = term.core.position(gang.job_id)
+        return Explanation(job_id=gang.job_id, state=gang.state, reason_code=reason.code,
+                           reason=reason.message, position=position,
+                           queue_length=len(term.core.queue), nodes=list(gang.nodes))

@@ -1,0 +1,120 @@
+"""The Python client of a phalanx cluster: submit, cancel, list and explain jobs.
+
+Job specs are YAML (or a mapping) validated into :class:`JobSpec` before
+anything is sent, so a typo names its field at once. Submitting is safe to
+retry: the client picks the job id, and resubmitting the same id and spec is
+a no-op on the server, so :meth:`AdmissionClient.submit` retries through an
+admission leader election without ever creating a job twice.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import secrets
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import yaml
+
+from phalanx.bus.client import Bus
+from phalanx.bus.errors import NoResponders, RemoteError, RequestTimeout
+from phalanx.bus.kv import TypedKV
+from phalanx.schemas import subjects
+from phalanx.schemas.errors import PhalanxError
+from phalanx.schemas.messages import Explanation, JobRecord, JobRequest, JobSpec, SubmitRequest
+
+RETRYABLE_CODES = {"503", "504"}
+
+
+class SpecError(PhalanxError, ValueError):
+    """A job spec file or mapping is not a valid JobSpec; the message names the field."""
+
+
+def parse_job_spec(data: Mapping[str, Any], source: str = "job spec") -> JobSpec:
+    """Validate a mapping (as read from YAML) into a JobSpec.
+
+    Raises:
+        SpecError: naming the field path (``$.replicas.min``) and the problem.
+    """
+    if not isinstance(data, Mapping):
+        raise SpecError(f"{source}: expected a mapping of fields, got {type(data).__name__}")
+    fields = {k: v for k, v in data.items() if k != "type"}
+    try:
+        return msgspec.convert({"type": JobSpec.wire_name(), **fields}, JobSpec)
+    except msgspec.ValidationError as exc:
+        raise SpecError(f"{source}: {exc}") from None
+
+
+def load_job_spec(path: str | os.PathLike[str]) -> JobSpec:
+    """Read and validate a YAML job spec file.
+
+    Raises:
+        SpecError: unreadable file, bad YAML, or an invalid field (named).
+    """
+    try:
+        data = yaml.safe_load(Path(path).read_text())
+    except OSError as exc:
+        raise SpecError(f"cannot read {path}: {exc.strerror}") from None
+    except yaml.YAMLError as exc:
+        raise SpecError(f"{path} is not valid YAML: {exc}") from None
+    return parse_job_spec(data, str(path))
+
+
+def new_job_id(name: str) -> str:
+    """``<name>-<6 hex>``: readable, and unique enough to retry submits safely."""
+    return f"{name[:100]}-{secrets.token_hex(3)}"
+
+
+class AdmissionClient:
+    """Talks to the admission service (any instance) and reads job records from KV."""
+
+    def __init__(self, bus: Bus, *, timeout_s: float = 10.0) -> None:
+        self.bus = bus
+        self.timeout_s = timeout_s
+
+    async def _request(self, verb: str, message, reply_type, retry_s: float):
+        """Request ``verb``, retrying while no leader answers (503/504/no responders)."""
+        deadline = time.monotonic() + retry_s
+        delay = 0.05
+        while True:
+            try:
+                return await self.bus.request(f"{subjects.PREFIX}.admission.{verb}", message,
+                                              reply_type, timeout_s=self.timeout_s)
+            except (NoResponders, RequestTimeout, RemoteError) as exc:
+                retryable = not isinstance(exc, RemoteError) or exc.code in RETRYABLE_CODES
+                if not retryable or time.monotonic() + delay > deadline:
+                    raise
+            await asyncio.sleep(delay)  # back-off between retries, not synchronisation
+            delay = min(delay * 2, 1.0)
+
+    async def submit(self, spec: JobSpec, job_id: str | None = None, *,
+                     retry_s: float = 30.0) -> JobRecord:
+        """Submit ``spec``; returns the stored record (state pending).
+
+        Raises:
+            RemoteError: refused (400 invalid, 409 id taken), with the reason.
+        """
+        request = SubmitRequest(job_id=job_id or new_job_id(spec.name), spec=spec)
+        return await self._request("submit", request, JobRecord, retry_s)
+
+    async def cancel(self, job_id: str, *, retry_s: float = 30.0) -> JobRecord:
+        return await self._request("cancel", JobRequest(job_id=job_id), JobRecord, retry_s)
+
+    async def explain(self, job_id: str, *, retry_s: float = 10.0) -> Explanation:
+        return await self._request("explain", JobRequest(job_id=job_id), Explanation, retry_s)
+
+    async def _jobs_kv(self) -> TypedKV[JobRecord]:
+        return await TypedKV.open(self.bus.js, subjects.JOBS_BUCKET, JobRecord)
+
+    async def job(self, job_id: str) -> JobRecord | None:
+        entry = await (await self._jobs_kv()).get(job_id)
+        return entry.value if entry else None
+
+    async def jobs(self) -> list[JobRecord]:
+        """Every job record, oldest submission first."""
+        entries, _ = await (await self._jobs_kv()).entries()
+        return sorted((e.value for e in entries), key=lambda r: (r.submitted_at, r.job_id))
