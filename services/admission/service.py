@@ -64,6 +64,13 @@ class LeadershipLost(PhalanxError, RuntimeError):
     """Another instance changed the lease or the ledger: stop leading."""
 
 
+@dataclasses.dataclass(frozen=True)
+class Reconciled:
+    """A job whose record disagrees with the ledger after a restart: rewrite it."""
+
+    job_id: str
+
+
 @dataclasses.dataclass
 class Term:
     """What exists only while this instance leads."""
@@ -247,7 +254,8 @@ class AdmissionService(Service):
                     log.debug("unsubscribe failed: %s", exc)
             await job_changes.aclose()
 
-    async def _restore(self, term: Term, changes, now: float) -> list[core.Decision]:
+    async def _restore(self, term: Term, changes,
+                       now: float) -> list[core.Decision | Reconciled]:
         """Feed the jobs' current records to the core, admitted ones onto their ledger nodes."""
         current: list[JobRecord] = []
         async for change in changes:
@@ -266,10 +274,16 @@ class AdmissionService(Service):
             decisions += term.core.restore(event, list(allocation.nodes) if allocation else [])
             term.persisted[record.job_id] = (record.state, record.reason_code,
                                              tuple(record.nodes))
-        log.info("restored", extra={"jobs": len(current), "admitted": len(term.core.running)})
-        return decisions
+        # Records the crash left behind the ledger (admitted there, still pending here, or
+        # the other way round) are rewritten by the first persist.
+        stale = [Reconciled(gang.job_id) for gang in term.core.gangs.values()
+                 if not gang.state.terminal
+                 and term.persisted[gang.job_id][0] is not gang.state]
+        log.info("restored", extra={"jobs": len(current), "admitted": len(term.core.running),
+                                    "reconciled": len(stale)})
+        return [*decisions, *stale]
 
-    async def _schedule(self, term: Term, first: list[core.Decision]) -> None:
+    async def _schedule(self, term: Term, first: list[core.Decision | Reconciled]) -> None:
         """Apply batches of events, run a pass, persist; forever."""
         decisions = first + term.core.schedule(time.time())
         await self._persist(term, decisions)
@@ -285,7 +299,7 @@ class AdmissionService(Service):
             decisions += term.core.schedule(now)
             await self._persist(term, decisions)
 
-    async def _persist(self, term: Term, decisions: list[core.Decision]) -> None:
+    async def _persist(self, term: Term, decisions: list[core.Decision | Reconciled]) -> None:
         """Ledger first (one CAS), then changed job records, then state events."""
         touched = {d.job_id for d in decisions}
         gangs = term.core.gangs

@@ -1,0 +1,302 @@
+"""The admission service over a real nats-server with real agents.
+
+Each test gets its own server, so the shared ledger, lease and job records
+start empty; agents are the real AgentService, in-process or not.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import sys
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import pytest
+
+from phalanx.bus.client import Bus, Delivery, raise_for_error
+from phalanx.bus.config import BusConfig
+from phalanx.bus.errors import RemoteError
+from phalanx.bus.kv import TypedKV
+from phalanx.schemas import subjects
+from phalanx.schemas.messages import (
+    AllocationLedger,
+    JobRecord,
+    JobSpec,
+    JobState,
+    Lease,
+    Placement,
+    ReasonCode,
+    ReplicaRange,
+)
+from phalanx.services.admission.config import AdmissionConfig
+from phalanx.services.admission.service import AdmissionService
+from phalanx.services.agent.config import AgentConfig
+from phalanx.services.agent.service import AgentService
+from phalanx.services.client import AdmissionClient
+from phalanx.services.natsd import NatsServer
+
+
+@pytest.fixture
+def own_nats(tmp_path: Path) -> Iterator[NatsServer]:
+    with NatsServer(tmp_path / "js", port=0, log_path=tmp_path / "nats.log") as server:
+        yield server
+
+
+@pytest.fixture
+def config(own_nats: NatsServer) -> BusConfig:
+    return BusConfig.load(env={}, servers=[own_nats.url])
+
+
+@pytest.fixture
+async def client_bus(config: BusConfig) -> AsyncIterator[Bus]:
+    async with await Bus.connect(config, name="test-client") as bus:
+        yield bus
+
+
+async def start_agents(config: BusConfig, slots: int, count: int) -> list[AgentService]:
+    agents = []
+    for i in range(count):
+        agent = AgentService(AgentConfig(node_id=f"node-{i}", slots=slots,
+                                         failure_domain=f"d{i}", heartbeat_interval_s=0.2,
+                                         lost_after_s=3.0), config)
+        await agent.start()
+        agents.append(agent)
+    return agents
+
+
+def spec(name: str, replicas: int, *, priority: str = "normal", team: str = "t",
+         **fields) -> JobSpec:
+    return JobSpec(name=name, team=team, priority_class=priority,
+                   replicas=ReplicaRange(min=replicas, max=replicas), command=["true"], **fields)
+
+
+async def wait_state(bus: Bus, job_id: str, state: JobState, timeout_s: float = 20) -> JobRecord:
+    """Wait for ``job_id``'s record to reach ``state`` (KV watch, no polling)."""
+    jobs = await TypedKV.open(bus.js, subjects.JOBS_BUCKET, JobRecord)
+
+    async def watch() -> JobRecord:
+        async for change in jobs.watch():
+            if change is not None and change.key == job_id and change.value is not None \
+                    and change.value.state is state:
+                return change.value
+        raise AssertionError("watch ended")
+
+    return await asyncio.wait_for(watch(), timeout_s)
+
+
+async def test_submit_wait_with_reason_then_admit_on_cancel(config: BusConfig,
+                                                            client_bus: Bus) -> None:
+    agents = await start_agents(config, slots=2, count=2)
+    service = AdmissionService(AdmissionConfig(lease_s=1.0), config, instance="a0")
+    await service.start()
+    client = AdmissionClient(client_bus)
+    events: asyncio.Queue[JobRecord] = asyncio.Queue()
+
+    async def on_state(record: JobRecord, _: Delivery) -> None:
+        await events.put(record)
+
+    await client_bus.subscribe(subjects.job_states(), JobRecord, on_state)
+    try:
+        small = await client.submit(spec("small", 2), "small-1")
+        assert small.state is JobState.PENDING
+        assert (await wait_state(client_bus, "small-1", JobState.ADMITTED)).nodes
+        await client.submit(spec("big", 4), "big-1")
+        pending = await client.explain("big-1")
+        while pending.reason_code is ReasonCode.QUEUED:  # submitted, pass not yet run
+            pending = await client.explain("big-1")
+        assert pending.state is JobState.PENDING and pending.position == 1
+        assert pending.reason_code is ReasonCode.RESERVED
+        assert "needs 4 replica(s) x 1 slot(s) = 4 slots" in pending.reason
+
+        # Retrying the same submit is a no-op; another spec under the same id is refused.
+        assert (await client.submit(spec("big", 4), "big-1")).job_id == "big-1"
+        with pytest.raises(RemoteError) as conflict:
+            await client.submit(spec("big", 3), "big-1")
+        assert conflict.value.code == "409"
+
+        cancelled = await client.cancel("small-1")
+        assert cancelled.state is JobState.CANCELLED
+        admitted = await wait_state(client_bus, "big-1", JobState.ADMITTED)
+        assert sorted(admitted.nodes) == ["node-0", "node-0", "node-1", "node-1"]
+        seen = []
+        while not events.empty():
+            seen.append((events.get_nowait().job_id, "x"))
+        assert ("big-1", "x") in seen  # state changes were published
+
+        ledger = await TypedKV.open(client_bus.js, subjects.ADMISSION_BUCKET, AllocationLedger)
+        entry = await ledger.get("ledger")
+        assert entry is not None and list(entry.value.allocations) == ["big-1"]
+    finally:
+        await service.stop()
+        for agent in agents:
+            await agent.stop()
+
+
+async def test_invalid_specs_are_refused_naming_the_field(config: BusConfig,
+                                                          client_bus: Bus) -> None:
+    agents = await start_agents(config, slots=2, count=2)
+    service = AdmissionService(AdmissionConfig(lease_s=1.0), config, instance="a0")
+    await service.start()
+    client = AdmissionClient(client_bus)
+    try:
+        cases = [
+            (spec("x", 1, priority="urgent"), "priority_class 'urgent' is not one of"),
+            (spec("x", 5), "= 5 slots, but the whole cluster has 4"),
+            (spec("x", 1, slots_per_replica=3), "slots_per_replica 3 exceeds every node"),
+        ]
+        for bad, message in cases:
+            with pytest.raises(RemoteError) as err:
+                await client.submit(bad)
+            assert err.value.code == "400" and message in err.value.description
+        jobs = await client.jobs()
+        assert jobs == []  # nothing stored
+        with pytest.raises(RemoteError) as missing:
+            await client.explain("nope")
+        assert missing.value.code == "404"
+    finally:
+        await service.stop()
+        for agent in agents:
+            await agent.stop()
+
+
+async def test_garbage_on_every_admission_subject(config: BusConfig, client_bus: Bus) -> None:
+    service = AdmissionService(AdmissionConfig(lease_s=1.0), config, instance="a0")
+    await service.start()
+    try:
+        with pytest.raises(RemoteError, match="404"):  # answered by the leader: it leads
+            await AdmissionClient(client_bus).explain("probe")
+        for verb in ("submit", "cancel", "explain"):
+            for subject in (f"phalanx.admission.{verb}", subjects.admission_leader(verb)):
+                reply = await client_bus.nc.request(subject, b"\x00garbage", timeout=5)
+                with pytest.raises(RemoteError) as err:
+                    raise_for_error(reply, subject)
+                assert err.value.code == "400", (subject, err.value)
+        ping = await client_bus.nc.request("$SRV.PING.phalanx-admission", b"", timeout=5)
+        assert json.loads(ping.data)["name"] == "phalanx-admission"
+    finally:
+        await service.stop()
+
+
+def _spawn_admission(url: str, instance: str) -> asyncio.subprocess.Process:
+    env = {**os.environ, "PHALANX_ADMISSION_LEASE_S": "1.0"}
+    return asyncio.create_subprocess_exec(
+        sys.executable, "-m", "phalanx.services.admission", "--nats", url,
+        "--instance", instance, env=env, stdout=asyncio.subprocess.DEVNULL,
+        stderr=asyncio.subprocess.DEVNULL)
+
+
+async def test_sigkill_mid_burst_loses_nothing_and_admits_nothing_twice(
+        own_nats: NatsServer, config: BusConfig, client_bus: Bus) -> None:
+    agents = await start_agents(config, slots=64, count=2)
+    first = await _spawn_admission(own_nats.url, "first")
+    client = AdmissionClient(client_bus, timeout_s=2.0)
+    n_jobs = 120
+    replied = 0
+    half = asyncio.Event()
+    gate = asyncio.Semaphore(16)
+
+    async def submit(i: int) -> JobRecord:
+        nonlocal replied
+        async with gate:
+            record = await client.submit(spec(f"j{i}", 1), f"job-{i}", retry_s=60)
+        replied += 1
+        if replied == n_jobs // 3:
+            half.set()
+        return record
+
+    second = None
+    try:
+        burst = asyncio.gather(*(submit(i) for i in range(n_jobs)))
+        await asyncio.wait_for(half.wait(), 60)
+        first.send_signal(signal.SIGKILL)
+        await first.wait()
+        second = await _spawn_admission(own_nats.url, "second")
+        records = await asyncio.wait_for(burst, 120)
+        assert sorted(r.job_id for r in records) == sorted(f"job-{i}" for i in range(n_jobs))
+
+        jobs = await TypedKV.open(client_bus.js, subjects.JOBS_BUCKET, JobRecord)
+
+        async def all_admitted() -> dict[str, JobRecord]:
+            latest: dict[str, JobRecord] = {}
+            async for change in jobs.watch():
+                if change is not None and change.value is not None:
+                    latest[change.key] = change.value
+                if len(latest) == n_jobs and all(
+                        r.state is JobState.ADMITTED for r in latest.values()):
+                    return latest
+            raise AssertionError("watch ended")
+
+        final = await asyncio.wait_for(all_admitted(), 60)
+        ledger = await TypedKV.open(client_bus.js, subjects.ADMISSION_BUCKET, AllocationLedger)
+        entry = await ledger.get("ledger")
+        assert entry is not None
+        allocations = entry.value.allocations
+        assert sorted(allocations) == sorted(final)  # every job placed exactly once
+        per_node: dict[str, int] = {}
+        for job_id, allocation in allocations.items():
+            assert allocation.nodes == final[job_id].nodes
+            for node in allocation.nodes:
+                per_node[node] = per_node.get(node, 0) + allocation.slots_per_replica
+        assert all(used <= 64 for used in per_node.values())
+        assert sum(per_node.values()) == n_jobs
+    finally:
+        for proc in (first, second):
+            if proc is not None and proc.returncode is None:
+                proc.kill()
+                await proc.wait()
+        for agent in agents:
+            await agent.stop()
+
+
+async def test_two_instances_hand_over_when_the_leader_dies(
+        own_nats: NatsServer, config: BusConfig, client_bus: Bus) -> None:
+    agents = await start_agents(config, slots=4, count=1)
+    procs = {name: await _spawn_admission(own_nats.url, name) for name in ("a", "b")}
+    client = AdmissionClient(client_bus)
+    leases = TypedKV((await TypedKV.open(client_bus.js, subjects.ADMISSION_BUCKET,
+                                         AllocationLedger)).kv, subjects.ADMISSION_BUCKET, Lease)
+    try:
+        await client.submit(spec("before", 1), "before-1")
+        await wait_state(client_bus, "before-1", JobState.ADMITTED)
+        lease = await leases.get("leader")
+        assert lease is not None and lease.value.holder in procs
+        leader, standby = lease.value.holder, ({"a", "b"} - {lease.value.holder}).pop()
+
+        procs[leader].send_signal(signal.SIGKILL)
+        await procs[leader].wait()
+
+        async def taken_over() -> Lease:
+            async for change in leases.watch():
+                if change is not None and change.value is not None \
+                        and change.value.holder == standby:
+                    return change.value
+            raise AssertionError("watch ended")
+
+        new = await asyncio.wait_for(taken_over(), 15)
+        assert new.epoch == lease.value.epoch + 1
+        await client.submit(spec("after", 1), "after-1")
+        assert (await wait_state(client_bus, "after-1", JobState.ADMITTED)).nodes == ["node-0"]
+        assert (await client.explain("before-1")).state is JobState.ADMITTED  # kept its slot
+    finally:
+        for proc in procs.values():
+            if proc.returncode is None:
+                proc.kill()
+                await proc.wait()
+        for agent in agents:
+            await agent.stop()
+
+
+def test_config_reads_policy_and_timings(tmp_path: Path) -> None:
+    path = tmp_path / "phalanx.toml"
+    path.write_text("[admission]\nlease_s = 2\nmax_reservations = 2\n"
+                    "[admission.priority_classes]\nbatch = 1\nprod = 10\n"
+                    "[admission.teams.vision]\nnominal = 8\nborrow_limit = 4\n")
+    config = AdmissionConfig.load(path, env={"PHALANX_ADMISSION_TICK_S": "0.5"})
+    assert config.lease_s == 2 and config.tick_s == 0.5
+    assert dict(config.policy.priority_classes) == {"batch": 1, "prod": 10}
+    assert config.policy.quota("vision").ceiling == 12
+    assert config.policy.max_reservations == 2
+    assert Placement() == Placement()
