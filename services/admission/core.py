@@ -448,6 +448,7 @@ class AdmissionCore:
                     gang, self._free_total - reserved_total, holders))
         for gang in admitted:
             self._grow(gang, reserved)
+            self._admitted_reason(gang)
             decisions.append(Admit(gang.job_id, tuple(gang.nodes), cause))
         return decisions
 
@@ -641,8 +642,12 @@ class AdmissionCore:
         gang.state = JobState.ADMITTED
         self._admissions += 1
         gang.admitted_seq = self._admissions
-        gang.reason = Reason(ReasonCode.ADMITTED, "admitted")
         self._allocate(gang, nodes)
+        self._admitted_reason(gang)
+
+    def _admitted_reason(self, gang: Gang) -> None:
+        gang.reason = Reason(ReasonCode.ADMITTED, f"running {len(gang.nodes)} replica(s) on "
+                                                  f"{len(set(gang.nodes))} node(s)")
 
     def _allocate(self, gang: Gang, nodes: list[str]) -> None:
         for node_id in nodes:

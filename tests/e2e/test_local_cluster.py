@@ -118,3 +118,35 @@ def test_nodes_without_a_cluster_says_what_is_missing(tmp_path: Path) -> None:
                      f"nats://127.0.0.1:{free_port()}", check=False)
     assert result.returncode == 1
     assert "cannot reach NATS" in result.stderr and "phalanx up" in result.stderr
+
+
+def test_readme_flow_second_job_waits_with_reason_until_first_is_cancelled(cluster) -> None:
+    data_dir, _ = cluster
+    examples = Path(__file__).resolve().parents[2] / "examples"
+    where = ("--data-dir", str(data_dir))
+    small = json.loads(phalanx("submit", str(examples / "small.yaml"), "--json", *where).stdout)
+    big = json.loads(phalanx("submit", str(examples / "big.yaml"), "--json", *where).stdout)
+    assert small["state"] == big["state"] == "pending"
+
+    def explain(job: str) -> dict:
+        return json.loads(phalanx("explain", job, "--json", *where).stdout)
+
+    why = explain(big["job_id"])
+    while why["reason_code"] == "queued":  # the first pass after the submit has not run yet
+        why = explain(big["job_id"])
+    assert why["state"] == "pending" and why["position"] == 1
+    assert why["reason_code"] == "reserved" and "needs 4 replica(s)" in why["reason"]
+    assert explain(small["job_id"])["state"] == "admitted"
+
+    assert "cancelled" in phalanx("cancel", small["job_id"], *where).stdout
+    state = explain(big["job_id"])
+    while state["state"] == "pending":
+        state = explain(big["job_id"])
+    assert state["state"] == "admitted" and len(state["nodes"]) == 4
+    listed = {j["job_id"]: j for j in json.loads(phalanx("jobs", "--json", *where).stdout)}
+    assert listed[small["job_id"]]["state"] == "cancelled"
+    assert listed[big["job_id"]]["state"] == "admitted"
+
+    bad = phalanx("submit", str(examples / "small.yaml"), "--job-id", "has.dot", *where,
+                  check=False)
+    assert bad.returncode == 2 and "job_id" in bad.stderr
