@@ -223,8 +223,11 @@ class Bus:
         return decode(reply.data, reply_type, subject=subject)
 
     async def subscribe(self, subject: str, message_type: type[M], handler: Handler[M], *,
-                        queue: str | None = None) -> Subscription:
+                        queue: str | None = None, concurrent: bool = False) -> Subscription:
         """Run ``handler`` for each valid ``message_type`` on ``subject``.
+
+        Messages are handled one after another unless ``concurrent``, which runs
+        each in its own task (for handlers that wait on I/O, such as KV writes).
 
         A reply returned by the handler is sent if the message was a request.
         Bad payloads and handler failures are counted (:attr:`counters`) and,
@@ -242,7 +245,16 @@ class Bus:
                 if reply is not None and msg.reply:
                     await self.nc.publish(msg.reply, encode(reply), headers=telemetry.inject())
 
-        return await self.nc.subscribe(subject, queue=queue or "", cb=on_message)
+        if not concurrent:
+            return await self.nc.subscribe(subject, queue=queue or "", cb=on_message)
+        running: set[asyncio.Task[None]] = set()
+
+        async def spawn(msg: Msg) -> None:
+            task = asyncio.create_task(on_message(msg))
+            running.add(task)
+            task.add_done_callback(running.discard)
+
+        return await self.nc.subscribe(subject, queue=queue or "", cb=spawn)
 
     async def _respond_error(self, msg: Msg, code: str, description: str) -> None:
         if msg.reply:

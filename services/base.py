@@ -75,8 +75,14 @@ class Service:
     # --- building blocks ----------------------------------------------------------------
 
     async def add_endpoint(self, name: str, subject: str, request_type: type[M],
-                           handler: Handler[M], *, queue: str | None = None) -> None:
-        """Serve typed requests on ``subject`` as endpoint ``name`` of the NATS service API."""
+                           handler: Handler[M], *, queue: str | None = None,
+                           concurrent: bool = False) -> None:
+        """Serve typed requests on ``subject`` as endpoint ``name`` of the NATS service API.
+
+        Requests are handled one at a time unless ``concurrent``: then each runs in
+        its own task, and failures are counted only in the endpoint's stats ``data``
+        (``bad_messages``, ``handler_errors``), not in the API's ``num_errors``.
+        """
         assert self.micro is not None, "add_endpoint is called from setup()"
         counters = self._counters.setdefault(name, Counters())
 
@@ -91,8 +97,20 @@ class Service:
                 raise ServiceError("500", f"handler of {name} returned no reply")
             await request.respond(encode(reply), headers=telemetry.inject())
 
+        async def in_task(request: Request) -> None:
+            try:
+                try:
+                    await on_request(request)
+                except ServiceError as exc:
+                    await request.respond_error(exc.code, exc.description)
+            except Exception as exc:  # e.g. the connection closed under us: never fatal
+                log.warning("could not answer a %s request: %s", name, exc)
+
+        async def spawn(request: Request) -> None:
+            self.spawn(in_task(request), f"{name} request")
+
         await self.micro.add_endpoint(EndpointConfig(
-            name=name, subject=subject, handler=on_request,
+            name=name, subject=subject, handler=spawn if concurrent else on_request,
             **({"queue_group": queue} if queue else {})))
 
     def spawn(self, coro: Coroutine[Any, Any, Any], name: str) -> asyncio.Task[Any]:

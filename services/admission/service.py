@@ -85,6 +85,7 @@ class Term:
         default_factory=dict)
     node_events: dict[str, core.NodeUpdated] = dataclasses.field(default_factory=dict)
     task: asyncio.Task[None] | None = None
+    serving: bool = False  # state rebuilt: requests may be answered
 
 
 class AdmissionService(Service):
@@ -100,6 +101,8 @@ class AdmissionService(Service):
         self.config = config
         self.term: Term | None = None
         self.node_records: dict[str, NodeRecord] = {}
+        self._handlers = {"submit": self._on_submit, "cancel": self._on_cancel,
+                          "explain": self._on_explain}
 
     @property
     def leading(self) -> bool:
@@ -118,14 +121,18 @@ class AdmissionService(Service):
                                                ("cancel", JobRequest, JobRecord),
                                                ("explain", JobRequest, Explanation)):
             await self.add_endpoint(verb, f"{subjects.PREFIX}.admission.{verb}", request_type,
-                                    self._forwarder(verb, reply_type))
+                                    self._forwarder(verb, reply_type), concurrent=True)
         self.spawn(self.lease_loop(), "lease")
 
     def _forwarder(self, verb: str, reply_type: type[Message]):
+        """The public endpoint: served here when leading, else forwarded to the leader."""
         subject = subjects.admission_leader(verb)
 
         async def forward(request: Message, _: Delivery) -> Message:
             assert self.bus is not None
+            term = self.term
+            if term is not None and term.serving:
+                return await self._handlers[verb](term, request)
             try:
                 return await self.bus.request(subject, request, reply_type,
                                               timeout_s=self.config.forward_timeout_s)
@@ -233,13 +240,13 @@ class AdmissionService(Service):
         job_changes = self.jobs.watch()
         restored = await self._restore(term, job_changes, now)
         subscriptions = [
-            await self.bus.subscribe(subjects.admission_leader("submit"), SubmitRequest,
-                                     lambda r, d: self._on_submit(term, r)),
-            await self.bus.subscribe(subjects.admission_leader("cancel"), JobRequest,
-                                     lambda r, d: self._on_cancel(term, r)),
-            await self.bus.subscribe(subjects.admission_leader("explain"), JobRequest,
-                                     lambda r, d: self._on_explain(term, r)),
+            await self.bus.subscribe(subjects.admission_leader(verb), request_type,
+                                     lambda r, d, verb=verb: self._handlers[verb](term, r),
+                                     concurrent=True)
+            for verb, request_type in (("submit", SubmitRequest), ("cancel", JobRequest),
+                                       ("explain", JobRequest))
         ]
+        term.serving = True
         try:
             async with asyncio.TaskGroup() as tasks:
                 tasks.create_task(self._watch_jobs(term, job_changes))
