@@ -42,18 +42,41 @@ import bisect
 import dataclasses
 import heapq
 import math
-from collections.abc import Iterable, Iterator
+import operator
+from collections.abc import Callable, Iterable, Iterator
 
 from phalanx.schemas.messages import JobSpec, JobState, ReasonCode
-from phalanx.services.admission.policy import AdmissionPolicy
+from phalanx.services.admission.policy import AdmissionPolicy, TeamQuota
 
 
-@dataclasses.dataclass(frozen=True)
 class Reason:
-    """A reason code and the one-line message a user sees."""
+    """A reason code and the one-line message a user sees.
 
-    code: ReasonCode
-    message: str
+    The message may be given as a function: a pass sets a reason on every gang it
+    looks at, but only the few that are read (explain, persisted) get rendered.
+    """
+
+    __slots__ = ("_message", "code")
+
+    def __init__(self, code: ReasonCode, message: str | Callable[[], str]) -> None:
+        self.code = code
+        self._message = message
+
+    @property
+    def message(self) -> str:
+        if not isinstance(self._message, str):
+            self._message = self._message()
+        return self._message
+
+    def __eq__(self, other: object) -> bool:
+        return (isinstance(other, Reason) and self.code is other.code
+                and self.message == other.message)
+
+    def __hash__(self) -> int:
+        return hash((self.code, self.message))
+
+    def __repr__(self) -> str:
+        return f"Reason({self.code.value!r}, {self.message!r})"
 
 
 # --- events --------------------------------------------------------------------------------
@@ -157,21 +180,24 @@ class Gang:
     submitted_at: float
     state: JobState = JobState.PENDING
     nodes: list[str] = dataclasses.field(default_factory=list)
-    reason: Reason = Reason(ReasonCode.QUEUED, "waiting for the first admission pass")
+    reason: Reason = dataclasses.field(default_factory=lambda: Reason(
+        ReasonCode.QUEUED, "waiting for the first admission pass"))
     reason_pass: int = 0
     admitted_seq: int = 0
+    # Copied out of the spec once: the pass reads them for every gang it looks at.
+    team: str = dataclasses.field(init=False)
+    per_replica: int = dataclasses.field(init=False)
+    min_slots: int = dataclasses.field(init=False)
+    shape: tuple = dataclasses.field(init=False)  # what admission depends on, besides order
 
-    @property
-    def team(self) -> str:
-        return self.spec.team
-
-    @property
-    def per_replica(self) -> int:
-        return self.spec.slots_per_replica
-
-    @property
-    def min_slots(self) -> int:
-        return self.spec.replicas.min * self.spec.slots_per_replica
+    def __post_init__(self) -> None:
+        spec = self.spec
+        self.team = spec.team
+        self.per_replica = spec.slots_per_replica
+        self.min_slots = spec.replicas.min * spec.slots_per_replica
+        self.shape = (self.weight, self.team, spec.slots_per_replica, spec.replicas.min,
+                      tuple(sorted(spec.placement.node_labels.items())),
+                      spec.placement.spread_failure_domains)
 
     @property
     def slots(self) -> int:
@@ -204,6 +230,9 @@ class Node:
         return all(self.labels.get(k) == v for k, v in spec.placement.node_labels.items())
 
 
+_ADMITTED_SEQ = operator.attrgetter("admitted_seq")
+
+
 class SpecRejected(ValueError):
     """A job spec that can never be admitted here; the message names the field."""
 
@@ -217,6 +246,9 @@ class AdmissionCore:
         self.nodes: dict[str, Node] = {}
         self.queue: list[Gang] = []  # pending, in admission order
         self._queue_keys: list[tuple[int, int]] = []  # order_key() of each queue entry
+        self._by_shape: dict[tuple, list[Gang]] = {}  # the queue split by Gang.shape
+        self._shape_keys: dict[tuple, list[tuple[int, int]]] = {}
+        self._shape_blocker: dict[tuple, Gang] = {}  # first gang of a shape the last pass held
         self.usage: dict[str, int] = {}  # team -> slots held
         self._by_free: dict[int, dict[str, None]] = {}  # free slots -> nodes (ordered set)
         self._free_total = 0
@@ -224,10 +256,24 @@ class AdmissionCore:
         self._admissions = 0
         self.pass_no = 0
         self.running: dict[str, Gang] = {}  # admitted gangs
+        self._running_tw: dict[str, dict[int, dict[str, Gang]]] = {}  # team -> weight -> gangs
+        self._elastic: dict[str, Gang] = {}  # running gangs holding more than their min
         self._slots_by_weight: dict[int, int] = {}  # slots held by admitted gangs, per weight
+        self._held: dict[str, dict[int, int]] = {}  # team -> weight -> slots held
+        self._domain_cache: dict[tuple, int] = {}  # spread: matching domains per shape
         self._pending_by_team: dict[str, int] = {}
         self._fit_cache: dict[tuple, bool] = {}  # _could_ever_fit per shape; cleared on node change
         self._deadlines: list[tuple[float, int, Gang]] = []  # heap of schedule timeouts
+        self._quotas: dict[str, TeamQuota] = {}
+        self._version = 0  # bumped on every allocation change; keys the caches below
+        self._free_sizes: tuple[int, list[int]] = (-1, [])
+        self._preemptible: dict[tuple[str, int, bool], tuple[int, int]] = {}
+
+    def _quota(self, team: str) -> TeamQuota:
+        quota = self._quotas.get(team)
+        if quota is None:
+            quota = self._quotas[team] = self.policy.quota(team)
+        return quota
 
     # --- validation ---------------------------------------------------------------------
 
@@ -249,7 +295,7 @@ class AdmissionCore:
         if not any(n.alive and n.slots >= spec.slots_per_replica for n in self.nodes.values()):
             raise SpecRejected(f"slots_per_replica {spec.slots_per_replica} exceeds every "
                                "node's slots")
-        ceiling = self.policy.quota(spec.team).ceiling
+        ceiling = self._quota(spec.team).ceiling
         if need > ceiling:
             raise SpecRejected(f"needs {need} slots but team {spec.team!r} may hold at most "
                                f"{ceiling:g}")
@@ -329,6 +375,7 @@ class AdmissionCore:
 
     def _node_updated(self, event: NodeUpdated) -> list[Decision]:
         self._fit_cache.clear()
+        self._domain_cache.clear()
         node = self.nodes.get(event.node_id)
         if node is None:
             node = Node(event.node_id, event.slots, event.failure_domain, dict(event.labels))
@@ -351,6 +398,7 @@ class AdmissionCore:
 
     def _node_gone(self, node_id: str, cause: str, *, remove: bool) -> list[Decision]:
         self._fit_cache.clear()
+        self._domain_cache.clear()
         node = self.nodes.get(node_id)
         if node is None:
             return []
@@ -403,35 +451,62 @@ class AdmissionCore:
         holders: list[str] = []
         admitted: list[Gang] = []
         lowest_running = min((w for w, s in self._slots_by_weight.items() if s), default=None)
-        borrowed = self._borrowed_slots()
-        # Reclaim is possible only for a team below its nominal quota with work waiting.
-        reclaim_possible = borrowed > 0 and any(
-            self.usage.get(t, 0) < self.policy.quota(t).nominal
-            for t, n in self._pending_by_team.items() if n)
-        i = 0
-        while i < len(self.queue):
-            gang = self.queue[i]
-            if (self._free_total - reserved_total <= 0 and not reclaim_possible
-                    and (lowest_running is None or gang.weight <= lowest_running)):
-                break  # nothing free, nothing to preempt or reclaim: the rest stay queued
-            gang.reason_pass = self.pass_no
-            quota = self.policy.quota(gang.team)
+        reclaimers = self._reclaimers()
+        # The queue is walked in order, merged from per-shape queues: once a gang fails,
+        # every later gang of the same shape (team, priority, size, constraints) would fail
+        # for the same reason in this pass, so the rest of that shape is skipped at once.
+        heap = [(keys[0], shape) for shape, keys in self._shape_keys.items() if keys]
+        heapq.heapify(heap)
+        blocked: set[tuple] = set()
+        while heap:
+            key, shape = heapq.heappop(heap)
+            if shape in blocked:
+                continue
+            keys = self._shape_keys.get(shape, [])
+            j = bisect.bisect_left(keys, key)
+            if j == len(keys):
+                continue  # the shape's queue emptied during the pass
+            gang = self._by_shape[shape][j]
+            if keys[j] != key:  # that gang left the queue; resume at its successor
+                heapq.heappush(heap, (keys[j], shape))
+                continue
+            quota = self._quota(gang.team)
             used = self.usage.get(gang.team, 0)
+            free_now = self._free_total - reserved_total
+            if free_now <= 0 and (lowest_running is None or gang.weight <= lowest_running):
+                # Nothing free and nothing of lower priority to preempt: only a team under
+                # its nominal quota may still reclaim borrowed slots.
+                if not reclaimers:
+                    break  # the rest stay queued
+                if gang.team not in reclaimers or used + gang.min_slots > quota.nominal:
+                    blocked.add(shape)
+                    continue
+            gang.reason_pass = self.pass_no
             quota_ok = used + gang.min_slots <= quota.ceiling
-            nodes = self._place(gang, gang.spec.replicas.min, reserved) if quota_ok else None
-            if nodes is None and self._preemption_may_help(
-                    gang, self._free_total - reserved_total, borrowed):
+            victims: list[tuple[Gang, int]] | None = None
+            nodes = (self._place(gang, gang.spec.replicas.min, reserved)
+                     if quota_ok and gang.min_slots <= free_now else None)
+            if nodes is None and self._preemption_may_help(gang, free_now):
                 victims = self._plan_preemption(gang, reserved)
                 if victims is not None:
                     decisions += self._preempt(victims, gang, cause)
                     nodes = self._place(gang, gang.spec.replicas.min, reserved)
                     assert nodes is not None, "preemption plan promised room"
             if nodes is not None:
-                i = self._queue_index(gang)  # victims may have been queued ahead of it
                 self._admit(gang, nodes)
                 admitted.append(gang)
+                reclaimers = self._reclaimers()
+                if j < len(keys):
+                    heapq.heappush(heap, (keys[j], shape))
+                # Evicted victims are queued again, possibly ahead of this gang: give them
+                # a look in this pass, so they may land elsewhere at once.
+                for victim, _ in victims or ():
+                    if victim.state is JobState.PENDING:
+                        blocked.discard(victim.shape)
+                        heapq.heappush(heap, (victim.order_key(), victim.shape))
                 continue
-            i += 1
+            blocked.add(shape)
+            self._shape_blocker[shape] = gang
             if not quota_ok:
                 gang.reason = Reason(ReasonCode.QUOTA, self._quota_message(gang, used))
             elif not self._could_ever_fit(gang):
@@ -443,14 +518,27 @@ class AdmissionCore:
                 gang.reason = Reason(ReasonCode.RESERVED, (
                     f"needs {self._need_text(gang)}; holding {held} freed slot(s) for it "
                     f"until {gang.min_slots - held} more free up"))
+                blocked.discard(shape)  # the next of its shape may still backfill elsewhere
+                if j + 1 < len(keys):
+                    heapq.heappush(heap, (keys[j + 1], shape))
             else:
-                gang.reason = Reason(ReasonCode.INSUFFICIENT_CAPACITY, self._capacity_message(
-                    gang, self._free_total - reserved_total, holders))
-        for gang in admitted:
+                gang.reason = Reason(
+                    ReasonCode.INSUFFICIENT_CAPACITY,
+                    lambda g=gang, f=free_now, h=tuple(holders): self._capacity_message(g, f, h))
+        for gang in dict.fromkeys(admitted):  # a gang may be admitted, evicted, re-admitted
+            if gang.state is not JobState.ADMITTED:
+                continue  # admitted earlier in this pass, then preempted by a reclaim
             self._grow(gang, reserved)
             self._admitted_reason(gang)
             decisions.append(Admit(gang.job_id, tuple(gang.nodes), cause))
         return decisions
+
+    def _reclaimers(self) -> set[str]:
+        """Teams below their nominal quota with gangs waiting, while any team borrows."""
+        if not any(used > self._quota(t).nominal for t, used in self.usage.items()):
+            return set()
+        return {t for t, n in self._pending_by_team.items()
+                if n and self.usage.get(t, 0) < self._quota(t).nominal}
 
     def step(self, events: Iterable[Event], now: float) -> list[Decision]:
         """Apply ``events`` then run one pass: what the service does per batch."""
@@ -464,7 +552,10 @@ class AdmissionCore:
     def _candidates(self, gang: Gang, reserved: dict[str, int]) -> Iterator[tuple[Node, int]]:
         """Schedulable matching nodes with room for a replica, fullest first, and their room."""
         k = gang.per_replica
-        for free in sorted(f for f in self._by_free if f >= k):
+        if self._free_sizes[0] != self._version:
+            self._free_sizes = (self._version, sorted(self._by_free))
+        sizes = self._free_sizes[1]
+        for free in sizes[bisect.bisect_left(sizes, k):]:
             for node_id in self._by_free[free]:
                 node = self.nodes[node_id]
                 room = free - reserved.get(node_id, 0)
@@ -478,10 +569,8 @@ class AdmissionCore:
         cap = math.inf
         per_domain: dict[str, int] = {}
         if gang.spec.placement.spread_failure_domains:
-            domains = {n.failure_domain for n in self.nodes.values()
-                       if n.schedulable and n.matches(gang.spec) and n.slots >= k}
             total = replicas + len(list(existing))
-            cap = math.ceil(total / max(1, len(domains)))
+            cap = math.ceil(total / max(1, self._domains(gang)))
             for node_id in existing:
                 domain = self.nodes[node_id].failure_domain
                 per_domain[domain] = per_domain.get(domain, 0) + 1
@@ -495,6 +584,17 @@ class AdmissionCore:
                 if len(chosen) == replicas:
                     return chosen
         return None
+
+    def _domains(self, gang: Gang) -> int:
+        """How many failure domains have a schedulable node that could host a replica (cached)."""
+        labels = tuple(sorted(gang.spec.placement.node_labels.items()))
+        key = (gang.per_replica, labels)
+        count = self._domain_cache.get(key)
+        if count is None:
+            count = self._domain_cache[key] = len({
+                n.failure_domain for n in self.nodes.values()
+                if n.schedulable and n.matches(gang.spec) and n.slots >= gang.per_replica})
+        return count
 
     def _reserve(self, gang: Gang, reserved: dict[str, int]) -> int:
         """Hold free slots on the nodes ``gang`` would use, up to its need; returns slots held."""
@@ -510,12 +610,9 @@ class AdmissionCore:
 
     def _could_ever_fit(self, gang: Gang) -> bool:
         """Would ``gang`` fit if every matching schedulable node were empty? (cached)"""
-        placement = gang.spec.placement
-        shape = (gang.per_replica, gang.spec.replicas.min, placement.spread_failure_domains,
-                 tuple(sorted(placement.node_labels.items())))
-        fits = self._fit_cache.get(shape)
+        fits = self._fit_cache.get(gang.shape)
         if fits is None:
-            fits = self._fit_cache[shape] = self._could_fit_empty(gang)
+            fits = self._fit_cache[gang.shape] = self._could_fit_empty(gang)
         return fits
 
     def _could_fit_empty(self, gang: Gang) -> bool:
@@ -533,7 +630,7 @@ class AdmissionCore:
 
     def _grow(self, gang: Gang, reserved: dict[str, int]) -> None:
         """Give a just-admitted elastic gang extra replicas from unreserved free slots."""
-        ceiling = self.policy.quota(gang.team).ceiling
+        ceiling = self._quota(gang.team).ceiling
         while len(gang.nodes) < gang.spec.replicas.max:
             if self.usage.get(gang.team, 0) + gang.per_replica > ceiling:
                 return
@@ -548,19 +645,25 @@ class AdmissionCore:
         """May ``gang`` take ``victim``'s slots? ``reclaim``: gang's team is under nominal."""
         if victim.team == gang.team:
             return victim.weight < gang.weight
-        if self.usage.get(victim.team, 0) <= self.policy.quota(victim.team).nominal:
+        if self.usage.get(victim.team, 0) <= self._quota(victim.team).nominal:
             return False  # not borrowing: its slots are its own
         return reclaim or victim.weight < gang.weight
 
-    def _borrowed_slots(self) -> int:
-        return sum(max(0, used - self.policy.quota(t).nominal) for t, used in self.usage.items())
-
-    def _preemption_may_help(self, gang: Gang, free: int, borrowed: int) -> bool:
-        """A cheap upper bound: could free slots plus every preemptible slot hold ``gang``?"""
-        lower = sum(s for w, s in self._slots_by_weight.items() if w < gang.weight)
-        reclaim = (borrowed if self.usage.get(gang.team, 0) + gang.min_slots
-                   <= self.policy.quota(gang.team).nominal else 0)
-        return free + max(lower, reclaim) >= gang.min_slots
+    def _preemption_may_help(self, gang: Gang, free: int) -> bool:
+        """A cheap upper bound: could free slots plus every slot ``gang`` may take hold it?"""
+        reclaim = (self.usage.get(gang.team, 0) + gang.min_slots
+                   <= self._quota(gang.team).nominal)
+        key = (gang.team, gang.weight, reclaim)
+        cached = self._preemptible.get(key)
+        if cached is None or cached[0] != self._version:
+            total = 0
+            for team, held in self._held.items():
+                if team != gang.team and self.usage.get(team, 0) <= self._quota(team).nominal:
+                    continue  # not borrowing: untouchable
+                everything = reclaim and team != gang.team
+                total += sum(s for w, s in held.items() if everything or w < gang.weight)
+            cached = self._preemptible[key] = (self._version, total)
+        return free + cached[1] >= gang.min_slots
 
     def _plan_preemption(self, gang: Gang,
                          reserved: dict[str, int]) -> list[tuple[Gang, int]] | None:
@@ -570,30 +673,31 @@ class AdmissionCore:
         the live state and undoes every change before returning.
         """
         reclaim = (self.usage.get(gang.team, 0) + gang.min_slots
-                   <= self.policy.quota(gang.team).nominal)
-        running = [g for g in self.running.values()
-                   if (reclaim or g.weight < gang.weight) and self._may_preempt(gang, g, reclaim)]
-        if not running:
-            return None
-        running.sort(key=lambda g: (g.weight, -g.admitted_seq))
-        steps: list[tuple[Gang, int]] = [
-            (g, len(g.nodes) - g.spec.replicas.min) for g in running
-            if len(g.nodes) > g.spec.replicas.min]
-        steps += [(g, -1) for g in running]  # -1: evict whatever it still holds
+                   <= self._quota(gang.team).nominal)
         taken: list[tuple[Gang, list[str]]] = []
-        ceiling = self.policy.quota(gang.team).ceiling
+        ceiling = self._quota(gang.team).ceiling
+        labels = gang.spec.placement.node_labels
+        need = gang.min_slots - (self._free_total - sum(reserved.values()))
+
+        def useful(nodes: list[str]) -> int:
+            """Slots freed on nodes the gang could use (a cheap gate before placing)."""
+            if not labels:
+                return len(nodes)
+            return sum(1 for n in nodes if self.nodes[n].matches(gang.spec))
 
         def fits() -> bool:
-            return (self.usage.get(gang.team, 0) + gang.min_slots <= ceiling
+            return (need <= 0 and self.usage.get(gang.team, 0) + gang.min_slots <= ceiling
                     and self._place(gang, gang.spec.replicas.min, reserved) is not None)
 
         def take(victim: Gang, count: int) -> list[str]:
+            nonlocal need
             nodes = list(victim.nodes) if count < 0 else victim.nodes[-count:]
             self._release(victim, nodes)
+            need -= useful(nodes) * victim.per_replica
             return nodes
 
         try:
-            for victim, count in steps:
+            for victim, count in self._victims(gang, reclaim):
                 if not victim.nodes or not self._may_preempt(gang, victim, reclaim):
                     continue
                 taken.append((victim, take(victim, count)))
@@ -602,6 +706,7 @@ class AdmissionCore:
             else:
                 return None
             # Spare victims that turned out unnecessary, most valuable first.
+            need = 0  # from here on fits() must place for real
             for i in range(len(taken) - 2, -1, -1):
                 victim, nodes = taken[i]
                 self._allocate(victim, nodes)
@@ -617,6 +722,37 @@ class AdmissionCore:
         finally:
             for victim, nodes in reversed(taken):
                 self._allocate(victim, nodes)
+
+    def _victims(self, gang: Gang, reclaim: bool) -> Iterator[tuple[Gang, int]]:
+        """Preemption steps in order: shrink elastic extras, then evict whole gangs.
+
+        Each in order of priority (lowest first), then newest first; built lazily,
+        weight by weight, since a plan rarely needs more than the lowest.
+        """
+        def eligible(team: str) -> Callable[[int], bool] | None:
+            if team == gang.team:
+                return lambda w: w < gang.weight
+            if self.usage.get(team, 0) <= self._quota(team).nominal:
+                return None  # not borrowing: its slots are its own
+            return (lambda w: True) if reclaim else (lambda w: w < gang.weight)
+
+        rules = {t: rule for t in self._running_tw if (rule := eligible(t)) is not None}
+        weights = sorted({w for t in rules for w, gangs in self._running_tw[t].items()
+                          if gangs and rules[t](w)})
+
+        def by_weight() -> Iterator[Gang]:
+            for w in weights:
+                bucket = [g for t in rules if rules[t](w)
+                          for g in self._running_tw[t].get(w, {}).values()]
+                yield from sorted(bucket, key=_ADMITTED_SEQ, reverse=True)
+
+        extras = sorted((g for g in self._elastic.values() if g.team in rules
+                         and rules[g.team](g.weight)),
+                        key=lambda g: (g.weight, -g.admitted_seq))
+        for victim in extras:
+            yield victim, len(victim.nodes) - victim.spec.replicas.min
+        for victim in by_weight():
+            yield victim, -1  # -1: evict whatever it still holds
 
     def _preempt(self, victims: list[tuple[Gang, int]], gang: Gang, cause: str) -> list[Decision]:
         decisions: list[Decision] = []
@@ -660,8 +796,13 @@ class AdmissionCore:
         slots = len(nodes) * gang.per_replica
         self.usage[gang.team] = self.usage.get(gang.team, 0) + slots
         self._slots_by_weight[gang.weight] = self._slots_by_weight.get(gang.weight, 0) + slots
+        held = self._held.setdefault(gang.team, {})
+        held[gang.weight] = held.get(gang.weight, 0) + slots
         if gang.nodes:
             self.running[gang.job_id] = gang
+            self._running_tw.setdefault(gang.team, {}).setdefault(
+                gang.weight, {})[gang.job_id] = gang
+        self._track_elastic(gang)
 
     def _release(self, gang: Gang, nodes: list[str]) -> None:
         for node_id in nodes:
@@ -676,10 +817,20 @@ class AdmissionCore:
         slots = len(nodes) * gang.per_replica
         self.usage[gang.team] -= slots
         self._slots_by_weight[gang.weight] -= slots
+        self._held[gang.team][gang.weight] -= slots
         if not gang.nodes:
             self.running.pop(gang.job_id, None)
+            self._running_tw[gang.team][gang.weight].pop(gang.job_id, None)
+        self._track_elastic(gang)
+
+    def _track_elastic(self, gang: Gang) -> None:
+        if len(gang.nodes) > gang.spec.replicas.min:
+            self._elastic[gang.job_id] = gang
+        else:
+            self._elastic.pop(gang.job_id, None)
 
     def _index_add(self, node: Node) -> None:
+        self._version += 1
         if node.free > 0:
             self._by_free.setdefault(node.free, {})[node.node_id] = None
             self._free_total += node.free
@@ -697,6 +848,10 @@ class AdmissionCore:
         i = bisect.bisect(self._queue_keys, key)
         self._queue_keys.insert(i, key)
         self.queue.insert(i, gang)
+        keys = self._shape_keys.setdefault(gang.shape, [])
+        j = bisect.bisect(keys, key)
+        keys.insert(j, key)
+        self._by_shape.setdefault(gang.shape, []).insert(j, gang)
         self._pending_by_team[gang.team] = self._pending_by_team.get(gang.team, 0) + 1
 
     def _queue_index(self, gang: Gang) -> int:
@@ -707,6 +862,12 @@ class AdmissionCore:
         assert self.queue[i] is gang
         del self.queue[i]
         del self._queue_keys[i]
+        keys = self._shape_keys[gang.shape]
+        j = bisect.bisect_left(keys, gang.order_key())
+        del keys[j]
+        del self._by_shape[gang.shape][j]
+        if not keys:
+            del self._shape_keys[gang.shape], self._by_shape[gang.shape]
         self._pending_by_team[gang.team] -= 1
 
     # --- explanations -------------------------------------------------------------------
@@ -721,6 +882,13 @@ class AdmissionCore:
         if gang.state is not JobState.PENDING:
             return gang.reason
         position = self.position(job_id)
+        blocker = self._shape_blocker.get(gang.shape)
+        if (gang.reason_pass != self.pass_no and blocker is not None and blocker is not gang
+                and blocker.reason_pass == self.pass_no and blocker.state is JobState.PENDING):
+            return Reason(blocker.reason.code, (
+                f"{blocker.reason.message}; {blocker.job_id}, ahead of it with the same "
+                f"team, priority, size and constraints, is held the same way "
+                f"(position {position} of {len(self.queue)})"))
         if gang.reason_pass != self.pass_no:
             return Reason(ReasonCode.QUEUED, (
                 f"position {position} of {len(self.queue)} in the queue; the last pass stopped "
@@ -739,7 +907,7 @@ class AdmissionCore:
                 f"{gang.min_slots} slots")
 
     def _quota_message(self, gang: Gang, used: int) -> str:
-        quota = self.policy.quota(gang.team)
+        quota = self._quota(gang.team)
         limit = "unlimited" if quota.borrow_limit is None else str(quota.borrow_limit)
         return (f"team {gang.team} quota: {used}/{quota.ceiling:g} slots used (nominal "
                 f"{quota.nominal} + borrow limit {limit}); needs {gang.min_slots} more")
@@ -753,7 +921,7 @@ class AdmissionCore:
         return (f"needs {self._need_text(gang)}{spread}, but the {len(matching)} {where} "
                 f"offer {sum(n.slots for n in matching)} slots in all")
 
-    def _capacity_message(self, gang: Gang, free: int, holders: list[str]) -> str:
+    def _capacity_message(self, gang: Gang, free: int, holders: tuple[str, ...]) -> str:
         held = f"; freed slots are reserved for {', '.join(holders)}" if holders else ""
         return (f"needs {self._need_text(gang)} placed at once; {free} unreserved slot(s) "
                 f"free in the cluster{held}")
@@ -764,6 +932,8 @@ class AdmissionCore:
         """Assert the state is consistent (used by tests after every step)."""
         used: dict[str, int] = {}
         team_use: dict[str, int] = {}
+        queued = {g.job_id for g in self.queue}
+        assert len(queued) == len(self.queue), "a gang is queued twice"
         for gang in self.gangs.values():
             if gang.state is JobState.ADMITTED:
                 assert len(gang.nodes) >= gang.spec.replicas.min, f"{gang.job_id} below min"
@@ -773,15 +943,20 @@ class AdmissionCore:
                 team_use[gang.team] = team_use.get(gang.team, 0) + gang.slots
             else:
                 assert not gang.nodes, f"{gang.job_id} is {gang.state} but holds slots"
-            assert (gang in self.queue) == (gang.state is JobState.PENDING), gang.job_id
+            assert (gang.job_id in queued) == (gang.state is JobState.PENDING), gang.job_id
         for node in self.nodes.values():
             assert node.used == used.get(node.node_id, 0), f"{node.node_id} usage drifted"
             assert node.used <= node.slots, f"{node.node_id} over capacity"
         assert set(self.running) == {g.job_id for g in self.gangs.values()
                                      if g.state is JobState.ADMITTED}, "running set drifted"
         for team, slots in team_use.items():
-            assert slots <= self.policy.quota(team).ceiling, f"team {team} over quota"
+            assert slots <= self._quota(team).ceiling, f"team {team} over quota"
             assert self.usage.get(team, 0) == slots, f"team {team} usage drifted"
         keys = [g.order_key() for g in self.queue]
         assert keys == sorted(keys) == self._queue_keys, "queue out of order"
+        by_shape: dict[tuple, list[Gang]] = {}
+        for gang in self.queue:
+            by_shape.setdefault(gang.shape, []).append(gang)
+        assert by_shape == self._by_shape, "shape queues drifted"
+        assert {s: [g.order_key() for g in q] for s, q in by_shape.items()} == self._shape_keys
         assert self._free_total == sum(n.free for n in self.nodes.values()), "free index drifted"

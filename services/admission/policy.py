@@ -86,15 +86,21 @@ class AdmissionPolicy:
         if "default_quota" in data:
             values["default_quota"] = _quota("admission.default_quota", data["default_quota"])
         if "max_reservations" in data:
-            values["max_reservations"] = int(data["max_reservations"])
+            values["max_reservations"] = _count("admission.max_reservations",
+                                                data["max_reservations"])
         return cls(**values)
+
+
+def _count(where: str, raw: Any) -> int:
+    """A whole number of slots or gangs; refuses 2.5, "3", True."""
+    if isinstance(raw, bool) or not isinstance(raw, int):
+        raise ConfigError(f"{where} must be a whole number, got {raw!r}")
+    return raw
 
 
 def _quota(where: str, raw: Any) -> TeamQuota:
     if not isinstance(raw, Mapping) or set(raw) - {"nominal", "borrow_limit"}:
         raise ConfigError(f"{where} must be a table with nominal and optional borrow_limit")
-    try:
-        return TeamQuota(int(raw.get("nominal", 0)),
-                         None if raw.get("borrow_limit") is None else int(raw["borrow_limit"]))
-    except (TypeError, ValueError) as exc:
-        raise ConfigError(f"{where}: {exc}") from None
+    borrow = raw.get("borrow_limit")
+    return TeamQuota(_count(f"{where}.nominal", raw.get("nominal", 0)),
+                     None if borrow is None else _count(f"{where}.borrow_limit", borrow))
