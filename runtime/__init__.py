@@ -1,1 +1,6 @@
-"""Rank-local runtime imported by training scripts (see the runtime issue)."""
+"""Rank-local runtime imported by training scripts.
+
+So far: :class:`~phalanx.runtime.progress.ProgressReporter`, the per-step
+progress that health's hang and straggler rules watch. Membership changes and
+checkpointless recovery come with the runtime issue.
+"""

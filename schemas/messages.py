@@ -294,6 +294,89 @@ class Fault(Message, tag="phalanx.fault.v1"):
     detail: str = ""
 
 
+class ExitCause(enum.StrEnum):
+    EXITED = "exited"  # the process ended by itself (or by a signal someone else sent)
+    STOPPED = "stopped"  # the agent stopped it (cancel, preemption, eviction)
+    LOST = "lost"  # found dead by a restarted agent; its exit status is unknown
+
+
+class RankStarted(Message, tag="phalanx.rank_started.v1"):
+    """An agent started one rank process (``phalanx.job.<job>.started``)."""
+
+    job_id: Ident
+    rank: NonNegInt
+    world_size: PosInt
+    node_id: Ident
+    pid: PosInt
+    started_at: NonNegFloat
+
+
+class RankExited(Message, tag="phalanx.rank_exited.v1"):
+    """A rank process ended (``phalanx.job.<job>.exited``), published the moment its agent sees it.
+
+    ``exit_code`` is set when it exited, ``signal`` (e.g. ``SIGKILL``) when a
+    signal ended it; both are None when its status is unknown (cause ``lost``).
+    """
+
+    job_id: Ident
+    rank: NonNegInt
+    node_id: Ident
+    pid: PosInt
+    cause: ExitCause
+    exited_at: NonNegFloat
+    exit_code: int | None = None
+    signal: str | None = None
+
+    @property
+    def failed(self) -> bool:
+        """A crash: any end other than exit code 0 that the agent did not cause."""
+        return self.cause is not ExitCause.STOPPED and self.exit_code != 0
+
+
+class ChaosAction(enum.StrEnum):
+    KILL_RANK = "kill_rank"
+    KILL_AGENT = "kill_agent"
+    PAUSE_AGENT = "pause_agent"
+
+
+class ChaosRequest(Message, tag="phalanx.chaos_request.v1"):
+    """Fault injection through an agent (``phalanx.agent.<node>.chaos``), as a user would."""
+
+    action: ChaosAction
+    job_id: Ident | None = None
+    rank: NonNegInt | None = None
+    signal: Annotated[str, msgspec.Meta(pattern=r"^(KILL|STOP|TERM|CONT|INT)\Z")] = "KILL"
+    duration_s: PosFloat = 5.0  # pause_agent: how long the agent stays stopped
+
+    def __post_init__(self) -> None:
+        if self.action is ChaosAction.KILL_RANK and (self.job_id is None or self.rank is None):
+            raise ValueError("kill_rank needs job_id and rank")
+
+
+class ChaosReply(Message, tag="phalanx.chaos_reply.v1"):
+    """What the agent did."""
+
+    node_id: Ident
+    detail: str
+    pid: NonNegInt | None = None
+
+
+class NodeCondition(enum.StrEnum):
+    ALIVE = "alive"
+    LOST = "lost"
+    CORDONED = "cordoned"
+    UNCORDONED = "uncordoned"
+
+
+class NodeConditionChanged(Message, tag="phalanx.node_condition.v1"):
+    """Health's verdict on a node changed (``phalanx.node.<node>.condition``)."""
+
+    node_id: Ident
+    condition: NodeCondition
+    reason: str
+    at: NonNegFloat
+
+
 class RankProgress(Message, tag="phalanx.rank_progress.v1"):
     """A rank's step progress, published on ``phalanx.health.rank.<job>.<rank>`` each step."""
 
@@ -347,6 +430,11 @@ ALL_MESSAGES: tuple[type[Message], ...] = (
     Lease,
     Generation,
     Fault,
+    RankStarted,
+    RankExited,
+    ChaosRequest,
+    ChaosReply,
+    NodeConditionChanged,
     RankProgress,
     SnapshotRecord,
 )

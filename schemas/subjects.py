@@ -81,6 +81,32 @@ def job_fault(job_id: str) -> str:
     return f"{PREFIX}.job.{token(job_id, 'job id')}.fault"
 
 
+def rank_started(job_id: str) -> str:
+    return f"{PREFIX}.job.{token(job_id, 'job id')}.started"
+
+
+def rank_exited(job_id: str) -> str:
+    return f"{PREFIX}.job.{token(job_id, 'job id')}.exited"
+
+
+def job_events(kind: str) -> str:
+    """Wildcard over one kind of job event (``started``, ``exited``, ``fault``, ``state``)."""
+    return f"{PREFIX}.job.*.{token(kind, 'event kind')}"
+
+
+def agent_chaos(node_id: str) -> str:
+    return f"{PREFIX}.agent.{token(node_id, 'node id')}.chaos"
+
+
+def node_condition(node_id: str) -> str:
+    return f"{PREFIX}.node.{token(node_id, 'node id')}.condition"
+
+
+def health_ranks() -> str:
+    """Wildcard over every rank's progress."""
+    return f"{PREFIX}.health.rank.*.*"
+
+
 def health_rank(job_id: str, rank: int) -> str:
     return f"{PREFIX}.health.rank.{token(job_id, 'job id')}.{token(rank, 'rank')}"
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import json
 import os
 import signal
@@ -51,7 +52,10 @@ def cmd_agent(args: argparse.Namespace) -> int:
     config = AgentConfig.from_env(
         node_id=args.node_id, slots=args.slots, failure_domain=args.failure_domain,
         labels=args.labels, heartbeat_interval_s=args.heartbeat_interval,
-        lost_after_s=args.lost_after)
+        lost_after_s=args.lost_after, work_dir=args.work_dir)
+    if config.work_dir is None:
+        config = dataclasses.replace(
+            config, work_dir=str(Path(args.data_dir) / "agents" / config.node_id))
     configure_logging("phalanx-agent", config.node_id, args.log_level)
     return run_service(AgentService(config, _bus_config(args)))
 
@@ -353,7 +357,7 @@ def cmd_down(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from phalanx.services.cluster import default_data_dir
+    from phalanx.services.paths import default_data_dir
     from phalanx.services.registry.core import DEFAULT_LOST_AFTER_S
 
     common = argparse.ArgumentParser(add_help=False)
@@ -421,6 +425,8 @@ def build_parser() -> argparse.ArgumentParser:
     agent.add_argument("--failure-domain")
     agent.add_argument("--labels", help="key=value,key=value")
     agent.add_argument("--heartbeat-interval", type=float, metavar="S")
+    agent.add_argument("--work-dir", help="rank logs and manifest (default: "
+                                          "<data-dir>/agents/<node-id>)")
     agent.set_defaults(func=cmd_agent)
     return parser
 

@@ -42,10 +42,6 @@ class ClusterError(PhalanxError, RuntimeError):
     """The local cluster cannot start or is already running."""
 
 
-def default_data_dir() -> Path:
-    return Path(os.environ.get("PHALANX_DATA_DIR") or Path.home() / ".local/state/phalanx")
-
-
 @dataclasses.dataclass(frozen=True)
 class ClusterState:
     """What ``up.json`` records about a running local cluster."""
@@ -224,7 +220,8 @@ class LocalCluster:
             f"agent-{node_id}", "phalanx.services.agent", "--node-id", node_id,
             "--slots", str(self.slots_per_agent), "--failure-domain", domain,
             "--heartbeat-interval", str(self.heartbeat_interval_s),
-            "--lost-after", str(self.lost_after_s))
+            "--lost-after", str(self.lost_after_s),
+            "--work-dir", str(self.data_dir / "agents" / node_id))
 
     def state(self) -> ClusterState:
         return ClusterState(

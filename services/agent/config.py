@@ -31,6 +31,9 @@ class AgentConfig:
     """A registered node whose heartbeat is older than this is lost (and its id may be reused)."""
     shutdown_timeout_s: float = 5.0
     """How long in-flight work gets on SIGTERM."""
+    work_dir: str | None = None
+    """Rank logs and the rank manifest; default ``$PHALANX_DATA_DIR/agents/<node>``
+    (``~/.local/state/phalanx/agents/<node>``)."""
 
     def __post_init__(self) -> None:
         try:

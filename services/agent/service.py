@@ -1,21 +1,44 @@
-"""The agent's shell: registry entry, heartbeats and the status endpoint over NATS."""
+"""The agent's shell: registry entry, heartbeats, rank processes and chaos over NATS.
+
+The agent follows admitted job records (``phalanx.job.*.state``, and the jobs
+bucket once at start-up) and runs this node's ranks of each; a rank's start
+and exit are published on ``phalanx.job.<job>.started`` / ``.exited`` at once.
+Records are applied per job in order, jobs independently, so stopping one
+job's ranks (up to its grace period) never delays another's launch.
+"""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
+import signal
 import socket
 import time
+from pathlib import Path
 
 from phalanx.bus.client import Delivery
 from phalanx.bus.config import BusConfig
-from phalanx.bus.errors import Conflict
+from phalanx.bus.errors import Conflict, RequestRefused
 from phalanx.bus.kv import TypedKV
 from phalanx.schemas import __version__, subjects
-from phalanx.schemas.messages import NodeHeartbeat, NodeInfo, NodeRecord, NodeStatusRequest
+from phalanx.schemas.messages import (
+    ChaosAction,
+    ChaosReply,
+    ChaosRequest,
+    JobRecord,
+    NodeHeartbeat,
+    NodeInfo,
+    NodeRecord,
+    NodeStatusRequest,
+    RankExited,
+    RankStarted,
+)
 from phalanx.services.agent import core
 from phalanx.services.agent.config import AgentConfig
+from phalanx.services.agent.ranks import RankSet
 from phalanx.services.base import Service
+from phalanx.services.paths import default_data_dir
 
 log = logging.getLogger("phalanx.agent")
 
@@ -37,6 +60,8 @@ class AgentService(Service):
         self.nodes: TypedKV[NodeRecord] | None = None
         self.record: NodeRecord | None = None
         self.revision = 0
+        self.ranks: RankSet | None = None
+        self._job_locks: dict[str, asyncio.Lock] = {}
 
     async def setup(self) -> None:
         assert self.bus is not None
@@ -48,13 +73,103 @@ class AgentService(Service):
         self.record, self.revision = entry.value, entry.revision
         await self.add_endpoint("status", subjects.agent_status(self.config.node_id),
                                 NodeStatusRequest, self.on_status)
+        await self.add_endpoint("chaos", subjects.agent_chaos(self.config.node_id),
+                                ChaosRequest, self.on_chaos)
+        self.ranks = RankSet(self.config.node_id, self.work_dir, self.bus_config_url(),
+                             self._host_of, self._report)
+        await self.ranks.adopt()
+        await self.bus.subscribe(subjects.job_states(), JobRecord, self.on_job_state)
+        jobs = await TypedKV.open(self.bus.js, subjects.JOBS_BUCKET, JobRecord)
+        records, _ = await jobs.entries()
+        known = {r.value.job_id for r in records}
+        for entry in records:
+            self._apply(entry.value)
+        for job_id, _rank in list(self.ranks.ranks):
+            if job_id not in known:  # adopted, but its job is gone: stop it
+                self.spawn(self._stop_job(job_id), f"stop {job_id}")
         self.spawn(self.heartbeat_loop(), "heartbeat")
         log.info("registered", extra={"node": self.config.node_id, "slots": self.config.slots,
                                       "failure_domain": self.config.failure_domain})
 
+    @property
+    def work_dir(self) -> Path:
+        if self.config.work_dir:
+            return Path(self.config.work_dir)
+        return default_data_dir() / "agents" / self.config.node_id
+
+    def bus_config_url(self) -> str:
+        assert self.bus is not None
+        return ",".join(self.bus.config.servers)
+
+    async def _host_of(self, node_id: str) -> str:
+        assert self.nodes is not None
+        entry = await self.nodes.get(node_id)
+        return entry.value.node.host if entry is not None else "127.0.0.1"
+
+    async def _report(self, event: RankStarted | RankExited) -> None:
+        assert self.bus is not None
+        subject = (subjects.rank_started(event.job_id) if isinstance(event, RankStarted)
+                   else subjects.rank_exited(event.job_id))
+        await self.bus.publish(subject, event)
+
     async def on_status(self, request: NodeStatusRequest, delivery: Delivery) -> NodeRecord:
         assert self.record is not None
         return self.record
+
+    async def on_job_state(self, record: JobRecord, _: Delivery) -> None:
+        self._apply(record)
+
+    def _apply(self, record: JobRecord) -> None:
+        """Reconcile ``record`` in its job's own task, after that job's earlier records."""
+        mine = self.config.node_id in record.nodes
+        running = any(job == record.job_id for job, _ in (self.ranks.ranks if self.ranks else ()))
+        if mine or running:
+            self.spawn(self._reconcile(record), f"reconcile {record.job_id}")
+
+    async def _reconcile(self, record: JobRecord) -> None:
+        assert self.ranks is not None
+        async with self._job_locks.setdefault(record.job_id, asyncio.Lock()):
+            try:
+                await self.ranks.reconcile(record)
+            except Exception:  # one job's trouble must not stop the agent
+                log.exception("reconciling %s failed", record.job_id)
+
+    async def _stop_job(self, job_id: str) -> None:
+        assert self.ranks is not None
+        async with self._job_locks.setdefault(job_id, asyncio.Lock()):
+            for (job, _), entry in list(self.ranks.ranks.items()):
+                if job == job_id:
+                    await self.ranks.stop(entry)
+
+    async def on_chaos(self, request: ChaosRequest, _: Delivery) -> ChaosReply:
+        """Inject a fault the way a user would: kill a rank, kill or pause this agent."""
+        assert self.ranks is not None
+        node = self.config.node_id
+        loop = asyncio.get_running_loop()
+        match request.action:
+            case ChaosAction.KILL_RANK:
+                assert request.job_id is not None and request.rank is not None
+                sig = signal.Signals[f"SIG{request.signal}"]
+                try:
+                    pid = self.ranks.signal(request.job_id, request.rank, sig)
+                except KeyError:
+                    raise RequestRefused("404", f"rank {request.rank} of {request.job_id} "
+                                                f"does not run on {node}") from None
+                return ChaosReply(node_id=node, pid=pid,
+                                  detail=f"sent {sig.name} to rank {request.rank} (pid {pid})")
+            case ChaosAction.KILL_AGENT:
+                # Answer first; die right after, like a machine losing power.
+                loop.call_later(0.05, os.kill, os.getpid(), signal.SIGKILL)
+                return ChaosReply(node_id=node, pid=os.getpid(), detail="agent SIGKILLed")
+            case ChaosAction.PAUSE_AGENT:
+                # A stopped process cannot wake itself: a detached sleeper sends SIGCONT.
+                await asyncio.create_subprocess_exec(
+                    "sh", "-c", f"sleep {request.duration_s}; kill -CONT {os.getpid()}",
+                    start_new_session=True)
+                loop.call_later(0.05, os.kill, os.getpid(), signal.SIGSTOP)
+                return ChaosReply(node_id=node, pid=os.getpid(),
+                                  detail=f"agent paused for {request.duration_s:g} s")
+        raise RequestRefused("400", f"unknown chaos action {request.action}")
 
     async def heartbeat_loop(self) -> None:
         """Refresh the registry entry and publish a heartbeat every interval.
@@ -66,10 +181,12 @@ class AgentService(Service):
         subject = subjects.node_heartbeat(self.config.node_id)
         while not await self.sleep_or_stop(self.config.heartbeat_interval_s):
             now = time.time()
+            used = self.ranks.slots_used if self.ranks is not None else 0
             try:
                 entry = await self.nodes.modify(
                     self.config.node_id,
-                    lambda record, now=now: core.heartbeat(record, self.info, now))
+                    lambda record, now=now, used=used: core.heartbeat(record, self.info, now,
+                                                                      min(used, self.info.slots)))
                 self.record, self.revision = entry.value, entry.revision
                 await self.bus.publish(subject, NodeHeartbeat(
                     node_id=self.config.node_id, seq=entry.value.heartbeat_seq, sent_at=now,
@@ -85,6 +202,8 @@ class AgentService(Service):
         The delete is conditional on our last revision, so an agent that lost
         its id to another never removes the other's entry.
         """
+        if self.ranks is not None:
+            await self.ranks.stop_all()
         if self.nodes is None or self.record is None:
             return
         try:

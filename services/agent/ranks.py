@@ -1,0 +1,260 @@
+"""The rank processes of one node: launch, watch, stop, and adopt after an agent crash.
+
+Which ranks run here follows from admitted job records: rank ``i`` of a job
+runs on ``nodes[i]``. :meth:`RankSet.reconcile` launches what a record wants
+and is missing and stops what it no longer wants; a record that is not
+admitted (pending again, cancelled, finished) stops every rank of its job.
+
+A rank gets the environment a torchrun script expects (``RANK``,
+``LOCAL_RANK``, ``WORLD_SIZE``, ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR``,
+``MASTER_PORT``) plus ``PHALANX_*`` for the runtime, runs in its own session
+so a stop reaches its children too, and logs to
+``<work_dir>/jobs/<job>/rank-<r>.log``. Its exit is reported the moment the
+event loop's child watcher sees it. A stop is SIGTERM to the process group,
+then SIGKILL after the job's grace period.
+
+Every running rank is recorded in ``<work_dir>/ranks.json`` with its start
+time (from ``/proc``), so an agent restarted after a crash finds its ranks
+again: one still running is adopted (watched through a pidfd; its exit
+status is then unknown, reported as ``lost``), one that died meanwhile is
+reported ``lost`` at once. Nothing keeps a slot without an agent watching it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import json
+import logging
+import os
+import signal
+import sys
+import time
+import zlib
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+
+from phalanx.schemas.messages import ExitCause, JobRecord, JobState, RankExited, RankStarted
+
+log = logging.getLogger("phalanx.agent.ranks")
+MANIFEST = "ranks.json"
+
+
+def start_ticks(pid: int) -> int | None:
+    """The process's start time in clock ticks since boot (tells a pid's reuse apart)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    fields = stat.rsplit(")", 1)[1].split()
+    return None if fields[0] == "Z" else int(fields[19])
+
+
+def master_port(job_id: str) -> int:
+    """A stable port per job for ``MASTER_PORT`` (29500..39499)."""
+    return 29500 + zlib.crc32(job_id.encode()) % 10000
+
+
+@dataclasses.dataclass
+class Rank:
+    job_id: str
+    rank: int
+    world_size: int
+    placement: tuple[str, ...]
+    pid: int
+    ticks: int | None
+    grace_s: float
+    slots: int
+    process: asyncio.subprocess.Process | None = None  # None when adopted
+    stopping: bool = False
+    watcher: asyncio.Task[None] | None = None
+
+
+class RankSet:
+    """The ranks this node runs.
+
+    Args:
+        node_id: this node.
+        work_dir: where rank logs and the manifest live.
+        nats_url: passed to ranks as ``PHALANX_NATS_URL``.
+        host_of: node id -> host name, for ``MASTER_ADDR``.
+        report: awaited with each RankStarted / RankExited to publish.
+    """
+
+    def __init__(self, node_id: str, work_dir: Path, nats_url: str,
+                 host_of: Callable[[str], Awaitable[str]],
+                 report: Callable[[RankStarted | RankExited], Awaitable[None]]) -> None:
+        self.node_id = node_id
+        self.work_dir = work_dir
+        self.nats_url = nats_url
+        self.host_of = host_of
+        self.report = report
+        self.ranks: dict[tuple[str, int], Rank] = {}
+        work_dir.mkdir(parents=True, exist_ok=True)
+
+    @property
+    def slots_used(self) -> int:
+        return sum(r.slots for r in self.ranks.values())
+
+    # --- desired state ------------------------------------------------------------------
+
+    async def reconcile(self, record: JobRecord) -> None:
+        """Make this node run exactly the ranks ``record`` places here."""
+        placement = tuple(record.nodes) if record.state is JobState.ADMITTED else ()
+        wanted = {i for i, node in enumerate(placement) if node == self.node_id}
+        for (job_id, rank), running in list(self.ranks.items()):
+            if job_id == record.job_id and (rank not in wanted or running.placement != placement):
+                await self.stop(running)
+        for rank in sorted(wanted):
+            if (record.job_id, rank) not in self.ranks:
+                await self._launch(record, rank, placement)
+
+    async def _launch(self, record: JobRecord, rank: int, placement: tuple[str, ...]) -> None:
+        spec = record.spec
+        local = [i for i, node in enumerate(placement) if node == self.node_id]
+        env = {
+            **os.environ, **spec.env,
+            "RANK": str(rank), "LOCAL_RANK": str(local.index(rank)),
+            "WORLD_SIZE": str(len(placement)), "LOCAL_WORLD_SIZE": str(len(local)),
+            "GROUP_RANK": str(sorted(set(placement), key=placement.index).index(self.node_id)),
+            "MASTER_ADDR": await self.host_of(placement[0]),
+            "MASTER_PORT": str(master_port(record.job_id)),
+            "PHALANX_NATS_URL": self.nats_url, "PHALANX_JOB_ID": record.job_id,
+            "PHALANX_RANK": str(rank), "PHALANX_NODE_ID": self.node_id,
+            "PHALANX_WORLD_SIZE": str(len(placement)),
+            "PHALANX_HANG_TIMEOUT_S": str(spec.hang_timeout_s),
+            # Ranks run in the agent's environment, as torchrun's workers do.
+            "PATH": os.pathsep.join([str(Path(sys.executable).parent),
+                                     os.environ.get("PATH", "")]),
+        }
+        log_path = self.work_dir / "jobs" / record.job_id / f"rank-{rank}.log"
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        with log_path.open("ab") as log_file:
+            try:
+                process = await asyncio.create_subprocess_exec(
+                    *spec.command, env=env, stdin=asyncio.subprocess.DEVNULL, stdout=log_file,
+                    stderr=log_file, start_new_session=True)
+            except OSError as exc:
+                # The command cannot start (missing binary, no permission): that rank is a crash.
+                log.error("cannot start rank %d of %s: %s", rank, record.job_id, exc)
+                await self.report(RankExited(
+                    job_id=record.job_id, rank=rank, node_id=self.node_id, pid=1,
+                    cause=ExitCause.EXITED, exited_at=time.time(), exit_code=127))
+                return
+        entry = Rank(record.job_id, rank, len(placement), placement, process.pid,
+                     start_ticks(process.pid), spec.grace_period_s, spec.slots_per_replica,
+                     process)
+        self.ranks[(record.job_id, rank)] = entry
+        entry.watcher = asyncio.create_task(self._watch_child(entry))
+        self._save()
+        log.info("rank started", extra={"job": record.job_id, "rank": rank, "pid": process.pid})
+        await self.report(RankStarted(job_id=record.job_id, rank=rank,
+                                      world_size=len(placement), node_id=self.node_id,
+                                      pid=process.pid, started_at=time.time()))
+
+    # --- exits --------------------------------------------------------------------------
+
+    async def _watch_child(self, entry: Rank) -> None:
+        assert entry.process is not None
+        code = await entry.process.wait()
+        signame = None
+        if code < 0:
+            with contextlib.suppress(ValueError):
+                signame = signal.Signals(-code).name
+        await self._exited(entry, exit_code=None if code < 0 else code, signame=signame)
+
+    async def _exited(self, entry: Rank, *, exit_code: int | None, signame: str | None,
+                      cause: ExitCause | None = None) -> None:
+        if self.ranks.get((entry.job_id, entry.rank)) is entry:
+            del self.ranks[(entry.job_id, entry.rank)]
+            self._save()
+        cause = cause or (ExitCause.STOPPED if entry.stopping else ExitCause.EXITED)
+        log.info("rank exited", extra={"job": entry.job_id, "rank": entry.rank,
+                                       "exit_code": exit_code, "signal": signame,
+                                       "cause": cause.value})
+        await self.report(RankExited(job_id=entry.job_id, rank=entry.rank, node_id=self.node_id,
+                                     pid=entry.pid, cause=cause, exited_at=time.time(),
+                                     exit_code=exit_code, signal=signame))
+
+    # --- stopping and signals -----------------------------------------------------------
+
+    async def stop(self, entry: Rank) -> None:
+        """SIGTERM the rank's process group, SIGKILL after its grace period; wait for exit."""
+        entry.stopping = True
+        self._signal_group(entry, signal.SIGTERM)
+        if entry.watcher is not None:
+            try:
+                await asyncio.wait_for(asyncio.shield(entry.watcher), entry.grace_s)
+            except TimeoutError:
+                self._signal_group(entry, signal.SIGKILL)
+                await entry.watcher
+
+    async def stop_all(self) -> None:
+        await asyncio.gather(*(self.stop(r) for r in list(self.ranks.values())))
+
+    def _signal_group(self, entry: Rank, sig: signal.Signals) -> None:
+        if start_ticks(entry.pid) != entry.ticks:
+            return  # already gone (or the pid is someone else's now)
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(entry.pid, sig)
+        if sig in (signal.SIGTERM, signal.SIGKILL):
+            # A stopped (SIGSTOP) rank must run to act on SIGTERM.
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(entry.pid, signal.SIGCONT)
+
+    def signal(self, job_id: str, rank: int, sig: signal.Signals) -> int:
+        """Send ``sig`` to one rank process (chaos); returns its pid.
+
+        Raises:
+            KeyError: no such rank on this node.
+        """
+        entry = self.ranks[(job_id, rank)]
+        os.kill(entry.pid, sig)
+        return entry.pid
+
+    # --- the manifest and adoption ------------------------------------------------------
+
+    def _save(self) -> None:
+        data = [{"job_id": r.job_id, "rank": r.rank, "world_size": r.world_size,
+                 "placement": list(r.placement), "pid": r.pid, "ticks": r.ticks,
+                 "grace_s": r.grace_s, "slots": r.slots} for r in self.ranks.values()]
+        tmp = self.work_dir / f".{MANIFEST}.tmp"
+        tmp.write_text(json.dumps(data))
+        tmp.replace(self.work_dir / MANIFEST)
+
+    async def adopt(self) -> None:
+        """Find the ranks a previous agent left: adopt the living, report the dead as lost."""
+        try:
+            recorded = json.loads((self.work_dir / MANIFEST).read_text())
+        except (OSError, ValueError):
+            return
+        for item in recorded:
+            entry = Rank(item["job_id"], item["rank"], item["world_size"],
+                         tuple(item["placement"]), item["pid"], item["ticks"], item["grace_s"],
+                         item["slots"])
+            if entry.ticks is not None and start_ticks(entry.pid) == entry.ticks:
+                self.ranks[(entry.job_id, entry.rank)] = entry
+                entry.watcher = asyncio.create_task(self._watch_adopted(entry))
+                log.info("rank adopted", extra={"job": entry.job_id, "rank": entry.rank,
+                                                "pid": entry.pid})
+            else:
+                await self._exited(entry, exit_code=None, signame=None, cause=ExitCause.LOST)
+        self._save()
+
+    async def _watch_adopted(self, entry: Rank) -> None:
+        loop = asyncio.get_running_loop()
+        gone = loop.create_future()
+        try:
+            fd = os.pidfd_open(entry.pid)
+        except ProcessLookupError:
+            fd = None
+        if fd is not None:
+            loop.add_reader(fd, lambda: gone.done() or gone.set_result(None))
+            try:
+                await gone
+            finally:
+                loop.remove_reader(fd)
+                os.close(fd)
+        await self._exited(entry, exit_code=None, signame=None,
+                           cause=ExitCause.STOPPED if entry.stopping else ExitCause.LOST)
