@@ -161,6 +161,96 @@ def cmd_cancel(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_health(args: argparse.Namespace) -> int:
+    from phalanx.services.base import run_service
+    from phalanx.services.health.core import HealthPolicy
+    from phalanx.services.health.service import HealthService
+    from phalanx.services.logs import configure_logging
+
+    policy = HealthPolicy(node_timeout_s=args.lost_after)
+    configure_logging("phalanx-health", "health", args.log_level)
+    return run_service(HealthService(policy, _bus_config(args)))
+
+
+def cmd_logs(args: argparse.Namespace) -> int:
+    """Print (or follow) a job's rank logs from this machine's agents' work dirs."""
+    pattern = f"agents/*/jobs/{args.job}/rank-{'*' if args.rank is None else args.rank}.log"
+    paths = sorted(Path(args.data_dir).glob(pattern),
+                   key=lambda p: int(p.stem.removeprefix("rank-")))
+    if not paths:
+        print(f"phalanx logs: no logs for {args.job!r} under {args.data_dir} (logs stay on the "
+              "node that ran the rank)", file=sys.stderr)
+        return EXIT_FAILED
+    tail = ["tail", "-n", "+1", *(["-F"] if args.follow else []), *map(str, paths)]
+    return subprocess.call(tail)
+
+
+async def _agent_request(args: argparse.Namespace, node_id: str, request):
+    from phalanx.bus.client import Bus
+    from phalanx.schemas import subjects
+    from phalanx.schemas.messages import ChaosReply
+
+    async with await Bus.connect(_bus_config(args), name="phalanx-cli") as bus:
+        return await bus.request(subjects.agent_chaos(node_id), request, ChaosReply,
+                                 timeout_s=5.0)
+
+
+def cmd_chaos(args: argparse.Namespace) -> int:
+    from phalanx.schemas.messages import ChaosAction, ChaosRequest
+
+    if args.action == "kill-rank":
+        record = asyncio.run(_with_client(args, lambda c: c.job(args.job)))
+        if record is None or args.rank >= len(record.nodes):
+            print(f"phalanx chaos: {args.job!r} has no running rank {args.rank}",
+                  file=sys.stderr)
+            return EXIT_FAILED
+        node = record.nodes[args.rank]
+        request = ChaosRequest(action=ChaosAction.KILL_RANK, job_id=args.job, rank=args.rank,
+                               signal=args.signal)
+    else:
+        node = args.node
+        action = ChaosAction.KILL_AGENT if args.action == "kill-agent" else \
+            ChaosAction.PAUSE_AGENT
+        request = ChaosRequest(action=action, duration_s=args.seconds)
+    reply = asyncio.run(_agent_request(args, node, request))
+    print(f"{reply.node_id}: {reply.detail}")
+    return 0
+
+
+def cmd_node(args: argparse.Namespace) -> int:
+    """Cordon or uncordon a node: no new placements while cordoned; health is told."""
+    import msgspec
+
+    from phalanx.bus.client import Bus
+    from phalanx.bus.kv import TypedKV
+    from phalanx.schemas import subjects
+    from phalanx.schemas.messages import NodeCondition, NodeConditionChanged, NodeRecord
+
+    cordon = args.action == "cordon"
+
+    async def change() -> None:
+        async with await Bus.connect(_bus_config(args), name="phalanx-cli") as bus:
+            nodes = await TypedKV.open(bus.js, subjects.NODES_BUCKET, NodeRecord)
+
+            def flip(record: NodeRecord | None) -> NodeRecord:
+                if record is None:
+                    raise LookupError(f"no node {args.node!r} in the registry")
+                return msgspec.structs.replace(record, cordoned=cordon)
+
+            await nodes.modify(args.node, flip)
+            await bus.publish(subjects.node_condition(args.node), NodeConditionChanged(
+                node_id=args.node, reason=f"{args.action} by operator", at=time.time(),
+                condition=NodeCondition.CORDONED if cordon else NodeCondition.UNCORDONED))
+
+    try:
+        asyncio.run(change())
+    except LookupError as exc:
+        print(f"phalanx node: {exc.args[0]}", file=sys.stderr)
+        return EXIT_FAILED
+    print(f"{args.node}: {'cordoned' if cordon else 'uncordoned'}")
+    return 0
+
+
 def msgspec_to_builtins(message) -> dict:
     import msgspec
 
@@ -418,6 +508,34 @@ def build_parser() -> argparse.ArgumentParser:
         if name != "cancel":
             command.add_argument("--json", action="store_true")
         command.set_defaults(func=func)
+
+    health = sub.add_parser("health", parents=[common, lost_after],
+                            help="run the health service")
+    health.set_defaults(func=cmd_health)
+
+    logs = sub.add_parser("logs", parents=[common], help="a job's rank logs (local cluster)")
+    logs.add_argument("job")
+    logs.add_argument("--rank", type=int)
+    logs.add_argument("-f", "--follow", action="store_true")
+    logs.set_defaults(func=cmd_logs)
+
+    chaos = sub.add_parser("chaos", help="inject faults through the agents")
+    chaos_sub = chaos.add_subparsers(dest="action", required=True)
+    kill_rank = chaos_sub.add_parser("kill-rank", parents=[common])
+    kill_rank.add_argument("job")
+    kill_rank.add_argument("rank", type=int)
+    kill_rank.add_argument("--signal", default="KILL", choices=["KILL", "STOP", "TERM", "CONT"])
+    for name in ("kill-agent", "pause-agent"):
+        node_chaos = chaos_sub.add_parser(name, parents=[common])
+        node_chaos.add_argument("node")
+        node_chaos.add_argument("--seconds", type=float, default=5.0,
+                                help="pause-agent: how long the agent stays stopped")
+    chaos.set_defaults(func=cmd_chaos)
+
+    node = sub.add_parser("node", parents=[common], help="cordon or uncordon a node")
+    node.add_argument("action", choices=["cordon", "uncordon"])
+    node.add_argument("node")
+    node.set_defaults(func=cmd_node)
 
     agent = sub.add_parser("agent", parents=[common, lost_after], help="run a node agent")
     agent.add_argument("--node-id")

@@ -159,8 +159,10 @@ class LocalCluster:
         sub = await self.bus.subscribe(subjects.node_heartbeats(), NodeHeartbeat, on_heartbeat)
         for i in range(self.n_admission):
             await self._start_admission(f"admission-{i}")
+        self.services["health"] = await self._spawn(
+            "health", "phalanx.services.health", "--lost-after", str(self.lost_after_s))
         for i in range(self.n_agents):
-            await self._start_agent(f"local-{i}", f"domain-{i % 2}")
+            await self.start_agent(f"local-{i}", f"domain-{i % 2}")
         if not self.agents:
             all_seen.set()
         exits = [asyncio.create_task(p.wait()) for p in self.agents.values()]
@@ -215,7 +217,7 @@ class LocalCluster:
         self.services[instance] = await self._spawn(
             instance, "phalanx.services.admission", "--instance", instance)
 
-    async def _start_agent(self, node_id: str, domain: str) -> None:
+    async def start_agent(self, node_id: str, domain: str) -> None:
         self.agents[node_id] = await self._spawn(
             f"agent-{node_id}", "phalanx.services.agent", "--node-id", node_id,
             "--slots", str(self.slots_per_agent), "--failure-domain", domain,

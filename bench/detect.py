@@ -1,0 +1,305 @@
+"""Failure-detection latency: crash, hang and node loss to fault event, and fault fan-out.
+
+Runs a real local cluster (``LocalCluster``: nats-server, admission, health,
+agents as processes) and injects faults from this process, where the clock
+that stamps the injection is the clock that stamps the arrival:
+
+* **crash -> fault**: a rank of a running job is SIGKILLed at t0; latency is
+  the arrival of its ``crash`` fault at a subscriber here, minus t0.
+* **hang -> fault minus the timeout**: a rank is SIGSTOPped. Health may fault
+  it at its last progress + ``hang_timeout_s``; latency is the fault's
+  arrival minus (the arrival here of that rank's last progress report + the
+  timeout). Progress is published every 20 ms, so the rank is judged on a
+  precise last-progress time.
+* **node lost -> fault minus the timeout**: a fresh agent process is
+  SIGKILLed; latency is the arrival of health's ``lost`` condition for it
+  minus (the arrival here of its last heartbeat + the node timeout).
+* **fan-out**: one ``Fault`` published to 64 subscribers, each on its own
+  NATS connection (all in this process, so their callbacks share one loop:
+  an upper bound); latency per subscriber from the publish call.
+
+Each detection is measured over ``--trials`` trials (default 50); p50/p99/max
+in milliseconds. Targets (DESIGN.md): crash p99 < 100 ms; hang minus timeout
+p99 < 100 ms; fan-out p99 < 10 ms; node loss minus timeout is reported.
+Prints progress, then one JSON object as the last line, and appends a section
+to ``bench/RESULTS.md`` unless ``--no-record``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import signal
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from phalanx.bus.client import Bus, Delivery
+from phalanx.bus.config import BusConfig
+from phalanx.schemas import subjects
+from phalanx.schemas.messages import (
+    Fault,
+    FaultKind,
+    JobSpec,
+    NodeCondition,
+    NodeConditionChanged,
+    NodeHeartbeat,
+    RankProgress,
+    RankStarted,
+    ReplicaRange,
+)
+from phalanx.services.client import AdmissionClient
+from phalanx.services.cluster import LocalCluster
+
+RESULTS = Path(__file__).with_name("RESULTS.md")
+LOOP = Path(__file__).resolve().parents[1] / "examples" / "progress_loop.py"
+HANG_TIMEOUT_S = 0.5
+NODE_TIMEOUT_S = 0.6
+HEARTBEAT_S = 0.1
+
+
+def stats(values_ms: list[float]) -> dict[str, float]:
+    values = sorted(values_ms)
+    pick = lambda q: values[min(len(values) - 1, int(q * len(values)))]  # noqa: E731
+    return {"n": len(values), "p50_ms": round(pick(0.50), 2), "p99_ms": round(pick(0.99), 2),
+            "max_ms": round(values[-1], 2)}
+
+
+class Events:
+    """Arrival times (time.time()) of the events the trials wait for."""
+
+    def __init__(self) -> None:
+        self.faults: asyncio.Queue[tuple[float, Fault]] = asyncio.Queue()
+        self.started: asyncio.Queue[RankStarted] = asyncio.Queue()
+        self.lost: asyncio.Queue[tuple[float, NodeConditionChanged]] = asyncio.Queue()
+        self.last_progress: dict[tuple[str, int], float] = {}
+        self.last_heartbeat: dict[str, float] = {}
+        self.changed = asyncio.Event()
+
+    async def until(self, condition) -> None:
+        """Wait until ``condition()`` holds, re-checked on each progress report or heartbeat."""
+        while not condition():
+            self.changed.clear()
+            await asyncio.wait_for(self.changed.wait(), 30)
+
+    async def attach(self, bus: Bus) -> None:
+        async def on_fault(f: Fault, _: Delivery) -> None:
+            self.faults.put_nowait((time.time(), f))
+
+        async def on_started(s: RankStarted, _: Delivery) -> None:
+            self.started.put_nowait(s)
+
+        async def on_progress(p: RankProgress, _: Delivery) -> None:
+            self.last_progress[(p.job_id, p.rank)] = time.time()
+            self.changed.set()
+
+        async def on_heartbeat(h: NodeHeartbeat, _: Delivery) -> None:
+            self.last_heartbeat[h.node_id] = time.time()
+            self.changed.set()
+
+        async def on_condition(c: NodeConditionChanged, _: Delivery) -> None:
+            if c.condition is NodeCondition.LOST:
+                self.lost.put_nowait((time.time(), c))
+
+        await bus.subscribe(subjects.job_events("fault"), Fault, on_fault)
+        await bus.subscribe(subjects.job_events("started"), RankStarted, on_started)
+        await bus.subscribe(subjects.health_ranks(), RankProgress, on_progress)
+        await bus.subscribe(subjects.node_heartbeats(), NodeHeartbeat, on_heartbeat)
+        await bus.subscribe(f"{subjects.PREFIX}.node.*.condition", NodeConditionChanged,
+                            on_condition)
+
+
+async def wait_for(queue: asyncio.Queue, predicate, timeout_s: float = 30.0):
+    async def scan():
+        while True:
+            item = await queue.get()
+            if predicate(item):
+                return item
+    return await asyncio.wait_for(scan(), timeout_s)
+
+
+async def start_ranks(client: AdmissionClient, events: Events, name: str,
+                      replicas: int) -> dict[int, int]:
+    """Submit a job of ``replicas`` progress loops; return rank -> pid once all started."""
+    spec = JobSpec(name=name, team="bench", priority_class="normal",
+                   replicas=ReplicaRange(min=replicas, max=replicas),
+                   command=[sys.executable, str(LOOP), "--step-time", "0.02"],
+                   hang_timeout_s=HANG_TIMEOUT_S, grace_period_s=1.0)
+    record = await client.submit(spec, name)
+    pids: dict[int, int] = {}
+    while len(pids) < replicas:
+        started = await wait_for(events.started, lambda s: s.job_id == record.job_id)
+        pids[started.rank] = started.pid
+    await events.until(lambda: all((name, r) in events.last_progress for r in pids))
+    return pids
+
+
+async def crash_trials(client: AdmissionClient, events: Events, trials: int,
+                       per_job: int) -> list[float]:
+    latencies: list[float] = []
+    job = 0
+    while len(latencies) < trials:
+        name = f"crash-{job}"
+        job += 1
+        pids = await start_ranks(client, events, name, per_job)
+        for rank, pid in pids.items():
+            if len(latencies) == trials:
+                break
+            t0 = time.time()
+            os.kill(pid, signal.SIGKILL)
+            arrived, _ = await wait_for(events.faults, lambda x, r=rank, n=name:
+                                        x[1].job_id == n and x[1].rank == r
+                                        and x[1].kind is FaultKind.CRASH)
+            latencies.append((arrived - t0) * 1e3)
+        await client.cancel(name)
+    return latencies
+
+
+async def hang_trials(client: AdmissionClient, events: Events, trials: int,
+                      per_job: int) -> list[float]:
+    latencies: list[float] = []
+    job = 0
+    while len(latencies) < trials:
+        name = f"hang-{job}"
+        job += 1
+        pids = await start_ranks(client, events, name, per_job)
+        for rank, pid in pids.items():
+            if len(latencies) == trials:
+                break
+            os.kill(pid, signal.SIGSTOP)
+            arrived, _ = await wait_for(events.faults, lambda x, r=rank, n=name:
+                                        x[1].job_id == n and x[1].rank == r
+                                        and x[1].kind is FaultKind.HANG)
+            due = events.last_progress[(name, rank)] + HANG_TIMEOUT_S
+            latencies.append((arrived - due) * 1e3)
+        await client.cancel(name)
+    return latencies
+
+
+async def node_trials(cluster: LocalCluster, events: Events, trials: int) -> list[float]:
+    latencies: list[float] = []
+    for i in range(trials):
+        node = f"doomed-{i}"
+        await cluster.start_agent(node, "doomed")
+        proc = cluster.agents[node]
+        await events.until(lambda n=node: n in events.last_heartbeat)
+        await asyncio.sleep(HEARTBEAT_S * 2)  # let health hear it beat, so it judges the node
+        proc.kill()
+        await proc.wait()
+        arrived, _ = await wait_for(events.lost, lambda x, n=node: x[1].node_id == n)
+        due = events.last_heartbeat[node] + NODE_TIMEOUT_S
+        latencies.append((arrived - due) * 1e3)
+    return latencies
+
+
+async def fanout(config: BusConfig, subscribers: int, rounds: int) -> list[float]:
+    buses = [await Bus.connect(config, name=f"fan-{i}") for i in range(subscribers)]
+    latencies: list[float] = []
+    sent = 0.0
+    got = asyncio.Queue()
+
+    async def on_fault(_: Fault, __: Delivery) -> None:
+        got.put_nowait(time.perf_counter() - sent)
+
+    for bus in buses:
+        await bus.subscribe(subjects.job_fault("fanout"), Fault, on_fault)
+        await bus.nc.flush()
+    publisher = buses[0]
+    fault = Fault(fault_id="f", job_id="fanout", kind=FaultKind.CRASH, node_id="n",
+                  detected_at=time.time(), rank=0)
+    for _ in range(rounds):
+        sent = time.perf_counter()
+        await publisher.publish(subjects.job_fault("fanout"), fault)
+        for _ in range(subscribers):
+            latencies.append((await asyncio.wait_for(got.get(), 10)) * 1e3)
+    for bus in buses:
+        await bus.close()
+    return latencies
+
+
+async def run(args: argparse.Namespace) -> dict[str, Any]:
+    with tempfile.TemporaryDirectory() as tmp:
+        cluster = LocalCluster(Path(tmp), agents=2, slots_per_agent=args.per_job,
+                               nats_port=0, heartbeat_interval_s=HEARTBEAT_S,
+                               lost_after_s=NODE_TIMEOUT_S)
+        await cluster.start()
+        try:
+            config = BusConfig.load(env={}, servers=[cluster.nats_url])
+            async with await Bus.connect(config, name="bench-detect") as bus:
+                events = Events()
+                await events.attach(bus)
+                client = AdmissionClient(bus)
+                print(f"crash -> fault, {args.trials} trials", flush=True)
+                crash = await crash_trials(client, events, args.trials, args.per_job)
+                print(f"hang -> fault, {args.trials} trials", flush=True)
+                hang = await hang_trials(client, events, args.trials, args.per_job)
+                print(f"node lost -> fault, {args.node_trials} trials", flush=True)
+                node = await node_trials(cluster, events, args.node_trials)
+                print("fault fan-out to 64 subscribers", flush=True)
+                fan = await fanout(config, 64, args.trials)
+        finally:
+            await cluster.stop()
+    figures = {"crash_to_fault": stats(crash), "hang_minus_timeout": stats(hang),
+               "node_lost_minus_timeout": stats(node), "fanout_64": stats(fan)}
+    targets = {
+        "crash_p99_ms": {"target": "< 100", "measured": figures["crash_to_fault"]["p99_ms"]},
+        "hang_p99_ms": {"target": "< 100", "measured": figures["hang_minus_timeout"]["p99_ms"]},
+        "fanout_p99_ms": {"target": "< 10", "measured": figures["fanout_64"]["p99_ms"]},
+    }
+    limits = {"crash_p99_ms": 100, "hang_p99_ms": 100, "fanout_p99_ms": 10}
+    for name, target in targets.items():
+        target["pass"] = target["measured"] < limits[name]
+    return {"benchmark": "detect", "date": time.strftime("%a %b %d %H:%M:%S UTC %Y",
+                                                         time.gmtime()),
+            "command": "python bench/detect.py " + " ".join(sys.argv[1:]),
+            "hang_timeout_s": HANG_TIMEOUT_S, "node_timeout_s": NODE_TIMEOUT_S,
+            "heartbeat_interval_s": HEARTBEAT_S, "figures": figures, "targets": targets,
+            "pass": all(t["pass"] for t in targets.values())}
+
+
+def record(report: dict[str, Any]) -> None:
+    f = report["figures"]
+    rows = "\n".join(
+        f"| {label} | {f[key]['n']} | {f[key]['p50_ms']} | {f[key]['p99_ms']} | "
+        f"{f[key]['max_ms']} | {target} |"
+        for label, key, target in (
+            ("crash -> fault", "crash_to_fault", "p99 < 100"),
+            ("hang -> fault, minus the timeout", "hang_minus_timeout", "p99 < 100"),
+            ("node lost -> fault, minus the timeout", "node_lost_minus_timeout", "reported"),
+            ("fault fan-out to 64 subscribers", "fanout_64", "p99 < 10")))
+    verdicts = ", ".join(f"{k} {'pass' if v['pass'] else 'FAIL'}"
+                         for k, v in report["targets"].items())
+    with RESULTS.open("a") as out:
+        out.write(
+            f"\n## detect.py — {report['date']}\n\nCommand: `{report['command']}`\n\n"
+            f"Local cluster (nats-server, admission, health, agents as processes); hang "
+            f"timeout {report['hang_timeout_s']} s, node timeout {report['node_timeout_s']} s, "
+            f"heartbeat every {report['heartbeat_interval_s']} s.\n\n"
+            "| latency (ms) | trials | p50 | p99 | max | target |\n|---|---:|---:|---:|---:|---|\n"
+            f"{rows}\n\nResult: {verdicts}.\n")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--trials", type=int, default=50)
+    parser.add_argument("--node-trials", type=int, default=50)
+    parser.add_argument("--per-job", type=int, default=4, help="ranks per job (and slots/agent)")
+    parser.add_argument("--no-record", action="store_true")
+    args = parser.parse_args()
+    try:
+        import uvloop
+        report = uvloop.run(run(args))
+    except ImportError:
+        report = asyncio.run(run(args))
+    if not args.no_record:
+        record(report)
+    print(json.dumps(report))
+    return 0 if report["pass"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

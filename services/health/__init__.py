@@ -1,0 +1,1 @@
+"""Failure detection: crashed, hung and straggling ranks, lost and cordoned nodes."""

@@ -1,0 +1,584 @@
+"""Failure detection: which ranks crashed, hung or straggle, which nodes are lost. Pure.
+
+The core watches the jobs admission placed (rank ``i`` runs on ``nodes[i]``)
+and the nodes that send heartbeats, and turns what it hears into faults:
+
+1. **Crash.** A rank that exits with a non-zero (or unknown) exit code, or is
+   ended by a signal, crashed: a crash fault at once, saying which. Exits the
+   agent caused (cause ``stopped``: cancel, preemption, eviction) are not
+   faults. A rank found dead by a restarted agent (cause ``lost``, status
+   unknown) is a crash too. An exit reported from a node other than the
+   rank's is a leftover of an earlier placement and is ignored.
+2. **Finish.** A rank that exits with code 0 and no signal is done; when every
+   rank of the job is done the job is finished (once) and no longer watched.
+3. **Hang.** A rank that has reported progress at least once and then reports
+   nothing for longer than the job's ``hang_timeout_s`` hangs: one hang fault,
+   strictly after ``last progress + hang_timeout_s``; a report at or before
+   that moment is in time. A rank still starting up (no report yet) is not
+   judged. The next report re-arms the rule. Ranks that exited, and ranks on a
+   node that is currently lost (the node-lost fault covers them), are not
+   judged; when such a node comes back its ranks get a full timeout again.
+4. **Straggler.** When at least ``straggler_min_ranks`` running ranks of a job
+   have a latest step time, a rank whose step time exceeds
+   ``straggler_factor`` times the median of the *other* ranks' latest step
+   times for ``straggler_steps`` consecutive reports straggles: one straggler
+   fault. A report back under the threshold re-arms it; a report that cannot
+   be judged (too few ranks) restarts the count.
+5. **Lost node.** A node that sent a heartbeat and then none for longer than
+   ``node_timeout_s`` is lost (once), with a node-lost fault for every rank of
+   every watched job on it that has not exited. A node never heard from is not
+   judged. When its heartbeats resume it is alive again, without new faults.
+6. **Cordon.** Every fault is charged to its node (a node loss once, however
+   many ranks it takes down) at the moment it happened; a node charged
+   ``cordon_faults`` times within ``cordon_window_s`` is cordoned (once),
+   until it is uncordoned, which also forgets its faults.
+
+Faults name the rank's node: the one it was started on, else its placement
+(a crash: the node that reported it). Jobs not watched, or no longer watched
+(ended, finished, or re-placed: a new placement starts every rank afresh),
+never get faults; events about them, or about ranks outside the placement,
+are ignored.
+
+Time is an argument: :meth:`HealthCore.handle` and :meth:`HealthCore.tick`
+take ``now`` (a ``now`` earlier than one already seen counts as the latest
+seen), and every call first applies the timeouts due by then, so what is
+decided, and when each fault is charged, does not depend on how often the
+shell ticks, only on the events and their times. :meth:`HealthCore.next_deadline`
+says when to tick next. No clock, no I/O; the service publishes the decisions.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import heapq
+import math
+import statistics
+
+from phalanx.schemas.errors import ConfigError
+from phalanx.schemas.messages import FaultKind
+
+EXIT_CAUSES = frozenset({"exited", "stopped", "lost"})
+
+
+@dataclasses.dataclass(frozen=True)
+class HealthPolicy:
+    node_timeout_s: float = 3.0
+    """A node is lost when it sends no heartbeat for longer than this."""
+    straggler_factor: float = 2.0
+    """A step time above this many times the median of the other ranks' is slow."""
+    straggler_steps: int = 5
+    """A rank straggles after this many slow reports in a row."""
+    straggler_min_ranks: int = 3
+    """Stragglers are only judged in jobs with at least this many reporting ranks."""
+    cordon_faults: int = 3
+    """A node charged with this many faults ..."""
+    cordon_window_s: float = 300.0
+    """... within this many seconds is cordoned."""
+
+    def __post_init__(self) -> None:
+        for name in ("node_timeout_s", "straggler_factor", "cordon_window_s"):
+            value = getattr(self, name)
+            if (isinstance(value, bool) or not isinstance(value, int | float)
+                    or not math.isfinite(value) or value <= 0):
+                raise ConfigError(f"health.{name} must be a positive finite number, "
+                                  f"got {value!r}")
+        for name in ("straggler_steps", "straggler_min_ranks", "cordon_faults"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ConfigError(f"health.{name} must be an integer >= 1, got {value!r}")
+
+
+# --- events --------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class JobWatched:
+    """A job is admitted: rank ``i`` runs on ``nodes[i]``.
+
+    Sent again with another placement or timeout, it replaces the watch and
+    starts every rank afresh; sent again unchanged, it changes nothing.
+    """
+
+    job_id: str
+    nodes: tuple[str, ...]
+    hang_timeout_s: float
+
+    def __post_init__(self) -> None:
+        if not self.nodes:
+            raise ValueError(f"JobWatched {self.job_id!r}: nodes must not be empty")
+        if not math.isfinite(self.hang_timeout_s) or self.hang_timeout_s <= 0:
+            raise ValueError(f"JobWatched {self.job_id!r}: hang_timeout_s must be a positive "
+                             f"finite number, got {self.hang_timeout_s!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class JobEnded:
+    """The job is no longer admitted (cancelled, preempted, finished): stop watching it."""
+
+    job_id: str
+
+
+@dataclasses.dataclass(frozen=True)
+class RankStarted:
+    """An agent started a rank's process; the rank is judged afresh from here."""
+
+    job_id: str
+    rank: int
+    node_id: str
+    pid: int
+
+
+@dataclasses.dataclass(frozen=True)
+class RankExited:
+    """A rank's process ended; ``cause`` is ``exited``, ``stopped`` or ``lost``."""
+
+    job_id: str
+    rank: int
+    node_id: str
+    exit_code: int | None
+    signal: str | None
+    cause: str
+
+    def __post_init__(self) -> None:
+        if self.cause not in EXIT_CAUSES:
+            raise ValueError(f"RankExited cause must be one of {sorted(EXIT_CAUSES)}, "
+                             f"got {self.cause!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class ProgressReported:
+    """A rank finished ``step`` in ``step_time_s``."""
+
+    job_id: str
+    rank: int
+    step: int
+    step_time_s: float
+
+
+@dataclasses.dataclass(frozen=True)
+class NodeHeartbeat:
+    """A node's agent is alive; it arrived at the ``now`` passed with it."""
+
+    node_id: str
+
+
+@dataclasses.dataclass(frozen=True)
+class NodeUncordoned:
+    """An operator uncordoned the node; its fault history is forgotten."""
+
+    node_id: str
+
+
+Event = (JobWatched | JobEnded | RankStarted | RankExited | ProgressReported | NodeHeartbeat
+         | NodeUncordoned)
+_EVENTS = (JobWatched, JobEnded, RankStarted, RankExited, ProgressReported, NodeHeartbeat,
+           NodeUncordoned)
+
+
+# --- decisions -----------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class RaiseFault:
+    """Publish a fault of ``job_id``'s rank (``None``: the job as a whole) on ``node_id``."""
+
+    job_id: str
+    kind: FaultKind
+    node_id: str
+    rank: int | None
+    detail: str
+    exit_code: int | None = None
+    signal: str | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class MarkNodeLost:
+    node_id: str
+    reason: str
+
+
+@dataclasses.dataclass(frozen=True)
+class MarkNodeAlive:
+    node_id: str
+    reason: str
+
+
+@dataclasses.dataclass(frozen=True)
+class CordonNode:
+    node_id: str
+    reason: str
+
+
+@dataclasses.dataclass(frozen=True)
+class FinishJob:
+    """Every rank of the job exited with code 0."""
+
+    job_id: str
+
+
+Decision = RaiseFault | MarkNodeLost | MarkNodeAlive | CordonNode | FinishJob
+
+
+# --- state ---------------------------------------------------------------------------------
+
+
+class RankExit:
+    """How a rank's process ended (``RankHealth.exit``); None while it runs."""
+
+    DONE = "done"
+    CRASHED = "crashed"
+    STOPPED = "stopped"
+
+
+@dataclasses.dataclass(eq=False)
+class RankHealth:
+    """One rank of a watched job, since its placement or its last start."""
+
+    job: JobHealth = dataclasses.field(repr=False)
+    rank: int = 0
+    node_id: str = ""
+    exit: str | None = None
+    last_progress: float | None = None
+    last_step: int | None = None
+    step_time: float | None = None  # latest step time
+    hang_since: float = -math.inf  # the hang clock runs from here (last report or node return)
+    hang_raised: bool = False  # a fault (hang or node lost) covers the silence since then
+    slow_reports: int = 0
+    straggler_raised: bool = False
+    queued: bool = False  # has an entry in the deadline heap
+
+
+@dataclasses.dataclass(eq=False)
+class JobHealth:
+    job_id: str
+    nodes: tuple[str, ...]
+    hang_timeout_s: float
+    ranks: list[RankHealth] = dataclasses.field(default_factory=list)
+
+
+@dataclasses.dataclass(eq=False)
+class NodeHealth:
+    node_id: str
+    last_heartbeat: float | None = None
+    lost: bool = False
+    cordoned: bool = False
+    faults: collections.deque[tuple[float, FaultKind]] = dataclasses.field(
+        default_factory=collections.deque)  # charged at, oldest first; pruned to the window
+    queued: bool = False
+
+
+class HealthCore:
+    """The failure detector. Feed events with :meth:`handle`; call :meth:`tick` when due."""
+
+    def __init__(self, policy: HealthPolicy) -> None:
+        self.policy = policy
+        self.jobs: dict[str, JobHealth] = {}
+        self.nodes: dict[str, NodeHealth] = {}
+        self.now = -math.inf  # latest time seen
+        # Deadlines of judged ranks and nodes: (time, order, seq, item). Entries go stale
+        # lazily (a report moves a deadline later; the entry is re-pushed when it surfaces).
+        # Equal deadlines fire in a fixed order, nodes first (a loss covers its ranks).
+        self._heap: list[tuple[float, tuple[int, str, int], int, RankHealth | NodeHealth]] = []
+        self._seq = 0
+
+    # --- entry points -------------------------------------------------------------------
+
+    def handle(self, event: Event, now: float) -> list[Decision]:
+        """Apply one event at ``now``: the timeouts due by then, then the event's own rules.
+
+        Raises:
+            TypeError: not one of this module's events.
+        """
+        if not isinstance(event, _EVENTS):
+            raise TypeError(f"unknown event {event!r}")
+        now = self._advance(now)
+        decisions = self._due(now)
+        match event:
+            case JobWatched():
+                self._watched(event)
+            case JobEnded():
+                self.jobs.pop(event.job_id, None)
+            case RankStarted():
+                self._started(event)
+            case RankExited():
+                decisions += self._exited(event, now)
+            case ProgressReported():
+                decisions += self._progress(event, now)
+            case NodeHeartbeat():
+                decisions += self._heartbeat(event.node_id, now)
+            case NodeUncordoned():
+                node = self.nodes.get(event.node_id)
+                if node is not None:
+                    node.cordoned = False
+                    node.faults.clear()
+        return decisions
+
+    def tick(self, now: float) -> list[Decision]:
+        """The time-based rules (hangs, lost nodes) due by ``now``."""
+        return self._due(self._advance(now))
+
+    def next_deadline(self) -> float | None:
+        """The earliest deadline of a judged rank or node; None when nothing is timed.
+
+        A timeout fires strictly after its deadline, so :meth:`tick` at exactly this
+        time decides nothing yet and any later tick decides it.
+        """
+        entry = self._peek()
+        return None if entry is None else entry[0]
+
+    # --- events -------------------------------------------------------------------------
+
+    def _watched(self, event: JobWatched) -> None:
+        job = self.jobs.get(event.job_id)
+        if (job is not None and job.nodes == event.nodes
+                and job.hang_timeout_s == event.hang_timeout_s):
+            return  # a replay
+        job = JobHealth(event.job_id, tuple(event.nodes), event.hang_timeout_s)
+        job.ranks = [RankHealth(job, i, node_id) for i, node_id in enumerate(job.nodes)]
+        self.jobs[event.job_id] = job  # old rank entries in the heap are stale now
+
+    def _rank(self, job_id: str, rank: int) -> RankHealth | None:
+        job = self.jobs.get(job_id)
+        if job is None or not 0 <= rank < len(job.ranks):
+            return None
+        return job.ranks[rank]
+
+    def _started(self, event: RankStarted) -> None:
+        old = self._rank(event.job_id, event.rank)
+        if old is not None:
+            old.job.ranks[event.rank] = RankHealth(old.job, event.rank, event.node_id)
+
+    def _exited(self, event: RankExited, now: float) -> list[Decision]:
+        rank = self._rank(event.job_id, event.rank)
+        if rank is None or rank.exit is not None or rank.node_id != event.node_id:
+            return []
+        if event.cause == "stopped":
+            rank.exit = RankExit.STOPPED
+            return []
+        if event.exit_code == 0 and event.signal is None:
+            rank.exit = RankExit.DONE
+            job = rank.job
+            if all(r.exit == RankExit.DONE for r in job.ranks):
+                del self.jobs[job.job_id]
+                return [FinishJob(job.job_id)]
+            return []
+        rank.exit = RankExit.CRASHED
+        fault = RaiseFault(event.job_id, FaultKind.CRASH, event.node_id, event.rank,
+                           _crash_detail(event), event.exit_code, event.signal)
+        return [fault, *self._charge(event.node_id, now, FaultKind.CRASH)]
+
+    def _progress(self, event: ProgressReported, now: float) -> list[Decision]:
+        rank = self._rank(event.job_id, event.rank)
+        if rank is None or rank.exit is not None:
+            return []
+        rank.last_progress = rank.hang_since = now
+        rank.last_step = event.step
+        rank.step_time = event.step_time_s
+        rank.hang_raised = False
+        self._arm(rank)
+        return self._judge_straggler(rank, event, now)
+
+    def _judge_straggler(self, rank: RankHealth, event: ProgressReported,
+                         now: float) -> list[Decision]:
+        policy = self.policy
+        others = [r.step_time for r in rank.job.ranks
+                  if r is not rank and r.exit is None and r.step_time is not None]
+        if not others or len(others) + 1 < policy.straggler_min_ranks:
+            rank.slow_reports = 0
+            return []
+        median = statistics.median(others)
+        if not event.step_time_s > policy.straggler_factor * median:
+            rank.slow_reports = 0
+            rank.straggler_raised = False
+            return []
+        rank.slow_reports += 1
+        if rank.straggler_raised or rank.slow_reports < policy.straggler_steps:
+            return []
+        rank.straggler_raised = True
+        detail = (f"rank {rank.rank} took {event.step_time_s:.3g} s for step {event.step}, "
+                  f"over {policy.straggler_factor:g} x the median {median:.3g} s of the other "
+                  f"{len(others)} rank(s), for {rank.slow_reports} reports in a row")
+        fault = RaiseFault(rank.job.job_id, FaultKind.STRAGGLER, rank.node_id, rank.rank, detail)
+        return [fault, *self._charge(rank.node_id, now, FaultKind.STRAGGLER)]
+
+    def _heartbeat(self, node_id: str, now: float) -> list[Decision]:
+        node = self._node(node_id)
+        decisions: list[Decision] = []
+        if node.lost:
+            assert node.last_heartbeat is not None
+            node.lost = False
+            decisions.append(MarkNodeAlive(node_id, (
+                f"heartbeats resumed after {now - node.last_heartbeat:.1f} s of silence")))
+            for rank in self._ranks_on(node_id):
+                rank.hang_since = max(rank.hang_since, now)  # a full timeout from the return
+                self._arm(rank)
+        node.last_heartbeat = now
+        self._arm(node)
+        return decisions
+
+    # --- timeouts -----------------------------------------------------------------------
+
+    def _advance(self, now: float) -> float:
+        if math.isnan(now):
+            raise ValueError("now must be a number, got nan")
+        self.now = max(self.now, now)
+        return self.now
+
+    def _deadline(self, item: RankHealth | NodeHealth) -> float | None:
+        """When ``item`` times out, or None when it is not judged (or no longer tracked)."""
+        if isinstance(item, NodeHealth):
+            if (self.nodes.get(item.node_id) is not item or item.lost
+                    or item.last_heartbeat is None):
+                return None
+            return item.last_heartbeat + self.policy.node_timeout_s
+        job = item.job
+        if (self.jobs.get(job.job_id) is not job or job.ranks[item.rank] is not item
+                or item.exit is not None or item.last_progress is None or item.hang_raised):
+            return None
+        node = self.nodes.get(item.node_id)
+        if node is not None and node.lost:
+            return None
+        return item.hang_since + job.hang_timeout_s
+
+    def _arm(self, item: RankHealth | NodeHealth) -> None:
+        if item.queued:
+            return  # its entry is at or before the deadline; re-pushed when it surfaces
+        deadline = self._deadline(item)
+        if deadline is not None:
+            self._seq += 1
+            order = ((0, item.node_id, 0) if isinstance(item, NodeHealth)
+                     else (1, item.job.job_id, item.rank))
+            heapq.heappush(self._heap, (deadline, order, self._seq, item))
+            item.queued = True
+
+    def _peek(self) -> tuple[float, tuple[int, str, int], int, RankHealth | NodeHealth] | None:
+        """The heap's first entry once it is current (stale entries dropped or moved)."""
+        heap = self._heap
+        while heap:
+            at, _, _, item = heap[0]
+            if self._deadline(item) == at:
+                return heap[0]
+            heapq.heappop(heap)
+            item.queued = False
+            self._arm(item)
+        return None
+
+    def _due(self, now: float) -> list[Decision]:
+        decisions: list[Decision] = []
+        while (entry := self._peek()) is not None and entry[0] < now:
+            at, _, _, item = heapq.heappop(self._heap)
+            item.queued = False
+            if isinstance(item, NodeHealth):
+                decisions += self._lose(item, at)
+            else:
+                decisions += self._hang(item, at)
+        return decisions
+
+    def _hang(self, rank: RankHealth, at: float) -> list[Decision]:
+        rank.hang_raised = True
+        job = rank.job
+        detail = (f"rank {rank.rank} reported no progress for more than "
+                  f"{job.hang_timeout_s:g} s after step {rank.last_step}")
+        fault = RaiseFault(job.job_id, FaultKind.HANG, rank.node_id, rank.rank, detail)
+        return [fault, *self._charge(rank.node_id, at, FaultKind.HANG)]
+
+    def _lose(self, node: NodeHealth, at: float) -> list[Decision]:
+        node.lost = True
+        why = f"no heartbeat for more than {self.policy.node_timeout_s:g} s"
+        decisions: list[Decision] = [MarkNodeLost(node.node_id, why)]
+        for rank in self._ranks_on(node.node_id):
+            rank.hang_raised = True
+            decisions.append(RaiseFault(rank.job.job_id, FaultKind.NODE_LOST, node.node_id,
+                                        rank.rank, f"rank {rank.rank}'s node {node.node_id} "
+                                                   f"was lost: {why}"))
+        return decisions + self._charge(node.node_id, at, FaultKind.NODE_LOST)
+
+    # --- nodes and cordons --------------------------------------------------------------
+
+    def _node(self, node_id: str) -> NodeHealth:
+        node = self.nodes.get(node_id)
+        if node is None:
+            node = self.nodes[node_id] = NodeHealth(node_id)
+        return node
+
+    def _ranks_on(self, node_id: str) -> list[RankHealth]:
+        """Ranks of watched jobs on ``node_id`` that have not exited, in watch order."""
+        return [r for job in self.jobs.values() for r in job.ranks
+                if r.node_id == node_id and r.exit is None]
+
+    def _charge(self, node_id: str, at: float, kind: FaultKind) -> list[Decision]:
+        node = self._node(node_id)
+        faults = node.faults
+        faults.append((at, kind))
+        window = self.policy.cordon_window_s
+        while at - faults[0][0] > window:
+            faults.popleft()
+        if node.cordoned or len(faults) < self.policy.cordon_faults:
+            return []
+        node.cordoned = True
+        counts = collections.Counter(k.value for _, k in faults)
+        what = ", ".join(f"{n} {k}" for k, n in sorted(counts.items()))
+        return [CordonNode(node_id, f"{len(faults)} faults within {window:g} s ({what})")]
+
+    # --- invariants ---------------------------------------------------------------------
+
+    def check_invariants(self) -> None:
+        """Assert the state is consistent (used by tests after every step)."""
+        policy = self.policy
+        live: set[int] = set()
+        for job_id, job in self.jobs.items():
+            assert job.job_id == job_id, f"{job_id} filed under another id"
+            assert len(job.ranks) == len(job.nodes) > 0, f"{job_id} ranks drifted"
+            assert not all(r.exit == RankExit.DONE for r in job.ranks), f"{job_id} unfinished"
+            for i, rank in enumerate(job.ranks):
+                assert rank.job is job and rank.rank == i, f"{job_id} rank {i} misfiled"
+                assert rank.exit in (None, RankExit.DONE, RankExit.CRASHED, RankExit.STOPPED)
+                assert rank.slow_reports >= 0
+                assert not rank.straggler_raised or rank.slow_reports >= policy.straggler_steps
+                if rank.last_progress is not None:
+                    assert rank.step_time is not None and rank.last_step is not None
+                    assert rank.last_progress <= rank.hang_since <= self.now
+                live.add(id(rank))
+        for node_id, node in self.nodes.items():
+            assert node.node_id == node_id, f"{node_id} filed under another id"
+            assert not node.lost or node.last_heartbeat is not None, f"{node_id} lost unheard"
+            assert node.last_heartbeat is None or node.last_heartbeat <= self.now
+            times = [t for t, _ in node.faults]
+            assert times == sorted(times), f"{node_id} faults out of order"
+            assert not times or times[-1] - times[0] <= policy.cordon_window_s
+            assert not times or times[-1] <= self.now
+            live.add(id(node))
+        entries: collections.Counter[int] = collections.Counter()
+        for at, _, _, item in self._heap:
+            if id(item) in live:
+                entries[id(item)] += 1
+                deadline = self._deadline(item)
+                assert deadline is None or at <= deadline, "a heap entry is after its deadline"
+        for job in self.jobs.values():
+            for rank in job.ranks:
+                self._check_timed(rank, entries[id(rank)])
+        for node in self.nodes.values():
+            self._check_timed(node, entries[id(node)])
+
+    def _check_timed(self, item: RankHealth | NodeHealth, entries: int) -> None:
+        assert entries == (1 if item.queued else 0), f"{item!r}: {entries} heap entries"
+        deadline = self._deadline(item)
+        if deadline is not None:
+            assert item.queued, f"{item!r} is judged but has no deadline queued"
+            assert deadline >= self.now, f"{item!r} is overdue ({deadline} < {self.now})"
+
+
+def _crash_detail(event: RankExited) -> str:
+    if event.cause == "lost":
+        what = (f"rank {event.rank} was found dead by a restarted agent on {event.node_id}; "
+                "its exit status is unknown")
+        if event.signal is not None or event.exit_code is not None:
+            what += f" (reported: exit code {event.exit_code}, signal {event.signal})"
+        return what
+    if event.signal is not None:
+        code = f" (exit code {event.exit_code})" if event.exit_code is not None else ""
+        return f"rank {event.rank} was killed by signal {event.signal}{code}"
+    if event.exit_code is None:
+        return f"rank {event.rank} exited with an unknown status"
+    return f"rank {event.rank} exited with code {event.exit_code}"

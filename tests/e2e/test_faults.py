@@ -1,0 +1,187 @@
+"""Launching and failure detection on a real local cluster, driven as a user would.
+
+`phalanx up` (NATS, admission, health, two agents), a 4-rank job of
+``examples/progress_loop.py``, and faults injected with `phalanx chaos`:
+each must come back as a fault event naming what happened.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+
+from phalanx.bus.client import Bus, Delivery
+from phalanx.bus.config import BusConfig
+from phalanx.schemas import subjects
+from phalanx.schemas.messages import (
+    Fault,
+    FaultKind,
+    JobRecord,
+    JobSpec,
+    JobState,
+    RankStarted,
+    ReplicaRange,
+)
+from phalanx.services.client import AdmissionClient
+
+pytestmark = pytest.mark.slow
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
+HANG_TIMEOUT_S = 1.0
+LOST_AFTER_S = 1.5
+
+
+def phalanx(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+    result = subprocess.run([sys.executable, "-m", "phalanx.services.cli", *args],
+                            capture_output=True, text=True, timeout=60)
+    if check:
+        assert result.returncode == 0, result.stderr
+    return result
+
+
+class Watch:
+    """Collects fault, rank-start and job-state events from the bus."""
+
+    def __init__(self) -> None:
+        self.faults: asyncio.Queue[Fault] = asyncio.Queue()
+        self.started: asyncio.Queue[RankStarted] = asyncio.Queue()
+        self.states: asyncio.Queue[JobRecord] = asyncio.Queue()
+
+    async def attach(self, bus: Bus) -> None:
+        async def put(queue: asyncio.Queue, message, _: Delivery) -> None:
+            await queue.put(message)
+
+        await bus.subscribe(subjects.job_events("fault"), Fault,
+                            lambda m, d: put(self.faults, m, d))
+        await bus.subscribe(subjects.job_events("started"), RankStarted,
+                            lambda m, d: put(self.started, m, d))
+        await bus.subscribe(subjects.job_states(), JobRecord,
+                            lambda m, d: put(self.states, m, d))
+
+
+async def next_of(queue: asyncio.Queue, predicate, timeout_s: float = 30.0):
+    async def scan():
+        while True:
+            item = await queue.get()
+            if predicate(item):
+                return item
+
+    return await asyncio.wait_for(scan(), timeout_s)
+
+
+@pytest.fixture
+async def cluster(tmp_path: Path) -> AsyncIterator[tuple[Path, Bus, Watch]]:
+    data_dir = tmp_path / "cluster"
+    phalanx("up", "--agents", "2", "--detach", "--data-dir", str(data_dir), "--nats-port", "0",
+            "--heartbeat-interval", "0.2", "--lost-after", str(LOST_AFTER_S))
+    state = json.loads((data_dir / "up.json").read_text())
+    try:
+        async with await Bus.connect(BusConfig.load(env={}, servers=[state["nats_url"]])) as bus:
+            watch = Watch()
+            await watch.attach(bus)
+            yield data_dir, bus, watch
+    finally:
+        phalanx("down", "--data-dir", str(data_dir))
+
+
+def loop_spec(name: str, replicas: int = 4) -> JobSpec:
+    return JobSpec(name=name, team="t", priority_class="normal",
+                   replicas=ReplicaRange(min=replicas, max=replicas),
+                   command=[sys.executable, str(EXAMPLES / "progress_loop.py"),
+                            "--step-time", "0.05"],
+                   hang_timeout_s=HANG_TIMEOUT_S, grace_period_s=3.0)
+
+
+async def start_job(bus: Bus, watch: Watch, name: str) -> JobRecord:
+    record = await AdmissionClient(bus).submit(loop_spec(name), f"{name}-1")
+    for _ in range(4):
+        await next_of(watch.started, lambda s: s.job_id == record.job_id)
+    admitted = await AdmissionClient(bus).job(record.job_id)
+    assert admitted is not None and admitted.state is JobState.ADMITTED
+    return admitted
+
+
+async def test_kill_rank_is_a_crash_fault_naming_job_rank_node_signal(cluster) -> None:
+    data_dir, bus, watch = cluster
+    job = await start_job(bus, watch, "crash")
+    out = phalanx("chaos", "kill-rank", job.job_id, "2", "--data-dir", str(data_dir)).stdout
+    assert "sent SIGKILL to rank 2" in out
+    fault = await next_of(watch.faults, lambda f: f.job_id == job.job_id)
+    assert (fault.kind, fault.rank, fault.node_id, fault.signal) == (
+        FaultKind.CRASH, 2, job.nodes[2], "SIGKILL")
+    logs = phalanx("logs", job.job_id, "--rank", "0", "--data-dir", str(data_dir))
+    assert logs.returncode == 0
+
+
+async def test_stopped_rank_is_a_hang_fault(cluster) -> None:
+    data_dir, bus, watch = cluster
+    job = await start_job(bus, watch, "hang")
+    stopped_at = time.time()
+    phalanx("chaos", "kill-rank", job.job_id, "1", "--signal", "STOP",
+            "--data-dir", str(data_dir))
+    fault = await next_of(watch.faults, lambda f: f.job_id == job.job_id)
+    assert (fault.kind, fault.rank, fault.node_id) == (FaultKind.HANG, 1, job.nodes[1])
+    # Detected after the timeout, never before it (the latency bound is bench/detect.py's).
+    assert fault.detected_at - stopped_at >= HANG_TIMEOUT_S * 0.9
+
+
+async def test_killed_agent_is_node_lost_for_its_ranks_and_leaves_capacity(cluster) -> None:
+    data_dir, bus, watch = cluster
+    job = await start_job(bus, watch, "lost")
+    victim = job.nodes[0]
+    phalanx("chaos", "kill-agent", victim, "--data-dir", str(data_dir))
+    on_victim = {r for r, n in enumerate(job.nodes) if n == victim}
+    seen: set[int] = set()
+    while seen != on_victim:
+        fault = await next_of(watch.faults, lambda f: f.job_id == job.job_id)
+        assert fault.kind is FaultKind.NODE_LOST and fault.node_id == victim
+        seen.add(fault.rank)
+    # Admission no longer counts the lost node: the 4-rank job goes back to the queue, and
+    # with 2 slots left in the cluster it cannot be placed again.
+    requeued = await next_of(watch.states, lambda r: r.job_id == job.job_id
+                             and r.state is JobState.PENDING)
+    assert requeued.reason_code.value in ("node_lost", "unschedulable")
+    why = await AdmissionClient(bus).explain(job.job_id)
+    assert why.reason_code.value == "unschedulable" and "offer 2 slots" in why.reason
+    nodes = {n["node_id"]: n for n in json.loads(
+        phalanx("nodes", "--json", "--lost-after", str(LOST_AFTER_S),
+                "--data-dir", str(data_dir)).stdout)}
+    assert nodes[victim]["state"] == "lost"
+
+
+async def test_cancel_stops_every_rank_and_frees_the_slots(cluster) -> None:
+    data_dir, bus, watch = cluster
+    job = await start_job(bus, watch, "cancel")
+    pids = json.loads((data_dir / "agents" / job.nodes[0] / "ranks.json").read_text())
+    pids = [r["pid"] for r in pids if r["job_id"] == job.job_id]
+    assert pids
+    await AdmissionClient(bus).cancel(job.job_id)
+    follower = await AdmissionClient(bus).submit(loop_spec("after"), "after-1")
+    for _ in range(4):  # the same 4 slots host the next job: they were freed
+        await next_of(watch.started, lambda s: s.job_id == follower.job_id)
+    for pid in pids:
+        assert not Path(f"/proc/{pid}").exists() or \
+            Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+
+
+async def test_no_false_positives_with_both_cores_saturated(cluster) -> None:
+    _, bus, watch = cluster
+    job = await start_job(bus, watch, "busy")
+    burners = [subprocess.Popen([sys.executable, "-c", "while True: pass"])
+               for _ in range(os.cpu_count() or 2)]
+    try:
+        # Ten hang timeouts of saturated CPU: a healthy job must raise nothing.
+        with pytest.raises(TimeoutError):
+            await next_of(watch.faults, lambda f: f.job_id == job.job_id,
+                          timeout_s=HANG_TIMEOUT_S * 10)
+    finally:
+        for burner in burners:
+            burner.kill()
+            burner.wait()
