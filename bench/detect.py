@@ -222,6 +222,8 @@ async def fanout(config: BusConfig, subscribers: int, rounds: int) -> list[float
 
 
 async def run(args: argparse.Namespace) -> dict[str, Any]:
+    # Hundreds of injected faults would cordon every node; this measures detection only.
+    os.environ["PHALANX_HEALTH_CORDON_FAULTS"] = "1000000"
     with tempfile.TemporaryDirectory() as tmp:
         cluster = LocalCluster(Path(tmp), agents=2, slots_per_agent=args.per_job,
                                nats_port=0, heartbeat_interval_s=HEARTBEAT_S,

@@ -167,7 +167,21 @@ def cmd_health(args: argparse.Namespace) -> int:
     from phalanx.services.health.service import HealthService
     from phalanx.services.logs import configure_logging
 
-    policy = HealthPolicy(node_timeout_s=args.lost_after)
+    overrides = {}
+    for field in dataclasses.fields(HealthPolicy):  # PHALANX_HEALTH_<FIELD> overrides
+        raw = os.environ.get(f"PHALANX_HEALTH_{field.name.upper()}")
+        if raw is not None:
+            try:
+                overrides[field.name] = int(raw) if field.type in (int, "int") else float(raw)
+            except ValueError:
+                print(f"phalanx health: PHALANX_HEALTH_{field.name.upper()} must be a number, "
+                      f"got {raw!r}", file=sys.stderr)
+                return EXIT_USAGE
+    try:
+        policy = HealthPolicy(**{"node_timeout_s": args.lost_after, **overrides})
+    except ValueError as exc:
+        print(f"phalanx health: {exc}", file=sys.stderr)
+        return EXIT_USAGE
     configure_logging("phalanx-health", "health", args.log_level)
     return run_service(HealthService(policy, _bus_config(args)))
 
