@@ -17,6 +17,7 @@ import socket
 import time
 from pathlib import Path
 
+from phalanx.bus import telemetry
 from phalanx.bus.client import Delivery
 from phalanx.bus.config import BusConfig
 from phalanx.bus.errors import Conflict, RequestRefused
@@ -107,10 +108,20 @@ class AgentService(Service):
         return entry.value.node.host if entry is not None else "127.0.0.1"
 
     async def _report(self, event: RankStarted | RankExited) -> None:
+        """Publish a rank's start or exit inside a span that names it: a trace's root."""
         assert self.bus is not None
-        subject = (subjects.rank_started(event.job_id) if isinstance(event, RankStarted)
-                   else subjects.rank_exited(event.job_id))
-        await self.bus.publish(subject, event)
+        if isinstance(event, RankStarted):
+            subject, name = subjects.rank_started(event.job_id), f"rank {event.rank} started"
+            attributes = {"phalanx.pid": event.pid}
+        else:
+            subject, name = subjects.rank_exited(event.job_id), f"rank {event.rank} exited"
+            attributes = {"phalanx.exit.cause": event.cause.value,
+                          "phalanx.exit.code": -1 if event.exit_code is None else event.exit_code,
+                          "phalanx.exit.signal": event.signal or ""}
+        attributes.update({"phalanx.job": event.job_id, "phalanx.rank": event.rank,
+                           "phalanx.node": self.config.node_id})
+        with telemetry.tracer().start_as_current_span(name, attributes=attributes):
+            await self.bus.publish(subject, event)
 
     async def on_status(self, request: NodeStatusRequest, delivery: Delivery) -> NodeRecord:
         assert self.record is not None

@@ -185,3 +185,45 @@ async def test_no_false_positives_with_both_cores_saturated(cluster) -> None:
         for burner in burners:
             burner.kill()
             burner.wait()
+
+
+def _spans(text: str) -> list[dict]:
+    """Span objects printed by the console exporter, among the JSON log lines."""
+    decoder, found, i = json.JSONDecoder(), [], 0
+    while (start := text.find("{", i)) != -1:
+        try:
+            obj, i = decoder.raw_decode(text, start)
+        except json.JSONDecodeError:
+            i = start + 1
+            continue
+        if isinstance(obj, dict) and "context" in obj:
+            found.append(obj)
+    return found
+
+
+async def test_a_crash_and_its_fault_are_one_trace(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setenv("OTEL_TRACES_EXPORTER", "console")
+    data_dir = tmp_path / "traced"
+    phalanx("up", "--agents", "2", "--detach", "--data-dir", str(data_dir), "--nats-port", "0")
+    try:
+        url = json.loads((data_dir / "up.json").read_text())["nats_url"]
+        async with await Bus.connect(BusConfig.load(env={}, servers=[url])) as bus:
+            watch = Watch()
+            await watch.attach(bus)
+            job = await start_job(bus, watch, "traced")
+            phalanx("chaos", "kill-rank", job.job_id, "3", "--data-dir", str(data_dir))
+            await next_of(watch.faults, lambda f: f.job_id == job.job_id)
+    finally:
+        phalanx("down", "--data-dir", str(data_dir))
+    agent_spans = _spans((data_dir / "logs" / f"agent-{job.nodes[3]}.log").read_text())
+    health_spans = _spans((data_dir / "logs" / "health.log").read_text())
+    exited = next(s for s in agent_spans if s["name"] == "rank 3 exited")
+    assert exited["attributes"]["phalanx.exit.signal"] == "SIGKILL"
+    trace_id = exited["context"]["trace_id"]
+    fault = next(s for s in health_spans
+                 if s["name"] == f"publish phalanx.job.{job.job_id}.fault")
+    assert fault["context"]["trace_id"] == trace_id  # signal -> fault: one trace
+    processed = next(s for s in health_spans
+                     if s["name"] == f"process phalanx.job.{job.job_id}.exited"
+                     and s["context"]["trace_id"] == trace_id)
+    assert fault["parent_id"] == processed["context"]["span_id"]
