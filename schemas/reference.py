@@ -72,6 +72,16 @@ CATALOG: tuple[SubjectDoc, ...] = (
 )
 
 
+#: What the KV buckets hold: (bucket, key, value type, what).
+KV_VALUES: tuple[tuple[str, str, type[m.Message], str], ...] = (
+    (subjects.NODES_BUCKET, "node id", m.NodeRecord, "the node registry"),
+    (subjects.JOBS_BUCKET, "job id", m.JobRecord, "every job's admission state"),
+    (subjects.ADMISSION_BUCKET, "`ledger`", m.AllocationLedger,
+     "every admitted job's placement; one CAS per admission pass"),
+    (subjects.ADMISSION_BUCKET, "`leader`", m.Lease, "the admission leader's lease"),
+)
+
+
 def _display(subject: str) -> str:
     """Show placeholder tokens (NODE, JOB, 0) as ``<node>``, ``<job>``, ``<rank>``."""
     subject = re.sub(r"\.0(\.|$)", r".<rank>\1", subject)
@@ -180,9 +190,12 @@ def render() -> str:
         )
     lines += [
         "",
-        f"JetStream KV buckets: `{subjects.NODES_BUCKET}` (one `NodeRecord` per node, key = node "
-        f"id), `{subjects.JOBS_BUCKET}` (one `JobRecord` per job, key = job id), "
-        f"`{subjects.ADMISSION_BUCKET}` (`ledger`: `AllocationLedger`; `leader`: `Lease`).",
+        "## JetStream KV buckets",
+        "",
+        "| bucket | key | value | what |",
+        "| --- | --- | --- | --- |",
+        *(f"| `{bucket}` | {key} | [{value.__name__}](#{value.__name__.lower()}) | {what} |"
+          for bucket, key, value, what in KV_VALUES),
         "",
         "Services also answer the NATS service API: `$SRV.PING`, `$SRV.INFO`, `$SRV.STATS`",
         "(each endpoint's stats `data` holds its `bad_messages` count).",

@@ -23,6 +23,8 @@ from phalanx.schemas.codec import MAX_PAYLOAD_BYTES, decode, encode
 from phalanx.schemas.errors import WireError
 from phalanx.schemas.messages import (
     ALL_MESSAGES,
+    ChaosAction,
+    ChaosRequest,
     Generation,
     Message,
     NodeHeartbeat,
@@ -84,12 +86,20 @@ def _fix_snapshot(kw: dict[str, Any]) -> dict[str, Any]:
     return kw
 
 
+def _fix_chaos(kw: dict[str, Any]) -> dict[str, Any]:
+    if kw["action"] is ChaosAction.KILL_RANK:
+        kw["job_id"] = kw.get("job_id") or "job"
+        kw["rank"] = kw.get("rank") if kw.get("rank") is not None else 0
+    return kw
+
+
 #: Make generated fields satisfy each struct's ``__post_init__``.
 FIXUPS: dict[type, Callable[[dict[str, Any]], dict[str, Any]]] = {
     ReplicaRange: _fix_replica_range,
     NodeRecord: _fix_node_record,
     Generation: _fix_generation,
     SnapshotRecord: _fix_snapshot,
+    ChaosRequest: _fix_chaos,
 }
 
 

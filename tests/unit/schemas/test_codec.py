@@ -15,22 +15,39 @@ from phalanx.schemas.codec import MAX_PAYLOAD_BYTES, decode, encode
 from phalanx.schemas.errors import PhalanxError, WireError
 from phalanx.schemas.messages import (
     ALL_MESSAGES,
+    Allocation,
+    AllocationLedger,
+    ChaosAction,
+    ChaosReply,
+    ChaosRequest,
+    ExitCause,
+    Explanation,
     Fault,
     FaultKind,
     Generation,
     GenerationReason,
+    JobRecord,
+    JobRequest,
     JobSpec,
+    JobState,
+    Lease,
     Member,
     Message,
+    NodeCondition,
+    NodeConditionChanged,
     NodeHeartbeat,
     NodeInfo,
     NodeRecord,
     NodeStatusRequest,
     Placement,
+    RankExited,
     RankProgress,
+    RankStarted,
+    ReasonCode,
     ReplicaRange,
     SnapshotRecord,
     SnapshotTier,
+    SubmitRequest,
 )
 
 SUBJECT = "phalanx.node.gpu-node-07.heartbeat"
@@ -40,6 +57,9 @@ INFO = NodeInfo(
     labels={"gpu": "a100", "zone": "eu-west-1b"}, agent_pid=41235, agent_version="0.1.0",
     started_at=1_717_000_000.25,
 )
+
+_SPEC = JobSpec(name="llama-ft", team="nlp", priority_class="high",
+                replicas=ReplicaRange(min=2, max=2), command=["python", "train.py"])
 
 #: One realistic instance of every top-level message type.
 EXAMPLES: dict[type[Message], Message] = {
@@ -72,6 +92,31 @@ EXAMPLES: dict[type[Message], Message] = {
                                    node_id="gpu-node-03", tier=SnapshotTier.BUDDY,
                                    nbytes=1 << 30, checksum="9f86d081884c7d65",
                                    created_at=1_717_000_029.0),
+    JobRecord: JobRecord(job_id="llama-ft-1a2b3c", spec=_SPEC, state=JobState.ADMITTED,
+                         submitted_at=1_717_000_000.0, updated_at=1_717_000_001.0,
+                         reason_code=ReasonCode.ADMITTED, reason="running 2 replica(s)",
+                         nodes=["gpu-node-07", "gpu-node-03"]),
+    SubmitRequest: SubmitRequest(job_id="llama-ft-1a2b3c", spec=_SPEC),
+    JobRequest: JobRequest(job_id="llama-ft-1a2b3c"),
+    Explanation: Explanation(job_id="llama-ft-1a2b3c", state=JobState.PENDING,
+                             reason_code=ReasonCode.RESERVED, reason="needs 8 slots",
+                             position=2, queue_length=7),
+    AllocationLedger: AllocationLedger(
+        allocations={"llama-ft-1a2b3c": Allocation(team="nlp", slots_per_replica=4,
+                                                   nodes=["gpu-node-07", "gpu-node-03"])},
+        updated_at=1_717_000_001.0),
+    Lease: Lease(holder="host-123-abc", epoch=4, expires_at=1_717_000_004.0),
+    RankStarted: RankStarted(job_id="llama-ft-1a2b3c", rank=1, world_size=2,
+                             node_id="gpu-node-03", pid=4242, started_at=1_717_000_002.0),
+    RankExited: RankExited(job_id="llama-ft-1a2b3c", rank=1, node_id="gpu-node-03", pid=4242,
+                           cause=ExitCause.EXITED, exited_at=1_717_000_009.0, signal="SIGKILL"),
+    ChaosRequest: ChaosRequest(action=ChaosAction.KILL_RANK, job_id="llama-ft-1a2b3c", rank=1,
+                               signal="STOP"),
+    ChaosReply: ChaosReply(node_id="gpu-node-03", detail="sent SIGSTOP to rank 1", pid=4242),
+    NodeConditionChanged: NodeConditionChanged(node_id="gpu-node-02",
+                                               condition=NodeCondition.LOST,
+                                               reason="no heartbeat for 3.1 s",
+                                               at=1_717_000_010.0),
 }
 
 

@@ -9,7 +9,14 @@ import pytest
 
 from phalanx.schemas import reference, subjects
 from phalanx.schemas.codec import MAX_PAYLOAD_BYTES
-from phalanx.schemas.messages import ALL_MESSAGES, Member, NodeInfo, Placement, ReplicaRange
+from phalanx.schemas.messages import (
+    ALL_MESSAGES,
+    JobSpec,
+    Member,
+    NodeInfo,
+    Placement,
+    ReplicaRange,
+)
 
 REPO_ROOT = Path(__file__).resolve().parents[3]
 WIRE_MD = REPO_ROOT / "docs" / "wire.md"
@@ -19,8 +26,16 @@ SUBJECT_PATTERNS = [
     "phalanx.agent.<node>.status",
     "phalanx.agent.<node>.launch",
     "phalanx.admission.submit",
+    "phalanx.admission.cancel",
+    "phalanx.admission.explain",
+    "phalanx.admission.leader.<verb>",
+    "phalanx.job.<job>.state",
     "phalanx.job.<job>.generation",
     "phalanx.job.<job>.fault",
+    "phalanx.job.<job>.started",
+    "phalanx.job.<job>.exited",
+    "phalanx.agent.<node>.chaos",
+    "phalanx.node.<node>.condition",
     "phalanx.health.rank.<job>.<rank>",
     "phalanx.ckpt.<job>.snapshot",
 ]
@@ -58,8 +73,9 @@ def test_every_subject_pattern_is_listed(text: str, pattern: str) -> None:
 def test_catalog_covers_every_subject_and_message(text: str) -> None:
     assert len(reference.CATALOG) == len(SUBJECT_PATTERNS)
     documented = {s.message for s in reference.CATALOG} | {
-        s.reply for s in reference.CATALOG if s.reply}
-    assert documented == set(ALL_MESSAGES)
+        s.reply for s in reference.CATALOG if s.reply} | {v[2] for v in reference.KV_VALUES}
+    nested_only = {JobSpec}  # travels inside SubmitRequest and JobRecord
+    assert documented | nested_only == set(ALL_MESSAGES)
 
 
 def test_limits_and_bucket_are_stated(text: str) -> None:
