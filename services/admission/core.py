@@ -26,8 +26,10 @@ A *gang* is a job's set of data-parallel replicas; each replica needs
    of small ones, as long as running work ends.
 6. **Elastic growth.** After the pass, gangs admitted in it get replicas up
    to ``replicas.max`` from what is still free and unreserved.
-7. **Timeouts.** A gang pending longer than its ``schedule_timeout_s``
-   fails, with the reason it was waiting for.
+7. **Timeouts.** A gang that waits in the queue longer than its
+   ``schedule_timeout_s`` fails, with the reason it was waiting for; the wait
+   starts at submission and again each time it is put back in the queue
+   (preempted, or its node lost), so running time never counts against it.
 
 Every pending gang has a reason (:class:`Reason`); gangs a pass did not
 reach are "queued" behind the ones it did. Capacity changes are events:
@@ -184,6 +186,7 @@ class Gang:
         ReasonCode.QUEUED, "waiting for the first admission pass"))
     reason_pass: int = 0
     admitted_seq: int = 0
+    deadline: float | None = None  # schedule timeout of the current wait
     # Copied out of the spec once: the pass reads them for every gang it looks at.
     team: str = dataclasses.field(init=False)
     per_replica: int = dataclasses.field(init=False)
@@ -312,9 +315,9 @@ class AdmissionCore:
             case JobFinished():
                 return self._ended(event.job_id, JobState.FINISHED, event.event_id)
             case NodeUpdated():
-                return self._node_updated(event)
+                return self._node_updated(event, now)
             case NodeRemoved():
-                return self._node_gone(event.node_id, event.event_id, remove=True)
+                return self._node_gone(event.node_id, event.event_id, now, remove=True)
         raise TypeError(f"unknown event {event!r}")
 
     def _submitted(self, event: JobSubmitted) -> list[Decision]:
@@ -330,10 +333,7 @@ class AdmissionCore:
             gang.reason = Reason(ReasonCode.UNSCHEDULABLE,
                                       f"unknown priority class {event.spec.priority_class!r}")
             return [Fail(gang.job_id, gang.reason, event.event_id)]
-        self._enqueue(gang)
-        if event.spec.schedule_timeout_s is not None:
-            deadline = event.submitted_at + event.spec.schedule_timeout_s
-            heapq.heappush(self._deadlines, (deadline, gang.seq, gang))
+        self._enqueue(gang, event.submitted_at)
         return []
 
     def restore(self, event: JobSubmitted, nodes: list[str]) -> list[Decision]:
@@ -373,7 +373,7 @@ class AdmissionCore:
         gang.reason = Reason(ReasonCode(state.value), f"{state.value} by request")
         return decisions
 
-    def _node_updated(self, event: NodeUpdated) -> list[Decision]:
+    def _node_updated(self, event: NodeUpdated, now: float) -> list[Decision]:
         self._fit_cache.clear()
         self._domain_cache.clear()
         node = self.nodes.get(event.node_id)
@@ -387,16 +387,17 @@ class AdmissionCore:
         node.alive, node.cordoned = event.alive, event.cordoned
         self._index_add(node)
         if not node.alive:
-            return self._node_gone(node.node_id, event.event_id, remove=False)
+            return self._node_gone(node.node_id, event.event_id, now, remove=False)
         decisions: list[Decision] = []
         # A node that shrank below what runs on it gives back its newest gangs.
         while node.used > node.slots:
             newest = max((self.gangs[j] for j in node.replicas), key=lambda g: g.admitted_seq)
-            decisions += self._evict_for_node(newest, node, event.event_id,
+            decisions += self._evict_for_node(newest, node, event.event_id, now,
                                               f"node {node.node_id} shrank to {node.slots} slots")
         return decisions
 
-    def _node_gone(self, node_id: str, cause: str, *, remove: bool) -> list[Decision]:
+    def _node_gone(self, node_id: str, cause: str, now: float, *,
+                   remove: bool) -> list[Decision]:
         self._fit_cache.clear()
         self._domain_cache.clear()
         node = self.nodes.get(node_id)
@@ -404,14 +405,15 @@ class AdmissionCore:
             return []
         decisions: list[Decision] = []
         for job_id in list(node.replicas):
-            decisions += self._evict_for_node(self.gangs[job_id], node, cause,
+            decisions += self._evict_for_node(self.gangs[job_id], node, cause, now,
                                               f"node {node_id} lost")
         if remove:
             self._index_remove(node)
             del self.nodes[node_id]
         return decisions
 
-    def _evict_for_node(self, gang: Gang, node: Node, cause: str, why: str) -> list[Decision]:
+    def _evict_for_node(self, gang: Gang, node: Node, cause: str, now: float,
+                        why: str) -> list[Decision]:
         """Shrink ``gang`` off ``node`` if it keeps its min elsewhere, else requeue it whole."""
         keep = [n for n in gang.nodes if n != node.node_id]
         reason = Reason(ReasonCode.NODE_LOST, why)
@@ -421,15 +423,15 @@ class AdmissionCore:
         self._release(gang, list(gang.nodes))
         gang.state = JobState.PENDING
         gang.reason = reason
-        self._enqueue(gang)
+        self._enqueue(gang, now)
         return [Evict(gang.job_id, reason, requeue=True, cause=cause)]
 
     def expire(self, now: float) -> list[Decision]:
         """Fail pending gangs that waited longer than their ``schedule_timeout_s``."""
         decisions: list[Decision] = []
         while self._deadlines and self._deadlines[0][0] < now:
-            _, _, gang = heapq.heappop(self._deadlines)
-            if gang.state is JobState.PENDING:
+            deadline, _, gang = heapq.heappop(self._deadlines)
+            if gang.state is JobState.PENDING and gang.deadline == deadline:
                 timeout = gang.spec.schedule_timeout_s
                 self._dequeue(gang)
                 last = gang.reason.message
@@ -480,6 +482,18 @@ class AdmissionCore:
                     break  # the rest stay queued
                 if gang.team not in reclaimers or used + gang.min_slots > quota.nominal:
                     blocked.add(shape)
+                    gang.reason_pass = self.pass_no
+                    self._shape_blocker[shape] = gang
+                    if used + gang.min_slots > quota.ceiling:
+                        gang.reason = Reason(ReasonCode.QUOTA, self._quota_message(gang, used))
+                    elif not self._could_ever_fit(gang):
+                        gang.reason = Reason(ReasonCode.UNSCHEDULABLE,
+                                             self._unschedulable_message(gang))
+                    else:
+                        gang.reason = Reason(ReasonCode.INSUFFICIENT_CAPACITY, (
+                            f"needs {self._need_text(gang)}; no slot is free and none is held "
+                            f"by lower-priority work it may preempt; teams under their "
+                            f"nominal quota are reclaiming borrowed slots first"))
                     continue
             gang.reason_pass = self.pass_no
             quota_ok = used + gang.min_slots <= quota.ceiling
@@ -489,7 +503,7 @@ class AdmissionCore:
             if nodes is None and self._preemption_may_help(gang, free_now):
                 victims = self._plan_preemption(gang, reserved)
                 if victims is not None:
-                    decisions += self._preempt(victims, gang, cause)
+                    decisions += self._preempt(victims, gang, cause, now)
                     nodes = self._place(gang, gang.spec.replicas.min, reserved)
                     assert nodes is not None, "preemption plan promised room"
             if nodes is not None:
@@ -597,15 +611,38 @@ class AdmissionCore:
         return count
 
     def _reserve(self, gang: Gang, reserved: dict[str, int]) -> int:
-        """Hold free slots on the nodes ``gang`` would use, up to its need; returns slots held."""
+        """Hold free slots for ``gang`` on the nodes it will land on; returns slots held.
+
+        The target nodes are the matching ones with the most free slots, taken until
+        they could host ``replicas.min`` replicas once empty (at most a fair share per
+        failure domain for a spread gang). Everything free on them is held, even less
+        than a replica, so slots freed there a few at a time add up to whole replicas
+        instead of being backfilled away. Held slots only grow on the targets, so the
+        same nodes stay the targets from pass to pass.
+        """
         k = gang.per_replica
-        held = 0
-        for node, room in self._candidates(gang, reserved):
-            take = min(room // k * k, gang.min_slots - held)
-            reserved[node.node_id] = reserved.get(node.node_id, 0) + take
-            held += take
-            if held >= gang.min_slots:
-                break
+        n = gang.spec.replicas.min
+        share = (math.ceil(n / max(1, self._domains(gang)))
+                 if gang.spec.placement.spread_failure_domains else n)
+        per_domain: dict[str, int] = {}
+        held = assigned = 0
+        for free in sorted(self._by_free, reverse=True):
+            for node_id in self._by_free[free]:
+                node = self.nodes[node_id]
+                room = free - reserved.get(node_id, 0)
+                if room <= 0 or node.slots < k or not node.matches(gang.spec):
+                    continue
+                domain = node.failure_domain
+                replicas = min(node.slots // k, n - assigned, share - per_domain.get(domain, 0))
+                if replicas <= 0:
+                    continue
+                take = min(room, replicas * k)
+                reserved[node_id] = reserved.get(node_id, 0) + take
+                per_domain[domain] = per_domain.get(domain, 0) + replicas
+                held += take
+                assigned += replicas
+                if assigned >= n:
+                    return held
         return held
 
     def _could_ever_fit(self, gang: Gang) -> bool:
@@ -619,7 +656,7 @@ class AdmissionCore:
         k = gang.per_replica
         by_domain: dict[str, int] = {}
         for node in self.nodes.values():
-            if node.schedulable and node.matches(gang.spec):
+            if node.schedulable and node.slots >= k and node.matches(gang.spec):
                 by_domain[node.failure_domain] = (by_domain.get(node.failure_domain, 0)
                                                   + node.slots // k)
         n = gang.spec.replicas.min
@@ -754,7 +791,8 @@ class AdmissionCore:
         for victim in by_weight():
             yield victim, -1  # -1: evict whatever it still holds
 
-    def _preempt(self, victims: list[tuple[Gang, int]], gang: Gang, cause: str) -> list[Decision]:
+    def _preempt(self, victims: list[tuple[Gang, int]], gang: Gang, cause: str,
+                 now: float) -> list[Decision]:
         decisions: list[Decision] = []
         why = (f"preempted for {gang.job_id} (priority {gang.spec.priority_class}, "
                f"team {gang.team})")
@@ -767,7 +805,7 @@ class AdmissionCore:
                 self._release(victim, list(victim.nodes))
                 victim.state = JobState.PENDING
                 victim.reason = reason
-                self._enqueue(victim)
+                self._enqueue(victim, now)
                 decisions.append(Evict(victim.job_id, reason, requeue=True, cause=cause))
         return decisions
 
@@ -836,6 +874,7 @@ class AdmissionCore:
             self._free_total += node.free
 
     def _index_remove(self, node: Node) -> None:
+        self._version += 1
         bucket = self._by_free.get(node.free)
         if bucket is not None and node.node_id in bucket:
             del bucket[node.node_id]
@@ -843,7 +882,11 @@ class AdmissionCore:
                 del self._by_free[node.free]
             self._free_total -= node.free
 
-    def _enqueue(self, gang: Gang) -> None:
+    def _enqueue(self, gang: Gang, now: float) -> None:
+        """Queue ``gang`` in order; its schedule timeout runs from ``now`` (each requeue anew)."""
+        if gang.spec.schedule_timeout_s is not None:
+            gang.deadline = now + gang.spec.schedule_timeout_s
+            heapq.heappush(self._deadlines, (gang.deadline, gang.seq, gang))
         key = gang.order_key()
         i = bisect.bisect(self._queue_keys, key)
         self._queue_keys.insert(i, key)

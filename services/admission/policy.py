@@ -81,6 +81,8 @@ class AdmissionPolicy:
                 raise ConfigError("admission.priority_classes must map names to integer weights")
             values["priority_classes"] = dict(classes)
         if "teams" in data:
+            if not isinstance(data["teams"], Mapping):
+                raise ConfigError("admission.teams must be a table of team quotas")
             values["teams"] = {name: _quota(f"admission.teams.{name}", q)
                                for name, q in data["teams"].items()}
         if "default_quota" in data:
@@ -102,5 +104,10 @@ def _quota(where: str, raw: Any) -> TeamQuota:
     if not isinstance(raw, Mapping) or set(raw) - {"nominal", "borrow_limit"}:
         raise ConfigError(f"{where} must be a table with nominal and optional borrow_limit")
     borrow = raw.get("borrow_limit")
-    return TeamQuota(_count(f"{where}.nominal", raw.get("nominal", 0)),
-                     None if borrow is None else _count(f"{where}.borrow_limit", borrow))
+    try:
+        return TeamQuota(_count(f"{where}.nominal", raw.get("nominal", 0)),
+                         None if borrow is None else _count(f"{where}.borrow_limit", borrow))
+    except ConfigError as exc:
+        if str(exc).startswith(where):
+            raise
+        raise ConfigError(f"{where}: {exc}") from None
