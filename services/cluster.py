@@ -31,6 +31,7 @@ from phalanx.bus.errors import RemoteError
 from phalanx.schemas import subjects
 from phalanx.schemas.errors import PhalanxError
 from phalanx.schemas.messages import NodeHeartbeat
+from phalanx.services.agent.ranks import MANIFEST, start_ticks
 from phalanx.services.client import AdmissionClient
 from phalanx.services.natsd import NatsServer, _die_with_parent
 
@@ -254,6 +255,7 @@ class LocalCluster:
         if self.bus is not None:
             await self.bus.close()
             self.bus = None
+        sweep_ranks(self.data_dir)
         if self.nats is not None:
             await asyncio.to_thread(self.nats.stop)
         with contextlib.suppress(FileNotFoundError):
@@ -284,9 +286,30 @@ def stop_recorded(data_dir: Path, timeout_s: float = 20.0) -> ClusterState | Non
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
             _wait_exit(pid, 5.0)
+    sweep_ranks(data_dir)
     with contextlib.suppress(FileNotFoundError):
         path.unlink()
     return state
+
+
+def sweep_ranks(data_dir: Path) -> int:
+    """SIGKILL rank processes the local agents' manifests still list; returns how many.
+
+    A SIGKILLed agent leaves its ranks running on purpose (a restarted agent adopts
+    them); when the whole local cluster stops, nobody will, so they go too.
+    """
+    killed = 0
+    for manifest in data_dir.glob(f"agents/*/{MANIFEST}"):
+        try:
+            ranks = json.loads(manifest.read_text())
+        except (OSError, ValueError):
+            continue
+        for rank in ranks:
+            if rank.get("ticks") is not None and start_ticks(rank["pid"]) == rank["ticks"]:
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.killpg(rank["pid"], signal.SIGKILL)
+                    killed += 1
+    return killed
 
 
 def _wait_exit(pid: int, timeout_s: float) -> bool:
