@@ -1,10 +1,11 @@
 """The agent's registration rules, pure.
 
 An agent may take a node id when no record holds it, when the record is its
-own (same host and pid: a re-registration), or when the holder is lost (its
-heartbeat is older than ``lost_after_s``): a restarted agent takes its node
-back. Two live agents never share an id. Each heartbeat bumps the sequence
-and time and keeps what others set on the record (``cordoned``).
+own (same host and pid: a re-registration), when the holder is lost (its
+heartbeat is older than ``lost_after_s``), or when the holder ran on the same
+host and its process is gone: a restarted agent takes its node back at once.
+Two live agents never share an id. Each heartbeat bumps the sequence and time
+and keeps what others set on the record (``cordoned``).
 """
 
 from __future__ import annotations
@@ -19,8 +20,12 @@ class NodeIdTaken(PhalanxError, RuntimeError):
 
 
 def register(existing: NodeRecord | None, info: NodeInfo, now: float,
-             lost_after_s: float) -> NodeRecord:
+             lost_after_s: float, *, holder_dead: bool = False) -> NodeRecord:
     """The record to store when ``info``'s agent registers at ``now``.
+
+    Args:
+        holder_dead: the holder ran on this host and its process is gone (the caller
+            checked), so a restarted agent takes its node back at once.
 
     Raises:
         NodeIdTaken: a different agent holds the id and is alive.
@@ -28,7 +33,8 @@ def register(existing: NodeRecord | None, info: NodeInfo, now: float,
     if existing is not None:
         held = existing.node
         same_agent = held.host == info.host and held.agent_pid == info.agent_pid
-        if not same_agent and view(existing, now, lost_after_s).state is NodeState.ALIVE:
+        if (not same_agent and not (holder_dead and held.host == info.host)
+                and view(existing, now, lost_after_s).state is NodeState.ALIVE):
             age = max(0.0, now - existing.heartbeat_at)
             raise NodeIdTaken(
                 f"node id {info.node_id!r} is held by a live agent (pid {held.agent_pid} on "

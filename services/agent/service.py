@@ -37,7 +37,7 @@ from phalanx.schemas.messages import (
 )
 from phalanx.services.agent import core
 from phalanx.services.agent.config import AgentConfig
-from phalanx.services.agent.ranks import RankSet
+from phalanx.services.agent.ranks import RankSet, start_ticks
 from phalanx.services.base import Service
 from phalanx.services.paths import default_data_dir
 
@@ -69,8 +69,10 @@ class AgentService(Service):
         self.nodes = await TypedKV.open(self.bus.js, subjects.NODES_BUCKET, NodeRecord)
         entry = await self.nodes.modify(
             self.config.node_id,
-            lambda existing: core.register(existing, self.info, time.time(),
-                                           self.config.lost_after_s))
+            lambda existing: core.register(
+                existing, self.info, time.time(), self.config.lost_after_s,
+                holder_dead=existing is not None and existing.node.host == self.info.host
+                and start_ticks(existing.node.agent_pid) is None))
         self.record, self.revision = entry.value, entry.revision
         await self.add_endpoint("status", subjects.agent_status(self.config.node_id),
                                 NodeStatusRequest, self.on_status)

@@ -351,7 +351,7 @@ class HealthCore:
 
     def _exited(self, event: RankExited, now: float) -> list[Decision]:
         rank = self._rank(event.job_id, event.rank)
-        if rank is None or rank.exit is not None or rank.node_id != event.node_id:
+        if rank is None or rank.exit is not None :
             return []
         if event.cause == "stopped":
             rank.exit = RankExit.STOPPED
@@ -535,7 +535,6 @@ class HealthCore:
                 assert rank.job is job and rank.rank == i, f"{job_id} rank {i} misfiled"
                 assert rank.exit in (None, RankExit.DONE, RankExit.CRASHED, RankExit.STOPPED)
                 assert rank.slow_reports >= 0
-                assert not rank.straggler_raised or rank.slow_reports >= policy.straggler_steps
                 if rank.last_progress is not None:
                     assert rank.step_time is not None and rank.last_step is not None
                     assert rank.last_progress <= rank.hang_since <= self.now

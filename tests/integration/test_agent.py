@@ -87,3 +87,77 @@ async def test_agent_process_drains_on_sigterm(bus: Bus, nats_server, uid: str) 
     assert b'"msg": "deregistered"' in stderr
     nodes = await TypedKV.open(bus.js, subjects.NODES_BUCKET, NodeRecord)
     assert await nodes.get(uid) is None
+
+
+async def test_restarted_agent_adopts_its_ranks_and_stops_them_when_the_job_ends(
+        bus: Bus, nats_server, uid: str, tmp_path) -> None:
+    """A SIGKILLed agent leaves its ranks running; its successor finds them, no orphan stays."""
+    from phalanx.bus.kv import TypedKV
+    from phalanx.schemas.messages import (
+        ExitCause,
+        JobRecord,
+        JobSpec,
+        JobState,
+        RankExited,
+        RankStarted,
+        ReasonCode,
+        ReplicaRange,
+    )
+    from phalanx.services.agent.ranks import start_ticks
+
+    started: asyncio.Queue[RankStarted] = asyncio.Queue()
+    exited: asyncio.Queue[RankExited] = asyncio.Queue()
+
+    async def on_started(m: RankStarted, _: Delivery) -> None:
+        await started.put(m)
+
+    async def on_exited(m: RankExited, _: Delivery) -> None:
+        await exited.put(m)
+
+    job_id = f"adopt-{uid}"
+    await bus.subscribe(subjects.rank_started(job_id), RankStarted, on_started)
+    await bus.subscribe(subjects.rank_exited(job_id), RankExited, on_exited)
+
+    def agent() -> asyncio.Future:
+        return asyncio.create_subprocess_exec(
+            sys.executable, "-m", "phalanx.services.agent", "--node-id", uid, "--slots", "2",
+            "--heartbeat-interval", "0.1", "--nats", nats_server.url,
+            "--work-dir", str(tmp_path / "agent"),
+            stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL)
+
+    spec = JobSpec(name="adopt", team="t", priority_class="normal",
+                   replicas=ReplicaRange(min=2, max=2), grace_period_s=2.0,
+                   command=[sys.executable, "-c", "import time; time.sleep(600)"])
+    record = JobRecord(job_id=job_id, spec=spec, state=JobState.ADMITTED, submitted_at=1.0,
+                       updated_at=1.0, reason_code=ReasonCode.ADMITTED, nodes=[uid, uid])
+    jobs = await TypedKV.open(bus.js, subjects.JOBS_BUCKET, JobRecord)
+    await jobs.put(job_id, record)
+    first = await agent()
+    second = None
+    try:
+        pids = {(await asyncio.wait_for(started.get(), 30)).pid for _ in range(2)}
+        first.send_signal(signal.SIGKILL)
+        await first.wait()
+        assert all(start_ticks(pid) is not None for pid in pids)  # ranks outlive the agent
+
+        second = await agent()
+        beats = await _heartbeats(bus, uid)
+        await asyncio.wait_for(beats.get(), 30)  # the successor is up and has adopted them
+        cancelled = msgspec_replace(record, state=JobState.CANCELLED, nodes=[])
+        await jobs.put(job_id, cancelled)
+        await bus.publish(subjects.job_state(job_id), cancelled)
+        ends = [await asyncio.wait_for(exited.get(), 30) for _ in range(2)]
+        assert {e.pid for e in ends} == pids
+        assert {e.cause for e in ends} == {ExitCause.STOPPED}
+        assert all(start_ticks(pid) is None for pid in pids)  # no orphan keeps a slot
+    finally:
+        for proc in (first, second):
+            if proc is not None and proc.returncode is None:
+                proc.send_signal(signal.SIGTERM)
+                await proc.wait()
+
+
+def msgspec_replace(struct, **changes):
+    import msgspec
+
+    return msgspec.structs.replace(struct, **changes)
