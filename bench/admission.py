@@ -74,7 +74,6 @@ from __future__ import annotations
 import argparse
 import collections
 import dataclasses
-import datetime as dt
 import json
 import math
 import os
@@ -85,8 +84,9 @@ import statistics
 import sys
 import time
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
+
+from results import RESULTS_PATH, append, utc_date
 
 from phalanx.schemas.messages import JobSpec, Placement, ReplicaRange
 from phalanx.services.admission.core import (
@@ -140,16 +140,6 @@ QUICK: dict[str, Any] = {"nodes": 100, "queue": 1000, "steps": 300, "budget_s": 
                          "scaling_steps": 100, "scaling_budget_s": 2.0,
                          "scaling_nodes": (50, 100), "scaling_queues": (200, 1000)}
 
-RESULTS_PATH = Path(__file__).resolve().parent / "RESULTS.md"
-RESULTS_HEADER = """\
-# Benchmark results
-
-Figures appended by the benchmark scripts in `bench/` (each run adds one
-section unless given `--no-record`); newest at the bottom. Compare runs on the
-same machine only.
-
-Machine: 2 cores, no GPU.
-"""
 
 clock = time.perf_counter_ns
 
@@ -440,12 +430,6 @@ def scaling(nodes_grid: Sequence[int], queue_grid: Sequence[int], steps: int, bu
 # --- report -----------------------------------------------------------------------------------
 
 
-def utc_date() -> str:
-    """Now in the format of ``date -u``."""
-    now = dt.datetime.now(dt.UTC)
-    return f"{now:%a %b} {now.day:2d} {now:%H:%M:%S} UTC {now.year}"
-
-
 def command_line(argv: Sequence[str]) -> str:
     return shlex.join([".venv/bin/python", "bench/admission.py", *argv])
 
@@ -574,11 +558,9 @@ def fmt_kinds(by_kind: dict[str, int]) -> str:
     return ", ".join(f"{k} {v:,}" for k, v in sorted(by_kind.items())) or "none"
 
 
-def record(report: dict[str, Any], path: Path = RESULTS_PATH) -> None:
-    """Append the run's section to ``path``, creating the file with its header if needed."""
-    text = "" if path.exists() else RESULTS_HEADER
-    with path.open("a", encoding="utf-8") as f:
-        f.write(text + markdown_section(report))
+def record(report: dict[str, Any]) -> None:
+    """Append the run's section to bench/RESULTS.md."""
+    append(markdown_section(report))
 
 
 # --- main -------------------------------------------------------------------------------------

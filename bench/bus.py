@@ -37,7 +37,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
-import datetime as dt
 import json
 import math
 import os
@@ -48,11 +47,11 @@ import sys
 import tempfile
 import time
 from collections.abc import Awaitable, Callable, Sequence
-from pathlib import Path
 from typing import Any
 
 from nats.aio.client import Client
 from nats.aio.msg import Msg
+from results import RESULTS_PATH, append, utc_date
 
 from phalanx.bus import telemetry
 from phalanx.bus.client import Bus, Delivery
@@ -74,16 +73,6 @@ TARGET_CODEC_PER_S = 200_000.0
 
 Call = Callable[[], Awaitable[object]]
 
-RESULTS_PATH = Path(__file__).resolve().parent / "RESULTS.md"
-RESULTS_HEADER = """\
-# Benchmark results
-
-Figures appended by the benchmark scripts in `bench/` (each run adds one
-section unless given `--no-record`); newest at the bottom. Compare runs on the
-same machine only.
-
-Machine: 2 cores, no GPU.
-"""
 
 
 # --- request/reply ----------------------------------------------------------------------------
@@ -269,12 +258,6 @@ def bench_codec(iterations: int, repeats: int) -> dict[str, Any]:
 # --- report -----------------------------------------------------------------------------------
 
 
-def utc_date() -> str:
-    """Now in the format of ``date -u``."""
-    now = dt.datetime.now(dt.UTC)
-    return f"{now:%a %b} {now.day:2d} {now:%H:%M:%S} UTC {now.year}"
-
-
 def command_line(argv: Sequence[str]) -> str:
     return shlex.join([".venv/bin/python", "bench/bus.py", *argv])
 
@@ -349,11 +332,9 @@ def markdown_section(report: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def record(report: dict[str, Any], path: Path = RESULTS_PATH) -> None:
-    """Append the run's section to ``path``, creating the file with its header if needed."""
-    text = "" if path.exists() else RESULTS_HEADER
-    with path.open("a", encoding="utf-8") as f:
-        f.write(text + markdown_section(report))
+def record(report: dict[str, Any]) -> None:
+    """Append the run's section to bench/RESULTS.md."""
+    append(markdown_section(report))
 
 
 # --- main -------------------------------------------------------------------------------------

@@ -38,6 +38,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from results import append, utc_date
+
 from phalanx.bus.client import Bus, Delivery
 from phalanx.bus.config import BusConfig
 from phalanx.schemas import subjects
@@ -55,7 +57,6 @@ from phalanx.schemas.messages import (
 from phalanx.services.client import AdmissionClient
 from phalanx.services.cluster import LocalCluster
 
-RESULTS = Path(__file__).with_name("RESULTS.md")
 LOOP = Path(__file__).resolve().parents[1] / "examples" / "progress_loop.py"
 HANG_TIMEOUT_S = 0.5
 NODE_TIMEOUT_S = 0.6
@@ -255,9 +256,8 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     limits = {"crash_p99_ms": 100, "hang_p99_ms": 100, "fanout_p99_ms": 10}
     for name, target in targets.items():
         target["pass"] = target["measured"] < limits[name]
-    return {"benchmark": "detect", "date": time.strftime("%a %b %d %H:%M:%S UTC %Y",
-                                                         time.gmtime()),
-            "command": "python bench/detect.py " + " ".join(sys.argv[1:]),
+    return {"benchmark": "detect", "date": utc_date(),
+            "command": " ".join([".venv/bin/python", "bench/detect.py", *sys.argv[1:]]),
             "hang_timeout_s": HANG_TIMEOUT_S, "node_timeout_s": NODE_TIMEOUT_S,
             "heartbeat_interval_s": HEARTBEAT_S, "figures": figures, "targets": targets,
             "pass": all(t["pass"] for t in targets.values())}
@@ -275,14 +275,12 @@ def record(report: dict[str, Any]) -> None:
             ("fault fan-out to 64 subscribers", "fanout_64", "p99 < 10")))
     verdicts = ", ".join(f"{k} {'pass' if v['pass'] else 'FAIL'}"
                          for k, v in report["targets"].items())
-    with RESULTS.open("a") as out:
-        out.write(
-            f"\n## detect.py — {report['date']}\n\nCommand: `{report['command']}`\n\n"
-            f"Local cluster (nats-server, admission, health, agents as processes); hang "
-            f"timeout {report['hang_timeout_s']} s, node timeout {report['node_timeout_s']} s, "
-            f"heartbeat every {report['heartbeat_interval_s']} s.\n\n"
-            "| latency (ms) | trials | p50 | p99 | max | target |\n|---|---:|---:|---:|---:|---|\n"
-            f"{rows}\n\nResult: {verdicts}.\n")
+    append(f"\n## detect.py — {report['date']}\n\nCommand: `{report['command']}`\n\n"
+           f"Local cluster (nats-server, admission, health, agents as processes); hang "
+           f"timeout {report['hang_timeout_s']} s, node timeout {report['node_timeout_s']} s, "
+           f"heartbeat every {report['heartbeat_interval_s']} s.\n\n"
+           "| latency (ms) | trials | p50 | p99 | max | target |\n|---|---:|---:|---:|---:|---|\n"
+           f"{rows}\n\nResult: {verdicts}.\n")
 
 
 def main() -> int:

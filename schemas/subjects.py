@@ -65,7 +65,7 @@ def admission_leader(verb: str) -> str:
 
 
 def job_state(job_id: str) -> str:
-    return f"{PREFIX}.job.{token(job_id, 'job id')}.state"
+    return _job(job_id, "state")
 
 
 def job_states() -> str:
@@ -73,20 +73,24 @@ def job_states() -> str:
     return f"{PREFIX}.job.*.state"
 
 
+def _job(job_id: str, kind: str) -> str:
+    return f"{PREFIX}.job.{token(job_id, 'job id')}.{kind}"
+
+
 def job_generation(job_id: str) -> str:
-    return f"{PREFIX}.job.{token(job_id, 'job id')}.generation"
+    return _job(job_id, "generation")
 
 
 def job_fault(job_id: str) -> str:
-    return f"{PREFIX}.job.{token(job_id, 'job id')}.fault"
+    return _job(job_id, "fault")
 
 
 def rank_started(job_id: str) -> str:
-    return f"{PREFIX}.job.{token(job_id, 'job id')}.started"
+    return _job(job_id, "started")
 
 
 def rank_exited(job_id: str) -> str:
-    return f"{PREFIX}.job.{token(job_id, 'job id')}.exited"
+    return _job(job_id, "exited")
 
 
 def job_events(kind: str) -> str:

@@ -786,8 +786,9 @@ class AdmissionCore:
         extras = sorted((g for g in self._elastic.values() if g.team in rules
                          and rules[g.team](g.weight)),
                         key=lambda g: (g.weight, -g.admitted_seq))
-        for victim in extras:
-            yield victim, len(victim.nodes) - victim.spec.replicas.min
+        for victim in extras:  # one replica at a time: a shrink takes only what is needed
+            for _ in range(len(victim.nodes) - victim.spec.replicas.min):
+                yield victim, 1
         for victim in by_weight():
             yield victim, -1  # -1: evict whatever it still holds
 

@@ -351,7 +351,7 @@ class HealthCore:
 
     def _exited(self, event: RankExited, now: float) -> list[Decision]:
         rank = self._rank(event.job_id, event.rank)
-        if rank is None or rank.exit is not None :
+        if rank is None or rank.exit is not None or rank.node_id != event.node_id:
             return []
         if event.cause == "stopped":
             rank.exit = RankExit.STOPPED
@@ -383,7 +383,7 @@ class HealthCore:
                          now: float) -> list[Decision]:
         policy = self.policy
         others = [r.step_time for r in rank.job.ranks
-                  if r is not rank and r.exit is None and r.step_time is not None]
+                  if r.exit is None and r.step_time is not None]
         if not others or len(others) + 1 < policy.straggler_min_ranks:
             rank.slow_reports = 0
             return []

@@ -17,6 +17,7 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
+from e2e_cli import phalanx
 
 from phalanx.bus.client import Bus, Delivery
 from phalanx.bus.config import BusConfig
@@ -36,14 +37,6 @@ pytestmark = pytest.mark.slow
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 HANG_TIMEOUT_S = 1.0
 LOST_AFTER_S = 1.5
-
-
-def phalanx(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
-    result = subprocess.run([sys.executable, "-m", "phalanx.services.cli", *args],
-                            capture_output=True, text=True, timeout=60)
-    if check:
-        assert result.returncode == 0, result.stderr
-    return result
 
 
 class Watch:

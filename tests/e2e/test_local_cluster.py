@@ -10,23 +10,14 @@ import os
 import select
 import signal
 import socket
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
+from e2e_cli import phalanx
 
 pytestmark = pytest.mark.slow
 LOST_AFTER_S = 1.5
-
-
-def phalanx(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
-    result = subprocess.run([sys.executable, "-m", "phalanx.services.cli", *args],
-                            capture_output=True, text=True, timeout=60)
-    if check:
-        assert result.returncode == 0, result.stderr
-    return result
 
 
 def nodes(data_dir: Path) -> dict[str, dict]:

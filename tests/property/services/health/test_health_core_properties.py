@@ -1,0 +1,447 @@
+"""The health core under random event streams with a monotone clock.
+
+A scenario is a policy and a list of operations on three nodes and two jobs:
+watches (random placements and hang timeouts), job ends, rank starts, exits
+and progress reports, heartbeats, uncordons, ticks and waits. Waits are
+multiples of 0.25 s and timeouts whole or half seconds, so calls land exactly
+on deadlines as often as just after them.
+
+Every call is checked against a model kept outside the core: a plain
+re-statement of the rules that scans everything each time (no heap, no lazy
+entries) and predicts the decisions, compared as (type, job, kind, rank,
+node) tuples. On top of that, stated directly from the stream: no hang fault
+before its rank's last report plus the hang timeout, at most one hang fault
+per silence, no fault for a job that is not watched, and ``next_deadline``
+is the earliest moment a tick decides anything (a tick at it decides nothing,
+just after it something). ``check_invariants`` runs after every call. Apart,
+the decisions of a stream do not depend on how often it is ticked, and
+heartbeats and reports within their timeouts never fault.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import math
+import statistics
+from collections.abc import Callable
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from phalanx.schemas.messages import FaultKind
+from phalanx.services.health.core import (
+    CordonNode,
+    Decision,
+    Event,
+    FinishJob,
+    HealthCore,
+    HealthPolicy,
+    JobEnded,
+    JobWatched,
+    MarkNodeAlive,
+    MarkNodeLost,
+    NodeHeartbeat,
+    NodeUncordoned,
+    ProgressReported,
+    RaiseFault,
+    RankExited,
+    RankStarted,
+)
+
+SETTINGS = settings(derandomize=True, database=None, deadline=None, max_examples=300)
+T0 = 1_717_000_000.0
+NODES = ("n0", "n1", "n2")
+JOBS = ("j0", "j1")
+
+# --- scenarios ------------------------------------------------------------------------------
+# Plain tuples so a counterexample can be pasted into an @example.
+#   ("watch", job, nodes, hang)  ("end", job)  ("start", job, rank, node)
+#   ("exit", job, rank, code, signal, cause, node or "")  ("progress", job, rank, step_time)
+#   ("beat", node)  ("beats",): every node  ("uncordon", node)  ("tick",)  ("wait", seconds)
+
+Op = tuple
+NODE = st.sampled_from(NODES)
+JOB = st.sampled_from(JOBS)
+RANK = st.integers(0, 4)
+OP = st.one_of(
+    st.tuples(st.just("watch"), JOB, st.lists(NODE, min_size=1, max_size=4).map(tuple),
+              st.sampled_from([1.0, 2.0, 2.5, 5.0])),
+    st.tuples(st.just("end"), JOB),
+    st.tuples(st.just("start"), JOB, RANK, NODE),
+    st.tuples(st.just("exit"), JOB, RANK, st.sampled_from([0, 0, 1, None]),
+              st.sampled_from([None, None, None, "SIGKILL"]),
+              st.sampled_from(["exited", "exited", "stopped", "lost"]),
+              st.sampled_from(["", "", "", "n0"])),
+    st.tuples(st.just("progress"), JOB, RANK, st.sampled_from([1.0, 1.0, 1.25, 3.0, 10.0])),
+    st.tuples(st.just("progress"), JOB, RANK, st.sampled_from([1.0, 1.0, 1.25, 3.0, 10.0])),
+    st.tuples(st.just("beat"), NODE),
+    st.tuples(st.just("beat"), NODE),
+    st.tuples(st.just("uncordon"), NODE),
+    st.tuples(st.just("tick")),
+    st.tuples(st.just("wait"), st.sampled_from([0.0, 0.25, 0.5, 1.0, 1.5, 2.0, 2.5, 3.0, 6.0])),
+    st.tuples(st.just("wait"), st.sampled_from([0.25, 0.5, 1.0, 2.0])),
+)
+POLICY = st.builds(
+    HealthPolicy,
+    node_timeout_s=st.sampled_from([1.0, 2.0, 3.0]),
+    straggler_factor=st.sampled_from([1.5, 2.0]),
+    straggler_steps=st.integers(1, 3),
+    straggler_min_ranks=st.integers(1, 3),
+    cordon_faults=st.integers(1, 4),
+    cordon_window_s=st.sampled_from([2.0, 5.0, 300.0]),
+)
+OPENING = st.tuples(  # both jobs watched and every node heard from, so there is work to judge
+    st.tuples(st.just("watch"), st.just("j0"), st.lists(NODE, min_size=2, max_size=4).map(tuple),
+              st.sampled_from([1.0, 2.0, 2.5])),
+    st.tuples(st.just("watch"), st.just("j1"), st.lists(NODE, min_size=1, max_size=3).map(tuple),
+              st.sampled_from([2.0, 5.0])),
+    *(st.just(("beat", n)) for n in NODES),
+)
+BUSY = st.one_of(  # what a running cluster mostly does
+    st.tuples(st.just("progress"), JOB, st.integers(0, 3),
+              st.sampled_from([1.0, 1.0, 1.0, 1.25, 3.0, 10.0])),
+    st.just(("beats",)),
+    st.tuples(st.just("wait"), st.sampled_from([0.25, 0.5, 1.0])),
+    st.tuples(st.just("exit"), JOB, st.integers(0, 3), st.sampled_from([0, 0, 0, 1, None]),
+              st.just(None), st.sampled_from(["exited", "exited", "stopped"]), st.just("")),
+)
+STREAM = st.builds(lambda opening, ops: [*opening, *ops], OPENING,
+                   st.lists(st.one_of(BUSY, BUSY, OP), min_size=20, max_size=80))
+
+
+def to_event(op: Op, jobs: dict[str, JobModel]) -> Event | None:
+    """The event for ``op``; rank exits default to the node the model says the rank is on."""
+    match op:
+        case ("watch", job, nodes, hang):
+            return JobWatched(job, nodes, hang)
+        case ("end", job):
+            return JobEnded(job)
+        case ("start", job, rank, node):
+            return RankStarted(job, rank, node, 1000 + rank)
+        case ("exit", job, rank, code, signal, cause, node):
+            if not node:
+                model = jobs.get(job)
+                node = model.ranks[rank].node if model and rank < len(model.ranks) else "n0"
+            return RankExited(job, rank, node, code, signal, cause)
+        case ("progress", job, rank, step_time):
+            return ProgressReported(job, rank, 1, step_time)
+        case ("beat", node):
+            return NodeHeartbeat(node)
+        case ("uncordon", node):
+            return NodeUncordoned(node)
+    return None
+
+
+# --- the model outside the core -------------------------------------------------------------
+
+Key = tuple  # (type, job, kind, rank, node) of one decision
+
+
+def key(d: Decision) -> Key:
+    match d:
+        case RaiseFault():
+            return ("fault", d.job_id, d.kind, d.rank, d.node_id)
+        case FinishJob():
+            return ("finish", d.job_id, None, None, None)
+        case MarkNodeLost() | MarkNodeAlive() | CordonNode():
+            return (type(d).__name__, None, None, None, d.node_id)
+    raise TypeError(d)
+
+
+@dataclasses.dataclass
+class RankModel:
+    node: str
+    exit: str | None = None
+    last: float | None = None  # last report
+    since: float = -math.inf  # hang clock start: last report, or its node's return
+    covered: bool = False  # a hang or node-lost fault since the last report
+    step_time: float | None = None
+    slow: int = 0
+    straggled: bool = False
+
+
+@dataclasses.dataclass
+class JobModel:
+    nodes: tuple[str, ...]
+    hang: float
+    ranks: list[RankModel]
+
+
+class Model:
+    def __init__(self, policy: HealthPolicy) -> None:
+        self.p = policy
+        self.jobs: dict[str, JobModel] = {}
+        self.heard: dict[str, float] = {}
+        self.lost: set[str] = set()
+        self.charges: dict[str, list[float]] = {}
+        self.cordoned: set[str] = set()
+
+    def hang_deadline(self, job: JobModel, r: RankModel) -> float | None:
+        if r.exit or r.last is None or r.covered or r.node in self.lost:
+            return None
+        return r.since + job.hang
+
+    def timed(self) -> list[tuple[float, tuple, object]]:
+        """(deadline, fire order, what) of every judged rank and node."""
+        out: list[tuple[float, tuple, object]] = [
+            (at + self.p.node_timeout_s, (0, n, 0), n)
+            for n, at in self.heard.items() if n not in self.lost]
+        for job_id, job in self.jobs.items():
+            for i, r in enumerate(job.ranks):
+                d = self.hang_deadline(job, r)
+                if d is not None:
+                    out.append((d, (1, job_id, i), (job_id, i)))
+        return out
+
+    def next_deadline(self) -> float | None:
+        return min((d for d, _, _ in self.timed()), default=None)
+
+    def charge(self, node: str, at: float) -> list[Key]:
+        times = [t for t in self.charges.get(node, []) if at - t <= self.p.cordon_window_s]
+        self.charges[node] = [*times, at]
+        if node in self.cordoned or len(times) + 1 < self.p.cordon_faults:
+            return []
+        self.cordoned.add(node)
+        return [("CordonNode", None, None, None, node)]
+
+    def due(self, now: float) -> list[Key]:
+        out: list[Key] = []
+        while True:
+            timed = [t for t in self.timed() if t[0] < now]
+            if not timed:
+                return out
+            at, _, what = min(timed, key=lambda t: (t[0], t[1]))
+            if isinstance(what, str):
+                self.lost.add(what)
+                out.append(("MarkNodeLost", None, None, None, what))
+                for job_id, job in self.jobs.items():
+                    for i, r in enumerate(job.ranks):
+                        if r.node == what and not r.exit:
+                            r.covered = True
+                            out.append(("fault", job_id, FaultKind.NODE_LOST, i, what))
+                out += self.charge(what, at)
+            else:
+                job_id, i = what
+                r = self.jobs[job_id].ranks[i]
+                r.covered = True
+                out.append(("fault", job_id, FaultKind.HANG, i, r.node))
+                out += self.charge(r.node, at)
+
+    def rank(self, job_id: str, i: int) -> RankModel | None:
+        job = self.jobs.get(job_id)
+        return job.ranks[i] if job is not None and 0 <= i < len(job.ranks) else None
+
+    def apply(self, e: Event, now: float) -> list[Key]:
+        out = self.due(now)
+        match e:
+            case JobWatched():
+                old = self.jobs.get(e.job_id)
+                if old is None or (old.nodes, old.hang) != (e.nodes, e.hang_timeout_s):
+                    self.jobs[e.job_id] = JobModel(e.nodes, e.hang_timeout_s,
+                                                   [RankModel(n) for n in e.nodes])
+            case JobEnded():
+                self.jobs.pop(e.job_id, None)
+            case RankStarted():
+                if self.rank(e.job_id, e.rank) is not None:
+                    self.jobs[e.job_id].ranks[e.rank] = RankModel(e.node_id)
+            case RankExited():
+                r = self.rank(e.job_id, e.rank)
+                if r is None or r.exit or r.node != e.node_id:
+                    pass
+                elif e.cause == "stopped":
+                    r.exit = "stopped"
+                elif e.exit_code == 0 and e.signal is None:
+                    r.exit = "done"
+                    if all(x.exit == "done" for x in self.jobs[e.job_id].ranks):
+                        del self.jobs[e.job_id]
+                        out.append(("finish", e.job_id, None, None, None))
+                else:
+                    r.exit = "crashed"
+                    out.append(("fault", e.job_id, FaultKind.CRASH, e.rank, e.node_id))
+                    out += self.charge(e.node_id, now)
+            case ProgressReported():
+                r = self.rank(e.job_id, e.rank)
+                if r is not None and not r.exit:
+                    r.last = r.since = now
+                    r.covered = False
+                    r.step_time = e.step_time_s
+                    out += self.straggler(e.job_id, e.rank, r, now)
+            case NodeHeartbeat():
+                if e.node_id in self.lost:
+                    self.lost.discard(e.node_id)
+                    out.append(("MarkNodeAlive", None, None, None, e.node_id))
+                    for job in self.jobs.values():
+                        for r in job.ranks:
+                            if r.node == e.node_id and not r.exit:
+                                r.since = max(r.since, now)
+                self.heard[e.node_id] = now
+            case NodeUncordoned():
+                self.cordoned.discard(e.node_id)
+                self.charges.pop(e.node_id, None)
+        return out
+
+    def straggler(self, job_id: str, i: int, r: RankModel, now: float) -> list[Key]:
+        assert r.step_time is not None
+        others = [x.step_time for x in self.jobs[job_id].ranks
+                  if x is not r and not x.exit and x.step_time is not None]
+        if len(others) + 1 < self.p.straggler_min_ranks or not others:
+            r.slow = 0
+            return []
+        if r.step_time <= self.p.straggler_factor * statistics.median(others):
+            r.slow, r.straggled = 0, False
+            return []
+        r.slow += 1
+        if r.straggled or r.slow < self.p.straggler_steps:
+            return []
+        r.straggled = True
+        return [("fault", job_id, FaultKind.STRAGGLER, i, r.node), *self.charge(r.node, now)]
+
+
+# --- one run ----------------------------------------------------------------------------------
+
+
+class Run:
+    """Feeds a stream to a core and the model, checking every call."""
+
+    def __init__(self, policy: HealthPolicy, *, probe: int = 3) -> None:
+        self.core = HealthCore(policy)
+        self.model = Model(policy)
+        self.probe = probe  # tick a copy of the core at every probe-th deadline check (0: never)
+        self.checks = 0
+        self.now = T0
+        self.log: list[Decision] = []
+        # Straight from the stream: each rank's last report (since its watch or start).
+        self.reported: dict[tuple[str, int], float] = {}
+        self.hung: set[tuple[str, int]] = set()  # a hang fault since the last report
+        self.hang: dict[str, float] = {}  # each job's hang timeout, from its latest watch
+
+    def op(self, op: Op) -> None:
+        if op[0] == "wait":
+            self.now += op[1]
+            return
+        if op[0] == "tick":
+            self.call(self.core.tick(self.now), self.model.due(self.now), set(self.model.jobs))
+            self.check_deadline()
+            return
+        if op[0] == "beats":
+            for node in NODES:
+                self.op(("beat", node))
+            return
+        event = to_event(op, self.model.jobs)
+        assert event is not None
+        watched = set(self.model.jobs)
+        then = self.then(event)  # judged on the state before the event
+        got = self.core.handle(event, self.now)
+        self.call(got, self.model.apply(event, self.now), watched)
+        then()
+        self.check_deadline()
+
+    def then(self, event: Event) -> Callable[[], None]:
+        """What ``event`` does to the reports on record, once its call is checked."""
+        match event:
+            case ProgressReported() if self.model.rank(event.job_id, event.rank):
+                rank = (event.job_id, event.rank)
+                if not self.model.rank(*rank).exit:  # type: ignore[union-attr]
+                    return lambda: self.report(rank)
+            case JobWatched():
+                old = self.model.jobs.get(event.job_id)
+                replay = old is not None and (old.nodes, old.hang) == (event.nodes,
+                                                                      event.hang_timeout_s)
+                if not replay:
+                    def watch() -> None:
+                        self.hang[event.job_id] = event.hang_timeout_s
+                        self.reset(lambda r: r[0] == event.job_id)
+                    return watch
+            case JobEnded():
+                return lambda: self.reset(lambda r: r[0] == event.job_id)
+            case RankStarted():
+                return lambda: self.reset(lambda r: r == (event.job_id, event.rank))
+        return lambda: None
+
+    def report(self, rank: tuple[str, int]) -> None:
+        self.reported[rank] = self.now
+        self.hung.discard(rank)
+
+    def reset(self, which: Callable[[tuple[str, int]], bool]) -> None:
+        for rank in [r for r in self.reported if which(r)]:
+            del self.reported[rank]
+            self.hung.discard(rank)
+
+    def call(self, got: list[Decision], want: list[Key], watched: set[str]) -> None:
+        self.core.check_invariants()
+        assert [key(d) for d in got] == want
+        self.log += got
+        for d in got:
+            if isinstance(d, RaiseFault):
+                assert d.job_id in watched, f"fault for unwatched job {d.job_id}"
+            if isinstance(d, RaiseFault) and d.kind is FaultKind.HANG:
+                assert d.rank is not None
+                rank = (d.job_id, d.rank)
+                assert rank in self.reported, "hang fault for a rank that never reported"
+                assert self.now > self.reported[rank] + self.hang[d.job_id], "hang too early"
+                assert rank not in self.hung, "two hang faults in one silence"
+                self.hung.add(rank)
+
+    def check_deadline(self) -> None:
+        """``next_deadline`` is the model's; a tick at it decides nothing, just after, something."""
+        deadline = self.core.next_deadline()
+        assert deadline == self.model.next_deadline()
+        assert deadline is None or deadline >= self.now, "a due timeout was not decided"
+        self.checks += 1
+        if not self.probe or self.checks % self.probe:
+            return
+        if deadline is None:
+            assert copy.deepcopy(self.core).tick(self.now + 1e6) == []
+            return
+        probe = copy.deepcopy(self.core)
+        assert probe.tick(deadline) == []
+        assert probe.tick(math.nextafter(deadline, math.inf)) != []
+
+
+@SETTINGS
+@given(policy=POLICY, ops=STREAM)
+def test_core_follows_the_rules(policy: HealthPolicy, ops: list[Op]) -> None:
+    run = Run(policy)
+    for op in ops:
+        run.op(op)
+
+
+@SETTINGS
+@given(policy=POLICY, ops=STREAM, every=st.integers(1, 3))
+def test_decisions_do_not_depend_on_how_often_it_ticks(policy: HealthPolicy, ops: list[Op],
+                                                       every: int) -> None:
+    """Ticks only move decisions earlier; the sequence of all of them is the same."""
+    sparse, dense = Run(policy, probe=0), Run(policy, probe=0)
+    for i, op in enumerate(ops):
+        if op[0] != "tick":
+            sparse.op(op)
+        dense.op(op)
+        if i % every == 0:
+            dense.op(("tick",))
+    sparse.op(("tick",))
+    dense.op(("tick",))
+    assert sparse.log == dense.log
+
+
+@SETTINGS
+@given(policy=POLICY, hang=st.sampled_from([1.0, 2.5]), ranks=st.integers(1, 4),
+       gaps=st.lists(st.floats(0.0, 1.0), min_size=1, max_size=40))
+def test_no_false_positives_within_the_timeouts(policy: HealthPolicy, hang: float, ranks: int,
+                                                gaps: list[float]) -> None:
+    """Heartbeats and reports that come late, but within their timeouts, never fault."""
+    core = HealthCore(policy)
+    now = T0
+    nodes = tuple(NODES[i % len(NODES)] for i in range(ranks))
+    core.handle(JobWatched("j", nodes, hang), now)
+    for gap in gaps:
+        # A fraction of the tighter timeout, up to all of it: late, never too late.
+        now += gap * min(hang, policy.node_timeout_s)
+        assert core.tick(now) == []
+        for node in NODES:
+            assert core.handle(NodeHeartbeat(node), now) == []
+        for rank in range(ranks):
+            decisions = core.handle(ProgressReported("j", rank, 1, 1.0), now)
+            assert not any(isinstance(d, RaiseFault) and d.kind is not FaultKind.STRAGGLER
+                           for d in decisions)
+        core.check_invariants()

@@ -1,0 +1,717 @@
+"""The failure-detection rules of ``HealthCore``, case by case.
+
+Each test feeds events (and ticks) at explicit times and asserts on the
+decisions returned; ``check_invariants`` runs after every call. Deadlines are
+strict: a timeout fires just after ``last + timeout``, never at it.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from phalanx.schemas.messages import FaultKind
+from phalanx.services.health.core import (
+    CordonNode,
+    Decision,
+    Event,
+    FinishJob,
+    HealthCore,
+    HealthPolicy,
+    JobEnded,
+    JobWatched,
+    MarkNodeAlive,
+    MarkNodeLost,
+    NodeHeartbeat,
+    NodeUncordoned,
+    ProgressReported,
+    RaiseFault,
+    RankExited,
+    RankStarted,
+)
+
+T0 = 1_717_000_000.0
+CRASH, HANG, STRAGGLER, LOST = (FaultKind.CRASH, FaultKind.HANG, FaultKind.STRAGGLER,
+                                FaultKind.NODE_LOST)
+
+
+def after(t: float) -> float:
+    """The first time strictly after ``t``."""
+    return math.nextafter(t, math.inf)
+
+
+def make(nodes: tuple[str, ...] = ("n0", "n1", "n2"), *, job: str = "j", hang: float = 2.0,
+         **policy: float) -> HealthCore:
+    core = HealthCore(HealthPolicy(**policy))  # type: ignore[arg-type]
+    if nodes:
+        assert run(core, T0, JobWatched(job, nodes, hang)) == []
+    return core
+
+
+def run(core: HealthCore, now: float, *events: Event) -> list[Decision]:
+    decisions: list[Decision] = []
+    for event in events:
+        decisions += core.handle(event, now)
+        core.check_invariants()
+    return decisions
+
+
+def tick(core: HealthCore, now: float) -> list[Decision]:
+    decisions = core.tick(now)
+    core.check_invariants()
+    return decisions
+
+
+def progress(rank: int, step_time: float = 1.0, job: str = "j", step: int = 1
+             ) -> ProgressReported:
+    return ProgressReported(job, rank, step, step_time)
+
+
+def exited(rank: int, code: int | None = 0, node: str | None = None, *, job: str = "j",
+           signal: str | None = None, cause: str = "exited") -> RankExited:
+    return RankExited(job, rank, node or f"n{rank}", code, signal, cause)
+
+
+def faults(decisions: list[Decision]) -> list[tuple[FaultKind, str, int | None, str]]:
+    """(kind, job, rank, node) of each fault, in order."""
+    return [(d.kind, d.job_id, d.rank, d.node_id) for d in decisions if isinstance(d, RaiseFault)]
+
+
+def names(decisions: list[Decision]) -> list[str]:
+    return [type(d).__name__ for d in decisions]
+
+
+# --- events and clock ----------------------------------------------------------------------
+
+
+def test_unknown_event_is_a_type_error_and_changes_nothing() -> None:
+    core = make()
+    run(core, T0, NodeHeartbeat("n0"))
+    with pytest.raises(TypeError, match="unknown event"):
+        core.handle("heartbeat", T0 + 100)  # type: ignore[arg-type]
+    assert core.now == T0
+    assert core.next_deadline() == T0 + 3.0
+    core.check_invariants()
+
+
+@pytest.mark.parametrize("cause", ["crashed", "", "EXITED"])
+def test_exit_cause_must_be_known(cause: str) -> None:
+    with pytest.raises(ValueError, match="cause must be one of"):
+        RankExited("j", 0, "n0", 1, None, cause)
+
+
+@pytest.mark.parametrize(("nodes", "hang", "message"), [
+    ((), 2.0, "nodes must not be empty"),
+    (("n0",), 0.0, "hang_timeout_s must be a positive finite number"),
+    (("n0",), -1.0, "hang_timeout_s"),
+    (("n0",), math.inf, "hang_timeout_s"),
+    (("n0",), math.nan, "hang_timeout_s"),
+])
+def test_job_watched_is_validated(nodes: tuple[str, ...], hang: float, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        JobWatched("j", nodes, hang)
+
+
+def test_nan_time_is_refused() -> None:
+    with pytest.raises(ValueError, match="nan"):
+        make().tick(math.nan)
+
+
+def test_an_earlier_now_counts_as_the_latest_seen() -> None:
+    core = make()
+    run(core, T0 + 5, NodeHeartbeat("n0"))
+    run(core, T0 + 1, NodeHeartbeat("n1"))  # delivered late, stamped with an older clock
+    assert core.nodes["n1"].last_heartbeat == T0 + 5
+    assert core.next_deadline() == T0 + 8
+
+
+def test_due_timeouts_come_before_the_events_own_decisions() -> None:
+    core = make(("n0",), hang=5.0)
+    run(core, T0, NodeHeartbeat("n0"), progress(0))
+    decisions = run(core, T0 + 10, exited(0, 1))
+    assert faults(decisions) == [(LOST, "j", 0, "n0"), (CRASH, "j", 0, "n0")]
+    assert names(decisions) == ["MarkNodeLost", "RaiseFault", "RaiseFault"]
+
+
+# --- crash ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("code", "signal", "cause", "detail"), [
+    (1, None, "exited", "rank 1 exited with code 1"),
+    (137, None, "exited", "rank 1 exited with code 137"),
+    (-11, None, "exited", "rank 1 exited with code -11"),
+    (None, "SIGKILL", "exited", "rank 1 was killed by signal SIGKILL"),
+    (0, "SIGTERM", "exited", "rank 1 was killed by signal SIGTERM (exit code 0)"),
+    (None, None, "exited", "rank 1 exited with an unknown status"),
+    (None, None, "lost", "rank 1 was found dead by a restarted agent on n1; its exit status "
+                         "is unknown"),
+    (1, None, "lost", "found dead by a restarted agent on n1; its exit status is unknown "
+                      "(reported: exit code 1, signal None)"),
+    (0, "SIGKILL", "lost", "found dead"),
+])
+def test_crash_is_a_fault_at_once(code: int | None, signal: str | None, cause: str,
+                                  detail: str) -> None:
+    core = make()
+    decisions = run(core, T0 + 1, exited(1, code, signal=signal, cause=cause))
+    assert len(decisions) == 1
+    fault = decisions[0]
+    assert isinstance(fault, RaiseFault)
+    assert (fault.job_id, fault.kind, fault.node_id, fault.rank) == ("j", CRASH, "n1", 1)
+    assert (fault.exit_code, fault.signal) == (code, signal)
+    assert detail in fault.detail
+
+
+@pytest.mark.parametrize(("code", "signal", "cause"), [
+    (0, None, "exited"),
+    (0, None, "lost"),  # a restarted agent that still knows the status
+    (0, None, "stopped"),
+    (1, None, "stopped"),
+    (None, "SIGTERM", "stopped"),
+    (None, "SIGKILL", "stopped"),
+    (None, None, "stopped"),
+])
+def test_no_fault_for_a_clean_or_agent_caused_exit(code: int | None, signal: str | None,
+                                                    cause: str) -> None:
+    core = make()
+    assert run(core, T0 + 1, exited(1, code, signal=signal, cause=cause)) == []
+    assert core.jobs["j"].ranks[1].exit is not None
+
+
+@pytest.mark.parametrize("event", [
+    exited(0, 1, job="other"),  # never watched
+    exited(3, 1),  # outside the placement
+    exited(0, 1, node="n9"),  # reported from another node: a leftover
+])
+def test_crash_ignored_outside_the_watch(event: RankExited) -> None:
+    core = make()
+    assert run(core, T0 + 1, event) == []
+    core.check_invariants()
+
+
+def test_no_crash_fault_after_the_job_ended() -> None:
+    core = make()
+    run(core, T0 + 1, JobEnded("j"))
+    assert "j" not in core.jobs
+    assert run(core, T0 + 2, exited(0, 1)) == []
+
+
+def test_an_exit_is_reported_once() -> None:
+    core = make()
+    assert faults(run(core, T0 + 1, exited(0, 1))) == [(CRASH, "j", 0, "n0")]
+    assert run(core, T0 + 2, exited(0, 1)) == []
+    assert run(core, T0 + 3, exited(0, 0)) == []
+
+
+def test_a_restarted_rank_can_crash_again() -> None:
+    core = make()
+    assert len(faults(run(core, T0 + 1, exited(0, 1)))) == 1
+    run(core, T0 + 2, RankStarted("j", 0, "n0", 4242))
+    assert faults(run(core, T0 + 3, exited(0, None, signal="SIGSEGV"))) == [
+        (CRASH, "j", 0, "n0")]
+
+
+def test_crash_names_the_node_the_rank_was_started_on() -> None:
+    core = make()
+    run(core, T0, RankStarted("j", 0, "n7", 100))
+    assert run(core, T0 + 1, exited(0, 1, node="n0")) == []  # not where it runs
+    assert faults(run(core, T0 + 1, exited(0, 1, node="n7"))) == [(CRASH, "j", 0, "n7")]
+
+
+# --- finish --------------------------------------------------------------------------------
+
+
+def test_job_finishes_once_when_every_rank_exits_zero() -> None:
+    core = make()
+    assert run(core, T0 + 1, exited(2, 0), exited(0, 0)) == []
+    assert run(core, T0 + 2, exited(1, 0)) == [FinishJob("j")]
+    assert "j" not in core.jobs
+    assert run(core, T0 + 3, exited(1, 0), exited(1, 1), progress(0)) == []
+    assert tick(core, T0 + 100) == []
+
+
+@pytest.mark.parametrize(("last", "finished"), [
+    (exited(2, 0), True),
+    (exited(2, 0, cause="stopped"), False),
+    (exited(2, 1), False),
+    (exited(2, None, signal="SIGKILL"), False),
+    (exited(2, None, cause="lost"), False),
+    (exited(2, 0, node="n0"), False),  # not from its node
+])
+def test_finish_needs_every_rank_to_exit_zero(last: RankExited, finished: bool) -> None:
+    core = make()
+    run(core, T0 + 1, exited(0, 0), exited(1, 0))
+    assert (FinishJob("j") in run(core, T0 + 2, last)) is finished
+
+
+def test_the_same_rank_twice_does_not_finish_a_job() -> None:
+    core = make(("n0", "n1"))
+    assert run(core, T0 + 1, exited(0, 0), exited(0, 0)) == []
+    assert "j" in core.jobs
+
+
+def test_a_crashed_rank_restarted_and_exiting_zero_finishes_the_job() -> None:
+    core = make(("n0", "n1"))
+    run(core, T0 + 1, exited(0, 0), exited(1, 1))
+    run(core, T0 + 2, RankStarted("j", 1, "n1", 7))
+    assert run(core, T0 + 3, exited(1, 0)) == [FinishJob("j")]
+
+
+def test_finished_job_can_be_watched_again() -> None:
+    core = make(("n0",))
+    assert run(core, T0 + 1, exited(0, 0)) == [FinishJob("j")]
+    run(core, T0 + 2, JobWatched("j", ("n0",), 2.0))
+    assert run(core, T0 + 3, exited(0, 0)) == [FinishJob("j")]
+
+
+# --- hang ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("hang", [0.5, 2.0, 30.0])
+def test_hang_fires_just_after_the_deadline_not_at_it(hang: float) -> None:
+    core = make(hang=hang)
+    run(core, T0 + 1, progress(1, step=7))
+    deadline = T0 + 1 + hang
+    assert core.next_deadline() == deadline
+    assert tick(core, deadline) == []
+    decisions = tick(core, after(deadline))
+    assert faults(decisions) == [(HANG, "j", 1, "n1")]
+    assert decisions[0].detail == (  # type: ignore[union-attr]
+        f"rank 1 reported no progress for more than {hang:g} s after step 7")
+
+
+def test_a_rank_starting_up_is_not_judged() -> None:
+    core = make()
+    run(core, T0, RankStarted("j", 0, "n0", 1), RankStarted("j", 1, "n1", 2))
+    assert core.next_deadline() is None
+    assert tick(core, T0 + 1000) == []
+
+
+@pytest.mark.parametrize("gap", [0.5, 1.999, 2.0])
+def test_late_report_before_the_deadline_is_no_fault(gap: float) -> None:
+    core = make(hang=2.0)
+    now = T0
+    run(core, now, progress(0))
+    for _ in range(5):
+        now += gap
+        assert run(core, now, progress(0)) == []
+        assert core.next_deadline() == now + 2.0
+
+
+def test_report_after_the_deadline_is_a_hang_even_without_a_tick() -> None:
+    core = make(hang=2.0)
+    run(core, T0, progress(0))
+    decisions = run(core, T0 + 2.5, progress(0))
+    assert faults(decisions) == [(HANG, "j", 0, "n0")]
+    assert core.next_deadline() == T0 + 4.5  # re-armed by the report
+
+
+def test_one_hang_fault_per_silence_then_rearmed_by_progress() -> None:
+    core = make(hang=2.0)
+    run(core, T0, progress(0))
+    assert len(faults(tick(core, T0 + 3))) == 1
+    assert core.next_deadline() is None
+    assert tick(core, T0 + 4) == tick(core, T0 + 100) == []
+    assert run(core, T0 + 101, progress(0)) == []
+    assert tick(core, T0 + 103) == []
+    assert faults(tick(core, T0 + 103.5)) == [(HANG, "j", 0, "n0")]
+
+
+def test_hang_per_rank_in_deadline_order() -> None:
+    core = make(hang=2.0)
+    run(core, T0, progress(2))
+    run(core, T0 + 0.5, progress(0))
+    run(core, T0 + 1, progress(1))
+    assert [f[2] for f in faults(tick(core, T0 + 10))] == [2, 0, 1]
+
+
+@pytest.mark.parametrize("end", [
+    exited(0, 0), exited(0, 0, cause="stopped"), exited(0, 1), exited(0, None, cause="lost"),
+])
+def test_no_hang_after_the_rank_exited(end: RankExited) -> None:
+    core = make()
+    run(core, T0, progress(0))
+    run(core, T0 + 1, end)
+    assert core.next_deadline() is None
+    assert faults(tick(core, T0 + 100)) == []
+
+
+def test_no_hang_after_the_job_ended() -> None:
+    core = make()
+    run(core, T0, progress(0), progress(1))
+    run(core, T0 + 1, JobEnded("j"))
+    assert core.next_deadline() is None
+    assert tick(core, T0 + 100) == []
+    assert run(core, T0 + 101, progress(0)) == []  # no longer watched
+    assert core.next_deadline() is None
+
+
+def test_progress_of_an_unwatched_job_or_unknown_rank_is_ignored() -> None:
+    core = make()
+    run(core, T0, progress(0, job="other"), progress(3), progress(-1))
+    assert core.next_deadline() is None
+    assert tick(core, T0 + 100) == []
+
+
+def test_restarted_rank_is_not_judged_until_it_reports() -> None:
+    core = make()
+    run(core, T0, progress(0))
+    run(core, T0 + 1, RankStarted("j", 0, "n0", 99))
+    assert core.next_deadline() is None
+    assert tick(core, T0 + 100) == []
+    run(core, T0 + 101, progress(0))
+    assert core.next_deadline() == T0 + 103
+
+
+def test_new_placement_resets_every_rank() -> None:
+    core = make(("n0", "n1"))
+    run(core, T0, progress(0), progress(1))
+    run(core, T0 + 1, JobWatched("j", ("n2", "n3", "n4"), 2.0))
+    assert core.next_deadline() is None
+    assert tick(core, T0 + 100) == []
+    assert [r.node_id for r in core.jobs["j"].ranks] == ["n2", "n3", "n4"]
+    assert faults(run(core, T0 + 101, exited(2, 1, node="n4"))) == [(CRASH, "j", 2, "n4")]
+    assert run(core, T0 + 101, exited(0, 1, node="n0")) == []  # the old placement's rank 0
+
+
+def test_a_new_hang_timeout_is_a_new_watch() -> None:
+    core = make(hang=2.0)
+    run(core, T0, progress(0))
+    run(core, T0 + 1, JobWatched("j", ("n0", "n1", "n2"), 5.0))
+    assert core.next_deadline() is None
+    run(core, T0 + 2, progress(0))
+    assert core.next_deadline() == T0 + 7
+
+
+def test_an_identical_watch_is_a_replay() -> None:
+    core = make(hang=2.0)
+    run(core, T0, progress(0), exited(1, 0))
+    run(core, T0 + 1, JobWatched("j", ("n0", "n1", "n2"), 2.0))
+    assert core.next_deadline() == T0 + 2
+    assert core.jobs["j"].ranks[1].exit == "done"
+    assert faults(tick(core, T0 + 3)) == [(HANG, "j", 0, "n0")]
+
+
+def test_hang_names_the_node_the_rank_was_started_on() -> None:
+    core = make()
+    run(core, T0, RankStarted("j", 1, "n9", 5), progress(1))
+    assert faults(tick(core, T0 + 3)) == [(HANG, "j", 1, "n9")]
+
+
+# --- straggler -----------------------------------------------------------------------------
+
+STRAGGLE = {"straggler_factor": 2.0, "straggler_steps": 3, "straggler_min_ranks": 3}
+
+
+def reports(core: HealthCore, times: dict[int, float], now: float = T0) -> list[Decision]:
+    return run(core, now, *(progress(rank, t) for rank, t in times.items()))
+
+
+@pytest.mark.parametrize(("slow", "faulted"), [
+    (2.0, False),  # exactly factor x median: not over
+    (2.0001, True),
+    (2.5, True),
+    (10.0, True),
+])
+def test_straggler_after_consecutive_slow_reports(slow: float, faulted: bool) -> None:
+    core = make(**STRAGGLE)
+    reports(core, {0: 1.0, 1: 1.0})
+    assert reports(core, {2: slow}) == []
+    assert reports(core, {2: slow}) == []
+    decisions = reports(core, {2: slow})
+    if faulted:
+        assert faults(decisions) == [(STRAGGLER, "j", 2, "n2")]
+        assert "median 1 s of the other 2 rank(s), for 3 reports in a row" in (
+            decisions[0].detail)  # type: ignore[union-attr]
+    else:
+        assert decisions == []
+
+
+def test_straggler_streak_must_be_unbroken() -> None:
+    core = make(**STRAGGLE)
+    reports(core, {0: 1.0, 1: 1.0})
+    for t in (3.0, 3.0, 1.5, 3.0, 3.0):
+        assert reports(core, {2: t}) == []
+    assert faults(reports(core, {2: 3.0})) == [(STRAGGLER, "j", 2, "n2")]
+
+
+def test_straggler_once_until_back_under_the_threshold() -> None:
+    core = make(**STRAGGLE)
+    reports(core, {0: 1.0, 1: 1.0})
+    found = [faults(reports(core, {2: 3.0})) for _ in range(8)]
+    assert [len(f) for f in found] == [0, 0, 1, 0, 0, 0, 0, 0]
+    reports(core, {2: 1.0})  # re-armed
+    found = [faults(reports(core, {2: 3.0})) for _ in range(3)]
+    assert [len(f) for f in found] == [0, 0, 1]
+
+
+@pytest.mark.parametrize(("min_ranks", "reporting", "faulted"), [
+    (3, 2, False),
+    (3, 3, True),
+    (4, 3, False),
+    (2, 2, True),
+    (1, 1, False),  # a lone rank has no others to compare with
+])
+def test_straggler_needs_enough_reporting_ranks(min_ranks: int, reporting: int,
+                                                faulted: bool) -> None:
+    core = make(tuple(f"n{i}" for i in range(4)), straggler_steps=2,
+                straggler_min_ranks=min_ranks)
+    reports(core, {r: 1.0 for r in range(reporting - 1)})
+    found = faults(reports(core, {reporting - 1: 5.0}) + reports(core, {reporting - 1: 5.0}))
+    assert bool(found) is faulted
+
+
+def test_straggler_median_is_of_the_other_ranks() -> None:
+    # Others [1, 1, 3]: median 1, so 2.5 is slow; with itself, [1, 1, 2.5, 3] has median 1.75.
+    core = make(("n0", "n1", "n2", "n3"), straggler_steps=1)
+    reports(core, {0: 1.0, 1: 1.0, 2: 3.0})
+    assert faults(reports(core, {3: 2.5})) == [(STRAGGLER, "j", 3, "n3")]
+
+
+def test_straggler_median_of_an_even_count() -> None:
+    core = make(("n0", "n1", "n2", "n3", "n4"), straggler_steps=1, straggler_min_ranks=5)
+    reports(core, {0: 1.0, 1: 2.0, 2: 3.0, 3: 4.0})  # median 2.5
+    assert reports(core, {4: 5.0}) == []
+    assert len(faults(reports(core, {4: 5.01}))) == 1
+
+
+def test_exited_ranks_do_not_count_for_stragglers() -> None:
+    core = make(**STRAGGLE)
+    reports(core, {0: 1.0, 1: 1.0})
+    run(core, T0, exited(0, 0))
+    assert all(reports(core, {2: 5.0}) == [] for _ in range(5))
+
+
+def test_an_unjudged_report_restarts_the_count() -> None:
+    core = make(**STRAGGLE)
+    reports(core, {0: 1.0, 1: 1.0})
+    reports(core, {2: 5.0})
+    reports(core, {2: 5.0})
+    run(core, T0, RankStarted("j", 1, "n1", 3))  # rank 1 has no step time now: 2 reporting
+    assert reports(core, {2: 5.0}) == []
+    reports(core, {1: 1.0})
+    assert reports(core, {2: 5.0}) == reports(core, {2: 5.0}) == []
+    assert len(faults(reports(core, {2: 5.0}))) == 1
+
+
+# --- lost nodes ----------------------------------------------------------------------------
+
+
+def test_a_node_never_heard_from_is_not_judged() -> None:
+    core = make()
+    assert core.next_deadline() is None
+    assert tick(core, T0 + 1000) == []
+
+
+@pytest.mark.parametrize("timeout", [0.5, 3.0, 10.0])
+def test_node_lost_just_after_its_timeout(timeout: float) -> None:
+    core = make(node_timeout_s=timeout)
+    run(core, T0, JobWatched("k", ("n1", "n0"), 2.0), NodeHeartbeat("n0"))
+    run(core, T0, exited(1, 0))  # j's rank 1 on n1: not n0, and done anyway
+    run(core, T0, RankExited("k", 0, "n1", 0, None, "exited"))
+    assert core.next_deadline() == T0 + timeout
+    assert tick(core, T0 + timeout) == []
+    decisions = tick(core, after(T0 + timeout))
+    assert decisions[0] == MarkNodeLost("n0", f"no heartbeat for more than {timeout:g} s")
+    assert faults(decisions) == [(LOST, "j", 0, "n0"), (LOST, "k", 1, "n0")]
+    assert tick(core, T0 + 1000) == []
+    assert core.next_deadline() is None
+
+
+def test_node_lost_covers_ranks_placed_there_and_not_exited() -> None:
+    core = make(("n0", "n0", "n1", "n0"))
+    run(core, T0, NodeHeartbeat("n0"), NodeHeartbeat("n1"))
+    run(core, T0, exited(0, 0, node="n0"), exited(3, 1, node="n0"),
+        RankStarted("j", 1, "n1", 5))  # rank 1 moved to n1
+    run(core, T0 + 2, NodeHeartbeat("n1"))
+    decisions = tick(core, T0 + 4)
+    assert names(decisions) == ["MarkNodeLost"] + ["RaiseFault"] * len(faults(decisions))
+    assert faults(decisions) == []  # ranks 0 and 3 exited, rank 1 is on n1, rank 2 on n1
+    run(core, T0 + 4, RankStarted("j", 0, "n1", 6))
+    assert faults(tick(core, T0 + 6)) == [(LOST, "j", 0, "n1"), (LOST, "j", 1, "n1"),
+                                          (LOST, "j", 2, "n1")]
+
+
+@pytest.mark.parametrize("gap", [0.1, 1.5, 2.999, 3.0])
+def test_no_false_positive_when_heartbeats_are_late_but_within_the_timeout(gap: float) -> None:
+    core = make(node_timeout_s=3.0)
+    now = T0
+    run(core, now, NodeHeartbeat("n0"))
+    for _ in range(20):
+        assert tick(core, now + gap) == []
+        now += gap
+        assert run(core, now, NodeHeartbeat("n0")) == []
+    assert not core.nodes["n0"].lost
+
+
+def test_a_heartbeat_after_the_timeout_is_a_loss_even_without_a_tick() -> None:
+    core = make(("n0",))
+    run(core, T0, NodeHeartbeat("n0"))
+    decisions = run(core, T0 + 3.5, NodeHeartbeat("n0"))
+    assert names(decisions) == ["MarkNodeLost", "RaiseFault", "MarkNodeAlive"]
+    assert decisions[-1] == MarkNodeAlive("n0", "heartbeats resumed after 3.5 s of silence")
+
+
+def test_lost_node_comes_back_alive_without_new_faults() -> None:
+    core = make(hang=5.0)
+    run(core, T0, NodeHeartbeat("n1"), progress(1))
+    assert len(faults(tick(core, T0 + 3.5))) == 1
+    assert run(core, T0 + 10, NodeHeartbeat("n1")) == [
+        MarkNodeAlive("n1", "heartbeats resumed after 10.0 s of silence")]
+    assert core.next_deadline() == T0 + 13
+    assert tick(core, T0 + 12.9) == []
+    assert run(core, T0 + 12.9, NodeHeartbeat("n1")) == []
+
+
+def test_no_hang_on_a_lost_node_and_a_full_timeout_after_it_returns() -> None:
+    core = make(hang=2.0)
+    run(core, T0, NodeHeartbeat("n1"), progress(1), progress(0))
+    decisions = tick(core, T0 + 2.5)  # rank 0 hangs; n1's rank 1 too
+    assert faults(decisions) == [(HANG, "j", 0, "n0"), (HANG, "j", 1, "n1")]
+    run(core, T0 + 2.75, progress(1))
+    decisions = tick(core, T0 + 3.5)  # n1 lost: its rank is covered
+    assert faults(decisions) == [(LOST, "j", 1, "n1")]
+    run(core, T0 + 4, progress(1))  # the rank runs while its agent is gone
+    assert tick(core, T0 + 20) == []
+    run(core, T0 + 20, NodeHeartbeat("n1"))
+    assert core.next_deadline() == T0 + 22  # hang clock restarts at the node's return
+    assert faults(tick(core, after(T0 + 22))) == [(HANG, "j", 1, "n1")]
+
+
+def test_a_rank_covered_by_node_lost_is_rearmed_only_by_progress() -> None:
+    core = make(hang=2.0)
+    run(core, T0, NodeHeartbeat("n1"), progress(1))
+    tick(core, T0 + 3.5)
+    run(core, T0 + 4, NodeHeartbeat("n1"))
+    assert core.next_deadline() == T0 + 7  # only the node
+    assert tick(core, T0 + 6.9) == []
+    run(core, T0 + 6.9, progress(1), NodeHeartbeat("n1"))
+    assert core.next_deadline() == T0 + 8.9
+
+
+def test_equal_deadlines_lose_the_node_first() -> None:
+    core = make(("n0",), hang=3.0)
+    run(core, T0, progress(0), NodeHeartbeat("n0"))
+    assert faults(tick(core, T0 + 4)) == [(LOST, "j", 0, "n0")]
+
+
+def test_node_lost_without_ranks_still_counts_for_cordon() -> None:
+    core = make((), cordon_faults=2)
+    run(core, T0, NodeHeartbeat("n5"))
+    assert names(tick(core, T0 + 4)) == ["MarkNodeLost"]
+    run(core, T0 + 5, NodeHeartbeat("n5"))
+    assert names(tick(core, T0 + 9)) == ["MarkNodeLost", "CordonNode"]
+
+
+# --- cordon --------------------------------------------------------------------------------
+
+
+def crash_on(core: HealthCore, node: str, at: float) -> list[Decision]:
+    job = f"c{at}"
+    run(core, at, JobWatched(job, (node,), 2.0))
+    return run(core, at, RankExited(job, 0, node, 1, None, "exited"))
+
+
+def test_cordon_at_the_threshold_once() -> None:
+    core = make((), cordon_faults=3, cordon_window_s=300.0)
+    assert names(crash_on(core, "n0", T0)) == ["RaiseFault"]
+    assert names(crash_on(core, "n0", T0 + 100)) == ["RaiseFault"]
+    decisions = crash_on(core, "n0", T0 + 200)
+    assert decisions[1] == CordonNode("n0", "3 faults within 300 s (3 crash)")
+    assert names(crash_on(core, "n0", T0 + 201)) == ["RaiseFault"]
+    assert core.nodes["n0"].cordoned
+
+
+@pytest.mark.parametrize(("third", "cordoned"), [
+    (T0 + 300.0, True),  # the first fault is exactly a window old: still inside
+    (after(T0 + 300.0), False),
+])
+def test_cordon_window_edge(third: float, cordoned: bool) -> None:
+    core = make((), cordon_faults=3, cordon_window_s=300.0)
+    crash_on(core, "n0", T0)
+    crash_on(core, "n0", T0 + 150)
+    assert ("CordonNode" in names(crash_on(core, "n0", third))) is cordoned
+
+
+def test_faults_on_other_nodes_do_not_add_up() -> None:
+    core = make((), cordon_faults=2)
+    for i, node in enumerate(["n0", "n1", "n2", "n3"]):
+        assert names(crash_on(core, node, T0 + i)) == ["RaiseFault"]
+
+
+def test_every_kind_counts_and_a_node_loss_counts_once() -> None:
+    core = make(("n0", "n0", "n0", "n1"), hang=10.0, cordon_faults=3, straggler_steps=1,
+                straggler_min_ranks=2)
+    run(core, T0, NodeHeartbeat("n0"), progress(3, 1.0), progress(1, 1.0), progress(2, 1.0))
+    assert faults(run(core, T0, progress(0, 9.0))) == [(STRAGGLER, "j", 0, "n0")]
+    decisions = tick(core, T0 + 3.5)
+    assert faults(decisions) == [(LOST, "j", 0, "n0"), (LOST, "j", 1, "n0"),
+                                 (LOST, "j", 2, "n0")]
+    assert "CordonNode" not in names(decisions)
+    assert faults(tick(core, T0 + 11)) == [(HANG, "j", 3, "n1")]
+    run(core, T0 + 12, NodeHeartbeat("n0"), progress(0))
+    decisions = run(core, T0 + 12, exited(1, 1, node="n0"))
+    assert decisions[1] == CordonNode("n0", "3 faults within 300 s (1 crash, 1 node_lost, "
+                                            "1 straggler)")
+
+
+def test_timeouts_are_charged_when_they_happened_not_when_ticked() -> None:
+    core = make(("n0",), hang=2.0, cordon_faults=2, cordon_window_s=10.0)
+    run(core, T0, progress(0))
+    tick(core, T0 + 11)  # the hang happened just after T0 + 2
+    assert [t for t, _ in core.nodes["n0"].faults] == [T0 + 2]
+    assert names(crash_on(core, "n0", T0 + 12.5)) == ["RaiseFault"]  # 10.5 s apart
+
+
+def test_uncordon_forgets_the_faults() -> None:
+    core = make((), cordon_faults=2)
+    crash_on(core, "n0", T0)
+    assert names(crash_on(core, "n0", T0 + 1)) == ["RaiseFault", "CordonNode"]
+    assert run(core, T0 + 2, NodeUncordoned("n0")) == []
+    assert not core.nodes["n0"].cordoned
+    assert names(crash_on(core, "n0", T0 + 3)) == ["RaiseFault"]
+    assert names(crash_on(core, "n0", T0 + 4)) == ["RaiseFault", "CordonNode"]
+
+
+def test_uncordon_of_an_unknown_node_is_harmless() -> None:
+    core = make()
+    assert run(core, T0, NodeUncordoned("nx")) == []
+    assert "nx" not in core.nodes
+
+
+# --- next deadline -------------------------------------------------------------------------
+
+
+def test_next_deadline_is_the_earliest_judged_timeout() -> None:
+    core = make(hang=1.5, node_timeout_s=3.0)
+    assert core.next_deadline() is None
+    run(core, T0, NodeHeartbeat("n0"))
+    assert core.next_deadline() == T0 + 3
+    run(core, T0 + 1, progress(1))
+    assert core.next_deadline() == T0 + 2.5
+    run(core, T0 + 2, progress(1))
+    assert core.next_deadline() == T0 + 3
+    run(core, T0 + 2.5, NodeHeartbeat("n0"))
+    assert core.next_deadline() == T0 + 3.5
+    run(core, T0 + 3, exited(1, 0))
+    assert core.next_deadline() == T0 + 5.5
+    tick(core, T0 + 6)
+    assert core.next_deadline() is None
+
+
+@pytest.mark.parametrize("events", [
+    [NodeHeartbeat("n0")],
+    [progress(2)],
+    [NodeHeartbeat("n1"), progress(1)],
+    [progress(0), NodeHeartbeat("n2"), progress(1)],
+])
+def test_tick_at_the_next_deadline_decides_nothing_and_just_after_decides(
+        events: list[Event]) -> None:
+    core = make(hang=3.0)
+    run(core, T0, *events)
+    deadline = core.next_deadline()
+    assert deadline is not None
+    assert tick(core, deadline - 1) == []
+    assert tick(core, deadline) == []
+    assert core.next_deadline() == deadline
+    assert tick(core, after(deadline)) != []
