@@ -69,6 +69,13 @@ def test_up_nodes_kill_agent_lost_then_down_leaves_nothing(cluster) -> None:
     assert all(n["state"] == "alive" and n["slots"] == 2 for n in listed.values())
     assert {n["failure_domain"] for n in listed.values()} == {"domain-0", "domain-1"}
 
+    assert "cordoned" in phalanx("node", "cordon", "local-0", "--data-dir", str(data_dir)).stdout
+    assert nodes(data_dir)["local-0"]["cordoned"] is True
+    phalanx("node", "uncordon", "local-0", "--data-dir", str(data_dir))
+    assert nodes(data_dir)["local-0"]["cordoned"] is False
+    missing = phalanx("node", "cordon", "nope", "--data-dir", str(data_dir), check=False)
+    assert missing.returncode == 1 and "no node 'nope'" in missing.stderr
+
     victim = listed["local-1"]["agent_pid"]
     assert victim == state["agents"]["local-1"]
     kill_and_wait(victim, 10)
