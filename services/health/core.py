@@ -51,6 +51,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import enum
 import heapq
 import math
 import statistics
@@ -194,18 +195,24 @@ class RaiseFault:
 
 @dataclasses.dataclass(frozen=True)
 class MarkNodeLost:
+    """The node stopped sending heartbeats: its slots are gone until it is heard again."""
+
     node_id: str
     reason: str
 
 
 @dataclasses.dataclass(frozen=True)
 class MarkNodeAlive:
+    """A lost node is sending heartbeats again."""
+
     node_id: str
     reason: str
 
 
 @dataclasses.dataclass(frozen=True)
 class CordonNode:
+    """The node faults too often: no new work on it until an operator uncordons it."""
+
     node_id: str
     reason: str
 
@@ -223,8 +230,8 @@ Decision = RaiseFault | MarkNodeLost | MarkNodeAlive | CordonNode | FinishJob
 # --- state ---------------------------------------------------------------------------------
 
 
-class RankExit:
-    """How a rank's process ended (``RankHealth.exit``); None while it runs."""
+class RankExit(enum.StrEnum):
+    """How a rank's process ended (``RankHealth.exit``; None while it runs)."""
 
     DONE = "done"
     CRASHED = "crashed"
@@ -236,9 +243,9 @@ class RankHealth:
     """One rank of a watched job, since its placement or its last start."""
 
     job: JobHealth = dataclasses.field(repr=False)
-    rank: int = 0
-    node_id: str = ""
-    exit: str | None = None
+    rank: int
+    node_id: str
+    exit: RankExit | None = None
     last_progress: float | None = None
     last_step: int | None = None
     step_time: float | None = None  # latest step time
@@ -383,7 +390,7 @@ class HealthCore:
                          now: float) -> list[Decision]:
         policy = self.policy
         others = [r.step_time for r in rank.job.ranks
-                  if r.exit is None and r.step_time is not None]
+                  if r is not rank and r.exit is None and r.step_time is not None]
         if not others or len(others) + 1 < policy.straggler_min_ranks:
             rank.slow_reports = 0
             return []

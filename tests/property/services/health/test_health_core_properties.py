@@ -26,7 +26,7 @@ import math
 import statistics
 from collections.abc import Callable
 
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from phalanx.schemas.messages import FaultKind
@@ -59,6 +59,8 @@ JOBS = ("j0", "j1")
 #   ("watch", job, nodes, hang)  ("end", job)  ("start", job, rank, node)
 #   ("exit", job, rank, code, signal, cause, node or "")  ("progress", job, rank, step_time)
 #   ("beat", node)  ("beats",): every node  ("uncordon", node)  ("tick",)  ("wait", seconds)
+#   ("slow", job, rank, n): n reports of a slow step in a row
+#   ("round", job, slow): every rank of the job reports a step, slow only for rank ``slow``
 
 Op = tuple
 NODE = st.sampled_from(NODES)
@@ -103,6 +105,8 @@ BUSY = st.one_of(  # what a running cluster mostly does
               st.sampled_from([1.0, 1.0, 1.0, 1.25, 3.0, 10.0])),
     st.just(("beats",)),
     st.tuples(st.just("wait"), st.sampled_from([0.25, 0.5, 1.0])),
+    st.tuples(st.just("slow"), JOB, st.integers(0, 3), st.integers(1, 3)),
+    st.tuples(st.just("round"), JOB, st.sampled_from([-1, -1, 0, 1, 2, 3])),
     st.tuples(st.just("exit"), JOB, st.integers(0, 3), st.sampled_from([0, 0, 0, 1, None]),
               st.just(None), st.sampled_from(["exited", "exited", "stopped"]), st.just("")),
 )
@@ -328,6 +332,15 @@ class Run:
             for node in NODES:
                 self.op(("beat", node))
             return
+        if op[0] == "round":
+            job = self.model.jobs.get(op[1])
+            for rank in range(len(job.ranks) if job else 1):
+                self.op(("progress", op[1], rank, 10.0 if rank == op[2] else 1.0))
+            return
+        if op[0] == "slow":
+            for _ in range(op[3]):
+                self.op(("progress", op[1], op[2], 10.0))
+            return
         event = to_event(op, self.model.jobs)
         assert event is not None
         watched = set(self.model.jobs)
@@ -401,13 +414,16 @@ class Run:
 
 @SETTINGS
 @given(policy=POLICY, ops=STREAM)
+@example(policy=HealthPolicy(straggler_steps=1), ops=[  # straggles, recovers, straggles again
+    ("watch", "j0", ("n0", "n1", "n2"), 2.0), ("beats",), ("round", "j0", -1),
+    ("round", "j0", 2), ("round", "j0", 2), ("round", "j0", -1), ("round", "j0", 2)])
 def test_core_follows_the_rules(policy: HealthPolicy, ops: list[Op]) -> None:
     run = Run(policy)
     for op in ops:
         run.op(op)
 
 
-@SETTINGS
+@settings(SETTINGS, max_examples=150)
 @given(policy=POLICY, ops=STREAM, every=st.integers(1, 3))
 def test_decisions_do_not_depend_on_how_often_it_ticks(policy: HealthPolicy, ops: list[Op],
                                                        every: int) -> None:

@@ -579,14 +579,18 @@ def test_no_hang_on_a_lost_node_and_a_full_timeout_after_it_returns() -> None:
 
 
 def test_a_rank_covered_by_node_lost_is_rearmed_only_by_progress() -> None:
-    core = make(hang=2.0)
+    core = make(hang=5.5)
     run(core, T0, NodeHeartbeat("n1"), progress(1))
-    tick(core, T0 + 3.5)
+    assert faults(tick(core, T0 + 3.5)) == [(LOST, "j", 1, "n1")]  # before its hang deadline
     run(core, T0 + 4, NodeHeartbeat("n1"))
-    assert core.next_deadline() == T0 + 7  # only the node
-    assert tick(core, T0 + 6.9) == []
-    run(core, T0 + 6.9, progress(1), NodeHeartbeat("n1"))
-    assert core.next_deadline() == T0 + 8.9
+    run(core, T0 + 6, NodeHeartbeat("n1"))
+    run(core, T0 + 8.5, NodeHeartbeat("n1"))
+    assert core.next_deadline() == T0 + 11.5  # only the node: the rank's silence is covered
+    assert tick(core, T0 + 11) == []
+    run(core, T0 + 11, progress(1), NodeHeartbeat("n1"))
+    assert core.next_deadline() == T0 + 14
+    run(core, T0 + 13.75, NodeHeartbeat("n1"))
+    assert faults(tick(core, T0 + 16.75)) == [(HANG, "j", 1, "n1")]
 
 
 def test_equal_deadlines_lose_the_node_first() -> None:
