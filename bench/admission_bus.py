@@ -2,8 +2,9 @@
 
 Used by ``bench/admission.py`` (its "end to end" section). A real
 ``nats-server`` with JetStream, real node agents (in this process, each with
-its own connection), and the admission service as its own process, exactly as
-``phalanx up`` runs it. A client submits ``jobs`` one-replica gangs through
+its own connection; ``launch=False``: they offer capacity but start no ranks,
+so rank start-up does not compete for the two cores) and the admission
+service as its own process, exactly as ``phalanx up`` runs it. A client submits ``jobs`` one-replica gangs through
 the public ``phalanx.admission.submit`` endpoint with ``concurrency``
 requests in flight, and listens to ``phalanx.job.*.state`` for each job's
 *admitted* event. Throughput = jobs / (last admitted event - first submit);
@@ -35,7 +36,8 @@ async def _measure(nodes: int, jobs: int, concurrency: int) -> dict[str, Any]:
     slots = -(-jobs // nodes)  # room for every job
     with tempfile.TemporaryDirectory() as tmp, NatsServer(tmp, port=0) as server:
         config = BusConfig.load(env={}, servers=[server.url])
-        agents = [AgentService(AgentConfig(node_id=f"bench-{i}", slots=slots,
+        # The agents offer capacity but launch nothing: this measures admission alone.
+        agents = [AgentService(AgentConfig(node_id=f"bench-{i}", slots=slots, launch=False,
                                            heartbeat_interval_s=1.0, lost_after_s=10.0), config)
                   for i in range(nodes)]
         for agent in agents:

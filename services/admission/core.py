@@ -678,14 +678,6 @@ class AdmissionCore:
 
     # --- preemption ---------------------------------------------------------------------
 
-    def _may_preempt(self, gang: Gang, victim: Gang, reclaim: bool) -> bool:
-        """May ``gang`` take ``victim``'s slots? ``reclaim``: gang's team is under nominal."""
-        if victim.team == gang.team:
-            return victim.weight < gang.weight
-        if self.usage.get(victim.team, 0) <= self._quota(victim.team).nominal:
-            return False  # not borrowing: its slots are its own
-        return reclaim or victim.weight < gang.weight
-
     def _preemption_may_help(self, gang: Gang, free: int) -> bool:
         """A cheap upper bound: could free slots plus every slot ``gang`` may take hold it?"""
         reclaim = (self.usage.get(gang.team, 0) + gang.min_slots
@@ -734,8 +726,14 @@ class AdmissionCore:
             return nodes
 
         try:
+            # _victims() yields only gangs ``gang`` may take by team and priority; what
+            # can change while taking is whether another team still borrows.
+            nominal = {t: self._quota(t).nominal for t in self._running_tw}
+            usage = self.usage
             for victim, count in self._victims(gang, reclaim):
-                if not victim.nodes or not self._may_preempt(gang, victim, reclaim):
+                team = victim.team
+                if not victim.nodes or (team != gang.team
+                                        and usage.get(team, 0) <= nominal[team]):
                     continue
                 taken.append((victim, take(victim, count)))
                 if fits():

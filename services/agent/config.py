@@ -31,6 +31,9 @@ class AgentConfig:
     """A registered node whose heartbeat is older than this is lost (and its id may be reused)."""
     shutdown_timeout_s: float = 5.0
     """How long in-flight work gets on SIGTERM."""
+    launch: bool = True
+    """Run the ranks of admitted jobs here. Off, the node only offers capacity (an
+    external launcher runs the ranks, or a benchmark measures admission alone)."""
     work_dir: str | None = None
     """Rank logs and the rank manifest; default ``$PHALANX_DATA_DIR/agents/<node>``
     (``~/.local/state/phalanx/agents/<node>``)."""

@@ -78,6 +78,9 @@ class AgentService(Service):
                                 NodeStatusRequest, self.on_status)
         await self.add_endpoint("chaos", subjects.agent_chaos(self.config.node_id),
                                 ChaosRequest, self.on_chaos)
+        if not self.config.launch:
+            self.spawn(self.heartbeat_loop(), "heartbeat")
+            return
         self.ranks = RankSet(self.config.node_id, self.work_dir, self.bus_config_url(),
                              self._host_of, self._report)
         await self.ranks.adopt()
