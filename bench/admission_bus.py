@@ -4,8 +4,9 @@ Used by ``bench/admission.py`` (its "end to end" section). A real
 ``nats-server`` with JetStream, real node agents (in this process, each with
 its own connection; ``launch=False``: they offer capacity but start no ranks,
 so rank start-up does not compete for the two cores) and the admission
-service as its own process, exactly as ``phalanx up`` runs it. A client submits ``jobs`` one-replica gangs through
-the public ``phalanx.admission.submit`` endpoint with ``concurrency``
+service as its own process, exactly as ``phalanx up`` runs it. A client
+submits ``jobs`` one-replica gangs through the public
+``phalanx.admission.submit`` endpoint with ``concurrency``
 requests in flight, and listens to ``phalanx.job.*.state`` for each job's
 *admitted* event. Throughput = jobs / (last admitted event - first submit);
 latency = admitted event - that job's submit. The cluster has room for every
