@@ -139,43 +139,30 @@ async def start_ranks(client: AdmissionClient, events: Events, name: str,
     return pids
 
 
-async def crash_trials(client: AdmissionClient, events: Events, trials: int,
-                       per_job: int) -> list[float]:
+async def rank_trials(client: AdmissionClient, events: Events, trials: int, per_job: int,
+                      kind: FaultKind) -> list[float]:
+    """Fault ranks one by one until ``trials`` faults of ``kind`` have arrived.
+
+    A crash is a SIGKILL, timed from the kill; a hang is a SIGSTOP, timed from when
+    health may first call it one (the rank's last progress here + the hang timeout).
+    """
+    sig = signal.SIGKILL if kind is FaultKind.CRASH else signal.SIGSTOP
     latencies: list[float] = []
     job = 0
     while len(latencies) < trials:
-        name = f"crash-{job}"
+        name = f"{kind.value}-{job}"
         job += 1
         pids = await start_ranks(client, events, name, per_job)
         for rank, pid in pids.items():
             if len(latencies) == trials:
                 break
-            t0 = time.time()
-            os.kill(pid, signal.SIGKILL)
+            killed_at = time.time()
+            os.kill(pid, sig)
             arrived, _ = await wait_for(events.faults, lambda x, r=rank, n=name:
                                         x[1].job_id == n and x[1].rank == r
-                                        and x[1].kind is FaultKind.CRASH)
-            latencies.append((arrived - t0) * 1e3)
-        await client.cancel(name)
-    return latencies
-
-
-async def hang_trials(client: AdmissionClient, events: Events, trials: int,
-                      per_job: int) -> list[float]:
-    latencies: list[float] = []
-    job = 0
-    while len(latencies) < trials:
-        name = f"hang-{job}"
-        job += 1
-        pids = await start_ranks(client, events, name, per_job)
-        for rank, pid in pids.items():
-            if len(latencies) == trials:
-                break
-            os.kill(pid, signal.SIGSTOP)
-            arrived, _ = await wait_for(events.faults, lambda x, r=rank, n=name:
-                                        x[1].job_id == n and x[1].rank == r
-                                        and x[1].kind is FaultKind.HANG)
-            due = events.last_progress[(name, rank)] + HANG_TIMEOUT_S
+                                        and x[1].kind is kind)
+            due = (killed_at if kind is FaultKind.CRASH
+                   else events.last_progress[(name, rank)] + HANG_TIMEOUT_S)
             latencies.append((arrived - due) * 1e3)
         await client.cancel(name)
     return latencies
@@ -237,9 +224,11 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                 await events.attach(bus)
                 client = AdmissionClient(bus)
                 print(f"crash -> fault, {args.trials} trials", flush=True)
-                crash = await crash_trials(client, events, args.trials, args.per_job)
+                crash = await rank_trials(client, events, args.trials, args.per_job,
+                                          FaultKind.CRASH)
                 print(f"hang -> fault, {args.trials} trials", flush=True)
-                hang = await hang_trials(client, events, args.trials, args.per_job)
+                hang = await rank_trials(client, events, args.trials, args.per_job,
+                                         FaultKind.HANG)
                 print(f"node lost -> fault, {args.node_trials} trials", flush=True)
                 node = await node_trials(cluster, events, args.node_trials)
                 print("fault fan-out to 64 subscribers", flush=True)
