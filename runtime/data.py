@@ -1,0 +1,130 @@
+"""Elastic data order: every sample of an epoch exactly once, whatever the membership does.
+
+The order of an epoch is a permutation of the dataset fixed by ``(seed,
+epoch)`` alone. Global step ``s`` of the epoch consumes the slice
+``order[s * B : (s + 1) * B]`` (``B`` = the global batch), so what a step
+trains on depends on the epoch and the step, never on how many ranks there
+are. A step's batch is split over the ranks of the current membership in
+contiguous, as-even-as-possible shares (sizes differ by at most one when ``W``
+does not divide ``B``), and each share into micro-batches of at most
+``micro_batch_size``. Each micro-batch carries its weight ``len / B``: a rank
+scales its micro-batch's *mean* loss by that weight and the gradients are
+*summed* across ranks, which yields exactly the gradient of the mean loss over
+the global batch, for any world size and any uneven split. So the global
+batch and the learning rate stay the same when ranks come and go.
+
+The data cursor is ``(epoch, step)``: a rank that joins, or resumes after a
+membership change, continues at any world size from the cursor alone. The
+last, partial batch of an epoch is kept (``drop_last=False``) or dropped.
+Pure: no torch, no I/O; the permutation comes from a seeded
+:class:`random.Random`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+from collections.abc import Iterator, Sequence
+
+
+@dataclasses.dataclass(frozen=True)
+class MicroBatch:
+    """Sample indices to run forward/backward on, and the weight of their mean loss."""
+
+    indices: tuple[int, ...]
+    weight: float
+
+
+@dataclasses.dataclass(frozen=True)
+class ElasticOrder:
+    """The sample order of a dataset for elastic data-parallel training.
+
+    Args:
+        dataset_size: number of samples (map-style dataset indices 0..n-1).
+        global_batch: samples per optimizer step, across all ranks.
+        seed: fixes every epoch's permutation.
+        drop_last: drop an epoch's last, partial batch.
+    """
+
+    dataset_size: int
+    global_batch: int
+    seed: int = 0
+    drop_last: bool = False
+
+    def __post_init__(self) -> None:
+        if self.dataset_size < 1:
+            raise ValueError(f"dataset_size must be >= 1, got {self.dataset_size}")
+        if self.global_batch < 1:
+            raise ValueError(f"global_batch must be >= 1, got {self.global_batch}")
+        if self.drop_last and self.global_batch > self.dataset_size:
+            raise ValueError(f"global_batch {self.global_batch} exceeds dataset_size "
+                             f"{self.dataset_size}: with drop_last no step would run")
+
+    @property
+    def steps_per_epoch(self) -> int:
+        full, rest = divmod(self.dataset_size, self.global_batch)
+        return full if self.drop_last or not rest else full + 1
+
+    def epoch_order(self, epoch: int) -> list[int]:
+        """The permutation of the dataset for ``epoch`` (the same on every rank)."""
+        order = list(range(self.dataset_size))
+        random.Random(f"{self.seed}:{epoch}").shuffle(order)
+        return order
+
+    def batch(self, epoch: int, step: int, order: Sequence[int] | None = None) -> list[int]:
+        """Global step ``step``'s samples (pass ``order`` to reuse an epoch's permutation).
+
+        Raises:
+            IndexError: ``step`` is not a step of the epoch.
+        """
+        if not 0 <= step < self.steps_per_epoch:
+            raise IndexError(f"step {step} is outside the epoch's {self.steps_per_epoch} steps")
+        order = self.epoch_order(epoch) if order is None else order
+        return list(order[step * self.global_batch:(step + 1) * self.global_batch])
+
+    def plan(self, epoch: int, step: int, world_size: int, rank: int,
+             micro_batch_size: int, order: Sequence[int] | None = None) -> list[MicroBatch]:
+        """This rank's micro-batches of global step ``step`` in a ``world_size`` membership."""
+        batch = self.batch(epoch, step, order)
+        share = split(batch, world_size)[rank]
+        return micro_batches(share, micro_batch_size, len(batch))
+
+
+def split(batch: Sequence[int], world_size: int) -> list[list[int]]:
+    """Contiguous shares of ``batch`` for ranks 0..world_size-1; sizes differ by at most 1.
+
+    Raises:
+        ValueError: ``world_size`` < 1.
+    """
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    base, extra = divmod(len(batch), world_size)
+    shares, start = [], 0
+    for rank in range(world_size):
+        size = base + (1 if rank < extra else 0)
+        shares.append(list(batch[start:start + size]))
+        start += size
+    return shares
+
+
+def micro_batches(share: Sequence[int], micro_batch_size: int,
+                  batch_size: int) -> list[MicroBatch]:
+    """``share`` in chunks of at most ``micro_batch_size``, each weighted ``len / batch_size``.
+
+    A rank whose share is empty (more ranks than samples) gets no micro-batch and
+    contributes a zero gradient.
+    """
+    if micro_batch_size < 1:
+        raise ValueError(f"micro_batch_size must be >= 1, got {micro_batch_size}")
+    return [MicroBatch(tuple(share[i:i + micro_batch_size]),
+                       len(share[i:i + micro_batch_size]) / batch_size)
+            for i in range(0, len(share), micro_batch_size)]
+
+
+def cursor_steps(order: ElasticOrder, epoch: int, step: int) -> Iterator[tuple[int, int]]:
+    """``(epoch, step)`` from a cursor onwards, across epoch boundaries (endless)."""
+    while True:
+        while step < order.steps_per_epoch:
+            yield epoch, step
+            step += 1
+        epoch, step = epoch + 1, 0

@@ -1,0 +1,60 @@
+"""Whatever the membership does step by step, every sample of an epoch is used exactly once."""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from phalanx.runtime.data import ElasticOrder
+
+SETTINGS = settings(derandomize=True, database=None, deadline=None, max_examples=200)
+
+
+@st.composite
+def runs(draw: st.DrawFn) -> tuple[ElasticOrder, list[int], int]:
+    size = draw(st.integers(1, 300))
+    batch = draw(st.integers(1, 64))
+    drop_last = draw(st.booleans()) and batch <= size
+    order = ElasticOrder(size, batch, seed=draw(st.integers(0, 10)), drop_last=drop_last)
+    worlds = draw(st.lists(st.integers(1, 9), min_size=order.steps_per_epoch,
+                           max_size=order.steps_per_epoch))
+    return order, worlds, draw(st.integers(1, 16))
+
+
+@SETTINGS
+@given(runs(), st.integers(0, 3))
+def test_every_sample_once_per_epoch_under_changing_membership(run, epoch: int) -> None:
+    order, worlds, micro = run
+    permutation = order.epoch_order(epoch)
+    seen: Counter[int] = Counter()
+    for step, world in enumerate(worlds):  # a new world size at every step
+        batch = order.batch(epoch, step, permutation)
+        weights = 0.0
+        sizes = []
+        for rank in range(world):
+            plan = order.plan(epoch, step, world, rank, micro, permutation)
+            sizes.append(sum(len(m.indices) for m in plan))
+            for m in plan:
+                assert 1 <= len(m.indices) <= micro
+                assert math.isclose(m.weight, len(m.indices) / len(batch))
+                weights += m.weight
+                seen.update(m.indices)
+        assert max(sizes) - min(sizes) <= 1  # as even as possible
+        assert math.isclose(weights, 1.0)  # the global batch's mean, whatever the split
+    expected = len(worlds) * order.global_batch if order.drop_last else order.dataset_size
+    assert set(seen.values()) <= {1}  # never twice
+    assert sum(seen.values()) == min(expected, order.dataset_size)  # never lost
+
+
+@SETTINGS
+@given(runs())
+def test_what_a_step_trains_on_does_not_depend_on_the_world_size(run) -> None:
+    order, worlds, micro = run
+    for step, world in enumerate(worlds):
+        one = [i for m in order.plan(0, step, 1, 0, micro) for i in m.indices]
+        many = [i for r in range(world) for m in order.plan(0, step, world, r, micro)
+                for i in m.indices]
+        assert one == many == order.batch(0, step)
