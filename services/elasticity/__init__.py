@@ -1,0 +1,1 @@
+"""Elasticity: the membership of running jobs, as a sequence of generations."""
