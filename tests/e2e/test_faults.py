@@ -28,6 +28,7 @@ from phalanx.schemas.messages import (
     JobRecord,
     JobSpec,
     JobState,
+    RankProgress,
     RankStarted,
     ReplicaRange,
 )
@@ -46,6 +47,7 @@ class Watch:
         self.faults: asyncio.Queue[Fault] = asyncio.Queue()
         self.started: asyncio.Queue[RankStarted] = asyncio.Queue()
         self.states: asyncio.Queue[JobRecord] = asyncio.Queue()
+        self.progress: asyncio.Queue[RankProgress] = asyncio.Queue()
 
     async def attach(self, bus: Bus) -> None:
         async def put(queue: asyncio.Queue, message, _: Delivery) -> None:
@@ -57,6 +59,8 @@ class Watch:
                             lambda m, d: put(self.started, m, d))
         await bus.subscribe(subjects.job_states(), JobRecord,
                             lambda m, d: put(self.states, m, d))
+        await bus.subscribe(subjects.health_ranks(), RankProgress,
+                            lambda m, d: put(self.progress, m, d))
 
 
 async def next_of(queue: asyncio.Queue, predicate, timeout_s: float = 30.0):
@@ -116,6 +120,9 @@ async def test_kill_rank_is_a_crash_fault_naming_job_rank_node_signal(cluster) -
 async def test_stopped_rank_is_a_hang_fault(cluster) -> None:
     data_dir, bus, watch = cluster
     job = await start_job(bus, watch, "hang")
+    # Health judges a rank for hangs only once it has reported progress (start-up is
+    # not a hang), so stop it after its first report.
+    await next_of(watch.progress, lambda p: p.job_id == job.job_id and p.rank == 1)
     stopped_at = time.time()
     phalanx("chaos", "kill-rank", job.job_id, "1", "--signal", "STOP",
             "--data-dir", str(data_dir))
