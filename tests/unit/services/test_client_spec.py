@@ -1,0 +1,64 @@
+"""Job spec files: every invalid field is refused with its name, before anything is sent."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from phalanx.services.client import SpecError, load_job_spec, new_job_id, parse_job_spec
+
+VALID = {"name": "llm", "team": "nlp", "priority_class": "high",
+         "replicas": {"min": 2, "max": 4}, "slots_per_replica": 2,
+         "command": ["python", "train.py"], "placement": {"node_labels": {"gpu": "a100"}},
+         "schedule_timeout_s": 600}
+
+
+def test_a_valid_spec_round_trips_from_yaml(tmp_path: Path) -> None:
+    path = tmp_path / "job.yaml"
+    path.write_text("name: llm\nteam: nlp\npriority_class: high\nreplicas: {min: 2, max: 4}\n"
+                    "slots_per_replica: 2\ncommand: [python, train.py]\n"
+                    "placement: {node_labels: {gpu: a100}}\nschedule_timeout_s: 600\n")
+    assert load_job_spec(path) == parse_job_spec(VALID)
+
+
+@pytest.mark.parametrize(("change", "named"), [
+    ({"replicas": {"min": 5, "max": 2}}, "replicas.min 5 is greater than replicas.max 2"),
+    ({"replicas": {"min": 0, "max": 2}}, "$.replicas.min"),
+    ({"slots_per_replica": -1}, "$.slots_per_replica"),
+    ({"command": []}, "$.command"),
+    ({"name": "has space"}, "$.name"),
+    ({"schedule_timeout_s": 0}, "$.schedule_timeout_s"),
+    ({"gpus": 8}, "unknown field `gpus`"),
+    ({"placement": {"node_label": {}}}, "unknown field `node_label`"),
+    ({"replicas": "four"}, "$.replicas"),
+])
+def test_invalid_fields_are_named(change: dict, named: str) -> None:
+    with pytest.raises(SpecError) as err:
+        parse_job_spec({**VALID, **change}, "job.yaml")
+    assert named in str(err.value) and str(err.value).startswith("job.yaml: ")
+
+
+def test_missing_required_field_is_named() -> None:
+    spec = {k: v for k, v in VALID.items() if k != "team"}
+    with pytest.raises(SpecError, match="missing required field `team`"):
+        parse_job_spec(spec)
+
+
+def test_unreadable_and_malformed_files_say_so(tmp_path: Path) -> None:
+    with pytest.raises(SpecError, match="cannot read"):
+        load_job_spec(tmp_path / "absent.yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("name: [unclosed\n")
+    with pytest.raises(SpecError, match="not valid YAML"):
+        load_job_spec(bad)
+    scalar = tmp_path / "scalar.yaml"
+    scalar.write_text("just a string\n")
+    with pytest.raises(SpecError, match="expected a mapping of fields, got str"):
+        load_job_spec(scalar)
+
+
+def test_job_ids_are_readable_unique_subject_tokens() -> None:
+    ids = {new_job_id("llm") for _ in range(50)}
+    assert len(ids) == 50
+    assert all(i.startswith("llm-") and "." not in i for i in ids)
