@@ -72,18 +72,8 @@ class ClusterState:
 
 
 def pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    # A zombie is dead for our purposes.
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return True
+    """Running (a zombie is dead for our purposes)."""
+    return start_ticks(pid) is not None
 
 
 class LocalCluster:

@@ -238,7 +238,7 @@ class AdmissionService(Service):
         while not term.events.empty():
             term.core.handle(term.events.get_nowait(), now)
         job_changes = self.jobs.watch()
-        restored = await self._restore(term, job_changes, now)
+        restored = await self._restore(term, job_changes)
         subscriptions = [
             await self.bus.subscribe(subjects.admission_leader(verb), request_type,
                                      lambda r, d, verb=verb: self._handlers[verb](term, r),
@@ -261,8 +261,7 @@ class AdmissionService(Service):
                     log.debug("unsubscribe failed: %s", exc)
             await job_changes.aclose()
 
-    async def _restore(self, term: Term, changes,
-                       now: float) -> list[core.Decision | Reconciled]:
+    async def _restore(self, term: Term, changes) -> list[core.Decision | Reconciled]:
         """Feed the jobs' current records to the core, admitted ones onto their ledger nodes."""
         current: list[JobRecord] = []
         async for change in changes:

@@ -16,6 +16,8 @@ from pathlib import Path
 import pytest
 from e2e_cli import phalanx
 
+from phalanx.services.cluster import pid_alive
+
 pytestmark = pytest.mark.slow
 LOST_AFTER_S = 1.5
 
@@ -34,14 +36,6 @@ def kill_and_wait(pid: int, timeout_s: float) -> None:
         assert select.select([fd], [], [], timeout_s)[0], f"pid {pid} still alive"
     finally:
         os.close(fd)
-
-
-def alive(pid: int) -> bool:
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return False
-    return stat.rsplit(")", 1)[1].split()[0] != "Z"
 
 
 def free_port() -> int:
@@ -91,7 +85,7 @@ def test_up_nodes_kill_agent_lost_then_down_leaves_nothing(cluster) -> None:
     down = phalanx("down", "--data-dir", str(data_dir))
     assert "stopped the local cluster" in down.stdout
     pids = [state["pid"], state["nats_pid"], *state["agents"].values()]
-    assert not [p for p in pids if alive(p)]
+    assert not [p for p in pids if pid_alive(p)]
     assert not (data_dir / "up.json").exists()
     assert "nothing to stop" in phalanx("down", "--data-dir", str(data_dir)).stdout
 
