@@ -26,6 +26,9 @@ PosInt = Annotated[int, msgspec.Meta(ge=1)]
 NonNegFloat = Annotated[float, msgspec.Meta(ge=0.0)]
 PosFloat = Annotated[float, msgspec.Meta(gt=0.0)]
 Labels = Annotated[dict[str, str], msgspec.Meta(max_length=64)]
+#: ``host:port`` of a TCP listener (empty: not known).
+Endpoint = Annotated[str, msgspec.Meta(
+    max_length=300, pattern=r"^(|[A-Za-z0-9_.\-:\[\]]+:[0-9]{1,5})\Z")]
 
 
 class Message(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True,
@@ -150,6 +153,7 @@ class ReasonCode(enum.StrEnum):
     UNSCHEDULABLE = "unschedulable"
     PREEMPTED = "preempted"
     NODE_LOST = "node_lost"
+    MEMBERS_LOST = "members_lost"
     TIMEOUT = "timeout"
     CANCELLED = "cancelled"
     FINISHED = "finished"
@@ -185,6 +189,13 @@ class JobRequest(Message, tag="phalanx.job_request.v1"):
     """Names one job (cancel, explain)."""
 
     job_id: Ident
+
+
+class RequeueRequest(Message, tag="phalanx.requeue_request.v1"):
+    """Elasticity hands a running job back to the queue: too few members for too long."""
+
+    job_id: Ident
+    reason: str
 
 
 class Explanation(Message, tag="phalanx.explanation.v1"):
@@ -242,6 +253,7 @@ class Member(Part):
     replica_id: Ident
     rank: NonNegInt
     node_id: Ident
+    endpoint: Endpoint = ""  # the replica's rendezvous store, host:port
 
 
 class Generation(Message, tag="phalanx.generation.v1"):
@@ -268,6 +280,68 @@ class Generation(Message, tag="phalanx.generation.v1"):
         ranks = [m.rank for m in self.members]
         if ranks != list(range(self.world_size)):
             raise ValueError(f"member ranks must be 0..{self.world_size - 1} in order, got {ranks}")
+        replicas = [m.replica_id for m in self.members]
+        if len(set(replicas)) != len(replicas):
+            raise ValueError(f"a replica is listed twice in {replicas}")
+
+    def member(self, replica_id: str) -> Member | None:
+        """This generation's entry for ``replica_id``, or None if it is not a member."""
+        return next((m for m in self.members if m.replica_id == replica_id), None)
+
+
+class ReplicaReady(Message, tag="phalanx.replica_ready.v1"):
+    """A replica can join (``phalanx.job.<job>.ready``): torch imported, model built.
+
+    ``slot`` is the job's placement slot the replica runs in; ``endpoint`` is
+    its rendezvous store, used when it is rank 0 of a generation.
+    ``committed_step`` is the last step whose state it holds (0 when fresh).
+    """
+
+    job_id: Ident
+    replica_id: Ident
+    slot: NonNegInt
+    node_id: Ident
+    endpoint: Endpoint
+    committed_step: NonNegInt = 0
+    sent_at: NonNegFloat = 0.0
+
+
+class GenerationApplied(Message, tag="phalanx.generation_applied.v1"):
+    """A member finished switching to a generation (``phalanx.job.<job>.applied``).
+
+    ``resume_step`` is the step the members agreed to resume after (the
+    highest any of them committed); the durations break the switch down.
+    """
+
+    job_id: Ident
+    generation: NonNegInt
+    replica_id: Ident
+    committed_step: NonNegInt
+    resume_step: NonNegInt
+    rebuild_s: NonNegFloat = 0.0
+    state_copy_s: NonNegFloat = 0.0
+    state_bytes: NonNegInt = 0
+
+
+class LaunchReplica(Message, tag="phalanx.launch_replica.v1"):
+    """Asks an agent (``phalanx.agent.<node>.launch``) to run ``replica_id`` in a job's slot.
+
+    Whatever still runs in that slot (a hung or dropped replica) is stopped
+    first: a slot never runs two replicas.
+    """
+
+    job_id: Ident
+    slot: NonNegInt
+    replica_id: Ident
+
+
+class LaunchReply(Message, tag="phalanx.launch_reply.v1"):
+    """What the agent did with a :class:`LaunchReplica`."""
+
+    node_id: Ident
+    replica_id: Ident
+    pid: PosInt
+    detail: str = ""
 
 
 # --- health --------------------------------------------------------------------------------
@@ -289,6 +363,7 @@ class Fault(Message, tag="phalanx.fault.v1"):
     node_id: Ident
     detected_at: NonNegFloat
     rank: NonNegInt | None = None
+    replica_id: Ident | None = None
     exit_code: int | None = None
     signal: str | None = None
     detail: str = ""
@@ -309,6 +384,7 @@ class RankStarted(Message, tag="phalanx.rank_started.v1"):
     node_id: Ident
     pid: PosInt
     started_at: NonNegFloat
+    replica_id: Ident | None = None
 
 
 class RankExited(Message, tag="phalanx.rank_exited.v1"):
@@ -326,6 +402,7 @@ class RankExited(Message, tag="phalanx.rank_exited.v1"):
     exited_at: NonNegFloat
     exit_code: int | None = None
     signal: str | None = None
+    replica_id: Ident | None = None
 
     @property
     def failed(self) -> bool:
@@ -425,10 +502,15 @@ ALL_MESSAGES: tuple[type[Message], ...] = (
     JobRecord,
     SubmitRequest,
     JobRequest,
+    RequeueRequest,
     Explanation,
     AllocationLedger,
     Lease,
     Generation,
+    ReplicaReady,
+    GenerationApplied,
+    LaunchReplica,
+    LaunchReply,
     Fault,
     RankStarted,
     RankExited,

@@ -55,6 +55,10 @@ def admission_cancel() -> str:
     return f"{PREFIX}.admission.cancel"
 
 
+def admission_requeue() -> str:
+    return f"{PREFIX}.admission.requeue"
+
+
 def admission_explain() -> str:
     return f"{PREFIX}.admission.explain"
 
@@ -81,6 +85,14 @@ def job_generation(job_id: str) -> str:
     return _job(job_id, "generation")
 
 
+def replica_ready(job_id: str) -> str:
+    return _job(job_id, "ready")
+
+
+def generation_applied(job_id: str) -> str:
+    return _job(job_id, "applied")
+
+
 def job_fault(job_id: str) -> str:
     return _job(job_id, "fault")
 
@@ -94,7 +106,7 @@ def rank_exited(job_id: str) -> str:
 
 
 def job_events(kind: str) -> str:
-    """Wildcard over one kind of job event (``started``, ``exited``, ``fault``, ``state``)."""
+    """Wildcard over one kind of job event (``started``, ``exited``, ``fault``, ``ready`` …)."""
     return f"{PREFIX}.job.*.{token(kind, 'event kind')}"
 
 
@@ -125,3 +137,5 @@ NODES_BUCKET = "phalanx_nodes"
 JOBS_BUCKET = "phalanx_jobs"
 #: JetStream KV bucket with admission's ``ledger`` (AllocationLedger) and ``leader`` (Lease).
 ADMISSION_BUCKET = "phalanx_admission"
+#: JetStream KV bucket holding each running job's current Generation (key = job id).
+GENERATIONS_BUCKET = "phalanx_generations"

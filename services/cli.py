@@ -186,6 +186,23 @@ def cmd_health(args: argparse.Namespace) -> int:
     return run_service(HealthService(policy, _bus_config(args)))
 
 
+def cmd_elasticity(args: argparse.Namespace) -> int:
+    from phalanx.services.base import run_service
+    from phalanx.services.elasticity.core import ElasticityCore
+    from phalanx.services.elasticity.service import ElasticityService
+    from phalanx.services.logs import configure_logging
+
+    try:
+        elasticity = ElasticityCore(
+            wait_timeout_s=float(os.environ.get("PHALANX_ELASTICITY_WAIT_TIMEOUT_S", "60")),
+            max_replacements=int(os.environ.get("PHALANX_ELASTICITY_MAX_REPLACEMENTS", "16")))
+    except ValueError as exc:
+        print(f"phalanx elasticity: PHALANX_ELASTICITY_*: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    configure_logging("phalanx-elasticity", "elasticity", args.log_level)
+    return run_service(ElasticityService(elasticity, _bus_config(args)))
+
+
 def cmd_logs(args: argparse.Namespace) -> int:
     """Print (or follow) a job's rank logs from this machine's agents' work dirs."""
     pattern = f"agents/*/jobs/{args.job}/rank-{'*' if args.rank is None else args.rank}.log"
@@ -538,6 +555,10 @@ def build_parser() -> argparse.ArgumentParser:
     health = sub.add_parser("health", parents=[common, lost_after],
                             help="run the health service")
     health.set_defaults(func=cmd_health)
+
+    elasticity = sub.add_parser("elasticity", parents=[common],
+                                help="run the elasticity service (generations of running jobs)")
+    elasticity.set_defaults(func=cmd_elasticity)
 
     logs = sub.add_parser("logs", parents=[common], help="a job's rank logs (local cluster)")
     logs.add_argument("job")

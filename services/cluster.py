@@ -152,6 +152,8 @@ class LocalCluster:
             await self._start_admission(f"admission-{i}")
         self.services["health"] = await self._spawn(
             "health", "phalanx.services.health", "--lost-after", str(self.lost_after_s))
+        self.services["elasticity"] = await self._spawn(
+            "elasticity", "phalanx.services.elasticity")
         for i in range(self.n_agents):
             await self.start_agent(f"local-{i}", f"domain-{i % 2}")
         if not self.agents:

@@ -105,6 +105,15 @@ class JobFinished:
 
 
 @dataclasses.dataclass(frozen=True)
+class JobRequeued:
+    """The running gang lost too many members to go on (elasticity): back to the queue."""
+
+    job_id: str
+    reason: str
+    event_id: str = ""
+
+
+@dataclasses.dataclass(frozen=True)
 class NodeUpdated:
     """A node joined, changed, was cordoned/uncordoned, or was found lost (``alive=False``)."""
 
@@ -123,7 +132,7 @@ class NodeRemoved:
     event_id: str = ""
 
 
-Event = JobSubmitted | JobCancelled | JobFinished | NodeUpdated | NodeRemoved
+Event = JobSubmitted | JobCancelled | JobFinished | JobRequeued | NodeUpdated | NodeRemoved
 
 
 # --- decisions -----------------------------------------------------------------------------
@@ -314,6 +323,8 @@ class AdmissionCore:
                 return self._ended(event.job_id, JobState.CANCELLED, event.event_id)
             case JobFinished():
                 return self._ended(event.job_id, JobState.FINISHED, event.event_id)
+            case JobRequeued():
+                return self._requeued(event, now)
             case NodeUpdated():
                 return self._node_updated(event, now)
             case NodeRemoved():
@@ -411,6 +422,16 @@ class AdmissionCore:
             self._index_remove(node)
             del self.nodes[node_id]
         return decisions
+
+    def _requeued(self, event: JobRequeued, now: float) -> list[Decision]:
+        gang = self.gangs.get(event.job_id)
+        if gang is None or gang.state is not JobState.ADMITTED:
+            return []  # not running (any more): nothing to give back
+        self._release(gang, list(gang.nodes))
+        gang.state = JobState.PENDING
+        gang.reason = Reason(ReasonCode.MEMBERS_LOST, event.reason)
+        self._enqueue(gang, now)
+        return [Evict(gang.job_id, gang.reason, requeue=True, cause=event.event_id)]
 
     def _evict_for_node(self, gang: Gang, node: Node, cause: str, now: float,
                         why: str) -> list[Decision]:

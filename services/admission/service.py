@@ -47,6 +47,7 @@ from phalanx.schemas.messages import (
     Message,
     NodeRecord,
     ReasonCode,
+    RequeueRequest,
     SubmitRequest,
 )
 from phalanx.services.admission import core
@@ -102,7 +103,7 @@ class AdmissionService(Service):
         self.term: Term | None = None
         self.node_records: dict[str, NodeRecord] = {}
         self._handlers = {"submit": self._on_submit, "cancel": self._on_cancel,
-                          "explain": self._on_explain}
+                          "requeue": self._on_requeue, "explain": self._on_explain}
 
     @property
     def leading(self) -> bool:
@@ -119,6 +120,7 @@ class AdmissionService(Service):
         self.leases = TypedKV(self.ledger.kv, subjects.ADMISSION_BUCKET, Lease)
         for verb, request_type, reply_type in (("submit", SubmitRequest, JobRecord),
                                                ("cancel", JobRequest, JobRecord),
+                                               ("requeue", RequeueRequest, JobRecord),
                                                ("explain", JobRequest, Explanation)):
             await self.add_endpoint(verb, f"{subjects.PREFIX}.admission.{verb}", request_type,
                                     self._forwarder(verb, reply_type), concurrent=True)
@@ -448,6 +450,14 @@ class AdmissionService(Service):
 
         entry = await self.jobs.modify(request.job_id, cancel)
         term.events.put_nowait(core.JobCancelled(request.job_id, event_id="cancel"))
+        return entry.value
+
+    async def _on_requeue(self, term: Term, request: RequeueRequest) -> JobRecord:
+        entry = await self.jobs.get(request.job_id)
+        if entry is None:
+            raise RequestRefused("404", f"no job {request.job_id!r}")
+        term.events.put_nowait(core.JobRequeued(request.job_id, request.reason,
+                                                event_id="requeue"))
         return entry.value
 
     async def _on_explain(self, term: Term, request: JobRequest) -> Explanation:

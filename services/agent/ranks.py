@@ -1,9 +1,13 @@
 """The rank processes of one node: launch, watch, stop, and adopt after an agent crash.
 
-Which ranks run here follows from admitted job records: rank ``i`` of a job
-runs on ``nodes[i]``. :meth:`RankSet.reconcile` launches what a record wants
-and is missing and stops what it no longer wants; a record that is not
-admitted (pending again, cancelled, finished) stops every rank of its job.
+Which ranks run here follows from admitted job records: rank (slot) ``i`` of
+a job runs on ``nodes[i]``. :meth:`RankSet.reconcile` launches what a record
+wants and was never launched, and stops what it no longer wants; a record
+that is not admitted (pending again, cancelled, finished) stops every rank of
+its job. The process in a slot is a *replica*, ``r<slot>-0`` at first;
+elasticity replaces a failed one with ``r<slot>-1`` … through
+:meth:`RankSet.replace`, so a rank that died is never restarted behind
+elasticity's back.
 
 A rank gets the environment a torchrun script expects (``RANK``,
 ``LOCAL_RANK``, ``WORLD_SIZE``, ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR``,
@@ -66,6 +70,7 @@ class Rank:
     ticks: int | None
     grace_s: float
     slots: int
+    replica_id: str
     process: asyncio.subprocess.Process | None = None  # None when adopted
     stopping: bool = False
     watcher: asyncio.Task[None] | None = None
@@ -91,6 +96,8 @@ class RankSet:
         self.host_of = host_of
         self.report = report
         self.ranks: dict[tuple[str, int], Rank] = {}
+        # (job, slot) -> (placement, replica) last launched there: launched once per placement.
+        self.launched: dict[tuple[str, int], tuple[tuple[str, ...], str]] = {}
         work_dir.mkdir(parents=True, exist_ok=True)
 
     @property
@@ -106,11 +113,35 @@ class RankSet:
         for (job_id, rank), running in list(self.ranks.items()):
             if job_id == record.job_id and (rank not in wanted or running.placement != placement):
                 await self.stop(running)
+        for key in [k for k in self.launched if k[0] == record.job_id]:
+            if self.launched[key][0] != placement:
+                del self.launched[key]
         for rank in sorted(wanted):
-            if (record.job_id, rank) not in self.ranks:
-                await self._launch(record, rank, placement)
+            if (record.job_id, rank) not in self.launched:
+                await self._launch(record, rank, placement, f"r{rank}-0")
 
-    async def _launch(self, record: JobRecord, rank: int, placement: tuple[str, ...]) -> None:
+    async def replace(self, record: JobRecord, slot: int, replica_id: str) -> int:
+        """Run ``replica_id`` in ``slot``, stopping what runs there first; returns its pid.
+
+        Raises:
+            LookupError: the job is not admitted with that slot on this node.
+            OSError: the command cannot start.
+        """
+        placement = tuple(record.nodes) if record.state is JobState.ADMITTED else ()
+        if not slot < len(placement) or placement[slot] != self.node_id:
+            raise LookupError(f"slot {slot} of {record.job_id} is not placed on {self.node_id}")
+        running = self.ranks.get((record.job_id, slot))
+        if running is not None:
+            if running.replica_id == replica_id:
+                return running.pid  # a retried request
+            await self.stop(running)
+        entry = await self._launch(record, slot, placement, replica_id)
+        if entry is None:
+            raise OSError(f"cannot start {replica_id}: see the agent's log")
+        return entry.pid
+
+    async def _launch(self, record: JobRecord, rank: int, placement: tuple[str, ...],
+                      replica_id: str) -> Rank | None:
         spec = record.spec
         local = [i for i, node in enumerate(placement) if node == self.node_id]
         env = {
@@ -122,12 +153,14 @@ class RankSet:
             "MASTER_PORT": str(master_port(record.job_id)),
             "PHALANX_NATS_URL": self.nats_url, "PHALANX_JOB_ID": record.job_id,
             "PHALANX_RANK": str(rank), "PHALANX_NODE_ID": self.node_id,
+            "PHALANX_REPLICA_ID": replica_id,
             "PHALANX_WORLD_SIZE": str(len(placement)),
             "PHALANX_HANG_TIMEOUT_S": str(spec.hang_timeout_s),
             # Ranks run in the agent's environment, as torchrun's workers do.
             "PATH": os.pathsep.join([str(Path(sys.executable).parent),
                                      os.environ.get("PATH", "")]),
         }
+        self.launched[(record.job_id, rank)] = (placement, replica_id)
         log_path = self.work_dir / "jobs" / record.job_id / f"rank-{rank}.log"
         log_path.parent.mkdir(parents=True, exist_ok=True)
         with log_path.open("ab") as log_file:
@@ -140,18 +173,22 @@ class RankSet:
                 log.error("cannot start rank %d of %s: %s", rank, record.job_id, exc)
                 await self.report(RankExited(
                     job_id=record.job_id, rank=rank, node_id=self.node_id, pid=1,
-                    cause=ExitCause.EXITED, exited_at=time.time(), exit_code=127))
-                return
+                    cause=ExitCause.EXITED, exited_at=time.time(), exit_code=127,
+                    replica_id=replica_id))
+                return None
         entry = Rank(record.job_id, rank, len(placement), placement, process.pid,
                      start_ticks(process.pid), spec.grace_period_s, spec.slots_per_replica,
-                     process)
+                     replica_id, process)
         self.ranks[(record.job_id, rank)] = entry
         entry.watcher = asyncio.create_task(self._watch_child(entry))
         self._save()
-        log.info("rank started", extra={"job": record.job_id, "rank": rank, "pid": process.pid})
+        log.info("rank started", extra={"job": record.job_id, "rank": rank, "pid": process.pid,
+                                        "replica": replica_id})
         await self.report(RankStarted(job_id=record.job_id, rank=rank,
                                       world_size=len(placement), node_id=self.node_id,
-                                      pid=process.pid, started_at=time.time()))
+                                      pid=process.pid, started_at=time.time(),
+                                      replica_id=replica_id))
+        return entry
 
     # --- exits --------------------------------------------------------------------------
 
@@ -175,7 +212,8 @@ class RankSet:
                                        "cause": cause.value})
         await self.report(RankExited(job_id=entry.job_id, rank=entry.rank, node_id=self.node_id,
                                      pid=entry.pid, cause=cause, exited_at=time.time(),
-                                     exit_code=exit_code, signal=signame))
+                                     exit_code=exit_code, signal=signame,
+                                     replica_id=entry.replica_id))
 
     # --- stopping and signals -----------------------------------------------------------
 
@@ -218,7 +256,8 @@ class RankSet:
     def _save(self) -> None:
         data = [{"job_id": r.job_id, "rank": r.rank, "world_size": r.world_size,
                  "placement": list(r.placement), "pid": r.pid, "ticks": r.ticks,
-                 "grace_s": r.grace_s, "slots": r.slots} for r in self.ranks.values()]
+                 "grace_s": r.grace_s, "slots": r.slots, "replica_id": r.replica_id}
+                for r in self.ranks.values()]
         tmp = self.work_dir / f".{MANIFEST}.tmp"
         tmp.write_text(json.dumps(data))
         tmp.replace(self.work_dir / MANIFEST)
@@ -232,7 +271,8 @@ class RankSet:
         for item in recorded:
             entry = Rank(item["job_id"], item["rank"], item["world_size"],
                          tuple(item["placement"]), item["pid"], item["ticks"], item["grace_s"],
-                         item["slots"])
+                         item["slots"], item.get("replica_id", f"r{item['rank']}-0"))
+            self.launched[(entry.job_id, entry.rank)] = (entry.placement, entry.replica_id)
             if entry.ticks is not None and start_ticks(entry.pid) == entry.ticks:
                 self.ranks[(entry.job_id, entry.rank)] = entry
                 entry.watcher = asyncio.create_task(self._watch_adopted(entry))

@@ -28,6 +28,8 @@ from phalanx.schemas.messages import (
     ChaosReply,
     ChaosRequest,
     JobRecord,
+    LaunchReplica,
+    LaunchReply,
     NodeHeartbeat,
     NodeInfo,
     NodeRecord,
@@ -63,6 +65,7 @@ class AgentService(Service):
         self.revision = 0
         self.ranks: RankSet | None = None
         self._job_locks: dict[str, asyncio.Lock] = {}
+        self.jobs: TypedKV[JobRecord] | None = None
 
     async def setup(self) -> None:
         assert self.bus is not None
@@ -78,6 +81,8 @@ class AgentService(Service):
                                 NodeStatusRequest, self.on_status)
         await self.add_endpoint("chaos", subjects.agent_chaos(self.config.node_id),
                                 ChaosRequest, self.on_chaos)
+        await self.add_endpoint("launch", subjects.agent_launch(self.config.node_id),
+                                LaunchReplica, self.on_launch, concurrent=True)
         if not self.config.launch:
             self.spawn(self.heartbeat_loop(), "heartbeat")
             return
@@ -86,6 +91,7 @@ class AgentService(Service):
         await self.ranks.adopt()
         await self.bus.subscribe(subjects.job_states(), JobRecord, self.on_job_state)
         jobs = await TypedKV.open(self.bus.js, subjects.JOBS_BUCKET, JobRecord)
+        self.jobs = jobs
         records, _ = await jobs.entries()
         known = {r.value.job_id for r in records}
         for entry in records:
@@ -156,6 +162,22 @@ class AgentService(Service):
             for (job, _), entry in list(self.ranks.ranks.items()):
                 if job == job_id:
                     await self.ranks.stop(entry)
+
+    async def on_launch(self, request: LaunchReplica, _: Delivery) -> LaunchReply:
+        """Run a new replica in one of a job's slots here (elasticity's replacements)."""
+        assert self.ranks is not None and self.jobs is not None
+        entry = await self.jobs.get(request.job_id)
+        if entry is None:
+            raise RequestRefused("404", f"no job {request.job_id!r}")
+        async with self._job_locks.setdefault(request.job_id, asyncio.Lock()):
+            try:
+                pid = await self.ranks.replace(entry.value, request.slot, request.replica_id)
+            except LookupError as exc:
+                raise RequestRefused("409", str(exc)) from None
+            except OSError as exc:
+                raise RequestRefused("500", str(exc)) from None
+        return LaunchReply(node_id=self.config.node_id, replica_id=request.replica_id, pid=pid,
+                           detail=f"started {request.replica_id} in slot {request.slot}")
 
     async def on_chaos(self, request: ChaosRequest, _: Delivery) -> ChaosReply:
         """Inject a fault the way a user would: kill a rank, kill or pause this agent."""

@@ -2,23 +2,33 @@
 
 A running job's membership is a sequence of *generations*: an ordered member
 list (rank = position), the world size, a fresh rendezvous namespace, the step
-to resume at, and why it changed (start, fault, join, leave).
+to resume at, and why it changed (start, fault, join). A job runs in *slots*
+(admission's placement: slot ``i`` on ``nodes[i]``); the replica in a slot is
+``r<slot>-<incarnation>``, so a replacement in the same slot is a new replica.
 
-* **Start.** An admitted job's replicas form generation 0.
+* **Start.** Admission's placement launches ``r<i>-0`` in every slot.
+  Generation 0 is formed once every launched replica has reported *ready*
+  (torch imported, model built) or failed, from the ready ones in slot order,
+  if at least ``min``.
 * **Faults.** A failed member is dropped in the next generation if at least
   ``min`` members remain; survivors keep their relative order (and so, in
-  order, their ranks). Below ``min`` the job *waits*: survivors keep their
-  state in memory, replacements are requested, and a job still short after
-  ``wait_timeout_s`` is handed back to admission (requeued).
-* **Joins.** A new replica becomes a member only once it reports *ready*
-  (torch imported, model built), so survivors never wait for a process to
-  start; joiners are appended (highest ranks), up to ``max``.
+  order, their ranks). A failure *supersedes* a change still in flight: the
+  members cannot finish building a process group with a dead peer, so the
+  next generation is decided at once.
+* **Replacements.** A failed replica's slot gets a new replica at once (unless
+  its node is lost, or the job's ``max_replacements`` are used up). Below
+  ``min`` the job *waits*: survivors keep their state in memory, and a job
+  still short after ``wait_timeout_s`` is handed back to admission (requeued).
+* **Joins.** A replica becomes a member only once it reports ready, so
+  survivors never wait for a process to start; joiners are appended (highest
+  ranks), in slot order, up to ``max``.
 * **One change at a time.** A generation is *in flight* until every member
-  has applied it. Faults and joins arriving meanwhile are folded into the next
-  generation, decided the moment the current one completes. A member that
-  fails while a change is in flight is not waited for.
-* **Resume step.** The highest step any surviving member committed: members
-  behind it copy state from a peer that has it.
+  has applied it. Joins arriving meanwhile are folded into the next
+  generation, decided the moment the current one completes.
+* **Resume step.** The highest step a surviving member reported committed;
+  the members agree on the exact value when they apply the generation (a
+  report can lag behind a commit), and members behind it copy state from a
+  peer that has it.
 
 Events carry the ``event_id`` of what caused them; decisions carry it as
 ``cause``. ``now`` is passed in; the core reads no clock and does no I/O.
@@ -27,7 +37,7 @@ Events carry the ``event_id`` of what caused them; decisions carry it as
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Iterable
 
 from phalanx.schemas.messages import Generation, GenerationReason, Member
 
@@ -36,8 +46,10 @@ from phalanx.schemas.messages import Generation, GenerationReason, Member
 
 @dataclasses.dataclass(frozen=True)
 class JobStarted:
+    """Admission placed the job: slot ``i`` runs replica ``r<i>-0`` on ``nodes[i]``."""
+
     job_id: str
-    replicas: tuple[tuple[str, str], ...]  # (replica id, node id), in rank order
+    nodes: tuple[str, ...]
     min_members: int
     max_members: int
     event_id: str = ""
@@ -48,6 +60,7 @@ class MemberFailed:
     job_id: str
     replica_id: str
     detail: str = ""
+    replaceable: bool = True  # False when its node is gone
     event_id: str = ""
 
 
@@ -56,6 +69,8 @@ class ReplicaReady:
     job_id: str
     replica_id: str
     node_id: str
+    slot: int
+    endpoint: str
     event_id: str = ""
 
 
@@ -86,9 +101,13 @@ class PublishGeneration:
 
 
 @dataclasses.dataclass(frozen=True)
-class RequestReplacements:
+class LaunchReplacement:
+    """Start ``replica_id`` in ``slot`` on ``node_id`` (stopping what still runs there)."""
+
     job_id: str
-    count: int
+    slot: int
+    node_id: str
+    replica_id: str
     cause: str = ""
 
 
@@ -99,9 +118,21 @@ class Requeue:
     cause: str = ""
 
 
-Decision = PublishGeneration | RequestReplacements | Requeue
+Decision = PublishGeneration | LaunchReplacement | Requeue
 
 # --- state ---------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Replica:
+    replica_id: str
+    slot: int
+    node_id: str
+    endpoint: str = ""
+
+
+def replica_id(slot: int, incarnation: int) -> str:
+    return f"r{slot}-{incarnation}"
 
 
 @dataclasses.dataclass
@@ -109,17 +140,22 @@ class JobMembership:
     job_id: str
     min_members: int
     max_members: int
-    current: Generation
+    slots: tuple[str, ...]  # slot -> node
+    replacements_left: int
+    current: Generation | None = None  # None until generation 0 forms
+    replicas: dict[str, Replica] = dataclasses.field(default_factory=dict)  # members + ready
+    launched: dict[str, int] = dataclasses.field(default_factory=dict)  # not yet ready: slot
+    forming: set[str] = dataclasses.field(default_factory=set)  # generation 0 waits for these
+    incarnation: dict[int, int] = dataclasses.field(default_factory=dict)  # slot -> latest
     applied: set[str] = dataclasses.field(default_factory=set)  # members done with current
     committed: dict[str, int] = dataclasses.field(default_factory=dict)  # replica -> step
-    nodes: dict[str, str] = dataclasses.field(default_factory=dict)  # replica -> node
     failed: dict[str, str] = dataclasses.field(default_factory=dict)  # folded: replica -> why
-    ready: dict[str, str] = dataclasses.field(default_factory=dict)  # folded: replica -> node
+    ready: list[str] = dataclasses.field(default_factory=list)  # folded joiners, in order
     waiting_since: float | None = None  # below min since
 
     @property
     def members(self) -> list[str]:
-        return [m.replica_id for m in self.current.members]
+        return [] if self.current is None else [m.replica_id for m in self.current.members]
 
     @property
     def in_flight(self) -> bool:
@@ -127,12 +163,20 @@ class JobMembership:
 
 
 class ElasticityCore:
-    """Generations of every running job. Feed :meth:`handle`; call :meth:`tick` for waits."""
+    """Generations of every running job. Feed :meth:`handle`; call :meth:`tick` for waits.
 
-    def __init__(self, wait_timeout_s: float = 60.0) -> None:
+    Args:
+        wait_timeout_s: how long a job may stay below its minimum before it is requeued.
+        max_replacements: replacements launched per job before giving up on a slot.
+    """
+
+    def __init__(self, wait_timeout_s: float = 60.0, max_replacements: int = 16) -> None:
         if not wait_timeout_s > 0:
             raise ValueError(f"wait_timeout_s must be > 0, got {wait_timeout_s}")
+        if max_replacements < 0:
+            raise ValueError(f"max_replacements must be >= 0, got {max_replacements}")
         self.wait_timeout_s = wait_timeout_s
+        self.max_replacements = max_replacements
         self.jobs: dict[str, JobMembership] = {}
 
     def handle(self, event: Event, now: float) -> list[Decision]:
@@ -140,35 +184,34 @@ class ElasticityCore:
 
         Raises:
             TypeError: not one of this module's events.
+            ValueError: a JobStarted with an impossible size.
         """
         match event:
             case JobStarted():
-                return self._started(event)
+                self._started(event, now)
+                return []
             case JobStopped():
                 self.jobs.pop(event.job_id, None)
                 return []
-        job = self.jobs.get(getattr(event, "job_id", ""))
+            case MemberFailed() | ReplicaReady() | GenerationApplied():
+                job = self.jobs.get(event.job_id)
+            case _:
+                raise TypeError(f"unknown event {event!r}")
+        if job is None:
+            return []  # a job this core does not run (any more)
+        decisions: list[Decision] = []
         match event:
-            case MemberFailed() if job is not None:
-                if event.replica_id in job.members or event.replica_id in job.ready:
-                    job.ready.pop(event.replica_id, None)
-                    if event.replica_id in job.members:
-                        job.failed[event.replica_id] = event.detail or "failed"
-                        job.applied.discard(event.replica_id)
-            case ReplicaReady() if job is not None:
-                if event.replica_id not in job.members:
-                    job.ready[event.replica_id] = event.node_id
-            case GenerationApplied() if job is not None:
-                if event.generation == job.current.generation \
+            case MemberFailed():
+                decisions += self._failed(job, event)
+            case ReplicaReady():
+                self._ready(job, event)
+            case GenerationApplied():
+                if job.current is not None and event.generation == job.current.generation \
                         and event.replica_id in job.members:
                     job.applied.add(event.replica_id)
                     job.committed[event.replica_id] = max(
                         event.committed_step, job.committed.get(event.replica_id, 0))
-            case MemberFailed() | ReplicaReady() | GenerationApplied():
-                return []  # a job this core does not run (any more)
-            case _:
-                raise TypeError(f"unknown event {event!r}")
-        return self._advance(job, now, getattr(event, "event_id", ""))
+        return decisions + self._advance(job, now, event.event_id)
 
     def tick(self, now: float) -> list[Decision]:
         """Requeue jobs that stayed below ``min`` for longer than ``wait_timeout_s``."""
@@ -181,59 +224,121 @@ class ElasticityCore:
                     f"{self.wait_timeout_s:g} s"), "wait-timeout"))
         return decisions
 
-    def _started(self, event: JobStarted) -> list[Decision]:
+    def restore(self, generation: Generation, nodes: Iterable[str], min_members: int,
+                max_members: int) -> None:
+        """Take over a job whose current generation a previous instance stored.
+
+        Its members are taken to have applied it; replicas that were starting
+        will report ready again (the runtime repeats its report until it joins).
+        """
+        job = JobMembership(generation.job_id, min_members, max_members, tuple(nodes),
+                            self.max_replacements, current=generation)
+        for m in generation.members:
+            slot, incarnation = _slot_of(m.replica_id)
+            job.replicas[m.replica_id] = Replica(m.replica_id, slot, m.node_id, m.endpoint)
+            job.incarnation[slot] = max(incarnation, job.incarnation.get(slot, 0))
+            job.committed[m.replica_id] = generation.resume_step
+        job.applied = set(job.members)
+        self.jobs[generation.job_id] = job
+
+    # --- rules ----------------------------------------------------------------------------
+
+    def _started(self, event: JobStarted, now: float) -> None:
         if event.job_id in self.jobs:
-            return []  # replayed
+            return  # replayed
         if not 1 <= event.min_members <= event.max_members:
             raise ValueError(f"need 1 <= min <= max, got {event.min_members}..{event.max_members}")
-        generation = _generation(event.job_id, 0, [r for r, _ in event.replicas],
-                                 dict(event.replicas), 0, GenerationReason.START, "admitted")
-        job = JobMembership(event.job_id, event.min_members, event.max_members, generation,
-                            nodes=dict(event.replicas))
+        job = JobMembership(event.job_id, event.min_members, event.max_members, event.nodes,
+                            self.max_replacements)
+        for slot in range(len(event.nodes)):
+            job.launched[replica_id(slot, 0)] = slot
+            job.incarnation[slot] = 0
+        job.forming = set(job.launched)
         self.jobs[event.job_id] = job
-        return [PublishGeneration(generation, event.event_id)]
+
+    def _failed(self, job: JobMembership, event: MemberFailed) -> list[Decision]:
+        replica = event.replica_id
+        job.forming.discard(replica)
+        if replica in job.members:
+            if replica in job.failed:
+                return []
+            job.failed[replica] = event.detail or "failed"
+            job.applied.discard(replica)
+            slot = job.replicas[replica].slot
+        elif replica in job.launched:
+            slot = job.launched.pop(replica)
+        elif replica in job.replicas:  # ready, not yet a member
+            slot = job.replicas.pop(replica).slot
+            job.ready.remove(replica)
+        else:
+            return []  # an old incarnation, or never ours
+        if not event.replaceable or job.replacements_left == 0 \
+                or job.incarnation.get(slot, 0) != _slot_of(replica)[1]:
+            return []
+        job.replacements_left -= 1
+        job.incarnation[slot] += 1
+        new = replica_id(slot, job.incarnation[slot])
+        job.launched[new] = slot
+        return [LaunchReplacement(job.job_id, slot, job.slots[slot], new, event.event_id)]
+
+    def _ready(self, job: JobMembership, event: ReplicaReady) -> None:
+        replica = event.replica_id
+        if replica in job.members or replica in job.replicas:
+            return  # repeated
+        if job.launched.get(replica) != event.slot:
+            return  # superseded by a newer incarnation, or unknown
+        del job.launched[replica]
+        job.forming.discard(replica)
+        job.replicas[replica] = Replica(replica, event.slot, event.node_id, event.endpoint)
+        job.ready.append(replica)
 
     def _advance(self, job: JobMembership, now: float, cause: str) -> list[Decision]:
-        """Decide the next generation if none is in flight and something changed."""
-        # A failed member cannot apply anything: don't wait for it.
-        if job.in_flight and not (set(job.members) - job.applied - set(job.failed)):
-            job.applied |= set(job.failed)
-        if job.in_flight or not (job.failed or job.ready):
-            return []
+        """Decide the next generation if one is due."""
+        if job.current is None:
+            if job.forming or len(job.ready) < job.min_members:
+                return self._wait(job, now, len(job.ready))
+            joiners = sorted(job.ready, key=lambda r: job.replicas[r].slot)[:job.max_members]
+            return self._next(job, [], joiners, GenerationReason.START, "admitted", cause)
         survivors = [r for r in job.members if r not in job.failed]
-        if len(survivors) < job.min_members:
-            decisions: list[Decision] = []
-            if job.waiting_since is None:
-                job.waiting_since = now
-                decisions.append(RequestReplacements(
-                    job.job_id, job.min_members - len(survivors) - len(job.ready), cause))
-            joiners = list(job.ready)[:job.max_members - len(survivors)]
-            if len(survivors) + len(joiners) < job.min_members:
-                return decisions  # wait: survivors keep their state in memory
-            return decisions + self._next(job, survivors, joiners, cause)
-        joiners = list(job.ready)[:max(0, job.max_members - len(survivors))]
+        if job.in_flight and not job.failed:
+            return []  # joins wait for the change in flight
+        if not job.failed and not job.ready:
+            return []
+        joiners = job.ready[:max(0, job.max_members - len(survivors))]
+        if len(survivors) + len(joiners) < job.min_members:
+            return self._wait(job, now, len(survivors) + len(joiners))
         if not job.failed and not joiners:
             return []  # at max: ready replicas wait for room
-        return self._next(job, survivors, joiners, cause)
+        if job.failed:
+            why = "dropped " + ", ".join(f"{r} ({d})" for r, d in sorted(job.failed.items()))
+            if joiners:
+                why += "; joined " + ", ".join(joiners)
+            return self._next(job, survivors, joiners, GenerationReason.FAULT, why, cause)
+        return self._next(job, survivors, joiners, GenerationReason.JOIN,
+                          "joined " + ", ".join(joiners), cause)
+
+    def _wait(self, job: JobMembership, now: float, have: int) -> list[Decision]:
+        """Below ``min``: survivors keep their state; the timeout starts."""
+        if have < job.min_members and job.waiting_since is None and not job.forming:
+            job.waiting_since = now
+        return []
 
     def _next(self, job: JobMembership, survivors: list[str], joiners: list[str],
-              cause: str) -> list[Decision]:
-        if job.failed:
-            reason = GenerationReason.FAULT
-            why = "dropped " + ", ".join(f"{r} ({d})" for r, d in sorted(job.failed.items()))
-        else:
-            reason = GenerationReason.JOIN
-            why = "joined " + ", ".join(joiners)
-        if job.failed and joiners:
-            why += "; joined " + ", ".join(joiners)
-        for replica in joiners:
-            job.nodes[replica] = job.ready.pop(replica)
+              reason: GenerationReason, why: str, cause: str) -> list[Decision]:
         for replica in job.failed:
             job.committed.pop(replica, None)
-            job.nodes.pop(replica, None)
+            job.replicas.pop(replica, None)
+        for replica in joiners:
+            job.ready.remove(replica)
         resume = max((job.committed.get(r, 0) for r in survivors), default=0)
-        job.current = _generation(job.job_id, job.current.generation + 1, survivors + joiners,
-                                  job.nodes, resume, reason, why)
+        number = 0 if job.current is None else job.current.generation + 1
+        members = [job.replicas[r] for r in survivors + joiners]
+        job.current = Generation(
+            job_id=job.job_id, generation=number,
+            members=[Member(replica_id=r.replica_id, rank=i, node_id=r.node_id,
+                            endpoint=r.endpoint) for i, r in enumerate(members)],
+            world_size=len(members), rendezvous=f"{job.job_id}-g{number}", resume_step=resume,
+            reason=reason, cause=why)
         job.failed.clear()
         job.applied.clear()
         job.waiting_since = None
@@ -243,17 +348,20 @@ class ElasticityCore:
         for job in self.jobs.values():
             members = job.members
             assert len(set(members)) == len(members), "a replica is a member twice"
-            assert job.current.world_size == len(members)
             assert not set(job.ready) & set(members), "a member is also waiting to join"
+            assert not set(job.launched) & set(job.replicas), "launched and ready at once"
+            assert set(job.ready) | set(members) == set(job.replicas), "replica bookkeeping"
             assert len(members) <= job.max_members, "above max"
-            assert len(members) >= job.min_members or job.current.generation == 0 \
-                or job.waiting_since is not None or job.failed, "below min without waiting"
+            live = [r for r in members if r not in job.failed] + job.ready
+            slots = [job.replicas[r].slot for r in live] + list(job.launched.values())
+            assert len(slots) == len(set(slots)), "two replicas in one slot"
+            if job.current is not None:
+                assert job.current.world_size == len(members)
+                assert len(members) >= job.min_members or job.current.generation == 0, \
+                    "a generation below min"
 
 
-def _generation(job_id: str, number: int, replicas: Sequence[str], nodes: dict[str, str],
-                resume_step: int, reason: GenerationReason, cause: str) -> Generation:
-    return Generation(
-        job_id=job_id, generation=number,
-        members=[Member(replica_id=r, rank=i, node_id=nodes[r]) for i, r in enumerate(replicas)],
-        world_size=len(replicas), rendezvous=f"{job_id}-g{number}", resume_step=resume_step,
-        reason=reason, cause=cause)
+def _slot_of(replica: str) -> tuple[int, int]:
+    """``r<slot>-<incarnation>`` -> (slot, incarnation)."""
+    slot, _, incarnation = replica.removeprefix("r").partition("-")
+    return int(slot), int(incarnation)

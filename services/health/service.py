@@ -63,6 +63,8 @@ class HealthService(Service):
         self.core = core.HealthCore(policy)
         self._rearm = asyncio.Event()
         self.faults_published = 0
+        # (job, rank) -> the replica last started in that slot, named in its faults.
+        self.replicas: dict[tuple[str, int], str] = {}
 
     async def setup(self) -> None:
         assert self.bus is not None
@@ -94,11 +96,17 @@ class HealthService(Service):
                                              record.spec.hang_timeout_s))
         elif record.job_id in self.core.jobs:
             await self._feed(core.JobEnded(record.job_id))
+            for key in [k for k in self.replicas if k[0] == record.job_id]:
+                del self.replicas[key]
 
     async def _on_started(self, msg: RankStarted, _: Delivery) -> None:
+        if msg.replica_id is not None:
+            self.replicas[(msg.job_id, msg.rank)] = msg.replica_id
         await self._feed(core.RankStarted(msg.job_id, msg.rank, msg.node_id, msg.pid))
 
     async def _on_exited(self, msg: RankExited, _: Delivery) -> None:
+        if msg.replica_id is not None:
+            self.replicas.setdefault((msg.job_id, msg.rank), msg.replica_id)
         await self._feed(core.RankExited(msg.job_id, msg.rank, msg.node_id, msg.exit_code,
                                          msg.signal, msg.cause.value))
 
@@ -138,7 +146,8 @@ class HealthService(Service):
                                   kind=decision.kind, node_id=decision.node_id,
                                   detected_at=now, rank=decision.rank,
                                   exit_code=decision.exit_code, signal=decision.signal,
-                                  detail=decision.detail)
+                                  detail=decision.detail,
+                                  replica_id=self.replicas.get((decision.job_id, decision.rank)))
                     await self.bus.publish(subjects.job_fault(decision.job_id), fault)
                     self.faults_published += 1
                     log.warning("fault", extra={"job": fault.job_id, "kind": fault.kind.value,

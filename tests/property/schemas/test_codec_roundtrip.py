@@ -76,7 +76,8 @@ def _fix_node_record(kw: dict[str, Any]) -> dict[str, Any]:
 
 
 def _fix_generation(kw: dict[str, Any]) -> dict[str, Any]:
-    kw["members"] = [msgspec.structs.replace(m, rank=i) for i, m in enumerate(kw["members"])]
+    kw["members"] = [msgspec.structs.replace(m, rank=i, replica_id=f"{m.replica_id[:120]}-{i}")
+                     for i, m in enumerate(kw["members"])]
     kw["world_size"] = len(kw["members"])
     return kw
 

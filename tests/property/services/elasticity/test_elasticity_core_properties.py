@@ -1,4 +1,4 @@
-"""Random faults, joins and acknowledgements: generations stay sane."""
+"""Random faults, readiness, acknowledgements and ticks: generations stay sane."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ from phalanx.services.elasticity.core import (
     ElasticityCore,
     GenerationApplied,
     JobStarted,
+    LaunchReplacement,
     MemberFailed,
     PublishGeneration,
     ReplicaReady,
@@ -17,45 +18,57 @@ from phalanx.services.elasticity.core import (
 
 SETTINGS = settings(derandomize=True, database=None, deadline=None, max_examples=300)
 ops = st.lists(st.tuples(st.sampled_from(["fail", "ready", "apply", "tick"]),
-                         st.integers(0, 11), st.integers(0, 50)), max_size=60)
+                         st.integers(0, 40), st.integers(0, 50)), max_size=80)
 
 
 @SETTINGS
 @given(st.integers(1, 4), st.integers(0, 3), ops)
 def test_generations_under_random_events(lo: int, extra: int, events) -> None:
     hi = lo + extra
-    core = ElasticityCore(wait_timeout_s=10)
-    [first] = core.handle(JobStarted("j", tuple((f"r{i}", "n") for i in range(hi)), lo, hi), 0)
-    published = [first.generation]
-    failed: set[str] = set()
+    core = ElasticityCore(wait_timeout_s=10, max_replacements=6)
+    core.handle(JobStarted("j", tuple(f"n{i}" for i in range(hi)), lo, hi), 0)
+    published = []
+    dead: set[str] = set()
+    known = [f"r{i}-0" for i in range(hi)]  # every replica ever launched
     now = 0.0
     for kind, n, step in events:
         now += 1
         job = core.jobs.get("j")
         if job is None:
             break
-        in_flight = job.in_flight
+        in_flight = job.current is not None and job.in_flight
+        replica = known[n % len(known)]
+        slot = int(replica[1:].split("-")[0])
         if kind == "fail":
-            out = core.handle(MemberFailed("j", f"r{n}"), now)
-            failed.add(f"r{n}") if f"r{n}" in job.members else None
+            out = core.handle(MemberFailed("j", replica), now)
+            dead.add(replica)
         elif kind == "ready":
-            out = core.handle(ReplicaReady("j", f"r{n}", "n"), now)
+            if replica in dead:
+                continue  # a dead process reports nothing
+            out = core.handle(ReplicaReady("j", replica, f"n{slot}", slot, "h:1"), now)
         elif kind == "apply":
-            out = core.handle(GenerationApplied("j", job.current.generation, f"r{n}", step), now)
+            if job.current is None or replica in dead:
+                continue
+            out = core.handle(GenerationApplied("j", job.current.generation, replica, step), now)
         else:
             out = core.tick(now)
         core.check_invariants()
+        known += [d.replica_id for d in out if isinstance(d, LaunchReplacement)]
         new = [d.generation for d in out if isinstance(d, PublishGeneration)]
         assert len(new) <= 1
-        if new and kind != "apply" and in_flight and kind != "fail":
+        if new and in_flight and kind not in ("apply", "fail"):
             raise AssertionError("a generation was published while another was in flight")
         for g in new:
-            assert g.generation == published[-1].generation + 1  # one step at a time
+            expected = published[-1].generation + 1 if published else 0
+            assert g.generation == expected  # one step at a time
             members = {m.replica_id for m in g.members}
-            assert not members & failed - {m.replica_id for m in published[-1].members
-                                           if m.replica_id not in failed}
+            assert not members & dead, "a dead replica is a member"
             assert lo <= g.world_size <= hi
-            assert g.resume_step >= published[-1].resume_step or g.reason.value == "join"
+            if published:
+                previous = {m.replica_id for m in published[-1].members}
+                survivors = [m.replica_id for m in g.members if m.replica_id in previous]
+                assert survivors == [m.replica_id for m in published[-1].members
+                                     if m.replica_id in survivors], "survivors reordered"
             published.append(g)
         if any(isinstance(d, Requeue) for d in out):
             assert "j" not in core.jobs

@@ -21,6 +21,7 @@ from phalanx.services.admission.core import (
     Fail,
     JobCancelled,
     JobFinished,
+    JobRequeued,
     JobSubmitted,
     NodeRemoved,
     NodeUpdated,
@@ -925,3 +926,15 @@ def test_resubmitting_a_known_job_is_ignored() -> None:
     assert run(core, [sub("g", mn=1, prio="high")]) == []
     assert len(core.gangs["g"].nodes) == 2
     assert len(core.gangs) == 1
+
+
+def test_requeued_running_gang_frees_its_slots_and_is_admitted_again() -> None:
+    core = make(node("n1", 2))
+    run(core, [sub("g", mn=2)])
+    decisions = core.handle(JobRequeued("g", "below its minimum for 60 s", "el"), T0 + 1)
+    assert kinds(decisions) == [("Evict", "g")] and decisions[0].requeue
+    assert explain(core, "g").code is ReasonCode.MEMBERS_LOST
+    assert core.nodes["n1"].used == 0
+    core.check_invariants()
+    assert admits(run(core, now=T0 + 2)) == {"g": ("n1", "n1")}
+    assert core.handle(JobRequeued("nope", "x"), T0 + 3) == []

@@ -1,4 +1,4 @@
-"""Generations: start, faults, joins, one change at a time, waiting below min."""
+"""Generations: gang formation, faults, replacements, joins, one change at a time, waiting."""
 
 from __future__ import annotations
 
@@ -10,17 +10,25 @@ from phalanx.services.elasticity.core import (
     GenerationApplied,
     JobStarted,
     JobStopped,
+    LaunchReplacement,
     MemberFailed,
     PublishGeneration,
     ReplicaReady,
-    RequestReplacements,
     Requeue,
 )
 
 
+def ready(core: ElasticityCore, replica: str, now: float = 0.0) -> list:
+    slot = int(replica[1:].split("-")[0])
+    return core.handle(ReplicaReady("j", replica, f"n{slot % 2}", slot, f"h:{9000 + slot}"), now)
+
+
 def start(core: ElasticityCore, n: int = 4, lo: int = 2, hi: int = 4) -> PublishGeneration:
-    [published] = core.handle(JobStarted("j", tuple((f"r{i}", f"n{i % 2}") for i in range(n)),
-                                         lo, hi), 0.0)
+    assert core.handle(JobStarted("j", tuple(f"n{i % 2}" for i in range(n)), lo, hi), 0.0) == []
+    out = []
+    for slot in reversed(range(n)):  # readiness order does not decide ranks
+        out += ready(core, f"r{slot}-0")
+    [published] = out
     assert isinstance(published, PublishGeneration)
     return published
 
@@ -35,92 +43,159 @@ def apply_all(core: ElasticityCore, step: int = 10, now: float = 0.0) -> list:
     return out
 
 
-def test_start_is_generation_zero_with_ranks_in_order() -> None:
-    g = start(ElasticityCore()).generation
-    assert (g.generation, g.world_size, g.reason) == (0, 4, GenerationReason.START)
-    assert [m.replica_id for m in g.members] == ["r0", "r1", "r2", "r3"]
-    assert g.rendezvous == "j-g0"
+def generations(decisions: list) -> list:
+    return [d.generation for d in decisions if isinstance(d, PublishGeneration)]
 
 
-def test_a_fault_drops_the_member_and_survivors_keep_their_order() -> None:
+def test_generation_zero_forms_once_every_replica_is_ready_in_slot_order() -> None:
+    core = ElasticityCore()
+    core.handle(JobStarted("j", ("n0", "n1", "n0"), 2, 3), 0.0)
+    assert ready(core, "r2-0") == [] and ready(core, "r0-0") == []
+    [g] = generations(ready(core, "r1-0"))
+    assert (g.generation, g.world_size, g.reason) == (0, 3, GenerationReason.START)
+    assert [(m.replica_id, m.rank, m.endpoint) for m in g.members] == [
+        ("r0-0", 0, "h:9000"), ("r1-0", 1, "h:9001"), ("r2-0", 2, "h:9002")]
+    assert g.rendezvous == "j-g0" and g.resume_step == 0
+
+
+def test_a_replica_failing_at_start_up_is_replaced_and_the_rest_form_the_gang() -> None:
+    core = ElasticityCore()
+    core.handle(JobStarted("j", ("n0", "n1", "n0"), 2, 3), 0.0)
+    ready(core, "r0-0")
+    ready(core, "r1-0")
+    out = core.handle(MemberFailed("j", "r2-0", "exit 1"), 1.0)
+    assert out[0] == LaunchReplacement("j", 2, "n0", "r2-1")
+    [g] = generations(out)
+    assert [m.replica_id for m in g.members] == ["r0-0", "r1-0"]
+    apply_all(core)
+    [g1] = generations(ready(core, "r2-1"))
+    assert g1.reason is GenerationReason.JOIN and g1.members[-1].replica_id == "r2-1"
+
+
+def test_a_fault_drops_the_member_keeps_order_and_launches_a_replacement() -> None:
     core = ElasticityCore()
     start(core)
     apply_all(core, step=20)
-    [published] = core.handle(MemberFailed("j", "r1", "crash"), 1.0)
-    g = published.generation
+    out = core.handle(MemberFailed("j", "r1-0", "SIGKILL", event_id="f1"), 1.0)
+    assert LaunchReplacement("j", 1, "n1", "r1-1", "f1") in out
+    [g] = generations(out)
+    assert [(m.replica_id, m.rank) for m in g.members] == [("r0-0", 0), ("r2-0", 1), ("r3-0", 2)]
     assert (g.generation, g.reason, g.resume_step) == (1, GenerationReason.FAULT, 20)
-    assert [m.replica_id for m in g.members] == ["r0", "r2", "r3"]
-    assert [m.rank for m in g.members] == [0, 1, 2]
-    assert "r1 (crash)" in g.cause
+    assert g.rendezvous == "j-g1" and "r1-0 (SIGKILL)" in g.cause
+    assert next(d for d in out if isinstance(d, PublishGeneration)).cause == "f1"
 
 
-def test_faults_during_a_change_fold_into_the_next_one() -> None:
+def test_the_replacement_joins_only_when_ready_and_after_the_change_in_flight() -> None:
     core = ElasticityCore()
     start(core)
     apply_all(core)
-    core.handle(MemberFailed("j", "r1"), 1.0)  # generation 1 in flight
-    assert core.handle(MemberFailed("j", "r2"), 1.1) == []  # waits for g1 to complete
-    out = apply_all(core)
-    [published] = [d for d in out if isinstance(d, PublishGeneration)]
-    assert [m.replica_id for m in published.generation.members] == ["r0", "r3"]
-    assert published.generation.generation == 2
+    core.handle(MemberFailed("j", "r1-0"), 1.0)
+    assert generations(ready(core, "r1-1")) == []  # generation 1 still in flight
+    [g] = generations(apply_all(core, step=30))
+    assert [m.replica_id for m in g.members] == ["r0-0", "r2-0", "r3-0", "r1-1"]
+    assert (g.generation, g.reason, g.resume_step) == (2, GenerationReason.JOIN, 30)
 
 
-def test_resume_step_is_the_highest_committed_by_a_survivor() -> None:
+def test_a_fault_during_a_change_supersedes_it_at_once() -> None:
     core = ElasticityCore()
     start(core)
-    for replica, step in (("r0", 7), ("r1", 9), ("r2", 8), ("r3", 8)):
-        core.handle(GenerationApplied("j", 0, replica, step), 0.0)
-    [published] = core.handle(MemberFailed("j", "r0"), 1.0)
-    assert published.generation.resume_step == 9
-    [published] = [d for d in apply_all(core, step=9) + core.handle(
-        MemberFailed("j", "r1"), 2.0) if isinstance(d, PublishGeneration)]
-    assert published.generation.resume_step == 9  # r1 is gone, the others reached 9
+    apply_all(core)
+    core.handle(MemberFailed("j", "r1-0"), 1.0)
+    # r2-0 dies while generation 1 is being built: nobody could finish it.
+    [g] = generations(core.handle(MemberFailed("j", "r2-0"), 1.1))
+    assert g.generation == 2 and [m.replica_id for m in g.members] == ["r0-0", "r3-0"]
 
 
-def test_a_ready_replica_joins_at_the_end_up_to_max() -> None:
+def test_two_faults_at_once_fold_into_one_generation_when_reported_together() -> None:
     core = ElasticityCore()
-    start(core, n=3, lo=2, hi=4)
+    start(core)
     apply_all(core)
-    [published] = core.handle(ReplicaReady("j", "r9", "n5"), 1.0)
-    g = published.generation
-    assert g.reason is GenerationReason.JOIN and g.members[-1].replica_id == "r9"
-    assert g.members[-1].node_id == "n5" and g.world_size == 4
-    apply_all(core)
-    assert core.handle(ReplicaReady("j", "r10", "n6"), 2.0) == []  # at max: waits
+    first = core.handle(MemberFailed("j", "r1-0"), 1.0)
+    second = core.handle(MemberFailed("j", "r1-0"), 1.0)  # the same fault twice
+    assert len(generations(first)) == 1 and second == []
 
 
-def test_below_min_waits_requests_replacements_then_requeues() -> None:
+def test_below_min_waits_for_replacements_then_resumes() -> None:
     core = ElasticityCore(wait_timeout_s=30)
     start(core, n=2, lo=2, hi=2)
-    apply_all(core)
-    out = core.handle(MemberFailed("j", "r1"), 5.0)
-    assert out == [RequestReplacements("j", 1, "")]
+    apply_all(core, step=7)
+    out = core.handle(MemberFailed("j", "r1-0"), 1.0)
+    assert generations(out) == [] and core.jobs["j"].waiting_since == 1.0
     assert core.tick(20.0) == []
-    [requeue] = core.tick(36.0)
+    [g] = generations(ready(core, "r1-1", now=25.0))
+    assert [m.replica_id for m in g.members] == ["r0-0", "r1-1"]
+    assert g.reason is GenerationReason.FAULT and g.resume_step == 7
+    assert core.jobs["j"].waiting_since is None
+
+
+def test_a_job_short_for_too_long_is_requeued() -> None:
+    core = ElasticityCore(wait_timeout_s=5, max_replacements=0)
+    start(core, n=2, lo=2, hi=2)
+    apply_all(core)
+    assert core.handle(MemberFailed("j", "r1-0"), 1.0) == []  # no replacement budget
+    assert core.tick(6.0) == []
+    [requeue] = core.tick(6.5)
     assert isinstance(requeue, Requeue) and "minimum of 2" in requeue.reason
     assert "j" not in core.jobs
 
 
-def test_a_replacement_restores_the_job_before_the_timeout() -> None:
-    core = ElasticityCore(wait_timeout_s=30)
-    start(core, n=2, lo=2, hi=2)
-    apply_all(core, step=3)
-    core.handle(MemberFailed("j", "r1"), 5.0)
-    [published] = core.handle(ReplicaReady("j", "r7", "n3"), 6.0)
-    g = published.generation
-    assert [m.replica_id for m in g.members] == ["r0", "r7"] and g.resume_step == 3
-    assert core.tick(100.0) == []  # no longer waiting
-
-
-def test_events_for_unknown_jobs_and_replays_are_ignored() -> None:
-    core = ElasticityCore()
-    assert core.handle(MemberFailed("nope", "r0"), 0.0) == []
+def test_a_lost_node_gets_no_replacement_and_budget_is_respected() -> None:
+    core = ElasticityCore(max_replacements=1)
     start(core)
-    assert core.handle(JobStarted("j", (("x", "n"),), 1, 1), 0.0) == []
-    core.handle(JobStopped("j"), 1.0)
-    assert core.jobs == {}
+    apply_all(core)
+    out = core.handle(MemberFailed("j", "r1-0", replaceable=False), 1.0)
+    assert not [d for d in out if isinstance(d, LaunchReplacement)]
+    apply_all(core)
+    assert any(isinstance(d, LaunchReplacement) for d in core.handle(MemberFailed("j", "r2-0"),
+                                                                     2.0))
+    apply_all(core)
+    assert not [d for d in core.handle(MemberFailed("j", "r3-0"), 3.0)
+                if isinstance(d, LaunchReplacement)]
+
+
+def test_old_incarnations_and_unknown_replicas_are_ignored() -> None:
+    core = ElasticityCore()
+    start(core)
+    apply_all(core)
+    core.handle(MemberFailed("j", "r1-0"), 1.0)
+    apply_all(core)
+    assert core.handle(MemberFailed("j", "r1-0"), 2.0) == []
+    assert core.handle(MemberFailed("j", "r9-0"), 2.0) == []
+    assert ready(core, "r1-0") == []  # a stale ready from the dead incarnation
+    assert core.handle(ReplicaReady("x", "r0-0", "n", 0, "h:1"), 2.0) == []
+
+
+def test_joins_stop_at_max() -> None:
+    core = ElasticityCore()
+    core.handle(JobStarted("j", ("n0", "n1", "n0"), 1, 2), 0.0)
+    out = []
+    for r in ("r0-0", "r1-0", "r2-0"):
+        out += ready(core, r)
+    [g] = generations(out)
+    assert [m.replica_id for m in g.members] == ["r0-0", "r1-0"]
+    assert core.jobs["j"].ready == ["r2-0"]
+    apply_all(core)
+    [g1] = generations(core.handle(MemberFailed("j", "r0-0"), 1.0))
+    assert [m.replica_id for m in g1.members] == ["r1-0", "r2-0"]
+
+
+def test_restore_takes_over_a_stored_generation() -> None:
+    core = ElasticityCore()
+    g = start(core).generation
+    other = ElasticityCore()
+    other.restore(g, ("n0", "n1", "n0", "n1"), 2, 4)
+    [g1] = generations(other.handle(MemberFailed("j", "r3-0"), 1.0))
+    assert g1.generation == 1 and g1.world_size == 3
+    other.check_invariants()
+
+
+def test_stopped_jobs_are_forgotten_and_bad_input_is_refused() -> None:
+    core = ElasticityCore()
+    start(core)
+    assert core.handle(JobStopped("j"), 1.0) == [] and "j" not in core.jobs
+    with pytest.raises(ValueError, match="min <= max"):
+        core.handle(JobStarted("k", ("n",), 3, 2), 0.0)
     with pytest.raises(TypeError):
-        core.handle("not an event", 0.0)  # type: ignore[arg-type]
-    with pytest.raises(ValueError, match="1 <= min <= max"):
-        core.handle(JobStarted("k", (("x", "n"),), 3, 2), 0.0)
+        core.handle(object(), 0.0)  # type: ignore[arg-type]
+    with pytest.raises(ValueError):
+        ElasticityCore(wait_timeout_s=0)

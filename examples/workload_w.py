@@ -1,0 +1,58 @@
+"""The reference workload W: an MLP regression on a memory-mapped synthetic dataset.
+
+MLP 1024→2048→2048→2048→2048→1024 (16.8 M parameters), AdamW lr 1e-3, MSE
+against targets from a fixed random linear map plus noise, global batch 64.
+``examples/train_mlp.py`` trains it under phalanx; ``bench/recovery.py`` also
+runs it under torchrun as the baseline. Smaller widths give the same workload
+at test size.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from phalanx.runtime.dataset import MemmapDataset, write_arrays
+
+W_WIDTHS = (1024, 2048, 2048, 2048, 2048, 1024)
+W_GLOBAL_BATCH = 64
+W_LR = 1e-3
+
+
+def build_model(widths: Sequence[int] = W_WIDTHS, seed: int = 0) -> torch.nn.Sequential:
+    """The MLP with ReLU between layers; the same initial parameters for a given seed."""
+    torch.manual_seed(seed)
+    layers: list[torch.nn.Module] = []
+    for i, (fan_in, fan_out) in enumerate(itertools.pairwise(widths)):
+        layers.append(torch.nn.Linear(fan_in, fan_out))
+        if i < len(widths) - 2:
+            layers.append(torch.nn.ReLU())
+    return torch.nn.Sequential(*layers)
+
+
+def build_optimizer(model: torch.nn.Module, lr: float = W_LR) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(model.parameters(), lr=lr)
+
+
+def prepare(directory: str | Path, samples: int, widths: Sequence[int] = W_WIDTHS,
+            seed: int = 0) -> MemmapDataset:
+    """Write the synthetic dataset once (skipped if it is already there) and open it."""
+    directory = Path(directory)
+    try:
+        dataset = MemmapDataset(directory)
+        if len(dataset) == samples and dataset.arrays[0].shape[1] == widths[0] \
+                and dataset.arrays[1].shape[1] == widths[-1]:
+            return dataset
+    except FileNotFoundError:
+        pass
+    rng = np.random.default_rng(seed)
+    inputs = rng.standard_normal((samples, widths[0]), dtype=np.float32)
+    mixing = rng.standard_normal((widths[0], widths[-1]), dtype=np.float32) / widths[0] ** 0.5
+    targets = np.tanh(inputs @ mixing) + 0.01 * rng.standard_normal(
+        (samples, widths[-1]), dtype=np.float32)
+    write_arrays(directory, {"inputs": inputs, "targets": targets.astype(np.float32)})
+    return MemmapDataset(directory)

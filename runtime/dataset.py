@@ -1,0 +1,94 @@
+"""Memory-mapped datasets: written once by a prepare step, opened instantly by any rank.
+
+A dataset directory holds one ``.npy`` file per field (``inputs.npy``,
+``targets.npy`` …, all with the same first dimension) and a ``dataset.json``
+naming the fields and the sample count. :func:`write_arrays` writes it
+(atomically: a half-written directory is never mistaken for a dataset);
+:class:`MemmapDataset` opens it with ``numpy.load(mmap_mode="r")``, so a
+replica that joins or restarts reads its first batch at once, without
+loading or re-processing anything: pages come from the OS page cache, shared
+by every rank on the node.
+
+It is a map-style dataset (``__len__`` / ``__getitem__``) and works with a
+standard :class:`torch.utils.data.DataLoader`; :meth:`MemmapDataset.batch`
+gathers many indices in one fancy-indexing call, which is what the elastic
+step's micro-batches use.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+import numpy as np
+import torch
+
+MANIFEST = "dataset.json"
+
+
+def write_arrays(directory: str | Path, arrays: Mapping[str, np.ndarray]) -> Path:
+    """Write ``arrays`` (field name -> array, equal first dimensions) as a dataset directory.
+
+    Raises:
+        ValueError: no fields, a bad field name, or first dimensions that differ.
+    """
+    directory = Path(directory)
+    if not arrays:
+        raise ValueError("a dataset needs at least one field")
+    lengths = {name: len(a) for name, a in arrays.items()}
+    if len(set(lengths.values())) != 1:
+        raise ValueError(f"fields must have the same number of samples, got {lengths}")
+    for name in arrays:
+        if not name.isidentifier():
+            raise ValueError(f"field name {name!r} is not an identifier")
+    staging = directory.with_name(f".{directory.name}.tmp-{os.getpid()}")
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir(parents=True)
+    for name, array in arrays.items():
+        np.save(staging / f"{name}.npy", np.ascontiguousarray(array))
+    (staging / MANIFEST).write_text(json.dumps(
+        {"fields": list(arrays), "samples": next(iter(lengths.values()))}))
+    shutil.rmtree(directory, ignore_errors=True)
+    staging.replace(directory)
+    return directory
+
+
+class MemmapDataset(torch.utils.data.Dataset):
+    """A dataset directory opened read-only through memory maps.
+
+    ``dataset[i]`` is a tuple of tensors, one per field, in the manifest's order.
+
+    Raises:
+        FileNotFoundError: ``directory`` is not a prepared dataset.
+        ValueError: its manifest and arrays disagree.
+    """
+
+    def __init__(self, directory: str | Path) -> None:
+        self.directory = Path(directory)
+        manifest_path = self.directory / MANIFEST
+        if not manifest_path.exists():
+            raise FileNotFoundError(f"{self.directory} is not a prepared dataset "
+                                    f"(no {MANIFEST}; run the prepare step first)")
+        manifest = json.loads(manifest_path.read_text())
+        self.fields: list[str] = list(manifest["fields"])
+        self.arrays = [np.load(self.directory / f"{name}.npy", mmap_mode="r")
+                       for name in self.fields]
+        self.samples = int(manifest["samples"])
+        for name, array in zip(self.fields, self.arrays, strict=True):
+            if len(array) != self.samples:
+                raise ValueError(f"{self.directory}: field {name!r} has {len(array)} samples, "
+                                 f"the manifest says {self.samples}")
+
+    def __len__(self) -> int:
+        return self.samples
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, ...]:
+        return tuple(torch.from_numpy(np.array(a[index])) for a in self.arrays)
+
+    def batch(self, indices: Sequence[int]) -> tuple[torch.Tensor, ...]:
+        """The samples at ``indices`` stacked per field (one gather per field)."""
+        rows = np.asarray(indices, dtype=np.int64)
+        return tuple(torch.from_numpy(np.ascontiguousarray(a[rows])) for a in self.arrays)
