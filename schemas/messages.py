@@ -335,12 +335,23 @@ class LaunchReplica(Message, tag="phalanx.launch_replica.v1"):
     replica_id: Ident
 
 
-class LaunchReply(Message, tag="phalanx.launch_reply.v1"):
-    """What the agent did with a :class:`LaunchReplica`."""
+class StopReplica(Message, tag="phalanx.stop_replica.v1"):
+    """Asks an agent (``phalanx.agent.<node>.stop``) to stop ``replica_id`` if it still runs.
+
+    Its exit is reported with cause ``stopped``: not a fault.
+    """
+
+    job_id: Ident
+    slot: NonNegInt
+    replica_id: Ident
+
+
+class ReplicaReply(Message, tag="phalanx.replica_reply.v1"):
+    """What the agent did with a :class:`LaunchReplica` or :class:`StopReplica`."""
 
     node_id: Ident
     replica_id: Ident
-    pid: PosInt
+    pid: PosInt | None = None
     detail: str = ""
 
 
@@ -464,6 +475,7 @@ class RankProgress(Message, tag="phalanx.rank_progress.v1"):
     step: NonNegInt
     step_time_s: NonNegFloat
     sent_at: NonNegFloat
+    final: bool = False  # the rank's last step: it is exiting, its silence is not a hang
 
 
 # --- checkpoints ---------------------------------------------------------------------------
@@ -510,7 +522,8 @@ ALL_MESSAGES: tuple[type[Message], ...] = (
     ReplicaReady,
     GenerationApplied,
     LaunchReplica,
-    LaunchReply,
+    StopReplica,
+    ReplicaReply,
     Fault,
     RankStarted,
     RankExited,

@@ -47,6 +47,10 @@ def agent_launch(node_id: str) -> str:
     return f"{PREFIX}.agent.{token(node_id, 'node id')}.launch"
 
 
+def agent_stop(node_id: str) -> str:
+    return f"{PREFIX}.agent.{token(node_id, 'node id')}.stop"
+
+
 def admission_submit() -> str:
     return f"{PREFIX}.admission.submit"
 

@@ -140,6 +140,14 @@ class RankSet:
             raise OSError(f"cannot start {replica_id}: see the agent's log")
         return entry.pid
 
+    async def stop_replica(self, job_id: str, slot: int, replica_id: str) -> int | None:
+        """Stop ``replica_id`` if it is what runs in ``slot``; returns its pid if it ran."""
+        running = self.ranks.get((job_id, slot))
+        if running is None or running.replica_id != replica_id:
+            return None
+        await self.stop(running)
+        return running.pid
+
     async def _launch(self, record: JobRecord, rank: int, placement: tuple[str, ...],
                       replica_id: str) -> Rank | None:
         spec = record.spec

@@ -29,13 +29,14 @@ from phalanx.schemas.messages import (
     ChaosRequest,
     JobRecord,
     LaunchReplica,
-    LaunchReply,
     NodeHeartbeat,
     NodeInfo,
     NodeRecord,
     NodeStatusRequest,
     RankExited,
     RankStarted,
+    ReplicaReply,
+    StopReplica,
 )
 from phalanx.services.agent import core
 from phalanx.services.agent.config import AgentConfig
@@ -83,6 +84,8 @@ class AgentService(Service):
                                 ChaosRequest, self.on_chaos)
         await self.add_endpoint("launch", subjects.agent_launch(self.config.node_id),
                                 LaunchReplica, self.on_launch, concurrent=True)
+        await self.add_endpoint("stop", subjects.agent_stop(self.config.node_id),
+                                StopReplica, self.on_stop, concurrent=True)
         if not self.config.launch:
             self.spawn(self.heartbeat_loop(), "heartbeat")
             return
@@ -163,7 +166,7 @@ class AgentService(Service):
                 if job == job_id:
                     await self.ranks.stop(entry)
 
-    async def on_launch(self, request: LaunchReplica, _: Delivery) -> LaunchReply:
+    async def on_launch(self, request: LaunchReplica, _: Delivery) -> ReplicaReply:
         """Run a new replica in one of a job's slots here (elasticity's replacements)."""
         assert self.ranks is not None and self.jobs is not None
         entry = await self.jobs.get(request.job_id)
@@ -176,8 +179,18 @@ class AgentService(Service):
                 raise RequestRefused("409", str(exc)) from None
             except OSError as exc:
                 raise RequestRefused("500", str(exc)) from None
-        return LaunchReply(node_id=self.config.node_id, replica_id=request.replica_id, pid=pid,
+        return ReplicaReply(node_id=self.config.node_id, replica_id=request.replica_id, pid=pid,
                            detail=f"started {request.replica_id} in slot {request.slot}")
+
+    async def on_stop(self, request: StopReplica, _: Delivery) -> ReplicaReply:
+        """Stop a replica its job no longer needs (a joiner when the training is over)."""
+        assert self.ranks is not None
+        async with self._job_locks.setdefault(request.job_id, asyncio.Lock()):
+            pid = await self.ranks.stop_replica(request.job_id, request.slot,
+                                                request.replica_id)
+        detail = f"stopped {request.replica_id}" if pid else f"{request.replica_id} not running"
+        return ReplicaReply(node_id=self.config.node_id, replica_id=request.replica_id, pid=pid,
+                            detail=detail)
 
     async def on_chaos(self, request: ChaosRequest, _: Delivery) -> ChaosReply:
         """Inject a fault the way a user would: kill a rank, kill or pause this agent."""

@@ -25,6 +25,9 @@ to resume at, and why it changed (start, fault, join). A job runs in *slots*
 * **One change at a time.** A generation is *in flight* until every member
   has applied it. Joins arriving meanwhile are folded into the next
   generation, decided the moment the current one completes.
+* **Completion.** When a member exits 0 the training is over: replicas
+  still starting or waiting to join are stopped, and nothing is launched or
+  published for the job any more.
 * **Resume step.** The highest step a surviving member reported committed;
   the members agree on the exact value when they apply the generation (a
   report can lag behind a commit), and members behind it copy state from a
@@ -84,12 +87,22 @@ class GenerationApplied:
 
 
 @dataclasses.dataclass(frozen=True)
+class MemberFinished:
+    """A replica exited 0: if it was a member, the training is complete."""
+
+    job_id: str
+    replica_id: str
+    event_id: str = ""
+
+
+@dataclasses.dataclass(frozen=True)
 class JobStopped:
     job_id: str
     event_id: str = ""
 
 
-Event = JobStarted | MemberFailed | ReplicaReady | GenerationApplied | JobStopped
+Event = (JobStarted | MemberFailed | ReplicaReady | GenerationApplied | MemberFinished
+         | JobStopped)
 
 # --- decisions -----------------------------------------------------------------------------
 
@@ -112,13 +125,24 @@ class LaunchReplacement:
 
 
 @dataclasses.dataclass(frozen=True)
+class StopReplica:
+    """Stop ``replica_id`` in ``slot`` on ``node_id``: the job no longer needs it."""
+
+    job_id: str
+    slot: int
+    node_id: str
+    replica_id: str
+    cause: str = ""
+
+
+@dataclasses.dataclass(frozen=True)
 class Requeue:
     job_id: str
     reason: str
     cause: str = ""
 
 
-Decision = PublishGeneration | LaunchReplacement | Requeue
+Decision = PublishGeneration | LaunchReplacement | StopReplica | Requeue
 
 # --- state ---------------------------------------------------------------------------------
 
@@ -152,6 +176,7 @@ class JobMembership:
     failed: dict[str, str] = dataclasses.field(default_factory=dict)  # folded: replica -> why
     ready: list[str] = dataclasses.field(default_factory=list)  # folded joiners, in order
     waiting_since: float | None = None  # below min since
+    complete: bool = False  # a member finished the training
 
     @property
     def members(self) -> list[str]:
@@ -193,14 +218,18 @@ class ElasticityCore:
             case JobStopped():
                 self.jobs.pop(event.job_id, None)
                 return []
-            case MemberFailed() | ReplicaReady() | GenerationApplied():
+            case MemberFailed() | ReplicaReady() | GenerationApplied() | MemberFinished():
                 job = self.jobs.get(event.job_id)
             case _:
                 raise TypeError(f"unknown event {event!r}")
         if job is None:
             return []  # a job this core does not run (any more)
+        if job.complete:
+            return []
         decisions: list[Decision] = []
         match event:
+            case MemberFinished():
+                return self._finished(job, event)
             case MemberFailed():
                 decisions += self._failed(job, event)
             case ReplicaReady():
@@ -281,6 +310,18 @@ class ElasticityCore:
         job.launched[new] = slot
         return [LaunchReplacement(job.job_id, slot, job.slots[slot], new, event.event_id)]
 
+    def _finished(self, job: JobMembership, event: MemberFinished) -> list[Decision]:
+        if event.replica_id not in job.members:
+            return []
+        job.complete = True
+        waiting = {r: job.replicas[r].slot for r in job.ready} | job.launched
+        job.ready.clear()
+        job.launched.clear()
+        job.forming.clear()
+        job.waiting_since = None
+        return [StopReplica(job.job_id, slot, job.slots[slot], replica, event.event_id)
+                for replica, slot in sorted(waiting.items())]
+
     def _ready(self, job: JobMembership, event: ReplicaReady) -> None:
         replica = event.replica_id
         if replica in job.members or replica in job.replicas:
@@ -350,7 +391,8 @@ class ElasticityCore:
             assert len(set(members)) == len(members), "a replica is a member twice"
             assert not set(job.ready) & set(members), "a member is also waiting to join"
             assert not set(job.launched) & set(job.replicas), "launched and ready at once"
-            assert set(job.ready) | set(members) == set(job.replicas), "replica bookkeeping"
+            assert job.complete or set(job.ready) | set(members) == set(job.replicas), \
+                "replica bookkeeping"
             assert len(members) <= job.max_members, "above max"
             live = [r for r in members if r not in job.failed] + job.ready
             slots = [job.replicas[r].slot for r in live] + list(job.launched.values())

@@ -7,13 +7,15 @@ Feeds the pure :class:`~.core.ElasticityCore` from the bus:
 * ``phalanx.job.*.fault`` from health (crash, hang, node lost; stragglers
   are reported, not dropped);
 * ``phalanx.job.*.ready`` and ``phalanx.job.*.applied`` from the runtime in
-  every rank.
+  every rank, and ``phalanx.job.*.exited`` from agents (a member that exits 0
+  completes the training).
 
 and carries out its decisions: a generation is stored in the
 ``phalanx_generations`` bucket (so a late or restarted rank reads the
 current one) and then published on ``phalanx.job.<job>.generation``; a
 replacement is a :class:`LaunchReplica` request to the agent that holds the
-slot; a job below its minimum for too long is handed back to admission.
+slot, and a replica no longer needed a :class:`StopReplica`; a job below its
+minimum for too long is handed back to admission.
 
 A job is only managed once one of its replicas reports ready: jobs that do
 not use the runtime never get generations or replacements. Each generation is
@@ -44,15 +46,17 @@ from phalanx.schemas.messages import (
     JobRecord,
     JobState,
     LaunchReplica,
-    LaunchReply,
+    RankExited,
     ReplicaReady,
+    ReplicaReply,
     RequeueRequest,
+    StopReplica,
 )
 from phalanx.services.base import Service
 from phalanx.services.elasticity import core
 
 log = logging.getLogger("phalanx.elasticity")
-LAUNCH_TIMEOUT_S = 10.0
+AGENT_TIMEOUT_S = 10.0
 
 
 class ElasticityService(Service):
@@ -91,6 +95,7 @@ class ElasticityService(Service):
         await bus.subscribe(subjects.job_events("fault"), Fault, self._on_fault)
         await bus.subscribe(subjects.job_events("ready"), ReplicaReady, self._on_ready)
         await bus.subscribe(subjects.job_events("applied"), GenerationApplied, self._on_applied)
+        await bus.subscribe(subjects.job_events("exited"), RankExited, self._on_exited)
         self.spawn(self._waits(), "waits")
 
     # --- events in ----------------------------------------------------------------------
@@ -138,6 +143,11 @@ class ElasticityService(Service):
                                                 msg.committed_step,
                                                 event_id=f"applied:{msg.replica_id}"))
 
+    async def _on_exited(self, msg: RankExited, _: Delivery) -> None:
+        if msg.exit_code == 0 and msg.replica_id is not None:
+            await self._feed(core.MemberFinished(msg.job_id, msg.replica_id,
+                                                 event_id=f"exited:{msg.replica_id}"))
+
     async def _waits(self) -> None:
         """Requeue jobs left below their minimum for too long (checked every second)."""
         while not await self.sleep_or_stop(1.0):
@@ -160,33 +170,40 @@ class ElasticityService(Service):
                     log.info("generation", extra={"job": g.job_id, "generation": g.generation,
                                                   "world_size": g.world_size,
                                                   "reason": g.reason.value, "cause": g.cause})
-                case core.LaunchReplacement():
-                    self.spawn(self._launch(decision), f"launch {decision.replica_id}")
+                case core.LaunchReplacement() | core.StopReplica():
+                    self.spawn(self._to_agent(decision), f"agent {decision.replica_id}")
                 case core.Requeue():
                     self.spawn(self._requeue(decision), f"requeue {decision.job_id}")
                 case _:
                     raise TypeError(f"unknown decision {decision!r}")
 
-    async def _launch(self, decision: core.LaunchReplacement) -> None:
+    async def _to_agent(self, decision: core.LaunchReplacement | core.StopReplica) -> None:
+        """Ask the slot's agent to start (or stop) a replica; a failure is logged."""
         assert self.bus is not None
-        request = LaunchReplica(job_id=decision.job_id, slot=decision.slot,
-                                replica_id=decision.replica_id)
+        request: LaunchReplica | StopReplica
+        if isinstance(decision, core.LaunchReplacement):
+            request = LaunchReplica(job_id=decision.job_id, slot=decision.slot,
+                                    replica_id=decision.replica_id)
+            subject = subjects.agent_launch(decision.node_id)
+        else:
+            request = StopReplica(job_id=decision.job_id, slot=decision.slot,
+                                  replica_id=decision.replica_id)
+            subject = subjects.agent_stop(decision.node_id)
+        context = {"job": decision.job_id, "replica": decision.replica_id,
+                   "node": decision.node_id, "request": type(request).__name__}
         try:
-            reply = await self.bus.request(subjects.agent_launch(decision.node_id), request,
-                                           LaunchReply, timeout_s=LAUNCH_TIMEOUT_S)
+            reply = await self.bus.request(subject, request, ReplicaReply,
+                                           timeout_s=AGENT_TIMEOUT_S)
         except PhalanxError as exc:
-            log.warning("replacement not started", extra={
-                "job": decision.job_id, "replica": decision.replica_id,
-                "node": decision.node_id, "error": str(exc)})
+            log.warning("agent request failed", extra={**context, "error": str(exc)})
             return
-        log.info("replacement started", extra={"job": decision.job_id,
-                                               "replica": reply.replica_id, "pid": reply.pid})
+        log.info("agent request done", extra={**context, "detail": reply.detail})
 
     async def _requeue(self, decision: core.Requeue) -> None:
         assert self.bus is not None
         try:
             await self.bus.request(subjects.admission_requeue(),
                                    RequeueRequest(job_id=decision.job_id, reason=decision.reason),
-                                   JobRecord, timeout_s=LAUNCH_TIMEOUT_S)
+                                   JobRecord, timeout_s=AGENT_TIMEOUT_S)
         except PhalanxError as exc:
             log.error("requeue failed", extra={"job": decision.job_id, "error": str(exc)})

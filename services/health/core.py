@@ -10,11 +10,14 @@ and the nodes that send heartbeats, and turns what it hears into faults:
    unknown) is a crash too. An exit reported from a node other than the
    rank's is a leftover of an earlier placement and is ignored.
 2. **Finish.** A rank that exits with code 0 and no signal is done; when every
-   rank of the job is done the job is finished (once) and no longer watched.
+   rank of the job is done, or was stopped by its agent (an elastic job's
+   replica that was no longer needed), the job is finished (once) and no
+   longer watched.
 3. **Hang.** A rank that has reported progress at least once and then reports
    nothing for longer than the job's ``hang_timeout_s`` hangs: one hang fault,
    strictly after ``last progress + hang_timeout_s``; a report at or before
-   that moment is in time. A rank still starting up (no report yet) is not
+   that moment is in time. A rank still starting up (no report yet), or one
+   whose last report said it was its final step (it is exiting), is not
    judged. The next report re-arms the rule. Ranks that exited, and ranks on a
    node that is currently lost (the node-lost fault covers them), are not
    judged; when such a node comes back its ranks get a full timeout again.
@@ -149,12 +152,13 @@ class RankExited:
 
 @dataclasses.dataclass(frozen=True)
 class ProgressReported:
-    """A rank finished ``step`` in ``step_time_s``."""
+    """A rank finished ``step`` in ``step_time_s`` (``final``: its last; it is exiting)."""
 
     job_id: str
     rank: int
     step: int
     step_time_s: float
+    final: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -251,6 +255,7 @@ class RankHealth:
     step_time: float | None = None  # latest step time
     hang_since: float = -math.inf  # the hang clock runs from here (last report or node return)
     hang_raised: bool = False  # a fault (hang or node lost) covers the silence since then
+    done: bool = False  # reported its final step: silence while it exits is not a hang
     slow_reports: int = 0
     straggler_raised: bool = False
     queued: bool = False  # has an entry in the deadline heap
@@ -362,24 +367,30 @@ class HealthCore:
             return []
         if event.cause == "stopped":
             rank.exit = RankExit.STOPPED
-            return []
+            return self._finish_if_done(rank.job)
         if event.exit_code == 0 and event.signal is None:
             rank.exit = RankExit.DONE
-            job = rank.job
-            if all(r.exit == RankExit.DONE for r in job.ranks):
-                del self.jobs[job.job_id]
-                return [FinishJob(job.job_id)]
-            return []
+            return self._finish_if_done(rank.job)
         rank.exit = RankExit.CRASHED
         fault = RaiseFault(event.job_id, FaultKind.CRASH, event.node_id, event.rank,
                            _crash_detail(event), event.exit_code, event.signal)
         return [fault, *self._charge(event.node_id, now, FaultKind.CRASH)]
+
+    def _finish_if_done(self, job: JobHealth) -> list[Decision]:
+        """Finished: some rank exited 0 and every other one too, or was stopped by its agent
+        (an elastic job's replica that was no longer needed)."""
+        exits = [r.exit for r in job.ranks]
+        if RankExit.DONE in exits and all(e in (RankExit.DONE, RankExit.STOPPED) for e in exits):
+            del self.jobs[job.job_id]
+            return [FinishJob(job.job_id)]
+        return []
 
     def _progress(self, event: ProgressReported, now: float) -> list[Decision]:
         rank = self._rank(event.job_id, event.rank)
         if rank is None or rank.exit is not None:
             return []
         rank.last_progress = rank.hang_since = now
+        rank.done = event.final
         rank.last_step = event.step
         rank.step_time = event.step_time_s
         rank.hang_raised = False
@@ -441,7 +452,8 @@ class HealthCore:
             return item.last_heartbeat + self.policy.node_timeout_s
         job = item.job
         if (self.jobs.get(job.job_id) is not job or job.ranks[item.rank] is not item
-                or item.exit is not None or item.last_progress is None or item.hang_raised):
+                or item.exit is not None or item.last_progress is None or item.hang_raised
+                or item.done):
             return None
         node = self.nodes.get(item.node_id)
         if node is not None and node.lost:
@@ -537,7 +549,9 @@ class HealthCore:
         for job_id, job in self.jobs.items():
             assert job.job_id == job_id, f"{job_id} filed under another id"
             assert len(job.ranks) == len(job.nodes) > 0, f"{job_id} ranks drifted"
-            assert not all(r.exit == RankExit.DONE for r in job.ranks), f"{job_id} unfinished"
+            assert not (any(r.exit == RankExit.DONE for r in job.ranks) and all(
+                r.exit in (RankExit.DONE, RankExit.STOPPED) for r in job.ranks)), \
+                f"{job_id} unfinished"
             for i, rank in enumerate(job.ranks):
                 assert rank.job is job and rank.rank == i, f"{job_id} rank {i} misfiled"
                 assert rank.exit in (None, RankExit.DONE, RankExit.CRASHED, RankExit.STOPPED)

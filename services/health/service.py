@@ -111,7 +111,8 @@ class HealthService(Service):
                                          msg.signal, msg.cause.value))
 
     async def _on_progress(self, msg: RankProgress, _: Delivery) -> None:
-        await self._feed(core.ProgressReported(msg.job_id, msg.rank, msg.step, msg.step_time_s))
+        await self._feed(core.ProgressReported(msg.job_id, msg.rank, msg.step, msg.step_time_s,
+                                                        msg.final))
 
     async def _on_heartbeat(self, msg: NodeHeartbeat, _: Delivery) -> None:
         await self._feed(core.NodeHeartbeat(msg.node_id))

@@ -25,6 +25,7 @@ SUBJECT_PATTERNS = [
     "phalanx.node.<node>.heartbeat",
     "phalanx.agent.<node>.status",
     "phalanx.agent.<node>.launch",
+    "phalanx.agent.<node>.stop",
     "phalanx.admission.submit",
     "phalanx.admission.cancel",
     "phalanx.admission.requeue",

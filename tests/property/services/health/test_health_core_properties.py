@@ -253,11 +253,10 @@ class Model:
                 r = self.rank(e.job_id, e.rank)
                 if r is None or r.exit or r.node != e.node_id:
                     pass
-                elif e.cause == "stopped":
-                    r.exit = "stopped"
-                elif e.exit_code == 0 and e.signal is None:
-                    r.exit = "done"
-                    if all(x.exit == "done" for x in self.jobs[e.job_id].ranks):
+                elif e.cause == "stopped" or (e.exit_code == 0 and e.signal is None):
+                    r.exit = "stopped" if e.cause == "stopped" else "done"
+                    exits = [x.exit for x in self.jobs[e.job_id].ranks]
+                    if "done" in exits and all(x in ("done", "stopped") for x in exits):
                         del self.jobs[e.job_id]
                         out.append(("finish", e.job_id, None, None, None))
                 else:

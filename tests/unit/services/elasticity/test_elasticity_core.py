@@ -12,9 +12,11 @@ from phalanx.services.elasticity.core import (
     JobStopped,
     LaunchReplacement,
     MemberFailed,
+    MemberFinished,
     PublishGeneration,
     ReplicaReady,
     Requeue,
+    StopReplica,
 )
 
 
@@ -199,3 +201,19 @@ def test_stopped_jobs_are_forgotten_and_bad_input_is_refused() -> None:
         core.handle(object(), 0.0)  # type: ignore[arg-type]
     with pytest.raises(ValueError):
         ElasticityCore(wait_timeout_s=0)
+
+
+def test_a_member_exiting_zero_completes_the_job_and_stops_waiting_joiners() -> None:
+    core = ElasticityCore()
+    start(core)
+    apply_all(core)
+    out = core.handle(MemberFailed("j", "r1-0"), 1.0)
+    assert any(isinstance(d, LaunchReplacement) for d in out)
+    apply_all(core)
+    # r1-1 is still importing torch when the members finish the training.
+    assert core.handle(MemberFinished("j", "r9-9"), 2.0) == []  # not a member: nothing
+    [stop] = core.handle(MemberFinished("j", "r0-0"), 2.0)
+    assert stop == StopReplica("j", 1, "n1", "r1-1")
+    assert ready(core, "r1-1") == []  # too late: no join generation
+    assert core.handle(MemberFailed("j", "r2-0"), 3.0) == []  # no replacement either
+    core.check_invariants()

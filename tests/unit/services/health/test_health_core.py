@@ -232,7 +232,7 @@ def test_job_finishes_once_when_every_rank_exits_zero() -> None:
 
 @pytest.mark.parametrize(("last", "finished"), [
     (exited(2, 0), True),
-    (exited(2, 0, cause="stopped"), False),
+    (exited(2, 0, cause="stopped"), True),  # stopped by its agent: no longer needed
     (exited(2, 1), False),
     (exited(2, None, signal="SIGKILL"), False),
     (exited(2, None, cause="lost"), False),
@@ -285,6 +285,14 @@ def test_a_rank_starting_up_is_not_judged() -> None:
     run(core, T0, RankStarted("j", 0, "n0", 1), RankStarted("j", 1, "n1", 2))
     assert core.next_deadline() is None
     assert tick(core, T0 + 1000) == []
+
+
+def test_a_rank_that_reported_its_final_step_is_not_judged_while_it_exits() -> None:
+    core = make(hang=2.0)
+    run(core, T0, progress(0), ProgressReported("j", 0, 100, 1.0, final=True))
+    assert tick(core, T0 + 1000) == []
+    run(core, T0 + 1001, progress(0, step=101))  # reporting again: judged again
+    assert faults(tick(core, T0 + 1004)) == [(HANG, "j", 0, "n0")]
 
 
 @pytest.mark.parametrize("gap", [0.5, 1.999, 2.0])

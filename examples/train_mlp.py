@@ -1,0 +1,66 @@
+"""Train the reference workload W under phalanx: elastic, recovering from faults in process.
+
+    python examples/train_mlp.py --prepare --data-dir /tmp/w-data   # write the dataset once
+    phalanx submit examples/mlp.yaml                                # 4 ranks under phalanx
+    python examples/train_mlp.py --data-dir /tmp/w-data             # alone: the reference
+
+Compared with a plain DDP script, the phalanx lines are the session (instead
+of ``init_process_group``, ``DistributedDataParallel`` and a
+``DistributedSampler``), the step loop and ``step.commit()`` (instead of
+``optimizer.step()``); see docs/runtime.md for the diff.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import workload_w
+
+from phalanx.runtime.dataset import MemmapDataset
+from phalanx.runtime.elastic import ElasticSession
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--data-dir", default="/tmp/phalanx-w-data")
+    parser.add_argument("--prepare", action="store_true", help="write the dataset and exit")
+    parser.add_argument("--samples", type=int, default=64 * 40)
+    parser.add_argument("--widths", default=",".join(map(str, workload_w.W_WIDTHS)))
+    parser.add_argument("--steps", type=int, default=100)
+    parser.add_argument("--global-batch", type=int, default=workload_w.W_GLOBAL_BATCH)
+    parser.add_argument("--micro-batch", type=int, default=16)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--save", help="write the final parameters here (rank 0)")
+    args = parser.parse_args()
+    widths = tuple(int(w) for w in args.widths.split(","))
+    if args.prepare:
+        workload_w.prepare(args.data_dir, args.samples, widths, args.seed)
+        return
+
+    torch.set_num_threads(1)
+    dataset = MemmapDataset(args.data_dir)
+    model = workload_w.build_model(widths, args.seed)
+    optimizer = workload_w.build_optimizer(model)
+    session = ElasticSession.from_env(model, optimizer, dataset, global_batch=args.global_batch,
+                                      micro_batch_size=args.micro_batch, seed=args.seed)
+    loss_fn = torch.nn.MSELoss()
+    for step in session.steps(args.steps):
+        loss = 0.0
+        for (inputs, targets), weight in step.batches():
+            micro_loss = loss_fn(model(inputs), targets) * weight
+            micro_loss.backward()
+            loss += micro_loss.item()
+        step.commit(loss=loss)
+    if args.save and session.rank == 0:
+        torch.save(model.state_dict(), args.save)
+    session.close()
+
+
+if __name__ == "__main__":
+    main()

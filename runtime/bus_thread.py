@@ -1,0 +1,95 @@
+"""A bus client on a background thread, for synchronous training loops.
+
+A training loop is synchronous; the bus client is asyncio. :class:`BusThread`
+runs its own event loop on a daemon thread and connects there. Publishing
+only hands a message to that loop, so it never blocks a step; if the bus is
+unreachable, messages are dropped and counted while the client reconnects
+(forever), and training goes on. Subscriptions call back on the bus thread:
+callbacks must only record what arrived (set an event, store a value).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from collections.abc import Callable, Coroutine
+from typing import Any, TypeVar
+
+from phalanx.bus.client import Bus, Delivery
+from phalanx.bus.config import BusConfig
+from phalanx.schemas.errors import PhalanxError
+from phalanx.schemas.messages import Message
+
+log = logging.getLogger("phalanx.runtime.bus")
+M = TypeVar("M", bound=Message)
+T = TypeVar("T")
+
+
+class BusThread:
+    """One bus connection on its own thread.
+
+    Args:
+        bus_config: where the bus is.
+        name: the connection's name (shows in the server's connection list).
+        connect_timeout_s: how long :meth:`start` waits for the first connection.
+    """
+
+    def __init__(self, bus_config: BusConfig, name: str, *,
+                 connect_timeout_s: float = 10.0) -> None:
+        self.bus_config = bus_config
+        self.name = name
+        self.connect_timeout_s = connect_timeout_s
+        self.dropped = 0
+        self.bus: Bus | None = None
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name=f"phalanx-{name}",
+                                        daemon=True)
+
+    def start(self) -> BusThread:
+        """Start the thread and connect.
+
+        Raises:
+            BusUnavailable: no connection within ``connect_timeout_s``.
+        """
+        self._thread.start()
+        self.bus = self.run(Bus.connect(self.bus_config, name=self.name),
+                            self.connect_timeout_s + 1)
+        return self
+
+    def run(self, coroutine: Coroutine[Any, Any, T], timeout_s: float) -> T:
+        """Run ``coroutine`` on the bus thread and wait for its result (blocks the caller)."""
+        return asyncio.run_coroutine_threadsafe(coroutine, self._loop).result(timeout_s)
+
+    def publish(self, subject: str, message: Message) -> None:
+        """Publish without waiting; a failure is counted in :attr:`dropped`, never raised."""
+        async def send() -> None:
+            assert self.bus is not None
+            try:
+                await self.bus.publish(subject, message)
+            except (PhalanxError, OSError, TimeoutError) as exc:
+                self.dropped += 1
+                log.debug("dropped a message on %s: %s", subject, exc)
+
+        self._loop.call_soon_threadsafe(lambda: self._loop.create_task(send()))
+
+    def subscribe(self, subject: str, message_type: type[M],
+                  callback: Callable[[M, Delivery], None]) -> None:
+        """Call ``callback`` (on the bus thread) for each valid message on ``subject``."""
+        async def handler(message: M, delivery: Delivery) -> None:
+            callback(message, delivery)
+
+        assert self.bus is not None
+        self.run(self.bus.subscribe(subject, message_type, handler), self.connect_timeout_s)
+
+    def close(self) -> None:
+        """Flush, disconnect and stop the thread (idempotent)."""
+        if not self._thread.is_alive():
+            return
+        if self.bus is not None:
+            try:
+                self.run(self.bus.close(), 5)
+            except (PhalanxError, OSError, TimeoutError) as exc:
+                log.debug("closing the bus: %s", exc)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(5)

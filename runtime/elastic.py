@@ -1,0 +1,615 @@
+"""Elastic data-parallel training inside a rank: membership changes without a restart.
+
+A training script hands its model and optimizer to an :class:`ElasticSession`
+and runs its usual loop over :meth:`ElasticSession.steps`::
+
+    session = ElasticSession.from_env(model, optimizer, dataset, global_batch=64)
+    for step in session.steps(total_steps):
+        for (x, y), weight in step.batches():
+            (loss_fn(model(x), y) * weight).backward()
+        step.commit()
+    session.close()
+
+What the session does around that loop:
+
+* **Membership.** The rank's replica reports *ready* (model built) and trains
+  in whatever generation elasticity publishes. Each generation gets a fresh
+  gloo process group, rendezvousing through the store of the generation's
+  rank 0 under the generation's own namespace; every replica hosts such a
+  store, so no single process is needed across generations.
+* **Step boundaries.** A *join* is applied between steps, at the same step on
+  every member: each gradient all-reduce carries one extra number, how many
+  members have seen a newer generation, so all of them switch after the same
+  step.
+* **Faults.** A fault of a member (announced on the bus by health) or a
+  *fault* generation aborts the in-flight all-reduce at once on every rank:
+  the rank stops waiting for it, abandons that process group (its gloo
+  threads are left to time out; their buffers are never reused) and discards
+  the partial step. The gloo timeout is only a last resort.
+* **State.** After rebuilding, the members agree on the resume step (the
+  highest step any of them committed, by one all-reduce); members behind it,
+  and joiners, receive model, optimizer, RNG and step from the lowest rank
+  that has it, peer to peer (:mod:`.state`).
+* **Data.** Step ``s`` trains on the samples :class:`~.data.ElasticOrder`
+  assigns to ``(epoch, step)`` and this rank, in micro-batches weighted by
+  ``len / global_batch``; gradients are *summed*, so the global batch and
+  the learning rate are the same at every world size. ``on_membership`` lets
+  a user change them per world size instead.
+
+Outside phalanx (no ``PHALANX_JOB_ID``) the same script runs alone, as world
+size 1, with the same data order: that is the fault-free reference.
+
+With ``PHALANX_RECORD_DIR`` set, every replica appends what it did to
+``<dir>/<replica>.jsonl``: the samples of each step it took part in (written
+before its gradients leave the process), each commit, each generation it
+applied with the time of every phase. Tests and benchmarks check those.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import datetime
+import json
+import logging
+import os
+import signal
+import threading
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from opentelemetry import context as otel_context
+from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+
+from phalanx.bus import telemetry
+from phalanx.bus.client import Delivery
+from phalanx.bus.config import BusConfig
+from phalanx.runtime.bus_thread import BusThread
+from phalanx.runtime.data import ElasticOrder, MicroBatch
+from phalanx.runtime.progress import ProgressReporter
+from phalanx.runtime.state import StateTransferError, receive_state, send_state
+from phalanx.schemas import subjects
+from phalanx.schemas.messages import (
+    Fault,
+    FaultKind,
+    Generation,
+    GenerationApplied,
+    GenerationReason,
+    RankProgress,
+    ReplicaReady,
+)
+
+log = logging.getLogger("phalanx.runtime")
+
+
+class Aborted(Exception):
+    """The generation a collective ran in was abandoned (a member failed)."""
+
+
+class Dropped(RuntimeError):
+    """This replica is not a member of the job's newest generation."""
+
+
+@dataclasses.dataclass(frozen=True)
+class MembershipChange:
+    """Passed to ``on_membership`` after each generation is applied."""
+
+    generation: int
+    world_size: int
+    rank: int
+    resume_step: int
+
+
+@dataclasses.dataclass
+class _Inbox:
+    """What the bus thread hands to the training thread."""
+
+    newest: Generation | None = None
+    newest_context: Any = None  # the trace context it arrived with
+    faulted: set[str] = dataclasses.field(default_factory=set)  # replicas reported failed
+    finished_step: int = 0  # the highest step any rank of the job reported
+
+
+class ElasticSession:
+    """A rank's membership, process group, state and data order.
+
+    Args:
+        model / optimizer: what to train; the session never wraps them.
+        dataset: map-style; if it has ``batch(indices)`` that is used for a micro-batch,
+            else a standard DataLoader over the micro-batch's indices.
+        global_batch: samples per optimizer step across all ranks.
+        micro_batch_size: the most samples one forward pass takes (gradient accumulation).
+        seed: fixes the data order.
+        bus: the bus thread (None: alone, world size 1).
+        job_id / replica_id / slot / node_id: who this rank is.
+        record_dir: where to append this replica's record (None: no record).
+        checksum: verify every state copy with Adler-32.
+        collective_timeout_s: gloo's own timeout, the last resort.
+        on_membership: called after each applied generation.
+        chaos_kill: ``(step, phase)`` at which this process SIGKILLs itself, ``phase``
+            ``"boundary"`` (before the step) or ``"allreduce"`` (while its all-reduce runs).
+    """
+
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                 dataset: Any, *, global_batch: int, micro_batch_size: int | None = None,
+                 seed: int = 0, bus: BusThread | None = None, job_id: str = "local",
+                 replica_id: str = "r0-0", slot: int = 0, node_id: str = "local",
+                 record_dir: str | None = None, checksum: bool = False,
+                 collective_timeout_s: float = 30.0,
+                 on_membership: Callable[[MembershipChange], None] | None = None,
+                 chaos_kill: tuple[int, str] | None = None) -> None:
+        self.model = model
+        self.optimizer = optimizer
+        self.dataset = dataset
+        self.order = ElasticOrder(len(dataset), global_batch, seed)
+        self.micro_batch_size = micro_batch_size or global_batch
+        self.bus = bus
+        self.job_id = job_id
+        self.replica_id = replica_id
+        self.slot = slot
+        self.node_id = node_id
+        self.checksum = checksum
+        self.timeout = datetime.timedelta(seconds=collective_timeout_s)
+        self.on_membership = on_membership
+        self.chaos_kill = chaos_kill
+        self.committed = 0  # steps committed: the next step to run
+        self.generation: Generation | None = None
+        self.rank = 0
+        self.world_size = 1
+        self.pg: dist.ProcessGroup | None = None
+        self.last_step_s = 0.0
+        self._switch_agreed = False  # the last all-reduce said: switch to the next generation
+        self._total_steps = 0
+        self._abandoned: list[Any] = []  # process groups and work items left to time out
+        self._inbox = _Inbox()
+        self._lock = threading.Lock()
+        self._wake = threading.Event()  # something arrived or a collective finished
+        self._record = None if record_dir is None else _Record(record_dir, replica_id)
+        self._progress: ProgressReporter | None = None
+        self._store: dist.TCPStore | None = None
+        self._stores: dict[str, dist.Store] = {}
+        if bus is not None:
+            self._connect(bus)
+
+    @classmethod
+    def from_env(cls, model: torch.nn.Module, optimizer: torch.optim.Optimizer, dataset: Any,
+                 *, env: Mapping[str, str] | None = None, **kwargs: Any) -> ElasticSession:
+        """The session of the replica an agent launched, or a lone one outside phalanx.
+
+        Reads ``PHALANX_NATS_URL``, ``PHALANX_JOB_ID``, ``PHALANX_REPLICA_ID``,
+        ``PHALANX_RANK`` (the slot), ``PHALANX_NODE_ID``, and optionally
+        ``PHALANX_RECORD_DIR``, ``PHALANX_STATE_CHECKSUM=1`` and
+        ``PHALANX_CHAOS_KILL=<replica>:<step>:<boundary|allreduce>[,...]`` (fault injection).
+        """
+        env = os.environ if env is None else env
+        kwargs.setdefault("record_dir", env.get("PHALANX_RECORD_DIR") or None)
+        kwargs.setdefault("checksum", env.get("PHALANX_STATE_CHECKSUM") == "1")
+        if not env.get("PHALANX_JOB_ID") or not env.get("PHALANX_NATS_URL"):
+            kwargs.setdefault("replica_id", "local")
+            return cls(model, optimizer, dataset, **kwargs)
+        replica_id = env.get("PHALANX_REPLICA_ID") or f"r{env.get('PHALANX_RANK', '0')}-0"
+        chaos_kill = None  # PHALANX_CHAOS_KILL=<replica>:<step>:<phase>[,...]
+        for item in filter(None, env.get("PHALANX_CHAOS_KILL", "").split(",")):
+            target, step, phase = item.split(":")
+            if target == replica_id:
+                chaos_kill = (int(step), phase)
+        bus = BusThread(BusConfig.load(env=env), f"rank:{env['PHALANX_JOB_ID']}:{replica_id}")
+        return cls(model, optimizer, dataset, bus=bus.start(), job_id=env["PHALANX_JOB_ID"],
+                   replica_id=replica_id, slot=int(env.get("PHALANX_RANK", "0")),
+                   node_id=env.get("PHALANX_NODE_ID", "local"), chaos_kill=chaos_kill, **kwargs)
+
+    # --- the bus side (runs on the bus thread) ---------------------------------------------
+
+    def _connect(self, bus: BusThread) -> None:
+        # Every replica hosts a store; a generation rendezvouses on its rank 0's.
+        self._store = dist.TCPStore("0.0.0.0", 0, is_master=True, wait_for_workers=False,
+                                    timeout=self.timeout, use_libuv=True)
+        host = os.environ.get("PHALANX_ADVERTISE_HOST", "127.0.0.1")
+        self.endpoint = f"{host}:{self._store.port}"
+        self._progress = ProgressReporter(None, self.job_id, self.slot,
+                                          replica_id=self.replica_id, bus=bus)
+        bus.subscribe(subjects.job_generation(self.job_id), Generation, self._on_generation)
+        bus.subscribe(subjects.job_fault(self.job_id), Fault, self._on_fault)
+        bus.subscribe(f"{subjects.PREFIX}.health.rank.{self.job_id}.*", RankProgress,
+                      self._on_progress)
+        stored = bus.run(self._stored_generation(bus), 10)
+        if stored is not None:
+            self._on_generation(stored, None)
+        self._announce()
+
+    async def _stored_generation(self, bus: BusThread) -> Generation | None:
+        from phalanx.bus.kv import TypedKV  # the KV helpers are only needed here
+
+        assert bus.bus is not None
+        kv = await TypedKV.open(bus.bus.js, subjects.GENERATIONS_BUCKET, Generation)
+        entry = await kv.get(self.job_id)
+        return None if entry is None else entry.value
+
+    def _announce(self) -> None:
+        assert self.bus is not None
+        self.bus.publish(subjects.replica_ready(self.job_id), ReplicaReady(
+            job_id=self.job_id, replica_id=self.replica_id, slot=self.slot,
+            node_id=self.node_id, endpoint=self.endpoint, committed_step=self.committed,
+            sent_at=time.time()))
+
+    def _on_generation(self, generation: Generation, delivery: Delivery | None) -> None:
+        with self._lock:
+            newest = self._inbox.newest
+            if newest is not None and generation.generation <= newest.generation:
+                return
+            self._inbox.newest = generation
+            self._inbox.newest_context = TraceContextTextMapPropagator().extract(
+                delivery.headers if delivery is not None else {})
+        self._wake.set()
+
+    def _on_fault(self, fault: Fault, _: Delivery) -> None:
+        if fault.kind is FaultKind.STRAGGLER or fault.replica_id is None:
+            return
+        with self._lock:
+            self._inbox.faulted.add(fault.replica_id)
+        self._wake.set()
+
+    def _on_progress(self, progress: RankProgress, _: Delivery) -> None:
+        if progress.step > self._inbox.finished_step:
+            with self._lock:
+                self._inbox.finished_step = max(self._inbox.finished_step, progress.step)
+            self._wake.set()
+
+    # --- waiting (training thread) -----------------------------------------------------------
+
+    def _must_abort(self) -> bool:
+        """A member of the current generation failed, or a fault generation replaced it."""
+        current = self.generation
+        with self._lock:
+            newest, faulted = self._inbox.newest, self._inbox.faulted
+        if current is None:
+            return False
+        if newest is not None and newest.generation > current.generation and (
+                newest.reason is not GenerationReason.JOIN
+                or newest.member(self.replica_id) is None):
+            return True
+        return any(m.replica_id in faulted for m in current.members)
+
+    def _wait(self, work: dist.Work) -> None:
+        """Wait for ``work``; raise :class:`Aborted` the moment the generation is abandoned."""
+        done = threading.Event()
+        failure: list[BaseException] = []
+
+        def finished(_: Any = None) -> None:
+            done.set()
+            self._wake.set()
+
+        waited_by_thread = False
+        try:
+            work.get_future().add_done_callback(finished)
+        except RuntimeError:
+            waited_by_thread = True
+            # gloo's send/recv work has no future and never says it completed: a thread
+            # waits on it, and is left to gloo's timeout if the generation is abandoned.
+            def waiter() -> None:
+                try:
+                    work.wait()
+                except RuntimeError as exc:
+                    failure.append(exc)
+                finished()
+
+            threading.Thread(target=waiter, name="phalanx-wait", daemon=True).start()
+        while not done.is_set():
+            if self._must_abort():
+                self._abandoned.append(work)
+                raise Aborted("a member failed")
+            self._wake.wait(0.5)
+            self._wake.clear()
+            if not done.is_set():
+                self._heartbeat()
+        try:
+            if failure:
+                raise failure[0]
+            if not waited_by_thread:  # a second wait on gloo's send/recv work never returns
+                work.wait()
+        except RuntimeError as exc:  # a peer's connection closed: its fault is on its way
+            raise Aborted(str(exc)) from None
+
+    def _heartbeat(self) -> None:
+        """Progress while waiting: a rank waiting for its peers is not hung."""
+        if self._progress is not None and self.generation is not None:
+            self._progress.report(self.committed, self.last_step_s)
+
+    # --- the training loop ---------------------------------------------------------------
+
+    def steps(self, total_steps: int) -> Iterator[Step]:
+        """Steps ``committed .. total_steps-1``; a step aborted by a fault is run again.
+
+        Raises:
+            Dropped: this replica is no longer a member (it was judged failed).
+        """
+        self._total_steps = total_steps
+        while self.committed < total_steps:
+            if not self._ensure_membership(total_steps):
+                return  # the job finished before this replica could join
+            if self.chaos_kill == (self.committed, "boundary"):
+                self._chaos_kill()
+            step = Step(self, self.committed)
+            yield step
+            if step.outcome is None:
+                raise RuntimeError(f"step {step.index} was not committed: call step.commit()")
+
+    def _chaos_kill(self) -> None:
+        """Fault injection: die now, as a SIGKILLed rank does (recorded first)."""
+        if self._record is not None:
+            self._record.write(kind="chaos", step=self.committed)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    def _ensure_membership(self, total_steps: int) -> bool:
+        """Apply a pending generation, waiting for one if this rank has none usable."""
+        while True:
+            with self._lock:
+                newest, context = self._inbox.newest, self._inbox.newest_context
+                finished = self._inbox.finished_step
+            if self.bus is None:
+                return True  # alone: world size 1, no process group
+            if self.generation is None and finished >= total_steps:
+                return False
+            if self.generation is not None and self.pg is not None and (
+                    newest is None or newest.generation == self.generation.generation
+                    or (newest.reason is GenerationReason.JOIN and not self._switch_agreed)):
+                # A join waits until every member has seen it (the flag in the all-reduce).
+                return True
+            if newest is not None and (self.generation is None
+                                       or newest.generation > self.generation.generation):
+                if newest.member(self.replica_id) is None:
+                    if self.generation is not None:
+                        raise Dropped(f"{self.replica_id} is not a member of generation "
+                                      f"{newest.generation} of {self.job_id}")
+                else:
+                    try:
+                        self._apply(newest, context)
+                        return True
+                    except Aborted as exc:  # anything else is a bug: the rank crashes
+                        log.warning("generation %d not applied: %s", newest.generation, exc)
+                        self._abandon()
+                        if newest.generation == self._newest_number():
+                            self._wait_for_newer(newest.generation, total_steps)
+                        continue
+            self._wait_for_newer(self.generation.generation if self.generation else -1,
+                                 total_steps)
+
+    def _newest_number(self) -> int:
+        with self._lock:
+            return -1 if self._inbox.newest is None else self._inbox.newest.generation
+
+    def _wait_for_newer(self, than: int, total_steps: int) -> None:
+        last_announce = time.monotonic()
+        while self._newest_number() <= than:
+            with self._lock:
+                if self.generation is None and self._inbox.finished_step >= total_steps:
+                    return
+            self._wake.wait(0.5)
+            self._wake.clear()
+            self._heartbeat()
+            if self.generation is None and time.monotonic() - last_announce > 2.0:
+                self._announce()  # elasticity may have restarted: say it again
+                last_announce = time.monotonic()
+
+    def _abandon(self) -> None:
+        # Kept, not aborted or destroyed: a gloo group whose work is still blocked on a dead
+        # peer must be left to its own timeout (abort() makes its exit std::terminate).
+        if self.pg is not None:
+            self._abandoned.append(self.pg)
+        self.pg = None
+
+    def _apply(self, generation: Generation, context: Any) -> None:
+        """Rebuild the process group for ``generation`` and agree on the state."""
+        received = time.time()
+        token = otel_context.attach(context) if context is not None else None
+        try:
+            with telemetry.tracer().start_as_current_span(
+                    f"apply generation {generation.generation}", attributes={
+                        "phalanx.job": self.job_id, "phalanx.replica": self.replica_id,
+                        "phalanx.generation": generation.generation}):
+                self._abandon()
+                member = generation.member(self.replica_id)
+                assert member is not None
+                with telemetry.tracer().start_as_current_span("rebuild process group"):
+                    pg = self._rendezvous(generation, member.rank)
+                built = time.time()
+                self.pg, self.generation = pg, generation
+                self._switch_agreed = False
+                self.rank, self.world_size = member.rank, generation.world_size
+                with self._lock:
+                    self._inbox.faulted -= {m.replica_id for m in generation.members}
+                with telemetry.tracer().start_as_current_span("copy state"):
+                    resume, nbytes = self._sync_state(generation)
+                synced = time.time()
+        finally:
+            if token is not None:
+                otel_context.detach(token)
+        if self._record is not None:
+            self._record.write(kind="generation", generation=generation.generation,
+                               reason=generation.reason.value, rank=self.rank,
+                               world_size=self.world_size, received=received, built=built,
+                               synced=synced, resume=resume, state_bytes=nbytes)
+        if self.bus is not None:
+            self.bus.publish(subjects.generation_applied(self.job_id), GenerationApplied(
+                job_id=self.job_id, generation=generation.generation,
+                replica_id=self.replica_id, committed_step=self.committed, resume_step=resume,
+                rebuild_s=built - received, state_copy_s=synced - built, state_bytes=nbytes))
+        if self._progress is not None:
+            self._progress.generation = generation.generation
+        if self.on_membership is not None:
+            self.on_membership(MembershipChange(generation.generation, self.world_size,
+                                                self.rank, resume))
+
+    def _rendezvous(self, generation: Generation, rank: int) -> dist.ProcessGroup:
+        """A gloo group over the generation's namespace in its rank 0's store."""
+        host, _, port = generation.members[0].endpoint.rpartition(":")
+        store = self._stores.get(generation.members[0].endpoint)
+        if store is None:
+            store = self._store if generation.members[0].replica_id == self.replica_id else \
+                dist.TCPStore(host, int(port), is_master=False, timeout=self.timeout)
+            self._stores[generation.members[0].endpoint] = store
+        prefixed = dist.PrefixStore(f"{generation.rendezvous}/", store)
+        # Everyone arrives before gloo connects, so a rank that is gone is noticed here,
+        # abortably, rather than inside gloo's connect.
+        prefixed.add("arrived", 1)
+        while int(prefixed.add("arrived", 0)) < generation.world_size:
+            if self._newest_number() > generation.generation:
+                raise Aborted(f"generation {generation.generation} was superseded")
+            if self.generation is None and self._inbox.finished_step >= self._total_steps:
+                raise Aborted("the job finished before this replica joined")
+            self._wake.wait(0.002)
+            self._wake.clear()
+        return dist.ProcessGroupGloo(prefixed, rank, generation.world_size, self.timeout)
+
+    def _sync_state(self, generation: Generation) -> tuple[int, int]:
+        """Agree on the resume step; ranks behind it receive the state of one that has it."""
+        assert self.pg is not None
+        steps = torch.zeros(self.world_size, dtype=torch.int64)
+        steps[self.rank] = self.committed
+        self._wait(self.pg.allreduce([steps]))
+        resume = int(steps.max().item())
+        source = int((steps == resume).nonzero()[0].item())
+        # Generation 0 also makes every replica start from rank 0's parameters, as DDP does.
+        behind = [r for r in range(self.world_size)
+                  if r != source and (steps[r] < resume or generation.generation == 0)]
+        nbytes = 0
+        if self.rank == source:
+            for dst in behind:
+                nbytes += send_state(self.pg, dst, self.model, self.optimizer, resume,
+                                     self._wait, checksum=self.checksum).nbytes
+        elif self.rank in behind:
+            step, stats = receive_state(self.pg, source, self.model, self.optimizer,
+                                        self._wait)
+            if step != resume:
+                raise StateTransferError(f"asked for step {resume}, received step {step}")
+            self.committed, nbytes = step, stats.nbytes
+            if self._record is not None:
+                self._record.write(kind="adopt", generation=generation.generation,
+                                   step=step, source=source, state_bytes=nbytes)
+        return resume, nbytes
+
+    # --- one step ------------------------------------------------------------------------
+
+    def _allreduce_gradients(self, step: Step) -> bool:
+        """Sum gradients over the members; False if the step was aborted."""
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1)
+                          for p in params] + [torch.zeros(1)])
+        if self.pg is None:
+            self._unflatten(params, flat)
+            return True
+        with self._lock:
+            newest = self._inbox.newest
+        # The last element counts members that have seen a newer (join) generation.
+        if newest is not None and self.generation is not None \
+                and newest.generation > self.generation.generation:
+            flat[-1] = 1.0
+        try:
+            work = self.pg.allreduce([flat])
+            if self.chaos_kill == (step.index, "allreduce"):
+                threading.Timer(0.005, self._chaos_kill).start()
+            self._wait(work)
+        except Aborted as exc:
+            log.warning("step %d aborted: %s", step.index, exc)
+            self._abandon()
+            return False
+        self._unflatten(params, flat)
+        if flat[-1] > 0:
+            self._switch_agreed = True
+            if self._newest_number() <= self.generation.generation:
+                self._wait_for_newer(self.generation.generation, self._total_steps)
+        return True
+
+    @staticmethod
+    def _unflatten(params: Sequence[torch.nn.Parameter], flat: torch.Tensor) -> None:
+        offset = 0
+        for p in params:
+            n = p.numel()
+            if p.grad is None:
+                p.grad = torch.empty_like(p)
+            p.grad.copy_(flat[offset:offset + n].view_as(p))
+            offset += n
+
+    def close(self) -> None:
+        """Leave: stop the bus thread (ranks simply exit when training is done)."""
+        if self.bus is not None:
+            self.bus.close()
+        if self._record is not None:
+            self._record.close()
+
+
+class Step:
+    """One global step: this rank's micro-batches, then :meth:`commit`."""
+
+    def __init__(self, session: ElasticSession, index: int) -> None:
+        self.session = session
+        self.index = index
+        order = session.order
+        self.epoch, self.step_in_epoch = divmod(index, order.steps_per_epoch)
+        self.plan: list[MicroBatch] = order.plan(self.epoch, self.step_in_epoch,
+                                                 session.world_size, session.rank,
+                                                 session.micro_batch_size)
+        self.outcome: bool | None = None
+        self.loss = 0.0
+        self.started = time.perf_counter()
+
+    @property
+    def indices(self) -> list[int]:
+        return [i for mb in self.plan for i in mb.indices]
+
+    def batches(self) -> Iterator[tuple[Any, float]]:
+        """``(batch, weight)`` per micro-batch: scale its mean loss by ``weight``."""
+        dataset = self.session.dataset
+        for mb in self.plan:
+            if hasattr(dataset, "batch"):
+                yield dataset.batch(mb.indices), mb.weight
+            else:
+                loader = torch.utils.data.DataLoader(dataset, batch_sampler=[list(mb.indices)])
+                yield next(iter(loader)), mb.weight
+
+    def commit(self, loss: float | None = None) -> bool:
+        """All-reduce the gradients and apply the optimizer step.
+
+        Returns False when a fault aborted the step: its gradients are dropped and
+        the same step runs again in the next generation.
+        """
+        session = self.session
+        record = session._record
+        generation = session.generation.generation if session.generation else 0
+        if record is not None:  # before the gradients leave this process
+            record.write(kind="batch", step=self.index, generation=generation,
+                         rank=session.rank, world_size=session.world_size,
+                         indices=self.indices)
+        ok = session._allreduce_gradients(self)
+        if ok:
+            session.optimizer.step()
+            session.committed = self.index + 1
+            session.last_step_s = time.perf_counter() - self.started
+            if record is not None:
+                record.write(kind="commit", step=self.index, generation=generation,
+                             rank=session.rank, loss=loss, t=time.time())
+            if session._progress is not None:
+                session._progress.report(session.committed, session.last_step_s,
+                                         final=session.committed == session._total_steps)
+        session.optimizer.zero_grad(set_to_none=False)
+        self.outcome = ok
+        return ok
+
+
+class _Record:
+    """This replica's append-only record; each line is one ``write`` (safe under SIGKILL)."""
+
+    def __init__(self, directory: str, replica_id: str) -> None:
+        os.makedirs(directory, exist_ok=True)
+        self.fd = os.open(os.path.join(directory, f"{replica_id}.jsonl"),
+                          os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+
+    def write(self, **fields: Any) -> None:
+        os.write(self.fd, (json.dumps({"t": time.time(), **fields}) + "\n").encode())
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):
+            os.close(self.fd)

@@ -1,0 +1,120 @@
+"""Reading the replicas' records back: which step trained on what, and was anything lost.
+
+Every replica of a job run with ``PHALANX_RECORD_DIR`` appends its own record
+(see :mod:`.elastic`): a ``batch`` line with the sample indices of each step
+it took part in (written before its gradients left the process), a
+``commit`` line per committed step, ``generation`` lines with the time of
+each phase of a membership change, and an ``adopt`` line when it received
+its state from a peer.
+
+:func:`verify` checks a run against the elastic data order: the step counter
+of every replica only moves forward by one (or jumps to the step it adopted),
+every step ``0..total-1`` was committed, and the shares of each step, in the
+generation whose commit the model kept, cover the step's global batch exactly
+once. Over each full epoch that is every sample exactly once. :func:`timeline`
+gives per-step commit times and losses for downtime figures and plots.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import json
+import statistics
+from pathlib import Path
+from typing import Any
+
+from phalanx.runtime.data import ElasticOrder
+
+
+def read(record_dir: str | Path) -> dict[str, list[dict[str, Any]]]:
+    """Every replica's record lines (a line cut short by a kill is skipped)."""
+    records: dict[str, list[dict[str, Any]]] = {}
+    for path in sorted(Path(record_dir).glob("*.jsonl")):
+        lines = []
+        for line in path.read_text().splitlines():
+            try:
+                lines.append(json.loads(line))
+            except ValueError:
+                continue
+        records[path.stem] = lines
+    return records
+
+
+@dataclasses.dataclass(frozen=True)
+class StepRecord:
+    step: int
+    generation: int  # the generation whose commit the model kept
+    world_size: int
+    committed_at: float  # when its last rank committed it
+    loss: float  # the global batch's mean loss (sum of the ranks' weighted shares)
+
+
+def timeline(records: dict[str, list[dict[str, Any]]]) -> list[StepRecord]:
+    """One entry per committed step, in step order."""
+    commits: dict[int, dict[int, list[dict[str, Any]]]] = {}
+    for lines in records.values():
+        for line in lines:
+            if line["kind"] == "commit":
+                commits.setdefault(line["step"], {}).setdefault(line["generation"],
+                                                                []).append(line)
+    steps = []
+    for step in sorted(commits):
+        generation = max(commits[step])
+        kept = commits[step][generation]
+        steps.append(StepRecord(step, generation, len(kept), max(c["t"] for c in kept),
+                                sum(c.get("loss") or 0.0 for c in kept)))
+    return steps
+
+
+def verify(records: dict[str, list[dict[str, Any]]], order: ElasticOrder,
+           total_steps: int) -> list[str]:
+    """Everything wrong with the run, as sentences; empty when nothing is."""
+    problems: list[str] = []
+    for replica, lines in records.items():
+        expected = None
+        for line in lines:
+            if line["kind"] == "adopt":
+                expected = line["step"]
+            elif line["kind"] == "commit":
+                if expected is not None and line["step"] != expected:
+                    problems.append(f"{replica} committed step {line['step']} after "
+                                    f"{expected - 1}: the step counter repeated or skipped")
+                expected = line["step"] + 1
+    kept = {s.step: s.generation for s in timeline(records)}
+    missing = sorted(set(range(total_steps)) - set(kept))
+    if missing:
+        problems.append(f"steps never committed: {missing[:10]}")
+    shares: dict[tuple[int, int], list[list[int]]] = {}
+    for lines in records.values():
+        for line in lines:
+            if line["kind"] == "batch" and kept.get(line["step"]) == line["generation"]:
+                shares.setdefault((line["step"], line["generation"]), []).append(
+                    line["indices"])
+    epochs: dict[int, list[int]] = {}
+    for step, generation in sorted(kept.items()):
+        epoch, in_epoch = divmod(step, order.steps_per_epoch)
+        used = [i for share in shares.get((step, generation), []) for i in share]
+        if sorted(used) != sorted(order.batch(epoch, in_epoch)):
+            problems.append(f"step {step} (generation {generation}) trained on "
+                            f"{len(used)} samples that are not exactly its batch")
+        epochs.setdefault(epoch, []).extend(used)
+    for epoch, used in epochs.items():
+        complete = (epoch + 1) * order.steps_per_epoch <= total_steps
+        if complete and sorted(used) != list(range(order.dataset_size)):
+            problems.append(f"epoch {epoch} did not use every sample exactly once")
+    return problems
+
+
+def downtime(steps: list[StepRecord], at: float) -> tuple[float, float]:
+    """``(longest gap between commits around time at, median gap before it)``.
+
+    The downtime of an event is the first minus the second: how much longer the
+    survivors went without committing than a normal step takes.
+    """
+    pairs = list(itertools.pairwise(steps))
+    before = [b.committed_at - a.committed_at for a, b in pairs if b.committed_at < at]
+    median = statistics.median(before[-20:]) if before else 0.0
+    gaps = [b.committed_at - a.committed_at for a, b in pairs
+            if a.committed_at <= at + 10 and b.committed_at >= at]
+    return (max(gaps) if gaps else 0.0), median

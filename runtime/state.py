@@ -1,0 +1,138 @@
+"""A rank's training state, copied straight from one process to another.
+
+The state is the model's ``state_dict``, the optimizer's, the committed step
+and the RNG state. It travels over the generation's process group (gloo
+point-to-point), never through NATS: first a small header (the step, the RNG
+state, the optimizer's non-tensor state, and each tensor's shape, dtype and
+byte count, optionally its Adler-32), then every tensor as it is, received in
+place into the model's own parameters. The receiver checks every tensor
+against its own model before anything moves and every checksum after, so a
+state that does not fit, or arrives damaged, is refused whole with an error
+naming the tensor.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import pickle
+import zlib
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+#: Waits for a gloo work item; raises if it failed or was aborted.
+Wait = Callable[[dist.Work], None]
+
+
+class StateTransferError(RuntimeError):
+    """The state received does not match this rank's model, or arrived damaged."""
+
+
+@dataclasses.dataclass(frozen=True)
+class _TensorRef:
+    index: int
+
+
+@dataclasses.dataclass(frozen=True)
+class TransferStats:
+    nbytes: int
+    tensors: int
+
+
+def _checksum(tensor: torch.Tensor) -> int:
+    data = tensor.detach().reshape(-1).contiguous().view(torch.uint8).numpy()
+    return zlib.adler32(np.ascontiguousarray(data).data)
+
+
+def _describe(tensors: list[torch.Tensor], checksum: bool) -> list[tuple]:
+    return [(tuple(t.shape), str(t.dtype), t.numel() * t.element_size(),
+             _checksum(t) if checksum else None) for t in tensors]
+
+
+def _strip(obj: Any, tensors: list[torch.Tensor]) -> Any:
+    """``obj`` with every tensor replaced by a reference into ``tensors``."""
+    if isinstance(obj, torch.Tensor):
+        tensors.append(obj)
+        return _TensorRef(len(tensors) - 1)
+    if isinstance(obj, dict):
+        return {k: _strip(v, tensors) for k, v in obj.items()}
+    if isinstance(obj, list | tuple):
+        return type(obj)(_strip(v, tensors) for v in obj)
+    return obj
+
+
+def _fill(obj: Any, tensors: list[torch.Tensor]) -> Any:
+    if isinstance(obj, _TensorRef):
+        return tensors[obj.index]
+    if isinstance(obj, dict):
+        return {k: _fill(v, tensors) for k, v in obj.items()}
+    if isinstance(obj, list | tuple):
+        return type(obj)(_fill(v, tensors) for v in obj)
+    return obj
+
+
+def send_state(pg: dist.ProcessGroup, dst: int, model: torch.nn.Module,
+               optimizer: torch.optim.Optimizer, step: int, wait: Wait, *,
+               checksum: bool = False) -> TransferStats:
+    """Send this rank's state to rank ``dst`` of ``pg``."""
+    model_tensors = list(model.state_dict().values())
+    optim_tensors: list[torch.Tensor] = []
+    optim_skeleton = _strip(optimizer.state_dict(), optim_tensors)
+    tensors = model_tensors + optim_tensors
+    header = pickle.dumps({
+        "step": step, "rng": torch.get_rng_state(), "optimizer": optim_skeleton,
+        "model_tensors": len(model_tensors), "tensors": _describe(tensors, checksum)})
+    payload = torch.frombuffer(bytearray(header), dtype=torch.uint8)
+    wait(pg.send([torch.tensor([payload.numel()], dtype=torch.int64)], dst, 0))
+    wait(pg.send([payload], dst, 1))
+    for i, tensor in enumerate(tensors):
+        wait(pg.send([tensor.detach().reshape(-1).contiguous()], dst, 2 + i))
+    return TransferStats(sum(t.numel() * t.element_size() for t in tensors), len(tensors))
+
+
+def receive_state(pg: dist.ProcessGroup, src: int, model: torch.nn.Module,
+                  optimizer: torch.optim.Optimizer, wait: Wait) -> tuple[int, TransferStats]:
+    """Receive rank ``src``'s state into ``model`` and ``optimizer``; returns its step.
+
+    Raises:
+        StateTransferError: a tensor does not fit this model, or a checksum differs.
+    """
+    size = torch.zeros(1, dtype=torch.int64)
+    wait(pg.recv([size], src, 0))
+    payload = torch.empty(int(size.item()), dtype=torch.uint8)
+    wait(pg.recv([payload], src, 1))
+    header = pickle.loads(payload.numpy().tobytes())  # from a peer of the same job
+    described = header["tensors"]
+    model_tensors = [t.detach() for t in model.state_dict().values()]
+    if header["model_tensors"] != len(model_tensors):
+        raise StateTransferError(f"the peer's model has {header['model_tensors']} tensors, "
+                                 f"this one {len(model_tensors)}")
+    for i, (mine, (shape, dtype, _, _)) in enumerate(zip(model_tensors, described,
+                                                         strict=False)):
+        if tuple(mine.shape) != tuple(shape) or str(mine.dtype) != dtype:
+            raise StateTransferError(f"model tensor {i}: the peer sends {dtype}{list(shape)}, "
+                                     f"this model has {mine.dtype}{list(mine.shape)}")
+    received: list[torch.Tensor] = []
+    for i, (shape, dtype, nbytes, _) in enumerate(described):
+        if i < len(model_tensors) and model_tensors[i].is_contiguous():
+            target = model_tensors[i]  # straight into the parameter
+        else:
+            target = torch.empty(shape, dtype=getattr(torch, dtype.removeprefix("torch.")))
+        if target.numel() * target.element_size() != nbytes:
+            raise StateTransferError(f"tensor {i}: {nbytes} bytes announced, "
+                                     f"{target.numel() * target.element_size()} expected")
+        wait(pg.recv([target.view(-1)], src, 2 + i))
+        received.append(target)
+    for i, (tensor, (_, _, _, expected)) in enumerate(zip(received, described, strict=True)):
+        if expected is not None and _checksum(tensor) != expected:
+            raise StateTransferError(f"tensor {i}: checksum mismatch (damaged in transit)")
+    with torch.no_grad():
+        for mine, tensor in zip(model_tensors, received, strict=False):
+            if mine.data_ptr() != tensor.data_ptr():
+                mine.copy_(tensor)
+    optimizer.load_state_dict(_fill(header["optimizer"], received[len(model_tensors):]))
+    torch.set_rng_state(header["rng"])
+    return header["step"], TransferStats(sum(d[2] for d in described), len(described))
