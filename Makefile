@@ -1,12 +1,14 @@
 # Two commands on a fresh machine (Python >= 3.11 and make are all it needs):
-#   make up     install everything, then run the local cluster (Ctrl-C stops it)
+#   make demo   install everything, then run the demo: W on 4 ranks of a local cluster,
+#               one rank killed mid-run, recovery in process, a replacement joining
 #   make test   install everything, then run ruff, the wire-reference check and the tests
+# (make up runs just the local cluster; make bench runs the benchmarks.)
 PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: install up test bench wire-doc clean
+.PHONY: install demo up test bench wire-doc clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -18,6 +20,9 @@ $(STAMP): pyproject.toml
 
 install: $(STAMP)
 
+demo: install
+	$(BIN)/phalanx demo $(ARGS)
+
 up: install
 	$(BIN)/phalanx up $(ARGS)
 
@@ -28,6 +33,9 @@ test: install
 
 bench: install
 	$(BIN)/python bench/bus.py
+	$(BIN)/python bench/admission.py
+	$(BIN)/python bench/detect.py
+	$(BIN)/python bench/recovery.py
 
 wire-doc: install
 	$(BIN)/python -m phalanx.schemas.reference > docs/wire.md

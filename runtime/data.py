@@ -25,6 +25,9 @@ from __future__ import annotations
 import dataclasses
 import random
 from collections.abc import Iterator, Sequence
+from typing import TypeVar
+
+T = TypeVar("T")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,14 +86,23 @@ class ElasticOrder:
         return list(order[step * self.global_batch:(step + 1) * self.global_batch])
 
     def plan(self, epoch: int, step: int, world_size: int, rank: int,
-             micro_batch_size: int, order: Sequence[int] | None = None) -> list[MicroBatch]:
-        """This rank's micro-batches of global step ``step`` in a ``world_size`` membership."""
+             micro_batch_size: int, order: Sequence[int] | None = None, *,
+             aligned: bool = False) -> list[MicroBatch]:
+        """This rank's micro-batches of global step ``step`` in a ``world_size`` membership.
+
+        ``aligned``: cut the *global* batch into micro-batches first and deal whole
+        micro-batches to the ranks, so every micro-batch is the same whatever the world
+        size (what a bitwise world-size-invariant reduction needs); shares are then even
+        to a micro-batch rather than to a sample.
+        """
         batch = self.batch(epoch, step, order)
+        if aligned:
+            return split(micro_batches(batch, micro_batch_size, len(batch)), world_size)[rank]
         share = split(batch, world_size)[rank]
         return micro_batches(share, micro_batch_size, len(batch))
 
 
-def split(batch: Sequence[int], world_size: int) -> list[list[int]]:
+def split(batch: Sequence[T], world_size: int) -> list[list[T]]:
     """Contiguous shares of ``batch`` for ranks 0..world_size-1; sizes differ by at most 1.
 
     Raises:

@@ -47,6 +47,7 @@ applied with the time of every phase. Tests and benchmarks check those.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import dataclasses
 import datetime
@@ -54,6 +55,7 @@ import json
 import logging
 import os
 import signal
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -129,6 +131,11 @@ class ElasticSession:
         checksum: verify every state copy with Adler-32.
         collective_timeout_s: gloo's own timeout, the last resort.
         on_membership: called after each applied generation.
+        deterministic: make the summed gradient bitwise independent of the world size: the
+            global batch is cut into the same micro-batches at any size, each micro-batch's
+            gradient is accumulated and all-reduced in float64 (exact for these sums), then
+            rounded once. The model is then the same whatever the membership did, at the
+            cost of twice the all-reduce bytes and shares even to a micro-batch.
         chaos_kill: ``(step, phase)`` at which this process SIGKILLs itself, ``phase``
             ``"boundary"`` (before the step) or ``"allreduce"`` (while its all-reduce runs).
     """
@@ -140,6 +147,7 @@ class ElasticSession:
                  record_dir: str | None = None, checksum: bool = False,
                  collective_timeout_s: float = 30.0,
                  on_membership: Callable[[MembershipChange], None] | None = None,
+                 deterministic: bool = False,
                  chaos_kill: tuple[int, str] | None = None) -> None:
         self.model = model
         self.optimizer = optimizer
@@ -154,7 +162,9 @@ class ElasticSession:
         self.checksum = checksum
         self.timeout = datetime.timedelta(seconds=collective_timeout_s)
         self.on_membership = on_membership
+        self.deterministic = deterministic
         self.chaos_kill = chaos_kill
+        self._accumulated: torch.Tensor | None = None  # float64 gradient sum (deterministic)
         self.committed = 0  # steps committed: the next step to run
         self.generation: Generation | None = None
         self.rank = 0
@@ -181,12 +191,13 @@ class ElasticSession:
 
         Reads ``PHALANX_NATS_URL``, ``PHALANX_JOB_ID``, ``PHALANX_REPLICA_ID``,
         ``PHALANX_RANK`` (the slot), ``PHALANX_NODE_ID``, and optionally
-        ``PHALANX_RECORD_DIR``, ``PHALANX_STATE_CHECKSUM=1`` and
+        ``PHALANX_RECORD_DIR``, ``PHALANX_STATE_CHECKSUM=1``, ``PHALANX_DETERMINISTIC=1`` and
         ``PHALANX_CHAOS_KILL=<replica>:<step>:<boundary|allreduce>[,...]`` (fault injection).
         """
         env = os.environ if env is None else env
         kwargs.setdefault("record_dir", env.get("PHALANX_RECORD_DIR") or None)
         kwargs.setdefault("checksum", env.get("PHALANX_STATE_CHECKSUM") == "1")
+        kwargs.setdefault("deterministic", env.get("PHALANX_DETERMINISTIC") == "1")
         if not env.get("PHALANX_JOB_ID") or not env.get("PHALANX_NATS_URL"):
             kwargs.setdefault("replica_id", "local")
             return cls(model, optimizer, dataset, **kwargs)
@@ -196,6 +207,7 @@ class ElasticSession:
             target, step, phase = item.split(":")
             if target == replica_id:
                 chaos_kill = (int(step), phase)
+        telemetry.setup_tracing("phalanx-rank", env)  # off unless OTEL_* asks for it
         bus = BusThread(BusConfig.load(env=env), f"rank:{env['PHALANX_JOB_ID']}:{replica_id}")
         return cls(model, optimizer, dataset, bus=bus.start(), job_id=env["PHALANX_JOB_ID"],
                    replica_id=replica_id, slot=int(env.get("PHALANX_RANK", "0")),
@@ -493,19 +505,34 @@ class ElasticSession:
 
     # --- one step ------------------------------------------------------------------------
 
+    def _params(self) -> list[torch.nn.Parameter]:
+        return [p for p in self.model.parameters() if p.requires_grad]
+
+    def _flat_gradients(self, dtype: torch.dtype) -> torch.Tensor:
+        return torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p))
+                          .reshape(-1).to(dtype) for p in self._params()])
+
+    def _fold_gradients(self) -> None:
+        """Deterministic mode: add the micro-batch's gradient to the float64 sum."""
+        flat = self._flat_gradients(torch.float64)
+        self._accumulated = flat if self._accumulated is None else self._accumulated + flat
+        self.optimizer.zero_grad(set_to_none=False)
+
     def _allreduce_gradients(self, step: Step) -> bool:
         """Sum gradients over the members; False if the step was aborted."""
-        params = [p for p in self.model.parameters() if p.requires_grad]
-        flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1)
-                          for p in params] + [torch.zeros(1)])
+        params = self._params()
+        if self.deterministic:
+            summed = self._accumulated if self._accumulated is not None else torch.zeros(
+                sum(p.numel() for p in params), dtype=torch.float64)
+            self._accumulated = None
+        else:
+            summed = self._flat_gradients(torch.float32)
+        # One extra element counts the members that have seen a newer (join) generation.
+        flat = torch.cat([summed, torch.zeros(1, dtype=summed.dtype)])
         if self.pg is None:
             self._unflatten(params, flat)
             return True
-        with self._lock:
-            newest = self._inbox.newest
-        # The last element counts members that have seen a newer (join) generation.
-        if newest is not None and self.generation is not None \
-                and newest.generation > self.generation.generation:
+        if self._newest_number() > self.generation.generation:
             flat[-1] = 1.0
         try:
             work = self.pg.allreduce([flat])
@@ -530,15 +557,50 @@ class ElasticSession:
             n = p.numel()
             if p.grad is None:
                 p.grad = torch.empty_like(p)
-            p.grad.copy_(flat[offset:offset + n].view_as(p))
+            p.grad.copy_(flat[offset:offset + n].view_as(p))  # rounds float64 sums once
             offset += n
 
     def close(self) -> None:
-        """Leave: stop the bus thread (ranks simply exit when training is done)."""
+        """Leave: flush the record, stop the bus thread.
+
+        A rank that trained in process groups then exits without tearing gloo down:
+        once its peers have gone, gloo's destructors throw (``std::terminate``) on
+        their closed connections, and abandoned groups may still wait for a dead
+        peer. So, after ``close()``, the interpreter's own exit ends with
+        ``os._exit`` (status 0, or 1 after an uncaught exception) once the
+        ``atexit`` handlers registered after the session have run and output is
+        flushed. Exit with ``sys.exit(n)`` *before* ``close()`` to keep ``n``.
+        """
         if self.bus is not None:
             self.bus.close()
+            telemetry.shutdown_tracing()
+            _skip_teardown_at_exit()
         if self._record is not None:
             self._record.close()
+
+
+_uncaught: list[BaseException] = []
+
+
+def _skip_teardown_at_exit() -> None:
+    if getattr(_skip_teardown_at_exit, "armed", False):
+        return
+    _skip_teardown_at_exit.armed = True  # type: ignore[attr-defined]
+    previous_hook = sys.excepthook
+
+    def remember(kind: type[BaseException], value: BaseException, tb: Any) -> None:
+        _uncaught.append(value)
+        previous_hook(kind, value, tb)
+
+    def leave() -> None:
+        logging.shutdown()
+        for stream in (sys.stdout, sys.stderr):
+            with contextlib.suppress(Exception):
+                stream.flush()
+        os._exit(1 if _uncaught else 0)
+
+    sys.excepthook = remember
+    atexit.register(leave)
 
 
 class Step:
@@ -551,7 +613,8 @@ class Step:
         self.epoch, self.step_in_epoch = divmod(index, order.steps_per_epoch)
         self.plan: list[MicroBatch] = order.plan(self.epoch, self.step_in_epoch,
                                                  session.world_size, session.rank,
-                                                 session.micro_batch_size)
+                                                 session.micro_batch_size,
+                                                 aligned=session.deterministic)
         self.outcome: bool | None = None
         self.loss = 0.0
         self.started = time.perf_counter()
@@ -562,17 +625,21 @@ class Step:
 
     def batches(self) -> Iterator[tuple[Any, float]]:
         """``(batch, weight)`` per micro-batch: scale its mean loss by ``weight``."""
-        dataset = self.session.dataset
+        session = self.session
+        dataset = session.dataset
         for mb in self.plan:
             if hasattr(dataset, "batch"):
                 yield dataset.batch(mb.indices), mb.weight
             else:
                 loader = torch.utils.data.DataLoader(dataset, batch_sampler=[list(mb.indices)])
                 yield next(iter(loader)), mb.weight
+            if session.deterministic:  # the caller's backward for this micro-batch is done
+                session._fold_gradients()
 
     def commit(self, loss: float | None = None) -> bool:
         """All-reduce the gradients and apply the optimizer step.
 
+        ``loss``: this rank's share of the step's loss, for the record (optional).
         Returns False when a fault aborted the step: its gradients are dropped and
         the same step runs again in the next generation.
         """
@@ -582,7 +649,7 @@ class Step:
         if record is not None:  # before the gradients leave this process
             record.write(kind="batch", step=self.index, generation=generation,
                          rank=session.rank, world_size=session.world_size,
-                         indices=self.indices)
+                         indices=self.indices, loss=loss)
         ok = session._allreduce_gradients(self)
         if ok:
             session.optimizer.step()
@@ -590,7 +657,7 @@ class Step:
             session.last_step_s = time.perf_counter() - self.started
             if record is not None:
                 record.write(kind="commit", step=self.index, generation=generation,
-                             rank=session.rank, loss=loss, t=time.time())
+                             rank=session.rank)
             if session._progress is not None:
                 session._progress.report(session.committed, session.last_step_s,
                                          final=session.committed == session._total_steps)

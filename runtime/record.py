@@ -45,25 +45,38 @@ def read(record_dir: str | Path) -> dict[str, list[dict[str, Any]]]:
 class StepRecord:
     step: int
     generation: int  # the generation whose commit the model kept
-    world_size: int
+    world_size: int  # of the generation that ran it
     committed_at: float  # when its last rank committed it
     loss: float  # the global batch's mean loss (sum of the ranks' weighted shares)
 
 
 def timeline(records: dict[str, list[dict[str, Any]]]) -> list[StepRecord]:
-    """One entry per committed step, in step order."""
+    """One entry per committed step, in step order.
+
+    A step's generation is the highest that committed it (a step committed only
+    by a rank that then died is run again by the survivors). Its loss sums the
+    shares every rank of that generation recorded before its all-reduce, so a
+    step some ranks committed and others abandoned still counts in full.
+    """
     commits: dict[int, dict[int, list[dict[str, Any]]]] = {}
+    losses: dict[tuple[int, int], float] = {}
+    worlds: dict[tuple[int, int], int] = {}
     for lines in records.values():
         for line in lines:
             if line["kind"] == "commit":
                 commits.setdefault(line["step"], {}).setdefault(line["generation"],
                                                                 []).append(line)
+            elif line["kind"] == "batch":
+                key = (line["step"], line["generation"])
+                losses[key] = losses.get(key, 0.0) + (line.get("loss") or 0.0)
+                worlds[key] = line["world_size"]
     steps = []
     for step in sorted(commits):
         generation = max(commits[step])
         kept = commits[step][generation]
-        steps.append(StepRecord(step, generation, len(kept), max(c["t"] for c in kept),
-                                sum(c.get("loss") or 0.0 for c in kept)))
+        steps.append(StepRecord(step, generation, worlds.get((step, generation), 0),
+                                max(c["t"] for c in kept),
+                                losses.get((step, generation), 0.0)))
     return steps
 
 

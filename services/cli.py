@@ -186,6 +186,16 @@ def cmd_health(args: argparse.Namespace) -> int:
     return run_service(HealthService(policy, _bus_config(args)))
 
 
+def cmd_demo(args: argparse.Namespace) -> int:
+    """Run ``examples/demo.py`` from the source checkout this phalanx is installed from."""
+    demo = Path(__file__).resolve().parents[1] / "examples" / "demo.py"
+    if not demo.exists():
+        print(f"phalanx demo: {demo} not found: the demo runs from a source checkout "
+              "(git clone, then `make demo`)", file=sys.stderr)
+        return EXIT_USAGE
+    return subprocess.call([sys.executable, str(demo), *args.demo_args])
+
+
 def cmd_elasticity(args: argparse.Namespace) -> int:
     from phalanx.services.base import run_service
     from phalanx.services.elasticity.core import ElasticityCore
@@ -556,6 +566,13 @@ def build_parser() -> argparse.ArgumentParser:
                             help="run the health service")
     health.set_defaults(func=cmd_health)
 
+    demo = sub.add_parser("demo", help="W on 4 ranks on a local cluster: kill one, watch it "
+                                       "recover, compare with a fault-free run",
+                          add_help=False)
+    demo.add_argument("demo_args", nargs=argparse.REMAINDER,
+                      help="passed to examples/demo.py (--help for its options)")
+    demo.set_defaults(func=cmd_demo)
+
     elasticity = sub.add_parser("elasticity", parents=[common],
                                 help="run the elasticity service (generations of running jobs)")
     elasticity.set_defaults(func=cmd_elasticity)
@@ -597,6 +614,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["demo"]:  # everything after it, --help included, is the demo's
+        return cmd_demo(argparse.Namespace(demo_args=argv[1:]))
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)

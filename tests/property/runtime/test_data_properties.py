@@ -25,8 +25,9 @@ def runs(draw: st.DrawFn) -> tuple[ElasticOrder, list[int], int]:
 
 
 @SETTINGS
-@given(runs(), st.integers(0, 3))
-def test_every_sample_once_per_epoch_under_changing_membership(run, epoch: int) -> None:
+@given(runs(), st.integers(0, 3), st.booleans())
+def test_every_sample_once_per_epoch_under_changing_membership(run, epoch: int,
+                                                               aligned: bool) -> None:
     order, worlds, micro = run
     permutation = order.epoch_order(epoch)
     seen: Counter[int] = Counter()
@@ -35,14 +36,14 @@ def test_every_sample_once_per_epoch_under_changing_membership(run, epoch: int) 
         weights = 0.0
         sizes = []
         for rank in range(world):
-            plan = order.plan(epoch, step, world, rank, micro, permutation)
-            sizes.append(sum(len(m.indices) for m in plan))
+            plan = order.plan(epoch, step, world, rank, micro, permutation, aligned=aligned)
+            sizes.append(len(plan) if aligned else sum(len(m.indices) for m in plan))
             for m in plan:
                 assert 1 <= len(m.indices) <= micro
                 assert math.isclose(m.weight, len(m.indices) / len(batch))
                 weights += m.weight
                 seen.update(m.indices)
-        assert max(sizes) - min(sizes) <= 1  # as even as possible
+        assert max(sizes) - min(sizes) <= 1  # as even as possible (in micro-batches if aligned)
         assert math.isclose(weights, 1.0)  # the global batch's mean, whatever the split
     expected = len(worlds) * order.global_batch if order.drop_last else order.dataset_size
     assert set(seen.values()) <= {1}  # never twice
@@ -58,3 +59,6 @@ def test_what_a_step_trains_on_does_not_depend_on_the_world_size(run) -> None:
         many = [i for r in range(world) for m in order.plan(0, step, world, r, micro)
                 for i in m.indices]
         assert one == many == order.batch(0, step)
+        aligned = [m for r in range(world)
+                   for m in order.plan(0, step, world, r, micro, aligned=True)]
+        assert aligned == order.plan(0, step, 1, 0, micro, aligned=True)  # the same micro-batches

@@ -1,0 +1,81 @@
+"""Reading records back: a clean elastic run verifies; every kind of loss or repeat is named."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from phalanx.runtime import record
+from phalanx.runtime.data import ElasticOrder
+
+ORDER = ElasticOrder(16, 4, seed=1)  # 4 steps per epoch
+
+
+def run(worlds: list[int], generation_of: list[int] | None = None) -> dict[str, list[dict]]:
+    """The records a run would write: step ``s`` on ``worlds[s]`` ranks."""
+    records: dict[str, list[dict]] = {}
+    for step, world in enumerate(worlds):
+        generation = generation_of[step] if generation_of else 0
+        epoch, in_epoch = divmod(step, ORDER.steps_per_epoch)
+        for rank in range(world):
+            indices = [i for m in ORDER.plan(epoch, in_epoch, world, rank, 2)
+                       for i in m.indices]
+            lines = records.setdefault(f"r{rank}-0", [])
+            if step and not any(x["kind"] == "commit" and x["step"] == step - 1 for x in lines):
+                # It sat out the last step: it receives the state at this one.
+                lines.append({"kind": "adopt", "step": step, "generation": generation})
+            lines.append({"kind": "batch", "step": step, "generation": generation,
+                          "rank": rank, "world_size": world, "indices": indices, "loss": 0.25})
+            lines.append({"kind": "commit", "step": step, "generation": generation,
+                          "rank": rank, "t": 100.0 + step})
+    return records
+
+
+def test_a_run_whose_membership_changes_every_step_verifies() -> None:
+    records = run([4, 3, 2, 4, 1, 3, 2, 2], [0, 1, 2, 3, 4, 5, 6, 6])
+    assert record.verify(records, ORDER, 8) == []
+    steps = record.timeline(records)
+    assert [(s.step, s.world_size) for s in steps][:3] == [(0, 4), (1, 3), (2, 2)]
+    assert steps[0].loss == 1.0  # the four shares summed
+
+
+def test_a_repeated_step_is_named() -> None:
+    records = run([2, 2, 2, 2])
+    records["r0-0"].append({"kind": "commit", "step": 2, "generation": 0, "rank": 0,
+                            "t": 200.0})
+    assert any("repeated or skipped" in p for p in record.verify(records, ORDER, 4))
+
+
+def test_a_missing_step_and_a_lost_share_are_named() -> None:
+    records = run([2, 2, 2, 2])
+    records["r1-0"] = [line for line in records["r1-0"]
+                       if not (line["kind"] == "batch" and line["step"] == 1)]
+    problems = record.verify(records, ORDER, 5)
+    assert "steps never committed: [4]" in problems
+    assert any(p.startswith("step 1 (generation 0) trained on 2 samples") for p in problems)
+    assert "epoch 0 did not use every sample exactly once" in problems
+
+
+def test_the_generation_that_ran_a_step_again_is_the_one_kept() -> None:
+    records = run([2, 2, 2, 2])
+    # A rank that died had committed step 3 in generation 0 before the survivors re-ran
+    # it in generation 1 (its commit died with it).
+    for line in run([1, 1, 1, 1], [1, 1, 1, 1])["r0-0"]:
+        if line["step"] == 3:
+            records["r0-0"].append(line)
+    records["r0-0"] = [x for x in records["r0-0"] if not (x["step"] == 3
+                                                          and x["generation"] == 0)]
+    assert [s.generation for s in record.timeline(records)] == [0, 0, 0, 1]
+    assert record.verify(records, ORDER, 4) == []
+
+
+def test_records_are_read_per_replica_and_a_torn_last_line_is_skipped(tmp_path: Path) -> None:
+    (tmp_path / "r0-0.jsonl").write_text(json.dumps({"kind": "commit"}) + "\n{\"kind\": \"ba")
+    assert record.read(tmp_path) == {"r0-0": [{"kind": "commit"}]}
+
+
+def test_downtime_is_the_longest_gap_around_the_event_against_the_median_step() -> None:
+    steps = [record.StepRecord(i, 0, 4, t, 0.0)
+             for i, t in enumerate([0.0, 1.0, 2.0, 3.0, 6.5, 7.5])]
+    gap, median = record.downtime(steps, at=3.2)
+    assert (gap, median) == (3.5, 1.0)
