@@ -102,6 +102,27 @@ class ElasticOrder:
         return micro_batches(share, micro_batch_size, len(batch))
 
 
+    def repair_plan(self, epoch: int, step: int, old_world_size: int, lost_ranks: Sequence[int],
+                    world_size: int, rank: int, micro_batch_size: int, *,
+                    aligned: bool = False) -> list[MicroBatch]:
+        """This rank's part of re-running a step whose all-reduce was aborted.
+
+        The step ran in a ``old_world_size`` membership; the survivors kept the
+        gradients of their own shares, so only the shares of ``lost_ranks`` (old
+        ranks) are computed again, dealt over the ``world_size`` ranks of the new
+        membership as :meth:`plan` deals a batch. Survivors' kept shares plus these
+        parts are the step's batch, each sample once.
+        """
+        order = self.epoch_order(epoch)
+        lost = [mb for r in sorted(lost_ranks)
+                for mb in self.plan(epoch, step, old_world_size, r, micro_batch_size, order,
+                                    aligned=aligned)]
+        if aligned:
+            return split(lost, world_size)[rank]
+        share = split([i for mb in lost for i in mb.indices], world_size)[rank]
+        return micro_batches(share, micro_batch_size, len(self.batch(epoch, step, order)))
+
+
 def split(batch: Sequence[T], world_size: int) -> list[list[T]]:
     """Contiguous shares of ``batch`` for ranks 0..world_size-1; sizes differ by at most 1.
 

@@ -105,6 +105,17 @@ class MembershipChange:
     resume_step: int
 
 
+@dataclasses.dataclass(frozen=True)
+class _Retained:
+    """A step's local gradient kept when its all-reduce was aborted, to be reused."""
+
+    step: int
+    generation: Generation  # the one the step was attempted in
+    gradient: torch.Tensor  # this rank's summed share, not yet all-reduced
+    indices: list[int]  # the samples it covers
+    loss: float | None  # their share of the loss, for the record
+
+
 @dataclasses.dataclass
 class _Inbox:
     """What the bus thread hands to the training thread."""
@@ -165,6 +176,8 @@ class ElasticSession:
         self.deterministic = deterministic
         self.chaos_kill = chaos_kill
         self._accumulated: torch.Tensor | None = None  # float64 gradient sum (deterministic)
+        self._retained: _Retained | None = None  # from an aborted step
+        self._repair: tuple[int, list[MicroBatch], _Retained] | None = None  # step, plan, kept
         self.committed = 0  # steps committed: the next step to run
         self.generation: Generation | None = None
         self.rank = 0
@@ -477,13 +490,26 @@ class ElasticSession:
         return dist.ProcessGroupGloo(prefixed, rank, generation.world_size, self.timeout)
 
     def _sync_state(self, generation: Generation) -> tuple[int, int]:
-        """Agree on the resume step; ranks behind it receive the state of one that has it."""
+        """Agree on the resume step; ranks behind it receive the state of one that has it.
+
+        The same all-reduce says which ranks kept the gradient of an aborted step:
+        if nobody committed that step and every survivor of its generation kept
+        it, the step is repaired (only the dead ranks' shares are computed again)
+        instead of run again whole.
+        """
         assert self.pg is not None
-        steps = torch.zeros(self.world_size, dtype=torch.int64)
-        steps[self.rank] = self.committed
-        self._wait(self.pg.allreduce([steps]))
+        retained = self._retained
+        self._retained = self._repair = None
+        info = torch.zeros(self.world_size, 3, dtype=torch.int64)
+        info[self.rank] = torch.tensor([
+            self.committed, -1 if retained is None else retained.step,
+            -1 if retained is None else retained.generation.generation])
+        self._wait(self.pg.allreduce([info]))
+        steps = info[:, 0]
         resume = int(steps.max().item())
         source = int((steps == resume).nonzero()[0].item())
+        if retained is not None and retained.step == resume:
+            self._plan_repair(generation, retained, info)
         # Generation 0 also makes every replica start from rank 0's parameters, as DDP does.
         behind = [r for r in range(self.world_size)
                   if r != source and (steps[r] < resume or generation.generation == 0)]
@@ -502,6 +528,21 @@ class ElasticSession:
                 self._record.write(kind="adopt", generation=generation.generation,
                                    step=step, source=source, state_bytes=nbytes)
         return resume, nbytes
+
+    def _plan_repair(self, generation: Generation, retained: _Retained,
+                     info: torch.Tensor) -> None:
+        old = retained.generation
+        here = {m.replica_id: m.rank for m in generation.members}
+        survivors = [m for m in old.members if m.replica_id in here]
+        kept = [tuple(info[here[m.replica_id], 1:].tolist()) for m in survivors]
+        if any(k != (retained.step, old.generation) for k in kept):
+            return  # a survivor has nothing to reuse: run the step again whole
+        lost = [m.rank for m in old.members if m.replica_id not in here]
+        epoch, in_epoch = divmod(retained.step, self.order.steps_per_epoch)
+        plan = self.order.repair_plan(epoch, in_epoch, old.world_size, lost, self.world_size,
+                                      self.rank, self.micro_batch_size,
+                                      aligned=self.deterministic)
+        self._repair = (retained.step, plan, retained)
 
     # --- one step ------------------------------------------------------------------------
 
@@ -527,6 +568,8 @@ class ElasticSession:
             self._accumulated = None
         else:
             summed = self._flat_gradients(torch.float32)
+        if step.kept is not None:  # a repaired step: this rank's share from the aborted try
+            summed = summed + step.kept.gradient
         # One extra element counts the members that have seen a newer (join) generation.
         flat = torch.cat([summed, torch.zeros(1, dtype=summed.dtype)])
         if self.pg is None:
@@ -541,6 +584,8 @@ class ElasticSession:
             self._wait(work)
         except Aborted as exc:
             log.warning("step %d aborted: %s", step.index, exc)
+            self._retained = _Retained(step.index, self.generation, summed, step.indices,
+                                       step.loss)
             self._abandon()
             return False
         self._unflatten(params, flat)
@@ -611,17 +656,23 @@ class Step:
         self.index = index
         order = session.order
         self.epoch, self.step_in_epoch = divmod(index, order.steps_per_epoch)
-        self.plan: list[MicroBatch] = order.plan(self.epoch, self.step_in_epoch,
-                                                 session.world_size, session.rank,
-                                                 session.micro_batch_size,
-                                                 aligned=session.deterministic)
+        self.kept: _Retained | None = None
+        if session._repair is not None and session._repair[0] == index:
+            _, self.plan, self.kept = session._repair
+            session._repair = None
+        else:
+            self.plan = order.plan(self.epoch, self.step_in_epoch, session.world_size,
+                                   session.rank, session.micro_batch_size,
+                                   aligned=session.deterministic)
         self.outcome: bool | None = None
-        self.loss = 0.0
+        self.loss: float | None = None
         self.started = time.perf_counter()
 
     @property
     def indices(self) -> list[int]:
-        return [i for mb in self.plan for i in mb.indices]
+        """The samples this rank's gradient covers (a repaired step's kept share first)."""
+        kept = self.kept.indices if self.kept is not None else []
+        return kept + [i for mb in self.plan for i in mb.indices]
 
     def batches(self) -> Iterator[tuple[Any, float]]:
         """``(batch, weight)`` per micro-batch: scale its mean loss by ``weight``."""
@@ -646,18 +697,26 @@ class Step:
         session = self.session
         record = session._record
         generation = session.generation.generation if session.generation else 0
+        if self.kept is not None and self.kept.loss is not None:
+            loss = self.kept.loss + (loss or 0.0)
+        self.loss = loss
         if record is not None:  # before the gradients leave this process
             record.write(kind="batch", step=self.index, generation=generation,
                          rank=session.rank, world_size=session.world_size,
-                         indices=self.indices, loss=loss)
+                         indices=self.indices, loss=loss,
+                         kept=0 if self.kept is None else len(self.kept.indices))
+        computed = time.perf_counter()
         ok = session._allreduce_gradients(self)
         if ok:
+            reduced = time.perf_counter()
             session.optimizer.step()
             session.committed = self.index + 1
             session.last_step_s = time.perf_counter() - self.started
             if record is not None:
                 record.write(kind="commit", step=self.index, generation=generation,
-                             rank=session.rank)
+                             rank=session.rank, compute_s=computed - self.started,
+                             reduce_s=reduced - computed,
+                             optimizer_s=time.perf_counter() - reduced)
             if session._progress is not None:
                 session._progress.report(session.committed, session.last_step_s,
                                          final=session.committed == session._total_steps)

@@ -15,10 +15,13 @@ to resume at, and why it changed (start, fault, join). A job runs in *slots*
   order, their ranks). A failure *supersedes* a change still in flight: the
   members cannot finish building a process group with a dead peer, so the
   next generation is decided at once.
-* **Replacements.** A failed replica's slot gets a new replica at once (unless
-  its node is lost, or the job's ``max_replacements`` are used up). Below
-  ``min`` the job *waits*: survivors keep their state in memory, and a job
-  still short after ``wait_timeout_s`` is handed back to admission (requeued).
+* **Replacements.** A failed replica's slot gets a new replica (unless its
+  node is lost, or the job's ``max_replacements`` are used up) as soon as the
+  survivors have applied the generation that dropped it, so its start-up
+  (importing torch) does not compete with their recovery; at once if the job
+  is below ``min`` (then nothing trains anyway). Below ``min`` the job
+  *waits*: survivors keep their state in memory, and a job still short after
+  ``wait_timeout_s`` is handed back to admission (requeued).
 * **Joins.** A replica becomes a member only once it reports ready, so
   survivors never wait for a process to start; joiners are appended (highest
   ranks), in slot order, up to ``max``.
@@ -177,6 +180,7 @@ class JobMembership:
     ready: list[str] = dataclasses.field(default_factory=list)  # folded joiners, in order
     waiting_since: float | None = None  # below min since
     complete: bool = False  # a member finished the training
+    to_launch: list[LaunchReplacement] = dataclasses.field(default_factory=list)
 
     @property
     def members(self) -> list[str]:
@@ -240,7 +244,12 @@ class ElasticityCore:
                     job.applied.add(event.replica_id)
                     job.committed[event.replica_id] = max(
                         event.committed_step, job.committed.get(event.replica_id, 0))
-        return decisions + self._advance(job, now, event.event_id)
+        decisions += self._advance(job, now, event.event_id)
+        if job.to_launch and (job.current is None or not job.in_flight
+                              or job.waiting_since is not None):
+            decisions += job.to_launch
+            job.to_launch = []
+        return decisions
 
     def tick(self, now: float) -> list[Decision]:
         """Requeue jobs that stayed below ``min`` for longer than ``wait_timeout_s``."""
@@ -308,16 +317,21 @@ class ElasticityCore:
         job.incarnation[slot] += 1
         new = replica_id(slot, job.incarnation[slot])
         job.launched[new] = slot
-        return [LaunchReplacement(job.job_id, slot, job.slots[slot], new, event.event_id)]
+        job.to_launch.append(LaunchReplacement(job.job_id, slot, job.slots[slot], new,
+                                               event.event_id))
+        return []
 
     def _finished(self, job: JobMembership, event: MemberFinished) -> list[Decision]:
         if event.replica_id not in job.members:
             return []
         job.complete = True
-        waiting = {r: job.replicas[r].slot for r in job.ready} | job.launched
+        unlaunched = {d.replica_id for d in job.to_launch}
+        waiting = {r: job.replicas[r].slot for r in job.ready} | {
+            r: slot for r, slot in job.launched.items() if r not in unlaunched}
         job.ready.clear()
         job.launched.clear()
         job.forming.clear()
+        job.to_launch.clear()
         job.waiting_since = None
         return [StopReplica(job.job_id, slot, job.slots[slot], replica, event.event_id)
                 for replica, slot in sorted(waiting.items())]

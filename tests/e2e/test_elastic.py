@@ -154,6 +154,12 @@ async def run_job(cluster, data_dir: Path, tmp_path: Path, name: str, inject,
     return rec, generations
 
 
+def repaired(records: dict, generation: int) -> bool:
+    """Did the survivors reuse their aborted step's gradients in ``generation``?"""
+    return any(line.get("kept") for lines in records.values() for line in lines
+               if line["kind"] == "batch" and line["generation"] == generation)
+
+
 def check_run(rec: Path, final: Path, reference: dict) -> list[record.StepRecord]:
     records = record.read(rec)
     assert record.verify(records, ORDER, STEPS) == []
@@ -189,6 +195,9 @@ async def test_sigkill_one_of_four_then_a_replacement_joins_with_a_peers_state(
     adopt = next(line for line in joiner if line["kind"] == "adopt")
     assert adopt["step"] > 40 and adopt["state_bytes"] > 0
     assert any(line["kind"] == "commit" for line in joiner)
+    # The survivors' all-reduce was aborted: they kept their gradients and only the dead
+    # rank's share of that step was computed again.
+    assert repaired(record.read(rec), generations[1].generation)
     check_run(rec, tmp_path / "final.pt", reference)
     check_one_trace(data, generations[1])
 

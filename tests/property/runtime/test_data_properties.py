@@ -62,3 +62,25 @@ def test_what_a_step_trains_on_does_not_depend_on_the_world_size(run) -> None:
         aligned = [m for r in range(world)
                    for m in order.plan(0, step, world, r, micro, aligned=True)]
         assert aligned == order.plan(0, step, 1, 0, micro, aligned=True)  # the same micro-batches
+
+
+@SETTINGS
+@given(runs(), st.integers(1, 9), st.data(), st.booleans())
+def test_repairing_an_aborted_step_covers_its_batch_once(run, old_world: int, data,
+                                                         aligned: bool) -> None:
+    order, _, micro = run
+    lost = data.draw(st.lists(st.integers(0, old_world - 1), unique=True,
+                              max_size=old_world - 1))
+    survivors = [r for r in range(old_world) if r not in lost]
+    world = data.draw(st.integers(1, 9))
+    kept = [m for r in survivors
+            for m in order.plan(0, 0, old_world, r, micro, aligned=aligned)]
+    redone = [m for r in range(world)
+              for m in order.repair_plan(0, 0, old_world, lost, world, r, micro,
+                                         aligned=aligned)]
+    used = [i for m in kept + redone for i in m.indices]
+    assert sorted(used) == sorted(order.batch(0, 0))
+    assert math.isclose(sum(m.weight for m in kept + redone), 1.0)
+    if aligned:  # the same micro-batches as a fault-free step: bitwise reproducible
+        assert sorted(m.indices for m in kept + redone) == sorted(
+            m.indices for m in order.plan(0, 0, 1, 0, micro, aligned=True))

@@ -66,10 +66,10 @@ def test_a_replica_failing_at_start_up_is_replaced_and_the_rest_form_the_gang() 
     ready(core, "r0-0")
     ready(core, "r1-0")
     out = core.handle(MemberFailed("j", "r2-0", "exit 1"), 1.0)
-    assert out[0] == LaunchReplacement("j", 2, "n0", "r2-1")
     [g] = generations(out)
     assert [m.replica_id for m in g.members] == ["r0-0", "r1-0"]
-    apply_all(core)
+    # The replacement starts once the members have applied generation 0.
+    assert apply_all(core) == [LaunchReplacement("j", 2, "n0", "r2-1")]
     [g1] = generations(ready(core, "r2-1"))
     assert g1.reason is GenerationReason.JOIN and g1.members[-1].replica_id == "r2-1"
 
@@ -79,12 +79,13 @@ def test_a_fault_drops_the_member_keeps_order_and_launches_a_replacement() -> No
     start(core)
     apply_all(core, step=20)
     out = core.handle(MemberFailed("j", "r1-0", "SIGKILL", event_id="f1"), 1.0)
-    assert LaunchReplacement("j", 1, "n1", "r1-1", "f1") in out
+    assert not [d for d in out if isinstance(d, LaunchReplacement)]  # not during recovery
     [g] = generations(out)
     assert [(m.replica_id, m.rank) for m in g.members] == [("r0-0", 0), ("r2-0", 1), ("r3-0", 2)]
     assert (g.generation, g.reason, g.resume_step) == (1, GenerationReason.FAULT, 20)
     assert g.rendezvous == "j-g1" and "r1-0 (SIGKILL)" in g.cause
     assert next(d for d in out if isinstance(d, PublishGeneration)).cause == "f1"
+    assert apply_all(core) == [LaunchReplacement("j", 1, "n1", "r1-1", "f1")]
 
 
 def test_the_replacement_joins_only_when_ready_and_after_the_change_in_flight() -> None:
@@ -123,6 +124,7 @@ def test_below_min_waits_for_replacements_then_resumes() -> None:
     apply_all(core, step=7)
     out = core.handle(MemberFailed("j", "r1-0"), 1.0)
     assert generations(out) == [] and core.jobs["j"].waiting_since == 1.0
+    assert [d.replica_id for d in out] == ["r1-1"]  # at once: nothing trains meanwhile
     assert core.tick(20.0) == []
     [g] = generations(ready(core, "r1-1", now=25.0))
     assert [m.replica_id for m in g.members] == ["r0-0", "r1-1"]
@@ -145,14 +147,13 @@ def test_a_lost_node_gets_no_replacement_and_budget_is_respected() -> None:
     core = ElasticityCore(max_replacements=1)
     start(core)
     apply_all(core)
-    out = core.handle(MemberFailed("j", "r1-0", replaceable=False), 1.0)
-    assert not [d for d in out if isinstance(d, LaunchReplacement)]
-    apply_all(core)
-    assert any(isinstance(d, LaunchReplacement) for d in core.handle(MemberFailed("j", "r2-0"),
-                                                                     2.0))
-    apply_all(core)
-    assert not [d for d in core.handle(MemberFailed("j", "r3-0"), 3.0)
-                if isinstance(d, LaunchReplacement)]
+    core.handle(MemberFailed("j", "r1-0", replaceable=False), 1.0)
+    assert not [d for d in apply_all(core) if isinstance(d, LaunchReplacement)]
+    core.handle(MemberFailed("j", "r2-0"), 2.0)
+    assert [d.replica_id for d in apply_all(core) if isinstance(d, LaunchReplacement)] == [
+        "r2-1"]
+    core.handle(MemberFailed("j", "r3-0"), 3.0)
+    assert not [d for d in apply_all(core) if isinstance(d, LaunchReplacement)]
 
 
 def test_old_incarnations_and_unknown_replicas_are_ignored() -> None:
@@ -207,9 +208,8 @@ def test_a_member_exiting_zero_completes_the_job_and_stops_waiting_joiners() -> 
     core = ElasticityCore()
     start(core)
     apply_all(core)
-    out = core.handle(MemberFailed("j", "r1-0"), 1.0)
-    assert any(isinstance(d, LaunchReplacement) for d in out)
-    apply_all(core)
+    core.handle(MemberFailed("j", "r1-0"), 1.0)
+    assert any(isinstance(d, LaunchReplacement) for d in apply_all(core))
     # r1-1 is still importing torch when the members finish the training.
     assert core.handle(MemberFinished("j", "r9-9"), 2.0) == []  # not a member: nothing
     [stop] = core.handle(MemberFinished("j", "r0-0"), 2.0)
