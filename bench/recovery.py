@@ -146,6 +146,9 @@ def analyse_phalanx(records: dict[str, list[dict]], events: dict[str, list],
         result["join_pause_steps"] = (join_gap - join_median) / join_median if join_median \
             else None
         result["join_state_bytes"] = max(a["state_bytes"] for a in joined)
+        result["join_breakdown"] = {
+            "rebuild": max(a["built"] - a["received"] for a in joined),
+            "state_copy": max(a["synced"] - a["built"] for a in joined)}
     return result
 
 

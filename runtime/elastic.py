@@ -72,8 +72,10 @@ from phalanx.bus.config import BusConfig
 from phalanx.runtime.bus_thread import BusThread
 from phalanx.runtime.data import ElasticOrder, MicroBatch
 from phalanx.runtime.progress import ProgressReporter
+from phalanx.runtime.reduce import BucketedReduce, bucket_plan
 from phalanx.runtime.state import StateTransferError, receive_state, send_state
 from phalanx.schemas import subjects
+from phalanx.schemas.errors import ConfigError
 from phalanx.schemas.messages import (
     Fault,
     FaultKind,
@@ -177,6 +179,8 @@ class ElasticSession:
         self.chaos_kill = chaos_kill
         self._accumulated: torch.Tensor | None = None  # float64 gradient sum (deterministic)
         self._retained: _Retained | None = None  # from an aborted step
+        self._reduce: BucketedReduce | None = None  # the step's all-reduce, once armed
+        self._buckets: list[list[int]] | None = None
         self._repair: tuple[int, list[MicroBatch], _Retained] | None = None  # step, plan, kept
         self.committed = 0  # steps committed: the next step to run
         self.generation: Generation | None = None
@@ -206,6 +210,12 @@ class ElasticSession:
         ``PHALANX_RANK`` (the slot), ``PHALANX_NODE_ID``, and optionally
         ``PHALANX_RECORD_DIR``, ``PHALANX_STATE_CHECKSUM=1``, ``PHALANX_DETERMINISTIC=1`` and
         ``PHALANX_CHAOS_KILL=<replica>:<step>:<boundary|allreduce>[,...]`` (fault injection).
+        ``PHALANX_ADVERTISE_HOST`` is the address peers reach this replica's store at
+        (default 127.0.0.1: set it on multi-host clusters).
+
+        Raises:
+            BusUnavailable: the bus cannot be reached at start (no generation to join).
+            ConfigError: a malformed ``PHALANX_CHAOS_KILL``.
         """
         env = os.environ if env is None else env
         kwargs.setdefault("record_dir", env.get("PHALANX_RECORD_DIR") or None)
@@ -215,9 +225,13 @@ class ElasticSession:
             kwargs.setdefault("replica_id", "local")
             return cls(model, optimizer, dataset, **kwargs)
         replica_id = env.get("PHALANX_REPLICA_ID") or f"r{env.get('PHALANX_RANK', '0')}-0"
-        chaos_kill = None  # PHALANX_CHAOS_KILL=<replica>:<step>:<phase>[,...]
+        chaos_kill = None
         for item in filter(None, env.get("PHALANX_CHAOS_KILL", "").split(",")):
-            target, step, phase = item.split(":")
+            target, _, rest = item.partition(":")
+            step, _, phase = rest.partition(":")
+            if not step.isdigit() or phase not in ("boundary", "allreduce"):
+                raise ConfigError(f"PHALANX_CHAOS_KILL: {item!r} is not "
+                                  "<replica>:<step>:<boundary|allreduce>")
             if target == replica_id:
                 chaos_kill = (int(step), phase)
         telemetry.setup_tracing("phalanx-rank", env)  # off unless OTEL_* asks for it
@@ -562,38 +576,77 @@ class ElasticSession:
     def _allreduce_gradients(self, step: Step) -> bool:
         """Sum gradients over the members; False if the step was aborted."""
         params = self._params()
-        if self.deterministic:
-            summed = self._accumulated if self._accumulated is not None else torch.zeros(
-                sum(p.numel() for p in params), dtype=torch.float64)
-            self._accumulated = None
+        kept = step.kept.gradient if step.kept is not None else None
+        reduce = self._reduce
+        self._reduce = None
+        if self.deterministic or self.pg is None:
+            if self.deterministic:
+                local = self._accumulated if self._accumulated is not None else torch.zeros(
+                    sum(p.numel() for p in params), dtype=torch.float64)
+                self._accumulated = None
+            else:
+                local = self._flat_gradients(torch.float32)
+            if kept is not None:  # a repaired step: this rank's share from the aborted try
+                local = local + kept
+            if self.pg is None:
+                self._unflatten(params, local)
+                return True
+            # One extra element: how many members have seen a newer (join) generation.
+            flat = torch.cat([local, torch.tensor([self._seen_newer()], dtype=local.dtype)])
+            run = self._reduce_whole(flat, step)
+            local_gradient = (lambda: local)  # noqa: E731  (already at hand)
         else:
-            summed = self._flat_gradients(torch.float32)
-        if step.kept is not None:  # a repaired step: this rank's share from the aborted try
-            summed = summed + step.kept.gradient
-        # One extra element counts the members that have seen a newer (join) generation.
-        flat = torch.cat([summed, torch.zeros(1, dtype=summed.dtype)])
-        if self.pg is None:
-            self._unflatten(params, flat)
-            return True
-        if self._newest_number() > self.generation.generation:
-            flat[-1] = 1.0
+            reduce = reduce or self._bucketed(step)  # not armed: no micro-batch here
+            run = (lambda: reduce.finish(self._wait))  # noqa: E731
+            local_gradient = reduce.local_gradient
         try:
-            work = self.pg.allreduce([flat])
-            if self.chaos_kill == (step.index, "allreduce"):
-                threading.Timer(0.005, self._chaos_kill).start()
-            self._wait(work)
+            flag = run()
         except Aborted as exc:
             log.warning("step %d aborted: %s", step.index, exc)
-            self._retained = _Retained(step.index, self.generation, summed, step.indices,
-                                       step.loss)
+            self._retained = _Retained(step.index, self.generation, local_gradient(),
+                                       step.indices, step.loss)
             self._abandon()
             return False
-        self._unflatten(params, flat)
-        if flat[-1] > 0:
+        if flag > 0:
             self._switch_agreed = True
             if self._newest_number() <= self.generation.generation:
                 self._wait_for_newer(self.generation.generation, self._total_steps)
         return True
+
+    def _seen_newer(self) -> float:
+        return 1.0 if self._newest_number() > self.generation.generation else 0.0
+
+    def _reduce_whole(self, flat: torch.Tensor, step: Step) -> Callable[[], float]:
+        """One all-reduce of the whole flat gradient (deterministic mode)."""
+        def run() -> float:
+            work = self.pg.allreduce([flat])
+            if self.chaos_kill == (step.index, "allreduce"):
+                threading.Timer(0.005, self._chaos_kill).start()
+            self._wait(work)
+            self._unflatten(self._params(), flat)
+            return float(flat[-1])
+
+        return run
+
+    def _bucketed(self, step: Step) -> BucketedReduce:
+        """A bucketed all-reduce for ``step``, started by the gradient hooks as backward runs."""
+        params = self._params()
+        if self._buckets is None:
+            self._buckets = bucket_plan(params)
+            for i, p in enumerate(params):
+                p.register_post_accumulate_grad_hook(
+                    lambda _, i=i: self._reduce.gradient_ready(i) if self._reduce else None)
+        reduce = BucketedReduce(self.pg, params, self._buckets,
+                                step.kept.gradient if step.kept is not None else None,
+                                self._seen_newer)
+        if self.chaos_kill == (step.index, "allreduce"):
+            reduce.on_first_launch = lambda: threading.Timer(0.005, self._chaos_kill).start()
+        return reduce
+
+    def _arm(self, step: Step) -> None:
+        """Before the step's last backward: let the hooks start the all-reduce as it runs."""
+        if not self.deterministic and self.pg is not None:
+            self._reduce = self._bucketed(step)
 
     @staticmethod
     def _unflatten(params: Sequence[torch.nn.Parameter], flat: torch.Tensor) -> None:
@@ -678,7 +731,9 @@ class Step:
         """``(batch, weight)`` per micro-batch: scale its mean loss by ``weight``."""
         session = self.session
         dataset = session.dataset
-        for mb in self.plan:
+        for n, mb in enumerate(self.plan):
+            if n == len(self.plan) - 1:
+                session._arm(self)  # its backward starts the all-reduce
             if hasattr(dataset, "batch"):
                 yield dataset.batch(mb.indices), mb.weight
             else:

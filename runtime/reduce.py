@@ -1,0 +1,120 @@
+"""Gradient all-reduce in buckets, started during the backward pass of a step's last micro-batch.
+
+The parameters are cut into fixed buckets of about :data:`BUCKET_BYTES`, in
+reverse registration order (roughly the order backward produces their
+gradients). During the last micro-batch's backward, a post-accumulate hook
+on each parameter counts it into its bucket; a full bucket is flattened and
+its all-reduce started at once, so communication overlaps the rest of the
+backward pass as DDP's does. Buckets are always started in bucket order, so
+every rank issues the same collectives in the same order whatever order its
+hooks fire in; :meth:`BucketedReduce.finish` starts what is left (a parameter
+without a gradient counts as zeros) and waits for all of them.
+
+The last bucket carries one extra element, the caller's ``flag`` (the
+session uses it to agree on when to switch generations). A ``kept`` flat
+gradient (a repaired step's share from an aborted attempt) is added to each
+bucket's slice before it is sent.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+import torch.distributed as dist
+
+#: Bucket size; DDP's default is 25 MiB.
+BUCKET_BYTES = 25 * 2**20
+
+
+def bucket_plan(params: Sequence[torch.nn.Parameter],
+                bucket_bytes: int = BUCKET_BYTES) -> list[list[int]]:
+    """Parameter indices per bucket, last parameters first."""
+    buckets: list[list[int]] = [[]]
+    size = 0
+    for i in reversed(range(len(params))):
+        nbytes = params[i].numel() * params[i].element_size()
+        if buckets[-1] and size + nbytes > bucket_bytes:
+            buckets.append([])
+            size = 0
+        buckets[-1].append(i)
+        size += nbytes
+    return buckets
+
+
+class BucketedReduce:
+    """One step's gradient all-reduce, bucket by bucket.
+
+    Args:
+        pg: the generation's process group.
+        params: the parameters whose gradients are summed (in a fixed order).
+        plan: :func:`bucket_plan` of ``params``.
+        kept: a flat float32 gradient over ``params`` to add, or None.
+        flag: called once, when the last bucket is started; its value rides along.
+    """
+
+    def __init__(self, pg: dist.ProcessGroup, params: Sequence[torch.nn.Parameter],
+                 plan: list[list[int]], kept: torch.Tensor | None,
+                 flag: Callable[[], float]) -> None:
+        self.pg = pg
+        self.params = params
+        self.plan = plan
+        self.kept = kept
+        self.flag = flag
+        self.offsets = [0]
+        for p in params:
+            self.offsets.append(self.offsets[-1] + p.numel())
+        self.bucket_of = {i: b for b, bucket in enumerate(plan) for i in bucket}
+        self.pending = [len(bucket) for bucket in plan]
+        self.flats: list[torch.Tensor] = []
+        self.works: list[dist.Work] = []
+        self.on_first_launch: Callable[[], None] | None = None
+
+    def gradient_ready(self, index: int) -> None:
+        """The hook of parameter ``index`` fired: its gradient is final for this step."""
+        self.pending[self.bucket_of[index]] -= 1
+        while len(self.works) < len(self.plan) and self.pending[len(self.works)] == 0:
+            self._launch(len(self.works))
+
+    def _launch(self, b: int) -> None:
+        parts = []
+        for i in self.plan[b]:
+            p = self.params[i]
+            grad = (p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1)
+            if self.kept is not None:
+                grad = grad + self.kept[self.offsets[i]:self.offsets[i + 1]]
+            parts.append(grad)
+        if b == len(self.plan) - 1:
+            parts.append(torch.tensor([self.flag()], dtype=parts[0].dtype))
+        flat = torch.cat(parts)  # a copy: the gradients stay as they are until all is done
+        self.flats.append(flat)
+        self.works.append(self.pg.allreduce([flat]))
+        if b == 0 and self.on_first_launch is not None:
+            self.on_first_launch()
+
+    def finish(self, wait: Callable[[dist.Work], None]) -> float:
+        """Start the remaining buckets, wait for all, write the sums into the gradients.
+
+        Returns the flag summed over the ranks. Whatever ``wait`` raises (an abort)
+        propagates, with the gradients untouched.
+        """
+        while len(self.works) < len(self.plan):
+            self._launch(len(self.works))
+        for work in self.works:
+            wait(work)
+        for bucket, flat in zip(self.plan, self.flats, strict=True):
+            offset = 0
+            for i in bucket:
+                p = self.params[i]
+                n = p.numel()
+                if p.grad is None:
+                    p.grad = torch.empty_like(p)
+                p.grad.copy_(flat[offset:offset + n].view_as(p))
+                offset += n
+        return float(self.flats[-1][-1])
+
+    def local_gradient(self) -> torch.Tensor:
+        """This rank's own flat gradient (with ``kept``), e.g. to keep after an abort."""
+        flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1)
+                          for p in self.params])
+        return flat if self.kept is None else flat + self.kept

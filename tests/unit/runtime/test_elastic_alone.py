@@ -1,0 +1,101 @@
+"""The elastic session outside phalanx (world size 1), its data, and its configuration."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from phalanx.runtime import record
+from phalanx.runtime.data import ElasticOrder
+from phalanx.runtime.dataset import MemmapDataset, write_arrays
+from phalanx.runtime.elastic import ElasticSession
+from phalanx.schemas.errors import ConfigError
+
+
+def dataset(tmp_path: Path, n: int = 40) -> MemmapDataset:
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((n, 4), dtype=np.float32)
+    return MemmapDataset(write_arrays(tmp_path / "data", {"x": x, "y": x[:, :2] * 2}))
+
+
+def train(data, *, deterministic: bool, steps: int = 12, micro: int = 3,
+          record_dir: Path | None = None) -> torch.nn.Module:
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 2)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    session = ElasticSession.from_env(
+        model, optimizer, data, env={"PHALANX_RECORD_DIR": str(record_dir or "")},
+        global_batch=8, micro_batch_size=micro, deterministic=deterministic)
+    for step in session.steps(steps):
+        loss = 0.0
+        for (x, y), weight in step.batches():
+            micro_loss = torch.nn.functional.mse_loss(model(x), y) * weight
+            micro_loss.backward()
+            loss += micro_loss.item()
+        assert step.commit(loss=loss)
+    session.close()
+    return model
+
+
+def test_alone_it_trains_every_sample_once_per_epoch_and_records_it(tmp_path: Path) -> None:
+    data = dataset(tmp_path)
+    train(data, deterministic=False, record_dir=tmp_path / "rec")
+    records = record.read(tmp_path / "rec")
+    assert list(records) == ["local"]
+    assert record.verify(records, ElasticOrder(40, 8), 12) == []
+    losses = [s.loss for s in record.timeline(records)]
+    assert losses[-1] < losses[0]
+
+
+def test_deterministic_mode_gives_the_same_model_as_one_big_batch(tmp_path: Path) -> None:
+    data = dataset(tmp_path)
+    a = train(data, deterministic=True, micro=3)
+    b = train(data, deterministic=True, micro=3)
+    c = train(data, deterministic=False, micro=8)
+    for p, q, r in zip(a.parameters(), b.parameters(), c.parameters(), strict=True):
+        assert torch.equal(p, q)
+        torch.testing.assert_close(p, r, rtol=1e-5, atol=1e-6)
+
+
+def test_a_step_that_is_not_committed_is_an_error(tmp_path: Path) -> None:
+    model = torch.nn.Linear(4, 2)
+    session = ElasticSession(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                             dataset(tmp_path), global_batch=8)
+    steps = session.steps(3)
+    next(steps)
+    with pytest.raises(RuntimeError, match="step 0 was not committed"):
+        next(steps)
+
+
+@pytest.mark.parametrize("value", ["r0-0:5", "r0-0:x:boundary", "r0-0:5:middle"])
+def test_a_malformed_chaos_kill_is_refused_by_name(tmp_path: Path, value: str) -> None:
+    model = torch.nn.Linear(4, 2)
+    with pytest.raises(ConfigError, match="PHALANX_CHAOS_KILL"):
+        ElasticSession.from_env(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                                dataset(tmp_path), global_batch=8,
+                                env={"PHALANX_JOB_ID": "j", "PHALANX_NATS_URL": "nats://x:1",
+                                     "PHALANX_CHAOS_KILL": value})
+
+
+def test_a_dataset_is_written_once_and_opened_by_memory_map(tmp_path: Path) -> None:
+    data = dataset(tmp_path, n=10)
+    assert len(data) == 10 and data.fields == ["x", "y"]
+    x, y = data[3]
+    assert x.shape == (4,) and torch.equal(y, x[:2] * 2)
+    xs, _ = data.batch([1, 3, 5])
+    assert xs.shape == (3, 4) and torch.equal(xs[1], x)
+    assert isinstance(data.arrays[0], np.memmap)
+
+
+def test_bad_datasets_are_refused_naming_the_problem(tmp_path: Path) -> None:
+    with pytest.raises(FileNotFoundError, match="not a prepared dataset"):
+        MemmapDataset(tmp_path / "nothing")
+    with pytest.raises(ValueError, match="same number of samples"):
+        write_arrays(tmp_path / "d", {"a": np.zeros(3), "b": np.zeros(4)})
+    with pytest.raises(ValueError, match="not an identifier"):
+        write_arrays(tmp_path / "d", {"a b": np.zeros(3)})
+    with pytest.raises(ValueError, match="at least one field"):
+        write_arrays(tmp_path / "d", {})
