@@ -111,30 +111,33 @@ async def run_elastic(args: argparse.Namespace, out: Path, train: list[str]) -> 
 
 def plot(path: Path, steps: list[record.StepRecord], reference: list[record.StepRecord],
          marks: list[tuple[float, str]]) -> None:
+    """Loss per step against the reference; throughput over time; the events on both."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     t0 = steps[0].committed_at
-    fig, (top, bottom) = plt.subplots(2, 1, figsize=(9, 6.5), sharex=True)
-    times = [s.committed_at - t0 for s in steps]
-    top.plot(times, [s.loss for s in steps], label="phalanx (faults and a join)")
-    ref_t0 = reference[0].committed_at
-    scale = (times[-1] / (reference[-1].committed_at - ref_t0)) if len(reference) > 1 else 1
-    top.plot([(r.committed_at - ref_t0) * scale for r in reference],
-             [r.loss for r in reference], "--", label="fault-free reference (time rescaled)")
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(9, 7))
+    top.plot([s.step for s in steps], [s.loss for s in steps], lw=2.5, alpha=0.6,
+             label="phalanx, through a kill and a join")
+    top.plot([r.step for r in reference], [r.loss for r in reference], "k--", lw=1,
+             label="fault-free run alone")
+    top.set_xlabel("step")
     top.set_ylabel("loss (global batch)")
-    top.legend()
     rates = [(b.committed_at - t0, 64 / (b.committed_at - a.committed_at))
              for a, b in itertools.pairwise(steps) if b.committed_at > a.committed_at]
     bottom.plot([t for t, _ in rates], [r for _, r in rates], color="tab:green")
     bottom.set_ylabel("throughput (samples/s)")
     bottom.set_xlabel("time since the first step (s)")
     for at, label in marks:
-        for axis in (top, bottom):
-            axis.axvline(at - t0, color="tab:red" if "kill" in label else "tab:gray", ls=":")
-        top.annotate(label, (at - t0, top.get_ylim()[1]), rotation=90, va="top", fontsize=8)
+        step = next((s.step for s in steps if s.committed_at >= at), steps[-1].step)
+        color = "tab:red" if "kill" in label else "tab:gray"
+        top.axvline(step, color=color, ls=":")
+        bottom.axvline(at - t0, color=color, ls=":")
+        bottom.annotate(label, (at - t0, bottom.get_ylim()[0]), rotation=90, va="bottom",
+                        fontsize=8)
+    top.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
