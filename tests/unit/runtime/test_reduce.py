@@ -51,8 +51,10 @@ def test_the_sum_is_the_plain_sum_whatever_order_the_hooks_fire_in() -> None:
     expected = [a.grad + b.grad for a, b in zip(model(1).parameters(), model(2).parameters(),
                                                 strict=True)]
 
+    models = [model(1), model(2)]  # built here: threads would race on the global RNG
+
     def body(rank: int, pg: dist.ProcessGroup) -> tuple[list[torch.Tensor], float]:
-        params = list(model(1 + rank).parameters())
+        params = list(models[rank].parameters())
         plan = bucket_plan(params, bucket_bytes=16 * 4 * 8)
         reduce = BucketedReduce(pg, params, plan, None, lambda: float(rank))
         hooks = range(len(params)) if rank == 0 else reversed(range(len(params)))
@@ -69,8 +71,10 @@ def test_the_sum_is_the_plain_sum_whatever_order_the_hooks_fire_in() -> None:
 
 
 def test_a_kept_gradient_is_added_to_this_ranks_share() -> None:
+    models = [model(1), model(1)]
+
     def body(rank: int, pg: dist.ProcessGroup) -> list[torch.Tensor]:
-        params = list(model(1).parameters())
+        params = list(models[rank].parameters())
         for p in params:
             p.grad = torch.zeros_like(p)
         total = sum(p.numel() for p in params)
