@@ -1,9 +1,13 @@
-"""Runs the ``phalanx`` command line as a user would, for the end-to-end tests."""
+"""Helpers of the end-to-end tests: the ``phalanx`` command line as a user runs it, and
+waiting for the bus event a test expects."""
 
 from __future__ import annotations
 
+import asyncio
 import subprocess
 import sys
+from collections.abc import Callable
+from typing import Any
 
 
 def phalanx(*args: str, check: bool = True,
@@ -14,3 +18,15 @@ def phalanx(*args: str, check: bool = True,
     if check:
         assert result.returncode == 0, result.stderr
     return result
+
+
+async def next_of(queue: asyncio.Queue, predicate: Callable[[Any], bool],
+                  timeout_s: float = 30.0) -> Any:
+    """The next item of ``queue`` that satisfies ``predicate`` (others are dropped)."""
+    async def scan() -> Any:
+        while True:
+            item = await queue.get()
+            if predicate(item):
+                return item
+
+    return await asyncio.wait_for(scan(), timeout_s)

@@ -17,7 +17,7 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
-from e2e_cli import phalanx
+from e2e_cli import next_of, phalanx
 
 from phalanx.bus.client import Bus, Delivery
 from phalanx.bus.config import BusConfig
@@ -62,16 +62,6 @@ class Watch:
                             lambda m, d: put(self.states, m, d))
         await bus.subscribe(subjects.health_ranks(), RankProgress,
                             lambda m, d: put(self.progress, m, d))
-
-
-async def next_of(queue: asyncio.Queue, predicate, timeout_s: float = 30.0):
-    async def scan():
-        while True:
-            item = await queue.get()
-            if predicate(item):
-                return item
-
-    return await asyncio.wait_for(scan(), timeout_s)
 
 
 @pytest.fixture
