@@ -59,7 +59,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -87,6 +87,7 @@ from phalanx.schemas.messages import (
 )
 
 log = logging.getLogger("phalanx.runtime")
+T = TypeVar("T")
 
 
 class Aborted(Exception):
@@ -483,25 +484,57 @@ class ElasticSession:
                                                 self.rank, resume))
 
     def _rendezvous(self, generation: Generation, rank: int) -> dist.ProcessGroup:
-        """A gloo group over the generation's namespace in its rank 0's store."""
-        host, _, port = generation.members[0].endpoint.rpartition(":")
-        store = self._stores.get(generation.members[0].endpoint)
+        """A gloo group over the generation's namespace in its rank 0's store.
+
+        Every blocking part (connecting to the store, gloo's connect) runs on a helper
+        thread, so a generation superseded meanwhile (its rank 0 died, say) is given up
+        at once instead of after a store or gloo timeout.
+        """
+        endpoint = generation.members[0].endpoint
+        store = self._stores.get(endpoint)
         if store is None:
-            store = self._store if generation.members[0].replica_id == self.replica_id else \
-                dist.TCPStore(host, int(port), is_master=False, timeout=self.timeout)
-            self._stores[generation.members[0].endpoint] = store
+            if generation.members[0].replica_id == self.replica_id:
+                store = self._store
+            else:
+                host, _, port = endpoint.rpartition(":")
+                store = self._abortable(generation, lambda: dist.TCPStore(
+                    host, int(port), is_master=False, timeout=self.timeout))
+            self._stores[endpoint] = store
         prefixed = dist.PrefixStore(f"{generation.rendezvous}/", store)
-        # Everyone arrives before gloo connects, so a rank that is gone is noticed here,
-        # abortably, rather than inside gloo's connect.
-        prefixed.add("arrived", 1)
-        while int(prefixed.add("arrived", 0)) < generation.world_size:
+        # Everyone arrives before gloo connects, so a rank that is gone is noticed here.
+        self._abortable(generation, lambda: prefixed.add("arrived", 1))
+        while int(self._abortable(generation, lambda: prefixed.add("arrived", 0))) \
+                < generation.world_size:
+            self._wake.wait(0.002)
+            self._wake.clear()
+        return self._abortable(generation, lambda: dist.ProcessGroupGloo(
+            prefixed, rank, generation.world_size, self.timeout))
+
+    def _abortable(self, generation: Generation, call: Callable[[], T]) -> T:
+        """``call()`` on a helper thread; :class:`Aborted` if it fails or ``generation`` is
+        superseded (or the job ends before a joiner gets in) while it runs."""
+        done = threading.Event()
+        outcome: list[Any] = []
+
+        def run() -> None:
+            try:
+                outcome.append(call())
+            except Exception as exc:  # a dead peer's store or socket: not this rank's bug
+                outcome.append(exc)
+            done.set()
+            self._wake.set()
+
+        threading.Thread(target=run, name="phalanx-rendezvous", daemon=True).start()
+        while not done.is_set():
             if self._newest_number() > generation.generation:
                 raise Aborted(f"generation {generation.generation} was superseded")
             if self.generation is None and self._inbox.finished_step >= self._total_steps:
                 raise Aborted("the job finished before this replica joined")
-            self._wake.wait(0.002)
+            self._wake.wait(0.05)
             self._wake.clear()
-        return dist.ProcessGroupGloo(prefixed, rank, generation.world_size, self.timeout)
+        if isinstance(outcome[0], Exception):
+            raise Aborted(f"rendezvous of generation {generation.generation}: {outcome[0]}")
+        return outcome[0]
 
     def _sync_state(self, generation: Generation) -> tuple[int, int]:
         """Agree on the resume step; ranks behind it receive the state of one that has it.

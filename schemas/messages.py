@@ -165,7 +165,10 @@ class JobRecord(Message, tag="phalanx.job_record.v1"):
 
     Published on ``phalanx.job.<job>.state`` whenever it changes. ``nodes``
     holds one node id per admitted replica (a node repeats when it runs
-    several); it is empty unless the job is admitted.
+    several); it is empty unless the job is admitted. ``slots`` names each
+    entry's slot (empty: ``0..len(nodes)-1``): a slot keeps its number while
+    the job runs, so shrinking a placement never renumbers the replicas that
+    stay.
     """
 
     job_id: Ident
@@ -176,6 +179,19 @@ class JobRecord(Message, tag="phalanx.job_record.v1"):
     reason_code: ReasonCode
     reason: str = ""
     nodes: list[Ident] = []
+    slots: list[NonNegInt] = []
+
+    def __post_init__(self) -> None:
+        if self.slots and (len(self.slots) != len(self.nodes)
+                           or len(set(self.slots)) != len(self.slots)):
+            raise ValueError(f"slots {self.slots} must name each of the {len(self.nodes)} "
+                             "nodes entries once")
+
+    def placement(self) -> dict[int, str]:
+        """Slot -> node of an admitted job (empty otherwise)."""
+        if self.state is not JobState.ADMITTED:
+            return {}
+        return dict(zip(self.slots or range(len(self.nodes)), self.nodes, strict=True))
 
 
 class SubmitRequest(Message, tag="phalanx.submit_request.v1"):

@@ -179,6 +179,24 @@ class Fail:
 Decision = Admit | Shrink | Evict | Fail
 
 
+def carry_slots(old_nodes: list[str], old_slots: list[int], new_nodes: list[str]) -> list[int]:
+    """Slot numbers for ``new_nodes``: an entry that stays keeps its slot (the k-th entry of
+    a node keeps the k-th of that node's old slots); a new entry gets a fresh number."""
+    old_slots = old_slots or list(range(len(old_nodes)))
+    free: dict[str, list[int]] = {}
+    for node, slot in zip(old_nodes, old_slots, strict=True):
+        free.setdefault(node, []).append(slot)
+    fresh = max(old_slots, default=-1) + 1
+    slots = []
+    for node in new_nodes:
+        if free.get(node):
+            slots.append(free[node].pop(0))
+        else:
+            slots.append(fresh)
+            fresh += 1
+    return slots
+
+
 # --- state ---------------------------------------------------------------------------------
 
 

@@ -347,9 +347,13 @@ class AdmissionService(Service):
                 submitted_at=gang.submitted_at, updated_at=now, reason_code=reason.code)
             if base.state.terminal and base.state is not gang.state:
                 return base  # a cancel written meanwhile wins; its watch event follows
+            nodes = list(gang.nodes)
+            slots = core.carry_slots(base.nodes, base.slots, nodes) \
+                if base.state is JobState.ADMITTED and gang.state is JobState.ADMITTED else []
             return msgspec.structs.replace(base, state=gang.state, updated_at=now,
                                            reason_code=reason.code, reason=reason.message,
-                                           nodes=list(gang.nodes))
+                                           nodes=nodes,
+                                           slots=[] if slots == list(range(len(nodes))) else slots)
 
         entry = await self.jobs.modify(gang.job_id, change)
         record = entry.value
@@ -446,7 +450,8 @@ class AdmissionService(Service):
                 return current
             return msgspec.structs.replace(
                 current, state=JobState.CANCELLED, updated_at=now,
-                reason_code=ReasonCode.CANCELLED, reason="cancelled by request", nodes=[])
+                reason_code=ReasonCode.CANCELLED, reason="cancelled by request", nodes=[],
+                slots=[])
 
         entry = await self.jobs.modify(request.job_id, cancel)
         term.events.put_nowait(core.JobCancelled(request.job_id, event_id="cancel"))

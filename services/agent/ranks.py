@@ -1,13 +1,13 @@
 """The rank processes of one node: launch, watch, stop, and adopt after an agent crash.
 
-Which ranks run here follows from admitted job records: rank (slot) ``i`` of
-a job runs on ``nodes[i]``. :meth:`RankSet.reconcile` launches what a record
-wants and was never launched, and stops what it no longer wants; a record
-that is not admitted (pending again, cancelled, finished) stops every rank of
-its job. The process in a slot is a *replica*, ``r<slot>-0`` at first;
-elasticity replaces a failed one with ``r<slot>-1`` … through
-:meth:`RankSet.replace`, so a rank that died is never restarted behind
-elasticity's back.
+Which ranks run here follows from admitted job records: rank (slot) ``s`` of
+a job runs on the node the record places slot ``s`` on.
+:meth:`RankSet.reconcile` launches what a record wants and was never
+launched, and stops what it no longer wants; a record that is not admitted
+(pending again, cancelled, finished) stops every rank of its job. The
+process in a slot is a *replica*, ``r<slot>-0`` at first; elasticity
+replaces a failed one with ``r<slot>-1`` … through :meth:`RankSet.replace`,
+so a rank that died is never restarted behind elasticity's back.
 
 A rank gets the environment a torchrun script expects (``RANK``,
 ``LOCAL_RANK``, ``WORLD_SIZE``, ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR``,
@@ -106,19 +106,29 @@ class RankSet:
 
     # --- desired state ------------------------------------------------------------------
 
-    async def reconcile(self, record: JobRecord) -> None:
-        """Make this node run exactly the ranks ``record`` places here."""
+    async def reconcile(self, record: JobRecord, *, elastic: bool = False) -> None:
+        """Make this node run exactly the ranks ``record`` places here.
+
+        ``elastic``: the job's membership is managed by elasticity, so a rank keeps
+        running as long as its slot stays here, whatever else the placement does;
+        otherwise (a torchrun-style job) a changed placement restarts the job's ranks
+        with the new world.
+        """
         placement = tuple(record.nodes) if record.state is JobState.ADMITTED else ()
-        wanted = {i for i, node in enumerate(placement) if node == self.node_id}
-        for (job_id, rank), running in list(self.ranks.items()):
-            if job_id == record.job_id and (rank not in wanted or running.placement != placement):
+        wanted = {s for s, node in record.placement().items() if node == self.node_id}
+
+        def outdated(slot: int, launched_in: tuple[str, ...]) -> bool:
+            return slot not in wanted or (not elastic and launched_in != placement)
+
+        for (job_id, slot), running in list(self.ranks.items()):
+            if job_id == record.job_id and outdated(slot, running.placement):
                 await self.stop(running)
         for key in [k for k in self.launched if k[0] == record.job_id]:
-            if self.launched[key][0] != placement:
+            if outdated(key[1], self.launched[key][0]):
                 del self.launched[key]
-        for rank in sorted(wanted):
-            if (record.job_id, rank) not in self.launched:
-                await self._launch(record, rank, placement, f"r{rank}-0")
+        for slot in sorted(wanted):
+            if (record.job_id, slot) not in self.launched:
+                await self._launch(record, slot, placement, f"r{slot}-0")
 
     async def replace(self, record: JobRecord, slot: int, replica_id: str) -> int:
         """Run ``replica_id`` in ``slot``, stopping what runs there first; returns its pid.
@@ -128,7 +138,7 @@ class RankSet:
             OSError: the command cannot start.
         """
         placement = tuple(record.nodes) if record.state is JobState.ADMITTED else ()
-        if not slot < len(placement) or placement[slot] != self.node_id:
+        if record.placement().get(slot) != self.node_id:
             raise LookupError(f"slot {slot} of {record.job_id} is not placed on {self.node_id}")
         running = self.ranks.get((record.job_id, slot))
         if running is not None:
@@ -151,7 +161,7 @@ class RankSet:
     async def _launch(self, record: JobRecord, rank: int, placement: tuple[str, ...],
                       replica_id: str) -> Rank | None:
         spec = record.spec
-        local = [i for i, node in enumerate(placement) if node == self.node_id]
+        local = sorted(s for s, node in record.placement().items() if node == self.node_id)
         env = {
             **os.environ, **spec.env,
             "RANK": str(rank), "LOCAL_RANK": str(local.index(rank)),

@@ -23,10 +23,12 @@ from phalanx.bus.config import BusConfig
 from phalanx.bus.errors import Conflict, RequestRefused
 from phalanx.bus.kv import TypedKV
 from phalanx.schemas import __version__, subjects
+from phalanx.schemas.errors import PhalanxError
 from phalanx.schemas.messages import (
     ChaosAction,
     ChaosReply,
     ChaosRequest,
+    Generation,
     JobRecord,
     LaunchReplica,
     NodeHeartbeat,
@@ -67,6 +69,7 @@ class AgentService(Service):
         self.ranks: RankSet | None = None
         self._job_locks: dict[str, asyncio.Lock] = {}
         self.jobs: TypedKV[JobRecord] | None = None
+        self.generations: TypedKV[Generation] | None = None
 
     async def setup(self) -> None:
         assert self.bus is not None
@@ -95,6 +98,8 @@ class AgentService(Service):
         await self.bus.subscribe(subjects.job_states(), JobRecord, self.on_job_state)
         jobs = await TypedKV.open(self.bus.js, subjects.JOBS_BUCKET, JobRecord)
         self.jobs = jobs
+        self.generations = await TypedKV.open(self.bus.js, subjects.GENERATIONS_BUCKET,
+                                              Generation)
         records, _ = await jobs.entries()
         known = {r.value.job_id for r in records}
         for entry in records:
@@ -155,9 +160,18 @@ class AgentService(Service):
         assert self.ranks is not None
         async with self._job_locks.setdefault(record.job_id, asyncio.Lock()):
             try:
-                await self.ranks.reconcile(record)
+                await self.ranks.reconcile(record, elastic=await self._elastic(record.job_id))
             except Exception:  # one job's trouble must not stop the agent
                 log.exception("reconciling %s failed", record.job_id)
+
+    async def _elastic(self, job_id: str) -> bool:
+        """Is the job's membership managed by elasticity (it has a generation)?"""
+        assert self.generations is not None
+        try:
+            return await self.generations.get(job_id) is not None
+        except PhalanxError as exc:
+            log.warning("cannot read %s's generation: %s", job_id, exc)
+            return False
 
     async def _stop_job(self, job_id: str) -> None:
         assert self.ranks is not None

@@ -43,7 +43,6 @@ Events carry the ``event_id`` of what caused them; decisions carry it as
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable
 
 from phalanx.schemas.messages import Generation, GenerationReason, Member
 
@@ -52,12 +51,22 @@ from phalanx.schemas.messages import Generation, GenerationReason, Member
 
 @dataclasses.dataclass(frozen=True)
 class JobStarted:
-    """Admission placed the job: slot ``i`` runs replica ``r<i>-0`` on ``nodes[i]``."""
+    """Admission placed the job: each slot ``s`` runs replica ``r<s>-0`` on ``slots[s]``."""
 
     job_id: str
-    nodes: tuple[str, ...]
+    slots: dict[int, str]
     min_members: int
     max_members: int
+    event_id: str = ""
+
+
+@dataclasses.dataclass(frozen=True)
+class PlacementChanged:
+    """Admission moved the running job to ``slots``: new slots get ``r<s>-0``; slots gone
+    get no more replacements (their members' faults come from health)."""
+
+    job_id: str
+    slots: dict[int, str]
     event_id: str = ""
 
 
@@ -104,8 +113,8 @@ class JobStopped:
     event_id: str = ""
 
 
-Event = (JobStarted | MemberFailed | ReplicaReady | GenerationApplied | MemberFinished
-         | JobStopped)
+Event = (JobStarted | PlacementChanged | MemberFailed | ReplicaReady | GenerationApplied
+         | MemberFinished | JobStopped)
 
 # --- decisions -----------------------------------------------------------------------------
 
@@ -167,7 +176,7 @@ class JobMembership:
     job_id: str
     min_members: int
     max_members: int
-    slots: tuple[str, ...]  # slot -> node
+    slots: dict[int, str]  # slot -> node
     replacements_left: int
     current: Generation | None = None  # None until generation 0 forms
     replicas: dict[str, Replica] = dataclasses.field(default_factory=dict)  # members + ready
@@ -222,7 +231,8 @@ class ElasticityCore:
             case JobStopped():
                 self.jobs.pop(event.job_id, None)
                 return []
-            case MemberFailed() | ReplicaReady() | GenerationApplied() | MemberFinished():
+            case (MemberFailed() | ReplicaReady() | GenerationApplied() | MemberFinished()
+                  | PlacementChanged()):
                 job = self.jobs.get(event.job_id)
             case _:
                 raise TypeError(f"unknown event {event!r}")
@@ -234,6 +244,11 @@ class ElasticityCore:
         match event:
             case MemberFinished():
                 return self._finished(job, event)
+            case PlacementChanged():
+                for slot in sorted(set(event.slots) - set(job.slots)):  # grown
+                    job.launched[replica_id(slot, 0)] = slot
+                    job.incarnation[slot] = 0
+                job.slots = dict(event.slots)
             case MemberFailed():
                 decisions += self._failed(job, event)
             case ReplicaReady():
@@ -262,14 +277,14 @@ class ElasticityCore:
                     f"{self.wait_timeout_s:g} s"), "wait-timeout"))
         return decisions
 
-    def restore(self, generation: Generation, nodes: Iterable[str], min_members: int,
+    def restore(self, generation: Generation, slots: dict[int, str], min_members: int,
                 max_members: int) -> None:
         """Take over a job whose current generation a previous instance stored.
 
         Its members are taken to have applied it; replicas that were starting
         will report ready again (the runtime repeats its report until it joins).
         """
-        job = JobMembership(generation.job_id, min_members, max_members, tuple(nodes),
+        job = JobMembership(generation.job_id, min_members, max_members, dict(slots),
                             self.max_replacements, current=generation)
         for m in generation.members:
             slot, incarnation = _slot_of(m.replica_id)
@@ -286,9 +301,9 @@ class ElasticityCore:
             return  # replayed
         if not 1 <= event.min_members <= event.max_members:
             raise ValueError(f"need 1 <= min <= max, got {event.min_members}..{event.max_members}")
-        job = JobMembership(event.job_id, event.min_members, event.max_members, event.nodes,
-                            self.max_replacements)
-        for slot in range(len(event.nodes)):
+        job = JobMembership(event.job_id, event.min_members, event.max_members,
+                            dict(event.slots), self.max_replacements)
+        for slot in sorted(event.slots):
             job.launched[replica_id(slot, 0)] = slot
             job.incarnation[slot] = 0
         job.forming = set(job.launched)
@@ -310,7 +325,7 @@ class ElasticityCore:
             job.ready.remove(replica)
         else:
             return []  # an old incarnation, or never ours
-        if not event.replaceable or job.replacements_left == 0 \
+        if not event.replaceable or job.replacements_left == 0 or slot not in job.slots \
                 or job.incarnation.get(slot, 0) != _slot_of(replica)[1]:
             return []
         job.replacements_left -= 1
@@ -334,7 +349,7 @@ class ElasticityCore:
         job.to_launch.clear()
         job.waiting_since = None
         return [StopReplica(job.job_id, slot, job.slots[slot], replica, event.event_id)
-                for replica, slot in sorted(waiting.items())]
+                for replica, slot in sorted(waiting.items()) if slot in job.slots]
 
     def _ready(self, job: JobMembership, event: ReplicaReady) -> None:
         replica = event.replica_id

@@ -87,7 +87,7 @@ class ElasticityService(Service):
                 await self.generations.delete(entry.key)
                 continue
             replicas = record.spec.replicas
-            self.core.restore(entry.value, record.nodes, replicas.min, replicas.max)
+            self.core.restore(entry.value, record.placement(), replicas.min, replicas.max)
         for record in admitted.values():
             await self._job_state(record)
         bus = self.bus
@@ -109,6 +109,9 @@ class ElasticityService(Service):
         if record.state is JobState.ADMITTED:
             if job_id not in self.core.jobs:
                 self.records[job_id] = record
+            else:  # shrunk (a node lost) or grown: slots that stay keep their numbers
+                await self._feed(core.PlacementChanged(job_id, record.placement(),
+                                                       event_id="record"))
             return
         self.records.pop(job_id, None)
         self.early_faults.pop(job_id, None)
@@ -121,7 +124,7 @@ class ElasticityService(Service):
         record = self.records.pop(msg.job_id, None)
         if record is not None:  # the first ready replica: the job uses the runtime
             replicas = record.spec.replicas
-            await self._feed(core.JobStarted(msg.job_id, tuple(record.nodes), replicas.min,
+            await self._feed(core.JobStarted(msg.job_id, record.placement(), replicas.min,
                                              replicas.max, event_id="admitted"))
             for fault in self.early_faults.pop(msg.job_id, []):
                 await self._on_fault(fault, _)

@@ -98,7 +98,7 @@ class HealthPolicy:
 
 @dataclasses.dataclass(frozen=True)
 class JobWatched:
-    """A job is admitted: rank ``i`` runs on ``nodes[i]``.
+    """A job is admitted: rank (slot) ``slots[i]`` runs on ``nodes[i]``; no slots: ``i``.
 
     Sent again with another placement or timeout, it replaces the watch and
     starts every rank afresh; sent again unchanged, it changes nothing.
@@ -107,10 +107,14 @@ class JobWatched:
     job_id: str
     nodes: tuple[str, ...]
     hang_timeout_s: float
+    slots: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if not self.nodes:
             raise ValueError(f"JobWatched {self.job_id!r}: nodes must not be empty")
+        if self.slots and (len(self.slots) != len(self.nodes)
+                           or len(set(self.slots)) != len(self.slots)):
+            raise ValueError(f"JobWatched {self.job_id!r}: slots must name each node entry once")
         if not math.isfinite(self.hang_timeout_s) or self.hang_timeout_s <= 0:
             raise ValueError(f"JobWatched {self.job_id!r}: hang_timeout_s must be a positive "
                              f"finite number, got {self.hang_timeout_s!r}")
@@ -266,7 +270,8 @@ class JobHealth:
     job_id: str
     nodes: tuple[str, ...]
     hang_timeout_s: float
-    ranks: list[RankHealth] = dataclasses.field(default_factory=list)
+    slots: tuple[int, ...] = ()
+    ranks: dict[int, RankHealth] = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass(eq=False)
@@ -343,18 +348,18 @@ class HealthCore:
 
     def _watched(self, event: JobWatched) -> None:
         job = self.jobs.get(event.job_id)
-        if (job is not None and job.nodes == event.nodes
+        slots = tuple(event.slots) or tuple(range(len(event.nodes)))
+        if (job is not None and job.nodes == event.nodes and job.slots == slots
                 and job.hang_timeout_s == event.hang_timeout_s):
             return  # a replay
-        job = JobHealth(event.job_id, tuple(event.nodes), event.hang_timeout_s)
-        job.ranks = [RankHealth(job, i, node_id) for i, node_id in enumerate(job.nodes)]
+        job = JobHealth(event.job_id, tuple(event.nodes), event.hang_timeout_s, slots)
+        job.ranks = {slot: RankHealth(job, slot, node_id)
+                     for slot, node_id in zip(slots, job.nodes, strict=True)}
         self.jobs[event.job_id] = job  # old rank entries in the heap are stale now
 
     def _rank(self, job_id: str, rank: int) -> RankHealth | None:
         job = self.jobs.get(job_id)
-        if job is None or not 0 <= rank < len(job.ranks):
-            return None
-        return job.ranks[rank]
+        return None if job is None else job.ranks.get(rank)
 
     def _started(self, event: RankStarted) -> None:
         old = self._rank(event.job_id, event.rank)
@@ -379,7 +384,7 @@ class HealthCore:
     def _finish_if_done(self, job: JobHealth) -> list[Decision]:
         """Finished: some rank exited 0 and every other one too, or was stopped by its agent
         (an elastic job's replica that was no longer needed)."""
-        exits = [r.exit for r in job.ranks]
+        exits = [r.exit for r in job.ranks.values()]
         if RankExit.DONE in exits and all(e in (RankExit.DONE, RankExit.STOPPED) for e in exits):
             del self.jobs[job.job_id]
             return [FinishJob(job.job_id)]
@@ -400,7 +405,7 @@ class HealthCore:
     def _judge_straggler(self, rank: RankHealth, event: ProgressReported,
                          now: float) -> list[Decision]:
         policy = self.policy
-        others = [r.step_time for r in rank.job.ranks
+        others = [r.step_time for r in rank.job.ranks.values()
                   if r is not rank and r.exit is None and r.step_time is not None]
         if not others or len(others) + 1 < policy.straggler_min_ranks:
             rank.slow_reports = 0
@@ -451,7 +456,7 @@ class HealthCore:
                 return None
             return item.last_heartbeat + self.policy.node_timeout_s
         job = item.job
-        if (self.jobs.get(job.job_id) is not job or job.ranks[item.rank] is not item
+        if (self.jobs.get(job.job_id) is not job or job.ranks.get(item.rank) is not item
                 or item.exit is not None or item.last_progress is None or item.hang_raised
                 or item.done):
             return None
@@ -523,7 +528,7 @@ class HealthCore:
 
     def _ranks_on(self, node_id: str) -> list[RankHealth]:
         """Ranks of watched jobs on ``node_id`` that have not exited, in watch order."""
-        return [r for job in self.jobs.values() for r in job.ranks
+        return [r for job in self.jobs.values() for r in job.ranks.values()
                 if r.node_id == node_id and r.exit is None]
 
     def _charge(self, node_id: str, at: float, kind: FaultKind) -> list[Decision]:
@@ -549,10 +554,10 @@ class HealthCore:
         for job_id, job in self.jobs.items():
             assert job.job_id == job_id, f"{job_id} filed under another id"
             assert len(job.ranks) == len(job.nodes) > 0, f"{job_id} ranks drifted"
-            assert not (any(r.exit == RankExit.DONE for r in job.ranks) and all(
-                r.exit in (RankExit.DONE, RankExit.STOPPED) for r in job.ranks)), \
+            assert not (any(r.exit == RankExit.DONE for r in job.ranks.values()) and all(
+                r.exit in (RankExit.DONE, RankExit.STOPPED) for r in job.ranks.values())), \
                 f"{job_id} unfinished"
-            for i, rank in enumerate(job.ranks):
+            for i, rank in job.ranks.items():
                 assert rank.job is job and rank.rank == i, f"{job_id} rank {i} misfiled"
                 assert rank.exit in (None, RankExit.DONE, RankExit.CRASHED, RankExit.STOPPED)
                 assert rank.slow_reports >= 0
@@ -576,7 +581,7 @@ class HealthCore:
                 deadline = self._deadline(item)
                 assert deadline is None or at <= deadline, "a heap entry is after its deadline"
         for job in self.jobs.values():
-            for rank in job.ranks:
+            for rank in job.ranks.values():
                 self._check_timed(rank, entries[id(rank)])
         for node in self.nodes.values():
             self._check_timed(node, entries[id(node)])

@@ -93,7 +93,7 @@ class HealthService(Service):
     async def _job_state(self, record: JobRecord) -> None:
         if record.state is JobState.ADMITTED:
             await self._feed(core.JobWatched(record.job_id, tuple(record.nodes),
-                                             record.spec.hang_timeout_s))
+                                             record.spec.hang_timeout_s, tuple(record.slots)))
         elif record.job_id in self.core.jobs:
             await self._feed(core.JobEnded(record.job_id))
             for key in [k for k in self.replicas if k[0] == record.job_id]:
@@ -182,7 +182,7 @@ class HealthService(Service):
                 return current  # type: ignore[return-value]
             return msgspec.structs.replace(current, state=JobState.FINISHED, updated_at=now,
                                            reason_code=ReasonCode.FINISHED,
-                                           reason="every rank exited 0", nodes=[])
+                                           reason="every rank exited 0", nodes=[], slots=[])
 
         if await self.jobs.get(job_id) is None:
             return

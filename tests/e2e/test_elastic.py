@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import signal
 import subprocess
 import sys
 from collections.abc import AsyncIterator
@@ -267,3 +268,49 @@ async def test_two_faults_within_one_step(
     assert repaired(records, faults[-1].generation)
     steps = check_run(rec, tmp_path / "final.pt", reference)
     assert min(s.world_size for s in steps) == 2  # both faults took effect
+
+
+def pids_of(job_id: str, node_id: str) -> list[int]:
+    """The live rank processes of ``job_id`` on ``node_id`` (from their environment)."""
+    pids = []
+    wanted = {f"PHALANX_JOB_ID={job_id}".encode(), f"PHALANX_NODE_ID={node_id}".encode()}
+    for proc in Path("/proc").iterdir():
+        try:
+            environ = set((proc / "environ").read_bytes().split(b"\0"))
+        except OSError:
+            continue
+        if proc.name.isdigit() and wanted <= environ:
+            pids.append(int(proc.name))
+    return pids
+
+
+async def test_a_whole_node_dies_and_the_survivors_go_on_in_process(
+        cluster, data_dir: Path, reference: dict, tmp_path: Path) -> None:
+    """Last in this module: the cluster loses a node for good."""
+    data = cluster[0]
+    lost: list[str] = []
+
+    async def node_dies(job_id: str, watch: Watch) -> None:
+        await progressed(watch, job_id, 40)
+        pids = pids_of(job_id, "local-1")
+        assert len(pids) == 2
+        phalanx("chaos", "kill-agent", "local-1", "--data-dir", str(data))
+        for pid in pids:  # the machine's ranks die with it
+            os.kill(pid, signal.SIGKILL)
+        lost.extend(pids)
+
+    rec, generations = await run_job(cluster, data_dir, tmp_path, "node", node_dies)
+    on_lost = {m.replica_id for m in generations[0].members if m.node_id == "local-1"}
+    # The lost node's ranks fall silent: health reports each (a hang or the node loss,
+    # whichever times out first), and elasticity drops them, with no replacement on it.
+    fault = [g for g in generations if g.reason is GenerationReason.FAULT][-1]
+    assert {m.replica_id for m in fault.members} == {
+        m.replica_id for m in generations[0].members} - on_lost
+    assert {m.replica_id for m in generations[-1].members} == {
+        m.replica_id for m in fault.members}
+    # The survivors were never restarted: the same two processes trained to the end.
+    records = record.read(rec)
+    for member in fault.members:
+        assert [line["step"] for line in records[member.replica_id]
+                if line["kind"] == "commit"][-1] == STEPS - 1
+    check_run(rec, tmp_path / "final.pt", reference)

@@ -26,6 +26,7 @@ from phalanx.schemas.messages import (
     ChaosAction,
     ChaosRequest,
     Generation,
+    JobRecord,
     Message,
     NodeHeartbeat,
     NodeRecord,
@@ -87,6 +88,12 @@ def _fix_snapshot(kw: dict[str, Any]) -> dict[str, Any]:
     return kw
 
 
+def _fix_job_record(kw: dict[str, Any]) -> dict[str, Any]:
+    if "slots" in kw:
+        kw["slots"] = list(range(len(kw.get("nodes", [])))) if kw["slots"] else []
+    return kw
+
+
 def _fix_chaos(kw: dict[str, Any]) -> dict[str, Any]:
     if kw["action"] is ChaosAction.KILL_RANK:
         kw["job_id"] = kw.get("job_id") or "job"
@@ -100,6 +107,7 @@ FIXUPS: dict[type, Callable[[dict[str, Any]], dict[str, Any]]] = {
     NodeRecord: _fix_node_record,
     Generation: _fix_generation,
     SnapshotRecord: _fix_snapshot,
+    JobRecord: _fix_job_record,
     ChaosRequest: _fix_chaos,
 }
 

@@ -26,7 +26,7 @@ ops = st.lists(st.tuples(st.sampled_from(["fail", "ready", "apply", "tick"]),
 def test_generations_under_random_events(lo: int, extra: int, events) -> None:
     hi = lo + extra
     core = ElasticityCore(wait_timeout_s=10, max_replacements=6)
-    core.handle(JobStarted("j", tuple(f"n{i}" for i in range(hi)), lo, hi), 0)
+    core.handle(JobStarted("j", {i: f"n{i}" for i in range(hi)}, lo, hi), 0)
     published = []
     dead: set[str] = set()
     known = [f"r{i}-0" for i in range(hi)]  # every replica ever launched
@@ -36,7 +36,8 @@ def test_generations_under_random_events(lo: int, extra: int, events) -> None:
         job = core.jobs.get("j")
         if job is None:
             break
-        in_flight = job.current is not None and job.in_flight
+        # A change is waited for only while none of its members has died.
+        in_flight = job.current is not None and job.in_flight and not set(job.members) & dead
         replica = known[n % len(known)]
         slot = int(replica[1:].split("-")[0])
         if kind == "fail":

@@ -13,6 +13,7 @@ from phalanx.services.elasticity.core import (
     LaunchReplacement,
     MemberFailed,
     MemberFinished,
+    PlacementChanged,
     PublishGeneration,
     ReplicaReady,
     Requeue,
@@ -26,7 +27,7 @@ def ready(core: ElasticityCore, replica: str, now: float = 0.0) -> list:
 
 
 def start(core: ElasticityCore, n: int = 4, lo: int = 2, hi: int = 4) -> PublishGeneration:
-    assert core.handle(JobStarted("j", tuple(f"n{i % 2}" for i in range(n)), lo, hi), 0.0) == []
+    assert core.handle(JobStarted("j", {i: f"n{i % 2}" for i in range(n)}, lo, hi), 0.0) == []
     out = []
     for slot in reversed(range(n)):  # readiness order does not decide ranks
         out += ready(core, f"r{slot}-0")
@@ -51,7 +52,7 @@ def generations(decisions: list) -> list:
 
 def test_generation_zero_forms_once_every_replica_is_ready_in_slot_order() -> None:
     core = ElasticityCore()
-    core.handle(JobStarted("j", ("n0", "n1", "n0"), 2, 3), 0.0)
+    core.handle(JobStarted("j", {0: "n0", 1: "n1", 2: "n0"}, 2, 3), 0.0)
     assert ready(core, "r2-0") == [] and ready(core, "r0-0") == []
     [g] = generations(ready(core, "r1-0"))
     assert (g.generation, g.world_size, g.reason) == (0, 3, GenerationReason.START)
@@ -62,7 +63,7 @@ def test_generation_zero_forms_once_every_replica_is_ready_in_slot_order() -> No
 
 def test_a_replica_failing_at_start_up_is_replaced_and_the_rest_form_the_gang() -> None:
     core = ElasticityCore()
-    core.handle(JobStarted("j", ("n0", "n1", "n0"), 2, 3), 0.0)
+    core.handle(JobStarted("j", {0: "n0", 1: "n1", 2: "n0"}, 2, 3), 0.0)
     ready(core, "r0-0")
     ready(core, "r1-0")
     out = core.handle(MemberFailed("j", "r2-0", "exit 1"), 1.0)
@@ -170,7 +171,7 @@ def test_old_incarnations_and_unknown_replicas_are_ignored() -> None:
 
 def test_joins_stop_at_max() -> None:
     core = ElasticityCore()
-    core.handle(JobStarted("j", ("n0", "n1", "n0"), 1, 2), 0.0)
+    core.handle(JobStarted("j", {0: "n0", 1: "n1", 2: "n0"}, 1, 2), 0.0)
     out = []
     for r in ("r0-0", "r1-0", "r2-0"):
         out += ready(core, r)
@@ -186,7 +187,7 @@ def test_restore_takes_over_a_stored_generation() -> None:
     core = ElasticityCore()
     g = start(core).generation
     other = ElasticityCore()
-    other.restore(g, ("n0", "n1", "n0", "n1"), 2, 4)
+    other.restore(g, {0: "n0", 1: "n1", 2: "n0", 3: "n1"}, 2, 4)
     [g1] = generations(other.handle(MemberFailed("j", "r3-0"), 1.0))
     assert g1.generation == 1 and g1.world_size == 3
     other.check_invariants()
@@ -197,7 +198,7 @@ def test_stopped_jobs_are_forgotten_and_bad_input_is_refused() -> None:
     start(core)
     assert core.handle(JobStopped("j"), 1.0) == [] and "j" not in core.jobs
     with pytest.raises(ValueError, match="min <= max"):
-        core.handle(JobStarted("k", ("n",), 3, 2), 0.0)
+        core.handle(JobStarted("k", {0: "n"}, 3, 2), 0.0)
     with pytest.raises(TypeError):
         core.handle(object(), 0.0)  # type: ignore[arg-type]
     with pytest.raises(ValueError):
@@ -216,4 +217,20 @@ def test_a_member_exiting_zero_completes_the_job_and_stops_waiting_joiners() -> 
     assert stop == StopReplica("j", 1, "n1", "r1-1")
     assert ready(core, "r1-1") == []  # too late: no join generation
     assert core.handle(MemberFailed("j", "r2-0"), 3.0) == []  # no replacement either
+    core.check_invariants()
+
+
+def test_a_shrunk_placement_keeps_slot_numbers_and_a_grown_one_gets_new_replicas() -> None:
+    core = ElasticityCore()
+    start(core)
+    apply_all(core)
+    # n1 is lost: admission keeps slots 0 and 2 (on n0); health reports r1-0 and r3-0.
+    assert core.handle(PlacementChanged("j", {0: "n0", 2: "n0"}), 1.0) == []
+    core.handle(MemberFailed("j", "r1-0", replaceable=False), 1.0)
+    [g] = generations(core.handle(MemberFailed("j", "r3-0", replaceable=False), 1.0))
+    assert [m.replica_id for m in g.members] == ["r0-0", "r2-0"]
+    assert apply_all(core) == []  # no replacement where the slots are gone
+    core.handle(PlacementChanged("j", {0: "n0", 2: "n0", 4: "n2"}), 2.0)  # grown again
+    [g1] = generations(ready(core, "r4-0"))
+    assert [m.replica_id for m in g1.members] == ["r0-0", "r2-0", "r4-0"]
     core.check_invariants()

@@ -377,9 +377,20 @@ def test_new_placement_resets_every_rank() -> None:
     run(core, T0 + 1, JobWatched("j", ("n2", "n3", "n4"), 2.0))
     assert core.next_deadline() is None
     assert tick(core, T0 + 100) == []
-    assert [r.node_id for r in core.jobs["j"].ranks] == ["n2", "n3", "n4"]
+    assert [r.node_id for r in core.jobs["j"].ranks.values()] == ["n2", "n3", "n4"]
     assert faults(run(core, T0 + 101, exited(2, 1, node="n4"))) == [(CRASH, "j", 2, "n4")]
     assert run(core, T0 + 101, exited(0, 1, node="n0")) == []  # the old placement's rank 0
+
+
+def test_a_shrunk_placement_keeps_its_slot_numbers() -> None:
+    core = make(("n0", "n0", "n1", "n1"))
+    # n0 is gone: the job keeps slots 2 and 3 on n1, under their numbers.
+    run(core, T0, JobWatched("j", ("n1", "n1"), 2.0, slots=(2, 3)))
+    assert sorted(core.jobs["j"].ranks) == [2, 3]
+    assert faults(run(core, T0 + 1, exited(3, 1, node="n1"))) == [(CRASH, "j", 3, "n1")]
+    assert run(core, T0 + 1, exited(0, 1, node="n0")) == []  # slot 0 is not the job's now
+    with pytest.raises(ValueError, match="slots must name"):
+        JobWatched("j", ("n1", "n1"), 2.0, slots=(2, 2))
 
 
 def test_a_new_hang_timeout_is_a_new_watch() -> None:
