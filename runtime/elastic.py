@@ -61,6 +61,7 @@ import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, TypeVar
 
+import msgspec
 import torch
 import torch.distributed as dist
 from opentelemetry import context as otel_context
@@ -182,7 +183,8 @@ class ElasticSession:
         self._retained: _Retained | None = None  # from an aborted step
         self._reduce: BucketedReduce | None = None  # the step's all-reduce, once armed
         self._buckets: list[list[int]] | None = None
-        self._repair: tuple[int, list[MicroBatch], _Retained] | None = None  # step, plan, kept
+        # A repaired step: (step, this rank's plan, its kept gradient if it has one).
+        self._repair: tuple[int, list[MicroBatch], _Retained | None] | None = None
         self.committed = 0  # steps committed: the next step to run
         self.generation: Generation | None = None
         self.rank = 0
@@ -190,6 +192,7 @@ class ElasticSession:
         self.pg: dist.ProcessGroup | None = None
         self.last_step_s = 0.0
         self._switch_agreed = False  # the last all-reduce said: switch to the next generation
+        self._applied: GenerationApplied | None = None  # to report after the next commit
         self._total_steps = 0
         self._abandoned: list[Any] = []  # process groups and work items left to time out
         self._inbox = _Inbox()
@@ -356,7 +359,7 @@ class ElasticSession:
     def _heartbeat(self) -> None:
         """Progress while waiting: a rank waiting for its peers is not hung."""
         if self._progress is not None and self.generation is not None:
-            self._progress.report(self.committed, self.last_step_s)
+            self._progress.report(max(self.committed, 0), self.last_step_s)
 
     # --- the training loop ---------------------------------------------------------------
 
@@ -472,11 +475,12 @@ class ElasticSession:
                                reason=generation.reason.value, rank=self.rank,
                                world_size=self.world_size, received=received, built=built,
                                synced=synced, resume=resume, state_bytes=nbytes)
-        if self.bus is not None:
-            self.bus.publish(subjects.generation_applied(self.job_id), GenerationApplied(
-                job_id=self.job_id, generation=generation.generation,
-                replica_id=self.replica_id, committed_step=self.committed, resume_step=resume,
-                rebuild_s=built - received, state_copy_s=synced - built, state_bytes=nbytes))
+        # Reported once the first step in the generation is committed: elasticity starts
+        # replacements only then, so their start-up does not slow the survivors' recovery.
+        self._applied = GenerationApplied(
+            job_id=self.job_id, generation=generation.generation, replica_id=self.replica_id,
+            committed_step=self.committed, resume_step=resume, rebuild_s=built - received,
+            state_copy_s=synced - built, state_bytes=nbytes)
         if self._progress is not None:
             self._progress.generation = generation.generation
         if self.on_membership is not None:
@@ -539,24 +543,30 @@ class ElasticSession:
     def _sync_state(self, generation: Generation) -> tuple[int, int]:
         """Agree on the resume step; ranks behind it receive the state of one that has it.
 
-        The same all-reduce says which ranks kept the gradient of an aborted step:
-        if nobody committed that step and every survivor of its generation kept
-        it, the step is repaired (only the dead ranks' shares are computed again)
-        instead of run again whole.
+        The same all-reduce says which ranks kept the gradient of an aborted step
+        (and their rank and world size in the generation that attempted it): if
+        nobody committed that step, it is *repaired*: the kept gradients count,
+        and only the other shares (the dead ranks', and those of survivors that
+        had not got that far) are computed again, dealt over every member.
         """
         assert self.pg is not None
         retained = self._retained
         self._retained = self._repair = None
-        info = torch.zeros(self.world_size, 3, dtype=torch.int64)
-        info[self.rank] = torch.tensor([
-            self.committed, -1 if retained is None else retained.step,
-            -1 if retained is None else retained.generation.generation])
+        info = torch.zeros(self.world_size, 5, dtype=torch.int64)
+        info[self.rank] = torch.tensor([self.committed, -1, -1, -1, -1])
+        if retained is not None:
+            old = retained.generation
+            info[self.rank, 1:] = torch.tensor([
+                retained.step, old.generation, old.member(self.replica_id).rank,
+                old.world_size])
         self._wait(self.pg.allreduce([info]))
         steps = info[:, 0]
         resume = int(steps.max().item())
+        if resume < 0:
+            raise StateTransferError("no member holds a complete state: every copy was cut "
+                                     "short (the checkpoint tier is needed to recover)")
         source = int((steps == resume).nonzero()[0].item())
-        if retained is not None and retained.step == resume:
-            self._plan_repair(generation, retained, info)
+        self._plan_repair(resume, retained, info)
         # Generation 0 also makes every replica start from rank 0's parameters, as DDP does.
         behind = [r for r in range(self.world_size)
                   if r != source and (steps[r] < resume or generation.generation == 0)]
@@ -566,6 +576,9 @@ class ElasticSession:
                 nbytes += send_state(self.pg, dst, self.model, self.optimizer, resume,
                                      self._wait, checksum=self.checksum).nbytes
         elif self.rank in behind:
+            # Until the copy is complete this rank holds no step's state: if the copy is
+            # cut short, the next generation sees it as behind everyone and copies again.
+            self.committed = -1
             step, stats = receive_state(self.pg, source, self.model, self.optimizer,
                                         self._wait)
             if step != resume:
@@ -576,20 +589,21 @@ class ElasticSession:
                                    step=step, source=source, state_bytes=nbytes)
         return resume, nbytes
 
-    def _plan_repair(self, generation: Generation, retained: _Retained,
+    def _plan_repair(self, resume: int, retained: _Retained | None,
                      info: torch.Tensor) -> None:
-        old = retained.generation
-        here = {m.replica_id: m.rank for m in generation.members}
-        survivors = [m for m in old.members if m.replica_id in here]
-        kept = [tuple(info[here[m.replica_id], 1:].tolist()) for m in survivors]
-        if any(k != (retained.step, old.generation) for k in kept):
-            return  # a survivor has nothing to reuse: run the step again whole
-        lost = [m.rank for m in old.members if m.replica_id not in here]
-        epoch, in_epoch = divmod(retained.step, self.order.steps_per_epoch)
-        plan = self.order.repair_plan(epoch, in_epoch, old.world_size, lost, self.world_size,
+        """Every member decides the same from ``info``: repair step ``resume`` or not."""
+        kept = info[info[:, 1] == resume]
+        if not len(kept) or len(set(kept[:, 2].tolist())) != 1 \
+                or len(set(kept[:, 4].tolist())) != 1:
+            return  # nothing kept for the step to run (or kept from different tries)
+        old_world = int(kept[0, 4])
+        lost = sorted(set(range(old_world)) - set(kept[:, 3].tolist()))
+        epoch, in_epoch = divmod(resume, self.order.steps_per_epoch)
+        plan = self.order.repair_plan(epoch, in_epoch, old_world, lost, self.world_size,
                                       self.rank, self.micro_batch_size,
                                       aligned=self.deterministic)
-        self._repair = (retained.step, plan, retained)
+        mine = retained if retained is not None and retained.step == resume else None
+        self._repair = (resume, plan, mine)
 
     # --- one step ------------------------------------------------------------------------
 
@@ -808,6 +822,11 @@ class Step:
             if session._progress is not None:
                 session._progress.report(session.committed, session.last_step_s,
                                          final=session.committed == session._total_steps)
+            if session._applied is not None and session.bus is not None:
+                session.bus.publish(subjects.generation_applied(session.job_id),
+                                    msgspec.structs.replace(session._applied,
+                                                            committed_step=session.committed))
+                session._applied = None
         session.optimizer.zero_grad(set_to_none=False)
         self.outcome = ok
         return ok

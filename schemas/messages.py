@@ -323,7 +323,8 @@ class ReplicaReady(Message, tag="phalanx.replica_ready.v1"):
 
 
 class GenerationApplied(Message, tag="phalanx.generation_applied.v1"):
-    """A member finished switching to a generation (``phalanx.job.<job>.applied``).
+    """A member switched to a generation and committed its first step in it
+    (``phalanx.job.<job>.applied``).
 
     ``resume_step`` is the step the members agreed to resume after (the
     highest any of them committed); the durations break the switch down.

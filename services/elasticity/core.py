@@ -17,8 +17,9 @@ to resume at, and why it changed (start, fault, join). A job runs in *slots*
   next generation is decided at once.
 * **Replacements.** A failed replica's slot gets a new replica (unless its
   node is lost, or the job's ``max_replacements`` are used up) as soon as the
-  survivors have applied the generation that dropped it, so its start-up
-  (importing torch) does not compete with their recovery; at once if the job
+  survivors have applied the generation that dropped it (the runtime reports
+  that after its first step in it), so its start-up (importing torch) does
+  not compete with their recovery; at once if the job
   is below ``min`` (then nothing trains anyway). Below ``min`` the job
   *waits*: survivors keep their state in memory, and a job still short after
   ``wait_timeout_s`` is handed back to admission (requeued).

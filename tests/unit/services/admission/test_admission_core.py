@@ -28,6 +28,7 @@ from phalanx.services.admission.core import (
     Reason,
     Shrink,
     SpecRejected,
+    carry_slots,
 )
 from phalanx.services.admission.policy import AdmissionPolicy, TeamQuota
 
@@ -938,3 +939,14 @@ def test_requeued_running_gang_frees_its_slots_and_is_admitted_again() -> None:
     core.check_invariants()
     assert admits(run(core, now=T0 + 2)) == {"g": ("n1", "n1")}
     assert core.handle(JobRequeued("nope", "x"), T0 + 3) == []
+
+
+@pytest.mark.parametrize(("old", "slots", "new", "expected"), [
+    (["a", "a", "b", "b"], [], ["b", "b"], [2, 3]),  # a node lost: the rest keep their slots
+    (["a", "b", "a", "b"], [], ["a", "a"], [0, 2]),
+    (["b", "b"], [2, 3], ["b", "b", "c"], [2, 3, 4]),  # grown: a fresh number
+    (["a", "b"], [], ["a", "b"], [0, 1]),  # unchanged
+])
+def test_slots_that_stay_keep_their_numbers(old: list[str], slots: list[int], new: list[str],
+                                            expected: list[int]) -> None:
+    assert carry_slots(old, slots, new) == expected
