@@ -47,9 +47,15 @@ def main() -> None:
     dataset = MemmapDataset(args.data_dir)
     model = workload_w.build_model(widths, args.seed)
     optimizer = workload_w.build_optimizer(model)
-    session = ElasticSession.from_env(model, optimizer, dataset, global_batch=args.global_batch,
-                                      micro_batch_size=args.micro_batch, seed=args.seed)
     loss_fn = torch.nn.MSELoss()
+
+    def warmup() -> None:  # optional: a joining replica's first step is then not cold
+        inputs, targets = dataset.batch(range(args.micro_batch))
+        loss_fn(model(inputs), targets).backward()
+
+    session = ElasticSession.from_env(model, optimizer, dataset, global_batch=args.global_batch,
+                                      micro_batch_size=args.micro_batch, seed=args.seed,
+                                      warmup=warmup)
     for step in session.steps(args.steps):
         loss = 0.0
         for (inputs, targets), weight in step.batches():

@@ -151,6 +151,9 @@ class ElasticSession:
             gradient is accumulated and all-reduced in float64 (exact for these sums), then
             rounded once. The model is then the same whatever the membership did, at the
             cost of twice the all-reduce bytes and shares even to a micro-batch.
+        warmup: one forward and backward pass of the user's, run before the replica
+            reports ready, so its first real step (the survivors wait for it when it
+            joins) is not slowed by cold caches and first allocations.
         chaos_kill: ``(step, phase)`` at which this process SIGKILLs itself, ``phase``
             ``"boundary"`` (before the step) or ``"allreduce"`` (while its all-reduce runs).
     """
@@ -162,7 +165,7 @@ class ElasticSession:
                  record_dir: str | None = None, checksum: bool = False,
                  collective_timeout_s: float = 30.0,
                  on_membership: Callable[[MembershipChange], None] | None = None,
-                 deterministic: bool = False,
+                 deterministic: bool = False, warmup: Callable[[], None] | None = None,
                  chaos_kill: tuple[int, str] | None = None) -> None:
         self.model = model
         self.optimizer = optimizer
@@ -202,6 +205,9 @@ class ElasticSession:
         self._progress: ProgressReporter | None = None
         self._store: dist.TCPStore | None = None
         self._stores: dict[str, dist.Store] = {}
+        if warmup is not None and bus is not None:
+            warmup()
+            optimizer.zero_grad(set_to_none=True)
         if bus is not None:
             self._connect(bus)
 
