@@ -85,12 +85,17 @@ class RankSet:
         nats_url: passed to ranks as ``PHALANX_NATS_URL``.
         host_of: node id -> host name, for ``MASTER_ADDR``.
         report: awaited with each RankStarted / RankExited to publish.
+        capacity: the node's slots: a launch waits while ranks that are stopping
+            (a cancelled job's, say) still hold the slots it needs.
     """
 
     def __init__(self, node_id: str, work_dir: Path, nats_url: str,
                  host_of: Callable[[str], Awaitable[str]],
-                 report: Callable[[RankStarted | RankExited], Awaitable[None]]) -> None:
+                 report: Callable[[RankStarted | RankExited], Awaitable[None]],
+                 capacity: int | None = None) -> None:
         self.node_id = node_id
+        self.capacity = capacity
+        self._exit_seen = asyncio.Event()
         self.work_dir = work_dir
         self.nats_url = nats_url
         self.host_of = host_of
@@ -161,6 +166,13 @@ class RankSet:
     async def _launch(self, record: JobRecord, rank: int, placement: tuple[str, ...],
                       replica_id: str) -> Rank | None:
         spec = record.spec
+        # Admission frees a stopped job's slots at once; its ranks may take their grace
+        # period to exit. A slot never holds two ranks: wait for them.
+        while self.capacity is not None \
+                and self.slots_used + spec.slots_per_replica > self.capacity \
+                and any(r.stopping for r in self.ranks.values()):
+            self._exit_seen.clear()
+            await self._exit_seen.wait()
         local = sorted(s for s, node in record.placement().items() if node == self.node_id)
         env = {
             **os.environ, **spec.env,
@@ -224,6 +236,7 @@ class RankSet:
         if self.ranks.get((entry.job_id, entry.rank)) is entry:
             del self.ranks[(entry.job_id, entry.rank)]
             self._save()
+        self._exit_seen.set()
         cause = cause or (ExitCause.STOPPED if entry.stopping else ExitCause.EXITED)
         log.info("rank exited", extra={"job": entry.job_id, "rank": entry.rank,
                                        "exit_code": exit_code, "signal": signame,

@@ -30,6 +30,7 @@ from phalanx.schemas.messages import (
     ChaosRequest,
     Generation,
     JobRecord,
+    JobState,
     LaunchReplica,
     NodeHeartbeat,
     NodeInfo,
@@ -93,7 +94,7 @@ class AgentService(Service):
             self.spawn(self.heartbeat_loop(), "heartbeat")
             return
         self.ranks = RankSet(self.config.node_id, self.work_dir, self.bus_config_url(),
-                             self._host_of, self._report)
+                             self._host_of, self._report, capacity=self.config.slots)
         await self.ranks.adopt()
         await self.bus.subscribe(subjects.job_states(), JobRecord, self.on_job_state)
         jobs = await TypedKV.open(self.bus.js, subjects.JOBS_BUCKET, JobRecord)
@@ -160,7 +161,8 @@ class AgentService(Service):
         assert self.ranks is not None
         async with self._job_locks.setdefault(record.job_id, asyncio.Lock()):
             try:
-                await self.ranks.reconcile(record, elastic=await self._elastic(record.job_id))
+                elastic = record.state is JobState.ADMITTED and await self._elastic(record.job_id)
+                await self.ranks.reconcile(record, elastic=elastic)
             except Exception:  # one job's trouble must not stop the agent
                 log.exception("reconciling %s failed", record.job_id)
 
