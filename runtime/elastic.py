@@ -188,6 +188,8 @@ class ElasticSession:
         self._buckets: list[list[int]] | None = None
         # A repaired step: (step, this rank's plan, its kept gradient if it has one).
         self._repair: tuple[int, list[MicroBatch], _Retained | None] | None = None
+        # The first step after a state copy: (step, the ranks that compute it).
+        self._sitting_out: tuple[int, list[int]] | None = None
         self.committed = 0  # steps committed: the next step to run
         self.generation: Generation | None = None
         self.rank = 0
@@ -557,7 +559,7 @@ class ElasticSession:
         """
         assert self.pg is not None
         retained = self._retained
-        self._retained = self._repair = None
+        self._retained = self._repair = self._sitting_out = None
         info = torch.zeros(self.world_size, 5, dtype=torch.int64)
         info[self.rank] = torch.tensor([self.committed, -1, -1, -1, -1])
         if retained is not None:
@@ -576,6 +578,12 @@ class ElasticSession:
         # Generation 0 also makes every replica start from rank 0's parameters, as DDP does.
         behind = [r for r in range(self.world_size)
                   if r != source and (steps[r] < resume or generation.generation == 0)]
+        # The copy is the survivors' pause when a replica joins: so that the first step
+        # does not wait for it, the ranks that send or receive state sit that step out and
+        # the others share its batch (every member still all-reduces, with zeros).
+        active = [r for r in range(self.world_size) if r != source and r not in behind]
+        if behind and active and self._repair is None and generation.generation > 0:
+            self._sitting_out = (resume, active)
         nbytes = 0
         if self.rank == source:
             for dst in behind:
@@ -766,6 +774,13 @@ class Step:
         if session._repair is not None and session._repair[0] == index:
             _, self.plan, self.kept = session._repair
             session._repair = None
+        elif session._sitting_out is not None and session._sitting_out[0] == index:
+            active = session._sitting_out[1]
+            session._sitting_out = None
+            self.plan = order.plan(self.epoch, self.step_in_epoch, len(active),
+                                   active.index(session.rank), session.micro_batch_size,
+                                   aligned=session.deterministic) \
+                if session.rank in active else []
         else:
             self.plan = order.plan(self.epoch, self.step_in_epoch, session.world_size,
                                    session.rank, session.micro_batch_size,
