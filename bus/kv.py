@@ -164,12 +164,23 @@ class TypedKV(Generic[M]):
         finally:
             await watcher.stop()
 
+    async def _keys(self) -> list[str]:
+        """Every key with a value or a delete marker, as the server lists the bucket's subjects.
+
+        nats-py's ``keys()`` lists through a watcher that can end its initial pass early
+        while keys are being written, and so miss some; the stream's per-subject state is
+        exact. (``KeyValue`` exposes no stream handle, hence its private ``_js``/``_stream``.)
+        """
+        prefix = f"$KV.{self.bucket}."
+        try:
+            info = await self.kv._js.stream_info(self.kv._stream, subjects_filter=f"{prefix}>")
+        except jse.NotFoundError:
+            return []
+        return [subject.removeprefix(prefix) for subject in (info.state.subjects or {})]
+
     async def entries(self) -> tuple[list[Entry[M]], list[WireError]]:
         """Every live entry, and the errors of those whose values do not decode."""
-        try:
-            keys = await self.kv.keys()
-        except jse.NoKeysError:
-            return [], []
+        keys = await self._keys()
         good: list[Entry[M]] = []
         bad: list[WireError] = []
         for key in sorted(keys):
