@@ -58,7 +58,7 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any, TypeVar
 
 import msgspec
@@ -73,7 +73,12 @@ from phalanx.bus.config import BusConfig
 from phalanx.runtime.bus_thread import BusThread
 from phalanx.runtime.data import ElasticOrder, MicroBatch
 from phalanx.runtime.progress import ProgressReporter
-from phalanx.runtime.reduce import BucketedReduce, bucket_plan
+from phalanx.runtime.reduce import (
+    BucketedReduce,
+    bucket_plan,
+    flat_gradients,
+    write_gradients,
+)
 from phalanx.runtime.state import StateTransferError, receive_state, send_state
 from phalanx.schemas import subjects
 from phalanx.schemas.errors import ConfigError
@@ -624,13 +629,9 @@ class ElasticSession:
     def _params(self) -> list[torch.nn.Parameter]:
         return [p for p in self.model.parameters() if p.requires_grad]
 
-    def _flat_gradients(self, dtype: torch.dtype) -> torch.Tensor:
-        return torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p))
-                          .reshape(-1).to(dtype) for p in self._params()])
-
     def _fold_gradients(self) -> None:
         """Deterministic mode: add the micro-batch's gradient to the float64 sum."""
-        flat = self._flat_gradients(torch.float64)
+        flat = flat_gradients(self._params(), torch.float64)
         self._accumulated = flat if self._accumulated is None else self._accumulated + flat
         self.optimizer.zero_grad(set_to_none=False)
 
@@ -646,11 +647,11 @@ class ElasticSession:
                     sum(p.numel() for p in params), dtype=torch.float64)
                 self._accumulated = None
             else:
-                local = self._flat_gradients(torch.float32)
+                local = flat_gradients(params)
             if kept is not None:  # a repaired step: this rank's share from the aborted try
                 local = local + kept
             if self.pg is None:
-                self._unflatten(params, local)
+                write_gradients(params, local)
                 return True
             # One extra element: how many members have seen a newer (join) generation.
             flat = torch.cat([local, torch.tensor([self._seen_newer()], dtype=local.dtype)])
@@ -684,7 +685,7 @@ class ElasticSession:
             if self.chaos_kill == (step.index, "allreduce"):
                 threading.Timer(0.005, self._chaos_kill).start()
             self._wait(work)
-            self._unflatten(self._params(), flat)
+            write_gradients(self._params(), flat)  # rounds float64 sums once
             return float(flat[-1])
 
         return run
@@ -708,16 +709,6 @@ class ElasticSession:
         """Before the step's last backward: let the hooks start the all-reduce as it runs."""
         if not self.deterministic and self.pg is not None:
             self._reduce = self._bucketed(step)
-
-    @staticmethod
-    def _unflatten(params: Sequence[torch.nn.Parameter], flat: torch.Tensor) -> None:
-        offset = 0
-        for p in params:
-            n = p.numel()
-            if p.grad is None:
-                p.grad = torch.empty_like(p)
-            p.grad.copy_(flat[offset:offset + n].view_as(p))  # rounds float64 sums once
-            offset += n
 
     def close(self) -> None:
         """Leave: flush the record, stop the bus thread.

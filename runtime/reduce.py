@@ -42,6 +42,25 @@ def bucket_plan(params: Sequence[torch.nn.Parameter],
     return buckets
 
 
+def flat_gradients(params: Sequence[torch.nn.Parameter],
+                   dtype: torch.dtype | None = None) -> torch.Tensor:
+    """The parameters' gradients in one flat tensor (zeros where a gradient is None)."""
+    return torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p))
+                      .reshape(-1).to(dtype or p.dtype) for p in params])
+
+
+def write_gradients(params: Sequence[torch.nn.Parameter], flat: torch.Tensor) -> None:
+    """Copy ``flat`` (laid out as :func:`flat_gradients`) into the gradients, rounding it
+    to their dtype; extra trailing elements are ignored."""
+    offset = 0
+    for p in params:
+        n = p.numel()
+        if p.grad is None:
+            p.grad = torch.empty_like(p)
+        p.grad.copy_(flat[offset:offset + n].view_as(p))
+        offset += n
+
+
 class BucketedReduce:
     """One step's gradient all-reduce, bucket by bucket.
 
@@ -103,18 +122,10 @@ class BucketedReduce:
         for work in self.works:
             wait(work)
         for bucket, flat in zip(self.plan, self.flats, strict=True):
-            offset = 0
-            for i in bucket:
-                p = self.params[i]
-                n = p.numel()
-                if p.grad is None:
-                    p.grad = torch.empty_like(p)
-                p.grad.copy_(flat[offset:offset + n].view_as(p))
-                offset += n
+            write_gradients([self.params[i] for i in bucket], flat)
         return float(self.flats[-1][-1])
 
     def local_gradient(self) -> torch.Tensor:
         """This rank's own flat gradient (with ``kept``), e.g. to keep after an abort."""
-        flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1)
-                          for p in self.params])
+        flat = flat_gradients(self.params)
         return flat if self.kept is None else flat + self.kept
