@@ -70,6 +70,7 @@ from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapProp
 from phalanx.bus import telemetry
 from phalanx.bus.client import Delivery
 from phalanx.bus.config import BusConfig
+from phalanx.runtime import priority
 from phalanx.runtime.bus_thread import BusThread
 from phalanx.runtime.data import ElasticOrder, MicroBatch
 from phalanx.runtime.progress import ProgressReporter
@@ -79,7 +80,12 @@ from phalanx.runtime.reduce import (
     flat_gradients,
     write_gradients,
 )
-from phalanx.runtime.state import StateTransferError, receive_state, send_state
+from phalanx.runtime.state import (
+    StateTransferError,
+    landing_buffers,
+    receive_state,
+    send_state,
+)
 from phalanx.schemas import subjects
 from phalanx.schemas.errors import ConfigError
 from phalanx.schemas.messages import (
@@ -159,6 +165,8 @@ class ElasticSession:
         warmup: one forward and backward pass of the user's, run before the replica
             reports ready, so its first real step (the survivors wait for it when it
             joins) is not slowed by cold caches and first allocations.
+        nice_when_ready: the nice value to return to once ready (an agent starts a
+            replacement at a lower CPU priority: :mod:`.priority`); None: unchanged.
         chaos_kill: ``(step, phase)`` at which this process SIGKILLs itself, ``phase``
             ``"boundary"`` (before the step) or ``"allreduce"`` (while its all-reduce runs).
     """
@@ -171,6 +179,7 @@ class ElasticSession:
                  collective_timeout_s: float = 30.0,
                  on_membership: Callable[[MembershipChange], None] | None = None,
                  deterministic: bool = False, warmup: Callable[[], None] | None = None,
+                 nice_when_ready: int | None = None,
                  chaos_kill: tuple[int, str] | None = None) -> None:
         self.model = model
         self.optimizer = optimizer
@@ -212,9 +221,11 @@ class ElasticSession:
         self._progress: ProgressReporter | None = None
         self._store: dist.TCPStore | None = None
         self._stores: dict[str, dist.Store] = {}
+        self._landing: list[torch.Tensor] = []  # for the optimizer state a joiner receives
+        self.nice_when_ready = nice_when_ready
         if warmup is not None and bus is not None:
             warmup()
-            optimizer.zero_grad(set_to_none=True)
+            optimizer.zero_grad(set_to_none=False)  # the gradients' memory stays touched
         if bus is not None:
             self._connect(bus)
 
@@ -228,7 +239,8 @@ class ElasticSession:
         ``PHALANX_RECORD_DIR``, ``PHALANX_STATE_CHECKSUM=1``, ``PHALANX_DETERMINISTIC=1`` and
         ``PHALANX_CHAOS_KILL=<replica>:<step>:<boundary|allreduce>[,...]`` (fault injection).
         ``PHALANX_ADVERTISE_HOST`` is the address peers reach this replica's store at
-        (default 127.0.0.1: set it on multi-host clusters).
+        (default 127.0.0.1: set it on multi-host clusters). ``PHALANX_NICE_WHEN_READY``
+        is set by the agent that started this replica at a lower CPU priority.
 
         Raises:
             BusUnavailable: the bus cannot be reached at start (no generation to join).
@@ -238,6 +250,8 @@ class ElasticSession:
         kwargs.setdefault("record_dir", env.get("PHALANX_RECORD_DIR") or None)
         kwargs.setdefault("checksum", env.get("PHALANX_STATE_CHECKSUM") == "1")
         kwargs.setdefault("deterministic", env.get("PHALANX_DETERMINISTIC") == "1")
+        if env.get(priority.ENV, "").lstrip("-").isdigit():
+            kwargs.setdefault("nice_when_ready", int(env[priority.ENV]))
         if not env.get("PHALANX_JOB_ID") or not env.get("PHALANX_NATS_URL"):
             kwargs.setdefault("replica_id", "local")
             return cls(model, optimizer, dataset, **kwargs)
@@ -274,6 +288,10 @@ class ElasticSession:
         stored = bus.run(self._stored_generation(bus), 10)
         if stored is not None:
             self._on_generation(stored, None)
+            if stored.member(self.replica_id) is None:  # joining a running job
+                self._landing = landing_buffers(self.model, self.optimizer)
+        if self.nice_when_ready is not None:
+            priority.restore(self.nice_when_ready)
         self._announce()
 
     async def _stored_generation(self, bus: BusThread) -> Generation | None:
@@ -563,6 +581,7 @@ class ElasticSession:
         had not got that far) are computed again, dealt over every member.
         """
         assert self.pg is not None
+        landing, self._landing = self._landing, []  # used by this copy or never
         retained = self._retained
         self._retained = self._repair = self._sitting_out = None
         info = torch.zeros(self.world_size, 5, dtype=torch.int64)
@@ -599,7 +618,7 @@ class ElasticSession:
             # cut short, the next generation sees it as behind everyone and copies again.
             self.committed = -1
             step, stats = receive_state(self.pg, source, self.model, self.optimizer,
-                                        self._wait)
+                                        self._wait, landing)
             if step != resume:
                 raise StateTransferError(f"asked for step {resume}, received step {step}")
             self.committed, nbytes = step, stats.nbytes

@@ -34,6 +34,10 @@ class AgentConfig:
     launch: bool = True
     """Run the ranks of admitted jobs here. Off, the node only offers capacity (an
     external launcher runs the ranks, or a benchmark measures admission alone)."""
+    replacement_nice: int = 10
+    """Nice value a replacement replica starts at, until it is ready (0: as the others).
+    Applied only where the replica may lower it again (``CAP_SYS_NICE`` or
+    ``RLIMIT_NICE``), see :mod:`phalanx.runtime.priority`."""
     work_dir: str | None = None
     """Rank logs and the rank manifest; default ``$PHALANX_DATA_DIR/agents/<node>``
     (``~/.local/state/phalanx/agents/<node>``)."""
@@ -50,6 +54,9 @@ class AgentConfig:
             if not math.isfinite(getattr(self, name)):
                 raise ConfigError(f"agent.{name} must be a finite number, "
                                   f"got {getattr(self, name)}")
+        if not 0 <= self.replacement_nice <= 19:
+            raise ConfigError(f"agent.replacement_nice must be within 0..19, "
+                              f"got {self.replacement_nice}")
         if self.heartbeat_interval_s <= 0:
             raise ConfigError(f"agent.heartbeat_interval_s must be > 0, "
                               f"got {self.heartbeat_interval_s}")
@@ -73,8 +80,9 @@ class AgentConfig:
         try:
             if isinstance(values.get("labels"), str):
                 values["labels"] = parse_labels(values["labels"])
-            if "slots" in values:
-                values["slots"] = int(values["slots"])
+            for name in ("slots", "replacement_nice"):
+                if name in values:
+                    values[name] = int(values[name])
             for name in ("heartbeat_interval_s", "lost_after_s", "shutdown_timeout_s"):
                 if name in values:
                     values[name] = float(values[name])

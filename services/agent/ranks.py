@@ -39,6 +39,7 @@ import zlib
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
+from phalanx.runtime import priority
 from phalanx.schemas.messages import ExitCause, JobRecord, JobState, RankExited, RankStarted
 
 log = logging.getLogger("phalanx.agent.ranks")
@@ -87,14 +88,20 @@ class RankSet:
         report: awaited with each RankStarted / RankExited to publish.
         capacity: the node's slots: a launch waits while ranks that are stopping
             (a cancelled job's, say) still hold the slots it needs.
+        replacement_nice: how much nicer than the agent a replacement replica starts,
+            until it reports ready (:mod:`phalanx.runtime.priority`); 0: not at all.
     """
 
     def __init__(self, node_id: str, work_dir: Path, nats_url: str,
                  host_of: Callable[[str], Awaitable[str]],
                  report: Callable[[RankStarted | RankExited], Awaitable[None]],
-                 capacity: int | None = None) -> None:
+                 capacity: int | None = None, replacement_nice: int = 0) -> None:
         self.node_id = node_id
         self.capacity = capacity
+        base = priority.current()
+        # Lowered only where the replica may raise it back: left low, it would straggle.
+        self.replacement_nice = min(19, base + replacement_nice) \
+            if replacement_nice and priority.can_restore(base) else None
         self._exit_seen = asyncio.Event()
         self.work_dir = work_dir
         self.nats_url = nats_url
@@ -150,7 +157,8 @@ class RankSet:
             if running.replica_id == replica_id:
                 return running.pid  # a retried request
             await self.stop(running)
-        entry = await self._launch(record, slot, placement, replica_id)
+        entry = await self._launch(record, slot, placement, replica_id,
+                                   nice=self.replacement_nice)
         if entry is None:
             raise OSError(f"cannot start {replica_id}: see the agent's log")
         return entry.pid
@@ -164,7 +172,7 @@ class RankSet:
         return running.pid
 
     async def _launch(self, record: JobRecord, rank: int, placement: tuple[str, ...],
-                      replica_id: str) -> Rank | None:
+                      replica_id: str, nice: int | None = None) -> Rank | None:
         spec = record.spec
         # Admission frees a stopped job's slots at once; its ranks may take their grace
         # period to exit. A slot never holds two ranks: wait for them.
@@ -190,6 +198,8 @@ class RankSet:
             "PATH": os.pathsep.join([str(Path(sys.executable).parent),
                                      os.environ.get("PATH", "")]),
         }
+        if nice is not None:
+            env[priority.ENV] = str(priority.current())
         self.launched[(record.job_id, rank)] = (placement, replica_id)
         log_path = self.work_dir / "jobs" / record.job_id / f"rank-{rank}.log"
         log_path.parent.mkdir(parents=True, exist_ok=True)
@@ -206,6 +216,9 @@ class RankSet:
                     cause=ExitCause.EXITED, exited_at=time.time(), exit_code=127,
                     replica_id=replica_id))
                 return None
+        if nice is not None:
+            with contextlib.suppress(ProcessLookupError):  # it may have died already
+                priority.lower(process.pid, nice)
         entry = Rank(record.job_id, rank, len(placement), placement, process.pid,
                      start_ticks(process.pid), spec.grace_period_s, spec.slots_per_replica,
                      replica_id, process)

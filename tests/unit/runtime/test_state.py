@@ -11,7 +11,12 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from phalanx.runtime.state import StateTransferError, receive_state, send_state
+from phalanx.runtime.state import (
+    StateTransferError,
+    landing_buffers,
+    receive_state,
+    send_state,
+)
 
 
 def trained(seed: int, widths: tuple[int, ...] = (6, 8, 3)) -> tuple[torch.nn.Module, Any]:
@@ -89,3 +94,59 @@ def test_a_state_that_does_not_fit_the_model_is_refused_naming_the_tensor() -> N
     assert "model tensor 0" in str(error) and "[8, 6]" in str(error)
     for a, b in zip(before, target.state_dict().values(), strict=True):
         assert torch.equal(a, b)  # nothing was overwritten
+
+
+def fresh(seed: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.ReLU(), torch.nn.Linear(8, 3))
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+
+
+def test_landing_buffers_leave_model_gradients_and_optimizer_as_they_were() -> None:
+    model, optimizer = fresh(3)
+    model(torch.randn(4, 6)).sum().backward()
+    params = [p.detach().clone() for p in model.parameters()]
+    grads = [p.grad.clone() for p in model.parameters()]
+    buffers = landing_buffers(model, optimizer)
+    # AdamW: exp_avg, exp_avg_sq and a 0-d step per parameter.
+    assert len(buffers) == 3 * len(params)
+    assert not optimizer.state  # a fresh optimizer still: its first step is the usual one
+    for p, before, grad in zip(model.parameters(), params, grads, strict=True):
+        assert torch.equal(p, before) and torch.equal(p.grad, grad)
+    assert landing_buffers(model, optimizer) != []  # still no state: buffers again
+    model(torch.randn(4, 6)).sum().backward()
+    optimizer.step()
+    assert landing_buffers(model, optimizer) == []  # it has state: nothing to prepare
+
+
+def test_an_optimizer_that_needs_a_closure_gets_no_buffers_and_is_untouched() -> None:
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 2)
+    before = [p.detach().clone() for p in model.parameters()]
+    optimizer = torch.optim.LBFGS(model.parameters())
+    assert landing_buffers(model, optimizer) == []
+    assert not optimizer.state
+    for p, b in zip(model.parameters(), before, strict=True):
+        assert torch.equal(p, b) and p.grad is None
+
+
+def test_the_optimizer_state_is_received_into_the_landing_buffers() -> None:
+    source, source_opt = trained(0)
+    target, target_opt = fresh(3)
+    buffers = landing_buffers(target, target_opt)
+    addresses = {b.data_ptr() for b in buffers}
+    pair(lambda pg: send_state(pg, 1, source, source_opt, 5, wait),
+         lambda pg: receive_state(pg, 0, target, target_opt, wait, buffers))
+    src, dst = source_opt.state_dict()["state"], target_opt.state_dict()["state"]
+    for i, state in src.items():
+        for key, value in state.items():
+            assert torch.equal(value, dst[i][key])
+            assert dst[i][key].data_ptr() in addresses  # no fresh allocation
+    # The target trains on exactly as the source does.
+    batch = torch.randn(4, 6)
+    for model, optimizer in ((source, source_opt), (target, target_opt)):
+        optimizer.zero_grad()
+        model(batch).sum().backward()
+        optimizer.step()
+    for a, b in zip(source.parameters(), target.parameters(), strict=True):
+        assert torch.equal(a, b)

@@ -159,3 +159,13 @@ def test_node_id_with_trailing_newline_is_refused() -> None:
                                  "PHALANX_AGENT_LOST_AFTER_S"])
 def test_nan_intervals_are_refused(var: str) -> None:
     config_error({**BASE, var: "nan"})
+
+
+@pytest.mark.parametrize("nice", ["-1", "20"])
+def test_replacement_nice_outside_0_to_19_is_refused(nice: str) -> None:
+    config_error({**BASE, "PHALANX_AGENT_REPLACEMENT_NICE": nice},
+                 "agent.replacement_nice must be within 0..19", f"got {nice}")
+
+
+def test_replacement_nice_not_an_int() -> None:
+    config_error({**BASE, "PHALANX_AGENT_REPLACEMENT_NICE": "low"}, "agent config", "low")
