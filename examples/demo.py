@@ -177,11 +177,13 @@ def main(argv: list[str] | None = None) -> int:
     max_diff = max((ours[k] - theirs[k]).abs().max().item() for k in theirs)
     marks = [(events["kill"], "kill rank 1")]
     print("\nphalanx demo — summary")
-    for at, g in events["generations"]:
-        if g.reason is GenerationReason.START:
-            continue
+    changes = [(at, g) for at, g in events["generations"]
+               if g.reason is not GenerationReason.START]
+    for n, (at, g) in enumerate(changes):
+        # Each pause ends where the next change starts: that one has its own figure.
+        until = changes[n + 1][0] if n + 1 < len(changes) else None
         gap, median = record.downtime(steps, events["kill"] if g.reason is
-                                      GenerationReason.FAULT else at)
+                                      GenerationReason.FAULT else at, until)
         marks.append((at, f"generation {g.generation}: {g.reason.value}"))
         print(f"  {g.reason.value:5} generation {g.generation} (world size {g.world_size}): "
               f"survivors paused {max(0.0, gap - median) * 1000:.0f} ms beyond a "

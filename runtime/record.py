@@ -119,15 +119,20 @@ def verify(records: dict[str, list[dict[str, Any]]], order: ElasticOrder,
     return problems
 
 
-def downtime(steps: list[StepRecord], at: float) -> tuple[float, float]:
+def downtime(steps: list[StepRecord], at: float,
+             until: float | None = None) -> tuple[float, float]:
     """``(longest gap between commits around time at, median gap before it)``.
 
     The downtime of an event is the first minus the second: how much longer the
-    survivors went without committing than a normal step takes.
+    survivors went without committing than a normal step takes. The gaps looked at
+    start from the last commit before ``at`` and end within 10 s, or before ``until``
+    (the next event, whose own pause is not this one's).
     """
     pairs = list(itertools.pairwise(steps))
     before = [b.committed_at - a.committed_at for a, b in pairs if b.committed_at < at]
     median = statistics.median(before[-20:]) if before else 0.0
+    end = at + 10 if until is None else min(at + 10, until)
     gaps = [b.committed_at - a.committed_at for a, b in pairs
-            if a.committed_at <= at + 10 and b.committed_at >= at]
+            if a.committed_at <= end and b.committed_at >= at
+            and (until is None or b.committed_at <= until)]
     return (max(gaps) if gaps else 0.0), median

@@ -79,3 +79,10 @@ def test_downtime_is_the_longest_gap_around_the_event_against_the_median_step() 
              for i, t in enumerate([0.0, 1.0, 2.0, 3.0, 6.5, 7.5])]
     gap, median = record.downtime(steps, at=3.2)
     assert (gap, median) == (3.5, 1.0)
+
+
+def test_a_downtime_ends_where_the_next_event_starts() -> None:
+    steps = [record.StepRecord(i, 0, 4, t, 0.0)
+             for i, t in enumerate([0.0, 1.0, 2.0, 3.0, 4.5, 5.5, 9.0, 10.0])]
+    assert record.downtime(steps, at=3.2, until=8.0) == (1.5, 1.0)
+    assert record.downtime(steps, at=3.2) == (3.5, 1.0)  # the 3.5 s gap of the next event
