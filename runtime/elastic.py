@@ -200,6 +200,8 @@ class ElasticSession:
         self._retained: _Retained | None = None  # from an aborted step
         self._reduce: BucketedReduce | None = None  # the step's all-reduce, once armed
         self._buckets: list[list[int]] | None = None
+        # The buckets of the last completed all-reduce, reused; dropped after an abort.
+        self._bucket_buffers: list[torch.Tensor] | None = None
         # A repaired step: (step, this rank's plan, its kept gradient if it has one).
         self._repair: tuple[int, list[MicroBatch], _Retained | None] | None = None
         # The first step after a state copy: (step, the ranks that compute it).
@@ -687,7 +689,10 @@ class ElasticSession:
             self._retained = _Retained(step.index, self.generation, local_gradient(),
                                        step.indices, step.loss)
             self._abandon()
+            self._bucket_buffers = None  # the abandoned all-reduce may still write there
             return False
+        if reduce is not None:
+            self._bucket_buffers = reduce.flats
         if flag > 0:
             self._switch_agreed = True
             if self._newest_number() <= self.generation.generation:
@@ -719,7 +724,8 @@ class ElasticSession:
                     lambda _, i=i: self._reduce.gradient_ready(i) if self._reduce else None)
         reduce = BucketedReduce(self.pg, params, self._buckets,
                                 step.kept.gradient if step.kept is not None else None,
-                                self._seen_newer)
+                                self._seen_newer, self._bucket_buffers)
+        self._bucket_buffers = None  # lent to this step's all-reduce until it completes
         if self.chaos_kill == (step.index, "allreduce"):
             reduce.on_first_launch = lambda: threading.Timer(0.005, self._chaos_kill).start()
         return reduce

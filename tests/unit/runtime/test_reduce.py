@@ -86,3 +86,28 @@ def test_a_kept_gradient_is_added_to_this_ranks_share() -> None:
 
     for grad in on_two_ranks(body)[0]:
         assert torch.equal(grad, torch.full_like(grad, 3.0))
+
+
+def test_a_steps_buckets_are_reused_by_the_next_and_sum_afresh() -> None:
+    models = [model(1), model(2)]
+    expected = [a.grad + b.grad for a, b in zip(models[0].parameters(), models[1].parameters(),
+                                                strict=True)]
+    originals = [[p.grad.clone() for p in m.parameters()] for m in models]
+
+    def body(rank: int, pg: dist.ProcessGroup) -> tuple[list[torch.Tensor], bool]:
+        params = list(models[rank].parameters())
+        plan = bucket_plan(params, bucket_bytes=16 * 4 * 8)
+        first = BucketedReduce(pg, params, plan, None, lambda: 1.0)
+        first.finish(wait)
+        for p, grad in zip(params, originals[rank], strict=True):
+            p.grad.copy_(grad)  # the next step's gradients: the same again
+        second = BucketedReduce(pg, params, plan, None, lambda: 1.0, first.flats)
+        flag = second.finish(wait)
+        same = all(a is b for a, b in zip(first.flats, second.flats, strict=True))
+        return [p.grad.clone() for p in params], same and flag == 2.0
+
+    (grads0, reused0), (grads1, reused1) = on_two_ranks(body)
+    assert reused0 and reused1
+    for got0, got1, want in zip(grads0, grads1, expected, strict=True):
+        torch.testing.assert_close(got0, want)  # no leftover of the first sum
+        assert torch.equal(got0, got1)
