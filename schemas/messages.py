@@ -168,7 +168,9 @@ class JobRecord(Message, tag="phalanx.job_record.v1"):
     several); it is empty unless the job is admitted. ``slots`` names each
     entry's slot (empty: ``0..len(nodes)-1``): a slot keeps its number while
     the job runs, so shrinking a placement never renumbers the replicas that
-    stay.
+    stay. ``next_slot`` is the lowest number this admission never used: a job
+    growing back after a shrink gets new numbers, so a replica id (``r<slot>-<n>``)
+    never names two processes.
     """
 
     job_id: Ident
@@ -180,12 +182,16 @@ class JobRecord(Message, tag="phalanx.job_record.v1"):
     reason: str = ""
     nodes: list[Ident] = []
     slots: list[NonNegInt] = []
+    next_slot: NonNegInt = 0
 
     def __post_init__(self) -> None:
         if self.slots and (len(self.slots) != len(self.nodes)
                            or len(set(self.slots)) != len(self.slots)):
             raise ValueError(f"slots {self.slots} must name each of the {len(self.nodes)} "
                              "nodes entries once")
+        if self.slots and self.next_slot and max(self.slots) >= self.next_slot:
+            raise ValueError(f"next_slot {self.next_slot} must exceed every slot in use "
+                             f"({max(self.slots)})")
 
     def placement(self) -> dict[int, str]:
         """Slot -> node of an admitted job (empty otherwise)."""

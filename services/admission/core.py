@@ -25,7 +25,10 @@ A *gang* is a job's set of data-parallel replicas; each replica needs
    reserved (backfill). A big gang therefore cannot starve behind a stream
    of small ones, as long as running work ends.
 6. **Elastic growth.** After the pass, gangs admitted in it get replicas up
-   to ``replicas.max`` from what is still free and unreserved.
+   to ``replicas.max`` from what is still free and unreserved. Running gangs
+   below their ``max`` (shrunk when a node was lost or by preemption, or
+   admitted small) grow back the same way (:class:`Grow`), by priority, but
+   only when no gang waits for capacity: a waiting gang gets freed slots first.
 7. **Timeouts.** A gang that waits in the queue longer than its
    ``schedule_timeout_s`` fails, with the reason it was waiting for; the wait
    starts at submission and again each time it is put back in the queue
@@ -176,17 +179,28 @@ class Fail:
     cause: str = ""
 
 
-Decision = Admit | Shrink | Evict | Fail
+@dataclasses.dataclass(frozen=True)
+class Grow:
+    """A running elastic gang gets more replicas: it now runs one on each listed node."""
+
+    job_id: str
+    nodes: tuple[str, ...]
+    cause: str = ""
 
 
-def carry_slots(old_nodes: list[str], old_slots: list[int], new_nodes: list[str]) -> list[int]:
+Decision = Admit | Shrink | Grow | Evict | Fail
+
+
+def carry_slots(old_nodes: list[str], old_slots: list[int], new_nodes: list[str],
+                next_slot: int = 0) -> list[int]:
     """Slot numbers for ``new_nodes``: an entry that stays keeps its slot (the k-th entry of
-    a node keeps the k-th of that node's old slots); a new entry gets a fresh number."""
+    a node keeps the k-th of that node's old slots); a new entry gets a fresh number, from
+    ``next_slot`` on (numbers used before, by entries since dropped, are not reused)."""
     old_slots = old_slots or list(range(len(old_nodes)))
     free: dict[str, list[int]] = {}
     for node, slot in zip(old_nodes, old_slots, strict=True):
         free.setdefault(node, []).append(slot)
-    fresh = max(old_slots, default=-1) + 1
+    fresh = max(max(old_slots, default=-1) + 1, next_slot)
     slots = []
     for node in new_nodes:
         if free.get(node):
@@ -288,6 +302,7 @@ class AdmissionCore:
         self.running: dict[str, Gang] = {}  # admitted gangs
         self._running_tw: dict[str, dict[int, dict[str, Gang]]] = {}  # team -> weight -> gangs
         self._elastic: dict[str, Gang] = {}  # running gangs holding more than their min
+        self._short: dict[str, Gang] = {}  # running gangs holding less than their max
         self._slots_by_weight: dict[int, int] = {}  # slots held by admitted gangs, per weight
         self._held: dict[str, dict[int, int]] = {}  # team -> weight -> slots held
         self._domain_cache: dict[tuple, int] = {}  # spread: matching domains per shape
@@ -490,6 +505,7 @@ class AdmissionCore:
         reserved: dict[str, int] = {}
         reserved_total = 0
         holders: list[str] = []
+        waiting_for_capacity = False  # a reached gang waits for slots: none to grow into
         admitted: list[Gang] = []
         lowest_running = min((w for w, s in self._slots_by_weight.items() if s), default=None)
         reclaimers = self._reclaimers()
@@ -575,6 +591,7 @@ class AdmissionCore:
                 if j + 1 < len(keys):
                     heapq.heappush(heap, (keys[j + 1], shape))
             else:
+                waiting_for_capacity = True
                 gang.reason = Reason(
                     ReasonCode.INSUFFICIENT_CAPACITY,
                     lambda g=gang, f=free_now, h=tuple(holders): self._capacity_message(g, f, h))
@@ -584,7 +601,24 @@ class AdmissionCore:
             self._grow(gang, reserved)
             self._admitted_reason(gang)
             decisions.append(Admit(gang.job_id, tuple(gang.nodes), cause))
+        if self._short and not holders and not waiting_for_capacity:
+            decisions += self._regrow({g.job_id for g in admitted}, cause)
         return decisions
+
+    def _regrow(self, admitted: set[str], cause: str) -> list[Decision]:
+        """Running gangs below their max take free slots back, highest priority first."""
+        grown: list[Decision] = []
+        for gang in sorted(self._short.values(), key=Gang.order_key):
+            if self._free_total <= 0:
+                break
+            if gang.job_id in admitted:
+                continue  # grew with its Admit
+            before = len(gang.nodes)
+            self._grow(gang, {})
+            if len(gang.nodes) > before:
+                self._admitted_reason(gang)
+                grown.append(Grow(gang.job_id, tuple(gang.nodes), cause))
+        return grown
 
     def _reclaimers(self) -> set[str]:
         """Teams below their nominal quota with gangs waiting, while any team borrows."""
@@ -904,6 +938,10 @@ class AdmissionCore:
             self._elastic[gang.job_id] = gang
         else:
             self._elastic.pop(gang.job_id, None)
+        if gang.nodes and len(gang.nodes) < gang.spec.replicas.max:
+            self._short[gang.job_id] = gang
+        else:
+            self._short.pop(gang.job_id, None)
 
     def _index_add(self, node: Node) -> None:
         self._version += 1
@@ -1030,6 +1068,8 @@ class AdmissionCore:
             assert node.used <= node.slots, f"{node.node_id} over capacity"
         assert set(self.running) == {g.job_id for g in self.gangs.values()
                                      if g.state is JobState.ADMITTED}, "running set drifted"
+        assert set(self._short) == {j for j, g in self.running.items()
+                                    if len(g.nodes) < g.spec.replicas.max}, "short set drifted"
         for team, slots in team_use.items():
             assert slots <= self._quota(team).ceiling, f"team {team} over quota"
             assert self.usage.get(team, 0) == slots, f"team {team} usage drifted"

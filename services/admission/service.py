@@ -348,11 +348,14 @@ class AdmissionService(Service):
             if base.state.terminal and base.state is not gang.state:
                 return base  # a cancel written meanwhile wins; its watch event follows
             nodes = list(gang.nodes)
-            slots = core.carry_slots(base.nodes, base.slots, nodes) \
-                if base.state is JobState.ADMITTED and gang.state is JobState.ADMITTED else []
+            running = base.state is JobState.ADMITTED and gang.state is JobState.ADMITTED
+            slots = core.carry_slots(base.nodes, base.slots, nodes, base.next_slot) \
+                if running else list(range(len(nodes)))
+            # Within one admission slot numbers only grow; a new admission starts at 0.
+            next_slot = max(base.next_slot if running else 0, max(slots, default=-1) + 1)
             return msgspec.structs.replace(base, state=gang.state, updated_at=now,
                                            reason_code=reason.code, reason=reason.message,
-                                           nodes=nodes,
+                                           nodes=nodes, next_slot=next_slot if nodes else 0,
                                            slots=[] if slots == list(range(len(nodes))) else slots)
 
         entry = await self.jobs.modify(gang.job_id, change)

@@ -140,7 +140,9 @@ class RankSet:
                 del self.launched[key]
         for slot in sorted(wanted):
             if (record.job_id, slot) not in self.launched:
-                await self._launch(record, slot, placement, f"r{slot}-0")
+                # A slot an elastic job grew into: its replica joins running survivors.
+                await self._launch(record, slot, placement, f"r{slot}-0",
+                                   nice=self.replacement_nice if elastic else None)
 
     async def replace(self, record: JobRecord, slot: int, replica_id: str) -> int:
         """Run ``replica_id`` in ``slot``, stopping what runs there first; returns its pid.

@@ -47,9 +47,9 @@ from phalanx.services.client import AdmissionClient
 pytestmark = pytest.mark.slow
 SCRIPT = Path(__file__).resolve().parents[2] / "examples" / "train_mlp.py"
 STEPS = 700
+LONG_STEPS = 2500  # time for a new node's replicas to start and join before the end
 SAMPLES = 640  # 10 steps per epoch at a global batch of 64
-ARGS = ["--steps", str(STEPS), "--widths", "64,128,64", "--samples", str(SAMPLES),
-        "--micro-batch", "8"]
+ARGS = ["--widths", "64,128,64", "--samples", str(SAMPLES), "--micro-batch", "8"]
 ORDER = ElasticOrder(SAMPLES, 64, seed=0)
 RUN_ENV = {"PHALANX_DETERMINISTIC": "1", "PHALANX_STATE_CHECKSUM": "1"}
 
@@ -62,17 +62,21 @@ def data_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return path
 
 
-@pytest.fixture(scope="module")
-def reference(data_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
+def fault_free(data_dir: Path, out: Path, steps: int) -> dict:
     """The fault-free run: the same script alone."""
-    out = tmp_path_factory.mktemp("reference")
+    out.mkdir(parents=True, exist_ok=True)
     env = {k: v for k, v in os.environ.items() if not k.startswith("PHALANX_")}
     subprocess.run([sys.executable, str(SCRIPT), "--data-dir", str(data_dir), *ARGS,
-                    "--save", str(out / "final.pt")],
+                    "--steps", str(steps), "--save", str(out / "final.pt")],
                    check=True, timeout=300,
                    env={**env, **RUN_ENV, "PHALANX_RECORD_DIR": str(out / "rec")})
-    return {"params": torch.load(out / "final.pt"),
+    return {"steps": steps, "params": torch.load(out / "final.pt"),
             "loss": [s.loss for s in record.timeline(record.read(out / "rec"))]}
+
+
+@pytest.fixture(scope="module")
+def reference(data_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
+    return fault_free(data_dir, tmp_path_factory.mktemp("reference"), STEPS)
 
 
 class Watch:
@@ -115,7 +119,8 @@ def drain(queue: asyncio.Queue) -> None:
 
 
 async def run_job(cluster, data_dir: Path, tmp_path: Path, name: str, inject,
-                  env: dict[str, str] | None = None) -> tuple[Path, list[Generation]]:
+                  env: dict[str, str] | None = None,
+                  steps: int = STEPS) -> tuple[Path, list[Generation]]:
     """Submit the job, call ``inject(job_id)`` once it trains, wait for it to finish."""
     _, bus, watch = cluster
     for queue in (watch.generations, watch.progress, watch.states):
@@ -124,7 +129,7 @@ async def run_job(cluster, data_dir: Path, tmp_path: Path, name: str, inject,
     spec = JobSpec(name=name, team="t", priority_class="normal",
                    replicas=ReplicaRange(min=2, max=4), placement=Placement(),
                    command=[sys.executable, str(SCRIPT), "--data-dir", str(data_dir), *ARGS,
-                            "--save", str(tmp_path / "final.pt")],
+                            "--steps", str(steps), "--save", str(tmp_path / "final.pt")],
                    env={"PHALANX_RECORD_DIR": str(rec), **RUN_ENV, **(env or {})},
                    hang_timeout_s=2.0, grace_period_s=3.0)
     job = await AdmissionClient(bus).submit(spec, f"{name}-1")
@@ -153,12 +158,12 @@ def repaired(records: dict, generation: int) -> bool:
 
 def check_run(rec: Path, final: Path, reference: dict) -> list[record.StepRecord]:
     records = record.read(rec)
-    assert record.verify(records, ORDER, STEPS) == []
+    assert record.verify(records, ORDER, reference["steps"]) == []
     params = torch.load(final)
     for name, value in reference["params"].items():
         torch.testing.assert_close(params[name], value, rtol=1e-6, atol=1e-7)
     steps = record.timeline(records)
-    assert [s.step for s in steps] == list(range(STEPS))
+    assert [s.step for s in steps] == list(range(reference["steps"]))
     torch.testing.assert_close(torch.tensor([s.loss for s in steps], dtype=torch.float64),
                                torch.tensor(reference["loss"], dtype=torch.float64),
                                rtol=1e-5, atol=1e-7)
@@ -284,11 +289,13 @@ def pids_of(job_id: str, node_id: str) -> list[int]:
     return pids
 
 
-async def test_a_whole_node_dies_and_the_survivors_go_on_in_process(
-        cluster, data_dir: Path, reference: dict, tmp_path: Path) -> None:
-    """Last in this module: the cluster loses a node for good."""
+async def test_a_whole_node_dies_the_survivors_go_on_and_the_job_grows_back_elsewhere(
+        cluster, data_dir: Path, tmp_path: Path) -> None:
+    """Last in this module: the cluster loses a node for good, and a new one joins."""
+    reference = fault_free(data_dir, tmp_path / "reference", LONG_STEPS)
     data = cluster[0]
-    lost: list[str] = []
+    url = json.loads((data / "up.json").read_text())["nats_url"]
+    spare: list[subprocess.Popen] = []
 
     async def node_dies(job_id: str, watch: Watch) -> None:
         await progressed(watch, job_id, 40)
@@ -297,20 +304,38 @@ async def test_a_whole_node_dies_and_the_survivors_go_on_in_process(
         phalanx("chaos", "kill-agent", "local-1", "--data-dir", str(data))
         for pid in pids:  # the machine's ranks die with it
             os.kill(pid, signal.SIGKILL)
-        lost.extend(pids)
+        # A new machine arrives: admission gives the shrunk job its slots.
+        spare.append(subprocess.Popen(
+            [sys.executable, "-m", "phalanx.services.cli", "agent", "--node-id", "local-2",
+             "--slots", "2", "--heartbeat-interval", "0.2", "--nats", url,
+             "--data-dir", str(data)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
 
-    rec, generations = await run_job(cluster, data_dir, tmp_path, "node", node_dies)
+    try:
+        rec, generations = await run_job(cluster, data_dir, tmp_path, "node", node_dies,
+                                         steps=LONG_STEPS)
+    finally:
+        for agent in spare:
+            agent.send_signal(signal.SIGTERM)
+            agent.wait(30)
     on_lost = {m.replica_id for m in generations[0].members if m.node_id == "local-1"}
     # The lost node's ranks fall silent: health reports each (a hang or the node loss,
     # whichever times out first), and elasticity drops them, with no replacement on it.
     fault = [g for g in generations if g.reason is GenerationReason.FAULT][-1]
-    assert {m.replica_id for m in fault.members} == {
-        m.replica_id for m in generations[0].members} - on_lost
-    assert {m.replica_id for m in generations[-1].members} == {
-        m.replica_id for m in fault.members}
-    # The survivors were never restarted: the same two processes trained to the end.
+    survivors = {m.replica_id for m in generations[0].members} - on_lost
+    assert {m.replica_id for m in fault.members} == survivors
+    # The job grew back onto the new node in new slots (never the lost node's numbers),
+    # and the new replicas joined the survivors with their state.
+    grown = generations[-1]
+    assert grown.reason is GenerationReason.JOIN and grown.world_size == 4, generations
+    newcomers = {m.replica_id: m.node_id for m in grown.members}
+    for replica in survivors:
+        del newcomers[replica]
+    assert newcomers == {"r4-0": "local-2", "r5-0": "local-2"}
     records = record.read(rec)
-    for member in fault.members:
-        assert [line["step"] for line in records[member.replica_id]
-                if line["kind"] == "commit"][-1] == STEPS - 1
+    for replica in newcomers:
+        assert any(line["kind"] == "adopt" for line in records[replica])
+    # The survivors were never restarted: the same two processes trained to the end.
+    for replica in survivors:
+        assert [line["step"] for line in records[replica]
+                if line["kind"] == "commit"][-1] == LONG_STEPS - 1
     check_run(rec, tmp_path / "final.pt", reference)

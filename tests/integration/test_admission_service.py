@@ -135,6 +135,55 @@ async def test_submit_wait_with_reason_then_admit_on_cancel(config: BusConfig,
             await agent.stop()
 
 
+async def test_an_elastic_job_shrunk_by_a_lost_node_grows_back_with_new_slot_numbers(
+        config: BusConfig, client_bus: Bus) -> None:
+    def agent(node_id: str) -> AgentService:
+        return AgentService(AgentConfig(node_id=node_id, slots=2, heartbeat_interval_s=0.2,
+                                        lost_after_s=3.0, launch=False), config)
+
+    first, second = agent("node-a"), agent("node-b")
+    await first.start()
+    await second.start()
+    service = AdmissionService(AdmissionConfig(lease_s=1.0), config, instance="a0")
+    await service.start()
+    third = None
+    jobs = await TypedKV.open(client_bus.js, subjects.JOBS_BUCKET, JobRecord)
+    changes: asyncio.Queue[JobRecord] = asyncio.Queue()
+
+    async def on_state(record: JobRecord, _: Delivery) -> None:
+        await changes.put(record)
+
+    async def next_placement(nodes: list[str]) -> JobRecord:
+        while True:
+            record = await asyncio.wait_for(changes.get(), 20)
+            if record.state is JobState.ADMITTED and sorted(record.nodes) == nodes:
+                return record
+
+    await client_bus.subscribe(subjects.job_state("el-1"), JobRecord, on_state)
+    try:
+        await AdmissionClient(client_bus).submit(JobSpec(
+            name="el", team="t", priority_class="normal", replicas=ReplicaRange(min=2, max=4),
+            command=["true"]), "el-1")
+        full = await next_placement(["node-a", "node-a", "node-b", "node-b"])
+        kept = sorted(s for s, n in full.placement().items() if n == "node-a")
+        await second.stop()  # node-b leaves: the job keeps node-a's two slots
+        shrunk = await next_placement(["node-a", "node-a"])
+        assert sorted(shrunk.placement()) == kept
+        third = agent("node-c")
+        await third.start()
+        grown = await next_placement(["node-a", "node-a", "node-c", "node-c"])
+        placement = grown.placement()
+        assert sorted(s for s, n in placement.items() if n == "node-a") == kept
+        assert sorted(s for s, n in placement.items() if n == "node-c") == [4, 5]  # not 2, 3
+        assert grown.next_slot == 6
+        assert (await jobs.get("el-1")).value == grown
+    finally:
+        await service.stop()
+        for agent_service in (first, third):
+            if agent_service is not None:
+                await agent_service.stop()
+
+
 async def test_invalid_specs_are_refused_naming_the_field(config: BusConfig,
                                                           client_bus: Bus) -> None:
     agents = await start_agents(config, slots=2, count=2)

@@ -40,7 +40,9 @@ stop.set(); worker.join()
 """
 
 
-async def run_in_slot(tmp_path: Path, replica_id: str, nice: int) -> str:
+async def run_in_slot(tmp_path: Path, how: str, nice: int) -> str:
+    """Start slot 0's replica as the first launch, a slot a running job grew into, or a
+    replacement; returns what it printed."""
     exited: asyncio.Queue[RankExited] = asyncio.Queue()
 
     async def report(message: RankStarted | RankExited) -> None:
@@ -56,25 +58,26 @@ async def run_in_slot(tmp_path: Path, replica_id: str, nice: int) -> str:
                    replicas=ReplicaRange(min=1, max=1), command=[sys.executable, "-c", CHILD])
     record = JobRecord(job_id="p1", spec=spec, state=JobState.ADMITTED, submitted_at=1.0,
                        updated_at=1.0, reason_code=ReasonCode.ADMITTED, nodes=["n1"])
-    if replica_id.endswith("-0"):
-        await ranks.reconcile(record, elastic=True)
-    else:
-        await ranks.replace(record, 0, replica_id)
+    if how == "replacement":
+        await ranks.replace(record, 0, "r0-1")
+    else:  # a job with a generation is elastic: its new slots join running survivors
+        await ranks.reconcile(record, elastic=how == "grown")
     end = await asyncio.wait_for(exited.get(), 60)
     assert end.exit_code == 0
     return (tmp_path / "jobs" / "p1" / "rank-0.log").read_text().strip()
 
 
-async def test_a_replacement_starts_nicer_and_every_thread_returns_when_ready(
-        tmp_path: Path) -> None:
+@pytest.mark.parametrize("how", ["replacement", "grown"])
+async def test_a_joiner_starts_nicer_and_every_thread_returns_when_ready(
+        tmp_path: Path, how: str) -> None:
     base = priority.current()
-    start, restore_to, after = (await run_in_slot(tmp_path, "r0-1", 7)).split(" ", 2)
+    start, restore_to, after = (await run_in_slot(tmp_path, how, 7)).split(" ", 2)
     assert int(start) == min(19, base + 7)
     assert int(restore_to) == base and after == f"[{base}]"
 
 
-@pytest.mark.parametrize(("replica_id", "nice"), [("r0-0", 7), ("r0-1", 0)])
+@pytest.mark.parametrize(("how", "nice"), [("first", 7), ("replacement", 0), ("grown", 0)])
 async def test_first_replicas_and_a_nice_of_0_start_at_the_agents_priority(
-        tmp_path: Path, replica_id: str, nice: int) -> None:
+        tmp_path: Path, how: str, nice: int) -> None:
     base = priority.current()
-    assert await run_in_slot(tmp_path, replica_id, nice) == f"{base} None [{base}]"
+    assert await run_in_slot(tmp_path, how, nice) == f"{base} None [{base}]"

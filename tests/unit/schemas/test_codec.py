@@ -114,7 +114,7 @@ EXAMPLES: dict[type[Message], Message] = {
     JobRecord: JobRecord(job_id="llama-ft-1a2b3c", spec=_SPEC, state=JobState.ADMITTED,
                          submitted_at=1_717_000_000.0, updated_at=1_717_000_001.0,
                          reason_code=ReasonCode.ADMITTED, reason="running 2 replica(s)",
-                         nodes=["gpu-node-07", "gpu-node-03"]),
+                         nodes=["gpu-node-07", "gpu-node-03"], slots=[0, 4], next_slot=5),
     SubmitRequest: SubmitRequest(job_id="llama-ft-1a2b3c", spec=_SPEC),
     JobRequest: JobRequest(job_id="llama-ft-1a2b3c"),
     RequeueRequest: RequeueRequest(job_id="llama-ft-1a2b3c",

@@ -32,6 +32,7 @@ from phalanx.services.admission.core import (
     Event,
     Evict,
     Fail,
+    Grow,
     JobCancelled,
     JobFinished,
     JobSubmitted,
@@ -254,6 +255,14 @@ class Run:
                 assert d.job_id in self.ledger, f"Shrink of a gang not running: {d}"
                 assert after < before, f"Shrink does not give back replicas: {before} -> {d}"
                 assert len(d.nodes) >= spec.replicas.min, f"Shrink below min: {d}"
+                self.ledger[d.job_id] = d.nodes
+            elif isinstance(d, Grow):
+                before = Counter(self.ledger.get(d.job_id, ()))
+                after = Counter(d.nodes)
+                assert d.job_id in self.ledger, f"Grow of a gang not running: {d}"
+                assert after > before, f"Grow takes no replica or drops one: {before} -> {d}"
+                assert len(d.nodes) <= spec.replicas.max, f"Grow above max: {d}"
+                self.check_new_placement(d.job_id, tuple((after - before).elements()))
                 self.ledger[d.job_id] = d.nodes
             elif isinstance(d, Evict):
                 if d.job_id not in self.ledger:

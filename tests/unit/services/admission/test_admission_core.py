@@ -19,6 +19,7 @@ from phalanx.services.admission.core import (
     Event,
     Evict,
     Fail,
+    Grow,
     JobCancelled,
     JobFinished,
     JobRequeued,
@@ -617,12 +618,42 @@ def test_elastic_growth_respects_spread() -> None:
     assert per_domain == {"d1": 2, "d2": 1}
 
 
-def test_growth_happens_only_in_the_admission_pass() -> None:
+def test_a_running_gang_below_its_max_grows_into_slots_freed_later() -> None:
     core = make(node("n1", 4))
     run(core, [sub("f", prio="high", mn=3)])
     assert admits(run(core, [sub("e", mn=1, mx=4)])) == {"e": ("n1",)}
-    assert kinds(run(core, [JobFinished("f")])) == [("Evict", "f")]
-    assert len(core.gangs["e"].nodes) == 1
+    decisions = run(core, [JobFinished("f")])
+    assert kinds(decisions) == [("Evict", "f"), ("Grow", "e")]
+    assert decisions[1] == Grow("e", ("n1",) * 4, cause=decisions[1].cause)
+    assert explain(core, "e").message == "running 4 replica(s) on 1 node(s)"
+
+
+def test_a_gang_shrunk_by_a_lost_node_grows_back_on_a_new_one() -> None:
+    core = make(node("a", 2), node("b", 2))
+    assert admits(run(core, [sub("e", mn=2, mx=4)])) == {"e": ("a", "a", "b", "b")}
+    assert kinds(run(core, [node("b", 2, alive=False)])) == [("Shrink", "e")]
+    decisions = run(core, [node("c", 2)])
+    assert kinds(decisions) == [("Grow", "e")]
+    assert nodes_of(core, "e") == Counter({"a": 2, "c": 2})
+
+
+def test_no_growth_while_a_gang_waits_for_capacity() -> None:
+    core = make(node("n1", 4))
+    run(core, [sub("e", mn=1, mx=8)])
+    run(core, [sub("w", mn=3)])  # e holds all 4 slots and may keep them: w waits
+    run(core, [node("n1", 6)])  # two slots more: not enough for w, and not e's either
+    assert explain(core, "w").code in (ReasonCode.RESERVED, ReasonCode.INSUFFICIENT_CAPACITY)
+    assert len(core.gangs["e"].nodes) == 4
+    assert kinds(run(core, [JobCancelled("w")])) == [("Grow", "e")]  # w was only queued
+    assert len(core.gangs["e"].nodes) == 6
+
+
+def test_growth_goes_to_the_higher_priority_gang_first() -> None:
+    core = make(node("n1", 2))
+    run(core, [sub("lo", mn=1, mx=3)])
+    assert kinds(run(core, [sub("hi", prio="high", mn=1, mx=3)])) == [
+        ("Shrink", "lo"), ("Admit", "hi")]
+    assert kinds(run(core, [node("n3", 1)])) == [("Grow", "hi")]
 
 
 # --- timeouts ------------------------------------------------------------------------------
@@ -950,3 +981,8 @@ def test_requeued_running_gang_frees_its_slots_and_is_admitted_again() -> None:
 def test_slots_that_stay_keep_their_numbers(old: list[str], slots: list[int], new: list[str],
                                             expected: list[int]) -> None:
     assert carry_slots(old, slots, new) == expected
+
+
+def test_a_gang_growing_back_never_reuses_a_slot_number() -> None:
+    # a, a, b, b -> b lost -> a, a keep 0, 1 -> grown on c: 4, 5, not b's 2, 3 again.
+    assert carry_slots(["a", "a"], [0, 1], ["a", "a", "c", "c"], next_slot=4) == [0, 1, 4, 5]
