@@ -303,6 +303,7 @@ class AdmissionCore:
         self._running_tw: dict[str, dict[int, dict[str, Gang]]] = {}  # team -> weight -> gangs
         self._elastic: dict[str, Gang] = {}  # running gangs holding more than their min
         self._short: dict[str, Gang] = {}  # running gangs holding less than their max
+        self._regrown_at = -1  # the _version of the last growth attempt
         self._slots_by_weight: dict[int, int] = {}  # slots held by admitted gangs, per weight
         self._held: dict[str, dict[int, int]] = {}  # team -> weight -> slots held
         self._domain_cache: dict[tuple, int] = {}  # spread: matching domains per shape
@@ -601,8 +602,12 @@ class AdmissionCore:
             self._grow(gang, reserved)
             self._admitted_reason(gang)
             decisions.append(Admit(gang.job_id, tuple(gang.nodes), cause))
-        if self._short and not holders and not waiting_for_capacity:
+        # Growth is tried only with free slots nobody waits for, and once per allocation
+        # state: a pass that changed nothing would find what the last one found.
+        if self._short and not holders and not waiting_for_capacity \
+                and self._free_total > 0 and self._regrown_at != self._version:
             decisions += self._regrow({g.job_id for g in admitted}, cause)
+            self._regrown_at = self._version
         return decisions
 
     def _regrow(self, admitted: set[str], cause: str) -> list[Decision]:
