@@ -241,7 +241,7 @@ class ElasticSession:
         ``PHALANX_RECORD_DIR``, ``PHALANX_STATE_CHECKSUM=1``, ``PHALANX_DETERMINISTIC=1`` and
         ``PHALANX_CHAOS_KILL=<replica>:<step>:<boundary|allreduce>[,...]`` (fault injection).
         ``PHALANX_ADVERTISE_HOST`` is the address peers reach this replica's store at
-        (default 127.0.0.1: set it on multi-host clusters). ``PHALANX_NICE_WHEN_READY``
+        (set by the agent to its node's host; default 127.0.0.1). ``PHALANX_NICE_WHEN_READY``
         is set by the agent that started this replica at a lower CPU priority.
 
         Raises:

@@ -33,6 +33,7 @@ import json
 import logging
 import os
 import signal
+import socket
 import sys
 import time
 import zlib
@@ -54,6 +55,16 @@ def start_ticks(pid: int) -> int | None:
         return None
     fields = stat.rsplit(")", 1)[1].split()
     return None if fields[0] == "Z" else int(fields[19])
+
+
+def resolves(host: str) -> bool:
+    """Whether ``host`` has an address here (a host name that does not is not advertised:
+    the runtime then keeps its single-host default)."""
+    try:
+        socket.getaddrinfo(host, None)
+    except OSError:
+        return False
+    return True
 
 
 def master_port(job_id: str) -> int:
@@ -90,13 +101,19 @@ class RankSet:
             (a cancelled job's, say) still hold the slots it needs.
         replacement_nice: how much nicer than the agent a replacement replica starts,
             until it reports ready (:mod:`phalanx.runtime.priority`); 0: not at all.
+        advertise_host: this node's host as peers reach it, passed to ranks as
+            ``PHALANX_ADVERTISE_HOST`` (where their rendezvous store is reached) when it
+            resolves here; a job's own env may set another.
     """
 
     def __init__(self, node_id: str, work_dir: Path, nats_url: str,
                  host_of: Callable[[str], Awaitable[str]],
                  report: Callable[[RankStarted | RankExited], Awaitable[None]],
-                 capacity: int | None = None, replacement_nice: int = 0) -> None:
+                 capacity: int | None = None, replacement_nice: int = 0,
+                 advertise_host: str | None = None) -> None:
         self.node_id = node_id
+        self.advertise_host = advertise_host if advertise_host and resolves(advertise_host) \
+            else None
         self.capacity = capacity
         base = priority.current()
         # Lowered only where the replica may raise it back: left low, it would straggle.
@@ -184,8 +201,10 @@ class RankSet:
             self._exit_seen.clear()
             await self._exit_seen.wait()
         local = sorted(s for s, node in record.placement().items() if node == self.node_id)
+        advertised = {"PHALANX_ADVERTISE_HOST": self.advertise_host} \
+            if self.advertise_host and "PHALANX_ADVERTISE_HOST" not in os.environ else {}
         env = {
-            **os.environ, **spec.env,
+            **os.environ, **advertised, **spec.env,
             "RANK": str(rank), "LOCAL_RANK": str(local.index(rank)),
             "WORLD_SIZE": str(len(placement)), "LOCAL_WORLD_SIZE": str(len(local)),
             "GROUP_RANK": str(sorted(set(placement), key=placement.index).index(self.node_id)),

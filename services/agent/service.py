@@ -95,7 +95,8 @@ class AgentService(Service):
             return
         self.ranks = RankSet(self.config.node_id, self.work_dir, self.bus_config_url(),
                              self._host_of, self._report, capacity=self.config.slots,
-                             replacement_nice=self.config.replacement_nice)
+                             replacement_nice=self.config.replacement_nice,
+                             advertise_host=self.info.host)
         await self.ranks.adopt()
         await self.bus.subscribe(subjects.job_states(), JobRecord, self.on_job_state)
         jobs = await TypedKV.open(self.bus.js, subjects.JOBS_BUCKET, JobRecord)

@@ -1,4 +1,9 @@
-"""A replacement replica starts at a lower CPU priority and returns to normal when ready."""
+"""How an agent launches a replica: its CPU priority and its environment.
+
+A replacement (or a replica in a slot a running job grew into) starts at a lower
+CPU priority and returns to normal when ready; every replica learns the host its
+peers reach it at.
+"""
 
 from __future__ import annotations
 
@@ -20,8 +25,8 @@ from phalanx.schemas.messages import (
 )
 from phalanx.services.agent.ranks import RankSet
 
-pytestmark = pytest.mark.skipif(not priority.can_restore(priority.current()),
-                                reason="needs CAP_SYS_NICE or RLIMIT_NICE to restore priority")
+may_restore = pytest.mark.skipif(not priority.can_restore(priority.current()),
+                                 reason="needs CAP_SYS_NICE or RLIMIT_NICE to restore priority")
 
 # Reports its start nice and its env, restores it as the runtime does when ready (from a
 # thread started before, which inherits the low priority), then reports every thread's.
@@ -40,7 +45,9 @@ stop.set(); worker.join()
 """
 
 
-async def run_in_slot(tmp_path: Path, how: str, nice: int) -> str:
+async def run_in_slot(tmp_path: Path, how: str, nice: int = 0, child: str = CHILD,
+                      env: dict[str, str] | None = None,
+                      advertise_host: str | None = None) -> str:
     """Start slot 0's replica as the first launch, a slot a running job grew into, or a
     replacement; returns what it printed."""
     exited: asyncio.Queue[RankExited] = asyncio.Queue()
@@ -53,9 +60,9 @@ async def run_in_slot(tmp_path: Path, how: str, nice: int) -> str:
         return "127.0.0.1"
 
     ranks = RankSet("n1", tmp_path, "nats://127.0.0.1:1", host_of, report,
-                    replacement_nice=nice)
-    spec = JobSpec(name="p", team="t", priority_class="normal",
-                   replicas=ReplicaRange(min=1, max=1), command=[sys.executable, "-c", CHILD])
+                    replacement_nice=nice, advertise_host=advertise_host)
+    spec = JobSpec(name="p", team="t", priority_class="normal", env=env or {},
+                   replicas=ReplicaRange(min=1, max=1), command=[sys.executable, "-c", child])
     record = JobRecord(job_id="p1", spec=spec, state=JobState.ADMITTED, submitted_at=1.0,
                        updated_at=1.0, reason_code=ReasonCode.ADMITTED, nodes=["n1"])
     if how == "replacement":
@@ -67,6 +74,7 @@ async def run_in_slot(tmp_path: Path, how: str, nice: int) -> str:
     return (tmp_path / "jobs" / "p1" / "rank-0.log").read_text().strip()
 
 
+@may_restore
 @pytest.mark.parametrize("how", ["replacement", "grown"])
 async def test_a_joiner_starts_nicer_and_every_thread_returns_when_ready(
         tmp_path: Path, how: str) -> None:
@@ -76,8 +84,27 @@ async def test_a_joiner_starts_nicer_and_every_thread_returns_when_ready(
     assert int(restore_to) == base and after == f"[{base}]"
 
 
+@may_restore
 @pytest.mark.parametrize(("how", "nice"), [("first", 7), ("replacement", 0), ("grown", 0)])
 async def test_first_replicas_and_a_nice_of_0_start_at_the_agents_priority(
         tmp_path: Path, how: str, nice: int) -> None:
     base = priority.current()
     assert await run_in_slot(tmp_path, how, nice) == f"{base} None [{base}]"
+
+
+ADVERTISED = "import os; print(os.environ.get('PHALANX_ADVERTISE_HOST'), flush=True)"
+
+
+@pytest.mark.parametrize(("host", "env", "expected"), [
+    ("localhost", None, "localhost"),  # the node's host, as registered
+    ("no-such-host.invalid", None, "None"),  # does not resolve: the runtime's default
+    (None, None, "None"),
+    ("localhost", {"PHALANX_ADVERTISE_HOST": "10.1.2.3"}, "10.1.2.3"),  # the job's own
+])
+async def test_a_replica_is_told_the_host_its_peers_reach_it_at(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, host: str | None,
+        env: dict[str, str] | None, expected: str) -> None:
+    monkeypatch.delenv("PHALANX_ADVERTISE_HOST", raising=False)
+    output = await run_in_slot(tmp_path, "first", child=ADVERTISED, env=env,
+                               advertise_host=host)
+    assert output == expected
