@@ -689,10 +689,9 @@ class ElasticSession:
             self._retained = _Retained(step.index, self.generation, local_gradient(),
                                        step.indices, step.loss)
             self._abandon()
-            self._bucket_buffers = None  # the abandoned all-reduce may still write there
             return False
         if reduce is not None:
-            self._bucket_buffers = reduce.flats
+            self._bucket_buffers = reduce.flats  # given back: the all-reduce completed
         if flag > 0:
             self._switch_agreed = True
             if self._newest_number() <= self.generation.generation:
@@ -725,7 +724,9 @@ class ElasticSession:
         reduce = BucketedReduce(self.pg, params, self._buckets,
                                 step.kept.gradient if step.kept is not None else None,
                                 self._seen_newer, self._bucket_buffers)
-        self._bucket_buffers = None  # lent to this step's all-reduce until it completes
+        # Lent to this step's all-reduce; an aborted one never gives them back (its gloo
+        # threads may still write into them), so the next step allocates new ones.
+        self._bucket_buffers = None
         if self.chaos_kill == (step.index, "allreduce"):
             reduce.on_first_launch = lambda: threading.Timer(0.005, self._chaos_kill).start()
         return reduce
