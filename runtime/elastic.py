@@ -291,7 +291,7 @@ class ElasticSession:
         if stored is not None:
             self._on_generation(stored, None)
             if stored.member(self.replica_id) is None:  # joining a running job
-                self._landing = landing_buffers(self.model, self.optimizer)
+                self._landing = landing_buffers(self.optimizer)
         if self.nice_when_ready is not None:
             priority.restore(self.nice_when_ready)
         self._announce()

@@ -153,7 +153,7 @@ def receive_state(pg: dist.ProcessGroup, src: int, model: torch.nn.Module,
     return header["step"], TransferStats(sum(d[2] for d in described), len(described))
 
 
-def landing_buffers(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+def landing_buffers(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
     """The tensors ``optimizer``'s state will hold, allocated and written once.
 
     A replica about to receive its state from a peer would otherwise allocate the

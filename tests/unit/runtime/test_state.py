@@ -107,16 +107,16 @@ def test_landing_buffers_leave_model_gradients_and_optimizer_as_they_were() -> N
     model(torch.randn(4, 6)).sum().backward()
     params = [p.detach().clone() for p in model.parameters()]
     grads = [p.grad.clone() for p in model.parameters()]
-    buffers = landing_buffers(model, optimizer)
+    buffers = landing_buffers(optimizer)
     # AdamW: exp_avg, exp_avg_sq and a 0-d step per parameter.
     assert len(buffers) == 3 * len(params)
     assert not optimizer.state  # a fresh optimizer still: its first step is the usual one
     for p, before, grad in zip(model.parameters(), params, grads, strict=True):
         assert torch.equal(p, before) and torch.equal(p.grad, grad)
-    assert landing_buffers(model, optimizer) != []  # still no state: buffers again
+    assert landing_buffers(optimizer) != []  # still no state: buffers again
     model(torch.randn(4, 6)).sum().backward()
     optimizer.step()
-    assert landing_buffers(model, optimizer) == []  # it has state: nothing to prepare
+    assert landing_buffers(optimizer) == []  # it has state: nothing to prepare
 
 
 def test_an_optimizer_that_needs_a_closure_gets_no_buffers_and_is_untouched() -> None:
@@ -124,7 +124,7 @@ def test_an_optimizer_that_needs_a_closure_gets_no_buffers_and_is_untouched() ->
     model = torch.nn.Linear(4, 2)
     before = [p.detach().clone() for p in model.parameters()]
     optimizer = torch.optim.LBFGS(model.parameters())
-    assert landing_buffers(model, optimizer) == []
+    assert landing_buffers(optimizer) == []
     assert not optimizer.state
     for p, b in zip(model.parameters(), before, strict=True):
         assert torch.equal(p, b) and p.grad is None
@@ -133,7 +133,7 @@ def test_an_optimizer_that_needs_a_closure_gets_no_buffers_and_is_untouched() ->
 def test_the_optimizer_state_is_received_into_the_landing_buffers() -> None:
     source, source_opt = trained(0)
     target, target_opt = fresh(3)
-    buffers = landing_buffers(target, target_opt)
+    buffers = landing_buffers(target_opt)
     addresses = {b.data_ptr() for b in buffers}
     pair(lambda pg: send_state(pg, 1, source, source_opt, 5, wait),
          lambda pg: receive_state(pg, 0, target, target_opt, wait, buffers))
