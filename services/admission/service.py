@@ -355,7 +355,7 @@ class AdmissionService(Service):
             next_slot = max(base.next_slot if running else 0, max(slots, default=-1) + 1)
             return msgspec.structs.replace(base, state=gang.state, updated_at=now,
                                            reason_code=reason.code, reason=reason.message,
-                                           nodes=nodes, next_slot=next_slot if nodes else 0,
+                                           nodes=nodes, next_slot=next_slot,
                                            slots=[] if slots == list(range(len(nodes))) else slots)
 
         entry = await self.jobs.modify(gang.job_id, change)
