@@ -69,7 +69,10 @@ async def run_in_slot(tmp_path: Path, how: str, nice: int = 0, child: str = CHIL
         await ranks.replace(record, 0, "r0-1")
     else:  # a job with a generation is elastic: its new slots join running survivors
         await ranks.reconcile(record, elastic=how == "grown")
-    end = await asyncio.wait_for(exited.get(), 60)
+    try:
+        end = await asyncio.wait_for(exited.get(), 60)
+    finally:
+        await ranks.stop_all()  # a child that hangs is not left behind
     assert end.exit_code == 0
     return (tmp_path / "jobs" / "p1" / "rank-0.log").read_text().strip()
 
