@@ -115,10 +115,10 @@ class RankSet:
         self.advertise_host = advertise_host if advertise_host and resolves(advertise_host) \
             else None
         self.capacity = capacity
-        base = priority.current()
+        self.nice = priority.current()  # the agent's: what a replica returns to when ready
         # Lowered only where the replica may raise it back: left low, it would straggle.
-        self.replacement_nice = min(19, base + replacement_nice) \
-            if replacement_nice and priority.can_restore(base) else None
+        self.replacement_nice = min(19, self.nice + replacement_nice) \
+            if replacement_nice and priority.can_restore(self.nice) else None
         self._exit_seen = asyncio.Event()
         self.work_dir = work_dir
         self.nats_url = nats_url
@@ -201,10 +201,11 @@ class RankSet:
             self._exit_seen.clear()
             await self._exit_seen.wait()
         local = sorted(s for s, node in record.placement().items() if node == self.node_id)
-        advertised = {"PHALANX_ADVERTISE_HOST": self.advertise_host} \
-            if self.advertise_host and "PHALANX_ADVERTISE_HOST" not in os.environ else {}
+        # The agent's own environment, then the job's, may name another host.
+        advertised = {"PHALANX_ADVERTISE_HOST": self.advertise_host} if self.advertise_host \
+            else {}
         env = {
-            **os.environ, **advertised, **spec.env,
+            **advertised, **os.environ, **spec.env,
             "RANK": str(rank), "LOCAL_RANK": str(local.index(rank)),
             "WORLD_SIZE": str(len(placement)), "LOCAL_WORLD_SIZE": str(len(local)),
             "GROUP_RANK": str(sorted(set(placement), key=placement.index).index(self.node_id)),
@@ -220,7 +221,7 @@ class RankSet:
                                      os.environ.get("PATH", "")]),
         }
         if nice is not None:
-            env[priority.ENV] = str(priority.current())
+            env[priority.ENV] = str(self.nice)
         self.launched[(record.job_id, rank)] = (placement, replica_id)
         log_path = self.work_dir / "jobs" / record.job_id / f"rank-{rank}.log"
         log_path.parent.mkdir(parents=True, exist_ok=True)
