@@ -183,20 +183,19 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             base = run_baseline(args, phase, Path(tmp) / "baseline")
         ratios = [o["downtime_s"] / base["downtime_s"] if base["downtime_s"] > 0 else None
                   for o in ours]
-        targets = {
-            "downtime <= 10% of baseline": all(r is not None and r <= 0.10 for r in ratios),
-            "downtime < 1 s": all(o["downtime_s"] < 1.0 for o in ours),
+        # A missing figure (no baseline stall, no join) counts as 99: a miss.
+        summary = {name: {"median": statistics.median(values), "worst": max(values)}
+                   for name, values in (
+                       ("downtime_s", [o["downtime_s"] for o in ours]),
+                       ("ratio", [r if r is not None else 99 for r in ratios]),
+                       ("join_pause_steps", [o.get("join_pause_steps") or 99 for o in ours]))}
+        targets = {  # judged on the worst run
+            "downtime <= 10% of baseline": summary["ratio"]["worst"] <= 0.10,
+            "downtime < 1 s": summary["downtime_s"]["worst"] < 1.0,
             "0 steps lost": all(o["steps_lost_or_redone"] == 0 for o in ours),
-            "join pause <= 1 step": all((o.get("join_pause_steps") or 99) <= 1.0
-                                        for o in ours)}
-        report["runs"][phase] = {
-            "phalanx": ours, "baseline": base, "ratios": ratios, "targets": targets,
-            "summary": {name: {"median": statistics.median(values), "worst": max(values)}
-                        for name, values in (
-                            ("downtime_s", [o["downtime_s"] for o in ours]),
-                            ("ratio", [r if r is not None else 99 for r in ratios]),
-                            ("join_pause_steps", [o.get("join_pause_steps") or 99
-                                                  for o in ours]))}}
+            "join pause <= 1 step": summary["join_pause_steps"]["worst"] <= 1.0}
+        report["runs"][phase] = {"phalanx": ours, "baseline": base, "ratios": ratios,
+                                 "targets": targets, "summary": summary}
         print(json.dumps({phase: {"baseline": base, "targets": targets}}), flush=True)
     report["pass"] = all(all(r["targets"].values()) for r in report["runs"].values())
     return report
