@@ -15,6 +15,7 @@ import asyncio
 import dataclasses
 import logging
 import ssl
+import time
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
@@ -122,6 +123,33 @@ class Bus:
         self.config = config
         self.counters = Counters()
         self.js = nc.jetstream()
+        self.connected_since: float | None = time.time()
+        self._on_reconnect: list[Callable[[], Awaitable[None]]] = []
+
+    @property
+    def connected(self) -> bool:
+        """Whether the connection is up now (False while reconnecting)."""
+        return self.connected_since is not None
+
+    def on_reconnect(self, callback: Callable[[], Awaitable[None]]) -> None:
+        """Await ``callback`` after every reconnection (after nats-py re-subscribed).
+
+        A process that judges others by their silence, or follows state through plain
+        publishes, was blind while disconnected: this is where it resyncs and gives
+        everyone a fresh grace period. A callback that raises is logged.
+        """
+        self._on_reconnect.append(callback)
+
+    def _disconnected(self) -> None:
+        self.connected_since = None
+
+    async def _reconnected(self) -> None:
+        self.connected_since = time.time()
+        for callback in list(self._on_reconnect):
+            try:
+                await callback()
+            except Exception:
+                log.exception("a reconnect callback failed")
 
     @classmethod
     async def connect(cls, config: BusConfig | None = None, *, name: str = "phalanx") -> Bus:
@@ -140,13 +168,19 @@ class Bus:
             last_error.append(exc)
             log.debug("nats error: %r", exc)
 
+        bus: list[Bus] = []  # set once connected: the callbacks below only fire after that
+
         async def on_disconnect() -> None:
+            for b in bus:
+                b._disconnected()
             if not (nc.is_closed or nc.is_draining):
                 log.warning("disconnected from NATS; reconnecting")
 
         async def on_reconnect() -> None:
             url = nc.connected_url
             log.info("reconnected to NATS at %s", url.netloc if url else "?")
+            for b in bus:
+                await b._reconnected()
 
         nc = Client()
         options: dict[str, Any] = dict(
@@ -172,7 +206,8 @@ class Bus:
                 f"{config.connect_timeout_s:g} s ({type(cause).__name__}: {cause}); "
                 "is `phalanx up` running, or is PHALANX_NATS_URL set?"
             ) from None
-        return cls(nc, config)
+        bus.append(cls(nc, config))
+        return bus[0]
 
     async def __aenter__(self) -> Bus:
         return self
