@@ -231,6 +231,32 @@ class Bus:
         with telemetry.producer_span(subject, len(data)):
             await self.nc.publish(subject, data, headers=telemetry.inject(headers))
 
+    async def publish_event(self, subject: str, message: Message, *, event_id: str,
+                            retry_s: float = 0.2) -> int:
+        """Publish an event that drives decisions and wait until a stream has stored it.
+
+        A plain publish written just as the server dies is lost with the socket; this
+        one is retried (every ``retry_s`` seconds, through any outage, until the
+        caller is cancelled) until JetStream acknowledges it. ``event_id`` goes in
+        the ``Nats-Msg-Id`` header, so a retry of a publish that was stored but whose
+        acknowledgement was lost is not stored twice (within the stream's duplicate
+        window, two minutes by default). Subscribers see it as a plain message.
+
+        Returns:
+            The stream sequence it was stored at.
+        """
+        data = encode(message)
+        with telemetry.producer_span(subject, len(data)):
+            headers = telemetry.inject({"Nats-Msg-Id": event_id})
+            while True:
+                try:
+                    ack = await self.js.publish(subject, data, timeout=max(retry_s, 1.0),
+                                                headers=headers)
+                    return ack.seq
+                except (nats.errors.Error, TimeoutError, OSError) as exc:
+                    log.debug("event %s not stored yet (%r); retrying", event_id, exc)
+                await asyncio.sleep(retry_s)
+
     async def request(self, subject: str, message: Message, reply_type: type[M], *,
                       timeout_s: float | None = None) -> M:
         """Send a request and decode its reply.
