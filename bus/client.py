@@ -46,6 +46,19 @@ ERROR_HEADER = "Nats-Service-Error"
 DEFAULT_REQUEST_TIMEOUT_S = 2.0
 
 
+def raise_if_cancelled() -> None:
+    """Raise the current task's cancellation if nats-py swallowed it.
+
+    nats-py's flush of pending writes catches ``CancelledError`` and returns, so a
+    task cancelled while it publishes (a leader stepping down mid-write, a service
+    stopping) would carry on and then wait forever. Every call into nats-py that
+    can publish is followed by this check, so a cancellation always takes effect.
+    """
+    task = asyncio.current_task()
+    if task is not None and task.cancelling():
+        raise asyncio.CancelledError
+
+
 @dataclasses.dataclass(frozen=True)
 class Delivery:
     """Where a handled message came from."""
@@ -230,6 +243,7 @@ class Bus:
         data = encode(message)
         with telemetry.producer_span(subject, len(data)):
             await self.nc.publish(subject, data, headers=telemetry.inject(headers))
+        raise_if_cancelled()
 
     async def publish_event(self, subject: str, message: Message, *, event_id: str,
                             retry_s: float = 0.2) -> int:
@@ -252,8 +266,10 @@ class Bus:
                 try:
                     ack = await self.js.publish(subject, data, timeout=max(retry_s, 1.0),
                                                 headers=headers)
+                    raise_if_cancelled()
                     return ack.seq
                 except (nats.errors.Error, TimeoutError, OSError) as exc:
+                    raise_if_cancelled()
                     log.debug("event %s not stored yet (%r); retrying", event_id, exc)
                 await asyncio.sleep(retry_s)
 
@@ -279,7 +295,9 @@ class Bus:
             except nats.errors.NoRespondersError:
                 raise NoResponders(f"no service listens on {subject}") from None
             except nats.errors.TimeoutError:
+                raise_if_cancelled()
                 raise RequestTimeout(f"no reply on {subject} within {timeout_s:g} s") from None
+        raise_if_cancelled()
         raise_for_error(reply, subject)
         return decode(reply.data, reply_type, subject=subject)
 

@@ -9,6 +9,8 @@ computed from the same old value.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import dataclasses
 import logging
 from collections.abc import AsyncIterator, Callable
@@ -19,6 +21,7 @@ from nats.js import JetStreamContext
 from nats.js.api import KeyValueConfig, StorageType
 from nats.js.kv import KeyValue
 
+from phalanx.bus.client import raise_if_cancelled
 from phalanx.bus.errors import Conflict
 from phalanx.schemas.codec import decode, encode
 from phalanx.schemas.errors import WireError
@@ -80,7 +83,9 @@ class TypedKV(Generic[M]):
 
     async def put(self, key: str, value: M) -> int:
         """Store ``value`` unconditionally; returns the new revision."""
-        return await self.kv.put(key, encode(value))
+        revision = await self.kv.put(key, encode(value))
+        raise_if_cancelled()
+        return revision
 
     async def create(self, key: str, value: M) -> int:
         """Store ``value`` only if ``key`` does not exist.
@@ -89,9 +94,12 @@ class TypedKV(Generic[M]):
             Conflict: the key exists.
         """
         try:
-            return await self.kv.create(key, encode(value))
+            revision = await self.kv.create(key, encode(value))
         except jse.KeyWrongLastSequenceError:
             raise Conflict(f"{self.bucket}/{key} already exists") from None
+        finally:
+            raise_if_cancelled()
+        return revision
 
     async def update(self, key: str, value: M, revision: int) -> int:
         """Store ``value`` only if ``key`` is still at ``revision``.
@@ -100,9 +108,12 @@ class TypedKV(Generic[M]):
             Conflict: the key changed since ``revision``.
         """
         try:
-            return await self.kv.update(key, encode(value), last=revision)
+            revision = await self.kv.update(key, encode(value), last=revision)
         except jse.KeyWrongLastSequenceError:
             raise Conflict(f"{self.bucket}/{key} changed since revision {revision}") from None
+        finally:
+            raise_if_cancelled()
+        return revision
 
     async def modify(self, key: str, change: Callable[[M | None], M], *,
                      attempts: int = 16) -> Entry[M]:
@@ -136,10 +147,12 @@ class TypedKV(Generic[M]):
         try:
             await self.kv.delete(key, last=revision)
         except jse.APIError as exc:
+            raise_if_cancelled()
             if revision is None:
                 raise
             raise Conflict(
                 f"{self.bucket}/{key} changed since revision {revision}: {exc}") from None
+        raise_if_cancelled()
 
     async def watch(self) -> AsyncIterator[Change[M] | None]:
         """Current values, then ``None`` once they are all delivered, then every change.
@@ -163,6 +176,47 @@ class TypedKV(Generic[M]):
                 yield Change(raw.key, value, raw.revision or 0)
         finally:
             await watcher.stop()
+
+    async def follow(self, resync: asyncio.Event) -> AsyncIterator[Change[M] | None]:
+        """:meth:`watch`, started again whenever ``resync`` is set.
+
+        Set ``resync`` after a reconnection: a watcher may have stalled or missed
+        changes while the server was away. Each pass yields every current value,
+        a deletion for each key that vanished since the last pass, then ``None``;
+        so a follower that treats changes as level-triggered state never misses one.
+        """
+        known: set[str] = set()
+        while True:
+            resync.clear()
+            changes: asyncio.Queue[Change[M] | None] = asyncio.Queue()
+            pump = asyncio.create_task(self._pump(changes))
+            try:
+                seen: set[str] | None = set()
+                while True:
+                    change = await _first(changes.get(), resync.wait())
+                    if resync.is_set():
+                        break
+                    if change is None and seen is not None:
+                        for key in sorted(known - seen):
+                            known.discard(key)
+                            yield Change(key, None, 0)
+                        seen = None  # the initial pass is over
+                    elif change is not None:
+                        if seen is not None:
+                            seen.add(change.key)
+                        if change.value is None:
+                            known.discard(change.key)
+                        else:
+                            known.add(change.key)
+                    yield change
+            finally:
+                pump.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await pump
+
+    async def _pump(self, into: asyncio.Queue[Change[M] | None]) -> None:
+        async for change in self.watch():
+            into.put_nowait(change)
 
     async def _keys(self) -> list[str]:
         """Every key with a value or a delete marker, as the server lists the bucket's subjects.
@@ -192,3 +246,15 @@ class TypedKV(Generic[M]):
             if entry is not None:
                 good.append(entry)
         return good, bad
+
+
+async def _first(*awaitables):
+    """The result of whichever of ``awaitables`` finishes first (None if not the first);
+    the others are cancelled."""
+    tasks = [asyncio.ensure_future(a) for a in awaitables]
+    try:
+        done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for task in tasks:
+            task.cancel()
+    return tasks[0].result() if tasks[0] in done else None

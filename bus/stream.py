@@ -34,7 +34,7 @@ from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 from nats.js.api import ConsumerConfig, DeliverPolicy, DiscardPolicy, StorageType, StreamConfig
 
-from phalanx.bus.client import Bus, Delivery
+from phalanx.bus.client import Bus, Delivery, raise_if_cancelled
 from phalanx.schemas import subjects
 from phalanx.schemas.codec import decode
 from phalanx.schemas.errors import WireError
@@ -148,6 +148,7 @@ class EventReader:
 
     async def _events(self) -> AsyncIterator[StreamEvent]:
         while (msg := await self._queue.get()) is not None:
+            raise_if_cancelled()
             seq = msg.metadata.sequence.stream
             if seq <= self.delivered:
                 continue  # a consumer started again delivered it twice

@@ -259,6 +259,29 @@ class Lease(Message, tag="phalanx.lease.v1"):
     expires_at: NonNegFloat
 
 
+class StreamCursor(Message, tag="phalanx.stream_cursor.v1"):
+    """How far a service has acted on the job-events stream (bucket ``phalanx_cursors``,
+    key = service): every event up to ``seq`` has been acted on and its effect stored."""
+
+    seq: NonNegInt
+    updated_at: NonNegFloat = 0.0
+
+
+class MembershipSnapshot(Message, tag="phalanx.membership_snapshot.v1"):
+    """One running job's elasticity state (bucket ``phalanx_elasticity``, key = job id).
+
+    ``state`` is the elasticity core's own encoding of the job (only elasticity
+    reads it; ``format`` names the encoding); ``seq`` is the job-events stream
+    sequence of the last event it reflects, so a new leader knows which events
+    it has already seen.
+    """
+
+    job_id: Ident
+    seq: NonNegInt
+    format: PosInt
+    state: bytes
+
+
 # --- membership ----------------------------------------------------------------------------
 
 
@@ -541,6 +564,8 @@ ALL_MESSAGES: tuple[type[Message], ...] = (
     Explanation,
     AllocationLedger,
     Lease,
+    StreamCursor,
+    MembershipSnapshot,
     Generation,
     ReplicaReady,
     GenerationApplied,

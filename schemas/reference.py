@@ -89,6 +89,12 @@ KV_VALUES: tuple[tuple[str, str, type[m.Message], str], ...] = (
      "every admitted job's placement; one CAS per admission pass"),
     (subjects.ADMISSION_BUCKET, "`leader`", m.Lease, "the admission leader's lease"),
     (subjects.GENERATIONS_BUCKET, "job id", m.Generation, "each running job's membership"),
+    (subjects.LEASES_BUCKET, "service (`health`, `elasticity`)", m.Lease,
+     "which instance of a service leads"),
+    (subjects.CURSORS_BUCKET, "service", m.StreamCursor,
+     "how far a service has acted on the job-events stream"),
+    (subjects.ELASTICITY_BUCKET, "job id", m.MembershipSnapshot,
+     "each running job's elasticity state, for a new leader"),
 )
 
 

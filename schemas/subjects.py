@@ -143,3 +143,9 @@ JOBS_BUCKET = "phalanx_jobs"
 ADMISSION_BUCKET = "phalanx_admission"
 #: JetStream KV bucket holding each running job's current Generation (key = job id).
 GENERATIONS_BUCKET = "phalanx_generations"
+#: JetStream KV bucket holding each leader-leased service's Lease (key = service name).
+LEASES_BUCKET = "phalanx_leases"
+#: JetStream KV bucket holding each service's StreamCursor on the job-events stream.
+CURSORS_BUCKET = "phalanx_cursors"
+#: JetStream KV bucket holding each running job's MembershipSnapshot (key = job id).
+ELASTICITY_BUCKET = "phalanx_elasticity"

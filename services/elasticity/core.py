@@ -6,10 +6,19 @@ to resume at, and why it changed (start, fault, join). A job runs in *slots*
 (admission's placement: slot ``i`` on ``nodes[i]``); the replica in a slot is
 ``r<slot>-<incarnation>``, so a replacement in the same slot is a new replica.
 
+* **Admission.** :class:`JobAdmitted` carries admission's current placement
+  each time a job record is seen (at start-up, on every change, after a
+  reconnection): it is level-triggered, so seeing the same record twice
+  changes nothing. A job is *managed* only from its first ready replica on:
+  jobs that do not use the runtime never get generations or replacements.
+  Faults that arrive before that are kept and applied when it becomes managed.
 * **Start.** Admission's placement launches ``r<i>-0`` in every slot.
   Generation 0 is formed once every launched replica has reported *ready*
   (torch imported, model built) or failed, from the ready ones in slot order,
   if at least ``min``.
+* **Placement changes.** A record with other slots than the managed job's:
+  new slots get ``r<s>-0`` (admission grew the job); slots gone get no more
+  replacements (their members' faults come from health).
 * **Faults.** A failed member is dropped in the next generation if at least
   ``min`` members remain; survivors keep their relative order (and so, in
   order, their ranks). A failure *supersedes* a change still in flight: the
@@ -39,11 +48,20 @@ to resume at, and why it changed (start, fault, join). A job runs in *slots*
 
 Events carry the ``event_id`` of what caused them; decisions carry it as
 ``cause``. ``now`` is passed in; the core reads no clock and does no I/O.
+
+**Restarts.** :func:`snapshot` encodes one job's whole state and
+:meth:`ElasticityCore.restore` takes it back: a core restored from the
+snapshots taken after event *k* and fed events *k+1…* decides exactly what a
+core that never stopped decides (property-tested). The service stores a job's
+snapshot after acting on each of its events, with the stream position of that
+event, so a new leader reads on from there and loses nothing.
 """
 
 from __future__ import annotations
 
 import dataclasses
+
+import msgspec
 
 from phalanx.schemas.messages import Generation, GenerationReason, Member
 
@@ -51,23 +69,14 @@ from phalanx.schemas.messages import Generation, GenerationReason, Member
 
 
 @dataclasses.dataclass(frozen=True)
-class JobStarted:
-    """Admission placed the job: each slot ``s`` runs replica ``r<s>-0`` on ``slots[s]``."""
+class JobAdmitted:
+    """Admission's current placement of an admitted job: slot ``s`` on ``slots[s]``, where
+    ``r<s>-0`` runs at first. Sent for every admitted record seen, changed or not."""
 
     job_id: str
     slots: dict[int, str]
     min_members: int
     max_members: int
-    event_id: str = ""
-
-
-@dataclasses.dataclass(frozen=True)
-class PlacementChanged:
-    """Admission moved the running job to ``slots``: new slots get ``r<s>-0``; slots gone
-    get no more replacements (their members' faults come from health)."""
-
-    job_id: str
-    slots: dict[int, str]
     event_id: str = ""
 
 
@@ -114,8 +123,8 @@ class JobStopped:
     event_id: str = ""
 
 
-Event = (JobStarted | PlacementChanged | MemberFailed | ReplicaReady | GenerationApplied
-         | MemberFinished | JobStopped)
+Event = (JobAdmitted | MemberFailed | ReplicaReady | GenerationApplied | MemberFinished
+         | JobStopped)
 
 # --- decisions -----------------------------------------------------------------------------
 
@@ -191,6 +200,8 @@ class JobMembership:
     waiting_since: float | None = None  # below min since
     complete: bool = False  # a member finished the training
     to_launch: list[LaunchReplacement] = dataclasses.field(default_factory=list)
+    managed: bool = False  # a replica reported ready: the job uses the runtime
+    early_faults: list[MemberFailed] = dataclasses.field(default_factory=list)  # before that
 
     @property
     def members(self) -> list[str]:
@@ -223,17 +234,18 @@ class ElasticityCore:
 
         Raises:
             TypeError: not one of this module's events.
-            ValueError: a JobStarted with an impossible size.
+            ValueError: a JobAdmitted with an impossible size.
         """
         match event:
-            case JobStarted():
-                self._started(event, now)
-                return []
+            case JobAdmitted():
+                job = self.jobs.get(event.job_id)
+                if job is None:
+                    self._admitted(event)
+                    return []
             case JobStopped():
                 self.jobs.pop(event.job_id, None)
                 return []
-            case (MemberFailed() | ReplicaReady() | GenerationApplied() | MemberFinished()
-                  | PlacementChanged()):
+            case MemberFailed() | ReplicaReady() | GenerationApplied() | MemberFinished():
                 job = self.jobs.get(event.job_id)
             case _:
                 raise TypeError(f"unknown event {event!r}")
@@ -241,12 +253,18 @@ class ElasticityCore:
             return []  # a job this core does not run (any more)
         if job.complete:
             return []
+        if not job.managed:
+            return self._unmanaged(job, event, now)
         decisions: list[Decision] = []
         match event:
             case MemberFinished():
                 return self._finished(job, event)
-            case PlacementChanged():
-                for slot in sorted(set(event.slots) - set(job.slots)):  # grown
+            case JobAdmitted():
+                if event.slots == job.slots:
+                    return []  # the same record seen again
+                # Grown: admission never reuses a slot number within an admission, so a
+                # number seen before is not a new slot (nothing is launched for it).
+                for slot in sorted(set(event.slots) - set(job.incarnation)):
                     job.launched[replica_id(slot, 0)] = slot
                     job.incarnation[slot] = 0
                 job.slots = dict(event.slots)
@@ -278,37 +296,47 @@ class ElasticityCore:
                     f"{self.wait_timeout_s:g} s"), "wait-timeout"))
         return decisions
 
-    def restore(self, generation: Generation, slots: dict[int, str], min_members: int,
-                max_members: int) -> None:
-        """Take over a job whose current generation a previous instance stored.
+    def restore(self, data: bytes) -> str:
+        """Take back one job's state from its :func:`snapshot`; returns the job id.
 
-        Its members are taken to have applied it; replicas that were starting
-        will report ready again (the runtime repeats its report until it joins).
+        Raises:
+            SnapshotError: ``data`` is not a snapshot this version can read.
         """
-        job = JobMembership(generation.job_id, min_members, max_members, dict(slots),
-                            self.max_replacements, current=generation)
-        for m in generation.members:
-            slot, incarnation = _slot_of(m.replica_id)
-            job.replicas[m.replica_id] = Replica(m.replica_id, slot, m.node_id, m.endpoint)
-            job.incarnation[slot] = max(incarnation, job.incarnation.get(slot, 0))
-            job.committed[m.replica_id] = generation.resume_step
-        job.applied = set(job.members)
-        self.jobs[generation.job_id] = job
+        try:
+            job = _SNAPSHOT_DECODER.decode(data)
+        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            raise SnapshotError(f"not an elasticity job snapshot: {exc}") from None
+        self.jobs[job.job_id] = job
+        return job.job_id
 
     # --- rules ----------------------------------------------------------------------------
 
-    def _started(self, event: JobStarted, now: float) -> None:
-        if event.job_id in self.jobs:
-            return  # replayed
+    def _admitted(self, event: JobAdmitted) -> None:
         if not 1 <= event.min_members <= event.max_members:
             raise ValueError(f"need 1 <= min <= max, got {event.min_members}..{event.max_members}")
-        job = JobMembership(event.job_id, event.min_members, event.max_members,
-                            dict(event.slots), self.max_replacements)
-        for slot in sorted(event.slots):
-            job.launched[replica_id(slot, 0)] = slot
-            job.incarnation[slot] = 0
-        job.forming = set(job.launched)
-        self.jobs[event.job_id] = job
+        self.jobs[event.job_id] = JobMembership(event.job_id, event.min_members,
+                                                event.max_members, dict(event.slots),
+                                                self.max_replacements)
+
+    def _unmanaged(self, job: JobMembership, event: Event, now: float) -> list[Decision]:
+        """Before the first ready replica: follow the placement, keep faults for later."""
+        match event:
+            case JobAdmitted():
+                job.slots = dict(event.slots)
+            case MemberFailed():
+                job.early_faults.append(event)
+            case ReplicaReady():
+                job.managed = True  # the job uses the runtime: launched r<s>-0 are expected
+                for slot in sorted(job.slots):
+                    job.launched[replica_id(slot, 0)] = slot
+                    job.incarnation[slot] = 0
+                job.forming = set(job.launched)
+                early, job.early_faults = job.early_faults, []
+                decisions: list[Decision] = []
+                for fault in early:
+                    decisions += self.handle(fault, now)
+                return decisions + self.handle(event, now)
+        return []
 
     def _failed(self, job: JobMembership, event: MemberFailed) -> list[Decision]:
         replica = event.replica_id
@@ -327,7 +355,7 @@ class ElasticityCore:
         else:
             return []  # an old incarnation, or never ours
         if not event.replaceable or job.replacements_left == 0 or slot not in job.slots \
-                or job.incarnation.get(slot, 0) != _slot_of(replica)[1]:
+                or job.incarnation.get(slot, 0) != slot_of(replica)[1]:
             return []
         job.replacements_left -= 1
         job.incarnation[slot] += 1
@@ -433,7 +461,20 @@ class ElasticityCore:
                     "a generation below min"
 
 
-def _slot_of(replica: str) -> tuple[int, int]:
+class SnapshotError(ValueError):
+    """Stored elasticity state that this version cannot read."""
+
+
+def snapshot(job: JobMembership) -> bytes:
+    """One job's whole state, for :meth:`ElasticityCore.restore`."""
+    return _SNAPSHOT_ENCODER.encode(job)
+
+
+_SNAPSHOT_ENCODER = msgspec.msgpack.Encoder()
+_SNAPSHOT_DECODER = msgspec.msgpack.Decoder(JobMembership)
+
+
+def slot_of(replica: str) -> tuple[int, int]:
     """``r<slot>-<incarnation>`` -> (slot, incarnation)."""
     slot, _, incarnation = replica.removeprefix("r").partition("-")
     return int(slot), int(incarnation)

@@ -1,41 +1,57 @@
 """The elasticity service's shell: faults and readiness in, generations and replacements out.
 
-Feeds the pure :class:`~.core.ElasticityCore` from the bus:
+Any number of instances run; the one holding the ``elasticity`` lease
+(:mod:`phalanx.services.lease`) acts, the others stand by and take over within
+the lease bound. The leader feeds the pure :class:`~.core.ElasticityCore` from
 
-* job records (the jobs bucket at start, then ``phalanx.job.*.state``): an
-  admitted job starts, anything else stops it;
-* ``phalanx.job.*.fault`` from health (crash, hang, node lost; stragglers
-  are reported, not dropped);
-* ``phalanx.job.*.ready`` and ``phalanx.job.*.applied`` from the runtime in
-  every rank, and ``phalanx.job.*.exited`` from agents (a member that exits 0
-  completes the training).
+* job records, followed through the jobs bucket (every current record at the
+  start of a term and again after each reconnection, then every change): an
+  admitted record is admission's current placement, anything else ends the job;
+* the job-events stream (:mod:`phalanx.bus.stream`): faults from health,
+  ``ready`` and ``applied`` from the runtime in every rank, and rank exits from
+  agents (a member that exits 0 completes the training);
 
 and carries out its decisions: a generation is stored in the
-``phalanx_generations`` bucket (so a late or restarted rank reads the
-current one) and then published on ``phalanx.job.<job>.generation``; a
-replacement is a :class:`LaunchReplica` request to the agent that holds the
-slot, and a replica no longer needed a :class:`StopReplica`; a job below its
-minimum for too long is handed back to admission.
+``phalanx_generations`` bucket (so a late or restarted rank reads the current
+one) and then published on ``phalanx.job.<job>.generation``; a replacement is
+a :class:`LaunchReplica` request to the agent that holds the slot, and a
+replica no longer needed a :class:`StopReplica`; a job below its minimum for
+too long is handed back to admission.
 
-A job is only managed once one of its replicas reports ready: jobs that do
-not use the runtime never get generations or replacements. Each generation is
-published inside the span of the fault or report that caused it, so a
-recovery is one trace from the agent that saw the exit to every rank's
-phases. On restart the service takes over the stored generations of jobs
-still admitted; run one instance.
+**Nothing is missed across a restart or a handover.** After acting on an event,
+the leader stores the job's whole state (:func:`~.core.snapshot`) with the
+event's stream sequence in the ``phalanx_elasticity`` bucket, compare-and-swapped
+on the revision it last wrote (a deposed leader cannot overwrite its
+successor's state), and every second the stream position up to which
+everything is stored. A new leader restores every job, reads the stream on
+from that position (skipping, per job, what its snapshot already reflects),
+and re-asserts what the last decisions of its predecessor may not have
+carried out: it publishes each job's current generation again (ranks ignore
+one they have) and asks agents again for replicas still expected to start
+(agents launch a replica id at most once). So every event is acted on at
+least once, and acting twice is harmless.
+
+Each generation is published inside the span of the fault or report that
+caused it, so a recovery is one trace from the agent that saw the exit to
+every rank's phases.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
+import os
+import socket
 import time
+import uuid
+from collections.abc import Callable
 
 from phalanx.bus import telemetry
-from phalanx.bus.client import Delivery
 from phalanx.bus.config import BusConfig
-from phalanx.bus.kv import TypedKV
+from phalanx.bus.kv import Change, TypedKV
+from phalanx.bus.stream import EventReader, StreamEvent, ensure_job_events
 from phalanx.schemas import subjects
 from phalanx.schemas.errors import PhalanxError
 from phalanx.schemas.messages import (
@@ -46,120 +62,193 @@ from phalanx.schemas.messages import (
     JobRecord,
     JobState,
     LaunchReplica,
+    Lease,
+    MembershipSnapshot,
     RankExited,
     ReplicaReady,
     ReplicaReply,
     RequeueRequest,
     StopReplica,
+    StreamCursor,
 )
 from phalanx.services.base import Service
 from phalanx.services.elasticity import core
+from phalanx.services.jobstate import JobStateStore
+from phalanx.services.lease import Leadership
 
 log = logging.getLogger("phalanx.elasticity")
 AGENT_TIMEOUT_S = 10.0
+LEASE_KEY = "elasticity"
+SNAPSHOT_FORMAT = 1
+CURSOR_EVERY_S = 1.0
+
+
+@dataclasses.dataclass
+class Term:
+    """What exists only while this instance leads."""
+
+    core: core.ElasticityCore
+    store: JobStateStore[MembershipSnapshot]
+    reader: EventReader | None = None
+    # Records, events and timeouts are acted on one at a time: the core's state and the
+    # stored snapshot of a job change together.
+    turn: asyncio.Lock = dataclasses.field(default_factory=asyncio.Lock)
 
 
 class ElasticityService(Service):
-    """Owns the membership of every running job as a sequence of generations."""
+    """Owns the membership of every running job as a sequence of generations.
+
+    Args:
+        make_core: builds a fresh core for each term of leadership.
+        lease_s: how long the lease lasts without renewal (the takeover bound).
+    """
 
     description = "phalanx membership of running jobs"
 
-    def __init__(self, elasticity: core.ElasticityCore, bus_config: BusConfig | None = None, *,
-                 instance: str = "elasticity") -> None:
+    def __init__(self, make_core: Callable[[], core.ElasticityCore],
+                 bus_config: BusConfig | None = None, *, instance: str | None = None,
+                 lease_s: float = 3.0) -> None:
+        instance = instance or (f"{socket.gethostname().split('.')[0]}-{os.getpid()}-"
+                                f"{uuid.uuid4().hex[:6]}")
         super().__init__("phalanx-elasticity", instance, bus_config)
-        self.core = elasticity
-        self.records: dict[str, JobRecord] = {}  # admitted jobs, not yet managed
-        self.early_faults: dict[str, list[Fault]] = {}  # of those, replayed once managed
-        self._wake = asyncio.Event()
+        self.make_core = make_core
+        self.lease_s = lease_s
+        self.term: Term | None = None
+        self._resync = asyncio.Event()
+
+    @property
+    def leading(self) -> bool:
+        return self.term is not None
 
     async def setup(self) -> None:
         assert self.bus is not None
         js = self.bus.js
         self.jobs = await TypedKV.open(js, subjects.JOBS_BUCKET, JobRecord)
         self.generations = await TypedKV.open(js, subjects.GENERATIONS_BUCKET, Generation)
-        records, _ = await self.jobs.entries()
-        admitted = {e.value.job_id: e.value for e in records
-                    if e.value.state is JobState.ADMITTED}
-        stored, _ = await self.generations.entries()
-        for entry in stored:
-            record = admitted.get(entry.key)
-            if record is None:
-                await self.generations.delete(entry.key)
+        self.snapshots = await TypedKV.open(js, subjects.ELASTICITY_BUCKET, MembershipSnapshot)
+        self.cursors = await TypedKV.open(js, subjects.CURSORS_BUCKET, StreamCursor)
+        leases = await TypedKV.open(js, subjects.LEASES_BUCKET, Lease)
+        await ensure_job_events(self.bus)
+        self.bus.on_reconnect(self._on_reconnect)
+        self.leadership = Leadership(leases, LEASE_KEY, self.instance, self.lease_s, self._lead)
+        self.spawn(self.leadership.run(self.sleep_or_stop), "lease")
+
+    async def _on_reconnect(self) -> None:
+        self._resync.set()  # job records may have changed unseen: read them all again
+
+    # --- a term of leadership -----------------------------------------------------------
+
+    async def _lead(self) -> None:
+        """Restore, re-assert, then act on records, events and timeouts until cancelled."""
+        assert self.bus is not None
+        term = Term(self.make_core(), JobStateStore(self.snapshots, self.cursors, LEASE_KEY))
+        self.term = term
+        records = aiter(self.jobs.follow(self._resync))
+        try:
+            await self._restore(term)
+            async for change in records:  # the current records first
+                if change is None:
+                    break
+                await self._record(term, change)
+            await self._reassert(term)
+            term.reader = await EventReader(self.bus, term.store.cursor + 1,
+                                            frozenset({"fault", "ready", "applied", "exited"}
+                                                      )).start()
+            async with asyncio.TaskGroup() as tasks:
+                tasks.create_task(self._follow_records(term, records))
+                tasks.create_task(self._follow_events(term, term.reader))
+                tasks.create_task(self._waits(term))
+        finally:
+            self.term = None
+            if term.reader is not None:
+                await term.reader.close()
+            await records.aclose()
+
+    async def _restore(self, term: Term) -> None:
+        """Every job's stored state, and the stream position to read on from."""
+        for entry in await term.store.load():
+            try:
+                job_id = term.core.restore(entry.value.state)
+            except core.SnapshotError as exc:
+                log.error("elasticity state of %s skipped: %s", entry.key, exc)
                 continue
-            replicas = record.spec.replicas
-            self.core.restore(entry.value, record.placement(), replicas.min, replicas.max)
-        for record in admitted.values():
-            await self._job_state(record)
-        bus = self.bus
-        await bus.subscribe(subjects.job_states(), JobRecord, lambda r, d: self._job_state(r))
-        await bus.subscribe(subjects.job_events("fault"), Fault, self._on_fault)
-        await bus.subscribe(subjects.job_events("ready"), ReplicaReady, self._on_ready)
-        await bus.subscribe(subjects.job_events("applied"), GenerationApplied, self._on_applied)
-        await bus.subscribe(subjects.job_events("exited"), RankExited, self._on_exited)
-        self.spawn(self._waits(), "waits")
+            term.store.restored(job_id, entry.value.seq)
+        log.info("restored", extra={"jobs": len(term.core.jobs), "cursor": term.store.cursor})
+
+    async def _reassert(self, term: Term) -> None:
+        """Carry out again what the previous leader's last decisions may not have done."""
+        assert self.bus is not None
+        for job in list(term.core.jobs.values()):
+            if job.complete:
+                continue
+            if job.current is not None:
+                await self._publish(job.current)
+            for replica, slot in sorted(job.launched.items()):
+                if slot in job.slots and core.slot_of(replica)[1] > 0:
+                    self._send(core.LaunchReplacement(job.job_id, slot, job.slots[slot],
+                                                      replica, "takeover"))
+
+    async def _follow_records(self, term: Term, records) -> None:
+        async for change in records:
+            if change is not None:
+                async with term.turn:
+                    await self._record(term, change)
+
+    async def _follow_events(self, term: Term, reader: EventReader) -> None:
+        async for event in reader:
+            translated = _event(event)
+            if translated is None:
+                continue
+            job_id = translated.job_id
+            if term.store.seen(job_id, event.seq):
+                continue
+            async with term.turn:
+                with telemetry.consumer_span(event.delivery.subject, event.delivery.headers,
+                                             0):
+                    await self._act(term, job_id, term.core.handle(translated, time.time()),
+                                    event.seq)
+
+    async def _waits(self, term: Term) -> None:
+        """Requeue jobs left below their minimum for too long; store the cursor."""
+        while not await self.sleep_or_stop(CURSOR_EVERY_S):
+            async with term.turn:
+                for decision in term.core.tick(time.time()):
+                    assert isinstance(decision, core.Requeue)
+                    await self._requeue(decision)
+                    await term.store.forget(decision.job_id)
+                if term.reader is not None:
+                    await term.store.advance(term.reader.delivered)
 
     # --- events in ----------------------------------------------------------------------
 
-    async def _feed(self, event: core.Event) -> None:
-        await self._execute(self.core.handle(event, time.time()))
-        self._wake.set()
-
-    async def _job_state(self, record: JobRecord) -> None:
-        job_id = record.job_id
-        if record.state is JobState.ADMITTED:
-            if job_id not in self.core.jobs:
-                self.records[job_id] = record
-            else:  # shrunk (a node lost) or grown: slots that stay keep their numbers
-                await self._feed(core.PlacementChanged(job_id, record.placement(),
-                                                       event_id="record"))
+    async def _record(self, term: Term, change: Change[JobRecord]) -> None:
+        record = change.value
+        job_id = change.key
+        if record is not None and record.state is JobState.ADMITTED:
+            replicas = record.spec.replicas
+            event: core.Event = core.JobAdmitted(job_id, record.placement(), replicas.min,
+                                                 replicas.max, event_id="record")
+            await self._act(term, job_id, term.core.handle(event, time.time()), None)
             return
-        self.records.pop(job_id, None)
-        self.early_faults.pop(job_id, None)
-        if job_id in self.core.jobs:
-            await self._feed(core.JobStopped(job_id, event_id="record"))
+        if job_id in term.core.jobs:
+            term.core.handle(core.JobStopped(job_id, event_id="record"), time.time())
+            await term.store.forget(job_id)
         with contextlib.suppress(PhalanxError):
             await self.generations.delete(job_id)
 
-    async def _on_ready(self, msg: ReplicaReady, _: Delivery) -> None:
-        record = self.records.pop(msg.job_id, None)
-        if record is not None:  # the first ready replica: the job uses the runtime
-            replicas = record.spec.replicas
-            await self._feed(core.JobStarted(msg.job_id, record.placement(), replicas.min,
-                                             replicas.max, event_id="admitted"))
-            for fault in self.early_faults.pop(msg.job_id, []):
-                await self._on_fault(fault, _)
-        await self._feed(core.ReplicaReady(msg.job_id, msg.replica_id, msg.node_id, msg.slot,
-                                           msg.endpoint, event_id=f"ready:{msg.replica_id}"))
-
-    async def _on_fault(self, fault: Fault, _: Delivery) -> None:
-        if fault.kind is FaultKind.STRAGGLER or fault.replica_id is None:
-            return
-        if fault.job_id in self.records:  # before the job's first ready replica
-            self.early_faults.setdefault(fault.job_id, []).append(fault)
-            return
-        await self._feed(core.MemberFailed(
-            fault.job_id, fault.replica_id, f"{fault.kind.value}: {fault.detail}".rstrip(": "),
-            replaceable=fault.kind is not FaultKind.NODE_LOST, event_id=fault.fault_id))
-
-    async def _on_applied(self, msg: GenerationApplied, _: Delivery) -> None:
-        await self._feed(core.GenerationApplied(msg.job_id, msg.generation, msg.replica_id,
-                                                msg.committed_step,
-                                                event_id=f"applied:{msg.replica_id}"))
-
-    async def _on_exited(self, msg: RankExited, _: Delivery) -> None:
-        if msg.exit_code == 0 and msg.replica_id is not None:
-            await self._feed(core.MemberFinished(msg.job_id, msg.replica_id,
-                                                 event_id=f"exited:{msg.replica_id}"))
-
-    async def _waits(self) -> None:
-        """Requeue jobs left below their minimum for too long (checked every second)."""
-        while not await self.sleep_or_stop(1.0):
-            await self._execute(self.core.tick(time.time()))
+    async def _act(self, term: Term, job_id: str, decisions: list[core.Decision],
+                   seq: int | None) -> None:
+        """Carry out ``decisions``, then store the job's state as of event ``seq``."""
+        await self._execute(decisions)
+        seq = term.store.seq_of(job_id, seq)
+        job = term.core.jobs.get(job_id)
+        if job is not None:
+            await term.store.store(job_id, MembershipSnapshot(
+                job_id=job_id, seq=seq, format=SNAPSHOT_FORMAT, state=core.snapshot(job)))
 
     # --- decisions out ------------------------------------------------------------------
 
     async def _execute(self, decisions: list[core.Decision]) -> None:
-        assert self.bus is not None
         for decision in decisions:
             match decision:
                 case core.PublishGeneration(generation=g):
@@ -168,17 +257,24 @@ class ElasticityService(Service):
                                 "phalanx.job": g.job_id, "phalanx.generation": g.generation,
                                 "phalanx.world_size": g.world_size,
                                 "phalanx.reason": g.reason.value}):
-                        await self.generations.put(g.job_id, g)
-                        await self.bus.publish(subjects.job_generation(g.job_id), g)
+                        await self._publish(g)
                     log.info("generation", extra={"job": g.job_id, "generation": g.generation,
                                                   "world_size": g.world_size,
                                                   "reason": g.reason.value, "cause": g.cause})
                 case core.LaunchReplacement() | core.StopReplica():
-                    self.spawn(self._to_agent(decision), f"agent {decision.replica_id}")
+                    self._send(decision)
                 case core.Requeue():
-                    self.spawn(self._requeue(decision), f"requeue {decision.job_id}")
+                    await self._requeue(decision)
                 case _:
                     raise TypeError(f"unknown decision {decision!r}")
+
+    async def _publish(self, generation: Generation) -> None:
+        assert self.bus is not None
+        await self.generations.put(generation.job_id, generation)
+        await self.bus.publish(subjects.job_generation(generation.job_id), generation)
+
+    def _send(self, decision: core.LaunchReplacement | core.StopReplica) -> None:
+        self.spawn(self._to_agent(decision), f"agent {decision.replica_id}")
 
     async def _to_agent(self, decision: core.LaunchReplacement | core.StopReplica) -> None:
         """Ask the slot's agent to start (or stop) a replica; a failure is logged."""
@@ -210,3 +306,29 @@ class ElasticityService(Service):
                                    JobRecord, timeout_s=AGENT_TIMEOUT_S)
         except PhalanxError as exc:
             log.error("requeue failed", extra={"job": decision.job_id, "error": str(exc)})
+
+
+def _event(event: StreamEvent) -> core.MemberFailed | core.ReplicaReady | core.GenerationApplied \
+        | core.MemberFinished | None:
+    """The core's event for a stored job event (None: nothing for elasticity)."""
+    match event.message:
+        case Fault() as fault:
+            if fault.kind is FaultKind.STRAGGLER or fault.replica_id is None:
+                return None
+            return core.MemberFailed(
+                fault.job_id, fault.replica_id,
+                f"{fault.kind.value}: {fault.detail}".rstrip(": "),
+                replaceable=fault.kind is not FaultKind.NODE_LOST, event_id=fault.fault_id)
+        case ReplicaReady() as msg:
+            return core.ReplicaReady(msg.job_id, msg.replica_id, msg.node_id, msg.slot,
+                                     msg.endpoint, event_id=f"ready:{msg.replica_id}")
+        case GenerationApplied() as msg:
+            return core.GenerationApplied(msg.job_id, msg.generation, msg.replica_id,
+                                          msg.committed_step,
+                                          event_id=f"applied:{msg.replica_id}")
+        case RankExited() as msg:
+            if msg.exit_code == 0 and msg.replica_id is not None:
+                return core.MemberFinished(msg.job_id, msg.replica_id,
+                                           event_id=f"exited:{msg.replica_id}")
+    return None
+

@@ -8,12 +8,14 @@ from hypothesis import strategies as st
 from phalanx.services.elasticity.core import (
     ElasticityCore,
     GenerationApplied,
-    JobStarted,
+    JobAdmitted,
     LaunchReplacement,
     MemberFailed,
+    MemberFinished,
     PublishGeneration,
     ReplicaReady,
     Requeue,
+    snapshot,
 )
 
 SETTINGS = settings(derandomize=True, database=None, deadline=None, max_examples=300)
@@ -26,7 +28,7 @@ ops = st.lists(st.tuples(st.sampled_from(["fail", "ready", "apply", "tick"]),
 def test_generations_under_random_events(lo: int, extra: int, events) -> None:
     hi = lo + extra
     core = ElasticityCore(wait_timeout_s=10, max_replacements=6)
-    core.handle(JobStarted("j", {i: f"n{i}" for i in range(hi)}, lo, hi), 0)
+    core.handle(JobAdmitted("j", {i: f"n{i}" for i in range(hi)}, lo, hi), 0)
     published = []
     dead: set[str] = set()
     known = [f"r{i}-0" for i in range(hi)]  # every replica ever launched
@@ -73,3 +75,64 @@ def test_generations_under_random_events(lo: int, extra: int, events) -> None:
             published.append(g)
         if any(isinstance(d, Requeue) for d in out):
             assert "j" not in core.jobs
+
+
+def random_events(hi: int, events) -> list:
+    """A replayable event list over slots ``0..hi+1`` (two slots admission may grow into)."""
+    out = []
+    slots = {i: f"n{i}" for i in range(hi)}
+    for kind, n, step in events:
+        slot = n % (hi + 2)
+        replica = f"r{slot}-{(n // (hi + 2)) % 3}"
+        match kind:
+            case "fail":
+                out.append(MemberFailed("j", replica, replaceable=step % 5 != 0,
+                                        event_id=f"f{len(out)}"))
+            case "ready":
+                out.append(ReplicaReady("j", replica, f"n{slot}", slot, f"h:{slot}"))
+            case "apply":
+                out.append(GenerationApplied("j", step % 4, replica, step))
+            case "admit":
+                slots = dict(slots)
+                if slot in slots and len(slots) > 1:
+                    del slots[slot]
+                else:
+                    slots[slot] = f"n{slot}"
+                out.append(JobAdmitted("j", slots, 1, hi))
+            case "finish":
+                out.append(MemberFinished("j", replica))
+            case _:
+                out.append("tick")
+    return out
+
+
+restart_ops = st.lists(st.tuples(
+    st.sampled_from(["fail", "ready", "ready", "apply", "apply", "admit", "finish", "tick"]),
+    st.integers(0, 40), st.integers(0, 50)), max_size=60)
+
+
+def feed(core: ElasticityCore, events: list, t0: float) -> list:
+    decisions = []
+    for i, event in enumerate(events):
+        now = t0 + i
+        decisions.append(core.tick(now) if event == "tick" else core.handle(event, now))
+    return decisions
+
+
+@SETTINGS
+@given(st.integers(1, 4), restart_ops, st.integers(0, 60))
+def test_a_core_restored_at_any_point_decides_what_one_that_never_stopped_decides(
+        hi: int, ops, cut: int) -> None:
+    events = [JobAdmitted("j", {i: f"n{i}" for i in range(hi)}, 1, hi),
+              *random_events(hi, ops)]
+    cut = min(cut, len(events))
+    steady = ElasticityCore(wait_timeout_s=5, max_replacements=4)
+    expected = feed(steady, events, 0.0)
+    before = ElasticityCore(wait_timeout_s=5, max_replacements=4)
+    assert feed(before, events[:cut], 0.0) == expected[:cut]
+    restored = ElasticityCore(wait_timeout_s=5, max_replacements=4)
+    for job in before.jobs.values():
+        restored.restore(snapshot(job))
+    assert feed(restored, events[cut:], float(cut)) == expected[cut:]
+    assert restored.jobs == steady.jobs
+    restored.check_invariants()

@@ -8,16 +8,17 @@ from phalanx.schemas.messages import GenerationReason
 from phalanx.services.elasticity.core import (
     ElasticityCore,
     GenerationApplied,
-    JobStarted,
+    JobAdmitted,
     JobStopped,
     LaunchReplacement,
     MemberFailed,
     MemberFinished,
-    PlacementChanged,
     PublishGeneration,
     ReplicaReady,
     Requeue,
+    SnapshotError,
     StopReplica,
+    snapshot,
 )
 
 
@@ -27,7 +28,7 @@ def ready(core: ElasticityCore, replica: str, now: float = 0.0) -> list:
 
 
 def start(core: ElasticityCore, n: int = 4, lo: int = 2, hi: int = 4) -> PublishGeneration:
-    assert core.handle(JobStarted("j", {i: f"n{i % 2}" for i in range(n)}, lo, hi), 0.0) == []
+    assert core.handle(JobAdmitted("j", {i: f"n{i % 2}" for i in range(n)}, lo, hi), 0.0) == []
     out = []
     for slot in reversed(range(n)):  # readiness order does not decide ranks
         out += ready(core, f"r{slot}-0")
@@ -52,7 +53,7 @@ def generations(decisions: list) -> list:
 
 def test_generation_zero_forms_once_every_replica_is_ready_in_slot_order() -> None:
     core = ElasticityCore()
-    core.handle(JobStarted("j", {0: "n0", 1: "n1", 2: "n0"}, 2, 3), 0.0)
+    core.handle(JobAdmitted("j", {0: "n0", 1: "n1", 2: "n0"}, 2, 3), 0.0)
     assert ready(core, "r2-0") == [] and ready(core, "r0-0") == []
     [g] = generations(ready(core, "r1-0"))
     assert (g.generation, g.world_size, g.reason) == (0, 3, GenerationReason.START)
@@ -63,7 +64,7 @@ def test_generation_zero_forms_once_every_replica_is_ready_in_slot_order() -> No
 
 def test_a_replica_failing_at_start_up_is_replaced_and_the_rest_form_the_gang() -> None:
     core = ElasticityCore()
-    core.handle(JobStarted("j", {0: "n0", 1: "n1", 2: "n0"}, 2, 3), 0.0)
+    core.handle(JobAdmitted("j", {0: "n0", 1: "n1", 2: "n0"}, 2, 3), 0.0)
     ready(core, "r0-0")
     ready(core, "r1-0")
     out = core.handle(MemberFailed("j", "r2-0", "exit 1"), 1.0)
@@ -171,7 +172,7 @@ def test_old_incarnations_and_unknown_replicas_are_ignored() -> None:
 
 def test_joins_stop_at_max() -> None:
     core = ElasticityCore()
-    core.handle(JobStarted("j", {0: "n0", 1: "n1", 2: "n0"}, 1, 2), 0.0)
+    core.handle(JobAdmitted("j", {0: "n0", 1: "n1", 2: "n0"}, 1, 2), 0.0)
     out = []
     for r in ("r0-0", "r1-0", "r2-0"):
         out += ready(core, r)
@@ -183,14 +184,32 @@ def test_joins_stop_at_max() -> None:
     assert [m.replica_id for m in g1.members] == ["r1-0", "r2-0"]
 
 
-def test_restore_takes_over_a_stored_generation() -> None:
+def test_a_restored_snapshot_carries_on_where_the_job_was() -> None:
     core = ElasticityCore()
-    g = start(core).generation
+    start(core)
+    apply_all(core)
+    core.handle(MemberFailed("j", "r1-0"), 1.0)
+    [launch] = apply_all(core)  # r1-1 is starting when the instance dies
     other = ElasticityCore()
-    other.restore(g, {0: "n0", 1: "n1", 2: "n0", 3: "n1"}, 2, 4)
-    [g1] = generations(other.handle(MemberFailed("j", "r3-0"), 1.0))
-    assert g1.generation == 1 and g1.world_size == 3
+    assert other.restore(snapshot(core.jobs["j"])) == "j"
+    assert other.jobs["j"] == core.jobs["j"]
+    [g] = generations(ready(other, launch.replica_id))  # its ready is not lost on the new one
+    assert [m.replica_id for m in g.members] == ["r0-0", "r2-0", "r3-0", "r1-1"]
     other.check_invariants()
+    with pytest.raises(SnapshotError, match="not an elasticity job snapshot"):
+        other.restore(b"\x81\xa1x\x01")
+
+
+def test_a_job_is_managed_from_its_first_ready_replica_and_earlier_faults_then_count() -> None:
+    core = ElasticityCore()
+    core.handle(JobAdmitted("j", {0: "n0", 1: "n1", 2: "n0"}, 2, 3), 0.0)
+    assert core.handle(MemberFailed("j", "r2-0"), 0.5) == []  # kept: not managed yet
+    assert core.handle(JobAdmitted("j", {0: "n0", 1: "n1", 2: "n0"}, 2, 3), 0.6) == []
+    out = ready(core, "r0-0", 1.0)
+    assert [(d.slot, d.replica_id) for d in out if isinstance(d, LaunchReplacement)] == [
+        (2, "r2-1")]  # below min while forming: the replacement starts at once
+    [g] = generations(ready(core, "r1-0", 1.0))
+    assert [m.replica_id for m in g.members] == ["r0-0", "r1-0"]
 
 
 def test_stopped_jobs_are_forgotten_and_bad_input_is_refused() -> None:
@@ -198,7 +217,7 @@ def test_stopped_jobs_are_forgotten_and_bad_input_is_refused() -> None:
     start(core)
     assert core.handle(JobStopped("j"), 1.0) == [] and "j" not in core.jobs
     with pytest.raises(ValueError, match="min <= max"):
-        core.handle(JobStarted("k", {0: "n"}, 3, 2), 0.0)
+        core.handle(JobAdmitted("k", {0: "n"}, 3, 2), 0.0)
     with pytest.raises(TypeError):
         core.handle(object(), 0.0)  # type: ignore[arg-type]
     with pytest.raises(ValueError):
@@ -225,12 +244,12 @@ def test_a_shrunk_placement_keeps_slot_numbers_and_a_grown_one_gets_new_replicas
     start(core)
     apply_all(core)
     # n1 is lost: admission keeps slots 0 and 2 (on n0); health reports r1-0 and r3-0.
-    assert core.handle(PlacementChanged("j", {0: "n0", 2: "n0"}), 1.0) == []
+    assert core.handle(JobAdmitted("j", {0: "n0", 2: "n0"}, 2, 4), 1.0) == []
     core.handle(MemberFailed("j", "r1-0", replaceable=False), 1.0)
     [g] = generations(core.handle(MemberFailed("j", "r3-0", replaceable=False), 1.0))
     assert [m.replica_id for m in g.members] == ["r0-0", "r2-0"]
     assert apply_all(core) == []  # no replacement where the slots are gone
-    core.handle(PlacementChanged("j", {0: "n0", 2: "n0", 4: "n2"}), 2.0)  # grown again
+    core.handle(JobAdmitted("j", {0: "n0", 2: "n0", 4: "n2"}, 2, 4), 2.0)  # grown again
     [g1] = generations(ready(core, "r4-0"))
     assert [m.replica_id for m in g1.members] == ["r0-0", "r2-0", "r4-0"]
     core.check_invariants()

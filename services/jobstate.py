@@ -1,0 +1,120 @@
+"""Where a leader-leased service keeps each job's state and its place in the event stream.
+
+Health and elasticity act on the job-events stream (:mod:`phalanx.bus.stream`)
+and keep per-job state that a successor must take over. :class:`JobStateStore`
+holds, for one term of leadership:
+
+* one snapshot per job in the service's bucket, tagged with the stream sequence
+  of the last event it reflects; each write is compare-and-swapped on the
+  revision this leader last wrote or read (fencing: a deposed leader that has
+  not noticed yet cannot overwrite its successor, it gets
+  :class:`~phalanx.services.lease.LeadershipLost` instead);
+* the service's cursor in ``phalanx_cursors``: every event up to it is acted on
+  and stored. It is written lazily (a replay of a few events is harmless, each
+  job skips what its snapshot reflects), compare-and-swapped as well.
+
+A new leader loads every snapshot (:meth:`load`), reads the stream on from
+``cursor + 1``, and skips, per job, events at or before that job's sequence
+(:meth:`seen`).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Generic, TypeVar
+
+from phalanx.bus.errors import Conflict
+from phalanx.bus.kv import Entry, TypedKV
+from phalanx.schemas.messages import Message, StreamCursor
+from phalanx.services.lease import LeadershipLost
+
+log = logging.getLogger("phalanx.jobstate")
+S = TypeVar("S", bound=Message)
+
+
+class JobStateStore(Generic[S]):
+    """Per-job snapshots of type ``S`` and the stream cursor of ``service``."""
+
+    def __init__(self, snapshots: TypedKV[S], cursors: TypedKV[StreamCursor],
+                 service: str) -> None:
+        self.snapshots = snapshots
+        self.cursors = cursors
+        self.service = service
+        self.cursor = 0  # every event up to here is acted on and stored
+        self._cursor_revision: int | None = None
+        self._revisions: dict[str, int] = {}
+        self._seqs: dict[str, int] = {}  # job -> the last event its stored state reflects
+
+    async def load(self) -> list[Entry[S]]:
+        """The stored snapshots (undecodable ones are logged and skipped) and the cursor."""
+        cursor = await self.cursors.get(self.service)
+        if cursor is not None:  # else the first leader ever: it reads the whole stream
+            self.cursor, self._cursor_revision = cursor.value.seq, cursor.revision
+        stored, bad = await self.snapshots.entries()
+        for error in bad:
+            log.error("unreadable %s state skipped: %s", self.service, error)
+        for entry in stored:
+            self._revisions[entry.key] = entry.revision
+        return stored
+
+    def restored(self, job_id: str, seq: int) -> None:
+        """``job_id``'s state, as loaded, reflects events up to ``seq``."""
+        self._seqs[job_id] = seq
+
+    def seen(self, job_id: str, seq: int) -> bool:
+        """Whether ``job_id``'s state already reflects event ``seq`` (skip it)."""
+        return seq <= self._seqs.get(job_id, 0)
+
+    def seq_of(self, job_id: str, seq: int | None) -> int:
+        """Note that ``job_id`` now reflects event ``seq`` (None: a change from elsewhere,
+        e.g. a job record); returns the sequence to store with its state."""
+        if seq is not None:
+            self._seqs[job_id] = max(seq, self._seqs.get(job_id, 0))
+        return self._seqs.get(job_id, self.cursor)
+
+    async def store(self, job_id: str, snapshot: S) -> None:
+        """Write ``job_id``'s snapshot, fenced on the revision this leader knows.
+
+        Raises:
+            LeadershipLost: another instance wrote it since.
+        """
+        revision = self._revisions.get(job_id)
+        try:
+            self._revisions[job_id] = (
+                await self.snapshots.update(job_id, snapshot, revision) if revision is not None
+                else await self.snapshots.create(job_id, snapshot))
+        except Conflict:
+            raise LeadershipLost(f"the {self.service} state of {job_id} was written by "
+                                 "another instance") from None
+
+    async def forget(self, job_id: str) -> None:
+        """Delete ``job_id``'s snapshot (fenced like :meth:`store`)."""
+        revision = self._revisions.pop(job_id, None)
+        self._seqs.pop(job_id, None)
+        if revision is None:
+            return
+        try:
+            await self.snapshots.delete(job_id, revision=revision)
+        except Conflict:
+            raise LeadershipLost(f"the {self.service} state of {job_id} was written by "
+                                 "another instance") from None
+
+    async def advance(self, seq: int) -> None:
+        """Store the cursor at ``seq`` if it moved (every event up to it is stored).
+
+        Raises:
+            LeadershipLost: another instance wrote the cursor since.
+        """
+        if seq <= self.cursor:
+            return
+        cursor = StreamCursor(seq=seq, updated_at=time.time())
+        try:
+            self._cursor_revision = (
+                await self.cursors.update(self.service, cursor, self._cursor_revision)
+                if self._cursor_revision is not None
+                else await self.cursors.create(self.service, cursor))
+        except Conflict:
+            raise LeadershipLost(f"the {self.service} stream cursor was written by another "
+                                 "instance") from None
+        self.cursor = seq

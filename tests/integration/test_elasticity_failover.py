@@ -1,0 +1,169 @@
+"""Elasticity as two real processes on a real nats-server: the leader is SIGKILLed, and what
+happened meanwhile (a replacement's readiness, a node-lost fault) is acted on by the standby.
+
+No agents and no torch: the test plays the job's ranks and health by publishing their
+messages, and checks the generations the service publishes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import pytest
+
+from phalanx.bus.client import Bus, Delivery
+from phalanx.bus.config import BusConfig
+from phalanx.bus.kv import TypedKV
+from phalanx.schemas import subjects
+from phalanx.schemas.messages import (
+    Fault,
+    FaultKind,
+    Generation,
+    GenerationApplied,
+    JobRecord,
+    JobSpec,
+    JobState,
+    LaunchReplica,
+    Lease,
+    ReasonCode,
+    ReplicaRange,
+    ReplicaReady,
+    ReplicaReply,
+)
+from phalanx.services.natsd import NatsServer
+
+JOB = "fo-1"
+NODES = {0: "n0", 1: "n0", 2: "n1", 3: "n1"}
+
+
+@pytest.fixture
+def own_nats(tmp_path: Path) -> Iterator[NatsServer]:
+    with NatsServer(tmp_path / "js", port=0, log_path=tmp_path / "nats.log") as server:
+        yield server
+
+
+@pytest.fixture
+async def bus(own_nats: NatsServer) -> AsyncIterator[Bus]:
+    async with await Bus.connect(BusConfig.load(env={}, servers=[own_nats.url])) as b:
+        yield b
+
+
+def start(own_nats: NatsServer, name: str, log_dir: Path) -> subprocess.Popen:
+    log = (log_dir / f"{name}.log").open("ab")
+    return subprocess.Popen(
+        [sys.executable, "-m", "phalanx.services.elasticity", "--instance", name],
+        env={**os.environ, "PHALANX_NATS_URL": own_nats.url, "PHALANX_ELASTICITY_LEASE_S": "1"},
+        stdout=log, stderr=log)
+
+
+class Ranks:
+    """What the job's ranks would do: report ready, apply generations."""
+
+    def __init__(self, bus: Bus) -> None:
+        self.bus = bus
+        self.generations: asyncio.Queue[Generation] = asyncio.Queue()
+        self.launches: asyncio.Queue[LaunchReplica] = asyncio.Queue()
+
+    async def ready(self, replica: str, slot: int) -> None:
+        await self.bus.publish_event(subjects.replica_ready(JOB), ReplicaReady(
+            job_id=JOB, replica_id=replica, slot=slot, node_id=NODES[slot],
+            endpoint=f"127.0.0.1:{9000 + slot}"), event_id=f"{JOB}-{replica}-ready")
+
+    async def apply(self, g: Generation, step: int) -> None:
+        for m in g.members:
+            await self.bus.publish_event(subjects.generation_applied(JOB), GenerationApplied(
+                job_id=JOB, generation=g.generation, replica_id=m.replica_id,
+                committed_step=step, resume_step=step),
+                event_id=f"{JOB}-{m.replica_id}-g{g.generation}")
+
+    async def next_generation(self, number: int) -> Generation:
+        while True:
+            g = await asyncio.wait_for(self.generations.get(), 30)
+            if g.generation == number:
+                return g
+            assert g.generation < number, f"skipped to generation {g.generation}"
+
+
+async def leader(bus: Bus, not_: str | None = None) -> str:
+    """The current holder of the lease (other than ``not_``), as soon as there is one."""
+    leases = await TypedKV.open(bus.js, subjects.LEASES_BUCKET, Lease)
+    async for change in leases.watch():
+        if change is None:
+            continue
+        lease = change.value
+        if lease is not None and lease.expires_at > time.time() and lease.holder != not_:
+            return lease.holder
+    raise AssertionError("the lease watch ended")
+
+
+@pytest.mark.slow
+async def test_a_standby_takes_over_and_acts_on_what_happened_while_no_leader_ran(
+        own_nats: NatsServer, bus: Bus, tmp_path: Path) -> None:
+    ranks = Ranks(bus)
+
+    async def on_generation(g: Generation, _: Delivery) -> None:
+        await ranks.generations.put(g)
+
+    async def on_launch(request: LaunchReplica, _: Delivery) -> ReplicaReply:
+        await ranks.launches.put(request)
+        return ReplicaReply(node_id="n0", replica_id=request.replica_id, pid=1, detail="ok")
+
+    await bus.subscribe(subjects.job_generation(JOB), Generation, on_generation)
+    for node in ("n0", "n1"):
+        await bus.subscribe(subjects.agent_launch(node), LaunchReplica, on_launch)
+    instances = {name: start(own_nats, name, tmp_path) for name in ("e1", "e2")}
+    try:
+        first = await asyncio.wait_for(leader(bus), 30)
+        jobs = await TypedKV.open(bus.js, subjects.JOBS_BUCKET, JobRecord)
+        await jobs.put(JOB, JobRecord(
+            job_id=JOB, spec=JobSpec(name="fo", team="t", priority_class="normal",
+                                     replicas=ReplicaRange(min=2, max=4), command=["true"]),
+            state=JobState.ADMITTED, submitted_at=1.0, updated_at=1.0,
+            reason_code=ReasonCode.ADMITTED, nodes=list(NODES.values())))
+        for slot in NODES:
+            await ranks.ready(f"r{slot}-0", slot)
+        g0 = await ranks.next_generation(0)
+        assert g0.world_size == 4
+        await ranks.apply(g0, 5)
+        # A crash: r1-0 is dropped, and once the survivors applied that, r1-1 is launched.
+        await bus.publish_event(subjects.job_fault(JOB), Fault(
+            fault_id="f1", job_id=JOB, kind=FaultKind.CRASH, node_id="n0", detected_at=2.0,
+            rank=1, replica_id="r1-0"), event_id="f1")
+        g1 = await ranks.next_generation(1)
+        assert [m.replica_id for m in g1.members] == ["r0-0", "r2-0", "r3-0"]
+        await ranks.apply(g1, 7)
+        launch = await asyncio.wait_for(ranks.launches.get(), 30)
+        assert (launch.replica_id, launch.slot) == ("r1-1", 1)
+
+        # The leader dies; meanwhile the replacement becomes ready and node n1 is lost.
+        instances[first].send_signal(signal.SIGKILL)
+        instances[first].wait()
+        await ranks.ready("r1-1", 1)
+        for slot, replica in ((2, "r2-0"), (3, "r3-0")):
+            await bus.publish_event(subjects.job_fault(JOB), Fault(
+                fault_id=f"lost-{slot}", job_id=JOB, kind=FaultKind.NODE_LOST, node_id="n1",
+                detected_at=3.0, rank=slot, replica_id=replica), event_id=f"lost-{slot}")
+
+        await asyncio.wait_for(leader(bus, not_=first), 30)
+        # The standby re-asserts the current generation, then acts on both events (in one
+        # generation or two, as they arrive): r1-1 joins, r2-0 and r3-0 are dropped.
+        g = await ranks.next_generation(2)
+        while [m.replica_id for m in g.members] != ["r0-0", "r1-1"]:
+            assert g.generation < 5 and g.world_size >= 2, g
+            await ranks.apply(g, 9)
+            g = await ranks.next_generation(g.generation + 1)
+        stored = await TypedKV.open(bus.js, subjects.GENERATIONS_BUCKET, Generation)
+        assert (await stored.get(JOB)).value == g
+    finally:
+        running = [proc for proc in instances.values() if proc.poll() is None]
+        for proc in running:
+            proc.send_signal(signal.SIGTERM)
+        for proc in running:
+            assert proc.wait(20) == 0  # a stop is clean, even right after a takeover
