@@ -203,14 +203,18 @@ def cmd_elasticity(args: argparse.Namespace) -> int:
     from phalanx.services.logs import configure_logging
 
     try:
-        elasticity = ElasticityCore(
+        settings = dict(
             wait_timeout_s=float(os.environ.get("PHALANX_ELASTICITY_WAIT_TIMEOUT_S", "60")),
             max_replacements=int(os.environ.get("PHALANX_ELASTICITY_MAX_REPLACEMENTS", "16")))
+        ElasticityCore(**settings)  # refused here, not at the first takeover
+        service = ElasticityService(
+            lambda: ElasticityCore(**settings), _bus_config(args), instance=args.instance,
+            lease_s=float(os.environ.get("PHALANX_ELASTICITY_LEASE_S", "3")))
     except ValueError as exc:
         print(f"phalanx elasticity: PHALANX_ELASTICITY_*: {exc}", file=sys.stderr)
         return EXIT_USAGE
-    configure_logging("phalanx-elasticity", "elasticity", args.log_level)
-    return run_service(ElasticityService(elasticity, _bus_config(args)))
+    configure_logging("phalanx-elasticity", service.instance, args.log_level)
+    return run_service(service)
 
 
 def cmd_logs(args: argparse.Namespace) -> int:
@@ -575,6 +579,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     elasticity = sub.add_parser("elasticity", parents=[common],
                                 help="run the elasticity service (generations of running jobs)")
+    elasticity.add_argument("--instance", help="instance name (default: host-pid-random)")
     elasticity.set_defaults(func=cmd_elasticity)
 
     logs = sub.add_parser("logs", parents=[common], help="a job's rank logs (local cluster)")
