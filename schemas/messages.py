@@ -267,10 +267,11 @@ class StreamCursor(Message, tag="phalanx.stream_cursor.v1"):
     updated_at: NonNegFloat = 0.0
 
 
-class MembershipSnapshot(Message, tag="phalanx.membership_snapshot.v1"):
-    """One running job's elasticity state (bucket ``phalanx_elasticity``, key = job id).
+class JobSnapshot(Message, tag="phalanx.job_snapshot.v1"):
+    """One running job's state in a leader-leased service (buckets ``phalanx_elasticity``
+    and ``phalanx_health``, key = job id), for the instance that leads next.
 
-    ``state`` is the elasticity core's own encoding of the job (only elasticity
+    ``state`` is the service core's own encoding of the job (only that service
     reads it; ``format`` names the encoding); ``seq`` is the job-events stream
     sequence of the last event it reflects, so a new leader knows which events
     it has already seen.
@@ -565,7 +566,7 @@ ALL_MESSAGES: tuple[type[Message], ...] = (
     AllocationLedger,
     Lease,
     StreamCursor,
-    MembershipSnapshot,
+    JobSnapshot,
     Generation,
     ReplicaReady,
     GenerationApplied,

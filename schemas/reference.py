@@ -93,8 +93,10 @@ KV_VALUES: tuple[tuple[str, str, type[m.Message], str], ...] = (
      "which instance of a service leads"),
     (subjects.CURSORS_BUCKET, "service", m.StreamCursor,
      "how far a service has acted on the job-events stream"),
-    (subjects.ELASTICITY_BUCKET, "job id", m.MembershipSnapshot,
+    (subjects.ELASTICITY_BUCKET, "job id", m.JobSnapshot,
      "each running job's elasticity state, for a new leader"),
+    (subjects.HEALTH_BUCKET, "job id", m.JobSnapshot,
+     "each watched job's ranks (replica, exit, reporting), for a new leader"),
 )
 
 

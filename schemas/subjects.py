@@ -147,5 +147,7 @@ GENERATIONS_BUCKET = "phalanx_generations"
 LEASES_BUCKET = "phalanx_leases"
 #: JetStream KV bucket holding each service's StreamCursor on the job-events stream.
 CURSORS_BUCKET = "phalanx_cursors"
-#: JetStream KV bucket holding each running job's MembershipSnapshot (key = job id).
+#: JetStream KV bucket holding each running job's elasticity JobSnapshot (key = job id).
 ELASTICITY_BUCKET = "phalanx_elasticity"
+#: JetStream KV bucket holding each watched job's health JobSnapshot (key = job id).
+HEALTH_BUCKET = "phalanx_health"

@@ -60,10 +60,10 @@ from phalanx.schemas.messages import (
     Generation,
     GenerationApplied,
     JobRecord,
+    JobSnapshot,
     JobState,
     LaunchReplica,
     Lease,
-    MembershipSnapshot,
     RankExited,
     ReplicaReady,
     ReplicaReply,
@@ -88,7 +88,7 @@ class Term:
     """What exists only while this instance leads."""
 
     core: core.ElasticityCore
-    store: JobStateStore[MembershipSnapshot]
+    store: JobStateStore[JobSnapshot]
     reader: EventReader | None = None
     # Records, events and timeouts are acted on one at a time: the core's state and the
     # stored snapshot of a job change together.
@@ -125,7 +125,7 @@ class ElasticityService(Service):
         js = self.bus.js
         self.jobs = await TypedKV.open(js, subjects.JOBS_BUCKET, JobRecord)
         self.generations = await TypedKV.open(js, subjects.GENERATIONS_BUCKET, Generation)
-        self.snapshots = await TypedKV.open(js, subjects.ELASTICITY_BUCKET, MembershipSnapshot)
+        self.snapshots = await TypedKV.open(js, subjects.ELASTICITY_BUCKET, JobSnapshot)
         self.cursors = await TypedKV.open(js, subjects.CURSORS_BUCKET, StreamCursor)
         leases = await TypedKV.open(js, subjects.LEASES_BUCKET, Lease)
         await ensure_job_events(self.bus)
@@ -243,7 +243,7 @@ class ElasticityService(Service):
         seq = term.store.seq_of(job_id, seq)
         job = term.core.jobs.get(job_id)
         if job is not None:
-            await term.store.store(job_id, MembershipSnapshot(
+            await term.store.store(job_id, JobSnapshot(
                 job_id=job_id, seq=seq, format=SNAPSHOT_FORMAT, state=core.snapshot(job)))
 
     # --- decisions out ------------------------------------------------------------------

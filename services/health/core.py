@@ -36,8 +36,14 @@ and the nodes that send heartbeats, and turns what it hears into faults:
    ``cordon_faults`` times within ``cordon_window_s`` is cordoned (once),
    until it is uncordoned, which also forgets its faults.
 
+7. **Blindness.** While the detector cannot hear (its bus connection was down,
+   or it has just taken over), silence proves nothing: :class:`WatchResumed`
+   gives every node and every reporting rank a full timeout from that moment,
+   and timeouts that fell due while it was blind are not judged.
+
 Faults name the rank's node: the one it was started on, else its placement
-(a crash: the node that reported it). Jobs not watched, or no longer watched
+(a crash: the node that reported it), and the replica that runs in the slot
+(the one last started there, else the one that exited). Jobs not watched, or no longer watched
 (ended, finished, or re-placed: a new placement starts every rank afresh),
 never get faults; events about them, or about ranks outside the placement,
 are ignored.
@@ -58,6 +64,8 @@ import enum
 import heapq
 import math
 import statistics
+
+import msgspec
 
 from phalanx.schemas.errors import ConfigError
 from phalanx.schemas.messages import FaultKind
@@ -135,6 +143,7 @@ class RankStarted:
     rank: int
     node_id: str
     pid: int
+    replica_id: str | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -147,6 +156,7 @@ class RankExited:
     exit_code: int | None
     signal: str | None
     cause: str
+    replica_id: str | None = None
 
     def __post_init__(self) -> None:
         if self.cause not in EXIT_CAUSES:
@@ -179,10 +189,16 @@ class NodeUncordoned:
     node_id: str
 
 
+@dataclasses.dataclass(frozen=True)
+class WatchResumed:
+    """The detector was blind until the ``now`` passed with it (disconnected, or just
+    taken over): silence until then proves nothing."""
+
+
 Event = (JobWatched | JobEnded | RankStarted | RankExited | ProgressReported | NodeHeartbeat
-         | NodeUncordoned)
+         | NodeUncordoned | WatchResumed)
 _EVENTS = (JobWatched, JobEnded, RankStarted, RankExited, ProgressReported, NodeHeartbeat,
-           NodeUncordoned)
+           NodeUncordoned, WatchResumed)
 
 
 # --- decisions -----------------------------------------------------------------------------
@@ -199,6 +215,7 @@ class RaiseFault:
     detail: str
     exit_code: int | None = None
     signal: str | None = None
+    replica_id: str | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -253,7 +270,9 @@ class RankHealth:
     job: JobHealth = dataclasses.field(repr=False)
     rank: int
     node_id: str
+    replica_id: str | None = None
     exit: RankExit | None = None
+    reporting: bool = False  # has reported progress (or did before a takeover)
     last_progress: float | None = None
     last_step: int | None = None
     step_time: float | None = None  # latest step time
@@ -278,6 +297,7 @@ class JobHealth:
 class NodeHealth:
     node_id: str
     last_heartbeat: float | None = None
+    heard_from: float = -math.inf  # judged as if heard at least then (after blindness)
     lost: bool = False
     cordoned: bool = False
     faults: collections.deque[tuple[float, FaultKind]] = dataclasses.field(
@@ -298,6 +318,7 @@ class HealthCore:
         # Equal deadlines fire in a fixed order, nodes first (a loss covers its ranks).
         self._heap: list[tuple[float, tuple[int, str, int], int, RankHealth | NodeHealth]] = []
         self._seq = 0
+        self._changed: set[str] = set()  # jobs whose lasting part changed since taken
 
     # --- entry points -------------------------------------------------------------------
 
@@ -310,12 +331,16 @@ class HealthCore:
         if not isinstance(event, _EVENTS):
             raise TypeError(f"unknown event {event!r}")
         now = self._advance(now)
+        if isinstance(event, WatchResumed):
+            self._resumed(now)  # before anything falls due: the silence proves nothing
+            return []
         decisions = self._due(now)
         match event:
             case JobWatched():
                 self._watched(event)
             case JobEnded():
-                self.jobs.pop(event.job_id, None)
+                if self.jobs.pop(event.job_id, None) is not None:
+                    self._changed.add(event.job_id)
             case RankStarted():
                 self._started(event)
             case RankExited():
@@ -330,6 +355,34 @@ class HealthCore:
                     node.cordoned = False
                     node.faults.clear()
         return decisions
+
+    def take_changed(self) -> set[str]:
+        """The jobs whose lasting part changed since the last call: store the
+        :func:`snapshot` of those still watched, drop the others'."""
+        changed, self._changed = self._changed, set()
+        return changed
+
+    def restore(self, data: bytes, now: float) -> str:
+        """Take back a job's :func:`snapshot` at ``now``; returns the job id.
+
+        Its reporting ranks are judged for hangs from ``now`` on (a full timeout).
+
+        Raises:
+            SnapshotError: ``data`` is not a snapshot this version can read.
+        """
+        try:
+            stored = _SNAPSHOT_DECODER.decode(data)
+        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            raise SnapshotError(f"not a health job snapshot: {exc}") from None
+        now = self._advance(now)
+        job = JobHealth(stored.job_id, stored.nodes, stored.hang_timeout_s, stored.slots)
+        for rank in stored.ranks:
+            job.ranks[rank.rank] = RankHealth(job, rank.rank, rank.node_id, rank.replica_id,
+                                              rank.exit, rank.reporting, hang_since=now)
+        self.jobs[job.job_id] = job
+        for rank in job.ranks.values():
+            self._arm(rank)
+        return job.job_id
 
     def tick(self, now: float) -> list[Decision]:
         """The time-based rules (hangs, lost nodes) due by ``now``."""
@@ -356,6 +409,16 @@ class HealthCore:
         job.ranks = {slot: RankHealth(job, slot, node_id)
                      for slot, node_id in zip(slots, job.nodes, strict=True)}
         self.jobs[event.job_id] = job  # old rank entries in the heap are stale now
+        self._changed.add(event.job_id)
+
+    def _resumed(self, now: float) -> None:
+        for node in self.nodes.values():
+            node.heard_from = now
+            self._arm(node)
+        for job in self.jobs.values():
+            for rank in job.ranks.values():
+                rank.hang_since = max(rank.hang_since, now)
+                self._arm(rank)
 
     def _rank(self, job_id: str, rank: int) -> RankHealth | None:
         job = self.jobs.get(job_id)
@@ -364,12 +427,19 @@ class HealthCore:
     def _started(self, event: RankStarted) -> None:
         old = self._rank(event.job_id, event.rank)
         if old is not None:
-            old.job.ranks[event.rank] = RankHealth(old.job, event.rank, event.node_id)
+            old.job.ranks[event.rank] = RankHealth(old.job, event.rank, event.node_id,
+                                                   event.replica_id)
+            self._changed.add(event.job_id)
 
     def _exited(self, event: RankExited, now: float) -> list[Decision]:
         rank = self._rank(event.job_id, event.rank)
         if rank is None or rank.exit is not None or rank.node_id != event.node_id:
             return []
+        if rank.replica_id is None:
+            rank.replica_id = event.replica_id
+        elif event.replica_id is not None and event.replica_id != rank.replica_id:
+            return []  # an earlier incarnation's late exit
+        self._changed.add(event.job_id)
         if event.cause == "stopped":
             rank.exit = RankExit.STOPPED
             return self._finish_if_done(rank.job)
@@ -378,7 +448,8 @@ class HealthCore:
             return self._finish_if_done(rank.job)
         rank.exit = RankExit.CRASHED
         fault = RaiseFault(event.job_id, FaultKind.CRASH, event.node_id, event.rank,
-                           _crash_detail(event), event.exit_code, event.signal)
+                           _crash_detail(event), event.exit_code, event.signal,
+                           rank.replica_id)
         return [fault, *self._charge(event.node_id, now, FaultKind.CRASH)]
 
     def _finish_if_done(self, job: JobHealth) -> list[Decision]:
@@ -394,6 +465,9 @@ class HealthCore:
         rank = self._rank(event.job_id, event.rank)
         if rank is None or rank.exit is not None:
             return []
+        if not rank.reporting:
+            rank.reporting = True
+            self._changed.add(event.job_id)
         rank.last_progress = rank.hang_since = now
         rank.done = event.final
         rank.last_step = event.step
@@ -422,7 +496,8 @@ class HealthCore:
         detail = (f"rank {rank.rank} took {event.step_time_s:.3g} s for step {event.step}, "
                   f"over {policy.straggler_factor:g} x the median {median:.3g} s of the other "
                   f"{len(others)} rank(s), for {rank.slow_reports} reports in a row")
-        fault = RaiseFault(rank.job.job_id, FaultKind.STRAGGLER, rank.node_id, rank.rank, detail)
+        fault = RaiseFault(rank.job.job_id, FaultKind.STRAGGLER, rank.node_id, rank.rank, detail,
+                           replica_id=rank.replica_id)
         return [fault, *self._charge(rank.node_id, now, FaultKind.STRAGGLER)]
 
     def _heartbeat(self, node_id: str, now: float) -> list[Decision]:
@@ -454,10 +529,10 @@ class HealthCore:
             if (self.nodes.get(item.node_id) is not item or item.lost
                     or item.last_heartbeat is None):
                 return None
-            return item.last_heartbeat + self.policy.node_timeout_s
+            return max(item.last_heartbeat, item.heard_from) + self.policy.node_timeout_s
         job = item.job
         if (self.jobs.get(job.job_id) is not job or job.ranks.get(item.rank) is not item
-                or item.exit is not None or item.last_progress is None or item.hang_raised
+                or item.exit is not None or not item.reporting or item.hang_raised
                 or item.done):
             return None
         node = self.nodes.get(item.node_id)
@@ -502,9 +577,12 @@ class HealthCore:
     def _hang(self, rank: RankHealth, at: float) -> list[Decision]:
         rank.hang_raised = True
         job = rank.job
+        after = ("since this health service began watching it" if rank.last_step is None
+                 else f"after step {rank.last_step}")
         detail = (f"rank {rank.rank} reported no progress for more than "
-                  f"{job.hang_timeout_s:g} s after step {rank.last_step}")
-        fault = RaiseFault(job.job_id, FaultKind.HANG, rank.node_id, rank.rank, detail)
+                  f"{job.hang_timeout_s:g} s {after}")
+        fault = RaiseFault(job.job_id, FaultKind.HANG, rank.node_id, rank.rank, detail,
+                           replica_id=rank.replica_id)
         return [fault, *self._charge(rank.node_id, at, FaultKind.HANG)]
 
     def _lose(self, node: NodeHealth, at: float) -> list[Decision]:
@@ -515,7 +593,8 @@ class HealthCore:
             rank.hang_raised = True
             decisions.append(RaiseFault(rank.job.job_id, FaultKind.NODE_LOST, node.node_id,
                                         rank.rank, f"rank {rank.rank}'s node {node.node_id} "
-                                                   f"was lost: {why}"))
+                                                   f"was lost: {why}",
+                                        replica_id=rank.replica_id))
         return decisions + self._charge(node.node_id, at, FaultKind.NODE_LOST)
 
     # --- nodes and cordons --------------------------------------------------------------
@@ -562,6 +641,7 @@ class HealthCore:
                 assert rank.exit in (None, RankExit.DONE, RankExit.CRASHED, RankExit.STOPPED)
                 assert rank.slow_reports >= 0
                 if rank.last_progress is not None:
+                    assert rank.reporting, f"{job_id} rank {i} reported but is not reporting"
                     assert rank.step_time is not None and rank.last_step is not None
                     assert rank.last_progress <= rank.hang_since <= self.now
                 live.add(id(rank))
@@ -592,6 +672,45 @@ class HealthCore:
         if deadline is not None:
             assert item.queued, f"{item!r} is judged but has no deadline queued"
             assert deadline >= self.now, f"{item!r} is overdue ({deadline} < {self.now})"
+
+
+# --- snapshots -----------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class RankSnapshot:
+    rank: int
+    node_id: str
+    replica_id: str | None
+    exit: RankExit | None
+    reporting: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class JobSnapshot:
+    """The lasting part of a watched job."""
+
+    job_id: str
+    nodes: tuple[str, ...]
+    hang_timeout_s: float
+    slots: tuple[int, ...]
+    ranks: tuple[RankSnapshot, ...]
+
+
+class SnapshotError(ValueError):
+    """Stored health state that this version cannot read."""
+
+
+def snapshot(job: JobHealth) -> bytes:
+    """A watched job's lasting part, for :meth:`HealthCore.restore`."""
+    return _SNAPSHOT_ENCODER.encode(JobSnapshot(
+        job.job_id, job.nodes, job.hang_timeout_s, job.slots,
+        tuple(RankSnapshot(r.rank, r.node_id, r.replica_id, r.exit, r.reporting)
+              for r in job.ranks.values())))
+
+
+_SNAPSHOT_ENCODER = msgspec.msgpack.Encoder()
+_SNAPSHOT_DECODER = msgspec.msgpack.Decoder(JobSnapshot)
 
 
 def _crash_detail(event: RankExited) -> str:

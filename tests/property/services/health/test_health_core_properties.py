@@ -47,6 +47,8 @@ from phalanx.services.health.core import (
     RaiseFault,
     RankExited,
     RankStarted,
+    WatchResumed,
+    snapshot,
 )
 
 SETTINGS = settings(derandomize=True, database=None, deadline=None, max_examples=300)
@@ -460,3 +462,62 @@ def test_no_false_positives_within_the_timeouts(policy: HealthPolicy, hang: floa
             assert not any(isinstance(d, RaiseFault) and d.kind is not FaultKind.STRAGGLER
                            for d in decisions)
         core.check_invariants()
+
+
+def crash_and_finish(decisions: list[Decision]) -> list[Key]:
+    """The decisions a restart must not change: crash faults and finished jobs."""
+    return [key(d) for d in decisions
+            if isinstance(d, FinishJob)
+            or (isinstance(d, RaiseFault) and d.kind is FaultKind.CRASH)]
+
+
+def plain_events(op: Op, nodes: dict[str, tuple[str, ...]]) -> list[Event]:
+    """``op`` as plain core events (no model): busy ops become their reports and beats."""
+    match op:
+        case ("beats",):
+            return [NodeHeartbeat(n) for n in NODES]
+        case ("round", job, _):
+            return [ProgressReported(job, r, 1, 1.0) for r in range(len(nodes.get(job, ())))]
+        case ("slow", job, rank, n):
+            return [ProgressReported(job, rank, 1, 10.0)] * n
+        case ("exit", job, rank, code, signal, cause, node):
+            placed = nodes.get(job, ())
+            node = node or (placed[rank] if rank < len(placed) else "n0")
+            return [RankExited(job, rank, node, code, signal, cause, replica_id=f"r{rank}")]
+        case ("start", job, rank, node):
+            return [RankStarted(job, rank, node, 1000 + rank, replica_id=f"r{rank}")]
+    event = to_event(op, {})
+    return [] if event is None else [event]
+
+
+@settings(SETTINGS, max_examples=200)
+@given(policy=POLICY, ops=STREAM, cut=st.integers(0, 100))
+def test_a_core_restored_at_any_point_decides_crashes_and_finishes_as_one_that_never_stopped(
+        policy: HealthPolicy, ops: list[Op], cut: int) -> None:
+    steady, before = HealthCore(policy), HealthCore(policy)
+    restored: HealthCore | None = None
+    nodes: dict[str, tuple[str, ...]] = {}
+    now = T0
+    after_cut: tuple[list[Decision], list[Decision]] = ([], [])
+    for i, op in enumerate(ops):
+        if i == min(cut, len(ops) - 1):  # the leader dies here; a new one takes over
+            restored = HealthCore(policy)
+            for job in before.jobs.values():
+                restored.restore(snapshot(job), now)
+            restored.handle(WatchResumed(), now)
+            restored.check_invariants()
+        if op[0] == "watch":
+            nodes[op[1]] = op[2]
+        if op[0] == "wait":
+            now += op[1]
+        events: list[Event | None] = [None] if op[0] in ("tick", "wait") else plain_events(
+            op, nodes)
+        for event in events:
+            for core, out in ((steady, after_cut[0]), (restored or before, after_cut[1])):
+                got = core.tick(now) if event is None else core.handle(event, now)
+                if restored is not None:
+                    out += got
+    assert crash_and_finish(after_cut[1]) == crash_and_finish(after_cut[0])
+    for job_id, job in steady.jobs.items():  # what is kept is kept exactly
+        assert snapshot(restored.jobs[job_id]) == snapshot(job)
+    assert set(restored.jobs) == set(steady.jobs)

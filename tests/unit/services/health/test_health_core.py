@@ -29,6 +29,9 @@ from phalanx.services.health.core import (
     RaiseFault,
     RankExited,
     RankStarted,
+    SnapshotError,
+    WatchResumed,
+    snapshot,
 )
 
 T0 = 1_717_000_000.0
@@ -738,3 +741,56 @@ def test_tick_at_the_next_deadline_decides_nothing_and_just_after_decides(
     assert tick(core, deadline) == []
     assert core.next_deadline() == deadline
     assert tick(core, after(deadline)) != []
+
+
+# --- blindness, replicas, restarts ------------------------------------------------------------
+
+
+def test_silence_while_the_detector_was_blind_proves_nothing() -> None:
+    core = make(("n0",), hang=2.0, node_timeout_s=3.0)
+    run(core, T0, NodeHeartbeat("n0"), ProgressReported("j", 0, 1, 0.5))
+    # Disconnected from T0 to T0 + 10: the timeouts fell due meanwhile, but are not judged.
+    assert run(core, T0 + 10, WatchResumed()) == []
+    assert tick(core, T0 + 11.9) == []
+    [fault] = tick(core, after(T0 + 12))  # a full hang timeout from the resumption
+    assert (fault.kind, fault.rank) == (HANG, 0)
+    assert "after step 1" in fault.detail
+    lost = tick(core, after(T0 + 13))  # and a full node timeout
+    assert [type(d) for d in lost] == [MarkNodeLost, RaiseFault]
+
+
+def test_faults_name_the_replica_last_started_in_the_slot() -> None:
+    core = make(("n0", "n1"))
+    run(core, T0, RankStarted("j", 1, "n1", 11, replica_id="r1-0"),
+        RankStarted("j", 1, "n1", 12, replica_id="r1-1"))
+    # The first incarnation's exit arrives late: not a fault of the second.
+    assert run(core, T0 + 1, RankExited("j", 1, "n1", None, "SIGKILL", "exited",
+                                        replica_id="r1-0")) == []
+    [fault] = run(core, T0 + 2, RankExited("j", 1, "n1", None, "SIGKILL", "exited",
+                                           replica_id="r1-1"))
+    assert (fault.kind, fault.replica_id) == (CRASH, "r1-1")
+    # A rank never started by an agent here takes the replica from its exit.
+    [fault] = run(core, T0 + 3, RankExited("j", 0, "n0", 1, None, "exited", replica_id="r0-0"))
+    assert fault.replica_id == "r0-0"
+
+
+def test_a_restored_job_keeps_exits_and_replicas_and_judges_reporting_ranks_afresh() -> None:
+    core = make(("n0", "n1", "n2"), hang=2.0)
+    run(core, T0, RankStarted("j", 2, "n2", 12, replica_id="r2-1"),
+        ProgressReported("j", 0, 5, 0.5), ProgressReported("j", 2, 5, 0.5),
+        RankExited("j", 1, "n1", 0, None, "exited", replica_id="r1-0"))
+    assert core.take_changed() == {"j"}
+    other = HealthCore(HealthPolicy())
+    assert other.restore(snapshot(core.jobs["j"]), T0 + 100) == "j"
+    other.check_invariants()
+    assert other.tick(T0 + 102) == []
+    # Both reporting ranks are judged from the takeover; rank 1 is done, so not judged.
+    hangs = other.tick(after(T0 + 102))
+    assert [(d.kind, d.rank, d.replica_id) for d in hangs] == [(HANG, 0, None),
+                                                                (HANG, 2, "r2-1")]
+    # Rank 1's exit was kept: once the other two exit 0, the job is finished.
+    run(other, T0 + 103, RankExited("j", 0, "n0", 0, None, "exited"))
+    assert run(other, T0 + 104, RankExited("j", 2, "n2", 0, None, "exited")) == [FinishJob("j")]
+    assert other.take_changed() == {"j"} and "j" not in other.jobs
+    with pytest.raises(SnapshotError, match="not a health job snapshot"):
+        other.restore(b"\x01", T0)
