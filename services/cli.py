@@ -182,8 +182,10 @@ def cmd_health(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"phalanx health: {exc}", file=sys.stderr)
         return EXIT_USAGE
-    configure_logging("phalanx-health", "health", args.log_level)
-    return run_service(HealthService(policy, _bus_config(args)))
+    service = HealthService(policy, _bus_config(args), instance=args.instance,
+                            lease_s=float(os.environ.get("PHALANX_HEALTH_LEASE_S", "3")))
+    configure_logging("phalanx-health", service.instance, args.log_level)
+    return run_service(service)
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
@@ -568,6 +570,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     health = sub.add_parser("health", parents=[common, lost_after],
                             help="run the health service")
+    health.add_argument("--instance", help="instance name (default: host-pid-random)")
     health.set_defaults(func=cmd_health)
 
     demo = sub.add_parser("demo", help="W on 4 ranks on a local cluster: kill one, watch it "

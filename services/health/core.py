@@ -173,6 +173,7 @@ class ProgressReported:
     step: int
     step_time_s: float
     final: bool = False
+    replica_id: str | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -465,8 +466,9 @@ class HealthCore:
         rank = self._rank(event.job_id, event.rank)
         if rank is None or rank.exit is not None:
             return []
-        if not rank.reporting:
+        if not rank.reporting or (rank.replica_id is None and event.replica_id is not None):
             rank.reporting = True
+            rank.replica_id = rank.replica_id or event.replica_id
             self._changed.add(event.job_id)
         rank.last_progress = rank.hang_since = now
         rank.done = event.final

@@ -1,12 +1,31 @@
 """The health service's shell: signals in, faults and node verdicts out.
 
-Feeds the pure :class:`~.core.HealthCore` from the bus — rank starts and
-exits from agents, per-step progress from ranks, node heartbeats, and job
-records (an admitted job is watched with its placement and hang timeout;
-anything else ends the watch) — and carries out its decisions: a
-:class:`Fault` on ``phalanx.job.<job>.fault``, a
-:class:`NodeConditionChanged` on ``phalanx.node.<node>.condition``, a
-cordon written to the node's registry entry, a finished job's record.
+Any number of instances run; the one holding the ``health`` lease
+(:mod:`phalanx.services.lease`) judges, the others stand by and take over
+within the lease bound. The leader feeds the pure :class:`~.core.HealthCore`:
+
+* job records, followed through the jobs bucket (an admitted job is watched
+  with its placement and hang timeout; anything else ends the watch);
+* rank starts and exits from the job-events stream (:mod:`phalanx.bus.stream`),
+  read on from where the previous leader stopped, so no exit is missed while
+  no instance leads;
+* per-step progress from ranks and node heartbeats (plain subscriptions: one
+  lost tick is harmless), and operators' uncordons;
+
+and carries out its decisions: a :class:`Fault` on ``phalanx.job.<job>.fault``
+(stored in the job-events stream before it counts as sent), a
+:class:`NodeConditionChanged` on ``phalanx.node.<node>.condition``, a cordon
+written to the node's registry entry, a finished job's record. After each
+event, a job whose lasting part changed (replicas, exits, who reports) has its
+snapshot stored (``phalanx_health``), fenced like elasticity's, so a new
+leader takes the jobs over with their exits and replica ids and judges every
+reporting rank from the takeover on.
+
+**Blindness is not evidence.** While the bus connection is down the timer does
+not judge; after a reconnection, and at the start of a term, every node and
+rank gets a full timeout (:class:`~.core.WatchResumed`), since the silence
+may have been this instance's, not theirs. A cordon counts only faults seen
+within one term: a new leader starts a fresh window.
 
 Time-based rules (hangs, lost nodes) run when they are due: the timer sleeps
 exactly until :meth:`HealthCore.next_deadline` and is woken whenever an
@@ -14,29 +33,32 @@ event moves that deadline, so detection latency is scheduling latency, not a
 polling period. Each fault is published inside the span of the message that
 caused it (a rank's exit, a heartbeat), or of its own "detect" span for a
 timeout, so one trace runs from the agent that saw the signal to the fault.
-
-State is rebuilt from the jobs bucket at start; run one instance.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
+import os
+import socket
 import time
 import uuid
 
 import msgspec
 
 from phalanx.bus import telemetry
-from phalanx.bus.client import Delivery
 from phalanx.bus.config import BusConfig
-from phalanx.bus.kv import TypedKV
+from phalanx.bus.kv import Change, TypedKV
+from phalanx.bus.stream import EventReader, ensure_job_events
 from phalanx.schemas import subjects
 from phalanx.schemas.messages import (
     Fault,
     JobRecord,
+    JobSnapshot,
     JobState,
+    Lease,
     NodeCondition,
     NodeConditionChanged,
     NodeHeartbeat,
@@ -45,95 +67,229 @@ from phalanx.schemas.messages import (
     RankProgress,
     RankStarted,
     ReasonCode,
+    StreamCursor,
 )
 from phalanx.services.base import Service
 from phalanx.services.health import core
+from phalanx.services.jobstate import JobStateStore
+from phalanx.services.lease import Leadership
 
 log = logging.getLogger("phalanx.health")
+LEASE_KEY = "health"
+SNAPSHOT_FORMAT = 1
+CURSOR_EVERY_S = 1.0
+
+
+@dataclasses.dataclass
+class Term:
+    """What exists only while this instance leads."""
+
+    core: core.HealthCore
+    store: JobStateStore[JobSnapshot]
+    reader: EventReader | None = None
+    # Events are handled one at a time: the core and a job's stored snapshot change together.
+    turn: asyncio.Lock = dataclasses.field(default_factory=asyncio.Lock)
+    rearm: asyncio.Event = dataclasses.field(default_factory=asyncio.Event)
+    resumed_at: float = 0.0  # the last WatchResumed: timeouts are judged only after it
 
 
 class HealthService(Service):
-    """Turns heartbeats, progress and exits into faults, within a bound a user sets."""
+    """Turns heartbeats, progress and exits into faults, within a bound a user sets.
+
+    Args:
+        policy: the detection thresholds.
+        lease_s: how long the lease lasts without renewal (the takeover bound).
+    """
 
     description = "phalanx failure detection"
 
     def __init__(self, policy: core.HealthPolicy, bus_config: BusConfig | None = None, *,
-                 instance: str = "health") -> None:
+                 instance: str | None = None, lease_s: float = 3.0) -> None:
+        instance = instance or (f"{socket.gethostname().split('.')[0]}-{os.getpid()}-"
+                                f"{uuid.uuid4().hex[:6]}")
         super().__init__("phalanx-health", instance, bus_config)
-        self.core = core.HealthCore(policy)
-        self._rearm = asyncio.Event()
+        self.policy = policy
+        self.lease_s = lease_s
+        self.term: Term | None = None
         self.faults_published = 0
-        # (job, rank) -> the replica last started in that slot, named in its faults.
-        self.replicas: dict[tuple[str, int], str] = {}
+        self._resync = asyncio.Event()
+
+    @property
+    def core(self) -> core.HealthCore | None:
+        return None if self.term is None else self.term.core
 
     async def setup(self) -> None:
         assert self.bus is not None
-        self.jobs = await TypedKV.open(self.bus.js, subjects.JOBS_BUCKET, JobRecord)
-        self.nodes = await TypedKV.open(self.bus.js, subjects.NODES_BUCKET, NodeRecord)
-        records, _ = await self.jobs.entries()
-        for entry in records:
-            await self._job_state(entry.value)
-        bus = self.bus
-        await bus.subscribe(subjects.job_states(), JobRecord, lambda r, d: self._job_state(r))
-        await bus.subscribe(subjects.job_events("started"), RankStarted, self._on_started)
-        await bus.subscribe(subjects.job_events("exited"), RankExited, self._on_exited)
-        await bus.subscribe(subjects.health_ranks(), RankProgress, self._on_progress)
-        await bus.subscribe(subjects.node_heartbeats(), NodeHeartbeat, self._on_heartbeat)
-        await bus.subscribe(f"{subjects.PREFIX}.node.*.condition", NodeConditionChanged,
-                            self._on_condition)
-        self.spawn(self._timer(), "deadlines")
+        js = self.bus.js
+        self.jobs = await TypedKV.open(js, subjects.JOBS_BUCKET, JobRecord)
+        self.nodes = await TypedKV.open(js, subjects.NODES_BUCKET, NodeRecord)
+        self.snapshots = await TypedKV.open(js, subjects.HEALTH_BUCKET, JobSnapshot)
+        self.cursors = await TypedKV.open(js, subjects.CURSORS_BUCKET, StreamCursor)
+        leases = await TypedKV.open(js, subjects.LEASES_BUCKET, Lease)
+        await ensure_job_events(self.bus)
+        self.bus.on_reconnect(self._on_reconnect)
+        self.leadership = Leadership(leases, LEASE_KEY, self.instance, self.lease_s, self._lead)
+        self.spawn(self.leadership.run(self.sleep_or_stop), "lease")
+
+    async def _on_reconnect(self) -> None:
+        self._resync.set()
+        term = self.term
+        if term is not None:  # not awaited here: this runs inside nats-py's reconnection
+            self.spawn(self._resume(term), "resume")
+
+    async def _resume(self, term: Term) -> None:
+        """The silence while this instance was blind was its own: a full timeout for all."""
+        async with term.turn:
+            resumed_at = time.time()
+            await self._handle(term, core.WatchResumed())
+            term.resumed_at = resumed_at
+
+    # --- a term of leadership -----------------------------------------------------------
+
+    async def _lead(self) -> None:
+        """Restore the jobs, then judge until cancelled."""
+        assert self.bus is not None
+        term = Term(core.HealthCore(self.policy),
+                    JobStateStore(self.snapshots, self.cursors, LEASE_KEY))
+        self.term = term
+        records = aiter(self.jobs.follow(self._resync))
+        subscriptions = []
+        try:
+            now = time.time()
+            for entry in await term.store.load():
+                try:
+                    job_id = term.core.restore(entry.value.state, now)
+                except core.SnapshotError as exc:
+                    log.error("health state of %s skipped: %s", entry.key, exc)
+                    continue
+                term.store.restored(job_id, entry.value.seq)
+            await self._resume(term)
+            async for change in records:  # the current records first
+                if change is None:
+                    break
+                async with term.turn:
+                    await self._record(term, change)
+            bus = self.bus
+            for subject, message_type, handler in (
+                    (subjects.health_ranks(), RankProgress, self._on_progress),
+                    (subjects.node_heartbeats(), NodeHeartbeat, self._on_heartbeat),
+                    (f"{subjects.PREFIX}.node.*.condition", NodeConditionChanged,
+                     self._on_condition)):
+                subscriptions.append(await bus.subscribe(
+                    subject, message_type, lambda m, d, h=handler: h(term, m)))
+            term.reader = await EventReader(bus, term.store.cursor + 1,
+                                            frozenset({"started", "exited"})).start()
+            log.info("restored", extra={"jobs": len(term.core.jobs),
+                                        "cursor": term.store.cursor})
+            async with asyncio.TaskGroup() as tasks:
+                tasks.create_task(self._follow_records(term, records))
+                tasks.create_task(self._follow_events(term, term.reader))
+                tasks.create_task(self._timer(term))
+                tasks.create_task(self._cursor(term))
+        finally:
+            self.term = None
+            for sub in subscriptions:
+                with contextlib.suppress(Exception):  # the connection may be closing
+                    await sub.unsubscribe()
+            if term.reader is not None:
+                await term.reader.close()
+            await records.aclose()
+
+    async def _follow_records(self, term: Term, records) -> None:
+        async for change in records:
+            if change is not None:
+                async with term.turn:
+                    await self._record(term, change)
+
+    async def _follow_events(self, term: Term, reader: EventReader) -> None:
+        async for event in reader:
+            msg = event.message
+            if term.store.seen(msg.job_id, event.seq):
+                continue
+            async with term.turn:
+                with telemetry.consumer_span(event.delivery.subject, event.delivery.headers, 0):
+                    if isinstance(msg, RankStarted):
+                        happened: core.Event = core.RankStarted(
+                            msg.job_id, msg.rank, msg.node_id, msg.pid, msg.replica_id)
+                    else:
+                        assert isinstance(msg, RankExited)
+                        happened = core.RankExited(msg.job_id, msg.rank, msg.node_id,
+                                                   msg.exit_code, msg.signal, msg.cause.value,
+                                                   msg.replica_id)
+                    await self._handle(term, happened, event.seq)
+
+    async def _cursor(self, term: Term) -> None:
+        while not await self.sleep_or_stop(CURSOR_EVERY_S):
+            if term.reader is not None:
+                async with term.turn:
+                    await term.store.advance(term.reader.delivered)
 
     # --- events in ----------------------------------------------------------------------
 
-    async def _feed(self, event: object) -> None:
-        decisions = self.core.handle(event, time.time())  # type: ignore[arg-type]
+    async def _handle(self, term: Term, event: core.Event, seq: int | None = None) -> None:
+        """Apply ``event``, carry out the decisions, store what changed for a successor."""
+        decisions = term.core.handle(event, time.time())
         await self._execute(decisions)
-        self._rearm.set()  # the next deadline may have moved
+        changed = term.core.take_changed()
+        if seq is not None:
+            changed.add(event.job_id)  # type: ignore[union-attr]
+        for job_id in changed:
+            stored_seq = term.store.seq_of(job_id, seq)
+            job = term.core.jobs.get(job_id)
+            if job is None:
+                await term.store.forget(job_id)
+            else:
+                await term.store.store(job_id, JobSnapshot(
+                    job_id=job_id, seq=stored_seq, format=SNAPSHOT_FORMAT,
+                    state=core.snapshot(job)))
+        term.rearm.set()  # the next deadline may have moved
 
-    async def _job_state(self, record: JobRecord) -> None:
-        if record.state is JobState.ADMITTED:
-            await self._feed(core.JobWatched(record.job_id, tuple(record.nodes),
-                                             record.spec.hang_timeout_s, tuple(record.slots)))
-        elif record.job_id in self.core.jobs:
-            await self._feed(core.JobEnded(record.job_id))
-            for key in [k for k in self.replicas if k[0] == record.job_id]:
-                del self.replicas[key]
+    async def _record(self, term: Term, change: Change[JobRecord]) -> None:
+        record = change.value
+        if record is not None and record.state is JobState.ADMITTED:
+            await self._handle(term, core.JobWatched(record.job_id, tuple(record.nodes),
+                                                     record.spec.hang_timeout_s,
+                                                     tuple(record.slots)))
+        elif change.key in term.core.jobs:
+            await self._handle(term, core.JobEnded(change.key))
 
-    async def _on_started(self, msg: RankStarted, _: Delivery) -> None:
-        if msg.replica_id is not None:
-            self.replicas[(msg.job_id, msg.rank)] = msg.replica_id
-        await self._feed(core.RankStarted(msg.job_id, msg.rank, msg.node_id, msg.pid))
+    async def _on_progress(self, term: Term, msg: RankProgress) -> None:
+        async with term.turn:
+            await self._handle(term, core.ProgressReported(msg.job_id, msg.rank, msg.step,
+                                                           msg.step_time_s, msg.final,
+                                                           msg.replica_id))
 
-    async def _on_exited(self, msg: RankExited, _: Delivery) -> None:
-        if msg.replica_id is not None:
-            self.replicas.setdefault((msg.job_id, msg.rank), msg.replica_id)
-        await self._feed(core.RankExited(msg.job_id, msg.rank, msg.node_id, msg.exit_code,
-                                         msg.signal, msg.cause.value))
+    async def _on_heartbeat(self, term: Term, msg: NodeHeartbeat) -> None:
+        async with term.turn:
+            await self._handle(term, core.NodeHeartbeat(msg.node_id))
 
-    async def _on_progress(self, msg: RankProgress, _: Delivery) -> None:
-        await self._feed(core.ProgressReported(msg.job_id, msg.rank, msg.step, msg.step_time_s,
-                                                        msg.final))
-
-    async def _on_heartbeat(self, msg: NodeHeartbeat, _: Delivery) -> None:
-        await self._feed(core.NodeHeartbeat(msg.node_id))
-
-    async def _on_condition(self, msg: NodeConditionChanged, _: Delivery) -> None:
+    async def _on_condition(self, term: Term, msg: NodeConditionChanged) -> None:
         if msg.condition is NodeCondition.UNCORDONED:
-            await self._feed(core.NodeUncordoned(msg.node_id))
+            async with term.turn:
+                await self._handle(term, core.NodeUncordoned(msg.node_id))
 
-    async def _timer(self) -> None:
-        """Run :meth:`HealthCore.tick` exactly when the next deadline passes."""
-        while not self.stopping:
-            deadline = self.core.next_deadline()
-            self._rearm.clear()
+    def _seeing(self, term: Term) -> bool:
+        """Connected, and resumed since the connection came up: silence means something."""
+        assert self.bus is not None
+        since = self.bus.connected_since
+        return since is not None and since <= term.resumed_at
+
+    async def _timer(self, term: Term) -> None:
+        """Run :meth:`HealthCore.tick` exactly when the next deadline passes, but only while
+        :meth:`_seeing` (a blind detector judges nothing)."""
+        while True:
+            deadline = term.core.next_deadline()
+            term.rearm.clear()
             delay = None if deadline is None else max(0.0, deadline - time.time())
-            if delay is None or delay > 0:
+            if delay is None or delay > 0 or not self._seeing(term):
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._rearm.wait(), delay)
-                if deadline is None or time.time() < deadline:
-                    continue  # woken early: recompute
-            with telemetry.tracer().start_as_current_span("detect timeouts"):
-                await self._execute(self.core.tick(time.time()))
+                    await asyncio.wait_for(term.rearm.wait(), delay or 0.5)
+                if deadline is None or time.time() < deadline or not self._seeing(term):
+                    continue  # woken early, or blind: recompute
+            async with term.turn:
+                if self._seeing(term):
+                    with telemetry.tracer().start_as_current_span("detect timeouts"):
+                        await self._execute(term.core.tick(time.time()))
 
     # --- decisions out ------------------------------------------------------------------
 
@@ -147,9 +303,9 @@ class HealthService(Service):
                                   kind=decision.kind, node_id=decision.node_id,
                                   detected_at=now, rank=decision.rank,
                                   exit_code=decision.exit_code, signal=decision.signal,
-                                  detail=decision.detail,
-                                  replica_id=self.replicas.get((decision.job_id, decision.rank)))
-                    await self.bus.publish(subjects.job_fault(decision.job_id), fault)
+                                  detail=decision.detail, replica_id=decision.replica_id)
+                    await self.bus.publish_event(subjects.job_fault(decision.job_id), fault,
+                                                 event_id=fault.fault_id)
                     self.faults_published += 1
                     log.warning("fault", extra={"job": fault.job_id, "kind": fault.kind.value,
                                                 "rank": fault.rank, "node": fault.node_id,
