@@ -3,9 +3,11 @@
 A training loop is synchronous; the bus client is asyncio. :class:`BusThread`
 runs its own event loop on a daemon thread and connects there. Publishing
 only hands a message to that loop, so it never blocks a step; if the bus is
-unreachable, messages are dropped and counted while the client reconnects
-(forever), and training goes on. Subscriptions call back on the bus thread:
-callbacks must only record what arrived (set an event, store a value).
+unreachable, progress reports are dropped and counted while the client
+reconnects (forever), and training goes on, while events that drive decisions
+(readiness, an applied generation) are retried until a stream stores them.
+Subscriptions call back on the bus thread: callbacks must only record what
+arrived (set an event, store a value).
 """
 
 from __future__ import annotations
@@ -70,6 +72,16 @@ class BusThread:
             except (PhalanxError, OSError, TimeoutError) as exc:
                 self.dropped += 1
                 log.debug("dropped a message on %s: %s", subject, exc)
+
+        self._loop.call_soon_threadsafe(lambda: self._loop.create_task(send()))
+
+    def publish_event(self, subject: str, message: Message, event_id: str) -> None:
+        """Publish an event that drives decisions, without waiting: it is retried on the
+        bus thread until a stream has stored it (:meth:`Bus.publish_event`), so a bus
+        outage delays it but does not lose it (unless this process ends first)."""
+        async def send() -> None:
+            assert self.bus is not None
+            await self.bus.publish_event(subject, message, event_id=event_id)
 
         self._loop.call_soon_threadsafe(lambda: self._loop.create_task(send()))
 

@@ -306,10 +306,11 @@ class ElasticSession:
 
     def _announce(self) -> None:
         assert self.bus is not None
-        self.bus.publish(subjects.replica_ready(self.job_id), ReplicaReady(
+        # Repeats within the stream's duplicate window are stored once.
+        self.bus.publish_event(subjects.replica_ready(self.job_id), ReplicaReady(
             job_id=self.job_id, replica_id=self.replica_id, slot=self.slot,
             node_id=self.node_id, endpoint=self.endpoint, committed_step=self.committed,
-            sent_at=time.time()))
+            sent_at=time.time()), f"{self.job_id}-{self.replica_id}-ready")
 
     def _on_generation(self, generation: Generation, delivery: Delivery | None) -> None:
         with self._lock:
@@ -861,9 +862,11 @@ class Step:
                 session._progress.report(session.committed, session.last_step_s,
                                          final=session.committed == session._total_steps)
             if session._applied is not None and session.bus is not None:
-                session.bus.publish(subjects.generation_applied(session.job_id),
-                                    msgspec.structs.replace(session._applied,
-                                                            committed_step=session.committed))
+                applied = msgspec.structs.replace(session._applied,
+                                                  committed_step=session.committed)
+                session.bus.publish_event(
+                    subjects.generation_applied(session.job_id), applied,
+                    f"{session.job_id}-{session.replica_id}-g{applied.generation}-applied")
                 session._applied = None
         session.optimizer.zero_grad(set_to_none=False)
         self.outcome = ok
