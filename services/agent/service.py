@@ -22,6 +22,7 @@ from phalanx.bus.client import Delivery
 from phalanx.bus.config import BusConfig
 from phalanx.bus.errors import Conflict, RequestRefused
 from phalanx.bus.kv import TypedKV
+from phalanx.bus.stream import ensure_job_events
 from phalanx.schemas import __version__, subjects
 from phalanx.schemas.errors import PhalanxError
 from phalanx.schemas.messages import (
@@ -93,6 +94,7 @@ class AgentService(Service):
         if not self.config.launch:
             self.spawn(self.heartbeat_loop(), "heartbeat")
             return
+        await ensure_job_events(self.bus)  # where rank starts and exits are stored
         self.ranks = RankSet(self.config.node_id, self.work_dir, self.bus_config_url(),
                              self._host_of, self._report, capacity=self.config.slots,
                              replacement_nice=self.config.replacement_nice,
@@ -142,8 +144,13 @@ class AgentService(Service):
                           "phalanx.exit.signal": event.signal or ""}
         attributes.update({"phalanx.job": event.job_id, "phalanx.rank": event.rank,
                            "phalanx.node": self.config.node_id})
+        # Stored in the job-events stream before it counts as sent: health and elasticity
+        # must never miss an exit. One id per process and kind, so the "lost" report of a
+        # restarted agent for an exit already reported is stored once.
+        kind = "started" if isinstance(event, RankStarted) else "exited"
         with telemetry.tracer().start_as_current_span(name, attributes=attributes):
-            await self.bus.publish(subject, event)
+            await self.bus.publish_event(
+                subject, event, event_id=f"{event.job_id}-{self.config.node_id}-{event.pid}-{kind}")
 
     async def on_status(self, request: NodeStatusRequest, delivery: Delivery) -> NodeRecord:
         assert self.record is not None
