@@ -388,7 +388,8 @@ async def _up(args: argparse.Namespace, data_dir: Path) -> int:
         data_dir, agents=args.agents, slots_per_agent=args.slots_per_agent,
         nats_url=args.nats, nats_port=args.nats_port,
         heartbeat_interval_s=args.heartbeat_interval, lost_after_s=args.lost_after,
-        admission_instances=args.admission, config_path=args.config)
+        admission_instances=args.admission, health_instances=args.health,
+        elasticity_instances=args.elasticity, config_path=args.config)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -482,6 +483,7 @@ def _rebuild_argv(args: argparse.Namespace) -> list[str]:
             "--nats-port", str(args.nats_port), "--data-dir", str(args.data_dir),
             "--heartbeat-interval", str(args.heartbeat_interval),
             "--lost-after", str(args.lost_after), "--admission", str(args.admission),
+            "--health", str(args.health), "--elasticity", str(args.elasticity),
             "--log-level", args.log_level]
     if args.nats:
         argv += ["--nats", args.nats]
@@ -532,6 +534,10 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--heartbeat-interval", type=float, default=0.5, metavar="S")
     up.add_argument("--admission", type=int, default=1, metavar="N",
                     help="admission service instances (one leads, the others stand by)")
+    up.add_argument("--health", type=int, default=1, metavar="N",
+                    help="health service instances (one leads, the others stand by)")
+    up.add_argument("--elasticity", type=int, default=1, metavar="N",
+                    help="elasticity service instances (one leads, the others stand by)")
     up.add_argument("--detach", "-d", action="store_true", help="run in the background")
     up.add_argument("--notify-fd", type=int, help=argparse.SUPPRESS)
     up.set_defaults(func=cmd_up)

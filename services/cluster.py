@@ -92,14 +92,18 @@ class LocalCluster:
     def __init__(self, data_dir: Path, *, agents: int = 2, slots_per_agent: int = 2,
                  nats_url: str | None = None, nats_port: int = 4222,
                  heartbeat_interval_s: float = 0.5, lost_after_s: float = 3.0,
-                 admission_instances: int = 1, config_path: str | None = None,
+                 admission_instances: int = 1, health_instances: int = 1,
+                 elasticity_instances: int = 1, config_path: str | None = None,
                  ready_timeout_s: float = 30.0) -> None:
         if agents < 0:
             raise ClusterError(f"--agents must be >= 0, got {agents}")
         if slots_per_agent < 1:
             raise ClusterError(f"--slots-per-agent must be >= 1, got {slots_per_agent}")
-        if admission_instances < 0:
-            raise ClusterError(f"--admission must be >= 0, got {admission_instances}")
+        for flag, count in (("--admission", admission_instances),
+                            ("--health", health_instances),
+                            ("--elasticity", elasticity_instances)):
+            if count < 0:
+                raise ClusterError(f"{flag} must be >= 0, got {count}")
         self.data_dir = data_dir
         self.n_agents = agents
         self.slots_per_agent = slots_per_agent
@@ -109,6 +113,8 @@ class LocalCluster:
         self.lost_after_s = lost_after_s
         self.ready_timeout_s = ready_timeout_s
         self.n_admission = admission_instances
+        self.n_health = health_instances
+        self.n_elasticity = elasticity_instances
         self.config_path = config_path
         self.nats: NatsServer | None = None
         self.agents: dict[str, asyncio.subprocess.Process] = {}
@@ -150,10 +156,14 @@ class LocalCluster:
         sub = await self.bus.subscribe(subjects.node_heartbeats(), NodeHeartbeat, on_heartbeat)
         for i in range(self.n_admission):
             await self._start_admission(f"admission-{i}")
-        self.services["health"] = await self._spawn(
-            "health", "phalanx.services.health", "--lost-after", str(self.lost_after_s))
-        self.services["elasticity"] = await self._spawn(
-            "elasticity", "phalanx.services.elasticity")
+        # One leads, the others stand by; the first keeps the plain name (logs/health.log).
+        for service, count, extra in (
+                ("health", self.n_health, ("--lost-after", str(self.lost_after_s))),
+                ("elasticity", self.n_elasticity, ())):
+            for i in range(count):
+                instance = service if i == 0 else f"{service}-{i}"
+                self.services[instance] = await self._spawn(
+                    instance, f"phalanx.services.{service}", "--instance", instance, *extra)
         for i in range(self.n_agents):
             await self.start_agent(f"local-{i}", f"domain-{i % 2}")
         if not self.agents:
