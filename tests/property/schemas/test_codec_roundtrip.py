@@ -139,6 +139,8 @@ def strategy_for(t: mi.Type) -> st.SearchStrategy[Any]:
             return _float(t)
         case mi.NoneType():
             return st.none()
+        case mi.BytesType():
+            return st.binary(min_size=t.min_length or 0, max_size=min(t.max_length or 64, 64))
         case mi.EnumType():
             return st.sampled_from(list(t.cls))
         case mi.UnionType():

@@ -29,6 +29,7 @@ from phalanx.schemas.messages import (
     GenerationReason,
     JobRecord,
     JobRequest,
+    JobSnapshot,
     JobSpec,
     JobState,
     LaunchReplica,
@@ -53,6 +54,7 @@ from phalanx.schemas.messages import (
     SnapshotRecord,
     SnapshotTier,
     StopReplica,
+    StreamCursor,
     SubmitRequest,
 )
 
@@ -127,6 +129,9 @@ EXAMPLES: dict[type[Message], Message] = {
                                                    nodes=["gpu-node-07", "gpu-node-03"])},
         updated_at=1_717_000_001.0),
     Lease: Lease(holder="host-123-abc", epoch=4, expires_at=1_717_000_004.0),
+    StreamCursor: StreamCursor(seq=1234, updated_at=1_717_000_005.0),
+    JobSnapshot: JobSnapshot(job_id="llama-ft-1a2b3c", seq=1234, format=1,
+                             state=b"\x81\xa6job_id\xafllama-ft-1a2b3c"),
     RankStarted: RankStarted(job_id="llama-ft-1a2b3c", rank=1, world_size=2,
                              node_id="gpu-node-03", pid=4242, started_at=1_717_000_002.0),
     RankExited: RankExited(job_id="llama-ft-1a2b3c", rank=1, node_id="gpu-node-03", pid=4242,
