@@ -9,10 +9,12 @@ and the nodes that send heartbeats, and turns what it hears into faults:
    faults. A rank found dead by a restarted agent (cause ``lost``, status
    unknown) is a crash too. An exit reported from a node other than the
    rank's is a leftover of an earlier placement and is ignored.
-2. **Finish.** A rank that exits with code 0 and no signal is done; when every
-   rank of the job is done, or was stopped by its agent (an elastic job's
-   replica that was no longer needed), the job is finished (once) and no
-   longer watched.
+2. **Finish.** A rank that exits with code 0 and no signal is done; when some
+   rank of the job is done and none is still running — the others are done,
+   were stopped by their agent (an elastic job's replica that was no longer
+   needed), or crashed and were never started again (a slot whose
+   replacements ran out, or whose node is gone) — the job is finished (once)
+   and no longer watched.
 3. **Hang.** A rank that has reported progress at least once and then reports
    nothing for longer than the job's ``hang_timeout_s`` hangs: one hang fault,
    strictly after ``last progress + hang_timeout_s``; a report at or before
@@ -451,13 +453,14 @@ class HealthCore:
         fault = RaiseFault(event.job_id, FaultKind.CRASH, event.node_id, event.rank,
                            _crash_detail(event), event.exit_code, event.signal,
                            rank.replica_id)
-        return [fault, *self._charge(event.node_id, now, FaultKind.CRASH)]
+        return [fault, *self._charge(event.node_id, now, FaultKind.CRASH),
+                *self._finish_if_done(rank.job)]
 
     def _finish_if_done(self, job: JobHealth) -> list[Decision]:
-        """Finished: some rank exited 0 and every other one too, or was stopped by its agent
-        (an elastic job's replica that was no longer needed)."""
+        """Finished: some rank exited 0 and none still runs (a crashed slot that is never
+        started again does not hold the job back)."""
         exits = [r.exit for r in job.ranks.values()]
-        if RankExit.DONE in exits and all(e in (RankExit.DONE, RankExit.STOPPED) for e in exits):
+        if RankExit.DONE in exits and None not in exits:
             del self.jobs[job.job_id]
             return [FinishJob(job.job_id)]
         return []
@@ -636,8 +639,7 @@ class HealthCore:
             assert job.job_id == job_id, f"{job_id} filed under another id"
             assert len(job.ranks) == len(job.nodes) > 0, f"{job_id} ranks drifted"
             assert not (any(r.exit == RankExit.DONE for r in job.ranks.values()) and all(
-                r.exit in (RankExit.DONE, RankExit.STOPPED) for r in job.ranks.values())), \
-                f"{job_id} unfinished"
+                r.exit is not None for r in job.ranks.values())), f"{job_id} unfinished"
             for i, rank in job.ranks.items():
                 assert rank.job is job and rank.rank == i, f"{job_id} rank {i} misfiled"
                 assert rank.exit in (None, RankExit.DONE, RankExit.CRASHED, RankExit.STOPPED)

@@ -257,14 +257,15 @@ class Model:
                     pass
                 elif e.cause == "stopped" or (e.exit_code == 0 and e.signal is None):
                     r.exit = "stopped" if e.cause == "stopped" else "done"
-                    exits = [x.exit for x in self.jobs[e.job_id].ranks]
-                    if "done" in exits and all(x in ("done", "stopped") for x in exits):
-                        del self.jobs[e.job_id]
-                        out.append(("finish", e.job_id, None, None, None))
                 else:
                     r.exit = "crashed"
                     out.append(("fault", e.job_id, FaultKind.CRASH, e.rank, e.node_id))
                     out += self.charge(e.node_id, now)
+                if r is not None and r.node == e.node_id and r.exit:
+                    exits = [x.exit for x in self.jobs[e.job_id].ranks]
+                    if "done" in exits and None not in exits:  # nothing runs any more
+                        del self.jobs[e.job_id]
+                        out.append(("finish", e.job_id, None, None, None))
             case ProgressReported():
                 r = self.rank(e.job_id, e.rank)
                 if r is not None and not r.exit:

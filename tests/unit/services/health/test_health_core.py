@@ -236,15 +236,24 @@ def test_job_finishes_once_when_every_rank_exits_zero() -> None:
 @pytest.mark.parametrize(("last", "finished"), [
     (exited(2, 0), True),
     (exited(2, 0, cause="stopped"), True),  # stopped by its agent: no longer needed
-    (exited(2, 1), False),
-    (exited(2, None, signal="SIGKILL"), False),
-    (exited(2, None, cause="lost"), False),
-    (exited(2, 0, node="n0"), False),  # not from its node
+    (exited(2, 1), True),  # crashed after the others finished: nothing runs any more
+    (exited(2, None, signal="SIGKILL"), True),
+    (exited(2, None, cause="lost"), True),
+    (exited(2, 0, node="n0"), False),  # not from its node: rank 2 still runs
 ])
-def test_finish_needs_every_rank_to_exit_zero(last: RankExited, finished: bool) -> None:
+def test_finish_needs_some_rank_done_and_none_running(last: RankExited, finished: bool) -> None:
     core = make()
     run(core, T0 + 1, exited(0, 0), exited(1, 0))
     assert (FinishJob("j") in run(core, T0 + 2, last)) is finished
+
+
+def test_a_crashed_slot_that_is_never_replaced_does_not_hold_the_job_back() -> None:
+    """Its replacements ran out (or its node is gone): the others finish the training."""
+    core = make()
+    [fault] = run(core, T0 + 1, exited(1, None, signal="SIGKILL"))
+    assert fault.kind is CRASH
+    assert run(core, T0 + 50, exited(0, 0)) == []  # rank 2 still trains
+    assert run(core, T0 + 51, exited(2, 0)) == [FinishJob("j")]
 
 
 def test_the_same_rank_twice_does_not_finish_a_job() -> None:
@@ -255,8 +264,8 @@ def test_the_same_rank_twice_does_not_finish_a_job() -> None:
 
 def test_a_crashed_rank_restarted_and_exiting_zero_finishes_the_job() -> None:
     core = make(("n0", "n1"))
-    run(core, T0 + 1, exited(0, 0), exited(1, 1))
-    run(core, T0 + 2, RankStarted("j", 1, "n1", 7))
+    run(core, T0 + 1, exited(1, 1))
+    run(core, T0 + 2, RankStarted("j", 1, "n1", 7), exited(0, 0))
     assert run(core, T0 + 3, exited(1, 0)) == [FinishJob("j")]
 
 
