@@ -110,7 +110,7 @@ class Events:
         await bus.subscribe(subjects.job_events("started"), RankStarted, on_started)
         await bus.subscribe(subjects.health_ranks(), RankProgress, on_progress)
         await bus.subscribe(subjects.node_heartbeats(), NodeHeartbeat, on_heartbeat)
-        await bus.subscribe(f"{subjects.PREFIX}.node.*.condition", NodeConditionChanged,
+        await bus.subscribe(subjects.node_conditions(), NodeConditionChanged,
                             on_condition)
 
 

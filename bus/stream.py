@@ -120,7 +120,7 @@ class EventReader:
         config = ConsumerConfig(deliver_policy=DeliverPolicy.BY_START_SEQUENCE,
                                 opt_start_seq=self.delivered + 1)
         self._sub = await self.bus.js.subscribe(
-            f"{subjects.PREFIX}.job.>", stream=JOB_EVENTS, ordered_consumer=True,
+            subjects.jobs_all(), stream=JOB_EVENTS, ordered_consumer=True,
             idle_heartbeat=1.0, config=config, cb=self._queue.put)
 
     async def _resubscribe(self) -> None:

@@ -285,7 +285,7 @@ class ElasticSession:
                                           replica_id=self.replica_id, bus=bus)
         bus.subscribe(subjects.job_generation(self.job_id), Generation, self._on_generation)
         bus.subscribe(subjects.job_fault(self.job_id), Fault, self._on_fault)
-        bus.subscribe(f"{subjects.PREFIX}.health.rank.{self.job_id}.*", RankProgress,
+        bus.subscribe(subjects.health_job_ranks(self.job_id), RankProgress,
                       self._on_progress)
         stored = bus.run(self._stored_generation(bus), 10)
         if stored is not None:

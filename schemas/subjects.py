@@ -52,19 +52,24 @@ def agent_stop(node_id: str) -> str:
 
 
 def admission_submit() -> str:
-    return f"{PREFIX}.admission.submit"
+    return admission("submit")
 
 
 def admission_cancel() -> str:
-    return f"{PREFIX}.admission.cancel"
+    return admission("cancel")
 
 
 def admission_requeue() -> str:
-    return f"{PREFIX}.admission.requeue"
+    return admission("requeue")
 
 
 def admission_explain() -> str:
-    return f"{PREFIX}.admission.explain"
+    return admission("explain")
+
+
+def admission(verb: str) -> str:
+    """Admission's public endpoint for ``verb`` (``submit``, ``cancel``, ...)."""
+    return f"{PREFIX}.admission.{token(verb, 'verb')}"
 
 
 def admission_leader(verb: str) -> str:
@@ -109,6 +114,11 @@ def rank_exited(job_id: str) -> str:
     return _job(job_id, "exited")
 
 
+def jobs_all() -> str:
+    """Wildcard over every subject of every job (a stream's consumer filter)."""
+    return f"{PREFIX}.job.>"
+
+
 def job_events(kind: str) -> str:
     """Wildcard over one kind of job event (``started``, ``exited``, ``fault``, ``ready`` …)."""
     return f"{PREFIX}.job.*.{token(kind, 'event kind')}"
@@ -122,9 +132,19 @@ def node_condition(node_id: str) -> str:
     return f"{PREFIX}.node.{token(node_id, 'node id')}.condition"
 
 
+def node_conditions() -> str:
+    """Wildcard over every node's condition changes."""
+    return f"{PREFIX}.node.*.condition"
+
+
 def health_ranks() -> str:
     """Wildcard over every rank's progress."""
     return f"{PREFIX}.health.rank.*.*"
+
+
+def health_job_ranks(job_id: str) -> str:
+    """Wildcard over the progress of every rank of one job."""
+    return f"{PREFIX}.health.rank.{token(job_id, 'job id')}.*"
 
 
 def health_rank(job_id: str, rank: int) -> str:

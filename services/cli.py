@@ -402,11 +402,8 @@ async def _up(args: argparse.Namespace, data_dir: Path) -> int:
         print(f"phalanx up: {exc}", file=sys.stderr)
         return EXIT_FAILED
     _notify(args, f"ready {cluster.nats_url}")
-    if cluster.nats is not None and cluster.nats.process is not None:
-        # Without its server the cluster is gone: stop the rest rather than linger.
-        server = cluster.nats.process
-        died = asyncio.create_task(asyncio.to_thread(server.wait))
-        died.add_done_callback(lambda _: stop.set())
+    # The embedded server is started again if it dies; if it cannot be, the cluster stops.
+    keeper = asyncio.create_task(cluster.keep_nats(stop))
     try:
         if sys.stdout.isatty() and not args.notify_fd:
             await _live_status(args, cluster.nats_url, stop)
@@ -415,14 +412,13 @@ async def _up(args: argparse.Namespace, data_dir: Path) -> int:
                   "Ctrl-C stops", flush=True)
             await stop.wait()
     finally:
+        stop.set()
+        gave_up = await keeper
         await cluster.stop()
-    if cluster.nats is not None and cluster.nats.process is not None \
-            and cluster.nats.process.returncode not in (None, 0) and not args.detach:
-        code = cluster.nats.process.returncode
-        if code not in (-signal.SIGTERM, -signal.SIGINT):
-            print(f"phalanx up: nats-server exited with {code}; stopped the cluster "
-                  f"(see {Path(args.data_dir) / 'logs' / 'nats.log'})", file=sys.stderr)
-            return EXIT_FAILED
+    if gave_up and not args.detach:
+        print(f"phalanx up: nats-server could not be started again; stopped the cluster "
+              f"(see {Path(args.data_dir) / 'logs' / 'nats.log'})", file=sys.stderr)
+        return EXIT_FAILED
     return 0
 
 

@@ -82,7 +82,7 @@ class AdmissionClient:
         delay = 0.05
         while True:
             try:
-                return await self.bus.request(f"{subjects.PREFIX}.admission.{verb}", message,
+                return await self.bus.request(subjects.admission(verb), message,
                                               reply_type, timeout_s=self.timeout_s)
             except (NoResponders, RequestTimeout, RemoteError) as exc:
                 retryable = not isinstance(exc, RemoteError) or exc.code in RETRYABLE_CODES

@@ -33,7 +33,7 @@ from phalanx.schemas.errors import PhalanxError
 from phalanx.schemas.messages import NodeHeartbeat
 from phalanx.services.agent.ranks import MANIFEST, start_ticks
 from phalanx.services.client import AdmissionClient
-from phalanx.services.natsd import NatsServer, _die_with_parent
+from phalanx.services.natsd import NatsServer, NatsServerError, _die_with_parent
 
 log = logging.getLogger("phalanx.cluster")
 STATE_FILE = "up.json"
@@ -227,6 +227,41 @@ class LocalCluster:
             "--heartbeat-interval", str(self.heartbeat_interval_s),
             "--lost-after", str(self.lost_after_s),
             "--work-dir", str(self.data_dir / "agents" / node_id))
+
+    async def keep_nats(self, stop: asyncio.Event, restart_after_s: float = 1.0,
+                        attempts: int = 5) -> bool:
+        """Start the embedded nats-server again whenever it dies, on the same port and
+        store (as a Deployment would), until ``stop`` is set; after ``attempts`` failed
+        starts in a row, set ``stop`` and return True: without its server the cluster is
+        gone."""
+        failures = 0
+        while self.nats is not None and self.nats.process is not None and not stop.is_set():
+            server = self.nats.process
+            died = asyncio.create_task(asyncio.to_thread(server.wait))
+            stopping = asyncio.create_task(stop.wait())
+            await asyncio.wait([died, stopping], return_when=asyncio.FIRST_COMPLETED)
+            stopping.cancel()
+            if stop.is_set():
+                died.cancel()
+                return False
+            log.warning("nats-server exited with %s; starting it again", server.returncode)
+            await asyncio.sleep(restart_after_s)
+            replacement = NatsServer(self.data_dir / "jetstream", port=self.nats.port,
+                                     log_path=self.logs_dir / "nats.log")
+            try:
+                await asyncio.to_thread(replacement.start)
+            except NatsServerError as exc:
+                failures += 1
+                log.error("nats-server did not start again (%d/%d): %s", failures, attempts,
+                          exc)
+                if failures >= attempts:
+                    stop.set()
+                    return True
+                continue
+            failures = 0
+            self.nats = replacement
+            self.state().write(self.data_dir)
+        return False
 
     def state(self) -> ClusterState:
         return ClusterState(

@@ -122,7 +122,7 @@ class AdmissionService(Service):
                                                ("cancel", JobRequest, JobRecord),
                                                ("requeue", RequeueRequest, JobRecord),
                                                ("explain", JobRequest, Explanation)):
-            await self.add_endpoint(verb, f"{subjects.PREFIX}.admission.{verb}", request_type,
+            await self.add_endpoint(verb, subjects.admission(verb), request_type,
                                     self._forwarder(verb, reply_type), concurrent=True)
         self.spawn(self.lease_loop(), "lease")
 

@@ -173,7 +173,7 @@ class HealthService(Service):
             for subject, message_type, handler in (
                     (subjects.health_ranks(), RankProgress, self._on_progress),
                     (subjects.node_heartbeats(), NodeHeartbeat, self._on_heartbeat),
-                    (f"{subjects.PREFIX}.node.*.condition", NodeConditionChanged,
+                    (subjects.node_conditions(), NodeConditionChanged,
                      self._on_condition)):
                 subscriptions.append(await bus.subscribe(
                     subject, message_type, lambda m, d, h=handler: h(term, m)))

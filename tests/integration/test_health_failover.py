@@ -107,7 +107,7 @@ async def running(url: str, tmp_path: Path) -> AsyncIterator[tuple[Bus, Cluster,
         cluster.conditions.append(msg)
 
     await bus.subscribe(subjects.job_fault(JOB), Fault, on_fault)
-    await bus.subscribe(f"{subjects.PREFIX}.node.*.condition", NodeConditionChanged,
+    await bus.subscribe(subjects.node_conditions(), NodeConditionChanged,
                         on_condition)
     instances = {name: start(url, name, tmp_path) for name in ("h1", "h2")}
     beats = asyncio.create_task(cluster.beat())
