@@ -16,6 +16,7 @@ import dataclasses
 import logging
 import ssl
 import time
+import weakref
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
@@ -138,6 +139,7 @@ class Bus:
         self.js = nc.jetstream()
         self.connected_since: float | None = time.time()
         self._on_reconnect: list[Callable[[], Awaitable[None]]] = []
+        self._resyncs: weakref.WeakSet[asyncio.Event] = weakref.WeakSet()
 
     @property
     def connected(self) -> bool:
@@ -153,11 +155,20 @@ class Bus:
         """
         self._on_reconnect.append(callback)
 
+    def resync_event(self) -> asyncio.Event:
+        """A new event that every reconnection sets, e.g. for :meth:`TypedKV.follow`
+        (which clears it when it starts over); one per follower."""
+        event = asyncio.Event()
+        self._resyncs.add(event)
+        return event
+
     def _disconnected(self) -> None:
         self.connected_since = None
 
     async def _reconnected(self) -> None:
         self.connected_since = time.time()
+        for event in list(self._resyncs):
+            event.set()
         for callback in list(self._on_reconnect):
             try:
                 await callback()

@@ -119,6 +119,7 @@ class LocalCluster:
         self.nats: NatsServer | None = None
         self.agents: dict[str, asyncio.subprocess.Process] = {}
         self.services: dict[str, asyncio.subprocess.Process] = {}
+        self._argv: dict[str, tuple[str, ...]] = {}  # log name -> what it was started with
         self.bus: Bus | None = None
 
     @property
@@ -205,6 +206,7 @@ class LocalCluster:
                            f"see {self.logs_dir}")
 
     async def _spawn(self, name: str, *argv: str) -> asyncio.subprocess.Process:
+        self._argv[name] = argv
         log_file = (self.logs_dir / f"{name}.log").open("ab")
         env = {**os.environ, "PHALANX_NATS_URL": self.nats_url or ""}
         if self.config_path:
@@ -215,6 +217,17 @@ class LocalCluster:
                 stderr=log_file, env=env, preexec_fn=_die_with_parent)
         finally:
             log_file.close()
+
+    async def restart(self, name: str) -> asyncio.subprocess.Process:
+        """Start a service instance (by instance name) or an agent (by node id) again with
+        the command it was first started with, as a supervisor would after a crash."""
+        processes = self.agents if name in self.agents else self.services
+        if name not in processes:
+            raise ClusterError(f"no service instance or agent named {name!r}")
+        log_name = f"agent-{name}" if processes is self.agents else name
+        processes[name] = await self._spawn(log_name, *self._argv[log_name])
+        self.state().write(self.data_dir)
+        return processes[name]
 
     async def _start_admission(self, instance: str) -> None:
         self.services[instance] = await self._spawn(

@@ -87,6 +87,7 @@ class Term:
     node_events: dict[str, core.NodeUpdated] = dataclasses.field(default_factory=dict)
     task: asyncio.Task[None] | None = None
     serving: bool = False  # state rebuilt: requests may be answered
+    watching_since: float = 0.0  # nodes are judged on silence heard since then
 
 
 class AdmissionService(Service):
@@ -229,6 +230,7 @@ class AdmissionService(Service):
     async def _lead(self, term: Term) -> None:
         """Rebuild state from KV, then serve requests and run the core until cancelled."""
         assert self.bus is not None
+        term.watching_since = time.time()  # a new leader has heard nobody yet
         ledger = await self.ledger.get(LEDGER_KEY)
         if ledger is not None:
             term.ledger_revision = ledger.revision
@@ -239,7 +241,7 @@ class AdmissionService(Service):
             self._node_changed(term, entry.key, entry.value, now)
         while not term.events.empty():
             term.core.handle(term.events.get_nowait(), now)
-        job_changes = self.jobs.watch()
+        job_changes = self.jobs.follow(self.bus.resync_event())
         restored = await self._restore(term, job_changes)
         subscriptions = [
             await self.bus.subscribe(subjects.admission_leader(verb), request_type,
@@ -389,7 +391,8 @@ class AdmissionService(Service):
             term.events.put_nowait(core.JobFinished(change.key, event_id="watch"))
 
     async def _watch_nodes(self, term: Term) -> None:
-        async for change in self.nodes.watch():
+        assert self.bus is not None
+        async for change in self.nodes.follow(self.bus.resync_event()):
             if change is not None:
                 self._node_changed(term, change.key, change.value, time.time())
 
@@ -404,8 +407,14 @@ class AdmissionService(Service):
         self._node_seen(term, record, now)
 
     def _node_seen(self, term: Term, record: NodeRecord, now: float) -> None:
+        assert self.bus is not None
+        connected_since = self.bus.connected_since
+        if connected_since is None:
+            return  # blind while disconnected: the nodes' silence proves nothing
         node = record.node
-        alive = view(record, now, self.config.lost_after_s).state is NodeState.ALIVE
+        alive = view(record, now, self.config.lost_after_s,
+                     watching_since=max(connected_since, term.watching_since)
+                     ).state is NodeState.ALIVE
         event = core.NodeUpdated(node.node_id, node.slots, node.failure_domain,
                                  dict(node.labels), alive=alive, cordoned=record.cordoned,
                                  event_id="registry")

@@ -105,16 +105,27 @@ class AgentService(Service):
         self.jobs = jobs
         self.generations = await TypedKV.open(self.bus.js, subjects.GENERATIONS_BUCKET,
                                               Generation)
-        records, _ = await jobs.entries()
+        await self._sync_jobs()
+        # Records published while disconnected were missed: read them all again after.
+        self.bus.on_reconnect(self._on_reconnect)
+        self.spawn(self.heartbeat_loop(), "heartbeat")
+        log.info("registered", extra={"node": self.config.node_id, "slots": self.config.slots,
+                                      "failure_domain": self.config.failure_domain})
+
+    async def _on_reconnect(self) -> None:
+        self.spawn(self._sync_jobs(), "sync jobs")  # not inside nats-py's reconnection
+
+    async def _sync_jobs(self) -> None:
+        """Reconcile every job record (each in its job's own order), and stop ranks whose
+        job is gone."""
+        assert self.jobs is not None and self.ranks is not None
+        records, _ = await self.jobs.entries()
         known = {r.value.job_id for r in records}
         for entry in records:
             self._apply(entry.value)
         for job_id, _rank in list(self.ranks.ranks):
             if job_id not in known:  # adopted, but its job is gone: stop it
                 self.spawn(self._stop_job(job_id), f"stop {job_id}")
-        self.spawn(self.heartbeat_loop(), "heartbeat")
-        log.info("registered", extra={"node": self.config.node_id, "slots": self.config.slots,
-                                      "failure_domain": self.config.failure_domain})
 
     @property
     def work_dir(self) -> Path:

@@ -114,7 +114,6 @@ class ElasticityService(Service):
         self.make_core = make_core
         self.lease_s = lease_s
         self.term: Term | None = None
-        self._resync = asyncio.Event()
 
     @property
     def leading(self) -> bool:
@@ -129,12 +128,8 @@ class ElasticityService(Service):
         self.cursors = await TypedKV.open(js, subjects.CURSORS_BUCKET, StreamCursor)
         leases = await TypedKV.open(js, subjects.LEASES_BUCKET, Lease)
         await ensure_job_events(self.bus)
-        self.bus.on_reconnect(self._on_reconnect)
         self.leadership = Leadership(leases, LEASE_KEY, self.instance, self.lease_s, self._lead)
         self.spawn(self.leadership.run(self.sleep_or_stop), "lease")
-
-    async def _on_reconnect(self) -> None:
-        self._resync.set()  # job records may have changed unseen: read them all again
 
     # --- a term of leadership -----------------------------------------------------------
 
@@ -143,7 +138,7 @@ class ElasticityService(Service):
         assert self.bus is not None
         term = Term(self.make_core(), JobStateStore(self.snapshots, self.cursors, LEASE_KEY))
         self.term = term
-        records = aiter(self.jobs.follow(self._resync))
+        records = aiter(self.jobs.follow(self.bus.resync_event()))
         try:
             await self._restore(term)
             async for change in records:  # the current records first

@@ -112,7 +112,6 @@ class HealthService(Service):
         self.lease_s = lease_s
         self.term: Term | None = None
         self.faults_published = 0
-        self._resync = asyncio.Event()
 
     @property
     def core(self) -> core.HealthCore | None:
@@ -132,7 +131,6 @@ class HealthService(Service):
         self.spawn(self.leadership.run(self.sleep_or_stop), "lease")
 
     async def _on_reconnect(self) -> None:
-        self._resync.set()
         term = self.term
         if term is not None:  # not awaited here: this runs inside nats-py's reconnection
             self.spawn(self._resume(term), "resume")
@@ -152,7 +150,7 @@ class HealthService(Service):
         term = Term(core.HealthCore(self.policy),
                     JobStateStore(self.snapshots, self.cursors, LEASE_KEY))
         self.term = term
-        records = aiter(self.jobs.follow(self._resync))
+        records = aiter(self.jobs.follow(self.bus.resync_event()))
         subscriptions = []
         try:
             now = time.time()

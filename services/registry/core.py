@@ -4,6 +4,12 @@ A node is *alive* while its agent's last heartbeat is at most
 ``lost_after_s`` old and *lost* after that; a lost node's slots are not
 offered. Cordoned nodes stay listed but offer no slots for new work. Pure:
 the caller passes the records and ``now``.
+
+A reader that could not see heartbeats for a while (its own bus connection
+was down, or it has just started judging) passes ``watching_since``: silence
+before that proves nothing, so a node is lost only after ``lost_after_s`` of
+silence the reader could have heard — a bus outage never looks like every
+node dying.
 """
 
 from __future__ import annotations
@@ -43,13 +49,15 @@ class NodeView:
         return self.slots - self.slots_used
 
 
-def view(record: NodeRecord, now: float, lost_after_s: float = DEFAULT_LOST_AFTER_S) -> NodeView:
-    """How ``record`` looks at time ``now``."""
+def view(record: NodeRecord, now: float, lost_after_s: float = DEFAULT_LOST_AFTER_S, *,
+         watching_since: float = float("-inf")) -> NodeView:
+    """How ``record`` looks at time ``now`` to a reader watching since ``watching_since``."""
     age = max(0.0, now - record.heartbeat_at)
+    silence = now - max(record.heartbeat_at, watching_since)
     node = record.node
     return NodeView(
         node_id=node.node_id, host=node.host,
-        state=NodeState.ALIVE if age <= lost_after_s else NodeState.LOST,
+        state=NodeState.ALIVE if silence <= lost_after_s else NodeState.LOST,
         slots=node.slots, slots_used=record.slots_used, failure_domain=node.failure_domain,
         labels=dict(node.labels), cordoned=record.cordoned, heartbeat_age_s=age,
         agent_pid=node.agent_pid,

@@ -129,3 +129,14 @@ def test_node_view_is_frozen() -> None:
 def test_node_state_values() -> None:
     assert NodeState.ALIVE == "alive"
     assert NodeState.LOST == "lost"
+
+
+def test_silence_a_reader_could_not_hear_does_not_make_a_node_lost() -> None:
+    """A reader blind until ``watching_since`` (its bus was down) gives every node a full
+    timeout from then: a bus outage never looks like every node dying."""
+    stale = record(at=100.0)
+    assert view(stale, 110.0, 3.0).state is NodeState.LOST
+    assert view(stale, 110.0, 3.0, watching_since=108.0).state is NodeState.ALIVE
+    assert view(stale, 111.0, 3.0, watching_since=108.0).state is NodeState.ALIVE
+    lost = view(stale, 111.5, 3.0, watching_since=108.0)
+    assert lost.state is NodeState.LOST and lost.heartbeat_age_s == 11.5
