@@ -47,6 +47,7 @@ applied with the time of every phase. Tests and benchmarks check those.
 
 from __future__ import annotations
 
+import asyncio
 import atexit
 import contextlib
 import dataclasses
@@ -62,6 +63,7 @@ from collections.abc import Callable, Iterator, Mapping
 from typing import Any, TypeVar
 
 import msgspec
+import nats.errors
 import torch
 import torch.distributed as dist
 from opentelemetry import context as otel_context
@@ -87,7 +89,7 @@ from phalanx.runtime.state import (
     send_state,
 )
 from phalanx.schemas import subjects
-from phalanx.schemas.errors import ConfigError
+from phalanx.schemas.errors import ConfigError, PhalanxError
 from phalanx.schemas.messages import (
     Fault,
     FaultKind,
@@ -292,9 +294,26 @@ class ElasticSession:
             self._on_generation(stored, None)
             if stored.member(self.replica_id) is None:  # joining a running job
                 self._landing = landing_buffers(self.optimizer)
+        assert bus.bus is not None
+        bus.bus.on_reconnect(lambda: self._resync_generation(bus))
         if self.nice_when_ready is not None:
             priority.restore(self.nice_when_ready)
         self._announce()
+
+    async def _resync_generation(self, bus: BusThread) -> None:
+        """After a bus outage: a generation published meanwhile was missed; the stored
+        one is the newest (members waiting for it would otherwise wait forever)."""
+        for attempt in range(20):  # JetStream may take a moment to come back with the server
+            try:
+                stored = await self._stored_generation(bus)
+            except (PhalanxError, TimeoutError, OSError, nats.errors.Error) as exc:
+                log.debug("reading the stored generation (attempt %d): %s", attempt, exc)
+                await asyncio.sleep(0.25)
+                continue
+            if stored is not None:
+                self._on_generation(stored, None)
+            return
+        log.warning("could not read the stored generation after reconnecting")
 
     async def _stored_generation(self, bus: BusThread) -> Generation | None:
         from phalanx.bus.kv import TypedKV  # the KV helpers are only needed here
