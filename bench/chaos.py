@@ -27,7 +27,7 @@ Prints one JSON object as its last line and appends the figures to
 bench/RESULTS.md::
 
     python bench/chaos.py                            # 100 faults
-    python bench/chaos.py --faults 15 --steps 900    # the size CI runs (tests/e2e)
+    python bench/chaos.py --faults 15                # the size CI runs (tests/e2e)
 """
 
 from __future__ import annotations
@@ -133,6 +133,7 @@ class Chaos:
     def __init__(self, work: Path, seed: int, steps: int) -> None:
         self.work = work
         self.rng = random.Random(seed)
+        self.order = self.rng.sample(KINDS, len(KINDS))  # of the first faults
         self.steps = steps
         self.cluster = LocalCluster(work / "cluster", agents=2, slots_per_agent=2, nats_port=0,
                                     heartbeat_interval_s=0.2, admission_instances=2,
@@ -224,21 +225,23 @@ class Chaos:
             process.send_signal(signal.SIGKILL)
         self._later(restart_after_s, name)
 
-    async def _choose(self, n: int) -> str:
-        if n < len(KINDS):  # every kind once first, in a seeded order
-            if n == 0:
-                self.order = self.rng.sample(KINDS, len(KINDS))
-            kind = self.order[n]
-        else:
-            kind = self.rng.choices(KINDS, weights=(3, 2, 2, 2, 2, 1))[0]
-        members = await self._members()
-        rank_ok = len(members) >= 3 and time.monotonic() - self.last_rank_fault > 6.0
-        if kind in RANK_KINDS and not rank_ok:
-            kind = self.rng.choice(("service_kill", "leader_kill", "agent_kill"))
+    async def _choose(self, n: int) -> str | None:
+        """The kind of fault ``n`` (None: not now). Every kind comes once first, in a seeded
+        order; a rank fault waits until the job has three members and the last rank fault
+        is six seconds old (later ones are replaced by another kind instead)."""
+        first = n < len(KINDS)
+        kind = self.order[n] if first else self.rng.choices(KINDS, weights=(3, 2, 2, 2, 2, 1))[0]
+        if kind in RANK_KINDS:
+            members = await self._members()
+            if len(members) < 3 or time.monotonic() - self.last_rank_fault < 6.0:
+                return None if first else self.rng.choice(
+                    ("service_kill", "leader_kill", "agent_kill"))
         return kind
 
     async def inject(self, n: int) -> FaultRecord | None:
         kind = await self._choose(n)
+        if kind is None:
+            return None
         step = self.observer.step
         match kind:
             case "rank_kill" | "rank_stop":
@@ -303,23 +306,43 @@ class Chaos:
             task.cancel()
         await self.bus.close()
         await self.cluster.stop()
-        return left_behind(self.work)
+        for _ in range(50):  # processes told to stop may take a moment to be gone
+            left = left_behind(self.work)
+            if not left:
+                break
+            await asyncio.sleep(0.2)
+        return [f"{pid}: {command}" for pid, command in left]
 
 
-def left_behind(work: Path) -> list[str]:
-    """Pids of processes still running from this run: its services, agents or ranks."""
+def left_behind(work: Path) -> list[tuple[str, str]]:
+    """Processes still alive from this run (its services, agents or ranks): pid, command."""
     marker = str(work).encode()
+    ours = _ancestors()  # this process and whatever started it (a shell naming --keep)
     left = []
     for proc in Path("/proc").iterdir():
-        if not proc.name.isdigit() or int(proc.name) == os.getpid():
+        if not proc.name.isdigit() or int(proc.name) in ours:
             continue
         try:
-            if marker in (proc / "cmdline").read_bytes() \
+            if (proc / "stat").read_text().rsplit(")", 1)[1].split()[0] == "Z":
+                continue  # exited; its parent has yet to reap it
+            command = (proc / "cmdline").read_bytes()
+            if marker in command \
                     or f"PHALANX_JOB_ID={JOB}".encode() in (proc / "environ").read_bytes():
-                left.append(proc.name)
-        except OSError:
+                left.append((proc.name, command.replace(b"\0", b" ").decode()[:200]))
+        except (OSError, IndexError):
             continue
     return left
+
+
+def _ancestors() -> set[int]:
+    pids, pid = set(), os.getpid()
+    while pid > 1:
+        pids.add(pid)
+        try:
+            pid = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            break
+    return pids
 
 
 def prepare(work: Path) -> None:
@@ -405,7 +428,8 @@ def main() -> None:
     parser.add_argument("--keep", metavar="DIR",
                         help="run in DIR and keep it (logs, records) instead of a temp dir")
     args = parser.parse_args()
-    steps = args.steps or int(args.faults * args.interval * 12) + 400
+    # The job trains ~40-60 steps/s here between faults: enough steps to outlast them.
+    steps = args.steps or int(args.faults * args.interval * 60) + 600
     with tempfile.TemporaryDirectory(prefix="phalanx-chaos-") as tmp:
         work = Path(args.keep) if args.keep else Path(tmp)
         work.mkdir(parents=True, exist_ok=True)
