@@ -36,6 +36,7 @@ bench: install
 	$(BIN)/python bench/admission.py
 	$(BIN)/python bench/detect.py
 	$(BIN)/python bench/recovery.py
+	$(BIN)/python bench/chaos.py
 
 wire-doc: install
 	$(BIN)/python -m phalanx.schemas.reference > docs/wire.md
