@@ -14,6 +14,10 @@ PURE_MODULES = [
     "phalanx.schemas.subjects",
     "phalanx.services.registry.core",
     "phalanx.services.agent.core",
+    "phalanx.services.admission.core",
+    "phalanx.services.admission.policy",
+    "phalanx.services.elasticity.core",
+    "phalanx.services.health.core",
 ]
 
 
