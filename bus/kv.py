@@ -5,6 +5,13 @@ with the same validation as a bus message. :meth:`TypedKV.modify` is the
 read-modify-write loop services use for shared state: it retries when another
 writer got there first, so two instances can never both apply a change
 computed from the same old value.
+
+A stored value that does not decode is a *bad message*, counted in
+:attr:`TypedKV.counters` and logged. Reads raise :class:`WireError` for it,
+watches skip it, and writers that compute from the current value
+(:meth:`TypedKV.current`, :meth:`TypedKV.modify`) treat it as absent and
+replace it at its revision: garbage under a key must never wedge its writer
+(an agent's heartbeat, a leader's lease or cursor) for good.
 """
 
 from __future__ import annotations
@@ -21,7 +28,7 @@ from nats.js import JetStreamContext
 from nats.js.api import KeyValueConfig, StorageType
 from nats.js.kv import KeyValue
 
-from phalanx.bus.client import raise_if_cancelled
+from phalanx.bus.client import Counters, raise_if_cancelled
 from phalanx.bus.errors import Conflict
 from phalanx.schemas.codec import decode, encode
 from phalanx.schemas.errors import WireError
@@ -54,6 +61,7 @@ class TypedKV(Generic[M]):
         self.kv = kv
         self.bucket = bucket
         self.message_type = message_type
+        self.counters = Counters()
 
     @classmethod
     async def open(cls, js: JetStreamContext, bucket: str, message_type: type[M], *,
@@ -67,7 +75,12 @@ class TypedKV(Generic[M]):
         return cls(kv, bucket, message_type)
 
     def _decode(self, key: str, data: bytes | None) -> M:
-        return decode(data or b"", self.message_type, subject=f"kv {self.bucket}/{key}")
+        try:
+            return decode(data or b"", self.message_type, subject=f"kv {self.bucket}/{key}")
+        except WireError as exc:
+            self.counters.bad_messages += 1
+            self.counters.last_error = str(exc)
+            raise
 
     async def get(self, key: str) -> Entry[M] | None:
         """The current entry, or ``None`` if the key is absent or deleted.
@@ -80,6 +93,23 @@ class TypedKV(Generic[M]):
         except jse.KeyNotFoundError:
             return None
         return Entry(key, self._decode(key, raw.value), raw.revision or 0)
+
+    async def current(self, key: str) -> tuple[M | None, int]:
+        """The value to compute a compare-and-swap from, and the revision to swap at.
+
+        ``(None, 0)`` when the key is absent or deleted (so: create). A value that does
+        not decode counts as absent but keeps its revision, so the next
+        :meth:`update` replaces it (counted and logged here).
+        """
+        try:
+            raw = await self.kv.get(key)
+        except jse.KeyNotFoundError:
+            return None, 0
+        try:
+            return self._decode(key, raw.value), raw.revision or 0
+        except WireError as exc:
+            log.warning("replacing an undecodable KV entry: %s", exc)
+            return None, raw.revision or 0
 
     async def put(self, key: str, value: M) -> int:
         """Store ``value`` unconditionally; returns the new revision."""
@@ -119,20 +149,18 @@ class TypedKV(Generic[M]):
                      attempts: int = 16) -> Entry[M]:
         """Apply ``change`` to the current value with compare-and-swap, retrying on conflict.
 
-        ``change`` gets ``None`` when the key is absent and must be pure: it
-        may run several times.
+        ``change`` gets ``None`` when the key is absent (or its value does not decode,
+        see :meth:`current`) and must be pure: it may run several times.
 
         Raises:
             Conflict: still losing after ``attempts`` tries.
         """
         for _ in range(attempts):
-            current = await self.get(key)
-            new = change(current.value if current else None)
+            value, revision = await self.current(key)
+            new = change(value)
             try:
-                if current is None:
-                    revision = await self.create(key, new)
-                else:
-                    revision = await self.update(key, new, current.revision)
+                revision = await (self.update(key, new, revision) if revision
+                                  else self.create(key, new))
             except Conflict:
                 continue
             return Entry(key, new, revision)
@@ -178,36 +206,36 @@ class TypedKV(Generic[M]):
             await watcher.stop()
 
     async def follow(self, resync: asyncio.Event) -> AsyncIterator[Change[M] | None]:
-        """:meth:`watch`, started again whenever ``resync`` is set.
+        """Every current value, then ``None``, then every change; all again whenever
+        ``resync`` is set.
 
         Set ``resync`` after a reconnection: a watcher may have stalled or missed
-        changes while the server was away. Each pass yields every current value,
-        a deletion for each key that vanished since the last pass, then ``None``;
-        so a follower that treats changes as level-triggered state never misses one.
+        changes while the server was away. The current values come from
+        :meth:`entries` (exact), not from a watcher's first pass, which can end early
+        while the server is starting (seen right after a nats-server restart: an
+        empty first pass); changes come from a watcher, each key's only when newer
+        than what was yielded for it. Deletions are yielded only as the server
+        reports them, never inferred from a key's absence.
         """
-        known: set[str] = set()
+        yielded: dict[str, int] = {}  # key -> the revision last yielded
         while True:
             resync.clear()
             changes: asyncio.Queue[Change[M] | None] = asyncio.Queue()
-            pump = asyncio.create_task(self._pump(changes))
+            pump = asyncio.create_task(self._pump(changes))  # from before the read: no gap
             try:
-                seen: set[str] | None = set()
+                current, _ = await self.entries()
+                for entry in current:
+                    if entry.revision > yielded.get(entry.key, 0):
+                        yielded[entry.key] = entry.revision
+                        yield Change(entry.key, entry.value, entry.revision)
+                yield None
                 while True:
                     change = await _first(changes.get(), resync.wait())
                     if resync.is_set():
                         break
-                    if change is None and seen is not None:
-                        for key in sorted(known - seen):
-                            known.discard(key)
-                            yield Change(key, None, 0)
-                        seen = None  # the initial pass is over
-                    elif change is not None:
-                        if seen is not None:
-                            seen.add(change.key)
-                        if change.value is None:
-                            known.discard(change.key)
-                        else:
-                            known.add(change.key)
+                    if change is None or change.revision <= yielded.get(change.key, 0):
+                        continue  # the watcher's first pass, or older than what we have
+                    yielded[change.key] = change.revision
                     yield change
             finally:
                 pump.cancel()
