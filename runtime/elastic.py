@@ -619,6 +619,13 @@ class ElasticSession:
         if resume < 0:
             raise StateTransferError("no member holds a complete state: every copy was cut "
                                      "short (the checkpoint tier is needed to recover)")
+        if resume < generation.resume_step:
+            # Every replica that held the job's progress is gone: training again from an
+            # older step would redo committed steps (and from step 0, silently).
+            raise StateTransferError(
+                f"no member of generation {generation.generation} holds step "
+                f"{generation.resume_step}, which the job has reached (they hold up to "
+                f"{resume}): its state is lost (the checkpoint tier is needed to recover)")
         source = int((steps == resume).nonzero()[0].item())
         self._plan_repair(resume, retained, info)
         # Generation 0 also makes every replica start from rank 0's parameters, as DDP does.

@@ -94,6 +94,7 @@ def verify(records: dict[str, list[dict[str, Any]]], order: ElasticOrder,
                     problems.append(f"{replica} committed step {line['step']} after "
                                     f"{expected - 1}: the step counter repeated or skipped")
                 expected = line["step"] + 1
+    problems += _redone(records)
     kept = {s.step: s.generation for s in timeline(records)}
     missing = sorted(set(range(total_steps)) - set(kept))
     if missing:
@@ -116,6 +117,28 @@ def verify(records: dict[str, list[dict[str, Any]]], order: ElasticOrder,
         complete = (epoch + 1) * order.steps_per_epoch <= total_steps
         if complete and sorted(used) != list(range(order.dataset_size)):
             problems.append(f"epoch {epoch} did not use every sample exactly once")
+    return problems
+
+
+def _redone(records: dict[str, list[dict[str, Any]]]) -> list[str]:
+    """Steps a generation trained again although some replica had committed a later step
+    before it started. (The step in flight is exempt: a rank that died right after its
+    own commit of it took that commit along, and the survivors run it again.)"""
+    commits = sorted((line["t"], line["step"], line["generation"])
+                     for lines in records.values() for line in lines
+                     if line["kind"] == "commit")
+    started: dict[int, float] = {}
+    for t, _, generation in commits:
+        started.setdefault(generation, t)
+    problems = []
+    for generation, t0 in sorted(started.items(), key=lambda item: item[1]):
+        before = max((step for t, step, g in commits if t < t0 and g != generation),
+                     default=-1)
+        again = sorted({step for _, step, g in commits if g == generation and step < before})
+        if again:
+            problems.append(f"generation {generation} trained {len(again)} step(s) again "
+                            f"that were committed before it started (first {again[:5]}, the "
+                            f"job had reached step {before})")
     return problems
 
 

@@ -41,10 +41,12 @@ to resume at, and why it changed (start, fault, join). A job runs in *slots*
 * **Completion.** When a member exits 0 the training is over: replicas
   still starting or waiting to join are stopped, and nothing is launched or
   published for the job any more.
-* **Resume step.** The highest step a surviving member reported committed;
-  the members agree on the exact value when they apply the generation (a
-  report can lag behind a commit), and members behind it copy state from a
-  peer that has it.
+* **Resume step.** The highest step a surviving member reported committed,
+  and never less than the highest any member ever reported (every member
+  that applied a generation holds that far); the members agree on the exact
+  value when they apply the generation (a report can lag behind a commit),
+  members behind it copy state from a peer that has it, and if none has it
+  they refuse the generation instead of training again from scratch.
 
 Events carry the ``event_id`` of what caused them; decisions carry it as
 ``cause``. ``now`` is passed in; the core reads no clock and does no I/O.
@@ -200,6 +202,7 @@ class JobMembership:
     waiting_since: float | None = None  # below min since
     complete: bool = False  # a member finished the training
     to_launch: list[LaunchReplacement] = dataclasses.field(default_factory=list)
+    high_water: int = 0  # the highest step any member ever reported committed
     managed: bool = False  # a replica reported ready: the job uses the runtime
     early_faults: list[MemberFailed] = dataclasses.field(default_factory=list)  # before that
 
@@ -278,6 +281,7 @@ class ElasticityCore:
                     job.applied.add(event.replica_id)
                     job.committed[event.replica_id] = max(
                         event.committed_step, job.committed.get(event.replica_id, 0))
+                    job.high_water = max(job.high_water, event.committed_step)
         decisions += self._advance(job, now, event.event_id)
         if job.to_launch and (job.current is None or not job.in_flight
                               or job.waiting_since is not None):
@@ -429,7 +433,10 @@ class ElasticityCore:
             job.replicas.pop(replica, None)
         for replica in joiners:
             job.ready.remove(replica)
-        resume = max((job.committed.get(r, 0) for r in survivors), default=0)
+        # Every member that applied a generation holds at least the high-water mark, so a
+        # generation whose members cannot provide it has lost the job's state: the runtime
+        # refuses it rather than train from scratch (the checkpoint tier's case).
+        resume = max([job.committed.get(r, 0) for r in survivors] + [job.high_water])
         number = 0 if job.current is None else job.current.generation + 1
         members = [job.replicas[r] for r in survivors + joiners]
         job.current = Generation(

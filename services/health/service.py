@@ -45,8 +45,10 @@ import os
 import socket
 import time
 import uuid
+from collections.abc import Awaitable, Callable
 
 import msgspec
+from opentelemetry import context as otel_context
 
 from phalanx.bus import telemetry
 from phalanx.bus.config import BusConfig
@@ -91,6 +93,12 @@ class Term:
     turn: asyncio.Lock = dataclasses.field(default_factory=asyncio.Lock)
     rearm: asyncio.Event = dataclasses.field(default_factory=asyncio.Event)
     resumed_at: float = 0.0  # the last WatchResumed: timeouts are judged only after it
+    # What the core decided, carried out in order by one task: a slow write (a fault
+    # retried through an outage) never holds up the intake of progress and heartbeats,
+    # whose late handling would look like silence.
+    outbox: asyncio.Queue[Callable[[], Awaitable[None]]] = dataclasses.field(
+        default_factory=asyncio.Queue)
+    handled: int = 0  # the last stream event handled (its effects are in the outbox)
 
 
 class HealthService(Service):
@@ -184,6 +192,7 @@ class HealthService(Service):
                 tasks.create_task(self._follow_events(term, term.reader))
                 tasks.create_task(self._timer(term))
                 tasks.create_task(self._cursor(term))
+                tasks.create_task(self._carry_out(term))
         finally:
             self.term = None
             for sub in subscriptions:
@@ -215,19 +224,24 @@ class HealthService(Service):
                                                    msg.exit_code, msg.signal, msg.cause.value,
                                                    msg.replica_id)
                     await self._handle(term, happened, event.seq)
+                    term.handled = event.seq
 
     async def _cursor(self, term: Term) -> None:
         while not await self.sleep_or_stop(CURSOR_EVERY_S):
-            if term.reader is not None:
-                async with term.turn:
-                    await term.store.advance(term.reader.delivered)
+            seq = term.handled  # stored after what those events decided is carried out
+            term.outbox.put_nowait(lambda seq=seq: term.store.advance(seq))
+
+    async def _carry_out(self, term: Term) -> None:
+        while True:
+            work = await term.outbox.get()
+            await work()
 
     # --- events in ----------------------------------------------------------------------
 
     async def _handle(self, term: Term, event: core.Event, seq: int | None = None) -> None:
-        """Apply ``event``, carry out the decisions, store what changed for a successor."""
+        """Apply ``event``; queue its decisions and the snapshots of jobs it changed."""
         decisions = term.core.handle(event, time.time())
-        await self._execute(decisions)
+        self._decided(term, decisions)
         changed = term.core.take_changed()
         if seq is not None:
             changed.add(event.job_id)  # type: ignore[union-attr]
@@ -235,12 +249,26 @@ class HealthService(Service):
             stored_seq = term.store.seq_of(job_id, seq)
             job = term.core.jobs.get(job_id)
             if job is None:
-                await term.store.forget(job_id)
+                term.outbox.put_nowait(lambda job_id=job_id: term.store.forget(job_id))
             else:
-                await term.store.store(job_id, JobSnapshot(
-                    job_id=job_id, seq=stored_seq, format=SNAPSHOT_FORMAT,
-                    state=core.snapshot(job)))
+                snapshot = JobSnapshot(job_id=job_id, seq=stored_seq, format=SNAPSHOT_FORMAT,
+                                       state=core.snapshot(job))
+                term.outbox.put_nowait(
+                    lambda job_id=job_id, snapshot=snapshot: term.store.store(job_id, snapshot))
         term.rearm.set()  # the next deadline may have moved
+
+    def _decided(self, term: Term, decisions: list[core.Decision]) -> None:
+        if decisions:
+            context = otel_context.get_current()  # the span of what caused them
+
+            async def carry_out() -> None:
+                token = otel_context.attach(context)
+                try:
+                    await self._execute(decisions)
+                finally:
+                    otel_context.detach(token)
+
+            term.outbox.put_nowait(carry_out)
 
     async def _record(self, term: Term, change: Change[JobRecord]) -> None:
         record = change.value
@@ -287,7 +315,7 @@ class HealthService(Service):
             async with term.turn:
                 if self._seeing(term):
                     with telemetry.tracer().start_as_current_span("detect timeouts"):
-                        await self._execute(term.core.tick(time.time()))
+                        self._decided(term, term.core.tick(time.time()))
 
     # --- decisions out ------------------------------------------------------------------
 

@@ -86,3 +86,15 @@ def test_a_downtime_ends_where_the_next_event_starts() -> None:
              for i, t in enumerate([0.0, 1.0, 2.0, 3.0, 4.5, 5.5, 9.0, 10.0])]
     assert record.downtime(steps, at=3.2, until=8.0) == (1.5, 1.0)
     assert record.downtime(steps, at=3.2) == (3.5, 1.0)  # the 3.5 s gap of the next event
+
+
+def test_a_generation_that_starts_over_after_every_holder_of_the_state_died_is_named() -> None:
+    """What the chaos benchmark once produced: every replica holding the job's progress was
+    stopped, and new replicas trained from step 0 again; each step looks fine on its own."""
+    records = run([2, 2, 2, 2])
+    again = run([2, 2, 2, 2], [1, 1, 1, 1])
+    for replica, lines in again.items():
+        records[replica.replace("-0", "-1")] = [{**x, "t": x.get("t", 0) + 50} for x in lines]
+    problems = record.verify(records, ORDER, 4)
+    assert any("generation 1 trained 3 step(s) again" in p and "reached step 3" in p
+               for p in problems), problems
