@@ -1,7 +1,11 @@
 """Step progress from inside a rank, for health's hang and straggler rules.
 
 Reports go out through a :class:`~phalanx.runtime.bus_thread.BusThread`, so
-:meth:`ProgressReporter.report` never blocks a step. If the bus is
+:meth:`ProgressReporter.report` never blocks a step. At most one goes out per
+``min_interval_s`` (0.1 s; a final report always goes): a small model steps
+hundreds of times a second, and a report per step only loaded health, which
+then fell behind and judged ranks hung on progress still in its queue (seen in
+the chaos benchmark at 4 ms steps). A hang timeout of seconds needs no more. If the bus is
 unreachable, reports are dropped and counted while the client reconnects;
 training never waits for the bus.
 
@@ -31,12 +35,16 @@ class ProgressReporter:
         replica_id: the replica in that slot.
         generation: the membership generation the rank trains in.
         bus: an already started :class:`BusThread` to share.
+        min_interval_s: reports closer together than this are skipped (not final ones).
     """
 
     def __init__(self, bus_config: BusConfig | None, job_id: str, rank: int, *,
                  replica_id: str | None = None, generation: int = 0,
-                 connect_timeout_s: float = 10.0, bus: BusThread | None = None) -> None:
+                 connect_timeout_s: float = 10.0, bus: BusThread | None = None,
+                 min_interval_s: float = 0.1) -> None:
         self.job_id = job_id
+        self.min_interval_s = min_interval_s
+        self._last_sent = float("-inf")
         self.rank = rank
         self.replica_id = replica_id or f"r{rank}-0"
         self.generation = generation
@@ -79,6 +87,10 @@ class ProgressReporter:
         ``final``: it was the last step; health does not judge the rank's silence
         while it exits.
         """
+        now = time.monotonic()
+        if not final and now - self._last_sent < self.min_interval_s:
+            return
+        self._last_sent = now
         self.bus.publish(self.subject, RankProgress(
             job_id=self.job_id, rank=self.rank, replica_id=self.replica_id,
             generation=self.generation, step=step, step_time_s=max(0.0, step_time_s),

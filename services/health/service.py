@@ -24,8 +24,12 @@ reporting rank from the takeover on.
 **Blindness is not evidence.** While the bus connection is down the timer does
 not judge; after a reconnection, and at the start of a term, every node and
 rank gets a full timeout (:class:`~.core.WatchResumed`), since the silence
-may have been this instance's, not theirs. A cordon counts only faults seen
-within one term: a new leader starts a fresh window.
+may have been this instance's, not theirs. Nor is a backlog: when a timeout
+falls due while progress or heartbeats wait unhandled in its subscriptions,
+they are handled first (for up to ``UNREAD_GRACE_S``), and what the core
+decides is carried out by one task from an outbox, so a slow write never holds
+up the intake. A cordon counts only faults seen within one term: a new leader
+starts a fresh window.
 
 Time-based rules (hangs, lost nodes) run when they are due: the timer sleeps
 exactly until :meth:`HealthCore.next_deadline` and is woken whenever an
@@ -48,6 +52,7 @@ import uuid
 from collections.abc import Awaitable, Callable
 
 import msgspec
+from nats.aio.subscription import Subscription
 from opentelemetry import context as otel_context
 
 from phalanx.bus import telemetry
@@ -80,6 +85,9 @@ log = logging.getLogger("phalanx.health")
 LEASE_KEY = "health"
 SNAPSHOT_FORMAT = 1
 CURSOR_EVERY_S = 1.0
+# A timeout falls due while reports wait unhandled: they are handled first, for at most this
+# long (a detector that stays behind still judges, only later).
+UNREAD_GRACE_S = 1.0
 
 
 @dataclasses.dataclass
@@ -99,6 +107,7 @@ class Term:
     outbox: asyncio.Queue[Callable[[], Awaitable[None]]] = dataclasses.field(
         default_factory=asyncio.Queue)
     handled: int = 0  # the last stream event handled (its effects are in the outbox)
+    subscriptions: list[Subscription] = dataclasses.field(default_factory=list)
 
 
 class HealthService(Service):
@@ -159,7 +168,7 @@ class HealthService(Service):
                     JobStateStore(self.snapshots, self.cursors, LEASE_KEY))
         self.term = term
         records = aiter(self.jobs.follow(self.bus.resync_event()))
-        subscriptions = []
+        subscriptions = term.subscriptions
         try:
             now = time.time()
             for entry in await term.store.load():
@@ -294,6 +303,11 @@ class HealthService(Service):
             async with term.turn:
                 await self._handle(term, core.NodeUncordoned(msg.node_id))
 
+    @staticmethod
+    def _unread(term: Term) -> bool:
+        """Progress or heartbeats received but not yet handled (health is behind)."""
+        return any(sub.pending_msgs for sub in term.subscriptions)
+
     def _seeing(self, term: Term) -> bool:
         """Connected, and resumed since the connection came up: silence means something."""
         assert self.bus is not None
@@ -312,6 +326,9 @@ class HealthService(Service):
                     await asyncio.wait_for(term.rearm.wait(), delay or 0.5)
                 if deadline is None or time.time() < deadline or not self._seeing(term):
                     continue  # woken early, or blind: recompute
+            if self._unread(term) and time.time() < deadline + UNREAD_GRACE_S:
+                await asyncio.sleep(0.01)  # reports may be waiting in the queue: read first
+                continue
             async with term.turn:
                 if self._seeing(term):
                     with telemetry.tracer().start_as_current_span("detect timeouts"):
