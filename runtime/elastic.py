@@ -410,7 +410,8 @@ class ElasticSession:
             raise Aborted(str(exc)) from None
 
     def _heartbeat(self) -> None:
-        """Progress while waiting: a rank waiting for its peers is not hung."""
+        """Progress while waiting: a rank waiting for its peers is not hung (in collectives,
+        rendezvous and store calls alike; the reporter sends at most one per 0.1 s)."""
         if self._progress is not None and self.generation is not None:
             self._progress.report(max(self.committed, 0), self.last_step_s)
 
@@ -562,6 +563,7 @@ class ElasticSession:
         self._abortable(generation, lambda: prefixed.add("arrived", 1))
         while int(self._abortable(generation, lambda: prefixed.add("arrived", 0))) \
                 < generation.world_size:
+            self._heartbeat()  # waiting for a slow member is not a hang (rate-limited)
             self._wake.wait(0.002)
             self._wake.clear()
         return self._abortable(generation, lambda: dist.ProcessGroupGloo(
@@ -587,6 +589,7 @@ class ElasticSession:
                 raise Aborted(f"generation {generation.generation} was superseded")
             if self.generation is None and self._inbox.finished_step >= self._total_steps:
                 raise Aborted("the job finished before this replica joined")
+            self._heartbeat()  # a store or gloo connect that waits on a peer is not a hang
             self._wake.wait(0.05)
             self._wake.clear()
         if isinstance(outcome[0], Exception):
