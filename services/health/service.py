@@ -269,11 +269,12 @@ class HealthService(Service):
     def _decided(self, term: Term, decisions: list[core.Decision]) -> None:
         if decisions:
             context = otel_context.get_current()  # the span of what caused them
+            decided_at = time.time()  # a fault's detected_at, however late it goes out
 
             async def carry_out() -> None:
                 token = otel_context.attach(context)
                 try:
-                    await self._execute(decisions)
+                    await self._execute(decisions, decided_at)
                 finally:
                     otel_context.detach(token)
 
@@ -336,9 +337,8 @@ class HealthService(Service):
 
     # --- decisions out ------------------------------------------------------------------
 
-    async def _execute(self, decisions: list[core.Decision]) -> None:
+    async def _execute(self, decisions: list[core.Decision], now: float) -> None:
         assert self.bus is not None
-        now = time.time()
         for decision in decisions:
             match decision:
                 case core.RaiseFault():
