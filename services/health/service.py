@@ -24,9 +24,10 @@ reporting rank from the takeover on.
 **Blindness is not evidence.** While the bus connection is down the timer does
 not judge; after a reconnection, and at the start of a term, every node and
 rank gets a full timeout (:class:`~.core.WatchResumed`), since the silence
-may have been this instance's, not theirs. Nor is a backlog: when a timeout
-falls due while progress or heartbeats wait unhandled in its subscriptions,
-they are handled first (for up to ``UNREAD_GRACE_S``), and what the core
+may have been this instance's, not theirs. Nor is a backlog: before a due
+timeout is judged, a round trip to the server brings every report it already
+sent into the subscriptions' queues, and those are handled first (for up to
+``UNREAD_GRACE_S``), and what the core
 decides is carried out by one task from an outbox, so a slow write never holds
 up the intake. A cordon counts only faults seen within one term: a new leader
 starts a fresh window.
@@ -52,6 +53,7 @@ import uuid
 from collections.abc import Awaitable, Callable
 
 import msgspec
+import nats.errors
 from nats.aio.subscription import Subscription
 from opentelemetry import context as otel_context
 
@@ -304,6 +306,14 @@ class HealthService(Service):
             async with term.turn:
                 await self._handle(term, core.NodeUncordoned(msg.node_id))
 
+    async def _flushed(self) -> bool:
+        assert self.bus is not None
+        try:
+            await self.bus.nc.flush(timeout=1)
+        except (nats.errors.Error, TimeoutError):
+            return False
+        return True
+
     @staticmethod
     def _unread(term: Term) -> bool:
         """Progress or heartbeats received but not yet handled (health is behind)."""
@@ -327,8 +337,12 @@ class HealthService(Service):
                     await asyncio.wait_for(term.rearm.wait(), delay or 0.5)
                 if deadline is None or time.time() < deadline or not self._seeing(term):
                     continue  # woken early, or blind: recompute
-            if self._unread(term) and time.time() < deadline + UNREAD_GRACE_S:
-                await asyncio.sleep(0.01)  # reports may be waiting in the queue: read first
+            # Read all mail before judging silence: a round trip to the server puts every
+            # report it already sent us into the subscriptions' queues (a starved process
+            # has them unread in its socket), and those are handled first.
+            if time.time() < deadline + UNREAD_GRACE_S \
+                    and (not await self._flushed() or self._unread(term)):
+                await asyncio.sleep(0.01)
                 continue
             async with term.turn:
                 if self._seeing(term):
