@@ -38,10 +38,11 @@ and the nodes that send heartbeats, and turns what it hears into faults:
    ``cordon_faults`` times within ``cordon_window_s`` is cordoned (once),
    until it is uncordoned, which also forgets its faults.
 
-7. **Blindness.** While the detector cannot hear (its bus connection was down,
-   or it has just taken over), silence proves nothing: :class:`WatchResumed`
-   gives every node and every reporting rank a full timeout from that moment,
-   and timeouts that fell due while it was blind are not judged.
+7. **Blindness.** While the detector cannot hear (between :class:`WatchLost`
+   and :class:`WatchResumed`: its bus connection is down) it judges no
+   timeout, even when it is still handed events; :class:`WatchResumed` (also at
+   a takeover) gives every node and every reporting rank a full timeout from
+   that moment, so timeouts that fell due while it was blind are never judged.
 
 Faults name the rank's node: the one it was started on, else its placement
 (a crash: the node that reported it), and the replica that runs in the slot
@@ -193,15 +194,21 @@ class NodeUncordoned:
 
 
 @dataclasses.dataclass(frozen=True)
+class WatchLost:
+    """The detector cannot hear (its bus connection is down): until :class:`WatchResumed`
+    it judges no timeout, whatever events it is still handed."""
+
+
+@dataclasses.dataclass(frozen=True)
 class WatchResumed:
     """The detector was blind until the ``now`` passed with it (disconnected, or just
     taken over): silence until then proves nothing."""
 
 
 Event = (JobWatched | JobEnded | RankStarted | RankExited | ProgressReported | NodeHeartbeat
-         | NodeUncordoned | WatchResumed)
+         | NodeUncordoned | WatchLost | WatchResumed)
 _EVENTS = (JobWatched, JobEnded, RankStarted, RankExited, ProgressReported, NodeHeartbeat,
-           NodeUncordoned, WatchResumed)
+           NodeUncordoned, WatchLost, WatchResumed)
 
 
 # --- decisions -----------------------------------------------------------------------------
@@ -322,6 +329,7 @@ class HealthCore:
         self._heap: list[tuple[float, tuple[int, str, int], int, RankHealth | NodeHealth]] = []
         self._seq = 0
         self._changed: set[str] = set()  # jobs whose lasting part changed since taken
+        self.blind = False  # between WatchLost and WatchResumed: no timeout is judged
 
     # --- entry points -------------------------------------------------------------------
 
@@ -334,7 +342,11 @@ class HealthCore:
         if not isinstance(event, _EVENTS):
             raise TypeError(f"unknown event {event!r}")
         now = self._advance(now)
+        if isinstance(event, WatchLost):
+            self.blind = True
+            return []
         if isinstance(event, WatchResumed):
+            self.blind = False
             self._resumed(now)  # before anything falls due: the silence proves nothing
             return []
         decisions = self._due(now)
@@ -570,6 +582,8 @@ class HealthCore:
 
     def _due(self, now: float) -> list[Decision]:
         decisions: list[Decision] = []
+        if self.blind:
+            return decisions
         while (entry := self._peek()) is not None and entry[0] < now:
             at, _, _, item = heapq.heappop(self._heap)
             item.queued = False
@@ -675,7 +689,8 @@ class HealthCore:
         deadline = self._deadline(item)
         if deadline is not None:
             assert item.queued, f"{item!r} is judged but has no deadline queued"
-            assert deadline >= self.now, f"{item!r} is overdue ({deadline} < {self.now})"
+            assert self.blind or deadline >= self.now, \
+                f"{item!r} is overdue ({deadline} < {self.now})"
 
 
 # --- snapshots -----------------------------------------------------------------------------

@@ -251,6 +251,10 @@ class HealthService(Service):
 
     async def _handle(self, term: Term, event: core.Event, seq: int | None = None) -> None:
         """Apply ``event``; queue its decisions and the snapshots of jobs it changed."""
+        if not self._seeing(term) and not isinstance(event, core.WatchResumed):
+            # Events still arrive (queued before a disconnection, or right after a
+            # reconnection before the resumption): none may judge a timeout meanwhile.
+            term.core.handle(core.WatchLost(), time.time())
         decisions = term.core.handle(event, time.time())
         self._decided(term, decisions)
         changed = term.core.take_changed()

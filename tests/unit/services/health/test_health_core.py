@@ -30,6 +30,7 @@ from phalanx.services.health.core import (
     RankExited,
     RankStarted,
     SnapshotError,
+    WatchLost,
     WatchResumed,
     snapshot,
 )
@@ -803,3 +804,16 @@ def test_a_restored_job_keeps_exits_and_replicas_and_judges_reporting_ranks_afre
     assert other.take_changed() == {"j"} and "j" not in other.jobs
     with pytest.raises(SnapshotError, match="not a health job snapshot"):
         other.restore(b"\x01", T0)
+
+
+def test_while_blind_no_event_judges_a_timeout() -> None:
+    """Events handled between WatchLost and WatchResumed (a report queued before the
+    disconnection) never decide a timeout that fell due meanwhile."""
+    core = make(("n0",), hang=2.0, node_timeout_s=3.0)
+    run(core, T0, NodeHeartbeat("n0"), ProgressReported("j", 0, 1, 0.5))
+    assert run(core, T0 + 0.5, WatchLost()) == []
+    assert run(core, T0 + 5, ProgressReported("j", 0, 2, 0.5)) == []  # late, but not judged
+    assert core.tick(T0 + 9) == []
+    assert run(core, T0 + 10, WatchResumed()) == []
+    assert tick(core, T0 + 11.9) == []
+    assert [d.kind for d in tick(core, after(T0 + 12))] == [HANG]
