@@ -7,7 +7,8 @@ and the nodes that send heartbeats, and turns what it hears into faults:
    ended by a signal, crashed: a crash fault at once, saying which. Exits the
    agent caused (cause ``stopped``: cancel, preemption, eviction) are not
    faults. A rank found dead by a restarted agent (cause ``lost``, status
-   unknown) is a crash too. An exit reported from a node other than the
+   unknown) is a crash too, unless its last report said it was its final
+   step (then it finished). An exit reported from a node other than the
    rank's is a leftover of an earlier placement and is ignored.
 2. **Finish.** A rank that exits with code 0 and no signal is done; when some
    rank of the job is done and none is still running — the others are done,
@@ -458,7 +459,10 @@ class HealthCore:
         if event.cause == "stopped":
             rank.exit = RankExit.STOPPED
             return self._finish_if_done(rank.job)
-        if event.exit_code == 0 and event.signal is None:
+        if (event.exit_code == 0 and event.signal is None) \
+                or (event.cause == "lost" and rank.done):
+            # A rank adopted by a restarted agent exits with an unknown status; if its last
+            # report said it was its final step, it finished (not a crash).
             rank.exit = RankExit.DONE
             return self._finish_if_done(rank.job)
         rank.exit = RankExit.CRASHED

@@ -817,3 +817,15 @@ def test_while_blind_no_event_judges_a_timeout() -> None:
     assert run(core, T0 + 10, WatchResumed()) == []
     assert tick(core, T0 + 11.9) == []
     assert [d.kind for d in tick(core, after(T0 + 12))] == [HANG]
+
+
+def test_a_lost_exit_after_the_final_report_is_a_finish_not_a_crash() -> None:
+    """An agent restarted while its ranks ran adopts them and cannot see their exit
+    status: a rank that had reported its final step finished (seen in the chaos run)."""
+    core = make(("n0", "n1"))
+    run(core, T0, ProgressReported("j", 0, 9, 0.1, final=True),
+        ProgressReported("j", 1, 8, 0.1))
+    assert run(core, T0 + 1, RankExited("j", 0, "n0", None, None, "lost")) == []
+    fault, finished = run(core, T0 + 1, RankExited("j", 1, "n1", None, None, "lost"))
+    assert (fault.kind, fault.rank) == (CRASH, 1)  # rank 1 never said it was done
+    assert finished == FinishJob("j")  # rank 0 finished and nothing runs any more
