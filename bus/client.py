@@ -12,12 +12,14 @@ task, so one bad peer cannot take a service down.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
+import re
 import ssl
 import time
 import weakref
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from typing import Any, TypeVar
 
 import nats
@@ -31,6 +33,7 @@ from phalanx.bus.config import BusConfig
 from phalanx.bus.errors import (
     BusUnavailable,
     NoResponders,
+    PermissionDenied,
     RemoteError,
     RequestRefused,
     RequestTimeout,
@@ -45,6 +48,9 @@ M = TypeVar("M", bound=Message)
 ERROR_CODE_HEADER = "Nats-Service-Error-Code"
 ERROR_HEADER = "Nats-Service-Error"
 DEFAULT_REQUEST_TIMEOUT_S = 2.0
+# How nats-server words a refused publish or subscription (sent as -ERR, connection kept).
+_DENIAL = re.compile(r'permissions violation for (publish|subscription) to "([^"]+)"',
+                     re.IGNORECASE)
 
 
 def raise_if_cancelled() -> None:
@@ -92,6 +98,8 @@ class Counters:
     bad_messages: int = 0
     handler_errors: int = 0
     last_error: str = ""
+    denials: int = 0
+    """Publishes and subscriptions the server refused this identity (permissions)."""
 
 
 async def process(delivery: Delivery, data: bytes, message_type: type[M], handler: Handler[M],
@@ -140,6 +148,7 @@ class Bus:
         self.connected_since: float | None = time.time()
         self._on_reconnect: list[Callable[[], Awaitable[None]]] = []
         self._resyncs: weakref.WeakSet[asyncio.Event] = weakref.WeakSet()
+        self._refusal_waiters: dict[tuple[str, str], set[asyncio.Future[None]]] = {}
 
     @property
     def connected(self) -> bool:
@@ -161,6 +170,58 @@ class Bus:
         event = asyncio.Event()
         self._resyncs.add(event)
         return event
+
+    def _denied(self, error: str) -> None:
+        """The server refused a publish or subscription: count it, say so, and set the
+        futures waiting for that refusal (:meth:`refusal`)."""
+        self.counters.denials += 1
+        self.counters.last_error = error
+        log.warning("the bus refused: %s", error)
+        if (match := _DENIAL.search(error)) is not None:
+            for waiter in self._refusal_waiters.get((match[1].lower(), match[2].lower()), ()):
+                if not waiter.done():
+                    waiter.set_result(None)
+
+    @contextlib.contextmanager
+    def refusal(self, subject: str, what: str = "publish") -> Iterator[asyncio.Future[None]]:
+        """A future that is set if the server refuses this identity ``what`` (``publish``
+        or ``subscription``) on ``subject`` while the block runs.
+
+        The server reports a refusal asynchronously (an ``-ERR``, possibly after later
+        replies), so this is how to learn of one for sure.
+        """
+        # nats-py lowercases the server's error, subject included.
+        key = (what, subject.lower())
+        refused: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        waiters = self._refusal_waiters.setdefault(key, set())
+        waiters.add(refused)
+        try:
+            yield refused
+        finally:
+            waiters.discard(refused)
+            if not waiters:
+                self._refusal_waiters.pop(key, None)
+
+    async def _unless_denied(self, request: Awaitable[Msg], subject: str) -> Msg:
+        """Await ``request`` unless the server refuses the publish to ``subject`` first
+        (it answers a refused request with an error, never a reply: without this, the
+        caller would wait for its whole timeout, and retry).
+
+        Raises:
+            PermissionDenied: this identity may not publish to ``subject``.
+        """
+        with self.refusal(subject) as refused:
+            task = asyncio.ensure_future(request)
+            try:
+                await asyncio.wait({task, refused}, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                if not task.done():
+                    task.cancel()
+                    with contextlib.suppress(asyncio.CancelledError):
+                        await task
+        if task.done() and not task.cancelled():
+            return task.result()
+        raise PermissionDenied(subject)
 
     def _disconnected(self) -> None:
         self.connected_since = None
@@ -189,6 +250,9 @@ class Bus:
         last_error: list[BaseException] = []
 
         async def on_error(exc: Exception) -> None:
+            if _DENIAL.search(str(exc)) is not None and bus:
+                bus[0]._denied(str(exc))
+                return
             last_error.append(exc)
             log.debug("nats error: %r", exc)
 
@@ -214,6 +278,7 @@ class Bus:
             reconnect_time_wait=config.reconnect_wait_s, max_reconnect_attempts=-1,
             user=config.user, password=config.password, token=config.token,
             user_credentials=config.creds_file, nkeys_seed=config.nkey_seed_file,
+            inbox_prefix=config.inbox_prefix,
         )
         if config.uses_tls:
             context = ssl.create_default_context(cafile=config.tls_ca_file)
@@ -294,6 +359,7 @@ class Bus:
         Raises:
             RequestTimeout: no reply within the timeout.
             NoResponders: nobody listens on ``subject``.
+            PermissionDenied: the server refused this identity the publish to ``subject``.
             RemoteError: the responder answered with a service error.
             WireError: the reply is not a valid ``reply_type``.
         """
@@ -301,8 +367,9 @@ class Bus:
         data = encode(message)
         with telemetry.producer_span(subject, len(data), request=True):
             try:
-                reply = await self.nc.request(subject, data, timeout=timeout_s,
-                                              headers=telemetry.inject())
+                reply = await self._unless_denied(
+                    self.nc.request(subject, data, timeout=timeout_s, headers=telemetry.inject()),
+                    subject)
             except nats.errors.NoRespondersError:
                 raise NoResponders(f"no service listens on {subject}") from None
             except nats.errors.TimeoutError:

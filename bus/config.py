@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import re
 import tomllib
 from collections.abc import Mapping
 from pathlib import Path
@@ -21,6 +22,7 @@ from typing import Any
 from phalanx.schemas.errors import ConfigError
 
 DEFAULT_URL = "nats://127.0.0.1:4222"
+_SUBJECT_PREFIX = re.compile(r"[A-Za-z0-9_\-]+(\.[A-Za-z0-9_\-]+)*")
 
 # field name -> environment variable
 _ENV = {
@@ -34,7 +36,12 @@ _ENV = {
     "tls_cert_file": "PHALANX_NATS_CERT",
     "tls_key_file": "PHALANX_NATS_KEY",
     "connect_timeout_s": "PHALANX_NATS_CONNECT_TIMEOUT_S",
+    "inbox_prefix": "PHALANX_NATS_INBOX_PREFIX",
 }
+#: The variables that say who a process is on the bus (not where the bus is).
+CREDENTIAL_VARS = frozenset(_ENV[f] for f in (
+    "user", "password", "token", "nkey_seed_file", "creds_file", "tls_cert_file",
+    "tls_key_file", "inbox_prefix"))
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -61,12 +68,15 @@ class BusConfig:
     """How long the first connection may take before :class:`BusUnavailable` is raised."""
     reconnect_wait_s: float = 0.25
     """Pause between reconnect attempts after a connection was lost (reconnects never stop)."""
+    inbox_prefix: str = "_INBOX"
+    """Prefix of this connection's reply subjects. On a bus with permissions each identity
+    may subscribe only under its own (``_INBOX.<identity>``), so none reads another's."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.servers, tuple) or not all(isinstance(s, str) for s in self.servers):
             raise ConfigError(f"bus.servers must be a list of URL strings, got {self.servers!r}")
         for name in ("user", "password", "token", "nkey_seed_file", "creds_file", "tls_ca_file",
-                     "tls_cert_file", "tls_key_file"):
+                     "tls_cert_file", "tls_key_file", "inbox_prefix"):
             value = getattr(self, name)
             if value is not None and not isinstance(value, str):
                 raise ConfigError(f"bus.{name} must be a string, got {type(value).__name__}")
@@ -81,6 +91,9 @@ class BusConfig:
             path = getattr(self, name)
             if path is not None and not Path(path).is_file():
                 raise ConfigError(f"bus.{name}: no such file {path!r}")
+        if not _SUBJECT_PREFIX.fullmatch(self.inbox_prefix):
+            raise ConfigError(f"bus.inbox_prefix must be dot-separated tokens of letters, "
+                              f"digits, '-' and '_', got {self.inbox_prefix!r}")
         if not math.isfinite(self.connect_timeout_s) or self.connect_timeout_s <= 0:
             raise ConfigError(f"bus.connect_timeout_s must be > 0, got {self.connect_timeout_s}")
         if not math.isfinite(self.reconnect_wait_s) or self.reconnect_wait_s < 0:
@@ -124,6 +137,13 @@ class BusConfig:
                     raise ConfigError(
                         f"bus.{name} must be a number, got {values[name]!r}") from None
         return cls(**values)
+
+
+def with_identity(env: Mapping[str, str], identity: Mapping[str, str]) -> dict[str, str]:
+    """The environment for a child process that must connect as ``identity`` (its
+    ``PHALANX_NATS_*`` credential variables): every credential variable of ``env`` is
+    dropped first, so the child can never connect as its parent."""
+    return {**{k: v for k, v in env.items() if k not in CREDENTIAL_VARS}, **identity}
 
 
 def _read_file(path: Path) -> dict[str, Any]:

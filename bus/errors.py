@@ -47,3 +47,16 @@ class RequestRefused(PhalanxError, RuntimeError):
 
 class Conflict(PhalanxError, RuntimeError):
     """A KV compare-and-swap lost: the key changed (or exists) since it was read."""
+
+
+class PermissionDenied(PhalanxError, PermissionError):
+    """The server refused this identity a publish (or subscription) on ``subject``.
+
+    Attributes:
+        subject: what was refused.
+    """
+
+    def __init__(self, subject: str, what: str = "publish to") -> None:
+        self.subject = subject
+        super().__init__(f"the bus refused this identity permission to {what} {subject} "
+                         "(see docs/security.md for each role's permissions)")

@@ -49,7 +49,7 @@ from phalanx.schemas.messages import (
 
 log = logging.getLogger("phalanx.bus.stream")
 
-JOB_EVENTS = "PHALANX_JOB_EVENTS"
+JOB_EVENTS = subjects.JOB_EVENTS_STREAM
 #: The job event kinds the stream keeps, and the message each carries.
 KINDS: dict[str, type[Message]] = {
     "started": RankStarted, "exited": RankExited, "fault": Fault, "ready": ReplicaReady,

@@ -9,6 +9,7 @@ can never widen a subscription or reach the server's own ``$`` subjects.
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 
 from phalanx.schemas.errors import SubjectError
 
@@ -171,3 +172,70 @@ CURSORS_BUCKET = "phalanx_cursors"
 ELASTICITY_BUCKET = "phalanx_elasticity"
 #: JetStream KV bucket holding each watched job's health JobSnapshot (key = job id).
 HEALTH_BUCKET = "phalanx_health"
+#: JetStream stream keeping the job events that drive decisions (phalanx.bus.stream).
+JOB_EVENTS_STREAM = "PHALANX_JOB_EVENTS"
+
+
+_ANY = "ANY-ID-WILDCARD"  # a valid token no real id uses, replaced by "*"
+
+
+def any_id(builder: Callable[[str], str]) -> str:
+    """The wildcard form of a one-identifier builder: ``any_id(agent_chaos)`` is
+    ``phalanx.agent.*.chaos``, so a permission over every node is spelled by the same
+    function as one node's subject."""
+    return builder(_ANY).replace(_ANY, "*")
+
+
+def everything() -> str:
+    """Wildcard over every phalanx subject."""
+    return f"{PREFIX}.>"
+
+
+def agent_endpoints(node_id: str) -> str:
+    """Wildcard over the request endpoints of one node's agent (status, launch, stop, chaos)."""
+    return f"{PREFIX}.agent.{token(node_id, 'node id')}.*"
+
+
+# --- The server's own subjects, as far as permissions name them --------------------------
+# JetStream's API, KV records and the service API belong to nats-server; they are spelled
+# here too, so the permissions derived from them (phalanx.services.auth.roles) and the code
+# that uses them cannot drift apart.
+
+
+def inbox(identity: str) -> str:
+    """The reply-subject prefix of an identity's connection (``_INBOX.<identity>``): each
+    identity may subscribe only under its own, so none reads another's replies."""
+    return f"_INBOX.{token(identity, 'identity')}"
+
+
+def kv_stream(bucket: str) -> str:
+    """The JetStream stream behind KV bucket ``bucket``."""
+    return f"KV_{token(bucket, 'bucket')}"
+
+
+def kv_key(bucket: str, key: str) -> str:
+    """The subject a KV bucket stores ``key`` under (``>`` for every key)."""
+    return f"$KV.{token(bucket, 'bucket')}.{key if key == '>' else token(key, 'KV key')}"
+
+
+def js_api(operation: str, *tokens: str) -> str:
+    """A JetStream API subject: ``js_api("STREAM.INFO", stream)`` is
+    ``$JS.API.STREAM.INFO.<stream>``; tokens may be wildcards or a whole subject (a direct
+    get names the KV subject it reads)."""
+    return ".".join(("$JS.API", operation, *tokens))
+
+
+def js_flow_control(stream: str) -> str:
+    """Where a push consumer on ``stream`` answers flow-control requests."""
+    return f"$JS.FC.{stream}.>"
+
+
+def service_api(service: str) -> tuple[str, ...]:
+    """The NATS service API subjects (``$SRV.PING|INFO|STATS``) one service answers on."""
+    name = token(service, "service name")
+    return ("$SRV.*", f"$SRV.*.{name}", f"$SRV.*.{name}.*")
+
+
+def service_api_requests() -> str:
+    """Wildcard over every service API request (to ping, list or read stats)."""
+    return "$SRV.>"

@@ -60,16 +60,20 @@ class NatsServer:
         port: client port; 0 picks a free one.
         host: interface to listen on.
         log_path: file to copy the server's log lines to.
+        config_file: a server config (users, permissions, TLS: ``phalanx auth init``);
+            the arguments above still set the listen address and JetStream store.
         ready_timeout_s: how long :meth:`start` waits for "Server is ready".
     """
 
     def __init__(self, store_dir: str | os.PathLike[str], *, port: int = 0,
                  host: str = "127.0.0.1", log_path: str | os.PathLike[str] | None = None,
+                 config_file: str | os.PathLike[str] | None = None,
                  ready_timeout_s: float = 15.0) -> None:
         self.store_dir = Path(store_dir)
         self.port = port
         self.host = host
         self.log_path = Path(log_path) if log_path else None
+        self.config_file = Path(config_file) if config_file else None
         self.ready_timeout_s = ready_timeout_s
         self.process: subprocess.Popen[bytes] | None = None
         self._log_event = threading.Event()  # "Server is ready" seen, or the log ended
@@ -90,6 +94,8 @@ class NatsServer:
         self.store_dir.mkdir(parents=True, exist_ok=True)
         args = [server_binary(), "-a", self.host, "-p", str(self.port or -1), "-js",
                 "-sd", str(self.store_dir), "-n", f"phalanx-{os.getpid()}"]
+        if self.config_file is not None:
+            args += ["-c", str(self.config_file)]
         self.process = subprocess.Popen(
             args, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
             preexec_fn=_die_with_parent,

@@ -41,6 +41,11 @@ class AgentConfig:
     work_dir: str | None = None
     """Rank logs and the rank manifest; default ``$PHALANX_DATA_DIR/agents/<node>``
     (``~/.local/state/phalanx/agents/<node>``)."""
+    rank_keys_dir: str | None = None
+    """On a bus with permissions: where the seeds of jobs' identities are (an auth
+    directory's ``ranks/``, see docs/security.md); each rank connects as its job, and
+    a job without a seed there does not start. None: ranks inherit the agent's bus
+    settings (a bus without permissions)."""
 
     def __post_init__(self) -> None:
         try:

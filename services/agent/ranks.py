@@ -37,9 +37,10 @@ import socket
 import sys
 import time
 import zlib
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from pathlib import Path
 
+from phalanx.bus.config import with_identity
 from phalanx.runtime import priority
 from phalanx.schemas.messages import ExitCause, JobRecord, JobState, RankExited, RankStarted
 
@@ -104,13 +105,18 @@ class RankSet:
         advertise_host: this node's host as peers reach it, passed to ranks as
             ``PHALANX_ADVERTISE_HOST`` (where their rendezvous store is reached) when it
             resolves here; a job's own env may set another.
+        bus_identity: job id -> the bus credential variables its ranks connect with
+            (:func:`phalanx.services.auth.credentials.rank_env`); they replace every
+            credential variable of the agent's and the job's environment. Raises
+            ``OSError`` when the job has none: its ranks then fail to start.
     """
 
     def __init__(self, node_id: str, work_dir: Path, nats_url: str,
                  host_of: Callable[[str], Awaitable[str]],
                  report: Callable[[RankStarted | RankExited], Awaitable[None]],
                  capacity: int | None = None, replacement_nice: int = 0,
-                 advertise_host: str | None = None) -> None:
+                 advertise_host: str | None = None,
+                 bus_identity: Callable[[str], Mapping[str, str]] | None = None) -> None:
         self.node_id = node_id
         self.advertise_host = advertise_host if advertise_host and resolves(advertise_host) \
             else None
@@ -122,6 +128,7 @@ class RankSet:
         self._exit_seen = asyncio.Event()
         self.work_dir = work_dir
         self.nats_url = nats_url
+        self.bus_identity = bus_identity
         self.host_of = host_of
         self.report = report
         self.ranks: dict[tuple[str, int], Rank] = {}
@@ -227,6 +234,8 @@ class RankSet:
         log_path.parent.mkdir(parents=True, exist_ok=True)
         with log_path.open("ab") as log_file:
             try:
+                if self.bus_identity is not None:
+                    env = with_identity(env, self.bus_identity(record.job_id))
                 process = await asyncio.create_subprocess_exec(
                     *spec.command, env=env, stdin=asyncio.subprocess.DEVNULL, stdout=log_file,
                     stderr=log_file, start_new_session=True)

@@ -10,11 +10,13 @@ job's ranks (up to its grace period) never delays another's launch.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import os
 import signal
 import socket
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from phalanx.bus import telemetry
@@ -45,6 +47,7 @@ from phalanx.schemas.messages import (
 from phalanx.services.agent import core
 from phalanx.services.agent.config import AgentConfig
 from phalanx.services.agent.ranks import RankSet, start_ticks
+from phalanx.services.auth.credentials import rank_env
 from phalanx.services.base import Service
 from phalanx.services.paths import default_data_dir
 
@@ -98,7 +101,7 @@ class AgentService(Service):
         self.ranks = RankSet(self.config.node_id, self.work_dir, self.bus_config_url(),
                              self._host_of, self._report, capacity=self.config.slots,
                              replacement_nice=self.config.replacement_nice,
-                             advertise_host=self.info.host)
+                             advertise_host=self.info.host, bus_identity=self._rank_identity())
         await self.ranks.adopt()
         await self.bus.subscribe(subjects.job_states(), JobRecord, self.on_job_state)
         jobs = await TypedKV.open(self.bus.js, subjects.JOBS_BUCKET, JobRecord)
@@ -132,6 +135,12 @@ class AgentService(Service):
         if self.config.work_dir:
             return Path(self.config.work_dir)
         return default_data_dir() / "agents" / self.config.node_id
+
+    def _rank_identity(self) -> Callable[[str], dict[str, str]] | None:
+        """Each job's ranks connect as the job, on a bus with permissions."""
+        if self.config.rank_keys_dir is None:
+            return None
+        return functools.partial(rank_env, Path(self.config.rank_keys_dir))
 
     def bus_config_url(self) -> str:
         assert self.bus is not None

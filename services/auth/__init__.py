@@ -1,0 +1,1 @@
+"""Who may do what on the bus: roles and their permissions, identities, TLS (docs/security.md)."""

@@ -1,0 +1,214 @@
+"""The auth directory: every identity's key, and the nats-server config that admits them.
+
+``phalanx auth init DIR`` makes one NKEY identity per static role (admission,
+health, elasticity, checkpoint, cli, viewer), one per node given, a private CA
+with the server's certificate, and ``nats.conf``; ``add-node`` / ``add-job``
+add an agent's or a job's ranks' identity later. Layout::
+
+    DIR/nats.conf          server config: TLS, and each identity's public key with its
+                           permissions (roles.py); holds no secret
+    DIR/identities.json    name, role, scope and public key of every identity
+    DIR/keys/<name>.nk     seeds of the services, cli, viewer and agents (0600)
+    DIR/ranks/<job>.nk     one seed per job, shared by its ranks (0600): the directory
+                           agents read when they launch a job's ranks
+    DIR/tls/               ca.pem (clients: PHALANX_NATS_CA), ca-key.pem, server*.pem
+
+NKEY users in a static server config, not decentralised JWT accounts: the
+server keeps only public keys, clients prove they hold the seed by signing the
+server's nonce, and nothing but nats-server, nats-py and the ``nkeys`` package
+is needed — no ``nsc``, no account server, no JWT encoding of our own. The
+price is that a new identity (a node, a job) takes effect when the server
+reloads its config (SIGHUP: no connection is dropped); the local cluster does
+that itself at submit.
+
+A process is pointed at its identity through the environment
+(:meth:`AuthDir.env`, :mod:`~phalanx.services.auth.credentials`). Seeds are never printed
+or logged. Writers of the directory hold ``DIR/.lock``, so two submits at once
+cannot lose each other's identity.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import fcntl
+import json
+import os
+import socket
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+
+import nkeys
+
+from phalanx.schemas.errors import PhalanxError
+from phalanx.services.auth import roles, tls
+from phalanx.services.auth.credentials import identity_env, rank_seed_file
+from phalanx.services.auth.roles import Role
+
+CONFIG = "nats.conf"
+IDENTITIES = "identities.json"
+
+
+class AuthError(PhalanxError, RuntimeError):
+    """The auth directory is missing, already made, or lacks an identity."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Identity:
+    """One identity: who it is and its public key (the seed stays in its file)."""
+
+    name: str
+    role: Role
+    scope: str | None
+    public_key: str
+
+
+def new_seed() -> tuple[bytes, str]:
+    """A fresh user seed and its public key."""
+    seed = nkeys.encode_seed(os.urandom(32), nkeys.PREFIX_BYTE_USER)
+    return seed, nkeys.from_seed(bytearray(seed)).public_key.decode()
+
+
+def server_config(identities: Iterable[Identity], tls_dir: Path) -> dict:
+    """The nats-server config (as JSON, which its config format accepts): TLS on the
+    client port, and each identity's public key with its role's permissions."""
+    users = []
+    for who in sorted(identities, key=lambda i: i.name):
+        granted = roles.permissions(who.role, who.scope)
+        users.append({"nkey": who.public_key, "permissions": {
+            "publish": {"allow": sorted(granted.publish)},
+            "subscribe": {"allow": sorted(granted.subscribe)},
+            **({"allow_responses": True} if granted.responds else {})}})
+    return {"tls": {"cert_file": str(tls_dir / "server.pem"),
+                    "key_file": str(tls_dir / "server-key.pem"), "timeout": 2},
+            "authorization": {"users": users}}
+
+
+class AuthDir:
+    """An auth directory made by :meth:`init`."""
+
+    def __init__(self, root: str | os.PathLike[str]) -> None:
+        self.root = Path(root)
+
+    @property
+    def config_path(self) -> Path:
+        return self.root / CONFIG
+
+    @property
+    def ca_path(self) -> Path:
+        return self.root / "tls" / "ca.pem"
+
+    @property
+    def ranks_dir(self) -> Path:
+        return self.root / "ranks"
+
+    def seed_path(self, role: Role, scope: str | None = None) -> Path:
+        if role is Role.RANK:
+            assert scope is not None
+            return rank_seed_file(self.ranks_dir, scope)
+        return self.root / "keys" / f"{roles.identity(role, scope)}.nk"
+
+    @property
+    def exists(self) -> bool:
+        return (self.root / IDENTITIES).is_file()
+
+    @classmethod
+    def init(cls, root: str | os.PathLike[str], *, nodes: Iterable[str] = (),
+             hosts: Iterable[str] = ()) -> AuthDir:
+        """Make the directory: CA and server certificate for loopback, this host and
+        ``hosts``; an identity per static role and per node in ``nodes``.
+
+        Raises:
+            AuthError: ``root`` already holds an auth directory.
+        """
+        auth = cls(root)
+        if auth.exists:
+            raise AuthError(f"{auth.root} already holds an auth directory; add identities "
+                            f"with `phalanx auth add-node` / `add-job`")
+        auth.root.mkdir(parents=True, exist_ok=True)
+        os.chmod(auth.root, 0o700)
+        tls.make_ca_and_server_cert(auth.root / "tls", ["127.0.0.1", "::1", "localhost",
+                                                        socket.gethostname(), *hosts])
+        with auth._locked():
+            (auth.root / IDENTITIES).write_text("[]")
+            for role in roles.STATIC_ROLES:
+                auth._add(role, None)
+            for node in nodes:
+                auth._add(Role.AGENT, node)
+        return auth
+
+    def add(self, role: Role, scope: str | None = None) -> tuple[Identity, bool]:
+        """The identity of ``role`` (for ``scope``), made now if it did not exist, and
+        whether it was made (then the server must reload its config to admit it).
+
+        Raises:
+            AuthError: the directory was not made with :meth:`init`.
+        """
+        self._require()
+        with self._locked():
+            return self._add(role, scope)
+
+    def identity(self, role: Role, scope: str | None = None) -> Identity:
+        """An existing identity.
+
+        Raises:
+            AuthError: there is none.
+        """
+        self._require()
+        name = roles.identity(role, scope)
+        for who in self.identities():
+            if who.name == name:
+                return who
+        raise AuthError(f"no identity {name} in {self.root}")
+
+    def identities(self) -> list[Identity]:
+        raw = json.loads((self.root / IDENTITIES).read_text())
+        return [Identity(r["name"], Role(r["role"]), r["scope"], r["public_key"]) for r in raw]
+
+    def env(self, role: Role, scope: str | None = None) -> dict[str, str]:
+        """The environment that makes a process connect as ``role`` (``scope``), over TLS.
+
+        Raises:
+            AuthError: the identity does not exist.
+        """
+        who = self.identity(role, scope)
+        return {**identity_env(self.seed_path(role, scope), who.name),
+                "PHALANX_NATS_CA": str(self.ca_path)}
+
+    def _require(self) -> None:
+        if not self.exists:
+            raise AuthError(f"{self.root} is not an auth directory (make one with "
+                            f"`phalanx auth init {self.root}`)")
+
+    def _add(self, role: Role, scope: str | None) -> tuple[Identity, bool]:
+        name = roles.identity(role, scope)
+        existing = {who.name: who for who in self.identities()}
+        if name in existing:
+            return existing[name], False
+        seed, public_key = new_seed()
+        seed_file = self.seed_path(role, scope)
+        seed_file.parent.mkdir(mode=0o700, exist_ok=True)
+        fd = os.open(seed_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "wb") as f:
+            f.write(seed)
+        who = Identity(name, role, scope, public_key)
+        everyone = [*existing.values(), who]
+        _replace(self.root / IDENTITIES, json.dumps(
+            [dataclasses.asdict(i) for i in everyone], indent=2))
+        _replace(self.config_path,
+                 json.dumps(server_config(everyone, self.root / "tls"), indent=2))
+        return who, True
+
+    @contextlib.contextmanager
+    def _locked(self) -> Iterator[None]:
+        with (self.root / ".lock").open("a") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            yield
+
+
+def _replace(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` atomically (a reloading server never reads half a file)."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(text)
+    tmp.replace(path)
+

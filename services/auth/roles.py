@@ -1,0 +1,215 @@
+"""Who may do what on the bus: each role's publish and subscribe permissions.
+
+Every process connects as one *identity*, and every identity has one *role*:
+the services (admission, health, elasticity, checkpoint), an agent per node, the
+ranks of one job, the operator (cli) and a read-only viewer. A role may use
+exactly the subjects its process uses — found by reading every publish,
+subscribe, request, KV bucket and stream each process touches — and nothing
+else. The rules:
+
+* An agent publishes only its own node's heartbeat and writes only its own
+  node's registry entry; it serves requests only on its own node's endpoints.
+* A rank publishes only its own job's readiness, applied generations and
+  progress, and hears only its own job's generations, faults and progress.
+  It publishes no fault and no job record, and writes no KV entry.
+* Only the operator (cli) submits and cancels; only elasticity requeues,
+  launches and stops replicas; only health publishes faults; only admission
+  and health publish job records (which agents act on) and write the jobs
+  bucket, where submissions and cancellations are stored.
+* The viewer reads: every phalanx subject, every bucket and the job-events
+  stream, the service API, ``explain`` and agent status. It writes nothing.
+
+JetStream is reached through the server's API subjects, so a role that reads a
+bucket may publish to that bucket's ``STREAM.INFO``, ``DIRECT.GET``,
+``STREAM.MSG.GET`` and consumer subjects; one that writes it publishes to its
+``$KV.<bucket>.<key>`` subjects, per key where the role owns only some (an
+agent's node, a service's lease and cursor). A process that opens a bucket or
+the stream may create it if it is missing (the first one up does). Consumers
+are ordered (no acknowledgements), so no role needs ``$JS.ACK``; they answer
+flow control on ``$JS.FC``. Replies come to a per-identity inbox prefix
+(:func:`~phalanx.schemas.subjects.inbox`), so no identity can read another's
+replies; services answer requests through ``allow_responses`` rather than a
+publish permission on every inbox.
+
+Limits: a permission names subjects, not payloads. An agent may publish the
+start or exit of any job's rank (it runs whichever the records place on it),
+and the node id inside such an event is not checked by the server; a stream
+consumer sees the whole stream. Pure: no I/O, so tests assert on these rules
+directly.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from collections.abc import Iterable
+
+from phalanx.schemas import subjects as s
+
+
+class Role(enum.StrEnum):
+    ADMISSION = "admission"
+    HEALTH = "health"
+    ELASTICITY = "elasticity"
+    CHECKPOINT = "checkpoint"
+    AGENT = "agent"
+    """One per node: the scope is the node id."""
+    RANK = "rank"
+    """One per job, shared by its ranks: the scope is the job id."""
+    CLI = "cli"
+    """The operator: submits, cancels, cordons, injects faults."""
+    VIEWER = "viewer"
+    """Reads everything, changes nothing."""
+
+    @property
+    def scoped(self) -> bool:
+        """Whether each identity of the role belongs to one node or job."""
+        return self in (Role.AGENT, Role.RANK)
+
+
+#: The roles ``phalanx auth init`` makes one identity for.
+STATIC_ROLES = tuple(role for role in Role if not role.scoped)
+
+#: The service API name each role's processes register under (``$SRV``).
+SERVICE_NAMES = {Role.ADMISSION: "phalanx-admission", Role.HEALTH: "phalanx-health",
+                 Role.ELASTICITY: "phalanx-elasticity", Role.CHECKPOINT: "phalanx-checkpoint",
+                 Role.AGENT: "phalanx-agent"}
+
+
+@dataclasses.dataclass(frozen=True)
+class Permissions:
+    """What one identity may do: subjects (with wildcards) it may publish and subscribe to."""
+
+    publish: frozenset[str]
+    subscribe: frozenset[str]
+    responds: bool
+    """May answer requests it received (the server's ``allow_responses``)."""
+
+
+def identity(role: Role, scope: str | None = None) -> str:
+    """The identity's name: the role for a static role, ``agent-<node>`` / ``rank-<job>``.
+
+    Raises:
+        ValueError: a scoped role without a scope, or a static one with one.
+        SubjectError: the scope is not a valid subject token.
+    """
+    if role.scoped != (scope is not None):
+        raise ValueError(f"role {role} {'needs' if role.scoped else 'takes no'} "
+                         f"{'node' if role is Role.AGENT else 'job'} id")
+    if scope is None:
+        return role.value
+    return f"{role.value}-{s.token(scope, 'node id' if role is Role.AGENT else 'job id')}"
+
+
+@dataclasses.dataclass
+class _Grants:
+    publish: set[str] = dataclasses.field(default_factory=set)
+    subscribe: set[str] = dataclasses.field(default_factory=set)
+
+    def pub(self, *subjects: str | Iterable[str]) -> _Grants:
+        self.publish.update(_flat(subjects))
+        return self
+
+    def sub(self, *subjects: str | Iterable[str]) -> _Grants:
+        self.subscribe.update(_flat(subjects))
+        return self
+
+    def read_bucket(self, bucket: str, *, watch: bool = True) -> _Grants:
+        """Get any key (a bucket without direct gets reads by stream message, which cannot
+        be limited to a key), list keys, and watch unless ``watch`` is False."""
+        stream = s.kv_stream(bucket)
+        return self.pub(s.js_api("STREAM.INFO", stream), s.js_api("STREAM.MSG.GET", stream),
+                        s.js_api("DIRECT.GET", stream, s.kv_key(bucket, ">")),
+                        *(_consumer(stream) if watch else ()))
+
+    def open_bucket(self, bucket: str, writes: str | Iterable[str] = ()) -> _Grants:
+        """Read, create when missing, and write the keys ``writes`` (``">"``: every key)."""
+        keys = [writes] if isinstance(writes, str) else list(writes)
+        return self.read_bucket(bucket).pub(
+            s.js_api("STREAM.CREATE", s.kv_stream(bucket)), *(s.kv_key(bucket, k) for k in keys))
+
+    def read_events(self) -> _Grants:
+        return self.pub(s.js_api("STREAM.INFO", s.JOB_EVENTS_STREAM),
+                        *_consumer(s.JOB_EVENTS_STREAM))
+
+    def ensure_events(self) -> _Grants:
+        return self.pub(s.js_api("STREAM.INFO", s.JOB_EVENTS_STREAM),
+                        s.js_api("STREAM.CREATE", s.JOB_EVENTS_STREAM))
+
+
+def _consumer(stream: str) -> tuple[str, ...]:
+    """Create and delete ephemeral (ordered) consumers on ``stream``, answer flow control."""
+    return (s.js_api("CONSUMER.CREATE", stream), s.js_api("CONSUMER.CREATE", stream, ">"),
+            s.js_api("CONSUMER.DELETE", stream, ">"), s.js_flow_control(stream))
+
+
+def _flat(items: Iterable[str | Iterable[str]]) -> list[str]:
+    return [x for item in items for x in ([item] if isinstance(item, str) else item)]
+
+
+_ALL_BUCKETS = (s.NODES_BUCKET, s.JOBS_BUCKET, s.ADMISSION_BUCKET, s.GENERATIONS_BUCKET,
+                s.LEASES_BUCKET, s.CURSORS_BUCKET, s.ELASTICITY_BUCKET, s.HEALTH_BUCKET)
+
+
+def permissions(role: Role, scope: str | None = None) -> Permissions:
+    """The permissions of ``role`` (for node or job ``scope`` when the role is scoped).
+
+    Raises:
+        ValueError: as :func:`identity`.
+    """
+    name = identity(role, scope)
+    g = _Grants().sub(f"{s.inbox(name)}.>")
+    if role in SERVICE_NAMES:
+        g.sub(s.service_api(SERVICE_NAMES[role]))
+    match role:
+        case Role.ADMISSION:
+            verbs = (s.admission_submit(), s.admission_cancel(), s.admission_requeue(),
+                     s.admission_explain())
+            g.sub(verbs, s.any_id(s.admission_leader)).pub(
+                s.any_id(s.admission_leader), s.any_id(s.job_state))
+            g.open_bucket(s.JOBS_BUCKET, ">").open_bucket(s.NODES_BUCKET)
+            g.open_bucket(s.ADMISSION_BUCKET, ">")
+        case Role.HEALTH | Role.ELASTICITY:
+            # The lease and the stream cursor are each under the service's own key.
+            g.open_bucket(s.LEASES_BUCKET, role.value).open_bucket(s.CURSORS_BUCKET, role.value)
+            g.open_bucket(s.JOBS_BUCKET, ">" if role is Role.HEALTH else ())
+            g.ensure_events().read_events()
+            if role is Role.HEALTH:
+                g.sub(s.health_ranks(), s.node_heartbeats(), s.node_conditions())
+                g.pub(s.any_id(s.job_fault), s.any_id(s.node_condition), s.any_id(s.job_state))
+                g.open_bucket(s.NODES_BUCKET, ">").open_bucket(s.HEALTH_BUCKET, ">")
+            else:
+                g.pub(s.any_id(s.job_generation), s.any_id(s.agent_launch),
+                      s.any_id(s.agent_stop), s.admission_requeue())
+                g.open_bucket(s.GENERATIONS_BUCKET, ">").open_bucket(s.ELASTICITY_BUCKET, ">")
+        case Role.CHECKPOINT:
+            # Reserved for the checkpoint service (not built yet): it hears snapshot
+            # announcements and reads what it needs to place them; it changes nothing yet.
+            g.sub(s.any_id(s.ckpt_snapshot)).read_events()
+            g.read_bucket(s.JOBS_BUCKET).read_bucket(s.GENERATIONS_BUCKET)
+        case Role.AGENT:
+            assert scope is not None
+            g.sub(s.agent_endpoints(scope), s.job_states())
+            g.pub(s.node_heartbeat(scope), s.any_id(s.rank_started), s.any_id(s.rank_exited))
+            g.open_bucket(s.NODES_BUCKET, scope).open_bucket(s.JOBS_BUCKET)
+            g.open_bucket(s.GENERATIONS_BUCKET).ensure_events()
+        case Role.RANK:
+            assert scope is not None
+            g.sub(s.job_generation(scope), s.job_fault(scope), s.health_job_ranks(scope))
+            g.pub(s.health_job_ranks(scope), s.replica_ready(scope),
+                  s.generation_applied(scope))
+            g.read_bucket(s.GENERATIONS_BUCKET, watch=False)
+        case Role.CLI:
+            g.sub(s.everything())
+            g.pub(s.admission_submit(), s.admission_cancel(), s.admission_explain(),
+                  s.any_id(s.agent_chaos), s.any_id(s.agent_status), s.any_id(s.node_condition),
+                  s.service_api_requests())
+            g.open_bucket(s.NODES_BUCKET, ">").open_bucket(s.JOBS_BUCKET)
+        case Role.VIEWER:
+            g.sub(s.everything())
+            g.pub(s.admission_explain(), s.any_id(s.agent_status), s.service_api_requests())
+            for bucket in _ALL_BUCKETS:
+                g.read_bucket(bucket)
+            g.read_events()
+    return Permissions(frozenset(g.publish), frozenset(g.subscribe),
+                       responds=role in SERVICE_NAMES)

@@ -1,0 +1,83 @@
+"""A private certificate authority and the nats-server certificate it signs.
+
+``phalanx auth init`` makes both so the client port speaks TLS: clients verify
+the server against the CA (``PHALANX_NATS_CA``), and nobody on the network
+reads seeds' signatures, job records or generations in passing. The server
+certificate names the hosts clients dial (loopback and this host's name by
+default; add the real names with ``--host``), since clients check the name.
+Keys are ECDSA P-256, written owner-read-only. The CA key stays in the auth
+directory to sign a new server certificate; whoever holds it can impersonate
+the server, so it belongs with the operator, never on nodes.
+"""
+
+from __future__ import annotations
+
+import datetime
+import ipaddress
+import os
+from collections.abc import Iterable
+from pathlib import Path
+
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+
+VALID_DAYS = 825  # the longest validity clients still accept for a server certificate
+
+
+def _name(common_name: str) -> x509.Name:
+    return x509.Name([x509.NameAttribute(NameOID.ORGANIZATION_NAME, "phalanx"),
+                      x509.NameAttribute(NameOID.COMMON_NAME, common_name)])
+
+
+def _write_key(path: Path, key: ec.EllipticCurvePrivateKey) -> None:
+    pem = key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                            serialization.NoEncryption())
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "wb") as f:
+        f.write(pem)
+
+
+def _subject_names(hosts: Iterable[str]) -> list[x509.GeneralName]:
+    names: list[x509.GeneralName] = []
+    for host in dict.fromkeys(hosts):  # in order, once each
+        try:
+            names.append(x509.IPAddress(ipaddress.ip_address(host)))
+        except ValueError:
+            names.append(x509.DNSName(host))
+    return names
+
+
+def make_ca_and_server_cert(directory: Path, hosts: Iterable[str]) -> None:
+    """Write ``ca.pem``, ``ca-key.pem``, ``server.pem`` and ``server-key.pem`` in
+    ``directory``; the server certificate is valid for ``hosts`` (names or IPs)."""
+    directory.mkdir(parents=True, exist_ok=True)
+    now = datetime.datetime.now(datetime.UTC)
+    validity = (now - datetime.timedelta(minutes=5), now + datetime.timedelta(days=VALID_DAYS))
+    ca_key = ec.generate_private_key(ec.SECP256R1())
+    ca_name = _name("phalanx bus CA")
+    ca = (x509.CertificateBuilder().subject_name(ca_name).issuer_name(ca_name)
+          .public_key(ca_key.public_key()).serial_number(x509.random_serial_number())
+          .not_valid_before(validity[0]).not_valid_after(validity[1])
+          .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
+          .add_extension(x509.KeyUsage(digital_signature=True, key_cert_sign=True,
+                                       crl_sign=True, content_commitment=False,
+                                       key_encipherment=False, data_encipherment=False,
+                                       key_agreement=False, encipher_only=False,
+                                       decipher_only=False), critical=True)
+          .sign(ca_key, hashes.SHA256()))
+    server_key = ec.generate_private_key(ec.SECP256R1())
+    server = (x509.CertificateBuilder().subject_name(_name("phalanx nats-server"))
+              .issuer_name(ca_name).public_key(server_key.public_key())
+              .serial_number(x509.random_serial_number())
+              .not_valid_before(validity[0]).not_valid_after(validity[1])
+              .add_extension(x509.SubjectAlternativeName(_subject_names(hosts)), critical=False)
+              .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH]),
+                             critical=False)
+              .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
+              .sign(ca_key, hashes.SHA256()))
+    _write_key(directory / "ca-key.pem", ca_key)
+    _write_key(directory / "server-key.pem", server_key)
+    (directory / "ca.pem").write_bytes(ca.public_bytes(serialization.Encoding.PEM))
+    (directory / "server.pem").write_bytes(server.public_bytes(serialization.Encoding.PEM))

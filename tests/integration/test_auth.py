@@ -1,0 +1,219 @@
+"""Bus permissions on a real nats-server started with ``phalanx auth init``'s config.
+
+Each denial is proven twice: the server answers the publish (or subscription)
+with a permission violation, and a viewer subscribed to every phalanx subject
+receives nothing of it — the publisher's next, allowed message arrives and the
+denied one never came before it (one connection's messages keep their order).
+The allowed paths run through the real services: admission, health, elasticity
+and an agent, each as its own identity, and a rank the agent launches as its
+job's identity.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+
+import nats.js.errors
+import pytest
+
+from phalanx.bus.client import Bus
+from phalanx.bus.config import BusConfig
+from phalanx.bus.kv import TypedKV
+from phalanx.bus.stream import ensure_job_events
+from phalanx.schemas import subjects
+from phalanx.schemas.messages import (
+    Generation,
+    GenerationReason,
+    Member,
+    NodeHeartbeat,
+    NodeInfo,
+    NodeRecord,
+    RankProgress,
+    ReplicaReady,
+)
+from phalanx.services.auth.issuer import AuthDir
+from phalanx.services.auth.roles import Role
+from phalanx.services.natsd import NatsServer
+
+Connect = Callable[..., Awaitable[Bus]]
+NODES = ("node-a", "node-b")
+JOBS = ("job-a", "job-b")
+
+
+@pytest.fixture(scope="module")
+def auth(tmp_path_factory: pytest.TempPathFactory) -> AuthDir:
+    auth = AuthDir.init(tmp_path_factory.mktemp("auth") / "auth", nodes=NODES)
+    for job in JOBS:
+        auth.add(Role.RANK, job)
+    return auth
+
+
+@pytest.fixture(scope="module")
+def secured(auth: AuthDir, tmp_path_factory: pytest.TempPathFactory) -> Iterator[NatsServer]:
+    root = tmp_path_factory.mktemp("secured")
+    with NatsServer(root / "js", port=0, log_path=root / "nats.log",
+                    config_file=auth.config_path) as server:
+        yield server
+
+
+def config_for(auth: AuthDir, server: NatsServer, role: Role,
+               scope: str | None = None) -> BusConfig:
+    return BusConfig.load(env=auth.env(role, scope), servers=[server.url])
+
+
+@pytest.fixture
+async def connect(auth: AuthDir, secured: NatsServer) -> AsyncIterator[Connect]:
+    """``await connect(role, scope)``: a Bus connected as that identity, closed after."""
+    opened: list[Bus] = []
+
+    async def connect(role: Role, scope: str | None = None) -> Bus:
+        bus = await Bus.connect(config_for(auth, secured, role, scope), name=f"test-{role}")
+        opened.append(bus)
+        return bus
+
+    yield connect
+    for bus in opened:
+        await bus.close()
+
+
+@pytest.fixture
+async def watcher(connect: Connect) -> Watcher:
+    return await Watcher().start(await connect(Role.VIEWER))
+
+
+class Watcher:
+    """A viewer subscribed to every phalanx subject, recording what arrives in order."""
+
+    def __init__(self) -> None:
+        self.seen: list[str] = []
+        self._waiting: dict[str, asyncio.Event] = {}
+
+    async def start(self, viewer: Bus) -> Watcher:
+        async def on_message(msg) -> None:
+            self.seen.append(msg.subject)
+            if msg.subject in self._waiting:
+                self._waiting[msg.subject].set()
+
+        await viewer.nc.subscribe(subjects.everything(), cb=on_message)
+        await viewer.nc.flush()
+        return self
+
+    async def until(self, subject: str) -> list[str]:
+        """What arrived up to and including the first message on ``subject``."""
+        event = self._waiting.setdefault(subject, asyncio.Event())
+        if subject not in self.seen:
+            await asyncio.wait_for(event.wait(), 5)
+        return self.seen[:self.seen.index(subject) + 1]
+
+
+async def assert_refused(bus: Bus, subject: str, action: Awaitable[object],
+                         what: str = "publish") -> None:
+    """The server refuses ``bus`` the publish (or subscription) ``action`` makes."""
+    with bus.refusal(subject, what) as refused:
+        await action
+        await asyncio.wait_for(refused, 5)
+
+
+def forge(bus: Bus, subject: str) -> Awaitable[None]:
+    """A raw publish on ``subject``: what the server allows does not depend on the payload."""
+    return bus.nc.publish(subject, b"forged")
+
+
+def progress(job: str, rank: int = 0) -> RankProgress:
+    return RankProgress(job_id=job, rank=rank, replica_id=f"r{rank}-0", generation=0, step=1,
+                        step_time_s=0.1, sent_at=time.time())
+
+
+# --- ranks ---------------------------------------------------------------------------------
+
+
+async def test_a_rank_publishes_its_own_jobs_progress_and_nothing_for_another_job(
+        connect: Connect, watcher: Watcher) -> None:
+    rank_a = await connect(Role.RANK, "job-a")
+    forged = (subjects.job_fault("job-b"), subjects.job_fault("job-a"),
+              subjects.health_rank("job-b", 0), subjects.replica_ready("job-b"),
+              subjects.job_state("job-a"), subjects.node_heartbeat("node-a"))
+    for subject in forged:
+        await assert_refused(rank_a, subject, forge(rank_a, subject))
+    await rank_a.publish(subjects.health_rank("job-a", 0), progress("job-a"))
+    # The allowed report arrives, and none of the refused ones came before it.
+    assert await watcher.until(subjects.health_rank("job-a", 0)) == [
+        subjects.health_rank("job-a", 0)]
+
+
+async def test_a_rank_hears_only_its_own_job_and_reads_no_one_elses_replies(
+        connect: Connect) -> None:
+    rank_a = await connect(Role.RANK, "job-a")
+    for subject in (subjects.job_generation("job-b"), subjects.job_fault("job-b"),
+                    "_INBOX.>", f"{subjects.inbox('cli')}.>"):
+        await assert_refused(rank_a, subject, rank_a.nc.subscribe(subject), "subscription")
+    heard = await rank_a.nc.subscribe(subjects.job_generation("job-a"))
+    await rank_a.nc.flush()
+    elasticity = await connect(Role.ELASTICITY)
+    await elasticity.publish(subjects.job_generation("job-a"), generation("job-a"))
+    assert (await heard.next_msg(timeout=5)).subject == subjects.job_generation("job-a")
+
+
+def generation(job: str, number: int = 0) -> Generation:
+    return Generation(job_id=job, generation=number, world_size=1, rendezvous=f"{job}-g{number}",
+                      resume_step=0, reason=GenerationReason.START,
+                      members=[Member(replica_id="r0-0", rank=0, node_id="node-a",
+                                      endpoint="h:1")])
+
+
+async def test_a_rank_stores_its_readiness_and_reads_its_generation(connect: Connect) -> None:
+    elasticity = await connect(Role.ELASTICITY)
+    await ensure_job_events(elasticity)
+    generations = await TypedKV.open(elasticity.js, subjects.GENERATIONS_BUCKET, Generation)
+    await generations.put("job-a", generation("job-a", 3))
+    rank_a = await connect(Role.RANK, "job-a")
+    stored = await TypedKV.open(rank_a.js, subjects.GENERATIONS_BUCKET, Generation)
+    entry = await stored.get("job-a")
+    assert entry is not None and entry.value.generation == 3
+    ready = ReplicaReady(job_id="job-a", replica_id="r0-0", slot=0, node_id="node-a",
+                         endpoint="h:1", sent_at=time.time())
+    assert await rank_a.publish_event(subjects.replica_ready("job-a"), ready,
+                                      event_id="ready-job-a-1") > 0
+    # Writing the bucket is elasticity's: a rank cannot advance its own generation.
+    key = subjects.kv_key(subjects.GENERATIONS_BUCKET, "job-a")
+    await assert_refused(rank_a, key, forge(rank_a, key))
+
+
+# --- agents --------------------------------------------------------------------------------
+
+
+def node_record(node: str, seq: int) -> NodeRecord:
+    now = time.time()
+    return NodeRecord(node=NodeInfo(node_id=node, host="h", slots=1, failure_domain="d",
+                                    agent_pid=1, agent_version="t", started_at=now),
+                      heartbeat_seq=seq, heartbeat_at=now)
+
+
+async def test_an_agent_cannot_impersonate_another_node(connect: Connect,
+                                                         watcher: Watcher) -> None:
+    agent_a = await connect(Role.AGENT, "node-a")
+    agent_b = await connect(Role.AGENT, "node-b")
+    nodes_b = await TypedKV.open(agent_b.js, subjects.NODES_BUCKET, NodeRecord)
+    await nodes_b.put("node-b", node_record("node-b", 7))
+
+    heartbeat_b = subjects.node_heartbeat("node-b")
+    await assert_refused(agent_a, heartbeat_b, forge(agent_a, heartbeat_b))
+    # Its registry entry, through the KV API: a publish on the key's subject, refused
+    # (so never acknowledged).
+    nodes_a = await TypedKV.open(agent_a.nc.jetstream(timeout=0.5), subjects.NODES_BUCKET,
+                                 NodeRecord)
+    with pytest.raises(nats.errors.TimeoutError):
+        await assert_refused(agent_a, subjects.kv_key(subjects.NODES_BUCKET, "node-b"),
+                             nodes_a.put("node-b", node_record("node-b", 99)))
+    # Nor serve another node's endpoints.
+    launch_b = subjects.agent_launch("node-b")
+    await assert_refused(agent_a, launch_b, agent_a.nc.subscribe(launch_b), "subscription")
+
+    await nodes_a.put("node-a", node_record("node-a", 1))  # its own entry: allowed
+    await agent_a.publish(subjects.node_heartbeat("node-a"), NodeHeartbeat(
+        node_id="node-a", seq=1, sent_at=time.time()))
+    assert heartbeat_b not in await watcher.until(subjects.node_heartbeat("node-a"))
+    entry = await nodes_b.get("node-b")
+    assert entry is not None and entry.value.heartbeat_seq == 7
