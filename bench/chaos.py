@@ -428,8 +428,8 @@ def main() -> None:
     parser.add_argument("--keep", metavar="DIR",
                         help="run in DIR and keep it (logs, records) instead of a temp dir")
     args = parser.parse_args()
-    # The job trains ~40-60 steps/s here between faults: enough steps to outlast them.
-    steps = args.steps or int(args.faults * args.interval * 60) + 600
+    # The job trains 50-250 steps/s here between faults: enough steps to outlast them.
+    steps = args.steps or int(args.faults * args.interval * 100) + 5000
     with tempfile.TemporaryDirectory(prefix="phalanx-chaos-") as tmp:
         work = Path(args.keep) if args.keep else Path(tmp)
         work.mkdir(parents=True, exist_ok=True)
