@@ -137,10 +137,13 @@ class AgentService(Service):
         return default_data_dir() / "agents" / self.config.node_id
 
     def _rank_identity(self) -> Callable[[str], dict[str, str]] | None:
-        """Each job's ranks connect as the job, on a bus with permissions."""
+        """Each job's ranks connect as the job, on a bus with permissions (and trust the
+        server's certificate as the agent does)."""
+        assert self.bus is not None
         if self.config.rank_keys_dir is None:
             return None
-        return functools.partial(rank_env, Path(self.config.rank_keys_dir))
+        return functools.partial(rank_env, Path(self.config.rank_keys_dir),
+                                 ca_file=self.bus.config.tls_ca_file)
 
     def bus_config_url(self) -> str:
         assert self.bus is not None

@@ -32,8 +32,9 @@ def rank_seed_file(ranks_dir: Path, job_id: str) -> Path:
     return ranks_dir / f"{subjects.token(job_id, 'job id')}.nk"
 
 
-def rank_env(ranks_dir: Path, job_id: str) -> dict[str, str]:
-    """What an agent gives a rank of ``job_id`` so it connects as its job.
+def rank_env(ranks_dir: Path, job_id: str, ca_file: str | None = None) -> dict[str, str]:
+    """What an agent gives a rank of ``job_id`` so it connects as its job (and trusts the
+    server the agent trusts, ``ca_file``).
 
     Raises:
         FileNotFoundError: the job has no identity in ``ranks_dir`` (``phalanx auth
@@ -43,4 +44,5 @@ def rank_env(ranks_dir: Path, job_id: str) -> dict[str, str]:
     if not seed_file.is_file():
         raise FileNotFoundError(f"no bus identity for job {job_id}: {seed_file} is missing "
                                 f"(`phalanx auth add-job` makes it)")
-    return identity_env(seed_file, identity(Role.RANK, job_id))
+    env = identity_env(seed_file, identity(Role.RANK, job_id))
+    return {**env, "PHALANX_NATS_CA": ca_file} if ca_file else env

@@ -138,9 +138,11 @@ class _Grants:
 
 
 def _consumer(stream: str) -> tuple[str, ...]:
-    """Create and delete ephemeral (ordered) consumers on ``stream``, answer flow control."""
+    """Create, look up and delete ephemeral (ordered) consumers on ``stream``, answer flow
+    control."""
     return (s.js_api("CONSUMER.CREATE", stream), s.js_api("CONSUMER.CREATE", stream, ">"),
-            s.js_api("CONSUMER.DELETE", stream, ">"), s.js_flow_control(stream))
+            s.js_api("CONSUMER.INFO", stream, ">"), s.js_api("CONSUMER.DELETE", stream, ">"),
+            s.js_flow_control(stream))
 
 
 def _flat(items: Iterable[str | Iterable[str]]) -> list[str]:

@@ -12,6 +12,8 @@ job's identity.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import sys
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 
@@ -20,26 +22,43 @@ import pytest
 
 from phalanx.bus.client import Bus
 from phalanx.bus.config import BusConfig
+from phalanx.bus.errors import PermissionDenied
 from phalanx.bus.kv import TypedKV
 from phalanx.bus.stream import ensure_job_events
 from phalanx.schemas import subjects
+from phalanx.schemas.codec import decode
 from phalanx.schemas.messages import (
     Generation,
     GenerationReason,
+    JobRecord,
+    JobSpec,
+    JobState,
     Member,
     NodeHeartbeat,
     NodeInfo,
     NodeRecord,
+    RankExited,
     RankProgress,
+    ReplicaRange,
     ReplicaReady,
 )
+from phalanx.services.admission.config import AdmissionConfig
+from phalanx.services.admission.service import AdmissionService
+from phalanx.services.agent.config import AgentConfig
+from phalanx.services.agent.service import AgentService
 from phalanx.services.auth.issuer import AuthDir
 from phalanx.services.auth.roles import Role
+from phalanx.services.base import Service
+from phalanx.services.client import AdmissionClient
+from phalanx.services.elasticity.core import ElasticityCore
+from phalanx.services.elasticity.service import ElasticityService
+from phalanx.services.health.core import HealthPolicy
+from phalanx.services.health.service import HealthService
 from phalanx.services.natsd import NatsServer
 
 Connect = Callable[..., Awaitable[Bus]]
-NODES = ("node-a", "node-b")
-JOBS = ("job-a", "job-b")
+NODES = ("node-a", "node-b", "node-c")  # node-c: the services' agent
+JOBS = ("job-a", "job-b", "job-run", "job-view")  # each test its own
 
 
 @pytest.fixture(scope="module")
@@ -217,3 +236,102 @@ async def test_an_agent_cannot_impersonate_another_node(connect: Connect,
     assert heartbeat_b not in await watcher.until(subjects.node_heartbeat("node-a"))
     entry = await nodes_b.get("node-b")
     assert entry is not None and entry.value.heartbeat_seq == 7
+
+
+# --- the services, the operator and the viewer -----------------------------------------------
+
+RANK_SCRIPT = """
+from phalanx.runtime.progress import ProgressReporter
+with ProgressReporter.from_env() as reporter:
+    for step in range(1, 4):
+        reporter.report(step, 0.01, final=step == 3)
+"""
+
+
+@pytest.fixture
+async def services(auth: AuthDir, secured: NatsServer,
+                   tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[None]:
+    """Admission, health, elasticity and node-c's agent, each as its own identity."""
+    started: list[Service] = []
+    work_dir = tmp_path_factory.mktemp("agent")
+    for make in (
+            lambda: AdmissionService(AdmissionConfig(lease_s=1.0),
+                                     config_for(auth, secured, Role.ADMISSION), instance="a0"),
+            lambda: HealthService(HealthPolicy(), config_for(auth, secured, Role.HEALTH),
+                                  instance="h0", lease_s=1.0),
+            lambda: ElasticityService(ElasticityCore,
+                                      config_for(auth, secured, Role.ELASTICITY),
+                                      instance="e0", lease_s=1.0),
+            lambda: AgentService(AgentConfig(
+                node_id="node-c", slots=2, heartbeat_interval_s=0.2, lost_after_s=3.0,
+                work_dir=str(work_dir), rank_keys_dir=str(auth.ranks_dir)),
+                config_for(auth, secured, Role.AGENT, "node-c"))):
+        service = make()
+        await service.start()  # a permission it lacks would fail its setup
+        started.append(service)
+    yield
+    for service in reversed(started):
+        await service.stop()
+
+
+def job_spec(name: str) -> JobSpec:
+    return JobSpec(name=name, team="t", priority_class="normal",
+                   replicas=ReplicaRange(min=1, max=1),
+                   command=[sys.executable, "-c", RANK_SCRIPT])
+
+
+async def wait_state(viewer: Bus, job_id: str, state: JobState) -> None:
+    jobs = await TypedKV.open(viewer.js, subjects.JOBS_BUCKET, JobRecord)
+    async with contextlib.aclosing(jobs.watch()) as changes:  # stops its consumer
+        async for change in changes:
+            if change is not None and change.key == job_id and change.value is not None \
+                    and change.value.state is state:
+                return
+
+
+@pytest.mark.usefixtures("services")
+async def test_the_operator_submits_a_job_whose_ranks_run_as_the_job(connect: Connect) -> None:
+    cli = AdmissionClient(await connect(Role.CLI))
+    viewer = await connect(Role.VIEWER)
+    reports = await viewer.nc.subscribe(subjects.health_job_ranks("job-run"))
+    record = await cli.submit(job_spec("auth"), "job-run")
+    assert record.state is JobState.PENDING
+    # The rank reports progress: only the job's identity may, so the agent gave it that
+    # (as the agent, or as nobody, it would have been refused).
+    assert decode((await reports.next_msg(timeout=10)).data, RankProgress).job_id == "job-run"
+    await reports.unsubscribe()  # with reports left unread, closing would wait for them
+    # Health saw every rank exit 0 and finished the job: its job-record writes are allowed.
+    await asyncio.wait_for(wait_state(viewer, "job-run", JobState.FINISHED), 20)
+
+
+@pytest.mark.usefixtures("services")
+async def test_a_job_without_an_identity_does_not_start_as_anyone_else(
+        connect: Connect, watcher: Watcher) -> None:
+    cli = AdmissionClient(await connect(Role.CLI))
+    viewer = await connect(Role.VIEWER)
+    exits = await viewer.nc.subscribe(subjects.rank_exited("no-key"))
+    await cli.submit(job_spec("auth"), "no-key")
+    exited = decode((await exits.next_msg(timeout=10)).data, RankExited)
+    assert exited.exit_code == 127
+    assert not any(seen.startswith(subjects.health_job_ranks("no-key")[:-1])
+                   for seen in watcher.seen)
+
+
+@pytest.mark.usefixtures("services")
+async def test_a_viewer_reads_but_cannot_submit_or_cancel(connect: Connect) -> None:
+    cli = AdmissionClient(await connect(Role.CLI))
+    await cli.submit(job_spec("auth"), "job-view")
+    viewer_bus = await connect(Role.VIEWER)
+    viewer = AdmissionClient(viewer_bus)
+    assert (await viewer.explain("job-view")).job_id == "job-view"
+    assert (await viewer.job("job-view")) is not None
+    with pytest.raises(PermissionDenied):
+        await viewer.cancel("job-view")
+    with pytest.raises(PermissionDenied):
+        await viewer.submit(job_spec("auth"), "job-c")
+    # Nor around admission, straight into the jobs bucket where cancellations are stored.
+    key = subjects.kv_key(subjects.JOBS_BUCKET, "job-view")
+    await assert_refused(viewer_bus, key, forge(viewer_bus, key))
+    assert (await viewer.job("job-c")) is None
+    assert (await viewer.job("job-view")).state is not JobState.CANCELLED
+    assert (await cli.cancel("job-view")).state is JobState.CANCELLED
