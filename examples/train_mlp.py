@@ -36,7 +36,7 @@ def main() -> None:
     parser.add_argument("--global-batch", type=int, default=workload_w.W_GLOBAL_BATCH)
     parser.add_argument("--micro-batch", type=int, default=16)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--save", help="write the final parameters here (rank 0)")
+    parser.add_argument("--save", help="write the final parameters here (the primary replica)")
     args = parser.parse_args()
     widths = tuple(int(w) for w in args.widths.split(","))
     if args.prepare:
@@ -63,7 +63,9 @@ def main() -> None:
             micro_loss.backward()
             loss += micro_loss.item()
         step.commit(loss=loss)
-    if args.save and session.rank == 0:
+    # Only a member that trained to the end gets here (a replica the job completed
+    # without leaves inside steps()); every member holds the same model: one saves it.
+    if args.save and session.is_primary:
         torch.save(model.state_dict(), args.save)
     session.close()
 

@@ -8,6 +8,8 @@ and runs its usual loop over :meth:`ElasticSession.steps`::
         for (x, y), weight in step.batches():
             (loss_fn(model(x), y) * weight).backward()
         step.commit()
+    if session.is_primary:
+        torch.save(model.state_dict(), path)
     session.close()
 
 What the session does around that loop:
@@ -30,6 +32,14 @@ What the session does around that loop:
   highest step any of them committed, by one all-reduce); members behind it,
   and joiners, receive model, optimizer, RNG and step from the lowest rank
   that has it, peer to peer (:mod:`.state`).
+* **Who holds the result.** ``session.rank`` is None until the replica is a
+  member; :attr:`ElasticSession.is_primary` is True only on rank 0 of the last
+  generation it applied (alone: always). A replica the job completes without
+  (still starting or waiting to join when the last step is committed) never
+  returns from :meth:`ElasticSession.steps`: it raises
+  :class:`JobCompletedWithoutThisReplica`, a ``SystemExit`` with status 0, so
+  code after the loop (a save of its untrained parameters) does not run. A
+  stop (the agent's SIGTERM) while waiting ends the process by the signal.
 * **Data.** Step ``s`` trains on the samples :class:`~.data.ElasticOrder`
   assigns to ``(epoch, step)`` and this rank, in micro-batches weighted by
   ``len / global_batch``; gradients are *summed*, so the global batch and
@@ -110,6 +120,26 @@ class Aborted(Exception):
 
 class Dropped(RuntimeError):
     """This replica is not a member of the job's newest generation."""
+
+
+class JobCompletedWithoutThisReplica(SystemExit):
+    """The job's last step was committed before this replica became a member.
+
+    It holds no trained state (its parameters are the initial ones), so nothing
+    after the training loop may run as if it did. Raised by
+    :meth:`ElasticSession.steps` after :meth:`ElasticSession.close`: a ``SystemExit``
+    with status 0, so ``except Exception`` does not catch it, ``finally`` blocks and
+    context managers still run, and the process ends as a successful one (the job's
+    completion is not its failure).
+    """
+
+    def __init__(self, job_id: str, replica_id: str, step: int) -> None:
+        super().__init__(0)
+        self.job_id, self.replica_id, self.step = job_id, replica_id, step
+
+    def __str__(self) -> str:
+        return (f"{self.job_id} completed (step {self.step}) before {self.replica_id} "
+                "became a member: it holds no trained state")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -210,7 +240,9 @@ class ElasticSession:
         self._sitting_out: tuple[int, list[int]] | None = None
         self.committed = 0  # steps committed: the next step to run
         self.generation: Generation | None = None
-        self.rank = 0
+        # None while not a member (never taken in, or dropped): such a replica holds no
+        # trained state, and `rank == 0` must not single it out to save.
+        self.rank: int | None = 0 if bus is None else None
         self.world_size = 1
         self.pg: dist.ProcessGroup | None = None
         self.last_step_s = 0.0
@@ -417,22 +449,53 @@ class ElasticSession:
 
     # --- the training loop ---------------------------------------------------------------
 
+    @property
+    def is_primary(self) -> bool:
+        """Whether this replica is the one to write what the training produced.
+
+        True alone (world size 1), and under phalanx on the member that is rank 0 of
+        the last generation it applied; False on a replica that never became a member
+        or was dropped. After :meth:`steps` returns, every member holds the same final
+        state, so saving on the primary writes it once::
+
+            if session.is_primary:
+                torch.save(model.state_dict(), path)
+        """
+        return self.rank == 0
+
     def steps(self, total_steps: int) -> Iterator[Step]:
         """Steps ``committed .. total_steps-1``; a step aborted by a fault is run again.
 
+        Returns only on a replica that committed step ``total_steps - 1``.
+
         Raises:
             Dropped: this replica is no longer a member (it was judged failed).
+            JobCompletedWithoutThisReplica: the job completed before this replica became
+                a member (a ``SystemExit`` with status 0, raised after :meth:`close`).
         """
         self._total_steps = total_steps
         while self.committed < total_steps:
             if not self._ensure_membership(total_steps):
-                return  # the job finished before this replica could join
+                self._leave_without_joining()
             if self.chaos_kill == (self.committed, "boundary"):
                 self._chaos_kill()
             step = Step(self, self.committed)
             yield step
             if step.outcome is None:
                 raise RuntimeError(f"step {step.index} was not committed: call step.commit()")
+
+    def _leave_without_joining(self) -> None:
+        """The job completed before this replica became a member: end the process (status
+        0) without returning into the script, whose post-training code would otherwise
+        treat the untrained parameters as the result."""
+        with self._lock:
+            finished = self._inbox.finished_step
+        completed = JobCompletedWithoutThisReplica(self.job_id, self.replica_id, finished)
+        log.info("%s", completed)
+        if self._record is not None:
+            self._record.write(kind="left", step=finished)
+        self.close()
+        raise completed
 
     def _chaos_kill(self) -> None:
         """Fault injection: die now, as a SIGKILLed rank does (recorded first)."""
@@ -459,6 +522,7 @@ class ElasticSession:
                                        or newest.generation > self.generation.generation):
                 if newest.member(self.replica_id) is None:
                     if self.generation is not None:
+                        self.rank = None  # its state is no longer the job's
                         raise Dropped(f"{self.replica_id} is not a member of generation "
                                       f"{newest.generation} of {self.job_id}")
                 else:
@@ -471,8 +535,9 @@ class ElasticSession:
                         if newest.generation == self._newest_number():
                             self._wait_for_newer(newest.generation, total_steps)
                         continue
-            self._wait_for_newer(self.generation.generation if self.generation else -1,
-                                 total_steps)
+            # Here the newest generation is this replica's own, or one it is not in (and it
+            # never was a member): wait for a newer one than that.
+            self._wait_for_newer(-1 if newest is None else newest.generation, total_steps)
 
     def _newest_number(self) -> int:
         with self._lock:
@@ -767,7 +832,7 @@ class ElasticSession:
             self._reduce = self._bucketed(step)
 
     def close(self) -> None:
-        """Leave: flush the record, stop the bus thread.
+        """Leave: flush the record, stop the bus thread (idempotent).
 
         A rank that trained in process groups then exits without tearing gloo down:
         once its peers have gone, gloo's destructors throw (``std::terminate``) on
@@ -914,5 +979,8 @@ class _Record:
         os.write(self.fd, (json.dumps({"t": time.time(), **fields}) + "\n").encode())
 
     def close(self) -> None:
+        if self.fd < 0:
+            return  # closed already: the number may belong to another file by now
         with contextlib.suppress(OSError):
             os.close(self.fd)
+        self.fd = -1
