@@ -134,6 +134,12 @@ async def process(delivery: Delivery, data: bytes, message_type: type[M], handle
             raise Failed("500", counters.last_error) from exc
 
 
+def _quiet_tls_close(record: logging.LogRecord) -> bool:
+    """Drop asyncio's warning that nats-py's protocol asks to half-close a TLS connection
+    (printed at every close of one, it says nothing to a user)."""
+    return "eof_received() has no effect when using ssl" not in record.getMessage()
+
+
 class Bus:
     """A connected NATS client speaking phalanx's wire contract.
 
@@ -281,6 +287,7 @@ class Bus:
             inbox_prefix=config.inbox_prefix,
         )
         if config.uses_tls:
+            logging.getLogger("asyncio").addFilter(_quiet_tls_close)
             context = ssl.create_default_context(cafile=config.tls_ca_file)
             if config.tls_cert_file:
                 context.load_cert_chain(config.tls_cert_file, config.tls_key_file)

@@ -30,14 +30,85 @@ EXIT_USAGE = 2
 
 
 def _bus_config(args: argparse.Namespace):
-    from phalanx.bus.config import BusConfig
+    from phalanx.bus.config import CREDENTIAL_VARS, BusConfig
+    from phalanx.services.auth.issuer import AuthDir
+    from phalanx.services.auth.roles import Role
     from phalanx.services.cluster import ClusterState
 
     url = args.nats
+    env = dict(os.environ)
     if url is None and not os.environ.get("PHALANX_NATS_URL"):
         state = ClusterState.read(Path(args.data_dir))
         url = state.nats_url if state else None
-    return BusConfig.load(args.config, servers=[url] if url else None)
+        if state is not None and state.auth_dir is not None:
+            # A secured local cluster: the operator's identity, unless the environment
+            # names another (a viewer's, say).
+            auth = AuthDir(state.auth_dir)
+            env.setdefault("PHALANX_NATS_CA", str(auth.ca_path))
+            if not CREDENTIAL_VARS & env.keys():
+                env.update(auth.env(Role.CLI))
+    return BusConfig.load(args.config, env=env, servers=[url] if url else None)
+
+
+# --- auth ----------------------------------------------------------------------------------
+
+
+def cmd_auth(args: argparse.Namespace) -> int:
+    """Make an auth directory, or add a node's or a job's identity to one. Prints names,
+    public keys and paths; never a seed."""
+    from phalanx.services.auth.issuer import AuthDir
+    from phalanx.services.auth.roles import Role
+
+    if args.action == "init":
+        auth = AuthDir.init(args.dir, nodes=args.node, hosts=args.host)
+        print(f"made {auth.root}: server config {auth.config_path}, CA {auth.ca_path}")
+        for who in auth.identities():
+            print(f"  {who.name:<24} {who.public_key}  {auth.seed_path(who.role, who.scope)}")
+        print("start nats-server with `-c` that config; point each process at its identity "
+              "with PHALANX_NATS_NKEY, PHALANX_NATS_INBOX_PREFIX and PHALANX_NATS_CA "
+              "(docs/security.md)")
+        return 0
+    role = Role.AGENT if args.action == "add-node" else Role.RANK
+    auth = AuthDir(args.dir)
+    who, made = auth.add(role, args.id)
+    seed = auth.seed_path(role, args.id)
+    if made:
+        print(f"made {who.name} ({who.public_key}), seed {seed}; have nats-server reload its "
+              f"config (SIGHUP) to admit it")
+    else:
+        print(f"{who.name} exists ({who.public_key}), seed {seed}")
+    return 0
+
+
+async def _admit_job(args: argparse.Namespace, job_id: str, timeout_s: float = 10.0) -> None:
+    """On a secured local cluster, make the job's identity before its ranks need it: the
+    server reloads its config, and this returns once it admits the job's identity."""
+    from phalanx.bus.client import Bus
+    from phalanx.bus.config import BusConfig, with_identity
+    from phalanx.bus.errors import BusUnavailable
+    from phalanx.services.auth.issuer import AuthDir
+    from phalanx.services.auth.roles import Role
+    from phalanx.services.cluster import ClusterState
+    from phalanx.services.natsd import reload_config
+
+    state = ClusterState.read(Path(args.data_dir))
+    if args.nats or state is None or state.auth_dir is None or state.nats_pid is None:
+        return
+    auth = AuthDir(state.auth_dir)
+    _, made = auth.add(Role.RANK, job_id)
+    if not made:
+        return
+    reload_config(state.nats_pid)
+    config = BusConfig.load(env=with_identity(os.environ, auth.env(Role.RANK, job_id)),
+                            servers=[state.nats_url], connect_timeout_s=1.0)
+    deadline = time.monotonic() + timeout_s
+    while True:  # each attempt is bounded by the connect timeout
+        try:
+            await (await Bus.connect(config, name="phalanx-cli")).close()
+            return
+        except BusUnavailable:
+            if time.monotonic() > deadline:
+                raise
 
 
 # --- agent ---------------------------------------------------------------------------------
@@ -93,10 +164,12 @@ def _record_row(record) -> dict:
 
 
 def cmd_submit(args: argparse.Namespace) -> int:
-    from phalanx.services.client import load_job_spec
+    from phalanx.services.client import load_job_spec, new_job_id
 
     spec = load_job_spec(args.file)
-    record = asyncio.run(_with_client(args, lambda c: c.submit(spec, args.job_id)))
+    job_id = args.job_id or new_job_id(spec.name)
+    asyncio.run(_admit_job(args, job_id))
+    record = asyncio.run(_with_client(args, lambda c: c.submit(spec, job_id)))
     if args.json:
         print(json.dumps(_record_row(record), indent=2))
     else:
@@ -389,7 +462,8 @@ async def _up(args: argparse.Namespace, data_dir: Path) -> int:
         nats_url=args.nats, nats_port=args.nats_port,
         heartbeat_interval_s=args.heartbeat_interval, lost_after_s=args.lost_after,
         admission_instances=args.admission, health_instances=args.health,
-        elasticity_instances=args.elasticity, config_path=args.config)
+        elasticity_instances=args.elasticity, config_path=args.config,
+        auth_dir=data_dir / "auth" if args.secure else None)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -427,7 +501,8 @@ async def _live_status(args: argparse.Namespace, nats_url: str, stop: asyncio.Ev
     from rich.live import Live
     from rich.text import Text
 
-    args.nats = nats_url
+    if not args.secure:  # secured, the recorded cluster gives the operator's identity too
+        args.nats = nats_url
     header = Text(f"phalanx up — NATS {nats_url}, data in {args.data_dir}; Ctrl-C stops")
     with Live(header, refresh_per_second=2) as live:
         while not stop.is_set():
@@ -485,6 +560,8 @@ def _rebuild_argv(args: argparse.Namespace) -> list[str]:
         argv += ["--nats", args.nats]
     if args.config:
         argv += ["--config", args.config]
+    if args.secure:
+        argv.append("--secure")
     return argv
 
 
@@ -535,6 +612,9 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--elasticity", type=int, default=1, metavar="N",
                     help="elasticity service instances (one leads, the others stand by)")
     up.add_argument("--detach", "-d", action="store_true", help="run in the background")
+    up.add_argument("--secure", action="store_true",
+                    help="TLS and per-role permissions on the bus, every process as its own "
+                         "identity (auth directory <data-dir>/auth, made if missing)")
     up.add_argument("--notify-fd", type=int, help=argparse.SUPPRESS)
     up.set_defaults(func=cmd_up)
 
@@ -610,6 +690,22 @@ def build_parser() -> argparse.ArgumentParser:
     node.add_argument("action", choices=["cordon", "uncordon"])
     node.add_argument("node")
     node.set_defaults(func=cmd_node)
+
+    auth = sub.add_parser("auth", help="bus identities and permissions (docs/security.md)")
+    auth_sub = auth.add_subparsers(dest="action", required=True)
+    init = auth_sub.add_parser("init", help="make an auth directory: CA, server config, an "
+                                            "identity per role")
+    init.add_argument("dir")
+    init.add_argument("--node", action="append", default=[], metavar="NODE",
+                      help="also make this node's agent identity (repeatable)")
+    init.add_argument("--host", action="append", default=[], metavar="HOST",
+                      help="a name or IP clients dial the server by, for its certificate "
+                           "(repeatable; loopback and this host are always in)")
+    for name, what in (("add-node", "a node's agent"), ("add-job", "a job's ranks")):
+        add = auth_sub.add_parser(name, help=f"add {what} identity")
+        add.add_argument("dir")
+        add.add_argument("id", metavar=name.removeprefix("add-").upper())
+    auth.set_defaults(func=cmd_auth)
 
     agent = sub.add_parser("agent", parents=[common, lost_after], help="run a node agent")
     agent.add_argument("--node-id")

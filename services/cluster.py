@@ -10,6 +10,12 @@ parent-death signal, so even a SIGKILLed ``phalanx up`` leaves nothing behind.
 
 Agents that die are *not* restarted: a killed agent must show as lost, as it
 would on a real machine.
+
+With an auth directory (``phalanx up --secure``, docs/security.md) the server
+runs with its config — NKEY users with per-role permissions, TLS on the client
+port — and every process connects as its own identity: each service as its
+role, each agent as its node, this supervisor as the operator (cli), and ranks
+as their job (agents read the jobs' seeds from the directory's ``ranks/``).
 """
 
 from __future__ import annotations
@@ -26,14 +32,16 @@ import time
 from pathlib import Path
 
 from phalanx.bus.client import Bus, Delivery
-from phalanx.bus.config import BusConfig
+from phalanx.bus.config import BusConfig, with_identity
 from phalanx.bus.errors import RemoteError
 from phalanx.schemas import subjects
 from phalanx.schemas.errors import PhalanxError
 from phalanx.schemas.messages import NodeHeartbeat
 from phalanx.services.agent.ranks import MANIFEST, start_ticks
+from phalanx.services.auth.issuer import AuthDir
+from phalanx.services.auth.roles import Role
 from phalanx.services.client import AdmissionClient
-from phalanx.services.natsd import NatsServer, NatsServerError, _die_with_parent
+from phalanx.services.natsd import NatsServer, NatsServerError, _die_with_parent, reload_config
 
 log = logging.getLogger("phalanx.cluster")
 STATE_FILE = "up.json"
@@ -53,6 +61,7 @@ class ClusterState:
     agents: dict[str, int]  # node id -> pid
     started_at: float
     services: dict[str, int] = dataclasses.field(default_factory=dict)  # instance -> pid
+    auth_dir: str | None = None  # the auth directory of a secured cluster
 
     @classmethod
     def read(cls, data_dir: Path) -> ClusterState | None:
@@ -87,6 +96,8 @@ class LocalCluster:
         nats_port: port of the embedded server (0 = any free port).
         heartbeat_interval_s / lost_after_s: passed to each agent.
         ready_timeout_s: how long :meth:`start` waits for every agent's first heartbeat.
+        auth_dir: run secured with this auth directory (made if missing): the embedded
+            server with its config, every process as its own identity.
     """
 
     def __init__(self, data_dir: Path, *, agents: int = 2, slots_per_agent: int = 2,
@@ -94,7 +105,7 @@ class LocalCluster:
                  heartbeat_interval_s: float = 0.5, lost_after_s: float = 3.0,
                  admission_instances: int = 1, health_instances: int = 1,
                  elasticity_instances: int = 1, config_path: str | None = None,
-                 ready_timeout_s: float = 30.0) -> None:
+                 ready_timeout_s: float = 30.0, auth_dir: Path | None = None) -> None:
         if agents < 0:
             raise ClusterError(f"--agents must be >= 0, got {agents}")
         if slots_per_agent < 1:
@@ -119,7 +130,9 @@ class LocalCluster:
         self.nats: NatsServer | None = None
         self.agents: dict[str, asyncio.subprocess.Process] = {}
         self.services: dict[str, asyncio.subprocess.Process] = {}
-        self._argv: dict[str, tuple[str, ...]] = {}  # log name -> what it was started with
+        # log name -> what it was started with: arguments, and its identity's variables
+        self._argv: dict[str, tuple[tuple[str, ...], dict[str, str]]] = {}
+        self.auth = AuthDir(auth_dir) if auth_dir is not None else None
         self.bus: Bus | None = None
 
     @property
@@ -140,12 +153,17 @@ class LocalCluster:
                 f"a local cluster already runs from {self.data_dir} (pid {running.pid}, "
                 f"{running.nats_url}); stop it with `phalanx down`"
             )
+        if self.auth is not None:
+            if not self.auth.exists:
+                await asyncio.to_thread(AuthDir.init, self.auth.root)
+            for i in range(self.n_agents):  # known before the server starts: no reload
+                self.auth.add(Role.AGENT, f"local-{i}")
         if self.nats_url is None:
-            self.nats = NatsServer(self.data_dir / "jetstream", port=self.nats_port,
-                                   log_path=self.logs_dir / "nats.log")
+            self.nats = self._nats_server(self.nats_port)
             await asyncio.to_thread(self.nats.start)
             self.nats_url = self.nats.url
-        self.bus = await Bus.connect(BusConfig.load(servers=[self.nats_url]), name="phalanx-up")
+        self.bus = await Bus.connect(BusConfig.load(env=self._identity(Role.CLI),
+                                                    servers=[self.nats_url]), name="phalanx-up")
         seen: set[str] = set()
         all_seen = asyncio.Event()
 
@@ -164,7 +182,8 @@ class LocalCluster:
             for i in range(count):
                 instance = service if i == 0 else f"{service}-{i}"
                 self.services[instance] = await self._spawn(
-                    instance, f"phalanx.services.{service}", "--instance", instance, *extra)
+                    instance, f"phalanx.services.{service}", "--instance", instance, *extra,
+                    identity=self._identity(Role(service)))
         for i in range(self.n_agents):
             await self.start_agent(f"local-{i}", f"domain-{i % 2}")
         if not self.agents:
@@ -205,10 +224,31 @@ class LocalCluster:
         raise ClusterError(f"no admission leader within {self.ready_timeout_s:g} s ({cause}); "
                            f"see {self.logs_dir}")
 
-    async def _spawn(self, name: str, *argv: str) -> asyncio.subprocess.Process:
-        self._argv[name] = argv
+    def _nats_server(self, port: int) -> NatsServer:
+        return NatsServer(self.data_dir / "jetstream", port=port,
+                          log_path=self.logs_dir / "nats.log",
+                          config_file=self.auth.config_path if self.auth else None)
+
+    def _identity(self, role: Role, scope: str | None = None) -> dict[str, str]:
+        """The variables that make a process connect as ``role`` (an identity made, and the
+        running server told, if it is new); none when not secured."""
+        if self.auth is None:
+            return {}
+        _, made = self.auth.add(role, scope)
+        if made and self.nats is not None and self.nats.process is not None:
+            reload_config(self.nats.process.pid)
+        env = self.auth.env(role, scope)
+        if role is Role.AGENT:
+            env["PHALANX_AGENT_RANK_KEYS_DIR"] = str(self.auth.ranks_dir)
+        return env
+
+    async def _spawn(self, name: str, *argv: str,
+                     identity: dict[str, str] | None = None) -> asyncio.subprocess.Process:
+        self._argv[name] = (argv, identity or {})
         log_file = (self.logs_dir / f"{name}.log").open("ab")
         env = {**os.environ, "PHALANX_NATS_URL": self.nats_url or ""}
+        if identity:
+            env = with_identity(env, identity)
         if self.config_path:
             env["PHALANX_CONFIG"] = self.config_path
         try:
@@ -225,13 +265,15 @@ class LocalCluster:
         if name not in processes:
             raise ClusterError(f"no service instance or agent named {name!r}")
         log_name = f"agent-{name}" if processes is self.agents else name
-        processes[name] = await self._spawn(log_name, *self._argv[log_name])
+        argv, identity = self._argv[log_name]
+        processes[name] = await self._spawn(log_name, *argv, identity=identity)
         self.state().write(self.data_dir)
         return processes[name]
 
     async def _start_admission(self, instance: str) -> None:
         self.services[instance] = await self._spawn(
-            instance, "phalanx.services.admission", "--instance", instance)
+            instance, "phalanx.services.admission", "--instance", instance,
+            identity=self._identity(Role.ADMISSION))
 
     async def start_agent(self, node_id: str, domain: str) -> None:
         self.agents[node_id] = await self._spawn(
@@ -239,7 +281,8 @@ class LocalCluster:
             "--slots", str(self.slots_per_agent), "--failure-domain", domain,
             "--heartbeat-interval", str(self.heartbeat_interval_s),
             "--lost-after", str(self.lost_after_s),
-            "--work-dir", str(self.data_dir / "agents" / node_id))
+            "--work-dir", str(self.data_dir / "agents" / node_id),
+            identity=self._identity(Role.AGENT, node_id))
 
     async def keep_nats(self, stop: asyncio.Event, restart_after_s: float = 1.0,
                         attempts: int = 5) -> bool:
@@ -259,8 +302,7 @@ class LocalCluster:
                 return False
             log.warning("nats-server exited with %s; starting it again", server.returncode)
             await asyncio.sleep(restart_after_s)
-            replacement = NatsServer(self.data_dir / "jetstream", port=self.nats.port,
-                                     log_path=self.logs_dir / "nats.log")
+            replacement = self._nats_server(self.nats.port)
             try:
                 await asyncio.to_thread(replacement.start)
             except NatsServerError as exc:
@@ -282,6 +324,7 @@ class LocalCluster:
             nats_pid=self.nats.process.pid if self.nats and self.nats.process else None,
             agents={n: p.pid for n, p in self.agents.items()}, started_at=time.time(),
             services={n: p.pid for n, p in self.services.items()},
+            auth_dir=str(self.auth.root) if self.auth else None,
         )
 
     async def stop(self, grace_s: float = 10.0) -> None:

@@ -52,6 +52,12 @@ def _die_with_parent() -> None:
         pass
 
 
+def reload_config(pid: int) -> None:
+    """Have the server ``pid`` read its config file again (SIGHUP): new users and
+    permissions take effect for new connections; no connection is dropped."""
+    os.kill(pid, signal.SIGHUP)
+
+
 class NatsServer:
     """One ``nats-server`` process with JetStream, storing under ``store_dir``.
 
@@ -93,8 +99,12 @@ class NatsServer:
         """
         self.store_dir.mkdir(parents=True, exist_ok=True)
         args = [server_binary(), "-a", self.host, "-p", str(self.port or -1), "-js",
-                "-sd", str(self.store_dir), "-n", f"phalanx-{os.getpid()}"]
-        if self.config_file is not None:
+                "-sd", str(self.store_dir)]
+        if self.config_file is None:
+            args += ["-n", f"phalanx-{os.getpid()}"]
+        else:
+            # A reload (SIGHUP, to admit new identities) refuses a server name given on the
+            # command line but not in the file, so the server keeps its generated one.
             args += ["-c", str(self.config_file)]
         self.process = subprocess.Popen(
             args, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,

@@ -13,9 +13,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import subprocess
 import sys
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from pathlib import Path
 
 import nats.js.errors
 import pytest
@@ -335,3 +337,32 @@ async def test_a_viewer_reads_but_cannot_submit_or_cancel(connect: Connect) -> N
     assert (await viewer.job("job-c")) is None
     assert (await viewer.job("job-view")).state is not JobState.CANCELLED
     assert (await cli.cancel("job-view")).state is JobState.CANCELLED
+
+
+# --- the auth directory ----------------------------------------------------------------------
+
+
+def test_auth_commands_print_no_seed_and_keep_seeds_private(tmp_path: Path) -> None:
+    root = tmp_path / "auth"
+    outputs = [cli("auth", "init", str(root), "--node", "n1", "--host", "bus.example"),
+               cli("auth", "add-node", str(root), "n2"),
+               cli("auth", "add-job", str(root), "j1"),
+               cli("auth", "add-job", str(root), "j1")]  # again: it exists, nothing new
+    assert "exists" in outputs[-1].stdout
+    again = cli("auth", "init", str(root), check=False)
+    assert again.returncode == 1 and "already holds an auth directory" in again.stderr
+    seeds = sorted(root.rglob("*.nk"))
+    assert len(seeds) == 6 + 2 + 1
+    for path in seeds:
+        assert path.stat().st_mode & 0o777 == 0o600
+        seed = path.read_text()
+        assert not any(seed[2:20] in o.stdout + o.stderr for o in [*outputs, again])
+    # The server config holds public keys only.
+    assert not any(path.read_text()[2:20] in (root / "nats.conf").read_text() for path in seeds)
+
+
+def cli(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+    result = subprocess.run([sys.executable, "-m", "phalanx.services.cli", *args],
+                            capture_output=True, text=True, timeout=60)
+    assert not check or result.returncode == 0, result.stderr
+    return result

@@ -1,0 +1,110 @@
+"""Each role's permissions, checked as subject matching the way nats-server does it."""
+
+from __future__ import annotations
+
+import pytest
+
+from phalanx.schemas import subjects as s
+from phalanx.services.auth.roles import STATIC_ROLES, Role, identity, permissions
+from phalanx.services.elasticity import service as elasticity_service
+from phalanx.services.health import service as health_service
+
+
+def matches(pattern: str, subject: str) -> bool:
+    """NATS subject matching: ``*`` is one token, a final ``>`` one or more."""
+    want, have = pattern.split("."), subject.split(".")
+    for i, token in enumerate(want):
+        if token == ">":
+            return len(have) > i
+        if i >= len(have) or (token != "*" and token != have[i]):
+            return False
+    return len(want) == len(have)
+
+
+def everyone() -> list[tuple[Role, str | None]]:
+    return [*((r, None) for r in STATIC_ROLES), (Role.AGENT, "node-a"), (Role.AGENT, "node-b"),
+            (Role.RANK, "job-a"), (Role.RANK, "job-b")]
+
+
+def who_may_publish(subject: str) -> set[str]:
+    return {identity(role, scope) for role, scope in everyone()
+            if any(matches(p, subject) for p in permissions(role, scope).publish)}
+
+
+def who_may_subscribe(subject: str) -> set[str]:
+    return {identity(role, scope) for role, scope in everyone()
+            if any(matches(p, subject) for p in permissions(role, scope).subscribe)}
+
+
+def test_the_matcher_follows_nats_wildcards() -> None:
+    assert matches("a.*.c", "a.b.c") and not matches("a.*.c", "a.b.d")
+    assert matches("a.>", "a.b.c") and not matches("a.>", "a")
+    assert not matches("a.b", "a.b.c")
+
+
+@pytest.mark.parametrize(("subject", "allowed"), [
+    (s.admission_submit(), {"cli"}),
+    (s.admission_cancel(), {"cli"}),
+    (s.admission_requeue(), {"elasticity"}),
+    (s.admission_explain(), {"cli", "viewer"}),
+    (s.job_fault("job-a"), {"health"}),
+    (s.job_state("job-a"), {"admission", "health"}),
+    (s.job_generation("job-a"), {"elasticity"}),
+    (s.agent_launch("node-a"), {"elasticity"}),
+    (s.agent_chaos("node-a"), {"cli"}),
+    (s.node_heartbeat("node-a"), {"agent-node-a"}),
+    (s.health_rank("job-a", 3), {"rank-job-a"}),
+    (s.replica_ready("job-a"), {"rank-job-a"}),
+    (s.generation_applied("job-b"), {"rank-job-b"}),
+    (s.rank_exited("job-a"), {"agent-node-a", "agent-node-b"}),
+    (s.kv_key(s.JOBS_BUCKET, "job-a"), {"admission", "health"}),
+    (s.kv_key(s.NODES_BUCKET, "node-a"), {"agent-node-a", "health", "cli"}),
+    (s.kv_key(s.GENERATIONS_BUCKET, "job-a"), {"elasticity"}),
+    (s.kv_key(s.LEASES_BUCKET, "health"), {"health"}),
+    (s.kv_key(s.CURSORS_BUCKET, "elasticity"), {"elasticity"}),
+])
+def test_who_may_publish(subject: str, allowed: set[str]) -> None:
+    assert who_may_publish(subject) == allowed
+
+
+@pytest.mark.parametrize(("subject", "allowed"), [
+    (s.admission_submit(), {"admission", "cli", "viewer"}),
+    (s.agent_launch("node-a"), {"agent-node-a", "cli", "viewer"}),
+    (s.job_generation("job-a"), {"rank-job-a", "cli", "viewer"}),
+    (s.job_fault("job-b"), {"rank-job-b", "cli", "viewer"}),
+    (f"{s.inbox('cli')}.abc", {"cli"}),
+    ("_INBOX.abc", set()),
+])
+def test_who_may_subscribe(subject: str, allowed: set[str]) -> None:
+    assert who_may_subscribe(subject) == allowed
+
+
+def test_the_viewer_changes_nothing() -> None:
+    granted = permissions(Role.VIEWER)
+    assert not granted.responds
+    for subject in granted.publish:
+        assert subject.startswith(("$JS.API.STREAM.INFO", "$JS.API.STREAM.MSG.GET",
+                                   "$JS.API.DIRECT.GET", "$JS.API.CONSUMER.", "$JS.FC.",
+                                   "$SRV.")) \
+            or subject in (s.admission_explain(), s.any_id(s.agent_status)), subject
+
+
+def test_only_services_and_agents_answer_requests() -> None:
+    answer = {identity(r, sc) for r, sc in everyone() if permissions(r, sc).responds}
+    assert answer == {"admission", "health", "elasticity", "checkpoint", "agent-node-a",
+                      "agent-node-b"}
+
+
+def test_a_service_may_write_only_its_own_lease_and_cursor() -> None:
+    # The permission names the key the service uses: they must not drift apart.
+    assert Role.HEALTH.value == health_service.LEASE_KEY
+    assert Role.ELASTICITY.value == elasticity_service.LEASE_KEY
+
+
+def test_a_scoped_role_needs_its_scope_and_a_static_one_takes_none() -> None:
+    with pytest.raises(ValueError):
+        identity(Role.AGENT)
+    with pytest.raises(ValueError):
+        identity(Role.CLI, "x")
+    with pytest.raises(ValueError):
+        identity(Role.RANK, "job.>")  # an id can never widen a permission
