@@ -11,7 +11,7 @@ import torch
 from phalanx.runtime import record
 from phalanx.runtime.data import ElasticOrder
 from phalanx.runtime.dataset import MemmapDataset, write_arrays
-from phalanx.runtime.elastic import ElasticSession
+from phalanx.runtime.elastic import ElasticSession, JobCompletedWithoutThisReplica
 from phalanx.schemas.errors import ConfigError
 
 
@@ -68,6 +68,21 @@ def test_a_step_that_is_not_committed_is_an_error(tmp_path: Path) -> None:
     next(steps)
     with pytest.raises(RuntimeError, match="step 0 was not committed"):
         next(steps)
+
+
+def test_alone_the_replica_is_the_primary(tmp_path: Path) -> None:
+    model = torch.nn.Linear(4, 2)
+    session = ElasticSession(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                             dataset(tmp_path), global_batch=8)
+    assert (session.rank, session.world_size, session.is_primary) == (0, 1, True)
+
+
+def test_a_replica_the_job_completed_without_exits_with_status_0_past_except_exception() -> None:
+    completed = JobCompletedWithoutThisReplica("j", "r1-1", 700)
+    assert isinstance(completed, SystemExit) and completed.code == 0
+    assert not isinstance(completed, Exception)  # a script's `except Exception` lets it pass
+    assert str(completed) == "j completed (step 700) before r1-1 became a member: it holds " \
+        "no trained state"
 
 
 @pytest.mark.parametrize("value", ["r0-0:5", "r0-0:x:boundary", "r0-0:5:middle"])
