@@ -40,6 +40,7 @@ from phalanx.schemas.messages import (
     JobState,
     Placement,
     RankProgress,
+    RankStarted,
     ReplicaRange,
 )
 from phalanx.services.client import AdmissionClient
@@ -273,6 +274,31 @@ async def test_two_faults_within_one_step(
     assert repaired(records, faults[-1].generation)
     steps = check_run(rec, tmp_path / "final.pt", reference)
     assert min(s.world_size for s in steps) == 2  # both faults took effect
+
+
+async def test_a_replacement_still_starting_when_the_job_completes_saves_nothing(
+        cluster, data_dir: Path, reference: dict, tmp_path: Path) -> None:
+    """r1-0 dies 10 steps before the end: its replacement starts (importing torch takes
+    seconds) while the survivors finish, and is stopped without ever joining. Every
+    replica runs the script's save: only the trained model may end up on disk."""
+    _, bus, _ = cluster
+    started: list[RankStarted] = []
+
+    async def watch_starts(job_id: str, watch: Watch) -> None:
+        async def on_started(message: RankStarted, _: Delivery) -> None:
+            started.append(message)
+
+        await bus.subscribe(subjects.rank_started(job_id), RankStarted, on_started)
+
+    rec, generations = await run_job(
+        cluster, data_dir, tmp_path, "late", watch_starts,
+        env={"PHALANX_CHAOS_KILL": f"r1-0:{STEPS - 10}:boundary"})
+    assert [(g.reason, g.world_size) for g in generations] == [
+        (GenerationReason.START, 4), (GenerationReason.FAULT, 3)]
+    assert "r1-1" in {s.replica_id for s in started}  # the replacement was launched
+    late = record.read(rec).get("r1-1", [])
+    assert not [line for line in late if line["kind"] in ("batch", "commit")], late
+    check_run(rec, tmp_path / "final.pt", reference)
 
 
 def pids_of(job_id: str, node_id: str) -> list[int]:
