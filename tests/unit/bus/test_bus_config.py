@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from phalanx.bus.config import DEFAULT_URL, BusConfig
+from phalanx.bus.config import DEFAULT_URL, BusConfig, with_identity
 from phalanx.schemas.errors import ConfigError, PhalanxError
 
 
@@ -267,3 +267,19 @@ def test_wrongly_typed_file_values_are_config_errors(tmp_path: Path, body: str,
                                                      field: str) -> None:
     path = write_toml(tmp_path, f"[bus]\n{body}\n")
     config_error(field, path=path, env={})
+
+
+def test_a_child_with_an_identity_never_keeps_its_parents_credentials() -> None:
+    parent = {"PHALANX_NATS_NKEY": "/agent.nk", "PHALANX_NATS_USER": "u",
+              "PHALANX_NATS_PASSWORD": "p", "PHALANX_NATS_INBOX_PREFIX": "_INBOX.agent-a",
+              "PHALANX_NATS_CA": "/ca.pem", "PATH": "/bin"}
+    child = with_identity(parent, {"PHALANX_NATS_NKEY": "/job.nk"})
+    assert child == {"PHALANX_NATS_NKEY": "/job.nk", "PHALANX_NATS_CA": "/ca.pem",
+                     "PATH": "/bin"}
+
+
+def test_an_inbox_prefix_cannot_widen_a_subscription() -> None:
+    assert BusConfig.load(env={"PHALANX_NATS_INBOX_PREFIX": "_INBOX.rank-j1"}).inbox_prefix \
+        == "_INBOX.rank-j1"
+    with pytest.raises(ConfigError, match="inbox_prefix"):
+        BusConfig.load(env={"PHALANX_NATS_INBOX_PREFIX": "_INBOX.>"})
