@@ -320,11 +320,13 @@ def cmd_chaos(args: argparse.Namespace) -> int:
 
     if args.action == "kill-rank":
         record = asyncio.run(_with_client(args, lambda c: c.job(args.job)))
-        if record is None or args.rank >= len(record.nodes):
+        # The rank is a slot number: slots keep their numbers when a placement shrinks or
+        # grows, so the node is the slot's, not the list position's.
+        node = None if record is None else record.placement().get(args.rank)
+        if node is None:
             print(f"phalanx chaos: {args.job!r} has no running rank {args.rank}",
                   file=sys.stderr)
             return EXIT_FAILED
-        node = record.nodes[args.rank]
         request = ChaosRequest(action=ChaosAction.KILL_RANK, job_id=args.job, rank=args.rank,
                                signal=args.signal)
     else:

@@ -247,8 +247,10 @@ class AdmissionService(Service):
             await self.bus.subscribe(subjects.admission_leader(verb), request_type,
                                      lambda r, d, verb=verb: self._handlers[verb](term, r),
                                      concurrent=True)
+            # Every verb a standby forwards (requeue too: elasticity's requeue reaching a
+            # standby was forwarded to nobody, and the job was dropped).
             for verb, request_type in (("submit", SubmitRequest), ("cancel", JobRequest),
-                                       ("explain", JobRequest))
+                                       ("requeue", RequeueRequest), ("explain", JobRequest))
         ]
         term.serving = True
         try:
