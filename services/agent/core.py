@@ -1,4 +1,4 @@
-"""The agent's registration rules, pure.
+"""The agent's rules, pure: registration, and which replica a slot may run.
 
 An agent may take a node id when no record holds it, when the record is its
 own (same host and pid: a re-registration), when the holder is lost (its
@@ -6,13 +6,29 @@ heartbeat is older than ``lost_after_s``), or when the holder ran on the same
 host and its process is gone: a restarted agent takes its node back at once.
 Two live agents never share an id. Each heartbeat bumps the sequence and time
 and keeps what others set on the record (``cordoned``).
+
+A replica (``r<slot>-<incarnation>``, named by
+:func:`phalanx.services.elasticity.core.replica_id`) is launched at most once
+per node: :func:`launch_verdict` answers a launch request for a slot from the
+replica last launched there. The same replica again is *already launched* —
+a retried or re-sent request (elasticity re-sends its launches after a
+restart: at least once), never a second process, even if the first has
+exited; an older incarnation than the last is refused, since a newer one
+has already replaced it. The shell keeps the last launch of every slot on
+disk, so this holds across agent restarts too.
 """
 
 from __future__ import annotations
 
+import enum
+import re
+
 from phalanx.schemas.errors import PhalanxError
 from phalanx.schemas.messages import NodeInfo, NodeRecord
+from phalanx.services.elasticity.core import replica_id
 from phalanx.services.registry.core import NodeState, view
+
+_REPLICA = re.compile(r"r(\d+)-(\d+)")
 
 
 class NodeIdTaken(PhalanxError, RuntimeError):
@@ -61,3 +77,40 @@ def heartbeat(record: NodeRecord | None, info: NodeInfo, now: float,
         )
     return NodeRecord(node=info, heartbeat_seq=record.heartbeat_seq + 1, heartbeat_at=now,
                       slots_used=slots_used, cordoned=record.cordoned)
+
+
+class LaunchVerdict(enum.Enum):
+    """What a launch request for a slot gets, given the replica last launched there."""
+
+    LAUNCH = "launch"
+    """Nothing launched there yet, or a newer incarnation: start it."""
+    ALREADY_LAUNCHED = "already launched"
+    """This very replica was launched there before (it may have exited): not again."""
+    OUTDATED = "outdated"
+    """An older incarnation than the one last launched there: refused."""
+
+
+def first_replica(slot: int) -> str:
+    """The replica an admitted slot starts with."""
+    return replica_id(slot, 0)
+
+
+def incarnation(replica: str) -> int | None:
+    """The incarnation number of ``r<slot>-<incarnation>``; None for any other name."""
+    match = _REPLICA.fullmatch(replica)
+    return int(match[2]) if match else None
+
+
+def launch_verdict(last: str | None, wanted: str) -> LaunchVerdict:
+    """May ``wanted`` start in a slot whose last launched replica is ``last``?
+
+    Names that carry no incarnation are only told apart by equality.
+    """
+    if last is None:
+        return LaunchVerdict.LAUNCH
+    if wanted == last:
+        return LaunchVerdict.ALREADY_LAUNCHED
+    before, after = incarnation(last), incarnation(wanted)
+    if before is not None and after is not None and after < before:
+        return LaunchVerdict.OUTDATED
+    return LaunchVerdict.LAUNCH

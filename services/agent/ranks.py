@@ -7,7 +7,10 @@ launched, and stops what it no longer wants; a record that is not admitted
 (pending again, cancelled, finished) stops every rank of its job. The
 process in a slot is a *replica*, ``r<slot>-0`` at first; elasticity
 replaces a failed one with ``r<slot>-1`` … through :meth:`RankSet.replace`,
-so a rank that died is never restarted behind elasticity's back.
+so a rank that died is never restarted behind elasticity's back. A replica
+is launched at most once here (:func:`~phalanx.services.agent.core.launch_verdict`):
+a launch request repeated after it started, even after it exited, is
+answered "already launched", one for an older incarnation is refused.
 
 A rank gets the environment a torchrun script expects (``RANK``,
 ``LOCAL_RANK``, ``WORLD_SIZE``, ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR``,
@@ -22,6 +25,10 @@ time (from ``/proc``), so an agent restarted after a crash finds its ranks
 again: one still running is adopted (watched through a pidfd; its exit
 status is then unknown, reported as ``lost``), one that died meanwhile is
 reported ``lost`` at once. Nothing keeps a slot without an agent watching it.
+Beside them the manifest keeps the last replica launched in every slot, with
+the placement it was launched for, so a restarted agent neither starts
+``r<slot>-0`` again in a slot whose replica died nor a replica elasticity
+asks for again.
 """
 
 from __future__ import annotations
@@ -42,7 +49,9 @@ from pathlib import Path
 
 from phalanx.bus.config import with_identity
 from phalanx.runtime import priority
+from phalanx.schemas.errors import PhalanxError
 from phalanx.schemas.messages import ExitCause, JobRecord, JobState, RankExited, RankStarted
+from phalanx.services.agent.core import LaunchVerdict, first_replica, launch_verdict
 
 log = logging.getLogger("phalanx.agent.ranks")
 MANIFEST = "ranks.json"
@@ -71,6 +80,20 @@ def resolves(host: str) -> bool:
 def master_port(job_id: str) -> int:
     """A stable port per job for ``MASTER_PORT`` (29500..39499)."""
     return 29500 + zlib.crc32(job_id.encode()) % 10000
+
+
+class ReplicaOutdated(PhalanxError, ValueError):
+    """A launch request names an older incarnation than the slot's last launched replica."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Replaced:
+    """What :meth:`RankSet.replace` did."""
+
+    pid: int | None
+    """The replica's process; None when it was launched before and has exited."""
+    new: bool
+    """Started now; False: it was launched here before (a repeated request)."""
 
 
 @dataclasses.dataclass
@@ -132,13 +155,18 @@ class RankSet:
         self.host_of = host_of
         self.report = report
         self.ranks: dict[tuple[str, int], Rank] = {}
-        # (job, slot) -> (placement, replica) last launched there: launched once per placement.
+        # (job, slot) -> (placement, replica) last launched there, running or not: a slot's
+        # first replica is launched once per placement, any replica at most once.
         self.launched: dict[tuple[str, int], tuple[tuple[str, ...], str]] = {}
         work_dir.mkdir(parents=True, exist_ok=True)
 
     @property
     def slots_used(self) -> int:
         return sum(r.slots for r in self.ranks.values())
+
+    def jobs(self) -> set[str]:
+        """The jobs with a rank running here or a replica launched here."""
+        return {job for job, _ in self.ranks} | {job for job, _ in self.launched}
 
     # --- desired state ------------------------------------------------------------------
 
@@ -159,35 +187,49 @@ class RankSet:
         for (job_id, slot), running in list(self.ranks.items()):
             if job_id == record.job_id and outdated(slot, running.placement):
                 await self.stop(running)
-        for key in [k for k in self.launched if k[0] == record.job_id]:
-            if outdated(key[1], self.launched[key][0]):
-                del self.launched[key]
+        gone = [k for k in self.launched
+                if k[0] == record.job_id and outdated(k[1], self.launched[k][0])]
+        for key in gone:
+            del self.launched[key]
+        if gone:
+            self._save()
         for slot in sorted(wanted):
             if (record.job_id, slot) not in self.launched:
                 # A slot an elastic job grew into: its replica joins running survivors.
-                await self._launch(record, slot, placement, f"r{slot}-0",
+                await self._launch(record, slot, placement, first_replica(slot),
                                    nice=self.replacement_nice if elastic else None)
 
-    async def replace(self, record: JobRecord, slot: int, replica_id: str) -> int:
-        """Run ``replica_id`` in ``slot``, stopping what runs there first; returns its pid.
+    async def replace(self, record: JobRecord, slot: int, replica_id: str) -> Replaced:
+        """Run ``replica_id`` in ``slot``, stopping what runs there first.
+
+        A replica launched here before, running or exited, is not started again.
 
         Raises:
             LookupError: the job is not admitted with that slot on this node.
+            ReplicaOutdated: a newer incarnation was launched in the slot already.
             OSError: the command cannot start.
         """
         placement = tuple(record.nodes) if record.state is JobState.ADMITTED else ()
         if record.placement().get(slot) != self.node_id:
             raise LookupError(f"slot {slot} of {record.job_id} is not placed on {self.node_id}")
-        running = self.ranks.get((record.job_id, slot))
+        key = (record.job_id, slot)
+        last = self.launched[key][1] if key in self.launched else None
+        running = self.ranks.get(key)
+        match launch_verdict(last, replica_id):
+            case LaunchVerdict.ALREADY_LAUNCHED:
+                pid = running.pid if running is not None and running.replica_id == replica_id \
+                    else None
+                return Replaced(pid, new=False)
+            case LaunchVerdict.OUTDATED:
+                raise ReplicaOutdated(f"{replica_id} is older than {last}, launched in slot "
+                                      f"{slot} of {record.job_id} already")
         if running is not None:
-            if running.replica_id == replica_id:
-                return running.pid  # a retried request
             await self.stop(running)
         entry = await self._launch(record, slot, placement, replica_id,
                                    nice=self.replacement_nice)
         if entry is None:
             raise OSError(f"cannot start {replica_id}: see the agent's log")
-        return entry.pid
+        return Replaced(entry.pid, new=True)
 
     async def stop_replica(self, job_id: str, slot: int, replica_id: str) -> int | None:
         """Stop ``replica_id`` if it is what runs in ``slot``; returns its pid if it ran."""
@@ -241,6 +283,8 @@ class RankSet:
                     stderr=log_file, start_new_session=True)
             except OSError as exc:
                 # The command cannot start (missing binary, no permission): that rank is a crash.
+                # It was launched all the same: a repeated request must not try again.
+                self._save()
                 log.error("cannot start rank %d of %s: %s", rank, record.job_id, exc)
                 await self.report(RankExited(
                     job_id=record.job_id, rank=rank, node_id=self.node_id, pid=1,
@@ -306,6 +350,15 @@ class RankSet:
     async def stop_all(self) -> None:
         await asyncio.gather(*(self.stop(r) for r in list(self.ranks.values())))
 
+    async def drop(self, job_id: str) -> None:
+        """Stop every rank of a job that is gone, and forget its launches."""
+        for (job, _), entry in list(self.ranks.items()):
+            if job == job_id:
+                await self.stop(entry)
+        for key in [k for k in self.launched if k[0] == job_id]:
+            del self.launched[key]
+        self._save()
+
     def _signal_group(self, entry: Rank, sig: signal.Signals) -> None:
         if start_ticks(entry.pid) != entry.ticks:
             return  # already gone (or the pid is someone else's now)
@@ -329,25 +382,35 @@ class RankSet:
     # --- the manifest and adoption ------------------------------------------------------
 
     def _save(self) -> None:
-        data = [{"job_id": r.job_id, "rank": r.rank, "world_size": r.world_size,
-                 "placement": list(r.placement), "pid": r.pid, "ticks": r.ticks,
-                 "grace_s": r.grace_s, "slots": r.slots, "replica_id": r.replica_id}
-                for r in self.ranks.values()]
+        ranks = [{"job_id": r.job_id, "rank": r.rank, "world_size": r.world_size,
+                  "placement": list(r.placement), "pid": r.pid, "ticks": r.ticks,
+                  "grace_s": r.grace_s, "slots": r.slots, "replica_id": r.replica_id}
+                 for r in self.ranks.values()]
+        launched = [{"job_id": job, "slot": slot, "placement": list(placement),
+                     "replica_id": replica}
+                    for (job, slot), (placement, replica) in self.launched.items()]
         tmp = self.work_dir / f".{MANIFEST}.tmp"
-        tmp.write_text(json.dumps(data))
+        tmp.write_text(json.dumps({"ranks": ranks, "launched": launched}))
         tmp.replace(self.work_dir / MANIFEST)
 
     async def adopt(self) -> None:
-        """Find the ranks a previous agent left: adopt the living, report the dead as lost."""
+        """Find the ranks a previous agent left: adopt the living, report the dead as lost;
+        and remember what it launched."""
         try:
             recorded = json.loads((self.work_dir / MANIFEST).read_text())
         except (OSError, ValueError):
             return
-        for item in recorded:
+        if isinstance(recorded, list):  # an agent of before the launches were kept
+            recorded = {"ranks": recorded, "launched": []}
+        for item in recorded["launched"]:
+            self.launched[(item["job_id"], item["slot"])] = (tuple(item["placement"]),
+                                                              item["replica_id"])
+        for item in recorded["ranks"]:
             entry = Rank(item["job_id"], item["rank"], item["world_size"],
                          tuple(item["placement"]), item["pid"], item["ticks"], item["grace_s"],
-                         item["slots"], item.get("replica_id", f"r{item['rank']}-0"))
-            self.launched[(entry.job_id, entry.rank)] = (entry.placement, entry.replica_id)
+                         item["slots"], item.get("replica_id", first_replica(item["rank"])))
+            self.launched.setdefault((entry.job_id, entry.rank),
+                                     (entry.placement, entry.replica_id))
             if entry.ticks is not None and start_ticks(entry.pid) == entry.ticks:
                 self.ranks[(entry.job_id, entry.rank)] = entry
                 entry.watcher = asyncio.create_task(self._watch_adopted(entry))

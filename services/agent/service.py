@@ -1,10 +1,13 @@
 """The agent's shell: registry entry, heartbeats, rank processes and chaos over NATS.
 
 The agent follows admitted job records (``phalanx.job.*.state``, and the jobs
-bucket once at start-up) and runs this node's ranks of each; a rank's start
-and exit are published on ``phalanx.job.<job>.started`` / ``.exited`` at once.
-Records are applied per job in order, jobs independently, so stopping one
-job's ranks (up to its grace period) never delays another's launch.
+bucket at start-up and again after every reconnection to the bus, since the
+plain publishes sent while it was disconnected are lost) and runs this node's
+ranks of each; a rank's start and exit are stored in the job-events stream at
+once. Records are applied per job in order, jobs independently, so stopping
+one job's ranks (up to its grace period) never delays another's launch.
+Elasticity's launch requests are idempotent: a replica launched here before
+is never started again (:mod:`.ranks`).
 """
 
 from __future__ import annotations
@@ -46,7 +49,7 @@ from phalanx.schemas.messages import (
 )
 from phalanx.services.agent import core
 from phalanx.services.agent.config import AgentConfig
-from phalanx.services.agent.ranks import RankSet, start_ticks
+from phalanx.services.agent.ranks import RankSet, ReplicaOutdated, start_ticks
 from phalanx.services.auth.credentials import rank_env
 from phalanx.services.base import Service
 from phalanx.services.paths import default_data_dir
@@ -90,10 +93,6 @@ class AgentService(Service):
                                 NodeStatusRequest, self.on_status)
         await self.add_endpoint("chaos", subjects.agent_chaos(self.config.node_id),
                                 ChaosRequest, self.on_chaos)
-        await self.add_endpoint("launch", subjects.agent_launch(self.config.node_id),
-                                LaunchReplica, self.on_launch, concurrent=True)
-        await self.add_endpoint("stop", subjects.agent_stop(self.config.node_id),
-                                StopReplica, self.on_stop, concurrent=True)
         if not self.config.launch:
             self.spawn(self.heartbeat_loop(), "heartbeat")
             return
@@ -109,6 +108,12 @@ class AgentService(Service):
         self.generations = await TypedKV.open(self.bus.js, subjects.GENERATIONS_BUCKET,
                                               Generation)
         await self._sync_jobs()
+        # Served once what was launched here is known and the first reconcile of every job
+        # holds its lock: a launch request never races the start-up.
+        await self.add_endpoint("launch", subjects.agent_launch(self.config.node_id),
+                                LaunchReplica, self.on_launch, concurrent=True)
+        await self.add_endpoint("stop", subjects.agent_stop(self.config.node_id),
+                                StopReplica, self.on_stop, concurrent=True)
         # Records published while disconnected were missed: read them all again after.
         self.bus.on_reconnect(self._on_reconnect)
         self.spawn(self.heartbeat_loop(), "heartbeat")
@@ -126,9 +131,8 @@ class AgentService(Service):
         known = {r.value.job_id for r in records}
         for entry in records:
             self._apply(entry.value)
-        for job_id, _rank in list(self.ranks.ranks):
-            if job_id not in known:  # adopted, but its job is gone: stop it
-                self.spawn(self._stop_job(job_id), f"stop {job_id}")
+        for job_id in self.ranks.jobs() - known:  # its job is gone: stop it, forget it
+            self.spawn(self._drop_job(job_id), f"drop {job_id}")
 
     @property
     def work_dir(self) -> Path:
@@ -185,8 +189,7 @@ class AgentService(Service):
     def _apply(self, record: JobRecord) -> None:
         """Reconcile ``record`` in its job's own task, after that job's earlier records."""
         mine = self.config.node_id in record.nodes
-        running = any(job == record.job_id for job, _ in (self.ranks.ranks if self.ranks else ()))
-        if mine or running:
+        if mine or (self.ranks is not None and record.job_id in self.ranks.jobs()):
             self.spawn(self._reconcile(record), f"reconcile {record.job_id}")
 
     async def _reconcile(self, record: JobRecord) -> None:
@@ -207,12 +210,10 @@ class AgentService(Service):
             log.warning("cannot read %s's generation: %s", job_id, exc)
             return False
 
-    async def _stop_job(self, job_id: str) -> None:
+    async def _drop_job(self, job_id: str) -> None:
         assert self.ranks is not None
         async with self._job_locks.setdefault(job_id, asyncio.Lock()):
-            for (job, _), entry in list(self.ranks.ranks.items()):
-                if job == job_id:
-                    await self.ranks.stop(entry)
+            await self.ranks.drop(job_id)
 
     async def on_launch(self, request: LaunchReplica, _: Delivery) -> ReplicaReply:
         """Run a new replica in one of a job's slots here (elasticity's replacements)."""
@@ -222,13 +223,16 @@ class AgentService(Service):
             raise RequestRefused("404", f"no job {request.job_id!r}")
         async with self._job_locks.setdefault(request.job_id, asyncio.Lock()):
             try:
-                pid = await self.ranks.replace(entry.value, request.slot, request.replica_id)
-            except LookupError as exc:
+                done = await self.ranks.replace(entry.value, request.slot, request.replica_id)
+            except (LookupError, ReplicaOutdated) as exc:
                 raise RequestRefused("409", str(exc)) from None
             except OSError as exc:
                 raise RequestRefused("500", str(exc)) from None
-        return ReplicaReply(node_id=self.config.node_id, replica_id=request.replica_id, pid=pid,
-                           detail=f"started {request.replica_id} in slot {request.slot}")
+        where = f"{request.replica_id} in slot {request.slot}"
+        detail = f"started {where}" if done.new else \
+            f"already launched {where}" + ("" if done.pid else " (it has exited)")
+        return ReplicaReply(node_id=self.config.node_id, replica_id=request.replica_id,
+                            pid=done.pid, detail=detail)
 
     async def on_stop(self, request: StopReplica, _: Delivery) -> ReplicaReply:
         """Stop a replica its job no longer needs (a joiner when the training is over)."""

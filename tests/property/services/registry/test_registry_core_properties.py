@@ -69,3 +69,21 @@ def test_views_are_sorted_and_one_per_record(rs: list[NodeRecord], now: float,
     for v in got:
         if list(r.node.node_id for r in rs).count(v.node_id) == 1:
             assert v == view(by_id[v.node_id], now, lost_after)
+
+
+@SETTINGS
+@given(record=records(), now=times, since=times, lost_after=lost_afters)
+def test_a_reader_judges_only_silence_it_could_hear(record: NodeRecord, now: float,
+                                                    since: float, lost_after: float) -> None:
+    """Watching since ``since`` (a reconnection, a new term), a node is lost only after
+    ``lost_after`` of silence after it: never sooner than to an unblinded reader, and
+    never within ``lost_after`` of ``since``."""
+    v = view(record, now, lost_after, watching_since=since)
+    expected = NodeState.ALIVE if now - max(record.heartbeat_at, since) <= lost_after \
+        else NodeState.LOST
+    assert v.state is expected
+    assert v.heartbeat_age_s == view(record, now, lost_after).heartbeat_age_s
+    if view(record, now, lost_after).state is NodeState.ALIVE or now - since <= lost_after:
+        assert v.state is NodeState.ALIVE
+    if since <= record.heartbeat_at:
+        assert v == view(record, now, lost_after)

@@ -1,4 +1,5 @@
-"""The agent's registration rules: who may take a node id, and what a heartbeat writes."""
+"""The agent's rules: who may take a node id, what a heartbeat writes, which replica a
+slot may run."""
 
 from __future__ import annotations
 
@@ -8,7 +9,16 @@ import pytest
 
 from phalanx.schemas.errors import PhalanxError
 from phalanx.schemas.messages import NodeInfo, NodeRecord
-from phalanx.services.agent.core import NodeIdTaken, heartbeat, register
+from phalanx.services.agent.core import (
+    LaunchVerdict,
+    NodeIdTaken,
+    first_replica,
+    heartbeat,
+    incarnation,
+    launch_verdict,
+    register,
+)
+from phalanx.services.elasticity.core import replica_id
 
 T0 = 1_717_000_000.0
 LOST = 3.0
@@ -166,3 +176,26 @@ def test_take_over_then_old_agents_heartbeat_is_refused() -> None:
         heartbeat(record, old, T0 + 10.5)
     assert heartbeat(record, new, T0 + 10.5).heartbeat_seq == 1
 
+
+
+# --- which replica a slot may run ----------------------------------------------------------
+
+@pytest.mark.parametrize(("last", "wanted", "verdict"), [
+    (None, "r1-0", LaunchVerdict.LAUNCH),
+    (None, "r1-3", LaunchVerdict.LAUNCH),  # a restarted elasticity's replacement, first here
+    ("r1-0", "r1-1", LaunchVerdict.LAUNCH),
+    ("r1-1", "r1-1", LaunchVerdict.ALREADY_LAUNCHED),  # re-sent, running or exited
+    ("r1-2", "r1-1", LaunchVerdict.OUTDATED),
+    ("r1-10", "r1-9", LaunchVerdict.OUTDATED),  # numbers, not strings, are compared
+    ("r1-9", "r1-10", LaunchVerdict.LAUNCH),
+    ("worker", "worker", LaunchVerdict.ALREADY_LAUNCHED),  # no incarnation: equality only
+    ("worker", "r1-0", LaunchVerdict.LAUNCH),
+])
+def test_launch_verdict(last: str | None, wanted: str, verdict: LaunchVerdict) -> None:
+    assert launch_verdict(last, wanted) is verdict
+
+
+def test_incarnation_reads_what_elasticity_names() -> None:
+    assert [incarnation(replica_id(7, n)) for n in (0, 1, 12)] == [0, 1, 12]
+    assert first_replica(3) == "r3-0"
+    assert incarnation("r3") is None and incarnation("x1-2") is None
