@@ -414,9 +414,11 @@ class AdmissionService(Service):
         if connected_since is None:
             return  # blind while disconnected: the nodes' silence proves nothing
         node = record.node
+        # After a reconnection the agents need a moment too (JetStream may refuse their
+        # first heartbeat writes while it recovers): one more timeout of grace.
         alive = view(record, now, self.config.lost_after_s,
-                     watching_since=max(connected_since, term.watching_since)
-                     ).state is NodeState.ALIVE
+                     watching_since=max(connected_since + self.config.lost_after_s,
+                                        term.watching_since)).state is NodeState.ALIVE
         event = core.NodeUpdated(node.node_id, node.slots, node.failure_domain,
                                  dict(node.labels), alive=alive, cordoned=record.cordoned,
                                  event_id="registry")
