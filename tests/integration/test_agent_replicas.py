@@ -11,11 +11,11 @@ import asyncio
 import os
 import signal
 import sys
-from collections.abc import AsyncIterator
 from pathlib import Path
 
 import msgspec
 import pytest
+from conftest import RestartableNats
 
 from phalanx.bus.client import Bus, Delivery
 from phalanx.bus.config import BusConfig
@@ -139,31 +139,11 @@ async def test_a_replica_is_launched_at_most_once_even_after_an_agent_restart(
         await jobs.delete(job_id)
 
 
-@pytest.fixture
-async def restartable(tmp_path: Path) -> AsyncIterator[list[NatsServer]]:
-    """A server on a fixed port, to be restarted on the same port and store; the list's
-    last element is the one running."""
-    servers = [NatsServer(tmp_path / "js", log_path=tmp_path / "nats.log").start()]
-    try:
-        yield servers
-    finally:
-        servers[-1].stop()
-
-
-def restart(servers: list[NatsServer]) -> None:
-    """SIGKILL the server, then start it again on the same port and store."""
-    old = servers[-1]
-    old.process.kill()
-    old.process.wait()
-    servers.append(NatsServer(old.store_dir, port=old.port, log_path=old.log_path).start())
-
-
 async def test_job_records_missed_while_disconnected_are_read_after_the_reconnection(
-        restartable: list[NatsServer], tmp_path: Path) -> None:
+        restartable_nats: RestartableNats, tmp_path: Path) -> None:
     """The agent follows job records through plain publishes; a record changed without
     one reaching it (as while it is disconnected) is applied after its next reconnection."""
-    url = restartable[-1].url
-    config = BusConfig.load(env={}, servers=[url], connect_timeout_s=5.0)
+    config = BusConfig.load(env={}, servers=[restartable_nats.url], connect_timeout_s=5.0)
     agent = AgentService(AgentConfig(node_id="resync", slots=2, heartbeat_interval_s=0.2,
                                      work_dir=str(tmp_path / "agent")), config)
     async with await Bus.connect(config, name="test") as bus:
@@ -179,7 +159,8 @@ async def test_job_records_missed_while_disconnected_are_read_after_the_reconnec
             await jobs.put("rs-1", msgspec.structs.replace(record, state=JobState.CANCELLED,
                                                            nodes=[]))
             assert agent.ranks is not None and ("rs-1", 0) in agent.ranks.ranks
-            restart(restartable)
+            restartable_nats.kill()
+            restartable_nats.start()
             await asyncio.wait_for(process_exit(pids["r0-0"]), 30)
         finally:
             await agent.stop()
