@@ -34,9 +34,13 @@ def encode(message: Message) -> bytes:
     """Serialise ``message`` to MessagePack.
 
     Raises:
-        WireError: the encoded message exceeds :data:`MAX_PAYLOAD_BYTES`.
+        WireError: the encoded message exceeds :data:`MAX_PAYLOAD_BYTES`, or holds a value
+            MessagePack cannot carry (an integer beyond 64 bits).
     """
-    data = _encoder.encode(message)
+    try:
+        data = _encoder.encode(message)
+    except (OverflowError, msgspec.EncodeError) as exc:
+        raise WireError(f"cannot encode: {exc}", message_type=message.wire_name()) from None
     if len(data) > MAX_PAYLOAD_BYTES:
         raise WireError(
             f"encoded size {len(data)} B exceeds the {MAX_PAYLOAD_BYTES} B limit",

@@ -15,16 +15,26 @@ inside a message and are versioned with it.
 from __future__ import annotations
 
 import enum
+import sys
 from typing import Annotated
 
 import msgspec
 
 #: A non-empty identifier usable as one subject token (see :mod:`.subjects`).
 Ident = Annotated[str, msgspec.Meta(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9_\-]+\Z")]
-NonNegInt = Annotated[int, msgspec.Meta(ge=0)]
-PosInt = Annotated[int, msgspec.Meta(ge=1)]
-NonNegFloat = Annotated[float, msgspec.Meta(ge=0.0)]
-PosFloat = Annotated[float, msgspec.Meta(gt=0.0)]
+#: The largest integer a count, id or sequence may hold: a peer's value plus a little
+#: arithmetic must still encode (MessagePack integers end at 2**64 - 1).
+MAX_INT = 2**63 - 1
+NonNegInt = Annotated[int, msgspec.Meta(ge=0, le=MAX_INT)]
+PosInt = Annotated[int, msgspec.Meta(ge=1, le=MAX_INT)]
+#: A node's slots, a gang's replicas or a replica's slots: admission places a gang replica
+#: by replica, so a bound keeps one pass finite (a node claiming 2**63 slots and a gang
+#: wanting as many replicas kept it growing for good).
+SlotCount = Annotated[int, msgspec.Meta(ge=1, le=65_536)]
+#: The largest float: bounding by it refuses infinity (a timeout or time that never comes).
+MAX_FLOAT = sys.float_info.max
+NonNegFloat = Annotated[float, msgspec.Meta(ge=0.0, le=MAX_FLOAT)]
+PosFloat = Annotated[float, msgspec.Meta(gt=0.0, le=MAX_FLOAT)]
 Labels = Annotated[dict[str, str], msgspec.Meta(max_length=64)]
 #: ``host:port`` of a TCP listener (empty: not known).
 Endpoint = Annotated[str, msgspec.Meta(
@@ -52,7 +62,7 @@ class NodeInfo(Part):
 
     node_id: Ident
     host: str
-    slots: PosInt
+    slots: SlotCount
     failure_domain: Ident
     labels: Labels = {}
     agent_pid: NonNegInt = 0
@@ -100,8 +110,8 @@ class NodeStatusRequest(Message, tag="phalanx.node_status_request.v1"):
 class ReplicaRange(Part):
     """Data-parallel replica counts; ``min == max`` is a rigid gang."""
 
-    min: PosInt
-    max: PosInt
+    min: SlotCount
+    max: SlotCount
 
     def __post_init__(self) -> None:
         if self.min > self.max:
@@ -123,7 +133,7 @@ class JobSpec(Message, tag="phalanx.job_spec.v1"):
     priority_class: Ident
     replicas: ReplicaRange
     command: Annotated[list[str], msgspec.Meta(min_length=1)]
-    slots_per_replica: PosInt = 1
+    slots_per_replica: SlotCount = 1
     placement: Placement = Placement()
     env: Labels = {}
     schedule_timeout_s: PosFloat | None = None
@@ -185,6 +195,8 @@ class JobRecord(Message, tag="phalanx.job_record.v1"):
     next_slot: NonNegInt = 0
 
     def __post_init__(self) -> None:
+        if self.state is JobState.ADMITTED and not self.nodes:
+            raise ValueError("an admitted job must name the node of each replica")
         if self.slots and (len(self.slots) != len(self.nodes)
                            or len(set(self.slots)) != len(self.slots)):
             raise ValueError(f"slots {self.slots} must name each of the {len(self.nodes)} "
@@ -236,7 +248,7 @@ class Allocation(Part):
     """One admitted job's slots in the ledger."""
 
     team: Ident
-    slots_per_replica: PosInt
+    slots_per_replica: SlotCount
     nodes: list[Ident]
 
 

@@ -48,9 +48,11 @@ class JobStateStore(Generic[S]):
 
     async def load(self) -> list[Entry[S]]:
         """The stored snapshots (undecodable ones are logged and skipped) and the cursor."""
-        cursor = await self.cursors.get(self.service)
-        if cursor is not None:  # else the first leader ever: it reads the whole stream
-            self.cursor, self._cursor_revision = cursor.value.seq, cursor.revision
+        # Absent: the first leader ever. Undecodable: counted, and replaced at its revision.
+        # Either way this leader reads the whole stream (acting twice is harmless).
+        cursor, revision = await self.cursors.current(self.service)
+        self.cursor = cursor.seq if cursor is not None else 0
+        self._cursor_revision = revision or None
         stored, bad = await self.snapshots.entries()
         for error in bad:
             log.error("unreadable %s state skipped: %s", self.service, error)

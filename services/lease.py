@@ -105,14 +105,15 @@ class Leadership:
 
     async def _try_take(self) -> None:
         now = time.time()
-        current = await self.leases.get(self.key)
-        if not may_take(current.value if current else None, self.holder, now):
+        # An undecodable lease counts as absent: it is replaced at its revision.
+        current, revision = await self.leases.current(self.key)
+        if not may_take(current, self.holder, now):
             return
-        epoch = current.value.epoch + 1 if current else 1
+        epoch = current.epoch + 1 if current else 1
         lease = Lease(holder=self.holder, epoch=epoch, expires_at=now + self.lease_s)
         try:
-            revision = (await self.leases.create(self.key, lease) if current is None
-                        else await self.leases.update(self.key, lease, current.revision))
+            revision = (await self.leases.update(self.key, lease, revision) if revision
+                        else await self.leases.create(self.key, lease))
         except Conflict:
             return  # another instance was quicker
         self.revision, self.expires_at, self.epoch = revision, lease.expires_at, epoch

@@ -88,6 +88,7 @@ class Term:
     task: asyncio.Task[None] | None = None
     serving: bool = False  # state rebuilt: requests may be answered
     watching_since: float = 0.0  # nodes are judged on silence heard since then
+    ledger_unreadable: bool = False  # placements come from the admitted records instead
 
 
 class AdmissionService(Service):
@@ -172,15 +173,15 @@ class AdmissionService(Service):
 
     async def _try_lead(self) -> None:
         now = time.time()
-        entry = await self.leases.get(LEADER_KEY)
-        if entry is not None and entry.value.expires_at > now \
-                and entry.value.holder != self.instance:
+        # An undecodable lease counts as absent: it is replaced at its revision.
+        current, revision = await self.leases.current(LEADER_KEY)
+        if current is not None and current.expires_at > now and current.holder != self.instance:
             return
-        lease = Lease(holder=self.instance, epoch=entry.value.epoch + 1 if entry else 1,
+        lease = Lease(holder=self.instance, epoch=current.epoch + 1 if current else 1,
                       expires_at=now + self.config.lease_s)
         try:
-            revision = (await self.leases.create(LEADER_KEY, lease) if entry is None
-                        else await self.leases.update(LEADER_KEY, lease, entry.revision))
+            revision = (await self.leases.update(LEADER_KEY, lease, revision) if revision
+                        else await self.leases.create(LEADER_KEY, lease))
         except Conflict:
             return
         log.info("leading", extra={"epoch": lease.epoch})
@@ -231,10 +232,12 @@ class AdmissionService(Service):
         """Rebuild state from KV, then serve requests and run the core until cancelled."""
         assert self.bus is not None
         term.watching_since = time.time()  # a new leader has heard nobody yet
-        ledger = await self.ledger.get(LEDGER_KEY)
+        # An undecodable ledger is rebuilt from the admitted job records (_restore); the
+        # first persist replaces it at its revision.
+        ledger, term.ledger_revision = await self.ledger.current(LEDGER_KEY)
         if ledger is not None:
-            term.ledger_revision = ledger.revision
-            term.allocations = dict(ledger.value.allocations)
+            term.allocations = dict(ledger.allocations)
+        term.ledger_unreadable = ledger is None and term.ledger_revision > 0
         now = time.time()
         node_entries, _ = await self.nodes.entries()
         for entry in node_entries:
@@ -281,6 +284,11 @@ class AdmissionService(Service):
                 term.persisted[record.job_id] = (record.state, record.reason_code, ())
                 continue
             allocation = term.allocations.get(record.job_id)
+            if allocation is None and term.ledger_unreadable \
+                    and record.state is JobState.ADMITTED:
+                allocation = term.allocations[record.job_id] = Allocation(
+                    team=record.spec.team, slots_per_replica=record.spec.slots_per_replica,
+                    nodes=list(record.nodes))
             event = core.JobSubmitted(record.job_id, record.spec, record.submitted_at,
                                       event_id="restore")
             decisions += term.core.restore(event, list(allocation.nodes) if allocation else [])

@@ -27,6 +27,7 @@ from phalanx.schemas.messages import (
     ChaosRequest,
     Generation,
     JobRecord,
+    JobState,
     Message,
     NodeHeartbeat,
     NodeRecord,
@@ -84,11 +85,13 @@ def _fix_generation(kw: dict[str, Any]) -> dict[str, Any]:
 
 
 def _fix_snapshot(kw: dict[str, Any]) -> dict[str, Any]:
-    kw["num_shards"] = max(kw["num_shards"], kw["shard"] + 1)
+    kw["shard"] = min(kw["shard"], kw["num_shards"] - 1)
     return kw
 
 
 def _fix_job_record(kw: dict[str, Any]) -> dict[str, Any]:
+    if kw["state"] is JobState.ADMITTED and not kw.get("nodes"):
+        kw["nodes"] = ["n0"]
     if "slots" in kw:
         kw["slots"] = list(range(len(kw.get("nodes", [])))) if kw["slots"] else []
     return kw

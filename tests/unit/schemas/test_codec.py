@@ -15,6 +15,7 @@ from phalanx.schemas.codec import MAX_PAYLOAD_BYTES, decode, encode
 from phalanx.schemas.errors import PhalanxError, WireError
 from phalanx.schemas.messages import (
     ALL_MESSAGES,
+    MAX_INT,
     Allocation,
     AllocationLedger,
     ChaosAction,
@@ -560,3 +561,47 @@ def test_duplicate_type_key_naming_another_type_is_refused() -> None:
 )
 def test_invalid_utf8_is_a_wire_error(data: bytes) -> None:
     rejected(data, NodeHeartbeat)
+
+
+# --- found by bench/fuzz.py ----------------------------------------------------------------
+
+
+def test_integers_beyond_max_int_are_refused() -> None:
+    """A peer's 2**64 - 1 plus one, computed by a service, could not be encoded again
+    (admission's leadership failed on a job record with next_slot = 2**64 - 1)."""
+    data = pack(as_map(EXAMPLES[JobRecord], next_slot=MAX_INT + 1))
+    rejected(data, JobRecord, f"<= {MAX_INT}", "$.next_slot")
+    assert decode(pack(as_map(EXAMPLES[JobRecord], next_slot=MAX_INT)), JobRecord)
+
+
+def test_an_admitted_record_without_nodes_is_refused() -> None:
+    """Health's leadership failed on such a record (its core refuses to watch a job placed
+    nowhere) and failed again on every takeover while the record stayed."""
+    data = pack(as_map(EXAMPLES[JobRecord], nodes=[], slots=[]))
+    rejected(data, JobRecord, "an admitted job must name the node of each replica")
+
+
+def test_encoding_a_value_beyond_64_bits_is_a_wire_error() -> None:
+    # Constructors do not check ranges: what a service's arithmetic could produce.
+    beat = msgspec.structs.replace(EXAMPLES[NodeHeartbeat], seq=2**64)
+    with pytest.raises(WireError, match="cannot encode"):
+        encode(beat)
+
+
+def test_infinite_durations_and_times_are_refused() -> None:
+    """Health's leadership failed on an admitted job with hang_timeout_s = inf (its core
+    refuses it), again on every takeover while the record stayed."""
+    spec = msgspec.to_builtins(EXAMPLES[JobRecord].spec) | {"hang_timeout_s": float("inf")}
+    rejected(pack(as_map(EXAMPLES[JobRecord], spec=spec)), JobRecord, "$.spec.hang_timeout_s")
+    rejected(pack(as_map(EXAMPLES[NodeHeartbeat], sent_at=float("inf"))), NodeHeartbeat,
+             "$.sent_at")
+
+
+def test_slot_and_replica_counts_are_bounded() -> None:
+    """Admission's pass never ended: a node record claiming 2**63 - 1 slots and an elastic
+    gang with replicas.max = 2**63 - 1 grew one replica at a time, forever."""
+    spec = msgspec.to_builtins(EXAMPLES[JobRecord].spec) | {"replicas": {"min": 1,
+                                                                         "max": 65_537}}
+    rejected(pack(as_map(EXAMPLES[JobRecord], spec=spec)), JobRecord, "$.spec.replicas.max")
+    node = msgspec.to_builtins(EXAMPLES[NodeRecord].node) | {"slots": 65_537}
+    rejected(pack(as_map(EXAMPLES[NodeRecord], node=node)), NodeRecord, "$.node.slots")
