@@ -11,9 +11,10 @@ import json
 import os
 import signal
 import sys
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 
+import msgspec
 import pytest
 
 from phalanx.bus.client import Bus, Delivery, raise_for_error
@@ -27,9 +28,11 @@ from phalanx.schemas.messages import (
     JobSpec,
     JobState,
     Lease,
+    NodeRecord,
     Placement,
     ReasonCode,
     ReplicaRange,
+    RequeueRequest,
 )
 from phalanx.services.admission.config import AdmissionConfig
 from phalanx.services.admission.service import AdmissionService
@@ -75,12 +78,18 @@ def spec(name: str, replicas: int, *, priority: str = "normal", team: str = "t",
 
 async def wait_state(bus: Bus, job_id: str, state: JobState, timeout_s: float = 20) -> JobRecord:
     """Wait for ``job_id``'s record to reach ``state`` (KV watch, no polling)."""
+    return await wait_record(bus, job_id, lambda record: record.state is state, timeout_s)
+
+
+async def wait_record(bus: Bus, job_id: str, accept: Callable[[JobRecord], bool],
+                      timeout_s: float = 20) -> JobRecord:
+    """Wait for a record of ``job_id`` that ``accept`` takes (KV watch, no polling)."""
     jobs = await TypedKV.open(bus.js, subjects.JOBS_BUCKET, JobRecord)
 
     async def watch() -> JobRecord:
         async for change in jobs.watch():
             if change is not None and change.key == job_id and change.value is not None \
-                    and change.value.state is state:
+                    and accept(change.value):
                 return change.value
         raise AssertionError("watch ended")
 
@@ -227,6 +236,48 @@ async def test_garbage_on_every_admission_subject(config: BusConfig, client_bus:
         assert json.loads(ping.data)["name"] == "phalanx-admission"
     finally:
         await service.stop()
+
+
+async def test_a_requeue_forwarded_by_a_standby_is_served_by_the_leader(
+        config: BusConfig, client_bus: Bus) -> None:
+    """A standby forwards every verb to ``phalanx.admission.leader.<verb>``; the leader
+    serves requeue there too (it used to serve only submit, cancel and explain, so
+    elasticity's requeue reaching a standby went to no one and the job kept its slots)."""
+    def agent(node_id: str, slots: int) -> AgentService:
+        return AgentService(AgentConfig(node_id=node_id, slots=slots, heartbeat_interval_s=0.2,
+                                        launch=False), config)
+
+    first, second = agent("node-0", 2), agent("node-1", 1)
+    await first.start()
+    instances = [AdmissionService(AdmissionConfig(lease_s=1.0), config, instance=name)
+                 for name in ("a0", "a1")]
+    for instance in instances:
+        await instance.start()
+    client = AdmissionClient(client_bus)
+    nodes = await TypedKV.open(client_bus.js, subjects.NODES_BUCKET, NodeRecord)
+    try:
+        await client.submit(spec("runs", 2), "runs-1")
+        await wait_state(client_bus, "runs-1", JobState.ADMITTED)
+        await client.submit(spec("waits", 1), "waits-1")
+        # Cordoned, node-0 keeps its running job but could not take it back once requeued.
+        # The leader reads the registry in order: once it admits the waiting job on the
+        # node that registers next, it knows of the cordon.
+        await nodes.modify("node-0", lambda r: msgspec.structs.replace(r, cordoned=True))
+        await second.start()
+        assert (await wait_state(client_bus, "waits-1", JobState.ADMITTED)).nodes == ["node-1"]
+
+        reply = await client_bus.request(
+            subjects.admission_leader("requeue"),
+            RequeueRequest(job_id="runs-1", reason="1 of 2 members left for too long"),
+            JobRecord)
+        assert reply.job_id == "runs-1"
+        requeued = await wait_state(client_bus, "runs-1", JobState.PENDING)
+        assert requeued.nodes == []
+    finally:
+        for instance in instances:
+            await instance.stop()
+        for agent_service in (first, second):
+            await agent_service.stop()
 
 
 def _spawn_admission(url: str, instance: str) -> asyncio.subprocess.Process:
