@@ -1,11 +1,12 @@
 """The admission service's shell: leader lease, KV state, requests, persistence.
 
-Any number of instances run. Each answers ``submit``/``cancel``/``explain``
-on the public subjects and forwards the request to the leader's subject, so
-clients never need to know who leads. One instance at a time leads: it holds
-the ``leader`` lease in the ``phalanx_admission`` bucket (compare-and-swap
-renewed every ``lease_s / 3``; a crashed leader is replaced once its lease
-expires, a stopped one hands over at once by releasing it).
+Any number of instances run. Each answers ``submit``/``cancel``/``requeue``/
+``explain`` on the public subjects and forwards the request to the leader's
+subject for that verb, so clients never need to know who leads. One instance
+at a time leads: it holds the ``leader`` lease in the ``phalanx_admission``
+bucket (compare-and-swap renewed every ``lease_s / 3``; a crashed leader is
+replaced once its lease expires, a stopped one hands over at once by
+releasing it).
 
 The leader rebuilds the pure :class:`~.core.AdmissionCore` from KV — the
 allocation ledger, the node registry and the job records — then watches the
@@ -16,6 +17,11 @@ changed job. A restarted leader therefore recovers from any crash point: a
 job in the ledger is admitted, a terminal record (cancelled, failed,
 finished) is final, everything else is pending. A ledger CAS that fails means
 another instance wrote it: this one steps down rather than guess.
+
+A node is judged lost only on silence the leader could have heard: nothing
+while its bus is disconnected, a fresh ``lost_after_s`` for every node from
+the start of its term and one more after a reconnection (the registry rule's
+``watching_since``), so a bus outage never requeues a job.
 """
 
 from __future__ import annotations
