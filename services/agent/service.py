@@ -22,6 +22,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+import nats.errors
+
 from phalanx.bus import telemetry
 from phalanx.bus.client import Delivery
 from phalanx.bus.config import BusConfig
@@ -121,7 +123,21 @@ class AgentService(Service):
                                       "failure_domain": self.config.failure_domain})
 
     async def _on_reconnect(self) -> None:
-        self.spawn(self._sync_jobs(), "sync jobs")  # not inside nats-py's reconnection
+        self.spawn(self._resync(), "resync jobs")  # not inside nats-py's reconnection
+
+    async def _resync(self) -> None:
+        """Reconcile every job record after a reconnection, retrying while the server
+        cannot list them yet (JetStream recovering after a restart): a failure here must
+        neither skip the records missed meanwhile nor stop the agent and its ranks."""
+        while True:
+            try:
+                await self._sync_jobs()
+                return
+            except (nats.errors.Error, TimeoutError, OSError) as exc:
+                log.warning("cannot read the job records after a reconnection (%r); "
+                            "retrying", exc)
+            if await self.sleep_or_stop(self.config.heartbeat_interval_s):
+                return
 
     async def _sync_jobs(self) -> None:
         """Reconcile every job record (each in its job's own order), and stop ranks whose
