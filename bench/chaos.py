@@ -69,6 +69,7 @@ from phalanx.schemas.messages import (  # noqa: E402
     RankProgress,
     ReplicaRange,
 )
+from phalanx.services.agent.ranks import running_in_manifest  # noqa: E402
 from phalanx.services.client import AdmissionClient  # noqa: E402
 from phalanx.services.cluster import LocalCluster  # noqa: E402
 
@@ -186,13 +187,8 @@ class Chaos:
 
     def _ranks(self) -> list[dict[str, Any]]:
         """The job's rank processes now, from the agents' manifests."""
-        found = []
-        for manifest in (self.cluster.data_dir / "agents").glob("*/ranks.json"):
-            try:
-                found += [r for r in json.loads(manifest.read_text()) if r["job_id"] == JOB]
-            except (OSError, ValueError):
-                continue  # being rewritten
-        return found
+        return [r for manifest in (self.cluster.data_dir / "agents").glob("*/ranks.json")
+                for r in running_in_manifest(manifest) if r["job_id"] == JOB]
 
     async def _members(self) -> list[str]:
         generations = await TypedKV.open(self.bus.js, subjects.GENERATIONS_BUCKET, Generation)

@@ -37,7 +37,7 @@ from phalanx.bus.errors import RemoteError
 from phalanx.schemas import subjects
 from phalanx.schemas.errors import PhalanxError
 from phalanx.schemas.messages import NodeHeartbeat
-from phalanx.services.agent.ranks import MANIFEST, start_ticks
+from phalanx.services.agent.ranks import MANIFEST, running_in_manifest, start_ticks
 from phalanx.services.auth.issuer import AuthDir
 from phalanx.services.auth.roles import Role
 from phalanx.services.client import AdmissionClient
@@ -393,11 +393,7 @@ def sweep_ranks(data_dir: Path) -> int:
     """
     killed = 0
     for manifest in data_dir.glob(f"agents/*/{MANIFEST}"):
-        try:
-            ranks = json.loads(manifest.read_text())
-        except (OSError, ValueError):
-            continue
-        for rank in ranks:
+        for rank in running_in_manifest(manifest):
             if rank.get("ticks") is not None and start_ticks(rank["pid"]) == rank["ticks"]:
                 with contextlib.suppress(ProcessLookupError, PermissionError):
                     os.killpg(rank["pid"], signal.SIGKILL)

@@ -96,6 +96,15 @@ class Replaced:
     """Started now; False: it was launched here before (a repeated request)."""
 
 
+def running_in_manifest(path: Path) -> list[dict]:
+    """The running ranks a manifest records (empty if it cannot be read), for sweepers."""
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return []
+    return list(data.get("ranks", [])) if isinstance(data, dict) else list(data)
+
+
 @dataclasses.dataclass
 class Rank:
     job_id: str
