@@ -32,7 +32,7 @@ from phalanx.schemas.messages import (
     RankStarted,
     ReplicaRange,
 )
-from phalanx.services.agent.ranks import start_ticks
+from phalanx.services.agent.ranks import running_in_manifest, start_ticks
 from phalanx.services.client import AdmissionClient
 
 pytestmark = pytest.mark.slow
@@ -150,8 +150,9 @@ async def test_killed_agent_is_node_lost_for_its_ranks_and_leaves_capacity(clust
 async def test_cancel_stops_every_rank_and_frees_the_slots(cluster) -> None:
     data_dir, bus, watch = cluster
     job = await start_job(bus, watch, "cancel")
-    pids = json.loads((data_dir / "agents" / job.nodes[0] / "ranks.json").read_text())
-    pids = [r["pid"] for r in pids if r["job_id"] == job.job_id]
+    pids = [r["pid"] for r in running_in_manifest(data_dir / "agents" / job.nodes[0]
+                                                  / "ranks.json")
+            if r["job_id"] == job.job_id]
     assert pids
     await AdmissionClient(bus).cancel(job.job_id)
     follower = await AdmissionClient(bus).submit(loop_spec("after"), "after-1")
