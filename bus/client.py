@@ -27,6 +27,7 @@ import nats.errors
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
+from nats.js import JetStreamContext
 
 from phalanx.bus import telemetry
 from phalanx.bus.config import BusConfig
@@ -134,6 +135,23 @@ async def process(delivery: Delivery, data: bytes, message_type: type[M], handle
             raise Failed("500", counters.last_error) from exc
 
 
+class JetStream(JetStreamContext):
+    """The JetStream context of a :class:`Bus`: nats-py's, plus how many replicas the
+    buckets and streams created through it get (``BusConfig.jetstream_replicas``), so
+    code that is handed only the context creates them like the rest of phalanx."""
+
+    def __init__(self, nc: Client, replicas: int) -> None:
+        super().__init__(nc)
+        self.replicas = replicas
+
+
+def replicas_for(js: JetStreamContext) -> int:
+    """How many replicas a bucket or stream created through ``js`` gets: the configured
+    count for a :class:`Bus`'s context, 1 for a bare nats-py one. Every place that creates
+    a stream or bucket passes this (``num_replicas`` / ``replicas``)."""
+    return js.replicas if isinstance(js, JetStream) else 1
+
+
 def _quiet_tls_close(record: logging.LogRecord) -> bool:
     """Drop asyncio's warning that nats-py's protocol asks to half-close a TLS connection
     (printed at every close of one, it says nothing to a user)."""
@@ -150,7 +168,7 @@ class Bus:
         self.nc = nc
         self.config = config
         self.counters = Counters()
-        self.js = nc.jetstream()
+        self.js = JetStream(nc, config.jetstream_replicas)
         self.connected_since: float | None = time.time()
         self._on_reconnect: list[Callable[[], Awaitable[None]]] = []
         self._resyncs: weakref.WeakSet[asyncio.Event] = weakref.WeakSet()

@@ -37,7 +37,10 @@ _ENV = {
     "tls_key_file": "PHALANX_NATS_KEY",
     "connect_timeout_s": "PHALANX_NATS_CONNECT_TIMEOUT_S",
     "inbox_prefix": "PHALANX_NATS_INBOX_PREFIX",
+    "jetstream_replicas": "PHALANX_NATS_REPLICAS",
 }
+#: Most replicas JetStream keeps of a stream.
+MAX_REPLICAS = 5
 #: The variables that say who a process is on the bus (not where the bus is).
 CREDENTIAL_VARS = frozenset(_ENV[f] for f in (
     "user", "password", "token", "nkey_seed_file", "creds_file", "tls_cert_file",
@@ -71,6 +74,9 @@ class BusConfig:
     inbox_prefix: str = "_INBOX"
     """Prefix of this connection's reply subjects. On a bus with permissions each identity
     may subscribe only under its own (``_INBOX.<identity>``), so none reads another's."""
+    jetstream_replicas: int = 1
+    """How many servers keep each KV bucket and stream phalanx *creates* (1 to 5): 3 on a
+    3-server NATS cluster survives the loss of any one. Existing ones keep theirs."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.servers, tuple) or not all(isinstance(s, str) for s in self.servers):
@@ -94,6 +100,11 @@ class BusConfig:
         if not _SUBJECT_PREFIX.fullmatch(self.inbox_prefix):
             raise ConfigError(f"bus.inbox_prefix must be dot-separated tokens of letters, "
                               f"digits, '-' and '_', got {self.inbox_prefix!r}")
+        replicas = self.jetstream_replicas
+        if (not isinstance(replicas, int) or isinstance(replicas, bool)
+                or not 1 <= replicas <= MAX_REPLICAS):
+            raise ConfigError(f"bus.jetstream_replicas must be an integer from 1 to "
+                              f"{MAX_REPLICAS}, got {self.jetstream_replicas!r}")
         if not math.isfinite(self.connect_timeout_s) or self.connect_timeout_s <= 0:
             raise ConfigError(f"bus.connect_timeout_s must be > 0, got {self.connect_timeout_s}")
         if not math.isfinite(self.reconnect_wait_s) or self.reconnect_wait_s < 0:
@@ -136,6 +147,12 @@ class BusConfig:
                 except (TypeError, ValueError):
                     raise ConfigError(
                         f"bus.{name} must be a number, got {values[name]!r}") from None
+        if isinstance(values.get("jetstream_replicas"), str):  # from the environment
+            try:
+                values["jetstream_replicas"] = int(values["jetstream_replicas"])
+            except ValueError:
+                raise ConfigError(f"bus.jetstream_replicas must be an integer, got "
+                                  f"{values['jetstream_replicas']!r}") from None
         return cls(**values)
 
 

@@ -12,6 +12,17 @@ watches skip it, and writers that compute from the current value
 (:meth:`TypedKV.current`, :meth:`TypedKV.modify`) treat it as absent and
 replace it at its revision: garbage under a key must never wedge its writer
 (an agent's heartbeat, a leader's lease or cursor) for good.
+
+On a NATS cluster a bucket is a replicated stream with a leader. When the server
+that leads it dies, JetStream cannot answer for it until the survivors have
+elected another leader (4-9 s measured on nats-server 2.15), and a client whose
+server died needs a moment to reconnect to another. Every call here therefore
+retries what fails for want of an answer (a timeout, "no response from stream",
+503, no responders) until :attr:`TypedKV.failover_s` has passed, and then raises
+the last error: a caller sees the election as a slow call, not as a failure. A
+conditional write retried after an unanswered attempt may find that attempt was
+stored (only its acknowledgement was lost): when the key then holds exactly the
+bytes written, that is the write's result, not a conflict.
 """
 
 from __future__ import annotations
@@ -20,22 +31,49 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
-from collections.abc import AsyncIterator, Callable
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Generic, TypeVar
 
+import nats.errors
 import nats.js.errors as jse
 from nats.js import JetStreamContext
 from nats.js.api import KeyValueConfig, StorageType
 from nats.js.kv import KeyValue
 
-from phalanx.bus.client import Counters, raise_if_cancelled
+from phalanx.bus.client import Counters, raise_if_cancelled, replicas_for
 from phalanx.bus.errors import Conflict
 from phalanx.schemas.codec import decode, encode
 from phalanx.schemas.errors import WireError
 from phalanx.schemas.messages import Message
 
 M = TypeVar("M", bound=Message)
+T = TypeVar("T")
 log = logging.getLogger("phalanx.bus.kv")
+
+#: How long a call keeps retrying while JetStream cannot answer for a bucket (a leader
+#: election takes 4-9 s); the last attempt may add its own timeout (5 s) to this.
+FAILOVER_S = 15.0
+_RETRY_S = 0.2
+# Failures that mean "nobody answered for the bucket yet", not "the answer is no".
+_UNANSWERED = (TimeoutError, nats.errors.NoRespondersError, jse.NoStreamResponseError,
+               jse.ServiceUnavailableError)
+
+
+async def through_failover(call: Callable[[], Awaitable[T]], what: str,
+                           failover_s: float = FAILOVER_S) -> T:
+    """``await call()``, retried every 0.2 s while it fails unanswered (see the module
+    docstring) until ``failover_s`` has passed; then the last error is raised."""
+    deadline = time.monotonic() + failover_s
+    while True:
+        try:
+            return await call()
+        except _UNANSWERED as exc:
+            raise_if_cancelled()
+            if time.monotonic() >= deadline:
+                raise
+            log.debug("%s unanswered (%r); retrying", what, exc)
+        await asyncio.sleep(_RETRY_S)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,17 +100,63 @@ class TypedKV(Generic[M]):
         self.bucket = bucket
         self.message_type = message_type
         self.counters = Counters()
+        self.failover_s = FAILOVER_S
+        """How long a call retries while the bucket's stream elects a leader."""
 
     @classmethod
     async def open(cls, js: JetStreamContext, bucket: str, message_type: type[M], *,
                    history: int = 1, storage: StorageType = StorageType.FILE) -> TypedKV[M]:
-        """Open ``bucket``, creating it if it does not exist yet."""
+        """Open ``bucket``, creating it if it does not exist yet, with as many replicas as
+        the bus is configured for (:func:`~phalanx.bus.client.replicas_for`). A bucket that
+        exists keeps the replicas it was created with."""
+        async def open_or_create() -> KeyValue:
+            try:
+                return await js.key_value(bucket)
+            except jse.BucketNotFoundError:
+                pass
+            try:
+                return await js.create_key_value(KeyValueConfig(
+                    bucket=bucket, history=history, storage=storage, replicas=replicas_for(js)))
+            except jse.BadRequestError as exc:
+                if exc.err_code != 10058:  # "stream name already in use": made meanwhile
+                    raise
+                return await js.key_value(bucket)
+
+        return cls(await through_failover(open_or_create, f"opening bucket {bucket}"),
+                   bucket, message_type)
+
+    async def _retrying(self, call: Callable[[], Awaitable[T]], what: str) -> T:
+        return await through_failover(call, f"{self.bucket}/{what}", self.failover_s)
+
+    async def _conditional(self, key: str, data: bytes,
+                           write: Callable[[], Awaitable[int]]) -> int:
+        """``write()`` (a create or an update of ``key`` to ``data``), retried while
+        unanswered; raises ``KeyWrongLastSequenceError`` unless the conflict is an
+        earlier attempt of this write that was stored after all."""
+        unanswered = False
+
+        async def attempt() -> int:
+            nonlocal unanswered
+            try:
+                return await write()
+            except _UNANSWERED:
+                unanswered = True
+                raise
+
         try:
-            kv = await js.key_value(bucket)
-        except jse.BucketNotFoundError:
-            kv = await js.create_key_value(
-                KeyValueConfig(bucket=bucket, history=history, storage=storage))
-        return cls(kv, bucket, message_type)
+            return await self._retrying(attempt, key)
+        except jse.KeyWrongLastSequenceError:
+            if unanswered:
+                raw = await self._raw(key)
+                if raw is not None and raw.value == data:
+                    return raw.revision or 0
+            raise
+
+    async def _raw(self, key: str) -> KeyValue.Entry | None:
+        try:
+            return await self._retrying(lambda: self.kv.get(key), key)
+        except jse.KeyNotFoundError:
+            return None
 
     def _decode(self, key: str, data: bytes | None) -> M:
         try:
@@ -88,9 +172,8 @@ class TypedKV(Generic[M]):
         Raises:
             WireError: the stored value does not decode.
         """
-        try:
-            raw = await self.kv.get(key)
-        except jse.KeyNotFoundError:
+        raw = await self._raw(key)
+        if raw is None:
             return None
         return Entry(key, self._decode(key, raw.value), raw.revision or 0)
 
@@ -101,9 +184,8 @@ class TypedKV(Generic[M]):
         not decode counts as absent but keeps its revision, so the next
         :meth:`update` replaces it (counted and logged here).
         """
-        try:
-            raw = await self.kv.get(key)
-        except jse.KeyNotFoundError:
+        raw = await self._raw(key)
+        if raw is None:
             return None, 0
         try:
             return self._decode(key, raw.value), raw.revision or 0
@@ -113,7 +195,8 @@ class TypedKV(Generic[M]):
 
     async def put(self, key: str, value: M) -> int:
         """Store ``value`` unconditionally; returns the new revision."""
-        revision = await self.kv.put(key, encode(value))
+        data = encode(value)
+        revision = await self._retrying(lambda: self.kv.put(key, data), key)
         raise_if_cancelled()
         return revision
 
@@ -123,8 +206,9 @@ class TypedKV(Generic[M]):
         Raises:
             Conflict: the key exists.
         """
+        data = encode(value)
         try:
-            revision = await self.kv.create(key, encode(value))
+            revision = await self._conditional(key, data, lambda: self.kv.create(key, data))
         except jse.KeyWrongLastSequenceError:
             raise Conflict(f"{self.bucket}/{key} already exists") from None
         finally:
@@ -137,8 +221,10 @@ class TypedKV(Generic[M]):
         Raises:
             Conflict: the key changed since ``revision``.
         """
+        data, last = encode(value), revision
         try:
-            revision = await self.kv.update(key, encode(value), last=revision)
+            revision = await self._conditional(
+                key, data, lambda: self.kv.update(key, data, last=last))
         except jse.KeyWrongLastSequenceError:
             raise Conflict(f"{self.bucket}/{key} changed since revision {revision}") from None
         finally:
@@ -173,7 +259,7 @@ class TypedKV(Generic[M]):
             Conflict: ``revision`` was given and the key has moved on.
         """
         try:
-            await self.kv.delete(key, last=revision)
+            await self._retrying(lambda: self.kv.delete(key, last=revision), key)
         except jse.APIError as exc:
             raise_if_cancelled()
             if revision is None:
@@ -255,7 +341,8 @@ class TypedKV(Generic[M]):
         """
         prefix = f"$KV.{self.bucket}."
         try:
-            info = await self.kv._js.stream_info(self.kv._stream, subjects_filter=f"{prefix}>")
+            info = await self._retrying(lambda: self.kv._js.stream_info(
+                self.kv._stream, subjects_filter=f"{prefix}>"), "(keys)")
         except jse.NotFoundError:
             return []
         return [subject.removeprefix(prefix) for subject in (info.state.subjects or {})]

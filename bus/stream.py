@@ -34,7 +34,7 @@ from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 from nats.js.api import ConsumerConfig, DeliverPolicy, DiscardPolicy, StorageType, StreamConfig
 
-from phalanx.bus.client import Bus, Delivery, raise_if_cancelled
+from phalanx.bus.client import Bus, Delivery, raise_if_cancelled, replicas_for
 from phalanx.schemas import subjects
 from phalanx.schemas.codec import decode
 from phalanx.schemas.errors import WireError
@@ -69,12 +69,13 @@ class StreamEvent:
     delivery: Delivery
 
 
-async def ensure_job_events(bus: Bus, *, replicas: int = 1) -> None:
-    """Create the stream if it does not exist yet (idempotent; any service may call it)."""
+async def ensure_job_events(bus: Bus) -> None:
+    """Create the stream if it does not exist yet (idempotent; any service may call it),
+    with as many replicas as the bus is configured for."""
     config = StreamConfig(
         name=JOB_EVENTS, subjects=[subjects.job_events(kind) for kind in KINDS],
         storage=StorageType.FILE, max_age=MAX_AGE_S, max_bytes=MAX_BYTES,
-        discard=DiscardPolicy.OLD, num_replicas=replicas)
+        discard=DiscardPolicy.OLD, num_replicas=replicas_for(bus.js))
     try:
         await bus.js.stream_info(JOB_EVENTS)
     except jse.NotFoundError:

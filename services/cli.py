@@ -40,6 +40,8 @@ def _bus_config(args: argparse.Namespace):
     if url is None and not os.environ.get("PHALANX_NATS_URL"):
         state = ClusterState.read(Path(args.data_dir))
         url = state.nats_url if state else None
+        if state is not None and not env.get("PHALANX_NATS_REPLICAS"):
+            env["PHALANX_NATS_REPLICAS"] = str(state.nats_replicas)
         if state is not None and state.auth_dir is not None:
             # A secured local cluster: the operator's identity, unless the environment
             # names another (a viewer's, say).
@@ -47,7 +49,7 @@ def _bus_config(args: argparse.Namespace):
             env.setdefault("PHALANX_NATS_CA", str(auth.ca_path))
             if not CREDENTIAL_VARS & env.keys():
                 env.update(auth.env(Role.CLI))
-    return BusConfig.load(args.config, env=env, servers=[url] if url else None)
+    return BusConfig.load(args.config, env=env, servers=url)  # comma-separated URLs
 
 
 # --- auth ----------------------------------------------------------------------------------
@@ -461,7 +463,7 @@ async def _up(args: argparse.Namespace, data_dir: Path) -> int:
 
     cluster = LocalCluster(
         data_dir, agents=args.agents, slots_per_agent=args.slots_per_agent,
-        nats_url=args.nats, nats_port=args.nats_port,
+        nats_url=args.nats, nats_port=args.nats_port, nats_servers=args.nats_cluster,
         heartbeat_interval_s=args.heartbeat_interval, lost_after_s=args.lost_after,
         admission_instances=args.admission, health_instances=args.health,
         elasticity_instances=args.elasticity, config_path=args.config,
@@ -553,7 +555,8 @@ def _up_detached(args: argparse.Namespace, data_dir: Path) -> int:
 
 def _rebuild_argv(args: argparse.Namespace) -> list[str]:
     argv = ["up", "--agents", str(args.agents), "--slots-per-agent", str(args.slots_per_agent),
-            "--nats-port", str(args.nats_port), "--data-dir", str(args.data_dir),
+            "--nats-port", str(args.nats_port), "--nats-cluster", str(args.nats_cluster),
+            "--data-dir", str(args.data_dir),
             "--heartbeat-interval", str(args.heartbeat_interval),
             "--lost-after", str(args.lost_after), "--admission", str(args.admission),
             "--health", str(args.health), "--elasticity", str(args.elasticity),
@@ -606,6 +609,9 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--slots-per-agent", type=int, default=2, metavar="K")
     up.add_argument("--nats-port", type=int, default=4222,
                     help="port of the embedded NATS server (0 = any free port)")
+    up.add_argument("--nats-cluster", type=int, default=1, metavar="N",
+                    help="run the embedded NATS as a cluster of N servers (ports --nats-port "
+                    "and up), buckets and streams replicated on 3 (default: one server)")
     up.add_argument("--heartbeat-interval", type=float, default=0.5, metavar="S")
     up.add_argument("--admission", type=int, default=1, metavar="N",
                     help="admission service instances (one leads, the others stand by)")

@@ -11,6 +11,12 @@ parent-death signal, so even a SIGKILLed ``phalanx up`` leaves nothing behind.
 Agents that die are *not* restarted: a killed agent must show as lost, as it
 would on a real machine.
 
+With ``nats_servers=N`` (``phalanx up --nats-cluster N``) the bus is a NATS cluster
+of N servers (:class:`~phalanx.services.natsd.NatsCluster`) and every process is
+given all N URLs and ``PHALANX_NATS_REPLICAS`` (3, or N when smaller), so every
+bucket and stream is replicated and the cluster rides out the loss of a server;
+a member that dies is started again on its ports and store.
+
 With an auth directory (``phalanx up --secure``, docs/security.md) the server
 runs with its config — NKEY users with per-role permissions, TLS on the client
 port — and every process connects as its own identity: each service as its
@@ -41,10 +47,18 @@ from phalanx.services.agent.ranks import MANIFEST, running_in_manifest, start_ti
 from phalanx.services.auth.issuer import AuthDir
 from phalanx.services.auth.roles import Role
 from phalanx.services.client import AdmissionClient
-from phalanx.services.natsd import NatsServer, NatsServerError, _die_with_parent, reload_config
+from phalanx.services.natsd import (
+    NatsCluster,
+    NatsServer,
+    NatsServerError,
+    _die_with_parent,
+    reload_config,
+)
 
 log = logging.getLogger("phalanx.cluster")
 STATE_FILE = "up.json"
+#: Replicas of buckets and streams on an embedded NATS cluster (fewer if it is smaller).
+CLUSTER_REPLICAS = 3
 
 
 class ClusterError(PhalanxError, RuntimeError):
@@ -62,6 +76,8 @@ class ClusterState:
     started_at: float
     services: dict[str, int] = dataclasses.field(default_factory=dict)  # instance -> pid
     auth_dir: str | None = None  # the auth directory of a secured cluster
+    nats_pids: list[int] = dataclasses.field(default_factory=list)  # an embedded NATS cluster
+    nats_replicas: int = 1  # replicas of the buckets and streams phalanx creates
 
     @classmethod
     def read(cls, data_dir: Path) -> ClusterState | None:
@@ -92,8 +108,11 @@ class LocalCluster:
         data_dir: where JetStream data, logs and ``up.json`` live.
         agents: how many node agents to start.
         slots_per_agent: slots each agent offers.
-        nats_url: use this server instead of starting one.
-        nats_port: port of the embedded server (0 = any free port).
+        nats_url: use this server instead of starting one (comma-separated URLs).
+        nats_port: port of the embedded server (0 = any free port); of the first member of
+            an embedded cluster, the others taking the next ones.
+        nats_servers: how many servers the embedded NATS has: 1, or a cluster of N with
+            replicated JetStream.
         heartbeat_interval_s / lost_after_s: passed to each agent.
         ready_timeout_s: how long :meth:`start` waits for every agent's first heartbeat.
         auth_dir: run secured with this auth directory (made if missing): the embedded
@@ -101,7 +120,7 @@ class LocalCluster:
     """
 
     def __init__(self, data_dir: Path, *, agents: int = 2, slots_per_agent: int = 2,
-                 nats_url: str | None = None, nats_port: int = 4222,
+                 nats_url: str | None = None, nats_port: int = 4222, nats_servers: int = 1,
                  heartbeat_interval_s: float = 0.5, lost_after_s: float = 3.0,
                  admission_instances: int = 1, health_instances: int = 1,
                  elasticity_instances: int = 1, config_path: str | None = None,
@@ -110,6 +129,10 @@ class LocalCluster:
             raise ClusterError(f"--agents must be >= 0, got {agents}")
         if slots_per_agent < 1:
             raise ClusterError(f"--slots-per-agent must be >= 1, got {slots_per_agent}")
+        if nats_servers < 1:
+            raise ClusterError(f"--nats-cluster must be >= 1, got {nats_servers}")
+        if nats_servers > 1 and auth_dir is not None:
+            raise ClusterError("--secure with --nats-cluster is not supported yet")
         for flag, count in (("--admission", admission_instances),
                             ("--health", health_instances),
                             ("--elasticity", elasticity_instances)):
@@ -120,6 +143,8 @@ class LocalCluster:
         self.slots_per_agent = slots_per_agent
         self.nats_url = nats_url
         self.nats_port = nats_port
+        self.nats_servers = nats_servers
+        self.nats_replicas = min(nats_servers, CLUSTER_REPLICAS) if nats_url is None else 1
         self.heartbeat_interval_s = heartbeat_interval_s
         self.lost_after_s = lost_after_s
         self.ready_timeout_s = ready_timeout_s
@@ -128,6 +153,7 @@ class LocalCluster:
         self.n_elasticity = elasticity_instances
         self.config_path = config_path
         self.nats: NatsServer | None = None
+        self.nats_cluster: NatsCluster | None = None
         self.agents: dict[str, asyncio.subprocess.Process] = {}
         self.services: dict[str, asyncio.subprocess.Process] = {}
         # log name -> what it was started with: arguments, and its identity's variables
@@ -158,12 +184,19 @@ class LocalCluster:
                 await asyncio.to_thread(AuthDir.init, self.auth.root)
             for i in range(self.n_agents):  # known before the server starts: no reload
                 self.auth.add(Role.AGENT, f"local-{i}")
-        if self.nats_url is None:
+        if self.nats_url is None and self.nats_servers > 1:
+            self.nats_cluster = NatsCluster(self.data_dir / "jetstream-cluster",
+                                            self.nats_servers, port=self.nats_port,
+                                            log_dir=self.logs_dir)
+            await asyncio.to_thread(self.nats_cluster.start)
+            self.nats_url = ",".join(self.nats_cluster.urls)
+        elif self.nats_url is None:
             self.nats = self._nats_server(self.nats_port)
             await asyncio.to_thread(self.nats.start)
             self.nats_url = self.nats.url
-        self.bus = await Bus.connect(BusConfig.load(env=self._identity(Role.CLI),
-                                                    servers=[self.nats_url]), name="phalanx-up")
+        self.bus = await Bus.connect(BusConfig.load(
+            env=self._identity(Role.CLI), servers=self.nats_url,
+            jetstream_replicas=self.nats_replicas), name="phalanx-up")
         seen: set[str] = set()
         all_seen = asyncio.Event()
 
@@ -246,7 +279,8 @@ class LocalCluster:
                      identity: dict[str, str] | None = None) -> asyncio.subprocess.Process:
         self._argv[name] = (argv, identity or {})
         log_file = (self.logs_dir / f"{name}.log").open("ab")
-        env = {**os.environ, "PHALANX_NATS_URL": self.nats_url or ""}
+        env = {**os.environ, "PHALANX_NATS_URL": self.nats_url or "",
+               "PHALANX_NATS_REPLICAS": str(self.nats_replicas)}
         if identity:
             env = with_identity(env, identity)
         if self.config_path:
@@ -284,27 +318,35 @@ class LocalCluster:
             "--work-dir", str(self.data_dir / "agents" / node_id),
             identity=self._identity(Role.AGENT, node_id))
 
+    @property
+    def embedded_nats(self) -> list[NatsServer]:
+        """The nats-servers this cluster started (none when it uses an existing one)."""
+        if self.nats_cluster is not None:
+            return self.nats_cluster.servers
+        return [self.nats] if self.nats is not None else []
+
     async def keep_nats(self, stop: asyncio.Event, restart_after_s: float = 1.0,
                         attempts: int = 5) -> bool:
-        """Start the embedded nats-server again whenever it dies, on the same port and
+        """Start an embedded nats-server again whenever it dies, on the same ports and
         store (as a Deployment would), until ``stop`` is set; after ``attempts`` failed
         starts in a row, set ``stop`` and return True: without its server the cluster is
         gone."""
         failures = 0
-        while self.nats is not None and self.nats.process is not None and not stop.is_set():
-            server = self.nats.process
-            died = asyncio.create_task(asyncio.to_thread(server.wait))
+        while (servers := self.embedded_nats) and not stop.is_set():
+            deaths = [asyncio.create_task(asyncio.to_thread(server.process.wait))
+                      for server in servers if server.process is not None]
             stopping = asyncio.create_task(stop.wait())
-            await asyncio.wait([died, stopping], return_when=asyncio.FIRST_COMPLETED)
-            stopping.cancel()
+            await asyncio.wait([*deaths, stopping], return_when=asyncio.FIRST_COMPLETED)
+            for task in (*deaths, stopping):
+                task.cancel()
             if stop.is_set():
-                died.cancel()
                 return False
-            log.warning("nats-server exited with %s; starting it again", server.returncode)
+            member = next(i for i, task in enumerate(deaths) if task.done())
+            log.warning("nats-server %s exited with %s; starting it again",
+                        servers[member].url, servers[member].process.returncode)
             await asyncio.sleep(restart_after_s)
-            replacement = self._nats_server(self.nats.port)
             try:
-                await asyncio.to_thread(replacement.start)
+                await asyncio.to_thread(self._restart_nats, member)
             except NatsServerError as exc:
                 failures += 1
                 log.error("nats-server did not start again (%d/%d): %s", failures, attempts,
@@ -314,9 +356,15 @@ class LocalCluster:
                     return True
                 continue
             failures = 0
-            self.nats = replacement
             self.state().write(self.data_dir)
         return False
+
+    def _restart_nats(self, member: int) -> None:
+        if self.nats_cluster is not None:
+            self.nats_cluster.restart(member)
+            return
+        assert self.nats is not None
+        self.nats = self._nats_server(self.nats.port).start()
 
     def state(self) -> ClusterState:
         return ClusterState(
@@ -325,6 +373,8 @@ class LocalCluster:
             agents={n: p.pid for n, p in self.agents.items()}, started_at=time.time(),
             services={n: p.pid for n, p in self.services.items()},
             auth_dir=str(self.auth.root) if self.auth else None,
+            nats_pids=[s.process.pid for s in self.embedded_nats if s.process],
+            nats_replicas=self.nats_replicas,
         )
 
     async def stop(self, grace_s: float = 10.0) -> None:
@@ -351,6 +401,8 @@ class LocalCluster:
         sweep_ranks(self.data_dir)
         if self.nats is not None:
             await asyncio.to_thread(self.nats.stop)
+        if self.nats_cluster is not None:
+            await asyncio.to_thread(self.nats_cluster.stop)
         with contextlib.suppress(FileNotFoundError):
             state_file = self.data_dir / STATE_FILE
             recorded = json.loads(state_file.read_text())
@@ -373,7 +425,7 @@ def stop_recorded(data_dir: Path, timeout_s: float = 20.0) -> ClusterState | Non
         os.kill(state.pid, signal.SIGTERM)
         _wait_exit(state.pid, timeout_s)
     leftovers = [state.pid, *state.agents.values(), *state.services.values(),
-                 *([state.nats_pid] if state.nats_pid else [])]
+                 *([state.nats_pid] if state.nats_pid else []), *state.nats_pids]
     for pid in leftovers:
         if pid_alive(pid) and _is_ours(pid):
             with contextlib.suppress(ProcessLookupError):

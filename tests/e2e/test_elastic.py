@@ -15,6 +15,7 @@ the first test also checks that a recovery is one trace.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import signal
@@ -89,15 +90,24 @@ class Watch:
 
 @pytest.fixture(scope="module")
 async def cluster(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[tuple]:
-    data = tmp_path_factory.mktemp("cluster")
+    async with watched_cluster(tmp_path_factory.mktemp("cluster")) as running:
+        yield running
+
+
+@contextlib.asynccontextmanager
+async def watched_cluster(data: Path, *up_args: str) -> AsyncIterator[tuple]:
+    """``phalanx up`` (2 agents x 2 slots, plus ``up_args``) with the bus's generations,
+    progress and job states in queues; yields ``(data dir, bus, watch)``."""
     phalanx("up", "--agents", "2", "--slots-per-agent", "2", "--detach", "--data-dir",
-            str(data), "--nats-port", "0", "--heartbeat-interval", "0.2",
+            str(data), "--nats-port", "0", "--heartbeat-interval", "0.2", *up_args,
             # The tests inject many faults on two nodes: no cordoning here.
             env={**os.environ, "OTEL_TRACES_EXPORTER": "console",
                  "PHALANX_HEALTH_CORDON_FAULTS": "1000"})
     state = json.loads((data / "up.json").read_text())
     try:
-        async with await Bus.connect(BusConfig.load(env={}, servers=[state["nats_url"]])) as bus:
+        config = BusConfig.load(env={}, servers=state["nats_url"],
+                                jetstream_replicas=state["nats_replicas"])
+        async with await Bus.connect(config) as bus:
             watch = Watch()
 
             async def put(queue: asyncio.Queue, message, _: Delivery) -> None:

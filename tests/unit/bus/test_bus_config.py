@@ -127,14 +127,35 @@ def test_every_env_variable_is_read(tmp_path: Path, creds: Path) -> None:
         "PHALANX_NATS_CERT": str(files["cert.pem"]),
         "PHALANX_NATS_KEY": str(files["key.pem"]),
         "PHALANX_NATS_CONNECT_TIMEOUT_S": "3",
+        "PHALANX_NATS_REPLICAS": "3",
     }
     config = BusConfig.load(env=env)
     assert config == BusConfig(
         servers=("tls://n:4222",), user="u", password="p", token="t",
         nkey_seed_file=str(files["seed.nk"]), creds_file=str(creds),
         tls_ca_file=str(files["ca.pem"]), tls_cert_file=str(files["cert.pem"]),
-        tls_key_file=str(files["key.pem"]), connect_timeout_s=3.0,
+        tls_key_file=str(files["key.pem"]), connect_timeout_s=3.0, jetstream_replicas=3,
     )
+
+
+def test_jetstream_replicas_from_file_and_env(tmp_path: Path) -> None:
+    path = write_toml(tmp_path, "[bus]\njetstream_replicas = 3\n")
+    assert BusConfig.load(path, env={}).jetstream_replicas == 3
+    assert BusConfig.load(path, env={"PHALANX_NATS_REPLICAS": "5"}).jetstream_replicas == 5
+    assert BusConfig.load(env={}).jetstream_replicas == 1
+
+
+@pytest.mark.parametrize("value", ["0", "6", "-1", "3.0", "three"])
+def test_jetstream_replicas_out_of_range_or_not_an_integer(value: str) -> None:
+    with pytest.raises(ConfigError, match="jetstream_replicas"):
+        BusConfig.load(env={"PHALANX_NATS_REPLICAS": value})
+
+
+@pytest.mark.parametrize("body", ["jetstream_replicas = 2.5", "jetstream_replicas = true",
+                                  'jetstream_replicas = "x"'])
+def test_jetstream_replicas_wrongly_typed_in_file(tmp_path: Path, body: str) -> None:
+    with pytest.raises(ConfigError, match="jetstream_replicas"):
+        BusConfig.load(write_toml(tmp_path, f"[bus]\n{body}\n"), env={})
 
 
 def test_ca_file_turns_tls_on(tmp_path: Path) -> None:
