@@ -281,6 +281,8 @@ class LocalCluster:
         log_file = (self.logs_dir / f"{name}.log").open("ab")
         env = {**os.environ, "PHALANX_NATS_URL": self.nats_url or "",
                "PHALANX_NATS_REPLICAS": str(self.nats_replicas)}
+        # Admission judges nodes lost by the registry, health by heartbeats: one bound.
+        env.setdefault("PHALANX_ADMISSION_LOST_AFTER_S", str(self.lost_after_s))
         if identity:
             env = with_identity(env, identity)
         if self.config_path:

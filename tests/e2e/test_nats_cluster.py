@@ -41,7 +41,10 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 async def cluster(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[tuple]:
-    async with watched_cluster(tmp_path_factory.mktemp("cluster"), "--nats-cluster", "3") \
+    # A node is lost only after a silence longer than a JetStream election (4-9 s): the
+    # agents' heartbeats wait on the registry bucket while it elects a leader.
+    async with watched_cluster(tmp_path_factory.mktemp("cluster"), "--nats-cluster", "3",
+                               "--lost-after", "15") \
             as running:
         yield running
 
