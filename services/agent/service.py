@@ -171,8 +171,8 @@ class AgentService(Service):
 
     async def _host_of(self, node_id: str) -> str:
         assert self.nodes is not None
-        entry = await self.nodes.get(node_id)
-        return entry.value.node.host if entry is not None else "127.0.0.1"
+        record, _ = await self.nodes.current(node_id)  # unreadable: as good as unknown
+        return record.node.host if record is not None else "127.0.0.1"
 
     async def _report(self, event: RankStarted | RankExited) -> None:
         """Publish a rank's start or exit inside a span that names it: a trace's root."""
