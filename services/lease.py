@@ -43,6 +43,20 @@ def may_take(current: Lease | None, holder: str, now: float) -> bool:
     return current is None or current.expires_at <= now or current.holder == holder
 
 
+def fenced_out(exc: BaseException) -> LeadershipLost | None:
+    """The :class:`LeadershipLost` that ended a leader's work — also from a task group,
+    which wraps it in an exception group — or None if anything else took part."""
+    if isinstance(exc, LeadershipLost):
+        return exc
+    if isinstance(exc, BaseExceptionGroup):
+        lost, rest = exc.split(LeadershipLost)
+        if lost is not None and rest is None:
+            while isinstance(lost, BaseExceptionGroup):
+                lost = lost.exceptions[0]
+            return lost
+    return None
+
+
 class Leadership:
     """Holds ``key``'s lease for ``holder`` and runs ``lead()`` exactly while holding it.
 
@@ -125,8 +139,12 @@ class Leadership:
             await self.lead()
         except asyncio.CancelledError:
             raise
-        except Exception:
-            log.exception("leading failed; stepping down", extra={"lease": self.key})
+        except Exception as exc:
+            lost = fenced_out(exc)
+            if lost is not None:  # fencing worked as designed: nothing is wrong here
+                log.warning("stepping down: %s", lost, extra={"lease": self.key})
+            else:
+                log.exception("leading failed; stepping down", extra={"lease": self.key})
 
     async def _renew(self) -> None:
         assert self.revision is not None

@@ -41,7 +41,6 @@ from phalanx.bus.config import BusConfig
 from phalanx.bus.errors import Conflict, NoResponders, RemoteError, RequestRefused, RequestTimeout
 from phalanx.bus.kv import Change, TypedKV
 from phalanx.schemas import subjects
-from phalanx.schemas.errors import PhalanxError
 from phalanx.schemas.messages import (
     Allocation,
     AllocationLedger,
@@ -59,16 +58,13 @@ from phalanx.schemas.messages import (
 from phalanx.services.admission import core
 from phalanx.services.admission.config import AdmissionConfig
 from phalanx.services.base import Service
+from phalanx.services.lease import Leadership, LeadershipLost
 from phalanx.services.registry.core import NodeState, view
 
 log = logging.getLogger("phalanx.admission")
 LEADER_KEY = "leader"
 LEDGER_KEY = "ledger"
 _TICK = object()  # scheduler wake-up for timeouts and node liveness
-
-
-class LeadershipLost(PhalanxError, RuntimeError):
-    """Another instance changed the lease or the ledger: stop leading."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,8 +78,6 @@ class Reconciled:
 class Term:
     """What exists only while this instance leads."""
 
-    lease_revision: int
-    lease_expires_at: float
     core: core.AdmissionCore
     events: asyncio.Queue[object]
     ledger_revision: int = 0
@@ -91,7 +85,6 @@ class Term:
     persisted: dict[str, tuple[JobState, ReasonCode, tuple[str, ...]]] = dataclasses.field(
         default_factory=dict)
     node_events: dict[str, core.NodeUpdated] = dataclasses.field(default_factory=dict)
-    task: asyncio.Task[None] | None = None
     serving: bool = False  # state rebuilt: requests may be answered
     watching_since: float = 0.0  # nodes are judged on silence heard since then
     ledger_unreadable: bool = False  # placements come from the admitted records instead
@@ -132,7 +125,9 @@ class AdmissionService(Service):
                                                ("explain", JobRequest, Explanation)):
             await self.add_endpoint(verb, subjects.admission(verb), request_type,
                                     self._forwarder(verb, reply_type), concurrent=True)
-        self.spawn(self.lease_loop(), "lease")
+        self.leadership = Leadership(self.leases, LEADER_KEY, self.instance,
+                                     self.config.lease_s, self._lead_term)
+        self.spawn(self.leadership.run(self.sleep_or_stop), "lease")
 
     def _forwarder(self, verb: str, reply_type: type[Message]):
         """The public endpoint: served here when leading, else forwarded to the leader."""
@@ -157,80 +152,15 @@ class AdmissionService(Service):
 
         return forward
 
-    async def lease_loop(self) -> None:
-        """Acquire or renew the lease every ``lease_s / 3``; lead while holding it."""
-        while True:
-            try:
-                if self.term is None:
-                    await self._try_lead()
-                else:
-                    await self._renew()
-            except LeadershipLost as exc:
-                log.warning("stepping down: %s", exc)
-                await self._step_down(release=False)
-            except (PhalanxError, TimeoutError, OSError) as exc:
-                log.warning("lease check failed: %s", exc)
-                if self.term is not None and time.time() > self.term.lease_expires_at:
-                    await self._step_down(release=False)
-            if await self.sleep_or_stop(self.config.lease_s / 3):
-                break
-        if self.term is not None:
-            await self._step_down(release=True)
-
-    async def _try_lead(self) -> None:
-        now = time.time()
-        # An undecodable lease counts as absent: it is replaced at its revision.
-        current, revision = await self.leases.current(LEADER_KEY)
-        if current is not None and current.expires_at > now and current.holder != self.instance:
-            return
-        lease = Lease(holder=self.instance, epoch=current.epoch + 1 if current else 1,
-                      expires_at=now + self.config.lease_s)
-        try:
-            revision = (await self.leases.update(LEADER_KEY, lease, revision) if revision
-                        else await self.leases.create(LEADER_KEY, lease))
-        except Conflict:
-            return
-        log.info("leading", extra={"epoch": lease.epoch})
-        term = Term(revision, lease.expires_at, core.AdmissionCore(self.config.policy),
-                    asyncio.Queue())
+    async def _lead_term(self) -> None:
+        """The leader's work for one term of the lease (run by :class:`Leadership`)."""
+        term = Term(core.AdmissionCore(self.config.policy), asyncio.Queue())
         self.term = term
-        term.task = asyncio.create_task(self._lead(term), name="lead")
-        term.task.add_done_callback(self._lead_ended)
-
-    def _lead_ended(self, task: asyncio.Task[None]) -> None:
-        if not task.cancelled() and task.exception() is not None:
-            log.error("leading failed; stepping down", exc_info=task.exception())
-            if self.term is not None and self.term.task is task:
-                self.term = None  # the lease runs out; another instance (or we) take over
-
-    async def _renew(self) -> None:
-        term = self.term
-        assert term is not None
-        now = time.time()
-        lease = Lease(holder=self.instance, epoch=0, expires_at=now + self.config.lease_s)
-        current = await self.leases.get(LEADER_KEY)
-        if current is None or current.revision != term.lease_revision:
-            raise LeadershipLost("the lease was taken over")
-        lease = msgspec.structs.replace(lease, epoch=current.value.epoch)
         try:
-            term.lease_revision = await self.leases.update(LEADER_KEY, lease, term.lease_revision)
-        except Conflict:
-            raise LeadershipLost("the lease changed while renewing") from None
-        term.lease_expires_at = lease.expires_at
-
-    async def _step_down(self, *, release: bool) -> None:
-        term, self.term = self.term, None
-        if term is None:
-            return
-        if term.task is not None:
-            term.task.cancel()
-            await asyncio.gather(term.task, return_exceptions=True)
-        if release:
-            try:
-                await self.leases.delete(LEADER_KEY, revision=term.lease_revision)
-            except (PhalanxError, TimeoutError, OSError) as exc:
-                log.warning("could not release the lease: %s", exc)
-        log.info("stepped down")
+            await self._lead(term)
+        finally:
+            if self.term is term:
+                self.term = None
 
     # --- leading ------------------------------------------------------------------------
 

@@ -377,7 +377,14 @@ class HealthService(Service):
                     await self._condition(decision.node_id, NodeCondition.ALIVE,
                                           decision.reason)
                 case core.CordonNode():
-                    await self.nodes.modify(decision.node_id, lambda r: _cordon(r, True))
+                    try:
+                        await self.nodes.modify(decision.node_id, _cordon)
+                    except LookupError:
+                        # Faults may name a node that never registered (or was removed):
+                        # there is nothing to cordon, and nothing else to stop for.
+                        log.warning("cannot cordon a node not in the registry",
+                                    extra={"node": decision.node_id, "reason": decision.reason})
+                        continue
                     await self._condition(decision.node_id, NodeCondition.CORDONED,
                                           decision.reason)
                 case core.FinishJob():
@@ -407,7 +414,7 @@ class HealthService(Service):
         await self.bus.publish(subjects.job_state(job_id), entry.value)
 
 
-def _cordon(record: NodeRecord | None, cordoned: bool) -> NodeRecord:
+def _cordon(record: NodeRecord | None) -> NodeRecord:
     if record is None:
-        raise LookupError("the node left the registry")
-    return msgspec.structs.replace(record, cordoned=cordoned)
+        raise LookupError("the node is not in the registry")
+    return msgspec.structs.replace(record, cordoned=True)
