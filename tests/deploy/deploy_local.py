@@ -1,0 +1,233 @@
+"""Containers as local processes: what ``deploy/`` gives each container, run on this machine.
+
+No container engine runs here, so the deployment files are proven by running, as
+plain processes, exactly the command and environment each container would get:
+
+* the image's side comes from ``deploy/Dockerfile`` (parsed with BuildKit's own
+  parser, the ``dockerfile`` package): entry point, default command, working
+  directory and ``ENV`` of its last stage;
+* the container's side from ``deploy/compose.yaml`` or the rendered Kubernetes
+  manifests (command/args, env, mounts).
+
+What cannot be the same on one machine is *translated*, and only that: host
+names and ports of other containers (``nats:4222`` → a local port), absolute
+paths of the container's filesystem (``/opt/phalanx`` → this checkout,
+``/opt/venv`` → this interpreter's prefix, a volume → a directory shared by the
+containers that mount it, anything else → a directory of that container's own).
+:meth:`World.localize` refuses a container path it has no translation for, so a
+file naming a path the image does not have fails the test.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+
+import dockerfile
+
+REPO = Path(__file__).resolve().parents[2]
+DEPLOY = REPO / "deploy"
+# Paths of the image's filesystem a container may name; anything else absolute is refused.
+IMAGE_ROOTS = ("/opt/phalanx", "/opt/venv", "/var/lib/phalanx", "/home/phalanx", "/tmp",
+               "/dev/shm")
+# What the base image sets before our ENV lines (Docker's default PATH).
+BASE_ENV = {"PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"}
+# The base image's own directories (PATH entries and the like): the same here.
+SYSTEM_ROOTS = ("/usr/", "/bin", "/sbin", "/lib", "/etc/", "/proc/", "/sys/", "/dev/null")
+
+
+@dataclasses.dataclass(frozen=True)
+class Image:
+    """The run-time half of ``deploy/Dockerfile``: its last stage."""
+
+    entrypoint: tuple[str, ...]
+    cmd: tuple[str, ...]
+    workdir: str
+    env: dict[str, str]
+    user: str
+
+    @classmethod
+    def parse(cls, path: Path = DEPLOY / "Dockerfile") -> Image:
+        commands = dockerfile.parse_file(str(path))
+        last_from = max(i for i, c in enumerate(commands) if c.cmd == "FROM")
+        entrypoint: tuple[str, ...] = ()
+        cmd: tuple[str, ...] = ()
+        workdir, user, env = "/", "root", {}
+        for c in commands[last_from + 1:]:
+            if c.cmd == "ENTRYPOINT":
+                assert c.json, "ENTRYPOINT in exec form (a shell form ignores signals)"
+                entrypoint = c.value
+            elif c.cmd == "CMD":
+                assert c.json, "CMD in exec form"
+                cmd = c.value
+            elif c.cmd == "WORKDIR":
+                workdir = os.path.join(workdir, c.value[0])
+            elif c.cmd == "USER":
+                user = c.value[0]
+            elif c.cmd == "ENV":
+                pairs = c.value
+                for key, value in zip(pairs[::2], pairs[1::2], strict=True):
+                    assert '"' not in value and "'" not in value, f"ENV {key}: no quotes"
+                    # $VAR from the image so far, else the base image's
+                    env[key] = re.sub(r"\$\{?(\w+)\}?",
+                                      lambda m: env.get(m[1], BASE_ENV.get(m[1], "")), value)
+        return cls(entrypoint, cmd, workdir, env, user)
+
+
+@dataclasses.dataclass
+class Container:
+    """What one container runs, as the deployment file says (container paths and hosts)."""
+
+    name: str
+    argv: list[str]
+    env: dict[str, str]
+    workdir: str
+    mounts: dict[str, str] = dataclasses.field(default_factory=dict)
+    """Mount path in the container -> shared volume key."""
+
+
+class World:
+    """The translation from the containers' world to this machine."""
+
+    def __init__(self, root: Path, hosts: Mapping[str, str]) -> None:
+        self.root = root
+        self.hosts = dict(hosts)
+
+    def paths(self, container: Container) -> list[tuple[str, Path]]:
+        mapped = [(mount, self.root / "volumes" / key) for mount, key in
+                  container.mounts.items()]
+        mapped += [("/opt/phalanx", REPO), ("/opt/venv", Path(sys.prefix))]
+        own = self.root / "containers" / container.name
+        mapped += [(p, own / p.strip("/").replace("/", "-")) for p in IMAGE_ROOTS
+                   if p not in ("/opt/phalanx", "/opt/venv")]
+        # Longest first: a mount under /tmp wins over the container's own /tmp.
+        return sorted(mapped, key=lambda pair: -len(pair[0]))
+
+    def localize(self, container: Container, text: str) -> str:
+        for host, local in self.hosts.items():
+            text = re.sub(rf"(?<![\w.-]){re.escape(host)}(?![\w.-])", local, text)
+        out = []
+        # Only whole path components: "/tmp" in "/tmpfoo" or in a URL path is left alone.
+        for piece in re.split(r"([:,= ])", text):
+            if piece == "/":  # the container's root: a directory of its own
+                piece = str(self.root / "containers" / container.name)
+                Path(piece).mkdir(parents=True, exist_ok=True)
+            elif piece.startswith("/") and not piece.startswith("//"):
+                for prefix, local in self.paths(container):
+                    if piece == prefix or piece.startswith(prefix + "/"):
+                        local.mkdir(parents=True, exist_ok=True)
+                        piece = str(local) + piece[len(prefix):]
+                        break
+                else:
+                    if not piece.startswith(SYSTEM_ROOTS):
+                        raise AssertionError(f"{container.name}: no translation for container "
+                                             f"path {piece!r} (not in the image)")
+            out.append(piece)
+        return "".join(out)
+
+    def process(self, container: Container) -> tuple[list[str], dict[str, str], Path]:
+        """(argv, env, cwd) of the local process standing in for ``container``."""
+        env = {k: self.localize(container, v) for k, v in container.env.items()}
+        env.setdefault("HOME", self.localize(container, "/home/phalanx"))
+        argv = [self.localize(container, a) for a in container.argv]
+        cwd = Path(self.localize(container, container.workdir))
+        return argv, env, cwd
+
+
+@dataclasses.dataclass
+class Running:
+    container: Container
+    process: subprocess.Popen
+    log: Path
+
+
+class Processes:
+    """Local processes standing in for containers; all stopped (TERM, then KILL) on exit."""
+
+    def __init__(self, world: World) -> None:
+        self.world = world
+        self.running: dict[str, Running] = {}
+
+    def start(self, container: Container) -> Running:
+        argv, env, cwd = self.world.process(container)
+        log = self.world.root / "logs" / f"{container.name}.log"
+        log.parent.mkdir(parents=True, exist_ok=True)
+        with log.open("ab") as out:
+            process = subprocess.Popen(argv, env=env, cwd=cwd, stdin=subprocess.DEVNULL,
+                                       stdout=out, stderr=out, start_new_session=True)
+        self.running[container.name] = Running(container, process, log)
+        return self.running[container.name]
+
+    def run(self, container: Container, timeout_s: float) -> subprocess.CompletedProcess:
+        """Run a one-shot container to its end."""
+        argv, env, cwd = self.world.process(container)
+        return subprocess.run(argv, env=env, cwd=cwd, capture_output=True, text=True,
+                              timeout=timeout_s, stdin=subprocess.DEVNULL)
+
+    def exec(self, name: str, argv: list[str], timeout_s: float = 30.0,
+             extra_env: Mapping[str, str] | None = None) -> subprocess.CompletedProcess:
+        """``docker exec``: ``argv`` with the environment and working dir of container ``name``."""
+        container = self.running[name].container
+        command = dataclasses.replace(container, argv=argv)
+        argv, env, cwd = self.world.process(command)
+        return subprocess.run(argv, env={**env, **(extra_env or {})}, cwd=cwd,
+                              capture_output=True, text=True, timeout=timeout_s)
+
+    def alive(self, name: str) -> bool:
+        return self.running[name].process.poll() is None
+
+    def logs(self) -> str:
+        """The tail of every process's log, for a failing assertion's message."""
+        parts = []
+        for name, r in self.running.items():
+            lines = r.log.read_text(errors="replace").splitlines()[-15:]
+            parts.append(f"--- {name} (exit {r.process.poll()}) ---\n" + "\n".join(lines))
+        return "\n".join(parts)
+
+    def stop(self, name: str, grace_s: float = 15.0) -> int | None:
+        r = self.running[name]
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(r.process.pid, signal.SIGTERM)
+        try:
+            return r.process.wait(grace_s)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(r.process.pid, signal.SIGKILL)
+            return r.process.wait()
+
+    def stop_all(self) -> None:
+        for name in reversed(list(self.running)):
+            if self.running[name].process.poll() is None:
+                self.stop(name)
+
+
+@contextlib.contextmanager
+def processes(world: World) -> Iterator[Processes]:
+    procs = Processes(world)
+    try:
+        yield procs
+    finally:
+        procs.stop_all()
+
+
+def wait_for(predicate, timeout_s: float, what: str, interval_s: float = 0.2,
+             detail=lambda: ""):
+    """Poll ``predicate`` until it returns something truthy; fail naming ``what`` (and
+    ``detail()``)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout_s} s waiting for {what}: "
+                                 f"{detail()}")
+        time.sleep(interval_s)
