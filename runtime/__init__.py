@@ -1,6 +1,68 @@
-"""Rank-local runtime imported by training scripts.
+"""The rank-local runtime a training script imports: elastic data-parallel training.
 
-So far: :class:`~phalanx.runtime.progress.ProgressReporter`, the per-step
-progress that health's hang and straggler rules watch. Membership changes and
-checkpointless recovery come with the runtime issue.
+The public API, importable from here::
+
+    from phalanx.runtime import ElasticSession, MemmapDataset, write_arrays
+
+* :class:`ElasticSession`, :class:`Step`, :class:`MembershipChange` and
+  :class:`JobCompletedWithoutThisReplica` (:mod:`.elastic`): the session that
+  replaces ``init_process_group``, DDP and the ``DistributedSampler``.
+* :class:`MemmapDataset` and :func:`write_arrays` (:mod:`.dataset`): a dataset
+  written once and opened by memory map.
+* :class:`ElasticOrder` (:mod:`.data`): the exactly-once data order.
+
+The names load on first use (PEP 562), so a process that only needs a small
+part of the runtime (the agent uses :mod:`.priority`) does not import torch.
+See docs/runtime.md.
 """
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+_EXPORTS = {
+    "ElasticSession": "elastic",
+    "Step": "elastic",
+    "MembershipChange": "elastic",
+    "JobCompletedWithoutThisReplica": "elastic",
+    "Dropped": "elastic",
+    "MemmapDataset": "dataset",
+    "write_arrays": "dataset",
+    "ElasticOrder": "data",
+}
+
+__all__ = [
+    "Dropped",
+    "ElasticOrder",
+    "ElasticSession",
+    "JobCompletedWithoutThisReplica",
+    "MembershipChange",
+    "MemmapDataset",
+    "Step",
+    "write_arrays",
+]
+
+if TYPE_CHECKING:
+    from phalanx.runtime.data import ElasticOrder
+    from phalanx.runtime.dataset import MemmapDataset, write_arrays
+    from phalanx.runtime.elastic import (
+        Dropped,
+        ElasticSession,
+        JobCompletedWithoutThisReplica,
+        MembershipChange,
+        Step,
+    )
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *__all__])

@@ -1,13 +1,17 @@
 """Elastic data-parallel training inside a rank: membership changes without a restart.
 
-A training script hands its model and optimizer to an :class:`ElasticSession`
-and runs its usual loop over :meth:`ElasticSession.steps`::
+A training script hands its model and optimizer (and any other state to
+carry, such as an LR scheduler) to an :class:`ElasticSession` and runs its
+usual loop over :meth:`ElasticSession.steps`::
 
-    session = ElasticSession.from_env(model, optimizer, dataset, global_batch=64)
+    session = ElasticSession.from_env(model, optimizer, dataset, global_batch=64,
+                                      state={"scheduler": scheduler})
     for step in session.steps(total_steps):
-        for (x, y), weight in step.batches():
-            (loss_fn(model(x), y) * weight).backward()
-        step.commit()
+        for x, y in step:
+            step.backward(loss_fn(model(x), y))
+        step.clip_grad_norm_(1.0)           # on the all-reduced gradient
+        if step.commit():                   # False: aborted, it runs again
+            scheduler.step()
     if session.is_primary:
         torch.save(model.state_dict(), path)
     session.close()
@@ -30,8 +34,13 @@ What the session does around that loop:
   the partial step. The gloo timeout is only a last resort.
 * **State.** After rebuilding, the members agree on the resume step (the
   highest step any of them committed, by one all-reduce); members behind it,
-  and joiners, receive model, optimizer, RNG and step from the lowest rank
-  that has it, peer to peer (:mod:`.state`).
+  and joiners, receive model, optimizer, registered objects (``state=`` /
+  :meth:`ElasticSession.register`), RNG and step from the lowest rank that
+  has it, peer to peer (:mod:`.state`).
+* **A step** is reduce (:meth:`Step.reduce`: gradients, the loss and the
+  script's metrics summed over the ranks, abortably), then apply
+  (:meth:`Step.commit`: ``optimizer.step()``). Between the two every rank
+  holds the same global gradient: clipping and skip-on-inf go there.
 * **Who holds the result.** ``session.rank`` is None until the replica is a
   member; :attr:`ElasticSession.is_primary` is True only on rank 0 of the last
   generation it applied (alone: always). A replica the job completes without
@@ -69,7 +78,7 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, TypeVar
 
 import msgspec
@@ -160,7 +169,7 @@ class _Retained:
     generation: Generation  # the one the step was attempted in
     gradient: torch.Tensor  # this rank's summed share, not yet all-reduced
     indices: list[int]  # the samples it covers
-    loss: float | None  # their share of the loss, for the record
+    metrics: torch.Tensor  # their share of the loss and of the script's metrics (float64)
 
 
 @dataclasses.dataclass
@@ -201,6 +210,11 @@ class ElasticSession:
             replacement at a lower CPU priority: :mod:`.priority`); None: unchanged.
         chaos_kill: ``(step, phase)`` at which this process SIGKILLs itself, ``phase``
             ``"boundary"`` (before the step) or ``"allreduce"`` (while its all-reduce runs).
+        state: name -> object with ``state_dict``/``load_state_dict`` (LR schedulers, an
+            EMA, a loss scaler) carried with the model and optimizer to every replica that
+            receives state; more with :meth:`register`.
+        metrics: names of scalars the script adds per step with :meth:`Step.add`; each is
+            summed over the ranks with the gradients (the loss always is).
     """
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
@@ -212,7 +226,8 @@ class ElasticSession:
                  on_membership: Callable[[MembershipChange], None] | None = None,
                  deterministic: bool = False, warmup: Callable[[], None] | None = None,
                  nice_when_ready: int | None = None,
-                 chaos_kill: tuple[int, str] | None = None) -> None:
+                 chaos_kill: tuple[int, str] | None = None,
+                 state: Mapping[str, Any] | None = None, metrics: Sequence[str] = ()) -> None:
         self.model = model
         self.optimizer = optimizer
         self.dataset = dataset
@@ -228,6 +243,14 @@ class ElasticSession:
         self.on_membership = on_membership
         self.deterministic = deterministic
         self.chaos_kill = chaos_kill
+        self._state: dict[str, Any] = {}
+        self._started = False  # a step was taken: the registered state is fixed
+        for name, obj in (state or {}).items():
+            self.register(name, obj)
+        self.metric_names = tuple(metrics)
+        if len(set(self.metric_names)) != len(self.metric_names) or "loss" in metrics:
+            raise ValueError(f"metrics must be distinct names other than 'loss', got "
+                             f"{list(metrics)}")
         self._accumulated: torch.Tensor | None = None  # float64 gradient sum (deterministic)
         self._retained: _Retained | None = None  # from an aborted step
         self._reduce: BucketedReduce | None = None  # the step's all-reduce, once armed
@@ -306,6 +329,35 @@ class ElasticSession:
         return cls(model, optimizer, dataset, bus=bus.start(), job_id=env["PHALANX_JOB_ID"],
                    replica_id=replica_id, slot=int(env.get("PHALANX_RANK", "0")),
                    node_id=env.get("PHALANX_NODE_ID", "local"), chaos_kill=chaos_kill, **kwargs)
+
+    def register(self, name: str, obj: Any) -> None:
+        """Carry ``obj``'s state with the model and optimizer (before the first step).
+
+        ``obj`` has ``state_dict()`` and ``load_state_dict()``: an LR scheduler, an EMA
+        of the weights, a loss scaler, a metric's running state. A replica that receives
+        its state from a peer (a joiner, a replacement, a member behind the resume
+        step) loads the peer's ``state_dict`` into it, after the optimizer's, with the
+        same checks; every replica must register the same names.
+
+        Raises:
+            TypeError: ``obj`` lacks ``state_dict``/``load_state_dict``.
+            ValueError: ``name`` is taken, or the session has taken a step already.
+        """
+        if not callable(getattr(obj, "state_dict", None)) \
+                or not callable(getattr(obj, "load_state_dict", None)):
+            raise TypeError(f"{name!r}: {type(obj).__name__} has no state_dict/load_state_dict")
+        if name in self._state:
+            raise ValueError(f"{name!r} is registered already")
+        if self._started:
+            raise ValueError(f"register {name!r} before the first step: a replica that "
+                             "received state without it would differ from its peers")
+        self._state[name] = obj
+
+    def __enter__(self) -> ElasticSession:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
 
     # --- the bus side (runs on the bus thread) ---------------------------------------------
 
@@ -474,6 +526,7 @@ class ElasticSession:
                 a member (a ``SystemExit`` with status 0, raised after :meth:`close`).
         """
         self._total_steps = total_steps
+        self._started = True
         while self.committed < total_steps:
             if not self._ensure_membership(total_steps):
                 self._leave_without_joining()
@@ -709,13 +762,14 @@ class ElasticSession:
         if self.rank == source:
             for dst in behind:
                 nbytes += send_state(self.pg, dst, self.model, self.optimizer, resume,
-                                     self._wait, checksum=self.checksum).nbytes
+                                     self._wait, checksum=self.checksum,
+                                     extra=self._state).nbytes
         elif self.rank in behind:
             # Until the copy is complete this rank holds no step's state: if the copy is
             # cut short, the next generation sees it as behind everyone and copies again.
             self.committed = -1
             step, stats = receive_state(self.pg, source, self.model, self.optimizer,
-                                        self._wait, landing)
+                                        self._wait, landing, extra=self._state)
             if step != resume:
                 raise StateTransferError(f"asked for step {resume}, received step {step}")
             self.committed, nbytes = step, stats.nbytes
@@ -752,11 +806,20 @@ class ElasticSession:
         self.optimizer.zero_grad(set_to_none=False)
 
     def _allreduce_gradients(self, step: Step) -> bool:
-        """Sum gradients over the members; False if the step was aborted."""
+        """Sum gradients and metrics over the members; False if the step was aborted.
+
+        On success ``step.loss`` and ``step.metrics`` hold the sums over the ranks.
+        """
         params = self._params()
         kept = step.kept.gradient if step.kept is not None else None
+        metrics = step.local_metrics()
         reduce = self._reduce
         self._reduce = None
+
+        def tail() -> torch.Tensor:
+            # One extra element: how many members have seen a newer (join) generation.
+            return torch.cat([metrics, torch.tensor([self._seen_newer()], dtype=torch.float64)])
+
         if self.deterministic or self.pg is None:
             if self.deterministic:
                 local = self._accumulated if self._accumulated is not None else torch.zeros(
@@ -768,26 +831,28 @@ class ElasticSession:
                 local = local + kept
             if self.pg is None:
                 write_gradients(params, local)
+                step.reduced(metrics)
                 return True
-            # One extra element: how many members have seen a newer (join) generation.
-            flat = torch.cat([local, torch.tensor([self._seen_newer()], dtype=local.dtype)])
-            run = self._reduce_whole(flat, step)
+            flat = torch.cat([local.to(torch.float64), tail()])
+            run = self._reduce_whole(flat, len(metrics) + 1, step)
             local_gradient = (lambda: local)  # noqa: E731  (already at hand)
         else:
-            reduce = reduce or self._bucketed(step)  # not armed: no micro-batch here
+            reduce = reduce or self._bucketed(step, tail)  # not armed: no micro-batch here
+            reduce.tail = tail
             run = (lambda: reduce.finish(self._wait))  # noqa: E731
             local_gradient = reduce.local_gradient
         try:
-            flag = run()
+            summed = run()
         except Aborted as exc:
             log.warning("step %d aborted: %s", step.index, exc)
             self._retained = _Retained(step.index, self.generation, local_gradient(),
-                                       step.indices, step.loss)
+                                       step.indices, metrics)
             self._abandon()
             return False
         if reduce is not None:
             self._bucket_buffers = reduce.flats  # given back: the all-reduce completed
-        if flag > 0:
+        step.reduced(summed[:-1])
+        if summed[-1] > 0:
             self._switch_agreed = True
             if self._newest_number() <= self.generation.generation:
                 self._wait_for_newer(self.generation.generation, self._total_steps)
@@ -796,19 +861,22 @@ class ElasticSession:
     def _seen_newer(self) -> float:
         return 1.0 if self._newest_number() > self.generation.generation else 0.0
 
-    def _reduce_whole(self, flat: torch.Tensor, step: Step) -> Callable[[], float]:
-        """One all-reduce of the whole flat gradient (deterministic mode)."""
-        def run() -> float:
+    def _reduce_whole(self, flat: torch.Tensor, tail: int,
+                      step: Step) -> Callable[[], torch.Tensor]:
+        """One all-reduce of the whole flat gradient and the ``tail`` last elements
+        (deterministic mode)."""
+        def run() -> torch.Tensor:
             work = self.pg.allreduce([flat])
             if self.chaos_kill == (step.index, "allreduce"):
                 threading.Timer(0.005, self._chaos_kill).start()
             self._wait(work)
             write_gradients(self._params(), flat)  # rounds float64 sums once
-            return float(flat[-1])
+            return flat[-tail:]
 
         return run
 
-    def _bucketed(self, step: Step) -> BucketedReduce:
+    def _bucketed(self, step: Step,
+                  tail: Callable[[], torch.Tensor] | None = None) -> BucketedReduce:
         """A bucketed all-reduce for ``step``, started by the gradient hooks as backward runs."""
         params = self._params()
         if self._buckets is None:
@@ -818,7 +886,7 @@ class ElasticSession:
                     lambda _, i=i: self._reduce.gradient_ready(i) if self._reduce else None)
         reduce = BucketedReduce(self.pg, params, self._buckets,
                                 step.kept.gradient if step.kept is not None else None,
-                                self._seen_newer, self._bucket_buffers)
+                                tail or (lambda: torch.zeros(0)), self._bucket_buffers)
         # Lent to this step's all-reduce; an aborted one never gives them back (its gloo
         # threads may still write into them), so the next step allocates new ones.
         self._bucket_buffers = None
@@ -875,7 +943,23 @@ def _skip_teardown_at_exit() -> None:
 
 
 class Step:
-    """One global step: this rank's micro-batches, then :meth:`commit`."""
+    """One global step: this rank's micro-batches, then :meth:`commit`.
+
+    The loop of a step, as DDP users write it::
+
+        for batch in step:                  # this rank's micro-batches
+            step.backward(loss_fn(model(batch)))   # weighted for you
+        step.clip_grad_norm_(1.0)           # on the all-reduced gradient
+        if step.commit():                   # False: aborted, the step runs again
+            scheduler.step()                # once per committed step
+
+    Between :meth:`reduce` (the all-reduce, which :meth:`commit` runs if the script
+    did not) and :meth:`commit` (the optimizer step), the parameters' ``.grad`` hold
+    the gradient of the mean loss over the whole global batch, bitwise the same on
+    every rank: that is where anything DDP users do after ``backward()`` and before
+    ``optimizer.step()`` goes (clipping, unscaling, inspecting), and every rank
+    decides the same from it.
+    """
 
     def __init__(self, session: ElasticSession, index: int) -> None:
         self.session = session
@@ -898,7 +982,19 @@ class Step:
                                    session.rank, session.micro_batch_size,
                                    aligned=session.deterministic)
         self.outcome: bool | None = None
+        #: The step's loss over the whole global batch (the sum of every rank's weighted
+        #: shares), once reduced; None before, or if the step was aborted.
         self.loss: float | None = None
+        #: The script's metrics (:meth:`add`) summed over the ranks, once reduced.
+        self.metrics: dict[str, float] = {}
+        #: False once :meth:`skip` was called: the step commits without an update.
+        self.updated = True
+        self._weight: float | None = None  # of the micro-batch being yielded
+        self._loss_share = 0.0
+        self._metric_shares: dict[str, float] = {}
+        self._reduced: bool | None = None
+        self._reduced_at = 0.0
+        self._computed_at = 0.0
         self.started = time.perf_counter()
 
     @property
@@ -908,12 +1004,17 @@ class Step:
         return kept + [i for mb in self.plan for i in mb.indices]
 
     def batches(self) -> Iterator[tuple[Any, float]]:
-        """``(batch, weight)`` per micro-batch: scale its mean loss by ``weight``."""
+        """``(batch, weight)`` per micro-batch: the raw form of iterating the step.
+
+        Scale the micro-batch's mean loss by ``weight`` yourself, or call
+        :meth:`backward`, which does.
+        """
         session = self.session
         dataset = session.dataset
         for n, mb in enumerate(self.plan):
             if n == len(self.plan) - 1:
                 session._arm(self)  # its backward starts the all-reduce
+            self._weight = mb.weight
             if hasattr(dataset, "batch"):
                 yield dataset.batch(mb.indices), mb.weight
             else:
@@ -921,37 +1022,152 @@ class Step:
                 yield next(iter(loader)), mb.weight
             if session.deterministic:  # the caller's backward for this micro-batch is done
                 session._fold_gradients()
+        self._weight = None
+
+    def __iter__(self) -> Iterator[Any]:
+        """This rank's micro-batches of the step; call :meth:`backward` on each one's loss."""
+        for batch, _ in self.batches():
+            yield batch
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """Back-propagate the current micro-batch's *mean* loss, scaled by its weight.
+
+        Its value counts into the step's :attr:`loss` (reduced with the gradients).
+
+        Raises:
+            RuntimeError: called outside the loop over the step's micro-batches.
+        """
+        if self._weight is None:
+            raise RuntimeError("step.backward(loss) belongs inside the loop over the step's "
+                               "micro-batches (for batch in step: ...)")
+        self._loss_share += float(loss.detach()) * self._weight
+        (loss * self._weight).backward()
+
+    def add(self, name: str, value: float | torch.Tensor) -> None:
+        """Add ``value`` to this rank's share of metric ``name`` (declared in the session's
+        ``metrics``); after :meth:`reduce`, ``step.metrics[name]`` is the sum over ranks.
+
+        Raises:
+            KeyError: ``name`` was not declared.
+            RuntimeError: the step was reduced already.
+        """
+        if name not in self.session.metric_names:
+            raise KeyError(f"metric {name!r} is not declared in the session's metrics "
+                           f"{list(self.session.metric_names)}")
+        if self._reduced is not None:
+            raise RuntimeError(f"step {self.index} was reduced already: add metrics before")
+        self._metric_shares[name] = self._metric_shares.get(name, 0.0) + float(value)
+
+    def local_metrics(self) -> torch.Tensor:
+        """This rank's share of ``[loss, *metrics]`` (with a repaired step's kept share)."""
+        values = torch.tensor([self._loss_share, *(
+            self._metric_shares.get(name, 0.0) for name in self.session.metric_names)],
+            dtype=torch.float64)
+        return values if self.kept is None else values + self.kept.metrics
+
+    def reduced(self, summed: torch.Tensor) -> None:
+        """The session's call: ``summed`` is :meth:`local_metrics` summed over the ranks."""
+        values = summed.tolist()
+        self.loss = values[0]
+        self.metrics = dict(zip(self.session.metric_names, values[1:], strict=True))
+
+    def reduce(self, loss: float | None = None) -> bool:
+        """All-reduce the gradients (and the loss and metrics); idempotent.
+
+        Afterwards ``.grad`` holds the global batch's gradient, the same on every rank.
+
+        Args:
+            loss: this rank's share of the step's loss (the sum of its micro-batches'
+                weighted losses), for a script that does not use :meth:`backward`.
+
+        Returns:
+            False when a fault aborted the step (call :meth:`commit` anyway: it returns
+            False too, and the same step runs again in the next generation).
+
+        Raises:
+            ValueError: ``loss`` given for a step reduced already.
+        """
+        if self._reduced is not None:
+            if loss is not None:
+                raise ValueError(f"step {self.index} was reduced already: pass its loss to "
+                                 "the first reduce() or commit()")
+            return self._reduced
+        session = self.session
+        if loss is not None:
+            self._loss_share = float(loss)
+        if session._record is not None:  # before the gradients leave this process
+            session._record.write(
+                kind="batch", step=self.index, generation=self._generation(),
+                rank=session.rank, world_size=session.world_size, indices=self.indices,
+                loss=float(self.local_metrics()[0]),
+                kept=0 if self.kept is None else len(self.kept.indices))
+        self._computed_at = time.perf_counter()
+        self._reduced = session._allreduce_gradients(self)
+        self._reduced_at = time.perf_counter()
+        return self._reduced
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor | None:
+        """Clip the *all-reduced* gradient by its global norm (:meth:`reduce` first).
+
+        ``torch.nn.utils.clip_grad_norm_`` over the session's parameters; a non-finite
+        norm (inf or nan in the gradient) skips the update (:meth:`skip`) on every rank.
+
+        Returns:
+            The gradient's total norm before clipping; None if the step was aborted.
+        """
+        if not self.reduce():
+            return None
+        norm = torch.nn.utils.clip_grad_norm_(self.session._params(), max_norm, norm_type)
+        if not bool(torch.isfinite(norm)):
+            log.warning("step %d: gradient norm %s, the update is skipped", self.index,
+                        float(norm))
+            self.skip()
+        return norm
+
+    def skip(self) -> None:
+        """Commit this step without an optimizer update (its samples count as seen).
+
+        Decide it from reduced values only (after :meth:`reduce`): they are the same on
+        every rank, so every rank skips alike and none diverges.
+
+        Raises:
+            RuntimeError: the step was not reduced (or was aborted).
+        """
+        if not self._reduced:
+            raise RuntimeError(f"step {self.index}: skip() decides from the reduced "
+                               "gradients: call it after reduce() returned True")
+        self.updated = False
+
+    def _generation(self) -> int:
+        generation = self.session.generation
+        return generation.generation if generation is not None else 0
 
     def commit(self, loss: float | None = None) -> bool:
-        """All-reduce the gradients and apply the optimizer step.
+        """Reduce (unless :meth:`reduce` ran), then apply the optimizer step.
 
-        ``loss``: this rank's share of the step's loss, for the record (optional).
-        Returns False when a fault aborted the step: its gradients are dropped and
-        the same step runs again in the next generation.
+        Args:
+            loss: as for :meth:`reduce`.
+
+        Returns:
+            True when the step is committed, False when a fault aborted it: its
+            gradients are dropped and the same step runs again in the next generation.
+            Step an LR scheduler or an EMA only on True, so that each is stepped once
+            per committed step.
         """
         session = self.session
         record = session._record
-        generation = session.generation.generation if session.generation else 0
-        if self.kept is not None and self.kept.loss is not None:
-            loss = self.kept.loss + (loss or 0.0)
-        self.loss = loss
-        if record is not None:  # before the gradients leave this process
-            record.write(kind="batch", step=self.index, generation=generation,
-                         rank=session.rank, world_size=session.world_size,
-                         indices=self.indices, loss=loss,
-                         kept=0 if self.kept is None else len(self.kept.indices))
-        computed = time.perf_counter()
-        ok = session._allreduce_gradients(self)
+        ok = self.reduce(loss)
         if ok:
-            reduced = time.perf_counter()
-            session.optimizer.step()
+            if self.updated:
+                session.optimizer.step()
             session.committed = self.index + 1
             session.last_step_s = time.perf_counter() - self.started
             if record is not None:
-                record.write(kind="commit", step=self.index, generation=generation,
-                             rank=session.rank, compute_s=computed - self.started,
-                             reduce_s=reduced - computed,
-                             optimizer_s=time.perf_counter() - reduced)
+                extra = {} if self.updated else {"skipped": True}
+                record.write(kind="commit", step=self.index, generation=self._generation(),
+                             rank=session.rank, compute_s=self._computed_at - self.started,
+                             reduce_s=self._reduced_at - self._computed_at,
+                             optimizer_s=time.perf_counter() - self._reduced_at, **extra)
             if session._progress is not None:
                 session._progress.report(session.committed, session.last_step_s,
                                          final=session.committed == session._total_steps)

@@ -10,10 +10,14 @@ every rank issues the same collectives in the same order whatever order its
 hooks fire in; :meth:`BucketedReduce.finish` starts what is left (a parameter
 without a gradient counts as zeros) and waits for all of them.
 
-The last bucket carries one extra element, the caller's ``flag`` (the
-session uses it to agree on when to switch generations). A ``kept`` flat
-gradient (a repaired step's share from an aborted attempt) is added to each
-bucket's slice before it is sent.
+After the buckets, one small float64 all-reduce sums the caller's ``tail``:
+the step's metrics (this rank's share of the loss, and any scalar the script
+adds) and one flag (the session uses it to agree on when to switch
+generations). It is started only at :meth:`BucketedReduce.finish`, when the
+last micro-batch's loss is known whichever way the script reported it, and
+it is waited for with the buckets, so it is abortable like them. A ``kept``
+flat gradient (a repaired step's share from an aborted attempt) is added to
+each bucket's slice before it is sent.
 """
 
 from __future__ import annotations
@@ -69,7 +73,8 @@ class BucketedReduce:
         params: the parameters whose gradients are summed (in a fixed order).
         plan: :func:`bucket_plan` of ``params``.
         kept: a flat float32 gradient over ``params`` to add, or None.
-        flag: called once, when the last bucket is started; its value rides along.
+        tail: called once, at :meth:`finish`: a float64 vector summed over the ranks
+            after the gradients (metrics and flags).
         buffers: the flat buckets of an earlier step whose all-reduce completed, to
             reuse (see :meth:`buffers_for`); None: fresh ones. Reusing them spares a
             67 MB allocation and its first writes every step on W. A bucket whose
@@ -79,12 +84,13 @@ class BucketedReduce:
 
     def __init__(self, pg: dist.ProcessGroup, params: Sequence[torch.nn.Parameter],
                  plan: list[list[int]], kept: torch.Tensor | None,
-                 flag: Callable[[], float], buffers: list[torch.Tensor] | None = None) -> None:
+                 tail: Callable[[], torch.Tensor],
+                 buffers: list[torch.Tensor] | None = None) -> None:
         self.pg = pg
         self.params = params
         self.plan = plan
         self.kept = kept
-        self.flag = flag
+        self.tail = tail
         self.offsets = [0]
         for p in params:
             self.offsets.append(self.offsets[-1] + p.numel())
@@ -103,9 +109,8 @@ class BucketedReduce:
     @staticmethod
     def buffers_for(params: Sequence[torch.nn.Parameter],
                     plan: list[list[int]]) -> list[torch.Tensor]:
-        """One flat buffer per bucket (the last one element longer, for the flag)."""
+        """One flat buffer per bucket."""
         sizes = [sum(params[i].numel() for i in bucket) for bucket in plan]
-        sizes[-1] += 1
         return [torch.empty(n, dtype=params[plan[0][0]].dtype) for n in sizes]
 
     def _launch(self, b: int) -> None:
@@ -122,25 +127,26 @@ class BucketedReduce:
             if self.kept is not None:
                 part.add_(self.kept[self.offsets[i]:self.offsets[i + 1]])
             offset += p.numel()
-        if b == len(self.plan) - 1:
-            flat[-1] = self.flag()
         self.works.append(self.pg.allreduce([flat]))
         if b == 0 and self.on_first_launch is not None:
             self.on_first_launch()
 
-    def finish(self, wait: Callable[[dist.Work], None]) -> float:
-        """Start the remaining buckets, wait for all, write the sums into the gradients.
+    def finish(self, wait: Callable[[dist.Work], None]) -> torch.Tensor:
+        """Start the remaining buckets and the tail, wait for all, write the sums into the
+        gradients.
 
-        Returns the flag summed over the ranks. Whatever ``wait`` raises (an abort)
+        Returns the tail summed over the ranks. Whatever ``wait`` raises (an abort)
         propagates, with the gradients untouched.
         """
         while len(self.works) < len(self.plan):
             self._launch(len(self.works))
-        for work in self.works:
+        tail = self.tail().to(torch.float64)
+        works = [*self.works, self.pg.allreduce([tail])]
+        for work in works:
             wait(work)
         for bucket, flat in zip(self.plan, self.flats, strict=True):
             write_gradients([self.params[i] for i in bucket], flat)
-        return float(self.flats[-1][-1])
+        return tail
 
     def local_gradient(self) -> torch.Tensor:
         """This rank's own flat gradient (with ``kept``), e.g. to keep after an abort."""

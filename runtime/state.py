@@ -1,14 +1,16 @@
 """A rank's training state, copied straight from one process to another.
 
-The state is the model's ``state_dict``, the optimizer's, the committed step
-and the RNG state. It travels over the generation's process group (gloo
-point-to-point), never through NATS: first a small header (the step, the RNG
-state, the optimizer's non-tensor state, and each tensor's shape, dtype and
-byte count, optionally its Adler-32), then every tensor as it is, received in
-place into the model's own parameters. The receiver checks every tensor
-against its own model before anything moves and every checksum after, so a
-state that does not fit, or arrives damaged, is refused whole with an error
-naming the tensor.
+The state is the model's ``state_dict``, the optimizer's, the committed step,
+the RNG state and the ``state_dict`` of every object the script registered
+with the session (LR schedulers, an EMA of the weights, a loss scaler: any
+object with ``state_dict``/``load_state_dict``). It travels over the
+generation's process group (gloo point-to-point), never through NATS: first a
+small header (the step, the RNG state, the optimizer's non-tensor state, and
+each tensor's shape, dtype and byte count, optionally its Adler-32), then
+every tensor as it is, received in place into the model's own parameters. The
+receiver checks every tensor against its own model before anything moves and
+every checksum after, so a state that does not fit, or arrives damaged, is
+refused whole with an error naming the tensor.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from __future__ import annotations
 import dataclasses
 import pickle
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import numpy as np
@@ -76,15 +78,22 @@ def _fill(obj: Any, tensors: list[torch.Tensor]) -> Any:
 
 def send_state(pg: dist.ProcessGroup, dst: int, model: torch.nn.Module,
                optimizer: torch.optim.Optimizer, step: int, wait: Wait, *,
-               checksum: bool = False) -> TransferStats:
-    """Send this rank's state to rank ``dst`` of ``pg``."""
+               checksum: bool = False, extra: Mapping[str, Any] | None = None) -> TransferStats:
+    """Send this rank's state to rank ``dst`` of ``pg``.
+
+    ``extra``: name -> object with ``state_dict()``, sent after the optimizer's state
+    (the receiver must hold objects of the same names).
+    """
     model_tensors = list(model.state_dict().values())
     optim_tensors: list[torch.Tensor] = []
     optim_skeleton = _strip(optimizer.state_dict(), optim_tensors)
+    extra_skeletons = {name: _strip(obj.state_dict(), optim_tensors)
+                       for name, obj in (extra or {}).items()}
     tensors = model_tensors + optim_tensors
     header = pickle.dumps({
         "step": step, "rng": torch.get_rng_state(), "optimizer": optim_skeleton,
-        "model_tensors": len(model_tensors), "tensors": _describe(tensors, checksum)})
+        "extra": extra_skeletons, "model_tensors": len(model_tensors),
+        "tensors": _describe(tensors, checksum)})
     payload = torch.frombuffer(bytearray(header), dtype=torch.uint8)
     wait(pg.send([torch.tensor([payload.numel()], dtype=torch.int64)], dst, 0))
     wait(pg.send([payload], dst, 1))
@@ -98,14 +107,18 @@ def send_state(pg: dist.ProcessGroup, dst: int, model: torch.nn.Module,
 
 def receive_state(pg: dist.ProcessGroup, src: int, model: torch.nn.Module,
                   optimizer: torch.optim.Optimizer, wait: Wait,
-                  landing: list[torch.Tensor] | None = None) -> tuple[int, TransferStats]:
-    """Receive rank ``src``'s state into ``model`` and ``optimizer``; returns its step.
+                  landing: list[torch.Tensor] | None = None, *,
+                  extra: Mapping[str, Any] | None = None) -> tuple[int, TransferStats]:
+    """Receive rank ``src``'s state into ``model``, ``optimizer`` and ``extra``'s objects
+    (``load_state_dict`` of each); returns its step.
 
     ``landing``: tensors the optimizer's state may be received into (from
     :func:`landing_buffers`), used where shape and dtype match; the rest is allocated.
 
     Raises:
-        StateTransferError: a tensor does not fit this model, or a checksum differs.
+        StateTransferError: a tensor does not fit this model, a checksum differs, the
+            peer registered other objects than ``extra``'s names, or one of them refused
+            its state.
     """
     size = torch.zeros(1, dtype=torch.int64)
     wait(pg.recv([size], src, 0))
@@ -113,6 +126,10 @@ def receive_state(pg: dist.ProcessGroup, src: int, model: torch.nn.Module,
     wait(pg.recv([payload], src, 1))
     header = pickle.loads(payload.numpy().tobytes())  # from a peer of the same job
     described = header["tensors"]
+    extra = dict(extra or {})
+    if sorted(header["extra"]) != sorted(extra):
+        raise StateTransferError(f"the peer carries the state of {sorted(header['extra'])}, "
+                                 f"this rank registered {sorted(extra)}")
     model_tensors = [t.detach() for t in model.state_dict().values()]
     if header["model_tensors"] != len(model_tensors):
         raise StateTransferError(f"the peer's model has {header['model_tensors']} tensors, "
@@ -148,7 +165,13 @@ def receive_state(pg: dist.ProcessGroup, src: int, model: torch.nn.Module,
         for mine, tensor in zip(model_tensors, received, strict=False):
             if mine.data_ptr() != tensor.data_ptr():
                 mine.copy_(tensor)
-    optimizer.load_state_dict(_fill(header["optimizer"], received[len(model_tensors):]))
+    rest = received[len(model_tensors):]
+    optimizer.load_state_dict(_fill(header["optimizer"], rest))
+    for name, skeleton in header["extra"].items():
+        try:
+            extra[name].load_state_dict(_fill(skeleton, rest))
+        except Exception as exc:  # the object's own check: a state it cannot take
+            raise StateTransferError(f"{name!r} refused the peer's state: {exc}") from exc
     torch.set_rng_state(header["rng"])
     return header["step"], TransferStats(sum(d[2] for d in described), len(described))
 

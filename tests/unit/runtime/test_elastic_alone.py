@@ -114,3 +114,123 @@ def test_bad_datasets_are_refused_naming_the_problem(tmp_path: Path) -> None:
         write_arrays(tmp_path / "d", {"a b": np.zeros(3)})
     with pytest.raises(ValueError, match="at least one field"):
         write_arrays(tmp_path / "d", {})
+
+
+def test_the_public_api_is_exported_from_phalanx_runtime() -> None:
+    import phalanx.runtime as runtime
+    from phalanx.runtime import elastic
+
+    for name in ("ElasticSession", "Step", "MembershipChange",
+                 "JobCompletedWithoutThisReplica"):
+        assert getattr(runtime, name) is getattr(elastic, name)
+    assert runtime.MemmapDataset is MemmapDataset and runtime.write_arrays is write_arrays
+    assert runtime.ElasticOrder is ElasticOrder
+    assert set(runtime.__all__) <= set(dir(runtime))
+
+
+def session_of(tmp_path: Path, **kwargs) -> tuple[ElasticSession, torch.nn.Module]:
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    return ElasticSession(model, optimizer, dataset(tmp_path), global_batch=8,
+                          micro_batch_size=3, **kwargs), model
+
+
+def test_step_backward_weights_the_micro_batch_and_the_loss_is_the_whole_batchs(
+        tmp_path: Path) -> None:
+    weighted, model = session_of(tmp_path, metrics=("samples",))
+    raw, raw_model = session_of(tmp_path)
+    for step, raw_step in zip(weighted.steps(6), raw.steps(6), strict=True):
+        for x, y in step:
+            step.backward(torch.nn.functional.mse_loss(model(x), y))
+            step.add("samples", len(x))
+        for (x, y), weight in raw_step.batches():
+            (torch.nn.functional.mse_loss(raw_model(x), y) * weight).backward()
+        assert step.reduce() and step.commit() and raw_step.commit()
+        assert step.metrics == {"samples": 8.0}
+        assert step.loss is not None and step.loss > 0
+    for p, q in zip(model.parameters(), raw_model.parameters(), strict=True):
+        assert torch.equal(p, q)  # the same update as the raw form
+
+
+def test_step_loss_is_the_mean_loss_over_the_global_batch(tmp_path: Path) -> None:
+    session, model = session_of(tmp_path)
+    step = next(session.steps(1))
+    before = [p.detach().clone() for p in model.parameters()]
+    for x, y in step:
+        step.backward(torch.nn.functional.mse_loss(model(x), y))
+    step.commit()
+    x, y = session.dataset.batch(step.indices)
+    with torch.no_grad():
+        expected = torch.nn.functional.mse_loss(torch.nn.functional.linear(x, *before), y)
+    assert step.loss == pytest.approx(float(expected), rel=1e-6)
+
+
+def test_misuses_of_a_step_are_refused_by_name(tmp_path: Path) -> None:
+    session, model = session_of(tmp_path, metrics=("tokens",))
+    step = next(session.steps(2))
+    with pytest.raises(RuntimeError, match="inside the loop"):
+        step.backward(model(torch.zeros(1, 4)).sum())
+    with pytest.raises(KeyError, match="not declared"):
+        step.add("accuracy", 1.0)
+    with pytest.raises(RuntimeError, match="after reduce"):
+        step.skip()  # decided before the gradients are reduced: ranks could disagree
+    for x, y in step:
+        step.backward(torch.nn.functional.mse_loss(model(x), y))
+    assert step.reduce()
+    with pytest.raises(ValueError, match="reduced already"):
+        step.commit(loss=1.0)
+    with pytest.raises(ValueError, match="distinct names other than 'loss'"):
+        session_of(tmp_path, metrics=("loss",))
+
+
+def test_a_skipped_step_commits_without_an_update(tmp_path: Path) -> None:
+    session, model = session_of(tmp_path)
+    before = [p.detach().clone() for p in model.parameters()]
+    for step in session.steps(1):
+        for x, y in step:
+            step.backward(torch.nn.functional.mse_loss(model(x), y) * float("inf"))
+        norm = step.clip_grad_norm_(1.0)
+        assert norm is not None and not torch.isfinite(norm) and not step.updated
+        assert step.commit()
+    assert session.committed == 1
+    for p, b in zip(model.parameters(), before, strict=True):
+        assert torch.equal(p, b)
+
+
+def test_clipping_acts_on_the_step_gradient_whatever_the_micro_batches(tmp_path: Path) -> None:
+    """Alone, a clip to 1e-3 and one to 1e9 differ; and clipping the accumulated gradient
+    gives what clipping the whole batch's gradient in one pass gives."""
+    def run(max_norm: float, micro: int) -> list[torch.Tensor]:
+        session, model = session_of(tmp_path, deterministic=True)
+        session.micro_batch_size = micro
+        for step in session.steps(4):
+            for x, y in step:
+                step.backward(torch.nn.functional.mse_loss(model(x), y))
+            step.clip_grad_norm_(max_norm)
+            assert step.commit()
+        return [p.detach().clone() for p in model.parameters()]
+
+    tight, loose = run(1e-3, 3), run(1e9, 3)
+    assert not torch.equal(tight[0], loose[0])
+    for a, b in zip(tight, run(1e-3, 8), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+
+
+def test_registered_state_is_checked_and_fixed_at_the_first_step(tmp_path: Path) -> None:
+    session, model = session_of(tmp_path)
+    scheduler = torch.optim.lr_scheduler.StepLR(session.optimizer, 2)
+    session.register("scheduler", scheduler)
+    with pytest.raises(ValueError, match="registered already"):
+        session.register("scheduler", scheduler)
+    with pytest.raises(TypeError, match="no state_dict"):
+        session.register("lr", 0.1)
+    next(session.steps(1))
+    with pytest.raises(ValueError, match="before the first step"):
+        session.register("ema", torch.optim.swa_utils.AveragedModel(model))
+
+
+def test_the_session_is_a_context_manager_that_closes(tmp_path: Path) -> None:
+    with session_of(tmp_path, record_dir=str(tmp_path / "rec"))[0] as session:
+        assert session._record is not None and session._record.fd >= 0
+    assert session._record.fd == -1

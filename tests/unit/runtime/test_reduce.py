@@ -1,4 +1,4 @@
-"""Bucketed all-reduce over two real gloo ranks (threads): sums, order, flag, kept gradients."""
+"""Bucketed all-reduce over two real gloo ranks (threads): sums, order, tail, kept gradients."""
 
 from __future__ import annotations
 
@@ -53,18 +53,19 @@ def test_the_sum_is_the_plain_sum_whatever_order_the_hooks_fire_in() -> None:
 
     models = [model(1), model(2)]  # built here: threads would race on the global RNG
 
-    def body(rank: int, pg: dist.ProcessGroup) -> tuple[list[torch.Tensor], float]:
+    def body(rank: int, pg: dist.ProcessGroup) -> tuple[list[torch.Tensor], list[float]]:
         params = list(models[rank].parameters())
         plan = bucket_plan(params, bucket_bytes=16 * 4 * 8)
-        reduce = BucketedReduce(pg, params, plan, None, lambda: float(rank))
+        reduce = BucketedReduce(pg, params, plan, None,
+                                lambda: torch.tensor([0.25 * (rank + 1), float(rank)]))
         hooks = range(len(params)) if rank == 0 else reversed(range(len(params)))
         for i in list(hooks)[:2]:  # some gradients are ready during "backward"...
             reduce.gradient_ready(i)
-        flag = reduce.finish(wait)  # ...the rest at commit
-        return [p.grad.clone() for p in params], flag
+        tail = reduce.finish(wait)  # ...the rest at commit
+        return [p.grad.clone() for p in params], tail.tolist()
 
-    (grads0, flag0), (grads1, flag1) = on_two_ranks(body)
-    assert flag0 == flag1 == 1.0
+    (grads0, tail0), (grads1, tail1) = on_two_ranks(body)
+    assert tail0 == tail1 == [0.75, 1.0]  # the tail (metrics, flag) is summed too
     for got0, got1, want in zip(grads0, grads1, expected, strict=True):
         torch.testing.assert_close(got0, want)
         assert torch.equal(got0, got1)
@@ -79,7 +80,8 @@ def test_a_kept_gradient_is_added_to_this_ranks_share() -> None:
             p.grad = torch.zeros_like(p)
         total = sum(p.numel() for p in params)
         kept = torch.full((total,), float(rank + 1))
-        reduce = BucketedReduce(pg, params, bucket_plan(params), kept, lambda: 0.0)
+        reduce = BucketedReduce(pg, params, bucket_plan(params), kept,
+                                lambda: torch.zeros(1))
         assert torch.equal(reduce.local_gradient(), kept)
         reduce.finish(wait)
         return [p.grad.clone() for p in params]
@@ -97,14 +99,14 @@ def test_a_steps_buckets_are_reused_by_the_next_and_sum_afresh() -> None:
     def body(rank: int, pg: dist.ProcessGroup) -> tuple[list[torch.Tensor], bool]:
         params = list(models[rank].parameters())
         plan = bucket_plan(params, bucket_bytes=16 * 4 * 8)
-        first = BucketedReduce(pg, params, plan, None, lambda: 1.0)
+        first = BucketedReduce(pg, params, plan, None, lambda: torch.ones(1))
         first.finish(wait)
         for p, grad in zip(params, originals[rank], strict=True):
             p.grad.copy_(grad)  # the next step's gradients: the same again
-        second = BucketedReduce(pg, params, plan, None, lambda: 1.0, first.flats)
-        flag = second.finish(wait)
+        second = BucketedReduce(pg, params, plan, None, lambda: torch.ones(1), first.flats)
+        tail = second.finish(wait)
         same = all(a is b for a, b in zip(first.flats, second.flats, strict=True))
-        return [p.grad.clone() for p in params], same and flag == 2.0
+        return [p.grad.clone() for p in params], same and tail.tolist() == [2.0]
 
     (grads0, reused0), (grads1, reused1) = on_two_ranks(body)
     assert reused0 and reused1

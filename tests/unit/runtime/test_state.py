@@ -150,3 +150,51 @@ def test_the_optimizer_state_is_received_into_the_landing_buffers() -> None:
         optimizer.step()
     for a, b in zip(source.parameters(), target.parameters(), strict=True):
         assert torch.equal(a, b)
+
+
+def scheduled(model_opt: tuple[torch.nn.Module, torch.optim.Optimizer],
+              steps: int) -> tuple[Any, Any]:
+    """A warmup + cosine schedule and an EMA, both stepped ``steps`` times."""
+    model, optimizer = model_opt
+    scheduler = torch.optim.lr_scheduler.SequentialLR(optimizer, [
+        torch.optim.lr_scheduler.LinearLR(optimizer, 0.1, 1.0, 5),
+        torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, 20)], milestones=[5])
+    ema = torch.optim.swa_utils.AveragedModel(
+        model, multi_avg_fn=torch.optim.swa_utils.get_ema_multi_avg_fn(0.9))
+    for _ in range(steps):
+        optimizer.step()
+        scheduler.step()
+        ema.update_parameters(model)
+    return scheduler, ema
+
+
+def test_registered_state_arrives_with_the_optimizers_the_lr_schedule_and_an_ema() -> None:
+    source = trained(0)
+    source_extra = dict(zip(("scheduler", "ema"), scheduled(source, 9), strict=True))
+    target = fresh(3)
+    target_extra = dict(zip(("scheduler", "ema"), scheduled(target, 0), strict=True))
+    pair(lambda pg: send_state(pg, 1, *source, 9, wait, checksum=True, extra=source_extra),
+         lambda pg: receive_state(pg, 0, *target, wait, extra=target_extra))
+    assert target_extra["scheduler"].state_dict() == source_extra["scheduler"].state_dict()
+    assert target[1].param_groups[0]["lr"] == source[1].param_groups[0]["lr"]
+    for a, b in zip(source_extra["ema"].state_dict().values(),
+                    target_extra["ema"].state_dict().values(), strict=True):
+        assert torch.equal(a, b)
+    # Both go on alike: the next LR is the same.
+    for model_opt, extra in ((source, source_extra), (target, target_extra)):
+        model_opt[1].step()
+        extra["scheduler"].step()
+    assert target[1].param_groups[0]["lr"] == source[1].param_groups[0]["lr"]
+
+
+def test_registered_state_under_other_names_is_refused_naming_both() -> None:
+    source, target = trained(0), fresh(3)
+    sent = {"scheduler": scheduled(source, 2)[0]}
+    mine = {"sched": scheduled(target, 0)[0]}
+    before = [t.clone() for t in target[0].state_dict().values()]
+    _, error = pair(lambda pg: send_state(pg, 1, *source, 2, wait, extra=sent),
+                    lambda pg: receive_state(pg, 0, *target, wait, extra=mine))
+    assert isinstance(error, StateTransferError)
+    assert "['scheduler']" in str(error) and "['sched']" in str(error)
+    for a, b in zip(before, target[0].state_dict().values(), strict=True):
+        assert torch.equal(a, b)  # nothing was overwritten

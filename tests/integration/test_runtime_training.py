@@ -1,0 +1,205 @@
+"""What a language-model loop needs from the runtime, over real ranks: clipping on the
+reduced gradient, non-finite steps skipped everywhere, the LR schedule and registered
+state carried, and the global loss of a repaired step.
+
+Real rank processes of ``runtime_worker.py`` (AdamW, warmup + cosine schedule, an EMA
+registered with the session, ``step.clip_grad_norm_``, ``step.backward``) on the
+session's nats-server, over gloo; the test plays elasticity (it publishes the
+generations). Every run is in deterministic mode, so each is compared bitwise with
+the same script run alone: parameters, optimizer, scheduler and EMA state.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from phalanx.bus.client import Bus, Delivery
+from phalanx.runtime import record
+from phalanx.schemas import subjects
+from phalanx.schemas.messages import (
+    Generation,
+    GenerationReason,
+    Member,
+    RankProgress,
+    ReplicaReady,
+)
+from phalanx.services.natsd import NatsServer
+
+pytestmark = pytest.mark.slow
+WORKER = Path(__file__).resolve().parent / "runtime_worker.py"
+RUN_ENV = {"PHALANX_DETERMINISTIC": "1", "PHALANX_STATE_CHECKSUM": "1"}
+
+
+def clean_env() -> dict[str, str]:
+    return {k: v for k, v in os.environ.items() if not k.startswith("PHALANX_")}
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("runtime") / "data"
+    subprocess.run([sys.executable, str(WORKER), "--prepare", str(path)], check=True,
+                   timeout=120)
+    return path
+
+
+def alone(data: Path, out: Path, *args: str) -> dict[str, Any]:
+    """The reference: the same script alone (world size 1)."""
+    subprocess.run([sys.executable, str(WORKER), "--data", str(data), "--out", str(out),
+                    *args], check=True, timeout=300, env={**clean_env(), **RUN_ENV})
+    return torch.load(out / "local.pt")
+
+
+def assert_same_state(got: dict[str, Any], want: dict[str, Any]) -> None:
+    """Bitwise: parameters, optimizer, LR scheduler and EMA state."""
+    for key in ("params", "ema"):
+        assert got[key].keys() == want[key].keys()
+        for name, value in want[key].items():
+            assert torch.equal(got[key][name], value), f"{key} {name}"
+    assert got["scheduler"] == want["scheduler"]
+    assert got["lr"] == want["lr"]
+    assert got["optimizer"]["param_groups"] == want["optimizer"]["param_groups"]
+    for index, state in want["optimizer"]["state"].items():
+        for name, value in state.items():
+            assert torch.equal(got["optimizer"]["state"][index][name], value), name
+
+
+class Job:
+    """Replicas of the worker as one job on the bus; the test publishes its generations."""
+
+    def __init__(self, bus: Bus, nats: NatsServer, uid: str, tmp: Path, data: Path,
+                 *args: str) -> None:
+        self.bus, self.nats, self.uid, self.tmp = bus, nats, uid, tmp
+        self.command = [sys.executable, str(WORKER), "--data", str(data), "--out",
+                        str(tmp / "out"), *args]
+        self.ready: dict[str, ReplicaReady] = {}
+        self.step = 0  # the highest step any rank reported
+        self.changed = asyncio.Event()
+        self.processes: dict[str, asyncio.subprocess.Process] = {}
+        self.generation = -1
+
+    async def __aenter__(self) -> Job:
+        async def on_ready(message: ReplicaReady, _: Delivery) -> None:
+            self.ready[message.replica_id] = message
+            self.changed.set()
+
+        async def on_progress(message: RankProgress, _: Delivery) -> None:
+            self.step = max(self.step, message.step)
+            self.changed.set()
+
+        await self.bus.subscribe(subjects.replica_ready(self.uid), ReplicaReady, on_ready)
+        await self.bus.subscribe(subjects.health_job_ranks(self.uid), RankProgress,
+                                 on_progress)
+        return self
+
+    async def __aexit__(self, *_: object) -> None:
+        for process in self.processes.values():
+            if process.returncode is None:
+                process.kill()
+                await process.wait()
+
+    async def start(self, replica: str, slot: int, env: dict[str, str] | None = None) -> None:
+        self.processes[replica] = await asyncio.create_subprocess_exec(
+            *self.command, env={
+                **clean_env(), **RUN_ENV, "PHALANX_NATS_URL": self.nats.url,
+                "PHALANX_JOB_ID": self.uid, "PHALANX_RANK": str(slot),
+                "PHALANX_REPLICA_ID": replica, "PHALANX_NODE_ID": "n",
+                "PHALANX_RECORD_DIR": str(self.tmp / "rec"), **(env or {})})
+
+    async def until(self, condition: Callable[[], bool]) -> None:
+        async def check() -> None:
+            while not condition():
+                self.changed.clear()
+                await self.changed.wait()
+        await asyncio.wait_for(check(), 120)
+
+    async def publish(self, replicas: list[str], reason: GenerationReason) -> None:
+        await self.until(lambda: all(r in self.ready for r in replicas))
+        self.generation += 1
+        members = [Member(replica_id=r, rank=i, node_id="n", endpoint=self.ready[r].endpoint)
+                   for i, r in enumerate(replicas)]
+        await self.bus.publish(subjects.job_generation(self.uid), Generation(
+            job_id=self.uid, generation=self.generation, members=members,
+            world_size=len(members), rendezvous=f"{self.uid}-g{self.generation}",
+            resume_step=0, reason=reason))
+
+    async def exit_codes(self) -> dict[str, int]:
+        return {r: await asyncio.wait_for(p.wait(), 240) for r, p in self.processes.items()}
+
+    def result(self, replica: str) -> dict[str, Any]:
+        return torch.load(self.tmp / "out" / f"{replica}.pt")
+
+
+async def test_clipping_acts_on_the_reduced_gradient_and_a_nonfinite_step_is_skipped_everywhere(
+        tmp_path: Path, data: Path, nats_server: NatsServer, bus: Bus, uid: str) -> None:
+    args = ["--steps", "30", "--nan-step", "5"]
+    tight = alone(data, tmp_path / "tight", *args, "--clip", "1e-3")
+    loose = alone(data, tmp_path / "loose", *args, "--clip", "1e9")
+    assert not torch.equal(tight["params"]["0.weight"], loose["params"]["0.weight"])
+    async with Job(bus, nats_server, uid, tmp_path, data, *args, "--clip", "1e-3") as job:
+        for slot, replica in enumerate(["r0-0", "r1-0"]):
+            await job.start(replica, slot)
+        await job.publish(["r0-0", "r1-0"], GenerationReason.START)
+        assert await job.exit_codes() == {"r0-0": 0, "r1-0": 0}
+    for replica in ("r0-0", "r1-0"):
+        got = job.result(replica)
+        # The update of each step is the one training on the whole global batch alone
+        # makes, clipped to norm 1e-3: the norm is the reduced gradient's.
+        assert_same_state(got, tight)
+        assert got["norms"] == pytest.approx(tight["norms"], nan_ok=True)
+        assert all(torch.isfinite(p).all() for p in got["params"].values())
+    skipped = [(line["rank"], line["step"]) for lines in record.read(tmp_path / "rec").values()
+               for line in lines if line["kind"] == "commit" and line.get("skipped")]
+    assert sorted(skipped) == [(0, 5), (1, 5)]  # the nan step: skipped on every rank
+
+
+async def test_an_aborted_step_never_steps_the_scheduler_and_a_repaired_step_reports_the_whole_loss(
+        tmp_path: Path, data: Path, nats_server: NatsServer, bus: Bus, uid: str) -> None:
+    args = ["--steps", "40", "--clip", "1.0"]
+    reference = alone(data, tmp_path / "alone", *args)
+    async with Job(bus, nats_server, uid, tmp_path, data, *args) as job:
+        for slot, replica in enumerate(["r0-0", "r1-0", "r2-0"]):
+            await job.start(replica, slot, {"PHALANX_CHAOS_KILL": "r2-0:12:allreduce"})
+        await job.publish(["r0-0", "r1-0", "r2-0"], GenerationReason.START)
+        assert await asyncio.wait_for(job.processes["r2-0"].wait(), 120) == -9
+        await job.publish(["r0-0", "r1-0"], GenerationReason.FAULT)
+        assert await job.exit_codes() == {"r0-0": 0, "r1-0": 0, "r2-0": -9}
+    records = record.read(tmp_path / "rec")
+    repaired = {line["step"] for lines in records.values() for line in lines
+                if line["kind"] == "batch" and line["kept"] > 0}
+    assert repaired, "a survivor kept its share of the aborted step"
+    for replica in ("r0-0", "r1-0"):
+        got = job.result(replica)
+        assert_same_state(got, reference)  # the scheduler too: stepped once per commit
+        assert got["scheduler"]["last_epoch"] == 40
+        assert sorted(got["losses"]) == list(range(40))
+        # Every step's loss is the whole global batch's, the repaired one's included.
+        for step, loss in reference["losses"].items():
+            assert got["losses"][step] == pytest.approx(loss, rel=1e-6), step
+
+
+async def test_the_lr_schedule_and_registered_state_arrive_intact_in_a_joiner(
+        tmp_path: Path, data: Path, nats_server: NatsServer, bus: Bus, uid: str) -> None:
+    steps = 1500  # time for the joiner to be taken in before the end
+    args = ["--steps", str(steps), "--clip", "1.0"]
+    reference = alone(data, tmp_path / "alone", *args)
+    async with Job(bus, nats_server, uid, tmp_path, data, *args) as job:
+        for slot, replica in enumerate(["r0-0", "r1-0", "r2-0"]):
+            await job.start(replica, slot)
+        await job.publish(["r0-0", "r1-0"], GenerationReason.START)
+        await job.until(lambda: job.step >= 20)
+        await job.publish(["r0-0", "r1-0", "r2-0"], GenerationReason.JOIN)
+        assert await job.exit_codes() == {"r0-0": 0, "r1-0": 0, "r2-0": 0}
+    adopted = [line for line in record.read(tmp_path / "rec")["r2-0"]
+               if line["kind"] == "adopt"]
+    assert len(adopted) == 1 and 20 <= adopted[0]["step"] < steps
+    for replica in ("r0-0", "r1-0", "r2-0"):
+        assert_same_state(job.result(replica), reference)
