@@ -36,6 +36,8 @@ MAX_FLOAT = sys.float_info.max
 NonNegFloat = Annotated[float, msgspec.Meta(ge=0.0, le=MAX_FLOAT)]
 PosFloat = Annotated[float, msgspec.Meta(gt=0.0, le=MAX_FLOAT)]
 Labels = Annotated[dict[str, str], msgspec.Meta(max_length=64)]
+#: The most of an error or of a process's last output a message carries.
+DETAIL_CHARS = 4096
 #: ``host:port`` of a TCP listener (empty: not known).
 Endpoint = Annotated[str, msgspec.Meta(
     max_length=300, pattern=r"^(|[A-Za-z0-9_.\-:\[\]]+:[0-9]{1,5})\Z")]
@@ -125,6 +127,24 @@ class Placement(Part):
     spread_failure_domains: bool = False
 
 
+class RestartPolicy(Part):
+    """How many failures a job survives before it ends ``failed`` (see :mod:`~phalanx.\
+services.health.policy`).
+
+    ``max_restarts`` is how many failed replicas are replaced over the job's
+    admission (torchrun's ``--max-restarts``, counted per replica); at most
+    ``max_restarts_in_window`` of them within any ``window_s``. An
+    *application* failure (the script exits non-zero by itself, or cannot be
+    started) is replaced at most ``max_app_failures`` times: the one after
+    fails the job, since running the same code again fails the same way.
+    """
+
+    max_restarts: Annotated[int, msgspec.Meta(ge=0, le=1_000_000)] = 16
+    max_app_failures: Annotated[int, msgspec.Meta(ge=0, le=1_000_000)] = 1
+    max_restarts_in_window: Annotated[int, msgspec.Meta(ge=1, le=1_000_000)] = 8
+    window_s: PosFloat = 300.0
+
+
 class JobSpec(Message, tag="phalanx.job_spec.v1"):
     """A job as submitted: a gang of data-parallel replicas and how to run them."""
 
@@ -139,6 +159,7 @@ class JobSpec(Message, tag="phalanx.job_spec.v1"):
     schedule_timeout_s: PosFloat | None = None
     grace_period_s: NonNegFloat = 10.0
     hang_timeout_s: PosFloat = 2.0
+    restart_policy: RestartPolicy = RestartPolicy()
 
 
 class JobState(enum.StrEnum):
@@ -168,6 +189,10 @@ class ReasonCode(enum.StrEnum):
     CANCELLED = "cancelled"
     FINISHED = "finished"
     ADMITTED = "admitted"
+    APP_FAILED = "app_failed"  # the script failed by itself more than max_app_failures times
+    LAUNCH_FAILED = "launch_failed"  # the command could not be started
+    RESTARTS_EXHAUSTED = "restarts_exhausted"  # a failure after max_restarts replacements
+    RESTART_RATE = "restart_rate"  # more than max_restarts_in_window within window_s
 
 
 class JobRecord(Message, tag="phalanx.job_record.v1"):
@@ -437,12 +462,14 @@ class Fault(Message, tag="phalanx.fault.v1"):
     exit_code: int | None = None
     signal: str | None = None
     detail: str = ""
+    application: bool = False  # the script failed by itself (see RestartPolicy)
 
 
 class ExitCause(enum.StrEnum):
     EXITED = "exited"  # the process ended by itself (or by a signal someone else sent)
     STOPPED = "stopped"  # the agent stopped it (cancel, preemption, eviction)
     LOST = "lost"  # found dead by a restarted agent; its exit status is unknown
+    LAUNCH_FAILED = "launch_failed"  # never ran: the command could not be started
 
 
 class RankStarted(Message, tag="phalanx.rank_started.v1"):
@@ -462,6 +489,8 @@ class RankExited(Message, tag="phalanx.rank_exited.v1"):
 
     ``exit_code`` is set when it exited, ``signal`` (e.g. ``SIGKILL``) when a
     signal ended it; both are None when its status is unknown (cause ``lost``).
+    ``detail`` is the start error of a rank that could not be started, else the
+    last lines of a failed rank's output (its exception).
     """
 
     job_id: Ident
@@ -473,6 +502,7 @@ class RankExited(Message, tag="phalanx.rank_exited.v1"):
     exit_code: int | None = None
     signal: str | None = None
     replica_id: Ident | None = None
+    detail: Annotated[str, msgspec.Meta(max_length=DETAIL_CHARS)] = ""
 
     @property
     def failed(self) -> bool:
@@ -513,6 +543,7 @@ class NodeCondition(enum.StrEnum):
     LOST = "lost"
     CORDONED = "cordoned"
     UNCORDONED = "uncordoned"
+    CHAOS = "chaos"  # an operator injects a fault here (phalanx chaos): not the node's fault
 
 
 class NodeConditionChanged(Message, tag="phalanx.node_condition.v1"):
@@ -522,6 +553,7 @@ class NodeConditionChanged(Message, tag="phalanx.node_condition.v1"):
     condition: NodeCondition
     reason: str
     at: NonNegFloat
+    until: NonNegFloat | None = None  # chaos: when the injected fault is over
 
 
 class RankProgress(Message, tag="phalanx.rank_progress.v1"):

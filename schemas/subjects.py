@@ -138,6 +138,17 @@ def node_conditions() -> str:
     return f"{PREFIX}.node.*.condition"
 
 
+def node_chaos(node_id: str) -> str:
+    """An agent announces a fault injected on its node (a ``NodeConditionChanged`` of
+    condition ``chaos``); apart from conditions, so an agent may say only this."""
+    return f"{PREFIX}.node.{token(node_id, 'node id')}.chaos"
+
+
+def node_chaos_all() -> str:
+    """Wildcard over every node's chaos announcements."""
+    return f"{PREFIX}.node.*.chaos"
+
+
 def health_ranks() -> str:
     """Wildcard over every rank's progress."""
     return f"{PREFIX}.health.rank.*.*"

@@ -108,6 +108,16 @@ class JobFinished:
 
 
 @dataclasses.dataclass(frozen=True)
+class JobFailed:
+    """Health ended the job ``failed`` (its failures are past its restart policy)."""
+
+    job_id: str
+    reason_code: ReasonCode
+    reason: str
+    event_id: str = ""
+
+
+@dataclasses.dataclass(frozen=True)
 class JobRequeued:
     """The running gang lost too many members to go on (elasticity): back to the queue."""
 
@@ -135,7 +145,8 @@ class NodeRemoved:
     event_id: str = ""
 
 
-Event = JobSubmitted | JobCancelled | JobFinished | JobRequeued | NodeUpdated | NodeRemoved
+Event = (JobSubmitted | JobCancelled | JobFinished | JobFailed | JobRequeued | NodeUpdated
+         | NodeRemoved)
 
 
 # --- decisions -----------------------------------------------------------------------------
@@ -357,6 +368,9 @@ class AdmissionCore:
                 return self._ended(event.job_id, JobState.CANCELLED, event.event_id)
             case JobFinished():
                 return self._ended(event.job_id, JobState.FINISHED, event.event_id)
+            case JobFailed():
+                return self._ended(event.job_id, JobState.FAILED, event.event_id,
+                                   Reason(event.reason_code, event.reason))
             case JobRequeued():
                 return self._requeued(event, now)
             case NodeUpdated():
@@ -403,19 +417,21 @@ class AdmissionCore:
                                                    "is gone or full after a leader change")
         return [*decisions, Evict(gang.job_id, gang.reason, requeue=True, cause=event.event_id)]
 
-    def _ended(self, job_id: str, state: JobState, cause: str) -> list[Decision]:
+    def _ended(self, job_id: str, state: JobState, cause: str,
+               reason: Reason | None = None) -> list[Decision]:
         gang = self.gangs.get(job_id)
         if gang is None or gang.state not in (JobState.PENDING, JobState.ADMITTED):
             return []
         decisions: list[Decision] = []
         if gang.state is JobState.ADMITTED:
             self._release(gang, list(gang.nodes))
-            decisions.append(Evict(job_id, Reason(ReasonCode(state.value), state.value),
+            decisions.append(Evict(job_id, reason or Reason(ReasonCode(state.value), state.value),
                                    requeue=False, cause=cause))
         else:
             self._dequeue(gang)
         gang.state = state
-        gang.reason = Reason(ReasonCode(state.value), f"{state.value} by request")
+        gang.reason = reason or Reason(ReasonCode(state.value), "cancelled by request"
+                                       if state is JobState.CANCELLED else state.value)
         return decisions
 
     def _node_updated(self, event: NodeUpdated, now: float) -> list[Decision]:

@@ -293,8 +293,11 @@ class AdmissionService(Service):
             base = current or JobRecord(
                 job_id=gang.job_id, spec=gang.spec, state=gang.state,
                 submitted_at=gang.submitted_at, updated_at=now, reason_code=reason.code)
-            if base.state.terminal and base.state is not gang.state:
-                return base  # a cancel written meanwhile wins; its watch event follows
+            if base.state.terminal and (gang.state.terminal or base.state is not gang.state):
+                # A record that ended stays as its writer left it: a cancel written
+                # meanwhile wins (its watch event follows), and health's finish or
+                # failure keeps its own reason.
+                return base
             nodes = list(gang.nodes)
             running = base.state is JobState.ADMITTED and gang.state is JobState.ADMITTED
             slots = core.carry_slots(base.nodes, base.slots, nodes, base.next_slot) \
@@ -335,6 +338,9 @@ class AdmissionService(Service):
             term.events.put_nowait(core.JobCancelled(change.key, event_id="watch"))
         elif record.state is JobState.FINISHED:
             term.events.put_nowait(core.JobFinished(change.key, event_id="watch"))
+        elif record.state is JobState.FAILED:
+            term.events.put_nowait(core.JobFailed(change.key, record.reason_code, record.reason,
+                                                  event_id="watch"))
 
     async def _watch_nodes(self, term: Term) -> None:
         assert self.bus is not None

@@ -36,9 +36,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import datetime
 import json
 import logging
 import os
+import shlex
 import signal
 import socket
 import sys
@@ -50,7 +52,14 @@ from pathlib import Path
 from phalanx.bus.config import with_identity
 from phalanx.runtime import priority
 from phalanx.schemas.errors import PhalanxError
-from phalanx.schemas.messages import ExitCause, JobRecord, JobState, RankExited, RankStarted
+from phalanx.schemas.messages import (
+    DETAIL_CHARS,
+    ExitCause,
+    JobRecord,
+    JobState,
+    RankExited,
+    RankStarted,
+)
 from phalanx.services.agent.core import LaunchVerdict, first_replica, launch_verdict
 
 log = logging.getLogger("phalanx.agent.ranks")
@@ -281,9 +290,14 @@ class RankSet:
         if nice is not None:
             env[priority.ENV] = str(self.nice)
         self.launched[(record.job_id, rank)] = (placement, replica_id)
-        log_path = self.work_dir / "jobs" / record.job_id / f"rank-{rank}.log"
+        log_path = self.log_path(record.job_id, rank)
         log_path.parent.mkdir(parents=True, exist_ok=True)
         with log_path.open("ab") as log_file:
+            # A replacement's output follows its predecessor's in the slot's file.
+            log_file.write(f"=== phalanx: {replica_id} of {record.job_id} starting on "
+                           f"{self.node_id} at {_utc_now()}: {_one_line(spec.command)}\n"
+                           .encode())
+            log_file.flush()
             try:
                 if self.bus_identity is not None:
                     env = with_identity(env, self.bus_identity(record.job_id))
@@ -291,14 +305,18 @@ class RankSet:
                     *spec.command, env=env, stdin=asyncio.subprocess.DEVNULL, stdout=log_file,
                     stderr=log_file, start_new_session=True)
             except OSError as exc:
-                # The command cannot start (missing binary, no permission): that rank is a crash.
-                # It was launched all the same: a repeated request must not try again.
+                # The command cannot start (missing binary, bad path, no permission): the
+                # application's failure, told to health with the reason and written where
+                # the user looks (phalanx logs). It was launched all the same: a repeated
+                # request must not try again.
+                error = f"cannot start {_one_line(spec.command)}: {exc}"
+                log_file.write(f"=== phalanx: {error}\n".encode())
                 self._save()
-                log.error("cannot start rank %d of %s: %s", rank, record.job_id, exc)
+                log.warning("cannot start rank %d of %s: %s", rank, record.job_id, exc)
                 await self.report(RankExited(
                     job_id=record.job_id, rank=rank, node_id=self.node_id, pid=1,
-                    cause=ExitCause.EXITED, exited_at=time.time(), exit_code=127,
-                    replica_id=replica_id))
+                    cause=ExitCause.LAUNCH_FAILED, exited_at=time.time(),
+                    replica_id=replica_id, detail=error[-DETAIL_CHARS:]))
                 return None
         if nice is not None:
             with contextlib.suppress(ProcessLookupError):  # it may have died already
@@ -338,10 +356,29 @@ class RankSet:
         log.info("rank exited", extra={"job": entry.job_id, "rank": entry.rank,
                                        "exit_code": exit_code, "signal": signame,
                                        "cause": cause.value})
+        failed = cause is ExitCause.EXITED and (exit_code != 0 or signame is not None)
         await self.report(RankExited(job_id=entry.job_id, rank=entry.rank, node_id=self.node_id,
                                      pid=entry.pid, cause=cause, exited_at=time.time(),
                                      exit_code=exit_code, signal=signame,
-                                     replica_id=entry.replica_id))
+                                     replica_id=entry.replica_id,
+                                     detail=self.last_output(entry.job_id, entry.rank)
+                                     if failed else ""))
+
+    def log_path(self, job_id: str, slot: int) -> Path:
+        """The file a slot's ranks write their output to, one after another."""
+        return self.work_dir / "jobs" / job_id / f"rank-{slot}.log"
+
+    def last_output(self, job_id: str, slot: int, lines: int = 12) -> str:
+        """The last ``lines`` lines of a slot's output (an exception's traceback ends
+        there), at most :data:`DETAIL_CHARS` characters; empty if unreadable."""
+        try:
+            with self.log_path(job_id, slot).open("rb") as f:
+                f.seek(0, os.SEEK_END)
+                f.seek(max(0, f.tell() - 4 * DETAIL_CHARS))
+                tail = f.read().decode(errors="replace")
+        except OSError:
+            return ""
+        return "\n".join(tail.rstrip().splitlines()[-lines:])[-DETAIL_CHARS:]
 
     # --- stopping and signals -----------------------------------------------------------
 
@@ -445,3 +482,13 @@ class RankSet:
                 os.close(fd)
         await self._exited(entry, exit_code=None, signame=None,
                            cause=ExitCause.STOPPED if entry.stopping else ExitCause.LOST)
+
+
+def _utc_now() -> str:
+    return datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
+
+
+def _one_line(command: list[str], limit: int = 200) -> str:
+    """A command as a shell would read it, on one line and cut to ``limit`` characters."""
+    line = shlex.join(command).replace("\n", "\\n")
+    return line if len(line) <= limit else line[:limit - 1] + "…"

@@ -40,6 +40,8 @@ from phalanx.schemas.messages import (
     JobRecord,
     JobState,
     LaunchReplica,
+    NodeCondition,
+    NodeConditionChanged,
     NodeHeartbeat,
     NodeInfo,
     NodeRecord,
@@ -262,9 +264,17 @@ class AgentService(Service):
 
     async def on_chaos(self, request: ChaosRequest, _: Delivery) -> ChaosReply:
         """Inject a fault the way a user would: kill a rank, kill or pause this agent."""
-        assert self.ranks is not None
+        assert self.ranks is not None and self.bus is not None
         node = self.config.node_id
         loop = asyncio.get_running_loop()
+        # Say so first: what the fault does is the operator's doing, not the node's, and
+        # health must not cordon it for that.
+        now = time.time()
+        over = now + (request.duration_s if request.action is ChaosAction.PAUSE_AGENT else 0.0)
+        await self.bus.publish(subjects.node_chaos(node), NodeConditionChanged(
+            node_id=node, condition=NodeCondition.CHAOS, at=now, until=over,
+            reason=f"phalanx chaos {request.action.value}"))
+        await self.bus.nc.flush()
         match request.action:
             case ChaosAction.KILL_RANK:
                 assert request.job_id is not None and request.rank is not None

@@ -177,7 +177,8 @@ def permissions(role: Role, scope: str | None = None) -> Permissions:
             g.open_bucket(s.JOBS_BUCKET, ">" if role is Role.HEALTH else ())
             g.ensure_events().read_events()
             if role is Role.HEALTH:
-                g.sub(s.health_ranks(), s.node_heartbeats(), s.node_conditions())
+                g.sub(s.health_ranks(), s.node_heartbeats(), s.node_conditions(),
+                      s.node_chaos_all())
                 g.pub(s.any_id(s.job_fault), s.any_id(s.node_condition), s.any_id(s.job_state))
                 g.open_bucket(s.NODES_BUCKET, ">").open_bucket(s.HEALTH_BUCKET, ">")
             else:
@@ -192,7 +193,8 @@ def permissions(role: Role, scope: str | None = None) -> Permissions:
         case Role.AGENT:
             assert scope is not None
             g.sub(s.agent_endpoints(scope), s.job_states())
-            g.pub(s.node_heartbeat(scope), s.any_id(s.rank_started), s.any_id(s.rank_exited))
+            g.pub(s.node_heartbeat(scope), s.node_chaos(scope), s.any_id(s.rank_started),
+                  s.any_id(s.rank_exited))
             g.open_bucket(s.NODES_BUCKET, scope).open_bucket(s.JOBS_BUCKET)
             g.open_bucket(s.GENERATIONS_BUCKET).ensure_events()
         case Role.RANK:

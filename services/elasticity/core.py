@@ -80,6 +80,7 @@ class JobAdmitted:
     min_members: int
     max_members: int
     event_id: str = ""
+    max_replacements: int | None = None  # the job's restart_policy.max_restarts
 
 
 @dataclasses.dataclass(frozen=True)
@@ -320,7 +321,9 @@ class ElasticityCore:
             raise ValueError(f"need 1 <= min <= max, got {event.min_members}..{event.max_members}")
         self.jobs[event.job_id] = JobMembership(event.job_id, event.min_members,
                                                 event.max_members, dict(event.slots),
-                                                self.max_replacements)
+                                                self.max_replacements
+                                                if event.max_replacements is None
+                                                else event.max_replacements)
 
     def _unmanaged(self, job: JobMembership, event: Event, now: float) -> list[Decision]:
         """Before the first ready replica: follow the placement, keep faults for later."""

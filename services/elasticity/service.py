@@ -221,8 +221,9 @@ class ElasticityService(Service):
         job_id = change.key
         if record is not None and record.state is JobState.ADMITTED:
             replicas = record.spec.replicas
-            event: core.Event = core.JobAdmitted(job_id, record.placement(), replicas.min,
-                                                 replicas.max, event_id="record")
+            event: core.Event = core.JobAdmitted(
+                job_id, record.placement(), replicas.min, replicas.max, event_id="record",
+                max_replacements=record.spec.restart_policy.max_restarts)
             await self._act(term, job_id, term.core.handle(event, time.time()), None)
             return
         if job_id in term.core.jobs:

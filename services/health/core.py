@@ -72,9 +72,11 @@ import statistics
 import msgspec
 
 from phalanx.schemas.errors import ConfigError
-from phalanx.schemas.messages import FaultKind
+from phalanx.schemas.messages import FaultKind, ReasonCode, RestartPolicy
+from phalanx.services.health.policy import Failure, RestartBudget, classify_exit
 
-EXIT_CAUSES = frozenset({"exited", "stopped", "lost"})
+EXIT_CAUSES = frozenset({"exited", "stopped", "lost", "launch_failed"})
+DEFAULT_RESTART_POLICY = RestartPolicy()  # frozen: one instance serves every default
 
 
 @dataclasses.dataclass(frozen=True)
@@ -120,6 +122,7 @@ class JobWatched:
     nodes: tuple[str, ...]
     hang_timeout_s: float
     slots: tuple[int, ...] = ()
+    restart_policy: RestartPolicy = DEFAULT_RESTART_POLICY
 
     def __post_init__(self) -> None:
         if not self.nodes:
@@ -152,7 +155,8 @@ class RankStarted:
 
 @dataclasses.dataclass(frozen=True)
 class RankExited:
-    """A rank's process ended; ``cause`` is ``exited``, ``stopped`` or ``lost``."""
+    """A rank's process ended; ``cause`` is ``exited``, ``stopped``, ``lost`` or
+    ``launch_failed``; ``detail`` is its error or last output, when it failed."""
 
     job_id: str
     rank: int
@@ -161,6 +165,7 @@ class RankExited:
     signal: str | None
     cause: str
     replica_id: str | None = None
+    detail: str = ""
 
     def __post_init__(self) -> None:
         if self.cause not in EXIT_CAUSES:
@@ -195,6 +200,15 @@ class NodeUncordoned:
 
 
 @dataclasses.dataclass(frozen=True)
+class ChaosInjected:
+    """An operator injects faults on the node (``phalanx chaos``) until ``until``: faults
+    charged to it until then are not the node's fault."""
+
+    node_id: str
+    until: float
+
+
+@dataclasses.dataclass(frozen=True)
 class WatchLost:
     """The detector cannot hear (its bus connection is down): until :class:`WatchResumed`
     it judges no timeout, whatever events it is still handed."""
@@ -207,9 +221,9 @@ class WatchResumed:
 
 
 Event = (JobWatched | JobEnded | RankStarted | RankExited | ProgressReported | NodeHeartbeat
-         | NodeUncordoned | WatchLost | WatchResumed)
+         | NodeUncordoned | ChaosInjected | WatchLost | WatchResumed)
 _EVENTS = (JobWatched, JobEnded, RankStarted, RankExited, ProgressReported, NodeHeartbeat,
-           NodeUncordoned, WatchLost, WatchResumed)
+           NodeUncordoned, ChaosInjected, WatchLost, WatchResumed)
 
 
 # --- decisions -----------------------------------------------------------------------------
@@ -227,6 +241,7 @@ class RaiseFault:
     exit_code: int | None = None
     signal: str | None = None
     replica_id: str | None = None
+    application: bool = False  # the script failed by itself
 
 
 @dataclasses.dataclass(frozen=True)
@@ -255,12 +270,22 @@ class CordonNode:
 
 @dataclasses.dataclass(frozen=True)
 class FinishJob:
-    """Every rank of the job exited with code 0."""
+    """The job's training completed (see rule 2), at ``step`` if a rank reported it."""
 
     job_id: str
+    step: int | None = None
 
 
-Decision = RaiseFault | MarkNodeLost | MarkNodeAlive | CordonNode | FinishJob
+@dataclasses.dataclass(frozen=True)
+class FailJob:
+    """The job's failures are past its restart policy (see rule 8): it ends ``failed``."""
+
+    job_id: str
+    reason_code: ReasonCode
+    reason: str
+
+
+Decision = RaiseFault | MarkNodeLost | MarkNodeAlive | CordonNode | FinishJob | FailJob
 
 
 # --- state ---------------------------------------------------------------------------------
@@ -302,6 +327,10 @@ class JobHealth:
     hang_timeout_s: float
     slots: tuple[int, ...] = ()
     ranks: dict[int, RankHealth] = dataclasses.field(default_factory=dict)
+    budget: RestartBudget = dataclasses.field(
+        default_factory=lambda: RestartBudget(DEFAULT_RESTART_POLICY))
+    completed: bool = False  # a rank exited 0 or reported its final step: training is over
+    final_step: int | None = None  # the last step, as a final report gave it
 
 
 @dataclasses.dataclass(eq=False)
@@ -311,6 +340,7 @@ class NodeHealth:
     heard_from: float = -math.inf  # judged as if heard at least then (after blindness)
     lost: bool = False
     cordoned: bool = False
+    chaos_until: float = -math.inf  # faults until then are injected, not the node's
     faults: collections.deque[tuple[float, FaultKind]] = dataclasses.field(
         default_factory=collections.deque)  # charged at, oldest first; pruned to the window
     queued: bool = False
@@ -370,6 +400,9 @@ class HealthCore:
                 if node is not None:
                     node.cordoned = False
                     node.faults.clear()
+            case ChaosInjected():
+                node = self._node(event.node_id)
+                node.chaos_until = max(node.chaos_until, event.until)
         return decisions
 
     def take_changed(self) -> set[str]:
@@ -391,10 +424,15 @@ class HealthCore:
         except (msgspec.DecodeError, msgspec.ValidationError) as exc:
             raise SnapshotError(f"not a health job snapshot: {exc}") from None
         now = self._advance(now)
-        job = JobHealth(stored.job_id, stored.nodes, stored.hang_timeout_s, stored.slots)
+        job = JobHealth(stored.job_id, stored.nodes, stored.hang_timeout_s, stored.slots,
+                        budget=RestartBudget(stored.restart_policy, stored.restarts,
+                                             stored.app_failures,
+                                             collections.deque(stored.recent_restarts)),
+                        completed=stored.completed, final_step=stored.final_step)
         for rank in stored.ranks:
             job.ranks[rank.rank] = RankHealth(job, rank.rank, rank.node_id, rank.replica_id,
-                                              rank.exit, rank.reporting, hang_since=now)
+                                              rank.exit, rank.reporting, hang_since=now,
+                                              done=rank.done)
         self.jobs[job.job_id] = job
         for rank in job.ranks.values():
             self._arm(rank)
@@ -416,12 +454,16 @@ class HealthCore:
     # --- events -------------------------------------------------------------------------
 
     def _watched(self, event: JobWatched) -> None:
-        job = self.jobs.get(event.job_id)
+        old = self.jobs.get(event.job_id)
         slots = tuple(event.slots) or tuple(range(len(event.nodes)))
-        if (job is not None and job.nodes == event.nodes and job.slots == slots
-                and job.hang_timeout_s == event.hang_timeout_s):
+        if (old is not None and old.nodes == event.nodes and old.slots == slots
+                and old.hang_timeout_s == event.hang_timeout_s
+                and old.budget.policy == event.restart_policy):
             return  # a replay
         job = JobHealth(event.job_id, tuple(event.nodes), event.hang_timeout_s, slots)
+        if old is not None:  # a new placement of the same admission: the spending goes on
+            job.budget, job.completed, job.final_step = old.budget, old.completed, old.final_step
+        job.budget.policy = event.restart_policy
         job.ranks = {slot: RankHealth(job, slot, node_id)
                      for slot, node_id in zip(slots, job.nodes, strict=True)}
         self.jobs[event.job_id] = job  # old rank entries in the heap are stale now
@@ -456,21 +498,41 @@ class HealthCore:
         elif event.replica_id is not None and event.replica_id != rank.replica_id:
             return []  # an earlier incarnation's late exit
         self._changed.add(event.job_id)
+        job = rank.job
         if event.cause == "stopped":
             rank.exit = RankExit.STOPPED
-            return self._finish_if_done(rank.job)
-        if (event.exit_code == 0 and event.signal is None) \
-                or (event.cause == "lost" and rank.done):
-            # A rank adopted by a restarted agent exits with an unknown status; if its last
-            # report said it was its final step, it finished (not a crash).
+            return self._finish_if_done(job)
+        if (event.exit_code == 0 and event.signal is None) or rank.done or job.completed:
+            # Training was over: whatever ends a process after the last commit is not a
+            # failure (an exit status lost with a restarted agent; gloo timing out at exit
+            # in a script that never closed its session).
             rank.exit = RankExit.DONE
-            return self._finish_if_done(rank.job)
+            job.completed = True
+            return self._finish_if_done(job)
         rank.exit = RankExit.CRASHED
+        failure = classify_exit(event.cause, event.exit_code, event.signal)
         fault = RaiseFault(event.job_id, FaultKind.CRASH, event.node_id, event.rank,
                            _crash_detail(event), event.exit_code, event.signal,
                            rank.replica_id)
-        return [fault, *self._charge(event.node_id, now, FaultKind.CRASH),
-                *self._finish_if_done(rank.job)]
+        decisions = self._failure(rank, failure, now, fault)
+        if failure is Failure.INFRASTRUCTURE:  # the script's own failures are no node's
+            decisions += self._charge(event.node_id, now, FaultKind.CRASH)
+        if self.jobs.get(job.job_id) is job:
+            decisions += self._finish_if_done(job)
+        return decisions
+
+    def _failure(self, rank: RankHealth, failure: Failure, at: float,
+                 fault: RaiseFault) -> list[Decision]:
+        """Charge a rank's failure to its job's restart budget: the fault that has it
+        repaired, or, past the budget, the job's end."""
+        job = rank.job
+        self._changed.add(job.job_id)
+        what = f"{rank.replica_id or f'rank {rank.rank}'} on {rank.node_id}: {fault.detail}"
+        verdict = job.budget.charge(failure, at, what)
+        if verdict is not None:
+            del self.jobs[job.job_id]
+            return [FailJob(job.job_id, verdict.reason_code, verdict.reason)]
+        return [dataclasses.replace(fault, application=failure.application)]
 
     def _finish_if_done(self, job: JobHealth) -> list[Decision]:
         """Finished: some rank exited 0 and none still runs (a crashed slot that is never
@@ -478,7 +540,7 @@ class HealthCore:
         exits = [r.exit for r in job.ranks.values()]
         if RankExit.DONE in exits and None not in exits:
             del self.jobs[job.job_id]
-            return [FinishJob(job.job_id)]
+            return [FinishJob(job.job_id, job.final_step)]
         return []
 
     def _progress(self, event: ProgressReported, now: float) -> list[Decision]:
@@ -491,6 +553,9 @@ class HealthCore:
             self._changed.add(event.job_id)
         rank.last_progress = rank.hang_since = now
         rank.done = event.final
+        if event.final and rank.job.final_step != event.step:
+            rank.job.completed, rank.job.final_step = True, event.step
+            self._changed.add(event.job_id)
         rank.last_step = event.step
         rank.step_time = event.step_time_s
         rank.hang_raised = False
@@ -606,18 +671,21 @@ class HealthCore:
                   f"{job.hang_timeout_s:g} s {after}")
         fault = RaiseFault(job.job_id, FaultKind.HANG, rank.node_id, rank.rank, detail,
                            replica_id=rank.replica_id)
-        return [fault, *self._charge(rank.node_id, at, FaultKind.HANG)]
+        return [*self._failure(rank, Failure.INFRASTRUCTURE, at, fault),
+                *self._charge(rank.node_id, at, FaultKind.HANG)]
 
     def _lose(self, node: NodeHealth, at: float) -> list[Decision]:
         node.lost = True
         why = f"no heartbeat for more than {self.policy.node_timeout_s:g} s"
         decisions: list[Decision] = [MarkNodeLost(node.node_id, why)]
         for rank in self._ranks_on(node.node_id):
+            if self.jobs.get(rank.job.job_id) is not rank.job:
+                continue  # the job failed with an earlier rank on this node
             rank.hang_raised = True
-            decisions.append(RaiseFault(rank.job.job_id, FaultKind.NODE_LOST, node.node_id,
-                                        rank.rank, f"rank {rank.rank}'s node {node.node_id} "
-                                                   f"was lost: {why}",
-                                        replica_id=rank.replica_id))
+            fault = RaiseFault(rank.job.job_id, FaultKind.NODE_LOST, node.node_id, rank.rank,
+                               f"rank {rank.rank}'s node {node.node_id} was lost: {why}",
+                               replica_id=rank.replica_id)
+            decisions += self._failure(rank, Failure.INFRASTRUCTURE, at, fault)
         return decisions + self._charge(node.node_id, at, FaultKind.NODE_LOST)
 
     # --- nodes and cordons --------------------------------------------------------------
@@ -635,6 +703,8 @@ class HealthCore:
 
     def _charge(self, node_id: str, at: float, kind: FaultKind) -> list[Decision]:
         node = self._node(node_id)
+        if at <= node.chaos_until:
+            return []  # injected on purpose: says nothing about the node
         faults = node.faults
         faults.append((at, kind))
         window = self.policy.cordon_window_s
@@ -707,6 +777,7 @@ class RankSnapshot:
     replica_id: str | None
     exit: RankExit | None
     reporting: bool
+    done: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -718,6 +789,12 @@ class JobSnapshot:
     hang_timeout_s: float
     slots: tuple[int, ...]
     ranks: tuple[RankSnapshot, ...]
+    restart_policy: RestartPolicy = DEFAULT_RESTART_POLICY
+    restarts: int = 0
+    app_failures: int = 0
+    recent_restarts: tuple[float, ...] = ()
+    completed: bool = False
+    final_step: int | None = None
 
 
 class SnapshotError(ValueError):
@@ -726,10 +803,13 @@ class SnapshotError(ValueError):
 
 def snapshot(job: JobHealth) -> bytes:
     """A watched job's lasting part, for :meth:`HealthCore.restore`."""
+    budget = job.budget
     return _SNAPSHOT_ENCODER.encode(JobSnapshot(
         job.job_id, job.nodes, job.hang_timeout_s, job.slots,
-        tuple(RankSnapshot(r.rank, r.node_id, r.replica_id, r.exit, r.reporting)
-              for r in job.ranks.values())))
+        tuple(RankSnapshot(r.rank, r.node_id, r.replica_id, r.exit, r.reporting, r.done)
+              for r in job.ranks.values()),
+        budget.policy, budget.restarts, budget.app_failures, tuple(budget.recent),
+        job.completed, job.final_step))
 
 
 _SNAPSHOT_ENCODER = msgspec.msgpack.Encoder()
@@ -737,6 +817,8 @@ _SNAPSHOT_DECODER = msgspec.msgpack.Decoder(JobSnapshot)
 
 
 def _crash_detail(event: RankExited) -> str:
+    if event.cause == "launch_failed":
+        return f"rank {event.rank} could not be started: {event.detail or 'no reason given'}"
     if event.cause == "lost":
         what = (f"rank {event.rank} was found dead by a restarted agent on {event.node_id}; "
                 "its exit status is unknown")
@@ -745,7 +827,9 @@ def _crash_detail(event: RankExited) -> str:
         return what
     if event.signal is not None:
         code = f" (exit code {event.exit_code})" if event.exit_code is not None else ""
-        return f"rank {event.rank} was killed by signal {event.signal}{code}"
-    if event.exit_code is None:
-        return f"rank {event.rank} exited with an unknown status"
-    return f"rank {event.rank} exited with code {event.exit_code}"
+        what = f"rank {event.rank} was killed by signal {event.signal}{code}"
+    elif event.exit_code is None:
+        what = f"rank {event.rank} exited with an unknown status"
+    else:
+        what = f"rank {event.rank} exited with code {event.exit_code}"
+    return f"{what}; its last output:\n{event.detail}" if event.detail else what

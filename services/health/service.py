@@ -58,6 +58,7 @@ from nats.aio.subscription import Subscription
 from opentelemetry import context as otel_context
 
 from phalanx.bus import telemetry
+from phalanx.bus.client import Delivery
 from phalanx.bus.config import BusConfig
 from phalanx.bus.kv import Change, TypedKV
 from phalanx.bus.stream import EventReader, ensure_job_events
@@ -90,6 +91,8 @@ CURSOR_EVERY_S = 1.0
 # A timeout falls due while reports wait unhandled: they are handled first, for at most this
 # long (a detector that stays behind still judges, only later).
 UNREAD_GRACE_S = 1.0
+#: After an injected fault is over, how long its effects may still be reported.
+CHAOS_DETECTION_S = 10.0
 
 
 @dataclasses.dataclass
@@ -190,10 +193,10 @@ class HealthService(Service):
             for subject, message_type, handler in (
                     (subjects.health_ranks(), RankProgress, self._on_progress),
                     (subjects.node_heartbeats(), NodeHeartbeat, self._on_heartbeat),
-                    (subjects.node_conditions(), NodeConditionChanged,
-                     self._on_condition)):
+                    (subjects.node_conditions(), NodeConditionChanged, self._on_condition),
+                    (subjects.node_chaos_all(), NodeConditionChanged, self._on_chaos)):
                 subscriptions.append(await bus.subscribe(
-                    subject, message_type, lambda m, d, h=handler: h(term, m)))
+                    subject, message_type, lambda m, d, h=handler: h(term, m, d)))
             term.reader = await EventReader(bus, term.store.cursor + 1,
                                             frozenset({"started", "exited"})).start()
             log.info("restored", extra={"jobs": len(term.core.jobs),
@@ -233,7 +236,7 @@ class HealthService(Service):
                         assert isinstance(msg, RankExited)
                         happened = core.RankExited(msg.job_id, msg.rank, msg.node_id,
                                                    msg.exit_code, msg.signal, msg.cause.value,
-                                                   msg.replica_id)
+                                                   msg.replica_id, msg.detail)
                     await self._handle(term, happened, event.seq)
                     term.handled = event.seq
 
@@ -291,24 +294,37 @@ class HealthService(Service):
         if record is not None and record.state is JobState.ADMITTED:
             await self._handle(term, core.JobWatched(record.job_id, tuple(record.nodes),
                                                      record.spec.hang_timeout_s,
-                                                     tuple(record.slots)))
+                                                     tuple(record.slots),
+                                                     record.spec.restart_policy))
         elif change.key in term.core.jobs:
             await self._handle(term, core.JobEnded(change.key))
 
-    async def _on_progress(self, term: Term, msg: RankProgress) -> None:
+    async def _on_progress(self, term: Term, msg: RankProgress, _: Delivery) -> None:
         async with term.turn:
             await self._handle(term, core.ProgressReported(msg.job_id, msg.rank, msg.step,
                                                            msg.step_time_s, msg.final,
                                                            msg.replica_id))
 
-    async def _on_heartbeat(self, term: Term, msg: NodeHeartbeat) -> None:
+    async def _on_heartbeat(self, term: Term, msg: NodeHeartbeat, _: Delivery) -> None:
         async with term.turn:
             await self._handle(term, core.NodeHeartbeat(msg.node_id))
 
-    async def _on_condition(self, term: Term, msg: NodeConditionChanged) -> None:
+    async def _on_condition(self, term: Term, msg: NodeConditionChanged, _: Delivery) -> None:
         if msg.condition is NodeCondition.UNCORDONED:
             async with term.turn:
                 await self._handle(term, core.NodeUncordoned(msg.node_id))
+
+    async def _on_chaos(self, term: Term, msg: NodeConditionChanged, where: Delivery) -> None:
+        """An agent injects a fault on its own node (only its own: the subject says which)."""
+        if msg.condition is not NodeCondition.CHAOS \
+                or where.subject != subjects.node_chaos(msg.node_id):
+            log.warning("ignored a chaos notice for %s on %s", msg.node_id, where.subject)
+            return
+        # The faults it causes are detected up to a node timeout later (a lost node), and
+        # their reports may travel a little longer.
+        until = max(msg.at, msg.until or 0.0) + self.policy.node_timeout_s + CHAOS_DETECTION_S
+        async with term.turn:
+            await self._handle(term, core.ChaosInjected(msg.node_id, until))
 
     async def _flushed(self) -> bool:
         assert self.bus is not None
@@ -364,7 +380,8 @@ class HealthService(Service):
                                   kind=decision.kind, node_id=decision.node_id,
                                   detected_at=now, rank=decision.rank,
                                   exit_code=decision.exit_code, signal=decision.signal,
-                                  detail=decision.detail, replica_id=decision.replica_id)
+                                  detail=decision.detail, replica_id=decision.replica_id,
+                                  application=decision.application)
                     await self.bus.publish_event(subjects.job_fault(decision.job_id), fault,
                                                  event_id=fault.fault_id)
                     self.faults_published += 1
@@ -388,7 +405,15 @@ class HealthService(Service):
                     await self._condition(decision.node_id, NodeCondition.CORDONED,
                                           decision.reason)
                 case core.FinishJob():
-                    await self._finish(decision.job_id, now)
+                    at = f" at step {decision.step}" if decision.step is not None else ""
+                    await self._end(decision.job_id, now, JobState.FINISHED,
+                                    ReasonCode.FINISHED, f"training completed{at}")
+                case core.FailJob():
+                    log.warning("job failed", extra={"job": decision.job_id,
+                                                     "reason_code": decision.reason_code.value,
+                                                     "reason": decision.reason})
+                    await self._end(decision.job_id, now, JobState.FAILED,
+                                    decision.reason_code, decision.reason)
                 case _:
                     raise TypeError(f"unknown decision {decision!r}")
 
@@ -398,19 +423,20 @@ class HealthService(Service):
         await self.bus.publish(subjects.node_condition(node_id), NodeConditionChanged(
             node_id=node_id, condition=condition, reason=reason, at=time.time()))
 
-    async def _finish(self, job_id: str, now: float) -> None:
+    async def _end(self, job_id: str, now: float, state: JobState, code: ReasonCode,
+                   reason: str) -> None:
+        """End the job's record (finished or failed) unless something ended it first."""
         assert self.bus is not None
 
-        def finish(current: JobRecord | None) -> JobRecord:
+        def end(current: JobRecord | None) -> JobRecord:
             if current is None or current.state.terminal:
                 return current  # type: ignore[return-value]
-            return msgspec.structs.replace(current, state=JobState.FINISHED, updated_at=now,
-                                           reason_code=ReasonCode.FINISHED,
-                                           reason="every rank exited 0", nodes=[], slots=[])
+            return msgspec.structs.replace(current, state=state, updated_at=now,
+                                           reason_code=code, reason=reason, nodes=[], slots=[])
 
         if await self.jobs.get(job_id) is None:
             return
-        entry = await self.jobs.modify(job_id, finish)
+        entry = await self.jobs.modify(job_id, end)
         await self.bus.publish(subjects.job_state(job_id), entry.value)
 
 

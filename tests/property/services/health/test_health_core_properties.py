@@ -26,14 +26,17 @@ import math
 import statistics
 from collections.abc import Callable
 
+import msgspec
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from phalanx.schemas.messages import FaultKind
+from phalanx.schemas.messages import FaultKind, RestartPolicy
 from phalanx.services.health.core import (
+    ChaosInjected,
     CordonNode,
     Decision,
     Event,
+    FailJob,
     FinishJob,
     HealthCore,
     HealthPolicy,
@@ -62,6 +65,7 @@ JOBS = ("j0", "j1")
 #   ("exit", job, rank, code, signal, cause, node or "")  ("progress", job, rank, step_time)
 #   ("beat", node)  ("beats",): every node  ("uncordon", node)  ("tick",)  ("wait", seconds)
 #   ("slow", job, rank, n): n reports of a slow step in a row
+#   ("final", job, rank): the rank reports its last step  ("chaos", node, seconds)
 #   ("round", job, slow): every rank of the job reports a step, slow only for rank ``slow``
 
 Op = tuple
@@ -73,15 +77,17 @@ OP = st.one_of(
               st.sampled_from([1.0, 2.0, 2.5, 5.0])),
     st.tuples(st.just("end"), JOB),
     st.tuples(st.just("start"), JOB, RANK, NODE),
-    st.tuples(st.just("exit"), JOB, RANK, st.sampled_from([0, 0, 1, None]),
+    st.tuples(st.just("exit"), JOB, RANK, st.sampled_from([0, 0, 1, 137, None]),
               st.sampled_from([None, None, None, "SIGKILL"]),
-              st.sampled_from(["exited", "exited", "stopped", "lost"]),
+              st.sampled_from(["exited", "exited", "stopped", "lost", "launch_failed"]),
               st.sampled_from(["", "", "", "n0"])),
     st.tuples(st.just("progress"), JOB, RANK, st.sampled_from([1.0, 1.0, 1.25, 3.0, 10.0])),
     st.tuples(st.just("progress"), JOB, RANK, st.sampled_from([1.0, 1.0, 1.25, 3.0, 10.0])),
     st.tuples(st.just("beat"), NODE),
     st.tuples(st.just("beat"), NODE),
     st.tuples(st.just("uncordon"), NODE),
+    st.tuples(st.just("final"), JOB, RANK),
+    st.tuples(st.just("chaos"), NODE, st.sampled_from([0.0, 2.0, 10.0])),
     st.tuples(st.just("tick")),
     st.tuples(st.just("wait"), st.sampled_from([0.0, 0.25, 0.5, 1.0, 1.5, 2.0, 2.5, 3.0, 6.0])),
     st.tuples(st.just("wait"), st.sampled_from([0.25, 0.5, 1.0, 2.0])),
@@ -94,6 +100,13 @@ POLICY = st.builds(
     straggler_min_ranks=st.integers(1, 3),
     cordon_faults=st.integers(1, 4),
     cordon_window_s=st.sampled_from([2.0, 5.0, 300.0]),
+)
+RESTARTS = st.builds(
+    RestartPolicy,
+    max_restarts=st.integers(0, 6),
+    max_app_failures=st.integers(0, 2),
+    max_restarts_in_window=st.integers(1, 4),
+    window_s=st.sampled_from([1.0, 5.0, 300.0]),
 )
 OPENING = st.tuples(  # both jobs watched and every node heard from, so there is work to judge
     st.tuples(st.just("watch"), st.just("j0"), st.lists(NODE, min_size=2, max_size=4).map(tuple),
@@ -116,11 +129,12 @@ STREAM = st.builds(lambda opening, ops: [*opening, *ops], OPENING,
                    st.lists(st.one_of(BUSY, BUSY, OP), min_size=20, max_size=80))
 
 
-def to_event(op: Op, jobs: dict[str, JobModel]) -> Event | None:
+def to_event(op: Op, jobs: dict[str, JobModel], restart: RestartPolicy,
+             now: float = T0) -> Event | None:
     """The event for ``op``; rank exits default to the node the model says the rank is on."""
     match op:
         case ("watch", job, nodes, hang):
-            return JobWatched(job, nodes, hang)
+            return JobWatched(job, nodes, hang, restart_policy=restart)
         case ("end", job):
             return JobEnded(job)
         case ("start", job, rank, node):
@@ -132,6 +146,10 @@ def to_event(op: Op, jobs: dict[str, JobModel]) -> Event | None:
             return RankExited(job, rank, node, code, signal, cause)
         case ("progress", job, rank, step_time):
             return ProgressReported(job, rank, 1, step_time)
+        case ("final", job, rank):
+            return ProgressReported(job, rank, 2, 1.0, final=True)
+        case ("chaos", node, seconds):
+            return ChaosInjected(node, now + seconds)
         case ("beat", node):
             return NodeHeartbeat(node)
         case ("uncordon", node):
@@ -150,6 +168,8 @@ def key(d: Decision) -> Key:
             return ("fault", d.job_id, d.kind, d.rank, d.node_id)
         case FinishJob():
             return ("finish", d.job_id, None, None, None)
+        case FailJob():
+            return ("fail", d.job_id, d.reason_code, None, None)
         case MarkNodeLost() | MarkNodeAlive() | CordonNode():
             return (type(d).__name__, None, None, None, d.node_id)
     raise TypeError(d)
@@ -162,9 +182,43 @@ class RankModel:
     last: float | None = None  # last report
     since: float = -math.inf  # hang clock start: last report, or its node's return
     covered: bool = False  # a hang or node-lost fault since the last report
+    done: bool = False  # reported its final step
     step_time: float | None = None
     slow: int = 0
     straggled: bool = False
+
+
+@dataclasses.dataclass
+class Budget:
+    """The restart policy, restated: what one admission of a job has spent."""
+
+    policy: RestartPolicy
+    restarts: list[float] = dataclasses.field(default_factory=list)  # every restart's time
+    app: int = 0
+    completed: bool = False
+
+    def charge(self, failure: str, at: float) -> str | None:
+        """None: repaired (a restart); else the reason code the job fails with."""
+        if failure != "infra":
+            self.app += 1
+            if self.app > self.policy.max_app_failures:
+                return "launch_failed" if failure == "launch" else "app_failed"
+        if len(self.restarts) >= self.policy.max_restarts:
+            return "restarts_exhausted"
+        if len([t for t in self.restarts if at - t <= self.policy.window_s]) \
+                >= self.policy.max_restarts_in_window:
+            return "restart_rate"
+        self.restarts.append(at)
+        return None
+
+
+def failure_class(e: RankExited) -> str:
+    if e.cause == "launch_failed":
+        return "launch"
+    if e.cause == "exited" and e.signal is None and e.exit_code is not None \
+            and not 128 < e.exit_code <= 128 + 64:
+        return "app"
+    return "infra"
 
 
 @dataclasses.dataclass
@@ -172,6 +226,7 @@ class JobModel:
     nodes: tuple[str, ...]
     hang: float
     ranks: list[RankModel]
+    budget: Budget
 
 
 class Model:
@@ -182,9 +237,10 @@ class Model:
         self.lost: set[str] = set()
         self.charges: dict[str, list[float]] = {}
         self.cordoned: set[str] = set()
+        self.chaos: dict[str, float] = {}  # node -> injected faults until then
 
     def hang_deadline(self, job: JobModel, r: RankModel) -> float | None:
-        if r.exit or r.last is None or r.covered or r.node in self.lost:
+        if r.exit or r.last is None or r.covered or r.done or r.node in self.lost:
             return None
         return r.since + job.hang
 
@@ -204,6 +260,8 @@ class Model:
         return min((d for d, _, _ in self.timed()), default=None)
 
     def charge(self, node: str, at: float) -> list[Key]:
+        if at <= self.chaos.get(node, -math.inf):
+            return []
         times = [t for t in self.charges.get(node, []) if at - t <= self.p.cordon_window_s]
         self.charges[node] = [*times, at]
         if node in self.cordoned or len(times) + 1 < self.p.cordon_faults:
@@ -221,18 +279,27 @@ class Model:
             if isinstance(what, str):
                 self.lost.add(what)
                 out.append(("MarkNodeLost", None, None, None, what))
-                for job_id, job in self.jobs.items():
+                for job_id, job in list(self.jobs.items()):
                     for i, r in enumerate(job.ranks):
-                        if r.node == what and not r.exit:
+                        if r.node == what and not r.exit and self.jobs.get(job_id) is job:
                             r.covered = True
-                            out.append(("fault", job_id, FaultKind.NODE_LOST, i, what))
+                            out += self.failed(job_id, "infra", at,
+                                               ("fault", job_id, FaultKind.NODE_LOST, i, what))
                 out += self.charge(what, at)
             else:
                 job_id, i = what
                 r = self.jobs[job_id].ranks[i]
                 r.covered = True
-                out.append(("fault", job_id, FaultKind.HANG, i, r.node))
+                out += self.failed(job_id, "infra", at, ("fault", job_id, FaultKind.HANG, i,
+                                                         r.node))
                 out += self.charge(r.node, at)
+
+    def failed(self, job_id: str, failure: str, at: float, fault: Key) -> list[Key]:
+        code = self.jobs[job_id].budget.charge(failure, at)
+        if code is None:
+            return [fault]
+        del self.jobs[job_id]
+        return [("fail", job_id, code, None, None)]
 
     def rank(self, job_id: str, i: int) -> RankModel | None:
         job = self.jobs.get(job_id)
@@ -244,8 +311,9 @@ class Model:
             case JobWatched():
                 old = self.jobs.get(e.job_id)
                 if old is None or (old.nodes, old.hang) != (e.nodes, e.hang_timeout_s):
+                    budget = old.budget if old is not None else Budget(e.restart_policy)
                     self.jobs[e.job_id] = JobModel(e.nodes, e.hang_timeout_s,
-                                                   [RankModel(n) for n in e.nodes])
+                                                   [RankModel(n) for n in e.nodes], budget)
             case JobEnded():
                 self.jobs.pop(e.job_id, None)
             case RankStarted():
@@ -253,15 +321,23 @@ class Model:
                     self.jobs[e.job_id].ranks[e.rank] = RankModel(e.node_id)
             case RankExited():
                 r = self.rank(e.job_id, e.rank)
+                job = self.jobs.get(e.job_id)
                 if r is None or r.exit or r.node != e.node_id:
                     pass
-                elif e.cause == "stopped" or (e.exit_code == 0 and e.signal is None):
-                    r.exit = "stopped" if e.cause == "stopped" else "done"
+                elif e.cause == "stopped":
+                    r.exit = "stopped"
+                elif (e.exit_code == 0 and e.signal is None) or r.done or job.budget.completed:
+                    r.exit = "done"  # after the training completed, any end is a finish
+                    job.budget.completed = True
                 else:
                     r.exit = "crashed"
-                    out.append(("fault", e.job_id, FaultKind.CRASH, e.rank, e.node_id))
-                    out += self.charge(e.node_id, now)
-                if r is not None and r.node == e.node_id and r.exit:
+                    failure = failure_class(e)
+                    out += self.failed(e.job_id, failure, now,
+                                       ("fault", e.job_id, FaultKind.CRASH, e.rank, e.node_id))
+                    if failure == "infra":  # only the infrastructure's failures cordon
+                        out += self.charge(e.node_id, now)
+                if r is not None and r.node == e.node_id and r.exit \
+                        and self.jobs.get(e.job_id) is job:
                     exits = [x.exit for x in self.jobs[e.job_id].ranks]
                     if "done" in exits and None not in exits:  # nothing runs any more
                         del self.jobs[e.job_id]
@@ -272,6 +348,9 @@ class Model:
                     r.last = r.since = now
                     r.covered = False
                     r.step_time = e.step_time_s
+                    r.done = e.final
+                    if e.final:
+                        self.jobs[e.job_id].budget.completed = True
                     out += self.straggler(e.job_id, e.rank, r, now)
             case NodeHeartbeat():
                 if e.node_id in self.lost:
@@ -285,6 +364,8 @@ class Model:
             case NodeUncordoned():
                 self.cordoned.discard(e.node_id)
                 self.charges.pop(e.node_id, None)
+            case ChaosInjected():
+                self.chaos[e.node_id] = max(self.chaos.get(e.node_id, -math.inf), e.until)
         return out
 
     def straggler(self, job_id: str, i: int, r: RankModel, now: float) -> list[Key]:
@@ -310,7 +391,8 @@ class Model:
 class Run:
     """Feeds a stream to a core and the model, checking every call."""
 
-    def __init__(self, policy: HealthPolicy, *, probe: int = 3) -> None:
+    def __init__(self, policy: HealthPolicy, restart: RestartPolicy, *, probe: int = 3) -> None:
+        self.restart = restart
         self.core = HealthCore(policy)
         self.model = Model(policy)
         self.probe = probe  # tick a copy of the core at every probe-th deadline check (0: never)
@@ -321,13 +403,15 @@ class Run:
         self.reported: dict[tuple[str, int], float] = {}
         self.hung: set[tuple[str, int]] = set()  # a hang fault since the last report
         self.hang: dict[str, float] = {}  # each job's hang timeout, from its latest watch
+        self.repairs: dict[str, int] = {}  # faults that get a replacement, per admission
 
     def op(self, op: Op) -> None:
         if op[0] == "wait":
             self.now += op[1]
             return
         if op[0] == "tick":
-            self.call(self.core.tick(self.now), self.model.due(self.now), set(self.model.jobs))
+            watched = set(self.model.jobs)  # before the ticks: a failed job is dropped
+            self.call(self.core.tick(self.now), self.model.due(self.now), watched)
             self.check_deadline()
             return
         if op[0] == "beats":
@@ -343,7 +427,7 @@ class Run:
             for _ in range(op[3]):
                 self.op(("progress", op[1], op[2], 10.0))
             return
-        event = to_event(op, self.model.jobs)
+        event = to_event(op, self.model.jobs, self.restart, self.now)
         assert event is not None
         watched = set(self.model.jobs)
         then = self.then(event)  # judged on the state before the event
@@ -369,7 +453,10 @@ class Run:
                         self.reset(lambda r: r[0] == event.job_id)
                     return watch
             case JobEnded():
-                return lambda: self.reset(lambda r: r[0] == event.job_id)
+                def end() -> None:
+                    self.reset(lambda r: r[0] == event.job_id)
+                    self.repairs.pop(event.job_id, None)
+                return end
             case RankStarted():
                 return lambda: self.reset(lambda r: r == (event.job_id, event.rank))
         return lambda: None
@@ -387,6 +474,16 @@ class Run:
         self.core.check_invariants()
         assert [key(d) for d in got] == want
         self.log += got
+        # Stated directly: the restart policy's promises.
+        for d in got:
+            if isinstance(d, FailJob):
+                assert d.reason and d.reason_code.value in (
+                    "app_failed", "launch_failed", "restarts_exhausted", "restart_rate")
+                self.repairs.pop(d.job_id, None)
+            if isinstance(d, RaiseFault) and d.kind is not FaultKind.STRAGGLER:
+                self.repairs[d.job_id] = self.repairs.get(d.job_id, 0) + 1
+                assert self.repairs[d.job_id] <= self.restart.max_restarts, \
+                    "more replacements than max_restarts"
         for d in got:
             if isinstance(d, RaiseFault):
                 assert d.job_id in watched, f"fault for unwatched job {d.job_id}"
@@ -415,22 +512,25 @@ class Run:
 
 
 @SETTINGS
-@given(policy=POLICY, ops=STREAM)
-@example(policy=HealthPolicy(straggler_steps=1), ops=[  # straggles, recovers, straggles again
+@given(policy=POLICY, ops=STREAM, restart=RESTARTS)
+@example(policy=HealthPolicy(straggler_steps=1), restart=RestartPolicy(), ops=[
+    # straggles, recovers, straggles again
     ("watch", "j0", ("n0", "n1", "n2"), 2.0), ("beats",), ("round", "j0", -1),
     ("round", "j0", 2), ("round", "j0", 2), ("round", "j0", -1), ("round", "j0", 2)])
-def test_core_follows_the_rules(policy: HealthPolicy, ops: list[Op]) -> None:
-    run = Run(policy)
+def test_core_follows_the_rules(policy: HealthPolicy, ops: list[Op],
+                                restart: RestartPolicy) -> None:
+    run = Run(policy, restart)
     for op in ops:
         run.op(op)
 
 
 @settings(SETTINGS, max_examples=150)
-@given(policy=POLICY, ops=STREAM, every=st.integers(1, 3))
+@given(policy=POLICY, ops=STREAM, every=st.integers(1, 3), restart=RESTARTS)
 def test_decisions_do_not_depend_on_how_often_it_ticks(policy: HealthPolicy, ops: list[Op],
-                                                       every: int) -> None:
+                                                       every: int,
+                                                       restart: RestartPolicy) -> None:
     """Ticks only move decisions earlier; the sequence of all of them is the same."""
-    sparse, dense = Run(policy, probe=0), Run(policy, probe=0)
+    sparse, dense = Run(policy, restart, probe=0), Run(policy, restart, probe=0)
     for i, op in enumerate(ops):
         if op[0] != "tick":
             sparse.op(op)
@@ -466,13 +566,14 @@ def test_no_false_positives_within_the_timeouts(policy: HealthPolicy, hang: floa
 
 
 def crash_and_finish(decisions: list[Decision]) -> list[Key]:
-    """The decisions a restart must not change: crash faults and finished jobs."""
+    """The decisions a restart must not change: crash faults, finished and failed jobs."""
     return [key(d) for d in decisions
-            if isinstance(d, FinishJob)
+            if isinstance(d, FinishJob | FailJob)
             or (isinstance(d, RaiseFault) and d.kind is FaultKind.CRASH)]
 
 
-def plain_events(op: Op, nodes: dict[str, tuple[str, ...]]) -> list[Event]:
+def plain_events(op: Op, nodes: dict[str, tuple[str, ...]],
+                 restart: RestartPolicy, now: float) -> list[Event]:
     """``op`` as plain core events (no model): busy ops become their reports and beats."""
     match op:
         case ("beats",):
@@ -487,14 +588,14 @@ def plain_events(op: Op, nodes: dict[str, tuple[str, ...]]) -> list[Event]:
             return [RankExited(job, rank, node, code, signal, cause, replica_id=f"r{rank}")]
         case ("start", job, rank, node):
             return [RankStarted(job, rank, node, 1000 + rank, replica_id=f"r{rank}")]
-    event = to_event(op, {})
+    event = to_event(op, {}, restart, now)
     return [] if event is None else [event]
 
 
-@settings(SETTINGS, max_examples=200)
-@given(policy=POLICY, ops=STREAM, cut=st.integers(0, 100))
-def test_a_core_restored_at_any_point_decides_crashes_and_finishes_as_one_that_never_stopped(
-        policy: HealthPolicy, ops: list[Op], cut: int) -> None:
+def restored_run(policy: HealthPolicy, restart: RestartPolicy, ops: list[Op], cut: int
+                 ) -> tuple[HealthCore, HealthCore, list[Decision], list[Decision]]:
+    """Feed ``ops`` to a core that never stops and to one that is restored from the
+    other's snapshots before op ``cut``; returns both and their decisions after the cut."""
     steady, before = HealthCore(policy), HealthCore(policy)
     restored: HealthCore | None = None
     nodes: dict[str, tuple[str, ...]] = {}
@@ -512,13 +613,86 @@ def test_a_core_restored_at_any_point_decides_crashes_and_finishes_as_one_that_n
         if op[0] == "wait":
             now += op[1]
         events: list[Event | None] = [None] if op[0] in ("tick", "wait") else plain_events(
-            op, nodes)
+            op, nodes, restart, now)
         for event in events:
             for core, out in ((steady, after_cut[0]), (restored or before, after_cut[1])):
                 got = core.tick(now) if event is None else core.handle(event, now)
                 if restored is not None:
                     out += got
-    assert crash_and_finish(after_cut[1]) == crash_and_finish(after_cut[0])
+    assert restored is not None
+    return steady, restored, *after_cut
+
+
+def lasting(job: object, *, budget: bool) -> dict:
+    """A job's snapshot as a map; without what timeouts spent of its budget unless
+    ``budget`` (a restored core judges timeouts afresh, so those may differ)."""
+    kept = msgspec.msgpack.decode(snapshot(job))  # type: ignore[arg-type]
+    if not budget:
+        for spent in ("restarts", "recent_restarts"):
+            kept.pop(spent)
+    return kept
+
+
+GENEROUS = RestartPolicy(max_restarts=10**6, max_app_failures=10**6,
+                         max_restarts_in_window=10**6)
+
+
+@settings(SETTINGS, max_examples=200)
+@given(policy=POLICY, ops=STREAM, cut=st.integers(0, 100))
+def test_a_core_restored_at_any_point_decides_crashes_and_finishes_as_one_that_never_stopped(
+        policy: HealthPolicy, ops: list[Op], cut: int) -> None:
+    """Timeouts are judged afresh after a restore; what exits decide is not."""
+    steady, restored, want, got = restored_run(policy, GENEROUS, ops, cut)
+    assert crash_and_finish(got) == crash_and_finish(want)
     for job_id, job in steady.jobs.items():  # what is kept is kept exactly
-        assert snapshot(restored.jobs[job_id]) == snapshot(job)
+        assert lasting(restored.jobs[job_id], budget=False) == lasting(job, budget=False)
     assert set(restored.jobs) == set(steady.jobs)
+
+
+EXITS_ONLY = st.lists(st.one_of(  # no timeouts: a restore changes nothing that is judged
+    st.tuples(st.just("watch"), JOB, st.lists(NODE, min_size=1, max_size=4).map(tuple),
+              st.just(2.0)),
+    st.tuples(st.just("start"), JOB, RANK, NODE),
+    st.tuples(st.just("exit"), JOB, RANK, st.sampled_from([0, 1, 1, 137, None]),
+              st.sampled_from([None, None, "SIGKILL"]),
+              st.sampled_from(["exited", "exited", "lost", "launch_failed"]), st.just("")),
+    st.tuples(st.just("final"), JOB, RANK),
+    st.tuples(st.just("wait"), st.sampled_from([0.5, 2.0, 6.0])),
+), min_size=5, max_size=60)
+
+
+@settings(SETTINGS, max_examples=200)
+@given(policy=POLICY, ops=EXITS_ONLY, cut=st.integers(0, 60), restart=RESTARTS)
+def test_a_restored_core_goes_on_spending_the_same_restart_budget(
+        policy: HealthPolicy, ops: list[Op], cut: int, restart: RestartPolicy) -> None:
+    steady, restored, want, got = restored_run(policy, restart, ops, cut)
+    assert [key(d) for d in got] == [key(d) for d in want]
+    for job_id, job in steady.jobs.items():
+        assert lasting(restored.jobs[job_id], budget=True) == lasting(job, budget=True)
+    assert set(restored.jobs) == set(steady.jobs)
+
+
+@settings(SETTINGS, max_examples=150)
+@given(policy=POLICY, restart=RESTARTS, ops=st.lists(st.one_of(
+    st.tuples(st.just("watch"), JOB, st.lists(NODE, min_size=1, max_size=4).map(tuple),
+              st.just(2.0)),
+    st.tuples(st.just("start"), JOB, RANK, NODE),
+    st.tuples(st.just("exit"), JOB, RANK, st.sampled_from([1, 2, 127]), st.just(None),
+              st.sampled_from(["exited", "launch_failed"]), st.just("")),
+    st.tuples(st.just("wait"), st.sampled_from([0.0, 0.5])),
+), min_size=5, max_size=60))
+def test_application_failures_never_cordon_a_node(policy: HealthPolicy, restart: RestartPolicy,
+                                                  ops: list[Op]) -> None:
+    """However many scripts fail by themselves, on however few nodes, within however short
+    a window: no node is cordoned, and each failure is an application fault or ends its
+    job with an application reason."""
+    run = Run(policy, restart, probe=0)
+    for op in ops:
+        run.op(op)
+    assert not any(isinstance(d, CordonNode) for d in run.log)
+    for d in run.log:
+        if isinstance(d, RaiseFault):
+            assert d.application
+        if isinstance(d, FailJob):
+            assert d.reason_code.value in ("app_failed", "launch_failed", "restarts_exhausted",
+                                           "restart_rate")

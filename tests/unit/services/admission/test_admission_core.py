@@ -937,7 +937,9 @@ def test_ending_an_admitted_gang_frees_its_slots(event: Event, code: ReasonCode)
     assert decisions == [Evict("g", Reason(code, code.value), requeue=False, cause="ev-3"),
                          Admit("w", ("n1",) * 4, "pass-4")]
     assert state(core, "g").value == code.value
-    assert explain(core, "g") == Reason(code, f"{code.value} by request")
+    # A cancel is the user's request; a finish is health's finding, its reason in the record.
+    said = "cancelled by request" if code is ReasonCode.CANCELLED else code.value
+    assert explain(core, "g") == Reason(code, said)
     assert core.usage["t"] == 4
 
 

@@ -1,0 +1,158 @@
+"""Jobs that end honestly, through the ``phalanx`` command line on a local cluster.
+
+The everyday mistakes of issue 11: a command that does not exist, a script that raises,
+a script that dies at exit after its training completed, and faults injected with
+``phalanx chaos`` — each must end the job the way its restart policy says, with the
+reason where the user looks (``phalanx job``, ``phalanx logs``), its slots freed, and
+no node cordoned for what was not the node's fault.
+
+Marked slow: each test starts a whole local cluster (NATS, services, two agents).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from e2e_cli import phalanx
+
+from phalanx.services.agent.ranks import running_in_manifest
+
+pytestmark = pytest.mark.slow
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+def cluster(tmp_path: Path):
+    """Two agents of two slots; health cordons a node at its first fault, so a fault
+    that is charged to a node shows at once."""
+    data_dir = tmp_path / "cluster"
+    env = {**os.environ, "PHALANX_HEALTH_CORDON_FAULTS": "1"}
+    phalanx("up", "--agents", "2", "--detach", "--data-dir", str(data_dir),
+            "--nats-port", str(free_port()), "--heartbeat-interval", "0.2",
+            "--lost-after", "3", env=env)
+    yield ("--data-dir", str(data_dir)), data_dir
+    phalanx("down", "--data-dir", str(data_dir))
+
+
+def submit(where: tuple[str, ...], tmp_path: Path, name: str, command: list[str],
+           replicas: int = 4, extra: str = "") -> str:
+    spec = tmp_path / f"{name}.yaml"
+    spec.write_text(f"name: {name}\nteam: t\npriority_class: normal\n"
+                    f"replicas: {{min: {replicas}, max: {replicas}}}\n"
+                    f"command: {json.dumps(command)}\n{extra}")
+    return json.loads(phalanx("submit", str(spec), "--json", *where).stdout)["job_id"]
+
+
+def job(where: tuple[str, ...], job_id: str) -> dict:
+    return json.loads(phalanx("job", job_id, "--json", *where).stdout)
+
+
+def until(where: tuple[str, ...], job_id: str, states: set[str], timeout_s: float = 60) -> dict:
+    """The job's record once it is in one of ``states``."""
+    deadline = time.monotonic() + timeout_s
+    while (row := job(where, job_id))["state"] not in states:
+        assert time.monotonic() < deadline, f"{job_id} still {row['state']}: {row['reason']}"
+        time.sleep(0.2)
+    return row
+
+
+def nodes(where: tuple[str, ...]) -> dict[str, dict]:
+    return {n["node_id"]: n for n in json.loads(phalanx("nodes", "--json", *where).stdout)}
+
+
+def test_a_missing_command_fails_the_job_with_the_agents_error_and_frees_its_slots(
+        cluster, tmp_path: Path) -> None:
+    where, _ = cluster
+    job_id = submit(where, tmp_path, "nocmd", ["pythn", "train.py"])
+    started = time.monotonic()
+    row = until(where, job_id, {"failed", "finished", "cancelled"})
+    print(f"failed {time.monotonic() - started:.1f} s after submit")
+    assert row["state"] == "failed" and row["reason_code"] == "launch_failed", row
+    assert "cannot start pythn train.py" in row["reason"]
+    assert "No such file or directory" in row["reason"]
+    assert row["nodes"] == []
+    logs = phalanx("logs", job_id, *where).stdout
+    assert "cannot start pythn train.py" in logs and "No such file or directory" in logs
+    # Its four slots are free: a job that needs all of them is admitted.
+    next_job = submit(where, tmp_path, "next", [sys.executable, str(EXAMPLES / "progress_loop.py"),
+                                                "--steps", "5", "--step-time", "0.1"])
+    assert until(where, next_job, {"admitted", "finished"})["state"] in {"admitted", "finished"}
+    assert not any(n["cordoned"] for n in nodes(where).values())
+
+
+def test_an_exception_fails_the_job_with_its_last_line_and_cordons_nothing(
+        cluster, tmp_path: Path) -> None:
+    where, _ = cluster
+    script = tmp_path / "raises.py"
+    script.write_text(
+        "import os, time\n"
+        "from phalanx.runtime.progress import ProgressReporter\n"
+        "reporter = ProgressReporter.from_env()\n"
+        "for step in range(1, 1000):\n"
+        "    time.sleep(0.05)\n"
+        "    reporter.report(step, 0.05)\n"
+        "    if step == 5 and os.environ['PHALANX_RANK'] == '0':\n"
+        "        raise RuntimeError('loss is nan at step 5')\n")
+    job_id = submit(where, tmp_path, "raises", [sys.executable, str(script)], replicas=2,
+                    extra="restart_policy: {max_app_failures: 0}\n")
+    row = until(where, job_id, {"failed", "finished", "cancelled"})
+    assert row["state"] == "failed" and row["reason_code"] == "app_failed", row
+    assert "RuntimeError: loss is nan at step 5" in row["reason"]
+    assert "max_app_failures 0" in row["reason"]
+    assert not any(n["cordoned"] for n in nodes(where).values())
+
+
+def test_a_rank_dying_after_its_last_step_finishes_the_job(cluster, tmp_path: Path) -> None:
+    """As a script that never closes its session does when gloo times out at exit."""
+    where, _ = cluster
+    script = tmp_path / "dies_at_exit.py"
+    script.write_text(
+        "import os, time\n"
+        "from phalanx.runtime.progress import ProgressReporter\n"
+        "reporter = ProgressReporter.from_env()\n"
+        "for step in range(1, 11):\n"
+        "    time.sleep(0.05)\n"
+        "    reporter.report(step, 0.05, final=step == 10)\n"
+        "reporter.close()\n"
+        "if os.environ['PHALANX_RANK'] != '0':\n"
+        "    time.sleep(1)\n"
+        "    os.abort()\n")
+    job_id = submit(where, tmp_path, "dies", [sys.executable, str(script)], replicas=2)
+    row = until(where, job_id, {"failed", "finished", "cancelled"})
+    assert row["state"] == "finished", row
+    assert row["reason"] == "training completed at step 10"
+    assert not any(n["cordoned"] for n in nodes(where).values())
+
+
+def test_chaos_kills_never_cordon_while_the_same_kill_from_elsewhere_does(
+        cluster, tmp_path: Path) -> None:
+    where, data_dir = cluster
+    job_id = submit(where, tmp_path, "target", [sys.executable, str(EXAMPLES / "progress_loop.py"),
+                                                "--step-time", "0.1"], replicas=4)
+    placed = until(where, job_id, {"admitted"})["nodes"]
+    chaos_slot = placed.index("local-0")
+    other_slot = placed.index("local-1")
+    phalanx("chaos", "kill-rank", job_id, str(chaos_slot), *where)
+    # The same signal, sent by something that is not phalanx chaos (say the OOM killer).
+    pid = next(r["pid"] for r in running_in_manifest(data_dir / "agents" / "local-1"
+                                                     / "ranks.json")
+               if r["job_id"] == job_id and r["rank"] == other_slot)
+    os.kill(pid, signal.SIGKILL)
+    deadline = time.monotonic() + 30
+    while not nodes(where)["local-1"]["cordoned"]:  # health heard both kills, in order
+        assert time.monotonic() < deadline, "the SIGKILL from outside was never charged"
+        time.sleep(0.2)
+    assert nodes(where)["local-0"]["cordoned"] is False
