@@ -68,6 +68,7 @@ from phalanx.schemas.messages import (  # noqa: E402
     Lease,
     RankProgress,
     ReplicaRange,
+    RestartPolicy,
 )
 from phalanx.services.agent.ranks import running_in_manifest  # noqa: E402
 from phalanx.services.client import AdmissionClient  # noqa: E402
@@ -171,7 +172,10 @@ class Chaos:
                                 "--save", str(self.work / "final.pt")],
                        env={"PHALANX_RECORD_DIR": str(self.work / "rec"),
                             "PHALANX_DETERMINISTIC": "1"},
-                       hang_timeout_s=2.0, grace_period_s=3.0)
+                       hang_timeout_s=2.0, grace_period_s=3.0,
+                       # Faults come every few seconds on purpose: a crash loop this is not.
+                       restart_policy=RestartPolicy(max_restarts=100_000,
+                                                    max_restarts_in_window=100_000))
 
     async def finished(self, timeout_s: float) -> JobRecord:
         jobs = await TypedKV.open(self.bus.js, subjects.JOBS_BUCKET, JobRecord)
