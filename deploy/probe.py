@@ -9,7 +9,8 @@ event loop, so an answer says the process is connected and its loop is not stuck
 Nothing else to answer a probe exists: the services serve no HTTP. This asks
 ``$SRV.INFO.<name>`` and gathers the replies of every instance for up to
 ``--timeout`` seconds, looking for *this* one: the instance named by
-``--instance`` (default ``$PHALANX_PROBE_INSTANCE``), else one whose instance is
+``--instance`` (default ``$PHALANX_PROBE_INSTANCE``; dots read as dashes, as an
+agent's node id is made of a node name), else one whose instance is
 this host's short name or starts with it and a dash (the services' default instance
 names, ``<host>-<pid>-<random>``, and an agent's default node id).
 
@@ -26,6 +27,7 @@ import argparse
 import asyncio
 import json
 import os
+import re
 import socket
 import sys
 import time
@@ -37,9 +39,10 @@ def short_host() -> str:
 
 
 def is_this(instance: str, wanted: str | None, host: str) -> bool:
-    """Whether an instance name is the one this probe is about."""
+    """Whether an instance name is the one this probe is about. ``wanted`` is compared
+    as a subject token, the way an agent makes one of a node name (``a.b`` → ``a-b``)."""
     if wanted:
-        return instance == wanted
+        return instance == re.sub(r"[^A-Za-z0-9_\-]", "-", wanted)
     return instance == host or instance.startswith(host + "-")
 
 

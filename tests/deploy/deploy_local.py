@@ -20,18 +20,26 @@ file naming a path the image does not have fails the test.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import dataclasses
+import json
 import os
 import re
 import signal
 import subprocess
 import sys
 import time
+import urllib.request
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 
 import dockerfile
+
+from phalanx.bus.client import Bus, Delivery
+from phalanx.bus.config import BusConfig
+from phalanx.schemas import subjects
+from phalanx.schemas.messages import JobRecord, JobState, RankProgress
 
 REPO = Path(__file__).resolve().parents[2]
 DEPLOY = REPO / "deploy"
@@ -231,3 +239,51 @@ def wait_for(predicate, timeout_s: float, what: str, interval_s: float = 0.2,
             raise AssertionError(f"timed out after {timeout_s} s waiting for {what}: "
                                  f"{detail()}")
         time.sleep(interval_s)
+
+
+def healthy_http(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=2) as response:
+            return response.status == 200
+    except OSError:
+        return False
+
+
+async def train(nats_url: str, spec_path: Path,
+                host_env: dict) -> tuple[JobRecord, JobRecord, dict]:
+    """Submit from the host (``phalanx submit``), follow the job to its end; returns the
+    admitted record, the final one and each rank's last progress."""
+    config = BusConfig.load(env={k: v for k, v in host_env.items()
+                                 if k.startswith("PHALANX_NATS_")}, servers=nats_url)
+    async with await Bus.connect(config) as bus:
+        states: asyncio.Queue[JobRecord] = asyncio.Queue()
+        last: dict[int, RankProgress] = {}
+
+        async def on_state(record: JobRecord, _: Delivery) -> None:
+            await states.put(record)
+
+        async def on_progress(progress: RankProgress, _: Delivery) -> None:
+            last[progress.rank] = progress
+
+        await bus.subscribe(subjects.job_states(), JobRecord, on_state)
+        await bus.subscribe(subjects.health_ranks(), RankProgress, on_progress)
+        submitted = await asyncio.to_thread(
+            subprocess.run, [sys.executable, "-m", "phalanx.services.cli", "submit",
+                             str(spec_path), "--json", "--nats", nats_url],
+            capture_output=True, text=True, timeout=60, env=host_env)
+        assert submitted.returncode == 0, submitted.stderr
+        job_id = json.loads(submitted.stdout)["job_id"]
+
+        admitted: list[JobRecord] = []
+
+        async def finished() -> JobRecord:
+            while True:
+                record = await states.get()
+                if record.job_id == job_id and record.state is JobState.ADMITTED:
+                    admitted.append(record)
+                if record.job_id == job_id and record.state.terminal:
+                    return record
+
+        final = await asyncio.wait_for(finished(), 240)
+        assert admitted, f"{job_id} ended without being admitted: {final.reason}"
+        return admitted[0], final, last

@@ -12,23 +12,29 @@ job from the host and trains it on the workers to the end.
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import shutil
 import subprocess
 import sys
-import urllib.request
 from pathlib import Path
 
 import pytest
 import yaml
-from deploy_local import DEPLOY, REPO, Container, Image, Processes, World, processes, wait_for
+from deploy_local import (
+    DEPLOY,
+    REPO,
+    Container,
+    Image,
+    Processes,
+    World,
+    healthy_http,
+    processes,
+    train,
+    wait_for,
+)
 from otlp_sink import OtlpSink
 
-from phalanx.bus.client import Bus, Delivery
-from phalanx.bus.config import BusConfig
-from phalanx.schemas import subjects
-from phalanx.schemas.messages import JobRecord, JobState, RankProgress
+from phalanx.schemas.messages import JobState
 from phalanx.services.natsd import free_port, server_binary
 
 COMPOSE = DEPLOY / "compose.yaml"
@@ -153,14 +159,6 @@ def test_dockerfile_passes_hadolint() -> None:
 # --- the file run as local processes -------------------------------------------------------
 
 
-def healthy_http(url: str) -> bool:
-    try:
-        with urllib.request.urlopen(url, timeout=2) as response:
-            return response.status == 200
-    except OSError:
-        return False
-
-
 def start_compose(procs: Processes, world: World, services: dict, image: Image,
                   nats_ports: tuple[int, int]) -> None:
     """``docker compose up``: every service in dependency order, each started once what
@@ -208,45 +206,6 @@ def start_compose(procs: Processes, world: World, services: dict, image: Image,
         wait_for(passes, 60, f"{name}'s healthcheck", interval_s=0.5,
                  detail=lambda said=said: said[0])
         healthy.add(name)
-
-
-async def train(nats_url: str, spec_path: Path,
-                host_env: dict) -> tuple[JobRecord, JobRecord, dict]:
-    """Submit from the host (``phalanx submit``), follow the job to its end; returns the
-    admitted record, the final one and each rank's last progress."""
-    config = BusConfig.load(env={}, servers=nats_url)
-    async with await Bus.connect(config) as bus:
-        states: asyncio.Queue[JobRecord] = asyncio.Queue()
-        last: dict[int, RankProgress] = {}
-
-        async def on_state(record: JobRecord, _: Delivery) -> None:
-            await states.put(record)
-
-        async def on_progress(progress: RankProgress, _: Delivery) -> None:
-            last[progress.rank] = progress
-
-        await bus.subscribe(subjects.job_states(), JobRecord, on_state)
-        await bus.subscribe(subjects.health_ranks(), RankProgress, on_progress)
-        submitted = await asyncio.to_thread(
-            subprocess.run, [sys.executable, "-m", "phalanx.services.cli", "submit",
-                             str(spec_path), "--json", "--nats", nats_url],
-            capture_output=True, text=True, timeout=60, env=host_env)
-        assert submitted.returncode == 0, submitted.stderr
-        job_id = json.loads(submitted.stdout)["job_id"]
-
-        admitted: list[JobRecord] = []
-
-        async def finished() -> JobRecord:
-            while True:
-                record = await states.get()
-                if record.job_id == job_id and record.state is JobState.ADMITTED:
-                    admitted.append(record)
-                if record.job_id == job_id and record.state.terminal:
-                    return record
-
-        final = await asyncio.wait_for(finished(), 240)
-        assert admitted, f"{job_id} ended without being admitted: {final.reason}"
-        return admitted[0], final, last
 
 
 @pytest.mark.slow

@@ -1,0 +1,337 @@
+"""deploy/k8s: rendered by kustomize, validated against the Kubernetes schemas, and run.
+
+``kubectl kustomize`` renders each overlay; every rendered object is validated
+offline and strictly (no unknown fields) with ``kubernetes-validate``. The slow
+test then runs the local overlay's pods as local processes: two pods per
+Deployment, an agent pod on every simulated node the DaemonSet selects, each with
+exactly its container's command, args and environment (ConfigMap and Secret
+references, the downward API and ``$(VAR)`` expanded as the kubelet does; mounted
+ConfigMaps written out), a 3-server NATS cluster configured with the
+authorization of deploy/k8s/nats-values.yaml in the chart's place — then checks
+every pod's probes and trains a job through them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import kubernetes_validate
+import pytest
+import yaml
+from deploy_local import (
+    DEPLOY,
+    Container,
+    Image,
+    Processes,
+    World,
+    healthy_http,
+    processes,
+    train,
+    wait_for,
+)
+
+from phalanx.services.natsd import free_port, server_binary
+
+K8S = DEPLOY / "k8s"
+OVERLAYS = ("local", "gpu")
+KUBERNETES_VERSION = "1.30.0"  # the oldest release we claim to run on
+SERVICES = ("admission", "health", "elasticity")
+# Simulated nodes: two labelled workers (one with a dotted name, as on EKS) and a
+# control-plane node the DaemonSet must leave alone.
+NODES = {"kind-worker": {"phalanx.dev/worker": "true"},
+         "ip-10-0-0-7.ec2.internal": {"phalanx.dev/worker": "true"},
+         "kind-control-plane": {}}
+STEPS = 30
+
+
+def render(overlay: str) -> list[dict]:
+    kubectl = shutil.which("kubectl")
+    if kubectl is None:
+        if os.environ.get("CI"):
+            pytest.fail("kubectl is not installed")
+        pytest.skip("kubectl not installed")
+    result = subprocess.run([kubectl, "kustomize", str(K8S / "overlays" / overlay)],
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    return [d for d in yaml.safe_load_all(result.stdout) if d]
+
+
+def by_kind(docs: list[dict], kind: str) -> dict[str, dict]:
+    return {d["metadata"]["name"]: d for d in docs if d["kind"] == kind}
+
+
+def containers_of(docs: list[dict]):
+    for d in docs:
+        if d["kind"] in ("Deployment", "DaemonSet"):
+            for c in d["spec"]["template"]["spec"]["containers"]:
+                yield d, c
+
+
+# --- rendered and validated ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_every_rendered_object_is_valid_kubernetes(overlay: str) -> None:
+    docs = render(overlay)
+    assert docs
+    for doc in docs:
+        kubernetes_validate.validate(doc, KUBERNETES_VERSION, strict=True)
+
+
+def test_validation_catches_a_wrong_field() -> None:
+    """The validator above is not a rubber stamp."""
+    deployment = by_kind(render("local"), "Deployment")["phalanx-admission"]
+    deployment["spec"]["template"]["spec"]["containers"][0]["livenesProbe"] = {}
+    with pytest.raises(kubernetes_validate.ValidationError):
+        kubernetes_validate.validate(deployment, KUBERNETES_VERSION, strict=True)
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_rendered_objects_follow_the_deployment_rules(overlay: str) -> None:
+    docs = render(overlay)
+    deployments = by_kind(docs, "Deployment")
+    assert {f"phalanx-{s}" for s in SERVICES} == set(deployments)
+    assert all(d["spec"]["replicas"] == 2 for d in deployments.values()), \
+        "every lease-holding service runs a standby"
+    assert set(by_kind(docs, "DaemonSet")) == {"phalanx-agent"}
+    assert not by_kind(docs, "StatefulSet"), "NATS comes from the official chart"
+    # Least privilege: no API access at all, no token in any pod.
+    assert not [d for d in docs if d["kind"] in ("Role", "ClusterRole", "RoleBinding",
+                                                 "ClusterRoleBinding")]
+    assert all(sa.get("automountServiceAccountToken") is False
+               for sa in by_kind(docs, "ServiceAccount").values())
+    for workload, c in containers_of(docs):
+        spec = workload["spec"]["template"]["spec"]
+        name = workload["metadata"]["name"]
+        assert spec["serviceAccountName"] in by_kind(docs, "ServiceAccount"), name
+        assert spec["securityContext"]["runAsNonRoot"] is True, name
+        assert c["securityContext"]["allowPrivilegeEscalation"] is False, name
+        assert {"cpu", "memory"} <= set(c["resources"]["requests"]), name
+        assert "memory" in c["resources"]["limits"], name
+        for probe in ("readinessProbe", "livenessProbe"):
+            command = c[probe]["exec"]["command"]
+            assert command[:2] == ["python", "/opt/phalanx/deploy/probe.py"], name
+            assert command[3] == name, f"{name}'s {probe} asks for its own service"
+        # Credentials only from the Secret, never from a ConfigMap.
+        refs = {e["name"]: e.get("valueFrom", {}) for e in c["env"]}
+        for var in ("PHALANX_NATS_USER", "PHALANX_NATS_PASSWORD"):
+            assert refs[var]["secretKeyRef"]["name"] == "phalanx-nats", name
+    for cm in by_kind(docs, "ConfigMap").values():
+        assert not any("PASSWORD" in k or "TOKEN" in k for k in cm["data"])
+    agent = by_kind(docs, "DaemonSet")["phalanx-agent"]["spec"]["template"]["spec"]
+    assert agent["nodeSelector"]["phalanx.dev/worker"] == "true"
+    slots = next(cm["data"]["PHALANX_AGENT_SLOTS"] for cm in by_kind(docs, "ConfigMap")
+                 .values() if "PHALANX_AGENT_SLOTS" in cm["data"])
+    resources = agent["containers"][0]["resources"]
+    if overlay == "gpu":
+        assert resources["limits"]["nvidia.com/gpu"] == slots, "one slot per GPU"
+        assert agent["nodeSelector"]["nvidia.com/gpu.present"] == "true"
+        assert {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"} in \
+            agent["tolerations"]
+        assert agent["containers"][0]["image"].endswith(":cuda")
+    else:
+        assert "nvidia.com/gpu" not in resources["limits"]
+        assert int(slots) <= int(resources["requests"]["cpu"]), "a CPU per rank slot"
+
+
+def test_nats_values_give_a_jetstream_cluster_with_the_pods_credentials() -> None:
+    values = yaml.safe_load((K8S / "nats-values.yaml").read_text())
+    assert values["config"]["cluster"]["enabled"] is True
+    assert values["config"]["cluster"]["replicas"] >= 3
+    assert values["config"]["jetstream"]["enabled"] is True
+    assert values["config"]["jetstream"]["fileStore"]["pvc"]["size"]
+    env = values["container"]["env"]
+    secret = by_kind(render("local"), "Secret")["phalanx-nats"]
+    for var, key in (("PHALANX_NATS_USER", "user"), ("PHALANX_NATS_PASSWORD", "password")):
+        ref = env[var]["valueFrom"]["secretKeyRef"]
+        assert (ref["name"], ref["key"]) == ("phalanx-nats", key)
+        assert key in secret["data"]
+    replicas = next(cm["data"]["PHALANX_NATS_REPLICAS"] for cm in
+                    by_kind(render("local"), "ConfigMap").values()
+                    if "PHALANX_NATS_REPLICAS" in cm["data"])
+    assert int(replicas) <= values["config"]["cluster"]["replicas"]
+
+
+# --- the local overlay as local processes --------------------------------------------------
+
+
+def expand(text: str, env: dict[str, str]) -> str:
+    """The kubelet's ``$(VAR)`` expansion: defined names replaced, ``$$`` escapes, others
+    left as they are."""
+    return re.sub(r"\$\$|\$\(([A-Za-z_][A-Za-z0-9_]*)\)",
+                  lambda m: "$" if m[0] == "$$" else env.get(m[1], m[0]), text)
+
+
+class Cluster:
+    """The rendered objects and the simulated nodes, resolving what a pod's container gets."""
+
+    def __init__(self, docs: list[dict], root: Path) -> None:
+        self.docs = docs
+        self.root = root
+        self.config_maps = by_kind(docs, "ConfigMap")
+        self.secrets = {name: {k: base64.b64decode(v).decode() for k, v in
+                               s.get("data", {}).items()}
+                        for name, s in by_kind(docs, "Secret").items()}
+
+    def pod(self, workload: dict, pod_name: str, node: str, image: Image) -> Container:
+        spec = workload["spec"]["template"]["spec"]
+        (c,) = spec["containers"]
+        assert c["image"].split(":")[0] == "phalanx", "the image deploy/Dockerfile builds"
+        fields = {"metadata.name": pod_name, "metadata.namespace": workload["metadata"]
+                  ["namespace"], "spec.nodeName": node, "status.podIP": "127.0.0.1"}
+        env = dict(image.env)
+        for source in c.get("envFrom", []):
+            env.update(self.config_maps[source["configMapRef"]["name"]]["data"])
+        for var in c.get("env", []):
+            if "value" in var:
+                env[var["name"]] = expand(var["value"], env)
+            elif "fieldRef" in var["valueFrom"]:
+                env[var["name"]] = fields[var["valueFrom"]["fieldRef"]["fieldPath"]]
+            elif "secretKeyRef" in var["valueFrom"]:
+                ref = var["valueFrom"]["secretKeyRef"]
+                env[var["name"]] = self.secrets[ref["name"]][ref["key"]]
+            else:
+                ref = var["valueFrom"]["configMapKeyRef"]
+                env[var["name"]] = self.config_maps[ref["name"]]["data"][ref["key"]]
+        # command replaces the image's entry point (and drops its CMD), args its CMD.
+        command = c.get("command", list(image.entrypoint))
+        args = c.get("args", list(image.cmd) if "command" not in c else [])
+        argv = [expand(a, env) for a in command + args]
+        assert not [a for a in argv if re.search(r"\$\([A-Za-z_]", a)], argv
+        mounts = {}
+        volumes = {v["name"]: v for v in spec.get("volumes", [])}
+        for mount in c.get("volumeMounts", []):
+            volume = volumes[mount["name"]]
+            key = f"{pod_name}-{mount['name']}"
+            mounts[mount["mountPath"]] = key
+            if "configMap" in volume:
+                directory = self.root / "volumes" / key
+                directory.mkdir(parents=True, exist_ok=True)
+                for name, text in self.config_maps[volume["configMap"]["name"]]["data"].items():
+                    (directory / name).write_text(text)
+        return Container(pod_name, argv, env, c.get("workingDir", image.workdir), mounts)
+
+    def probe(self, procs: Processes, pod: str, workload: dict, kind: str):
+        (c,) = workload["spec"]["template"]["spec"]["containers"]
+        return procs.exec(pod, c[f"{kind}Probe"]["exec"]["command"])
+
+
+def nats_conf(values: dict) -> str:
+    """The chart's ``config.merge`` as nats.conf: JSON, with ``<< x >>`` unquoted."""
+    text = json.dumps(values["config"]["merge"], indent=2)
+    return re.sub(r'"<< (.*?) >>"', r"\1", text)
+
+
+def start_nats(procs: Processes, values: dict, secrets: dict, root: Path) -> list[str]:
+    """Three routed nats-servers with JetStream and the values' authorization block, each
+    with the env the values give the chart's container (from the Secret); their URLs."""
+    # Mounted where the chart mounts its config (one ConfigMap for all three servers).
+    conf = root / "volumes" / "nats-config" / "nats.conf"
+    conf.parent.mkdir(parents=True)
+    conf.write_text(nats_conf(values))
+    env = {}
+    for var, source in values["container"]["env"].items():
+        ref = source["valueFrom"]["secretKeyRef"]
+        env[var] = secrets[ref["name"]][ref["key"]]
+    n = values["config"]["cluster"]["replicas"]
+    ports = [(free_port(), free_port(), free_port()) for _ in range(n)]
+    assert Path(server_binary()) == Path(sys.prefix) / "bin" / "nats-server"
+    for i, (client, route, monitor) in enumerate(ports):
+        routes = ",".join(f"nats://127.0.0.1:{r}" for j, (_, r, _) in enumerate(ports) if j != i)
+        procs.start(Container(f"nats-{i}", [
+            "/opt/venv/bin/nats-server", "-c", "/etc/nats-config/nats.conf", "-js", "-sd", "/data",
+            "-n", f"nats-{i}", "--cluster_name", "nats", "--cluster",
+            f"nats://127.0.0.1:{route}", "--routes", routes, "-a", "127.0.0.1",
+            "-p", str(client), "-m", str(monitor)], env, "/",
+            {"/data": f"nats-{i}-data", "/etc/nats-config": "nats-config"}))
+    for i, (_, _, monitor) in enumerate(ports):
+        wait_for(lambda m=monitor: healthy_http(f"http://127.0.0.1:{m}/healthz"), 60,
+                 f"nats-{i} healthy", detail=procs.logs)
+    return [f"nats://127.0.0.1:{client}" for client, _, _ in ports]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(480)
+def test_local_overlay_pods_pass_their_probes_and_train_a_job(tmp_path: Path) -> None:
+    docs = render("local")
+    values = yaml.safe_load((K8S / "nats-values.yaml").read_text())
+    cluster = Cluster(docs, tmp_path)
+    image = Image.parse()
+    deployments = by_kind(docs, "Deployment")
+    agents = by_kind(docs, "DaemonSet")["phalanx-agent"]
+    selector = agents["spec"]["template"]["spec"]["nodeSelector"]
+    worker_nodes = [n for n, labels in NODES.items()
+                    if all(labels.get(k) == v for k, v in selector.items())]
+    assert len(worker_nodes) == 2
+    with processes(World(tmp_path, {})) as procs:
+        urls = start_nats(procs, values, cluster.secrets, tmp_path)
+        # The Service "nats" of the chart's release: any of its servers.
+        procs.world.hosts["nats:4222"] = urls[0].removeprefix("nats://")
+        pods: dict[str, dict] = {}
+        for name, deployment in deployments.items():
+            for i in range(deployment["spec"]["replicas"]):
+                pods[f"{name}-{i}"] = deployment
+        for node in worker_nodes:
+            pods[f"phalanx-agent-{node}"] = agents
+        for pod, workload in pods.items():
+            node = pod.removeprefix("phalanx-agent-") if workload is agents else "kind-worker"
+            procs.start(cluster.pod(workload, pod, node, image))
+        for pod, workload in pods.items():
+            said: list[str] = [""]
+
+            def ready(pod: str = pod, workload: dict = workload, said: list = said) -> bool:
+                assert procs.alive(pod), f"{pod} exited:\n{procs.logs()}"
+                result = cluster.probe(procs, pod, workload, "readiness")
+                said[0] = result.stdout + result.stderr
+                return result.returncode == 0
+
+            wait_for(ready, 90, f"{pod} ready", interval_s=0.5,
+                     detail=lambda said=said: said[0])
+            live = cluster.probe(procs, pod, workload, "liveness")
+            assert live.returncode == 0, live.stdout + live.stderr
+
+        # A job: its dataset is written on the first worker (on a real cluster it would
+        # be on shared storage); its command runs in the agents' pods.
+        first = next(p for p, w in pods.items() if w is agents)
+        data = ["--data-dir", "/tmp/phalanx-w-data", "--widths", "64,128,64",
+                "--samples", "640"]
+        prepared = procs.exec(first, ["python", "examples/train_mlp.py", "--prepare", *data])
+        assert prepared.returncode == 0, prepared.stderr
+        on_worker = procs.running[first].container
+        spec = {"name": "k8s", "team": "research", "priority_class": "normal",
+                "replicas": {"min": 2, "max": 4}, "slots_per_replica": 1,
+                "hang_timeout_s": 5.0, "grace_period_s": 5,
+                "command": [procs.world.localize(on_worker, a) for a in
+                            ["python", "examples/train_mlp.py", *data, "--micro-batch", "8",
+                             "--steps", str(STEPS)]]}
+        spec_path = tmp_path / "job.yaml"
+        spec_path.write_text(yaml.safe_dump(spec))
+        # The operator's CLI with the Secret's credentials, as from `kubectl exec`.
+        user_env = {k: v for k, v in os.environ.items() if not k.startswith(("PHALANX_",
+                                                                             "OTEL_"))}
+        credentials = cluster.secrets["phalanx-nats"]
+        user_env.update(PHALANX_NATS_USER=credentials["user"],
+                        PHALANX_NATS_PASSWORD=credentials["password"])
+        admitted, record, progress = asyncio.run(train(urls[0], spec_path, user_env))
+        assert record.state.value == "finished", f"{record.reason}\n{procs.logs()}"
+        assert set(admitted.nodes) == {"kind-worker", "ip-10-0-0-7-ec2-internal"}
+        assert sorted(progress) == [0, 1, 2, 3]
+        assert all(p.step == STEPS and p.final for p in progress.values()), progress
+
+        # Each probe asks for its own pod: one health pod stopped fails its probes, the
+        # other still passes.
+        procs.stop("phalanx-health-0")
+        health = deployments["phalanx-health"]
+        for kind, code in (("readiness", 1), ("liveness", 1)):
+            result = cluster.probe(procs, "phalanx-health-0", health, kind)
+            assert result.returncode == code, result.stdout
+            assert "phalanx-health-1" in result.stdout
+        assert cluster.probe(procs, "phalanx-health-1", health, "readiness").returncode == 0
