@@ -335,3 +335,20 @@ def test_local_overlay_pods_pass_their_probes_and_train_a_job(tmp_path: Path) ->
             assert result.returncode == code, result.stdout
             assert "phalanx-health-1" in result.stdout
         assert cluster.probe(procs, "phalanx-health-1", health, "readiness").returncode == 0
+
+
+def test_readme_deploy_section_matches_the_files() -> None:
+    readme = (DEPLOY.parent / "README.md").read_text()
+    section = readme.split("## Deploy\n", 1)[1].split("\n## ", 1)[0]
+    paths = set(re.findall(r"deploy/[\w./-]+\w", section))
+    assert {"deploy/compose.yaml", "deploy/k8s/overlays/local", "deploy/k8s/overlays/gpu",
+            "deploy/k8s/nats-values.yaml", "deploy/Dockerfile"} <= paths
+    for path in paths:
+        assert (DEPLOY.parent / path).exists(), path
+    for overlay in OVERLAYS:
+        agent = by_kind(render(overlay), "DaemonSet")["phalanx-agent"]["spec"]["template"]
+        for key, value in agent["spec"]["nodeSelector"].items():
+            assert f"{key}={value}" in section, (overlay, key)
+    gpu = by_kind(render("gpu"), "DaemonSet")["phalanx-agent"]["spec"]["template"]["spec"]
+    gpus = gpu["containers"][0]["resources"]["limits"]["nvidia.com/gpu"]
+    assert f"nvidia.com/gpu: {gpus}" in section and f"{gpus} rank slots" in section
