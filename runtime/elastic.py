@@ -95,6 +95,7 @@ from phalanx.runtime import priority
 from phalanx.runtime.bus_thread import BusThread
 from phalanx.runtime.data import ElasticOrder, MicroBatch
 from phalanx.runtime.progress import ProgressReporter
+from phalanx.runtime.recovery import MemberProgress, plan_recovery
 from phalanx.runtime.reduce import (
     BucketedReduce,
     bucket_plan,
@@ -715,56 +716,40 @@ class ElasticSession:
         return outcome[0]
 
     def _sync_state(self, generation: Generation) -> tuple[int, int]:
-        """Agree on the resume step; ranks behind it receive the state of one that has it.
-
-        The same all-reduce says which ranks kept the gradient of an aborted step
-        (and their rank and world size in the generation that attempted it): if
-        nobody committed that step, it is *repaired*: the kept gradients count,
-        and only the other shares (the dead ranks', and those of survivors that
-        had not got that far) are computed again, dealt over every member.
-        """
+        """Agree on the resume step, a repair and who copies state (:mod:`.recovery`), then
+        copy: ranks behind the resume step receive the state of one that has it."""
         assert self.pg is not None
         landing, self._landing = self._landing, []  # used by this copy or never
         retained = self._retained
         self._retained = self._repair = self._sitting_out = None
-        info = torch.zeros(self.world_size, 5, dtype=torch.int64)
-        info[self.rank] = torch.tensor([self.committed, -1, -1, -1, -1])
+        mine = MemberProgress(self.committed)
         if retained is not None:
             old = retained.generation
-            info[self.rank, 1:] = torch.tensor([
-                retained.step, old.generation, old.member(self.replica_id).rank,
-                old.world_size])
+            mine = MemberProgress(self.committed, retained.step, old.generation,
+                                  old.member(self.replica_id).rank, old.world_size)
+        info = torch.zeros(self.world_size, 5, dtype=torch.int64)
+        info[self.rank] = torch.tensor(mine.row())
         self._wait(self.pg.allreduce([info]))
-        steps = info[:, 0]
-        resume = int(steps.max().item())
-        if resume < 0:
-            raise StateTransferError("no member holds a complete state: every copy was cut "
-                                     "short (the checkpoint tier is needed to recover)")
-        if resume < generation.resume_step:
-            # Every replica that held the job's progress is gone: training again from an
-            # older step would redo committed steps (and from step 0, silently).
-            raise StateTransferError(
-                f"no member of generation {generation.generation} holds step "
-                f"{generation.resume_step}, which the job has reached (they hold up to "
-                f"{resume}): its state is lost (the checkpoint tier is needed to recover)")
-        source = int((steps == resume).nonzero()[0].item())
-        self._plan_repair(resume, retained, info)
-        # Generation 0 also makes every replica start from rank 0's parameters, as DDP does.
-        behind = [r for r in range(self.world_size)
-                  if r != source and (steps[r] < resume or generation.generation == 0)]
-        # The copy is the survivors' pause when a replica joins: so that the first step
-        # does not wait for it, the ranks that send or receive state sit that step out and
-        # the others share its batch (every member still all-reduces, with zeros).
-        active = [r for r in range(self.world_size) if r != source and r not in behind]
-        if behind and active and self._repair is None and generation.generation > 0:
-            self._sitting_out = (resume, active)
+        plan = plan_recovery([MemberProgress(*row) for row in info.tolist()],
+                             generation.generation, generation.resume_step)
+        resume, source = plan.resume, plan.source
+        if plan.repair is not None:
+            epoch, in_epoch = divmod(resume, self.order.steps_per_epoch)
+            micro = self.order.repair_plan(
+                epoch, in_epoch, plan.repair.old_world_size, plan.repair.lost_ranks,
+                self.world_size, self.rank, self.micro_batch_size,
+                aligned=self.deterministic)
+            kept = retained if retained is not None and retained.step == resume else None
+            self._repair = (resume, micro, kept)
+        if plan.sitting_out is not None:
+            self._sitting_out = (resume, list(plan.sitting_out))
         nbytes = 0
         if self.rank == source:
-            for dst in behind:
+            for dst in plan.behind:
                 nbytes += send_state(self.pg, dst, self.model, self.optimizer, resume,
                                      self._wait, checksum=self.checksum,
                                      extra=self._state).nbytes
-        elif self.rank in behind:
+        elif self.rank in plan.behind:
             # Until the copy is complete this rank holds no step's state: if the copy is
             # cut short, the next generation sees it as behind everyone and copies again.
             self.committed = -1
@@ -777,22 +762,6 @@ class ElasticSession:
                 self._record.write(kind="adopt", generation=generation.generation,
                                    step=step, source=source, state_bytes=nbytes)
         return resume, nbytes
-
-    def _plan_repair(self, resume: int, retained: _Retained | None,
-                     info: torch.Tensor) -> None:
-        """Every member decides the same from ``info``: repair step ``resume`` or not."""
-        kept = info[info[:, 1] == resume]
-        if not len(kept) or len(set(kept[:, 2].tolist())) != 1 \
-                or len(set(kept[:, 4].tolist())) != 1:
-            return  # nothing kept for the step to run (or kept from different tries)
-        old_world = int(kept[0, 4])
-        lost = sorted(set(range(old_world)) - set(kept[:, 3].tolist()))
-        epoch, in_epoch = divmod(resume, self.order.steps_per_epoch)
-        plan = self.order.repair_plan(epoch, in_epoch, old_world, lost, self.world_size,
-                                      self.rank, self.micro_batch_size,
-                                      aligned=self.deterministic)
-        mine = retained if retained is not None and retained.step == resume else None
-        self._repair = (resume, plan, mine)
 
     # --- one step ------------------------------------------------------------------------
 
