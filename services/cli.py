@@ -203,11 +203,23 @@ def cmd_jobs(args: argparse.Namespace) -> int:
 
 
 def cmd_job(args: argparse.Namespace) -> int:
-    record = asyncio.run(_with_client(args, lambda c: c.job(args.job)))
+    async def read(client):
+        return await asyncio.gather(client.job(args.job), client.generation(args.job))
+
+    record, generation = asyncio.run(_with_client(args, read))
     if record is None:
         print(f"phalanx job: no job {args.job!r}", file=sys.stderr)
         return EXIT_FAILED
     row = _record_row(record)
+    replicas = record.spec.replicas
+    row.update(min=replicas.min, max=replicas.max,
+               restart_policy=msgspec_to_builtins(record.spec.restart_policy))
+    if generation is not None and not record.state.terminal:
+        # The elasticity service's current membership: who trains now, from which step.
+        row.update(world_size=generation.world_size, generation=generation.generation,
+                   resume_step=generation.resume_step,
+                   generation_reason=generation.reason.value, generation_cause=generation.cause,
+                   members=[m.replica_id for m in generation.members])
     if args.json:
         print(json.dumps(row, indent=2))
     else:

@@ -25,7 +25,14 @@ from phalanx.bus.errors import NoResponders, RemoteError, RequestTimeout
 from phalanx.bus.kv import TypedKV
 from phalanx.schemas import subjects
 from phalanx.schemas.errors import PhalanxError
-from phalanx.schemas.messages import Explanation, JobRecord, JobRequest, JobSpec, SubmitRequest
+from phalanx.schemas.messages import (
+    Explanation,
+    Generation,
+    JobRecord,
+    JobRequest,
+    JobSpec,
+    SubmitRequest,
+)
 
 RETRYABLE_CODES = {"503", "504"}
 
@@ -113,6 +120,13 @@ class AdmissionClient:
     async def job(self, job_id: str) -> JobRecord | None:
         entry = await (await self._jobs_kv()).get(job_id)
         return entry.value if entry else None
+
+    async def generation(self, job_id: str) -> Generation | None:
+        """The running job's current generation (its members, world size, resume step);
+        None when it has none (not running under the runtime, or ended)."""
+        kv = await TypedKV.open(self.bus.js, subjects.GENERATIONS_BUCKET, Generation)
+        current, _ = await kv.current(job_id)
+        return current
 
     async def jobs(self) -> list[JobRecord]:
         """Every job record, oldest submission first."""

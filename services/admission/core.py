@@ -1059,12 +1059,26 @@ class AdmissionCore:
         spread = ", spread over failure domains" if gang.spec.placement.spread_failure_domains \
             else ""
         return (f"needs {self._need_text(gang)}{spread}, but the {len(matching)} {where} "
-                f"offer {sum(n.slots for n in matching)} slots in all")
+                f"offer {sum(n.slots for n in matching)} slots in all"
+                f"{self._unavailable_text(gang)}")
 
     def _capacity_message(self, gang: Gang, free: int, holders: tuple[str, ...]) -> str:
         held = f"; freed slots are reserved for {', '.join(holders)}" if holders else ""
         return (f"needs {self._need_text(gang)} placed at once; {free} unreserved slot(s) "
-                f"free in the cluster{held}")
+                f"free in the cluster{held}{self._unavailable_text(gang)}")
+
+    def _unavailable_text(self, gang: Gang) -> str:
+        """The nodes that would take the gang but may not now, when there are any: a
+        cordon (health's or an operator's) is often the whole reason a job waits."""
+        parts = []
+        for what, unavailable in (("cordoned", lambda n: n.alive and n.cordoned),
+                                  ("lost", lambda n: not n.alive)):
+            names = sorted(n.node_id for n in self.nodes.values()
+                           if unavailable(n) and n.matches(gang.spec))
+            if names:
+                slots = sum(self.nodes[name].slots for name in names)
+                parts.append(f"{slots} slot(s) on {what} node(s) {', '.join(names)}")
+        return f"; not counted: {'; '.join(parts)}" if parts else ""
 
     # --- invariants ---------------------------------------------------------------------
 

@@ -193,6 +193,12 @@ async def test_sigkill_one_of_four_then_a_replacement_joins_with_a_peers_state(
     async def kill(job_id: str, watch: Watch) -> None:
         await progressed(watch, job_id, 40)
         phalanx("chaos", "kill-rank", job_id, "1", "--data-dir", str(data))
+        # What a user sees of the running job: its size, bounds and membership (before or
+        # after the generation that drops the killed rank, whichever it is by now).
+        row = json.loads(phalanx("job", job_id, "--json", "--data-dir", str(data)).stdout)
+        assert (row["min"], row["max"], row["restart_policy"]["max_restarts"]) == (2, 4, 16)
+        assert (row["generation"], row["world_size"], row["members"]) in (
+            (0, 4, ["r0-0", "r1-0", "r2-0", "r3-0"]), (1, 3, ["r0-0", "r2-0", "r3-0"])), row
 
     rec, generations = await run_job(cluster, data_dir, tmp_path, "kill", kill)
     reasons = [(g.reason, g.world_size) for g in generations]

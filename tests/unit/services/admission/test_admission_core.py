@@ -988,3 +988,15 @@ def test_slots_that_stay_keep_their_numbers(old: list[str], slots: list[int], ne
 def test_a_gang_growing_back_never_reuses_a_slot_number() -> None:
     # a, a, b, b -> b lost -> a, a keep 0, 1 -> grown on c: 4, 5, not b's 2, 3 again.
     assert carry_slots(["a", "a"], [0, 1], ["a", "a", "c", "c"], next_slot=4) == [0, 1, 4, 5]
+
+
+def test_explain_names_the_cordoned_and_lost_nodes_a_waiting_gang_could_use() -> None:
+    """Three chaos kills cordoned the user's own node, and explain blamed missing slots."""
+    core = make(node("n1", 2), node("n2", 2, cordoned=True), node("n3", 2, alive=False))
+    run(core, [sub("g", mn=4)])
+    why = explain(core, "g")
+    assert why.code is ReasonCode.UNSCHEDULABLE
+    assert why.message.endswith("; not counted: 2 slot(s) on cordoned node(s) n2; 2 slot(s) "
+                                "on lost node(s) n3 (position 1 of 1)"), why.message
+    run(core, [node("n2", 2)])  # uncordoned: it fits
+    assert state(core, "g") is JobState.ADMITTED
