@@ -62,6 +62,13 @@ With ``PHALANX_RECORD_DIR`` set, every replica appends what it did to
 ``<dir>/<replica>.jsonl``: the samples of each step it took part in (written
 before its gradients leave the process), each commit, each generation it
 applied with the time of every phase. Tests and benchmarks check those.
+
+This module is the session: membership, generations and the step's
+collectives. The other concepts live beside it: :mod:`.step` (one step's
+loop, reduce and apply), :mod:`.inbox` (what the bus thread hands over),
+:mod:`.group` (abortable waits and the rendezvous), :mod:`.recovery` (the
+pure recovery plan), :mod:`.state` (the state copy), :mod:`.reduce` (the
+bucketed all-reduce), :mod:`.chaos` (fault injection) and :mod:`.record`.
 """
 
 from __future__ import annotations
@@ -71,30 +78,30 @@ import atexit
 import contextlib
 import dataclasses
 import datetime
-import json
 import logging
 import os
-import signal
 import sys
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import Any, TypeVar
+from typing import Any
 
 import msgspec
 import nats.errors
 import torch
 import torch.distributed as dist
 from opentelemetry import context as otel_context
-from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
 from phalanx.bus import telemetry
-from phalanx.bus.client import Delivery
 from phalanx.bus.config import BusConfig
-from phalanx.runtime import priority
+from phalanx.runtime import chaos, priority
 from phalanx.runtime.bus_thread import BusThread
+from phalanx.runtime.chaos import parse_chaos_kill
 from phalanx.runtime.data import ElasticOrder, MicroBatch
+from phalanx.runtime.group import Aborted, Waits, rendezvous
+from phalanx.runtime.inbox import Inbox
 from phalanx.runtime.progress import ProgressReporter
+from phalanx.runtime.record import Recorder
 from phalanx.runtime.recovery import MemberProgress, plan_recovery
 from phalanx.runtime.reduce import (
     BucketedReduce,
@@ -109,10 +116,9 @@ from phalanx.runtime.state import (
     send_state,
 )
 from phalanx.schemas import subjects
-from phalanx.schemas.errors import ConfigError, PhalanxError
+from phalanx.schemas.errors import PhalanxError
 from phalanx.schemas.messages import (
     Fault,
-    FaultKind,
     Generation,
     GenerationApplied,
     GenerationReason,
@@ -121,11 +127,6 @@ from phalanx.schemas.messages import (
 )
 
 log = logging.getLogger("phalanx.runtime")
-T = TypeVar("T")
-
-
-class Aborted(Exception):
-    """The generation a collective ran in was abandoned (a member failed)."""
 
 
 class Dropped(RuntimeError):
@@ -163,7 +164,7 @@ class MembershipChange:
 
 
 @dataclasses.dataclass(frozen=True)
-class _Retained:
+class Retained:
     """A step's local gradient kept when its all-reduce was aborted, to be reused."""
 
     step: int
@@ -171,16 +172,6 @@ class _Retained:
     gradient: torch.Tensor  # this rank's summed share, not yet all-reduced
     indices: list[int]  # the samples it covers
     metrics: torch.Tensor  # their share of the loss and of the script's metrics (float64)
-
-
-@dataclasses.dataclass
-class _Inbox:
-    """What the bus thread hands to the training thread."""
-
-    newest: Generation | None = None
-    newest_context: Any = None  # the trace context it arrived with
-    faulted: set[str] = dataclasses.field(default_factory=set)  # replicas reported failed
-    finished_step: int = 0  # the highest step any rank of the job reported
 
 
 class ElasticSession:
@@ -253,13 +244,13 @@ class ElasticSession:
             raise ValueError(f"metrics must be distinct names other than 'loss', got "
                              f"{list(metrics)}")
         self._accumulated: torch.Tensor | None = None  # float64 gradient sum (deterministic)
-        self._retained: _Retained | None = None  # from an aborted step
+        self._retained: Retained | None = None  # from an aborted step
         self._reduce: BucketedReduce | None = None  # the step's all-reduce, once armed
         self._buckets: list[list[int]] | None = None
         # The buckets of the last completed all-reduce, reused; dropped after an abort.
         self._bucket_buffers: list[torch.Tensor] | None = None
         # A repaired step: (step, this rank's plan, its kept gradient if it has one).
-        self._repair: tuple[int, list[MicroBatch], _Retained | None] | None = None
+        self._repair: tuple[int, list[MicroBatch], Retained | None] | None = None
         # The first step after a state copy: (step, the ranks that compute it).
         self._sitting_out: tuple[int, list[int]] | None = None
         self.committed = 0  # steps committed: the next step to run
@@ -273,11 +264,9 @@ class ElasticSession:
         self._switch_agreed = False  # the last all-reduce said: switch to the next generation
         self._applied: GenerationApplied | None = None  # to report after the next commit
         self._total_steps = 0
-        self._abandoned: list[Any] = []  # process groups and work items left to time out
-        self._inbox = _Inbox()
-        self._lock = threading.Lock()
-        self._wake = threading.Event()  # something arrived or a collective finished
-        self._record = None if record_dir is None else _Record(record_dir, replica_id)
+        self._inbox = Inbox(replica_id)
+        self._waits = Waits(self._inbox, self._heartbeat)
+        self._record = None if record_dir is None else Recorder(record_dir, replica_id)
         self._progress: ProgressReporter | None = None
         self._store: dist.TCPStore | None = None
         self._stores: dict[str, dist.Store] = {}
@@ -316,15 +305,7 @@ class ElasticSession:
             kwargs.setdefault("replica_id", "local")
             return cls(model, optimizer, dataset, **kwargs)
         replica_id = env.get("PHALANX_REPLICA_ID") or f"r{env.get('PHALANX_RANK', '0')}-0"
-        chaos_kill = None
-        for item in filter(None, env.get("PHALANX_CHAOS_KILL", "").split(",")):
-            target, _, rest = item.partition(":")
-            step, _, phase = rest.partition(":")
-            if not step.isdigit() or phase not in ("boundary", "allreduce"):
-                raise ConfigError(f"PHALANX_CHAOS_KILL: {item!r} is not "
-                                  "<replica>:<step>:<boundary|allreduce>")
-            if target == replica_id:
-                chaos_kill = (int(step), phase)
+        chaos_kill = parse_chaos_kill(env.get("PHALANX_CHAOS_KILL", ""), replica_id)
         telemetry.setup_tracing("phalanx-rank", env)  # off unless OTEL_* asks for it
         bus = BusThread(BusConfig.load(env=env), f"rank:{env['PHALANX_JOB_ID']}:{replica_id}")
         return cls(model, optimizer, dataset, bus=bus.start(), job_id=env["PHALANX_JOB_ID"],
@@ -370,13 +351,14 @@ class ElasticSession:
         self.endpoint = f"{host}:{self._store.port}"
         self._progress = ProgressReporter(None, self.job_id, self.slot,
                                           replica_id=self.replica_id, bus=bus)
-        bus.subscribe(subjects.job_generation(self.job_id), Generation, self._on_generation)
-        bus.subscribe(subjects.job_fault(self.job_id), Fault, self._on_fault)
+        bus.subscribe(subjects.job_generation(self.job_id), Generation,
+                      self._inbox.on_generation)
+        bus.subscribe(subjects.job_fault(self.job_id), Fault, self._inbox.on_fault)
         bus.subscribe(subjects.health_job_ranks(self.job_id), RankProgress,
-                      self._on_progress)
+                      self._inbox.on_progress)
         stored = bus.run(self._stored_generation(bus), 10)
         if stored is not None:
-            self._on_generation(stored, None)
+            self._inbox.on_generation(stored, None)
             if stored.member(self.replica_id) is None:  # joining a running job
                 self._landing = landing_buffers(self.optimizer)
         assert bus.bus is not None
@@ -396,7 +378,7 @@ class ElasticSession:
                 await asyncio.sleep(0.25)
                 continue
             if stored is not None:
-                self._on_generation(stored, None)
+                self._inbox.on_generation(stored, None)
             return
         log.warning("could not read the stored generation after reconnecting")
 
@@ -416,83 +398,15 @@ class ElasticSession:
             node_id=self.node_id, endpoint=self.endpoint, committed_step=self.committed,
             sent_at=time.time()), f"{self.job_id}-{self.replica_id}-ready")
 
-    def _on_generation(self, generation: Generation, delivery: Delivery | None) -> None:
-        with self._lock:
-            newest = self._inbox.newest
-            if newest is not None and generation.generation <= newest.generation:
-                return
-            self._inbox.newest = generation
-            self._inbox.newest_context = TraceContextTextMapPropagator().extract(
-                delivery.headers if delivery is not None else {})
-        self._wake.set()
-
-    def _on_fault(self, fault: Fault, _: Delivery) -> None:
-        if fault.kind is FaultKind.STRAGGLER or fault.replica_id is None:
-            return
-        with self._lock:
-            self._inbox.faulted.add(fault.replica_id)
-        self._wake.set()
-
-    def _on_progress(self, progress: RankProgress, _: Delivery) -> None:
-        if progress.step > self._inbox.finished_step:
-            with self._lock:
-                self._inbox.finished_step = max(self._inbox.finished_step, progress.step)
-            self._wake.set()
-
     # --- waiting (training thread) -----------------------------------------------------------
 
     def _must_abort(self) -> bool:
         """A member of the current generation failed, or a fault generation replaced it."""
-        current = self.generation
-        with self._lock:
-            newest, faulted = self._inbox.newest, self._inbox.faulted
-        if current is None:
-            return False
-        if newest is not None and newest.generation > current.generation and (
-                newest.reason is not GenerationReason.JOIN
-                or newest.member(self.replica_id) is None):
-            return True
-        return any(m.replica_id in faulted for m in current.members)
+        return self._inbox.must_abort(self.generation)
 
     def _wait(self, work: dist.Work) -> None:
         """Wait for ``work``; raise :class:`Aborted` the moment the generation is abandoned."""
-        done = threading.Event()
-        failure: list[BaseException] = []
-
-        def finished(_: Any = None) -> None:
-            done.set()
-            self._wake.set()
-
-        waited_by_thread = False
-        try:
-            work.get_future().add_done_callback(finished)
-        except RuntimeError:
-            waited_by_thread = True
-            # gloo's send/recv work has no future and never says it completed: a thread
-            # waits on it, and is left to gloo's timeout if the generation is abandoned.
-            def waiter() -> None:
-                try:
-                    work.wait()
-                except RuntimeError as exc:
-                    failure.append(exc)
-                finished()
-
-            threading.Thread(target=waiter, name="phalanx-wait", daemon=True).start()
-        while not done.is_set():
-            if self._must_abort():
-                self._abandoned.append(work)
-                raise Aborted("a member failed")
-            self._wake.wait(0.5)
-            self._wake.clear()
-            if not done.is_set():
-                self._heartbeat()
-        try:
-            if failure:
-                raise failure[0]
-            if not waited_by_thread:  # a second wait on gloo's send/recv work never returns
-                work.wait()
-        except RuntimeError as exc:  # a peer's connection closed: its fault is on its way
-            raise Aborted(str(exc)) from None
+        self._waits.work(work, self._must_abort)
 
     def _heartbeat(self) -> None:
         """Progress while waiting: a rank waiting for its peers is not hung (in collectives,
@@ -542,8 +456,7 @@ class ElasticSession:
         """The job completed before this replica became a member: end the process (status
         0) without returning into the script, whose post-training code would otherwise
         treat the untrained parameters as the result."""
-        with self._lock:
-            finished = self._inbox.finished_step
+        finished = self._inbox.finished_step
         completed = JobCompletedWithoutThisReplica(self.job_id, self.replica_id, finished)
         log.info("%s", completed)
         if self._record is not None:
@@ -553,16 +466,15 @@ class ElasticSession:
 
     def _chaos_kill(self) -> None:
         """Fault injection: die now, as a SIGKILLed rank does (recorded first)."""
-        if self._record is not None:
-            self._record.write(kind="chaos", step=self.committed)
-        os.kill(os.getpid(), signal.SIGKILL)
+        record = self._record
+        chaos.die(None if record is None else
+                  lambda: record.write(kind="chaos", step=self.committed))
 
     def _ensure_membership(self, total_steps: int) -> bool:
         """Apply a pending generation, waiting for one if this rank has none usable."""
         while True:
-            with self._lock:
-                newest, context = self._inbox.newest, self._inbox.newest_context
-                finished = self._inbox.finished_step
+            newest, context = self._inbox.newest()
+            finished = self._inbox.finished_step
             if self.bus is None:
                 return True  # alone: world size 1, no process group
             if self.generation is None and finished >= total_steps:
@@ -586,25 +498,19 @@ class ElasticSession:
                     except Aborted as exc:  # anything else is a bug: the rank crashes
                         log.warning("generation %d not applied: %s", newest.generation, exc)
                         self._abandon()
-                        if newest.generation == self._newest_number():
+                        if newest.generation == self._inbox.newest_number():
                             self._wait_for_newer(newest.generation, total_steps)
                         continue
             # Here the newest generation is this replica's own, or one it is not in (and it
             # never was a member): wait for a newer one than that.
             self._wait_for_newer(-1 if newest is None else newest.generation, total_steps)
 
-    def _newest_number(self) -> int:
-        with self._lock:
-            return -1 if self._inbox.newest is None else self._inbox.newest.generation
-
     def _wait_for_newer(self, than: int, total_steps: int) -> None:
         last_announce = time.monotonic()
-        while self._newest_number() <= than:
-            with self._lock:
-                if self.generation is None and self._inbox.finished_step >= total_steps:
-                    return
-            self._wake.wait(0.5)
-            self._wake.clear()
+        while self._inbox.newest_number() <= than:
+            if self.generation is None and self._inbox.finished_step >= total_steps:
+                return
+            self._inbox.sleep(0.5)
             self._heartbeat()
             if self.generation is None and time.monotonic() - last_announce > 2.0:
                 self._announce()  # elasticity may have restarted: say it again
@@ -614,7 +520,7 @@ class ElasticSession:
         # Kept, not aborted or destroyed: a gloo group whose work is still blocked on a dead
         # peer must be left to its own timeout (abort() makes its exit std::terminate).
         if self.pg is not None:
-            self._abandoned.append(self.pg)
+            self._waits.abandoned.append(self.pg)
         self.pg = None
 
     def _apply(self, generation: Generation, context: Any) -> None:
@@ -635,8 +541,7 @@ class ElasticSession:
                 self.pg, self.generation = pg, generation
                 self._switch_agreed = False
                 self.rank, self.world_size = member.rank, generation.world_size
-                with self._lock:
-                    self._inbox.faulted -= {m.replica_id for m in generation.members}
+                self._inbox.forget_faults(generation)
                 with telemetry.tracer().start_as_current_span("copy state"):
                     resume, nbytes = self._sync_state(generation)
                 synced = time.time()
@@ -661,59 +566,18 @@ class ElasticSession:
                                                 self.rank, resume))
 
     def _rendezvous(self, generation: Generation, rank: int) -> dist.ProcessGroup:
-        """A gloo group over the generation's namespace in its rank 0's store.
-
-        Every blocking part (connecting to the store, gloo's connect) runs on a helper
-        thread, so a generation superseded meanwhile (its rank 0 died, say) is given up
-        at once instead of after a store or gloo timeout.
-        """
-        endpoint = generation.members[0].endpoint
-        store = self._stores.get(endpoint)
-        if store is None:
-            if generation.members[0].replica_id == self.replica_id:
-                store = self._store
-            else:
-                host, _, port = endpoint.rpartition(":")
-                store = self._abortable(generation, lambda: dist.TCPStore(
-                    host, int(port), is_master=False, timeout=self.timeout))
-            self._stores[endpoint] = store
-        prefixed = dist.PrefixStore(f"{generation.rendezvous}/", store)
-        # Everyone arrives before gloo connects, so a rank that is gone is noticed here.
-        self._abortable(generation, lambda: prefixed.add("arrived", 1))
-        while int(self._abortable(generation, lambda: prefixed.add("arrived", 0))) \
-                < generation.world_size:
-            self._heartbeat()  # waiting for a slow member is not a hang (rate-limited)
-            self._wake.wait(0.002)
-            self._wake.clear()
-        return self._abortable(generation, lambda: dist.ProcessGroupGloo(
-            prefixed, rank, generation.world_size, self.timeout))
-
-    def _abortable(self, generation: Generation, call: Callable[[], T]) -> T:
-        """``call()`` on a helper thread; :class:`Aborted` if it fails or ``generation`` is
-        superseded (or the job ends before a joiner gets in) while it runs."""
-        done = threading.Event()
-        outcome: list[Any] = []
-
-        def run() -> None:
-            try:
-                outcome.append(call())
-            except Exception as exc:  # a dead peer's store or socket: not this rank's bug
-                outcome.append(exc)
-            done.set()
-            self._wake.set()
-
-        threading.Thread(target=run, name="phalanx-rendezvous", daemon=True).start()
-        while not done.is_set():
-            if self._newest_number() > generation.generation:
-                raise Aborted(f"generation {generation.generation} was superseded")
+        """A gloo group for ``generation``, given up at once if it is superseded meanwhile
+        (its rank 0 died, say) or the job ends before this replica gets in."""
+        def give_up() -> str | None:
+            if self._inbox.newest_number() > generation.generation:
+                return f"generation {generation.generation} was superseded"
             if self.generation is None and self._inbox.finished_step >= self._total_steps:
-                raise Aborted("the job finished before this replica joined")
-            self._heartbeat()  # a store or gloo connect that waits on a peer is not a hang
-            self._wake.wait(0.05)
-            self._wake.clear()
-        if isinstance(outcome[0], Exception):
-            raise Aborted(f"rendezvous of generation {generation.generation}: {outcome[0]}")
-        return outcome[0]
+                return "the job finished before this replica joined"
+            return None
+
+        assert self._store is not None
+        return rendezvous(self._waits, self._stores, (self.replica_id, self._store),
+                          generation, rank, self.timeout, give_up)
 
     def _sync_state(self, generation: Generation) -> tuple[int, int]:
         """Agree on the resume step, a repair and who copies state (:mod:`.recovery`), then
@@ -814,7 +678,7 @@ class ElasticSession:
             summed = run()
         except Aborted as exc:
             log.warning("step %d aborted: %s", step.index, exc)
-            self._retained = _Retained(step.index, self.generation, local_gradient(),
+            self._retained = Retained(step.index, self.generation, local_gradient(),
                                        step.indices, metrics)
             self._abandon()
             return False
@@ -823,12 +687,12 @@ class ElasticSession:
         step.reduced(summed[:-1])
         if summed[-1] > 0:
             self._switch_agreed = True
-            if self._newest_number() <= self.generation.generation:
+            if self._inbox.newest_number() <= self.generation.generation:
                 self._wait_for_newer(self.generation.generation, self._total_steps)
         return True
 
     def _seen_newer(self) -> float:
-        return 1.0 if self._newest_number() > self.generation.generation else 0.0
+        return 1.0 if self._inbox.newest_number() > self.generation.generation else 0.0
 
     def _reduce_whole(self, flat: torch.Tensor, tail: int,
                       step: Step) -> Callable[[], torch.Tensor]:
@@ -867,6 +731,55 @@ class ElasticSession:
         """Before the step's last backward: let the hooks start the all-reduce as it runs."""
         if not self.deterministic and self.pg is not None:
             self._reduce = self._bucketed(step)
+
+    def _plan_step(self, index: int) -> tuple[list[MicroBatch], Retained | None]:
+        """Step ``index``'s micro-batches for this rank, and a repaired step's kept share."""
+        order = self.order
+        epoch, in_epoch = divmod(index, order.steps_per_epoch)
+        if self._repair is not None and self._repair[0] == index:
+            _, plan, kept = self._repair
+            self._repair = None
+            return plan, kept
+        if self._sitting_out is not None and self._sitting_out[0] == index:
+            active = self._sitting_out[1]
+            self._sitting_out = None
+            if self.rank not in active:
+                return [], None
+            return order.plan(epoch, in_epoch, len(active), active.index(self.rank),
+                              self.micro_batch_size, aligned=self.deterministic), None
+        return order.plan(epoch, in_epoch, self.world_size, self.rank, self.micro_batch_size,
+                          aligned=self.deterministic), None
+
+    def _generation_number(self) -> int:
+        return self.generation.generation if self.generation is not None else 0
+
+    def _record_batch(self, step: Step) -> None:
+        """The record's line of what ``step`` trained on (before its gradients leave)."""
+        if self._record is not None:
+            self._record.write(
+                kind="batch", step=step.index, generation=self._generation_number(),
+                rank=self.rank, world_size=self.world_size, indices=step.indices,
+                loss=float(step.local_metrics()[0]),
+                kept=0 if step.kept is None else len(step.kept.indices))
+
+    def _committed(self, step: Step, now: float) -> None:
+        """``step`` is committed (its optimizer step applied at ``now``): record, report."""
+        self.committed = step.index + 1
+        self.last_step_s = now - step.started
+        if self._record is not None:
+            extra = {} if step.updated else {"skipped": True}
+            self._record.write(kind="commit", step=step.index,
+                               generation=self._generation_number(), rank=self.rank,
+                               **step.timings(now), **extra)
+        if self._progress is not None:
+            self._progress.report(self.committed, self.last_step_s,
+                                  final=self.committed == self._total_steps)
+        if self._applied is not None and self.bus is not None:
+            applied = msgspec.structs.replace(self._applied, committed_step=self.committed)
+            self.bus.publish_event(
+                subjects.generation_applied(self.job_id), applied,
+                f"{self.job_id}-{self.replica_id}-g{applied.generation}-applied")
+            self._applied = None
 
     def close(self) -> None:
         """Leave: flush the record, stop the bus thread (idempotent).
@@ -911,261 +824,8 @@ def _skip_teardown_at_exit() -> None:
     atexit.register(leave)
 
 
-class Step:
-    """One global step: this rank's micro-batches, then :meth:`commit`.
+# Imported last: a step refers back to the session (the names stay importable from here).
+from phalanx.runtime.step import Step  # noqa: E402
 
-    The loop of a step, as DDP users write it::
-
-        for batch in step:                  # this rank's micro-batches
-            step.backward(loss_fn(model(batch)))   # weighted for you
-        step.clip_grad_norm_(1.0)           # on the all-reduced gradient
-        if step.commit():                   # False: aborted, the step runs again
-            scheduler.step()                # once per committed step
-
-    Between :meth:`reduce` (the all-reduce, which :meth:`commit` runs if the script
-    did not) and :meth:`commit` (the optimizer step), the parameters' ``.grad`` hold
-    the gradient of the mean loss over the whole global batch, bitwise the same on
-    every rank: that is where anything DDP users do after ``backward()`` and before
-    ``optimizer.step()`` goes (clipping, unscaling, inspecting), and every rank
-    decides the same from it.
-    """
-
-    def __init__(self, session: ElasticSession, index: int) -> None:
-        self.session = session
-        self.index = index
-        order = session.order
-        self.epoch, self.step_in_epoch = divmod(index, order.steps_per_epoch)
-        self.kept: _Retained | None = None
-        if session._repair is not None and session._repair[0] == index:
-            _, self.plan, self.kept = session._repair
-            session._repair = None
-        elif session._sitting_out is not None and session._sitting_out[0] == index:
-            active = session._sitting_out[1]
-            session._sitting_out = None
-            self.plan = order.plan(self.epoch, self.step_in_epoch, len(active),
-                                   active.index(session.rank), session.micro_batch_size,
-                                   aligned=session.deterministic) \
-                if session.rank in active else []
-        else:
-            self.plan = order.plan(self.epoch, self.step_in_epoch, session.world_size,
-                                   session.rank, session.micro_batch_size,
-                                   aligned=session.deterministic)
-        self.outcome: bool | None = None
-        #: The step's loss over the whole global batch (the sum of every rank's weighted
-        #: shares), once reduced; None before, or if the step was aborted.
-        self.loss: float | None = None
-        #: The script's metrics (:meth:`add`) summed over the ranks, once reduced.
-        self.metrics: dict[str, float] = {}
-        #: False once :meth:`skip` was called: the step commits without an update.
-        self.updated = True
-        self._weight: float | None = None  # of the micro-batch being yielded
-        self._loss_share = 0.0
-        self._metric_shares: dict[str, float] = {}
-        self._reduced: bool | None = None
-        self._reduced_at = 0.0
-        self._computed_at = 0.0
-        self.started = time.perf_counter()
-
-    @property
-    def indices(self) -> list[int]:
-        """The samples this rank's gradient covers (a repaired step's kept share first)."""
-        kept = self.kept.indices if self.kept is not None else []
-        return kept + [i for mb in self.plan for i in mb.indices]
-
-    def batches(self) -> Iterator[tuple[Any, float]]:
-        """``(batch, weight)`` per micro-batch: the raw form of iterating the step.
-
-        Scale the micro-batch's mean loss by ``weight`` yourself, or call
-        :meth:`backward`, which does.
-        """
-        session = self.session
-        dataset = session.dataset
-        for n, mb in enumerate(self.plan):
-            if n == len(self.plan) - 1:
-                session._arm(self)  # its backward starts the all-reduce
-            self._weight = mb.weight
-            if hasattr(dataset, "batch"):
-                yield dataset.batch(mb.indices), mb.weight
-            else:
-                loader = torch.utils.data.DataLoader(dataset, batch_sampler=[list(mb.indices)])
-                yield next(iter(loader)), mb.weight
-            if session.deterministic:  # the caller's backward for this micro-batch is done
-                session._fold_gradients()
-        self._weight = None
-
-    def __iter__(self) -> Iterator[Any]:
-        """This rank's micro-batches of the step; call :meth:`backward` on each one's loss."""
-        for batch, _ in self.batches():
-            yield batch
-
-    def backward(self, loss: torch.Tensor) -> None:
-        """Back-propagate the current micro-batch's *mean* loss, scaled by its weight.
-
-        Its value counts into the step's :attr:`loss` (reduced with the gradients).
-
-        Raises:
-            RuntimeError: called outside the loop over the step's micro-batches.
-        """
-        if self._weight is None:
-            raise RuntimeError("step.backward(loss) belongs inside the loop over the step's "
-                               "micro-batches (for batch in step: ...)")
-        self._loss_share += float(loss.detach()) * self._weight
-        (loss * self._weight).backward()
-
-    def add(self, name: str, value: float | torch.Tensor) -> None:
-        """Add ``value`` to this rank's share of metric ``name`` (declared in the session's
-        ``metrics``); after :meth:`reduce`, ``step.metrics[name]`` is the sum over ranks.
-
-        Raises:
-            KeyError: ``name`` was not declared.
-            RuntimeError: the step was reduced already.
-        """
-        if name not in self.session.metric_names:
-            raise KeyError(f"metric {name!r} is not declared in the session's metrics "
-                           f"{list(self.session.metric_names)}")
-        if self._reduced is not None:
-            raise RuntimeError(f"step {self.index} was reduced already: add metrics before")
-        self._metric_shares[name] = self._metric_shares.get(name, 0.0) + float(value)
-
-    def local_metrics(self) -> torch.Tensor:
-        """This rank's share of ``[loss, *metrics]`` (with a repaired step's kept share)."""
-        values = torch.tensor([self._loss_share, *(
-            self._metric_shares.get(name, 0.0) for name in self.session.metric_names)],
-            dtype=torch.float64)
-        return values if self.kept is None else values + self.kept.metrics
-
-    def reduced(self, summed: torch.Tensor) -> None:
-        """The session's call: ``summed`` is :meth:`local_metrics` summed over the ranks."""
-        values = summed.tolist()
-        self.loss = values[0]
-        self.metrics = dict(zip(self.session.metric_names, values[1:], strict=True))
-
-    def reduce(self, loss: float | None = None) -> bool:
-        """All-reduce the gradients (and the loss and metrics); idempotent.
-
-        Afterwards ``.grad`` holds the global batch's gradient, the same on every rank.
-
-        Args:
-            loss: this rank's share of the step's loss (the sum of its micro-batches'
-                weighted losses), for a script that does not use :meth:`backward`.
-
-        Returns:
-            False when a fault aborted the step (call :meth:`commit` anyway: it returns
-            False too, and the same step runs again in the next generation).
-
-        Raises:
-            ValueError: ``loss`` given for a step reduced already.
-        """
-        if self._reduced is not None:
-            if loss is not None:
-                raise ValueError(f"step {self.index} was reduced already: pass its loss to "
-                                 "the first reduce() or commit()")
-            return self._reduced
-        session = self.session
-        if loss is not None:
-            self._loss_share = float(loss)
-        if session._record is not None:  # before the gradients leave this process
-            session._record.write(
-                kind="batch", step=self.index, generation=self._generation(),
-                rank=session.rank, world_size=session.world_size, indices=self.indices,
-                loss=float(self.local_metrics()[0]),
-                kept=0 if self.kept is None else len(self.kept.indices))
-        self._computed_at = time.perf_counter()
-        self._reduced = session._allreduce_gradients(self)
-        self._reduced_at = time.perf_counter()
-        return self._reduced
-
-    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor | None:
-        """Clip the *all-reduced* gradient by its global norm (:meth:`reduce` first).
-
-        ``torch.nn.utils.clip_grad_norm_`` over the session's parameters; a non-finite
-        norm (inf or nan in the gradient) skips the update (:meth:`skip`) on every rank.
-
-        Returns:
-            The gradient's total norm before clipping; None if the step was aborted.
-        """
-        if not self.reduce():
-            return None
-        norm = torch.nn.utils.clip_grad_norm_(self.session._params(), max_norm, norm_type)
-        if not bool(torch.isfinite(norm)):
-            log.warning("step %d: gradient norm %s, the update is skipped", self.index,
-                        float(norm))
-            self.skip()
-        return norm
-
-    def skip(self) -> None:
-        """Commit this step without an optimizer update (its samples count as seen).
-
-        Decide it from reduced values only (after :meth:`reduce`): they are the same on
-        every rank, so every rank skips alike and none diverges.
-
-        Raises:
-            RuntimeError: the step was not reduced (or was aborted).
-        """
-        if not self._reduced:
-            raise RuntimeError(f"step {self.index}: skip() decides from the reduced "
-                               "gradients: call it after reduce() returned True")
-        self.updated = False
-
-    def _generation(self) -> int:
-        generation = self.session.generation
-        return generation.generation if generation is not None else 0
-
-    def commit(self, loss: float | None = None) -> bool:
-        """Reduce (unless :meth:`reduce` ran), then apply the optimizer step.
-
-        Args:
-            loss: as for :meth:`reduce`.
-
-        Returns:
-            True when the step is committed, False when a fault aborted it: its
-            gradients are dropped and the same step runs again in the next generation.
-            Step an LR scheduler or an EMA only on True, so that each is stepped once
-            per committed step.
-        """
-        session = self.session
-        record = session._record
-        ok = self.reduce(loss)
-        if ok:
-            if self.updated:
-                session.optimizer.step()
-            session.committed = self.index + 1
-            session.last_step_s = time.perf_counter() - self.started
-            if record is not None:
-                extra = {} if self.updated else {"skipped": True}
-                record.write(kind="commit", step=self.index, generation=self._generation(),
-                             rank=session.rank, compute_s=self._computed_at - self.started,
-                             reduce_s=self._reduced_at - self._computed_at,
-                             optimizer_s=time.perf_counter() - self._reduced_at, **extra)
-            if session._progress is not None:
-                session._progress.report(session.committed, session.last_step_s,
-                                         final=session.committed == session._total_steps)
-            if session._applied is not None and session.bus is not None:
-                applied = msgspec.structs.replace(session._applied,
-                                                  committed_step=session.committed)
-                session.bus.publish_event(
-                    subjects.generation_applied(session.job_id), applied,
-                    f"{session.job_id}-{session.replica_id}-g{applied.generation}-applied")
-                session._applied = None
-        session.optimizer.zero_grad(set_to_none=False)
-        self.outcome = ok
-        return ok
-
-
-class _Record:
-    """This replica's append-only record; each line is one ``write`` (safe under SIGKILL)."""
-
-    def __init__(self, directory: str, replica_id: str) -> None:
-        os.makedirs(directory, exist_ok=True)
-        self.fd = os.open(os.path.join(directory, f"{replica_id}.jsonl"),
-                          os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
-
-    def write(self, **fields: Any) -> None:
-        os.write(self.fd, (json.dumps({"t": time.time(), **fields}) + "\n").encode())
-
-    def close(self) -> None:
-        if self.fd < 0:
-            return  # closed already: the number may belong to another file by now
-        with contextlib.suppress(OSError):
-            os.close(self.fd)
-        self.fd = -1
+__all__ = ["Aborted", "Dropped", "ElasticSession", "JobCompletedWithoutThisReplica",
+           "MembershipChange", "Retained", "Step"]

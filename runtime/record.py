@@ -13,18 +13,46 @@ every step ``0..total-1`` was committed, and the shares of each step, in the
 generation whose commit the model kept, cover the step's global batch exactly
 once. Over each full epoch that is every sample exactly once. :func:`timeline`
 gives per-step commit times and losses for downtime figures and plots.
+:class:`Recorder` is the writing side, one per replica.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import itertools
 import json
+import os
 import statistics
+import time
 from pathlib import Path
 from typing import Any
 
 from phalanx.runtime.data import ElasticOrder
+
+
+class Recorder:
+    """This replica's append-only record, ``<directory>/<replica_id>.jsonl``.
+
+    Each :meth:`write` is one ``os.write`` of one line, so a line is whole or
+    missing (:func:`read` skips a line cut short) even under SIGKILL.
+    """
+
+    def __init__(self, directory: str | Path, replica_id: str) -> None:
+        os.makedirs(directory, exist_ok=True)
+        self.fd = os.open(os.path.join(directory, f"{replica_id}.jsonl"),
+                          os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+
+    def write(self, **fields: Any) -> None:
+        os.write(self.fd, (json.dumps({"t": time.time(), **fields}) + "\n").encode())
+
+    def close(self) -> None:
+        """Idempotent."""
+        if self.fd < 0:
+            return  # closed already: the number may belong to another file by now
+        with contextlib.suppress(OSError):
+            os.close(self.fd)
+        self.fd = -1
 
 
 def read(record_dir: str | Path) -> dict[str, list[dict[str, Any]]]:

@@ -1,0 +1,74 @@
+"""The membership inbox and fault injection's configuration (no bus needed to feed them)."""
+
+from __future__ import annotations
+
+import pytest
+
+from phalanx.runtime.chaos import parse_chaos_kill
+from phalanx.runtime.inbox import Inbox
+from phalanx.schemas.errors import ConfigError
+from phalanx.schemas.messages import (
+    Fault,
+    FaultKind,
+    Generation,
+    GenerationReason,
+    Member,
+    RankProgress,
+)
+
+
+def generation(number: int, replicas: list[str],
+               reason: GenerationReason = GenerationReason.FAULT) -> Generation:
+    return Generation(job_id="j", generation=number, world_size=len(replicas),
+                      members=[Member(replica_id=r, rank=i, node_id="n", endpoint="h:1")
+                               for i, r in enumerate(replicas)],
+                      rendezvous=f"j-g{number}", resume_step=0, reason=reason)
+
+
+def fault(replica: str, kind: FaultKind = FaultKind.CRASH) -> Fault:
+    return Fault(fault_id=f"f-{replica}", job_id="j", kind=kind, rank=1, replica_id=replica,
+                 node_id="n", detected_at=0.0)
+
+
+def test_only_a_newer_generation_replaces_the_newest_and_wakes_the_trainer() -> None:
+    inbox = Inbox("r0-0")
+    inbox.on_generation(generation(3, ["r0-0", "r1-0"]), None)
+    assert inbox.wake.is_set() and inbox.newest_number() == 3
+    inbox.sleep(0)
+    inbox.on_generation(generation(2, ["r0-0"]), None)  # late, or a repeat
+    assert not inbox.wake.is_set() and inbox.newest_number() == 3
+
+
+def test_a_collective_is_given_up_for_a_failed_member_or_a_fault_generation() -> None:
+    inbox = Inbox("r0-0")
+    current = generation(1, ["r0-0", "r1-0", "r2-0"])
+    inbox.on_generation(current, None)
+    assert not inbox.must_abort(current) and not inbox.must_abort(None)
+    inbox.on_fault(fault("r1-0", FaultKind.STRAGGLER), None)  # slow is not failed
+    assert not inbox.must_abort(current)
+    inbox.on_generation(generation(2, ["r0-0", "r1-0", "r2-0", "r3-0"],
+                                   GenerationReason.JOIN), None)
+    assert not inbox.must_abort(current)  # a join waits for the step boundary
+    inbox.on_fault(fault("r2-0"), None)
+    assert inbox.must_abort(current)
+    inbox.forget_faults(generation(3, ["r0-0", "r2-0"]))  # r2-0 is a member again
+    assert not inbox.must_abort(current)
+    inbox.on_generation(generation(3, ["r0-0", "r1-0"]), None)
+    assert inbox.must_abort(current)  # replaced by a fault generation
+
+
+def test_the_jobs_progress_only_goes_forward() -> None:
+    inbox = Inbox("r3-0")
+    for step in (5, 9, 7):
+        inbox.on_progress(RankProgress(job_id="j", rank=0, replica_id="r0-0", step=step,
+                                       generation=0, step_time_s=0.1, sent_at=0.0), None)
+    assert inbox.finished_step == 9
+
+
+def test_chaos_kill_names_its_replica_step_and_phase() -> None:
+    value = "r1-0:40:allreduce,r2-0:7:boundary"
+    assert parse_chaos_kill(value, "r1-0") == (40, "allreduce")
+    assert parse_chaos_kill(value, "r2-0") == (7, "boundary")
+    assert parse_chaos_kill(value, "r0-0") is None and parse_chaos_kill("", "r0-0") is None
+    with pytest.raises(ConfigError, match="'r1-0:x:boundary' is not"):
+        parse_chaos_kill("r1-0:x:boundary", "r0-0")  # refused whoever reads it
