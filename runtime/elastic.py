@@ -74,13 +74,10 @@ bucketed all-reduce), :mod:`.chaos` (fault injection) and :mod:`.record`.
 from __future__ import annotations
 
 import asyncio
-import atexit
-import contextlib
 import dataclasses
 import datetime
 import logging
 import os
-import sys
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -94,7 +91,7 @@ from opentelemetry import context as otel_context
 
 from phalanx.bus import telemetry
 from phalanx.bus.config import BusConfig
-from phalanx.runtime import chaos, priority
+from phalanx.runtime import chaos, priority, teardown
 from phalanx.runtime.bus_thread import BusThread
 from phalanx.runtime.chaos import parse_chaos_kill
 from phalanx.runtime.data import ElasticOrder, MicroBatch
@@ -338,7 +335,8 @@ class ElasticSession:
     def __enter__(self) -> ElasticSession:
         return self
 
-    def __exit__(self, *exc_info: object) -> None:
+    def __exit__(self, kind: object, exc: BaseException | None, tb: object) -> None:
+        teardown.exit_status(exc)
         self.close()
 
     # --- the bus side (runs on the bus thread) ---------------------------------------------
@@ -784,44 +782,19 @@ class ElasticSession:
     def close(self) -> None:
         """Leave: flush the record, stop the bus thread (idempotent).
 
-        A rank that trained in process groups then exits without tearing gloo down:
-        once its peers have gone, gloo's destructors throw (``std::terminate``) on
-        their closed connections, and abandoned groups may still wait for a dead
-        peer. So, after ``close()``, the interpreter's own exit ends with
-        ``os._exit`` (status 0, or 1 after an uncaught exception) once the
-        ``atexit`` handlers registered after the session have run and output is
-        flushed. Exit with ``sys.exit(n)`` *before* ``close()`` to keep ``n``.
+        A rank that trained in process groups then exits without tearing gloo down
+        (:mod:`.teardown` says why): the interpreter's exit ends with ``os._exit`` once
+        every ``atexit`` handler registered after ``phalanx.runtime`` was imported has
+        run and output is flushed. The status is kept when the runtime can see it:
+        ``sys.exit(n)`` or an exception leaving ``with session:``, an uncaught exception
+        (1); otherwise 0.
         """
         if self.bus is not None:
             self.bus.close()
             telemetry.shutdown_tracing()
-            _skip_teardown_at_exit()
+            teardown.arm()
         if self._record is not None:
             self._record.close()
-
-
-_uncaught: list[BaseException] = []
-
-
-def _skip_teardown_at_exit() -> None:
-    if getattr(_skip_teardown_at_exit, "armed", False):
-        return
-    _skip_teardown_at_exit.armed = True  # type: ignore[attr-defined]
-    previous_hook = sys.excepthook
-
-    def remember(kind: type[BaseException], value: BaseException, tb: Any) -> None:
-        _uncaught.append(value)
-        previous_hook(kind, value, tb)
-
-    def leave() -> None:
-        logging.shutdown()
-        for stream in (sys.stdout, sys.stderr):
-            with contextlib.suppress(Exception):
-                stream.flush()
-        os._exit(1 if _uncaught else 0)
-
-    sys.excepthook = remember
-    atexit.register(leave)
 
 
 # Imported last: a step refers back to the session (the names stay importable from here).

@@ -5,7 +5,8 @@ norm, an EMA of the weights registered with the session, ``step.backward`` and
 the step's global loss. Alone (no ``PHALANX_JOB_ID``) it is the reference.
 Every replica that finishes writes ``<out>/<replica>.pt``: parameters,
 optimizer, scheduler and EMA state, and the loss and gradient norm of every
-step it committed.
+step it committed. It exits with ``--exit-code`` from inside ``with session:``, and an
+``atexit`` handler registered before the session writes ``<out>/<replica>.atexit``.
 
     python runtime_worker.py --prepare DIR
     python runtime_worker.py --data DIR --out OUT --steps N [--clip X] [--nan-step S]
@@ -14,7 +15,9 @@ step it committed.
 from __future__ import annotations
 
 import argparse
+import atexit
 import os
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -33,6 +36,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--clip", type=float)
     parser.add_argument("--nan-step", type=int, help="a sample of this step's loss is nan")
+    parser.add_argument("--exit-code", type=int, default=0)
     args = parser.parse_args()
     if args.prepare:
         rng = np.random.default_rng(0)
@@ -41,6 +45,10 @@ def main() -> None:
         write_arrays(args.prepare, {"x": x, "y": y, "i": np.arange(SAMPLES)})
         return
 
+    replica = os.environ.get("PHALANX_REPLICA_ID", "local")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    atexit.register(lambda: (out / f"{replica}.atexit").touch())
     torch.set_num_threads(1)
     torch.manual_seed(0)
     dataset = MemmapDataset(args.data)
@@ -77,12 +85,11 @@ def main() -> None:
                 scheduler.step()
                 ema.update_parameters(model)
                 losses[step.index] = step.loss
-        replica = os.environ.get("PHALANX_REPLICA_ID", "local")
-        Path(args.out).mkdir(parents=True, exist_ok=True)
         torch.save({"params": model.state_dict(), "optimizer": optimizer.state_dict(),
                     "scheduler": scheduler.state_dict(), "ema": ema.state_dict(),
                     "lr": optimizer.param_groups[0]["lr"], "losses": losses, "norms": norms},
-                   Path(args.out) / f"{replica}.pt")
+                   out / f"{replica}.pt")
+        sys.exit(args.exit_code)  # inside the block: the session sees the status
 
 
 if __name__ == "__main__":

@@ -165,13 +165,17 @@ async def test_an_aborted_step_never_steps_the_scheduler_and_a_repaired_step_rep
         tmp_path: Path, data: Path, nats_server: NatsServer, bus: Bus, uid: str) -> None:
     args = ["--steps", "40", "--clip", "1.0"]
     reference = alone(data, tmp_path / "alone", *args)
-    async with Job(bus, nats_server, uid, tmp_path, data, *args) as job:
+    async with Job(bus, nats_server, uid, tmp_path, data, *args, "--exit-code", "3") as job:
         for slot, replica in enumerate(["r0-0", "r1-0", "r2-0"]):
             await job.start(replica, slot, {"PHALANX_CHAOS_KILL": "r2-0:12:allreduce"})
         await job.publish(["r0-0", "r1-0", "r2-0"], GenerationReason.START)
         assert await asyncio.wait_for(job.processes["r2-0"].wait(), 120) == -9
         await job.publish(["r0-0", "r1-0"], GenerationReason.FAULT)
-        assert await job.exit_codes() == {"r0-0": 0, "r1-0": 0, "r2-0": -9}
+        # The survivors exit as Python does, holding a group abandoned on a dead peer:
+        # with the script's own status, after every atexit handler.
+        assert await job.exit_codes() == {"r0-0": 3, "r1-0": 3, "r2-0": -9}
+    assert sorted(p.name for p in (tmp_path / "out").glob("*.atexit")) == [
+        "r0-0.atexit", "r1-0.atexit"]
     records = record.read(tmp_path / "rec")
     repaired = {line["step"] for lines in records.values() for line in lines
                 if line["kind"] == "batch" and line["kept"] > 0}
@@ -198,6 +202,7 @@ async def test_the_lr_schedule_and_registered_state_arrive_intact_in_a_joiner(
         await job.until(lambda: job.step >= 20)
         await job.publish(["r0-0", "r1-0", "r2-0"], GenerationReason.JOIN)
         assert await job.exit_codes() == {"r0-0": 0, "r1-0": 0, "r2-0": 0}
+    assert len(list((tmp_path / "out").glob("r*.atexit"))) == 3
     adopted = [line for line in record.read(tmp_path / "rec")["r2-0"]
                if line["kind"] == "adopt"]
     assert len(adopted) == 1 and 20 <= adopted[0]["step"] < steps

@@ -1,0 +1,80 @@
+"""Leaving a process that trained over gloo: the exit skips gloo's teardown.
+
+A rank must not tear its process groups down at exit. A group *abandoned*
+after a fault may still have a work item blocked on the dead peer until
+gloo's timeout, its thread running while the process exits; once the peers
+have gone, gloo's destructors throw on their closed pairs. Either ends a rank
+that completed its training with SIGABRT or SIGSEGV. Keeping the groups alive
+is not enough: we tried leaking one reference to each group, work item and
+store so that no destructor runs, and in the e2e tests a survivor that was
+not a neighbour of the killed rank (its abandoned all-reduce still blocked)
+died of SIGSEGV in the C++ teardown at exit.
+
+So once a session that trained over gloo is closed (:func:`arm`), the
+interpreter's exit ends with ``os._exit`` from an ``atexit`` handler that
+this module registers when it is imported (with ``phalanx.runtime``'s
+session), i.e. before the script registers its own: ``atexit`` runs handlers
+last-registered first, so **every handler the script (or a library it
+imports later) registers runs**, then output is flushed and the process ends
+without C++ teardown. Handlers registered before ``phalanx.runtime`` was
+imported are skipped.
+
+The exit status is the one Python would give when the runtime can know it:
+an exception or ``sys.exit(n)`` that leaves ``with session:`` (the session's
+``__exit__`` records it), an uncaught exception (1), otherwise 0. A
+``sys.exit(n)`` *after* the session is closed, outside its ``with`` block,
+cannot be seen from an ``atexit`` handler and exits 0: end the script inside
+the block, or raise before closing.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import logging
+import os
+import sys
+from typing import Any
+
+_armed = False
+_status: int | None = None  # known from the session's __exit__, if it saw one
+_uncaught = False
+
+
+def arm() -> None:
+    """The process trained over gloo: at exit, skip its teardown (idempotent)."""
+    global _armed
+    if _armed:
+        return
+    _armed = True
+    previous_hook = sys.excepthook
+
+    def remember(kind: type[BaseException], value: BaseException, tb: Any) -> None:
+        global _uncaught
+        _uncaught = True
+        previous_hook(kind, value, tb)
+
+    sys.excepthook = remember
+
+
+def exit_status(exc: BaseException | None) -> None:
+    """Record the status an exception leaving the session means (None: no exception)."""
+    global _status
+    if isinstance(exc, SystemExit):
+        code = exc.code
+        _status = 0 if code is None else code if isinstance(code, int) else 1
+    elif exc is not None:
+        _status = 1
+
+
+def _leave() -> None:
+    if not _armed:
+        return
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    os._exit(1 if _uncaught else (_status or 0) & 0xFF)
+
+
+atexit.register(_leave)
