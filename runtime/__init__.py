@@ -8,7 +8,8 @@ The public API, importable from here::
   :class:`JobCompletedWithoutThisReplica` (:mod:`.elastic`): the session that
   replaces ``init_process_group``, DDP and the ``DistributedSampler``.
 * :class:`MemmapDataset` and :func:`write_arrays` (:mod:`.dataset`): a dataset
-  written once and opened by memory map.
+  written once and opened by memory map; :func:`write_tokens` and
+  :class:`TokenWindows`, the same for a language model's token stream.
 * :class:`ElasticOrder` (:mod:`.data`): the exactly-once data order.
 
 The names load on first use (PEP 562), so a process that only needs a small
@@ -29,6 +30,8 @@ _EXPORTS = {
     "Dropped": "elastic",
     "MemmapDataset": "dataset",
     "write_arrays": "dataset",
+    "TokenWindows": "dataset",
+    "write_tokens": "dataset",
     "ElasticOrder": "data",
 }
 
@@ -40,12 +43,14 @@ __all__ = [
     "MembershipChange",
     "MemmapDataset",
     "Step",
+    "TokenWindows",
     "write_arrays",
+    "write_tokens",
 ]
 
 if TYPE_CHECKING:
     from phalanx.runtime.data import ElasticOrder
-    from phalanx.runtime.dataset import MemmapDataset, write_arrays
+    from phalanx.runtime.dataset import MemmapDataset, TokenWindows, write_arrays, write_tokens
     from phalanx.runtime.elastic import (
         Dropped,
         ElasticSession,

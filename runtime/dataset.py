@@ -13,6 +13,13 @@ It is a map-style dataset (``__len__`` / ``__getitem__``) and works with a
 standard :class:`torch.utils.data.DataLoader`; :meth:`MemmapDataset.batch`
 gathers many indices in one fancy-indexing call, which is what the elastic
 step's micro-batches use.
+
+For language models, :func:`write_tokens` writes a token stream (one field,
+``tokens``, in the smallest unsigned dtype that holds the vocabulary) and
+:class:`TokenWindows` reads it as non-overlapping windows of ``block_size``
+tokens: window ``i`` is ``(tokens[i*b : i*b+b], tokens[i*b+1 : i*b+b+1])``,
+input and next-token target. Each window is one sample of the elastic order,
+so every window is used exactly once per epoch at any world size.
 """
 
 from __future__ import annotations
@@ -92,3 +99,60 @@ class MemmapDataset(torch.utils.data.Dataset):
         """The samples at ``indices`` stacked per field (one gather per field)."""
         rows = np.asarray(indices, dtype=np.int64)
         return tuple(torch.from_numpy(np.ascontiguousarray(a[rows])) for a in self.arrays)
+
+
+def write_tokens(directory: str | Path, tokens: np.ndarray | Sequence[int],
+                 vocab_size: int) -> Path:
+    """Write a token stream as a dataset directory (field ``tokens``).
+
+    Raises:
+        ValueError: a token outside ``0..vocab_size-1``, or fewer than two tokens.
+    """
+    array = np.asarray(tokens)
+    if array.ndim != 1 or len(array) < 2:
+        raise ValueError(f"tokens must be one stream of at least 2, got shape {array.shape}")
+    if array.min() < 0 or array.max() >= vocab_size:
+        raise ValueError(f"tokens must lie in 0..{vocab_size - 1}, got "
+                         f"{array.min()}..{array.max()}")
+    dtype = np.uint8 if vocab_size <= 2**8 else np.uint16 if vocab_size <= 2**16 \
+        else np.uint32
+    return write_arrays(directory, {"tokens": array.astype(dtype)})
+
+
+class TokenWindows(torch.utils.data.Dataset):
+    """Non-overlapping ``block_size`` windows of a token stream from :func:`write_tokens`.
+
+    ``windows[i]`` is ``(x, y)``, int64 tensors of ``block_size`` tokens, ``y`` the
+    tokens that follow ``x``'s. :meth:`batch` gathers many windows at once.
+
+    Raises:
+        FileNotFoundError: ``directory`` is not a prepared dataset.
+        ValueError: it has no ``tokens`` field, or is shorter than one window.
+    """
+
+    def __init__(self, directory: str | Path, block_size: int) -> None:
+        data = MemmapDataset(directory)
+        if data.fields != ["tokens"]:
+            raise ValueError(f"{directory} holds {data.fields}, not a token stream")
+        self.tokens = data.arrays[0]
+        self.block_size = block_size
+        self.windows = (len(self.tokens) - 1) // block_size
+        if self.windows < 1:
+            raise ValueError(f"{len(self.tokens)} tokens make no window of {block_size}")
+        self._offsets = np.arange(block_size + 1, dtype=np.int64)
+
+    def __len__(self) -> int:
+        return self.windows
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        x, y = self.batch([index])
+        return x[0], y[0]
+
+    def batch(self, indices: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Windows ``indices`` stacked: ``(x, y)`` of shape ``(len(indices), block_size)``."""
+        if len(indices) and not 0 <= min(indices) <= max(indices) < self.windows:
+            raise IndexError(f"windows {min(indices)}..{max(indices)} outside "
+                             f"0..{self.windows - 1}")
+        starts = np.asarray(indices, dtype=np.int64)[:, None] * self.block_size
+        rows = torch.from_numpy(self.tokens[starts + self._offsets].astype(np.int64))
+        return rows[:, :-1], rows[:, 1:]

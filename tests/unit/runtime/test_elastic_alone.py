@@ -234,3 +234,24 @@ def test_the_session_is_a_context_manager_that_closes(tmp_path: Path) -> None:
     with session_of(tmp_path, record_dir=str(tmp_path / "rec"))[0] as session:
         assert session._record is not None and session._record.fd >= 0
     assert session._record.fd == -1
+
+
+def test_a_token_stream_is_read_as_windows_and_their_next_tokens(tmp_path: Path) -> None:
+    from phalanx.runtime import TokenWindows, write_tokens
+
+    text = np.frombuffer(b"to be, or not to be: that is the question", dtype=np.uint8)
+    write_tokens(tmp_path / "t", text, 256)
+    windows = TokenWindows(tmp_path / "t", 8)
+    assert len(windows) == (len(text) - 1) // 8 == 5
+    assert np.load(tmp_path / "t" / "tokens.npy").dtype == np.uint8
+    x, y = windows.batch([2, 0])
+    assert x.dtype == torch.int64 and x.shape == y.shape == (2, 8)
+    assert bytes(x[1].tolist()) == b"to be, o" and bytes(y[1].tolist()) == b"o be, or"
+    assert bytes(x[0].tolist()) == text[16:24].tobytes()
+    assert torch.equal(windows[2][1], y[0])
+    with pytest.raises(IndexError, match="outside 0..4"):
+        windows.batch([5])
+    with pytest.raises(ValueError, match="0..99"):
+        write_tokens(tmp_path / "u", [1, 100], 100)
+    write_tokens(tmp_path / "w", [1, 300], 50_000)
+    assert np.load(tmp_path / "w" / "tokens.npy").dtype == np.uint16

@@ -1,0 +1,122 @@
+"""The GPT example end to end: 4 ranks, one killed inside its all-reduce, a replacement joining.
+
+``examples/train_gpt.py`` (at test size: 2 layers, 16-token windows of the
+first 5 kB of the corpus, so an epoch is 20 steps) runs as a 4-replica
+elastic job on a local cluster with ``phalanx up``. Replica ``r1-0`` SIGKILLs
+itself while its gradient all-reduce is in flight; the survivors repair the
+step and go on at 3; elasticity starts a replacement, which joins with a
+peer's state. The run uses the deterministic reduction, so its saved model,
+optimizer and LR scheduler state must be the same as the script run alone,
+every step's global loss the same, and every token window used exactly once
+per epoch.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+import torch
+from e2e_cli import next_of
+from test_elastic import drain, watched_cluster
+
+from phalanx.runtime import record
+from phalanx.runtime.data import ElasticOrder
+from phalanx.schemas.messages import (
+    GenerationReason,
+    JobSpec,
+    JobState,
+    Placement,
+    ReplicaRange,
+)
+from phalanx.services.client import AdmissionClient
+
+pytestmark = pytest.mark.slow
+SCRIPT = Path(__file__).resolve().parents[2] / "examples" / "train_gpt.py"
+STEPS = 1500  # time for the replacement to start and join before the end
+KILL_STEP = 60
+BLOCK, GLOBAL_BATCH, BYTES = 16, 16, 5120
+ARGS = ["--layers", "2", "--heads", "2", "--embd", "32", "--block-size", str(BLOCK),
+        "--global-batch", str(GLOBAL_BATCH), "--micro-batch", "4", "--warmup", "50",
+        "--log-every", "100"]
+ORDER = ElasticOrder((BYTES - 1) // BLOCK, GLOBAL_BATCH, seed=0)
+RUN_ENV = {"PHALANX_DETERMINISTIC": "1", "PHALANX_STATE_CHECKSUM": "1"}
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("gpt-data") / "tokens"
+    subprocess.run([sys.executable, str(SCRIPT), "--prepare", "--data-dir", str(path),
+                    "--max-bytes", str(BYTES)], check=True, timeout=120)
+    return path
+
+
+@pytest.fixture(scope="module")
+async def cluster(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[tuple]:
+    async with watched_cluster(tmp_path_factory.mktemp("gpt-cluster")) as running:
+        yield running
+
+
+def alone(data_dir: Path, out: Path) -> dict:
+    """The reference: the same script alone (world size 1)."""
+    out.mkdir(parents=True)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PHALANX_")}
+    subprocess.run([sys.executable, str(SCRIPT), "--data-dir", str(data_dir), *ARGS,
+                    "--steps", str(STEPS), "--save", str(out / "final.pt")], check=True,
+                   timeout=600, env={**env, **RUN_ENV, "PHALANX_RECORD_DIR": str(out / "rec")})
+    return {**torch.load(out / "final.pt"),
+            "loss": [s.loss for s in record.timeline(record.read(out / "rec"))]}
+
+
+async def test_gpt_trains_through_a_kill_mid_all_reduce_and_a_join_as_it_does_alone(
+        cluster, data_dir: Path, tmp_path: Path) -> None:
+    reference = alone(data_dir, tmp_path / "alone")
+    _, bus, watch = cluster
+    for queue in (watch.generations, watch.progress, watch.states):
+        drain(queue)
+    rec = tmp_path / "rec"
+    spec = JobSpec(name="gpt", team="t", priority_class="normal",
+                   replicas=ReplicaRange(min=2, max=4), placement=Placement(),
+                   command=[sys.executable, str(SCRIPT), "--data-dir", str(data_dir), *ARGS,
+                            "--steps", str(STEPS), "--save", str(tmp_path / "final.pt")],
+                   env={"PHALANX_RECORD_DIR": str(rec), **RUN_ENV,
+                        "PHALANX_CHAOS_KILL": f"r1-0:{KILL_STEP}:allreduce"},
+                   hang_timeout_s=5.0, grace_period_s=3.0)
+    job = await AdmissionClient(bus).submit(spec, "gpt-1")
+    generations = [await next_of(watch.generations, lambda g: g.job_id == job.job_id, 120)]
+    finished = await next_of(watch.states,
+                             lambda r: r.job_id == job.job_id and r.state.terminal, 600)
+    assert finished.state is JobState.FINISHED, finished.reason
+    while not watch.generations.empty():
+        generation = watch.generations.get_nowait()
+        if generation.job_id == job.job_id:
+            generations.append(generation)
+    assert [(g.reason, g.world_size) for g in generations[:3]] == [
+        (GenerationReason.START, 4), (GenerationReason.FAULT, 3), (GenerationReason.JOIN, 4)]
+
+    records = record.read(rec)
+    assert any(line["kind"] == "chaos" for line in records["r1-0"])
+    assert any(line.get("kept") for lines in records.values() for line in lines
+               if line["kind"] == "batch" and line["generation"] == 1), "step repaired"
+    adopt = next(line for line in records["r1-1"] if line["kind"] == "adopt")
+    assert KILL_STEP < adopt["step"] < STEPS and adopt["state_bytes"] > 0
+    # Every step committed once, each on exactly its batch: every window once per epoch.
+    assert record.verify(records, ORDER, STEPS) == []
+    steps = record.timeline(records)
+    torch.testing.assert_close(torch.tensor([s.loss for s in steps], dtype=torch.float64),
+                               torch.tensor(reference["loss"], dtype=torch.float64),
+                               rtol=1e-5, atol=1e-7)
+
+    final = torch.load(tmp_path / "final.pt")
+    for name, value in reference["model"].items():
+        torch.testing.assert_close(final["model"][name], value, rtol=1e-6, atol=1e-7)
+    assert final["scheduler"] == reference["scheduler"]
+    assert final["optimizer"]["param_groups"] == reference["optimizer"]["param_groups"]
+    for index, state in reference["optimizer"]["state"].items():
+        for name, value in state.items():
+            torch.testing.assert_close(final["optimizer"]["state"][index][name], value,
+                                       rtol=1e-6, atol=1e-7)
