@@ -20,6 +20,15 @@ For language models, :func:`write_tokens` writes a token stream (one field,
 tokens: window ``i`` is ``(tokens[i*b : i*b+b], tokens[i*b+1 : i*b+b+1])``,
 input and next-token target. Each window is one sample of the elastic order,
 so every window is used exactly once per epoch at any world size.
+
+A dataset without ``batch()`` (or a session given ``DataLoader`` options) is
+read by :class:`StepLoader`: the standard ``DataLoader`` machinery (the
+user's ``num_workers``, ``collate_fn``, ``pin_memory``), fed the step's
+indices: one loader for the whole run, its batch sampler set to the step's
+micro-batches before each step, its workers persistent. A step's next
+micro-batches are read and collated while the current one computes
+(``prefetch_factor`` per worker); nothing is read ahead across steps, since
+the next step's indices depend on the membership then.
 """
 
 from __future__ import annotations
@@ -27,11 +36,14 @@ from __future__ import annotations
 import json
 import os
 import shutil
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
+
+from phalanx.runtime.data import MicroBatch
 
 MANIFEST = "dataset.json"
 
@@ -156,3 +168,60 @@ class TokenWindows(torch.utils.data.Dataset):
         starts = np.asarray(indices, dtype=np.int64)[:, None] * self.block_size
         rows = torch.from_numpy(self.tokens[starts + self._offsets].astype(np.int64))
         return rows[:, :-1], rows[:, 1:]
+
+
+#: DataLoader options the session decides itself.
+SESSION_OWNED = frozenset({"batch_size", "shuffle", "sampler", "batch_sampler", "drop_last"})
+
+
+class _StepBatches:
+    """A batch sampler whose batches are set before each step."""
+
+    def __init__(self) -> None:
+        self.batches: list[list[int]] = []
+
+    def __iter__(self) -> Iterator[list[int]]:
+        return iter(self.batches)
+
+    def __len__(self) -> int:
+        return len(self.batches)
+
+
+class StepLoader:
+    """A ``DataLoader`` over ``dataset`` that reads the micro-batches a step asks for.
+
+    Args:
+        dataset: map-style.
+        options: ``DataLoader`` keyword arguments other than the sampling ones (those
+            in :data:`SESSION_OWNED`); with ``num_workers > 0``, ``persistent_workers``
+            defaults to True.
+
+    Raises:
+        ValueError: an option the session owns.
+    """
+
+    def __init__(self, dataset: Any, options: Mapping[str, Any]) -> None:
+        owned = sorted(SESSION_OWNED & set(options))
+        if owned:
+            raise ValueError(f"the session decides {owned}: the elastic order samples the "
+                             "data (pass the other DataLoader options)")
+        options = dict(options)
+        if options.get("num_workers", 0) > 0:
+            options.setdefault("persistent_workers", True)
+        self.sampler = _StepBatches()
+        self.loader = torch.utils.data.DataLoader(dataset, batch_sampler=self.sampler,
+                                                  **options)
+
+    def batches(self, plan: Sequence[MicroBatch]) -> Iterator[Any]:
+        """The loaded batches of ``plan``, in order."""
+        if not plan:
+            return iter(())
+        self.sampler.batches = [list(mb.indices) for mb in plan]
+        return iter(self.loader)
+
+
+def step_loader(dataset: Any, options: Mapping[str, Any] | None) -> StepLoader | None:
+    """The loader of a session: None when the dataset's ``batch()`` serves (no options)."""
+    if options is None and hasattr(dataset, "batch"):
+        return None
+    return StepLoader(dataset, options or {})

@@ -95,6 +95,7 @@ from phalanx.runtime import chaos, priority, teardown
 from phalanx.runtime.bus_thread import BusThread
 from phalanx.runtime.chaos import parse_chaos_kill
 from phalanx.runtime.data import ElasticOrder, MicroBatch
+from phalanx.runtime.dataset import step_loader
 from phalanx.runtime.group import Aborted, Waits, rendezvous
 from phalanx.runtime.inbox import Inbox
 from phalanx.runtime.progress import ProgressReporter
@@ -176,8 +177,12 @@ class ElasticSession:
 
     Args:
         model / optimizer: what to train; the session never wraps them.
-        dataset: map-style; if it has ``batch(indices)`` that is used for a micro-batch,
-            else a standard DataLoader over the micro-batch's indices.
+        dataset: map-style; if it has ``batch(indices)`` (and no ``loader`` options are
+            given) that is used for a micro-batch, else a standard DataLoader.
+        loader: options of the ``DataLoader`` that reads the micro-batches
+            (``num_workers``, ``collate_fn``, ``pin_memory``, ``prefetch_factor`` ...);
+            the session owns the sampling. With workers, they are persistent and read
+            a step's next micro-batches while the current one computes.
         global_batch: samples per optimizer step across all ranks.
         micro_batch_size: the most samples one forward pass takes (gradient accumulation).
         seed: fixes the data order.
@@ -216,11 +221,13 @@ class ElasticSession:
                  deterministic: bool = False, warmup: Callable[[], None] | None = None,
                  nice_when_ready: int | None = None,
                  chaos_kill: tuple[int, str] | None = None,
-                 state: Mapping[str, Any] | None = None, metrics: Sequence[str] = ()) -> None:
+                 state: Mapping[str, Any] | None = None, metrics: Sequence[str] = (),
+                 loader: Mapping[str, Any] | None = None) -> None:
         self.model = model
         self.optimizer = optimizer
         self.dataset = dataset
         self.order = ElasticOrder(len(dataset), global_batch, seed)
+        self._loader = step_loader(dataset, loader)
         self.micro_batch_size = micro_batch_size or global_batch
         self.bus = bus
         self.job_id = job_id
@@ -747,6 +754,12 @@ class ElasticSession:
                               self.micro_batch_size, aligned=self.deterministic), None
         return order.plan(epoch, in_epoch, self.world_size, self.rank, self.micro_batch_size,
                           aligned=self.deterministic), None
+
+    def _load(self, plan: list[MicroBatch]) -> Iterator[Any]:
+        """The batches of ``plan``'s micro-batches, in order (lazily)."""
+        if self._loader is None:  # the dataset's own gather
+            return (self.dataset.batch(mb.indices) for mb in plan)
+        return self._loader.batches(plan)
 
     def _generation_number(self) -> int:
         return self.generation.generation if self.generation is not None else 0

@@ -98,16 +98,12 @@ class Step:
         :meth:`backward`, which does.
         """
         session = self.session
-        dataset = session.dataset
+        loaded = session._load(self.plan)
         for n, mb in enumerate(self.plan):
             if n == len(self.plan) - 1:
                 session._arm(self)  # its backward starts the all-reduce
             self._weight = mb.weight
-            if hasattr(dataset, "batch"):
-                yield dataset.batch(mb.indices), mb.weight
-            else:
-                loader = torch.utils.data.DataLoader(dataset, batch_sampler=[list(mb.indices)])
-                yield next(iter(loader)), mb.weight
+            yield next(loaded), mb.weight
             if session.deterministic:  # the caller's backward for this micro-batch is done
                 session._fold_gradients()
         self._weight = None

@@ -255,3 +255,55 @@ def test_a_token_stream_is_read_as_windows_and_their_next_tokens(tmp_path: Path)
         write_tokens(tmp_path / "u", [1, 100], 100)
     write_tokens(tmp_path / "w", [1, 300], 50_000)
     assert np.load(tmp_path / "w" / "tokens.npy").dtype == np.uint16
+
+
+class Squares(torch.utils.data.Dataset):
+    """Map-style, without batch(): read sample by sample, as most datasets are."""
+
+    def __init__(self, n: int) -> None:
+        rng = np.random.default_rng(1)
+        self.x = torch.from_numpy(rng.standard_normal((n, 4), dtype=np.float32))
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        return {"x": self.x[index], "y": self.x[index, :2] ** 2, "i": torch.tensor(index)}
+
+
+def stacked(samples: list[dict[str, torch.Tensor]]) -> tuple[torch.Tensor, ...]:
+    return tuple(torch.stack([s[k] for s in samples]) for k in ("x", "y", "i"))
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_dataset_without_batch_is_read_by_the_dataloader_with_the_users_options(
+        tmp_path: Path, workers: int) -> None:
+    def run(loader: dict | None) -> tuple[list[torch.Tensor], list[list[int]]]:
+        torch.manual_seed(0)
+        model = torch.nn.Linear(4, 2)
+        session = ElasticSession(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                                 Squares(40), global_batch=8, micro_batch_size=3,
+                                 deterministic=True, loader=loader)
+        seen = []
+        for step in session.steps(10):
+            for x, y, i in step:
+                step.backward(torch.nn.functional.mse_loss(model(x), y))
+                seen.append(i.tolist())
+            assert step.commit()
+        return [p.detach().clone() for p in model.parameters()], seen
+
+    params, seen = run({"num_workers": workers, "collate_fn": stacked})
+    order = ElasticOrder(40, 8)
+    expected = [list(mb.indices) for s in range(10)
+                for mb in order.plan(*divmod(s, order.steps_per_epoch), 1, 0, 3, aligned=True)]
+    assert seen == expected  # the session's exactly-once order, whatever the workers do
+    reference, _ = run({"collate_fn": stacked})
+    for p, q in zip(params, reference, strict=True):
+        assert torch.equal(p, q)
+
+
+def test_the_session_owns_the_sampling_options(tmp_path: Path) -> None:
+    model = torch.nn.Linear(4, 2)
+    with pytest.raises(ValueError, match=r"decides \['batch_size', 'shuffle'\]"):
+        ElasticSession(model, torch.optim.SGD(model.parameters(), lr=0.1), Squares(8),
+                       global_batch=4, loader={"shuffle": True, "batch_size": 2})
