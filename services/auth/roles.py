@@ -209,6 +209,7 @@ def permissions(role: Role, scope: str | None = None) -> Permissions:
                   s.any_id(s.agent_chaos), s.any_id(s.agent_status), s.any_id(s.node_condition),
                   s.service_api_requests())
             g.open_bucket(s.NODES_BUCKET, ">").open_bucket(s.JOBS_BUCKET)
+            g.read_bucket(s.GENERATIONS_BUCKET)  # phalanx job shows the current membership
         case Role.VIEWER:
             g.sub(s.everything())
             g.pub(s.admission_explain(), s.any_id(s.agent_status), s.service_api_requests())

@@ -30,6 +30,7 @@ from phalanx.bus.stream import ensure_job_events
 from phalanx.schemas import subjects
 from phalanx.schemas.codec import decode
 from phalanx.schemas.messages import (
+    ExitCause,
     Generation,
     GenerationReason,
     JobRecord,
@@ -314,7 +315,7 @@ async def test_a_job_without_an_identity_does_not_start_as_anyone_else(
     exits = await viewer.nc.subscribe(subjects.rank_exited("no-key"))
     await cli.submit(job_spec("auth"), "no-key")
     exited = decode((await exits.next_msg(timeout=10)).data, RankExited)
-    assert exited.exit_code == 127
+    assert exited.cause is ExitCause.LAUNCH_FAILED and "no-key.nk is missing" in exited.detail
     assert not any(seen.startswith(subjects.health_job_ranks("no-key")[:-1])
                    for seen in watcher.seen)
 
