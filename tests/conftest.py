@@ -51,6 +51,14 @@ class RestartableNats:
 
 
 @pytest.fixture
+def own_nats(tmp_path: Path) -> Iterator[NatsServer]:
+    """A test's own nats-server, for what must not reach other tests (garbage in shared
+    buckets, leases and leadership state)."""
+    with NatsServer(tmp_path / "js", port=0, log_path=tmp_path / "nats.log") as server:
+        yield server
+
+
+@pytest.fixture
 def restartable_nats(tmp_path: Path) -> Iterator[RestartableNats]:
     server = RestartableNats(tmp_path / "nats")
     try:

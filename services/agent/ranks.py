@@ -49,6 +49,8 @@ import zlib
 from collections.abc import Awaitable, Callable, Mapping
 from pathlib import Path
 
+import msgspec
+
 from phalanx.bus.config import with_identity
 from phalanx.runtime import priority
 from phalanx.schemas.errors import PhalanxError
@@ -356,13 +358,13 @@ class RankSet:
         log.info("rank exited", extra={"job": entry.job_id, "rank": entry.rank,
                                        "exit_code": exit_code, "signal": signame,
                                        "cause": cause.value})
-        failed = cause is ExitCause.EXITED and (exit_code != 0 or signame is not None)
-        await self.report(RankExited(job_id=entry.job_id, rank=entry.rank, node_id=self.node_id,
-                                     pid=entry.pid, cause=cause, exited_at=time.time(),
-                                     exit_code=exit_code, signal=signame,
-                                     replica_id=entry.replica_id,
-                                     detail=self.last_output(entry.job_id, entry.rank)
-                                     if failed else ""))
+        exited = RankExited(job_id=entry.job_id, rank=entry.rank, node_id=self.node_id,
+                            pid=entry.pid, cause=cause, exited_at=time.time(),
+                            exit_code=exit_code, signal=signame, replica_id=entry.replica_id)
+        if exited.failed:  # its last output says why (an exception's traceback)
+            exited = msgspec.structs.replace(
+                exited, detail=self.last_output(entry.job_id, entry.rank))
+        await self.report(exited)
 
     def log_path(self, job_id: str, slot: int) -> Path:
         """The file a slot's ranks write their output to, one after another."""

@@ -7,15 +7,17 @@ and the nodes that send heartbeats, and turns what it hears into faults:
    ended by a signal, crashed: a crash fault at once, saying which. Exits the
    agent caused (cause ``stopped``: cancel, preemption, eviction) are not
    faults. A rank found dead by a restarted agent (cause ``lost``, status
-   unknown) is a crash too, unless its last report said it was its final
-   step (then it finished). An exit reported from a node other than the
-   rank's is a leftover of an earlier placement and is ignored.
-2. **Finish.** A rank that exits with code 0 and no signal is done; when some
+   unknown), or whose command could not start (cause ``launch_failed``), is
+   a crash too. An exit reported from a node other than the rank's is a
+   leftover of an earlier placement and is ignored.
+2. **Finish.** The training is complete once a rank exits with code 0 and no
+   signal or reports its final step; from then on every exit of the job (a
+   lost status, gloo timing out at exit) is done, never a crash. When some
    rank of the job is done and none is still running — the others are done,
    were stopped by their agent (an elastic job's replica that was no longer
    needed), or crashed and were never started again (a slot whose
-   replacements ran out, or whose node is gone) — the job is finished (once)
-   and no longer watched.
+   replacements ran out, or whose node is gone) — the job is finished (once),
+   with the final step reported, and no longer watched.
 3. **Hang.** A rank that has reported progress at least once and then reports
    nothing for longer than the job's ``hang_timeout_s`` hangs: one hang fault,
    strictly after ``last progress + hang_timeout_s``; a report at or before
@@ -34,16 +36,25 @@ and the nodes that send heartbeats, and turns what it hears into faults:
    ``node_timeout_s`` is lost (once), with a node-lost fault for every rank of
    every watched job on it that has not exited. A node never heard from is not
    judged. When its heartbeats resume it is alive again, without new faults.
-6. **Cordon.** Every fault is charged to its node (a node loss once, however
-   many ranks it takes down) at the moment it happened; a node charged
-   ``cordon_faults`` times within ``cordon_window_s`` is cordoned (once),
-   until it is uncordoned, which also forgets its faults.
+6. **Cordon.** Every infrastructure fault (see 8) is charged to its node (a
+   node loss once, however many ranks it takes down) at the moment it
+   happened, unless the node was under injected chaos then
+   (:class:`ChaosInjected`); a node charged ``cordon_faults`` times within
+   ``cordon_window_s`` is cordoned (once), until it is uncordoned, which also
+   forgets its faults.
 
 7. **Blindness.** While the detector cannot hear (between :class:`WatchLost`
    and :class:`WatchResumed`: its bus connection is down) it judges no
    timeout, even when it is still handed events; :class:`WatchResumed` (also at
    a takeover) gives every node and every reporting rank a full timeout from
    that moment, so timeouts that fell due while it was blind are never judged.
+8. **Restart policy.** Each crash, hang or node-lost fault of a rank is
+   charged to its job's :class:`~phalanx.services.health.policy.RestartBudget`
+   (the job's ``restart_policy``, kept across new placements of the same
+   admission): within it, the fault is raised (marked ``application`` when
+   the script failed by itself); past it, the job fails instead
+   (:class:`FailJob`, with the policy's reason code and the rank's error) and
+   is no longer watched.
 
 Faults name the rank's node: the one it was started on, else its placement
 (a crash: the node that reported it), and the replica that runs in the slot

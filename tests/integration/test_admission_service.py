@@ -11,7 +11,7 @@ import json
 import os
 import signal
 import sys
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
 import msgspec
@@ -40,12 +40,6 @@ from phalanx.services.agent.config import AgentConfig
 from phalanx.services.agent.service import AgentService
 from phalanx.services.client import AdmissionClient
 from phalanx.services.natsd import NatsServer
-
-
-@pytest.fixture
-def own_nats(tmp_path: Path) -> Iterator[NatsServer]:
-    with NatsServer(tmp_path / "js", port=0, log_path=tmp_path / "nats.log") as server:
-        yield server
 
 
 @pytest.fixture

@@ -13,7 +13,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
@@ -41,12 +41,6 @@ from phalanx.services.natsd import NatsServer
 
 JOB = "fo-1"
 NODES = {0: "n0", 1: "n0", 2: "n1", 3: "n1"}
-
-
-@pytest.fixture
-def own_nats(tmp_path: Path) -> Iterator[NatsServer]:
-    with NatsServer(tmp_path / "js", port=0, log_path=tmp_path / "nats.log") as server:
-        yield server
 
 
 @pytest.fixture

@@ -15,7 +15,7 @@ import asyncio
 import contextlib
 import sys
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
@@ -48,12 +48,6 @@ from fuzzing import Barrage, World
 
 PER_TARGET = 200
 GARBAGE = b"\x93\x01\x02\x03"  # MessagePack, but a list: no message at all
-
-
-@pytest.fixture
-def own_nats(tmp_path: Path) -> Iterator[NatsServer]:
-    with NatsServer(tmp_path / "js", port=0, log_path=tmp_path / "nats.log") as server:
-        yield server
 
 
 @pytest.fixture
