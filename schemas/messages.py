@@ -145,6 +145,37 @@ services.health.policy`).
     window_s: PosFloat = 300.0
 
 
+class ScalingPolicy(Part):
+    """How an elastic job's size may change (see :mod:`~phalanx.services.admission.scaling`).
+
+    Sizes are counts of replicas within ``replicas.min..max``. With
+    ``replica_increment_step`` k the allowed sizes are ``min, min + k, min + 2k, ...``
+    (up to ``max``); with ``replica_discrete_values`` exactly the listed sizes (each
+    within ``min..max``; the smallest is then the size a gang is admitted at); the two
+    are mutually exclusive, and neither means every size.
+    Growth comes no sooner than ``scale_up_cooldown_s`` after the job's last size
+    change. A replica leaving in a planned shrink has ``graceful_shutdown_timeout_s``
+    to finish its step and exit before it is stopped and handled as a fault; a planned
+    change not complete after ``scaling_timeout_s`` is abandoned and reported.
+    """
+
+    replica_increment_step: Annotated[int, msgspec.Meta(ge=1, le=65_536)] | None = None
+    replica_discrete_values: Annotated[list[SlotCount], msgspec.Meta(min_length=1,
+                                                                     max_length=1024)] | None = None
+    scale_up_cooldown_s: NonNegFloat = 0.0
+    graceful_shutdown_timeout_s: PosFloat = 30.0
+    scaling_timeout_s: PosFloat = 600.0
+
+    def __post_init__(self) -> None:
+        if self.replica_increment_step is not None and self.replica_discrete_values is not None:
+            raise ValueError("scaling: give replica_increment_step or replica_discrete_values, "
+                             "not both")
+        values = self.replica_discrete_values
+        if values is not None and sorted(set(values)) != values:
+            raise ValueError(f"scaling.replica_discrete_values must be distinct and ascending, "
+                             f"got {values}")
+
+
 class JobSpec(Message, tag="phalanx.job_spec.v1"):
     """A job as submitted: a gang of data-parallel replicas and how to run them."""
 
@@ -160,6 +191,14 @@ class JobSpec(Message, tag="phalanx.job_spec.v1"):
     grace_period_s: NonNegFloat = 10.0
     hang_timeout_s: PosFloat = 2.0
     restart_policy: RestartPolicy = RestartPolicy()
+    scaling: ScalingPolicy = ScalingPolicy()
+
+    def __post_init__(self) -> None:
+        values = self.scaling.replica_discrete_values
+        if values is not None and (values[0] < self.replicas.min
+                                   or values[-1] > self.replicas.max):
+            raise ValueError(f"scaling.replica_discrete_values {values} must lie within "
+                             f"replicas.min..max = {self.replicas.min}..{self.replicas.max}")
 
 
 class JobState(enum.StrEnum):
@@ -193,6 +232,7 @@ class ReasonCode(enum.StrEnum):
     LAUNCH_FAILED = "launch_failed"  # the command could not be started
     RESTARTS_EXHAUSTED = "restarts_exhausted"  # a failure after max_restarts replacements
     RESTART_RATE = "restart_rate"  # more than max_restarts_in_window within window_s
+    SCALED = "scaled"  # an operator pinned its size (phalanx scale)
 
 
 class JobRecord(Message, tag="phalanx.job_record.v1"):
@@ -205,7 +245,8 @@ class JobRecord(Message, tag="phalanx.job_record.v1"):
     the job runs, so shrinking a placement never renumbers the replicas that
     stay. ``next_slot`` is the lowest number this admission never used: a job
     growing back after a shrink gets new numbers, so a replica id (``r<slot>-<n>``)
-    never names two processes.
+    never names two processes. ``pinned_replicas`` is the size an operator pinned an
+    elastic job to (``phalanx scale``); None: admission sizes it.
     """
 
     job_id: Ident
@@ -218,6 +259,7 @@ class JobRecord(Message, tag="phalanx.job_record.v1"):
     nodes: list[Ident] = []
     slots: list[NonNegInt] = []
     next_slot: NonNegInt = 0
+    pinned_replicas: SlotCount | None = None
 
     def __post_init__(self) -> None:
         if self.state is JobState.ADMITTED and not self.nodes:

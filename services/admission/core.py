@@ -6,7 +6,8 @@ A *gang* is a job's set of data-parallel replicas; each replica needs
 
 1. **Order.** Pending gangs are considered by priority weight (high first),
    then submission order. Preempted or requeued gangs keep their place.
-2. **All or nothing.** A gang is admitted only when ``replicas.min``
+2. **All or nothing.** A gang is admitted only when its smallest allowed size
+   (``replicas.min`` unless its scaling rules, :mod:`.scaling`, say otherwise) of
    replicas can be placed at once on schedulable (alive, uncordoned) nodes
    matching its labels; with ``spread_failure_domains`` no domain gets more
    than ``ceil(n / domains)`` of its replicas. Placement is best-fit (the
@@ -16,7 +17,8 @@ A *gang* is a job's set of data-parallel replicas; each replica needs
    from *victims*: lower-priority gangs of its own team, and gangs of teams
    that are borrowing (above nominal) when the preemptor's team is within
    its nominal quota after admission (reclaim) or the victim has lower
-   priority. Elastic victims are first shrunk toward their ``min``; whole
+   priority. Elastic victims are first shrunk toward their ``min``, one allowed size
+   at a time; whole
    gangs are evicted only after that, lowest priority and newest first, and
    victims that turn out unnecessary are spared. Never a partial gang.
 5. **Reservation and backfill.** The first ``max_reservations`` gangs that
@@ -25,10 +27,16 @@ A *gang* is a job's set of data-parallel replicas; each replica needs
    reserved (backfill). A big gang therefore cannot starve behind a stream
    of small ones, as long as running work ends.
 6. **Elastic growth.** After the pass, gangs admitted in it get replicas up
-   to ``replicas.max`` from what is still free and unreserved. Running gangs
-   below their ``max`` (shrunk when a node was lost or by preemption, or
-   admitted small) grow back the same way (:class:`Grow`), by priority, but
-   only when no gang waits for capacity: a waiting gang gets freed slots first.
+   to ``replicas.max`` (or an operator's pin) from what is still free and
+   unreserved, to the largest allowed size that reaches. Running gangs below
+   that (shrunk when a node was lost or by preemption, or admitted small) grow
+   back the same way (:class:`Grow`), by priority, but only when no gang waits
+   for capacity — a waiting gang gets freed slots first — and only once the
+   gang's growth cooldown since its last size change is over.
+8. **Pins.** An operator may pin a running or pending elastic gang to one of
+   its allowed sizes (:class:`ScalePinned`): it grows no further than the pin,
+   and one above it shrinks to it at once (:class:`Shrink`); a pin of ``None``
+   releases it. Preemption may still shrink a pinned gang below its pin.
 7. **Timeouts.** A gang that waits in the queue longer than its
    ``schedule_timeout_s`` fails, with the reason it was waiting for; the wait
    starts at submission and again each time it is put back in the queue
@@ -52,6 +60,7 @@ from collections.abc import Callable, Iterable, Iterator
 
 from phalanx.schemas.messages import JobSpec, JobState, ReasonCode
 from phalanx.services.admission.policy import AdmissionPolicy, TeamQuota
+from phalanx.services.admission.scaling import ScalingRules
 
 
 class Reason:
@@ -92,6 +101,17 @@ class JobSubmitted:
     job_id: str
     spec: JobSpec
     submitted_at: float
+    event_id: str = ""
+    pinned_replicas: int | None = None  # an operator's pin, kept in the job record
+
+
+@dataclasses.dataclass(frozen=True)
+class ScalePinned:
+    """An operator pins a job to ``replicas`` (None: releases the pin). Check it with
+    :meth:`AdmissionCore.pin_problem` first."""
+
+    job_id: str
+    replicas: int | None
     event_id: str = ""
 
 
@@ -146,7 +166,7 @@ class NodeRemoved:
 
 
 Event = (JobSubmitted | JobCancelled | JobFinished | JobFailed | JobRequeued | NodeUpdated
-         | NodeRemoved)
+         | NodeRemoved | ScalePinned)
 
 
 # --- decisions -----------------------------------------------------------------------------
@@ -239,24 +259,38 @@ class Gang:
     reason_pass: int = 0
     admitted_seq: int = 0
     deadline: float | None = None  # schedule timeout of the current wait
+    pinned: int | None = None  # an operator's pin: grow no further, shrink to it
+    changed_at: float = 0.0  # the last size change: growth waits out the cooldown from it
     # Copied out of the spec once: the pass reads them for every gang it looks at.
     team: str = dataclasses.field(init=False)
     per_replica: int = dataclasses.field(init=False)
     min_slots: int = dataclasses.field(init=False)
+    rules: ScalingRules = dataclasses.field(init=False)
     shape: tuple = dataclasses.field(init=False)  # what admission depends on, besides order
 
     def __post_init__(self) -> None:
         spec = self.spec
         self.team = spec.team
         self.per_replica = spec.slots_per_replica
-        self.min_slots = spec.replicas.min * spec.slots_per_replica
-        self.shape = (self.weight, self.team, spec.slots_per_replica, spec.replicas.min,
+        self.rules = ScalingRules.of(spec)
+        self.min_slots = self.rules.smallest * spec.slots_per_replica
+        self.shape = (self.weight, self.team, spec.slots_per_replica, self.rules.smallest,
                       tuple(sorted(spec.placement.node_labels.items())),
                       spec.placement.spread_failure_domains)
 
     @property
     def slots(self) -> int:
         return len(self.nodes) * self.spec.slots_per_replica
+
+    @property
+    def smallest(self) -> int:
+        """The size it is admitted at, and below which a planned change never takes it."""
+        return self.rules.smallest
+
+    @property
+    def cap(self) -> int:
+        """The size it may grow to: its pin, else its largest allowed size."""
+        return self.rules.largest if self.pinned is None else self.pinned
 
     def order_key(self) -> tuple[int, int]:
         return (-self.weight, self.seq)
@@ -315,6 +349,7 @@ class AdmissionCore:
         self._elastic: dict[str, Gang] = {}  # running gangs holding more than their min
         self._short: dict[str, Gang] = {}  # running gangs holding less than their max
         self._regrown_at = -1  # the _version of the last growth attempt
+        self._regrow_due = math.inf  # when a gang held back by its cooldown may grow
         self._slots_by_weight: dict[int, int] = {}  # slots held by admitted gangs, per weight
         self._held: dict[str, dict[int, int]] = {}  # team -> weight -> slots held
         self._domain_cache: dict[tuple, int] = {}  # spread: matching domains per shape
@@ -343,11 +378,14 @@ class AdmissionCore:
         if spec.priority_class not in self.policy.priority_classes:
             known = ", ".join(sorted(self.policy.priority_classes))
             raise SpecRejected(f"priority_class {spec.priority_class!r} is not one of: {known}")
-        need = spec.replicas.min * spec.slots_per_replica
+        smallest = ScalingRules.of(spec).smallest
+        field = "replicas.min" if smallest == spec.replicas.min else \
+            "the smallest of scaling.replica_discrete_values"
+        need = smallest * spec.slots_per_replica
         total = sum(n.slots for n in self.nodes.values() if n.alive)
         if need > total:
             raise SpecRejected(
-                f"replicas.min x slots_per_replica = {spec.replicas.min} x "
+                f"{field} x slots_per_replica = {smallest} x "
                 f"{spec.slots_per_replica} = {need} slots, but the whole cluster has {total}")
         if not any(n.alive and n.slots >= spec.slots_per_replica for n in self.nodes.values()):
             raise SpecRejected(f"slots_per_replica {spec.slots_per_replica} exceeds every "
@@ -377,7 +415,39 @@ class AdmissionCore:
                 return self._node_updated(event, now)
             case NodeRemoved():
                 return self._node_gone(event.node_id, event.event_id, now, remove=True)
+            case ScalePinned():
+                return self._pinned(event, now)
         raise TypeError(f"unknown event {event!r}")
+
+    def pin_problem(self, job_id: str, replicas: int | None) -> str | None:
+        """Why ``job_id`` cannot be pinned to ``replicas`` now (None: it can).
+
+        Raises:
+            KeyError: unknown job.
+        """
+        gang = self.gangs[job_id]
+        if gang.state.terminal:
+            return f"{job_id} is {gang.state.value}"
+        if replicas is None:
+            return None
+        if gang.rules.largest == gang.rules.smallest:
+            return f"{job_id} is rigid: it runs {gang.rules.smallest} replica(s)"
+        return gang.rules.pin_problem(replicas)
+
+    def _pinned(self, event: ScalePinned, now: float) -> list[Decision]:
+        gang = self.gangs.get(event.job_id)
+        if gang is None or self.pin_problem(event.job_id, event.replicas) is not None:
+            return []
+        gang.pinned = event.replicas
+        self._track_elastic(gang)
+        self._regrown_at = -1  # a released pin may let it grow now
+        if event.replicas is None or len(gang.nodes) <= event.replicas:
+            return []
+        self._release(gang, gang.nodes[event.replicas:])
+        gang.changed_at = now
+        self._admitted_reason(gang)
+        return [Shrink(gang.job_id, tuple(gang.nodes), Reason(
+            ReasonCode.SCALED, f"pinned to {event.replicas} replica(s)"), event.event_id)]
 
     def _submitted(self, event: JobSubmitted) -> list[Decision]:
         if event.job_id in self.gangs:
@@ -385,7 +455,7 @@ class AdmissionCore:
         weight = self.policy.priority_classes.get(event.spec.priority_class)
         self._seq += 1
         gang = Gang(event.job_id, event.spec, weight if weight is not None else 0, self._seq,
-                    event.submitted_at)
+                    event.submitted_at, pinned=event.pinned_replicas)
         self.gangs[gang.job_id] = gang
         if weight is None:
             gang.state = JobState.FAILED
@@ -395,7 +465,8 @@ class AdmissionCore:
         self._enqueue(gang, event.submitted_at)
         return []
 
-    def restore(self, event: JobSubmitted, nodes: list[str]) -> list[Decision]:
+    def restore(self, event: JobSubmitted, nodes: list[str],
+                now: float = 0.0) -> list[Decision]:
         """Rebuild a gang the ledger says runs on ``nodes`` (a new leader loading state).
 
         Call after the nodes are known. A gang whose nodes are gone, lost or now too
@@ -412,6 +483,7 @@ class AdmissionCore:
                and self.nodes[node_id].slots - self.nodes[node_id].used >= slots
                for node_id, slots in need.items()):
             self._admit(gang, list(nodes))
+            gang.changed_at = now  # a new leader waits out a cooldown before growing it
             return decisions
         gang.reason = Reason(ReasonCode.NODE_LOST, f"a node of its placement {sorted(need)} "
                                                    "is gone or full after a leader change")
@@ -485,11 +557,16 @@ class AdmissionCore:
 
     def _evict_for_node(self, gang: Gang, node: Node, cause: str, now: float,
                         why: str) -> list[Decision]:
-        """Shrink ``gang`` off ``node`` if it keeps its min elsewhere, else requeue it whole."""
+        """Shrink ``gang`` off ``node`` to the largest allowed size the rest of its replicas
+        hold, else requeue it whole."""
         keep = [n for n in gang.nodes if n != node.node_id]
         reason = Reason(ReasonCode.NODE_LOST, why)
-        if len(keep) >= gang.spec.replicas.min:
+        size = gang.rules.at_most(len(keep))
+        if size is not None:
             self._release(gang, [n for n in gang.nodes if n == node.node_id])
+            if len(gang.nodes) > size:  # also give back what an allowed size does not use
+                self._release(gang, gang.nodes[size:])
+            gang.changed_at = now
             return [Shrink(gang.job_id, tuple(gang.nodes), reason, cause)]
         self._release(gang, list(gang.nodes))
         gang.state = JobState.PENDING
@@ -570,13 +647,13 @@ class AdmissionCore:
             gang.reason_pass = self.pass_no
             quota_ok = used + gang.min_slots <= quota.ceiling
             victims: list[tuple[Gang, int]] | None = None
-            nodes = (self._place(gang, gang.spec.replicas.min, reserved)
+            nodes = (self._place(gang, gang.smallest, reserved)
                      if quota_ok and gang.min_slots <= free_now else None)
             if nodes is None and self._preemption_may_help(gang, free_now):
                 victims = self._plan_preemption(gang, reserved)
                 if victims is not None:
                     decisions += self._preempt(victims, gang, cause, now)
-                    nodes = self._place(gang, gang.spec.replicas.min, reserved)
+                    nodes = self._place(gang, gang.smallest, reserved)
                     assert nodes is not None, "preemption plan promised room"
             if nodes is not None:
                 self._admit(gang, nodes)
@@ -616,27 +693,36 @@ class AdmissionCore:
             if gang.state is not JobState.ADMITTED:
                 continue  # admitted earlier in this pass, then preempted by a reclaim
             self._grow(gang, reserved)
+            gang.changed_at = now
             self._admitted_reason(gang)
             decisions.append(Admit(gang.job_id, tuple(gang.nodes), cause))
         # Growth is tried only with free slots nobody waits for, and once per allocation
-        # state: a pass that changed nothing would find what the last one found.
+        # state (a pass that changed nothing would find what the last one found) or when a
+        # gang's cooldown ends.
         if self._short and not holders and not waiting_for_capacity \
-                and self._free_total > 0 and self._regrown_at != self._version:
-            decisions += self._regrow({g.job_id for g in admitted}, cause)
+                and self._free_total > 0 and (self._regrown_at != self._version
+                                              or now >= self._regrow_due):
+            decisions += self._regrow({g.job_id for g in admitted}, cause, now)
             self._regrown_at = self._version
         return decisions
 
-    def _regrow(self, admitted: set[str], cause: str) -> list[Decision]:
-        """Running gangs below their max take free slots back, highest priority first."""
+    def _regrow(self, admitted: set[str], cause: str, now: float) -> list[Decision]:
+        """Running gangs below their cap take free slots back, highest priority first; a
+        gang within its cooldown is skipped and looked at again when it ends."""
         grown: list[Decision] = []
+        self._regrow_due = math.inf
         for gang in sorted(self._short.values(), key=Gang.order_key):
             if self._free_total <= 0:
                 break
             if gang.job_id in admitted:
                 continue  # grew with its Admit
+            if not gang.rules.may_grow(gang.changed_at, now):
+                self._regrow_due = min(self._regrow_due, gang.changed_at + gang.rules.cooldown_s)
+                continue
             before = len(gang.nodes)
             self._grow(gang, {})
             if len(gang.nodes) > before:
+                gang.changed_at = now
                 self._admitted_reason(gang)
                 grown.append(Grow(gang.job_id, tuple(gang.nodes), cause))
         return grown
@@ -708,14 +794,14 @@ class AdmissionCore:
         """Hold free slots for ``gang`` on the nodes it will land on; returns slots held.
 
         The target nodes are the matching ones with the most free slots, taken until
-        they could host ``replicas.min`` replicas once empty (at most a fair share per
+        they could host the gang's smallest size once empty (at most a fair share per
         failure domain for a spread gang). Everything free on them is held, even less
         than a replica, so slots freed there a few at a time add up to whole replicas
         instead of being backfilled away. Held slots only grow on the targets, so the
         same nodes stay the targets from pass to pass.
         """
         k = gang.per_replica
-        n = gang.spec.replicas.min
+        n = gang.smallest
         share = (math.ceil(n / max(1, self._domains(gang)))
                  if gang.spec.placement.spread_failure_domains else n)
         per_domain: dict[str, int] = {}
@@ -753,22 +839,29 @@ class AdmissionCore:
             if node.schedulable and node.slots >= k and node.matches(gang.spec):
                 by_domain[node.failure_domain] = (by_domain.get(node.failure_domain, 0)
                                                   + node.slots // k)
-        n = gang.spec.replicas.min
+        n = gang.smallest
         if gang.spec.placement.spread_failure_domains and by_domain:
             cap = math.ceil(n / len(by_domain))
             return sum(min(c, cap) for c in by_domain.values()) >= n
         return sum(by_domain.values()) >= n
 
     def _grow(self, gang: Gang, reserved: dict[str, int]) -> None:
-        """Give a just-admitted elastic gang extra replicas from unreserved free slots."""
+        """Give an elastic gang extra replicas from unreserved free slots, up to the largest
+        allowed size within its cap that they reach (none if they reach no allowed size)."""
         ceiling = self._quota(gang.team).ceiling
-        while len(gang.nodes) < gang.spec.replicas.max:
+        before = len(gang.nodes)
+        added: list[str] = []
+        while before + len(added) < gang.cap:
             if self.usage.get(gang.team, 0) + gang.per_replica > ceiling:
-                return
+                break
             extra = self._place(gang, 1, reserved, existing=gang.nodes)
             if extra is None:
-                return
+                break
             self._allocate(gang, extra)
+            added += extra
+        target = gang.rules.grow_target(before, before + len(added), gang.cap) or before
+        if len(gang.nodes) > target:
+            self._release(gang, gang.nodes[target:])
 
     # --- preemption ---------------------------------------------------------------------
 
@@ -810,7 +903,7 @@ class AdmissionCore:
 
         def fits() -> bool:
             return (need <= 0 and self.usage.get(gang.team, 0) + gang.min_slots <= ceiling
-                    and self._place(gang, gang.spec.replicas.min, reserved) is not None)
+                    and self._place(gang, gang.smallest, reserved) is not None)
 
         def take(victim: Gang, count: int) -> list[str]:
             nonlocal need
@@ -838,6 +931,8 @@ class AdmissionCore:
             need = 0  # from here on fits() must place for real
             for i in range(len(taken) - 2, -1, -1):
                 victim, nodes = taken[i]
+                if any(later is victim for later, _ in taken[i + 1:]):
+                    continue  # only a victim's last step down may be spared: sizes stay allowed
                 self._allocate(victim, nodes)
                 if fits():
                     taken.pop(i)
@@ -878,9 +973,11 @@ class AdmissionCore:
         extras = sorted((g for g in self._elastic.values() if g.team in rules
                          and rules[g.team](g.weight)),
                         key=lambda g: (g.weight, -g.admitted_seq))
-        for victim in extras:  # one replica at a time: a shrink takes only what is needed
-            for _ in range(len(victim.nodes) - victim.spec.replicas.min):
-                yield victim, 1
+        for victim in extras:  # one allowed size at a time: a shrink takes only what is needed
+            size = len(victim.nodes)
+            while (lower := victim.rules.step_down(size)) is not None:
+                yield victim, size - lower
+                size = lower
         for victim in by_weight():
             yield victim, -1  # -1: evict whatever it still holds
 
@@ -891,7 +988,8 @@ class AdmissionCore:
                f"team {gang.team})")
         for victim, count in victims:
             reason = Reason(ReasonCode.PREEMPTED, why)
-            if len(victim.nodes) - count >= victim.spec.replicas.min:
+            victim.changed_at = now
+            if len(victim.nodes) - count >= victim.smallest:
                 self._release(victim, victim.nodes[-count:])
                 decisions.append(Shrink(victim.job_id, tuple(victim.nodes), reason, cause))
             else:
@@ -955,11 +1053,11 @@ class AdmissionCore:
         self._track_elastic(gang)
 
     def _track_elastic(self, gang: Gang) -> None:
-        if len(gang.nodes) > gang.spec.replicas.min:
+        if len(gang.nodes) > gang.smallest:
             self._elastic[gang.job_id] = gang
         else:
             self._elastic.pop(gang.job_id, None)
-        if gang.nodes and len(gang.nodes) < gang.spec.replicas.max:
+        if gang.nodes and len(gang.nodes) < gang.cap:
             self._short[gang.job_id] = gang
         else:
             self._short.pop(gang.job_id, None)
@@ -1043,7 +1141,7 @@ class AdmissionCore:
         return self._queue_index(gang) + 1 if gang.state is JobState.PENDING else None
 
     def _need_text(self, gang: Gang) -> str:
-        return (f"{gang.spec.replicas.min} replica(s) x {gang.per_replica} slot(s) = "
+        return (f"{gang.smallest} replica(s) x {gang.per_replica} slot(s) = "
                 f"{gang.min_slots} slots")
 
     def _quota_message(self, gang: Gang, used: int) -> str:
@@ -1092,6 +1190,7 @@ class AdmissionCore:
             if gang.state is JobState.ADMITTED:
                 assert len(gang.nodes) >= gang.spec.replicas.min, f"{gang.job_id} below min"
                 assert len(gang.nodes) <= gang.spec.replicas.max, f"{gang.job_id} above max"
+                assert gang.rules.allows(len(gang.nodes)), f"{gang.job_id} at a size not allowed"
                 for node_id in gang.nodes:
                     used[node_id] = used.get(node_id, 0) + gang.per_replica
                 team_use[gang.team] = team_use.get(gang.team, 0) + gang.slots
@@ -1104,7 +1203,7 @@ class AdmissionCore:
         assert set(self.running) == {g.job_id for g in self.gangs.values()
                                      if g.state is JobState.ADMITTED}, "running set drifted"
         assert set(self._short) == {j for j, g in self.running.items()
-                                    if len(g.nodes) < g.spec.replicas.max}, "short set drifted"
+                                    if len(g.nodes) < g.cap}, "short set drifted"
         for team, slots in team_use.items():
             assert slots <= self._quota(team).ceiling, f"team {team} over quota"
             assert self.usage.get(team, 0) == slots, f"team {team} usage drifted"

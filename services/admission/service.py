@@ -226,8 +226,9 @@ class AdmissionService(Service):
                     team=record.spec.team, slots_per_replica=record.spec.slots_per_replica,
                     nodes=list(record.nodes))
             event = core.JobSubmitted(record.job_id, record.spec, record.submitted_at,
-                                      event_id="restore")
-            decisions += term.core.restore(event, list(allocation.nodes) if allocation else [])
+                                      event_id="restore", pinned_replicas=record.pinned_replicas)
+            decisions += term.core.restore(event, list(allocation.nodes) if allocation else [],
+                                           time.time())
             term.persisted[record.job_id] = (record.state, record.reason_code,
                                              tuple(record.nodes))
         # Records the crash left behind the ledger (admitted there, still pending here, or
@@ -307,6 +308,7 @@ class AdmissionService(Service):
             return msgspec.structs.replace(base, state=gang.state, updated_at=now,
                                            reason_code=reason.code, reason=reason.message,
                                            nodes=nodes, next_slot=next_slot,
+                                           pinned_replicas=gang.pinned,
                                            slots=[] if slots == list(range(len(nodes))) else slots)
 
         entry = await self.jobs.modify(gang.job_id, change)
