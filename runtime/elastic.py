@@ -81,6 +81,7 @@ import os
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 import msgspec
@@ -107,6 +108,8 @@ from phalanx.runtime.reduce import (
     flat_gradients,
     write_gradients,
 )
+from phalanx.runtime.snapshot import Snapshotter, restore
+from phalanx.runtime.snapshot_file import Header
 from phalanx.runtime.state import (
     StateTransferError,
     landing_buffers,
@@ -122,6 +125,8 @@ from phalanx.schemas.messages import (
     GenerationReason,
     RankProgress,
     ReplicaReady,
+    SnapshotRecord,
+    SnapshotTier,
 )
 
 log = logging.getLogger("phalanx.runtime")
@@ -209,6 +214,10 @@ class ElasticSession:
             receives state; more with :meth:`register`.
         metrics: names of scalars the script adds per step with :meth:`Step.add`; each is
             summed over the ranks with the gradients (the loss always is).
+        snapshot_every: after every this many committed steps, snapshot this rank's share
+            of the state into its node agent's shared memory (:mod:`.snapshot`); 0: never.
+        snapshot_keep: buffers in each share's ring (2: double-buffered).
+        snapshot_dir: the node's snapshot store for this job (where a restore reads).
     """
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
@@ -222,7 +231,8 @@ class ElasticSession:
                  nice_when_ready: int | None = None,
                  chaos_kill: tuple[int, str] | None = None,
                  state: Mapping[str, Any] | None = None, metrics: Sequence[str] = (),
-                 loader: Mapping[str, Any] | None = None) -> None:
+                 loader: Mapping[str, Any] | None = None, snapshot_every: int = 0,
+                 snapshot_keep: int = 2, snapshot_dir: str | None = None) -> None:
         self.model = model
         self.optimizer = optimizer
         self.dataset = dataset
@@ -276,6 +286,10 @@ class ElasticSession:
         self._stores: dict[str, dist.Store] = {}
         self._landing: list[torch.Tensor] = []  # for the optimizer state a joiner receives
         self.nice_when_ready = nice_when_ready
+        self.snapshot_dir = snapshot_dir
+        self._snapshots = Snapshotter(bus, job_id, replica_id, node_id, every=snapshot_every,
+                                      keep=snapshot_keep) \
+            if bus is not None and snapshot_every > 0 and snapshot_dir else None
         if warmup is not None and bus is not None:
             warmup()
             optimizer.zero_grad(set_to_none=False)  # the gradients' memory stays touched
@@ -303,6 +317,12 @@ class ElasticSession:
         kwargs.setdefault("record_dir", env.get("PHALANX_RECORD_DIR") or None)
         kwargs.setdefault("checksum", env.get("PHALANX_STATE_CHECKSUM") == "1")
         kwargs.setdefault("deterministic", env.get("PHALANX_DETERMINISTIC") == "1")
+        if env.get("PHALANX_SNAPSHOT_DIR"):  # set by the agent with the job's checkpoint policy
+            kwargs.setdefault("snapshot_dir", env["PHALANX_SNAPSHOT_DIR"])
+            kwargs.setdefault("snapshot_every", int(env.get("PHALANX_CHECKPOINT_MEMORY_EVERY",
+                                                            "1")))
+            kwargs.setdefault("snapshot_keep", int(env.get("PHALANX_CHECKPOINT_MEMORY_KEEP",
+                                                           "2")))
         if env.get(priority.ENV, "").lstrip("-").isdigit():
             kwargs.setdefault("nice_when_ready", int(env[priority.ENV]))
         if not env.get("PHALANX_JOB_ID") or not env.get("PHALANX_NATS_URL"):
@@ -599,8 +619,13 @@ class ElasticSession:
         info = torch.zeros(self.world_size, 5, dtype=torch.int64)
         info[self.rank] = torch.tensor(mine.row())
         self._wait(self.pg.allreduce([info]))
-        plan = plan_recovery([MemberProgress(*row) for row in info.tolist()],
-                             generation.generation, generation.resume_step)
+        rows = [MemberProgress(*row) for row in info.tolist()]
+        job_step = generation.resume_step
+        restored = self._restore_snapshot(generation, max(row.committed for row in rows))
+        if restored is not None:  # every member holds the restored step now, nothing kept
+            rows, retained = [MemberProgress(restored)] * len(rows), None
+            job_step = min(job_step, restored)
+        plan = plan_recovery(rows, generation.generation, job_step)
         resume, source = plan.resume, plan.source
         if plan.repair is not None:
             epoch, in_epoch = divmod(resume, self.order.steps_per_epoch)
@@ -631,6 +656,41 @@ class ElasticSession:
                 self._record.write(kind="adopt", generation=generation.generation,
                                    step=step, source=source, state_bytes=nbytes)
         return resume, nbytes
+
+    def _restore_snapshot(self, generation: Generation, members_step: int) -> int | None:
+        """If the members' nodes hold snapshots newer than ``members_step`` (the newest
+        step a member holds), load the newest complete one on every member: its step."""
+        if self._snapshots is None:
+            return None
+        assert self.pg is not None and self.snapshot_dir is not None
+        started = time.time()
+
+        def report(header: Header, problem: str) -> None:
+            log.error("snapshot skipped: %s", problem)
+            if self._record is not None:
+                self._record.write(kind="corrupt", step=header.step, shard=header.shard,
+                                   shards=header.shards, problem=problem)
+            assert self.bus is not None
+            self.bus.publish(subjects.ckpt_snapshot(self.job_id), SnapshotRecord(
+                job_id=self.job_id, step=header.step, shard=header.shard,
+                num_shards=header.shards, node_id=self.node_id, tier=SnapshotTier.LOCAL,
+                nbytes=header.length, checksum=f"{header.checksum:016x}",
+                created_at=time.time(), generation=header.generation,
+                total_bytes=header.total, corrupt=True, detail=problem))
+
+        restored = restore(self.pg, self._wait, self.rank, self.world_size,
+                           Path(self.snapshot_dir), self.job_id, members_step, self.model,
+                           self.optimizer, self._state, report)
+        if restored is None:
+            return None
+        self.committed = restored.step
+        log.warning("%s restored step %d from the nodes' memory (%d B) in generation %d",
+                    self.replica_id, restored.step, restored.nbytes, generation.generation)
+        if self._record is not None:
+            self._record.write(kind="restore", generation=generation.generation,
+                               step=restored.step, tier="memory", state_bytes=restored.nbytes,
+                               seconds=time.time() - started, corrupt=restored.corrupt)
+        return restored.step
 
     # --- one step ------------------------------------------------------------------------
 
@@ -774,8 +834,12 @@ class ElasticSession:
                 kept=0 if step.kept is None else len(step.kept.indices))
 
     def _committed(self, step: Step, now: float) -> None:
-        """``step`` is committed (its optimizer step applied at ``now``): record, report."""
+        """``step`` is committed (its optimizer step applied at ``now``): snapshot, record,
+        report. The snapshot comes first: a step reported committed is in memory."""
         self.committed = step.index + 1
+        if self._snapshots is not None and self._snapshots.due(self.committed):
+            self._snapshots.take(self.model, self.optimizer, self._state, self.committed,
+                                 self.generation.generation, self.rank, self.world_size)
         self.last_step_s = now - step.started
         if self._record is not None:
             extra = {} if step.updated else {"skipped": True}

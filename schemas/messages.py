@@ -85,6 +85,11 @@ class NodeRecord(Message, tag="phalanx.node_record.v1"):
     heartbeat_at: NonNegFloat = 0.0
     slots_used: NonNegInt = 0
     cordoned: bool = False
+    #: Bytes of snapshot buffers the agent holds in shared memory, and its bound.
+    snapshot_bytes: NonNegInt = 0
+    snapshot_limit_bytes: NonNegInt = 0
+    #: Why the agent last refused a snapshot reservation ("" while it refused none).
+    snapshot_refused: Annotated[str, msgspec.Meta(max_length=DETAIL_CHARS)] = ""
 
     def __post_init__(self) -> None:
         if self.slots_used > self.node.slots:
@@ -176,6 +181,18 @@ class ScalingPolicy(Part):
                              f"got {values}")
 
 
+class CheckpointPolicy(Part):
+    """When a job's state is snapshotted (docs/architecture.md, Checkpoints).
+
+    Every ``memory_every_steps`` committed steps (0: never) each rank copies its share
+    of the state into its node agent's shared memory, in a ring of ``memory_keep``
+    buffers per share (2: double-buffered; the newest commit is never overwritten).
+    """
+
+    memory_every_steps: Annotated[int, msgspec.Meta(ge=0, le=1_000_000)] = 1
+    memory_keep: Annotated[int, msgspec.Meta(ge=2, le=16)] = 2
+
+
 class JobSpec(Message, tag="phalanx.job_spec.v1"):
     """A job as submitted: a gang of data-parallel replicas and how to run them."""
 
@@ -191,6 +208,7 @@ class JobSpec(Message, tag="phalanx.job_spec.v1"):
     grace_period_s: NonNegFloat = 10.0
     hang_timeout_s: PosFloat = 2.0
     restart_policy: RestartPolicy = RestartPolicy()
+    checkpoint: CheckpointPolicy = CheckpointPolicy()
     scaling: ScalingPolicy = ScalingPolicy()
 
     def __post_init__(self) -> None:
@@ -632,10 +650,89 @@ class SnapshotRecord(Message, tag="phalanx.snapshot_record.v1"):
     nbytes: NonNegInt
     checksum: Annotated[str, msgspec.Meta(pattern=r"^[0-9a-f]{8,128}\Z")]
     created_at: NonNegFloat
+    generation: NonNegInt = 0
+    #: Bytes of the whole state the shard is part of (every shard of a step names it).
+    total_bytes: NonNegInt = 0
+    #: The copy failed its checksum when read: never to be loaded (``detail`` says how).
+    corrupt: bool = False
+    detail: Annotated[str, msgspec.Meta(max_length=DETAIL_CHARS)] = ""
 
     def __post_init__(self) -> None:
         if self.shard >= self.num_shards:
             raise ValueError(f"shard {self.shard} out of range for {self.num_shards} shards")
+
+
+class SnapshotReserve(Message, tag="phalanx.snapshot_reserve.v1"):
+    """A rank asks its node's agent for a ring of ``buffers`` snapshot buffers of
+    ``nbytes`` each, for shard ``shard`` of ``shards`` of its job's state."""
+
+    job_id: Ident
+    replica_id: Ident
+    shard: NonNegInt
+    shards: PosInt
+    nbytes: Annotated[int, msgspec.Meta(ge=1, le=1 << 44)]
+    buffers: Annotated[int, msgspec.Meta(ge=2, le=16)] = 2
+
+    def __post_init__(self) -> None:
+        if self.shard >= self.shards:
+            raise ValueError(f"shard {self.shard} out of range for {self.shards} shards")
+
+
+class SnapshotReservation(Message, tag="phalanx.snapshot_reservation.v1"):
+    """The agent's answer: the buffer files (created and sized) the rank may write."""
+
+    node_id: Ident
+    paths: Annotated[list[Annotated[str, msgspec.Meta(max_length=4096)]],
+                     msgspec.Meta(min_length=2, max_length=16)]
+    detail: Annotated[str, msgspec.Meta(max_length=DETAIL_CHARS)] = ""
+
+
+class ShardCopy(Part):
+    """One copy of one shard of a step: where it is and what it must hash to."""
+
+    shard: NonNegInt
+    node_id: Ident
+    tier: SnapshotTier
+    nbytes: NonNegInt
+    checksum: Annotated[str, msgspec.Meta(pattern=r"^[0-9a-f]{8,128}\Z")]
+    generation: NonNegInt = 0
+    corrupt: bool = False
+
+
+class CatalogStep(Part):
+    """What the catalog knows of one step: its shard count and every copy seen."""
+
+    step: NonNegInt
+    shards: PosInt
+    total_bytes: NonNegInt = 0
+    copies: list[ShardCopy] = []
+
+
+class CheckpointCatalog(Message, tag="phalanx.checkpoint_catalog.v1"):
+    """A job's snapshots (KV bucket ``phalanx_checkpoints``, key = job id), steps
+    ascending; the checkpoint service's state for that job."""
+
+    job_id: Ident
+    keep: Annotated[int, msgspec.Meta(ge=1, le=16)] = 2
+    steps: list[CatalogStep] = []
+
+
+class ResumeRequest(Message, tag="phalanx.resume_request.v1"):
+    """Where can ``job_id`` resume at ``world_size`` replicas?"""
+
+    job_id: Ident
+    world_size: PosInt
+
+
+class ResumeAnswer(Message, tag="phalanx.resume_answer.v1"):
+    """The newest step complete across all its shards (None: none is), and for each
+    shard its nearest healthy copy (own memory, buddy, durable), or why there is none."""
+
+    job_id: Ident
+    step: NonNegInt | None = None
+    shards: NonNegInt = 0
+    sources: list[ShardCopy] = []
+    detail: Annotated[str, msgspec.Meta(max_length=DETAIL_CHARS)] = ""
 
 
 #: Every top-level message type, in reference order.
@@ -667,4 +764,9 @@ ALL_MESSAGES: tuple[type[Message], ...] = (
     NodeConditionChanged,
     RankProgress,
     SnapshotRecord,
+    SnapshotReserve,
+    SnapshotReservation,
+    CheckpointCatalog,
+    ResumeRequest,
+    ResumeAnswer,
 )

@@ -77,7 +77,12 @@ CATALOG: tuple[SubjectDoc, ...] = (
     SubjectDoc(lambda: subjects.health_rank("JOB", 0), "event", m.RankProgress, None,
                "runtime", "health", "step progress, every step"),
     SubjectDoc(lambda: subjects.ckpt_snapshot("JOB"), "event", m.SnapshotRecord, None,
-               "agent", "checkpoint", "a state shard is held at a tier"),
+               "runtime", "checkpoint", "a state shard is held at a tier (or found corrupt)"),
+    SubjectDoc(lambda: subjects.agent_snapshot("NODE"), "request", m.SnapshotReserve,
+               m.SnapshotReservation, "runtime", "agent",
+               "snapshot buffers in the node's shared memory (refused over the node's bound)"),
+    SubjectDoc(subjects.ckpt_resume, "request", m.ResumeRequest, m.ResumeAnswer,
+               "runtime, CLI", "checkpoint", "from which step and sources a job can resume"),
 )
 
 
@@ -97,6 +102,8 @@ KV_VALUES: tuple[tuple[str, str, type[m.Message], str], ...] = (
      "each running job's elasticity state, for a new leader"),
     (subjects.HEALTH_BUCKET, "job id", m.JobSnapshot,
      "each watched job's ranks (replica, exit, reporting), for a new leader"),
+    (subjects.CHECKPOINTS_BUCKET, "job id", m.CheckpointCatalog,
+     "each job's snapshots: steps, shards, copies, checksums"),
 )
 
 

@@ -167,6 +167,16 @@ def ckpt_snapshot(job_id: str) -> str:
     return f"{PREFIX}.ckpt.{token(job_id, 'job id')}.snapshot"
 
 
+def ckpt_resume() -> str:
+    """The checkpoint service's answer to "where can this job resume?" (request/reply)."""
+    return f"{PREFIX}.ckpt.resume"
+
+
+def agent_snapshot(node_id: str) -> str:
+    """A rank reserves snapshot buffers in its node agent's shared memory."""
+    return f"{PREFIX}.agent.{token(node_id, 'node id')}.snapshot"
+
+
 #: JetStream KV bucket holding one NodeRecord per registered node.
 NODES_BUCKET = "phalanx_nodes"
 #: JetStream KV bucket holding one JobRecord per submitted job.
@@ -183,6 +193,8 @@ CURSORS_BUCKET = "phalanx_cursors"
 ELASTICITY_BUCKET = "phalanx_elasticity"
 #: JetStream KV bucket holding each watched job's health JobSnapshot (key = job id).
 HEALTH_BUCKET = "phalanx_health"
+#: JetStream KV bucket holding each job's CheckpointCatalog (key = job id).
+CHECKPOINTS_BUCKET = "phalanx_checkpoints"
 #: JetStream stream keeping the job events that drive decisions (phalanx.bus.stream).
 JOB_EVENTS_STREAM = "PHALANX_JOB_EVENTS"
 

@@ -47,6 +47,13 @@ class AgentConfig:
     a job without a seed there does not start. None: ranks inherit the agent's bus
     settings (a bus without permissions)."""
 
+    snapshot_dir: str | None = None
+    """Where ranks' in-memory snapshots are kept: a directory on a tmpfs. Default
+    ``/dev/shm/phalanx-<uid>/<node>-<hash of work_dir>`` (:mod:`.snapshots`)."""
+    snapshot_limit_bytes: int | None = None
+    """The most snapshot memory this node holds; a reservation past it is refused.
+    None: half the tmpfs."""
+
     def __post_init__(self) -> None:
         try:
             token(self.node_id, "agent.node_id")
@@ -62,6 +69,9 @@ class AgentConfig:
         if not 0 <= self.replacement_nice <= 19:
             raise ConfigError(f"agent.replacement_nice must be within 0..19, "
                               f"got {self.replacement_nice}")
+        if self.snapshot_limit_bytes is not None and self.snapshot_limit_bytes < 0:
+            raise ConfigError(f"agent.snapshot_limit_bytes must be >= 0, "
+                              f"got {self.snapshot_limit_bytes}")
         if self.heartbeat_interval_s <= 0:
             raise ConfigError(f"agent.heartbeat_interval_s must be > 0, "
                               f"got {self.heartbeat_interval_s}")
@@ -85,7 +95,7 @@ class AgentConfig:
         try:
             if isinstance(values.get("labels"), str):
                 values["labels"] = parse_labels(values["labels"])
-            for name in ("slots", "replacement_nice"):
+            for name in ("slots", "replacement_nice", "snapshot_limit_bytes"):
                 if name in values:
                     values[name] = int(values[name])
             for name in ("heartbeat_interval_s", "lost_after_s", "shutdown_timeout_s"):

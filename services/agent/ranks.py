@@ -152,6 +152,8 @@ class RankSet:
             (:func:`phalanx.services.auth.credentials.rank_env`); they replace every
             credential variable of the agent's and the job's environment. Raises
             ``OSError`` when the job has none: its ranks then fail to start.
+        snapshot_dir: job id -> the directory of the node's snapshot store that its ranks
+            read (``PHALANX_SNAPSHOT_DIR``, with the job's ``checkpoint`` policy).
     """
 
     def __init__(self, node_id: str, work_dir: Path, nats_url: str,
@@ -159,8 +161,10 @@ class RankSet:
                  report: Callable[[RankStarted | RankExited], Awaitable[None]],
                  capacity: int | None = None, replacement_nice: int = 0,
                  advertise_host: str | None = None,
-                 bus_identity: Callable[[str], Mapping[str, str]] | None = None) -> None:
+                 bus_identity: Callable[[str], Mapping[str, str]] | None = None,
+                 snapshot_dir: Callable[[str], Path] | None = None) -> None:
         self.node_id = node_id
+        self.snapshot_dir = snapshot_dir
         self.advertise_host = advertise_host if advertise_host and resolves(advertise_host) \
             else None
         self.capacity = capacity
@@ -291,6 +295,10 @@ class RankSet:
         }
         if nice is not None:
             env[priority.ENV] = str(self.nice)
+        if self.snapshot_dir is not None and spec.checkpoint.memory_every_steps:
+            env.update(PHALANX_SNAPSHOT_DIR=str(self.snapshot_dir(record.job_id)),
+                       PHALANX_CHECKPOINT_MEMORY_EVERY=str(spec.checkpoint.memory_every_steps),
+                       PHALANX_CHECKPOINT_MEMORY_KEEP=str(spec.checkpoint.memory_keep))
         self.launched[(record.job_id, rank)] = (placement, replica_id)
         log_path = self.log_path(record.job_id, rank)
         log_path.parent.mkdir(parents=True, exist_ok=True)

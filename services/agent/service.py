@@ -22,6 +22,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+import msgspec
 import nats.errors
 
 from phalanx.bus import telemetry
@@ -49,11 +50,19 @@ from phalanx.schemas.messages import (
     RankExited,
     RankStarted,
     ReplicaReply,
+    SnapshotReservation,
+    SnapshotReserve,
     StopReplica,
 )
 from phalanx.services.agent import core
 from phalanx.services.agent.config import AgentConfig
 from phalanx.services.agent.ranks import RankSet, ReplicaOutdated, start_ticks
+from phalanx.services.agent.snapshots import (
+    SnapshotRefused,
+    SnapshotStore,
+    default_limit,
+    default_root,
+)
 from phalanx.services.auth.credentials import rank_env
 from phalanx.services.base import Service
 from phalanx.services.paths import default_data_dir
@@ -82,6 +91,11 @@ class AgentService(Service):
         self._job_locks: dict[str, asyncio.Lock] = {}
         self.jobs: TypedKV[JobRecord] | None = None
         self.generations: TypedKV[Generation] | None = None
+        root = Path(config.snapshot_dir) if config.snapshot_dir \
+            else default_root(config.node_id, self.work_dir)
+        self.snapshots = SnapshotStore(root, config.snapshot_limit_bytes
+                                       if config.snapshot_limit_bytes is not None
+                                       else default_limit(root))
 
     async def setup(self) -> None:
         assert self.bus is not None
@@ -104,7 +118,8 @@ class AgentService(Service):
         self.ranks = RankSet(self.config.node_id, self.work_dir, self.bus_config_url(),
                              self._host_of, self._report, capacity=self.config.slots,
                              replacement_nice=self.config.replacement_nice,
-                             advertise_host=self.info.host, bus_identity=self._rank_identity())
+                             advertise_host=self.info.host, bus_identity=self._rank_identity(),
+                             snapshot_dir=self.snapshots.job_dir)
         await self.ranks.adopt()
         await self.bus.subscribe(subjects.job_states(), JobRecord, self.on_job_state)
         jobs = await TypedKV.open(self.bus.js, subjects.JOBS_BUCKET, JobRecord)
@@ -118,6 +133,8 @@ class AgentService(Service):
                                 LaunchReplica, self.on_launch, concurrent=True)
         await self.add_endpoint("stop", subjects.agent_stop(self.config.node_id),
                                 StopReplica, self.on_stop, concurrent=True)
+        await self.add_endpoint("snapshot", subjects.agent_snapshot(self.config.node_id),
+                                SnapshotReserve, self.on_snapshot)
         # Records published while disconnected were missed: read them all again after.
         self.bus.on_reconnect(self._on_reconnect)
         self.spawn(self.heartbeat_loop(), "heartbeat")
@@ -151,6 +168,8 @@ class AgentService(Service):
             self._apply(entry.value)
         for job_id in self.ranks.jobs() - known:  # its job is gone: stop it, forget it
             self.spawn(self._drop_job(job_id), f"drop {job_id}")
+        for job_id in self.snapshots.jobs() - known:  # snapshots of a job that is gone
+            self.snapshots.drop(job_id)
 
     @property
     def work_dir(self) -> Path:
@@ -216,6 +235,8 @@ class AgentService(Service):
             try:
                 elastic = record.state is JobState.ADMITTED and await self._elastic(record.job_id)
                 await self.ranks.reconcile(record, elastic=elastic)
+                if record.state.terminal:  # its snapshots are needed no more
+                    self.snapshots.drop(record.job_id)
             except Exception:  # one job's trouble must not stop the agent
                 log.exception("reconciling %s failed", record.job_id)
 
@@ -261,6 +282,21 @@ class AgentService(Service):
         detail = f"stopped {request.replica_id}" if pid else f"{request.replica_id} not running"
         return ReplicaReply(node_id=self.config.node_id, replica_id=request.replica_id, pid=pid,
                             detail=detail)
+
+    async def on_snapshot(self, request: SnapshotReserve, _: Delivery) -> SnapshotReservation:
+        """Give a rank of a job running here a ring of snapshot buffers in this node's
+        shared memory (507 when the node's bound would be passed)."""
+        assert self.ranks is not None
+        if request.job_id not in self.ranks.jobs():
+            raise RequestRefused("404", f"no rank of {request.job_id!r} runs on "
+                                        f"{self.config.node_id}")
+        try:
+            paths = self.snapshots.reserve(request)
+        except SnapshotRefused as exc:
+            log.warning("snapshot refused", extra={"job": request.job_id, "reason": str(exc)})
+            raise RequestRefused("507", str(exc)) from None
+        return SnapshotReservation(node_id=self.config.node_id, paths=[str(p) for p in paths],
+                                   detail=f"{len(paths)} x {request.nbytes} B")
 
     async def on_chaos(self, request: ChaosRequest, _: Delivery) -> ChaosReply:
         """Inject a fault the way a user would: kill a rank, kill or pause this agent."""
@@ -311,11 +347,15 @@ class AgentService(Service):
         while not await self.sleep_or_stop(self.config.heartbeat_interval_s):
             now = time.time()
             used = self.ranks.slots_used if self.ranks is not None else 0
+            memory = {"snapshot_bytes": self.snapshots.used(),
+                      "snapshot_limit_bytes": self.snapshots.limit,
+                      "snapshot_refused": self.snapshots.refused}
             try:
                 entry = await self.nodes.modify(
                     self.config.node_id,
-                    lambda record, now=now, used=used: core.heartbeat(record, self.info, now,
-                                                                      min(used, self.info.slots)))
+                    lambda record, now=now, used=used, memory=memory: msgspec.structs.replace(
+                        core.heartbeat(record, self.info, now, min(used, self.info.slots)),
+                        **memory))
                 self.record, self.revision = entry.value, entry.revision
                 await self.bus.publish(subject, NodeHeartbeat(
                     node_id=self.config.node_id, seq=entry.value.heartbeat_seq, sent_at=now,
@@ -333,6 +373,7 @@ class AgentService(Service):
         """
         if self.ranks is not None:
             await self.ranks.stop_all()
+        self.snapshots.clear()
         if self.nodes is None or self.record is None:
             return
         try:

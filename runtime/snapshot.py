@@ -1,0 +1,383 @@
+"""In-memory snapshots of a rank's state, and restoring a job from them.
+
+**Taking.** The state (the tensors and skeletons :mod:`.state` copies: the model's
+``state_dict``, the optimizer's, every registered object's, the RNG, the step)
+is one flat byte sequence of ``N`` bytes: the tensors in that order. Data-parallel
+replicas hold the same state, so rank ``r`` of ``W`` snapshots only bytes
+``[r·N/W, (r+1)·N/W)`` (:func:`~.snapshot_file.share`): every unique byte is
+copied once per snapshot. :class:`Snapshotter` does it after a committed step,
+straight into a buffer file its node agent created in shared memory (the
+agent owns the memory, so the snapshot outlives the rank): one memcpy of this
+rank's share and its checksum (:mod:`.snapshot_file`), then an announcement to
+the checkpoint service's catalog. The buffers are asked for once per
+membership; an agent that refuses (its node's bound) leaves the rank training
+without snapshots until its next membership, with the reason logged.
+
+**Restoring.** When a generation's members hold no state as new as what their
+nodes' memory holds (every rank of the job died, the agents lived),
+:func:`restore` runs over the generation's process group: every member lists
+the committed buffers of its own node's store (headers only), the lists are
+summed in one all-reduce, :func:`plan_restore` names the candidate steps
+(newest first) whose shards are all present on the members' nodes, the holders
+check their copies' checksums, the members agree on one good copy per shard,
+and each shard is broadcast to everyone, who then loads the whole state. A
+copy that fails its checksum is never loaded: it is reported and the next copy
+of the shard, or the next older step, is used.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import mmap
+import pickle
+import time
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from phalanx.runtime import snapshot_file
+from phalanx.runtime.bus_thread import BusThread
+from phalanx.runtime.snapshot_file import Header, SnapshotFileError
+from phalanx.runtime.state import _fill, _strip
+from phalanx.schemas import subjects
+from phalanx.schemas.errors import PhalanxError
+from phalanx.schemas.messages import (
+    SnapshotRecord,
+    SnapshotReservation,
+    SnapshotReserve,
+    SnapshotTier,
+)
+
+log = logging.getLogger("phalanx.runtime.snapshot")
+Wait = Callable[[dist.Work], None]
+#: Rows one member can report of its node's store in the restore all-reduce.
+MAX_HELD = 64
+META_SLACK = 64 * 1024  # room for the meta section to grow without a new reservation
+RESERVE_TIMEOUT_S = 10.0
+
+
+@dataclasses.dataclass(frozen=True)
+class FlatState:
+    """The state as one flat byte sequence: its tensors in order, and the meta (what is
+    not in a tensor) that turns those bytes back into the state."""
+
+    tensors: list[torch.Tensor]  # each as contiguous uint8 bytes
+    meta: dict[str, Any]
+
+    @property
+    def total(self) -> int:
+        return sum(t.numel() for t in self.tensors)
+
+
+def flat_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+               extra: Mapping[str, Any], step: int) -> FlatState:
+    """``model``, ``optimizer`` and ``extra``'s state at ``step`` as a :class:`FlatState`
+    (no copy: the byte views alias the live tensors)."""
+    model_tensors = [t.detach() for t in model.state_dict().values()]
+    stripped: list[torch.Tensor] = []
+    optimizer_skeleton = _strip(optimizer.state_dict(), stripped)
+    extra_skeletons = {name: _strip(obj.state_dict(), stripped) for name, obj in extra.items()}
+    tensors = [t.detach() for t in model_tensors + stripped]
+    meta = {"step": step, "rng": torch.get_rng_state(), "optimizer": optimizer_skeleton,
+            "extra": extra_skeletons, "model_tensors": len(model_tensors),
+            "tensors": [(tuple(t.shape), str(t.dtype)) for t in tensors]}
+    return FlatState([_bytes_of(t) for t in tensors], meta)
+
+
+def _bytes_of(tensor: torch.Tensor) -> torch.Tensor:
+    flat = tensor.reshape(-1)
+    return (flat if flat.is_contiguous() else flat.contiguous()).view(torch.uint8)
+
+
+def copy_range(tensors: Sequence[torch.Tensor], start: int, out: torch.Tensor) -> None:
+    """Copy bytes ``[start, start + len(out))`` of the concatenation of ``tensors`` (uint8)
+    into ``out``: one memcpy per overlapped tensor, nothing concatenated."""
+    end, at = start + out.numel(), 0
+    for tensor in tensors:
+        size = tensor.numel()
+        lo, hi = max(start, at), min(end, at + size)
+        if lo < hi:
+            out[lo - start:hi - start].copy_(tensor[lo - at:hi - at])
+        at += size
+        if at >= end:
+            return
+
+
+class Snapshotter:
+    """Takes this rank's share of the state into its agent's shared memory.
+
+    Args:
+        bus: the rank's bus thread (reservations go to the agent, records to the catalog).
+        job_id / replica_id / node_id: who this rank is.
+        every: snapshot after every ``every``-th committed step.
+        keep: buffers in each share's ring (2: double-buffered).
+    """
+
+    def __init__(self, bus: BusThread, job_id: str, replica_id: str, node_id: str, *,
+                 every: int, keep: int = 2) -> None:
+        self.bus, self.job_id, self.replica_id, self.node_id = bus, job_id, replica_id, node_id
+        self.every, self.keep = every, keep
+        self._buffers: list[mmap.mmap] = []
+        self._reserved: tuple[int, int, int] | None = None  # shard, shards, bytes per buffer
+        self._refused_in: int | None = None  # the generation whose reservation was refused
+        self.last_copy_s = 0.0
+
+    def due(self, committed: int) -> bool:
+        return committed % self.every == 0
+
+    def take(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+             extra: Mapping[str, Any], step: int, generation: int, rank: int,
+             world_size: int) -> Header | None:
+        """Snapshot the state at ``step`` (steps committed) as shard ``rank`` of
+        ``world_size``; None if this membership has no buffers (refused)."""
+        if self._refused_in == generation:
+            return None
+        started = time.perf_counter()
+        state = flat_state(model, optimizer, extra, step)
+        meta = pickle.dumps(state.meta)
+        offset, length = snapshot_file.share(state.total, rank, world_size)
+        need = snapshot_file.HEADER_BYTES + len(meta) + length
+        fits = self._reserved is not None and self._reserved[:2] == (rank, world_size) \
+            and self._reserved[2] >= need
+        if not fits and not self._reserve(rank, world_size, need + len(meta) + META_SLACK,
+                                          generation):
+            return None
+        headers = [_committed_in(b) for b in self._buffers]
+        buffer = self._buffers[snapshot_file.pick_buffer(headers)]
+        header = Header(self.job_id, step, generation, rank, world_size, state.total, offset,
+                        length, 0, 0)
+
+        def fill(data: memoryview) -> None:
+            copy_range(state.tensors, offset, torch.frombuffer(data, dtype=torch.uint8)
+                       if len(data) else torch.empty(0, dtype=torch.uint8))
+
+        header = snapshot_file.write(memoryview(buffer), header, meta, fill)
+        self.last_copy_s = time.perf_counter() - started
+        self.bus.publish(subjects.ckpt_snapshot(self.job_id), SnapshotRecord(
+            job_id=self.job_id, step=step, shard=rank, num_shards=world_size,
+            node_id=self.node_id, tier=SnapshotTier.LOCAL, nbytes=length,
+            checksum=f"{header.checksum:016x}", created_at=time.time(), generation=generation,
+            total_bytes=state.total))
+        return header
+
+    def _reserve(self, shard: int, shards: int, nbytes: int, generation: int) -> bool:
+        assert self.bus.bus is not None
+        request = SnapshotReserve(job_id=self.job_id, replica_id=self.replica_id, shard=shard,
+                                  shards=shards, nbytes=nbytes, buffers=self.keep)
+        try:
+            reply = self.bus.run(self.bus.bus.request(
+                subjects.agent_snapshot(self.node_id), request, SnapshotReservation,
+                timeout_s=RESERVE_TIMEOUT_S), RESERVE_TIMEOUT_S + 1)
+        except (PhalanxError, TimeoutError, OSError) as exc:
+            log.warning("no snapshots in generation %d: %s", generation, exc)
+            self._refused_in = generation
+            return False
+        for buffer in self._buffers:
+            buffer.close()
+        self._buffers = [snapshot_file.open_buffer(Path(p)) for p in reply.paths]
+        self._reserved = (shard, shards, nbytes)
+        return True
+
+
+def _committed_in(buffer: mmap.mmap) -> Header | None:
+    try:
+        return snapshot_file.read_header(memoryview(buffer)[:snapshot_file.HEADER_BYTES])
+    except SnapshotFileError:
+        return None
+
+
+# --- restoring -----------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Held:
+    """A committed buffer in a node's store: which shard of which step it holds."""
+
+    step: int
+    shard: int
+    shards: int
+    total: int
+    path: Path | None = None  # only known on the member whose node holds it
+
+    def row(self) -> list[int]:
+        return [1, self.step, self.shard, self.shards, self.total]
+
+
+def held_in(store: Path, job_id: str) -> list[Held]:
+    """The committed buffers of ``job_id`` in a node's store directory (headers only)."""
+    found = []
+    for path in sorted(store.glob("*")) if store.is_dir() else []:
+        header = snapshot_file.committed_header(path)
+        if header is not None and header.job_id == job_id:
+            found.append(Held(header.step, header.shard, header.shards, header.total, path))
+    return found
+
+
+@dataclasses.dataclass(frozen=True)
+class Candidate:
+    """A step every shard of which some member's node holds: ``holders[s]`` are the ranks
+    whose node holds shard ``s`` (lowest first)."""
+
+    step: int
+    shards: int
+    total: int
+    holders: tuple[tuple[int, ...], ...]
+
+
+def plan_restore(held: Sequence[Sequence[Held]], newer_than: int) -> list[Candidate]:
+    """The steps the members can restore from, newest first.
+
+    Args:
+        held: per member (rank order), the buffers its node's store holds.
+        newer_than: the newest step a member holds in memory; only newer steps count.
+
+    Pure: a step counts when every shard of one shard count (and state size) is held on
+    some member's node.
+    """
+    by_step: dict[tuple[int, int, int], dict[int, set[int]]] = {}
+    for rank, rows in enumerate(held):
+        for h in rows:
+            if h.step > newer_than:
+                by_step.setdefault((h.step, h.shards, h.total), {}).setdefault(
+                    h.shard, set()).add(rank)
+    candidates = [Candidate(step, shards, total,
+                            tuple(tuple(sorted(holders[s])) for s in range(shards)))
+                  for (step, shards, total), holders in by_step.items()
+                  if len(holders) == shards]
+    return sorted(candidates, key=lambda c: (-c.step, c.shards))
+
+
+@dataclasses.dataclass(frozen=True)
+class Restored:
+    step: int
+    nbytes: int
+    corrupt: list[str]  # what failed its checksum, one line each
+
+
+def restore(pg: dist.ProcessGroup, wait: Wait, rank: int, world_size: int, store: Path,
+            job_id: str, newer_than: int, model: torch.nn.Module,
+            optimizer: torch.optim.Optimizer, extra: Mapping[str, Any],
+            report: Callable[[Header, str], None]) -> Restored | None:
+    """Restore the newest step the members' nodes hold, newer than ``newer_than``, into
+    every member's ``model``, ``optimizer`` and ``extra`` (and RNG); None when there is
+    none. A collective: every member of ``pg`` calls it with the same ``newer_than``.
+
+    ``report(header, problem)`` is called for each copy that fails its checksum on this
+    member (it is skipped; another copy or an older step is used).
+    """
+    mine = held_in(store, job_id)[:MAX_HELD]
+    rows = torch.zeros(world_size, MAX_HELD, 5, dtype=torch.int64)
+    for i, h in enumerate(mine):
+        rows[rank, i] = torch.tensor(h.row())
+    wait(pg.allreduce([rows]))
+    held = [[Held(*row[1:]) for row in member.tolist() if row[0]] for member in rows]
+    corrupt: list[str] = []
+    for candidate in plan_restore(held, newer_than):
+        # Each member checks the copies its node holds; all agree on one good copy a shard.
+        good = torch.zeros(world_size, candidate.shards, dtype=torch.int64)
+        verified: dict[int, tuple[mmap.mmap, Header]] = {}
+        for h in mine:
+            if (h.step, h.shards, h.total) != (candidate.step, candidate.shards,
+                                                 candidate.total) or h.shard in verified:
+                continue
+            assert h.path is not None
+            try:
+                buffer, header = _verified(h.path)
+            except (OSError, SnapshotFileError) as exc:
+                corrupt.append(f"{h.path.name}: {exc}")
+                damaged = snapshot_file.committed_header(h.path)
+                if damaged is not None:  # the header holds; the contents do not
+                    report(damaged, str(exc))
+                continue
+            verified[h.shard] = (buffer, header)
+            good[rank, h.shard] = 1
+        wait(pg.allreduce([good]))
+        sources = [next((r for r in range(world_size) if good[r, s]), None)
+                   for s in range(candidate.shards)]
+        if None in sources:
+            for buffer, _ in verified.values():
+                buffer.close()
+            continue  # a shard with no good copy: the next older step
+        flat = torch.empty(candidate.total, dtype=torch.uint8)
+        meta = _broadcast_meta(pg, wait, rank, sources[0], verified.get(0))
+        for shard, source in enumerate(sources):
+            offset, length = snapshot_file.share(candidate.total, shard, candidate.shards)
+            part = flat[offset:offset + length]
+            if not length:
+                continue
+            if rank == source:
+                buffer, header = verified[shard]
+                start = snapshot_file.HEADER_BYTES + header.meta_length
+                part.copy_(torch.frombuffer(memoryview(buffer)[start:start + length],
+                                            dtype=torch.uint8))
+            wait(pg.broadcast(part, source))
+        for buffer, _ in verified.values():
+            buffer.close()
+        load_flat(flat, pickle.loads(meta), model, optimizer, extra)
+        return Restored(candidate.step, candidate.total, corrupt)
+    return None
+
+
+def _verified(path: Path) -> tuple[mmap.mmap, Header]:
+    with path.open("rb") as f:
+        buffer = mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ)
+    header = snapshot_file.read_header(buffer)
+    snapshot_file.verify(memoryview(buffer), header)
+    return buffer, header
+
+
+def _broadcast_meta(pg: dist.ProcessGroup, wait: Wait, rank: int, source: int,
+                    held: tuple[mmap.mmap, Header] | None) -> bytes:
+    """Shard 0's meta section, from the member that holds a good copy of it."""
+    size = torch.zeros(1, dtype=torch.int64)
+    meta = b""
+    if rank == source:
+        assert held is not None
+        buffer, header = held
+        start = snapshot_file.HEADER_BYTES
+        meta = bytes(buffer[start:start + header.meta_length])
+        size[0] = len(meta)
+    wait(pg.broadcast(size, source))
+    payload = torch.frombuffer(bytearray(meta), dtype=torch.uint8) if rank == source \
+        else torch.empty(int(size), dtype=torch.uint8)
+    wait(pg.broadcast(payload, source))
+    return payload.numpy().tobytes()
+
+
+def load_flat(flat: torch.Tensor, meta: dict[str, Any], model: torch.nn.Module,
+              optimizer: torch.optim.Optimizer, extra: Mapping[str, Any]) -> None:
+    """Load the state ``flat`` holds (laid out as :func:`flat_state` says in ``meta``).
+
+    Raises:
+        SnapshotFileError: the snapshot does not fit this model or these registered objects.
+    """
+    model_tensors = [t.detach() for t in model.state_dict().values()]
+    if meta["model_tensors"] != len(model_tensors) or sorted(meta["extra"]) != sorted(extra):
+        raise SnapshotFileError(
+            f"the snapshot holds {meta['model_tensors']} model tensors and "
+            f"{sorted(meta['extra'])}; this rank has {len(model_tensors)} and {sorted(extra)}")
+    tensors, at = [], 0
+    for i, (shape, dtype) in enumerate(meta["tensors"]):
+        kind = getattr(torch, dtype.removeprefix("torch."))
+        tensor = torch.empty(shape, dtype=kind)
+        size = tensor.numel() * tensor.element_size()
+        tensor.reshape(-1).view(torch.uint8).copy_(flat[at:at + size])
+        at += size
+        if i < len(model_tensors):
+            mine = model_tensors[i]
+            if tuple(mine.shape) != tuple(shape) or mine.dtype != kind:
+                raise SnapshotFileError(f"model tensor {i}: the snapshot has {dtype}"
+                                        f"{list(shape)}, this model {mine.dtype}"
+                                        f"{list(mine.shape)}")
+            with torch.no_grad():
+                mine.copy_(tensor)
+        tensors.append(tensor)
+    rest = tensors[len(model_tensors):]
+    optimizer.load_state_dict(_fill(meta["optimizer"], rest))
+    for name, skeleton in meta["extra"].items():
+        extra[name].load_state_dict(_fill(skeleton, rest))
+    torch.set_rng_state(meta["rng"])

@@ -1,0 +1,187 @@
+"""The snapshot buffer file: one shard of a job's state at one step, never torn.
+
+A buffer is a file on a tmpfs (shared memory) that the node agent creates and
+sizes, and a rank writes. It holds a fixed :data:`HEADER_BYTES` header, then
+a *meta* section (opaque bytes: the runtime pickles the step's non-tensor
+state into it), then the shard's bytes. The header names the job, the step,
+the generation, the shard and the shard count, the total state size, the
+shard's offset and length, the meta length, an xxh3-64 checksum of meta and
+shard bytes, and ends with a CRC-32 of itself.
+
+Writing (:func:`write`) marks the header *writing* first, then writes meta
+and bytes, then the checksum, and the header marked *committed* last: that
+header is the commit marker. A process killed at any point leaves a buffer
+that is either the previous commit intact (it was not touched yet), or not
+committed (the mark says writing, or the header's CRC fails when the kill hit
+the header write itself). A shard keeps a ring of buffers and overwrites the
+oldest (:func:`pick_buffer`), so its newest commit is never the one being
+written. A reader trusts a buffer only after :func:`read_header` (CRC, magic,
+committed mark) and :func:`verify` (checksum of the contents).
+
+Torch-free on purpose: the agent reads headers (what it holds, for the
+catalog and retention) without importing torch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import mmap
+import os
+import struct
+import zlib
+from collections.abc import Callable
+from pathlib import Path
+
+import xxhash
+
+MAGIC = b"PHXSNAP1"
+HEADER_BYTES = 4096
+_WRITING, _COMMITTED = 1, 2
+# magic, mark, job (64 bytes), step, generation, shard, shards, total, offset, length,
+# meta length, checksum; then the CRC-32 of all of that.
+_LAYOUT = struct.Struct("<8sI64sqqiiqqqqQ")
+_CRC = struct.Struct("<I")
+
+
+class SnapshotFileError(ValueError):
+    """A buffer file is not a committed, intact snapshot (the reason says which part)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Header:
+    """What a buffer's header says about the shard it holds."""
+
+    job_id: str
+    step: int
+    generation: int
+    shard: int
+    shards: int
+    total: int  # bytes of the whole flat state
+    offset: int  # where this shard starts in it
+    length: int  # this shard's bytes
+    meta_length: int
+    checksum: int  # xxh3-64 of meta + shard bytes
+
+    def pack(self, mark: int) -> bytes:
+        job = self.job_id.encode()
+        if len(job) > 64:
+            raise SnapshotFileError(f"job id {self.job_id!r} longer than 64 bytes")
+        body = _LAYOUT.pack(MAGIC, mark, job, self.step, self.generation, self.shard,
+                            self.shards, self.total, self.offset, self.length,
+                            self.meta_length, self.checksum)
+        return body + _CRC.pack(zlib.crc32(body))
+
+    @property
+    def nbytes(self) -> int:
+        """The buffer size this header's contents need."""
+        return HEADER_BYTES + self.meta_length + self.length
+
+
+def share(total: int, shard: int, shards: int) -> tuple[int, int]:
+    """Shard ``shard`` of ``shards`` of a ``total``-byte state: ``(offset, length)``.
+
+    Shard r covers ``[r * total // shards, (r + 1) * total // shards)``: the shares tile
+    the state exactly, whatever the sizes.
+    """
+    if not 0 <= shard < shards:
+        raise ValueError(f"shard {shard} out of range for {shards} shards")
+    start, end = shard * total // shards, (shard + 1) * total // shards
+    return start, end - start
+
+
+def read_header(buffer: bytes | bytearray | memoryview | mmap.mmap) -> Header:
+    """The committed header at the start of ``buffer``.
+
+    Raises:
+        SnapshotFileError: too short, not a snapshot, the header damaged (CRC), or not
+            committed (a write in progress or cut short).
+    """
+    if len(buffer) < _LAYOUT.size + _CRC.size:
+        raise SnapshotFileError(f"{len(buffer)} bytes: shorter than a header")
+    body = bytes(buffer[:_LAYOUT.size])
+    (crc,) = _CRC.unpack(bytes(buffer[_LAYOUT.size:_LAYOUT.size + _CRC.size]))
+    fields = _LAYOUT.unpack(body)
+    if fields[0] != MAGIC:
+        raise SnapshotFileError("no snapshot header (never written)")
+    if zlib.crc32(body) != crc:
+        raise SnapshotFileError("header damaged (CRC mismatch)")
+    if fields[1] != _COMMITTED:
+        raise SnapshotFileError("not committed (a write was in progress)")
+    return Header(fields[2].rstrip(b"\0").decode(), *fields[3:])
+
+
+def checksum(meta: memoryview | bytes, data: memoryview | bytes) -> int:
+    digest = xxhash.xxh3_64()
+    digest.update(meta)
+    digest.update(data)
+    return digest.intdigest()
+
+
+def verify(buffer: memoryview, header: Header) -> tuple[memoryview, memoryview]:
+    """The meta and shard bytes of a committed ``buffer``, checked against the header.
+
+    Raises:
+        SnapshotFileError: the buffer is shorter than its header says, or its contents
+            do not match the checksum (bytes flipped since the commit).
+    """
+    if len(buffer) < header.nbytes:
+        raise SnapshotFileError(f"{len(buffer)} bytes, the header says {header.nbytes}")
+    meta = buffer[HEADER_BYTES:HEADER_BYTES + header.meta_length]
+    data = buffer[HEADER_BYTES + header.meta_length:header.nbytes]
+    if checksum(meta, data) != header.checksum:
+        raise SnapshotFileError(f"checksum mismatch: shard {header.shard} of step "
+                                f"{header.step} is damaged")
+    return meta, data
+
+
+def write(buffer: memoryview, header: Header, meta: bytes,
+          fill: Callable[[memoryview], None]) -> Header:
+    """Write a snapshot into ``buffer``: header marked writing, meta, ``fill(data)`` (the
+    caller copies the shard's bytes into the view it is given), checksum, committed header
+    last. Returns the header as committed (with its checksum).
+
+    Raises:
+        SnapshotFileError: ``buffer`` is too small for the header's contents.
+    """
+    header = dataclasses.replace(header, meta_length=len(meta), checksum=0)
+    if len(buffer) < header.nbytes:
+        raise SnapshotFileError(f"buffer of {len(buffer)} bytes, the snapshot needs "
+                                f"{header.nbytes}")
+    writing = header.pack(_WRITING)
+    buffer[:len(writing)] = writing  # the previous commit in this buffer is void from here
+    meta_view = buffer[HEADER_BYTES:HEADER_BYTES + len(meta)]
+    meta_view[:] = meta
+    data = buffer[HEADER_BYTES + len(meta):header.nbytes]
+    fill(data)
+    header = dataclasses.replace(header, checksum=checksum(meta_view, data))
+    committed = header.pack(_COMMITTED)
+    buffer[:len(committed)] = committed
+    return header
+
+
+def open_buffer(path: Path) -> mmap.mmap:
+    """Map the buffer file at ``path`` (created and sized by the agent) for writing."""
+    fd = os.open(path, os.O_RDWR)
+    try:
+        return mmap.mmap(fd, 0)
+    finally:
+        os.close(fd)
+
+
+def committed_header(path: Path) -> Header | None:
+    """The committed header of the buffer file at ``path`` (None: unreadable or not a
+    committed snapshot). Reads the header only."""
+    try:
+        with path.open("rb") as f:
+            return read_header(f.read(HEADER_BYTES))
+    except (OSError, SnapshotFileError):
+        return None
+
+
+def pick_buffer(headers: list[Header | None]) -> int:
+    """Which of a shard's ring of buffers to overwrite: one never committed, else the one
+    holding the oldest step (never the newest commit)."""
+    for i, header in enumerate(headers):
+        if header is None:
+            return i
+    return min(range(len(headers)), key=lambda i: headers[i].step)

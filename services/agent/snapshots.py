@@ -1,0 +1,159 @@
+"""The node's snapshot store: shared-memory buffers the agent owns and ranks write.
+
+Ranks snapshot their share of a job's state after committed steps
+(:mod:`phalanx.runtime.snapshot`) into buffer files this store creates on a
+tmpfs (``/dev/shm`` by default). The files belong to the agent, not the rank:
+they outlive the rank that wrote them, so a job whose ranks all died resumes
+from them, and the agent is what bounds and frees them.
+
+* **Reservation.** A rank asks once per membership for a ring of buffers for
+  its shard (:meth:`SnapshotStore.reserve`): ``<root>/<job>/w<shards>-s<shard>.<i>``,
+  sized with ``ftruncate`` (tmpfs pages are taken only as they are written). A
+  file that exists is kept and only grown, never shrunk or cleared, so the
+  snapshots it holds stay readable for the restore that comes first.
+* **Bound.** The bytes of every buffer file count against ``limit`` (default:
+  half the tmpfs); a reservation that would pass it is refused with
+  :class:`SnapshotRefused` naming the numbers, and the rank trains on without
+  snapshots. The agent reports the bytes held, the bound and the last refusal
+  in its node record.
+* **Retention.** A ring overwrites its oldest buffer, so each shard keeps its
+  last ``buffers`` snapshots. Rings of an earlier membership (another shard
+  count) are deleted once the job's catalog keeps no step they hold
+  (:meth:`prune`); everything of a job is deleted when it ends (:meth:`drop`),
+  and the whole store when the agent stops cleanly. A crashed agent leaves the
+  store to the agent restarted with the same work directory.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import shutil
+import zlib
+from pathlib import Path
+
+from phalanx.runtime import snapshot_file
+from phalanx.schemas.errors import PhalanxError
+from phalanx.schemas.messages import SnapshotReserve
+
+log = logging.getLogger("phalanx.agent.snapshots")
+_RING_FILE = re.compile(r"^w(?P<shards>\d+)-s(?P<shard>\d+)\.(?P<i>\d+)$")
+
+
+class SnapshotRefused(PhalanxError, OSError):
+    """A reservation would take the node's snapshot memory past its bound."""
+
+
+def default_root(node_id: str, work_dir: Path) -> Path:
+    """``/dev/shm/phalanx-<uid>/<node>-<hash of the work dir>``: one store per agent, even
+    with several agents (a local cluster) on one host."""
+    tag = f"{zlib.crc32(str(work_dir.resolve()).encode()):08x}"
+    return Path("/dev/shm") / f"phalanx-{os.getuid()}" / f"{node_id}-{tag}"
+
+
+def default_limit(root: Path) -> int:
+    """Half of the tmpfs ``root`` is on."""
+    probe = root
+    while not probe.exists():
+        probe = probe.parent
+    stat = os.statvfs(probe)
+    return stat.f_blocks * stat.f_frsize // 2
+
+
+class SnapshotStore:
+    """The snapshot buffers of one node, under ``root``, at most ``limit`` bytes."""
+
+    def __init__(self, root: Path, limit: int) -> None:
+        if limit < 0:
+            raise ValueError(f"the snapshot limit must be >= 0 bytes, got {limit}")
+        self.root = root
+        self.limit = limit
+        self.refused = ""  # why the last reservation was refused ("" while none was)
+        self.current: dict[str, int] = {}  # job -> the shard count last reserved for
+
+    def job_dir(self, job_id: str) -> Path:
+        return self.root / job_id
+
+    def used(self) -> int:
+        """Bytes of every buffer file held."""
+        return sum(size for _, size in self._files())
+
+    def _files(self) -> list[tuple[Path, int]]:
+        found = []
+        if self.root.is_dir():
+            for job in self.root.iterdir():
+                for path in job.iterdir() if job.is_dir() else []:
+                    try:
+                        found.append((path, path.stat().st_size))
+                    except FileNotFoundError:  # deleted meanwhile
+                        continue
+        return found
+
+    def reserve(self, request: SnapshotReserve) -> list[Path]:
+        """Create (or grow) the ring of buffers ``request`` asks for; their paths.
+
+        Raises:
+            SnapshotRefused: the buffers would take the store past its limit.
+        """
+        directory = self.job_dir(request.job_id)
+        paths = [directory / f"w{request.shards}-s{request.shard}.{i}"
+                 for i in range(request.buffers)]
+        sizes = {path: size for path, size in self._files()}
+        more = sum(max(0, request.nbytes - sizes.get(path, 0)) for path in paths)
+        used = sum(sizes.values())
+        if used + more > self.limit:
+            self.refused = (
+                f"{request.replica_id} of {request.job_id} asked for {request.buffers} x "
+                f"{request.nbytes} B of snapshot memory: {more} B more than held would make "
+                f"{used + more} B, over this node's limit of {self.limit} B")
+            raise SnapshotRefused(self.refused)
+        directory.mkdir(parents=True, exist_ok=True)
+        for path in paths:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+            try:
+                if os.fstat(fd).st_size < request.nbytes:
+                    os.ftruncate(fd, request.nbytes)  # grows; what it holds stays
+            finally:
+                os.close(fd)
+        self.current[request.job_id] = request.shards
+        return paths
+
+    def steps_held(self, job_id: str) -> dict[int, set[int]]:
+        """Per shard count (a membership's ring set), the committed steps held."""
+        held: dict[int, set[int]] = {}
+        directory = self.job_dir(job_id)
+        for path in directory.iterdir() if directory.is_dir() else []:
+            match = _RING_FILE.match(path.name)
+            header = snapshot_file.committed_header(path) if match else None
+            if match:
+                steps = held.setdefault(int(match["shards"]), set())
+                if header is not None:
+                    steps.add(header.step)
+        return held
+
+    def prune(self, job_id: str, kept_steps: set[int]) -> int:
+        """Delete the rings of ``job_id`` of an earlier membership (not the shard count last
+        reserved) that hold committed steps, none of them one of ``kept_steps`` (the steps
+        the catalog keeps); returns the files deleted."""
+        deleted = 0
+        for shards, steps in self.steps_held(job_id).items():
+            if shards == self.current.get(job_id) or not steps or steps & kept_steps:
+                continue
+            for path in self.job_dir(job_id).glob(f"w{shards}-s*"):
+                path.unlink(missing_ok=True)
+                deleted += 1
+        return deleted
+
+    def jobs(self) -> set[str]:
+        return {p.name for p in self.root.iterdir() if p.is_dir()} if self.root.is_dir() \
+            else set()
+
+    def drop(self, job_id: str) -> None:
+        """Delete every buffer of ``job_id`` (its job ended)."""
+        shutil.rmtree(self.job_dir(job_id), ignore_errors=True)
+        self.current.pop(job_id, None)
+
+    def clear(self) -> None:
+        """Delete the whole store (the agent stops cleanly)."""
+        shutil.rmtree(self.root, ignore_errors=True)

@@ -1,0 +1,157 @@
+"""The checkpoint service's shell: snapshot announcements in, the catalog in KV out.
+
+Any number of instances run; the holder of the ``checkpoint`` lease keeps the
+catalog (:mod:`.core`). It restores every job's catalog from the
+``phalanx_checkpoints`` bucket at the start of its term, follows the job
+records (a job's ``checkpoint.memory_keep``; an ended job's memory snapshots
+are deleted by its agents, so its catalog goes too), and takes in every
+``SnapshotRecord`` on ``phalanx.ckpt.<job>.snapshot``. Changed catalogs are
+written at most every :data:`STORE_EVERY_S` (the newest catalog of a job is
+what counts; ranks announce a snapshot every step), fenced on the revision
+this leader last wrote.
+
+Announcements are plain publishes, not stream events: a memory snapshot is
+superseded by the next one within one interval, so one missed while no leader
+listened is corrected by the next, and the ranks restore from their nodes'
+memory without asking the catalog (docs/architecture.md, Checkpoints).
+
+Every instance answers ``phalanx.ckpt.resume`` from the stored catalog (the
+same pure rule, :func:`.core.resume_answer`), so a question needs no leader.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import socket
+import uuid
+
+from phalanx.bus.client import Delivery
+from phalanx.bus.config import BusConfig
+from phalanx.bus.errors import Conflict
+from phalanx.bus.kv import TypedKV
+from phalanx.schemas import subjects
+from phalanx.schemas.messages import (
+    CheckpointCatalog,
+    JobRecord,
+    Lease,
+    ResumeAnswer,
+    ResumeRequest,
+    SnapshotRecord,
+)
+from phalanx.services.base import Service
+from phalanx.services.checkpoint import core
+from phalanx.services.lease import Leadership, LeadershipLost
+
+log = logging.getLogger("phalanx.checkpoint")
+LEASE_KEY = "checkpoint"
+STORE_EVERY_S = 0.5
+
+
+class CheckpointService(Service):
+    """Keeps the catalog of every job's snapshots; answers where a job can resume."""
+
+    description = "phalanx checkpoint catalog"
+
+    def __init__(self, bus_config: BusConfig | None = None, *, instance: str | None = None,
+                 lease_s: float = 3.0) -> None:
+        instance = instance or (f"{socket.gethostname().split('.')[0]}-{os.getpid()}-"
+                                f"{uuid.uuid4().hex[:6]}")
+        super().__init__("phalanx-checkpoint", instance, bus_config)
+        self.lease_s = lease_s
+        self.core: core.CheckpointCore | None = None
+
+    @property
+    def leading(self) -> bool:
+        return self.core is not None
+
+    async def setup(self) -> None:
+        assert self.bus is not None
+        js = self.bus.js
+        self.catalogs = await TypedKV.open(js, subjects.CHECKPOINTS_BUCKET, CheckpointCatalog)
+        self.jobs = await TypedKV.open(js, subjects.JOBS_BUCKET, JobRecord)
+        leases = await TypedKV.open(js, subjects.LEASES_BUCKET, Lease)
+        await self.add_endpoint("resume", subjects.ckpt_resume(), ResumeRequest,
+                                self.on_resume)
+        self.leadership = Leadership(leases, LEASE_KEY, self.instance, self.lease_s, self._lead)
+        self.spawn(self.leadership.run(self.sleep_or_stop), "lease")
+
+    async def on_resume(self, request: ResumeRequest, _: Delivery) -> ResumeAnswer:
+        entry = await self.catalogs.get(request.job_id)
+        return core.resume_answer(None if entry is None else entry.value, request.job_id,
+                                  request.world_size)
+
+    async def _lead(self) -> None:
+        """Restore the catalogs, then take in records and announcements until cancelled."""
+        assert self.bus is not None
+        the_core = core.CheckpointCore()
+        revisions: dict[str, int] = {}
+        stored, bad = await self.catalogs.entries()
+        for error in bad:
+            log.error("unreadable catalog skipped: %s", error)
+        for entry in stored:
+            the_core.restore(entry.value)
+            revisions[entry.key] = entry.revision
+        log.info("restored", extra={"jobs": len(the_core.catalogs)})
+        changed: dict[str, core.Decision] = {}
+
+        def act(decisions: list[core.Decision]) -> None:
+            for decision in decisions:
+                key = decision.catalog.job_id if isinstance(decision, core.StoreCatalog) \
+                    else decision.job_id
+                changed[key] = decision
+
+        async def on_snapshot(record: SnapshotRecord, _: Delivery) -> None:
+            act(the_core.handle(core.SnapshotAnnounced(record)))
+
+        self.core = the_core
+        records = aiter(self.jobs.follow(self.bus.resync_event()))
+        sub = await self.bus.subscribe(subjects.any_id(subjects.ckpt_snapshot),
+                                       SnapshotRecord, on_snapshot)
+        try:
+            async with asyncio.TaskGroup() as tasks:
+                tasks.create_task(self._follow_jobs(the_core, records, act))
+                tasks.create_task(self._store(changed, revisions))
+        finally:
+            self.core = None
+            with contextlib.suppress(Exception):
+                await sub.unsubscribe()
+            await records.aclose()
+
+    async def _follow_jobs(self, the_core: core.CheckpointCore, records, act) -> None:
+        async for change in records:
+            if change is None:
+                continue
+            record = change.value
+            if record is None:
+                act(the_core.handle(core.JobSeen(change.key, 0, ended=True)))
+            else:
+                act(the_core.handle(core.JobSeen(record.job_id,
+                                                 record.spec.checkpoint.memory_keep,
+                                                 ended=record.state.terminal)))
+
+    async def _store(self, changed: dict[str, core.Decision], revisions: dict[str, int]) -> None:
+        """Write what changed, at most every STORE_EVERY_S, fenced on our revisions."""
+        while not await self.sleep_or_stop(STORE_EVERY_S):
+            batch = dict(changed)
+            changed.clear()
+            for job_id, decision in batch.items():
+                try:
+                    match decision:
+                        case core.StoreCatalog(catalog=catalog):
+                            revision = revisions.get(job_id)
+                            revisions[job_id] = (
+                                await self.catalogs.update(job_id, catalog, revision)
+                                if revision is not None
+                                else await self.catalogs.create(job_id, catalog))
+                        case core.ForgetCatalog():
+                            revision = revisions.pop(job_id, None)
+                            if revision is not None:
+                                await self.catalogs.delete(job_id, revision=revision)
+                        case _:
+                            raise TypeError(f"unknown decision {decision!r}")
+                except Conflict:
+                    raise LeadershipLost(f"the catalog of {job_id} was written by another "
+                                         "instance") from None
