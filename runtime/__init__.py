@@ -4,9 +4,9 @@ The public API, importable from here::
 
     from phalanx.runtime import ElasticSession, MemmapDataset, write_arrays
 
-* :class:`ElasticSession`, :class:`Step`, :class:`MembershipChange` and
-  :class:`JobCompletedWithoutThisReplica` (:mod:`.elastic`): the session that
-  replaces ``init_process_group``, DDP and the ``DistributedSampler``.
+* :class:`ElasticSession`, :class:`Step`, :class:`MembershipChange`,
+  :class:`JobCompletedWithoutThisReplica` and :class:`LeftTheJob` (:mod:`.elastic`):
+  the session that replaces ``init_process_group``, DDP and the ``DistributedSampler``.
 * :class:`MemmapDataset` and :func:`write_arrays` (:mod:`.dataset`): a dataset
   written once and opened by memory map; :func:`write_tokens` and
   :class:`TokenWindows`, the same for a language model's token stream.
@@ -27,6 +27,7 @@ _EXPORTS = {
     "Step": "elastic",
     "MembershipChange": "elastic",
     "JobCompletedWithoutThisReplica": "elastic",
+    "LeftTheJob": "elastic",
     "Dropped": "elastic",
     "MemmapDataset": "dataset",
     "write_arrays": "dataset",
@@ -40,6 +41,7 @@ __all__ = [
     "ElasticOrder",
     "ElasticSession",
     "JobCompletedWithoutThisReplica",
+    "LeftTheJob",
     "MembershipChange",
     "MemmapDataset",
     "Step",
@@ -55,6 +57,7 @@ if TYPE_CHECKING:
         Dropped,
         ElasticSession,
         JobCompletedWithoutThisReplica,
+        LeftTheJob,
         MembershipChange,
         Step,
     )

@@ -26,7 +26,11 @@ What the session does around that loop:
 * **Step boundaries.** A *join* is applied between steps, at the same step on
   every member: each gradient all-reduce carries one extra number, how many
   members have seen a newer generation, so all of them switch after the same
-  step.
+  step. A *leave* (a planned shrink: admission took the slots of some members)
+  is switched the same way: the leaving members take part in every step up to
+  and including the one after which everyone switches, commit it, and then end
+  with :class:`LeftTheJob` (status 0) while the others go on in the new
+  generation; no step is aborted and no sample is lost or repeated.
 * **Faults.** A fault of a member (announced on the bus by health) or a
   *fault* generation aborts the in-flight all-reduce at once on every rank:
   the rank stops waiting for it, abandons that process group (its gloo
@@ -154,6 +158,26 @@ class JobCompletedWithoutThisReplica(SystemExit):
     def __str__(self) -> str:
         return (f"{self.job_id} completed (step {self.step}) before {self.replica_id} "
                 "became a member: it holds no trained state")
+
+
+class LeftTheJob(SystemExit):
+    """This replica left the job in a planned shrink, after the step the members switched
+    at (it committed it, like everyone else).
+
+    Raised by :meth:`ElasticSession.steps` after :meth:`ElasticSession.close`: a
+    ``SystemExit`` with status 0 — the replica did its part — so code after the training
+    loop (a save, an evaluation of the final model) does not run on a process that holds
+    the state of a step the job has since gone past.
+    """
+
+    def __init__(self, job_id: str, replica_id: str, step: int, generation: int) -> None:
+        super().__init__(0)
+        self.job_id, self.replica_id = job_id, replica_id
+        self.step, self.generation = step, generation
+
+    def __str__(self) -> str:
+        return (f"{self.replica_id} left {self.job_id} after step {self.step}: generation "
+                f"{self.generation} goes on without it")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -462,6 +486,8 @@ class ElasticSession:
 
         Raises:
             Dropped: this replica is no longer a member (it was judged failed).
+            LeftTheJob: this replica left in a planned shrink (a ``SystemExit`` with status
+                0, raised after :meth:`close`).
             JobCompletedWithoutThisReplica: the job completed before this replica became
                 a member (a ``SystemExit`` with status 0, raised after :meth:`close`).
         """
@@ -489,6 +515,19 @@ class ElasticSession:
         self.close()
         raise completed
 
+    def _leave(self, generation: Generation) -> None:
+        """A planned shrink took this replica out: it committed the step the members switched
+        after; end the process with status 0 (its agent frees the slot when it exits)."""
+        left = LeftTheJob(self.job_id, self.replica_id, self.committed - 1,
+                          generation.generation)
+        log.info("%s", left)
+        self.rank = None  # the job goes on without it: it is nobody's primary
+        if self._record is not None:
+            self._record.write(kind="left", step=self.committed, generation=generation.generation,
+                               planned=True)
+        self.close()
+        raise left
+
     def _chaos_kill(self) -> None:
         """Fault injection: die now, as a SIGKILLed rank does (recorded first)."""
         record = self._record
@@ -504,14 +543,20 @@ class ElasticSession:
                 return True  # alone: world size 1, no process group
             if self.generation is None and finished >= total_steps:
                 return False
+            planned = newest is not None and newest.reason in (GenerationReason.JOIN,
+                                                                 GenerationReason.LEAVE)
             if self.generation is not None and self.pg is not None and (
                     newest is None or newest.generation == self.generation.generation
-                    or (newest.reason is GenerationReason.JOIN and not self._switch_agreed)):
-                # A join waits until every member has seen it (the flag in the all-reduce).
+                    or (planned and not self._switch_agreed)):
+                # A join or a leave waits until every member has seen it (the flag in the
+                # all-reduce).
                 return True
             if newest is not None and (self.generation is None
                                        or newest.generation > self.generation.generation):
                 if newest.member(self.replica_id) is None:
+                    if self.generation is not None and newest.reason is GenerationReason.LEAVE \
+                            and self._switch_agreed:
+                        self._leave(newest)
                     if self.generation is not None:
                         self.rank = None  # its state is no longer the job's
                         raise Dropped(f"{self.replica_id} is not a member of generation "
@@ -878,4 +923,4 @@ class ElasticSession:
 from phalanx.runtime.step import Step  # noqa: E402
 
 __all__ = ["Aborted", "Dropped", "ElasticSession", "JobCompletedWithoutThisReplica",
-           "MembershipChange", "Retained", "Step"]
+           "LeftTheJob", "MembershipChange", "Retained", "Step"]

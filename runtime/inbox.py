@@ -13,7 +13,9 @@ or the job's end is noticed the moment it arrives:
 
 From these :meth:`Inbox.must_abort` decides whether a collective of the
 current generation must be given up: a member failed, or a newer generation
-that is not a join this replica is part of replaced it.
+that is not a *planned* change replaced it. A join this replica is part of,
+and a leave (for the members that stay and for those that go alike), are
+planned: the step in flight completes, and everyone switches after it.
 """
 
 from __future__ import annotations
@@ -88,14 +90,16 @@ class Inbox:
             return self._finished_step
 
     def must_abort(self, current: Generation | None) -> bool:
-        """A member of ``current`` failed, or a fault generation replaced it."""
+        """A member of ``current`` failed, or a generation that is not planned replaced it
+        (a fault, or a join that leaves this replica out)."""
         if current is None:
             return False
         with self._lock:
             newest, faulted = self._newest, set(self._faulted)
-        if newest is not None and newest.generation > current.generation and (
-                newest.reason is not GenerationReason.JOIN
-                or newest.member(self.replica_id) is None):
+        if newest is not None and newest.generation > current.generation and not (
+                newest.reason is GenerationReason.LEAVE
+                or (newest.reason is GenerationReason.JOIN
+                    and newest.member(self.replica_id) is not None)):
             return True
         return any(m.replica_id in faulted for m in current.members)
 

@@ -445,9 +445,9 @@ class AdmissionCore:
             return []
         self._release(gang, gang.nodes[event.replicas:])
         gang.changed_at = now
-        self._admitted_reason(gang)
-        return [Shrink(gang.job_id, tuple(gang.nodes), Reason(
-            ReasonCode.SCALED, f"pinned to {event.replicas} replica(s)"), event.event_id)]
+        return [self._shrunk(gang, Reason(ReasonCode.SCALED,
+                                          f"pinned to {event.replicas} replica(s)"),
+                             event.event_id)]
 
     def _submitted(self, event: JobSubmitted) -> list[Decision]:
         if event.job_id in self.gangs:
@@ -567,7 +567,7 @@ class AdmissionCore:
             if len(gang.nodes) > size:  # also give back what an allowed size does not use
                 self._release(gang, gang.nodes[size:])
             gang.changed_at = now
-            return [Shrink(gang.job_id, tuple(gang.nodes), reason, cause)]
+            return [self._shrunk(gang, reason, cause)]
         self._release(gang, list(gang.nodes))
         gang.state = JobState.PENDING
         gang.reason = reason
@@ -991,7 +991,7 @@ class AdmissionCore:
             victim.changed_at = now
             if len(victim.nodes) - count >= victim.smallest:
                 self._release(victim, victim.nodes[-count:])
-                decisions.append(Shrink(victim.job_id, tuple(victim.nodes), reason, cause))
+                decisions.append(self._shrunk(victim, reason, cause))
             else:
                 self._release(victim, list(victim.nodes))
                 victim.state = JobState.PENDING
@@ -1013,6 +1013,13 @@ class AdmissionCore:
     def _admitted_reason(self, gang: Gang) -> None:
         gang.reason = Reason(ReasonCode.ADMITTED, f"running {len(gang.nodes)} replica(s) on "
                                                   f"{len(set(gang.nodes))} node(s)")
+
+    def _shrunk(self, gang: Gang, why: Reason, cause: str) -> Shrink:
+        """A running gang gave replicas back: its record says why, with the reason's code
+        (elasticity tells a planned shrink, whose members leave, from a node lost)."""
+        gang.reason = Reason(why.code, f"running {len(gang.nodes)} replica(s) on "
+                                       f"{len(set(gang.nodes))} node(s); shrunk: {why.message}")
+        return Shrink(gang.job_id, tuple(gang.nodes), why, cause)
 
     def _allocate(self, gang: Gang, nodes: list[str]) -> None:
         for node_id in nodes:

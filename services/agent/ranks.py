@@ -18,7 +18,13 @@ A rank gets the environment a torchrun script expects (``RANK``,
 so a stop reaches its children too, and logs to
 ``<work_dir>/jobs/<job>/rank-<r>.log``. Its exit is reported the moment the
 event loop's child watcher sees it. A stop is SIGTERM to the process group,
-then SIGKILL after the job's grace period.
+then SIGKILL after the job's grace period. A rank of an elastic job whose slot
+admission took away (a planned shrink) first gets to *leave*: the runtime
+finishes its step and exits 0 by itself, told by elasticity's leave
+generation; only if it is still there after the spec's
+``scaling.graceful_shutdown_timeout_s`` is it stopped. Either way its exit is
+reported with cause ``stopped``, and its slot counts as taken until it is gone,
+so the ranks of the job that preempted it start the moment it exits.
 
 Every running rank is recorded in ``<work_dir>/ranks.json`` with its start
 time (from ``/proc``), so an agent restarted after a crash finds its ranks
@@ -182,6 +188,7 @@ class RankSet:
         # (job, slot) -> (placement, replica) last launched there, running or not: a slot's
         # first replica is launched once per placement, any replica at most once.
         self.launched: dict[tuple[str, int], tuple[tuple[str, ...], str]] = {}
+        self._leaving: set[asyncio.Task[None]] = set()  # ranks given time to leave
         work_dir.mkdir(parents=True, exist_ok=True)
 
     @property
@@ -210,7 +217,10 @@ class RankSet:
 
         for (job_id, slot), running in list(self.ranks.items()):
             if job_id == record.job_id and outdated(slot, running.placement):
-                await self.stop(running)
+                if elastic and placement:  # shrunk, not ended: it leaves by itself first
+                    self._leave(running, record.spec.scaling.graceful_shutdown_timeout_s)
+                else:
+                    await self.stop(running)
         gone = [k for k in self.launched
                 if k[0] == record.job_id and outdated(k[1], self.launched[k][0])]
         for key in gone:
@@ -391,6 +401,27 @@ class RankSet:
         return "\n".join(tail.rstrip().splitlines()[-lines:])[-DETAIL_CHARS:]
 
     # --- stopping and signals -----------------------------------------------------------
+
+    def _leave(self, entry: Rank, timeout_s: float) -> None:
+        """Let ``entry`` exit by itself within ``timeout_s``, then stop it (in the background:
+        the job's other records are not held up, other jobs' launches wait for its slots)."""
+        if entry.stopping:
+            return  # leaving or stopping already
+        entry.stopping = True
+
+        async def leave() -> None:
+            assert entry.watcher is not None
+            try:
+                await asyncio.wait_for(asyncio.shield(entry.watcher), timeout_s)
+            except TimeoutError:
+                log.warning("rank did not leave in time: stopping it",
+                            extra={"job": entry.job_id, "rank": entry.rank,
+                                   "replica": entry.replica_id, "timeout_s": timeout_s})
+                await self.stop(entry)
+
+        task = asyncio.create_task(leave())
+        self._leaving.add(task)
+        task.add_done_callback(self._leaving.discard)
 
     async def stop(self, entry: Rank) -> None:
         """SIGTERM the rank's process group, SIGKILL after its grace period; wait for exit."""

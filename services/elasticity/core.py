@@ -17,8 +17,20 @@ to resume at, and why it changed (start, fault, join). A job runs in *slots*
   (torch imported, model built) or failed, from the ready ones in slot order,
   if at least ``min``.
 * **Placement changes.** A record with other slots than the managed job's:
-  new slots get ``r<s>-0`` (admission grew the job); slots gone get no more
-  replacements (their members' faults come from health).
+  new slots get ``r<s>-0`` (admission grew the job). Slots gone get no more
+  replacements, and replicas there that are not members are stopped at once.
+  When a node was lost, its members' faults come from health. When admission
+  took the slots in a planned change (preemption, reclaim, a pin: the record's
+  reason says which), the members there *leave*:
+  as soon as no change is in flight, a ``leave`` generation without them is
+  published. They are told by it, take part in the step in flight, and every
+  member switches after the same step (the runtime's step boundary), the
+  leavers then exiting 0. A leaver that exits any other way first (its agent
+  stopped it after ``graceful_shutdown_timeout_s``) is a fault: as a member, it
+  is dropped like a failed one; once the leave is published and not yet applied,
+  the same members get a new (fault) generation, since the others may be stuck
+  in a step with it. A fault before the leave is published drops the leavers
+  with the failed.
 * **Faults.** A failed member is dropped in the next generation if at least
   ``min`` members remain; survivors keep their relative order (and so, in
   order, their ranks). A failure *supersedes* a change still in flight: the
@@ -81,6 +93,9 @@ class JobAdmitted:
     max_members: int
     event_id: str = ""
     max_replacements: int | None = None  # the job's restart_policy.max_restarts
+    # Slots gone were taken by a planned change (preemption, reclaim, a pin): their members
+    # leave at a step boundary. Otherwise (a node lost) their faults come from health.
+    planned: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -121,13 +136,23 @@ class MemberFinished:
 
 
 @dataclasses.dataclass(frozen=True)
+class ReplicaExited:
+    """A replica ended other than with exit code 0 (a signal, a non-zero code, a stop)."""
+
+    job_id: str
+    replica_id: str
+    detail: str = ""
+    event_id: str = ""
+
+
+@dataclasses.dataclass(frozen=True)
 class JobStopped:
     job_id: str
     event_id: str = ""
 
 
 Event = (JobAdmitted | MemberFailed | ReplicaReady | GenerationApplied | MemberFinished
-         | JobStopped)
+         | ReplicaExited | JobStopped)
 
 # --- decisions -----------------------------------------------------------------------------
 
@@ -206,6 +231,8 @@ class JobMembership:
     high_water: int = 0  # the highest step any member ever reported committed
     managed: bool = False  # a replica reported ready: the job uses the runtime
     early_faults: list[MemberFailed] = dataclasses.field(default_factory=list)  # before that
+    leaving: list[str] = dataclasses.field(default_factory=list)  # members whose slot is gone
+    departing: list[str] = dataclasses.field(default_factory=list)  # left in current, unapplied
 
     @property
     def members(self) -> list[str]:
@@ -249,7 +276,8 @@ class ElasticityCore:
             case JobStopped():
                 self.jobs.pop(event.job_id, None)
                 return []
-            case MemberFailed() | ReplicaReady() | GenerationApplied() | MemberFinished():
+            case MemberFailed() | ReplicaReady() | GenerationApplied() | MemberFinished() \
+                    | ReplicaExited():
                 job = self.jobs.get(event.job_id)
             case _:
                 raise TypeError(f"unknown event {event!r}")
@@ -271,7 +299,11 @@ class ElasticityCore:
                 for slot in sorted(set(event.slots) - set(job.incarnation)):
                     job.launched[replica_id(slot, 0)] = slot
                     job.incarnation[slot] = 0
+                decisions += self._slots_taken(job, set(job.slots) - set(event.slots),
+                                               event.planned, event.event_id)
                 job.slots = dict(event.slots)
+            case ReplicaExited():
+                decisions += self._left_uncleanly(job, event)
             case MemberFailed():
                 decisions += self._failed(job, event)
             case ReplicaReady():
@@ -283,6 +315,8 @@ class ElasticityCore:
                     job.committed[event.replica_id] = max(
                         event.committed_step, job.committed.get(event.replica_id, 0))
                     job.high_water = max(job.high_water, event.committed_step)
+                    if not job.in_flight:
+                        job.departing.clear()  # the leave is done: the leavers are gone
         decisions += self._advance(job, now, event.event_id)
         if job.to_launch and (job.current is None or not job.in_flight
                               or job.waiting_since is not None):
@@ -372,6 +406,44 @@ class ElasticityCore:
                                                event.event_id))
         return []
 
+    def _slots_taken(self, job: JobMembership, slots: set[int], planned: bool,
+                     cause: str) -> list[Decision]:
+        """Admission took ``slots``: in a planned change their members leave; replicas there
+        that are not members are stopped now."""
+        stops: list[Decision] = []
+        for replica in [r for r in job.members if job.replicas[r].slot in slots]:
+            if planned and replica not in job.failed and replica not in job.leaving:
+                job.leaving.append(replica)
+        for replica in [r for r in job.ready if job.replicas[r].slot in slots]:
+            job.ready.remove(replica)
+            slot = job.replicas.pop(replica).slot
+            stops.append(StopReplica(job.job_id, slot, job.slots[slot], replica, cause))
+        for replica, slot in [(r, s) for r, s in job.launched.items() if s in slots]:
+            del job.launched[replica]
+            job.forming.discard(replica)
+            stops.append(StopReplica(job.job_id, slot, job.slots[slot], replica, cause))
+        job.to_launch = [d for d in job.to_launch if d.slot not in slots]
+        return stops
+
+    def _left_uncleanly(self, job: JobMembership,
+                        event: ReplicaExited) -> list[Decision]:
+        """A leaver that did not leave by the step boundary: handled as a fault."""
+        replica = event.replica_id
+        why = f"{replica} did not leave cleanly ({event.detail or 'stopped'})"
+        if replica in job.leaving:
+            job.leaving.remove(replica)
+            if replica not in job.failed:
+                job.failed[replica] = why
+                job.applied.discard(replica)
+            return []
+        if replica in job.departing and job.in_flight:
+            # The others may be blocked in a step with it: the same members start over.
+            job.departing.clear()
+            job.failed.clear()
+            return self._next(job, job.members, [], GenerationReason.FAULT, why,
+                              event.event_id)
+        return []
+
     def _finished(self, job: JobMembership, event: MemberFinished) -> list[Decision]:
         if event.replica_id not in job.members:
             return []
@@ -405,9 +477,16 @@ class ElasticityCore:
                 return self._wait(job, now, len(job.ready))
             joiners = sorted(job.ready, key=lambda r: job.replicas[r].slot)[:job.max_members]
             return self._next(job, [], joiners, GenerationReason.START, "admitted", cause)
-        survivors = [r for r in job.members if r not in job.failed]
+        survivors = [r for r in job.members if r not in job.failed and r not in job.leaving]
         if job.in_flight and not job.failed:
-            return []  # joins wait for the change in flight
+            return []  # joins and leaves wait for the change in flight
+        if job.leaving and not job.failed and len(survivors) >= job.min_members:
+            left, job.departing, job.leaving = list(job.leaving), list(job.leaving), []
+            for replica in left:
+                job.committed.pop(replica, None)
+                job.replicas.pop(replica, None)
+            return self._next(job, survivors, [], GenerationReason.LEAVE,
+                              "left: " + ", ".join(left), cause)
         if not job.failed and not job.ready:
             return []
         joiners = job.ready[:max(0, job.max_members - len(survivors))]
@@ -417,6 +496,12 @@ class ElasticityCore:
             return []  # at max: ready replicas wait for room
         if job.failed:
             why = "dropped " + ", ".join(f"{r} ({d})" for r, d in sorted(job.failed.items()))
+            if job.leaving:  # a fault starts over anyway: the leavers go with it
+                why += "; left " + ", ".join(job.leaving)
+                for replica in job.leaving:
+                    job.committed.pop(replica, None)
+                    job.replicas.pop(replica, None)
+                job.leaving.clear()
             if joiners:
                 why += "; joined " + ", ".join(joiners)
             return self._next(job, survivors, joiners, GenerationReason.FAULT, why, cause)
@@ -462,6 +547,8 @@ class ElasticityCore:
             assert job.complete or set(job.ready) | set(members) == set(job.replicas), \
                 "replica bookkeeping"
             assert len(members) <= job.max_members, "above max"
+            assert set(job.leaving) <= set(members), "a leaver that is not a member"
+            assert not set(job.departing) & set(members), "a departed replica is a member"
             live = [r for r in members if r not in job.failed] + job.ready
             slots = [job.replicas[r].slot for r in live] + list(job.launched.values())
             assert len(slots) == len(set(slots)), "two replicas in one slot"

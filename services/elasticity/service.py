@@ -65,6 +65,7 @@ from phalanx.schemas.messages import (
     LaunchReplica,
     Lease,
     RankExited,
+    ReasonCode,
     ReplicaReady,
     ReplicaReply,
     RequeueRequest,
@@ -81,6 +82,9 @@ AGENT_TIMEOUT_S = 10.0
 LEASE_KEY = "elasticity"
 SNAPSHOT_FORMAT = 1
 CURSOR_EVERY_S = 1.0
+#: Why admission shrinks a running job on purpose (its members leave at a step boundary);
+#: any other shrink is a node lost, whose members' faults come from health.
+PLANNED_SHRINKS = frozenset({ReasonCode.PREEMPTED, ReasonCode.SCALED})
 
 
 @dataclasses.dataclass
@@ -223,7 +227,8 @@ class ElasticityService(Service):
             replicas = record.spec.replicas
             event: core.Event = core.JobAdmitted(
                 job_id, record.placement(), replicas.min, replicas.max, event_id="record",
-                max_replacements=record.spec.restart_policy.max_restarts)
+                max_replacements=record.spec.restart_policy.max_restarts,
+                planned=record.reason_code in PLANNED_SHRINKS)
             await self._act(term, job_id, term.core.handle(event, time.time()), None)
             return
         if job_id in term.core.jobs:
@@ -305,7 +310,7 @@ class ElasticityService(Service):
 
 
 def _event(event: StreamEvent) -> core.MemberFailed | core.ReplicaReady | core.GenerationApplied \
-        | core.MemberFinished | None:
+        | core.MemberFinished | core.ReplicaExited | None:
     """The core's event for a stored job event (None: nothing for elasticity)."""
     match event.message:
         case Fault() as fault:
@@ -323,8 +328,13 @@ def _event(event: StreamEvent) -> core.MemberFailed | core.ReplicaReady | core.G
                                           msg.committed_step,
                                           event_id=f"applied:{msg.replica_id}")
         case RankExited() as msg:
-            if msg.exit_code == 0 and msg.replica_id is not None:
+            if msg.replica_id is None:
+                return None
+            if msg.exit_code == 0:
                 return core.MemberFinished(msg.job_id, msg.replica_id,
                                            event_id=f"exited:{msg.replica_id}")
+            how = f"signal {msg.signal}" if msg.signal else f"exit code {msg.exit_code}"
+            return core.ReplicaExited(msg.job_id, msg.replica_id, f"{msg.cause.value}, {how}",
+                                      event_id=f"exited:{msg.replica_id}")
     return None
 

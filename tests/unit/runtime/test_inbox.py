@@ -57,6 +57,26 @@ def test_a_collective_is_given_up_for_a_failed_member_or_a_fault_generation() ->
     assert inbox.must_abort(current)  # replaced by a fault generation
 
 
+@pytest.mark.parametrize("replica", ["r0-0", "r2-0"])
+def test_a_leave_lets_the_step_in_flight_finish_for_those_who_stay_and_those_who_go(
+        replica: str) -> None:
+    inbox = Inbox(replica)
+    current = generation(1, ["r0-0", "r1-0", "r2-0"])
+    inbox.on_generation(current, None)
+    inbox.on_generation(generation(2, ["r0-0", "r1-0"], GenerationReason.LEAVE), None)
+    assert not inbox.must_abort(current)  # r2-0 leaves after the step boundary
+    inbox.on_generation(generation(3, ["r0-0", "r1-0"]), None)
+    assert inbox.must_abort(current)  # a fault generation supersedes the leave
+
+
+def test_a_join_that_leaves_this_replica_out_gives_up_its_collective() -> None:
+    inbox = Inbox("r2-0")
+    current = generation(1, ["r0-0", "r1-0", "r2-0"])
+    inbox.on_generation(current, None)
+    inbox.on_generation(generation(2, ["r0-0", "r1-0", "r3-0"], GenerationReason.JOIN), None)
+    assert inbox.must_abort(current)
+
+
 def test_the_jobs_progress_only_goes_forward() -> None:
     inbox = Inbox("r3-0")
     for step in (5, 9, 7):

@@ -1,0 +1,95 @@
+"""Planned shrinks: members whose slots admission took leave at a step boundary."""
+
+from __future__ import annotations
+
+from phalanx.schemas.messages import GenerationReason
+from phalanx.services.elasticity.core import (
+    ElasticityCore,
+    JobAdmitted,
+    MemberFailed,
+    MemberFinished,
+    ReplicaExited,
+    StopReplica,
+    snapshot,
+)
+from test_elasticity_core import (  # the same job and helpers
+    apply_all,
+    generations,
+    ready,
+    start,
+)
+
+KEPT = {0: "n0", 1: "n1"}  # admission keeps slots 0 and 1 of 0..3
+
+
+def test_members_of_taken_slots_leave_in_a_leave_generation_without_a_fault() -> None:
+    core = ElasticityCore()
+    start(core)
+    apply_all(core)
+    [g] = generations(core.handle(JobAdmitted("j", KEPT, 1, 4, planned=True), 1.0))
+    assert (g.generation, g.reason, g.cause) == (1, GenerationReason.LEAVE,
+                                                 "left: r2-0, r3-0")
+    assert [m.replica_id for m in g.members] == ["r0-0", "r1-0"]
+    assert core.jobs["j"].departing == ["r2-0", "r3-0"]
+    # Leavers exit 0 after the boundary: not members, so the job is not complete.
+    assert core.handle(MemberFinished("j", "r2-0"), 2.0) == []
+    assert apply_all(core, 11) == []  # nothing launched where the slots are gone
+    assert core.jobs["j"].departing == [] and not core.jobs["j"].complete
+    core.check_invariants()
+
+
+def test_a_leave_waits_for_the_change_in_flight() -> None:
+    core = ElasticityCore()
+    start(core)  # generation 0 not applied yet
+    assert core.handle(JobAdmitted("j", KEPT, 1, 4, planned=True), 1.0) == []
+    [g] = generations(apply_all(core))
+    assert g.reason is GenerationReason.LEAVE and g.world_size == 2
+
+
+def test_a_leaver_stopped_before_the_boundary_is_handled_as_a_fault() -> None:
+    core = ElasticityCore()
+    start(core)
+    apply_all(core)
+    core.handle(JobAdmitted("j", KEPT, 1, 4, planned=True), 1.0)
+    # r3-0 overstayed its graceful shutdown timeout: the survivors may be stuck with it.
+    [g] = generations(core.handle(ReplicaExited("j", "r3-0", "SIGKILL"), 30.0))
+    assert (g.generation, g.reason) == (2, GenerationReason.FAULT)
+    assert [m.replica_id for m in g.members] == ["r0-0", "r1-0"]
+    assert core.handle(ReplicaExited("j", "r2-0", "SIGKILL"), 31.0) == []  # once is enough
+    core.check_invariants()
+
+
+def test_a_fault_before_the_leave_is_published_drops_the_leavers_too() -> None:
+    core = ElasticityCore()
+    start(core)  # in flight: the leave waits
+    core.handle(JobAdmitted("j", {0: "n0", 1: "n1", 2: "n0"}, 2, 4, planned=True), 1.0)
+    [g] = generations(core.handle(MemberFailed("j", "r1-0"), 2.0))
+    assert g.reason is GenerationReason.FAULT
+    assert [m.replica_id for m in g.members] == ["r0-0", "r2-0"]
+    assert g.cause == "dropped r1-0 (failed); left r3-0"
+    core.check_invariants()
+
+
+def test_a_lost_node_is_not_a_leave_and_waiting_replicas_of_taken_slots_are_stopped() -> None:
+    core = ElasticityCore()
+    start(core)
+    apply_all(core)
+    core.handle(MemberFailed("j", "r0-0"), 1.0)
+    apply_all(core)  # the fault generation applied: r0-1 is launched in slot 0
+    # Node n1 lost (slots 1 and 3): no leave (health reports its members); nothing waits
+    # there. Admission then takes slot 0 in a planned change: r0-1, not a member, stops.
+    assert generations(core.handle(JobAdmitted("j", {0: "n0", 2: "n0"}, 1, 4), 3.0)) == []
+    decisions = core.handle(JobAdmitted("j", {2: "n0"}, 1, 4, planned=True), 4.0)
+    assert [d for d in decisions if isinstance(d, StopReplica)] == [
+        StopReplica("j", 0, "n0", "r0-1", "")]
+    core.check_invariants()
+
+
+def test_the_leave_survives_a_restart_of_the_service() -> None:
+    core = ElasticityCore()
+    start(core)
+    core.handle(JobAdmitted("j", KEPT, 1, 4, planned=True), 1.0)  # waits: in flight
+    restored = ElasticityCore()
+    restored.restore(snapshot(core.jobs["j"]))
+    [g] = generations(apply_all(restored))
+    assert g.reason is GenerationReason.LEAVE
