@@ -139,7 +139,7 @@ class Snapshotter:
         started = time.perf_counter()
         state = flat_state(model, optimizer, extra, step)
         meta = pickle.dumps(state.meta)
-        offset, length = snapshot_file.share(state.total, rank, world_size)
+        _, length = snapshot_file.share(state.total, rank, world_size)
         need = snapshot_file.HEADER_BYTES + len(meta) + length
         fits = self._reserved is not None and self._reserved[:2] == (rank, world_size) \
             and self._reserved[2] >= need
@@ -148,18 +148,12 @@ class Snapshotter:
             return None
         headers = [_committed_in(b) for b in self._buffers]
         buffer = self._buffers[snapshot_file.pick_buffer(headers)]
-        header = Header(self.job_id, step, generation, rank, world_size, state.total, offset,
-                        length, 0, 0)
-
-        def fill(data: memoryview) -> None:
-            copy_range(state.tensors, offset, torch.frombuffer(data, dtype=torch.uint8)
-                       if len(data) else torch.empty(0, dtype=torch.uint8))
-
-        header = snapshot_file.write(memoryview(buffer), header, meta, fill)
+        header = write_share(memoryview(buffer), state, meta, self.job_id, step, generation,
+                             rank, world_size)
         self.last_copy_s = time.perf_counter() - started
         self.bus.publish(subjects.ckpt_snapshot(self.job_id), SnapshotRecord(
             job_id=self.job_id, step=step, shard=rank, num_shards=world_size,
-            node_id=self.node_id, tier=SnapshotTier.LOCAL, nbytes=length,
+            node_id=self.node_id, tier=SnapshotTier.LOCAL, nbytes=header.length,
             checksum=f"{header.checksum:016x}", created_at=time.time(), generation=generation,
             total_bytes=state.total))
         return header
@@ -181,6 +175,20 @@ class Snapshotter:
         self._buffers = [snapshot_file.open_buffer(Path(p)) for p in reply.paths]
         self._reserved = (shard, shards, nbytes)
         return True
+
+
+def write_share(buffer: memoryview, state: FlatState, meta: bytes, job_id: str, step: int,
+                generation: int, shard: int, shards: int) -> Header:
+    """Write shard ``shard`` of ``shards`` of ``state`` (and its pickled ``meta``) into
+    ``buffer``, committed last (:func:`~.snapshot_file.write`): one copy of the share."""
+    offset, length = snapshot_file.share(state.total, shard, shards)
+    header = Header(job_id, step, generation, shard, shards, state.total, offset, length, 0, 0)
+
+    def fill(data: memoryview) -> None:
+        if len(data):
+            copy_range(state.tensors, offset, torch.frombuffer(data, dtype=torch.uint8))
+
+    return snapshot_file.write(buffer, header, meta, fill)
 
 
 def _committed_in(buffer: mmap.mmap) -> Header | None:
@@ -324,7 +332,8 @@ def restore(pg: dist.ProcessGroup, wait: Wait, rank: int, world_size: int, store
 
 def _verified(path: Path) -> tuple[mmap.mmap, Header]:
     with path.open("rb") as f:
-        buffer = mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ)
+        # Copy-on-write: readable as a writable buffer for torch, never written back.
+        buffer = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
     header = snapshot_file.read_header(buffer)
     snapshot_file.verify(memoryview(buffer), header)
     return buffer, header

@@ -306,6 +306,56 @@ def cmd_elasticity(args: argparse.Namespace) -> int:
     return run_service(service)
 
 
+def cmd_checkpoint(args: argparse.Namespace) -> int:
+    from phalanx.services.base import run_service
+    from phalanx.services.checkpoint.service import CheckpointService
+    from phalanx.services.logs import configure_logging
+
+    try:
+        service = CheckpointService(
+            _bus_config(args), instance=args.instance,
+            lease_s=float(os.environ.get("PHALANX_CHECKPOINT_LEASE_S", "3")))
+    except ValueError as exc:
+        print(f"phalanx checkpoint: PHALANX_CHECKPOINT_*: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    configure_logging("phalanx-checkpoint", service.instance, args.log_level)
+    return run_service(service)
+
+
+def cmd_ckpt(args: argparse.Namespace) -> int:
+    """``phalanx ckpt ls JOB``: the job's snapshots from the checkpoint catalog."""
+    from phalanx.bus.client import Bus
+    from phalanx.bus.kv import TypedKV
+    from phalanx.schemas import subjects
+    from phalanx.schemas.messages import CheckpointCatalog
+    from phalanx.services.checkpoint.core import complete
+
+    async def read() -> CheckpointCatalog | None:
+        async with await Bus.connect(_bus_config(args), name="phalanx-cli") as bus:
+            kv = await TypedKV.open(bus.js, subjects.CHECKPOINTS_BUCKET, CheckpointCatalog)
+            entry = await kv.get(args.job)
+            return None if entry is None else entry.value
+
+    catalog = asyncio.run(read())
+    if catalog is None:
+        print(f"phalanx ckpt: no snapshot of {args.job!r} is known", file=sys.stderr)
+        return EXIT_FAILED
+    rows = [{"step": s.step, "shards": s.shards, "total_bytes": s.total_bytes,
+             "complete": complete(s), "copies": msgspec_to_builtins(s.copies)}
+            for s in reversed(catalog.steps)]
+    if args.json:
+        print(json.dumps(rows, indent=2))
+        return 0
+    for row in rows:
+        print(f"step {row['step']}: {row['shards']} shards, {row['total_bytes']} B"
+              f"{'' if row['complete'] else ' (incomplete)'}")
+        for copy in row["copies"]:
+            flag = "  CORRUPT" if copy["corrupt"] else ""
+            print(f"  shard {copy['shard']}: {copy['tier']} on {copy['node_id']}, "
+                  f"{copy['nbytes']} B, xxh3 {copy['checksum']}{flag}")
+    return 0
+
+
 def cmd_logs(args: argparse.Namespace) -> int:
     """Print (or follow) a job's rank logs from this machine's agents' work dirs."""
     pattern = f"agents/*/jobs/{args.job}/rank-{'*' if args.rank is None else args.rank}.log"
@@ -681,6 +731,19 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("demo_args", nargs=argparse.REMAINDER,
                       help="passed to examples/demo.py (--help for its options)")
     demo.set_defaults(func=cmd_demo)
+
+    checkpoint = sub.add_parser("checkpoint", parents=[common],
+                                help="run the checkpoint service (the snapshot catalog)")
+    checkpoint.add_argument("--instance", help="instance name (default: host-pid-random)")
+    checkpoint.set_defaults(func=cmd_checkpoint)
+
+    ckpt = sub.add_parser("ckpt", help="a job's checkpoints")
+    ckpt_sub = ckpt.add_subparsers(dest="action", required=True)
+    ckpt_ls = ckpt_sub.add_parser("ls", parents=[common],
+                                  help="steps, tiers, locations, sizes and checksums")
+    ckpt_ls.add_argument("job")
+    ckpt_ls.add_argument("--json", action="store_true")
+    ckpt.set_defaults(func=cmd_ckpt)
 
     elasticity = sub.add_parser("elasticity", parents=[common],
                                 help="run the elasticity service (generations of running jobs)")

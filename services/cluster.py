@@ -211,7 +211,7 @@ class LocalCluster:
         # One leads, the others stand by; the first keeps the plain name (logs/health.log).
         for service, count, extra in (
                 ("health", self.n_health, ("--lost-after", str(self.lost_after_s))),
-                ("elasticity", self.n_elasticity, ())):
+                ("elasticity", self.n_elasticity, ()), ("checkpoint", 1, ())):
             for i in range(count):
                 instance = service if i == 0 else f"{service}-{i}"
                 self.services[instance] = await self._spawn(

@@ -186,10 +186,11 @@ def permissions(role: Role, scope: str | None = None) -> Permissions:
                       s.any_id(s.agent_stop), s.admission_requeue())
                 g.open_bucket(s.GENERATIONS_BUCKET, ">").open_bucket(s.ELASTICITY_BUCKET, ">")
         case Role.CHECKPOINT:
-            # Reserved for the checkpoint service (not built yet): it hears snapshot
-            # announcements and reads what it needs to place them; it changes nothing yet.
-            g.sub(s.any_id(s.ckpt_snapshot)).read_events()
+            # It hears snapshot announcements, follows job records, keeps the catalog and
+            # answers where a job can resume.
+            g.sub(s.any_id(s.ckpt_snapshot), s.ckpt_resume()).read_events()
             g.read_bucket(s.JOBS_BUCKET).read_bucket(s.GENERATIONS_BUCKET)
+            g.open_bucket(s.LEASES_BUCKET, role.value).open_bucket(s.CHECKPOINTS_BUCKET, ">")
         case Role.AGENT:
             assert scope is not None
             g.sub(s.agent_endpoints(scope), s.job_states())
@@ -201,7 +202,8 @@ def permissions(role: Role, scope: str | None = None) -> Permissions:
             assert scope is not None
             g.sub(s.job_generation(scope), s.job_fault(scope), s.health_job_ranks(scope))
             g.pub(s.health_job_ranks(scope), s.replica_ready(scope),
-                  s.generation_applied(scope))
+                  s.generation_applied(scope), s.ckpt_snapshot(scope),
+                  s.any_id(s.agent_snapshot))
             g.read_bucket(s.GENERATIONS_BUCKET, watch=False)
         case Role.CLI:
             g.sub(s.everything())

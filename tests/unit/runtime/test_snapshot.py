@@ -1,0 +1,163 @@
+"""Snapshot buffers and the restore from them: the format, the share split, the plan, and
+a restore over a real gloo group that skips a damaged copy for the next older step."""
+
+from __future__ import annotations
+
+import datetime
+import mmap
+import pickle
+import socket
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from phalanx.runtime import snapshot_file
+from phalanx.runtime.snapshot import (
+    Held,
+    flat_state,
+    load_flat,
+    plan_restore,
+    restore,
+    write_share,
+)
+from phalanx.runtime.snapshot_file import HEADER_BYTES, Header, SnapshotFileError
+
+
+def trained(seed: int, steps: int) -> tuple[torch.nn.Module, torch.optim.Optimizer, object]:
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 3))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, 2)
+    for _ in range(steps):
+        optimizer.zero_grad()
+        model(torch.randn(4, 8)).square().mean().backward()
+        optimizer.step()
+        scheduler.step()
+    return model, optimizer, scheduler
+
+
+def buffer_file(path: Path, size: int) -> mmap.mmap:
+    path.write_bytes(b"\0" * size)
+    return snapshot_file.open_buffer(path)
+
+
+def snapshot_into(path: Path, model, optimizer, scheduler, step: int, shard: int,
+                  shards: int) -> Header:
+    state = flat_state(model, optimizer, {"scheduler": scheduler}, step)
+    meta = pickle.dumps(state.meta)
+    buffer = buffer_file(path, HEADER_BYTES + len(meta) + state.total)
+    header = write_share(memoryview(buffer), state, meta, "job-a", step, 1, shard, shards)
+    buffer.close()
+    return header
+
+
+def same_state(a, b) -> None:
+    for x, y in zip(a[0].state_dict().values(), b[0].state_dict().values(), strict=True):
+        assert torch.equal(x, y)
+    sa, sb = a[1].state_dict(), b[1].state_dict()
+    for key in sa["state"]:
+        for name, value in sa["state"][key].items():
+            assert torch.equal(value, sb["state"][key][name]), (key, name)
+    assert a[2].state_dict() == b[2].state_dict()
+
+
+def test_shares_tile_the_state_exactly() -> None:
+    for total in (0, 1, 7, 1000):
+        for shards in (1, 3, 4):
+            parts = [snapshot_file.share(total, r, shards) for r in range(shards)]
+            assert sum(length for _, length in parts) == total
+            assert all(parts[i][0] + parts[i][1] == parts[i + 1][0] for i in range(shards - 1))
+
+
+def test_the_shares_of_every_rank_rebuild_model_optimizer_and_scheduler(tmp_path) -> None:
+    source = trained(0, 5)
+    target = trained(1, 0)
+    parts = []
+    for shard in range(3):
+        header = snapshot_into(tmp_path / f"s{shard}", *source, 5, shard, 3)
+        data = (tmp_path / f"s{shard}").read_bytes()
+        parts.append(data[HEADER_BYTES + header.meta_length:header.nbytes])
+        meta = pickle.loads(data[HEADER_BYTES:HEADER_BYTES + header.meta_length])
+    load_flat(torch.frombuffer(bytearray(b"".join(parts)), dtype=torch.uint8), meta,
+              target[0], target[1], {"scheduler": target[2]})
+    same_state(source, target)
+
+
+def test_a_buffer_is_trusted_only_when_committed_and_intact(tmp_path) -> None:
+    model, optimizer, scheduler = trained(0, 2)
+    path = tmp_path / "b"
+    header = snapshot_into(path, model, optimizer, scheduler, 2, 0, 1)
+    data = bytearray(path.read_bytes())
+    assert snapshot_file.read_header(data) == header
+    snapshot_file.verify(memoryview(data), header)
+    flipped = bytearray(data)
+    flipped[header.nbytes - 3] ^= 0xFF  # one byte of the shard
+    with pytest.raises(SnapshotFileError, match="checksum mismatch"):
+        snapshot_file.verify(memoryview(flipped), header)
+    torn = bytearray(data)
+    torn[:HEADER_BYTES] = header.pack(1).ljust(HEADER_BYTES, b"\0")  # marked writing
+    with pytest.raises(SnapshotFileError, match="not committed"):
+        snapshot_file.read_header(torn)
+    damaged = bytearray(data)
+    damaged[20] ^= 0x01  # inside the header: a write of it cut short
+    with pytest.raises(SnapshotFileError, match="CRC"):
+        snapshot_file.read_header(damaged)
+    with pytest.raises(SnapshotFileError, match="never written"):
+        snapshot_file.read_header(bytes(HEADER_BYTES))
+
+
+def test_a_ring_never_overwrites_its_newest_commit() -> None:
+    def at(step: int) -> Header:
+        return Header("j", step, 0, 0, 1, 0, 0, 0, 0, 0)
+
+    assert snapshot_file.pick_buffer([at(4), None]) == 1
+    assert snapshot_file.pick_buffer([at(4), at(5)]) == 0
+    assert snapshot_file.pick_buffer([at(7), at(6), at(8)]) == 1
+
+
+def test_the_plan_takes_the_newest_step_whose_every_shard_a_member_holds() -> None:
+    held = [[Held(10, 0, 2, 100), Held(9, 0, 2, 100), Held(12, 0, 3, 100)],
+            [Held(10, 1, 2, 100), Held(9, 1, 2, 100)],
+            [Held(9, 1, 2, 100)]]
+    plan = plan_restore(held, newer_than=0)
+    assert [(c.step, c.shards) for c in plan] == [(10, 2), (9, 2)]  # 12 misses two shards
+    assert plan[1].holders == ((0,), (1, 2))
+    assert plan_restore(held, newer_than=10) == []  # the members hold 10 already
+
+
+@pytest.fixture
+def group() -> dist.ProcessGroup:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    store = dist.TCPStore("127.0.0.1", port, 1, is_master=True,
+                          timeout=datetime.timedelta(seconds=10))
+    return dist.ProcessGroupGloo(store, 0, 1, datetime.timedelta(seconds=10))
+
+
+def test_a_damaged_copy_is_skipped_reported_and_the_older_step_restored(tmp_path,
+                                                                        group) -> None:
+    store = tmp_path / "store"
+    store.mkdir()
+    older = trained(0, 3)
+    snapshot_into(store / "w1-s0.0", *older, 3, 0, 1)
+    newer = trained(0, 4)
+    header = snapshot_into(store / "w1-s0.1", *newer, 4, 0, 1)
+    with open(store / "w1-s0.1", "r+b") as f:  # bytes flipped in memory after the commit
+        f.seek(header.nbytes - 10)
+        byte = f.read(1)
+        f.seek(header.nbytes - 10)
+        f.write(bytes([byte[0] ^ 0x5A]))
+    target = trained(7, 0)
+    reported = []
+    restored = restore(group, lambda work: work.wait(), 0, 1, store, "job-a", 0, target[0],
+                       target[1], {"scheduler": target[2]},
+                       lambda h, problem: reported.append((h.step, h.shard, problem)))
+    assert restored is not None and restored.step == 3
+    assert reported == [(4, 0, "checksum mismatch: shard 0 of step 4 is damaged")]
+    assert restored.corrupt and "w1-s0.1" in restored.corrupt[0]
+    same_state(older, target)
+    assert restore(group, lambda work: work.wait(), 0, 1, store, "job-a", 4, *target[:2],
+                   {"scheduler": target[2]}, lambda h, p: None) is None
