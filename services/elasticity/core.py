@@ -46,7 +46,9 @@ to resume at, and why it changed (start, fault, join). A job runs in *slots*
   ``wait_timeout_s`` is handed back to admission (requeued).
 * **Joins.** A replica becomes a member only once it reports ready, so
   survivors never wait for a process to start; joiners are appended (highest
-  ranks), in slot order, up to ``max``.
+  ranks), in slot order, up to ``max`` and only as many as make an allowed
+  size (the job's scaling rules, :attr:`JobAdmitted.sizes`): with sizes
+  ``[2, 4]`` a third replica ready waits for the fourth.
 * **One change at a time.** A generation is *in flight* until every member
   has applied it. Joins arriving meanwhile are folded into the next
   generation, decided the moment the current one completes.
@@ -96,6 +98,7 @@ class JobAdmitted:
     # Slots gone were taken by a planned change (preemption, reclaim, a pin): their members
     # leave at a step boundary. Otherwise (a node lost) their faults come from health.
     planned: bool = False
+    sizes: tuple[int, ...] = ()  # the sizes its scaling rules allow (empty: every size)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -233,6 +236,7 @@ class JobMembership:
     early_faults: list[MemberFailed] = dataclasses.field(default_factory=list)  # before that
     leaving: list[str] = dataclasses.field(default_factory=list)  # members whose slot is gone
     departing: list[str] = dataclasses.field(default_factory=list)  # left in current, unapplied
+    sizes: list[int] = dataclasses.field(default_factory=list)  # allowed sizes (empty: all)
 
     @property
     def members(self) -> list[str]:
@@ -357,7 +361,8 @@ class ElasticityCore:
                                                 event.max_members, dict(event.slots),
                                                 self.max_replacements
                                                 if event.max_replacements is None
-                                                else event.max_replacements)
+                                                else event.max_replacements,
+                                                sizes=list(event.sizes))
 
     def _unmanaged(self, job: JobMembership, event: Event, now: float) -> list[Decision]:
         """Before the first ready replica: follow the placement, keep faults for later."""
@@ -475,7 +480,7 @@ class ElasticityCore:
         if job.current is None:
             if job.forming or len(job.ready) < job.min_members:
                 return self._wait(job, now, len(job.ready))
-            joiners = sorted(job.ready, key=lambda r: job.replicas[r].slot)[:job.max_members]
+            joiners = _allowed(job, 0, sorted(job.ready, key=lambda r: job.replicas[r].slot))
             return self._next(job, [], joiners, GenerationReason.START, "admitted", cause)
         survivors = [r for r in job.members if r not in job.failed and r not in job.leaving]
         if job.in_flight and not job.failed:
@@ -489,7 +494,7 @@ class ElasticityCore:
                               "left: " + ", ".join(left), cause)
         if not job.failed and not job.ready:
             return []
-        joiners = job.ready[:max(0, job.max_members - len(survivors))]
+        joiners = _allowed(job, len(survivors), job.ready)
         if len(survivors) + len(joiners) < job.min_members:
             return self._wait(job, now, len(survivors) + len(joiners))
         if not job.failed and not joiners:
@@ -569,6 +574,16 @@ def snapshot(job: JobMembership) -> bytes:
 
 _SNAPSHOT_ENCODER = msgspec.msgpack.Encoder()
 _SNAPSHOT_DECODER = msgspec.msgpack.Decoder(JobMembership)
+
+
+def _allowed(job: JobMembership, members: int, ready: list[str]) -> list[str]:
+    """The first of ``ready`` that join ``members`` members: up to ``max``, and as many as
+    reach the largest allowed size (none if no allowed size above ``members`` is reached)."""
+    reach = min(job.max_members, members + len(ready))
+    if job.sizes:
+        fits = [size for size in job.sizes if members < size <= reach]
+        reach = fits[-1] if fits else members
+    return ready[:max(0, reach - members)]
 
 
 def slot_of(replica: str) -> tuple[int, int]:

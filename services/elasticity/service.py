@@ -72,6 +72,7 @@ from phalanx.schemas.messages import (
     StopReplica,
     StreamCursor,
 )
+from phalanx.services.admission.scaling import ScalingRules
 from phalanx.services.base import Service
 from phalanx.services.elasticity import core
 from phalanx.services.jobstate import JobStateStore
@@ -228,7 +229,8 @@ class ElasticityService(Service):
             event: core.Event = core.JobAdmitted(
                 job_id, record.placement(), replicas.min, replicas.max, event_id="record",
                 max_replacements=record.spec.restart_policy.max_restarts,
-                planned=record.reason_code in PLANNED_SHRINKS)
+                planned=record.reason_code in PLANNED_SHRINKS,
+                sizes=ScalingRules.of(record.spec).sizes)
             await self._act(term, job_id, term.core.handle(event, time.time()), None)
             return
         if job_id in term.core.jobs:

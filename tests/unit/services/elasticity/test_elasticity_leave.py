@@ -2,6 +2,13 @@
 
 from __future__ import annotations
 
+from test_elasticity_core import (  # the same job and helpers
+    apply_all,
+    generations,
+    ready,
+    start,
+)
+
 from phalanx.schemas.messages import GenerationReason
 from phalanx.services.elasticity.core import (
     ElasticityCore,
@@ -11,12 +18,6 @@ from phalanx.services.elasticity.core import (
     ReplicaExited,
     StopReplica,
     snapshot,
-)
-from test_elasticity_core import (  # the same job and helpers
-    apply_all,
-    generations,
-    ready,
-    start,
 )
 
 KEPT = {0: "n0", 1: "n1"}  # admission keeps slots 0 and 1 of 0..3
@@ -93,3 +94,15 @@ def test_the_leave_survives_a_restart_of_the_service() -> None:
     restored.restore(snapshot(core.jobs["j"]))
     [g] = generations(apply_all(restored))
     assert g.reason is GenerationReason.LEAVE
+
+
+def test_joiners_wait_for_an_allowed_size() -> None:
+    core = ElasticityCore()
+    assert core.handle(JobAdmitted("j", {0: "n0", 1: "n1"}, 1, 4, sizes=(2, 4)), 0.0) == []
+    ready(core, "r0-0")
+    [g0] = generations(ready(core, "r1-0"))
+    apply_all(core)
+    core.handle(JobAdmitted("j", {0: "n0", 1: "n1", 2: "n0", 3: "n1"}, 1, 4, sizes=(2, 4)), 1.0)
+    assert generations(ready(core, "r2-0")) == []  # 3 is not an allowed size
+    [g1] = generations(ready(core, "r3-0"))
+    assert (g0.world_size, g1.reason, g1.world_size) == (2, GenerationReason.JOIN, 4)
