@@ -299,6 +299,7 @@ class ElasticSession:
         self.world_size = 1
         self.pg: dist.ProcessGroup | None = None
         self.last_step_s = 0.0
+        self._last_commit_at: float | None = None  # perf_counter of this process's last commit
         self._switch_agreed = False  # the last all-reduce said: switch to the next generation
         self._applied: GenerationApplied | None = None  # to report after the next commit
         self._total_steps = 0
@@ -492,6 +493,8 @@ class ElasticSession:
                 a member (a ``SystemExit`` with status 0, raised after :meth:`close`).
         """
         self._total_steps = total_steps
+        if self._progress is not None:
+            self._progress.total_steps = total_steps
         self._started = True
         while self.committed < total_steps:
             if not self._ensure_membership(total_steps):
@@ -631,6 +634,11 @@ class ElasticSession:
             state_copy_s=synced - built, state_bytes=nbytes)
         if self._progress is not None:
             self._progress.generation = generation.generation
+        # In the replica's log (the agent's file for its output): where membership changed.
+        print(f"=== phalanx: generation {generation.generation} ({generation.reason.value}"
+              f"{': ' + generation.cause if generation.cause else ''}): {self.replica_id} is "
+              f"rank {self.rank} of {self.world_size}, resuming after step {resume}",
+              flush=True)
         if self.on_membership is not None:
             self.on_membership(MembershipChange(generation.generation, self.world_size,
                                                 self.rank, resume))
@@ -885,7 +893,8 @@ class ElasticSession:
         if self._snapshots is not None and self._snapshots.due(self.committed):
             self._snapshots.take(self.model, self.optimizer, self._state, self.committed,
                                  self.generation.generation, self.rank, self.world_size)
-        self.last_step_s = now - step.started
+        step_before, previous = self.last_step_s, self._last_commit_at
+        self.last_step_s, self._last_commit_at = now - step.started, now
         if self._record is not None:
             extra = {} if step.updated else {"skipped": True}
             self._record.write(kind="commit", step=step.index,
@@ -895,7 +904,11 @@ class ElasticSession:
             self._progress.report(self.committed, self.last_step_s,
                                   final=self.committed == self._total_steps)
         if self._applied is not None and self.bus is not None:
-            applied = msgspec.structs.replace(self._applied, committed_step=self.committed)
+            # What the change cost this member: the gap between its commits around it,
+            # beyond the step it took before (a joiner had no commit before it).
+            pause = None if previous is None else max(0.0, now - previous - step_before)
+            applied = msgspec.structs.replace(self._applied, committed_step=self.committed,
+                                              pause_s=pause)
             self.bus.publish_event(
                 subjects.generation_applied(self.job_id), applied,
                 f"{self.job_id}-{self.replica_id}-g{applied.generation}-applied")

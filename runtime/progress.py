@@ -48,6 +48,7 @@ class ProgressReporter:
         self.rank = rank
         self.replica_id = replica_id or f"r{rank}-0"
         self.generation = generation
+        self.total_steps: int | None = None  # the steps the training runs to, once known
         self.subject = subjects.health_rank(job_id, rank)
         self._owns_bus = bus is None
         if bus is None:
@@ -94,7 +95,7 @@ class ProgressReporter:
         self.bus.publish(self.subject, RankProgress(
             job_id=self.job_id, rank=self.rank, replica_id=self.replica_id,
             generation=self.generation, step=step, step_time_s=max(0.0, step_time_s),
-            sent_at=time.time(), final=final))
+            sent_at=time.time(), final=final, total_steps=self.total_steps or None))
 
     def close(self) -> None:
         """Flush, disconnect and stop the thread, when this reporter owns it (idempotent)."""

@@ -455,6 +455,9 @@ class GenerationApplied(Message, tag="phalanx.generation_applied.v1"):
 
     ``resume_step`` is the step the members agreed to resume after (the
     highest any of them committed); the durations break the switch down.
+    ``pause_s`` is what the change cost this member: how much longer than its
+    last step before the change it went without committing (None for a replica
+    that had not committed before: a joiner, or generation 0).
     """
 
     job_id: Ident
@@ -465,6 +468,38 @@ class GenerationApplied(Message, tag="phalanx.generation_applied.v1"):
     rebuild_s: NonNegFloat = 0.0
     state_copy_s: NonNegFloat = 0.0
     state_bytes: NonNegInt = 0
+    pause_s: NonNegFloat | None = None
+
+
+class GenerationRecord(Part):
+    """One generation in a job's history (:class:`JobHistory`)."""
+
+    generation: NonNegInt
+    reason: GenerationReason
+    world_size: PosInt
+    members: list[Ident]  # replica ids, by rank
+    resume_step: NonNegInt
+    decided_at: NonNegFloat
+    cause: str = ""
+    pause_s: NonNegFloat | None = None  # the longest a survivor reported (GenerationApplied)
+
+
+#: The most generations a :class:`JobHistory` keeps (the latest; a record stays well
+#: within NATS's 1 MB payload).
+HISTORY_LIMIT = 256
+
+
+class JobHistory(Message, tag="phalanx.job_history.v1"):
+    """A running job's generations so far, as the elasticity service decided them (bucket
+    ``phalanx_history``, key = job id; kept after the job ends). ``generations`` holds the
+    latest ``HISTORY_LIMIT`` of them, oldest first; ``replacements`` counts the replicas
+    launched to replace failed ones."""
+
+    job_id: Ident
+    generations: Annotated[list[GenerationRecord],
+                           msgspec.Meta(max_length=HISTORY_LIMIT)] = []
+    replacements: NonNegInt = 0
+    updated_at: NonNegFloat = 0.0
 
 
 class LaunchReplica(Message, tag="phalanx.launch_replica.v1"):
@@ -627,6 +662,28 @@ class RankProgress(Message, tag="phalanx.rank_progress.v1"):
     step_time_s: NonNegFloat
     sent_at: NonNegFloat
     final: bool = False  # the rank's last step: it is exiting, its silence is not a hang
+    total_steps: PosInt | None = None  # the steps the training runs to, when the rank knows
+
+
+class JobProgress(Message, tag="phalanx.job_progress.v1"):
+    """How far a job has trained, as the health service hears its ranks (bucket
+    ``phalanx_progress``, key = job id; kept after the job ends).
+
+    ``step`` is the most steps any rank reported committed since the job was
+    admitted, ``total_steps`` the steps it trains to (when its runtime says),
+    ``steps_per_s`` the rate over the last ``window_s`` (pauses included; None
+    until two reports of different steps), ``restarts`` and ``app_failures``
+    what the job has spent of its ``restart_policy``.
+    """
+
+    job_id: Ident
+    step: NonNegInt = 0
+    total_steps: PosInt | None = None
+    steps_per_s: NonNegFloat | None = None
+    window_s: NonNegFloat = 0.0
+    restarts: NonNegInt = 0
+    app_failures: NonNegInt = 0
+    updated_at: NonNegFloat = 0.0
 
 
 # --- checkpoints ---------------------------------------------------------------------------
@@ -753,6 +810,7 @@ ALL_MESSAGES: tuple[type[Message], ...] = (
     Generation,
     ReplicaReady,
     GenerationApplied,
+    JobHistory,
     LaunchReplica,
     StopReplica,
     ReplicaReply,
@@ -763,6 +821,7 @@ ALL_MESSAGES: tuple[type[Message], ...] = (
     ChaosReply,
     NodeConditionChanged,
     RankProgress,
+    JobProgress,
     SnapshotRecord,
     SnapshotReserve,
     SnapshotReservation,

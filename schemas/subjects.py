@@ -195,6 +195,10 @@ ELASTICITY_BUCKET = "phalanx_elasticity"
 HEALTH_BUCKET = "phalanx_health"
 #: JetStream KV bucket holding each job's CheckpointCatalog (key = job id).
 CHECKPOINTS_BUCKET = "phalanx_checkpoints"
+#: JetStream KV bucket holding each job's JobProgress, written by health (key = job id).
+PROGRESS_BUCKET = "phalanx_progress"
+#: JetStream KV bucket holding each job's JobHistory, written by elasticity (key = job id).
+HISTORY_BUCKET = "phalanx_history"
 #: JetStream stream keeping the job events that drive decisions (phalanx.bus.stream).
 JOB_EVENTS_STREAM = "PHALANX_JOB_EVENTS"
 

@@ -150,7 +150,8 @@ def _flat(items: Iterable[str | Iterable[str]]) -> list[str]:
 
 
 _ALL_BUCKETS = (s.NODES_BUCKET, s.JOBS_BUCKET, s.ADMISSION_BUCKET, s.GENERATIONS_BUCKET,
-                s.LEASES_BUCKET, s.CURSORS_BUCKET, s.ELASTICITY_BUCKET, s.HEALTH_BUCKET)
+                s.LEASES_BUCKET, s.CURSORS_BUCKET, s.ELASTICITY_BUCKET, s.HEALTH_BUCKET,
+                s.PROGRESS_BUCKET, s.HISTORY_BUCKET)
 
 
 def permissions(role: Role, scope: str | None = None) -> Permissions:
@@ -181,10 +182,12 @@ def permissions(role: Role, scope: str | None = None) -> Permissions:
                       s.node_chaos_all())
                 g.pub(s.any_id(s.job_fault), s.any_id(s.node_condition), s.any_id(s.job_state))
                 g.open_bucket(s.NODES_BUCKET, ">").open_bucket(s.HEALTH_BUCKET, ">")
+                g.open_bucket(s.PROGRESS_BUCKET, ">")
             else:
                 g.pub(s.any_id(s.job_generation), s.any_id(s.agent_launch),
                       s.any_id(s.agent_stop), s.admission_requeue())
                 g.open_bucket(s.GENERATIONS_BUCKET, ">").open_bucket(s.ELASTICITY_BUCKET, ">")
+                g.open_bucket(s.HISTORY_BUCKET, ">")
         case Role.CHECKPOINT:
             # It hears snapshot announcements, follows job records, keeps the catalog and
             # answers where a job can resume.
@@ -211,7 +214,9 @@ def permissions(role: Role, scope: str | None = None) -> Permissions:
                   s.any_id(s.agent_chaos), s.any_id(s.agent_status), s.any_id(s.node_condition),
                   s.service_api_requests())
             g.open_bucket(s.NODES_BUCKET, ">").open_bucket(s.JOBS_BUCKET)
-            g.read_bucket(s.GENERATIONS_BUCKET)  # phalanx job shows the current membership
+            # phalanx job shows the current membership, the history and the progress
+            g.read_bucket(s.GENERATIONS_BUCKET).read_bucket(s.HISTORY_BUCKET)
+            g.read_bucket(s.PROGRESS_BUCKET)
         case Role.VIEWER:
             g.sub(s.everything())
             g.pub(s.admission_explain(), s.any_id(s.agent_status), s.service_api_requests())

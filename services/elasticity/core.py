@@ -61,6 +61,13 @@ to resume at, and why it changed (start, fault, join). A job runs in *slots*
   value when they apply the generation (a report can lag behind a commit),
   members behind it copy state from a peer that has it, and if none has it
   they refuse the generation instead of training again from scratch.
+* **History.** Every generation decided is kept in the job's history (the
+  latest ``HISTORY_LIMIT``) with when it was decided, and the pause it cost
+  the survivors: the longest any member reported applying it
+  (``GenerationApplied.pause_s``). The shell stores what
+  :meth:`ElasticityCore.take_histories` returns (each job whose history, or
+  count of replacements launched, changed) where users read it
+  (``phalanx job``).
 
 Events carry the ``event_id`` of what caused them; decisions carry it as
 ``cause``. ``now`` is passed in; the core reads no clock and does no I/O.
@@ -79,7 +86,14 @@ import dataclasses
 
 import msgspec
 
-from phalanx.schemas.messages import Generation, GenerationReason, Member
+from phalanx.schemas.messages import (
+    HISTORY_LIMIT,
+    Generation,
+    GenerationReason,
+    GenerationRecord,
+    JobHistory,
+    Member,
+)
 
 # --- events --------------------------------------------------------------------------------
 
@@ -127,6 +141,7 @@ class GenerationApplied:
     replica_id: str
     committed_step: int
     event_id: str = ""
+    pause_s: float | None = None  # what the change cost this member (None: a joiner)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -237,6 +252,8 @@ class JobMembership:
     leaving: list[str] = dataclasses.field(default_factory=list)  # members whose slot is gone
     departing: list[str] = dataclasses.field(default_factory=list)  # left in current, unapplied
     sizes: list[int] = dataclasses.field(default_factory=list)  # allowed sizes (empty: all)
+    history: list[GenerationRecord] = dataclasses.field(default_factory=list)  # latest last
+    replaced: int = 0  # replacements launched
 
     @property
     def members(self) -> list[str]:
@@ -263,6 +280,14 @@ class ElasticityCore:
         self.wait_timeout_s = wait_timeout_s
         self.max_replacements = max_replacements
         self.jobs: dict[str, JobMembership] = {}
+        self._histories: dict[str, float] = {}  # job -> when its history last changed
+
+    def take_histories(self) -> list[JobHistory]:
+        """The histories of the jobs whose history changed since the last call, to store."""
+        changed, self._histories = self._histories, {}
+        return [JobHistory(job_id=job.job_id, generations=list(job.history),
+                           replacements=job.replaced, updated_at=at)
+                for job_id, at in changed.items() if (job := self.jobs.get(job_id))]
 
     def handle(self, event: Event, now: float) -> list[Decision]:
         """Apply one event.
@@ -291,6 +316,13 @@ class ElasticityCore:
             return []
         if not job.managed:
             return self._unmanaged(job, event, now)
+        told = _history_mark(job)
+        decisions = self._managed(job, event, now)
+        if _history_mark(job) != told:
+            self._histories[job.job_id] = now
+        return decisions
+
+    def _managed(self, job: JobMembership, event: Event, now: float) -> list[Decision]:
         decisions: list[Decision] = []
         match event:
             case MemberFinished():
@@ -307,7 +339,7 @@ class ElasticityCore:
                                                event.planned, event.event_id)
                 job.slots = dict(event.slots)
             case ReplicaExited():
-                decisions += self._left_uncleanly(job, event)
+                decisions += self._left_uncleanly(job, event, now)
             case MemberFailed():
                 decisions += self._failed(job, event)
             case ReplicaReady():
@@ -321,6 +353,11 @@ class ElasticityCore:
                     job.high_water = max(job.high_water, event.committed_step)
                     if not job.in_flight:
                         job.departing.clear()  # the leave is done: the leavers are gone
+                    last = job.history[-1] if job.history else None
+                    if event.pause_s is not None and last is not None \
+                            and last.generation == event.generation \
+                            and (last.pause_s is None or event.pause_s > last.pause_s):
+                        job.history[-1] = msgspec.structs.replace(last, pause_s=event.pause_s)
         decisions += self._advance(job, now, event.event_id)
         if job.to_launch and (job.current is None or not job.in_flight
                               or job.waiting_since is not None):
@@ -404,6 +441,7 @@ class ElasticityCore:
                 or job.incarnation.get(slot, 0) != slot_of(replica)[1]:
             return []
         job.replacements_left -= 1
+        job.replaced += 1
         job.incarnation[slot] += 1
         new = replica_id(slot, job.incarnation[slot])
         job.launched[new] = slot
@@ -431,7 +469,7 @@ class ElasticityCore:
         return stops
 
     def _left_uncleanly(self, job: JobMembership,
-                        event: ReplicaExited) -> list[Decision]:
+                        event: ReplicaExited, now: float) -> list[Decision]:
         """A leaver that did not leave by the step boundary: handled as a fault."""
         replica = event.replica_id
         why = f"{replica} did not leave cleanly ({event.detail or 'stopped'})"
@@ -446,7 +484,7 @@ class ElasticityCore:
             job.departing.clear()
             job.failed.clear()
             return self._next(job, job.members, [], GenerationReason.FAULT, why,
-                              event.event_id)
+                              event.event_id, now)
         return []
 
     def _finished(self, job: JobMembership, event: MemberFinished) -> list[Decision]:
@@ -481,7 +519,8 @@ class ElasticityCore:
             if job.forming or len(job.ready) < job.min_members:
                 return self._wait(job, now, len(job.ready))
             joiners = _allowed(job, 0, sorted(job.ready, key=lambda r: job.replicas[r].slot))
-            return self._next(job, [], joiners, GenerationReason.START, "admitted", cause)
+            return self._next(job, [], joiners, GenerationReason.START, "admitted", cause,
+                              now)
         survivors = [r for r in job.members if r not in job.failed and r not in job.leaving]
         if job.in_flight and not job.failed:
             return []  # joins and leaves wait for the change in flight
@@ -491,7 +530,7 @@ class ElasticityCore:
                 job.committed.pop(replica, None)
                 job.replicas.pop(replica, None)
             return self._next(job, survivors, [], GenerationReason.LEAVE,
-                              "left: " + ", ".join(left), cause)
+                              "left: " + ", ".join(left), cause, now)
         if not job.failed and not job.ready:
             return []
         joiners = _allowed(job, len(survivors), job.ready)
@@ -509,9 +548,10 @@ class ElasticityCore:
                 job.leaving.clear()
             if joiners:
                 why += "; joined " + ", ".join(joiners)
-            return self._next(job, survivors, joiners, GenerationReason.FAULT, why, cause)
+            return self._next(job, survivors, joiners, GenerationReason.FAULT, why, cause,
+                              now)
         return self._next(job, survivors, joiners, GenerationReason.JOIN,
-                          "joined " + ", ".join(joiners), cause)
+                          "joined " + ", ".join(joiners), cause, now)
 
     def _wait(self, job: JobMembership, now: float, have: int) -> list[Decision]:
         """Below ``min``: survivors keep their state; the timeout starts."""
@@ -520,7 +560,8 @@ class ElasticityCore:
         return []
 
     def _next(self, job: JobMembership, survivors: list[str], joiners: list[str],
-              reason: GenerationReason, why: str, cause: str) -> list[Decision]:
+              reason: GenerationReason, why: str, cause: str,
+              now: float) -> list[Decision]:
         for replica in job.failed:
             job.committed.pop(replica, None)
             job.replicas.pop(replica, None)
@@ -538,6 +579,10 @@ class ElasticityCore:
                             endpoint=r.endpoint) for i, r in enumerate(members)],
             world_size=len(members), rendezvous=f"{job.job_id}-g{number}", resume_step=resume,
             reason=reason, cause=why)
+        job.history = [*job.history[-(HISTORY_LIMIT - 1):], GenerationRecord(
+            generation=number, reason=reason, world_size=len(members),
+            members=[r.replica_id for r in members], resume_step=resume, decided_at=now,
+            cause=why)]
         job.failed.clear()
         job.applied.clear()
         job.waiting_since = None
@@ -574,6 +619,12 @@ def snapshot(job: JobMembership) -> bytes:
 
 _SNAPSHOT_ENCODER = msgspec.msgpack.Encoder()
 _SNAPSHOT_DECODER = msgspec.msgpack.Decoder(JobMembership)
+
+
+def _history_mark(job: JobMembership) -> tuple:
+    """What a stored history says, for telling whether it changed."""
+    last = job.history[-1] if job.history else None
+    return (None if last is None else (last.generation, last.pause_s), job.replaced)
 
 
 def _allowed(job: JobMembership, members: int, ready: list[str]) -> list[str]:

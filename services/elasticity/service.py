@@ -16,7 +16,10 @@ and carries out its decisions: a generation is stored in the
 one) and then published on ``phalanx.job.<job>.generation``; a replacement is
 a :class:`LaunchReplica` request to the agent that holds the slot, and a
 replica no longer needed a :class:`StopReplica`; a job below its minimum for
-too long is handed back to admission.
+too long is handed back to admission. The job's history (every generation,
+the pause each cost, the replacements launched) is stored in the
+``phalanx_history`` bucket, where ``phalanx job`` reads it, and kept after
+the job ends.
 
 **Nothing is missed across a restart or a handover.** After acting on an event,
 the leader stores the job's whole state (:func:`~.core.snapshot`) with the
@@ -59,6 +62,7 @@ from phalanx.schemas.messages import (
     FaultKind,
     Generation,
     GenerationApplied,
+    JobHistory,
     JobRecord,
     JobSnapshot,
     JobState,
@@ -129,6 +133,7 @@ class ElasticityService(Service):
         js = self.bus.js
         self.jobs = await TypedKV.open(js, subjects.JOBS_BUCKET, JobRecord)
         self.generations = await TypedKV.open(js, subjects.GENERATIONS_BUCKET, Generation)
+        self.histories = await TypedKV.open(js, subjects.HISTORY_BUCKET, JobHistory)
         self.snapshots = await TypedKV.open(js, subjects.ELASTICITY_BUCKET, JobSnapshot)
         self.cursors = await TypedKV.open(js, subjects.CURSORS_BUCKET, StreamCursor)
         leases = await TypedKV.open(js, subjects.LEASES_BUCKET, Lease)
@@ -243,6 +248,8 @@ class ElasticityService(Service):
                    seq: int | None) -> None:
         """Carry out ``decisions``, then store the job's state as of event ``seq``."""
         await self._execute(decisions)
+        for history in term.core.take_histories():
+            await self.histories.put(history.job_id, history)
         seq = term.store.seq_of(job_id, seq)
         job = term.core.jobs.get(job_id)
         if job is not None:
@@ -328,7 +335,8 @@ def _event(event: StreamEvent) -> core.MemberFailed | core.ReplicaReady | core.G
         case GenerationApplied() as msg:
             return core.GenerationApplied(msg.job_id, msg.generation, msg.replica_id,
                                           msg.committed_step,
-                                          event_id=f"applied:{msg.replica_id}")
+                                          event_id=f"applied:{msg.replica_id}",
+                                          pause_s=msg.pause_s)
         case RankExited() as msg:
             if msg.replica_id is None:
                 return None

@@ -75,6 +75,10 @@ def test_generations_under_random_events(lo: int, extra: int, events) -> None:
             published.append(g)
         if any(isinstance(d, Requeue) for d in out):
             assert "j" not in core.jobs
+        elif published:  # the history is every generation published, as published
+            assert [(h.generation, h.world_size, h.members, h.reason) for h in job.history] \
+                == [(g.generation, g.world_size, [m.replica_id for m in g.members], g.reason)
+                    for g in published]
 
 
 def random_events(hi: int, events) -> list:

@@ -101,6 +101,32 @@ def test_the_replacement_joins_only_when_ready_and_after_the_change_in_flight() 
     assert (g.generation, g.reason, g.resume_step) == (2, GenerationReason.JOIN, 30)
 
 
+def test_the_history_keeps_every_generation_its_pause_and_the_replacements() -> None:
+    core = ElasticityCore()
+    start(core)
+    assert [(h.job_id, [g.generation for g in h.generations], h.replacements)
+            for h in core.take_histories()] == [("j", [0], 0)]
+    apply_all(core)
+    assert core.take_histories() == []  # generation 0 cost no survivor anything
+    core.handle(MemberFailed("j", "r1-0", "crash: killed"), 5.0)
+    # Survivors report what the change cost each; the history keeps the longest.
+    for replica, pause in (("r0-0", 0.25), ("r2-0", 0.5), ("r3-0", 0.125)):
+        core.handle(GenerationApplied("j", 1, replica, 41, pause_s=pause), 6.0)
+    ready(core, "r1-1", 9.0)
+    core.handle(GenerationApplied("j", 2, "r1-1", 50, pause_s=None), 10.0)  # a joiner
+    [history] = core.take_histories()
+    assert history.replacements == 1 and history.updated_at == 9.0  # the last change
+    assert [(g.generation, g.reason, g.world_size, g.members, g.decided_at, g.pause_s)
+            for g in history.generations] == [
+        (0, GenerationReason.START, 4, ["r0-0", "r1-0", "r2-0", "r3-0"], 0.0, None),
+        (1, GenerationReason.FAULT, 3, ["r0-0", "r2-0", "r3-0"], 5.0, 0.5),
+        (2, GenerationReason.JOIN, 4, ["r0-0", "r2-0", "r3-0", "r1-1"], 9.0, None)]
+    assert history.generations[1].cause == "dropped r1-0 (crash: killed)"
+    restored = ElasticityCore()
+    restored.restore(snapshot(core.jobs["j"]))
+    assert restored.jobs["j"].history == core.jobs["j"].history
+
+
 def test_a_fault_during_a_change_supersedes_it_at_once() -> None:
     core = ElasticityCore()
     start(core)
