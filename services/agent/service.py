@@ -347,6 +347,9 @@ class AgentService(Service):
         while not await self.sleep_or_stop(self.config.heartbeat_interval_s):
             now = time.time()
             used = self.ranks.slots_used if self.ranks is not None else 0
+            for job_id in list(self.snapshots.current):  # an earlier membership's rings
+                if self.snapshots.prune(job_id):
+                    log.info("pruned earlier snapshot rings", extra={"job": job_id})
             memory = {"snapshot_bytes": self.snapshots.used(),
                       "snapshot_limit_bytes": self.snapshots.limit,
                       "snapshot_refused": self.snapshots.refused}

@@ -18,10 +18,16 @@ from them, and the agent is what bounds and frees them.
   in its node record.
 * **Retention.** A ring overwrites its oldest buffer, so each shard keeps its
   last ``buffers`` snapshots. Rings of an earlier membership (another shard
-  count) are deleted once the job's catalog keeps no step they hold
-  (:meth:`prune`); everything of a job is deleted when it ends (:meth:`drop`),
-  and the whole store when the agent stops cleanly. A crashed agent leaves the
-  store to the agent restarted with the same work directory.
+  count) are deleted once the current membership's rings here hold two
+  committed steps (:meth:`prune`, every heartbeat): a member commits its
+  second snapshot only after every member took its first (they are
+  separated by a step's all-reduce), and no ring overwrites its newest commit,
+  so from then on a step of the current membership is complete across the
+  members' nodes and a restore never reaches back to an older membership.
+  Everything of a job is deleted when it ends (:meth:`drop`), and the whole
+  store when the agent stops cleanly. A crashed agent leaves the store to the
+  agent restarted with the same work directory (which prunes nothing of a job
+  until one of its ranks reserves again).
 """
 
 from __future__ import annotations
@@ -132,14 +138,16 @@ class SnapshotStore:
                     steps.add(header.step)
         return held
 
-    def prune(self, job_id: str, kept_steps: set[int]) -> int:
-        """Delete the rings of ``job_id`` of an earlier membership (not the shard count last
-        reserved) that hold committed steps, none of them one of ``kept_steps`` (the steps
-        the catalog keeps); returns the files deleted."""
+    def prune(self, job_id: str) -> int:
+        """Delete the rings of ``job_id``'s earlier memberships (shard counts other than the
+        one last reserved here) once the current one's rings hold two committed steps (the
+        module docstring says why that is safe); returns the files deleted."""
+        current = self.current.get(job_id)
+        held = self.steps_held(job_id)
+        if current is None or len(held.get(current, ())) < 2:
+            return 0
         deleted = 0
-        for shards, steps in self.steps_held(job_id).items():
-            if shards == self.current.get(job_id) or not steps or steps & kept_steps:
-                continue
+        for shards in held.keys() - {current}:
             for path in self.job_dir(job_id).glob(f"w{shards}-s*"):
                 path.unlink(missing_ok=True)
                 deleted += 1

@@ -151,7 +151,7 @@ def _flat(items: Iterable[str | Iterable[str]]) -> list[str]:
 
 _ALL_BUCKETS = (s.NODES_BUCKET, s.JOBS_BUCKET, s.ADMISSION_BUCKET, s.GENERATIONS_BUCKET,
                 s.LEASES_BUCKET, s.CURSORS_BUCKET, s.ELASTICITY_BUCKET, s.HEALTH_BUCKET,
-                s.PROGRESS_BUCKET, s.HISTORY_BUCKET)
+                s.PROGRESS_BUCKET, s.HISTORY_BUCKET, s.CHECKPOINTS_BUCKET)
 
 
 def permissions(role: Role, scope: str | None = None) -> Permissions:
@@ -217,6 +217,7 @@ def permissions(role: Role, scope: str | None = None) -> Permissions:
             # phalanx job shows the current membership, the history and the progress
             g.read_bucket(s.GENERATIONS_BUCKET).read_bucket(s.HISTORY_BUCKET)
             g.read_bucket(s.PROGRESS_BUCKET)
+            g.read_bucket(s.CHECKPOINTS_BUCKET)  # phalanx ckpt ls / export
         case Role.VIEWER:
             g.sub(s.everything())
             g.pub(s.admission_explain(), s.any_id(s.agent_status), s.service_api_requests())

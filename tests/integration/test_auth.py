@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
+import os
 import subprocess
 import sys
 import time
@@ -30,6 +32,8 @@ from phalanx.bus.stream import ensure_job_events
 from phalanx.schemas import subjects
 from phalanx.schemas.codec import decode
 from phalanx.schemas.messages import (
+    CatalogStep,
+    CheckpointCatalog,
     ExitCause,
     Generation,
     GenerationReason,
@@ -44,6 +48,8 @@ from phalanx.schemas.messages import (
     RankProgress,
     ReplicaRange,
     ReplicaReady,
+    ShardCopy,
+    SnapshotTier,
 )
 from phalanx.services.admission.config import AdmissionConfig
 from phalanx.services.admission.service import AdmissionService
@@ -338,6 +344,29 @@ async def test_a_viewer_reads_but_cannot_submit_or_cancel(connect: Connect) -> N
     assert (await viewer.job("job-c")) is None
     assert (await viewer.job("job-view")).state is not JobState.CANCELLED
     assert (await cli.cancel("job-view")).state is JobState.CANCELLED
+
+
+async def test_the_operator_and_the_viewer_read_the_checkpoint_catalog(
+        auth: AuthDir, secured: NatsServer, connect: Connect) -> None:
+    checkpoint = await connect(Role.CHECKPOINT)
+    catalogs = await TypedKV.open(checkpoint.js, subjects.CHECKPOINTS_BUCKET, CheckpointCatalog)
+    copy = ShardCopy(shard=0, node_id="node-a", tier=SnapshotTier.LOCAL, nbytes=8,
+                     checksum="00000000000000aa")
+    await catalogs.put("job-a", CheckpointCatalog(job_id="job-a", steps=[
+        CatalogStep(step=7, shards=1, total_bytes=8, copies=[copy])]))
+    env = {**os.environ, **auth.env(Role.CLI), "PHALANX_NATS_URL": secured.url}
+    listed = await asyncio.to_thread(subprocess.run, [
+        sys.executable, "-m", "phalanx.services.cli", "ckpt", "ls", "job-a", "--json"],
+        capture_output=True, text=True, timeout=60, env=env)
+    assert listed.returncode == 0, listed.stderr
+    assert [row["step"] for row in json.loads(listed.stdout)] == [7]
+    viewer = await connect(Role.VIEWER)
+    seen = await (await TypedKV.open(viewer.js, subjects.CHECKPOINTS_BUCKET,
+                                     CheckpointCatalog)).get("job-a")
+    assert seen is not None and seen.value.steps[0].copies == [copy]
+    key = subjects.kv_key(subjects.CHECKPOINTS_BUCKET, "job-a")
+    for reader in (await connect(Role.CLI), viewer):  # the catalog is the service's to write
+        await assert_refused(reader, key, forge(reader, key))
 
 
 # --- the auth directory ----------------------------------------------------------------------

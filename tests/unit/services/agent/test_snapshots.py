@@ -1,10 +1,12 @@
 """The agent's snapshot store: rings created and grown in place, the node's bound refused
-with its numbers, an ended job's buffers deleted."""
+with its numbers, an earlier membership's rings pruned once the current one holds two
+steps, an ended job's buffers deleted."""
 
 from __future__ import annotations
 
 import pytest
 
+from phalanx.runtime import snapshot_file
 from phalanx.schemas.messages import SnapshotReserve
 from phalanx.services.agent.snapshots import SnapshotRefused, SnapshotStore
 
@@ -42,3 +44,30 @@ def test_an_ended_job_leaves_nothing(tmp_path) -> None:
     assert store.jobs() == {"b"}
     store.clear()
     assert store.used() == 0 and store.jobs() == set()
+
+
+def commit(path, step: int, shard: int, shards: int) -> None:
+    """Write a committed snapshot of ``step`` into the buffer file at ``path``."""
+    with path.open("r+b") as f:
+        data = bytearray(f.read())
+        header = snapshot_file.Header("j", step, 0, shard, shards, 8 * shards, 8 * shard, 8,
+                                      0, 0)
+        snapshot_file.write(memoryview(data), header, b"m", lambda view: None)
+        f.seek(0)
+        f.write(data)
+
+
+def test_an_earlier_membership_is_pruned_once_the_current_one_holds_two_steps(
+        tmp_path) -> None:
+    store = SnapshotStore(tmp_path / "shm", limit=100_000)
+    old = store.reserve(ask(shard=1, shards=4, nbytes=5000))
+    commit(old[0], 60, 1, 4)
+    new = store.reserve(ask(shard=0, shards=2, nbytes=5000))
+    assert store.prune("j") == 0  # nothing of the new membership yet: step 60 is needed
+    commit(new[0], 61, 0, 2)
+    assert store.prune("j") == 0  # one step: the others may not have taken it
+    commit(new[1], 62, 0, 2)
+    assert store.prune("j") == 2
+    assert sorted(p.name for p in store.job_dir("j").iterdir()) == ["w2-s0.0", "w2-s0.1"]
+    assert store.steps_held("j") == {2: {61, 62}}
+    assert store.prune("other") == 0

@@ -60,6 +60,7 @@ def test_the_matcher_follows_nats_wildcards() -> None:
     (s.kv_key(s.JOBS_BUCKET, "job-a"), {"admission", "health"}),
     (s.kv_key(s.NODES_BUCKET, "node-a"), {"agent-node-a", "health", "cli"}),
     (s.kv_key(s.GENERATIONS_BUCKET, "job-a"), {"elasticity"}),
+    (s.kv_key(s.CHECKPOINTS_BUCKET, "job-a"), {"checkpoint"}),
     (s.kv_key(s.LEASES_BUCKET, "health"), {"health"}),
     (s.kv_key(s.CURSORS_BUCKET, "elasticity"), {"elasticity"}),
 ])
@@ -77,6 +78,12 @@ def test_who_may_publish(subject: str, allowed: set[str]) -> None:
 ])
 def test_who_may_subscribe(subject: str, allowed: set[str]) -> None:
     assert who_may_subscribe(subject) == allowed
+
+
+def test_the_operator_and_the_viewer_read_the_checkpoint_catalog() -> None:
+    get = s.js_api("DIRECT.GET", s.kv_stream(s.CHECKPOINTS_BUCKET),
+                   s.kv_key(s.CHECKPOINTS_BUCKET, "job-a"))
+    assert who_may_publish(get) == {"checkpoint", "cli", "viewer"}
 
 
 def test_the_viewer_changes_nothing() -> None:
