@@ -55,6 +55,13 @@ and the nodes that send heartbeats, and turns what it hears into faults:
    the script failed by itself); past it, the job fails instead
    (:class:`FailJob`, with the policy's reason code and the rank's error) and
    is no longer watched.
+9. **Progress.** Each job's step, total steps and step rate are tracked from its
+   ranks' reports (:class:`~phalanx.services.health.progress.StepTrack`, kept
+   across new placements of the same admission like the budget), and
+   :meth:`HealthCore.take_progress` hands the shell a job's
+   :class:`~phalanx.schemas.messages.JobProgress` to store when its step, total or
+   restarts changed, at most once per interval, and always its last one when the
+   job finishes or fails.
 
 Faults name the rank's node: the one it was started on, else its placement
 (a crash: the node that reported it), and the replica that runs in the slot
@@ -83,8 +90,9 @@ import statistics
 import msgspec
 
 from phalanx.schemas.errors import ConfigError
-from phalanx.schemas.messages import FaultKind, ReasonCode, RestartPolicy
+from phalanx.schemas.messages import FaultKind, JobProgress, ReasonCode, RestartPolicy
 from phalanx.services.health.policy import Failure, RestartBudget, classify_exit
+from phalanx.services.health.progress import StepTrack
 
 EXIT_CAUSES = frozenset({"exited", "stopped", "lost", "launch_failed"})
 DEFAULT_RESTART_POLICY = RestartPolicy()  # frozen: one instance serves every default
@@ -194,6 +202,7 @@ class ProgressReported:
     step_time_s: float
     final: bool = False
     replica_id: str | None = None
+    total_steps: int | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -342,6 +351,9 @@ class JobHealth:
         default_factory=lambda: RestartBudget(DEFAULT_RESTART_POLICY))
     completed: bool = False  # a rank exited 0 or reported its final step: training is over
     final_step: int | None = None  # the last step, as a final report gave it
+    track: StepTrack = dataclasses.field(default_factory=StepTrack)
+    progress_due: bool = False  # its progress changed since it was last taken
+    progress_taken: float = -math.inf
 
 
 @dataclasses.dataclass(eq=False)
@@ -372,6 +384,7 @@ class HealthCore:
         self._seq = 0
         self._changed: set[str] = set()  # jobs whose lasting part changed since taken
         self.blind = False  # between WatchLost and WatchResumed: no timeout is judged
+        self._last_progress: list[JobProgress] = []  # of jobs that ended since taken
 
     # --- entry points -------------------------------------------------------------------
 
@@ -421,6 +434,17 @@ class HealthCore:
         :func:`snapshot` of those still watched, drop the others'."""
         changed, self._changed = self._changed, set()
         return changed
+
+    def take_progress(self, now: float, every_s: float) -> list[JobProgress]:
+        """What to store of the jobs' progress at ``now``: the last of every job that ended
+        since the last call, and of each watched job whose progress changed, if it was not
+        taken within ``every_s``."""
+        taken, self._last_progress = self._last_progress, []
+        for job in self.jobs.values():
+            if job.progress_due and now - job.progress_taken >= every_s:
+                job.progress_due, job.progress_taken = False, now
+                taken.append(_progress(job, now))
+        return taken
 
     def restore(self, data: bytes, now: float) -> str:
         """Take back a job's :func:`snapshot` at ``now``; returns the job id.
@@ -474,6 +498,8 @@ class HealthCore:
         job = JobHealth(event.job_id, tuple(event.nodes), event.hang_timeout_s, slots)
         if old is not None:  # a new placement of the same admission: the spending goes on
             job.budget, job.completed, job.final_step = old.budget, old.completed, old.final_step
+            job.track, job.progress_due = old.track, old.progress_due
+            job.progress_taken = old.progress_taken
         job.budget.policy = event.restart_policy
         job.ranks = {slot: RankHealth(job, slot, node_id)
                      for slot, node_id in zip(slots, job.nodes, strict=True)}
@@ -542,7 +568,9 @@ class HealthCore:
         verdict = job.budget.charge(failure, at, what)
         if verdict is not None:
             del self.jobs[job.job_id]
+            self._last_progress.append(_progress(job, at))
             return [FailJob(job.job_id, verdict.reason_code, verdict.reason)]
+        job.progress_due = True  # a restart more
         return [dataclasses.replace(fault, application=failure.application)]
 
     def _finish_if_done(self, job: JobHealth) -> list[Decision]:
@@ -551,6 +579,7 @@ class HealthCore:
         exits = [r.exit for r in job.ranks.values()]
         if RankExit.DONE in exits and None not in exits:
             del self.jobs[job.job_id]
+            self._last_progress.append(_progress(job, self.now))
             return [FinishJob(job.job_id, job.final_step)]
         return []
 
@@ -563,6 +592,8 @@ class HealthCore:
             rank.replica_id = rank.replica_id or event.replica_id
             self._changed.add(event.job_id)
         rank.last_progress = rank.hang_since = now
+        if rank.job.track.reported(event.step, event.total_steps, now):
+            rank.job.progress_due = True
         rank.done = event.final
         if event.final and rank.job.final_step != event.step:
             rank.job.completed, rank.job.final_step = True, event.step
@@ -825,6 +856,14 @@ def snapshot(job: JobHealth) -> bytes:
 
 _SNAPSHOT_ENCODER = msgspec.msgpack.Encoder()
 _SNAPSHOT_DECODER = msgspec.msgpack.Decoder(JobSnapshot)
+
+
+def _progress(job: JobHealth, now: float) -> JobProgress:
+    track, budget = job.track, job.budget
+    return JobProgress(job_id=job.job_id, step=max(track.step, job.final_step or 0),
+                       total_steps=track.total_steps, steps_per_s=track.rate(now),
+                       window_s=track.window_s, restarts=budget.restarts,
+                       app_failures=budget.app_failures, updated_at=now)
 
 
 def _crash_detail(event: RankExited) -> str:

@@ -15,7 +15,10 @@ within the lease bound. The leader feeds the pure :class:`~.core.HealthCore`:
 and carries out its decisions: a :class:`Fault` on ``phalanx.job.<job>.fault``
 (stored in the job-events stream before it counts as sent), a
 :class:`NodeConditionChanged` on ``phalanx.node.<node>.condition``, a cordon
-written to the node's registry entry, a finished job's record. After each
+written to the node's registry entry, a finished job's record, and each job's
+:class:`JobProgress` (step, rate, restarts) in ``phalanx_progress`` at most
+every ``PROGRESS_EVERY_S`` while it changes, and at once when the job ends
+(kept afterwards: ``phalanx job`` reads it). After each
 event, a job whose lasting part changed (replicas, exits, who reports) has its
 snapshot stored (``phalanx_health``), fenced like elasticity's, so a new
 leader takes the jobs over with their exits and replica ids and judges every
@@ -65,6 +68,7 @@ from phalanx.bus.stream import EventReader, ensure_job_events
 from phalanx.schemas import subjects
 from phalanx.schemas.messages import (
     Fault,
+    JobProgress,
     JobRecord,
     JobSnapshot,
     JobState,
@@ -88,6 +92,8 @@ log = logging.getLogger("phalanx.health")
 LEASE_KEY = "health"
 SNAPSHOT_FORMAT = 1
 CURSOR_EVERY_S = 1.0
+#: How often a job's progress record is stored while it trains.
+PROGRESS_EVERY_S = 1.0
 # A timeout falls due while reports wait unhandled: they are handled first, for at most this
 # long (a detector that stays behind still judges, only later).
 UNREAD_GRACE_S = 1.0
@@ -145,6 +151,7 @@ class HealthService(Service):
         self.jobs = await TypedKV.open(js, subjects.JOBS_BUCKET, JobRecord)
         self.nodes = await TypedKV.open(js, subjects.NODES_BUCKET, NodeRecord)
         self.snapshots = await TypedKV.open(js, subjects.HEALTH_BUCKET, JobSnapshot)
+        self.progress = await TypedKV.open(js, subjects.PROGRESS_BUCKET, JobProgress)
         self.cursors = await TypedKV.open(js, subjects.CURSORS_BUCKET, StreamCursor)
         leases = await TypedKV.open(js, subjects.LEASES_BUCKET, Lease)
         await ensure_job_events(self.bus)
@@ -206,6 +213,7 @@ class HealthService(Service):
                 tasks.create_task(self._follow_events(term, term.reader))
                 tasks.create_task(self._timer(term))
                 tasks.create_task(self._cursor(term))
+                tasks.create_task(self._progress_records(term))
                 tasks.create_task(self._carry_out(term))
         finally:
             self.term = None
@@ -245,6 +253,15 @@ class HealthService(Service):
             seq = term.handled  # stored after what those events decided is carried out
             term.outbox.put_nowait(lambda seq=seq: term.store.advance(seq))
 
+    async def _progress_records(self, term: Term) -> None:
+        while not await self.sleep_or_stop(PROGRESS_EVERY_S):
+            async with term.turn:
+                self._store_progress(term)
+
+    def _store_progress(self, term: Term) -> None:
+        for progress in term.core.take_progress(time.time(), PROGRESS_EVERY_S):
+            term.outbox.put_nowait(lambda p=progress: self.progress.put(p.job_id, p))
+
     async def _carry_out(self, term: Term) -> None:
         while True:
             work = await term.outbox.get()
@@ -260,6 +277,8 @@ class HealthService(Service):
             term.core.handle(core.WatchLost(), time.time())
         decisions = term.core.handle(event, time.time())
         self._decided(term, decisions)
+        if any(isinstance(d, core.FinishJob | core.FailJob) for d in decisions):
+            self._store_progress(term)  # its last progress, with the record that ends it
         changed = term.core.take_changed()
         if seq is not None:
             changed.add(event.job_id)  # type: ignore[union-attr]
@@ -303,7 +322,7 @@ class HealthService(Service):
         async with term.turn:
             await self._handle(term, core.ProgressReported(msg.job_id, msg.rank, msg.step,
                                                            msg.step_time_s, msg.final,
-                                                           msg.replica_id))
+                                                           msg.replica_id, msg.total_steps))
 
     async def _on_heartbeat(self, term: Term, msg: NodeHeartbeat, _: Delivery) -> None:
         async with term.turn:

@@ -1,0 +1,105 @@
+"""A job's progress as health hears it: step, total, rate, restarts, and when it is stored."""
+
+from __future__ import annotations
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from phalanx.schemas.messages import RestartPolicy
+from phalanx.services.health.core import (
+    FailJob,
+    FinishJob,
+    HealthCore,
+    HealthPolicy,
+    JobWatched,
+    ProgressReported,
+    RaiseFault,
+    RankExited,
+)
+from phalanx.services.health.progress import StepTrack
+
+T0 = 1_717_000_000.0
+EVERY = 1.0
+
+
+def watched(policy: RestartPolicy | None = None) -> HealthCore:
+    core = HealthCore(HealthPolicy())
+    core.handle(JobWatched("j", ("n0", "n1"), 2.0, restart_policy=policy or RestartPolicy()), T0)
+    return core
+
+
+def test_the_step_is_the_most_any_rank_committed_and_the_rate_counts_pauses() -> None:
+    track = StepTrack(window_s=10.0)
+    assert track.reported(1, None, 0.0) and track.rate(0.0) is None
+    assert track.reported(2, 100, 1.0)
+    assert not track.reported(1, 100, 1.5)  # a rank one report behind moves nothing
+    assert (track.step, track.total_steps, track.rate(1.0)) == (2, 100, 1.0)
+    assert track.rate(2.0) == 0.5  # a second without a step: slower
+    track.reported(3, 100, 30.0)  # after a long pause: from the last change before the window
+    assert track.rate(30.0) == 1 / 29
+
+
+def test_progress_is_taken_when_it_changed_at_most_once_per_interval() -> None:
+    core = watched()
+    assert core.take_progress(T0, EVERY) == []
+    core.handle(ProgressReported("j", 0, 5, 0.1, total_steps=100), T0 + 1)
+    core.handle(ProgressReported("j", 1, 5, 0.1, total_steps=100), T0 + 1)
+    [first] = core.take_progress(T0 + 1, EVERY)
+    assert (first.job_id, first.step, first.total_steps, first.restarts) == ("j", 5, 100, 0)
+    core.handle(ProgressReported("j", 0, 6, 0.1), T0 + 1.5)
+    assert core.take_progress(T0 + 1.5, EVERY) == []  # within the interval
+    [second] = core.take_progress(T0 + 2.0, EVERY)
+    assert (second.step, second.steps_per_s, second.updated_at) == (6, 1 / 1.0, T0 + 2.0)
+    assert core.take_progress(T0 + 5.0, EVERY) == []  # nothing changed
+
+
+def test_restarts_are_progress_and_a_job_that_ends_leaves_its_last_record() -> None:
+    core = watched(RestartPolicy(max_app_failures=0))
+    core.handle(ProgressReported("j", 0, 7, 0.1), T0 + 1)
+    core.take_progress(T0 + 1, EVERY)
+    out = core.handle(RankExited("j", 1, "n1", None, "SIGKILL", "exited"), T0 + 2)
+    assert any(isinstance(d, RaiseFault) for d in out)
+    [after_kill] = core.take_progress(T0 + 2, EVERY)
+    assert (after_kill.step, after_kill.restarts, after_kill.app_failures) == (7, 1, 0)
+    out = core.handle(RankExited("j", 0, "n0", 1, None, "exited", detail="boom"), T0 + 2.1)
+    assert any(isinstance(d, FailJob) for d in out)
+    # Ended within the interval, its last record is taken all the same.
+    [last] = core.take_progress(T0 + 2.1, EVERY)
+    assert (last.step, last.restarts, last.app_failures) == (7, 1, 1)
+
+
+def test_a_finished_job_leaves_its_final_step() -> None:
+    core = watched()
+    for rank in (0, 1):
+        core.handle(ProgressReported("j", rank, 10, 0.1, final=True, total_steps=10), T0 + 1)
+    core.take_progress(T0 + 1, EVERY)
+    core.handle(RankExited("j", 0, "n0", 0, None, "exited"), T0 + 1.2)
+    out = core.handle(RankExited("j", 1, "n1", 0, None, "exited"), T0 + 1.3)
+    assert FinishJob("j", 10) in out
+    [last] = core.take_progress(T0 + 1.3, EVERY)
+    assert (last.step, last.total_steps) == (10, 10)
+
+
+def test_a_new_placement_keeps_the_progress_and_a_new_admission_starts_afresh() -> None:
+    core = watched()
+    core.handle(ProgressReported("j", 0, 7, 0.1), T0 + 1)
+    core.handle(JobWatched("j", ("n0",), 2.0), T0 + 2)  # shrunk: the same admission
+    assert core.jobs["j"].track.step == 7
+
+
+@settings(derandomize=True, database=None, deadline=None, max_examples=200)
+@given(st.lists(st.tuples(st.integers(0, 50), st.sampled_from([None, 40, 50]),
+                          st.floats(0.0, 5.0)), max_size=40))
+def test_the_track_holds_the_highest_step_the_latest_total_and_a_rate_never_negative(
+        reports: list[tuple[int, int | None, float]]) -> None:
+    track, now, highest = StepTrack(window_s=10.0), 0.0, 0
+    for step, total, gap in reports:
+        now += gap
+        track.reported(step, total, now)
+        highest = max(highest, step)
+        assert track.step == highest
+        rate = track.rate(now)
+        assert rate is None or rate >= 0
+        assert not track.changes or track.changes[-1][1] == track.step
+    totals = [t for _, t, _ in reports if t is not None]
+    assert track.total_steps == (totals[-1] if totals else None)
