@@ -70,6 +70,7 @@ def aborted(records: dict[str, list[dict]]) -> list[tuple[str, int, int]]:
     return out
 
 
+@pytest.mark.timeout(600)  # a cluster, 4000 steps on 2 to 4 ranks, three joins
 @pytest.mark.parametrize("scaling", [
     ScalingPolicy(replica_increment_step=1),
     ScalingPolicy(replica_discrete_values=[2, 4]),
