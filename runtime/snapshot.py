@@ -66,26 +66,34 @@ class FlatState:
     not in a tensor) that turns those bytes back into the state."""
 
     tensors: list[torch.Tensor]  # each as contiguous uint8 bytes
-    meta: dict[str, Any]
+    meta: dict[str, Any]  # also names each tensor's offset (snapshot_file.layout)
+
+    @property
+    def offsets(self) -> list[int]:
+        return self.meta["offsets"]
 
     @property
     def total(self) -> int:
-        return sum(t.numel() for t in self.tensors)
+        return self.meta["total"]
 
 
 def flat_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                extra: Mapping[str, Any], step: int) -> FlatState:
     """``model``, ``optimizer`` and ``extra``'s state at ``step`` as a :class:`FlatState`
     (no copy: the byte views alias the live tensors)."""
-    model_tensors = [t.detach() for t in model.state_dict().values()]
+    model_state = model.state_dict()
+    model_tensors = [t.detach() for t in model_state.values()]
     stripped: list[torch.Tensor] = []
     optimizer_skeleton = _strip(optimizer.state_dict(), stripped)
     extra_skeletons = {name: _strip(obj.state_dict(), stripped) for name, obj in extra.items()}
-    tensors = [t.detach() for t in model_tensors + stripped]
+    tensors = [_bytes_of(t.detach()) for t in model_tensors + stripped]
+    offsets, total = snapshot_file.layout([t.numel() for t in tensors])
     meta = {"step": step, "rng": torch.get_rng_state(), "optimizer": optimizer_skeleton,
             "extra": extra_skeletons, "model_tensors": len(model_tensors),
-            "tensors": [(tuple(t.shape), str(t.dtype)) for t in tensors]}
-    return FlatState([_bytes_of(t) for t in tensors], meta)
+            "model_names": list(model_state),
+            "tensors": [(tuple(t.shape), str(t.dtype)) for t in model_tensors + stripped],
+            "offsets": offsets, "total": total}
+    return FlatState(tensors, meta)
 
 
 def _bytes_of(tensor: torch.Tensor) -> torch.Tensor:
@@ -93,18 +101,19 @@ def _bytes_of(tensor: torch.Tensor) -> torch.Tensor:
     return (flat if flat.is_contiguous() else flat.contiguous()).view(torch.uint8)
 
 
-def copy_range(tensors: Sequence[torch.Tensor], start: int, out: torch.Tensor) -> None:
-    """Copy bytes ``[start, start + len(out))`` of the concatenation of ``tensors`` (uint8)
-    into ``out``: one memcpy per overlapped tensor, nothing concatenated."""
-    end, at = start + out.numel(), 0
-    for tensor in tensors:
-        size = tensor.numel()
-        lo, hi = max(start, at), min(end, at + size)
+def copy_range(state: FlatState, start: int, out: torch.Tensor) -> None:
+    """Copy bytes ``[start, start + len(out))`` of the flat ``state`` into ``out``: one
+    memcpy per overlapped tensor, nothing concatenated, the alignment gaps zeroed."""
+    end, done = start + out.numel(), start
+    for tensor, at in zip(state.tensors, state.offsets, strict=True):
+        lo, hi = max(start, at), min(end, at + tensor.numel())
         if lo < hi:
+            out[done - start:lo - start].zero_()
             out[lo - start:hi - start].copy_(tensor[lo - at:hi - at])
-        at += size
+            done = hi
         if at >= end:
-            return
+            break
+    out[done - start:].zero_()
 
 
 class Snapshotter:
@@ -186,7 +195,7 @@ def write_share(buffer: memoryview, state: FlatState, meta: bytes, job_id: str, 
 
     def fill(data: memoryview) -> None:
         if len(data):
-            copy_range(state.tensors, offset, torch.frombuffer(data, dtype=torch.uint8))
+            copy_range(state, offset, torch.frombuffer(data, dtype=torch.uint8))
 
     return snapshot_file.write(buffer, header, meta, fill)
 
@@ -364,27 +373,37 @@ def load_flat(flat: torch.Tensor, meta: dict[str, Any], model: torch.nn.Module,
     Raises:
         SnapshotFileError: the snapshot does not fit this model or these registered objects.
     """
+    tensors = []
+    for (shape, dtype), at in zip(meta["tensors"], meta["offsets"], strict=True):
+        tensor = torch.empty(shape, dtype=getattr(torch, dtype.removeprefix("torch.")))
+        size = tensor.numel() * tensor.element_size()
+        tensor.reshape(-1).view(torch.uint8).copy_(flat[at:at + size])
+        tensors.append(tensor)
+    load_tensors(tensors, meta, model, optimizer, extra)
+
+
+def load_tensors(tensors: list[torch.Tensor], meta: dict[str, Any], model: torch.nn.Module,
+                 optimizer: torch.optim.Optimizer, extra: Mapping[str, Any]) -> None:
+    """Load the state whose tensors (in :func:`flat_state`'s order) are ``tensors``.
+
+    Raises:
+        SnapshotFileError: the snapshot does not fit this model or these registered objects.
+    """
     model_tensors = [t.detach() for t in model.state_dict().values()]
     if meta["model_tensors"] != len(model_tensors) or sorted(meta["extra"]) != sorted(extra):
         raise SnapshotFileError(
             f"the snapshot holds {meta['model_tensors']} model tensors and "
             f"{sorted(meta['extra'])}; this rank has {len(model_tensors)} and {sorted(extra)}")
-    tensors, at = [], 0
-    for i, (shape, dtype) in enumerate(meta["tensors"]):
-        kind = getattr(torch, dtype.removeprefix("torch."))
-        tensor = torch.empty(shape, dtype=kind)
-        size = tensor.numel() * tensor.element_size()
-        tensor.reshape(-1).view(torch.uint8).copy_(flat[at:at + size])
-        at += size
+    for i, tensor in enumerate(tensors):
+        shape, kind = tuple(tensor.shape), tensor.dtype
         if i < len(model_tensors):
             mine = model_tensors[i]
             if tuple(mine.shape) != tuple(shape) or mine.dtype != kind:
-                raise SnapshotFileError(f"model tensor {i}: the snapshot has {dtype}"
+                raise SnapshotFileError(f"model tensor {i}: the snapshot has {kind}"
                                         f"{list(shape)}, this model {mine.dtype}"
                                         f"{list(mine.shape)}")
             with torch.no_grad():
                 mine.copy_(tensor)
-        tensors.append(tensor)
     rest = tensors[len(model_tensors):]
     optimizer.load_state_dict(_fill(meta["optimizer"], rest))
     for name, skeleton in meta["extra"].items():

@@ -34,8 +34,10 @@ from pathlib import Path
 
 import xxhash
 
-MAGIC = b"PHXSNAP1"
+MAGIC = b"PHXSNAP2"  # 2: the flat state's tensors start at multiples of ALIGN
 HEADER_BYTES = 4096
+#: Bytes the flat state's tensors and the shares' cuts are aligned to (the widest element).
+ALIGN = 16
 _WRITING, _COMMITTED = 1, 2
 # magic, mark, job (64 bytes), step, generation, shard, shards, total, offset, length,
 # meta length, checksum; then the CRC-32 of all of that.
@@ -80,13 +82,31 @@ class Header:
 def share(total: int, shard: int, shards: int) -> tuple[int, int]:
     """Shard ``shard`` of ``shards`` of a ``total``-byte state: ``(offset, length)``.
 
-    Shard r covers ``[r * total // shards, (r + 1) * total // shards)``: the shares tile
-    the state exactly, whatever the sizes.
+    Shard r covers ``[cut(r), cut(r + 1))`` with ``cut(r)`` = ``r * total // shards``
+    rounded down to a multiple of :data:`ALIGN` (``cut(shards)`` = ``total``): the shares
+    tile the state exactly, whatever the sizes, and since every tensor of the flat state
+    starts at a multiple of :data:`ALIGN` (:func:`layout`), no share cuts an element in two
+    (the durable tier writes each share's elements as tensor chunks).
     """
     if not 0 <= shard < shards:
         raise ValueError(f"shard {shard} out of range for {shards} shards")
-    start, end = shard * total // shards, (shard + 1) * total // shards
-    return start, end - start
+
+    def cut(r: int) -> int:
+        return total if r == shards else r * total // shards // ALIGN * ALIGN
+
+    start = cut(shard)
+    return start, cut(shard + 1) - start
+
+
+def layout(sizes: list[int]) -> tuple[list[int], int]:
+    """Where each of the tensors of ``sizes`` bytes starts in the flat state (each at a
+    multiple of :data:`ALIGN`, the widest element), and the state's total bytes."""
+    offsets, at = [], 0
+    for size in sizes:
+        at = -(-at // ALIGN) * ALIGN
+        offsets.append(at)
+        at += size
+    return offsets, at
 
 
 def read_header(buffer: bytes | bytearray | memoryview | mmap.mmap) -> Header:

@@ -69,6 +69,7 @@ def test_shares_tile_the_state_exactly() -> None:
             parts = [snapshot_file.share(total, r, shards) for r in range(shards)]
             assert sum(length for _, length in parts) == total
             assert all(parts[i][0] + parts[i][1] == parts[i + 1][0] for i in range(shards - 1))
+            assert all(offset % snapshot_file.ALIGN == 0 for offset, _ in parts)
 
 
 def test_the_shares_of_every_rank_rebuild_model_optimizer_and_scheduler(tmp_path) -> None:

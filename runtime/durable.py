@@ -1,0 +1,472 @@
+"""The durable checkpoint tier: a step in PyTorch Distributed Checkpoint format on storage.
+
+Every ``checkpoint.durable_every_steps`` committed steps each rank persists the
+share it just snapshotted into its node's memory (:mod:`.snapshot`) to
+``checkpoint.durable_url`` — a directory (a shared path for multi-node) or any
+fsspec URL (``s3://bucket/prefix``). The rank does it on a background thread
+(:class:`DurableWriter`), reading its own snapshot buffer, so the training
+thread pays nothing beyond handing over the buffer's path; the buffer stays
+pinned (the ring does not overwrite it) until the write is over.
+
+**Layout.** One directory a step attempt:
+``<url>/<job>/step-<step>-g<generation>-w<shards>/``, holding a plain DCP
+checkpoint (``.metadata`` and one ``__<shard>_0.distcp`` per shard) of the
+state dict ``{"model": ..., "optimizer": ..., "extra": {name: ...},
+"phalanx": {"step": ...}}``, so ``torch.distributed.checkpoint.load`` reads it
+with no phalanx code. The flat state's shares cut no element
+(:func:`~.snapshot_file.share`), so shard ``r`` writes the elements of its byte
+range as tensor chunks (:func:`boxes`: contiguous boxes of each tensor); shard
+0 also writes the non-tensor leaves (learning rates, betas, ...).
+
+**Commit.** Shard ``r``'s writer writes its data file, then a marker
+``shard-<r>.done`` (its storage entries and the file's xxh3-64), then lists the
+markers; the writer that sees all of them (the last one to finish always
+does: the stores are read-after-write consistent, local file systems and S3
+alike) writes ``.metadata`` and then the commit record ``.phalanx-commit``
+(every file's size and checksum and the state's meta), each as one atomic
+write (a rename on a file system, a single PUT on an object store). Two
+writers that both see every marker write the same bytes. A step without its
+commit record does not exist: a rank killed mid-write leaves an attempt that is
+never loaded and that retention deletes. Retention (by every committer): the
+newest ``durable_keep`` committed steps of the job stay; older steps and
+abandoned attempts older than the newest committed step are deleted.
+
+**Loading** (:func:`load`, path 4 of docs/architecture.md, Checkpoints): every
+file's checksum is checked against the commit record before anything is
+loaded; a mismatch raises :class:`DurableCorrupt` and the caller goes on to the
+next older step. The state is then read with ``torch.distributed.checkpoint``
+itself (``FsspecReader``), into tensors laid out as the commit record's meta
+says.
+"""
+
+from __future__ import annotations
+
+import base64
+import dataclasses
+import io
+import json
+import logging
+import math
+import mmap
+import pickle
+import queue
+import re
+import threading
+import time
+import uuid
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+import fsspec
+import torch
+import torch.distributed.checkpoint as dcp
+import xxhash
+from fsspec.implementations.local import LocalFileSystem
+from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+from torch.distributed.checkpoint.filesystem import CURRENT_DCP_VERSION, _StorageInfo
+from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    TensorProperties,
+    TensorStorageMetadata,
+)
+
+from phalanx.runtime import snapshot_file
+from phalanx.runtime.snapshot import load_tensors
+from phalanx.runtime.snapshot_file import Header, SnapshotFileError
+from phalanx.runtime.state import _fill
+
+log = logging.getLogger("phalanx.runtime.durable")
+COMMIT = ".phalanx-commit"
+METADATA = ".metadata"
+_STEP_DIR = re.compile(r"^step-(?P<step>\d{10})-g(?P<generation>\d+)-w(?P<shards>\d+)$")
+
+
+class DurableCorrupt(SnapshotFileError):
+    """A durable step's file does not match its commit record (or the record is unreadable)."""
+
+
+Box = tuple[tuple[int, ...], tuple[int, ...], int]  # offsets, sizes, first element
+
+
+def boxes(shape: tuple[int, ...], start: int, end: int) -> list[Box]:
+    """Elements ``[start, end)`` of a row-major tensor of ``shape`` as contiguous boxes:
+    ``(offsets, sizes, first element)``, each a DCP chunk."""
+    if start >= end:
+        return []
+    if not shape:
+        return [((), (), 0)]
+    inner = math.prod(shape[1:])
+    found: list[Box] = []
+    row = start // inner
+    if start % inner:  # the head: part of one row
+        stop = min(end, (row + 1) * inner)
+        for offsets, sizes, first in boxes(shape[1:], start - row * inner, stop - row * inner):
+            found.append(((row, *offsets), (1, *sizes), row * inner + first))
+        start = stop
+    whole = (end - start) // inner
+    if whole > 0 and start < end:  # whole rows
+        row = start // inner
+        found.append(((row, *(0,) * (len(shape) - 1)), (whole, *shape[1:]), start))
+        start += whole * inner
+    if start < end:  # the tail: the start of one row
+        row = start // inner
+        for offsets, sizes, first in boxes(shape[1:], 0, end - start):
+            found.append(((row, *offsets), (1, *sizes), row * inner + first))
+    return found
+
+
+def _dtype(name: str) -> torch.dtype:
+    return getattr(torch, name.removeprefix("torch."))
+
+
+def _element_size(name: str) -> int:
+    return torch.empty((), dtype=_dtype(name)).element_size()
+
+
+def state_dict_of(meta: dict[str, Any], tensors: list[torch.Tensor]) -> dict[str, Any]:
+    """The nested state dict a durable step holds, its tensors ``tensors`` (in
+    :func:`~.snapshot.flat_state`'s order)."""
+    n = meta["model_tensors"]
+    rest = tensors[n:]
+    return {"model": dict(zip(meta["model_names"], tensors[:n], strict=True)),
+            "optimizer": _fill(meta["optimizer"], rest),
+            "extra": {name: _fill(skeleton, rest) for name, skeleton in meta["extra"].items()},
+            "phalanx": {"step": meta["step"]}}
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """Where every part of the state goes in DCP: each tensor's name, and the non-tensor
+    leaves (written as byte items by shard 0)."""
+
+    names: list[str]
+    objects: dict[str, Any]
+    mappings: dict[str, Any]
+
+    @classmethod
+    def of(cls, meta: dict[str, Any]) -> Plan:
+        placeholders = [torch.empty(0) for _ in meta["tensors"]]
+        index = {id(t): i for i, t in enumerate(placeholders)}
+        flat, mappings = flatten_state_dict(state_dict_of(meta, placeholders))
+        names = [""] * len(placeholders)
+        objects = {}
+        for fqn, value in flat.items():
+            if isinstance(value, torch.Tensor):
+                names[index[id(value)]] = fqn
+            else:
+                objects[fqn] = value
+        return cls(names, objects, mappings)
+
+
+def shard_boxes(meta: dict[str, Any], shard: int, shards: int) -> list[tuple[int, Box]]:
+    """The chunks shard ``shard`` of ``shards`` writes: (tensor index, box)."""
+    offset, length = snapshot_file.share(meta["total"], shard, shards)
+    found = []
+    for i, ((shape, dtype), at) in enumerate(zip(meta["tensors"], meta["offsets"],
+                                                 strict=True)):
+        size = _element_size(dtype)
+        nbytes = math.prod(shape) * size
+        lo, hi = max(offset, at), min(offset + length, at + nbytes)
+        if lo < hi:
+            found.extend((i, box) for box in boxes(tuple(shape), (lo - at) // size,
+                                                   (hi - at) // size))
+    return found
+
+
+# --- storage --------------------------------------------------------------------------------
+
+
+def step_dir(root: str, job_id: str, step: int, generation: int, shards: int) -> str:
+    return f"{root.rstrip('/')}/{job_id}/step-{step:010d}-g{generation}-w{shards}"
+
+
+def _put(fs: fsspec.AbstractFileSystem, path: str, data: bytes) -> None:
+    """Write ``path`` at once: a rename on a file system, one PUT on an object store."""
+    if isinstance(fs, LocalFileSystem):
+        tmp = f"{path}.tmp-{uuid.uuid4().hex}"
+        fs.pipe_file(tmp, data)
+        fs.mv(tmp, path)
+    else:
+        fs.pipe_file(path, data)
+
+
+@dataclasses.dataclass(frozen=True)
+class CommitRecord:
+    """What makes a durable step exist: its files' sizes and checksums, and the meta."""
+
+    job_id: str
+    step: int
+    generation: int
+    shards: int
+    total: int
+    files: dict[str, tuple[int, str]]  # name -> (bytes, xxh3-64 hex)
+    meta: bytes
+
+    def encode(self) -> bytes:
+        row = dataclasses.asdict(self)
+        row["meta"] = base64.b64encode(self.meta).decode()
+        return json.dumps(row, indent=1).encode()
+
+    @classmethod
+    def decode(cls, data: bytes) -> CommitRecord:
+        try:
+            row = json.loads(data)
+            row["meta"] = base64.b64decode(row["meta"])
+            row["files"] = {k: (int(v[0]), str(v[1])) for k, v in row["files"].items()}
+            return cls(**row)
+        except (ValueError, KeyError, TypeError) as exc:
+            raise DurableCorrupt(f"unreadable commit record: {exc}") from None
+
+
+@dataclasses.dataclass(frozen=True)
+class Committed:
+    """A committed durable step found on storage."""
+
+    directory: str
+    step: int
+    generation: int
+    shards: int
+
+
+def committed_steps(fs: fsspec.AbstractFileSystem, job_root: str) -> list[Committed]:
+    """The committed steps under ``<url>/<job>``, newest first."""
+    found = []
+    try:
+        entries = fs.ls(job_root, detail=False)
+    except FileNotFoundError:
+        return []
+    for entry in entries:
+        match = _STEP_DIR.match(entry.rstrip("/").rsplit("/", 1)[-1])
+        if match and fs.exists(f"{entry.rstrip('/')}/{COMMIT}"):
+            found.append(Committed(entry.rstrip("/"), int(match["step"]),
+                                   int(match["generation"]), int(match["shards"])))
+    return sorted(found, key=lambda c: (-c.step, -c.generation))
+
+
+def retain(fs: fsspec.AbstractFileSystem, job_root: str, keep: int) -> list[str]:
+    """Delete all but the newest ``keep`` committed steps, and attempts that never
+    committed older than the newest committed step; the directories deleted."""
+    committed = committed_steps(fs, job_root)
+    if not committed:
+        return []
+    kept = {c.directory for c in committed[:keep]}
+    newest = committed[0].step
+    deleted = []
+    for entry in fs.ls(job_root, detail=False):
+        entry = entry.rstrip("/")
+        match = _STEP_DIR.match(entry.rsplit("/", 1)[-1])
+        if not match or entry in kept:
+            continue
+        is_committed = any(c.directory == entry for c in committed)
+        if is_committed or int(match["step"]) <= newest:
+            fs.rm(entry, recursive=True)
+            deleted.append(entry)
+    return deleted
+
+
+# --- writing --------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Persisted:
+    """One shard written, and the step committed if this writer committed it."""
+
+    step: int
+    shard: int
+    nbytes: int
+    checksum: str
+    committed: CommitRecord | None
+    directory: str
+    seconds: float
+
+
+def write_shard(fs: fsspec.AbstractFileSystem, root: str, header: Header, meta_bytes: bytes,
+                data: memoryview, keep: int) -> Persisted:
+    """Persist shard ``header.shard`` (its bytes ``data``, verified by the caller), then
+    commit the step if every shard's marker is there, then apply retention."""
+    started = time.perf_counter()
+    meta = pickle.loads(meta_bytes)
+    plan = Plan.of(meta)
+    directory = step_dir(root, header.job_id, header.step, header.generation, header.shards)
+    fs.makedirs(directory, exist_ok=True)
+    name = f"__{header.shard}_0.distcp"
+    storage: dict[MetadataIndex, _StorageInfo] = {}
+    digest, at = xxhash.xxh3_64(), 0
+    with fs.open(f"{directory}/{name}", "wb") as out:
+        def item(index: MetadataIndex, payload: bytes) -> None:
+            nonlocal at
+            out.write(payload)
+            digest.update(payload)
+            storage[index] = _StorageInfo(name, at, len(payload))
+            at += len(payload)
+
+        if header.shard == 0:
+            for fqn, value in plan.objects.items():
+                buffer = io.BytesIO()
+                torch.save(value, buffer)
+                item(MetadataIndex(fqn), buffer.getvalue())
+        for i, (offsets, sizes, first) in shard_boxes(meta, header.shard, header.shards):
+            dtype = meta["tensors"][i][1]
+            size = _element_size(dtype)
+            lo = meta["offsets"][i] + first * size - header.offset
+            chunk = torch.frombuffer(data[lo:lo + math.prod(sizes) * size],
+                                     dtype=_dtype(dtype)).reshape(sizes)
+            buffer = io.BytesIO()
+            torch.save(chunk, buffer)
+            item(MetadataIndex(plan.names[i], torch.Size(offsets)), buffer.getvalue())
+    checksum = f"{digest.intdigest():016x}"
+    _put(fs, f"{directory}/shard-{header.shard}.done", pickle.dumps(
+        {"file": name, "bytes": at, "xxh3": checksum, "storage": storage}))
+    record = _commit(fs, directory, header, meta, meta_bytes, plan)
+    if record is not None:
+        for gone in retain(fs, f"{root.rstrip('/')}/{header.job_id}", keep):
+            log.info("durable step deleted (retention): %s", gone)
+    return Persisted(header.step, header.shard, at, checksum, record, directory,
+                     time.perf_counter() - started)
+
+
+def _commit(fs: fsspec.AbstractFileSystem, directory: str, header: Header,
+            meta: dict[str, Any], meta_bytes: bytes, plan: Plan) -> CommitRecord | None:
+    """Write ``.metadata`` and the commit record if every shard's marker is there."""
+    markers = []
+    for shard in range(header.shards):
+        try:
+            markers.append(pickle.loads(fs.cat_file(f"{directory}/shard-{shard}.done")))
+        except FileNotFoundError:
+            return None  # a shard still being written: its writer commits
+    storage = {index: info for marker in markers for index, info in marker["storage"].items()}
+    chunks: dict[int, list[ChunkStorageMetadata]] = {}
+    for shard in range(header.shards):
+        for i, (offsets, sizes, _) in shard_boxes(meta, shard, header.shards):
+            chunks.setdefault(i, []).append(ChunkStorageMetadata(torch.Size(offsets),
+                                                                 torch.Size(sizes)))
+    described: dict[str, Any] = {fqn: BytesStorageMetadata() for fqn in plan.objects}
+    for i, (shape, dtype) in enumerate(meta["tensors"]):
+        described[plan.names[i]] = TensorStorageMetadata(
+            TensorProperties(dtype=_dtype(dtype)), torch.Size(shape), chunks.get(i, []))
+    metadata = pickle.dumps(Metadata(state_dict_metadata=described, planner_data=plan.mappings,
+                                     storage_data=storage, version=CURRENT_DCP_VERSION))
+    _put(fs, f"{directory}/{METADATA}", metadata)
+    files = {m["file"]: (m["bytes"], m["xxh3"]) for m in markers}
+    files[METADATA] = (len(metadata), f"{xxhash.xxh3_64_intdigest(metadata):016x}")
+    record = CommitRecord(header.job_id, header.step, header.generation, header.shards,
+                          header.total, files, meta_bytes)
+    _put(fs, f"{directory}/{COMMIT}", record.encode())  # the step exists from here
+    return record
+
+
+class DurableWriter:
+    """Persists one snapshot at a time on a background thread.
+
+    Args:
+        url: the durable root (a directory or an fsspec URL).
+        keep: committed steps kept per job.
+        done: called on the writer's thread with each :class:`Persisted` (announce it).
+    """
+
+    def __init__(self, url: str, keep: int, done: Callable[[Persisted], None]) -> None:
+        self.url, self.keep, self.done = url, keep, done
+        self.fs, self.root = fsspec.core.url_to_fs(url)
+        if isinstance(self.fs, LocalFileSystem):
+            self.root = str(Path(self.root).resolve())
+        self._work: queue.SimpleQueue[tuple[Path, Header] | None] = queue.SimpleQueue()
+        self._busy: Path | None = None
+        self._idle = threading.Event()
+        self._idle.set()
+        self._thread = threading.Thread(target=self._run, name="phalanx-durable", daemon=True)
+        self._thread.start()
+
+    @property
+    def busy_with(self) -> Path | None:
+        """The snapshot buffer being persisted (not to be overwritten), if any."""
+        return self._busy
+
+    def submit(self, path: Path, header: Header) -> bool:
+        """Persist the snapshot ``header`` names, held in the buffer file at ``path``;
+        False (nothing done) while an earlier one is still being written."""
+        if self._busy is not None:
+            return False
+        self._idle.clear()
+        self._busy = path
+        self._work.put((path, header))
+        return True
+
+    def wait_idle(self, timeout_s: float | None = None) -> bool:
+        return self._idle.wait(timeout_s)
+
+    def close(self) -> None:
+        self._work.put(None)
+
+    def _run(self) -> None:
+        while (work := self._work.get()) is not None:
+            path, header = work
+            try:
+                self.done(self._persist(path, header))
+            except Exception as exc:  # storage trouble must never stop training
+                log.error("durable write of step %d shard %d failed: %r", header.step,
+                          header.shard, exc)
+            finally:
+                self._busy = None
+                self._idle.set()
+
+    def _persist(self, path: Path, header: Header) -> Persisted:
+        with path.open("rb") as f:
+            buffer = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+        try:
+            now = snapshot_file.read_header(buffer)
+            if (now.step, now.generation, now.shard) != (header.step, header.generation,
+                                                          header.shard):
+                raise SnapshotFileError(f"the buffer holds step {now.step} now")
+            meta, data = snapshot_file.verify(memoryview(buffer), now)
+            return write_shard(self.fs, self.root, now, bytes(meta), data, self.keep)
+        finally:
+            buffer.close()
+
+
+# --- loading --------------------------------------------------------------------------------
+
+
+def read_commit(fs: fsspec.AbstractFileSystem, step: Committed) -> CommitRecord:
+    return CommitRecord.decode(fs.cat_file(f"{step.directory}/{COMMIT}"))
+
+
+def verify(fs: fsspec.AbstractFileSystem, step: Committed) -> CommitRecord:
+    """The commit record of ``step``, every file checked against it.
+
+    Raises:
+        DurableCorrupt: a file is missing, of another size or fails its checksum.
+    """
+    record = read_commit(fs, step)
+    for name, (nbytes, checksum) in sorted(record.files.items()):
+        try:
+            data = fs.cat_file(f"{step.directory}/{name}")
+        except FileNotFoundError:
+            raise DurableCorrupt(f"{step.directory}/{name} is missing") from None
+        if len(data) != nbytes or f"{xxhash.xxh3_64_intdigest(data):016x}" != checksum:
+            raise DurableCorrupt(f"{step.directory}/{name}: checksum mismatch (step "
+                                 f"{step.step} is damaged)")
+    return record
+
+
+def load(fs: fsspec.AbstractFileSystem, step: Committed, record: CommitRecord,
+         model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+         extra: Mapping[str, Any]) -> None:
+    """Load the verified durable ``step`` into ``model``, ``optimizer``, ``extra`` (and
+    the RNG), read with ``torch.distributed.checkpoint``."""
+    meta = pickle.loads(record.meta)
+    tensors = [torch.empty(shape, dtype=_dtype(dtype)) for shape, dtype in meta["tensors"]]
+    reader = dcp.FileSystemReader(step.directory) if isinstance(fs, LocalFileSystem) \
+        else _fsspec_reader(fs, step.directory)
+    dcp.load(state_dict_of(meta, tensors), storage_reader=reader, no_dist=True)
+    load_tensors(tensors, meta, model, optimizer, extra)
+
+
+def _fsspec_reader(fs: fsspec.AbstractFileSystem, directory: str) -> dcp.StorageReader:
+    from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
+
+    protocol = fs.protocol[0] if isinstance(fs.protocol, tuple) else fs.protocol
+    return FsspecReader(f"{protocol}://{directory}", **fs.storage_options)
