@@ -427,6 +427,77 @@ class DurableWriter:
             buffer.close()
 
 
+# --- restoring ------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class DurablePolicy:
+    """A job's durable tier as its ranks see it (from the agent's environment)."""
+
+    url: str
+    every: int
+    keep: int
+    resume_from: str | None  # an earlier job whose durable steps this one may start from
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str]) -> DurablePolicy | None:
+        """None when the job persists nothing and resumes from no other job."""
+        url = env.get("PHALANX_CHECKPOINT_DURABLE_URL", "")
+        every = int(env.get("PHALANX_CHECKPOINT_DURABLE_EVERY", "0"))
+        resume_from = env.get("PHALANX_CHECKPOINT_RESUME_FROM") or None
+        if not url or not (every or resume_from):
+            return None
+        return cls(url, every, int(env.get("PHALANX_CHECKPOINT_DURABLE_KEEP", "2")),
+                   resume_from)
+
+    def sources(self, job_id: str) -> tuple[fsspec.AbstractFileSystem, list[str]]:
+        """The storage, and the job directories this job may resume from."""
+        fs, root = fsspec.core.url_to_fs(self.url)
+        root = root.rstrip("/")
+        jobs = [job_id] + ([self.resume_from] if self.resume_from else [])
+        return fs, [f"{root}/{job}" for job in jobs]
+
+
+Wait = Callable[[Any], None]
+
+
+def restore(pg: Any, wait: Wait, world_size: int, policy: DurablePolicy, job_id: str,
+            newer_than: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+            extra: Mapping[str, Any],
+            report: Callable[[Committed, str], None]) -> tuple[int, int] | None:
+    """Load the newest committed durable step newer than ``newer_than`` on every member of
+    ``pg``: ``(step, state bytes)``, or None when there is none. A collective.
+
+    Every member lists the storage and checks every file of a candidate step; the members
+    agree (sums over ``pg``) on the candidates and on each one's health, so a step one
+    member finds damaged is skipped by all (``report`` is called where it was found) and
+    the next older one tried.
+    """
+    fs, roots = policy.sources(job_id)
+    candidates = sorted((c for root in roots for c in committed_steps(fs, root)
+                         if c.step > newer_than), key=lambda c: (-c.step, -c.generation))
+    agree = torch.tensor([len(candidates), candidates[0].step if candidates else -1],
+                         dtype=torch.int64)
+    wait(pg.allreduce([agree]))
+    if agree.tolist() != [len(candidates) * world_size,
+                          (candidates[0].step if candidates else -1) * world_size]:
+        log.error("durable restore skipped: the members see different committed steps")
+        return None
+    for candidate in candidates:
+        record = None
+        try:
+            record = verify(fs, candidate)
+        except DurableCorrupt as exc:
+            report(candidate, str(exc))
+        healthy = torch.tensor([0 if record is None else 1], dtype=torch.int64)
+        wait(pg.allreduce([healthy]))
+        if int(healthy) != world_size or record is None:
+            continue
+        load(fs, candidate, record, model, optimizer, extra)
+        return candidate.step, record.total
+    return None
+
+
 # --- loading --------------------------------------------------------------------------------
 
 
@@ -470,3 +541,17 @@ def _fsspec_reader(fs: fsspec.AbstractFileSystem, directory: str) -> dcp.Storage
 
     protocol = fs.protocol[0] if isinstance(fs.protocol, tuple) else fs.protocol
     return FsspecReader(f"{protocol}://{directory}", **fs.storage_options)
+
+
+def export(fs: fsspec.AbstractFileSystem, step: Committed, target: Path) -> list[str]:
+    """Copy the DCP files of the committed ``step`` (each checked against its commit
+    record) into the local directory ``target``: a plain DCP checkpoint. The files copied.
+
+    Raises:
+        DurableCorrupt: a file does not match the commit record.
+    """
+    record = verify(fs, step)
+    target.mkdir(parents=True, exist_ok=True)
+    for name in record.files:
+        (target / name).write_bytes(fs.cat_file(f"{step.directory}/{name}"))
+    return sorted(record.files)

@@ -101,6 +101,8 @@ from phalanx.runtime.bus_thread import BusThread
 from phalanx.runtime.chaos import parse_chaos_kill
 from phalanx.runtime.data import ElasticOrder, MicroBatch
 from phalanx.runtime.dataset import step_loader
+from phalanx.runtime.durable import Committed, DurablePolicy, DurableWriter, Persisted
+from phalanx.runtime.durable import restore as restore_durable
 from phalanx.runtime.group import Aborted, Waits, rendezvous
 from phalanx.runtime.inbox import Inbox
 from phalanx.runtime.progress import ProgressReporter
@@ -123,6 +125,7 @@ from phalanx.runtime.state import (
 from phalanx.schemas import subjects
 from phalanx.schemas.errors import PhalanxError
 from phalanx.schemas.messages import (
+    DETAIL_CHARS,
     Fault,
     Generation,
     GenerationApplied,
@@ -242,6 +245,9 @@ class ElasticSession:
             of the state into its node agent's shared memory (:mod:`.snapshot`); 0: never.
         snapshot_keep: buffers in each share's ring (2: double-buffered).
         snapshot_dir: the node's snapshot store for this job (where a restore reads).
+        durable: the job's durable tier (:mod:`.durable`): where snapshots are persisted
+            every ``durable.every`` steps, and where a job whose members and nodes hold
+            nothing newer resumes from (its own steps, or ``durable.resume_from``'s).
     """
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
@@ -256,7 +262,8 @@ class ElasticSession:
                  chaos_kill: tuple[int, str] | None = None,
                  state: Mapping[str, Any] | None = None, metrics: Sequence[str] = (),
                  loader: Mapping[str, Any] | None = None, snapshot_every: int = 0,
-                 snapshot_keep: int = 2, snapshot_dir: str | None = None) -> None:
+                 snapshot_keep: int = 2, snapshot_dir: str | None = None,
+                 durable: DurablePolicy | None = None) -> None:
         self.model = model
         self.optimizer = optimizer
         self.dataset = dataset
@@ -312,8 +319,12 @@ class ElasticSession:
         self._landing: list[torch.Tensor] = []  # for the optimizer state a joiner receives
         self.nice_when_ready = nice_when_ready
         self.snapshot_dir = snapshot_dir
+        self.durable = durable
+        writer = DurableWriter(durable.url, durable.keep, self._persisted) \
+            if durable is not None and durable.every and bus is not None else None
         self._snapshots = Snapshotter(bus, job_id, replica_id, node_id, every=snapshot_every,
-                                      keep=snapshot_keep) \
+                                      keep=snapshot_keep, durable=writer,
+                                      durable_every=durable.every if durable else 0) \
             if bus is not None and snapshot_every > 0 and snapshot_dir else None
         if warmup is not None and bus is not None:
             warmup()
@@ -346,6 +357,7 @@ class ElasticSession:
             kwargs.setdefault("snapshot_dir", env["PHALANX_SNAPSHOT_DIR"])
             kwargs.setdefault("snapshot_every", int(env.get("PHALANX_CHECKPOINT_MEMORY_EVERY",
                                                             "1")))
+            kwargs.setdefault("durable", DurablePolicy.from_env(env))
             kwargs.setdefault("snapshot_keep", int(env.get("PHALANX_CHECKPOINT_MEMORY_KEEP",
                                                            "2")))
         if env.get(priority.ENV, "").lstrip("-").isdigit():
@@ -674,7 +686,10 @@ class ElasticSession:
         self._wait(self.pg.allreduce([info]))
         rows = [MemberProgress(*row) for row in info.tolist()]
         job_step = generation.resume_step
-        restored = self._restore_snapshot(generation, max(row.committed for row in rows))
+        members_step = max(row.committed for row in rows)
+        restored = self._restore_snapshot(generation, members_step)
+        restored = self._restore_durable(generation, max(members_step, restored or -1)) \
+            or restored
         if restored is not None:  # every member holds the restored step now, nothing kept
             rows, retained = [MemberProgress(restored)] * len(rows), None
             job_step = min(job_step, restored)
@@ -744,6 +759,56 @@ class ElasticSession:
                                step=restored.step, tier="memory", state_bytes=restored.nbytes,
                                seconds=time.time() - started, corrupt=restored.corrupt)
         return restored.step
+
+    def _restore_durable(self, generation: Generation, newer_than: int) -> int | None:
+        """If durable storage holds a committed step newer than ``newer_than`` (what the
+        members and their nodes' memory hold), load it on every member: its step."""
+        if self.durable is None or self.pg is None:
+            return None
+        started = time.time()
+
+        def report(step: Committed, problem: str) -> None:
+            log.error("durable step skipped: %s", problem)
+            if self._record is not None:
+                self._record.write(kind="corrupt", step=step.step, shards=step.shards,
+                                   tier="durable", problem=problem)
+            if self.bus is not None:
+                self.bus.publish(subjects.ckpt_snapshot(self.job_id), SnapshotRecord(
+                    job_id=self.job_id, step=step.step, shard=0, num_shards=step.shards,
+                    node_id="durable", tier=SnapshotTier.DURABLE, nbytes=0,
+                    checksum="00000000", created_at=time.time(), generation=step.generation,
+                    corrupt=True, detail=problem[:DETAIL_CHARS]))
+
+        restored = restore_durable(self.pg, self._wait, self.world_size, self.durable,
+                                   self.job_id, newer_than, self.model, self.optimizer,
+                                   self._state, report)
+        if restored is None:
+            return None
+        step, nbytes = restored
+        self.committed = step
+        log.warning("%s restored step %d from durable storage (%d B) in generation %d",
+                    self.replica_id, step, nbytes, generation.generation)
+        if self._record is not None:
+            self._record.write(kind="restore", generation=generation.generation, step=step,
+                               tier="durable", state_bytes=nbytes,
+                               seconds=time.time() - started, corrupt=[])
+        return step
+
+    def _persisted(self, done: Persisted) -> None:
+        """The durable writer's report (on its thread): announce a step it committed."""
+        log.info("durable: shard %d of step %d written (%d B, %.2f s)%s", done.shard,
+                 done.step, done.nbytes, done.seconds, ", step committed" if done.committed
+                 else "")
+        if done.committed is None or self.bus is None:
+            return
+        record = done.committed
+        for shard in range(record.shards):
+            nbytes, checksum = record.files[f"__{shard}_0.distcp"]
+            self.bus.publish(subjects.ckpt_snapshot(self.job_id), SnapshotRecord(
+                job_id=self.job_id, step=record.step, shard=shard, num_shards=record.shards,
+                node_id="durable", tier=SnapshotTier.DURABLE, nbytes=nbytes,
+                checksum=checksum, created_at=time.time(), generation=record.generation,
+                total_bytes=record.total, detail=done.directory[:DETAIL_CHARS]))
 
     # --- one step ------------------------------------------------------------------------
 

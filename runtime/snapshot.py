@@ -124,13 +124,20 @@ class Snapshotter:
         job_id / replica_id / node_id: who this rank is.
         every: snapshot after every ``every``-th committed step.
         keep: buffers in each share's ring (2: double-buffered).
+        durable / durable_every: every ``durable_every``-th committed step, the snapshot
+            is handed to ``durable`` (a :class:`~.durable.DurableWriter`) to persist; the
+            ring gets one buffer more, so the one being persisted is never overwritten
+            and the newest commit still is not either.
     """
 
     def __init__(self, bus: BusThread, job_id: str, replica_id: str, node_id: str, *,
-                 every: int, keep: int = 2) -> None:
+                 every: int, keep: int = 2, durable: Any = None,
+                 durable_every: int = 0) -> None:
         self.bus, self.job_id, self.replica_id, self.node_id = bus, job_id, replica_id, node_id
-        self.every, self.keep = every, keep
+        self.every, self.durable, self.durable_every = every, durable, durable_every
+        self.keep = min(16, keep + 1) if durable is not None and durable_every else keep
         self._buffers: list[mmap.mmap] = []
+        self._paths: list[Path] = []
         self._reserved: tuple[int, int, int] | None = None  # shard, shards, bytes per buffer
         self._refused_in: int | None = None  # the generation whose reservation was refused
         self.last_copy_s = 0.0
@@ -155,11 +162,16 @@ class Snapshotter:
         if not fits and not self._reserve(rank, world_size, need + len(meta) + META_SLACK,
                                           generation):
             return None
-        headers = [_committed_in(b) for b in self._buffers]
-        buffer = self._buffers[snapshot_file.pick_buffer(headers)]
-        header = write_share(memoryview(buffer), state, meta, self.job_id, step, generation,
-                             rank, world_size)
+        pinned = None if self.durable is None else self.durable.busy_with
+        free = [i for i, path in enumerate(self._paths) if path != pinned]
+        at = free[snapshot_file.pick_buffer([_committed_in(self._buffers[i]) for i in free])]
+        header = write_share(memoryview(self._buffers[at]), state, meta, self.job_id, step,
+                             generation, rank, world_size)
         self.last_copy_s = time.perf_counter() - started
+        if self.durable_every and step % self.durable_every == 0 and self.durable is not None \
+                and not self.durable.submit(self._paths[at], header):
+            log.warning("durable step %d skipped: the previous one is still being written "
+                        "(raise checkpoint.durable_every_steps)", step)
         self.bus.publish(subjects.ckpt_snapshot(self.job_id), SnapshotRecord(
             job_id=self.job_id, step=step, shard=rank, num_shards=world_size,
             node_id=self.node_id, tier=SnapshotTier.LOCAL, nbytes=header.length,
@@ -181,7 +193,8 @@ class Snapshotter:
             return False
         for buffer in self._buffers:
             buffer.close()
-        self._buffers = [snapshot_file.open_buffer(Path(p)) for p in reply.paths]
+        self._paths = [Path(p) for p in reply.paths]
+        self._buffers = [snapshot_file.open_buffer(p) for p in self._paths]
         self._reserved = (shard, shards, nbytes)
         return True
 

@@ -166,9 +166,14 @@ def _record_row(record) -> dict:
 
 
 def cmd_submit(args: argparse.Namespace) -> int:
+    import msgspec
+
     from phalanx.services.client import load_job_spec, new_job_id
 
     spec = load_job_spec(args.file)
+    if args.resume:  # start from the newest durable step of an earlier job
+        spec = msgspec.structs.replace(spec, checkpoint=msgspec.structs.replace(
+            spec.checkpoint, resume_from=args.resume))
     job_id = args.job_id or new_job_id(spec.name)
     asyncio.run(_admit_job(args, job_id))
     record = asyncio.run(_with_client(args, lambda c: c.submit(spec, job_id)))
@@ -179,21 +184,57 @@ def cmd_submit(args: argparse.Namespace) -> int:
     return 0
 
 
+def _progress_fields(progress, record) -> dict:
+    """What health stored of a job's progress (``phalanx_progress``), as ``phalanx job``
+    shows it; the ETA only while it runs and the rate and total are known."""
+    if progress is None:
+        return {}
+    rate, total = progress.steps_per_s, progress.total_steps
+    eta = (total - progress.step) / rate if (rate and total and record.state.value == "admitted"
+                                             and total >= progress.step) else None
+    return {"step": progress.step, "total_steps": total,
+            "steps_per_s": None if rate is None else round(rate, 3),
+            "eta_s": None if eta is None else round(eta, 1),
+            "restarts": progress.restarts, "app_failures": progress.app_failures,
+            "progress_at": progress.updated_at}
+
+
+def _size(record, generation) -> int:
+    """The job's size now: its generation's world size under the runtime, else its
+    placement's replica count."""
+    if generation is not None and not record.state.terminal:
+        return generation.world_size
+    return len(record.nodes)
+
+
 def cmd_jobs(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.table import Table
 
-    records = asyncio.run(_with_client(args, lambda c: c.jobs()))
+    async def read(client):
+        return await asyncio.gather(client.jobs(), client.generations(), client.all_progress())
+
+    records, generations, progress = asyncio.run(_with_client(args, read))
+    rows = []
+    for r in records:
+        p = progress.get(r.job_id)
+        rows.append({**_record_row(r), "size": _size(r, generations.get(r.job_id)),
+                     "step": None if p is None else p.step,
+                     "total_steps": None if p is None else p.total_steps})
     if args.json:
-        print(json.dumps([_record_row(r) for r in records], indent=2))
+        print(json.dumps(rows, indent=2))
         return 0
     table = Table(title="phalanx jobs")
-    for column in ("job", "state", "team", "priority", "replicas x slots", "nodes", "why"):
+    for column in ("job", "state", "team", "priority", "size (min..max) x slots", "step",
+                   "nodes", "why"):
         table.add_column(column)
-    for r in records:
-        replicas = len(r.nodes) or r.spec.replicas.min
+    for r, row in zip(records, rows, strict=True):
+        replicas = r.spec.replicas
+        step = "-" if row["step"] is None else str(row["step"]) + (
+            f"/{row['total_steps']}" if row["total_steps"] else "")
         table.add_row(r.job_id, r.state.value, r.spec.team, r.spec.priority_class,
-                      f"{replicas} x {r.spec.slots_per_replica}",
+                      f"{row['size']} ({replicas.min}..{replicas.max}) x "
+                      f"{r.spec.slots_per_replica}", step,
                       ",".join(sorted(set(r.nodes))) or "-",
                       "" if r.state.value == "admitted" else r.reason_code.value)
     if any(r.state.value == "pending" for r in records):
@@ -204,9 +245,10 @@ def cmd_jobs(args: argparse.Namespace) -> int:
 
 def cmd_job(args: argparse.Namespace) -> int:
     async def read(client):
-        return await asyncio.gather(client.job(args.job), client.generation(args.job))
+        return await asyncio.gather(client.job(args.job), client.generation(args.job),
+                                    client.progress(args.job), client.history(args.job))
 
-    record, generation = asyncio.run(_with_client(args, read))
+    record, generation, progress, history = asyncio.run(_with_client(args, read))
     if record is None:
         print(f"phalanx job: no job {args.job!r}", file=sys.stderr)
         return EXIT_FAILED
@@ -220,11 +262,24 @@ def cmd_job(args: argparse.Namespace) -> int:
                    resume_step=generation.resume_step,
                    generation_reason=generation.reason.value, generation_cause=generation.cause,
                    members=[m.replica_id for m in generation.members])
+    row.update(_progress_fields(progress, record))
+    if history is not None:
+        row.update(replacements=history.replacements,
+                   history=[msgspec_to_builtins(g) for g in history.generations])
     if args.json:
         print(json.dumps(row, indent=2))
-    else:
-        for key, value in row.items():
-            print(f"{key:>18}: {value}")
+        return 0
+    generations = row.pop("history", [])
+    for key, value in row.items():
+        print(f"{key:>18}: {value}")
+    if generations:
+        print(f"{'history':>18}:")
+        start = generations[0]["decided_at"]
+        for g in generations:
+            pause = "" if g["pause_s"] is None else f", paused the survivors {g['pause_s']:.2f} s"
+            print(f"{'':>20}g{g['generation']} +{g['decided_at'] - start:.1f} s {g['reason']}: "
+                  f"{g['world_size']} rank(s), resume after step {g['resume_step']}{pause}"
+                  f" ({g['cause']})")
     return 0
 
 
@@ -356,17 +411,181 @@ def cmd_ckpt(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_logs(args: argparse.Namespace) -> int:
-    """Print (or follow) a job's rank logs from this machine's agents' work dirs."""
-    pattern = f"agents/*/jobs/{args.job}/rank-{'*' if args.rank is None else args.rank}.log"
-    paths = sorted(Path(args.data_dir).glob(pattern),
-                   key=lambda p: int(p.stem.removeprefix("rank-")))
-    if not paths:
-        print(f"phalanx logs: no logs for {args.job!r} under {args.data_dir} (logs stay on the "
-              "node that ran the rank)", file=sys.stderr)
+def cmd_ckpt_export(args: argparse.Namespace) -> int:
+    """``phalanx ckpt export JOB STEP DIR``: a durable step, checked, as a plain DCP dir."""
+    import fsspec
+
+    from phalanx.runtime import durable
+
+    source = args.source
+    if source is None:
+        record = asyncio.run(_with_client(args, lambda c: c.job(args.job)))
+        source = (record.spec.checkpoint.durable_url if record is not None else "") \
+            or str(Path(args.data_dir) / "checkpoints")
+    fs, root = fsspec.core.url_to_fs(source)
+    found = [c for c in durable.committed_steps(fs, f"{root.rstrip('/')}/{args.job}")
+             if c.step == args.step]
+    if not found:
+        print(f"phalanx ckpt: no committed durable step {args.step} of {args.job!r} under "
+              f"{source}", file=sys.stderr)
         return EXIT_FAILED
-    tail = ["tail", "-n", "+1", *(["-F"] if args.follow else []), *map(str, paths)]
-    return subprocess.call(tail)
+    try:
+        files = durable.export(fs, found[0], Path(args.dir))
+    except durable.DurableCorrupt as exc:
+        print(f"phalanx ckpt: {exc}", file=sys.stderr)
+        return EXIT_FAILED
+    print(f"exported step {args.step} of {args.job} to {args.dir} ({len(files)} files, "
+          "checked): load it with torch.distributed.checkpoint.load")
+    return 0
+
+
+def cmd_logs(args: argparse.Namespace) -> int:
+    """Print (or follow) a job's replica logs from this machine's agents' work dirs."""
+    data_dir = Path(args.data_dir)
+    replica = args.replica
+    if args.rank is not None:
+        members, where = asyncio.run(_with_client(args, lambda c: _members(c, args.job)))
+        replica = _replica_at_rank(data_dir, args.job, args.rank, members, where)
+        if replica is None:
+            return EXIT_FAILED
+    if args.follow:
+        return asyncio.run(_follow(args, data_dir, replica))
+    paths = _replica_logs(data_dir, args.job, replica)
+    if not paths:
+        what = f"replica {replica}" if replica else "any replica"
+        print(f"phalanx logs: no log of {what} of {args.job!r} under {data_dir} (logs stay "
+              "on the node that ran the replica)", file=sys.stderr)
+        return EXIT_FAILED
+    for path in paths:
+        if len(paths) > 1:
+            sys.stdout.write(f"==> {path.stem} on {path.parents[2].name} <==\n")
+        sys.stdout.flush()
+        sys.stdout.buffer.write(path.read_bytes())
+    sys.stdout.flush()
+    return 0
+
+
+def _replica_logs(data_dir: Path, job_id: str, replica: str | None) -> list[Path]:
+    """The log files of ``replica`` (every replica: None) of the job under ``data_dir``."""
+    return sorted(data_dir.glob(f"agents/*/jobs/{job_id}/{replica or '*'}.log"),
+                  key=_replica_order)
+
+
+def _replica_order(path: Path) -> tuple[int, int]:
+    """``r<slot>-<incarnation>.log`` in slot, then incarnation order."""
+    slot, _, incarnation = path.stem.removeprefix("r").partition("-")
+    return (int(slot), int(incarnation)) if slot.isdigit() and incarnation.isdigit() \
+        else (1 << 62, 0)
+
+
+async def _members(client, job_id: str) -> tuple[list[str] | None, str]:
+    """The replicas of the job's current generation by rank (its last one, once it ended),
+    and which generation that is; None for a job not under the runtime."""
+    generation = await client.generation(job_id)
+    if generation is not None:
+        return [m.replica_id for m in generation.members], f"generation {generation.generation}"
+    history = await client.history(job_id)
+    if history is not None and history.generations:
+        last = history.generations[-1]
+        return list(last.members), f"its last generation, {last.generation}"
+    return None, ""
+
+
+def _replica_at_rank(data_dir: Path, job_id: str, rank: int, members: list[str] | None,
+                     where: str) -> str | None:
+    """The replica that is ``rank`` in ``members``; in a job not under the runtime, the
+    latest replica in slot ``rank``. None (said why) when there is none."""
+    if members is not None:
+        if rank < len(members):
+            return members[rank]
+        print(f"phalanx logs: {job_id!r} has no rank {rank}: its world size is "
+              f"{len(members)} ({where})", file=sys.stderr)
+        return None
+    in_slot = sorted(data_dir.glob(f"agents/*/jobs/{job_id}/r{rank}-*.log"), key=_replica_order)
+    if not in_slot:
+        print(f"phalanx logs: no log of rank {rank} of {job_id!r} under {data_dir}",
+              file=sys.stderr)
+        return None
+    return in_slot[-1].stem
+
+
+class _Tail:
+    """``tail -F`` of one replica's log, each line prefixed with the replica when several
+    are followed; :meth:`finish` prints what the file holds beyond what tail passed on."""
+
+    def __init__(self, path: Path, label: str) -> None:
+        self.path, self.label, self.offset = path, label.encode(), 0
+
+    async def start(self) -> _Tail:
+        self.process = await asyncio.create_subprocess_exec(
+            "tail", "-n", "+1", "-F", str(self.path), stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL)
+        self.reader = asyncio.create_task(self._read())
+        return self
+
+    async def _read(self) -> None:
+        assert self.process.stdout is not None
+        while line := await self.process.stdout.readline():
+            self.offset += len(line)
+            self._write(line)
+
+    def _write(self, data: bytes) -> None:
+        sys.stdout.buffer.write(self.label + data)
+        sys.stdout.buffer.flush()
+
+    async def finish(self) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            self.process.terminate()
+        await self.reader
+        await self.process.wait()
+        with contextlib.suppress(OSError), self.path.open("rb") as f:
+            f.seek(self.offset)
+            rest = f.read()
+            for line in rest.splitlines(keepends=True):
+                self._write(line)
+
+
+async def _follow(args: argparse.Namespace, data_dir: Path, replica: str | None) -> int:
+    """Follow ``replica``'s log (None: every replica's, also those the job starts from now
+    on) until the job's record says it ended."""
+    from phalanx.bus.client import Bus
+    from phalanx.bus.kv import TypedKV
+    from phalanx.schemas import subjects
+    from phalanx.schemas.messages import JobRecord, RankStarted
+    from phalanx.services.agent.ranks import replica_log
+
+    job_id, everyone = args.job, replica is None
+    tails: dict[Path, _Tail] = {}
+
+    async def follow(path: Path) -> None:
+        if path not in tails:
+            tails[path] = await _Tail(path, f"{path.stem} | " if everyone else "").start()
+
+    async def started(message: RankStarted, _) -> None:
+        if message.replica_id is not None:
+            await follow(replica_log(data_dir / "agents" / message.node_id, job_id,
+                                     message.replica_id))
+
+    async with await Bus.connect(_bus_config(args), name="phalanx-cli") as bus:
+        jobs = await TypedKV.open(bus.js, subjects.JOBS_BUCKET, JobRecord)
+        if await jobs.get(job_id) is None:
+            print(f"phalanx logs: no job {job_id!r}", file=sys.stderr)
+            return EXIT_FAILED
+        if everyone:  # before the files are listed: no replica started meanwhile is missed
+            await bus.subscribe(subjects.rank_started(job_id), RankStarted, started)
+        for path in await asyncio.to_thread(_replica_logs, data_dir, job_id, replica):
+            await follow(path)
+        ended: JobRecord | None = None
+        async for change in jobs.watch():  # the record's changes, not a poll
+            if change is not None and change.key == job_id and (
+                    change.value is None or change.value.state.terminal):
+                ended = change.value
+                break
+        for tail in tails.values():
+            await tail.finish()
+    what = "deleted" if ended is None else f"{ended.state.value}: {ended.reason}"
+    print(f"=== phalanx: {job_id} {what}", file=sys.stderr)
+    return 0
 
 
 async def _agent_request(args: argparse.Namespace, node_id: str, request):
@@ -704,6 +923,9 @@ def build_parser() -> argparse.ArgumentParser:
     submit = sub.add_parser("submit", parents=[common], help="submit a job spec (YAML)")
     submit.add_argument("file")
     submit.add_argument("--job-id", help="job id (default: <name>-<random>)")
+    submit.add_argument("--resume", metavar="JOB",
+                        help="start from JOB's newest durable checkpoint (sets the spec's "
+                             "checkpoint.resume_from)")
     submit.add_argument("--json", action="store_true")
     submit.set_defaults(func=cmd_submit)
 
@@ -744,16 +966,30 @@ def build_parser() -> argparse.ArgumentParser:
     ckpt_ls.add_argument("job")
     ckpt_ls.add_argument("--json", action="store_true")
     ckpt.set_defaults(func=cmd_ckpt)
+    ckpt_export = ckpt_sub.add_parser("export", parents=[common],
+                                      help="write a durable step as a plain DCP checkpoint")
+    ckpt_export.add_argument("job")
+    ckpt_export.add_argument("step", type=int)
+    ckpt_export.add_argument("dir")
+    ckpt_export.add_argument("--from", dest="source", metavar="URL",
+                             help="the durable root the job wrote to (default: the job "
+                                  "spec's checkpoint.durable_url, else <data-dir>/checkpoints)")
+    ckpt_export.set_defaults(func=cmd_ckpt_export)
 
     elasticity = sub.add_parser("elasticity", parents=[common],
                                 help="run the elasticity service (generations of running jobs)")
     elasticity.add_argument("--instance", help="instance name (default: host-pid-random)")
     elasticity.set_defaults(func=cmd_elasticity)
 
-    logs = sub.add_parser("logs", parents=[common], help="a job's rank logs (local cluster)")
+    logs = sub.add_parser("logs", parents=[common],
+                          help="a job's replica logs (on this machine's agents)")
     logs.add_argument("job")
-    logs.add_argument("--rank", type=int)
-    logs.add_argument("-f", "--follow", action="store_true")
+    which = logs.add_mutually_exclusive_group()
+    which.add_argument("--rank", type=int, metavar="R",
+                       help="the replica that is rank R now (in the current generation)")
+    which.add_argument("--replica", metavar="ID", help="one replica, e.g. r1-0")
+    logs.add_argument("-f", "--follow", action="store_true",
+                      help="follow until the job ends (all replicas: new ones too)")
     logs.set_defaults(func=cmd_logs)
 
     chaos = sub.add_parser("chaos", help="inject faults through the agents")

@@ -53,6 +53,11 @@ class AgentConfig:
     snapshot_limit_bytes: int | None = None
     """The most snapshot memory this node holds; a reservation past it is refused.
     None: half the tmpfs."""
+    checkpoint_dir: str | None = None
+    """Where ranks persist durable checkpoints of a job whose spec names no
+    ``checkpoint.durable_url``. Default: ``checkpoints`` beside the ``agents`` directory
+    the work dir is in (``<data dir>/checkpoints``, shared by a local cluster's agents);
+    on several machines, a path every node shares."""
 
     def __post_init__(self) -> None:
         try:

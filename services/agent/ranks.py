@@ -16,7 +16,9 @@ A rank gets the environment a torchrun script expects (``RANK``,
 ``LOCAL_RANK``, ``WORLD_SIZE``, ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR``,
 ``MASTER_PORT``) plus ``PHALANX_*`` for the runtime, runs in its own session
 so a stop reaches its children too, and logs to
-``<work_dir>/jobs/<job>/rank-<r>.log``. Its exit is reported the moment the
+``<work_dir>/jobs/<job>/<replica>.log`` (one file per replica, so a
+replacement's output never runs on from its predecessor's; the agent writes a
+header line when it starts it). Its exit is reported the moment the
 event loop's child watcher sees it. A stop is SIGTERM to the process group,
 then SIGKILL after the job's grace period. A rank of an elastic job whose slot
 admission took away (a planned shrink) first gets to *leave*: the runtime
@@ -113,6 +115,11 @@ class Replaced:
     """Started now; False: it was launched here before (a repeated request)."""
 
 
+def replica_log(work_dir: Path, job_id: str, replica_id: str) -> Path:
+    """Where a node's agent (work dir ``work_dir``) keeps a replica's output."""
+    return work_dir / "jobs" / job_id / f"{replica_id}.log"
+
+
 def running_in_manifest(path: Path) -> list[dict]:
     """The running ranks a manifest records (empty if it cannot be read), for sweepers."""
     try:
@@ -160,6 +167,8 @@ class RankSet:
             ``OSError`` when the job has none: its ranks then fail to start.
         snapshot_dir: job id -> the directory of the node's snapshot store that its ranks
             read (``PHALANX_SNAPSHOT_DIR``, with the job's ``checkpoint`` policy).
+        checkpoint_dir: where ranks persist durable checkpoints when the job's spec names
+            no ``checkpoint.durable_url``.
     """
 
     def __init__(self, node_id: str, work_dir: Path, nats_url: str,
@@ -168,9 +177,11 @@ class RankSet:
                  capacity: int | None = None, replacement_nice: int = 0,
                  advertise_host: str | None = None,
                  bus_identity: Callable[[str], Mapping[str, str]] | None = None,
-                 snapshot_dir: Callable[[str], Path] | None = None) -> None:
+                 snapshot_dir: Callable[[str], Path] | None = None,
+                 checkpoint_dir: Path | None = None) -> None:
         self.node_id = node_id
         self.snapshot_dir = snapshot_dir
+        self.checkpoint_dir = checkpoint_dir
         self.advertise_host = advertise_host if advertise_host and resolves(advertise_host) \
             else None
         self.capacity = capacity
@@ -306,14 +317,19 @@ class RankSet:
         if nice is not None:
             env[priority.ENV] = str(self.nice)
         if self.snapshot_dir is not None and spec.checkpoint.memory_every_steps:
+            policy = spec.checkpoint
             env.update(PHALANX_SNAPSHOT_DIR=str(self.snapshot_dir(record.job_id)),
-                       PHALANX_CHECKPOINT_MEMORY_EVERY=str(spec.checkpoint.memory_every_steps),
-                       PHALANX_CHECKPOINT_MEMORY_KEEP=str(spec.checkpoint.memory_keep))
+                       PHALANX_CHECKPOINT_MEMORY_EVERY=str(policy.memory_every_steps),
+                       PHALANX_CHECKPOINT_MEMORY_KEEP=str(policy.memory_keep),
+                       PHALANX_CHECKPOINT_DURABLE_EVERY=str(policy.durable_every_steps),
+                       PHALANX_CHECKPOINT_DURABLE_KEEP=str(policy.durable_keep),
+                       PHALANX_CHECKPOINT_DURABLE_URL=policy.durable_url
+                       or str(self.checkpoint_dir),
+                       PHALANX_CHECKPOINT_RESUME_FROM=policy.resume_from or "")
         self.launched[(record.job_id, rank)] = (placement, replica_id)
-        log_path = self.log_path(record.job_id, rank)
+        log_path = self.log_path(record.job_id, replica_id)
         log_path.parent.mkdir(parents=True, exist_ok=True)
         with log_path.open("ab") as log_file:
-            # A replacement's output follows its predecessor's in the slot's file.
             log_file.write(f"=== phalanx: {replica_id} of {record.job_id} starting on "
                            f"{self.node_id} at {_utc_now()}: {_one_line(spec.command)}\n"
                            .encode())
@@ -381,18 +397,18 @@ class RankSet:
                             exit_code=exit_code, signal=signame, replica_id=entry.replica_id)
         if exited.failed:  # its last output says why (an exception's traceback)
             exited = msgspec.structs.replace(
-                exited, detail=self.last_output(entry.job_id, entry.rank))
+                exited, detail=self.last_output(entry.job_id, entry.replica_id))
         await self.report(exited)
 
-    def log_path(self, job_id: str, slot: int) -> Path:
-        """The file a slot's ranks write their output to, one after another."""
-        return self.work_dir / "jobs" / job_id / f"rank-{slot}.log"
+    def log_path(self, job_id: str, replica_id: str) -> Path:
+        """The file a replica writes its output to (``phalanx logs`` reads it)."""
+        return replica_log(self.work_dir, job_id, replica_id)
 
-    def last_output(self, job_id: str, slot: int, lines: int = 12) -> str:
-        """The last ``lines`` lines of a slot's output (an exception's traceback ends
+    def last_output(self, job_id: str, replica_id: str, lines: int = 12) -> str:
+        """The last ``lines`` lines of a replica's output (an exception's traceback ends
         there), at most :data:`DETAIL_CHARS` characters; empty if unreadable."""
         try:
-            with self.log_path(job_id, slot).open("rb") as f:
+            with self.log_path(job_id, replica_id).open("rb") as f:
                 f.seek(0, os.SEEK_END)
                 f.seek(max(0, f.tell() - 4 * DETAIL_CHARS))
                 tail = f.read().decode(errors="replace")

@@ -119,7 +119,10 @@ class AgentService(Service):
                              self._host_of, self._report, capacity=self.config.slots,
                              replacement_nice=self.config.replacement_nice,
                              advertise_host=self.info.host, bus_identity=self._rank_identity(),
-                             snapshot_dir=self.snapshots.job_dir)
+                             snapshot_dir=self.snapshots.job_dir,
+                             checkpoint_dir=Path(self.config.checkpoint_dir)
+                             if self.config.checkpoint_dir
+                             else self.work_dir.parent.parent / "checkpoints")
         await self.ranks.adopt()
         await self.bus.subscribe(subjects.job_states(), JobRecord, self.on_job_state)
         jobs = await TypedKV.open(self.bus.js, subjects.JOBS_BUCKET, JobRecord)
