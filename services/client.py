@@ -28,6 +28,8 @@ from phalanx.schemas.errors import PhalanxError
 from phalanx.schemas.messages import (
     Explanation,
     Generation,
+    JobHistory,
+    JobProgress,
     JobRecord,
     JobRequest,
     JobSpec,
@@ -128,7 +130,34 @@ class AdmissionClient:
         current, _ = await kv.current(job_id)
         return current
 
+    async def progress(self, job_id: str) -> JobProgress | None:
+        """How far the job has trained (step, rate, restarts), as health last stored it;
+        None before its ranks reported anything."""
+        return await _value(self.bus, subjects.PROGRESS_BUCKET, JobProgress, job_id)
+
+    async def history(self, job_id: str) -> JobHistory | None:
+        """The job's generations and their pauses, as elasticity last stored them; None
+        for a job that never ran under the runtime."""
+        return await _value(self.bus, subjects.HISTORY_BUCKET, JobHistory, job_id)
+
+    async def all_progress(self) -> dict[str, JobProgress]:
+        """Every stored job progress, by job id."""
+        kv = await TypedKV.open(self.bus.js, subjects.PROGRESS_BUCKET, JobProgress)
+        entries, _ = await kv.entries()
+        return {e.key: e.value for e in entries}
+
+    async def generations(self) -> dict[str, Generation]:
+        """Every running job's current generation, by job id."""
+        kv = await TypedKV.open(self.bus.js, subjects.GENERATIONS_BUCKET, Generation)
+        entries, _ = await kv.entries()
+        return {e.key: e.value for e in entries}
+
     async def jobs(self) -> list[JobRecord]:
         """Every job record, oldest submission first."""
         entries, _ = await (await self._jobs_kv()).entries()
         return sorted((e.value for e in entries), key=lambda r: (r.submitted_at, r.job_id))
+
+
+async def _value(bus: Bus, bucket: str, message_type: type, key: str):
+    entry = await (await TypedKV.open(bus.js, bucket, message_type)).get(key)
+    return None if entry is None else entry.value

@@ -244,7 +244,7 @@ def test_compose_services_and_workers_train_a_job(tmp_path: Path) -> None:
             assert sorted(progress) == [0, 1, 2, 3]
             assert all(p.step == STEPS and p.final for p in progress.values()), progress
             logs = list((tmp_path / "containers").glob(
-                f"*/var-lib-phalanx/agents/*/jobs/{record.job_id}/rank-*.log"))
+                f"*/var-lib-phalanx/agents/*/jobs/{record.job_id}/r*-*.log"))
             assert len(logs) == 4, "each worker's ranks logged in its own data dir"
             for name in procs.running:
                 assert procs.alive(name), f"{name} died:\n{procs.logs()}"

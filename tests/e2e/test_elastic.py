@@ -30,12 +30,14 @@ from e2e_cli import next_of, phalanx
 
 from phalanx.bus.client import Bus, Delivery
 from phalanx.bus.config import BusConfig
+from phalanx.bus.kv import TypedKV
 from phalanx.runtime import record
 from phalanx.runtime.data import ElasticOrder
 from phalanx.schemas import subjects
 from phalanx.schemas.messages import (
     Generation,
     GenerationReason,
+    JobProgress,
     JobRecord,
     JobSpec,
     JobState,
@@ -188,17 +190,48 @@ async def progressed(watch: Watch, job_id: str, step: int) -> None:
 
 async def test_sigkill_one_of_four_then_a_replacement_joins_with_a_peers_state(
         cluster, data_dir: Path, reference: dict, tmp_path: Path) -> None:
-    data = cluster[0]
+    data, bus, _ = cluster
+    where = ("--data-dir", str(data))
+    joined: asyncio.Queue[Generation] = asyncio.Queue()
+    follower: list[subprocess.Popen] = []
+
+    def job(job_id: str) -> dict:
+        return json.loads(phalanx("job", job_id, "--json", *where).stdout)
 
     async def kill(job_id: str, watch: Watch) -> None:
+        await bus.subscribe(subjects.job_generation(job_id), Generation,
+                            lambda g, _: joined.put(g))
         await progressed(watch, job_id, 40)
-        phalanx("chaos", "kill-rank", job_id, "1", "--data-dir", str(data))
+        # Following every replica's log, as a user would, from before the fault.
+        follower.append(subprocess.Popen(
+            [sys.executable, "-m", "phalanx.services.cli", "logs", job_id, "-f", *where],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+        phalanx("chaos", "kill-rank", job_id, "1", *where)
         # What a user sees of the running job: its size, bounds and membership (before or
         # after the generation that drops the killed rank, whichever it is by now).
-        row = json.loads(phalanx("job", job_id, "--json", "--data-dir", str(data)).stdout)
+        row = job(job_id)
         assert (row["min"], row["max"], row["restart_policy"]["max_restarts"]) == (2, 4, 16)
         assert (row["generation"], row["world_size"], row["members"]) in (
             (0, 4, ["r0-0", "r1-0", "r2-0", "r3-0"]), (1, 3, ["r0-0", "r2-0", "r3-0"])), row
+        # The replacement joins: generation 2. Once a step after it is stored by health,
+        # phalanx job says so, with the history and the restart it cost.
+        await next_of(joined, lambda g: g.reason is GenerationReason.JOIN, 120)
+        join_step = (await next_of(watch.progress, lambda p: p.job_id == job_id
+                                   and p.generation == 2, 120)).step
+        await stored_progress(bus, job_id, join_step)
+        row = job(job_id)
+        assert (row["state"], row["generation"], row["world_size"]) == ("admitted", 2, 4), row
+        assert row["members"] == ["r0-0", "r2-0", "r3-0", "r1-1"]
+        assert join_step <= row["step"] < STEPS and row["total_steps"] == STEPS, row
+        assert row["restarts"] == 1 and row["replacements"] == 1, row
+        assert row["steps_per_s"] > 0 and row["eta_s"] > 0, row
+        assert [(g["generation"], g["reason"], g["world_size"]) for g in row["history"]] == [
+            (0, "start", 4), (1, "fault", 3), (2, "join", 4)], row["history"]
+        assert row["history"][1]["pause_s"] >= 0, row["history"]  # the survivors reported it
+        assert "r1-0" in row["history"][1]["cause"]
+        sizes = {r["job_id"]: (r["size"], r["step"]) for r in json.loads(
+            phalanx("jobs", "--json", *where).stdout)}
+        assert sizes[job_id][0] == 4 and sizes[job_id][1] >= join_step
 
     rec, generations = await run_job(cluster, data_dir, tmp_path, "kill", kill)
     reasons = [(g.reason, g.world_size) for g in generations]
@@ -211,6 +244,34 @@ async def test_sigkill_one_of_four_then_a_replacement_joins_with_a_peers_state(
     assert any(line["kind"] == "commit" for line in joiner)
     check_run(rec, tmp_path / "final.pt", reference)
     check_one_trace(data, generations[1])
+    # Ended: the last record says where it ended, and logs -f ended with the job.
+    row = job("kill-1")
+    assert (row["state"], row["step"], row["restarts"]) == ("finished", STEPS, 1), row
+    assert row["reason"] == f"training completed at step {STEPS}"
+    out, err = follower[0].communicate(timeout=60)
+    assert follower[0].returncode == 0, err
+    assert "=== phalanx: kill-1 finished: training completed" in err
+    assert "r1-1 | === phalanx: generation 2 (join: joined r1-1): r1-1 is rank 3 of 4" in out
+    assert "r0-0 | === phalanx: generation 1 (fault: dropped r1-0" in out
+    # One file per replica: rank 3 is the replacement now, r1-0's file is r1-0's alone.
+    rank3 = phalanx("logs", "kill-1", "--rank", "3", *where).stdout
+    assert rank3.startswith("=== phalanx: r1-1 of kill-1 starting on"), rank3[:200]
+    assert "r1-1 is rank 3 of 4" in rank3
+    killed = phalanx("logs", "kill-1", "--replica", "r1-0", *where).stdout
+    assert "r1-0 is rank 1 of 4" in killed and "r1-1" not in killed
+
+
+async def stored_progress(bus: Bus, job_id: str, step: int) -> None:
+    """Once health has stored the job's progress at ``step`` or later (watching the bucket)."""
+    kv = await TypedKV.open(bus.js, subjects.PROGRESS_BUCKET, JobProgress)
+
+    async def reached() -> None:
+        async for change in kv.watch():
+            if change is not None and change.key == job_id and change.value is not None \
+                    and change.value.step >= step:
+                return
+
+    await asyncio.wait_for(reached(), 60)
 
 
 def spans_in(path: Path) -> list[dict]:

@@ -65,8 +65,9 @@ async def run_in_slot(tmp_path: Path, how: str, nice: int = 0, child: str = CHIL
                    replicas=ReplicaRange(min=1, max=1), command=[sys.executable, "-c", child])
     record = JobRecord(job_id="p1", spec=spec, state=JobState.ADMITTED, submitted_at=1.0,
                        updated_at=1.0, reason_code=ReasonCode.ADMITTED, nodes=["n1"])
+    replica = "r0-1" if how == "replacement" else "r0-0"
     if how == "replacement":
-        await ranks.replace(record, 0, "r0-1")
+        await ranks.replace(record, 0, replica)
     else:  # a job with a generation is elastic: its new slots join running survivors
         await ranks.reconcile(record, elastic=how == "grown")
     try:
@@ -74,7 +75,7 @@ async def run_in_slot(tmp_path: Path, how: str, nice: int = 0, child: str = CHIL
     finally:
         await ranks.stop_all()  # a child that hangs is not left behind
     assert end.exit_code == 0
-    output = (tmp_path / "jobs" / "p1" / "rank-0.log").read_text().splitlines()
+    output = (tmp_path / "jobs" / "p1" / f"{replica}.log").read_text().splitlines()
     return "\n".join(line for line in output if not line.startswith("=== phalanx:")).strip()
 
 
