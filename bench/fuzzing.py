@@ -94,6 +94,7 @@ from phalanx.schemas.messages import (
     ReplicaRange,
     ReplicaReady,
     RequeueRequest,
+    ScaleRequest,
     StopReplica,
     StreamCursor,
     SubmitRequest,
@@ -450,7 +451,7 @@ def targets(world: World) -> list[Target]:
         return lambda _rng: address
 
     adm_endpoint = {verb: (lambda s, verb=verb: [s.admission._counters[verb]])
-                    for verb in ("submit", "cancel", "requeue", "explain")}
+                    for verb in ("submit", "cancel", "requeue", "explain", "scale")}
     agent_endpoint = {name: (lambda s, name=name: [s.agent._counters[name]])
                       for name in ("status", "chaos", "launch", "stop")}
 
@@ -464,11 +465,12 @@ def targets(world: World) -> list[Target]:
         *(Target(f"admission.{verb}", Via.REQUEST, t, fixed(subjects.admission(verb)),
                  adm_endpoint[verb])
           for verb, t in (("submit", SubmitRequest), ("cancel", JobRequest),
-                          ("requeue", RequeueRequest), ("explain", JobRequest))),
+                          ("requeue", RequeueRequest), ("explain", JobRequest),
+                          ("scale", ScaleRequest))),
         *(Target(f"admission.leader.{verb}", Via.REQUEST, t,
                  fixed(subjects.admission_leader(verb)), bus_of("admission"))
           for verb, t in (("submit", SubmitRequest), ("cancel", JobRequest),
-                          ("explain", JobRequest))),
+                          ("explain", JobRequest), ("scale", ScaleRequest))),
         Target("health.rank_progress", Via.PUBLISH, RankProgress,
                lambda rng: subjects.health_rank(job(rng), rng.randrange(4)), bus_of("health")),
         Target("health.heartbeat", Via.PUBLISH, NodeHeartbeat,

@@ -270,7 +270,36 @@ class ReasonCode(enum.StrEnum):
     LAUNCH_FAILED = "launch_failed"  # the command could not be started
     RESTARTS_EXHAUSTED = "restarts_exhausted"  # a failure after max_restarts replacements
     RESTART_RATE = "restart_rate"  # more than max_restarts_in_window within window_s
-    SCALED = "scaled"  # an operator pinned its size (phalanx scale)
+    SCALED = "scaled"  # an operator pinned its size, or a growth was abandoned at its deadline
+
+
+class ScalingEventKind(enum.StrEnum):
+    """What happened to an elastic job's size (:class:`ScalingEvent`)."""
+
+    GROW = "grow"  # admission gave it replicas
+    SHRINK = "shrink"  # admission took replicas (preemption, reclaim, a pin, a node lost)
+    PIN = "pin"  # an operator pinned its size (phalanx scale --replicas)
+    RELEASE = "release"  # an operator released the pin (phalanx scale --auto)
+    DONE = "done"  # a planned change is complete: the runtime runs at its size
+    TIMEOUT = "timeout"  # a planned change was not complete by its deadline: abandoned
+
+
+class ScalingChange(Part):
+    """A planned size change in progress (``JobRecord.scaling_change``): from
+    ``from_replicas`` to ``to_replicas``, begun at ``started_at`` for ``reason``; abandoned
+    if the job's runtime does not run at the new size by ``deadline``
+    (``scaling.scaling_timeout_s`` later)."""
+
+    kind: ScalingEventKind
+    from_replicas: SlotCount
+    to_replicas: SlotCount
+    reason: str
+    started_at: NonNegFloat
+    deadline: NonNegFloat
+
+    def __post_init__(self) -> None:
+        if self.kind not in (ScalingEventKind.GROW, ScalingEventKind.SHRINK):
+            raise ValueError(f"a scaling change grows or shrinks, not {self.kind.value!r}")
 
 
 class JobRecord(Message, tag="phalanx.job_record.v1"):
@@ -284,7 +313,8 @@ class JobRecord(Message, tag="phalanx.job_record.v1"):
     stay. ``next_slot`` is the lowest number this admission never used: a job
     growing back after a shrink gets new numbers, so a replica id (``r<slot>-<n>``)
     never names two processes. ``pinned_replicas`` is the size an operator pinned an
-    elastic job to (``phalanx scale``); None: admission sizes it.
+    elastic job to (``phalanx scale``); None: admission sizes it. ``scaling_change`` is
+    the planned size change in progress, if any.
     """
 
     job_id: Ident
@@ -298,6 +328,7 @@ class JobRecord(Message, tag="phalanx.job_record.v1"):
     slots: list[NonNegInt] = []
     next_slot: NonNegInt = 0
     pinned_replicas: SlotCount | None = None
+    scaling_change: ScalingChange | None = None
 
     def __post_init__(self) -> None:
         if self.state is JobState.ADMITTED and not self.nodes:
@@ -335,6 +366,34 @@ class RequeueRequest(Message, tag="phalanx.requeue_request.v1"):
 
     job_id: Ident
     reason: str
+
+
+class ScaleRequest(Message, tag="phalanx.scale_request.v1"):
+    """An operator pins an elastic job to ``replicas`` (``phalanx scale JOB --replicas N``):
+    one of its allowed sizes; None releases the pin (``--auto``: admission sizes it)."""
+
+    job_id: Ident
+    replicas: SlotCount | None = None
+
+
+class ScalingEvent(Message, tag="phalanx.scaling_event.v1"):
+    """A change of an elastic job's size, announced by the admission leader on
+    ``phalanx.job.<job>.scaling`` once the job record says it.
+
+    ``from_replicas``/``to_replicas`` are the placement's sizes before and after (for a
+    pin, the size pinned; for a release, the size it runs at; for done and timeout,
+    the planned change's). ``deadline`` is when a planned change is abandoned (None: the
+    change is not tracked — a node lost, or a job whose runtime never reported a
+    membership).
+    """
+
+    job_id: Ident
+    kind: ScalingEventKind
+    from_replicas: NonNegInt
+    to_replicas: NonNegInt
+    reason: str
+    at: NonNegFloat
+    deadline: NonNegFloat | None = None
 
 
 class Explanation(Message, tag="phalanx.explanation.v1"):
@@ -822,6 +881,8 @@ ALL_MESSAGES: tuple[type[Message], ...] = (
     SubmitRequest,
     JobRequest,
     RequeueRequest,
+    ScaleRequest,
+    ScalingEvent,
     Explanation,
     AllocationLedger,
     Lease,

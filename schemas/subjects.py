@@ -68,6 +68,10 @@ def admission_explain() -> str:
     return admission("explain")
 
 
+def admission_scale() -> str:
+    return admission("scale")
+
+
 def admission(verb: str) -> str:
     """Admission's public endpoint for ``verb`` (``submit``, ``cancel``, ...)."""
     return f"{PREFIX}.admission.{token(verb, 'verb')}"
@@ -113,6 +117,11 @@ def rank_started(job_id: str) -> str:
 
 def rank_exited(job_id: str) -> str:
     return _job(job_id, "exited")
+
+
+def job_scaling(job_id: str) -> str:
+    """Where admission announces the job's scaling events (grow, shrink, pin, ...)."""
+    return _job(job_id, "scaling")
 
 
 def jobs_all() -> str:

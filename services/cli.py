@@ -266,10 +266,12 @@ def cmd_job(args: argparse.Namespace) -> int:
     if history is not None:
         row.update(replacements=history.replacements,
                    history=[msgspec_to_builtins(g) for g in history.generations])
+    row.update(_scaling_fields(record))
     if args.json:
         print(json.dumps(row, indent=2))
         return 0
     generations = row.pop("history", [])
+    _print_scaling(row.pop("scaling", None), time.time())
     for key, value in row.items():
         print(f"{key:>18}: {value}")
     if generations:
@@ -280,6 +282,60 @@ def cmd_job(args: argparse.Namespace) -> int:
             print(f"{'':>20}g{g['generation']} +{g['decided_at'] - start:.1f} s {g['reason']}: "
                   f"{g['world_size']} rank(s), resume after step {g['resume_step']}{pause}"
                   f" ({g['cause']})")
+    return 0
+
+
+def _scaling_fields(record) -> dict:
+    """An elastic job's scaling rules in force, its pin and the planned size change in
+    progress (all from the job record), as ``phalanx job`` shows them; nothing for a
+    rigid job."""
+    from phalanx.services.admission.scaling import ScalingRules
+
+    spec = record.spec
+    if spec.replicas.min == spec.replicas.max:
+        return {}
+    change = record.scaling_change
+    return {"scaling": {
+        "sizes": list(ScalingRules.of(spec).sizes),
+        "scale_up_cooldown_s": spec.scaling.scale_up_cooldown_s,
+        "graceful_shutdown_timeout_s": spec.scaling.graceful_shutdown_timeout_s,
+        "scaling_timeout_s": spec.scaling.scaling_timeout_s,
+        "pinned_replicas": record.pinned_replicas,
+        "change": None if change is None or record.state.terminal
+        else msgspec_to_builtins(change)}}
+
+
+def _print_scaling(scaling: dict | None, now: float) -> None:
+    if scaling is None:
+        return
+    print(f"{'scaling':>18}: sizes {', '.join(map(str, scaling['sizes']))}; growth cooldown "
+          f"{scaling['scale_up_cooldown_s']:g} s; a leaver has "
+          f"{scaling['graceful_shutdown_timeout_s']:g} s; a change "
+          f"{scaling['scaling_timeout_s']:g} s")
+    pinned = scaling["pinned_replicas"]
+    print(f"{'pinned':>18}: " + ("no (admission sizes it; phalanx scale JOB --replicas N pins)"
+                                 if pinned is None else f"{pinned} replica(s)"))
+    change = scaling["change"]
+    if change is not None:
+        verb = "growing" if change["kind"] == "grow" else "shrinking"
+        left = change["deadline"] - now
+        print(f"{'scaling now':>18}: {verb} {change['from_replicas']} -> "
+              f"{change['to_replicas']} ({change['reason']}); abandoned in {left:.0f} s "
+              f"unless done (at {time.strftime('%H:%M:%S', time.localtime(change['deadline']))})")
+
+
+def cmd_scale(args: argparse.Namespace) -> int:
+    replicas = None if args.auto else args.replicas
+    if replicas is not None and replicas < 1:
+        print(f"phalanx scale: --replicas must be at least 1, got {replicas}", file=sys.stderr)
+        return EXIT_USAGE
+    record = asyncio.run(_with_client(args, lambda c: c.scale(args.job, replicas)))
+    if replicas is None:
+        print(f"{record.job_id}: pin released; admission sizes it "
+              f"({len(record.nodes)} replica(s) now)")
+    else:
+        print(f"{record.job_id}: pinned to {replicas} replica(s) ({len(record.nodes)} now; "
+              "growth waits for free slots, a shrink lets the leavers finish their step)")
     return 0
 
 
@@ -941,6 +997,16 @@ def build_parser() -> argparse.ArgumentParser:
         if name != "cancel":
             command.add_argument("--json", action="store_true")
         command.set_defaults(func=func)
+
+    scale = sub.add_parser("scale", parents=[common],
+                           help="pin an elastic job's size, or release the pin")
+    scale.add_argument("job")
+    size = scale.add_mutually_exclusive_group(required=True)
+    size.add_argument("--replicas", type=int, metavar="N",
+                      help="pin it to N replicas (one of its allowed sizes)")
+    size.add_argument("--auto", action="store_true",
+                      help="release the pin: admission sizes it again")
+    scale.set_defaults(func=cmd_scale)
 
     health = sub.add_parser("health", parents=[common, lost_after],
                             help="run the health service")

@@ -33,6 +33,7 @@ from phalanx.schemas.messages import (
     JobRecord,
     JobRequest,
     JobSpec,
+    ScaleRequest,
     SubmitRequest,
 )
 
@@ -115,6 +116,19 @@ class AdmissionClient:
 
     async def explain(self, job_id: str, *, retry_s: float = 10.0) -> Explanation:
         return await self._request("explain", JobRequest(job_id=job_id), Explanation, retry_s)
+
+    async def scale(self, job_id: str, replicas: int | None, *,
+                    retry_s: float = 30.0) -> JobRecord:
+        """Pin an elastic job to ``replicas`` (one of its allowed sizes), or release the
+        pin (None); returns its record with the pin. Growth to the pin waits for free
+        slots; a shrink is graceful (the leavers finish their step).
+
+        Raises:
+            RemoteError: refused (400 not an allowed size or a rigid job, 404 no such
+                job, 409 it has ended), with the reason.
+        """
+        return await self._request("scale", ScaleRequest(job_id=job_id, replicas=replicas),
+                                   JobRecord, retry_s)
 
     async def _jobs_kv(self) -> TypedKV[JobRecord]:
         return await TypedKV.open(self.bus.js, subjects.JOBS_BUCKET, JobRecord)

@@ -37,6 +37,11 @@ A *gang* is a job's set of data-parallel replicas; each replica needs
    its allowed sizes (:class:`ScalePinned`): it grows no further than the pin,
    and one above it shrinks to it at once (:class:`Shrink`); a pin of ``None``
    releases it. Preemption may still shrink a pinned gang below its pin.
+9. **Scaling events.** Every size change of a running gang, pin and release is
+   announced (:class:`~.changes.Announce`); a planned change is followed until
+   the job's runtime runs at its size (:class:`MembershipChanged`) or abandoned
+   at its ``scaling_timeout_s`` deadline, a growth then shrinking back
+   (:mod:`.changes`).
 7. **Timeouts.** A gang that waits in the queue longer than its
    ``schedule_timeout_s`` fails, with the reason it was waiting for; the wait
    starts at submission and again each time it is put back in the queue
@@ -58,7 +63,15 @@ import math
 import operator
 from collections.abc import Callable, Iterable, Iterator
 
-from phalanx.schemas.messages import JobSpec, JobState, ReasonCode
+from phalanx.schemas.messages import (
+    JobSpec,
+    JobState,
+    ReasonCode,
+    ScalingChange,
+    ScalingEventKind,
+)
+from phalanx.services.admission import changes
+from phalanx.services.admission.changes import Announce
 from phalanx.services.admission.policy import AdmissionPolicy, TeamQuota
 from phalanx.services.admission.scaling import ScalingRules
 
@@ -103,6 +116,7 @@ class JobSubmitted:
     submitted_at: float
     event_id: str = ""
     pinned_replicas: int | None = None  # an operator's pin, kept in the job record
+    change: ScalingChange | None = None  # a planned change in progress, kept there too
 
 
 @dataclasses.dataclass(frozen=True)
@@ -112,6 +126,16 @@ class ScalePinned:
 
     job_id: str
     replicas: int | None
+    event_id: str = ""
+
+
+@dataclasses.dataclass(frozen=True)
+class MembershipChanged:
+    """The job's runtime runs at ``world_size`` replicas now (elasticity published a
+    generation of that size; None: it has no generation, e.g. it stopped)."""
+
+    job_id: str
+    world_size: int | None
     event_id: str = ""
 
 
@@ -166,7 +190,7 @@ class NodeRemoved:
 
 
 Event = (JobSubmitted | JobCancelled | JobFinished | JobFailed | JobRequeued | NodeUpdated
-         | NodeRemoved | ScalePinned)
+         | NodeRemoved | ScalePinned | MembershipChanged)
 
 
 # --- decisions -----------------------------------------------------------------------------
@@ -219,7 +243,7 @@ class Grow:
     cause: str = ""
 
 
-Decision = Admit | Shrink | Grow | Evict | Fail
+Decision = Admit | Shrink | Grow | Evict | Fail | Announce
 
 
 def carry_slots(old_nodes: list[str], old_slots: list[int], new_nodes: list[str],
@@ -261,6 +285,8 @@ class Gang:
     deadline: float | None = None  # schedule timeout of the current wait
     pinned: int | None = None  # an operator's pin: grow no further, shrink to it
     changed_at: float = 0.0  # the last size change: growth waits out the cooldown from it
+    change: ScalingChange | None = None  # a planned size change in progress
+    world_size: int | None = None  # the size its runtime last reported (None: none yet)
     # Copied out of the spec once: the pass reads them for every gang it looks at.
     team: str = dataclasses.field(init=False)
     per_replica: int = dataclasses.field(init=False)
@@ -350,6 +376,7 @@ class AdmissionCore:
         self._short: dict[str, Gang] = {}  # running gangs holding less than their max
         self._regrown_at = -1  # the _version of the last growth attempt
         self._regrow_due = math.inf  # when a gang held back by its cooldown may grow
+        self._changing: dict[str, Gang] = {}  # gangs with a planned change in progress
         self._slots_by_weight: dict[int, int] = {}  # slots held by admitted gangs, per weight
         self._held: dict[str, dict[int, int]] = {}  # team -> weight -> slots held
         self._domain_cache: dict[tuple, int] = {}  # spread: matching domains per shape
@@ -417,6 +444,8 @@ class AdmissionCore:
                 return self._node_gone(event.node_id, event.event_id, now, remove=True)
             case ScalePinned():
                 return self._pinned(event, now)
+            case MembershipChanged():
+                return self._membership(event)
         raise TypeError(f"unknown event {event!r}")
 
     def pin_problem(self, job_id: str, replicas: int | None) -> str | None:
@@ -441,13 +470,70 @@ class AdmissionCore:
         gang.pinned = event.replicas
         self._track_elastic(gang)
         self._regrown_at = -1  # a released pin may let it grow now
-        if event.replicas is None or len(gang.nodes) <= event.replicas:
-            return []
+        size = len(gang.nodes)
+        decisions: list[Decision] = [
+            Announce(gang.job_id, ScalingEventKind.RELEASE, size, size,
+                     "pin released: admission sizes it", cause=event.event_id)
+            if event.replicas is None else
+            Announce(gang.job_id, ScalingEventKind.PIN, size, event.replicas,
+                     f"pinned to {event.replicas} replica(s)", cause=event.event_id)]
+        if event.replicas is None or size <= event.replicas:
+            return decisions
         self._release(gang, gang.nodes[event.replicas:])
         gang.changed_at = now
-        return [self._shrunk(gang, Reason(ReasonCode.SCALED,
-                                          f"pinned to {event.replicas} replica(s)"),
-                             event.event_id)]
+        reason = Reason(ReasonCode.SCALED, f"pinned to {event.replicas} replica(s)")
+        return [*decisions, self._shrunk(gang, reason, event.event_id),
+                *self._resized(gang, ScalingEventKind.SHRINK, size, reason, now,
+                               event.event_id)]
+
+    def _membership(self, event: MembershipChanged) -> list[Decision]:
+        gang = self.gangs.get(event.job_id)
+        if gang is None or gang.state is not JobState.ADMITTED:
+            return []
+        gang.world_size = event.world_size
+        change, announced = changes.applied(gang.job_id, gang.change, event.world_size,
+                                            event.event_id)
+        self._follow(gang, change)
+        return list(announced)
+
+    def _resized(self, gang: Gang, kind: ScalingEventKind, before: int, reason: Reason,
+                 now: float, cause: str, *, planned: bool = True) -> list[Decision]:
+        """``gang`` went from ``before`` replicas to its size now: announce it, and follow
+        it if planned (a later change replaces one in progress)."""
+        change, announced = changes.begin(
+            gang.job_id, kind, before, len(gang.nodes), reason.message, planned=planned,
+            world_size=gang.world_size, timeout_s=gang.spec.scaling.scaling_timeout_s,
+            now=now, cause=cause)
+        self._follow(gang, change)
+        return list(announced)
+
+    def _follow(self, gang: Gang, change: ScalingChange | None) -> None:
+        gang.change = change
+        if change is None:
+            self._changing.pop(gang.job_id, None)
+        else:
+            self._changing[gang.job_id] = gang
+
+    def _abandon_overdue(self, now: float) -> list[Decision]:
+        """Planned changes past their deadline: reported, and a growth shrinks back."""
+        decisions: list[Decision] = []
+        for gang in [g for g in self._changing.values() if changes.overdue(g.change, now)]:
+            change = gang.change
+            assert change is not None
+            timeout_s = gang.spec.scaling.scaling_timeout_s
+            announced = changes.abandoned(gang.job_id, change, timeout_s, "scaling-timeout")
+            decisions.append(announced)
+            self._follow(gang, None)
+            size = len(gang.nodes)
+            if change.kind is not ScalingEventKind.GROW or size <= change.from_replicas:
+                continue
+            self._release(gang, gang.nodes[change.from_replicas:])
+            gang.changed_at = now
+            reason = Reason(ReasonCode.SCALED, announced.reason)
+            decisions += [self._shrunk(gang, reason, "scaling-timeout"),
+                          *self._resized(gang, ScalingEventKind.SHRINK, size, reason, now,
+                                         "scaling-timeout")]
+        return decisions
 
     def _submitted(self, event: JobSubmitted) -> list[Decision]:
         if event.job_id in self.gangs:
@@ -484,6 +570,7 @@ class AdmissionCore:
                for node_id, slots in need.items()):
             self._admit(gang, list(nodes))
             gang.changed_at = now  # a new leader waits out a cooldown before growing it
+            self._follow(gang, event.change)  # done or abandoned as if it had not left
             return decisions
         gang.reason = Reason(ReasonCode.NODE_LOST, f"a node of its placement {sorted(need)} "
                                                    "is gone or full after a leader change")
@@ -563,11 +650,14 @@ class AdmissionCore:
         reason = Reason(ReasonCode.NODE_LOST, why)
         size = gang.rules.at_most(len(keep))
         if size is not None:
+            before = len(gang.nodes)
             self._release(gang, [n for n in gang.nodes if n == node.node_id])
             if len(gang.nodes) > size:  # also give back what an allowed size does not use
                 self._release(gang, gang.nodes[size:])
             gang.changed_at = now
-            return [self._shrunk(gang, reason, cause)]
+            return [self._shrunk(gang, reason, cause),
+                    *self._resized(gang, ScalingEventKind.SHRINK, before, reason, now, cause,
+                                   planned=False)]
         self._release(gang, list(gang.nodes))
         gang.state = JobState.PENDING
         gang.reason = reason
@@ -596,6 +686,8 @@ class AdmissionCore:
         self.pass_no += 1
         cause = f"pass-{self.pass_no}"
         decisions: list[Decision] = self.expire(now)
+        if self._changing:
+            decisions += self._abandon_overdue(now)
         reserved: dict[str, int] = {}
         reserved_total = 0
         holders: list[str] = []
@@ -725,6 +817,11 @@ class AdmissionCore:
                 gang.changed_at = now
                 self._admitted_reason(gang)
                 grown.append(Grow(gang.job_id, tuple(gang.nodes), cause))
+                why = "free slots" if gang.pinned is None else \
+                    f"free slots, toward its pin of {gang.pinned}"
+                grown += self._resized(gang, ScalingEventKind.GROW, before,
+                                       Reason(ReasonCode.ADMITTED, f"grew into {why}"), now,
+                                       cause)
         return grown
 
     def _reclaimers(self) -> set[str]:
@@ -990,8 +1087,11 @@ class AdmissionCore:
             reason = Reason(ReasonCode.PREEMPTED, why)
             victim.changed_at = now
             if len(victim.nodes) - count >= victim.smallest:
+                before = len(victim.nodes)
                 self._release(victim, victim.nodes[-count:])
                 decisions.append(self._shrunk(victim, reason, cause))
+                decisions += self._resized(victim, ScalingEventKind.SHRINK, before, reason,
+                                           now, cause)
             else:
                 self._release(victim, list(victim.nodes))
                 victim.state = JobState.PENDING
@@ -1057,6 +1157,8 @@ class AdmissionCore:
         if not gang.nodes:
             self.running.pop(gang.job_id, None)
             self._running_tw[gang.team][gang.weight].pop(gang.job_id, None)
+            self._follow(gang, None)  # evicted or ended: no change left to follow
+            gang.world_size = None
         self._track_elastic(gang)
 
     def _track_elastic(self, gang: Gang) -> None:
@@ -1211,6 +1313,9 @@ class AdmissionCore:
                                      if g.state is JobState.ADMITTED}, "running set drifted"
         assert set(self._short) == {j for j, g in self.running.items()
                                     if len(g.nodes) < g.cap}, "short set drifted"
+        assert set(self._changing) == {j for j, g in self.gangs.items()
+                                       if g.change is not None}, "changing set drifted"
+        assert set(self._changing) <= set(self.running), "a change of a gang not running"
         for team, slots in team_use.items():
             assert slots <= self._quota(team).ceiling, f"team {team} over quota"
             assert self.usage.get(team, 0) == slots, f"team {team} usage drifted"

@@ -1,7 +1,7 @@
 """The admission service's shell: leader lease, KV state, requests, persistence.
 
 Any number of instances run. Each answers ``submit``/``cancel``/``requeue``/
-``explain`` on the public subjects and forwards the request to the leader's
+``explain``/``scale`` on the public subjects and forwards the request to the leader's
 subject for that verb, so clients never need to know who leads. One instance
 at a time leads: it holds the ``leader`` lease in the ``phalanx_admission``
 bucket (compare-and-swap renewed every ``lease_s / 3``; a crashed leader is
@@ -13,9 +13,12 @@ allocation ledger, the node registry and the job records — then watches the
 jobs and nodes buckets and runs the core on each batch of events. After a
 batch it writes, in this order: the ledger (one CAS: every placement change
 of the batch at once), then the changed job records, then a state event per
-changed job. A restarted leader therefore recovers from any crash point: a
-job in the ledger is admitted, a terminal record (cancelled, failed,
-finished) is final, everything else is pending. A ledger CAS that fails means
+changed job and the scaling events (:class:`~phalanx.schemas.messages.ScalingEvent` on
+``phalanx.job.<job>.scaling``, each in a span). The leader also follows the generations
+bucket: a job's world size there completes its planned size change. A
+restarted leader therefore recovers from any crash point: a job in the ledger
+is admitted, a terminal record (cancelled, failed, finished) is final,
+everything else is pending. A ledger CAS that fails means
 another instance wrote it: this one steps down rather than guess.
 
 A node is judged lost only on silence the leader could have heard: nothing
@@ -36,6 +39,7 @@ import uuid
 
 import msgspec
 
+from phalanx.bus import telemetry
 from phalanx.bus.client import Delivery
 from phalanx.bus.config import BusConfig
 from phalanx.bus.errors import Conflict, NoResponders, RemoteError, RequestRefused, RequestTimeout
@@ -45,6 +49,7 @@ from phalanx.schemas.messages import (
     Allocation,
     AllocationLedger,
     Explanation,
+    Generation,
     JobRecord,
     JobRequest,
     JobState,
@@ -53,9 +58,12 @@ from phalanx.schemas.messages import (
     NodeRecord,
     ReasonCode,
     RequeueRequest,
+    ScaleRequest,
+    ScalingEvent,
     SubmitRequest,
 )
 from phalanx.services.admission import core
+from phalanx.services.admission.changes import Announce
 from phalanx.services.admission.config import AdmissionConfig
 from phalanx.services.base import Service
 from phalanx.services.lease import Leadership, LeadershipLost
@@ -65,6 +73,11 @@ log = logging.getLogger("phalanx.admission")
 LEADER_KEY = "leader"
 LEDGER_KEY = "ledger"
 _TICK = object()  # scheduler wake-up for timeouts and node liveness
+#: The verbs every instance takes and the leader serves: request and reply types.
+VERBS: dict[str, tuple[type[Message], type[Message]]] = {
+    "submit": (SubmitRequest, JobRecord), "cancel": (JobRequest, JobRecord),
+    "requeue": (RequeueRequest, JobRecord), "explain": (JobRequest, Explanation),
+    "scale": (ScaleRequest, JobRecord)}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -104,7 +117,8 @@ class AdmissionService(Service):
         self.term: Term | None = None
         self.node_records: dict[str, NodeRecord] = {}
         self._handlers = {"submit": self._on_submit, "cancel": self._on_cancel,
-                          "requeue": self._on_requeue, "explain": self._on_explain}
+                          "requeue": self._on_requeue, "explain": self._on_explain,
+                          "scale": self._on_scale}
 
     @property
     def leading(self) -> bool:
@@ -119,10 +133,8 @@ class AdmissionService(Service):
         self.nodes = await TypedKV.open(js, subjects.NODES_BUCKET, NodeRecord)
         self.ledger = await TypedKV.open(js, subjects.ADMISSION_BUCKET, AllocationLedger)
         self.leases = TypedKV(self.ledger.kv, subjects.ADMISSION_BUCKET, Lease)
-        for verb, request_type, reply_type in (("submit", SubmitRequest, JobRecord),
-                                               ("cancel", JobRequest, JobRecord),
-                                               ("requeue", RequeueRequest, JobRecord),
-                                               ("explain", JobRequest, Explanation)):
+        self.generations = await TypedKV.open(js, subjects.GENERATIONS_BUCKET, Generation)
+        for verb, (request_type, reply_type) in VERBS.items():
             await self.add_endpoint(verb, subjects.admission(verb), request_type,
                                     self._forwarder(verb, reply_type), concurrent=True)
         self.leadership = Leadership(self.leases, LEADER_KEY, self.instance,
@@ -188,14 +200,14 @@ class AdmissionService(Service):
                                      concurrent=True)
             # Every verb a standby forwards (requeue too: elasticity's requeue reaching a
             # standby was forwarded to nobody, and the job was dropped).
-            for verb, request_type in (("submit", SubmitRequest), ("cancel", JobRequest),
-                                       ("requeue", RequeueRequest), ("explain", JobRequest))
+            for verb, (request_type, _) in VERBS.items()
         ]
         term.serving = True
         try:
             async with asyncio.TaskGroup() as tasks:
                 tasks.create_task(self._watch_jobs(term, job_changes))
                 tasks.create_task(self._watch_nodes(term))
+                tasks.create_task(self._watch_generations(term))
                 tasks.create_task(self._tick(term))
                 tasks.create_task(self._schedule(term, restored))
         finally:
@@ -226,7 +238,8 @@ class AdmissionService(Service):
                     team=record.spec.team, slots_per_replica=record.spec.slots_per_replica,
                     nodes=list(record.nodes))
             event = core.JobSubmitted(record.job_id, record.spec, record.submitted_at,
-                                      event_id="restore", pinned_replicas=record.pinned_replicas)
+                                      event_id="restore", pinned_replicas=record.pinned_replicas,
+                                      change=record.scaling_change)
             decisions += term.core.restore(event, list(allocation.nodes) if allocation else [],
                                            time.time())
             term.persisted[record.job_id] = (record.state, record.reason_code,
@@ -257,10 +270,12 @@ class AdmissionService(Service):
             await self._persist(term, decisions)
 
     async def _persist(self, term: Term, decisions: list[core.Decision | Reconciled]) -> None:
-        """Ledger first (one CAS), then changed job records, then state events."""
+        """Ledger first (one CAS), then changed job records, then state and scaling
+        events."""
         touched = {d.job_id for d in decisions}
+        placed = {d.job_id for d in decisions if not isinstance(d, Announce)}
         gangs = term.core.gangs
-        for job_id in touched:
+        for job_id in placed:
             gang = gangs[job_id]
             if gang.state is JobState.ADMITTED:
                 term.allocations[job_id] = Allocation(team=gang.team,
@@ -269,7 +284,7 @@ class AdmissionService(Service):
             else:
                 term.allocations.pop(job_id, None)
         now = time.time()
-        if touched:
+        if placed:
             ledger = AllocationLedger(allocations=term.allocations, updated_at=now)
             try:
                 term.ledger_revision = (
@@ -285,6 +300,28 @@ class AdmissionService(Service):
                 if persisted is None or persisted[1] is not gang.reason.code:
                     touched.add(gang.job_id)
         await asyncio.gather(*(self._write_record(term, gangs[j], now) for j in touched))
+        for decision in decisions:
+            if isinstance(decision, Announce):
+                await self._announce(decision, now)
+
+    async def _announce(self, announce: Announce, now: float) -> None:
+        """Publish a scaling event, in a span of its own (attributes name the job)."""
+        assert self.bus is not None
+        event = ScalingEvent(job_id=announce.job_id, kind=announce.kind,
+                             from_replicas=announce.from_replicas,
+                             to_replicas=announce.to_replicas, reason=announce.reason,
+                             at=now, deadline=announce.deadline)
+        with telemetry.tracer().start_as_current_span(
+                f"scaling {announce.kind.value}", attributes={
+                    "phalanx.job": announce.job_id, "phalanx.scaling.kind": announce.kind.value,
+                    "phalanx.scaling.from": announce.from_replicas,
+                    "phalanx.scaling.to": announce.to_replicas,
+                    "phalanx.scaling.reason": announce.reason,
+                    "phalanx.scaling.deadline": announce.deadline or 0.0}):
+            await self.bus.publish(subjects.job_scaling(announce.job_id), event)
+        log.info("scaling", extra={"job": announce.job_id, "kind": announce.kind.value,
+                                   "from": announce.from_replicas, "to": announce.to_replicas,
+                                   "reason": announce.reason})
 
     async def _write_record(self, term: Term, gang: core.Gang, now: float) -> None:
         assert self.bus is not None
@@ -309,6 +346,7 @@ class AdmissionService(Service):
                                            reason_code=reason.code, reason=reason.message,
                                            nodes=nodes, next_slot=next_slot,
                                            pinned_replicas=gang.pinned,
+                                           scaling_change=gang.change,
                                            slots=[] if slots == list(range(len(nodes))) else slots)
 
         entry = await self.jobs.modify(gang.job_id, change)
@@ -343,6 +381,16 @@ class AdmissionService(Service):
         elif record.state is JobState.FAILED:
             term.events.put_nowait(core.JobFailed(change.key, record.reason_code, record.reason,
                                                   event_id="watch"))
+
+    async def _watch_generations(self, term: Term) -> None:
+        """A job's world size, as elasticity publishes its generations: it completes the
+        job's planned size change."""
+        assert self.bus is not None
+        async for change in self.generations.follow(self.bus.resync_event()):
+            if change is not None:
+                size = None if change.value is None else change.value.world_size
+                term.events.put_nowait(core.MembershipChanged(change.key, size,
+                                                              event_id="generation"))
 
     async def _watch_nodes(self, term: Term) -> None:
         assert self.bus is not None
@@ -431,6 +479,31 @@ class AdmissionService(Service):
             raise RequestRefused("404", f"no job {request.job_id!r}")
         term.events.put_nowait(core.JobRequeued(request.job_id, request.reason,
                                                 event_id="requeue"))
+        return entry.value
+
+    async def _on_scale(self, term: Term, request: ScaleRequest) -> JobRecord:
+        """Pin a job's size (or release the pin): checked against its scaling rules, stored
+        in its record (a new leader keeps it), then applied by the next pass."""
+        gang = term.core.gangs.get(request.job_id)
+        if gang is None:
+            entry = await self.jobs.get(request.job_id)
+            if entry is None:
+                raise RequestRefused("404", f"no job {request.job_id!r}")
+            raise RequestRefused("409", f"{request.job_id} is {entry.value.state.value}: "
+                                        "nothing to scale")
+        problem = term.core.pin_problem(request.job_id, request.replicas)
+        if problem is not None:
+            raise RequestRefused("409" if gang.state.terminal else "400",
+                                 f"cannot scale {request.job_id}: {problem}")
+
+        def pin(current: JobRecord | None) -> JobRecord:
+            if current is None:
+                raise RequestRefused("404", f"no job {request.job_id!r}")
+            return msgspec.structs.replace(current, pinned_replicas=request.replicas)
+
+        entry = await self.jobs.modify(request.job_id, pin)
+        term.events.put_nowait(core.ScalePinned(request.job_id, request.replicas,
+                                                event_id="scale"))
         return entry.value
 
     async def _on_explain(self, term: Term, request: JobRequest) -> Explanation:

@@ -12,7 +12,7 @@ else. The rules:
 * A rank publishes only its own job's readiness, applied generations and
   progress, and hears only its own job's generations, faults and progress.
   It publishes no fault and no job record, and writes no KV entry.
-* Only the operator (cli) submits and cancels; only elasticity requeues,
+* Only the operator (cli) submits, cancels and scales; only elasticity requeues,
   launches and stops replicas; only health publishes faults; only admission
   and health publish job records (which agents act on) and write the jobs
   bucket, where submissions and cancellations are stored.
@@ -167,11 +167,13 @@ def permissions(role: Role, scope: str | None = None) -> Permissions:
     match role:
         case Role.ADMISSION:
             verbs = (s.admission_submit(), s.admission_cancel(), s.admission_requeue(),
-                     s.admission_explain())
+                     s.admission_explain(), s.admission_scale())
             g.sub(verbs, s.any_id(s.admission_leader)).pub(
-                s.any_id(s.admission_leader), s.any_id(s.job_state))
+                s.any_id(s.admission_leader), s.any_id(s.job_state), s.any_id(s.job_scaling))
             g.open_bucket(s.JOBS_BUCKET, ">").open_bucket(s.NODES_BUCKET)
             g.open_bucket(s.ADMISSION_BUCKET, ">")
+            # A job's world size completes its planned size change.
+            g.open_bucket(s.GENERATIONS_BUCKET)
         case Role.HEALTH | Role.ELASTICITY:
             # The lease and the stream cursor are each under the service's own key.
             g.open_bucket(s.LEASES_BUCKET, role.value).open_bucket(s.CURSORS_BUCKET, role.value)
@@ -211,8 +213,8 @@ def permissions(role: Role, scope: str | None = None) -> Permissions:
         case Role.CLI:
             g.sub(s.everything())
             g.pub(s.admission_submit(), s.admission_cancel(), s.admission_explain(),
-                  s.any_id(s.agent_chaos), s.any_id(s.agent_status), s.any_id(s.node_condition),
-                  s.service_api_requests())
+                  s.admission_scale(), s.any_id(s.agent_chaos), s.any_id(s.agent_status),
+                  s.any_id(s.node_condition), s.service_api_requests())
             g.open_bucket(s.NODES_BUCKET, ">").open_bucket(s.JOBS_BUCKET)
             # phalanx job shows the current membership, the history and the progress
             g.read_bucket(s.GENERATIONS_BUCKET).read_bucket(s.HISTORY_BUCKET)

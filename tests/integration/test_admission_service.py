@@ -33,6 +33,10 @@ from phalanx.schemas.messages import (
     ReasonCode,
     ReplicaRange,
     RequeueRequest,
+    ScaleRequest,
+    ScalingEvent,
+    ScalingEventKind,
+    ScalingPolicy,
 )
 from phalanx.services.admission.config import AdmissionConfig
 from phalanx.services.admission.service import AdmissionService
@@ -220,7 +224,7 @@ async def test_garbage_on_every_admission_subject(config: BusConfig, client_bus:
     try:
         with pytest.raises(RemoteError, match="404"):  # answered by the leader: it leads
             await AdmissionClient(client_bus).explain("probe")
-        for verb in ("submit", "cancel", "explain"):
+        for verb in ("submit", "cancel", "explain", "scale"):
             for subject in (f"phalanx.admission.{verb}", subjects.admission_leader(verb)):
                 reply = await client_bus.nc.request(subject, b"\x00garbage", timeout=5)
                 with pytest.raises(RemoteError) as err:
@@ -272,6 +276,81 @@ async def test_a_requeue_forwarded_by_a_standby_is_served_by_the_leader(
             await instance.stop()
         for agent_service in (first, second):
             await agent_service.stop()
+
+
+async def test_scale_pins_and_releases_through_the_leader_with_clear_refusals(
+        config: BusConfig, client_bus: Bus) -> None:
+    """``scale`` is served like the other verbs: by the leader on its subject (where a
+    standby forwards it) and on the public one; a pin shrinks at once, a release lets the
+    job grow back, each announced on ``phalanx.job.<job>.scaling``; a size its rules do
+    not allow, a rigid job, an unknown one and a bad request are refused, saying why."""
+    node = AgentService(AgentConfig(node_id="node-0", slots=4, heartbeat_interval_s=0.2,
+                                    launch=False), config)
+    await node.start()
+    instances = [AdmissionService(AdmissionConfig(lease_s=1.0), config, instance=name)
+                 for name in ("a0", "a1")]
+    for instance in instances:
+        await instance.start()
+    client = AdmissionClient(client_bus)
+    events: asyncio.Queue[ScalingEvent] = asyncio.Queue()
+
+    async def on_event(event: ScalingEvent, _: Delivery) -> None:
+        await events.put(event)
+
+    async def next_event() -> tuple[ScalingEventKind, int, int]:
+        event = await asyncio.wait_for(events.get(), 20)
+        return event.kind, event.from_replicas, event.to_replicas
+
+    await client_bus.subscribe(subjects.job_scaling("el-1"), ScalingEvent, on_event)
+    try:
+        await client.submit(JobSpec(
+            name="el", team="t", priority_class="normal", replicas=ReplicaRange(min=1, max=4),
+            scaling=ScalingPolicy(replica_discrete_values=[1, 2, 4]), command=["true"]), "el-1")
+        await wait_record(client_bus, "el-1", lambda r: len(r.nodes) == 4)
+        await client.submit(spec("rigid", 1), "rigid-1")  # waits: it may not preempt
+        with pytest.raises(RemoteError) as rigid:
+            await client.scale("rigid-1", 1)
+        assert rigid.value.code == "400" and "rigid-1 is rigid: it runs 1 replica(s)" in \
+            rigid.value.description
+        await client.cancel("rigid-1")
+        with pytest.raises(RemoteError) as ended:
+            await client.scale("rigid-1", None)
+        assert ended.value.code == "409" and "cancelled" in ended.value.description
+
+        pinned = await client.scale("el-1", 2)
+        assert pinned.pinned_replicas == 2
+        shrunk = await wait_record(client_bus, "el-1", lambda r: len(r.nodes) == 2)
+        assert shrunk.reason_code is ReasonCode.SCALED and shrunk.pinned_replicas == 2
+        assert await next_event() == (ScalingEventKind.PIN, 4, 2)
+        assert await next_event() == (ScalingEventKind.SHRINK, 4, 2)
+
+        for job_id, replicas, code, says in (
+                ("el-1", 3, "400", "3 replica(s) is not an allowed size of this job; "
+                                   "allowed: 1, 2, 4"),
+                ("el-1", 8, "400", "not an allowed size"),
+                ("nope", 1, "404", "no job 'nope'")):
+            with pytest.raises(RemoteError) as refused:
+                await client.scale(job_id, replicas)
+            assert refused.value.code == code and says in refused.value.description, \
+                refused.value
+        with pytest.raises(RemoteError) as bad:  # below 1: the wire type refuses it
+            await client_bus.request(subjects.admission_scale(),
+                                     ScaleRequest(job_id="el-1", replicas=0), JobRecord)
+        assert bad.value.code == "400" and "replicas" in bad.value.description
+
+        # As a standby forwards it: on the leader's subject. The release lets it grow
+        # back into the 2 slots it gave up.
+        released = await client_bus.request(subjects.admission_leader("scale"),
+                                            ScaleRequest(job_id="el-1"), JobRecord)
+        assert released.pinned_replicas is None
+        assert await next_event() == (ScalingEventKind.RELEASE, 2, 2)
+        grown = await wait_record(client_bus, "el-1", lambda r: len(r.nodes) == 4)
+        assert grown.pinned_replicas is None
+        assert await next_event() == (ScalingEventKind.GROW, 2, 4)
+    finally:
+        for instance in instances:
+            await instance.stop()
+        await node.stop()
 
 
 def _spawn_admission(url: str, instance: str) -> asyncio.subprocess.Process:

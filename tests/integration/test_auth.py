@@ -26,7 +26,7 @@ import pytest
 
 from phalanx.bus.client import Bus
 from phalanx.bus.config import BusConfig
-from phalanx.bus.errors import PermissionDenied
+from phalanx.bus.errors import PermissionDenied, RemoteError
 from phalanx.bus.kv import TypedKV
 from phalanx.bus.stream import ensure_job_events
 from phalanx.schemas import subjects
@@ -338,6 +338,11 @@ async def test_a_viewer_reads_but_cannot_submit_or_cancel(connect: Connect) -> N
         await viewer.cancel("job-view")
     with pytest.raises(PermissionDenied):
         await viewer.submit(job_spec("auth"), "job-c")
+    with pytest.raises(PermissionDenied):
+        await viewer.scale("job-view", 1)
+    # The operator may scale: admission answers (and refuses a rigid job by its rules).
+    with pytest.raises(RemoteError, match="rigid"):
+        await cli.scale("job-view", 1)
     # Nor around admission, straight into the jobs bucket where cancellations are stored.
     key = subjects.kv_key(subjects.JOBS_BUCKET, "job-view")
     await assert_refused(viewer_bus, key, forge(viewer_bus, key))

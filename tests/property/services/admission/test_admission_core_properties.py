@@ -24,7 +24,15 @@ from collections import Counter
 from hypothesis import Phase, example, given, settings
 from hypothesis import strategies as st
 
-from phalanx.schemas.messages import JobSpec, JobState, Placement, ReasonCode, ReplicaRange
+from phalanx.schemas.messages import (
+    JobSpec,
+    JobState,
+    Placement,
+    ReasonCode,
+    ReplicaRange,
+    ScalingEventKind,
+)
+from phalanx.services.admission.changes import Announce
 from phalanx.services.admission.core import (
     AdmissionCore,
     Admit,
@@ -264,6 +272,10 @@ class Run:
                 assert len(d.nodes) <= spec.replicas.max, f"Grow above max: {d}"
                 self.check_new_placement(d.job_id, tuple((after - before).elements()))
                 self.ledger[d.job_id] = d.nodes
+            elif isinstance(d, Announce):
+                # A size change is announced right after the decision that made it.
+                assert d.kind in (ScalingEventKind.GROW, ScalingEventKind.SHRINK), d
+                assert d.to_replicas == len(self.ledger[d.job_id]), d
             elif isinstance(d, Evict):
                 if d.job_id not in self.ledger:
                     # Admitted earlier in this very pass, then reclaimed: its Admit was

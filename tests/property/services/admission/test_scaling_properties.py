@@ -13,7 +13,11 @@ against what the decisions said (not the core's word):
   oscillation: growth only refills what an event took);
 * a pass that grows a gang leaves no gang waiting for capacity or holding a
   reservation in it (a waiting gang's slots are never taken for growth);
-* a pass run again at once, with nothing new, decides nothing (a fixpoint).
+* a pass run again at once, with nothing new, decides nothing (a fixpoint);
+* every size change of ``e`` is announced with its sizes; a planned change (its
+  runtime, simulated, reports the world size when told) is done only when the
+  reported size is its target, is never left in progress past its deadline, and
+  an abandoned growth shrinks back to its size before.
 
 A second test runs a steady arrival pattern (a rigid job every ``period``
 seconds, each lasting ``duration``) and bounds how often ``e`` changes.
@@ -29,8 +33,10 @@ from phalanx.schemas.messages import (
     JobState,
     ReasonCode,
     ReplicaRange,
+    ScalingEventKind,
     ScalingPolicy,
 )
+from phalanx.services.admission.changes import Announce
 from phalanx.services.admission.core import (
     AdmissionCore,
     Admit,
@@ -39,6 +45,7 @@ from phalanx.services.admission.core import (
     Grow,
     JobFinished,
     JobSubmitted,
+    MembershipChanged,
     NodeUpdated,
     ScalePinned,
     Shrink,
@@ -65,16 +72,17 @@ def elastic_specs(draw: st.DrawFn) -> JobSpec:
     low = draw(st.integers(1, 3))
     high = draw(st.integers(low, 8))
     cooldown = draw(st.sampled_from([0.0, 0.0, 1.0, 5.0]))
+    timeout = draw(st.sampled_from([2.0, 5.0, 600.0]))
     kind = draw(st.sampled_from(["every", "step", "discrete"]))
     if kind == "step":
         policy = ScalingPolicy(replica_increment_step=draw(st.integers(1, 3)),
-                               scale_up_cooldown_s=cooldown)
+                               scale_up_cooldown_s=cooldown, scaling_timeout_s=timeout)
     elif kind == "discrete":
         values = draw(st.sets(st.integers(low, high), min_size=1, max_size=4))
         policy = ScalingPolicy(replica_discrete_values=sorted(values),
-                               scale_up_cooldown_s=cooldown)
+                               scale_up_cooldown_s=cooldown, scaling_timeout_s=timeout)
     else:
-        policy = ScalingPolicy(scale_up_cooldown_s=cooldown)
+        policy = ScalingPolicy(scale_up_cooldown_s=cooldown, scaling_timeout_s=timeout)
     return elastic_spec(low, high, policy)
 
 
@@ -86,6 +94,7 @@ OPS = st.lists(st.one_of(
     st.tuples(st.just("pin"), st.integers(1, 8)),
     st.tuples(st.just("unpin"), st.just(0)),
     st.tuples(st.just("tick"), st.sampled_from([0.5, 1.0, 3.0, 10.0])),
+    st.tuples(st.just("runtime"), st.just(0)),  # e's runtime reports its placement's size
 ), min_size=1, max_size=40)
 
 
@@ -99,9 +108,11 @@ class Watch:
         self.changed_at: float | None = None
         self.shrunk_since_growth = True
         self.pin: int | None = None
+        self.world_size: int | None = None  # what e's runtime last reported
 
     def see(self, decisions: list[Decision], core: AdmissionCore, now: float) -> None:
         grew = False
+        abandoned_growth: int | None = None  # the size an abandoned growth shrinks back to
         for d in decisions:
             if isinstance(d, Grow):
                 grew = True
@@ -125,6 +136,21 @@ class Watch:
                     self.size, self.changed_at = len(nodes), now
                 case Evict():
                     self.size, self.shrunk_since_growth = 0, True
+                    self.world_size = None
+                case Announce(kind=ScalingEventKind.GROW | ScalingEventKind.SHRINK):
+                    assert d.to_replicas == self.size, f"announced {d}, size {self.size}"
+                    if d.kind is ScalingEventKind.SHRINK and abandoned_growth is not None:
+                        assert d.to_replicas == abandoned_growth, d
+                        abandoned_growth = None
+                case Announce(kind=ScalingEventKind.DONE):
+                    assert d.to_replicas == self.world_size, f"{d} at {self.world_size}"
+                case Announce(kind=ScalingEventKind.TIMEOUT):
+                    assert d.deadline is not None and now >= d.deadline, d
+                    if d.from_replicas < d.to_replicas and self.size > d.from_replicas:
+                        abandoned_growth = d.from_replicas
+        assert abandoned_growth is None, "an abandoned growth kept its slots"
+        change = core.gangs["e"].change
+        assert change is None or now < change.deadline, f"{change} past its deadline"
         if self.size:
             assert self.rules.smallest <= self.size <= self.spec.replicas.max
             assert self.rules.allows(self.size), f"size {self.size} not in {self.rules.sizes}"
@@ -170,6 +196,9 @@ def test_admission_obeys_the_scaling_rules(spec: JobSpec, nodes: list[int],
                     watch.pin = replicas
             case "tick":
                 now += arg
+            case "runtime":
+                watch.world_size = watch.size or None
+                events.append(MembershipChanged("e", watch.world_size))
         decisions = core.step(events, now)
         watch.see(decisions, core, now)
         core.check_invariants()

@@ -12,6 +12,7 @@ from collections import Counter
 import pytest
 
 from phalanx.schemas.messages import JobSpec, JobState, Placement, ReasonCode, ReplicaRange
+from phalanx.services.admission.changes import Announce
 from phalanx.services.admission.core import (
     AdmissionCore,
     Admit,
@@ -76,7 +77,8 @@ def admits(decisions: list[Decision]) -> dict[str, tuple[str, ...]]:
 
 
 def kinds(decisions: list[Decision]) -> list[tuple[str, str]]:
-    return [(type(d).__name__, d.job_id) for d in decisions]
+    """The placement decisions (scaling announcements are tested in test_scaling_events)."""
+    return [(type(d).__name__, d.job_id) for d in decisions if not isinstance(d, Announce)]
 
 
 def state(core: AdmissionCore, job_id: str) -> JobState:
