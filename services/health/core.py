@@ -34,8 +34,9 @@ and the nodes that send heartbeats, and turns what it hears into faults:
    be judged (too few ranks) restarts the count.
 5. **Lost node.** A node that sent a heartbeat and then none for longer than
    ``node_timeout_s`` is lost (once), with a node-lost fault for every rank of
-   every watched job on it that has not exited. A node never heard from is not
-   judged. When its heartbeats resume it is alive again, without new faults.
+   every watched job on it that has not exited, departing ranks included (see
+   *Departing*). A node never heard from is not judged. When its heartbeats
+   resume it is alive again, without new faults.
 6. **Cordon.** Every infrastructure fault (see 8) is charged to its node (a
    node loss once, however many ranks it takes down) at the moment it
    happened, unless the node was under injected chaos then
@@ -63,12 +64,21 @@ and the nodes that send heartbeats, and turns what it hears into faults:
    restarts changed, at most once per interval, and always its last one when the
    job finishes or fails.
 
+**Departing.** A new placement of a job that no longer holds a slot whose rank
+still runs keeps that rank watched as *departing* until it exits or its node
+is lost: admission may take a slot away before this detector judges its node
+lost (the two judge heartbeats independently), and an elastic job's members
+there still need their node-lost fault, as a leaver that fails does. A
+departing rank is not judged for hangs (it is on its way out: a leaver that
+overstays is stopped by its agent); its stop or clean exit is no event, any
+other exit is a crash as under rule 2, never the training's completion.
+
 Faults name the rank's node: the one it was started on, else its placement
 (a crash: the node that reported it), and the replica that runs in the slot
 (the one last started there, else the one that exited). Jobs not watched, or no longer watched
-(ended, finished, or re-placed: a new placement starts every rank afresh),
-never get faults; events about them, or about ranks outside the placement,
-are ignored.
+(ended, finished, or re-placed: a new placement starts every rank of its slots
+afresh), never get faults; events about them, or about ranks neither in the
+placement nor departing, are ignored.
 
 Time is an argument: :meth:`HealthCore.handle` and :meth:`HealthCore.tick`
 take ``now`` (a ``now`` earlier than one already seen counts as the latest
@@ -347,6 +357,8 @@ class JobHealth:
     hang_timeout_s: float
     slots: tuple[int, ...] = ()
     ranks: dict[int, RankHealth] = dataclasses.field(default_factory=dict)
+    # Running ranks of slots an earlier placement held (see Departing), by slot.
+    departing: dict[int, RankHealth] = dataclasses.field(default_factory=dict)
     budget: RestartBudget = dataclasses.field(
         default_factory=lambda: RestartBudget(DEFAULT_RESTART_POLICY))
     completed: bool = False  # a rank exited 0 or reported its final step: training is over
@@ -465,9 +477,10 @@ class HealthCore:
                                              collections.deque(stored.recent_restarts)),
                         completed=stored.completed, final_step=stored.final_step)
         for rank in stored.ranks:
-            job.ranks[rank.rank] = RankHealth(job, rank.rank, rank.node_id, rank.replica_id,
-                                              rank.exit, rank.reporting, hang_since=now,
-                                              done=rank.done)
+            into = job.departing if rank.departing else job.ranks
+            into[rank.rank] = RankHealth(job, rank.rank, rank.node_id, rank.replica_id,
+                                         rank.exit, rank.reporting, hang_since=now,
+                                         done=rank.done)
         self.jobs[job.job_id] = job
         for rank in job.ranks.values():
             self._arm(rank)
@@ -500,6 +513,10 @@ class HealthCore:
             job.budget, job.completed, job.final_step = old.budget, old.completed, old.final_step
             job.track, job.progress_due = old.track, old.progress_due
             job.progress_taken = old.progress_taken
+            for slot, rank in [*old.ranks.items(), *old.departing.items()]:
+                if slot not in slots and rank.exit is None:
+                    rank.job = job
+                    job.departing[slot] = rank
         job.budget.policy = event.restart_policy
         job.ranks = {slot: RankHealth(job, slot, node_id)
                      for slot, node_id in zip(slots, job.nodes, strict=True)}
@@ -516,11 +533,15 @@ class HealthCore:
                 self._arm(rank)
 
     def _rank(self, job_id: str, rank: int) -> RankHealth | None:
+        """The rank in slot ``rank`` of a watched job: placed there, else departing."""
         job = self.jobs.get(job_id)
-        return None if job is None else job.ranks.get(rank)
+        if job is None:
+            return None
+        return job.ranks.get(rank) or job.departing.get(rank)
 
     def _started(self, event: RankStarted) -> None:
-        old = self._rank(event.job_id, event.rank)
+        job = self.jobs.get(event.job_id)
+        old = None if job is None else job.ranks.get(event.rank)
         if old is not None:
             old.job.ranks[event.rank] = RankHealth(old.job, event.rank, event.node_id,
                                                    event.replica_id)
@@ -536,10 +557,14 @@ class HealthCore:
             return []  # an earlier incarnation's late exit
         self._changed.add(event.job_id)
         job = rank.job
-        if event.cause == "stopped":
+        if job.departing.get(event.rank) is rank:
+            del job.departing[event.rank]
+            if event.cause == "stopped" or (event.exit_code == 0 and event.signal is None):
+                return []  # a leaver's end, whatever the others still do
+        elif event.cause == "stopped":
             rank.exit = RankExit.STOPPED
             return self._finish_if_done(job)
-        if (event.exit_code == 0 and event.signal is None) or rank.done or job.completed:
+        elif (event.exit_code == 0 and event.signal is None) or rank.done or job.completed:
             # Training was over: whatever ends a process after the last commit is not a
             # failure (an exit status lost with a restarted agent; gloo timing out at exit
             # in a script that never closed its session).
@@ -586,6 +611,10 @@ class HealthCore:
     def _progress(self, event: ProgressReported, now: float) -> list[Decision]:
         rank = self._rank(event.job_id, event.rank)
         if rank is None or rank.exit is not None:
+            return []
+        if rank.job.departing.get(rank.rank) is rank:  # counts for the job's step, no more
+            if rank.job.track.reported(event.step, event.total_steps, now):
+                rank.job.progress_due = True
             return []
         if not rank.reporting or (rank.replica_id is None and event.replica_id is not None):
             rank.reporting = True
@@ -724,6 +753,8 @@ class HealthCore:
             if self.jobs.get(rank.job.job_id) is not rank.job:
                 continue  # the job failed with an earlier rank on this node
             rank.hang_raised = True
+            if rank.job.departing.get(rank.rank) is rank:
+                del rank.job.departing[rank.rank]  # its fault is all that is left to say
             fault = RaiseFault(rank.job.job_id, FaultKind.NODE_LOST, node.node_id, rank.rank,
                                f"rank {rank.rank}'s node {node.node_id} was lost: {why}",
                                replica_id=rank.replica_id)
@@ -739,8 +770,10 @@ class HealthCore:
         return node
 
     def _ranks_on(self, node_id: str) -> list[RankHealth]:
-        """Ranks of watched jobs on ``node_id`` that have not exited, in watch order."""
-        return [r for job in self.jobs.values() for r in job.ranks.values()
+        """Ranks of watched jobs on ``node_id`` that have not exited, in watch order (each
+        job's placed ranks, then its departing ones)."""
+        return [r for job in self.jobs.values()
+                for r in [*job.ranks.values(), *job.departing.values()]
                 if r.node_id == node_id and r.exit is None]
 
     def _charge(self, node_id: str, at: float, kind: FaultKind) -> list[Decision]:
@@ -770,6 +803,9 @@ class HealthCore:
             assert len(job.ranks) == len(job.nodes) > 0, f"{job_id} ranks drifted"
             assert not (any(r.exit == RankExit.DONE for r in job.ranks.values()) and all(
                 r.exit is not None for r in job.ranks.values())), f"{job_id} unfinished"
+            for i, rank in job.departing.items():
+                assert rank.job is job and rank.rank == i, f"{job_id} departing {i} misfiled"
+                assert i not in job.ranks and rank.exit is None, f"{job_id} {i} not departing"
             for i, rank in job.ranks.items():
                 assert rank.job is job and rank.rank == i, f"{job_id} rank {i} misfiled"
                 assert rank.exit in (None, RankExit.DONE, RankExit.CRASHED, RankExit.STOPPED)
@@ -820,6 +856,7 @@ class RankSnapshot:
     exit: RankExit | None
     reporting: bool
     done: bool = False
+    departing: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -848,8 +885,9 @@ def snapshot(job: JobHealth) -> bytes:
     budget = job.budget
     return _SNAPSHOT_ENCODER.encode(JobSnapshot(
         job.job_id, job.nodes, job.hang_timeout_s, job.slots,
-        tuple(RankSnapshot(r.rank, r.node_id, r.replica_id, r.exit, r.reporting, r.done)
-              for r in job.ranks.values()),
+        tuple(RankSnapshot(r.rank, r.node_id, r.replica_id, r.exit, r.reporting, r.done,
+                           departing=r.rank not in job.ranks)
+              for r in [*job.ranks.values(), *job.departing.values()]),
         budget.policy, budget.restarts, budget.app_failures, tuple(budget.recent),
         job.completed, job.final_step))
 

@@ -142,7 +142,8 @@ def to_event(op: Op, jobs: dict[str, JobModel], restart: RestartPolicy,
         case ("exit", job, rank, code, signal, cause, node):
             if not node:
                 model = jobs.get(job)
-                node = model.ranks[rank].node if model and rank < len(model.ranks) else "n0"
+                r = model.rank(rank) if model else None
+                node = r.node if r else "n0"
             return RankExited(job, rank, node, code, signal, cause)
         case ("progress", job, rank, step_time):
             return ProgressReported(job, rank, 1, step_time)
@@ -227,6 +228,11 @@ class JobModel:
     hang: float
     ranks: list[RankModel]
     budget: Budget
+    departing: dict[int, RankModel] = dataclasses.field(default_factory=dict)  # by slot
+
+    def rank(self, i: int) -> RankModel | None:
+        """Slot ``i``'s rank: placed there, else departing."""
+        return self.ranks[i] if 0 <= i < len(self.ranks) else self.departing.get(i)
 
 
 class Model:
@@ -280,9 +286,11 @@ class Model:
                 self.lost.add(what)
                 out.append(("MarkNodeLost", None, None, None, what))
                 for job_id, job in list(self.jobs.items()):
-                    for i, r in enumerate(job.ranks):
+                    for i, r in [*enumerate(job.ranks), *job.departing.items()]:
                         if r.node == what and not r.exit and self.jobs.get(job_id) is job:
                             r.covered = True
+                            if job.departing.get(i) is r:
+                                del job.departing[i]
                             out += self.failed(job_id, "infra", at,
                                                ("fault", job_id, FaultKind.NODE_LOST, i, what))
                 out += self.charge(what, at)
@@ -302,6 +310,7 @@ class Model:
         return [("fail", job_id, code, None, None)]
 
     def rank(self, job_id: str, i: int) -> RankModel | None:
+        """A placed rank (departing ones only exit or are lost)."""
         job = self.jobs.get(job_id)
         return job.ranks[i] if job is not None and 0 <= i < len(job.ranks) else None
 
@@ -312,24 +321,35 @@ class Model:
                 old = self.jobs.get(e.job_id)
                 if old is None or (old.nodes, old.hang) != (e.nodes, e.hang_timeout_s):
                     budget = old.budget if old is not None else Budget(e.restart_policy)
-                    self.jobs[e.job_id] = JobModel(e.nodes, e.hang_timeout_s,
-                                                   [RankModel(n) for n in e.nodes], budget)
+                    new = self.jobs[e.job_id] = JobModel(e.nodes, e.hang_timeout_s,
+                                                         [RankModel(n) for n in e.nodes], budget)
+                    if old is not None:  # slots taken whose ranks still run: departing
+                        new.departing = {
+                            i: r for i, r in [*enumerate(old.ranks), *old.departing.items()]
+                            if i >= len(e.nodes) and not r.exit}
             case JobEnded():
                 self.jobs.pop(e.job_id, None)
             case RankStarted():
                 if self.rank(e.job_id, e.rank) is not None:
                     self.jobs[e.job_id].ranks[e.rank] = RankModel(e.node_id)
             case RankExited():
-                r = self.rank(e.job_id, e.rank)
                 job = self.jobs.get(e.job_id)
+                r = job.rank(e.rank) if job is not None else None
+                leaving = r is not None and job.departing.get(e.rank) is r
                 if r is None or r.exit or r.node != e.node_id:
                     pass
-                elif e.cause == "stopped":
+                elif leaving and (e.cause == "stopped"
+                                  or (e.exit_code == 0 and e.signal is None)):
+                    del job.departing[e.rank]  # a leaver's end: no event
+                elif not leaving and e.cause == "stopped":
                     r.exit = "stopped"
-                elif (e.exit_code == 0 and e.signal is None) or r.done or job.budget.completed:
+                elif not leaving and ((e.exit_code == 0 and e.signal is None) or r.done
+                                      or job.budget.completed):
                     r.exit = "done"  # after the training completed, any end is a finish
                     job.budget.completed = True
                 else:
+                    if leaving:
+                        del job.departing[e.rank]
                     r.exit = "crashed"
                     failure = failure_class(e)
                     out += self.failed(e.job_id, failure, now,

@@ -401,9 +401,41 @@ def test_a_shrunk_placement_keeps_its_slot_numbers() -> None:
     run(core, T0, JobWatched("j", ("n1", "n1"), 2.0, slots=(2, 3)))
     assert sorted(core.jobs["j"].ranks) == [2, 3]
     assert faults(run(core, T0 + 1, exited(3, 1, node="n1"))) == [(CRASH, "j", 3, "n1")]
-    assert run(core, T0 + 1, exited(0, 1, node="n0")) == []  # slot 0 is not the job's now
+    # Slots 0 and 1 are departing: their stop or clean exit is no event.
+    assert run(core, T0 + 1, exited(0, 1, node="n0", cause="stopped"),
+               exited(1, 0, node="n0")) == []
+    assert core.jobs["j"].departing == {}
     with pytest.raises(ValueError, match="slots must name"):
         JobWatched("j", ("n1", "n1"), 2.0, slots=(2, 2))
+
+
+def test_a_slot_taken_before_its_node_was_judged_lost_still_gets_its_fault() -> None:
+    # Admission judged n0 lost first and shrank the job to n1's slots: the members on n0
+    # still need their node-lost fault, or the others wait for them in a step forever.
+    core = make(("n0", "n0", "n1", "n1"), hang=10.0)
+    run(core, T0, NodeHeartbeat("n0"), NodeHeartbeat("n1"), progress(0), progress(2))
+    run(core, T0 + 1, JobWatched("j", ("n1", "n1"), 10.0, slots=(2, 3)))
+    assert sorted(core.jobs["j"].departing) == [0, 1]
+    restored = HealthCore(core.policy)  # a restarted detector knows them too
+    restored.restore(snapshot(core.jobs["j"]), T0 + 1)
+    run(restored, T0 + 1, NodeHeartbeat("n0"))
+    for detector, lost_at in ((core, T0 + 3), (restored, T0 + 4)):
+        run(detector, lost_at, NodeHeartbeat("n1"))
+        assert faults(tick(detector, lost_at + 0.5)) == [(LOST, "j", 0, "n0"),
+                                                          (LOST, "j", 1, "n0")]
+        assert detector.jobs["j"].departing == {}
+
+
+def test_a_departing_rank_is_not_judged_for_hangs_but_its_crash_is_a_fault() -> None:
+    core = make(("n0", "n1", "n2"), hang=1.0)
+    run(core, T0, progress(0), progress(1), progress(2))
+    run(core, T0 + 0.5, JobWatched("j", ("n0", "n1"), 1.0, slots=(0, 1)), progress(0),
+        progress(1))
+    assert faults(tick(core, T0 + 1.7)) == [(HANG, "j", 0, "n0"), (HANG, "j", 1, "n1")]
+    # Slot 2 reported nothing since, yet it is on its way out: no hang; a crash counts.
+    assert faults(run(core, T0 + 2, exited(2, None, signal="SIGKILL"))) == \
+        [(CRASH, "j", 2, "n2")]
+    assert run(core, T0 + 2, exited(2, None, signal="SIGKILL")) == []  # once
 
 
 def test_a_new_hang_timeout_is_a_new_watch() -> None:
