@@ -17,11 +17,6 @@ import chaos
 pytestmark = pytest.mark.slow
 
 
-# Not yet reliable: two bugs still show up in some runs (an agent restarted after a bus
-# restart can launch a replica id it launched before, losing its record of launches; a rank
-# adopted by an agent restarted in the job's last seconds exits "lost", so the job does not
-# end). Runs in CI all the same, to exercise every fault; bench/chaos.py is the measure.
-@pytest.mark.xfail(reason="open chaos bugs, see issue 10's note", strict=False)
 @pytest.mark.timeout(900)
 async def test_fifteen_seeded_faults_of_every_kind_leave_the_model_exactly_as_without(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
