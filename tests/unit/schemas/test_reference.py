@@ -43,7 +43,10 @@ SUBJECT_PATTERNS = [
     "phalanx.agent.<node>.chaos",
     "phalanx.node.<node>.condition",
     "phalanx.health.rank.<job>.<rank>",
+    "phalanx.node.<node>.chaos",
     "phalanx.ckpt.<job>.snapshot",
+    "phalanx.agent.<node>.snapshot",
+    "phalanx.ckpt.resume",
 ]
 
 
