@@ -19,11 +19,14 @@ to resume at, and why it changed (start, fault, join). A job runs in *slots*
 * **Placement changes.** A record with other slots than the managed job's:
   new slots get ``r<s>-0`` (admission grew the job). Slots gone get no more
   replacements, and replicas there that are not members are stopped at once.
-  When a node was lost, its members' faults come from health. When admission
-  took the slots in a planned change (preemption, reclaim, a pin: the record's
-  reason says which), the members there *leave*:
-  as soon as no change is in flight, a ``leave`` generation without them is
-  published. They are told by it, take part in the step in flight, and every
+  The members there *leave*, whatever the reason admission took the slots
+  (preemption, reclaim, a pin, or a node lost: a shrink to an allowed size
+  also gives back slots on healthy nodes, and a node judged lost may still
+  run its ranks); as soon as no change is in flight, a ``leave`` generation
+  without them is published. A leaver that cannot take part (its node is
+  gone) is failed by health's node-lost fault, which health raises for it
+  even after its slot was taken, and its fault supersedes the leave.
+  Leavers are told by the leave generation, take part in the step in flight, and every
   member switches after the same step (the runtime's step boundary), the
   leavers then exiting 0. A leaver that exits any other way first (its agent
   stopped it after ``graceful_shutdown_timeout_s``) is a fault: as a member, it
@@ -109,9 +112,6 @@ class JobAdmitted:
     max_members: int
     event_id: str = ""
     max_replacements: int | None = None  # the job's restart_policy.max_restarts
-    # Slots gone were taken by a planned change (preemption, reclaim, a pin): their members
-    # leave at a step boundary. Otherwise (a node lost) their faults come from health.
-    planned: bool = False
     sizes: tuple[int, ...] = ()  # the sizes its scaling rules allow (empty: every size)
 
 
@@ -336,10 +336,13 @@ class ElasticityCore:
                     job.launched[replica_id(slot, 0)] = slot
                     job.incarnation[slot] = 0
                 decisions += self._slots_taken(job, set(job.slots) - set(event.slots),
-                                               event.planned, event.event_id)
+                                               event.event_id)
                 job.slots = dict(event.slots)
             case ReplicaExited():
                 decisions += self._left_uncleanly(job, event, now)
+            case MemberFailed() if event.replica_id in job.departing:
+                why = f"{event.replica_id} failed while leaving ({event.detail or 'failed'})"
+                decisions += self._leaver_failed(job, why, event.event_id, now)
             case MemberFailed():
                 decisions += self._failed(job, event)
             case ReplicaReady():
@@ -449,13 +452,12 @@ class ElasticityCore:
                                                event.event_id))
         return []
 
-    def _slots_taken(self, job: JobMembership, slots: set[int], planned: bool,
-                     cause: str) -> list[Decision]:
-        """Admission took ``slots``: in a planned change their members leave; replicas there
-        that are not members are stopped now."""
+    def _slots_taken(self, job: JobMembership, slots: set[int], cause: str) -> list[Decision]:
+        """Admission took ``slots``: their members leave; replicas there that are not
+        members are stopped now."""
         stops: list[Decision] = []
         for replica in [r for r in job.members if job.replicas[r].slot in slots]:
-            if planned and replica not in job.failed and replica not in job.leaving:
+            if replica not in job.failed and replica not in job.leaving:
                 job.leaving.append(replica)
         for replica in [r for r in job.ready if job.replicas[r].slot in slots]:
             job.ready.remove(replica)
@@ -479,13 +481,20 @@ class ElasticityCore:
                 job.failed[replica] = why
                 job.applied.discard(replica)
             return []
-        if replica in job.departing and job.in_flight:
-            # The others may be blocked in a step with it: the same members start over.
-            job.departing.clear()
-            job.failed.clear()
-            return self._next(job, job.members, [], GenerationReason.FAULT, why,
-                              event.event_id, now)
+        if replica in job.departing:
+            return self._leaver_failed(job, why, event.event_id, now)
         return []
+
+    def _leaver_failed(self, job: JobMembership, why: str, cause: str,
+                       now: float) -> list[Decision]:
+        """A member of the previous generation that a leave dropped failed (stopped after
+        overstaying, or its node lost) while the leave is in flight: the others may be
+        blocked in a step with it, so the same members start over."""
+        if not job.in_flight:
+            return []  # the leave is done: it is gone already
+        job.departing.clear()
+        job.failed.clear()
+        return self._next(job, job.members, [], GenerationReason.FAULT, why, cause, now)
 
     def _finished(self, job: JobMembership, event: MemberFinished) -> list[Decision]:
         if event.replica_id not in job.members:

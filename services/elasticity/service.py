@@ -69,7 +69,6 @@ from phalanx.schemas.messages import (
     LaunchReplica,
     Lease,
     RankExited,
-    ReasonCode,
     ReplicaReady,
     ReplicaReply,
     RequeueRequest,
@@ -87,9 +86,6 @@ AGENT_TIMEOUT_S = 10.0
 LEASE_KEY = "elasticity"
 SNAPSHOT_FORMAT = 1
 CURSOR_EVERY_S = 1.0
-#: Why admission shrinks a running job on purpose (its members leave at a step boundary);
-#: any other shrink is a node lost, whose members' faults come from health.
-PLANNED_SHRINKS = frozenset({ReasonCode.PREEMPTED, ReasonCode.SCALED})
 
 
 @dataclasses.dataclass
@@ -234,7 +230,6 @@ class ElasticityService(Service):
             event: core.Event = core.JobAdmitted(
                 job_id, record.placement(), replicas.min, replicas.max, event_id="record",
                 max_replacements=record.spec.restart_policy.max_restarts,
-                planned=record.reason_code in PLANNED_SHRINKS,
                 sizes=ScalingRules.of(record.spec).sizes)
             await self._act(term, job_id, term.core.handle(event, time.time()), None)
             return

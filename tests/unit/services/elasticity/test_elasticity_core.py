@@ -269,11 +269,13 @@ def test_a_shrunk_placement_keeps_slot_numbers_and_a_grown_one_gets_new_replicas
     core = ElasticityCore()
     start(core)
     apply_all(core)
-    # n1 is lost: admission keeps slots 0 and 2 (on n0); health reports r1-0 and r3-0.
-    assert core.handle(JobAdmitted("j", {0: "n0", 2: "n0"}, 2, 4), 1.0) == []
-    core.handle(MemberFailed("j", "r1-0", replaceable=False), 1.0)
-    [g] = generations(core.handle(MemberFailed("j", "r3-0", replaceable=False), 1.0))
-    assert [m.replica_id for m in g.members] == ["r0-0", "r2-0"]
+    # n1 is lost: admission keeps slots 0 and 2 (on n0), r1-0 and r3-0 leave; health
+    # reports them failed, and the same two members start over.
+    [leave] = generations(core.handle(JobAdmitted("j", {0: "n0", 2: "n0"}, 2, 4), 1.0))
+    [g] = generations(core.handle(MemberFailed("j", "r1-0", replaceable=False), 1.0))
+    assert generations(core.handle(MemberFailed("j", "r3-0", replaceable=False), 1.0)) == []
+    assert [m.replica_id for m in leave.members] == [m.replica_id for m in g.members] == [
+        "r0-0", "r2-0"]
     assert apply_all(core) == []  # no replacement where the slots are gone
     core.handle(JobAdmitted("j", {0: "n0", 2: "n0", 4: "n2"}, 2, 4), 2.0)  # grown again
     [g1] = generations(ready(core, "r4-0"))

@@ -27,7 +27,7 @@ def test_members_of_taken_slots_leave_in_a_leave_generation_without_a_fault() ->
     core = ElasticityCore()
     start(core)
     apply_all(core)
-    [g] = generations(core.handle(JobAdmitted("j", KEPT, 1, 4, planned=True), 1.0))
+    [g] = generations(core.handle(JobAdmitted("j", KEPT, 1, 4), 1.0))
     assert (g.generation, g.reason, g.cause) == (1, GenerationReason.LEAVE,
                                                  "left: r2-0, r3-0")
     assert [m.replica_id for m in g.members] == ["r0-0", "r1-0"]
@@ -42,7 +42,7 @@ def test_members_of_taken_slots_leave_in_a_leave_generation_without_a_fault() ->
 def test_a_leave_waits_for_the_change_in_flight() -> None:
     core = ElasticityCore()
     start(core)  # generation 0 not applied yet
-    assert core.handle(JobAdmitted("j", KEPT, 1, 4, planned=True), 1.0) == []
+    assert core.handle(JobAdmitted("j", KEPT, 1, 4), 1.0) == []
     [g] = generations(apply_all(core))
     assert g.reason is GenerationReason.LEAVE and g.world_size == 2
 
@@ -51,7 +51,7 @@ def test_a_leaver_stopped_before_the_boundary_is_handled_as_a_fault() -> None:
     core = ElasticityCore()
     start(core)
     apply_all(core)
-    core.handle(JobAdmitted("j", KEPT, 1, 4, planned=True), 1.0)
+    core.handle(JobAdmitted("j", KEPT, 1, 4), 1.0)
     # r3-0 overstayed its graceful shutdown timeout: the survivors may be stuck with it.
     [g] = generations(core.handle(ReplicaExited("j", "r3-0", "SIGKILL"), 30.0))
     assert (g.generation, g.reason) == (2, GenerationReason.FAULT)
@@ -63,7 +63,7 @@ def test_a_leaver_stopped_before_the_boundary_is_handled_as_a_fault() -> None:
 def test_a_fault_before_the_leave_is_published_drops_the_leavers_too() -> None:
     core = ElasticityCore()
     start(core)  # in flight: the leave waits
-    core.handle(JobAdmitted("j", {0: "n0", 1: "n1", 2: "n0"}, 2, 4, planned=True), 1.0)
+    core.handle(JobAdmitted("j", {0: "n0", 1: "n1", 2: "n0"}, 2, 4), 1.0)
     [g] = generations(core.handle(MemberFailed("j", "r1-0"), 2.0))
     assert g.reason is GenerationReason.FAULT
     assert [m.replica_id for m in g.members] == ["r0-0", "r2-0"]
@@ -71,16 +71,49 @@ def test_a_fault_before_the_leave_is_published_drops_the_leavers_too() -> None:
     core.check_invariants()
 
 
-def test_a_lost_node_is_not_a_leave_and_waiting_replicas_of_taken_slots_are_stopped() -> None:
+def test_a_lost_nodes_members_leave_and_their_node_lost_fault_supersedes_the_leave() -> None:
+    core = ElasticityCore()
+    start(core)
+    apply_all(core)
+    # Node n1 lost (slots 1 and 3): its members leave like any other; the leave is
+    # published at once, though they cannot take part in it.
+    [leave] = generations(core.handle(JobAdmitted("j", {0: "n0", 2: "n0"}, 1, 4), 3.0))
+    assert leave.reason is GenerationReason.LEAVE
+    assert [m.replica_id for m in leave.members] == ["r0-0", "r2-0"]
+    # Health's node-lost faults: the survivors may be stuck in a step with the leavers, so
+    # the same members start over in a fault generation, and nothing is replaced.
+    [fault] = generations(core.handle(MemberFailed("j", "r1-0"), 3.5))
+    assert (fault.reason, [m.replica_id for m in fault.members]) == (
+        GenerationReason.FAULT, ["r0-0", "r2-0"])
+    assert generations(core.handle(MemberFailed("j", "r3-0"), 3.5)) == []
+    assert apply_all(core, 5) == []
+    core.check_invariants()
+
+
+def test_a_healthy_member_whose_slot_a_node_loss_gave_back_leaves_before_it_is_stopped() -> None:
+    # Sizes [2, 4]: n1 lost (slot 3) leaves 3, not allowed, so admission also gives back
+    # slot 2 on the healthy n0. Its member must leave, or the agent stops it after its
+    # graceful timeout while the others still count it a member and wait for it.
+    core = ElasticityCore()
+    four = {0: "n0", 1: "n0", 2: "n0", 3: "n1"}
+    core.handle(JobAdmitted("j", four, 2, 4, sizes=(2, 4)), 0.0)
+    for replica in ("r0-0", "r1-0", "r2-0", "r3-0"):
+        ready(core, replica)
+    apply_all(core)
+    [leave] = generations(core.handle(JobAdmitted("j", {0: "n0", 1: "n0"}, 2, 4,
+                                                  sizes=(2, 4)), 3.0))
+    assert (leave.reason, leave.world_size) == (GenerationReason.LEAVE, 2)
+    assert core.jobs["j"].departing == ["r2-0", "r3-0"]
+    core.check_invariants()
+
+
+def test_waiting_replicas_of_taken_slots_are_stopped() -> None:
     core = ElasticityCore()
     start(core)
     apply_all(core)
     core.handle(MemberFailed("j", "r0-0"), 1.0)
     apply_all(core)  # the fault generation applied: r0-1 is launched in slot 0
-    # Node n1 lost (slots 1 and 3): no leave (health reports its members); nothing waits
-    # there. Admission then takes slot 0 in a planned change: r0-1, not a member, stops.
-    assert generations(core.handle(JobAdmitted("j", {0: "n0", 2: "n0"}, 1, 4), 3.0)) == []
-    decisions = core.handle(JobAdmitted("j", {2: "n0"}, 1, 4, planned=True), 4.0)
+    decisions = core.handle(JobAdmitted("j", {1: "n1", 2: "n0", 3: "n1"}, 1, 4), 4.0)
     assert [d for d in decisions if isinstance(d, StopReplica)] == [
         StopReplica("j", 0, "n0", "r0-1", "")]
     core.check_invariants()
@@ -89,7 +122,7 @@ def test_a_lost_node_is_not_a_leave_and_waiting_replicas_of_taken_slots_are_stop
 def test_the_leave_survives_a_restart_of_the_service() -> None:
     core = ElasticityCore()
     start(core)
-    core.handle(JobAdmitted("j", KEPT, 1, 4, planned=True), 1.0)  # waits: in flight
+    core.handle(JobAdmitted("j", KEPT, 1, 4), 1.0)  # waits: in flight
     restored = ElasticityCore()
     restored.restore(snapshot(core.jobs["j"]))
     [g] = generations(apply_all(restored))
