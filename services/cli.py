@@ -320,8 +320,8 @@ def _print_scaling(scaling: dict | None, now: float) -> None:
         verb = "growing" if change["kind"] == "grow" else "shrinking"
         left = change["deadline"] - now
         print(f"{'scaling now':>18}: {verb} {change['from_replicas']} -> "
-              f"{change['to_replicas']} ({change['reason']}); abandoned in {left:.0f} s "
-              f"unless done (at {time.strftime('%H:%M:%S', time.localtime(change['deadline']))})")
+              f"{change['to_replicas']} ({change['reason']}); deadline in {left:.0f} s "
+              f"({time.strftime('%H:%M:%S', time.localtime(change['deadline']))})")
 
 
 def cmd_scale(args: argparse.Namespace) -> int:

@@ -1,22 +1,28 @@
 """Elastic scaling as a policy, end to end: growth into freed slots, a graceful shrink for a
 higher-priority job, growth back, on a real 4-slot local cluster with real torch ranks.
 
-An elastic job (``replicas: {min: 1, max: 4}``, increment 1; or
-``replica_discrete_values: [2, 4]``) starts at 2 beside a 2-slot filler,
-grows to 4 when the filler is cancelled, shrinks gracefully to 2 when a
-high-priority rigid 2-slot job arrives (its ranks start as soon as the
-leavers exit), and grows back to 4 when that job is cancelled. Checked: the
-generations' reasons and sizes (never 3 with ``[2, 4]``), no step aborted
-(every batch a replica recorded was committed in its generation), the leavers
-left with status 0, the final parameters equal to the same script run alone
-(deterministic mode), every sample exactly once per epoch. The preemptor's
-submit → ranks-running time is printed, not asserted (speed lives in
-``bench/elastic.py``).
+An elastic job (``replicas: {min: 1, max: 4}``) starts at 2 beside a 2-slot
+filler and grows to 4 when the filler is cancelled. With increment 1 it then
+shrinks gracefully to 2 when a high-priority rigid 2-slot job arrives (its ranks
+start as soon as the leavers exit) and grows back to 4 when that job is
+cancelled. With ``replica_discrete_values: [2, 4]`` the preemptor needs one
+slot, and the job still goes from 4 straight to 2 (3 is not allowed; nor is
+growing into the slot left free), then ``phalanx scale`` refuses a pin to 3
+naming the allowed sizes, pins it to 2 (``phalanx job`` shows the pin and the
+rules) and the job finishes at 2 — one growth fewer than the other variant,
+which already proves growth back. Checked: the generations' reasons and sizes
+(never 3 with ``[2, 4]``), no step aborted (every batch a replica recorded was
+committed in its generation), the leavers left with status 0, every planned
+size change announced on the bus and done (none abandoned), the final
+parameters equal to the same script run alone (deterministic mode), every
+sample exactly once per epoch. The preemptor's submit → ranks-running time is
+printed, not asserted (speed lives in ``bench/elastic.py``).
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import sys
 import time
 from pathlib import Path
@@ -45,6 +51,8 @@ from phalanx.schemas.messages import (
     RankExited,
     RankStarted,
     ReplicaRange,
+    ScalingEvent,
+    ScalingEventKind,
     ScalingPolicy,
 )
 from phalanx.services.client import AdmissionClient
@@ -95,6 +103,12 @@ async def scenario(scaling: ScalingPolicy, data: Path, bus, watch: Watch, mlp_da
                         lambda m, d: put(started, m, d))
     await bus.subscribe(subjects.job_events("exited"), RankExited,
                         lambda m, d: put(exited, m, d))
+    announced: list[ScalingEvent] = []
+
+    async def note(event: ScalingEvent, _: Delivery) -> None:
+        announced.append(event)
+
+    await bus.subscribe(subjects.job_scaling("elastic-1"), ScalingEvent, note)
     sleeper = [sys.executable, "-c", "import time; time.sleep(600)"]
     filler = await client.submit(JobSpec(
         name="filler", team="t", priority_class="normal", replicas=ReplicaRange(min=2, max=2),
@@ -128,14 +142,17 @@ async def scenario(scaling: ScalingPolicy, data: Path, bus, watch: Watch, mlp_da
     await client.cancel(filler.job_id)  # 2 slots free up: growth
     await generation(GenerationReason.JOIN, 4)
 
+    discrete = scaling.replica_discrete_values == [2, 4]
+    width = 1 if discrete else 2  # with [2, 4] one slot taken still takes the job to 2
     submitted = time.monotonic()
     urgent = await client.submit(JobSpec(
-        name="urgent", team="t", priority_class="high", replicas=ReplicaRange(min=2, max=2),
-        command=sleeper, grace_period_s=1.0), "urgent-1")
+        name="urgent", team="t", priority_class="high",
+        replicas=ReplicaRange(min=width, max=width), command=sleeper, grace_period_s=1.0),
+        "urgent-1")
     leave = await generation(GenerationReason.LEAVE, 2)
-    for _ in range(2):
+    for _ in range(width):
         await next_of(started, lambda s: s.job_id == urgent.job_id, 60)
-    print(f"preemptor submit -> 2 ranks running: {time.monotonic() - submitted:.2f} s")
+    print(f"preemptor submit -> {width} rank(s) running: {time.monotonic() - submitted:.2f} s")
     leavers = {"r2-0", "r3-0"} if "r2-0" not in {m.replica_id for m in leave.members} \
         else set()
     assert leavers, leave
@@ -143,8 +160,17 @@ async def scenario(scaling: ScalingPolicy, data: Path, bus, watch: Watch, mlp_da
     assert {e.replica_id for e in gone} == leavers
     assert all(e.exit_code == 0 and e.signal is None for e in gone), gone
 
-    await client.cancel(urgent.job_id)  # its slots free up: growth back
-    await generation(GenerationReason.JOIN, 4)
+    if discrete:
+        where = ("--data-dir", str(data))
+        refused = phalanx("scale", job_id, "--replicas", "3", *where, check=False)
+        assert refused.returncode == 2 and "allowed: 2, 4" in refused.stderr, refused.stderr
+        phalanx("scale", job_id, "--replicas", "2", *where)
+        shown = json.loads(phalanx("job", job_id, "--json", *where).stdout)["scaling"]
+        assert (shown["sizes"], shown["pinned_replicas"]) == ([2, 4], 2), shown
+    else:
+        await client.cancel(urgent.job_id)  # its slots free up: growth back
+        await generation(GenerationReason.JOIN, 4)
+    print(f"last planned change resumed after step {generations[-1].resume_step} of {STEPS}")
     finished = await next_of(watch.states, lambda r: r.job_id == job_id and r.state.terminal,
                              600)
     assert finished.state is JobState.FINISHED, finished.reason
@@ -160,4 +186,11 @@ async def scenario(scaling: ScalingPolicy, data: Path, bus, watch: Watch, mlp_da
     for replica in leavers:
         assert records[replica][-1]["kind"] == "left" and records[replica][-1]["planned"]
     check_run(rec, tmp_path / "final.pt", reference)
+    planned = [(e.kind, e.from_replicas, e.to_replicas) for e in announced
+               if e.kind in (ScalingEventKind.GROW, ScalingEventKind.SHRINK) and e.deadline]
+    done = [(e.from_replicas, e.to_replicas) for e in announced
+            if e.kind is ScalingEventKind.DONE]
+    assert (ScalingEventKind.SHRINK, 4, 2) in planned, announced  # the preemption's leave
+    assert [(f, t) for _, f, t in planned] == done, announced  # each done, in order
+    assert not [e for e in announced if e.kind is ScalingEventKind.TIMEOUT], announced
     phalanx("cancel", job_id, "--data-dir", str(data), check=False)
