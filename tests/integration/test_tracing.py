@@ -14,8 +14,19 @@ import sys
 import textwrap
 
 from phalanx.bus.client import Bus, Delivery
+from phalanx.bus.config import BusConfig
 from phalanx.schemas import subjects
-from phalanx.schemas.messages import NodeHeartbeat
+from phalanx.schemas.messages import (
+    JobSpec,
+    NodeHeartbeat,
+    ReplicaRange,
+    ScalingEvent,
+    ScalingEventKind,
+)
+from phalanx.services.agent.config import AgentConfig
+from phalanx.services.agent.service import AgentService
+from phalanx.services.client import AdmissionClient
+from phalanx.services.natsd import NatsServer
 
 REQUESTER = textwrap.dedent("""
     import asyncio, sys
@@ -84,3 +95,51 @@ async def test_request_and_handling_share_one_trace_across_processes(bus: Bus, n
     assert process["parent_id"] == send["context"]["span_id"]
     assert process["kind"] == "SpanKind.CONSUMER"
     assert process["attributes"]["messaging.operation.type"] == "process"
+
+
+async def test_every_scaling_event_is_a_span_of_the_admission_leader_naming_the_job(
+        own_nats: NatsServer, uid: str) -> None:
+    """A pin, and the shrink it makes, are each a ``scaling <kind>`` span with the job's
+    attributes, and the ScalingEvent published inside it carries its trace (its own server:
+    the admission process must be the only one leading)."""
+    config = BusConfig.load(env={}, servers=[own_nats.url])
+    env = {**os.environ, "OTEL_TRACES_EXPORTER": "console", "PHALANX_ADMISSION_LEASE_S": "1.0"}
+    agent = AgentService(AgentConfig(node_id=f"n-{uid}", slots=4, heartbeat_interval_s=0.2,
+                                     launch=False), config)
+    await agent.start()
+    admission = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "phalanx.services.admission", "--nats", own_nats.url,
+        "--instance", f"a-{uid}", env=env, stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.DEVNULL)
+    job_id = f"el-{uid}"
+    events: asyncio.Queue[ScalingEvent] = asyncio.Queue()
+
+    async def on_event(event: ScalingEvent, _: Delivery) -> None:
+        await events.put(event)
+
+    try:
+        async with await Bus.connect(config) as bus:
+            await bus.subscribe(subjects.job_scaling(job_id), ScalingEvent, on_event)
+            client = AdmissionClient(bus)
+            await client.submit(JobSpec(name="el", team="t", priority_class="normal",
+                                        replicas=ReplicaRange(min=1, max=4),
+                                        command=["true"]), job_id)
+            await client.scale(job_id, 2)
+            pin = await asyncio.wait_for(events.get(), 30)
+            shrink = await asyncio.wait_for(events.get(), 30)
+            assert (pin.kind, shrink.kind) == (ScalingEventKind.PIN, ScalingEventKind.SHRINK)
+    finally:
+        admission.send_signal(signal.SIGTERM)
+        admission_out, _ = await asyncio.wait_for(admission.communicate(), 30)
+        await agent.stop()
+
+    spans = _spans(admission_out.decode())
+    scaling = {s["name"]: s for s in spans if s["name"].startswith("scaling ")}
+    assert set(scaling) >= {"scaling pin", "scaling shrink"}, [s["name"] for s in spans]
+    shrunk = scaling["scaling shrink"]["attributes"]
+    assert (shrunk["phalanx.job"], shrunk["phalanx.scaling.from"],
+            shrunk["phalanx.scaling.to"]) == (job_id, 4, 2)
+    assert "pinned to 2" in shrunk["phalanx.scaling.reason"]
+    published = [s for s in spans if s["name"] == f"publish {subjects.job_scaling(job_id)}"]
+    assert {s["parent_id"] for s in published} == {
+        s["context"]["span_id"] for s in scaling.values()}
