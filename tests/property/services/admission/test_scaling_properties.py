@@ -9,8 +9,9 @@ against what the decisions said (not the core's word):
 * ``e``'s size is never below its smallest allowed size, never above ``max``,
   never a size its rules do not allow, never above a pin;
 * every growth of ``e`` comes at least its cooldown after its previous size
-  change, and is preceded by a shrink since its previous growth (no
-  oscillation: growth only refills what an event took);
+  change, and is preceded by a shrink or by capacity freed (a job finished, a
+  node back, a pin released) since its previous growth (no oscillation: growth
+  only refills what an event took or takes what an event gave);
 * a pass that grows a gang leaves no gang waiting for capacity or holding a
   reservation in it (a waiting gang's slots are never taken for growth);
 * a pass run again at once, with nothing new, decides nothing (a fixpoint);
@@ -25,7 +26,7 @@ seconds, each lasting ``duration``) and bounds how often ``e`` changes.
 
 from __future__ import annotations
 
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from phalanx.schemas.messages import (
@@ -107,6 +108,7 @@ class Watch:
         self.size = 0
         self.changed_at: float | None = None
         self.shrunk_since_growth = True
+        self.freed = False  # capacity freed since the last growth
         self.pin: int | None = None
         self.world_size: int | None = None  # what e's runtime last reported
 
@@ -127,8 +129,9 @@ class Watch:
                     assert now >= self.changed_at + self.rules.cooldown_s, \
                         f"grew {now - self.changed_at:g} s after a change, cooldown " \
                         f"{self.rules.cooldown_s:g}"
-                    assert self.shrunk_since_growth, "grew twice without a shrink between"
-                    self.shrunk_since_growth = False
+                    assert self.shrunk_since_growth or self.freed, \
+                        "grew twice without a shrink or freed capacity between"
+                    self.shrunk_since_growth = self.freed = False
                     self.size, self.changed_at = len(nodes), now
                 case Shrink(nodes=nodes):
                     assert len(nodes) < self.size
@@ -164,6 +167,10 @@ class Watch:
 @settings(max_examples=300, deadline=None)
 @given(spec=elastic_specs(), nodes=st.lists(st.integers(1, 4), min_size=1, max_size=4),
        ops=OPS)
+# A node lost shrinks e and it regrows on the other node's free slot at once; the node
+# back lets it grow again, with no shrink between (capacity freed).
+@example(spec=elastic_spec(1, 5, ScalingPolicy()), nodes=[2, 4],
+         ops=[("lose", 0), ("revive", 0)])
 def test_admission_obeys_the_scaling_rules(spec: JobSpec, nodes: list[int],
                                            ops: list[tuple]) -> None:
     core = AdmissionCore(AdmissionPolicy())
@@ -185,15 +192,18 @@ def test_admission_obeys_the_scaling_rules(spec: JobSpec, nodes: list[int],
             case "finish":
                 if arrivals:
                     events.append(JobFinished(f"r{arg % arrivals}"))
+                    watch.freed = True
             case "lose" | "revive":
                 node = arg % len(nodes)
                 events.append(NodeUpdated(f"n{node}", nodes[node], f"d{node % 2}", {},
                                           alive=op == "revive"))
+                watch.freed |= op == "revive"
             case "pin" | "unpin":
                 replicas = None if op == "unpin" else arg
                 if core.pin_problem("e", replicas) is None:
                     events.append(ScalePinned("e", replicas))
                     watch.pin = replicas
+                    watch.freed |= replicas is None or replicas > watch.size
             case "tick":
                 now += arg
             case "runtime":
@@ -223,6 +233,7 @@ def test_a_steady_arrival_pattern_changes_the_size_at_a_bounded_rate(
         for event, at in ((JobSubmitted(f"r{k}", rigid_spec(size), now), now),
                           (JobFinished(f"r{k}"), now + share * period)):
             now = at
+            watch.freed = isinstance(event, JobFinished)
             decisions = core.step([event], now)
             watch.see(decisions, core, now)
             changes += sum(1 for d in decisions if d.job_id == "e"
