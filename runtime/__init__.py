@@ -12,8 +12,8 @@ The public API, importable from here::
   :class:`TokenWindows`, the same for a language model's token stream.
 * :class:`ElasticOrder` (:mod:`.data`): the exactly-once data order.
 
-The names load on first use (PEP 562), so a process that only needs a small
-part of the runtime (the agent uses :mod:`.priority`) does not import torch.
+The names load on first use (PEP 562), so importing a small part of the
+runtime (:mod:`.priority`, :mod:`.snapshot_file`) does not import torch.
 See docs/runtime.md.
 """
 

@@ -60,7 +60,7 @@ from pathlib import Path
 import msgspec
 
 from phalanx.bus.config import with_identity
-from phalanx.runtime import priority
+from phalanx.schemas import environment
 from phalanx.schemas.errors import PhalanxError
 from phalanx.schemas.messages import (
     DETAIL_CHARS,
@@ -70,6 +70,7 @@ from phalanx.schemas.messages import (
     RankExited,
     RankStarted,
 )
+from phalanx.services.agent import priority
 from phalanx.services.agent.core import LaunchVerdict, first_replica, launch_verdict
 
 log = logging.getLogger("phalanx.agent.ranks")
@@ -315,7 +316,7 @@ class RankSet:
                                      os.environ.get("PATH", "")]),
         }
         if nice is not None:
-            env[priority.ENV] = str(self.nice)
+            env[environment.NICE_WHEN_READY] = str(self.nice)
         if self.snapshot_dir is not None and spec.checkpoint.memory_every_steps:
             policy = spec.checkpoint
             env.update(PHALANX_SNAPSHOT_DIR=str(self.snapshot_dir(record.job_id)),

@@ -13,7 +13,6 @@ from pathlib import Path
 
 import pytest
 
-from phalanx.runtime import priority
 from phalanx.schemas.messages import (
     JobRecord,
     JobSpec,
@@ -23,6 +22,7 @@ from phalanx.schemas.messages import (
     ReasonCode,
     ReplicaRange,
 )
+from phalanx.services.agent import priority
 from phalanx.services.agent.ranks import RankSet
 
 may_restore = pytest.mark.skipif(not priority.can_restore(priority.current()),

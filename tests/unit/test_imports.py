@@ -16,8 +16,15 @@ PURE_MODULES = [
     "phalanx.services.agent.core",
     "phalanx.services.admission.core",
     "phalanx.services.admission.policy",
+    "phalanx.services.admission.scaling",
+    "phalanx.services.admission.changes",
     "phalanx.services.elasticity.core",
     "phalanx.services.health.core",
+    "phalanx.services.health.policy",
+    "phalanx.services.health.progress",
+    "phalanx.services.checkpoint.core",
+    "phalanx.services.agent.priority",
+    "phalanx.schemas.environment",
 ]
 
 

@@ -1,0 +1,8 @@
+"""The environment a rank process starts with: variables its node agent sets and the
+runtime inside the rank reads. Both sides name them from here, so neither imports the
+other (services never import the runtime; the runtime never imports a service)."""
+
+from __future__ import annotations
+
+#: The nice value a replica started at low CPU priority returns to once it is ready.
+NICE_WHEN_READY = "PHALANX_NICE_WHEN_READY"
