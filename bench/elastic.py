@@ -364,8 +364,12 @@ of whole seconds at one size): at 4 {report['steps_per_s']['median_at_4']}, at 2
 
 
 async def main_async(args: argparse.Namespace) -> dict[str, Any]:
-    with tempfile.TemporaryDirectory() as tmp:
-        run = await run_scenario(args, Path(tmp))
+    if args.keep is not None:  # the cluster's logs and the records stay for reading
+        args.keep.mkdir(parents=True, exist_ok=True)
+        run = await run_scenario(args, args.keep)
+    else:
+        with tempfile.TemporaryDirectory() as tmp:
+            run = await run_scenario(args, Path(tmp))
     plot(run, args.plot)
     report = {"date": utc_date(), "command": " ".join(["python", *sys.argv]),
               "widths": args.widths, "plot": str(args.plot.resolve().relative_to(
@@ -385,6 +389,8 @@ def main() -> None:
     parser.add_argument("--data-dir", type=Path, default=Path("/tmp/phalanx-elastic-bench"))
     parser.add_argument("--plot", type=Path, default=BENCH / "elastic.png")
     parser.add_argument("--no-record", action="store_true")
+    parser.add_argument("--keep", type=Path, metavar="DIR",
+                        help="run in DIR and keep it: the cluster's logs and the records")
     args = parser.parse_args()
     subprocess.run([sys.executable, str(SCRIPT), "--prepare", "--data-dir", str(args.data_dir),
                     "--widths", args.widths, "--samples", str(args.samples)],

@@ -9,8 +9,9 @@ their release.
 
 A change admission makes on purpose to a gang whose runtime has reported a membership is
 *planned* (:class:`~phalanx.schemas.messages.ScalingChange`, kept in the job record): it
-is done when the runtime runs at the new size — elasticity published a generation of that
-world size — and abandoned when it is not done by its deadline,
+is done when elasticity publishes a generation of the new size (its members switch to it at
+their next step boundary; for a leave that comes at once, the leavers finishing their step
+after it) and abandoned when it is not done by its deadline,
 ``scaling.scaling_timeout_s`` after it began. Abandoning a growth gives back the slots
 its new replicas never joined in: the gang shrinks back to its size before (the core does
 that, and the cooldown then holds the next growth back; a later one starts with fresh
