@@ -15,6 +15,7 @@ import json
 import os
 import signal
 import socket
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -156,3 +157,42 @@ def test_chaos_kills_never_cordon_while_the_same_kill_from_elsewhere_does(
         assert time.monotonic() < deadline, "the SIGKILL from outside was never charged"
         time.sleep(0.2)
     assert nodes(where)["local-0"]["cordoned"] is False
+
+
+def test_a_replacement_that_raises_again_fails_the_job_after_max_app_failures(
+        cluster, tmp_path: Path) -> None:
+    """Under the runtime a failed replica is replaced; an application failure that its
+    replacement repeats is not retried forever: the job ends failed with the exception."""
+    where, _ = cluster
+    data = tmp_path / "data"
+    widths = "8,16,8"
+    subprocess.run([sys.executable, str(EXAMPLES / "train_mlp.py"), "--prepare", "--data-dir",
+                    str(data), "--widths", widths, "--samples", "256"], check=True)
+    script = tmp_path / "slot1_raises.py"
+    script.write_text(
+        "import os, sys, torch\n"
+        f"sys.path.insert(0, {str(EXAMPLES)!r})\n"
+        "import workload_w\n"
+        "from phalanx.runtime import ElasticSession, MemmapDataset\n"
+        "torch.set_num_threads(1)\n"
+        f"dataset = MemmapDataset({str(data)!r})\n"
+        f"model = workload_w.build_model(({widths}), 0)\n"
+        "optimizer = workload_w.build_optimizer(model)\n"
+        "with ElasticSession.from_env(model, optimizer, dataset, global_batch=32,\n"
+        "                             micro_batch_size=8, seed=0) as session:\n"
+        "    for step in session.steps(100000):\n"
+        "        if os.environ['PHALANX_RANK'] == '1' and step.index >= 3:\n"
+        "            raise RuntimeError(f'{os.environ[\"PHALANX_REPLICA_ID\"]} diverged')\n"
+        "        for inputs, targets in step:\n"
+        "            step.backward(torch.nn.functional.mse_loss(model(inputs), targets))\n"
+        "        step.commit()\n")
+    job_id = submit(where, tmp_path, "again", [sys.executable, str(script)], replicas=2,
+                    extra="restart_policy: {max_app_failures: 1}\n")
+    row = until(where, job_id, {"failed", "finished", "cancelled"}, timeout_s=180)
+    assert row["state"] == "failed" and row["reason_code"] == "app_failed", row
+    # The replacement (incarnation 1 of slot 1) failed the same way as the first.
+    assert "RuntimeError: r1-1 diverged" in row["reason"], row["reason"]
+    assert "max_app_failures 1" in row["reason"]
+    logs = phalanx("logs", job_id, "--replica", "r1-0", *where).stdout
+    assert "RuntimeError: r1-0 diverged" in logs
+    assert not any(n["cordoned"] for n in nodes(where).values())
