@@ -290,6 +290,8 @@ class ElasticSession:
                              f"{list(metrics)}")
         self._accumulated: torch.Tensor | None = None  # float64 gradient sum (deterministic)
         self._retained: Retained | None = None  # from an aborted step
+        # The step given up last, when and why: a span of the generation that ends the wait.
+        self._aborted: tuple[int, int, str] | None = None
         self._reduce: BucketedReduce | None = None  # the step's all-reduce, once armed
         self._buckets: list[list[int]] | None = None
         # The buckets of the last completed all-reduce, reused; dropped after an abort.
@@ -601,6 +603,19 @@ class ElasticSession:
                 self._announce()  # elasticity may have restarted: say it again
                 last_announce = time.monotonic()
 
+    def _trace_abort(self, generation: Generation, received_ns: int) -> None:
+        """The last step given up, as the first recovery phase in ``generation``'s trace:
+        from the abort until this replica starts applying the generation."""
+        if self._aborted is None:
+            return
+        step, aborted_ns, why = self._aborted
+        self._aborted = None
+        span = telemetry.tracer().start_span("abort step", start_time=aborted_ns, attributes={
+            "phalanx.job": self.job_id, "phalanx.replica": self.replica_id,
+            "phalanx.step": step, "phalanx.generation": generation.generation,
+            "phalanx.abort.cause": why})
+        span.end(end_time=max(aborted_ns, received_ns))
+
     def _abandon(self) -> None:
         # Kept, not aborted or destroyed: a gloo group whose work is still blocked on a dead
         # peer must be left to its own timeout (abort() makes its exit std::terminate).
@@ -613,10 +628,13 @@ class ElasticSession:
         received = time.time()
         token = otel_context.attach(context) if context is not None else None
         try:
+            self._trace_abort(generation, int(received * 1e9))
             with telemetry.tracer().start_as_current_span(
                     f"apply generation {generation.generation}", attributes={
                         "phalanx.job": self.job_id, "phalanx.replica": self.replica_id,
-                        "phalanx.generation": generation.generation}):
+                        "phalanx.generation": generation.generation,
+                        "phalanx.reason": generation.reason.value,
+                        "phalanx.world_size": generation.world_size}) as applying:
                 self._abandon()
                 member = generation.member(self.replica_id)
                 assert member is not None
@@ -627,9 +645,12 @@ class ElasticSession:
                 self._switch_agreed = False
                 self.rank, self.world_size = member.rank, generation.world_size
                 self._inbox.forget_faults(generation)
-                with telemetry.tracer().start_as_current_span("copy state"):
+                with telemetry.tracer().start_as_current_span("copy state") as copying:
                     resume, nbytes = self._sync_state(generation)
+                    copying.set_attribute("phalanx.state_bytes", nbytes)
                 synced = time.time()
+                applying.set_attributes({"phalanx.rank": member.rank,
+                                         "phalanx.resume_step": resume})
         finally:
             if token is not None:
                 otel_context.detach(token)
@@ -861,6 +882,7 @@ class ElasticSession:
             summed = run()
         except Aborted as exc:
             log.warning("step %d aborted: %s", step.index, exc)
+            self._aborted = (step.index, time.time_ns(), str(exc))
             self._retained = Retained(step.index, self.generation, local_gradient(),
                                        step.indices, metrics)
             self._abandon()

@@ -12,6 +12,8 @@ A request whose payload does not decode is answered ``400`` and counted as a
 bad message; a handler that raises is answered ``500`` and counted. Both
 counts appear in each endpoint's ``$SRV.STATS`` ``data``; the service keeps
 running either way. Subclasses put I/O here and their rules in a pure core.
+With ``PHALANX_METRICS_PORT`` set it serves ``/metrics`` (:mod:`phalanx.services.metrics`)
+from before it connects until it has stopped.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import logging
 import signal
 from collections.abc import Coroutine
 from typing import Any, TypeVar
+from wsgiref.simple_server import WSGIServer
 
 from nats.micro import add_service
 from nats.micro.request import Request, ServiceError
@@ -34,6 +37,7 @@ from phalanx.bus.config import BusConfig
 from phalanx.schemas import __version__
 from phalanx.schemas.codec import encode
 from phalanx.schemas.messages import Message
+from phalanx.services import metrics
 
 log = logging.getLogger("phalanx.service")
 M = TypeVar("M", bound=Message)
@@ -63,6 +67,7 @@ class Service:
         self._tasks: set[asyncio.Task[Any]] = set()
         self._stop_requested = asyncio.Event()
         self._stopped = False
+        self.metrics_server: WSGIServer | None = None
 
     # --- to override -------------------------------------------------------------------
 
@@ -140,7 +145,9 @@ class Service:
     async def start(self) -> None:
         """Connect, register with the service API and run :meth:`setup`."""
         telemetry.setup_tracing(self.name)
+        self.metrics_server = metrics.serve()
         self.bus = await Bus.connect(self.bus_config, name=f"{self.name}:{self.instance}")
+        self.bus.on_reconnect(_count_reconnect)
         self.micro = await add_service(self.bus.nc, ServiceConfig(
             name=self.name, version=__version__, description=self.description,
             metadata={"instance": self.instance}, stats_handler=self.stats_data))
@@ -167,6 +174,9 @@ class Service:
         if self.bus is not None:
             await self.bus.close()
         telemetry.shutdown_tracing()
+        if self.metrics_server is not None:
+            self.metrics_server.shutdown()
+            self.metrics_server.server_close()
         log.info("stopped")
 
     async def run(self) -> None:
@@ -190,6 +200,10 @@ class Service:
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(self._stop_requested.wait(), seconds)
         return self.stopping
+
+
+async def _count_reconnect() -> None:
+    metrics.BUS_RECONNECTS.inc()
 
 
 def run_service(service: Service) -> int:

@@ -8,6 +8,10 @@ itself in ``<data-dir>/up.json`` so ``phalanx down`` and ``phalanx nodes`` can
 find it, and stops everything in reverse order. Children are started with a
 parent-death signal, so even a SIGKILLed ``phalanx up`` leaves nothing behind.
 
+Every process it starts serves Prometheus metrics on a free port of 127.0.0.1 of its
+own (:mod:`phalanx.services.metrics`); ``up.json`` lists them by log name
+(``metrics``: ``{"health": 40123, "agent-local-0": 40127, ...}``).
+
 Agents that die are *not* restarted: a killed agent must show as lost, as it
 would on a real machine.
 
@@ -43,6 +47,7 @@ from phalanx.bus.errors import RemoteError
 from phalanx.schemas import subjects
 from phalanx.schemas.errors import PhalanxError
 from phalanx.schemas.messages import NodeHeartbeat
+from phalanx.services import metrics
 from phalanx.services.agent.ranks import MANIFEST, running_in_manifest, start_ticks
 from phalanx.services.auth.issuer import AuthDir
 from phalanx.services.auth.roles import Role
@@ -52,6 +57,7 @@ from phalanx.services.natsd import (
     NatsServer,
     NatsServerError,
     _die_with_parent,
+    free_port,
     reload_config,
 )
 
@@ -78,6 +84,7 @@ class ClusterState:
     auth_dir: str | None = None  # the auth directory of a secured cluster
     nats_pids: list[int] = dataclasses.field(default_factory=list)  # an embedded NATS cluster
     nats_replicas: int = 1  # replicas of the buckets and streams phalanx creates
+    metrics: dict[str, int] = dataclasses.field(default_factory=dict)  # log name -> port
 
     @classmethod
     def read(cls, data_dir: Path) -> ClusterState | None:
@@ -158,6 +165,7 @@ class LocalCluster:
         self.services: dict[str, asyncio.subprocess.Process] = {}
         # log name -> what it was started with: arguments, and its identity's variables
         self._argv: dict[str, tuple[tuple[str, ...], dict[str, str]]] = {}
+        self.metrics_ports: dict[str, int] = {}  # log name -> its /metrics port (kept)
         self.auth = AuthDir(auth_dir) if auth_dir is not None else None
         self.bus: Bus | None = None
 
@@ -287,6 +295,9 @@ class LocalCluster:
             env = with_identity(env, identity)
         if self.config_path:
             env["PHALANX_CONFIG"] = self.config_path
+        # Its own /metrics port, the same one again after a restart (scrape configs hold it).
+        port = self.metrics_ports.setdefault(name, free_port())
+        env.update({metrics.PORT_ENV: str(port), metrics.ADDR_ENV: "127.0.0.1"})
         try:
             return await asyncio.create_subprocess_exec(
                 sys.executable, "-m", *argv, stdin=asyncio.subprocess.DEVNULL, stdout=log_file,
@@ -376,7 +387,7 @@ class LocalCluster:
             services={n: p.pid for n, p in self.services.items()},
             auth_dir=str(self.auth.root) if self.auth else None,
             nats_pids=[s.process.pid for s in self.embedded_nats if s.process],
-            nats_replicas=self.nats_replicas,
+            nats_replicas=self.nats_replicas, metrics=dict(self.metrics_ports),
         )
 
     async def stop(self, grace_s: float = 10.0) -> None:

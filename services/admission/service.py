@@ -62,6 +62,7 @@ from phalanx.schemas.messages import (
     ScalingEvent,
     SubmitRequest,
 )
+from phalanx.services import metrics
 from phalanx.services.admission import core
 from phalanx.services.admission.changes import Announce
 from phalanx.services.admission.config import AdmissionConfig
@@ -255,8 +256,10 @@ class AdmissionService(Service):
 
     async def _schedule(self, term: Term, first: list[core.Decision | Reconciled]) -> None:
         """Apply batches of events, run a pass, persist; forever."""
-        decisions = first + term.core.schedule(time.time())
-        await self._persist(term, decisions)
+        now = time.time()
+        decisions = term.core.schedule(now)
+        self._count(term, decisions, now)
+        await self._persist(term, first + decisions)
         while True:
             batch = [await term.events.get()]
             while not term.events.empty() and len(batch) < 10_000:
@@ -267,7 +270,26 @@ class AdmissionService(Service):
                 if event is not _TICK:
                     decisions += term.core.handle(event, now)  # type: ignore[arg-type]
             decisions += term.core.schedule(now)
+            self._count(term, decisions, now)
             await self._persist(term, decisions)
+
+    @staticmethod
+    def _count(term: Term, decisions: list[core.Decision], now: float) -> None:
+        """The admission metrics, from what a pass decided (not from a restore's decisions,
+        which a previous leader counted)."""
+        metrics.QUEUE_DEPTH.set(len(term.core.queue))
+        for decision in decisions:
+            match decision:
+                case core.Admit():
+                    metrics.ADMITTED.inc()
+                    metrics.ADMISSION_LATENCY.observe(
+                        max(0.0, now - term.core.gangs[decision.job_id].submitted_at))
+                case core.Evict(requeue=True):
+                    if decision.reason.code is ReasonCode.PREEMPTED:
+                        metrics.PREEMPTED.labels("evicted").inc()
+                    metrics.REQUEUED.labels(decision.reason.code.value).inc()
+                case core.Shrink() if decision.reason.code is ReasonCode.PREEMPTED:
+                    metrics.PREEMPTED.labels("shrunk").inc()
 
     async def _persist(self, term: Term, decisions: list[core.Decision | Reconciled]) -> None:
         """Ledger first (one CAS), then changed job records, then state and scaling
@@ -299,10 +321,29 @@ class AdmissionService(Service):
                 persisted = term.persisted.get(gang.job_id)
                 if persisted is None or persisted[1] is not gang.reason.code:
                     touched.add(gang.job_id)
-        await asyncio.gather(*(self._write_record(term, gangs[j], now) for j in touched))
+        decided = {d.job_id: d for d in decisions if not isinstance(d, Announce | Reconciled)}
+        await asyncio.gather(*(self._write_decided(term, gangs[j], now, decided.get(j))
+                               for j in touched))
         for decision in decisions:
             if isinstance(decision, Announce):
                 await self._announce(decision, now)
+
+    async def _write_decided(self, term: Term, gang: core.Gang, now: float,
+                             decision: core.Decision | None) -> None:
+        """Write a gang's record; in a span naming the decision when one changed it (the
+        record's publish, and what agents and elasticity do about it, are its children)."""
+        if decision is None:
+            await self._write_record(term, gang, now)
+            return
+        attributes: dict[str, str | int] = {
+            "phalanx.job": gang.job_id, "phalanx.team": gang.team,
+            "phalanx.replicas": len(gang.nodes), "phalanx.cause": decision.cause}
+        reason = getattr(decision, "reason", None)
+        if reason is not None:
+            attributes["phalanx.reason"] = reason.code.value
+        with telemetry.tracer().start_as_current_span(
+                f"admission {type(decision).__name__.lower()}", attributes=attributes):
+            await self._write_record(term, gang, now)
 
     async def _announce(self, announce: Announce, now: float) -> None:
         """Publish a scaling event, in a span of its own (attributes name the job)."""

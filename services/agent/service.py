@@ -24,6 +24,7 @@ from pathlib import Path
 
 import msgspec
 import nats.errors
+from opentelemetry import context as otel_context
 
 from phalanx.bus import telemetry
 from phalanx.bus.client import Delivery
@@ -54,6 +55,7 @@ from phalanx.schemas.messages import (
     SnapshotReserve,
     StopReplica,
 )
+from phalanx.services import metrics
 from phalanx.services.agent import core
 from phalanx.services.agent.config import AgentConfig
 from phalanx.services.agent.ranks import RankSet, ReplicaOutdated, start_ticks
@@ -124,6 +126,8 @@ class AgentService(Service):
                              if self.config.checkpoint_dir
                              else self.work_dir.parent.parent / "checkpoints")
         await self.ranks.adopt()
+        ranks = self.ranks
+        metrics.RANKS.set_function(lambda: len(ranks.ranks))
         await self.bus.subscribe(subjects.job_states(), JobRecord, self.on_job_state)
         jobs = await TypedKV.open(self.bus.js, subjects.JOBS_BUCKET, JobRecord)
         self.jobs = jobs
@@ -201,6 +205,10 @@ class AgentService(Service):
     async def _report(self, event: RankStarted | RankExited) -> None:
         """Publish a rank's start or exit inside a span that names it: a trace's root."""
         assert self.bus is not None
+        # A start continues the trace of what launched it (admission's decision, or the
+        # recovery that asked for a replacement); an exit starts a trace of its own, the
+        # recovery's, whatever task reported it.
+        parent = None
         if isinstance(event, RankStarted):
             subject, name = subjects.rank_started(event.job_id), f"rank {event.rank} started"
             attributes = {"phalanx.pid": event.pid}
@@ -209,13 +217,17 @@ class AgentService(Service):
             attributes = {"phalanx.exit.cause": event.cause.value,
                           "phalanx.exit.code": -1 if event.exit_code is None else event.exit_code,
                           "phalanx.exit.signal": event.signal or ""}
+            parent = otel_context.Context()
+            metrics.RANK_EXITS.labels(event.cause.value).inc()
         attributes.update({"phalanx.job": event.job_id, "phalanx.rank": event.rank,
-                           "phalanx.node": self.config.node_id})
+                           "phalanx.node": self.config.node_id,
+                           "phalanx.replica": event.replica_id or ""})
         # Stored in the job-events stream before it counts as sent: health and elasticity
         # must never miss an exit. One id per process and kind, so the "lost" report of a
         # restarted agent for an exit already reported is stored once.
         kind = "started" if isinstance(event, RankStarted) else "exited"
-        with telemetry.tracer().start_as_current_span(name, attributes=attributes):
+        with telemetry.tracer().start_as_current_span(name, context=parent,
+                                                      attributes=attributes):
             await self.bus.publish_event(
                 subject, event, event_id=f"{event.job_id}-{self.config.node_id}-{event.pid}-{kind}")
 

@@ -75,6 +75,7 @@ from phalanx.schemas.messages import (
     StopReplica,
     StreamCursor,
 )
+from phalanx.services import metrics
 from phalanx.services.admission.scaling import ScalingRules
 from phalanx.services.base import Service
 from phalanx.services.elasticity import core
@@ -206,6 +207,8 @@ class ElasticityService(Service):
             async with term.turn:
                 with telemetry.consumer_span(event.delivery.subject, event.delivery.headers,
                                              0):
+                    if isinstance(event.message, GenerationApplied):
+                        _observe_applied(term.core, event.message)  # before it moves on
                     await self._act(term, job_id, term.core.handle(translated, time.time()),
                                     event.seq)
 
@@ -236,6 +239,7 @@ class ElasticityService(Service):
         if job_id in term.core.jobs:
             term.core.handle(core.JobStopped(job_id, event_id="record"), time.time())
             await term.store.forget(job_id)
+            metrics.forget_job(job_id, metrics.JOB_WORLD_SIZE, metrics.JOB_GENERATION)
         with contextlib.suppress(PhalanxError):
             await self.generations.delete(job_id)
 
@@ -263,6 +267,9 @@ class ElasticityService(Service):
                                 "phalanx.world_size": g.world_size,
                                 "phalanx.reason": g.reason.value}):
                         await self._publish(g)
+                    metrics.GENERATIONS.labels(g.reason.value).inc()
+                    metrics.JOB_WORLD_SIZE.labels(g.job_id).set(g.world_size)
+                    metrics.JOB_GENERATION.labels(g.job_id).set(g.generation)
                     log.info("generation", extra={"job": g.job_id, "generation": g.generation,
                                                   "world_size": g.world_size,
                                                   "reason": g.reason.value, "cause": g.cause})
@@ -311,6 +318,17 @@ class ElasticityService(Service):
                                    JobRecord, timeout_s=AGENT_TIMEOUT_S)
         except PhalanxError as exc:
             log.error("requeue failed", extra={"job": decision.job_id, "error": str(exc)})
+
+
+def _observe_applied(elasticity: core.ElasticityCore, applied: GenerationApplied) -> None:
+    """A member's report of what applying a generation took, into the recovery metrics."""
+    metrics.RECOVERY_PHASE.labels("rebuild").observe(applied.rebuild_s)
+    metrics.RECOVERY_PHASE.labels("state_copy").observe(applied.state_copy_s)
+    job = elasticity.jobs.get(applied.job_id)
+    current = job.current if job is not None else None
+    if applied.pause_s is not None and current is not None \
+            and current.generation == applied.generation:
+        metrics.RECOVERY.labels(current.reason.value).observe(applied.pause_s)
 
 
 def _event(event: StreamEvent) -> core.MemberFailed | core.ReplicaReady | core.GenerationApplied \

@@ -83,6 +83,7 @@ from phalanx.schemas.messages import (
     ReasonCode,
     StreamCursor,
 )
+from phalanx.services import metrics
 from phalanx.services.base import Service
 from phalanx.services.health import core
 from phalanx.services.jobstate import JobStateStore
@@ -237,6 +238,7 @@ class HealthService(Service):
                 continue
             async with term.turn:
                 with telemetry.consumer_span(event.delivery.subject, event.delivery.headers, 0):
+                    occurred_at = None
                     if isinstance(msg, RankStarted):
                         happened: core.Event = core.RankStarted(
                             msg.job_id, msg.rank, msg.node_id, msg.pid, msg.replica_id)
@@ -245,7 +247,8 @@ class HealthService(Service):
                         happened = core.RankExited(msg.job_id, msg.rank, msg.node_id,
                                                    msg.exit_code, msg.signal, msg.cause.value,
                                                    msg.replica_id, msg.detail)
-                    await self._handle(term, happened, event.seq)
+                        occurred_at = msg.exited_at
+                    await self._handle(term, happened, event.seq, occurred_at=occurred_at)
                     term.handled = event.seq
 
     async def _cursor(self, term: Term) -> None:
@@ -260,6 +263,9 @@ class HealthService(Service):
 
     def _store_progress(self, term: Term) -> None:
         for progress in term.core.take_progress(time.time(), PROGRESS_EVERY_S):
+            metrics.JOB_STEP.labels(progress.job_id).set(progress.step)
+            if progress.steps_per_s is not None:
+                metrics.JOB_STEP_RATE.labels(progress.job_id).set(progress.steps_per_s)
             term.outbox.put_nowait(lambda p=progress: self.progress.put(p.job_id, p))
 
     async def _carry_out(self, term: Term) -> None:
@@ -269,14 +275,16 @@ class HealthService(Service):
 
     # --- events in ----------------------------------------------------------------------
 
-    async def _handle(self, term: Term, event: core.Event, seq: int | None = None) -> None:
-        """Apply ``event``; queue its decisions and the snapshots of jobs it changed."""
+    async def _handle(self, term: Term, event: core.Event, seq: int | None = None, *,
+                      occurred_at: float | None = None) -> None:
+        """Apply ``event`` (which happened at ``occurred_at``, when it says); queue its
+        decisions and the snapshots of jobs it changed."""
         if not self._seeing(term) and not isinstance(event, core.WatchResumed):
             # Events still arrive (queued before a disconnection, or right after a
             # reconnection before the resumption): none may judge a timeout meanwhile.
             term.core.handle(core.WatchLost(), time.time())
         decisions = term.core.handle(event, time.time())
-        self._decided(term, decisions)
+        self._decided(term, decisions, occurred_at)
         if any(isinstance(d, core.FinishJob | core.FailJob) for d in decisions):
             self._store_progress(term)  # its last progress, with the record that ends it
         changed = term.core.take_changed()
@@ -294,7 +302,8 @@ class HealthService(Service):
                     lambda job_id=job_id, snapshot=snapshot: term.store.store(job_id, snapshot))
         term.rearm.set()  # the next deadline may have moved
 
-    def _decided(self, term: Term, decisions: list[core.Decision]) -> None:
+    def _decided(self, term: Term, decisions: list[core.Decision],
+                 occurred_at: float | None = None) -> None:
         if decisions:
             context = otel_context.get_current()  # the span of what caused them
             decided_at = time.time()  # a fault's detected_at, however late it goes out
@@ -302,7 +311,7 @@ class HealthService(Service):
             async def carry_out() -> None:
                 token = otel_context.attach(context)
                 try:
-                    await self._execute(decisions, decided_at)
+                    await self._execute(decisions, decided_at, occurred_at)
                 finally:
                     otel_context.detach(token)
 
@@ -317,6 +326,7 @@ class HealthService(Service):
                                                      record.spec.restart_policy))
         elif change.key in term.core.jobs:
             await self._handle(term, core.JobEnded(change.key))
+            metrics.forget_job(change.key, metrics.JOB_STEP, metrics.JOB_STEP_RATE)
 
     async def _on_progress(self, term: Term, msg: RankProgress, _: Delivery) -> None:
         async with term.turn:
@@ -390,7 +400,9 @@ class HealthService(Service):
 
     # --- decisions out ------------------------------------------------------------------
 
-    async def _execute(self, decisions: list[core.Decision], now: float) -> None:
+    async def _execute(self, decisions: list[core.Decision], now: float,
+                       occurred_at: float | None = None) -> None:
+        """Carry out ``decisions`` made at ``now`` about an event of ``occurred_at``."""
         assert self.bus is not None
         for decision in decisions:
             match decision:
@@ -401,9 +413,7 @@ class HealthService(Service):
                                   exit_code=decision.exit_code, signal=decision.signal,
                                   detail=decision.detail, replica_id=decision.replica_id,
                                   application=decision.application)
-                    await self.bus.publish_event(subjects.job_fault(decision.job_id), fault,
-                                                 event_id=fault.fault_id)
-                    self.faults_published += 1
+                    await self._raise(fault, occurred_at)
                     log.warning("fault", extra={"job": fault.job_id, "kind": fault.kind.value,
                                                 "rank": fault.rank, "node": fault.node_id,
                                                 "detail": fault.detail})
@@ -435,6 +445,29 @@ class HealthService(Service):
                                     decision.reason_code, decision.reason)
                 case _:
                     raise TypeError(f"unknown decision {decision!r}")
+
+    async def _raise(self, fault: Fault, occurred_at: float | None) -> None:
+        """Publish ``fault`` in a span of its own (the recovery trace's fault), counted."""
+        assert self.bus is not None
+        attributes: dict[str, str | int | float] = {
+            "phalanx.job": fault.job_id, "phalanx.fault.kind": fault.kind.value,
+            "phalanx.fault.id": fault.fault_id, "phalanx.node": fault.node_id,
+            "phalanx.fault.detail": fault.detail}
+        if fault.replica_id is not None:
+            attributes["phalanx.replica"] = fault.replica_id
+        if fault.rank is not None:
+            attributes["phalanx.rank"] = fault.rank
+        if occurred_at is not None:  # the exit it was raised for, as the agent saw it
+            detection_s = max(0.0, fault.detected_at - occurred_at)
+            attributes["phalanx.fault.detection_s"] = detection_s
+            metrics.DETECTION.labels(fault.kind.value).observe(detection_s)
+        # Counted as it goes out, so a scrape that sees what the fault caused counts it too.
+        metrics.FAULTS.labels(fault.kind.value).inc()
+        with telemetry.tracer().start_as_current_span(f"fault {fault.kind.value}",
+                                                      attributes=attributes):
+            await self.bus.publish_event(subjects.job_fault(fault.job_id), fault,
+                                         event_id=fault.fault_id)
+        self.faults_published += 1
 
     async def _condition(self, node_id: str, condition: NodeCondition, reason: str) -> None:
         assert self.bus is not None

@@ -1,0 +1,136 @@
+"""The Prometheus metrics phalanx's services and agents export, and the endpoint serving them.
+
+Every service process and node agent serves its metrics over HTTP in the Prometheus
+exposition format (``prometheus_client``, the maintained reference library; nothing here
+writes the format) when ``PHALANX_METRICS_PORT`` names a port: ``GET /metrics`` on
+``PHALANX_METRICS_ADDR`` (default ``0.0.0.0``). Unset or empty, there is no endpoint; ``0``
+takes any free port (the process logs which). ``phalanx up`` gives each process a port of
+its own and lists them in ``up.json`` (``metrics``).
+
+The metrics are defined here, once, and updated only in the service shells from what
+their pure cores decided and what they sent (a core never imports this). Each process
+exports only what it does, so a scrape of the health service shows faults and a scrape of
+elasticity generations; every process has the bus and leadership metrics. A counter is
+counted by the process that acted: the leader, so after a takeover the new leader's
+counters start from zero, as Prometheus's ``rate()`` and ``increase()`` expect of a
+restarted process. docs/observability.md lists them with their labels.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+from collections.abc import Mapping
+from wsgiref.simple_server import WSGIServer
+
+from prometheus_client import Counter, Gauge, Histogram, start_http_server
+
+from phalanx.schemas.errors import PhalanxError
+
+log = logging.getLogger("phalanx.metrics")
+
+PORT_ENV = "PHALANX_METRICS_PORT"
+ADDR_ENV = "PHALANX_METRICS_ADDR"
+
+#: Seconds, from a scheduling pass to a pause of several seconds.
+_SHORT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+#: Seconds a gang waits for admission: from at once to hours in a busy queue.
+_QUEUE_BUCKETS = (0.01, 0.05, 0.1, 0.5, 1.0, 5.0, 15.0, 60.0, 300.0, 900.0, 3600.0, 14400.0)
+
+# --- every process ---------------------------------------------------------------------------
+
+BUS_RECONNECTS = Counter("phalanx_bus_reconnects", "Times the bus connection came back after a "
+                         "loss")
+
+# --- admission (the leader) ------------------------------------------------------------------
+
+QUEUE_DEPTH = Gauge("phalanx_admission_queue_depth", "Gangs waiting for admission after the "
+                    "latest pass")
+ADMISSION_LATENCY = Histogram("phalanx_admission_latency_seconds", "From a gang's submission "
+                              "to its admission (a requeued gang's too)",
+                              buckets=_QUEUE_BUCKETS)
+ADMITTED = Counter("phalanx_admission_admitted", "Gangs admitted")
+PREEMPTED = Counter("phalanx_admission_preempted", "Running gangs that gave slots to others: "
+                    "evicted whole or shrunk", ["how"])
+REQUEUED = Counter("phalanx_admission_requeued", "Running gangs sent back to the queue",
+                   ["reason"])
+
+# --- health (the leader) ---------------------------------------------------------------------
+
+FAULTS = Counter("phalanx_faults", "Faults raised", ["kind"])
+DETECTION = Histogram("phalanx_fault_detection_seconds", "From a rank's exit, as its agent "
+                      "saw it, to the fault health raised for it (crash faults)", ["kind"],
+                      buckets=_SHORT_BUCKETS)
+JOB_STEP = Gauge("phalanx_job_step", "A running job's highest committed step", ["job"])
+JOB_STEP_RATE = Gauge("phalanx_job_step_rate", "A running job's steps per second over the "
+                      "last 30 s", ["job"])
+
+# --- elasticity (the leader) -----------------------------------------------------------------
+
+GENERATIONS = Counter("phalanx_generations", "Generations (memberships) decided", ["reason"])
+RECOVERY = Histogram("phalanx_recovery_seconds", "What a generation change cost a member that "
+                     "trained before and after it (GenerationApplied.pause_s)", ["reason"],
+                     buckets=_SHORT_BUCKETS)
+RECOVERY_PHASE = Histogram("phalanx_recovery_phase_seconds", "A member's time in each phase "
+                           "of applying a generation: rebuild (process group), state_copy",
+                           ["phase"], buckets=_SHORT_BUCKETS)
+JOB_WORLD_SIZE = Gauge("phalanx_job_world_size", "A running job's world size in its current "
+                       "generation", ["job"])
+JOB_GENERATION = Gauge("phalanx_job_generation", "A running job's current generation", ["job"])
+
+# --- agents ----------------------------------------------------------------------------------
+
+RANKS = Gauge("phalanx_agent_ranks", "Ranks running on this node")
+RANK_EXITS = Counter("phalanx_agent_rank_exits", "Ranks on this node that ended, by how",
+                     ["cause"])
+
+
+class MetricsConfigError(PhalanxError, ValueError):
+    """The metrics port or address in the environment is not usable."""
+
+
+def port_from_env(env: Mapping[str, str] | None = None) -> int | None:
+    """``PHALANX_METRICS_PORT`` as a port, None when unset or empty (no endpoint).
+
+    Raises:
+        MetricsConfigError: it is not a number from 0 to 65535.
+    """
+    raw = (os.environ if env is None else env).get(PORT_ENV, "").strip()
+    if not raw:
+        return None
+    try:
+        port = int(raw)
+    except ValueError:
+        port = -1
+    if not 0 <= port <= 65535:
+        raise MetricsConfigError(f"{PORT_ENV} must be a port number from 0 to 65535 "
+                                 f"(0: any free port), got {raw!r}")
+    return port
+
+
+def serve(env: Mapping[str, str] | None = None) -> WSGIServer | None:
+    """Serve ``/metrics`` on a daemon thread as the environment asks; None when it does not.
+
+    The caller stops it with ``shutdown()`` and ``server_close()``; its port is
+    ``server_address[1]``.
+
+    Raises:
+        MetricsConfigError: the port is malformed.
+        OSError: it cannot be bound (in use, say): a process asked for metrics it cannot
+            export fails at start, rather than running unobserved.
+    """
+    port = port_from_env(env)
+    if port is None:
+        return None
+    addr = (os.environ if env is None else env).get(ADDR_ENV, "").strip() or "0.0.0.0"
+    server, _ = start_http_server(port, addr=addr)
+    log.info("metrics", extra={"address": f"http://{addr}:{server.server_address[1]}/metrics"})
+    return server
+
+
+def forget_job(job_id: str, *gauges: Gauge) -> None:
+    """Drop an ended job's series from ``gauges`` (absent ones are fine)."""
+    for gauge in gauges:
+        with contextlib.suppress(KeyError):
+            gauge.remove(job_id)
