@@ -68,13 +68,13 @@ from phalanx.schemas.codec import decode
 from phalanx.schemas.errors import WireError
 from phalanx.schemas.messages import (
     ALL_MESSAGES,
-    AllocationLedger,
     ChaosAction,
     ChaosRequest,
     Explanation,
     Fault,
     Generation,
     GenerationApplied,
+    JobPlacement,
     JobRecord,
     JobRequest,
     JobSnapshot,
@@ -83,6 +83,7 @@ from phalanx.schemas.messages import (
     LaunchReplica,
     Lease,
     Message,
+    NodeClaims,
     NodeCondition,
     NodeConditionChanged,
     NodeHeartbeat,
@@ -100,7 +101,8 @@ from phalanx.schemas.messages import (
     SubmitRequest,
 )
 from phalanx.services.admission.config import AdmissionConfig
-from phalanx.services.admission.service import LEADER_KEY, LEDGER_KEY, AdmissionService
+from phalanx.services.admission.ledger import job_key, node_key
+from phalanx.services.admission.service import LEADER_KEY, AdmissionService
 from phalanx.services.agent.config import AgentConfig
 from phalanx.services.agent.service import AgentService
 from phalanx.services.base import Service
@@ -511,9 +513,12 @@ def targets(world: World) -> list[Target]:
         Target("kv.elasticity_snapshots", Via.KV, JobSnapshot,
                lambda rng: f"{subjects.ELASTICITY_BUCKET}/{job(rng)}", lambda s: [],
                exact=False, disruptive=True),
-        Target("kv.admission_ledger", Via.KV, AllocationLedger,
-               fixed(f"{subjects.ADMISSION_BUCKET}/{LEDGER_KEY}"), lambda s: [], exact=False,
-               disruptive=True),
+        Target("kv.admission_placements", Via.KV, JobPlacement,
+               lambda rng: f"{subjects.ADMISSION_BUCKET}/{job_key(job(rng))}", lambda s: [],
+               exact=False, disruptive=True),
+        Target("kv.admission_claims", Via.KV, NodeClaims,
+               lambda rng: f"{subjects.ADMISSION_BUCKET}/{node_key(node(rng))}", lambda s: [],
+               exact=False, disruptive=True),
         Target("kv.admission_lease", Via.KV, Lease,
                fixed(f"{subjects.ADMISSION_BUCKET}/{LEADER_KEY}"), lambda s: [], exact=False,
                disruptive=True, by_design=_never_expires),

@@ -332,20 +332,38 @@ class TypedKV(Generic[M]):
         async for change in self.watch():
             into.put_nowait(change)
 
-    async def _keys(self) -> list[str]:
-        """Every key with a value or a delete marker, as the server lists the bucket's subjects.
+    async def _keys(self, prefix: str = "") -> list[str]:
+        """Every key (starting with ``prefix``) with a value or a delete marker, as the
+        server lists the bucket's subjects.
 
         nats-py's ``keys()`` lists through a watcher that can end its initial pass early
         while keys are being written, and so miss some; the stream's per-subject state is
         exact. (``KeyValue`` exposes no stream handle, hence its private ``_js``/``_stream``.)
         """
-        prefix = f"$KV.{self.bucket}."
+        subject_prefix = f"$KV.{self.bucket}."
+        wanted = f"{subject_prefix}{prefix}>" if prefix else f"{subject_prefix}>"
         try:
             info = await self._retrying(lambda: self.kv._js.stream_info(
-                self.kv._stream, subjects_filter=f"{prefix}>"), "(keys)")
+                self.kv._stream, subjects_filter=wanted), "(keys)")
         except jse.NotFoundError:
             return []
-        return [subject.removeprefix(prefix) for subject in (info.state.subjects or {})]
+        return [subject.removeprefix(subject_prefix) for subject in (info.state.subjects or {})]
+
+    async def currents(self, prefix: str, *,
+                       in_flight: int = 256) -> dict[str, tuple[M | None, int]]:
+        """:meth:`current` of every key under ``prefix`` (which ends with a dot), read
+        ``in_flight`` at a time; keys deleted are left out, undecodable values are None
+        with their revision. A leader restoring thousands of records reads them this way
+        (one at a time took seconds at 10,000 keys)."""
+        gate = asyncio.Semaphore(in_flight)
+
+        async def read(key: str) -> tuple[str, M | None, int]:
+            async with gate:
+                value, revision = await self.current(key)
+            return key, value, revision
+
+        read_all = await asyncio.gather(*(read(key) for key in await self._keys(prefix)))
+        return {key: (value, revision) for key, value, revision in read_all if revision}
 
     async def entries(self) -> tuple[list[Entry[M]], list[WireError]]:
         """Every live entry, and the errors of those whose values do not decode."""

@@ -408,22 +408,30 @@ class Explanation(Message, tag="phalanx.explanation.v1"):
     nodes: list[Ident] = []
 
 
-class Allocation(Part):
-    """One admitted job's slots in the ledger."""
+class JobPlacement(Message, tag="phalanx.job_placement.v1"):
+    """One job's committed placement in admission's ledger (key ``job.<job id>``).
+
+    What the job holds: one node id per replica. The slots are reserved first in
+    each node's :class:`NodeClaims`, so a placement never names a slot its node's
+    claims do not hold. Empty ``nodes``: the job holds nothing (a requeued job; a new
+    leader writes it to fence off an older leader's commit).
+    """
 
     team: Ident
     slots_per_replica: SlotCount
-    nodes: list[Ident]
+    nodes: list[Ident] = []
+    updated_at: NonNegFloat = 0.0
 
 
-class AllocationLedger(Message, tag="phalanx.allocation_ledger.v1"):
-    """Every admitted job's placement: the single record admission updates by CAS.
+class NodeClaims(Message, tag="phalanx.node_claims.v1"):
+    """The slots admission has reserved on one node (key ``node.<node id>``), by job.
 
-    Placement changes of one pass are one compare-and-swap of this record, so
-    two admission instances can never hand out the same slot twice.
+    Every slot a job is given is claimed here first, compare-and-swapped on this
+    record's revision, so two admission instances can never hand out the same slot
+    twice: the record of a node is the only place its slots are given.
     """
 
-    allocations: dict[Ident, Allocation] = {}
+    claims: dict[Ident, PosInt] = {}
     updated_at: NonNegFloat = 0.0
 
 
@@ -884,7 +892,8 @@ ALL_MESSAGES: tuple[type[Message], ...] = (
     ScaleRequest,
     ScalingEvent,
     Explanation,
-    AllocationLedger,
+    JobPlacement,
+    NodeClaims,
     Lease,
     StreamCursor,
     JobSnapshot,

@@ -101,8 +101,10 @@ CATALOG: tuple[SubjectDoc, ...] = (
 KV_VALUES: tuple[tuple[str, str, type[m.Message], str], ...] = (
     (subjects.NODES_BUCKET, "node id", m.NodeRecord, "the node registry"),
     (subjects.JOBS_BUCKET, "job id", m.JobRecord, "every job's admission state"),
-    (subjects.ADMISSION_BUCKET, "`ledger`", m.AllocationLedger,
-     "every admitted job's placement; one CAS per admission pass"),
+    (subjects.ADMISSION_BUCKET, "`job.<job id>`", m.JobPlacement,
+     "one job's placement in admission's ledger, compare-and-swapped"),
+    (subjects.ADMISSION_BUCKET, "`node.<node id>`", m.NodeClaims,
+     "the slots admission has given on one node, by job; compare-and-swapped"),
     (subjects.ADMISSION_BUCKET, "`leader`", m.Lease, "the admission leader's lease"),
     (subjects.GENERATIONS_BUCKET, "job id", m.Generation, "each running job's membership"),
     (subjects.LEASES_BUCKET, "service (`health`, `elasticity`)", m.Lease,

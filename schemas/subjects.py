@@ -190,7 +190,8 @@ def agent_snapshot(node_id: str) -> str:
 NODES_BUCKET = "phalanx_nodes"
 #: JetStream KV bucket holding one JobRecord per submitted job.
 JOBS_BUCKET = "phalanx_jobs"
-#: JetStream KV bucket with admission's ``ledger`` (AllocationLedger) and ``leader`` (Lease).
+#: JetStream KV bucket with admission's ledger (``job.<job id>``: JobPlacement,
+#: ``node.<node id>``: NodeClaims) and its ``leader`` (Lease).
 ADMISSION_BUCKET = "phalanx_admission"
 #: JetStream KV bucket holding each running job's current Generation (key = job id).
 GENERATIONS_BUCKET = "phalanx_generations"

@@ -9,16 +9,18 @@ replaced once its lease expires, a stopped one hands over at once by
 releasing it).
 
 The leader rebuilds the pure :class:`~.core.AdmissionCore` from KV — the
-allocation ledger, the node registry and the job records — then watches the
-jobs and nodes buckets and runs the core on each batch of events. After a
-batch it writes, in this order: the ledger (one CAS: every placement change
-of the batch at once), then the changed job records, then a state event per
-changed job and the scaling events (:class:`~phalanx.schemas.messages.ScalingEvent` on
-``phalanx.job.<job>.scaling``, each in a span). The leader also follows the generations
+ledger (:mod:`.ledger`: each job's placement and each node's claims), the node
+registry and the job records — then watches the jobs and nodes buckets and runs
+the core on each batch of events. After a batch it writes, in this order: the
+ledger records the batch changed (placements that shrink, the changed nodes'
+claims, placements that grow; each compare-and-swapped), then the changed job
+records, then a state event per changed job and the scaling events
+(:class:`~phalanx.schemas.messages.ScalingEvent` on ``phalanx.job.<job>.scaling``, each
+in a span). The leader also follows the generations
 bucket: a job's world size there completes its planned size change. A
-restarted leader therefore recovers from any crash point: a job in the ledger
-is admitted, a terminal record (cancelled, failed, finished) is final,
-everything else is pending. A ledger CAS that fails means
+restarted leader therefore recovers from any crash point: a job placed in the
+ledger is admitted, a terminal record (cancelled, failed, finished) is final,
+everything else is pending. A ledger write whose compare-and-swap fails means
 another instance wrote it: this one steps down rather than guess.
 
 A node is judged lost only on silence the leader could have heard: nothing
@@ -46,10 +48,9 @@ from phalanx.bus.errors import Conflict, NoResponders, RemoteError, RequestRefus
 from phalanx.bus.kv import Change, TypedKV
 from phalanx.schemas import subjects
 from phalanx.schemas.messages import (
-    Allocation,
-    AllocationLedger,
     Explanation,
     Generation,
+    JobPlacement,
     JobRecord,
     JobRequest,
     JobState,
@@ -63,16 +64,16 @@ from phalanx.schemas.messages import (
     SubmitRequest,
 )
 from phalanx.services import metrics
-from phalanx.services.admission import core
+from phalanx.services.admission import core, ledger
 from phalanx.services.admission.changes import Announce
 from phalanx.services.admission.config import AdmissionConfig
+from phalanx.services.admission.store import LedgerStore
 from phalanx.services.base import Service
-from phalanx.services.lease import Leadership, LeadershipLost
+from phalanx.services.lease import Leadership
 from phalanx.services.registry.core import NodeState, view
 
 log = logging.getLogger("phalanx.admission")
 LEADER_KEY = "leader"
-LEDGER_KEY = "ledger"
 _TICK = object()  # scheduler wake-up for timeouts and node liveness
 #: The verbs every instance takes and the leader serves: request and reply types.
 VERBS: dict[str, tuple[type[Message], type[Message]]] = {
@@ -94,14 +95,12 @@ class Term:
 
     core: core.AdmissionCore
     events: asyncio.Queue[object]
-    ledger_revision: int = 0
-    allocations: dict[str, Allocation] = dataclasses.field(default_factory=dict)
+    store: LedgerStore
     persisted: dict[str, tuple[JobState, ReasonCode, tuple[str, ...]]] = dataclasses.field(
         default_factory=dict)
     node_events: dict[str, core.NodeUpdated] = dataclasses.field(default_factory=dict)
     serving: bool = False  # state rebuilt: requests may be answered
     watching_since: float = 0.0  # nodes are judged on silence heard since then
-    ledger_unreadable: bool = False  # placements come from the admitted records instead
 
 
 class AdmissionService(Service):
@@ -132,8 +131,7 @@ class AdmissionService(Service):
         js = self.bus.js
         self.jobs = await TypedKV.open(js, subjects.JOBS_BUCKET, JobRecord)
         self.nodes = await TypedKV.open(js, subjects.NODES_BUCKET, NodeRecord)
-        self.ledger = await TypedKV.open(js, subjects.ADMISSION_BUCKET, AllocationLedger)
-        self.leases = TypedKV(self.ledger.kv, subjects.ADMISSION_BUCKET, Lease)
+        self.leases = await TypedKV.open(js, subjects.ADMISSION_BUCKET, Lease)
         self.generations = await TypedKV.open(js, subjects.GENERATIONS_BUCKET, Generation)
         for verb, (request_type, reply_type) in VERBS.items():
             await self.add_endpoint(verb, subjects.admission(verb), request_type,
@@ -167,7 +165,8 @@ class AdmissionService(Service):
 
     async def _lead_term(self) -> None:
         """The leader's work for one term of the lease (run by :class:`Leadership`)."""
-        term = Term(core.AdmissionCore(self.config.policy), asyncio.Queue())
+        term = Term(core.AdmissionCore(self.config.policy), asyncio.Queue(),
+                    LedgerStore(self.leases.kv, subjects.ADMISSION_BUCKET))
         self.term = term
         try:
             await self._lead(term)
@@ -181,12 +180,7 @@ class AdmissionService(Service):
         """Rebuild state from KV, then serve requests and run the core until cancelled."""
         assert self.bus is not None
         term.watching_since = time.time()  # a new leader has heard nobody yet
-        # An undecodable ledger is rebuilt from the admitted job records (_restore); the
-        # first persist replaces it at its revision.
-        ledger, term.ledger_revision = await self.ledger.current(LEDGER_KEY)
-        if ledger is not None:
-            term.allocations = dict(ledger.allocations)
-        term.ledger_unreadable = ledger is None and term.ledger_revision > 0
+        await term.store.load()
         now = time.time()
         node_entries, _ = await self.nodes.entries()
         for entry in node_entries:
@@ -194,7 +188,7 @@ class AdmissionService(Service):
         while not term.events.empty():
             term.core.handle(term.events.get_nowait(), now)
         job_changes = self.jobs.follow(self.bus.resync_event())
-        restored = await self._restore(term, job_changes)
+        restored, repair = await self._restore(term, job_changes)
         subscriptions = [
             await self.bus.subscribe(subjects.admission_leader(verb), request_type,
                                      lambda r, d, verb=verb: self._handlers[verb](term, r),
@@ -210,7 +204,7 @@ class AdmissionService(Service):
                 tasks.create_task(self._watch_nodes(term))
                 tasks.create_task(self._watch_generations(term))
                 tasks.create_task(self._tick(term))
-                tasks.create_task(self._schedule(term, restored))
+                tasks.create_task(self._schedule(term, restored, repair))
         finally:
             for sub in subscriptions:
                 try:
@@ -219,29 +213,33 @@ class AdmissionService(Service):
                     log.debug("unsubscribe failed: %s", exc)
             await job_changes.aclose()
 
-    async def _restore(self, term: Term, changes) -> list[core.Decision | Reconciled]:
-        """Feed the jobs' current records to the core, admitted ones onto their ledger nodes."""
+    async def _restore(self, term: Term, changes
+                       ) -> tuple[list[core.Decision | Reconciled], ledger.Restored]:
+        """Feed the jobs' current records to the core, admitted ones onto their placements;
+        returns the decisions and what the ledger needs repaired (:func:`ledger.restore`)."""
         current: list[JobRecord] = []
         async for change in changes:
             if change is None:
                 break
             if change.value is not None:
                 current.append(change.value)
+        store = term.store
+        placements = dict(store.stored)
         decisions: list[core.Decision] = []
         for record in sorted(current, key=lambda r: (r.submitted_at, r.job_id)):
             if record.state.terminal:
                 term.persisted[record.job_id] = (record.state, record.reason_code, ())
                 continue
-            allocation = term.allocations.get(record.job_id)
-            if allocation is None and term.ledger_unreadable \
-                    and record.state is JobState.ADMITTED:
-                allocation = term.allocations[record.job_id] = Allocation(
+            if record.job_id in store.unreadable and record.state is JobState.ADMITTED:
+                # An undecodable placement: the admitted record says where the job runs.
+                placements[record.job_id] = JobPlacement(
                     team=record.spec.team, slots_per_replica=record.spec.slots_per_replica,
                     nodes=list(record.nodes))
+            placement = placements.get(record.job_id)
             event = core.JobSubmitted(record.job_id, record.spec, record.submitted_at,
                                       event_id="restore", pinned_replicas=record.pinned_replicas,
                                       change=record.scaling_change)
-            decisions += term.core.restore(event, list(allocation.nodes) if allocation else [],
+            decisions += term.core.restore(event, list(placement.nodes) if placement else [],
                                            time.time())
             term.persisted[record.job_id] = (record.state, record.reason_code,
                                              tuple(record.nodes))
@@ -250,16 +248,34 @@ class AdmissionService(Service):
         stale = [Reconciled(gang.job_id) for gang in term.core.gangs.values()
                  if not gang.state.terminal
                  and term.persisted[gang.job_id][0] is not gang.state]
+        repair = ledger.restore(placements, store.claims)
         log.info("restored", extra={"jobs": len(current), "admitted": len(term.core.running),
-                                    "reconciled": len(stale)})
-        return [*decisions, *stale]
+                                    "reconciled": len(stale), "fenced": len(repair.fence),
+                                    "nodes_repaired": len(repair.dirty)})
+        return [*decisions, *stale], repair
 
-    async def _schedule(self, term: Term, first: list[core.Decision | Reconciled]) -> None:
-        """Apply batches of events, run a pass, persist; forever."""
+    @staticmethod
+    def _ledger_repairs(term: Term, repair: ledger.Restored) -> set[str]:
+        """The jobs the first persist writes besides those the pass changed: placements to
+        fence or to replace, those of jobs the core does not run (ended while nobody led),
+        and every job with slots on a node whose claims are rewritten."""
+        store, gangs = term.store, term.core.gangs
+        jobs = set(repair.fence) | store.unreadable
+        jobs.update(job for job in store.stored
+                    if job not in gangs or gangs[job].state is not JobState.ADMITTED)
+        for node in repair.dirty:
+            jobs.update(store.claims.get(node, {}))
+            jobs.update(job for job, placement in store.stored.items() if node in placement.nodes)
+        return jobs
+
+    async def _schedule(self, term: Term, first: list[core.Decision | Reconciled],
+                        repair: ledger.Restored) -> None:
+        """Repair the ledger, then apply batches of events, run a pass, persist; forever."""
         now = time.time()
         decisions = term.core.schedule(now)
         self._count(term, decisions, now)
-        await self._persist(term, first + decisions)
+        await self._persist(term, first + decisions, repair=repair,
+                            ledger_jobs=self._ledger_repairs(term, repair))
         while True:
             batch = [await term.events.get()]
             while not term.events.empty() and len(batch) < 10_000:
@@ -291,30 +307,21 @@ class AdmissionService(Service):
                 case core.Shrink() if decision.reason.code is ReasonCode.PREEMPTED:
                     metrics.PREEMPTED.labels("shrunk").inc()
 
-    async def _persist(self, term: Term, decisions: list[core.Decision | Reconciled]) -> None:
-        """Ledger first (one CAS), then changed job records, then state and scaling
-        events."""
+    async def _persist(self, term: Term, decisions: list[core.Decision | Reconciled], *,
+                       repair: ledger.Restored | None = None,
+                       ledger_jobs: set[str] | frozenset[str] = frozenset()) -> None:
+        """The ledger's changes first (:func:`ledger.plan`), then changed job records,
+        then state and scaling events."""
         touched = {d.job_id for d in decisions}
-        placed = {d.job_id for d in decisions if not isinstance(d, Announce)}
+        placed = {d.job_id for d in decisions if not isinstance(d, Announce)} | ledger_jobs
         gangs = term.core.gangs
-        for job_id in placed:
-            gang = gangs[job_id]
-            if gang.state is JobState.ADMITTED:
-                term.allocations[job_id] = Allocation(team=gang.team,
-                                                      slots_per_replica=gang.per_replica,
-                                                      nodes=list(gang.nodes))
-            else:
-                term.allocations.pop(job_id, None)
         now = time.time()
-        if placed:
-            ledger = AllocationLedger(allocations=term.allocations, updated_at=now)
-            try:
-                term.ledger_revision = (
-                    await self.ledger.update(LEDGER_KEY, ledger, term.ledger_revision)
-                    if term.ledger_revision else await self.ledger.create(LEDGER_KEY, ledger))
-            except Conflict:
-                raise LeadershipLost("the allocation ledger was written by another "
-                                     "instance") from None
+        after = {job: _placement(gangs.get(job), now) for job in placed}
+        plan = ledger.plan(term.store.stored, term.store.claims, after,
+                           dirty=repair.dirty if repair else (),
+                           fence=repair.fence if repair else ())
+        if plan:
+            await term.store.write(plan)
         # Pending gangs whose reason changed get their record refreshed too.
         for gang in term.core.queue:
             if gang.reason_pass == term.core.pass_no:
@@ -562,3 +569,11 @@ class AdmissionService(Service):
         return Explanation(job_id=gang.job_id, state=gang.state, reason_code=reason.code,
                            reason=reason.message, position=position,
                            queue_length=len(term.core.queue), nodes=list(gang.nodes))
+
+def _placement(gang: core.Gang | None, now: float) -> JobPlacement | None:
+    """What the ledger stores for ``gang`` now: None once it ended (or is unknown)."""
+    if gang is None or gang.state.terminal:
+        return None
+    return JobPlacement(team=gang.team, slots_per_replica=gang.per_replica,
+                        nodes=list(gang.nodes) if gang.state is JobState.ADMITTED else [],
+                        updated_at=now)

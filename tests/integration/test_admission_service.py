@@ -7,10 +7,12 @@ start empty; agents are the real AgentService, in-process or not.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import signal
 import sys
+import time
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
@@ -22,12 +24,13 @@ from phalanx.bus.config import BusConfig
 from phalanx.bus.errors import RemoteError
 from phalanx.bus.kv import TypedKV
 from phalanx.schemas import subjects
+from phalanx.schemas.codec import encode
 from phalanx.schemas.messages import (
-    AllocationLedger,
     JobRecord,
     JobSpec,
     JobState,
     Lease,
+    NodeInfo,
     NodeRecord,
     Placement,
     ReasonCode,
@@ -40,6 +43,7 @@ from phalanx.schemas.messages import (
 )
 from phalanx.services.admission.config import AdmissionConfig
 from phalanx.services.admission.service import AdmissionService
+from phalanx.services.admission.store import LedgerStore
 from phalanx.services.agent.config import AgentConfig
 from phalanx.services.agent.service import AgentService
 from phalanx.services.client import AdmissionClient
@@ -55,6 +59,14 @@ def config(own_nats: NatsServer) -> BusConfig:
 async def client_bus(config: BusConfig) -> AsyncIterator[Bus]:
     async with await Bus.connect(config, name="test-client") as bus:
         yield bus
+
+
+async def stored_ledger(bus: Bus) -> LedgerStore:
+    """Admission's ledger as stored, read whole."""
+    bucket = await TypedKV.open(bus.js, subjects.ADMISSION_BUCKET, Lease)
+    store = LedgerStore(bucket.kv, subjects.ADMISSION_BUCKET)
+    await store.load()
+    return store
 
 
 async def start_agents(config: BusConfig, slots: int, count: int) -> list[AgentService]:
@@ -133,9 +145,10 @@ async def test_submit_wait_with_reason_then_admit_on_cancel(config: BusConfig,
             seen.append((events.get_nowait().job_id, "x"))
         assert ("big-1", "x") in seen  # state changes were published
 
-        ledger = await TypedKV.open(client_bus.js, subjects.ADMISSION_BUCKET, AllocationLedger)
-        entry = await ledger.get("ledger")
-        assert entry is not None and list(entry.value.allocations) == ["big-1"]
+        ledger = await stored_ledger(client_bus)
+        held = {job: p.nodes for job, p in ledger.stored.items() if p.nodes}
+        assert held == {"big-1": admitted.nodes}  # small-1's placement is deleted
+        assert ledger.claims == {"node-0": {"big-1": 2}, "node-1": {"big-1": 2}}
     finally:
         await service.stop()
         for agent in agents:
@@ -361,20 +374,50 @@ def _spawn_admission(url: str, instance: str) -> asyncio.subprocess.Process:
         stderr=asyncio.subprocess.DEVNULL)
 
 
+async def heartbeat_nodes(bus: Bus, nodes: list[NodeInfo], stop: asyncio.Event) -> None:
+    """Keep registry entries for ``nodes`` fresh (every 0.5 s), as their agents would: the
+    big burst needs thousands of slots, and admission reads only the registry."""
+    registry = await TypedKV.open(bus.js, subjects.NODES_BUCKET, NodeRecord)
+    seq = 0
+    while not stop.is_set():
+        seq += 1
+        now = time.time()
+        await asyncio.gather(*(registry.put(node.node_id, NodeRecord(
+            node=node, heartbeat_seq=seq, heartbeat_at=now)) for node in nodes))
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(stop.wait(), 0.5)
+
+
+@pytest.mark.parametrize("n_jobs", [
+    120,
+    # Past the old single-value ledger's ceiling: these placements would not fit in one
+    # 1 MB record (asserted below). Nodes are registry entries kept fresh by the test.
+    pytest.param(12_000, marks=pytest.mark.slow),
+])
 async def test_sigkill_mid_burst_loses_nothing_and_admits_nothing_twice(
-        own_nats: NatsServer, config: BusConfig, client_bus: Bus) -> None:
-    agents = await start_agents(config, slots=64, count=2)
+        own_nats: NatsServer, config: BusConfig, client_bus: Bus, n_jobs: int) -> None:
+    big = n_jobs > 1_000
+    agents, stop_beats, beats = [], asyncio.Event(), None
+    slots_per_node, node_count = (128, n_jobs // 128 + 2) if big else (64, 2)
+    if big:
+        nodes = [NodeInfo(node_id=f"node-{i}", host="h", slots=slots_per_node,
+                          failure_domain=f"d{i % 8}") for i in range(node_count)]
+        beats = asyncio.create_task(heartbeat_nodes(client_bus, nodes, stop_beats))
+    else:
+        agents = await start_agents(config, slots=slots_per_node, count=node_count)
     first = await _spawn_admission(own_nats.url, "first")
-    client = AdmissionClient(client_bus, timeout_s=2.0)
-    n_jobs = 120
+    client = AdmissionClient(client_bus, timeout_s=5.0)
+    # Long ids, as generated ones are: they make each placement ~100 bytes.
+    ids = [f"burst-job-{i:05d}-{i * 7919 % 10**12:012d}-0123456789abcdef0123456789abcdef"
+           for i in range(n_jobs)]
     replied = 0
     half = asyncio.Event()
-    gate = asyncio.Semaphore(16)
+    gate = asyncio.Semaphore(64 if big else 16)
 
     async def submit(i: int) -> JobRecord:
         nonlocal replied
         async with gate:
-            record = await client.submit(spec(f"j{i}", 1), f"job-{i}", retry_s=60)
+            record = await client.submit(spec(f"j{i}", 1), ids[i], retry_s=120)
         replied += 1
         if replied == n_jobs // 3:
             half.set()
@@ -383,39 +426,48 @@ async def test_sigkill_mid_burst_loses_nothing_and_admits_nothing_twice(
     second = None
     try:
         burst = asyncio.gather(*(submit(i) for i in range(n_jobs)))
-        await asyncio.wait_for(half.wait(), 60)
+        await asyncio.wait_for(half.wait(), 600)
         first.send_signal(signal.SIGKILL)
         await first.wait()
         second = await _spawn_admission(own_nats.url, "second")
-        records = await asyncio.wait_for(burst, 120)
-        assert sorted(r.job_id for r in records) == sorted(f"job-{i}" for i in range(n_jobs))
+        records = await asyncio.wait_for(burst, 900)
+        assert sorted(r.job_id for r in records) == sorted(ids)
 
         jobs = await TypedKV.open(client_bus.js, subjects.JOBS_BUCKET, JobRecord)
 
         async def all_admitted() -> dict[str, JobRecord]:
             latest: dict[str, JobRecord] = {}
+            admitted = 0
             async for change in jobs.watch():
                 if change is not None and change.value is not None:
+                    was = latest.get(change.key)
+                    admitted -= was is not None and was.state is JobState.ADMITTED
                     latest[change.key] = change.value
-                if len(latest) == n_jobs and all(
-                        r.state is JobState.ADMITTED for r in latest.values()):
+                    admitted += change.value.state is JobState.ADMITTED
+                if admitted == n_jobs:
                     return latest
             raise AssertionError("watch ended")
 
-        final = await asyncio.wait_for(all_admitted(), 60)
-        ledger = await TypedKV.open(client_bus.js, subjects.ADMISSION_BUCKET, AllocationLedger)
-        entry = await ledger.get("ledger")
-        assert entry is not None
-        allocations = entry.value.allocations
-        assert sorted(allocations) == sorted(final)  # every job placed exactly once
+        final = await asyncio.wait_for(all_admitted(), 600)
+        ledger = await stored_ledger(client_bus)
+        placements = {job: p for job, p in ledger.stored.items() if p.nodes}
+        assert sorted(placements) == sorted(final)  # every job placed exactly once
         per_node: dict[str, int] = {}
-        for job_id, allocation in allocations.items():
-            assert allocation.nodes == final[job_id].nodes
-            for node in allocation.nodes:
-                per_node[node] = per_node.get(node, 0) + allocation.slots_per_replica
-        assert all(used <= 64 for used in per_node.values())
+        for job_id, placement in placements.items():
+            assert placement.nodes == final[job_id].nodes
+            for node in placement.nodes:
+                per_node[node] = per_node.get(node, 0) + placement.slots_per_replica
+        assert all(used <= slots_per_node for used in per_node.values())
         assert sum(per_node.values()) == n_jobs
+        # The claims cover exactly the placements: no slot held twice, none left over.
+        claimed = {node: sum(held.values()) for node, held in ledger.claims.items() if held}
+        assert claimed == per_node
+        if big:
+            assert sum(len(encode(p)) for p in placements.values()) > 1_048_576
     finally:
+        stop_beats.set()
+        if beats is not None:
+            await beats
         for proc in (first, second):
             if proc is not None and proc.returncode is None:
                 proc.kill()
@@ -430,7 +482,7 @@ async def test_two_instances_hand_over_when_the_leader_dies(
     procs = {name: await _spawn_admission(own_nats.url, name) for name in ("a", "b")}
     client = AdmissionClient(client_bus)
     leases = TypedKV((await TypedKV.open(client_bus.js, subjects.ADMISSION_BUCKET,
-                                         AllocationLedger)).kv, subjects.ADMISSION_BUCKET, Lease)
+                                         Lease)).kv, subjects.ADMISSION_BUCKET, Lease)
     try:
         await client.submit(spec("before", 1), "before-1")
         await wait_state(client_bus, "before-1", JobState.ADMITTED)

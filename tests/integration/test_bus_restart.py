@@ -24,15 +24,16 @@ from phalanx.bus.config import BusConfig
 from phalanx.bus.kv import TypedKV
 from phalanx.schemas import subjects
 from phalanx.schemas.messages import (
-    AllocationLedger,
     JobRecord,
     JobSpec,
     JobState,
+    Lease,
     NodeHeartbeat,
     ReplicaRange,
 )
 from phalanx.services.admission.config import AdmissionConfig
 from phalanx.services.admission.service import AdmissionService
+from phalanx.services.admission.store import LedgerStore
 from phalanx.services.client import AdmissionClient
 
 pytestmark = pytest.mark.slow
@@ -85,10 +86,12 @@ async def test_a_bus_restart_leaves_an_admitted_job_alone(restartable_nats: Rest
                 replicas=ReplicaRange(min=4, max=4), grace_period_s=1.0,
                 command=["sleep", "600"]), "steady-1", retry_s=30)
             jobs = await TypedKV.open(bus.js, subjects.JOBS_BUCKET, JobRecord)
-            ledger = await TypedKV.open(bus.js, subjects.ADMISSION_BUCKET, AllocationLedger)
+            ledger = LedgerStore((await TypedKV.open(bus.js, subjects.ADMISSION_BUCKET, Lease)).kv,
+                                 subjects.ADMISSION_BUCKET)
             record = await asyncio.wait_for(reaches(jobs, "steady-1", JobState.ADMITTED), 30)
             before = await jobs.get("steady-1")
-            allocations = (await ledger.get("ledger")).value.allocations
+            await ledger.load()
+            placements, claims = dict(ledger.stored), dict(ledger.claims)
             published = len(states)
 
             restartable_nats.kill()
@@ -102,7 +105,8 @@ async def test_a_bus_restart_leaves_an_admitted_job_alone(restartable_nats: Rest
             after = await jobs.get("steady-1")
             assert after is not None and after.revision == before.revision, after
             assert after.value.nodes == record.nodes
-            assert (await ledger.get("ledger")).value.allocations == allocations
+            await ledger.load()
+            assert (ledger.stored, ledger.claims) == (placements, claims)  # not even rewritten
             assert states[published:] == []  # no state change published
             leaders = [a for a in admissions if a.term is not None and a.term.serving]
             assert len(leaders) == 1

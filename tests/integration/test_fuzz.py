@@ -36,7 +36,8 @@ from phalanx.schemas.messages import (
     StreamCursor,
 )
 from phalanx.services.admission.config import AdmissionConfig
-from phalanx.services.admission.service import LEADER_KEY, LEDGER_KEY, AdmissionService
+from phalanx.services.admission.ledger import job_key, node_key
+from phalanx.services.admission.service import LEADER_KEY, AdmissionService
 from phalanx.services.agent.config import AgentConfig
 from phalanx.services.agent.service import AgentService
 from phalanx.services.jobstate import JobStateStore
@@ -97,7 +98,8 @@ async def test_admission_leads_despite_an_undecodable_ledger_and_lease(
         own_nats: NatsServer, bus: Bus) -> None:
     """Found by the fuzzer: a garbage ledger failed every term of leadership at its first
     read (no leader, ever: every request answered 503); a garbage lease was never taken."""
-    await _put_raw(bus, subjects.ADMISSION_BUCKET, LEDGER_KEY, GARBAGE)
+    await _put_raw(bus, subjects.ADMISSION_BUCKET, job_key("fz-job"), GARBAGE)
+    await _put_raw(bus, subjects.ADMISSION_BUCKET, node_key("fz-node"), GARBAGE)
     await _put_raw(bus, subjects.ADMISSION_BUCKET, LEADER_KEY, GARBAGE)
     admission = AdmissionService(AdmissionConfig(lease_s=1.0),
                                  BusConfig.load(env={}, servers=[own_nats.url]),
@@ -106,16 +108,18 @@ async def test_admission_leads_despite_an_undecodable_ledger_and_lease(
     try:
         await _until(lambda: admission.term is not None and admission.term.serving)
         assert admission.leases.counters.bad_messages >= 1
-        assert admission.ledger.counters.bad_messages >= 1
-        assert admission.term.ledger_unreadable
+        store = admission.term.store
+        assert store.placements.counters.bad_messages >= 1
+        assert store.nodes.counters.bad_messages >= 1
+        assert store.unreadable == {"fz-job"} and store.claims["fz-node"] == {}
     finally:
         await admission.stop()
 
 
 async def test_admission_rebuilds_an_undecodable_ledger_from_admitted_records(
         own_nats: NatsServer, bus: Bus) -> None:
-    """The placements of admitted jobs survive a garbage ledger: they come from the records,
-    and the next ledger write replaces the garbage."""
+    """The placement of an admitted job survives garbage under its ledger key: it comes from
+    the record, and the first ledger write replaces the garbage (and claims its slots)."""
     spec = JobSpec(name="kept", team="t", priority_class="normal",
                    replicas=ReplicaRange(min=2, max=2), command=["true"])
     record = JobRecord(job_id="kept", spec=spec, state=JobState.ADMITTED, submitted_at=1.0,
@@ -126,15 +130,18 @@ async def test_admission_rebuilds_an_undecodable_ledger_from_admitted_records(
     await nodes.put("n-a", NodeRecord(node=NodeInfo(node_id="n-a", host="h", slots=2,
                                                     failure_domain="d"),
                                       heartbeat_at=time.time(), slots_used=2))
-    await _put_raw(bus, subjects.ADMISSION_BUCKET, LEDGER_KEY, GARBAGE)
+    await _put_raw(bus, subjects.ADMISSION_BUCKET, job_key("kept"), GARBAGE)
     admission = AdmissionService(AdmissionConfig(lease_s=1.0),
                                  BusConfig.load(env={}, servers=[own_nats.url]),
                                  instance="adm-rebuild")
     await admission.start()
     try:
         await _until(lambda: admission.term is not None and admission.term.serving)
-        assert admission.term.allocations["kept"].nodes == ["n-a", "n-a"]
         assert admission.term.core.gangs["kept"].nodes == ["n-a", "n-a"]
+        store = admission.term.store
+        await _until(lambda: "kept" in store.stored)
+        assert store.stored["kept"].nodes == ["n-a", "n-a"] and not store.unreadable
+        assert store.claims["n-a"] == {"kept": 2}
     finally:
         await admission.stop()
 
