@@ -771,6 +771,34 @@ def cmd_nodes(args: argparse.Namespace) -> int:
     return 0
 
 
+# --- top -----------------------------------------------------------------------------------
+
+
+def cmd_top(args: argparse.Namespace) -> int:
+    """Nodes, jobs and the latest events, redrawn as the bus reports changes."""
+    from rich.console import Console
+    from rich.live import Live
+
+    from phalanx.bus.client import Bus
+    from phalanx.services import top
+
+    console = Console()
+
+    async def run() -> None:
+        async with await Bus.connect(_bus_config(args), name="phalanx-top") as bus:
+            if args.once:
+                console.print(top.render(await top.snapshot(bus), time.time(),
+                                         args.lost_after))
+                return
+            with Live(console=console, auto_refresh=False, screen=True) as view:
+                await top.live(bus, lambda board: view.update(
+                    top.render(board, time.time(), args.lost_after), refresh=True))
+
+    with contextlib.suppress(KeyboardInterrupt):
+        asyncio.run(run())
+    return 0
+
+
 # --- up / down -----------------------------------------------------------------------------
 
 
@@ -984,6 +1012,11 @@ def build_parser() -> argparse.ArgumentParser:
                              "checkpoint.resume_from)")
     submit.add_argument("--json", action="store_true")
     submit.set_defaults(func=cmd_submit)
+
+    top = sub.add_parser("top", parents=[common, lost_after],
+                         help="live view of nodes, jobs and the latest events")
+    top.add_argument("--once", action="store_true", help="print one frame and exit")
+    top.set_defaults(func=cmd_top)
 
     jobs = sub.add_parser("jobs", parents=[common], help="list jobs")
     jobs.add_argument("--json", action="store_true")

@@ -122,6 +122,15 @@ async def test_one_recovery_is_one_trace_and_moves_every_services_counters(
                               and s.replica_id == "r1-1", 60)
                 after = {name: scrape(port) for name, port in ports.items()}
 
+                # phalanx top's frame: the nodes, the job at its size, the recovery's events.
+                frame = phalanx("top", "--once", "--data-dir", str(cluster),
+                                env={**os.environ, "COLUMNS": "200"}).stdout
+                assert "local-0" in frame and "local-1" in frame, frame
+                row = next(line for line in frame.splitlines() if job.job_id in line
+                           and "admitted" in line)
+                assert "(2..4)" in row, frame
+                assert "fault crash: r1-0" in frame and "r1-1 started as rank 1" in frame, frame
+
                 # Metrics: what moved where, read as Prometheus would.
                 health, elasticity = after["health"], after["elasticity"]
                 assert value(health, "phalanx_faults_total", kind="crash") \
