@@ -1,0 +1,53 @@
+"""The metrics endpoint's configuration and exposition (prometheus_client on a real port)."""
+
+from __future__ import annotations
+
+import urllib.request
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from phalanx.services import metrics
+
+
+@pytest.mark.parametrize(("raw", "port"), [(None, None), ("", None), (" ", None), ("0", 0),
+                                           ("9464", 9464), ("65535", 65535)])
+def test_the_port_comes_from_the_environment(raw: str | None, port: int | None) -> None:
+    env = {} if raw is None else {metrics.PORT_ENV: raw}
+    assert metrics.port_from_env(env) == port
+
+
+@pytest.mark.parametrize("raw", ["http", "-1", "65536", "94.64"])
+def test_a_bad_port_is_refused_naming_the_variable_and_the_value(raw: str) -> None:
+    with pytest.raises(metrics.MetricsConfigError) as error:
+        metrics.port_from_env({metrics.PORT_ENV: raw})
+    assert metrics.PORT_ENV in str(error.value) and repr(raw) in str(error.value)
+
+
+def test_no_port_no_endpoint() -> None:
+    assert metrics.serve({}) is None
+
+
+def _scrape(port: int) -> dict[tuple[str, tuple], float]:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as reply:
+        text = reply.read().decode()
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(text) for s in family.samples}
+
+
+def test_the_endpoint_serves_the_exposition_with_what_was_counted() -> None:
+    server = metrics.serve({metrics.PORT_ENV: "0", metrics.ADDR_ENV: "127.0.0.1"})
+    assert server is not None
+    port = server.server_address[1]
+    try:
+        metrics.FAULTS.labels("crash").inc()
+        metrics.JOB_WORLD_SIZE.labels("unit-job").set(3)
+        samples = _scrape(port)
+        assert samples[("phalanx_faults_total", (("kind", "crash"),))] >= 1
+        assert samples[("phalanx_job_world_size", (("job", "unit-job"),))] == 3
+        assert ("phalanx_bus_reconnects_total", ()) in samples
+        metrics.forget_job("unit-job", metrics.JOB_WORLD_SIZE, metrics.JOB_STEP)  # absent: fine
+        assert ("phalanx_job_world_size", (("job", "unit-job"),)) not in _scrape(port)
+    finally:
+        server.shutdown()
+        server.server_close()
