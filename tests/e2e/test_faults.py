@@ -216,4 +216,7 @@ async def test_a_crash_and_its_fault_are_one_trace(tmp_path: Path, monkeypatch) 
     processed = next(s for s in health_spans
                      if s["name"] == f"process phalanx.job.{job.job_id}.exited"
                      and s["context"]["trace_id"] == trace_id)
-    assert fault["parent_id"] == processed["context"]["span_id"]
+    raised = next(s for s in health_spans if s["name"] == "fault crash"
+                  and s["context"]["trace_id"] == trace_id)
+    assert raised["parent_id"] == processed["context"]["span_id"]
+    assert fault["parent_id"] == raised["context"]["span_id"]
