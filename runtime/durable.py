@@ -78,15 +78,27 @@ from phalanx.runtime import snapshot_file
 from phalanx.runtime.snapshot import load_tensors
 from phalanx.runtime.snapshot_file import Header, SnapshotFileError
 from phalanx.runtime.state import _fill
+from phalanx.schemas.messages import DETAIL_CHARS, SnapshotRecord, SnapshotTier
 
 log = logging.getLogger("phalanx.runtime.durable")
 COMMIT = ".phalanx-commit"
 METADATA = ".metadata"
 _STEP_DIR = re.compile(r"^step-(?P<step>\d{10})-g(?P<generation>\d+)-w(?P<shards>\d+)$")
+_DATA_FILE = re.compile(r"^__(?P<shard>\d+)_0\.distcp$")
 
 
 class DurableCorrupt(SnapshotFileError):
-    """A durable step's file does not match its commit record (or the record is unreadable)."""
+    """A durable step's file does not match its commit record (or the record is unreadable).
+
+    ``shard`` is the shard whose data file is damaged, and ``checksum`` what the record
+    says it must hash to; None when the step as a whole is (its commit record or
+    ``.metadata``): then no shard of it can be loaded.
+    """
+
+    def __init__(self, problem: str, shard: int | None = None,
+                 checksum: str | None = None) -> None:
+        super().__init__(problem)
+        self.shard, self.checksum = shard, checksum
 
 
 Box = tuple[tuple[int, ...], tuple[int, ...], int]  # offsets, sizes, first element
@@ -231,6 +243,19 @@ class Committed:
     generation: int
     shards: int
 
+    @property
+    def job_id(self) -> str:
+        """The job that wrote it (its directory's parent is ``<url>/<job>``)."""
+        return self.directory.rsplit("/", 2)[-2]
+
+
+def url_of(fs: fsspec.AbstractFileSystem, path: str) -> str:
+    """``path`` on ``fs`` as a URL another process can open (a plain path if local)."""
+    if isinstance(fs, LocalFileSystem):
+        return path
+    protocol = fs.protocol[0] if isinstance(fs.protocol, tuple) else fs.protocol
+    return f"{protocol}://{path}"
+
 
 def committed_steps(fs: fsspec.AbstractFileSystem, job_root: str) -> list[Committed]:
     """The committed steps under ``<url>/<job>``, newest first."""
@@ -281,6 +306,7 @@ class Persisted:
     checksum: str
     committed: CommitRecord | None
     directory: str
+    location: str  # the directory as a URL (:func:`url_of`)
     seconds: float
 
 
@@ -326,7 +352,7 @@ def write_shard(fs: fsspec.AbstractFileSystem, root: str, header: Header, meta_b
         for gone in retain(fs, f"{root.rstrip('/')}/{header.job_id}", keep):
             log.info("durable step deleted (retention): %s", gone)
     return Persisted(header.step, header.shard, at, checksum, record, directory,
-                     time.perf_counter() - started)
+                     url_of(fs, directory), time.perf_counter() - started)
 
 
 def _commit(fs: fsspec.AbstractFileSystem, directory: str, header: Header,
@@ -457,6 +483,10 @@ class DurablePolicy:
         jobs = [job_id] + ([self.resume_from] if self.resume_from else [])
         return fs, [f"{root}/{job}" for job in jobs]
 
+    def location(self, step: Committed) -> str:
+        """Where ``step`` (found under :meth:`sources`) is, as a URL."""
+        return url_of(fsspec.core.url_to_fs(self.url)[0], step.directory)
+
 
 Wait = Callable[[Any], None]
 
@@ -464,7 +494,7 @@ Wait = Callable[[Any], None]
 def restore(pg: Any, wait: Wait, world_size: int, policy: DurablePolicy, job_id: str,
             newer_than: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
             extra: Mapping[str, Any],
-            report: Callable[[Committed, str], None]) -> tuple[int, int] | None:
+            report: Callable[[Committed, DurableCorrupt], None]) -> tuple[int, int] | None:
     """Load the newest committed durable step newer than ``newer_than`` on every member of
     ``pg``: ``(step, state bytes)``, or None when there is none. A collective.
 
@@ -488,7 +518,7 @@ def restore(pg: Any, wait: Wait, world_size: int, policy: DurablePolicy, job_id:
         try:
             record = verify(fs, candidate)
         except DurableCorrupt as exc:
-            report(candidate, str(exc))
+            report(candidate, exc)
         healthy = torch.tensor([0 if record is None else 1], dtype=torch.int64)
         wait(pg.allreduce([healthy]))
         if int(healthy) != world_size or record is None:
@@ -498,11 +528,49 @@ def restore(pg: Any, wait: Wait, world_size: int, policy: DurablePolicy, job_id:
     return None
 
 
+# --- the catalog's view -------------------------------------------------------------------
+
+
+def committed_records(record: CommitRecord, location: str, node_id: str,
+                      now: float) -> list[SnapshotRecord]:
+    """The catalog's announcements of a step ``node_id``'s rank committed at ``location``:
+    one durable copy per shard, with its data file's size and checksum."""
+    records = []
+    for shard in range(record.shards):
+        nbytes, checksum = record.files[f"__{shard}_0.distcp"]
+        records.append(SnapshotRecord(
+            job_id=record.job_id, step=record.step, shard=shard, num_shards=record.shards,
+            node_id=node_id, tier=SnapshotTier.DURABLE, nbytes=nbytes, checksum=checksum,
+            created_at=now, generation=record.generation, total_bytes=record.total,
+            location=location))
+    return records
+
+
+def corrupt_records(step: Committed, problem: DurableCorrupt, location: str, node_id: str,
+                    now: float) -> list[SnapshotRecord]:
+    """The catalog's announcements of a damaged durable step (found by ``node_id``'s rank):
+    the damaged shard's copy, or every shard's when the step as a whole is unreadable."""
+    shards = range(step.shards) if problem.shard is None else [problem.shard]
+    # A shard's checksum is in the commit record; with the record unreadable it is not
+    # known, and the copy is listed by a checksum it can never have.
+    checksum = problem.checksum if problem.shard is not None and problem.checksum \
+        else "0" * 16
+    return [SnapshotRecord(job_id=step.job_id, step=step.step, shard=shard,
+                           num_shards=step.shards, node_id=node_id, tier=SnapshotTier.DURABLE,
+                           nbytes=0, checksum=checksum, created_at=now,
+                           generation=step.generation, corrupt=True,
+                           detail=str(problem)[:DETAIL_CHARS], location=location)
+            for shard in shards]
+
+
 # --- loading --------------------------------------------------------------------------------
 
 
 def read_commit(fs: fsspec.AbstractFileSystem, step: Committed) -> CommitRecord:
-    return CommitRecord.decode(fs.cat_file(f"{step.directory}/{COMMIT}"))
+    try:
+        return CommitRecord.decode(fs.cat_file(f"{step.directory}/{COMMIT}"))
+    except FileNotFoundError:  # deleted since it was listed (retention by a writer)
+        raise DurableCorrupt(f"{step.directory}/{COMMIT} is gone") from None
 
 
 def verify(fs: fsspec.AbstractFileSystem, step: Committed) -> CommitRecord:
@@ -513,13 +581,16 @@ def verify(fs: fsspec.AbstractFileSystem, step: Committed) -> CommitRecord:
     """
     record = read_commit(fs, step)
     for name, (nbytes, checksum) in sorted(record.files.items()):
+        data_file = _DATA_FILE.match(name)
+        shard = int(data_file["shard"]) if data_file else None
         try:
             data = fs.cat_file(f"{step.directory}/{name}")
         except FileNotFoundError:
-            raise DurableCorrupt(f"{step.directory}/{name} is missing") from None
+            raise DurableCorrupt(f"{step.directory}/{name} is missing", shard,
+                                 checksum) from None
         if len(data) != nbytes or f"{xxhash.xxh3_64_intdigest(data):016x}" != checksum:
             raise DurableCorrupt(f"{step.directory}/{name}: checksum mismatch (step "
-                                 f"{step.step} is damaged)")
+                                 f"{step.step} is damaged)", shard, checksum)
     return record
 
 

@@ -101,7 +101,15 @@ from phalanx.runtime.bus_thread import BusThread
 from phalanx.runtime.chaos import parse_chaos_kill
 from phalanx.runtime.data import ElasticOrder, MicroBatch
 from phalanx.runtime.dataset import step_loader
-from phalanx.runtime.durable import Committed, DurablePolicy, DurableWriter, Persisted
+from phalanx.runtime.durable import (
+    Committed,
+    DurableCorrupt,
+    DurablePolicy,
+    DurableWriter,
+    Persisted,
+    committed_records,
+    corrupt_records,
+)
 from phalanx.runtime.durable import restore as restore_durable
 from phalanx.runtime.group import Aborted, Waits, rendezvous
 from phalanx.runtime.inbox import Inbox
@@ -125,7 +133,6 @@ from phalanx.runtime.state import (
 from phalanx.schemas import subjects
 from phalanx.schemas.errors import PhalanxError
 from phalanx.schemas.messages import (
-    DETAIL_CHARS,
     Fault,
     Generation,
     GenerationApplied,
@@ -788,17 +795,18 @@ class ElasticSession:
             return None
         started = time.time()
 
-        def report(step: Committed, problem: str) -> None:
+        def report(step: Committed, problem: DurableCorrupt) -> None:
             log.error("durable step skipped: %s", problem)
             if self._record is not None:
                 self._record.write(kind="corrupt", step=step.step, shards=step.shards,
-                                   tier="durable", problem=problem)
-            if self.bus is not None:
-                self.bus.publish(subjects.ckpt_snapshot(self.job_id), SnapshotRecord(
-                    job_id=self.job_id, step=step.step, shard=0, num_shards=step.shards,
-                    node_id="durable", tier=SnapshotTier.DURABLE, nbytes=0,
-                    checksum="00000000", created_at=time.time(), generation=step.generation,
-                    corrupt=True, detail=problem[:DETAIL_CHARS]))
+                                   shard=problem.shard, job=step.job_id, tier="durable",
+                                   problem=str(problem))
+            if self.bus is not None:  # in the catalog of the job that wrote it
+                assert self.durable is not None
+                location = self.durable.location(step)
+                for message in corrupt_records(step, problem, location, self.node_id,
+                                               time.time()):
+                    self.bus.publish(subjects.ckpt_snapshot(step.job_id), message)
 
         restored = restore_durable(self.pg, self._wait, self.world_size, self.durable,
                                    self.job_id, newer_than, self.model, self.optimizer,
@@ -822,14 +830,9 @@ class ElasticSession:
                  else "")
         if done.committed is None or self.bus is None:
             return
-        record = done.committed
-        for shard in range(record.shards):
-            nbytes, checksum = record.files[f"__{shard}_0.distcp"]
-            self.bus.publish(subjects.ckpt_snapshot(self.job_id), SnapshotRecord(
-                job_id=self.job_id, step=record.step, shard=shard, num_shards=record.shards,
-                node_id="durable", tier=SnapshotTier.DURABLE, nbytes=nbytes,
-                checksum=checksum, created_at=time.time(), generation=record.generation,
-                total_bytes=record.total, detail=done.directory[:DETAIL_CHARS]))
+        for message in committed_records(done.committed, done.location, self.node_id,
+                                         time.time()):
+            self.bus.publish(subjects.ckpt_snapshot(self.job_id), message)
 
     # --- one step ------------------------------------------------------------------------
 

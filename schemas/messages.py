@@ -775,6 +775,9 @@ class JobProgress(Message, tag="phalanx.job_progress.v1"):
 
 # --- checkpoints ---------------------------------------------------------------------------
 
+#: A durable checkpoint's place: a directory path or an fsspec URL (``s3://bucket/...``).
+Location = Annotated[str, msgspec.Meta(max_length=4096)]
+
 
 class SnapshotTier(enum.StrEnum):
     LOCAL = "local"
@@ -783,7 +786,12 @@ class SnapshotTier(enum.StrEnum):
 
 
 class SnapshotRecord(Message, tag="phalanx.snapshot_record.v1"):
-    """Where one shard of a job's state at one step is held (``phalanx.ckpt.<job>.snapshot``)."""
+    """Where one shard of a job's state at one step is held (``phalanx.ckpt.<job>.snapshot``).
+
+    A memory copy (tier ``local`` or ``buddy``) is held by node ``node_id``; a durable
+    copy is at ``location`` (its step's directory, a path or an fsspec URL), and
+    ``node_id`` names the node whose rank wrote or read it.
+    """
 
     job_id: Ident
     step: NonNegInt
@@ -800,10 +808,15 @@ class SnapshotRecord(Message, tag="phalanx.snapshot_record.v1"):
     #: The copy failed its checksum when read: never to be loaded (``detail`` says how).
     corrupt: bool = False
     detail: Annotated[str, msgspec.Meta(max_length=DETAIL_CHARS)] = ""
+    #: Where a durable copy is (required for tier ``durable``, empty for the others).
+    location: Location = ""
 
     def __post_init__(self) -> None:
         if self.shard >= self.num_shards:
             raise ValueError(f"shard {self.shard} out of range for {self.num_shards} shards")
+        if (self.tier is SnapshotTier.DURABLE) != bool(self.location):
+            raise ValueError("location is required for a durable copy and only for one "
+                             f"(tier {self.tier.value}, location {self.location!r})")
 
 
 class SnapshotReserve(Message, tag="phalanx.snapshot_reserve.v1"):
@@ -832,7 +845,8 @@ class SnapshotReservation(Message, tag="phalanx.snapshot_reservation.v1"):
 
 
 class ShardCopy(Part):
-    """One copy of one shard of a step: where it is and what it must hash to."""
+    """One copy of one shard of a step: where it is (node ``node_id``'s memory, or
+    ``location`` for a durable copy) and what it must hash to."""
 
     shard: NonNegInt
     node_id: Ident
@@ -841,6 +855,7 @@ class ShardCopy(Part):
     checksum: Annotated[str, msgspec.Meta(pattern=r"^[0-9a-f]{8,128}\Z")]
     generation: NonNegInt = 0
     corrupt: bool = False
+    location: Location = ""
 
 
 class CatalogStep(Part):
@@ -854,11 +869,14 @@ class CatalogStep(Part):
 
 class CheckpointCatalog(Message, tag="phalanx.checkpoint_catalog.v1"):
     """A job's snapshots (KV bucket ``phalanx_checkpoints``, key = job id), steps
-    ascending; the checkpoint service's state for that job."""
+    ascending; the checkpoint service's state for that job. ``keep`` and
+    ``durable_keep`` are the job's ``checkpoint.memory_keep`` and ``durable_keep``:
+    how many complete steps of each kind the catalog retains."""
 
     job_id: Ident
     keep: Annotated[int, msgspec.Meta(ge=1, le=16)] = 2
     steps: list[CatalogStep] = []
+    durable_keep: Annotated[int, msgspec.Meta(ge=1, le=1000)] = 2
 
 
 class ResumeRequest(Message, tag="phalanx.resume_request.v1"):

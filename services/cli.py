@@ -434,7 +434,8 @@ def cmd_checkpoint(args: argparse.Namespace) -> int:
 
 
 def cmd_ckpt(args: argparse.Namespace) -> int:
-    """``phalanx ckpt ls JOB``: the job's snapshots from the checkpoint catalog."""
+    """``phalanx ckpt ls JOB``: the job's snapshots from the checkpoint catalog (an ended
+    job's durable steps included)."""
     from phalanx.bus.client import Bus
     from phalanx.bus.kv import TypedKV
     from phalanx.schemas import subjects
@@ -462,7 +463,8 @@ def cmd_ckpt(args: argparse.Namespace) -> int:
               f"{'' if row['complete'] else ' (incomplete)'}")
         for copy in row["copies"]:
             flag = "  CORRUPT" if copy["corrupt"] else ""
-            print(f"  shard {copy['shard']}: {copy['tier']} on {copy['node_id']}, "
+            where = f"at {copy['location']}" if copy["location"] else f"on {copy['node_id']}"
+            print(f"  shard {copy['shard']}: {copy['tier']} {where}, "
                   f"{copy['nbytes']} B, xxh3 {copy['checksum']}{flag}")
     return 0
 

@@ -6,30 +6,42 @@ copy of every shard seen (node, tier, bytes, checksum, generation, corrupt).
 The rules, each a pure function of the catalog and one input:
 
 * **A snapshot** (:func:`add_snapshot`) adds or replaces its copy (one per
-  shard, node and tier) under its step and shard count. A copy reported
-  *corrupt* (it failed its checksum when read) stays listed as corrupt, so it
-  is never offered again, even when the same step is announced again.
+  shard, tier and place: the node for a memory copy, the step's directory for
+  a durable one) under its step and shard count. A copy reported *corrupt* (it
+  failed its checksum when read) stays listed as corrupt, so it is never
+  offered again, even when the same step is announced again.
 * **Complete**: a step is complete when every shard ``0..n-1`` has a copy
   that is not corrupt.
-* **Retention**: the newest ``keep`` complete steps stay, with anything newer
-  (steps being written); older steps, complete or not, are dropped. ``keep``
-  is the job's ``checkpoint.memory_keep``, the size of the agents' rings, so
-  the catalog forgets a step when the ring overwrites it.
+* **Retention**, each kind of copy apart (:func:`retain`): memory copies
+  (own node, buddy) of the newest ``keep`` steps complete in memory stay, with
+  those of newer steps (being written); durable copies likewise for the newest
+  ``durable_keep`` steps complete on storage. Older copies are dropped, and a
+  step left with none. ``keep`` is the job's ``checkpoint.memory_keep``, the
+  size of the agents' rings, so the catalog forgets a memory copy when the
+  ring overwrites it; ``durable_keep`` is what the durable writers' own
+  retention leaves on storage. So steps snapshotted to memory every step never
+  push a durable step out.
+* **A job ends** (:func:`ended`): its agents delete its memory snapshots, so
+  its memory copies go; its durable steps stay on storage and in the catalog (a
+  later job resumes from them, ``phalanx ckpt ls`` lists them), and durable
+  copies announced after the end (a write finishing, a damaged copy found by a
+  resuming job) are still taken. The catalog goes when no copy is left.
 * **Where to resume** (:func:`resume_answer`): the newest complete step, each
   shard from its nearest healthy copy: own node's memory, then a buddy's,
-  then durable storage (lowest node id among equals). The state is split
+  then durable storage (lowest node id, or location, among equals). The state is split
   flat (shard r of n is bytes ``[r·N/n, (r+1)·N/n)``), so a step taken at any
   world size can be restored at any other: the world size asked for does not
   narrow the answer.
 
 :class:`CheckpointCore` keeps the catalogs of every job and says which ones
-changed (to store) or ended (to delete); its state is nothing but the stored
+changed (to store) or lost every copy (to delete); its state is nothing but the stored
 catalogs, so a restarted service restores it from KV as it was written.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 
 import msgspec
 
@@ -46,19 +58,34 @@ from phalanx.schemas.messages import (
 TIER_ORDER = {SnapshotTier.LOCAL: 0, SnapshotTier.BUDDY: 1, SnapshotTier.DURABLE: 2}
 
 
-def complete(step: CatalogStep) -> bool:
-    """Every shard of ``step`` has a copy that is not corrupt."""
-    healthy = {c.shard for c in step.copies if not c.corrupt}
+def durable(copy: ShardCopy) -> bool:
+    return copy.tier is SnapshotTier.DURABLE
+
+
+def in_memory(copy: ShardCopy) -> bool:
+    return copy.tier is not SnapshotTier.DURABLE
+
+
+def place(copy: ShardCopy) -> str:
+    """Where the copy is: its node's memory, or its durable step's directory."""
+    return copy.location if durable(copy) else copy.node_id
+
+
+def complete(step: CatalogStep, kind: Callable[[ShardCopy], bool] | None = None) -> bool:
+    """Every shard of ``step`` has a copy that is not corrupt (of ``kind``, if given)."""
+    healthy = {c.shard for c in step.copies if not c.corrupt and (kind is None or kind(c))}
     return healthy >= set(range(step.shards))
 
 
 def add_snapshot(catalog: CheckpointCatalog | None, record: SnapshotRecord,
-                 keep: int) -> CheckpointCatalog:
+                 keep: int, durable_keep: int) -> CheckpointCatalog:
     """``catalog`` with ``record``'s copy added (or marked corrupt), then retention."""
-    catalog = catalog or CheckpointCatalog(job_id=record.job_id, keep=keep)
+    catalog = catalog or CheckpointCatalog(job_id=record.job_id, keep=keep,
+                                           durable_keep=durable_keep)
     copy = ShardCopy(shard=record.shard, node_id=record.node_id, tier=record.tier,
                      nbytes=record.nbytes, checksum=record.checksum,
-                     generation=record.generation, corrupt=record.corrupt)
+                     generation=record.generation, corrupt=record.corrupt,
+                     location=record.location)
     steps = list(catalog.steps)
     at = next((i for i, s in enumerate(steps)
                if (s.step, s.shards) == (record.step, record.num_shards)), None)
@@ -67,24 +94,52 @@ def add_snapshot(catalog: CheckpointCatalog | None, record: SnapshotRecord,
                                  total_bytes=record.total_bytes))
         at = len(steps) - 1
     entry = steps[at]
-    same = (copy.shard, copy.node_id, copy.tier)
-    previous = [c for c in entry.copies if (c.shard, c.node_id, c.tier) == same]
+
+    def same(c: ShardCopy) -> bool:
+        return (c.shard, c.tier, place(c)) == (copy.shard, copy.tier, place(copy))
+
+    previous = [c for c in entry.copies if same(c)]
     if previous and previous[0].corrupt and previous[0].checksum == copy.checksum:
         copy = previous[0]  # the same damaged bytes announced again: still corrupt
-    copies = [c for c in entry.copies if (c.shard, c.node_id, c.tier) != same] + [copy]
-    copies.sort(key=lambda c: (c.shard, TIER_ORDER[c.tier], c.node_id))
+    copies = [c for c in entry.copies if not same(c)] + [copy]
+    copies.sort(key=lambda c: (c.shard, TIER_ORDER[c.tier], place(c)))
     steps[at] = msgspec.structs.replace(entry, copies=copies)
     steps.sort(key=lambda s: (s.step, s.shards))
-    return msgspec.structs.replace(catalog, keep=keep, steps=retain(steps, keep))
+    return msgspec.structs.replace(catalog, keep=keep, durable_keep=durable_keep,
+                                   steps=retain(steps, keep, durable_keep))
 
 
-def retain(steps: list[CatalogStep], keep: int) -> list[CatalogStep]:
-    """The newest ``keep`` complete steps and anything newer (ascending input)."""
-    done = [s for s in steps if complete(s)]
+def _retained(steps: list[CatalogStep], keep: int,
+              kind: Callable[[ShardCopy], bool]) -> set[int]:
+    """Which of ``steps`` (ascending) keep their copies of ``kind``: the newest ``keep``
+    complete in that kind, and any newer (being written)."""
+    done = [i for i, s in enumerate(steps) if complete(s, kind)]
     if not done:
-        return steps
-    oldest = done[max(0, len(done) - keep)].step
-    return [s for s in steps if s.step >= oldest and (complete(s) or s.step > done[-1].step)]
+        return set(range(len(steps)))
+    oldest, newest = steps[done[max(0, len(done) - keep)]].step, steps[done[-1]].step
+    return {i for i, s in enumerate(steps)
+            if s.step >= oldest and (i in done or s.step > newest)}
+
+
+def retain(steps: list[CatalogStep], keep: int, durable_keep: int) -> list[CatalogStep]:
+    """Memory copies of the steps :func:`_retained` keeps for ``keep``, durable ones of
+    those it keeps for ``durable_keep``; a step left without a copy is dropped."""
+    memory = _retained(steps, keep, in_memory)
+    stored = _retained(steps, durable_keep, durable)
+    kept = []
+    for i, step in enumerate(steps):
+        copies = [c for c in step.copies if i in (stored if durable(c) else memory)]
+        if copies:
+            kept.append(msgspec.structs.replace(step, copies=copies))
+    return kept
+
+
+def ended(catalog: CheckpointCatalog) -> CheckpointCatalog | None:
+    """``catalog`` once its job ended: its durable copies only (None: there are none)."""
+    steps = [msgspec.structs.replace(s, copies=[c for c in s.copies if durable(c)])
+             for s in catalog.steps]
+    steps = [s for s in steps if s.copies]
+    return msgspec.structs.replace(catalog, steps=steps) if steps else None
 
 
 def resume_answer(catalog: CheckpointCatalog | None, job_id: str,
@@ -100,7 +155,7 @@ def resume_answer(catalog: CheckpointCatalog | None, job_id: str,
     sources = []
     for shard in range(best.shards):
         healthy = [c for c in best.copies if c.shard == shard and not c.corrupt]
-        sources.append(min(healthy, key=lambda c: (TIER_ORDER[c.tier], c.node_id)))
+        sources.append(min(healthy, key=lambda c: (TIER_ORDER[c.tier], place(c))))
     return ResumeAnswer(job_id=job_id, step=best.step, shards=best.shards, sources=sources,
                         detail=f"step {best.step}: {best.shards} shards of "
                                f"{best.total_bytes} B, restorable at world size {world_size}")
@@ -113,14 +168,21 @@ class SnapshotAnnounced:
 
 @dataclasses.dataclass(frozen=True)
 class JobSeen:
-    """A job's record: its ring size, or that it ended (its memory snapshots are gone)."""
+    """A job's record: how many complete steps it keeps in memory and on storage."""
 
     job_id: str
     keep: int
-    ended: bool = False
+    durable_keep: int
 
 
-Event = SnapshotAnnounced | JobSeen
+@dataclasses.dataclass(frozen=True)
+class JobEnded:
+    """A job's record is terminal or gone: its memory snapshots are deleted."""
+
+    job_id: str
+
+
+Event = SnapshotAnnounced | JobSeen | JobEnded
 
 
 @dataclasses.dataclass(frozen=True)
@@ -140,39 +202,44 @@ class CheckpointCore:
     """Every job's catalog. ``handle`` applies an event; the catalogs it changed are
     stored by the shell (at once or batched: the newest catalog is what counts)."""
 
-    def __init__(self, default_keep: int = 2) -> None:
-        self.default_keep = default_keep
+    def __init__(self, default_keep: int = 2, default_durable_keep: int = 2) -> None:
+        self.default_keep = (default_keep, default_durable_keep)
         self.catalogs: dict[str, CheckpointCatalog] = {}
-        self.keep: dict[str, int] = {}
+        self.keep: dict[str, tuple[int, int]] = {}  # memory_keep, durable_keep
         self.ended: set[str] = set()
 
     def restore(self, catalog: CheckpointCatalog) -> None:
         """Take a stored catalog back (a restarted service)."""
         self.catalogs[catalog.job_id] = catalog
-        self.keep.setdefault(catalog.job_id, catalog.keep)
+        self.keep.setdefault(catalog.job_id, (catalog.keep, catalog.durable_keep))
 
     def handle(self, event: Event) -> list[Decision]:
         match event:
             case SnapshotAnnounced(record=record):
-                if record.job_id in self.ended:
-                    return []  # a late announcement of a job whose snapshots are gone
-                keep = self.keep.get(record.job_id, self.default_keep)
-                catalog = add_snapshot(self.catalogs.get(record.job_id), record, keep)
-                if catalog == self.catalogs.get(record.job_id):
-                    return []
-                self.catalogs[record.job_id] = catalog
-                return [StoreCatalog(catalog)]
-            case JobSeen(job_id=job_id, keep=keep, ended=True):
-                self.keep.pop(job_id, None)
-                self.ended.add(job_id)
-                if self.catalogs.pop(job_id, None) is None:
-                    return []
-                return [ForgetCatalog(job_id)]
-            case JobSeen(job_id=job_id, keep=keep):
-                self.ended.discard(job_id)
-                self.keep[job_id] = keep
+                if record.job_id in self.ended and record.tier is not SnapshotTier.DURABLE:
+                    return []  # a late announcement of a memory copy that is gone
+                keep, durable_keep = self.keep.get(record.job_id, self.default_keep)
+                catalog = add_snapshot(self.catalogs.get(record.job_id), record, keep,
+                                       durable_keep)
+                return self._set(record.job_id, catalog)
+            case JobSeen(job_id=job_id, keep=keep, durable_keep=durable_keep):
+                self.keep[job_id] = (keep, durable_keep)
                 return []
+            case JobEnded(job_id=job_id):
+                self.ended.add(job_id)
+                catalog = self.catalogs.get(job_id)
+                return [] if catalog is None else self._set(job_id, ended(catalog))
         raise TypeError(f"unknown event {event!r}")
+
+    def _set(self, job_id: str, catalog: CheckpointCatalog | None) -> list[Decision]:
+        """Keep ``catalog`` as ``job_id``'s (None: forget it); the decision if it changed."""
+        if catalog == self.catalogs.get(job_id):
+            return []
+        if catalog is None:
+            del self.catalogs[job_id]
+            return [ForgetCatalog(job_id)]
+        self.catalogs[job_id] = catalog
+        return [StoreCatalog(catalog)]
 
     def resume(self, job_id: str, world_size: int) -> ResumeAnswer:
         return resume_answer(self.catalogs.get(job_id), job_id, world_size)

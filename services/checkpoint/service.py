@@ -3,8 +3,9 @@
 Any number of instances run; the holder of the ``checkpoint`` lease keeps the
 catalog (:mod:`.core`). It restores every job's catalog from the
 ``phalanx_checkpoints`` bucket at the start of its term, follows the job
-records (a job's ``checkpoint.memory_keep``; an ended job's memory snapshots
-are deleted by its agents, so its catalog goes too), and takes in every
+records (a job's ``checkpoint.memory_keep`` and ``durable_keep``; an ended
+job's memory snapshots are deleted by its agents, so its catalog keeps only
+its durable steps), and takes in every
 ``SnapshotRecord`` on ``phalanx.ckpt.<job>.snapshot``. Changed catalogs are
 written at most every :data:`STORE_EVERY_S` (the newest catalog of a job is
 what counts; ranks announce a snapshot every step), fenced on the revision
@@ -125,12 +126,12 @@ class CheckpointService(Service):
             if change is None:
                 continue
             record = change.value
-            if record is None:
-                act(the_core.handle(core.JobSeen(change.key, 0, ended=True)))
-            else:
-                act(the_core.handle(core.JobSeen(record.job_id,
-                                                 record.spec.checkpoint.memory_keep,
-                                                 ended=record.state.terminal)))
+            if record is not None:
+                policy = record.spec.checkpoint
+                act(the_core.handle(core.JobSeen(record.job_id, policy.memory_keep,
+                                                 policy.durable_keep)))
+            if record is None or record.state.terminal:
+                act(the_core.handle(core.JobEnded(change.key)))
 
     async def _store(self, changed: dict[str, core.Decision], revisions: dict[str, int]) -> None:
         """Write what changed, at most every STORE_EVERY_S, fenced on our revisions."""

@@ -25,6 +25,7 @@ from phalanx.schemas.messages import (
     ALL_MESSAGES,
     ChaosAction,
     ChaosRequest,
+    CheckpointPolicy,
     Generation,
     JobRecord,
     JobState,
@@ -34,6 +35,7 @@ from phalanx.schemas.messages import (
     NodeStatusRequest,
     ReplicaRange,
     SnapshotRecord,
+    SnapshotTier,
 )
 
 SETTINGS = settings(derandomize=True, database=None, deadline=None, max_examples=100,
@@ -86,6 +88,17 @@ def _fix_generation(kw: dict[str, Any]) -> dict[str, Any]:
 
 def _fix_snapshot(kw: dict[str, Any]) -> dict[str, Any]:
     kw["shard"] = min(kw["shard"], kw["num_shards"] - 1)
+    durable = kw["tier"] is SnapshotTier.DURABLE
+    kw["location"] = (kw.get("location") or "/ckpt") if durable else ""
+    return kw
+
+
+def _fix_checkpoint_policy(kw: dict[str, Any]) -> dict[str, Any]:
+    memory = kw.get("memory_every_steps", 1)
+    if kw.get("durable_every_steps"):  # a multiple of the memory interval
+        kw["memory_every_steps"] = memory or 1
+        kw["durable_every_steps"] = kw["memory_every_steps"] * min(
+            kw["durable_every_steps"], 1_000_000 // kw["memory_every_steps"])
     return kw
 
 
@@ -110,6 +123,7 @@ FIXUPS: dict[type, Callable[[dict[str, Any]], dict[str, Any]]] = {
     NodeRecord: _fix_node_record,
     Generation: _fix_generation,
     SnapshotRecord: _fix_snapshot,
+    CheckpointPolicy: _fix_checkpoint_policy,
     JobRecord: _fix_job_record,
     ChaosRequest: _fix_chaos,
 }

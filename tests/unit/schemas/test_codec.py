@@ -174,10 +174,13 @@ EXAMPLES: dict[type[Message], Message] = {
     SnapshotReservation: SnapshotReservation(
         node_id="gpu-node-03",
         paths=["/dev/shm/phalanx-llama-ft-s3-0", "/dev/shm/phalanx-llama-ft-s3-1"]),
-    CheckpointCatalog: CheckpointCatalog(job_id="llama-ft", keep=2, steps=[CatalogStep(
-        step=1200, shards=2, total_bytes=2048, copies=[
+    CheckpointCatalog: CheckpointCatalog(job_id="llama-ft", keep=2, durable_keep=3, steps=[
+        CatalogStep(step=1200, shards=2, total_bytes=2048, copies=[
             ShardCopy(shard=0, node_id="gpu-node-03", tier=SnapshotTier.LOCAL, nbytes=1024,
                       checksum="9f86d081884c7d65", generation=3),
+            ShardCopy(shard=0, node_id="gpu-node-03", tier=SnapshotTier.DURABLE,
+                      nbytes=1100, checksum="1b2c3d4e5f607182", generation=3,
+                      location="s3://ckpt/llama-ft/step-0000001200-g3-w2"),
             ShardCopy(shard=1, node_id="gpu-node-07", tier=SnapshotTier.LOCAL, nbytes=1024,
                       checksum="60303ae22b998861", generation=3, corrupt=True)])]),
     ResumeRequest: ResumeRequest(job_id="llama-ft", world_size=8),
@@ -537,6 +540,16 @@ def test_generation_ranks_with_a_gap() -> None:
     data = as_map(EXAMPLES[Generation])
     data["members"][2]["rank"] = 5
     rejected(pack(data), Generation, "member ranks must be 0..2 in order", "[0, 1, 5]")
+
+
+def test_snapshot_location_exactly_for_a_durable_copy() -> None:
+    rejected(pack(as_map(EXAMPLES[SnapshotRecord], tier="durable")), SnapshotRecord,
+             "location is required for a durable copy")
+    rejected(pack(as_map(EXAMPLES[SnapshotRecord], location="/ckpt/j/step-1")),
+             SnapshotRecord, "location is required for a durable copy and only for one")
+    stored = decode(pack(as_map(EXAMPLES[SnapshotRecord], tier="durable",
+                                location="/ckpt/j/step-1")), SnapshotRecord)
+    assert stored.location == "/ckpt/j/step-1"
 
 
 def test_snapshot_shard_not_below_num_shards() -> None:

@@ -1,6 +1,8 @@
 """Property tests of the checkpoint catalog: every answer names a complete step from
-healthy copies, retention keeps the newest complete steps, a corrupt copy is never offered,
-and a core restored from its stored catalogs answers as one that never stopped."""
+healthy copies, retention keeps the newest complete steps of each kind apart (memory
+announcements never push a durable step out, nor the reverse), a corrupt copy is never
+offered, an ended job keeps exactly its durable copies, and a core restored from its
+stored catalogs answers as one that never stopped."""
 
 from __future__ import annotations
 
@@ -12,20 +14,29 @@ from phalanx.services.checkpoint import core
 
 JOB = "j"
 
-records = st.builds(
-    lambda step, shards, shard, node, tier, corrupt, checksum: SnapshotRecord(
+
+def snapshot(step: int, shards: int, shard: int, node: int, tier: SnapshotTier,
+             corrupt: bool, checksum: int) -> SnapshotRecord:
+    durable = tier is SnapshotTier.DURABLE
+    return SnapshotRecord(
         job_id=JOB, step=step, shard=min(shard, shards - 1), num_shards=shards,
         node_id=f"n{node}", tier=tier, nbytes=10, checksum=f"{checksum:016x}",
-        created_at=0.0, total_bytes=40, corrupt=corrupt),
-    st.integers(0, 12), st.integers(1, 3), st.integers(0, 2), st.integers(0, 2),
-    st.sampled_from(list(SnapshotTier)), st.sampled_from([False, False, False, True]),
-    st.integers(0, 3))
+        created_at=0.0, total_bytes=40, corrupt=corrupt,
+        # A durable step's place is its directory, whichever node announces it.
+        location=f"/ckpt/{JOB}/step-{step}-w{shards}" if durable else "")
 
 
-def check(catalog, keep: int) -> None:
+records = st.builds(snapshot, st.integers(0, 12), st.integers(1, 3), st.integers(0, 2),
+                    st.integers(0, 2), st.sampled_from(list(SnapshotTier)),
+                    st.sampled_from([False, False, False, True]), st.integers(0, 3))
+
+
+def check(catalog, keep: int, durable_keep: int) -> None:
     steps = catalog.steps
     assert steps == sorted(steps, key=lambda s: (s.step, s.shards))
-    assert len([s for s in steps if core.complete(s)]) <= keep
+    assert all(s.copies for s in steps)
+    assert len([s for s in steps if core.complete(s, core.in_memory)]) <= keep
+    assert len([s for s in steps if core.complete(s, core.durable)]) <= durable_keep
     answer = core.resume_answer(catalog, JOB, 4)
     if answer.step is not None:
         entry = next(s for s in steps if s.step == answer.step and s.shards == answer.shards)
@@ -34,29 +45,68 @@ def check(catalog, keep: int) -> None:
         assert not any(c.corrupt for c in answer.sources)
         newer = [s for s in steps if core.complete(s) and s.step > answer.step]
         assert newer == []
+    else:
+        assert not any(core.complete(s) for s in steps)
+
+
+def copies_of(catalog, kind) -> list:
+    return [] if catalog is None else [(s.step, s.shards, c) for s in catalog.steps
+                                       for c in s.copies if kind(c)]
+
+
+def replay(events: list[SnapshotRecord], keep: int, durable_keep: int):
+    the_core = core.CheckpointCore()
+    the_core.handle(core.JobSeen(JOB, keep, durable_keep))
+    for record in events:
+        the_core.handle(core.SnapshotAnnounced(record))
+    return the_core.catalogs.get(JOB)
 
 
 @settings(max_examples=200, deadline=None)
-@given(st.lists(records, max_size=40), st.integers(1, 3), st.integers(0, 40))
+@given(st.lists(records, max_size=40), st.integers(1, 3), st.integers(1, 3),
+       st.integers(0, 40))
 def test_the_catalog_answers_from_healthy_complete_steps_and_restores(
-        events, keep, cut) -> None:
+        events, keep, durable_keep, cut) -> None:
     live = core.CheckpointCore()
-    live.handle(core.JobSeen(JOB, keep))
+    live.handle(core.JobSeen(JOB, keep, durable_keep))
     stored = {}
     restarted = None
     for i, record in enumerate(events):
         if i == cut:  # the service restarts from what it stored
             restarted = core.CheckpointCore()
-            restarted.handle(core.JobSeen(JOB, keep))
+            restarted.handle(core.JobSeen(JOB, keep, durable_keep))
             for catalog in stored.values():
                 restarted.restore(catalog)
         for decision in live.handle(core.SnapshotAnnounced(record)):
             assert isinstance(decision, core.StoreCatalog)
             stored[JOB] = decision.catalog
-            check(decision.catalog, keep)
+            check(decision.catalog, keep, durable_keep)
         if restarted is not None:
             restarted.handle(core.SnapshotAnnounced(record))
             assert restarted.resume(JOB, 2) == live.resume(JOB, 2)
-    if stored:
-        assert live.handle(core.JobSeen(JOB, keep, ended=True)) == [core.ForgetCatalog(JOB)]
+    final = live.catalogs.get(JOB)
+    # Each kind is retained apart: the copies of one kind are those the announcements of
+    # that kind alone leave.
+    for kind in (core.durable, core.in_memory):
+        alone = replay([r for r in events if kind(core.ShardCopy(
+            shard=0, node_id="n", tier=r.tier, nbytes=0, checksum="0" * 8))],
+            keep, durable_keep)
+        assert copies_of(final, kind) == copies_of(alone, kind)
+    # The job ends: its memory copies go, its durable ones stay (and later durable
+    # announcements are still taken); the catalog goes only with its last copy.
+    kept = copies_of(final, core.durable)
+    decisions = live.handle(core.JobEnded(JOB))
+    if final is None:
+        assert decisions == []
+    elif kept:
+        assert copies_of(live.catalogs[JOB], core.in_memory) == []
+        assert copies_of(live.catalogs[JOB], core.durable) == kept
+        assert decisions in ([], [core.StoreCatalog(live.catalogs[JOB])])
+    else:
+        assert decisions == [core.ForgetCatalog(JOB)]
         assert live.resume(JOB, 2).step is None
+    late = snapshot(13, 1, 0, 0, SnapshotTier.DURABLE, False, 1)
+    assert live.handle(core.SnapshotAnnounced(snapshot(13, 1, 0, 0, SnapshotTier.LOCAL,
+                                                       False, 1))) == []
+    assert live.handle(core.SnapshotAnnounced(late)) != []
+    assert live.resume(JOB, 2).step == 13
