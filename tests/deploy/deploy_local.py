@@ -10,7 +10,10 @@ plain processes, exactly the command and environment each container would get:
   manifests (command/args, env, mounts).
 
 What cannot be the same on one machine is *translated*, and only that: host
-names and ports of other containers (``nats:4222`` → a local port), absolute
+names and ports of other containers (``nats:4222`` → a local port), the ports a
+container itself listens on (each container's ``PHALANX_METRICS_PORT``, 9464 in all
+of them, → a free local port of its own, and ``admission:9464`` → that port for
+whoever scrapes it), absolute
 paths of the container's filesystem (``/opt/phalanx`` → this checkout,
 ``/opt/venv`` → this interpreter's prefix, a volume → a directory shared by the
 containers that mount it, anything else → a directory of that container's own).
@@ -40,6 +43,8 @@ from phalanx.bus.client import Bus, Delivery
 from phalanx.bus.config import BusConfig
 from phalanx.schemas import subjects
 from phalanx.schemas.messages import JobRecord, JobState, RankProgress
+from phalanx.services import metrics
+from phalanx.services.natsd import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 DEPLOY = REPO / "deploy"
@@ -100,6 +105,8 @@ class Container:
     workdir: str
     mounts: dict[str, str] = dataclasses.field(default_factory=dict)
     """Mount path in the container -> shared volume key."""
+    ports: tuple[int, ...] = ()
+    """Ports the container declares it listens on (compose ``expose``, ``containerPort``)."""
 
 
 class World:
@@ -108,6 +115,24 @@ class World:
     def __init__(self, root: Path, hosts: Mapping[str, str]) -> None:
         self.root = root
         self.hosts = dict(hosts)
+        self.ports: dict[str, dict[int, int]] = {}
+        """Container name -> its declared ports -> the local ports standing in for them."""
+
+    def listen(self, container: Container) -> dict[int, int]:
+        """The local ports of ``container``'s declared ports, a free one each (every
+        container may listen on 9464 in its own network namespace; here they share one).
+        ``<name>:<port>`` then reaches it, as a scrape target names it."""
+        if container.name not in self.ports:
+            self.ports[container.name] = {p: free_port() for p in container.ports}
+            for port, local in self.ports[container.name].items():
+                self.hosts[f"{container.name}:{port}"] = f"127.0.0.1:{local}"
+        return self.ports[container.name]
+
+    def rehost(self, text: str) -> str:
+        """``text`` with other containers' host names and ports made local ones."""
+        for host, local in self.hosts.items():
+            text = re.sub(rf"(?<![\w.-]){re.escape(host)}(?![\w.-])", local, text)
+        return text
 
     def paths(self, container: Container) -> list[tuple[str, Path]]:
         mapped = [(mount, self.root / "volumes" / key) for mount, key in
@@ -120,8 +145,7 @@ class World:
         return sorted(mapped, key=lambda pair: -len(pair[0]))
 
     def localize(self, container: Container, text: str) -> str:
-        for host, local in self.hosts.items():
-            text = re.sub(rf"(?<![\w.-]){re.escape(host)}(?![\w.-])", local, text)
+        text = self.rehost(text)
         out = []
         # Only whole path components: "/tmp" in "/tmpfoo" or in a URL path is left alone.
         for piece in re.split(r"([:,= ])", text):
@@ -145,6 +169,11 @@ class World:
         """(argv, env, cwd) of the local process standing in for ``container``."""
         env = {k: self.localize(container, v) for k, v in container.env.items()}
         env.setdefault("HOME", self.localize(container, "/home/phalanx"))
+        if env.get(metrics.PORT_ENV, "").strip():
+            port, ports = int(env[metrics.PORT_ENV]), self.listen(container)
+            assert port in ports, (f"{container.name}: {metrics.PORT_ENV}={port}, a port the "
+                                   f"container does not declare ({sorted(ports)})")
+            env[metrics.PORT_ENV] = str(ports[port])
         argv = [self.localize(container, a) for a in container.argv]
         cwd = Path(self.localize(container, container.workdir))
         return argv, env, cwd

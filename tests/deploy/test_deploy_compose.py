@@ -5,17 +5,22 @@ by .ci/run) validates the file without one; the slow test starts, as local
 processes, exactly the commands and environments compose.yaml gives each
 container — the image's entry point, working dir and ``ENV`` from deploy/Dockerfile,
 a nats-server from the wheel running the NATS container's own command, a local
-OTLP receiver in Jaeger's place — in compose's dependency order, then submits a
-job from the host and trains it on the workers to the end.
+OTLP receiver in Jaeger's place, Debian's Prometheus with deploy/prometheus.yml in
+Prometheus's — in compose's dependency order, then submits a job from the host,
+trains it on the workers to the end and reads what every container's metrics
+endpoint counted, directly and through Prometheus.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import shutil
 import subprocess
 import sys
+import urllib.parse
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -32,12 +37,15 @@ from deploy_local import (
     train,
     wait_for,
 )
+from metrics_page import scrape, value
 from otlp_sink import OtlpSink
 
 from phalanx.schemas.messages import JobState
 from phalanx.services.natsd import free_port, server_binary
 
 COMPOSE = DEPLOY / "compose.yaml"
+PROMETHEUS = DEPLOY / "prometheus.yml"
+METRICS_PORT = 9464  # every container's, docs/observability.md
 PHALANX_SERVICES = ("phalanx-admission", "phalanx-health", "phalanx-elasticity",
                     "phalanx-agent")
 STEPS = 30
@@ -71,7 +79,20 @@ def container(name: str, service: dict, image: Image | None) -> Container:
     for volume in service.get("volumes", []):
         source, target = volume.split(":")[:2]
         mounts[target] = source
-    return Container(name, argv, env, service.get("working_dir", workdir), mounts)
+    ports = tuple(int(p) for p in service.get("expose", []))
+    return Container(name, argv, env, service.get("working_dir", workdir), mounts, ports)
+
+
+def scrape_targets() -> set[str]:
+    """The ``host:port`` targets deploy/prometheus.yml (the prometheus service's) scrapes."""
+    config = yaml.safe_load(PROMETHEUS.read_text())
+    return {t for job in config["scrape_configs"] for group in job["static_configs"]
+            for t in group["targets"]}
+
+
+def serving(services: dict) -> list[str]:
+    """Our long-running services and workers: every one must serve metrics."""
+    return [n for n, s in services.items() if is_phalanx(s) and s.get("restart") != "no"]
 
 
 def start_order(services: dict) -> list[str]:
@@ -109,7 +130,7 @@ def test_compose_config_is_valid_for_docker_compose() -> None:
     assert set(resolved) == set(ours)
     for name, service in ours.items():
         for key in ("command", "entrypoint", "environment", "depends_on", "healthcheck",
-                    "shm_size", "hostname"):
+                    "shm_size", "hostname", "expose"):
             theirs = resolved[name].get(key)
             if key == "environment" and theirs is not None:
                 theirs = {k: str(v) for k, v in theirs.items()}
@@ -144,9 +165,34 @@ def test_compose_has_the_pieces_a_laptop_cluster_needs() -> None:
         assert services[name]["shm_size"] in ("1gb", "1g"), name
         assert services[name]["depends_on"]["prepare-data"]["condition"] == \
             "service_completed_successfully"
+    # Scrape-ready: every service and worker serves metrics on the one documented port,
+    # exposes it, and the prometheus service scrapes each of them there.
+    for name in serving(services):
+        assert services[name]["environment"]["PHALANX_METRICS_PORT"] == str(METRICS_PORT), name
+        assert services[name]["expose"] == [str(METRICS_PORT)], name
+    assert scrape_targets() == {f"{n}:{METRICS_PORT}" for n in serving(services)}
+    prometheus = services["prometheus"]
+    assert f"./{PROMETHEUS.name}:/etc/prometheus/prometheus.yml:ro" in prometheus["volumes"]
+    assert "--config.file=/etc/prometheus/prometheus.yml" in prometheus["command"]
     image = Image.parse()
     assert image.entrypoint == ("phalanx",)
     assert image.user not in ("root", "0"), "the image runs as a non-root user"
+
+
+def prometheus_binary(name: str) -> str:
+    """Debian's ``prometheus`` package's ``name`` (prometheus, promtool); .ci/run installs it."""
+    binary = shutil.which(name)
+    if binary is None:
+        if os.environ.get("CI"):
+            pytest.fail(f"{name} is not installed: .ci/run installs it (apt prometheus)")
+        pytest.skip(f"{name} not installed (apt-get install prometheus)")
+    return binary
+
+
+def test_prometheus_config_passes_promtool() -> None:
+    result = subprocess.run([prometheus_binary("promtool"), "check", "config", str(PROMETHEUS)],
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stdout + result.stderr
 
 
 def test_dockerfile_passes_hadolint() -> None:
@@ -160,11 +206,14 @@ def test_dockerfile_passes_hadolint() -> None:
 
 
 def start_compose(procs: Processes, world: World, services: dict, image: Image,
-                  nats_ports: tuple[int, int]) -> None:
+                  nats_ports: tuple[int, int], prometheus_port: int) -> None:
     """``docker compose up``: every service in dependency order, each started once what
     it depends on is healthy, completed or started, as its ``depends_on`` says."""
     healthy: set[str] = set()
     completed: set[str] = set()
+    # Every container's address exists before any starts (compose's network and DNS).
+    for name in serving(services):
+        world.listen(container(name, services[name], image))
     for name in start_order(services):
         service = services[name]
         for dep, how in service.get("depends_on", {}).items():
@@ -183,6 +232,22 @@ def start_compose(procs: Processes, world: World, services: dict, image: Image,
             healthy.add(name)
             continue
         if name == "jaeger":  # the test's OTLP sink is already listening
+            healthy.add(name)
+            continue
+        if name == "prometheus":  # a real Prometheus (Debian's) with the container's command
+            spec = container(name, service, None)
+            file_mount = "/etc/prometheus/prometheus.yml"
+            assert spec.mounts.pop(file_mount) == f"./{PROMETHEUS.name}"
+            spec.mounts["/etc/prometheus"] = "prometheus-config"  # the file, in a directory
+            config = world.root / "volumes" / "prometheus-config" / "prometheus.yml"
+            config.parent.mkdir(parents=True)
+            config.write_text(world.rehost(PROMETHEUS.read_text()))
+            spec.argv = [prometheus_binary("prometheus"), *spec.argv,
+                         f"--web.listen-address=127.0.0.1:{prometheus_port}"]
+            procs.start(spec)
+            url = f"http://127.0.0.1:{prometheus_port}/-/ready"
+            wait_for(lambda u=url: healthy_http(u), 30, f"prometheus ready {url}",
+                     detail=procs.logs)
             healthy.add(name)
             continue
         spec = container(name, service, image)
@@ -213,13 +278,14 @@ def start_compose(procs: Processes, world: World, services: dict, image: Image,
 def test_compose_services_and_workers_train_a_job(tmp_path: Path) -> None:
     services = load()["services"]
     image = Image.parse()
-    nats_port, monitor_port = free_port(), free_port()
+    nats_port, monitor_port, prometheus_port = free_port(), free_port(), free_port()
     with OtlpSink() as jaeger:
         world = World(tmp_path, {"nats:4222": f"127.0.0.1:{nats_port}",
                                  "127.0.0.1:8222": f"127.0.0.1:{monitor_port}",
                                  "jaeger:4318": f"127.0.0.1:{jaeger.port}"})
         with processes(world) as procs:
-            start_compose(procs, world, services, image, (nats_port, monitor_port))
+            start_compose(procs, world, services, image, (nats_port, monitor_port),
+                          prometheus_port)
             workers = [n for n in procs.running if services[n].get("command", [""])[0]
                        == "agent"]
 
@@ -246,6 +312,51 @@ def test_compose_services_and_workers_train_a_job(tmp_path: Path) -> None:
             logs = list((tmp_path / "containers").glob(
                 f"*/var-lib-phalanx/agents/*/jobs/{record.job_id}/r*-*.log"))
             assert len(logs) == 4, "each worker's ranks logged in its own data dir"
+
+            # Metrics: each service and worker serves them on its container's 9464, and
+            # what it did is counted there: each worker's ranks' exits, the admission.
+            def page(name: str) -> dict:
+                port = world.ports.get(name, {}).get(METRICS_PORT)
+                assert port, f"{name} declares no metrics port {METRICS_PORT}"
+                try:
+                    return scrape(f"http://127.0.0.1:{port}/metrics")
+                except OSError as e:
+                    raise AssertionError(f"{name} serves no metrics on {METRICS_PORT}: "
+                                         f"{e}") from e
+
+            for name in serving(services):
+                assert ("phalanx_bus_reconnects_total", ()) in page(name), name
+            for name in workers:
+                wait_for(lambda n=name: value(page(n), "phalanx_agent_rank_exits_total",
+                                              cause="exited") == admitted.nodes.count(n),
+                         30, f"{name}'s {admitted.nodes.count(name)} rank exits counted",
+                         detail=lambda n=name: page(n))
+            assert value(page("admission"), "phalanx_admission_admitted_total") == 1
+            assert value(page("elasticity"), "phalanx_generations_total", reason="start") >= 1
+            # ... and the real Prometheus, configured by deploy/prometheus.yml, scrapes
+            # every one of them and has the same numbers.
+            api = f"http://127.0.0.1:{prometheus_port}/api/v1"
+            expected = {world.rehost(t) for t in scrape_targets()}
+
+            def targets() -> dict[str, str]:
+                reply = json.loads(urllib.request.urlopen(f"{api}/targets", timeout=10).read())
+                return {t["labels"]["instance"]: t["health"]
+                        for t in reply["data"]["activeTargets"]}
+
+            wait_for(lambda: targets() == dict.fromkeys(expected, "up"), 30,
+                     "prometheus scraping every service and worker", detail=targets)
+
+            def query(promql: str) -> float | None:
+                url = f"{api}/query?" + urllib.parse.urlencode({"query": promql})
+                result = json.loads(urllib.request.urlopen(url, timeout=10).read())
+                samples = result["data"]["result"]
+                return float(samples[0]["value"][1]) if samples else None
+
+            for promql, want in (
+                    ('sum(phalanx_agent_rank_exits_total{cause="exited",role="agent"})', 4),
+                    ("sum(phalanx_admission_admitted_total)", 1)):
+                wait_for(lambda q=promql, w=want: query(q) == w, 30, f"{promql} == {want}",
+                         detail=lambda q=promql: query(q))
             for name in procs.running:
                 assert procs.alive(name), f"{name} died:\n{procs.logs()}"
         # Stopped (spans flushed on SIGTERM): every process exported to "Jaeger".

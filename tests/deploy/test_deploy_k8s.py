@@ -24,6 +24,7 @@ import sys
 from pathlib import Path
 
 import kubernetes_validate
+import metrics_page
 import pytest
 import yaml
 from deploy_local import (
@@ -50,6 +51,12 @@ NODES = {"kind-worker": {"phalanx.dev/worker": "true"},
          "ip-10-0-0-7.ec2.internal": {"phalanx.dev/worker": "true"},
          "kind-control-plane": {}}
 STEPS = 30
+SERVICE_METRICS = (9464,)  # the control plane's, in its pods' own network namespaces
+# Ports an agent on the host network must leave alone: NATS (client, route, monitoring,
+# leaf), the ranks' MASTER_PORT range and Linux's ephemeral ports (gloo's sockets).
+NATS_PORTS = (4222, 6222, 8222, 7422)
+RANK_PORTS = (29500, 39499)
+EPHEMERAL = (32768, 60999)
 
 
 def render(overlay: str) -> list[dict]:
@@ -120,6 +127,19 @@ def test_rendered_objects_follow_the_deployment_rules(overlay: str) -> None:
             command = c[probe]["exec"]["command"]
             assert command[:2] == ["python", "/opt/phalanx/deploy/probe.py"], name
             assert command[3] == name, f"{name}'s {probe} asks for its own service"
+        # Scrape-ready: the annotations name the port called metrics, which is the one
+        # the process serves on.
+        annotations = workload["spec"]["template"]["metadata"]["annotations"]
+        assert annotations["prometheus.io/scrape"] == "true", name
+        assert annotations["prometheus.io/path"] == "/metrics", name
+        (port,) = [p["containerPort"] for p in c["ports"] if p["name"] == "metrics"]
+        assert annotations["prometheus.io/port"] == str(port), name
+        assert {"name": "PHALANX_METRICS_PORT", "value": str(port)} in c["env"], name
+        if spec.get("hostNetwork"):  # a port of the node: clear of NATS, kubelet, ranks
+            assert port not in (*NATS_PORTS, *SERVICE_METRICS, 9100, 10250), name
+            assert port < RANK_PORTS[0] and not EPHEMERAL[0] <= port <= EPHEMERAL[1], name
+        else:
+            assert port in SERVICE_METRICS, name
         # Credentials only from the Secret, never from a ConfigMap.
         refs = {e["name"]: e.get("valueFrom", {}) for e in c["env"]}
         for var in ("PHALANX_NATS_USER", "PHALANX_NATS_PASSWORD"):
@@ -217,7 +237,8 @@ class Cluster:
                 directory.mkdir(parents=True, exist_ok=True)
                 for name, text in self.config_maps[volume["configMap"]["name"]]["data"].items():
                     (directory / name).write_text(text)
-        return Container(pod_name, argv, env, c.get("workingDir", image.workdir), mounts)
+        ports = tuple(p["containerPort"] for p in c.get("ports", []))
+        return Container(pod_name, argv, env, c.get("workingDir", image.workdir), mounts, ports)
 
     def probe(self, procs: Processes, pod: str, workload: dict, kind: str):
         (c,) = workload["spec"]["template"]["spec"]["containers"]
@@ -325,6 +346,30 @@ def test_local_overlay_pods_pass_their_probes_and_train_a_job(tmp_path: Path) ->
         assert set(admitted.nodes) == {"kind-worker", "ip-10-0-0-7-ec2-internal"}
         assert sorted(progress) == [0, 1, 2, 3]
         assert all(p.step == STEPS and p.final for p in progress.values()), progress
+
+        # Metrics, scraped as Prometheus's kubernetes-pods job does: at each pod's annotated
+        # port and path (here each pod's declared port is a local port of its own).
+        def page(pod: str) -> dict:
+            annotations = pods[pod]["spec"]["template"]["metadata"]["annotations"]
+            declared = int(annotations["prometheus.io/port"])
+            port = procs.world.ports.get(pod, {}).get(declared)
+            assert port, f"{pod} serves no metrics on its annotated port {declared}"
+            return metrics_page.scrape(f"http://127.0.0.1:{port}{annotations['prometheus.io/path']}")
+
+        def total(workload: str, metric: str, **labels: str) -> float:
+            return sum(metrics_page.value(page(p), metric, **labels) for p, w in pods.items()
+                       if w["metadata"]["name"] == workload)
+
+        for pod in pods:
+            assert ("phalanx_bus_reconnects_total", ()) in page(pod), pod
+        for node in worker_nodes:  # each agent counted the exits of the ranks it ran
+            pod, ran = f"phalanx-agent-{node}", admitted.nodes.count(node.replace(".", "-"))
+            wait_for(lambda p=pod, r=ran: metrics_page.value(
+                         page(p), "phalanx_agent_rank_exits_total", cause="exited") == r,
+                     30, f"{pod}'s {ran} rank exits counted", detail=lambda p=pod: page(p))
+        # The leader of each pair counted; its standby nothing.
+        assert total("phalanx-admission", "phalanx_admission_admitted_total") == 1
+        assert total("phalanx-elasticity", "phalanx_generations_total", reason="start") >= 1
 
         # Each probe asks for its own pod: one health pod stopped fails its probes, the
         # other still passes.

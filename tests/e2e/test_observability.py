@@ -21,13 +21,13 @@ import json
 import os
 import subprocess
 import sys
-import urllib.request
 from pathlib import Path
 
 import pytest
 from e2e_cli import next_of, phalanx
+from metrics_page import scrape as scrape_page
+from metrics_page import value
 from otlp_sink import OtlpSink, SpanRecord
-from prometheus_client.parser import text_string_to_metric_families
 
 from phalanx.bus.client import Bus
 from phalanx.bus.config import BusConfig
@@ -50,15 +50,8 @@ SURVIVORS = {"r0-0", "r2-0", "r3-0"}
 
 
 def scrape(port: int) -> dict[tuple[str, tuple], float]:
-    """Every sample of one ``/metrics`` page: (name, sorted labels) -> value."""
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as reply:
-        text = reply.read().decode()
-    return {(s.name, tuple(sorted(s.labels.items()))): s.value
-            for family in text_string_to_metric_families(text) for s in family.samples}
-
-
-def value(samples: dict, name: str, **labels: str) -> float:
-    return samples.get((name, tuple(sorted(labels.items()))), 0.0)
+    """Every sample of one process's ``/metrics`` page: (name, sorted labels) -> value."""
+    return scrape_page(f"http://127.0.0.1:{port}/metrics")
 
 
 def trace_of(spans: list[SpanRecord], leaf: SpanRecord) -> list[SpanRecord]:
