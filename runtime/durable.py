@@ -42,6 +42,7 @@ says.
 from __future__ import annotations
 
 import base64
+import contextlib
 import dataclasses
 import io
 import json
@@ -443,14 +444,21 @@ class DurableWriter:
         with path.open("rb") as f:
             buffer = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
         try:
-            now = snapshot_file.read_header(buffer)
-            if (now.step, now.generation, now.shard) != (header.step, header.generation,
-                                                          header.shard):
-                raise SnapshotFileError(f"the buffer holds step {now.step} now")
-            meta, data = snapshot_file.verify(memoryview(buffer), now)
-            return write_shard(self.fs, self.root, now, bytes(meta), data, self.keep)
+            return self._persist_from(buffer, header)
         finally:
-            buffer.close()
+            # The views of the buffer died with _persist_from's frame, unless an error's
+            # traceback holds them: then the mapping goes with the traceback, and closing
+            # it now would replace that error by a BufferError.
+            with contextlib.suppress(BufferError):
+                buffer.close()
+
+    def _persist_from(self, buffer: mmap.mmap, header: Header) -> Persisted:
+        now = snapshot_file.read_header(buffer)
+        if (now.step, now.generation, now.shard) != (header.step, header.generation,
+                                                      header.shard):
+            raise SnapshotFileError(f"the buffer holds step {now.step} now")
+        meta, data = snapshot_file.verify(memoryview(buffer), now)
+        return write_shard(self.fs, self.root, now, bytes(meta), data, self.keep)
 
 
 # --- restoring ------------------------------------------------------------------------------

@@ -90,6 +90,34 @@ def test_a_step_commits_with_its_last_shard_and_loads_with_plain_dcp(tmp_path) -
             assert torch.equal(loaded["optimizer"]["state"][key][name], value)
 
 
+def test_the_writer_thread_persists_snapshot_buffer_files_and_reports_the_commit(
+        tmp_path) -> None:
+    """DurableWriter as the rank uses it: each shard read from its snapshot buffer file,
+    written, the buffer let go, and the report of the shard that committed the step."""
+    source = trained(0, 5)
+    state = flat_state(source[0], source[1], {"scheduler": source[2]}, 5)
+    meta = pickle.dumps(state.meta)
+    reports: list[durable.Persisted] = []
+    writer = durable.DurableWriter(str(tmp_path / "store"), 2, reports.append)
+    for shard in range(2):
+        path = tmp_path / f"buffer-{shard}"
+        path.write_bytes(bytes(HEADER_BYTES + len(meta) + state.total))
+        buffer = snapshot_file.open_buffer(path)
+        header = write_share(memoryview(buffer), state, meta, "job-a", 5, 3, shard, 2)
+        assert writer.submit(path, header)
+        assert writer.wait_idle(60) and writer.busy_with is None
+        buffer.close()
+    writer.close()
+    assert [(r.shard, r.committed is not None) for r in reports] == [(0, False), (1, True)]
+    record = reports[1].committed
+    assert (record.step, record.shards) == (5, 2)
+    announced = durable.committed_records(record, reports[1].location, "node-a", 0.0)
+    assert [(a.shard, a.location, a.checksum) for a in announced] == [
+        (r, reports[1].directory, record.files[f"__{r}_0.distcp"][1]) for r in range(2)]
+    [step] = durable.committed_steps(fsspec.filesystem("file"), f"{tmp_path}/store/job-a")
+    assert step.job_id == "job-a"
+
+
 def test_a_durable_step_restores_exactly_and_a_flipped_byte_is_refused(tmp_path) -> None:
     source, target = trained(0, 4), trained(1, 0)
     fs = fsspec.filesystem("file")
