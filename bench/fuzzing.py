@@ -113,6 +113,7 @@ from phalanx.services.health.service import HealthService
 
 IDENT = r"^[A-Za-z0-9_\-]+\Z"
 #: Bytes published to a target before waiting for its services to catch up.
+KV_ACK_TIMEOUT_S = 60.0
 PACE_BYTES = 4 << 20
 #: Fields mostly generated small, so that generated messages often fit the cluster.
 SMALL_INTS = frozenset({"slot", "rank", "min", "max", "slots_per_replica", "slots",
@@ -682,7 +683,9 @@ class Barrage:
                     await self._caught_up(watched, before, result.bad)
             else:
                 bucket, key = address.split("/", 1)
-                kv = await self.bus.js.key_value(bucket)
+                # Patient: on a loaded machine the server may ack a write after the default
+                # 5 s, and a put retried after a timeout could land twice and be counted so.
+                kv = await self.bus.nc.jetstream(timeout=KV_ACK_TIMEOUT_S).key_value(bucket)
                 await kv.put(key, item.payload)
         if pending:
             await asyncio.wait(pending)
