@@ -347,11 +347,11 @@ def section(command: str, results: list[dict[str, Any]]) -> str:
              "and ranks (bench/loadgen.py), 8 slots a node, 8-rank jobs, progress and "
              "heartbeats every 0.5 s. CPU in cores (2 on this machine, shared with other "
              "engineers' test runs); load average before/after each size.\n",
-             "| nodes | ranks | bus msg/s | admission cpu / MB | health cpu / MB | "
-             "elasticity cpu / MB | nats cpu / MB | generator cpu | submit→admitted p99 | "
-             "crashes | crash→fault p99 | fan-out p99 | fault→all members p99 | missed | "
-             "other faults | saturated | load |",
-             "|" + "---|" * 17]
+             "| nodes | ranks | first generations / jobs | bus msg/s | admission cpu / MB | "
+             "health cpu / MB | elasticity cpu / MB | nats cpu / MB | generator cpu | "
+             "submit→admitted p99 | crashes | crash→fault p99 | fan-out p99 | "
+             "fault→all members p99 | missed | other faults | saturated | load |",
+             "|" + "---|" * 18]
     for r in results:
         s = r["steady"]
         cell = {n: f"{s['cpu_cores'][n]} / {s['rss_mb'][n]}" for n in s["cpu_cores"]}
@@ -359,7 +359,8 @@ def section(command: str, results: list[dict[str, Any]]) -> str:
                   f"{r['crash_faults_doubled']}, not one generation "
                   f"{r['faults_not_one_generation']}, fan-out {r['fanout_missed']}")
         lines.append(
-            f"| {r['nodes']} | {r['ranks']} | {s['bus_msgs_per_s']} | {cell['admission']} | "
+            f"| {r['nodes']} | {r['ranks']} | {r['first_generations']} / {r['jobs']} | "
+            f"{s['bus_msgs_per_s']} | {cell['admission']} | "
             f"{cell['health']} | {cell['elasticity']} | {cell['nats-server']} | "
             f"{s['cpu_cores']['loadgen']} | {r['submit_to_admitted_p99_ms']} ms | "
             f"{r['crashes']} | {r['crash_to_fault_p99_ms']} ms | {r['fanout_p99_ms']} ms | "
@@ -377,7 +378,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="ranks crashed in the storm (default: a quarter of the jobs)")
     parser.add_argument("--window-s", type=float, default=10.0)
     parser.add_argument("--settle-s", type=float, default=8.0)
-    parser.add_argument("--start-timeout-s", type=float, default=120.0)
+    parser.add_argument("--start-timeout-s", type=float, default=60.0)
     parser.add_argument("--no-record", action="store_true")
     parser.add_argument("--show-logs", action="store_true",
                         help="print the tail of every process's log after each size")
