@@ -100,6 +100,17 @@ def inject(headers: dict[str, str] | None = None) -> dict[str, str] | None:
     return headers or None
 
 
+def traceparent() -> str:
+    """The current span's W3C ``traceparent``, or "" when nothing is traced."""
+    return (inject() or {}).get("traceparent", "")
+
+
+def within(parent: str) -> otel_context.Context | None:
+    """The context whose spans continue the trace named by ``parent`` (a ``traceparent``);
+    None for "" (spans then start from the current context, as without it)."""
+    return propagate.extract({"traceparent": parent}) if parent else None
+
+
 def _attributes(subject: str, operation: str, size: int, queue: str | None) -> dict:
     attrs: dict[str, str | int] = {
         "messaging.system": "nats",

@@ -314,7 +314,9 @@ class JobRecord(Message, tag="phalanx.job_record.v1"):
     growing back after a shrink gets new numbers, so a replica id (``r<slot>-<n>``)
     never names two processes. ``pinned_replicas`` is the size an operator pinned an
     elastic job to (``phalanx scale``); None: admission sizes it. ``scaling_change`` is
-    the planned size change in progress, if any.
+    the planned size change in progress, if any. ``trace`` is the W3C ``traceparent`` of
+    the job's submission (empty when it was not traced): the job's trace, in which
+    admission's decisions about it and its scaling events are spans.
     """
 
     job_id: Ident
@@ -329,6 +331,8 @@ class JobRecord(Message, tag="phalanx.job_record.v1"):
     next_slot: NonNegInt = 0
     pinned_replicas: SlotCount | None = None
     scaling_change: ScalingChange | None = None
+    trace: Annotated[str, msgspec.Meta(
+        pattern=r"^(00-[0-9a-f]{32}-[0-9a-f]{16}-[0-9a-f]{2})?\Z")] = ""
 
     def __post_init__(self) -> None:
         if self.state is JobState.ADMITTED and not self.nodes:

@@ -99,6 +99,7 @@ class Term:
     persisted: dict[str, tuple[JobState, ReasonCode, tuple[str, ...]]] = dataclasses.field(
         default_factory=dict)
     node_events: dict[str, core.NodeUpdated] = dataclasses.field(default_factory=dict)
+    traces: dict[str, str] = dataclasses.field(default_factory=dict)  # JobRecord.trace by job
     serving: bool = False  # state rebuilt: requests may be answered
     watching_since: float = 0.0  # nodes are judged on silence heard since then
 
@@ -227,6 +228,7 @@ class AdmissionService(Service):
         placements = dict(store.stored)
         decisions: list[core.Decision] = []
         for record in sorted(current, key=lambda r: (r.submitted_at, r.job_id)):
+            term.traces[record.job_id] = record.trace
             if record.state.terminal:
                 term.persisted[record.job_id] = (record.state, record.reason_code, ())
                 continue
@@ -333,7 +335,7 @@ class AdmissionService(Service):
                                for j in touched))
         for decision in decisions:
             if isinstance(decision, Announce):
-                await self._announce(decision, now)
+                await self._announce(term, decision, now)
 
     async def _write_decided(self, term: Term, gang: core.Gang, now: float,
                              decision: core.Decision | None) -> None:
@@ -349,11 +351,12 @@ class AdmissionService(Service):
         if reason is not None:
             attributes["phalanx.reason"] = reason.code.value
         with telemetry.tracer().start_as_current_span(
-                f"admission {type(decision).__name__.lower()}", attributes=attributes):
+                f"admission {type(decision).__name__.lower()}", attributes=attributes,
+                context=telemetry.within(term.traces.get(gang.job_id, ""))):
             await self._write_record(term, gang, now)
 
-    async def _announce(self, announce: Announce, now: float) -> None:
-        """Publish a scaling event, in a span of its own (attributes name the job)."""
+    async def _announce(self, term: Term, announce: Announce, now: float) -> None:
+        """Publish a scaling event, in a span of the job's trace (attributes name the job)."""
         assert self.bus is not None
         event = ScalingEvent(job_id=announce.job_id, kind=announce.kind,
                              from_replicas=announce.from_replicas,
@@ -365,7 +368,8 @@ class AdmissionService(Service):
                     "phalanx.scaling.from": announce.from_replicas,
                     "phalanx.scaling.to": announce.to_replicas,
                     "phalanx.scaling.reason": announce.reason,
-                    "phalanx.scaling.deadline": announce.deadline or 0.0}):
+                    "phalanx.scaling.deadline": announce.deadline or 0.0},
+                context=telemetry.within(term.traces.get(announce.job_id, ""))):
             await self.bus.publish(subjects.job_scaling(announce.job_id), event)
         log.info("scaling", extra={"job": announce.job_id, "kind": announce.kind.value,
                                    "from": announce.from_replicas, "to": announce.to_replicas,
@@ -489,9 +493,11 @@ class AdmissionService(Service):
         except core.SpecRejected as exc:
             raise RequestRefused("400", f"job spec refused: {exc}") from None
         now = time.time()
+        # The job's trace is its submission's: later decisions and scaling events join it.
         record = JobRecord(job_id=request.job_id, spec=request.spec, state=JobState.PENDING,
                            submitted_at=now, updated_at=now, reason_code=ReasonCode.QUEUED,
-                           reason="submitted; waiting for the next admission pass")
+                           reason="submitted; waiting for the next admission pass",
+                           trace=telemetry.traceparent())
         try:
             await self.jobs.create(request.job_id, record)
         except Conflict:
@@ -500,6 +506,7 @@ class AdmissionService(Service):
                 return existing.value  # a retried submit: same job, nothing new
             raise RequestRefused("409", f"job id {request.job_id!r} already exists with a "
                                         "different spec") from None
+        term.traces[request.job_id] = record.trace
         term.events.put_nowait(core.JobSubmitted(request.job_id, request.spec, now,
                                                  event_id="submit"))
         return record

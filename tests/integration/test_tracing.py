@@ -97,11 +97,12 @@ async def test_request_and_handling_share_one_trace_across_processes(bus: Bus, n
     assert process["attributes"]["messaging.operation.type"] == "process"
 
 
-async def test_every_scaling_event_is_a_span_of_the_admission_leader_naming_the_job(
+async def test_every_scaling_event_is_a_span_in_the_jobs_trace_naming_the_job(
         own_nats: NatsServer, uid: str) -> None:
     """A pin, and the shrink it makes, are each a ``scaling <kind>`` span with the job's
-    attributes, and the ScalingEvent published inside it carries its trace (its own server:
-    the admission process must be the only one leading)."""
+    attributes, children of the job's submission (the job record's trace) as the admission
+    of the job is, and the ScalingEvent published inside it carries its trace (its own
+    server: the admission process must be the only one leading)."""
     config = BusConfig.load(env={}, servers=[own_nats.url])
     env = {**os.environ, "OTEL_TRACES_EXPORTER": "console", "PHALANX_ADMISSION_LEASE_S": "1.0"}
     agent = AgentService(AgentConfig(node_id=f"n-{uid}", slots=4, heartbeat_interval_s=0.2,
@@ -125,6 +126,7 @@ async def test_every_scaling_event_is_a_span_of_the_admission_leader_naming_the_
                                         replicas=ReplicaRange(min=1, max=4),
                                         command=["true"]), job_id)
             await client.scale(job_id, 2)
+            record = await client.job(job_id)
             pin = await asyncio.wait_for(events.get(), 30)
             shrink = await asyncio.wait_for(events.get(), 30)
             assert (pin.kind, shrink.kind) == (ScalingEventKind.PIN, ScalingEventKind.SHRINK)
@@ -140,6 +142,17 @@ async def test_every_scaling_event_is_a_span_of_the_admission_leader_naming_the_
     assert (shrunk["phalanx.job"], shrunk["phalanx.scaling.from"],
             shrunk["phalanx.scaling.to"]) == (job_id, 4, 2)
     assert "pinned to 2" in shrunk["phalanx.scaling.reason"]
+    # The job's trace: the record names the span that took its submission.
+    assert record is not None and record.trace, record
+    _, trace_id, submit_span, _ = record.trace.split("-")
+    [submitted] = [s for s in spans if s["context"]["span_id"] == f"0x{submit_span}"]
+    assert submitted["name"].startswith("process phalanx.admission.")
+    admitted = [s for s in spans if s["name"] == "admission admit"
+                and s["attributes"]["phalanx.job"] == job_id]
+    for span in [*scaling.values(), *admitted]:
+        assert span["context"]["trace_id"] == f"0x{trace_id}", span
+        assert span["parent_id"] == f"0x{submit_span}", span
+    assert admitted, [s["name"] for s in spans]
     published = [s for s in spans if s["name"] == f"publish {subjects.job_scaling(job_id)}"]
     assert {s["parent_id"] for s in published} == {
         s["context"]["span_id"] for s in scaling.values()}
