@@ -12,6 +12,12 @@ to resume at, and why it changed (start, fault, join). A job runs in *slots*
   changes nothing. A job is *managed* only from its first ready replica on:
   jobs that do not use the runtime never get generations or replacements.
   Faults that arrive before that are kept and applied when it becomes managed.
+* **Early events.** A job's record and its events travel apart (a KV watch
+  and a stream), so a replica's ready report (or a fault) can come before the
+  admitted record: it is kept and applied when the record comes (within
+  ``EARLY_TTL_S`` and bounds), else a replica ready before its record was
+  seen held generation 0 back for ever. Events about a job that ended are old
+  news until it is admitted again.
 * **Start.** Admission's placement launches ``r<i>-0`` in every slot.
   Generation 0 is formed once every launched replica has reported *ready*
   (torch imported, model built) or failed, from the ready ones in slot order,
@@ -223,6 +229,12 @@ class Replica:
     endpoint: str = ""
 
 
+#: How long events about a job not admitted yet (or ended) are kept, and how many at most.
+EARLY_TTL_S = 120.0
+EARLY_PER_JOB = 256
+EARLY_JOBS = 1024
+
+
 def replica_id(slot: int, incarnation: int) -> str:
     return f"r{slot}-{incarnation}"
 
@@ -281,6 +293,10 @@ class ElasticityCore:
         self.max_replacements = max_replacements
         self.jobs: dict[str, JobMembership] = {}
         self._histories: dict[str, float] = {}  # job -> when its history last changed
+        # Events about a job whose admitted record has not been seen yet (the record and
+        # the events travel apart): applied when it is, forgotten after EARLY_TTL_S.
+        self._early: dict[str, list[tuple[float, Event]]] = {}
+        self._ended: dict[str, float] = {}  # job -> when it ended: its late events are old
 
     def take_histories(self) -> list[JobHistory]:
         """The histories of the jobs whose history changed since the last call, to store."""
@@ -301,17 +317,26 @@ class ElasticityCore:
                 job = self.jobs.get(event.job_id)
                 if job is None:
                     self._admitted(event)
-                    return []
+                    self._ended.pop(event.job_id, None)
+                    decisions: list[Decision] = []
+                    for _, early in self._early.pop(event.job_id, []):
+                        decisions += self.handle(early, now)
+                    return decisions
             case JobStopped():
                 self.jobs.pop(event.job_id, None)
+                self._early.pop(event.job_id, None)
+                self._ended[event.job_id] = now
                 return []
             case MemberFailed() | ReplicaReady() | GenerationApplied() | MemberFinished() \
                     | ReplicaExited():
                 job = self.jobs.get(event.job_id)
+                if job is None and event.job_id not in self._ended:
+                    self._keep_early(event, now)
+                    return []
             case _:
                 raise TypeError(f"unknown event {event!r}")
         if job is None:
-            return []  # a job this core does not run (any more)
+            return []  # a job this core does not run any more
         if job.complete:
             return []
         if not job.managed:
@@ -369,7 +394,12 @@ class ElasticityCore:
         return decisions
 
     def tick(self, now: float) -> list[Decision]:
-        """Requeue jobs that stayed below ``min`` for longer than ``wait_timeout_s``."""
+        """Requeue jobs that stayed below ``min`` for longer than ``wait_timeout_s``; forget
+        early events and ended jobs older than ``EARLY_TTL_S``."""
+        for job_id in [j for j, kept in self._early.items() if now - kept[0][0] > EARLY_TTL_S]:
+            del self._early[job_id]
+        for job_id in [j for j, at in self._ended.items() if now - at > EARLY_TTL_S]:
+            del self._ended[job_id]
         decisions: list[Decision] = []
         for job in list(self.jobs.values()):
             if job.waiting_since is not None and now - job.waiting_since > self.wait_timeout_s:
@@ -393,6 +423,16 @@ class ElasticityCore:
         return job.job_id
 
     # --- rules ----------------------------------------------------------------------------
+
+    def _keep_early(self, event: Event, now: float) -> None:
+        """Keep an event that came before its job's admitted record, within bounds (events
+        per job, jobs): past them the oldest go first."""
+        kept = self._early.setdefault(event.job_id, [])
+        if len(kept) >= EARLY_PER_JOB:
+            del kept[0]
+        kept.append((now, event))
+        if len(self._early) > EARLY_JOBS:
+            del self._early[next(iter(self._early))]  # the job first kept
 
     def _admitted(self, event: JobAdmitted) -> None:
         if not 1 <= event.min_members <= event.max_members:

@@ -6,6 +6,7 @@ import pytest
 
 from phalanx.schemas.messages import GenerationReason
 from phalanx.services.elasticity.core import (
+    EARLY_TTL_S,
     ElasticityCore,
     GenerationApplied,
     JobAdmitted,
@@ -281,3 +282,27 @@ def test_a_shrunk_placement_keeps_slot_numbers_and_a_grown_one_gets_new_replicas
     [g1] = generations(ready(core, "r4-0"))
     assert [m.replica_id for m in g1.members] == ["r0-0", "r2-0", "r4-0"]
     core.check_invariants()
+
+
+def test_ready_reports_before_the_admitted_record_are_applied_when_it_comes() -> None:
+    # The record (a KV watch) and the reports (a stream) travel apart: a replica quick to
+    # start can be ready before the record is seen; generation 0 must not wait for ever.
+    core = ElasticityCore()
+    for slot in range(4):
+        assert ready(core, f"r{slot}-0", now=1.0) == []
+    [g] = generations(core.handle(JobAdmitted("j", {i: f"n{i % 2}" for i in range(4)}, 2, 4),
+                                  2.0))
+    assert (g.generation, g.world_size) == (0, 4)
+    core.check_invariants()
+
+
+def test_early_reports_are_forgotten_after_their_time_and_an_ended_jobs_are_old_news() -> None:
+    core = ElasticityCore()
+    ready(core, "r0-0", now=0.0)
+    core.tick(EARLY_TTL_S + 1)
+    assert core.handle(JobAdmitted("j", {0: "n0"}, 1, 1), EARLY_TTL_S + 2) == []
+    [g] = generations(ready(core, "r0-0", now=EARLY_TTL_S + 3))
+    core.handle(JobStopped("j"), EARLY_TTL_S + 4)
+    assert ready(core, "r0-0", now=EARLY_TTL_S + 5) == []  # late: the job ended
+    assert core.handle(JobAdmitted("j", {0: "n0"}, 1, 1), EARLY_TTL_S + 6) == []
+    assert g.world_size == 1
