@@ -144,6 +144,8 @@ from phalanx.schemas.messages import (
 )
 
 log = logging.getLogger("phalanx.runtime")
+#: How long leaving waits for a durable write under way (the job's last step, often).
+DURABLE_FLUSH_S = 60.0
 
 
 class Dropped(RuntimeError):
@@ -1005,7 +1007,8 @@ class ElasticSession:
             self._applied = None
 
     def close(self) -> None:
-        """Leave: flush the record, stop the bus thread (idempotent).
+        """Leave: let a durable write under way end (the job's last step is persisted),
+        flush the record, stop the bus thread (idempotent).
 
         A rank that trained in process groups then exits without tearing gloo down
         (:mod:`.teardown` says why): the interpreter's exit ends with ``os._exit`` once
@@ -1014,6 +1017,10 @@ class ElasticSession:
         ``sys.exit(n)`` or an exception leaving ``with session:``, an uncaught exception
         (1); otherwise 0.
         """
+        writer = None if self._snapshots is None else self._snapshots.durable
+        if writer is not None and not writer.wait_idle(DURABLE_FLUSH_S):
+            log.error("the durable write of the last step did not end within %.0f s: that "
+                      "step is not persisted", DURABLE_FLUSH_S)
         if self.bus is not None:
             self.bus.close()
             telemetry.shutdown_tracing()
