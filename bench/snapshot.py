@@ -6,6 +6,8 @@ without, in one run, next to the bound a memcpy of the bytes per step sets.
   0 (no snapshot) and 1 (every committed step), ``--repeat`` pairs; the median gap
   between consecutive committed steps (the replicas' records), the first
   ``--warmup`` steps left out. Overhead = on / off - 1.
+  Beside it, the median time of a rank's snapshot in the training thread (the
+  ``snapshot_s`` of the replicas' commit records: state views, meta, copy, checksum).
 * **Bound**: the bytes one rank snapshots per step (its 1/4 share of W's model and
   AdamW state, as ``runtime/snapshot.py`` lays it out), timed in this process: a plain
   ``memcpy`` of them (``torch`` copy into a preallocated buffer) and the runtime's own
@@ -68,8 +70,9 @@ def cli(*args: str) -> None:
 
 
 async def step_time(bus: Bus, args: argparse.Namespace, work: Path, name: str,
-                    every: int) -> float:
-    """Median seconds between committed steps of one run with snapshots every ``every``."""
+                    every: int) -> tuple[float, float | None]:
+    """Median seconds between committed steps of one run with snapshots every ``every``,
+    and the median time a rank's snapshot took in it (the runtime's ``snapshot_s``)."""
     rec = work / name
     done: asyncio.Future[JobRecord] = asyncio.get_running_loop().create_future()
 
@@ -92,9 +95,14 @@ async def step_time(bus: Bus, args: argparse.Namespace, work: Path, name: str,
     await sub.unsubscribe()
     if ended.state is not JobState.FINISHED:
         raise RuntimeError(f"{name} ended {ended.state.value}: {ended.reason}")
-    steps = [s for s in record.timeline(record.read(rec)) if s.step >= args.warmup]
-    return statistics.median(b.committed_at - a.committed_at
-                             for a, b in itertools.pairwise(steps))
+    records = record.read(rec)
+    steps = [s for s in record.timeline(records) if s.step >= args.warmup]
+    taken = [line["snapshot_s"] for lines in records.values() for line in lines
+             if line["kind"] == "commit" and line["step"] >= args.warmup
+             and "snapshot_s" in line]
+    return (statistics.median(b.committed_at - a.committed_at
+                              for a, b in itertools.pairwise(steps)),
+            statistics.median(taken) if taken else None)
 
 
 def bound(widths: tuple[int, ...]) -> dict[str, float]:
@@ -131,7 +139,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     workload_w.prepare(args.data_dir, args.samples, widths)
     report: dict[str, Any] = {"date": utc_date(), "command": " ".join(sys.argv),
                               "widths": args.widths, "world_size": WORLD, "steps": args.steps,
-                              "off_s": [], "on_s": []}
+                              "off_s": [], "on_s": [], "snapshot_s": []}
     with tempfile.TemporaryDirectory() as tmp:
         cluster = Path(tmp) / "cluster"
         cli("up", "--agents", "2", "--slots-per-agent", "2", "--detach", "--data-dir",
@@ -141,9 +149,12 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             async with await Bus.connect(BusConfig.load(env={}, servers=[url])) as bus:
                 for n in range(args.repeat):
                     for every, key in ((0, "off_s"), (1, "on_s")):
-                        report[key].append(await step_time(bus, args, Path(tmp),
-                                                           f"w-{key[:-2]}-{n}", every))
-                        print(json.dumps({key: report[key][-1]}), flush=True)
+                        step_s, snapshot_s = await step_time(bus, args, Path(tmp),
+                                                             f"w-{key[:-2]}-{n}", every)
+                        report[key].append(step_s)
+                        if every:
+                            report["snapshot_s"].append(snapshot_s)
+                        print(json.dumps({key: step_s, "snapshot_s": snapshot_s}), flush=True)
         finally:
             cli("down", "--data-dir", str(cluster))
     report.update(bound(widths))
@@ -163,6 +174,9 @@ def record_results(report: dict[str, Any]) -> None:
            "| figure | value |\n|---|---:|\n"
            f"| step time without / with snapshots, per pair (ms) | {runs} |\n"
            f"| overhead (medians) | {report['overhead'] * 100:.1f} % |\n"
+           "| a rank's snapshot in the training thread, median per run (ms) | "
+           + ", ".join(f"{s * 1000:.2f}" for s in report["snapshot_s"] if s is not None)
+           + " |\n"
            f"| state bytes (model + AdamW) | {report['state_bytes']} |\n"
            f"| bytes one rank snapshots per step (1/{report['world_size']}) | "
            f"{report['share_bytes']} |\n"

@@ -982,13 +982,15 @@ class ElasticSession:
         """``step`` is committed (its optimizer step applied at ``now``): snapshot, record,
         report. The snapshot comes first: a step reported committed is in memory."""
         self.committed = step.index + 1
-        if self._snapshots is not None and self._snapshots.due(self.committed):
-            self._snapshots.take(self.model, self.optimizer, self._state, self.committed,
-                                 self.generation.generation, self.rank, self.world_size)
+        extra: dict[str, Any] = {} if step.updated else {"skipped": True}
+        if self._snapshots is not None and self._snapshots.due(self.committed) \
+                and self._snapshots.take(self.model, self.optimizer, self._state,
+                                         self.committed, self.generation.generation,
+                                         self.rank, self.world_size) is not None:
+            extra["snapshot_s"] = self._snapshots.last_copy_s  # bench/snapshot.py
         step_before, previous = self.last_step_s, self._last_commit_at
         self.last_step_s, self._last_commit_at = now - step.started, now
         if self._record is not None:
-            extra = {} if step.updated else {"skipped": True}
             self._record.write(kind="commit", step=step.index,
                                generation=self._generation_number(), rank=self.rank,
                                **step.timings(now), **extra)
