@@ -13,6 +13,7 @@ is never started again (:mod:`.ranks`).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import logging
 import os
@@ -352,36 +353,61 @@ class AgentService(Service):
         raise RequestRefused("400", f"unknown chaos action {request.action}")
 
     async def heartbeat_loop(self) -> None:
-        """Refresh the registry entry and publish a heartbeat every interval.
+        """Publish a heartbeat every interval, and refresh the registry entry beside it.
 
-        A bus outage is logged and retried at the next beat; losing the node id
-        to another agent stops this one.
+        The heartbeat, what health judges the node by, never waits for the registry write:
+        on a loaded bus a JetStream write can take longer than the node timeout, and
+        heartbeats held behind it had health judge live nodes lost (bench/scale.py, 200
+        simulated nodes). A refresh still under way when the next is due is not doubled.
+        A bus outage is logged and retried at the next beat; losing the node id to another
+        agent stops this one.
         """
         assert self.bus is not None and self.nodes is not None
         subject = subjects.node_heartbeat(self.config.node_id)
-        while not await self.sleep_or_stop(self.config.heartbeat_interval_s):
-            now = time.time()
-            used = self.ranks.slots_used if self.ranks is not None else 0
-            for job_id in list(self.snapshots.current):  # an earlier membership's rings
-                if self.snapshots.prune(job_id):
-                    log.info("pruned earlier snapshot rings", extra={"job": job_id})
-            memory = {"snapshot_bytes": self.snapshots.used(),
-                      "snapshot_limit_bytes": self.snapshots.limit,
-                      "snapshot_refused": self.snapshots.refused}
-            try:
-                entry = await self.nodes.modify(
-                    self.config.node_id,
-                    lambda record, now=now, used=used, memory=memory: msgspec.structs.replace(
-                        core.heartbeat(record, self.info, now, min(used, self.info.slots)),
-                        **memory))
-                self.record, self.revision = entry.value, entry.revision
-                await self.bus.publish(subject, NodeHeartbeat(
-                    node_id=self.config.node_id, seq=entry.value.heartbeat_seq, sent_at=now,
-                    slots_used=entry.value.slots_used))
-            except core.NodeIdTaken:
-                raise
-            except Exception as exc:
-                log.warning("heartbeat failed: %s", exc)
+        seq = self.record.heartbeat_seq if self.record is not None else 0
+        refresh: asyncio.Task[None] | None = None
+        try:
+            while not await self.sleep_or_stop(self.config.heartbeat_interval_s):
+                now = time.time()
+                used = min(self.ranks.slots_used if self.ranks is not None else 0,
+                           self.info.slots)
+                if refresh is not None and refresh.done():
+                    refresh.result()  # NodeIdTaken stops the agent
+                    refresh = None
+                if refresh is None:
+                    refresh = asyncio.create_task(self._refresh_record(now, used))
+                seq += 1
+                try:
+                    await self.bus.publish(subject, NodeHeartbeat(
+                        node_id=self.config.node_id, seq=seq, sent_at=now, slots_used=used))
+                except Exception as exc:
+                    log.warning("heartbeat failed: %s", exc)
+        finally:
+            if refresh is not None:  # finished, so that teardown deletes the latest revision
+                with contextlib.suppress(Exception):
+                    await refresh
+
+    async def _refresh_record(self, now: float, used: int) -> None:
+        """Write the heartbeat into the node's registry entry, with its slot and snapshot
+        use (an earlier membership's snapshot rings are pruned first)."""
+        assert self.nodes is not None
+        for job_id in list(self.snapshots.current):
+            if self.snapshots.prune(job_id):
+                log.info("pruned earlier snapshot rings", extra={"job": job_id})
+        memory = {"snapshot_bytes": self.snapshots.used(),
+                  "snapshot_limit_bytes": self.snapshots.limit,
+                  "snapshot_refused": self.snapshots.refused}
+        try:
+            entry = await self.nodes.modify(
+                self.config.node_id,
+                lambda record: msgspec.structs.replace(
+                    core.heartbeat(record, self.info, now, used), **memory))
+        except core.NodeIdTaken:
+            raise
+        except Exception as exc:
+            log.warning("registry refresh failed: %s", exc)
+            return
+        self.record, self.revision = entry.value, entry.revision
 
     async def teardown(self) -> None:
         """Deregister: a cleanly stopped node leaves the registry at once.

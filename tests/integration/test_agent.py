@@ -17,6 +17,7 @@ from phalanx.schemas.messages import NodeHeartbeat, NodeRecord, NodeStatusReques
 from phalanx.services.agent.config import AgentConfig
 from phalanx.services.agent.core import NodeIdTaken
 from phalanx.services.agent.service import AgentService
+from phalanx.services.natsd import NatsServer
 
 
 async def _heartbeats(bus: Bus, node_id: str) -> asyncio.Queue[NodeHeartbeat]:
@@ -48,11 +49,39 @@ async def test_agent_registers_heartbeats_and_deregisters(bus: Bus, bus_config: 
         second = await asyncio.wait_for(beats.get(), 5)
         assert second.seq == first.seq + 1 and second.sent_at >= first.sent_at
 
+        # The registry entry is refreshed beside the heartbeats, not before each.
         status = await bus.request(subjects.agent_status(uid), NodeStatusRequest(), NodeRecord)
-        assert status.node.node_id == uid and status.heartbeat_seq >= second.seq
+        while status.heartbeat_seq == 0:
+            await asyncio.wait_for(beats.get(), 5)
+            status = await bus.request(subjects.agent_status(uid), NodeStatusRequest(),
+                                       NodeRecord)
+        assert status.node.node_id == uid and status.heartbeat_at >= first.sent_at
     finally:
         await agent.stop()
     assert await nodes.get(uid) is None
+
+
+async def test_heartbeats_go_on_while_the_registry_cannot_be_written(own_nats: NatsServer,
+                                                                      uid: str) -> None:
+    """Health judges a node by its heartbeats: a registry write that fails or takes long
+    (a loaded JetStream) must not hold them back, or live nodes are judged lost. (Its own
+    server: the registry bucket is deleted under the agent.)"""
+    config = AgentConfig(node_id=uid, slots=1, heartbeat_interval_s=0.05, lost_after_s=1.0)
+    bus_config = BusConfig.load(env={}, servers=[own_nats.url])
+    bus = await Bus.connect(bus_config)
+    beats = await _heartbeats(bus, uid)
+    agent = AgentService(config, bus_config)
+    await agent.start()
+    try:
+        await asyncio.wait_for(beats.get(), 5)
+        await bus.js.delete_key_value(subjects.NODES_BUCKET)  # every refresh fails now
+        while not beats.empty():
+            beats.get_nowait()
+        after = [await asyncio.wait_for(beats.get(), 5) for _ in range(5)]
+        assert [b.seq for b in after] == list(range(after[0].seq, after[0].seq + 5))
+    finally:
+        await agent.stop()
+        await bus.close()
 
 
 async def test_a_second_live_agent_cannot_take_the_node_id(bus_config: BusConfig,
