@@ -28,13 +28,18 @@ from phalanx.schemas.messages import (
     CheckpointPolicy,
     Generation,
     JobRecord,
+    JobSpec,
     JobState,
     Message,
     NodeHeartbeat,
     NodeRecord,
     NodeStatusRequest,
     ReplicaRange,
+    ScalingChange,
+    ScalingEventKind,
+    ScalingPolicy,
     SnapshotRecord,
+    SnapshotReserve,
     SnapshotTier,
 )
 
@@ -102,6 +107,33 @@ def _fix_checkpoint_policy(kw: dict[str, Any]) -> dict[str, Any]:
     return kw
 
 
+def _fix_snapshot_reserve(kw: dict[str, Any]) -> dict[str, Any]:
+    kw["shard"] = min(kw["shard"], kw["shards"] - 1)
+    return kw
+
+
+def _fix_scaling_policy(kw: dict[str, Any]) -> dict[str, Any]:
+    if kw.get("replica_discrete_values") is not None:
+        kw["replica_increment_step"] = None
+        kw["replica_discrete_values"] = sorted(set(kw["replica_discrete_values"]))
+    return kw
+
+
+def _fix_job_spec(kw: dict[str, Any]) -> dict[str, Any]:
+    scaling, replicas = kw.get("scaling"), kw["replicas"]
+    if scaling is not None and scaling.replica_discrete_values is not None:
+        inside = sorted({min(max(v, replicas.min), replicas.max)
+                         for v in scaling.replica_discrete_values})
+        kw["scaling"] = msgspec.structs.replace(scaling, replica_discrete_values=inside)
+    return kw
+
+
+def _fix_scaling_change(kw: dict[str, Any]) -> dict[str, Any]:
+    if kw["kind"] not in (ScalingEventKind.GROW, ScalingEventKind.SHRINK):
+        kw["kind"] = ScalingEventKind.GROW
+    return kw
+
+
 def _fix_job_record(kw: dict[str, Any]) -> dict[str, Any]:
     if kw["state"] is JobState.ADMITTED and not kw.get("nodes"):
         kw["nodes"] = ["n0"]
@@ -124,6 +156,10 @@ FIXUPS: dict[type, Callable[[dict[str, Any]], dict[str, Any]]] = {
     Generation: _fix_generation,
     SnapshotRecord: _fix_snapshot,
     CheckpointPolicy: _fix_checkpoint_policy,
+    ScalingPolicy: _fix_scaling_policy,
+    SnapshotReserve: _fix_snapshot_reserve,
+    JobSpec: _fix_job_spec,
+    ScalingChange: _fix_scaling_change,
     JobRecord: _fix_job_record,
     ChaosRequest: _fix_chaos,
 }
