@@ -189,14 +189,19 @@ class Fuzzer:
                 return rng.random() < 0.5
             case mi.IntType():
                 low = t.ge if t.ge is not None else (t.gt + 1 if t.gt is not None else -2**63)
+                high = t.le if t.le is not None else (t.lt - 1 if t.lt is not None else None)
                 if name in SMALL_INTS and rng.random() < 0.8:
-                    return low + rng.randrange(4)
-                return rng.choice([low, low + 1, low + rng.randrange(1000), 2**31, 2**63 - 1,
-                                   2**64 - 1 if low >= 0 else -2**63])
+                    value = low + rng.randrange(4)
+                else:
+                    value = rng.choice([low, low + 1, low + rng.randrange(1000), 2**31,
+                                        2**63 - 1, 2**64 - 1 if low >= 0 else -2**63])
+                return value if high is None else min(value, high)  # its type's bounds
             case mi.FloatType():
                 low = t.ge if t.ge is not None else (t.gt if t.gt is not None else -1e308)
-                return rng.choice([low + 1e-9, low + rng.random() * 10, time.time(), 1e308,
-                                   float("inf")])
+                high = t.le if t.le is not None else (t.lt if t.lt is not None else None)
+                value = rng.choice([low + 1e-9, low + rng.random() * 10, time.time(), 1e308,
+                                    float("inf")])
+                return value if high is None else min(value, high)
             case mi.NoneType():
                 return None
             case mi.BytesType():
@@ -344,13 +349,28 @@ def _encode(doc: Any) -> bytes:
 
 def _cohere(doc: Any) -> None:
     """Make a generated document meet the cross-field rules a random one almost never
-    meets (a generation's ranks 0..n-1 over n distinct replicas), so valid messages of
-    those types reach the services too, not only their rejections."""
+    meets (a generation's ranks 0..n-1 over n distinct replicas; a rank kill names a job
+    and a rank; a trace is a traceparent or none; scaling and checkpoint policies within
+    their rules), so valid messages of those types reach the services too, not only their
+    rejections."""
     if isinstance(doc, list):
         for item in doc:
             _cohere(item)
     if not isinstance(doc, dict):
         return
+    if isinstance(doc.get("trace"), str):
+        doc["trace"] = ""  # a random string is no traceparent
+    doc.pop("replica_discrete_values", None)  # sorted, within min..max, not with a step
+    if "durable_every_steps" in doc:
+        doc["durable_every_steps"] = 0  # else a multiple of memory_every_steps
+    if isinstance(doc.get("min"), int) and isinstance(doc.get("max"), int) \
+            and doc["min"] > doc["max"]:
+        doc["min"], doc["max"] = doc["max"], doc["min"]
+    if "from_replicas" in doc and "kind" in doc:
+        doc["kind"] = "grow"  # a planned change grows or shrinks
+    if doc.get("action") == ChaosAction.KILL_RANK.value:
+        doc["job_id"] = doc.get("job_id") or "fuzz-job"
+        doc["rank"] = doc["rank"] if isinstance(doc.get("rank"), int) else 0
     members = doc.get("members")
     if isinstance(members, list) and "world_size" in doc:
         doc["world_size"] = len(members)

@@ -115,6 +115,8 @@ class SimNode:
         self.ranks: dict[tuple[str, int], SimRank] = {}
         self.launched: dict[tuple[str, int], str] = {}  # (job, slot) -> last replica
         self.bus = gen.bus_for(node_id)
+        self.beats = 0  # heartbeats published
+        self.refresh: asyncio.Task[None] | None = None  # the registry write under way
 
     async def register(self) -> None:
         nodes = self.gen.nodes_kv
@@ -123,15 +125,24 @@ class SimNode:
             existing, self.info, time.time(), LOST_AFTER_S))
 
     async def heartbeat(self) -> None:
+        """As the agent does: the heartbeat goes out now, and the registry entry is
+        refreshed beside it, one refresh at a time."""
+        now = time.time()
+        used = min(len(self.ranks), self.info.slots)
+        if self.refresh is None or self.refresh.done():
+            self.refresh = asyncio.create_task(self._refresh(now, used))
+        self.beats += 1
+        await self.bus.publish(subjects.node_heartbeat(self.node_id), NodeHeartbeat(
+            node_id=self.node_id, seq=self.beats, sent_at=now, slots_used=used))
+
+    async def _refresh(self, now: float, used: int) -> None:
         nodes = self.gen.nodes_kv
         assert nodes is not None
-        now = time.time()
-        used = len(self.ranks)
-        entry = await nodes.modify(self.node_id, lambda record: core.heartbeat(
-            record, self.info, now, min(used, self.info.slots)))
-        await self.bus.publish(subjects.node_heartbeat(self.node_id), NodeHeartbeat(
-            node_id=self.node_id, seq=entry.value.heartbeat_seq, sent_at=now,
-            slots_used=entry.value.slots_used))
+        try:
+            await nodes.modify(self.node_id,
+                               lambda record: core.heartbeat(record, self.info, now, used))
+        except Exception as exc:  # as the agent: logged, retried at the next beat
+            print(f"registry refresh of {self.node_id} failed: {exc!r}", file=sys.stderr)
 
     async def report(self, event: RankStarted | RankExited) -> None:
         """Store a rank's start or exit in the job-events stream, with the agent's id."""
