@@ -55,6 +55,7 @@ async def stream_leaders(bus: Bus) -> dict[str, str | None]:
             for info in await bus.js.streams_info()}
 
 
+@pytest.mark.timeout(300)  # a cluster of three servers, an election, a loaded machine
 async def test_a_job_trains_through_the_loss_of_a_nats_server(
         cluster, data_dir: Path, reference: dict, tmp_path: Path) -> None:  # noqa: F811
     data, bus, _ = cluster
