@@ -111,6 +111,7 @@ class EventReader:
         self._queue: asyncio.Queue[Msg | None] = asyncio.Queue()
         self._sub: Subscription | None = None
         self._closed = False
+        self._resubscribing = asyncio.Lock()  # one new consumer at a time
         bus.on_reconnect(self._resubscribe)
 
     async def start(self) -> EventReader:
@@ -125,10 +126,22 @@ class EventReader:
             idle_heartbeat=1.0, config=config, cb=self._queue.put)
 
     async def _resubscribe(self) -> None:
-        if self._closed:
-            return
-        await self._drop()
-        await self._subscribe()
+        """After a reconnection: a new consumer from the sequence after the last one
+        delivered, retried until the server makes one. A JetStream cluster electing a
+        leader answers with timeouts for seconds, and a reader left without a consumer
+        reads nothing more: health then never saw a rank's exit again (the NATS-cluster
+        e2e test's job trained to its last step and was never finished)."""
+        async with self._resubscribing:
+            delay = 0.1
+            while not self._closed:
+                await self._drop()
+                try:
+                    await self._subscribe()
+                    return
+                except (nats.errors.Error, TimeoutError) as exc:
+                    log.warning("no job-events consumer yet (%s); retrying in %.1f s", exc, delay)
+                    await asyncio.sleep(delay)
+                    delay = min(2 * delay, 2.0)
 
     async def _drop(self) -> None:
         old, self._sub = self._sub, None
