@@ -815,6 +815,10 @@ def cmd_up(args: argparse.Namespace) -> int:
         return EXIT_FAILED
     if args.detach:
         return _up_detached(args, data_dir)
+    if args.notify_fd:
+        # Inherited to reach this process only: uvloop's spawn does not close inheritable
+        # descriptors, and a service holding the pipe would keep the parent waiting on it.
+        os.set_inheritable(args.notify_fd, False)
     from phalanx.services.logs import configure_logging
 
     configure_logging("phalanx-up", "local", args.log_level)
@@ -907,8 +911,8 @@ def _up_detached(args: argparse.Namespace, data_dir: Path) -> int:
             start_new_session=True,
         )
     os.close(write_end)
-    with os.fdopen(read_end) as pipe:
-        line = pipe.readline().strip()
+    with os.fdopen(read_end) as pipe:  # one message, closed after it (an error may span lines)
+        line = pipe.read().strip()
     if line.startswith("ready "):
         print(f"phalanx up: local cluster running (pid {child.pid}), NATS {line[6:]}, "
               f"{args.agents} agents; logs in {data_dir / 'logs'}.\n"

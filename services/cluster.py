@@ -8,9 +8,14 @@ itself in ``<data-dir>/up.json`` so ``phalanx down`` and ``phalanx nodes`` can
 find it, and stops everything in reverse order. Children are started with a
 parent-death signal, so even a SIGKILLed ``phalanx up`` leaves nothing behind.
 
-Every process it starts serves Prometheus metrics on a free port of 127.0.0.1 of its
-own (:mod:`phalanx.services.metrics`); ``up.json`` lists them by log name
-(``metrics``: ``{"health": 40123, "agent-local-0": 40127, ...}``).
+Every process it starts serves Prometheus metrics on a port of 127.0.0.1 of its own
+(:mod:`phalanx.services.metrics`): the supervisor binds a listening socket for each and
+hands it down (``PHALANX_METRICS_FD``), so no other process can take the port between its
+choice and its use, and a restarted process serves on the same port. ``up.json`` lists
+them by log name (``metrics``: ``{"health": 40123, "agent-local-0": 40127, ...}``).
+
+A service or agent that exits while the cluster starts fails ``phalanx up`` at once,
+with the end of its log in the error, instead of a wait for a readiness that cannot come.
 
 Agents that die are *not* restarted: a killed agent must show as lost, as it
 would on a real machine.
@@ -37,9 +42,12 @@ import json
 import logging
 import os
 import signal
+import socket
 import sys
 import time
+from collections.abc import Coroutine
 from pathlib import Path
+from typing import Any
 
 from phalanx.bus.client import Bus, Delivery
 from phalanx.bus.config import BusConfig, with_identity
@@ -57,7 +65,6 @@ from phalanx.services.natsd import (
     NatsServer,
     NatsServerError,
     _die_with_parent,
-    free_port,
     reload_config,
 )
 
@@ -165,7 +172,8 @@ class LocalCluster:
         self.services: dict[str, asyncio.subprocess.Process] = {}
         # log name -> what it was started with: arguments, and its identity's variables
         self._argv: dict[str, tuple[tuple[str, ...], dict[str, str]]] = {}
-        self.metrics_ports: dict[str, int] = {}  # log name -> its /metrics port (kept)
+        # log name -> the listening socket its /metrics is served on (kept across restarts)
+        self.metrics_sockets: dict[str, socket.socket] = {}
         self.auth = AuthDir(auth_dir) if auth_dir is not None else None
         self.bus: Bus | None = None
 
@@ -229,28 +237,64 @@ class LocalCluster:
             await self.start_agent(f"local-{i}", f"domain-{i % 2}")
         if not self.agents:
             all_seen.set()
-        exits = [asyncio.create_task(p.wait()) for p in self.agents.values()]
-        ready = asyncio.create_task(all_seen.wait())
+
+        async def heartbeats() -> None:
+            try:
+                await asyncio.wait_for(all_seen.wait(), self.ready_timeout_s)
+            except TimeoutError:
+                raise ClusterError(f"agents {sorted(set(self.agents) - seen)} did not "
+                                   f"heartbeat within {self.ready_timeout_s:g} s") from None
+
         try:
-            done, _ = await asyncio.wait([ready, *exits], timeout=self.ready_timeout_s,
-                                         return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            for task in (ready, *exits):
-                task.cancel()
-            await sub.unsubscribe()
-        if ready not in done:
-            dead = [n for n, p in self.agents.items() if p.returncode is not None]
+            try:
+                await self._while_all_run(heartbeats())
+            finally:
+                await sub.unsubscribe()
+            if self.services:
+                await self._while_all_run(self._admission_answers())
+        except ClusterError:
             await self.stop()
-            why = (f"agent(s) {dead} exited" if dead
-                   else f"agents {sorted(set(self.agents) - seen)} did not heartbeat within "
-                        f"{self.ready_timeout_s:g} s")
-            raise ClusterError(f"{why}; see {self.logs_dir}")
-        if self.services:
-            await self._wait_admission()
+            raise
         self.state().write(self.data_dir)
 
-    async def _wait_admission(self) -> None:
-        """Return once an admission leader answers (a probe job is unknown to it: 404)."""
+    async def _while_all_run(self, ready: Coroutine[Any, Any, None]) -> None:
+        """Await ``ready`` while every process started so far runs.
+
+        Raises:
+            ClusterError: a service or agent exited first (named, with the end of its log),
+                or ``ready`` failed.
+        """
+        children = {**self.services, **{f"agent-{n}": p for n, p in self.agents.items()}}
+        exits = {asyncio.create_task(p.wait()): name for name, p in children.items()}
+        waiting = asyncio.create_task(ready)
+        try:
+            done, _ = await asyncio.wait([waiting, *exits], return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for task in (waiting, *exits):
+                task.cancel()
+            await asyncio.gather(waiting, *exits, return_exceptions=True)
+        if waiting in done and waiting.exception() is None:
+            return
+        if waiting in done:
+            raise ClusterError(f"{waiting.exception()}; see {self.logs_dir}")
+        name = next(exits[task] for task in done)
+        raise ClusterError(f"{name} exited with {children[name].returncode} while the cluster "
+                           f"started; the end of {self.logs_dir / name}.log:\n"
+                           f"{self._log_tail(name)}")
+
+    def _log_tail(self, name: str, lines: int = 12, width: int = 400) -> str:
+        try:
+            text = (self.logs_dir / f"{name}.log").read_text(errors="replace")
+        except OSError as exc:
+            return f"  (unreadable: {exc})"
+        return "\n".join(f"  {line[:width]}" for line in text.splitlines()[-lines:])
+
+    async def _admission_answers(self) -> None:
+        """Return once an admission leader answers (a probe job is unknown to it: 404).
+
+        Raises:
+            ClusterError: none did within the ready timeout.
+        """
         assert self.bus is not None
         client = AdmissionClient(self.bus, timeout_s=2.0)
         try:
@@ -261,9 +305,7 @@ class LocalCluster:
             cause: Exception = exc
         except PhalanxError as exc:
             cause = exc
-        await self.stop()
-        raise ClusterError(f"no admission leader within {self.ready_timeout_s:g} s ({cause}); "
-                           f"see {self.logs_dir}")
+        raise ClusterError(f"no admission leader within {self.ready_timeout_s:g} s ({cause})")
 
     def _nats_server(self, port: int) -> NatsServer:
         return NatsServer(self.data_dir / "jetstream", port=port,
@@ -295,13 +337,17 @@ class LocalCluster:
             env = with_identity(env, identity)
         if self.config_path:
             env["PHALANX_CONFIG"] = self.config_path
-        # Its own /metrics port, the same one again after a restart (scrape configs hold it).
-        port = self.metrics_ports.setdefault(name, free_port())
-        env.update({metrics.PORT_ENV: str(port), metrics.ADDR_ENV: "127.0.0.1"})
+        # Its own /metrics socket, the same one again after a restart (scrape configs hold
+        # its port).
+        if name not in self.metrics_sockets:
+            self.metrics_sockets[name] = socket.create_server(("127.0.0.1", 0))
+        metrics_fd = self.metrics_sockets[name].fileno()
+        env.pop(metrics.PORT_ENV, None)
+        env[metrics.FD_ENV] = str(metrics_fd)
         try:
             return await asyncio.create_subprocess_exec(
                 sys.executable, "-m", *argv, stdin=asyncio.subprocess.DEVNULL, stdout=log_file,
-                stderr=log_file, env=env, preexec_fn=_die_with_parent)
+                stderr=log_file, env=env, preexec_fn=_die_with_parent, pass_fds=(metrics_fd,))
         finally:
             log_file.close()
 
@@ -387,7 +433,8 @@ class LocalCluster:
             services={n: p.pid for n, p in self.services.items()},
             auth_dir=str(self.auth.root) if self.auth else None,
             nats_pids=[s.process.pid for s in self.embedded_nats if s.process],
-            nats_replicas=self.nats_replicas, metrics=dict(self.metrics_ports),
+            nats_replicas=self.nats_replicas, metrics={name: sock.getsockname()[1]
+                     for name, sock in self.metrics_sockets.items()},
         )
 
     async def stop(self, grace_s: float = 10.0) -> None:
@@ -416,6 +463,9 @@ class LocalCluster:
             await asyncio.to_thread(self.nats.stop)
         if self.nats_cluster is not None:
             await asyncio.to_thread(self.nats_cluster.stop)
+        for sock in self.metrics_sockets.values():
+            sock.close()
+        self.metrics_sockets.clear()
         with contextlib.suppress(FileNotFoundError):
             state_file = self.data_dir / STATE_FILE
             recorded = json.loads(state_file.read_text())

@@ -4,8 +4,12 @@ Every service process and node agent serves its metrics over HTTP in the Prometh
 exposition format (``prometheus_client``, the maintained reference library; nothing here
 writes the format) when ``PHALANX_METRICS_PORT`` names a port: ``GET /metrics`` on
 ``PHALANX_METRICS_ADDR`` (default ``0.0.0.0``). Unset or empty, there is no endpoint; ``0``
-takes any free port (the process logs which). ``phalanx up`` gives each process a port of
-its own and lists them in ``up.json`` (``metrics``).
+takes any free port (the process logs which). ``phalanx up`` instead hands each process a
+listening socket of its own (``PHALANX_METRICS_FD``, inherited, as systemd's socket
+activation does): a port picked by number and bound later by the child could be taken in
+between (by any outgoing connection's source port), and the child would fail at start; the
+supervisor keeps the socket, so a restarted process serves on the same port again. The
+ports are listed in ``up.json`` (``metrics``).
 
 The metrics are defined here, once, and updated only in the service shells from what
 their pure cores decided and what they sent (a core never imports this). Each process
@@ -21,10 +25,13 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import socket
+import threading
 from collections.abc import Mapping
-from wsgiref.simple_server import WSGIServer
+from socketserver import ThreadingMixIn
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer
 
-from prometheus_client import Counter, Gauge, Histogram, start_http_server
+from prometheus_client import Counter, Gauge, Histogram, make_wsgi_app, start_http_server
 
 from phalanx.schemas.errors import PhalanxError
 
@@ -32,6 +39,7 @@ log = logging.getLogger("phalanx.metrics")
 
 PORT_ENV = "PHALANX_METRICS_PORT"
 ADDR_ENV = "PHALANX_METRICS_ADDR"
+FD_ENV = "PHALANX_METRICS_FD"
 
 #: Seconds, from a scheduling pass to a pause of several seconds.
 _SHORT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
@@ -109,23 +117,72 @@ def port_from_env(env: Mapping[str, str] | None = None) -> int | None:
     return port
 
 
+def fd_from_env(env: Mapping[str, str] | None = None) -> int | None:
+    """``PHALANX_METRICS_FD`` as a file descriptor, None when unset or empty.
+
+    Raises:
+        MetricsConfigError: it is not a non-negative number.
+    """
+    raw = (os.environ if env is None else env).get(FD_ENV, "").strip()
+    if not raw:
+        return None
+    if not raw.isdigit():
+        raise MetricsConfigError(f"{FD_ENV} must be an inherited socket's file descriptor, "
+                                 f"got {raw!r}")
+    return int(raw)
+
+
+class _ThreadingServer(ThreadingMixIn, WSGIServer):
+    daemon_threads = True
+
+
+class _QuietHandler(WSGIRequestHandler):
+    def log_message(self, format: str, *args: object) -> None:
+        """Scrapes are not logged: one line per scrape would drown the service's own."""
+
+
+def _serve_inherited(fd: int) -> WSGIServer:
+    """Serve on a listening socket the parent bound (``fd``), on a daemon thread."""
+    try:
+        sock = socket.socket(fileno=fd)
+        host, port = sock.getsockname()[:2]
+        sock.set_inheritable(False)  # this process's own: not for the children it starts
+    except OSError as exc:
+        raise MetricsConfigError(f"{FD_ENV}={fd} is not an open socket: {exc}") from None
+    server = _ThreadingServer((host, port), _QuietHandler, bind_and_activate=False)
+    server.socket.close()
+    server.socket = sock
+    server.server_address = (host, port)
+    server.server_name, server.server_port = host, port
+    server.setup_environ()
+    server.set_app(make_wsgi_app())
+    threading.Thread(target=server.serve_forever, name="metrics", daemon=True).start()
+    return server
+
+
 def serve(env: Mapping[str, str] | None = None) -> WSGIServer | None:
     """Serve ``/metrics`` on a daemon thread as the environment asks; None when it does not.
 
-    The caller stops it with ``shutdown()`` and ``server_close()``; its port is
-    ``server_address[1]``.
+    An inherited socket (``PHALANX_METRICS_FD``) comes first, then a port to bind
+    (``PHALANX_METRICS_PORT`` on ``PHALANX_METRICS_ADDR``). The caller stops it with
+    ``shutdown()`` and ``server_close()``; its port is ``server_address[1]``.
 
     Raises:
-        MetricsConfigError: the port is malformed.
-        OSError: it cannot be bound (in use, say): a process asked for metrics it cannot
-            export fails at start, rather than running unobserved.
+        MetricsConfigError: the descriptor or the port is malformed.
+        OSError: the port cannot be bound (in use, say): a process asked for metrics it
+            cannot export fails at start, rather than running unobserved.
     """
-    port = port_from_env(env)
-    if port is None:
-        return None
-    addr = (os.environ if env is None else env).get(ADDR_ENV, "").strip() or "0.0.0.0"
-    server, _ = start_http_server(port, addr=addr)
-    log.info("metrics", extra={"address": f"http://{addr}:{server.server_address[1]}/metrics"})
+    fd = fd_from_env(env)
+    if fd is not None:
+        server = _serve_inherited(fd)
+    else:
+        port = port_from_env(env)
+        if port is None:
+            return None
+        addr = (os.environ if env is None else env).get(ADDR_ENV, "").strip() or "0.0.0.0"
+        server, _ = start_http_server(port, addr=addr)
+    host, port = server.server_address[:2]
+    log.info("metrics", extra={"address": f"http://{host}:{port}/metrics"})
     return server
 
 

@@ -142,3 +142,16 @@ def test_readme_flow_second_job_waits_with_reason_until_first_is_cancelled(clust
     bad = phalanx("submit", str(examples / "small.yaml"), "--job-id", "has.dot", *where,
                   check=False)
     assert bad.returncode == 2 and "job_id" in bad.stderr
+
+
+def test_a_service_that_cannot_start_fails_up_naming_it_and_its_error(tmp_path: Path) -> None:
+    data_dir = tmp_path / "cluster"
+    out = phalanx("up", "--agents", "1", "--detach", "--data-dir", str(data_dir),
+                  "--nats-port", "0", check=False,
+                  env={**os.environ, "PHALANX_ADMISSION_LEASE_S": "soon"})
+    assert out.returncode != 0
+    # The exit itself is the error, with the service's own words: not a wait for a leader.
+    assert "admission-0 exited with 2 while the cluster started" in out.stderr, out.stderr
+    assert "admission.lease_s must be a number, got 'soon'" in out.stderr, out.stderr
+    assert "no admission leader" not in out.stderr
+    assert not (data_dir / "up.json").exists()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import socket
 import urllib.request
 
 import pytest
@@ -51,3 +52,32 @@ def test_the_endpoint_serves_the_exposition_with_what_was_counted() -> None:
     finally:
         server.shutdown()
         server.server_close()
+
+
+def test_an_inherited_socket_is_served_on_its_port_even_when_a_port_is_also_named() -> None:
+    listening = socket.create_server(("127.0.0.1", 0))
+    port = listening.getsockname()[1]
+    # The server takes the socket over (as a child given it by its supervisor would).
+    server = metrics.serve({metrics.FD_ENV: str(listening.detach()), metrics.PORT_ENV: "1"})
+    assert server is not None and server.server_address[1] == port
+    try:
+        metrics.FAULTS.labels("hang").inc()
+        assert _scrape(port)[("phalanx_faults_total", (("kind", "hang"),))] >= 1
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+@pytest.mark.parametrize("raw", ["three", "-3", "3.0"])
+def test_a_bad_descriptor_is_refused_naming_the_variable_and_the_value(raw: str) -> None:
+    with pytest.raises(metrics.MetricsConfigError) as error:
+        metrics.serve({metrics.FD_ENV: raw})
+    assert metrics.FD_ENV in str(error.value) and repr(raw) in str(error.value)
+
+
+def test_a_descriptor_that_is_no_socket_is_refused_naming_it(tmp_path) -> None:
+    with (tmp_path / "file").open("w") as file:
+        fd = file.fileno()
+        with pytest.raises(metrics.MetricsConfigError) as error:
+            metrics.serve({metrics.FD_ENV: str(fd)})
+    assert f"{metrics.FD_ENV}={fd} is not an open socket" in str(error.value)
