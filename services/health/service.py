@@ -30,10 +30,10 @@ rank gets a full timeout (:class:`~.core.WatchResumed`), since the silence
 may have been this instance's, not theirs. Nor is a backlog: before a due
 timeout is judged, a round trip to the server brings every report it already
 sent into the subscriptions' queues, and those are handled first (for up to
-``UNREAD_GRACE_S``), and what the core
-decides is carried out by one task from an outbox, so a slow write never holds
-up the intake. A cordon counts only faults seen within one term: a new leader
-starts a fresh window.
+``UNREAD_GRACE_S``), and what the core decides is carried out from an outbox
+(:mod:`.outbox`), so a slow write never holds up the intake, and a fault never
+waits behind the state writes of earlier events. A cordon counts only faults seen
+within one term: a new leader starts a fresh window.
 
 Time-based rules (hangs, lost nodes) run when they are due: the timer sleeps
 exactly until :meth:`HealthCore.next_deadline` and is woken whenever an
@@ -53,7 +53,6 @@ import os
 import socket
 import time
 import uuid
-from collections.abc import Awaitable, Callable
 
 import msgspec
 import nats.errors
@@ -86,6 +85,7 @@ from phalanx.schemas.messages import (
 from phalanx.services import metrics
 from phalanx.services.base import Service
 from phalanx.services.health import core
+from phalanx.services.health.outbox import Outbox
 from phalanx.services.jobstate import JobStateStore
 from phalanx.services.lease import Leadership
 
@@ -113,11 +113,10 @@ class Term:
     turn: asyncio.Lock = dataclasses.field(default_factory=asyncio.Lock)
     rearm: asyncio.Event = dataclasses.field(default_factory=asyncio.Event)
     resumed_at: float = 0.0  # the last WatchResumed: timeouts are judged only after it
-    # What the core decided, carried out in order by one task: a slow write (a fault
+    # What the core decided, carried out apart from the intake: a slow write (a fault
     # retried through an outage) never holds up the intake of progress and heartbeats,
     # whose late handling would look like silence.
-    outbox: asyncio.Queue[Callable[[], Awaitable[None]]] = dataclasses.field(
-        default_factory=asyncio.Queue)
+    outbox: Outbox = dataclasses.field(default_factory=Outbox)
     handled: int = 0  # the last stream event handled (its effects are in the outbox)
     subscriptions: list[Subscription] = dataclasses.field(default_factory=list)
 
@@ -215,7 +214,7 @@ class HealthService(Service):
                 tasks.create_task(self._timer(term))
                 tasks.create_task(self._cursor(term))
                 tasks.create_task(self._progress_records(term))
-                tasks.create_task(self._carry_out(term))
+                tasks.create_task(term.outbox.run())
         finally:
             self.term = None
             for sub in subscriptions:
@@ -254,7 +253,7 @@ class HealthService(Service):
     async def _cursor(self, term: Term) -> None:
         while not await self.sleep_or_stop(CURSOR_EVERY_S):
             seq = term.handled  # stored after what those events decided is carried out
-            term.outbox.put_nowait(lambda seq=seq: term.store.advance(seq))
+            term.outbox.write(("cursor", seq), lambda seq=seq: term.store.advance(seq))
 
     async def _progress_records(self, term: Term) -> None:
         while not await self.sleep_or_stop(PROGRESS_EVERY_S):
@@ -266,12 +265,8 @@ class HealthService(Service):
             metrics.JOB_STEP.labels(progress.job_id).set(progress.step)
             if progress.steps_per_s is not None:
                 metrics.JOB_STEP_RATE.labels(progress.job_id).set(progress.steps_per_s)
-            term.outbox.put_nowait(lambda p=progress: self.progress.put(p.job_id, p))
-
-    async def _carry_out(self, term: Term) -> None:
-        while True:
-            work = await term.outbox.get()
-            await work()
+            term.outbox.write(("progress", progress.job_id),
+                              lambda p=progress: self.progress.put(p.job_id, p))
 
     # --- events in ----------------------------------------------------------------------
 
@@ -294,11 +289,13 @@ class HealthService(Service):
             stored_seq = term.store.seq_of(job_id, seq)
             job = term.core.jobs.get(job_id)
             if job is None:
-                term.outbox.put_nowait(lambda job_id=job_id: term.store.forget(job_id))
+                term.outbox.write(("job", job_id),
+                                  lambda job_id=job_id: term.store.forget(job_id))
             else:
                 snapshot = JobSnapshot(job_id=job_id, seq=stored_seq, format=SNAPSHOT_FORMAT,
                                        state=core.snapshot(job))
-                term.outbox.put_nowait(
+                term.outbox.write(
+                    ("job", job_id),
                     lambda job_id=job_id, snapshot=snapshot: term.store.store(job_id, snapshot))
         term.rearm.set()  # the next deadline may have moved
 
@@ -315,7 +312,7 @@ class HealthService(Service):
                 finally:
                     otel_context.detach(token)
 
-            term.outbox.put_nowait(carry_out)
+            term.outbox.act(carry_out)
 
     async def _record(self, term: Term, change: Change[JobRecord]) -> None:
         record = change.value
