@@ -164,19 +164,35 @@ def write(buffer: memoryview, header: Header, meta: bytes,
         SnapshotFileError: ``buffer`` is too small for the header's contents.
     """
     header = dataclasses.replace(header, meta_length=len(meta), checksum=0)
-    if len(buffer) < header.nbytes:
-        raise SnapshotFileError(f"buffer of {len(buffer)} bytes, the snapshot needs "
-                                f"{header.nbytes}")
-    writing = header.pack(_WRITING)
-    buffer[:len(writing)] = writing  # the previous commit in this buffer is void from here
+    begin(buffer, header)
     meta_view = buffer[HEADER_BYTES:HEADER_BYTES + len(meta)]
     meta_view[:] = meta
     data = buffer[HEADER_BYTES + len(meta):header.nbytes]
     fill(data)
     header = dataclasses.replace(header, checksum=checksum(meta_view, data))
+    commit(buffer, header)
+    return header
+
+
+def begin(buffer: memoryview | mmap.mmap, header: Header) -> None:
+    """Mark ``buffer`` as being written with ``header``'s contents: the previous commit in
+    it is void from here (:func:`write`, and a replica arriving, do this first).
+
+    Raises:
+        SnapshotFileError: ``buffer`` is too small for the header's contents.
+    """
+    if len(buffer) < header.nbytes:
+        raise SnapshotFileError(f"buffer of {len(buffer)} bytes, the snapshot needs "
+                                f"{header.nbytes}")
+    writing = header.pack(_WRITING)
+    buffer[:len(writing)] = writing
+
+
+def commit(buffer: memoryview | mmap.mmap, header: Header) -> None:
+    """Write ``header`` marked committed: the commit marker, written last, once the
+    contents match its checksum."""
     committed = header.pack(_COMMITTED)
     buffer[:len(committed)] = committed
-    return header
 
 
 def open_buffer(path: Path) -> mmap.mmap:

@@ -70,6 +70,8 @@ class NodeInfo(Part):
     agent_pid: NonNegInt = 0
     agent_version: str = ""
     started_at: NonNegFloat = 0.0
+    #: TCP port of the agent's snapshot replication listener on ``host`` (0: none).
+    replica_port: Annotated[int, msgspec.Meta(ge=0, le=65535)] = 0
 
 
 class NodeRecord(Message, tag="phalanx.node_record.v1"):
@@ -883,6 +885,39 @@ class CheckpointCatalog(Message, tag="phalanx.checkpoint_catalog.v1"):
     durable_keep: Annotated[int, msgspec.Meta(ge=1, le=1000)] = 2
 
 
+class BuddyReason(enum.StrEnum):
+    """Why a node has the buddy it has (or none)."""
+
+    PLACED = "placed"  # it had none
+    BUDDY_LOST = "buddy_lost"  # its buddy was lost or left
+    SAME_DOMAIN = "same_domain"  # its buddy is (now) in its own failure domain
+    NO_OTHER_DOMAIN = "no_other_domain"  # no live node outside its failure domain
+
+
+class BuddyPlacement(Message, tag="phalanx.buddy_placement.v1"):
+    """Which agent holds replicas of a node's snapshots (KV bucket ``phalanx_buddies``,
+    key = node id), placed by the checkpoint service in another failure domain.
+    ``buddy_id`` is empty while no node qualifies (``reason`` says why)."""
+
+    node_id: Ident
+    failure_domain: Ident
+    buddy_id: Annotated[str, msgspec.Meta(max_length=128, pattern=r"^[A-Za-z0-9_\-]*\Z")] = ""
+    buddy_domain: Annotated[str, msgspec.Meta(max_length=128,
+                                              pattern=r"^[A-Za-z0-9_\-]*\Z")] = ""
+    reason: BuddyReason = BuddyReason.PLACED
+    placed_at: NonNegFloat = 0.0
+
+    def __post_init__(self) -> None:
+        if self.buddy_id == self.node_id:
+            raise ValueError(f"node {self.node_id} cannot be its own buddy")
+        if (self.reason is BuddyReason.NO_OTHER_DOMAIN) != (not self.buddy_id):
+            raise ValueError(f"a placement without a buddy has reason no_other_domain and "
+                             f"only it (buddy {self.buddy_id!r}, reason {self.reason.value})")
+        if self.buddy_id and self.buddy_domain == self.failure_domain:
+            raise ValueError(f"buddy {self.buddy_id} is in {self.node_id}'s own failure "
+                             f"domain {self.failure_domain}")
+
+
 class ResumeRequest(Message, tag="phalanx.resume_request.v1"):
     """Where can ``job_id`` resume at ``world_size`` replicas?"""
 
@@ -938,6 +973,7 @@ ALL_MESSAGES: tuple[type[Message], ...] = (
     SnapshotReserve,
     SnapshotReservation,
     CheckpointCatalog,
+    BuddyPlacement,
     ResumeRequest,
     ResumeAnswer,
 )

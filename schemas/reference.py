@@ -117,6 +117,8 @@ KV_VALUES: tuple[tuple[str, str, type[m.Message], str], ...] = (
      "each watched job's ranks (replica, exit, reporting), for a new leader"),
     (subjects.CHECKPOINTS_BUCKET, "job id", m.CheckpointCatalog,
      "each job's snapshots: steps, shards, copies, checksums"),
+    (subjects.BUDDIES_BUCKET, "node id", m.BuddyPlacement,
+     "which agent holds replicas of each live node's snapshots (checkpoint service)"),
     (subjects.PROGRESS_BUCKET, "job id", m.JobProgress,
      "how far each job has trained: step, rate, restarts (health; kept after it ends)"),
     (subjects.HISTORY_BUCKET, "job id", m.JobHistory,

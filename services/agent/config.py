@@ -53,6 +53,12 @@ class AgentConfig:
     snapshot_limit_bytes: int | None = None
     """The most snapshot memory this node holds; a reservation past it is refused.
     None: half the tmpfs."""
+    replica_host: str | None = None
+    """Address the replication listener binds (:mod:`.replication`: buddies' snapshots
+    arrive there, unauthenticated). None: the address the node's host name resolves to,
+    the one its peers connect to."""
+    replica_port: int = 0
+    """Port of the replication listener; 0: any free port (announced in the node record)."""
     checkpoint_dir: str | None = None
     """Where ranks persist durable checkpoints of a job whose spec names no
     ``checkpoint.durable_url``. Default: ``checkpoints`` beside the ``agents`` directory
@@ -71,6 +77,9 @@ class AgentConfig:
             if not math.isfinite(getattr(self, name)):
                 raise ConfigError(f"agent.{name} must be a finite number, "
                                   f"got {getattr(self, name)}")
+        if not 0 <= self.replica_port <= 65535:
+            raise ConfigError(f"agent.replica_port must be within 0..65535, "
+                              f"got {self.replica_port}")
         if not 0 <= self.replacement_nice <= 19:
             raise ConfigError(f"agent.replacement_nice must be within 0..19, "
                               f"got {self.replacement_nice}")
@@ -100,7 +109,7 @@ class AgentConfig:
         try:
             if isinstance(values.get("labels"), str):
                 values["labels"] = parse_labels(values["labels"])
-            for name in ("slots", "replacement_nice", "snapshot_limit_bytes"):
+            for name in ("slots", "replacement_nice", "snapshot_limit_bytes", "replica_port"):
                 if name in values:
                     values[name] = int(values[name])
             for name in ("heartbeat_interval_s", "lost_after_s", "shutdown_timeout_s"):

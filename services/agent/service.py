@@ -8,6 +8,12 @@ once. Records are applied per job in order, jobs independently, so stopping
 one job's ranks (up to its grace period) never delays another's launch.
 Elasticity's launch requests are idempotent: a replica launched here before
 is never started again (:mod:`.ranks`).
+
+Beside the ranks, the agent keeps the node's snapshot store (:mod:`.snapshots`)
+and replicates it (:mod:`.replication`): a listener takes its wards' snapshots
+(its port is in the node record), a sender streams this node's to the buddy the
+checkpoint service placed (KV bucket ``phalanx_buddies``, re-read every
+:data:`BUDDY_REFRESH_S`).
 """
 
 from __future__ import annotations
@@ -36,6 +42,7 @@ from phalanx.bus.stream import ensure_job_events
 from phalanx.schemas import __version__, subjects
 from phalanx.schemas.errors import PhalanxError
 from phalanx.schemas.messages import (
+    BuddyPlacement,
     ChaosAction,
     ChaosReply,
     ChaosRequest,
@@ -52,6 +59,7 @@ from phalanx.schemas.messages import (
     RankExited,
     RankStarted,
     ReplicaReply,
+    SnapshotRecord,
     SnapshotReservation,
     SnapshotReserve,
     StopReplica,
@@ -60,6 +68,7 @@ from phalanx.services import metrics
 from phalanx.services.agent import core
 from phalanx.services.agent.config import AgentConfig
 from phalanx.services.agent.ranks import RankSet, ReplicaOutdated, start_ticks
+from phalanx.services.agent.replication import Address, ReplicaListener, ReplicaSender
 from phalanx.services.agent.snapshots import (
     SnapshotRefused,
     SnapshotStore,
@@ -71,6 +80,9 @@ from phalanx.services.base import Service
 from phalanx.services.paths import default_data_dir
 
 log = logging.getLogger("phalanx.agent")
+BUDDY_REFRESH_S = 2.0
+#: Ended jobs remembered (replicas of them are refused), newest kept.
+ENDED_KEPT = 4096
 
 
 class AgentService(Service):
@@ -99,10 +111,17 @@ class AgentService(Service):
         self.snapshots = SnapshotStore(root, config.snapshot_limit_bytes
                                        if config.snapshot_limit_bytes is not None
                                        else default_limit(root))
+        self.ended: dict[str, None] = {}  # jobs seen terminal, oldest first
+        self.replicas = ReplicaListener(self.snapshots, config.node_id, self._announce,
+                                        self.ended.__contains__)
+        self.sender = ReplicaSender(self.snapshots, config.node_id, self._buddy)
+        self._buddy_read: tuple[float, Address | None] = (float("-inf"), None)
 
     async def setup(self) -> None:
         assert self.bus is not None
+        await self._listen()
         self.nodes = await TypedKV.open(self.bus.js, subjects.NODES_BUCKET, NodeRecord)
+        self.buddies = await TypedKV.open(self.bus.js, subjects.BUDDIES_BUCKET, BuddyPlacement)
         entry = await self.nodes.modify(
             self.config.node_id,
             lambda existing: core.register(
@@ -146,8 +165,56 @@ class AgentService(Service):
         # Records published while disconnected were missed: read them all again after.
         self.bus.on_reconnect(self._on_reconnect)
         self.spawn(self.heartbeat_loop(), "heartbeat")
+        self.spawn(self.sender.run(self.sleep_or_stop), "replicate")
         log.info("registered", extra={"node": self.config.node_id, "slots": self.config.slots,
                                       "failure_domain": self.config.failure_domain})
+
+    async def _listen(self) -> None:
+        """Start the replication listener; its port goes into the node record. Without
+        one (the address cannot be bound) the node holds no buddy's replicas, logged."""
+        host = self.config.replica_host
+        try:
+            if host is None:
+                host = (await asyncio.get_running_loop().getaddrinfo(
+                    self.info.host, None, family=socket.AF_INET))[0][4][0]
+            port = await self.replicas.start(host, self.config.replica_port)
+        except OSError as exc:
+            log.error("no replication listener on %s (%s): this node keeps no buddy's "
+                      "snapshots", host or self.info.host, exc)
+            return
+        self.info = msgspec.structs.replace(self.info, replica_port=port)
+        log.info("replication listener", extra={"host": host, "port": port})
+
+    async def _announce(self, record: SnapshotRecord) -> None:
+        assert self.bus is not None
+        await self.bus.publish(subjects.ckpt_snapshot(record.job_id), record)
+
+    async def _buddy(self) -> Address | None:
+        """Where this node's buddy listens (None: no placement or no listener), as read at
+        most BUDDY_REFRESH_S ago; a read that fails keeps the last answer."""
+        read_at, address = self._buddy_read
+        if time.monotonic() - read_at < BUDDY_REFRESH_S:
+            return address
+        try:
+            placement, _ = await self.buddies.current(self.config.node_id)
+            record = None
+            if placement is not None and placement.buddy_id:
+                record, _ = await self.nodes.current(placement.buddy_id)
+            address = None if record is None or not record.node.replica_port else (
+                record.node.node_id, record.node.host, record.node.replica_port)
+        except (PhalanxError, TimeoutError, OSError, nats.errors.Error) as exc:
+            log.warning("cannot read this node's buddy: %s", exc)
+        self._buddy_read = (time.monotonic(), address)
+        return address
+
+    def _ended(self, job_id: str) -> None:
+        """``job_id`` is over: its snapshots and replicas here go (after its ranks, if it
+        has any here: :meth:`_reconcile`), and replicas of it are refused from now on."""
+        self.ended[job_id] = None
+        while len(self.ended) > ENDED_KEPT:
+            del self.ended[next(iter(self.ended))]
+        if self.ranks is None or job_id not in self.ranks.jobs():
+            self.snapshots.drop(job_id)
 
     async def _on_reconnect(self) -> None:
         self.spawn(self._resync(), "resync jobs")  # not inside nats-py's reconnection
@@ -241,6 +308,8 @@ class AgentService(Service):
 
     def _apply(self, record: JobRecord) -> None:
         """Reconcile ``record`` in its job's own task, after that job's earlier records."""
+        if record.state.terminal:
+            self._ended(record.job_id)
         mine = self.config.node_id in record.nodes
         if mine or (self.ranks is not None and record.job_id in self.ranks.jobs()):
             self.spawn(self._reconcile(record), f"reconcile {record.job_id}")
@@ -394,6 +463,9 @@ class AgentService(Service):
         for job_id in list(self.snapshots.current):
             if self.snapshots.prune(job_id):
                 log.info("pruned earlier snapshot rings", extra={"job": job_id})
+        for job_id in self.snapshots.jobs():
+            if self.snapshots.prune_replicas(job_id):
+                log.info("pruned earlier replicas", extra={"job": job_id})
         memory = {"snapshot_bytes": self.snapshots.used(),
                   "snapshot_limit_bytes": self.snapshots.limit,
                   "snapshot_refused": self.snapshots.refused}
@@ -415,6 +487,7 @@ class AgentService(Service):
         The delete is conditional on our last revision, so an agent that lost
         its id to another never removes the other's entry.
         """
+        await self.replicas.stop()
         if self.ranks is not None:
             await self.ranks.stop_all()
         self.snapshots.clear()

@@ -28,6 +28,14 @@ from them, and the agent is what bounds and frees them.
   store when the agent stops cleanly. A crashed agent leaves the store to the
   agent restarted with the same work directory (which prunes nothing of a job
   until one of its ranks reserves again).
+* **Replicas.** The agent also keeps its buddies' snapshots
+  (:mod:`.replication`): a replica of another node's ring buffer ``<name>`` is
+  ``<root>/<job>/buddy.<node>.<name>``, beside this node's own rings, so a
+  rank's restore lists it as it lists its own node's buffers. Replicas count
+  against the same bound (:meth:`make_room`), go with their job, and a node's
+  replicas of an earlier membership are pruned by the rule above, the
+  membership being that of the newest step replicated from it
+  (:meth:`prune_replicas`).
 """
 
 from __future__ import annotations
@@ -45,7 +53,7 @@ from phalanx.schemas.messages import SnapshotReserve
 
 log = logging.getLogger("phalanx.agent.snapshots")
 _RING_FILE = re.compile(r"^w(?P<shards>\d+)-s(?P<shard>\d+)\.(?P<i>\d+)$")
-
+_REPLICA_FILE = re.compile(r"^buddy\.(?P<source>[A-Za-z0-9_\-]+)\.(?P<ring>w\d+-s\d+\.\d+)$")
 
 class SnapshotRefused(PhalanxError, OSError):
     """A reservation would take the node's snapshot memory past its bound."""
@@ -125,18 +133,92 @@ class SnapshotStore:
         self.current[request.job_id] = request.shards
         return paths
 
-    def steps_held(self, job_id: str) -> dict[int, set[int]]:
-        """Per shard count (a membership's ring set), the committed steps held."""
+    def steps_held(self, job_id: str, source: str | None = None) -> dict[int, set[int]]:
+        """Per shard count (a membership's ring set), the committed steps held: of this
+        node's own rings, or of the replicas of node ``source``'s."""
         held: dict[int, set[int]] = {}
-        directory = self.job_dir(job_id)
-        for path in directory.iterdir() if directory.is_dir() else []:
-            match = _RING_FILE.match(path.name)
-            header = snapshot_file.committed_header(path) if match else None
-            if match:
-                steps = held.setdefault(int(match["shards"]), set())
-                if header is not None:
-                    steps.add(header.step)
+        for path in self._rings(job_id, source):
+            steps = held.setdefault(int(_RING_FILE.match(self._ring_of(path))["shards"]), set())
+            header = snapshot_file.committed_header(path)
+            if header is not None:
+                steps.add(header.step)
         return held
+
+    def _rings(self, job_id: str, source: str | None) -> list[Path]:
+        directory = self.job_dir(job_id)
+        found = []
+        for path in directory.iterdir() if directory.is_dir() else []:
+            replica = _REPLICA_FILE.match(path.name)
+            if (replica["source"] if replica else None) == source and \
+                    _RING_FILE.match(self._ring_of(path)):
+                found.append(path)
+        return found
+
+    @staticmethod
+    def _ring_of(path: Path) -> str:
+        replica = _REPLICA_FILE.match(path.name)
+        return replica["ring"] if replica else path.name
+
+    def own_rings(self) -> list[Path]:
+        """Every ring buffer file of this node's own ranks, of every job."""
+        return [path for job_id in sorted(self.jobs()) for path in self._rings(job_id, None)]
+
+    def replica_path(self, job_id: str, source: str, ring: str) -> Path:
+        """Where the replica of node ``source``'s ring buffer ``ring`` of ``job_id`` is.
+
+        Raises:
+            ValueError: ``ring`` is not a ring buffer's name or ``source`` not a node id
+                (a name from the network never names another path).
+        """
+        path = self.job_dir(job_id) / f"buddy.{source}.{ring}"
+        if not _RING_FILE.match(ring) or not _REPLICA_FILE.match(path.name):
+            raise ValueError(f"{source!r} / {ring!r}: not a node id and a ring buffer name")
+        return path
+
+    def make_room(self, path: Path, nbytes: int, why: str) -> None:
+        """Create (or grow) the file at ``path`` to ``nbytes`` within the node's bound.
+
+        Raises:
+            SnapshotRefused: the file would take the store past its limit (``why`` names
+                what asked).
+        """
+        sizes = {p: size for p, size in self._files()}
+        more = max(0, nbytes - sizes.get(path, 0))
+        used = sum(sizes.values())
+        if used + more > self.limit:
+            self.refused = (f"{why}: {more} B more than held would make {used + more} B, "
+                            f"over this node's limit of {self.limit} B")
+            raise SnapshotRefused(self.refused)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            if os.fstat(fd).st_size < nbytes:
+                os.ftruncate(fd, nbytes)
+        finally:
+            os.close(fd)
+
+    def prune_replicas(self, job_id: str) -> int:
+        """Delete each source's replicas of ``job_id`` from earlier memberships once the
+        membership of the newest step replicated from it holds two committed steps there
+        (the rule of :meth:`prune`); returns the files deleted."""
+        deleted = 0
+        directory = self.job_dir(job_id)
+        sources = {m["source"] for p in (directory.iterdir() if directory.is_dir() else [])
+                   if (m := _REPLICA_FILE.match(p.name))}
+        for source in sources:
+            newest: tuple[int, int] | None = None  # step, shards
+            for path in self._rings(job_id, source):
+                header = snapshot_file.committed_header(path)
+                if header is not None and (newest is None or header.step > newest[0]):
+                    newest = (header.step, header.shards)
+            held = self.steps_held(job_id, source)
+            if newest is None or len(held.get(newest[1], ())) < 2:
+                continue
+            for path in self._rings(job_id, source):
+                if int(_RING_FILE.match(self._ring_of(path))["shards"]) != newest[1]:
+                    path.unlink(missing_ok=True)
+                    deleted += 1
+        return deleted
 
     def prune(self, job_id: str) -> int:
         """Delete the rings of ``job_id``'s earlier memberships (shard counts other than the
@@ -147,8 +229,8 @@ class SnapshotStore:
         if current is None or len(held.get(current, ())) < 2:
             return 0
         deleted = 0
-        for shards in held.keys() - {current}:
-            for path in self.job_dir(job_id).glob(f"w{shards}-s*"):
+        for path in self._rings(job_id, None):
+            if int(_RING_FILE.match(path.name)["shards"]) != current:
                 path.unlink(missing_ok=True)
                 deleted += 1
         return deleted

@@ -26,6 +26,14 @@ The rules, each a pure function of the catalog and one input:
   later job resumes from them, ``phalanx ckpt ls`` lists them), and durable
   copies announced after the end (a write finishing, a damaged copy found by a
   resuming job) are still taken. The catalog goes when no copy is left.
+* **Buddies** (:func:`place_buddies`): every live node gets one buddy, a live
+  node in another failure domain, which keeps replicas of its memory snapshots.
+  A placement is stable: it stays while its buddy is live and in another
+  domain, so a node joining or leaving moves only the placements it must.
+  A node without one (new, its buddy lost, or its buddy now in its own
+  domain) takes the candidate holding the fewest wards, lowest id among
+  equals; a node with no live node outside its domain has no buddy, and says
+  so. Liveness is the registry's rule (:func:`phalanx.services.registry.core.view`).
 * **Where to resume** (:func:`resume_answer`): the newest complete step, each
   shard from its nearest healthy copy: own node's memory, then a buddy's,
   then durable storage (lowest node id, or location, among equals). The state is split
@@ -41,18 +49,23 @@ catalogs, so a restarted service restores it from KV as it was written.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections import Counter
+from collections.abc import Callable, Mapping
 
 import msgspec
 
 from phalanx.schemas.messages import (
+    BuddyPlacement,
+    BuddyReason,
     CatalogStep,
     CheckpointCatalog,
+    NodeRecord,
     ResumeAnswer,
     ShardCopy,
     SnapshotRecord,
     SnapshotTier,
 )
+from phalanx.services.registry.core import NodeState, view
 
 #: Nearest first.
 TIER_ORDER = {SnapshotTier.LOCAL: 0, SnapshotTier.BUDDY: 1, SnapshotTier.DURABLE: 2}
@@ -161,6 +174,39 @@ def resume_answer(catalog: CheckpointCatalog | None, job_id: str,
                                f"{best.total_bytes} B, restorable at world size {world_size}")
 
 
+def place_buddies(domains: Mapping[str, str], current: Mapping[str, BuddyPlacement],
+                  now: float) -> dict[str, BuddyPlacement]:
+    """Every live node's placement, given the live nodes' failure domains (node id ->
+    domain) and the placements so far; a placement that still holds is returned as is."""
+    wards: Counter[str] = Counter()
+    placed: dict[str, BuddyPlacement] = {}
+    for node_id in sorted(domains):  # first what stays: stable placements
+        old = current.get(node_id)
+        if old is not None and old.buddy_id in domains \
+                and domains[old.buddy_id] != domains[node_id]:
+            placed[node_id] = old if (old.failure_domain, old.buddy_domain) == (
+                domains[node_id], domains[old.buddy_id]) else msgspec.structs.replace(
+                old, failure_domain=domains[node_id], buddy_domain=domains[old.buddy_id])
+            wards[old.buddy_id] += 1
+    for node_id in sorted(domains.keys() - placed.keys()):
+        domain, old = domains[node_id], current.get(node_id)
+        others = [n for n in domains if domains[n] != domain]
+        if not others:
+            placed[node_id] = old if old is not None and not old.buddy_id \
+                and old.failure_domain == domain else BuddyPlacement(
+                node_id=node_id, failure_domain=domain,
+                reason=BuddyReason.NO_OTHER_DOMAIN, placed_at=now)
+            continue
+        buddy = min(others, key=lambda n: (wards[n], n))
+        wards[buddy] += 1
+        reason = BuddyReason.PLACED if old is None or not old.buddy_id else \
+            BuddyReason.BUDDY_LOST if old.buddy_id not in domains else BuddyReason.SAME_DOMAIN
+        placed[node_id] = BuddyPlacement(node_id=node_id, failure_domain=domain,
+                                          buddy_id=buddy, buddy_domain=domains[buddy],
+                                          reason=reason, placed_at=now)
+    return placed
+
+
 @dataclasses.dataclass(frozen=True)
 class SnapshotAnnounced:
     record: SnapshotRecord
@@ -182,7 +228,18 @@ class JobEnded:
     job_id: str
 
 
-Event = SnapshotAnnounced | JobSeen | JobEnded
+@dataclasses.dataclass(frozen=True)
+class NodesSeen:
+    """The node registry as read at ``now`` by a reader watching it since
+    ``watching_since`` (a node is lost only after silence it could have heard)."""
+
+    records: tuple[NodeRecord, ...]
+    now: float
+    lost_after_s: float
+    watching_since: float = float("-inf")
+
+
+Event = SnapshotAnnounced | JobSeen | JobEnded | NodesSeen
 
 
 @dataclasses.dataclass(frozen=True)
@@ -195,7 +252,19 @@ class ForgetCatalog:
     job_id: str
 
 
-Decision = StoreCatalog | ForgetCatalog
+@dataclasses.dataclass(frozen=True)
+class StoreBuddy:
+    placement: BuddyPlacement
+
+
+@dataclasses.dataclass(frozen=True)
+class ForgetBuddy:
+    """The node is lost or gone: it holds no snapshots to replicate."""
+
+    node_id: str
+
+
+Decision = StoreCatalog | ForgetCatalog | StoreBuddy | ForgetBuddy
 
 
 class CheckpointCore:
@@ -207,11 +276,16 @@ class CheckpointCore:
         self.catalogs: dict[str, CheckpointCatalog] = {}
         self.keep: dict[str, tuple[int, int]] = {}  # memory_keep, durable_keep
         self.ended: set[str] = set()
+        self.buddies: dict[str, BuddyPlacement] = {}
 
     def restore(self, catalog: CheckpointCatalog) -> None:
         """Take a stored catalog back (a restarted service)."""
         self.catalogs[catalog.job_id] = catalog
         self.keep.setdefault(catalog.job_id, (catalog.keep, catalog.durable_keep))
+
+    def restore_buddy(self, placement: BuddyPlacement) -> None:
+        """Take a stored placement back (a restarted service keeps it if it still holds)."""
+        self.buddies[placement.node_id] = placement
 
     def handle(self, event: Event) -> list[Decision]:
         match event:
@@ -229,6 +303,18 @@ class CheckpointCore:
                 self.ended.add(job_id)
                 catalog = self.catalogs.get(job_id)
                 return [] if catalog is None else self._set(job_id, ended(catalog))
+            case NodesSeen(records=records, now=now):
+                domains = {r.node.node_id: r.node.failure_domain for r in records
+                           if view(r, now, event.lost_after_s,
+                                   watching_since=event.watching_since).state
+                           is NodeState.ALIVE}
+                placed = place_buddies(domains, self.buddies, now)
+                decisions: list[Decision] = [ForgetBuddy(n) for n in sorted(
+                    self.buddies.keys() - placed.keys())]
+                decisions += [StoreBuddy(p) for n, p in sorted(placed.items())
+                              if self.buddies.get(n) != p]
+                self.buddies = placed
+                return decisions
         raise TypeError(f"unknown event {event!r}")
 
     def _set(self, job_id: str, catalog: CheckpointCatalog | None) -> list[Decision]:

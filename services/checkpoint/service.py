@@ -16,6 +16,14 @@ superseded by the next one within one interval, so one missed while no leader
 listened is corrected by the next, and the ranks restore from their nodes'
 memory without asking the catalog (docs/architecture.md, Checkpoints).
 
+The leader also places buddies (:func:`.core.place_buddies`): every
+:data:`PLACE_EVERY_S` it reads the node registry and stores each live node's
+placement in the ``phalanx_buddies`` bucket (key = node id), where the node's
+agent reads it. A bucket of their own rather than a field of the node record:
+the agent rewrites its record every heartbeat, and a second writer there would
+turn every placement into a compare-and-swap race with it; a placement changes
+rarely, and an agent reads only its own key.
+
 Every instance answers ``phalanx.ckpt.resume`` from the stored catalog (the
 same pure rule, :func:`.core.resume_answer`), so a question needs no leader.
 """
@@ -27,6 +35,7 @@ import contextlib
 import logging
 import os
 import socket
+import time
 import uuid
 
 from phalanx.bus.client import Delivery
@@ -35,9 +44,11 @@ from phalanx.bus.errors import Conflict
 from phalanx.bus.kv import TypedKV
 from phalanx.schemas import subjects
 from phalanx.schemas.messages import (
+    BuddyPlacement,
     CheckpointCatalog,
     JobRecord,
     Lease,
+    NodeRecord,
     ResumeAnswer,
     ResumeRequest,
     SnapshotRecord,
@@ -45,10 +56,12 @@ from phalanx.schemas.messages import (
 from phalanx.services.base import Service
 from phalanx.services.checkpoint import core
 from phalanx.services.lease import Leadership, LeadershipLost
+from phalanx.services.registry.core import DEFAULT_LOST_AFTER_S
 
 log = logging.getLogger("phalanx.checkpoint")
 LEASE_KEY = "checkpoint"
 STORE_EVERY_S = 0.5
+PLACE_EVERY_S = 1.0
 
 
 class CheckpointService(Service):
@@ -57,11 +70,12 @@ class CheckpointService(Service):
     description = "phalanx checkpoint catalog"
 
     def __init__(self, bus_config: BusConfig | None = None, *, instance: str | None = None,
-                 lease_s: float = 3.0) -> None:
+                 lease_s: float = 3.0, lost_after_s: float = DEFAULT_LOST_AFTER_S) -> None:
         instance = instance or (f"{socket.gethostname().split('.')[0]}-{os.getpid()}-"
                                 f"{uuid.uuid4().hex[:6]}")
         super().__init__("phalanx-checkpoint", instance, bus_config)
         self.lease_s = lease_s
+        self.lost_after_s = lost_after_s
         self.core: core.CheckpointCore | None = None
 
     @property
@@ -73,6 +87,8 @@ class CheckpointService(Service):
         js = self.bus.js
         self.catalogs = await TypedKV.open(js, subjects.CHECKPOINTS_BUCKET, CheckpointCatalog)
         self.jobs = await TypedKV.open(js, subjects.JOBS_BUCKET, JobRecord)
+        self.nodes = await TypedKV.open(js, subjects.NODES_BUCKET, NodeRecord)
+        self.buddies = await TypedKV.open(js, subjects.BUDDIES_BUCKET, BuddyPlacement)
         leases = await TypedKV.open(js, subjects.LEASES_BUCKET, Lease)
         await self.add_endpoint("resume", subjects.ckpt_resume(), ResumeRequest,
                                 self.on_resume)
@@ -95,7 +111,13 @@ class CheckpointService(Service):
         for entry in stored:
             the_core.restore(entry.value)
             revisions[entry.key] = entry.revision
-        log.info("restored", extra={"jobs": len(the_core.catalogs)})
+        placements, bad = await self.buddies.entries()
+        for error in bad:
+            log.error("unreadable buddy placement skipped: %s", error)
+        for placed in placements:
+            the_core.restore_buddy(placed.value)
+        log.info("restored", extra={"jobs": len(the_core.catalogs),
+                                    "buddies": len(the_core.buddies)})
         changed: dict[str, core.Decision] = {}
 
         def act(decisions: list[core.Decision]) -> None:
@@ -115,6 +137,7 @@ class CheckpointService(Service):
             async with asyncio.TaskGroup() as tasks:
                 tasks.create_task(self._follow_jobs(the_core, records, act))
                 tasks.create_task(self._store(changed, revisions))
+                tasks.create_task(self._place(the_core))
         finally:
             self.core = None
             with contextlib.suppress(Exception):
@@ -132,6 +155,31 @@ class CheckpointService(Service):
                                                  policy.durable_keep)))
             if record is None or record.state.terminal:
                 act(the_core.handle(core.JobEnded(change.key)))
+
+    async def _place(self, the_core: core.CheckpointCore) -> None:
+        """Every PLACE_EVERY_S, place buddies on the registry as read now and store what
+        changed. Silence before this term proves nothing (the node may have beaten while
+        no leader read), so a node is judged lost only after silence within the term."""
+        since = time.time()
+        while not await self.sleep_or_stop(PLACE_EVERY_S):
+            try:
+                records, _ = await self.nodes.entries()
+            except Exception as exc:  # the bus away: placements stay as they are
+                log.warning("cannot read the node registry: %s", exc)
+                continue
+            decisions = the_core.handle(core.NodesSeen(
+                tuple(e.value for e in records), time.time(), self.lost_after_s, since))
+            for decision in decisions:
+                match decision:
+                    case core.StoreBuddy(placement=placement):
+                        await self.buddies.put(placement.node_id, placement)
+                        log.info("buddy placed", extra={
+                            "node": placement.node_id, "buddy": placement.buddy_id,
+                            "reason": placement.reason.value})
+                    case core.ForgetBuddy(node_id=node_id):
+                        await self.buddies.delete(node_id)
+                    case _:
+                        raise TypeError(f"unknown decision {decision!r}")
 
     async def _store(self, changed: dict[str, core.Decision], revisions: dict[str, int]) -> None:
         """Write what changed, at most every STORE_EVERY_S, fenced on our revisions."""

@@ -23,6 +23,8 @@ from phalanx.schemas.codec import MAX_PAYLOAD_BYTES, decode, encode
 from phalanx.schemas.errors import WireError
 from phalanx.schemas.messages import (
     ALL_MESSAGES,
+    BuddyPlacement,
+    BuddyReason,
     ChaosAction,
     ChaosRequest,
     CheckpointPolicy,
@@ -149,6 +151,18 @@ def _fix_chaos(kw: dict[str, Any]) -> dict[str, Any]:
     return kw
 
 
+def _fix_buddy(kw: dict[str, Any]) -> dict[str, Any]:
+    buddy = kw.get("buddy_id", "")
+    if buddy == kw["node_id"]:
+        buddy = kw["buddy_id"] = buddy[:120] + "-b"
+    kw["reason"] = BuddyReason.NO_OTHER_DOMAIN if not buddy else (
+        kw.get("reason") if kw.get("reason") not in (None, BuddyReason.NO_OTHER_DOMAIN)
+        else BuddyReason.PLACED)
+    if buddy and kw.get("buddy_domain", "") == kw["failure_domain"]:
+        kw["buddy_domain"] = kw["failure_domain"][:120] + "-other"
+    return kw
+
+
 #: Make generated fields satisfy each struct's ``__post_init__``.
 FIXUPS: dict[type, Callable[[dict[str, Any]], dict[str, Any]]] = {
     ReplicaRange: _fix_replica_range,
@@ -162,6 +176,7 @@ FIXUPS: dict[type, Callable[[dict[str, Any]], dict[str, Any]]] = {
     ScalingChange: _fix_scaling_change,
     JobRecord: _fix_job_record,
     ChaosRequest: _fix_chaos,
+    BuddyPlacement: _fix_buddy,
 }
 
 

@@ -16,6 +16,8 @@ from phalanx.schemas.errors import PhalanxError, WireError
 from phalanx.schemas.messages import (
     ALL_MESSAGES,
     MAX_INT,
+    BuddyPlacement,
+    BuddyReason,
     CatalogStep,
     ChaosAction,
     ChaosReply,
@@ -183,6 +185,9 @@ EXAMPLES: dict[type[Message], Message] = {
                       location="s3://ckpt/llama-ft/step-0000001200-g3-w2"),
             ShardCopy(shard=1, node_id="gpu-node-07", tier=SnapshotTier.LOCAL, nbytes=1024,
                       checksum="60303ae22b998861", generation=3, corrupt=True)])]),
+    BuddyPlacement: BuddyPlacement(node_id="gpu-node-03", failure_domain="rack-a",
+                                   buddy_id="gpu-node-07", buddy_domain="rack-b",
+                                   reason=BuddyReason.BUDDY_LOST, placed_at=1_717_000_030.0),
     ResumeRequest: ResumeRequest(job_id="llama-ft", world_size=8),
     ResumeAnswer: ResumeAnswer(job_id="llama-ft", step=1200, shards=1, sources=[
         ShardCopy(shard=0, node_id="gpu-node-03", tier=SnapshotTier.LOCAL, nbytes=1024,

@@ -1,0 +1,387 @@
+"""Buddy replication: each agent copies its node's snapshots to its buddy over direct TCP.
+
+The checkpoint service places every node's *buddy*, a live node in another
+failure domain (:func:`phalanx.services.checkpoint.core.place_buddies`, KV bucket
+``phalanx_buddies``). Each agent runs both sides:
+
+* **A listener** (:class:`ReplicaListener`) on the port its node record
+  announces (``NodeInfo.replica_port``), which takes replicas of other nodes'
+  ring buffers into this node's store (:meth:`.snapshots.SnapshotStore.replica_path`)
+  with the never-torn protocol of :mod:`phalanx.runtime.snapshot_file`: the
+  header marked *writing*, the bytes as they arrive, the xxh3-64 checksum
+  checked against the sender's header, and only then the commit mark. A
+  replica cut short (the sender died, the connection broke) or failing its
+  checksum stays marked writing, which no reader trusts, and is logged with
+  the byte count reached. Each committed replica is announced to the catalog
+  as a ``buddy`` copy held by this node. Bad input (not this protocol, another
+  version, a damaged or uncommitted header, a name that is not a ring buffer's,
+  a size past the node's snapshot bound, a wrong checksum) is refused with a
+  reply saying why, then the connection is closed; the agent goes on.
+* **A sender** (:class:`ReplicaSender`) that, every :data:`SEND_EVERY_S`, looks
+  for committed buffers of this node's own rings not yet sent to the current
+  buddy (their headers only), newest step first, and streams each, read from
+  the buffer file, over one connection kept open. It runs in the agent's
+  process, never in a rank: training does not wait for it, and a buffer the
+  rank overwrites while it is being read fails the checksum at the receiver
+  and is logged as overtaken (the newer step is sent next). When a ring holds
+  older commits not yet sent they follow, so once training stops (all ranks
+  killed) every committed buffer reaches the buddy.
+
+The stream, per replica: an offer (:data:`_OFFER`: magic ``PHXREPL``, version,
+source node, ring buffer name, payload bytes), the buffer's 4 KiB header as
+written, then its meta and shard bytes; the receiver answers with one reply
+(:data:`_REPLY`: magic, version, ok or refused, a message). No authentication:
+the listener binds the address the node's host name resolves to (the cluster's
+interface), not every interface; docs/security.md states the gap.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import mmap
+import os
+import struct
+import time
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+
+import xxhash
+
+from phalanx.runtime import snapshot_file
+from phalanx.runtime.snapshot_file import Header, SnapshotFileError
+from phalanx.schemas.messages import SnapshotRecord, SnapshotTier
+from phalanx.schemas.subjects import token
+from phalanx.services.agent.snapshots import SnapshotRefused, SnapshotStore
+
+log = logging.getLogger("phalanx.agent.replication")
+
+MAGIC = b"PHXREPL"
+VERSION = 1
+# magic, version, source node (128 bytes), ring buffer name (64 bytes), payload bytes
+_OFFER = struct.Struct("<7sB128s64sQ")
+# magic, version, 0 ok / 1 refused, message bytes (the message follows)
+_REPLY = struct.Struct("<7sBBH")
+CHUNK = 1 << 20
+#: How long one read or write of the stream may take before the peer counts as gone.
+IO_TIMEOUT_S = 30.0
+SEND_EVERY_S = 0.1
+
+
+class ReplicaRefused(ValueError):
+    """The receiver refused a replica (the message says why)."""
+
+
+# --- the wire --------------------------------------------------------------------------------
+
+
+def pack_offer(source: str, ring: str, payload: int) -> bytes:
+    return _OFFER.pack(MAGIC, VERSION, source.encode(), ring.encode(), payload)
+
+
+def unpack_offer(data: bytes) -> tuple[str, str, int]:
+    """``(source node, ring buffer name, payload bytes)`` of an offer.
+
+    Raises:
+        ReplicaRefused: not this protocol, another version, or names that are not ids.
+    """
+    magic, version, source, ring, payload = _OFFER.unpack(data)
+    if magic != MAGIC:
+        raise ReplicaRefused(f"not a phalanx replication stream (starts {data[:7]!r})")
+    if version != VERSION:
+        raise ReplicaRefused(f"replication protocol version {version}; this agent speaks "
+                             f"{VERSION}")
+    try:
+        source_id = token(source.rstrip(b"\0").decode(), "source node")
+        return source_id, ring.rstrip(b"\0").decode(), payload
+    except (UnicodeDecodeError, ValueError) as exc:
+        raise ReplicaRefused(f"bad offer: {exc}") from None
+
+
+def pack_reply(problem: str = "") -> bytes:
+    message = problem.encode()[:4000]
+    return _REPLY.pack(MAGIC, VERSION, 1 if problem else 0, len(message)) + message
+
+
+async def read_reply(reader: asyncio.StreamReader) -> str:
+    """The receiver's answer: "" when the replica was taken, else why it was refused."""
+    magic, version, refused, size = _REPLY.unpack(await reader.readexactly(_REPLY.size))
+    if (magic, version) != (MAGIC, VERSION):
+        raise ConnectionError(f"the buddy answered {magic!r} v{version}, not a replica reply")
+    message = (await reader.readexactly(size)).decode(errors="replace")
+    return (message or "refused") if refused else ""
+
+
+# --- receiving -------------------------------------------------------------------------------
+
+
+class ReplicaListener:
+    """Takes replicas of other nodes' snapshots into ``store``; announces each.
+
+    Args:
+        store: this node's snapshot store (the bound applies to replicas too).
+        node_id: this node (the holder of the replicas it announces).
+        announce: publishes a :class:`SnapshotRecord` to the catalog.
+        ended: is this job over (its replicas are refused, so nothing outlives it)?
+    """
+
+    def __init__(self, store: SnapshotStore, node_id: str,
+                 announce: Callable[[SnapshotRecord], Awaitable[None]],
+                 ended: Callable[[str], bool]) -> None:
+        self.store, self.node_id, self.announce, self.ended = store, node_id, announce, ended
+        self.server: asyncio.Server | None = None
+        self.taken = 0  # replicas committed
+        self.refused = 0  # replicas refused or cut short
+        self.closed = 0  # connections served to their end
+        self._closing = asyncio.Condition()
+
+    async def start(self, host: str, port: int = 0) -> int:
+        """Listen on ``host``:``port`` (0: any free port); returns the port."""
+        self.server = await asyncio.start_server(self._serve, host, port)
+        return self.server.sockets[0].getsockname()[1]
+
+    async def stop(self) -> None:
+        if self.server is not None:
+            self.server.close()
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(self.server.wait_closed(), IO_TIMEOUT_S)
+            self.server = None
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        peer = writer.get_extra_info("peername")
+        try:
+            while True:
+                try:  # an idle connection waits for its next offer
+                    offer = await reader.readexactly(_OFFER.size)
+                except asyncio.IncompleteReadError as exc:
+                    if exc.partial:
+                        log.warning("replication peer %s closed mid-offer (%d of %d bytes)",
+                                    peer, len(exc.partial), _OFFER.size)
+                    return
+                problem = await self._take(offer, reader, peer)
+                writer.write(pack_reply(problem))
+                await writer.drain()
+                if problem:
+                    return  # the stream's position is unknown after a refusal
+        except (ConnectionError, TimeoutError, asyncio.IncompleteReadError) as exc:
+            self.refused += 1
+            log.warning("replication peer %s gone mid-replica, nothing of it kept: %r",
+                        peer, exc)
+        except Exception:  # one peer's trouble never stops the agent
+            log.exception("replication from %s failed", peer)
+        finally:
+            writer.close()
+            with contextlib.suppress(Exception):
+                await writer.wait_closed()
+            async with self._closing:
+                self.closed += 1
+                self._closing.notify_all()
+
+    async def wait_closed(self, count: int) -> None:
+        """Wait until ``count`` connections have been served to their end."""
+        async with self._closing:
+            await self._closing.wait_for(lambda: self.closed >= count)
+
+    async def _take(self, offer: bytes, reader: asyncio.StreamReader, peer) -> str:
+        """Receive one replica; "" when committed, else why not (logged)."""
+        what = f"replica from {peer}"
+        try:
+            source, ring, payload = unpack_offer(offer)
+            what = f"replica of {source}'s {ring} (from {peer})"
+            async with asyncio.timeout(IO_TIMEOUT_S):
+                block = await reader.readexactly(snapshot_file.HEADER_BYTES)
+            header = snapshot_file.read_header(block)
+            what = (f"replica of {source}'s shard {header.shard}/{header.shards} of "
+                    f"{header.job_id} step {header.step} (from {peer})")
+            if header.meta_length + header.length != payload:
+                raise ReplicaRefused(f"the offer announces {payload} B, the header "
+                                     f"{header.meta_length + header.length} B")
+            if source == self.node_id:
+                raise ReplicaRefused(f"{source} is this node: no replica of itself")
+            if self.ended(header.job_id):
+                raise ReplicaRefused(f"job {header.job_id} has ended")
+            try:
+                token(header.job_id, "job id")
+                path = self.store.replica_path(header.job_id, source, ring)
+            except ValueError as exc:
+                raise ReplicaRefused(str(exc)) from None
+            self.store.make_room(path, header.nbytes, what)
+            await self._receive(path, header, reader, payload)
+        except (ReplicaRefused, SnapshotFileError, SnapshotRefused) as exc:
+            self.refused += 1
+            log.warning("%s refused: %s", what, exc)
+            return str(exc) or type(exc).__name__
+        self.taken += 1
+        await self.announce(SnapshotRecord(
+            job_id=header.job_id, step=header.step, shard=header.shard,
+            num_shards=header.shards, node_id=self.node_id, tier=SnapshotTier.BUDDY,
+            nbytes=header.length, checksum=f"{header.checksum:016x}", created_at=time.time(),
+            generation=header.generation, total_bytes=header.total,
+            detail=f"replica of {source}'s {ring}"))
+        return ""
+
+    async def _receive(self, path: Path, header: Header, reader: asyncio.StreamReader,
+                       payload: int) -> None:
+        """Write the replica into ``path``: writing mark, bytes, checksum, commit mark.
+
+        Raises:
+            ReplicaRefused: the bytes do not match the header's checksum.
+            asyncio.IncompleteReadError, TimeoutError, ConnectionError: the stream ended
+                first (the file stays marked writing: no reader trusts it).
+        """
+        fd = os.open(path, os.O_RDWR)
+        try:
+            buffer = mmap.mmap(fd, 0)
+        finally:
+            os.close(fd)
+        done = 0
+        try:
+            snapshot_file.begin(buffer, header)
+            digest = xxhash.xxh3_64()
+            at = snapshot_file.HEADER_BYTES
+            while done < payload:
+                try:
+                    async with asyncio.timeout(IO_TIMEOUT_S):
+                        chunk = await reader.readexactly(min(CHUNK, payload - done))
+                except asyncio.IncompleteReadError as exc:
+                    log.warning("replica %s cut short after %d of %d bytes (the sender "
+                                "closed): nothing kept", path.name, done + len(exc.partial),
+                                payload)
+                    raise
+                buffer[at + done:at + done + len(chunk)] = chunk
+                digest.update(chunk)
+                done += len(chunk)
+            if digest.intdigest() != header.checksum:
+                raise ReplicaRefused(f"checksum mismatch: shard {header.shard} of step "
+                                     f"{header.step} arrived damaged (or overtaken at the "
+                                     f"sender)")
+            snapshot_file.commit(buffer, header)
+        finally:
+            buffer.close()
+
+
+# --- sending ---------------------------------------------------------------------------------
+
+#: Where a buddy listens: (its node id, host, port).
+Address = tuple[str, str, int]
+
+
+class ReplicaSender:
+    """Streams this node's committed snapshot buffers to its buddy in the background.
+
+    Args:
+        store: this node's snapshot store (its own rings are sent).
+        node_id: this node.
+        buddy: the current buddy's address, or None while there is none (the placement
+            is missing, the buddy's listener unknown).
+    """
+
+    def __init__(self, store: SnapshotStore, node_id: str,
+                 buddy: Callable[[], Awaitable[Address | None]]) -> None:
+        self.store, self.node_id, self.buddy = store, node_id, buddy
+        self.sent: dict[Path, tuple[int, int, int]] = {}  # buffer -> step, generation, sum
+        self.address: Address | None = None
+        self.stream: tuple[asyncio.StreamReader, asyncio.StreamWriter] | None = None
+        self.replicated = 0  # replicas the buddy took
+        self.sent_bytes = 0
+
+    def pending(self) -> list[tuple[Path, Header]]:
+        """Committed buffers of this node's rings the buddy does not have, newest first."""
+        found = []
+        for path in self.store.own_rings():
+            header = snapshot_file.committed_header(path)
+            if header is not None and self.sent.get(path) != _key(header):
+                found.append((path, header))
+        return sorted(found, key=lambda item: -item[1].step)
+
+    async def run(self, sleep_or_stop: Callable[[float], Awaitable[bool]]) -> None:
+        """Send what is pending every SEND_EVERY_S until ``sleep_or_stop`` says stop."""
+        try:
+            while not await sleep_or_stop(SEND_EVERY_S):
+                await self.send_pending()
+        finally:
+            await self.close()
+
+    async def send_pending(self) -> int:
+        """Send every pending buffer to the current buddy; returns how many it took."""
+        address = await self.buddy()
+        if address != self.address:  # a new buddy holds nothing of ours yet
+            await self.close()
+            self.sent.clear()
+            self.address = address
+            if address is not None:
+                log.info("replicating to buddy %s at %s:%d", *address)
+        if address is None:
+            return 0
+        taken = 0
+        for path, header in self.pending():
+            try:
+                problem = await self._send(address, path, header)
+            except (OSError, TimeoutError, asyncio.IncompleteReadError) as exc:
+                log.warning("replication to buddy %s at %s:%d failed (%r); retrying",
+                            *address, exc)
+                await self.close()
+                return taken
+            if problem is None:
+                continue  # overwritten since it was listed or sent: the newer one is pending
+            if problem:
+                log.warning("buddy %s refused %s: %s", address[0], path.name, problem)
+                await self.close()
+            else:
+                taken += 1
+                self.replicated += 1
+            # Sent either way: a refused buffer is not offered again until it changes.
+            self.sent[path] = _key(header)
+        return taken
+
+    async def _send(self, address: Address, path: Path, listed: Header) -> str | None:
+        """Stream the buffer at ``path``; the buddy's answer ("" taken), None if the buffer
+        no longer holds the snapshot ``listed`` names."""
+        with path.open("rb") as f:
+            block = f.read(snapshot_file.HEADER_BYTES)
+            try:
+                header = snapshot_file.read_header(block)
+            except SnapshotFileError:
+                return None
+            if _key(header) != _key(listed):
+                return None
+            reader, writer = await self._connect(address)
+            payload = header.meta_length + header.length
+            writer.write(pack_offer(self.node_id, path.name, payload) + block)
+            left = payload
+            while left:
+                chunk = f.read(min(CHUNK, left))
+                if not chunk:
+                    raise OSError(f"{path.name} ended {left} bytes early")
+                writer.write(chunk)
+                left -= len(chunk)
+                async with asyncio.timeout(IO_TIMEOUT_S):
+                    await writer.drain()
+        async with asyncio.timeout(IO_TIMEOUT_S):
+            problem = await read_reply(reader)
+        self.sent_bytes += payload
+        if problem and snapshot_file.committed_header(path) != header:
+            log.info("%s was overwritten by a newer snapshot while being sent", path.name)
+            await self.close()  # the buddy closes after a refusal
+            return None
+        return problem
+
+    async def _connect(self, address: Address) -> tuple[asyncio.StreamReader,
+                                                         asyncio.StreamWriter]:
+        if self.stream is None:
+            async with asyncio.timeout(IO_TIMEOUT_S):
+                self.stream = await asyncio.open_connection(address[1], address[2])
+        return self.stream
+
+    async def close(self) -> None:
+        if self.stream is not None:
+            _, writer = self.stream
+            self.stream = None
+            writer.close()
+            with contextlib.suppress(Exception):
+                await writer.wait_closed()
+
+
+def _key(header: Header) -> tuple[int, int, int]:
+    return header.step, header.generation, header.checksum

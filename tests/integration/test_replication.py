@@ -1,0 +1,181 @@
+"""Buddy replication over real TCP between two snapshot stores: a committed buffer arrives
+committed, checksum-equal, listed for a rank's restore, announced as a buddy copy and
+counted against the receiver's bound; an overwritten ring slot is sent again; bad input
+(garbage, another version, a wrong checksum, a path in the name, past the bound, an ended
+job) is refused with a reply saying why and the listener goes on; a sender that dies
+mid-replica leaves nothing a reader trusts; replicas of an earlier membership are pruned
+and an ended job's go."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+from pathlib import Path
+
+import pytest
+
+from phalanx.runtime import snapshot_file
+from phalanx.runtime.snapshot import held_in
+from phalanx.schemas.messages import SnapshotRecord, SnapshotReserve, SnapshotTier
+from phalanx.services.agent import replication
+from phalanx.services.agent.replication import ReplicaListener, ReplicaSender
+from phalanx.services.agent.snapshots import SnapshotStore
+
+JOB = "j"
+
+
+def commit(path: Path, step: int, shard: int, shards: int, size: int = 3000) -> None:
+    """A committed snapshot of ``step`` in the ring buffer at ``path`` (random bytes)."""
+    data = bytearray(path.read_bytes())
+    header = snapshot_file.Header(JOB, step, 1, shard, shards, size * shards, size * shard,
+                                  size, 0, 0)
+    payload = os.urandom(size)
+
+    def fill(view: memoryview) -> None:
+        view[:] = payload
+
+    snapshot_file.write(memoryview(data), header, b"meta", fill)
+    path.write_bytes(bytes(data))
+
+
+class Pair:
+    """Node a's store replicating to node b's listener on 127.0.0.1."""
+
+    def __init__(self, tmp_path: Path, limit: int = 100_000) -> None:
+        self.a = SnapshotStore(tmp_path / "a", 100_000)
+        self.b = SnapshotStore(tmp_path / "b", limit)
+        self.announced: list[SnapshotRecord] = []
+        self.ended: set[str] = set()
+        self.listener = ReplicaListener(self.b, "b", self._announce, self.ended.__contains__)
+        self.port = 0
+        self.sender = ReplicaSender(self.a, "a", self._buddy)
+
+    async def _announce(self, record: SnapshotRecord) -> None:
+        self.announced.append(record)
+
+    async def _buddy(self):
+        return "b", "127.0.0.1", self.port
+
+    async def __aenter__(self) -> Pair:
+        self.port = await self.listener.start("127.0.0.1")
+        return self
+
+    async def __aexit__(self, *_) -> None:
+        await self.sender.close()
+        await self.listener.stop()
+
+    def ring(self, shard: int = 0, shards: int = 2) -> list[Path]:
+        return self.a.reserve(SnapshotReserve(job_id=JOB, replica_id=f"r{shard}-0",
+                                              shard=shard, shards=shards, nbytes=8192))
+
+    async def raw(self, data: bytes) -> str:
+        """Send ``data`` on a connection of its own; the listener's reply."""
+        reader, writer = await asyncio.open_connection("127.0.0.1", self.port)
+        writer.write(data)
+        await writer.drain()
+        try:
+            return await replication.read_reply(reader)
+        finally:
+            writer.close()
+
+
+async def test_committed_buffers_reach_the_buddy_committed_and_listed(tmp_path) -> None:
+    async with Pair(tmp_path) as pair:
+        ring = pair.ring(shard=1)
+        commit(ring[0], 5, 1, 2)
+        commit(ring[1], 6, 1, 2)
+        assert await pair.sender.send_pending() == 2
+        assert await pair.sender.send_pending() == 0  # nothing new
+        replicas = sorted(pair.b.job_dir(JOB).iterdir())
+        assert [p.name for p in replicas] == ["buddy.a.w2-s1.0", "buddy.a.w2-s1.1"]
+        for source, replica in zip(ring, replicas, strict=True):
+            header = snapshot_file.read_header(replica.read_bytes())
+            assert header == snapshot_file.read_header(source.read_bytes())
+            snapshot_file.verify(memoryview(bytearray(replica.read_bytes())), header)
+        # A rank on b lists them as it lists its own node's buffers.
+        assert {(h.step, h.shard, h.shards) for h in held_in(pair.b.job_dir(JOB), JOB)} == {
+            (5, 1, 2), (6, 1, 2)}
+        assert [(r.step, r.tier, r.node_id) for r in pair.announced] == [
+            (6, SnapshotTier.BUDDY, "b"), (5, SnapshotTier.BUDDY, "b")]  # newest first
+        assert pair.b.used() == sum(p.stat().st_size for p in replicas)
+        commit(ring[0], 7, 1, 2)  # the ring overwrites its oldest: sent again
+        assert await pair.sender.send_pending() == 1
+        assert snapshot_file.committed_header(replicas[0]).step == 7
+
+
+@pytest.mark.parametrize("damage, reason", [
+    (lambda offer, block, payload: b"GET / HTTP/1.1\r\n" + bytes(400), "not a phalanx"),
+    (lambda offer, block, payload: offer[:7] + bytes([9]) + offer[8:] + block + payload,
+     "version 9; this agent speaks 1"),
+    (lambda offer, block, payload: offer + block + payload[:-1] + bytes([payload[-1] ^ 1]),
+     "checksum mismatch"),
+    (lambda offer, block, payload: offer + bytes(len(block)) + payload, "never written"),
+    (lambda offer, block, payload: replication.pack_offer("a", "../../etc", len(payload))
+     + block + payload, "not a node id and a ring buffer name"),
+])
+async def test_bad_input_is_refused_saying_why_and_the_listener_goes_on(
+        tmp_path, damage, reason) -> None:
+    async with Pair(tmp_path) as pair:
+        ring = pair.ring()
+        commit(ring[0], 5, 0, 2)
+        data = ring[0].read_bytes()
+        header = snapshot_file.read_header(data)
+        block = data[:snapshot_file.HEADER_BYTES]
+        payload = data[snapshot_file.HEADER_BYTES:header.nbytes]
+        offer = replication.pack_offer("a", ring[0].name, len(payload))
+        assert reason in await pair.raw(damage(offer, block, payload))
+        assert not held_in(pair.b.job_dir(JOB), JOB)  # nothing a reader trusts
+        assert await pair.sender.send_pending() == 1  # and the listener still serves
+        assert pair.listener.refused == 1 and pair.listener.taken == 1
+
+
+async def test_past_the_bound_or_for_an_ended_job_is_refused(tmp_path) -> None:
+    async with Pair(tmp_path, limit=2000) as pair:
+        commit(pair.ring()[0], 5, 0, 2)
+        assert await pair.sender.send_pending() == 0
+        assert "over this node's limit of 2000 B" in pair.b.refused
+    async with Pair(tmp_path / "2") as pair:
+        pair.ended.add(JOB)
+        commit(pair.ring()[0], 5, 0, 2)
+        assert await pair.sender.send_pending() == 0
+        assert not pair.b.job_dir(JOB).exists()
+
+
+async def test_a_sender_dying_mid_replica_leaves_nothing_trusted(tmp_path, caplog) -> None:
+    async with Pair(tmp_path) as pair:
+        ring = pair.ring()
+        commit(ring[0], 5, 0, 2)
+        assert await pair.sender.send_pending() == 1  # step 5 replicated
+        await pair.sender.close()
+        commit(ring[0], 7, 0, 2)  # the same slot, overwritten
+        data = ring[0].read_bytes()
+        header = snapshot_file.read_header(data)
+        _, writer = await asyncio.open_connection("127.0.0.1", pair.port)
+        writer.write(replication.pack_offer("a", ring[0].name, header.nbytes - 4096)
+                     + data[:snapshot_file.HEADER_BYTES + 1500])  # half its bytes
+        await writer.drain()
+        with caplog.at_level(logging.WARNING, "phalanx.agent.replication"):
+            writer.transport.abort()  # the sender's machine dies
+            await pair.listener.wait_closed(2)  # the sender's, then this one
+        assert "cut short" in caplog.text and "nothing kept" in caplog.text
+        replica = pair.b.job_dir(JOB) / "buddy.a.w2-s0.0"
+        assert snapshot_file.committed_header(replica) is None  # marked writing
+        assert held_in(pair.b.job_dir(JOB), JOB) == []
+
+
+def test_replicas_of_an_earlier_membership_are_pruned_and_go_with_the_job(tmp_path) -> None:
+    store = SnapshotStore(tmp_path / "b", 100_000)
+    old = store.replica_path(JOB, "a", "w4-s1.0")
+    new = [store.replica_path(JOB, "a", f"w2-s0.{i}") for i in range(2)]
+    for path in (old, *new):
+        store.make_room(path, 8192, "test")
+    commit(old, 60, 1, 4)
+    assert store.prune_replicas(JOB) == 0  # the newest step is of the old membership
+    commit(new[0], 61, 0, 2)
+    assert store.prune_replicas(JOB) == 0  # one step of the new one
+    commit(new[1], 62, 0, 2)
+    assert store.prune_replicas(JOB) == 1 and not old.exists()
+    assert store.own_rings() == []  # replicas are not this node's own rings
+    store.drop(JOB)
+    assert store.used() == 0
