@@ -208,6 +208,8 @@ class Fuzzer:
                 return rng.randbytes(rng.randrange(64))
             case mi.EnumType():
                 return rng.choice([m.value for m in t.cls])
+            case mi.LiteralType():
+                return rng.choice(t.values)
             case mi.ListType():
                 if name == "command":
                     return list(rng.choice(SAFE_COMMANDS))

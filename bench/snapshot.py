@@ -1,13 +1,20 @@
-"""What the in-memory snapshot costs a step on W: step time with snapshots every step vs
-without, in one run, next to the bound a memcpy of the bytes per step sets.
+"""What the in-memory snapshot costs a step on W: step time without snapshots, with one
+every step and with the adaptive interval, in one run, next to the bound a memcpy of the
+bytes per step sets.
 
 * **Step time**: ``examples/train_mlp.py`` on W as a 4-replica job on a local cluster
-  (``phalanx up``, 2 agents x 2 slots), alternately with ``checkpoint.memory_every_steps``
-  0 (no snapshot) and 1 (every committed step), ``--repeat`` pairs; the median gap
-  between consecutive committed steps (the replicas' records), the first
-  ``--warmup`` steps left out. Overhead = on / off - 1.
-  Beside it, the median time of a rank's snapshot in the training thread (the
-  ``snapshot_s`` of the replicas' commit records: state views, meta, copy, checksum).
+  (``phalanx up``, 2 agents x 2 slots), with ``checkpoint.memory_every_steps`` 0 (no
+  snapshot), 1 (every committed step) and ``auto`` (the default: the interval the ranks
+  agree on to keep a snapshot's cost in the training thread within 3 % of the training
+  time), ``--repeat`` rounds of the three, each round in another order (the machine is
+  shared: a drifting load then falls on every mode); the median gap between consecutive
+  committed steps (the replicas' records), the first ``--warmup`` steps left out.
+  Overhead = mode / off - 1. Beside it, from the commit records: the median time of a
+  rank's snapshot in the training thread (``snapshot_s``: state views, meta, copy,
+  checksum, the announcement handed to the bus thread), the interval in force
+  (``snapshot_every``), and the in-thread share the adaptive rule bounds (the snapshots'
+  time over the steps' own time, every rank summed). The load average before each run
+  says how busy the machine was.
 * **Bound**: the bytes one rank snapshots per step (its 1/4 share of W's model and
   AdamW state, as ``runtime/snapshot.py`` lays it out), timed in this process: a plain
   ``memcpy`` of them (``torch`` copy into a preallocated buffer) and the runtime's own
@@ -19,8 +26,9 @@ torchrun + DCP restart next to them.
 
 Prints one JSON object as its last line and appends the figures to bench/RESULTS.md::
 
-    python bench/snapshot.py                 # W, 1 pair of runs of 60 steps
+    python bench/snapshot.py                 # W, 1 round of runs of 60 steps
     python bench/snapshot.py --repeat 3
+    python bench/snapshot.py --widths 64,128,64 --steps 200 --repeat 3   # the tests' MLP
 """
 
 from __future__ import annotations
@@ -29,6 +37,7 @@ import argparse
 import asyncio
 import itertools
 import json
+import os
 import pickle
 import statistics
 import subprocess
@@ -62,6 +71,8 @@ from phalanx.services.client import AdmissionClient  # noqa: E402
 
 SCRIPT = BENCH.parent / "examples" / "train_mlp.py"
 WORLD = 4
+#: The runs of a round: name, checkpoint.memory_every_steps.
+MODES: tuple[tuple[str, int | str], ...] = (("off", 0), ("every", 1), ("auto", "auto"))
 
 
 def cli(*args: str) -> None:
@@ -70,9 +81,10 @@ def cli(*args: str) -> None:
 
 
 async def step_time(bus: Bus, args: argparse.Namespace, work: Path, name: str,
-                    every: int) -> tuple[float, float | None]:
-    """Median seconds between committed steps of one run with snapshots every ``every``,
-    and the median time a rank's snapshot took in it (the runtime's ``snapshot_s``)."""
+                    every: int | str) -> dict[str, Any]:
+    """One run with ``checkpoint.memory_every_steps`` = ``every``: the median seconds
+    between committed steps, and from the commit records the median time of a rank's
+    snapshot (``snapshot_s``), the median interval in force and the in-thread share."""
     rec = work / name
     done: asyncio.Future[JobRecord] = asyncio.get_running_loop().create_future()
 
@@ -97,12 +109,17 @@ async def step_time(bus: Bus, args: argparse.Namespace, work: Path, name: str,
         raise RuntimeError(f"{name} ended {ended.state.value}: {ended.reason}")
     records = record.read(rec)
     steps = [s for s in record.timeline(records) if s.step >= args.warmup]
-    taken = [line["snapshot_s"] for lines in records.values() for line in lines
-             if line["kind"] == "commit" and line["step"] >= args.warmup
-             and "snapshot_s" in line]
-    return (statistics.median(b.committed_at - a.committed_at
-                              for a, b in itertools.pairwise(steps)),
-            statistics.median(taken) if taken else None)
+    commits = [line for lines in records.values() for line in lines
+               if line["kind"] == "commit" and line["step"] >= args.warmup]
+    taken = [line["snapshot_s"] for line in commits if "snapshot_s" in line]
+    trained = sum(line["compute_s"] + line["reduce_s"] + line["optimizer_s"]
+                  for line in commits)
+    intervals = [line["snapshot_every"] for line in commits if "snapshot_every" in line]
+    return {"step_s": statistics.median(b.committed_at - a.committed_at
+                                        for a, b in itertools.pairwise(steps)),
+            "snapshot_s": statistics.median(taken) if taken else None,
+            "interval": statistics.median(intervals) if intervals else None,
+            "in_thread": sum(taken) / trained}
 
 
 def bound(widths: tuple[int, ...]) -> dict[str, float]:
@@ -139,7 +156,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     workload_w.prepare(args.data_dir, args.samples, widths)
     report: dict[str, Any] = {"date": utc_date(), "command": " ".join(sys.argv),
                               "widths": args.widths, "world_size": WORLD, "steps": args.steps,
-                              "off_s": [], "on_s": [], "snapshot_s": []}
+                              "runs": {mode: [] for mode, _ in MODES}}
     with tempfile.TemporaryDirectory() as tmp:
         cluster = Path(tmp) / "cluster"
         cli("up", "--agents", "2", "--slots-per-agent", "2", "--detach", "--data-dir",
@@ -148,35 +165,46 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             url = json.loads((cluster / "up.json").read_text())["nats_url"]
             async with await Bus.connect(BusConfig.load(env={}, servers=[url])) as bus:
                 for n in range(args.repeat):
-                    for every, key in ((0, "off_s"), (1, "on_s")):
-                        step_s, snapshot_s = await step_time(bus, args, Path(tmp),
-                                                             f"w-{key[:-2]}-{n}", every)
-                        report[key].append(step_s)
-                        if every:
-                            report["snapshot_s"].append(snapshot_s)
-                        print(json.dumps({key: step_s, "snapshot_s": snapshot_s}), flush=True)
+                    for mode, every in MODES[n % len(MODES):] + MODES[:n % len(MODES)]:
+                        load = os.getloadavg()[0]
+                        run = await step_time(bus, args, Path(tmp), f"w-{mode}-{n}", every)
+                        run["load"] = load
+                        report["runs"][mode].append(run)
+                        print(json.dumps({"mode": mode, **run}), flush=True)
         finally:
             cli("down", "--data-dir", str(cluster))
     report.update(bound(widths))
-    off, on = statistics.median(report["off_s"]), statistics.median(report["on_s"])
-    report["overhead"] = on / off - 1
-    report["bound"] = report["write_share_s"] / off
+    step = {mode: statistics.median(run["step_s"] for run in runs)
+            for mode, runs in report["runs"].items()}
+    report["step_s"] = step
+    report["overhead"] = {mode: step[mode] / step["off"] - 1 for mode in ("every", "auto")}
+    report["bound"] = report["write_share_s"] / step["off"]
     return report
 
 
 def record_results(report: dict[str, Any]) -> None:
-    runs = ", ".join(f"{a * 1000:.1f}/{b * 1000:.1f}"
-                     for a, b in zip(report["off_s"], report["on_s"], strict=True))
+    def per_run(mode: str, figure: str, scale: float = 1000, fmt: str = ".1f") -> str:
+        values = [run[figure] for run in report["runs"][mode]]
+        return ", ".join("-" if v is None else f"{v * scale:{fmt}}" for v in values)
+
+    rows = "".join(
+        f"| {mode} | {per_run(mode, 'step_s')} | "
+        + (f"{report['overhead'][mode] * 100:+.1f} %" if mode != "off" else "") + " | "
+        + (f"{per_run(mode, 'snapshot_s', fmt='.2f')} | {per_run(mode, 'interval', 1, 'g')}"
+           f" | {per_run(mode, 'in_thread', 100)} % | " if mode != "off" else " | | | ")
+        + f"{per_run(mode, 'load', 1, '.1f')} |\n" for mode, _ in MODES)
     append(f"\n## snapshot.py — {report['date']}\n\nCommand: `{report['command']}`\n\n"
            f"W widths {report['widths']}, {report['world_size']} ranks, {report['steps']} "
-           "steps per run, runs without and with a memory snapshot every step alternated "
-           "on one local cluster (2 agents x 2 slots).\n\n"
-           "| figure | value |\n|---|---:|\n"
-           f"| step time without / with snapshots, per pair (ms) | {runs} |\n"
-           f"| overhead (medians) | {report['overhead'] * 100:.1f} % |\n"
-           "| a rank's snapshot in the training thread, median per run (ms) | "
-           + ", ".join(f"{s * 1000:.2f}" for s in report["snapshot_s"] if s is not None)
-           + " |\n"
+           "steps per run, on one local cluster (2 agents x 2 slots); rounds of runs without "
+           "snapshots (off), with one every step (every) and with the adaptive interval "
+           "(auto), each round in another order. Per run: the median step, a rank's median "
+           "snapshot in the training thread, the median interval in force, the snapshots' "
+           "share of the steps' own time (what auto keeps within 3 %), and the 1-minute load "
+           "average before the run (2 cores).\n\n"
+           "| mode | step time per run (ms) | overhead (medians) | snapshot in the thread "
+           "(ms) | interval | in-thread share | load |\n|---|---:|---:|---:|---:|---:|---:|\n"
+           f"{rows}\n"
+           "| bound | value |\n|---|---:|\n"
            f"| state bytes (model + AdamW) | {report['state_bytes']} |\n"
            f"| bytes one rank snapshots per step (1/{report['world_size']}) | "
            f"{report['share_bytes']} |\n"
@@ -192,7 +220,8 @@ def main() -> int:
     parser.add_argument("--samples", type=int, default=64 * 40)
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--warmup", type=int, default=5)
-    parser.add_argument("--repeat", type=int, default=1, help="pairs of runs (off, on)")
+    parser.add_argument("--repeat", type=int, default=1,
+                        help="rounds of runs (off, every, auto)")
     parser.add_argument("--data-dir", type=Path,
                         default=Path(tempfile.gettempdir()) / "phalanx-bench-w")
     parser.add_argument("--timeout", type=float, default=900)

@@ -124,6 +124,7 @@ from phalanx.runtime.reduce import (
 )
 from phalanx.runtime.snapshot import Snapshotter, restore
 from phalanx.runtime.snapshot_file import Header
+from phalanx.runtime.snapshot_interval import TAIL_LENGTH, IntervalPolicy, SnapshotSchedule
 from phalanx.runtime.state import (
     StateTransferError,
     landing_buffers,
@@ -250,8 +251,10 @@ class ElasticSession:
             receives state; more with :meth:`register`.
         metrics: names of scalars the script adds per step with :meth:`Step.add`; each is
             summed over the ranks with the gradients (the loss always is).
-        snapshot_every: after every this many committed steps, snapshot this rank's share
-            of the state into its node agent's shared memory (:mod:`.snapshot`); 0: never.
+        snapshot_interval: which committed steps to snapshot this rank's share of the
+            state after, into its node agent's shared memory (:mod:`.snapshot`): a fixed
+            interval or one adapted to the measured cost (:mod:`.snapshot_interval`);
+            None: never.
         snapshot_keep: buffers in each share's ring (2: double-buffered).
         snapshot_dir: the node's snapshot store for this job (where a restore reads).
         durable: the job's durable tier (:mod:`.durable`): where snapshots are persisted
@@ -270,8 +273,9 @@ class ElasticSession:
                  nice_when_ready: int | None = None,
                  chaos_kill: tuple[int, str] | None = None,
                  state: Mapping[str, Any] | None = None, metrics: Sequence[str] = (),
-                 loader: Mapping[str, Any] | None = None, snapshot_every: int = 0,
-                 snapshot_keep: int = 2, snapshot_dir: str | None = None,
+                 loader: Mapping[str, Any] | None = None,
+                 snapshot_interval: IntervalPolicy | None = None, snapshot_keep: int = 2,
+                 snapshot_dir: str | None = None,
                  durable: DurablePolicy | None = None) -> None:
         self.model = model
         self.optimizer = optimizer
@@ -333,10 +337,11 @@ class ElasticSession:
         self.durable = durable
         writer = DurableWriter(durable.url, durable.keep, self._persisted) \
             if durable is not None and durable.every and bus is not None else None
-        self._snapshots = Snapshotter(bus, job_id, replica_id, node_id, every=snapshot_every,
-                                      keep=snapshot_keep, durable=writer,
-                                      durable_every=durable.every if durable else 0) \
-            if bus is not None and snapshot_every > 0 and snapshot_dir else None
+        self._snapshots = Snapshotter(
+            bus, job_id, replica_id, node_id, keep=snapshot_keep, durable=writer,
+            schedule=SnapshotSchedule(dataclasses.replace(
+                snapshot_interval, durable_every=durable.every if durable else 0))) \
+            if bus is not None and snapshot_interval is not None and snapshot_dir else None
         if warmup is not None and bus is not None:
             warmup()
             optimizer.zero_grad(set_to_none=False)  # the gradients' memory stays touched
@@ -366,8 +371,7 @@ class ElasticSession:
         kwargs.setdefault("deterministic", env.get("PHALANX_DETERMINISTIC") == "1")
         if env.get("PHALANX_SNAPSHOT_DIR"):  # set by the agent with the job's checkpoint policy
             kwargs.setdefault("snapshot_dir", env["PHALANX_SNAPSHOT_DIR"])
-            kwargs.setdefault("snapshot_every", int(env.get("PHALANX_CHECKPOINT_MEMORY_EVERY",
-                                                            "1")))
+            kwargs.setdefault("snapshot_interval", IntervalPolicy.from_env(env))
             kwargs.setdefault("durable", DurablePolicy.from_env(env))
             kwargs.setdefault("snapshot_keep", int(env.get("PHALANX_CHECKPOINT_MEMORY_KEEP",
                                                            "2")))
@@ -859,8 +863,12 @@ class ElasticSession:
         self._reduce = None
 
         def tail() -> torch.Tensor:
-            # One extra element: how many members have seen a newer (join) generation.
-            return torch.cat([metrics, torch.tensor([self._seen_newer()], dtype=torch.float64)])
+            # Then this member's snapshot measurements (every member agrees on the interval
+            # from their sums), and how many members have seen a newer (join) generation.
+            measured = [0.0] * TAIL_LENGTH if self._snapshots is None \
+                else self._snapshots.schedule.tail()
+            return torch.cat([metrics, torch.tensor([*measured, self._seen_newer()],
+                                                    dtype=torch.float64)])
 
         if self.deterministic or self.pg is None:
             if self.deterministic:
@@ -876,7 +884,7 @@ class ElasticSession:
                 step.reduced(metrics)
                 return True
             flat = torch.cat([local.to(torch.float64), tail()])
-            run = self._reduce_whole(flat, len(metrics) + 1, step)
+            run = self._reduce_whole(flat, len(metrics) + TAIL_LENGTH + 1, step)
             local_gradient = (lambda: local)  # noqa: E731  (already at hand)
         else:
             reduce = reduce or self._bucketed(step, tail)  # not armed: no micro-batch here
@@ -894,7 +902,9 @@ class ElasticSession:
             return False
         if reduce is not None:
             self._bucket_buffers = reduce.flats  # given back: the all-reduce completed
-        step.reduced(summed[:-1])
+        step.reduced(summed[:len(metrics)])
+        if self._snapshots is not None:
+            self._snapshots.schedule.agree(summed[len(metrics):-1].tolist())
         if summed[-1] > 0:
             self._switch_agreed = True
             if self._inbox.newest_number() <= self.generation.generation:
@@ -983,13 +993,18 @@ class ElasticSession:
         report. The snapshot comes first: a step reported committed is in memory."""
         self.committed = step.index + 1
         extra: dict[str, Any] = {} if step.updated else {"skipped": True}
-        if self._snapshots is not None and self._snapshots.due(self.committed) \
-                and self._snapshots.take(self.model, self.optimizer, self._state,
-                                         self.committed, self.generation.generation,
-                                         self.rank, self.world_size) is not None:
-            extra["snapshot_s"] = self._snapshots.last_copy_s  # bench/snapshot.py
         step_before, previous = self.last_step_s, self._last_commit_at
         self.last_step_s, self._last_commit_at = now - step.started, now
+        if self._snapshots is not None:
+            snapshot_s = None
+            if self._snapshots.due(self.committed) \
+                    and self._snapshots.take(self.model, self.optimizer, self._state,
+                                             self.committed, self.generation.generation,
+                                             self.rank, self.world_size) is not None:
+                snapshot_s = extra["snapshot_s"] = self._snapshots.last_copy_s
+            # The interval the members agreed on in this step (bench/snapshot.py reads both).
+            extra["snapshot_every"] = self._snapshots.schedule.interval
+            self._snapshots.schedule.measured(self.last_step_s, snapshot_s)
         if self._record is not None:
             self._record.write(kind="commit", step=step.index,
                                generation=self._generation_number(), rank=self.rank,

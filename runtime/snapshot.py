@@ -5,8 +5,10 @@
 is one flat byte sequence of ``N`` bytes: the tensors in that order. Data-parallel
 replicas hold the same state, so rank ``r`` of ``W`` snapshots only bytes
 ``[r·N/W, (r+1)·N/W)`` (:func:`~.snapshot_file.share`): every unique byte is
-copied once per snapshot. :class:`Snapshotter` does it after a committed step,
-straight into a buffer file its node agent created in shared memory (the
+copied once per snapshot. :class:`Snapshotter` does it after the committed steps
+its schedule names (:mod:`.snapshot_interval`: a fixed interval, or one the members
+agree on from the measured cost), straight into a buffer file its node agent
+created in shared memory (the
 agent owns the memory, so the snapshot outlives the rank): one memcpy of this
 rank's share and its checksum (:mod:`.snapshot_file`), then an announcement to
 the checkpoint service's catalog. The buffers are asked for once per
@@ -42,6 +44,7 @@ import torch.distributed as dist
 from phalanx.runtime import snapshot_file
 from phalanx.runtime.bus_thread import BusThread
 from phalanx.runtime.snapshot_file import Header, SnapshotFileError
+from phalanx.runtime.snapshot_interval import SnapshotSchedule
 from phalanx.runtime.state import _fill, _strip
 from phalanx.schemas import subjects
 from phalanx.schemas.errors import PhalanxError
@@ -122,28 +125,30 @@ class Snapshotter:
     Args:
         bus: the rank's bus thread (reservations go to the agent, records to the catalog).
         job_id / replica_id / node_id: who this rank is.
-        every: snapshot after every ``every``-th committed step.
+        schedule: which committed steps are snapshotted (:mod:`.snapshot_interval`).
         keep: buffers in each share's ring (2: double-buffered).
-        durable / durable_every: every ``durable_every``-th committed step, the snapshot
-            is handed to ``durable`` (a :class:`~.durable.DurableWriter`) to persist; the
-            ring gets one buffer more, so the one being persisted is never overwritten
-            and the newest commit still is not either.
+        durable: every ``schedule.policy.durable_every``-th committed step (always
+            snapshotted), the snapshot is handed to ``durable`` (a
+            :class:`~.durable.DurableWriter`) to persist; the ring gets one buffer more, so
+            the one being persisted is never overwritten and the newest commit still is
+            not either.
     """
 
     def __init__(self, bus: BusThread, job_id: str, replica_id: str, node_id: str, *,
-                 every: int, keep: int = 2, durable: Any = None,
-                 durable_every: int = 0) -> None:
+                 schedule: SnapshotSchedule, keep: int = 2, durable: Any = None) -> None:
         self.bus, self.job_id, self.replica_id, self.node_id = bus, job_id, replica_id, node_id
-        self.every, self.durable, self.durable_every = every, durable, durable_every
-        self.keep = min(16, keep + 1) if durable is not None and durable_every else keep
+        self.schedule, self.durable = schedule, durable
+        self.durable_every = schedule.policy.durable_every
+        self.keep = min(16, keep + 1) if durable is not None and self.durable_every else keep
         self._buffers: list[mmap.mmap] = []
         self._paths: list[Path] = []
         self._reserved: tuple[int, int, int] | None = None  # shard, shards, bytes per buffer
         self._refused_in: int | None = None  # the generation whose reservation was refused
+        #: The last snapshot's time in the training thread (its reservation left out).
         self.last_copy_s = 0.0
 
     def due(self, committed: int) -> bool:
-        return committed % self.every == 0
+        return self.schedule.due(committed)
 
     def take(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
              extra: Mapping[str, Any], step: int, generation: int, rank: int,
@@ -159,15 +164,16 @@ class Snapshotter:
         need = snapshot_file.HEADER_BYTES + len(meta) + length
         fits = self._reserved is not None and self._reserved[:2] == (rank, world_size) \
             and self._reserved[2] >= need
-        if not fits and not self._reserve(rank, world_size, need + len(meta) + META_SLACK,
-                                          generation):
-            return None
+        if not fits:
+            asked = time.perf_counter()
+            if not self._reserve(rank, world_size, need + len(meta) + META_SLACK, generation):
+                return None
+            started += time.perf_counter() - asked  # once a membership: not the snapshot's
         pinned = None if self.durable is None else self.durable.busy_with
         free = [i for i, path in enumerate(self._paths) if path != pinned]
         at = free[snapshot_file.pick_buffer([_committed_in(self._buffers[i]) for i in free])]
         header = write_share(memoryview(self._buffers[at]), state, meta, self.job_id, step,
                              generation, rank, world_size)
-        self.last_copy_s = time.perf_counter() - started
         if self.durable_every and step % self.durable_every == 0 and self.durable is not None \
                 and not self.durable.submit(self._paths[at], header):
             log.warning("durable step %d skipped: the previous one is still being written "
@@ -177,6 +183,7 @@ class Snapshotter:
             node_id=self.node_id, tier=SnapshotTier.LOCAL, nbytes=header.length,
             checksum=f"{header.checksum:016x}", created_at=time.time(), generation=generation,
             total_bytes=state.total))
+        self.last_copy_s = time.perf_counter() - started
         return header
 
     def _reserve(self, shard: int, shards: int, nbytes: int, generation: int) -> bool:

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import enum
 import sys
-from typing import Annotated
+from typing import Annotated, Literal
 
 import msgspec
 
@@ -189,24 +189,33 @@ class CheckpointPolicy(Part):
     Every ``memory_every_steps`` committed steps (0: never) each rank copies its share
     of the state into its node agent's shared memory, in a ring of ``memory_keep``
     buffers per share (2: double-buffered; the newest commit is never overwritten).
+    ``"auto"`` (the default) adapts the interval to the measured cost: the ranks agree
+    after every step on the smallest interval at which a snapshot's cost in the training
+    thread stays within ``memory_overhead`` of the training time, at most
+    ``memory_max_every_steps`` (:mod:`phalanx.runtime.snapshot_interval`).
 
-    Every ``durable_every_steps`` committed steps (0: never; a multiple of
-    ``memory_every_steps``) each rank also persists its share to ``durable_url`` in
+    Every ``durable_every_steps`` committed steps (0: never; a multiple of a fixed
+    ``memory_every_steps``; under ``"auto"`` those steps are always snapshotted) each
+    rank also persists its share to ``durable_url`` in
     PyTorch Distributed Checkpoint format (a directory, shared for multi-node, or any
     fsspec URL; empty: the agent's ``checkpoint_dir``), keeping the newest
     ``durable_keep`` steps. ``resume_from`` names an earlier job whose newest durable
     step this job starts from (``phalanx submit --resume JOB``).
     """
 
-    memory_every_steps: Annotated[int, msgspec.Meta(ge=0, le=1_000_000)] = 1
+    memory_every_steps: Annotated[int, msgspec.Meta(ge=0, le=1_000_000)] | Literal[
+        "auto"] = "auto"
     memory_keep: Annotated[int, msgspec.Meta(ge=2, le=16)] = 2
+    memory_overhead: Annotated[float, msgspec.Meta(gt=0.0, le=0.5)] = 0.03
+    memory_max_every_steps: Annotated[int, msgspec.Meta(ge=1, le=1_000_000)] = 100
     durable_every_steps: Annotated[int, msgspec.Meta(ge=0, le=1_000_000)] = 0
     durable_keep: Annotated[int, msgspec.Meta(ge=1, le=1000)] = 2
     durable_url: Annotated[str, msgspec.Meta(max_length=4096)] = ""
     resume_from: Ident | None = None
 
     def __post_init__(self) -> None:
-        if self.durable_every_steps and (
+        fixed = self.memory_every_steps != "auto"
+        if self.durable_every_steps and fixed and (
                 not self.memory_every_steps
                 or self.durable_every_steps % self.memory_every_steps):
             raise ValueError(f"checkpoint.durable_every_steps ({self.durable_every_steps}) "

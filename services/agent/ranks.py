@@ -322,6 +322,8 @@ class RankSet:
             env.update(PHALANX_SNAPSHOT_DIR=str(self.snapshot_dir(record.job_id)),
                        PHALANX_CHECKPOINT_MEMORY_EVERY=str(policy.memory_every_steps),
                        PHALANX_CHECKPOINT_MEMORY_KEEP=str(policy.memory_keep),
+                       PHALANX_CHECKPOINT_MEMORY_OVERHEAD=str(policy.memory_overhead),
+                       PHALANX_CHECKPOINT_MEMORY_MAX_EVERY=str(policy.memory_max_every_steps),
                        PHALANX_CHECKPOINT_DURABLE_EVERY=str(policy.durable_every_steps),
                        PHALANX_CHECKPOINT_DURABLE_KEEP=str(policy.durable_keep),
                        PHALANX_CHECKPOINT_DURABLE_URL=policy.durable_url

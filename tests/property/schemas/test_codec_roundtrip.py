@@ -101,8 +101,8 @@ def _fix_snapshot(kw: dict[str, Any]) -> dict[str, Any]:
 
 
 def _fix_checkpoint_policy(kw: dict[str, Any]) -> dict[str, Any]:
-    memory = kw.get("memory_every_steps", 1)
-    if kw.get("durable_every_steps"):  # a multiple of the memory interval
+    memory = kw.get("memory_every_steps", "auto")
+    if kw.get("durable_every_steps") and memory != "auto":  # a multiple of a fixed interval
         kw["memory_every_steps"] = memory or 1
         kw["durable_every_steps"] = kw["memory_every_steps"] * min(
             kw["durable_every_steps"], 1_000_000 // kw["memory_every_steps"])
@@ -211,6 +211,8 @@ def strategy_for(t: mi.Type) -> st.SearchStrategy[Any]:
             return st.binary(min_size=t.min_length or 0, max_size=min(t.max_length or 64, 64))
         case mi.EnumType():
             return st.sampled_from(list(t.cls))
+        case mi.LiteralType():
+            return st.sampled_from(list(t.values))
         case mi.UnionType():
             return st.one_of([strategy_for(x) for x in t.types])
         case mi.ListType():

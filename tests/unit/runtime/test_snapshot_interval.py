@@ -1,0 +1,66 @@
+"""The snapshot schedule of one rank: the policy the agent passes, the interval it starts
+with, its part of the all-reduce tail, and the window a slow snapshot counts in."""
+
+from __future__ import annotations
+
+import pytest
+
+from phalanx.runtime.snapshot_interval import (
+    COST_WINDOW,
+    TAIL_LENGTH,
+    IntervalPolicy,
+    SnapshotSchedule,
+    agreed_interval,
+)
+
+
+def test_the_policy_the_agent_passes() -> None:
+    assert IntervalPolicy.from_env({}) == IntervalPolicy()  # auto, 3 %, at most 100
+    assert IntervalPolicy.from_env({"PHALANX_CHECKPOINT_MEMORY_EVERY": "0"}) is None
+    assert IntervalPolicy.from_env({"PHALANX_CHECKPOINT_MEMORY_EVERY": "5"}).every == 5
+    policy = IntervalPolicy.from_env({"PHALANX_CHECKPOINT_MEMORY_EVERY": "auto",
+                                      "PHALANX_CHECKPOINT_MEMORY_OVERHEAD": "0.01",
+                                      "PHALANX_CHECKPOINT_MEMORY_MAX_EVERY": "7"})
+    assert (policy.every, policy.overhead, policy.max_every) == (None, 0.01, 7)
+
+
+@pytest.mark.parametrize("kwargs", [{"every": 0}, {"overhead": 0.0}, {"overhead": 0.6},
+                                    {"max_every": 0}, {"durable_every": -1}])
+def test_a_policy_out_of_range_is_refused(kwargs: dict) -> None:
+    with pytest.raises(ValueError):
+        IntervalPolicy(**kwargs)
+
+
+def test_adaptive_starts_at_every_step_and_a_fixed_interval_never_moves() -> None:
+    adaptive, fixed = SnapshotSchedule(IntervalPolicy()), SnapshotSchedule(IntervalPolicy(4))
+    assert adaptive.interval == 1 and adaptive.due(1)
+    for schedule in (adaptive, fixed):
+        schedule.agree([0.5, 1.0, 1.0])  # a snapshot costing half a step
+    assert adaptive.interval == 17  # 0.5 / (0.03 * 1.0) = 16.7
+    assert fixed.interval == 4 and not fixed.due(6) and fixed.due(8)
+
+
+def test_a_member_with_nothing_measured_adds_nothing() -> None:
+    schedule = SnapshotSchedule(IntervalPolicy())
+    assert schedule.tail() == [0.0] * TAIL_LENGTH
+    schedule.measured(0.1, None)  # a step, no snapshot yet
+    assert schedule.tail() == [0.0] * TAIL_LENGTH
+    schedule.measured(0.1, 0.006)
+    assert schedule.tail() == [0.006, 0.1, 1.0]
+    assert agreed_interval([0.0] * TAIL_LENGTH, 0.03, 100) == 1
+
+
+def test_a_slow_snapshot_counts_until_it_leaves_the_window() -> None:
+    schedule = SnapshotSchedule(IntervalPolicy())
+    for cost in [0.068] + [0.011] * (COST_WINDOW - 1):  # measured on W: first 68 ms, then 11
+        schedule.measured(0.64, cost)
+    schedule.agree(schedule.tail())
+    assert schedule.interval == 2  # a mean of 22 ms is 3.5 % of a 0.64 s step
+    schedule.measured(0.64, 0.011)
+    schedule.agree(schedule.tail())
+    assert schedule.interval == 1  # 11 ms is 1.7 %
+
+
+def test_the_mean_of_the_members_decides() -> None:
+    # Two members: one measured 40 ms, one 20 ms, both 0.5 s steps: 30 ms is 6 %: every 2.
+    assert agreed_interval([0.06, 1.0, 2.0], 0.03, 100) == 2
