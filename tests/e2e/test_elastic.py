@@ -139,9 +139,10 @@ def drain(queue: asyncio.Queue) -> None:
 
 
 async def run_job(cluster, data_dir: Path, tmp_path: Path, name: str, inject,
-                  env: dict[str, str] | None = None,
-                  steps: int = STEPS) -> tuple[Path, list[Generation]]:
-    """Submit the job, call ``inject(job_id)`` once it trains, wait for it to finish."""
+                  env: dict[str, str] | None = None, steps: int = STEPS,
+                  spec: dict | None = None) -> tuple[Path, list[Generation]]:
+    """Submit the job (``spec``: JobSpec fields to set), call ``inject(job_id)`` once it
+    trains, wait for it to finish."""
     _, bus, watch = cluster
     for queue in (watch.generations, watch.progress, watch.states):
         drain(queue)
@@ -151,7 +152,7 @@ async def run_job(cluster, data_dir: Path, tmp_path: Path, name: str, inject,
                    command=[sys.executable, str(SCRIPT), "--data-dir", str(data_dir), *ARGS,
                             "--steps", str(steps), "--save", str(tmp_path / "final.pt")],
                    env={"PHALANX_RECORD_DIR": str(rec), **RUN_ENV, **(env or {})},
-                   hang_timeout_s=2.0, grace_period_s=3.0)
+                   **{"hang_timeout_s": 2.0, "grace_period_s": 3.0, **(spec or {})})
     job = await AdmissionClient(bus).submit(spec, f"{name}-1")
     generations = [await next_of(watch.generations, lambda g: g.job_id == job.job_id, 120)]
     assert generations[0].world_size == 4

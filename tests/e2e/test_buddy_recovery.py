@@ -1,0 +1,137 @@
+"""Path 2 end to end: a whole node lost, and every other rank with it; the job continues
+from the buddy's replicas.
+
+A 4-replica job of ``examples/train_mlp.py`` on a local cluster (2 agents x 2 slots,
+failure domains domain-0 and domain-1) snapshots every committed step into its agents'
+shared memory, and each agent replicates its node's snapshots to its buddy, the other
+node (placed by the checkpoint service across the domains). Once the job trains, every
+rank is frozen, and once the buddy has announced replicas of everything node A's memory
+holds, node A dies: its agent and its ranks SIGKILLed and its memory (its snapshot store)
+gone; every other rank is SIGKILLed too, its agent alive. No process holds the job's
+state, and half of its shares exist only as the buddy's replicas. The job's ranks start
+again on the surviving node and must restore the newest step complete in memory before
+the loss (none lost) from that node's own snapshots and the replicas, and train to the
+end: parameters and every step's loss equal to the fault-free run (deterministic mode),
+every sample once per epoch.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import signal
+from pathlib import Path
+
+import pytest
+from e2e_cli import phalanx
+from test_elastic import (  # the e2e helpers of the elastic tests: same cluster, same job
+    Watch,
+    check_run,
+    data_dir,  # noqa: F401  (a fixture)
+    fault_free,
+    progressed,
+    run_job,
+    watched_cluster,
+)
+
+from phalanx.runtime import record, snapshot_file
+from phalanx.schemas import subjects
+from phalanx.schemas.messages import CheckpointPolicy, SnapshotRecord, SnapshotTier
+from phalanx.services.agent.ranks import running_in_manifest
+from phalanx.services.agent.snapshots import default_root
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+STEPS = 160
+LOST, SURVIVOR = "local-0", "local-1"  # domain-0 and domain-1: each other's buddy
+
+
+@pytest.fixture(scope="module")
+def reference(data_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:  # noqa: F811
+    return fault_free(data_dir, tmp_path_factory.mktemp("reference"), STEPS)
+
+
+def committed(store: Path, prefix: str = "") -> dict[tuple[int, int, int], tuple[int, int]]:
+    """The committed buffers in a node's store directory for a job whose name starts with
+    ``prefix``: (step, shards, shard) -> (checksum, generation)."""
+    found = {}
+    for path in store.glob(f"{prefix}*") if store.is_dir() else []:
+        header = snapshot_file.committed_header(path)
+        if header is not None:
+            found[(header.step, header.shards, header.shard)] = (header.checksum,
+                                                                 header.generation)
+    return found
+
+
+def newest_complete(held: set[tuple[int, int, int]]) -> int | None:
+    """The newest step all of whose shards (of one shard count) are in ``held``."""
+    steps = {(step, shards) for step, shards, _ in held}
+    complete = [step for step, shards in steps
+                if {(step, shards, s) for s in range(shards)} <= held]
+    return max(complete, default=None)
+
+
+async def test_a_node_and_every_rank_lost_the_job_resumes_from_the_buddys_replicas(
+        data_dir: Path, reference: dict, tmp_path: Path,  # noqa: F811
+        tmp_path_factory: pytest.TempPathFactory) -> None:
+    cluster_dir = tmp_path_factory.mktemp("cluster")
+    stores = {node: default_root(node, cluster_dir / "agents" / node)
+              for node in (LOST, SURVIVOR)}
+    before: dict = {}
+    async with watched_cluster(cluster_dir) as cluster:
+        _, bus, _ = cluster
+        replicated: set[tuple[int, int, int, str]] = set()  # step, shards, shard, checksum
+        arrived = asyncio.Event()
+
+        async def on_snapshot(announced: SnapshotRecord, _) -> None:
+            if announced.tier is SnapshotTier.BUDDY and announced.node_id == SURVIVOR:
+                replicated.add((announced.step, announced.num_shards, announced.shard,
+                                announced.checksum))
+                arrived.set()
+
+        async def node_lost(job_id: str, watch: Watch) -> None:
+            await progressed(watch, job_id, 20)
+            ranks = {node: running_in_manifest(cluster_dir / "agents" / node / "ranks.json")
+                     for node in (LOST, SURVIVOR)}
+            assert [len(r) for r in ranks.values()] == [2, 2], ranks
+            for rank in ranks[LOST] + ranks[SURVIVOR]:  # training stops where it is
+                os.kill(rank["pid"], signal.SIGSTOP)
+            # Wait until the buddy announced a replica of every buffer A's memory holds.
+            lost_own = committed(stores[LOST] / job_id, "w")
+            wanted = {(*key, f"{checksum:016x}") for key, (checksum, _) in lost_own.items()}
+            while not wanted <= replicated:
+                arrived.clear()
+                await asyncio.wait_for(arrived.wait(), 60)
+            before["all"] = set(lost_own) | set(committed(stores[SURVIVOR] / job_id, "w"))
+            before["survivor"] = set(committed(stores[SURVIVOR] / job_id))
+            before["survivor_own"] = set(committed(stores[SURVIVOR] / job_id, "w"))
+            # Node A dies with its memory; every other rank dies, its agent alive.
+            phalanx("chaos", "kill-agent", LOST, "--data-dir", str(cluster_dir))
+            for rank in ranks[LOST] + ranks[SURVIVOR]:
+                os.kill(rank["pid"], signal.SIGKILL)
+            shutil.rmtree(stores[LOST], ignore_errors=True)
+
+        await bus.subscribe(subjects.any_id(subjects.ckpt_snapshot), SnapshotRecord,
+                            on_snapshot)
+        rec, generations = await run_job(
+            cluster, data_dir, tmp_path, "buddy", node_lost, steps=STEPS,
+            # Frozen ranks are not hung: the test waits on the replicas meanwhile.
+            spec={"hang_timeout_s": 60.0,
+                  "checkpoint": CheckpointPolicy(memory_every_steps=1)})
+    newest = newest_complete(before["all"])
+    # The survivor's memory alone (own snapshots + replicas) held that step, and its own
+    # snapshots alone did not: the replicas were needed.
+    assert newest is not None and newest < STEPS - 1, "the job ended before the loss"
+    assert newest_complete(before["survivor"]) == newest, before
+    assert newest_complete(before["survivor_own"]) is None, before
+    records = record.read(rec)
+    restores = [line for lines in records.values() for line in lines
+                if line["kind"] == "restore"]
+    # Every restarted rank restored the newest step complete in memory before the loss.
+    assert restores and {line["step"] for line in restores} == {newest}, (restores, newest)
+    assert all(line["tier"] == "memory" and line["corrupt"] == [] for line in restores)
+    # They ran on the surviving node only: its memory held every shard.
+    restored_in = {line["generation"] for line in restores}
+    for generation in (g for g in generations if g.generation in restored_in):
+        assert {m.node_id for m in generation.members} == {SURVIVOR}, generation
+    check_run(rec, tmp_path / "final.pt", reference)
