@@ -767,7 +767,7 @@ class ElasticSession:
         assert self.pg is not None and self.snapshot_dir is not None
         started = time.time()
 
-        def report(header: Header, problem: str) -> None:
+        def report(header: Header, problem: str, replica: bool) -> None:
             log.error("snapshot skipped: %s", problem)
             if self._record is not None:
                 self._record.write(kind="corrupt", step=header.step, shard=header.shard,
@@ -775,7 +775,8 @@ class ElasticSession:
             assert self.bus is not None
             self.bus.publish(subjects.ckpt_snapshot(self.job_id), SnapshotRecord(
                 job_id=self.job_id, step=header.step, shard=header.shard,
-                num_shards=header.shards, node_id=self.node_id, tier=SnapshotTier.LOCAL,
+                num_shards=header.shards, node_id=self.node_id,
+                tier=SnapshotTier.BUDDY if replica else SnapshotTier.LOCAL,
                 nbytes=header.length, checksum=f"{header.checksum:016x}",
                 created_at=time.time(), generation=header.generation,
                 total_bytes=header.total, corrupt=True, detail=problem))

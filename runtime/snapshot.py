@@ -298,13 +298,14 @@ class Restored:
 def restore(pg: dist.ProcessGroup, wait: Wait, rank: int, world_size: int, store: Path,
             job_id: str, newer_than: int, model: torch.nn.Module,
             optimizer: torch.optim.Optimizer, extra: Mapping[str, Any],
-            report: Callable[[Header, str], None]) -> Restored | None:
+            report: Callable[[Header, str, bool], None]) -> Restored | None:
     """Restore the newest step the members' nodes hold, newer than ``newer_than``, into
     every member's ``model``, ``optimizer`` and ``extra`` (and RNG); None when there is
     none. A collective: every member of ``pg`` calls it with the same ``newer_than``.
 
-    ``report(header, problem)`` is called for each copy that fails its checksum on this
-    member (it is skipped; another copy or an older step is used).
+    ``report(header, problem, replica)`` is called for each copy that fails its checksum
+    on this member (it is skipped; another copy or an older step is used); ``replica``:
+    the copy is a buddy's replica on this node, not a rank's own snapshot.
     """
     mine = held_in(store, job_id)[:MAX_HELD]
     rows = torch.zeros(world_size, MAX_HELD, 5, dtype=torch.int64)
@@ -328,7 +329,7 @@ def restore(pg: dist.ProcessGroup, wait: Wait, rank: int, world_size: int, store
                 corrupt.append(f"{h.path.name}: {exc}")
                 damaged = snapshot_file.committed_header(h.path)
                 if damaged is not None:  # the header holds; the contents do not
-                    report(damaged, str(exc))
+                    report(damaged, str(exc), snapshot_file.is_replica(h.path))
                 continue
             verified[h.shard] = (buffer, header)
             good[rank, h.shard] = 1

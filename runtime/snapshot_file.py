@@ -34,6 +34,9 @@ from pathlib import Path
 
 import xxhash
 
+#: A buffer file named with this prefix is a replica of another node's buffer, kept by
+#: this node's agent for its buddy (``buddy.<node>.<ring buffer name>``).
+REPLICA_PREFIX = "buddy."
 MAGIC = b"PHXSNAP2"  # 2: the flat state's tensors start at multiples of ALIGN
 HEADER_BYTES = 4096
 #: Bytes the flat state's tensors and the shares' cuts are aligned to (the widest element).
@@ -212,6 +215,11 @@ def committed_header(path: Path) -> Header | None:
             return read_header(f.read(HEADER_BYTES))
     except (OSError, SnapshotFileError):
         return None
+
+
+def is_replica(path: Path) -> bool:
+    """Is the buffer file at ``path`` a replica of another node's (not a rank's own)?"""
+    return path.name.startswith(REPLICA_PREFIX)
 
 
 def pick_buffer(headers: list[Header | None]) -> int:

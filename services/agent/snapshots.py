@@ -53,7 +53,8 @@ from phalanx.schemas.messages import SnapshotReserve
 
 log = logging.getLogger("phalanx.agent.snapshots")
 _RING_FILE = re.compile(r"^w(?P<shards>\d+)-s(?P<shard>\d+)\.(?P<i>\d+)$")
-_REPLICA_FILE = re.compile(r"^buddy\.(?P<source>[A-Za-z0-9_\-]+)\.(?P<ring>w\d+-s\d+\.\d+)$")
+_REPLICA_FILE = re.compile(rf"^{re.escape(snapshot_file.REPLICA_PREFIX)}"
+                           r"(?P<source>[A-Za-z0-9_\-]+)\.(?P<ring>w\d+-s\d+\.\d+)$")
 
 class SnapshotRefused(PhalanxError, OSError):
     """A reservation would take the node's snapshot memory past its bound."""
@@ -170,7 +171,7 @@ class SnapshotStore:
             ValueError: ``ring`` is not a ring buffer's name or ``source`` not a node id
                 (a name from the network never names another path).
         """
-        path = self.job_dir(job_id) / f"buddy.{source}.{ring}"
+        path = self.job_dir(job_id) / f"{snapshot_file.REPLICA_PREFIX}{source}.{ring}"
         if not _RING_FILE.match(ring) or not _REPLICA_FILE.match(path.name):
             raise ValueError(f"{source!r} / {ring!r}: not a node id and a ring buffer name")
         return path

@@ -145,8 +145,9 @@ def test_a_damaged_copy_is_skipped_reported_and_the_older_step_restored(tmp_path
     older = trained(0, 3)
     snapshot_into(store / "w1-s0.0", *older, 3, 0, 1)
     newer = trained(0, 4)
-    header = snapshot_into(store / "w1-s0.1", *newer, 4, 0, 1)
-    with open(store / "w1-s0.1", "r+b") as f:  # bytes flipped in memory after the commit
+    replica = store / "buddy.n1.w1-s0.1"  # a buddy's replica, on this member's node
+    header = snapshot_into(replica, *newer, 4, 0, 1)
+    with open(replica, "r+b") as f:  # bytes flipped in memory after the commit
         f.seek(header.nbytes - 10)
         byte = f.read(1)
         f.seek(header.nbytes - 10)
@@ -155,10 +156,18 @@ def test_a_damaged_copy_is_skipped_reported_and_the_older_step_restored(tmp_path
     reported = []
     restored = restore(group, lambda work: work.wait(), 0, 1, store, "job-a", 0, target[0],
                        target[1], {"scheduler": target[2]},
-                       lambda h, problem: reported.append((h.step, h.shard, problem)))
+                       lambda h, problem, replica: reported.append((h.step, h.shard, problem,
+                                                                   replica)))
     assert restored is not None and restored.step == 3
-    assert reported == [(4, 0, "checksum mismatch: shard 0 of step 4 is damaged")]
-    assert restored.corrupt and "w1-s0.1" in restored.corrupt[0]
+    assert reported == [(4, 0, "checksum mismatch: shard 0 of step 4 is damaged", True)]
+    assert restored.corrupt and "buddy.n1.w1-s0.1" in restored.corrupt[0]
     same_state(older, target)
     assert restore(group, lambda work: work.wait(), 0, 1, store, "job-a", 4, *target[:2],
-                   {"scheduler": target[2]}, lambda h, p: None) is None
+                   {"scheduler": target[2]}, lambda h, p, r: None) is None
+    # A step held only as a replica is restored like the node's own.
+    (store / "w1-s0.0").unlink()
+    snapshot_into(replica, *newer, 4, 0, 1)
+    restored = restore(group, lambda work: work.wait(), 0, 1, store, "job-a", 0, target[0],
+                       target[1], {"scheduler": target[2]}, lambda h, p, r: None)
+    assert restored is not None and restored.step == 4 and restored.corrupt == []
+    same_state(newer, target)
