@@ -213,12 +213,15 @@ class ReplicaListener:
             log.warning("%s refused: %s", what, exc)
             return str(exc) or type(exc).__name__
         self.taken += 1
-        await self.announce(SnapshotRecord(
-            job_id=header.job_id, step=header.step, shard=header.shard,
-            num_shards=header.shards, node_id=self.node_id, tier=SnapshotTier.BUDDY,
-            nbytes=header.length, checksum=f"{header.checksum:016x}", created_at=time.time(),
-            generation=header.generation, total_bytes=header.total,
-            detail=f"replica of {source}'s {ring}"))
+        try:  # the replica is kept either way: a rank's restore lists the store, not this
+            await self.announce(SnapshotRecord(
+                job_id=header.job_id, step=header.step, shard=header.shard,
+                num_shards=header.shards, node_id=self.node_id, tier=SnapshotTier.BUDDY,
+                nbytes=header.length, checksum=f"{header.checksum:016x}",
+                created_at=time.time(), generation=header.generation,
+                total_bytes=header.total, detail=f"replica of {source}'s {ring}"))
+        except Exception as exc:
+            log.warning("%s kept but not announced to the catalog: %s", what, exc)
         return ""
 
     async def _receive(self, path: Path, header: Header, reader: asyncio.StreamReader,

@@ -96,11 +96,15 @@ async def test_a_node_and_every_rank_lost_the_job_resumes_from_the_buddys_replic
             assert [len(r) for r in ranks.values()] == [2, 2], ranks
             for rank in ranks[LOST] + ranks[SURVIVOR]:  # training stops where it is
                 os.kill(rank["pid"], signal.SIGSTOP)
-            # Wait until the buddy announced a replica of every buffer A's memory holds.
-            lost_own = committed(stores[LOST] / job_id, "w")
-            wanted = {(*key, f"{checksum:016x}") for key, (checksum, _) in lost_own.items()}
-            while not wanted <= replicated:
+            # Wait until the buddy announced a replica of every buffer A's memory holds
+            # (read again at each announcement: nothing is missed if one was still being
+            # committed as its rank stopped).
+            while True:
                 arrived.clear()
+                lost_own = committed(stores[LOST] / job_id, "w")
+                if {(*key, f"{checksum:016x}") for key, (checksum, _) in lost_own.items()} \
+                        <= replicated:
+                    break
                 await asyncio.wait_for(arrived.wait(), 60)
             before["all"] = set(lost_own) | set(committed(stores[SURVIVOR] / job_id, "w"))
             before["survivor"] = set(committed(stores[SURVIVOR] / job_id))
