@@ -59,6 +59,10 @@ class AgentConfig:
     the one its peers connect to."""
     replica_port: int = 0
     """Port of the replication listener; 0: any free port (announced in the node record)."""
+    replica_duty: float = 0.05
+    """The most of its time the replication sender spends sending (0 < duty <= 1): after
+    sending for t seconds it rests t * (1/duty - 1). The agent's CPU is the ranks' CPU: a
+    lower duty costs training less, and leaves the buddy further behind."""
     checkpoint_dir: str | None = None
     """Where ranks persist durable checkpoints of a job whose spec names no
     ``checkpoint.durable_url``. Default: ``checkpoints`` beside the ``agents`` directory
@@ -77,6 +81,9 @@ class AgentConfig:
             if not math.isfinite(getattr(self, name)):
                 raise ConfigError(f"agent.{name} must be a finite number, "
                                   f"got {getattr(self, name)}")
+        if not 0 < self.replica_duty <= 1:
+            raise ConfigError(f"agent.replica_duty must be within (0, 1], "
+                              f"got {self.replica_duty}")
         if not 0 <= self.replica_port <= 65535:
             raise ConfigError(f"agent.replica_port must be within 0..65535, "
                               f"got {self.replica_port}")
@@ -112,7 +119,8 @@ class AgentConfig:
             for name in ("slots", "replacement_nice", "snapshot_limit_bytes", "replica_port"):
                 if name in values:
                     values[name] = int(values[name])
-            for name in ("heartbeat_interval_s", "lost_after_s", "shutdown_timeout_s"):
+            for name in ("heartbeat_interval_s", "lost_after_s", "shutdown_timeout_s",
+                         "replica_duty"):
                 if name in values:
                     values[name] = float(values[name])
         except ValueError as exc:

@@ -21,7 +21,11 @@ failure domain (:func:`phalanx.services.checkpoint.core.place_buddies`, KV bucke
   for committed buffers of this node's own rings not yet sent to the current
   buddy (their headers only), newest step first, and streams each, read from
   the buffer file, over one connection kept open. It runs in the agent's
-  process, never in a rank: training does not wait for it, and a buffer the
+  process, never in a rank: training does not wait for it, but on a machine
+  whose cores the ranks use the agent's CPU is theirs, so the sender keeps to
+  a duty cycle (``AgentConfig.replica_duty``: after sending for t seconds it
+  rests t * (1/duty - 1)); the buddy then holds an older step, and newest-first
+  means it skips the steps in between, never falling further behind. A buffer the
   rank overwrites while it is being read fails the checksum at the receiver
   and is logged as overtaken (the newer step is sent next). When a ring holds
   older commits not yet sent they follow, so once training stops (all ranks
@@ -278,11 +282,12 @@ class ReplicaSender:
         node_id: this node.
         buddy: the current buddy's address, or None while there is none (the placement
             is missing, the buddy's listener unknown).
+        duty: the most of its time spent sending (1: send whenever something is pending).
     """
 
     def __init__(self, store: SnapshotStore, node_id: str,
-                 buddy: Callable[[], Awaitable[Address | None]]) -> None:
-        self.store, self.node_id, self.buddy = store, node_id, buddy
+                 buddy: Callable[[], Awaitable[Address | None]], duty: float = 1.0) -> None:
+        self.store, self.node_id, self.buddy, self.duty = store, node_id, buddy, duty
         self.sent: dict[Path, tuple[int, int, int]] = {}  # buffer -> step, generation, sum
         self.address: Address | None = None
         self.stream: tuple[asyncio.StreamReader, asyncio.StreamWriter] | None = None
@@ -299,10 +304,15 @@ class ReplicaSender:
         return sorted(found, key=lambda item: -item[1].step)
 
     async def run(self, sleep_or_stop: Callable[[float], Awaitable[bool]]) -> None:
-        """Send what is pending every SEND_EVERY_S until ``sleep_or_stop`` says stop."""
+        """Send what is pending every SEND_EVERY_S, resting as the duty cycle says, until
+        ``sleep_or_stop`` says stop."""
+        rest = SEND_EVERY_S
         try:
-            while not await sleep_or_stop(SEND_EVERY_S):
+            while not await sleep_or_stop(rest):
+                started = time.monotonic()
                 await self.send_pending()
+                busy = time.monotonic() - started
+                rest = max(SEND_EVERY_S, busy * (1 / self.duty - 1))
         finally:
             await self.close()
 

@@ -114,7 +114,8 @@ class AgentService(Service):
         self.ended: dict[str, None] = {}  # jobs seen terminal, oldest first
         self.replicas = ReplicaListener(self.snapshots, config.node_id, self._announce,
                                         self.ended.__contains__)
-        self.sender = ReplicaSender(self.snapshots, config.node_id, self._buddy)
+        self.sender = ReplicaSender(self.snapshots, config.node_id, self._buddy,
+                                    config.replica_duty)
         self._buddy_read: tuple[float, Address | None] = (float("-inf"), None)
 
     async def setup(self) -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import time
 from pathlib import Path
 
 import pytest
@@ -179,3 +180,29 @@ def test_replicas_of_an_earlier_membership_are_pruned_and_go_with_the_job(tmp_pa
     assert store.own_rings() == []  # replicas are not this node's own rings
     store.drop(JOB)
     assert store.used() == 0
+
+
+async def test_the_sender_rests_by_its_duty_cycle(tmp_path) -> None:
+    async with Pair(tmp_path) as pair:
+        pair.sender.duty = 0.01
+        commit(pair.ring()[0], 5, 0, 2)
+        busy: list[float] = []
+        rests: list[float] = []
+        send = pair.sender.send_pending
+
+        async def timed() -> int:
+            started = time.monotonic()
+            sent = await send()
+            busy.append(time.monotonic() - started)
+            return sent
+
+        async def sleep_or_stop(rest: float) -> bool:  # records the rest instead of taking it
+            rests.append(rest)
+            return len(rests) > 3
+
+        pair.sender.send_pending = timed
+        await pair.sender.run(sleep_or_stop)
+        assert pair.sender.replicated == 1 and len(busy) == 3
+        assert rests[0] == replication.SEND_EVERY_S
+        for took, rest in zip(busy, rests[1:], strict=True):  # took is within its round
+            assert rest >= max(replication.SEND_EVERY_S, took * 99)
