@@ -1,10 +1,13 @@
-"""Recovery after SIGKILL of 1 of 4 ranks on W: phalanx in process vs torchrun from a checkpoint.
+"""Recovery after SIGKILL of 1 of 4 ranks: phalanx in process vs torchrun from a checkpoint.
 
-For each kill phase (mid gradient all-reduce, and between steps) ``--repeat``
-runs of phalanx and one of the baseline, one after the other on the same
-machine; the targets must hold in every phalanx run:
+The workload (``--workload``) is W (``examples/train_mlp.py``, the default) or the
+GPT example (``examples/train_gpt.py`` with its own defaults; its tokens are
+prepared first if ``--data-dir`` has none). For each kill phase (mid gradient
+all-reduce, and between steps) ``--repeat`` runs of phalanx and one of the
+baseline, one after the other on the same machine; the targets must hold in
+every phalanx run:
 
-* **phalanx**: ``examples/train_mlp.py`` as a 4-replica elastic job on a
+* **phalanx**: the workload's script as a 4-replica elastic job on a
   local cluster (``phalanx up``); replica ``r1-0`` SIGKILLs itself at step
   ``--kill-step``. The survivors continue on 3, the replacement joins when it
   is ready. From the replicas' records and the bus: survivor downtime (the
@@ -15,21 +18,35 @@ machine; the targets must hold in every phalanx run:
   fault → generation; rebuild: process group; state copy; resume: to the
   next commit).
 * **baseline**: torchrun + DDP + a DCP checkpoint every 10 steps, restarted
-  after the same kill (:mod:`recovery_baseline`).
+  after the same kill (:mod:`recovery_baseline`; for GPT the plain DDP loop of
+  the same script, its model, optimizer and LR schedule imported from it).
+
+Then the runtime's step-time cost (``--overhead-repeat`` rounds, 0: skipped): on
+one local cluster, fault-free 4-rank runs of the script under phalanx with the
+default checkpoint policy, under phalanx without memory snapshots
+(``checkpoint.memory_every_steps: 0``: the runtime alone), and of the plain DDP
+loop under torchrun (no checkpoint), in alternating order (the second round
+reversed), so the machine's load falls on all three; the step time is the median
+gap between committed steps after the first ``--overhead-skip``. Target: the
+runtime at most 5 % slower than DDP.
 
 Prints one JSON object as its last line and appends the figures to
 bench/RESULTS.md::
 
     python bench/recovery.py                      # W, 4 ranks, 3 runs per phase
     python bench/recovery.py --widths 256,512,256 --steps 60   # quicker
+    python bench/recovery.py --workload gpt --repeat 2
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
+import itertools
 import json
 import os
+import shlex
 import shutil
 import statistics
 import subprocess
@@ -44,6 +61,7 @@ sys.path.insert(0, str(BENCH))
 sys.path.insert(0, str(BENCH.parent / "examples"))
 
 import recovery_baseline  # noqa: E402
+import train_gpt  # noqa: E402
 import workload_w  # noqa: E402
 from results import append, utc_date  # noqa: E402
 
@@ -51,18 +69,60 @@ from phalanx.bus.client import Bus, Delivery  # noqa: E402
 from phalanx.bus.config import BusConfig  # noqa: E402
 from phalanx.runtime import record  # noqa: E402
 from phalanx.runtime.data import ElasticOrder  # noqa: E402
+from phalanx.runtime.dataset import TokenWindows  # noqa: E402
 from phalanx.schemas import subjects  # noqa: E402
 from phalanx.schemas.messages import (  # noqa: E402
+    CheckpointPolicy,
     Fault,
     Generation,
     GenerationReason,
     JobRecord,
     JobSpec,
+    JobState,
     ReplicaRange,
 )
 from phalanx.services.client import AdmissionClient  # noqa: E402
 
-SCRIPT = BENCH.parent / "examples" / "train_mlp.py"
+EXAMPLES = BENCH.parent / "examples"
+WORLD = 4
+
+
+@dataclasses.dataclass(frozen=True)
+class Workload:
+    """What one workload runs under phalanx and under torchrun, and its data order."""
+
+    name: str
+    description: str  # for the results
+    script: Path  # the phalanx example
+    options: list[str]  # its options (data and model), all but --steps
+    worker_options: list[str]  # bench/torchrun_worker.py's for the same training
+    order: ElasticOrder  # the elastic data order, to verify the records with
+
+
+def prepare_workload(args: argparse.Namespace) -> Workload:
+    """The workload ``args`` names, its data written if ``args.data_dir`` has none."""
+    if args.workload == "w":
+        widths = tuple(int(w) for w in args.widths.split(","))
+        dataset = workload_w.prepare(args.data_dir, args.samples, widths)
+        options = ["--data-dir", str(args.data_dir), "--widths", args.widths,
+                   "--samples", str(args.samples)]
+        return Workload("w", f"W widths {args.widths}", EXAMPLES / "train_mlp.py", options,
+                        options, ElasticOrder(len(dataset), workload_w.W_GLOBAL_BATCH))
+    options = ["--data-dir", str(args.data_dir), *shlex.split(args.gpt_options)]
+    gpt = train_gpt.arguments().parse_args(options)
+    try:
+        windows = TokenWindows(args.data_dir, gpt.block_size)
+    except FileNotFoundError:  # python examples/train_gpt.py --prepare, once
+        train_gpt.prepare(args.data_dir)
+        windows = TokenWindows(args.data_dir, gpt.block_size)
+    model = train_gpt.GPT(gpt.layers, gpt.heads, gpt.embd, gpt.block_size)
+    return Workload(
+        "gpt", f"GPT example (examples/train_gpt.py {args.gpt_options or 'defaults'}: "
+        f"{sum(p.numel() for p in model.parameters()):,} parameters, {gpt.layers} layers, "
+        f"{gpt.block_size}-token windows, global batch {gpt.global_batch}, micro-batch "
+        f"{gpt.micro_batch})", EXAMPLES / "train_gpt.py", options,
+        ["--workload", "gpt", *options], ElasticOrder(len(windows), gpt.global_batch,
+                                                         gpt.seed))
 
 
 def cli(*args: str) -> None:
@@ -70,52 +130,48 @@ def cli(*args: str) -> None:
                    capture_output=True, timeout=120)
 
 
-async def run_phalanx(args: argparse.Namespace, phase: str, work: Path) -> dict[str, Any]:
+def cluster_up(directory: Path) -> str:
+    """A local cluster of 2 agents x 2 slots (``phalanx up``); its NATS URL."""
+    cli("up", "--agents", "2", "--slots-per-agent", "2", "--detach", "--data-dir",
+        str(directory), "--nats-port", "0")
+    return json.loads((directory / "up.json").read_text())["nats_url"]
+
+
+async def run_phalanx(args: argparse.Namespace, workload: Workload, phase: str,
+                      work: Path) -> dict[str, Any]:
     """One elastic run with a self-kill of r1-0; its figures from records and bus events."""
     cluster = work / "cluster"
     rec = work / "records"
-    cli("up", "--agents", "2", "--slots-per-agent", "2", "--detach", "--data-dir", str(cluster),
-        "--nats-port", "0")
-    url = json.loads((cluster / "up.json").read_text())["nats_url"]
+    url = cluster_up(cluster)
     events: dict[str, list] = {"fault": [], "generation": []}
     try:
         async with await Bus.connect(BusConfig.load(env={}, servers=[url])) as bus:
-            done = asyncio.Event()
-
             async def on_fault(fault: Fault, _: Delivery) -> None:
                 events["fault"].append((time.time(), fault))
 
             async def on_generation(g: Generation, _: Delivery) -> None:
                 events["generation"].append((time.time(), g))
 
-            async def on_state(r: JobRecord, _: Delivery) -> None:
-                if r.state.terminal:
-                    done.set()
-
             await bus.subscribe(subjects.job_events("fault"), Fault, on_fault)
             await bus.subscribe(subjects.job_events("generation"), Generation, on_generation)
-            await bus.subscribe(subjects.job_states(), JobRecord, on_state)
             kill = f"r1-0:{args.kill_step}:{'allreduce' if phase == 'allreduce' else 'boundary'}"
             spec = JobSpec(
-                name="w", team="bench", priority_class="normal",
-                replicas=ReplicaRange(min=2, max=4),
-                command=[sys.executable, str(SCRIPT), "--data-dir", str(args.data_dir),
-                         "--widths", args.widths, "--samples", str(args.samples),
+                name=workload.name, team="bench", priority_class="normal",
+                replicas=ReplicaRange(min=2, max=WORLD),
+                command=[sys.executable, str(workload.script), *workload.options,
                          "--steps", str(args.steps)],
                 env={"PHALANX_RECORD_DIR": str(rec), "PHALANX_CHAOS_KILL": kill},
                 hang_timeout_s=10.0, grace_period_s=5.0)
-            await AdmissionClient(bus).submit(spec, f"w-{phase}")
-            await asyncio.wait_for(done.wait(), args.timeout)
+            await run_job(bus, spec, f"{workload.name}-{phase}", args.timeout)
     finally:
         cli("down", "--data-dir", str(cluster))
-    return analyse_phalanx(record.read(rec), events, args)
+    return analyse_phalanx(record.read(rec), events, workload.order, args.steps)
 
 
 def analyse_phalanx(records: dict[str, list[dict]], events: dict[str, list],
-                    args: argparse.Namespace) -> dict[str, Any]:
+                    order: ElasticOrder, total_steps: int) -> dict[str, Any]:
     steps = record.timeline(records)
-    problems = record.verify(records, ElasticOrder(args.samples, workload_w.W_GLOBAL_BATCH),
-                             args.steps)
+    problems = record.verify(records, order, total_steps)
     kill_t = next(line["t"] for line in records["r1-0"] if line["kind"] == "chaos")
     join = next((g for _, g in events["generation"] if g.reason is GenerationReason.JOIN), None)
     joined = [] if join is None else [
@@ -156,11 +212,12 @@ def analyse_phalanx(records: dict[str, list[dict]], events: dict[str, list],
     return result
 
 
-def run_baseline(args: argparse.Namespace, phase: str, work: Path) -> dict[str, Any]:
+def run_baseline(args: argparse.Namespace, workload: Workload, phase: str,
+                 work: Path) -> dict[str, Any]:
     result = recovery_baseline.run_baseline(
         steps=args.baseline_steps, kill_step=args.kill_step, kill_phase=phase,
-        widths=tuple(int(w) for w in args.widths.split(",")), samples=args.samples,
-        data_dir=args.data_dir, work_dir=work, timeout_s=args.timeout)
+        worker_args=workload.worker_options, work_dir=work, world=WORLD,
+        timeout_s=args.timeout)
     # The same measure as phalanx's: the longest gap between commits minus the median step
     # (the restart stall); the redone steps are counted apart.
     return {"downtime_s": result["stall_s"], "downtime_incl_redone_s": result["downtime_s"],
@@ -168,19 +225,104 @@ def run_baseline(args: argparse.Namespace, phase: str, work: Path) -> dict[str, 
             result["steps_redone"], "breakdown": result["breakdown"], "ok": result["ok"]}
 
 
+#: The arms of the step-time comparison: a phalanx job's checkpoint policy (None: the
+#: default), or the plain DDP loop under torchrun.
+OVERHEAD_ARMS: dict[str, CheckpointPolicy | None] = {
+    "phalanx": None, "phalanx_no_snapshots": CheckpointPolicy(memory_every_steps=0),
+    "ddp": None}
+
+
+async def run_job(bus: Bus, spec: JobSpec, job_id: str, timeout_s: float) -> JobRecord:
+    """Submit ``spec`` as ``job_id`` and wait until it ends: its last record."""
+    ended: asyncio.Future[JobRecord] = asyncio.get_running_loop().create_future()
+
+    async def on_state(r: JobRecord, _: Delivery) -> None:
+        if r.job_id == job_id and r.state.terminal and not ended.done():
+            ended.set_result(r)
+
+    sub = await bus.subscribe(subjects.job_states(), JobRecord, on_state)
+    try:
+        await AdmissionClient(bus).submit(spec, job_id)
+        return await asyncio.wait_for(ended, timeout_s)
+    finally:
+        await sub.unsubscribe()
+
+
+async def phalanx_step_time(bus: Bus, args: argparse.Namespace, workload: Workload,
+                            rec: Path, policy: CheckpointPolicy | None) -> dict[str, Any]:
+    """A fault-free 4-replica run: the median step, and the median of each part of a rank's
+    step from its commit records (compute, reduce, optimizer; snapshot when taken)."""
+    spec = JobSpec(
+        name=workload.name, team="bench", priority_class="normal",
+        replicas=ReplicaRange(min=WORLD, max=WORLD),
+        command=[sys.executable, str(workload.script), *workload.options,
+                 "--steps", str(args.overhead_steps)],
+        env={"PHALANX_RECORD_DIR": str(rec)}, hang_timeout_s=30.0, grace_period_s=5.0,
+        **({} if policy is None else {"checkpoint": policy}))
+    ended = await run_job(bus, spec, rec.name, args.timeout)
+    if ended.state is not JobState.FINISHED:
+        raise RuntimeError(f"{rec.name} ended {ended.state.value}: {ended.reason}")
+    records = record.read(rec)
+    steps = [s for s in record.timeline(records) if s.step >= args.overhead_skip]
+    commits = [line for lines in records.values() for line in lines
+               if line["kind"] == "commit" and line["step"] >= args.overhead_skip]
+    parts = {part: statistics.median(c[part] for c in commits if part in c)
+             for part in ("compute_s", "reduce_s", "optimizer_s", "snapshot_s")
+             if any(part in c for c in commits)}
+    return {"step_s": statistics.median(b.committed_at - a.committed_at
+                                        for a, b in itertools.pairwise(steps)), **parts}
+
+
+async def measure_overhead(args: argparse.Namespace, workload: Workload) -> dict[str, Any]:
+    """The runtime's step-time cost against the plain DDP loop, the arms alternated."""
+    runs: dict[str, list[dict[str, Any]]] = {arm: [] for arm in OVERHEAD_ARMS}
+    with tempfile.TemporaryDirectory() as tmp:
+        url = cluster_up(Path(tmp) / "cluster")
+        try:
+            async with await Bus.connect(BusConfig.load(env={}, servers=[url])) as bus:
+                for n in range(args.overhead_repeat):
+                    arms = list(OVERHEAD_ARMS) if n % 2 == 0 else list(OVERHEAD_ARMS)[::-1]
+                    for arm in arms:
+                        load = os.getloadavg()[0]
+                        if arm == "ddp":
+                            result = {"step_s": recovery_baseline.run_fault_free(
+                                steps=args.overhead_steps, worker_args=workload.worker_options,
+                                work_dir=Path(tmp) / f"ddp-{n}", skip=args.overhead_skip,
+                                world=WORLD, timeout_s=args.timeout)}
+                        else:
+                            result = await phalanx_step_time(
+                                bus, args, workload, Path(tmp) / f"{workload.name}-{arm}-{n}"
+                                .replace("_", "-"), OVERHEAD_ARMS[arm])
+                        runs[arm].append({**result, "load_before": load})
+                        print(json.dumps({"overhead": {arm: runs[arm][-1]}}), flush=True)
+        finally:
+            cli("down", "--data-dir", str(Path(tmp) / "cluster"))
+    medians = {arm: statistics.median(r["step_s"] for r in results)
+               for arm, results in runs.items()}
+    overhead = {arm: medians[arm] / medians["ddp"] - 1 for arm in OVERHEAD_ARMS if arm != "ddp"}
+    return {"runs": runs, "median_step_s": medians, "overhead": overhead,
+            "default_memory_every_steps": CheckpointPolicy().memory_every_steps,
+            "targets": {"runtime <= 5% slower than DDP (no snapshots)":
+                        overhead["phalanx_no_snapshots"] <= 0.05,
+                        "runtime <= 5% slower than DDP (default checkpoint policy)":
+                        overhead["phalanx"] <= 0.05}}
+
+
 async def run(args: argparse.Namespace) -> dict[str, Any]:
-    widths = tuple(int(w) for w in args.widths.split(","))
-    workload_w.prepare(args.data_dir, args.samples, widths)
+    workload = prepare_workload(args)
     report: dict[str, Any] = {"date": utc_date(), "command": " ".join(sys.argv),
-                              "widths": args.widths, "kill_step": args.kill_step, "runs": {}}
-    for phase in args.phases.split(","):
+                              "workload": workload.name, "description": workload.description,
+                              "kill_step": args.kill_step, "steps": args.steps,
+                              "load_before": os.getloadavg(), "runs": {}}
+    for phase in [p for p in args.phases.split(",") if p]:
         ours = []
         with tempfile.TemporaryDirectory() as tmp:
             for n in range(args.repeat):
-                ours.append(await run_phalanx(args, phase, Path(tmp) / f"phalanx-{n}"))
+                ours.append(await run_phalanx(args, workload, phase,
+                                              Path(tmp) / f"phalanx-{n}"))
                 shutil.rmtree(Path(tmp) / f"phalanx-{n}", ignore_errors=True)
                 print(json.dumps({phase: {"phalanx": ours[-1]}}), flush=True)
-            base = run_baseline(args, phase, Path(tmp) / "baseline")
+            base = run_baseline(args, workload, phase, Path(tmp) / "baseline")
         ratios = [o["downtime_s"] / base["downtime_s"] if base["downtime_s"] > 0 else None
                   for o in ours]
         # A missing figure (no baseline stall, no join) counts as 99: a miss.
@@ -197,7 +339,11 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         report["runs"][phase] = {"phalanx": ours, "baseline": base, "ratios": ratios,
                                  "targets": targets, "summary": summary}
         print(json.dumps({phase: {"baseline": base, "targets": targets}}), flush=True)
-    report["pass"] = all(all(r["targets"].values()) for r in report["runs"].values())
+    if args.overhead_repeat:
+        report["overhead"] = await measure_overhead(args, workload)
+    report["load_after"] = os.getloadavg()
+    report["pass"] = all(all(r["targets"].values()) for r in report["runs"].values()) and all(
+        report.get("overhead", {}).get("targets", {}).values())
     return report
 
 
@@ -221,30 +367,73 @@ def record_results(report: dict[str, Any]) -> None:
     verdicts = "; ".join(f"{phase}: " + ", ".join(f"{k} {'pass' if v else 'FAIL'}"
                                                    for k, v in r["targets"].items())
                          for phase, r in report["runs"].items())
-    append(f"\n## recovery.py — {report['date']}\n\nCommand: `{report['command']}`\n\n"
-           f"W widths {report['widths']}, 4 ranks, SIGKILL of one rank at step "
-           f"{report['kill_step']}; baseline: torchrun + DDP + DCP every 10 steps, one run "
-           "per phase; the targets are judged on every phalanx run.\n\n"
-           "| kill | phalanx downtime (s) | phalanx steps lost | join pause (s) | "
-           "baseline downtime (s) | baseline steps redone | ratio | phalanx breakdown |\n"
-           "|---|---:|---:|---|---|---:|---:|---|\n" + "\n".join(rows)
-           + f"\n\nAcross runs: {'; '.join(summaries)}.\n\nResult: {verdicts}.\n")
+    load = (f"Load average (1 min) {report['load_before'][0]:.1f} before, "
+            f"{report['load_after'][0]:.1f} after (2 cores).")
+    section = (f"\n## recovery.py — {report['date']}\n\nCommand: `{report['command']}`\n\n"
+               f"{report['description']}, 4 ranks, SIGKILL of one rank at step "
+               f"{report['kill_step']} of {report['steps']}; baseline: torchrun + DDP + DCP "
+               "every 10 steps, one run per phase; the targets are judged on every phalanx "
+               f"run. {load}\n")
+    if rows:
+        section += (
+            "\n| kill | phalanx downtime (s) | phalanx steps lost | join pause (s) | "
+            "baseline downtime (s) | baseline steps redone | ratio | phalanx breakdown |\n"
+            "|---|---:|---:|---|---|---:|---:|---|\n" + "\n".join(rows)
+            + f"\n\nAcross runs: {'; '.join(summaries)}.\n\nResult: {verdicts}.\n")
+    if "overhead" in report:
+        section += overhead_section(report["overhead"])
+    append(section)
+
+
+def overhead_section(o: dict[str, Any]) -> str:
+    """The step-time comparison as a table: one row per arm, one column per round."""
+    names = {"phalanx": "phalanx, default checkpoint policy (memory_every_steps "
+                        f"{o['default_memory_every_steps']})",
+             "phalanx_no_snapshots": "phalanx, memory_every_steps 0",
+             "ddp": "torchrun + DDP, plain loop"}
+    rows = []
+    for arm, runs in o["runs"].items():
+        medians = {part.removesuffix("_s"): statistics.median(r[part] for r in runs)
+                   for part in ("compute_s", "reduce_s", "optimizer_s", "snapshot_s")
+                   if all(part in r for r in runs)}
+        parts = ", ".join(f"{part} {value * 1000:.0f}" for part, value in medians.items())
+        cost = f"{o['overhead'][arm] * 100:+.1f} %" if arm in o["overhead"] else "-"
+        rows.append(f"| {names[arm]} | "
+                    + ", ".join(f"{r['step_s'] * 1000:.0f}" for r in runs)
+                    + f" | {o['median_step_s'][arm] * 1000:.0f} | {cost} | {parts or '-'} | "
+                    + ", ".join(f"{r['load_before']:.1f}" for r in runs) + " |")
+    verdicts = ", ".join(f"{k} {'pass' if v else 'FAIL'}" for k, v in o["targets"].items())
+    return ("\nStep time without faults, 4 ranks, one local cluster, the arms alternated "
+            "(each round's order the reverse of the round before):\n\n"
+            "| arm | median step per run (ms) | median (ms) | vs DDP | a rank's step, "
+            "medians (ms) | load avg before each run |\n|---|---|---:|---:|---|---|\n"
+            + "\n".join(rows) + f"\n\nResult: {verdicts}.\n")
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--widths", default=",".join(map(str, workload_w.W_WIDTHS)))
-    parser.add_argument("--samples", type=int, default=64 * 40)
+    parser.add_argument("--workload", choices=("w", "gpt"), default="w")
+    parser.add_argument("--widths", default=",".join(map(str, workload_w.W_WIDTHS)),
+                        help="W only")
+    parser.add_argument("--samples", type=int, default=64 * 40, help="W only")
+    parser.add_argument("--gpt-options", default="",
+                        help="GPT only: more options of the script, e.g. '--layers 2'")
     parser.add_argument("--steps", type=int, default=70, help="phalanx run length")
     parser.add_argument("--baseline-steps", type=int, default=30)
     parser.add_argument("--kill-step", type=int, default=20)
-    parser.add_argument("--phases", default="allreduce,between")
+    parser.add_argument("--phases", default="allreduce,between", help="empty: none")
     parser.add_argument("--repeat", type=int, default=3, help="phalanx runs per phase")
+    parser.add_argument("--overhead-repeat", type=int, default=2,
+                        help="rounds of the step-time comparison (0: skipped)")
+    parser.add_argument("--overhead-steps", type=int, default=40)
+    parser.add_argument("--overhead-skip", type=int, default=5,
+                        help="first steps of a run left out of its step time")
     parser.add_argument("--data-dir", type=Path,
-                        default=Path(tempfile.gettempdir()) / "phalanx-bench-w")
+                        help="default: phalanx-bench-<workload> in the temporary directory")
     parser.add_argument("--timeout", type=float, default=900)
     parser.add_argument("--no-record", action="store_true")
     args = parser.parse_args()
+    args.data_dir = args.data_dir or Path(tempfile.gettempdir()) / f"phalanx-bench-{args.workload}"
     os.environ.setdefault("PHALANX_HEALTH_CORDON_FAULTS", "1000")
     report = asyncio.run(run(args))
     if not args.no_record:

@@ -2,13 +2,16 @@
 
 :func:`run_baseline` runs ``bench/torchrun_worker.py`` under ``torch.distributed.run``
 (``world`` CPU ranks on one node, gloo, c10d rendezvous, ``--max-restarts 1``):
-plain DDP training of workload W with a DCP checkpoint every ``ckpt_every`` steps.
+plain DDP training of workload W or the GPT example (the worker's options, passed
+through) with a DCP checkpoint every ``ckpt_every`` steps.
 On the first attempt one rank SIGKILLs itself at ``kill_step`` (``kill_phase``
 ``between`` steps or mid gradient ``allreduce``; see the worker's docstring);
 torchrun tears the group down, restarts it, and the new workers resume from the
 last complete checkpoint. The workers' JSON-line records are then turned into the
 downtime, the steps redone and a breakdown of the restart; ``bench/recovery.py``
-compares that with phalanx's checkpointless recovery.
+compares that with phalanx's checkpointless recovery. :func:`run_fault_free` runs
+the same workers without a fault or a checkpoint and gives the median step time:
+the plain DDP loop the runtime's step-time cost is measured against.
 
 Run directly, it prints progress and one JSON object as the last line::
 
@@ -73,26 +76,17 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def run_baseline(*, steps: int, kill_step: int, kill_phase: str, widths: tuple[int, ...],
-                 samples: int, data_dir: Path, work_dir: Path, world: int = 4,
-                 ckpt_every: int = 10, timeout_s: float = 600, kill_rank: int = 1
-                 ) -> dict[str, Any]:
-    """Run the torchrun baseline once, with one fault, and measure its recovery.
+def torchrun(*, steps: int, worker_args: list[str], work_dir: Path, world: int,
+             ckpt_every: int, timeout_s: float, kill: str | None) -> int:
+    """Run the workers once under torchrun (one restart allowed); torchrun's exit status.
 
     ``work_dir`` is emptied and receives ``ckpt/``, ``records/rank-<r>.jsonl`` and
-    ``torchrun.log``. Returns the dict described by :func:`analyse`, plus
-    ``returncode`` (torchrun's), ``wall_s`` and ``log`` (the log's path).
+    ``torchrun.log``. ``kill``: the workers' ``BASELINE_KILL``, or None.
 
     Raises:
         TimeoutError: torchrun did not finish within ``timeout_s`` (it and all its
             workers are killed first; they are killed after a normal exit too).
-        RuntimeError: the records show no fault or no restart.
     """
-    if not 1 <= kill_step <= steps:
-        raise ValueError(f"kill_step must be in 1..{steps}, got {kill_step}")
-    if kill_phase not in KILL_PHASES:
-        raise ValueError(f"kill_phase must be one of {KILL_PHASES}, got {kill_phase!r}")
-    workload_w.prepare(data_dir, samples, widths)
     work_dir = Path(work_dir)
     shutil.rmtree(work_dir, ignore_errors=True)
     record_dir, ckpt_dir, log = work_dir / "records", work_dir / "ckpt", work_dir / "torchrun.log"
@@ -103,27 +97,75 @@ def run_baseline(*, steps: int, kill_step: int, kill_phase: str, widths: tuple[i
         "--nnodes", "1", "--nproc-per-node", str(world),
         "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{free_port()}",
         "--rdzv-id", f"baseline-{run_id}", "--max-restarts", "1",
-        str(WORKER), "--steps", str(steps), "--widths", ",".join(map(str, widths)),
-        "--samples", str(samples), "--data-dir", str(data_dir), "--ckpt-dir", str(ckpt_dir),
+        str(WORKER), *worker_args, "--steps", str(steps), "--ckpt-dir", str(ckpt_dir),
         "--record-dir", str(record_dir), "--ckpt-every", str(ckpt_every),
     ]
     env = {**os.environ, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "OMP_NUM_THREADS": "1",
-           "BASELINE_KILL": f"{kill_rank}:{kill_step}:{kill_phase}", RUN_MARKER: run_id}
-    started = time.time()
+           RUN_MARKER: run_id}
+    if kill is not None:
+        env["BASELINE_KILL"] = kill
     with open(log, "w") as out:
         process = subprocess.Popen(command, env=env, stdout=out, stderr=subprocess.STDOUT,
                                    start_new_session=True)
         try:
-            returncode = process.wait(timeout=timeout_s)
+            return process.wait(timeout=timeout_s)
         except subprocess.TimeoutExpired:
             raise TimeoutError(f"torchrun ran over {timeout_s} s; see {log}") from None
         finally:
             process.kill()
             process.wait()
             kill_marked(f"{RUN_MARKER}={run_id}")
-    result = analyse(read_records(record_dir), steps)
+
+
+def run_baseline(*, steps: int, kill_step: int, kill_phase: str, worker_args: list[str],
+                 work_dir: Path, world: int = 4, ckpt_every: int = 10,
+                 timeout_s: float = 600, kill_rank: int = 1) -> dict[str, Any]:
+    """Run the torchrun baseline once, with one fault, and measure its recovery.
+
+    ``worker_args``: the workload's options for ``bench/torchrun_worker.py`` (its
+    ``--workload`` and the workload's own, its data prepared), all but ``--steps``.
+    ``work_dir`` as for :func:`torchrun`. Returns the dict described by
+    :func:`analyse`, plus ``returncode`` (torchrun's), ``wall_s`` and ``log`` (the
+    log's path).
+
+    Raises:
+        TimeoutError: torchrun did not finish within ``timeout_s``.
+        RuntimeError: the records show no fault or no restart.
+    """
+    if not 1 <= kill_step <= steps:
+        raise ValueError(f"kill_step must be in 1..{steps}, got {kill_step}")
+    if kill_phase not in KILL_PHASES:
+        raise ValueError(f"kill_phase must be one of {KILL_PHASES}, got {kill_phase!r}")
+    started = time.time()
+    returncode = torchrun(steps=steps, worker_args=worker_args, work_dir=work_dir, world=world,
+                          ckpt_every=ckpt_every, timeout_s=timeout_s,
+                          kill=f"{kill_rank}:{kill_step}:{kill_phase}")
+    result = analyse(read_records(Path(work_dir) / "records"), steps)
     return {**result, "returncode": returncode, "ok": result["ok"] and returncode == 0,
-            "wall_s": time.time() - started, "log": str(log)}
+            "wall_s": time.time() - started, "log": str(Path(work_dir) / "torchrun.log")}
+
+
+def run_fault_free(*, steps: int, worker_args: list[str], work_dir: Path, skip: int,
+                   world: int = 4, timeout_s: float = 600) -> float:
+    """The plain DDP loop's median step time: no fault, no checkpoint.
+
+    The median gap between consecutive commits (a step's commit: its last rank's
+    ``step`` record), the first ``skip`` steps left out (start-up, first allocations).
+
+    Raises:
+        TimeoutError: torchrun did not finish within ``timeout_s``.
+        RuntimeError: torchrun failed.
+    """
+    returncode = torchrun(steps=steps, worker_args=worker_args, work_dir=work_dir, world=world,
+                          ckpt_every=0, timeout_s=timeout_s, kill=None)
+    if returncode != 0:
+        raise RuntimeError(f"torchrun exited {returncode}; see {Path(work_dir) / 'torchrun.log'}")
+    commits: dict[int, float] = defaultdict(float)
+    for r in read_records(Path(work_dir) / "records"):
+        if r["phase"] == "step" and r["step"] > skip:
+            commits[r["step"]] = max(commits[r["step"]], r["t"])
+    ordered = [commits[step] for step in sorted(commits)]
+    return statistics.median(b - a for a, b in itertools.pairwise(ordered))
 
 
 def read_records(record_dir: Path) -> list[dict[str, Any]]:
@@ -235,10 +277,12 @@ def main(argv: list[str] | None = None) -> None:
         print(f"torchrun baseline: {args.world} ranks, widths {args.widths}, "
               f"{args.steps} steps, rank {args.kill_rank} killed at step {args.kill_step} "
               f"({args.kill_phase})", flush=True)
+        data_dir = args.data_dir or Path(tmp) / "data"
+        workload_w.prepare(data_dir, args.samples, args.widths)
         result = run_baseline(
             steps=args.steps, kill_step=args.kill_step, kill_phase=args.kill_phase,
-            widths=args.widths, samples=args.samples,
-            data_dir=args.data_dir or Path(tmp) / "data",
+            worker_args=["--widths", ",".join(map(str, args.widths)), "--samples",
+                         str(args.samples), "--data-dir", str(data_dir)],
             work_dir=args.work_dir or Path(tmp) / "work", world=args.world,
             ckpt_every=args.ckpt_every, timeout_s=args.timeout, kill_rank=args.kill_rank)
     print(json.dumps(result))

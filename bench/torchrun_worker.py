@@ -1,10 +1,21 @@
-"""The torchrun baseline of the recovery benchmark: plain DDP training of workload W.
+"""The torchrun baseline of the recovery benchmark: plain DDP training of W or the GPT example.
 
 Run by ``torch.distributed.run`` (one process per rank; ``bench/recovery_baseline.py``
-launches it). Each rank trains workload W (``examples/workload_w.py``) with DDP over
-gloo and AdamW, global batch 64 split in contiguous shares by
-:class:`phalanx.runtime.data.ElasticOrder`, MSE loss. Steps are counted 1..N; after
-every ``--ckpt-every``-th committed step the group saves a DCP checkpoint
+launches it). Each rank trains with DDP over gloo, one of two workloads:
+
+* ``--workload w`` (default): workload W (``examples/workload_w.py``), AdamW, global
+  batch 64 split in contiguous shares by :class:`phalanx.runtime.data.ElasticOrder`,
+  MSE loss; options ``--steps --widths --samples --data-dir``.
+* ``--workload gpt``: the plain DDP loop of ``examples/train_gpt.py``, with its model,
+  AdamW groups and warmup + cosine schedule imported from it and the same options
+  (``--data-dir``, ``--layers``, ``--global-batch``, ``--micro-batch`` ...): a
+  ``DistributedSampler`` feeding a ``DataLoader`` of micro-batches, gradient
+  accumulation under ``no_sync``, ``clip_grad_norm_(1.0)``, ``optimizer.step()``,
+  ``scheduler.step()`` — the loop docs/runtime.md starts its diff from. The LR
+  scheduler is checkpointed with the model and optimizer.
+
+Steps are counted 1..N; after
+every ``--ckpt-every``-th committed step (0: never) the group saves a DCP checkpoint
 (``torch.distributed.checkpoint``) into ``<ckpt-dir>/step-<n>``: all ranks write
 into ``step-<n>.partial``, and rank 0 renames it to ``step-<n>`` after a barrier,
 so a kill mid-save never leaves a directory that looks complete. On start (and
@@ -16,7 +27,7 @@ Each rank appends JSON lines ``{"step", "t", "attempt", "phase", ...}`` to
 
 * ``start``: the first statement of the script, before any import;
 * ``torch``: ``import torch`` done;
-* ``imported``: everything else imported too (``torch.distributed``, workload W, phalanx);
+* ``imported``: everything else imported too (``torch.distributed``, the workloads, phalanx);
 * ``process_group``: the gloo process group is up (rendezvous with the peers);
 * ``built``: model, DDP (which broadcasts rank 0's parameters) and optimizer built;
 * ``loaded``: the checkpoint is loaded (``step`` = its step, 0 if there was none);
@@ -47,12 +58,15 @@ import time
 STARTED = time.time()
 
 import argparse
+import contextlib
 import dataclasses
+import itertools
 import json
 import os
 import shutil
 import signal
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -65,13 +79,15 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.nn.parallel import DistributedDataParallel
+from torch.utils.data import DataLoader, DistributedSampler
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 
+import train_gpt
 import workload_w
 
 from phalanx.runtime.data import ElasticOrder
-from phalanx.runtime.dataset import MemmapDataset
+from phalanx.runtime.dataset import MemmapDataset, TokenWindows
 
 IMPORTED = time.time()
 
@@ -139,45 +155,143 @@ def latest_checkpoint(ckpt_dir: Path) -> tuple[int, Path | None]:
 
 
 def save_checkpoint(ckpt_dir: Path, step: int, model: torch.nn.Module,
-                    optimizer: torch.optim.Optimizer) -> None:
-    """Save the group's checkpoint of ``step`` synchronously; a collective."""
+                    optimizer: torch.optim.Optimizer, extra: dict[str, Any]) -> None:
+    """Save the group's checkpoint of ``step`` synchronously; a collective.
+
+    ``extra``: more state to save, objects with ``state_dict``/``load_state_dict``
+    (DCP's ``Stateful``: an LR scheduler).
+    """
     partial = ckpt_dir / f"step-{step}{PARTIAL}"
     if dist.get_rank() == 0:
         shutil.rmtree(partial, ignore_errors=True)
     dist.barrier()
     model_state, optim_state = get_state_dict(model, optimizer)
-    dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=partial)
+    dcp.save({"model": model_state, "optim": optim_state, **extra}, checkpoint_id=partial)
     dist.barrier()
     if dist.get_rank() == 0:
         partial.rename(ckpt_dir / f"step-{step}")
     dist.barrier()
 
 
-def load_checkpoint(path: Path, model: torch.nn.Module,
-                    optimizer: torch.optim.Optimizer) -> None:
-    """Load a checkpoint saved by :func:`save_checkpoint` into model and optimizer."""
+def load_checkpoint(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                    extra: dict[str, Any]) -> None:
+    """Load a checkpoint saved by :func:`save_checkpoint` into model, optimizer and
+    ``extra`` (DCP loads a ``Stateful`` in place)."""
     model_state, optim_state = get_state_dict(model, optimizer)
-    state = {"model": model_state, "optim": optim_state}
+    state = {"model": model_state, "optim": optim_state, **extra}
     dcp.load(state, checkpoint_id=path)
     set_state_dict(model, optimizer, model_state_dict=state["model"],
                    optim_state_dict=state["optim"])
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+@dataclasses.dataclass
+class Training:
+    """A workload under DDP: what the checkpoint holds, and how to train one step."""
+
+    model: DistributedDataParallel
+    optimizer: torch.optim.Optimizer
+    extra: dict[str, Any]  # more state for the checkpoint (DCP ``Stateful`` objects)
+    step: Callable[[int], float]  # trains global step n (1-based); this rank's mean loss
+
+
+def build_w(options: argparse.Namespace, rank: int, world: int) -> Training:
+    """Workload W: the global batch's contiguous share per rank, one micro-batch."""
+    dataset = MemmapDataset(options.data_dir)
+    order = ElasticOrder(len(dataset), workload_w.W_GLOBAL_BATCH, seed=0)
+    model = DistributedDataParallel(workload_w.build_model(options.widths))
+    optimizer = workload_w.build_optimizer(model)
+    epoch_orders: dict[int, list[int]] = {}
+
+    def step(n: int) -> float:
+        nonlocal epoch_orders
+        epoch, index = divmod(n - 1, order.steps_per_epoch)
+        if epoch not in epoch_orders:
+            epoch_orders = {epoch: order.epoch_order(epoch)}
+        (micro,) = order.plan(epoch, index, world, rank, micro_batch_size=order.global_batch,
+                              order=epoch_orders[epoch])
+        inputs, targets = dataset.batch(micro.indices)
+        # DDP averages gradients over the ranks: scaling by weight * world makes the
+        # result the gradient of the mean loss over the global batch.
+        loss = torch.nn.functional.mse_loss(model(inputs), targets) * micro.weight * world
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+        return loss.item() / (micro.weight * world)
+
+    return Training(model, optimizer, {}, step)
+
+
+def build_gpt(options: argparse.Namespace, rank: int, world: int) -> Training:
+    """The GPT example's loop as a DDP user writes it (docs/runtime.md's starting point)."""
+    torch.manual_seed(options.seed)
+    windows = TokenWindows(options.data_dir, options.block_size)
+    model = DistributedDataParallel(train_gpt.GPT(options.layers, options.heads, options.embd,
+                                                  options.block_size))
+    optimizer = train_gpt.build_optimizer(model.module, options.lr)
+    scheduler = train_gpt.build_scheduler(optimizer, options.steps, options.warmup)
+    accumulation, rest = divmod(options.global_batch, world * options.micro_batch)
+    if rest or not accumulation:
+        raise ValueError(f"--global-batch {options.global_batch} is not a multiple of "
+                         f"{world} ranks x --micro-batch {options.micro_batch}")
+    sampler = DistributedSampler(windows, world, rank, shuffle=True, seed=options.seed,
+                                 drop_last=True)
+    loader = DataLoader(windows, batch_size=options.micro_batch, sampler=sampler,
+                        drop_last=True)
+    steps_per_epoch = len(loader) // accumulation
+    position: tuple[int, int] | None = None  # (epoch, step in it) the iterator is at
+    batches: Any = None
+
+    def step(n: int) -> float:
+        nonlocal position, batches
+        epoch, index = divmod(n - 1, steps_per_epoch)
+        if position != (epoch, index):  # the first step, a new epoch, or a resume
+            sampler.set_epoch(epoch)
+            batches = itertools.islice(iter(loader), index * accumulation, None)
+        position = (epoch, index + 1)
+        loss = 0.0
+        for micro in range(accumulation):
+            x, y = next(batches)
+            # Gradients are all-reduced in the last micro-batch's backward only.
+            with model.no_sync() if micro < accumulation - 1 else contextlib.nullcontext():
+                micro_loss = train_gpt.next_token_loss(model, x, y) / accumulation
+                micro_loss.backward()
+            loss += micro_loss.item()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad()
+        return loss
+
+    return Training(model, optimizer, {"scheduler": scheduler}, step)
+
+
+def w_arguments() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="torchrun_worker.py --workload w")
     parser.add_argument("--steps", type=int, required=True)
     parser.add_argument("--widths", type=lambda s: tuple(int(w) for w in s.split(",")),
                         default=workload_w.W_WIDTHS)
     parser.add_argument("--samples", type=int, required=True)
     parser.add_argument("--data-dir", type=Path, required=True)
+    return parser
+
+
+WORKLOADS = {"w": (w_arguments, build_w), "gpt": (train_gpt.arguments, build_gpt)}
+
+
+def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, argparse.Namespace]:
+    """The worker's own options, and the workload's (the rest of the command line)."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--workload", choices=sorted(WORKLOADS), default="w")
     parser.add_argument("--ckpt-dir", type=Path, required=True)
     parser.add_argument("--record-dir", type=Path, required=True)
-    parser.add_argument("--ckpt-every", type=int, default=10)
-    return parser.parse_args(argv)
+    parser.add_argument("--ckpt-every", type=int, default=10, help="0: never")
+    args, rest = parser.parse_known_args(argv)
+    arguments, _ = WORKLOADS[args.workload]
+    return args, arguments().parse_args(rest)
 
 
 def main() -> None:
-    args = parse_args()
+    args, options = parse_args()
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     record = Recorder(args.record_dir, rank, attempt)
@@ -190,48 +304,35 @@ def main() -> None:
     dist.init_process_group("gloo")
     record("process_group")
 
-    dataset = MemmapDataset(args.data_dir)
-    order = ElasticOrder(len(dataset), workload_w.W_GLOBAL_BATCH, seed=0)
-    model = DistributedDataParallel(workload_w.build_model(args.widths))
+    _, build = WORKLOADS[args.workload]
+    training = build(options, rank, world)
     hook = KillState(record, kill_step if kill_phase == "allreduce" else None)
-    model.register_comm_hook(hook, kill_hook)
-    optimizer = workload_w.build_optimizer(model)
+    training.model.register_comm_hook(hook, kill_hook)
     record("built")
 
     args.ckpt_dir.mkdir(parents=True, exist_ok=True)
     done, path = latest_checkpoint(args.ckpt_dir)
     if path is not None:
-        load_checkpoint(path, model, optimizer)
+        load_checkpoint(path, training.model, training.optimizer, training.extra)
     record("loaded", done)
 
-    epoch_orders: dict[int, list[int]] = {}
-    for step in range(done + 1, args.steps + 1):
+    for step in range(done + 1, options.steps + 1):
         if kill_phase == "between" and step == kill_step:
             record("kill", step)
             os.kill(os.getpid(), signal.SIGKILL)
-        epoch, index = divmod(step - 1, order.steps_per_epoch)
-        if epoch not in epoch_orders:
-            epoch_orders = {epoch: order.epoch_order(epoch)}
-        (micro,) = order.plan(epoch, index, world, rank, micro_batch_size=order.global_batch,
-                              order=epoch_orders[epoch])
-        inputs, targets = dataset.batch(micro.indices)
-        # DDP averages gradients over the ranks: scaling by weight * world makes the
-        # result the gradient of the mean loss over the global batch.
-        loss = torch.nn.functional.mse_loss(model(inputs), targets) * micro.weight * world
-        optimizer.zero_grad(set_to_none=True)
         hook.step = step
-        loss.backward()
-        optimizer.step()
-        record("step", step, loss=loss.item() / (micro.weight * world))
-        if step % args.ckpt_every == 0:
-            save_checkpoint(args.ckpt_dir, step, model, optimizer)
+        loss = training.step(step)
+        record("step", step, loss=loss)
+        if args.ckpt_every and step % args.ckpt_every == 0:
+            save_checkpoint(args.ckpt_dir, step, training.model, training.optimizer,
+                            training.extra)
             record("saved", step)
 
     # Every rank is done (and the checkpoint complete) after this barrier. Exit without
     # tearing down: gloo's process-group destructor can hang joining its threads once
     # the peers are gone (seen on rank 0 with torch 2.13), and nothing is left to flush.
     dist.barrier()
-    record("done", args.steps)
+    record("done", options.steps)
     os._exit(0)
 
 

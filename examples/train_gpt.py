@@ -110,7 +110,20 @@ def build_scheduler(optimizer: torch.optim.Optimizer, steps: int,
                                                    lr / 10)], milestones=[warmup])
 
 
-def main() -> None:
+def next_token_loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """The mean cross-entropy of the model's next-token predictions."""
+    return F.cross_entropy(model(x).view(-1, VOCAB), y.reshape(-1))
+
+
+def prepare(data_dir: str | Path, corpus: str | Path = CORPUS,
+            max_bytes: int | None = None) -> None:
+    """Tokenize the corpus (its first ``max_bytes``) as bytes into ``data_dir``, once."""
+    text = Path(corpus).read_bytes()[:max_bytes]
+    write_tokens(data_dir, np.frombuffer(text, dtype=np.uint8), VOCAB)
+
+
+def arguments() -> argparse.ArgumentParser:
+    """The script's options (bench/torchrun_worker.py's plain DDP twin takes the same)."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--data-dir", default="/tmp/phalanx-gpt-data")
     parser.add_argument("--prepare", action="store_true", help="tokenize the corpus and exit")
@@ -128,10 +141,13 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--log-every", type=int, default=10)
     parser.add_argument("--save", help="write model, optimizer and scheduler state here")
-    args = parser.parse_args()
+    return parser
+
+
+def main() -> None:
+    args = arguments().parse_args()
     if args.prepare:
-        text = Path(args.corpus).read_bytes()[:args.max_bytes]
-        write_tokens(args.data_dir, np.frombuffer(text, dtype=np.uint8), VOCAB)
+        prepare(args.data_dir, args.corpus, args.max_bytes)
         return
 
     torch.set_num_threads(1)
@@ -141,11 +157,8 @@ def main() -> None:
     optimizer = build_optimizer(model, args.lr)
     scheduler = build_scheduler(optimizer, args.steps, args.warmup)
 
-    def loss_of(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        return F.cross_entropy(model(x).view(-1, VOCAB), y.reshape(-1))
-
     def warmup() -> None:  # optional: a joining replica's first step is then not cold
-        loss_of(*windows.batch(range(args.micro_batch))).backward()
+        next_token_loss(model, *windows.batch(range(args.micro_batch))).backward()
 
     session = ElasticSession.from_env(model, optimizer, windows, global_batch=args.global_batch,
                                       micro_batch_size=args.micro_batch, seed=args.seed,
@@ -156,7 +169,7 @@ def main() -> None:
     since, started = time.perf_counter(), session.committed
     for step in session.steps(args.steps):
         for x, y in step:
-            step.backward(loss_of(x, y))
+            step.backward(next_token_loss(model, x, y))
         step.clip_grad_norm_(1.0)
         if step.commit():
             scheduler.step()

@@ -23,6 +23,7 @@ Pure: no torch, no I/O; the permutation comes from a seeded
 from __future__ import annotations
 
 import dataclasses
+import functools
 import random
 from collections.abc import Iterator, Sequence
 from typing import TypeVar
@@ -70,9 +71,7 @@ class ElasticOrder:
 
     def epoch_order(self, epoch: int) -> list[int]:
         """The permutation of the dataset for ``epoch`` (the same on every rank)."""
-        order = list(range(self.dataset_size))
-        random.Random(f"{self.seed}:{epoch}").shuffle(order)
-        return order
+        return list(_permutation(self.seed, epoch, self.dataset_size))
 
     def batch(self, epoch: int, step: int, order: Sequence[int] | None = None) -> list[int]:
         """Global step ``step``'s samples (pass ``order`` to reuse an epoch's permutation).
@@ -82,7 +81,7 @@ class ElasticOrder:
         """
         if not 0 <= step < self.steps_per_epoch:
             raise IndexError(f"step {step} is outside the epoch's {self.steps_per_epoch} steps")
-        order = self.epoch_order(epoch) if order is None else order
+        order = _permutation(self.seed, epoch, self.dataset_size) if order is None else order
         return list(order[step * self.global_batch:(step + 1) * self.global_batch])
 
     def plan(self, epoch: int, step: int, world_size: int, rank: int,
@@ -121,6 +120,16 @@ class ElasticOrder:
             return split(lost, world_size)[rank]
         share = split([i for mb in lost for i in mb.indices], world_size)[rank]
         return micro_batches(share, micro_batch_size, len(self.batch(epoch, step, order)))
+
+
+@functools.lru_cache(maxsize=2)
+def _permutation(seed: int, epoch: int, size: int) -> tuple[int, ...]:
+    """Epoch ``epoch``'s permutation, kept: every step's plan needs it, and shuffling it
+    anew took 26 ms per plan for the GPT example's 17,428 windows (measured alone on the
+    loaded 2-core VM; 2-3 % of the example's step on 4 ranks), 0.4 ms with the cache."""
+    order = list(range(size))
+    random.Random(f"{seed}:{epoch}").shuffle(order)
+    return tuple(order)
 
 
 def split(batch: Sequence[T], world_size: int) -> list[list[T]]:
