@@ -21,8 +21,13 @@ bytes per step sets.
   ``write_share`` (copy + xxh3-64 + header) into a buffer of the same size. Bound =
   write_share time / step time without snapshots.
 
-Not measured yet (issue 12): buddy replication, recovery time per source, and the
-torchrun + DCP restart next to them.
+* **Replication**: the modes with snapshots include buddy replication (the two agents,
+  in two failure domains, are each other's buddy). Beside the step times, one rank's
+  buffer sent to a buddy by the agents' replication code next to a plain TCP copy of the
+  same bytes (:mod:`replication`, also runnable alone).
+
+Not measured yet (issue 12): recovery time per source, and the torchrun + DCP restart
+next to them.
 
 Prints one JSON object as its last line and appends the figures to bench/RESULTS.md::
 
@@ -51,6 +56,7 @@ BENCH = Path(__file__).resolve().parent
 sys.path.insert(0, str(BENCH))
 sys.path.insert(0, str(BENCH.parent / "examples"))
 
+import replication  # noqa: E402
 import torch  # noqa: E402
 import workload_w  # noqa: E402
 from results import append, utc_date  # noqa: E402
@@ -174,6 +180,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         finally:
             cli("down", "--data-dir", str(cluster))
     report.update(bound(widths))
+    report.update(await asyncio.to_thread(replication.measure, report["share_bytes"], 5))
     step = {mode: statistics.median(run["step_s"] for run in runs)
             for mode, runs in report["runs"].items()}
     report["step_s"] = step
@@ -211,7 +218,11 @@ def record_results(report: dict[str, Any]) -> None:
            f"| plain memcpy of them (ms) | {report['memcpy_s'] * 1000:.2f} |\n"
            f"| write_share of them: copy + xxh3 + header (ms) | "
            f"{report['write_share_s'] * 1000:.2f} |\n"
-           f"| bound: write_share / step time without (%) | {report['bound'] * 100:.1f} |\n")
+           f"| bound: write_share / step time without (%) | {report['bound'] * 100:.1f} |\n"
+           f"| replication of one buffer to a buddy (ms, MB/s) | "
+           f"{report['replication_s'] * 1000:.1f}, {report['replication_MBps']:.0f} |\n"
+           f"| plain TCP copy of the same bytes (ms, MB/s) | "
+           f"{report['tcp_copy_s'] * 1000:.1f}, {report['tcp_copy_MBps']:.0f} |\n")
 
 
 def main() -> int:
