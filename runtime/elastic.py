@@ -1005,7 +1005,8 @@ class ElasticSession:
                 snapshot_s = extra["snapshot_s"] = self._snapshots.last_copy_s
             # The interval the members agreed on in this step (bench/snapshot.py reads both).
             extra["snapshot_every"] = self._snapshots.schedule.interval
-            self._snapshots.schedule.measured(self.last_step_s, snapshot_s)
+            self._snapshots.schedule.measured(
+                self.last_step_s, None if self._snapshots.last_was_first else snapshot_s)
         if self._record is not None:
             self._record.write(kind="commit", step=step.index,
                                generation=self._generation_number(), rank=self.rank,

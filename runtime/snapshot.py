@@ -144,8 +144,12 @@ class Snapshotter:
         self._paths: list[Path] = []
         self._reserved: tuple[int, int, int] | None = None  # shard, shards, bytes per buffer
         self._refused_in: int | None = None  # the generation whose reservation was refused
-        #: The last snapshot's time in the training thread (its reservation left out).
+        #: The last snapshot's time in the training thread (its reservation left out), and
+        #: whether it was the first write of its buffer in this mapping: that one also
+        #: pays the page faults, once a buffer and membership, not once a snapshot.
         self.last_copy_s = 0.0
+        self.last_was_first = False
+        self._written: set[int] = set()  # buffers written since the reservation
 
     def due(self, committed: int) -> bool:
         return self.schedule.due(committed)
@@ -184,6 +188,8 @@ class Snapshotter:
             checksum=f"{header.checksum:016x}", created_at=time.time(), generation=generation,
             total_bytes=state.total))
         self.last_copy_s = time.perf_counter() - started
+        self.last_was_first = at not in self._written
+        self._written.add(at)
         return header
 
     def _reserve(self, shard: int, shards: int, nbytes: int, generation: int) -> bool:
@@ -202,6 +208,7 @@ class Snapshotter:
             buffer.close()
         self._paths = [Path(p) for p in reply.paths]
         self._buffers = [snapshot_file.open_buffer(p) for p in self._paths]
+        self._written = set()
         self._reserved = (shard, shards, nbytes)
         return True
 

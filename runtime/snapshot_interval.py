@@ -9,10 +9,11 @@ rule takes the smallest ``k`` with ``c / (k·s) <= overhead`` (``checkpoint.memo
 3 %), capped at ``max_every`` (``checkpoint.memory_max_every_steps``: the most steps a job
 whose every rank dies loses from memory; at the cap the overhead may pass the target).
 A rank's ``c`` is the mean of its last :data:`COST_WINDOW` snapshots (the budget is
-about their total time, slow ones included: a snapshot that first touched its buffer's
-pages counts until it leaves the window), its ``s`` the median of its last
+about their total time, slow ones included), its ``s`` the median of its last
 :data:`STEP_WINDOW` steps (a step descheduled on a shared machine does not shorten the
-interval).
+interval). The first write of each buffer of a membership is not measured: it also pays
+the page faults of a fresh mapping (on W, 4-6 times a warm snapshot), once per buffer
+and membership, not once per snapshot, and would hold the interval up for a window.
 
 **Agreement.** Every member must snapshot the same steps: a restore needs every shard of
 one step, and a durable step is persisted from its memory snapshot. So no rank decides
