@@ -292,6 +292,7 @@ class ReplicaSender:
         self.address: Address | None = None
         self.stream: tuple[asyncio.StreamReader, asyncio.StreamWriter] | None = None
         self.replicated = 0  # replicas the buddy took
+        self.failing = False  # the last attempt to reach the buddy failed (logged once)
         self.sent_bytes = 0
 
     def pending(self) -> list[tuple[Path, Header]]:
@@ -322,7 +323,7 @@ class ReplicaSender:
         if address != self.address:  # a new buddy holds nothing of ours yet
             await self.close()
             self.sent.clear()
-            self.address = address
+            self.address, self.failing = address, False
             if address is not None:
                 log.info("replicating to buddy %s at %s:%d", *address)
         if address is None:
@@ -332,10 +333,15 @@ class ReplicaSender:
             try:
                 problem = await self._send(address, path, header)
             except (OSError, TimeoutError, asyncio.IncompleteReadError) as exc:
-                log.warning("replication to buddy %s at %s:%d failed (%r); retrying",
-                            *address, exc)
+                if not self.failing:  # once, not at every retry while the buddy is away
+                    log.warning("replication to buddy %s at %s:%d failed (%r); retrying "
+                                "until it answers or another buddy is placed", *address, exc)
+                self.failing = True
                 await self.close()
                 return taken
+            if self.failing:
+                log.info("buddy %s at %s:%d answers again", *address)
+                self.failing = False
             if problem is None:
                 continue  # overwritten since it was listed or sent: the newer one is pending
             if problem:

@@ -206,3 +206,16 @@ async def test_the_sender_rests_by_its_duty_cycle(tmp_path) -> None:
         assert rests[0] == replication.SEND_EVERY_S
         for took, rest in zip(busy, rests[1:], strict=True):  # took is within its round
             assert rest >= max(replication.SEND_EVERY_S, took * 99)
+
+
+async def test_a_buddy_away_is_logged_once_and_retried_until_it_answers(tmp_path,
+                                                                          caplog) -> None:
+    async with Pair(tmp_path) as pair:
+        commit(pair.ring()[0], 5, 0, 2)
+        await pair.listener.stop()  # the buddy's agent is away
+        with caplog.at_level(logging.WARNING, "phalanx.agent.replication"):
+            for _ in range(3):
+                assert await pair.sender.send_pending() == 0
+        assert caplog.text.count("replication to buddy b") == 1, caplog.text
+        await pair.listener.start("127.0.0.1", pair.port)  # back, on the same port
+        assert await pair.sender.send_pending() == 1 and not pair.sender.failing
