@@ -91,7 +91,10 @@ def flat_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
     extra_skeletons = {name: _strip(obj.state_dict(), stripped) for name, obj in extra.items()}
     tensors = [_bytes_of(t.detach()) for t in model_tensors + stripped]
     offsets, total = snapshot_file.layout([t.numel() for t in tensors])
-    meta = {"step": step, "rng": torch.get_rng_state(), "optimizer": optimizer_skeleton,
+    # The RNG state as bytes: pickled as a tensor it took 0.1 ms of the meta's 0.12 ms,
+    # a fixed cost of every snapshot that a small model's step notices.
+    meta = {"step": step, "rng": torch.get_rng_state().numpy().tobytes(),
+            "optimizer": optimizer_skeleton,
             "extra": extra_skeletons, "model_tensors": len(model_tensors),
             "model_names": list(model_state),
             "tensors": [(tuple(t.shape), str(t.dtype)) for t in model_tensors + stripped],
@@ -436,4 +439,6 @@ def load_tensors(tensors: list[torch.Tensor], meta: dict[str, Any], model: torch
     optimizer.load_state_dict(_fill(meta["optimizer"], rest))
     for name, skeleton in meta["extra"].items():
         extra[name].load_state_dict(_fill(skeleton, rest))
-    torch.set_rng_state(meta["rng"])
+    rng = meta["rng"]  # a tensor in snapshots and durable steps written before 2026-11-23
+    torch.set_rng_state(rng if isinstance(rng, torch.Tensor)
+                        else torch.frombuffer(bytearray(rng), dtype=torch.uint8))

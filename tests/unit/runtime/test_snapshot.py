@@ -16,6 +16,7 @@ import torch.distributed as dist
 from phalanx.runtime import snapshot_file
 from phalanx.runtime.snapshot import (
     Held,
+    copy_range,
     flat_state,
     load_flat,
     plan_restore,
@@ -72,18 +73,33 @@ def test_shares_tile_the_state_exactly() -> None:
             assert all(offset % snapshot_file.ALIGN == 0 for offset, _ in parts)
 
 
-def test_the_shares_of_every_rank_rebuild_model_optimizer_and_scheduler(tmp_path) -> None:
+def test_the_shares_of_every_rank_rebuild_model_optimizer_scheduler_and_rng(tmp_path) -> None:
     source = trained(0, 5)
     target = trained(1, 0)
+    rng = torch.get_rng_state()
     parts = []
     for shard in range(3):
         header = snapshot_into(tmp_path / f"s{shard}", *source, 5, shard, 3)
         data = (tmp_path / f"s{shard}").read_bytes()
         parts.append(data[HEADER_BYTES + header.meta_length:header.nbytes])
         meta = pickle.loads(data[HEADER_BYTES:HEADER_BYTES + header.meta_length])
+    torch.manual_seed(99)
     load_flat(torch.frombuffer(bytearray(b"".join(parts)), dtype=torch.uint8), meta,
               target[0], target[1], {"scheduler": target[2]})
     same_state(source, target)
+    assert torch.equal(torch.get_rng_state(), rng)
+
+
+def test_a_snapshot_holding_the_rng_as_a_tensor_still_loads() -> None:
+    source, target = trained(0, 3), trained(1, 0)
+    state = flat_state(*source[:2], {"scheduler": source[2]}, 3)
+    meta = dict(state.meta, rng=torch.get_rng_state())  # as written before 2026-11-23
+    flat = torch.zeros(state.total, dtype=torch.uint8)
+    copy_range(state, 0, flat)
+    torch.manual_seed(99)
+    load_flat(flat, meta, target[0], target[1], {"scheduler": target[2]})
+    same_state(source, target)
+    assert torch.equal(torch.get_rng_state(), meta["rng"])
 
 
 def test_a_buffer_is_trusted_only_when_committed_and_intact(tmp_path) -> None:
