@@ -31,9 +31,9 @@ the last one was. While the interval changes, two snapshots may be up to
 ``2·max_every`` steps apart.
 
 What is not counted: the announcement's cost outside the training thread (the rank's bus
-thread sending it, the bus routing it, the checkpoint service taking it in), about 1.3 ms
-of CPU per rank and snapshot measured on the 2-core test machine (bench/RESULTS.md), and a
-durable write's thread.
+thread sending it, the bus routing it, the checkpoint service taking it in), about 0.9 ms
+of CPU per rank and snapshot measured on the 2-core test machine (bench/RESULTS.md), which
+an interval of k divides by k like the rest; and a durable write's thread.
 """
 
 from __future__ import annotations
