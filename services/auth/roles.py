@@ -32,8 +32,9 @@ replies; services answer requests through ``allow_responses`` rather than a
 publish permission on every inbox.
 
 Limits: a permission names subjects, not payloads. An agent may publish the
-start or exit of any job's rank (it runs whichever the records place on it),
-and the node id inside such an event is not checked by the server; a stream
+start or exit of any job's rank (it runs whichever the records place on it)
+and a snapshot of any job (the replicas it keeps for its buddies' ranks), and
+the node id inside such an event is not checked by the server; a stream
 consumer sees the whole stream. Pure: no I/O, so tests assert on these rules
 directly.
 """
@@ -151,7 +152,7 @@ def _flat(items: Iterable[str | Iterable[str]]) -> list[str]:
 
 _ALL_BUCKETS = (s.NODES_BUCKET, s.JOBS_BUCKET, s.ADMISSION_BUCKET, s.GENERATIONS_BUCKET,
                 s.LEASES_BUCKET, s.CURSORS_BUCKET, s.ELASTICITY_BUCKET, s.HEALTH_BUCKET,
-                s.PROGRESS_BUCKET, s.HISTORY_BUCKET, s.CHECKPOINTS_BUCKET)
+                s.PROGRESS_BUCKET, s.HISTORY_BUCKET, s.CHECKPOINTS_BUCKET, s.BUDDIES_BUCKET)
 
 
 def permissions(role: Role, scope: str | None = None) -> Permissions:
@@ -196,11 +197,16 @@ def permissions(role: Role, scope: str | None = None) -> Permissions:
             g.sub(s.any_id(s.ckpt_snapshot), s.ckpt_resume()).read_events()
             g.read_bucket(s.JOBS_BUCKET).read_bucket(s.GENERATIONS_BUCKET)
             g.open_bucket(s.LEASES_BUCKET, role.value).open_bucket(s.CHECKPOINTS_BUCKET, ">")
+            # It places every node's buddy from the registry.
+            g.read_bucket(s.NODES_BUCKET).open_bucket(s.BUDDIES_BUCKET, ">")
         case Role.AGENT:
             assert scope is not None
             g.sub(s.agent_endpoints(scope), s.job_states())
             g.pub(s.node_heartbeat(scope), s.node_chaos(scope), s.any_id(s.rank_started),
                   s.any_id(s.rank_exited))
+            # It announces the replicas it keeps for its wards, of whichever job, and reads
+            # its own buddy's placement.
+            g.pub(s.any_id(s.ckpt_snapshot)).open_bucket(s.BUDDIES_BUCKET)
             g.open_bucket(s.NODES_BUCKET, scope).open_bucket(s.JOBS_BUCKET)
             g.open_bucket(s.GENERATIONS_BUCKET).ensure_events()
         case Role.RANK:
