@@ -250,7 +250,8 @@ async def run_job(bus: Bus, spec: JobSpec, job_id: str, timeout_s: float) -> Job
 
 async def phalanx_step_time(bus: Bus, args: argparse.Namespace, workload: Workload,
                             rec: Path, policy: CheckpointPolicy | None) -> dict[str, Any]:
-    """A fault-free 4-replica run: the median step, and the median of each part of a rank's
+    """A fault-free 4-replica run: the median step, a rank's CPU per step
+    (:func:`recovery_baseline.cpu_per_step`), and the median of each part of a rank's
     step from its commit records (compute, reduce, optimizer; snapshot when taken)."""
     spec = JobSpec(
         name=workload.name, team="bench", priority_class="normal",
@@ -269,8 +270,13 @@ async def phalanx_step_time(bus: Bus, args: argparse.Namespace, workload: Worklo
     parts = {part: statistics.median(c[part] for c in commits if part in c)
              for part in ("compute_s", "reduce_s", "optimizer_s", "snapshot_s")
              if any(part in c for c in commits)}
+    cpu = recovery_baseline.cpu_per_step(
+        [(line["step"], line["process_cpu_s"]) for line in lines
+         if line["kind"] == "commit" and line["step"] >= args.overhead_skip]
+        for lines in records.values())
     return {"step_s": statistics.median(b.committed_at - a.committed_at
-                                        for a, b in itertools.pairwise(steps)), **parts}
+                                        for a, b in itertools.pairwise(steps)),
+            "cpu_s": cpu, **parts}
 
 
 async def measure_overhead(args: argparse.Namespace, workload: Workload) -> dict[str, Any]:
@@ -285,10 +291,10 @@ async def measure_overhead(args: argparse.Namespace, workload: Workload) -> dict
                     for arm in arms:
                         load = os.getloadavg()[0]
                         if arm == "ddp":
-                            result = {"step_s": recovery_baseline.run_fault_free(
+                            result = recovery_baseline.run_fault_free(
                                 steps=args.overhead_steps, worker_args=workload.worker_options,
                                 work_dir=Path(tmp) / f"ddp-{n}", skip=args.overhead_skip,
-                                world=WORLD, timeout_s=args.timeout)}
+                                world=WORLD, timeout_s=args.timeout)
                         else:
                             result = await phalanx_step_time(
                                 bus, args, workload, Path(tmp) / f"{workload.name}-{arm}-{n}"
@@ -299,8 +305,11 @@ async def measure_overhead(args: argparse.Namespace, workload: Workload) -> dict
             cli("down", "--data-dir", str(Path(tmp) / "cluster"))
     medians = {arm: statistics.median(r["step_s"] for r in results)
                for arm, results in runs.items()}
+    cpu = {arm: statistics.median(r["cpu_s"] for r in results) for arm, results in runs.items()}
     overhead = {arm: medians[arm] / medians["ddp"] - 1 for arm in OVERHEAD_ARMS if arm != "ddp"}
     return {"runs": runs, "median_step_s": medians, "overhead": overhead,
+            "median_cpu_s": cpu,
+            "cpu_overhead": {arm: cpu[arm] / cpu["ddp"] - 1 for arm in overhead},
             "default_memory_every_steps": CheckpointPolicy().memory_every_steps,
             "targets": {"runtime <= 5% slower than DDP (no snapshots)":
                         overhead["phalanx_no_snapshots"] <= 0.05,
@@ -370,12 +379,12 @@ def record_results(report: dict[str, Any]) -> None:
     load = (f"Load average (1 min) {report['load_before'][0]:.1f} before, "
             f"{report['load_after'][0]:.1f} after (2 cores).")
     section = (f"\n## recovery.py — {report['date']}\n\nCommand: `{report['command']}`\n\n"
-               f"{report['description']}, 4 ranks, SIGKILL of one rank at step "
-               f"{report['kill_step']} of {report['steps']}; baseline: torchrun + DDP + DCP "
-               "every 10 steps, one run per phase; the targets are judged on every phalanx "
-               f"run. {load}\n")
+               f"{report['description']}, 4 ranks. {load}\n")
     if rows:
         section += (
+            f"\nSIGKILL of one rank at step {report['kill_step']} of {report['steps']}; "
+            "baseline: torchrun + DDP + DCP every 10 steps, one run per phase; the targets "
+            "are judged on every phalanx run.\n"
             "\n| kill | phalanx downtime (s) | phalanx steps lost | join pause (s) | "
             "baseline downtime (s) | baseline steps redone | ratio | phalanx breakdown |\n"
             "|---|---:|---:|---|---|---:|---:|---|\n" + "\n".join(rows)
@@ -397,17 +406,22 @@ def overhead_section(o: dict[str, Any]) -> str:
                    for part in ("compute_s", "reduce_s", "optimizer_s", "snapshot_s")
                    if all(part in r for r in runs)}
         parts = ", ".join(f"{part} {value * 1000:.0f}" for part, value in medians.items())
-        cost = f"{o['overhead'][arm] * 100:+.1f} %" if arm in o["overhead"] else "-"
+        cost, cpu_cost = (f"{o[key][arm] * 100:+.1f} %" if arm in o[key] else "-"
+                          for key in ("overhead", "cpu_overhead"))
         rows.append(f"| {names[arm]} | "
                     + ", ".join(f"{r['step_s'] * 1000:.0f}" for r in runs)
-                    + f" | {o['median_step_s'][arm] * 1000:.0f} | {cost} | {parts or '-'} | "
+                    + f" | {o['median_step_s'][arm] * 1000:.0f} | {cost} | "
+                    + ", ".join(f"{r['cpu_s'] * 1000:.0f}" for r in runs)
+                    + f" | {cpu_cost} | {parts or '-'} | "
                     + ", ".join(f"{r['load_before']:.1f}" for r in runs) + " |")
     verdicts = ", ".join(f"{k} {'pass' if v else 'FAIL'}" for k, v in o["targets"].items())
     return ("\nStep time without faults, 4 ranks, one local cluster, the arms alternated "
-            "(each round's order the reverse of the round before):\n\n"
-            "| arm | median step per run (ms) | median (ms) | vs DDP | a rank's step, "
-            "medians (ms) | load avg before each run |\n|---|---|---:|---:|---|---|\n"
-            + "\n".join(rows) + f"\n\nResult: {verdicts}.\n")
+            "(each round's order the reverse of the round before); CPU: a rank process's "
+            "CPU time per step (all its threads), median per run:\n\n"
+            "| arm | median step per run (ms) | median (ms) | vs DDP | CPU per step per run "
+            "(ms) | CPU vs DDP | a rank's step, medians (ms) | load avg before each run |\n"
+            "|---|---|---:|---:|---|---:|---|---|\n"
+            + "\n".join(rows) + f"\n\nResult (on the step time): {verdicts}.\n")
 
 
 def main() -> int:

@@ -34,6 +34,7 @@ import sys
 import tempfile
 import time
 from collections import defaultdict
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -145,12 +146,26 @@ def run_baseline(*, steps: int, kill_step: int, kill_phase: str, worker_args: li
             "wall_s": time.time() - started, "log": str(Path(work_dir) / "torchrun.log")}
 
 
-def run_fault_free(*, steps: int, worker_args: list[str], work_dir: Path, skip: int,
-                   world: int = 4, timeout_s: float = 600) -> float:
-    """The plain DDP loop's median step time: no fault, no checkpoint.
+def cpu_per_step(per_rank: Iterable[Iterable[tuple[int, float]]]) -> float:
+    """The median CPU seconds a rank's process spent on a step.
 
-    The median gap between consecutive commits (a step's commit: its last rank's
-    ``step`` record), the first ``skip`` steps left out (start-up, first allocations).
+    ``per_rank``: for each rank, ``(step, the process's CPU time at its commit)``; the
+    growth between two consecutive steps of the same rank is one step's cost.
+    """
+    costs = []
+    for commits in per_rank:
+        ordered = sorted(commits)
+        costs += [b[1] - a[1] for a, b in itertools.pairwise(ordered) if b[0] == a[0] + 1]
+    return statistics.median(costs)
+
+
+def run_fault_free(*, steps: int, worker_args: list[str], work_dir: Path, skip: int,
+                   world: int = 4, timeout_s: float = 600) -> dict[str, float]:
+    """The plain DDP loop's median step time and CPU per step: no fault, no checkpoint.
+
+    ``step_s``: the median gap between consecutive commits (a step's commit: its last
+    rank's ``step`` record); ``cpu_s``: :func:`cpu_per_step`; the first ``skip``
+    steps left out of both (start-up, first allocations).
 
     Raises:
         TimeoutError: torchrun did not finish within ``timeout_s``.
@@ -161,11 +176,14 @@ def run_fault_free(*, steps: int, worker_args: list[str], work_dir: Path, skip: 
     if returncode != 0:
         raise RuntimeError(f"torchrun exited {returncode}; see {Path(work_dir) / 'torchrun.log'}")
     commits: dict[int, float] = defaultdict(float)
+    cpu: dict[int, list[tuple[int, float]]] = defaultdict(list)
     for r in read_records(Path(work_dir) / "records"):
         if r["phase"] == "step" and r["step"] > skip:
             commits[r["step"]] = max(commits[r["step"]], r["t"])
+            cpu[r["rank"]].append((r["step"], r["process_cpu_s"]))
     ordered = [commits[step] for step in sorted(commits)]
-    return statistics.median(b - a for a, b in itertools.pairwise(ordered))
+    return {"step_s": statistics.median(b - a for a, b in itertools.pairwise(ordered)),
+            "cpu_s": cpu_per_step(cpu.values())}
 
 
 def read_records(record_dir: Path) -> list[dict[str, Any]]:

@@ -31,7 +31,8 @@ Each rank appends JSON lines ``{"step", "t", "attempt", "phase", ...}`` to
 * ``process_group``: the gloo process group is up (rendezvous with the peers);
 * ``built``: model, DDP (which broadcasts rank 0's parameters) and optimizer built;
 * ``loaded``: the checkpoint is loaded (``step`` = its step, 0 if there was none);
-* ``step``: step ``step`` is committed (after ``optimizer.step()``);
+* ``step``: step ``step`` is committed (after ``optimizer.step()``), with the
+  process's CPU time so far (``process_cpu_s``);
 * ``saved``: the checkpoint of step ``step`` is complete;
 * ``kill``: this rank is about to SIGKILL itself (fault injection);
 * ``done``: all ranks have finished the last step (and its checkpoint, if due).
@@ -322,7 +323,7 @@ def main() -> None:
             os.kill(os.getpid(), signal.SIGKILL)
         hook.step = step
         loss = training.step(step)
-        record("step", step, loss=loss)
+        record("step", step, loss=loss, process_cpu_s=time.process_time())
         if args.ckpt_every and step % args.ckpt_every == 0:
             save_checkpoint(args.ckpt_dir, step, training.model, training.optimizer,
                             training.extra)

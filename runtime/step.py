@@ -240,7 +240,9 @@ class Step:
         return ok
 
     def timings(self, now: float) -> dict[str, float]:
-        """Where the step's time went, for the record (``now``: the optimizer step's end)."""
+        """Where the step's time went, for the record (``now``: the optimizer step's end),
+        and the process's CPU time so far (all threads: the bus thread's and gloo's too),
+        whose growth per step is the rank's cost even on a shared, busy machine."""
         return {"compute_s": self._computed_at - self.started,
                 "reduce_s": self._reduced_at - self._computed_at,
-                "optimizer_s": now - self._reduced_at}
+                "optimizer_s": now - self._reduced_at, "process_cpu_s": time.process_time()}
