@@ -49,6 +49,10 @@ M = TypeVar("M", bound=Message)
 ERROR_CODE_HEADER = "Nats-Service-Error-Code"
 ERROR_HEADER = "Nats-Service-Error"
 DEFAULT_REQUEST_TIMEOUT_S = 2.0
+#: How long a round trip's PING waits for its PONG in the background (see
+#: :meth:`Bus.round_trip`): a reconnection drops its PONG for good, and only then does
+#: this wait end by the deadline.
+_PONG_WAIT_S = 600
 # How nats-server words a refused publish or subscription (sent as -ERR, connection kept).
 _DENIAL = re.compile(r'permissions violation for (publish|subscription) to "([^"]+)"',
                      re.IGNORECASE)
@@ -158,6 +162,14 @@ def _quiet_tls_close(record: logging.LogRecord) -> bool:
     return "eof_received() has no effect when using ssl" not in record.getMessage()
 
 
+def _retire_round_trip(pending: set[asyncio.Task[None]]) -> Callable[[asyncio.Task[None]], None]:
+    def retire(ping: asyncio.Task[None]) -> None:
+        pending.discard(ping)
+        if not ping.cancelled():
+            ping.exception()  # retrieved: a failed PING is the caller's False, not a warning
+    return retire
+
+
 class Bus:
     """A connected NATS client speaking phalanx's wire contract.
 
@@ -173,6 +185,7 @@ class Bus:
         self._on_reconnect: list[Callable[[], Awaitable[None]]] = []
         self._resyncs: weakref.WeakSet[asyncio.Event] = weakref.WeakSet()
         self._refusal_waiters: dict[tuple[str, str], set[asyncio.Future[None]]] = {}
+        self._round_trips: set[asyncio.Task[None]] = set()
 
     @property
     def connected(self) -> bool:
@@ -337,6 +350,31 @@ class Bus:
             await self.nc.drain()
         except (nats.errors.Error, TimeoutError, OSError):
             await self.nc.close()
+        for ping in self._round_trips:  # closed: no PONG can come and trip the read loop
+            ping.cancel()
+
+    async def round_trip(self, timeout_s: float) -> bool:
+        """Whether the server answered a PING within ``timeout_s``: then everything
+        published here before has reached it, and everything it sent before is in the
+        subscriptions' queues.
+
+        Use this, never ``nc.flush``: a flush that times out (or whose caller is
+        cancelled) cancels its PONG's future but leaves it queued in nats-py (2.16), and
+        when the late PONG comes the read loop fails on it (``InvalidStateError``) and
+        stops reading for good — the connection receives nothing until the ping timer
+        calls it stale. Under load that is exactly when a flush times out: health went
+        blind through a whole crash storm (bench/scale.py). So the PING's wait is never
+        cancelled; it goes on in the background, and only this call gives up.
+        """
+        if self.nc.is_closed:
+            return False
+        # nats-py's own deadline only ends a wait whose PONG never comes (the connection
+        # then fails anyway, which fails the future too).
+        ping = asyncio.create_task(self.nc.flush(timeout=_PONG_WAIT_S))
+        self._round_trips.add(ping)
+        ping.add_done_callback(_retire_round_trip(self._round_trips))
+        done, _ = await asyncio.wait({ping}, timeout=timeout_s)
+        return ping in done and not ping.cancelled() and ping.exception() is None
 
     async def publish(self, subject: str, message: Message,
                       headers: dict[str, str] | None = None) -> None:

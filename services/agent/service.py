@@ -396,7 +396,9 @@ class AgentService(Service):
         await self.bus.publish(subjects.node_chaos(node), NodeConditionChanged(
             node_id=node, condition=NodeCondition.CHAOS, at=now, until=over,
             reason=f"phalanx chaos {request.action.value}"))
-        await self.bus.nc.flush()
+        if not await self.bus.round_trip(10.0):
+            log.warning("the chaos notice may not have reached the server before the fault",
+                        extra={"action": request.action.value})
         match request.action:
             case ChaosAction.KILL_RANK:
                 assert request.job_id is not None and request.rank is not None

@@ -36,6 +36,7 @@ class Outbox:
         # key -> (actions it must follow, the write): insertion order is the line
         self._writes: dict[Hashable, tuple[int, Work]] = {}
         self._writes_waiting = asyncio.Event()
+        self._writing = 0  # writes popped from the line and under way
 
     def act(self, work: Work) -> None:
         """Queue an action (after every action queued before it)."""
@@ -51,7 +52,12 @@ class Outbox:
     @property
     def pending(self) -> tuple[int, int]:
         """Actions and writes not yet carried out (or under way)."""
-        return self._decided - self._done, len(self._writes)
+        return self._decided - self._done, len(self._writes) + self._writing
+
+    async def idle(self) -> None:
+        """Return once everything queued so far, and since, is carried out."""
+        async with self._progress:
+            await self._progress.wait_for(lambda: self.pending == (0, 0))
 
     async def run(self) -> None:
         """Carry out both lanes until cancelled; an error in any work ends it (raised)."""
@@ -78,4 +84,10 @@ class Outbox:
                 while self._done < self._writes[key][0]:
                     await self._progress.wait()
             _, work = self._writes.pop(key)
-            await work()
+            self._writing += 1
+            try:
+                await work()
+            finally:
+                self._writing -= 1
+            async with self._progress:
+                self._progress.notify_all()

@@ -55,7 +55,6 @@ import time
 import uuid
 
 import msgspec
-import nats.errors
 from nats.aio.subscription import Subscription
 from opentelemetry import context as otel_context
 
@@ -354,11 +353,7 @@ class HealthService(Service):
 
     async def _flushed(self) -> bool:
         assert self.bus is not None
-        try:
-            await self.bus.nc.flush(timeout=1)
-        except (nats.errors.Error, TimeoutError):
-            return False
-        return True
+        return await self.bus.round_trip(1.0)
 
     @staticmethod
     def _unread(term: Term) -> bool:

@@ -145,3 +145,24 @@ async def test_kv_entries_skip_corrupt_values_and_report_them(bus: Bus, uid: str
     entries, errors = await kv.entries()
     assert [e.key for e in entries] == ["good"]
     assert len(errors) == 1 and "bad" in errors[0].subject
+
+
+async def test_round_trips_that_give_up_leave_the_connection_reading(
+        bus_config: BusConfig, uid: str) -> None:
+    """A round trip that gives up before its PONG (here: at once) answers False, and the
+    late PONG does not stop the connection reading. nats-py's own flush with a timeout
+    that expires cancels the PONG's future but keeps it queued, and its read loop then
+    dies on the late PONG: nothing more is received, which is what made health blind."""
+    async with await Bus.connect(bus_config) as bus:
+        got: asyncio.Queue[NodeHeartbeat] = asyncio.Queue()
+
+        async def on_beat(msg: NodeHeartbeat, _: Delivery) -> None:
+            await got.put(msg)
+
+        await bus.subscribe(f"t.{uid}", NodeHeartbeat, on_beat)
+        for _ in range(5):
+            assert await bus.round_trip(1e-9) is False
+        assert await bus.round_trip(10.0)  # after every abandoned PONG came in
+        for seq in range(3):
+            await bus.publish(f"t.{uid}", beat(uid, seq))
+        assert [(await asyncio.wait_for(got.get(), 10)).seq for _ in range(3)] == [0, 1, 2]

@@ -25,11 +25,6 @@ async def running(outbox: Outbox) -> AsyncIterator[asyncio.Task[None]]:
             await task
 
 
-async def drained(outbox: Outbox) -> None:
-    while outbox.pending != (0, 0):
-        await asyncio.sleep(0)
-
-
 async def test_an_action_goes_out_while_a_write_is_stuck() -> None:
     outbox, stuck, log = Outbox(), asyncio.Event(), []
 
@@ -50,7 +45,7 @@ async def test_an_action_goes_out_while_a_write_is_stuck() -> None:
         await fault_out.wait()
         assert log == ["fault"]
         stuck.set()
-        await drained(outbox)
+        await asyncio.wait_for(outbox.idle(), 10)
     assert log == ["fault", "snapshot"]
 
 
@@ -71,7 +66,7 @@ async def test_a_write_waits_for_the_actions_decided_before_it() -> None:
             await asyncio.sleep(0)
         assert log == []  # the snapshot reflects the exit whose fault is not out yet
         publish.set()
-        await drained(outbox)
+        await asyncio.wait_for(outbox.idle(), 10)
     assert log == ["fault", "snapshot"]
 
 
@@ -87,7 +82,7 @@ async def test_a_waiting_write_is_replaced_in_its_place_in_line() -> None:
     outbox.write(("cursor", 1), writing("cursor 1"))
     outbox.write(("job", "a"), writing("a2"))  # newer: replaces a1, still before the cursor
     async with running(outbox):
-        await drained(outbox)
+        await asyncio.wait_for(outbox.idle(), 10)
     assert log == ["a2", "cursor 1"]
 
 
@@ -147,7 +142,7 @@ def test_the_rules_hold_for_any_interleaving(script: list[tuple]) -> None:
                 else:
                     for _ in range(op[1]):
                         await asyncio.sleep(0)
-            await drained(outbox)
+            await asyncio.wait_for(outbox.idle(), 10)
 
         position = {entry: i for i, entry in enumerate(started)}
         assert len(position) == len(started), "a work ran twice"
