@@ -195,7 +195,8 @@ async def fanout(config: BusConfig, subscribers: int, rounds: int) -> list[float
 
     for bus in buses:
         await bus.subscribe(subjects.job_fault("fanout"), Fault, on_fault)
-        await bus.nc.flush()
+        if not await bus.round_trip(30.0):
+            raise TimeoutError("a fan-out subscriber's subscription did not reach the server")
     publisher = buses[0]
     fault = Fault(fault_id="f", job_id="fanout", kind=FaultKind.CRASH, node_id="n",
                   detected_at=time.time(), rank=0)

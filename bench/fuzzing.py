@@ -701,7 +701,7 @@ class Barrage:
                 unpaced += len(item.payload) + 256
                 if unpaced > PACE_BYTES:  # else the server cuts off a slow consumer
                     unpaced = 0
-                    await self.bus.nc.flush()
+                    await self._sent()
                     await self._caught_up(watched, before, result.bad)
             else:
                 bucket, key = address.split("/", 1)
@@ -711,9 +711,16 @@ class Barrage:
                 await kv.put(key, item.payload)
         if pending:
             await asyncio.wait(pending)
-        await self.bus.nc.flush()
+        await self._sent()
         await self._settle(target, watched, before, result)
         return result
+
+    async def _sent(self) -> None:
+        """Until the server has everything published so far (patient, as a loaded
+        machine needs)."""
+        assert self.bus is not None
+        if not await self.bus.round_trip(KV_ACK_TIMEOUT_S):
+            raise TimeoutError(f"the server did not answer a PING in {KV_ACK_TIMEOUT_S:g} s")
 
     async def _request(self, subject: str, item: Input, bad: bool, result: TargetResult) -> None:
         assert self.bus is not None
