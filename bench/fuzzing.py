@@ -353,8 +353,8 @@ def _cohere(doc: Any) -> None:
     """Make a generated document meet the cross-field rules a random one almost never
     meets (a generation's ranks 0..n-1 over n distinct replicas; a rank kill names a job
     and a rank; a trace is a traceparent or none; scaling and checkpoint policies within
-    their rules), so valid messages of those types reach the services too, not only their
-    rejections."""
+    their rules; a placement no larger than the job), so valid messages of those types
+    reach the services too, not only their rejections."""
     if isinstance(doc, list):
         for item in doc:
             _cohere(item)
@@ -373,6 +373,13 @@ def _cohere(doc: Any) -> None:
     if doc.get("action") == ChaosAction.KILL_RANK.value:
         doc["job_id"] = doc.get("job_id") or "fuzz-job"
         doc["rank"] = doc["rank"] if isinstance(doc.get("rank"), int) else 0
+    spec = doc.get("spec")
+    if isinstance(doc.get("nodes"), list) and isinstance(spec, dict) \
+            and isinstance(spec.get("replicas"), dict) \
+            and isinstance(spec["replicas"].get("max"), int):
+        del doc["nodes"][max(spec["replicas"]["max"], 1):]  # no more than the job's size
+        if isinstance(doc.get("slots"), list):
+            doc["slots"] = list(range(len(doc["nodes"]))) if doc["slots"] else []
     members = doc.get("members")
     if isinstance(members, list) and "world_size" in doc:
         doc["world_size"] = len(members)

@@ -348,6 +348,11 @@ class JobRecord(Message, tag="phalanx.job_record.v1"):
     def __post_init__(self) -> None:
         if self.state is JobState.ADMITTED and not self.nodes:
             raise ValueError("an admitted job must name the node of each replica")
+        if len(self.nodes) > self.spec.replicas.max:
+            # Every reader walks the placement (and an agent launches from it): bounded by
+            # the job's own size, so a record cannot make any of them do unbounded work.
+            raise ValueError(f"{len(self.nodes)} nodes entries place more replicas than the "
+                             f"job's replicas.max ({self.spec.replicas.max})")
         if self.slots and (len(self.slots) != len(self.nodes)
                            or len(set(self.slots)) != len(self.slots)):
             raise ValueError(f"slots {self.slots} must name each of the {len(self.nodes)} "

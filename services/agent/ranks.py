@@ -223,6 +223,15 @@ class RankSet:
         """
         placement = tuple(record.nodes) if record.state is JobState.ADMITTED else ()
         wanted = {s for s, node in record.placement().items() if node == self.node_id}
+        if self.capacity is not None \
+                and len(wanted) * record.spec.slots_per_replica > self.capacity:
+            # Admission never places more here than the node has: such a record is not
+            # admission's (or is corrupt), and running it would oversubscribe the node.
+            log.warning("refused a placement larger than this node",
+                      extra={"job": record.job_id, "replicas": len(wanted),
+                             "slots_per_replica": record.spec.slots_per_replica,
+                             "slots": self.capacity})
+            return
 
         def outdated(slot: int, launched_in: tuple[str, ...]) -> bool:
             return slot not in wanted or (not elastic and launched_in != placement)

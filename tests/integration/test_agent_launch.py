@@ -113,3 +113,34 @@ async def test_a_replica_is_told_the_host_its_peers_reach_it_at(
     output = await run_in_slot(tmp_path, "first", child=ADVERTISED, env=env,
                                advertise_host=host)
     assert output == expected
+
+
+async def test_a_placement_larger_than_the_node_is_refused_and_nothing_starts(
+        tmp_path: Path) -> None:
+    """A record placing 3 replicas of 2 slots on a 4-slot node (never admission's: the
+    fuzzer's) launches nothing, and the node still runs a record that fits."""
+    started: list[RankStarted] = []
+
+    async def report(message: RankStarted | RankExited) -> None:
+        if isinstance(message, RankStarted):
+            started.append(message)
+
+    async def host_of(_: str) -> str:
+        return "127.0.0.1"
+
+    ranks = RankSet("n1", tmp_path, "nats://127.0.0.1:1", host_of, report, capacity=4)
+
+    def record(job_id: str, replicas: int) -> JobRecord:
+        spec = JobSpec(name="big", team="t", priority_class="normal", slots_per_replica=2,
+                       replicas=ReplicaRange(min=1, max=4), command=["sleep", "600"])
+        return JobRecord(job_id=job_id, spec=spec, state=JobState.ADMITTED, submitted_at=1.0,
+                         updated_at=1.0, reason_code=ReasonCode.ADMITTED,
+                         nodes=["n1"] * replicas)
+
+    try:
+        await ranks.reconcile(record("too-big", 3))
+        assert started == [] and ranks.ranks == {} and ranks.launched == {}
+        await ranks.reconcile(record("fits", 2))
+        assert sorted((s.job_id, s.rank) for s in started) == [("fits", 0), ("fits", 1)]
+    finally:
+        await ranks.stop_all()

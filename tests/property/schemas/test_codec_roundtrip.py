@@ -139,6 +139,7 @@ def _fix_scaling_change(kw: dict[str, Any]) -> dict[str, Any]:
 def _fix_job_record(kw: dict[str, Any]) -> dict[str, Any]:
     if kw["state"] is JobState.ADMITTED and not kw.get("nodes"):
         kw["nodes"] = ["n0"]
+    kw["nodes"] = kw.get("nodes", [])[:kw["spec"].replicas.max]
     if "slots" in kw:
         kw["slots"] = list(range(len(kw.get("nodes", [])))) if kw["slots"] else []
     return kw

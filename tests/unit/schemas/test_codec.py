@@ -643,6 +643,16 @@ def test_an_admitted_record_without_nodes_is_refused() -> None:
     rejected(data, JobRecord, "an admitted job must name the node of each replica")
 
 
+def test_a_placement_larger_than_the_job_is_refused() -> None:
+    """The fuzzer's record placing thousands of replicas of a job on one node had the agent
+    launch far beyond its slots and rewrite a 212 MB manifest on every record."""
+    most = _SPEC.replicas.max
+    data = pack(as_map(EXAMPLES[JobRecord], nodes=["gpu-node-07"] * (most + 1), slots=[]))
+    rejected(data, JobRecord, f"place more replicas than the job's replicas.max ({most})")
+    assert decode(pack(as_map(EXAMPLES[JobRecord], nodes=["gpu-node-07"] * most, slots=[])),
+                  JobRecord)
+
+
 def test_encoding_a_value_beyond_64_bits_is_a_wire_error() -> None:
     # Constructors do not check ranges: what a service's arithmetic could produce.
     beat = msgspec.structs.replace(EXAMPLES[NodeHeartbeat], seq=2**64)
