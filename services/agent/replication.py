@@ -123,6 +123,10 @@ async def read_reply(reader: asyncio.StreamReader) -> str:
 class ReplicaListener:
     """Takes replicas of other nodes' snapshots into ``store``; announces each.
 
+    Each connection is a :class:`_Replicas` protocol that receives straight into its
+    target: the offer and header into small buffers, the bytes into the replica file's
+    mapping (one copy, from the socket to the tmpfs pages), checksummed as they land.
+
     Args:
         store: this node's snapshot store (the bound applies to replicas too).
         node_id: this node (the holder of the replicas it announces).
@@ -139,10 +143,12 @@ class ReplicaListener:
         self.refused = 0  # replicas refused or cut short
         self.closed = 0  # connections served to their end
         self._closing = asyncio.Condition()
+        self._announcing: set[asyncio.Task[None]] = set()
 
     async def start(self, host: str, port: int = 0) -> int:
         """Listen on ``host``:``port`` (0: any free port); returns the port."""
-        self.server = await asyncio.start_server(self._serve, host, port)
+        loop = asyncio.get_running_loop()
+        self.server = await loop.create_server(lambda: _Replicas(self), host, port)
         return self.server.sockets[0].getsockname()[1]
 
     async def stop(self) -> None:
@@ -152,120 +158,209 @@ class ReplicaListener:
                 await asyncio.wait_for(self.server.wait_closed(), IO_TIMEOUT_S)
             self.server = None
 
-    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        peer = writer.get_extra_info("peername")
-        try:
-            while True:
-                try:  # an idle connection waits for its next offer
-                    offer = await reader.readexactly(_OFFER.size)
-                except asyncio.IncompleteReadError as exc:
-                    if exc.partial:
-                        log.warning("replication peer %s closed mid-offer (%d of %d bytes)",
-                                    peer, len(exc.partial), _OFFER.size)
-                    return
-                problem = await self._take(offer, reader, peer)
-                writer.write(pack_reply(problem))
-                await writer.drain()
-                if problem:
-                    return  # the stream's position is unknown after a refusal
-        except (ConnectionError, TimeoutError, asyncio.IncompleteReadError) as exc:
-            self.refused += 1
-            log.warning("replication peer %s gone mid-replica, nothing of it kept: %r",
-                        peer, exc)
-        except Exception:  # one peer's trouble never stops the agent
-            log.exception("replication from %s failed", peer)
-        finally:
-            writer.close()
-            with contextlib.suppress(Exception):
-                await writer.wait_closed()
-            async with self._closing:
-                self.closed += 1
-                self._closing.notify_all()
-
     async def wait_closed(self, count: int) -> None:
         """Wait until ``count`` connections have been served to their end."""
         async with self._closing:
             await self._closing.wait_for(lambda: self.closed >= count)
 
-    async def _take(self, offer: bytes, reader: asyncio.StreamReader, peer) -> str:
-        """Receive one replica; "" when committed, else why not (logged)."""
-        what = f"replica from {peer}"
-        try:
-            source, ring, payload = unpack_offer(offer)
-            what = f"replica of {source}'s {ring} (from {peer})"
-            async with asyncio.timeout(IO_TIMEOUT_S):
-                block = await reader.readexactly(snapshot_file.HEADER_BYTES)
-            header = snapshot_file.read_header(block)
-            what = (f"replica of {source}'s shard {header.shard}/{header.shards} of "
-                    f"{header.job_id} step {header.step} (from {peer})")
-            if header.meta_length + header.length != payload:
-                raise ReplicaRefused(f"the offer announces {payload} B, the header "
-                                     f"{header.meta_length + header.length} B")
-            if source == self.node_id:
-                raise ReplicaRefused(f"{source} is this node: no replica of itself")
-            if self.ended(header.job_id):
-                raise ReplicaRefused(f"job {header.job_id} has ended")
-            try:
-                token(header.job_id, "job id")
-                path = self.store.replica_path(header.job_id, source, ring)
-            except ValueError as exc:
-                raise ReplicaRefused(str(exc)) from None
-            self.store.make_room(path, header.nbytes, what)
-            await self._receive(path, header, reader, payload)
-        except (ReplicaRefused, SnapshotFileError, SnapshotRefused) as exc:
-            self.refused += 1
-            log.warning("%s refused: %s", what, exc)
-            return str(exc) or type(exc).__name__
-        self.taken += 1
-        try:  # the replica is kept either way: a rank's restore lists the store, not this
-            await self.announce(SnapshotRecord(
-                job_id=header.job_id, step=header.step, shard=header.shard,
-                num_shards=header.shards, node_id=self.node_id, tier=SnapshotTier.BUDDY,
-                nbytes=header.length, checksum=f"{header.checksum:016x}",
-                created_at=time.time(), generation=header.generation,
-                total_bytes=header.total, detail=f"replica of {source}'s {ring}"))
-        except Exception as exc:
-            log.warning("%s kept but not announced to the catalog: %s", what, exc)
-        return ""
+    def _ended_connection(self) -> None:
+        async def count() -> None:
+            async with self._closing:
+                self.closed += 1
+                self._closing.notify_all()
 
-    async def _receive(self, path: Path, header: Header, reader: asyncio.StreamReader,
-                       payload: int) -> None:
-        """Write the replica into ``path``: writing mark, bytes, checksum, commit mark.
+        self._spawn(count())
+
+    def _spawn(self, coroutine: Awaitable[None]) -> None:
+        task = asyncio.ensure_future(coroutine)
+        self._announcing.add(task)
+        task.add_done_callback(self._announcing.discard)
+
+    def _taken(self, header: Header, source: str, ring: str, what: str) -> None:
+        """Announce a committed replica (kept either way: a rank's restore lists the
+        store, not the catalog)."""
+        self.taken += 1
+
+        async def announce() -> None:
+            try:
+                await self.announce(SnapshotRecord(
+                    job_id=header.job_id, step=header.step, shard=header.shard,
+                    num_shards=header.shards, node_id=self.node_id, tier=SnapshotTier.BUDDY,
+                    nbytes=header.length, checksum=f"{header.checksum:016x}",
+                    created_at=time.time(), generation=header.generation,
+                    total_bytes=header.total, detail=f"replica of {source}'s {ring}"))
+            except Exception as exc:
+                log.warning("%s kept but not announced to the catalog: %s", what, exc)
+
+        self._spawn(announce())
+
+    def _target(self, source: str, ring: str, header: Header, payload: int,
+                what: str) -> Path:
+        """Where the replica ``header`` names goes, made room for.
 
         Raises:
-            ReplicaRefused: the bytes do not match the header's checksum.
-            asyncio.IncompleteReadError, TimeoutError, ConnectionError: the stream ended
-                first (the file stays marked writing: no reader trusts it).
+            ReplicaRefused, SnapshotRefused: it is not taken (the message says why).
         """
+        if header.meta_length + header.length != payload:
+            raise ReplicaRefused(f"the offer announces {payload} B, the header "
+                                 f"{header.meta_length + header.length} B")
+        if source == self.node_id:
+            raise ReplicaRefused(f"{source} is this node: no replica of itself")
+        if self.ended(header.job_id):
+            raise ReplicaRefused(f"job {header.job_id} has ended")
+        try:
+            token(header.job_id, "job id")
+            path = self.store.replica_path(header.job_id, source, ring)
+        except ValueError as exc:
+            raise ReplicaRefused(str(exc)) from None
+        self.store.make_room(path, header.nbytes, what)
+        return path
+
+
+class _Replicas(asyncio.BufferedProtocol):
+    """One sender's connection: offers, headers and bytes in turn, each received into
+    where it belongs (:class:`ReplicaListener`). A refusal is answered and the connection
+    closed (its position in the stream is lost); silence mid-replica for IO_TIMEOUT_S
+    counts as the sender gone."""
+
+    def __init__(self, listener: ReplicaListener) -> None:
+        self.listener = listener
+        self.transport: asyncio.Transport | None = None
+        self.peer = None
+        self.what = "replica"
+        self.timer: asyncio.TimerHandle | None = None
+        self.replica: tuple[mmap.mmap, Header, str, str] | None = None  # buffer, header, ...
+        self.digest = xxhash.xxh3_64()
+        self._expect(bytearray(_OFFER.size), self._offered)
+
+    def _expect(self, into: bytearray | memoryview, then: Callable[[], None]) -> None:
+        self.view, self.got, self.then = memoryview(into), 0, then
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]  # uvloop's is no subclass
+        self.peer = transport.get_extra_info("peername")
+        self.what = f"replica from {self.peer}"
+
+    def get_buffer(self, sizehint: int) -> memoryview:
+        return self.view[self.got:]
+
+    def buffer_updated(self, nbytes: int) -> None:
+        if self.replica is not None:  # the bytes: checksummed where they landed
+            self.digest.update(self.view[self.got:self.got + nbytes])
+            self._arm()
+        self.got += nbytes
+        if self.got == len(self.view):
+            try:
+                self.then()
+            except (ReplicaRefused, SnapshotFileError, SnapshotRefused) as exc:
+                self._refuse(str(exc) or type(exc).__name__)
+            except Exception:  # one peer's trouble never stops the agent
+                log.exception("%s failed", self.what)
+                self._abort()
+
+    def _offered(self) -> None:
+        source, ring, payload = unpack_offer(bytes(self.view))
+        self.what = f"replica of {source}'s {ring} (from {self.peer})"
+        self._expect(bytearray(snapshot_file.HEADER_BYTES),
+                     lambda: self._headed(source, ring, payload))
+        self._arm()
+
+    def _headed(self, source: str, ring: str, payload: int) -> None:
+        header = snapshot_file.read_header(self.view)
+        self.what = (f"replica of {source}'s shard {header.shard}/{header.shards} of "
+                     f"{header.job_id} step {header.step} (from {self.peer})")
+        path = self.listener._target(source, ring, header, payload, self.what)
         fd = os.open(path, os.O_RDWR)
         try:
             buffer = mmap.mmap(fd, 0)
         finally:
             os.close(fd)
-        done = 0
-        try:
-            snapshot_file.begin(buffer, header)
-            digest = xxhash.xxh3_64()
-            at = snapshot_file.HEADER_BYTES
-            while done < payload:
-                try:
-                    async with asyncio.timeout(IO_TIMEOUT_S):
-                        chunk = await reader.readexactly(min(CHUNK, payload - done))
-                except asyncio.IncompleteReadError as exc:
-                    log.warning("replica %s cut short after %d of %d bytes (the sender "
-                                "closed): nothing kept", path.name, done + len(exc.partial),
-                                payload)
-                    raise
-                buffer[at + done:at + done + len(chunk)] = chunk
-                digest.update(chunk)
-                done += len(chunk)
-            if digest.intdigest() != header.checksum:
-                raise ReplicaRefused(f"checksum mismatch: shard {header.shard} of step "
-                                     f"{header.step} arrived damaged (or overtaken at the "
-                                     f"sender)")
-            snapshot_file.commit(buffer, header)
-        finally:
-            buffer.close()
+        snapshot_file.begin(buffer, header)
+        self.replica, self.digest = (buffer, header, source, ring), xxhash.xxh3_64()
+        start = snapshot_file.HEADER_BYTES
+        self._expect(memoryview(buffer)[start:start + payload], self._received)
+        if not payload:
+            self._received()
+
+    def _received(self) -> None:
+        assert self.replica is not None and self.transport is not None
+        buffer, header, source, ring = self.replica
+        self._drop()  # committed below, or left marked writing
+        if self.digest.intdigest() != header.checksum:
+            raise ReplicaRefused(f"checksum mismatch: shard {header.shard} of step "
+                                 f"{header.step} arrived damaged (or overtaken at the "
+                                 f"sender)")
+        snapshot_file.commit(buffer, header)
+        self._disarm()
+        self.listener._taken(header, source, ring, self.what)
+        self.transport.write(pack_reply())
+        self._expect(bytearray(_OFFER.size), self._offered)
+
+    def _drop(self) -> None:
+        """Let go of the replica's mapping: closed once the transport's receive into it
+        has returned (a mapping cannot close while a view of it lives)."""
+        if self.replica is not None:
+            asyncio.get_running_loop().call_soon(_close, self.replica[0])
+            self.replica = None
+            self.view.release()
+
+    def _refuse(self, problem: str) -> None:
+        assert self.transport is not None
+        self.listener.refused += 1
+        log.warning("%s refused: %s", self.what, problem)
+        self._done()
+        self.transport.write(pack_reply(problem))
+        self.transport.close()  # the stream's position is unknown after a refusal
+
+    def _abort(self) -> None:
+        self._done()
+        if self.transport is not None:
+            self.transport.abort()
+
+    def _done(self) -> None:
+        """Nothing more is taken from this connection (its end was logged already)."""
+        self._drop()
+        self._expect(bytearray(4096), self._discard)
+
+    def _discard(self) -> None:
+        self.got = 0  # bytes still in flight after a refusal, until the close lands
+
+    def _arm(self) -> None:
+        self._disarm()
+        self.timer = asyncio.get_running_loop().call_later(IO_TIMEOUT_S, self._stalled)
+
+    def _disarm(self) -> None:
+        if self.timer is not None:
+            self.timer.cancel()
+            self.timer = None
+
+    def _stalled(self) -> None:
+        self.listener.refused += 1
+        log.warning("%s: nothing for %g s mid-replica; the sender counts as gone, nothing "
+                    "kept", self.what, IO_TIMEOUT_S)
+        self._abort()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._disarm()
+        if self.replica is not None:
+            self.listener.refused += 1
+            log.warning("%s cut short after %d of %d bytes (the sender closed: %r): nothing "
+                        "kept", self.what, self.got, len(self.view), exc)
+            self._drop()
+        elif self.got and self.then == self._offered:
+            log.warning("replication peer %s closed mid-offer (%d of %d bytes)", self.peer,
+                        self.got, _OFFER.size)
+        elif self.got:
+            self.listener.refused += 1
+            log.warning("%s cut short in its header: nothing kept", self.what)
+        self.listener._ended_connection()
+
+
+def _close(buffer: mmap.mmap) -> None:
+    try:
+        buffer.close()
+    except BufferError:  # still viewed (should not be): the mapping goes with the views
+        log.debug("a replica's mapping outlived its receive")
 
 
 # --- sending ---------------------------------------------------------------------------------

@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 import pytest
+import uvloop
 
 from phalanx.runtime import snapshot_file
 from phalanx.runtime.snapshot import held_in
@@ -105,7 +106,7 @@ async def test_committed_buffers_reach_the_buddy_committed_and_listed(tmp_path) 
         assert snapshot_file.committed_header(replicas[0]).step == 7
 
 
-@pytest.mark.parametrize("damage, reason", [
+BAD_INPUTS = [
     (lambda offer, block, payload: b"GET / HTTP/1.1\r\n" + bytes(400), "not a phalanx"),
     (lambda offer, block, payload: offer[:7] + bytes([9]) + offer[8:] + block + payload,
      "version 9; this agent speaks 1"),
@@ -114,7 +115,10 @@ async def test_committed_buffers_reach_the_buddy_committed_and_listed(tmp_path) 
     (lambda offer, block, payload: offer + bytes(len(block)) + payload, "never written"),
     (lambda offer, block, payload: replication.pack_offer("a", "../../etc", len(payload))
      + block + payload, "not a node id and a ring buffer name"),
-])
+]
+
+
+@pytest.mark.parametrize("damage, reason", BAD_INPUTS)
 async def test_bad_input_is_refused_saying_why_and_the_listener_goes_on(
         tmp_path, damage, reason) -> None:
     async with Pair(tmp_path) as pair:
@@ -219,3 +223,11 @@ async def test_a_buddy_away_is_logged_once_and_retried_until_it_answers(tmp_path
         assert caplog.text.count("replication to buddy b") == 1, caplog.text
         await pair.listener.start("127.0.0.1", pair.port)  # back, on the same port
         assert await pair.sender.send_pending() == 1 and not pair.sender.failing
+
+
+def test_the_listener_and_sender_work_on_uvloop(tmp_path) -> None:
+    """The agents run on uvloop, whose transports are not asyncio's classes."""
+    uvloop.run(test_committed_buffers_reach_the_buddy_committed_and_listed(tmp_path / "a"))
+    for i, (damage, reason) in enumerate(BAD_INPUTS):
+        uvloop.run(test_bad_input_is_refused_saying_why_and_the_listener_goes_on(
+            tmp_path / f"bad-{i}", damage, reason))
