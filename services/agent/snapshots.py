@@ -76,6 +76,18 @@ def default_limit(root: Path) -> int:
     return stat.f_blocks * stat.f_frsize // 2
 
 
+def _grow(path: Path, nbytes: int) -> None:
+    """Create the buffer file at ``path`` or grow it to ``nbytes`` (sparse: tmpfs pages are
+    taken as they are written); never shrunk, so what it holds stays readable."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        if os.fstat(fd).st_size < nbytes:
+            os.ftruncate(fd, nbytes)
+    finally:
+        os.close(fd)
+
+
 class SnapshotStore:
     """The snapshot buffers of one node, under ``root``, at most ``limit`` bytes."""
 
@@ -123,14 +135,8 @@ class SnapshotStore:
                 f"{request.nbytes} B of snapshot memory: {more} B more than held would make "
                 f"{used + more} B, over this node's limit of {self.limit} B")
             raise SnapshotRefused(self.refused)
-        directory.mkdir(parents=True, exist_ok=True)
         for path in paths:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
-            try:
-                if os.fstat(fd).st_size < request.nbytes:
-                    os.ftruncate(fd, request.nbytes)  # grows; what it holds stays
-            finally:
-                os.close(fd)
+            _grow(path, request.nbytes)
         self.current[request.job_id] = request.shards
         return paths
 
@@ -190,13 +196,7 @@ class SnapshotStore:
             self.refused = (f"{why}: {more} B more than held would make {used + more} B, "
                             f"over this node's limit of {self.limit} B")
             raise SnapshotRefused(self.refused)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
-        try:
-            if os.fstat(fd).st_size < nbytes:
-                os.ftruncate(fd, nbytes)
-        finally:
-            os.close(fd)
+        _grow(path, nbytes)
 
     def prune_replicas(self, job_id: str) -> int:
         """Delete each source's replicas of ``job_id`` from earlier memberships once the
