@@ -74,7 +74,6 @@ def alone(data_dir: Path, out: Path) -> dict:
             "loss": [s.loss for s in record.timeline(record.read(out / "rec"))]}
 
 
-@pytest.mark.timeout(480)  # the script alone, then on the cluster, 1500 steps each
 async def test_gpt_trains_through_a_kill_mid_all_reduce_and_a_join_as_it_does_alone(
         cluster, data_dir: Path, tmp_path: Path) -> None:
     reference = alone(data_dir, tmp_path / "alone")
