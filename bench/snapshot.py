@@ -56,24 +56,22 @@ BENCH = Path(__file__).resolve().parent
 sys.path.insert(0, str(BENCH))
 sys.path.insert(0, str(BENCH.parent / "examples"))
 
+import recovery  # noqa: E402
 import replication  # noqa: E402
 import torch  # noqa: E402
 import workload_w  # noqa: E402
 from results import append, utc_date  # noqa: E402
 
-from phalanx.bus.client import Bus, Delivery  # noqa: E402
+from phalanx.bus.client import Bus  # noqa: E402
 from phalanx.bus.config import BusConfig  # noqa: E402
 from phalanx.runtime import record, snapshot_file  # noqa: E402
 from phalanx.runtime.snapshot import flat_state, write_share  # noqa: E402
-from phalanx.schemas import subjects  # noqa: E402
 from phalanx.schemas.messages import (  # noqa: E402
     CheckpointPolicy,
-    JobRecord,
     JobSpec,
     JobState,
     ReplicaRange,
 )
-from phalanx.services.client import AdmissionClient  # noqa: E402
 
 SCRIPT = BENCH.parent / "examples" / "train_mlp.py"
 WORLD = 4
@@ -92,13 +90,6 @@ async def step_time(bus: Bus, args: argparse.Namespace, work: Path, name: str,
     between committed steps, and from the commit records the median time of a rank's
     snapshot (``snapshot_s``), the median interval in force and the in-thread share."""
     rec = work / name
-    done: asyncio.Future[JobRecord] = asyncio.get_running_loop().create_future()
-
-    async def on_state(r: JobRecord, _: Delivery) -> None:
-        if r.job_id == name and r.state.terminal and not done.done():
-            done.set_result(r)
-
-    sub = await bus.subscribe(subjects.job_states(), JobRecord, on_state)
     spec = JobSpec(
         name="w", team="bench", priority_class="normal",
         replicas=ReplicaRange(min=WORLD, max=WORLD),
@@ -108,9 +99,7 @@ async def step_time(bus: Bus, args: argparse.Namespace, work: Path, name: str,
         env={"PHALANX_RECORD_DIR": str(rec)},
         checkpoint=CheckpointPolicy(memory_every_steps=every),
         hang_timeout_s=30.0, grace_period_s=5.0)
-    await AdmissionClient(bus).submit(spec, name)
-    ended = await asyncio.wait_for(done, args.timeout)
-    await sub.unsubscribe()
+    ended = await recovery.run_job(bus, spec, name, args.timeout)
     if ended.state is not JobState.FINISHED:
         raise RuntimeError(f"{name} ended {ended.state.value}: {ended.reason}")
     records = record.read(rec)
