@@ -162,14 +162,6 @@ def _quiet_tls_close(record: logging.LogRecord) -> bool:
     return "eof_received() has no effect when using ssl" not in record.getMessage()
 
 
-def _retire_round_trip(pending: set[asyncio.Task[None]]) -> Callable[[asyncio.Task[None]], None]:
-    def retire(ping: asyncio.Task[None]) -> None:
-        pending.discard(ping)
-        if not ping.cancelled():
-            ping.exception()  # retrieved: a failed PING is the caller's False, not a warning
-    return retire
-
-
 class Bus:
     """A connected NATS client speaking phalanx's wire contract.
 
@@ -372,9 +364,14 @@ class Bus:
         # then fails anyway, which fails the future too).
         ping = asyncio.create_task(self.nc.flush(timeout=_PONG_WAIT_S))
         self._round_trips.add(ping)
-        ping.add_done_callback(_retire_round_trip(self._round_trips))
+        ping.add_done_callback(self._round_trip_done)
         done, _ = await asyncio.wait({ping}, timeout=timeout_s)
         return ping in done and not ping.cancelled() and ping.exception() is None
+
+    def _round_trip_done(self, ping: asyncio.Task[None]) -> None:
+        self._round_trips.discard(ping)
+        if not ping.cancelled():
+            ping.exception()  # retrieved: a failed PING is the caller's False, not a warning
 
     async def publish(self, subject: str, message: Message,
                       headers: dict[str, str] | None = None) -> None:

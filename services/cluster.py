@@ -342,8 +342,7 @@ class LocalCluster:
         if name not in self.metrics_sockets:
             self.metrics_sockets[name] = socket.create_server(("127.0.0.1", 0))
         metrics_fd = self.metrics_sockets[name].fileno()
-        env.pop(metrics.PORT_ENV, None)
-        env[metrics.FD_ENV] = str(metrics_fd)
+        env[metrics.FD_ENV] = str(metrics_fd)  # served before any PHALANX_METRICS_PORT
         try:
             return await asyncio.create_subprocess_exec(
                 sys.executable, "-m", *argv, stdin=asyncio.subprocess.DEVNULL, stdout=log_file,

@@ -28,10 +28,10 @@ import os
 import socket
 import threading
 from collections.abc import Mapping
-from socketserver import ThreadingMixIn
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer
 
 from prometheus_client import Counter, Gauge, Histogram, make_wsgi_app, start_http_server
+from prometheus_client.exposition import ThreadingWSGIServer
 
 from phalanx.schemas.errors import PhalanxError
 
@@ -132,10 +132,6 @@ def fd_from_env(env: Mapping[str, str] | None = None) -> int | None:
     return int(raw)
 
 
-class _ThreadingServer(ThreadingMixIn, WSGIServer):
-    daemon_threads = True
-
-
 class _QuietHandler(WSGIRequestHandler):
     def log_message(self, format: str, *args: object) -> None:
         """Scrapes are not logged: one line per scrape would drown the service's own."""
@@ -149,7 +145,7 @@ def _serve_inherited(fd: int) -> WSGIServer:
         sock.set_inheritable(False)  # this process's own: not for the children it starts
     except OSError as exc:
         raise MetricsConfigError(f"{FD_ENV}={fd} is not an open socket: {exc}") from None
-    server = _ThreadingServer((host, port), _QuietHandler, bind_and_activate=False)
+    server = ThreadingWSGIServer((host, port), _QuietHandler, bind_and_activate=False)
     server.socket.close()
     server.socket = sock
     server.server_address = (host, port)

@@ -228,9 +228,9 @@ class RankSet:
             # Admission never places more here than the node has: such a record is not
             # admission's (or is corrupt), and running it would oversubscribe the node.
             log.warning("refused a placement larger than this node",
-                      extra={"job": record.job_id, "replicas": len(wanted),
-                             "slots_per_replica": record.spec.slots_per_replica,
-                             "slots": self.capacity})
+                        extra={"job": record.job_id, "replicas": len(wanted),
+                               "slots_per_replica": record.spec.slots_per_replica,
+                               "slots": self.capacity})
             return
 
         def outdated(slot: int, launched_in: tuple[str, ...]) -> bool:

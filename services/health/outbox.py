@@ -3,9 +3,9 @@
 The core decides in memory; the shell must then act on the bus (publish a fault, a
 node's condition, end a job's record) and store what a successor needs (each job's
 snapshot, its progress record, the stream cursor). Both are round trips to the
-server. Done in one line, a storm of rank exits put every fault behind the snapshot
-writes of the exits before it: at 200 simulated nodes (bench/scale.py) the 50th
-crash's fault went out about a second after the crash.
+server. Done in one line, a storm of rank exits puts every fault behind the snapshot
+writes of the exits before it (suspected, not yet measured, as the cause of the 924 ms
+crash -> fault p99 at 200 simulated nodes in bench/scale.py).
 
 So there are two lanes. **Actions** go out one at a time in the order decided.
 **Writes** wait only for the actions decided before them — a stored snapshot never
