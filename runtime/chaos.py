@@ -1,17 +1,26 @@
-"""Fault injection inside a rank: ``PHALANX_CHAOS_KILL=<replica>:<step>:<phase>[,...]``.
+"""Fault injection inside a rank.
 
-The named replica SIGKILLs itself at that step, either at the step's
-``boundary`` (before it starts) or during its gradient ``allreduce`` (5 ms
-after the first bucket is launched, so the collective is in flight). It
-writes a ``chaos`` line to its record first, so a test knows the death was
-injected. Other replicas ignore the entries that do not name them.
+``PHALANX_CHAOS_KILL=<replica>:<step>:<phase>[,...]``: the named replica
+SIGKILLs itself at that step, either at the step's ``boundary`` (before it
+starts) or during its gradient ``allreduce`` (5 ms after the first bucket is
+launched, so the collective is in flight). It writes a ``chaos`` line to its
+record first, so a test knows the death was injected. Other replicas ignore
+the entries that do not name them.
+
+``PHALANX_CHAOS_PACE=<seconds>:<path>``: a slow job. Every replica waits that
+long before each step until ``path`` exists, then runs at full speed. A test
+that must act while the job still trains (grow it, kill a node, start a
+replacement) releases it when done, instead of guessing how many steps the
+machine's speed leaves it.
 """
 
 from __future__ import annotations
 
 import os
 import signal
+import time
 from collections.abc import Callable
+from pathlib import Path
 
 from phalanx.schemas.errors import ConfigError
 
@@ -41,3 +50,40 @@ def die(before: Callable[[], None] | None = None) -> None:
     if before is not None:
         before()
     os.kill(os.getpid(), signal.SIGKILL)
+
+
+class Pace:
+    """A job held to ``seconds`` per step until ``release`` exists (checked once a step)."""
+
+    def __init__(self, seconds: float, release: Path,
+                 sleep: Callable[[float], None] = time.sleep) -> None:
+        self.seconds = seconds
+        self.release = release
+        self.released = False
+        self._sleep = sleep
+
+    def wait(self) -> None:
+        """Before a step: sleep, unless the job has been released."""
+        if not self.released:
+            self.released = self.release.exists()
+        if not self.released:
+            self._sleep(self.seconds)
+
+
+def parse_chaos_pace(value: str) -> Pace | None:
+    """The pace ``<seconds>:<path>`` asks for, or None (empty).
+
+    Raises:
+        ConfigError: it is not ``<seconds>:<path>`` with seconds a number in (0, 60].
+    """
+    if not value:
+        return None
+    seconds, _, path = value.partition(":")
+    try:
+        wait = float(seconds)
+    except ValueError:
+        wait = -1.0
+    if not 0 < wait <= 60 or not path:
+        raise ConfigError(f"PHALANX_CHAOS_PACE: {value!r} is not <seconds>:<path> "
+                          "(seconds in (0, 60])")
+    return Pace(wait, Path(path))

@@ -98,7 +98,7 @@ from phalanx.bus import telemetry
 from phalanx.bus.config import BusConfig
 from phalanx.runtime import chaos, priority, teardown
 from phalanx.runtime.bus_thread import BusThread
-from phalanx.runtime.chaos import parse_chaos_kill
+from phalanx.runtime.chaos import Pace, parse_chaos_kill, parse_chaos_pace
 from phalanx.runtime.data import ElasticOrder, MicroBatch
 from phalanx.runtime.dataset import step_loader
 from phalanx.runtime.durable import (
@@ -246,6 +246,8 @@ class ElasticSession:
             replacement at a lower CPU priority: :mod:`.priority`); None: unchanged.
         chaos_kill: ``(step, phase)`` at which this process SIGKILLs itself, ``phase``
             ``"boundary"`` (before the step) or ``"allreduce"`` (while its all-reduce runs).
+        chaos_pace: a slowed job (:class:`.chaos.Pace`): it waits before each step until
+            released.
         state: name -> object with ``state_dict``/``load_state_dict`` (LR schedulers, an
             EMA, a loss scaler) carried with the model and optimizer to every replica that
             receives state; more with :meth:`register`.
@@ -271,7 +273,7 @@ class ElasticSession:
                  on_membership: Callable[[MembershipChange], None] | None = None,
                  deterministic: bool = False, warmup: Callable[[], None] | None = None,
                  nice_when_ready: int | None = None,
-                 chaos_kill: tuple[int, str] | None = None,
+                 chaos_kill: tuple[int, str] | None = None, chaos_pace: Pace | None = None,
                  state: Mapping[str, Any] | None = None, metrics: Sequence[str] = (),
                  loader: Mapping[str, Any] | None = None,
                  snapshot_interval: IntervalPolicy | None = None, snapshot_keep: int = 2,
@@ -293,6 +295,7 @@ class ElasticSession:
         self.on_membership = on_membership
         self.deterministic = deterministic
         self.chaos_kill = chaos_kill
+        self.chaos_pace = chaos_pace
         self._state: dict[str, Any] = {}
         self._started = False  # a step was taken: the registered state is fixed
         for name, obj in (state or {}).items():
@@ -382,6 +385,7 @@ class ElasticSession:
             return cls(model, optimizer, dataset, **kwargs)
         replica_id = env.get("PHALANX_REPLICA_ID") or f"r{env.get('PHALANX_RANK', '0')}-0"
         chaos_kill = parse_chaos_kill(env.get("PHALANX_CHAOS_KILL", ""), replica_id)
+        kwargs.setdefault("chaos_pace", parse_chaos_pace(env.get("PHALANX_CHAOS_PACE", "")))
         telemetry.setup_tracing("phalanx-rank", env)  # off unless OTEL_* asks for it
         bus = BusThread(BusConfig.load(env=env), f"rank:{env['PHALANX_JOB_ID']}:{replica_id}")
         return cls(model, optimizer, dataset, bus=bus.start(), job_id=env["PHALANX_JOB_ID"],
@@ -528,6 +532,8 @@ class ElasticSession:
                 self._leave_without_joining()
             if self.chaos_kill == (self.committed, "boundary"):
                 self._chaos_kill()
+            if self.chaos_pace is not None:
+                self.chaos_pace.wait()
             step = Step(self, self.committed)
             yield step
             if step.outcome is None:

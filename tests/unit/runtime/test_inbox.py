@@ -4,9 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from phalanx.runtime.chaos import parse_chaos_kill
 from phalanx.runtime.inbox import Inbox
-from phalanx.schemas.errors import ConfigError
 from phalanx.schemas.messages import (
     Fault,
     FaultKind,
@@ -84,11 +82,3 @@ def test_the_jobs_progress_only_goes_forward() -> None:
                                        generation=0, step_time_s=0.1, sent_at=0.0), None)
     assert inbox.finished_step == 9
 
-
-def test_chaos_kill_names_its_replica_step_and_phase() -> None:
-    value = "r1-0:40:allreduce,r2-0:7:boundary"
-    assert parse_chaos_kill(value, "r1-0") == (40, "allreduce")
-    assert parse_chaos_kill(value, "r2-0") == (7, "boundary")
-    assert parse_chaos_kill(value, "r0-0") is None and parse_chaos_kill("", "r0-0") is None
-    with pytest.raises(ConfigError, match="'r1-0:x:boundary' is not"):
-        parse_chaos_kill("r1-0:x:boundary", "r0-0")  # refused whoever reads it

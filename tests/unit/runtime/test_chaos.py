@@ -1,0 +1,46 @@
+"""Fault injection inside a rank: who dies when, and a job held slow until released."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from phalanx.runtime.chaos import Pace, parse_chaos_kill, parse_chaos_pace
+from phalanx.schemas.errors import ConfigError
+
+
+def test_chaos_kill_names_its_replica_step_and_phase() -> None:
+    value = "r1-0:40:allreduce,r2-0:7:boundary"
+    assert parse_chaos_kill(value, "r1-0") == (40, "allreduce")
+    assert parse_chaos_kill(value, "r2-0") == (7, "boundary")
+    assert parse_chaos_kill(value, "r0-0") is None and parse_chaos_kill("", "r0-0") is None
+    with pytest.raises(ConfigError, match="'r1-0:x:boundary' is not"):
+        parse_chaos_kill("r1-0:x:boundary", "r0-0")  # refused whoever reads it
+
+
+def test_a_paced_job_waits_before_every_step_until_released(tmp_path: Path) -> None:
+    slept: list[float] = []
+    release = tmp_path / "release"
+    pace = Pace(0.25, release, slept.append)
+    pace.wait()
+    pace.wait()
+    assert slept == [0.25, 0.25]
+    release.touch()
+    pace.wait()
+    release.unlink()  # released for good: the file is not looked at again
+    pace.wait()
+    assert slept == [0.25, 0.25] and pace.released
+
+
+@pytest.mark.parametrize("value", ["x:/tmp/r", "0:/tmp/r", "61:/tmp/r", "0.1", "0.1:", "-1:/r"])
+def test_a_pace_that_is_not_seconds_and_a_path_is_refused_naming_it(value: str) -> None:
+    with pytest.raises(ConfigError, match=f"PHALANX_CHAOS_PACE: {value!r} is not"):
+        parse_chaos_pace(value)
+
+
+def test_a_pace_is_seconds_and_a_path() -> None:
+    pace = parse_chaos_pace("0.05:/tmp/phalanx-release")
+    assert pace is not None and (pace.seconds, pace.release) == (
+        0.05, Path("/tmp/phalanx-release"))
+    assert parse_chaos_pace("") is None
