@@ -137,6 +137,7 @@ class Chaos:
         self.rng = random.Random(seed)
         self.order = self.rng.sample(KINDS, len(KINDS))  # of the first faults
         self.steps = steps
+        self.release = work / "release"  # the job's pace ends (runtime/chaos.py)
         self.cluster = LocalCluster(work / "cluster", agents=2, slots_per_agent=2, nats_port=0,
                                     heartbeat_interval_s=0.2, admission_instances=2,
                                     health_instances=2, elasticity_instances=2)
@@ -171,7 +172,10 @@ class Chaos:
                                 str(self.work / "data"), *ARGS, "--steps", str(self.steps),
                                 "--save", str(self.work / "final.pt")],
                        env={"PHALANX_RECORD_DIR": str(self.work / "rec"),
-                            "PHALANX_DETERMINISTIC": "1"},
+                            "PHALANX_DETERMINISTIC": "1",
+                            # At most 100 steps/s until the faults are made: the job
+                            # outlasts them on a fast machine too.
+                            "PHALANX_CHAOS_PACE": f"0.01:{self.release}"},
                        hang_timeout_s=2.0, grace_period_s=3.0,
                        # Faults come every few seconds on purpose: a crash loop this is not.
                        restart_policy=RestartPolicy(max_restarts=100_000,
@@ -380,6 +384,7 @@ async def run(work: Path, *, seed: int, faults: int, interval_s: float,
             if await chaos.inject(n) is not None:
                 n += 1
             await asyncio.sleep(interval_s)
+        chaos.release.touch()
         job = await chaos.finished(timeout_s=max(300.0, steps * 0.5))
         await asyncio.sleep(1.0)  # the last measurements
     finally:

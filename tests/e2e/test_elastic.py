@@ -51,9 +51,10 @@ from phalanx.services.client import AdmissionClient
 pytestmark = pytest.mark.slow
 SCRIPT = Path(__file__).resolve().parents[2] / "examples" / "train_mlp.py"
 STEPS = 700
-# Time for a replacement, or a new node's replicas, to start (torch imported at low CPU
-# priority) and join before the end, even on a loaded machine.
+# Paced (run_job), 125 s for a replacement, or a new node's replicas, to start (torch
+# imported at low CPU priority) and join before the end, even on a loaded machine.
 LONG_STEPS = 2500
+PACE_S = 0.05  # a job's pace until the test's faults are made (run_job)
 SAMPLES = 640  # 10 steps per epoch at a global batch of 64
 ARGS = ["--widths", "64,128,64", "--samples", str(SAMPLES), "--micro-batch", "8"]
 ORDER = ElasticOrder(SAMPLES, 64, seed=0)
@@ -142,21 +143,29 @@ async def run_job(cluster, data_dir: Path, tmp_path: Path, name: str, inject,
                   env: dict[str, str] | None = None, steps: int = STEPS,
                   spec: dict | None = None) -> tuple[Path, list[Generation]]:
     """Submit the job (``spec``: JobSpec fields to set), call ``inject(job_id)`` once it
-    trains, wait for it to finish."""
+    trains, wait for it to finish.
+
+    Until ``inject`` returns the job trains at most ``1 / PACE_S`` steps a second
+    (:mod:`phalanx.runtime.chaos`), so whatever it waits for (a replacement joining, a
+    leader elected) happens while the job still trains, however fast the machine.
+    """
     _, bus, watch = cluster
     for queue in (watch.generations, watch.progress, watch.states):
         drain(queue)
     rec = tmp_path / "rec"
+    release = tmp_path / "release"
     spec = JobSpec(name=name, team="t", priority_class="normal",
                    replicas=ReplicaRange(min=2, max=4), placement=Placement(),
                    command=[sys.executable, str(SCRIPT), "--data-dir", str(data_dir), *ARGS,
                             "--steps", str(steps), "--save", str(tmp_path / "final.pt")],
-                   env={"PHALANX_RECORD_DIR": str(rec), **RUN_ENV, **(env or {})},
+                   env={"PHALANX_RECORD_DIR": str(rec), **RUN_ENV,
+                        "PHALANX_CHAOS_PACE": f"{PACE_S}:{release}", **(env or {})},
                    **{"hang_timeout_s": 2.0, "grace_period_s": 3.0, **(spec or {})})
     job = await AdmissionClient(bus).submit(spec, f"{name}-1")
     generations = [await next_of(watch.generations, lambda g: g.job_id == job.job_id, 120)]
     assert generations[0].world_size == 4
     await inject(job.job_id, watch)
+    release.touch()
     finished = asyncio.create_task(next_of(
         watch.states, lambda r: r.job_id == job.job_id and r.state.terminal, 240))
     while not finished.done():
@@ -406,11 +415,14 @@ def pids_of(job_id: str, node_id: str) -> list[int]:
 async def test_a_whole_node_dies_the_survivors_go_on_and_the_job_grows_back_elsewhere(
         cluster, data_dir: Path, long_reference: dict, tmp_path: Path) -> None:
     """Last in this module: the cluster loses a node for good, and a new one joins."""
-    data = cluster[0]
+    data, bus, _ = cluster
     url = json.loads((data / "up.json").read_text())["nats_url"]
     spare: list[subprocess.Popen] = []
 
     async def node_dies(job_id: str, watch: Watch) -> None:
+        grown: asyncio.Queue[Generation] = asyncio.Queue()
+        await bus.subscribe(subjects.job_generation(job_id), Generation,
+                            lambda g, _: grown.put(g))
         await progressed(watch, job_id, 40)
         pids = pids_of(job_id, "local-1")
         assert len(pids) == 2
@@ -422,6 +434,9 @@ async def test_a_whole_node_dies_the_survivors_go_on_and_the_job_grows_back_else
             [sys.executable, "-m", "phalanx.services.cli", "agent", "--node-id", "local-2",
              "--slots", "2", "--heartbeat-interval", "0.2", "--nats", url,
              "--data-dir", str(data)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+        # The job grows back onto it while it still trains (then run_job releases it).
+        await next_of(grown, lambda g: g.reason is GenerationReason.JOIN
+                      and g.world_size == 4, 180)
 
     try:
         rec, generations = await run_job(cluster, data_dir, tmp_path, "node", node_dies,
