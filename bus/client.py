@@ -316,7 +316,8 @@ class Bus:
                 context.load_cert_chain(config.tls_cert_file, config.tls_key_file)
             options["tls"] = context
         try:
-            await asyncio.wait_for(nc.connect(**options), config.connect_timeout_s)
+            async with asyncio.timeout(config.connect_timeout_s):  # wait_for can lose a cancel
+                await nc.connect(**options)
         except (TimeoutError, OSError, nats.errors.Error) as exc:
             await nc.close()
             cause = last_error[-1] if last_error else exc

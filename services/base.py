@@ -38,6 +38,7 @@ from phalanx.schemas import __version__
 from phalanx.schemas.codec import encode
 from phalanx.schemas.messages import Message
 from phalanx.services import metrics
+from phalanx.services.deadline import wait_set
 
 log = logging.getLogger("phalanx.service")
 M = TypeVar("M", bound=Message)
@@ -197,9 +198,7 @@ class Service:
 
     async def sleep_or_stop(self, seconds: float) -> bool:
         """Wait ``seconds`` unless a stop is requested first; returns True if stopping."""
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self._stop_requested.wait(), seconds)
-        return self.stopping
+        return await wait_set(self._stop_requested, seconds)
 
 
 async def _count_reconnect() -> None:

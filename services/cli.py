@@ -24,6 +24,7 @@ from pathlib import Path
 
 from phalanx.schemas import __version__
 from phalanx.schemas.errors import PhalanxError
+from phalanx.services.deadline import wait_set
 
 EXIT_FAILED = 1
 EXIT_USAGE = 2
@@ -886,8 +887,7 @@ async def _live_status(args: argparse.Namespace, nats_url: str, stop: asyncio.Ev
                 live.update(Group(header, _node_table(nodes)))
             except PhalanxError as exc:
                 live.update(Group(header, Text(f"registry unavailable: {exc}")))
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(stop.wait(), 1.0)
+            await wait_set(stop, 1.0)
 
 
 def _notify(args: argparse.Namespace, line: str) -> None:

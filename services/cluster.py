@@ -60,6 +60,7 @@ from phalanx.services.agent.ranks import MANIFEST, running_in_manifest, start_ti
 from phalanx.services.auth.issuer import AuthDir
 from phalanx.services.auth.roles import Role
 from phalanx.services.client import AdmissionClient
+from phalanx.services.deadline import wait_set
 from phalanx.services.natsd import (
     NatsCluster,
     NatsServer,
@@ -239,11 +240,9 @@ class LocalCluster:
             all_seen.set()
 
         async def heartbeats() -> None:
-            try:
-                await asyncio.wait_for(all_seen.wait(), self.ready_timeout_s)
-            except TimeoutError:
+            if not await wait_set(all_seen, self.ready_timeout_s):
                 raise ClusterError(f"agents {sorted(set(self.agents) - seen)} did not "
-                                   f"heartbeat within {self.ready_timeout_s:g} s") from None
+                                   f"heartbeat within {self.ready_timeout_s:g} s")
 
         try:
             try:
@@ -448,7 +447,8 @@ class LocalCluster:
                     proc.send_signal(signal.SIGTERM)
         if children:
             try:
-                await asyncio.wait_for(asyncio.gather(*(p.wait() for p in children)), grace_s)
+                async with asyncio.timeout(grace_s):
+                    await asyncio.gather(*(p.wait() for p in children))
             except TimeoutError:
                 for proc in children:
                     if proc.returncode is None:

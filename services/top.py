@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import contextlib
 import dataclasses
 import time
 from collections.abc import AsyncIterator, Callable
@@ -46,6 +45,7 @@ from phalanx.schemas.messages import (
     ReplicaReady,
     ScalingEvent,
 )
+from phalanx.services.deadline import wait_set
 from phalanx.services.registry.core import views
 
 #: Events kept and shown (the newest last).
@@ -230,8 +230,7 @@ async def live(bus: Bus, show: Callable[[Board], None]) -> None:
             while True:
                 show(board)
                 changed.clear()
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(changed.wait(), 1.0)
+                await wait_set(changed, 1.0)
         finally:
             for subscription in subscriptions:
                 await subscription.unsubscribe()

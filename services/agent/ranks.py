@@ -440,7 +440,8 @@ class RankSet:
         async def leave() -> None:
             assert entry.watcher is not None
             try:
-                await asyncio.wait_for(asyncio.shield(entry.watcher), timeout_s)
+                async with asyncio.timeout(timeout_s):
+                    await asyncio.shield(entry.watcher)
             except TimeoutError:
                 log.warning("rank did not leave in time: stopping it",
                             extra={"job": entry.job_id, "rank": entry.rank,
@@ -457,7 +458,8 @@ class RankSet:
         self._signal_group(entry, signal.SIGTERM)
         if entry.watcher is not None:
             try:
-                await asyncio.wait_for(asyncio.shield(entry.watcher), entry.grace_s)
+                async with asyncio.timeout(entry.grace_s):
+                    await asyncio.shield(entry.watcher)
             except TimeoutError:
                 self._signal_group(entry, signal.SIGKILL)
                 await entry.watcher

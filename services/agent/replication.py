@@ -155,7 +155,8 @@ class ReplicaListener:
         if self.server is not None:
             self.server.close()
             with contextlib.suppress(Exception):
-                await asyncio.wait_for(self.server.wait_closed(), IO_TIMEOUT_S)
+                async with asyncio.timeout(IO_TIMEOUT_S):
+                    await self.server.wait_closed()
             self.server = None
 
     async def wait_closed(self, count: int) -> None:

@@ -83,6 +83,7 @@ from phalanx.schemas.messages import (
 )
 from phalanx.services import metrics
 from phalanx.services.base import Service
+from phalanx.services.deadline import wait_set
 from phalanx.services.health import core
 from phalanx.services.health.outbox import Outbox
 from phalanx.services.jobstate import JobStateStore
@@ -374,8 +375,7 @@ class HealthService(Service):
             term.rearm.clear()
             delay = None if deadline is None else max(0.0, deadline - time.time())
             if delay is None or delay > 0 or not self._seeing(term):
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(term.rearm.wait(), delay or 0.5)
+                await wait_set(term.rearm, delay or 0.5)
                 if deadline is None or time.time() < deadline or not self._seeing(term):
                     continue  # woken early, or blind: recompute
             # Read all mail before judging silence: a round trip to the server puts every
