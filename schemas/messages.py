@@ -36,6 +36,12 @@ MAX_FLOAT = sys.float_info.max
 NonNegFloat = Annotated[float, msgspec.Meta(ge=0.0, le=MAX_FLOAT)]
 PosFloat = Annotated[float, msgspec.Meta(gt=0.0, le=MAX_FLOAT)]
 Labels = Annotated[dict[str, str], msgspec.Meta(max_length=64)]
+#: What an exec accepts: no NUL byte anywhere (an argument or value with one cannot be
+#: passed to a process at all).
+ExecString = Annotated[str, msgspec.Meta(pattern=r"^[^\x00]*\Z")]
+#: A process environment a job adds: POSIX variable names, values an exec accepts.
+Environment = Annotated[dict[Annotated[str, msgspec.Meta(pattern=r"^[A-Za-z_][A-Za-z0-9_]*\Z")],
+                             ExecString], msgspec.Meta(max_length=64)]
 #: The most of an error or of a process's last output a message carries.
 DETAIL_CHARS = 4096
 #: ``host:port`` of a TCP listener (empty: not known).
@@ -231,10 +237,10 @@ class JobSpec(Message, tag="phalanx.job_spec.v1"):
     team: Ident
     priority_class: Ident
     replicas: ReplicaRange
-    command: Annotated[list[str], msgspec.Meta(min_length=1)]
+    command: Annotated[list[ExecString], msgspec.Meta(min_length=1)]
     slots_per_replica: SlotCount = 1
     placement: Placement = Placement()
-    env: Labels = {}
+    env: Environment = {}
     schedule_timeout_s: PosFloat | None = None
     grace_period_s: NonNegFloat = 10.0
     hang_timeout_s: PosFloat = 2.0

@@ -32,6 +32,11 @@ def test_a_valid_spec_round_trips_from_yaml(tmp_path: Path) -> None:
     ({"gpus": 8}, "unknown field `gpus`"),
     ({"placement": {"node_label": {}}}, "unknown field `node_label`"),
     ({"replicas": "four"}, "$.replicas"),
+    # What no process can be started with (the agent's exec would fail on each launch).
+    ({"env": {"1ST": "x"}}, "in `$.env`"),
+    ({"env": {"A=B": "x"}}, "in `$.env`"),
+    ({"env": {"OK": "nul\x00byte"}}, "$.env[...]"),
+    ({"command": ["python", "train\x00.py"]}, "$.command[1]"),
 ])
 def test_invalid_fields_are_named(change: dict, named: str) -> None:
     with pytest.raises(SpecError) as err:
