@@ -31,7 +31,9 @@ exactly; they are real services on a real nats-server. Targets run one after
 another: send every input, then wait until each counter that must move has moved,
 then check it moved by exactly the number of bad inputs. KV targets write the
 buckets services follow or read; their counts are "at least" (a follower that
-starts over reads a value again). Targets that corrupt leadership state (leases,
+starts over reads a value again), and each bad value is read before the next
+write (a follower may read only a key's newest value: one overwritten at once
+was never there for it to count). Targets that corrupt leadership state (leases,
 cursors, the ledger) run last.
 
 Limits: destructive but *valid* requests are not sent (a ``kill_agent`` or
@@ -598,10 +600,14 @@ class ErrorLog(logging.Handler):
             self.records.append(record)
 
     def summary(self) -> list[str]:
+        def named(exc: BaseException) -> str:
+            inner = [named(e) for e in exc.exceptions] \
+                if isinstance(exc, BaseExceptionGroup) else []  # what a TaskGroup raised
+            return f"{type(exc).__name__}: {exc}" + (f" [{'; '.join(inner)}]" if inner else "")
+
         def line(r: logging.LogRecord) -> str:
-            cause = f": {type(r.exc_info[1]).__name__}: {r.exc_info[1]}" if r.exc_info and \
-                r.exc_info[1] else ""
-            return f"{r.name}: {r.getMessage()}{cause}"[:300]
+            cause = f": {named(r.exc_info[1])}" if r.exc_info and r.exc_info[1] else ""
+            return f"{r.name}: {r.getMessage()}{cause}"[:400]
         return [f"{n} x {text}" for text, n in Tally(map(line, self.records)).most_common()]
 
 
@@ -716,6 +722,8 @@ class Barrage:
                 # 5 s, and a put retried after a timeout could land twice and be counted so.
                 kv = await self.bus.nc.jetstream(timeout=KV_ACK_TIMEOUT_S).key_value(bucket)
                 await kv.put(key, item.payload)
+                if bad:  # read before the next write: a follower may see only a key's latest
+                    await self._caught_up(watched, before, result.bad, poll_s=0.002)
         if pending:
             await asyncio.wait(pending)
         await self._sent()
@@ -743,14 +751,15 @@ class Barrage:
         elif (not bad and code in ("500",)) or code.startswith("no reply"):
             result.findings.append(f"{item.how} input answered {code}: {item.payload[:120]!r}")
 
-    async def _caught_up(self, watched: list[Counters], before: list[int], bad: int) -> None:
+    async def _caught_up(self, watched: list[Counters], before: list[int], bad: int,
+                         poll_s: float = 0.02) -> None:
         """Until every watched counter counted ``bad`` inputs (or ``settle_s`` passed): a
         subscriber handles in order, so by then it has handled what came before them."""
         deadline = time.monotonic() + self.settle_s
         while any(c.bad_messages - b < bad for c, b in zip(watched, before, strict=True)):
             if time.monotonic() > deadline:
                 return
-            await asyncio.sleep(0.02)  # counters move in other tasks; nothing to await on
+            await asyncio.sleep(poll_s)  # counters move in other tasks; nothing to await on
 
     async def _settle(self, target: Target, watched: list[Counters], before: list[int],
                       result: TargetResult) -> None:
