@@ -31,6 +31,12 @@ PosInt = Annotated[int, msgspec.Meta(ge=1, le=MAX_INT)]
 #: by replica, so a bound keeps one pass finite (a node claiming 2**63 slots and a gang
 #: wanting as many replicas kept it growing for good).
 SlotCount = Annotated[int, msgspec.Meta(ge=1, le=65_536)]
+#: The most replicas one job may have. Every per-job message and stored state (its
+#: record, a generation, the health and elasticity leaders' snapshots) lists its replicas
+#: and must fit one NATS payload; at this size they do even with 128-character ids
+#: (tests/unit/services/test_job_size.py). Lifting it means splitting those values.
+MAX_REPLICAS = 512
+ReplicaCount = Annotated[int, msgspec.Meta(ge=1, le=MAX_REPLICAS)]
 #: The largest float: bounding by it refuses infinity (a timeout or time that never comes).
 MAX_FLOAT = sys.float_info.max
 NonNegFloat = Annotated[float, msgspec.Meta(ge=0.0, le=MAX_FLOAT)]
@@ -44,6 +50,9 @@ Environment = Annotated[dict[Annotated[str, msgspec.Meta(pattern=r"^[A-Za-z_][A-
                              ExecString], msgspec.Meta(max_length=64)]
 #: The most of an error or of a process's last output a message carries.
 DETAIL_CHARS = 4096
+#: The most of why a generation formed (``Generation.cause``): it travels to every member.
+CAUSE_CHARS = 2048
+Cause = Annotated[str, msgspec.Meta(max_length=CAUSE_CHARS)]
 #: ``host:port`` of a TCP listener (empty: not known).
 Endpoint = Annotated[str, msgspec.Meta(
     max_length=300, pattern=r"^(|[A-Za-z0-9_.\-:\[\]]+:[0-9]{1,5})\Z")]
@@ -125,8 +134,8 @@ class NodeStatusRequest(Message, tag="phalanx.node_status_request.v1"):
 class ReplicaRange(Part):
     """Data-parallel replica counts; ``min == max`` is a rigid gang."""
 
-    min: SlotCount
-    max: SlotCount
+    min: ReplicaCount
+    max: ReplicaCount
 
     def __post_init__(self) -> None:
         if self.min > self.max:
@@ -172,8 +181,8 @@ class ScalingPolicy(Part):
     change not complete after ``scaling_timeout_s`` is abandoned and reported.
     """
 
-    replica_increment_step: Annotated[int, msgspec.Meta(ge=1, le=65_536)] | None = None
-    replica_discrete_values: Annotated[list[SlotCount], msgspec.Meta(min_length=1,
+    replica_increment_step: ReplicaCount | None = None
+    replica_discrete_values: Annotated[list[ReplicaCount], msgspec.Meta(min_length=1,
                                                                      max_length=1024)] | None = None
     scale_up_cooldown_s: NonNegFloat = 0.0
     graceful_shutdown_timeout_s: PosFloat = 30.0
@@ -308,8 +317,8 @@ class ScalingChange(Part):
     (``scaling.scaling_timeout_s`` later)."""
 
     kind: ScalingEventKind
-    from_replicas: SlotCount
-    to_replicas: SlotCount
+    from_replicas: ReplicaCount
+    to_replicas: ReplicaCount
     reason: str
     started_at: NonNegFloat
     deadline: NonNegFloat
@@ -346,7 +355,7 @@ class JobRecord(Message, tag="phalanx.job_record.v1"):
     nodes: list[Ident] = []
     slots: list[NonNegInt] = []
     next_slot: NonNegInt = 0
-    pinned_replicas: SlotCount | None = None
+    pinned_replicas: ReplicaCount | None = None
     scaling_change: ScalingChange | None = None
     trace: Annotated[str, msgspec.Meta(
         pattern=r"^(00-[0-9a-f]{32}-[0-9a-f]{16}-[0-9a-f]{2})?\Z")] = ""
@@ -399,7 +408,7 @@ class ScaleRequest(Message, tag="phalanx.scale_request.v1"):
     one of its allowed sizes; None releases the pin (``--auto``: admission sizes it)."""
 
     job_id: Ident
-    replicas: SlotCount | None = None
+    replicas: ReplicaCount | None = None
 
 
 class ScalingEvent(Message, tag="phalanx.scaling_event.v1"):
@@ -526,7 +535,7 @@ class Generation(Message, tag="phalanx.generation.v1"):
     rendezvous: Ident
     resume_step: NonNegInt
     reason: GenerationReason
-    cause: str = ""
+    cause: Cause = ""
 
     def __post_init__(self) -> None:
         if len(self.members) != self.world_size:
@@ -593,13 +602,15 @@ class GenerationRecord(Part):
     members: list[Ident]  # replica ids, by rank
     resume_step: NonNegInt
     decided_at: NonNegFloat
-    cause: str = ""
+    cause: Cause = ""
     pause_s: NonNegFloat | None = None  # the longest a survivor reported (GenerationApplied)
 
 
-#: The most generations a :class:`JobHistory` keeps (the latest; a record stays well
-#: within NATS's 1 MB payload).
+#: The most generations a :class:`JobHistory` keeps (the latest), and about the most
+#: bytes their records may take: a big job's records are big (each lists the members),
+#: and the history is stored whole, in its own record and in elasticity's snapshot.
 HISTORY_LIMIT = 256
+HISTORY_BYTES = 128 * 1024
 
 
 class JobHistory(Message, tag="phalanx.job_history.v1"):

@@ -96,6 +96,8 @@ import dataclasses
 import msgspec
 
 from phalanx.schemas.messages import (
+    CAUSE_CHARS,
+    HISTORY_BYTES,
     HISTORY_LIMIT,
     Generation,
     GenerationReason,
@@ -366,7 +368,7 @@ class ElasticityCore:
             case ReplicaExited():
                 decisions += self._left_uncleanly(job, event, now)
             case MemberFailed() if event.replica_id in job.departing:
-                why = f"{event.replica_id} failed while leaving ({event.detail or 'failed'})"
+                why = f"{event.replica_id} failed while leaving ({_brief(event.detail)})"
                 decisions += self._leaver_failed(job, why, event.event_id, now)
             case MemberFailed():
                 decisions += self._failed(job, event)
@@ -470,7 +472,7 @@ class ElasticityCore:
         if replica in job.members:
             if replica in job.failed:
                 return []
-            job.failed[replica] = event.detail or "failed"
+            job.failed[replica] = _brief(event.detail)
             job.applied.discard(replica)
             slot = job.replicas[replica].slot
         elif replica in job.launched:
@@ -514,7 +516,7 @@ class ElasticityCore:
                         event: ReplicaExited, now: float) -> list[Decision]:
         """A leaver that did not leave by the step boundary: handled as a fault."""
         replica = event.replica_id
-        why = f"{replica} did not leave cleanly ({event.detail or 'stopped'})"
+        why = f"{replica} did not leave cleanly ({_brief(event.detail, 'stopped')})"
         if replica in job.leaving:
             job.leaving.remove(replica)
             if replica not in job.failed:
@@ -579,7 +581,7 @@ class ElasticityCore:
                 job.committed.pop(replica, None)
                 job.replicas.pop(replica, None)
             return self._next(job, survivors, [], GenerationReason.LEAVE,
-                              "left: " + ", ".join(left), cause, now)
+                              "left: " + _listing(left), cause, now)
         if not job.failed and not job.ready:
             return []
         joiners = _allowed(job, len(survivors), job.ready)
@@ -588,19 +590,19 @@ class ElasticityCore:
         if not job.failed and not joiners:
             return []  # at max: ready replicas wait for room
         if job.failed:
-            why = "dropped " + ", ".join(f"{r} ({d})" for r, d in sorted(job.failed.items()))
+            why = "dropped " + _listing([f"{r} ({d})" for r, d in sorted(job.failed.items())])
             if job.leaving:  # a fault starts over anyway: the leavers go with it
-                why += "; left " + ", ".join(job.leaving)
+                why += "; left " + _listing(job.leaving)
                 for replica in job.leaving:
                     job.committed.pop(replica, None)
                     job.replicas.pop(replica, None)
                 job.leaving.clear()
             if joiners:
-                why += "; joined " + ", ".join(joiners)
+                why += "; joined " + _listing(joiners)
             return self._next(job, survivors, joiners, GenerationReason.FAULT, why, cause,
                               now)
         return self._next(job, survivors, joiners, GenerationReason.JOIN,
-                          "joined " + ", ".join(joiners), cause, now)
+                          "joined " + _listing(joiners), cause, now)
 
     def _wait(self, job: JobMembership, now: float, have: int) -> list[Decision]:
         """Below ``min``: survivors keep their state; the timeout starts."""
@@ -622,16 +624,17 @@ class ElasticityCore:
         resume = max([job.committed.get(r, 0) for r in survivors] + [job.high_water])
         number = 0 if job.current is None else job.current.generation + 1
         members = [job.replicas[r] for r in survivors + joiners]
+        why = _clip(why, CAUSE_CHARS)
         job.current = Generation(
             job_id=job.job_id, generation=number,
             members=[Member(replica_id=r.replica_id, rank=i, node_id=r.node_id,
                             endpoint=r.endpoint) for i, r in enumerate(members)],
             world_size=len(members), rendezvous=f"{job.job_id}-g{number}", resume_step=resume,
             reason=reason, cause=why)
-        job.history = [*job.history[-(HISTORY_LIMIT - 1):], GenerationRecord(
+        job.history = _within_budget([*job.history[-(HISTORY_LIMIT - 1):], GenerationRecord(
             generation=number, reason=reason, world_size=len(members),
             members=[r.replica_id for r in members], resume_step=resume, decided_at=now,
-            cause=why)]
+            cause=why)])
         job.failed.clear()
         job.applied.clear()
         job.waiting_since = None
@@ -655,6 +658,48 @@ class ElasticityCore:
                 assert job.current.world_size == len(members)
                 assert len(members) >= job.min_members or job.current.generation == 0, \
                     "a generation below min"
+
+
+#: The most of one replica's failure a generation's cause quotes (its first line), and of
+#: each list in it (replicas dropped, left, joined) before "and N more". A generation
+#: goes to every member and its cause into the history: a node's eight ranks failing
+#: with their last output each must not make either too big to send or store.
+WHY_CHARS = 200
+LIST_CHARS = 400
+
+
+def _clip(text: str, limit: int) -> str:
+    return text if len(text) <= limit else text[:limit - 1] + "\u2026"
+
+
+def _brief(detail: str, default: str = "failed") -> str:
+    """A replica's failure as a cause quotes it: its first non-empty line, clipped."""
+    first = next((line.strip() for line in detail.splitlines() if line.strip()), default)
+    return _clip(first, WHY_CHARS)
+
+
+def _listing(items: list[str]) -> str:
+    """``items`` comma-separated within about ``LIST_CHARS`` ("..., and N more")."""
+    shown: list[str] = []
+    used = 0
+    for item in items:
+        if shown and used + len(item) > LIST_CHARS:
+            return ", ".join(shown) + f" and {len(items) - len(shown)} more"
+        shown.append(item)
+        used += len(item) + 2
+    return ", ".join(shown)
+
+
+def _within_budget(history: list[GenerationRecord]) -> list[GenerationRecord]:
+    """The latest of ``history`` whose records take about ``HISTORY_BYTES`` at most (the
+    newest is always kept)."""
+    used = 0
+    for i in range(len(history) - 1, -1, -1):
+        record = history[i]
+        used += 64 + len(record.cause.encode()) + sum(len(m) + 2 for m in record.members)
+        if used > HISTORY_BYTES and i < len(history) - 1:
+            return history[i + 1:]
+    return history
 
 
 class SnapshotError(ValueError):
