@@ -16,9 +16,9 @@ import time
 from phalanx.schemas.codec import MAX_PAYLOAD_BYTES, encode
 from phalanx.schemas.messages import (
     DETAIL_CHARS,
-    GenerationReason,
     HISTORY_LIMIT,
     MAX_REPLICAS,
+    GenerationReason,
     JobRecord,
     JobSnapshot,
     JobSpec,
