@@ -33,9 +33,10 @@ async def test_a_reader_from_a_cursor_sees_only_later_events_of_its_kinds(bus: B
                                                                          uid: str) -> None:
     await ensure_job_events(bus)
     await ensure_job_events(bus)  # idempotent
-    await bus.publish(subjects.rank_exited(uid), exited(uid, 0))
-    await bus.nc.flush()
-    cursor = await last_seq(bus)
+    # Stored before the cursor is taken: a plain publish, even flushed, may reach the
+    # stream after a stream-info request answered on the same connection.
+    cursor = await bus.publish_event(subjects.rank_exited(uid), exited(uid, 0),
+                                     event_id=f"{uid}-exited-0")
     await bus.publish(subjects.replica_ready(uid), ReplicaReady(
         job_id=uid, replica_id="r1-0", slot=1, node_id="n0", endpoint="127.0.0.1:1"))
     await bus.publish(subjects.rank_exited(uid), exited(uid, 1))
