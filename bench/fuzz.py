@@ -37,7 +37,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from fuzzing import Barrage
+from fuzzing import Barrage, targets
 from results import RESULTS_PATH, append, utc_date
 
 from phalanx.services.natsd import NatsServer
@@ -49,8 +49,8 @@ async def run(per_subject: int, seed: int) -> dict[str, Any]:
         root = Path(tmp)
         with NatsServer(root / "js", port=0, log_path=root / "nats.log") as server:
             async with Barrage(server.url, root, seed=seed, per_target=per_subject) as barrage:
-                for target in await barrage.fire():
-                    result = barrage.results[target]
+                for target in (t.name for t in targets(barrage.world)):
+                    result = (await barrage.fire(only=[target]))[target]
                     print(f"{target}: {result.inputs} inputs, {result.bad} bad, counted "
                           f"{result.counted}, replies {result.replies}, "
                           f"{len(result.findings)} findings", flush=True)

@@ -415,10 +415,11 @@ def _set(node: Any, path: tuple[Any, ...], value: Any) -> None:
     _get(node, path[:-1])[path[-1]] = value
 
 
-def decodes(payload: bytes, message_type: type[Message]) -> bool:
-    """The oracle: whether a service must act on ``payload`` rather than count it bad."""
+def decodes(payload: bytes, message_type: type[Message], subject: str) -> bool:
+    """The oracle: whether a service must act on ``payload`` sent on ``subject`` rather
+    than count it bad (a message about another job or node than its subject's is bad)."""
     try:
-        decode(payload, message_type)
+        decode(payload, message_type, subject=subject)
     except WireError:
         return False
     return True
@@ -452,9 +453,15 @@ class Target:
     #: valid messages that do what they say (see the module docstring): not sent
     by_design: Callable[[Any, str], bool] = lambda _message, _address: False
 
+    def subject(self, address: str) -> str:
+        """The subject an input sent to ``address`` arrives on."""
+        if self.via is Via.KV:
+            return subjects.kv_subject(*address.split("/", 1))
+        return address
+
     def sendable(self, payload: bytes, address: str) -> bool:
         try:
-            message = decode(payload, self.message_type)
+            message = decode(payload, self.message_type, subject=self.subject(address))
         except WireError:
             return True
         return not self.by_design(message, address)
@@ -702,7 +709,7 @@ class Barrage:
             if not target.sendable(item.payload, address):
                 result.skipped += 1
                 continue
-            bad = not decodes(item.payload, target.message_type)
+            bad = not decodes(item.payload, target.message_type, target.subject(address))
             result.inputs += 1
             result.bad += bad
             if target.via is Via.REQUEST:

@@ -43,6 +43,7 @@ from nats.js.kv import KeyValue
 
 from phalanx.bus.client import Counters, raise_if_cancelled, replicas_for
 from phalanx.bus.errors import Conflict
+from phalanx.schemas import subjects
 from phalanx.schemas.codec import decode, encode
 from phalanx.schemas.errors import WireError
 from phalanx.schemas.messages import Message
@@ -160,7 +161,8 @@ class TypedKV(Generic[M]):
 
     def _decode(self, key: str, data: bytes | None) -> M:
         try:
-            return decode(data or b"", self.message_type, subject=f"kv {self.bucket}/{key}")
+            return decode(data or b"", self.message_type,
+                          subject=subjects.kv_subject(self.bucket, key))
         except WireError as exc:
             self.counters.bad_messages += 1
             self.counters.last_error = str(exc)

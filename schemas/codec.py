@@ -14,6 +14,7 @@ from typing import TypeVar, Union
 
 import msgspec
 
+from phalanx.schemas import subjects
 from phalanx.schemas.errors import WireError
 from phalanx.schemas.messages import ALL_MESSAGES, Message
 
@@ -55,7 +56,9 @@ def decode(data: bytes, expected: type[M], *, subject: str = "") -> M:
     Args:
         data: the raw payload.
         expected: the message type the subject carries.
-        subject: where the payload came from, for the error message.
+        subject: where the payload came from: named in the error message, and a job's
+            or node's subject (:func:`~phalanx.schemas.subjects.owner`) refuses a
+            message naming another.
 
     Raises:
         WireError: the payload is not a valid ``expected`` message.
@@ -84,7 +87,22 @@ def decode(data: bytes, expected: type[M], *, subject: str = "") -> M:
         raise WireError(
             f"got a {message.wire_name()} message", subject=subject, message_type=name
         )
+    owner = subjects.owner(subject)
+    if owner is not None:
+        kind, owner_id = owner
+        named = _named(message, kind)
+        if named is not None and named != owner_id:
+            raise WireError(f"it names {kind} {named!r}, but {subject!r} belongs to "
+                            f"{kind} {owner_id!r}", subject=subject, message_type=name)
     return message  # type: ignore[return-value]
+
+
+def _named(message: Message, kind: str) -> str | None:
+    """The job (or node) ``message`` is about, if it names one."""
+    if kind == "job":
+        return getattr(message, "job_id", None)
+    node = getattr(message, "node", None)
+    return node.node_id if node is not None else getattr(message, "node_id", None)
 
 
 def _explain(data: bytes, exc: msgspec.ValidationError) -> str:

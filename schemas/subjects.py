@@ -253,8 +253,15 @@ def kv_stream(bucket: str) -> str:
 
 
 def kv_key(bucket: str, key: str) -> str:
-    """The subject a KV bucket stores ``key`` under (``>`` for every key)."""
-    return f"$KV.{token(bucket, 'bucket')}.{key if key == '>' else token(key, 'KV key')}"
+    """The subject a KV bucket stores ``key`` under (``>`` for every key), both checked
+    as tokens (for permissions)."""
+    return kv_subject(token(bucket, "bucket"), key if key == ">" else token(key, "KV key"))
+
+
+def kv_subject(bucket: str, key: str) -> str:
+    """The subject ``key`` of ``bucket`` is stored under, as the server names it
+    (unchecked: a key read back from the server, which may hold any KV key)."""
+    return f"$KV.{bucket}.{key}"
 
 
 def js_api(operation: str, *tokens: str) -> str:
@@ -278,3 +285,36 @@ def service_api(service: str) -> tuple[str, ...]:
 def service_api_requests() -> str:
     """Wildcard over every service API request (to ping, list or read stats)."""
     return "$SRV.>"
+
+
+#: Buckets keyed by job id, and by node id: a record stored there names its key.
+_JOB_BUCKETS = frozenset({JOBS_BUCKET, GENERATIONS_BUCKET, HISTORY_BUCKET, HEALTH_BUCKET,
+                          ELASTICITY_BUCKET, PROGRESS_BUCKET, CHECKPOINTS_BUCKET})
+_NODE_BUCKETS = frozenset({NODES_BUCKET, BUDDIES_BUCKET})
+
+
+def owner(subject: str) -> tuple[str, str] | None:
+    """The job or node ``subject`` belongs to: ``("job", id)``, ``("node", id)`` or None.
+
+    A message on it that names a job (or a node) must name that one: permissions are
+    granted per subject, so a rank may publish only on its own job's subjects and an
+    agent only on its own node's, and a payload naming another must not carry it past
+    them. The same holds for a record under a key of a bucket keyed by job or node
+    (:func:`kv_subject`): a follower keyed by the record would
+    otherwise keep an entry that no later write or delete of that key replaces.
+    """
+    parts = subject.split(".")
+    if parts[0] == PREFIX and len(parts) == 4:
+        if parts[1] == "job" or (parts[1] == "ckpt" and parts[3] == "snapshot"):
+            return "job", parts[2]
+        if parts[1] in ("node", "agent"):
+            return "node", parts[2]
+    if parts[0] == PREFIX and len(parts) == 5 and parts[1:3] == ["health", "rank"]:
+        return "job", parts[3]
+    if parts[0] == "$KV" and len(parts) >= 3:
+        key = ".".join(parts[2:])
+        if parts[1] in _JOB_BUCKETS:
+            return "job", key
+        if parts[1] in _NODE_BUCKETS:
+            return "node", key
+    return None

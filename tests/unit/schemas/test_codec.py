@@ -11,6 +11,7 @@ from typing import Any
 import msgspec
 import pytest
 
+from phalanx.schemas import subjects
 from phalanx.schemas.codec import MAX_PAYLOAD_BYTES, decode, encode
 from phalanx.schemas.errors import PhalanxError, WireError
 from phalanx.schemas.messages import (
@@ -241,7 +242,7 @@ def test_round_trip(cls: type[Message]) -> None:
     message = EXAMPLES[cls]
     data = encode(message)
     assert isinstance(data, bytes)
-    back = decode(data, cls, subject=SUBJECT)
+    back = decode(data, cls, subject="")
     assert type(back) is cls
     assert back == message
     assert encode(back) == data
@@ -677,3 +678,46 @@ def test_slot_and_replica_counts_are_bounded() -> None:
     rejected(pack(as_map(EXAMPLES[JobRecord], spec=spec)), JobRecord, "$.spec.replicas.max")
     node = msgspec.to_builtins(EXAMPLES[NodeRecord].node) | {"slots": 65_537}
     rejected(pack(as_map(EXAMPLES[NodeRecord], node=node)), NodeRecord, "$.node.slots")
+
+
+# --- a job's or node's subject carries only messages about it -----------------------------
+
+
+@pytest.mark.parametrize("subject, owner", [
+    (subjects.job_fault("job-a"), ("job", "job-a")),
+    (subjects.rank_exited("job-a"), ("job", "job-a")),
+    (subjects.health_rank("job-a", 3), ("job", "job-a")),
+    (subjects.ckpt_snapshot("job-a"), ("job", "job-a")),
+    (subjects.node_heartbeat("n1"), ("node", "n1")),
+    (subjects.agent_launch("n1"), ("node", "n1")),
+    (subjects.kv_key(subjects.JOBS_BUCKET, "job-a"), ("job", "job-a")),
+    (subjects.kv_key(subjects.GENERATIONS_BUCKET, "job-a"), ("job", "job-a")),
+    (subjects.kv_key(subjects.NODES_BUCKET, "n1"), ("node", "n1")),
+    (subjects.kv_key(subjects.BUDDIES_BUCKET, "n1"), ("node", "n1")),
+    (subjects.ckpt_resume(), None),
+    (subjects.admission_submit(), None),
+    (subjects.kv_key(subjects.LEASES_BUCKET, "health"), None),
+    ("$KV.phalanx_admission.job.job-a", None),
+    ("_INBOX.cli.abc", None),
+    ("", None),
+])
+def test_the_owner_of_a_subject(subject: str, owner: tuple[str, str] | None) -> None:
+    assert subjects.owner(subject) == owner
+
+
+def test_a_message_naming_another_job_than_its_subject_is_refused() -> None:
+    fault = EXAMPLES[Fault]  # of job llama-ft
+    assert decode(encode(fault), Fault, subject=subjects.job_fault("llama-ft")) == fault
+    rejected(encode(fault), Fault, "names job 'llama-ft'", "belongs to job 'other'",
+                      subject=subjects.job_fault("other"))
+
+
+def test_a_record_under_another_nodes_key_is_refused() -> None:
+    record = EXAMPLES[NodeRecord]  # of gpu-node-07
+    key = subjects.kv_key(subjects.NODES_BUCKET, "gpu-node-07")
+    assert decode(encode(record), NodeRecord, subject=key) == record
+    rejected(encode(record), NodeRecord, "names node 'gpu-node-07'",
+                      subject=subjects.kv_key(subjects.NODES_BUCKET, "gpu-node-11"))
+    heartbeat = EXAMPLES[NodeHeartbeat]
+    rejected(encode(heartbeat), NodeHeartbeat, "belongs to node 'gpu-node-11'",
+                      subject=subjects.node_heartbeat("gpu-node-11"))
