@@ -66,7 +66,7 @@ from phalanx.bus.config import BusConfig
 from phalanx.bus.errors import RemoteError
 from phalanx.bus.kv import TypedKV
 from phalanx.schemas import subjects
-from phalanx.schemas.codec import decode
+from phalanx.schemas.codec import decode, names
 from phalanx.schemas.errors import WireError
 from phalanx.schemas.messages import (
     ALL_MESSAGES,
@@ -705,7 +705,7 @@ class Barrage:
         pending: set[asyncio.Task[None]] = set()
         unpaced = 0  # bytes published since the services last caught up
         for item in fuzzer.inputs(target.message_type, self.per_target):
-            address = target.address(rng)
+            address = self._aim(target, item.payload, rng)
             if not target.sendable(item.payload, address):
                 result.skipped += 1
                 continue
@@ -736,6 +736,28 @@ class Barrage:
         await self._sent()
         await self._settle(target, watched, before, result)
         return result
+
+    def _aim(self, target: Target, payload: bytes, rng: random.Random) -> str:
+        """Where to send ``payload``: for a publish or a KV write, mostly to the job or
+        node it names when that is one of the world's (a message about another job than
+        its subject's is refused at decode and tests nothing else); else anywhere."""
+        address = target.address(rng)
+        owner = subjects.owner(target.subject(address))
+        if target.via is Via.REQUEST or owner is None or rng.random() < 0.2:
+            return address
+        kind, current = owner
+        try:
+            named = names(decode(payload, target.message_type), kind)
+        except WireError:
+            return address
+        if named == current or named not in (self.world.jobs if kind == "job"
+                                             else self.world.nodes):
+            return address
+        if target.via is Via.KV:
+            return f"{address.split('/', 1)[0]}/{named}"
+        tokens = address.split(".")
+        tokens[tokens.index(current, 2)] = named
+        return ".".join(tokens)
 
     async def _sent(self) -> None:
         """Until the server has everything published so far (patient, as a loaded

@@ -90,15 +90,15 @@ def decode(data: bytes, expected: type[M], *, subject: str = "") -> M:
     owner = subjects.owner(subject)
     if owner is not None:
         kind, owner_id = owner
-        named = _named(message, kind)
+        named = names(message, kind)
         if named is not None and named != owner_id:
             raise WireError(f"it names {kind} {named!r}, but {subject!r} belongs to "
                             f"{kind} {owner_id!r}", subject=subject, message_type=name)
     return message  # type: ignore[return-value]
 
 
-def _named(message: Message, kind: str) -> str | None:
-    """The job (or node) ``message`` is about, if it names one."""
+def names(message: Message, kind: str) -> str | None:
+    """The job (``kind`` "job") or node ("node") ``message`` is about, if it names one."""
     if kind == "job":
         return getattr(message, "job_id", None)
     node = getattr(message, "node", None)
