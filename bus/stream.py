@@ -174,6 +174,7 @@ class EventReader:
                 message = decode(msg.data, KINDS[kind], subject=msg.subject)
             except (WireError, KeyError) as exc:
                 self.bus.counters.bad_messages += 1
+                self.bus.counters.last_error = str(exc)
                 log.warning("skipping a stored job event: %s", exc)
                 continue
             yield StreamEvent(seq, kind, message,

@@ -28,7 +28,7 @@ from phalanx.bus.client import Bus
 from phalanx.bus.config import BusConfig
 from phalanx.bus.errors import PermissionDenied, RemoteError
 from phalanx.bus.kv import TypedKV
-from phalanx.bus.stream import ensure_job_events
+from phalanx.bus.stream import EventReader, ensure_job_events, last_seq
 from phalanx.schemas import subjects
 from phalanx.schemas.codec import decode
 from phalanx.schemas.messages import (
@@ -182,6 +182,27 @@ async def test_a_rank_hears_only_its_own_job_and_reads_no_one_elses_replies(
     elasticity = await connect(Role.ELASTICITY)
     await elasticity.publish(subjects.job_generation("job-a"), generation("job-a"))
     assert (await heard.next_msg(timeout=5)).subject == subjects.job_generation("job-a")
+
+
+async def test_a_rank_cannot_speak_for_another_job_from_its_own_subject(
+        connect: Connect) -> None:
+    """Permissions are per subject: a payload naming another job is refused on decode."""
+    elasticity = await connect(Role.ELASTICITY)
+    await ensure_job_events(elasticity)
+    start = await last_seq(elasticity) + 1
+    rank_a = await connect(Role.RANK, "job-a")
+    for job in ("job-b", "job-a"):  # the forged one first: the stream keeps the order
+        await rank_a.publish_event(subjects.replica_ready("job-a"), ReplicaReady(
+            job_id=job, replica_id="r0-0", slot=0, node_id="node-a", endpoint="h:1"),
+            event_id=f"ready-{job}-from-job-a")
+    reader = await EventReader(elasticity, start, frozenset({"ready"})).start()
+    try:
+        event = await asyncio.wait_for(anext(aiter(reader)), 10)
+    finally:
+        await reader.close()
+    assert event.message.job_id == "job-a"
+    assert elasticity.counters.bad_messages == 1
+    assert "names job 'job-b'" in elasticity.counters.last_error
 
 
 def generation(job: str, number: int = 0) -> Generation:
