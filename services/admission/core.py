@@ -741,7 +741,10 @@ class AdmissionCore:
             victims: list[tuple[Gang, int]] | None = None
             nodes = (self._place(gang, gang.smallest, reserved)
                      if quota_ok and gang.min_slots <= free_now else None)
-            if nodes is None and self._preemption_may_help(gang, free_now):
+            # A gang that would not fit an empty cluster gains nothing from victims: planning
+            # them anyway walks every running gang for each such shape in every pass.
+            if (nodes is None and self._could_ever_fit(gang)
+                    and self._preemption_may_help(gang, free_now)):
                 victims = self._plan_preemption(gang, reserved)
                 if victims is not None:
                     decisions += self._preempt(victims, gang, cause, now)

@@ -513,6 +513,22 @@ def test_quota_blocked_gang_may_preempt_its_own_lower_gang() -> None:
     assert explain(core, "low").code is ReasonCode.QUOTA
 
 
+def test_a_gang_no_node_could_ever_hold_plans_no_preemption(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    core = make(*(node(f"n{i}", 4) for i in range(4)))
+    run(core, [sub(f"low{i}", mn=4) for i in range(4)])
+    assert all(state(core, f"low{i}") is JobState.ADMITTED for i in range(4))
+
+    def planned(*_args: object) -> None:
+        raise AssertionError("preemption planned for a gang no node could ever hold")
+
+    monkeypatch.setattr(AdmissionCore, "_plan_preemption", planned)
+    assert run(core, [sub("high-nowhere", prio="high", mn=1, labels={"gpu": "tpu"}),
+                      sub("high-too-big", prio="high", k=8)]) == []
+    assert explain(core, "high-nowhere").code is ReasonCode.UNSCHEDULABLE
+    assert explain(core, "high-too-big").code is ReasonCode.UNSCHEDULABLE
+
+
 # --- preemption within a team --------------------------------------------------------------
 
 
