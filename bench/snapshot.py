@@ -26,8 +26,8 @@ bytes per step sets.
   buffer sent to a buddy by the agents' replication code next to a plain TCP copy of the
   same bytes (:mod:`replication`, also runnable alone).
 
-Not measured yet (issue 12): recovery time per source, and the torchrun + DCP restart
-next to them.
+Recovery time per source (own node, buddy, durable) next to a torchrun + DCP restart is
+``bench/tiers.py``'s.
 
 Prints one JSON object as its last line and appends the figures to bench/RESULTS.md::
 
