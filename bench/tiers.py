@@ -226,6 +226,8 @@ def analyse(records: dict[str, list[dict]], fault_t: float,
         "recovery_s": min(s.committed_at for s in steps if s.committed_at > fault_t) - fault_t,
         "restore_s": max(line["seconds"] for line in restores),
         "tiers": sorted({line["tier"] for line in restores}),
+        # Of the shards restored from memory, those sent from a buddy's replica.
+        "shards_from_replicas": sum(line.get("from_replicas", 0) for line in restores),
         "state_bytes": max(line["state_bytes"] for line in restores),
         "restored_step": restored,
         "steps_retrained": max(0, max(before, default=-1) + 1 - restored),
@@ -267,7 +269,8 @@ def section(report: dict[str, Any]) -> str:
              "torchrun_dcp": "torchrun + DDP, DCP every 10 steps (one rank killed)"}
     rows = "\n".join(
         f"| {names[p]} | {r['recovery_s']:.2f} | {r['restore_s']:.2f} | "
-        f"{r.get('state_bytes', 0) / 1e6:.0f} | {r['steps_retrained']} |"
+        f"{r.get('state_bytes', 0) / 1e6:.0f} | {r.get('shards_from_replicas', '-')} | "
+        f"{r['steps_retrained']} |"
         for p, r in report["phases"].items())
     durable = report["phases"].get("durable")
     cluster = "" if durable is None else (
@@ -282,11 +285,13 @@ Command: `{report['command']}`
 buddy); every holder of the state lost once step {report['fault_step']} is reported.
 Recovery: the fault (the last kill; for durable, the resubmission) to the first step
 committed after it. Restore: the slowest rank's read, verification and load of the state
-(for torchrun, the DCP load). Load average {report['load_before'][0]:.1f} before,
-{report['load_after'][0]:.1f} after (2 cores).
+(for torchrun, the DCP load); shard reads from buddy replicas: of the 4 shards each rank
+loads, those read from a replica its node holds for the buddy. Load average
+{report['load_before'][0]:.1f} before, {report['load_after'][0]:.1f} after (2 cores).
 
-| source | recovery (s) | restore (s) | state (MB) | steps retrained |
-|---|---:|---:|---:|---:|
+| source | recovery (s) | restore (s) | state (MB) | shard reads from replicas \
+| steps retrained |
+|---|---:|---:|---:|---:|---:|
 {rows}
 {cluster}
 """

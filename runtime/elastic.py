@@ -798,7 +798,8 @@ class ElasticSession:
         if self._record is not None:
             self._record.write(kind="restore", generation=generation.generation,
                                step=restored.step, tier="memory", state_bytes=restored.nbytes,
-                               seconds=time.time() - started, corrupt=restored.corrupt)
+                               seconds=time.time() - started, corrupt=restored.corrupt,
+                               from_replicas=restored.from_replicas)
         return restored.step
 
     def _restore_durable(self, generation: Generation, newer_than: int) -> int | None:

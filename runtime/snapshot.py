@@ -303,6 +303,7 @@ class Restored:
     step: int
     nbytes: int
     corrupt: list[str]  # what failed its checksum, one line each
+    from_replicas: int  # shards this member read from a buddy's replica, not its own
 
 
 def restore(pg: dist.ProcessGroup, wait: Wait, rank: int, world_size: int, store: Path,
@@ -328,6 +329,7 @@ def restore(pg: dist.ProcessGroup, wait: Wait, rank: int, world_size: int, store
         # Each member checks the copies its node holds; all agree on one good copy a shard.
         good = torch.zeros(world_size, candidate.shards, dtype=torch.int64)
         verified: dict[int, tuple[mmap.mmap, Header]] = {}
+        replicas: set[int] = set()  # shards whose verified copy here is a buddy's replica
         for h in mine:
             if (h.step, h.shards, h.total) != (candidate.step, candidate.shards,
                                                  candidate.total) or h.shard in verified:
@@ -342,6 +344,8 @@ def restore(pg: dist.ProcessGroup, wait: Wait, rank: int, world_size: int, store
                     report(damaged, str(exc), snapshot_file.is_replica(h.path))
                 continue
             verified[h.shard] = (buffer, header)
+            if snapshot_file.is_replica(h.path):
+                replicas.add(h.shard)
             good[rank, h.shard] = 1
         wait(pg.allreduce([good]))
         sources = [next((r for r in range(world_size) if good[r, s]), None)
@@ -351,22 +355,29 @@ def restore(pg: dist.ProcessGroup, wait: Wait, rank: int, world_size: int, store
                 buffer.close()
             continue  # a shard with no good copy: the next older step
         flat = torch.empty(candidate.total, dtype=torch.uint8)
-        meta = _broadcast_meta(pg, wait, rank, sources[0], verified.get(0))
+        # A shard every member's node holds is read there: no bytes cross the network (the
+        # usual case when the agents lived: a node holds its ranks' shards and its buddy's).
+        everywhere = [bool(good[:, s].all()) for s in range(candidate.shards)]
+        meta = _meta(verified[0]) if everywhere[0] else \
+            _broadcast_meta(pg, wait, rank, sources[0], verified.get(0))
         for shard, source in enumerate(sources):
             offset, length = snapshot_file.share(candidate.total, shard, candidate.shards)
             part = flat[offset:offset + length]
             if not length:
                 continue
-            if rank == source:
+            if shard in verified and (rank == source or everywhere[shard]):
                 buffer, header = verified[shard]
                 start = snapshot_file.HEADER_BYTES + header.meta_length
                 part.copy_(torch.frombuffer(memoryview(buffer)[start:start + length],
                                             dtype=torch.uint8))
-            wait(pg.broadcast(part, source))
+            if not everywhere[shard]:
+                wait(pg.broadcast(part, source))
         for buffer, _ in verified.values():
             buffer.close()
         load_flat(flat, pickle.loads(meta), model, optimizer, extra)
-        return Restored(candidate.step, candidate.total, corrupt)
+        read = {shard for shard, source in enumerate(sources)
+                if shard in verified and (rank == source or everywhere[shard])}
+        return Restored(candidate.step, candidate.total, corrupt, len(read & replicas))
     return None
 
 
@@ -379,6 +390,13 @@ def _verified(path: Path) -> tuple[mmap.mmap, Header]:
     return buffer, header
 
 
+def _meta(held: tuple[mmap.mmap, Header]) -> bytes:
+    """The meta section of a verified copy of shard 0."""
+    buffer, header = held
+    return bytes(buffer[snapshot_file.HEADER_BYTES:snapshot_file.HEADER_BYTES
+                        + header.meta_length])
+
+
 def _broadcast_meta(pg: dist.ProcessGroup, wait: Wait, rank: int, source: int,
                     held: tuple[mmap.mmap, Header] | None) -> bytes:
     """Shard 0's meta section, from the member that holds a good copy of it."""
@@ -386,9 +404,7 @@ def _broadcast_meta(pg: dist.ProcessGroup, wait: Wait, rank: int, source: int,
     meta = b""
     if rank == source:
         assert held is not None
-        buffer, header = held
-        start = snapshot_file.HEADER_BYTES
-        meta = bytes(buffer[start:start + header.meta_length])
+        meta = _meta(held)
         size[0] = len(meta)
     wait(pg.broadcast(size, source))
     payload = torch.frombuffer(bytearray(meta), dtype=torch.uint8) if rank == source \

@@ -134,6 +134,7 @@ async def test_a_node_and_every_rank_lost_the_job_resumes_from_the_buddys_replic
     # Every restarted rank restored the newest step complete in memory before the loss.
     assert restores and {line["step"] for line in restores} == {newest}, (restores, newest)
     assert all(line["tier"] == "memory" and line["corrupt"] == [] for line in restores)
+    assert sum(line["from_replicas"] for line in restores) > 0, restores
     # They ran on the surviving node only: its memory held every shard.
     restored_in = {line["generation"] for line in restores}
     for generation in (g for g in generations if g.generation in restored_in):

@@ -3,6 +3,7 @@ a restore over a real gloo group that skips a damaged copy for the next older st
 
 from __future__ import annotations
 
+import concurrent.futures
 import datetime
 import mmap
 import pickle
@@ -174,7 +175,7 @@ def test_a_damaged_copy_is_skipped_reported_and_the_older_step_restored(tmp_path
                        target[1], {"scheduler": target[2]},
                        lambda h, problem, replica: reported.append((h.step, h.shard, problem,
                                                                    replica)))
-    assert restored is not None and restored.step == 3
+    assert restored is not None and restored.step == 3 and restored.from_replicas == 0
     assert reported == [(4, 0, "checksum mismatch: shard 0 of step 4 is damaged", True)]
     assert restored.corrupt and "buddy.n1.w1-s0.1" in restored.corrupt[0]
     same_state(older, target)
@@ -186,4 +187,38 @@ def test_a_damaged_copy_is_skipped_reported_and_the_older_step_restored(tmp_path
     restored = restore(group, lambda work: work.wait(), 0, 1, store, "job-a", 0, target[0],
                        target[1], {"scheduler": target[2]}, lambda h, p, r: None)
     assert restored is not None and restored.step == 4 and restored.corrupt == []
+    assert restored.from_replicas == 1
     same_state(newer, target)
+
+
+def test_members_read_the_shards_their_nodes_hold_and_receive_the_rest(tmp_path) -> None:
+    """Two members: the first's node holds shard 0 and a buddy's replica of shard 1, the
+    second's only shard 1. Shard 0 travels from the first; shard 1 each reads where it is."""
+    source = trained(0, 4)
+    stores = [tmp_path / "n0", tmp_path / "n1"]
+    for store in stores:
+        store.mkdir()
+    snapshot_into(stores[0] / "w0-s0.0", *source, 4, 0, 2)
+    snapshot_into(stores[0] / "buddy.n1.w1-s1.0", *source, 4, 1, 2)
+    snapshot_into(stores[1] / "w1-s1.0", *source, 4, 1, 2)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    targets = [trained(7, 0), trained(8, 0)]
+    restored: list[object] = [None, None]
+
+    def member(rank: int) -> None:
+        store = dist.TCPStore("127.0.0.1", port, 2, is_master=rank == 0,
+                              timeout=datetime.timedelta(seconds=10))
+        pg = dist.ProcessGroupGloo(store, rank, 2, datetime.timedelta(seconds=10))
+        target = targets[rank]
+        restored[rank] = restore(pg, lambda work: work.wait(), rank, 2, stores[rank],
+                                 "job-a", 0, target[0], target[1], {"scheduler": target[2]},
+                                 lambda h, p, r: None)
+
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        for done in [pool.submit(member, rank) for rank in (0, 1)]:
+            done.result(timeout=30)
+    assert [(r.step, r.from_replicas) for r in restored] == [(4, 1), (4, 0)]
+    for target in targets:
+        same_state(source, target)
