@@ -25,6 +25,17 @@ endpoint, waits for every job's first generation, then:
    crash must produce exactly one crash fault, every fault exactly one fault
    generation of its job, every generation must reach every member; any other
    fault (a hang or node loss the generator's own lag caused) is counted.
+3. **A rack lost**: the generator process that simulates the first ``--rack`` nodes
+   (64, at most a quarter of the cluster) is frozen (SIGSTOP: no heartbeat, no
+   progress, no exit report, as behind a dead switch) and stays so. Measured: one
+   node-lost fault for each of its ranks, how long beyond health's node timeout they
+   took (p99, from the freeze), none doubled, and a new generation of every job that
+   lost ranks.
+4. **The bus restarted under load**: nats-server SIGKILLed and started again on the
+   same port and store two seconds later. Measured: faults and generations after it
+   (there must be none: an outage of the bus is not a node or rank dying), how soon
+   the admission leader answers again, and the message rate afterwards against the
+   steady window's.
 
 Submit → admitted p99 covers the initial submissions. Every process's CPU is reported
 apart: when the generator's processes use more CPU than the services, or the machine's
@@ -57,6 +68,7 @@ from results import append, utc_date
 from phalanx.bus.client import Bus, Delivery
 from phalanx.bus.config import BusConfig
 from phalanx.bus.errors import RemoteError
+from phalanx.bus.kv import TypedKV
 from phalanx.schemas import subjects
 from phalanx.schemas.messages import (
     Fault,
@@ -66,12 +78,16 @@ from phalanx.schemas.messages import (
     JobRecord,
     JobSpec,
     JobState,
+    NodeRecord,
     ReplicaRange,
 )
 from phalanx.services.client import AdmissionClient
+from phalanx.services.health.core import HealthPolicy
 from phalanx.services.natsd import NatsServer, free_port
 
 SERVICES = ("admission", "health", "elasticity")
+NODE_TIMEOUT_S = HealthPolicy().node_timeout_s  # the services run with the defaults
+SLOTS = 8  # a simulated node's (loadgen's default); every one is filled
 LOADGEN = Path(__file__).resolve().parent / "loadgen.py"
 TICK = os.sysconf("SC_CLK_TCK")
 
@@ -148,21 +164,33 @@ def _measure(args: argparse.Namespace, nodes: int) -> dict[str, Any]:
                     [sys.executable, "-m", f"phalanx.services.{name}", "--log-level", "WARNING"],
                     env=env, stdout=log, stderr=log))
             outs = []
-            for first in range(0, nodes, args.per_process):
-                count = min(args.per_process, nodes - first)
+            # The first generator simulates the rack (frozen in its phase); no crash there.
+            starts = [0, *range(args.rack, nodes, args.per_process)]
+            for first, end in zip(starts, [*starts[1:], nodes], strict=True):
+                count = end - first
                 out = Path(tmp, f"gen-{first}.json")
                 outs.append(out)
-                share = args.crashes * count // nodes
+                share = 0 if first == 0 else args.crashes * count // (nodes - args.rack)
                 log = files.enter_context(Path(tmp, f"gen-{first}.log").open("wb"))
                 procs["loadgen"].append(subprocess.Popen(
                     [sys.executable, str(LOADGEN), "--url", server.url, "--first", str(first),
                      "--nodes", str(count), "--out", str(out), "--crashes", str(share)],
                     stderr=log))
             result = asyncio.run(_drive(args, nodes, server, procs, outs, http_port))
-            for p in procs["loadgen"]:
-                p.wait(60)
-            gens = [json.loads(o.read_text()) for o in outs]
-            result = _judge(nodes, gens, **result)
+            lost = 0
+            for p, out in zip(procs["loadgen"], outs, strict=True):
+                try:
+                    p.wait(120)
+                except subprocess.TimeoutExpired:  # saturated past answering its SIGTERM
+                    p.kill()
+                lost += not out.exists()
+            gens = [json.loads(o.read_text()) for o in outs if o.exists()]
+            if not any(g["first"] == 0 for g in gens):
+                raise RuntimeError("the rack's generator wrote no result")
+            result = _judge(nodes, gens, rack=args.rack, **result)
+            # What a lost generator saw (its crashes, the generations its ranks received)
+            # is missing from the figures: they are incomplete, and say so.
+            result["generators_lost"] = lost
         finally:
             for group in procs.values():
                 for p in group:
@@ -224,13 +252,32 @@ async def _drive(args: argparse.Namespace, nodes: int, server: NatsServer,
         except RemoteError as exc:
             if exc.code != "404":
                 raise
-        await asyncio.sleep(2.0)  # every node's first heartbeats seen
+        # Every simulated node registered (a submit before admission knows any node is
+        # refused: the cluster is too small), then its first heartbeats seen.
+        registry = await TypedKV.open(bus.js, subjects.NODES_BUCKET, NodeRecord)
+        deadline = time.monotonic() + args.start_timeout_s
+        while len((await registry.entries())[0]) < nodes:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{nodes} simulated nodes did not all register within "
+                                   f"{args.start_timeout_s:g} s")
+            await asyncio.sleep(0.5)
+        await asyncio.sleep(2.0)
         gate = asyncio.Semaphore(32)
 
         async def submit(i: int) -> None:
             async with gate:
                 submitted[f"sim-job-{i}"] = time.time()
-                await client.submit(spec(), f"sim-job-{i}", retry_s=30)
+                while True:
+                    try:
+                        await client.submit(spec(), f"sim-job-{i}", retry_s=30)
+                        return
+                    except RemoteError as exc:
+                        # Admission's registry view behind the registry itself (thousands
+                        # of nodes registered within a second): the same submit later.
+                        if "whole cluster has" not in exc.description \
+                                or time.monotonic() > deadline:
+                            raise
+                    await asyncio.sleep(1.0)
 
         await asyncio.gather(*(submit(i) for i in range(jobs)))
         started = time.monotonic()
@@ -252,12 +299,38 @@ async def _drive(args: argparse.Namespace, nodes: int, server: NatsServer,
             p.send_signal(signal.SIGUSR1)
         await asyncio.sleep(args.settle_s)
         storm = meter.between(b, meter.sample())
+
+        # A rack lost: the first generator's nodes and ranks freeze (no heartbeat, no
+        # progress, no exit report), as a rack behind a dead switch; they stay frozen.
+        rack_at = time.time()
+        procs["loadgen"][0].send_signal(signal.SIGSTOP)
+        await asyncio.sleep(args.settle_s)
+
+        # The bus restarted under that load: SIGKILL, the same port and store 2 s later.
+        restart_at = time.time()
+        await asyncio.to_thread(server.kill)
+        await asyncio.sleep(2.0)
+        await asyncio.to_thread(server.start)
+        back = time.monotonic()
+        try:  # the admission leader answers again
+            await client.explain("probe", retry_s=60)
+        except RemoteError as exc:
+            if exc.code != "404":
+                raise
+        answers_s = round(time.monotonic() - back, 2)
+        c = meter.sample()  # the server's counters started again from zero
+        await asyncio.sleep(args.settle_s)
+        after_restart = meter.between(c, meter.sample())
+        end_at = time.time()
+    procs["loadgen"][0].send_signal(signal.SIGCONT)  # to write what it saw, then end
     for p in procs["loadgen"]:
         p.send_signal(signal.SIGTERM)
     return {"jobs": jobs, "submitted": submitted, "admitted": admitted, "faults": faults,
             "faults_before": faults_before, "generations": generations, "storm_at": storm_at,
             "steady": steady, "storm": storm, "ready_s": ready_s,
-            "first_generations": first_generations}
+            "first_generations": first_generations, "rack_at": rack_at,
+            "restart_at": restart_at, "end_at": end_at, "after_restart": after_restart,
+            "answers_after_restart_s": answers_s}
 
 
 def _wait_ready(outs: list[Path], timeout_s: float) -> None:
@@ -273,7 +346,9 @@ def _judge(nodes: int, gens: list[dict[str, Any]], *, jobs: int,
            faults: list[tuple[Fault, float]], faults_before: int,
            generations: dict[tuple[str, int], tuple[Generation, float]], storm_at: float,
            steady: dict[str, Any], storm: dict[str, Any], ready_s: float,
-           first_generations: int) -> dict[str, Any]:
+           first_generations: int, rack_at: float, restart_at: float, end_at: float,
+           after_restart: dict[str, Any], answers_after_restart_s: float,
+           rack: int) -> dict[str, Any]:
     crashes = [c for g in gens for c in g["crashes"]]
     received: dict[tuple[str, int], dict[str, float]] = defaultdict(dict)
     for job_id, number, replica, at in (r for g in gens for r in g["received"]):
@@ -281,6 +356,8 @@ def _judge(nodes: int, gens: list[dict[str, Any]], *, jobs: int,
     crash_faults: dict[tuple[str, str | None], list[float]] = defaultdict(list)
     other_faults: dict[str, int] = defaultdict(int)
     for fault, at in faults:
+        if at >= rack_at:
+            continue  # the rack's and the restart's phases are judged apart
         if fault.kind is FaultKind.CRASH:
             crash_faults[(fault.job_id, fault.replica_id)].append(at)
         else:
@@ -297,7 +374,7 @@ def _judge(nodes: int, gens: list[dict[str, Any]], *, jobs: int,
     unexplained = sum(len(v) for k, v in crash_faults.items() if k not in crashed)
     fault_generations: dict[str, list[tuple[Generation, float]]] = defaultdict(list)
     for generation, at in generations.values():
-        if generation.reason is GenerationReason.FAULT and at >= storm_at:
+        if generation.reason is GenerationReason.FAULT and storm_at <= at < rack_at:
             fault_generations[generation.job_id].append((generation, at))
     per_job_faults: dict[str, int] = defaultdict(int)
     for job_id, _ in crash_faults:
@@ -305,6 +382,8 @@ def _judge(nodes: int, gens: list[dict[str, Any]], *, jobs: int,
     gen_mismatch = sum(len(fault_generations.get(j, [])) != n for j, n in per_job_faults.items())
     fanout, fault_to_all, fanout_missed = [], [], 0
     for (job_id, number), (generation, at) in generations.items():
+        if at >= rack_at:
+            continue  # members on the frozen rack never receive what follows
         got = received.get((job_id, number), {})
         members = [m.replica_id for m in generation.members]
         if any(m not in got for m in members):
@@ -317,12 +396,13 @@ def _judge(nodes: int, gens: list[dict[str, Any]], *, jobs: int,
             if detected:
                 fault_to_all.append(last - max(d for d in detected if d <= last)
                                     if any(d <= last for d in detected) else 0.0)
-    lag = max(g["step_lag_max_s"] for g in gens)
+    lag = max(g["step_lag_max_s"] for g in gens if g["first"] != 0)  # the rack was frozen
     generator_cores = steady["cpu_cores"]["loadgen"]
     service_cores = sum(v for k, v in steady["cpu_cores"].items() if k != "loadgen")
     busy = generator_cores + service_cores
     return {
-        "nodes": nodes, "slots": nodes * 8, "jobs": jobs, "ranks": sum(g["ranks"] for g in gens),
+        "nodes": nodes, "slots": nodes * SLOTS, "jobs": jobs,
+        "ranks": sum(g["ranks"] for g in gens),
         "admitted": len(admitted), "first_generations": first_generations,
         "start_s": ready_s,
         "submit_to_admitted_p99_ms": p99([admitted[j] - submitted[j]
@@ -338,10 +418,73 @@ def _judge(nodes: int, gens: list[dict[str, Any]], *, jobs: int,
         "generator_step_lag_max_s": lag,
         "generator_cores": generator_cores, "services_and_bus_cores": round(service_cores, 2),
         "saturated": bool(generator_cores > service_cores or busy > 1.8 or lag > 0.5),
+        "rack": _judge_rack(rack, faults, generations, rack_at, restart_at),
+        "bus_restart": _judge_restart(faults, generations, restart_at, end_at,
+                                      steady, after_restart, answers_after_restart_s),
     }
 
 
-def section(command: str, results: list[dict[str, Any]]) -> str:
+def _judge_rack(rack: int, faults: list[tuple[Fault, float]],
+                generations: dict[tuple[str, int], tuple[Generation, float]],
+                rack_at: float, restart_at: float) -> dict[str, Any]:
+    """The rack's phase: one node-lost fault for every rank on the rack's nodes (health
+    knows them from their starts), received within health's node timeout after the
+    freeze (the figure is what it took beyond the timeout: at most one heartbeat
+    interval early, as a node's last beat came up to 0.5 s before the freeze), and a
+    generation of every job that lost ranks without losing all of them."""
+    nodes = {f"sim-{i}" for i in range(rack)}
+    lost: dict[tuple[str, int | None], list[float]] = defaultdict(list)
+    others: dict[str, int] = defaultdict(int)
+    for fault, at in faults:
+        if not rack_at <= at < restart_at:
+            continue
+        if fault.kind is FaultKind.NODE_LOST and fault.node_id in nodes:
+            lost[(fault.job_id, fault.rank)].append(at)
+        else:
+            others[fault.kind.value] += 1
+    timeout = NODE_TIMEOUT_S
+    jobs = {job for job, _ in lost}
+    regenerated = {g.job_id for g, at in generations.values()
+                   if rack_at <= at < restart_at and g.job_id in jobs}
+    # A job whose every member was on the rack has no one left to form a generation with:
+    # it waits for replacements (or is requeued), so it is not counted as missing one.
+    latest: dict[str, tuple[int, Generation]] = {}
+    for generation, at in generations.values():
+        if at < rack_at and generation.generation >= latest.get(generation.job_id, (-1,))[0]:
+            latest[generation.job_id] = (generation.generation, generation)
+    wholly = {job for job in jobs if job in latest
+              and all(m.node_id in nodes for m in latest[job][1].members)}
+    return {"nodes": rack, "ranks": rack * SLOTS, "node_lost_faults": len(lost),
+            "nodes_reported": len({f.node_id for f, at in faults if rack_at <= at < restart_at
+                                   and f.kind is FaultKind.NODE_LOST}),
+            "doubled": sum(len(v) > 1 for v in lost.values()),
+            "beyond_timeout_p99_ms": p99([min(v) - rack_at - timeout for v in lost.values()]),
+            "jobs_hit": len(jobs), "jobs_wholly_on_the_rack": len(wholly),
+            "jobs_with_a_new_generation": len(regenerated),
+            "jobs_missing_a_generation": len(jobs - wholly - regenerated),
+            "other_faults": dict(others)}
+
+
+def _judge_restart(faults: list[tuple[Fault, float]],
+                   generations: dict[tuple[str, int], tuple[Generation, float]],
+                   restart_at: float, end_at: float, steady: dict[str, Any],
+                   after: dict[str, Any], answers_s: float) -> dict[str, Any]:
+    """The bus restart's phase: no fault and no generation at all (an outage of the bus
+    is not a node or rank dying), the control plane answering again, and the message
+    rate back to the steady window's."""
+    kinds: dict[str, int] = defaultdict(int)
+    for fault, at in faults:
+        if restart_at <= at < end_at:
+            kinds[fault.kind.value] += 1
+    return {"faults": dict(kinds),
+            "generations": sum(1 for _, at in generations.values() if restart_at <= at < end_at),
+            "admission_answers_s": answers_s,
+            "bus_msgs_per_s_after": after["bus_msgs_per_s"],
+            "bus_msgs_per_s_steady": steady["bus_msgs_per_s"]}
+
+
+def section(command: str, results: list[dict[str, Any]],
+            failed: list[dict[str, Any]]) -> str:
     lines = [f"\n## Control plane at scale (bench/scale.py)\n\n`{command}` — {utc_date()}\n",
              "Real nats-server, admission, health and elasticity processes; simulated agents "
              "and ranks (bench/loadgen.py), 8 slots a node, 8-rank jobs, progress and "
@@ -350,10 +493,15 @@ def section(command: str, results: list[dict[str, Any]]) -> str:
              "| nodes | ranks | first generations / jobs | bus msg/s | admission cpu / MB | "
              "health cpu / MB | elasticity cpu / MB | nats cpu / MB | generator cpu | "
              "submit→admitted p99 | crashes | crash→fault p99 | fan-out p99 | "
-             "fault→all members p99 | missed | other faults | saturated | load |",
-             "|" + "---|" * 18]
+             "fault→all members p99 | missed | other faults | rack lost: nodes, node-lost "
+             "faults / its slots (all filled), beyond the timeout p99, jobs hit: with a "
+             "new generation / wholly on the rack / missing one | "
+             "bus restart: faults, generations, admission answers after, msg/s after / steady "
+             "| saturated | load |",
+             "|" + "---|" * 20]
     for r in results:
-        s = r["steady"]
+        s, rack, bus = r["steady"], r["rack"], r["bus_restart"]
+        lost = f" ({r['generators_lost']} generator(s) lost)" if r["generators_lost"] else ""
         cell = {n: f"{s['cpu_cores'][n]} / {s['rss_mb'][n]}" for n in s["cpu_cores"]}
         missed = (f"faults missed {r['crash_faults_missed']}, doubled "
                   f"{r['crash_faults_doubled']}, not one generation "
@@ -365,7 +513,15 @@ def section(command: str, results: list[dict[str, Any]]) -> str:
             f"{s['cpu_cores']['loadgen']} | {r['submit_to_admitted_p99_ms']} ms | "
             f"{r['crashes']} | {r['crash_to_fault_p99_ms']} ms | {r['fanout_p99_ms']} ms | "
             f"{r['fault_to_all_members_p99_ms']} ms | {missed} | {r['other_faults']} | "
-            f"{r['saturated']} | {r['loadavg_before'][0]} → {r['loadavg_after'][0]} |")
+            f"{rack['nodes']}, {rack['node_lost_faults']} / {rack['ranks']}, "
+            f"{rack['beyond_timeout_p99_ms']} ms, {rack['jobs_hit']}: "
+            f"{rack['jobs_with_a_new_generation']} / {rack['jobs_wholly_on_the_rack']} / "
+            f"{rack['jobs_missing_a_generation']} | {bus['faults'] or 0}, {bus['generations']}, "
+            f"{bus['admission_answers_s']} s, {bus['bus_msgs_per_s_after']} / "
+            f"{bus['bus_msgs_per_s_steady']} | "
+            f"{r['saturated']}{lost} | "
+            f"{r['loadavg_before'][0]} → {r['loadavg_after'][0]} |")
+    lines += [f"\n{f['nodes']} nodes: no figures, the run failed: {f['error']}" for f in failed]
     return "\n".join(lines) + "\n"
 
 
@@ -376,6 +532,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="simulated nodes per load-generator process")
     parser.add_argument("--crashes", type=int, default=None,
                         help="ranks crashed in the storm (default: a quarter of the jobs)")
+    parser.add_argument("--rack", type=int, default=64,
+                        help="nodes of the rack lost at once (at most a quarter of the nodes)")
     parser.add_argument("--window-s", type=float, default=10.0)
     parser.add_argument("--settle-s", type=float, default=8.0)
     parser.add_argument("--start-timeout-s", type=float, default=60.0)
@@ -384,16 +542,23 @@ def main(argv: list[str] | None = None) -> int:
                         help="print the tail of every process's log after each size")
     args = parser.parse_args(argv)
     results = []
+    failed = []
     for nodes in args.nodes:
         run = argparse.Namespace(**vars(args))
         run.crashes = args.crashes if args.crashes is not None else max(1, nodes // 4)
-        result = _measure(run, nodes)
+        run.rack = max(1, min(args.rack, nodes // 4))
+        try:
+            result = _measure(run, nodes)
+        except Exception as exc:  # one size's failure is a finding: recorded, and on
+            failed.append({"nodes": nodes, "error": f"{type(exc).__name__}: {exc}"[:300]})
+            print(json.dumps(failed[-1]), flush=True)
+            continue
         print(json.dumps(result), flush=True)
         results.append(result)
     if not args.no_record:
         append(section("python bench/scale.py " + " ".join(sys.argv[1:] if argv is None
-                                                             else argv), results))
-    print(json.dumps({"scale": results}))
+                                                             else argv), results, failed))
+    print(json.dumps({"scale": results, "failed": failed}))
     return 0
 
 

@@ -146,6 +146,9 @@ class NatsServer:
             NatsServerError: it exited or was not ready in time; carries its fatal log lines.
         """
         self.store_dir.mkdir(parents=True, exist_ok=True)
+        self._ready = False  # started again after a kill: wait for this run's "ready"
+        self._fatal.clear()
+        self._log_event.clear()
         args = [server_binary(), "-a", self.host, "-p", str(self.port or -1), "-js",
                 "-sd", str(self.store_dir)]
         if self.routes is not None:
