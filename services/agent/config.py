@@ -59,10 +59,11 @@ class AgentConfig:
     the one its peers connect to."""
     replica_port: int = 0
     """Port of the replication listener; 0: any free port (announced in the node record)."""
-    replica_duty: float = 0.05
+    replica_duty: float = 0.01
     """The most of its time the replication sender spends sending (0 < duty <= 1): after
-    sending for t seconds it rests t * (1/duty - 1). The agent's CPU is the ranks' CPU: a
-    lower duty costs training less, and leaves the buddy further behind."""
+    sending for t seconds it rests t * (1/duty - 1). The agent's CPU is the ranks' CPU, and
+    the buddy's agent does about as much work receiving: a lower duty costs training
+    less, and leaves the buddy further behind (about 100 x the send time at 0.01)."""
     checkpoint_dir: str | None = None
     """Where ranks persist durable checkpoints of a job whose spec names no
     ``checkpoint.durable_url``. Default: ``checkpoints`` beside the ``agents`` directory
