@@ -409,12 +409,16 @@ class AdmissionCore:
         field = "replicas.min" if smallest == spec.replicas.min else \
             "the smallest of scaling.replica_discrete_values"
         need = smallest * spec.slots_per_replica
-        total = sum(n.slots for n in self.nodes.values() if n.alive)
+        # Every registered node counts, silent or not: "never fits" must not follow from a
+        # moment when heartbeats lag (a new leader, a loaded bus) — such a job waits, with
+        # its reason, for the nodes to be heard again. A node leaves the count when it
+        # leaves the registry.
+        total = sum(n.slots for n in self.nodes.values())
         if need > total:
             raise SpecRejected(
                 f"{field} x slots_per_replica = {smallest} x "
                 f"{spec.slots_per_replica} = {need} slots, but the whole cluster has {total}")
-        if not any(n.alive and n.slots >= spec.slots_per_replica for n in self.nodes.values()):
+        if not any(n.slots >= spec.slots_per_replica for n in self.nodes.values()):
             raise SpecRejected(f"slots_per_replica {spec.slots_per_replica} exceeds every "
                                "node's slots")
         ceiling = self._quota(spec.team).ceiling

@@ -31,10 +31,12 @@ from otlp_sink import OtlpSink, SpanRecord
 
 from phalanx.bus.client import Bus
 from phalanx.bus.config import BusConfig
+from phalanx.bus.kv import TypedKV
 from phalanx.schemas import subjects
 from phalanx.schemas.messages import (
     Generation,
     GenerationReason,
+    JobProgress,
     JobSpec,
     Placement,
     RankProgress,
@@ -123,6 +125,16 @@ async def test_one_recovery_is_one_trace_and_moves_every_services_counters(
                            and "admitted" in line)
                 assert "(2..4)" in row, frame
                 assert "fault crash: r1-0" in frame and "r1-1 started as rank 1" in frame, frame
+
+                # Health sets its step gauge as it stores the job's progress record (once a
+                # second): once the record says 20, so does the gauge.
+                records = await TypedKV.open(bus.js, subjects.PROGRESS_BUCKET, JobProgress)
+                async with asyncio.timeout(30):
+                    async for change in records.watch():
+                        if change is not None and change.key == job.job_id \
+                                and change.value is not None and change.value.step >= 20:
+                            break
+                after["health"] = scrape(ports["health"])
 
                 # Metrics: what moved where, read as Prometheus would.
                 health, elasticity = after["health"], after["elasticity"]

@@ -798,6 +798,20 @@ def test_node_returning_after_loss_is_used_again() -> None:
     assert admits(run(core, [node("n1", 2)])) == {"g": ("n1", "n1")}
 
 
+def test_a_silent_node_still_counts_toward_what_could_ever_fit() -> None:
+    """A submit while every node's heartbeat lags (a new leader under load) is queued
+    with its reason, not refused as never fitting; only leaving the registry shrinks
+    the cluster."""
+    core = make(node("n1", 2, alive=False), node("n2", 2, alive=False))
+    core.validate(spec(mn=4))
+    assert run(core, [sub("g", mn=4)]) == []
+    assert state(core, "g") is JobState.PENDING
+    with pytest.raises(SpecRejected, match="whole cluster has 4"):
+        core.validate(spec(mn=5))
+    assert admits(run(core, [node("n1", 2), node("n2", 2)])) == {
+        "g": ("n1", "n1", "n2", "n2")}
+
+
 def test_node_removed_requeues_and_forgets_the_node() -> None:
     core = make(node("n1", 2), node("n2", 2))
     run(core, [sub("g", mn=2, labels={})])
@@ -844,7 +858,7 @@ def test_node_shrinking_below_use_gives_back_its_newest_gangs() -> None:
 ])
 def test_validate_rejects_naming_the_field(kw: dict[str, object], message: str) -> None:
     policy = AdmissionPolicy(teams={"a": TeamQuota(3, 1)})
-    core = make(node("n1", 4), node("n2", 4), node("dead", 16, alive=False), policy=policy)
+    core = make(node("n1", 4), node("n2", 4), policy=policy)
     with pytest.raises(SpecRejected) as info:
         core.validate(spec(**kw))  # type: ignore[arg-type]
     assert str(info.value) == message
