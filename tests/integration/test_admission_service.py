@@ -374,9 +374,11 @@ def _spawn_admission(url: str, instance: str) -> asyncio.subprocess.Process:
         stderr=asyncio.subprocess.DEVNULL)
 
 
-async def heartbeat_nodes(bus: Bus, nodes: list[NodeInfo], stop: asyncio.Event) -> None:
+async def heartbeat_nodes(bus: Bus, nodes: list[NodeInfo], stop: asyncio.Event,
+                          registered: asyncio.Event) -> None:
     """Keep registry entries for ``nodes`` fresh (every 0.5 s), as their agents would: the
-    big burst needs thousands of slots, and admission reads only the registry."""
+    big burst needs thousands of slots, and admission reads only the registry. Sets
+    ``registered`` once every node has its entry."""
     registry = await TypedKV.open(bus.js, subjects.NODES_BUCKET, NodeRecord)
     seq = 0
     while not stop.is_set():
@@ -384,6 +386,7 @@ async def heartbeat_nodes(bus: Bus, nodes: list[NodeInfo], stop: asyncio.Event) 
         now = time.time()
         await asyncio.gather(*(registry.put(node.node_id, NodeRecord(
             node=node, heartbeat_seq=seq, heartbeat_at=now)) for node in nodes))
+        registered.set()
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(stop.wait(), 0.5)
 
@@ -403,7 +406,11 @@ async def test_sigkill_mid_burst_loses_nothing_and_admits_nothing_twice(
     if big:
         nodes = [NodeInfo(node_id=f"node-{i}", host="h", slots=slots_per_node,
                           failure_domain=f"d{i % 8}") for i in range(node_count)]
-        beats = asyncio.create_task(heartbeat_nodes(client_bus, nodes, stop_beats))
+        registered = asyncio.Event()
+        beats = asyncio.create_task(heartbeat_nodes(client_bus, nodes, stop_beats, registered))
+        # A burst against a running cluster: the nodes are registered before admission
+        # starts (a leader reads the registry whole before it serves).
+        await asyncio.wait_for(registered.wait(), 60)
     else:
         agents = await start_agents(config, slots=slots_per_node, count=node_count)
     first = await _spawn_admission(own_nats.url, "first")
