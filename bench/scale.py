@@ -211,6 +211,15 @@ def _measure(args: argparse.Namespace, nodes: int) -> dict[str, Any]:
     return result
 
 
+async def leader_answers(client: AdmissionClient) -> None:
+    """Until an admission leader answers (a probe job it does not know: 404)."""
+    try:
+        await client.explain("probe", retry_s=60)
+    except RemoteError as exc:
+        if exc.code != "404":
+            raise
+
+
 async def _drive(args: argparse.Namespace, nodes: int, server: NatsServer,
                  procs: dict[str, list[subprocess.Popen[bytes]]], outs: list[Path],
                  http_port: int) -> dict[str, Any]:
@@ -247,11 +256,7 @@ async def _drive(args: argparse.Namespace, nodes: int, server: NatsServer,
         await bus.subscribe(subjects.job_generation("WILDCARD").replace(".WILDCARD.", ".*."),
                             Generation, on_generation)
         client = AdmissionClient(bus, timeout_s=30.0)
-        try:  # a leader answers: the probe job is unknown to it
-            await client.explain("probe", retry_s=60)
-        except RemoteError as exc:
-            if exc.code != "404":
-                raise
+        await leader_answers(client)
         # Every simulated node registered (a submit before admission knows any node is
         # refused: the cluster is too small), then its first heartbeats seen.
         registry = await TypedKV.open(bus.js, subjects.NODES_BUCKET, NodeRecord)
@@ -312,11 +317,7 @@ async def _drive(args: argparse.Namespace, nodes: int, server: NatsServer,
         await asyncio.sleep(2.0)
         await asyncio.to_thread(server.start)
         back = time.monotonic()
-        try:  # the admission leader answers again
-            await client.explain("probe", retry_s=60)
-        except RemoteError as exc:
-            if exc.code != "404":
-                raise
+        await leader_answers(client)
         answers_s = round(time.monotonic() - back, 2)
         c = meter.sample()  # the server's counters started again from zero
         await asyncio.sleep(args.settle_s)
@@ -442,23 +443,24 @@ def _judge_rack(rack: int, faults: list[tuple[Fault, float]],
             lost[(fault.job_id, fault.rank)].append(at)
         else:
             others[fault.kind.value] += 1
-    timeout = NODE_TIMEOUT_S
     jobs = {job for job, _ in lost}
     regenerated = {g.job_id for g, at in generations.values()
                    if rack_at <= at < restart_at and g.job_id in jobs}
     # A job whose every member was on the rack has no one left to form a generation with:
     # it waits for replacements (or is requeued), so it is not counted as missing one.
-    latest: dict[str, tuple[int, Generation]] = {}
+    latest: dict[str, Generation] = {}
     for generation, at in generations.values():
-        if at < rack_at and generation.generation >= latest.get(generation.job_id, (-1,))[0]:
-            latest[generation.job_id] = (generation.generation, generation)
+        known = latest.get(generation.job_id)
+        if at < rack_at and (known is None or generation.generation > known.generation):
+            latest[generation.job_id] = generation
     wholly = {job for job in jobs if job in latest
-              and all(m.node_id in nodes for m in latest[job][1].members)}
+              and all(m.node_id in nodes for m in latest[job].members)}
     return {"nodes": rack, "ranks": rack * SLOTS, "node_lost_faults": len(lost),
             "nodes_reported": len({f.node_id for f, at in faults if rack_at <= at < restart_at
                                    and f.kind is FaultKind.NODE_LOST}),
             "doubled": sum(len(v) > 1 for v in lost.values()),
-            "beyond_timeout_p99_ms": p99([min(v) - rack_at - timeout for v in lost.values()]),
+            "beyond_timeout_p99_ms": p99([min(v) - rack_at - NODE_TIMEOUT_S
+                                          for v in lost.values()]),
             "jobs_hit": len(jobs), "jobs_wholly_on_the_rack": len(wholly),
             "jobs_with_a_new_generation": len(regenerated),
             "jobs_missing_a_generation": len(jobs - wholly - regenerated),

@@ -358,6 +358,8 @@ def restore(pg: dist.ProcessGroup, wait: Wait, rank: int, world_size: int, store
         # A shard every member's node holds is read there: no bytes cross the network (the
         # usual case when the agents lived: a node holds its ranks' shards and its buddy's).
         everywhere = [bool(good[:, s].all()) for s in range(candidate.shards)]
+        read = {shard for shard, source in enumerate(sources)
+                if shard in verified and (rank == source or everywhere[shard])}
         meta = _meta(verified[0]) if everywhere[0] else \
             _broadcast_meta(pg, wait, rank, sources[0], verified.get(0))
         for shard, source in enumerate(sources):
@@ -365,7 +367,7 @@ def restore(pg: dist.ProcessGroup, wait: Wait, rank: int, world_size: int, store
             part = flat[offset:offset + length]
             if not length:
                 continue
-            if shard in verified and (rank == source or everywhere[shard]):
+            if shard in read:
                 buffer, header = verified[shard]
                 start = snapshot_file.HEADER_BYTES + header.meta_length
                 part.copy_(torch.frombuffer(memoryview(buffer)[start:start + length],
@@ -375,8 +377,6 @@ def restore(pg: dist.ProcessGroup, wait: Wait, rank: int, world_size: int, store
         for buffer, _ in verified.values():
             buffer.close()
         load_flat(flat, pickle.loads(meta), model, optimizer, extra)
-        read = {shard for shard, source in enumerate(sources)
-                if shard in verified and (rank == source or everywhere[shard])}
         return Restored(candidate.step, candidate.total, corrupt, len(read & replicas))
     return None
 

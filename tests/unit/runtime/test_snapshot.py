@@ -7,7 +7,6 @@ import concurrent.futures
 import datetime
 import mmap
 import pickle
-import socket
 from pathlib import Path
 
 import pytest
@@ -25,6 +24,7 @@ from phalanx.runtime.snapshot import (
     write_share,
 )
 from phalanx.runtime.snapshot_file import HEADER_BYTES, Header, SnapshotFileError
+from phalanx.services.natsd import free_port
 
 
 def trained(seed: int, steps: int) -> tuple[torch.nn.Module, torch.optim.Optimizer, object]:
@@ -145,14 +145,16 @@ def test_the_plan_takes_the_newest_step_whose_every_shard_a_member_holds() -> No
     assert plan_restore(held, newer_than=10) == []  # the members hold 10 already
 
 
+def gloo_group(port: int, rank: int, world: int) -> dist.ProcessGroup:
+    """Member ``rank`` of a ``world``-member gloo group rendezvousing on ``port``."""
+    store = dist.TCPStore("127.0.0.1", port, world, is_master=rank == 0,
+                          timeout=datetime.timedelta(seconds=10))
+    return dist.ProcessGroupGloo(store, rank, world, datetime.timedelta(seconds=10))
+
+
 @pytest.fixture
 def group() -> dist.ProcessGroup:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    store = dist.TCPStore("127.0.0.1", port, 1, is_master=True,
-                          timeout=datetime.timedelta(seconds=10))
-    return dist.ProcessGroupGloo(store, 0, 1, datetime.timedelta(seconds=10))
+    return gloo_group(free_port(), 0, 1)
 
 
 def test_a_damaged_copy_is_skipped_reported_and_the_older_step_restored(tmp_path,
@@ -201,20 +203,16 @@ def test_members_read_the_shards_their_nodes_hold_and_receive_the_rest(tmp_path)
     snapshot_into(stores[0] / "w0-s0.0", *source, 4, 0, 2)
     snapshot_into(stores[0] / "buddy.n1.w1-s1.0", *source, 4, 1, 2)
     snapshot_into(stores[1] / "w1-s1.0", *source, 4, 1, 2)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     targets = [trained(7, 0), trained(8, 0)]
     restored: list[object] = [None, None]
 
     def member(rank: int) -> None:
-        store = dist.TCPStore("127.0.0.1", port, 2, is_master=rank == 0,
-                              timeout=datetime.timedelta(seconds=10))
-        pg = dist.ProcessGroupGloo(store, rank, 2, datetime.timedelta(seconds=10))
         target = targets[rank]
-        restored[rank] = restore(pg, lambda work: work.wait(), rank, 2, stores[rank],
-                                 "job-a", 0, target[0], target[1], {"scheduler": target[2]},
-                                 lambda h, p, r: None)
+        restored[rank] = restore(gloo_group(port, rank, 2), lambda work: work.wait(), rank, 2,
+                                 stores[rank],
+                                 "job-a", 0, target[0], target[1],
+                                 {"scheduler": target[2]}, lambda h, p, r: None)
 
     with concurrent.futures.ThreadPoolExecutor(2) as pool:
         for done in [pool.submit(member, rank) for rank in (0, 1)]:
