@@ -37,6 +37,13 @@ endpoint, waits for every job's first generation, then:
    the admission leader answers again, and the message rate afterwards against the
    steady window's.
 
+5. **A burst of submissions**: ``--burst`` (5,000) one-slot jobs submitted at once
+   (256 in flight) onto the full cluster, so they queue; then a quarter of the running
+   jobs is cancelled and the queue takes their slots. Measured: the submit answer's
+   p50/p99 and the burst's rate, every submission answered and queued, release →
+   admitted p99 for the jobs the freed slots took, admission's CPU during the burst,
+   and that no node is ever given more than its slots (from every admitted record).
+
 Submit → admitted p99 covers the initial submissions. Every process's CPU is reported
 apart: when the generator's processes use more CPU than the services, or the machine's
 cores are saturated, the figures measure the machine, not phalanx, and the result
@@ -143,9 +150,10 @@ class Meter:
                            for n, pids in self.pids.items()}}
 
 
-def spec() -> JobSpec:
+def spec(least: int = 4, most: int = 8) -> JobSpec:
     return JobSpec(name="sim", team="scale", priority_class="normal",
-                   replicas=ReplicaRange(min=4, max=8), command=["true"], hang_timeout_s=10.0)
+                   replicas=ReplicaRange(min=least, max=most), command=["true"],
+                   hang_timeout_s=10.0)
 
 
 def _measure(args: argparse.Namespace, nodes: int) -> dict[str, Any]:
@@ -229,6 +237,7 @@ async def _drive(args: argparse.Namespace, nodes: int, server: NatsServer,
     admitted: dict[str, float] = {}
     faults: list[tuple[Fault, float]] = []
     generations: dict[tuple[str, int], tuple[Generation, float]] = {}
+    records: dict[str, JobRecord] = {}  # the latest of each job's
     config = BusConfig.load(env={}, servers=[server.url])
     all_started = asyncio.Event()
 
@@ -238,6 +247,7 @@ async def _drive(args: argparse.Namespace, nodes: int, server: NatsServer,
 
     async with await Bus.connect(config, name="scale-bench") as bus:
         async def on_state(record: JobRecord, _: Delivery) -> None:
+            records[record.job_id] = record
             if record.state is JobState.ADMITTED:
                 admitted.setdefault(record.job_id, time.time())
                 check_started()
@@ -272,17 +282,7 @@ async def _drive(args: argparse.Namespace, nodes: int, server: NatsServer,
         async def submit(i: int) -> None:
             async with gate:
                 submitted[f"sim-job-{i}"] = time.time()
-                while True:
-                    try:
-                        await client.submit(spec(), f"sim-job-{i}", retry_s=30)
-                        return
-                    except RemoteError as exc:
-                        # Admission's registry view behind the registry itself (thousands
-                        # of nodes registered within a second): the same submit later.
-                        if "whole cluster has" not in exc.description \
-                                or time.monotonic() > deadline:
-                            raise
-                    await asyncio.sleep(1.0)
+                await client.submit(spec(), f"sim-job-{i}", retry_s=30)
 
         await asyncio.gather(*(submit(i) for i in range(jobs)))
         started = time.monotonic()
@@ -323,6 +323,7 @@ async def _drive(args: argparse.Namespace, nodes: int, server: NatsServer,
         await asyncio.sleep(args.settle_s)
         after_restart = meter.between(c, meter.sample())
         end_at = time.time()
+        burst = await _burst(args, client, meter, records, admitted, jobs)
     procs["loadgen"][0].send_signal(signal.SIGCONT)  # to write what it saw, then end
     for p in procs["loadgen"]:
         p.send_signal(signal.SIGTERM)
@@ -331,7 +332,64 @@ async def _drive(args: argparse.Namespace, nodes: int, server: NatsServer,
             "steady": steady, "storm": storm, "ready_s": ready_s,
             "first_generations": first_generations, "rack_at": rack_at,
             "restart_at": restart_at, "end_at": end_at, "after_restart": after_restart,
-            "answers_after_restart_s": answers_s}
+            "answers_after_restart_s": answers_s, "burst": burst}
+
+
+async def _burst(args: argparse.Namespace, client: AdmissionClient, meter: Meter,
+                 records: dict[str, JobRecord], admitted: dict[str, float],
+                 jobs: int) -> dict[str, Any]:
+    """Phase 5: ``--burst`` one-slot jobs submitted at once onto the full cluster, then a
+    quarter of the running jobs cancelled so the queue takes their slots."""
+    one = spec(1, 1)
+    answered: list[float] = []
+    refused: list[str] = []
+    gate = asyncio.Semaphore(256)
+
+    async def submit(i: int) -> None:
+        async with gate:
+            asked = time.monotonic()
+            try:
+                record = await client.submit(one, f"burst-{i}", retry_s=30)
+            except RemoteError as exc:
+                refused.append(exc.description)
+                return
+            answered.append(time.monotonic() - asked)
+            if record.state is not JobState.PENDING:
+                refused.append(f"burst-{i} answered {record.state.value}")
+
+    a = meter.sample()
+    started = time.monotonic()
+    await asyncio.gather(*(submit(i) for i in range(args.burst)))
+    submit_s = time.monotonic() - started
+    during = meter.between(a, meter.sample())
+    running = [f"sim-job-{i}" for i in range(jobs)
+               if records.get(f"sim-job-{i}") is not None
+               and records[f"sim-job-{i}"].state is JobState.ADMITTED]
+    released = running[len(running) - len(running) // 4:]
+    freed = sum(len(records[j].nodes) for j in released)
+    admitted_before = {j for j in admitted if j.startswith("burst-")}
+    release_at = time.time()
+    await asyncio.gather(*(client.cancel(j, retry_s=30) for j in released))
+    await asyncio.sleep(args.settle_s)
+    took = [at - release_at for j, at in admitted.items()
+            if j.startswith("burst-") and j not in admitted_before]
+    per_node: dict[str, int] = defaultdict(int)
+    for record in records.values():
+        if record.state is JobState.ADMITTED:
+            for node in record.nodes:
+                per_node[node] += record.spec.slots_per_replica
+    answered.sort()
+    return {"submissions": args.burst, "answered": len(answered), "refused": len(refused),
+            "refusals": refused[:3], "submit_s": round(submit_s, 2),
+            "submits_per_s": round(len(answered) / submit_s) if submit_s else None,
+            "answer_p50_ms": round(answered[len(answered) // 2] * 1000, 1)
+            if answered else None, "answer_p99_ms": p99(answered),
+            "admitted_while_full": len(admitted_before),
+            "released_jobs": len(released), "freed_slots": freed,
+            "admitted_after_release": len(took), "release_to_admitted_p99_ms": p99(took),
+            "nodes_over_their_slots": sum(n > SLOTS for n in per_node.values()),
+            "admission_cpu_cores": during["cpu_cores"]["admission"],
+            "bus_msgs_per_s": during["bus_msgs_per_s"]}
 
 
 def _wait_ready(outs: list[Path], timeout_s: float) -> None:
@@ -349,7 +407,7 @@ def _judge(nodes: int, gens: list[dict[str, Any]], *, jobs: int,
            steady: dict[str, Any], storm: dict[str, Any], ready_s: float,
            first_generations: int, rack_at: float, restart_at: float, end_at: float,
            after_restart: dict[str, Any], answers_after_restart_s: float,
-           rack: int) -> dict[str, Any]:
+           rack: int, burst: dict[str, Any]) -> dict[str, Any]:
     crashes = [c for g in gens for c in g["crashes"]]
     received: dict[tuple[str, int], dict[str, float]] = defaultdict(dict)
     for job_id, number, replica, at in (r for g in gens for r in g["received"]):
@@ -422,6 +480,7 @@ def _judge(nodes: int, gens: list[dict[str, Any]], *, jobs: int,
         "rack": _judge_rack(rack, faults, generations, rack_at, restart_at),
         "bus_restart": _judge_restart(faults, generations, restart_at, end_at,
                                       steady, after_restart, answers_after_restart_s),
+        "burst": burst,
     }
 
 
@@ -499,10 +558,12 @@ def section(command: str, results: list[dict[str, Any]],
              "faults / its slots (all filled), beyond the timeout p99, jobs hit: with a "
              "new generation / wholly on the rack / missing one | "
              "bus restart: faults, generations, admission answers after, msg/s after / steady "
-             "| saturated | load |",
-             "|" + "---|" * 20]
+             "| burst: answered / submitted, answer p50 / p99, submits/s, admission cpu | "
+             "burst: freed slots, admitted after, release→admitted p99, nodes over their "
+             "slots | saturated | load |",
+             "|" + "---|" * 22]
     for r in results:
-        s, rack, bus = r["steady"], r["rack"], r["bus_restart"]
+        s, rack, bus, burst = r["steady"], r["rack"], r["bus_restart"], r["burst"]
         lost = f" ({r['generators_lost']} generator(s) lost)" if r["generators_lost"] else ""
         cell = {n: f"{s['cpu_cores'][n]} / {s['rss_mb'][n]}" for n in s["cpu_cores"]}
         missed = (f"faults missed {r['crash_faults_missed']}, doubled "
@@ -521,6 +582,11 @@ def section(command: str, results: list[dict[str, Any]],
             f"{rack['jobs_missing_a_generation']} | {bus['faults'] or 0}, {bus['generations']}, "
             f"{bus['admission_answers_s']} s, {bus['bus_msgs_per_s_after']} / "
             f"{bus['bus_msgs_per_s_steady']} | "
+            f"{burst['answered']} / {burst['submissions']}, {burst['answer_p50_ms']} / "
+            f"{burst['answer_p99_ms']} ms, {burst['submits_per_s']}, "
+            f"{burst['admission_cpu_cores']} | {burst['freed_slots']}, "
+            f"{burst['admitted_after_release']}, {burst['release_to_admitted_p99_ms']} ms, "
+            f"{burst['nodes_over_their_slots']} | "
             f"{r['saturated']}{lost} | "
             f"{r['loadavg_before'][0]} → {r['loadavg_after'][0]} |")
     lines += [f"\n{f['nodes']} nodes: no figures, the run failed: {f['error']}" for f in failed]
@@ -536,6 +602,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="ranks crashed in the storm (default: a quarter of the jobs)")
     parser.add_argument("--rack", type=int, default=64,
                         help="nodes of the rack lost at once (at most a quarter of the nodes)")
+    parser.add_argument("--burst", type=int, default=5000,
+                        help="one-slot jobs submitted at once in phase 5 (default 5,000)")
     parser.add_argument("--window-s", type=float, default=10.0)
     parser.add_argument("--settle-s", type=float, default=8.0)
     parser.add_argument("--start-timeout-s", type=float, default=60.0)

@@ -110,6 +110,20 @@ class Reason:
 
 
 @dataclasses.dataclass(frozen=True)
+class Capacity:
+    """What a cluster could ever offer one gang: all its nodes' slots, and the most
+    slots one node has (what "never fits" is judged against)."""
+
+    total: int
+    largest: int
+
+    @classmethod
+    def of(cls, slots: Iterable[int]) -> Capacity:
+        counts = list(slots)
+        return cls(sum(counts), max(counts, default=0))
+
+
+@dataclasses.dataclass(frozen=True)
 class JobSubmitted:
     job_id: str
     spec: JobSpec
@@ -396,8 +410,12 @@ class AdmissionCore:
 
     # --- validation ---------------------------------------------------------------------
 
-    def validate(self, spec: JobSpec) -> None:
+    def validate(self, spec: JobSpec, registered: Capacity | None = None) -> None:
         """Refuse a spec that names an unknown class or could never fit this cluster.
+
+        ``registered``: the slots of every registered node as the registry says them now
+        (the service's view, which the core's event queue may lag while a pass runs);
+        None: the nodes this core knows.
 
         Raises:
             SpecRejected: naming the field and the numbers.
@@ -413,12 +431,13 @@ class AdmissionCore:
         # moment when heartbeats lag (a new leader, a loaded bus) — such a job waits, with
         # its reason, for the nodes to be heard again. A node leaves the count when it
         # leaves the registry.
-        total = sum(n.slots for n in self.nodes.values())
-        if need > total:
+        capacity = registered or Capacity.of(n.slots for n in self.nodes.values())
+        if need > capacity.total:
             raise SpecRejected(
                 f"{field} x slots_per_replica = {smallest} x "
-                f"{spec.slots_per_replica} = {need} slots, but the whole cluster has {total}")
-        if not any(n.slots >= spec.slots_per_replica for n in self.nodes.values()):
+                f"{spec.slots_per_replica} = {need} slots, but the whole cluster has "
+                f"{capacity.total}")
+        if spec.slots_per_replica > capacity.largest:
             raise SpecRejected(f"slots_per_replica {spec.slots_per_replica} exceeds every "
                                "node's slots")
         ceiling = self._quota(spec.team).ceiling

@@ -117,6 +117,7 @@ class AdmissionService(Service):
         self.config = config
         self.term: Term | None = None
         self.node_records: dict[str, NodeRecord] = {}
+        self._capacity: core.Capacity | None = None  # of node_records; None: recount
         self._handlers = {"submit": self._on_submit, "cancel": self._on_cancel,
                           "requeue": self._on_requeue, "explain": self._on_explain,
                           "scale": self._on_scale}
@@ -452,6 +453,9 @@ class AdmissionService(Service):
 
     def _node_changed(self, term: Term, node_id: str, record: NodeRecord | None,
                       now: float) -> None:
+        before = self.node_records.get(node_id)
+        if (before and before.node.slots) != (record and record.node.slots):
+            self._capacity = None  # heartbeats leave it alone: only slots added or gone
         if record is None:
             self.node_records.pop(node_id, None)
             if term.node_events.pop(node_id, None) is not None:
@@ -489,7 +493,12 @@ class AdmissionService(Service):
 
     async def _on_submit(self, term: Term, request: SubmitRequest) -> JobRecord:
         try:
-            term.core.validate(request.spec)
+            # Against the registry as this instance hears it: the core learns of a node
+            # through its event queue, which a long pass holds up.
+            if self._capacity is None:
+                self._capacity = core.Capacity.of(r.node.slots
+                                                  for r in self.node_records.values())
+            term.core.validate(request.spec, self._capacity)
         except core.SpecRejected as exc:
             raise RequestRefused("400", f"job spec refused: {exc}") from None
         now = time.time()

@@ -16,6 +16,7 @@ from phalanx.services.admission.changes import Announce
 from phalanx.services.admission.core import (
     AdmissionCore,
     Admit,
+    Capacity,
     Decision,
     Event,
     Evict,
@@ -810,6 +811,23 @@ def test_a_silent_node_still_counts_toward_what_could_ever_fit() -> None:
         core.validate(spec(mn=5))
     assert admits(run(core, [node("n1", 2), node("n2", 2)])) == {
         "g": ("n1", "n1", "n2", "n2")}
+
+
+def test_validate_judges_against_the_registry_the_service_passes() -> None:
+    """A node the registry already holds counts before its event reaches the core (the
+    service's view, while a long pass holds the core's queue up), and the largest node
+    decides what one replica may ask."""
+    core = make(node("n1", 2))
+    core.validate(spec(mn=5), Capacity.of([2, 4]))
+    with pytest.raises(SpecRejected, match="whole cluster has 2"):
+        core.validate(spec(mn=5))
+    with pytest.raises(SpecRejected, match="whole cluster has 6"):
+        core.validate(spec(mn=7), Capacity.of([2, 4]))
+    with pytest.raises(SpecRejected, match="exceeds every node's slots"):
+        core.validate(spec(mn=1, k=3), Capacity.of([2, 2]))
+    core.validate(spec(mn=1, k=3), Capacity.of([2, 4]))
+    with pytest.raises(SpecRejected, match="whole cluster has 0"):
+        core.validate(spec(mn=1), Capacity.of([]))
 
 
 def test_node_removed_requeues_and_forgets_the_node() -> None:
