@@ -217,6 +217,35 @@ def test_clipping_acts_on_the_step_gradient_whatever_the_micro_batches(tmp_path:
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
 
 
+def test_a_loss_scaler_unscales_the_reduced_gradient_and_an_overflow_skips_the_step(
+        tmp_path: Path) -> None:
+    """torch.amp.GradScaler where a DDP user puts it: the scaled loss through
+    ``step.backward``, ``unscale_`` after the reduce, clipping (which skips a step whose
+    gradient overflowed), ``update`` after a committed step. A power-of-two scale is
+    undone exactly, so the run equals the one without a scaler, the overflowed step
+    skipped in both, and the scale halved once."""
+    def run(enabled: bool) -> tuple[list[torch.Tensor], float]:
+        session, model = session_of(tmp_path)
+        scaler = torch.amp.GradScaler("cpu", enabled=enabled)
+        session.register("scaler", scaler)
+        for step in session.steps(6):
+            for x, y in step:
+                loss = torch.nn.functional.mse_loss(model(x), y)
+                step.backward(scaler.scale(loss * (float("inf") if step.index == 2 else 1.0)))
+            if step.reduce():
+                scaler.unscale_(session.optimizer)
+                step.clip_grad_norm_(1e9)
+                assert step.updated is (step.index != 2)
+            if step.commit():
+                scaler.update()
+        return [p.detach().clone() for p in model.parameters()], scaler.get_scale()
+
+    (scaled, scale), (plain, _) = run(True), run(False)
+    assert scale == 2.0 ** 15  # the default 2 ** 16, halved by the one overflow
+    for a, b in zip(scaled, plain, strict=True):
+        assert torch.equal(a, b)
+
+
 def test_registered_state_is_checked_and_fixed_at_the_first_step(tmp_path: Path) -> None:
     session, model = session_of(tmp_path)
     scheduler = torch.optim.lr_scheduler.StepLR(session.optimizer, 2)
