@@ -33,6 +33,11 @@ for its team's quota ceiling) is drawn again, as the service would refuse it.
    single ``step`` calls.
 3. **Churn.** The same on a freshly filled core, but each pass also carries a
    new ``JobSubmitted``, so the queue stays as deep as the fill left it.
+
+   Both variants run ``--runs`` times (5), each on a fresh fill: the tables show the
+   first run, the min / median / max of decisions/s over all runs is reported, and the
+   target holds only if every run meets it (one good run proves nothing on a machine
+   whose speed varies between runs by a third).
 4. **Scaling.** Fill then churn (``--scaling-steps`` passes or
    ``--scaling-budget-s``) for nodes in {100, 1000, 3000} x queued gangs in
    {1000, 10000, 30000}. Churn keeps the depth the fill left, where the
@@ -58,7 +63,8 @@ preemption victims and the ``Fail`` of timed-out gangs. Admissions
    x jobs (``--no-e2e`` skips it).
 
 Targets: steady-state decisions/s >= 2,000 with 1,000 nodes and 10,000
-queued gangs (the churn variant is held to the same figure); end-to-end
+queued gangs in every run (the churn variant is held to the same figure, and
+so is every row of the scaling table with 10,000 gangs or more); end-to-end
 submit -> admitted >= 500 jobs/s (Slurm's documented high-throughput figure).
 
 Output: progress lines, then one JSON object with every figure as the last
@@ -439,15 +445,26 @@ def target(measured: float) -> dict[str, Any]:
             "pass": measured >= TARGET_DECISIONS_PER_S}
 
 
+def spread(values: Sequence[float]) -> dict[str, float]:
+    return {"min": min(values), "median": statistics.median(values), "max": max(values)}
+
+
 def build_report(args: argparse.Namespace, argv: Sequence[str], filled: Fill, main: Steady,
-                 churn_fill: Fill, churn: Steady, rows: list[dict[str, Any]],
-                 e2e: list[dict[str, Any]], wall_s: float) -> dict[str, Any]:
-    invariants = first_failure(filled.invariants, main.invariants, churn_fill.invariants,
-                               churn.invariants, *(r["invariants"] for r in rows))
-    targets = {"steady_decisions_per_s": target(main.decisions_per_s),
-               "churn_decisions_per_s": target(churn.decisions_per_s),
+                 churn_fill: Fill, churn: Steady, runs: dict[str, list[Steady]],
+                 rows: list[dict[str, Any]], e2e: list[dict[str, Any]],
+                 wall_s: float) -> dict[str, Any]:
+    invariants = first_failure(filled.invariants, churn_fill.invariants,
+                               *(r.invariants for variant in runs.values() for r in variant),
+                               *(r["invariants"] for r in rows))
+    deep = [r["decisions_per_s"] for r in rows if r["queue"] >= 10_000]
+    targets = {"steady_decisions_per_s": target(min(r.decisions_per_s
+                                                    for r in runs["steady"])),
+               "churn_decisions_per_s": target(min(r.decisions_per_s for r in runs["churn"])),
                "invariants_hold": {"target": "check_invariants() passes after every phase",
                                    "measured": invariants, "pass": invariants == "ok"}}
+    if deep:
+        targets["scaling_decisions_per_s"] = target(min(deep))
+        targets["scaling_decisions_per_s"]["target"] += " (every row of >= 10,000 gangs)"
     if e2e:
         rate = e2e[0]["jobs_per_s"]
         targets["e2e_jobs_per_s"] = {"target": f">= {TARGET_E2E_JOBS_PER_S}",
@@ -467,6 +484,9 @@ def build_report(args: argparse.Namespace, argv: Sequence[str], filled: Fill, ma
         "steady": dataclasses.asdict(main),
         "churn_fill": dataclasses.asdict(churn_fill),
         "churn": dataclasses.asdict(churn),
+        "runs": len(runs["steady"]),
+        "decisions_per_s_over_runs": {name: spread([r.decisions_per_s for r in variant])
+                                      for name, variant in runs.items()},
         "budget_s": args.budget_s,
         "scaling": {"steps": args.scaling_steps, "budget_s": args.scaling_budget_s,
                     "variant": "churn", "rows": rows},
@@ -504,9 +524,13 @@ def markdown_section(report: dict[str, Any]) -> str:
         "|---|---:|---:|---|---|",
         f"| passes | {main['passes']:,} ({main['stopped']}) | {churn['passes']:,} "
         f"({churn['stopped']}) | | |",
-        row("decisions/s", "decisions_per_s", ",", ">= 2,000 (each)",
-            f"steady {verdict('steady_decisions_per_s')}, "
-            f"churn {verdict('churn_decisions_per_s')}"),
+        row("decisions/s (first run)", "decisions_per_s", ","),
+        "| decisions/s over {} runs: min / median / max | {} | {} | >= 2,000 (each run) | "
+        "steady {}, churn {} |".format(
+            report["runs"], *(" / ".join(f"{v:,.0f}" for v in
+                                         report["decisions_per_s_over_runs"][name].values())
+                              for name in ("steady", "churn")),
+            verdict("steady_decisions_per_s"), verdict("churn_decisions_per_s")),
         row("admissions/s", "admissions_per_s", ","),
         row("passes/s", "passes_per_s", ","),
         row("pass p50 (ms)", "pass_p50_ms", ",.2f"),
@@ -534,6 +558,9 @@ def markdown_section(report: dict[str, Any]) -> str:
               f"{r['invariants']} |"
               for r in scale["rows"]),
             "",
+            *([f"Every row of 10,000 gangs or more at >= 2,000 decisions/s: "
+               f"{verdict('scaling_decisions_per_s')}.", ""]
+              if "scaling_decisions_per_s" in targets else []),
         ]
     if report["e2e"]:
         e2e_target = targets["e2e_jobs_per_s"]
@@ -585,6 +612,9 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     parser.add_argument("--no-scaling", action="store_true", help="skip the scaling table")
     parser.add_argument("--no-e2e", action="store_true",
                         help="skip the end-to-end measurement over the real bus")
+    parser.add_argument("--runs", type=int, default=5,
+                        help="runs of each steady-state variant, each on a fresh fill "
+                             "(default 5; the target holds only if every run meets it)")
     parser.add_argument("--seed", type=int, default=1, help="workload seed (default 1)")
     parser.add_argument("--quick", action="store_true",
                         help=f"small sizes for a smoke run ({QUICK['nodes']} nodes, "
@@ -593,7 +623,8 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
                         help=f"do not append the results to {RESULTS_PATH.name}")
     args = parser.parse_args(argv)
     defaults = QUICK if args.quick else FULL
-    for name in ("nodes", "queue", "steps", "budget_s", "scaling_steps", "scaling_budget_s"):
+    for name in ("nodes", "queue", "steps", "budget_s", "scaling_steps", "scaling_budget_s",
+                 "runs"):
         if getattr(args, name) is None:
             setattr(args, name, defaults[name])
         if getattr(args, name) <= 0:
@@ -610,21 +641,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"admission core benchmark: {args.nodes:,} nodes x {SLOTS_PER_NODE} slots, "
           f"{args.queue:,} gangs, seed {args.seed}", flush=True)
 
-    print(f"steady state: fill, then up to {args.steps:,} passes (or {args.budget_s:g} s) "
-          "each finishing one gang", flush=True)
-    core, workload, rng = build(args.nodes, args.seed)
-    filled = fill(core, workload, args.queue)
-    print_fill(filled)
-    main_run = steady(core, workload, rng, args.steps, args.budget_s, churn=False)
-    print_steady("steady", main_run)
-
-    print(f"churn: fresh fill, then up to {args.steps:,} passes (or {args.budget_s:g} s) "
-          "each finishing one gang and submitting one", flush=True)
-    core, workload, rng = build(args.nodes, args.seed)
-    churn_fill = fill(core, workload, args.queue)
-    print_fill(churn_fill)
-    churn_run = steady(core, workload, rng, args.steps, args.budget_s, churn=True)
-    print_steady("churn", churn_run)
+    print(f"{args.runs} runs of steady state and churn, each a fresh fill, then up to "
+          f"{args.steps:,} passes (or {args.budget_s:g} s), each finishing one gang (churn: "
+          "and submitting one)", flush=True)
+    runs: dict[str, list[Steady]] = {"steady": [], "churn": []}
+    fills: dict[str, Fill] = {}
+    for run in range(args.runs):
+        for name in ("steady", "churn"):
+            core, workload, rng = build(args.nodes, args.seed)
+            filled = fill(core, workload, args.queue, invariants=run == 0)
+            if run == 0:
+                print_fill(filled)
+                fills[name] = filled
+            runs[name].append(steady(core, workload, rng, args.steps, args.budget_s,
+                                     churn=name == "churn"))
+            print_steady(f"{name} (run {run + 1} of {args.runs})", runs[name][-1])
 
     rows: list[dict[str, Any]] = []
     if not args.no_scaling:
@@ -645,8 +676,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                   f"{e2e[-1]['latency_p50_ms']} ms, p99 {e2e[-1]['latency_p99_ms']} ms",
                   flush=True)
 
-    report = build_report(args, argv, filled, main_run, churn_fill, churn_run, rows, e2e,
-                          time.perf_counter() - started)
+    report = build_report(args, argv, fills["steady"], runs["steady"][0], fills["churn"],
+                          runs["churn"][0], runs, rows, e2e, time.perf_counter() - started)
     for name, tgt in report["targets"].items():
         measured = tgt["measured"]
         shown = measured if isinstance(measured, str) else f"{measured:,.0f}"

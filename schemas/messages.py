@@ -221,7 +221,7 @@ class CheckpointPolicy(Part):
     memory_every_steps: Annotated[int, msgspec.Meta(ge=0, le=1_000_000)] | Literal[
         "auto"] = "auto"
     memory_keep: Annotated[int, msgspec.Meta(ge=2, le=16)] = 2
-    memory_overhead: Annotated[float, msgspec.Meta(gt=0.0, le=0.5)] = 0.03
+    memory_overhead: Annotated[float, msgspec.Meta(gt=0.0, le=0.5)] = 0.02
     memory_max_every_steps: Annotated[int, msgspec.Meta(ge=1, le=1_000_000)] = 100
     durable_every_steps: Annotated[int, msgspec.Meta(ge=0, le=1_000_000)] = 0
     durable_keep: Annotated[int, msgspec.Meta(ge=1, le=1000)] = 2

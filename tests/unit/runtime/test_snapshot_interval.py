@@ -15,7 +15,7 @@ from phalanx.runtime.snapshot_interval import (
 
 
 def test_the_policy_the_agent_passes() -> None:
-    assert IntervalPolicy.from_env({}) == IntervalPolicy()  # auto, 3 %, at most 100
+    assert IntervalPolicy.from_env({}) == IntervalPolicy()  # auto, 2 %, at most 100
     assert IntervalPolicy.from_env({"PHALANX_CHECKPOINT_MEMORY_EVERY": "0"}) is None
     assert IntervalPolicy.from_env({"PHALANX_CHECKPOINT_MEMORY_EVERY": "5"}).every == 5
     policy = IntervalPolicy.from_env({"PHALANX_CHECKPOINT_MEMORY_EVERY": "auto",
@@ -36,7 +36,7 @@ def test_adaptive_starts_at_every_step_and_a_fixed_interval_never_moves() -> Non
     assert adaptive.interval == 1 and adaptive.due(1)
     for schedule in (adaptive, fixed):
         schedule.agree([0.5, 1.0, 1.0])  # a snapshot costing half a step
-    assert adaptive.interval == 17  # 0.5 / (0.03 * 1.0) = 16.7
+    assert adaptive.interval == 25  # 0.5 / (0.02 * 1.0)
     assert fixed.interval == 4 and not fixed.due(6) and fixed.due(8)
 
 

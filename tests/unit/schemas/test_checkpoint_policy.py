@@ -13,10 +13,10 @@ def decode(doc: dict) -> CheckpointPolicy:
     return msgspec.json.decode(msgspec.json.encode(doc), type=CheckpointPolicy)
 
 
-def test_the_default_adapts_the_memory_interval_to_3_percent_at_most_every_100_steps() -> None:
+def test_the_default_adapts_the_memory_interval_to_2_percent_at_most_every_100_steps() -> None:
     policy = decode({})
     assert (policy.memory_every_steps, policy.memory_overhead,
-            policy.memory_max_every_steps) == ("auto", 0.03, 100)
+            policy.memory_max_every_steps) == ("auto", 0.02, 100)
 
 
 @pytest.mark.parametrize("every", ["auto", 0, 1, 50])
