@@ -26,8 +26,10 @@ bytes per step sets.
   buffer sent to a buddy by the agents' replication code next to a plain TCP copy of the
   same bytes (:mod:`replication`, also runnable alone).
 
-Recovery time per source (own node, buddy, durable) next to a torchrun + DCP restart is
-``bench/tiers.py``'s.
+* **Recovery per source**, in the same run (unless ``--no-tiers``): ``bench/tiers.py``'s
+  phases on the same W — every holder of the state lost at step 20, the state back from
+  the nodes' own memory, from a buddy's replicas, from durable storage — next to torchrun
+  restarting from a DCP checkpoint (each phase on its own fresh cluster; see tiers.py).
 
 Prints one JSON object as its last line and appends the figures to bench/RESULTS.md::
 
@@ -58,6 +60,7 @@ sys.path.insert(0, str(BENCH.parent / "examples"))
 
 import recovery  # noqa: E402
 import replication  # noqa: E402
+import tiers  # noqa: E402
 import torch  # noqa: E402
 import workload_w  # noqa: E402
 from results import append, utc_date  # noqa: E402
@@ -225,11 +228,20 @@ def main() -> int:
     parser.add_argument("--data-dir", type=Path,
                         default=Path(tempfile.gettempdir()) / "phalanx-bench-w")
     parser.add_argument("--timeout", type=float, default=900)
+    parser.add_argument("--no-tiers", action="store_true",
+                        help="skip the recovery time per source (bench/tiers.py's phases)")
     parser.add_argument("--no-record", action="store_true")
     args = parser.parse_args()
     report = asyncio.run(run(args))
+    if not args.no_tiers:
+        phases = argparse.Namespace(**vars(args), workload="w", fault_step=20,
+                                    durable_every=10, phases=list(tiers.PHASES))
+        report["tiers"] = asyncio.run(tiers.run(phases))
+        report["tiers"]["fault_step"] = phases.fault_step
     if not args.no_record:
         record_results(report)
+        if "tiers" in report:
+            append(tiers.section(report["tiers"]))
     print(json.dumps(report))
     return 0
 
