@@ -5,10 +5,11 @@ bytes per step sets.
 * **Step time**: ``examples/train_mlp.py`` on W as a 4-replica job on a local cluster
   (``phalanx up``, 2 agents x 2 slots), with ``checkpoint.memory_every_steps`` 0 (no
   snapshot), 1 (every committed step) and ``auto`` (the default: the interval the ranks
-  agree on to keep a snapshot's cost in the training thread within 3 % of the training
-  time), ``--repeat`` rounds of the three, each round in another order (the machine is
-  shared: a drifting load then falls on every mode); the median gap between consecutive
-  committed steps (the replicas' records), the first ``--warmup`` steps left out.
+  agree on to keep a snapshot's cost in the training thread within
+  ``checkpoint.memory_overhead``, 2 %, of the training time), ``--repeat`` rounds of
+  the three, each round in another order (the machine is shared: a drifting load then
+  falls on every mode); the median gap between consecutive committed steps (the
+  replicas' records), the first ``--warmup`` steps left out.
   Overhead = mode / off - 1. Beside it, from the commit records: the median time of a
   rank's snapshot in the training thread (``snapshot_s``: state views, meta, copy,
   checksum, the announcement handed to the bus thread), the interval in force
@@ -198,7 +199,8 @@ def record_results(report: dict[str, Any]) -> None:
            "snapshots (off), with one every step (every) and with the adaptive interval "
            "(auto), each round in another order. Per run: the median step, a rank's median "
            "snapshot in the training thread, the median interval in force, the snapshots' "
-           "share of the steps' own time (what auto keeps within 3 %), and the 1-minute load "
+           "share of the steps' own time (what auto keeps within checkpoint.memory_overhead, "
+           "2 % by default), and the 1-minute load "
            "average before the run (2 cores).\n\n"
            "| mode | step time per run (ms) | overhead (medians) | snapshot in the thread "
            "(ms) | interval | in-thread share | load |\n|---|---:|---:|---:|---:|---:|---:|\n"
