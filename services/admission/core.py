@@ -431,7 +431,8 @@ class AdmissionCore:
         # moment when heartbeats lag (a new leader, a loaded bus) — such a job waits, with
         # its reason, for the nodes to be heard again. A node leaves the count when it
         # leaves the registry.
-        capacity = registered or Capacity.of(n.slots for n in self.nodes.values())
+        capacity = registered if registered is not None else \
+            Capacity.of(n.slots for n in self.nodes.values())
         if need > capacity.total:
             raise SpecRejected(
                 f"{field} x slots_per_replica = {smallest} x "

@@ -454,7 +454,8 @@ class AdmissionService(Service):
     def _node_changed(self, term: Term, node_id: str, record: NodeRecord | None,
                       now: float) -> None:
         before = self.node_records.get(node_id)
-        if (before and before.node.slots) != (record and record.node.slots):
+        slots = (before.node.slots if before else None, record.node.slots if record else None)
+        if slots[0] != slots[1]:
             self._capacity = None  # heartbeats leave it alone: only slots added or gone
         if record is None:
             self.node_records.pop(node_id, None)
