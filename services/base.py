@@ -153,6 +153,11 @@ class Service:
             name=self.name, version=__version__, description=self.description,
             metadata={"instance": self.instance}, stats_handler=self.stats_data))
         await self.setup()
+        # Once start returns, the server holds every subscription made so far: a request
+        # sent the next moment ($SRV.PING, an endpoint) finds its responder. (A test's
+        # PING from another connection was refused as having no responders in CI.)
+        if not await self.bus.round_trip(5.0):
+            log.warning("the server did not confirm the service's subscriptions within 5 s")
         log.info("started", extra={"service_id": self.micro.id})
 
     async def stop(self) -> None:
