@@ -449,11 +449,11 @@ def spread(values: Sequence[float]) -> dict[str, float]:
     return {"min": min(values), "median": statistics.median(values), "max": max(values)}
 
 
-def build_report(args: argparse.Namespace, argv: Sequence[str], filled: Fill, main: Steady,
-                 churn_fill: Fill, churn: Steady, runs: dict[str, list[Steady]],
-                 rows: list[dict[str, Any]], e2e: list[dict[str, Any]],
-                 wall_s: float) -> dict[str, Any]:
-    invariants = first_failure(filled.invariants, churn_fill.invariants,
+def build_report(args: argparse.Namespace, argv: Sequence[str], fills: dict[str, list[Fill]],
+                 runs: dict[str, list[Steady]], rows: list[dict[str, Any]],
+                 e2e: list[dict[str, Any]], wall_s: float) -> dict[str, Any]:
+    """The report; the tables show each variant's first run (and its fill)."""
+    invariants = first_failure(*(f.invariants for variant in fills.values() for f in variant),
                                *(r.invariants for variant in runs.values() for r in variant),
                                *(r["invariants"] for r in rows))
     deep = [r["decisions_per_s"] for r in rows if r["queue"] >= 10_000]
@@ -480,10 +480,10 @@ def build_report(args: argparse.Namespace, argv: Sequence[str], filled: Fill, ma
         "queue": args.queue,
         "steps": args.steps,
         "seed": args.seed,
-        "fill": dataclasses.asdict(filled),
-        "steady": dataclasses.asdict(main),
-        "churn_fill": dataclasses.asdict(churn_fill),
-        "churn": dataclasses.asdict(churn),
+        "fill": dataclasses.asdict(fills["steady"][0]),
+        "steady": dataclasses.asdict(runs["steady"][0]),
+        "churn_fill": dataclasses.asdict(fills["churn"][0]),
+        "churn": dataclasses.asdict(runs["churn"][0]),
         "runs": len(runs["steady"]),
         "decisions_per_s_over_runs": {name: spread([r.decisions_per_s for r in variant])
                                       for name, variant in runs.items()},
@@ -645,14 +645,12 @@ def main(argv: Sequence[str] | None = None) -> int:
           f"{args.steps:,} passes (or {args.budget_s:g} s), each finishing one gang (churn: "
           "and submitting one)", flush=True)
     runs: dict[str, list[Steady]] = {"steady": [], "churn": []}
-    fills: dict[str, Fill] = {}
+    fills: dict[str, list[Fill]] = {"steady": [], "churn": []}
     for run in range(args.runs):
         for name in ("steady", "churn"):
             core, workload, rng = build(args.nodes, args.seed)
-            filled = fill(core, workload, args.queue, invariants=run == 0)
-            if run == 0:
-                print_fill(filled)
-                fills[name] = filled
+            fills[name].append(fill(core, workload, args.queue))
+            print_fill(fills[name][-1])
             runs[name].append(steady(core, workload, rng, args.steps, args.budget_s,
                                      churn=name == "churn"))
             print_steady(f"{name} (run {run + 1} of {args.runs})", runs[name][-1])
@@ -676,8 +674,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                   f"{e2e[-1]['latency_p50_ms']} ms, p99 {e2e[-1]['latency_p99_ms']} ms",
                   flush=True)
 
-    report = build_report(args, argv, fills["steady"], runs["steady"][0], fills["churn"],
-                          runs["churn"][0], runs, rows, e2e, time.perf_counter() - started)
+    report = build_report(args, argv, fills, runs, rows, e2e, time.perf_counter() - started)
     for name, tgt in report["targets"].items():
         measured = tgt["measured"]
         shown = measured if isinstance(measured, str) else f"{measured:,.0f}"

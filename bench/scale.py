@@ -51,7 +51,7 @@ cores are saturated, the figures measure the machine, not phalanx, and the resul
 says so (``saturated``). The machine's load average is printed next to the figures.
 At the end the benchmark judges every size against the targets (crash → fault p99 <
 100 ms, fan-out p99 < 10 ms, nothing missed, no service above one core) and names the
-largest size where all held; for every larger size, and every size that produced no
+sizes where all held; for every size where one missed, and every size that produced no
 figures, it says what missed and whether the generator saturated the machine, from the
 CPU it measured (for a failed size, from the processes' start to the failure).
 The last line of output is one JSON object; figures are appended to bench/RESULTS.md.
@@ -149,23 +149,37 @@ def p99(values: list[float]) -> float | None:
 
 
 class Meter:
-    """CPU and RSS of named processes and the bus's message counts over a window."""
+    """CPU and RSS of named processes and the bus's message counts over a window.
 
-    def __init__(self, pids: dict[str, list[int]], http_port: int) -> None:
-        self.pids, self.http_port = pids, http_port
+    The processes are looked up at every sample (a nats-server restarted in a window is
+    another process), and CPU is kept per process: one started in a window counts whole,
+    one that ended in it counts nothing after the sample before (its time is gone with it).
+    """
+
+    def __init__(self, procs: dict[str, list[subprocess.Popen[bytes]]], server: NatsServer,
+                 http_port: int) -> None:
+        self.procs, self.server, self.http_port = procs, server, http_port
+
+    def pids(self) -> dict[str, list[int]]:
+        pids = {n: [p.pid for p in group] for n, group in self.procs.items()}
+        pids["nats-server"] = [self.server.process.pid] if self.server.process else []
+        return pids
 
     def sample(self) -> dict[str, Any]:
         v = varz(self.http_port)
         return {"at": time.monotonic(), "msgs": v["in_msgs"] + v["out_msgs"],
-                "cpu": {name: sum(cpu_s(p) for p in pids) for name, pids in self.pids.items()}}
+                "cpu": {name: {p: cpu_s(p) for p in pids}
+                        for name, pids in self.pids().items()}}
 
     def between(self, a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
         wall = b["at"] - a["at"]
+        cores = {n: sum(s - a["cpu"].get(n, {}).get(p, 0.0) for p, s in b["cpu"][n].items())
+                 / wall for n in b["cpu"]}
         return {"seconds": round(wall, 1),
                 "bus_msgs_per_s": round((b["msgs"] - a["msgs"]) / wall),
-                "cpu_cores": {n: round((b["cpu"][n] - a["cpu"][n]) / wall, 2) for n in a["cpu"]},
+                "cpu_cores": {n: round(c, 2) for n, c in cores.items()},
                 "rss_mb": {n: round(sum(rss_mb(p) for p in pids))
-                           for n, pids in self.pids.items()}}
+                           for n, pids in self.pids().items()}}
 
 
 def spec(least: int = 4, most: int = 8) -> JobSpec:
@@ -202,12 +216,10 @@ def _measure(args: argparse.Namespace, nodes: int) -> dict[str, Any]:
                     [sys.executable, str(LOADGEN), "--url", server.url, "--first", str(first),
                      "--nodes", str(count), "--out", str(out), "--crashes", str(share)],
                     stderr=log))
-            pids = {n: [p.pid for p in group] for n, group in procs.items()}
-            pids["nats-server"] = [server.process.pid] if server.process else []
-            meter = Meter(pids, http_port)
+            meter = Meter(procs, server, http_port)
             spawned = meter.sample()
             try:
-                result = asyncio.run(_drive(args, nodes, server, procs, outs, http_port))
+                result = asyncio.run(_drive(args, nodes, server, procs, outs, meter))
             except Exception as exc:
                 raise SizeFailed(f"{type(exc).__name__}: {exc}"[:300],
                                  meter.between(spawned, meter.sample())) from exc
@@ -256,7 +268,7 @@ async def leader_answers(client: AdmissionClient) -> None:
 
 async def _drive(args: argparse.Namespace, nodes: int, server: NatsServer,
                  procs: dict[str, list[subprocess.Popen[bytes]]], outs: list[Path],
-                 http_port: int) -> dict[str, Any]:
+                 meter: Meter) -> dict[str, Any]:
     await asyncio.to_thread(_wait_ready, outs, 120.0)
     jobs = nodes  # 8 one-slot replicas each: every slot of N x 8 filled
     submitted: dict[str, float] = {}
@@ -314,9 +326,6 @@ async def _drive(args: argparse.Namespace, nodes: int, server: NatsServer,
             await asyncio.wait_for(all_started.wait(), args.start_timeout_s)
         ready_s = round(time.monotonic() - started, 1)
         first_generations = sum(1 for (_, g) in generations if g == 0)
-        pids = {n: [p.pid for p in group] for n, group in procs.items()}
-        pids["nats-server"] = [server.process.pid] if server.process else []
-        meter = Meter(pids, http_port)
         await asyncio.sleep(3.0)  # the start generations applied, training under way
         faults_before = len(faults)
         a = meter.sample()
@@ -560,25 +569,26 @@ def targets(r: dict[str, Any]) -> dict[str, bool]:
 def summarize(results: list[dict[str, Any]], failed: list[dict[str, Any]]) -> dict[str, Any]:
     """The largest size at which every target held, and for every size where one missed
     whether the generator saturated the machine (from the CPU the benchmark measured)."""
-    held = [r["nodes"] for r in results if all(targets(r).values())]
-    beyond = sorted([(r["nodes"], [t for t, ok in targets(r).items() if not ok],
-                      r["saturated"], r["steady"]) for r in results
-                     if r["nodes"] not in held]
+    missed_by_size = {r["nodes"]: [t for t, ok in targets(r).items() if not ok]
+                      for r in results}
+    held = [nodes for nodes, missed in missed_by_size.items() if not missed]
+    misses = sorted([(r["nodes"], missed_by_size[r["nodes"]], r["saturated"], r["steady"])
+                     for r in results if missed_by_size[r["nodes"]]]
                     + [(f["nodes"], ["no figures: " + f["error"]], f["saturated"], f["usage"])
                        for f in failed], key=lambda row: row[0])
     lines = [f"every target held at {', '.join(map(str, held))} simulated nodes" if held
              else "no size met every target"]
-    for nodes, missed, saturated, usage in beyond:
+    for nodes, missed, saturated, usage in misses:
         cores = usage["cpu_cores"]
         services = sum(v for k, v in cores.items() if k != "loadgen")
         cause = ("the load generator saturated the machine" if saturated
                  else "NOT explained by the generator")
-        lines.append(f"{nodes} nodes: {', '.join(missed) or 'all held'} — {cause} "
+        lines.append(f"{nodes} nodes: {', '.join(missed)} — {cause} "
                      f"(generator {cores.get('loadgen', 0.0):.2f} cores, services and bus "
                      f"{services:.2f}, of {os.cpu_count()})")
     return {"largest_size_every_target_held": max(held, default=None),
-            "beyond": [{"nodes": n, "missed": m, "generator_saturated": s}
-                       for n, m, s, _ in beyond],
+            "misses": [{"nodes": n, "missed": m, "generator_saturated": s}
+                       for n, m, s, _ in misses],
             "verdict": "; ".join(lines)}
 
 
@@ -673,7 +683,7 @@ def section(command: str, results: list[dict[str, Any]], failed: list[dict[str, 
             f"{cell['health']} | {cell['elasticity']} | {cell['nats-server']} | "
             f"{s['cpu_cores']['loadgen']} | {r['submit_to_admitted_p99_ms']} ms | "
             f"{r['crashes']} | {r['crash_to_fault_p99_ms']} ms | {r['fanout_p99_ms']} ms "
-            f"({r.get('fanout_start_p99_ms')} ms) | "
+            f"({r['fanout_start_p99_ms']} ms) | "
             f"{r['fault_to_all_members_p99_ms']} ms | {missed} | {r['other_faults']} | "
             f"{rack['nodes']}, {rack['node_lost_faults']} / {rack['ranks']}, "
             f"{rack['beyond_timeout_p99_ms']} ms, {rack['jobs_hit']}: "

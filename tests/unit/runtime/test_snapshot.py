@@ -210,8 +210,7 @@ def test_members_read_the_shards_their_nodes_hold_and_receive_the_rest(tmp_path)
     def member(rank: int) -> None:
         target = targets[rank]
         restored[rank] = restore(gloo_group(port, rank, 2), lambda work: work.wait(), rank, 2,
-                                 stores[rank],
-                                 "job-a", 0, target[0], target[1],
+                                 stores[rank], "job-a", 0, target[0], target[1],
                                  {"scheduler": target[2]}, lambda h, p, r: None)
 
     with concurrent.futures.ThreadPoolExecutor(2) as pool:
