@@ -93,6 +93,7 @@ import nats.errors
 import torch
 import torch.distributed as dist
 from opentelemetry import context as otel_context
+from torch.distributed.optim import ZeroRedundancyOptimizer
 
 from phalanx.bus import telemetry
 from phalanx.bus.config import BusConfig
@@ -115,13 +116,14 @@ from phalanx.runtime.group import Aborted, Waits, rendezvous
 from phalanx.runtime.inbox import Inbox
 from phalanx.runtime.progress import ProgressReporter
 from phalanx.runtime.record import Recorder
-from phalanx.runtime.recovery import MemberProgress, plan_recovery
+from phalanx.runtime.recovery import MemberProgress, StateLost, plan_recovery
 from phalanx.runtime.reduce import (
     BucketedReduce,
     bucket_plan,
     flat_gradients,
     write_gradients,
 )
+from phalanx.runtime.sharded import Sharded
 from phalanx.runtime.snapshot import Snapshotter, restore
 from phalanx.runtime.snapshot_file import Header
 from phalanx.runtime.snapshot_interval import TAIL_LENGTH, IntervalPolicy, SnapshotSchedule
@@ -281,6 +283,9 @@ class ElasticSession:
                  durable: DurablePolicy | None = None) -> None:
         self.model = model
         self.optimizer = optimizer
+        #: A sharded optimizer's handle (:mod:`.sharded`); None for a plain optimizer.
+        self._sharded = Sharded(optimizer) \
+            if isinstance(optimizer, ZeroRedundancyOptimizer) else None
         self.dataset = dataset
         self.order = ElasticOrder(len(dataset), global_batch, seed)
         self._loader = step_loader(dataset, loader)
@@ -337,6 +342,12 @@ class ElasticSession:
         self._landing: list[torch.Tensor] = []  # for the optimizer state a joiner receives
         self.nice_when_ready = nice_when_ready
         self.snapshot_dir = snapshot_dir
+        if durable is not None and self._sharded is not None:
+            # Its shards are each written by their owner only; the durable tier does not
+            # persist those extents yet, so a durable step would lack the optimizer state.
+            log.warning("the durable tier does not hold a sharded optimizer's state yet: "
+                        "this job keeps in-memory snapshots only")
+            durable = None
         self.durable = durable
         writer = DurableWriter(durable.url, durable.keep, self._persisted) \
             if durable is not None and durable.every and bus is not None else None
@@ -440,8 +451,8 @@ class ElasticSession:
         stored = bus.run(self._stored_generation(bus), 10)
         if stored is not None:
             self._inbox.on_generation(stored, None)
-            if stored.member(self.replica_id) is None:  # joining a running job
-                self._landing = landing_buffers(self.optimizer)
+            if stored.member(self.replica_id) is None and self._sharded is None:
+                self._landing = landing_buffers(self.optimizer)  # joining a running job
         assert bus.bus is not None
         bus.bus.on_reconnect(lambda: self._resync_generation(bus))
         if self.nice_when_ready is not None:
@@ -589,6 +600,8 @@ class ElasticSession:
                 return True
             if newest is not None and (self.generation is None
                                        or newest.generation > self.generation.generation):
+                if self._switch_agreed and self._sharded is not None and self.pg is not None:
+                    self._hand_over()
                 if newest.member(self.replica_id) is None:
                     if self.generation is not None and newest.reason is GenerationReason.LEAVE \
                             and self._switch_agreed:
@@ -621,6 +634,40 @@ class ElasticSession:
             if self.generation is None and time.monotonic() - last_announce > 2.0:
                 self._announce()  # elasticity may have restarted: say it again
                 last_announce = time.monotonic()
+
+    def _hand_over(self) -> None:
+        """A planned change with a sharded optimizer: before the members switch (and the
+        leaving ones go), every member of the old generation gathers the consolidated
+        optimizer state, to be re-partitioned in the new one. Cut short by a fault, the
+        members hold only their partitions, and the new generation restores a snapshot."""
+        assert self._sharded is not None and self.pg is not None
+        try:
+            self._sharded.gather(self.pg, self._wait)
+        except Aborted as exc:
+            log.warning("the optimizer's partitions were not handed over: %s", exc)
+            self._sharded.full = None
+            self._abandon()
+
+    def _update(self, step: Step) -> bool:
+        """The optimizer step; False if a fault cut a sharded optimizer's broadcast of the
+        updated parameters short (the step is torn: it is not committed, and the members
+        hold no complete step until they restore one)."""
+        if self._sharded is None:
+            self.optimizer.step()
+            return True
+        try:
+            self._sharded.step(self.pg, self._wait)
+            return True
+        except Aborted as exc:
+            log.warning("step %d's parameter broadcast aborted: %s", step.index, exc)
+            self._aborted = (step.index, time.time_ns(), str(exc))
+            self._abandon()
+            return False
+
+    @property
+    def _optimizer_state(self) -> torch.optim.Optimizer | Sharded:
+        """What carries the optimizer's whole state in a copy or a restore."""
+        return self.optimizer if self._sharded is None else self._sharded
 
     def _trace_abort(self, generation: Generation, received_ns: int) -> None:
         """The last step given up, as the first recovery phase in ``generation``'s trace:
@@ -667,6 +714,8 @@ class ElasticSession:
                 with telemetry.tracer().start_as_current_span("copy state") as copying:
                     resume, nbytes = self._sync_state(generation)
                     copying.set_attribute("phalanx.state_bytes", nbytes)
+                if self._sharded is not None:
+                    self._sharded.repartition(self.rank, self.world_size)
                 synced = time.time()
                 applying.set_attributes({"phalanx.rank": member.rank,
                                          "phalanx.resume_step": resume})
@@ -716,8 +765,10 @@ class ElasticSession:
         landing, self._landing = self._landing, []  # used by this copy or never
         retained = self._retained
         self._retained = self._repair = self._sitting_out = None
-        mine = MemberProgress(self.committed)
-        if retained is not None:
+        # A member holding only its partition of a sharded optimizer holds no whole step.
+        mine = MemberProgress(self.committed if self._sharded is None
+                              or self._sharded.holds_all else -1)
+        if retained is not None and self._sharded is None:
             old = retained.generation
             mine = MemberProgress(self.committed, retained.step, old.generation,
                                   old.member(self.replica_id).rank, old.world_size)
@@ -733,6 +784,13 @@ class ElasticSession:
         if restored is not None:  # every member holds the restored step now, nothing kept
             rows, retained = [MemberProgress(restored)] * len(rows), None
             job_step = min(job_step, restored)
+        if self._sharded is not None and restored is None \
+                and max(row.committed for row in rows) < 0:
+            raise StateLost(f"generation {generation.generation}: every member holds only "
+                            "its partition of the sharded optimizer and no snapshot of a "
+                            "complete step is left on the members' nodes (a sharded "
+                            "optimizer recovers from a fault only from snapshots: "
+                            "checkpoint.memory_every_steps)")
         plan = plan_recovery(rows, generation.generation, job_step)
         resume, source = plan.resume, plan.source
         if plan.repair is not None:
@@ -748,14 +806,14 @@ class ElasticSession:
         nbytes = 0
         if self.rank == source:
             for dst in plan.behind:
-                nbytes += send_state(self.pg, dst, self.model, self.optimizer, resume,
+                nbytes += send_state(self.pg, dst, self.model, self._optimizer_state, resume,
                                      self._wait, checksum=self.checksum,
                                      extra=self._state).nbytes
         elif self.rank in plan.behind:
             # Until the copy is complete this rank holds no step's state: if the copy is
             # cut short, the next generation sees it as behind everyone and copies again.
             self.committed = -1
-            step, stats = receive_state(self.pg, source, self.model, self.optimizer,
+            step, stats = receive_state(self.pg, source, self.model, self._optimizer_state,
                                         self._wait, landing, extra=self._state)
             if step != resume:
                 raise StateTransferError(f"asked for step {resume}, received step {step}")
@@ -789,7 +847,7 @@ class ElasticSession:
 
         restored = restore(self.pg, self._wait, self.rank, self.world_size,
                            Path(self.snapshot_dir), self.job_id, members_step, self.model,
-                           self.optimizer, self._state, report)
+                           self._optimizer_state, self._state, report)
         if restored is None:
             return None
         self.committed = restored.step
@@ -1006,7 +1064,7 @@ class ElasticSession:
         if self._snapshots is not None:
             snapshot_s = None
             if self._snapshots.due(self.committed) \
-                    and self._snapshots.take(self.model, self.optimizer, self._state,
+                    and self._snapshots.take(self.model, self._optimizer_state, self._state,
                                              self.committed, self.generation.generation,
                                              self.rank, self.world_size) is not None:
                 snapshot_s = extra["snapshot_s"] = self._snapshots.last_copy_s

@@ -115,7 +115,7 @@ def verify(records: dict[str, list[dict[str, Any]]], order: ElasticOrder,
     for replica, lines in records.items():
         expected = None
         for line in lines:
-            if line["kind"] == "adopt":
+            if line["kind"] in ("adopt", "restore"):  # the step this replica now holds
                 expected = line["step"]
             elif line["kind"] == "commit":
                 if expected is not None and line["step"] != expected:

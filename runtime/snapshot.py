@@ -43,6 +43,7 @@ import torch.distributed as dist
 
 from phalanx.runtime import snapshot_file
 from phalanx.runtime.bus_thread import BusThread
+from phalanx.runtime.sharded import Sharded
 from phalanx.runtime.snapshot_file import Header, SnapshotFileError
 from phalanx.runtime.snapshot_interval import SnapshotSchedule
 from phalanx.runtime.state import _fill, _strip
@@ -70,6 +71,9 @@ class FlatState:
 
     tensors: list[torch.Tensor]  # each as contiguous uint8 bytes
     meta: dict[str, Any]  # also names each tensor's offset (snapshot_file.layout)
+    #: A sharded optimizer's entries this rank owns (no other rank holds them): a second
+    #: extent, written after the rank's share (its meta is ``meta["owned"]``).
+    owned: FlatState | None = None
 
     @property
     def offsets(self) -> list[int]:
@@ -79,15 +83,27 @@ class FlatState:
     def total(self) -> int:
         return self.meta["total"]
 
+    def extent(self, shard: int, shards: int) -> tuple[int, int]:
+        """Shard ``shard``'s bytes in a snapshot: ``(offset, length)``, the length counting
+        its owned extent after its share of the replicated bytes."""
+        offset, length = snapshot_file.share(self.total, shard, shards)
+        return offset, length + (0 if self.owned is None else self.owned.total)
 
-def flat_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+
+def flat_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer | Sharded,
                extra: Mapping[str, Any], step: int) -> FlatState:
     """``model``, ``optimizer`` and ``extra``'s state at ``step`` as a :class:`FlatState`
-    (no copy: the byte views alias the live tensors)."""
+    (no copy: the byte views alias the live tensors).
+
+    A sharded optimizer's param groups are replicated state; its per-parameter entries
+    are this rank's alone (:attr:`FlatState.owned`).
+    """
     model_state = model.state_dict()
     model_tensors = [t.detach() for t in model_state.values()]
     stripped: list[torch.Tensor] = []
-    optimizer_skeleton = _strip(optimizer.state_dict(), stripped)
+    sharded = isinstance(optimizer, Sharded)
+    optimizer_skeleton = _strip(optimizer.replicated_state() if sharded
+                                else optimizer.state_dict(), stripped)
     extra_skeletons = {name: _strip(obj.state_dict(), stripped) for name, obj in extra.items()}
     tensors = [_bytes_of(t.detach()) for t in model_tensors + stripped]
     offsets, total = snapshot_file.layout([t.numel() for t in tensors])
@@ -99,7 +115,21 @@ def flat_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
             "model_names": list(model_state),
             "tensors": [(tuple(t.shape), str(t.dtype)) for t in model_tensors + stripped],
             "offsets": offsets, "total": total}
-    return FlatState(tensors, meta)
+    owned = _owned_flat(optimizer.owned_state()) if sharded else None
+    if owned is not None:
+        meta["owned"] = owned.meta
+    return FlatState(tensors, meta, owned)
+
+
+def _owned_flat(owned: dict[int, Any]) -> FlatState:
+    """A sharded optimizer's entries owned by this rank, keyed by global parameter index,
+    as a flat state of their own."""
+    stripped: list[torch.Tensor] = []
+    skeleton = _strip(owned, stripped)
+    tensors = [_bytes_of(t.detach()) for t in stripped]
+    offsets, total = snapshot_file.layout([t.numel() for t in tensors])
+    return FlatState(tensors, {"state": skeleton, "offsets": offsets, "total": total,
+                               "tensors": [(tuple(t.shape), str(t.dtype)) for t in stripped]})
 
 
 def _bytes_of(tensor: torch.Tensor) -> torch.Tensor:
@@ -157,7 +187,7 @@ class Snapshotter:
     def due(self, committed: int) -> bool:
         return self.schedule.due(committed)
 
-    def take(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+    def take(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | Sharded,
              extra: Mapping[str, Any], step: int, generation: int, rank: int,
              world_size: int) -> Header | None:
         """Snapshot the state at ``step`` (steps committed) as shard ``rank`` of
@@ -167,7 +197,7 @@ class Snapshotter:
         started = time.perf_counter()
         state = flat_state(model, optimizer, extra, step)
         meta = pickle.dumps(state.meta)
-        _, length = snapshot_file.share(state.total, rank, world_size)
+        _, length = state.extent(rank, world_size)
         need = snapshot_file.HEADER_BYTES + len(meta) + length
         fits = self._reserved is not None and self._reserved[:2] == (rank, world_size) \
             and self._reserved[2] >= need
@@ -219,13 +249,20 @@ class Snapshotter:
 def write_share(buffer: memoryview, state: FlatState, meta: bytes, job_id: str, step: int,
                 generation: int, shard: int, shards: int) -> Header:
     """Write shard ``shard`` of ``shards`` of ``state`` (and its pickled ``meta``) into
-    ``buffer``, committed last (:func:`~.snapshot_file.write`): one copy of the share."""
-    offset, length = snapshot_file.share(state.total, shard, shards)
+    ``buffer``, committed last (:func:`~.snapshot_file.write`): one copy of the share, and
+    of the owned extent after it if the state has one."""
+    offset, length = state.extent(shard, shards)
     header = Header(job_id, step, generation, shard, shards, state.total, offset, length, 0, 0)
+    owned = state.owned
 
     def fill(data: memoryview) -> None:
-        if len(data):
-            copy_range(state, offset, torch.frombuffer(data, dtype=torch.uint8))
+        if not len(data):
+            return
+        out = torch.frombuffer(data, dtype=torch.uint8)
+        shared = length - (0 if owned is None else owned.total)
+        copy_range(state, offset, out[:shared])
+        if owned is not None:
+            copy_range(owned, 0, out[shared:])
 
     return snapshot_file.write(buffer, header, meta, fill)
 
@@ -360,8 +397,8 @@ def restore(pg: dist.ProcessGroup, wait: Wait, rank: int, world_size: int, store
         everywhere = [bool(good[:, s].all()) for s in range(candidate.shards)]
         read = {shard for shard, source in enumerate(sources)
                 if shard in verified and (rank == source or everywhere[shard])}
-        meta = _meta(verified[0]) if everywhere[0] else \
-            _broadcast_meta(pg, wait, rank, sources[0], verified.get(0))
+        meta = _meta(verified[0]) if everywhere[0] else _broadcast_bytes(
+            pg, wait, rank, sources[0], _meta(verified[0]) if rank == sources[0] else None)
         for shard, source in enumerate(sources):
             offset, length = snapshot_file.share(candidate.total, shard, candidate.shards)
             part = flat[offset:offset + length]
@@ -374,9 +411,16 @@ def restore(pg: dist.ProcessGroup, wait: Wait, rank: int, world_size: int, store
                                             dtype=torch.uint8))
             if not everywhere[shard]:
                 wait(pg.broadcast(part, source))
+        common = pickle.loads(meta)
+        owned: dict[int, Any] | None = None
+        if "owned" in common:  # a sharded optimizer: every owner's entries, from its shard
+            owned = {}
+            for shard, source in enumerate(sources):
+                owned.update(_owned_entries(pg, wait, rank, source, verified.get(shard),
+                                            everywhere[shard], candidate, shard))
         for buffer, _ in verified.values():
             buffer.close()
-        load_flat(flat, pickle.loads(meta), model, optimizer, extra)
+        load_flat(flat, common, model, optimizer, extra, owned)
         return Restored(candidate.step, candidate.total, corrupt, len(read & replicas))
     return None
 
@@ -397,41 +441,71 @@ def _meta(held: tuple[mmap.mmap, Header]) -> bytes:
                         + header.meta_length])
 
 
-def _broadcast_meta(pg: dist.ProcessGroup, wait: Wait, rank: int, source: int,
-                    held: tuple[mmap.mmap, Header] | None) -> bytes:
-    """Shard 0's meta section, from the member that holds a good copy of it."""
-    size = torch.zeros(1, dtype=torch.int64)
-    meta = b""
-    if rank == source:
-        assert held is not None
-        meta = _meta(held)
-        size[0] = len(meta)
+def _broadcast_bytes(pg: dist.ProcessGroup, wait: Wait, rank: int, source: int,
+                     data: bytes | None) -> bytes:
+    """``data`` of member ``source`` (None on the others), on every member."""
+    size = torch.tensor([len(data) if rank == source and data else 0], dtype=torch.int64)
     wait(pg.broadcast(size, source))
-    payload = torch.frombuffer(bytearray(meta), dtype=torch.uint8) if rank == source \
+    if not int(size):
+        return b""
+    payload = torch.frombuffer(bytearray(data), dtype=torch.uint8) if rank == source \
         else torch.empty(int(size), dtype=torch.uint8)
     wait(pg.broadcast(payload, source))
     return payload.numpy().tobytes()
 
 
-def load_flat(flat: torch.Tensor, meta: dict[str, Any], model: torch.nn.Module,
-              optimizer: torch.optim.Optimizer, extra: Mapping[str, Any]) -> None:
-    """Load the state ``flat`` holds (laid out as :func:`flat_state` says in ``meta``).
+def _owned_entries(pg: dist.ProcessGroup, wait: Wait, rank: int, source: int,
+                   held: tuple[mmap.mmap, Header] | None, local: bool, candidate: Candidate,
+                   shard: int) -> dict[int, Any]:
+    """The sharded optimizer's entries shard ``shard``'s owner wrote (its extent after its
+    share), read from this member's copy when every member holds one (``local``), else
+    broadcast from ``source``'s."""
+    meta = extent = None
+    if local or rank == source:
+        assert held is not None
+        buffer, header = held
+        _, shared = snapshot_file.share(candidate.total, shard, candidate.shards)
+        start = snapshot_file.HEADER_BYTES + header.meta_length + shared
+        meta, extent = _meta(held), bytes(buffer[start:start + header.length - shared])
+    if not local:
+        meta = _broadcast_bytes(pg, wait, rank, source, meta)
+        extent = _broadcast_bytes(pg, wait, rank, source, extent)
+    assert meta is not None and extent is not None
+    owned = pickle.loads(meta)["owned"]
+    flat = torch.frombuffer(bytearray(extent), dtype=torch.uint8) if extent \
+        else torch.empty(0, dtype=torch.uint8)
+    return _fill(owned["state"], _tensors_in(flat, owned))
 
-    Raises:
-        SnapshotFileError: the snapshot does not fit this model or these registered objects.
-    """
+
+def _tensors_in(flat: torch.Tensor, meta: dict[str, Any]) -> list[torch.Tensor]:
+    """Copies of the tensors ``meta`` lays out in ``flat`` (:func:`flat_state`)."""
     tensors = []
     for (shape, dtype), at in zip(meta["tensors"], meta["offsets"], strict=True):
         tensor = torch.empty(shape, dtype=getattr(torch, dtype.removeprefix("torch.")))
         size = tensor.numel() * tensor.element_size()
         tensor.reshape(-1).view(torch.uint8).copy_(flat[at:at + size])
         tensors.append(tensor)
-    load_tensors(tensors, meta, model, optimizer, extra)
+    return tensors
+
+
+def load_flat(flat: torch.Tensor, meta: dict[str, Any], model: torch.nn.Module,
+              optimizer: torch.optim.Optimizer | Sharded, extra: Mapping[str, Any],
+              owned: dict[int, Any] | None = None) -> None:
+    """Load the state ``flat`` holds (laid out as :func:`flat_state` says in ``meta``);
+    ``owned``: a sharded optimizer's per-parameter entries, gathered from every owner.
+
+    Raises:
+        SnapshotFileError: the snapshot does not fit this model or these registered objects.
+    """
+    load_tensors(_tensors_in(flat, meta), meta, model, optimizer, extra, owned)
 
 
 def load_tensors(tensors: list[torch.Tensor], meta: dict[str, Any], model: torch.nn.Module,
-                 optimizer: torch.optim.Optimizer, extra: Mapping[str, Any]) -> None:
-    """Load the state whose tensors (in :func:`flat_state`'s order) are ``tensors``.
+                 optimizer: torch.optim.Optimizer | Sharded, extra: Mapping[str, Any],
+                 owned: dict[int, Any] | None = None) -> None:
+    """Load the state whose tensors (in :func:`flat_state`'s order) are ``tensors``; a
+    sharded optimizer's entries (``owned``) complete its state (the consolidated state
+    loads into a plain optimizer as well as a sharded one).
 
     Raises:
         SnapshotFileError: the snapshot does not fit this model or these registered objects.
@@ -452,7 +526,10 @@ def load_tensors(tensors: list[torch.Tensor], meta: dict[str, Any], model: torch
             with torch.no_grad():
                 mine.copy_(tensor)
     rest = tensors[len(model_tensors):]
-    optimizer.load_state_dict(_fill(meta["optimizer"], rest))
+    optimizer_state = _fill(meta["optimizer"], rest)
+    if owned is not None:
+        optimizer_state = {**optimizer_state, "state": dict(sorted(owned.items()))}
+    optimizer.load_state_dict(optimizer_state)
     for name, skeleton in meta["extra"].items():
         extra[name].load_state_dict(_fill(skeleton, rest))
     rng = meta["rng"]  # a tensor in snapshots and durable steps written before 2026-11-23

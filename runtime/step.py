@@ -231,9 +231,9 @@ class Step:
         """
         session = self.session
         ok = self.reduce(loss)
+        if ok and self.updated:
+            ok = session._update(self)
         if ok:
-            if self.updated:
-                session.optimizer.step()
             session._committed(self, time.perf_counter())
         # None, as DDP users do: the next backward hands its gradient over instead of
         # adding it into zeroed memory (two passes over every gradient saved).

@@ -1,0 +1,200 @@
+"""A ZeroRedundancyOptimizer under the session's rules, on real gloo groups (one thread a
+member): stepped, handed over, snapshotted and restored at another world size, it stays
+bitwise equal to the plain optimizer it shards."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import copy
+import datetime
+import mmap
+import pickle
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from phalanx.runtime import snapshot_file
+from phalanx.runtime.sharded import Sharded, sharded_optimizer
+from phalanx.runtime.snapshot import flat_state, restore, write_share
+from phalanx.services.natsd import free_port
+
+
+def build(seed: int = 0) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(6, 9), torch.nn.Tanh(), torch.nn.Linear(9, 5),
+                               torch.nn.Tanh(), torch.nn.Linear(5, 1))
+
+
+def gradients(model: torch.nn.Module, step: int) -> None:
+    """The same global gradient on every member (as after the session's all-reduce)."""
+    generator = torch.Generator().manual_seed(step)
+    for p in model.parameters():
+        p.grad = torch.randn(p.shape, generator=generator)
+
+
+def plain_run(steps: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    model = build()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
+    for step in range(steps):
+        gradients(model, step)
+        optimizer.step()
+    return model, optimizer
+
+
+def member(model: torch.nn.Module) -> Sharded:
+    return Sharded(sharded_optimizer(model.parameters(), torch.optim.AdamW, lr=0.01))
+
+
+def in_group(world: int, work: Callable[[int, dist.ProcessGroup], object]) -> list:
+    """``work(rank, group)`` on ``world`` threads, each a member of one fresh gloo group."""
+    port = free_port()
+
+    def run(rank: int) -> object:
+        store = dist.TCPStore("127.0.0.1", port, world, is_master=rank == 0,
+                              timeout=datetime.timedelta(seconds=20))
+        group = dist.ProcessGroupGloo(store, rank, world, datetime.timedelta(seconds=20))
+        return work(rank, group)
+
+    with concurrent.futures.ThreadPoolExecutor(world) as pool:
+        return list(pool.map(run, range(world)))
+
+
+def train(shards: list[Sharded], models: list[torch.nn.Module], steps: range) -> None:
+    """``steps`` sharded steps of every member, re-pointed at its rank of ``len(shards)``."""
+    def work(rank: int, group: dist.ProcessGroup) -> None:
+        for step in steps:
+            gradients(models[rank], step)
+            shards[rank].step(group, lambda w: w.wait())
+
+    in_group(len(shards), work)
+
+
+def assert_same(model: torch.nn.Module, optimizer_state: dict, reference: tuple) -> None:
+    for mine, theirs in zip(model.parameters(), reference[0].parameters(), strict=True):
+        assert torch.equal(mine, theirs)
+    expected = reference[1].state_dict()["state"]
+    assert sorted(optimizer_state) == sorted(expected)
+    for index, state in expected.items():
+        for name, value in state.items():
+            assert torch.equal(optimizer_state[index][name], value), (index, name)
+
+
+def test_partitioned_steps_and_a_handover_to_another_world_size_equal_the_plain_optimizer(
+        ) -> None:
+    models = [build() for _ in range(4)]  # built before the threads: one RNG
+    shards = [member(m) for m in models]
+    for rank, shard in enumerate(shards[:2]):
+        shard.repartition(rank, 2)
+    assert sorted(len(s.zero.optim.param_groups[0]["params"]) for s in shards[:2]) == [3, 3]
+    train(shards[:2], models, range(3))
+    assert not shards[0].holds_all
+    with pytest.raises(RuntimeError, match="holds only its partition"):
+        shards[0].state_dict()
+
+    def hand_over(rank: int, group: dist.ProcessGroup) -> dict:
+        shards[rank].gather(group, lambda w: w.wait())
+        return shards[rank].state_dict()
+
+    full = in_group(2, hand_over)
+    assert_same(models[0], full[0]["state"], plain_run(3))
+    assert_same(models[1], full[1]["state"], plain_run(3))
+    # Two members become four: the joiners receive the model and the consolidated state.
+    for joiner in (2, 3):
+        models[joiner].load_state_dict(models[0].state_dict())
+        shards[joiner].load_state_dict(copy.deepcopy(full[0]))
+    for rank, shard in enumerate(shards):
+        shard.repartition(rank, 4)
+    owned = [set(s.owned_state()) for s in shards]
+    assert set().union(*owned) == set(range(6)) and sum(map(len, owned)) == 6
+    train(shards, models, range(3, 6))
+    reference = plain_run(6)
+    everything = {}
+    for shard in shards:
+        everything.update(shard.owned_state())
+    for model in models:
+        assert_same(model, everything, reference)
+
+
+def test_each_owner_snapshots_its_entries_once_and_a_restore_repartitions_them(
+        tmp_path: Path) -> None:
+    models = [build() for _ in range(3)]
+    shards = [member(m) for m in models]
+    scheduler = torch.optim.lr_scheduler.StepLR(shards[0].zero, 2)  # replicated state
+    for rank, shard in enumerate(shards):
+        shard.repartition(rank, 3)
+    train(shards, models, range(4))
+    store = tmp_path / "store"
+    store.mkdir()
+    owned_bytes = []
+    for rank, (model, shard) in enumerate(zip(models, shards, strict=True)):
+        state = flat_state(model, shard, {"scheduler": scheduler}, 4)
+        assert state.owned is not None and "owned" in state.meta
+        owned_bytes.append(state.owned.total)
+        _, length = state.extent(rank, 3)
+        path = store / f"s{rank}"
+        meta = pickle.dumps(state.meta)
+        path.write_bytes(b"\0" * (snapshot_file.HEADER_BYTES + len(meta) + length))
+        with path.open("r+b") as f, mmap.mmap(f.fileno(), 0) as buffer:
+            write_share(memoryview(buffer), state, meta, "job-z", 4, 1, rank, 3)
+    # AdamW's entries (two moments and a step per parameter) each written by one owner.
+    plain = plain_run(4)
+    assert sum(owned_bytes) >= sum(v.numel() * v.element_size() for s in
+                                    plain[1].state_dict()["state"].values() for v in s.values())
+    # Restored by two members: each loads the model and keeps its new partition.
+    targets = [build(7) for _ in range(2)]
+    restored_shards = [member(m) for m in targets]
+    schedulers = [torch.optim.lr_scheduler.StepLR(s.zero, 2) for s in restored_shards]
+
+    def load(rank: int, group: dist.ProcessGroup) -> int:
+        done = restore(group, lambda w: w.wait(), rank, 2, store, "job-z", 0, targets[rank],
+                       restored_shards[rank], {"scheduler": schedulers[rank]},
+                       lambda *problem: pytest.fail(f"reported {problem}"))
+        restored_shards[rank].repartition(rank, 2)
+        return done.step
+
+    assert in_group(2, load) == [4, 4]
+    everything = {}
+    for shard in restored_shards:
+        everything.update(shard.owned_state())
+    for model in targets:
+        assert_same(model, everything, plain)
+    assert schedulers[1].state_dict() == scheduler.state_dict()
+    train(restored_shards, targets, range(4, 7))
+    reference = plain_run(7)
+    everything = {}
+    for shard in restored_shards:
+        everything.update(shard.owned_state())
+    assert_same(targets[0], everything, reference)
+
+
+def test_a_consolidated_snapshot_loads_into_a_plain_optimizer(tmp_path: Path) -> None:
+    model = build()
+    shard = member(model)
+    train([shard], [model], range(2))
+    state = flat_state(model, shard, {}, 2)
+    meta = pickle.dumps(state.meta)
+    _, length = state.extent(0, 1)
+    path = tmp_path / "s0"
+    path.write_bytes(b"\0" * (snapshot_file.HEADER_BYTES + len(meta) + length))
+    with path.open("r+b") as f, mmap.mmap(f.fileno(), 0) as buffer:
+        write_share(memoryview(buffer), state, meta, "job-p", 2, 0, 0, 1)
+    target = build(3)
+    optimizer = torch.optim.AdamW(target.parameters(), lr=0.01)
+
+    def load(rank: int, group: dist.ProcessGroup) -> None:
+        restore(group, lambda w: w.wait(), 0, 1, tmp_path, "job-p", 0, target, optimizer, {},
+                lambda *problem: pytest.fail(f"reported {problem}"))
+
+    in_group(1, load)
+    assert_same(target, optimizer.state_dict()["state"], plain_run(2))
+
+
+def test_a_sharded_optimizer_refuses_what_the_session_cannot_partition() -> None:
+    model = build()
+    zero = sharded_optimizer(model.parameters(), torch.optim.AdamW, lr=0.01,
+                             parameters_as_bucket_view=True)
+    with pytest.raises(ValueError, match="parameters_as_bucket_view"):
+        Sharded(zero)
