@@ -37,6 +37,8 @@ def main() -> None:
     parser.add_argument("--micro-batch", type=int, default=16)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--save", help="write the final parameters here (the primary replica)")
+    parser.add_argument("--sharded-optimizer", action="store_true",
+                        help="shard AdamW's state over the ranks (ZeroRedundancyOptimizer)")
     args = parser.parse_args()
     widths = tuple(int(w) for w in args.widths.split(","))
     if args.prepare:
@@ -46,7 +48,7 @@ def main() -> None:
     torch.set_num_threads(1)
     dataset = MemmapDataset(args.data_dir)
     model = workload_w.build_model(widths, args.seed)
-    optimizer = workload_w.build_optimizer(model)
+    optimizer = workload_w.build_optimizer(model, sharded=args.sharded_optimizer)
     loss_fn = torch.nn.MSELoss()
 
     def warmup() -> None:  # optional: a joining replica's first step is then not cold

@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from phalanx.runtime.dataset import MemmapDataset, write_arrays
+from phalanx.runtime.sharded import sharded_optimizer
 
 W_WIDTHS = (1024, 2048, 2048, 2048, 2048, 1024)
 W_GLOBAL_BATCH = 64
@@ -34,7 +35,12 @@ def build_model(widths: Sequence[int] = W_WIDTHS, seed: int = 0) -> torch.nn.Seq
     return torch.nn.Sequential(*layers)
 
 
-def build_optimizer(model: torch.nn.Module, lr: float = W_LR) -> torch.optim.Optimizer:
+def build_optimizer(model: torch.nn.Module, lr: float = W_LR,
+                    sharded: bool = False) -> torch.optim.Optimizer:
+    """AdamW; ``sharded``: as a ZeroRedundancyOptimizer, each rank holding the state of
+    its partition of the parameters only (the same updates)."""
+    if sharded:
+        return sharded_optimizer(model.parameters(), torch.optim.AdamW, lr=lr)
     return torch.optim.AdamW(model.parameters(), lr=lr)
 
 

@@ -21,7 +21,7 @@ import os
 import signal
 import subprocess
 import sys
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 
 import pytest
@@ -69,11 +69,11 @@ def data_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return path
 
 
-def fault_free(data_dir: Path, out: Path, steps: int) -> dict:
-    """The fault-free run: the same script alone."""
+def fault_free(data_dir: Path, out: Path, steps: int, args: Sequence[str] = ()) -> dict:
+    """The fault-free run: the same script alone (``args``: the script's, beyond ARGS)."""
     out.mkdir(parents=True, exist_ok=True)
     env = {k: v for k, v in os.environ.items() if not k.startswith("PHALANX_")}
-    subprocess.run([sys.executable, str(SCRIPT), "--data-dir", str(data_dir), *ARGS,
+    subprocess.run([sys.executable, str(SCRIPT), "--data-dir", str(data_dir), *ARGS, *args,
                     "--steps", str(steps), "--save", str(out / "final.pt")],
                    check=True, timeout=300,
                    env={**env, **RUN_ENV, "PHALANX_RECORD_DIR": str(out / "rec")})
@@ -141,9 +141,10 @@ def drain(queue: asyncio.Queue) -> None:
 
 async def run_job(cluster, data_dir: Path, tmp_path: Path, name: str, inject,
                   env: dict[str, str] | None = None, steps: int = STEPS,
-                  spec: dict | None = None) -> tuple[Path, list[Generation]]:
-    """Submit the job (``spec``: JobSpec fields to set), call ``inject(job_id)`` once it
-    trains, wait for it to finish.
+                  spec: dict | None = None,
+                  args: Sequence[str] = ()) -> tuple[Path, list[Generation]]:
+    """Submit the job (``spec``: JobSpec fields to set; ``args``: the script's, beyond
+    ARGS), call ``inject(job_id)`` once it trains, wait for it to finish.
 
     Until ``inject`` returns the job trains at most ``1 / PACE_S`` steps a second
     (:mod:`phalanx.runtime.chaos`), so whatever it waits for (a replacement joining, a
@@ -157,7 +158,7 @@ async def run_job(cluster, data_dir: Path, tmp_path: Path, name: str, inject,
     spec = JobSpec(name=name, team="t", priority_class="normal",
                    replicas=ReplicaRange(min=2, max=4), placement=Placement(),
                    command=[sys.executable, str(SCRIPT), "--data-dir", str(data_dir), *ARGS,
-                            "--steps", str(steps), "--save", str(tmp_path / "final.pt")],
+                            *args, "--steps", str(steps), "--save", str(tmp_path / "final.pt")],
                    env={"PHALANX_RECORD_DIR": str(rec), **RUN_ENV,
                         "PHALANX_CHAOS_PACE": f"{PACE_S}:{release}", **(env or {})},
                    **{"hang_timeout_s": 2.0, "grace_period_s": 3.0, **(spec or {})})
