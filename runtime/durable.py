@@ -16,7 +16,12 @@ state dict ``{"model": ..., "optimizer": ..., "extra": {name: ...},
 with no phalanx code. The flat state's shares cut no element
 (:func:`~.snapshot_file.share`), so shard ``r`` writes the elements of its byte
 range as tensor chunks (:func:`boxes`: contiguous boxes of each tensor); shard
-0 also writes the non-tensor leaves (learning rates, betas, ...).
+0 also writes the non-tensor leaves (learning rates, betas, ...). A sharded
+optimizer's owner also writes the entries it owns (its snapshot's second
+extent), whole, under the keys a plain optimizer's would have
+(``optimizer.state.<index>.<name>``): the committer lays the step out as the
+consolidated state (:func:`consolidated_meta`), which loads into a plain
+optimizer as well as into a sharded one at any world size.
 
 **Commit.** Shard ``r``'s writer writes its data file, then a marker
 ``shard-<r>.done`` (its storage entries and the file's xxh3-64), then lists the
@@ -76,9 +81,10 @@ from torch.distributed.checkpoint.metadata import (
 )
 
 from phalanx.runtime import snapshot_file
+from phalanx.runtime.sharded import Sharded
 from phalanx.runtime.snapshot import load_tensors
 from phalanx.runtime.snapshot_file import Header, SnapshotFileError
-from phalanx.runtime.state import _fill
+from phalanx.runtime.state import _fill, _TensorRef
 from phalanx.schemas.messages import DETAIL_CHARS, SnapshotRecord, SnapshotTier
 
 log = logging.getLogger("phalanx.runtime.durable")
@@ -151,6 +157,34 @@ def state_dict_of(meta: dict[str, Any], tensors: list[torch.Tensor]) -> dict[str
             "phalanx": {"step": meta["step"]}}
 
 
+def consolidated_meta(meta: dict[str, Any], owned: list[dict[str, Any]]) -> dict[str, Any]:
+    """A sharded step's meta as a plain optimizer's: ``meta``'s tensors, then every owner's
+    entries (``owned``: each shard's ``meta["owned"]``, in shard order), the optimizer's
+    state their union. The replicated tensors keep their ``offsets``; the owned ones have
+    none (each is written whole by its owner)."""
+    tensors = list(meta["tensors"])
+    optimizer = dict(meta["optimizer"])
+    state: dict[int, Any] = {}
+    replicated = len(tensors) - meta["model_tensors"]
+    for extent in owned:
+        base = replicated + len(tensors) - len(meta["tensors"])
+        refs = [_TensorRef(base + j) for j in range(len(extent["tensors"]))]
+        state.update(_fill(extent["state"], refs))
+        tensors.extend(extent["tensors"])
+    optimizer["state"] = dict(sorted(state.items()))
+    rest = {key: value for key, value in meta.items() if key != "owned"}
+    return {**rest, "optimizer": optimizer, "tensors": tensors}
+
+
+def owned_plan(extent: dict[str, Any]) -> tuple[list[str], dict[str, Any]]:
+    """The DCP keys of an owner's entries (``meta["owned"]``): each tensor's, and the
+    non-tensor leaves with their values."""
+    placeholders = [torch.empty(0) for _ in extent["tensors"]]
+    flat, _ = flatten_state_dict({"optimizer": {"state": _fill(extent["state"],
+                                                              placeholders)}})
+    return _names(flat, placeholders)
+
+
 @dataclasses.dataclass(frozen=True)
 class Plan:
     """Where every part of the state goes in DCP: each tensor's name, and the non-tensor
@@ -163,16 +197,24 @@ class Plan:
     @classmethod
     def of(cls, meta: dict[str, Any]) -> Plan:
         placeholders = [torch.empty(0) for _ in meta["tensors"]]
-        index = {id(t): i for i, t in enumerate(placeholders)}
         flat, mappings = flatten_state_dict(state_dict_of(meta, placeholders))
-        names = [""] * len(placeholders)
-        objects = {}
-        for fqn, value in flat.items():
-            if isinstance(value, torch.Tensor):
-                names[index[id(value)]] = fqn
-            else:
-                objects[fqn] = value
+        names, objects = _names(flat, placeholders)
         return cls(names, objects, mappings)
+
+
+def _names(flat: dict[str, Any], placeholders: list[torch.Tensor]
+           ) -> tuple[list[str], dict[str, Any]]:
+    """Each placeholder tensor's key in the flattened state dict ``flat``, and the
+    non-tensor leaves."""
+    index = {id(t): i for i, t in enumerate(placeholders)}
+    names = [""] * len(placeholders)
+    objects = {}
+    for fqn, value in flat.items():
+        if isinstance(value, torch.Tensor):
+            names[index[id(value)]] = fqn
+        else:
+            objects[fqn] = value
+    return names, objects
 
 
 def shard_boxes(meta: dict[str, Any], shard: int, shards: int) -> list[tuple[int, Box]]:
@@ -345,9 +387,27 @@ def write_shard(fs: fsspec.AbstractFileSystem, root: str, header: Header, meta_b
             buffer = io.BytesIO()
             torch.save(chunk, buffer)
             item(MetadataIndex(plan.names[i], torch.Size(offsets)), buffer.getvalue())
+        extent = meta.get("owned")
+        if extent is not None:  # a sharded optimizer's entries this shard's owner holds
+            _, shared = snapshot_file.share(header.total, header.shard, header.shards)
+            names, objects = owned_plan(extent)
+            for fqn, value in objects.items():
+                buffer = io.BytesIO()
+                torch.save(value, buffer)
+                item(MetadataIndex(fqn), buffer.getvalue())
+            for j, ((shape, dtype), start) in enumerate(zip(extent["tensors"],
+                                                            extent["offsets"], strict=True)):
+                lo, numel = shared + start, math.prod(shape)
+                whole = torch.frombuffer(data[lo:lo + numel * _element_size(dtype)],
+                                         dtype=_dtype(dtype)).reshape(shape) if numel \
+                    else torch.empty(shape, dtype=_dtype(dtype))
+                buffer = io.BytesIO()
+                torch.save(whole, buffer)
+                item(MetadataIndex(names[j], torch.Size((0,) * len(shape))), buffer.getvalue())
     checksum = f"{digest.intdigest():016x}"
     _put(fs, f"{directory}/shard-{header.shard}.done", pickle.dumps(
-        {"file": name, "bytes": at, "xxh3": checksum, "storage": storage}))
+        {"file": name, "bytes": at, "xxh3": checksum, "storage": storage,
+         "owned": meta.get("owned")}))
     record = _commit(fs, directory, header, meta, meta_bytes, plan)
     if record is not None:
         for gone in retain(fs, f"{root.rstrip('/')}/{header.job_id}", keep):
@@ -371,6 +431,13 @@ def _commit(fs: fsspec.AbstractFileSystem, directory: str, header: Header,
         for i, (offsets, sizes, _) in shard_boxes(meta, shard, header.shards):
             chunks.setdefault(i, []).append(ChunkStorageMetadata(torch.Size(offsets),
                                                                  torch.Size(sizes)))
+    if "owned" in meta:  # a sharded optimizer: the step is laid out as the consolidated state
+        replicated = len(meta["tensors"])
+        meta = consolidated_meta(meta, [marker["owned"] for marker in markers])
+        meta_bytes, plan = pickle.dumps(meta), Plan.of(meta)
+        for i, (shape, _) in enumerate(meta["tensors"][replicated:], replicated):
+            chunks[i] = [ChunkStorageMetadata(torch.Size((0,) * len(shape)),
+                                              torch.Size(shape))]
     described: dict[str, Any] = {fqn: BytesStorageMetadata() for fqn in plan.objects}
     for i, (shape, dtype) in enumerate(meta["tensors"]):
         described[plan.names[i]] = TensorStorageMetadata(
@@ -500,7 +567,7 @@ Wait = Callable[[Any], None]
 
 
 def restore(pg: Any, wait: Wait, world_size: int, policy: DurablePolicy, job_id: str,
-            newer_than: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+            newer_than: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer | Sharded,
             extra: Mapping[str, Any],
             report: Callable[[Committed, DurableCorrupt], None]) -> tuple[int, int] | None:
     """Load the newest committed durable step newer than ``newer_than`` on every member of
@@ -603,7 +670,7 @@ def verify(fs: fsspec.AbstractFileSystem, step: Committed) -> CommitRecord:
 
 
 def load(fs: fsspec.AbstractFileSystem, step: Committed, record: CommitRecord,
-         model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+         model: torch.nn.Module, optimizer: torch.optim.Optimizer | Sharded,
          extra: Mapping[str, Any]) -> None:
     """Load the verified durable ``step`` into ``model``, ``optimizer``, ``extra`` (and
     the RNG), read with ``torch.distributed.checkpoint``."""

@@ -342,12 +342,6 @@ class ElasticSession:
         self._landing: list[torch.Tensor] = []  # for the optimizer state a joiner receives
         self.nice_when_ready = nice_when_ready
         self.snapshot_dir = snapshot_dir
-        if durable is not None and self._sharded is not None:
-            # Its shards are each written by their owner only; the durable tier does not
-            # persist those extents yet, so a durable step would lack the optimizer state.
-            log.warning("the durable tier does not hold a sharded optimizer's state yet: "
-                        "this job keeps in-memory snapshots only")
-            durable = None
         self.durable = durable
         writer = DurableWriter(durable.url, durable.keep, self._persisted) \
             if durable is not None and durable.every and bus is not None else None
@@ -881,7 +875,7 @@ class ElasticSession:
                     self.bus.publish(subjects.ckpt_snapshot(step.job_id), message)
 
         restored = restore_durable(self.pg, self._wait, self.world_size, self.durable,
-                                   self.job_id, newer_than, self.model, self.optimizer,
+                                   self.job_id, newer_than, self.model, self._optimizer_state,
                                    self._state, report)
         if restored is None:
             return None

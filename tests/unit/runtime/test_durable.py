@@ -4,6 +4,7 @@ refused, retention, and the same on S3 (s3fs against moto's server, started here
 
 from __future__ import annotations
 
+import copy
 import math
 import pickle
 import socket
@@ -19,6 +20,7 @@ import torch
 from test_snapshot import same_state, trained  # the same model and comparison
 
 from phalanx.runtime import durable, snapshot_file
+from phalanx.runtime.sharded import Sharded, sharded_optimizer
 from phalanx.runtime.snapshot import flat_state, write_share
 from phalanx.runtime.snapshot_file import HEADER_BYTES
 
@@ -189,3 +191,58 @@ def test_the_durable_tier_on_s3(s3: dict[str, str], tmp_path) -> None:
     fs.pipe_file(name, bytes(damaged))
     with pytest.raises(durable.DurableCorrupt, match="checksum mismatch"):
         durable.verify(fs, step)
+
+
+def owners_of(source, shards: int) -> list[tuple[torch.nn.Module, Sharded]]:
+    """``source``'s state (model, AdamW) held as a sharded optimizer by ``shards`` members:
+    the consolidated state loaded and re-partitioned, each keeping its owner's entries."""
+    members = []
+    for rank in range(shards):
+        model = copy.deepcopy(source[0])
+        sharded = Sharded(sharded_optimizer(model.parameters(), torch.optim.AdamW, lr=1e-2))
+        sharded.load_state_dict(copy.deepcopy(source[1].state_dict()))
+        sharded.repartition(rank, shards)
+        members.append((model, sharded))
+    return members
+
+
+def test_a_sharded_optimizers_owners_persist_a_step_plain_dcp_and_any_world_size_load(
+        tmp_path) -> None:
+    source = trained(0, 5)
+    members = owners_of(source, 3)
+    assert sorted(len(s.owned_state()) for _, s in members) == [1, 1, 2]
+    fs = fsspec.filesystem("file")
+    done = []
+    for shard in (1, 2, 0):
+        model, sharded = members[shard]
+        state = flat_state(model, sharded, {"scheduler": source[2]}, 5)
+        meta = pickle.dumps(state.meta)
+        buffer = bytearray(HEADER_BYTES + len(meta) + state.extent(shard, 3)[1])
+        header = write_share(memoryview(buffer), state, meta, "job-a", 5, 3, shard, 3)
+        meta_view, data = snapshot_file.verify(memoryview(buffer), header)
+        done.append(durable.write_shard(fs, str(tmp_path), header, bytes(meta_view), data, 2))
+    assert [d.committed is not None for d in done] == [False, False, True]
+    [step] = durable.committed_steps(fs, f"{tmp_path}/job-a")
+    out = tmp_path / "plain.pt"
+    subprocess.run([sys.executable, "-c", textwrap.dedent(PLAIN_LOAD), step.directory,
+                    str(out)], check=True, cwd=tmp_path, timeout=120)
+    loaded = torch.load(out)
+    expected = source[1].state_dict()
+    for name, value in source[0].state_dict().items():
+        assert torch.equal(loaded["model"][name], value)
+    assert loaded["optimizer"]["param_groups"][0]["lr"] == expected["param_groups"][0]["lr"]
+    for key, values in expected["state"].items():
+        for name, value in values.items():
+            assert torch.equal(loaded["optimizer"]["state"][key][name], value)
+    # Restored by the runtime into a sharded optimizer of two members.
+    record = durable.verify(fs, step)
+    target = trained(1, 0)
+    restored = Sharded(sharded_optimizer(target[0].parameters(), torch.optim.AdamW, lr=1e-2))
+    scheduler = torch.optim.lr_scheduler.StepLR(restored.zero, 2)
+    durable.load(fs, step, record, target[0], restored, {"scheduler": scheduler})
+    assert scheduler.state_dict() == source[2].state_dict()
+    for key, values in expected["state"].items():
+        for name, value in values.items():
+            assert torch.equal(restored.state_dict()["state"][key][name], value)
+    restored.repartition(1, 2)
+    assert set(restored.owned_state()) < set(expected["state"])
