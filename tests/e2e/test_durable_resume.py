@@ -26,6 +26,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
@@ -55,11 +56,11 @@ OLD, NEW = "durable-1", "durable-2"
 
 
 def spec_file(path: Path, data_dir: Path, out: Path,  # noqa: F811
-              hang_timeout_s: float = 2.0) -> Path:
+              hang_timeout_s: float = 2.0, args: Sequence[str] = ()) -> Path:
     path.write_text(yaml.safe_dump({
         "name": "durable", "team": "t", "priority_class": "normal",
         "replicas": {"min": 2, "max": 4},
-        "command": [sys.executable, str(SCRIPT), "--data-dir", str(data_dir), *ARGS,
+        "command": [sys.executable, str(SCRIPT), "--data-dir", str(data_dir), *ARGS, *args,
                     "--steps", str(STEPS), "--save", str(out / "final.pt")],
         "env": {"PHALANX_RECORD_DIR": str(out / "rec"), **RUN_ENV},
         "hang_timeout_s": hang_timeout_s, "grace_period_s": 3.0,
@@ -93,9 +94,12 @@ PLAIN_LOAD = textwrap.dedent("""
 """)
 
 
+# Sharded: each rank persists its share and the optimizer entries it alone holds; the step
+# is the consolidated state, loaded into four new owners.
+@pytest.mark.parametrize("args", [[], ["--sharded-optimizer"]], ids=["plain", "sharded"])
 async def test_everything_restarted_the_job_resumes_from_durable_storage(
-        data_dir: Path, tmp_path: Path) -> None:  # noqa: F811
-    reference = fault_free(data_dir, tmp_path / "reference", STEPS)
+        data_dir: Path, tmp_path: Path, args: list[str]) -> None:  # noqa: F811
+    reference = fault_free(data_dir, tmp_path / "reference", STEPS, args)
     cluster_dir = tmp_path / "cluster"
     where = ("--data-dir", str(cluster_dir))
     old_out, new_out = tmp_path / "old", tmp_path / "new"
@@ -117,7 +121,8 @@ async def test_everything_restarted_the_job_resumes_from_durable_storage(
 
         stopped = asyncio.Event()
         await bus.subscribe(subjects.ckpt_snapshot(OLD), SnapshotRecord, on_snapshot)
-        phalanx("submit", str(spec_file(tmp_path / "old.yaml", data_dir, old_out, 120.0)),
+        phalanx("submit", str(spec_file(tmp_path / "old.yaml", data_dir, old_out, 120.0,
+                                        args)),
                 "--job-id", OLD, *where)
         await asyncio.wait_for(stopped.wait(), 240)
         assert len(frozen) == 4, frozen
@@ -135,7 +140,8 @@ async def test_everything_restarted_the_job_resumes_from_durable_storage(
     # 3. Everything comes back; the job is submitted again, resuming the old one.
     async with watched_cluster(cluster_dir) as (_, bus, watch):
         phalanx("cancel", OLD, *where)
-        phalanx("submit", str(spec_file(tmp_path / "new.yaml", data_dir, new_out)),
+        phalanx("submit", str(spec_file(tmp_path / "new.yaml", data_dir, new_out,
+                                        args=args)),
                 "--job-id", NEW, "--resume", OLD, *where)
         ended = await next_of(watch.states, lambda r: r.job_id == NEW and r.state.terminal,
                               300)
@@ -180,7 +186,7 @@ async def test_everything_restarted_the_job_resumes_from_durable_storage(
     # 4. The restored step as exported, read by torch alone.
     subprocess.run([sys.executable, "-c", PLAIN_LOAD, str(exported), str(tmp_path / "m.pt")],
                    check=True, timeout=120, cwd=tmp_path)
-    at_step = fault_free(data_dir, tmp_path / "at-step", resumed_from)
+    at_step = fault_free(data_dir, tmp_path / "at-step", resumed_from, args)
     loaded = torch.load(tmp_path / "m.pt")
     assert set(loaded) == set(at_step["params"])
     for name, value in at_step["params"].items():
