@@ -11,6 +11,8 @@ The public API, importable from here::
   written once and opened by memory map; :func:`write_tokens` and
   :class:`TokenWindows`, the same for a language model's token stream.
 * :class:`ElasticOrder` (:mod:`.data`): the exactly-once data order.
+* :func:`sharded_optimizer` (:mod:`.sharded`): a ZeroRedundancyOptimizer the session
+  partitions over each generation.
 
 The names load on first use (PEP 562), so importing a small part of the
 runtime (:mod:`.priority`, :mod:`.snapshot_file`) does not import torch.
@@ -34,6 +36,7 @@ _EXPORTS = {
     "TokenWindows": "dataset",
     "write_tokens": "dataset",
     "ElasticOrder": "data",
+    "sharded_optimizer": "sharded",
 }
 
 __all__ = [
@@ -46,6 +49,7 @@ __all__ = [
     "MemmapDataset",
     "Step",
     "TokenWindows",
+    "sharded_optimizer",
     "write_arrays",
     "write_tokens",
 ]
@@ -61,6 +65,7 @@ if TYPE_CHECKING:
         MembershipChange,
         Step,
     )
+    from phalanx.runtime.sharded import sharded_optimizer
 
 
 def __getattr__(name: str) -> Any:

@@ -2,8 +2,12 @@
 
 ``PHALANX_CHAOS_KILL=<replica>:<step>:<phase>[,...]``: the named replica
 SIGKILLs itself at that step, either at the step's ``boundary`` (before it
-starts) or during its gradient ``allreduce`` (5 ms after the first bucket is
-launched, so the collective is in flight). It writes a ``chaos`` line to its
+starts), during its gradient ``allreduce`` (5 ms after the first bucket is
+launched, so the collective is in flight), or in its ``update``: with a sharded
+optimizer right after it posted the broadcasts of the parameters it owns (its
+peers may receive some and not others: a torn step), with a plain one right
+after ``optimizer.step()`` (its peers commit the step, its own commit dies with
+it). It writes a ``chaos`` line to its
 record first, so a test knows the death was injected. Other replicas ignore
 the entries that do not name them.
 
@@ -24,14 +28,14 @@ from pathlib import Path
 
 from phalanx.schemas.errors import ConfigError
 
-PHASES = ("boundary", "allreduce")
+PHASES = ("boundary", "allreduce", "update")
 
 
 def parse_chaos_kill(value: str, replica_id: str) -> tuple[int, str] | None:
     """``(step, phase)`` at which ``replica_id`` dies, or None.
 
     Raises:
-        ConfigError: an entry is not ``<replica>:<step>:<boundary|allreduce>``.
+        ConfigError: an entry is not ``<replica>:<step>:<boundary|allreduce|update>``.
     """
     kill = None
     for item in filter(None, value.split(",")):
@@ -39,7 +43,7 @@ def parse_chaos_kill(value: str, replica_id: str) -> tuple[int, str] | None:
         step, _, phase = rest.partition(":")
         if not step.isdigit() or phase not in PHASES:
             raise ConfigError(f"PHALANX_CHAOS_KILL: {item!r} is not "
-                              "<replica>:<step>:<boundary|allreduce>")
+                              "<replica>:<step>:<boundary|allreduce|update>")
         if target == replica_id:
             kill = (int(step), phase)
     return kill

@@ -247,7 +247,8 @@ class ElasticSession:
         nice_when_ready: the nice value to return to once ready (an agent starts a
             replacement at a lower CPU priority: :mod:`.priority`); None: unchanged.
         chaos_kill: ``(step, phase)`` at which this process SIGKILLs itself, ``phase``
-            ``"boundary"`` (before the step) or ``"allreduce"`` (while its all-reduce runs).
+            ``"boundary"`` (before the step), ``"allreduce"`` (while its all-reduce runs) or
+            ``"update"`` (in the optimizer step: :mod:`.chaos`).
         chaos_pace: a slowed job (:class:`.chaos.Pace`): it waits before each step until
             released.
         state: name -> object with ``state_dict``/``load_state_dict`` (LR schedulers, an
@@ -364,7 +365,7 @@ class ElasticSession:
         Reads ``PHALANX_NATS_URL``, ``PHALANX_JOB_ID``, ``PHALANX_REPLICA_ID``,
         ``PHALANX_RANK`` (the slot), ``PHALANX_NODE_ID``, and optionally
         ``PHALANX_RECORD_DIR``, ``PHALANX_STATE_CHECKSUM=1``, ``PHALANX_DETERMINISTIC=1`` and
-        ``PHALANX_CHAOS_KILL=<replica>:<step>:<boundary|allreduce>[,...]`` (fault injection).
+        ``PHALANX_CHAOS_KILL=<replica>:<step>:<boundary|allreduce|update>[,...]`` (fault injection).
         ``PHALANX_ADVERTISE_HOST`` is the address peers reach this replica's store at
         (set by the agent to its node's host; default 127.0.0.1). ``PHALANX_NICE_WHEN_READY``
         is set by the agent that started this replica at a lower CPU priority.
@@ -646,11 +647,14 @@ class ElasticSession:
         """The optimizer step; False if a fault cut a sharded optimizer's broadcast of the
         updated parameters short (the step is torn: it is not committed, and the members
         hold no complete step until they restore one)."""
+        dies = self.chaos_kill == (step.index, "update")
         if self._sharded is None:
             self.optimizer.step()
+            if dies:
+                self._chaos_kill()
             return True
         try:
-            self._sharded.step(self.pg, self._wait)
+            self._sharded.step(self.pg, self._wait, self._chaos_kill if dies else None)
             return True
         except Aborted as exc:
             log.warning("step %d's parameter broadcast aborted: %s", step.index, exc)

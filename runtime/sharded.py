@@ -128,16 +128,20 @@ class Sharded:
         # ZeRO's load voids the entries of other partitions in the dict it is given.
         zero.load_state_dict({**full, "state": dict(full["state"])})
 
-    def step(self, pg: dist.ProcessGroup | None, wait: Wait) -> None:
+    def step(self, pg: dist.ProcessGroup | None, wait: Wait,
+             posted: Callable[[], None] | None = None) -> None:
         """The optimizer step: this member's partition, then every owner's new parameters
-        broadcast to the others (each wait abortable). A broadcast cut short leaves the
-        step torn (owners updated, others not): the caller must not count it."""
+        broadcast to the others (each wait abortable; ``posted`` is called once all are
+        posted). A broadcast cut short leaves the step torn (owners updated, others not):
+        the caller must not count it."""
         self.zero._local_step()
         if pg is None or self.zero.world_size == 1:
             return
         works = [pg.broadcast(p.data, owner)
                  for owner, groups in enumerate(self.zero._partition_parameters())
                  for group in groups for p in group["params"]]
+        if posted is not None:
+            posted()
         for work in works:
             wait(work)
 

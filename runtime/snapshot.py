@@ -421,7 +421,10 @@ def restore(pg: dist.ProcessGroup, wait: Wait, rank: int, world_size: int, store
         for buffer, _ in verified.values():
             buffer.close()
         load_flat(flat, common, model, optimizer, extra, owned)
-        return Restored(candidate.step, candidate.total, corrupt, len(read & replicas))
+        owned_bytes = sum(t.numel() * t.element_size() for entries in (owned or {}).values()
+                          for t in entries.values() if isinstance(t, torch.Tensor))
+        return Restored(candidate.step, candidate.total + owned_bytes, corrupt,
+                        len(read & replicas))
     return None
 
 
