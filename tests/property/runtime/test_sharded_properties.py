@@ -1,0 +1,124 @@
+"""Whatever the world sizes, a sharded optimizer's state survives snapshots and durable
+steps whole: written by any number of owners, restored and re-partitioned over any other,
+every entry lands on exactly one new owner, bitwise as the plain optimizer holds it."""
+
+from __future__ import annotations
+
+import copy
+import datetime
+import itertools
+import pickle
+from pathlib import Path
+
+import fsspec
+import torch
+import torch.distributed as dist
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from phalanx.runtime import durable, snapshot_file
+from phalanx.runtime.sharded import Sharded, sharded_optimizer
+from phalanx.runtime.snapshot import flat_state, restore, write_share
+
+SETTINGS = settings(derandomize=True, database=None, deadline=None, max_examples=30)
+
+
+@st.composite
+def cases(draw: st.DrawFn) -> tuple[list[int], int, int, int, list[int]]:
+    widths = draw(st.lists(st.integers(1, 12), min_size=2, max_size=5))
+    old = draw(st.integers(1, 5))
+    return (widths, draw(st.integers(0, 3)), old, draw(st.integers(1, 5)),
+            draw(st.permutations(range(old))))
+
+
+def trained(widths: list[int], steps: int):
+    torch.manual_seed(len(widths))
+    layers = [torch.nn.Linear(a, b) for a, b in itertools.pairwise(widths)]
+    model = torch.nn.Sequential(*layers)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, 2)
+    for step in range(steps):
+        generator = torch.Generator().manual_seed(step)
+        for p in model.parameters():
+            p.grad = torch.randn(p.shape, generator=generator)
+        optimizer.step()
+        scheduler.step()
+    return model, optimizer, scheduler
+
+
+def members(model: torch.nn.Module, full: dict, world: int) -> list[Sharded]:
+    """``world`` owners of ``full`` (a consolidated state), each re-partitioned."""
+    found = []
+    for rank in range(world):
+        sharded = Sharded(sharded_optimizer(copy.deepcopy(model).parameters(),
+                                            torch.optim.AdamW, lr=0.01))
+        sharded.load_state_dict(copy.deepcopy(full))
+        sharded.repartition(rank, world)
+        found.append(sharded)
+    return found
+
+
+def check_partitions(full: dict, expected: torch.optim.Optimizer, world: int,
+                     model: torch.nn.Module) -> None:
+    owners = members(model, full, world)
+    owned = [s.owned_state() for s in owners]
+    indices = [set(o) for o in owned]
+    assert sum(map(len, indices)) == len(set().union(*indices))  # each entry on one owner
+    union = {index: entry for o in owned for index, entry in o.items()}
+    plain = expected.state_dict()
+    assert sorted(union) == sorted(plain["state"])
+    for index, entry in plain["state"].items():
+        for name, value in entry.items():
+            assert torch.equal(union[index][name], value), (index, name)
+    for owner in owners:
+        assert owner.zero.param_groups[0]["lr"] == plain["param_groups"][0]["lr"]
+
+
+@SETTINGS
+@given(case=cases())
+def test_owners_snapshot_and_persist_any_world_restores_and_repartitions(
+        case, tmp_path_factory) -> None:
+    widths, steps, old, new, order = case
+    tmp = Path(tmp_path_factory.mktemp("case"))
+    model, optimizer, scheduler = trained(widths, steps)
+    owners = members(model, optimizer.state_dict(), old)
+    store = tmp / "store"
+    store.mkdir()
+    fs = fsspec.filesystem("file")
+    committed = []
+    for shard in order:  # the owners' snapshots, and their durable writes, in any order
+        state = flat_state(model, owners[shard], {"scheduler": scheduler}, steps + 1)
+        meta = pickle.dumps(state.meta)
+        buffer = bytearray(snapshot_file.HEADER_BYTES + len(meta) + state.extent(shard, old)[1])
+        header = write_share(memoryview(buffer), state, meta, "job-p", steps + 1, 2, shard,
+                             old)
+        (store / f"w-s{shard}").write_bytes(bytes(buffer))
+        meta_view, data = snapshot_file.verify(memoryview(buffer), header)
+        committed.append(durable.write_shard(fs, str(tmp / "durable"), header,
+                                             bytes(meta_view), data, 2).committed)
+    assert [c is not None for c in committed] == [False] * (old - 1) + [True]
+
+    fresh = trained(widths, 0)[0]
+    torch.manual_seed(99)
+    for p in fresh.parameters():
+        torch.nn.init.normal_(p)
+    group = dist.ProcessGroupGloo(dist.HashStore(), 0, 1, datetime.timedelta(seconds=10))
+    target = Sharded(sharded_optimizer(fresh.parameters(), torch.optim.AdamW, lr=0.5))
+    target_scheduler = torch.optim.lr_scheduler.StepLR(target.zero, 2)
+    done = restore(group, lambda work: work.wait(), 0, 1, store, "job-p", 0, fresh, target,
+                   {"scheduler": target_scheduler}, lambda *problem: None)
+    assert done is not None and done.step == steps + 1
+    for mine, theirs in zip(fresh.parameters(), model.parameters(), strict=True):
+        assert torch.equal(mine, theirs)
+    assert target_scheduler.state_dict() == scheduler.state_dict()
+    assert target.full is not None
+    check_partitions(target.full, optimizer, new, model)
+
+    [step] = durable.committed_steps(fs, f"{tmp}/durable/job-p")
+    record = durable.verify(fs, step)
+    from_storage = Sharded(sharded_optimizer(copy.deepcopy(fresh).parameters(),
+                                             torch.optim.AdamW, lr=0.5))
+    durable.load(fs, step, record, copy.deepcopy(fresh), from_storage,
+                 {"scheduler": torch.optim.lr_scheduler.StepLR(from_storage.zero, 2)})
+    assert from_storage.full is not None
+    check_partitions(from_storage.full, optimizer, new, model)
