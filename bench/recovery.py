@@ -36,6 +36,7 @@ bench/RESULTS.md::
     python bench/recovery.py                      # W, 4 ranks, 3 runs per phase
     python bench/recovery.py --widths 256,512,256 --steps 60   # quicker
     python bench/recovery.py --workload gpt --repeat 2
+    python bench/recovery.py --sharded-optimizer --overhead-repeat 0   # ZeRO: from snapshots
 """
 
 from __future__ import annotations
@@ -106,8 +107,13 @@ def prepare_workload(args: argparse.Namespace) -> Workload:
         dataset = workload_w.prepare(args.data_dir, args.samples, widths)
         options = ["--data-dir", str(args.data_dir), "--widths", args.widths,
                    "--samples", str(args.samples)]
-        return Workload("w", f"W widths {args.widths}", EXAMPLES / "train_mlp.py", options,
-                        options, ElasticOrder(len(dataset), workload_w.W_GLOBAL_BATCH))
+        sharded = ["--sharded-optimizer"] if args.sharded_optimizer else []
+        return Workload(
+            "w", f"W widths {args.widths}" + (
+                ", AdamW sharded (ZeroRedundancyOptimizer) under phalanx, a snapshot every "
+                "step (the baseline's DDP holds the whole optimizer)" if sharded else ""),
+            EXAMPLES / "train_mlp.py", options + sharded, options,
+            ElasticOrder(len(dataset), workload_w.W_GLOBAL_BATCH))
     options = ["--data-dir", str(args.data_dir), *shlex.split(args.gpt_options)]
     gpt = train_gpt.arguments().parse_args(options)
     try:
@@ -161,7 +167,10 @@ async def run_phalanx(args: argparse.Namespace, workload: Workload, phase: str,
                 command=[sys.executable, str(workload.script), *workload.options,
                          "--steps", str(args.steps)],
                 env={"PHALANX_RECORD_DIR": str(rec), "PHALANX_CHAOS_KILL": kill},
-                hang_timeout_s=10.0, grace_period_s=5.0)
+                hang_timeout_s=10.0, grace_period_s=5.0,
+                # A sharded optimizer recovers from snapshots: one every step loses nothing.
+                **({"checkpoint": CheckpointPolicy(memory_every_steps=1)}
+                   if args.sharded_optimizer else {}))
             await run_job(bus, spec, f"{workload.name}-{phase}", args.timeout)
     finally:
         cli("down", "--data-dir", str(cluster))
@@ -432,6 +441,8 @@ def main() -> int:
     parser.add_argument("--samples", type=int, default=64 * 40, help="W only")
     parser.add_argument("--gpt-options", default="",
                         help="GPT only: more options of the script, e.g. '--layers 2'")
+    parser.add_argument("--sharded-optimizer", action="store_true",
+                        help="W only: AdamW as a ZeroRedundancyOptimizer under phalanx")
     parser.add_argument("--steps", type=int, default=70, help="phalanx run length")
     parser.add_argument("--baseline-steps", type=int, default=30)
     parser.add_argument("--kill-step", type=int, default=20)
@@ -447,6 +458,8 @@ def main() -> int:
     parser.add_argument("--timeout", type=float, default=900)
     parser.add_argument("--no-record", action="store_true")
     args = parser.parse_args()
+    if args.sharded_optimizer and args.workload != "w":
+        parser.error("--sharded-optimizer: the W workload only")
     args.data_dir = args.data_dir or Path(tempfile.gettempdir()) / f"phalanx-bench-{args.workload}"
     os.environ.setdefault("PHALANX_HEALTH_CORDON_FAULTS", "1000")
     report = asyncio.run(run(args))
