@@ -447,14 +447,24 @@ def _meta(held: tuple[mmap.mmap, Header]) -> bytes:
 def _broadcast_bytes(pg: dist.ProcessGroup, wait: Wait, rank: int, source: int,
                      data: bytes | None) -> bytes:
     """``data`` of member ``source`` (None on the others), on every member."""
-    size = torch.tensor([len(data) if rank == source and data else 0], dtype=torch.int64)
-    wait(pg.broadcast(size, source))
-    if not int(size):
-        return b""
-    payload = torch.frombuffer(bytearray(data), dtype=torch.uint8) if rank == source \
-        else torch.empty(int(size), dtype=torch.uint8)
-    wait(pg.broadcast(payload, source))
+    payload = _broadcast_tensor(pg, wait, rank, source, None if data is None else
+                                torch.frombuffer(bytearray(data), dtype=torch.uint8)
+                                if data else torch.empty(0, dtype=torch.uint8))
     return payload.numpy().tobytes()
+
+
+def _broadcast_tensor(pg: dist.ProcessGroup, wait: Wait, rank: int, source: int,
+                      data: torch.Tensor | None) -> torch.Tensor:
+    """The uint8 tensor ``data`` of member ``source`` (None on the others), on every
+    member."""
+    size = torch.tensor([data.numel() if rank == source and data is not None else 0],
+                        dtype=torch.int64)
+    wait(pg.broadcast(size, source))
+    payload = data if rank == source else torch.empty(int(size), dtype=torch.uint8)
+    assert payload is not None
+    if payload.numel():
+        wait(pg.broadcast(payload, source))
+    return payload
 
 
 def _owned_entries(pg: dist.ProcessGroup, wait: Wait, rank: int, source: int,
@@ -463,21 +473,23 @@ def _owned_entries(pg: dist.ProcessGroup, wait: Wait, rank: int, source: int,
     """The sharded optimizer's entries shard ``shard``'s owner wrote (its extent after its
     share), read from this member's copy when every member holds one (``local``), else
     broadcast from ``source``'s."""
-    meta = extent = None
+    meta, extent = None, None
     if local or rank == source:
         assert held is not None
         buffer, header = held
         _, shared = snapshot_file.share(candidate.total, shard, candidate.shards)
         start = snapshot_file.HEADER_BYTES + header.meta_length + shared
-        meta, extent = _meta(held), bytes(buffer[start:start + header.length - shared])
+        meta, length = _meta(held), header.length - shared
+        # A view of the (copy-on-write) mapping: the entries are copied out of it once.
+        extent = torch.frombuffer(memoryview(buffer)[start:start + length],
+                                  dtype=torch.uint8) if length \
+            else torch.empty(0, dtype=torch.uint8)
     if not local:
         meta = _broadcast_bytes(pg, wait, rank, source, meta)
-        extent = _broadcast_bytes(pg, wait, rank, source, extent)
+        extent = _broadcast_tensor(pg, wait, rank, source, extent)
     assert meta is not None and extent is not None
     owned = pickle.loads(meta)["owned"]
-    flat = torch.frombuffer(bytearray(extent), dtype=torch.uint8) if extent \
-        else torch.empty(0, dtype=torch.uint8)
-    return _fill(owned["state"], _tensors_in(flat, owned))
+    return _fill(owned["state"], _tensors_in(extent, owned))
 
 
 def _tensors_in(flat: torch.Tensor, meta: dict[str, Any]) -> list[torch.Tensor]:
