@@ -28,6 +28,7 @@ bench/RESULTS.md::
 
     python bench/chaos.py                            # 100 faults
     python bench/chaos.py --faults 15                # the size CI runs (tests/e2e)
+    python bench/chaos.py --sharded-optimizer        # the job's optimizer sharded (ZeRO)
 """
 
 from __future__ import annotations
@@ -60,6 +61,7 @@ from phalanx.runtime import record  # noqa: E402
 from phalanx.runtime.data import ElasticOrder  # noqa: E402
 from phalanx.schemas import subjects  # noqa: E402
 from phalanx.schemas.messages import (  # noqa: E402
+    CheckpointPolicy,
     Generation,
     GenerationReason,
     JobRecord,
@@ -132,8 +134,9 @@ class Observer:
 
 
 class Chaos:
-    def __init__(self, work: Path, seed: int, steps: int) -> None:
+    def __init__(self, work: Path, seed: int, steps: int, sharded: bool = False) -> None:
         self.work = work
+        self.sharded = sharded
         self.rng = random.Random(seed)
         self.order = self.rng.sample(KINDS, len(KINDS))  # of the first faults
         self.steps = steps
@@ -169,7 +172,8 @@ class Chaos:
         return JobSpec(name="chaos", team="t", priority_class="normal",
                        replicas=ReplicaRange(min=2, max=4),
                        command=[sys.executable, str(SCRIPT), "--data-dir",
-                                str(self.work / "data"), *ARGS, "--steps", str(self.steps),
+                                str(self.work / "data"), *ARGS, *script_args(self.sharded),
+                                "--steps", str(self.steps),
                                 "--save", str(self.work / "final.pt")],
                        env={"PHALANX_RECORD_DIR": str(self.work / "rec"),
                             "PHALANX_DETERMINISTIC": "1",
@@ -179,7 +183,10 @@ class Chaos:
                        hang_timeout_s=2.0, grace_period_s=3.0,
                        # Faults come every few seconds on purpose: a crash loop this is not.
                        restart_policy=RestartPolicy(max_restarts=100_000,
-                                                    max_restarts_in_window=100_000))
+                                                    max_restarts_in_window=100_000),
+                       # A sharded optimizer recovers from snapshots: one every step.
+                       **({"checkpoint": CheckpointPolicy(memory_every_steps=1)}
+                          if self.sharded else {}))
 
     async def finished(self, timeout_s: float) -> JobRecord:
         jobs = await TypedKV.open(self.bus.js, subjects.JOBS_BUCKET, JobRecord)
@@ -354,25 +361,30 @@ def prepare(work: Path) -> None:
                     *ARGS], check=True, timeout=120)
 
 
-def fault_free(work: Path, steps: int) -> dict[str, Any]:
+def script_args(sharded: bool) -> list[str]:
+    return ["--sharded-optimizer"] if sharded else []
+
+
+def fault_free(work: Path, steps: int, sharded: bool = False) -> dict[str, Any]:
     """The same script alone: the reference parameters."""
     import torch
 
     env = {k: v for k, v in os.environ.items() if not k.startswith("PHALANX_")}
     subprocess.run([sys.executable, str(SCRIPT), "--data-dir", str(work / "data"), *ARGS,
-                    "--steps", str(steps), "--save", str(work / "reference.pt")],
+                    *script_args(sharded), "--steps", str(steps),
+                    "--save", str(work / "reference.pt")],
                    check=True, timeout=900, env={**env, "PHALANX_DETERMINISTIC": "1"})
     return torch.load(work / "reference.pt")
 
 
 async def run(work: Path, *, seed: int, faults: int, interval_s: float,
-              steps: int) -> dict[str, Any]:
+              steps: int, sharded: bool = False) -> dict[str, Any]:
     """One chaos run; returns its figures and the verdicts (see the module docstring)."""
     import torch
 
     prepare(work)
-    reference = fault_free(work, steps)
-    chaos = Chaos(work, seed, steps)
+    reference = fault_free(work, steps, sharded)
+    chaos = Chaos(work, seed, steps, sharded)
     started = time.monotonic()
     bus = await chaos.start()
     try:
@@ -430,6 +442,9 @@ def main() -> None:
                         help="training steps (default: enough for the faults)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--no-record", action="store_true", help="do not write RESULTS.md")
+    parser.add_argument("--sharded-optimizer", action="store_true",
+                        help="the job's AdamW sharded (ZeroRedundancyOptimizer), a snapshot "
+                             "every step")
     parser.add_argument("--keep", metavar="DIR",
                         help="run in DIR and keep it (logs, records) instead of a temp dir")
     args = parser.parse_args()
@@ -439,14 +454,17 @@ def main() -> None:
         work = Path(args.keep) if args.keep else Path(tmp)
         work.mkdir(parents=True, exist_ok=True)
         result = asyncio.run(run(work, seed=args.seed, faults=args.faults,
-                                 interval_s=args.interval, steps=steps))
+                                 interval_s=args.interval, steps=steps,
+                                 sharded=args.sharded_optimizer))
     result["ok"] = ok(result)
     if not args.no_record:
         rows = "\n".join(
             f"| {kind} | {s['n']} | {s['median_s']} | {s['max_s']} | {s['unrecovered']} |"
             for kind, s in result["by_kind"].items())
         append(f"\n## chaos.py — {utc_date()}\n\n`python bench/chaos.py --faults {args.faults} "
-               f"--interval {args.interval:g} --seed {args.seed}` — {result['faults']} faults "
+               f"--interval {args.interval:g} --seed {args.seed}"
+               f"{' --sharded-optimizer' if args.sharded_optimizer else ''}` — "
+               f"{result['faults']} faults "
                f"over {result['steps']} steps in {result['duration_s']} s; finished: "
                f"{result['finished']}, parameters equal to the fault-free run: "
                f"{result['params_equal']}, record errors: {len(result['verify_errors'])}, "
