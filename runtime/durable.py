@@ -82,7 +82,7 @@ from torch.distributed.checkpoint.metadata import (
 
 from phalanx.runtime import snapshot_file
 from phalanx.runtime.sharded import Sharded
-from phalanx.runtime.snapshot import load_tensors
+from phalanx.runtime.snapshot import _refs, load_tensors
 from phalanx.runtime.snapshot_file import Header, SnapshotFileError
 from phalanx.runtime.state import _fill, _TensorRef
 from phalanx.schemas.messages import DETAIL_CHARS, SnapshotRecord, SnapshotTier
@@ -568,15 +568,15 @@ Wait = Callable[[Any], None]
 
 def restore(pg: Any, wait: Wait, world_size: int, policy: DurablePolicy, job_id: str,
             newer_than: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer | Sharded,
-            extra: Mapping[str, Any],
-            report: Callable[[Committed, DurableCorrupt], None]) -> tuple[int, int] | None:
+            extra: Mapping[str, Any], report: Callable[[Committed, DurableCorrupt], None],
+            keep: Callable[[int], bool] | None = None) -> tuple[int, int] | None:
     """Load the newest committed durable step newer than ``newer_than`` on every member of
     ``pg``: ``(step, state bytes)``, or None when there is none. A collective.
 
     Every member lists the storage and checks every file of a candidate step; the members
     agree (sums over ``pg``) on the candidates and on each one's health, so a step one
     member finds damaged is skipped by all (``report`` is called where it was found) and
-    the next older one tried.
+    the next older one tried. ``keep``: as for :func:`load`.
     """
     fs, roots = policy.sources(job_id)
     candidates = sorted((c for root in roots for c in committed_steps(fs, root)
@@ -598,7 +598,7 @@ def restore(pg: Any, wait: Wait, world_size: int, policy: DurablePolicy, job_id:
         wait(pg.allreduce([healthy]))
         if int(healthy) != world_size or record is None:
             continue
-        load(fs, candidate, record, model, optimizer, extra)
+        load(fs, candidate, record, model, optimizer, extra, keep)
         return candidate.step, record.total
     return None
 
@@ -671,15 +671,24 @@ def verify(fs: fsspec.AbstractFileSystem, step: Committed) -> CommitRecord:
 
 def load(fs: fsspec.AbstractFileSystem, step: Committed, record: CommitRecord,
          model: torch.nn.Module, optimizer: torch.optim.Optimizer | Sharded,
-         extra: Mapping[str, Any]) -> None:
+         extra: Mapping[str, Any], keep: Callable[[int], bool] | None = None) -> None:
     """Load the verified durable ``step`` into ``model``, ``optimizer``, ``extra`` (and
-    the RNG), read with ``torch.distributed.checkpoint``."""
+    the RNG), read with ``torch.distributed.checkpoint``; ``keep``: a sharded optimizer's
+    new partition (only the optimizer entries of the indices it accepts are read)."""
     meta = pickle.loads(record.meta)
-    tensors = [torch.empty(shape, dtype=_dtype(dtype)) for shape, dtype in meta["tensors"]]
+    skipped = [index for index in meta["optimizer"]["state"]
+               if keep is not None and not keep(index)]
+    unread = {meta["model_tensors"] + ref
+              for ref in _refs([meta["optimizer"]["state"][index] for index in skipped])}
+    tensors = [torch.empty(0) if i in unread else torch.empty(shape, dtype=_dtype(dtype))
+               for i, (shape, dtype) in enumerate(meta["tensors"])]
+    wanted = state_dict_of(meta, tensors)
+    for index in skipped:
+        del wanted["optimizer"]["state"][index]
     reader = dcp.FileSystemReader(step.directory) if isinstance(fs, LocalFileSystem) \
         else _fsspec_reader(fs, step.directory)
-    dcp.load(state_dict_of(meta, tensors), storage_reader=reader, no_dist=True)
-    load_tensors(tensors, meta, model, optimizer, extra)
+    dcp.load(wanted, storage_reader=reader, no_dist=True)
+    load_tensors(tensors, meta, model, optimizer, extra, keep=keep)
 
 
 def _fsspec_reader(fs: fsspec.AbstractFileSystem, directory: str) -> dcp.StorageReader:

@@ -662,6 +662,12 @@ class ElasticSession:
             self._abandon()
             return False
 
+    def _keeps(self) -> Callable[[int], bool] | None:
+        """A restore's filter: a sharded optimizer's entries of this member's new partition
+        (every member restores, so nobody needs the whole state from it)."""
+        return None if self._sharded is None else self._sharded.keeps(self.rank,
+                                                                      self.world_size)
+
     @property
     def _optimizer_state(self) -> torch.optim.Optimizer | Sharded:
         """What carries the optimizer's whole state in a copy or a restore."""
@@ -845,7 +851,7 @@ class ElasticSession:
 
         restored = restore(self.pg, self._wait, self.rank, self.world_size,
                            Path(self.snapshot_dir), self.job_id, members_step, self.model,
-                           self._optimizer_state, self._state, report)
+                           self._optimizer_state, self._state, report, self._keeps())
         if restored is None:
             return None
         self.committed = restored.step
@@ -880,7 +886,7 @@ class ElasticSession:
 
         restored = restore_durable(self.pg, self._wait, self.world_size, self.durable,
                                    self.job_id, newer_than, self.model, self._optimizer_state,
-                                   self._state, report)
+                                   self._state, report, self._keeps())
         if restored is None:
             return None
         step, nbytes = restored

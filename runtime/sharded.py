@@ -76,29 +76,52 @@ class Sharded:
         #: The consolidated state at the member's committed step, once gathered, received
         #: or restored, until the next :meth:`repartition` loads it.
         self.full: dict[str, Any] | None = None
+        #: :attr:`full` holds only the entries of one partition (a restore's, :meth:`keeps`).
+        self.partial = False
 
     @property
     def holds_all(self) -> bool:
         """Whether this member can give the whole optimizer state of its committed step:
         it holds the consolidated state, or its optimizer was never partitioned."""
-        return self.full is not None or self.zero.world_size == 1
+        if self.full is not None:
+            return not self.partial
+        return self.zero.world_size == 1
+
+    def keeps(self, rank: int, world_size: int) -> Callable[[int], bool]:
+        """Whether the entry of a global parameter index belongs to ``rank``'s partition at
+        ``world_size`` (a restore then builds only those: :meth:`load_partition`)."""
+        zero = self.zero
+        was = zero.world_size
+        zero.world_size = world_size
+        zero._clear_cache()
+        try:  # the partition at world_size, computed the way ZeRO computes its own
+            owners = {zero._param_to_index[p]: owner for p, owner in zero._param_to_rank.items()}
+        finally:
+            zero.world_size = was
+            zero._clear_cache()
+        return lambda index: owners.get(index) == rank
+
+    def load_partition(self, state: dict[str, Any]) -> None:
+        """Keep ``state``, the consolidated state's param groups with only the entries of
+        the partition :meth:`repartition` will point this member at."""
+        self.full, self.partial = state, True
 
     def state_dict(self) -> dict[str, Any]:
         """The consolidated state (ZeRO's ``state_dict`` format).
 
         Raises:
-            RuntimeError: the member holds only its partition.
+            RuntimeError: the member holds only a partition.
         """
+        if not self.holds_all:
+            raise RuntimeError(f"rank {self.zero.rank} of {self.zero.world_size} holds only "
+                               "a partition of the optimizer state")
         if self.full is not None:
             return self.full
-        if self.zero.world_size != 1:
-            raise RuntimeError(f"rank {self.zero.rank} of {self.zero.world_size} holds only "
-                               "its partition of the optimizer state")
         return {**self.replicated_state(), "state": self.owned_state()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Keep ``state`` (consolidated) for the next :meth:`repartition`."""
-        self.full = state
+        self.full, self.partial = state, False
 
     def replicated_state(self) -> dict[str, Any]:
         """What every member holds alike: the param groups (hyperparameters, global
@@ -113,18 +136,19 @@ class Sharded:
         return {index[p]: state for p, state in self.zero.optim.state.items()}
 
     def repartition(self, rank: int, world_size: int) -> None:
-        """Point the optimizer at ``rank`` of ``world_size`` and load the whole state it
-        holds (keeping the new partition's entries).
+        """Point the optimizer at ``rank`` of ``world_size`` and load the state it holds
+        (the whole, or this partition's: the new partition's entries are kept).
 
         Raises:
             RuntimeError: the member holds only its partition (no consolidated state).
         """
-        full = self.state_dict()  # the whole state: never partitioned, or consolidated
+        # The whole state (never partitioned, or consolidated), or the new partition's.
+        full = self.full if self.full is not None else self.state_dict()
         zero = self.zero
         zero.rank, zero.global_rank, zero.world_size = rank, rank, world_size
         zero._clear_cache()
         zero._init_local_optimizer()
-        self.full = None
+        self.full, self.partial = None, False
         # ZeRO's load voids the entries of other partitions in the dict it is given.
         zero.load_state_dict({**full, "state": dict(full["state"])})
 

@@ -46,7 +46,7 @@ from phalanx.runtime.bus_thread import BusThread
 from phalanx.runtime.sharded import Sharded
 from phalanx.runtime.snapshot_file import Header, SnapshotFileError
 from phalanx.runtime.snapshot_interval import SnapshotSchedule
-from phalanx.runtime.state import _fill, _strip
+from phalanx.runtime.state import _fill, _strip, _TensorRef
 from phalanx.schemas import subjects
 from phalanx.schemas.errors import PhalanxError
 from phalanx.schemas.messages import (
@@ -345,15 +345,18 @@ class Restored:
 
 def restore(pg: dist.ProcessGroup, wait: Wait, rank: int, world_size: int, store: Path,
             job_id: str, newer_than: int, model: torch.nn.Module,
-            optimizer: torch.optim.Optimizer, extra: Mapping[str, Any],
-            report: Callable[[Header, str, bool], None]) -> Restored | None:
+            optimizer: torch.optim.Optimizer | Sharded, extra: Mapping[str, Any],
+            report: Callable[[Header, str, bool], None],
+            keep: Callable[[int], bool] | None = None) -> Restored | None:
     """Restore the newest step the members' nodes hold, newer than ``newer_than``, into
     every member's ``model``, ``optimizer`` and ``extra`` (and RNG); None when there is
     none. A collective: every member of ``pg`` calls it with the same ``newer_than``.
 
     ``report(header, problem, replica)`` is called for each copy that fails its checksum
     on this member (it is skipped; another copy or an older step is used); ``replica``:
-    the copy is a buddy's replica on this node, not a rank's own snapshot.
+    the copy is a buddy's replica on this node, not a rank's own snapshot. ``keep``: a
+    sharded optimizer's new partition (:meth:`~.sharded.Sharded.keeps`): only the entries
+    of the global parameter indices it accepts are built and loaded.
     """
     mine = held_in(store, job_id)[:MAX_HELD]
     rows = torch.zeros(world_size, MAX_HELD, 5, dtype=torch.int64)
@@ -417,10 +420,10 @@ def restore(pg: dist.ProcessGroup, wait: Wait, rank: int, world_size: int, store
             owned = {}
             for shard, source in enumerate(sources):
                 owned.update(_owned_entries(pg, wait, rank, source, verified.get(shard),
-                                            everywhere[shard], candidate, shard))
+                                            everywhere[shard], candidate, shard, keep))
         for buffer, _ in verified.values():
             buffer.close()
-        load_flat(flat, common, model, optimizer, extra, owned)
+        load_flat(flat, common, model, optimizer, extra, owned, keep)
         owned_bytes = sum(t.numel() * t.element_size() for entries in (owned or {}).values()
                           for t in entries.values() if isinstance(t, torch.Tensor))
         return Restored(candidate.step, candidate.total + owned_bytes, corrupt,
@@ -469,10 +472,10 @@ def _broadcast_tensor(pg: dist.ProcessGroup, wait: Wait, rank: int, source: int,
 
 def _owned_entries(pg: dist.ProcessGroup, wait: Wait, rank: int, source: int,
                    held: tuple[mmap.mmap, Header] | None, local: bool, candidate: Candidate,
-                   shard: int) -> dict[int, Any]:
+                   shard: int, keep: Callable[[int], bool] | None) -> dict[int, Any]:
     """The sharded optimizer's entries shard ``shard``'s owner wrote (its extent after its
     share), read from this member's copy when every member holds one (``local``), else
-    broadcast from ``source``'s."""
+    broadcast from ``source``'s; only those ``keep`` accepts, if given."""
     meta, extent = None, None
     if local or rank == source:
         assert held is not None
@@ -489,13 +492,32 @@ def _owned_entries(pg: dist.ProcessGroup, wait: Wait, rank: int, source: int,
         extent = _broadcast_tensor(pg, wait, rank, source, extent)
     assert meta is not None and extent is not None
     owned = pickle.loads(meta)["owned"]
-    return _fill(owned["state"], _tensors_in(extent, owned))
+    entries = {index: entry for index, entry in owned["state"].items()
+               if keep is None or keep(index)}
+    return _fill(entries, _tensors_in(extent, owned, _refs(entries)))
 
 
-def _tensors_in(flat: torch.Tensor, meta: dict[str, Any]) -> list[torch.Tensor]:
-    """Copies of the tensors ``meta`` lays out in ``flat`` (:func:`flat_state`)."""
+def _refs(skeleton: Any) -> set[int]:
+    """The tensor indices a skeleton (:func:`~.state._strip`'s) refers to."""
+    if isinstance(skeleton, _TensorRef):
+        return {skeleton.index}
+    if isinstance(skeleton, dict):
+        return set().union(*map(_refs, skeleton.values())) if skeleton else set()
+    if isinstance(skeleton, list | tuple):
+        return set().union(*map(_refs, skeleton)) if skeleton else set()
+    return set()
+
+
+def _tensors_in(flat: torch.Tensor, meta: dict[str, Any],
+                only: set[int] | None = None) -> list[torch.Tensor]:
+    """Copies of the tensors ``meta`` lays out in ``flat`` (:func:`flat_state`); ``only``:
+    just those indices (the others are empty placeholders)."""
     tensors = []
-    for (shape, dtype), at in zip(meta["tensors"], meta["offsets"], strict=True):
+    for i, ((shape, dtype), at) in enumerate(zip(meta["tensors"], meta["offsets"],
+                                                 strict=True)):
+        if only is not None and i not in only:
+            tensors.append(torch.empty(0))
+            continue
         tensor = torch.empty(shape, dtype=getattr(torch, dtype.removeprefix("torch.")))
         size = tensor.numel() * tensor.element_size()
         tensor.reshape(-1).view(torch.uint8).copy_(flat[at:at + size])
@@ -505,22 +527,27 @@ def _tensors_in(flat: torch.Tensor, meta: dict[str, Any]) -> list[torch.Tensor]:
 
 def load_flat(flat: torch.Tensor, meta: dict[str, Any], model: torch.nn.Module,
               optimizer: torch.optim.Optimizer | Sharded, extra: Mapping[str, Any],
-              owned: dict[int, Any] | None = None) -> None:
+              owned: dict[int, Any] | None = None,
+              keep: Callable[[int], bool] | None = None) -> None:
     """Load the state ``flat`` holds (laid out as :func:`flat_state` says in ``meta``);
-    ``owned``: a sharded optimizer's per-parameter entries, gathered from every owner.
+    ``owned``: a sharded optimizer's per-parameter entries, gathered from every owner;
+    ``keep``: as for :func:`load_tensors`.
 
     Raises:
         SnapshotFileError: the snapshot does not fit this model or these registered objects.
     """
-    load_tensors(_tensors_in(flat, meta), meta, model, optimizer, extra, owned)
+    load_tensors(_tensors_in(flat, meta), meta, model, optimizer, extra, owned, keep)
 
 
 def load_tensors(tensors: list[torch.Tensor], meta: dict[str, Any], model: torch.nn.Module,
                  optimizer: torch.optim.Optimizer | Sharded, extra: Mapping[str, Any],
-                 owned: dict[int, Any] | None = None) -> None:
+                 owned: dict[int, Any] | None = None,
+                 keep: Callable[[int], bool] | None = None) -> None:
     """Load the state whose tensors (in :func:`flat_state`'s order) are ``tensors``; a
     sharded optimizer's entries (``owned``) complete its state (the consolidated state
-    loads into a plain optimizer as well as a sharded one).
+    loads into a plain optimizer as well as a sharded one). ``keep``: ``optimizer`` is a
+    sharded one's handle, given only the entries of its new partition (the indices
+    ``keep`` accepts: :meth:`~.sharded.Sharded.load_partition`).
 
     Raises:
         SnapshotFileError: the snapshot does not fit this model or these registered objects.
@@ -544,7 +571,12 @@ def load_tensors(tensors: list[torch.Tensor], meta: dict[str, Any], model: torch
     optimizer_state = _fill(meta["optimizer"], rest)
     if owned is not None:
         optimizer_state = {**optimizer_state, "state": dict(sorted(owned.items()))}
-    optimizer.load_state_dict(optimizer_state)
+    if keep is None:
+        optimizer.load_state_dict(optimizer_state)
+    else:
+        assert isinstance(optimizer, Sharded)
+        optimizer.load_partition({**optimizer_state, "state": {
+            index: entry for index, entry in optimizer_state["state"].items() if keep(index)}})
     for name, skeleton in meta["extra"].items():
         extra[name].load_state_dict(_fill(skeleton, rest))
     rng = meta["rng"]  # a tensor in snapshots and durable steps written before 2026-11-23

@@ -122,3 +122,28 @@ def test_owners_snapshot_and_persist_any_world_restores_and_repartitions(
                  {"scheduler": torch.optim.lr_scheduler.StepLR(from_storage.zero, 2)})
     assert from_storage.full is not None
     check_partitions(from_storage.full, optimizer, new, model)
+
+    # Each new owner restoring only its partition (as the session does) builds just that.
+    plain = optimizer.state_dict()["state"]
+    built: set[int] = set()
+    for rank in range(new):
+        for source in ("memory", "durable"):
+            owner = Sharded(sharded_optimizer(copy.deepcopy(fresh).parameters(),
+                                              torch.optim.AdamW, lr=0.5))
+            keep = owner.keeps(rank, new)
+            if source == "memory":
+                restore(group, lambda work: work.wait(), 0, 1, store, "job-p", 0,
+                        copy.deepcopy(fresh), owner, {"scheduler": scheduler}, print, keep)
+            else:
+                durable.load(fs, step, record, copy.deepcopy(fresh), owner,
+                             {"scheduler": torch.optim.lr_scheduler.StepLR(owner.zero, 2)}, keep)
+            assert owner.partial and not owner.holds_all
+            expected = {index for index in plain if keep(index)}
+            assert owner.full is not None and set(owner.full["state"]) == expected
+            owner.repartition(rank, new)
+            assert set(owner.owned_state()) == expected
+            for index in expected:
+                for name, value in plain[index].items():
+                    assert torch.equal(owner.owned_state()[index][name], value)
+            built |= expected
+    assert built == set(plain)

@@ -91,7 +91,7 @@ def test_partitioned_steps_and_a_handover_to_another_world_size_equal_the_plain_
     assert sorted(len(s.zero.optim.param_groups[0]["params"]) for s in shards[:2]) == [3, 3]
     train(shards[:2], models, range(3))
     assert not shards[0].holds_all
-    with pytest.raises(RuntimeError, match="holds only its partition"):
+    with pytest.raises(RuntimeError, match="holds only a partition"):
         shards[0].state_dict()
 
     def hand_over(rank: int, group: dist.ProcessGroup) -> dict:
