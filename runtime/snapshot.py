@@ -489,7 +489,10 @@ def _owned_entries(pg: dist.ProcessGroup, wait: Wait, rank: int, source: int,
             else torch.empty(0, dtype=torch.uint8)
     if not local:
         meta = _broadcast_bytes(pg, wait, rank, source, meta)
-        extent = _broadcast_tensor(pg, wait, rank, source, extent)
+        # Sent from a copy: gloo's work item may outlive the wait, and a view of the
+        # mapping it still held would keep the mapping from being closed.
+        extent = _broadcast_tensor(pg, wait, rank, source,
+                                   None if extent is None else extent.clone())
     assert meta is not None and extent is not None
     owned = pickle.loads(meta)["owned"]
     entries = {index: entry for index, entry in owned["state"].items()

@@ -126,10 +126,14 @@ def test_each_owner_snapshots_its_entries_once_and_a_restore_repartitions_them(
     for rank, shard in enumerate(shards):
         shard.repartition(rank, 3)
     train(shards, models, range(4))
-    store = tmp_path / "store"
-    store.mkdir()
+    # Member 0's node holds shards 0 and 1, member 1's shard 2: some extents are read where
+    # they lie, the others broadcast by their holder.
+    stores = [tmp_path / "node-0", tmp_path / "node-1"]
+    for store in stores:
+        store.mkdir()
     owned_bytes = []
     for rank, (model, shard) in enumerate(zip(models, shards, strict=True)):
+        store = stores[rank // 2]
         state = flat_state(model, shard, {"scheduler": scheduler}, 4)
         assert state.owned is not None and "owned" in state.meta
         owned_bytes.append(state.owned.total)
@@ -149,7 +153,8 @@ def test_each_owner_snapshots_its_entries_once_and_a_restore_repartitions_them(
     schedulers = [torch.optim.lr_scheduler.StepLR(s.zero, 2) for s in restored_shards]
 
     def load(rank: int, group: dist.ProcessGroup) -> int:
-        done = restore(group, lambda w: w.wait(), rank, 2, store, "job-z", 0, targets[rank],
+        done = restore(group, lambda w: w.wait(), rank, 2, stores[rank], "job-z", 0,
+                       targets[rank],
                        restored_shards[rank], {"scheduler": schedulers[rank]},
                        lambda *problem: pytest.fail(f"reported {problem}"))
         restored_shards[rank].repartition(rank, 2)
