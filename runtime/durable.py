@@ -82,9 +82,9 @@ from torch.distributed.checkpoint.metadata import (
 
 from phalanx.runtime import snapshot_file
 from phalanx.runtime.sharded import Sharded
-from phalanx.runtime.snapshot import _refs, load_tensors
+from phalanx.runtime.snapshot import load_tensors
 from phalanx.runtime.snapshot_file import Header, SnapshotFileError
-from phalanx.runtime.state import _fill, _TensorRef
+from phalanx.runtime.state import _fill, _TensorRef, tensor_refs
 from phalanx.schemas.messages import DETAIL_CHARS, SnapshotRecord, SnapshotTier
 
 log = logging.getLogger("phalanx.runtime.durable")
@@ -165,9 +165,8 @@ def consolidated_meta(meta: dict[str, Any], owned: list[dict[str, Any]]) -> dict
     tensors = list(meta["tensors"])
     optimizer = dict(meta["optimizer"])
     state: dict[int, Any] = {}
-    replicated = len(tensors) - meta["model_tensors"]
     for extent in owned:
-        base = replicated + len(tensors) - len(meta["tensors"])
+        base = len(tensors) - meta["model_tensors"]  # refs count from the first non-model
         refs = [_TensorRef(base + j) for j in range(len(extent["tensors"]))]
         state.update(_fill(extent["state"], refs))
         tensors.extend(extent["tensors"])
@@ -373,37 +372,33 @@ def write_shard(fs: fsspec.AbstractFileSystem, root: str, header: Header, meta_b
             storage[index] = _StorageInfo(name, at, len(payload))
             at += len(payload)
 
+        def saved(index: MetadataIndex, value: Any) -> None:
+            buffer = io.BytesIO()
+            torch.save(value, buffer)
+            item(index, buffer.getvalue())
+
         if header.shard == 0:
             for fqn, value in plan.objects.items():
-                buffer = io.BytesIO()
-                torch.save(value, buffer)
-                item(MetadataIndex(fqn), buffer.getvalue())
+                saved(MetadataIndex(fqn), value)
         for i, (offsets, sizes, first) in shard_boxes(meta, header.shard, header.shards):
             dtype = meta["tensors"][i][1]
             size = _element_size(dtype)
             lo = meta["offsets"][i] + first * size - header.offset
             chunk = torch.frombuffer(data[lo:lo + math.prod(sizes) * size],
                                      dtype=_dtype(dtype)).reshape(sizes)
-            buffer = io.BytesIO()
-            torch.save(chunk, buffer)
-            item(MetadataIndex(plan.names[i], torch.Size(offsets)), buffer.getvalue())
+            saved(MetadataIndex(plan.names[i], torch.Size(offsets)), chunk)
         extent = meta.get("owned")
         if extent is not None:  # a sharded optimizer's entries this shard's owner holds
-            _, shared = snapshot_file.share(header.total, header.shard, header.shards)
             names, objects = owned_plan(extent)
             for fqn, value in objects.items():
-                buffer = io.BytesIO()
-                torch.save(value, buffer)
-                item(MetadataIndex(fqn), buffer.getvalue())
+                saved(MetadataIndex(fqn), value)
             for j, ((shape, dtype), start) in enumerate(zip(extent["tensors"],
                                                             extent["offsets"], strict=True)):
-                lo, numel = shared + start, math.prod(shape)
+                lo, numel = header.share_length + start, math.prod(shape)
                 whole = torch.frombuffer(data[lo:lo + numel * _element_size(dtype)],
                                          dtype=_dtype(dtype)).reshape(shape) if numel \
                     else torch.empty(shape, dtype=_dtype(dtype))
-                buffer = io.BytesIO()
-                torch.save(whole, buffer)
-                item(MetadataIndex(names[j], torch.Size((0,) * len(shape))), buffer.getvalue())
+                saved(MetadataIndex(names[j], torch.Size((0,) * len(shape))), whole)
     checksum = f"{digest.intdigest():016x}"
     _put(fs, f"{directory}/shard-{header.shard}.done", pickle.dumps(
         {"file": name, "bytes": at, "xxh3": checksum, "storage": storage,
@@ -679,7 +674,7 @@ def load(fs: fsspec.AbstractFileSystem, step: Committed, record: CommitRecord,
     skipped = [index for index in meta["optimizer"]["state"]
                if keep is not None and not keep(index)]
     unread = {meta["model_tensors"] + ref
-              for ref in _refs([meta["optimizer"]["state"][index] for index in skipped])}
+              for ref in tensor_refs([meta["optimizer"]["state"][index] for index in skipped])}
     tensors = [torch.empty(0) if i in unread else torch.empty(shape, dtype=_dtype(dtype))
                for i, (shape, dtype) in enumerate(meta["tensors"])]
     wanted = state_dict_of(meta, tensors)

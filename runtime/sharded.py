@@ -36,10 +36,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.optim import ZeroRedundancyOptimizer
 
-from phalanx.runtime.state import _fill, _strip
-
-#: Waits for a gloo work item; raises if it failed or was aborted.
-Wait = Callable[[dist.Work], None]
+from phalanx.runtime.state import Wait, _fill, _strip, broadcast_bytes
 
 
 def sharded_optimizer(params: Any, optimizer_class: type[torch.optim.Optimizer],
@@ -178,13 +175,10 @@ class Sharded:
         for owner in range(self.zero.world_size):
             tensors: list[torch.Tensor] = []
             skeleton = _strip(self.owned_state(), tensors) if owner == rank else None
-            described = pickle.dumps((skeleton, [(tuple(t.shape), t.dtype) for t in tensors]))
-            size = torch.tensor([len(described)], dtype=torch.int64)
-            wait(pg.broadcast(size, owner))
-            payload = torch.frombuffer(bytearray(described), dtype=torch.uint8) \
-                if owner == rank else torch.empty(int(size), dtype=torch.uint8)
-            wait(pg.broadcast(payload, owner))
-            skeleton, shapes = pickle.loads(payload.numpy().tobytes())  # from a peer rank
+            described = pickle.dumps((skeleton, [(tuple(t.shape), t.dtype) for t in tensors])) \
+                if owner == rank else None
+            skeleton, shapes = pickle.loads(  # from a peer rank
+                broadcast_bytes(pg, wait, rank, owner, described))
             if owner != rank:
                 tensors = [torch.empty(shape, dtype=dtype) for shape, dtype in shapes]
             works = [pg.broadcast(t.detach().view(-1), owner) for t in tensors]

@@ -46,7 +46,13 @@ from phalanx.runtime.bus_thread import BusThread
 from phalanx.runtime.sharded import Sharded
 from phalanx.runtime.snapshot_file import Header, SnapshotFileError
 from phalanx.runtime.snapshot_interval import SnapshotSchedule
-from phalanx.runtime.state import _fill, _strip, _TensorRef
+from phalanx.runtime.state import (
+    _fill,
+    _strip,
+    broadcast_bytes,
+    broadcast_tensor,
+    tensor_refs,
+)
 from phalanx.schemas import subjects
 from phalanx.schemas.errors import PhalanxError
 from phalanx.schemas.messages import (
@@ -400,7 +406,7 @@ def restore(pg: dist.ProcessGroup, wait: Wait, rank: int, world_size: int, store
         everywhere = [bool(good[:, s].all()) for s in range(candidate.shards)]
         read = {shard for shard, source in enumerate(sources)
                 if shard in verified and (rank == source or everywhere[shard])}
-        meta = _meta(verified[0]) if everywhere[0] else _broadcast_bytes(
+        meta = _meta(verified[0]) if everywhere[0] else broadcast_bytes(
             pg, wait, rank, sources[0], _meta(verified[0]) if rank == sources[0] else None)
         for shard, source in enumerate(sources):
             offset, length = snapshot_file.share(candidate.total, shard, candidate.shards)
@@ -420,7 +426,7 @@ def restore(pg: dist.ProcessGroup, wait: Wait, rank: int, world_size: int, store
             owned = {}
             for shard, source in enumerate(sources):
                 owned.update(_owned_entries(pg, wait, rank, source, verified.get(shard),
-                                            everywhere[shard], candidate, shard, keep))
+                                            everywhere[shard], keep))
         for buffer, _ in verified.values():
             buffer.close()
         load_flat(flat, common, model, optimizer, extra, owned, keep)
@@ -447,68 +453,33 @@ def _meta(held: tuple[mmap.mmap, Header]) -> bytes:
                         + header.meta_length])
 
 
-def _broadcast_bytes(pg: dist.ProcessGroup, wait: Wait, rank: int, source: int,
-                     data: bytes | None) -> bytes:
-    """``data`` of member ``source`` (None on the others), on every member."""
-    payload = _broadcast_tensor(pg, wait, rank, source, None if data is None else
-                                torch.frombuffer(bytearray(data), dtype=torch.uint8)
-                                if data else torch.empty(0, dtype=torch.uint8))
-    return payload.numpy().tobytes()
-
-
-def _broadcast_tensor(pg: dist.ProcessGroup, wait: Wait, rank: int, source: int,
-                      data: torch.Tensor | None) -> torch.Tensor:
-    """The uint8 tensor ``data`` of member ``source`` (None on the others), on every
-    member."""
-    size = torch.tensor([data.numel() if rank == source and data is not None else 0],
-                        dtype=torch.int64)
-    wait(pg.broadcast(size, source))
-    payload = data if rank == source else torch.empty(int(size), dtype=torch.uint8)
-    assert payload is not None
-    if payload.numel():
-        wait(pg.broadcast(payload, source))
-    return payload
-
-
 def _owned_entries(pg: dist.ProcessGroup, wait: Wait, rank: int, source: int,
-                   held: tuple[mmap.mmap, Header] | None, local: bool, candidate: Candidate,
-                   shard: int, keep: Callable[[int], bool] | None) -> dict[int, Any]:
-    """The sharded optimizer's entries shard ``shard``'s owner wrote (its extent after its
-    share), read from this member's copy when every member holds one (``local``), else
-    broadcast from ``source``'s; only those ``keep`` accepts, if given."""
+                   held: tuple[mmap.mmap, Header] | None, local: bool,
+                   keep: Callable[[int], bool] | None) -> dict[int, Any]:
+    """The sharded optimizer's entries one shard's owner wrote (its extent after its
+    share), read from this member's copy ``held`` when every member holds one (``local``),
+    else broadcast from ``source``'s; only those ``keep`` accepts, if given."""
     meta, extent = None, None
     if local or rank == source:
         assert held is not None
         buffer, header = held
-        _, shared = snapshot_file.share(candidate.total, shard, candidate.shards)
-        start = snapshot_file.HEADER_BYTES + header.meta_length + shared
-        meta, length = _meta(held), header.length - shared
+        start = snapshot_file.HEADER_BYTES + header.meta_length + header.share_length
+        meta, length = _meta(held), header.length - header.share_length
         # A view of the (copy-on-write) mapping: the entries are copied out of it once.
         extent = torch.frombuffer(memoryview(buffer)[start:start + length],
                                   dtype=torch.uint8) if length \
             else torch.empty(0, dtype=torch.uint8)
     if not local:
-        meta = _broadcast_bytes(pg, wait, rank, source, meta)
+        meta = broadcast_bytes(pg, wait, rank, source, meta)
         # Sent from a copy: gloo's work item may outlive the wait, and a view of the
         # mapping it still held would keep the mapping from being closed.
-        extent = _broadcast_tensor(pg, wait, rank, source,
+        extent = broadcast_tensor(pg, wait, rank, source,
                                    None if extent is None else extent.clone())
     assert meta is not None and extent is not None
     owned = pickle.loads(meta)["owned"]
     entries = {index: entry for index, entry in owned["state"].items()
                if keep is None or keep(index)}
-    return _fill(entries, _tensors_in(extent, owned, _refs(entries)))
-
-
-def _refs(skeleton: Any) -> set[int]:
-    """The tensor indices a skeleton (:func:`~.state._strip`'s) refers to."""
-    if isinstance(skeleton, _TensorRef):
-        return {skeleton.index}
-    if isinstance(skeleton, dict):
-        return set().union(*map(_refs, skeleton.values())) if skeleton else set()
-    if isinstance(skeleton, list | tuple):
-        return set().union(*map(_refs, skeleton)) if skeleton else set()
-    return set()
+    return _fill(entries, _tensors_in(extent, owned, tensor_refs(entries)))
 
 
 def _tensors_in(flat: torch.Tensor, meta: dict[str, Any],

@@ -77,6 +77,12 @@ class Header:
         return body + _CRC.pack(zlib.crc32(body))
 
     @property
+    def share_length(self) -> int:
+        """Bytes of this shard's share of the flat state; a sharded optimizer's owned
+        extent follows them, up to :attr:`length`."""
+        return share(self.total, self.shard, self.shards)[1]
+
+    @property
     def nbytes(self) -> int:
         """The buffer size this header's contents need."""
         return HEADER_BYTES + self.meta_length + self.length

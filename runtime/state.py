@@ -76,6 +76,40 @@ def _fill(obj: Any, tensors: list[torch.Tensor]) -> Any:
     return obj
 
 
+def tensor_refs(skeleton: Any) -> set[int]:
+    """The tensor indices a skeleton (:func:`_strip`'s) refers to."""
+    if isinstance(skeleton, _TensorRef):
+        return {skeleton.index}
+    if isinstance(skeleton, dict):
+        return set().union(*map(tensor_refs, skeleton.values())) if skeleton else set()
+    if isinstance(skeleton, list | tuple):
+        return set().union(*map(tensor_refs, skeleton)) if skeleton else set()
+    return set()
+
+
+def broadcast_tensor(pg: dist.ProcessGroup, wait: Wait, rank: int, source: int,
+                     data: torch.Tensor | None) -> torch.Tensor:
+    """The uint8 tensor ``data`` of member ``source`` (None on the others), on every
+    member: its length, then its bytes."""
+    size = torch.tensor([data.numel() if rank == source and data is not None else 0],
+                        dtype=torch.int64)
+    wait(pg.broadcast(size, source))
+    payload = data if rank == source else torch.empty(int(size), dtype=torch.uint8)
+    assert payload is not None
+    if payload.numel():
+        wait(pg.broadcast(payload, source))
+    return payload
+
+
+def broadcast_bytes(pg: dist.ProcessGroup, wait: Wait, rank: int, source: int,
+                    data: bytes | None) -> bytes:
+    """``data`` of member ``source`` (None on the others), on every member."""
+    payload = broadcast_tensor(pg, wait, rank, source, None if data is None else
+                               torch.frombuffer(bytearray(data), dtype=torch.uint8)
+                               if data else torch.empty(0, dtype=torch.uint8))
+    return payload.numpy().tobytes()
+
+
 def send_state(pg: dist.ProcessGroup, dst: int, model: torch.nn.Module,
                optimizer: torch.optim.Optimizer, step: int, wait: Wait, *,
                checksum: bool = False, extra: Mapping[str, Any] | None = None) -> TransferStats:
