@@ -46,6 +46,7 @@ from phalanx.schemas.messages import Message
 log = logging.getLogger("phalanx.bus")
 
 M = TypeVar("M", bound=Message)
+S = TypeVar("S")  # a subscription of some kind (core, JetStream, KV watcher)
 ERROR_CODE_HEADER = "Nats-Service-Error-Code"
 ERROR_HEADER = "Nats-Service-Error"
 DEFAULT_REQUEST_TIMEOUT_S = 2.0
@@ -61,14 +62,38 @@ _DENIAL = re.compile(r'permissions violation for (publish|subscription) to "([^"
 def raise_if_cancelled() -> None:
     """Raise the current task's cancellation if nats-py swallowed it.
 
-    nats-py's flush of pending writes catches ``CancelledError`` and returns, so a
-    task cancelled while it publishes (a leader stepping down mid-write, a service
-    stopping) would carry on and then wait forever. Every call into nats-py that
-    can publish is followed by this check, so a cancellation always takes effect.
+    nats-py's flush of pending writes catches ``CancelledError`` and returns, and its
+    requests wait with ``asyncio.wait_for``, which on Python 3.11 returns the reply
+    instead of raising when the reply and the cancellation arrive together. A task
+    cancelled then (a leader stepping down mid-write, a service stopping, a watcher
+    closed) would carry on and then wait forever. Every call into nats-py is followed
+    by this check, so a cancellation always takes effect.
     """
     task = asyncio.current_task()
     if task is not None and task.cancelling():
         raise asyncio.CancelledError
+
+
+async def subscribed(subscribe: Awaitable[S], unsubscribe: Callable[[S], Awaitable[Any]]) -> S:
+    """``await subscribe``; if the task is cancelled meanwhile, the subscription is still
+    made whole and then undone by ``unsubscribe``, and the cancellation raised.
+
+    nats-py cannot be cancelled halfway through a subscription: a KV watch or
+    JetStream subscription cancelled after its core subscription was made but before
+    its consumer answered left that subscription behind (and the server's consumer),
+    and one whose consumer request swallowed the cancellation
+    (:func:`raise_if_cancelled`) went on waiting for changes, while whoever cancelled
+    it (a generator closed, a service stopping) waited forever: a ``TypedKV.follow``
+    whose close never returned, in CI. So nats-py's part runs in a task of its own
+    that is never cancelled; it ends within nats-py's request timeouts.
+    """
+    making = asyncio.ensure_future(subscribe)
+    try:
+        return await asyncio.shield(making)
+    except asyncio.CancelledError:
+        with contextlib.suppress(Exception):  # it failed, or the connection is gone
+            await unsubscribe(await making)
+        raise
 
 
 @dataclasses.dataclass(frozen=True)
@@ -464,7 +489,8 @@ class Bus:
                     await self.nc.publish(msg.reply, encode(reply), headers=telemetry.inject())
 
         if not concurrent:
-            return await self.nc.subscribe(subject, queue=queue or "", cb=on_message)
+            return await subscribed(self.nc.subscribe(subject, queue=queue or "", cb=on_message),
+                                    Subscription.unsubscribe)
         running: set[asyncio.Task[None]] = set()
 
         async def spawn(msg: Msg) -> None:
@@ -472,7 +498,8 @@ class Bus:
             running.add(task)
             task.add_done_callback(running.discard)
 
-        return await self.nc.subscribe(subject, queue=queue or "", cb=spawn)
+        return await subscribed(self.nc.subscribe(subject, queue=queue or "", cb=spawn),
+                                Subscription.unsubscribe)
 
     async def _respond_error(self, msg: Msg, code: str, description: str) -> None:
         if msg.reply:

@@ -41,7 +41,7 @@ from nats.js import JetStreamContext
 from nats.js.api import KeyValueConfig, StorageType
 from nats.js.kv import KeyValue
 
-from phalanx.bus.client import Counters, raise_if_cancelled, replicas_for
+from phalanx.bus.client import Counters, raise_if_cancelled, replicas_for, subscribed
 from phalanx.bus.errors import Conflict
 from phalanx.schemas import subjects
 from phalanx.schemas.codec import decode, encode
@@ -68,7 +68,9 @@ async def through_failover(call: Callable[[], Awaitable[T]], what: str,
     deadline = time.monotonic() + failover_s
     while True:
         try:
-            return await call()
+            result = await call()
+            raise_if_cancelled()
+            return result
         except _UNANSWERED as exc:
             raise_if_cancelled()
             if time.monotonic() >= deadline:
@@ -275,7 +277,7 @@ class TypedKV(Generic[M]):
 
         Values that do not decode are logged and skipped; the watch goes on.
         """
-        watcher = await self.kv.watchall()
+        watcher = await subscribed(self.kv.watchall(), KeyValue.KeyWatcher.stop)
         try:
             async for raw in watcher:
                 if raw is None:

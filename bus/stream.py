@@ -34,7 +34,7 @@ from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 from nats.js.api import ConsumerConfig, DeliverPolicy, DiscardPolicy, StorageType, StreamConfig
 
-from phalanx.bus.client import Bus, Delivery, raise_if_cancelled, replicas_for
+from phalanx.bus.client import Bus, Delivery, raise_if_cancelled, replicas_for, subscribed
 from phalanx.schemas import subjects
 from phalanx.schemas.codec import decode
 from phalanx.schemas.errors import WireError
@@ -121,9 +121,10 @@ class EventReader:
     async def _subscribe(self) -> None:
         config = ConsumerConfig(deliver_policy=DeliverPolicy.BY_START_SEQUENCE,
                                 opt_start_seq=self.delivered + 1)
-        self._sub = await self.bus.js.subscribe(
+        self._sub = await subscribed(self.bus.js.subscribe(
             subjects.jobs_all(), stream=JOB_EVENTS, ordered_consumer=True,
-            idle_heartbeat=1.0, config=config, cb=self._queue.put)
+            idle_heartbeat=1.0, config=config, cb=self._queue.put),
+            lambda subscription: subscription.unsubscribe())  # a JetStream one's own
 
     async def _resubscribe(self) -> None:
         """After a reconnection: a new consumer from the sequence after the last one

@@ -166,3 +166,41 @@ async def test_round_trips_that_give_up_leave_the_connection_reading(
         for seq in range(3):
             await bus.publish(f"t.{uid}", beat(uid, seq))
         assert [(await asyncio.wait_for(got.get(), 10)).seq for _ in range(3)] == [0, 1, 2]
+
+
+async def test_a_cancellation_at_any_point_of_subscribing_ends_the_task_and_its_subscription(
+        bus: Bus, uid: str) -> None:
+    """Cancel a KV watch and a subscription at every point of their start, in turn.
+
+    nats-py can swallow a cancellation there (a JetStream consumer is made by a request,
+    whose ``wait_for`` returns the reply if both arrive together on Python 3.11): the
+    watch went on waiting for changes and whoever cancelled it waited forever (a
+    ``TypedKV.follow`` whose close hung in CI). Every task must end, cancelled, and
+    leave no subscription behind. Without the fix this hung 2 times in 240."""
+    kv = await TypedKV.open(bus.js, f"cancel_{uid}", NodeRecord)
+    await kv.put("n", record("n"))
+
+    async def watch() -> None:
+        async for _ in kv.watch():
+            pass
+
+    async def subscribe() -> None:
+        async def ignore(_: NodeHeartbeat, __: Delivery) -> None:
+            pass
+        subscription = await bus.subscribe(f"t.{uid}", NodeHeartbeat, ignore)
+        try:
+            await asyncio.Event().wait()
+        finally:
+            await subscription.unsubscribe()
+
+    baseline = len(bus.nc._subs)
+    for start in (watch, subscribe):
+        for loop_turns in range(80):
+            task = asyncio.create_task(start())
+            for _ in range(loop_turns):
+                await asyncio.sleep(0)
+            task.cancel()
+            done, _ = await asyncio.wait([task], timeout=10)
+            assert done, f"{start.__name__} cancelled after {loop_turns} loop turns never ended"
+            assert task.cancelled(), f"{start.__name__} ended but not cancelled: {task}"
+            assert len(bus.nc._subs) == baseline, f"{start.__name__} left a subscription"
