@@ -244,6 +244,17 @@ class Cluster:
         (c,) = workload["spec"]["template"]["spec"]["containers"]
         return procs.exec(pod, c[f"{kind}Probe"]["exec"]["command"])
 
+    def judged_live(self, procs: Processes, pod: str, workload: dict):
+        """The liveness probe as the kubelet judges it: a pod is restarted only after
+        ``failureThreshold`` failures in a row (one slow answer on a loaded node is not
+        a dead process). The last result, passing unless all of them failed."""
+        (c,) = workload["spec"]["template"]["spec"]["containers"]
+        for _ in range(c["livenessProbe"].get("failureThreshold", 3)):
+            result = self.probe(procs, pod, workload, "liveness")
+            if result.returncode == 0:
+                break
+        return result
+
 
 def nats_conf(values: dict) -> str:
     """The chart's ``config.merge`` as nats.conf: JSON, with ``<< x >>`` unquoted."""
@@ -316,7 +327,7 @@ def test_local_overlay_pods_pass_their_probes_and_train_a_job(tmp_path: Path) ->
 
             wait_for(ready, 90, f"{pod} ready", interval_s=0.5,
                      detail=lambda said=said: said[0])
-            live = cluster.probe(procs, pod, workload, "liveness")
+            live = cluster.judged_live(procs, pod, workload)
             assert live.returncode == 0, live.stdout + live.stderr
 
         # A job: its dataset is written on the first worker (on a real cluster it would
@@ -354,7 +365,13 @@ def test_local_overlay_pods_pass_their_probes_and_train_a_job(tmp_path: Path) ->
             declared = int(annotations["prometheus.io/port"])
             port = procs.world.ports.get(pod, {}).get(declared)
             assert port, f"{pod} serves no metrics on its annotated port {declared}"
-            return metrics_page.scrape(f"http://127.0.0.1:{port}{annotations['prometheus.io/path']}")
+            try:
+                return metrics_page.scrape(
+                    f"http://127.0.0.1:{port}{annotations['prometheus.io/path']}")
+            except OSError as exc:
+                raise AssertionError(f"{pod}'s metrics on port {port}: {exc} (process "
+                                     f"{'alive' if procs.alive(pod) else 'exited'})\n"
+                                     f"{procs.logs()}") from None
 
         def total(workload: str, metric: str, **labels: str) -> float:
             return sum(metrics_page.value(page(p), metric, **labels) for p, w in pods.items()
