@@ -28,7 +28,6 @@ bytes written, that is the write's result, not a conflict.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
 import logging
 import time
@@ -277,7 +276,8 @@ class TypedKV(Generic[M]):
 
         Values that do not decode are logged and skipped; the watch goes on.
         """
-        watcher = await subscribed(self.kv.watchall(), KeyValue.KeyWatcher.stop)
+        watcher = await self._retrying(  # through a JetStream election, like every call
+            lambda: subscribed(self.kv.watchall(), KeyValue.KeyWatcher.stop), "(watch)")
         try:
             async for raw in watcher:
                 if raw is None:
@@ -323,18 +323,25 @@ class TypedKV(Generic[M]):
                     change = await _first(changes.get(), resync.wait())
                     if resync.is_set():
                         break
+                    if change is None and pump.done():  # the watch failed (or ended)
+                        pump.result()
+                        break
                     if change is None or change.revision <= yielded.get(change.key, 0):
                         continue  # the watcher's first pass, or older than what we have
                     yielded[change.key] = change.revision
                     yield change
             finally:
                 pump.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await pump
+                await asyncio.wait([pump])  # raises nothing: a failure was raised above
+                if not pump.cancelled():
+                    pump.exception()  # retrieved: no "never retrieved" warning
 
     async def _pump(self, into: asyncio.Queue[Change[M] | None]) -> None:
-        async for change in self.watch():
-            into.put_nowait(change)
+        try:
+            async for change in self.watch():
+                into.put_nowait(change)
+        finally:  # wakes follow(), which must not wait on a watch that is gone
+            into.put_nowait(None)
 
     async def _keys(self, prefix: str = "") -> list[str]:
         """Every key (starting with ``prefix``) with a value or a delete marker, as the

@@ -35,6 +35,7 @@ from nats.aio.subscription import Subscription
 from nats.js.api import ConsumerConfig, DeliverPolicy, DiscardPolicy, StorageType, StreamConfig
 
 from phalanx.bus.client import Bus, Delivery, raise_if_cancelled, replicas_for, subscribed
+from phalanx.bus.kv import through_failover
 from phalanx.schemas import subjects
 from phalanx.schemas.codec import decode
 from phalanx.schemas.errors import WireError
@@ -76,19 +77,26 @@ async def ensure_job_events(bus: Bus) -> None:
         name=JOB_EVENTS, subjects=[subjects.job_events(kind) for kind in KINDS],
         storage=StorageType.FILE, max_age=MAX_AGE_S, max_bytes=MAX_BYTES,
         discard=DiscardPolicy.OLD, num_replicas=replicas_for(bus.js))
-    try:
-        await bus.js.stream_info(JOB_EVENTS)
-    except jse.NotFoundError:
+
+    async def ensure() -> None:
         try:
-            await bus.js.add_stream(config)
-        except jse.BadRequestError as exc:  # created by another service meanwhile
-            if exc.err_code != 10058:  # "stream name already in use"
-                raise
+            await bus.js.stream_info(JOB_EVENTS)
+        except jse.NotFoundError:
+            try:
+                await bus.js.add_stream(config)
+            except jse.BadRequestError as exc:  # created by another service meanwhile
+                if exc.err_code != 10058:  # "stream name already in use"
+                    raise
+
+    # Through a JetStream leader election (a NATS cluster starting): an agent that gave up
+    # after one request's timeout failed its start ("nats: timeout").
+    await through_failover(ensure, f"stream {JOB_EVENTS}")
 
 
 async def last_seq(bus: Bus) -> int:
     """The stream's last sequence now (0 when empty): a fresh reader's cursor."""
-    info = await bus.js.stream_info(JOB_EVENTS)
+    info = await through_failover(lambda: bus.js.stream_info(JOB_EVENTS),
+                                  f"stream {JOB_EVENTS}")
     return info.state.last_seq
 
 
@@ -115,7 +123,7 @@ class EventReader:
         bus.on_reconnect(self._resubscribe)
 
     async def start(self) -> EventReader:
-        await self._subscribe()
+        await through_failover(self._subscribe, f"stream {JOB_EVENTS} consumer")
         return self
 
     async def _subscribe(self) -> None:

@@ -16,6 +16,15 @@ holds, for one term of leadership:
 A new leader loads every snapshot (:meth:`load`), reads the stream on from
 ``cursor + 1``, and skips, per job, events at or before that job's sequence
 (:meth:`seen`).
+
+A job's events and its record come through two consumers (the stream, a watch of
+the jobs bucket), so an event can overtake the record change that caused it: a rank
+started, or a fault raised, for a job whose admission the watch has not brought yet.
+Handled against the older record such an event is lost, and its sequence counts as
+handled. :class:`JobRecords` gives health's leader the record as the bucket holds it
+now for a job it does not know yet, before its event (elasticity's core keeps a job's
+early events until its record comes instead: they may name replicas of a placement
+its own next generation decides).
 """
 
 from __future__ import annotations
@@ -25,8 +34,9 @@ import time
 from typing import Generic, TypeVar
 
 from phalanx.bus.errors import Conflict
-from phalanx.bus.kv import Entry, TypedKV
-from phalanx.schemas.messages import Message, StreamCursor
+from phalanx.bus.kv import Change, Entry, TypedKV
+from phalanx.schemas.errors import WireError
+from phalanx.schemas.messages import JobRecord, Message, StreamCursor
 from phalanx.services.lease import LeadershipLost
 
 log = logging.getLogger("phalanx.jobstate")
@@ -120,3 +130,32 @@ class JobStateStore(Generic[S]):
             raise LeadershipLost(f"the {self.service} stream cursor was written by another "
                                  "instance") from None
         self.cursor = seq
+
+
+class JobRecords:
+    """The job records a leader has applied, each at most once and never an older one
+    after a newer: the watch's changes, and the records read ahead of an event."""
+
+    def __init__(self, bucket: TypedKV[JobRecord]) -> None:
+        self.bucket = bucket
+        self._applied: dict[str, int] = {}  # job -> the revision of its record applied
+
+    def fresh(self, change: Change[JobRecord]) -> bool:
+        """Whether ``change`` is newer than the job's record applied so far; if so, it
+        counts as applied from now on."""
+        if change.revision <= self._applied.get(change.key, 0):
+            return False
+        self._applied[change.key] = change.revision
+        return True
+
+    async def ahead(self, job_id: str) -> Change[JobRecord] | None:
+        """``job_id``'s record as the bucket holds it now, if newer than the one applied
+        (None if not, or if there is none): read before an event of a job the leader
+        does not know, which may have overtaken its record."""
+        try:
+            entry = await self.bucket.get(job_id)
+        except WireError:  # counted and logged; the watch reports it as well
+            return None
+        if entry is None or entry.revision <= self._applied.get(job_id, 0):
+            return None
+        return Change(entry.key, entry.value, entry.revision)

@@ -86,7 +86,7 @@ from phalanx.services.base import Service
 from phalanx.services.deadline import wait_set
 from phalanx.services.health import core
 from phalanx.services.health.outbox import Outbox
-from phalanx.services.jobstate import JobStateStore
+from phalanx.services.jobstate import JobRecords, JobStateStore
 from phalanx.services.lease import Leadership
 
 log = logging.getLogger("phalanx.health")
@@ -108,6 +108,7 @@ class Term:
 
     core: core.HealthCore
     store: JobStateStore[JobSnapshot]
+    records: JobRecords
     reader: EventReader | None = None
     # Events are handled one at a time: the core and a job's stored snapshot change together.
     turn: asyncio.Lock = dataclasses.field(default_factory=asyncio.Lock)
@@ -177,7 +178,7 @@ class HealthService(Service):
         """Restore the jobs, then judge until cancelled."""
         assert self.bus is not None
         term = Term(core.HealthCore(self.policy),
-                    JobStateStore(self.snapshots, self.cursors, LEASE_KEY))
+                    JobStateStore(self.snapshots, self.cursors, LEASE_KEY), JobRecords(self.jobs))
         self.term = term
         records = aiter(self.jobs.follow(self.bus.resync_event()))
         subscriptions = term.subscriptions
@@ -235,7 +236,11 @@ class HealthService(Service):
             msg = event.message
             if term.store.seen(msg.job_id, event.seq):
                 continue
+            ahead = None if msg.job_id in term.core.jobs else \
+                await term.records.ahead(msg.job_id)
             async with term.turn:
+                if ahead is not None:  # the event overtook its job's record (jobstate)
+                    await self._record(term, ahead)
                 with telemetry.consumer_span(event.delivery.subject, event.delivery.headers, 0):
                     occurred_at = None
                     if isinstance(msg, RankStarted):
@@ -315,6 +320,8 @@ class HealthService(Service):
             term.outbox.act(carry_out)
 
     async def _record(self, term: Term, change: Change[JobRecord]) -> None:
+        if not term.records.fresh(change):
+            return  # applied already, read ahead of an event
         record = change.value
         if record is not None and record.state is JobState.ADMITTED:
             await self._handle(term, core.JobWatched(record.job_id, tuple(record.nodes),

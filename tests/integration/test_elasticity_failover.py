@@ -161,3 +161,47 @@ async def test_a_standby_takes_over_and_acts_on_what_happened_while_no_leader_ra
             proc.send_signal(signal.SIGTERM)
         for proc in running:
             assert proc.wait(20) == 0  # a stop is clean, even right after a takeover
+
+
+async def test_readiness_that_overtakes_its_jobs_record_is_not_lost(
+        own_nats: NatsServer, bus: Bus, tmp_path: Path) -> None:
+    """A job's record (the leader's watch of the jobs bucket) and its replicas' readiness
+    (the stream) come through two consumers, so a replica can be ready before the watch
+    brings its job. The core keeps such early events until the job arrives: every job
+    starts its first generation with all its replicas. (Health dropped them until it read
+    a job's record ahead of its event: the same race, tests/integration/
+    test_health_failover.py.)"""
+    jobs = [f"overtaken-{i}" for i in range(12)]
+    first: dict[str, Generation] = {}
+    formed = asyncio.Event()
+
+    async def on_generation(g: Generation, _: Delivery) -> None:
+        first.setdefault(g.job_id, g)
+        if len(first) == len(jobs):
+            formed.set()
+
+    await bus.subscribe(subjects.job_events("generation"), Generation, on_generation)
+    instance = start(own_nats, "e1", tmp_path)
+    try:
+        await asyncio.wait_for(leader(bus), 30)
+        records = await TypedKV.open(bus.js, subjects.JOBS_BUCKET, JobRecord)
+        for job in jobs:
+            await records.put(job, JobRecord(
+                job_id=job, spec=JobSpec(name="ov", team="t", priority_class="normal",
+                                         replicas=ReplicaRange(min=2, max=2),
+                                         command=["true"]),
+                state=JobState.ADMITTED, submitted_at=1.0, updated_at=1.0,
+                reason_code=ReasonCode.ADMITTED, nodes=["n0", "n1"]))
+            for slot, node in enumerate(("n0", "n1")):
+                await bus.publish_event(subjects.replica_ready(job), ReplicaReady(
+                    job_id=job, replica_id=f"r{slot}-0", slot=slot, node_id=node,
+                    endpoint=f"127.0.0.1:{9000 + slot}"), event_id=f"{job}-{slot}-ready")
+        try:
+            await asyncio.wait_for(formed.wait(), 20)
+        except TimeoutError:
+            raise AssertionError(f"no generation for {sorted(set(jobs) - set(first))}") from None
+        assert {job: [m.replica_id for m in g.members] for job, g in first.items()} == \
+            {job: ["r0-0", "r1-0"] for job in jobs}
+    finally:
+        instance.send_signal(signal.SIGTERM)
+        assert instance.wait(20) == 0

@@ -176,3 +176,44 @@ async def test_a_bus_restart_makes_no_node_or_rank_lost(tmp_path: Path) -> None:
             assert (fault.kind, fault.rank, fault.replica_id) == (FaultKind.HANG, 3, "r3-0")
     finally:
         server.stop()
+
+
+async def test_rank_events_that_overtake_their_jobs_record_are_not_lost(tmp_path: Path) -> None:
+    """A job's record (the leader's watch of the jobs bucket) and its ranks' events (the
+    stream) come through two consumers, so a rank can start and die before the watch
+    brings its job. The leader reads such a job's record ahead of the event: every one
+    of these crashes is reported as one, naming its replica. (An event of a job not yet
+    watched was dropped and counted as handled: the crash was never reported.)"""
+    with NatsServer(tmp_path / "js", port=0) as server:
+        async with running(server.url, tmp_path) as (bus, _, _):
+            await leader(bus)
+            faults: asyncio.Queue[Fault] = asyncio.Queue()
+
+            async def on_fault(fault: Fault, _: Delivery) -> None:
+                await faults.put(fault)
+
+            await bus.subscribe(subjects.job_events("fault"), Fault, on_fault)
+            records = await TypedKV.open(bus.js, subjects.JOBS_BUCKET, JobRecord)
+            jobs = [f"overtaken-{i}" for i in range(20)]
+            for job in jobs:
+                await records.put(job, JobRecord(
+                    job_id=job, spec=JobSpec(name="ov", team="t", priority_class="normal",
+                                             replicas=ReplicaRange(min=1, max=1),
+                                             command=["true"], hang_timeout_s=600.0),
+                    state=JobState.ADMITTED, submitted_at=1.0, updated_at=1.0,
+                    reason_code=ReasonCode.ADMITTED, nodes=["n0"]))
+                await bus.publish_event(subjects.rank_started(job), RankStarted(
+                    job_id=job, rank=0, world_size=1, node_id="n0", pid=7, started_at=1.0,
+                    replica_id="r0-1"), event_id=f"start-{job}")
+                await bus.publish_event(subjects.rank_exited(job), RankExited(
+                    job_id=job, rank=0, node_id="n0", pid=7, cause=ExitCause.EXITED,
+                    exited_at=2.0, signal="SIGKILL", replica_id="r0-1"), event_id=f"exit-{job}")
+            reported: dict[str, tuple[FaultKind, str | None]] = {}
+            while len(reported) < len(jobs):
+                try:
+                    fault = await asyncio.wait_for(faults.get(), 20)
+                except TimeoutError:
+                    raise AssertionError(f"crashes never reported: "
+                                         f"{sorted(set(jobs) - set(reported))}") from None
+                reported[fault.job_id] = (fault.kind, fault.replica_id)
+            assert reported == {job: (FaultKind.CRASH, "r0-1") for job in jobs}

@@ -7,6 +7,9 @@ import asyncio
 import socket
 from pathlib import Path
 
+import nats.js.errors as jse
+import pytest
+
 from phalanx.bus.client import Bus
 from phalanx.bus.config import BusConfig
 from phalanx.bus.kv import Change, TypedKV
@@ -72,3 +75,31 @@ async def test_follow_gives_current_values_then_changes_and_resyncs_after_a_rest
     finally:
         await bus.close()
         server.stop()
+
+
+async def test_follow_raises_when_its_watch_cannot_be_made(tmp_path: Path) -> None:
+    """A watch that fails (here: its bucket deleted, so no consumer can be made) ends
+    ``follow`` with that error, at once: the watch runs in a task of its own, whose end
+    wakes ``follow`` (it must not wait for changes from a watch that is gone)."""
+    with NatsServer(tmp_path / "js", port=0) as server:
+        bus = await Bus.connect(BusConfig.load(env={}, servers=[server.url]))
+        try:
+            kv = await TypedKV.open(bus.js, "follow_gone", Lease)
+            await kv.put("a", lease("a", 1))
+            resync = asyncio.Event()
+            changes = aiter(kv.follow(resync))
+            assert [c.key for c in await until(changes, lambda c: c is None) if c] == ["a"]
+            await bus.js.delete_key_value("follow_gone")
+            resync.set()
+
+            async def drain() -> None:
+                async for _ in changes:
+                    pass
+
+            following = asyncio.ensure_future(drain())
+            done, _ = await asyncio.wait([following], timeout=15)  # never cancels it
+            assert done, "follow went on waiting on a watch that had failed"
+            with pytest.raises(jse.NotFoundError):
+                following.result()
+        finally:
+            await bus.close()
