@@ -21,10 +21,10 @@ A job's events and its record come through two consumers (the stream, a watch of
 the jobs bucket), so an event can overtake the record change that caused it: a rank
 started, or a fault raised, for a job whose admission the watch has not brought yet.
 Handled against the older record such an event is lost, and its sequence counts as
-handled. :class:`JobRecords` gives health's leader the record as the bucket holds it
-now for a job it does not know yet, before its event (elasticity's core keeps a job's
-early events until its record comes instead: they may name replicas of a placement
-its own next generation decides).
+handled. :class:`JobRecords` gives the leader the record as the bucket holds it now
+for a job it does not know yet, before its event. (Elasticity's core also keeps a
+job's early events until its record comes, but only in memory: the cursor moved past
+them, a successor never saw them.)
 """
 
 from __future__ import annotations

@@ -79,7 +79,7 @@ from phalanx.services import metrics
 from phalanx.services.admission.scaling import ScalingRules
 from phalanx.services.base import Service
 from phalanx.services.elasticity import core
-from phalanx.services.jobstate import JobStateStore
+from phalanx.services.jobstate import JobRecords, JobStateStore
 from phalanx.services.lease import Leadership
 
 log = logging.getLogger("phalanx.elasticity")
@@ -95,6 +95,7 @@ class Term:
 
     core: core.ElasticityCore
     store: JobStateStore[JobSnapshot]
+    records: JobRecords
     reader: EventReader | None = None
     # Records, events and timeouts are acted on one at a time: the core's state and the
     # stored snapshot of a job change together.
@@ -143,7 +144,8 @@ class ElasticityService(Service):
     async def _lead(self) -> None:
         """Restore, re-assert, then act on records, events and timeouts until cancelled."""
         assert self.bus is not None
-        term = Term(self.make_core(), JobStateStore(self.snapshots, self.cursors, LEASE_KEY))
+        term = Term(self.make_core(), JobStateStore(self.snapshots, self.cursors, LEASE_KEY),
+                    JobRecords(self.jobs))
         self.term = term
         records = aiter(self.jobs.follow(self.bus.resync_event()))
         try:
@@ -204,7 +206,10 @@ class ElasticityService(Service):
             job_id = translated.job_id
             if term.store.seen(job_id, event.seq):
                 continue
+            ahead = None if job_id in term.core.jobs else await term.records.ahead(job_id)
             async with term.turn:
+                if ahead is not None:  # the event overtook its job's record (jobstate)
+                    await self._record(term, ahead)
                 with telemetry.consumer_span(event.delivery.subject, event.delivery.headers,
                                              0):
                     if isinstance(event.message, GenerationApplied):
@@ -226,6 +231,8 @@ class ElasticityService(Service):
     # --- events in ----------------------------------------------------------------------
 
     async def _record(self, term: Term, change: Change[JobRecord]) -> None:
+        if not term.records.fresh(change):
+            return  # applied already, read ahead of an event
         record = change.value
         job_id = change.key
         if record is not None and record.state is JobState.ADMITTED:

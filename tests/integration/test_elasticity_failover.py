@@ -167,10 +167,10 @@ async def test_readiness_that_overtakes_its_jobs_record_is_not_lost(
         own_nats: NatsServer, bus: Bus, tmp_path: Path) -> None:
     """A job's record (the leader's watch of the jobs bucket) and its replicas' readiness
     (the stream) come through two consumers, so a replica can be ready before the watch
-    brings its job. The core keeps such early events until the job arrives: every job
-    starts its first generation with all its replicas. (Health dropped them until it read
-    a job's record ahead of its event: the same race, tests/integration/
-    test_health_failover.py.)"""
+    brings its job. The leader reads such a job's record ahead of the event (and its core
+    keeps early events until the record comes): every job starts its first generation
+    with all its replicas. (Health dropped such events: the same race,
+    tests/integration/test_health_failover.py.)"""
     jobs = [f"overtaken-{i}" for i in range(12)]
     first: dict[str, Generation] = {}
     formed = asyncio.Event()
