@@ -488,9 +488,6 @@ class Bus:
                 if reply is not None and msg.reply:
                     await self.nc.publish(msg.reply, encode(reply), headers=telemetry.inject())
 
-        if not concurrent:
-            return await subscribed(self.nc.subscribe(subject, queue=queue or "", cb=on_message),
-                                    Subscription.unsubscribe)
         running: set[asyncio.Task[None]] = set()
 
         async def spawn(msg: Msg) -> None:
@@ -498,8 +495,9 @@ class Bus:
             running.add(task)
             task.add_done_callback(running.discard)
 
-        return await subscribed(self.nc.subscribe(subject, queue=queue or "", cb=spawn),
-                                Subscription.unsubscribe)
+        return await subscribed(
+            self.nc.subscribe(subject, queue=queue or "", cb=spawn if concurrent else on_message),
+            Subscription.unsubscribe)
 
     async def _respond_error(self, msg: Msg, code: str, description: str) -> None:
         if msg.reply:
