@@ -39,6 +39,12 @@ def main() -> None:
     parser.add_argument("--save", help="write the final parameters here (the primary replica)")
     parser.add_argument("--sharded-optimizer", action="store_true",
                         help="shard AdamW's state over the ranks (ZeroRedundancyOptimizer)")
+    parser.add_argument("--schedule", action="store_true",
+                        help="what a real loop adds after each commit: a warmup + cosine LR "
+                             "schedule, an EMA of the weights and a step counter (saved "
+                             "with the parameters), and clipping at 1.0")
+    parser.add_argument("--schedule-steps", type=int,
+                        help="the schedule's length (default: --steps): a run stopped early")
     args = parser.parse_args()
     widths = tuple(int(w) for w in args.widths.split(","))
     if args.prepare:
@@ -55,20 +61,33 @@ def main() -> None:
         inputs, targets = dataset.batch(range(args.micro_batch))
         loss_fn(model(inputs), targets).backward()
 
+    after_commit = workload_w.AfterCommit(
+        model, optimizer, args.schedule_steps or args.steps) if args.schedule \
+        else None
     session = ElasticSession.from_env(model, optimizer, dataset, global_batch=args.global_batch,
                                       micro_batch_size=args.micro_batch, seed=args.seed,
-                                      warmup=warmup)
+                                      warmup=warmup,
+                                      state=after_commit.state() if after_commit else None)
     for step in session.steps(args.steps):
         loss = 0.0
         for (inputs, targets), weight in step.batches():
             micro_loss = loss_fn(model(inputs), targets) * weight
             micro_loss.backward()
             loss += micro_loss.item()
-        step.commit(loss=loss)
+        if after_commit is None:
+            step.commit(loss=loss)
+            continue
+        if step.reduce(loss=loss):
+            step.clip_grad_norm_(1.0)
+        if step.commit():
+            after_commit.step(model)
     # Only a member that trained to the end gets here (a replica the job completed
     # without leaves inside steps()); every member holds the same model: one saves it.
     if args.save and session.is_primary:
-        torch.save(model.state_dict(), args.save)
+        result = model.state_dict()
+        if after_commit is not None:
+            result.update(after_commit.saved())
+        torch.save(result, args.save)
     session.close()
 
 

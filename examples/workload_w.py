@@ -62,3 +62,51 @@ def prepare(directory: str | Path, samples: int, widths: Sequence[int] = W_WIDTH
         (samples, widths[-1]), dtype=np.float32)
     write_arrays(directory, {"inputs": inputs, "targets": targets.astype(np.float32)})
     return MemmapDataset(directory)
+
+
+class StepCounter:
+    """A registered object of the script's own: the steps it saw committed."""
+
+    def __init__(self) -> None:
+        self.steps = 0
+
+    def state_dict(self) -> dict[str, int]:
+        return {"steps": self.steps}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.steps = state["steps"]
+
+
+class AfterCommit:
+    """What a real loop changes after each committed step, beyond the model and the
+    optimizer: a warmup + cosine LR schedule (``SequentialLR``), an EMA of the weights and
+    a step counter. A restore from any tier must bring all three back as the script left
+    them at the step it resumes from, or the run differs from the uninterrupted one."""
+
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                 steps: int) -> None:
+        lr = torch.optim.lr_scheduler
+        warmup = max(1, steps // 10)
+        self.scheduler = lr.SequentialLR(optimizer, [
+            lr.LinearLR(optimizer, 0.01, 1.0, warmup),
+            lr.CosineAnnealingLR(optimizer, max(1, steps - warmup))], milestones=[warmup])
+        self.ema = torch.optim.swa_utils.AveragedModel(
+            model, multi_avg_fn=torch.optim.swa_utils.get_ema_multi_avg_fn(0.9))
+        self.counter = StepCounter()
+
+    def state(self) -> dict[str, object]:
+        """The objects to register with the session."""
+        return {"scheduler": self.scheduler, "ema": self.ema, "counter": self.counter}
+
+    def step(self, model: torch.nn.Module) -> None:
+        """After a committed step."""
+        self.scheduler.step()
+        self.ema.update_parameters(model)
+        self.counter.steps += 1
+
+    def saved(self) -> dict[str, torch.Tensor]:
+        """What to save beside the parameters, as tensors a test compares."""
+        return {**{f"ema.{k}": v for k, v in self.ema.state_dict().items()},
+                "lr": torch.tensor(self.scheduler.get_last_lr(), dtype=torch.float64),
+                "scheduler.last_epoch": torch.tensor(self.scheduler.last_epoch),
+                "counter.steps": torch.tensor(self.counter.steps)}

@@ -333,6 +333,10 @@ class ElasticSession:
         self._last_commit_at: float | None = None  # perf_counter of this process's last commit
         self._switch_agreed = False  # the last all-reduce said: switch to the next generation
         self._applied: GenerationApplied | None = None  # to report after the next commit
+        # The committed step whose snapshot, record and report wait for the boundary after
+        # the script's post-commit code: (step, commit time, the step time before, the
+        # commit before).
+        self._boundary: tuple[Step, float, float, float | None] | None = None
         self._total_steps = 0
         self._inbox = Inbox(replica_id)
         self._waits = Waits(self._inbox, self._heartbeat)
@@ -426,6 +430,8 @@ class ElasticSession:
 
     def __exit__(self, kind: object, exc: BaseException | None, tb: object) -> None:
         teardown.exit_status(exc)
+        if exc is not None:  # the script failed after its last commit: no boundary to keep
+            self._boundary = None
         self.close()
 
     # --- the bus side (runs on the bus thread) ---------------------------------------------
@@ -509,12 +515,20 @@ class ElasticSession:
 
         True alone (world size 1), and under phalanx on the member that is rank 0 of
         the last generation it applied; False on a replica that never became a member
-        or was dropped. After :meth:`steps` returns, every member holds the same final
-        state, so saving on the primary writes it once::
+        or was dropped. Before the first step it is decided by the job's newest
+        generation (waiting for the first one if none is known yet), so a one-time
+        message after :meth:`from_env` is printed by one replica. After :meth:`steps`
+        returns, every member holds the same final state, so saving on the primary
+        writes it once::
 
             if session.is_primary:
                 torch.save(model.state_dict(), path)
         """
+        if self.bus is not None and self.generation is None and not self._started:
+            self._wait_for_newer(-1, 1)  # the first generation (or the job's first step)
+            newest = self._inbox.newest()[0]
+            member = None if newest is None else newest.member(self.replica_id)
+            return member is not None and member.rank == 0
         return self.rank == 0
 
     def steps(self, total_steps: int) -> Iterator[Step]:
@@ -534,6 +548,7 @@ class ElasticSession:
             self._progress.total_steps = total_steps
         self._started = True
         while self.committed < total_steps:
+            self._finish_commit()
             if not self._ensure_membership(total_steps):
                 self._leave_without_joining()
             if self.chaos_kill == (self.committed, "boundary"):
@@ -544,6 +559,7 @@ class ElasticSession:
             yield step
             if step.outcome is None:
                 raise RuntimeError(f"step {step.index} was not committed: call step.commit()")
+        self._finish_commit()
 
     def _leave_without_joining(self) -> None:
         """The job completed before this replica became a member: end the process (status
@@ -1059,12 +1075,25 @@ class ElasticSession:
                 kept=0 if step.kept is None else len(step.kept.indices))
 
     def _committed(self, step: Step, now: float) -> None:
-        """``step`` is committed (its optimizer step applied at ``now``): snapshot, record,
-        report. The snapshot comes first: a step reported committed is in memory."""
+        """``step`` is committed (its optimizer step applied at ``now``). What the script
+        does after ``commit()`` returns (a scheduler's step, an EMA's update, a counter) is
+        part of the step too, so the step is snapshotted, recorded and reported at the
+        *boundary*: when the script next asks for a step, the loop ends, or the session is
+        closed (:meth:`_finish_commit`)."""
         self.committed = step.index + 1
-        extra: dict[str, Any] = {} if step.updated else {"skipped": True}
         step_before, previous = self.last_step_s, self._last_commit_at
         self.last_step_s, self._last_commit_at = now - step.started, now
+        self._boundary = (step, now, step_before, previous)
+
+    def _finish_commit(self) -> None:
+        """At the boundary after a committed step: snapshot the whole training state (the
+        model, the optimizer and every registered object as the script left them), record,
+        report. The snapshot comes first: a step reported committed is in memory."""
+        if self._boundary is None:
+            return
+        step, now, step_before, previous = self._boundary
+        self._boundary = None
+        extra: dict[str, Any] = {} if step.updated else {"skipped": True}
         if self._snapshots is not None:
             snapshot_s = None
             if self._snapshots.due(self.committed) \
@@ -1104,7 +1133,10 @@ class ElasticSession:
         run and output is flushed. The status is kept when the runtime can see it:
         ``sys.exit(n)`` or an exception leaving ``with session:``, an uncaught exception
         (1); otherwise 0.
+
+        A script that left the loop early (``break``) ends its last step here.
         """
+        self._finish_commit()
         writer = None if self._snapshots is None else self._snapshots.durable
         if writer is not None and not writer.wait_idle(DURABLE_FLUSH_S):
             log.error("the durable write of the last step did not end within %.0f s: that "

@@ -88,6 +88,8 @@ PLAIN_LOAD = textwrap.dedent("""
     state = {k: torch.empty(v.size, dtype=v.properties.dtype)
              for k, v in meta.state_dict_metadata.items()
              if k.startswith("model.") and isinstance(v, TensorStorageMetadata)}
+    state["extra.scheduler.last_epoch"] = -1
+    state["phalanx.step"] = -1
     dcp.load(state, checkpoint_id=sys.argv[1], no_dist=True)
     assert not [m for m in sys.modules if m.split(".")[0] == "phalanx"], "phalanx imported"
     torch.save({k.removeprefix("model."): v for k, v in state.items()}, sys.argv[2])
@@ -95,8 +97,11 @@ PLAIN_LOAD = textwrap.dedent("""
 
 
 # Sharded: each rank persists its share and the optimizer entries it alone holds; the step
-# is the consolidated state, loaded into four new owners.
-@pytest.mark.parametrize("args", [[], ["--sharded-optimizer"]], ids=["plain", "sharded"])
+# is the consolidated state, loaded into four new owners. Both with what a real loop steps
+# after each commit (an LR schedule, an EMA, a counter: the durable step holds them as
+# the script left them).
+@pytest.mark.parametrize("args", [["--schedule"], ["--sharded-optimizer", "--schedule"]],
+                         ids=["plain", "sharded"])
 async def test_everything_restarted_the_job_resumes_from_durable_storage(
         data_dir: Path, tmp_path: Path, args: list[str]) -> None:  # noqa: F811
     reference = fault_free(data_dir, tmp_path / "reference", STEPS, args)
@@ -186,8 +191,14 @@ async def test_everything_restarted_the_job_resumes_from_durable_storage(
     # 4. The restored step as exported, read by torch alone.
     subprocess.run([sys.executable, "-c", PLAIN_LOAD, str(exported), str(tmp_path / "m.pt")],
                    check=True, timeout=120, cwd=tmp_path)
-    at_step = fault_free(data_dir, tmp_path / "at-step", resumed_from, args)
+    at_step = fault_free(data_dir, tmp_path / "at-step", resumed_from,
+                         [*args, "--schedule-steps", str(STEPS)])
     loaded = torch.load(tmp_path / "m.pt")
-    assert set(loaded) == set(at_step["params"])
-    for name, value in at_step["params"].items():
+    # The step as the script left it after that step's commit: the schedule stepped too.
+    assert loaded.pop("phalanx.step") == resumed_from
+    assert loaded.pop("extra.scheduler.last_epoch") == resumed_from
+    assert int(at_step["params"]["scheduler.last_epoch"]) == resumed_from
+    model = {k: v for k, v in at_step["params"].items() if k.split(".")[0].isdigit()}
+    assert set(loaded) == set(model)
+    for name, value in model.items():
         torch.testing.assert_close(loaded[name], value, rtol=0, atol=0)

@@ -105,14 +105,17 @@ async def cluster(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[tup
 
 
 @contextlib.asynccontextmanager
-async def watched_cluster(data: Path, *up_args: str) -> AsyncIterator[tuple]:
-    """``phalanx up`` (2 agents x 2 slots, plus ``up_args``) with the bus's generations,
-    progress and job states in queues; yields ``(data dir, bus, watch)``."""
-    phalanx("up", "--agents", "2", "--slots-per-agent", "2", "--detach", "--data-dir",
-            str(data), "--nats-port", "0", "--heartbeat-interval", "0.2", *up_args,
-            # The tests inject many faults on two nodes: no cordoning here.
-            env={**os.environ, "OTEL_TRACES_EXPORTER": "console",
-                 "PHALANX_HEALTH_CORDON_FAULTS": "1000"})
+async def watched_cluster(data: Path, *up_args: str, agents: int = 2,
+                          cordon: bool = False) -> AsyncIterator[tuple]:
+    """``phalanx up`` (``agents`` x 2 slots, plus ``up_args``) with the bus's generations,
+    progress and job states in queues; yields ``(data dir, bus, watch)``.
+
+    Health cordons nodes only with ``cordon``: most tests inject many faults on two nodes.
+    """
+    phalanx("up", "--agents", str(agents), "--slots-per-agent", "2", "--detach",
+            "--data-dir", str(data), "--nats-port", "0", "--heartbeat-interval", "0.2",
+            *up_args, env={**os.environ, "OTEL_TRACES_EXPORTER": "console",
+                           **({} if cordon else {"PHALANX_HEALTH_CORDON_FAULTS": "1000"})})
     state = json.loads((data / "up.json").read_text())
     try:
         config = BusConfig.load(env={}, servers=state["nats_url"],
@@ -204,6 +207,33 @@ def check_run(rec: Path, final: Path, reference: dict) -> list[record.StepRecord
 async def progressed(watch: Watch, job_id: str, step: int) -> None:
     await next_of(watch.progress, lambda p: p.job_id == job_id and p.step >= step,
                   120)
+
+
+def without_lost_work(records: dict[str, list[dict]], steps: int) -> dict[str, list[dict]]:
+    """The records less the work that died with its replicas: a replica that never
+    committed the last step died, and its commits at or after a step the job later
+    restored (a restore after the replica's last line) were trained again by others."""
+    restores = [(line["t"], line["step"]) for lines in records.values() for line in lines
+                if line["kind"] == "restore"]
+    kept = {}
+    for replica, lines in records.items():
+        finished = any(line["kind"] == "commit" and line["step"] == steps - 1
+                       for line in lines)
+        last = lines[-1]["t"] if lines else 0.0
+        lost_from = min((step for t, step in restores if t > last and not finished),
+                        default=steps)
+        kept[replica] = [line for line in lines if not (
+            line["kind"] in ("commit", "batch") and line["step"] >= lost_from)]
+    return kept
+
+
+def write_records(records: dict[str, list[dict]], directory: Path) -> Path:
+    """``records`` as a record directory (one JSON-lines file per replica)."""
+    directory.mkdir()
+    for replica, lines in records.items():
+        (directory / f"{replica}.jsonl").write_text("".join(
+            json.dumps(line) + "\n" for line in lines))
+    return directory
 
 
 @pytest.mark.timeout(360)  # LONG_STEPS on a loaded machine
