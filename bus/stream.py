@@ -68,6 +68,7 @@ class StreamEvent:
     kind: str
     message: Message
     delivery: Delivery
+    stored_at: float = 0.0  # Unix time the stream stored it (0: not known)
 
 
 async def ensure_job_events(bus: Bus) -> None:
@@ -187,4 +188,5 @@ class EventReader:
                 log.warning("skipping a stored job event: %s", exc)
                 continue
             yield StreamEvent(seq, kind, message,
-                              Delivery(msg.subject, dict(msg.headers or {}), ""))
+                              Delivery(msg.subject, dict(msg.headers or {}), ""),
+                              msg.metadata.timestamp.timestamp())

@@ -60,6 +60,7 @@ import re
 import threading
 import time
 import uuid
+import warnings
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -682,7 +683,11 @@ def load(fs: fsspec.AbstractFileSystem, step: Committed, record: CommitRecord,
         del wanted["optimizer"]["state"][index]
     reader = dcp.FileSystemReader(step.directory) if isinstance(fs, LocalFileSystem) \
         else _fsspec_reader(fs, step.directory)
-    dcp.load(wanted, storage_reader=reader, no_dist=True)
+    with warnings.catch_warnings():
+        # Each rank reads the files it needs by itself, on purpose: DCP's notice that it
+        # assumes a single process would land in every rank's log at every restore.
+        warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
+        dcp.load(wanted, storage_reader=reader, no_dist=True)
     load_tensors(tensors, meta, model, optimizer, extra, keep=keep)
 
 

@@ -21,7 +21,9 @@ generation that attempted it (:class:`MemberProgress`). From the same rows,
   batch, so the survivors do not wait for the copy before computing.
 * **State lost**: if no member holds the step the job has reached (or every
   copy was cut short), training on would redo committed steps or start over
-  silently; that is refused (:class:`StateLost`), the checkpoint tier's case.
+  silently; that is refused (:class:`StateLost`). The session first tries the
+  checkpoint tiers, and only when none holds the step either does it lower the
+  step asked for to the newest left, saying so (``ElasticSession._state_lost``).
 
 Pure: no torch, no I/O.
 """

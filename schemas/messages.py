@@ -150,15 +150,21 @@ class Placement(Part):
 
 
 class RestartPolicy(Part):
-    """How many failures a job survives before it ends ``failed`` (see :mod:`~phalanx.\
+    """How many failures a job survives before it ends ``failed``: restarts count only \
+while they repeat with no committed step between them (see :mod:`~phalanx.\
 services.health.policy`).
 
-    ``max_restarts`` is how many failed replicas are replaced over the job's
-    admission (torchrun's ``--max-restarts``, counted per replica); at most
-    ``max_restarts_in_window`` of them within any ``window_s``. An
-    *application* failure (the script exits non-zero by itself, or cannot be
-    started) is replaced at most ``max_app_failures`` times: the one after
-    fails the job, since running the same code again fails the same way.
+    Restarts fail a job only when they repeat without a committed step between
+    them (a crash loop): ``max_restarts`` is how many restart rounds a job
+    survives in a row with no step committed, however far apart, and
+    ``max_restarts_in_window`` how many of those within any ``window_s``. A
+    committed step ends the streak, so a job that trains between faults is never
+    failed by them. (Before, both counted every replica replaced over the
+    admission.) Ranks failing together — a node's ranks, every rank killed at
+    once — are one round. An *application* failure (the script exits non-zero
+    by itself, or cannot be started) is replaced at most ``max_app_failures``
+    times over the admission: the one after fails the job, since running the
+    same code again fails the same way.
     """
 
     max_restarts: Annotated[int, msgspec.Meta(ge=0, le=1_000_000)] = 16
@@ -294,8 +300,8 @@ class ReasonCode(enum.StrEnum):
     ADMITTED = "admitted"
     APP_FAILED = "app_failed"  # the script failed by itself more than max_app_failures times
     LAUNCH_FAILED = "launch_failed"  # the command could not be started
-    RESTARTS_EXHAUSTED = "restarts_exhausted"  # a failure after max_restarts replacements
-    RESTART_RATE = "restart_rate"  # more than max_restarts_in_window within window_s
+    RESTARTS_EXHAUSTED = "restarts_exhausted"  # over max_restarts rounds without progress
+    RESTART_RATE = "restart_rate"  # over max_restarts_in_window of them within window_s
     SCALED = "scaled"  # an operator pinned its size, or a growth was abandoned at its deadline
 
 
@@ -571,6 +577,17 @@ class ReplicaReady(Message, tag="phalanx.replica_ready.v1"):
     sent_at: NonNegFloat = 0.0
 
 
+class StateSource(enum.StrEnum):
+    """Where the members of a generation took the state they resumed from."""
+
+    MEMBERS = "members"  # a member held the step the job had reached (a peer copy at most)
+    MEMORY = "memory"  # the nodes' own snapshots
+    BUDDY = "buddy"  # snapshots, some shards from the replicas on buddy nodes
+    DURABLE = "durable"  # a committed durable step
+    OLDER = "older"  # nothing held the step the job had reached: the newest any member held
+    START = "start"  # nothing held any trained step: from the initial state
+
+
 class GenerationApplied(Message, tag="phalanx.generation_applied.v1"):
     """A member switched to a generation and committed its first step in it
     (``phalanx.job.<job>.applied``).
@@ -591,6 +608,8 @@ class GenerationApplied(Message, tag="phalanx.generation_applied.v1"):
     state_copy_s: NonNegFloat = 0.0
     state_bytes: NonNegInt = 0
     pause_s: NonNegFloat | None = None
+    #: Where the state came from (None: a sender that predates the field).
+    restored_from: StateSource | None = None
 
 
 class GenerationRecord(Part):
@@ -604,6 +623,12 @@ class GenerationRecord(Part):
     decided_at: NonNegFloat
     cause: Cause = ""
     pause_s: NonNegFloat | None = None  # the longest a survivor reported (GenerationApplied)
+    #: The step its members resumed after, as the first to apply it reported
+    #: (``GenerationApplied.resume_step``; they agree on it); None until one reports.
+    #: ``resume_step`` is elasticity's estimate when it decided, which can lag behind.
+    applied_resume_step: NonNegInt | None = None
+    #: Where the members' state came from, as the first to apply it reported.
+    restored_from: StateSource | None = None
 
 
 #: The most generations a :class:`JobHistory` keeps (the latest), and about the most
@@ -709,7 +734,9 @@ class RankExited(Message, tag="phalanx.rank_exited.v1"):
     ``exit_code`` is set when it exited, ``signal`` (e.g. ``SIGKILL``) when a
     signal ended it; both are None when its status is unknown (cause ``lost``).
     ``detail`` is the start error of a rank that could not be started, else the
-    last lines of a failed rank's output (its exception).
+    last lines of a failed rank's output (its exception). ``with_agent``: its
+    agent stopped it because the agent itself was shutting down (a cluster
+    restart): lost to its job, but no evidence against the node.
     """
 
     job_id: Ident
@@ -722,6 +749,7 @@ class RankExited(Message, tag="phalanx.rank_exited.v1"):
     signal: str | None = None
     replica_id: Ident | None = None
     detail: Annotated[str, msgspec.Meta(max_length=DETAIL_CHARS)] = ""
+    with_agent: bool = False
 
     @property
     def failed(self) -> bool:

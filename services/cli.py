@@ -5,7 +5,10 @@ stops a detached one, ``phalanx nodes`` lists the registry, ``phalanx agent``
 runs one node agent (what ``up`` starts per node, and what a real machine
 runs). Commands that talk to the bus find it through ``--nats``, then
 ``PHALANX_NATS_URL``, then the cluster ``up`` recorded in the data dir, then
-``nats://127.0.0.1:4222``. Exit codes: 0 ok, 1 failed, 2 bad usage or input.
+``nats://127.0.0.1:4222``. The data dir is ``--data-dir``, else
+``$PHALANX_DATA_DIR``, else the one the last ``phalanx up`` left a pointer to
+(:mod:`phalanx.services.paths`), else the state dir. Exit codes: 0 ok, 1 failed, 2
+bad usage or input.
 """
 
 from __future__ import annotations
@@ -160,7 +163,7 @@ async def _with_client(args: argparse.Namespace, action):
 def _record_row(record) -> dict:
     return {"job_id": record.job_id, "state": record.state.value, "team": record.spec.team,
             "priority_class": record.spec.priority_class,
-            "replicas": len(record.nodes) or record.spec.replicas.min,
+            "replicas": 0 if record.state.terminal else len(record.nodes),
             "slots_per_replica": record.spec.slots_per_replica, "nodes": list(record.nodes),
             "reason_code": record.reason_code.value, "reason": record.reason,
             "submitted_at": record.submitted_at, "updated_at": record.updated_at}
@@ -210,7 +213,6 @@ def _size(record, generation) -> int:
 
 def cmd_jobs(args: argparse.Namespace) -> int:
     from rich.console import Console
-    from rich.table import Table
 
     async def read(client):
         return await asyncio.gather(client.jobs(), client.generations(), client.all_progress())
@@ -225,9 +227,22 @@ def cmd_jobs(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(rows, indent=2))
         return 0
+    table = jobs_table(records, rows)
+    if any(r.state.value == "pending" for r in records):
+        Console().print("`phalanx explain JOB` says why a job waits and where it stands.")
+    Console().print(table)
+    return 0
+
+
+def jobs_table(records: list, rows: list[dict]):
+    """``phalanx jobs``'s table of ``records``, with their ``rows`` as ``--json`` gives
+    them."""
+    from rich.table import Table
+
     table = Table(title="phalanx jobs")
-    for column in ("job", "state", "team", "priority", "size (min..max) x slots", "step",
-                   "nodes", "why"):
+    id_column(table, "job", [r.job_id for r in records])
+    for column in ("state", "team", "priority", "size (min..max) x slots", "step", "nodes",
+                   "why"):
         table.add_column(column)
     for r, row in zip(records, rows, strict=True):
         replicas = r.spec.replicas
@@ -238,10 +253,13 @@ def cmd_jobs(args: argparse.Namespace) -> int:
                       f"{r.spec.slots_per_replica}", step,
                       ",".join(sorted(set(r.nodes))) or "-",
                       "" if r.state.value == "admitted" else r.reason_code.value)
-    if any(r.state.value == "pending" for r in records):
-        Console().print("`phalanx explain JOB` says why a job waits and where it stands.")
-    Console().print(table)
-    return 0
+    return table
+
+
+def id_column(table, title: str, ids: list[str]) -> None:
+    """Add ``table``'s id column: as wide as its longest id and never wrapped or cut, so
+    two ids never look the same however narrow the terminal (other columns give way)."""
+    table.add_column(title, no_wrap=True, min_width=max([len(title), *map(len, ids)]))
 
 
 def cmd_job(args: argparse.Namespace) -> int:
@@ -257,33 +275,85 @@ def cmd_job(args: argparse.Namespace) -> int:
     replicas = record.spec.replicas
     row.update(min=replicas.min, max=replicas.max,
                restart_policy=msgspec_to_builtins(record.spec.restart_policy))
+    generations = [] if history is None else history_rows(history)
     if generation is not None and not record.state.terminal:
-        # The elasticity service's current membership: who trains now, from which step.
+        # The elasticity service's current membership: who trains now, from which step
+        # (the members' own report of it once one has come).
+        current = next((g for g in generations if g["generation"] == generation.generation),
+                       None)
         row.update(world_size=generation.world_size, generation=generation.generation,
-                   resume_step=generation.resume_step,
+                   resume_step=generation.resume_step if current is None
+                   else current["resume_step"],
                    generation_reason=generation.reason.value, generation_cause=generation.cause,
                    members=[m.replica_id for m in generation.members])
     row.update(_progress_fields(progress, record))
     if history is not None:
-        row.update(replacements=history.replacements,
-                   history=[msgspec_to_builtins(g) for g in history.generations])
+        row.update(replacements=history.replacements, history=generations)
     row.update(_scaling_fields(record))
     if args.json:
         print(json.dumps(row, indent=2))
         return 0
-    generations = row.pop("history", [])
-    _print_scaling(row.pop("scaling", None), time.time())
-    for key, value in row.items():
-        print(f"{key:>18}: {value}")
-    if generations:
-        print(f"{'history':>18}:")
-        start = generations[0]["decided_at"]
-        for g in generations:
-            pause = "" if g["pause_s"] is None else f", paused the survivors {g['pause_s']:.2f} s"
-            print(f"{'':>20}g{g['generation']} +{g['decided_at'] - start:.1f} s {g['reason']}: "
-                  f"{g['world_size']} rank(s), resume after step {g['resume_step']}{pause}"
-                  f" ({g['cause']})")
+    print("\n".join(job_lines(row, time.time())))
     return 0
+
+
+def job_lines(row: dict, now: float) -> list[str]:
+    """``phalanx job``'s text for its ``--json`` object ``row``: the record's fields (the
+    job id first), then the scaling rules, then the history."""
+    row = dict(row)
+    generations = row.pop("history", [])
+    scaling = row.pop("scaling", None)
+    lines = [f"{key:>18}: {value}" for key, value in row.items()]
+    lines += _scaling_lines(scaling, now)
+    if generations:
+        lines.append(f"{'history':>18}:")
+        lines += [f"{'':>20}{line}" for line in history_lines(generations)]
+    return lines
+
+
+#: Where a history entry's ``resume_step`` comes from: the members' own report of the
+#: step they resumed after, or (none reported yet) elasticity's estimate when it decided.
+RESUME_REPORTED, RESUME_ESTIMATED = "members", "elasticity"
+
+
+#: How ``phalanx job`` names where a generation's state came from (``StateSource``).
+STATE_SOURCES = {"memory": "the nodes' memory", "buddy": "the nodes' and buddies' memory",
+                 "durable": "durable storage",
+                 "older": "an older step (the step reached was lost)",
+                 "start": "the start (the job's state was lost)"}
+
+
+def history_rows(history) -> list[dict]:
+    """A job's generations as ``phalanx job`` shows them: ``resume_step`` is the step the
+    members resumed after as they reported it, else elasticity's estimate, and
+    ``resume_source`` says which (``decided_resume_step`` keeps the estimate)."""
+    rows = []
+    for g in history.generations:
+        row = msgspec_to_builtins(g)
+        applied = row.pop("applied_resume_step", None)
+        row.update(decided_resume_step=g.resume_step,
+                   resume_step=g.resume_step if applied is None else applied,
+                   resume_source=RESUME_ESTIMATED if applied is None else RESUME_REPORTED)
+        rows.append(row)
+    return rows
+
+
+def history_lines(rows: list[dict]) -> list[str]:
+    """One line per generation of :func:`history_rows`, times relative to the first."""
+    start = rows[0]["decided_at"] if rows else 0.0
+    lines = []
+    for g in rows:
+        pause = "" if g["pause_s"] is None else f", paused the survivors {g['pause_s']:.2f} s"
+        if g["resume_source"] == RESUME_REPORTED:
+            resume = f"resumed after step {g['resume_step']} (its members' report)"
+            if g.get("restored_from") not in (None, "members"):
+                resume += f", state from {STATE_SOURCES[g['restored_from']]}"
+        else:
+            resume = (f"resume after step {g['resume_step']} (elasticity's estimate; no "
+                      "member reported applying it)")
+        lines.append(f"g{g['generation']} +{g['decided_at'] - start:.1f} s {g['reason']}: "
+                     f"{g['world_size']} rank(s), {resume}{pause} ({g['cause']})")
+    return lines
 
 
 def _scaling_fields(record) -> dict:
@@ -306,23 +376,25 @@ def _scaling_fields(record) -> dict:
         else msgspec_to_builtins(change)}}
 
 
-def _print_scaling(scaling: dict | None, now: float) -> None:
+def _scaling_lines(scaling: dict | None, now: float) -> list[str]:
     if scaling is None:
-        return
-    print(f"{'scaling':>18}: sizes {', '.join(map(str, scaling['sizes']))}; growth cooldown "
-          f"{scaling['scale_up_cooldown_s']:g} s; a leaver has "
-          f"{scaling['graceful_shutdown_timeout_s']:g} s; a change "
-          f"{scaling['scaling_timeout_s']:g} s")
+        return []
+    lines = [f"{'scaling':>18}: sizes {', '.join(map(str, scaling['sizes']))}; growth "
+             f"cooldown {scaling['scale_up_cooldown_s']:g} s; a leaver has "
+             f"{scaling['graceful_shutdown_timeout_s']:g} s; a change "
+             f"{scaling['scaling_timeout_s']:g} s"]
     pinned = scaling["pinned_replicas"]
-    print(f"{'pinned':>18}: " + ("no (admission sizes it; phalanx scale JOB --replicas N pins)"
-                                 if pinned is None else f"{pinned} replica(s)"))
+    lines.append(f"{'pinned':>18}: " + (
+        "no (admission sizes it; phalanx scale JOB --replicas N pins)" if pinned is None
+        else f"{pinned} replica(s)"))
     change = scaling["change"]
     if change is not None:
         verb = "growing" if change["kind"] == "grow" else "shrinking"
         left = change["deadline"] - now
-        print(f"{'scaling now':>18}: {verb} {change['from_replicas']} -> "
-              f"{change['to_replicas']} ({change['reason']}); deadline in {left:.0f} s "
-              f"({time.strftime('%H:%M:%S', time.localtime(change['deadline']))})")
+        lines.append(f"{'scaling now':>18}: {verb} {change['from_replicas']} -> "
+                     f"{change['to_replicas']} ({change['reason']}); deadline in {left:.0f} s "
+                     f"({time.strftime('%H:%M:%S', time.localtime(change['deadline']))})")
+    return lines
 
 
 def cmd_scale(args: argparse.Namespace) -> int:
@@ -832,6 +904,7 @@ def cmd_up(args: argparse.Namespace) -> int:
 
 async def _up(args: argparse.Namespace, data_dir: Path) -> int:
     from phalanx.services.cluster import LocalCluster
+    from phalanx.services.paths import forget_cluster, remember_cluster
 
     cluster = LocalCluster(
         data_dir, agents=args.agents, slots_per_agent=args.slots_per_agent,
@@ -852,6 +925,7 @@ async def _up(args: argparse.Namespace, data_dir: Path) -> int:
         print(f"phalanx up: {exc}", file=sys.stderr)
         return EXIT_FAILED
     _notify(args, f"ready {cluster.nats_url}")
+    remember_cluster(data_dir)  # the commands after this one find the cluster without flags
     # The embedded server is started again if it dies; if it cannot be, the cluster stops.
     keeper = asyncio.create_task(cluster.keep_nats(stop))
     try:
@@ -865,6 +939,7 @@ async def _up(args: argparse.Namespace, data_dir: Path) -> int:
         stop.set()
         gave_up = await keeper
         await cluster.stop()
+        forget_cluster(data_dir)
     if gave_up and not args.detach:
         print(f"phalanx up: nats-server could not be started again; stopped the cluster "
               f"(see {Path(args.data_dir) / 'logs' / 'nats.log'})", file=sys.stderr)
@@ -943,8 +1018,10 @@ def _rebuild_argv(args: argparse.Namespace) -> list[str]:
 
 def cmd_down(args: argparse.Namespace) -> int:
     from phalanx.services.cluster import stop_recorded
+    from phalanx.services.paths import forget_cluster
 
     state = stop_recorded(Path(args.data_dir), args.timeout)
+    forget_cluster(Path(args.data_dir))
     if state is None:
         print(f"phalanx down: no local cluster recorded in {args.data_dir}; nothing to stop")
     else:
@@ -963,8 +1040,9 @@ def build_parser() -> argparse.ArgumentParser:
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--nats", metavar="URL", help="NATS server URL(s), comma-separated")
     common.add_argument("--config", metavar="FILE", help="TOML config file with a [bus] table")
-    common.add_argument("--data-dir", default=str(default_data_dir()),
-                        help="local cluster state, logs and JetStream data (default: %(default)s)")
+    common.add_argument("--data-dir", help="local cluster state, logs and JetStream data "
+                        "(default: the cluster `phalanx up` last started, if neither --nats "
+                        f"nor PHALANX_NATS_URL is given; else {default_data_dir()})")
     common.add_argument("--log-level", default="INFO")
     lost_after = argparse.ArgumentParser(add_help=False)
     lost_after.add_argument("--lost-after", type=float, default=DEFAULT_LOST_AFTER_S,
@@ -1143,15 +1221,46 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _data_dir(args: argparse.Namespace) -> Path:
+    """``--data-dir``, else ``$PHALANX_DATA_DIR``, else (for a command that is not ``up``
+    and is not pointed at a bus) the data dir of the cluster ``phalanx up`` last started,
+    else the state dir."""
+    from phalanx.services.paths import default_data_dir, remembered_cluster
+
+    if args.data_dir is not None:
+        return Path(args.data_dir)
+    if os.environ.get("PHALANX_DATA_DIR") or args.command == "up" or args.nats \
+            or os.environ.get("PHALANX_NATS_URL"):
+        return default_data_dir()
+    return remembered_cluster() or default_data_dir()
+
+
+def _no_cluster_hint(args: argparse.Namespace, exc: PhalanxError) -> str:
+    """What to pass when the bus was not reached because no cluster was found: the
+    default URL was tried only because nothing named one."""
+    from phalanx.bus.errors import BusUnavailable
+    from phalanx.services.cluster import ClusterState
+
+    if not isinstance(exc, BusUnavailable) or getattr(args, "data_dir", None) is None \
+            or args.nats or os.environ.get("PHALANX_NATS_URL") \
+            or ClusterState.read(Path(args.data_dir)) is not None:
+        return ""
+    return (f"\nno local cluster runs from {args.data_dir}: for one started with "
+            "`phalanx up --data-dir DIR`, pass the same --data-dir DIR; for another "
+            "cluster, pass --nats URL (or set PHALANX_NATS_URL)")
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["demo"]:  # everything after it, --help included, is the demo's
         return cmd_demo(argparse.Namespace(demo_args=argv[1:]))
     args = build_parser().parse_args(argv)
+    if hasattr(args, "data_dir"):
+        args.data_dir = str(_data_dir(args))
     try:
         return args.func(args)
     except PhalanxError as exc:
-        print(f"phalanx {args.command}: {exc}", file=sys.stderr)
+        print(f"phalanx {args.command}: {exc}{_no_cluster_hint(args, exc)}", file=sys.stderr)
         refused = getattr(exc, "code", "").startswith("4")
         return EXIT_USAGE if isinstance(exc, ValueError) or refused else EXIT_FAILED
     except KeyboardInterrupt:

@@ -10,6 +10,7 @@ admission leader election without ever creating a job twice.
 from __future__ import annotations
 
 import asyncio
+import difflib
 import os
 import secrets
 import time
@@ -47,16 +48,63 @@ class SpecError(PhalanxError, ValueError):
 def parse_job_spec(data: Mapping[str, Any], source: str = "job spec") -> JobSpec:
     """Validate a mapping (as read from YAML) into a JobSpec.
 
+    Every error is reported at once: those of the fields given in their order (an
+    unknown field with the known one it is closest to), then the required fields
+    missing.
+
     Raises:
-        SpecError: naming the field path (``$.replicas.min``) and the problem.
+        SpecError: naming each field path (``$.replicas.min``) and its problem.
     """
     if not isinstance(data, Mapping):
         raise SpecError(f"{source}: expected a mapping of fields, got {type(data).__name__}")
     fields = {k: v for k, v in data.items() if k != "type"}
-    try:
-        return msgspec.convert({"type": JobSpec.wire_name(), **fields}, JobSpec)
-    except msgspec.ValidationError as exc:
-        raise SpecError(f"{source}: {exc}") from None
+    errors = spec_errors(fields, JobSpec)
+    if not errors:
+        try:
+            return msgspec.convert({"type": JobSpec.wire_name(), **fields}, JobSpec)
+        except msgspec.ValidationError as exc:  # what spans fields (__post_init__)
+            errors = [str(exc)]
+    if len(errors) == 1:
+        raise SpecError(f"{source}: {errors[0]}")
+    raise SpecError(f"{source}: {len(errors)} errors:\n" + "\n".join(f"  {e}" for e in errors))
+
+
+def spec_errors(data: Mapping[Any, Any], struct: type[msgspec.Struct],
+                path: str = "$") -> list[str]:
+    """Every error of ``data`` as a ``struct``, in msgspec's words with the field's path:
+    each field given, in ``data``'s order (nested structs field by field), then each
+    required field missing. Empty when every field is valid on its own (what spans
+    fields, a struct's ``__post_init__``, is left to the conversion)."""
+    known = {f.encode_name: f for f in msgspec.structs.fields(struct)}
+    errors: list[str] = []
+    for key, value in data.items():
+        field = known.get(key)
+        if field is None:
+            close = difflib.get_close_matches(str(key), known, n=1)
+            hint = f" (did you mean `{close[0]}`?)" if close else ""
+            errors.append(f"Object contains unknown field `{key}`{hint}{_at(path)}")
+            continue
+        where = f"{path}.{key}"
+        nested = field.type if isinstance(field.type, type) \
+            and issubclass(field.type, msgspec.Struct) else None
+        if nested is not None and isinstance(value, Mapping):
+            inner = spec_errors(value, nested, where)
+            if inner:
+                errors += inner
+                continue
+        try:
+            msgspec.convert(value, field.type)
+        except msgspec.ValidationError as exc:
+            message = str(exc)
+            errors.append(message.replace("`$", f"`{where}") if "`$" in message
+                          else f"{message}{_at(where)}")
+    errors += [f"Object missing required field `{name}`{_at(path)}"
+               for name, field in known.items() if field.required and name not in data]
+    return errors
+
+
+def _at(path: str) -> str:
+    return "" if path == "$" else f" - at `{path}`"
 
 
 def load_job_spec(path: str | os.PathLike[str]) -> JobSpec:

@@ -171,8 +171,9 @@ class LocalCluster:
         self.nats_cluster: NatsCluster | None = None
         self.agents: dict[str, asyncio.subprocess.Process] = {}
         self.services: dict[str, asyncio.subprocess.Process] = {}
-        # log name -> what it was started with: arguments, and its identity's variables
-        self._argv: dict[str, tuple[tuple[str, ...], dict[str, str]]] = {}
+        # log name -> what it was started with: arguments, and the variables it gets beside
+        # the supervisor's (its identity's, an agent's config)
+        self._argv: dict[str, tuple[tuple[str, ...], dict[str, str], dict[str, str]]] = {}
         # log name -> the listening socket its /metrics is served on (kept across restarts)
         self.metrics_sockets: dict[str, socket.socket] = {}
         self.auth = AuthDir(auth_dir) if auth_dir is not None else None
@@ -324,12 +325,12 @@ class LocalCluster:
             env["PHALANX_AGENT_RANK_KEYS_DIR"] = str(self.auth.ranks_dir)
         return env
 
-    async def _spawn(self, name: str, *argv: str,
-                     identity: dict[str, str] | None = None) -> asyncio.subprocess.Process:
-        self._argv[name] = (argv, identity or {})
+    async def _spawn(self, name: str, *argv: str, identity: dict[str, str] | None = None,
+                     extra_env: dict[str, str] | None = None) -> asyncio.subprocess.Process:
+        self._argv[name] = (argv, identity or {}, extra_env or {})
         log_file = (self.logs_dir / f"{name}.log").open("ab")
         env = {**os.environ, "PHALANX_NATS_URL": self.nats_url or "",
-               "PHALANX_NATS_REPLICAS": str(self.nats_replicas)}
+               "PHALANX_NATS_REPLICAS": str(self.nats_replicas), **(extra_env or {})}
         # Admission judges nodes lost by the registry, health by heartbeats: one bound.
         env.setdefault("PHALANX_ADMISSION_LOST_AFTER_S", str(self.lost_after_s))
         if identity:
@@ -356,8 +357,9 @@ class LocalCluster:
         if name not in processes:
             raise ClusterError(f"no service instance or agent named {name!r}")
         log_name = f"agent-{name}" if processes is self.agents else name
-        argv, identity = self._argv[log_name]
-        processes[name] = await self._spawn(log_name, *argv, identity=identity)
+        argv, identity, extra_env = self._argv[log_name]
+        processes[name] = await self._spawn(log_name, *argv, identity=identity,
+                                            extra_env=extra_env)
         self.state().write(self.data_dir)
         return processes[name]
 
@@ -373,7 +375,9 @@ class LocalCluster:
             "--heartbeat-interval", str(self.heartbeat_interval_s),
             "--lost-after", str(self.lost_after_s),
             "--work-dir", str(self.data_dir / "agents" / node_id),
-            identity=self._identity(Role.AGENT, node_id))
+            identity=self._identity(Role.AGENT, node_id),
+            # `phalanx down` is a restart of the node: the next `phalanx up` brings it back.
+            extra_env={"PHALANX_AGENT_STOP_IS_RESTART": "1"})
 
     @property
     def embedded_nats(self) -> list[NatsServer]:
@@ -436,24 +440,18 @@ class LocalCluster:
         )
 
     async def stop(self, grace_s: float = 10.0) -> None:
-        """SIGTERM agents and services (agents deregister), SIGKILL stragglers, stop NATS.
+        """SIGTERM the services, then the agents (SIGKILL stragglers of each), stop NATS.
 
-        Idempotent.
+        The services go first, so that none acts on the agents' stop: admission does
+        not shrink the jobs, elasticity launches no replacement into a stopping agent.
+        The agents stop their ranks and report them lost (their jobs still want them),
+        keeping their registry entries and snapshots (``stop_is_restart``): the next
+        ``phalanx up`` finds the jobs where they were, health faults the lost ranks from
+        the job-events stream, and elasticity replaces them, each job resuming from the
+        newest step its nodes' memory (or the durable tier) holds. Idempotent.
         """
-        children = [*self.agents.values(), *self.services.values()]
-        for proc in children:
-            if proc.returncode is None:
-                with contextlib.suppress(ProcessLookupError):
-                    proc.send_signal(signal.SIGTERM)
-        if children:
-            try:
-                async with asyncio.timeout(grace_s):
-                    await asyncio.gather(*(p.wait() for p in children))
-            except TimeoutError:
-                for proc in children:
-                    if proc.returncode is None:
-                        proc.kill()
-                await asyncio.gather(*(p.wait() for p in children))
+        for group in (list(self.services.values()), list(self.agents.values())):
+            await _terminate(group, grace_s)
         if self.bus is not None:
             await self.bus.close()
             self.bus = None
@@ -470,6 +468,24 @@ class LocalCluster:
             recorded = json.loads(state_file.read_text())
             if recorded.get("pid") == os.getpid():
                 state_file.unlink()
+
+
+async def _terminate(children: list[asyncio.subprocess.Process], grace_s: float) -> None:
+    """SIGTERM ``children``; SIGKILL those still there after ``grace_s``; wait for all."""
+    for proc in children:
+        if proc.returncode is None:
+            with contextlib.suppress(ProcessLookupError):
+                proc.send_signal(signal.SIGTERM)
+    if not children:
+        return
+    try:
+        async with asyncio.timeout(grace_s):
+            await asyncio.gather(*(p.wait() for p in children))
+    except TimeoutError:
+        for proc in children:
+            if proc.returncode is None:
+                proc.kill()
+        await asyncio.gather(*(p.wait() for p in children))
 
 
 def stop_recorded(data_dir: Path, timeout_s: float = 20.0) -> ClusterState | None:

@@ -4,7 +4,8 @@ Three panels, rendered with rich: the **nodes** (as ``phalanx nodes`` shows them
 **jobs** (state, size against its min and max, generation, step and steps per second),
 and the **latest events** (rank starts and exits, faults, readiness and applied
 generations from the job-events stream, then generations, scaling events and node
-conditions as they are published).
+conditions as they are published), in the order they happened: each at its own time,
+or the time the stream stored it, or (a message not stored) when it arrived.
 
 It refreshes from the bus, not by polling: the jobs, nodes, generations and progress
 buckets are watched (their current values first, then every change) and each change
@@ -71,15 +72,18 @@ class Board:
         else:
             into[change.key] = change.value
 
-    def note(self, message: Message) -> None:
+    def note(self, message: Message, arrived_at: float) -> None:
         """Keep ``message`` among the latest events, if it is one worth showing."""
-        described = describe(message)
+        described = describe(message, arrived_at)
         if described is not None:
             self.events.append(described)
 
 
-def describe(message: Message) -> tuple[float, str, str] | None:
-    """An event line: (when, job or node, what happened); None for anything else."""
+def describe(message: Message, arrived_at: float) -> tuple[float, str, str] | None:
+    """An event line: (when, job or node, what happened); None for anything else.
+
+    When is the message's own time where it has one, else ``arrived_at``: the time the
+    stream stored it, or for a message that is not stored, when it was received."""
     match message:
         case RankStarted():
             return (message.started_at, message.job_id,
@@ -96,14 +100,14 @@ def describe(message: Message) -> tuple[float, str, str] | None:
                     f"fault {message.kind.value}: {who}" + (
                         f" ({message.detail.splitlines()[0]})" if message.detail else ""))
         case ReplicaReady():
-            return (message.sent_at or time.time(), message.job_id,
+            return (message.sent_at or arrived_at, message.job_id,
                     f"{message.replica_id} ready on {message.node_id}")
         case GenerationApplied():
-            return (time.time(), message.job_id,
+            return (arrived_at, message.job_id,
                     f"{message.replica_id} applied generation {message.generation} "
                     f"(rebuild {message.rebuild_s:.3f} s, copy {message.state_copy_s:.3f} s)")
         case Generation():
-            return (time.time(), message.job_id,
+            return (arrived_at, message.job_id,
                     f"generation {message.generation} ({message.reason.value}): "
                     f"world size {message.world_size}")
         case ScalingEvent():
@@ -118,12 +122,12 @@ def describe(message: Message) -> tuple[float, str, str] | None:
 
 def render(board: Board, now: float, lost_after_s: float) -> Group:
     """One frame of the view."""
-    from phalanx.services.cli import _node_table  # the table phalanx nodes prints
+    from phalanx.services.cli import _node_table, id_column  # as phalanx nodes/jobs show
 
     nodes = _node_table(views(board.nodes.values(), now, lost_after_s))
     jobs = Table(title="jobs")
-    for column in ("job", "state", "size (min..max)", "generation", "step", "steps/s",
-                   "nodes"):
+    id_column(jobs, "job", list(board.jobs))
+    for column in ("state", "size (min..max)", "generation", "step", "steps/s", "nodes"):
         jobs.add_column(column)
     for job_id, record in sorted(board.jobs.items(), key=lambda j: j[1].submitted_at):
         generation = board.generations.get(job_id)
@@ -179,7 +183,7 @@ async def snapshot(bus: Bus) -> Board:
         reader = await EventReader(bus, first).start()
         try:
             async for event in reader:
-                board.note(event.message)
+                board.note(event.message, event.stored_at or time.time())
                 if event.seq >= last:
                     break
         finally:
@@ -207,15 +211,15 @@ async def live(bus: Bus, show: Callable[[Board], None]) -> None:
                 board.take(part(board), change)
                 changed.set()
 
-    async def on_event(message: Message, _: Delivery) -> None:
-        board.note(message)
+    async def on_event(message: Message, _: Delivery, arrived_at: float | None = None) -> None:
+        board.note(message, arrived_at or time.time())  # a live message: received now
         changed.set()
 
     async def stored() -> None:
         reader = await EventReader(bus, last + 1).start()
         try:
             async for event in reader:
-                await on_event(event.message, event.delivery)
+                await on_event(event.message, event.delivery, event.stored_at)
         finally:
             await reader.close()
 

@@ -8,6 +8,7 @@ that restarts the server gets its own (``restartable_nats``).
 
 from __future__ import annotations
 
+import os
 import uuid
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
@@ -17,6 +18,20 @@ import pytest
 from phalanx.bus.client import Bus
 from phalanx.bus.config import BusConfig
 from phalanx.services.natsd import NatsServer
+
+
+@pytest.fixture(scope="session", autouse=True)
+def state_dir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """The phalanx state dir (``phalanx up``'s pointer to its cluster, the default data
+    dir) of this session and of every process it starts: never the user's own."""
+    path = tmp_path_factory.mktemp("state")
+    before = os.environ.get("PHALANX_STATE_DIR")
+    os.environ["PHALANX_STATE_DIR"] = str(path)
+    yield path
+    if before is None:
+        del os.environ["PHALANX_STATE_DIR"]
+    else:
+        os.environ["PHALANX_STATE_DIR"] = before
 
 
 @pytest.fixture(scope="session")

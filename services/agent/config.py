@@ -31,6 +31,12 @@ class AgentConfig:
     """A registered node whose heartbeat is older than this is lost (and its id may be reused)."""
     shutdown_timeout_s: float = 5.0
     """How long in-flight work gets on SIGTERM."""
+    stop_is_restart: bool = False
+    """A clean stop means the node is coming back (``phalanx down`` of a local cluster,
+    whose ``phalanx up`` starts it again): the node keeps its registry entry, so admission
+    keeps the placements on it and judges it by its heartbeats, and keeps this node's
+    snapshot store, so its jobs' replacements restore from it. Its ranks are stopped and
+    reported lost either way. False: a clean stop deregisters and frees the store."""
     launch: bool = True
     """Run the ranks of admitted jobs here. Off, the node only offers capacity (an
     external launcher runs the ranks, or a benchmark measures admission alone)."""
@@ -124,9 +130,22 @@ class AgentConfig:
                          "replica_duty"):
                 if name in values:
                     values[name] = float(values[name])
+            for name in ("stop_is_restart", "launch"):
+                if isinstance(values.get(name), str):
+                    values[name] = _flag(name, values[name])
         except ValueError as exc:
             raise ConfigError(f"agent config: {exc}") from None
         return cls(**values)
+
+
+def _flag(name: str, raw: str) -> bool:
+    text = raw.strip().lower()
+    if text in ("1", "true", "yes", "on"):
+        return True
+    if text in ("0", "false", "no", "off", ""):
+        return False
+    raise ValueError(f"PHALANX_AGENT_{name.upper()} must be 1/0 (true/false, yes/no), "
+                     f"got {raw!r}")
 
 
 def default_node_id() -> str:

@@ -16,6 +16,16 @@ restart: at least once), never a second process, even if the first has
 exited; an older incarnation than the last is refused, since a newer one
 has already replaced it. The shell keeps the last launch of every slot on
 disk, so this holds across agent restarts too.
+
+Why a rank ended (:func:`exit_cause`) is reported as what it means to its job:
+a rank that ended by itself *exited*; one stopped because its job no longer
+wants it there (cancel, preemption, a shrink, a replica not needed) was
+*stopped*, which is no fault; but one stopped because this agent is shutting
+down (``phalanx down``, a service restart) is *lost* with its agent, as one
+found dead by a restarted agent is: its job still wants it, so health faults it
+and elasticity replaces it. Reported as stopped, a cluster restart left every
+member of a running job dead without a fault, and the job waited on them for
+ever.
 """
 
 from __future__ import annotations
@@ -24,7 +34,7 @@ import enum
 import re
 
 from phalanx.schemas.errors import PhalanxError
-from phalanx.schemas.messages import NodeInfo, NodeRecord
+from phalanx.schemas.messages import ExitCause, NodeInfo, NodeRecord
 from phalanx.services.elasticity.core import replica_id
 from phalanx.services.registry.core import NodeState, view
 
@@ -114,3 +124,23 @@ def launch_verdict(last: str | None, wanted: str) -> LaunchVerdict:
     if before is not None and after is not None and after < before:
         return LaunchVerdict.OUTDATED
     return LaunchVerdict.LAUNCH
+
+
+class StopReason(enum.Enum):
+    """Why the agent stops a rank."""
+
+    JOB = "job"
+    """Its job no longer wants it here: the record ended or moved it, or elasticity
+    stopped a replica it does not need (or replaced it)."""
+    AGENT = "agent"
+    """This agent is shutting down while the job still wants the rank."""
+
+
+def exit_cause(stop: StopReason | None, *, status_known: bool = True) -> ExitCause:
+    """What a rank's end is reported as, given why this agent stopped it (None: it did
+    not) and whether its exit status is known (False: adopted after an agent restart)."""
+    if stop is StopReason.JOB:
+        return ExitCause.STOPPED
+    if stop is StopReason.AGENT or not status_known:
+        return ExitCause.LOST
+    return ExitCause.EXITED

@@ -27,6 +27,8 @@ generation; only if it is still there after the spec's
 ``scaling.graceful_shutdown_timeout_s`` is it stopped. Either way its exit is
 reported with cause ``stopped``, and its slot counts as taken until it is gone,
 so the ranks of the job that preempted it start the moment it exits.
+A rank stopped because the agent itself shuts down is reported ``lost``
+instead: its job still wants it (:func:`~phalanx.services.agent.core.exit_cause`).
 
 Every running rank is recorded in ``<work_dir>/ranks.json`` with its start
 time (from ``/proc``), so an agent restarted after a crash finds its ranks
@@ -71,7 +73,13 @@ from phalanx.schemas.messages import (
     RankStarted,
 )
 from phalanx.services.agent import priority
-from phalanx.services.agent.core import LaunchVerdict, first_replica, launch_verdict
+from phalanx.services.agent.core import (
+    LaunchVerdict,
+    StopReason,
+    exit_cause,
+    first_replica,
+    launch_verdict,
+)
 
 log = logging.getLogger("phalanx.agent.ranks")
 MANIFEST = "ranks.json"
@@ -142,8 +150,12 @@ class Rank:
     slots: int
     replica_id: str
     process: asyncio.subprocess.Process | None = None  # None when adopted
-    stopping: bool = False
+    stop: StopReason | None = None  # why this agent stops it (None: it does not)
     watcher: asyncio.Task[None] | None = None
+
+    @property
+    def stopping(self) -> bool:
+        return self.stop is not None
 
 
 class RankSet:
@@ -400,13 +412,14 @@ class RankSet:
             del self.ranks[(entry.job_id, entry.rank)]
             self._save()
         self._exit_seen.set()
-        cause = cause or (ExitCause.STOPPED if entry.stopping else ExitCause.EXITED)
+        cause = cause or exit_cause(entry.stop)
         log.info("rank exited", extra={"job": entry.job_id, "rank": entry.rank,
                                        "exit_code": exit_code, "signal": signame,
                                        "cause": cause.value})
         exited = RankExited(job_id=entry.job_id, rank=entry.rank, node_id=self.node_id,
                             pid=entry.pid, cause=cause, exited_at=time.time(),
-                            exit_code=exit_code, signal=signame, replica_id=entry.replica_id)
+                            exit_code=exit_code, signal=signame, replica_id=entry.replica_id,
+                            with_agent=entry.stop is StopReason.AGENT)
         if exited.failed:  # its last output says why (an exception's traceback)
             exited = msgspec.structs.replace(
                 exited, detail=self.last_output(entry.job_id, entry.replica_id))
@@ -435,7 +448,7 @@ class RankSet:
         the job's other records are not held up, other jobs' launches wait for its slots)."""
         if entry.stopping:
             return  # leaving or stopping already
-        entry.stopping = True
+        entry.stop = StopReason.JOB
 
         async def leave() -> None:
             assert entry.watcher is not None
@@ -452,9 +465,11 @@ class RankSet:
         self._leaving.add(task)
         task.add_done_callback(self._leaving.discard)
 
-    async def stop(self, entry: Rank) -> None:
-        """SIGTERM the rank's process group, SIGKILL after its grace period; wait for exit."""
-        entry.stopping = True
+    async def stop(self, entry: Rank, reason: StopReason = StopReason.JOB) -> None:
+        """SIGTERM the rank's process group, SIGKILL after its grace period; wait for exit.
+        ``reason`` decides what its exit is reported as (:func:`~.core.exit_cause`)."""
+        if entry.stop is None or reason is StopReason.AGENT:
+            entry.stop = reason
         self._signal_group(entry, signal.SIGTERM)
         if entry.watcher is not None:
             try:
@@ -465,7 +480,10 @@ class RankSet:
                 await entry.watcher
 
     async def stop_all(self) -> None:
-        await asyncio.gather(*(self.stop(r) for r in list(self.ranks.values())))
+        """Stop every rank because this agent is shutting down: their jobs still want
+        them, so their exits are reported lost (:func:`~.core.exit_cause`)."""
+        await asyncio.gather(*(self.stop(r, StopReason.AGENT)
+                               for r in list(self.ranks.values())))
 
     async def drop(self, job_id: str) -> None:
         """Stop every rank of a job that is gone, and forget its launches."""
@@ -552,7 +570,7 @@ class RankSet:
                 loop.remove_reader(fd)
                 os.close(fd)
         await self._exited(entry, exit_code=None, signame=None,
-                           cause=ExitCause.STOPPED if entry.stopping else ExitCause.LOST)
+                           cause=exit_cause(entry.stop, status_known=False))
 
 
 def _utc_now() -> str:

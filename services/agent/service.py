@@ -149,11 +149,11 @@ class AgentService(Service):
         await self.ranks.adopt()
         ranks = self.ranks
         metrics.RANKS.set_function(lambda: len(ranks.ranks))
-        await self.bus.subscribe(subjects.job_states(), JobRecord, self.on_job_state)
-        jobs = await TypedKV.open(self.bus.js, subjects.JOBS_BUCKET, JobRecord)
-        self.jobs = jobs
+        # Both open before the first record arrives: reconciling one reads the generations.
+        self.jobs = await TypedKV.open(self.bus.js, subjects.JOBS_BUCKET, JobRecord)
         self.generations = await TypedKV.open(self.bus.js, subjects.GENERATIONS_BUCKET,
                                               Generation)
+        await self.bus.subscribe(subjects.job_states(), JobRecord, self.on_job_state)
         await self._sync_jobs()
         # Served once what was launched here is known and the first reconcile of every job
         # holds its lock: a launch request never races the start-up.
@@ -485,7 +485,9 @@ class AgentService(Service):
         self.record, self.revision = entry.value, entry.revision
 
     async def teardown(self) -> None:
-        """Deregister: a cleanly stopped node leaves the registry at once.
+        """Stop the ranks (reported lost: their jobs still want them) and deregister: a
+        cleanly stopped node leaves the registry at once, its snapshots freed — unless
+        the stop is a restart (``AgentConfig.stop_is_restart``), which keeps both.
 
         The delete is conditional on our last revision, so an agent that lost
         its id to another never removes the other's entry.
@@ -493,6 +495,10 @@ class AgentService(Service):
         await self.replicas.stop()
         if self.ranks is not None:
             await self.ranks.stop_all()
+        if self.config.stop_is_restart:
+            log.info("stopped for a restart: registry entry and snapshots kept",
+                     extra={"node": self.config.node_id})
+            return
         self.snapshots.clear()
         if self.nodes is None or self.record is None:
             return

@@ -46,7 +46,10 @@ to resume at, and why it changed (start, fault, join). A job runs in *slots*
   members cannot finish building a process group with a dead peer, so the
   next generation is decided at once.
 * **Replacements.** A failed replica's slot gets a new replica (unless its
-  node is lost, or the job's ``max_replacements`` are used up) as soon as the
+  node is lost, or the job's ``max_replacements`` are used up: that many
+  without the job committing a step beyond its high water between them, as
+  health's restart guard counts; progress gives the budget back, so a long
+  job that trains through faults is never starved of replacements) as soon as the
   survivors have applied the generation that dropped it (the runtime reports
   that after its first step in it), so its start-up (importing torch) does
   not compete with their recovery; at once if the job
@@ -71,9 +74,11 @@ to resume at, and why it changed (start, fault, join). A job runs in *slots*
   members behind it copy state from a peer that has it, and if none has it
   they refuse the generation instead of training again from scratch.
 * **History.** Every generation decided is kept in the job's history (the
-  latest ``HISTORY_LIMIT``) with when it was decided, and the pause it cost
-  the survivors: the longest any member reported applying it
-  (``GenerationApplied.pause_s``). The shell stores what
+  latest ``HISTORY_LIMIT``) with when it was decided, the resume step this
+  core estimated then, the step its members actually resumed after (the
+  first ``GenerationApplied.resume_step`` reported, a member of a superseded
+  generation's included), and the pause it cost the survivors: the longest
+  any member reported applying it (``GenerationApplied.pause_s``). The shell stores what
   :meth:`ElasticityCore.take_histories` returns (each job whose history, or
   count of replacements launched, changed) where users read it
   (``phalanx job``).
@@ -104,6 +109,7 @@ from phalanx.schemas.messages import (
     GenerationRecord,
     JobHistory,
     Member,
+    StateSource,
 )
 
 # --- events --------------------------------------------------------------------------------
@@ -150,6 +156,8 @@ class GenerationApplied:
     committed_step: int
     event_id: str = ""
     pause_s: float | None = None  # what the change cost this member (None: a joiner)
+    resume_step: int | None = None  # the step the members agreed to resume after
+    restored_from: StateSource | None = None  # where the members' state came from
 
 
 @dataclasses.dataclass(frozen=True)
@@ -249,6 +257,7 @@ class JobMembership:
     slots: dict[int, str]  # slot -> node
     replacements_left: int
     current: Generation | None = None  # None until generation 0 forms
+    replacement_budget: int | None = None  # replacements_left again after progress
     replicas: dict[str, Replica] = dataclasses.field(default_factory=dict)  # members + ready
     launched: dict[str, int] = dataclasses.field(default_factory=dict)  # not yet ready: slot
     forming: set[str] = dataclasses.field(default_factory=set)  # generation 0 waits for these
@@ -375,12 +384,16 @@ class ElasticityCore:
             case ReplicaReady():
                 self._ready(job, event)
             case GenerationApplied():
+                _record_resumed(job, event)
                 if job.current is not None and event.generation == job.current.generation \
                         and event.replica_id in job.members:
                     job.applied.add(event.replica_id)
                     job.committed[event.replica_id] = max(
                         event.committed_step, job.committed.get(event.replica_id, 0))
-                    job.high_water = max(job.high_water, event.committed_step)
+                    if event.committed_step > job.high_water:
+                        job.high_water = event.committed_step
+                        if job.replacement_budget is not None:
+                            job.replacements_left = job.replacement_budget
                     if not job.in_flight:
                         job.departing.clear()  # the leave is done: the leavers are gone
                     last = job.history[-1] if job.history else None
@@ -411,6 +424,17 @@ class ElasticityCore:
                     f"{self.wait_timeout_s:g} s"), "wait-timeout"))
         return decisions
 
+    def awaits(self, launch: LaunchReplacement) -> bool:
+        """Does this core still wait for ``launch``'s replica to start (its job runs, the
+        replica is expected in that slot on that node and has not reported ready)? The
+        shell repeats a launch request that got no answer until this is False: an agent
+        restarting with the cluster answers only once it is up, and a replacement asked
+        of it meanwhile must not be lost (agents launch a replica id at most once)."""
+        job = self.jobs.get(launch.job_id)
+        return job is not None and not job.complete \
+            and job.launched.get(launch.replica_id) == launch.slot \
+            and job.slots.get(launch.slot) == launch.node_id
+
     def restore(self, data: bytes) -> str:
         """Take back one job's state from its :func:`snapshot`; returns the job id.
 
@@ -439,11 +463,11 @@ class ElasticityCore:
     def _admitted(self, event: JobAdmitted) -> None:
         if not 1 <= event.min_members <= event.max_members:
             raise ValueError(f"need 1 <= min <= max, got {event.min_members}..{event.max_members}")
+        budget = self.max_replacements if event.max_replacements is None \
+            else event.max_replacements
         self.jobs[event.job_id] = JobMembership(event.job_id, event.min_members,
                                                 event.max_members, dict(event.slots),
-                                                self.max_replacements
-                                                if event.max_replacements is None
-                                                else event.max_replacements,
+                                                budget, replacement_budget=budget,
                                                 sizes=list(event.sizes))
 
     def _unmanaged(self, job: JobMembership, event: Event, now: float) -> list[Decision]:
@@ -716,9 +740,28 @@ _SNAPSHOT_DECODER = msgspec.msgpack.Decoder(JobMembership)
 
 
 def _history_mark(job: JobMembership) -> tuple:
-    """What a stored history says, for telling whether it changed."""
+    """What a stored history says, for telling whether it changed (a generation's
+    resumed step can come after the next one is decided: each one's counts)."""
     last = job.history[-1] if job.history else None
-    return (None if last is None else (last.generation, last.pause_s), job.replaced)
+    return (None if last is None else (last.generation, last.pause_s),
+            tuple(g.applied_resume_step for g in job.history), job.replaced)
+
+
+def _record_resumed(job: JobMembership, event: GenerationApplied) -> None:
+    """Keep in the history the step the members of ``event``'s generation resumed after,
+    from the first report of it (they all agreed on it when they applied it)."""
+    if event.resume_step is None:
+        return
+    for i in range(len(job.history) - 1, -1, -1):
+        record = job.history[i]
+        if record.generation == event.generation:
+            if record.applied_resume_step is None:
+                job.history[i] = msgspec.structs.replace(
+                    record, applied_resume_step=event.resume_step,
+                    restored_from=event.restored_from)
+            return
+        if record.generation < event.generation:
+            return
 
 
 def _allowed(job: JobMembership, members: int, ready: list[str]) -> list[str]:

@@ -53,6 +53,7 @@ from collections.abc import Callable
 
 from phalanx.bus import telemetry
 from phalanx.bus.config import BusConfig
+from phalanx.bus.errors import NoResponders, RequestTimeout
 from phalanx.bus.kv import Change, TypedKV
 from phalanx.bus.stream import EventReader, StreamEvent, ensure_job_events
 from phalanx.schemas import subjects
@@ -84,6 +85,9 @@ from phalanx.services.lease import Leadership
 
 log = logging.getLogger("phalanx.elasticity")
 AGENT_TIMEOUT_S = 10.0
+#: The first and the longest pause before a launch request that got no answer is repeated.
+RETRY_FIRST_S = 0.5
+RETRY_MAX_S = 5.0
 LEASE_KEY = "elasticity"
 SNAPSHOT_FORMAT = 1
 CURSOR_EVERY_S = 1.0
@@ -296,7 +300,14 @@ class ElasticityService(Service):
         self.spawn(self._to_agent(decision), f"agent {decision.replica_id}")
 
     async def _to_agent(self, decision: core.LaunchReplacement | core.StopReplica) -> None:
-        """Ask the slot's agent to start (or stop) a replica; a failure is logged."""
+        """Ask the slot's agent to start (or stop) a replica; a failure is logged.
+
+        A launch that gets no answer (no agent listens yet: the cluster is restarting; or
+        it is too busy to answer) is asked again, backing off up to
+        :data:`RETRY_MAX_S`, for as long as this instance leads and its core still waits
+        for the replica (:meth:`~.core.ElasticityCore.awaits`); the agent's answer,
+        whatever it is, ends it (a repeated launch starts nothing twice).
+        """
         assert self.bus is not None
         request: LaunchReplica | StopReplica
         if isinstance(decision, core.LaunchReplacement):
@@ -309,12 +320,26 @@ class ElasticityService(Service):
             subject = subjects.agent_stop(decision.node_id)
         context = {"job": decision.job_id, "replica": decision.replica_id,
                    "node": decision.node_id, "request": type(request).__name__}
-        try:
-            reply = await self.bus.request(subject, request, ReplicaReply,
-                                           timeout_s=AGENT_TIMEOUT_S)
-        except PhalanxError as exc:
-            log.warning("agent request failed", extra={**context, "error": str(exc)})
-            return
+        pause = RETRY_FIRST_S
+        while True:
+            try:
+                reply = await self.bus.request(subject, request, ReplicaReply,
+                                               timeout_s=AGENT_TIMEOUT_S)
+                break
+            except (NoResponders, RequestTimeout) as exc:
+                term = self.term
+                if not isinstance(decision, core.LaunchReplacement) or term is None \
+                        or not term.core.awaits(decision):
+                    log.warning("agent request failed", extra={**context, "error": str(exc)})
+                    return
+                log.info("agent request unanswered; asking again",
+                         extra={**context, "error": str(exc), "in_s": pause})
+            except PhalanxError as exc:
+                log.warning("agent request failed", extra={**context, "error": str(exc)})
+                return
+            if await self.sleep_or_stop(pause):
+                return
+            pause = min(RETRY_MAX_S, 2 * pause)
         log.info("agent request done", extra={**context, "detail": reply.detail})
 
     async def _requeue(self, decision: core.Requeue) -> None:
@@ -356,7 +381,8 @@ def _event(event: StreamEvent) -> core.MemberFailed | core.ReplicaReady | core.G
             return core.GenerationApplied(msg.job_id, msg.generation, msg.replica_id,
                                           msg.committed_step,
                                           event_id=f"applied:{msg.replica_id}",
-                                          pause_s=msg.pause_s)
+                                          pause_s=msg.pause_s, resume_step=msg.resume_step,
+                                          restored_from=msg.restored_from)
         case RankExited() as msg:
             if msg.replica_id is None:
                 return None

@@ -37,12 +37,22 @@ and the nodes that send heartbeats, and turns what it hears into faults:
    every watched job on it that has not exited, departing ranks included (see
    *Departing*). A node never heard from is not judged. When its heartbeats
    resume it is alive again, without new faults.
-6. **Cordon.** Every infrastructure fault (see 8) is charged to its node (a
-   node loss once, however many ranks it takes down) at the moment it
+6. **Cordon.** A cordon needs evidence against the node, not against the
+   job. Every infrastructure fault (see 8) and straggler is charged to its
+   node (a node loss once, however many ranks it takes down) at the moment it
    happened, unless the node was under injected chaos then
-   (:class:`ChaosInjected`); a node charged ``cordon_faults`` times within
+   (:class:`ChaosInjected`). A charge is judged once ``cordon_spread_s`` has
+   passed after it (strictly, like a timeout), when the job's other faults of
+   that moment are in: a fault of a job whose faults within
+   ``cordon_spread_s`` of it (either side) struck at least two of its nodes,
+   more than half of the nodes it runs on, is the job's (every rank killed
+   from outside, the script's own bug, a hang that stalls every rank) and
+   says nothing about the node; any other charge, and every node loss, is
+   evidence. A node with ``cordon_faults`` pieces of evidence within
    ``cordon_window_s`` is cordoned (once), until it is uncordoned, which also
-   forgets its faults.
+   forgets its evidence and its charges not yet judged. (Before, every charge
+   was evidence at once: a 4-rank job on two nodes killed whole twice, 15 s
+   apart, cordoned both.)
 
 7. **Blindness.** While the detector cannot hear (between :class:`WatchLost`
    and :class:`WatchResumed`: its bus connection is down) it judges no
@@ -52,10 +62,12 @@ and the nodes that send heartbeats, and turns what it hears into faults:
 8. **Restart policy.** Each crash, hang or node-lost fault of a rank is
    charged to its job's :class:`~phalanx.services.health.policy.RestartBudget`
    (the job's ``restart_policy``, kept across new placements of the same
-   admission): within it, the fault is raised (marked ``application`` when
-   the script failed by itself); past it, the job fails instead
-   (:class:`FailJob`, with the policy's reason code and the rank's error) and
-   is no longer watched.
+   admission), with the restart round the rank was started in (noted at its
+   start or placement) and the job's step: within it, the fault is raised
+   (marked ``application`` when the script failed by itself); past it, the job
+   fails instead (:class:`FailJob`, with the policy's reason code and the
+   rank's error) and is no longer watched. Every step a rank reports goes to
+   the budget too: progress ends a streak of restarts.
 9. **Progress.** Each job's step, total steps and step rate are tracked from its
    ranks' reports (:class:`~phalanx.services.health.progress.StepTrack`, kept
    across new placements of the same admission like the budget), and
@@ -100,7 +112,13 @@ import statistics
 import msgspec
 
 from phalanx.schemas.errors import ConfigError
-from phalanx.schemas.messages import FaultKind, JobProgress, ReasonCode, RestartPolicy
+from phalanx.schemas.messages import (
+    DETAIL_CHARS,
+    FaultKind,
+    JobProgress,
+    ReasonCode,
+    RestartPolicy,
+)
 from phalanx.services.health.policy import Failure, RestartBudget, classify_exit
 from phalanx.services.health.progress import StepTrack
 
@@ -122,9 +140,13 @@ class HealthPolicy:
     """A node charged with this many faults ..."""
     cordon_window_s: float = 300.0
     """... within this many seconds is cordoned."""
+    cordon_spread_s: float = 5.0
+    """A fault of a job whose faults struck most of its nodes within this many seconds of
+    it is the job's, not its node's; a charge is judged this long after it happened."""
 
     def __post_init__(self) -> None:
-        for name in ("node_timeout_s", "straggler_factor", "cordon_window_s"):
+        for name in ("node_timeout_s", "straggler_factor", "cordon_window_s",
+                     "cordon_spread_s"):
             value = getattr(self, name)
             if (isinstance(value, bool) or not isinstance(value, int | float)
                     or not math.isfinite(value) or value <= 0):
@@ -185,7 +207,8 @@ class RankStarted:
 @dataclasses.dataclass(frozen=True)
 class RankExited:
     """A rank's process ended; ``cause`` is ``exited``, ``stopped``, ``lost`` or
-    ``launch_failed``; ``detail`` is its error or last output, when it failed."""
+    ``launch_failed``; ``detail`` is its error or last output, when it failed;
+    ``with_agent``: stopped as its agent shut down (no evidence against the node)."""
 
     job_id: str
     rank: int
@@ -195,6 +218,7 @@ class RankExited:
     cause: str
     replica_id: str | None = None
     detail: str = ""
+    with_agent: bool = False
 
     def __post_init__(self) -> None:
         if self.cause not in EXIT_CAUSES:
@@ -348,6 +372,7 @@ class RankHealth:
     slow_reports: int = 0
     straggler_raised: bool = False
     queued: bool = False  # has an entry in the deadline heap
+    round: int = 0  # the job's restart round when this rank was started (or placed)
 
 
 @dataclasses.dataclass(eq=False)
@@ -377,8 +402,21 @@ class NodeHealth:
     cordoned: bool = False
     chaos_until: float = -math.inf  # faults until then are injected, not the node's
     faults: collections.deque[tuple[float, FaultKind]] = dataclasses.field(
-        default_factory=collections.deque)  # charged at, oldest first; pruned to the window
+        default_factory=collections.deque)  # evidence, by when; oldest first; pruned to the window
     queued: bool = False
+    uncordons: int = 0  # how often it was uncordoned: a charge made before one is forgotten
+
+
+@dataclasses.dataclass(frozen=True)
+class Charge:
+    """A fault charged to a node, judged ``cordon_spread_s`` after it happened."""
+
+    node_id: str
+    at: float
+    kind: FaultKind
+    job_id: str | None  # None: the node's own loss, evidence whatever else happened
+    job_nodes: int  # how many nodes the job ran on then
+    uncordons: int  # the node's uncordon count then
 
 
 class HealthCore:
@@ -395,6 +433,10 @@ class HealthCore:
         self._heap: list[tuple[float, tuple[int, str, int], int, RankHealth | NodeHealth]] = []
         self._seq = 0
         self._changed: set[str] = set()  # jobs whose lasting part changed since taken
+        # Charges to judge, by (when judged, seq); and every job's faults, (when, job, node),
+        # oldest first, kept as long as a charge may still be judged against them.
+        self._charges: list[tuple[float, int, Charge]] = []
+        self._struck: collections.deque[tuple[float, str, str]] = collections.deque()
         self.blind = False  # between WatchLost and WatchResumed: no timeout is judged
         self._last_progress: list[JobProgress] = []  # of jobs that ended since taken
 
@@ -436,6 +478,7 @@ class HealthCore:
                 if node is not None:
                     node.cordoned = False
                     node.faults.clear()
+                    node.uncordons += 1
             case ChaosInjected():
                 node = self._node(event.node_id)
                 node.chaos_until = max(node.chaos_until, event.until)
@@ -474,13 +517,15 @@ class HealthCore:
         job = JobHealth(stored.job_id, stored.nodes, stored.hang_timeout_s, stored.slots,
                         budget=RestartBudget(stored.restart_policy, stored.restarts,
                                              stored.app_failures,
-                                             collections.deque(stored.recent_restarts)),
+                                             collections.deque(stored.recent_restarts),
+                                             stored.restart_round, stored.stalled_step,
+                                             knows_step=False),
                         completed=stored.completed, final_step=stored.final_step)
         for rank in stored.ranks:
             into = job.departing if rank.departing else job.ranks
             into[rank.rank] = RankHealth(job, rank.rank, rank.node_id, rank.replica_id,
                                          rank.exit, rank.reporting, hang_since=now,
-                                         done=rank.done)
+                                         done=rank.done, round=rank.round)
         self.jobs[job.job_id] = job
         for rank in job.ranks.values():
             self._arm(rank)
@@ -491,13 +536,18 @@ class HealthCore:
         return self._due(self._advance(now))
 
     def next_deadline(self) -> float | None:
-        """The earliest deadline of a judged rank or node; None when nothing is timed.
+        """The earliest deadline of a judged rank or node, or of a node's charge to judge;
+        None when nothing is timed.
 
         A timeout fires strictly after its deadline, so :meth:`tick` at exactly this
-        time decides nothing yet and any later tick decides it.
+        time decides nothing yet and any later tick decides it (a charge that turns out
+        to be no evidence, or not enough, decides nothing even then).
         """
         entry = self._peek()
-        return None if entry is None else entry[0]
+        deadlines = [entry[0]] if entry is not None else []
+        if self._charges:
+            deadlines.append(self._charges[0][0])
+        return min(deadlines, default=None)
 
     # --- events -------------------------------------------------------------------------
 
@@ -518,7 +568,7 @@ class HealthCore:
                     rank.job = job
                     job.departing[slot] = rank
         job.budget.policy = event.restart_policy
-        job.ranks = {slot: RankHealth(job, slot, node_id)
+        job.ranks = {slot: RankHealth(job, slot, node_id, round=job.budget.round)
                      for slot, node_id in zip(slots, job.nodes, strict=True)}
         self.jobs[event.job_id] = job  # old rank entries in the heap are stale now
         self._changed.add(event.job_id)
@@ -544,7 +594,8 @@ class HealthCore:
         old = None if job is None else job.ranks.get(event.rank)
         if old is not None:
             old.job.ranks[event.rank] = RankHealth(old.job, event.rank, event.node_id,
-                                                   event.replica_id)
+                                                   event.replica_id,
+                                                   round=old.job.budget.round)
             self._changed.add(event.job_id)
 
     def _exited(self, event: RankExited, now: float) -> list[Decision]:
@@ -577,8 +628,9 @@ class HealthCore:
                            _crash_detail(event), event.exit_code, event.signal,
                            rank.replica_id)
         decisions = self._failure(rank, failure, now, fault)
-        if failure is Failure.INFRASTRUCTURE:  # the script's own failures are no node's
-            decisions += self._charge(event.node_id, now, FaultKind.CRASH)
+        # The script's own failures are no node's, nor is its agent's orderly shutdown.
+        if failure is Failure.INFRASTRUCTURE and not event.with_agent:
+            self._charge(event.node_id, now, FaultKind.CRASH, job)
         if self.jobs.get(job.job_id) is job:
             decisions += self._finish_if_done(job)
         return decisions
@@ -589,8 +641,14 @@ class HealthCore:
         repaired, or, past the budget, the job's end."""
         job = rank.job
         self._changed.add(job.job_id)
+        node = self.nodes.get(rank.node_id)
+        if node is None or at > node.chaos_until:
+            # An injected fault is no evidence, neither against its node nor for a fault
+            # that struck the whole job (which would clear a real one beside it).
+            self._strike(job.job_id, rank.node_id, at)
         what = f"{rank.replica_id or f'rank {rank.rank}'} on {rank.node_id}: {fault.detail}"
-        verdict = job.budget.charge(failure, at, what)
+        verdict = job.budget.charge(failure, at, what, started_in=rank.round,
+                                    step=max(job.track.step, job.final_step or 0))
         if verdict is not None:
             del self.jobs[job.job_id]
             self._last_progress.append(_progress(job, at))
@@ -612,6 +670,8 @@ class HealthCore:
         rank = self._rank(event.job_id, event.rank)
         if rank is None or rank.exit is not None:
             return []
+        if rank.job.budget.progressed(event.step):  # a streak of restarts ended
+            self._changed.add(event.job_id)
         if rank.job.departing.get(rank.rank) is rank:  # counts for the job's step, no more
             if rank.job.track.reported(event.step, event.total_steps, now):
                 rank.job.progress_due = True
@@ -655,7 +715,9 @@ class HealthCore:
                   f"{len(others)} rank(s), for {rank.slow_reports} reports in a row")
         fault = RaiseFault(rank.job.job_id, FaultKind.STRAGGLER, rank.node_id, rank.rank, detail,
                            replica_id=rank.replica_id)
-        return [fault, *self._charge(rank.node_id, now, FaultKind.STRAGGLER)]
+        self._strike(rank.job.job_id, rank.node_id, now)
+        self._charge(rank.node_id, now, FaultKind.STRAGGLER, rank.job)
+        return [fault]
 
     def _heartbeat(self, node_id: str, now: float) -> list[Decision]:
         node = self._node(node_id)
@@ -721,17 +783,26 @@ class HealthCore:
         return None
 
     def _due(self, now: float) -> list[Decision]:
+        """Timeouts and charges to judge due by ``now``, in time order (a timeout first
+        on a tie: a fault at the very edge of a charge's spread counts for it)."""
         decisions: list[Decision] = []
         if self.blind:
             return decisions
-        while (entry := self._peek()) is not None and entry[0] < now:
-            at, _, _, item = heapq.heappop(self._heap)
-            item.queued = False
-            if isinstance(item, NodeHealth):
-                decisions += self._lose(item, at)
+        while True:
+            entry = self._peek()
+            timeout = entry[0] if entry is not None and entry[0] < now else math.inf
+            charge = self._charges[0][0] if self._charges else math.inf
+            if charge < now and charge < timeout:
+                decisions += self._judge(heapq.heappop(self._charges)[2])
+            elif timeout < now:
+                at, _, _, item = heapq.heappop(self._heap)
+                item.queued = False
+                if isinstance(item, NodeHealth):
+                    decisions += self._lose(item, at)
+                else:
+                    decisions += self._hang(item, at)
             else:
-                decisions += self._hang(item, at)
-        return decisions
+                return decisions
 
     def _hang(self, rank: RankHealth, at: float) -> list[Decision]:
         rank.hang_raised = True
@@ -742,8 +813,9 @@ class HealthCore:
                   f"{job.hang_timeout_s:g} s {after}")
         fault = RaiseFault(job.job_id, FaultKind.HANG, rank.node_id, rank.rank, detail,
                            replica_id=rank.replica_id)
-        return [*self._failure(rank, Failure.INFRASTRUCTURE, at, fault),
-                *self._charge(rank.node_id, at, FaultKind.HANG)]
+        decisions = self._failure(rank, Failure.INFRASTRUCTURE, at, fault)
+        self._charge(rank.node_id, at, FaultKind.HANG, job)
+        return decisions
 
     def _lose(self, node: NodeHealth, at: float) -> list[Decision]:
         node.lost = True
@@ -759,7 +831,8 @@ class HealthCore:
                                f"rank {rank.rank}'s node {node.node_id} was lost: {why}",
                                replica_id=rank.replica_id)
             decisions += self._failure(rank, Failure.INFRASTRUCTURE, at, fault)
-        return decisions + self._charge(node.node_id, at, FaultKind.NODE_LOST)
+        self._charge(node.node_id, at, FaultKind.NODE_LOST, None)
+        return decisions
 
     # --- nodes and cordons --------------------------------------------------------------
 
@@ -776,10 +849,45 @@ class HealthCore:
                 for r in [*job.ranks.values(), *job.departing.values()]
                 if r.node_id == node_id and r.exit is None]
 
-    def _charge(self, node_id: str, at: float, kind: FaultKind) -> list[Decision]:
+    def _strike(self, job_id: str, node_id: str, at: float) -> None:
+        """Note a fault of ``job_id`` on ``node_id`` (faults come in time order)."""
+        struck = self._struck
+        struck.append((at, job_id, node_id))
+        # The charges still to judge look back a spread from their own time: from the
+        # oldest of them, or (none) from a charge this fault's may yet bring.
+        spread = self.policy.cordon_spread_s
+        oldest = self._charges[0][2].at if self._charges else at
+        while struck[0][0] < min(oldest, at - spread) - spread:
+            struck.popleft()
+
+    def _charge(self, node_id: str, at: float, kind: FaultKind,
+                job: JobHealth | None) -> None:
+        """Charge a fault at ``at`` to its node (``job``: None for the node's own loss), to
+        be judged once the job's faults of that moment are in."""
         node = self._node(node_id)
         if at <= node.chaos_until:
-            return []  # injected on purpose: says nothing about the node
+            return  # injected on purpose: says nothing about the node
+        nodes = 0 if job is None else len({r.node_id for r in [*job.ranks.values(),
+                                                               *job.departing.values()]})
+        self._seq += 1
+        heapq.heappush(self._charges, (at + self.policy.cordon_spread_s, self._seq, Charge(
+            node_id, at, kind, None if job is None else job.job_id, nodes, node.uncordons)))
+
+    def _judge(self, charge: Charge) -> list[Decision]:
+        """A charge whose spread has passed: evidence against its node, or the job's."""
+        node = self.nodes[charge.node_id]
+        if node.uncordons != charge.uncordons:
+            return []  # forgotten by an uncordon
+        if charge.job_id is not None:
+            spread = self.policy.cordon_spread_s
+            struck = {n for t, j, n in self._struck
+                      if j == charge.job_id and abs(t - charge.at) <= spread}
+            if len(struck) >= 2 and 2 * len(struck) > charge.job_nodes:
+                return []  # it struck most of the job's nodes alike: the job's, not the node's
+        return self._evidence(node, charge.at, charge.kind)
+
+    def _evidence(self, node: NodeHealth, at: float, kind: FaultKind) -> list[Decision]:
+        node_id = node.node_id
         faults = node.faults
         faults.append((at, kind))
         window = self.policy.cordon_window_s
@@ -823,7 +931,17 @@ class HealthCore:
             assert times == sorted(times), f"{node_id} faults out of order"
             assert not times or times[-1] - times[0] <= policy.cordon_window_s
             assert not times or times[-1] <= self.now
+            assert node.uncordons >= 0
             live.add(id(node))
+        struck = [t for t, _, _ in self._struck]
+        assert struck == sorted(struck), "job faults out of order"
+        assert not struck or struck[-1] <= self.now
+        for due, _, charge in self._charges:
+            assert charge.node_id in self.nodes, f"a charge to unknown {charge.node_id}"
+            assert due == charge.at + policy.cordon_spread_s and charge.at <= self.now
+            assert self.blind or due >= self.now, f"{charge!r} is overdue"
+            assert charge.job_id is None or (charge.at, charge.job_id, charge.node_id) \
+                in self._struck, f"{charge!r}: its own fault is no longer kept"
         entries: collections.Counter[int] = collections.Counter()
         for at, _, _, item in self._heap:
             if id(item) in live:
@@ -857,6 +975,7 @@ class RankSnapshot:
     reporting: bool
     done: bool = False
     departing: bool = False
+    round: int = 0  # the restart round it was started in
 
 
 @dataclasses.dataclass(frozen=True)
@@ -871,9 +990,11 @@ class JobSnapshot:
     restart_policy: RestartPolicy = DEFAULT_RESTART_POLICY
     restarts: int = 0
     app_failures: int = 0
-    recent_restarts: tuple[float, ...] = ()
+    recent_restarts: tuple[float, ...] = ()  # the rounds of the streak without progress
     completed: bool = False
     final_step: int | None = None
+    restart_round: int = 0
+    stalled_step: int = 0  # the job's step when the latest round began
 
 
 class SnapshotError(ValueError):
@@ -886,10 +1007,10 @@ def snapshot(job: JobHealth) -> bytes:
     return _SNAPSHOT_ENCODER.encode(JobSnapshot(
         job.job_id, job.nodes, job.hang_timeout_s, job.slots,
         tuple(RankSnapshot(r.rank, r.node_id, r.replica_id, r.exit, r.reporting, r.done,
-                           departing=r.rank not in job.ranks)
+                           departing=r.rank not in job.ranks, round=r.round)
               for r in [*job.ranks.values(), *job.departing.values()]),
-        budget.policy, budget.restarts, budget.app_failures, tuple(budget.recent),
-        job.completed, job.final_step))
+        budget.policy, budget.restarts, budget.app_failures, tuple(budget.stalled),
+        job.completed, job.final_step, budget.round, budget.step))
 
 
 _SNAPSHOT_ENCODER = msgspec.msgpack.Encoder()
@@ -920,4 +1041,17 @@ def _crash_detail(event: RankExited) -> str:
         what = f"rank {event.rank} exited with an unknown status"
     else:
         what = f"rank {event.rank} exited with code {event.exit_code}"
-    return f"{what}; its last output:\n{event.detail}" if event.detail else what
+    output = event.detail.rstrip()
+    if not output:
+        return what
+    # The error is the output's last line (an exception's, a "can't open file"): it goes on
+    # the first line too, which is all that one-line views show (phalanx top, a
+    # generation's cause). The output is cut at its start to keep the fault's detail
+    # within DETAIL_CHARS, so the error is never what is lost.
+    error = output.splitlines()[-1].strip()
+    head = f"{what}: {error[:_ERROR_CHARS]}; its last output:\n"
+    return head + output[max(0, len(output) - (DETAIL_CHARS - len(head))):]
+
+
+#: The most of a rank's error line that the first line of its crash detail quotes.
+_ERROR_CHARS = 500

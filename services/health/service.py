@@ -250,7 +250,8 @@ class HealthService(Service):
                         assert isinstance(msg, RankExited)
                         happened = core.RankExited(msg.job_id, msg.rank, msg.node_id,
                                                    msg.exit_code, msg.signal, msg.cause.value,
-                                                   msg.replica_id, msg.detail)
+                                                   msg.replica_id, msg.detail,
+                                                   msg.with_agent)
                         occurred_at = msg.exited_at
                     await self._handle(term, happened, event.seq, occurred_at=occurred_at)
                     term.handled = event.seq

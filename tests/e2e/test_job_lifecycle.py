@@ -4,7 +4,10 @@ The everyday mistakes of issue 11: a command that does not exist, a script that 
 a script that dies at exit after its training completed, and faults injected with
 ``phalanx chaos`` — each must end the job the way its restart policy says, with the
 reason where the user looks (``phalanx job``, ``phalanx logs``), its slots freed, and
-no node cordoned for what was not the node's fault.
+no node cordoned for what was not the node's fault. And what the CLI says of a job
+is what happened (issue 24): its history's resume steps are those in the ranks' own
+records, an ended job places no replicas, and the commands after ``phalanx up`` find
+its cluster without ``--data-dir``.
 
 Marked slow: each test starts a whole local cluster (NATS, services, two agents).
 """
@@ -23,6 +26,7 @@ from pathlib import Path
 import pytest
 from e2e_cli import phalanx
 
+from phalanx.runtime import record
 from phalanx.services.agent.ranks import running_in_manifest
 
 pytestmark = pytest.mark.slow
@@ -111,8 +115,12 @@ def test_an_exception_fails_the_job_with_its_last_line_and_cordons_nothing(
                     extra="restart_policy: {max_app_failures: 0}\n")
     row = until(where, job_id, {"failed", "finished", "cancelled"})
     assert row["state"] == "failed" and row["reason_code"] == "app_failed", row
-    assert "RuntimeError: loss is nan at step 5" in row["reason"]
+    # The rank's error as its log ends, on the reason's first line too (one-line views).
+    last = phalanx("logs", job_id, "--rank", "0", *where).stdout.rstrip().splitlines()[-1]
+    assert last == "RuntimeError: loss is nan at step 5"
+    assert last in row["reason"].splitlines()[0] and last in row["reason"].splitlines()[-1]
     assert "max_app_failures 0" in row["reason"]
+    assert row["replicas"] == 0
     assert not any(n["cordoned"] for n in nodes(where).values())
 
 
@@ -196,3 +204,37 @@ def test_a_replacement_that_raises_again_fails_the_job_after_max_app_failures(
     logs = phalanx("logs", job_id, "--replica", "r1-0", *where).stdout
     assert "RuntimeError: r1-0 diverged" in logs
     assert not any(n["cordoned"] for n in nodes(where).values())
+
+
+def test_the_history_says_what_the_ranks_resumed_after(cluster, tmp_path: Path) -> None:
+    """Issue 24: the CLI showed elasticity's estimate when it decided (step 1) where the
+    ranks resumed after step 19. Compared here with the ranks' own records."""
+    data, rec = tmp_path / "data", tmp_path / "rec"
+    widths = "8,16,8"
+    subprocess.run([sys.executable, str(EXAMPLES / "train_mlp.py"), "--prepare", "--data-dir",
+                    str(data), "--widths", widths, "--samples", "256"], check=True)
+    command = [sys.executable, str(EXAMPLES / "train_mlp.py"), "--data-dir", str(data),
+               "--widths", widths, "--samples", "256", "--global-batch", "32",
+               "--micro-batch", "8", "--steps", "40"]
+    env = {"PHALANX_RECORD_DIR": str(rec), "PHALANX_CHAOS_KILL": "r1-0:20:boundary"}
+    spec = tmp_path / "resume.yaml"
+    spec.write_text("name: resume\nteam: t\npriority_class: normal\n"
+                    "replicas: {min: 1, max: 2}\n"
+                    f"command: {json.dumps(command)}\nenv: {json.dumps(env)}\n")
+    # Submitted, watched and read without --data-dir: `phalanx up` left where it is.
+    job_id = json.loads(phalanx("submit", str(spec), "--json").stdout)["job_id"]
+    row = until((), job_id, {"failed", "finished", "cancelled"}, timeout_s=120)
+    assert row["state"] == "finished", row
+    assert row["replicas"] == 0
+    resumed = {}  # generation -> the step its members resumed after, by their records
+    for lines in record.read(rec).values():
+        for line in lines:
+            if line["kind"] == "generation":
+                assert resumed.setdefault(line["generation"], line["resume"]) \
+                    == line["resume"], line
+    history = {g["generation"]: g for g in row["history"]}
+    assert resumed.get(1, 0) >= 19, resumed  # r1-0 died at step 20: a fault generation
+    reported = {g: h["resume_step"] for g, h in history.items()
+                if h["resume_source"] == "members"}
+    assert 1 in reported
+    assert reported == {g: resumed[g] for g in reported}, (reported, resumed)

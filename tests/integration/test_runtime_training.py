@@ -27,10 +27,12 @@ from phalanx.runtime import record
 from phalanx.schemas import subjects
 from phalanx.schemas.messages import (
     Generation,
+    GenerationApplied,
     GenerationReason,
     Member,
     RankProgress,
     ReplicaReady,
+    StateSource,
 )
 from phalanx.services.natsd import NatsServer
 
@@ -121,7 +123,8 @@ class Job:
                 await self.changed.wait()
         await asyncio.wait_for(check(), 120)
 
-    async def publish(self, replicas: list[str], reason: GenerationReason) -> None:
+    async def publish(self, replicas: list[str], reason: GenerationReason,
+                      resume_step: int = 0) -> None:
         await self.until(lambda: all(r in self.ready for r in replicas))
         self.generation += 1
         members = [Member(replica_id=r, rank=i, node_id="n", endpoint=self.ready[r].endpoint)
@@ -129,7 +132,7 @@ class Job:
         await self.bus.publish(subjects.job_generation(self.uid), Generation(
             job_id=self.uid, generation=self.generation, members=members,
             world_size=len(members), rendezvous=f"{self.uid}-g{self.generation}",
-            resume_step=0, reason=reason))
+            resume_step=resume_step, reason=reason))
 
     async def exit_codes(self) -> dict[str, int]:
         return {r: await asyncio.wait_for(p.wait(), 240) for r, p in self.processes.items()}
@@ -208,3 +211,41 @@ async def test_the_lr_schedule_and_registered_state_arrive_intact_in_a_joiner(
     assert len(adopted) == 1 and 20 <= adopted[0]["step"] < steps
     for replica in ("r0-0", "r1-0", "r2-0"):
         assert_same_state(job.result(replica), reference)
+
+
+async def test_a_job_whose_every_holder_of_its_state_died_goes_on_from_the_start_and_says_so(
+        tmp_path: Path, data: Path, nats_server: NatsServer, bus: Bus, uid: str) -> None:
+    """No snapshots, every member killed: nothing holds the step the job reached, so the
+    replacements train again from the initial state (as a restart would), report where the
+    state came from, and end as the run alone does."""
+    args = ["--steps", "60", "--clip", "1.0"]
+    reference = alone(data, tmp_path / "alone", *args)
+    applied: list[GenerationApplied] = []
+
+    async def on_applied(message: GenerationApplied, _: Delivery) -> None:
+        applied.append(message)
+
+    await bus.subscribe(subjects.generation_applied(uid), GenerationApplied, on_applied)
+    async with Job(bus, nats_server, uid, tmp_path, data, *args) as job:
+        for slot, replica in enumerate(["r0-0", "r1-0"]):
+            await job.start(replica, slot, {"PHALANX_CHAOS_PACE": f"0.05:{tmp_path / 'go'}"})
+        await job.publish(["r0-0", "r1-0"], GenerationReason.START)
+        await job.until(lambda: job.step >= 10)
+        reached = job.step
+        for replica in ("r0-0", "r1-0"):
+            job.processes[replica].kill()
+            await job.processes[replica].wait()
+        for slot, replica in enumerate(["r0-1", "r1-1"]):
+            await job.start(replica, slot)
+        await job.publish(["r0-1", "r1-1"], GenerationReason.FAULT, resume_step=reached)
+        codes = await job.exit_codes()
+    assert codes == {"r0-0": -9, "r1-0": -9, "r0-1": 0, "r1-1": 0}, codes
+    for replica in ("r0-1", "r1-1"):
+        assert_same_state(job.result(replica), reference)
+    records = record.read(tmp_path / "rec")
+    lost = [line for replica in ("r0-1", "r1-1") for line in records[replica]
+            if line["kind"] == "restore"]
+    assert [(line["tier"], line["step"], line["reached"]) for line in lost] == [
+        ("start", 0, reached)] * 2, lost
+    assert {(a.generation, a.restored_from) for a in applied} == {
+        (0, StateSource.MEMBERS), (1, StateSource.START)}, applied

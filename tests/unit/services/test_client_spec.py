@@ -67,3 +67,43 @@ def test_job_ids_are_readable_unique_subject_tokens() -> None:
     ids = {new_job_id("llm") for _ in range(50)}
     assert len(ids) == 50
     assert all(i.startswith("llm-") and "." not in i for i in ids)
+
+
+@pytest.mark.parametrize(("typo", "meant"), [("replica", "replicas"),
+                                             ("hang_timeout", "hang_timeout_s"),
+                                             ("slot_per_replica", "slots_per_replica")])
+def test_an_unknown_field_names_the_one_it_is_closest_to(typo: str, meant: str) -> None:
+    with pytest.raises(SpecError, match=f"unknown field `{typo}` \\(did you mean `{meant}`\\?\\)"):
+        parse_job_spec({**VALID, typo: 1})
+
+
+def test_a_nested_unknown_field_gets_its_hint_and_path() -> None:
+    with pytest.raises(SpecError, match="unknown field `max_app_failure` \\(did you mean "
+                                        "`max_app_failures`\\?\\) - at `\\$.restart_policy`"):
+        parse_job_spec({**VALID, "restart_policy": {"max_app_failure": 1}})
+
+
+def test_every_error_is_reported_at_once_in_the_order_of_the_file(tmp_path: Path) -> None:
+    path = tmp_path / "job.yaml"
+    path.write_text("name: llm\nteam: nlp\npriority_class: high\nreplicas: {min: 2, max: 4}\n"
+                    "hang_timeout: 5\nslots_per_replica: 0\ncommand: [python, train.py]\n"
+                    "replica: 3\n")
+    with pytest.raises(SpecError) as err:
+        load_job_spec(path)
+    first, *errors = str(err.value).splitlines()
+    assert first == f"{path}: 3 errors:"
+    assert [e.strip() for e in errors] == [
+        "Object contains unknown field `hang_timeout` (did you mean `hang_timeout_s`?)",
+        "Expected `int` >= 1 - at `$.slots_per_replica`",
+        "Object contains unknown field `replica` (did you mean `replicas`?)"]
+
+
+def test_a_spec_without_command_says_so_with_the_other_missing_fields() -> None:
+    spec = {k: v for k, v in VALID.items() if k not in ("command", "priority_class")}
+    with pytest.raises(SpecError) as err:
+        parse_job_spec(spec)
+    assert "missing required field `command`" in str(err.value)
+    assert "missing required field `priority_class`" in str(err.value)
+    spec = {k: v for k, v in VALID.items() if k != "command"}
+    with pytest.raises(SpecError, match="^job spec: Object missing required field `command`$"):
+        parse_job_spec(spec)

@@ -34,6 +34,19 @@ def test_from_env_converts_types() -> None:
     assert config.lost_after_s == 4.0 and isinstance(config.lost_after_s, float)
 
 
+@pytest.mark.parametrize(("raw", "value"), [("1", True), ("true", True), ("Yes", True),
+                                            ("0", False), ("false", False), ("", False)])
+def test_flags_are_parsed(raw: str, value: bool) -> None:
+    config = AgentConfig.from_env({**BASE, "PHALANX_AGENT_STOP_IS_RESTART": raw,
+                                   "PHALANX_AGENT_LAUNCH": raw})
+    assert config.stop_is_restart is value and config.launch is value
+
+
+def test_a_bad_flag_names_the_variable() -> None:
+    with pytest.raises(ConfigError, match="PHALANX_AGENT_STOP_IS_RESTART must be 1/0"):
+        AgentConfig.from_env({**BASE, "PHALANX_AGENT_STOP_IS_RESTART": "maybe"})
+
+
 def test_defaults() -> None:
     config = AgentConfig.from_env(BASE)
     assert config.node_id == "gpu-07"

@@ -8,10 +8,12 @@ import math
 import pytest
 
 from phalanx.schemas.errors import PhalanxError
-from phalanx.schemas.messages import NodeInfo, NodeRecord
+from phalanx.schemas.messages import ExitCause, NodeInfo, NodeRecord
 from phalanx.services.agent.core import (
     LaunchVerdict,
     NodeIdTaken,
+    StopReason,
+    exit_cause,
     first_replica,
     heartbeat,
     incarnation,
@@ -199,3 +201,16 @@ def test_incarnation_reads_what_elasticity_names() -> None:
     assert [incarnation(replica_id(7, n)) for n in (0, 1, 12)] == [0, 1, 12]
     assert first_replica(3) == "r3-0"
     assert incarnation("r3") is None and incarnation("x1-2") is None
+
+
+@pytest.mark.parametrize(("stop", "known", "cause"), [
+    (None, True, ExitCause.EXITED),  # it ended by itself
+    (StopReason.JOB, True, ExitCause.STOPPED),  # its job no longer wants it: no fault
+    (StopReason.JOB, False, ExitCause.STOPPED),  # an adopted rank its job let go
+    # The agent shuts down (phalanx down, a restart): the job still wants it, it is lost.
+    (StopReason.AGENT, True, ExitCause.LOST),
+    (StopReason.AGENT, False, ExitCause.LOST),
+    (None, False, ExitCause.LOST),  # found dead by a restarted agent
+])
+def test_exit_cause(stop: StopReason | None, known: bool, cause: ExitCause) -> None:
+    assert exit_cause(stop, status_known=known) is cause

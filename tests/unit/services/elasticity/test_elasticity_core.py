@@ -306,3 +306,25 @@ def test_early_reports_are_forgotten_after_their_time_and_an_ended_jobs_are_old_
     assert ready(core, "r0-0", now=EARLY_TTL_S + 5) == []  # late: the job ended
     assert core.handle(JobAdmitted("j", {0: "n0"}, 1, 1), EARLY_TTL_S + 6) == []
     assert g.world_size == 1
+
+
+def test_progress_gives_the_replacement_budget_back() -> None:
+    """The budget counts replacements without progress (as health's restart guard does): a
+    job that commits past its high water between faults is replaced every time."""
+    core = ElasticityCore(max_replacements=1)
+    start(core, lo=1)
+    apply_all(core, step=10)
+
+    def fail(replica: str, now: float) -> None:
+        core.handle(MemberFailed("j", replica), now)
+
+    def launched(step: int) -> list[str]:
+        return [d.replica_id for d in apply_all(core, step=step)
+                if isinstance(d, LaunchReplacement)]
+
+    fail("r3-0", 1.0)
+    fail("r2-0", 1.5)  # before any progress: the budget of one is spent
+    assert launched(10) == ["r3-1"]
+    assert launched(20) == []  # progress gives it back, for the next failure
+    fail("r1-0", 2.0)
+    assert launched(20) == ["r1-1"]

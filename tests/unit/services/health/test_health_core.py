@@ -38,6 +38,7 @@ from phalanx.services.health.core import (
 T0 = 1_717_000_000.0
 CRASH, HANG, STRAGGLER, LOST = (FaultKind.CRASH, FaultKind.HANG, FaultKind.STRAGGLER,
                                 FaultKind.NODE_LOST)
+SPREAD = HealthPolicy().cordon_spread_s  # a charge to a node is judged this long after it
 
 
 def after(t: float) -> float:
@@ -331,7 +332,7 @@ def test_one_hang_fault_per_silence_then_rearmed_by_progress() -> None:
     core = make(hang=2.0)
     run(core, T0, progress(0))
     assert len(faults(tick(core, T0 + 3))) == 1
-    assert core.next_deadline() is None
+    assert core.next_deadline() == T0 + 2 + SPREAD  # only the hang's charge to its node
     assert tick(core, T0 + 4) == tick(core, T0 + 100) == []
     assert run(core, T0 + 101, progress(0)) == []
     assert tick(core, T0 + 103) == []
@@ -353,7 +354,8 @@ def test_no_hang_after_the_rank_exited(end: RankExited) -> None:
     core = make()
     run(core, T0, progress(0))
     run(core, T0 + 1, end)
-    assert core.next_deadline() is None
+    # Nothing but, for a lost status (the infrastructure's), the charge to its node.
+    assert core.next_deadline() == (T0 + 1 + SPREAD if end.cause == "lost" else None)
     assert faults(tick(core, T0 + 100)) == []
 
 
@@ -668,16 +670,22 @@ def test_node_lost_without_ranks_still_counts_for_cordon() -> None:
     run(core, T0, NodeHeartbeat("n5"))
     assert names(tick(core, T0 + 4)) == ["MarkNodeLost"]
     run(core, T0 + 5, NodeHeartbeat("n5"))
-    assert names(tick(core, T0 + 9)) == ["MarkNodeLost", "CordonNode"]
+    assert names(tick(core, T0 + 9)) == ["MarkNodeLost"]
+    # Lost just after T0 + 8: the evidence is judged a spread later.
+    assert tick(core, T0 + 8 + SPREAD) == []
+    assert names(tick(core, after(T0 + 8 + SPREAD))) == ["CordonNode"]
 
 
 # --- cordon --------------------------------------------------------------------------------
 
 
 def crash_on(core: HealthCore, node: str, at: float) -> list[Decision]:
+    """A one-rank job on ``node`` killed at ``at``; returns the decisions until its charge
+    to the node is judged."""
     job = f"c{at}"
     run(core, at, JobWatched(job, (node,), 2.0))
-    return run(core, at, RankExited(job, 0, node, None, "SIGKILL", "exited"))
+    return [*run(core, at, RankExited(job, 0, node, None, "SIGKILL", "exited")),
+            *tick(core, after(at + SPREAD))]
 
 
 def test_cordon_at_the_threshold_once() -> None:
@@ -686,7 +694,7 @@ def test_cordon_at_the_threshold_once() -> None:
     assert names(crash_on(core, "n0", T0 + 100)) == ["RaiseFault"]
     decisions = crash_on(core, "n0", T0 + 200)
     assert decisions[1] == CordonNode("n0", "3 faults within 300 s (3 crash)")
-    assert names(crash_on(core, "n0", T0 + 201)) == ["RaiseFault"]
+    assert names(crash_on(core, "n0", T0 + 210)) == ["RaiseFault"]
     assert core.nodes["n0"].cordoned
 
 
@@ -704,7 +712,7 @@ def test_cordon_window_edge(third: float, cordoned: bool) -> None:
 def test_faults_on_other_nodes_do_not_add_up() -> None:
     core = make((), cordon_faults=2)
     for i, node in enumerate(["n0", "n1", "n2", "n3"]):
-        assert names(crash_on(core, node, T0 + i)) == ["RaiseFault"]
+        assert names(crash_on(core, node, T0 + 10 * i)) == ["RaiseFault"]
 
 
 def test_every_kind_counts_and_a_node_loss_counts_once() -> None:
@@ -715,18 +723,21 @@ def test_every_kind_counts_and_a_node_loss_counts_once() -> None:
     decisions = tick(core, T0 + 3.5)
     assert faults(decisions) == [(LOST, "j", 0, "n0"), (LOST, "j", 1, "n0"),
                                  (LOST, "j", 2, "n0")]
-    assert "CordonNode" not in names(decisions)
+    # Rank 3 on n1 hangs eight seconds after the loss: not the same moment, n1's own.
     assert faults(tick(core, T0 + 11)) == [(HANG, "j", 3, "n1")]
-    run(core, T0 + 12, NodeHeartbeat("n0"), progress(0))
-    decisions = run(core, T0 + 12, exited(1, None, node="n0", signal="SIGKILL"))
-    assert decisions[1] == CordonNode("n0", "3 faults within 300 s (1 crash, 1 node_lost, "
-                                            "1 straggler)")
+    assert "CordonNode" not in names(tick(core, T0 + 11 + SPREAD))
+    run(core, T0 + 18, NodeHeartbeat("n0"), progress(0))
+    run(core, T0 + 18, exited(1, None, node="n0", signal="SIGKILL"))
+    run(core, T0 + 21, NodeHeartbeat("n0"))
+    assert tick(core, T0 + 18 + SPREAD) == []
+    assert tick(core, after(T0 + 18 + SPREAD)) == [CordonNode(
+        "n0", "3 faults within 300 s (1 crash, 1 node_lost, 1 straggler)")]
 
 
 def test_timeouts_are_charged_when_they_happened_not_when_ticked() -> None:
     core = make(("n0",), hang=2.0, cordon_faults=2, cordon_window_s=10.0)
     run(core, T0, progress(0))
-    tick(core, T0 + 11)  # the hang happened just after T0 + 2
+    tick(core, T0 + 11)  # the hang happened just after T0 + 2, judged a spread later
     assert [t for t, _ in core.nodes["n0"].faults] == [T0 + 2]
     assert names(crash_on(core, "n0", T0 + 12.5)) == ["RaiseFault"]  # 10.5 s apart
 
@@ -734,11 +745,102 @@ def test_timeouts_are_charged_when_they_happened_not_when_ticked() -> None:
 def test_uncordon_forgets_the_faults() -> None:
     core = make((), cordon_faults=2)
     crash_on(core, "n0", T0)
-    assert names(crash_on(core, "n0", T0 + 1)) == ["RaiseFault", "CordonNode"]
-    assert run(core, T0 + 2, NodeUncordoned("n0")) == []
+    assert names(crash_on(core, "n0", T0 + 10)) == ["RaiseFault", "CordonNode"]
+    assert run(core, T0 + 20, NodeUncordoned("n0")) == []
     assert not core.nodes["n0"].cordoned
-    assert names(crash_on(core, "n0", T0 + 3)) == ["RaiseFault"]
-    assert names(crash_on(core, "n0", T0 + 4)) == ["RaiseFault", "CordonNode"]
+    assert names(crash_on(core, "n0", T0 + 30)) == ["RaiseFault"]
+    assert names(crash_on(core, "n0", T0 + 40)) == ["RaiseFault", "CordonNode"]
+
+
+def test_uncordon_forgets_charges_not_yet_judged() -> None:
+    core = make(("n0",), cordon_faults=1)
+    run(core, T0, exited(0, None, node="n0", signal="SIGKILL"))
+    run(core, T0 + 1, NodeUncordoned("n0"))
+    assert tick(core, T0 + 100) == []
+    assert not core.nodes["n0"].faults
+
+
+def kill_all(core: HealthCore, at: float, ranks: int = 4, job: str = "j") -> list[Decision]:
+    """Every rank of ``job`` SIGKILLed from outside at ``at`` (their exits a moment apart);
+    each slot then started again."""
+    decisions: list[Decision] = []
+    for rank in range(ranks):
+        node = core.jobs[job].ranks[rank].node_id
+        decisions += run(core, at + rank * 0.01,
+                         RankExited(job, rank, node, None, "SIGKILL", "exited"))
+    for rank in range(ranks):
+        node = core.jobs[job].ranks[rank].node_id
+        run(core, at + 1, RankStarted(job, rank, node, 100 + rank))
+    return decisions
+
+
+def test_a_job_killed_whole_twice_cordons_no_node() -> None:
+    """Issue 24: a 4-rank job on two nodes, every rank SIGKILLed at once and again 15 s
+    later, cordoned both nodes ("3 faults within 300 s (3 crash)")."""
+    core = make(("n1", "n1", "n2", "n2"), hang=100.0, cordon_faults=3)
+    assert faults(kill_all(core, T0)) == [(CRASH, "j", r, n) for r, n in
+                                          enumerate(("n1", "n1", "n2", "n2"))]
+    run(core, T0 + 5, progress(0, step=10))
+    kill_all(core, T0 + 15)
+    assert not any(isinstance(d, CordonNode) for d in tick(core, T0 + 100))
+    assert not core.nodes["n1"].faults and not core.nodes["n2"].faults
+    assert core.jobs["j"].budget.restarts == 8  # and the job goes on (see the restart tests)
+
+
+def test_ranks_stopped_as_their_agent_shuts_down_are_faults_but_no_evidence() -> None:
+    """A one-node job through a cluster restart (`phalanx down`): every rank is reported
+    lost with its agent, which faults them (the job still wants them) and charges no node
+    however many there are."""
+    core = make(("n1", "n1", "n1", "n1"), hang=100.0, cordon_faults=3)
+    decisions = run(core, T0, *(RankExited("j", r, "n1", None, "SIGTERM", "lost",
+                                           with_agent=True) for r in range(4)))
+    assert faults(decisions) == [(CRASH, "j", r, "n1") for r in range(4)]
+    assert not any(isinstance(d, CordonNode) for d in tick(core, T0 + 100))
+    assert "n1" not in core.nodes or not core.nodes["n1"].faults
+
+
+def test_repeated_faults_on_one_node_while_the_others_are_fine_cordon_it() -> None:
+    core = make(("n1", "n1", "n2", "n2"), hang=100.0, cordon_faults=3)
+    for i, at in enumerate((T0, T0 + 20, T0 + 40)):
+        run(core, at, RankExited("j", 0, "n1", None, "SIGKILL", "exited"),
+            RankStarted("j", 0, "n1", 200 + i))
+        run(core, at + 1, progress(0, step=i + 1), progress(2, step=i + 1))
+    assert tick(core, after(T0 + 40 + SPREAD)) == [CordonNode(
+        "n1", "3 faults within 300 s (3 crash)")]
+    assert "n2" not in core.nodes
+
+
+@pytest.mark.parametrize(("other_at", "evidence"), [
+    (T0 + SPREAD, False),  # the other node's fault at the very edge of the spread: the job's
+    (after(T0 + SPREAD), True),  # just past it: two faults of their own
+])
+def test_the_spread_edge(other_at: float, evidence: bool) -> None:
+    core = make(("n1", "n2"), cordon_faults=1)
+    run(core, T0, exited(0, None, node="n1", signal="SIGKILL"))
+    decisions = run(core, other_at, exited(1, None, node="n2", signal="SIGKILL"))
+    decisions += tick(core, T0 + 100)
+    assert [d.node_id for d in decisions if isinstance(d, CordonNode)] == (
+        ["n1", "n2"] if evidence else [])
+
+
+def test_a_fault_on_a_minority_of_a_jobs_nodes_is_each_nodes_own() -> None:
+    """Two of five nodes at once is not most of the job: both are charged."""
+    core = make(("n0", "n1", "n2", "n3", "n4"), cordon_faults=1)
+    run(core, T0, exited(0, None, node="n0", signal="SIGKILL"),
+        exited(1, None, node="n1", signal="SIGKILL"))
+    assert [d.node_id for d in tick(core, T0 + 100)] == ["n0", "n1"]
+
+
+def test_a_node_loss_is_evidence_even_when_the_jobs_other_nodes_fault_too() -> None:
+    core = make(("n0", "n1"), hang=100.0, cordon_faults=1)
+    run(core, T0, NodeHeartbeat("n0"), NodeHeartbeat("n1"))
+    run(core, T0 + 2.9, NodeHeartbeat("n1"))
+    assert faults(tick(core, T0 + 3.5)) == [(LOST, "j", 0, "n0")]
+    run(core, T0 + 3.5, exited(1, None, node="n1", signal="SIGKILL"))
+    assert [d.node_id for d in tick(core, T0 + 9) if isinstance(d, CordonNode)] == ["n0"]
+    # n1's crash came with n0's loss: the job's. (n1's own loss later is its own.)
+    tick(core, T0 + 100)
+    assert [k for _, k in core.nodes["n1"].faults] == [LOST]
 
 
 def test_uncordon_of_an_unknown_node_is_harmless() -> None:
@@ -763,7 +865,9 @@ def test_next_deadline_is_the_earliest_judged_timeout() -> None:
     assert core.next_deadline() == T0 + 3.5
     run(core, T0 + 3, exited(1, 0))
     assert core.next_deadline() == T0 + 5.5
-    tick(core, T0 + 6)
+    tick(core, T0 + 6)  # n0 lost just after T0 + 3.5: its charge is judged a spread later
+    assert core.next_deadline() == T0 + 5.5 + SPREAD
+    tick(core, T0 + 100)
     assert core.next_deadline() is None
 
 

@@ -1,0 +1,57 @@
+"""A crash's detail and a failed job's reason carry the failing rank's error: its last
+output line on the first line (all a one-line view shows), then its last output."""
+
+from __future__ import annotations
+
+from phalanx.schemas.messages import DETAIL_CHARS, RestartPolicy
+from phalanx.services.health.core import (
+    FailJob,
+    HealthCore,
+    HealthPolicy,
+    JobWatched,
+    RaiseFault,
+    RankExited,
+)
+
+T0 = 1_717_000_000.0
+TRACEBACK = ("=== phalanx: r0-0 of j starting on n0 at 2026-11-26T15:44:58+00:00: python t.py\n"
+             "Traceback (most recent call last):\n"
+             '  File "t.py", line 3, in <module>\n'
+             "    raise RuntimeError('loss is nan at step 5')\n"
+             "RuntimeError: loss is nan at step 5\n")
+
+
+def crash(detail: str, max_app_failures: int = 3) -> list:
+    core = HealthCore(HealthPolicy())
+    core.handle(JobWatched("j", ("n0", "n1"), 2.0,
+                           restart_policy=RestartPolicy(max_app_failures=max_app_failures)), T0)
+    return core.handle(RankExited("j", 0, "n0", 1, None, "exited", "r0-0", detail), T0 + 1)
+
+
+def test_the_error_line_leads_and_the_output_follows() -> None:
+    [fault] = [d for d in crash(TRACEBACK) if isinstance(d, RaiseFault)]
+    first, rest = fault.detail.split("\n", 1)
+    assert first == ("rank 0 exited with code 1: RuntimeError: loss is nan at step 5; its "
+                     "last output:")
+    assert rest == TRACEBACK.rstrip()
+
+
+def test_a_failed_jobs_reason_ends_with_the_ranks_error() -> None:
+    [failed] = [d for d in crash("/usr/bin/python: can't open file '/x/t.py': [Errno 2] No "
+                                 "such file or directory\n", max_app_failures=0)
+                if isinstance(d, FailJob)]
+    assert failed.reason.startswith("r0-0 on n0: rank 0 exited with code 1: /usr/bin/python: "
+                                    "can't open file '/x/t.py'")
+    assert failed.reason.split("\n")[-1].startswith("/usr/bin/python: can't open file")
+
+
+def test_long_output_is_cut_at_its_start_within_the_detail_limit() -> None:
+    output = "x" * 10 + "\n" + "noise\n" * 2000 + TRACEBACK
+    [fault] = [d for d in crash(output[-DETAIL_CHARS:]) if isinstance(d, RaiseFault)]
+    assert len(fault.detail) <= DETAIL_CHARS
+    assert fault.detail.endswith("RuntimeError: loss is nan at step 5")
+
+
+def test_no_output_says_no_more_than_the_exit() -> None:
+    [fault] = [d for d in crash("  \n") if isinstance(d, RaiseFault)]
+    assert fault.detail == "rank 0 exited with code 1"

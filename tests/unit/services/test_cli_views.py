@@ -1,0 +1,114 @@
+"""What ``phalanx jobs``, ``job`` and ``top`` print, as pure functions of what the bus holds:
+ids never cut into ambiguity, the job id first, the history's resume steps from the
+members' own reports, nothing placed once a job ended, events at their own times."""
+
+from __future__ import annotations
+
+import io
+
+from rich.console import Console
+
+from phalanx.schemas.messages import (
+    ExitCause,
+    Generation,
+    GenerationApplied,
+    GenerationReason,
+    GenerationRecord,
+    JobHistory,
+    JobRecord,
+    JobSpec,
+    JobState,
+    Member,
+    RankExited,
+    ReasonCode,
+    ReplicaRange,
+)
+from phalanx.services import top
+from phalanx.services.cli import _record_row, history_lines, history_rows, job_lines, jobs_table
+
+T0 = 1_795_700_000.0
+
+
+def spec(name: str = "train", lo: int = 2, hi: int = 2) -> JobSpec:
+    return JobSpec(name=name, team="nlp-research", priority_class="normal",
+                   replicas=ReplicaRange(min=lo, max=hi), command=["python", "train.py"])
+
+
+def record(job_id: str, state: JobState = JobState.ADMITTED, **kw) -> JobRecord:
+    nodes = ["local-0", "local-1"] if state is JobState.ADMITTED else []
+    return JobRecord(job_id=job_id, spec=spec(), state=state, submitted_at=T0, updated_at=T0,
+                     reason_code=ReasonCode.ADMITTED, nodes=nodes, **kw)
+
+
+def text(renderable, width: int = 80) -> str:
+    out = io.StringIO()
+    Console(file=out, width=width, color_system=None).print(renderable)
+    return out.getvalue()
+
+
+def test_ids_that_share_a_long_prefix_stay_whole_at_80_columns() -> None:
+    records = [record("train-gpt-char-level-deterministic-a1b2c3"),
+               record("train-gpt-char-level-deterministic-a1b2c4", JobState.PENDING)]
+    rows = [{**_record_row(r), "size": 2, "step": 120, "total_steps": 1000} for r in records]
+    shown = text(jobs_table(records, rows))
+    assert all(r.job_id in shown for r in records), shown
+    board = top.Board(jobs={r.job_id: r for r in records})
+    shown = text(top.render(board, T0, 3.0))
+    assert all(r.job_id in shown for r in records), shown
+
+
+def test_an_ended_job_places_no_replicas() -> None:
+    for state in (JobState.FINISHED, JobState.CANCELLED, JobState.FAILED, JobState.PENDING):
+        assert _record_row(record("j", state))["replicas"] == 0
+    assert _record_row(record("j"))["replicas"] == 2
+
+
+def history() -> JobHistory:
+    return JobHistory(job_id="j", generations=[
+        GenerationRecord(generation=0, reason=GenerationReason.START, world_size=2,
+                         members=["r0-0", "r1-0"], resume_step=0, decided_at=T0,
+                         cause="admitted", applied_resume_step=0),
+        GenerationRecord(generation=1, reason=GenerationReason.FAULT, world_size=1,
+                         members=["r0-0"], resume_step=1, decided_at=T0 + 9.5,
+                         cause="dropped r1-0", pause_s=0.4, applied_resume_step=59),
+        GenerationRecord(generation=2, reason=GenerationReason.JOIN, world_size=2,
+                         members=["r0-0", "r1-1"], resume_step=60, decided_at=T0 + 12,
+                         cause="joined r1-1")])
+
+
+def test_the_history_resumes_where_the_members_said_and_says_so() -> None:
+    rows = history_rows(history())
+    assert [(g["resume_step"], g["resume_source"], g["decided_resume_step"]) for g in rows] == [
+        (0, "members", 0), (59, "members", 1), (60, "elasticity", 60)]
+    lines = history_lines(rows)
+    assert "resumed after step 59 (its members' report)" in lines[1]
+    assert "resume after step 60 (elasticity's estimate" in lines[2]
+
+
+def test_the_job_id_comes_first_and_scaling_after_the_record() -> None:
+    row = {**_record_row(record("j")), "scaling": {
+        "sizes": [1, 2], "scale_up_cooldown_s": 30.0, "graceful_shutdown_timeout_s": 30.0,
+        "scaling_timeout_s": 120.0, "pinned_replicas": None, "change": None},
+        "history": history_rows(history())}
+    lines = job_lines(row, T0)
+    assert lines[0].split() == ["job_id:", "j"]
+    scaling = next(i for i, line in enumerate(lines) if line.split()[0] == "scaling:")
+    assert scaling > next(i for i, line in enumerate(lines) if line.split()[0] == "reason:")
+    assert lines.index(f"{'history':>18}:") > scaling
+
+
+def test_events_are_shown_at_their_own_time_in_the_order_they_happened() -> None:
+    board = top.Board()
+    # As `top --once` reads them: the applied generation was stored before the exit.
+    board.note(GenerationApplied(job_id="j", generation=1, replica_id="r0-0",
+                                 committed_step=60, resume_step=59), T0 + 10)
+    board.note(RankExited(job_id="j", rank=0, node_id="local-0", pid=7, exited_at=T0 + 20,
+                          cause=ExitCause.EXITED, exit_code=0), T0 + 20.5)
+    board.note(Generation(job_id="j", generation=1, world_size=1, rendezvous="j-g1",
+                          resume_step=1, reason=GenerationReason.FAULT,
+                          members=[Member(replica_id="r0-0", rank=0, node_id="local-0",
+                                          endpoint="h:1")]), T0 + 9)
+    assert [at for at, _, _ in sorted(board.events)] == [T0 + 9, T0 + 10, T0 + 20]
+    shown = text(top.render(board, T0 + 30, 3.0), width=120)
+    assert shown.index("generation 1 (fault)") < shown.index("applied generation 1") \
+        < shown.index("exited")
