@@ -6,7 +6,9 @@ The public API, importable from here::
 
 * :class:`ElasticSession`, :class:`Step`, :class:`MembershipChange`,
   :class:`JobCompletedWithoutThisReplica` and :class:`LeftTheJob` (:mod:`.elastic`):
-  the session that replaces ``init_process_group``, DDP and the ``DistributedSampler``.
+  the session that replaces ``init_process_group``, DDP and the ``DistributedSampler``;
+  its DDP-shaped loop (``session.epochs``, ``session.loader``, ``session.backward``,
+  ``session.commit``) is :mod:`.epochs`.
 * :class:`MemmapDataset` and :func:`write_arrays` (:mod:`.dataset`): a dataset
   written once and opened by memory map; :func:`write_tokens` and
   :class:`TokenWindows`, the same for a language model's token stream.

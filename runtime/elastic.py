@@ -112,6 +112,7 @@ from phalanx.runtime.durable import (
     corrupt_records,
 )
 from phalanx.runtime.durable import restore as restore_durable
+from phalanx.runtime.epochs import EpochLoader, EpochLoop
 from phalanx.runtime.group import Aborted, Waits, rendezvous
 from phalanx.runtime.inbox import Inbox
 from phalanx.runtime.progress import ProgressReporter
@@ -144,6 +145,7 @@ from phalanx.schemas.messages import (
     ReplicaReady,
     SnapshotRecord,
     SnapshotTier,
+    StateSource,
 )
 
 log = logging.getLogger("phalanx.runtime")
@@ -214,6 +216,14 @@ class Retained:
     gradient: torch.Tensor  # this rank's summed share, not yet all-reduced
     indices: list[int]  # the samples it covers
     metrics: torch.Tensor  # their share of the loss and of the script's metrics (float64)
+
+
+#: How a replica's log line of an applied generation names a state that came from a tier.
+_FROM = {StateSource.MEMORY: " (restored from the nodes' memory)",
+         StateSource.BUDDY: " (restored from the nodes' memory and buddy replicas)",
+         StateSource.DURABLE: " (restored from durable storage)",
+         StateSource.OLDER: " (the step the job had reached was lost: trained again)",
+         StateSource.START: " (the job's state was lost: from the start)"}
 
 
 class ElasticSession:
@@ -337,9 +347,11 @@ class ElasticSession:
         # the script's post-commit code: (step, commit time, the step time before, the
         # commit before).
         self._boundary: tuple[Step, float, float, float | None] | None = None
+        self._restored_from = StateSource.MEMBERS  # where the last applied state came from
         self._total_steps = 0
         self._inbox = Inbox(replica_id)
         self._waits = Waits(self._inbox, self._heartbeat)
+        self._loop = EpochLoop(self)  # the DDP-shaped loop: epochs(), loader, backward, commit
         self._record = None if record_dir is None else Recorder(record_dir, replica_id)
         self._progress: ProgressReporter | None = None
         self._store: dist.TCPStore | None = None
@@ -561,6 +573,53 @@ class ElasticSession:
                 raise RuntimeError(f"step {step.index} was not committed: call step.commit()")
         self._finish_commit()
 
+    # --- the DDP-shaped loop (runtime/epochs.py) ------------------------------------------
+
+    def epochs(self, count: int) -> Iterator[int]:
+        """The epochs to train, for a DDP script's ``for epoch ... for batch in loader:``.
+
+        Runs :meth:`steps` over ``count`` epochs of the data order: the first epoch
+        yielded is the committed step's (after a join or a restore), and each ends, the
+        loop over :attr:`loader` stopping, once its last step is committed. The code
+        after that loop is part of the epoch's last step (snapshotted with it).
+
+        Raises:
+            ValueError: ``count`` < 1.
+            RuntimeError: called twice, or the loop over the loader left an epoch
+                before its last step was committed.
+            Dropped / LeftTheJob / JobCompletedWithoutThisReplica: as :meth:`steps`.
+        """
+        return self._loop.epochs(count)
+
+    @property
+    def loader(self) -> EpochLoader:
+        """In place of the ``DataLoader`` over a ``DistributedSampler``: iterated inside
+        ``for epoch in session.epochs(n)``, this rank's batch of each step of the epoch
+        from the committed step (one per micro-batch with ``micro_batch_size``); a step
+        a fault aborted is yielded again with the new membership's share."""
+        return self._loop.loader
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """In place of ``loss.backward()`` in the loop over :attr:`loader`: the batch's
+        mean loss, weighted by its share of the global batch; on the step's last batch
+        also the gradient all-reduce, so ``.grad`` then holds the global gradient (as
+        after DDP's backward)."""
+        self._loop.backward(loss)
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor | None:
+        """:meth:`Step.clip_grad_norm_` of the step in the loop over :attr:`loader`: the
+        norm before clipping on the step's last batch (an inf or nan norm skips the
+        update on every rank); None on another batch or an aborted step."""
+        return self._loop.clip_grad_norm_(max_norm, norm_type)
+
+    def commit(self) -> bool:
+        """In place of ``optimizer.step()`` in the loop over :attr:`loader`: True once
+        the step is committed; False on a batch that is not the step's last, or when a
+        fault aborted the step (its batches come again). Step a scheduler only on True.
+        :attr:`committed` is then the number of steps committed (the step's index + 1).
+        """
+        return self._loop.commit()
+
     def _leave_without_joining(self) -> None:
         """The job completed before this replica became a member: end the process (status
         0) without returning into the script, whose post-training code would otherwise
@@ -746,20 +805,21 @@ class ElasticSession:
             self._record.write(kind="generation", generation=generation.generation,
                                reason=generation.reason.value, rank=self.rank,
                                world_size=self.world_size, received=received, built=built,
-                               synced=synced, resume=resume, state_bytes=nbytes)
+                               synced=synced, resume=resume, state_bytes=nbytes,
+                               restored_from=self._restored_from.value)
         # Reported once the first step in the generation is committed: elasticity starts
         # replacements only then, so their start-up does not slow the survivors' recovery.
         self._applied = GenerationApplied(
             job_id=self.job_id, generation=generation.generation, replica_id=self.replica_id,
             committed_step=self.committed, resume_step=resume, rebuild_s=built - received,
-            state_copy_s=synced - built, state_bytes=nbytes)
+            state_copy_s=synced - built, state_bytes=nbytes, restored_from=self._restored_from)
         if self._progress is not None:
             self._progress.generation = generation.generation
         # In the replica's log (the agent's file for its output): where membership changed.
         print(f"=== phalanx: generation {generation.generation} ({generation.reason.value}"
               f"{': ' + generation.cause if generation.cause else ''}): {self.replica_id} is "
-              f"rank {self.rank} of {self.world_size}, resuming after step {resume}",
-              flush=True)
+              f"rank {self.rank} of {self.world_size}, resuming after step {resume}"
+              f"{_FROM.get(self._restored_from, '')}", flush=True)
         if self.on_membership is not None:
             self.on_membership(MembershipChange(generation.generation, self.world_size,
                                                 self.rank, resume))
@@ -798,12 +858,25 @@ class ElasticSession:
         rows = [MemberProgress(*row) for row in info.tolist()]
         job_step = generation.resume_step
         members_step = max(row.committed for row in rows)
+        origin = StateSource.MEMBERS
         restored = self._restore_snapshot(generation, members_step)
-        restored = self._restore_durable(generation, max(members_step, restored or -1)) \
-            or restored
+        if restored is not None:
+            restored, origin = restored
+        durable = self._restore_durable(generation, max(members_step, restored or -1))
+        if durable is not None:
+            restored, origin = durable, StateSource.DURABLE
         if restored is not None:  # every member holds the restored step now, nothing kept
             rows, retained = [MemberProgress(restored)] * len(rows), None
             job_step = min(job_step, restored)
+        newest = max(row.committed for row in rows)
+        if 0 <= newest < job_step:
+            # No member and no tier holds the step the job reached (every holder died with
+            # its memory, snapshots off or not yet taken): go on from the newest step that
+            # is left, as a restart would, and say so.
+            origin = StateSource.START if newest == 0 else StateSource.OLDER
+            self._state_lost(generation, job_step, newest)
+            job_step = newest
+        self._restored_from = origin
         if self._sharded is not None and restored is None \
                 and max(row.committed for row in rows) < 0:
             raise StateLost(f"generation {generation.generation}: every member holds only "
@@ -843,9 +916,24 @@ class ElasticSession:
                                    step=step, source=source, state_bytes=nbytes)
         return resume, nbytes
 
-    def _restore_snapshot(self, generation: Generation, members_step: int) -> int | None:
+    def _state_lost(self, generation: Generation, reached: int, newest: int) -> None:
+        """The job had reached step ``reached`` and nothing holds it: the members go on
+        from ``newest`` (their newest step, 0: the initial state)."""
+        log.error("%s: no member and no checkpoint tier holds step %d, which job %s had "
+                  "reached: generation %d resumes after step %d (%d steps trained again)",
+                  self.replica_id, reached, self.job_id, generation.generation, newest,
+                  reached - newest)
+        if self._record is not None:
+            self._record.write(kind="restore", generation=generation.generation, step=newest,
+                               tier=StateSource.START.value if newest == 0
+                               else StateSource.OLDER.value, reached=reached, state_bytes=0,
+                               seconds=0.0, corrupt=[])
+
+    def _restore_snapshot(self, generation: Generation,
+                          members_step: int) -> tuple[int, StateSource] | None:
         """If the members' nodes hold snapshots newer than ``members_step`` (the newest
-        step a member holds), load the newest complete one on every member: its step."""
+        step a member holds), load the newest complete one on every member: its step, and
+        whether buddies' replicas were needed."""
         if self._snapshots is None:
             return None
         assert self.pg is not None and self.snapshot_dir is not None
@@ -878,7 +966,8 @@ class ElasticSession:
                                step=restored.step, tier="memory", state_bytes=restored.nbytes,
                                seconds=time.time() - started, corrupt=restored.corrupt,
                                from_replicas=restored.from_replicas)
-        return restored.step
+        return restored.step, StateSource.BUDDY if restored.from_replicas \
+            else StateSource.MEMORY
 
     def _restore_durable(self, generation: Generation, newer_than: int) -> int | None:
         """If durable storage holds a committed step newer than ``newer_than`` (what the

@@ -1,7 +1,9 @@
 """The GPT example end to end: 4 ranks, one killed inside its all-reduce, a replacement joining.
 
-``examples/train_gpt.py`` (at test size: 2 layers, 16-token windows of the
-first 5 kB of the corpus, so an epoch is 20 steps) runs as a 4-replica
+``examples/chargpt.py`` — the port of the plain DDP script, its DDP-shaped
+loop over ``session.epochs`` and ``session.loader`` — (at test size: 2 layers,
+16-token windows of the first 5 kB of the corpus, so an epoch is 20 steps,
+40 epochs) runs as a 4-replica
 elastic job on a local cluster with ``phalanx up``. Replica ``r1-0`` SIGKILLs
 itself while its gradient all-reduce is in flight; the survivors repair the
 step and go on at 3; elasticity starts a replacement, which joins with a
@@ -38,8 +40,9 @@ from phalanx.services.client import AdmissionClient
 # The reference run alone, then the steps on 4 ranks: 388 s once for 1,500 steps on the
 # shared 2-core VM at a load average of 13-19 (it ran past the default 120 s there).
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
-SCRIPT = Path(__file__).resolve().parents[2] / "examples" / "train_gpt.py"
-STEPS = 800
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
+SCRIPT = EXAMPLES / "chargpt.py"
+EPOCHS = 40
 # The job trains at most 10 steps/s until the replacement has joined (then at full speed),
 # so the join comes before the end however fast the machine.
 PACE_S = 0.1
@@ -47,16 +50,17 @@ KILL_STEP = 60
 BLOCK, GLOBAL_BATCH, BYTES = 16, 16, 5120
 ARGS = ["--layers", "2", "--heads", "2", "--embd", "32", "--block-size", str(BLOCK),
         "--global-batch", str(GLOBAL_BATCH), "--micro-batch", "4", "--warmup", "50",
-        "--log-every", "100"]
+        "--log-every", "100", "--epochs", str(EPOCHS)]
 ORDER = ElasticOrder((BYTES - 1) // BLOCK, GLOBAL_BATCH, seed=0)
+STEPS = EPOCHS * ORDER.steps_per_epoch
 RUN_ENV = {"PHALANX_DETERMINISTIC": "1", "PHALANX_STATE_CHECKSUM": "1"}
 
 
 @pytest.fixture(scope="module")
 def data_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     path = tmp_path_factory.mktemp("gpt-data") / "tokens"
-    subprocess.run([sys.executable, str(SCRIPT), "--prepare", "--data-dir", str(path),
-                    "--max-bytes", str(BYTES)], check=True, timeout=120)
+    subprocess.run([sys.executable, str(EXAMPLES / "chargpt_model.py"), "--data-dir",
+                    str(path), "--max-bytes", str(BYTES)], check=True, timeout=120)
     return path
 
 
@@ -71,7 +75,7 @@ def alone(data_dir: Path, out: Path) -> dict:
     out.mkdir(parents=True)
     env = {k: v for k, v in os.environ.items() if not k.startswith("PHALANX_")}
     subprocess.run([sys.executable, str(SCRIPT), "--data-dir", str(data_dir), *ARGS,
-                    "--steps", str(STEPS), "--save", str(out / "final.pt")], check=True,
+                    "--save", str(out / "final.pt")], check=True,
                    timeout=600, env={**env, **RUN_ENV, "PHALANX_RECORD_DIR": str(out / "rec")})
     return {**torch.load(out / "final.pt"),
             "loss": [s.loss for s in record.timeline(record.read(out / "rec"))]}
@@ -88,7 +92,7 @@ async def test_gpt_trains_through_a_kill_mid_all_reduce_and_a_join_as_it_does_al
     spec = JobSpec(name="gpt", team="t", priority_class="normal",
                    replicas=ReplicaRange(min=2, max=4), placement=Placement(),
                    command=[sys.executable, str(SCRIPT), "--data-dir", str(data_dir), *ARGS,
-                            "--steps", str(STEPS), "--save", str(tmp_path / "final.pt")],
+                            "--save", str(tmp_path / "final.pt")],
                    env={"PHALANX_RECORD_DIR": str(rec), **RUN_ENV,
                         "PHALANX_CHAOS_KILL": f"r1-0:{KILL_STEP}:allreduce",
                         "PHALANX_CHAOS_PACE": f"{PACE_S}:{release}"},

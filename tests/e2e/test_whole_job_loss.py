@@ -99,10 +99,14 @@ async def test_every_rank_killed_twice_the_job_resumes_from_memory_each_time(
                       for line in lines if line["kind"] == "restore")
     # Two whole-job losses, each restored from the nodes' memory: at least the step before
     # one reported before the kill (a rank a step behind was frozen before its snapshot).
-    assert {tier for _, _, tier in restores} == {"memory"}, restores
-    steps = sorted({step for _, step, _ in restores})
+    steps = sorted({step for _, step, tier in restores if tier == "memory"})
     assert len(steps) == 2 and all(step >= before - 1 for step, before
                                    in zip(steps, reached, strict=True)), (restores, reached)
+    # A generation whose members' nodes held none of the step (replacements started on the
+    # third node first) went on from what they held, saying so, and was superseded by one
+    # that restored the step: the memory tier is always the last word.
+    last_memory = max(t for t, _, tier in restores if tier == "memory")
+    assert all(tier == "memory" or t < last_memory for t, _, tier in restores), restores
     # What the dead ranks committed after the step restored from is trained again.
     kept = write_records(without_lost_work(records, STEPS), tmp_path / "rec-kept")
     check_run(kept, tmp_path / "final.pt", reference)

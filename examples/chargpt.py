@@ -1,0 +1,69 @@
+"""Train a character-level GPT on Shakespeare: plain DDP (chargpt_ddp.py) and its port.
+
+    python examples/chargpt_model.py --data-dir /tmp/phalanx-gpt-data   # tokenize once
+    torchrun --nproc-per-node 4 examples/chargpt_ddp.py --epochs 2       # plain DDP
+    phalanx submit examples/gpt.yaml                                      # the port, elastic
+    python examples/chargpt.py --epochs 2                                 # the port alone
+
+chargpt_ddp.py is a DDP loop as users write it: a ``DistributedSampler`` and a
+``DataLoader`` (each rank takes ``global_batch / world_size`` windows a step),
+AdamW, a linear warmup then cosine decay of the learning rate, clipping at
+norm 1.0, a log line every ``--log-every`` steps and the save on rank 0.
+chargpt.py is the same script under phalanx: elastic, recovering from faults
+in process, and alone (no phalanx) the reference at world size 1. The two
+files share this text so that ``diff examples/chargpt_ddp.py
+examples/chargpt.py`` is the port; docs/runtime.md (The diff) says what each
+changed line does.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from chargpt_model import (
+    GPT,
+    arguments,
+    build_optimizer,
+    build_scheduler,
+    dataset,
+    next_token_loss,
+    save,
+)
+
+from phalanx.runtime import ElasticSession
+
+
+def main() -> None:
+    args = arguments(__doc__).parse_args()
+    torch.set_num_threads(1)
+    torch.manual_seed(args.seed)
+    data = dataset(args)
+    model = GPT(args.layers, args.heads, args.embd, args.block_size)
+    optimizer = build_optimizer(model, args.lr)
+    steps = args.epochs * math.ceil(len(data) / args.global_batch)
+    scheduler = build_scheduler(optimizer, steps, args.warmup)
+    session = ElasticSession.from_env(model, optimizer, data, global_batch=args.global_batch,
+                                      micro_batch_size=args.micro_batch, seed=args.seed,
+                                      state={"scheduler": scheduler})
+    loader = session.loader
+    for epoch in session.epochs(args.epochs):
+        for x, y in loader:
+            loss = next_token_loss(model, x, y)
+            session.backward(loss)
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            if not session.commit():
+                continue
+            optimizer.zero_grad(set_to_none=True)
+            scheduler.step()
+            step = session.committed
+            if session.is_primary and step % args.log_every == 0:
+                print(f"epoch {epoch} step {step:5d} loss {loss.item():.4f} "
+                      f"lr {scheduler.get_last_lr()[0]:.2e}", flush=True)
+    if session.is_primary and args.save:
+        save(args.save, model, optimizer, scheduler)
+    session.close()
+
+
+if __name__ == "__main__":
+    main()

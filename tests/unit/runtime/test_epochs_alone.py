@@ -1,0 +1,141 @@
+"""The DDP-shaped loop of the session (epochs, loader, backward, commit) outside phalanx."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from phalanx.runtime import record
+from phalanx.runtime.data import ElasticOrder
+from phalanx.runtime.dataset import MemmapDataset, write_arrays
+from phalanx.runtime.elastic import ElasticSession
+
+SAMPLES, BATCH = 44, 8  # 6 steps an epoch, the last one partial
+
+
+def dataset(tmp_path: Path) -> MemmapDataset:
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((SAMPLES, 4), dtype=np.float32)
+    return MemmapDataset(write_arrays(tmp_path / "data", {"x": x, "y": np.tanh(x[:, :2] * 3)}))
+
+
+def parts(tmp_path: Path, deterministic: bool = False, micro: int | None = 3,
+          **kwargs) -> tuple[ElasticSession, torch.nn.Module, torch.optim.Optimizer, object]:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 16), torch.nn.Tanh(), torch.nn.Linear(16, 2))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=5e-2)
+    scheduler = torch.optim.lr_scheduler.LinearLR(optimizer, 1.0, 0.1, 18)
+    session = ElasticSession(model, optimizer, dataset(tmp_path), global_batch=BATCH,
+                             micro_batch_size=micro, deterministic=deterministic,
+                             state={"scheduler": scheduler}, **kwargs)
+    return session, model, optimizer, scheduler
+
+
+def ddp_shaped(session: ElasticSession, model: torch.nn.Module,
+               optimizer: torch.optim.Optimizer, scheduler, epochs: int) -> list[tuple]:
+    """A DDP loop as users write it: zero_grad before backward, torch's clip after it."""
+    seen = []
+    for epoch in session.epochs(epochs):
+        for x, y in session.loader:
+            optimizer.zero_grad(set_to_none=True)
+            session.backward(torch.nn.functional.mse_loss(model(x), y))
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)
+            if not session.commit():
+                continue
+            scheduler.step()
+        seen.append((epoch, session.committed))  # after the epoch's last step
+    session.close()
+    return seen
+
+
+def step_shaped(session: ElasticSession, model: torch.nn.Module, scheduler,
+                steps: int) -> None:
+    for step in session.steps(steps):
+        for x, y in step:
+            step.backward(torch.nn.functional.mse_loss(model(x), y))
+        step.clip_grad_norm_(0.05)
+        if step.commit():
+            scheduler.step()
+    session.close()
+
+
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_the_ddp_shaped_loop_is_bitwise_the_step_loop_with_the_gradient_safe_between_batches(
+        tmp_path: Path, deterministic: bool) -> None:
+    # 3 micro-batches a step: zero_grad and a clip on the first two must not touch the
+    # step's gradient, and the clip after the last one acts on the whole (reduced) gradient.
+    a = parts(tmp_path, deterministic)
+    ddp_shaped(*a, epochs=3)
+    b = parts(tmp_path, deterministic)
+    step_shaped(b[0], b[1], b[3], 3 * a[0].order.steps_per_epoch)
+    for p, q in zip(a[1].parameters(), b[1].parameters(), strict=True):
+        assert torch.equal(p, q)
+    assert a[3].state_dict() == b[3].state_dict()
+    c = parts(tmp_path, deterministic, micro=BATCH)  # one batch a step: the same model
+    ddp_shaped(*c, epochs=3)
+    for p, q in zip(a[1].parameters(), c[1].parameters(), strict=True):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+
+
+def test_each_epoch_ends_after_its_last_step_and_every_sample_is_trained_once_an_epoch(
+        tmp_path: Path) -> None:
+    session, model, optimizer, scheduler = parts(tmp_path, record_dir=str(tmp_path / "rec"))
+    per_epoch = session.order.steps_per_epoch
+    assert ddp_shaped(session, model, optimizer, scheduler, 3) == [
+        (0, per_epoch), (1, 2 * per_epoch), (2, 3 * per_epoch)]
+    assert scheduler.last_epoch == 3 * per_epoch  # stepped once per committed step
+    records = record.read(tmp_path / "rec")
+    assert record.verify(records, ElasticOrder(SAMPLES, BATCH), 3 * per_epoch) == []
+
+
+def test_commit_and_clip_answer_per_batch_and_the_last_batch_commits(tmp_path: Path) -> None:
+    session, model, _, _ = parts(tmp_path, micro=3)  # batches of 3, 3, 2 a step
+    answers = []
+    for _ in session.epochs(1):
+        for x, y in session.loader:
+            session.backward(torch.nn.functional.mse_loss(model(x), y))
+            norm = session.clip_grad_norm_(1.0)
+            answers.append((len(x), norm is not None, session.commit()))
+    assert answers[:3] == [(3, False, False), (3, False, False), (2, True, True)]
+    assert len(answers) == 3 * (session.order.steps_per_epoch - 1) + 2  # the last: 4 samples
+
+
+def test_misuses_of_the_loop_are_refused_by_name(tmp_path: Path) -> None:
+    session, model, _, _ = parts(tmp_path)
+    loss = torch.nn.functional.mse_loss(model(torch.zeros(1, 4)), torch.zeros(1, 2))
+    with pytest.raises(RuntimeError, match="belongs in the loop over session.loader"):
+        session.backward(loss)
+    with pytest.raises(RuntimeError, match="follows session.backward"):
+        session.commit()
+    with pytest.raises(RuntimeError, match="inside `for epoch in session.epochs"):
+        next(iter(session.loader))
+    with pytest.raises(ValueError, match="epochs must be >= 1"):
+        next(session.epochs(0))
+
+    epochs = session.epochs(2)
+    next(epochs)
+    batches = iter(session.loader)
+    x, y = next(batches)
+    with pytest.raises(RuntimeError, match="follows session.backward"):
+        session.commit()
+    with pytest.raises(RuntimeError, match="call session.backward"):
+        next(batches)
+    with pytest.raises(RuntimeError, match="runs once per session"):
+        next(session.epochs(2))
+
+    session, model, _, _ = parts(tmp_path, micro=None)  # one batch a step
+    epochs = session.epochs(2)
+    next(epochs)
+    batches = iter(session.loader)
+    x, y = next(batches)
+    session.backward(torch.nn.functional.mse_loss(model(x), y))
+    with pytest.raises(RuntimeError, match="step 0 was not committed"):
+        next(batches)
+    assert session.commit()
+    with pytest.raises(RuntimeError, match="step 0 was committed already"):
+        session.commit()
+    with pytest.raises(RuntimeError, match="left epoch 0 at step 0"):
+        next(epochs)  # the loop over the loader left the epoch after one step
