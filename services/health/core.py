@@ -1028,6 +1028,9 @@ def _progress(job: JobHealth, now: float) -> JobProgress:
 def _crash_detail(event: RankExited) -> str:
     if event.cause == "launch_failed":
         return f"rank {event.rank} could not be started: {event.detail or 'no reason given'}"
+    if event.cause == "lost" and event.with_agent:
+        return (f"rank {event.rank} was stopped with its agent on {event.node_id} (the agent "
+                "shut down while the job still wanted the rank)")
     if event.cause == "lost":
         what = (f"rank {event.rank} was found dead by a restarted agent on {event.node_id}; "
                 "its exit status is unknown")
@@ -1049,7 +1052,9 @@ def _crash_detail(event: RankExited) -> str:
     # generation's cause). The output is cut at its start to keep the fault's detail
     # within DETAIL_CHARS, so the error is never what is lost.
     error = output.splitlines()[-1].strip()
-    head = f"{what}: {error[:_ERROR_CHARS]}; its last output:\n"
+    # A process killed by a signal was stopped from outside: its last line is no error.
+    head = f"{what}; its last output:\n" if event.signal is not None \
+        else f"{what}: {error[:_ERROR_CHARS]}; its last output:\n"
     return head + output[max(0, len(output) - (DETAIL_CHARS - len(head))):]
 
 

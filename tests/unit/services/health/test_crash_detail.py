@@ -55,3 +55,23 @@ def test_long_output_is_cut_at_its_start_within_the_detail_limit() -> None:
 def test_no_output_says_no_more_than_the_exit() -> None:
     [fault] = [d for d in crash("  \n") if isinstance(d, RaiseFault)]
     assert fault.detail == "rank 0 exited with code 1"
+
+
+def test_a_signal_kill_quotes_no_line_as_its_error() -> None:
+    core = HealthCore(HealthPolicy())
+    core.handle(JobWatched("j", ("n0", "n1"), 2.0), T0)
+    banner = "=== phalanx: generation 0 (start): r0-0 is rank 0 of 2, resuming after step 0\n"
+    [fault] = [d for d in core.handle(RankExited("j", 0, "n0", None, "SIGKILL", "exited",
+                                                 "r0-0", banner), T0 + 1)
+               if isinstance(d, RaiseFault)]
+    assert fault.detail == ("rank 0 was killed by signal SIGKILL; its last output:\n"
+                            + banner.rstrip())
+
+
+def test_a_rank_stopped_with_its_agent_says_so() -> None:
+    core = HealthCore(HealthPolicy())
+    core.handle(JobWatched("j", ("n0", "n1"), 2.0), T0)
+    [fault] = [d for d in core.handle(RankExited("j", 0, "n0", None, "SIGTERM", "lost",
+                                                 "r0-0", with_agent=True), T0 + 1)
+               if isinstance(d, RaiseFault)]
+    assert fault.detail.startswith("rank 0 was stopped with its agent on n0")
