@@ -7,15 +7,19 @@ stop the ranks and report them lost), and ``phalanx up`` (same data dir) starts 
 again. Nothing is resubmitted: health faults the lost ranks from the job-events
 stream, elasticity launches one replacement per slot (asking the agents until they
 are up), and the replacements restore the newest complete step their nodes' memory
-kept. The job ends ``finished`` with parameters and every step's loss equal to the
-script run alone (deterministic mode), no step lost or trained twice, every replica
-launched once, and its history saying that every old member was dropped and the
-replacements joined.
+kept — or, when the machines rebooted meanwhile (their shared memory wiped), the
+newest durable step. The script steps a warmup + cosine schedule, an EMA and a counter
+after each commit and clips. The job ends ``finished`` with parameters (EMA, schedule
+and counter included) and every step's loss equal to the script run alone
+(deterministic mode), every step after the restored one trained once, every replica
+launched once, and its history saying that every old member was dropped, the
+replacements joined, and where their state came from.
 """
 
 from __future__ import annotations
 
 import asyncio
+import shutil
 import sys
 from pathlib import Path
 
@@ -31,6 +35,8 @@ from test_elastic import (  # the e2e helpers of the elastic tests: same cluster
     data_dir,  # noqa: F401  (a fixture)
     fault_free,
     watched_cluster,
+    without_lost_work,
+    write_records,
 )
 
 from phalanx.bus.kv import TypedKV
@@ -43,18 +49,20 @@ from phalanx.schemas.messages import (
     SnapshotTier,
     StateSource,
 )
+from phalanx.services.agent.snapshots import default_root
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]  # two clusters, one after the other
 STEPS = 200
 EVERY = 20  # durable_every_steps
 JOB = "restart-1"
+SCHEDULE = ["--schedule"]
 
 
 def spec_file(path: Path, data: Path, out: Path, release: Path) -> Path:
     path.write_text(yaml.safe_dump({
         "name": "restart", "team": "t", "priority_class": "normal",
         "replicas": {"min": 2, "max": 4},
-        "command": [sys.executable, str(SCRIPT), "--data-dir", str(data), *ARGS,
+        "command": [sys.executable, str(SCRIPT), "--data-dir", str(data), *ARGS, *SCHEDULE,
                     "--steps", str(STEPS), "--save", str(out / "final.pt")],
         # Paced until the release file exists, so the job is mid-run when the cluster stops.
         "env": {"PHALANX_RECORD_DIR": str(out / "rec"), **RUN_ENV,
@@ -73,9 +81,10 @@ def launch_headers(cluster: Path) -> dict[str, int]:
     return counts
 
 
+@pytest.mark.parametrize("reboot", [False, True], ids=["memory", "durable"])
 async def test_a_job_running_when_the_cluster_restarts_resumes_by_itself(
-        data_dir: Path, tmp_path: Path) -> None:  # noqa: F811
-    reference = fault_free(data_dir, tmp_path / "reference", STEPS)
+        data_dir: Path, tmp_path: Path, reboot: bool) -> None:  # noqa: F811
+    reference = fault_free(data_dir, tmp_path / "reference", STEPS, SCHEDULE)
     cluster = tmp_path / "cluster"
     out, release = tmp_path / "out", tmp_path / "release"
 
@@ -94,6 +103,10 @@ async def test_a_job_running_when_the_cluster_restarts_resumes_by_itself(
     trained = max(s.step for s in record.timeline(record.read(out / "rec")))
     assert trained < STEPS - 1, "the job finished before the cluster stopped"
 
+    if reboot:  # the machines rebooted: their shared memory is gone, storage is not
+        for agent in (cluster / "agents").iterdir():
+            shutil.rmtree(default_root(agent.name, agent), ignore_errors=True)
+
     # 2. The cluster comes back; the same job goes on by itself, at full speed now.
     release.touch()
     async with watched_cluster(cluster) as (_, bus, watch):
@@ -103,20 +116,25 @@ async def test_a_job_running_when_the_cluster_restarts_resumes_by_itself(
         histories = await TypedKV.open(bus.js, subjects.HISTORY_BUCKET, JobHistory)
         history = (await histories.get(JOB)).value
 
-    check_run(out / "rec", out / "final.pt", reference)
     records = record.read(out / "rec")
+    # What the stopped ranks committed after the restored step is trained again.
+    check_run(write_records(without_lost_work(records, STEPS), tmp_path / "rec-kept"),
+              out / "final.pt", reference)
     restores = [line for lines in records.values() for line in lines
                 if line["kind"] == "restore"]
-    # From the nodes' own memory, at a step no older than the last persisted one.
-    assert restores and all(r["tier"] == "memory" for r in restores), restores
+    # From the nodes' own memory (or durable storage after a reboot), at a step no older
+    # than the last persisted one.
+    tier = "durable" if reboot else "memory"
+    assert restores and all(r["tier"] == tier for r in restores), restores
     assert min(r["step"] for r in restores) >= EVERY, restores
     # Every replica launched once: the four first ones, then one replacement per slot.
     assert launch_headers(cluster) == {f"r{s}-{i}": 1 for s in range(4) for i in (0, 1)}
     # The history: every old member dropped at once, the replacements joined.
     after = [g for g in history.generations if set(g.members) & {f"r{s}-1" for s in range(4)}]
     assert after, history
-    # ... and says the state came from the nodes' memory (own snapshots, with the
-    # buddies' replicas where a node's own copy of a shard was older).
-    assert after[0].restored_from in (StateSource.MEMORY, StateSource.BUDDY), history
+    # ... and says where the state came from: the nodes' memory (own snapshots, with the
+    # buddies' replicas where a node's own copy of a shard was older), or durable storage.
+    assert after[0].restored_from in ((StateSource.DURABLE,) if reboot else (
+        StateSource.MEMORY, StateSource.BUDDY)), history
     dropped = " ".join(g.cause for g in history.generations)
     assert all(f"r{s}-0" in dropped for s in range(4)), history
