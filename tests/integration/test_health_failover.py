@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
 import signal
 import socket
@@ -95,6 +96,29 @@ async def leader(bus: Bus, not_: str | None = None) -> str:
     raise AssertionError("the lease watch ended")
 
 
+async def answering(bus: Bus, count: int) -> None:
+    """Until ``count`` health instances answer the service PING: each has its SIGTERM
+    handler by then, so stopping it is graceful (a standby still starting when a short
+    test ended died of the signal: exit -15)."""
+    seen: set[str] = set()
+    answered = asyncio.Event()
+
+    async def on_reply(msg) -> None:
+        seen.add(json.loads(msg.data)["id"])
+        answered.set()
+
+    inbox = bus.nc.new_inbox()
+    sub = await bus.nc.subscribe(inbox, cb=on_reply)
+    try:
+        while len(seen) < count:
+            answered.clear()
+            await bus.nc.publish("$SRV.PING.phalanx-health", b"", reply=inbox)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(answered.wait(), 0.5)
+    finally:
+        await sub.unsubscribe()
+
+
 @contextlib.asynccontextmanager
 async def running(url: str, tmp_path: Path) -> AsyncIterator[tuple[Bus, Cluster, dict]]:
     bus = await Bus.connect(BusConfig.load(env={}, servers=[url]))
@@ -113,6 +137,7 @@ async def running(url: str, tmp_path: Path) -> AsyncIterator[tuple[Bus, Cluster,
     beats = asyncio.create_task(cluster.beat())
     try:
         await asyncio.wait_for(leader(bus), 30)
+        await asyncio.wait_for(answering(bus, len(instances)), 30)
         jobs = await TypedKV.open(bus.js, subjects.JOBS_BUCKET, JobRecord)
         await jobs.put(JOB, JobRecord(
             job_id=JOB, spec=JobSpec(name="hf", team="t", priority_class="normal",
