@@ -125,7 +125,7 @@ from phalanx.runtime.reduce import (
     write_gradients,
 )
 from phalanx.runtime.sharded import Sharded
-from phalanx.runtime.snapshot import OutOfReach, Snapshotter, restore
+from phalanx.runtime.snapshot import Snapshotter, restore
 from phalanx.runtime.snapshot_file import Header
 from phalanx.runtime.snapshot_interval import TAIL_LENGTH, IntervalPolicy, SnapshotSchedule
 from phalanx.runtime.state import (
@@ -217,11 +217,6 @@ class Retained:
     indices: list[int]  # the samples it covers
     metrics: torch.Tensor  # their share of the loss and of the script's metrics (float64)
 
-
-#: How long the members of a generation wait for a newer one when a step the job reached
-#: is only partly on their nodes (its other shards on nodes outside the generation) before
-#: they go on from what they can reach: about a replacement's start on a loaded machine.
-STATE_REACH_WAIT_S = 60.0
 
 #: How a replica's log line of an applied generation names a state that came from a tier.
 _FROM = {StateSource.MEMORY: " (restored from the nodes' memory)",
@@ -864,8 +859,7 @@ class ElasticSession:
         job_step = generation.resume_step
         members_step = max(row.committed for row in rows)
         origin = StateSource.MEMBERS
-        restored = self._restore_snapshot(generation, members_step,
-                                          behind=members_step < job_step)
+        restored = self._restore_snapshot(generation, members_step)
         if restored is not None:
             restored, origin = restored
         durable = self._restore_durable(generation, max(members_step, restored or -1))
@@ -922,30 +916,6 @@ class ElasticSession:
                                    step=step, source=source, state_bytes=nbytes)
         return resume, nbytes
 
-    def _await_reach(self, generation: Generation, step: int) -> None:
-        """Step ``step`` is partly on the members' nodes and partly on others: wait (at most
-        ``STATE_REACH_WAIT_S``) for a generation whose members can reach all of it — the
-        replacements on those nodes are still starting, typically — rather than go on from
-        an older step.
-
-        Raises:
-            Aborted: a newer generation came (apply it instead).
-        """
-        log.warning("%s: step %d is only partly on the nodes of generation %d's members: "
-                    "waiting up to %.0f s for a generation that can restore it",
-                    self.replica_id, step, generation.generation, STATE_REACH_WAIT_S)
-        if self._record is not None:
-            self._record.write(kind="out_of_reach", generation=generation.generation, step=step)
-        deadline = time.monotonic() + STATE_REACH_WAIT_S
-        while time.monotonic() < deadline:
-            if self._inbox.newest_number() > generation.generation:
-                raise Aborted(f"generation {generation.generation} was superseded while its "
-                              f"members waited for step {step}")
-            self._inbox.sleep(min(0.5, max(0.0, deadline - time.monotonic())))
-            self._heartbeat()
-        log.error("%s: no generation came that can restore step %d within %.0f s",
-                  self.replica_id, step, STATE_REACH_WAIT_S)
-
     def _state_lost(self, generation: Generation, reached: int, newest: int) -> None:
         """The job had reached step ``reached`` and nothing holds it: the members go on
         from ``newest`` (their newest step, 0: the initial state)."""
@@ -959,12 +929,11 @@ class ElasticSession:
                                else StateSource.OLDER.value, reached=reached, state_bytes=0,
                                seconds=0.0, corrupt=[])
 
-    def _restore_snapshot(self, generation: Generation, members_step: int,
-                          behind: bool) -> tuple[int, StateSource] | None:
+    def _restore_snapshot(self, generation: Generation,
+                          members_step: int) -> tuple[int, StateSource] | None:
         """If the members' nodes hold snapshots newer than ``members_step`` (the newest
         step a member holds), load the newest complete one on every member: its step, and
-        whether buddies' replicas were needed. ``behind``: the members hold less than the
-        job reached; then a newer step only partly on their nodes is waited for."""
+        whether buddies' replicas were needed."""
         if self._snapshots is None:
             return None
         assert self.pg is not None and self.snapshot_dir is not None
@@ -987,10 +956,6 @@ class ElasticSession:
         restored = restore(self.pg, self._wait, self.rank, self.world_size,
                            Path(self.snapshot_dir), self.job_id, members_step, self.model,
                            self._optimizer_state, self._state, report, self._keeps())
-        if isinstance(restored, OutOfReach):
-            if behind:
-                self._await_reach(generation, restored.step)
-            return None
         if restored is None:
             return None
         self.committed = restored.step

@@ -341,22 +341,6 @@ def plan_restore(held: Sequence[Sequence[Held]], newer_than: int) -> list[Candid
     return sorted(candidates, key=lambda c: (-c.step, c.shards))
 
 
-def partly_held(held: Sequence[Sequence[Held]], newer_than: int) -> int | None:
-    """The newest step newer than ``newer_than`` some of whose shards, but not all, are
-    on the members' nodes (None: none). Its other shards are on nodes outside the
-    generation: a generation with members there could restore it.
-
-    Pure, like :func:`plan_restore`.
-    """
-    by_step: dict[tuple[int, int, int], set[int]] = {}
-    for rows in held:
-        for h in rows:
-            if h.step > newer_than:
-                by_step.setdefault((h.step, h.shards, h.total), set()).add(h.shard)
-    partial = [step for (step, shards, _), present in by_step.items() if len(present) < shards]
-    return max(partial, default=None)
-
-
 @dataclasses.dataclass(frozen=True)
 class Restored:
     step: int
@@ -365,24 +349,14 @@ class Restored:
     from_replicas: int  # shards this member read from a buddy's replica, not its own
 
 
-@dataclasses.dataclass(frozen=True)
-class OutOfReach:
-    """No step newer than asked is complete on the members' nodes, but ``step`` is
-    partly there: the rest is on nodes outside the generation."""
-
-    step: int
-
-
 def restore(pg: dist.ProcessGroup, wait: Wait, rank: int, world_size: int, store: Path,
             job_id: str, newer_than: int, model: torch.nn.Module,
             optimizer: torch.optim.Optimizer | Sharded, extra: Mapping[str, Any],
             report: Callable[[Header, str, bool], None],
-            keep: Callable[[int], bool] | None = None) -> Restored | OutOfReach | None:
+            keep: Callable[[int], bool] | None = None) -> Restored | None:
     """Restore the newest step the members' nodes hold, newer than ``newer_than``, into
     every member's ``model``, ``optimizer`` and ``extra`` (and RNG); None when there is
-    none, :class:`OutOfReach` when none is complete but one is partly held (every member
-    returns the same). A collective: every member of ``pg`` calls it with the same
-    ``newer_than``.
+    none. A collective: every member of ``pg`` calls it with the same ``newer_than``.
 
     ``report(header, problem, replica)`` is called for each copy that fails its checksum
     on this member (it is skipped; another copy or an older step is used); ``replica``:
@@ -460,8 +434,7 @@ def restore(pg: dist.ProcessGroup, wait: Wait, rank: int, world_size: int, store
                           for t in entries.values() if isinstance(t, torch.Tensor))
         return Restored(candidate.step, candidate.total + owned_bytes, corrupt,
                         len(read & replicas))
-    partial = partly_held(held, newer_than)
-    return None if partial is None else OutOfReach(partial)
+    return None
 
 
 def _verified(path: Path) -> tuple[mmap.mmap, Header]:

@@ -19,7 +19,6 @@ from phalanx.runtime.snapshot import (
     copy_range,
     flat_state,
     load_flat,
-    partly_held,
     plan_restore,
     restore,
     write_share,
@@ -144,15 +143,6 @@ def test_the_plan_takes_the_newest_step_whose_every_shard_a_member_holds() -> No
     assert [(c.step, c.shards) for c in plan] == [(10, 2), (9, 2)]  # 12 misses two shards
     assert plan[1].holders == ((0,), (1, 2))
     assert plan_restore(held, newer_than=10) == []  # the members hold 10 already
-
-
-def test_a_step_partly_on_the_members_nodes_is_named_for_waiting_on() -> None:
-    held = [[Held(10, 0, 2, 100), Held(12, 0, 3, 100), Held(11, 0, 2, 100)],
-            [Held(10, 1, 2, 100), Held(12, 2, 3, 100)]]
-    assert partly_held(held, newer_than=0) == 12  # shard 1 of 3 is elsewhere
-    assert partly_held(held, newer_than=12) is None
-    complete = [[Held(10, 0, 2, 100)], [Held(10, 1, 2, 100)]]
-    assert partly_held(complete, newer_than=0) is None
 
 
 def gloo_group(port: int, rank: int, world: int) -> dist.ProcessGroup:
