@@ -874,7 +874,7 @@ class ElasticSession:
             # its memory, snapshots off or not yet taken): go on from the newest step that
             # is left, as a restart would, and say so.
             origin = StateSource.START if newest == 0 else StateSource.OLDER
-            self._state_lost(generation, job_step, newest)
+            self._state_lost(generation, job_step, newest, origin)
             job_step = newest
         self._restored_from = origin
         if self._sharded is not None and restored is None \
@@ -916,17 +916,17 @@ class ElasticSession:
                                    step=step, source=source, state_bytes=nbytes)
         return resume, nbytes
 
-    def _state_lost(self, generation: Generation, reached: int, newest: int) -> None:
+    def _state_lost(self, generation: Generation, reached: int, newest: int,
+                    origin: StateSource) -> None:
         """The job had reached step ``reached`` and nothing holds it: the members go on
-        from ``newest`` (their newest step, 0: the initial state)."""
+        from ``newest`` (their newest step, 0: the initial state), ``origin`` saying which."""
         log.error("%s: no member and no checkpoint tier holds step %d, which job %s had "
                   "reached: generation %d resumes after step %d (%d steps trained again)",
                   self.replica_id, reached, self.job_id, generation.generation, newest,
                   reached - newest)
         if self._record is not None:
             self._record.write(kind="restore", generation=generation.generation, step=newest,
-                               tier=StateSource.START.value if newest == 0
-                               else StateSource.OLDER.value, reached=reached, state_bytes=0,
+                               tier=origin.value, reached=reached, state_bytes=0,
                                seconds=0.0, corrupt=[])
 
     def _restore_snapshot(self, generation: Generation,
