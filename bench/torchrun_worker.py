@@ -1,7 +1,8 @@
 """The torchrun baseline of the recovery benchmark: plain DDP training of W or the GPT example.
 
 Run by ``torch.distributed.run`` (one process per rank; ``bench/recovery_baseline.py``
-launches it). Each rank trains with DDP over gloo, one of two workloads:
+launches it). Each rank trains with DDP over gloo (``--device cuda``: the GPT on GPU
+``LOCAL_RANK`` over NCCL, for bench/gpu.py), one of two workloads:
 
 * ``--workload w`` (default): workload W (``examples/workload_w.py``), AdamW, global
   batch 64 split in contiguous shares by :class:`phalanx.runtime.data.ElasticOrder`,
@@ -66,7 +67,6 @@ import json
 import os
 import shutil
 import signal
-import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TextIO
@@ -82,11 +82,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, DistributedSampler
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
-
-import train_gpt
-import workload_w
-
+from phalanx.examples import train_gpt, workload_w
 from phalanx.runtime.data import ElasticOrder
 from phalanx.runtime.dataset import MemmapDataset, TokenWindows
 
@@ -195,8 +191,11 @@ class Training:
     step: Callable[[int], float]  # trains global step n (1-based); this rank's mean loss
 
 
-def build_w(options: argparse.Namespace, rank: int, world: int) -> Training:
+def build_w(options: argparse.Namespace, rank: int, world: int,
+            device: torch.device) -> Training:
     """Workload W: the global batch's contiguous share per rank, one micro-batch."""
+    if device.type != "cpu":
+        raise ValueError("workload W runs on the CPU")
     dataset = MemmapDataset(options.data_dir)
     order = ElasticOrder(len(dataset), workload_w.W_GLOBAL_BATCH, seed=0)
     model = DistributedDataParallel(workload_w.build_model(options.widths))
@@ -222,12 +221,13 @@ def build_w(options: argparse.Namespace, rank: int, world: int) -> Training:
     return Training(model, optimizer, {}, step)
 
 
-def build_gpt(options: argparse.Namespace, rank: int, world: int) -> Training:
+def build_gpt(options: argparse.Namespace, rank: int, world: int,
+              device: torch.device) -> Training:
     """The GPT example's loop as a DDP user writes it (docs/runtime.md's starting point)."""
     torch.manual_seed(options.seed)
     windows = TokenWindows(options.data_dir, options.block_size)
     model = DistributedDataParallel(train_gpt.GPT(options.layers, options.heads, options.embd,
-                                                  options.block_size))
+                                                  options.block_size).to(device))
     optimizer = train_gpt.build_optimizer(model.module, options.lr)
     scheduler = train_gpt.build_scheduler(optimizer, options.steps, options.warmup)
     accumulation, rest = divmod(options.global_batch, world * options.micro_batch)
@@ -252,6 +252,7 @@ def build_gpt(options: argparse.Namespace, rank: int, world: int) -> Training:
         loss = 0.0
         for micro in range(accumulation):
             x, y = next(batches)
+            x, y = x.to(device), y.to(device)
             # Gradients are all-reduced in the last micro-batch's backward only.
             with model.no_sync() if micro < accumulation - 1 else contextlib.nullcontext():
                 micro_loss = train_gpt.next_token_loss(model, x, y) / accumulation
@@ -286,6 +287,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, argpa
     parser.add_argument("--ckpt-dir", type=Path, required=True)
     parser.add_argument("--record-dir", type=Path, required=True)
     parser.add_argument("--ckpt-every", type=int, default=10, help="0: never")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                        help="cuda: GPU LOCAL_RANK, NCCL")
     args, rest = parser.parse_known_args(argv)
     arguments, _ = WORKLOADS[args.workload]
     return args, arguments().parse_args(rest)
@@ -302,11 +305,15 @@ def main() -> None:
     kill_step, kill_phase = parse_kill(os.environ.get("BASELINE_KILL", ""), rank, attempt)
     torch.set_num_threads(1)
 
-    dist.init_process_group("gloo")
+    device = torch.device("cpu")
+    if args.device == "cuda":
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
     record("process_group")
 
     _, build = WORKLOADS[args.workload]
-    training = build(options, rank, world)
+    training = build(options, rank, world, device)
     hook = KillState(record, kill_step if kill_phase == "allreduce" else None)
     training.model.register_comm_hook(hook, kill_hook)
     record("built")

@@ -10,15 +10,22 @@ in step``, ``step.backward``, ``step.clip_grad_norm_``, ``if step.commit():
 scheduler.step()``. It logs the loss of the whole global batch (``step.loss``)
 and tokens per second. bench/recovery.py runs it under phalanx, and
 bench/torchrun_worker.py its plain DDP twin, with the same options.
+
+On a GPU (its agent lists GPUs, or alone where torch sees CUDA) the model and
+each batch go to ``device()``, the rank's GPU (docs/gpu.md); ``--amp bf16`` runs
+the forward pass under bf16 autocast (no loss scaler needed: bf16 keeps float32's
+range).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import time
 
 import torch
-from chargpt_model import (
+
+from phalanx.examples.chargpt_model import (
     GPT,
     build_optimizer,
     build_scheduler,
@@ -27,15 +34,16 @@ from chargpt_model import (
     prepare,
     save,
 )
-from chargpt_model import arguments as training_arguments
-
-from phalanx.runtime import ElasticSession
+from phalanx.examples.chargpt_model import arguments as training_arguments
+from phalanx.runtime import ElasticSession, device
 
 
 def arguments() -> argparse.ArgumentParser:
     """The options: chargpt's, with ``--steps`` for ``--epochs``, and ``--prepare``."""
     parser = training_arguments(__doc__, length="steps")
     parser.add_argument("--prepare", action="store_true", help="tokenize the corpus and exit")
+    parser.add_argument("--amp", choices=("off", "bf16"), default="off",
+                        help="bf16 autocast for the forward pass")
     return parser
 
 
@@ -48,12 +56,18 @@ def main() -> None:
     torch.set_num_threads(1)
     torch.manual_seed(args.seed)
     windows = dataset(args)
-    model = GPT(args.layers, args.heads, args.embd, args.block_size)
+    on = device()  # this rank's GPU, or the CPU
+    model = GPT(args.layers, args.heads, args.embd, args.block_size).to(on)
     optimizer = build_optimizer(model, args.lr)
     scheduler = build_scheduler(optimizer, args.steps, args.warmup)
 
+    def loss(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        with torch.autocast(on.type, torch.bfloat16) if args.amp == "bf16" \
+                else contextlib.nullcontext():
+            return next_token_loss(model, x.to(on), y.to(on))
+
     def warmup() -> None:  # optional: a joining replica's first step is then not cold
-        next_token_loss(model, *windows.batch(range(args.micro_batch))).backward()
+        loss(*windows.batch(range(args.micro_batch))).backward()
 
     session = ElasticSession.from_env(model, optimizer, windows, global_batch=args.global_batch,
                                       micro_batch_size=args.micro_batch, seed=args.seed,
@@ -64,7 +78,7 @@ def main() -> None:
     since, started = time.perf_counter(), session.committed
     for step in session.steps(args.steps):
         for x, y in step:
-            step.backward(next_token_loss(model, x, y))
+            step.backward(loss(x, y))
         step.clip_grad_norm_(1.0)
         if step.commit():
             scheduler.step()

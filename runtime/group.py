@@ -13,28 +13,54 @@ to a store, a store ``add``, gloo's connect) on a helper thread the same way.
 Either raises :class:`Aborted` when the caller's condition says the
 generation is given up.
 
-What is given up is *kept*, never destroyed: a group or work item still
-blocked on a dead peer is left to its own timeout (:attr:`Waits.abandoned`),
+What is given up on gloo is *kept*, never destroyed: a group or work item
+still blocked on a dead peer is left to its own timeout (:attr:`Waits.abandoned`),
 and its buffers are never reused. While it waits, the rank reports progress
 (``heartbeat``): waiting for peers is not a hang.
 
-:func:`rendezvous` builds a generation's gloo group on its rank 0's store,
-under the generation's own prefix, with every blocking part abortable.
+**On NCCL** the rest differs. An NCCL collective waiting for a dead peer is a
+kernel spinning on the GPU: it holds the device's stream, so the group cannot be
+left to a timeout; it is *aborted* (``ProcessGroupNCCL.abort()``, which is
+``ncclCommAbort``: the kernels end and the device is usable by the next
+generation), and dropped. Its work's future says nothing about completion (torch
+completes it when the collective is enqueued), so :meth:`Waits.work` polls the
+work's CUDA event instead (``is_completed()``, every :data:`POLL_S`), still
+woken at once by the inbox. Communicators are built non-blocking
+(``config.blocking = 0``), so a communicator whose peers never come can be
+aborted while it initialises too; :mod:`.placement` keeps torch's watchdog from
+ending the process when a collective fails because we aborted it.
+
+:func:`rendezvous` builds a generation's group on its rank 0's store, under the
+generation's own prefix, with every blocking part abortable: a gloo group (the
+CPU, or ranks that share a GPU), or an NCCL one. A :class:`DeviceGroup` stands in
+front of a group whose ranks train on a GPU, taking every tensor the session
+hands it: what the backend cannot take where it is (a CPU tensor for NCCL, a
+CUDA tensor for gloo's send and receive) is staged onto the device it can take,
+and copied back once the work completed. A CPU rank's gloo group is used as it
+is. NCCL is imported only when an NCCL group is built: a CPU build of torch never
+touches it.
 """
 
 from __future__ import annotations
 
 import datetime
 import threading
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
+import torch
 import torch.distributed as dist
 
 from phalanx.runtime.inbox import Inbox
+from phalanx.runtime.placement import Backend, nccl_environment
 from phalanx.schemas.messages import Generation
 
 T = TypeVar("T")
+#: How often a wait asks the device whether an NCCL collective completed.
+POLL_S = 0.0005
+#: How often a long wait reports progress (the reporter sends at most one per 0.1 s).
+HEARTBEAT_S = 0.5
 
 
 class Aborted(Exception):
@@ -55,9 +81,12 @@ class Waits:
         #: Process groups and work items given up on, left to gloo's own timeout.
         self.abandoned: list[Any] = []
 
-    def work(self, work: dist.Work, must_abort: Callable[[], bool]) -> None:
+    def work(self, work: dist.Work | DeviceWork, must_abort: Callable[[], bool]) -> None:
         """Wait for ``work``; raise :class:`Aborted` the moment ``must_abort()`` says so, or
         when the work fails (a peer's connection closed: its fault is on its way)."""
+        if isinstance(work, DeviceWork) and work.polled:
+            self._polled(work, must_abort)
+            return
         done = threading.Event()
         failure: list[BaseException] = []
         wake = self.inbox.wake
@@ -96,6 +125,31 @@ class Waits:
         except RuntimeError as exc:
             raise Aborted(str(exc)) from None
 
+    def _polled(self, work: DeviceWork, must_abort: Callable[[], bool]) -> None:
+        """An NCCL work item: its completion is asked of the device; an abort leaves it to
+        the communicator's abort (:meth:`abandon`), so nothing is kept."""
+        beat = time.monotonic()
+        while not work.is_completed():
+            if must_abort():
+                raise Aborted("a member failed")
+            self.inbox.sleep(POLL_S)
+            if time.monotonic() - beat >= HEARTBEAT_S:
+                self.heartbeat()
+                beat = time.monotonic()
+        try:
+            work.wait()
+        except RuntimeError as exc:  # the collective failed or timed out
+            raise Aborted(str(exc)) from None
+
+    def abandon(self, group: Any) -> None:
+        """Give ``group`` up: an NCCL group is aborted now (its kernels end, the device is
+        free for the next generation) and released; a gloo group is kept (its threads may
+        still block on a dead peer, until gloo's timeout)."""
+        if isinstance(group, DeviceGroup) and group.backend_kind is Backend.NCCL:
+            group.abort()
+        else:
+            self.abandoned.append(group)
+
     def call(self, call: Callable[[], T], give_up: Callable[[], str | None]) -> T:
         """``call()`` on a helper thread; :class:`Aborted` if it fails, or with the reason
         ``give_up()`` returns (checked every 50 ms and on every wake-up) while it runs."""
@@ -123,18 +177,151 @@ class Waits:
         return outcome[0]
 
 
+class DeviceWork:
+    """A work item of a :class:`DeviceGroup`: torch's work, the staged results to copy
+    back once it completed, and whether its completion must be asked of the device."""
+
+    def __init__(self, work: dist.Work, back: Sequence[tuple[torch.Tensor, torch.Tensor]],
+                 polled: bool) -> None:
+        self.work, self.back, self.polled = work, back, polled
+
+    def is_completed(self) -> bool:
+        return self.work.is_completed()
+
+    def get_future(self) -> torch.futures.Future:
+        """gloo's future (RuntimeError for its send/receive, which have none)."""
+        return self.work.get_future()
+
+    def wait(self) -> None:
+        """Once completed: make the results visible to this thread's stream (NCCL) and
+        copy staged results back where the caller wanted them."""
+        self.work.wait()
+        for wanted, staged in self.back:
+            wanted.copy_(staged)
+
+
+class DeviceGroup:
+    """A generation's process group for ranks that train on ``device`` (a GPU).
+
+    The session's collectives (all-reduce, broadcast, send, receive) come here with
+    tensors of the model's device and of the CPU (the small vectors that agree on steps,
+    snapshots and state headers). A tensor the backend cannot take where it is, is
+    staged: NCCL takes CUDA tensors only, so a CPU tensor goes over on ``device`` and
+    comes back after the work; gloo's all-reduce and broadcast take CUDA tensors, its
+    send and receive only CPU ones (they read and write the raw pointer), so a CUDA
+    tensor there goes through host memory.
+
+    Args:
+        backend: the torch backend (``ProcessGroupGloo`` or ``ProcessGroupNCCL``).
+        backend_kind: which of the two it is.
+        device: the model's device.
+    """
+
+    def __init__(self, backend: Any, backend_kind: Backend, device: torch.device) -> None:
+        self.backend, self.backend_kind, self.device = backend, backend_kind, device
+
+    def _target(self, tensor: torch.Tensor, point_to_point: bool) -> torch.device | None:
+        """Where ``tensor`` must be staged for this backend; None: it can go as it is."""
+        if self.backend_kind is Backend.NCCL:
+            return None if tensor.device.type == "cuda" else self.device
+        if point_to_point and tensor.device.type != "cpu":
+            return torch.device("cpu")
+        return None
+
+    def _run(self, start: Callable[[list[torch.Tensor]], dist.Work],
+             tensors: list[torch.Tensor], point_to_point: bool, written: bool) -> DeviceWork:
+        staged, back = [], []
+        for tensor in tensors:
+            target = self._target(tensor, point_to_point)
+            if target is None:
+                staged.append(tensor)
+                continue
+            copy = tensor.to(target)  # a copy on the device the backend takes
+            staged.append(copy)
+            if written:
+                back.append((tensor, copy))
+        return DeviceWork(start(staged), back, polled=self.backend_kind is Backend.NCCL)
+
+    def allreduce(self, tensors: list[torch.Tensor]) -> DeviceWork:
+        return self._run(self.backend.allreduce, tensors, False, True)
+
+    def broadcast(self, tensor: torch.Tensor, root: int) -> DeviceWork:
+        return self._run(lambda staged: self.backend.broadcast(staged[0], root), [tensor],
+                         False, self.backend.rank() != root)
+
+    def send(self, tensors: list[torch.Tensor], dst: int, tag: int) -> DeviceWork:
+        return self._run(lambda staged: self.backend.send(staged, dst, tag), tensors, True,
+                         False)
+
+    def recv(self, tensors: list[torch.Tensor], src: int, tag: int) -> DeviceWork:
+        return self._run(lambda staged: self.backend.recv(staged, src, tag), tensors, True,
+                         True)
+
+    def abort(self) -> None:
+        """NCCL: abort the communicator (``ncclCommAbort``: its kernels end), then let go
+        of the group on a thread of its own (its destructor joins torch's watchdog)."""
+        self.backend.abort()
+        held = [self.backend]
+        self.backend = None
+        threading.Thread(target=held.clear, name="phalanx-release", daemon=True).start()
+
+
+#: A generation's group as the session calls it: torch's (gloo, for a CPU rank) or a
+#: :class:`DeviceGroup` in front of one; and what its collectives return.
+Group = dist.ProcessGroup | DeviceGroup
+GroupWork = dist.Work | DeviceWork
+
+
+def connect(store: dist.Store, rank: int, world_size: int, timeout: datetime.timedelta,
+            backend: Backend, device: torch.device) -> dist.ProcessGroup | DeviceGroup:
+    """Build the group of one generation: gloo as it is for a CPU rank, else a
+    :class:`DeviceGroup` in front of gloo or NCCL. Blocks until gloo has connected; an
+    NCCL group's communicator is started by :func:`nccl_ready` (its constructor does not
+    block)."""
+    if backend is Backend.NCCL:
+        from torch.distributed import ProcessGroupNCCL  # not in a CPU build of torch
+
+        nccl_environment()
+        options = ProcessGroupNCCL.Options()
+        options.config.blocking = 0  # an initialisation that waits for the dead is aborted
+        options._timeout = timeout
+        return DeviceGroup(ProcessGroupNCCL(store, rank, world_size, options), backend,
+                           device)
+    gloo = dist.ProcessGroupGloo(store, rank, world_size, timeout)
+    # torch's stub derives ProcessGroupGloo from Backend and gives it none of the
+    # collectives (allreduce, broadcast, send, recv) it has and ProcessGroup declares.
+    return gloo if device.type == "cpu" else DeviceGroup(  # type: ignore[return-value]
+        gloo, backend, device)
+
+
+def nccl_ready(group: DeviceGroup) -> None:
+    """Start ``group``'s communicator on its device and wait until it carries a
+    collective (peers exchange its id through the store; a non-blocking communicator
+    returns while it initialises, and a one-element all-reduce waits for it). Run on a
+    helper thread: the training thread aborts the group if it gives the generation up
+    meanwhile."""
+    group.backend.eager_connect_single_device(group.device)
+    probe = torch.ones(1, device=group.device)
+    group.backend.allreduce([probe]).wait()
+    torch.cuda.current_stream(group.device).synchronize()
+
+
 def rendezvous(waits: Waits, stores: dict[str, dist.Store], own: tuple[str, dist.Store],
                generation: Generation, rank: int, timeout: datetime.timedelta,
-               give_up: Callable[[], str | None]) -> dist.ProcessGroup:
-    """A gloo group over ``generation``'s namespace in its rank 0's store.
+               give_up: Callable[[], str | None], backend: Backend = Backend.GLOO,
+               device: torch.device | None = None) -> dist.ProcessGroup | DeviceGroup:
+    """A group over ``generation``'s namespace in its rank 0's store.
 
     Args:
         stores: connections to other replicas' stores by endpoint (filled as needed).
         own: this replica's id and the store it hosts (used when it is rank 0).
         give_up: the reason to give the generation up (superseded, job over), or None.
+        backend / device: which group (:func:`connect`), for a model on ``device``
+            (None: the CPU).
 
     Raises:
-        Aborted: a store or peer is unreachable, or ``give_up`` gave a reason.
+        Aborted: a store or peer is unreachable, or ``give_up`` gave a reason (an NCCL
+            communicator started meanwhile is aborted first).
     """
     def abortable(call: Callable[[], T]) -> T:
         try:
@@ -158,5 +345,15 @@ def rendezvous(waits: Waits, stores: dict[str, dist.Store], own: tuple[str, dist
     while int(abortable(lambda: prefixed.add("arrived", 0))) < generation.world_size:
         waits.heartbeat()  # waiting for a slow member is not a hang (rate-limited)
         waits.inbox.sleep(0.002)
-    return abortable(lambda: dist.ProcessGroupGloo(prefixed, rank, generation.world_size,
-                                                   timeout))
+    device = device if device is not None else torch.device("cpu")
+    if backend is Backend.GLOO:
+        return abortable(lambda: connect(prefixed, rank, generation.world_size, timeout,
+                                         backend, device))
+    group = connect(prefixed, rank, generation.world_size, timeout, backend, device)
+    assert isinstance(group, DeviceGroup)
+    try:
+        abortable(lambda: nccl_ready(group))
+    except Aborted:
+        group.abort()  # releases a communicator that waits for peers that never come
+        raise
+    return group

@@ -25,7 +25,9 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 import torch
-import torch.distributed as dist
+
+from phalanx.runtime.group import Group, GroupWork
+from phalanx.runtime.state import Wait
 
 #: Bucket size; DDP's default is 25 MiB.
 BUCKET_BYTES = 25 * 2**20
@@ -82,7 +84,7 @@ class BucketedReduce:
             write into it.
     """
 
-    def __init__(self, pg: dist.ProcessGroup, params: Sequence[torch.nn.Parameter],
+    def __init__(self, pg: Group, params: Sequence[torch.nn.Parameter],
                  plan: list[list[int]], kept: torch.Tensor | None,
                  tail: Callable[[], torch.Tensor],
                  buffers: list[torch.Tensor] | None = None) -> None:
@@ -97,7 +99,7 @@ class BucketedReduce:
         self.bucket_of = {i: b for b, bucket in enumerate(plan) for i in bucket}
         self.pending = [len(bucket) for bucket in plan]
         self.flats = buffers if buffers is not None else self.buffers_for(params, plan)
-        self.works: list[dist.Work] = []
+        self.works: list[GroupWork] = []
         self.on_first_launch: Callable[[], None] | None = None
 
     def gradient_ready(self, index: int) -> None:
@@ -109,9 +111,10 @@ class BucketedReduce:
     @staticmethod
     def buffers_for(params: Sequence[torch.nn.Parameter],
                     plan: list[list[int]]) -> list[torch.Tensor]:
-        """One flat buffer per bucket."""
+        """One flat buffer per bucket, where the parameters are."""
         sizes = [sum(params[i].numel() for i in bucket) for bucket in plan]
-        return [torch.empty(n, dtype=params[plan[0][0]].dtype) for n in sizes]
+        first = params[plan[0][0]]
+        return [torch.empty(n, dtype=first.dtype, device=first.device) for n in sizes]
 
     def _launch(self, b: int) -> None:
         # A copy: the gradients stay as they are until every bucket is done.
@@ -131,7 +134,7 @@ class BucketedReduce:
         if b == 0 and self.on_first_launch is not None:
             self.on_first_launch()
 
-    def finish(self, wait: Callable[[dist.Work], None]) -> torch.Tensor:
+    def finish(self, wait: Wait) -> torch.Tensor:
         """Start the remaining buckets and the tail, wait for all, write the sums into the
         gradients.
 

@@ -30,13 +30,28 @@ from __future__ import annotations
 
 import pickle
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 import torch.distributed as dist
 from torch.distributed.optim import ZeroRedundancyOptimizer
 
+from phalanx.runtime.group import Group
 from phalanx.runtime.state import Wait, _fill, _strip, broadcast_bytes
+
+if TYPE_CHECKING:
+    class _Zero(ZeroRedundancyOptimizer):
+        """The optimizer with the private parts :class:`Sharded` drives it by, which torch's
+        stub (``zero_redundancy_optimizer.pyi``) leaves out; their code is in
+        ``zero_redundancy_optimizer.py``."""
+
+        _param_to_index: dict[torch.Tensor, int]
+        _param_to_rank: dict[torch.Tensor, int]
+
+        def _clear_cache(self) -> None: ...
+        def _init_local_optimizer(self) -> None: ...
+        def _partition_parameters(self, params_per_rank: list[list[torch.Tensor]] | None = None,
+                                  ) -> list[list[dict[str, Any]]]: ...
 
 
 def sharded_optimizer(params: Any, optimizer_class: type[torch.optim.Optimizer],
@@ -69,7 +84,7 @@ class Sharded:
         if zero._overlap_with_ddp or zero.parameters_as_bucket_view:
             raise ValueError("a sharded optimizer under the session takes neither "
                              "overlap_with_ddp nor parameters_as_bucket_view")
-        self.zero = zero
+        self.zero = cast("_Zero", zero)
         #: The consolidated state at the member's committed step, once gathered, received
         #: or restored, until the next :meth:`repartition` loads it.
         self.full: dict[str, Any] | None = None
@@ -149,7 +164,7 @@ class Sharded:
         # ZeRO's load voids the entries of other partitions in the dict it is given.
         zero.load_state_dict({**full, "state": dict(full["state"])})
 
-    def step(self, pg: dist.ProcessGroup | None, wait: Wait,
+    def step(self, pg: Group | None, wait: Wait,
              posted: Callable[[], None] | None = None) -> None:
         """The optimizer step: this member's partition, then every owner's new parameters
         broadcast to the others (each wait abortable; ``posted`` is called once all are
@@ -166,7 +181,7 @@ class Sharded:
         for work in works:
             wait(work)
 
-    def gather(self, pg: dist.ProcessGroup, wait: Wait) -> None:
+    def gather(self, pg: Group, wait: Wait) -> None:
         """Every member of ``pg`` (the generation the optimizer is partitioned over) ends
         holding the consolidated state (:attr:`full`): each owner's entries broadcast.
         Raises :class:`~.group.Aborted` from ``wait`` if the group is abandoned."""
@@ -179,8 +194,10 @@ class Sharded:
                 if owner == rank else None
             skeleton, shapes = pickle.loads(  # from a peer rank
                 broadcast_bytes(pg, wait, rank, owner, described))
-            if owner != rank:
-                tensors = [torch.empty(shape, dtype=dtype) for shape, dtype in shapes]
+            if owner != rank:  # on the parameters' device, as the owner's are
+                device = next(iter(self.zero._param_to_index)).device
+                tensors = [torch.empty(shape, dtype=dtype, device=device)
+                           for shape, dtype in shapes]
             works = [pg.broadcast(t.detach().view(-1), owner) for t in tensors]
             for work in works:
                 wait(work)

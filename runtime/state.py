@@ -4,9 +4,10 @@ The state is the model's ``state_dict``, the optimizer's, the committed step,
 the RNG state and the ``state_dict`` of every object the script registered
 with the session (LR schedulers, an EMA of the weights, a loss scaler: any
 object with ``state_dict``/``load_state_dict``). It travels over the
-generation's process group (gloo point-to-point), never through NATS: first a
-small header (the step, the RNG state, the optimizer's non-tensor state, and
-each tensor's shape, dtype and byte count, optionally its Adler-32), then
+generation's process group (point-to-point: gloo, or NCCL from device to
+device), never through NATS: first a small header (the step, the RNG state, the
+optimizer's non-tensor state, and each tensor's shape, dtype and byte count,
+optionally its Adler-32), then
 every tensor as it is, received in place into the model's own parameters. The
 receiver checks every tensor against its own model before anything moves and
 every checksum after, so a state that does not fit, or arrives damaged, is
@@ -18,15 +19,24 @@ from __future__ import annotations
 import dataclasses
 import pickle
 import zlib
-from collections.abc import Callable, Mapping
-from typing import Any
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Protocol
 
 import numpy as np
 import torch
-import torch.distributed as dist
 
-#: Waits for a gloo work item; raises if it failed or was aborted.
-Wait = Callable[[dist.Work], None]
+from phalanx.runtime.group import Group, GroupWork
+
+#: Waits for a work item of the generation's group; raises if it failed or was aborted.
+Wait = Callable[[GroupWork], None]
+
+
+class Stateful(Protocol):
+    """What state is taken from and put back into: an optimizer, or the session's handle
+    on a sharded one (:class:`~.sharded.Sharded`)."""
+
+    def state_dict(self) -> dict[str, Any]: ...
+    def load_state_dict(self, state_dict: dict[str, Any], /) -> None: ...
 
 
 class StateTransferError(RuntimeError):
@@ -45,7 +55,7 @@ class TransferStats:
 
 
 def _checksum(tensor: torch.Tensor) -> int:
-    data = tensor.detach().reshape(-1).contiguous().view(torch.uint8).numpy()
+    data = tensor.detach().reshape(-1).contiguous().view(torch.uint8).cpu().numpy()
     return zlib.adler32(np.ascontiguousarray(data).data)
 
 
@@ -66,7 +76,9 @@ def _strip(obj: Any, tensors: list[torch.Tensor]) -> Any:
     return obj
 
 
-def _fill(obj: Any, tensors: list[torch.Tensor]) -> Any:
+def _fill(obj: Any, tensors: Sequence[object]) -> Any:
+    """``obj`` with every reference replaced by its item of ``tensors`` (the tensors
+    :func:`_strip` took out, or anything else that stands for them)."""
     if isinstance(obj, _TensorRef):
         return tensors[obj.index]
     if isinstance(obj, dict):
@@ -87,7 +99,7 @@ def tensor_refs(skeleton: Any) -> set[int]:
     return set()
 
 
-def broadcast_tensor(pg: dist.ProcessGroup, wait: Wait, rank: int, source: int,
+def broadcast_tensor(pg: Group, wait: Wait, rank: int, source: int,
                      data: torch.Tensor | None) -> torch.Tensor:
     """The uint8 tensor ``data`` of member ``source`` (None on the others), on every
     member: its length, then its bytes."""
@@ -101,7 +113,7 @@ def broadcast_tensor(pg: dist.ProcessGroup, wait: Wait, rank: int, source: int,
     return payload
 
 
-def broadcast_bytes(pg: dist.ProcessGroup, wait: Wait, rank: int, source: int,
+def broadcast_bytes(pg: Group, wait: Wait, rank: int, source: int,
                     data: bytes | None) -> bytes:
     """``data`` of member ``source`` (None on the others), on every member."""
     payload = broadcast_tensor(pg, wait, rank, source, None if data is None else
@@ -110,8 +122,8 @@ def broadcast_bytes(pg: dist.ProcessGroup, wait: Wait, rank: int, source: int,
     return payload.numpy().tobytes()
 
 
-def send_state(pg: dist.ProcessGroup, dst: int, model: torch.nn.Module,
-               optimizer: torch.optim.Optimizer, step: int, wait: Wait, *,
+def send_state(pg: Group, dst: int, model: torch.nn.Module,
+               optimizer: Stateful, step: int, wait: Wait, *,
                checksum: bool = False, extra: Mapping[str, Any] | None = None) -> TransferStats:
     """Send this rank's state to rank ``dst`` of ``pg``.
 
@@ -139,8 +151,8 @@ def send_state(pg: dist.ProcessGroup, dst: int, model: torch.nn.Module,
     return TransferStats(sum(t.numel() * t.element_size() for t in tensors), len(tensors))
 
 
-def receive_state(pg: dist.ProcessGroup, src: int, model: torch.nn.Module,
-                  optimizer: torch.optim.Optimizer, wait: Wait,
+def receive_state(pg: Group, src: int, model: torch.nn.Module,
+                  optimizer: Stateful, wait: Wait,
                   landing: list[torch.Tensor] | None = None, *,
                   extra: Mapping[str, Any] | None = None) -> tuple[int, TransferStats]:
     """Receive rank ``src``'s state into ``model``, ``optimizer`` and ``extra``'s objects
@@ -165,6 +177,9 @@ def receive_state(pg: dist.ProcessGroup, src: int, model: torch.nn.Module,
         raise StateTransferError(f"the peer carries the state of {sorted(header['extra'])}, "
                                  f"this rank registered {sorted(extra)}")
     model_tensors = [t.detach() for t in model.state_dict().values()]
+    # What is not received straight into the model lands on its device (the optimizer's
+    # load_state_dict then keeps each entry where its parameter wants it).
+    device = model_tensors[0].device if model_tensors else torch.device("cpu")
     if header["model_tensors"] != len(model_tensors):
         raise StateTransferError(f"the peer's model has {header['model_tensors']} tensors, "
                                  f"this one {len(model_tensors)}")
@@ -184,7 +199,8 @@ def receive_state(pg: dist.ProcessGroup, src: int, model: torch.nn.Module,
         elif spare.get((tuple(shape), dtype)):
             target = spare[(tuple(shape), dtype)].pop()  # memory already touched
         else:
-            target = torch.empty(shape, dtype=getattr(torch, dtype.removeprefix("torch.")))
+            target = torch.empty(shape, dtype=getattr(torch, dtype.removeprefix("torch.")),
+                                 device=device)
         if target.numel() * target.element_size() != nbytes:
             raise StateTransferError(f"tensor {i}: {nbytes} bytes announced, "
                                      f"{target.numel() * target.element_size()} expected")

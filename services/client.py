@@ -11,12 +11,13 @@ from __future__ import annotations
 
 import asyncio
 import difflib
+import enum
 import os
 import secrets
 import time
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import msgspec
 import yaml
@@ -34,9 +35,12 @@ from phalanx.schemas.messages import (
     JobRecord,
     JobRequest,
     JobSpec,
+    Message,
     ScaleRequest,
     SubmitRequest,
 )
+
+M = TypeVar("M", bound=Message)
 
 RETRYABLE_CODES = {"503", "504"}
 
@@ -96,6 +100,8 @@ def spec_errors(data: Mapping[Any, Any], struct: type[msgspec.Struct],
             msgspec.convert(value, field.type)
         except msgspec.ValidationError as exc:
             message = str(exc)
+            if isinstance(field.type, type) and issubclass(field.type, enum.Enum):
+                message += f" (one of {', '.join(str(m.value) for m in field.type)})"
             errors.append(message.replace("`$", f"`{where}") if "`$" in message
                           else f"{message}{_at(where)}")
     errors += [f"Object missing required field `{name}`{_at(path)}"
@@ -220,6 +226,6 @@ class AdmissionClient:
         return sorted((e.value for e in entries), key=lambda r: (r.submitted_at, r.job_id))
 
 
-async def _value(bus: Bus, bucket: str, message_type: type, key: str):
+async def _value(bus: Bus, bucket: str, message_type: type[M], key: str) -> M | None:
     entry = await (await TypedKV.open(bus.js, bucket, message_type)).get(key)
     return None if entry is None else entry.value

@@ -1,0 +1,88 @@
+"""Where an agent runs a replica: the node's slot (``LOCAL_RANK``), and on a node that
+lists GPUs, that slot's GPU alone (``CUDA_VISIBLE_DEVICES``), with the job's backend.
+
+Real rank processes of a real agent's RankSet; each prints what it was given and holds
+its slot until every replica of the job was launched.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+from pathlib import Path
+
+from phalanx.schemas.messages import (
+    CollectiveBackend,
+    JobRecord,
+    JobSpec,
+    JobState,
+    RankExited,
+    RankStarted,
+    ReasonCode,
+    ReplicaRange,
+)
+from phalanx.services.agent.ranks import RankSet
+
+# Prints its placement, then holds its slot until the test lets it go (a rank's stdin is
+# /dev/null: a file is the signal).
+CHILD = """
+import os, sys, time
+names = ("LOCAL_RANK", "CUDA_VISIBLE_DEVICES", "PHALANX_DEVICE", "PHALANX_BACKEND")
+print(" ".join(f"{n}={os.environ.get(n, '-')}" for n in names), flush=True)
+release = sys.argv[1]
+while not os.path.exists(release):
+    time.sleep(0.01)
+"""
+
+
+async def placements(tmp_path: Path, gpus: tuple[int, ...], replicas: int,
+                     env: dict[str, str] | None = None,
+                     backend: CollectiveBackend = CollectiveBackend.AUTO) -> list[str]:
+    """Launch ``replicas`` ranks of one job on one node; what each printed, by slot."""
+    exited: asyncio.Queue[RankExited] = asyncio.Queue()
+
+    async def report(message: RankStarted | RankExited) -> None:
+        if isinstance(message, RankExited):
+            await exited.put(message)
+
+    async def host_of(_: str) -> str:
+        return "127.0.0.1"
+
+    release = tmp_path / "release"
+    ranks = RankSet("n1", tmp_path, "nats://127.0.0.1:1", host_of, report,
+                    capacity=max(len(gpus), replicas), gpus=gpus)
+    spec = JobSpec(name="p", team="t", priority_class="normal", env=env or {},
+                   replicas=ReplicaRange(min=replicas, max=replicas), backend=backend,
+                   command=[sys.executable, "-c", CHILD, str(release)])
+    record = JobRecord(job_id="p1", spec=spec, state=JobState.ADMITTED, submitted_at=1.0,
+                       updated_at=1.0, reason_code=ReasonCode.ADMITTED,
+                       nodes=["n1"] * replicas)
+    try:
+        await ranks.reconcile(record)  # both launched: each holds its slot until released
+        release.touch()
+        for _ in range(replicas):
+            end = await asyncio.wait_for(exited.get(), 60)
+            assert end.exit_code == 0
+    finally:
+        release.touch()
+        await ranks.stop_all()
+    logs = [tmp_path / "jobs" / "p1" / f"r{slot}-0.log" for slot in range(replicas)]
+    return [next(line for line in log.read_text().splitlines()
+                 if not line.startswith("=== phalanx:")) for log in logs]
+
+
+async def test_each_replica_of_a_gpu_node_sees_its_slots_gpu_alone(tmp_path: Path) -> None:
+    # The job's own CUDA_VISIBLE_DEVICES does not reach a rank the agent gave a GPU.
+    seen = await placements(tmp_path, gpus=(3, 1), replicas=2,
+                            env={"CUDA_VISIBLE_DEVICES": "0,1,2,3"})
+    assert seen == [
+        "LOCAL_RANK=0 CUDA_VISIBLE_DEVICES=3 PHALANX_DEVICE=cuda PHALANX_BACKEND=auto",
+        "LOCAL_RANK=1 CUDA_VISIBLE_DEVICES=1 PHALANX_DEVICE=cuda PHALANX_BACKEND=auto"]
+
+
+async def test_a_cpu_node_leaves_the_gpus_as_they_were(tmp_path: Path) -> None:
+    seen = await placements(tmp_path, gpus=(), replicas=2, env={"CUDA_VISIBLE_DEVICES": "5"},
+                            backend=CollectiveBackend.GLOO)
+    assert seen == [
+        "LOCAL_RANK=0 CUDA_VISIBLE_DEVICES=5 PHALANX_DEVICE=cpu PHALANX_BACKEND=gloo",
+        "LOCAL_RANK=1 CUDA_VISIBLE_DEVICES=5 PHALANX_DEVICE=cpu PHALANX_BACKEND=gloo"]

@@ -1,0 +1,216 @@
+"""The runtime on a GPU: NCCL generations with abort, device snapshots, CUDA tensors over
+gloo, a lone session's deterministic steps.
+
+Skipped without CUDA (every test here needs a real GPU; the CPU side of the same code is
+tested in test_device_group.py, test_snapshot.py, test_state.py and test_reduce.py). One
+GPU: NCCL runs at world size 1 (it refuses two ranks on one device); two ranks share the
+GPU over gloo with CUDA tensors, as bench/gpu.py's phase (a) does. docs/gpu.md says what
+this covers and what it does not (NCCL across ranks and nodes).
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from phalanx.runtime.device_staging import DeviceStaging
+from phalanx.runtime.elastic import ElasticSession
+from phalanx.runtime.flat_state import copy_range, flat_state
+from phalanx.runtime.group import DeviceGroup, Waits, rendezvous
+from phalanx.runtime.inbox import Inbox
+from phalanx.runtime.placement import Backend
+from phalanx.runtime.reduce import BucketedReduce, bucket_plan
+from phalanx.runtime.snapshot import write_share
+from phalanx.runtime.state import receive_state, send_state
+from phalanx.schemas.messages import Generation, GenerationReason, Member
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+GPU = torch.device("cuda", 0)
+TIMEOUT = datetime.timedelta(seconds=30)
+
+
+def generation(number: int, endpoint: str) -> Generation:
+    return Generation(job_id="gpu", generation=number, world_size=1, rendezvous=f"gpu-g{number}",
+                      resume_step=0, reason=GenerationReason.FAULT,
+                      members=[Member(replica_id="r0-0", rank=0, node_id="n", endpoint=endpoint)])
+
+
+def used_bytes() -> int:
+    """GPU memory in use by anyone (NCCL's own buffers are outside torch's allocator)."""
+    free, total = torch.cuda.mem_get_info(GPU)
+    return total - free
+
+
+def threads() -> int:
+    return len(os.listdir("/proc/self/task"))  # torch's watchdog threads are not Python's
+
+
+@pytest.mark.skipif(not dist.is_nccl_available(), reason="torch without NCCL")
+def test_nccl_generations_are_aborted_and_rebuilt_and_leak_nothing() -> None:
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                          timeout=TIMEOUT, use_libuv=True)
+    waits = Waits(Inbox("r0-0"), lambda: None)
+    weight = torch.nn.Parameter(torch.ones(256, 256, device=GPU))
+    optimizer = torch.optim.SGD([weight], lr=0.01)
+    after: list[tuple[int, int]] = []  # GPU memory in use and threads, after each abort
+    for number in range(8):
+        group = rendezvous(waits, {}, ("r0-0", store), generation(number, f"x:{store.port}"),
+                           0, TIMEOUT, lambda: None, Backend.NCCL, GPU)
+        assert isinstance(group, DeviceGroup) and group.backend_kind is Backend.NCCL
+        on_device, on_host = torch.full((4,), 2.0, device=GPU), torch.arange(3)
+        for tensor in (on_device, on_host):  # the host vector is staged and comes back
+            waits.work(group.allreduce([tensor]), lambda: False)
+        assert on_device.tolist() == [2.0] * 4 and on_host.tolist() == [0, 1, 2]
+        waits.abandon(group)  # what a fault does: ncclCommAbort
+        assert waits.abandoned == []  # nothing kept on NCCL
+        weight.grad = (weight @ weight).sum() * torch.ones_like(weight)  # a step on the device
+        optimizer.step()
+        torch.cuda.synchronize(GPU)
+        after.append((used_bytes(), threads()))
+    assert torch.isfinite(weight).all()
+    memory, count = zip(*after[2:], strict=True)  # once the first communicators warmed up
+    assert max(memory) - min(memory) < 16 * 2**20, after
+    assert max(count) - min(count) <= 4, after  # a leak: two threads or more a generation
+
+
+def test_a_device_snapshot_holds_the_committed_bytes_and_the_fence_keeps_them() -> None:
+    model = torch.nn.Sequential(torch.nn.Linear(64, 512), torch.nn.Linear(512, 8)).to(GPU)
+    optimizer = torch.optim.AdamW(model.parameters())
+    model(torch.randn(4, 64, device=GPU)).sum().backward()
+    optimizer.step()
+    state = flat_state(model, optimizer, {}, 3)
+    assert state.device == GPU
+    offset, length = state.extent(1, 2)
+    expected = torch.empty(length, dtype=torch.uint8)
+    copy_range(state, offset, expected)  # the CPU path's synchronous copy
+    meta = b"meta"
+    plain = write_share(memoryview(bytearray(length + 8192)), state, meta, "j", 3, 0, 1, 2)
+    staging = DeviceStaging(GPU)
+    staged = staging.start(state, 1, 2)
+    staging.fence()  # then the next step writes the parameters
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(1.0)
+    assert staging.copied is not None
+    staging.copied.synchronize()
+    assert torch.equal(staged, expected)
+    from_device = write_share(memoryview(bytearray(length + 8192)), state, meta, "j", 3, 0, 1,
+                              2, staged)
+    assert from_device == plain  # the same header, checksum (on the host) included
+
+
+def on_two_ranks(body: Callable[[int, DeviceGroup, Waits], Any]) -> list[Any]:
+    """Two ranks (threads) sharing the GPU over gloo with CUDA tensors."""
+    store = dist.HashStore()
+    results: list[Any] = [None, None]
+
+    def rank(r: int) -> None:
+        try:
+            gloo = dist.ProcessGroupGloo(store, r, 2, TIMEOUT)
+            results[r] = body(r, DeviceGroup(gloo, Backend.GLOO, GPU),
+                              Waits(Inbox(f"r{r}"), lambda: None))
+        except BaseException as exc:  # re-raised by the test's thread
+            results[r] = exc
+
+    workers = [threading.Thread(target=rank, args=(r,)) for r in range(2)]
+    for t in workers:
+        t.start()
+    for t in workers:
+        t.join(60)
+    for result in results:
+        if isinstance(result, BaseException):
+            raise result
+    return results
+
+
+def test_cuda_state_and_gradients_travel_over_gloo_between_ranks_sharing_the_gpu() -> None:
+    def body(rank: int, group: DeviceGroup, waits: Waits) -> dict[str, Any]:
+        torch.manual_seed(rank)  # different models: the copy must make them equal
+        model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Linear(32, 4)).to(GPU)
+        optimizer = torch.optim.AdamW(model.parameters())
+        if rank == 0:
+            model(torch.randn(2, 16, device=GPU)).sum().backward()
+            optimizer.step()
+
+        def wait(work: Any) -> None:
+            waits.work(work, lambda: False)
+
+        if rank == 0:
+            send_state(group, 1, model, optimizer, 7, wait, checksum=True)
+        else:
+            step, _ = receive_state(group, 0, model, optimizer, wait)
+            assert step == 7
+        params = list(model.parameters())
+        for p in params:
+            p.grad = torch.full_like(p, float(rank + 1))
+        reduce = BucketedReduce(group, params, bucket_plan(params, 256), None,
+                                lambda: torch.tensor([float(rank)]))
+        tail = reduce.finish(wait)
+        return {"state": {k: v.cpu() for k, v in model.state_dict().items()},
+                "exp_avg": [s["exp_avg"].cpu() for s in optimizer.state.values()],
+                "grads": [p.grad.cpu() for p in params], "tail": tail.tolist()}
+
+    first, second = on_two_ranks(body)
+    for name, value in first["state"].items():
+        assert torch.equal(value, second["state"][name]), name
+    assert all(torch.equal(a, b) for a, b in zip(first["exp_avg"], second["exp_avg"],
+                                                   strict=True))
+    assert all(bool((g == 3.0).all()) for g in first["grads"] + second["grads"])
+    assert first["tail"] == second["tail"] == [1.0]
+
+
+class Tokens(torch.utils.data.Dataset):
+    def __len__(self) -> int:
+        return 64
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        g = torch.Generator().manual_seed(i)
+        return torch.randn(8, generator=g), torch.randn(2, generator=g)
+
+    def batch(self, indices: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        xs, ys = zip(*(self[i] for i in indices), strict=True)
+        return torch.stack(xs), torch.stack(ys)
+
+
+@pytest.fixture
+def global_cuda_settings() -> Any:
+    """Deterministic mode changes process-wide settings: put them back after the test."""
+    deterministic = torch.are_deterministic_algorithms_enabled()
+    kernels = (torch.backends.cuda.flash_sdp_enabled(),
+               torch.backends.cuda.mem_efficient_sdp_enabled(),
+               torch.backends.cuda.cudnn_sdp_enabled())
+    yield
+    torch.use_deterministic_algorithms(deterministic)
+    for enable, on in zip((torch.backends.cuda.enable_flash_sdp,
+                           torch.backends.cuda.enable_mem_efficient_sdp,
+                           torch.backends.cuda.enable_cudnn_sdp), kernels, strict=True):
+        enable(on)
+
+
+def test_a_lone_session_trains_on_the_gpu_and_deterministic_mode_repeats_bitwise(
+        global_cuda_settings: Any) -> None:
+    def train() -> list[torch.Tensor]:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(8, 64), torch.nn.GELU(),
+                                    torch.nn.Linear(64, 2)).to(GPU)
+        optimizer = torch.optim.AdamW(model.parameters())
+        session = ElasticSession(model, optimizer, Tokens(), global_batch=16,
+                                 micro_batch_size=4, deterministic=True)
+        assert session.device == GPU and session.backend is Backend.NCCL
+        assert torch.are_deterministic_algorithms_enabled()
+        for step in session.steps(6):
+            for x, y in step:
+                step.backward(torch.nn.functional.mse_loss(model(x.to(GPU)), y.to(GPU)))
+            step.commit()
+        session.close()
+        return [p.detach().cpu() for p in model.parameters()]
+
+    first, again = train(), train()
+    assert all(torch.equal(a, b) for a, b in zip(first, again, strict=True))
