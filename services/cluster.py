@@ -1,7 +1,8 @@
 """A whole phalanx cluster on this machine: the engine behind ``phalanx up``.
 
 :class:`LocalCluster` starts an embedded ``nats-server`` with JetStream (unless
-it is pointed at an existing server), the services that exist, and N node
+it is pointed at an existing server), every service of the control plane
+(:data:`~phalanx.services.control_plane.SERVICES`), and N node
 agents as child processes, each logging to ``<data-dir>/logs/``. It returns
 from :meth:`LocalCluster.start` once every agent has heartbeated, records
 itself in ``<data-dir>/up.json`` so ``phalanx down`` and ``phalanx nodes`` can
@@ -30,7 +31,10 @@ With an auth directory (``phalanx up --secure``, docs/security.md) the server
 runs with its config — NKEY users with per-role permissions, TLS on the client
 port — and every process connects as its own identity: each service as its
 role, each agent as its node, this supervisor as the operator (cli), and ranks
-as their job (agents read the jobs' seeds from the directory's ``ranks/``).
+as their job (agents read the jobs' seeds from the directory's ``ranks/``). A
+job's identity is made when it is submitted (``phalanx submit``) and revoked by
+this supervisor when the job's record says it ended: the server reloads and
+closes whatever connection the job's ranks still hold.
 """
 
 from __future__ import annotations
@@ -54,13 +58,13 @@ from phalanx.bus.config import BusConfig, with_identity
 from phalanx.bus.errors import RemoteError
 from phalanx.schemas import subjects
 from phalanx.schemas.errors import PhalanxError
-from phalanx.schemas.messages import NodeHeartbeat
-from phalanx.services import metrics
-from phalanx.services.agent.ranks import MANIFEST, running_in_manifest, start_ticks
+from phalanx.schemas.messages import JobRecord, NodeHeartbeat
+from phalanx.services import control_plane, metrics
 from phalanx.services.auth.issuer import AuthDir
 from phalanx.services.auth.roles import Role
 from phalanx.services.client import AdmissionClient
 from phalanx.services.deadline import wait_set
+from phalanx.services.manifest import MANIFEST, running_in_manifest, start_ticks
 from phalanx.services.natsd import (
     NatsCluster,
     NatsServer,
@@ -163,9 +167,9 @@ class LocalCluster:
         self.heartbeat_interval_s = heartbeat_interval_s
         self.lost_after_s = lost_after_s
         self.ready_timeout_s = ready_timeout_s
-        self.n_admission = admission_instances
-        self.n_health = health_instances
-        self.n_elasticity = elasticity_instances
+        # Instances of each service the flags count; one of every other.
+        self.instances = {"admission": admission_instances, "health": health_instances,
+                          "elasticity": elasticity_instances}
         self.config_path = config_path
         self.nats: NatsServer | None = None
         self.nats_cluster: NatsCluster | None = None
@@ -215,6 +219,8 @@ class LocalCluster:
         self.bus = await Bus.connect(BusConfig.load(
             env=self._identity(Role.CLI), servers=self.nats_url,
             jetstream_replicas=self.nats_replicas), name="phalanx-up")
+        if self.auth is not None:
+            await self.bus.subscribe(subjects.job_states(), JobRecord, self._revoke_ended)
         seen: set[str] = set()
         all_seen = asyncio.Event()
 
@@ -224,16 +230,14 @@ class LocalCluster:
                 all_seen.set()
 
         sub = await self.bus.subscribe(subjects.node_heartbeats(), NodeHeartbeat, on_heartbeat)
-        for i in range(self.n_admission):
-            await self._start_admission(f"admission-{i}")
-        # One leads, the others stand by; the first keeps the plain name (logs/health.log).
-        for service, count, extra in (
-                ("health", self.n_health, ("--lost-after", str(self.lost_after_s))),
-                ("elasticity", self.n_elasticity, ()), ("checkpoint", 1, ())):
-            for i in range(count):
+        # Every service of the control plane: one instance leads, the others stand by;
+        # the first keeps the plain name (logs/health.log).
+        for service in control_plane.SERVICES:
+            extra = ("--lost-after", str(self.lost_after_s)) if service == "health" else ()
+            for i in range(self.instances.get(service, 1)):
                 instance = service if i == 0 else f"{service}-{i}"
                 self.services[instance] = await self._spawn(
-                    instance, f"phalanx.services.{service}", "--instance", instance, *extra,
+                    instance, control_plane.module(service), "--instance", instance, *extra,
                     identity=self._identity(Role(service)))
         for i in range(self.n_agents):
             await self.start_agent(f"local-{i}", f"domain-{i % 2}")
@@ -277,7 +281,7 @@ class LocalCluster:
             return
         if waiting in done:
             raise ClusterError(f"{waiting.exception()}; see {self.logs_dir}")
-        name = next(exits[task] for task in done)
+        name = next(name for task, name in exits.items() if task in done)
         raise ClusterError(f"{name} exited with {children[name].returncode} while the cluster "
                            f"started; the end of {self.logs_dir / name}.log:\n"
                            f"{self._log_tail(name)}")
@@ -311,6 +315,16 @@ class LocalCluster:
         return NatsServer(self.data_dir / "jetstream", port=port,
                           log_path=self.logs_dir / "nats.log",
                           config_file=self.auth.config_path if self.auth else None)
+
+    async def _revoke_ended(self, record: JobRecord, _: Delivery) -> None:
+        """Revoke the identity of a job that ended (its ranks' only one)."""
+        assert self.auth is not None
+        if not record.state.terminal:
+            return
+        if await asyncio.to_thread(self.auth.remove, Role.RANK, record.job_id):
+            if self.nats is not None and self.nats.process is not None:
+                reload_config(self.nats.process.pid)
+            log.info("revoked the bus identity of %s (%s)", record.job_id, record.state.value)
 
     def _identity(self, role: Role, scope: str | None = None) -> dict[str, str]:
         """The variables that make a process connect as ``role`` (an identity made, and the
@@ -363,11 +377,6 @@ class LocalCluster:
         self.state().write(self.data_dir)
         return processes[name]
 
-    async def _start_admission(self, instance: str) -> None:
-        self.services[instance] = await self._spawn(
-            instance, "phalanx.services.admission", "--instance", instance,
-            identity=self._identity(Role.ADMISSION))
-
     async def start_agent(self, node_id: str, domain: str) -> None:
         self.agents[node_id] = await self._spawn(
             f"agent-{node_id}", "phalanx.services.agent", "--node-id", node_id,
@@ -394,17 +403,19 @@ class LocalCluster:
         gone."""
         failures = 0
         while (servers := self.embedded_nats) and not stop.is_set():
-            deaths = [asyncio.create_task(asyncio.to_thread(server.process.wait))
-                      for server in servers if server.process is not None]
+            # Indexed by member (the position _restart_nats takes), skipping any not running.
+            deaths = {i: asyncio.create_task(asyncio.to_thread(server.process.wait))
+                      for i, server in enumerate(servers) if server.process is not None}
             stopping = asyncio.create_task(stop.wait())
-            await asyncio.wait([*deaths, stopping], return_when=asyncio.FIRST_COMPLETED)
-            for task in (*deaths, stopping):
+            await asyncio.wait([*deaths.values(), stopping],
+                               return_when=asyncio.FIRST_COMPLETED)
+            for task in (*deaths.values(), stopping):
                 task.cancel()
             if stop.is_set():
                 return False
-            member = next(i for i, task in enumerate(deaths) if task.done())
+            member, died = next((i, task) for i, task in deaths.items() if task.done())
             log.warning("nats-server %s exited with %s; starting it again",
-                        servers[member].url, servers[member].process.returncode)
+                        servers[member].url, died.result())
             await asyncio.sleep(restart_after_s)
             try:
                 await asyncio.to_thread(self._restart_nats, member)

@@ -16,6 +16,9 @@ than ``lease_s`` (NTP does). Whatever a leader writes that others must not
 overwrite after a takeover is compare-and-swapped on its own revision as well
 (fencing), so even a leader that has not yet noticed its loss cannot clobber
 its successor.
+
+Each instance shows whether it leads as ``phalanx_leader{service=<key>}`` (1 or 0) on
+its metrics page, so "no leader" is ``max by (service) (phalanx_leader) < 1``.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from phalanx.bus.errors import Conflict
 from phalanx.bus.kv import TypedKV
 from phalanx.schemas.errors import PhalanxError
 from phalanx.schemas.messages import Lease
+from phalanx.services import metrics
 
 log = logging.getLogger("phalanx.lease")
 
@@ -51,9 +55,10 @@ def fenced_out(exc: BaseException) -> LeadershipLost | None:
     if isinstance(exc, BaseExceptionGroup):
         lost, rest = exc.split(LeadershipLost)
         if lost is not None and rest is None:
-            while isinstance(lost, BaseExceptionGroup):
-                lost = lost.exceptions[0]
-            return lost
+            first: LeadershipLost | BaseExceptionGroup[LeadershipLost] = lost
+            while isinstance(first, BaseExceptionGroup):
+                first = first.exceptions[0]
+            return first
     return None
 
 
@@ -85,6 +90,8 @@ class Leadership:
         self.expires_at = 0.0
         self.epoch = 0
         self._task: asyncio.Task[None] | None = None
+        self._gauge = metrics.LEADER.labels(key)
+        self._gauge.set(0)
 
     @property
     def leading(self) -> bool:
@@ -131,6 +138,7 @@ class Leadership:
         except Conflict:
             return  # another instance was quicker
         self.revision, self.expires_at, self.epoch = revision, lease.expires_at, epoch
+        self._gauge.set(1)
         log.info("leading", extra={"lease": self.key, "epoch": epoch})
         self._task = asyncio.create_task(self._lead(), name=f"lead {self.key}")
 
@@ -160,6 +168,7 @@ class Leadership:
         """Stop leading (idempotent): cancel the work, then optionally release the lease."""
         revision, self.revision = self.revision, None
         task, self._task = self._task, None
+        self._gauge.set(0)
         if task is not None:
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):

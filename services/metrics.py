@@ -18,6 +18,13 @@ elasticity generations; every process has the bus and leadership metrics. A coun
 counted by the process that acted: the leader, so after a takeover the new leader's
 counters start from zero, as Prometheus's ``rate()`` and ``increase()`` expect of a
 restarted process. docs/observability.md lists them with their labels.
+
+A job's series carry it as ``phalanx_job``, not ``job``: ``job`` is the label Prometheus
+gives every target itself (the scrape job's name), and a target's own ``job`` label is
+renamed ``exported_job`` on scrape, so a query for ``{job="..."}`` would find nothing.
+The bus's failure counts (bad messages, failed handlers, refusals) are kept by the bus
+layer, which knows nothing of Prometheus (:data:`phalanx.bus.client.TOTALS`), and read
+as counters at each scrape.
 """
 
 from __future__ import annotations
@@ -27,12 +34,22 @@ import logging
 import os
 import socket
 import threading
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer
 
-from prometheus_client import Counter, Gauge, Histogram, make_wsgi_app, start_http_server
+from prometheus_client import (
+    REGISTRY,
+    Counter,
+    Gauge,
+    Histogram,
+    make_wsgi_app,
+    start_http_server,
+)
+from prometheus_client.core import CounterMetricFamily
 from prometheus_client.exposition import ThreadingWSGIServer
+from prometheus_client.registry import Collector
 
+from phalanx.bus.client import TOTALS
 from phalanx.schemas.errors import PhalanxError
 
 log = logging.getLogger("phalanx.metrics")
@@ -50,6 +67,30 @@ _QUEUE_BUCKETS = (0.01, 0.05, 0.1, 0.5, 1.0, 5.0, 15.0, 60.0, 300.0, 900.0, 3600
 
 BUS_RECONNECTS = Counter("phalanx_bus_reconnects", "Times the bus connection came back after a "
                          "loss")
+#: The label of a job's series (see above for why not ``job``).
+JOB_LABEL = "phalanx_job"
+
+
+class _BusFailures(Collector):
+    """The bus layer's failure counts of this process, as counters, read at each scrape."""
+
+    def collect(self) -> Iterator[CounterMetricFamily]:
+        for name, text, value in (
+                ("phalanx_bus_bad_messages", "Deliveries and stored values that did not "
+                 "decode (dropped, or answered 400)", TOTALS.bad_messages),
+                ("phalanx_bus_handler_errors", "Handlers of a delivery or request that "
+                 "raised (answered 500)", TOTALS.handler_errors),
+                ("phalanx_bus_denials", "Publishes and subscriptions the server refused this "
+                 "identity", TOTALS.denials)):
+            yield CounterMetricFamily(name, text, value=value)
+
+
+REGISTRY.register(_BusFailures())
+
+# --- every leader service (admission, health, elasticity, checkpoint) ------------------------
+
+LEADER = Gauge("phalanx_leader", "1 while this instance holds its service's lease, else 0",
+               ["service"])
 
 # --- admission (the leader) ------------------------------------------------------------------
 
@@ -70,9 +111,9 @@ FAULTS = Counter("phalanx_faults", "Faults raised", ["kind"])
 DETECTION = Histogram("phalanx_fault_detection_seconds", "From a rank's exit, as its agent "
                       "saw it, to the fault health raised for it (crash faults)", ["kind"],
                       buckets=_SHORT_BUCKETS)
-JOB_STEP = Gauge("phalanx_job_step", "A running job's highest committed step", ["job"])
+JOB_STEP = Gauge("phalanx_job_step", "A running job's highest committed step", [JOB_LABEL])
 JOB_STEP_RATE = Gauge("phalanx_job_step_rate", "A running job's steps per second over the "
-                      "last 30 s", ["job"])
+                      "last 30 s", [JOB_LABEL])
 
 # --- elasticity (the leader) -----------------------------------------------------------------
 
@@ -84,8 +125,9 @@ RECOVERY_PHASE = Histogram("phalanx_recovery_phase_seconds", "A member's time in
                            "of applying a generation: rebuild (process group), state_copy",
                            ["phase"], buckets=_SHORT_BUCKETS)
 JOB_WORLD_SIZE = Gauge("phalanx_job_world_size", "A running job's world size in its current "
-                       "generation", ["job"])
-JOB_GENERATION = Gauge("phalanx_job_generation", "A running job's current generation", ["job"])
+                       "generation", [JOB_LABEL])
+JOB_GENERATION = Gauge("phalanx_job_generation", "A running job's current generation",
+                       [JOB_LABEL])
 
 # --- agents ----------------------------------------------------------------------------------
 
@@ -177,7 +219,7 @@ def serve(env: Mapping[str, str] | None = None) -> WSGIServer | None:
             return None
         addr = (os.environ if env is None else env).get(ADDR_ENV, "").strip() or "0.0.0.0"
         server, _ = start_http_server(port, addr=addr)
-    host, port = server.server_address[:2]
+    host, port = server.socket.getsockname()[:2]
     log.info("metrics", extra={"address": f"http://{host}:{port}/metrics"})
     return server
 

@@ -8,23 +8,41 @@ to, and ``PHALANX_NATS_CA`` the CA that signed the server's certificate.
 
 An agent launches a job's ranks as the job's identity: it reads the job's seed
 file from its rank keys directory (an auth directory's ``ranks/``) and gives
-the ranks its path, after removing every credential variable of its own and of
-the job's spec (:func:`phalanx.bus.config.with_identity`), so a rank never
-connects as its agent.
+the ranks its path. Whatever identity a rank gets, or none, its environment
+holds no credential variable of the agent's or of the job's spec
+(:func:`phalanx.bus.config.with_identity`) and none of the agent's own
+configuration (``PHALANX_AGENT_*``, its rank keys directory among them):
+:func:`rank_environment`. So a rank can neither connect as its agent nor find
+another job's seed through its environment.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
 
+from phalanx.bus.config import with_identity
 from phalanx.schemas import subjects
-from phalanx.services.auth.roles import Role, identity
+from phalanx.services.auth.roles import SHARED_RANKS, Role, identity
 
 
 def identity_env(seed_file: Path, name: str) -> dict[str, str]:
     """The variables that make a phalanx process connect as identity ``name``."""
     return {"PHALANX_NATS_NKEY": str(seed_file),
             "PHALANX_NATS_INBOX_PREFIX": subjects.inbox(name)}
+
+
+#: The agent's own configuration variables: never a rank's.
+AGENT_VARS_PREFIX = "PHALANX_AGENT_"
+
+
+def rank_environment(env: Mapping[str, str], identity: Mapping[str, str]) -> dict[str, str]:
+    """What a rank starts with: ``env`` (the agent's, the job's spec's, the rank's own)
+    less every bus credential variable and every ``PHALANX_AGENT_*`` variable, plus
+    ``identity``, the credential variables of the rank's own identity (empty on a bus
+    without authentication)."""
+    return with_identity({k: v for k, v in env.items()
+                          if not k.startswith(AGENT_VARS_PREFIX)}, identity)
 
 
 def rank_seed_file(ranks_dir: Path, job_id: str) -> Path:
@@ -45,4 +63,13 @@ def rank_env(ranks_dir: Path, job_id: str, ca_file: str | None = None) -> dict[s
         raise FileNotFoundError(f"no bus identity for job {job_id}: {seed_file} is missing "
                                 f"(`phalanx auth add-job` makes it)")
     env = identity_env(seed_file, identity(Role.RANK, job_id))
+    return {**env, "PHALANX_NATS_CA": ca_file} if ca_file else env
+
+
+def shared_rank_env(user: str, password: str, ca_file: str | None = None) -> dict[str, str]:
+    """What an agent gives every rank on a bus that authenticates by user and password
+    and has no per-job identities: the ranks' own user (:data:`~.roles.SHARED_RANKS`'s
+    permissions), never the agent's."""
+    env = {"PHALANX_NATS_USER": user, "PHALANX_NATS_PASSWORD": password,
+           "PHALANX_NATS_INBOX_PREFIX": subjects.inbox(SHARED_RANKS)}
     return {**env, "PHALANX_NATS_CA": ca_file} if ca_file else env

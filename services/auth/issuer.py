@@ -3,7 +3,8 @@
 ``phalanx auth init DIR`` makes one NKEY identity per static role (admission,
 health, elasticity, checkpoint, cli, viewer), one per node given, a private CA
 with the server's certificate, and ``nats.conf``; ``add-node`` / ``add-job``
-add an agent's or a job's ranks' identity later. Layout::
+add an agent's or a job's ranks' identity later, and :meth:`AuthDir.remove`
+revokes one (the local cluster revokes a job's when the job ends). Layout::
 
     DIR/nats.conf          server config: TLS, and each identity's public key with its
                            permissions (roles.py); holds no secret
@@ -19,7 +20,8 @@ server's nonce, and nothing but nats-server, nats-py and the ``nkeys`` package
 is needed — no ``nsc``, no account server, no JWT encoding of our own. The
 price is that a new identity (a node, a job) takes effect when the server
 reloads its config (SIGHUP: no connection is dropped); the local cluster does
-that itself at submit.
+that itself at submit. A revoked one is gone at the next reload too: the server
+then closes the connections that identity holds.
 
 A process is pointed at its identity through the environment
 (:meth:`AuthDir.env`, :mod:`~phalanx.services.auth.credentials`). Seeds are never printed
@@ -161,6 +163,25 @@ class AuthDir:
                 return who
         raise AuthError(f"no identity {name} in {self.root}")
 
+    def remove(self, role: Role, scope: str | None = None) -> bool:
+        """Revoke an identity: its entry, its user in the server config and its seed go.
+        Whether there was one (then the server must reload its config, which also closes
+        the identity's connections).
+
+        Raises:
+            AuthError: the directory was not made with :meth:`init`.
+        """
+        self._require()
+        name = roles.identity(role, scope)
+        with self._locked():
+            everyone = self.identities()
+            rest = [who for who in everyone if who.name != name]
+            if len(rest) == len(everyone):
+                return False
+            self._write(rest)
+            self.seed_path(role, scope).unlink(missing_ok=True)
+        return True
+
     def identities(self) -> list[Identity]:
         raw = json.loads((self.root / IDENTITIES).read_text())
         return [Identity(r["name"], Role(r["role"]), r["scope"], r["public_key"]) for r in raw]
@@ -192,12 +213,15 @@ class AuthDir:
         with os.fdopen(fd, "wb") as f:
             f.write(seed)
         who = Identity(name, role, scope, public_key)
-        everyone = [*existing.values(), who]
+        self._write([*existing.values(), who])
+        return who, True
+
+    def _write(self, everyone: list[Identity]) -> None:
+        """Record ``everyone`` and the server config that admits exactly them."""
         _replace(self.root / IDENTITIES, json.dumps(
             [dataclasses.asdict(i) for i in everyone], indent=2))
         _replace(self.config_path,
                  json.dumps(server_config(everyone, self.root / "tls"), indent=2))
-        return who, True
 
     @contextlib.contextmanager
     def _locked(self) -> Iterator[None]:

@@ -31,6 +31,12 @@ flow control on ``$JS.FC``. Replies come to a per-identity inbox prefix
 replies; services answer requests through ``allow_responses`` rather than a
 publish permission on every inbox.
 
+Where the bus authenticates by user and password and has no per-job identities
+(the Kubernetes base's NATS), all jobs' ranks share one identity,
+:data:`SHARED_RANKS`, with a rank's permissions for any job
+(:func:`shared_rank_permissions`): still never their agent's, but a rank there
+may publish another job's progress, which per-job identities prevent.
+
 Limits: a permission names subjects, not payloads. An agent may publish the
 start or exit of any job's rank (it runs whichever the records place on it)
 and a snapshot of any job (the replicas it keeps for its buddies' ranks), and
@@ -43,7 +49,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 from phalanx.schemas import subjects as s
 
@@ -155,6 +161,26 @@ _ALL_BUCKETS = (s.NODES_BUCKET, s.JOBS_BUCKET, s.ADMISSION_BUCKET, s.GENERATIONS
                 s.PROGRESS_BUCKET, s.HISTORY_BUCKET, s.CHECKPOINTS_BUCKET, s.BUDDIES_BUCKET)
 
 
+#: The identity all jobs' ranks share where there are no per-job identities.
+SHARED_RANKS = "ranks"
+
+
+def _rank_grants(g: _Grants, job: Callable[[Callable[[str], str]], str]) -> None:
+    """A rank's permissions; ``job`` makes a job's subject of a builder (of its own job,
+    or of any)."""
+    g.sub(job(s.job_generation), job(s.job_fault), job(s.health_job_ranks))
+    g.pub(job(s.health_job_ranks), job(s.replica_ready), job(s.generation_applied),
+          job(s.ckpt_snapshot), s.any_id(s.agent_snapshot))
+    g.read_bucket(s.GENERATIONS_BUCKET, watch=False)
+
+
+def shared_rank_permissions() -> Permissions:
+    """The permissions of :data:`SHARED_RANKS`: a rank's, for every job."""
+    g = _Grants().sub(f"{s.inbox(SHARED_RANKS)}.>")
+    _rank_grants(g, s.any_id)
+    return Permissions(frozenset(g.publish), frozenset(g.subscribe), responds=False)
+
+
 def permissions(role: Role, scope: str | None = None) -> Permissions:
     """The permissions of ``role`` (for node or job ``scope`` when the role is scoped).
 
@@ -211,11 +237,7 @@ def permissions(role: Role, scope: str | None = None) -> Permissions:
             g.open_bucket(s.GENERATIONS_BUCKET).ensure_events()
         case Role.RANK:
             assert scope is not None
-            g.sub(s.job_generation(scope), s.job_fault(scope), s.health_job_ranks(scope))
-            g.pub(s.health_job_ranks(scope), s.replica_ready(scope),
-                  s.generation_applied(scope), s.ckpt_snapshot(scope),
-                  s.any_id(s.agent_snapshot))
-            g.read_bucket(s.GENERATIONS_BUCKET, watch=False)
+            _rank_grants(g, lambda build: build(scope))
         case Role.CLI:
             g.sub(s.everything())
             g.pub(s.admission_submit(), s.admission_cancel(), s.admission_explain(),

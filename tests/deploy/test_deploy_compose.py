@@ -40,14 +40,20 @@ from deploy_local import (
 from metrics_page import scrape, value
 from otlp_sink import OtlpSink
 
-from phalanx.schemas.messages import JobState
+from phalanx.bus.client import Bus
+from phalanx.bus.config import BusConfig
+from phalanx.bus.kv import TypedKV
+from phalanx.schemas import subjects
+from phalanx.schemas.messages import BuddyPlacement, JobState
+from phalanx.services import control_plane
+from phalanx.services.auth.roles import SERVICE_NAMES
 from phalanx.services.natsd import free_port, server_binary
 
 COMPOSE = DEPLOY / "compose.yaml"
 PROMETHEUS = DEPLOY / "prometheus.yml"
 METRICS_PORT = 9464  # every container's, docs/observability.md
-PHALANX_SERVICES = ("phalanx-admission", "phalanx-health", "phalanx-elasticity",
-                    "phalanx-agent")
+# Jaeger's service names: every control-plane service's and the agents'.
+PHALANX_SERVICES = tuple(SERVICE_NAMES.values())
 STEPS = 30
 
 
@@ -114,18 +120,29 @@ def start_order(services: dict) -> list[str]:
 # --- the file as compose reads it ----------------------------------------------------------
 
 
-def test_compose_config_is_valid_for_docker_compose() -> None:
-    """A real compose implementation accepts the file and reads the same commands,
-    environments and dependencies as the local run below."""
+#: The variables compose.yaml reads for the addresses it publishes ports on.
+PUBLISH_VARS = ("PHALANX_NATS_ADDR", "PHALANX_UI_ADDR")
+
+
+def compose_config(**env: str) -> dict:
+    """The services as a real compose implementation resolves them, with ``env`` set (and
+    the publish variables unset unless given)."""
     binary = shutil.which("docker-compose")
     if binary is None:
         if os.environ.get("CI"):
             pytest.fail("docker-compose is not installed: .ci/run installs it (apt)")
         pytest.skip("docker-compose not installed (apt-get install docker-compose)")
+    base = {k: v for k, v in os.environ.items() if k not in PUBLISH_VARS}
     result = subprocess.run([binary, "-f", str(COMPOSE), "config"], capture_output=True,
-                            text=True, timeout=60, cwd=DEPLOY)
+                            text=True, timeout=60, cwd=DEPLOY, env={**base, **env})
     assert result.returncode == 0, result.stderr
-    resolved = yaml.safe_load(result.stdout)["services"]
+    return yaml.safe_load(result.stdout)["services"]
+
+
+def test_compose_config_is_valid_for_docker_compose() -> None:
+    """A real compose implementation accepts the file and reads the same commands,
+    environments and dependencies as the local run below."""
+    resolved = compose_config()
     ours = load()["services"]
     assert set(resolved) == set(ours)
     for name, service in ours.items():
@@ -142,6 +159,20 @@ def test_compose_config_is_valid_for_docker_compose() -> None:
             assert theirs == mine, f"{name}.{key}: compose reads {theirs!r}, we read {mine!r}"
 
 
+def test_compose_publishes_on_the_hosts_loopback_unless_asked() -> None:
+    def published(services: dict) -> dict[str, list[str]]:
+        return {n: s["ports"] for n, s in services.items() if s.get("ports")}
+
+    default = published(compose_config())
+    assert default["nats"] == ["127.0.0.1:4222:4222/tcp"]
+    assert set(default) == {"nats", "jaeger", "prometheus"}
+    assert all(p.startswith("127.0.0.1:") for ports in default.values() for p in ports)
+    asked = published(compose_config(PHALANX_NATS_ADDR="0.0.0.0", PHALANX_UI_ADDR="10.0.0.5"))
+    assert asked["nats"] == ["0.0.0.0:4222:4222/tcp"]
+    assert asked["jaeger"] == ["10.0.0.5:16686:16686/tcp"]
+    assert asked["prometheus"] == ["10.0.0.5:9090:9090/tcp"]
+
+
 def test_compose_has_the_pieces_a_laptop_cluster_needs() -> None:
     services = load()["services"]
     nats = services["nats"]
@@ -151,7 +182,7 @@ def test_compose_has_the_pieces_a_laptop_cluster_needs() -> None:
     assert "healthz" in " ".join(nats["healthcheck"]["test"])
     assert services["jaeger"]["environment"]["COLLECTOR_OTLP_ENABLED"] == "true"
     ours = {n: s for n, s in services.items() if is_phalanx(s)}
-    assert {"admission", "health", "elasticity", "prepare-data"} <= set(ours)
+    assert {*control_plane.SERVICES, "prepare-data"} <= set(ours)
     workers = [n for n, s in ours.items() if s.get("command", [None])[0] == "agent"]
     assert len(workers) >= 2
     for name, service in ours.items():
@@ -273,6 +304,14 @@ def start_compose(procs: Processes, world: World, services: dict, image: Image,
         healthy.add(name)
 
 
+async def buddies(nats_url: str) -> dict[str, str]:
+    """Each node's buddy as the checkpoint service placed it (``phalanx_buddies``)."""
+    async with await Bus.connect(BusConfig.load(env={}, servers=nats_url)) as bus:
+        bucket = await TypedKV.open(bus.js, subjects.BUDDIES_BUCKET, BuddyPlacement)
+        entries, _ = await bucket.entries()
+        return {e.key: e.value.buddy_id for e in entries}
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(420)
 def test_compose_services_and_workers_train_a_job(tmp_path: Path) -> None:
@@ -288,6 +327,13 @@ def test_compose_services_and_workers_train_a_job(tmp_path: Path) -> None:
                           prometheus_port)
             workers = [n for n in procs.running if services[n].get("command", [""])[0]
                        == "agent"]
+            # The checkpoint service places each worker's buddy in the other's failure
+            # domain (the phalanx_buddies bucket, where each agent reads its own).
+            nats_url = f"nats://127.0.0.1:{nats_port}"
+            want = {workers[0]: workers[1], workers[1]: workers[0]}
+            wait_for(lambda: asyncio.run(buddies(nats_url)) == want, 30,
+                     "the checkpoint service's buddy placements",
+                     detail=lambda: f"{asyncio.run(buddies(nats_url))}\n{procs.logs()}")
 
             # examples/mlp.yaml at test size: the dataset prepare-data wrote (W's 1024
             # inputs and outputs), a narrower hidden layer, fewer steps. The job's command
@@ -302,9 +348,9 @@ def test_compose_services_and_workers_train_a_job(tmp_path: Path) -> None:
             host_env = {k: v for k, v in os.environ.items() if not k.startswith(("PHALANX_",
                                                                                  "OTEL_"))}
             published = next(p for p in services["nats"]["ports"] if p.endswith(":4222"))
-            assert published.split(":")[0] == "4222", "the host reaches NATS on 4222"
+            assert published.split(":")[-2] == "4222", "the host reaches NATS on 4222"
             admitted, record, progress = asyncio.run(
-                train(f"nats://127.0.0.1:{nats_port}", spec_path, host_env))
+                train(nats_url, spec_path, host_env))
             assert record.state is JobState.FINISHED, f"{record.reason}\n{procs.logs()}"
             assert len(admitted.nodes) == 4 and set(admitted.nodes) == set(workers)
             assert sorted(progress) == [0, 1, 2, 3]
@@ -357,6 +403,27 @@ def test_compose_services_and_workers_train_a_job(tmp_path: Path) -> None:
                     ("sum(phalanx_admission_admitted_total)", 1)):
                 wait_for(lambda q=promql, w=want: query(q) == w, 30, f"{promql} == {want}",
                          detail=lambda q=promql: query(q))
+
+            # A running job's step reaches Prometheus under the label the docs name, not
+            # renamed: a label called `job` would come back as exported_job.
+            loop = {"name": "loop", "team": "research", "priority_class": "normal",
+                    "replicas": {"min": 1, "max": 1},
+                    "command": [world.localize(on_worker, a) for a in
+                                ["python", "examples/progress_loop.py", "--step-time", "0.05"]]}
+            loop_path = tmp_path / "loop.yaml"
+            loop_path.write_text(yaml.safe_dump(loop))
+            cli = [sys.executable, "-m", "phalanx.services.cli"]
+            submitted = subprocess.run([*cli, "submit", str(loop_path), "--json", "--nats",
+                                        nats_url], capture_output=True, text=True, timeout=60,
+                                       env=host_env)
+            assert submitted.returncode == 0, submitted.stderr
+            loop_id = json.loads(submitted.stdout)["job_id"]
+            step = f'phalanx_job_step{{phalanx_job="{loop_id}",role="control-plane"}}'
+            wait_for(lambda: (query(step) or 0) > 0, 60, step, detail=procs.logs)
+            assert query('count({exported_job!=""})') is None
+            cancelled = subprocess.run([*cli, "cancel", loop_id, "--nats", nats_url],
+                                       capture_output=True, text=True, timeout=60, env=host_env)
+            assert cancelled.returncode == 0, cancelled.stderr
             for name in procs.running:
                 assert procs.alive(name), f"{name} died:\n{procs.logs()}"
         # Stopped (spans flushed on SIGTERM): every process exported to "Jaeger".

@@ -39,12 +39,13 @@ from deploy_local import (
     wait_for,
 )
 
+from phalanx.services import control_plane
+from phalanx.services.auth.roles import shared_rank_permissions
 from phalanx.services.natsd import free_port, server_binary
 
 K8S = DEPLOY / "k8s"
 OVERLAYS = ("local", "gpu")
 KUBERNETES_VERSION = "1.30.0"  # the oldest release we claim to run on
-SERVICES = ("admission", "health", "elasticity")
 # Simulated nodes: two labelled workers (one with a dotted name, as on EKS) and a
 # control-plane node the DaemonSet must leave alone.
 NODES = {"kind-worker": {"phalanx.dev/worker": "true"},
@@ -105,7 +106,7 @@ def test_validation_catches_a_wrong_field() -> None:
 def test_rendered_objects_follow_the_deployment_rules(overlay: str) -> None:
     docs = render(overlay)
     deployments = by_kind(docs, "Deployment")
-    assert {f"phalanx-{s}" for s in SERVICES} == set(deployments)
+    assert {f"phalanx-{s}" for s in control_plane.SERVICES} == set(deployments)
     assert all(d["spec"]["replicas"] == 2 for d in deployments.values()), \
         "every lease-holding service runs a standby"
     assert set(by_kind(docs, "DaemonSet")) == {"phalanx-agent"}
@@ -144,6 +145,10 @@ def test_rendered_objects_follow_the_deployment_rules(overlay: str) -> None:
         refs = {e["name"]: e.get("valueFrom", {}) for e in c["env"]}
         for var in ("PHALANX_NATS_USER", "PHALANX_NATS_PASSWORD"):
             assert refs[var]["secretKeyRef"]["name"] == "phalanx-nats", name
+        if workload["kind"] == "DaemonSet":  # what its ranks connect as: their own user
+            for var, key in (("PHALANX_AGENT_RANK_NATS_USER", "rank-user"),
+                             ("PHALANX_AGENT_RANK_NATS_PASSWORD", "rank-password")):
+                assert refs[var]["secretKeyRef"] == {"name": "phalanx-nats", "key": key}
     for cm in by_kind(docs, "ConfigMap").values():
         assert not any("PASSWORD" in k or "TOKEN" in k for k in cm["data"])
     agent = by_kind(docs, "DaemonSet")["phalanx-agent"]["spec"]["template"]["spec"]
@@ -170,10 +175,22 @@ def test_nats_values_give_a_jetstream_cluster_with_the_pods_credentials() -> Non
     assert values["config"]["jetstream"]["fileStore"]["pvc"]["size"]
     env = values["container"]["env"]
     secret = by_kind(render("local"), "Secret")["phalanx-nats"]
-    for var, key in (("PHALANX_NATS_USER", "user"), ("PHALANX_NATS_PASSWORD", "password")):
+    for var, key in (("PHALANX_NATS_USER", "user"), ("PHALANX_NATS_PASSWORD", "password"),
+                     ("PHALANX_NATS_RANK_USER", "rank-user"),
+                     ("PHALANX_NATS_RANK_PASSWORD", "rank-password")):
         ref = env[var]["valueFrom"]["secretKeyRef"]
         assert (ref["name"], ref["key"]) == ("phalanx-nats", key)
         assert key in secret["data"]
+    # Two users: the pods' (every permission), and the ranks', allowed exactly a rank's
+    # subjects of any job.
+    pods, ranks = values["config"]["merge"]["authorization"]["users"]
+    assert pods == {"user": "<< $PHALANX_NATS_USER >>",
+                    "password": "<< $PHALANX_NATS_PASSWORD >>"}
+    assert (ranks["user"], ranks["password"]) == ("<< $PHALANX_NATS_RANK_USER >>",
+                                                  "<< $PHALANX_NATS_RANK_PASSWORD >>")
+    allowed = shared_rank_permissions()
+    assert ranks["permissions"] == {"publish": {"allow": sorted(allowed.publish)},
+                                    "subscribe": {"allow": sorted(allowed.subscribe)}}
     replicas = next(cm["data"]["PHALANX_NATS_REPLICAS"] for cm in
                     by_kind(render("local"), "ConfigMap").values()
                     if "PHALANX_NATS_REPLICAS" in cm["data"])

@@ -26,7 +26,7 @@ import pytest
 
 from phalanx.bus.client import Bus
 from phalanx.bus.config import BusConfig
-from phalanx.bus.errors import PermissionDenied, RemoteError
+from phalanx.bus.errors import BusUnavailable, PermissionDenied, RemoteError
 from phalanx.bus.kv import TypedKV
 from phalanx.bus.stream import EventReader, ensure_job_events, last_seq
 from phalanx.schemas import subjects
@@ -63,7 +63,7 @@ from phalanx.services.elasticity.core import ElasticityCore
 from phalanx.services.elasticity.service import ElasticityService
 from phalanx.services.health.core import HealthPolicy
 from phalanx.services.health.service import HealthService
-from phalanx.services.natsd import NatsServer
+from phalanx.services.natsd import NatsServer, reload_config
 
 Connect = Callable[..., Awaitable[Bus]]
 NODES = ("node-a", "node-b", "node-c")  # node-c: the services' agent
@@ -422,3 +422,36 @@ def cli(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
                             capture_output=True, text=True, timeout=60)
     assert not check or result.returncode == 0, result.stderr
     return result
+
+
+async def test_a_revoked_identity_is_disconnected_and_cannot_come_back(
+        auth: AuthDir, secured: NatsServer, connect: Connect, tmp_path: Path) -> None:
+    """A job's identity revoked (as when the job ends) and the server reloaded: its
+    connection is closed, and its seed no longer gets anyone in."""
+    assert secured.process is not None
+    auth.add(Role.RANK, "job-gone")
+    reload_config(secured.process.pid)
+    deadline = time.monotonic() + 10
+    while True:  # the server admits the new identity once it has reloaded
+        try:
+            rank = await connect(Role.RANK, "job-gone")
+            break
+        except BusUnavailable:
+            assert time.monotonic() < deadline
+    kept = tmp_path / "job-gone.nk"
+    kept.write_bytes(auth.seed_path(Role.RANK, "job-gone").read_bytes())
+    env = {**auth.env(Role.RANK, "job-gone"), "PHALANX_NATS_NKEY": str(kept)}
+
+    assert auth.remove(Role.RANK, "job-gone")
+    assert not auth.remove(Role.RANK, "job-gone")  # nothing left to revoke
+    assert not auth.seed_path(Role.RANK, "job-gone").exists()
+    assert "rank-job-gone" not in {who.name for who in auth.identities()}
+    reload_config(secured.process.pid)
+    deadline = time.monotonic() + 10
+    while rank.connected:  # no callback says so: the client notices the closed socket
+        assert time.monotonic() < deadline, "the revoked identity stayed connected"
+        await asyncio.sleep(0.1)
+    with pytest.raises(BusUnavailable, match="Authorization Violation|Broken pipe"):
+        await Bus.connect(BusConfig.load(env=env, servers=[secured.url], connect_timeout_s=2.0))
+    # The same way in with an identity that was not revoked works.
+    await (await Bus.connect(config_for(auth, secured, Role.RANK, "job-a"))).close()

@@ -5,7 +5,14 @@ from __future__ import annotations
 import pytest
 
 from phalanx.schemas import subjects as s
-from phalanx.services.auth.roles import STATIC_ROLES, Role, identity, permissions
+from phalanx.services.auth.roles import (
+    SHARED_RANKS,
+    STATIC_ROLES,
+    Role,
+    identity,
+    permissions,
+    shared_rank_permissions,
+)
 from phalanx.services.elasticity import service as elasticity_service
 from phalanx.services.health import service as health_service
 
@@ -117,3 +124,22 @@ def test_a_scoped_role_needs_its_scope_and_a_static_one_takes_none() -> None:
         identity(Role.CLI, "x")
     with pytest.raises(ValueError):
         identity(Role.RANK, "job.>")  # an id can never widen a permission
+
+
+def test_the_shared_ranks_may_do_what_any_jobs_rank_may_and_nothing_more() -> None:
+    shared = shared_rank_permissions()
+    for job in ("job-a", "job-b"):
+        own = permissions(Role.RANK, job)
+        for subject in (*own.publish, *own.subscribe):
+            if subject.startswith(s.inbox(identity(Role.RANK, job))):
+                continue  # each has its own inbox
+            granted = shared.publish if subject in own.publish else shared.subscribe
+            assert any(matches(p, subject) for p in granted), subject
+    # ... and nothing a service, an agent or the operator does.
+    for subject in (s.job_state("job-a"), s.job_fault("job-a"), s.job_generation("job-a"),
+                    s.admission_submit(), s.agent_launch("node-a"),
+                    s.node_heartbeat("node-a"), s.kv_key(s.JOBS_BUCKET, "job-a")):
+        assert not any(matches(p, subject) for p in shared.publish), subject
+    assert not shared.responds
+    assert shared.subscribe >= {f"{s.inbox(SHARED_RANKS)}.>"}
+    assert not any(matches(p, f"{s.inbox('cli')}.x") for p in shared.subscribe)

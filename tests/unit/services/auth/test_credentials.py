@@ -1,0 +1,37 @@
+"""What a rank's environment holds: its own identity, never its agent's credentials."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from phalanx.bus.config import CREDENTIAL_VARS
+from phalanx.services.auth.credentials import rank_env, rank_environment, shared_rank_env
+
+AGENT = {"PHALANX_NATS_URL": "tls://bus:4222", "PHALANX_NATS_CA": "/etc/ca.pem",
+         "PHALANX_NATS_USER": "phalanx", "PHALANX_NATS_PASSWORD": "agent-secret",
+         "PHALANX_NATS_TOKEN": "t", "PHALANX_NATS_NKEY": "/keys/agent-n1.nk",
+         "PHALANX_NATS_CREDS": "/keys/agent.creds", "PHALANX_NATS_INBOX_PREFIX": "_INBOX.agent-n1",
+         "PHALANX_AGENT_RANK_KEYS_DIR": "/auth/ranks", "PHALANX_AGENT_RANK_NATS_PASSWORD": "r",
+         "PHALANX_JOB_ID": "j1", "RANK": "0", "PATH": "/usr/bin"}
+
+
+def test_a_rank_keeps_no_credential_and_no_agent_setting_of_its_agent() -> None:
+    env = rank_environment(AGENT, {})
+    assert not set(env) & CREDENTIAL_VARS
+    assert not [name for name in env if name.startswith("PHALANX_AGENT_")]
+    # Where the bus is and what the rank is stay.
+    assert {k: env[k] for k in ("PHALANX_NATS_URL", "PHALANX_NATS_CA", "PHALANX_JOB_ID",
+                                "RANK", "PATH")} == {k: AGENT[k] for k in (
+        "PHALANX_NATS_URL", "PHALANX_NATS_CA", "PHALANX_JOB_ID", "RANK", "PATH")}
+
+
+def test_a_rank_connects_as_its_job_or_as_the_ranks_user(tmp_path: Path) -> None:
+    (tmp_path / "j1.nk").write_text("SU...")
+    own = rank_environment(AGENT, rank_env(tmp_path, "j1", ca_file="/etc/ca.pem"))
+    assert set(own) & CREDENTIAL_VARS == {"PHALANX_NATS_NKEY", "PHALANX_NATS_INBOX_PREFIX"}
+    assert own["PHALANX_NATS_NKEY"] == str(tmp_path / "j1.nk")
+    assert own["PHALANX_NATS_INBOX_PREFIX"] == "_INBOX.rank-j1"
+    shared = rank_environment(AGENT, shared_rank_env("ranks", "pw"))
+    assert {k: shared[k] for k in set(shared) & CREDENTIAL_VARS} == {
+        "PHALANX_NATS_USER": "ranks", "PHALANX_NATS_PASSWORD": "pw",
+        "PHALANX_NATS_INBOX_PREFIX": "_INBOX.ranks"}
