@@ -21,6 +21,13 @@ every phalanx run:
   after the same kill (:mod:`recovery_baseline`; for GPT the plain DDP loop of
   the same script, its model, optimizer and LR schedule imported from it).
 
+The phases ``spares`` and ``cold`` kill between steps on one agent of 5 slots, with one
+warm spare (``spares: 1``) and without: the figure is the time from the kill to
+the first step committed at full world size, against torchrun's kill to its first step
+after the restart (target with spares: 1.5 s)::
+
+    python bench/recovery.py --phases spares,cold --overhead-repeat 0
+
 Then the runtime's step-time cost (``--overhead-repeat`` rounds, 0: skipped): on
 one local cluster, fault-free 4-rank runs of the script under phalanx with the
 default checkpoint policy, under phalanx without memory snapshots
@@ -57,22 +64,16 @@ import time
 from pathlib import Path
 from typing import Any
 
-BENCH = Path(__file__).resolve().parent
-sys.path.insert(0, str(BENCH))
-sys.path.insert(0, str(BENCH.parent / "examples"))
-
-import recovery_baseline  # noqa: E402
-import train_gpt  # noqa: E402
-import workload_w  # noqa: E402
-from results import append, utc_date  # noqa: E402
-
-from phalanx.bus.client import Bus, Delivery  # noqa: E402
-from phalanx.bus.config import BusConfig  # noqa: E402
-from phalanx.runtime import record  # noqa: E402
-from phalanx.runtime.data import ElasticOrder  # noqa: E402
-from phalanx.runtime.dataset import TokenWindows  # noqa: E402
-from phalanx.schemas import subjects  # noqa: E402
-from phalanx.schemas.messages import (  # noqa: E402
+from phalanx.bench import recovery_baseline
+from phalanx.bench.results import append, utc_date
+from phalanx.bus.client import Bus, Delivery
+from phalanx.bus.config import BusConfig
+from phalanx.examples import train_gpt, workload_w
+from phalanx.runtime import record
+from phalanx.runtime.data import ElasticOrder
+from phalanx.runtime.dataset import TokenWindows
+from phalanx.schemas import subjects
+from phalanx.schemas.messages import (
     CheckpointPolicy,
     Fault,
     Generation,
@@ -82,7 +83,9 @@ from phalanx.schemas.messages import (  # noqa: E402
     JobState,
     ReplicaRange,
 )
-from phalanx.services.client import AdmissionClient  # noqa: E402
+from phalanx.services.client import AdmissionClient
+
+BENCH = Path(__file__).resolve().parent
 
 EXAMPLES = BENCH.parent / "examples"
 WORLD = 4
@@ -100,14 +103,16 @@ class Workload:
     order: ElasticOrder  # the elastic data order, to verify the records with
 
 
-def prepare_workload(args: argparse.Namespace) -> Workload:
-    """The workload ``args`` names, its data written if ``args.data_dir`` has none."""
+def prepare_workload(args: argparse.Namespace, *, sharded_optimizer: bool = False
+                     ) -> Workload:
+    """The workload ``args`` names, its data written if ``args.data_dir`` has none; with
+    ``sharded_optimizer``, W under phalanx shards its optimizer."""
     if args.workload == "w":
         widths = tuple(int(w) for w in args.widths.split(","))
         dataset = workload_w.prepare(args.data_dir, args.samples, widths)
         options = ["--data-dir", str(args.data_dir), "--widths", args.widths,
                    "--samples", str(args.samples)]
-        sharded = ["--sharded-optimizer"] if args.sharded_optimizer else []
+        sharded = ["--sharded-optimizer"] if sharded_optimizer else []
         return Workload(
             "w", f"W widths {args.widths}" + (
                 ", AdamW sharded (ZeroRedundancyOptimizer) under phalanx, a snapshot every "
@@ -136,10 +141,17 @@ def cli(*args: str) -> None:
                    capture_output=True, timeout=120)
 
 
-def cluster_up(directory: Path) -> str:
-    """A local cluster of 2 agents x 2 slots (``phalanx up``); its NATS URL."""
-    cli("up", "--agents", "2", "--slots-per-agent", "2", "--detach", "--data-dir",
-        str(directory), "--nats-port", "0")
+#: The phases with warm spares on and off: a kill between steps on one agent of 5 slots,
+#: so that the dead rank's node has a free slot for a spare (a replacement starts on its
+#: slot's node); the figure is the time to full strength.
+SPARE_PHASES = {"spares": 1, "cold": 0}
+
+
+def cluster_up(directory: Path, agents: int = 2, slots_per_agent: int = 2) -> str:
+    """A local cluster of ``agents`` x ``slots_per_agent`` slots (``phalanx up``); its NATS
+    URL."""
+    cli("up", "--agents", str(agents), "--slots-per-agent", str(slots_per_agent),
+        "--detach", "--data-dir", str(directory), "--nats-port", "0")
     return json.loads((directory / "up.json").read_text())["nats_url"]
 
 
@@ -148,7 +160,7 @@ async def run_phalanx(args: argparse.Namespace, workload: Workload, phase: str,
     """One elastic run with a self-kill of r1-0; its figures from records and bus events."""
     cluster = work / "cluster"
     rec = work / "records"
-    url = cluster_up(cluster)
+    url = cluster_up(cluster, *((1, WORLD + 1) if phase in SPARE_PHASES else (2, 2)))
     events: dict[str, list] = {"fault": [], "generation": []}
     try:
         async with await Bus.connect(BusConfig.load(env={}, servers=[url])) as bus:
@@ -167,7 +179,7 @@ async def run_phalanx(args: argparse.Namespace, workload: Workload, phase: str,
                 command=[sys.executable, str(workload.script), *workload.options,
                          "--steps", str(args.steps)],
                 env={"PHALANX_RECORD_DIR": str(rec), "PHALANX_CHAOS_KILL": kill},
-                hang_timeout_s=10.0, grace_period_s=5.0,
+                hang_timeout_s=10.0, grace_period_s=5.0, spares=SPARE_PHASES.get(phase, 0),
                 # A sharded optimizer recovers from snapshots: one every step loses nothing.
                 **({"checkpoint": CheckpointPolicy(memory_every_steps=1)}
                    if args.sharded_optimizer else {}))
@@ -208,6 +220,9 @@ def analyse_phalanx(records: dict[str, list[dict]], events: dict[str, list],
             "resume": resumed - max(a["synced"] for a in applied),
         },
         "final_step": steps[-1].step + 1 if steps else 0,
+        # Back at full strength: the first step the replacement's generation committed.
+        "full_strength_s": None if join is None else min(
+            s.committed_at for s in steps if s.generation >= join.generation) - kill_t,
     }
     if join_at is not None:
         join_gap, join_median = record.downtime(steps, join_at)
@@ -229,9 +244,11 @@ def run_baseline(args: argparse.Namespace, workload: Workload, phase: str,
         timeout_s=args.timeout)
     # The same measure as phalanx's: the longest gap between commits minus the median step
     # (the restart stall); the redone steps are counted apart.
+    # Its phases run from the kill to the first commit after the restart, all ranks back.
     return {"downtime_s": result["stall_s"], "downtime_incl_redone_s": result["downtime_s"],
             "median_step_s": result["median_step_s"], "steps_lost_or_redone":
-            result["steps_redone"], "breakdown": result["breakdown"], "ok": result["ok"]}
+            result["steps_redone"], "breakdown": result["breakdown"], "ok": result["ok"],
+            "full_strength_s": sum(result["breakdown"].values())}
 
 
 #: The arms of the step-time comparison: a phalanx job's checkpoint policy (None: the
@@ -327,7 +344,7 @@ async def measure_overhead(args: argparse.Namespace, workload: Workload) -> dict
 
 
 async def run(args: argparse.Namespace) -> dict[str, Any]:
-    workload = prepare_workload(args)
+    workload = prepare_workload(args, sharded_optimizer=args.sharded_optimizer)
     report: dict[str, Any] = {"date": utc_date(), "command": " ".join(sys.argv),
                               "workload": workload.name, "description": workload.description,
                               "kill_step": args.kill_step, "steps": args.steps,
@@ -340,7 +357,9 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                                               Path(tmp) / f"phalanx-{n}"))
                 shutil.rmtree(Path(tmp) / f"phalanx-{n}", ignore_errors=True)
                 print(json.dumps({phase: {"phalanx": ours[-1]}}), flush=True)
-            base = run_baseline(args, workload, phase, Path(tmp) / "baseline")
+            # The spare phases kill between steps, as torchrun's "between" baseline does.
+            base = run_baseline(args, workload, "between" if phase in SPARE_PHASES else phase,
+                                Path(tmp) / "baseline")
         ratios = [o["downtime_s"] / base["downtime_s"] if base["downtime_s"] > 0 else None
                   for o in ours]
         # A missing figure (no baseline stall, no join) counts as 99: a miss.
@@ -348,12 +367,15 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                    for name, values in (
                        ("downtime_s", [o["downtime_s"] for o in ours]),
                        ("ratio", [r if r is not None else 99 for r in ratios]),
-                       ("join_pause_steps", [o.get("join_pause_steps") or 99 for o in ours]))}
+                       ("join_pause_steps", [o.get("join_pause_steps") or 99 for o in ours]),
+                       ("full_strength_s", [o["full_strength_s"] or 99 for o in ours]))}
         targets = {  # judged on the worst run
             "downtime <= 10% of baseline": summary["ratio"]["worst"] <= 0.10,
             "downtime < 1 s": summary["downtime_s"]["worst"] < 1.0,
             "0 steps lost": all(o["steps_lost_or_redone"] == 0 for o in ours),
             "join pause <= 1 step": summary["join_pause_steps"]["worst"] <= 1.0}
+        if SPARE_PHASES.get(phase):
+            targets["full strength <= 1.5 s"] = summary["full_strength_s"]["worst"] <= 1.5
         report["runs"][phase] = {"phalanx": ours, "baseline": base, "ratios": ratios,
                                  "targets": targets, "summary": summary}
         print(json.dumps({phase: {"baseline": base, "targets": targets}}), flush=True)
@@ -378,7 +400,9 @@ def record_results(report: dict[str, Any]) -> None:
                 f"({p.get('join_pause_steps') or float('nan'):.2f} steps; copy "
                 f"{copy * 1000:.0f} ms) | "
                 f"{b['downtime_s']:.2f} ({b['downtime_incl_redone_s']:.2f} incl. redone) | "
-                f"{b['steps_lost_or_redone']} | {ratio or float('nan'):.3f} | {bd} |")
+                f"{b['steps_lost_or_redone']} | {ratio or float('nan'):.3f} | "
+                f"{p['full_strength_s'] or float('nan'):.2f} / {b['full_strength_s']:.2f} | "
+                f"{bd} |")
         summaries.append(f"{phase}: " + ", ".join(
             f"{name} median {v['median']:.3f} worst {v['worst']:.3f}"
             for name, v in r["summary"].items()))
@@ -395,8 +419,9 @@ def record_results(report: dict[str, Any]) -> None:
             "baseline: torchrun + DDP + DCP every 10 steps, one run per phase; the targets "
             "are judged on every phalanx run.\n"
             "\n| kill | phalanx downtime (s) | phalanx steps lost | join pause (s) | "
-            "baseline downtime (s) | baseline steps redone | ratio | phalanx breakdown |\n"
-            "|---|---:|---:|---|---|---:|---:|---|\n" + "\n".join(rows)
+            "baseline downtime (s) | baseline steps redone | ratio | "
+            "to full strength, phalanx / baseline (s) | phalanx breakdown |\n"
+            "|---|---:|---:|---|---|---:|---:|---|---|\n" + "\n".join(rows)
             + f"\n\nAcross runs: {'; '.join(summaries)}.\n\nResult: {verdicts}.\n")
     if "overhead" in report:
         section += overhead_section(report["overhead"])
@@ -446,7 +471,8 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=70, help="phalanx run length")
     parser.add_argument("--baseline-steps", type=int, default=30)
     parser.add_argument("--kill-step", type=int, default=20)
-    parser.add_argument("--phases", default="allreduce,between", help="empty: none")
+    parser.add_argument("--phases", default="allreduce,between",
+                        help="of allreduce,between,spares,cold (empty: none)")
     parser.add_argument("--repeat", type=int, default=3, help="phalanx runs per phase")
     parser.add_argument("--overhead-repeat", type=int, default=2,
                         help="rounds of the step-time comparison (0: skipped)")

@@ -55,27 +55,25 @@ import time
 from pathlib import Path
 from typing import Any
 
-BENCH = Path(__file__).resolve().parent
-sys.path.insert(0, str(BENCH))
-sys.path.insert(0, str(BENCH.parent / "examples"))
+import torch
 
-import recovery  # noqa: E402
-import replication  # noqa: E402
-import tiers  # noqa: E402
-import torch  # noqa: E402
-import workload_w  # noqa: E402
-from results import append, utc_date  # noqa: E402
-
-from phalanx.bus.client import Bus  # noqa: E402
-from phalanx.bus.config import BusConfig  # noqa: E402
-from phalanx.runtime import record, snapshot_file  # noqa: E402
-from phalanx.runtime.snapshot import flat_state, write_share  # noqa: E402
-from phalanx.schemas.messages import (  # noqa: E402
+from phalanx.bench import recovery, replication, tiers
+from phalanx.bench.results import append, utc_date
+from phalanx.bus.client import Bus
+from phalanx.bus.config import BusConfig
+from phalanx.examples import workload_w
+from phalanx.runtime import record
+from phalanx.runtime.flat_state import flat_state
+from phalanx.runtime.snapshot import write_share
+from phalanx.schemas import snapshot_file
+from phalanx.schemas.messages import (
     CheckpointPolicy,
     JobSpec,
     JobState,
     ReplicaRange,
 )
+
+BENCH = Path(__file__).resolve().parent
 
 SCRIPT = BENCH.parent / "examples" / "train_mlp.py"
 WORLD = 4
@@ -219,7 +217,17 @@ def record_results(report: dict[str, Any]) -> None:
            f"{report['tcp_copy_s'] * 1000:.1f}, {report['tcp_copy_MBps']:.0f} |\n")
 
 
-def main() -> int:
+def tier_phases(args: argparse.Namespace) -> argparse.Namespace:
+    """bench/tiers.py's options for its phases after the overhead rounds: this run's W,
+    tiers' defaults for the rest."""
+    phases = tiers.arguments().parse_args([])
+    for name in ("widths", "samples", "steps", "data_dir", "timeout"):
+        setattr(phases, name, getattr(args, name))
+    phases.no_record = True  # recorded with this bench's section
+    return phases
+
+
+def arguments() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--widths", default=",".join(map(str, workload_w.W_WIDTHS)))
     parser.add_argument("--samples", type=int, default=64 * 40)
@@ -233,11 +241,14 @@ def main() -> int:
     parser.add_argument("--no-tiers", action="store_true",
                         help="skip the recovery time per source (bench/tiers.py's phases)")
     parser.add_argument("--no-record", action="store_true")
-    args = parser.parse_args()
+    return parser
+
+
+def main() -> int:
+    args = arguments().parse_args()
     report = asyncio.run(run(args))
     if not args.no_tiers:
-        phases = argparse.Namespace(**vars(args), workload="w", fault_step=20,
-                                    durable_every=10, phases=list(tiers.PHASES))
+        phases = tier_phases(args)
         report["tiers"] = asyncio.run(tiers.run(phases))
         report["tiers"]["fault_step"] = phases.fault_step
     if not args.no_record:

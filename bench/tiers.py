@@ -52,19 +52,14 @@ from typing import Any
 
 import msgspec
 
-BENCH = Path(__file__).resolve().parent
-sys.path.insert(0, str(BENCH))
-
-import recovery  # noqa: E402
-import recovery_baseline  # noqa: E402
-import workload_w  # noqa: E402
-from results import append, utc_date  # noqa: E402
-
-from phalanx.bus.client import Bus, Delivery  # noqa: E402
-from phalanx.bus.config import BusConfig  # noqa: E402
-from phalanx.runtime import record  # noqa: E402
-from phalanx.schemas import subjects  # noqa: E402
-from phalanx.schemas.messages import (  # noqa: E402
+from phalanx.bench import recovery, recovery_baseline
+from phalanx.bench.results import append, utc_date
+from phalanx.bus.client import Bus, Delivery
+from phalanx.bus.config import BusConfig
+from phalanx.examples import workload_w
+from phalanx.runtime import record
+from phalanx.schemas import subjects
+from phalanx.schemas.messages import (
     CheckpointPolicy,
     JobSpec,
     JobState,
@@ -73,8 +68,10 @@ from phalanx.schemas.messages import (  # noqa: E402
     SnapshotRecord,
     SnapshotTier,
 )
-from phalanx.services.agent.ranks import running_in_manifest  # noqa: E402
-from phalanx.services.agent.snapshots import default_root  # noqa: E402
+from phalanx.services.agent.snapshots import default_root
+from phalanx.services.manifest import running_in_manifest
+
+BENCH = Path(__file__).resolve().parent
 
 LOST, SURVIVOR = "local-0", "local-1"  # domains 0 and 1: each other's buddy
 PHASES = ("memory", "buddy", "durable")
@@ -297,7 +294,7 @@ loads, those read from a replica its node holds for the buddy. Load average
 """
 
 
-def main() -> int:
+def arguments() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--workload", default="w", choices=["w"])
     parser.add_argument("--widths", default=",".join(map(str, workload_w.W_WIDTHS)))
@@ -311,7 +308,11 @@ def main() -> int:
                         default=Path(tempfile.gettempdir()) / "phalanx-bench-w")
     parser.add_argument("--timeout", type=float, default=600.0)
     parser.add_argument("--no-record", action="store_true")
-    args = parser.parse_args()
+    return parser
+
+
+def main() -> int:
+    args = arguments().parse_args()
     report = asyncio.run(run(args))
     report["fault_step"] = args.fault_step
     if not args.no_record:

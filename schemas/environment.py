@@ -6,3 +6,8 @@ from __future__ import annotations
 
 #: The nice value a replica started at low CPU priority returns to once it is ready.
 NICE_WHEN_READY = "PHALANX_NICE_WHEN_READY"
+
+#: Set (to the spare's id) on a warm spare: a process of a job's command that has no
+#: replica identity yet and waits, in the session's ``from_env``, for the one its agent
+#: writes to its standard input (one JSON object of variables, one line).
+SPARE = "PHALANX_SPARE"

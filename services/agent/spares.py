@@ -1,0 +1,265 @@
+"""Warm spares: processes of a job's command, started ahead, that a replacement is taken from.
+
+A replacement started cold pays for Python, torch's import and the script's
+model build before it can join: seconds, more on a loaded machine. A *spare*
+has paid them already. The agent keeps, for each admitted job whose spec asks
+for ``spares``, that many processes of the job's command on this node while
+the node has free slots for them (:func:`~.core.spare_counts`): started with
+the job's environment (:meth:`.RankSet.job_environment`) plus
+:data:`~phalanx.schemas.environment.SPARE` and no replica identity, they run
+the script up to ``ElasticSession.from_env`` (model built, data opened) and
+wait there, blocked reading their standard input (:mod:`phalanx.runtime.spare`).
+
+A spare is not a rank: no RankStarted or RankExited is published for it, it
+counts toward no job's size and holds no slot (the heartbeat's ``slots_used``
+leaves it out, so admission never waits for it). When a rank of the job
+needs starting on this node (:meth:`.RankSet.replace`, an elastic job's new
+slot), the oldest spare is taken: the agent writes it the replica's
+variables as one JSON line and closes the pipe, and from then on it is that
+replica, in the ranks table and reported as if launched now; the job's next spare
+starts :data:`REPLENISH_AFTER_S` later. Its output file (``jobs/<job>/spares/<id>.log``)
+becomes the replica's (``jobs/<job>/<replica>.log``, a rename: the process
+goes on writing to it).
+
+A spare that dies by itself is started again, backing off when it keeps
+dying (:func:`~.core.spare_restart_delay`). Spares are stopped (SIGKILL to the
+process group: nothing in them is worth a grace period) when their job ends
+or leaves this node, when the node's free slots no longer hold them (a rank
+was placed there), and when the agent stops. If the agent dies, a spare sees
+its standard input end and exits by itself. Spares are kept only for jobs
+that ask (``spares`` defaults to 0) and only on nodes without GPUs (a spare's
+GPU would have to be fixed before its slot is known).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import itertools
+import json
+import logging
+import os
+import signal
+import time
+from collections.abc import Callable, Coroutine, Mapping
+from pathlib import Path
+
+from phalanx.schemas import environment
+from phalanx.schemas.messages import JobRecord, JobState
+from phalanx.services.agent import core
+from phalanx.services.agent.ranks import utc_now
+
+log = logging.getLogger("phalanx.agent.spares")
+#: After a spare is taken, how long before the job's next one starts: the replacement it
+#: became joins first, without a new spare's imports and model build beside it.
+REPLENISH_AFTER_S = 10.0
+
+
+@dataclasses.dataclass
+class Spare:
+    """One warm spare process of a job."""
+
+    spare_id: str
+    job_id: str
+    process: asyncio.subprocess.Process
+    log_path: Path
+    started_at: float  # time.time()
+    stopping: bool = False
+    watcher: asyncio.Task[None] | None = None
+
+    async def hand_over(self, identity: Mapping[str, str],
+                        log_path: Path) -> asyncio.subprocess.Process | None:
+        """Make this spare the replica ``identity`` names, writing to ``log_path`` from now
+        on; its process, or None if it is gone (then it is killed, if anything is left)."""
+        assert self.process.stdin is not None
+        replica = identity.get("PHALANX_REPLICA_ID", "?")
+        with contextlib.suppress(OSError):  # a log not moved is no reason for a cold start
+            self.log_path.replace(log_path)
+        with log_path.open("ab") as log_file:
+            log_file.write(f"=== phalanx: {replica} starting on warm spare {self.spare_id} "
+                           f"(pid {self.process.pid}) at {utc_now()}\n".encode())
+        try:
+            self.process.stdin.write(json.dumps(dict(identity)).encode() + b"\n")
+            await self.process.stdin.drain()
+            self.process.stdin.close()
+        except (BrokenPipeError, ConnectionResetError):
+            kill_group(self.process.pid)
+            return None
+        return None if self.process.returncode is not None else self.process
+
+
+def kill_group(pid: int) -> None:
+    """SIGKILL a spare's process group (it runs in its own session)."""
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pid, signal.SIGKILL)
+
+
+class SpareSet:
+    """The warm spares of the jobs running on this node.
+
+    Args:
+        node_id: this node.
+        work_dir: the agent's; spares log to ``jobs/<job>/spares/<spare>.log`` there.
+        capacity: the node's slots (None: unbounded).
+        gpus: the node's GPUs; a node that lists any keeps no spares.
+        environment: job record -> what its processes start with
+            (:meth:`.RankSet.job_environment`; raises ``OSError`` when it cannot be made).
+        placed: the slots admitted replicas are placed on here (:meth:`.RankSet.slots_placed`).
+
+    Spares start at the agent's priority, not niced as a cold replacement starts: a spare
+    warms up ahead of any fault, so its imports and model build cost the job once, early,
+    and niced beside ranks that keep the node's cores busy it could still be warming when
+    the fault comes.
+    """
+
+    def __init__(self, node_id: str, work_dir: Path, capacity: int | None,
+                 gpus: tuple[int, ...], environment: Callable[[JobRecord], dict[str, str]],
+                 placed: Callable[[], int]) -> None:
+        self.node_id = node_id
+        self.work_dir = work_dir
+        self.capacity = capacity
+        self.gpus = gpus
+        self.environment = environment
+        self.placed = placed
+        self.records: dict[str, JobRecord] = {}  # jobs that want spares here, oldest first
+        self.spares: dict[str, list[Spare]] = {}
+        self.failures: dict[str, int] = {}  # job -> spares that died by themselves in a row
+        self._held: dict[str, float] = {}  # job -> no restart before this (monotonic)
+        self._ids = itertools.count(1)
+        self._lock = asyncio.Lock()
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._closed = False
+
+    def running(self, job_id: str) -> list[Spare]:
+        """The job's spares that are alive and not being stopped, oldest first."""
+        return [s for s in self.spares.get(job_id, ())
+                if not s.stopping and s.process.returncode is None]
+
+    async def reconcile(self, record: JobRecord) -> None:
+        """Keep the spares ``record`` asks for here (none once it is not admitted here),
+        and re-balance every job's to the node's free slots."""
+        if record.state is JobState.ADMITTED and record.spec.spares \
+                and self.node_id in record.nodes:
+            self.records[record.job_id] = record
+        else:
+            self.records.pop(record.job_id, None)
+        await self.refresh()
+
+    async def drop(self, job_id: str) -> None:
+        """The job is gone: stop its spares."""
+        self.records.pop(job_id, None)
+        await self.refresh()
+
+    def take(self, job_id: str) -> Spare | None:
+        """The job's oldest running spare, no longer a spare from now on; None if none."""
+        running = self.running(job_id)
+        if not running:
+            return None
+        spare = running[0]
+        self.spares[job_id].remove(spare)
+        if spare.watcher is not None:
+            spare.watcher.cancel()  # its exit is the replica's now
+        self.failures.pop(job_id, None)
+        log.info("spare taken", extra={"job": job_id, "spare": spare.spare_id,
+                                       "pid": spare.process.pid,
+                                       "waited_s": round(time.time() - spare.started_at, 3)})
+        return spare
+
+    def replenish(self, job_id: str) -> None:
+        """Start ``job_id``'s next spare :data:`REPLENISH_AFTER_S` after one was taken."""
+        self._held[job_id] = max(self._held.get(job_id, 0.0),
+                                 time.monotonic() + REPLENISH_AFTER_S)
+        self._spawn(self._refresh_after(REPLENISH_AFTER_S))
+
+    async def refresh(self) -> None:
+        """Start and stop spares so that each job has what :func:`~.core.spare_counts`
+        gives it now."""
+        async with self._lock:
+            if self._closed:
+                return
+            counts = core.spare_counts(
+                self.capacity, self.placed(),
+                [(job, r.spec.spares, r.spec.slots_per_replica)
+                 for job, r in self.records.items()], gpus=bool(self.gpus))
+            for job_id in list(self.spares):
+                running = self.running(job_id)
+                # The newest go first: the oldest are likeliest to be ready.
+                for spare in running[counts.get(job_id, 0):][::-1]:
+                    await self._stop(spare)
+            now = time.monotonic()
+            for job_id, count in counts.items():
+                if self._held.get(job_id, 0.0) > now:
+                    continue  # backing off after spares that died
+                for _ in range(count - len(self.running(job_id))):
+                    if not await self._start(self.records[job_id]):
+                        break
+
+    async def stop_all(self) -> None:
+        """Stop every spare for good (the agent is stopping)."""
+        async with self._lock:
+            self._closed = True
+            for spare in [s for spares in self.spares.values() for s in spares]:
+                await self._stop(spare)
+        for task in list(self._tasks):
+            task.cancel()
+
+    async def _start(self, record: JobRecord) -> bool:
+        spare_id = f"spare-{next(self._ids)}"
+        log_path = self.work_dir / "jobs" / record.job_id / "spares" / f"{spare_id}.log"
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        with log_path.open("ab") as log_file:
+            log_file.write(f"=== phalanx: warm spare {spare_id} of {record.job_id} starting on "
+                           f"{self.node_id} at {utc_now()}\n".encode())
+            log_file.flush()
+            try:
+                env = {**self.environment(record), environment.SPARE: spare_id}
+                process = await asyncio.create_subprocess_exec(
+                    *record.spec.command, env=env, stdin=asyncio.subprocess.PIPE,
+                    stdout=log_file, stderr=log_file, start_new_session=True)
+            except OSError as exc:
+                log.warning("cannot start a spare of %s: %s", record.job_id, exc)
+                self._died(record.job_id)
+                return False
+        spare = Spare(spare_id, record.job_id, process, log_path, time.time())
+        self.spares.setdefault(record.job_id, []).append(spare)
+        spare.watcher = asyncio.create_task(self._watch(spare))
+        log.info("spare started", extra={"job": record.job_id, "spare": spare_id,
+                                         "pid": process.pid})
+        return True
+
+    async def _stop(self, spare: Spare) -> None:
+        spare.stopping = True
+        kill_group(spare.process.pid)
+        if spare.watcher is not None:
+            await asyncio.shield(spare.watcher)
+
+    async def _watch(self, spare: Spare) -> None:
+        code = await spare.process.wait()
+        spares = self.spares.get(spare.job_id, [])
+        if spare in spares:
+            spares.remove(spare)
+        if not spares:
+            self.spares.pop(spare.job_id, None)
+        log.info("spare exited", extra={"job": spare.job_id, "spare": spare.spare_id,
+                                        "pid": spare.process.pid, "exit_code": code,
+                                        "stopped": spare.stopping})
+        if not spare.stopping and not self._closed:
+            self._died(spare.job_id)
+
+    def _died(self, job_id: str) -> None:
+        """A spare of ``job_id`` died by itself (or could not start): start another after
+        the back-off."""
+        self.failures[job_id] = self.failures.get(job_id, 0) + 1
+        delay = core.spare_restart_delay(self.failures[job_id])
+        self._held[job_id] = time.monotonic() + delay
+        self._spawn(self._refresh_after(delay))
+
+    async def _refresh_after(self, delay_s: float) -> None:
+        await asyncio.sleep(delay_s)
+        await self.refresh()
+
+    def _spawn(self, work: Coroutine[None, None, None]) -> None:
+        task = asyncio.create_task(work)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)

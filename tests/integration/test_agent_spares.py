@@ -1,0 +1,165 @@
+"""Warm spares on a real agent: taken for a replacement, replaced, yielding, stopped.
+
+A real agent (a subprocess), a real nats-server and real processes of a job's
+command: a small Python rank that, as a spare, waits in
+:func:`phalanx.runtime.spare.wait_for_identity` (what ``ElasticSession.from_env``
+calls) and then prints the replica it became. Spares are found as a user would
+find them: processes whose environment carries ``PHALANX_SPARE`` for the job.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import sys
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+from spare_probe import spares_of, until
+from test_agent_replicas import process_exit, queue_of
+
+from phalanx.bus.client import Bus
+from phalanx.bus.kv import TypedKV
+from phalanx.schemas import subjects
+from phalanx.schemas.messages import (
+    JobRecord,
+    JobSpec,
+    JobState,
+    LaunchReplica,
+    NodeHeartbeat,
+    RankExited,
+    RankStarted,
+    ReasonCode,
+    ReplicaRange,
+    ReplicaReply,
+)
+from phalanx.services.natsd import NatsServer
+
+RANK = """
+import os, sys, time
+from phalanx.runtime.spare import wait_for_identity
+env = wait_for_identity(os.environ) if os.environ.get("PHALANX_SPARE") else os.environ
+print("I am", env["PHALANX_REPLICA_ID"], "rank", env["RANK"], "local", env["LOCAL_RANK"],
+      flush=True)
+time.sleep(600)
+"""
+
+
+def record(job_id: str, node_id: str, replicas: int, spares: int,
+           state: JobState = JobState.ADMITTED) -> JobRecord:
+    spec = JobSpec(name="spares", team="t", priority_class="normal",
+                   replicas=ReplicaRange(min=replicas, max=replicas), grace_period_s=2.0,
+                   command=[sys.executable, "-c", RANK], spares=spares)
+    return JobRecord(job_id=job_id, spec=spec, state=state, submitted_at=1.0, updated_at=2.0,
+                     reason_code=ReasonCode.ADMITTED if state is JobState.ADMITTED
+                     else ReasonCode.FINISHED,
+                     nodes=[node_id] * replicas if state is JobState.ADMITTED else [])
+
+
+async def put(bus: Bus, jobs: TypedKV[JobRecord], job: JobRecord) -> None:
+    """Store and publish a job record, as admission does."""
+    await jobs.put(job.job_id, job)
+    await bus.publish(subjects.job_state(job.job_id), job)
+
+
+async def gone(pid: int) -> None:
+    """Return once process ``pid`` has exited (at once if it has already)."""
+    with contextlib.suppress(ProcessLookupError):
+        await asyncio.wait_for(process_exit(pid), 10)
+
+
+@pytest.fixture
+async def agent(nats_server: NatsServer, uid: str,
+                tmp_path: Path) -> AsyncIterator[asyncio.subprocess.Process]:
+    """An agent with 3 slots; stopped (SIGTERM) after the test if it still runs."""
+    process = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "phalanx.services.agent", "--node-id", uid, "--slots", "3",
+        "--heartbeat-interval", "0.1", "--nats", nats_server.url,
+        "--work-dir", str(tmp_path / "agent"),
+        stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL)
+    try:
+        yield process
+    finally:
+        if process.returncode is None:
+            process.send_signal(signal.SIGTERM)
+            await process.wait()
+
+
+async def test_a_replacement_is_a_spare_which_is_replaced_and_stopped_with_its_job(
+        bus: Bus, agent: asyncio.subprocess.Process, uid: str, tmp_path: Path) -> None:
+    job_id = f"spares-{uid}"
+    started = await queue_of(bus, subjects.rank_started(job_id), RankStarted)
+    exited = await queue_of(bus, subjects.rank_exited(job_id), RankExited)
+    beats = await queue_of(bus, subjects.node_heartbeat(uid), NodeHeartbeat)
+    jobs = await TypedKV.open(bus.js, subjects.JOBS_BUCKET, JobRecord)
+    await put(bus, jobs, record(job_id, uid, replicas=2, spares=1))
+    try:
+        ranks = {s.replica_id: s for s in [await asyncio.wait_for(started.get(), 30)
+                                           for _ in range(2)]}
+        assert sorted(ranks) == ["r0-0", "r1-0"]
+        (spare,) = await until(lambda: spares_of(job_id))
+        # A spare holds no slot: the node reports its two ranks' slots only.
+        while not beats.empty():
+            beats.get_nowait()
+        assert (await asyncio.wait_for(beats.get(), 10)).slots_used == 2
+
+        os.kill(ranks["r1-0"].pid, signal.SIGKILL)
+        died = await asyncio.wait_for(exited.get(), 30)
+        assert died.replica_id == "r1-0"
+        reply = await bus.request(subjects.agent_launch(uid), LaunchReplica(
+            job_id=job_id, slot=1, replica_id="r1-1"), ReplicaReply, timeout_s=10)
+        assert (reply.spare, reply.pid) == (True, spare), reply
+        assert reply.detail == "started r1-1 in slot 1 from a warm spare"
+        start = await asyncio.wait_for(started.get(), 10)
+        assert (start.replica_id, start.pid) == ("r1-1", spare)
+        # The spare is r1-1 now, in the slot r1-0 left (LOCAL_RANK 1), writing to its log.
+        log_path = tmp_path / "agent" / "jobs" / job_id / "r1-1.log"
+        await until(lambda: "I am r1-1 rank 1 local 1" in log_path.read_text())
+        assert "starting on warm spare spare-1" in log_path.read_text()
+
+        # The spare taken is replaced; a spare killed is replaced too, and neither
+        # is reported as a rank.
+        (second,) = await until(lambda: spares_of(job_id) - {spare})
+        os.kill(second, signal.SIGKILL)
+        (third,) = await until(lambda: spares_of(job_id) - {spare, second})
+        assert exited.empty() and started.empty()
+
+        # The job ends: its ranks and its spare are stopped.
+        await put(bus, jobs, record(job_id, uid, replicas=2, spares=1,
+                                      state=JobState.FINISHED))
+        await gone(third)
+        await gone(spare)
+        assert spares_of(job_id) == set()
+    finally:
+        await jobs.delete(job_id)
+
+
+async def test_a_spare_yields_its_slot_to_another_job_and_none_outlives_the_agent(
+        bus: Bus, agent: asyncio.subprocess.Process, uid: str) -> None:
+    first, other = f"spares-{uid}", f"other-{uid}"
+    started = await queue_of(bus, subjects.rank_started(other), RankStarted)
+    jobs = await TypedKV.open(bus.js, subjects.JOBS_BUCKET, JobRecord)
+    await put(bus, jobs, record(first, uid, replicas=2, spares=1))
+    try:
+        (spare,) = await until(lambda: spares_of(first))
+        # Another job is placed on the spare's free slot: its rank starts at once and
+        # the spare goes.
+        await put(bus, jobs, record(other, uid, replicas=1, spares=1))
+        assert (await asyncio.wait_for(started.get(), 30)).replica_id == "r0-0"
+        await gone(spare)
+        assert spares_of(first) == set() and spares_of(other) == set()
+
+        # The second job ends: the slot is free again, the first job's spare comes back.
+        await put(bus, jobs, record(other, uid, replicas=1, spares=1,
+                                     state=JobState.FINISHED))
+        (back,) = await until(lambda: spares_of(first))
+        agent.send_signal(signal.SIGTERM)
+        await asyncio.wait_for(agent.wait(), 30)
+        await gone(back)
+        assert spares_of(first) == set()
+    finally:
+        await jobs.delete(first)
+        await jobs.delete(other)

@@ -1,0 +1,40 @@
+"""Finding a job's warm spares as a user would: processes whose environment marks them.
+
+The agent keeps no list of its spares on the bus; the tests of spares look at
+the machine's processes (``/proc/<pid>/environ``), which is what must hold:
+a spare running, replaced, or gone.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+
+def spares_of(job_id: str) -> set[int]:
+    """The pids of the job's spares on this machine (from their environment)."""
+    found = set()
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            environ = Path(f"/proc/{entry}/environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if f"PHALANX_JOB_ID={job_id}".encode() in environ \
+                and any(v.startswith(b"PHALANX_SPARE=") for v in environ):
+            found.add(int(entry))
+    return found
+
+
+async def until(check: Callable[[], Any], timeout_s: float = 30.0) -> Any:
+    """Poll ``check`` until it returns something true (a /proc scan or a log file: there
+    is nothing to subscribe to); fails after ``timeout_s``."""
+    for _ in range(int(timeout_s / 0.05)):
+        if found := check():
+            return found
+        await asyncio.sleep(0.05)
+    raise TimeoutError(f"nothing found in {timeout_s} s")

@@ -1,0 +1,36 @@
+"""The options one benchmark hands another: bench/snapshot.py runs bench/tiers.py's
+phases, and both prepare their workload through bench/recovery.py. A benchmark that
+dies after minutes of measuring on an option another never set (issue 28: snapshot.py's
+tiers phase on ``sharded_optimizer``) is caught here in a second."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from phalanx.bench import recovery, snapshot, tiers
+
+SMALL = ["--widths", "4,8,4", "--samples", "128"]
+
+
+def test_tiers_prepares_its_workload_from_its_own_options(tmp_path: Path) -> None:
+    args = tiers.arguments().parse_args([*SMALL, "--data-dir", str(tmp_path)])
+    workload = recovery.prepare_workload(args)
+    assert workload.name == "w"
+    assert "--sharded-optimizer" not in workload.options
+    assert workload.order.dataset_size == 128
+
+
+def test_snapshot_hands_tiers_every_option_its_phases_read(tmp_path: Path) -> None:
+    args = snapshot.arguments().parse_args([*SMALL, "--steps", "30", "--data-dir",
+                                            str(tmp_path)])
+    phases = snapshot.tier_phases(args)
+    missing = set(vars(tiers.arguments().parse_args([]))) - set(vars(phases))
+    assert not missing, f"tiers' options snapshot.py does not set: {sorted(missing)}"
+    assert (phases.steps, phases.samples, phases.data_dir) == (30, 128, tmp_path)
+    assert recovery.prepare_workload(phases).order.dataset_size == 128
+
+
+def test_the_sharded_optimizer_is_an_option_of_recovery_alone(tmp_path: Path) -> None:
+    args = tiers.arguments().parse_args([*SMALL, "--data-dir", str(tmp_path)])
+    sharded = recovery.prepare_workload(args, sharded_optimizer=True)
+    assert "--sharded-optimizer" in sharded.options
