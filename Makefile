@@ -1,14 +1,17 @@
 # Two commands on a fresh machine (Python >= 3.11 and make are all it needs):
 #   make demo   install everything, then run the demo: W on 4 ranks of a local cluster,
 #               one rank killed mid-run, recovery in process, a replacement joining
-#   make test   install everything, then run ruff, the wire-reference check and the tests
-# (make up runs just the local cluster; make bench runs the benchmarks.)
+#   make test   install everything, then run ruff, mypy, the wire-reference check and the tests
+# (make check: the same checks with only the quick tests, unit and property; make up runs
+# just the local cluster; make types runs mypy; make bench runs the benchmarks.)
 PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
+# mypy reads each top-level folder as phalanx.<folder> through links here ([tool.mypy]).
+TYPED  := build/typecheck/phalanx
 
-.PHONY: install demo up test bench wire-doc clean
+.PHONY: install demo up types check test bench wire-doc gpu-wheels clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -26,8 +29,22 @@ demo: install
 up: install
 	$(BIN)/phalanx up $(ARGS)
 
-test: install
+$(TYPED):
+	mkdir -p $@
+	for d in schemas bus runtime services; do ln -sfn ../../../$$d $@/$$d; done
+
+types: install | $(TYPED)
+	$(BIN)/mypy
+
+check: install | $(TYPED)
 	$(BIN)/ruff check .
+	$(BIN)/mypy
+	$(BIN)/python -m phalanx.schemas.reference --check docs/wire.md
+	$(BIN)/pytest -m "not slow"
+
+test: install | $(TYPED)
+	$(BIN)/ruff check .
+	$(BIN)/mypy
 	$(BIN)/python -m phalanx.schemas.reference --check docs/wire.md
 	$(BIN)/pytest
 
@@ -41,5 +58,13 @@ bench: install
 wire-doc: install
 	$(BIN)/python -m phalanx.schemas.reference > docs/wire.md
 
+# The wheels bench/gpu_run.sh installs on a GPU machine (Python 3.12, no network; docs/gpu.md).
+gpu-wheels: install
+	$(BIN)/pip download --quiet --no-deps --only-binary=:all: --python-version 3.12 \
+	    --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
+	    --platform manylinux2014_x86_64 --platform any -d build/gpu-wheels \
+	    $$(grep -v -e '^#' -e '^nkeys' bench/gpu-wheels.txt)
+	$(BIN)/pip wheel --quiet --no-deps -w build/gpu-wheels $$(grep '^nkeys' bench/gpu-wheels.txt)
+
 clean:
-	rm -rf $(VENV) build *.egg-info .pytest_cache .ruff_cache .hypothesis
+	rm -rf $(VENV) build *.egg-info .pytest_cache .ruff_cache .mypy_cache .hypothesis

@@ -92,18 +92,17 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from results import RESULTS_PATH, append, utc_date
-
+from phalanx.bench.results import RESULTS_PATH, append, utc_date
 from phalanx.schemas.messages import JobSpec, Placement, ReplicaRange
-from phalanx.services.admission.core import (
-    AdmissionCore,
+from phalanx.services.admission.core import AdmissionCore
+from phalanx.services.admission.events import (
     Decision,
     Event,
     JobFinished,
     JobSubmitted,
     NodeUpdated,
-    SpecRejected,
 )
+from phalanx.services.admission.lifecycle import SpecRejected
 from phalanx.services.admission.policy import AdmissionPolicy, TeamQuota
 
 SLOTS_PER_NODE = 8

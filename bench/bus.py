@@ -51,8 +51,8 @@ from typing import Any
 
 from nats.aio.client import Client
 from nats.aio.msg import Msg
-from results import RESULTS_PATH, append, utc_date
 
+from phalanx.bench.results import RESULTS_PATH, append, utc_date
 from phalanx.bus import telemetry
 from phalanx.bus.client import Bus, Delivery
 from phalanx.bus.config import BusConfig

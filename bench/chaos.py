@@ -62,18 +62,14 @@ import time
 from pathlib import Path
 from typing import Any
 
-BENCH = Path(__file__).resolve().parent
-sys.path.insert(0, str(BENCH))
-
-from results import append, utc_date  # noqa: E402
-
-from phalanx.bus.client import Bus, Delivery  # noqa: E402
-from phalanx.bus.config import BusConfig  # noqa: E402
-from phalanx.bus.kv import TypedKV  # noqa: E402
-from phalanx.runtime import record  # noqa: E402
-from phalanx.runtime.data import ElasticOrder  # noqa: E402
-from phalanx.schemas import subjects  # noqa: E402
-from phalanx.schemas.messages import (  # noqa: E402
+from phalanx.bench.results import append, utc_date
+from phalanx.bus.client import Bus, Delivery
+from phalanx.bus.config import BusConfig
+from phalanx.bus.kv import TypedKV
+from phalanx.runtime import record
+from phalanx.runtime.data import ElasticOrder
+from phalanx.schemas import subjects
+from phalanx.schemas.messages import (
     CheckpointPolicy,
     Generation,
     GenerationReason,
@@ -85,9 +81,11 @@ from phalanx.schemas.messages import (  # noqa: E402
     ReplicaRange,
     RestartPolicy,
 )
-from phalanx.services.agent.ranks import running_in_manifest  # noqa: E402
-from phalanx.services.client import AdmissionClient  # noqa: E402
-from phalanx.services.cluster import LocalCluster  # noqa: E402
+from phalanx.services.client import AdmissionClient
+from phalanx.services.cluster import LocalCluster
+from phalanx.services.manifest import running_in_manifest
+
+BENCH = Path(__file__).resolve().parent
 
 SCRIPT = BENCH.parent / "examples" / "train_mlp.py"
 SAMPLES = 640

@@ -38,8 +38,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from results import append, utc_date
-
+from phalanx.bench.results import append, utc_date
 from phalanx.bus.client import Bus, Delivery
 from phalanx.bus.config import BusConfig
 from phalanx.schemas import subjects

@@ -44,16 +44,12 @@ import time
 from pathlib import Path
 from typing import Any
 
-BENCH = Path(__file__).resolve().parent
-sys.path.insert(0, str(BENCH))
-
-from results import append, utc_date  # noqa: E402
-
-from phalanx.bus.client import Bus, Delivery  # noqa: E402
-from phalanx.bus.config import BusConfig  # noqa: E402
-from phalanx.runtime import record  # noqa: E402
-from phalanx.schemas import subjects  # noqa: E402
-from phalanx.schemas.messages import (  # noqa: E402
+from phalanx.bench.results import append, utc_date
+from phalanx.bus.client import Bus, Delivery
+from phalanx.bus.config import BusConfig
+from phalanx.runtime import record
+from phalanx.schemas import subjects
+from phalanx.schemas.messages import (
     ChaosAction,
     ChaosReply,
     ChaosRequest,
@@ -67,7 +63,9 @@ from phalanx.schemas.messages import (  # noqa: E402
     ScalingEvent,
     ScalingPolicy,
 )
-from phalanx.services.client import AdmissionClient  # noqa: E402
+from phalanx.services.client import AdmissionClient
+
+BENCH = Path(__file__).resolve().parent
 
 SCRIPT = BENCH.parent / "examples" / "train_mlp.py"
 SLEEPER = [sys.executable, "-c", "import time; time.sleep(3600)"]

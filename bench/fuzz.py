@@ -35,11 +35,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from fuzzing import Barrage, targets
-from results import RESULTS_PATH, append, utc_date
-
+from phalanx.bench.fuzzing import Barrage, targets
+from phalanx.bench.results import RESULTS_PATH, append, utc_date
 from phalanx.services.natsd import NatsServer
 
 

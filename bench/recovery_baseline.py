@@ -38,11 +38,10 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
+from phalanx.examples import workload_w
+
 BENCH_DIR = Path(__file__).resolve().parent
 WORKER = BENCH_DIR / "torchrun_worker.py"
-sys.path.insert(0, str(BENCH_DIR.parent / "examples"))
-
-import workload_w  # noqa: E402  (found through the path set just above)
 
 KILL_PHASES = ("between", "allreduce")  # see bench/torchrun_worker.py
 # Set in the environment of torchrun and so of all its workers, to find them all.

@@ -35,19 +35,17 @@ import time
 from pathlib import Path
 from typing import Any
 
-BENCH = Path(__file__).resolve().parent
-sys.path.insert(0, str(BENCH))
-
-from results import append, utc_date  # noqa: E402
-
-from phalanx.runtime import snapshot_file  # noqa: E402
-from phalanx.schemas.messages import SnapshotRecord, SnapshotReserve  # noqa: E402
-from phalanx.services.agent.replication import (  # noqa: E402
+from phalanx.bench.results import append, utc_date
+from phalanx.schemas import snapshot_file
+from phalanx.schemas.messages import SnapshotRecord, SnapshotReserve
+from phalanx.services.agent.replication import (
     CHUNK,
     ReplicaListener,
     ReplicaSender,
 )
-from phalanx.services.agent.snapshots import SnapshotStore  # noqa: E402
+from phalanx.services.agent.snapshots import SnapshotStore
+
+BENCH = Path(__file__).resolve().parent
 
 #: W's state (model + AdamW moments) is 201 MB; one of 4 ranks snapshots a quarter.
 W_SHARE_BYTES = 50_331_648

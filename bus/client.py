@@ -123,13 +123,42 @@ class Failed(Exception):
 
 @dataclasses.dataclass
 class Counters:
-    """What went wrong on this connection, for logs and ``$SRV.STATS``."""
+    """What went wrong on this connection (endpoint, bucket), for logs and ``$SRV.STATS``.
+
+    Each count is also added to :data:`TOTALS`, the whole process's, which its metrics
+    export (``phalanx.services.metrics``).
+    """
 
     bad_messages: int = 0
     handler_errors: int = 0
     last_error: str = ""
     denials: int = 0
     """Publishes and subscriptions the server refused this identity (permissions)."""
+
+    def bad_message(self, error: str) -> None:
+        """A delivery or stored value that did not decode."""
+        self.bad_messages += 1
+        self.last_error = error
+        if self is not TOTALS:
+            TOTALS.bad_message(error)
+
+    def handler_error(self, error: str) -> None:
+        """A handler that raised."""
+        self.handler_errors += 1
+        self.last_error = error
+        if self is not TOTALS:
+            TOTALS.handler_error(error)
+
+    def denial(self, error: str) -> None:
+        """A publish or subscription the server refused."""
+        self.denials += 1
+        self.last_error = error
+        if self is not TOTALS:
+            TOTALS.denial(error)
+
+
+#: Every count of this process's connections, endpoints and buckets together.
+TOTALS = Counters()
 
 
 async def process(delivery: Delivery, data: bytes, message_type: type[M], handler: Handler[M],
@@ -144,8 +173,7 @@ async def process(delivery: Delivery, data: bytes, message_type: type[M], handle
         try:
             message = decode(data, message_type, subject=subject)
         except WireError as exc:
-            counters.bad_messages += 1
-            counters.last_error = str(exc)
+            counters.bad_message(str(exc))
             span.record_exception(exc)
             log.warning("bad message dropped: %s", exc)
             raise Failed("400", str(exc)) from None
@@ -157,8 +185,7 @@ async def process(delivery: Delivery, data: bytes, message_type: type[M], handle
             span.record_exception(exc)
             raise Failed(exc.code, exc.description) from None
         except Exception as exc:
-            counters.handler_errors += 1
-            counters.last_error = f"{type(exc).__name__}: {exc}"
+            counters.handler_error(f"{type(exc).__name__}: {exc}")
             span.record_exception(exc)
             log.exception("handler for %s failed", subject)
             raise Failed("500", counters.last_error) from exc
@@ -228,8 +255,7 @@ class Bus:
     def _denied(self, error: str) -> None:
         """The server refused a publish or subscription: count it, say so, and set the
         futures waiting for that refusal (:meth:`refusal`)."""
-        self.counters.denials += 1
-        self.counters.last_error = error
+        self.counters.denial(error)
         log.warning("the bus refused: %s", error)
         if (match := _DENIAL.search(error)) is not None:
             for waiter in self._refusal_waiters.get((match[1].lower(), match[2].lower()), ()):
@@ -267,7 +293,8 @@ class Bus:
         with self.refusal(subject) as refused:
             task = asyncio.ensure_future(request)
             try:
-                await asyncio.wait({task, refused}, return_when=asyncio.FIRST_COMPLETED)
+                either: set[asyncio.Future[Any]] = {task, refused}
+                await asyncio.wait(either, return_when=asyncio.FIRST_COMPLETED)
             finally:
                 if not task.done():
                     task.cancel()

@@ -31,7 +31,7 @@ import asyncio
 import dataclasses
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, Awaitable, Callable
 from typing import Generic, TypeVar
 
 import nats.errors
@@ -165,8 +165,7 @@ class TypedKV(Generic[M]):
             return decode(data or b"", self.message_type,
                           subject=subjects.kv_subject(self.bucket, key))
         except WireError as exc:
-            self.counters.bad_messages += 1
-            self.counters.last_error = str(exc)
+            self.counters.bad_message(str(exc))
             raise
 
     async def get(self, key: str) -> Entry[M] | None:
@@ -271,7 +270,7 @@ class TypedKV(Generic[M]):
                 f"{self.bucket}/{key} changed since revision {revision}: {exc}") from None
         raise_if_cancelled()
 
-    async def watch(self) -> AsyncIterator[Change[M] | None]:
+    async def watch(self) -> AsyncGenerator[Change[M] | None, None]:
         """Current values, then ``None`` once they are all delivered, then every change.
 
         Values that do not decode are logged and skipped; the watch goes on.
@@ -295,7 +294,7 @@ class TypedKV(Generic[M]):
         finally:
             await watcher.stop()
 
-    async def follow(self, resync: asyncio.Event) -> AsyncIterator[Change[M] | None]:
+    async def follow(self, resync: asyncio.Event) -> AsyncGenerator[Change[M] | None, None]:
         """Every current value, then ``None``, then every change; all again whenever
         ``resync`` is set.
 
@@ -392,13 +391,14 @@ class TypedKV(Generic[M]):
         return good, bad
 
 
-async def _first(*awaitables):
-    """The result of whichever of ``awaitables`` finishes first (None if not the first);
-    the others are cancelled."""
-    tasks = [asyncio.ensure_future(a) for a in awaitables]
+async def _first(first: Awaitable[T], *others: Awaitable[object]) -> T | None:
+    """The result of ``first`` if it finishes before any of ``others`` (else None); the
+    rest are cancelled."""
+    winner = asyncio.ensure_future(first)
+    tasks = [winner, *(asyncio.ensure_future(a) for a in others)]
     try:
         done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
     finally:
         for task in tasks:
             task.cancel()
-    return tasks[0].result() if tasks[0] in done else None
+    return winner.result() if winner in done else None

@@ -42,7 +42,6 @@ from phalanx.schemas.errors import WireError
 from phalanx.schemas.messages import (
     Fault,
     GenerationApplied,
-    Message,
     RankExited,
     RankStarted,
     ReplicaReady,
@@ -51,8 +50,10 @@ from phalanx.schemas.messages import (
 log = logging.getLogger("phalanx.bus.stream")
 
 JOB_EVENTS = subjects.JOB_EVENTS_STREAM
+#: A message the stream keeps: each is about one job (its ``job_id``).
+JobEvent = RankStarted | RankExited | Fault | ReplicaReady | GenerationApplied
 #: The job event kinds the stream keeps, and the message each carries.
-KINDS: dict[str, type[Message]] = {
+KINDS: dict[str, type[JobEvent]] = {
     "started": RankStarted, "exited": RankExited, "fault": Fault, "ready": ReplicaReady,
     "applied": GenerationApplied,
 }
@@ -66,7 +67,7 @@ class StreamEvent:
 
     seq: int
     kind: str
-    message: Message
+    message: JobEvent
     delivery: Delivery
     stored_at: float = 0.0  # Unix time the stream stored it (0: not known)
 
@@ -183,8 +184,7 @@ class EventReader:
             try:
                 message = decode(msg.data, KINDS[kind], subject=msg.subject)
             except (WireError, KeyError) as exc:
-                self.bus.counters.bad_messages += 1
-                self.bus.counters.last_error = str(exc)
+                self.bus.counters.bad_message(str(exc))
                 log.warning("skipping a stored job event: %s", exc)
                 continue
             yield StreamEvent(seq, kind, message,

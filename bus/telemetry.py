@@ -111,7 +111,8 @@ def within(parent: str) -> otel_context.Context | None:
     return propagate.extract({"traceparent": parent}) if parent else None
 
 
-def _attributes(subject: str, operation: str, size: int, queue: str | None) -> dict:
+def _attributes(subject: str, operation: str, size: int,
+                queue: str | None) -> dict[str, str | int]:
     attrs: dict[str, str | int] = {
         "messaging.system": "nats",
         "messaging.destination.name": subject,

@@ -21,7 +21,8 @@ from __future__ import annotations
 import math
 
 import torch
-from chargpt_model import (
+
+from phalanx.examples.chargpt_model import (
     GPT,
     arguments,
     build_optimizer,
@@ -30,7 +31,6 @@ from chargpt_model import (
     next_token_loss,
     save,
 )
-
 from phalanx.runtime import ElasticSession
 
 

@@ -22,7 +22,10 @@ import math
 
 import torch
 import torch.distributed as dist
-from chargpt_model import (
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.data import DataLoader, DistributedSampler
+
+from phalanx.examples.chargpt_model import (
     GPT,
     arguments,
     build_optimizer,
@@ -31,8 +34,6 @@ from chargpt_model import (
     next_token_loss,
     save,
 )
-from torch.nn.parallel import DistributedDataParallel as DDP
-from torch.utils.data import DataLoader, DistributedSampler
 
 
 def main() -> None:

@@ -27,17 +27,13 @@ from pathlib import Path
 
 import torch
 
-EXAMPLES = Path(__file__).resolve().parent
-sys.path.insert(0, str(EXAMPLES))
-
-import workload_w  # noqa: E402
-
-from phalanx.bus.client import Bus, Delivery  # noqa: E402
-from phalanx.bus.config import BusConfig  # noqa: E402
-from phalanx.runtime import record  # noqa: E402
-from phalanx.runtime.data import ElasticOrder  # noqa: E402
-from phalanx.schemas import subjects  # noqa: E402
-from phalanx.schemas.messages import (  # noqa: E402
+from phalanx.bus.client import Bus, Delivery
+from phalanx.bus.config import BusConfig
+from phalanx.examples import workload_w
+from phalanx.runtime import record
+from phalanx.runtime.data import ElasticOrder
+from phalanx.schemas import subjects
+from phalanx.schemas.messages import (
     Generation,
     GenerationReason,
     JobRecord,
@@ -46,7 +42,9 @@ from phalanx.schemas.messages import (  # noqa: E402
     RankProgress,
     ReplicaRange,
 )
-from phalanx.services.client import AdmissionClient  # noqa: E402
+from phalanx.services.client import AdmissionClient
+
+EXAMPLES = Path(__file__).resolve().parent
 
 SCRIPT = EXAMPLES / "train_mlp.py"
 

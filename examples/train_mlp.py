@@ -13,15 +13,10 @@ of ``init_process_group``, ``DistributedDataParallel`` and a
 from __future__ import annotations
 
 import argparse
-import sys
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-import workload_w
-
+from phalanx.examples import workload_w
 from phalanx.runtime.dataset import MemmapDataset
 from phalanx.runtime.elastic import ElasticSession
 

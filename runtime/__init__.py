@@ -15,9 +15,11 @@ The public API, importable from here::
 * :class:`ElasticOrder` (:mod:`.data`): the exactly-once data order.
 * :func:`sharded_optimizer` (:mod:`.sharded`): a ZeroRedundancyOptimizer the session
   partitions over each generation.
+* :func:`device` (:mod:`.placement`): the device this rank trains on (its GPU, or
+  the CPU), where the script puts its model.
 
 The names load on first use (PEP 562), so importing a small part of the
-runtime (:mod:`.priority`, :mod:`.snapshot_file`) does not import torch.
+runtime (:mod:`.priority`) does not import torch.
 See docs/runtime.md.
 """
 
@@ -39,6 +41,7 @@ _EXPORTS = {
     "write_tokens": "dataset",
     "ElasticOrder": "data",
     "sharded_optimizer": "sharded",
+    "device": "placement",
 }
 
 __all__ = [
@@ -51,6 +54,7 @@ __all__ = [
     "MemmapDataset",
     "Step",
     "TokenWindows",
+    "device",
     "sharded_optimizer",
     "write_arrays",
     "write_tokens",
@@ -67,6 +71,7 @@ if TYPE_CHECKING:
         MembershipChange,
         Step,
     )
+    from phalanx.runtime.placement import device
     from phalanx.runtime.sharded import sharded_optimizer
 
 

@@ -45,6 +45,9 @@ class BusThread:
         self.dropped = 0
         self.bus: Bus | None = None
         self._loop = asyncio.new_event_loop()
+        # The sends in flight. The loop keeps only a weak reference to a task, so one that
+        # nothing else holds may be collected before it ends; touched on the bus thread only.
+        self._sending: set[asyncio.Task[None]] = set()
         self._thread = threading.Thread(target=self._loop.run_forever, name=f"phalanx-{name}",
                                         daemon=True)
 
@@ -73,17 +76,40 @@ class BusThread:
                 self.dropped += 1
                 log.debug("dropped a message on %s: %s", subject, exc)
 
-        self._loop.call_soon_threadsafe(lambda: self._loop.create_task(send()))
+        self._send(send())
 
     def publish_event(self, subject: str, message: Message, event_id: str) -> None:
         """Publish an event that drives decisions, without waiting: it is retried on the
         bus thread until a stream has stored it (:meth:`Bus.publish_event`), so a bus
-        outage delays it but does not lose it (unless this process ends first)."""
+        outage delays it but does not lose it (unless this process ends, or
+        :meth:`close` is called, first)."""
         async def send() -> None:
             assert self.bus is not None
             await self.bus.publish_event(subject, message, event_id=event_id)
 
-        self._loop.call_soon_threadsafe(lambda: self._loop.create_task(send()))
+        self._send(send())
+
+    def _send(self, coroutine: Coroutine[Any, Any, None]) -> None:
+        """Start ``coroutine`` on the bus thread without waiting for it; it is held in
+        :attr:`_sending` until it ends, and an error it ends with is logged."""
+        def start() -> None:
+            task = self._loop.create_task(coroutine)
+            self._sending.add(task)
+            task.add_done_callback(self._sent)
+
+        self._loop.call_soon_threadsafe(start)
+
+    async def _abandon(self) -> None:
+        """Cancel the sends still in flight once the bus is closed, and wait for them to
+        end: an event no stream has stored yet is lost, as it is when the process ends."""
+        for task in self._sending:
+            task.cancel()
+        await asyncio.gather(*self._sending, return_exceptions=True)
+
+    def _sent(self, task: asyncio.Task[None]) -> None:
+        self._sending.discard(task)
+        if not task.cancelled() and (exc := task.exception()) is not None:
+            log.warning("a message for the bus was not sent: %r", exc)
 
     def subscribe(self, subject: str, message_type: type[M],
                   callback: Callable[[M, Delivery], None]) -> None:
@@ -103,5 +129,9 @@ class BusThread:
                 self.run(self.bus.close(), 5)
             except (PhalanxError, OSError, TimeoutError) as exc:
                 log.debug("closing the bus: %s", exc)
+        try:
+            self.run(self._abandon(), 5)
+        except TimeoutError:
+            log.debug("sends still running as the bus thread stops")
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(5)

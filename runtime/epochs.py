@@ -150,7 +150,7 @@ class EpochLoop:
             if self._stand_in:
                 indices = self.session.order.batch(step.epoch, step.step_in_epoch)
                 stand_in = MicroBatch(tuple(indices[:self.session.micro_batch_size]), 0.0)
-                return next(self.session._load([stand_in]))
+                return next(self.session._runner.load([stand_in]))
             if self._ahead is not None:
                 batch, self._ahead = self._ahead, None
                 return batch
@@ -169,7 +169,7 @@ class EpochLoop:
             raise RuntimeError("session.backward(loss) belongs in the loop over "
                                "session.loader, once per batch")
         self._out, self._settled = False, True
-        params = self.session._params()
+        params = self.session._runner.params()
         if self._stash is not None:  # the step's gradient so far: backward adds to it
             for p, kept in zip(params, self._stash, strict=True):
                 if kept is not None:

@@ -2,16 +2,25 @@
 
 **Taking.** The state (the tensors and skeletons :mod:`.state` copies: the model's
 ``state_dict``, the optimizer's, every registered object's, the RNG, the step)
-is one flat byte sequence of ``N`` bytes: the tensors in that order. Data-parallel
-replicas hold the same state, so rank ``r`` of ``W`` snapshots only bytes
-``[r·N/W, (r+1)·N/W)`` (:func:`~.snapshot_file.share`): every unique byte is
-copied once per snapshot. :class:`Snapshotter` does it after the committed steps
-its schedule names (:mod:`.snapshot_interval`: a fixed interval, or one the members
-agree on from the measured cost), straight into a buffer file its node agent
-created in shared memory (the
-agent owns the memory, so the snapshot outlives the rank): one memcpy of this
-rank's share and its checksum (:mod:`.snapshot_file`), then an announcement to
-the checkpoint service's catalog. The buffers are asked for once per
+is one flat byte sequence of ``N`` bytes: the tensors in that order
+(:mod:`.flat_state`). Data-parallel replicas hold the same state, so rank ``r`` of
+``W`` snapshots only bytes ``[r·N/W, (r+1)·N/W)`` (:func:`~.snapshot_file.share`):
+every unique byte is copied once per snapshot. :class:`Snapshotter` does it after
+the committed steps its schedule names (:mod:`.snapshot_interval`: a fixed interval,
+or one the members agree on from the measured cost), straight into a buffer file its
+node agent created in shared memory (the agent owns the memory, so the snapshot
+outlives the rank): one memcpy of this rank's share and its checksum
+(:mod:`.snapshot_file`), then an announcement to the checkpoint service's catalog.
+
+**A state on a GPU** is copied off the device first, into a pinned host buffer
+on a side CUDA stream (:class:`~.device_staging.DeviceStaging`), which the step's
+forward and backward overlap; a writer thread then waits for that copy, copies it into the
+agent's buffer, checksums it there (on the host) and announces it. The next
+optimizer step, and anything else that writes the state (a restore, a received
+copy), first makes the training stream wait for the side stream
+(:meth:`Snapshotter.fence`), so the snapshot is the committed step's bytes; the
+next snapshot first waits for the writer (:meth:`Snapshotter.settle`), so it is
+at most one behind. The buffers are asked for once per
 membership; an agent that refuses (its node's bound) leaves the rank training
 without snapshots until its next membership, with the reason logged.
 
@@ -35,25 +44,26 @@ import mmap
 import pickle
 import time
 from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
-from phalanx.runtime import snapshot_file
 from phalanx.runtime.bus_thread import BusThread
+from phalanx.runtime.device_staging import DeviceStaging
+from phalanx.runtime.flat_state import FlatState, copy_range, flat_state, load_flat, tensors_in
+from phalanx.runtime.group import Group
 from phalanx.runtime.sharded import Sharded
-from phalanx.runtime.snapshot_file import Header, SnapshotFileError
 from phalanx.runtime.snapshot_interval import SnapshotSchedule
 from phalanx.runtime.state import (
+    Wait,
     _fill,
-    _strip,
     broadcast_bytes,
     broadcast_tensor,
     tensor_refs,
 )
-from phalanx.schemas import subjects
+from phalanx.schemas import snapshot_file, subjects
 from phalanx.schemas.errors import PhalanxError
 from phalanx.schemas.messages import (
     SnapshotRecord,
@@ -61,101 +71,13 @@ from phalanx.schemas.messages import (
     SnapshotReserve,
     SnapshotTier,
 )
+from phalanx.schemas.snapshot_file import Header, SnapshotFileError
 
 log = logging.getLogger("phalanx.runtime.snapshot")
-Wait = Callable[[dist.Work], None]
 #: Rows one member can report of its node's store in the restore all-reduce.
 MAX_HELD = 64
 META_SLACK = 64 * 1024  # room for the meta section to grow without a new reservation
 RESERVE_TIMEOUT_S = 10.0
-
-
-@dataclasses.dataclass(frozen=True)
-class FlatState:
-    """The state as one flat byte sequence: its tensors in order, and the meta (what is
-    not in a tensor) that turns those bytes back into the state."""
-
-    tensors: list[torch.Tensor]  # each as contiguous uint8 bytes
-    meta: dict[str, Any]  # also names each tensor's offset (snapshot_file.layout)
-    #: A sharded optimizer's entries this rank owns (no other rank holds them): a second
-    #: extent, written after the rank's share (its meta is ``meta["owned"]``).
-    owned: FlatState | None = None
-
-    @property
-    def offsets(self) -> list[int]:
-        return self.meta["offsets"]
-
-    @property
-    def total(self) -> int:
-        return self.meta["total"]
-
-    def extent(self, shard: int, shards: int) -> tuple[int, int]:
-        """Shard ``shard``'s bytes in a snapshot: ``(offset, length)``, the length counting
-        its owned extent after its share of the replicated bytes."""
-        offset, length = snapshot_file.share(self.total, shard, shards)
-        return offset, length + (0 if self.owned is None else self.owned.total)
-
-
-def flat_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer | Sharded,
-               extra: Mapping[str, Any], step: int) -> FlatState:
-    """``model``, ``optimizer`` and ``extra``'s state at ``step`` as a :class:`FlatState`
-    (no copy: the byte views alias the live tensors).
-
-    A sharded optimizer's param groups are replicated state; its per-parameter entries
-    are this rank's alone (:attr:`FlatState.owned`).
-    """
-    model_state = model.state_dict()
-    model_tensors = [t.detach() for t in model_state.values()]
-    stripped: list[torch.Tensor] = []
-    sharded = isinstance(optimizer, Sharded)
-    optimizer_skeleton = _strip(optimizer.replicated_state() if sharded
-                                else optimizer.state_dict(), stripped)
-    extra_skeletons = {name: _strip(obj.state_dict(), stripped) for name, obj in extra.items()}
-    tensors = [_bytes_of(t.detach()) for t in model_tensors + stripped]
-    offsets, total = snapshot_file.layout([t.numel() for t in tensors])
-    # The RNG state as bytes: pickled as a tensor it took 0.1 ms of the meta's 0.12 ms,
-    # a fixed cost of every snapshot that a small model's step notices.
-    meta = {"step": step, "rng": torch.get_rng_state().numpy().tobytes(),
-            "optimizer": optimizer_skeleton,
-            "extra": extra_skeletons, "model_tensors": len(model_tensors),
-            "model_names": list(model_state),
-            "tensors": [(tuple(t.shape), str(t.dtype)) for t in model_tensors + stripped],
-            "offsets": offsets, "total": total}
-    owned = _owned_flat(optimizer.owned_state()) if sharded else None
-    if owned is not None:
-        meta["owned"] = owned.meta
-    return FlatState(tensors, meta, owned)
-
-
-def _owned_flat(owned: dict[int, Any]) -> FlatState:
-    """A sharded optimizer's entries owned by this rank, keyed by global parameter index,
-    as a flat state of their own."""
-    stripped: list[torch.Tensor] = []
-    skeleton = _strip(owned, stripped)
-    tensors = [_bytes_of(t.detach()) for t in stripped]
-    offsets, total = snapshot_file.layout([t.numel() for t in tensors])
-    return FlatState(tensors, {"state": skeleton, "offsets": offsets, "total": total,
-                               "tensors": [(tuple(t.shape), str(t.dtype)) for t in stripped]})
-
-
-def _bytes_of(tensor: torch.Tensor) -> torch.Tensor:
-    flat = tensor.reshape(-1)
-    return (flat if flat.is_contiguous() else flat.contiguous()).view(torch.uint8)
-
-
-def copy_range(state: FlatState, start: int, out: torch.Tensor) -> None:
-    """Copy bytes ``[start, start + len(out))`` of the flat ``state`` into ``out``: one
-    memcpy per overlapped tensor, nothing concatenated, the alignment gaps zeroed."""
-    end, done = start + out.numel(), start
-    for tensor, at in zip(state.tensors, state.offsets, strict=True):
-        lo, hi = max(start, at), min(end, at + tensor.numel())
-        if lo < hi:
-            out[done - start:lo - start].zero_()
-            out[lo - start:hi - start].copy_(tensor[lo - at:hi - at])
-            done = hi
-        if at >= end:
-            break
-    out[done - start:].zero_()
 
 
 class Snapshotter:
@@ -189,18 +111,42 @@ class Snapshotter:
         self.last_copy_s = 0.0
         self.last_was_first = False
         self._written: set[int] = set()  # buffers written since the reservation
+        # A state on a GPU: its copy off the device, and the writer thread that finishes it.
+        self._staging: DeviceStaging | None = None
+        self._writer: ThreadPoolExecutor | None = None
+        self._pending: Future[None] | None = None
 
     def due(self, committed: int) -> bool:
         return self.schedule.due(committed)
 
+    def fence(self) -> None:
+        """Before the state is written (an optimizer step, a restore): a snapshot still
+        being copied off the device is not overwritten (no-op on a CPU state)."""
+        if self._staging is not None:
+            self._staging.fence()
+
+    def settle(self) -> None:
+        """Wait until the snapshot the writer thread is finishing is written (no-op on a
+        CPU state); one that failed is logged and skipped."""
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return
+        try:
+            pending.result()
+        except (OSError, SnapshotFileError, RuntimeError) as exc:
+            log.error("snapshot not written: %s", exc)
+
     def take(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | Sharded,
              extra: Mapping[str, Any], step: int, generation: int, rank: int,
-             world_size: int) -> Header | None:
+             world_size: int) -> bool:
         """Snapshot the state at ``step`` (steps committed) as shard ``rank`` of
-        ``world_size``; None if this membership has no buffers (refused)."""
+        ``world_size``; False if this membership has no buffers (refused). A state on a
+        GPU is written and announced by the writer thread once copied off the device
+        (:class:`DeviceStaging`); this call waits for the previous one first."""
         if self._refused_in == generation:
-            return None
+            return False
         started = time.perf_counter()
+        self.settle()
         state = flat_state(model, optimizer, extra, step)
         meta = pickle.dumps(state.meta)
         _, length = state.extent(rank, world_size)
@@ -210,13 +156,39 @@ class Snapshotter:
         if not fits:
             asked = time.perf_counter()
             if not self._reserve(rank, world_size, need + len(meta) + META_SLACK, generation):
-                return None
+                return False
             started += time.perf_counter() - asked  # once a membership: not the snapshot's
         pinned = None if self.durable is None else self.durable.busy_with
         free = [i for i, path in enumerate(self._paths) if path != pinned]
         at = free[snapshot_file.pick_buffer([_committed_in(self._buffers[i]) for i in free])]
+        device = state.device
+        if device.type == "cpu":
+            self._write(at, state, meta, step, generation, rank, world_size)
+        else:
+            if self._staging is None or self._staging.device != device:
+                self._staging = DeviceStaging(device)
+                self._writer = self._writer or ThreadPoolExecutor(
+                    1, thread_name_prefix="phalanx-snapshot")
+            staged = self._staging.start(state, rank, world_size)
+            copied = self._staging.copied
+            assert self._writer is not None and copied is not None
+
+            def finish() -> None:
+                copied.synchronize()
+                self._write(at, state, meta, step, generation, rank, world_size, staged)
+
+            self._pending = self._writer.submit(finish)
+        self.last_copy_s = time.perf_counter() - started
+        self.last_was_first = at not in self._written
+        self._written.add(at)
+        return True
+
+    def _write(self, at: int, state: FlatState, meta: bytes, step: int, generation: int,
+               rank: int, world_size: int, staged: torch.Tensor | None = None) -> None:
+        """Write the share into buffer ``at`` (from ``staged``, its bytes copied off the
+        device, if given), hand it to the durable tier when due, announce it."""
         header = write_share(memoryview(self._buffers[at]), state, meta, self.job_id, step,
-                             generation, rank, world_size)
+                             generation, rank, world_size, staged)
         if self.durable_every and step % self.durable_every == 0 and self.durable is not None \
                 and not self.durable.submit(self._paths[at], header):
             log.warning("durable step %d skipped: the previous one is still being written "
@@ -226,10 +198,6 @@ class Snapshotter:
             node_id=self.node_id, tier=SnapshotTier.LOCAL, nbytes=header.length,
             checksum=f"{header.checksum:016x}", created_at=time.time(), generation=generation,
             total_bytes=state.total))
-        self.last_copy_s = time.perf_counter() - started
-        self.last_was_first = at not in self._written
-        self._written.add(at)
-        return header
 
     def _reserve(self, shard: int, shards: int, nbytes: int, generation: int) -> bool:
         assert self.bus.bus is not None
@@ -253,10 +221,12 @@ class Snapshotter:
 
 
 def write_share(buffer: memoryview, state: FlatState, meta: bytes, job_id: str, step: int,
-                generation: int, shard: int, shards: int) -> Header:
+                generation: int, shard: int, shards: int,
+                staged: torch.Tensor | None = None) -> Header:
     """Write shard ``shard`` of ``shards`` of ``state`` (and its pickled ``meta``) into
     ``buffer``, committed last (:func:`~.snapshot_file.write`): one copy of the share, and
-    of the owned extent after it if the state has one."""
+    of the owned extent after it if the state has one; ``staged``: those bytes, already
+    copied off the device (:class:`DeviceStaging`), copied from there instead."""
     offset, length = state.extent(shard, shards)
     header = Header(job_id, step, generation, shard, shards, state.total, offset, length, 0, 0)
     owned = state.owned
@@ -265,6 +235,9 @@ def write_share(buffer: memoryview, state: FlatState, meta: bytes, job_id: str, 
         if not len(data):
             return
         out = torch.frombuffer(data, dtype=torch.uint8)
+        if staged is not None:
+            out.copy_(staged)
+            return
         shared = length - (0 if owned is None else owned.total)
         copy_range(state, offset, out[:shared])
         if owned is not None:
@@ -342,18 +315,20 @@ def plan_restore(held: Sequence[Sequence[Held]], newer_than: int) -> list[Candid
 
 
 @dataclasses.dataclass(frozen=True)
-class Restored:
+class SnapshotRestored:
+    """What a restore from the nodes' memory brought back."""
+
     step: int
     nbytes: int
     corrupt: list[str]  # what failed its checksum, one line each
     from_replicas: int  # shards this member read from a buddy's replica, not its own
 
 
-def restore(pg: dist.ProcessGroup, wait: Wait, rank: int, world_size: int, store: Path,
+def restore(pg: Group, wait: Wait, rank: int, world_size: int, store: Path,
             job_id: str, newer_than: int, model: torch.nn.Module,
             optimizer: torch.optim.Optimizer | Sharded, extra: Mapping[str, Any],
             report: Callable[[Header, str, bool], None],
-            keep: Callable[[int], bool] | None = None) -> Restored | None:
+            keep: Callable[[int], bool] | None = None) -> SnapshotRestored | None:
     """Restore the newest step the members' nodes hold, newer than ``newer_than``, into
     every member's ``model``, ``optimizer`` and ``extra`` (and RNG); None when there is
     none. A collective: every member of ``pg`` calls it with the same ``newer_than``.
@@ -394,12 +369,13 @@ def restore(pg: dist.ProcessGroup, wait: Wait, rank: int, world_size: int, store
                 replicas.add(h.shard)
             good[rank, h.shard] = 1
         wait(pg.allreduce([good]))
-        sources = [next((r for r in range(world_size) if good[r, s]), None)
+        holders = [next((r for r in range(world_size) if good[r, s]), None)
                    for s in range(candidate.shards)]
-        if None in sources:
+        if None in holders:
             for buffer, _ in verified.values():
                 buffer.close()
             continue  # a shard with no good copy: the next older step
+        sources = [r for r in holders if r is not None]  # each shard's, none missing
         flat = torch.empty(candidate.total, dtype=torch.uint8)
         # A shard every member's node holds is read there: no bytes cross the network (the
         # usual case when the agents lived: a node holds its ranks' shards and its buddy's).
@@ -432,7 +408,7 @@ def restore(pg: dist.ProcessGroup, wait: Wait, rank: int, world_size: int, store
         load_flat(flat, common, model, optimizer, extra, owned, keep)
         owned_bytes = sum(t.numel() * t.element_size() for entries in (owned or {}).values()
                           for t in entries.values() if isinstance(t, torch.Tensor))
-        return Restored(candidate.step, candidate.total + owned_bytes, corrupt,
+        return SnapshotRestored(candidate.step, candidate.total + owned_bytes, corrupt,
                         len(read & replicas))
     return None
 
@@ -453,7 +429,7 @@ def _meta(held: tuple[mmap.mmap, Header]) -> bytes:
                         + header.meta_length])
 
 
-def _owned_entries(pg: dist.ProcessGroup, wait: Wait, rank: int, source: int,
+def _owned_entries(pg: Group, wait: Wait, rank: int, source: int,
                    held: tuple[mmap.mmap, Header] | None, local: bool,
                    keep: Callable[[int], bool] | None) -> dict[int, Any]:
     """The sharded optimizer's entries one shard's owner wrote (its extent after its
@@ -479,80 +455,4 @@ def _owned_entries(pg: dist.ProcessGroup, wait: Wait, rank: int, source: int,
     owned = pickle.loads(meta)["owned"]
     entries = {index: entry for index, entry in owned["state"].items()
                if keep is None or keep(index)}
-    return _fill(entries, _tensors_in(extent, owned, tensor_refs(entries)))
-
-
-def _tensors_in(flat: torch.Tensor, meta: dict[str, Any],
-                only: set[int] | None = None) -> list[torch.Tensor]:
-    """Copies of the tensors ``meta`` lays out in ``flat`` (:func:`flat_state`); ``only``:
-    just those indices (the others are empty placeholders)."""
-    tensors = []
-    for i, ((shape, dtype), at) in enumerate(zip(meta["tensors"], meta["offsets"],
-                                                 strict=True)):
-        if only is not None and i not in only:
-            tensors.append(torch.empty(0))
-            continue
-        tensor = torch.empty(shape, dtype=getattr(torch, dtype.removeprefix("torch.")))
-        size = tensor.numel() * tensor.element_size()
-        tensor.reshape(-1).view(torch.uint8).copy_(flat[at:at + size])
-        tensors.append(tensor)
-    return tensors
-
-
-def load_flat(flat: torch.Tensor, meta: dict[str, Any], model: torch.nn.Module,
-              optimizer: torch.optim.Optimizer | Sharded, extra: Mapping[str, Any],
-              owned: dict[int, Any] | None = None,
-              keep: Callable[[int], bool] | None = None) -> None:
-    """Load the state ``flat`` holds (laid out as :func:`flat_state` says in ``meta``);
-    ``owned``: a sharded optimizer's per-parameter entries, gathered from every owner;
-    ``keep``: as for :func:`load_tensors`.
-
-    Raises:
-        SnapshotFileError: the snapshot does not fit this model or these registered objects.
-    """
-    load_tensors(_tensors_in(flat, meta), meta, model, optimizer, extra, owned, keep)
-
-
-def load_tensors(tensors: list[torch.Tensor], meta: dict[str, Any], model: torch.nn.Module,
-                 optimizer: torch.optim.Optimizer | Sharded, extra: Mapping[str, Any],
-                 owned: dict[int, Any] | None = None,
-                 keep: Callable[[int], bool] | None = None) -> None:
-    """Load the state whose tensors (in :func:`flat_state`'s order) are ``tensors``; a
-    sharded optimizer's entries (``owned``) complete its state (the consolidated state
-    loads into a plain optimizer as well as a sharded one). ``keep``: ``optimizer`` is a
-    sharded one's handle, given only the entries of its new partition (the indices
-    ``keep`` accepts: :meth:`~.sharded.Sharded.load_partition`).
-
-    Raises:
-        SnapshotFileError: the snapshot does not fit this model or these registered objects.
-    """
-    model_tensors = [t.detach() for t in model.state_dict().values()]
-    if meta["model_tensors"] != len(model_tensors) or sorted(meta["extra"]) != sorted(extra):
-        raise SnapshotFileError(
-            f"the snapshot holds {meta['model_tensors']} model tensors and "
-            f"{sorted(meta['extra'])}; this rank has {len(model_tensors)} and {sorted(extra)}")
-    for i, tensor in enumerate(tensors):
-        shape, kind = tuple(tensor.shape), tensor.dtype
-        if i < len(model_tensors):
-            mine = model_tensors[i]
-            if tuple(mine.shape) != tuple(shape) or mine.dtype != kind:
-                raise SnapshotFileError(f"model tensor {i}: the snapshot has {kind}"
-                                        f"{list(shape)}, this model {mine.dtype}"
-                                        f"{list(mine.shape)}")
-            with torch.no_grad():
-                mine.copy_(tensor)
-    rest = tensors[len(model_tensors):]
-    optimizer_state = _fill(meta["optimizer"], rest)
-    if owned is not None:
-        optimizer_state = {**optimizer_state, "state": dict(sorted(owned.items()))}
-    if keep is None:
-        optimizer.load_state_dict(optimizer_state)
-    else:
-        assert isinstance(optimizer, Sharded)
-        optimizer.load_partition({**optimizer_state, "state": {
-            index: entry for index, entry in optimizer_state["state"].items() if keep(index)}})
-    for name, skeleton in meta["extra"].items():
-        extra[name].load_state_dict(_fill(skeleton, rest))
-    rng = meta["rng"]  # a tensor in snapshots and durable steps written before 2026-11-23
-    torch.set_rng_state(rng if isinstance(rng, torch.Tensor)
-                        else torch.frombuffer(bytearray(rng), dtype=torch.uint8))
+    return _fill(entries, tensors_in(extent, owned, tensor_refs(entries)))

@@ -18,11 +18,12 @@ the all-reduce made explicit:
   and returns whether the step is committed: an aborted step runs again, so
   a scheduler stepped only on True is stepped once per committed step.
 
-The session runs the collectives; a step asks it for its plan
-(``_plan_step``), arms the bucketed all-reduce before the last micro-batch's
-backward (``_arm``), folds deterministic-mode gradients (``_fold_gradients``),
-reduces (``_allreduce_gradients``) and reports what it did (``_record_batch``,
-``_committed``).
+The session runs the collectives: a step takes its plan from the session's
+membership (:meth:`.membership.Membership.share`), and asks the session's
+:class:`~.training_step.StepRunner` to load its batches, arm the bucketed
+all-reduce before the last micro-batch's backward (``arm``), fold
+deterministic-mode gradients (``fold``), reduce (``allreduce``), update and
+report what it did (``record_batch``, ``committed``).
 """
 
 from __future__ import annotations
@@ -37,7 +38,8 @@ import torch
 from phalanx.runtime.data import MicroBatch
 
 if TYPE_CHECKING:
-    from phalanx.runtime.elastic import ElasticSession, Retained
+    from phalanx.runtime.elastic import ElasticSession
+    from phalanx.runtime.membership import Retained
 
 log = logging.getLogger("phalanx.runtime")
 
@@ -63,12 +65,13 @@ class Step:
 
     def __init__(self, session: ElasticSession, index: int) -> None:
         self.session = session
+        self._runner = session._runner
         self.index = index
         self.epoch, self.step_in_epoch = divmod(index, session.order.steps_per_epoch)
         #: This rank's micro-batches, and a repaired step's share kept from its aborted try.
         self.plan: list[MicroBatch]
         self.kept: Retained | None
-        self.plan, self.kept = session._plan_step(index)
+        self.plan, self.kept = session._membership.share(index)
         self.outcome: bool | None = None
         #: The step's loss over the whole global batch (the sum of every rank's weighted
         #: shares), once reduced; None before, or if the step was aborted.
@@ -97,15 +100,15 @@ class Step:
         Scale the micro-batch's mean loss by ``weight`` yourself, or call
         :meth:`backward`, which does.
         """
-        session = self.session
-        loaded = session._load(self.plan)
+        runner = self._runner
+        loaded = runner.load(self.plan)
         for n, mb in enumerate(self.plan):
             if n == len(self.plan) - 1:
-                session._arm(self)  # its backward starts the all-reduce
+                runner.arm(self)  # its backward starts the all-reduce
             self._weight = mb.weight
             yield next(loaded), mb.weight
-            if session.deterministic:  # the caller's backward for this micro-batch is done
-                session._fold_gradients()
+            if self.session.deterministic:  # the caller's backward for this micro-batch is done
+                runner.fold()
         self._weight = None
 
     def __iter__(self) -> Iterator[Any]:
@@ -176,12 +179,11 @@ class Step:
                 raise ValueError(f"step {self.index} was reduced already: pass its loss to "
                                  "the first reduce() or commit()")
             return self._reduced
-        session = self.session
         if loss is not None:
             self._loss_share = float(loss)
-        session._record_batch(self)  # before the gradients leave this process
+        self._runner.record_batch(self)  # before the gradients leave this process
         self._computed_at = time.perf_counter()
-        self._reduced = session._allreduce_gradients(self)
+        self._reduced = self._runner.allreduce(self)
         self._reduced_at = time.perf_counter()
         return self._reduced
 
@@ -196,7 +198,7 @@ class Step:
         """
         if not self.reduce():
             return None
-        norm = torch.nn.utils.clip_grad_norm_(self.session._params(), max_norm, norm_type)
+        norm = torch.nn.utils.clip_grad_norm_(self._runner.params(), max_norm, norm_type)
         if not bool(torch.isfinite(norm)):
             log.warning("step %d: gradient norm %s, the update is skipped", self.index,
                         float(norm))
@@ -229,15 +231,14 @@ class Step:
             Step an LR scheduler or an EMA only on True, so that each is stepped once
             per committed step.
         """
-        session = self.session
         ok = self.reduce(loss)
         if ok and self.updated:
-            ok = session._update(self)
+            ok = self._runner.update(self)
         if ok:
-            session._committed(self, time.perf_counter())
+            self._runner.committed(self, time.perf_counter())
         # None, as DDP users do: the next backward hands its gradient over instead of
         # adding it into zeroed memory (two passes over every gradient saved).
-        session.optimizer.zero_grad(set_to_none=True)
+        self.session.optimizer.zero_grad(set_to_none=True)
         self.outcome = ok
         return ok
 

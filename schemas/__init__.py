@@ -1,7 +1,8 @@
-"""phalanx's wire contract: message types, subjects, the codec and errors.
+"""phalanx's contract: message types, subjects, the codec and errors, and what two sides
+must read alike (the snapshot file format, replica ids, scaling rules, node liveness).
 
 Imports nothing else of phalanx, so every side (services, runtime, tools) can
-depend on it.
+depend on it, and two sides share a rule by both importing it from here.
 """
 
 from phalanx.schemas.codec import MAX_PAYLOAD_BYTES, decode, encode

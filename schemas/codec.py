@@ -26,7 +26,7 @@ M = TypeVar("M", bound=Message)
 _encoder = msgspec.msgpack.Encoder()
 # Decoding against the union of all messages makes the ``type`` name mandatory
 # (a lone tagged struct would accept a payload without it).
-_decoder = msgspec.msgpack.Decoder(Union[ALL_MESSAGES])  # type: ignore[valid-type]  # noqa: UP007
+_decoder = msgspec.msgpack.Decoder(Union[ALL_MESSAGES])  # noqa: UP007
 _by_base_name = {m.wire_name().rsplit(".v", 1)[0]: m for m in ALL_MESSAGES}
 _VERSIONED = re.compile(r"^(?P<base>.+)\.v(?P<version>\d+)$")
 
@@ -94,7 +94,7 @@ def decode(data: bytes, expected: type[M], *, subject: str = "") -> M:
         if named is not None and named != owner_id:
             raise WireError(f"it names {kind} {named!r}, but {subject!r} belongs to "
                             f"{kind} {owner_id!r}", subject=subject, message_type=name)
-    return message  # type: ignore[return-value]
+    return message
 
 
 def names(message: Message, kind: str) -> str | None:
@@ -119,7 +119,7 @@ def _explain(data: bytes, exc: msgspec.ValidationError) -> str:
         return f"the `type` field ($.type) must name a message type, got {wire_type!r}"
     match = _VERSIONED.match(wire_type)
     known = _by_base_name.get(match["base"]) if match else None
-    if known is not None:
+    if match and known is not None:
         return (
             f"got {wire_type}: unsupported schema version v{match['version']} of "
             f"{match['base']}; this build speaks {known.wire_name()}"

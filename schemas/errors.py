@@ -37,3 +37,8 @@ class SubjectError(PhalanxError, ValueError):
 
 class ConfigError(PhalanxError, ValueError):
     """A configuration value is missing or out of range; the message names it."""
+
+
+class StoredStateError(PhalanxError, ValueError):
+    """A leader's stored state (a job's snapshot in its bucket) that this version
+    cannot read; the message says what is wrong with it."""

@@ -60,11 +60,18 @@ Endpoint = Annotated[str, msgspec.Meta(
 
 class Message(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True,
               tag_field="type"):
-    """Base of every top-level message; subclasses set ``tag`` to their wire name."""
+    """Base of every top-level message; subclasses set ``tag`` to their wire name.
+
+    Subclasses (of this and of :class:`Part`) repeat ``frozen=True``: msgspec inherits it
+    at run time, but type checkers read each class's own keywords (PEP 681).
+    """
 
     @classmethod
     def wire_name(cls) -> str:
-        return cls.__struct_config__.tag  # type: ignore[return-value]
+        tag = cls.__struct_config__.tag
+        if not isinstance(tag, str):
+            raise TypeError(f"{cls.__name__} has no wire name (set tag= on the class)")
+        return tag
 
 
 class Part(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -74,7 +81,7 @@ class Part(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True
 # --- nodes ---------------------------------------------------------------------------------
 
 
-class NodeInfo(Part):
+class NodeInfo(Part, frozen=True):
     """What an agent registers about its machine."""
 
     node_id: Ident
@@ -89,7 +96,7 @@ class NodeInfo(Part):
     replica_port: Annotated[int, msgspec.Meta(ge=0, le=65535)] = 0
 
 
-class NodeRecord(Message, tag="phalanx.node_record.v1"):
+class NodeRecord(Message, tag="phalanx.node_record.v1", frozen=True):
     """The node registry's entry for one node (KV bucket ``phalanx_nodes``, key = node id).
 
     ``heartbeat_at`` is the agent's wall clock at its last heartbeat; readers
@@ -115,7 +122,7 @@ class NodeRecord(Message, tag="phalanx.node_record.v1"):
             )
 
 
-class NodeHeartbeat(Message, tag="phalanx.node_heartbeat.v1"):
+class NodeHeartbeat(Message, tag="phalanx.node_heartbeat.v1", frozen=True):
     """An agent's periodic sign of life, published on ``phalanx.node.<node>.heartbeat``."""
 
     node_id: Ident
@@ -124,14 +131,14 @@ class NodeHeartbeat(Message, tag="phalanx.node_heartbeat.v1"):
     slots_used: NonNegInt = 0
 
 
-class NodeStatusRequest(Message, tag="phalanx.node_status_request.v1"):
+class NodeStatusRequest(Message, tag="phalanx.node_status_request.v1", frozen=True):
     """Asks an agent for its current :class:`NodeRecord` (no fields)."""
 
 
 # --- jobs ----------------------------------------------------------------------------------
 
 
-class ReplicaRange(Part):
+class ReplicaRange(Part, frozen=True):
     """Data-parallel replica counts; ``min == max`` is a rigid gang."""
 
     min: ReplicaCount
@@ -142,14 +149,14 @@ class ReplicaRange(Part):
             raise ValueError(f"replicas.min {self.min} is greater than replicas.max {self.max}")
 
 
-class Placement(Part):
+class Placement(Part, frozen=True):
     """Where a job's replicas may go."""
 
     node_labels: Labels = {}
     spread_failure_domains: bool = False
 
 
-class RestartPolicy(Part):
+class RestartPolicy(Part, frozen=True):
     """How many failures a job survives before it ends ``failed``: restarts count only \
 while they repeat with no committed step between them (see :mod:`~phalanx.\
 services.health.policy`).
@@ -173,8 +180,8 @@ services.health.policy`).
     window_s: PosFloat = 300.0
 
 
-class ScalingPolicy(Part):
-    """How an elastic job's size may change (see :mod:`~phalanx.services.admission.scaling`).
+class ScalingPolicy(Part, frozen=True):
+    """How an elastic job's size may change (see :mod:`~phalanx.schemas.scaling`).
 
     Sizes are counts of replicas within ``replicas.min..max``. With
     ``replica_increment_step`` k the allowed sizes are ``min, min + k, min + 2k, ...``
@@ -204,7 +211,7 @@ class ScalingPolicy(Part):
                              f"got {values}")
 
 
-class CheckpointPolicy(Part):
+class CheckpointPolicy(Part, frozen=True):
     """When a job's state is snapshotted (docs/architecture.md, Checkpoints).
 
     Every ``memory_every_steps`` committed steps (0: never) each rank copies its share
@@ -235,18 +242,35 @@ class CheckpointPolicy(Part):
     resume_from: Ident | None = None
 
     def __post_init__(self) -> None:
-        fixed = self.memory_every_steps != "auto"
-        if self.durable_every_steps and fixed and (
-                not self.memory_every_steps
-                or self.durable_every_steps % self.memory_every_steps):
+        every = self.memory_every_steps
+        if self.durable_every_steps and isinstance(every, int) and (
+                not every or self.durable_every_steps % every):
             raise ValueError(f"checkpoint.durable_every_steps ({self.durable_every_steps}) "
                              "must be a multiple of checkpoint.memory_every_steps "
                              f"({self.memory_every_steps}): a durable step is persisted "
                              "from its memory snapshot")
 
 
-class JobSpec(Message, tag="phalanx.job_spec.v1"):
-    """A job as submitted: a gang of data-parallel replicas and how to run them."""
+class CollectiveBackend(enum.StrEnum):
+    """Which process group a job's runtime builds each generation (docs/gpu.md)."""
+
+    AUTO = "auto"  # NCCL on a rank that has a GPU, gloo on one that has none
+    NCCL = "nccl"  # GPU ranks only: each rank needs a GPU of its own
+    GLOO = "gloo"  # CPU tensors, or CUDA tensors of ranks that share a GPU
+
+
+class JobSpec(Message, tag="phalanx.job_spec.v1", frozen=True):
+    """A job as submitted: a gang of data-parallel replicas and how to run them.
+
+    ``backend`` picks the collectives' process group: ``auto`` is NCCL on a rank that
+    has a GPU (its agent lists GPUs: ``agent.gpus``) and gloo on one that has none, so
+    the same spec runs on CPU and GPU nodes; ranks sharing one GPU need ``gloo``.
+
+    ``spares`` is how many warm spare processes of an elastic job each of its nodes
+    keeps while it has a free slot for them (:mod:`phalanx.services.agent.spares`): a
+    replacement is then a spare told its replica id instead of a cold start. 0 (the
+    default) keeps none.
+    """
 
     name: Ident
     team: Ident
@@ -262,6 +286,8 @@ class JobSpec(Message, tag="phalanx.job_spec.v1"):
     restart_policy: RestartPolicy = RestartPolicy()
     checkpoint: CheckpointPolicy = CheckpointPolicy()
     scaling: ScalingPolicy = ScalingPolicy()
+    backend: CollectiveBackend = CollectiveBackend.AUTO
+    spares: Annotated[int, msgspec.Meta(ge=0, le=64)] = 0
 
     def __post_init__(self) -> None:
         values = self.scaling.replica_discrete_values
@@ -316,7 +342,7 @@ class ScalingEventKind(enum.StrEnum):
     TIMEOUT = "timeout"  # a planned change was not complete by its deadline: abandoned
 
 
-class ScalingChange(Part):
+class ScalingChange(Part, frozen=True):
     """A planned size change in progress (``JobRecord.scaling_change``): from
     ``from_replicas`` to ``to_replicas``, begun at ``started_at`` for ``reason``; abandoned
     if the job's runtime does not run at the new size by ``deadline``
@@ -334,7 +360,7 @@ class ScalingChange(Part):
             raise ValueError(f"a scaling change grows or shrinks, not {self.kind.value!r}")
 
 
-class JobRecord(Message, tag="phalanx.job_record.v1"):
+class JobRecord(Message, tag="phalanx.job_record.v1", frozen=True):
     """A job's admission state (KV bucket ``phalanx_jobs``, key = job id).
 
     Published on ``phalanx.job.<job>.state`` whenever it changes. ``nodes``
@@ -389,27 +415,27 @@ class JobRecord(Message, tag="phalanx.job_record.v1"):
         return dict(zip(self.slots or range(len(self.nodes)), self.nodes, strict=True))
 
 
-class SubmitRequest(Message, tag="phalanx.submit_request.v1"):
+class SubmitRequest(Message, tag="phalanx.submit_request.v1", frozen=True):
     """Submit ``spec`` as ``job_id``; resubmitting the same pair is a no-op (safe to retry)."""
 
     job_id: Ident
     spec: JobSpec
 
 
-class JobRequest(Message, tag="phalanx.job_request.v1"):
+class JobRequest(Message, tag="phalanx.job_request.v1", frozen=True):
     """Names one job (cancel, explain)."""
 
     job_id: Ident
 
 
-class RequeueRequest(Message, tag="phalanx.requeue_request.v1"):
+class RequeueRequest(Message, tag="phalanx.requeue_request.v1", frozen=True):
     """Elasticity hands a running job back to the queue: too few members for too long."""
 
     job_id: Ident
     reason: str
 
 
-class ScaleRequest(Message, tag="phalanx.scale_request.v1"):
+class ScaleRequest(Message, tag="phalanx.scale_request.v1", frozen=True):
     """An operator pins an elastic job to ``replicas`` (``phalanx scale JOB --replicas N``):
     one of its allowed sizes; None releases the pin (``--auto``: admission sizes it)."""
 
@@ -417,7 +443,7 @@ class ScaleRequest(Message, tag="phalanx.scale_request.v1"):
     replicas: ReplicaCount | None = None
 
 
-class ScalingEvent(Message, tag="phalanx.scaling_event.v1"):
+class ScalingEvent(Message, tag="phalanx.scaling_event.v1", frozen=True):
     """A change of an elastic job's size, announced by the admission leader on
     ``phalanx.job.<job>.scaling`` once the job record says it.
 
@@ -437,7 +463,7 @@ class ScalingEvent(Message, tag="phalanx.scaling_event.v1"):
     deadline: NonNegFloat | None = None
 
 
-class Explanation(Message, tag="phalanx.explanation.v1"):
+class Explanation(Message, tag="phalanx.explanation.v1", frozen=True):
     """Why a job is where it is, as the admission leader sees it now."""
 
     job_id: Ident
@@ -449,7 +475,7 @@ class Explanation(Message, tag="phalanx.explanation.v1"):
     nodes: list[Ident] = []
 
 
-class JobPlacement(Message, tag="phalanx.job_placement.v1"):
+class JobPlacement(Message, tag="phalanx.job_placement.v1", frozen=True):
     """One job's committed placement in admission's ledger (key ``job.<job id>``).
 
     What the job holds: one node id per replica. The slots are reserved first in
@@ -464,7 +490,7 @@ class JobPlacement(Message, tag="phalanx.job_placement.v1"):
     updated_at: NonNegFloat = 0.0
 
 
-class NodeClaims(Message, tag="phalanx.node_claims.v1"):
+class NodeClaims(Message, tag="phalanx.node_claims.v1", frozen=True):
     """The slots admission has reserved on one node (key ``node.<node id>``), by job.
 
     Every slot a job is given is claimed here first, compare-and-swapped on this
@@ -476,7 +502,7 @@ class NodeClaims(Message, tag="phalanx.node_claims.v1"):
     updated_at: NonNegFloat = 0.0
 
 
-class Lease(Message, tag="phalanx.lease.v1"):
+class Lease(Message, tag="phalanx.lease.v1", frozen=True):
     """Leadership of a service: ``holder`` leads until ``expires_at`` unless it renews."""
 
     holder: Ident
@@ -484,7 +510,7 @@ class Lease(Message, tag="phalanx.lease.v1"):
     expires_at: NonNegFloat
 
 
-class StreamCursor(Message, tag="phalanx.stream_cursor.v1"):
+class StreamCursor(Message, tag="phalanx.stream_cursor.v1", frozen=True):
     """How far a service has acted on the job-events stream (bucket ``phalanx_cursors``,
     key = service): every event up to ``seq`` has been acted on and its effect stored."""
 
@@ -492,7 +518,7 @@ class StreamCursor(Message, tag="phalanx.stream_cursor.v1"):
     updated_at: NonNegFloat = 0.0
 
 
-class JobSnapshot(Message, tag="phalanx.job_snapshot.v1"):
+class JobSnapshot(Message, tag="phalanx.job_snapshot.v1", frozen=True):
     """One running job's state in a leader-leased service (buckets ``phalanx_elasticity``
     and ``phalanx_health``, key = job id), for the instance that leads next.
 
@@ -518,7 +544,7 @@ class GenerationReason(enum.StrEnum):
     LEAVE = "leave"
 
 
-class Member(Part):
+class Member(Part, frozen=True):
     """One replica's place in a generation."""
 
     replica_id: Ident
@@ -527,7 +553,7 @@ class Member(Part):
     endpoint: Endpoint = ""  # the replica's rendezvous store, host:port
 
 
-class Generation(Message, tag="phalanx.generation.v1"):
+class Generation(Message, tag="phalanx.generation.v1", frozen=True):
     """One membership of a running job, published on ``phalanx.job.<job>.generation``.
 
     Members are ordered by rank (0..world_size-1). ``rendezvous`` is a fresh
@@ -560,7 +586,7 @@ class Generation(Message, tag="phalanx.generation.v1"):
         return next((m for m in self.members if m.replica_id == replica_id), None)
 
 
-class ReplicaReady(Message, tag="phalanx.replica_ready.v1"):
+class ReplicaReady(Message, tag="phalanx.replica_ready.v1", frozen=True):
     """A replica can join (``phalanx.job.<job>.ready``): torch imported, model built.
 
     ``slot`` is the job's placement slot the replica runs in; ``endpoint`` is
@@ -588,7 +614,7 @@ class StateSource(enum.StrEnum):
     START = "start"  # nothing held any trained step: from the initial state
 
 
-class GenerationApplied(Message, tag="phalanx.generation_applied.v1"):
+class GenerationApplied(Message, tag="phalanx.generation_applied.v1", frozen=True):
     """A member switched to a generation and committed its first step in it
     (``phalanx.job.<job>.applied``).
 
@@ -612,7 +638,7 @@ class GenerationApplied(Message, tag="phalanx.generation_applied.v1"):
     restored_from: StateSource | None = None
 
 
-class GenerationRecord(Part):
+class GenerationRecord(Part, frozen=True):
     """One generation in a job's history (:class:`JobHistory`)."""
 
     generation: NonNegInt
@@ -638,7 +664,7 @@ HISTORY_LIMIT = 256
 HISTORY_BYTES = 128 * 1024
 
 
-class JobHistory(Message, tag="phalanx.job_history.v1"):
+class JobHistory(Message, tag="phalanx.job_history.v1", frozen=True):
     """A running job's generations so far, as the elasticity service decided them (bucket
     ``phalanx_history``, key = job id; kept after the job ends). ``generations`` holds the
     latest ``HISTORY_LIMIT`` of them, oldest first; ``replacements`` counts the replicas
@@ -651,7 +677,7 @@ class JobHistory(Message, tag="phalanx.job_history.v1"):
     updated_at: NonNegFloat = 0.0
 
 
-class LaunchReplica(Message, tag="phalanx.launch_replica.v1"):
+class LaunchReplica(Message, tag="phalanx.launch_replica.v1", frozen=True):
     """Asks an agent (``phalanx.agent.<node>.launch``) to run ``replica_id`` in a job's slot.
 
     Whatever still runs in that slot (a hung or dropped replica) is stopped
@@ -663,7 +689,7 @@ class LaunchReplica(Message, tag="phalanx.launch_replica.v1"):
     replica_id: Ident
 
 
-class StopReplica(Message, tag="phalanx.stop_replica.v1"):
+class StopReplica(Message, tag="phalanx.stop_replica.v1", frozen=True):
     """Asks an agent (``phalanx.agent.<node>.stop``) to stop ``replica_id`` if it still runs.
 
     Its exit is reported with cause ``stopped``: not a fault.
@@ -674,13 +700,18 @@ class StopReplica(Message, tag="phalanx.stop_replica.v1"):
     replica_id: Ident
 
 
-class ReplicaReply(Message, tag="phalanx.replica_reply.v1"):
-    """What the agent did with a :class:`LaunchReplica` or :class:`StopReplica`."""
+class ReplicaReply(Message, tag="phalanx.replica_reply.v1", frozen=True):
+    """What the agent did with a :class:`LaunchReplica` or :class:`StopReplica`.
+
+    ``spare``: the replica launched is a warm spare that was handed its identity, not a
+    cold start.
+    """
 
     node_id: Ident
     replica_id: Ident
     pid: PosInt | None = None
     detail: str = ""
+    spare: bool = False
 
 
 # --- health --------------------------------------------------------------------------------
@@ -693,7 +724,7 @@ class FaultKind(enum.StrEnum):
     NODE_LOST = "node_lost"
 
 
-class Fault(Message, tag="phalanx.fault.v1"):
+class Fault(Message, tag="phalanx.fault.v1", frozen=True):
     """A detected failure of one rank or node, published on ``phalanx.job.<job>.fault``."""
 
     fault_id: Ident
@@ -716,7 +747,7 @@ class ExitCause(enum.StrEnum):
     LAUNCH_FAILED = "launch_failed"  # never ran: the command could not be started
 
 
-class RankStarted(Message, tag="phalanx.rank_started.v1"):
+class RankStarted(Message, tag="phalanx.rank_started.v1", frozen=True):
     """An agent started one rank process (``phalanx.job.<job>.started``)."""
 
     job_id: Ident
@@ -728,7 +759,7 @@ class RankStarted(Message, tag="phalanx.rank_started.v1"):
     replica_id: Ident | None = None
 
 
-class RankExited(Message, tag="phalanx.rank_exited.v1"):
+class RankExited(Message, tag="phalanx.rank_exited.v1", frozen=True):
     """A rank process ended (``phalanx.job.<job>.exited``), published the moment its agent sees it.
 
     ``exit_code`` is set when it exited, ``signal`` (e.g. ``SIGKILL``) when a
@@ -763,7 +794,7 @@ class ChaosAction(enum.StrEnum):
     PAUSE_AGENT = "pause_agent"
 
 
-class ChaosRequest(Message, tag="phalanx.chaos_request.v1"):
+class ChaosRequest(Message, tag="phalanx.chaos_request.v1", frozen=True):
     """Fault injection through an agent (``phalanx.agent.<node>.chaos``), as a user would."""
 
     action: ChaosAction
@@ -777,7 +808,7 @@ class ChaosRequest(Message, tag="phalanx.chaos_request.v1"):
             raise ValueError("kill_rank needs job_id and rank")
 
 
-class ChaosReply(Message, tag="phalanx.chaos_reply.v1"):
+class ChaosReply(Message, tag="phalanx.chaos_reply.v1", frozen=True):
     """What the agent did."""
 
     node_id: Ident
@@ -793,7 +824,7 @@ class NodeCondition(enum.StrEnum):
     CHAOS = "chaos"  # an operator injects a fault here (phalanx chaos): not the node's fault
 
 
-class NodeConditionChanged(Message, tag="phalanx.node_condition.v1"):
+class NodeConditionChanged(Message, tag="phalanx.node_condition.v1", frozen=True):
     """Health's verdict on a node changed (``phalanx.node.<node>.condition``)."""
 
     node_id: Ident
@@ -803,7 +834,7 @@ class NodeConditionChanged(Message, tag="phalanx.node_condition.v1"):
     until: NonNegFloat | None = None  # chaos: when the injected fault is over
 
 
-class RankProgress(Message, tag="phalanx.rank_progress.v1"):
+class RankProgress(Message, tag="phalanx.rank_progress.v1", frozen=True):
     """A rank's step progress, published on ``phalanx.health.rank.<job>.<rank>`` each step."""
 
     job_id: Ident
@@ -817,7 +848,7 @@ class RankProgress(Message, tag="phalanx.rank_progress.v1"):
     total_steps: PosInt | None = None  # the steps the training runs to, when the rank knows
 
 
-class JobProgress(Message, tag="phalanx.job_progress.v1"):
+class JobProgress(Message, tag="phalanx.job_progress.v1", frozen=True):
     """How far a job has trained, as the health service hears its ranks (bucket
     ``phalanx_progress``, key = job id; kept after the job ends).
 
@@ -850,7 +881,7 @@ class SnapshotTier(enum.StrEnum):
     DURABLE = "durable"
 
 
-class SnapshotRecord(Message, tag="phalanx.snapshot_record.v1"):
+class SnapshotRecord(Message, tag="phalanx.snapshot_record.v1", frozen=True):
     """Where one shard of a job's state at one step is held (``phalanx.ckpt.<job>.snapshot``).
 
     A memory copy (tier ``local`` or ``buddy``) is held by node ``node_id``; a durable
@@ -884,7 +915,7 @@ class SnapshotRecord(Message, tag="phalanx.snapshot_record.v1"):
                              f"(tier {self.tier.value}, location {self.location!r})")
 
 
-class SnapshotReserve(Message, tag="phalanx.snapshot_reserve.v1"):
+class SnapshotReserve(Message, tag="phalanx.snapshot_reserve.v1", frozen=True):
     """A rank asks its node's agent for a ring of ``buffers`` snapshot buffers of
     ``nbytes`` each, for shard ``shard`` of ``shards`` of its job's state."""
 
@@ -900,7 +931,7 @@ class SnapshotReserve(Message, tag="phalanx.snapshot_reserve.v1"):
             raise ValueError(f"shard {self.shard} out of range for {self.shards} shards")
 
 
-class SnapshotReservation(Message, tag="phalanx.snapshot_reservation.v1"):
+class SnapshotReservation(Message, tag="phalanx.snapshot_reservation.v1", frozen=True):
     """The agent's answer: the buffer files (created and sized) the rank may write."""
 
     node_id: Ident
@@ -909,7 +940,7 @@ class SnapshotReservation(Message, tag="phalanx.snapshot_reservation.v1"):
     detail: Annotated[str, msgspec.Meta(max_length=DETAIL_CHARS)] = ""
 
 
-class ShardCopy(Part):
+class ShardCopy(Part, frozen=True):
     """One copy of one shard of a step: where it is (node ``node_id``'s memory, or
     ``location`` for a durable copy) and what it must hash to."""
 
@@ -923,7 +954,7 @@ class ShardCopy(Part):
     location: Location = ""
 
 
-class CatalogStep(Part):
+class CatalogStep(Part, frozen=True):
     """What the catalog knows of one step: its shard count and every copy seen."""
 
     step: NonNegInt
@@ -932,7 +963,7 @@ class CatalogStep(Part):
     copies: list[ShardCopy] = []
 
 
-class CheckpointCatalog(Message, tag="phalanx.checkpoint_catalog.v1"):
+class CheckpointCatalog(Message, tag="phalanx.checkpoint_catalog.v1", frozen=True):
     """A job's snapshots (KV bucket ``phalanx_checkpoints``, key = job id), steps
     ascending; the checkpoint service's state for that job. ``keep`` and
     ``durable_keep`` are the job's ``checkpoint.memory_keep`` and ``durable_keep``:
@@ -953,7 +984,7 @@ class BuddyReason(enum.StrEnum):
     NO_OTHER_DOMAIN = "no_other_domain"  # no live node outside its failure domain
 
 
-class BuddyPlacement(Message, tag="phalanx.buddy_placement.v1"):
+class BuddyPlacement(Message, tag="phalanx.buddy_placement.v1", frozen=True):
     """Which agent holds replicas of a node's snapshots (KV bucket ``phalanx_buddies``,
     key = node id), placed by the checkpoint service in another failure domain.
     ``buddy_id`` is empty while no node qualifies (``reason`` says why)."""
@@ -977,14 +1008,14 @@ class BuddyPlacement(Message, tag="phalanx.buddy_placement.v1"):
                              f"domain {self.failure_domain}")
 
 
-class ResumeRequest(Message, tag="phalanx.resume_request.v1"):
+class ResumeRequest(Message, tag="phalanx.resume_request.v1", frozen=True):
     """Where can ``job_id`` resume at ``world_size`` replicas?"""
 
     job_id: Ident
     world_size: PosInt
 
 
-class ResumeAnswer(Message, tag="phalanx.resume_answer.v1"):
+class ResumeAnswer(Message, tag="phalanx.resume_answer.v1", frozen=True):
     """The newest step complete across all its shards (None: none is), and for each
     shard its nearest healthy copy (own memory, buddy, durable), or why there is none."""
 

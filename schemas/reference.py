@@ -170,6 +170,8 @@ def _default(f: mi.Field) -> str:
 
 def _struct_section(cls: type[msgspec.Struct]) -> list[str]:
     info = mi.type_info(cls)
+    if not isinstance(info, mi.StructType):
+        raise TypeError(f"{cls.__name__} is not a msgspec Struct")
     doc = (cls.__doc__ or "").strip().split("\n\n")[0].replace("\n", " ")
     title = cls.__name__
     lines = [f"### {title}", ""]

@@ -117,7 +117,7 @@ class Service:
 
         await self.micro.add_endpoint(EndpointConfig(
             name=name, subject=subject, handler=spawn if concurrent else on_request,
-            **({"queue_group": queue} if queue else {})))
+            queue_group=queue or None))
 
     def spawn(self, coro: Coroutine[Any, Any, Any], name: str) -> asyncio.Task[Any]:
         """Run a background loop; if it dies with an error the service stops (and says why)."""

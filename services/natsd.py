@@ -315,7 +315,8 @@ class NatsCluster:
         Raises:
             NatsServerError: not done within ``ready_timeout_s``.
         """
-        probe = StreamConfig(name=f"{self.name}_cluster_probe", num_replicas=self.size,
+        stream = f"{self.name}_cluster_probe"
+        probe = StreamConfig(name=stream, num_replicas=self.size,
                              subjects=[f"{self.name}.cluster.probe"])
         nc = await nats.connect(servers=list(self.urls), name="phalanx-cluster-probe",
                                 connect_timeout=int(self.ready_timeout_s))
@@ -325,7 +326,7 @@ class NatsCluster:
             while True:
                 try:
                     await js.add_stream(probe)
-                    await js.delete_stream(probe.name)
+                    await js.delete_stream(stream)
                     return
                 except (nats.errors.Error, TimeoutError) as exc:
                     if asyncio.get_running_loop().time() >= deadline:

@@ -46,8 +46,9 @@ from phalanx.schemas.messages import (
     ReplicaReady,
     ScalingEvent,
 )
+from phalanx.schemas.registry import views
 from phalanx.services.deadline import wait_set
-from phalanx.services.registry.core import views
+from phalanx.services.tables import id_column, node_table
 
 #: Events kept and shown (the newest last).
 EVENTS = 12
@@ -122,9 +123,7 @@ def describe(message: Message, arrived_at: float) -> tuple[float, str, str] | No
 
 def render(board: Board, now: float, lost_after_s: float) -> Group:
     """One frame of the view."""
-    from phalanx.services.cli import _node_table, id_column  # as phalanx nodes/jobs show
-
-    nodes = _node_table(views(board.nodes.values(), now, lost_after_s))
+    nodes = node_table(views(board.nodes.values(), now, lost_after_s))
     jobs = Table(title="jobs")
     id_column(jobs, "job", list(board.jobs))
     for column in ("state", "size (min..max)", "generation", "step", "steps/s", "nodes"):

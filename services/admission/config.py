@@ -16,8 +16,8 @@ from pathlib import Path
 from typing import Any
 
 from phalanx.schemas.errors import ConfigError
+from phalanx.schemas.registry import DEFAULT_LOST_AFTER_S
 from phalanx.services.admission.policy import AdmissionPolicy
-from phalanx.services.registry.core import DEFAULT_LOST_AFTER_S
 
 _TIMINGS = ("lease_s", "tick_s", "lost_after_s", "forward_timeout_s")
 

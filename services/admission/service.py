@@ -33,11 +33,11 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import enum
 import logging
-import os
-import socket
 import time
-import uuid
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any, Final
 
 import msgspec
 
@@ -63,18 +63,24 @@ from phalanx.schemas.messages import (
     ScalingEvent,
     SubmitRequest,
 )
+from phalanx.schemas.registry import NodeState, view
 from phalanx.services import metrics
 from phalanx.services.admission import core, ledger
 from phalanx.services.admission.changes import Announce
 from phalanx.services.admission.config import AdmissionConfig
+from phalanx.services.admission.events import Event, NodeUpdated
 from phalanx.services.admission.store import LedgerStore
-from phalanx.services.base import Service
-from phalanx.services.lease import Leadership
-from phalanx.services.registry.core import NodeState, view
+from phalanx.services.leader import LeaderService
 
 log = logging.getLogger("phalanx.admission")
 LEADER_KEY = "leader"
-_TICK = object()  # scheduler wake-up for timeouts and node liveness
+
+
+class _Tick(enum.Enum):
+    TICK = enum.auto()
+
+
+_TICK: Final = _Tick.TICK  # scheduler wake-up for timeouts and node liveness
 #: The verbs every instance takes and the leader serves: request and reply types.
 VERBS: dict[str, tuple[type[Message], type[Message]]] = {
     "submit": (SubmitRequest, JobRecord), "cancel": (JobRequest, JobRecord),
@@ -90,41 +96,35 @@ class Reconciled:
 
 
 @dataclasses.dataclass
-class Term:
+class AdmissionTerm:
     """What exists only while this instance leads."""
 
     core: core.AdmissionCore
-    events: asyncio.Queue[object]
+    events: asyncio.Queue[Event | _Tick]
     store: LedgerStore
     persisted: dict[str, tuple[JobState, ReasonCode, tuple[str, ...]]] = dataclasses.field(
         default_factory=dict)
-    node_events: dict[str, core.NodeUpdated] = dataclasses.field(default_factory=dict)
+    node_events: dict[str, NodeUpdated] = dataclasses.field(default_factory=dict)
     traces: dict[str, str] = dataclasses.field(default_factory=dict)  # JobRecord.trace by job
     serving: bool = False  # state rebuilt: requests may be answered
     watching_since: float = 0.0  # nodes are judged on silence heard since then
 
 
-class AdmissionService(Service):
+class AdmissionService(LeaderService[AdmissionTerm]):
     """Gang admission: one leader decides, every instance takes requests."""
 
     description = "phalanx gang admission"
 
     def __init__(self, config: AdmissionConfig, bus_config: BusConfig | None = None, *,
                  instance: str | None = None) -> None:
-        instance = instance or (f"{socket.gethostname().split('.')[0]}-{os.getpid()}-"
-                                f"{uuid.uuid4().hex[:6]}")
-        super().__init__("phalanx-admission", instance, bus_config)
+        super().__init__("phalanx-admission", LEADER_KEY, bus_config, instance=instance,
+                         lease_s=config.lease_s)
         self.config = config
-        self.term: Term | None = None
         self.node_records: dict[str, NodeRecord] = {}
         self._capacity: core.Capacity | None = None  # of node_records; None: recount
-        self._handlers = {"submit": self._on_submit, "cancel": self._on_cancel,
-                          "requeue": self._on_requeue, "explain": self._on_explain,
-                          "scale": self._on_scale}
-
-    @property
-    def leading(self) -> bool:
-        return self.term is not None
+        self._handlers: dict[str, Callable[[AdmissionTerm, Any], Awaitable[Message]]] = {
+            "submit": self._on_submit, "cancel": self._on_cancel, "requeue": self._on_requeue,
+            "explain": self._on_explain, "scale": self._on_scale}
 
     # --- set-up and the lease -----------------------------------------------------------
 
@@ -138,9 +138,7 @@ class AdmissionService(Service):
         for verb, (request_type, reply_type) in VERBS.items():
             await self.add_endpoint(verb, subjects.admission(verb), request_type,
                                     self._forwarder(verb, reply_type), concurrent=True)
-        self.leadership = Leadership(self.leases, LEADER_KEY, self.instance,
-                                     self.config.lease_s, self._lead_term)
-        self.spawn(self.leadership.run(self.sleep_or_stop), "lease")
+        self.start_leadership(self.leases)
 
     def _forwarder(self, verb: str, reply_type: type[Message]):
         """The public endpoint: served here when leading, else forwarded to the leader."""
@@ -165,20 +163,23 @@ class AdmissionService(Service):
 
         return forward
 
-    async def _lead_term(self) -> None:
-        """The leader's work for one term of the lease (run by :class:`Leadership`)."""
-        term = Term(core.AdmissionCore(self.config.policy), asyncio.Queue(),
+    def _serving(self, term: AdmissionTerm,
+                 verb: str) -> Callable[[Message, Delivery], Awaitable[Message]]:
+        """The leader's endpoint of ``verb`` in ``term``."""
+        handler = self._handlers[verb]
+
+        async def serve(request: Message, _: Delivery) -> Message:
+            return await handler(term, request)
+
+        return serve
+
+    def begin_term(self) -> AdmissionTerm:
+        return AdmissionTerm(core.AdmissionCore(self.config.policy), asyncio.Queue(),
                     LedgerStore(self.leases.kv, subjects.ADMISSION_BUCKET))
-        self.term = term
-        try:
-            await self._lead(term)
-        finally:
-            if self.term is term:
-                self.term = None
 
     # --- leading ------------------------------------------------------------------------
 
-    async def _lead(self, term: Term) -> None:
+    async def lead(self, term: AdmissionTerm) -> None:
         """Rebuild state from KV, then serve requests and run the core until cancelled."""
         assert self.bus is not None
         term.watching_since = time.time()  # a new leader has heard nobody yet
@@ -188,13 +189,13 @@ class AdmissionService(Service):
         for entry in node_entries:
             self._node_changed(term, entry.key, entry.value, now)
         while not term.events.empty():
-            term.core.handle(term.events.get_nowait(), now)
+            if (event := term.events.get_nowait()) is not _TICK:
+                term.core.handle(event, now)
         job_changes = self.jobs.follow(self.bus.resync_event())
         restored, repair = await self._restore(term, job_changes)
         subscriptions = [
             await self.bus.subscribe(subjects.admission_leader(verb), request_type,
-                                     lambda r, d, verb=verb: self._handlers[verb](term, r),
-                                     concurrent=True)
+                                     self._serving(term, verb), concurrent=True)
             # Every verb a standby forwards (requeue too: elasticity's requeue reaching a
             # standby was forwarded to nobody, and the job was dropped).
             for verb, (request_type, _) in VERBS.items()
@@ -215,7 +216,7 @@ class AdmissionService(Service):
                     log.debug("unsubscribe failed: %s", exc)
             await job_changes.aclose()
 
-    async def _restore(self, term: Term, changes
+    async def _restore(self, term: AdmissionTerm, changes
                        ) -> tuple[list[core.Decision | Reconciled], ledger.Restored]:
         """Feed the jobs' current records to the core, admitted ones onto their placements;
         returns the decisions and what the ledger needs repaired (:func:`ledger.restore`)."""
@@ -258,7 +259,7 @@ class AdmissionService(Service):
         return [*decisions, *stale], repair
 
     @staticmethod
-    def _ledger_repairs(term: Term, repair: ledger.Restored) -> set[str]:
+    def _ledger_repairs(term: AdmissionTerm, repair: ledger.Restored) -> set[str]:
         """The jobs the first persist writes besides those the pass changed: placements to
         fence or to replace, those of jobs the core does not run (ended while nobody led),
         and every job with slots on a node whose claims are rewritten."""
@@ -271,13 +272,13 @@ class AdmissionService(Service):
             jobs.update(job for job, placement in store.stored.items() if node in placement.nodes)
         return jobs
 
-    async def _schedule(self, term: Term, first: list[core.Decision | Reconciled],
+    async def _schedule(self, term: AdmissionTerm, first: list[core.Decision | Reconciled],
                         repair: ledger.Restored) -> None:
         """Repair the ledger, then apply batches of events, run a pass, persist; forever."""
         now = time.time()
         decisions = term.core.schedule(now)
         self._count(term, decisions, now)
-        await self._persist(term, first + decisions, repair=repair,
+        await self._persist(term, [*first, *decisions], repair=repair,
                             ledger_jobs=self._ledger_repairs(term, repair))
         while True:
             batch = [await term.events.get()]
@@ -287,13 +288,13 @@ class AdmissionService(Service):
             decisions = []
             for event in batch:
                 if event is not _TICK:
-                    decisions += term.core.handle(event, now)  # type: ignore[arg-type]
+                    decisions += term.core.handle(event, now)
             decisions += term.core.schedule(now)
             self._count(term, decisions, now)
             await self._persist(term, decisions)
 
     @staticmethod
-    def _count(term: Term, decisions: list[core.Decision], now: float) -> None:
+    def _count(term: AdmissionTerm, decisions: list[core.Decision], now: float) -> None:
         """The admission metrics, from what a pass decided (not from a restore's decisions,
         which a previous leader counted)."""
         metrics.QUEUE_DEPTH.set(len(term.core.queue))
@@ -310,7 +311,8 @@ class AdmissionService(Service):
                 case core.Shrink() if decision.reason.code is ReasonCode.PREEMPTED:
                     metrics.PREEMPTED.labels("shrunk").inc()
 
-    async def _persist(self, term: Term, decisions: list[core.Decision | Reconciled], *,
+    async def _persist(self, term: AdmissionTerm,
+                       decisions: Sequence[core.Decision | Reconciled], *,
                        repair: ledger.Restored | None = None,
                        ledger_jobs: set[str] | frozenset[str] = frozenset()) -> None:
         """The ledger's changes first (:func:`ledger.plan`), then changed job records,
@@ -338,7 +340,7 @@ class AdmissionService(Service):
             if isinstance(decision, Announce):
                 await self._announce(term, decision, now)
 
-    async def _write_decided(self, term: Term, gang: core.Gang, now: float,
+    async def _write_decided(self, term: AdmissionTerm, gang: core.Gang, now: float,
                              decision: core.Decision | None) -> None:
         """Write a gang's record; in a span naming the decision when one changed it (the
         record's publish, and what agents and elasticity do about it, are its children)."""
@@ -356,7 +358,7 @@ class AdmissionService(Service):
                 context=telemetry.within(term.traces.get(gang.job_id, ""))):
             await self._write_record(term, gang, now)
 
-    async def _announce(self, term: Term, announce: Announce, now: float) -> None:
+    async def _announce(self, term: AdmissionTerm, announce: Announce, now: float) -> None:
         """Publish a scaling event, in a span of the job's trace (attributes name the job)."""
         assert self.bus is not None
         event = ScalingEvent(job_id=announce.job_id, kind=announce.kind,
@@ -376,7 +378,7 @@ class AdmissionService(Service):
                                    "from": announce.from_replicas, "to": announce.to_replicas,
                                    "reason": announce.reason})
 
-    async def _write_record(self, term: Term, gang: core.Gang, now: float) -> None:
+    async def _write_record(self, term: AdmissionTerm, gang: core.Gang, now: float) -> None:
         assert self.bus is not None
         reason = gang.reason  # the record keeps the reason; explain adds the live position
 
@@ -412,12 +414,12 @@ class AdmissionService(Service):
 
     # --- event sources ------------------------------------------------------------------
 
-    async def _watch_jobs(self, term: Term, changes) -> None:
+    async def _watch_jobs(self, term: AdmissionTerm, changes) -> None:
         async for change in changes:
             if change is not None:
                 self._job_changed(term, change)
 
-    def _job_changed(self, term: Term, change: Change[JobRecord]) -> None:
+    def _job_changed(self, term: AdmissionTerm, change: Change[JobRecord]) -> None:
         gang = term.core.gangs.get(change.key)
         record = change.value
         if gang is None:
@@ -435,7 +437,7 @@ class AdmissionService(Service):
             term.events.put_nowait(core.JobFailed(change.key, record.reason_code, record.reason,
                                                   event_id="watch"))
 
-    async def _watch_generations(self, term: Term) -> None:
+    async def _watch_generations(self, term: AdmissionTerm) -> None:
         """A job's world size, as elasticity publishes its generations: it completes the
         job's planned size change."""
         assert self.bus is not None
@@ -445,13 +447,13 @@ class AdmissionService(Service):
                 term.events.put_nowait(core.MembershipChanged(change.key, size,
                                                               event_id="generation"))
 
-    async def _watch_nodes(self, term: Term) -> None:
+    async def _watch_nodes(self, term: AdmissionTerm) -> None:
         assert self.bus is not None
         async for change in self.nodes.follow(self.bus.resync_event()):
             if change is not None:
                 self._node_changed(term, change.key, change.value, time.time())
 
-    def _node_changed(self, term: Term, node_id: str, record: NodeRecord | None,
+    def _node_changed(self, term: AdmissionTerm, node_id: str, record: NodeRecord | None,
                       now: float) -> None:
         before = self.node_records.get(node_id)
         slots = (before.node.slots if before else None, record.node.slots if record else None)
@@ -465,7 +467,7 @@ class AdmissionService(Service):
         self.node_records[node_id] = record
         self._node_seen(term, record, now)
 
-    def _node_seen(self, term: Term, record: NodeRecord, now: float) -> None:
+    def _node_seen(self, term: AdmissionTerm, record: NodeRecord, now: float) -> None:
         assert self.bus is not None
         connected_since = self.bus.connected_since
         if connected_since is None:
@@ -483,7 +485,7 @@ class AdmissionService(Service):
             term.node_events[node.node_id] = event
             term.events.put_nowait(event)
 
-    async def _tick(self, term: Term) -> None:
+    async def _tick(self, term: AdmissionTerm) -> None:
         while not await self.sleep_or_stop(self.config.tick_s):
             now = time.time()
             for record in list(self.node_records.values()):
@@ -492,7 +494,7 @@ class AdmissionService(Service):
 
     # --- requests (leader side) ---------------------------------------------------------
 
-    async def _on_submit(self, term: Term, request: SubmitRequest) -> JobRecord:
+    async def _on_submit(self, term: AdmissionTerm, request: SubmitRequest) -> JobRecord:
         try:
             # Against the registry as this instance hears it: the core learns of a node
             # through its event queue, which a long pass holds up.
@@ -521,7 +523,7 @@ class AdmissionService(Service):
                                                  event_id="submit"))
         return record
 
-    async def _on_cancel(self, term: Term, request: JobRequest) -> JobRecord:
+    async def _on_cancel(self, term: AdmissionTerm, request: JobRequest) -> JobRecord:
         now = time.time()
 
         def cancel(current: JobRecord | None) -> JobRecord:
@@ -538,7 +540,7 @@ class AdmissionService(Service):
         term.events.put_nowait(core.JobCancelled(request.job_id, event_id="cancel"))
         return entry.value
 
-    async def _on_requeue(self, term: Term, request: RequeueRequest) -> JobRecord:
+    async def _on_requeue(self, term: AdmissionTerm, request: RequeueRequest) -> JobRecord:
         entry = await self.jobs.get(request.job_id)
         if entry is None:
             raise RequestRefused("404", f"no job {request.job_id!r}")
@@ -546,7 +548,7 @@ class AdmissionService(Service):
                                                 event_id="requeue"))
         return entry.value
 
-    async def _on_scale(self, term: Term, request: ScaleRequest) -> JobRecord:
+    async def _on_scale(self, term: AdmissionTerm, request: ScaleRequest) -> JobRecord:
         """Pin a job's size (or release the pin): checked against its scaling rules, stored
         in its record (a new leader keeps it), then applied by the next pass."""
         gang = term.core.gangs.get(request.job_id)
@@ -571,7 +573,7 @@ class AdmissionService(Service):
                                                 event_id="scale"))
         return entry.value
 
-    async def _on_explain(self, term: Term, request: JobRequest) -> Explanation:
+    async def _on_explain(self, term: AdmissionTerm, request: JobRequest) -> Explanation:
         gang = term.core.gangs.get(request.job_id)
         if gang is None:
             entry = await self.jobs.get(request.job_id)

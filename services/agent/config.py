@@ -11,8 +11,8 @@ from collections.abc import Mapping
 from typing import Any
 
 from phalanx.schemas.errors import ConfigError
+from phalanx.schemas.registry import DEFAULT_LOST_AFTER_S
 from phalanx.schemas.subjects import token
-from phalanx.services.registry.core import DEFAULT_LOST_AFTER_S
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -20,7 +20,13 @@ class AgentConfig:
     node_id: str = dataclasses.field(default_factory=lambda: default_node_id())
     """Unique node id (a subject token); defaults to the short host name."""
     slots: int = dataclasses.field(default_factory=lambda: os.cpu_count() or 1)
-    """Rank slots this node offers; defaults to its CPU count."""
+    """Rank slots this node offers; defaults to its CPU count (to the number of ``gpus``
+    when those are given)."""
+    gpus: tuple[int, ...] = ()
+    """The GPU of each slot: slot ``i`` of this node runs on CUDA device ``gpus[i]``,
+    which its rank sees alone (``CUDA_VISIBLE_DEVICES``). An index may repeat: slots then
+    share that GPU (their jobs need ``backend: gloo``). Empty: CPU slots, and ranks get
+    the agent's ``CUDA_VISIBLE_DEVICES`` unchanged."""
     failure_domain: str = "default"
     """Label of what fails together (rack, zone); buddies are placed across domains."""
     labels: dict[str, str] = dataclasses.field(default_factory=dict)
@@ -50,8 +56,15 @@ class AgentConfig:
     rank_keys_dir: str | None = None
     """On a bus with permissions: where the seeds of jobs' identities are (an auth
     directory's ``ranks/``, see docs/security.md); each rank connects as its job, and
-    a job without a seed there does not start. None: ranks inherit the agent's bus
-    settings (a bus without permissions)."""
+    a job without a seed there does not start. None (and no ``rank_nats_user``): ranks
+    connect with no credentials (a bus without authentication). A rank never gets the
+    agent's own credentials."""
+    rank_nats_user: str | None = None
+    """On a bus with user and password authentication and no per-job identities (the
+    Kubernetes base): the user every rank connects as, one allowed only ranks' subjects
+    (docs/security.md); its password is ``rank_nats_password``."""
+    rank_nats_password: str | None = dataclasses.field(default=None, repr=False)
+    """The password of ``rank_nats_user``."""
 
     snapshot_dir: str | None = None
     """Where ranks' in-memory snapshots are kept: a directory on a tmpfs. Default
@@ -84,6 +97,12 @@ class AgentConfig:
             raise ConfigError(str(exc)) from None
         if self.slots < 1:
             raise ConfigError(f"agent.slots must be >= 1, got {self.slots}")
+        if self.gpus and len(self.gpus) != self.slots:
+            raise ConfigError(f"agent.gpus lists {len(self.gpus)} GPUs for {self.slots} "
+                              "slots: one GPU index per slot")
+        if any(gpu < 0 for gpu in self.gpus):
+            raise ConfigError(f"agent.gpus must be CUDA device indices (>= 0), "
+                              f"got {list(self.gpus)}")
         for name in ("heartbeat_interval_s", "lost_after_s", "shutdown_timeout_s"):
             if not math.isfinite(getattr(self, name)):
                 raise ConfigError(f"agent.{name} must be a finite number, "
@@ -103,6 +122,12 @@ class AgentConfig:
         if self.heartbeat_interval_s <= 0:
             raise ConfigError(f"agent.heartbeat_interval_s must be > 0, "
                               f"got {self.heartbeat_interval_s}")
+        if (self.rank_nats_user is None) != (self.rank_nats_password is None):
+            raise ConfigError("agent.rank_nats_user and agent.rank_nats_password go "
+                              "together: give both or neither")
+        if self.rank_nats_user is not None and self.rank_keys_dir is not None:
+            raise ConfigError("agent.rank_keys_dir (an identity per job) and "
+                              "agent.rank_nats_user (one for all ranks) exclude each other")
         if self.lost_after_s <= self.heartbeat_interval_s:
             raise ConfigError(f"agent.lost_after_s ({self.lost_after_s}) must exceed "
                               f"agent.heartbeat_interval_s ({self.heartbeat_interval_s})")
@@ -111,7 +136,8 @@ class AgentConfig:
     def from_env(cls, env: Mapping[str, str] | None = None, **overrides: Any) -> AgentConfig:
         """Fields from ``PHALANX_AGENT_<FIELD>`` variables, then ``overrides`` (None ignored).
 
-        Labels are given as ``key=value,key=value``.
+        Labels are given as ``key=value,key=value``, GPUs as ``0,1,2,3``; with GPUs and
+        no slots, the node offers one slot per GPU.
         """
         env = os.environ if env is None else env
         values: dict[str, Any] = {}
@@ -123,6 +149,11 @@ class AgentConfig:
         try:
             if isinstance(values.get("labels"), str):
                 values["labels"] = parse_labels(values["labels"])
+            if isinstance(values.get("gpus"), str):
+                values["gpus"] = parse_gpus(values["gpus"])
+            if values.get("gpus"):
+                values["gpus"] = tuple(values["gpus"])
+                values.setdefault("slots", len(values["gpus"]))
             for name in ("slots", "replacement_nice", "snapshot_limit_bytes", "replica_port"):
                 if name in values:
                     values[name] = int(values[name])
@@ -152,6 +183,14 @@ def default_node_id() -> str:
     """The host's short name with anything a subject token cannot hold replaced by '-'."""
     short = socket.gethostname().split(".")[0]
     return re.sub(r"[^A-Za-z0-9_\-]", "-", short) or "node"
+
+
+def parse_gpus(text: str) -> tuple[int, ...]:
+    """``"0,1,1"`` → ``(0, 1, 1)``; ``""`` → ``()`` (CPU slots)."""
+    items = [p.strip() for p in text.split(",") if p.strip()]
+    if not all(item.isdigit() for item in items):
+        raise ValueError(f"gpus must be CUDA device indices separated by commas, got {text!r}")
+    return tuple(int(item) for item in items)
 
 
 def parse_labels(text: str) -> dict[str, str]:

@@ -8,7 +8,7 @@ Two live agents never share an id. Each heartbeat bumps the sequence and time
 and keeps what others set on the record (``cordoned``).
 
 A replica (``r<slot>-<incarnation>``, named by
-:func:`phalanx.services.elasticity.core.replica_id`) is launched at most once
+:func:`phalanx.schemas.replicas.replica_id`) is launched at most once
 per node: :func:`launch_verdict` answers a launch request for a slot from the
 replica last launched there. The same replica again is *already launched* —
 a retried or re-sent request (elasticity re-sends its launches after a
@@ -26,19 +26,25 @@ found dead by a restarted agent is: its job still wants it, so health faults it
 and elasticity replaces it. Reported as stopped, a cluster restart left every
 member of a running job dead without a fault, and the job waited on them for
 ever.
+
+Warm spares (:mod:`.spares`) hold no slot, so they live in what the node has
+free: :func:`spare_counts` gives each job the spares its spec asks for while
+the slots no admitted replica is placed on still hold them, jobs served in the
+order given; a node that lists GPUs keeps none (a spare's GPU would have to be
+chosen before its slot is known). A spare that dies by itself is started again
+after :func:`spare_restart_delay`: at once the first time, then backing off,
+so a script that cannot start does not loop.
 """
 
 from __future__ import annotations
 
 import enum
-import re
+from collections.abc import Sequence
 
 from phalanx.schemas.errors import PhalanxError
 from phalanx.schemas.messages import ExitCause, NodeInfo, NodeRecord
-from phalanx.services.elasticity.core import replica_id
-from phalanx.services.registry.core import NodeState, view
-
-_REPLICA = re.compile(r"r(\d+)-(\d+)")
+from phalanx.schemas.registry import NodeState, view
+from phalanx.schemas.replicas import incarnation, replica_id
 
 
 class NodeIdTaken(PhalanxError, RuntimeError):
@@ -105,12 +111,6 @@ def first_replica(slot: int) -> str:
     return replica_id(slot, 0)
 
 
-def incarnation(replica: str) -> int | None:
-    """The incarnation number of ``r<slot>-<incarnation>``; None for any other name."""
-    match = _REPLICA.fullmatch(replica)
-    return int(match[2]) if match else None
-
-
 def launch_verdict(last: str | None, wanted: str) -> LaunchVerdict:
     """May ``wanted`` start in a slot whose last launched replica is ``last``?
 
@@ -144,3 +144,72 @@ def exit_cause(stop: StopReason | None, *, status_known: bool = True) -> ExitCau
     if stop is StopReason.AGENT or not status_known:
         return ExitCause.LOST
     return ExitCause.EXITED
+
+
+def node_slots(held: set[int], count: int) -> tuple[int, ...]:
+    """The ``count`` lowest slot indices of this node that no running rank holds: where a
+    new replica runs (its ``LOCAL_RANK`` is the first, its GPUs are those slots' GPUs)."""
+    free: list[int] = []
+    index = 0
+    while len(free) < count:
+        if index not in held:
+            free.append(index)
+        index += 1
+    return tuple(free)
+
+
+def rank_devices(gpus: tuple[int, ...], slots: tuple[int, ...]) -> dict[str, str]:
+    """The placement variables of a replica that holds this node's ``slots``: its
+    ``LOCAL_RANK`` (the first slot's index), ``PHALANX_DEVICE`` (``cuda`` when the node
+    lists ``gpus``, one per slot, else ``cpu``: :func:`phalanx.runtime.placement.device`)
+    and, on a GPU node, ``CUDA_VISIBLE_DEVICES``: the slots' GPUs, which the rank then
+    sees alone (as ``cuda:0`` onwards).
+
+    Raises:
+        ValueError: a slot beyond the GPUs listed (the node offers one slot per GPU).
+    """
+    env = {"LOCAL_RANK": str(slots[0]), "PHALANX_DEVICE": "cuda" if gpus else "cpu"}
+    if gpus:
+        beyond = [s for s in slots if s >= len(gpus)]
+        if beyond:
+            raise ValueError(f"slots {beyond} have no GPU: the node lists {len(gpus)}")
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(str(gpus[s]) for s in slots)
+    return env
+
+
+#: How long the restarts of a job's spares that keep dying back off, at most.
+SPARE_BACKOFF_MAX_S = 60.0
+
+
+def spare_counts(capacity: int | None, placed: int, jobs: Sequence[tuple[str, int, int]],
+                 *, gpus: bool = False) -> dict[str, int]:
+    """How many warm spares each job keeps on this node.
+
+    Args:
+        capacity: the node's slots (None: unbounded).
+        placed: the slots admitted replicas are placed on here, running or not (a dead
+            rank's slot is its replacement's).
+        jobs: ``(job id, spares its spec asks for, slots per replica)`` of each elastic
+            job running here, in the order they are served.
+        gpus: the node lists GPUs: no spares.
+
+    Returns:
+        job id -> spares to keep (every job of ``jobs``, 0 included).
+    """
+    free = None if capacity is None else max(0, capacity - placed)
+    counts: dict[str, int] = {}
+    for job_id, asked, slots_per_replica in jobs:
+        count = 0 if gpus else asked if free is None else min(asked, free // slots_per_replica)
+        if free is not None:
+            free -= count * slots_per_replica
+        counts[job_id] = count
+    return counts
+
+
+def spare_restart_delay(failures: int) -> float:
+    """How long to wait before starting a spare again after ``failures`` spares of its job
+    died by themselves in a row: none after the first, then 1, 2, 4 … s, at most
+    :data:`SPARE_BACKOFF_MAX_S`."""
+    if failures <= 1:
+        return 0.0
+    return min(SPARE_BACKOFF_MAX_S, 2.0 ** (failures - 2))

@@ -14,8 +14,10 @@ answered "already launched", one for an older incarnation is refused.
 
 A rank gets the environment a torchrun script expects (``RANK``,
 ``LOCAL_RANK``, ``WORLD_SIZE``, ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR``,
-``MASTER_PORT``) plus ``PHALANX_*`` for the runtime, runs in its own session
-so a stop reaches its children too, and logs to
+``MASTER_PORT``; ``LOCAL_RANK`` is the index of the node's slot it runs in, and on
+a node that lists GPUs, ``CUDA_VISIBLE_DEVICES`` is that slot's GPU alone) plus
+``PHALANX_*`` for the runtime (``PHALANX_BACKEND``: the spec's ``backend``), runs
+in its own session so a stop reaches its children too, and logs to
 ``<work_dir>/jobs/<job>/<replica>.log`` (one file per replica, so a
 replacement's output never runs on from its predecessor's; the agent writes a
 header line when it starts it). Its exit is reported the moment the
@@ -58,10 +60,10 @@ import time
 import zlib
 from collections.abc import Awaitable, Callable, Mapping
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import msgspec
 
-from phalanx.bus.config import with_identity
 from phalanx.schemas import environment
 from phalanx.schemas.errors import PhalanxError
 from phalanx.schemas.messages import (
@@ -79,20 +81,16 @@ from phalanx.services.agent.core import (
     exit_cause,
     first_replica,
     launch_verdict,
+    node_slots,
+    rank_devices,
 )
+from phalanx.services.auth.credentials import rank_environment
+from phalanx.services.manifest import MANIFEST, start_ticks
+
+if TYPE_CHECKING:
+    from phalanx.services.agent.spares import SpareSet
 
 log = logging.getLogger("phalanx.agent.ranks")
-MANIFEST = "ranks.json"
-
-
-def start_ticks(pid: int) -> int | None:
-    """The process's start time in clock ticks since boot (tells a pid's reuse apart)."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    fields = stat.rsplit(")", 1)[1].split()
-    return None if fields[0] == "Z" else int(fields[19])
 
 
 def resolves(host: str) -> bool:
@@ -122,20 +120,13 @@ class Replaced:
     """The replica's process; None when it was launched before and has exited."""
     new: bool
     """Started now; False: it was launched here before (a repeated request)."""
+    from_spare: bool = False
+    """Started now from a warm spare of the job (:mod:`.spares`)."""
 
 
 def replica_log(work_dir: Path, job_id: str, replica_id: str) -> Path:
     """Where a node's agent (work dir ``work_dir``) keeps a replica's output."""
     return work_dir / "jobs" / job_id / f"{replica_id}.log"
-
-
-def running_in_manifest(path: Path) -> list[dict]:
-    """The running ranks a manifest records (empty if it cannot be read), for sweepers."""
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return []
-    return list(data.get("ranks", [])) if isinstance(data, dict) else list(data)
 
 
 @dataclasses.dataclass
@@ -152,6 +143,8 @@ class Rank:
     process: asyncio.subprocess.Process | None = None  # None when adopted
     stop: StopReason | None = None  # why this agent stops it (None: it does not)
     watcher: asyncio.Task[None] | None = None
+    node_slots: tuple[int, ...] = ()  # this node's slots it holds (its LOCAL_RANK, GPUs)
+    from_spare: bool = False  # a warm spare handed its identity, not a new process
 
     @property
     def stopping(self) -> bool:
@@ -175,13 +168,15 @@ class RankSet:
             ``PHALANX_ADVERTISE_HOST`` (where their rendezvous store is reached) when it
             resolves here; a job's own env may set another.
         bus_identity: job id -> the bus credential variables its ranks connect with
-            (:func:`phalanx.services.auth.credentials.rank_env`); they replace every
-            credential variable of the agent's and the job's environment. Raises
-            ``OSError`` when the job has none: its ranks then fail to start.
+            (:func:`phalanx.services.auth.credentials.rank_env`). Raises ``OSError``
+            when the job has none: its ranks then fail to start. None: ranks connect
+            with no credentials. Either way a rank gets none of the agent's credentials
+            or configuration (:func:`~phalanx.services.auth.credentials.rank_environment`).
         snapshot_dir: job id -> the directory of the node's snapshot store that its ranks
             read (``PHALANX_SNAPSHOT_DIR``, with the job's ``checkpoint`` policy).
         checkpoint_dir: where ranks persist durable checkpoints when the job's spec names
             no ``checkpoint.durable_url``.
+        gpus: the GPU of each of this node's slots (``agent.gpus``); empty: CPU slots.
     """
 
     def __init__(self, node_id: str, work_dir: Path, nats_url: str,
@@ -191,8 +186,9 @@ class RankSet:
                  advertise_host: str | None = None,
                  bus_identity: Callable[[str], Mapping[str, str]] | None = None,
                  snapshot_dir: Callable[[str], Path] | None = None,
-                 checkpoint_dir: Path | None = None) -> None:
+                 checkpoint_dir: Path | None = None, gpus: tuple[int, ...] = ()) -> None:
         self.node_id = node_id
+        self.gpus = gpus
         self.snapshot_dir = snapshot_dir
         self.checkpoint_dir = checkpoint_dir
         self.advertise_host = advertise_host if advertise_host and resolves(advertise_host) \
@@ -213,11 +209,21 @@ class RankSet:
         # first replica is launched once per placement, any replica at most once.
         self.launched: dict[tuple[str, int], tuple[tuple[str, ...], str]] = {}
         self._leaving: set[asyncio.Task[None]] = set()  # ranks given time to leave
+        self._job_slots: dict[str, int] = {}  # job -> its slots per replica, as last seen
+        #: The node's warm spares (:mod:`.spares`), which a replacement is taken from.
+        self.spares: SpareSet | None = None
         work_dir.mkdir(parents=True, exist_ok=True)
 
     @property
     def slots_used(self) -> int:
         return sum(r.slots for r in self.ranks.values())
+
+    def slots_placed(self) -> int:
+        """The node's slots that admitted replicas are placed on, running or not (a dead
+        rank's slot is its replacement's), or that ranks still stopping hold."""
+        keys = set(self.launched) | set(self.ranks)
+        return sum(self.ranks[k].slots if k in self.ranks else self._job_slots.get(k[0], 1)
+                   for k in keys)
 
     def jobs(self) -> set[str]:
         """The jobs with a rank running here or a replica launched here."""
@@ -235,6 +241,7 @@ class RankSet:
         """
         placement = tuple(record.nodes) if record.state is JobState.ADMITTED else ()
         wanted = {s for s, node in record.placement().items() if node == self.node_id}
+        self._job_slots[record.job_id] = record.spec.slots_per_replica
         if self.capacity is not None \
                 and len(wanted) * record.spec.slots_per_replica > self.capacity:
             # Admission never places more here than the node has: such a record is not
@@ -264,10 +271,12 @@ class RankSet:
             if (record.job_id, slot) not in self.launched:
                 # A slot an elastic job grew into: its replica joins running survivors.
                 await self._launch(record, slot, placement, first_replica(slot),
-                                   nice=self.replacement_nice if elastic else None)
+                                   nice=self.replacement_nice if elastic else None,
+                                   use_spare=elastic)
 
     async def replace(self, record: JobRecord, slot: int, replica_id: str) -> Replaced:
-        """Run ``replica_id`` in ``slot``, stopping what runs there first.
+        """Run ``replica_id`` in ``slot``, stopping what runs there first: a warm spare of
+        the job told who it is (:mod:`.spares`) if one runs here, else a new process.
 
         A replica launched here before, running or exited, is not started again.
 
@@ -293,10 +302,10 @@ class RankSet:
         if running is not None:
             await self.stop(running)
         entry = await self._launch(record, slot, placement, replica_id,
-                                   nice=self.replacement_nice)
+                                   nice=self.replacement_nice, use_spare=True)
         if entry is None:
             raise OSError(f"cannot start {replica_id}: see the agent's log")
-        return Replaced(entry.pid, new=True)
+        return Replaced(entry.pid, new=True, from_spare=entry.from_spare)
 
     async def stop_replica(self, job_id: str, slot: int, replica_id: str) -> int | None:
         """Stop ``replica_id`` if it is what runs in ``slot``; returns its pid if it ran."""
@@ -306,38 +315,28 @@ class RankSet:
         await self.stop(running)
         return running.pid
 
-    async def _launch(self, record: JobRecord, rank: int, placement: tuple[str, ...],
-                      replica_id: str, nice: int | None = None) -> Rank | None:
+    def job_environment(self, record: JobRecord) -> dict[str, str]:
+        """What every process of ``record``'s job starts with here, rank or spare: the
+        agent's environment, then the job's, then what the runtime reads about the job
+        (bus, node, backend, checkpoint policy) and its bus credentials.
+
+        Raises:
+            OSError: the job has no bus identity (``bus_identity``).
+        """
         spec = record.spec
-        # Admission frees a stopped job's slots at once; its ranks may take their grace
-        # period to exit. A slot never holds two ranks: wait for them.
-        while self.capacity is not None \
-                and self.slots_used + spec.slots_per_replica > self.capacity \
-                and any(r.stopping for r in self.ranks.values()):
-            self._exit_seen.clear()
-            await self._exit_seen.wait()
-        local = sorted(s for s, node in record.placement().items() if node == self.node_id)
         # The agent's own environment, then the job's, may name another host.
         advertised = {"PHALANX_ADVERTISE_HOST": self.advertise_host} if self.advertise_host \
             else {}
         env = {
             **advertised, **os.environ, **spec.env,
-            "RANK": str(rank), "LOCAL_RANK": str(local.index(rank)),
-            "WORLD_SIZE": str(len(placement)), "LOCAL_WORLD_SIZE": str(len(local)),
-            "GROUP_RANK": str(sorted(set(placement), key=placement.index).index(self.node_id)),
-            "MASTER_ADDR": await self.host_of(placement[0]),
-            "MASTER_PORT": str(master_port(record.job_id)),
             "PHALANX_NATS_URL": self.nats_url, "PHALANX_JOB_ID": record.job_id,
-            "PHALANX_RANK": str(rank), "PHALANX_NODE_ID": self.node_id,
-            "PHALANX_REPLICA_ID": replica_id,
-            "PHALANX_WORLD_SIZE": str(len(placement)),
+            "PHALANX_NODE_ID": self.node_id,
             "PHALANX_HANG_TIMEOUT_S": str(spec.hang_timeout_s),
+            "PHALANX_BACKEND": spec.backend.value,
             # Ranks run in the agent's environment, as torchrun's workers do.
             "PATH": os.pathsep.join([str(Path(sys.executable).parent),
                                      os.environ.get("PATH", "")]),
         }
-        if nice is not None:
-            env[environment.NICE_WHEN_READY] = str(self.nice)
         if self.snapshot_dir is not None and spec.checkpoint.memory_every_steps:
             policy = spec.checkpoint
             env.update(PHALANX_SNAPSHOT_DIR=str(self.snapshot_dir(record.job_id)),
@@ -350,18 +349,90 @@ class RankSet:
                        PHALANX_CHECKPOINT_DURABLE_URL=policy.durable_url
                        or str(self.checkpoint_dir),
                        PHALANX_CHECKPOINT_RESUME_FROM=policy.resume_from or "")
+        return rank_environment(env, self.bus_identity(record.job_id)
+                                if self.bus_identity is not None else {})
+
+    async def _identity(self, record: JobRecord, rank: int, placement: tuple[str, ...],
+                        replica_id: str, slots: tuple[int, ...],
+                        nice: int | None) -> dict[str, str]:
+        """The variables that make a process of the job replica ``replica_id`` in slot
+        ``rank``, holding this node's ``slots``: what a warm spare is handed."""
+        local = sorted(s for s, node in record.placement().items() if node == self.node_id)
+        env = {
+            "RANK": str(rank),
+            "WORLD_SIZE": str(len(placement)), "LOCAL_WORLD_SIZE": str(len(local)),
+            "GROUP_RANK": str(sorted(set(placement), key=placement.index).index(self.node_id)),
+            "MASTER_ADDR": await self.host_of(placement[0]),
+            "MASTER_PORT": str(master_port(record.job_id)),
+            "PHALANX_RANK": str(rank), "PHALANX_REPLICA_ID": replica_id,
+            "PHALANX_WORLD_SIZE": str(len(placement)),
+            # The node's slots it runs in: its LOCAL_RANK and, on a GPU node, its GPUs alone.
+            **rank_devices(self.gpus, slots),
+        }
+        if nice is not None:
+            env[environment.NICE_WHEN_READY] = str(self.nice)
+        return env
+
+    async def _launch(self, record: JobRecord, rank: int, placement: tuple[str, ...],
+                      replica_id: str, nice: int | None = None,
+                      use_spare: bool = False) -> Rank | None:
+        """Start ``replica_id`` in slot ``rank``: a warm spare of the job told who it is
+        when ``use_spare`` and one runs here, else a new process."""
+        spec = record.spec
+        # Admission frees a stopped job's slots at once; its ranks may take their grace
+        # period to exit. A slot never holds two ranks: wait for them.
+        while self.capacity is not None \
+                and self.slots_used + spec.slots_per_replica > self.capacity \
+                and any(r.stopping for r in self.ranks.values()):
+            self._exit_seen.clear()
+            await self._exit_seen.wait()
+        slots = node_slots({s for r in self.ranks.values() for s in r.node_slots},
+                           spec.slots_per_replica)
+        identity = await self._identity(record, rank, placement, replica_id, slots, nice)
         self.launched[(record.job_id, rank)] = (placement, replica_id)
         log_path = self.log_path(record.job_id, replica_id)
         log_path.parent.mkdir(parents=True, exist_ok=True)
+        spare = self.spares.take(record.job_id) if use_spare and self.spares is not None \
+            else None
+        process = None if spare is None else await spare.hand_over(identity, log_path)
+        from_spare = process is not None
+        if process is None:
+            process = await self._start(record, rank, replica_id, identity, log_path)
+            if process is None:
+                return None
+            if nice is not None:
+                with contextlib.suppress(ProcessLookupError):  # it may have died already
+                    priority.lower(process.pid, nice)
+        entry = Rank(record.job_id, rank, len(placement), placement, process.pid,
+                     start_ticks(process.pid), spec.grace_period_s, spec.slots_per_replica,
+                     replica_id, process, node_slots=slots, from_spare=from_spare)
+        self.ranks[(record.job_id, rank)] = entry
+        entry.watcher = asyncio.create_task(self._watch_child(entry))
+        self._save()
+        log.info("rank started", extra={"job": record.job_id, "rank": rank, "pid": process.pid,
+                                        "replica": replica_id, "from_spare": from_spare})
+        await self.report(RankStarted(job_id=record.job_id, rank=rank,
+                                      world_size=len(placement), node_id=self.node_id,
+                                      pid=process.pid, started_at=time.time(),
+                                      replica_id=replica_id))
+        if spare is not None and self.spares is not None:
+            self.spares.replenish(record.job_id)  # the spare taken is replaced, later
+        return entry
+
+    async def _start(self, record: JobRecord, rank: int, replica_id: str,
+                     identity: Mapping[str, str], log_path: Path
+                     ) -> asyncio.subprocess.Process | None:
+        """A new process of the job's command with ``identity``; None when it cannot start
+        (reported to health as a launch failure)."""
+        spec = record.spec
         with log_path.open("ab") as log_file:
             log_file.write(f"=== phalanx: {replica_id} of {record.job_id} starting on "
-                           f"{self.node_id} at {_utc_now()}: {_one_line(spec.command)}\n"
+                           f"{self.node_id} at {utc_now()}: {_one_line(spec.command)}\n"
                            .encode())
             log_file.flush()
             try:
-                if self.bus_identity is not None:
-                    env = with_identity(env, self.bus_identity(record.job_id))
-                process = await asyncio.create_subprocess_exec(
+                env = {**self.job_environment(record), **identity}
+                return await asyncio.create_subprocess_exec(
                     *spec.command, env=env, stdin=asyncio.subprocess.DEVNULL, stdout=log_file,
                     stderr=log_file, start_new_session=True)
             except OSError as exc:
@@ -378,22 +449,6 @@ class RankSet:
                     cause=ExitCause.LAUNCH_FAILED, exited_at=time.time(),
                     replica_id=replica_id, detail=error[-DETAIL_CHARS:]))
                 return None
-        if nice is not None:
-            with contextlib.suppress(ProcessLookupError):  # it may have died already
-                priority.lower(process.pid, nice)
-        entry = Rank(record.job_id, rank, len(placement), placement, process.pid,
-                     start_ticks(process.pid), spec.grace_period_s, spec.slots_per_replica,
-                     replica_id, process)
-        self.ranks[(record.job_id, rank)] = entry
-        entry.watcher = asyncio.create_task(self._watch_child(entry))
-        self._save()
-        log.info("rank started", extra={"job": record.job_id, "rank": rank, "pid": process.pid,
-                                        "replica": replica_id})
-        await self.report(RankStarted(job_id=record.job_id, rank=rank,
-                                      world_size=len(placement), node_id=self.node_id,
-                                      pid=process.pid, started_at=time.time(),
-                                      replica_id=replica_id))
-        return entry
 
     # --- exits --------------------------------------------------------------------------
 
@@ -519,7 +574,8 @@ class RankSet:
     def _save(self) -> None:
         ranks = [{"job_id": r.job_id, "rank": r.rank, "world_size": r.world_size,
                   "placement": list(r.placement), "pid": r.pid, "ticks": r.ticks,
-                  "grace_s": r.grace_s, "slots": r.slots, "replica_id": r.replica_id}
+                  "grace_s": r.grace_s, "slots": r.slots, "replica_id": r.replica_id,
+                  "node_slots": list(r.node_slots)}
                  for r in self.ranks.values()]
         launched = [{"job_id": job, "slot": slot, "placement": list(placement),
                      "replica_id": replica}
@@ -543,7 +599,8 @@ class RankSet:
         for item in recorded["ranks"]:
             entry = Rank(item["job_id"], item["rank"], item["world_size"],
                          tuple(item["placement"]), item["pid"], item["ticks"], item["grace_s"],
-                         item["slots"], item.get("replica_id", first_replica(item["rank"])))
+                         item["slots"], item.get("replica_id", first_replica(item["rank"])),
+                         node_slots=tuple(item.get("node_slots", ())))
             self.launched.setdefault((entry.job_id, entry.rank),
                                      (entry.placement, entry.replica_id))
             if entry.ticks is not None and start_ticks(entry.pid) == entry.ticks:
@@ -563,7 +620,11 @@ class RankSet:
         except ProcessLookupError:
             fd = None
         if fd is not None:
-            loop.add_reader(fd, lambda: gone.done() or gone.set_result(None))
+            def exited() -> None:
+                if not gone.done():
+                    gone.set_result(None)
+
+            loop.add_reader(fd, exited)
             try:
                 await gone
             finally:
@@ -573,7 +634,8 @@ class RankSet:
                            cause=exit_cause(entry.stop, status_known=False))
 
 
-def _utc_now() -> str:
+def utc_now() -> str:
+    """Now, as log headers write it."""
     return datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
 
 

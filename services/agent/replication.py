@@ -7,7 +7,7 @@ failure domain (:func:`phalanx.services.checkpoint.core.place_buddies`, KV bucke
 * **A listener** (:class:`ReplicaListener`) on the port its node record
   announces (``NodeInfo.replica_port``), which takes replicas of other nodes'
   ring buffers into this node's store (:meth:`.snapshots.SnapshotStore.replica_path`)
-  with the never-torn protocol of :mod:`phalanx.runtime.snapshot_file`: the
+  with the never-torn protocol of :mod:`phalanx.schemas.snapshot_file`: the
   header marked *writing*, the bytes as they arrive, the xxh3-64 checksum
   checked against the sender's header, and only then the commit mark. A
   replica cut short (the sender died, the connection broke) or failing its
@@ -53,9 +53,9 @@ from pathlib import Path
 
 import xxhash
 
-from phalanx.runtime import snapshot_file
-from phalanx.runtime.snapshot_file import Header, SnapshotFileError
+from phalanx.schemas import snapshot_file
 from phalanx.schemas.messages import SnapshotRecord, SnapshotTier
+from phalanx.schemas.snapshot_file import Header, SnapshotFileError
 from phalanx.schemas.subjects import token
 from phalanx.services.agent.snapshots import SnapshotRefused, SnapshotStore
 

@@ -67,7 +67,7 @@ from phalanx.schemas.messages import (
 from phalanx.services import metrics
 from phalanx.services.agent import core
 from phalanx.services.agent.config import AgentConfig
-from phalanx.services.agent.ranks import RankSet, ReplicaOutdated, start_ticks
+from phalanx.services.agent.ranks import RankSet, ReplicaOutdated
 from phalanx.services.agent.replication import Address, ReplicaListener, ReplicaSender
 from phalanx.services.agent.snapshots import (
     SnapshotRefused,
@@ -75,8 +75,10 @@ from phalanx.services.agent.snapshots import (
     default_limit,
     default_root,
 )
-from phalanx.services.auth.credentials import rank_env
+from phalanx.services.agent.spares import SpareSet
+from phalanx.services.auth.credentials import rank_env, shared_rank_env
 from phalanx.services.base import Service
+from phalanx.services.manifest import start_ticks
 from phalanx.services.paths import default_data_dir
 
 log = logging.getLogger("phalanx.agent")
@@ -103,6 +105,7 @@ class AgentService(Service):
         self.record: NodeRecord | None = None
         self.revision = 0
         self.ranks: RankSet | None = None
+        self.spares: SpareSet | None = None
         self._job_locks: dict[str, asyncio.Lock] = {}
         self.jobs: TypedKV[JobRecord] | None = None
         self.generations: TypedKV[Generation] | None = None
@@ -145,8 +148,12 @@ class AgentService(Service):
                              snapshot_dir=self.snapshots.job_dir,
                              checkpoint_dir=Path(self.config.checkpoint_dir)
                              if self.config.checkpoint_dir
-                             else self.work_dir.parent.parent / "checkpoints")
+                             else self.work_dir.parent.parent / "checkpoints",
+                             gpus=self.config.gpus)
         await self.ranks.adopt()
+        self.spares = self.ranks.spares = SpareSet(
+            self.config.node_id, self.work_dir, self.config.slots, self.config.gpus,
+            self.ranks.job_environment, self.ranks.slots_placed)
         ranks = self.ranks
         metrics.RANKS.set_function(lambda: len(ranks.ranks))
         # Both open before the first record arrives: reconciling one reads the generations.
@@ -176,8 +183,8 @@ class AgentService(Service):
         host = self.config.replica_host
         try:
             if host is None:
-                host = (await asyncio.get_running_loop().getaddrinfo(
-                    self.info.host, None, family=socket.AF_INET))[0][4][0]
+                host = str((await asyncio.get_running_loop().getaddrinfo(
+                    self.info.host, None, family=socket.AF_INET))[0][4][0])
             port = await self.replicas.start(host, self.config.replica_port)
         except OSError as exc:
             log.error("no replication listener on %s (%s): this node keeps no buddy's "
@@ -196,6 +203,7 @@ class AgentService(Service):
         read_at, address = self._buddy_read
         if time.monotonic() - read_at < BUDDY_REFRESH_S:
             return address
+        assert self.nodes is not None  # opened in start(), before the sender runs
         try:
             placement, _ = await self.buddies.current(self.config.node_id)
             record = None
@@ -254,13 +262,18 @@ class AgentService(Service):
         return default_data_dir() / "agents" / self.config.node_id
 
     def _rank_identity(self) -> Callable[[str], dict[str, str]] | None:
-        """Each job's ranks connect as the job, on a bus with permissions (and trust the
-        server's certificate as the agent does)."""
+        """What each job's ranks connect as (trusting the server's certificate as the
+        agent does): the job's own identity, or the ranks' shared user, or nothing."""
         assert self.bus is not None
-        if self.config.rank_keys_dir is None:
-            return None
-        return functools.partial(rank_env, Path(self.config.rank_keys_dir),
-                                 ca_file=self.bus.config.tls_ca_file)
+        ca_file = self.bus.config.tls_ca_file
+        if self.config.rank_keys_dir is not None:
+            return functools.partial(rank_env, Path(self.config.rank_keys_dir),
+                                     ca_file=ca_file)
+        user, password = self.config.rank_nats_user, self.config.rank_nats_password
+        if user is not None and password is not None:
+            shared = shared_rank_env(user, password, ca_file)
+            return lambda _job_id: shared
+        return None
 
     def bus_config_url(self) -> str:
         assert self.bus is not None
@@ -278,6 +291,7 @@ class AgentService(Service):
         # recovery that asked for a replacement); an exit starts a trace of its own, the
         # recovery's, whatever task reported it.
         parent = None
+        attributes: dict[str, str | int]
         if isinstance(event, RankStarted):
             subject, name = subjects.rank_started(event.job_id), f"rank {event.rank} started"
             attributes = {"phalanx.pid": event.pid}
@@ -321,6 +335,8 @@ class AgentService(Service):
             try:
                 elastic = record.state is JobState.ADMITTED and await self._elastic(record.job_id)
                 await self.ranks.reconcile(record, elastic=elastic)
+                if self.spares is not None:
+                    await self.spares.reconcile(record)
                 if record.state.terminal:  # its snapshots are needed no more
                     self.snapshots.drop(record.job_id)
             except Exception:  # one job's trouble must not stop the agent
@@ -339,6 +355,8 @@ class AgentService(Service):
         assert self.ranks is not None
         async with self._job_locks.setdefault(job_id, asyncio.Lock()):
             await self.ranks.drop(job_id)
+            if self.spares is not None:
+                await self.spares.drop(job_id)
 
     async def on_launch(self, request: LaunchReplica, _: Delivery) -> ReplicaReply:
         """Run a new replica in one of a job's slots here (elasticity's replacements)."""
@@ -354,10 +372,11 @@ class AgentService(Service):
             except OSError as exc:
                 raise RequestRefused("500", str(exc)) from None
         where = f"{request.replica_id} in slot {request.slot}"
-        detail = f"started {where}" if done.new else \
+        detail = f"started {where}" + (" from a warm spare" if done.from_spare else "") \
+            if done.new else \
             f"already launched {where}" + ("" if done.pid else " (it has exited)")
         return ReplicaReply(node_id=self.config.node_id, replica_id=request.replica_id,
-                            pid=done.pid, detail=detail)
+                            pid=done.pid, detail=detail, spare=done.from_spare)
 
     async def on_stop(self, request: StopReplica, _: Delivery) -> ReplicaReply:
         """Stop a replica its job no longer needs (a joiner when the training is over)."""
@@ -493,6 +512,8 @@ class AgentService(Service):
         its id to another never removes the other's entry.
         """
         await self.replicas.stop()
+        if self.spares is not None:
+            await self.spares.stop_all()
         if self.ranks is not None:
             await self.ranks.stop_all()
         if self.config.stop_is_restart:

@@ -47,7 +47,7 @@ import shutil
 import zlib
 from pathlib import Path
 
-from phalanx.runtime import snapshot_file
+from phalanx.schemas import snapshot_file
 from phalanx.schemas.errors import PhalanxError
 from phalanx.schemas.messages import SnapshotReserve
 
@@ -145,7 +145,7 @@ class SnapshotStore:
         node's own rings, or of the replicas of node ``source``'s."""
         held: dict[int, set[int]] = {}
         for path in self._rings(job_id, source):
-            steps = held.setdefault(int(_RING_FILE.match(self._ring_of(path))["shards"]), set())
+            steps = held.setdefault(self._shards_of(path), set())
             header = snapshot_file.committed_header(path)
             if header is not None:
                 steps.add(header.step)
@@ -165,6 +165,14 @@ class SnapshotStore:
     def _ring_of(path: Path) -> str:
         replica = _REPLICA_FILE.match(path.name)
         return replica["ring"] if replica else path.name
+
+    @classmethod
+    def _shards_of(cls, path: Path) -> int:
+        """The shard count of the ring buffer file at ``path`` (one :meth:`_rings` found)."""
+        ring = _RING_FILE.match(cls._ring_of(path))
+        if ring is None:
+            raise ValueError(f"{path.name} is not a ring buffer file")
+        return int(ring["shards"])
 
     def own_rings(self) -> list[Path]:
         """Every ring buffer file of this node's own ranks, of every job."""
@@ -216,7 +224,7 @@ class SnapshotStore:
             if newest is None or len(held.get(newest[1], ())) < 2:
                 continue
             for path in self._rings(job_id, source):
-                if int(_RING_FILE.match(self._ring_of(path))["shards"]) != newest[1]:
+                if self._shards_of(path) != newest[1]:
                     path.unlink(missing_ok=True)
                     deleted += 1
         return deleted
@@ -231,7 +239,7 @@ class SnapshotStore:
             return 0
         deleted = 0
         for path in self._rings(job_id, None):
-            if int(_RING_FILE.match(path.name)["shards"]) != current:
+            if self._shards_of(path) != current:
                 path.unlink(missing_ok=True)
                 deleted += 1
         return deleted

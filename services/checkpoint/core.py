@@ -33,7 +33,7 @@ The rules, each a pure function of the catalog and one input:
   A node without one (new, its buddy lost, or its buddy now in its own
   domain) takes the candidate holding the fewest wards, lowest id among
   equals; a node with no live node outside its domain has no buddy, and says
-  so. Liveness is the registry's rule (:func:`phalanx.services.registry.core.view`).
+  so. Liveness is the registry's rule (:func:`phalanx.schemas.registry.view`).
 * **Where to resume** (:func:`resume_answer`): the newest complete step, each
   shard from its nearest healthy copy: own node's memory, then a buddy's,
   then durable storage (lowest node id, or location, among equals). The state is split
@@ -65,7 +65,7 @@ from phalanx.schemas.messages import (
     SnapshotRecord,
     SnapshotTier,
 )
-from phalanx.services.registry.core import NodeState, view
+from phalanx.schemas.registry import NodeState, view
 
 #: Nearest first.
 TIER_ORDER = {SnapshotTier.LOCAL: 0, SnapshotTier.BUDDY: 1, SnapshotTier.DURABLE: 2}
@@ -293,9 +293,9 @@ class CheckpointCore:
                 if record.job_id in self.ended and record.tier is not SnapshotTier.DURABLE:
                     return []  # a late announcement of a memory copy that is gone
                 keep, durable_keep = self.keep.get(record.job_id, self.default_keep)
-                catalog = add_snapshot(self.catalogs.get(record.job_id), record, keep,
-                                       durable_keep)
-                return self._set(record.job_id, catalog)
+                added = add_snapshot(self.catalogs.get(record.job_id), record, keep,
+                                     durable_keep)
+                return self._set(record.job_id, added)
             case JobSeen(job_id=job_id, keep=keep, durable_keep=durable_keep):
                 self.keep[job_id] = (keep, durable_keep)
                 return []

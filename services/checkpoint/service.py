@@ -33,10 +33,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import os
-import socket
 import time
-import uuid
 
 from phalanx.bus.client import Delivery
 from phalanx.bus.config import BusConfig
@@ -53,10 +50,10 @@ from phalanx.schemas.messages import (
     ResumeRequest,
     SnapshotRecord,
 )
-from phalanx.services.base import Service
+from phalanx.schemas.registry import DEFAULT_LOST_AFTER_S
 from phalanx.services.checkpoint import core
-from phalanx.services.lease import Leadership, LeadershipLost
-from phalanx.services.registry.core import DEFAULT_LOST_AFTER_S
+from phalanx.services.leader import LeaderService
+from phalanx.services.lease import LeadershipLost
 
 log = logging.getLogger("phalanx.checkpoint")
 LEASE_KEY = "checkpoint"
@@ -64,23 +61,16 @@ STORE_EVERY_S = 0.5
 PLACE_EVERY_S = 1.0
 
 
-class CheckpointService(Service):
+class CheckpointService(LeaderService[core.CheckpointCore]):
     """Keeps the catalog of every job's snapshots; answers where a job can resume."""
 
     description = "phalanx checkpoint catalog"
 
     def __init__(self, bus_config: BusConfig | None = None, *, instance: str | None = None,
                  lease_s: float = 3.0, lost_after_s: float = DEFAULT_LOST_AFTER_S) -> None:
-        instance = instance or (f"{socket.gethostname().split('.')[0]}-{os.getpid()}-"
-                                f"{uuid.uuid4().hex[:6]}")
-        super().__init__("phalanx-checkpoint", instance, bus_config)
-        self.lease_s = lease_s
+        super().__init__("phalanx-checkpoint", LEASE_KEY, bus_config, instance=instance,
+                         lease_s=lease_s)
         self.lost_after_s = lost_after_s
-        self.core: core.CheckpointCore | None = None
-
-    @property
-    def leading(self) -> bool:
-        return self.core is not None
 
     async def setup(self) -> None:
         assert self.bus is not None
@@ -92,18 +82,19 @@ class CheckpointService(Service):
         leases = await TypedKV.open(js, subjects.LEASES_BUCKET, Lease)
         await self.add_endpoint("resume", subjects.ckpt_resume(), ResumeRequest,
                                 self.on_resume)
-        self.leadership = Leadership(leases, LEASE_KEY, self.instance, self.lease_s, self._lead)
-        self.spawn(self.leadership.run(self.sleep_or_stop), "lease")
+        self.start_leadership(leases)
 
     async def on_resume(self, request: ResumeRequest, _: Delivery) -> ResumeAnswer:
         entry = await self.catalogs.get(request.job_id)
         return core.resume_answer(None if entry is None else entry.value, request.job_id,
                                   request.world_size)
 
-    async def _lead(self) -> None:
+    def begin_term(self) -> core.CheckpointCore:
+        return core.CheckpointCore()
+
+    async def lead(self, the_core: core.CheckpointCore) -> None:
         """Restore the catalogs, then take in records and announcements until cancelled."""
         assert self.bus is not None
-        the_core = core.CheckpointCore()
         revisions: dict[str, int] = {}
         stored, bad = await self.catalogs.entries()
         for error in bad:
@@ -121,16 +112,19 @@ class CheckpointService(Service):
         changed: dict[str, core.Decision] = {}
 
         def act(decisions: list[core.Decision]) -> None:
-            for decision in decisions:
-                key = decision.catalog.job_id if isinstance(decision, core.StoreCatalog) \
-                    else decision.job_id
-                changed[key] = decision
+            for decision in decisions:  # a job's events decide about its catalog alone
+                match decision:
+                    case core.StoreCatalog(catalog=catalog):
+                        changed[catalog.job_id] = decision
+                    case core.ForgetCatalog(job_id=job_id):
+                        changed[job_id] = decision
+                    case _:
+                        raise TypeError(f"unexpected decision {decision!r}")
 
         async def on_snapshot(record: SnapshotRecord, _: Delivery) -> None:
             act(the_core.handle(core.SnapshotAnnounced(record)))
 
-        self.core = the_core
-        records = aiter(self.jobs.follow(self.bus.resync_event()))
+        records = self.jobs.follow(self.bus.resync_event())
         sub = await self.bus.subscribe(subjects.any_id(subjects.ckpt_snapshot),
                                        SnapshotRecord, on_snapshot)
         try:
@@ -139,7 +133,6 @@ class CheckpointService(Service):
                 tasks.create_task(self._store(changed, revisions))
                 tasks.create_task(self._place(the_core))
         finally:
-            self.core = None
             with contextlib.suppress(Exception):
                 await sub.unsubscribe()
             await records.aclose()

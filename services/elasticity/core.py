@@ -76,9 +76,9 @@ to resume at, and why it changed (start, fault, join). A job runs in *slots*
 * **History.** Every generation decided is kept in the job's history (the
   latest ``HISTORY_LIMIT``) with when it was decided, the resume step this
   core estimated then, the step its members actually resumed after (the
-  first ``GenerationApplied.resume_step`` reported, a member of a superseded
+  first ``GenerationAppliedSeen.resume_step`` reported, a member of a superseded
   generation's included), and the pause it cost the survivors: the longest
-  any member reported applying it (``GenerationApplied.pause_s``). The shell stores what
+  any member reported applying it (``GenerationAppliedSeen.pause_s``). The shell stores what
   :meth:`ElasticityCore.take_histories` returns (each job whose history, or
   count of replacements launched, changed) where users read it
   (``phalanx job``).
@@ -100,6 +100,7 @@ import dataclasses
 
 import msgspec
 
+from phalanx.schemas.errors import StoredStateError
 from phalanx.schemas.messages import (
     CAUSE_CHARS,
     HISTORY_BYTES,
@@ -111,6 +112,7 @@ from phalanx.schemas.messages import (
     Member,
     StateSource,
 )
+from phalanx.schemas.replicas import replica_id
 
 # --- events --------------------------------------------------------------------------------
 
@@ -139,7 +141,7 @@ class MemberFailed:
 
 
 @dataclasses.dataclass(frozen=True)
-class ReplicaReady:
+class ReplicaReadySeen:
     job_id: str
     replica_id: str
     node_id: str
@@ -149,7 +151,7 @@ class ReplicaReady:
 
 
 @dataclasses.dataclass(frozen=True)
-class GenerationApplied:
+class GenerationAppliedSeen:
     job_id: str
     generation: int
     replica_id: str
@@ -185,7 +187,7 @@ class JobStopped:
     event_id: str = ""
 
 
-Event = (JobAdmitted | MemberFailed | ReplicaReady | GenerationApplied | MemberFinished
+Event = (JobAdmitted | MemberFailed | ReplicaReadySeen | GenerationAppliedSeen | MemberFinished
          | ReplicaExited | JobStopped)
 
 # --- decisions -----------------------------------------------------------------------------
@@ -209,7 +211,7 @@ class LaunchReplacement:
 
 
 @dataclasses.dataclass(frozen=True)
-class StopReplica:
+class RetireReplica:
     """Stop ``replica_id`` in ``slot`` on ``node_id``: the job no longer needs it."""
 
     job_id: str
@@ -226,7 +228,7 @@ class Requeue:
     cause: str = ""
 
 
-Decision = PublishGeneration | LaunchReplacement | StopReplica | Requeue
+Decision = PublishGeneration | LaunchReplacement | RetireReplica | Requeue
 
 # --- state ---------------------------------------------------------------------------------
 
@@ -243,10 +245,6 @@ class Replica:
 EARLY_TTL_S = 120.0
 EARLY_PER_JOB = 256
 EARLY_JOBS = 1024
-
-
-def replica_id(slot: int, incarnation: int) -> str:
-    return f"r{slot}-{incarnation}"
 
 
 @dataclasses.dataclass
@@ -338,7 +336,7 @@ class ElasticityCore:
                 self._early.pop(event.job_id, None)
                 self._ended[event.job_id] = now
                 return []
-            case MemberFailed() | ReplicaReady() | GenerationApplied() | MemberFinished() \
+            case MemberFailed() | ReplicaReadySeen() | GenerationAppliedSeen() | MemberFinished() \
                     | ReplicaExited():
                 job = self.jobs.get(event.job_id)
                 if job is None and event.job_id not in self._ended:
@@ -381,9 +379,9 @@ class ElasticityCore:
                 decisions += self._leaver_failed(job, why, event.event_id, now)
             case MemberFailed():
                 decisions += self._failed(job, event)
-            case ReplicaReady():
+            case ReplicaReadySeen():
                 self._ready(job, event)
-            case GenerationApplied():
+            case GenerationAppliedSeen():
                 _record_resumed(job, event)
                 if job.current is not None and event.generation == job.current.generation \
                         and event.replica_id in job.members:
@@ -439,12 +437,12 @@ class ElasticityCore:
         """Take back one job's state from its :func:`snapshot`; returns the job id.
 
         Raises:
-            SnapshotError: ``data`` is not a snapshot this version can read.
+            StoredStateError: ``data`` is not a snapshot this version can read.
         """
         try:
             job = _SNAPSHOT_DECODER.decode(data)
         except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-            raise SnapshotError(f"not an elasticity job snapshot: {exc}") from None
+            raise StoredStateError(f"not an elasticity job snapshot: {exc}") from None
         self.jobs[job.job_id] = job
         return job.job_id
 
@@ -477,7 +475,7 @@ class ElasticityCore:
                 job.slots = dict(event.slots)
             case MemberFailed():
                 job.early_faults.append(event)
-            case ReplicaReady():
+            case ReplicaReadySeen():
                 job.managed = True  # the job uses the runtime: launched r<s>-0 are expected
                 for slot in sorted(job.slots):
                     job.launched[replica_id(slot, 0)] = slot
@@ -528,11 +526,11 @@ class ElasticityCore:
         for replica in [r for r in job.ready if job.replicas[r].slot in slots]:
             job.ready.remove(replica)
             slot = job.replicas.pop(replica).slot
-            stops.append(StopReplica(job.job_id, slot, job.slots[slot], replica, cause))
+            stops.append(RetireReplica(job.job_id, slot, job.slots[slot], replica, cause))
         for replica, slot in [(r, s) for r, s in job.launched.items() if s in slots]:
             del job.launched[replica]
             job.forming.discard(replica)
-            stops.append(StopReplica(job.job_id, slot, job.slots[slot], replica, cause))
+            stops.append(RetireReplica(job.job_id, slot, job.slots[slot], replica, cause))
         job.to_launch = [d for d in job.to_launch if d.slot not in slots]
         return stops
 
@@ -574,10 +572,10 @@ class ElasticityCore:
         job.forming.clear()
         job.to_launch.clear()
         job.waiting_since = None
-        return [StopReplica(job.job_id, slot, job.slots[slot], replica, event.event_id)
+        return [RetireReplica(job.job_id, slot, job.slots[slot], replica, event.event_id)
                 for replica, slot in sorted(waiting.items()) if slot in job.slots]
 
-    def _ready(self, job: JobMembership, event: ReplicaReady) -> None:
+    def _ready(self, job: JobMembership, event: ReplicaReadySeen) -> None:
         replica = event.replica_id
         if replica in job.members or replica in job.replicas:
             return  # repeated
@@ -726,9 +724,6 @@ def _within_budget(history: list[GenerationRecord]) -> list[GenerationRecord]:
     return history
 
 
-class SnapshotError(ValueError):
-    """Stored elasticity state that this version cannot read."""
-
 
 def snapshot(job: JobMembership) -> bytes:
     """One job's whole state, for :meth:`ElasticityCore.restore`."""
@@ -739,7 +734,7 @@ _SNAPSHOT_ENCODER = msgspec.msgpack.Encoder()
 _SNAPSHOT_DECODER = msgspec.msgpack.Decoder(JobMembership)
 
 
-def _history_mark(job: JobMembership) -> tuple:
+def _history_mark(job: JobMembership) -> tuple[object, ...]:
     """What a stored history says, for telling whether it changed (a generation's
     resumed step can come after the next one is decided: each one's counts)."""
     last = job.history[-1] if job.history else None
@@ -747,7 +742,7 @@ def _history_mark(job: JobMembership) -> tuple:
             tuple(g.applied_resume_step for g in job.history), job.replaced)
 
 
-def _record_resumed(job: JobMembership, event: GenerationApplied) -> None:
+def _record_resumed(job: JobMembership, event: GenerationAppliedSeen) -> None:
     """Keep in the history the step the members of ``event``'s generation resumed after,
     from the first report of it (they all agreed on it when they applied it)."""
     if event.resume_step is None:

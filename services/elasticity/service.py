@@ -41,21 +41,17 @@ every rank's phases.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
-import dataclasses
 import logging
-import os
-import socket
 import time
-import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
+from typing import Any
 
 from phalanx.bus import telemetry
 from phalanx.bus.config import BusConfig
 from phalanx.bus.errors import NoResponders, RequestTimeout
 from phalanx.bus.kv import Change, TypedKV
-from phalanx.bus.stream import EventReader, StreamEvent, ensure_job_events
+from phalanx.bus.stream import StreamEvent
 from phalanx.schemas import subjects
 from phalanx.schemas.errors import PhalanxError
 from phalanx.schemas.messages import (
@@ -68,20 +64,16 @@ from phalanx.schemas.messages import (
     JobSnapshot,
     JobState,
     LaunchReplica,
-    Lease,
     RankExited,
     ReplicaReady,
     ReplicaReply,
     RequeueRequest,
     StopReplica,
-    StreamCursor,
 )
+from phalanx.schemas.scaling import ScalingRules
 from phalanx.services import metrics
-from phalanx.services.admission.scaling import ScalingRules
-from phalanx.services.base import Service
 from phalanx.services.elasticity import core
-from phalanx.services.jobstate import JobRecords, JobStateStore
-from phalanx.services.lease import Leadership
+from phalanx.services.leader import JobEventsLeader, JobTerm
 
 log = logging.getLogger("phalanx.elasticity")
 AGENT_TIMEOUT_S = 10.0
@@ -93,20 +85,10 @@ SNAPSHOT_FORMAT = 1
 CURSOR_EVERY_S = 1.0
 
 
-@dataclasses.dataclass
-class Term:
-    """What exists only while this instance leads."""
-
-    core: core.ElasticityCore
-    store: JobStateStore[JobSnapshot]
-    records: JobRecords
-    reader: EventReader | None = None
-    # Records, events and timeouts are acted on one at a time: the core's state and the
-    # stored snapshot of a job change together.
-    turn: asyncio.Lock = dataclasses.field(default_factory=asyncio.Lock)
+ElasticityTerm = JobTerm[core.ElasticityCore]
 
 
-class ElasticityService(Service):
+class ElasticityService(JobEventsLeader[ElasticityTerm]):
     """Owns the membership of every running job as a sequence of generations.
 
     Args:
@@ -115,75 +97,37 @@ class ElasticityService(Service):
     """
 
     description = "phalanx membership of running jobs"
+    event_kinds = frozenset({"fault", "ready", "applied", "exited"})
 
     def __init__(self, make_core: Callable[[], core.ElasticityCore],
                  bus_config: BusConfig | None = None, *, instance: str | None = None,
                  lease_s: float = 3.0) -> None:
-        instance = instance or (f"{socket.gethostname().split('.')[0]}-{os.getpid()}-"
-                                f"{uuid.uuid4().hex[:6]}")
-        super().__init__("phalanx-elasticity", instance, bus_config)
+        super().__init__("phalanx-elasticity", LEASE_KEY, bus_config, instance=instance,
+                         lease_s=lease_s)
         self.make_core = make_core
-        self.lease_s = lease_s
-        self.term: Term | None = None
-
-    @property
-    def leading(self) -> bool:
-        return self.term is not None
 
     async def setup(self) -> None:
         assert self.bus is not None
         js = self.bus.js
-        self.jobs = await TypedKV.open(js, subjects.JOBS_BUCKET, JobRecord)
         self.generations = await TypedKV.open(js, subjects.GENERATIONS_BUCKET, Generation)
         self.histories = await TypedKV.open(js, subjects.HISTORY_BUCKET, JobHistory)
-        self.snapshots = await TypedKV.open(js, subjects.ELASTICITY_BUCKET, JobSnapshot)
-        self.cursors = await TypedKV.open(js, subjects.CURSORS_BUCKET, StreamCursor)
-        leases = await TypedKV.open(js, subjects.LEASES_BUCKET, Lease)
-        await ensure_job_events(self.bus)
-        self.leadership = Leadership(leases, LEASE_KEY, self.instance, self.lease_s, self._lead)
-        self.spawn(self.leadership.run(self.sleep_or_stop), "lease")
+        await self.open_job_state(subjects.ELASTICITY_BUCKET)
 
     # --- a term of leadership -----------------------------------------------------------
 
-    async def _lead(self) -> None:
-        """Restore, re-assert, then act on records, events and timeouts until cancelled."""
-        assert self.bus is not None
-        term = Term(self.make_core(), JobStateStore(self.snapshots, self.cursors, LEASE_KEY),
-                    JobRecords(self.jobs))
-        self.term = term
-        records = aiter(self.jobs.follow(self.bus.resync_event()))
-        try:
-            await self._restore(term)
-            async for change in records:  # the current records first
-                if change is None:
-                    break
-                await self._record(term, change)
-            await self._reassert(term)
-            term.reader = await EventReader(self.bus, term.store.cursor + 1,
-                                            frozenset({"fault", "ready", "applied", "exited"}
-                                                      )).start()
-            async with asyncio.TaskGroup() as tasks:
-                tasks.create_task(self._follow_records(term, records))
-                tasks.create_task(self._follow_events(term, term.reader))
-                tasks.create_task(self._waits(term))
-        finally:
-            self.term = None
-            if term.reader is not None:
-                await term.reader.close()
-            await records.aclose()
+    def begin_term(self) -> ElasticityTerm:
+        return ElasticityTerm(self.make_core(), *self.job_state())
 
-    async def _restore(self, term: Term) -> None:
-        """Every job's stored state, and the stream position to read on from."""
-        for entry in await term.store.load():
-            try:
-                job_id = term.core.restore(entry.value.state)
-            except core.SnapshotError as exc:
-                log.error("elasticity state of %s skipped: %s", entry.key, exc)
-                continue
-            term.store.restored(job_id, entry.value.seq)
-        log.info("restored", extra={"jobs": len(term.core.jobs), "cursor": term.store.cursor})
+    def restore_job(self, term: ElasticityTerm, state: bytes, now: float) -> str:
+        return term.core.restore(state)
 
-    async def _reassert(self, term: Term) -> None:
+    async def caught_up(self, term: ElasticityTerm) -> None:
+        await self._reassert(term)
+
+    def term_loops(self, term: ElasticityTerm) -> list[Coroutine[Any, Any, None]]:
+        return [self._waits(term)]
+
+    async def _reassert(self, term: ElasticityTerm) -> None:
         """Carry out again what the previous leader's last decisions may not have done."""
         assert self.bus is not None
         for job in list(term.core.jobs.values()):
@@ -196,32 +140,16 @@ class ElasticityService(Service):
                     self._send(core.LaunchReplacement(job.job_id, slot, job.slots[slot],
                                                       replica, "takeover"))
 
-    async def _follow_records(self, term: Term, records) -> None:
-        async for change in records:
-            if change is not None:
-                async with term.turn:
-                    await self._record(term, change)
+    async def on_event(self, term: ElasticityTerm, event: StreamEvent) -> None:
+        translated = _event(event)
+        if translated is None:
+            return
+        if isinstance(event.message, GenerationApplied):
+            _observe_applied(term.core, event.message)  # before it moves on
+        await self._act(term, translated.job_id, term.core.handle(translated, time.time()),
+                        event.seq)
 
-    async def _follow_events(self, term: Term, reader: EventReader) -> None:
-        async for event in reader:
-            translated = _event(event)
-            if translated is None:
-                continue
-            job_id = translated.job_id
-            if term.store.seen(job_id, event.seq):
-                continue
-            ahead = None if job_id in term.core.jobs else await term.records.ahead(job_id)
-            async with term.turn:
-                if ahead is not None:  # the event overtook its job's record (jobstate)
-                    await self._record(term, ahead)
-                with telemetry.consumer_span(event.delivery.subject, event.delivery.headers,
-                                             0):
-                    if isinstance(event.message, GenerationApplied):
-                        _observe_applied(term.core, event.message)  # before it moves on
-                    await self._act(term, job_id, term.core.handle(translated, time.time()),
-                                    event.seq)
-
-    async def _waits(self, term: Term) -> None:
+    async def _waits(self, term: ElasticityTerm) -> None:
         """Requeue jobs left below their minimum for too long; store the cursor."""
         while not await self.sleep_or_stop(CURSOR_EVERY_S):
             async with term.turn:
@@ -234,9 +162,7 @@ class ElasticityService(Service):
 
     # --- events in ----------------------------------------------------------------------
 
-    async def _record(self, term: Term, change: Change[JobRecord]) -> None:
-        if not term.records.fresh(change):
-            return  # applied already, read ahead of an event
+    async def on_record(self, term: ElasticityTerm, change: Change[JobRecord]) -> None:
         record = change.value
         job_id = change.key
         if record is not None and record.state is JobState.ADMITTED:
@@ -254,7 +180,7 @@ class ElasticityService(Service):
         with contextlib.suppress(PhalanxError):
             await self.generations.delete(job_id)
 
-    async def _act(self, term: Term, job_id: str, decisions: list[core.Decision],
+    async def _act(self, term: ElasticityTerm, job_id: str, decisions: list[core.Decision],
                    seq: int | None) -> None:
         """Carry out ``decisions``, then store the job's state as of event ``seq``."""
         await self._execute(decisions)
@@ -284,7 +210,7 @@ class ElasticityService(Service):
                     log.info("generation", extra={"job": g.job_id, "generation": g.generation,
                                                   "world_size": g.world_size,
                                                   "reason": g.reason.value, "cause": g.cause})
-                case core.LaunchReplacement() | core.StopReplica():
+                case core.LaunchReplacement() | core.RetireReplica():
                     self._send(decision)
                 case core.Requeue():
                     await self._requeue(decision)
@@ -296,10 +222,10 @@ class ElasticityService(Service):
         await self.generations.put(generation.job_id, generation)
         await self.bus.publish(subjects.job_generation(generation.job_id), generation)
 
-    def _send(self, decision: core.LaunchReplacement | core.StopReplica) -> None:
+    def _send(self, decision: core.LaunchReplacement | core.RetireReplica) -> None:
         self.spawn(self._to_agent(decision), f"agent {decision.replica_id}")
 
-    async def _to_agent(self, decision: core.LaunchReplacement | core.StopReplica) -> None:
+    async def _to_agent(self, decision: core.LaunchReplacement | core.RetireReplica) -> None:
         """Ask the slot's agent to start (or stop) a replica; a failure is logged.
 
         A launch that gets no answer (no agent listens yet: the cluster is restarting; or
@@ -340,7 +266,9 @@ class ElasticityService(Service):
             if await self.sleep_or_stop(pause):
                 return
             pause = min(RETRY_MAX_S, 2 * pause)
-        log.info("agent request done", extra={**context, "detail": reply.detail})
+        # Which path a replacement took: a warm spare handed its identity, or a cold start.
+        log.info("agent request done", extra={**context, "detail": reply.detail,
+                                              "spare": reply.spare})
 
     async def _requeue(self, decision: core.Requeue) -> None:
         assert self.bus is not None
@@ -363,8 +291,7 @@ def _observe_applied(elasticity: core.ElasticityCore, applied: GenerationApplied
         metrics.RECOVERY.labels(current.reason.value).observe(applied.pause_s)
 
 
-def _event(event: StreamEvent) -> core.MemberFailed | core.ReplicaReady | core.GenerationApplied \
-        | core.MemberFinished | core.ReplicaExited | None:
+def _event(event: StreamEvent) -> core.Event | None:
     """The core's event for a stored job event (None: nothing for elasticity)."""
     match event.message:
         case Fault() as fault:
@@ -375,10 +302,10 @@ def _event(event: StreamEvent) -> core.MemberFailed | core.ReplicaReady | core.G
                 f"{fault.kind.value}: {fault.detail}".rstrip(": "),
                 replaceable=fault.kind is not FaultKind.NODE_LOST, event_id=fault.fault_id)
         case ReplicaReady() as msg:
-            return core.ReplicaReady(msg.job_id, msg.replica_id, msg.node_id, msg.slot,
+            return core.ReplicaReadySeen(msg.job_id, msg.replica_id, msg.node_id, msg.slot,
                                      msg.endpoint, event_id=f"ready:{msg.replica_id}")
         case GenerationApplied() as msg:
-            return core.GenerationApplied(msg.job_id, msg.generation, msg.replica_id,
+            return core.GenerationAppliedSeen(msg.job_id, msg.generation, msg.replica_id,
                                           msg.committed_step,
                                           event_id=f"applied:{msg.replica_id}",
                                           pause_s=msg.pause_s, resume_step=msg.resume_step,

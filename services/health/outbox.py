@@ -22,7 +22,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Awaitable, Callable, Hashable
 
-Work = Callable[[], Awaitable[None]]
+Work = Callable[[], Awaitable[object]]  # its result is not used
 
 
 class Outbox:

@@ -90,7 +90,7 @@ def _killed_through_shell(exit_code: int) -> bool:
 
 
 @dataclasses.dataclass(frozen=True)
-class JobFailed:
+class BudgetSpent:
     """The failure just charged ends the job."""
 
     reason_code: ReasonCode
@@ -125,7 +125,7 @@ class RestartBudget:
         return True
 
     def charge(self, failure: Failure, at: float, what: str, *, started_in: int,
-               step: int) -> JobFailed | None:
+               step: int) -> BudgetSpent | None:
         """Charge one failure (``what`` says which, for the reason) at time ``at``, of a
         rank started in round ``started_in``, the job being at ``step``.
 
@@ -138,17 +138,17 @@ class RestartBudget:
             if self.app_failures > policy.max_app_failures:
                 code = ReasonCode.LAUNCH_FAILED if failure is Failure.LAUNCH \
                     else ReasonCode.APP_FAILED
-                return JobFailed(code, f"{what} (application failure {self.app_failures}, "
+                return BudgetSpent(code, f"{what} (application failure {self.app_failures}, "
                                        f"max_app_failures {policy.max_app_failures})")
         if not self.stalled or started_in == self.round:  # a round begins
             if len(self.stalled) + 1 > policy.max_restarts:
-                return JobFailed(ReasonCode.RESTARTS_EXHAUSTED,
+                return BudgetSpent(ReasonCode.RESTARTS_EXHAUSTED,
                                  f"{what}, after {len(self.stalled)} restart(s) without a "
                                  f"committed step between them (max_restarts "
                                  f"{policy.max_restarts})")
             recent = sum(1 for t in self.stalled if at - t <= policy.window_s)
             if recent + 1 > policy.max_restarts_in_window:
-                return JobFailed(ReasonCode.RESTART_RATE,
+                return BudgetSpent(ReasonCode.RESTART_RATE,
                                  f"{what}, after {recent} restart(s) within "
                                  f"{policy.window_s:g} s without a committed step between "
                                  f"them (max_restarts_in_window "

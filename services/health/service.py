@@ -48,11 +48,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import logging
-import os
-import socket
 import time
 import uuid
+from collections.abc import Coroutine
+from typing import Any
 
 import msgspec
 from nats.aio.subscription import Subscription
@@ -62,7 +63,7 @@ from phalanx.bus import telemetry
 from phalanx.bus.client import Delivery
 from phalanx.bus.config import BusConfig
 from phalanx.bus.kv import Change, TypedKV
-from phalanx.bus.stream import EventReader, ensure_job_events
+from phalanx.bus.stream import StreamEvent
 from phalanx.schemas import subjects
 from phalanx.schemas.messages import (
     Fault,
@@ -70,7 +71,6 @@ from phalanx.schemas.messages import (
     JobRecord,
     JobSnapshot,
     JobState,
-    Lease,
     NodeCondition,
     NodeConditionChanged,
     NodeHeartbeat,
@@ -79,15 +79,13 @@ from phalanx.schemas.messages import (
     RankProgress,
     RankStarted,
     ReasonCode,
-    StreamCursor,
 )
 from phalanx.services import metrics
-from phalanx.services.base import Service
 from phalanx.services.deadline import wait_set
 from phalanx.services.health import core
+from phalanx.services.health.core import Decision, Event  # HealthService.core hides `core`
 from phalanx.services.health.outbox import Outbox
-from phalanx.services.jobstate import JobRecords, JobStateStore
-from phalanx.services.lease import Leadership
+from phalanx.services.leader import JobEventsLeader, JobTerm
 
 log = logging.getLogger("phalanx.health")
 LEASE_KEY = "health"
@@ -103,15 +101,9 @@ CHAOS_DETECTION_S = 10.0
 
 
 @dataclasses.dataclass
-class Term:
+class HealthTerm(JobTerm[core.HealthCore]):
     """What exists only while this instance leads."""
 
-    core: core.HealthCore
-    store: JobStateStore[JobSnapshot]
-    records: JobRecords
-    reader: EventReader | None = None
-    # Events are handled one at a time: the core and a job's stored snapshot change together.
-    turn: asyncio.Lock = dataclasses.field(default_factory=asyncio.Lock)
     rearm: asyncio.Event = dataclasses.field(default_factory=asyncio.Event)
     resumed_at: float = 0.0  # the last WatchResumed: timeouts are judged only after it
     # What the core decided, carried out apart from the intake: a slow write (a fault
@@ -122,7 +114,7 @@ class Term:
     subscriptions: list[Subscription] = dataclasses.field(default_factory=list)
 
 
-class HealthService(Service):
+class HealthService(JobEventsLeader[HealthTerm]):
     """Turns heartbeats, progress and exits into faults, within a bound a user sets.
 
     Args:
@@ -131,15 +123,13 @@ class HealthService(Service):
     """
 
     description = "phalanx failure detection"
+    event_kinds = frozenset({"started", "exited"})
 
     def __init__(self, policy: core.HealthPolicy, bus_config: BusConfig | None = None, *,
                  instance: str | None = None, lease_s: float = 3.0) -> None:
-        instance = instance or (f"{socket.gethostname().split('.')[0]}-{os.getpid()}-"
-                                f"{uuid.uuid4().hex[:6]}")
-        super().__init__("phalanx-health", instance, bus_config)
+        super().__init__("phalanx-health", LEASE_KEY, bus_config, instance=instance,
+                         lease_s=lease_s)
         self.policy = policy
-        self.lease_s = lease_s
-        self.term: Term | None = None
         self.faults_published = 0
 
     @property
@@ -149,23 +139,17 @@ class HealthService(Service):
     async def setup(self) -> None:
         assert self.bus is not None
         js = self.bus.js
-        self.jobs = await TypedKV.open(js, subjects.JOBS_BUCKET, JobRecord)
         self.nodes = await TypedKV.open(js, subjects.NODES_BUCKET, NodeRecord)
-        self.snapshots = await TypedKV.open(js, subjects.HEALTH_BUCKET, JobSnapshot)
         self.progress = await TypedKV.open(js, subjects.PROGRESS_BUCKET, JobProgress)
-        self.cursors = await TypedKV.open(js, subjects.CURSORS_BUCKET, StreamCursor)
-        leases = await TypedKV.open(js, subjects.LEASES_BUCKET, Lease)
-        await ensure_job_events(self.bus)
         self.bus.on_reconnect(self._on_reconnect)
-        self.leadership = Leadership(leases, LEASE_KEY, self.instance, self.lease_s, self._lead)
-        self.spawn(self.leadership.run(self.sleep_or_stop), "lease")
+        await self.open_job_state(subjects.HEALTH_BUCKET)
 
     async def _on_reconnect(self) -> None:
         term = self.term
         if term is not None:  # not awaited here: this runs inside nats-py's reconnection
             self.spawn(self._resume(term), "resume")
 
-    async def _resume(self, term: Term) -> None:
+    async def _resume(self, term: HealthTerm) -> None:
         """The silence while this instance was blind was its own: a full timeout for all."""
         async with term.turn:
             resumed_at = time.time()
@@ -174,109 +158,72 @@ class HealthService(Service):
 
     # --- a term of leadership -----------------------------------------------------------
 
-    async def _lead(self) -> None:
-        """Restore the jobs, then judge until cancelled."""
+    def begin_term(self) -> HealthTerm:
+        return HealthTerm(core.HealthCore(self.policy), *self.job_state())
+
+    def restore_job(self, term: HealthTerm, state: bytes, now: float) -> str:
+        return term.core.restore(state, now)
+
+    async def restored(self, term: HealthTerm) -> None:
+        await self._resume(term)
+
+    async def caught_up(self, term: HealthTerm) -> None:
+        """Listen to progress, heartbeats and node conditions (not stored: one lost is
+        harmless)."""
         assert self.bus is not None
-        term = Term(core.HealthCore(self.policy),
-                    JobStateStore(self.snapshots, self.cursors, LEASE_KEY), JobRecords(self.jobs))
-        self.term = term
-        records = aiter(self.jobs.follow(self.bus.resync_event()))
-        subscriptions = term.subscriptions
-        try:
-            now = time.time()
-            for entry in await term.store.load():
-                try:
-                    job_id = term.core.restore(entry.value.state, now)
-                except core.SnapshotError as exc:
-                    log.error("health state of %s skipped: %s", entry.key, exc)
-                    continue
-                term.store.restored(job_id, entry.value.seq)
-            await self._resume(term)
-            async for change in records:  # the current records first
-                if change is None:
-                    break
-                async with term.turn:
-                    await self._record(term, change)
-            bus = self.bus
-            for subject, message_type, handler in (
-                    (subjects.health_ranks(), RankProgress, self._on_progress),
-                    (subjects.node_heartbeats(), NodeHeartbeat, self._on_heartbeat),
-                    (subjects.node_conditions(), NodeConditionChanged, self._on_condition),
-                    (subjects.node_chaos_all(), NodeConditionChanged, self._on_chaos)):
-                subscriptions.append(await bus.subscribe(
-                    subject, message_type, lambda m, d, h=handler: h(term, m, d)))
-            term.reader = await EventReader(bus, term.store.cursor + 1,
-                                            frozenset({"started", "exited"})).start()
-            log.info("restored", extra={"jobs": len(term.core.jobs),
-                                        "cursor": term.store.cursor})
-            async with asyncio.TaskGroup() as tasks:
-                tasks.create_task(self._follow_records(term, records))
-                tasks.create_task(self._follow_events(term, term.reader))
-                tasks.create_task(self._timer(term))
-                tasks.create_task(self._cursor(term))
-                tasks.create_task(self._progress_records(term))
-                tasks.create_task(term.outbox.run())
-        finally:
-            self.term = None
-            for sub in subscriptions:
-                with contextlib.suppress(Exception):  # the connection may be closing
-                    await sub.unsubscribe()
-            if term.reader is not None:
-                await term.reader.close()
-            await records.aclose()
+        for subject, message_type, handler in (
+                (subjects.health_ranks(), RankProgress, self._on_progress),
+                (subjects.node_heartbeats(), NodeHeartbeat, self._on_heartbeat),
+                (subjects.node_conditions(), NodeConditionChanged, self._on_condition),
+                (subjects.node_chaos_all(), NodeConditionChanged, self._on_chaos)):
+            term.subscriptions.append(await self.bus.subscribe(
+                subject, message_type, functools.partial(handler, term)))
 
-    async def _follow_records(self, term: Term, records) -> None:
-        async for change in records:
-            if change is not None:
-                async with term.turn:
-                    await self._record(term, change)
+    def term_loops(self, term: HealthTerm) -> list[Coroutine[Any, Any, None]]:
+        return [self._timer(term), self._cursor(term), self._progress_records(term),
+                term.outbox.run()]
 
-    async def _follow_events(self, term: Term, reader: EventReader) -> None:
-        async for event in reader:
-            msg = event.message
-            if term.store.seen(msg.job_id, event.seq):
-                continue
-            ahead = None if msg.job_id in term.core.jobs else \
-                await term.records.ahead(msg.job_id)
-            async with term.turn:
-                if ahead is not None:  # the event overtook its job's record (jobstate)
-                    await self._record(term, ahead)
-                with telemetry.consumer_span(event.delivery.subject, event.delivery.headers, 0):
-                    occurred_at = None
-                    if isinstance(msg, RankStarted):
-                        happened: core.Event = core.RankStarted(
-                            msg.job_id, msg.rank, msg.node_id, msg.pid, msg.replica_id)
-                    else:
-                        assert isinstance(msg, RankExited)
-                        happened = core.RankExited(msg.job_id, msg.rank, msg.node_id,
-                                                   msg.exit_code, msg.signal, msg.cause.value,
-                                                   msg.replica_id, msg.detail,
-                                                   msg.with_agent)
-                        occurred_at = msg.exited_at
-                    await self._handle(term, happened, event.seq, occurred_at=occurred_at)
-                    term.handled = event.seq
+    async def end_term(self, term: HealthTerm) -> None:
+        for sub in term.subscriptions:
+            with contextlib.suppress(Exception):  # the connection may be closing
+                await sub.unsubscribe()
 
-    async def _cursor(self, term: Term) -> None:
+    async def on_event(self, term: HealthTerm, event: StreamEvent) -> None:
+        msg = event.message
+        occurred_at = None
+        if isinstance(msg, RankStarted):
+            happened: core.Event = core.RankStartSeen(
+                msg.job_id, msg.rank, msg.node_id, msg.pid, msg.replica_id)
+        else:
+            assert isinstance(msg, RankExited)
+            happened = core.RankExitSeen(msg.job_id, msg.rank, msg.node_id, msg.exit_code,
+                                       msg.signal, msg.cause.value, msg.replica_id,
+                                       msg.detail, msg.with_agent)
+            occurred_at = msg.exited_at
+        await self._handle(term, happened, event.seq, occurred_at=occurred_at)
+        term.handled = event.seq
+
+    async def _cursor(self, term: HealthTerm) -> None:
         while not await self.sleep_or_stop(CURSOR_EVERY_S):
             seq = term.handled  # stored after what those events decided is carried out
-            term.outbox.write(("cursor", seq), lambda seq=seq: term.store.advance(seq))
+            term.outbox.write(("cursor", seq), functools.partial(term.store.advance, seq))
 
-    async def _progress_records(self, term: Term) -> None:
+    async def _progress_records(self, term: HealthTerm) -> None:
         while not await self.sleep_or_stop(PROGRESS_EVERY_S):
             async with term.turn:
                 self._store_progress(term)
 
-    def _store_progress(self, term: Term) -> None:
+    def _store_progress(self, term: HealthTerm) -> None:
         for progress in term.core.take_progress(time.time(), PROGRESS_EVERY_S):
             metrics.JOB_STEP.labels(progress.job_id).set(progress.step)
             if progress.steps_per_s is not None:
                 metrics.JOB_STEP_RATE.labels(progress.job_id).set(progress.steps_per_s)
             term.outbox.write(("progress", progress.job_id),
-                              lambda p=progress: self.progress.put(p.job_id, p))
+                              functools.partial(self.progress.put, progress.job_id, progress))
 
     # --- events in ----------------------------------------------------------------------
 
-    async def _handle(self, term: Term, event: core.Event, seq: int | None = None, *,
+    async def _handle(self, term: HealthTerm, event: Event, seq: int | None = None, *,
                       occurred_at: float | None = None) -> None:
         """Apply ``event`` (which happened at ``occurred_at``, when it says); queue its
         decisions and the snapshots of jobs it changed."""
@@ -289,23 +236,24 @@ class HealthService(Service):
         if any(isinstance(d, core.FinishJob | core.FailJob) for d in decisions):
             self._store_progress(term)  # its last progress, with the record that ends it
         changed = term.core.take_changed()
-        if seq is not None:
-            changed.add(event.job_id)  # type: ignore[union-attr]
+        if seq is not None:  # from the job-events stream: a rank's start or exit
+            assert isinstance(event, core.RankStartSeen | core.RankExitSeen)
+            changed.add(event.job_id)
         for job_id in changed:
             stored_seq = term.store.seq_of(job_id, seq)
             job = term.core.jobs.get(job_id)
             if job is None:
                 term.outbox.write(("job", job_id),
-                                  lambda job_id=job_id: term.store.forget(job_id))
+                                  functools.partial(term.store.forget, job_id))
             else:
                 snapshot = JobSnapshot(job_id=job_id, seq=stored_seq, format=SNAPSHOT_FORMAT,
                                        state=core.snapshot(job))
                 term.outbox.write(
                     ("job", job_id),
-                    lambda job_id=job_id, snapshot=snapshot: term.store.store(job_id, snapshot))
+                    functools.partial(term.store.store, job_id, snapshot))
         term.rearm.set()  # the next deadline may have moved
 
-    def _decided(self, term: Term, decisions: list[core.Decision],
+    def _decided(self, term: HealthTerm, decisions: list[Decision],
                  occurred_at: float | None = None) -> None:
         if decisions:
             context = otel_context.get_current()  # the span of what caused them
@@ -320,9 +268,7 @@ class HealthService(Service):
 
             term.outbox.act(carry_out)
 
-    async def _record(self, term: Term, change: Change[JobRecord]) -> None:
-        if not term.records.fresh(change):
-            return  # applied already, read ahead of an event
+    async def on_record(self, term: HealthTerm, change: Change[JobRecord]) -> None:
         record = change.value
         if record is not None and record.state is JobState.ADMITTED:
             await self._handle(term, core.JobWatched(record.job_id, tuple(record.nodes),
@@ -330,25 +276,25 @@ class HealthService(Service):
                                                      tuple(record.slots),
                                                      record.spec.restart_policy))
         elif change.key in term.core.jobs:
-            await self._handle(term, core.JobEnded(change.key))
+            await self._handle(term, core.JobUnwatched(change.key))
             metrics.forget_job(change.key, metrics.JOB_STEP, metrics.JOB_STEP_RATE)
 
-    async def _on_progress(self, term: Term, msg: RankProgress, _: Delivery) -> None:
+    async def _on_progress(self, term: HealthTerm, msg: RankProgress, _: Delivery) -> None:
         async with term.turn:
             await self._handle(term, core.ProgressReported(msg.job_id, msg.rank, msg.step,
                                                            msg.step_time_s, msg.final,
                                                            msg.replica_id, msg.total_steps))
 
-    async def _on_heartbeat(self, term: Term, msg: NodeHeartbeat, _: Delivery) -> None:
+    async def _on_heartbeat(self, term: HealthTerm, msg: NodeHeartbeat, _: Delivery) -> None:
         async with term.turn:
-            await self._handle(term, core.NodeHeartbeat(msg.node_id))
+            await self._handle(term, core.HeartbeatSeen(msg.node_id))
 
-    async def _on_condition(self, term: Term, msg: NodeConditionChanged, _: Delivery) -> None:
+    async def _on_condition(self, term: HealthTerm, msg: NodeConditionChanged, _: Delivery) -> None:
         if msg.condition is NodeCondition.UNCORDONED:
             async with term.turn:
                 await self._handle(term, core.NodeUncordoned(msg.node_id))
 
-    async def _on_chaos(self, term: Term, msg: NodeConditionChanged, where: Delivery) -> None:
+    async def _on_chaos(self, term: HealthTerm, msg: NodeConditionChanged, where: Delivery) -> None:
         """An agent injects a fault on its own node (only its own: the subject says which)."""
         if msg.condition is not NodeCondition.CHAOS \
                 or where.subject != subjects.node_chaos(msg.node_id):
@@ -365,17 +311,17 @@ class HealthService(Service):
         return await self.bus.round_trip(1.0)
 
     @staticmethod
-    def _unread(term: Term) -> bool:
+    def _unread(term: HealthTerm) -> bool:
         """Progress or heartbeats received but not yet handled (health is behind)."""
         return any(sub.pending_msgs for sub in term.subscriptions)
 
-    def _seeing(self, term: Term) -> bool:
+    def _seeing(self, term: HealthTerm) -> bool:
         """Connected, and resumed since the connection came up: silence means something."""
         assert self.bus is not None
         since = self.bus.connected_since
         return since is not None and since <= term.resumed_at
 
-    async def _timer(self, term: Term) -> None:
+    async def _timer(self, term: HealthTerm) -> None:
         """Run :meth:`HealthCore.tick` exactly when the next deadline passes, but only while
         :meth:`_seeing` (a blind detector judges nothing)."""
         while True:
@@ -386,6 +332,7 @@ class HealthService(Service):
                 await wait_set(term.rearm, delay or 0.5)
                 if deadline is None or time.time() < deadline or not self._seeing(term):
                     continue  # woken early, or blind: recompute
+            assert deadline is not None  # without one, the wait above always recomputes
             # Read all mail before judging silence: a round trip to the server puts every
             # report it already sent us into the subscriptions' queues (a starved process
             # has them unread in its socket), and those are handled first.
@@ -400,7 +347,7 @@ class HealthService(Service):
 
     # --- decisions out ------------------------------------------------------------------
 
-    async def _execute(self, decisions: list[core.Decision], now: float,
+    async def _execute(self, decisions: list[Decision], now: float,
                        occurred_at: float | None = None) -> None:
         """Carry out ``decisions`` made at ``now`` about an event of ``occurred_at``."""
         assert self.bus is not None
@@ -481,14 +428,17 @@ class HealthService(Service):
         assert self.bus is not None
 
         def end(current: JobRecord | None) -> JobRecord:
-            if current is None or current.state.terminal:
-                return current  # type: ignore[return-value]
+            if current is None:
+                raise LookupError(f"job {job_id} has no record")
+            if current.state.terminal:
+                return current
             return msgspec.structs.replace(current, state=state, updated_at=now,
                                            reason_code=code, reason=reason, nodes=[], slots=[])
 
-        if await self.jobs.get(job_id) is None:
+        try:
+            entry = await self.jobs.modify(job_id, end)
+        except LookupError:  # no record (any more): nothing to end
             return
-        entry = await self.jobs.modify(job_id, end)
         await self.bus.publish(subjects.job_state(job_id), entry.value)
 
 

@@ -35,13 +35,13 @@ from test_elastic import (  # the e2e helpers of the elastic tests: same cluster
     watched_cluster,
 )
 
-from phalanx.runtime import record, snapshot_file
-from phalanx.schemas import subjects
+from phalanx.runtime import record
+from phalanx.schemas import snapshot_file, subjects
 from phalanx.schemas.messages import CheckpointPolicy, SnapshotRecord, SnapshotTier
-from phalanx.services.agent.ranks import running_in_manifest
 from phalanx.services.agent.snapshots import default_root
+from phalanx.services.manifest import running_in_manifest
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+pytestmark = pytest.mark.timeout(300)
 STEPS = 160
 LOST, SURVIVOR = "local-0", "local-1"  # domain-0 and domain-1: each other's buddy
 

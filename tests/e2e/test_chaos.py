@@ -5,16 +5,11 @@ nats-server restart) at least once, against one elastic job in deterministic mod
 from __future__ import annotations
 
 import os
-import sys
 from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
-
-import chaos
-
-pytestmark = pytest.mark.slow
+from phalanx.bench import chaos
 
 
 @pytest.mark.timeout(900)

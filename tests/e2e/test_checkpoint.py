@@ -39,9 +39,8 @@ from phalanx.bus.kv import TypedKV
 from phalanx.runtime import record
 from phalanx.schemas import subjects
 from phalanx.schemas.messages import GenerationReason, NodeRecord
-from phalanx.services.agent.ranks import running_in_manifest
+from phalanx.services.manifest import running_in_manifest
 
-pytestmark = pytest.mark.slow
 STEPS = 400  # the replacements must find steps left when they are ready
 KILL_AFTER = 60
 # An LR schedule, an EMA and a counter stepped after each commit: a restore that missed

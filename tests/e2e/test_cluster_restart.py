@@ -51,7 +51,7 @@ from phalanx.schemas.messages import (
 )
 from phalanx.services.agent.snapshots import default_root
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]  # two clusters, one after the other
+pytestmark = pytest.mark.timeout(300)  # two clusters, one after the other
 STEPS = 200
 EVERY = 20  # durable_every_steps
 JOB = "restart-1"

@@ -28,8 +28,6 @@ from phalanx.bus.kv import TypedKV
 from phalanx.schemas import subjects
 from phalanx.schemas.messages import Generation, GenerationReason, JobRecord, JobState, Lease
 
-pytestmark = pytest.mark.slow
-
 
 @pytest.fixture(scope="module")
 async def cluster(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[tuple]:

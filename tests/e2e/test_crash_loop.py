@@ -41,7 +41,6 @@ from phalanx.schemas.messages import (
 )
 from phalanx.services.client import AdmissionClient
 
-pytestmark = pytest.mark.slow
 QUICK = RestartPolicy(max_restarts_in_window=2)  # the old rule: a third restart in 300 s fails
 STEPS = 300
 

@@ -46,9 +46,9 @@ from test_elastic import (  # the e2e helpers of the elastic tests: same cluster
 from phalanx.runtime import record
 from phalanx.schemas import subjects
 from phalanx.schemas.messages import JobState, SnapshotRecord, SnapshotTier
-from phalanx.services.agent.ranks import running_in_manifest
+from phalanx.services.manifest import running_in_manifest
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(480)]  # two clusters, one after the other
+pytestmark = pytest.mark.timeout(480)  # two clusters, one after the other
 STEPS = 300
 EVERY = 20  # durable_every_steps
 PERSISTED = 3  # committed durable steps to wait for before stopping everything

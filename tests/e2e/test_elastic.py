@@ -48,7 +48,6 @@ from phalanx.schemas.messages import (
 )
 from phalanx.services.client import AdmissionClient
 
-pytestmark = pytest.mark.slow
 SCRIPT = Path(__file__).resolve().parents[2] / "examples" / "train_mlp.py"
 STEPS = 700
 # Paced (run_job), 125 s for a replacement, or a new node's replicas, to start (torch

@@ -57,7 +57,6 @@ from phalanx.schemas.messages import (
 )
 from phalanx.services.client import AdmissionClient
 
-pytestmark = pytest.mark.slow
 STEPS = 2500
 # The job trains at most 10 steps/s until the test has made its last change, so it cannot
 # finish first whatever the machine's speed (a quiet one once trained all 2500 steps while

@@ -32,10 +32,9 @@ from phalanx.schemas.messages import (
     RankStarted,
     ReplicaRange,
 )
-from phalanx.services.agent.ranks import running_in_manifest, start_ticks
 from phalanx.services.client import AdmissionClient
+from phalanx.services.manifest import running_in_manifest, start_ticks
 
-pytestmark = pytest.mark.slow
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 HANG_TIMEOUT_S = 1.0
 LOST_AFTER_S = 1.5

@@ -39,7 +39,7 @@ from phalanx.services.client import AdmissionClient
 
 # The reference run alone, then the steps on 4 ranks: 388 s once for 1,500 steps on the
 # shared 2-core VM at a load average of 13-19 (it ran past the default 120 s there).
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+pytestmark = pytest.mark.timeout(600)
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 SCRIPT = EXAMPLES / "chargpt.py"
 EPOCHS = 40

@@ -27,9 +27,8 @@ import pytest
 from e2e_cli import phalanx
 
 from phalanx.runtime import record
-from phalanx.services.agent.ranks import running_in_manifest
+from phalanx.services.manifest import running_in_manifest
 
-pytestmark = pytest.mark.slow
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 
 
@@ -179,8 +178,7 @@ def test_a_replacement_that_raises_again_fails_the_job_after_max_app_failures(
     script = tmp_path / "slot1_raises.py"
     script.write_text(
         "import os, sys, torch\n"
-        f"sys.path.insert(0, {str(EXAMPLES)!r})\n"
-        "import workload_w\n"
+        "from phalanx.examples import workload_w\n"
         "from phalanx.runtime import ElasticSession, MemmapDataset\n"
         "torch.set_num_threads(1)\n"
         f"dataset = MemmapDataset({str(data)!r})\n"

@@ -38,7 +38,7 @@ from phalanx.runtime import record
 from phalanx.schemas import subjects
 from phalanx.schemas.messages import CheckpointPolicy, Generation, GenerationReason
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(420)]
+pytestmark = pytest.mark.timeout(420)
 SHARDED = ["--sharded-optimizer"]
 KILL_AT = 40
 

@@ -37,9 +37,9 @@ from phalanx.bus.kv import TypedKV
 from phalanx.runtime import record
 from phalanx.schemas import subjects
 from phalanx.schemas.messages import CheckpointPolicy, NodeRecord
-from phalanx.services.agent.ranks import running_in_manifest
+from phalanx.services.manifest import running_in_manifest
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(360)]
+pytestmark = pytest.mark.timeout(360)
 STEPS = 400
 KILL_AFTER = 40
 SCHEDULE = ["--schedule"]

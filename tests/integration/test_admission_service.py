@@ -396,7 +396,7 @@ async def heartbeat_nodes(bus: Bus, nodes: list[NodeInfo], stop: asyncio.Event,
     # Past the old single-value ledger's ceiling: these placements would not fit in one
     # 1 MB record (asserted below). Nodes are registry entries kept fresh by the test.
     # About 15 s on an idle 2-core machine.
-    pytest.param(12_000, marks=[pytest.mark.slow, pytest.mark.timeout(600)]),
+    pytest.param(12_000, marks=pytest.mark.timeout(600)),
 ])
 async def test_sigkill_mid_burst_loses_nothing_and_admits_nothing_twice(
         own_nats: NatsServer, config: BusConfig, client_bus: Bus, n_jobs: int) -> None:

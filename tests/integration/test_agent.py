@@ -132,7 +132,7 @@ async def test_restarted_agent_adopts_its_ranks_and_stops_them_when_the_job_ends
         ReasonCode,
         ReplicaRange,
     )
-    from phalanx.services.agent.ranks import start_ticks
+    from phalanx.services.manifest import start_ticks
 
     started: asyncio.Queue[RankStarted] = asyncio.Queue()
     exited: asyncio.Queue[RankExited] = asyncio.Queue()

@@ -36,7 +36,6 @@ from phalanx.services.admission.service import AdmissionService
 from phalanx.services.admission.store import LedgerStore
 from phalanx.services.client import AdmissionClient
 
-pytestmark = pytest.mark.slow
 LOST_AFTER_S = 1.0
 OUTAGE_S = 2.0
 NODES = ("n0", "n1")

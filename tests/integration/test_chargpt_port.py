@@ -27,7 +27,6 @@ from phalanx.schemas import subjects
 from phalanx.schemas.messages import GenerationApplied, GenerationReason
 from phalanx.services.natsd import NatsServer
 
-pytestmark = pytest.mark.slow
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 BLOCK, GLOBAL_BATCH, BYTES, EPOCHS = 16, 16, 5120, 6
 ARGS = ["--layers", "2", "--heads", "2", "--embd", "32", "--block-size", str(BLOCK),

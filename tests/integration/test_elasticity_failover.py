@@ -97,7 +97,6 @@ async def leader(bus: Bus, not_: str | None = None) -> str:
     raise AssertionError("the lease watch ended")
 
 
-@pytest.mark.slow
 async def test_a_standby_takes_over_and_acts_on_what_happened_while_no_leader_ran(
         own_nats: NatsServer, bus: Bus, tmp_path: Path) -> None:
     ranks = Ranks(bus)

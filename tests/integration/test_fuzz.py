@@ -13,13 +13,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import sys
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
 
+from phalanx.bench.fuzzing import Barrage, World
 from phalanx.bus.client import Bus
 from phalanx.bus.config import BusConfig
 from phalanx.bus.kv import TypedKV
@@ -43,9 +43,6 @@ from phalanx.services.agent.service import AgentService
 from phalanx.services.jobstate import JobStateStore
 from phalanx.services.lease import Leadership
 from phalanx.services.natsd import NatsServer
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
-from fuzzing import Barrage, World
 
 PER_TARGET = 200
 GARBAGE = b"\x93\x01\x02\x03"  # MessagePack, but a list: no message at all

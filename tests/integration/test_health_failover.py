@@ -19,8 +19,6 @@ import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 
-import pytest
-
 from phalanx.bus.client import Bus, Delivery
 from phalanx.bus.config import BusConfig
 from phalanx.bus.kv import TypedKV
@@ -43,7 +41,6 @@ from phalanx.schemas.messages import (
 )
 from phalanx.services.natsd import NatsServer
 
-pytestmark = pytest.mark.slow
 JOB = "hf-1"
 NODES = ["n0", "n0", "n1", "n1"]
 

@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 import uvloop
 
-from phalanx.runtime import snapshot_file
 from phalanx.runtime.snapshot import held_in
+from phalanx.schemas import snapshot_file
 from phalanx.schemas.messages import SnapshotRecord, SnapshotReserve, SnapshotTier
 from phalanx.services.agent import replication
 from phalanx.services.agent.replication import ReplicaListener, ReplicaSender

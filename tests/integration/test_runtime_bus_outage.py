@@ -15,8 +15,6 @@ import sys
 import time
 from pathlib import Path
 
-import pytest
-
 from phalanx.bus.client import Bus, Delivery
 from phalanx.bus.config import BusConfig
 from phalanx.runtime import record
@@ -31,7 +29,6 @@ from phalanx.schemas.messages import (
 )
 from phalanx.services.natsd import NatsServer
 
-pytestmark = pytest.mark.slow
 SCRIPT = Path(__file__).resolve().parents[2] / "examples" / "train_mlp.py"
 ARGS = ["--widths", "16,32,16", "--samples", "256", "--micro-batch", "8"]
 STEPS = 2000

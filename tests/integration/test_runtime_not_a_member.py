@@ -21,7 +21,6 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-import pytest
 import torch
 
 from phalanx.bus.client import Bus, Delivery
@@ -37,7 +36,6 @@ from phalanx.schemas.messages import (
 )
 from phalanx.services.natsd import NatsServer
 
-pytestmark = pytest.mark.slow
 SCRIPT = Path(__file__).resolve().parents[2] / "examples" / "train_mlp.py"
 ARGS = ["--widths", "16,32,16", "--samples", "256", "--micro-batch", "8"]
 STEPS = 1000  # a few seconds: longer than a waiting replica's 2 s between ready reports

@@ -36,7 +36,6 @@ from phalanx.schemas.messages import (
 )
 from phalanx.services.natsd import NatsServer
 
-pytestmark = pytest.mark.slow
 WORKER = Path(__file__).resolve().parent / "runtime_worker.py"
 RUN_ENV = {"PHALANX_DETERMINISTIC": "1", "PHALANX_STATE_CHECKSUM": "1"}
 

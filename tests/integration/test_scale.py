@@ -13,15 +13,10 @@ timings are the benchmark's to record, not this test's to assert.
 from __future__ import annotations
 
 import json
-import sys
-from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
-import scale
-
-pytestmark = pytest.mark.slow
+from phalanx.bench import scale
 
 
 @pytest.mark.timeout(300)

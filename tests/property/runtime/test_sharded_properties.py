@@ -16,9 +16,11 @@ import torch.distributed as dist
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from phalanx.runtime import durable, snapshot_file
+from phalanx.runtime import durable
+from phalanx.runtime.flat_state import flat_state
 from phalanx.runtime.sharded import Sharded, sharded_optimizer
-from phalanx.runtime.snapshot import flat_state, restore, write_share
+from phalanx.runtime.snapshot import restore, write_share
+from phalanx.schemas import snapshot_file
 
 SETTINGS = settings(derandomize=True, database=None, deadline=None, max_examples=30)
 

@@ -142,6 +142,8 @@ def _fix_job_record(kw: dict[str, Any]) -> dict[str, Any]:
     kw["nodes"] = kw.get("nodes", [])[:kw["spec"].replicas.max]
     if "slots" in kw:
         kw["slots"] = list(range(len(kw.get("nodes", [])))) if kw["slots"] else []
+        if kw["slots"] and kw.get("next_slot"):  # a slot number not yet handed out
+            kw["next_slot"] = max(kw["next_slot"], len(kw["slots"]))
     return kw
 
 

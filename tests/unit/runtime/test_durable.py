@@ -19,10 +19,12 @@ import pytest
 import torch
 from test_snapshot import same_state, trained  # the same model and comparison
 
-from phalanx.runtime import durable, snapshot_file
+from phalanx.runtime import durable
+from phalanx.runtime.flat_state import flat_state
 from phalanx.runtime.sharded import Sharded, sharded_optimizer
-from phalanx.runtime.snapshot import flat_state, write_share
-from phalanx.runtime.snapshot_file import HEADER_BYTES
+from phalanx.runtime.snapshot import write_share
+from phalanx.schemas import snapshot_file
+from phalanx.schemas.snapshot_file import HEADER_BYTES
 
 
 def test_boxes_tile_an_element_range_with_contiguous_chunks() -> None:

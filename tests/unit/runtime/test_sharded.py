@@ -16,9 +16,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from phalanx.runtime import snapshot_file
+from phalanx.runtime.flat_state import flat_state
 from phalanx.runtime.sharded import Sharded, sharded_optimizer
-from phalanx.runtime.snapshot import flat_state, restore, write_share
+from phalanx.runtime.snapshot import restore, write_share
+from phalanx.schemas import snapshot_file
 from phalanx.services.natsd import free_port
 
 

@@ -13,17 +13,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from phalanx.runtime import snapshot_file
-from phalanx.runtime.snapshot import (
-    Held,
-    copy_range,
-    flat_state,
-    load_flat,
-    plan_restore,
-    restore,
-    write_share,
-)
-from phalanx.runtime.snapshot_file import HEADER_BYTES, Header, SnapshotFileError
+from phalanx.runtime.flat_state import copy_range, flat_state, load_flat
+from phalanx.runtime.snapshot import Held, plan_restore, restore, write_share
+from phalanx.schemas import snapshot_file
+from phalanx.schemas.snapshot_file import HEADER_BYTES, Header, SnapshotFileError
 from phalanx.services.natsd import free_port
 
 

@@ -24,7 +24,13 @@ from phalanx.schemas.messages import (
     ReplicaRange,
 )
 from phalanx.services import top
-from phalanx.services.cli import _record_row, history_lines, history_rows, job_lines, jobs_table
+from phalanx.services.cli.jobs import (
+    history_lines,
+    history_rows,
+    job_lines,
+    jobs_table,
+    record_row,
+)
 
 T0 = 1_795_700_000.0
 
@@ -49,7 +55,7 @@ def text(renderable, width: int = 80) -> str:
 def test_ids_that_share_a_long_prefix_stay_whole_at_80_columns() -> None:
     records = [record("train-gpt-char-level-deterministic-a1b2c3"),
                record("train-gpt-char-level-deterministic-a1b2c4", JobState.PENDING)]
-    rows = [{**_record_row(r), "size": 2, "step": 120, "total_steps": 1000} for r in records]
+    rows = [{**record_row(r), "size": 2, "step": 120, "total_steps": 1000} for r in records]
     shown = text(jobs_table(records, rows))
     assert all(r.job_id in shown for r in records), shown
     board = top.Board(jobs={r.job_id: r for r in records})
@@ -59,8 +65,8 @@ def test_ids_that_share_a_long_prefix_stay_whole_at_80_columns() -> None:
 
 def test_an_ended_job_places_no_replicas() -> None:
     for state in (JobState.FINISHED, JobState.CANCELLED, JobState.FAILED, JobState.PENDING):
-        assert _record_row(record("j", state))["replicas"] == 0
-    assert _record_row(record("j"))["replicas"] == 2
+        assert record_row(record("j", state))["replicas"] == 0
+    assert record_row(record("j"))["replicas"] == 2
 
 
 def history() -> JobHistory:
@@ -86,7 +92,7 @@ def test_the_history_resumes_where_the_members_said_and_says_so() -> None:
 
 
 def test_the_job_id_comes_first_and_scaling_after_the_record() -> None:
-    row = {**_record_row(record("j")), "scaling": {
+    row = {**record_row(record("j")), "scaling": {
         "sizes": [1, 2], "scale_up_cooldown_s": 30.0, "graceful_shutdown_timeout_s": 30.0,
         "scaling_timeout_s": 120.0, "pinned_replicas": None, "change": None},
         "history": history_rows(history())}

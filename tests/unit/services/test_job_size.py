@@ -53,7 +53,7 @@ def test_health_state_of_the_largest_job_fits_one_snapshot() -> None:
     now = time.time()
     core.handle(health.JobWatched("big", tuple(NODES), 2.0), now)
     for rank in range(N):  # replica ids as long as the wire allows
-        core.handle(health.RankStarted("big", rank, NODES[rank], 2**22,
+        core.handle(health.RankStartSeen("big", rank, NODES[rank], 2**22,
                                        f"r{rank}-".ljust(128, "9")), now)
     fits(JobSnapshot(job_id="big", seq=2**40, format=1,
                      state=health.snapshot(core.jobs["big"])))
@@ -72,17 +72,17 @@ def test_elasticity_state_generations_and_history_of_the_largest_job_fit() -> No
             if isinstance(decision, elasticity.PublishGeneration):
                 published.append(decision.generation)
             if isinstance(decision, elasticity.LaunchReplacement):
-                handle(elasticity.ReplicaReady("big", decision.replica_id, decision.node_id,
+                handle(elasticity.ReplicaReadySeen("big", decision.replica_id, decision.node_id,
                                                decision.slot, endpoint))
 
     def apply_all() -> None:
         job = core.jobs["big"]
         for replica in list(job.members):
-            handle(elasticity.GenerationApplied("big", job.current.generation, replica,
+            handle(elasticity.GenerationAppliedSeen("big", job.current.generation, replica,
                                                 len(published)))
 
     for slot in range(N):
-        handle(elasticity.ReplicaReady("big", f"r{slot}-0", NODES[slot], slot, endpoint))
+        handle(elasticity.ReplicaReadySeen("big", f"r{slot}-0", NODES[slot], slot, endpoint))
     apply_all()
     while len(published) < HISTORY_LIMIT + 20:
         # Half the members fail at once, each with its last output; their replacements

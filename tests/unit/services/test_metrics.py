@@ -8,6 +8,7 @@ import urllib.request
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from phalanx.bus.client import Counters
 from phalanx.services import metrics
 
 
@@ -45,10 +46,11 @@ def test_the_endpoint_serves_the_exposition_with_what_was_counted() -> None:
         metrics.JOB_WORLD_SIZE.labels("unit-job").set(3)
         samples = _scrape(port)
         assert samples[("phalanx_faults_total", (("kind", "crash"),))] >= 1
-        assert samples[("phalanx_job_world_size", (("job", "unit-job"),))] == 3
+        # phalanx_job, not job: Prometheus would rename that exported_job on scrape.
+        assert samples[("phalanx_job_world_size", (("phalanx_job", "unit-job"),))] == 3
         assert ("phalanx_bus_reconnects_total", ()) in samples
         metrics.forget_job("unit-job", metrics.JOB_WORLD_SIZE, metrics.JOB_STEP)  # absent: fine
-        assert ("phalanx_job_world_size", (("job", "unit-job"),)) not in _scrape(port)
+        assert ("phalanx_job_world_size", (("phalanx_job", "unit-job"),)) not in _scrape(port)
     finally:
         server.shutdown()
         server.server_close()
@@ -63,6 +65,32 @@ def test_an_inherited_socket_is_served_on_its_port_even_when_a_port_is_also_name
     try:
         metrics.FAULTS.labels("hang").inc()
         assert _scrape(port)[("phalanx_faults_total", (("kind", "hang"),))] >= 1
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_the_bus_failure_counts_of_every_connection_and_bucket_are_counters() -> None:
+    server = metrics.serve({metrics.PORT_ENV: "0", metrics.ADDR_ENV: "127.0.0.1"})
+    assert server is not None
+    port = server.server_address[1]
+    names = ("phalanx_bus_bad_messages_total", "phalanx_bus_handler_errors_total",
+             "phalanx_bus_denials_total")
+    try:
+        before = _scrape(port)
+        connection, bucket = Counters(), Counters()
+        connection.bad_message("bad")
+        bucket.bad_message("worse")
+        connection.handler_error("boom")
+        bucket.denial("Permissions Violation")
+        after = _scrape(port)
+        assert [after[(n, ())] - before[(n, ())] for n in names] == [2, 1, 1]
+        assert (bucket.bad_messages, bucket.denials, bucket.last_error) == \
+            (1, 1, "Permissions Violation")
+        types = {f.name: f.type for f in text_string_to_metric_families(
+            urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10)
+            .read().decode())}
+        assert all(types[n.removesuffix("_total")] == "counter" for n in names)
     finally:
         server.shutdown()
         server.server_close()

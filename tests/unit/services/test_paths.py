@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 
 from phalanx.bus.errors import BusUnavailable
-from phalanx.services.cli import _data_dir, _no_cluster_hint, build_parser
+from phalanx.services.cli import build_parser
+from phalanx.services.cli.common import no_cluster_hint, resolve_data_dir
 from phalanx.services.paths import (
     default_data_dir,
     forget_cluster,
@@ -27,7 +28,7 @@ def own_state(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 
 
 def data_dir(*argv: str) -> Path:
-    return _data_dir(build_parser().parse_args(list(argv)))
+    return resolve_data_dir(build_parser().parse_args(list(argv)))
 
 
 def test_the_state_dir_follows_xdg_unless_overridden(monkeypatch: pytest.MonkeyPatch,
@@ -67,8 +68,8 @@ def test_the_environment_overrides_the_pointer(monkeypatch: pytest.MonkeyPatch,
 
 def test_no_cluster_found_names_the_flags_to_pass(tmp_path: Path) -> None:
     args = build_parser().parse_args(["jobs", "--data-dir", str(tmp_path / "none")])
-    hint = _no_cluster_hint(args, BusUnavailable("cannot reach NATS"))
+    hint = no_cluster_hint(args, BusUnavailable("cannot reach NATS"))
     assert f"no local cluster runs from {tmp_path / 'none'}" in hint
     assert "--data-dir DIR" in hint and "--nats URL" in hint
     args = build_parser().parse_args(["jobs", "--nats", "nats://h:1"])
-    assert _no_cluster_hint(args, BusUnavailable("cannot reach NATS")) == ""
+    assert no_cluster_hint(args, BusUnavailable("cannot reach NATS")) == ""

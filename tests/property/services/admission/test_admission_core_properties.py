@@ -33,8 +33,8 @@ from phalanx.schemas.messages import (
     ScalingEventKind,
 )
 from phalanx.services.admission.changes import Announce
-from phalanx.services.admission.core import (
-    AdmissionCore,
+from phalanx.services.admission.core import AdmissionCore
+from phalanx.services.admission.events import (
     Admit,
     Decision,
     Event,

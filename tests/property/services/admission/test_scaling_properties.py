@@ -37,9 +37,10 @@ from phalanx.schemas.messages import (
     ScalingEventKind,
     ScalingPolicy,
 )
+from phalanx.schemas.scaling import ScalingRules
 from phalanx.services.admission.changes import Announce
-from phalanx.services.admission.core import (
-    AdmissionCore,
+from phalanx.services.admission.core import AdmissionCore
+from phalanx.services.admission.events import (
     Admit,
     Decision,
     Evict,
@@ -52,7 +53,6 @@ from phalanx.services.admission.core import (
     Shrink,
 )
 from phalanx.services.admission.policy import AdmissionPolicy
-from phalanx.services.admission.scaling import ScalingRules
 
 T0 = 1_717_000_000.0
 WAITING = {ReasonCode.RESERVED, ReasonCode.INSUFFICIENT_CAPACITY}

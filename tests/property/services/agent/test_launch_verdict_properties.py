@@ -11,8 +11,8 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from phalanx.schemas.replicas import replica_id
 from phalanx.services.agent.core import LaunchVerdict, launch_verdict
-from phalanx.services.elasticity.core import replica_id
 
 SETTINGS = settings(derandomize=True, database=None, deadline=None, max_examples=300)
 

@@ -7,13 +7,13 @@ from hypothesis import strategies as st
 
 from phalanx.services.elasticity.core import (
     ElasticityCore,
-    GenerationApplied,
+    GenerationAppliedSeen,
     JobAdmitted,
     LaunchReplacement,
     MemberFailed,
     MemberFinished,
     PublishGeneration,
-    ReplicaReady,
+    ReplicaReadySeen,
     Requeue,
     snapshot,
 )
@@ -48,11 +48,12 @@ def test_generations_under_random_events(lo: int, extra: int, events) -> None:
         elif kind == "ready":
             if replica in dead:
                 continue  # a dead process reports nothing
-            out = core.handle(ReplicaReady("j", replica, f"n{slot}", slot, "h:1"), now)
+            out = core.handle(ReplicaReadySeen("j", replica, f"n{slot}", slot, "h:1"), now)
         elif kind == "apply":
             if job.current is None or replica in dead:
                 continue
-            out = core.handle(GenerationApplied("j", job.current.generation, replica, step), now)
+            applied = GenerationAppliedSeen("j", job.current.generation, replica, step)
+            out = core.handle(applied, now)
         else:
             out = core.tick(now)
         core.check_invariants()
@@ -93,9 +94,9 @@ def random_events(hi: int, events) -> list:
                 out.append(MemberFailed("j", replica, replaceable=step % 5 != 0,
                                         event_id=f"f{len(out)}"))
             case "ready":
-                out.append(ReplicaReady("j", replica, f"n{slot}", slot, f"h:{slot}"))
+                out.append(ReplicaReadySeen("j", replica, f"n{slot}", slot, f"h:{slot}"))
             case "apply":
-                out.append(GenerationApplied("j", step % 4, replica, step))
+                out.append(GenerationAppliedSeen("j", step % 4, replica, step))
             case "admit":
                 slots = dict(slots)
                 if slot in slots and len(slots) > 1:

@@ -18,12 +18,12 @@ from hypothesis import strategies as st
 from phalanx.schemas.messages import GenerationReason
 from phalanx.services.elasticity.core import (
     ElasticityCore,
-    GenerationApplied,
+    GenerationAppliedSeen,
     JobAdmitted,
     LaunchReplacement,
     MemberFailed,
     PublishGeneration,
-    ReplicaReady,
+    ReplicaReadySeen,
     snapshot,
 )
 
@@ -35,9 +35,9 @@ def running(hi: int, lo: int, step: int) -> tuple[ElasticityCore, float]:
     core = ElasticityCore(wait_timeout_s=1000, max_replacements=16)
     core.handle(JobAdmitted("j", {s: f"n{s % 2}" for s in range(hi)}, lo, hi), 0.0)
     for s in range(hi):
-        core.handle(ReplicaReady("j", f"r{s}-0", f"n{s % 2}", s, f"h:{s}"), 1.0)
+        core.handle(ReplicaReadySeen("j", f"r{s}-0", f"n{s % 2}", s, f"h:{s}"), 1.0)
     for s in range(hi):
-        core.handle(GenerationApplied("j", 0, f"r{s}-0", step), 2.0)
+        core.handle(GenerationAppliedSeen("j", 0, f"r{s}-0", step), 2.0)
     return core, 3.0
 
 
@@ -62,7 +62,7 @@ def test_every_member_lost_the_job_comes_back_with_new_replicas_only(
     rnd.shuffle(ready_order)
     events = [MemberFailed("j", r, f"crash: {r} lost with its agent", event_id=f"f-{r}")
               for r in lost]
-    events += [ReplicaReady("j", f"r{s}-1", f"n{s % 2}", s, f"h2:{s}") for s in ready_order]
+    events += [ReplicaReadySeen("j", f"r{s}-1", f"n{s % 2}", s, f"h2:{s}") for s in ready_order]
     cut = min(cut, len(events))
     launches: list[LaunchReplacement] = []
     published = []
@@ -82,11 +82,11 @@ def test_every_member_lost_the_job_comes_back_with_new_replicas_only(
                 assert not {m.replica_id for m in generation.members} & faulted, generation
                 for member in generation.members:  # the living apply it, as ranks do
                     if member.replica_id not in set(lost):
-                        out += core.handle(GenerationApplied(
+                        out += core.handle(GenerationAppliedSeen(
                             "j", generation.generation, member.replica_id, step), now + i)
         # Each launch is awaited until its replica reports ready, and no longer.
         for launch in launches:
-            ready = any(isinstance(e, ReplicaReady) and e.replica_id == launch.replica_id
+            ready = any(isinstance(e, ReplicaReadySeen) and e.replica_id == launch.replica_id
                         for e in events[:i + 1])
             assert core.awaits(launch) is not ready, (launch, i)
     assert sorted(d.replica_id for d in launches) == sorted(f"r{s}-1" for s in range(hi))

@@ -31,28 +31,28 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from phalanx.schemas.messages import FaultKind, RestartPolicy
-from phalanx.services.health.core import (
+from phalanx.services.health.core import HealthCore
+from phalanx.services.health.events import (
     ChaosInjected,
     CordonNode,
     Decision,
     Event,
     FailJob,
     FinishJob,
-    HealthCore,
-    HealthPolicy,
-    JobEnded,
+    HeartbeatSeen,
+    JobUnwatched,
     JobWatched,
     MarkNodeAlive,
     MarkNodeLost,
-    NodeHeartbeat,
     NodeUncordoned,
     ProgressReported,
     RaiseFault,
-    RankExited,
-    RankStarted,
+    RankExitSeen,
+    RankStartSeen,
     WatchResumed,
-    snapshot,
 )
+from phalanx.services.health.model import HealthPolicy
+from phalanx.services.health.stored import snapshot
 
 SETTINGS = settings(derandomize=True, database=None, deadline=None, max_examples=300)
 T0 = 1_717_000_000.0
@@ -142,15 +142,15 @@ def to_event(op: Op, jobs: dict[str, JobModel], restart: RestartPolicy,
         case ("watch", job, nodes, hang):
             return JobWatched(job, nodes, hang, restart_policy=restart)
         case ("end", job):
-            return JobEnded(job)
+            return JobUnwatched(job)
         case ("start", job, rank, node):
-            return RankStarted(job, rank, node, 1000 + rank)
+            return RankStartSeen(job, rank, node, 1000 + rank)
         case ("exit", job, rank, code, signal, cause, node):
             if not node:
                 model = jobs.get(job)
                 r = model.rank(rank) if model else None
                 node = r.node if r else "n0"
-            return RankExited(job, rank, node, code, signal, cause)
+            return RankExitSeen(job, rank, node, code, signal, cause)
         case ("progress", job, rank, step_time):
             return ProgressReported(job, rank, 1, step_time)
         case ("commit", job, rank, step):
@@ -160,7 +160,7 @@ def to_event(op: Op, jobs: dict[str, JobModel], restart: RestartPolicy,
         case ("chaos", node, seconds):
             return ChaosInjected(node, now + seconds)
         case ("beat", node):
-            return NodeHeartbeat(node)
+            return HeartbeatSeen(node)
         case ("uncordon", node):
             return NodeUncordoned(node)
     return None
@@ -228,7 +228,7 @@ class Budget:
         return None
 
 
-def failure_class(e: RankExited) -> str:
+def failure_class(e: RankExitSeen) -> str:
     if e.cause == "launch_failed":
         return "launch"
     if e.cause == "exited" and e.signal is None and e.exit_code is not None \
@@ -377,13 +377,13 @@ class Model:
                         new.departing = {
                             i: r for i, r in [*enumerate(old.ranks), *old.departing.items()]
                             if i >= len(e.nodes) and not r.exit}
-            case JobEnded():
+            case JobUnwatched():
                 self.jobs.pop(e.job_id, None)
-            case RankStarted():
+            case RankStartSeen():
                 if self.rank(e.job_id, e.rank) is not None:
                     job = self.jobs[e.job_id]
                     job.ranks[e.rank] = RankModel(e.node_id, round=job.budget.round)
-            case RankExited():
+            case RankExitSeen():
                 job = self.jobs.get(e.job_id)
                 r = job.rank(e.rank) if job is not None else None
                 leaving = r is not None and job.departing.get(e.rank) is r
@@ -431,7 +431,7 @@ class Model:
                         self.jobs[e.job_id].budget.completed = True
                         self.jobs[e.job_id].final = e.step
                     out += self.straggler(e.job_id, e.rank, r, now)
-            case NodeHeartbeat():
+            case HeartbeatSeen():
                 if e.node_id in self.lost:
                     self.lost.discard(e.node_id)
                     out.append(("MarkNodeAlive", None, None, None, e.node_id))
@@ -533,9 +533,9 @@ class Run:
                         self.hang[event.job_id] = event.hang_timeout_s
                         self.reset(lambda r: r[0] == event.job_id)
                     return watch
-            case JobEnded():
+            case JobUnwatched():
                 return lambda: self.reset(lambda r: r[0] == event.job_id)
-            case RankStarted():
+            case RankStartSeen():
                 return lambda: self.reset(lambda r: r == (event.job_id, event.rank))
         return lambda: None
 
@@ -585,11 +585,11 @@ class Run:
             return
         probe = copy.deepcopy(self.core)
         assert probe.tick(deadline) == []
-        charges = len(probe._charges)
+        charges = len(probe.state.charges)
         # Just after it something is decided, or a charge to a node judged (it may turn out
         # to be the job's, or not enough for a cordon).
         assert probe.tick(math.nextafter(deadline, math.inf)) != [] \
-            or len(probe._charges) < charges
+            or len(probe.state.charges) < charges
 
 
 @SETTINGS
@@ -638,7 +638,7 @@ def test_no_false_positives_within_the_timeouts(policy: HealthPolicy, hang: floa
         now += gap * min(hang, policy.node_timeout_s)
         assert core.tick(now) == []
         for node in NODES:
-            assert core.handle(NodeHeartbeat(node), now) == []
+            assert core.handle(HeartbeatSeen(node), now) == []
         for rank in range(ranks):
             decisions = core.handle(ProgressReported("j", rank, 1, 1.0), now)
             assert not any(isinstance(d, RaiseFault) and d.kind is not FaultKind.STRAGGLER
@@ -658,7 +658,7 @@ def plain_events(op: Op, nodes: dict[str, tuple[str, ...]],
     """``op`` as plain core events (no model): busy ops become their reports and beats."""
     match op:
         case ("beats",):
-            return [NodeHeartbeat(n) for n in NODES]
+            return [HeartbeatSeen(n) for n in NODES]
         case ("round", job, _):
             return [ProgressReported(job, r, 1, 1.0) for r in range(len(nodes.get(job, ())))]
         case ("slow", job, rank, n):
@@ -666,9 +666,9 @@ def plain_events(op: Op, nodes: dict[str, tuple[str, ...]],
         case ("exit", job, rank, code, signal, cause, node):
             placed = nodes.get(job, ())
             node = node or (placed[rank] if rank < len(placed) else "n0")
-            return [RankExited(job, rank, node, code, signal, cause, replica_id=f"r{rank}")]
+            return [RankExitSeen(job, rank, node, code, signal, cause, replica_id=f"r{rank}")]
         case ("start", job, rank, node):
-            return [RankStarted(job, rank, node, 1000 + rank, replica_id=f"r{rank}")]
+            return [RankStartSeen(job, rank, node, 1000 + rank, replica_id=f"r{rank}")]
     event = to_event(op, {}, restart, now)
     return [] if event is None else [event]
 

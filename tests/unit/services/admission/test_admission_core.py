@@ -12,11 +12,11 @@ from collections import Counter
 import pytest
 
 from phalanx.schemas.messages import JobSpec, JobState, Placement, ReasonCode, ReplicaRange
+from phalanx.services.admission import preemption
 from phalanx.services.admission.changes import Announce
-from phalanx.services.admission.core import (
-    AdmissionCore,
+from phalanx.services.admission.core import AdmissionCore
+from phalanx.services.admission.events import (
     Admit,
-    Capacity,
     Decision,
     Event,
     Evict,
@@ -30,9 +30,9 @@ from phalanx.services.admission.core import (
     NodeUpdated,
     Reason,
     Shrink,
-    SpecRejected,
-    carry_slots,
 )
+from phalanx.services.admission.lifecycle import SpecRejected
+from phalanx.services.admission.model import Capacity, carry_slots
 from phalanx.services.admission.policy import AdmissionPolicy, TeamQuota
 
 T0 = 1_717_000_000.0
@@ -523,7 +523,7 @@ def test_a_gang_no_node_could_ever_hold_plans_no_preemption(
     def planned(*_args: object) -> None:
         raise AssertionError("preemption planned for a gang no node could ever hold")
 
-    monkeypatch.setattr(AdmissionCore, "_plan_preemption", planned)
+    monkeypatch.setattr(preemption, "plan", planned)
     assert run(core, [sub("high-nowhere", prio="high", mn=1, labels={"gpu": "tpu"}),
                       sub("high-too-big", prio="high", k=8)]) == []
     assert explain(core, "high-nowhere").code is ReasonCode.UNSCHEDULABLE

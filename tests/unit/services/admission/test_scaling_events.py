@@ -11,8 +11,8 @@ from phalanx.schemas.messages import (
     ScalingPolicy,
 )
 from phalanx.services.admission.changes import Announce
-from phalanx.services.admission.core import (
-    AdmissionCore,
+from phalanx.services.admission.core import AdmissionCore
+from phalanx.services.admission.events import (
     Decision,
     Grow,
     JobFinished,

@@ -16,11 +16,9 @@ from phalanx.services.agent.core import (
     exit_cause,
     first_replica,
     heartbeat,
-    incarnation,
     launch_verdict,
     register,
 )
-from phalanx.services.elasticity.core import replica_id
 
 T0 = 1_717_000_000.0
 LOST = 3.0
@@ -197,10 +195,8 @@ def test_launch_verdict(last: str | None, wanted: str, verdict: LaunchVerdict) -
     assert launch_verdict(last, wanted) is verdict
 
 
-def test_incarnation_reads_what_elasticity_names() -> None:
-    assert [incarnation(replica_id(7, n)) for n in (0, 1, 12)] == [0, 1, 12]
+def test_a_slots_first_replica_is_incarnation_0() -> None:
     assert first_replica(3) == "r3-0"
-    assert incarnation("r3") is None and incarnation("x1-2") is None
 
 
 @pytest.mark.parametrize(("stop", "known", "cause"), [

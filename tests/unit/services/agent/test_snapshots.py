@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from phalanx.runtime import snapshot_file
+from phalanx.schemas import snapshot_file
 from phalanx.schemas.messages import SnapshotReserve
 from phalanx.services.agent.snapshots import SnapshotRefused, SnapshotStore
 

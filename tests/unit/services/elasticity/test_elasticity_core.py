@@ -4,28 +4,29 @@ from __future__ import annotations
 
 import pytest
 
+from phalanx.schemas.errors import StoredStateError
 from phalanx.schemas.messages import GenerationReason
 from phalanx.services.elasticity.core import (
     EARLY_TTL_S,
     ElasticityCore,
-    GenerationApplied,
+    GenerationAppliedSeen,
     JobAdmitted,
     JobStopped,
     LaunchReplacement,
     MemberFailed,
     MemberFinished,
     PublishGeneration,
-    ReplicaReady,
+    ReplicaReadySeen,
     Requeue,
-    SnapshotError,
-    StopReplica,
+    RetireReplica,
     snapshot,
 )
 
 
 def ready(core: ElasticityCore, replica: str, now: float = 0.0) -> list:
     slot = int(replica[1:].split("-")[0])
-    return core.handle(ReplicaReady("j", replica, f"n{slot % 2}", slot, f"h:{9000 + slot}"), now)
+    seen = ReplicaReadySeen("j", replica, f"n{slot % 2}", slot, f"h:{9000 + slot}")
+    return core.handle(seen, now)
 
 
 def start(core: ElasticityCore, n: int = 4, lo: int = 2, hi: int = 4) -> PublishGeneration:
@@ -43,7 +44,7 @@ def apply_all(core: ElasticityCore, step: int = 10, now: float = 0.0) -> list:
     out = []
     for replica in job.members:
         if replica not in job.failed:
-            out += core.handle(GenerationApplied("j", job.current.generation, replica,
+            out += core.handle(GenerationAppliedSeen("j", job.current.generation, replica,
                                                  step), now)
     return out
 
@@ -112,9 +113,9 @@ def test_the_history_keeps_every_generation_its_pause_and_the_replacements() -> 
     core.handle(MemberFailed("j", "r1-0", "crash: killed"), 5.0)
     # Survivors report what the change cost each; the history keeps the longest.
     for replica, pause in (("r0-0", 0.25), ("r2-0", 0.5), ("r3-0", 0.125)):
-        core.handle(GenerationApplied("j", 1, replica, 41, pause_s=pause), 6.0)
+        core.handle(GenerationAppliedSeen("j", 1, replica, 41, pause_s=pause), 6.0)
     ready(core, "r1-1", 9.0)
-    core.handle(GenerationApplied("j", 2, "r1-1", 50, pause_s=None), 10.0)  # a joiner
+    core.handle(GenerationAppliedSeen("j", 2, "r1-1", 50, pause_s=None), 10.0)  # a joiner
     [history] = core.take_histories()
     assert history.replacements == 1 and history.updated_at == 9.0  # the last change
     assert [(g.generation, g.reason, g.world_size, g.members, g.decided_at, g.pause_s)
@@ -194,7 +195,7 @@ def test_old_incarnations_and_unknown_replicas_are_ignored() -> None:
     assert core.handle(MemberFailed("j", "r1-0"), 2.0) == []
     assert core.handle(MemberFailed("j", "r9-0"), 2.0) == []
     assert ready(core, "r1-0") == []  # a stale ready from the dead incarnation
-    assert core.handle(ReplicaReady("x", "r0-0", "n", 0, "h:1"), 2.0) == []
+    assert core.handle(ReplicaReadySeen("x", "r0-0", "n", 0, "h:1"), 2.0) == []
 
 
 def test_joins_stop_at_max() -> None:
@@ -223,7 +224,7 @@ def test_a_restored_snapshot_carries_on_where_the_job_was() -> None:
     [g] = generations(ready(other, launch.replica_id))  # its ready is not lost on the new one
     assert [m.replica_id for m in g.members] == ["r0-0", "r2-0", "r3-0", "r1-1"]
     other.check_invariants()
-    with pytest.raises(SnapshotError, match="not an elasticity job snapshot"):
+    with pytest.raises(StoredStateError, match="not an elasticity job snapshot"):
         other.restore(b"\x81\xa1x\x01")
 
 
@@ -260,7 +261,7 @@ def test_a_member_exiting_zero_completes_the_job_and_stops_waiting_joiners() -> 
     # r1-1 is still importing torch when the members finish the training.
     assert core.handle(MemberFinished("j", "r9-9"), 2.0) == []  # not a member: nothing
     [stop] = core.handle(MemberFinished("j", "r0-0"), 2.0)
-    assert stop == StopReplica("j", 1, "n1", "r1-1")
+    assert stop == RetireReplica("j", 1, "n1", "r1-1")
     assert ready(core, "r1-1") == []  # too late: no join generation
     assert core.handle(MemberFailed("j", "r2-0"), 3.0) == []  # no replacement either
     core.check_invariants()

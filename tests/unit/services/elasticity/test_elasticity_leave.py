@@ -16,7 +16,7 @@ from phalanx.services.elasticity.core import (
     MemberFailed,
     MemberFinished,
     ReplicaExited,
-    StopReplica,
+    RetireReplica,
     snapshot,
 )
 
@@ -114,8 +114,8 @@ def test_waiting_replicas_of_taken_slots_are_stopped() -> None:
     core.handle(MemberFailed("j", "r0-0"), 1.0)
     apply_all(core)  # the fault generation applied: r0-1 is launched in slot 0
     decisions = core.handle(JobAdmitted("j", {1: "n1", 2: "n0", 3: "n1"}, 1, 4), 4.0)
-    assert [d for d in decisions if isinstance(d, StopReplica)] == [
-        StopReplica("j", 0, "n0", "r0-1", "")]
+    assert [d for d in decisions if isinstance(d, RetireReplica)] == [
+        RetireReplica("j", 0, "n0", "r0-1", "")]
     core.check_invariants()
 
 

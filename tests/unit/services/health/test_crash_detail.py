@@ -4,14 +4,14 @@ output line on the first line (all a one-line view shows), then its last output.
 from __future__ import annotations
 
 from phalanx.schemas.messages import DETAIL_CHARS, RestartPolicy
-from phalanx.services.health.core import (
+from phalanx.services.health.core import HealthCore
+from phalanx.services.health.events import (
     FailJob,
-    HealthCore,
-    HealthPolicy,
     JobWatched,
     RaiseFault,
-    RankExited,
+    RankExitSeen,
 )
+from phalanx.services.health.model import HealthPolicy
 
 T0 = 1_717_000_000.0
 TRACEBACK = ("=== phalanx: r0-0 of j starting on n0 at 2026-11-26T15:44:58+00:00: python t.py\n"
@@ -25,7 +25,7 @@ def crash(detail: str, max_app_failures: int = 3) -> list:
     core = HealthCore(HealthPolicy())
     core.handle(JobWatched("j", ("n0", "n1"), 2.0,
                            restart_policy=RestartPolicy(max_app_failures=max_app_failures)), T0)
-    return core.handle(RankExited("j", 0, "n0", 1, None, "exited", "r0-0", detail), T0 + 1)
+    return core.handle(RankExitSeen("j", 0, "n0", 1, None, "exited", "r0-0", detail), T0 + 1)
 
 
 def test_the_error_line_leads_and_the_output_follows() -> None:
@@ -61,7 +61,7 @@ def test_a_signal_kill_quotes_no_line_as_its_error() -> None:
     core = HealthCore(HealthPolicy())
     core.handle(JobWatched("j", ("n0", "n1"), 2.0), T0)
     banner = "=== phalanx: generation 0 (start): r0-0 is rank 0 of 2, resuming after step 0\n"
-    [fault] = [d for d in core.handle(RankExited("j", 0, "n0", None, "SIGKILL", "exited",
+    [fault] = [d for d in core.handle(RankExitSeen("j", 0, "n0", None, "SIGKILL", "exited",
                                                  "r0-0", banner), T0 + 1)
                if isinstance(d, RaiseFault)]
     assert fault.detail == ("rank 0 was killed by signal SIGKILL; its last output:\n"
@@ -71,7 +71,7 @@ def test_a_signal_kill_quotes_no_line_as_its_error() -> None:
 def test_a_rank_stopped_with_its_agent_says_so() -> None:
     core = HealthCore(HealthPolicy())
     core.handle(JobWatched("j", ("n0", "n1"), 2.0), T0)
-    [fault] = [d for d in core.handle(RankExited("j", 0, "n0", None, "SIGTERM", "lost",
+    [fault] = [d for d in core.handle(RankExitSeen("j", 0, "n0", None, "SIGTERM", "lost",
                                                  "r0-0", with_agent=True), T0 + 1)
                if isinstance(d, RaiseFault)]
     assert fault.detail.startswith("rank 0 was stopped with its agent on n0")

@@ -11,29 +11,29 @@ import math
 
 import pytest
 
+from phalanx.schemas.errors import StoredStateError
 from phalanx.schemas.messages import FaultKind
-from phalanx.services.health.core import (
+from phalanx.services.health.core import HealthCore
+from phalanx.services.health.events import (
     CordonNode,
     Decision,
     Event,
     FinishJob,
-    HealthCore,
-    HealthPolicy,
-    JobEnded,
+    HeartbeatSeen,
+    JobUnwatched,
     JobWatched,
     MarkNodeAlive,
     MarkNodeLost,
-    NodeHeartbeat,
     NodeUncordoned,
     ProgressReported,
     RaiseFault,
-    RankExited,
-    RankStarted,
-    SnapshotError,
+    RankExitSeen,
+    RankStartSeen,
     WatchLost,
     WatchResumed,
-    snapshot,
 )
+from phalanx.services.health.model import HealthPolicy
+from phalanx.services.health.stored import snapshot
 
 T0 = 1_717_000_000.0
 CRASH, HANG, STRAGGLER, LOST = (FaultKind.CRASH, FaultKind.HANG, FaultKind.STRAGGLER,
@@ -74,8 +74,8 @@ def progress(rank: int, step_time: float = 1.0, job: str = "j", step: int = 1
 
 
 def exited(rank: int, code: int | None = 0, node: str | None = None, *, job: str = "j",
-           signal: str | None = None, cause: str = "exited") -> RankExited:
-    return RankExited(job, rank, node or f"n{rank}", code, signal, cause)
+           signal: str | None = None, cause: str = "exited") -> RankExitSeen:
+    return RankExitSeen(job, rank, node or f"n{rank}", code, signal, cause)
 
 
 def faults(decisions: list[Decision]) -> list[tuple[FaultKind, str, int | None, str]]:
@@ -92,7 +92,7 @@ def names(decisions: list[Decision]) -> list[str]:
 
 def test_unknown_event_is_a_type_error_and_changes_nothing() -> None:
     core = make()
-    run(core, T0, NodeHeartbeat("n0"))
+    run(core, T0, HeartbeatSeen("n0"))
     with pytest.raises(TypeError, match="unknown event"):
         core.handle("heartbeat", T0 + 100)  # type: ignore[arg-type]
     assert core.now == T0
@@ -103,7 +103,7 @@ def test_unknown_event_is_a_type_error_and_changes_nothing() -> None:
 @pytest.mark.parametrize("cause", ["crashed", "", "EXITED"])
 def test_exit_cause_must_be_known(cause: str) -> None:
     with pytest.raises(ValueError, match="cause must be one of"):
-        RankExited("j", 0, "n0", 1, None, cause)
+        RankExitSeen("j", 0, "n0", 1, None, cause)
 
 
 @pytest.mark.parametrize(("nodes", "hang", "message"), [
@@ -125,15 +125,15 @@ def test_nan_time_is_refused() -> None:
 
 def test_an_earlier_now_counts_as_the_latest_seen() -> None:
     core = make()
-    run(core, T0 + 5, NodeHeartbeat("n0"))
-    run(core, T0 + 1, NodeHeartbeat("n1"))  # delivered late, stamped with an older clock
+    run(core, T0 + 5, HeartbeatSeen("n0"))
+    run(core, T0 + 1, HeartbeatSeen("n1"))  # delivered late, stamped with an older clock
     assert core.nodes["n1"].last_heartbeat == T0 + 5
     assert core.next_deadline() == T0 + 8
 
 
 def test_due_timeouts_come_before_the_events_own_decisions() -> None:
     core = make(("n0",), hang=5.0)
-    run(core, T0, NodeHeartbeat("n0"), progress(0))
+    run(core, T0, HeartbeatSeen("n0"), progress(0))
     decisions = run(core, T0 + 10, exited(0, 1))
     assert faults(decisions) == [(LOST, "j", 0, "n0"), (CRASH, "j", 0, "n0")]
     assert names(decisions) == ["MarkNodeLost", "RaiseFault", "RaiseFault"]
@@ -188,7 +188,7 @@ def test_no_fault_for_a_clean_or_agent_caused_exit(code: int | None, signal: str
     exited(3, 1),  # outside the placement
     exited(0, 1, node="n9"),  # reported from another node: a leftover
 ])
-def test_crash_ignored_outside_the_watch(event: RankExited) -> None:
+def test_crash_ignored_outside_the_watch(event: RankExitSeen) -> None:
     core = make()
     assert run(core, T0 + 1, event) == []
     core.check_invariants()
@@ -196,7 +196,7 @@ def test_crash_ignored_outside_the_watch(event: RankExited) -> None:
 
 def test_no_crash_fault_after_the_job_ended() -> None:
     core = make()
-    run(core, T0 + 1, JobEnded("j"))
+    run(core, T0 + 1, JobUnwatched("j"))
     assert "j" not in core.jobs
     assert run(core, T0 + 2, exited(0, 1)) == []
 
@@ -211,14 +211,14 @@ def test_an_exit_is_reported_once() -> None:
 def test_a_restarted_rank_can_crash_again() -> None:
     core = make()
     assert len(faults(run(core, T0 + 1, exited(0, 1)))) == 1
-    run(core, T0 + 2, RankStarted("j", 0, "n0", 4242))
+    run(core, T0 + 2, RankStartSeen("j", 0, "n0", 4242))
     assert faults(run(core, T0 + 3, exited(0, None, signal="SIGSEGV"))) == [
         (CRASH, "j", 0, "n0")]
 
 
 def test_crash_names_the_node_the_rank_was_started_on() -> None:
     core = make()
-    run(core, T0, RankStarted("j", 0, "n7", 100))
+    run(core, T0, RankStartSeen("j", 0, "n7", 100))
     assert run(core, T0 + 1, exited(0, 1, node="n0")) == []  # not where it runs
     assert faults(run(core, T0 + 1, exited(0, 1, node="n7"))) == [(CRASH, "j", 0, "n7")]
 
@@ -243,7 +243,7 @@ def test_job_finishes_once_when_every_rank_exits_zero() -> None:
     (exited(2, None, cause="lost"), True),
     (exited(2, 0, node="n0"), False),  # not from its node: rank 2 still runs
 ])
-def test_finish_needs_some_rank_done_and_none_running(last: RankExited, finished: bool) -> None:
+def test_finish_needs_some_rank_done_and_none_running(last: RankExitSeen, finished: bool) -> None:
     core = make()
     run(core, T0 + 1, exited(0, 0), exited(1, 0))
     assert (FinishJob("j") in run(core, T0 + 2, last)) is finished
@@ -267,7 +267,7 @@ def test_the_same_rank_twice_does_not_finish_a_job() -> None:
 def test_a_crashed_rank_restarted_and_exiting_zero_finishes_the_job() -> None:
     core = make(("n0", "n1"))
     run(core, T0 + 1, exited(1, 1))
-    run(core, T0 + 2, RankStarted("j", 1, "n1", 7), exited(0, 0))
+    run(core, T0 + 2, RankStartSeen("j", 1, "n1", 7), exited(0, 0))
     assert run(core, T0 + 3, exited(1, 0)) == [FinishJob("j")]
 
 
@@ -296,7 +296,7 @@ def test_hang_fires_just_after_the_deadline_not_at_it(hang: float) -> None:
 
 def test_a_rank_starting_up_is_not_judged() -> None:
     core = make()
-    run(core, T0, RankStarted("j", 0, "n0", 1), RankStarted("j", 1, "n1", 2))
+    run(core, T0, RankStartSeen("j", 0, "n0", 1), RankStartSeen("j", 1, "n1", 2))
     assert core.next_deadline() is None
     assert tick(core, T0 + 1000) == []
 
@@ -350,7 +350,7 @@ def test_hang_per_rank_in_deadline_order() -> None:
 @pytest.mark.parametrize("end", [
     exited(0, 0), exited(0, 0, cause="stopped"), exited(0, 1), exited(0, None, cause="lost"),
 ])
-def test_no_hang_after_the_rank_exited(end: RankExited) -> None:
+def test_no_hang_after_the_rank_exited(end: RankExitSeen) -> None:
     core = make()
     run(core, T0, progress(0))
     run(core, T0 + 1, end)
@@ -362,7 +362,7 @@ def test_no_hang_after_the_rank_exited(end: RankExited) -> None:
 def test_no_hang_after_the_job_ended() -> None:
     core = make()
     run(core, T0, progress(0), progress(1))
-    run(core, T0 + 1, JobEnded("j"))
+    run(core, T0 + 1, JobUnwatched("j"))
     assert core.next_deadline() is None
     assert tick(core, T0 + 100) == []
     assert run(core, T0 + 101, progress(0)) == []  # no longer watched
@@ -379,7 +379,7 @@ def test_progress_of_an_unwatched_job_or_unknown_rank_is_ignored() -> None:
 def test_restarted_rank_is_not_judged_until_it_reports() -> None:
     core = make()
     run(core, T0, progress(0))
-    run(core, T0 + 1, RankStarted("j", 0, "n0", 99))
+    run(core, T0 + 1, RankStartSeen("j", 0, "n0", 99))
     assert core.next_deadline() is None
     assert tick(core, T0 + 100) == []
     run(core, T0 + 101, progress(0))
@@ -415,14 +415,14 @@ def test_a_slot_taken_before_its_node_was_judged_lost_still_gets_its_fault() -> 
     # Admission judged n0 lost first and shrank the job to n1's slots: the members on n0
     # still need their node-lost fault, or the others wait for them in a step forever.
     core = make(("n0", "n0", "n1", "n1"), hang=10.0)
-    run(core, T0, NodeHeartbeat("n0"), NodeHeartbeat("n1"), progress(0), progress(2))
+    run(core, T0, HeartbeatSeen("n0"), HeartbeatSeen("n1"), progress(0), progress(2))
     run(core, T0 + 1, JobWatched("j", ("n1", "n1"), 10.0, slots=(2, 3)))
     assert sorted(core.jobs["j"].departing) == [0, 1]
     restored = HealthCore(core.policy)  # a restarted detector knows them too
     restored.restore(snapshot(core.jobs["j"]), T0 + 1)
-    run(restored, T0 + 1, NodeHeartbeat("n0"))
+    run(restored, T0 + 1, HeartbeatSeen("n0"))
     for detector, lost_at in ((core, T0 + 3), (restored, T0 + 4)):
-        run(detector, lost_at, NodeHeartbeat("n1"))
+        run(detector, lost_at, HeartbeatSeen("n1"))
         assert faults(tick(detector, lost_at + 0.5)) == [(LOST, "j", 0, "n0"),
                                                           (LOST, "j", 1, "n0")]
         assert detector.jobs["j"].departing == {}
@@ -460,7 +460,7 @@ def test_an_identical_watch_is_a_replay() -> None:
 
 def test_hang_names_the_node_the_rank_was_started_on() -> None:
     core = make()
-    run(core, T0, RankStarted("j", 1, "n9", 5), progress(1))
+    run(core, T0, RankStartSeen("j", 1, "n9", 5), progress(1))
     assert faults(tick(core, T0 + 3)) == [(HANG, "j", 1, "n9")]
 
 
@@ -553,7 +553,7 @@ def test_an_unjudged_report_restarts_the_count() -> None:
     reports(core, {0: 1.0, 1: 1.0})
     reports(core, {2: 5.0})
     reports(core, {2: 5.0})
-    run(core, T0, RankStarted("j", 1, "n1", 3))  # rank 1 has no step time now: 2 reporting
+    run(core, T0, RankStartSeen("j", 1, "n1", 3))  # rank 1 has no step time now: 2 reporting
     assert reports(core, {2: 5.0}) == []
     reports(core, {1: 1.0})
     assert reports(core, {2: 5.0}) == reports(core, {2: 5.0}) == []
@@ -572,9 +572,9 @@ def test_a_node_never_heard_from_is_not_judged() -> None:
 @pytest.mark.parametrize("timeout", [0.5, 3.0, 10.0])
 def test_node_lost_just_after_its_timeout(timeout: float) -> None:
     core = make(node_timeout_s=timeout)
-    run(core, T0, JobWatched("k", ("n1", "n0"), 2.0), NodeHeartbeat("n0"))
+    run(core, T0, JobWatched("k", ("n1", "n0"), 2.0), HeartbeatSeen("n0"))
     run(core, T0, exited(1, 0))  # j's rank 1 on n1: not n0, and done anyway
-    run(core, T0, RankExited("k", 0, "n1", 0, None, "exited"))
+    run(core, T0, RankExitSeen("k", 0, "n1", 0, None, "exited"))
     assert core.next_deadline() == T0 + timeout
     assert tick(core, T0 + timeout) == []
     decisions = tick(core, after(T0 + timeout))
@@ -586,14 +586,14 @@ def test_node_lost_just_after_its_timeout(timeout: float) -> None:
 
 def test_node_lost_covers_ranks_placed_there_and_not_exited() -> None:
     core = make(("n0", "n0", "n1", "n0"))
-    run(core, T0, NodeHeartbeat("n0"), NodeHeartbeat("n1"))
+    run(core, T0, HeartbeatSeen("n0"), HeartbeatSeen("n1"))
     run(core, T0, exited(0, 0, node="n0"), exited(3, 1, node="n0"),
-        RankStarted("j", 1, "n1", 5))  # rank 1 moved to n1
-    run(core, T0 + 2, NodeHeartbeat("n1"))
+        RankStartSeen("j", 1, "n1", 5))  # rank 1 moved to n1
+    run(core, T0 + 2, HeartbeatSeen("n1"))
     decisions = tick(core, T0 + 4)
     assert names(decisions) == ["MarkNodeLost"] + ["RaiseFault"] * len(faults(decisions))
     assert faults(decisions) == []  # ranks 0 and 3 exited, rank 1 is on n1, rank 2 on n1
-    run(core, T0 + 4, RankStarted("j", 0, "n1", 6))
+    run(core, T0 + 4, RankStartSeen("j", 0, "n1", 6))
     assert faults(tick(core, T0 + 6)) == [(LOST, "j", 0, "n1"), (LOST, "j", 1, "n1"),
                                           (LOST, "j", 2, "n1")]
 
@@ -602,36 +602,36 @@ def test_node_lost_covers_ranks_placed_there_and_not_exited() -> None:
 def test_no_false_positive_when_heartbeats_are_late_but_within_the_timeout(gap: float) -> None:
     core = make(node_timeout_s=3.0)
     now = T0
-    run(core, now, NodeHeartbeat("n0"))
+    run(core, now, HeartbeatSeen("n0"))
     for _ in range(20):
         assert tick(core, now + gap) == []
         now += gap
-        assert run(core, now, NodeHeartbeat("n0")) == []
+        assert run(core, now, HeartbeatSeen("n0")) == []
     assert not core.nodes["n0"].lost
 
 
 def test_a_heartbeat_after_the_timeout_is_a_loss_even_without_a_tick() -> None:
     core = make(("n0",))
-    run(core, T0, NodeHeartbeat("n0"))
-    decisions = run(core, T0 + 3.5, NodeHeartbeat("n0"))
+    run(core, T0, HeartbeatSeen("n0"))
+    decisions = run(core, T0 + 3.5, HeartbeatSeen("n0"))
     assert names(decisions) == ["MarkNodeLost", "RaiseFault", "MarkNodeAlive"]
     assert decisions[-1] == MarkNodeAlive("n0", "heartbeats resumed after 3.5 s of silence")
 
 
 def test_lost_node_comes_back_alive_without_new_faults() -> None:
     core = make(hang=5.0)
-    run(core, T0, NodeHeartbeat("n1"), progress(1))
+    run(core, T0, HeartbeatSeen("n1"), progress(1))
     assert len(faults(tick(core, T0 + 3.5))) == 1
-    assert run(core, T0 + 10, NodeHeartbeat("n1")) == [
+    assert run(core, T0 + 10, HeartbeatSeen("n1")) == [
         MarkNodeAlive("n1", "heartbeats resumed after 10.0 s of silence")]
     assert core.next_deadline() == T0 + 13
     assert tick(core, T0 + 12.9) == []
-    assert run(core, T0 + 12.9, NodeHeartbeat("n1")) == []
+    assert run(core, T0 + 12.9, HeartbeatSeen("n1")) == []
 
 
 def test_no_hang_on_a_lost_node_and_a_full_timeout_after_it_returns() -> None:
     core = make(hang=2.0)
-    run(core, T0, NodeHeartbeat("n1"), progress(1), progress(0))
+    run(core, T0, HeartbeatSeen("n1"), progress(1), progress(0))
     decisions = tick(core, T0 + 2.5)  # rank 0 hangs; n1's rank 1 too
     assert faults(decisions) == [(HANG, "j", 0, "n0"), (HANG, "j", 1, "n1")]
     run(core, T0 + 2.75, progress(1))
@@ -639,37 +639,37 @@ def test_no_hang_on_a_lost_node_and_a_full_timeout_after_it_returns() -> None:
     assert faults(decisions) == [(LOST, "j", 1, "n1")]
     run(core, T0 + 4, progress(1))  # the rank runs while its agent is gone
     assert tick(core, T0 + 20) == []
-    run(core, T0 + 20, NodeHeartbeat("n1"))
+    run(core, T0 + 20, HeartbeatSeen("n1"))
     assert core.next_deadline() == T0 + 22  # hang clock restarts at the node's return
     assert faults(tick(core, after(T0 + 22))) == [(HANG, "j", 1, "n1")]
 
 
 def test_a_rank_covered_by_node_lost_is_rearmed_only_by_progress() -> None:
     core = make(hang=5.5)
-    run(core, T0, NodeHeartbeat("n1"), progress(1))
+    run(core, T0, HeartbeatSeen("n1"), progress(1))
     assert faults(tick(core, T0 + 3.5)) == [(LOST, "j", 1, "n1")]  # before its hang deadline
-    run(core, T0 + 4, NodeHeartbeat("n1"))
-    run(core, T0 + 6, NodeHeartbeat("n1"))
-    run(core, T0 + 8.5, NodeHeartbeat("n1"))
+    run(core, T0 + 4, HeartbeatSeen("n1"))
+    run(core, T0 + 6, HeartbeatSeen("n1"))
+    run(core, T0 + 8.5, HeartbeatSeen("n1"))
     assert core.next_deadline() == T0 + 11.5  # only the node: the rank's silence is covered
     assert tick(core, T0 + 11) == []
-    run(core, T0 + 11, progress(1), NodeHeartbeat("n1"))
+    run(core, T0 + 11, progress(1), HeartbeatSeen("n1"))
     assert core.next_deadline() == T0 + 14
-    run(core, T0 + 13.75, NodeHeartbeat("n1"))
+    run(core, T0 + 13.75, HeartbeatSeen("n1"))
     assert faults(tick(core, T0 + 16.75)) == [(HANG, "j", 1, "n1")]
 
 
 def test_equal_deadlines_lose_the_node_first() -> None:
     core = make(("n0",), hang=3.0)
-    run(core, T0, progress(0), NodeHeartbeat("n0"))
+    run(core, T0, progress(0), HeartbeatSeen("n0"))
     assert faults(tick(core, T0 + 4)) == [(LOST, "j", 0, "n0")]
 
 
 def test_node_lost_without_ranks_still_counts_for_cordon() -> None:
     core = make((), cordon_faults=2)
-    run(core, T0, NodeHeartbeat("n5"))
+    run(core, T0, HeartbeatSeen("n5"))
     assert names(tick(core, T0 + 4)) == ["MarkNodeLost"]
-    run(core, T0 + 5, NodeHeartbeat("n5"))
+    run(core, T0 + 5, HeartbeatSeen("n5"))
     assert names(tick(core, T0 + 9)) == ["MarkNodeLost"]
     # Lost just after T0 + 8: the evidence is judged a spread later.
     assert tick(core, T0 + 8 + SPREAD) == []
@@ -684,7 +684,7 @@ def crash_on(core: HealthCore, node: str, at: float) -> list[Decision]:
     to the node is judged."""
     job = f"c{at}"
     run(core, at, JobWatched(job, (node,), 2.0))
-    return [*run(core, at, RankExited(job, 0, node, None, "SIGKILL", "exited")),
+    return [*run(core, at, RankExitSeen(job, 0, node, None, "SIGKILL", "exited")),
             *tick(core, after(at + SPREAD))]
 
 
@@ -718,7 +718,7 @@ def test_faults_on_other_nodes_do_not_add_up() -> None:
 def test_every_kind_counts_and_a_node_loss_counts_once() -> None:
     core = make(("n0", "n0", "n0", "n1"), hang=10.0, cordon_faults=3, straggler_steps=1,
                 straggler_min_ranks=2)
-    run(core, T0, NodeHeartbeat("n0"), progress(3, 1.0), progress(1, 1.0), progress(2, 1.0))
+    run(core, T0, HeartbeatSeen("n0"), progress(3, 1.0), progress(1, 1.0), progress(2, 1.0))
     assert faults(run(core, T0, progress(0, 9.0))) == [(STRAGGLER, "j", 0, "n0")]
     decisions = tick(core, T0 + 3.5)
     assert faults(decisions) == [(LOST, "j", 0, "n0"), (LOST, "j", 1, "n0"),
@@ -726,9 +726,9 @@ def test_every_kind_counts_and_a_node_loss_counts_once() -> None:
     # Rank 3 on n1 hangs eight seconds after the loss: not the same moment, n1's own.
     assert faults(tick(core, T0 + 11)) == [(HANG, "j", 3, "n1")]
     assert "CordonNode" not in names(tick(core, T0 + 11 + SPREAD))
-    run(core, T0 + 18, NodeHeartbeat("n0"), progress(0))
+    run(core, T0 + 18, HeartbeatSeen("n0"), progress(0))
     run(core, T0 + 18, exited(1, None, node="n0", signal="SIGKILL"))
-    run(core, T0 + 21, NodeHeartbeat("n0"))
+    run(core, T0 + 21, HeartbeatSeen("n0"))
     assert tick(core, T0 + 18 + SPREAD) == []
     assert tick(core, after(T0 + 18 + SPREAD)) == [CordonNode(
         "n0", "3 faults within 300 s (1 crash, 1 node_lost, 1 straggler)")]
@@ -767,10 +767,10 @@ def kill_all(core: HealthCore, at: float, ranks: int = 4, job: str = "j") -> lis
     for rank in range(ranks):
         node = core.jobs[job].ranks[rank].node_id
         decisions += run(core, at + rank * 0.01,
-                         RankExited(job, rank, node, None, "SIGKILL", "exited"))
+                         RankExitSeen(job, rank, node, None, "SIGKILL", "exited"))
     for rank in range(ranks):
         node = core.jobs[job].ranks[rank].node_id
-        run(core, at + 1, RankStarted(job, rank, node, 100 + rank))
+        run(core, at + 1, RankStartSeen(job, rank, node, 100 + rank))
     return decisions
 
 
@@ -792,7 +792,7 @@ def test_ranks_stopped_as_their_agent_shuts_down_are_faults_but_no_evidence() ->
     lost with its agent, which faults them (the job still wants them) and charges no node
     however many there are."""
     core = make(("n1", "n1", "n1", "n1"), hang=100.0, cordon_faults=3)
-    decisions = run(core, T0, *(RankExited("j", r, "n1", None, "SIGTERM", "lost",
+    decisions = run(core, T0, *(RankExitSeen("j", r, "n1", None, "SIGTERM", "lost",
                                            with_agent=True) for r in range(4)))
     assert faults(decisions) == [(CRASH, "j", r, "n1") for r in range(4)]
     assert not any(isinstance(d, CordonNode) for d in tick(core, T0 + 100))
@@ -802,8 +802,8 @@ def test_ranks_stopped_as_their_agent_shuts_down_are_faults_but_no_evidence() ->
 def test_repeated_faults_on_one_node_while_the_others_are_fine_cordon_it() -> None:
     core = make(("n1", "n1", "n2", "n2"), hang=100.0, cordon_faults=3)
     for i, at in enumerate((T0, T0 + 20, T0 + 40)):
-        run(core, at, RankExited("j", 0, "n1", None, "SIGKILL", "exited"),
-            RankStarted("j", 0, "n1", 200 + i))
+        run(core, at, RankExitSeen("j", 0, "n1", None, "SIGKILL", "exited"),
+            RankStartSeen("j", 0, "n1", 200 + i))
         run(core, at + 1, progress(0, step=i + 1), progress(2, step=i + 1))
     assert tick(core, after(T0 + 40 + SPREAD)) == [CordonNode(
         "n1", "3 faults within 300 s (3 crash)")]
@@ -833,8 +833,8 @@ def test_a_fault_on_a_minority_of_a_jobs_nodes_is_each_nodes_own() -> None:
 
 def test_a_node_loss_is_evidence_even_when_the_jobs_other_nodes_fault_too() -> None:
     core = make(("n0", "n1"), hang=100.0, cordon_faults=1)
-    run(core, T0, NodeHeartbeat("n0"), NodeHeartbeat("n1"))
-    run(core, T0 + 2.9, NodeHeartbeat("n1"))
+    run(core, T0, HeartbeatSeen("n0"), HeartbeatSeen("n1"))
+    run(core, T0 + 2.9, HeartbeatSeen("n1"))
     assert faults(tick(core, T0 + 3.5)) == [(LOST, "j", 0, "n0")]
     run(core, T0 + 3.5, exited(1, None, node="n1", signal="SIGKILL"))
     assert [d.node_id for d in tick(core, T0 + 9) if isinstance(d, CordonNode)] == ["n0"]
@@ -855,13 +855,13 @@ def test_uncordon_of_an_unknown_node_is_harmless() -> None:
 def test_next_deadline_is_the_earliest_judged_timeout() -> None:
     core = make(hang=1.5, node_timeout_s=3.0)
     assert core.next_deadline() is None
-    run(core, T0, NodeHeartbeat("n0"))
+    run(core, T0, HeartbeatSeen("n0"))
     assert core.next_deadline() == T0 + 3
     run(core, T0 + 1, progress(1))
     assert core.next_deadline() == T0 + 2.5
     run(core, T0 + 2, progress(1))
     assert core.next_deadline() == T0 + 3
-    run(core, T0 + 2.5, NodeHeartbeat("n0"))
+    run(core, T0 + 2.5, HeartbeatSeen("n0"))
     assert core.next_deadline() == T0 + 3.5
     run(core, T0 + 3, exited(1, 0))
     assert core.next_deadline() == T0 + 5.5
@@ -872,10 +872,10 @@ def test_next_deadline_is_the_earliest_judged_timeout() -> None:
 
 
 @pytest.mark.parametrize("events", [
-    [NodeHeartbeat("n0")],
+    [HeartbeatSeen("n0")],
     [progress(2)],
-    [NodeHeartbeat("n1"), progress(1)],
-    [progress(0), NodeHeartbeat("n2"), progress(1)],
+    [HeartbeatSeen("n1"), progress(1)],
+    [progress(0), HeartbeatSeen("n2"), progress(1)],
 ])
 def test_tick_at_the_next_deadline_decides_nothing_and_just_after_decides(
         events: list[Event]) -> None:
@@ -894,7 +894,7 @@ def test_tick_at_the_next_deadline_decides_nothing_and_just_after_decides(
 
 def test_silence_while_the_detector_was_blind_proves_nothing() -> None:
     core = make(("n0",), hang=2.0, node_timeout_s=3.0)
-    run(core, T0, NodeHeartbeat("n0"), ProgressReported("j", 0, 1, 0.5))
+    run(core, T0, HeartbeatSeen("n0"), ProgressReported("j", 0, 1, 0.5))
     # Disconnected from T0 to T0 + 10: the timeouts fell due meanwhile, but are not judged.
     assert run(core, T0 + 10, WatchResumed()) == []
     assert tick(core, T0 + 11.9) == []
@@ -907,24 +907,24 @@ def test_silence_while_the_detector_was_blind_proves_nothing() -> None:
 
 def test_faults_name_the_replica_last_started_in_the_slot() -> None:
     core = make(("n0", "n1"))
-    run(core, T0, RankStarted("j", 1, "n1", 11, replica_id="r1-0"),
-        RankStarted("j", 1, "n1", 12, replica_id="r1-1"))
+    run(core, T0, RankStartSeen("j", 1, "n1", 11, replica_id="r1-0"),
+        RankStartSeen("j", 1, "n1", 12, replica_id="r1-1"))
     # The first incarnation's exit arrives late: not a fault of the second.
-    assert run(core, T0 + 1, RankExited("j", 1, "n1", None, "SIGKILL", "exited",
+    assert run(core, T0 + 1, RankExitSeen("j", 1, "n1", None, "SIGKILL", "exited",
                                         replica_id="r1-0")) == []
-    [fault] = run(core, T0 + 2, RankExited("j", 1, "n1", None, "SIGKILL", "exited",
+    [fault] = run(core, T0 + 2, RankExitSeen("j", 1, "n1", None, "SIGKILL", "exited",
                                            replica_id="r1-1"))
     assert (fault.kind, fault.replica_id) == (CRASH, "r1-1")
     # A rank never started by an agent here takes the replica from its exit.
-    [fault] = run(core, T0 + 3, RankExited("j", 0, "n0", 1, None, "exited", replica_id="r0-0"))
+    [fault] = run(core, T0 + 3, RankExitSeen("j", 0, "n0", 1, None, "exited", replica_id="r0-0"))
     assert fault.replica_id == "r0-0"
 
 
 def test_a_restored_job_keeps_exits_and_replicas_and_judges_reporting_ranks_afresh() -> None:
     core = make(("n0", "n1", "n2"), hang=2.0)
-    run(core, T0, RankStarted("j", 2, "n2", 12, replica_id="r2-1"),
+    run(core, T0, RankStartSeen("j", 2, "n2", 12, replica_id="r2-1"),
         ProgressReported("j", 0, 5, 0.5), ProgressReported("j", 2, 5, 0.5),
-        RankExited("j", 1, "n1", 0, None, "exited", replica_id="r1-0"))
+        RankExitSeen("j", 1, "n1", 0, None, "exited", replica_id="r1-0"))
     assert core.take_changed() == {"j"}
     other = HealthCore(HealthPolicy())
     assert other.restore(snapshot(core.jobs["j"]), T0 + 100) == "j"
@@ -935,10 +935,10 @@ def test_a_restored_job_keeps_exits_and_replicas_and_judges_reporting_ranks_afre
     assert [(d.kind, d.rank, d.replica_id) for d in hangs] == [(HANG, 0, None),
                                                                 (HANG, 2, "r2-1")]
     # Rank 1's exit was kept: once the other two exit 0, the job is finished.
-    run(other, T0 + 103, RankExited("j", 0, "n0", 0, None, "exited"))
-    assert run(other, T0 + 104, RankExited("j", 2, "n2", 0, None, "exited")) == [FinishJob("j")]
+    run(other, T0 + 103, RankExitSeen("j", 0, "n0", 0, None, "exited"))
+    assert run(other, T0 + 104, RankExitSeen("j", 2, "n2", 0, None, "exited")) == [FinishJob("j")]
     assert other.take_changed() == {"j"} and "j" not in other.jobs
-    with pytest.raises(SnapshotError, match="not a health job snapshot"):
+    with pytest.raises(StoredStateError, match="not a health job snapshot"):
         other.restore(b"\x01", T0)
 
 
@@ -946,7 +946,7 @@ def test_while_blind_no_event_judges_a_timeout() -> None:
     """Events handled between WatchLost and WatchResumed (a report queued before the
     disconnection) never decide a timeout that fell due meanwhile."""
     core = make(("n0",), hang=2.0, node_timeout_s=3.0)
-    run(core, T0, NodeHeartbeat("n0"), ProgressReported("j", 0, 1, 0.5))
+    run(core, T0, HeartbeatSeen("n0"), ProgressReported("j", 0, 1, 0.5))
     assert run(core, T0 + 0.5, WatchLost()) == []
     assert run(core, T0 + 5, ProgressReported("j", 0, 2, 0.5)) == []  # late, but not judged
     assert core.tick(T0 + 9) == []
@@ -961,10 +961,10 @@ def test_a_lost_exit_after_the_final_report_is_a_finish_not_a_crash() -> None:
     core = make(("n0", "n1"))
     run(core, T0, ProgressReported("j", 0, 9, 0.1, final=True),
         ProgressReported("j", 1, 8, 0.1))
-    assert run(core, T0 + 1, RankExited("j", 0, "n0", None, None, "lost")) == []
+    assert run(core, T0 + 1, RankExitSeen("j", 0, "n0", None, None, "lost")) == []
     # Rank 1's last report was not final, but rank 0's was: the training is over, and
     # whatever ends rank 1 now is no failure (no fault, nothing charged).
-    assert run(core, T0 + 1, RankExited("j", 1, "n1", None, None, "lost")) == [FinishJob("j", 9)]
+    assert run(core, T0 + 1, RankExitSeen("j", 1, "n1", None, None, "lost")) == [FinishJob("j", 9)]
 
 
 def test_a_crash_after_the_training_completed_is_a_finish() -> None:

@@ -7,7 +7,7 @@ import math
 import pytest
 
 from phalanx.schemas.errors import ConfigError
-from phalanx.services.health.core import HealthPolicy
+from phalanx.services.health.model import HealthPolicy
 
 
 def test_defaults() -> None:

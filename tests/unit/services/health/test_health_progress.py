@@ -6,16 +6,16 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from phalanx.schemas.messages import RestartPolicy
-from phalanx.services.health.core import (
+from phalanx.services.health.core import HealthCore
+from phalanx.services.health.events import (
     FailJob,
     FinishJob,
-    HealthCore,
-    HealthPolicy,
     JobWatched,
     ProgressReported,
     RaiseFault,
-    RankExited,
+    RankExitSeen,
 )
+from phalanx.services.health.model import HealthPolicy
 from phalanx.services.health.progress import StepTrack
 
 T0 = 1_717_000_000.0
@@ -57,11 +57,11 @@ def test_restarts_are_progress_and_a_job_that_ends_leaves_its_last_record() -> N
     core = watched(RestartPolicy(max_app_failures=0))
     core.handle(ProgressReported("j", 0, 7, 0.1), T0 + 1)
     core.take_progress(T0 + 1, EVERY)
-    out = core.handle(RankExited("j", 1, "n1", None, "SIGKILL", "exited"), T0 + 2)
+    out = core.handle(RankExitSeen("j", 1, "n1", None, "SIGKILL", "exited"), T0 + 2)
     assert any(isinstance(d, RaiseFault) for d in out)
     [after_kill] = core.take_progress(T0 + 2, EVERY)
     assert (after_kill.step, after_kill.restarts, after_kill.app_failures) == (7, 1, 0)
-    out = core.handle(RankExited("j", 0, "n0", 1, None, "exited", detail="boom"), T0 + 2.1)
+    out = core.handle(RankExitSeen("j", 0, "n0", 1, None, "exited", detail="boom"), T0 + 2.1)
     assert any(isinstance(d, FailJob) for d in out)
     # Ended within the interval, its last record is taken all the same.
     [last] = core.take_progress(T0 + 2.1, EVERY)
@@ -73,8 +73,8 @@ def test_a_finished_job_leaves_its_final_step() -> None:
     for rank in (0, 1):
         core.handle(ProgressReported("j", rank, 10, 0.1, final=True, total_steps=10), T0 + 1)
     core.take_progress(T0 + 1, EVERY)
-    core.handle(RankExited("j", 0, "n0", 0, None, "exited"), T0 + 1.2)
-    out = core.handle(RankExited("j", 1, "n1", 0, None, "exited"), T0 + 1.3)
+    core.handle(RankExitSeen("j", 0, "n0", 0, None, "exited"), T0 + 1.2)
+    out = core.handle(RankExitSeen("j", 1, "n1", 0, None, "exited"), T0 + 1.3)
     assert FinishJob("j", 10) in out
     [last] = core.take_progress(T0 + 1.3, EVERY)
     assert (last.step, last.total_steps) == (10, 10)

@@ -8,18 +8,18 @@ and step reports at explicit times and assert on what it decides.
 from __future__ import annotations
 
 from phalanx.schemas.messages import ReasonCode, RestartPolicy
-from phalanx.services.health.core import (
+from phalanx.services.health.core import HealthCore
+from phalanx.services.health.events import (
     Decision,
     FailJob,
-    HealthCore,
-    HealthPolicy,
     JobWatched,
     ProgressReported,
     RaiseFault,
-    RankExited,
-    RankStarted,
-    snapshot,
+    RankExitSeen,
+    RankStartSeen,
 )
+from phalanx.services.health.model import HealthPolicy
+from phalanx.services.health.stored import snapshot
 
 T0 = 1_717_000_000.0
 NODES = ("n0", "n0", "n1", "n1")
@@ -37,11 +37,11 @@ def kill(core: HealthCore, at: float, *ranks: int) -> list[Decision]:
     out: list[Decision] = []
     for rank in ranks:
         node = core.jobs["j"].ranks[rank].node_id if "j" in core.jobs else "n0"
-        out += core.handle(RankExited("j", rank, node, None, "SIGKILL", "exited"), at)
+        out += core.handle(RankExitSeen("j", rank, node, None, "SIGKILL", "exited"), at)
         core.check_invariants()
     for rank in ranks:
         if "j" in core.jobs:
-            core.handle(RankStarted("j", rank, core.jobs["j"].ranks[rank].node_id, 1), at + 1)
+            core.handle(RankStartSeen("j", rank, core.jobs["j"].ranks[rank].node_id, 1), at + 1)
     return out
 
 
@@ -118,10 +118,10 @@ def test_a_survivor_failing_during_the_recovery_is_the_same_incident() -> None:
 
 def test_application_failures_keep_their_own_limit() -> None:
     core = watched(RestartPolicy(max_app_failures=1, max_restarts_in_window=5))
-    out = core.handle(RankExited("j", 0, "n0", 1, None, "exited"), T0)
+    out = core.handle(RankExitSeen("j", 0, "n0", 1, None, "exited"), T0)
     assert [d.application for d in out if isinstance(d, RaiseFault)] == [True]
     step(core, T0 + 5, 3)  # progress does not forgive the script's own failures
-    verdict = failed(core.handle(RankExited("j", 1, "n0", 1, None, "exited"), T0 + 10))
+    verdict = failed(core.handle(RankExitSeen("j", 1, "n0", 1, None, "exited"), T0 + 10))
     assert verdict is not None and verdict.reason_code is ReasonCode.APP_FAILED
 
 

@@ -3,7 +3,8 @@
 A job's ``replicas: {min, max}`` bound its size; its ``scaling`` section
 (:class:`~phalanx.schemas.messages.ScalingPolicy`) narrows the sizes in
 between and paces growth. :class:`ScalingRules` is that section as admission
-applies it:
+applies it, and elasticity reads the allowed sizes from it too (so it lives here, in the
+contract both services share, not in either of them):
 
 * **Allowed sizes.** With ``replica_increment_step`` k: ``min, min + k, ...``
   up to ``max`` (``max`` itself only if it is on that ladder). With
@@ -21,7 +22,7 @@ applies it:
   short job does not flap back and forth with a stream of them.
 
 Everything here is arithmetic on sizes; where replicas go is
-:mod:`.core`'s business.
+:mod:`phalanx.services.admission.core`'s business.
 """
 
 from __future__ import annotations

@@ -10,6 +10,9 @@ was down, or it has just started judging) passes ``watching_since``: silence
 before that proves nothing, so a node is lost only after ``lost_after_s`` of
 silence the reader could have heard — a bus outage never looks like every
 node dying.
+
+Every reader of the registry (admission, the agent, checkpoint placement, ``phalanx
+nodes`` and ``top``) applies this one rule, so it lives in the contract they share.
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ import math
 import pytest
 
 from phalanx.schemas.messages import NodeInfo, NodeRecord
-from phalanx.services.registry.core import (
+from phalanx.schemas.registry import (
     DEFAULT_LOST_AFTER_S,
     NodeState,
     NodeView,

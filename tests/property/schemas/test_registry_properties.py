@@ -6,7 +6,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from phalanx.schemas.messages import NodeInfo, NodeRecord
-from phalanx.services.registry.core import NodeState, view, views
+from phalanx.schemas.registry import NodeState, view, views
 
 SETTINGS = settings(derandomize=True, database=None, deadline=None, max_examples=200)
 

@@ -19,7 +19,10 @@ written. A reader trusts a buffer only after :func:`read_header` (CRC, magic,
 committed mark) and :func:`verify` (checksum of the contents).
 
 Torch-free on purpose: the agent reads headers (what it holds, for the
-catalog and retention) without importing torch.
+catalog and retention) and takes replicas without importing torch. The format is
+shared by the runtime (which writes buffers) and the agent (which reads, replicates
+and retains them), so it lives here, in the contract both sides import, and neither
+side imports the other.
 """
 
 from __future__ import annotations
@@ -231,7 +234,9 @@ def is_replica(path: Path) -> bool:
 def pick_buffer(headers: list[Header | None]) -> int:
     """Which of a shard's ring of buffers to overwrite: one never committed, else the one
     holding the oldest step (never the newest commit)."""
+    steps = []
     for i, header in enumerate(headers):
         if header is None:
             return i
-    return min(range(len(headers)), key=lambda i: headers[i].step)
+        steps.append(header.step)
+    return min(range(len(steps)), key=steps.__getitem__)

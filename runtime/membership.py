@@ -1,0 +1,422 @@
+"""A replica's membership: applying the job's generations between steps, and leaving.
+
+The session (:mod:`.elastic`) hears of generations and faults on the bus
+(:mod:`.inbox`); :class:`Membership` decides at each step boundary what they
+mean for this replica, and owns what follows: the generation it is a member
+of, its rank, world size and process group.
+
+* **Applying a generation** (:meth:`Membership.ensure`). A newer generation
+  this replica is in is applied at once: the old group is abandoned, the new
+  one rendezvoused (:mod:`.group`) and the state agreed on. A *planned* one (a
+  join, a leave) waits until the members agreed, in a step's all-reduce, to
+  switch after that step (:meth:`Membership.agree_to_switch`). A generation
+  superseded while it is applied is given up, and the newer one applied.
+* **Not a member.** A replica not yet taken in waits for a newer generation,
+  re-announcing itself every 2 s; one the job completes without ends with
+  :class:`JobCompletedWithoutThisReplica`; one a planned shrink takes out
+  commits the step the members switch after and ends with :class:`LeftTheJob`;
+  one dropped otherwise raises :class:`Dropped`.
+* **Agreeing on the state** after the rendezvous (:mod:`.resume`). What a
+  fault left goes into it (when the step was given up and why, for the
+  generation's trace; each survivor's kept gradient: :class:`Retained`), and
+  what it decides for the resume step (a repaired step's shares, the ranks that
+  sit it out) goes into that step's plan (:meth:`Membership.share`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import time
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+from opentelemetry import context as otel_context
+
+from phalanx.bus import telemetry
+from phalanx.runtime.data import MicroBatch
+from phalanx.runtime.group import Aborted, Group, rendezvous
+from phalanx.runtime.resume import resume
+from phalanx.schemas.messages import Generation, GenerationApplied, GenerationReason, StateSource
+
+if TYPE_CHECKING:
+    from phalanx.runtime.elastic import ElasticSession
+
+log = logging.getLogger("phalanx.runtime")
+
+
+class Dropped(RuntimeError):
+    """This replica is not a member of the job's newest generation."""
+
+
+class JobCompletedWithoutThisReplica(SystemExit):
+    """The job's last step was committed before this replica became a member.
+
+    It holds no trained state (its parameters are the initial ones), so nothing
+    after the training loop may run as if it did. Raised by
+    :meth:`~.elastic.ElasticSession.steps` after
+    :meth:`~.elastic.ElasticSession.close`: a ``SystemExit`` with status 0, so ``except
+    Exception`` does not catch it, ``finally`` blocks and context managers still run,
+    and the process ends as a successful one (the job's completion is not its failure).
+    """
+
+    def __init__(self, job_id: str, replica_id: str, step: int) -> None:
+        super().__init__(0)
+        self.job_id, self.replica_id, self.step = job_id, replica_id, step
+
+    def __str__(self) -> str:
+        return (f"{self.job_id} completed (step {self.step}) before {self.replica_id} "
+                "became a member: it holds no trained state")
+
+
+class LeftTheJob(SystemExit):
+    """This replica left the job in a planned shrink, after the step the members switched
+    at (it committed it, like everyone else).
+
+    Raised by :meth:`~.elastic.ElasticSession.steps` after
+    :meth:`~.elastic.ElasticSession.close`: a ``SystemExit`` with status 0 — the replica
+    did its part — so code after the training loop (a save, an evaluation of the final
+    model) does not run on a process that holds the state of a step the job has since
+    gone past.
+    """
+
+    def __init__(self, job_id: str, replica_id: str, step: int, generation: int) -> None:
+        super().__init__(0)
+        self.job_id, self.replica_id = job_id, replica_id
+        self.step, self.generation = step, generation
+
+    def __str__(self) -> str:
+        return (f"{self.replica_id} left {self.job_id} after step {self.step}: generation "
+                f"{self.generation} goes on without it")
+
+
+@dataclasses.dataclass(frozen=True)
+class MembershipChange:
+    """Passed to ``on_membership`` after each generation is applied."""
+
+    generation: int
+    world_size: int
+    rank: int
+    resume_step: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Retained:
+    """A step's local gradient kept when its all-reduce was aborted, to be reused."""
+
+    step: int
+    generation: Generation  # the one the step was attempted in
+    gradient: torch.Tensor  # this rank's summed share, not yet all-reduced
+    indices: list[int]  # the samples it covers
+    metrics: torch.Tensor  # their share of the loss and of the script's metrics (float64)
+
+
+#: How a replica's log line of an applied generation names a state that came from a tier.
+_FROM = {StateSource.MEMORY: " (restored from the nodes' memory)",
+         StateSource.BUDDY: " (restored from the nodes' memory and buddy replicas)",
+         StateSource.DURABLE: " (restored from durable storage)",
+         StateSource.OLDER: " (the step the job had reached was lost: trained again)",
+         StateSource.START: " (the job's state was lost: from the start)"}
+
+
+class Membership:
+    """The generation a session's replica is a member of, its rank, world size and group.
+
+    Owned by its :class:`~.elastic.ElasticSession`, whose configuration, training state
+    (model, optimizer, registered objects, ``committed``), inbox, record and bus it uses;
+    a state copy or a restore moves the session's ``committed``.
+    """
+
+    def __init__(self, session: ElasticSession) -> None:
+        self.session = session
+        self.generation: Generation | None = None
+        # None while not a member (never taken in, or dropped): such a replica holds no
+        # trained state, and `rank == 0` must not single it out to save.
+        self.rank: int | None = 0 if session.bus is None else None
+        self.world_size = 1
+        self.pg: Group | None = None
+        #: For the optimizer state a joiner receives (set when it joins a running job).
+        self.landing: list[torch.Tensor] = []
+        self._store: dist.TCPStore | None = None
+        self._stores: dict[str, dist.Store] = {}
+        self._switch_agreed = False  # the last all-reduce said: switch to the next generation
+        self._applied: GenerationApplied | None = None  # to report after the next commit
+        self._restored_from = StateSource.MEMBERS  # where the last applied state came from
+        # The step given up last, when and why: a span of the generation that ends the wait.
+        self._aborted: tuple[int, int, str] | None = None
+        self._retained: Retained | None = None  # from an aborted step
+        # A repaired step: (step, this rank's plan, its kept gradient if it has one).
+        self._repair: tuple[int, list[MicroBatch], Retained | None] | None = None
+        # The first step after a state copy: (step, the ranks that compute it).
+        self._sitting_out: tuple[int, list[int]] | None = None
+
+    def host_store(self) -> str:
+        """Host this replica's store (a generation rendezvouses on its rank 0's): the
+        endpoint peers reach it at, ``<host>:<port>``."""
+        self._store = dist.TCPStore("0.0.0.0", 0, is_master=True, wait_for_workers=False,
+                                    timeout=self.session.timeout, use_libuv=True)
+        host = os.environ.get("PHALANX_ADVERTISE_HOST", "127.0.0.1")
+        return f"{host}:{self._store.port}"
+
+    # --- at a step boundary --------------------------------------------------------------
+
+    def ensure(self, total_steps: int) -> bool:
+        """Apply a pending generation, waiting for one if this rank has none usable.
+
+        Returns False when the job completed before this replica became a member.
+        """
+        s = self.session
+        while True:
+            newest, context = s._inbox.newest()
+            finished = s._inbox.finished_step
+            if s.bus is None:
+                return True  # alone: world size 1, no process group
+            if self.generation is None and finished >= total_steps:
+                return False
+            planned = newest is not None and newest.reason in (GenerationReason.JOIN,
+                                                                 GenerationReason.LEAVE)
+            if self.generation is not None and self.pg is not None and (
+                    newest is None or newest.generation == self.generation.generation
+                    or (planned and not self._switch_agreed)):
+                # A join or a leave waits until every member has seen it (the flag in the
+                # all-reduce).
+                return True
+            if newest is not None and (self.generation is None
+                                       or newest.generation > self.generation.generation):
+                if self._switch_agreed and s._sharded is not None and self.pg is not None:
+                    self._hand_over()
+                if newest.member(s.replica_id) is None:
+                    if self.generation is not None and newest.reason is GenerationReason.LEAVE \
+                            and self._switch_agreed:
+                        self._leave(newest)
+                    if self.generation is not None:
+                        self.rank = None  # its state is no longer the job's
+                        raise Dropped(f"{s.replica_id} is not a member of generation "
+                                      f"{newest.generation} of {s.job_id}")
+                else:
+                    try:
+                        self._apply(newest, context)
+                        return True
+                    except Aborted as exc:  # anything else is a bug: the rank crashes
+                        log.warning("generation %d not applied: %s", newest.generation, exc)
+                        self.abandon()
+                        if newest.generation == s._inbox.newest_number():
+                            self.wait_for_newer(newest.generation, total_steps)
+                        continue
+            # Here the newest generation is this replica's own, or one it is not in (and it
+            # never was a member): wait for a newer one than that.
+            self.wait_for_newer(-1 if newest is None else newest.generation, total_steps)
+
+    def wait_for_newer(self, than: int, total_steps: int) -> None:
+        """Wait for a generation newer than ``than`` (a non-member re-announces itself)."""
+        s = self.session
+        last_announce = time.monotonic()
+        while s._inbox.newest_number() <= than:
+            if self.generation is None and s._inbox.finished_step >= total_steps:
+                return
+            s._inbox.sleep(0.5)
+            s._heartbeat()
+            if self.generation is None and time.monotonic() - last_announce > 2.0:
+                s._announce()  # elasticity may have restarted: say it again
+                last_announce = time.monotonic()
+
+    def leave_without_joining(self) -> None:
+        """The job completed before this replica became a member: end the process (status
+        0) without returning into the script, whose post-training code would otherwise
+        treat the untrained parameters as the result."""
+        s = self.session
+        finished = s._inbox.finished_step
+        completed = JobCompletedWithoutThisReplica(s.job_id, s.replica_id, finished)
+        log.info("%s", completed)
+        if s._record is not None:
+            s._record.write(kind="left", step=finished)
+        s.close()
+        raise completed
+
+    def _leave(self, generation: Generation) -> None:
+        """A planned shrink took this replica out: it committed the step the members switched
+        after; end the process with status 0 (its agent frees the slot when it exits)."""
+        s = self.session
+        left = LeftTheJob(s.job_id, s.replica_id, s.committed - 1, generation.generation)
+        log.info("%s", left)
+        self.rank = None  # the job goes on without it: it is nobody's primary
+        if s._record is not None:
+            s._record.write(kind="left", step=s.committed, generation=generation.generation,
+                            planned=True)
+        s.close()
+        raise left
+
+    def _hand_over(self) -> None:
+        """A planned change with a sharded optimizer: before the members switch (and the
+        leaving ones go), every member of the old generation gathers the consolidated
+        optimizer state, to be re-partitioned in the new one. Cut short by a fault, the
+        members hold only their partitions, and the new generation restores a snapshot."""
+        sharded = self.session._sharded
+        assert sharded is not None and self.pg is not None
+        try:
+            sharded.gather(self.pg, self.session._wait)
+        except Aborted as exc:
+            log.warning("the optimizer's partitions were not handed over: %s", exc)
+            sharded.full = None
+            self.abandon()
+
+    # --- from a step -----------------------------------------------------------------------
+
+    def share(self, index: int) -> tuple[list[MicroBatch], Retained | None]:
+        """Step ``index``'s micro-batches for this rank, and a repaired step's kept share."""
+        s = self.session
+        order = s.order
+        epoch, in_epoch = divmod(index, order.steps_per_epoch)
+        if self._repair is not None and self._repair[0] == index:
+            _, plan, kept = self._repair
+            self._repair = None
+            return plan, kept
+        if self._sitting_out is not None and self._sitting_out[0] == index:
+            active = self._sitting_out[1]
+            self._sitting_out = None
+            if self.rank not in active:
+                return [], None
+            return order.plan(epoch, in_epoch, len(active), active.index(self.rank),
+                              s.micro_batch_size, aligned=s.deterministic), None
+        assert self.rank is not None  # a step is planned only for a member
+        return order.plan(epoch, in_epoch, self.world_size, self.rank, s.micro_batch_size,
+                          aligned=s.deterministic), None
+
+    def seen_newer(self) -> float:
+        """1.0 if this member has seen a newer generation (its part of a step's flag)."""
+        assert self.generation is not None  # asked in a step's all-reduce: within one
+        return 1.0 if self.session._inbox.newest_number() > self.generation.generation else 0.0
+
+    def agree_to_switch(self) -> None:
+        """A step's all-reduce said a member has seen a newer generation: every member
+        switches after this step (waiting here for the generation if it has not come)."""
+        assert self.generation is not None
+        self._switch_agreed = True
+        if self.session._inbox.newest_number() <= self.generation.generation:
+            self.wait_for_newer(self.generation.generation, self.session._total_steps)
+
+    def give_up(self, step: int, why: Aborted, kept: Retained | None = None) -> None:
+        """A fault aborted ``step``: abandon the group, and keep for the next generation
+        when and why (its trace) and this rank's gradient, if ``kept`` (its repair)."""
+        self._aborted = (step, time.time_ns(), str(why))
+        if kept is not None:
+            self._retained = kept
+        self.abandon()
+
+    def take_applied(self) -> GenerationApplied | None:
+        """The applied generation not yet reported (once its first step is committed)."""
+        applied, self._applied = self._applied, None
+        return applied
+
+    def abandon(self) -> None:
+        # gloo: kept, not aborted or destroyed (a group whose work is still blocked on a dead
+        # peer must be left to its own timeout; abort() makes its exit std::terminate).
+        # NCCL: aborted, its kernels hold the device (:meth:`.group.Waits.abandon`).
+        if self.pg is not None:
+            self.session._waits.abandon(self.pg)
+        self.pg = None
+
+    # --- applying a generation -----------------------------------------------------------
+
+    def _trace_abort(self, generation: Generation, received_ns: int) -> None:
+        """The last step given up, as the first recovery phase in ``generation``'s trace:
+        from the abort until this replica starts applying the generation."""
+        if self._aborted is None:
+            return
+        step, aborted_ns, why = self._aborted
+        self._aborted = None
+        span = telemetry.tracer().start_span("abort step", start_time=aborted_ns, attributes={
+            "phalanx.job": self.session.job_id, "phalanx.replica": self.session.replica_id,
+            "phalanx.step": step, "phalanx.generation": generation.generation,
+            "phalanx.abort.cause": why})
+        span.end(end_time=max(aborted_ns, received_ns))
+
+    def _apply(self, generation: Generation, context: Any) -> None:
+        """Rebuild the process group for ``generation`` and agree on the state."""
+        s = self.session
+        received = time.time()
+        token = otel_context.attach(context) if context is not None else None
+        try:
+            self._trace_abort(generation, int(received * 1e9))
+            with telemetry.tracer().start_as_current_span(
+                    f"apply generation {generation.generation}", attributes={
+                        "phalanx.job": s.job_id, "phalanx.replica": s.replica_id,
+                        "phalanx.generation": generation.generation,
+                        "phalanx.reason": generation.reason.value,
+                        "phalanx.world_size": generation.world_size}) as applying:
+                self.abandon()
+                if s._snapshots is not None:
+                    s._snapshots.fence()  # a restore or a copy writes the state
+                member = generation.member(s.replica_id)
+                assert member is not None
+                with telemetry.tracer().start_as_current_span("rebuild process group"):
+                    pg = self._rendezvous(generation, member.rank)
+                built = time.time()
+                self.pg, self.generation = pg, generation
+                self._switch_agreed = False
+                self.rank, self.world_size = member.rank, generation.world_size
+                s._inbox.forget_faults(generation)
+                with telemetry.tracer().start_as_current_span("copy state") as copying:
+                    resume, nbytes = self._resume(generation)
+                    copying.set_attribute("phalanx.state_bytes", nbytes)
+                if s._sharded is not None:
+                    s._sharded.repartition(self.rank, self.world_size)
+                synced = time.time()
+                applying.set_attributes({"phalanx.rank": member.rank,
+                                         "phalanx.resume_step": resume})
+        finally:
+            if token is not None:
+                otel_context.detach(token)
+        if s._record is not None:
+            s._record.write(kind="generation", generation=generation.generation,
+                            reason=generation.reason.value, rank=self.rank,
+                            world_size=self.world_size, received=received, built=built,
+                            synced=synced, resume=resume, state_bytes=nbytes,
+                            restored_from=self._restored_from.value)
+        # Reported once the first step in the generation is committed: elasticity starts
+        # replacements only then, so their start-up does not slow the survivors' recovery.
+        self._applied = GenerationApplied(
+            job_id=s.job_id, generation=generation.generation, replica_id=s.replica_id,
+            committed_step=s.committed, resume_step=resume, rebuild_s=built - received,
+            state_copy_s=synced - built, state_bytes=nbytes, restored_from=self._restored_from)
+        if s._progress is not None:
+            s._progress.generation = generation.generation
+        # In the replica's log (the agent's file for its output): where membership changed.
+        print(f"=== phalanx: generation {generation.generation} ({generation.reason.value}"
+              f"{': ' + generation.cause if generation.cause else ''}): {s.replica_id} is "
+              f"rank {self.rank} of {self.world_size}, resuming after step {resume}"
+              f"{_FROM.get(self._restored_from, '')}", flush=True)
+        if s.on_membership is not None:
+            s.on_membership(MembershipChange(generation.generation, self.world_size,
+                                             self.rank, resume))
+
+    def _rendezvous(self, generation: Generation, rank: int) -> Group:
+        """The group of ``generation`` (the session's ``backend``), given up at once if it
+        is superseded meanwhile (its rank 0 died, say) or the job ends before this replica
+        gets in."""
+        s = self.session
+
+        def give_up() -> str | None:
+            if s._inbox.newest_number() > generation.generation:
+                return f"generation {generation.generation} was superseded"
+            if self.generation is None and s._inbox.finished_step >= s._total_steps:
+                return "the job finished before this replica joined"
+            return None
+
+        assert self._store is not None
+        return rendezvous(s._waits, self._stores, (s.replica_id, self._store),
+                          generation, rank, s.timeout, give_up, s.backend, s.device)
+
+    def _resume(self, generation: Generation) -> tuple[int, int]:
+        """Agree on the state ``generation`` resumes from (:mod:`.resume`), handing it what
+        a fault left and keeping what it decides for the first step: the resume step and
+        the state bytes this rank sent or received."""
+        landing, self.landing = self.landing, []  # used by this copy or never
+        retained, self._retained = self._retained, None
+        self._repair = self._sitting_out = None
+        resumed = resume(self.session, generation, retained, landing)
+        self._restored_from = resumed.origin
+        self._repair, self._sitting_out = resumed.repair, resumed.sitting_out
+        return resumed.step, resumed.nbytes

@@ -1,0 +1,294 @@
+"""The session's side of a step: its batches, the gradient all-reduce, the update, the boundary.
+
+A :class:`~.step.Step` is what the script iterates; what it asks of the
+session, :class:`StepRunner` does, in the step's order:
+
+* **Batches.** The rank's micro-batches (:meth:`.membership.Membership.share`)
+  are read lazily, through the session's ``DataLoader`` or the dataset's own
+  ``batch``.
+* **Reduce.** Normally the gradient all-reduce runs in buckets that the
+  parameters' post-accumulate hooks start during the last micro-batch's
+  backward (:meth:`StepRunner.arm`, :mod:`.reduce`); the buckets of a completed
+  all-reduce are lent to the next one. In deterministic mode each micro-batch's
+  gradient is folded into a float64 sum, all-reduced whole and rounded once.
+  Either way a float64 *tail* rides along: the step's loss and metrics, this
+  member's snapshot measurements and whether it has seen a newer generation
+  (any member that has makes every member switch after the step). An aborted
+  all-reduce keeps this rank's gradient for the repair
+  (:class:`~.membership.Retained`) and gives the group up.
+* **Apply.** ``optimizer.step()``; a sharded optimizer's broadcast of the
+  updated parameters is abortable (a torn step is not committed).
+* **Boundary.** A committed step is snapshotted, recorded and reported when the
+  script next asks for a step, the loop ends or the session closes
+  (:meth:`StepRunner.finish_commit`), so that what the script does after
+  ``commit()`` returns (a scheduler's step) is part of the step.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any
+
+import msgspec
+import torch
+
+from phalanx.runtime.data import MicroBatch
+from phalanx.runtime.group import Aborted
+from phalanx.runtime.membership import Membership, Retained
+from phalanx.runtime.reduce import (
+    BucketedReduce,
+    bucket_plan,
+    flat_gradients,
+    write_gradients,
+)
+from phalanx.runtime.snapshot_interval import TAIL_LENGTH
+from phalanx.schemas import subjects
+
+if TYPE_CHECKING:
+    from phalanx.runtime.elastic import ElasticSession
+    from phalanx.runtime.step import Step
+
+log = logging.getLogger("phalanx.runtime")
+
+
+class StepRunner:
+    """What a session's steps ask of it: owned by the session, in its ``membership``.
+
+    It moves the session's ``committed`` and ``last_step_s`` as steps commit.
+    """
+
+    def __init__(self, session: ElasticSession, membership: Membership) -> None:
+        self.session = session
+        self.membership = membership
+        self._accumulated: torch.Tensor | None = None  # float64 gradient sum (deterministic)
+        self._reduce: BucketedReduce | None = None  # the step's all-reduce, once armed
+        self._buckets: list[list[int]] | None = None
+        # The buckets of the last completed all-reduce, reused; dropped after an abort.
+        self._bucket_buffers: list[torch.Tensor] | None = None
+        # The committed step whose snapshot, record and report wait for the boundary after
+        # the script's post-commit code: (step, commit time, the step time before, the
+        # commit before).
+        self._boundary: tuple[Step, float, float, float | None] | None = None
+        self._last_commit_at: float | None = None  # perf_counter of this process's last commit
+
+    def params(self) -> list[torch.nn.Parameter]:
+        """The parameters that train (the ones the gradients are of)."""
+        return [p for p in self.session.model.parameters() if p.requires_grad]
+
+    def load(self, plan: list[MicroBatch]) -> Iterator[Any]:
+        """The batches of ``plan``'s micro-batches, in order (lazily)."""
+        session = self.session
+        if session._loader is None:  # the dataset's own gather
+            return (session.dataset.batch(mb.indices) for mb in plan)
+        return session._loader.batches(plan)
+
+    # --- reduce --------------------------------------------------------------------------
+
+    def fold(self) -> None:
+        """Deterministic mode: add the micro-batch's gradient to the float64 sum."""
+        flat = flat_gradients(self.params(), torch.float64)
+        self._accumulated = flat if self._accumulated is None else self._accumulated + flat
+        self.session.optimizer.zero_grad(set_to_none=False)
+
+    def arm(self, step: Step) -> None:
+        """Before the step's last backward: let the hooks start the all-reduce as it runs."""
+        if not self.session.deterministic and self.membership.pg is not None:
+            self._reduce = self._bucketed(step)
+
+    def allreduce(self, step: Step) -> bool:
+        """Sum gradients and metrics over the members; False if the step was aborted.
+
+        On success ``step.loss`` and ``step.metrics`` hold the sums over the ranks.
+        """
+        session, membership = self.session, self.membership
+        snapshots = session._snapshots
+        params = self.params()
+        kept = step.kept.gradient if step.kept is not None else None
+        metrics = step.local_metrics()
+        reduce = self._reduce
+        self._reduce = None
+
+        def tail() -> torch.Tensor:
+            # Then this member's snapshot measurements (every member agrees on the interval
+            # from their sums), and how many members have seen a newer (join) generation.
+            measured = [0.0] * TAIL_LENGTH if snapshots is None else snapshots.schedule.tail()
+            return torch.cat([metrics, torch.tensor([*measured, membership.seen_newer()],
+                                                    dtype=torch.float64)])
+
+        if session.deterministic or membership.pg is None:
+            if session.deterministic:
+                local = self._accumulated if self._accumulated is not None else torch.zeros(
+                    sum(p.numel() for p in params), dtype=torch.float64, device=session.device)
+                self._accumulated = None
+            else:
+                local = flat_gradients(params)
+            if kept is not None:  # a repaired step: this rank's share from the aborted try
+                local = local + kept
+            if membership.pg is None:
+                write_gradients(params, local)
+                step.reduced(metrics)
+                return True
+            flat = torch.cat([local.to(torch.float64), tail().to(local.device)])
+            run = self._reduce_whole(flat, len(metrics) + TAIL_LENGTH + 1, step)
+            local_gradient = (lambda: local)  # noqa: E731  (already at hand)
+        else:
+            reduce = reduce or self._bucketed(step, tail)  # not armed: no micro-batch here
+            reduce.tail = tail
+            run = (lambda: reduce.finish(session._wait))  # noqa: E731
+            local_gradient = reduce.local_gradient
+        generation = membership.generation
+        assert generation is not None  # a group exists only within a generation
+        try:
+            summed = run()
+        except Aborted as exc:
+            log.warning("step %d aborted: %s", step.index, exc)
+            membership.give_up(step.index, exc, Retained(step.index, generation,
+                                                         local_gradient(), step.indices,
+                                                         metrics))
+            return False
+        if reduce is not None:
+            self._bucket_buffers = reduce.flats  # given back: the all-reduce completed
+        step.reduced(summed[:len(metrics)])
+        if snapshots is not None:
+            snapshots.schedule.agree(summed[len(metrics):-1].tolist())
+        if summed[-1] > 0:
+            membership.agree_to_switch()
+        return True
+
+    def _reduce_whole(self, flat: torch.Tensor, tail: int,
+                      step: Step) -> Callable[[], torch.Tensor]:
+        """One all-reduce of the whole flat gradient and the ``tail`` last elements
+        (deterministic mode)."""
+        session = self.session
+        pg = self.membership.pg
+        assert pg is not None
+
+        def run() -> torch.Tensor:
+            work = pg.allreduce([flat])
+            if session.chaos_kill == (step.index, "allreduce"):
+                threading.Timer(0.005, session._chaos_kill).start()
+            session._wait(work)
+            write_gradients(self.params(), flat)  # rounds float64 sums once
+            return flat[-tail:]
+
+        return run
+
+    def _bucketed(self, step: Step,
+                  tail: Callable[[], torch.Tensor] | None = None) -> BucketedReduce:
+        """A bucketed all-reduce for ``step``, started by the gradient hooks as backward runs."""
+        session = self.session
+        assert self.membership.pg is not None
+        params = self.params()
+        if self._buckets is None:
+            self._buckets = bucket_plan(params)
+            for i, p in enumerate(params):
+                p.register_post_accumulate_grad_hook(
+                    lambda _, i=i: self._reduce.gradient_ready(i) if self._reduce else None)
+        reduce = BucketedReduce(self.membership.pg, params, self._buckets,
+                                step.kept.gradient if step.kept is not None else None,
+                                tail or (lambda: torch.zeros(0)), self._bucket_buffers)
+        # Lent to this step's all-reduce; an aborted one never gives them back (its gloo
+        # threads may still write into them), so the next step allocates new ones.
+        self._bucket_buffers = None
+        if session.chaos_kill == (step.index, "allreduce"):
+            reduce.on_first_launch = lambda: threading.Timer(0.005, session._chaos_kill).start()
+        return reduce
+
+    # --- apply and commit ----------------------------------------------------------------
+
+    def update(self, step: Step) -> bool:
+        """The optimizer step; False if a fault cut a sharded optimizer's broadcast of the
+        updated parameters short (the step is torn: it is not committed, and the members
+        hold no complete step until they restore one)."""
+        session = self.session
+        if session._snapshots is not None:
+            session._snapshots.fence()  # a snapshot copied off the device is not overwritten
+        dies = session.chaos_kill == (step.index, "update")
+        if session._sharded is None:
+            session.optimizer.step()
+            if dies:
+                session._chaos_kill()
+            return True
+        try:
+            session._sharded.step(self.membership.pg, session._wait,
+                                  session._chaos_kill if dies else None)
+            return True
+        except Aborted as exc:
+            log.warning("step %d's parameter broadcast aborted: %s", step.index, exc)
+            self.membership.give_up(step.index, exc)
+            return False
+
+    def _generation_number(self) -> int:
+        generation = self.membership.generation
+        return generation.generation if generation is not None else 0
+
+    def record_batch(self, step: Step) -> None:
+        """The record's line of what ``step`` trained on (before its gradients leave)."""
+        record = self.session._record
+        if record is not None:
+            record.write(
+                kind="batch", step=step.index, generation=self._generation_number(),
+                rank=self.membership.rank, world_size=self.membership.world_size,
+                indices=step.indices, loss=float(step.local_metrics()[0]),
+                kept=0 if step.kept is None else len(step.kept.indices))
+
+    def committed(self, step: Step, now: float) -> None:
+        """``step`` is committed (its optimizer step applied at ``now``). What the script
+        does after ``commit()`` returns (a scheduler's step, an EMA's update, a counter) is
+        part of the step too, so the step is snapshotted, recorded and reported at the
+        *boundary*: when the script next asks for a step, the loop ends, or the session is
+        closed (:meth:`finish_commit`)."""
+        session = self.session
+        session.committed = step.index + 1
+        step_before, previous = session.last_step_s, self._last_commit_at
+        session.last_step_s, self._last_commit_at = now - step.started, now
+        self._boundary = (step, now, step_before, previous)
+
+    def forget_boundary(self) -> None:
+        """The script failed after its last commit: no boundary to keep (nothing snapshots
+        or reports a step whose post-commit code did not complete)."""
+        self._boundary = None
+
+    def finish_commit(self) -> None:
+        """At the boundary after a committed step: snapshot the whole training state (the
+        model, the optimizer and every registered object as the script left them), record,
+        report. The snapshot comes first: a step reported committed is in memory."""
+        if self._boundary is None:
+            return
+        session, membership = self.session, self.membership
+        step, now, step_before, previous = self._boundary
+        self._boundary = None
+        extra: dict[str, Any] = {} if step.updated else {"skipped": True}
+        snapshots = session._snapshots
+        if snapshots is not None:
+            snapshot_s = None
+            if snapshots.due(session.committed):
+                # A member's.
+                assert membership.generation is not None and membership.rank is not None
+                if snapshots.take(session.model, session._optimizer_state, session._state,
+                                  session.committed, membership.generation.generation,
+                                  membership.rank, membership.world_size):
+                    snapshot_s = extra["snapshot_s"] = snapshots.last_copy_s
+            # The interval the members agreed on in this step (bench/snapshot.py reads both).
+            extra["snapshot_every"] = snapshots.schedule.interval
+            snapshots.schedule.measured(
+                session.last_step_s, None if snapshots.last_was_first else snapshot_s)
+        if session._record is not None:
+            session._record.write(kind="commit", step=step.index,
+                                  generation=self._generation_number(), rank=membership.rank,
+                                  **step.timings(now), **extra)
+        if session._progress is not None:
+            session._progress.report(session.committed, session.last_step_s,
+                                     final=session.committed == session._total_steps)
+        applied = membership.take_applied()
+        if applied is not None and session.bus is not None:
+            # What the change cost this member: the gap between its commits around it,
+            # beyond the step it took before (a joiner had no commit before it).
+            pause = None if previous is None else max(0.0, now - previous - step_before)
+            applied = msgspec.structs.replace(applied, committed_step=session.committed,
+                                              pause_s=pause)
+            session.bus.publish_event(
+                subjects.generation_applied(session.job_id), applied,
+                f"{session.job_id}-{session.replica_id}-g{applied.generation}-applied")

@@ -1,0 +1,25 @@
+"""Replica ids: the name of the process that runs in one slot of a job.
+
+A slot's first replica is ``r<slot>-0``; elasticity names each replacement with
+the slot's next *incarnation* (``r<slot>-1``, ``r<slot>-2`` …). The node agent
+launches replicas by these names and refuses one older than the slot's last
+(:func:`phalanx.services.agent.core.launch_verdict`), so both sides must write and
+read the name the same way: they take it from here, not from each other. Pure.
+"""
+
+from __future__ import annotations
+
+import re
+
+_REPLICA = re.compile(r"r(\d+)-(\d+)")
+
+
+def replica_id(slot: int, incarnation: int) -> str:
+    """The id of ``slot``'s replica number ``incarnation`` (0: the slot's first)."""
+    return f"r{slot}-{incarnation}"
+
+
+def incarnation(replica: str) -> int | None:
+    """The incarnation number of ``r<slot>-<incarnation>``; None for any other name."""
+    match = _REPLICA.fullmatch(replica)
+    return int(match[2]) if match else None

@@ -1,0 +1,177 @@
+"""``phalanx nodes``, ``top``, ``node cordon|uncordon`` and ``chaos``: the cluster's nodes
+as the registry holds them, the live view of nodes, jobs and events, taking a node out of
+(or back into) placement, and faults injected through the agents.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import sys
+import time
+
+from phalanx.services.cli.common import EXIT_FAILED, Parents, Subparsers, bus_config, with_client
+
+
+async def read_nodes(args: argparse.Namespace):
+    """The registry's nodes as seen now (lost after ``--lost-after``), and the entries it
+    could not read."""
+    from phalanx.bus.client import Bus
+    from phalanx.bus.kv import TypedKV
+    from phalanx.schemas import subjects
+    from phalanx.schemas.messages import NodeRecord
+    from phalanx.schemas.registry import views
+
+    async with await Bus.connect(bus_config(args), name="phalanx-cli") as bus:
+        nodes = await TypedKV.open(bus.js, subjects.NODES_BUCKET, NodeRecord)
+        entries, errors = await nodes.entries()
+    return views((e.value for e in entries), time.time(), args.lost_after), errors
+
+
+def _node_rows(nodes) -> list[dict]:
+    return [{
+        "node_id": n.node_id, "state": n.state.value, "slots": n.slots,
+        "slots_used": n.slots_used, "failure_domain": n.failure_domain, "labels": n.labels,
+        "cordoned": n.cordoned, "heartbeat_age_s": round(n.heartbeat_age_s, 3),
+        "host": n.host, "agent_pid": n.agent_pid,
+    } for n in nodes]
+
+
+def cmd_nodes(args: argparse.Namespace) -> int:
+    from rich.console import Console
+
+    from phalanx.services.tables import node_table
+
+    nodes, errors = asyncio.run(read_nodes(args))
+    for error in errors:
+        print(f"warning: skipped a registry entry: {error}", file=sys.stderr)
+    if args.json:
+        print(json.dumps(_node_rows(nodes), indent=2))
+    else:
+        Console().print(node_table(nodes))
+    return 0
+
+
+def cmd_top(args: argparse.Namespace) -> int:
+    """Nodes, jobs and the latest events, redrawn as the bus reports changes."""
+    from rich.console import Console
+    from rich.live import Live
+
+    from phalanx.bus.client import Bus
+    from phalanx.services import top
+
+    console = Console()
+
+    async def run() -> None:
+        async with await Bus.connect(bus_config(args), name="phalanx-top") as bus:
+            if args.once:
+                console.print(top.render(await top.snapshot(bus), time.time(),
+                                         args.lost_after))
+                return
+            with Live(console=console, auto_refresh=False, screen=True) as view:
+                await top.live(bus, lambda board: view.update(
+                    top.render(board, time.time(), args.lost_after), refresh=True))
+
+    with contextlib.suppress(KeyboardInterrupt):
+        asyncio.run(run())
+    return 0
+
+
+async def _agent_request(args: argparse.Namespace, node_id: str, request):
+    from phalanx.bus.client import Bus
+    from phalanx.schemas import subjects
+    from phalanx.schemas.messages import ChaosReply
+
+    async with await Bus.connect(bus_config(args), name="phalanx-cli") as bus:
+        return await bus.request(subjects.agent_chaos(node_id), request, ChaosReply,
+                                 timeout_s=5.0)
+
+
+def cmd_chaos(args: argparse.Namespace) -> int:
+    from phalanx.schemas.messages import ChaosAction, ChaosRequest
+
+    if args.action == "kill-rank":
+        record = asyncio.run(with_client(args, lambda c: c.job(args.job)))
+        # The rank is a slot number: slots keep their numbers when a placement shrinks or
+        # grows, so the node is the slot's, not the list position's.
+        node = None if record is None else record.placement().get(args.rank)
+        if node is None:
+            print(f"phalanx chaos: {args.job!r} has no running rank {args.rank}",
+                  file=sys.stderr)
+            return EXIT_FAILED
+        request = ChaosRequest(action=ChaosAction.KILL_RANK, job_id=args.job, rank=args.rank,
+                               signal=args.signal)
+    else:
+        node = args.node
+        action = ChaosAction.KILL_AGENT if args.action == "kill-agent" else \
+            ChaosAction.PAUSE_AGENT
+        request = ChaosRequest(action=action, duration_s=args.seconds)
+    reply = asyncio.run(_agent_request(args, node, request))
+    print(f"{reply.node_id}: {reply.detail}")
+    return 0
+
+
+def cmd_node(args: argparse.Namespace) -> int:
+    """Cordon or uncordon a node: no new placements while cordoned; health is told."""
+    import msgspec
+
+    from phalanx.bus.client import Bus
+    from phalanx.bus.kv import TypedKV
+    from phalanx.schemas import subjects
+    from phalanx.schemas.messages import NodeCondition, NodeConditionChanged, NodeRecord
+
+    cordon = args.action == "cordon"
+
+    async def change() -> None:
+        async with await Bus.connect(bus_config(args), name="phalanx-cli") as bus:
+            nodes = await TypedKV.open(bus.js, subjects.NODES_BUCKET, NodeRecord)
+
+            def flip(record: NodeRecord | None) -> NodeRecord:
+                if record is None:
+                    raise LookupError(f"no node {args.node!r} in the registry")
+                return msgspec.structs.replace(record, cordoned=cordon)
+
+            await nodes.modify(args.node, flip)
+            await bus.publish(subjects.node_condition(args.node), NodeConditionChanged(
+                node_id=args.node, reason=f"{args.action} by operator", at=time.time(),
+                condition=NodeCondition.CORDONED if cordon else NodeCondition.UNCORDONED))
+
+    try:
+        asyncio.run(change())
+    except LookupError as exc:
+        print(f"phalanx node: {exc.args[0]}", file=sys.stderr)
+        return EXIT_FAILED
+    print(f"{args.node}: {'cordoned' if cordon else 'uncordoned'}")
+    return 0
+
+
+def add_parsers(sub: Subparsers, parents: Parents) -> None:
+    common, lost_after = parents
+    nodes = sub.add_parser("nodes", parents=[common, lost_after], help="list registered nodes")
+    nodes.add_argument("--json", action="store_true")
+    nodes.set_defaults(func=cmd_nodes)
+
+    top = sub.add_parser("top", parents=[common, lost_after],
+                         help="live view of nodes, jobs and the latest events")
+    top.add_argument("--once", action="store_true", help="print one frame and exit")
+    top.set_defaults(func=cmd_top)
+
+    node = sub.add_parser("node", parents=[common], help="cordon or uncordon a node")
+    node.add_argument("action", choices=["cordon", "uncordon"])
+    node.add_argument("node")
+    node.set_defaults(func=cmd_node)
+
+    chaos = sub.add_parser("chaos", help="inject faults through the agents")
+    chaos_sub = chaos.add_subparsers(dest="action", required=True)
+    kill_rank = chaos_sub.add_parser("kill-rank", parents=[common])
+    kill_rank.add_argument("job")
+    kill_rank.add_argument("rank", type=int)
+    kill_rank.add_argument("--signal", default="KILL", choices=["KILL", "STOP", "TERM", "CONT"])
+    for name in ("kill-agent", "pause-agent"):
+        node_chaos = chaos_sub.add_parser(name, parents=[common])
+        node_chaos.add_argument("node")
+        node_chaos.add_argument("--seconds", type=float, default=5.0,
+                                help="pause-agent: how long the agent stays stopped")
+    chaos.set_defaults(func=cmd_chaos)

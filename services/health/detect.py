@@ -1,0 +1,152 @@
+"""Detection by time and by comparison: hangs, lost nodes, stragglers, blindness. Pure.
+
+Rules 3, 4, 5 and 7 of :mod:`.core`. :func:`due` judges, in time order, every timeout
+and every node charge that fell due by ``now`` (nothing while the detector is blind): a
+rank silent past its hang timeout hangs (:func:`hang`), a node silent past the node
+timeout is lost with its ranks (:func:`lose`). :func:`heartbeat` brings a lost node back
+and re-arms its ranks; :func:`resumed` gives everything a full timeout after blindness;
+:func:`straggler` compares a rank's step time with the other ranks'.
+:func:`next_deadline` says when :func:`due` has something to judge next.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+import statistics
+
+from phalanx.schemas.messages import FaultKind
+from phalanx.services.health import cordon, outcome
+from phalanx.services.health.events import (
+    Decision,
+    MarkNodeAlive,
+    MarkNodeLost,
+    ProgressReported,
+    RaiseFault,
+)
+from phalanx.services.health.model import HealthState, NodeHealth, RankHealth
+from phalanx.services.health.policy import Failure
+
+
+def due(state: HealthState, now: float) -> list[Decision]:
+    """Timeouts and charges to judge due by ``now``, in time order (a timeout first
+    on a tie: a fault at the very edge of a charge's spread counts for it)."""
+    decisions: list[Decision] = []
+    if state.blind:
+        return decisions
+    while True:
+        entry = state.peek()
+        timeout = entry[0] if entry is not None and entry[0] < now else math.inf
+        charge = state.charges[0][0] if state.charges else math.inf
+        if charge < now and charge < timeout:
+            decisions += cordon.judge(state, heapq.heappop(state.charges)[2])
+        elif timeout < now:
+            at, _, _, item = heapq.heappop(state.heap)
+            item.queued = False
+            if isinstance(item, NodeHealth):
+                decisions += lose(state, item, at)
+            else:
+                decisions += hang(state, item, at)
+        else:
+            return decisions
+
+
+def next_deadline(state: HealthState) -> float | None:
+    """The earliest deadline of a judged rank or node, or of a node's charge to judge;
+    None when nothing is timed."""
+    entry = state.peek()
+    deadlines = [entry[0]] if entry is not None else []
+    if state.charges:
+        deadlines.append(state.charges[0][0])
+    return min(deadlines, default=None)
+
+
+def hang(state: HealthState, rank: RankHealth, at: float) -> list[Decision]:
+    """``rank`` reported nothing past its hang timeout, which ran out at ``at``."""
+    rank.hang_raised = True
+    job = rank.job
+    after = ("since this health service began watching it" if rank.last_step is None
+             else f"after step {rank.last_step}")
+    detail = (f"rank {rank.rank} reported no progress for more than "
+              f"{job.hang_timeout_s:g} s {after}")
+    fault = RaiseFault(job.job_id, FaultKind.HANG, rank.node_id, rank.rank, detail,
+                       replica_id=rank.replica_id)
+    decisions = outcome.rank_failed(state, rank, Failure.INFRASTRUCTURE, at, fault)
+    cordon.charge(state, rank.node_id, at, FaultKind.HANG, job)
+    return decisions
+
+
+def lose(state: HealthState, node: NodeHealth, at: float) -> list[Decision]:
+    """``node`` sent no heartbeat past the node timeout, which ran out at ``at``."""
+    node.lost = True
+    why = f"no heartbeat for more than {state.policy.node_timeout_s:g} s"
+    decisions: list[Decision] = [MarkNodeLost(node.node_id, why)]
+    for rank in state.ranks_on(node.node_id):
+        if state.jobs.get(rank.job.job_id) is not rank.job:
+            continue  # the job failed with an earlier rank on this node
+        rank.hang_raised = True
+        if rank.job.departing.get(rank.rank) is rank:
+            del rank.job.departing[rank.rank]  # its fault is all that is left to say
+        fault = RaiseFault(rank.job.job_id, FaultKind.NODE_LOST, node.node_id, rank.rank,
+                           f"rank {rank.rank}'s node {node.node_id} was lost: {why}",
+                           replica_id=rank.replica_id)
+        decisions += outcome.rank_failed(state, rank, Failure.INFRASTRUCTURE, at, fault)
+    cordon.charge(state, node.node_id, at, FaultKind.NODE_LOST, None)
+    return decisions
+
+
+def heartbeat(state: HealthState, node_id: str, now: float) -> list[Decision]:
+    """A heartbeat from ``node_id`` at ``now``: alive again if it was lost."""
+    node = state.node(node_id)
+    decisions: list[Decision] = []
+    if node.lost:
+        assert node.last_heartbeat is not None
+        node.lost = False
+        decisions.append(MarkNodeAlive(node_id, (
+            f"heartbeats resumed after {now - node.last_heartbeat:.1f} s of silence")))
+        for rank in state.ranks_on(node_id):
+            rank.hang_since = max(rank.hang_since, now)  # a full timeout from the return
+            state.arm(rank)
+    node.last_heartbeat = now
+    state.arm(node)
+    return decisions
+
+
+def resumed(state: HealthState, now: float) -> None:
+    """The detector hears again at ``now``: every node and reporting rank gets a full
+    timeout from then."""
+    for node in state.nodes.values():
+        node.heard_from = now
+        state.arm(node)
+    for job in state.jobs.values():
+        for rank in job.ranks.values():
+            rank.hang_since = max(rank.hang_since, now)
+            state.arm(rank)
+
+
+def straggler(state: HealthState, rank: RankHealth, event: ProgressReported,
+              now: float) -> list[Decision]:
+    """Judge ``rank``'s latest step time against the median of the other ranks'."""
+    policy = state.policy
+    others = [r.step_time for r in rank.job.ranks.values()
+              if r is not rank and r.exit is None and r.step_time is not None]
+    if not others or len(others) + 1 < policy.straggler_min_ranks:
+        rank.slow_reports = 0
+        return []
+    median = statistics.median(others)
+    if not event.step_time_s > policy.straggler_factor * median:
+        rank.slow_reports = 0
+        rank.straggler_raised = False
+        return []
+    rank.slow_reports += 1
+    if rank.straggler_raised or rank.slow_reports < policy.straggler_steps:
+        return []
+    rank.straggler_raised = True
+    detail = (f"rank {rank.rank} took {event.step_time_s:.3g} s for step {event.step}, "
+              f"over {policy.straggler_factor:g} x the median {median:.3g} s of the other "
+              f"{len(others)} rank(s), for {rank.slow_reports} reports in a row")
+    fault = RaiseFault(rank.job.job_id, FaultKind.STRAGGLER, rank.node_id, rank.rank, detail,
+                       replica_id=rank.replica_id)
+    cordon.strike(state, rank.job.job_id, rank.node_id, now)
+    cordon.charge(state, rank.node_id, now, FaultKind.STRAGGLER, rank.job)
+    return [fault]

@@ -1,0 +1,35 @@
+"""The tables the command line draws: ``phalanx nodes`` (also ``up``'s status and ``top``'s
+nodes panel) and the job id column that ``phalanx jobs`` and ``top`` share.
+
+Kept apart from :mod:`phalanx.services.cli` and :mod:`phalanx.services.top` so that both
+draw the same tables without importing each other.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from rich.table import Table
+
+from phalanx.schemas.registry import NodeView
+
+
+def id_column(table: Table, title: str, ids: list[str]) -> None:
+    """Add ``table``'s id column: as wide as its longest id and never wrapped or cut, so
+    two ids never look the same however narrow the terminal (other columns give way)."""
+    table.add_column(title, no_wrap=True, min_width=max([len(title), *map(len, ids)]))
+
+
+def node_table(nodes: Iterable[NodeView]) -> Table:
+    """The registry's nodes as ``phalanx nodes`` shows them: state (red when lost or
+    cordoned), slots used of total, failure domain, heartbeat age, host and agent pid."""
+    table = Table(title="phalanx nodes")
+    for column in ("node", "state", "slots (used/total)", "domain", "heartbeat", "host", "pid"):
+        table.add_column(column)
+    for n in nodes:
+        state = n.state.value + (" (cordoned)" if n.cordoned else "")
+        color = "green" if n.state.value == "alive" and not n.cordoned else "red"
+        table.add_row(n.node_id, f"[{color}]{state}[/]", f"{n.slots_used}/{n.slots}",
+                      n.failure_domain, f"{n.heartbeat_age_s:.1f} s ago", n.host,
+                      str(n.agent_pid))
+    return table
