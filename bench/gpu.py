@@ -85,17 +85,14 @@ def run_alone(args: argparse.Namespace, save: Path, steps: int) -> None:
 
 def phase_a(args: argparse.Namespace, out: Callable[[dict[str, Any]], None]) -> None:
     from phalanx.bench import recovery
-    from phalanx.bus.client import Bus, Delivery
+    from phalanx.bus.client import Bus
     from phalanx.bus.config import BusConfig
     from phalanx.examples import train_gpt
     from phalanx.runtime import record
     from phalanx.runtime.data import ElasticOrder
     from phalanx.runtime.dataset import TokenWindows
-    from phalanx.schemas import subjects
     from phalanx.schemas.messages import (
         CollectiveBackend,
-        Fault,
-        Generation,
         JobSpec,
         JobState,
         ReplicaRange,
@@ -113,15 +110,7 @@ def phase_a(args: argparse.Namespace, out: Callable[[dict[str, Any]], None]) -> 
         try:
             async def run() -> Any:
                 async with await Bus.connect(BusConfig.load(env={}, servers=[url])) as bus:
-                    async def on_fault(fault: Fault, _: Delivery) -> None:
-                        events["fault"].append((time.time(), fault))
-
-                    async def on_generation(g: Generation, _: Delivery) -> None:
-                        events["generation"].append((time.time(), g))
-
-                    await bus.subscribe(subjects.job_events("fault"), Fault, on_fault)
-                    await bus.subscribe(subjects.job_events("generation"), Generation,
-                                        on_generation)
+                    await recovery.watch_recovery(bus, events)
                     spec = JobSpec(
                         name="gpt", team="bench", priority_class="normal",
                         replicas=ReplicaRange(min=2, max=4), backend=CollectiveBackend.GLOO,

@@ -155,6 +155,18 @@ def cluster_up(directory: Path, agents: int = 2, slots_per_agent: int = 2) -> st
     return json.loads((directory / "up.json").read_text())["nats_url"]
 
 
+async def watch_recovery(bus: Bus, events: dict[str, list]) -> None:
+    """Collect every job's faults and generations into ``events`` with the time each came."""
+    async def on_fault(fault: Fault, _: Delivery) -> None:
+        events["fault"].append((time.time(), fault))
+
+    async def on_generation(g: Generation, _: Delivery) -> None:
+        events["generation"].append((time.time(), g))
+
+    await bus.subscribe(subjects.job_events("fault"), Fault, on_fault)
+    await bus.subscribe(subjects.job_events("generation"), Generation, on_generation)
+
+
 async def run_phalanx(args: argparse.Namespace, workload: Workload, phase: str,
                       work: Path) -> dict[str, Any]:
     """One elastic run with a self-kill of r1-0; its figures from records and bus events."""
@@ -164,14 +176,7 @@ async def run_phalanx(args: argparse.Namespace, workload: Workload, phase: str,
     events: dict[str, list] = {"fault": [], "generation": []}
     try:
         async with await Bus.connect(BusConfig.load(env={}, servers=[url])) as bus:
-            async def on_fault(fault: Fault, _: Delivery) -> None:
-                events["fault"].append((time.time(), fault))
-
-            async def on_generation(g: Generation, _: Delivery) -> None:
-                events["generation"].append((time.time(), g))
-
-            await bus.subscribe(subjects.job_events("fault"), Fault, on_fault)
-            await bus.subscribe(subjects.job_events("generation"), Generation, on_generation)
+            await watch_recovery(bus, events)
             kill = f"r1-0:{args.kill_step}:{'allreduce' if phase == 'allreduce' else 'boundary'}"
             spec = JobSpec(
                 name=workload.name, team="bench", priority_class="normal",
