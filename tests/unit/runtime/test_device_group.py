@@ -13,39 +13,17 @@ from __future__ import annotations
 import datetime
 import threading
 import time
-from collections.abc import Callable
-from typing import Any
 
 import pytest
 import torch
 import torch.distributed as dist
+from gloo_pair import on_two_ranks
 
 from phalanx.runtime.group import Aborted, DeviceGroup, DeviceWork, Waits, connect
 from phalanx.runtime.inbox import Inbox
 from phalanx.runtime.placement import Backend
 
 TIMEOUT = datetime.timedelta(seconds=10)
-
-
-def on_two_ranks(body: Callable[[int, dist.ProcessGroup], Any]) -> list[Any]:
-    store = dist.HashStore()
-    results: list[Any] = [None, None]
-
-    def rank(r: int) -> None:
-        try:
-            results[r] = body(r, dist.ProcessGroupGloo(store, r, 2, TIMEOUT))
-        except BaseException as exc:  # re-raised by the test's thread
-            results[r] = exc
-
-    threads = [threading.Thread(target=rank, args=(r,)) for r in range(2)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(30)
-    for result in results:
-        if isinstance(result, BaseException):
-            raise result
-    return results
 
 
 def waits() -> Waits:

@@ -12,10 +12,10 @@ from __future__ import annotations
 
 import datetime
 import os
-import threading
 from collections.abc import Callable
 from typing import Any
 
+import gloo_pair
 import pytest
 import torch
 import torch.distributed as dist
@@ -108,26 +108,10 @@ def test_a_device_snapshot_holds_the_committed_bytes_and_the_fence_keeps_them() 
 
 def on_two_ranks(body: Callable[[int, DeviceGroup, Waits], Any]) -> list[Any]:
     """Two ranks (threads) sharing the GPU over gloo with CUDA tensors."""
-    store = dist.HashStore()
-    results: list[Any] = [None, None]
-
-    def rank(r: int) -> None:
-        try:
-            gloo = dist.ProcessGroupGloo(store, r, 2, TIMEOUT)
-            results[r] = body(r, DeviceGroup(gloo, Backend.GLOO, GPU),
-                              Waits(Inbox(f"r{r}"), lambda: None))
-        except BaseException as exc:  # re-raised by the test's thread
-            results[r] = exc
-
-    workers = [threading.Thread(target=rank, args=(r,)) for r in range(2)]
-    for t in workers:
-        t.start()
-    for t in workers:
-        t.join(60)
-    for result in results:
-        if isinstance(result, BaseException):
-            raise result
-    return results
+    return gloo_pair.on_two_ranks(
+        lambda r, gloo: body(r, DeviceGroup(gloo, Backend.GLOO, GPU),
+                             Waits(Inbox(f"r{r}"), lambda: None)),
+        timeout=TIMEOUT, join_s=60)
 
 
 def test_cuda_state_and_gradients_travel_over_gloo_between_ranks_sharing_the_gpu() -> None:

@@ -2,13 +2,9 @@
 
 from __future__ import annotations
 
-import datetime
-import threading
-from collections.abc import Callable
-from typing import Any
-
 import torch
 import torch.distributed as dist
+from gloo_pair import on_two_ranks
 
 from phalanx.runtime.reduce import BucketedReduce, bucket_plan
 
@@ -19,21 +15,6 @@ def model(seed: int) -> torch.nn.Module:
     torch.manual_seed(seed)  # different data per rank
     net(torch.randn(5, 8)).pow(2).sum().backward()
     return net
-
-
-def on_two_ranks(body: Callable[[int, dist.ProcessGroup], Any]) -> list[Any]:
-    store = dist.HashStore()
-    results: list[Any] = [None, None]
-
-    def rank(r: int) -> None:
-        results[r] = body(r, dist.ProcessGroupGloo(store, r, 2, datetime.timedelta(seconds=10)))
-
-    threads = [threading.Thread(target=rank, args=(r,)) for r in range(2)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(30)
-    return results
 
 
 def wait(work: dist.Work) -> None:
