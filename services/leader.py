@@ -213,6 +213,8 @@ class JobEventsLeader(LeaderService[JobTermT]):
                 for loop in self.term_loops(term):
                     tasks.create_task(loop)
         finally:
+            # Standing by before the teardown's awaits: nothing started from now on (a
+            # reconnection's resumption) may act on the ending term.
             self.term = None
             await self.end_term(term)
             if term.reader is not None:
