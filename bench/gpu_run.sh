@@ -6,6 +6,7 @@
 #
 #   bash bench/gpu_run.sh                      # tests, then the three phases (~6 minutes)
 #   PHASES=b bash bench/gpu_run.sh             # a rerun of one phase, tests skipped
+#   NODE_BENCH=1 bash bench/gpu_run.sh         # bench/gpu_node.py alone (~2 minutes)
 #
 # Everything it writes is under $OUT (the device tool brings that folder back): device.txt,
 # tests.log, bench.log (its last line is the bench's JSON) and RESULTS.md.
@@ -30,6 +31,13 @@ torch.version.cuda, "NCCL", torch.cuda.nccl.version(), torch.cuda.get_device_nam
 df -h /dev/shm /tmp >> "$OUT/device.txt" 2>&1  # agents keep snapshots in /dev/shm
 cat "$OUT/device.txt"
 
+if [ -n "${NODE_BENCH:-}" ]; then  # the agent's NVML view, health poll, injected GPU faults
+    timeout 60 python3 -m pytest -p no:cacheprovider -q -rs tests/unit/services/agent/test_nvml.py \
+        2>&1 | tee "$OUT/tests.log"
+    timeout 240 python3 bench/gpu_node.py 2>&1 | tee "$OUT/gpu_node.log"
+    cp bench/RESULTS.md "$OUT/RESULTS.md"
+    exit 0
+fi
 if [ -z "${PHASES:-}" ]; then
     timeout 120 python3 -m pytest -p no:cacheprovider -q -x \
         tests/unit/runtime/test_gpu.py tests/unit/runtime/test_device_group.py \

@@ -81,6 +81,26 @@ class Part(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True
 # --- nodes ---------------------------------------------------------------------------------
 
 
+#: The most GPUs one node reports (NVML numbers a host's devices from 0).
+MAX_GPUS = 256
+GpuIndex = Annotated[int, msgspec.Meta(ge=0, lt=MAX_GPUS)]
+#: Why a slot is cordoned, or a GPU fault's text: one line, bounded.
+SlotReason = Annotated[str, msgspec.Meta(max_length=500)]
+
+
+class GpuInfo(Part, frozen=True):
+    """One GPU as the node's agent found it through NVML at start."""
+
+    index: GpuIndex  # NVML's index, the CUDA device index when CUDA_DEVICE_ORDER=PCI_BUS_ID
+    uuid: Annotated[str, msgspec.Meta(max_length=128)]
+    name: Annotated[str, msgspec.Meta(max_length=128)] = ""
+    memory_bytes: NonNegInt = 0
+    pci_bus_id: Annotated[str, msgspec.Meta(max_length=64)] = ""
+    numa_node: NonNegInt | None = None  # None: NVML does not say (one socket, an old driver)
+    #: The CPUs close to it (NVML's CPU affinity); its ranks are pinned to them.
+    cpus: Annotated[list[NonNegInt], msgspec.Meta(max_length=4096)] = []
+
+
 class NodeInfo(Part, frozen=True):
     """What an agent registers about its machine."""
 
@@ -94,6 +114,8 @@ class NodeInfo(Part, frozen=True):
     started_at: NonNegFloat = 0.0
     #: TCP port of the agent's snapshot replication listener on ``host`` (0: none).
     replica_port: Annotated[int, msgspec.Meta(ge=0, le=65535)] = 0
+    #: The GPUs NVML showed the agent (none: NVML absent, a CPU node).
+    gpus: Annotated[list[GpuInfo], msgspec.Meta(max_length=MAX_GPUS)] = []
 
 
 class NodeRecord(Message, tag="phalanx.node_record.v1", frozen=True):
@@ -114,12 +136,26 @@ class NodeRecord(Message, tag="phalanx.node_record.v1", frozen=True):
     snapshot_limit_bytes: NonNegInt = 0
     #: Why the agent last refused a snapshot reservation ("" while it refused none).
     snapshot_refused: Annotated[str, msgspec.Meta(max_length=DETAIL_CHARS)] = ""
+    #: The node's slots taken out of use, each with why (its GPU failed): local slot ->
+    #: reason. The agent adds them; an operator removes them (``phalanx node uncordon
+    #: --slot``). The rest of the node stays usable.
+    cordoned_slots: dict[NonNegInt, SlotReason] = {}
 
     def __post_init__(self) -> None:
         if self.slots_used > self.node.slots:
             raise ValueError(
                 f"slots_used {self.slots_used} exceeds the node's {self.node.slots} slots"
             )
+        beyond = sorted(s for s in self.cordoned_slots if s >= self.node.slots)
+        if beyond:
+            raise ValueError(f"cordoned_slots {beyond} are beyond the node's "
+                             f"{self.node.slots} slots (0..{self.node.slots - 1})")
+
+    @property
+    def usable_slots(self) -> int:
+        """The slots new work may be placed on, cordoned node aside: all but the
+        cordoned ones."""
+        return self.node.slots - len(self.cordoned_slots)
 
 
 class NodeHeartbeat(Message, tag="phalanx.node_heartbeat.v1", frozen=True):
@@ -681,12 +717,15 @@ class LaunchReplica(Message, tag="phalanx.launch_replica.v1", frozen=True):
     """Asks an agent (``phalanx.agent.<node>.launch``) to run ``replica_id`` in a job's slot.
 
     Whatever still runs in that slot (a hung or dropped replica) is stopped
-    first: a slot never runs two replicas.
+    first: a slot never runs two replicas. ``warm_only``: only from a warm spare
+    of the job on this node; with none, nothing is started (and the replica id is
+    not used up: the same launch may follow without it).
     """
 
     job_id: Ident
     slot: NonNegInt
     replica_id: Ident
+    warm_only: bool = False
 
 
 class StopReplica(Message, tag="phalanx.stop_replica.v1", frozen=True):
@@ -745,6 +784,7 @@ class ExitCause(enum.StrEnum):
     STOPPED = "stopped"  # the agent stopped it (cancel, preemption, eviction)
     LOST = "lost"  # found dead by a restarted agent; its exit status is unknown
     LAUNCH_FAILED = "launch_failed"  # never ran: the command could not be started
+    GPU_FAULT = "gpu_fault"  # its agent SIGKILLed it: the GPU of its slot failed (detail)
 
 
 class RankStarted(Message, tag="phalanx.rank_started.v1", frozen=True):
@@ -781,6 +821,8 @@ class RankExited(Message, tag="phalanx.rank_exited.v1", frozen=True):
     replica_id: Ident | None = None
     detail: Annotated[str, msgspec.Meta(max_length=DETAIL_CHARS)] = ""
     with_agent: bool = False
+    #: Cause ``gpu_fault``: when the agent's health poll saw the fault (its wall clock).
+    fault_seen_at: NonNegFloat | None = None
 
     @property
     def failed(self) -> bool:
@@ -792,20 +834,44 @@ class ChaosAction(enum.StrEnum):
     KILL_RANK = "kill_rank"
     KILL_AGENT = "kill_agent"
     PAUSE_AGENT = "pause_agent"
+    GPU_FAULT = "gpu_fault"  # a GPU fault, injected at the agent's NVML boundary
+
+
+class GpuFaultKind(enum.StrEnum):
+    """What the agent's health poll of a GPU saw (``services/agent/nvml.py``)."""
+
+    XID = "xid"  # an Xid critical error event (``code``: the Xid)
+    ECC = "ecc"  # its volatile uncorrectable ECC error count rose
+    RETIRED_PAGES = "retired_pages"  # pages wait to be retired (a reset is due)
+    ROW_REMAP = "row_remap"  # row remapping failed
+    LOST = "lost"  # NVML says the GPU is lost (fallen off the bus)
+    THROTTLE = "throttle"  # clocks held down (thermal, power, HW slowdown): reported only
 
 
 class ChaosRequest(Message, tag="phalanx.chaos_request.v1", frozen=True):
-    """Fault injection through an agent (``phalanx.agent.<node>.chaos``), as a user would."""
+    """Fault injection through an agent (``phalanx.agent.<node>.chaos``), as a user would.
+
+    ``gpu_fault``: the fault ``gpu_fault`` (Xid ``code``) on GPU ``gpu``, seen by the
+    agent's next health poll of its GPUs; on a node without GPUs ``gpu`` is a slot index.
+    """
 
     action: ChaosAction
     job_id: Ident | None = None
     rank: NonNegInt | None = None
     signal: Annotated[str, msgspec.Meta(pattern=r"^(KILL|STOP|TERM|CONT|INT)\Z")] = "KILL"
     duration_s: PosFloat = 5.0  # pause_agent: how long the agent stays stopped
+    gpu: NonNegInt | None = None
+    gpu_fault: GpuFaultKind = GpuFaultKind.XID
+    code: NonNegInt | None = None  # the Xid of an ``xid`` fault (default 79)
 
     def __post_init__(self) -> None:
         if self.action is ChaosAction.KILL_RANK and (self.job_id is None or self.rank is None):
             raise ValueError("kill_rank needs job_id and rank")
+        if self.action is ChaosAction.GPU_FAULT and self.gpu is None:
+            raise ValueError("gpu_fault needs gpu (a GPU index, or a slot on a CPU node)")
+        if self.code is not None and self.gpu_fault is not GpuFaultKind.XID:
+            raise ValueError(f"code is an Xid: it goes with gpu_fault xid, "
+                             f"not {self.gpu_fault.value}")
 
 
 class ChaosReply(Message, tag="phalanx.chaos_reply.v1", frozen=True):

@@ -2,7 +2,8 @@
 
 A node is *alive* while its agent's last heartbeat is at most
 ``lost_after_s`` old and *lost* after that; a lost node's slots are not
-offered. Cordoned nodes stay listed but offer no slots for new work. Pure:
+offered. Cordoned nodes stay listed but offer no slots for new work, and a
+node's cordoned slots (a GPU that failed) are not offered either. Pure:
 the caller passes the records and ``now``.
 
 A reader that could not see heartbeats for a while (its own bus connection
@@ -21,7 +22,7 @@ import dataclasses
 import enum
 from collections.abc import Iterable
 
-from phalanx.schemas.messages import NodeRecord
+from phalanx.schemas.messages import GpuInfo, NodeRecord
 
 DEFAULT_LOST_AFTER_S = 3.0
 
@@ -43,13 +44,16 @@ class NodeView:
     cordoned: bool
     heartbeat_age_s: float
     agent_pid: int
+    cordoned_slots: dict[int, str] = dataclasses.field(default_factory=dict)
+    gpus: tuple[GpuInfo, ...] = ()
 
     @property
     def schedulable_slots(self) -> int:
-        """Free slots new work may use: none on a lost or cordoned node."""
+        """Free slots new work may use: none on a lost or cordoned node, and never a
+        cordoned slot."""
         if self.state is not NodeState.ALIVE or self.cordoned:
             return 0
-        return self.slots - self.slots_used
+        return max(0, self.slots - len(self.cordoned_slots) - self.slots_used)
 
 
 def view(record: NodeRecord, now: float, lost_after_s: float = DEFAULT_LOST_AFTER_S, *,
@@ -63,7 +67,8 @@ def view(record: NodeRecord, now: float, lost_after_s: float = DEFAULT_LOST_AFTE
         state=NodeState.ALIVE if silence <= lost_after_s else NodeState.LOST,
         slots=node.slots, slots_used=record.slots_used, failure_domain=node.failure_domain,
         labels=dict(node.labels), cordoned=record.cordoned, heartbeat_age_s=age,
-        agent_pid=node.agent_pid,
+        agent_pid=node.agent_pid, cordoned_slots=dict(record.cordoned_slots),
+        gpus=tuple(node.gpus),
     )
 
 

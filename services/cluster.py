@@ -386,7 +386,11 @@ class LocalCluster:
             "--work-dir", str(self.data_dir / "agents" / node_id),
             identity=self._identity(Role.AGENT, node_id),
             # `phalanx down` is a restart of the node: the next `phalanx up` brings it back.
-            extra_env={"PHALANX_AGENT_STOP_IS_RESTART": "1"})
+            # The agents share one machine's GPUs: CPU slots (--slots-per-agent), unless
+            # the environment asks for discovery (bench/gpu_node.py on a GPU, one agent).
+            extra_env={"PHALANX_AGENT_STOP_IS_RESTART": "1",
+                       "PHALANX_AGENT_DISCOVER_GPUS":
+                       os.environ.get("PHALANX_AGENT_DISCOVER_GPUS", "0")})
 
     @property
     def embedded_nats(self) -> list[NatsServer]:

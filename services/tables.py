@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
+from rich.markup import escape
 from rich.table import Table
 
 from phalanx.schemas.registry import NodeView
@@ -22,14 +23,26 @@ def id_column(table: Table, title: str, ids: list[str]) -> None:
 
 def node_table(nodes: Iterable[NodeView]) -> Table:
     """The registry's nodes as ``phalanx nodes`` shows them: state (red when lost or
-    cordoned), slots used of total, failure domain, heartbeat age, host and agent pid."""
+    cordoned), slots used of total, failure domain, heartbeat age, host and agent pid;
+    where any node has them, its GPUs and its cordoned slots with the reason of each."""
+    nodes = list(nodes)
+    gpus = any(n.gpus for n in nodes)
+    cordons = any(n.cordoned_slots for n in nodes)
     table = Table(title="phalanx nodes")
-    for column in ("node", "state", "slots (used/total)", "domain", "heartbeat", "host", "pid"):
+    for column in ("node", "state", "slots (used/total)", "domain", "heartbeat", "host", "pid",
+                   *(["gpus"] if gpus else []), *(["cordoned slots"] if cordons else [])):
         table.add_column(column)
     for n in nodes:
         state = n.state.value + (" (cordoned)" if n.cordoned else "")
         color = "green" if n.state.value == "alive" and not n.cordoned else "red"
+        extra = []
+        if gpus:
+            names = sorted({g.name for g in n.gpus})
+            extra.append(f"{len(n.gpus)} x {', '.join(names)}" if n.gpus else "-")
+        if cordons:
+            extra.append("\n".join(f"[red]{slot}[/]: {escape(why)}"
+                                   for slot, why in sorted(n.cordoned_slots.items())) or "-")
         table.add_row(n.node_id, f"[{color}]{state}[/]", f"{n.slots_used}/{n.slots}",
                       n.failure_domain, f"{n.heartbeat_age_s:.1f} s ago", n.host,
-                      str(n.agent_pid))
+                      str(n.agent_pid), *extra)
     return table

@@ -478,7 +478,9 @@ class AdmissionService(LeaderService[AdmissionTerm]):
         alive = view(record, now, self.config.lost_after_s,
                      watching_since=max(connected_since + self.config.lost_after_s,
                                         term.watching_since)).state is NodeState.ALIVE
-        event = core.NodeUpdated(node.node_id, node.slots, node.failure_domain,
+        # A cordoned slot (its GPU failed) is no slot: placements leave it out, and a node
+        # that holds more than its usable slots now gives back its newest gangs.
+        event = core.NodeUpdated(node.node_id, record.usable_slots, node.failure_domain,
                                  dict(node.labels), alive=alive, cordoned=record.cordoned,
                                  event_id="registry")
         if term.node_events.get(node.node_id) != event:

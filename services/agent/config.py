@@ -19,14 +19,22 @@ from phalanx.schemas.subjects import token
 class AgentConfig:
     node_id: str = dataclasses.field(default_factory=lambda: default_node_id())
     """Unique node id (a subject token); defaults to the short host name."""
-    slots: int = dataclasses.field(default_factory=lambda: os.cpu_count() or 1)
-    """Rank slots this node offers; defaults to its CPU count (to the number of ``gpus``
-    when those are given)."""
+    slots: int | None = None
+    """Rank slots this node offers. None: one per GPU (``gpus``, else each GPU NVML
+    finds at start), else one per CPU (:func:`~.core.node_gpus`)."""
     gpus: tuple[int, ...] = ()
     """The GPU of each slot: slot ``i`` of this node runs on CUDA device ``gpus[i]``,
     which its rank sees alone (``CUDA_VISIBLE_DEVICES``). An index may repeat: slots then
-    share that GPU (their jobs need ``backend: gloo``). Empty: CPU slots, and ranks get
-    the agent's ``CUDA_VISIBLE_DEVICES`` unchanged."""
+    share that GPU (their jobs need ``backend: gloo``). Empty: the GPUs NVML finds, one
+    slot each (``discover_gpus``); with none, CPU slots, and ranks get the agent's
+    ``CUDA_VISIBLE_DEVICES`` unchanged."""
+    discover_gpus: bool = True
+    """Ask NVML for the node's GPUs at start (:mod:`.nvml`), report them in the node record
+    and watch their health. Off: no NVML at all, and without ``gpus`` CPU slots (a local
+    cluster's agents, which share one machine's GPUs)."""
+    gpu_poll_interval_s: float = 1.0
+    """Time between two health polls of the node's GPUs (Xid and ECC errors, retired pages,
+    a GPU lost, throttling); a poll costs well under a millisecond per GPU."""
     failure_domain: str = "default"
     """Label of what fails together (rack, zone); buddies are placed across domains."""
     labels: dict[str, str] = dataclasses.field(default_factory=dict)
@@ -95,15 +103,16 @@ class AgentConfig:
             token(self.failure_domain, "agent.failure_domain")
         except ValueError as exc:
             raise ConfigError(str(exc)) from None
-        if self.slots < 1:
+        if self.slots is not None and self.slots < 1:
             raise ConfigError(f"agent.slots must be >= 1, got {self.slots}")
-        if self.gpus and len(self.gpus) != self.slots:
+        if self.gpus and self.slots is not None and len(self.gpus) != self.slots:
             raise ConfigError(f"agent.gpus lists {len(self.gpus)} GPUs for {self.slots} "
                               "slots: one GPU index per slot")
         if any(gpu < 0 for gpu in self.gpus):
             raise ConfigError(f"agent.gpus must be CUDA device indices (>= 0), "
                               f"got {list(self.gpus)}")
-        for name in ("heartbeat_interval_s", "lost_after_s", "shutdown_timeout_s"):
+        for name in ("heartbeat_interval_s", "lost_after_s", "shutdown_timeout_s",
+                     "gpu_poll_interval_s"):
             if not math.isfinite(getattr(self, name)):
                 raise ConfigError(f"agent.{name} must be a finite number, "
                                   f"got {getattr(self, name)}")
@@ -122,6 +131,9 @@ class AgentConfig:
         if self.heartbeat_interval_s <= 0:
             raise ConfigError(f"agent.heartbeat_interval_s must be > 0, "
                               f"got {self.heartbeat_interval_s}")
+        if self.gpu_poll_interval_s <= 0:
+            raise ConfigError(f"agent.gpu_poll_interval_s must be > 0, "
+                              f"got {self.gpu_poll_interval_s}")
         if (self.rank_nats_user is None) != (self.rank_nats_password is None):
             raise ConfigError("agent.rank_nats_user and agent.rank_nats_password go "
                               "together: give both or neither")
@@ -158,10 +170,10 @@ class AgentConfig:
                 if name in values:
                     values[name] = int(values[name])
             for name in ("heartbeat_interval_s", "lost_after_s", "shutdown_timeout_s",
-                         "replica_duty"):
+                         "replica_duty", "gpu_poll_interval_s"):
                 if name in values:
                     values[name] = float(values[name])
-            for name in ("stop_is_restart", "launch"):
+            for name in ("stop_is_restart", "launch", "discover_gpus"):
                 if isinstance(values.get(name), str):
                     values[name] = _flag(name, values[name])
         except ValueError as exc:

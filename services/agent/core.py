@@ -5,7 +5,15 @@ own (same host and pid: a re-registration), when the holder is lost (its
 heartbeat is older than ``lost_after_s``), or when the holder ran on the same
 host and its process is gone: a restarted agent takes its node back at once.
 Two live agents never share an id. Each heartbeat bumps the sequence and time
-and keeps what others set on the record (``cordoned``).
+and keeps what others set on the record (``cordoned``, and ``cordoned_slots``,
+which an operator's uncordon removes), adding the slots the agent cordoned since
+(:func:`heartbeat`); a re-registration keeps both.
+
+A node's slots are its GPUs or its CPUs (:func:`node_gpus`): the GPUs configured
+(``agent.gpus``) win; else, when NVML found GPUs, one slot per GPU; else the slots
+configured, or one per CPU. A GPU fault takes the slots on that GPU out of use
+(:func:`gpu_slots`; on a node without GPUs an injected fault names a slot), and a
+rank on a GPU runs on that GPU's CPUs (:func:`rank_cpus`).
 
 A replica (``r<slot>-<incarnation>``, named by
 :func:`phalanx.schemas.replicas.replica_id`) is launched at most once
@@ -39,10 +47,10 @@ so a script that cannot start does not loop.
 from __future__ import annotations
 
 import enum
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
-from phalanx.schemas.errors import PhalanxError
-from phalanx.schemas.messages import ExitCause, NodeInfo, NodeRecord
+from phalanx.schemas.errors import ConfigError, PhalanxError
+from phalanx.schemas.messages import ExitCause, GpuInfo, NodeInfo, NodeRecord
 from phalanx.schemas.registry import NodeState, view
 from phalanx.schemas.replicas import incarnation, replica_id
 
@@ -73,26 +81,82 @@ def register(existing: NodeRecord | None, info: NodeInfo, now: float,
                 f"{held.host}, last heartbeat {age:.1f} s ago); pick another --node-id"
             )
     cordoned = existing.cordoned if existing is not None else False
-    return NodeRecord(node=info, heartbeat_seq=0, heartbeat_at=now, cordoned=cordoned)
+    slots = _within(existing.cordoned_slots if existing is not None else {}, info)
+    return NodeRecord(node=info, heartbeat_seq=0, heartbeat_at=now, cordoned=cordoned,
+                      cordoned_slots=slots)
 
 
 def heartbeat(record: NodeRecord | None, info: NodeInfo, now: float,
-              slots_used: int = 0) -> NodeRecord:
-    """``record`` after a heartbeat at ``now`` (re-created if someone removed it).
+              slots_used: int = 0, cordons: Mapping[int, str] | None = None) -> NodeRecord:
+    """``record`` after a heartbeat at ``now`` (re-created if someone removed it), with
+    the slots this agent cordoned and has not seen stored yet (``cordons``) added; a
+    slot cordoned already keeps its first reason.
 
     Raises:
         NodeIdTaken: another agent registered this id meanwhile (this one was
             taken for lost); the agent must stop rather than fight over the id.
     """
+    slots = _within({**(cordons or {}),
+                     **(record.cordoned_slots if record is not None else {})}, info)
     if record is None:
-        return NodeRecord(node=info, heartbeat_at=now, slots_used=slots_used)
+        return NodeRecord(node=info, heartbeat_at=now, slots_used=slots_used,
+                          cordoned_slots=slots)
     if record.node.host != info.host or record.node.agent_pid != info.agent_pid:
         raise NodeIdTaken(
             f"node id {info.node_id!r} was taken over by pid {record.node.agent_pid} on "
             f"{record.node.host} while this agent's heartbeats were late"
         )
     return NodeRecord(node=info, heartbeat_seq=record.heartbeat_seq + 1, heartbeat_at=now,
-                      slots_used=slots_used, cordoned=record.cordoned)
+                      slots_used=slots_used, cordoned=record.cordoned, cordoned_slots=slots)
+
+
+def _within(cordoned: Mapping[int, str], info: NodeInfo) -> dict[int, str]:
+    """The cordoned slots the node still has (it may have come back with fewer)."""
+    return {slot: why for slot, why in sorted(cordoned.items()) if slot < info.slots}
+
+
+def node_gpus(slots: int | None, gpus: tuple[int, ...], found: Sequence[GpuInfo] | None,
+              cpus: int) -> tuple[int, tuple[int, ...]]:
+    """The node's slot count and the GPU of each slot (empty: CPU slots).
+
+    Args:
+        slots: ``agent.slots`` (None: not configured).
+        gpus: ``agent.gpus`` (empty: not configured).
+        found: the GPUs NVML found at start (None: NVML absent, or not asked).
+        cpus: the machine's CPU count.
+
+    Raises:
+        ConfigError: NVML found GPUs, none are configured, and a slot count other than
+            their number is: which GPUs the slots would be is not known.
+    """
+    if gpus:
+        return slots or len(gpus), gpus
+    if found:
+        if slots is not None and slots != len(found):
+            raise ConfigError(
+                f"agent.slots is {slots} but NVML found {len(found)} GPUs, one slot each: "
+                f"set agent.gpus to the GPU of each slot (e.g. "
+                f"{','.join(str(g.index) for g in found[:slots])}), or agent.discover_gpus "
+                "to 0 for CPU slots")
+        return len(found), tuple(g.index for g in found)
+    return slots or cpus, ()
+
+
+def gpu_slots(gpu: int, gpus: tuple[int, ...], slots: int) -> tuple[int, ...]:
+    """The node's slots that run on GPU ``gpu`` (the slot ``gpu`` itself on a node of CPU
+    slots, where an injected GPU fault names a slot; none if there is no such slot)."""
+    if gpus:
+        return tuple(s for s, g in enumerate(gpus) if g == gpu)
+    return (gpu,) if gpu < slots else ()
+
+
+def rank_cpus(gpus: tuple[int, ...], found: Sequence[GpuInfo],
+              slots: tuple[int, ...]) -> set[int]:
+    """The CPUs close to the GPUs of ``slots`` (NVML's affinity), where a rank holding
+    them is pinned; empty (not pinned) on CPU slots or where NVML gave no affinity."""
+    by_index = {g.index: g for g in found}
+    return {cpu for s in slots if s < len(gpus) and gpus[s] in by_index
+            for cpu in by_index[gpus[s]].cpus}
 
 
 class LaunchVerdict(enum.Enum):
@@ -134,6 +198,8 @@ class StopReason(enum.Enum):
     stopped a replica it does not need (or replaced it)."""
     AGENT = "agent"
     """This agent is shutting down while the job still wants the rank."""
+    GPU_FAULT = "gpu_fault"
+    """The GPU of its slot failed: the rank cannot go on there."""
 
 
 def exit_cause(stop: StopReason | None, *, status_known: bool = True) -> ExitCause:
@@ -141,6 +207,8 @@ def exit_cause(stop: StopReason | None, *, status_known: bool = True) -> ExitCau
     not) and whether its exit status is known (False: adopted after an agent restart)."""
     if stop is StopReason.JOB:
         return ExitCause.STOPPED
+    if stop is StopReason.GPU_FAULT:
+        return ExitCause.GPU_FAULT
     if stop is StopReason.AGENT or not status_known:
         return ExitCause.LOST
     return ExitCause.EXITED

@@ -31,6 +31,11 @@ reported with cause ``stopped``, and its slot counts as taken until it is gone,
 so the ranks of the job that preempted it start the moment it exits.
 A rank stopped because the agent itself shuts down is reported ``lost``
 instead: its job still wants it (:func:`~phalanx.services.agent.core.exit_cause`).
+A rank whose GPU failed is SIGKILLed at once (:meth:`RankSet.gpu_fault`: no grace
+period, the GPU cannot finish a step) and reported ``gpu_fault``, its detail naming
+the GPU and the fault. No rank starts on a cordoned slot, and on a node whose GPUs
+NVML described a rank is pinned to the CPUs close to its GPUs
+(``os.sched_setaffinity`` the moment it is spawned, before it starts threads).
 
 Every running rank is recorded in ``<work_dir>/ranks.json`` with its start
 time (from ``/proc``), so an agent restarted after a crash finds its ranks
@@ -58,7 +63,7 @@ import socket
 import sys
 import time
 import zlib
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Collection, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -69,6 +74,7 @@ from phalanx.schemas.errors import PhalanxError
 from phalanx.schemas.messages import (
     DETAIL_CHARS,
     ExitCause,
+    GpuInfo,
     JobRecord,
     JobState,
     RankExited,
@@ -82,6 +88,7 @@ from phalanx.services.agent.core import (
     first_replica,
     launch_verdict,
     node_slots,
+    rank_cpus,
     rank_devices,
 )
 from phalanx.services.auth.credentials import rank_environment
@@ -122,6 +129,8 @@ class Replaced:
     """Started now; False: it was launched here before (a repeated request)."""
     from_spare: bool = False
     """Started now from a warm spare of the job (:mod:`.spares`)."""
+    no_spare: bool = False
+    """Not started: asked for from a warm spare only, and none runs here."""
 
 
 def replica_log(work_dir: Path, job_id: str, replica_id: str) -> Path:
@@ -145,6 +154,8 @@ class Rank:
     watcher: asyncio.Task[None] | None = None
     node_slots: tuple[int, ...] = ()  # this node's slots it holds (its LOCAL_RANK, GPUs)
     from_spare: bool = False  # a warm spare handed its identity, not a new process
+    fault: str = ""  # the GPU fault it was killed for (stop GPU_FAULT)
+    fault_seen_at: float | None = None  # when the health poll saw that fault
 
     @property
     def stopping(self) -> bool:
@@ -177,6 +188,9 @@ class RankSet:
         checkpoint_dir: where ranks persist durable checkpoints when the job's spec names
             no ``checkpoint.durable_url``.
         gpus: the GPU of each of this node's slots (``agent.gpus``); empty: CPU slots.
+        found_gpus: the GPUs NVML described: a rank is pinned to its GPUs' CPUs.
+        cordoned: the node's slots out of use now (a GPU fault's), as the registry holds
+            them at the moment of a launch: no rank starts there. None: none ever are.
     """
 
     def __init__(self, node_id: str, work_dir: Path, nats_url: str,
@@ -186,9 +200,13 @@ class RankSet:
                  advertise_host: str | None = None,
                  bus_identity: Callable[[str], Mapping[str, str]] | None = None,
                  snapshot_dir: Callable[[str], Path] | None = None,
-                 checkpoint_dir: Path | None = None, gpus: tuple[int, ...] = ()) -> None:
+                 checkpoint_dir: Path | None = None, gpus: tuple[int, ...] = (),
+                 found_gpus: Sequence[GpuInfo] = (),
+                 cordoned: Callable[[], Awaitable[Collection[int]]] | None = None) -> None:
         self.node_id = node_id
         self.gpus = gpus
+        self.found_gpus = found_gpus
+        self.cordoned = cordoned
         self.snapshot_dir = snapshot_dir
         self.checkpoint_dir = checkpoint_dir
         self.advertise_host = advertise_host if advertise_host and resolves(advertise_host) \
@@ -274,9 +292,11 @@ class RankSet:
                                    nice=self.replacement_nice if elastic else None,
                                    use_spare=elastic)
 
-    async def replace(self, record: JobRecord, slot: int, replica_id: str) -> Replaced:
+    async def replace(self, record: JobRecord, slot: int, replica_id: str,
+                      warm_only: bool = False) -> Replaced:
         """Run ``replica_id`` in ``slot``, stopping what runs there first: a warm spare of
-        the job told who it is (:mod:`.spares`) if one runs here, else a new process.
+        the job told who it is (:mod:`.spares`) if one runs here, else a new process
+        (``warm_only``: else nothing, and the replica id stays unused).
 
         A replica launched here before, running or exited, is not started again.
 
@@ -299,6 +319,8 @@ class RankSet:
             case LaunchVerdict.OUTDATED:
                 raise ReplicaOutdated(f"{replica_id} is older than {last}, launched in slot "
                                       f"{slot} of {record.job_id} already")
+        if warm_only and (self.spares is None or not self.spares.running(record.job_id)):
+            return Replaced(None, new=False, no_spare=True)
         if running is not None:
             await self.stop(running)
         entry = await self._launch(record, slot, placement, replica_id,
@@ -382,12 +404,21 @@ class RankSet:
         # Admission frees a stopped job's slots at once; its ranks may take their grace
         # period to exit. A slot never holds two ranks: wait for them.
         while self.capacity is not None \
-                and self.slots_used + spec.slots_per_replica > self.capacity \
+                and self.slots_used + spec.slots_per_replica \
+                > self.capacity - len(await self._cordoned()) \
                 and any(r.stopping for r in self.ranks.values()):
             self._exit_seen.clear()
             await self._exit_seen.wait()
-        slots = node_slots({s for r in self.ranks.values() for s in r.node_slots},
+        cordoned = await self._cordoned()
+        slots = node_slots({s for r in self.ranks.values() for s in r.node_slots} | cordoned,
                            spec.slots_per_replica)
+        if self.capacity is not None and slots[-1] >= self.capacity:
+            # Admission has not yet heard of a cordon (it follows the node record): the
+            # replica waits for a usable slot, elsewhere or here once uncordoned.
+            log.warning("no usable slot for a replica: the node's free slots are cordoned",
+                        extra={"job": record.job_id, "rank": rank, "replica": replica_id,
+                               "cordoned": sorted(cordoned)})
+            return None
         identity = await self._identity(record, rank, placement, replica_id, slots, nice)
         self.launched[(record.job_id, rank)] = (placement, replica_id)
         log_path = self.log_path(record.job_id, replica_id)
@@ -400,6 +431,7 @@ class RankSet:
             process = await self._start(record, rank, replica_id, identity, log_path)
             if process is None:
                 return None
+            self.pin(process.pid, slots)
             if nice is not None:
                 with contextlib.suppress(ProcessLookupError):  # it may have died already
                     priority.lower(process.pid, nice)
@@ -474,10 +506,14 @@ class RankSet:
         exited = RankExited(job_id=entry.job_id, rank=entry.rank, node_id=self.node_id,
                             pid=entry.pid, cause=cause, exited_at=time.time(),
                             exit_code=exit_code, signal=signame, replica_id=entry.replica_id,
-                            with_agent=entry.stop is StopReason.AGENT)
+                            with_agent=entry.stop is StopReason.AGENT,
+                            fault_seen_at=entry.fault_seen_at
+                            if cause is ExitCause.GPU_FAULT else None)
         if exited.failed:  # its last output says why (an exception's traceback)
-            exited = msgspec.structs.replace(
-                exited, detail=self.last_output(entry.job_id, entry.replica_id))
+            output = self.last_output(entry.job_id, entry.replica_id)
+            if cause is ExitCause.GPU_FAULT:  # the fault first, then what the rank said
+                output = entry.fault + "\n" + output[-(DETAIL_CHARS - len(entry.fault) - 1):]
+            exited = msgspec.structs.replace(exited, detail=output.rstrip())
         await self.report(exited)
 
     def log_path(self, job_id: str, replica_id: str) -> Path:
@@ -558,6 +594,35 @@ class RankSet:
             # A stopped (SIGSTOP) rank must run to act on SIGTERM.
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(entry.pid, signal.SIGCONT)
+
+    async def _cordoned(self) -> set[int]:
+        return set(await self.cordoned()) if self.cordoned is not None else set()
+
+    def gpu_fault(self, slots: Collection[int], fault: str, seen_at: float) -> list[Rank]:
+        """The GPU of ``slots`` failed (``fault`` says how, seen at ``seen_at``): SIGKILL
+        every rank holding one of them now, with no grace period (a step on a failed GPU
+        cannot finish, and its job recovers the faster); each exit is reported
+        ``gpu_fault`` by its watcher. Returns the ranks killed."""
+        hit = [r for r in self.ranks.values() if set(r.node_slots) & set(slots)]
+        for entry in hit:
+            if entry.stop is None:  # one the job is letting go of is reported as before
+                entry.stop = StopReason.GPU_FAULT
+                entry.fault, entry.fault_seen_at = fault, seen_at
+            self._signal_group(entry, signal.SIGKILL)
+        return hit
+
+    def pin(self, pid: int, slots: tuple[int, ...]) -> None:
+        """Pin a rank just spawned to the CPUs close to its GPUs (those NVML gave, that
+        this agent may use); threads it starts later inherit them."""
+        cpus = rank_cpus(self.gpus, self.found_gpus, slots) & os.sched_getaffinity(0)
+        if not cpus:
+            return
+        try:
+            os.sched_setaffinity(pid, cpus)
+        except ProcessLookupError:
+            return  # it died at once: its exit is reported as any other
+        except OSError as exc:
+            log.warning("cannot pin pid %d to CPUs %s: %s", pid, sorted(cpus), exc)
 
     def signal(self, job_id: str, rank: int, sig: signal.Signals) -> int:
         """Send ``sig`` to one rank process (chaos); returns its pid.

@@ -14,6 +14,14 @@ and replicates it (:mod:`.replication`): a listener takes its wards' snapshots
 (its port is in the node record), a sender streams this node's to the buddy the
 checkpoint service placed (KV bucket ``phalanx_buddies``, re-read every
 :data:`BUDDY_REFRESH_S`).
+
+On a node whose GPUs NVML sees (:mod:`.nvml`), the slots are those GPUs and their
+health is polled every ``agent.gpu_poll_interval_s``. A GPU fault cordons that GPU's
+slots in the node record (``cordoned_slots``, with the reason; the node's other
+slots stay in use), and SIGKILLs the ranks there, each exit reported ``gpu_fault`` at
+once; nothing starts on a cordoned slot until an operator uncordons it. ``phalanx
+chaos gpu-fault`` injects such a fault at the NVML boundary (on a CPU node too, where
+the GPU index names a slot) and polls at once.
 """
 
 from __future__ import annotations
@@ -26,7 +34,7 @@ import os
 import signal
 import socket
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from pathlib import Path
 
 import msgspec
@@ -67,6 +75,7 @@ from phalanx.schemas.messages import (
 from phalanx.services import metrics
 from phalanx.services.agent import core
 from phalanx.services.agent.config import AgentConfig
+from phalanx.services.agent.nvml import GpuFault, GpuWatch, describe, discover
 from phalanx.services.agent.ranks import RankSet, ReplicaOutdated
 from phalanx.services.agent.replication import Address, ReplicaListener, ReplicaSender
 from phalanx.services.agent.snapshots import (
@@ -96,10 +105,26 @@ class AgentService(Service):
         super().__init__("phalanx-agent", config.node_id, bus_config,
                          shutdown_timeout_s=config.shutdown_timeout_s)
         self.config = config
+        nvml = discover() if config.discover_gpus else None
+        found = nvml.gpus if nvml is not None else None
+        try:
+            #: The node's slots and the GPU of each (empty: CPU slots).
+            self.slots, self.gpus = core.node_gpus(config.slots, config.gpus, found,
+                                                   os.cpu_count() or 1)
+            self.gpu_watch = GpuWatch(nvml)  # its baseline: the readings at start
+        except BaseException:
+            if nvml is not None:
+                nvml.close()
+            raise
+        self._gpu_poll = asyncio.Lock()  # one poll at a time: NVML reads are not shared
+        self._record_write = asyncio.Lock()  # record writes in order: the revision kept
+        #: Slots this agent cordoned that the stored record does not show yet.
+        self._cordoning: dict[int, str] = {}
         self.info = NodeInfo(
-            node_id=config.node_id, host=socket.gethostname(), slots=config.slots,
+            node_id=config.node_id, host=socket.gethostname(), slots=self.slots,
             failure_domain=config.failure_domain, labels=config.labels,
             agent_pid=os.getpid(), agent_version=__version__, started_at=time.time(),
+            gpus=found or [],
         )
         self.nodes: TypedKV[NodeRecord] | None = None
         self.record: NodeRecord | None = None
@@ -137,24 +162,28 @@ class AgentService(Service):
                                 NodeStatusRequest, self.on_status)
         await self.add_endpoint("chaos", subjects.agent_chaos(self.config.node_id),
                                 ChaosRequest, self.on_chaos)
+        if self.gpu_watch.nvml is not None:
+            self.spawn(self.gpu_loop(), "gpu health")
         if not self.config.launch:
             self.spawn(self.heartbeat_loop(), "heartbeat")
             return
         await ensure_job_events(self.bus)  # where rank starts and exits are stored
         self.ranks = RankSet(self.config.node_id, self.work_dir, self.bus_config_url(),
-                             self._host_of, self._report, capacity=self.config.slots,
+                             self._host_of, self._report, capacity=self.slots,
                              replacement_nice=self.config.replacement_nice,
                              advertise_host=self.info.host, bus_identity=self._rank_identity(),
                              snapshot_dir=self.snapshots.job_dir,
                              checkpoint_dir=Path(self.config.checkpoint_dir)
                              if self.config.checkpoint_dir
                              else self.work_dir.parent.parent / "checkpoints",
-                             gpus=self.config.gpus)
+                             gpus=self.gpus, found_gpus=self.gpu_watch.gpus,
+                             cordoned=self._cordoned_now)
         await self.ranks.adopt()
-        self.spares = self.ranks.spares = SpareSet(
-            self.config.node_id, self.work_dir, self.config.slots, self.config.gpus,
-            self.ranks.job_environment, self.ranks.slots_placed)
         ranks = self.ranks
+        # A cordoned slot holds no spare either.
+        self.spares = self.ranks.spares = SpareSet(
+            self.config.node_id, self.work_dir, self.slots, self.gpus,
+            self.ranks.job_environment, lambda: ranks.slots_placed() + len(self.cordoned))
         metrics.RANKS.set_function(lambda: len(ranks.ranks))
         # Both open before the first record arrives: reconciling one reads the generations.
         self.jobs = await TypedKV.open(self.bus.js, subjects.JOBS_BUCKET, JobRecord)
@@ -174,7 +203,8 @@ class AgentService(Service):
         self.bus.on_reconnect(self._on_reconnect)
         self.spawn(self.heartbeat_loop(), "heartbeat")
         self.spawn(self.sender.run(self.sleep_or_stop), "replicate")
-        log.info("registered", extra={"node": self.config.node_id, "slots": self.config.slots,
+        log.info("registered", extra={"node": self.config.node_id, "slots": self.slots,
+                                      "gpus": [g.uuid for g in self.gpu_watch.gpus],
                                       "failure_domain": self.config.failure_domain})
 
     async def _listen(self) -> None:
@@ -366,15 +396,19 @@ class AgentService(Service):
             raise RequestRefused("404", f"no job {request.job_id!r}")
         async with self._job_locks.setdefault(request.job_id, asyncio.Lock()):
             try:
-                done = await self.ranks.replace(entry.value, request.slot, request.replica_id)
+                done = await self.ranks.replace(entry.value, request.slot, request.replica_id,
+                                                warm_only=request.warm_only)
             except (LookupError, ReplicaOutdated) as exc:
                 raise RequestRefused("409", str(exc)) from None
             except OSError as exc:
                 raise RequestRefused("500", str(exc)) from None
         where = f"{request.replica_id} in slot {request.slot}"
-        detail = f"started {where}" + (" from a warm spare" if done.from_spare else "") \
-            if done.new else \
-            f"already launched {where}" + ("" if done.pid else " (it has exited)")
+        if done.no_spare:
+            detail = f"not started {where}: no warm spare of {request.job_id} here"
+        elif done.new:
+            detail = f"started {where}" + (" from a warm spare" if done.from_spare else "")
+        else:
+            detail = f"already launched {where}" + ("" if done.pid else " (it has exited)")
         return ReplicaReply(node_id=self.config.node_id, replica_id=request.replica_id,
                             pid=done.pid, detail=detail, spare=done.from_spare)
 
@@ -441,7 +475,88 @@ class AgentService(Service):
                 loop.call_later(0.05, os.kill, os.getpid(), signal.SIGSTOP)
                 return ChaosReply(node_id=node, pid=os.getpid(),
                                   detail=f"agent paused for {request.duration_s:g} s")
+            case ChaosAction.GPU_FAULT:
+                assert request.gpu is not None
+                if self.gpu_watch.nvml is None \
+                        and not core.gpu_slots(request.gpu, self.gpus, self.slots):
+                    raise RequestRefused("404", f"{node} has no GPU and no slot {request.gpu} "
+                                                f"(slots 0..{self.slots - 1})")
+                try:
+                    self.gpu_watch.inject(request.gpu, request.gpu_fault, request.code)
+                except ValueError as exc:
+                    raise RequestRefused("404", f"{node}: {exc}") from None
+                done = await self.poll_gpus()  # the next poll is now
+                return ChaosReply(node_id=node, detail="; ".join(done) or "nothing seen")
         raise RequestRefused("400", f"unknown chaos action {request.action}")
+
+    @property
+    def cordoned(self) -> dict[int, str]:
+        """This node's slots out of use (local slot -> why): as the registry last stored
+        them (an operator's uncordon shows there at the next heartbeat), plus those this
+        agent cordoned since."""
+        stored = self.record.cordoned_slots if self.record is not None else {}
+        return {**stored, **self._cordoning}
+
+    async def _cordoned_now(self) -> Collection[int]:
+        """The cordoned slots a launch must avoid: read from the registry when any are
+        known (an operator's uncordon counts at once, not at the next heartbeat: admission
+        may already have placed work there), else none without a read."""
+        if self.cordoned and self.nodes is not None:
+            try:
+                stored, _ = await self.nodes.current(self.config.node_id)
+            except (PhalanxError, TimeoutError, OSError, nats.errors.Error) as exc:
+                log.warning("cannot read this node's cordoned slots: %s", exc)
+            else:
+                if stored is not None:
+                    return {**stored.cordoned_slots, **self._cordoning}.keys()
+        return self.cordoned.keys()
+
+    async def gpu_loop(self) -> None:
+        """Poll the GPUs' health every ``gpu_poll_interval_s``."""
+        while not await self.sleep_or_stop(self.config.gpu_poll_interval_s):
+            await self.poll_gpus()
+
+    async def poll_gpus(self) -> list[str]:
+        """One health poll of the GPUs (NVML's reads on a worker thread) and what its
+        faults made this agent do, one line each."""
+        async with self._gpu_poll:
+            watch = self.gpu_watch
+            faults = await asyncio.to_thread(watch.poll) if watch.nvml is not None \
+                else watch.poll()
+            return await self._gpu_faults(faults, time.time())
+
+    async def _gpu_faults(self, faults: list[GpuFault], seen_at: float) -> list[str]:
+        """Act on one poll's observations: a fatal fault's GPU has its slots cordoned and
+        the ranks on them killed at once (their exits carry ``seen_at``); the rest (a
+        throttled GPU: straggler evidence) are logged."""
+        done: list[str] = []
+        fatal: dict[int, list[GpuFault]] = {}
+        for fault in faults:
+            if fault.fatal:
+                fatal.setdefault(fault.gpu, []).append(fault)
+                continue
+            log.warning("GPU %d: %s (reported, not a fault)", fault.gpu, fault.what,
+                        extra={"gpu": fault.gpu, "kind": fault.kind.value})
+            done.append(f"GPU {fault.gpu}: {fault.what} (reported, not a fault)")
+        info = {g.index: g for g in self.gpu_watch.gpus}
+        cordoned = self.cordoned
+        for gpu, seen in sorted(fatal.items()):
+            why = describe(gpu, seen, info.get(gpu))
+            slots = core.gpu_slots(gpu, self.gpus, self.slots)
+            for slot in slots:
+                if slot not in cordoned:
+                    self._cordoning[slot] = why
+            killed = self.ranks.gpu_fault(slots, why, seen_at) if self.ranks is not None else []
+            ranks = ", ".join(f"rank {r.rank} of {r.job_id} (pid {r.pid})" for r in killed)
+            log.error("GPU fault: %s", why, extra={
+                "gpu": gpu, "kinds": [f.kind.value for f in seen], "slots": list(slots),
+                "killed": [r.pid for r in killed]})
+            done.append(f"{why}: " + (f"slot(s) {', '.join(map(str, slots))} cordoned, "
+                                      f"killed {ranks or 'no rank'}" if slots
+                                      else "no slot runs on it"))
+        if self._cordoning:
+            await self._refresh_record(time.time(), self._slots_used())
+        return done
 
     async def heartbeat_loop(self) -> None:
         """Publish a heartbeat every interval, and refresh the registry entry beside it.
@@ -460,8 +575,7 @@ class AgentService(Service):
         try:
             while not await self.sleep_or_stop(self.config.heartbeat_interval_s):
                 now = time.time()
-                used = min(self.ranks.slots_used if self.ranks is not None else 0,
-                           self.info.slots)
+                used = self._slots_used()
                 if refresh is not None and refresh.done():
                     refresh.result()  # NodeIdTaken stops the agent
                     refresh = None
@@ -478,9 +592,13 @@ class AgentService(Service):
                 with contextlib.suppress(Exception):
                     await refresh
 
+    def _slots_used(self) -> int:
+        return min(self.ranks.slots_used if self.ranks is not None else 0, self.info.slots)
+
     async def _refresh_record(self, now: float, used: int) -> None:
         """Write the heartbeat into the node's registry entry, with its slot and snapshot
-        use (an earlier membership's snapshot rings are pruned first)."""
+        use (an earlier membership's snapshot rings are pruned first) and the slots it
+        cordoned since the last write."""
         assert self.nodes is not None
         for job_id in list(self.snapshots.current):
             if self.snapshots.prune(job_id):
@@ -491,17 +609,23 @@ class AgentService(Service):
         memory = {"snapshot_bytes": self.snapshots.used(),
                   "snapshot_limit_bytes": self.snapshots.limit,
                   "snapshot_refused": self.snapshots.refused}
-        try:
-            entry = await self.nodes.modify(
-                self.config.node_id,
-                lambda record: msgspec.structs.replace(
-                    core.heartbeat(record, self.info, now, used), **memory))
-        except core.NodeIdTaken:
-            raise
-        except Exception as exc:
-            log.warning("registry refresh failed: %s", exc)
-            return
-        self.record, self.revision = entry.value, entry.revision
+        async with self._record_write:
+            cordons, before = dict(self._cordoning), set(self.cordoned)
+            try:
+                entry = await self.nodes.modify(
+                    self.config.node_id,
+                    lambda record: msgspec.structs.replace(
+                        core.heartbeat(record, self.info, now, used, cordons), **memory))
+            except core.NodeIdTaken:
+                raise
+            except Exception as exc:
+                log.warning("registry refresh failed: %s", exc)
+                return
+            self.record, self.revision = entry.value, entry.revision
+            for slot in cordons:  # stored now
+                self._cordoning.pop(slot, None)
+        if set(self.cordoned) != before and self.spares is not None:
+            self.spawn(self.spares.refresh(), "spares")  # a slot cordoned or uncordoned
 
     async def teardown(self) -> None:
         """Stop the ranks (reported lost: their jobs still want them) and deregister: a
@@ -516,6 +640,8 @@ class AgentService(Service):
             await self.spares.stop_all()
         if self.ranks is not None:
             await self.ranks.stop_all()
+        async with self._gpu_poll:
+            self.gpu_watch.close()
         if self.config.stop_is_restart:
             log.info("stopped for a restart: registry entry and snapshots kept",
                      extra={"node": self.config.node_id})

@@ -1,6 +1,7 @@
 """``phalanx nodes``, ``top``, ``node cordon|uncordon`` and ``chaos``: the cluster's nodes
-as the registry holds them, the live view of nodes, jobs and events, taking a node out of
-(or back into) placement, and faults injected through the agents.
+as the registry holds them, the live view of nodes, jobs and events, taking a node (or
+one slot of it, ``--slot``) out of or back into placement, and faults injected through
+the agents.
 """
 
 from __future__ import annotations
@@ -12,7 +13,14 @@ import json
 import sys
 import time
 
-from phalanx.services.cli.common import EXIT_FAILED, Parents, Subparsers, bus_config, with_client
+from phalanx.services.cli.common import (
+    EXIT_FAILED,
+    EXIT_USAGE,
+    Parents,
+    Subparsers,
+    bus_config,
+    with_client,
+)
 
 
 async def read_nodes(args: argparse.Namespace):
@@ -31,11 +39,15 @@ async def read_nodes(args: argparse.Namespace):
 
 
 def _node_rows(nodes) -> list[dict]:
+    import msgspec
+
     return [{
         "node_id": n.node_id, "state": n.state.value, "slots": n.slots,
         "slots_used": n.slots_used, "failure_domain": n.failure_domain, "labels": n.labels,
         "cordoned": n.cordoned, "heartbeat_age_s": round(n.heartbeat_age_s, 3),
         "host": n.host, "agent_pid": n.agent_pid,
+        "cordoned_slots": {str(slot): why for slot, why in sorted(n.cordoned_slots.items())},
+        "gpus": [msgspec.to_builtins(g) for g in n.gpus],
     } for n in nodes]
 
 
@@ -90,7 +102,7 @@ async def _agent_request(args: argparse.Namespace, node_id: str, request):
 
 
 def cmd_chaos(args: argparse.Namespace) -> int:
-    from phalanx.schemas.messages import ChaosAction, ChaosRequest
+    from phalanx.schemas.messages import ChaosAction, ChaosRequest, GpuFaultKind
 
     if args.action == "kill-rank":
         record = asyncio.run(with_client(args, lambda c: c.job(args.job)))
@@ -103,6 +115,11 @@ def cmd_chaos(args: argparse.Namespace) -> int:
             return EXIT_FAILED
         request = ChaosRequest(action=ChaosAction.KILL_RANK, job_id=args.job, rank=args.rank,
                                signal=args.signal)
+    elif args.action == "gpu-fault":
+        node = args.node
+        request = ChaosRequest(action=ChaosAction.GPU_FAULT, gpu=args.gpu,
+                               gpu_fault=GpuFaultKind(args.kind),
+                               code=args.code if args.kind == "xid" else None)
     else:
         node = args.node
         action = ChaosAction.KILL_AGENT if args.action == "kill-agent" else \
@@ -114,7 +131,9 @@ def cmd_chaos(args: argparse.Namespace) -> int:
 
 
 def cmd_node(args: argparse.Namespace) -> int:
-    """Cordon or uncordon a node: no new placements while cordoned; health is told."""
+    """Cordon or uncordon a node: no new placements while cordoned; health is told. With
+    ``--slot``, uncordon one slot its agent cordoned (its GPU failed): the rest of the
+    node is left as it is, and health is not told (it judges nodes, not slots)."""
     import msgspec
 
     from phalanx.bus.client import Bus
@@ -123,27 +142,39 @@ def cmd_node(args: argparse.Namespace) -> int:
     from phalanx.schemas.messages import NodeCondition, NodeConditionChanged, NodeRecord
 
     cordon = args.action == "cordon"
+    if args.slot is not None and cordon:
+        print("phalanx node: --slot goes with uncordon (an agent cordons a slot when its GPU "
+              "fails; cordon the node to take it all out)", file=sys.stderr)
+        return EXIT_USAGE
+
+    def flip(record: NodeRecord | None) -> NodeRecord:
+        if record is None:
+            raise LookupError(f"no node {args.node!r} in the registry")
+        if args.slot is None:
+            return msgspec.structs.replace(record, cordoned=cordon)
+        if args.slot not in record.cordoned_slots:
+            held = sorted(record.cordoned_slots) or "none"
+            raise LookupError(f"slot {args.slot} of {args.node} is not cordoned "
+                              f"(cordoned slots: {held})")
+        return msgspec.structs.replace(record, cordoned_slots={
+            s: why for s, why in record.cordoned_slots.items() if s != args.slot})
 
     async def change() -> None:
         async with await Bus.connect(bus_config(args), name="phalanx-cli") as bus:
             nodes = await TypedKV.open(bus.js, subjects.NODES_BUCKET, NodeRecord)
-
-            def flip(record: NodeRecord | None) -> NodeRecord:
-                if record is None:
-                    raise LookupError(f"no node {args.node!r} in the registry")
-                return msgspec.structs.replace(record, cordoned=cordon)
-
-            await nodes.modify(args.node, flip)
-            await bus.publish(subjects.node_condition(args.node), NodeConditionChanged(
-                node_id=args.node, reason=f"{args.action} by operator", at=time.time(),
-                condition=NodeCondition.CORDONED if cordon else NodeCondition.UNCORDONED))
+            await nodes.modify(args.node, flip)  # compare-and-swap: the agent writes too
+            if args.slot is None:
+                await bus.publish(subjects.node_condition(args.node), NodeConditionChanged(
+                    node_id=args.node, reason=f"{args.action} by operator", at=time.time(),
+                    condition=NodeCondition.CORDONED if cordon else NodeCondition.UNCORDONED))
 
     try:
         asyncio.run(change())
     except LookupError as exc:
         print(f"phalanx node: {exc.args[0]}", file=sys.stderr)
         return EXIT_FAILED
-    print(f"{args.node}: {'cordoned' if cordon else 'uncordoned'}")
+    what = args.node if args.slot is None else f"{args.node} slot {args.slot}"
+    print(f"{what}: {'cordoned' if cordon else 'uncordoned'}")
     return 0
 
 
@@ -158,9 +189,12 @@ def add_parsers(sub: Subparsers, parents: Parents) -> None:
     top.add_argument("--once", action="store_true", help="print one frame and exit")
     top.set_defaults(func=cmd_top)
 
-    node = sub.add_parser("node", parents=[common], help="cordon or uncordon a node")
+    node = sub.add_parser("node", parents=[common],
+                          help="cordon or uncordon a node (or one slot of it)")
     node.add_argument("action", choices=["cordon", "uncordon"])
     node.add_argument("node")
+    node.add_argument("--slot", type=int, metavar="S",
+                      help="uncordon only slot S, which its agent cordoned (a GPU fault)")
     node.set_defaults(func=cmd_node)
 
     chaos = sub.add_parser("chaos", help="inject faults through the agents")
@@ -174,4 +208,24 @@ def add_parsers(sub: Subparsers, parents: Parents) -> None:
         node_chaos.add_argument("node")
         node_chaos.add_argument("--seconds", type=float, default=5.0,
                                 help="pause-agent: how long the agent stays stopped")
+    gpu_fault = chaos_sub.add_parser(
+        "gpu-fault", parents=[common],
+        help="a GPU fault seen by the agent's next health poll (injected at its NVML "
+             "boundary): the GPU's slots are cordoned and their ranks killed")
+    gpu_fault.add_argument("node")
+    gpu_fault.add_argument("--gpu", type=_index, required=True, metavar="I",
+                           help="the GPU's index (on a node without GPUs: a slot's)")
+    gpu_fault.add_argument("--kind", default="xid",
+                           choices=["xid", "ecc", "retired_pages", "row_remap", "lost",
+                                    "throttle"],
+                           help="what fails (throttle: reported, not a fault)")
+    gpu_fault.add_argument("--code", type=_index, default=79, metavar="XID",
+                           help="the Xid of --kind xid (default 79: fallen off the bus)")
     chaos.set_defaults(func=cmd_chaos)
+
+
+def _index(text: str) -> int:
+    """A GPU index or Xid: a whole number >= 0."""
+    if not text.isdigit():
+        raise argparse.ArgumentTypeError(f"must be a whole number >= 0, got {text!r}")
+    return int(text)

@@ -19,6 +19,15 @@ def crash_detail(event: RankExitSeen) -> str:
     """The detail of a crash fault: what ended the rank, and its error and last output."""
     if event.cause == "launch_failed":
         return f"rank {event.rank} could not be started: {event.detail or 'no reason given'}"
+    if event.cause == "gpu_fault":  # the agent's detail: the fault's line, then the output
+        fault, _, output = event.detail.partition("\n")
+        head = f"rank {event.rank} was killed by its agent on {event.node_id}: GPU fault: " \
+            f"{fault[:ERROR_CHARS] or 'no detail given'}"
+        output = output.rstrip()
+        if not output:
+            return head
+        head += "; its last output:\n"
+        return head + output[max(0, len(output) - (DETAIL_CHARS - len(head))):]
     if event.cause == "lost" and event.with_agent:
         return (f"rank {event.rank} was stopped with its agent on {event.node_id} (the agent "
                 "shut down while the job still wanted the rank)")

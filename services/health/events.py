@@ -15,7 +15,7 @@ import math
 
 from phalanx.schemas.messages import FaultKind, ReasonCode, RestartPolicy
 
-EXIT_CAUSES = frozenset({"exited", "stopped", "lost", "launch_failed"})
+EXIT_CAUSES = frozenset({"exited", "stopped", "lost", "launch_failed", "gpu_fault"})
 DEFAULT_RESTART_POLICY = RestartPolicy()  # frozen: one instance serves every default
 
 
@@ -67,8 +67,10 @@ class RankStartSeen:
 
 @dataclasses.dataclass(frozen=True)
 class RankExitSeen:
-    """A rank's process ended; ``cause`` is ``exited``, ``stopped``, ``lost`` or
-    ``launch_failed``; ``detail`` is its error or last output, when it failed;
+    """A rank's process ended; ``cause`` is ``exited``, ``stopped``, ``lost``,
+    ``launch_failed`` or ``gpu_fault`` (its agent killed it: its GPU failed, an
+    infrastructure fault like a crash); ``detail`` is its error or last output, when it
+    failed (a GPU fault's first line names the GPU and the fault);
     ``with_agent``: stopped as its agent shut down (no evidence against the node)."""
 
     job_id: str

@@ -11,7 +11,8 @@ infrastructure's:
   start error), with the rank's error as the reason.
 * **Infrastructure**: a kill by a signal (the OOM killer's ``SIGKILL``, also
   seen through a shell as exit code 128 + N), a hang, a lost node, a rank
-  whose exit status was lost with its agent. These are what the system is
+  whose exit status was lost with its agent, a rank its agent killed because
+  its GPU failed (cause ``gpu_fault``). These are what the system is
   there to survive: they never fail a job that trains between them.
 
 Every failure that is repaired is a restart (``restarts``, reported; no limit

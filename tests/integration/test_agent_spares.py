@@ -17,6 +17,7 @@ import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
 
+import msgspec
 import pytest
 from spare_probe import spares_of, until
 from test_agent_replicas import process_exit, queue_of
@@ -151,6 +152,16 @@ async def test_a_spare_yields_its_slot_to_another_job_and_none_outlives_the_agen
         assert (await asyncio.wait_for(started.get(), 30)).replica_id == "r0-0"
         await gone(spare)
         assert spares_of(first) == set() and spares_of(other) == set()
+
+        # Asked for from a spare only, with none here: nothing starts, nothing stops,
+        # and the replica id is not used up: the same launch, cold, starts it.
+        ask = LaunchReplica(job_id=first, slot=1, replica_id="r1-1", warm_only=True)
+        reply = await bus.request(subjects.agent_launch(uid), ask, ReplicaReply, timeout_s=10)
+        assert (reply.pid, reply.spare) == (None, False), reply
+        assert reply.detail == f"not started r1-1 in slot 1: no warm spare of {first} here"
+        cold = msgspec.structs.replace(ask, warm_only=False)
+        reply = await bus.request(subjects.agent_launch(uid), cold, ReplicaReply, timeout_s=10)
+        assert reply.detail == "started r1-1 in slot 1" and reply.pid is not None, reply
 
         # The second job ends: the slot is free again, the first job's spare comes back.
         await put(bus, jobs, record(other, uid, replicas=1, spares=1,

@@ -29,6 +29,7 @@ from phalanx.schemas.messages import (
     ChaosRequest,
     CheckpointPolicy,
     Generation,
+    GpuFaultKind,
     JobRecord,
     JobSpec,
     JobState,
@@ -83,6 +84,9 @@ def _fix_replica_range(kw: dict[str, Any]) -> dict[str, Any]:
 def _fix_node_record(kw: dict[str, Any]) -> dict[str, Any]:
     if "slots_used" in kw:
         kw["slots_used"] = min(kw["slots_used"], kw["node"].slots)
+    if "cordoned_slots" in kw:
+        kw["cordoned_slots"] = {s % kw["node"].slots: why
+                                for s, why in kw["cordoned_slots"].items()}
     return kw
 
 
@@ -151,6 +155,10 @@ def _fix_chaos(kw: dict[str, Any]) -> dict[str, Any]:
     if kw["action"] is ChaosAction.KILL_RANK:
         kw["job_id"] = kw.get("job_id") or "job"
         kw["rank"] = kw.get("rank") if kw.get("rank") is not None else 0
+    if kw["action"] is ChaosAction.GPU_FAULT and kw.get("gpu") is None:
+        kw["gpu"] = 0
+    if kw.get("gpu_fault", GpuFaultKind.XID) is not GpuFaultKind.XID:
+        kw["code"] = None
     return kw
 
 

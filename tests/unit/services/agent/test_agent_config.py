@@ -50,7 +50,8 @@ def test_a_bad_flag_names_the_variable() -> None:
 def test_defaults() -> None:
     config = AgentConfig.from_env(BASE)
     assert config.node_id == "gpu-07"
-    assert config.slots >= 1
+    assert config.slots is None  # decided at start: the GPUs NVML finds, else the CPUs
+    assert config.discover_gpus is True and config.gpu_poll_interval_s == 1.0
     assert config.failure_domain == "default"
     assert config.labels == {}
     assert config.heartbeat_interval_s == 0.5

@@ -75,3 +75,22 @@ def test_a_rank_stopped_with_its_agent_says_so() -> None:
                                                  "r0-0", with_agent=True), T0 + 1)
                if isinstance(d, RaiseFault)]
     assert fault.detail.startswith("rank 0 was stopped with its agent on n0")
+
+
+def test_a_gpu_fault_is_an_infrastructure_crash_naming_the_gpu_and_the_fault() -> None:
+    """The agent killed the rank because its GPU failed: a fault to repair like a crash
+    (never the script's failure, however few application failures the job may have),
+    whose first line names the GPU and the fault, the rank's last output after it."""
+    core = HealthCore(HealthPolicy())
+    core.handle(JobWatched("j", ("n0", "n1"), 2.0,
+                           restart_policy=RestartPolicy(max_app_failures=0)), T0)
+    decisions = core.handle(RankExitSeen(
+        "j", 0, "n0", None, "SIGKILL", "gpu_fault", "r0-0",
+        "Xid 79 on GPU 0 (GPU-5d2c)\nstep 41\nstep 42"), T0 + 1)
+    assert not [d for d in decisions if isinstance(d, FailJob)]
+    [fault] = [d for d in decisions if isinstance(d, RaiseFault)]
+    assert not fault.application and fault.signal == "SIGKILL"
+    first, rest = fault.detail.split("\n", 1)
+    assert first == ("rank 0 was killed by its agent on n0: GPU fault: Xid 79 on GPU 0 "
+                     "(GPU-5d2c); its last output:")
+    assert rest == "step 41\nstep 42"
