@@ -201,13 +201,19 @@ class PublishGeneration:
 
 @dataclasses.dataclass(frozen=True)
 class LaunchReplacement:
-    """Start ``replica_id`` in ``slot`` on ``node_id`` (stopping what still runs there)."""
+    """Start ``replica_id`` in ``slot`` on ``node_id`` (stopping what still runs there).
+
+    ``warm_only``: only from a warm spare of the job on that node; with none there, the
+    agent starts nothing, and the same launch follows without it once the survivors have
+    recovered (:meth:`ElasticityCore.handle`).
+    """
 
     job_id: str
     slot: int
     node_id: str
     replica_id: str
     cause: str = ""
+    warm_only: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -400,11 +406,7 @@ class ElasticityCore:
                             and (last.pause_s is None or event.pause_s > last.pause_s):
                         job.history[-1] = msgspec.structs.replace(last, pause_s=event.pause_s)
         decisions += self._advance(job, now, event.event_id)
-        if job.to_launch and (job.current is None or not job.in_flight
-                              or job.waiting_since is not None):
-            decisions += job.to_launch
-            job.to_launch = []
-        return decisions
+        return decisions + _launches(job)
 
     def tick(self, now: float) -> list[Decision]:
         """Requeue jobs that stayed below ``min`` for longer than ``wait_timeout_s``; forget
@@ -564,7 +566,8 @@ class ElasticityCore:
         if event.replica_id not in job.members:
             return []
         job.complete = True
-        unlaunched = {d.replica_id for d in job.to_launch}
+        # Never asked for: nothing to stop (one asked of a spare may run).
+        unlaunched = {d.replica_id for d in job.to_launch if not d.warm_only}
         waiting = {r: job.replicas[r].slot for r in job.ready} | {
             r: slot for r, slot in job.launched.items() if r not in unlaunched}
         job.ready.clear()
@@ -723,6 +726,27 @@ def _within_budget(history: list[GenerationRecord]) -> list[GenerationRecord]:
             return history[i + 1:]
     return history
 
+
+
+def _launches(job: JobMembership) -> list[Decision]:
+    """The replacements to ask for now.
+
+    A cold start (Python, torch, the script's model build) would take the CPU from the
+    survivors' repair, so it waits until they have applied the change in flight. A warm
+    spare costs that repair nothing: while the change is in flight each replacement is
+    asked for once from a spare (``warm_only``), and asked for again, cold, after it.
+    The agent starts a replica id at most once, so whichever comes second is a no-op;
+    one that became ready or was superseded meanwhile is not asked for again.
+    """
+    job.to_launch = [d for d in job.to_launch if job.launched.get(d.replica_id) == d.slot]
+    if job.current is None or not job.in_flight or job.waiting_since is not None:
+        launches: list[Decision] = [dataclasses.replace(d, warm_only=False)
+                                    for d in job.to_launch]
+        job.to_launch = []
+        return launches
+    warm = [dataclasses.replace(d, warm_only=True) for d in job.to_launch if not d.warm_only]
+    job.to_launch = [d for d in job.to_launch if d.warm_only] + warm
+    return list(warm)
 
 
 def snapshot(job: JobMembership) -> bytes:

@@ -238,7 +238,8 @@ class ElasticityService(JobEventsLeader[ElasticityTerm]):
         request: LaunchReplica | StopReplica
         if isinstance(decision, core.LaunchReplacement):
             request = LaunchReplica(job_id=decision.job_id, slot=decision.slot,
-                                    replica_id=decision.replica_id)
+                                    replica_id=decision.replica_id,
+                                    warm_only=decision.warm_only)
             subject = subjects.agent_launch(decision.node_id)
         else:
             request = StopReplica(job_id=decision.job_id, slot=decision.slot,
@@ -254,8 +255,9 @@ class ElasticityService(JobEventsLeader[ElasticityTerm]):
                 break
             except (NoResponders, RequestTimeout) as exc:
                 term = self.term
-                if not isinstance(decision, core.LaunchReplacement) or term is None \
-                        or not term.core.awaits(decision):
+                # A launch asked of a spare is not repeated: the cold one follows anyway.
+                if not isinstance(decision, core.LaunchReplacement) or decision.warm_only \
+                        or term is None or not term.core.awaits(decision):
                     log.warning("agent request failed", extra={**context, "error": str(exc)})
                     return
                 log.info("agent request unanswered; asking again",

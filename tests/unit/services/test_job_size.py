@@ -71,7 +71,8 @@ def test_elasticity_state_generations_and_history_of_the_largest_job_fit() -> No
         for decision in core.handle(event, now):
             if isinstance(decision, elasticity.PublishGeneration):
                 published.append(decision.generation)
-            if isinstance(decision, elasticity.LaunchReplacement):
+            # Cold starts only (no spares): the replacements join together, after a fault.
+            if isinstance(decision, elasticity.LaunchReplacement) and not decision.warm_only:
                 handle(elasticity.ReplicaReadySeen("big", decision.replica_id, decision.node_id,
                                                decision.slot, endpoint))
 

@@ -83,13 +83,45 @@ def test_a_fault_drops_the_member_keeps_order_and_launches_a_replacement() -> No
     start(core)
     apply_all(core, step=20)
     out = core.handle(MemberFailed("j", "r1-0", "SIGKILL", event_id="f1"), 1.0)
-    assert not [d for d in out if isinstance(d, LaunchReplacement)]  # not during recovery
+    # During recovery only from a warm spare; cold once the survivors have recovered.
+    assert [d for d in out if isinstance(d, LaunchReplacement)] == [
+        LaunchReplacement("j", 1, "n1", "r1-1", "f1", warm_only=True)]
     [g] = generations(out)
     assert [(m.replica_id, m.rank) for m in g.members] == [("r0-0", 0), ("r2-0", 1), ("r3-0", 2)]
     assert (g.generation, g.reason, g.resume_step) == (1, GenerationReason.FAULT, 20)
     assert g.rendezvous == "j-g1" and "r1-0 (SIGKILL)" in g.cause
     assert next(d for d in out if isinstance(d, PublishGeneration)).cause == "f1"
     assert apply_all(core) == [LaunchReplacement("j", 1, "n1", "r1-1", "f1")]
+
+
+def test_a_spare_taken_during_recovery_joins_right_after_it_and_is_not_asked_for_again(
+        ) -> None:
+    core = ElasticityCore()
+    start(core)
+    apply_all(core)
+    [warm] = [d for d in core.handle(MemberFailed("j", "r1-0"), 1.0)
+              if isinstance(d, LaunchReplacement)]
+    assert warm.warm_only and warm.replica_id == "r1-1"
+    assert generations(ready(core, "r1-1")) == []  # the spare: ready while 1 is in flight
+    out = apply_all(core)
+    [g] = generations(out)  # joins as soon as the survivors have recovered
+    assert (g.generation, g.reason) == (2, GenerationReason.JOIN)
+    assert not [d for d in out if isinstance(d, LaunchReplacement)]  # not asked for cold
+    core.check_invariants()
+
+
+def test_a_replacement_not_started_from_a_spare_is_asked_for_cold_once_after_recovery(
+        ) -> None:
+    core = ElasticityCore()
+    start(core)
+    apply_all(core)
+    core.handle(MemberFailed("j", "r1-0"), 1.0)
+    # Nothing more is asked of a spare while the change stays in flight.
+    job = core.jobs["j"]
+    assert not [d for d in core.handle(GenerationAppliedSeen("j", 1, job.members[0], 10), 1.0)
+                if isinstance(d, LaunchReplacement)]
+    assert apply_all(core) == [LaunchReplacement("j", 1, "n1", "r1-1")]
+    assert apply_all(core) == []
 
 
 def test_the_replacement_joins_only_when_ready_and_after_the_change_in_flight() -> None:
