@@ -98,7 +98,6 @@ from typing import Any
 import nats.errors
 import torch
 import torch.distributed as dist
-from torch.distributed.optim import ZeroRedundancyOptimizer
 
 from phalanx.bus import telemetry
 from phalanx.bus.config import BusConfig
@@ -128,7 +127,7 @@ from phalanx.runtime.placement import (
 )
 from phalanx.runtime.progress import ProgressReporter
 from phalanx.runtime.record import Recorder
-from phalanx.runtime.sharded import Sharded
+from phalanx.runtime.sharded import Sharded, is_sharded
 from phalanx.runtime.snapshot import Snapshotter
 from phalanx.runtime.snapshot_interval import IntervalPolicy, SnapshotSchedule
 from phalanx.runtime.state import landing_buffers
@@ -224,8 +223,7 @@ class ElasticSession:
                                "NCCL")
         self.optimizer = optimizer
         #: A sharded optimizer's handle (:mod:`.sharded`); None for a plain optimizer.
-        self._sharded = Sharded(optimizer) \
-            if isinstance(optimizer, ZeroRedundancyOptimizer) else None
+        self._sharded = Sharded(optimizer) if is_sharded(optimizer) else None
         self.dataset = dataset
         self.order = ElasticOrder(len(dataset), global_batch, seed)
         self._loader = step_loader(dataset, loader)

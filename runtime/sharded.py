@@ -29,17 +29,24 @@ the session restores every member from the newest complete one.
 from __future__ import annotations
 
 import pickle
+import sys
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any, TypeGuard, cast
 
 import torch
 import torch.distributed as dist
-from torch.distributed.optim import ZeroRedundancyOptimizer
 
 from phalanx.runtime.group import Group
 from phalanx.runtime.state import Wait, _fill, _strip, broadcast_bytes
 
+#: Where torch keeps the class. Importing ``torch.distributed.optim`` costs a rank's
+#: start about 0.4 s of CPU (FSDP and more come with it), so only a script that builds
+#: a sharded optimizer pays it (:func:`sharded_optimizer`, :func:`is_sharded`).
+ZERO_MODULE = "torch.distributed.optim.zero_redundancy_optimizer"
+
 if TYPE_CHECKING:
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
     class _Zero(ZeroRedundancyOptimizer):
         """The optimizer with the private parts :class:`Sharded` drives it by, which torch's
         stub (``zero_redundancy_optimizer.pyi``) leaves out; their code is in
@@ -62,6 +69,8 @@ def sharded_optimizer(params: Any, optimizer_class: type[torch.optim.Optimizer],
     Initialises a one-process gloo world as the default process group if the process
     has none (the session never uses it for training: each generation has its own group).
     """
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
     if not dist.is_initialized():
         dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     if dist.get_world_size() != 1:
@@ -69,6 +78,13 @@ def sharded_optimizer(params: Any, optimizer_class: type[torch.optim.Optimizer],
                            f"{dist.get_world_size()} ranks: under the session a sharded "
                            "optimizer is partitioned over each generation's own group")
     return ZeroRedundancyOptimizer(params, optimizer_class=optimizer_class, **defaults)
+
+
+def is_sharded(optimizer: object) -> TypeGuard[ZeroRedundancyOptimizer]:
+    """Is ``optimizer`` a ``ZeroRedundancyOptimizer``? (Without importing it: an object
+    of the class exists only once its module was imported.)"""
+    module = sys.modules.get(ZERO_MODULE)
+    return module is not None and isinstance(optimizer, module.ZeroRedundancyOptimizer)
 
 
 class Sharded:

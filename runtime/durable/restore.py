@@ -10,11 +10,10 @@ import pickle
 import warnings
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import fsspec
 import torch
-import torch.distributed.checkpoint as dcp
 import xxhash
 from fsspec.implementations.local import LocalFileSystem
 
@@ -35,6 +34,9 @@ from phalanx.runtime.state import tensor_refs
 from phalanx.schemas.messages import DETAIL_CHARS, SnapshotRecord, SnapshotTier
 
 log = logging.getLogger("phalanx.runtime.durable")
+
+if TYPE_CHECKING:
+    import torch.distributed.checkpoint as dcp
 
 
 @dataclasses.dataclass(frozen=True)
@@ -181,6 +183,8 @@ def load(fs: fsspec.AbstractFileSystem, step: Committed, record: CommitRecord,
     """Load the verified durable ``step`` into ``model``, ``optimizer``, ``extra`` (and
     the RNG), read with ``torch.distributed.checkpoint``; ``keep``: a sharded optimizer's
     new partition (only the optimizer entries of the indices it accepts are read)."""
+    import torch.distributed.checkpoint as dcp  # not with the runtime: layout._flatten
+
     meta = pickle.loads(record.meta)
     skipped = [index for index in meta["optimizer"]["state"]
                if keep is not None and not keep(index)]

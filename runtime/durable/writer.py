@@ -16,21 +16,12 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import fsspec
 import torch
 import xxhash
 from fsspec.implementations.local import LocalFileSystem
-from torch.distributed.checkpoint.filesystem import CURRENT_DCP_VERSION, _StorageInfo
-from torch.distributed.checkpoint.metadata import (
-    BytesStorageMetadata,
-    ChunkStorageMetadata,
-    Metadata,
-    MetadataIndex,
-    TensorProperties,
-    TensorStorageMetadata,
-)
 
 from phalanx.runtime.durable.layout import (
     COMMIT,
@@ -49,6 +40,9 @@ from phalanx.runtime.durable.layout import (
 )
 from phalanx.schemas import snapshot_file
 from phalanx.schemas.snapshot_file import Header, SnapshotFileError
+
+if TYPE_CHECKING:
+    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
 
 log = logging.getLogger("phalanx.runtime.durable")
 
@@ -71,6 +65,10 @@ def write_shard(fs: fsspec.AbstractFileSystem, root: str, header: Header, meta_b
                 data: memoryview, keep: int) -> Persisted:
     """Persist shard ``header.shard`` (its bytes ``data``, verified by the caller), then
     commit the step if every shard's marker is there, then apply retention."""
+    # DCP is imported when a shard is first written, not with the runtime (layout._flatten).
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+    from torch.distributed.checkpoint.metadata import MetadataIndex
+
     started = time.perf_counter()
     meta = pickle.loads(meta_bytes)
     plan = Plan.of(meta)
@@ -129,6 +127,15 @@ def write_shard(fs: fsspec.AbstractFileSystem, root: str, header: Header, meta_b
 def _commit(fs: fsspec.AbstractFileSystem, directory: str, header: Header,
             meta: dict[str, Any], meta_bytes: bytes, plan: Plan) -> CommitRecord | None:
     """Write ``.metadata`` and the commit record if every shard's marker is there."""
+    from torch.distributed.checkpoint.filesystem import CURRENT_DCP_VERSION
+    from torch.distributed.checkpoint.metadata import (
+        BytesStorageMetadata,
+        ChunkStorageMetadata,
+        Metadata,
+        TensorProperties,
+        TensorStorageMetadata,
+    )
+
     markers = []
     for shard in range(header.shards):
         try:

@@ -327,3 +327,28 @@ def test_the_check_detects_the_bus_layer() -> None:
     loaded = imported_after("phalanx.bus")
     assert "nats" in loaded
     assert "asyncio" in loaded
+
+
+#: What a rank's start does not pay for unless its script uses it: torch's sharded
+#: optimizer (FSDP and more come with it) and DCP, about 0.3 s of CPU each.
+HEAVY_TORCH = ("torch.distributed.optim", "torch.distributed.checkpoint",
+               "torch.distributed.fsdp")
+
+
+def loaded_modules(code: str) -> set[str]:
+    """Every module in sys.modules after running ``code`` in a fresh python."""
+    result = subprocess.run(
+        [sys.executable, "-c", f"{code}\nimport sys\nprint('\\n'.join(sys.modules))"],
+        capture_output=True, text=True, timeout=120, check=False)
+    assert result.returncode == 0, result.stderr
+    return set(result.stdout.split())
+
+
+def test_a_rank_loads_no_sharded_optimizer_or_dcp_it_does_not_use() -> None:
+    loaded = loaded_modules("import phalanx.runtime, phalanx.runtime.elastic, "
+                            "phalanx.examples.workload_w")
+    assert not {m for m in loaded if m.startswith(HEAVY_TORCH)}
+    # Control: building the sharded optimizer does load it, so the check is not vacuous.
+    loaded = loaded_modules("import torch\nfrom phalanx.runtime import sharded_optimizer\n"
+                            "sharded_optimizer([torch.zeros(1)], torch.optim.SGD, lr=0.1)")
+    assert "torch.distributed.optim" in loaded
