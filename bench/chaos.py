@@ -145,8 +145,10 @@ class Observer:
 
 
 class Chaos:
-    def __init__(self, work: Path, seed: int, steps: int, sharded: bool = False) -> None:
+    def __init__(self, work: Path, seed: int, steps: int, sharded: bool = False,
+                 pace_s: float = 0.01) -> None:
         self.work = work
+        self.pace_s = pace_s
         self.sharded = sharded
         self.rng = random.Random(seed)
         self.order = self.rng.sample(KINDS, len(KINDS))  # of the first faults
@@ -188,9 +190,9 @@ class Chaos:
                                 "--save", str(self.work / "final.pt")],
                        env={"PHALANX_RECORD_DIR": str(self.work / "rec"),
                             "PHALANX_DETERMINISTIC": "1",
-                            # At most 100 steps/s until the faults are made: the job
-                            # outlasts them on a fast machine too.
-                            "PHALANX_CHAOS_PACE": f"0.01:{self.release}"},
+                            # At most 1 / pace_s steps/s until the faults are made:
+                            # the job outlasts them on a fast machine too.
+                            "PHALANX_CHAOS_PACE": f"{self.pace_s}:{self.release}"},
                        hang_timeout_s=2.0, grace_period_s=3.0,
                        # The crash-loop guard as it ships (8 restarts without progress in
                        # 300 s): the job trains between the faults, so they must never fail
@@ -391,13 +393,17 @@ def fault_free(work: Path, steps: int, sharded: bool = False) -> dict[str, Any]:
 
 
 async def run(work: Path, *, seed: int, faults: int, interval_s: float,
-              steps: int, sharded: bool = False) -> dict[str, Any]:
-    """One chaos run; returns its figures and the verdicts (see the module docstring)."""
+              steps: int, sharded: bool = False, pace_s: float = 0.01) -> dict[str, Any]:
+    """One chaos run; returns its figures and the verdicts (see the module docstring).
+
+    ``pace_s``: the job's least time per step while faults are made; with ``steps``, it
+    bounds how long the faults may go on (``steps * pace_s`` at the least).
+    """
     import torch
 
     prepare(work)
     reference = fault_free(work, steps, sharded)
-    chaos = Chaos(work, seed, steps, sharded)
+    chaos = Chaos(work, seed, steps, sharded, pace_s)
     started = time.monotonic()
     bus = await chaos.start()
     try:

@@ -17,9 +17,12 @@ async def test_fifteen_seeded_faults_of_every_kind_leave_the_model_exactly_as_wi
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     for name in ("PHALANX_HEALTH_CORDON_FAULTS", "PHALANX_ELASTICITY_MAX_REPLACEMENTS"):
         monkeypatch.setenv(name, os.environ.get(name, ""))  # restored after: chaos sets them
-    # Steps enough to outlast the faults (the job trains at 50-250 steps/s here, and a rank
-    # fault waits for three members): injection stops 50 steps before the end.
-    result = await chaos.run(tmp_path, seed=1, faults=15, interval_s=2.5, steps=8000)
+    # Paced to at most 25 steps/s while the faults are made, 3000 steps last at least
+    # 120 s: the 15 faults, 2.5 s apart, and their recoveries fit with room (injection
+    # stops 50 steps before the end). The steps after them, and the fault-free run's,
+    # are all CPU the suite spends: no more of them than that.
+    result = await chaos.run(tmp_path, seed=1, faults=15, interval_s=2.5, steps=3000,
+                             pace_s=0.04)
     assert result["faults"] >= 15
     assert {f["kind"] for f in result["fault_log"]} == set(chaos.KINDS)
     assert result["finished"]
