@@ -1,10 +1,12 @@
 """The phalanx demo: W trains on 4 CPU ranks, loses one, carries on, takes a replacement back.
 
-``phalanx demo`` (or ``python examples/demo.py``) starts a local cluster,
-submits ``examples/train_mlp.py`` as a 4-replica elastic job, SIGKILLs one
-rank mid-run the way a user would (``phalanx chaos kill-rank``), and lets
-elasticity do the rest: the survivors continue on 3 ranks at once, the
-replacement joins when it has started. Then it runs the same script alone as
+``phalanx demo`` (or ``python examples/demo.py``) starts a local cluster
+(2 agents x 3 slots), submits ``examples/train_mlp.py`` as a 4-replica elastic
+job with a warm spare on each node's free slot (``spares: 1``; ``--no-spares``:
+none), SIGKILLs one rank mid-run the way a user would (``phalanx chaos
+kill-rank``), and lets elasticity do the rest: the survivors continue on 3 ranks
+at once, and the replacement (the spare on the dead rank's node, told who it is,
+or a process started cold) joins them. Then it runs the same script alone as
 the fault-free reference and prints a summary — downtime per event, steps
 lost, final loss and parameters against the reference, samples seen exactly
 once — and writes a plot of loss and throughput over time with the events
@@ -39,7 +41,9 @@ from phalanx.schemas.messages import (
     JobRecord,
     JobSpec,
     JobState,
+    Placement,
     RankProgress,
+    RankStarted,
     ReplicaRange,
 )
 from phalanx.services.client import AdmissionClient
@@ -62,10 +66,10 @@ async def run_elastic(args: argparse.Namespace, out: Path, train: list[str]) -> 
     """The elastic run on the local cluster; returns the events it saw."""
     cluster = out / "cluster"
     shutil.rmtree(cluster, ignore_errors=True)
-    say("starting a local cluster: NATS, admission, health, elasticity, 2 agents x 2 slots")
-    phalanx("up", "--agents", "2", "--slots-per-agent", "2", "--detach", "--data-dir",
+    say("starting a local cluster: NATS, the services, 2 agents x 3 slots")
+    phalanx("up", "--agents", "2", "--slots-per-agent", "3", "--detach", "--data-dir",
             str(cluster), "--nats-port", "0")
-    events: dict = {"generations": [], "kill": None}
+    events: dict = {"generations": [], "kill": None, "started": []}
     try:
         url = json.loads((cluster / "up.json").read_text())["nats_url"]
         async with await Bus.connect(BusConfig.load(env={}, servers=[url])) as bus:
@@ -81,6 +85,12 @@ async def run_elastic(args: argparse.Namespace, out: Path, train: list[str]) -> 
                 if p.step >= args.kill_at:
                     reached.set()
 
+            async def on_started(r: RankStarted, _: Delivery) -> None:
+                events["started"].append((time.time(), r))
+                if events["kill"] is not None:
+                    how = "a warm spare handed its identity" if r.from_spare else "a cold start"
+                    say(f"replacement {r.replica_id} running on {r.node_id}: {how}")
+
             async def on_state(r: JobRecord, _: Delivery) -> None:
                 if r.state.terminal:
                     events["state"] = r.state
@@ -89,13 +99,19 @@ async def run_elastic(args: argparse.Namespace, out: Path, train: list[str]) -> 
             await bus.subscribe(subjects.job_events("generation"), Generation, on_generation)
             await bus.subscribe(subjects.health_ranks(), RankProgress, on_progress)
             await bus.subscribe(subjects.job_states(), JobRecord, on_state)
+            await bus.subscribe(subjects.job_events("started"), RankStarted, on_started)
             spec = JobSpec(name="demo", team="demo", priority_class="normal",
                            replicas=ReplicaRange(min=2, max=4), command=train,
                            env={"PHALANX_RECORD_DIR": str(out / "records"),
                                 "PHALANX_DETERMINISTIC": "1"},
-                           hang_timeout_s=10.0, grace_period_s=5.0)
+                           hang_timeout_s=10.0, grace_period_s=5.0,
+                           # Two replicas on each node, so each keeps a slot free for
+                           # its spare: a replacement starts on its dead rank's node.
+                           placement=Placement(spread_failure_domains=True),
+                           spares=0 if args.no_spares else 1)
             job = await AdmissionClient(bus).submit(spec, f"demo-{int(time.time())}")
-            say(f"submitted {job.job_id}: 4 replicas of {SCRIPT.name}")
+            say(f"submitted {job.job_id}: 4 replicas of {SCRIPT.name}"
+                + ("" if args.no_spares else ", a warm spare on each node's free slot"))
             await asyncio.wait_for(reached.wait(), args.timeout)
             say(f"step {args.kill_at} reached: SIGKILL rank 1 (phalanx chaos kill-rank)")
             events["kill"] = time.time()
@@ -149,6 +165,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--samples", type=int, default=64 * 20)
     parser.add_argument("--kill-at", type=int, default=15, help="kill rank 1 at this step")
     parser.add_argument("--timeout", type=float, default=600)
+    parser.add_argument("--no-spares", action="store_true",
+                        help="no warm spares: the replacement starts cold")
     args = parser.parse_args(argv)
     out = args.out.resolve()
     shutil.rmtree(out / "records", ignore_errors=True)
@@ -186,6 +204,15 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  {g.reason.value:5} generation {g.generation} (world size {g.world_size}): "
               f"survivors paused {max(0.0, gap - median) * 1000:.0f} ms beyond a "
               f"{median * 1000:.0f} ms step")
+    for at, started in events["started"]:
+        if events["kill"] is None or at < events["kill"]:
+            continue
+        joined = next((g_at for g_at, g in changes if g.reason is GenerationReason.JOIN
+                       and started.replica_id in {m.replica_id for m in g.members}), None)
+        how = "from a warm spare" if started.from_spare else "started cold"
+        print(f"  replacement {started.replica_id} {how}: running "
+              f"{at - events['kill']:.2f} s after the kill"
+              + ("" if joined is None else f", a member {joined - events['kill']:.2f} s after"))
     print(f"  steps committed: {len(steps)} of {args.steps}; lost or repeated: "
           f"{sum('repeated' in p or 'never' in p for p in problems)}")
     print(f"  every sample exactly once per epoch: {'yes' if not problems else 'NO'}")

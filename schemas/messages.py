@@ -788,7 +788,11 @@ class ExitCause(enum.StrEnum):
 
 
 class RankStarted(Message, tag="phalanx.rank_started.v1", frozen=True):
-    """An agent started one rank process (``phalanx.job.<job>.started``)."""
+    """An agent started one rank process (``phalanx.job.<job>.started``).
+
+    ``from_spare``: the process is a warm spare of the job that was handed this rank's
+    identity (its imports and model build done before), not a cold start.
+    """
 
     job_id: Ident
     rank: NonNegInt
@@ -797,6 +801,7 @@ class RankStarted(Message, tag="phalanx.rank_started.v1", frozen=True):
     pid: PosInt
     started_at: NonNegFloat
     replica_id: Ident | None = None
+    from_spare: bool = False
 
 
 class RankExited(Message, tag="phalanx.rank_exited.v1", frozen=True):

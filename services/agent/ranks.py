@@ -446,7 +446,7 @@ class RankSet:
         await self.report(RankStarted(job_id=record.job_id, rank=rank,
                                       world_size=len(placement), node_id=self.node_id,
                                       pid=process.pid, started_at=time.time(),
-                                      replica_id=replica_id))
+                                      replica_id=replica_id, from_spare=from_spare))
         if spare is not None and self.spares is not None:
             self.spares.replenish(record.job_id)  # the spare taken is replaced, later
         return entry
