@@ -55,6 +55,7 @@ def main(argv: list[str] | None = None) -> int:
     if argv[:1] == ["demo"]:  # everything after it, --help included, is the demo's
         return up.cmd_demo(argparse.Namespace(demo_args=argv[1:]))
     args = build_parser().parse_args(argv)
+    args.argv = argv  # what `agent --supervised` runs again under its supervisor
     if hasattr(args, "data_dir"):
         args.data_dir = str(resolve_data_dir(args))
     try:

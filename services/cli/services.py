@@ -18,6 +18,10 @@ from phalanx.services.cli.common import EXIT_USAGE, Parents, Subparsers, bus_con
 
 
 def cmd_agent(args: argparse.Namespace) -> int:
+    if args.supervised:
+        from phalanx.services.agent import supervisor
+
+        return supervisor.supervise(supervisor.agent_command(args.argv))
     from phalanx.services.agent.config import AgentConfig
     from phalanx.services.agent.service import AgentService
     from phalanx.services.base import run_service
@@ -121,6 +125,10 @@ def add_parsers(sub: Subparsers, parents: Parents) -> None:
     agent.add_argument("--heartbeat-interval", type=float, metavar="S")
     agent.add_argument("--work-dir", help="rank logs and manifest (default: "
                                           "<data-dir>/agents/<node-id>)")
+    agent.add_argument("--supervised", action="store_true",
+                       help="run the agent under a supervisor that starts it again in place "
+                            "when it dies, so its ranks outlive it (a container's first "
+                            "process: docs/deploy.md)")
     agent.set_defaults(func=cmd_agent)
 
     admission = sub.add_parser("admission", parents=[common],
