@@ -115,6 +115,11 @@ def master_port(job_id: str) -> int:
     return 29500 + zlib.crc32(job_id.encode()) % 10000
 
 
+#: How long a replica placed on a node whose slots are all held waits for one of them to be
+#: let go (by a change of another job that this agent has not applied yet).
+SLOT_WAIT_S = 30.0
+
+
 class ReplicaOutdated(PhalanxError, ValueError):
     """A launch request names an older incarnation than the slot's last launched replica."""
 
@@ -409,16 +414,33 @@ class RankSet:
                 and any(r.stopping for r in self.ranks.values()):
             self._exit_seen.clear()
             await self._exit_seen.wait()
-        cordoned = await self._cordoned()
-        slots = node_slots({s for r in self.ranks.values() for s in r.node_slots} | cordoned,
-                           spec.slots_per_replica)
-        if self.capacity is not None and slots[-1] >= self.capacity:
-            # Admission has not yet heard of a cordon (it follows the node record): the
-            # replica waits for a usable slot, elsewhere or here once uncordoned.
-            log.warning("no usable slot for a replica: the node's free slots are cordoned",
-                        extra={"job": record.job_id, "rank": rank, "replica": replica_id,
-                               "cordoned": sorted(cordoned)})
-            return None
+        deadline = time.monotonic() + SLOT_WAIT_S
+        while True:
+            cordoned = await self._cordoned()
+            held = {s for r in self.ranks.values() for s in r.node_slots}
+            slots = node_slots(held | cordoned, spec.slots_per_replica)
+            if self.capacity is None or slots[-1] < self.capacity:
+                break
+            if node_slots(held, spec.slots_per_replica)[-1] < self.capacity:
+                # Admission has not yet heard of a cordon (it follows the node record):
+                # the replica waits for a usable slot, elsewhere or here once uncordoned.
+                log.warning("no usable slot for a replica: the node's free slots are "
+                            "cordoned", extra={"job": record.job_id, "rank": rank,
+                                               "replica": replica_id,
+                                               "cordoned": sorted(cordoned)})
+                return None
+            # Every slot is held by ranks of jobs admission has already moved off this node
+            # (shrunk, preempted) whose records this agent has not applied yet: each job's
+            # records are applied on their own. One of them is about to be stopped.
+            left = deadline - time.monotonic()
+            if left <= 0:
+                log.warning("no free slot for a replica: the node's ranks did not make way "
+                            f"within {SLOT_WAIT_S:g} s", extra={
+                                "job": record.job_id, "rank": rank, "replica": replica_id})
+                return None
+            self._exit_seen.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._exit_seen.wait(), left)
         identity = await self._identity(record, rank, placement, replica_id, slots, nice)
         self.launched[(record.job_id, rank)] = (placement, replica_id)
         log_path = self.log_path(record.job_id, replica_id)
