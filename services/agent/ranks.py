@@ -92,6 +92,7 @@ from phalanx.services.agent.core import (
     rank_devices,
 )
 from phalanx.services.auth.credentials import rank_environment
+from phalanx.services.deadline import wait_set
 from phalanx.services.manifest import MANIFEST, start_ticks
 
 if TYPE_CHECKING:
@@ -439,8 +440,7 @@ class RankSet:
                                 "job": record.job_id, "rank": rank, "replica": replica_id})
                 return None
             self._exit_seen.clear()
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._exit_seen.wait(), left)
+            await wait_set(self._exit_seen, left)
         identity = await self._identity(record, rank, placement, replica_id, slots, nice)
         self.launched[(record.job_id, rank)] = (placement, replica_id)
         log_path = self.log_path(record.job_id, replica_id)
