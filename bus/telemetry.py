@@ -8,9 +8,22 @@ and spans cost next to nothing, but the W3C ``traceparent``/``tracestate``
 headers still pass through, so a trace started elsewhere is never broken by a
 process that does not record.
 
+Bus operations only continue traces, they never start one (parent-based): a
+publish or request makes a span only while a span is active, and a delivery is
+handled in a span only when it carries a ``traceparent`` (and outside any trace
+when it does not). So periodic traffic — heartbeats, progress reports, anything a
+process sends on its own — records nothing, while everything a traced decision
+sends, and everything done on receipt of it, joins that decision's trace. Traces
+start only at the spans the services open on purpose: a rank's exit, a fault
+found by a timeout, a job's submission.
+
 Span names and attributes follow the OpenTelemetry messaging semantic
-conventions: ``publish <subject>`` (PRODUCER), ``send <subject>`` (CLIENT, a
-request), ``process <subject>`` (CONSUMER), with ``messaging.system = "nats"``.
+conventions, ``<operation> <destination template>``: ``publish
+phalanx.node.{node}.heartbeat`` (PRODUCER), ``send phalanx.agent.{node}.status``
+(CLIENT, a request), ``process phalanx.job.{job}.fault`` (CONSUMER), with
+``messaging.system = "nats"``. The subject itself, ids and all, is the attribute
+``messaging.destination.name``; names stay few, whatever the number of nodes and
+jobs (:func:`destination_template`).
 """
 
 from __future__ import annotations
@@ -18,11 +31,13 @@ from __future__ import annotations
 import os
 import threading
 from collections.abc import Iterator, Mapping
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 
 from opentelemetry import context as otel_context
 from opentelemetry import propagate, trace
-from opentelemetry.trace import Span, SpanKind
+from opentelemetry.trace import INVALID_SPAN, Span, SpanKind
+
+from phalanx.schemas import subjects
 
 _TRACER_NAME = "phalanx"
 _setup_lock = threading.Lock()
@@ -111,11 +126,27 @@ def within(parent: str) -> otel_context.Context | None:
     return propagate.extract({"traceparent": parent}) if parent else None
 
 
-def _attributes(subject: str, operation: str, size: int,
+def destination_template(subject: str) -> str:
+    """``subject`` with the ids in it named by what they are: ``phalanx.node.{node}.heartbeat``
+    for ``phalanx.node.n7.heartbeat``, ``phalanx.health.rank.{job}.{rank}`` for a rank's
+    progress subject; a subject without ids is its own template."""
+    found = subjects.owner(subject)
+    if found is None:
+        return subject
+    parts = subject.split(".")
+    if parts[0] != subjects.PREFIX:  # a KV record: $KV.<bucket>.<key>
+        return subjects.kv_subject(parts[1], f"{{{found[0]}}}")
+    if parts[1] == "health":  # phalanx.health.rank.<job>.<rank>
+        return ".".join((*parts[:3], "{job}", "{rank}"))
+    return ".".join((*parts[:2], f"{{{found[0]}}}", *parts[3:]))
+
+
+def _attributes(subject: str, template: str, operation: str, size: int,
                 queue: str | None) -> dict[str, str | int]:
     attrs: dict[str, str | int] = {
         "messaging.system": "nats",
         "messaging.destination.name": subject,
+        "messaging.destination.template": template,
         "messaging.operation.type": operation,
         "messaging.operation.name": operation,
         "messaging.message.body.size": size,
@@ -125,28 +156,47 @@ def _attributes(subject: str, operation: str, size: int,
     return attrs
 
 
+def _messaging_span(operation: str, kind: SpanKind, subject: str, size: int,
+                    queue: str | None) -> AbstractContextManager[Span]:
+    template = destination_template(subject)
+    return tracer().start_as_current_span(
+        f"{operation} {template}", kind=kind,
+        attributes=_attributes(subject, template, operation, size, queue))
+
+
+def _in_trace(context: otel_context.Context | None = None) -> bool:
+    return trace.get_current_span(context).get_span_context().is_valid
+
+
 @contextmanager
 def producer_span(subject: str, size: int, *, request: bool = False) -> Iterator[Span]:
-    """Span around a publish (``request=False``) or a request/reply (``request=True``)."""
+    """Span around a publish (``request=False``) or a request/reply (``request=True``),
+    in the active trace; outside any trace, no span (a non-recording one is yielded)."""
+    if not _in_trace():
+        yield INVALID_SPAN
+        return
     operation = "send" if request else "publish"
     kind = SpanKind.CLIENT if request else SpanKind.PRODUCER
-    with tracer().start_as_current_span(
-        f"{operation} {subject}", kind=kind, attributes=_attributes(subject, operation, size, None)
-    ) as span:
+    with _messaging_span(operation, kind, subject, size, None) as span:
         yield span
 
 
 @contextmanager
 def consumer_span(subject: str, headers: Mapping[str, str] | None, size: int,
                   queue: str | None = None) -> Iterator[Span]:
-    """Span around handling one received message, child of the sender's context."""
-    parent = propagate.extract(dict(headers or {}))
+    """Span around handling one received message, child of the sender's context.
+
+    Only the message's own trace context counts: one without any is handled outside
+    every trace (no span; a non-recording one is yielded), whatever the receiving
+    task's context held, so a delivery never joins an unrelated trace.
+    """
+    parent = propagate.extract(dict(headers or {}), context=otel_context.Context())
     token = otel_context.attach(parent)
     try:
-        with tracer().start_as_current_span(
-            f"process {subject}", kind=SpanKind.CONSUMER,
-            attributes=_attributes(subject, "process", size, queue),
-        ) as span:
+        if not _in_trace(parent):
+            yield INVALID_SPAN
+            return
+        with _messaging_span("process", SpanKind.CONSUMER, subject, size, queue) as span:
             yield span
     finally:
         otel_context.detach(token)

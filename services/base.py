@@ -55,6 +55,8 @@ class Service:
     """
 
     description = "phalanx service"
+    #: The metric families this service exports besides the bus's (registered at start).
+    metric_families: metrics.Families = ()
 
     def __init__(self, name: str, instance: str, bus_config: BusConfig | None = None, *,
                  shutdown_timeout_s: float = 5.0) -> None:
@@ -146,9 +148,12 @@ class Service:
     async def start(self) -> None:
         """Connect, register with the service API and run :meth:`setup`."""
         telemetry.setup_tracing(self.name)
+        metrics.register((*metrics.BUS, *self.metric_families))
         self.metrics_server = metrics.serve()
         self.bus = await Bus.connect(self.bus_config, name=f"{self.name}:{self.instance}")
         self.bus.on_reconnect(_count_reconnect)
+        bus = self.bus
+        metrics.BUS_CONNECTED.set_function(lambda: float(bus.connected))
         self.micro = await add_service(self.bus.nc, ServiceConfig(
             name=self.name, version=__version__, description=self.description,
             metadata={"instance": self.instance}, stats_handler=self.stats_data))

@@ -12,9 +12,13 @@ supervisor keeps the socket, so a restarted process serves on the same port agai
 ports are listed in ``up.json`` (``metrics``).
 
 The metrics are defined here, once, and updated only in the service shells from what
-their pure cores decided and what they sent (a core never imports this). Each process
-exports only what it does, so a scrape of the health service shows faults and a scrape of
-elasticity generations; every process has the bus and leadership metrics. A counter is
+their pure cores decided and what they sent (a core never imports this). They are defined
+unregistered, in groups: :data:`BUS` (every process), :data:`LEADERSHIP` (every instance
+of a leader service), :data:`ADMISSION`, :data:`HEALTH`, :data:`ELASTICITY`, :data:`AGENT`.
+A process exports the groups it registers (:func:`register`, which the service shell calls
+at start with the service's ``metric_families``), so a scrape of the health service shows
+faults and no admission queue, and an agent's shows its ranks and nothing of a leader. A
+counter is
 counted by the process that acted: the leader, so after a takeover the new leader's
 counters start from zero, as Prometheus's ``rate()`` and ``increase()`` expect of a
 restarted process. docs/observability.md lists them with their labels.
@@ -34,7 +38,7 @@ import logging
 import os
 import socket
 import threading
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer
 
 from prometheus_client import (
@@ -66,9 +70,13 @@ _QUEUE_BUCKETS = (0.01, 0.05, 0.1, 0.5, 1.0, 5.0, 15.0, 60.0, 300.0, 900.0, 3600
 # --- every process ---------------------------------------------------------------------------
 
 BUS_RECONNECTS = Counter("phalanx_bus_reconnects", "Times the bus connection came back after a "
-                         "loss")
+                         "loss", registry=None)
+BUS_CONNECTED = Gauge("phalanx_bus_connected", "1 while this process is connected to the bus, "
+                     "else 0", registry=None)
 #: The label of a job's series (see above for why not ``job``).
 JOB_LABEL = "phalanx_job"
+#: A group of metric families that a process exports together.
+Families = tuple[Collector, ...]
 
 
 class _BusFailures(Collector):
@@ -85,55 +93,79 @@ class _BusFailures(Collector):
             yield CounterMetricFamily(name, text, value=value)
 
 
-REGISTRY.register(_BusFailures())
+#: Every process's families: the bus connection's.
+BUS: Families = (BUS_CONNECTED, BUS_RECONNECTS, _BusFailures())
 
 # --- every leader service (admission, health, elasticity, checkpoint) ------------------------
 
 LEADER = Gauge("phalanx_leader", "1 while this instance holds its service's lease, else 0",
-               ["service"])
+               ["service"], registry=None)
+#: Every instance of a leader service: whether it leads.
+LEADERSHIP: Families = (LEADER,)
 
 # --- admission (the leader) ------------------------------------------------------------------
 
 QUEUE_DEPTH = Gauge("phalanx_admission_queue_depth", "Gangs waiting for admission after the "
-                    "latest pass")
+                    "latest pass", registry=None)
 ADMISSION_LATENCY = Histogram("phalanx_admission_latency_seconds", "From a gang's submission "
                               "to its admission (a requeued gang's too)",
-                              buckets=_QUEUE_BUCKETS)
-ADMITTED = Counter("phalanx_admission_admitted", "Gangs admitted")
+                              buckets=_QUEUE_BUCKETS, registry=None)
+ADMITTED = Counter("phalanx_admission_admitted", "Gangs admitted", registry=None)
 PREEMPTED = Counter("phalanx_admission_preempted", "Running gangs that gave slots to others: "
-                    "evicted whole or shrunk", ["how"])
+                    "evicted whole or shrunk", ["how"], registry=None)
 REQUEUED = Counter("phalanx_admission_requeued", "Running gangs sent back to the queue",
-                   ["reason"])
+                   ["reason"], registry=None)
+ADMISSION: Families = (QUEUE_DEPTH, ADMISSION_LATENCY, ADMITTED, PREEMPTED,
+                                    REQUEUED)
 
 # --- health (the leader) ---------------------------------------------------------------------
 
-FAULTS = Counter("phalanx_faults", "Faults raised", ["kind"])
+FAULTS = Counter("phalanx_faults", "Faults raised", ["kind"], registry=None)
 DETECTION = Histogram("phalanx_fault_detection_seconds", "From a rank's exit, as its agent "
                       "saw it, to the fault health raised for it (crash faults)", ["kind"],
-                      buckets=_SHORT_BUCKETS)
-JOB_STEP = Gauge("phalanx_job_step", "A running job's highest committed step", [JOB_LABEL])
+                      buckets=_SHORT_BUCKETS, registry=None)
+JOB_STEP = Gauge("phalanx_job_step", "A running job's highest committed step", [JOB_LABEL],
+                 registry=None)
 JOB_STEP_RATE = Gauge("phalanx_job_step_rate", "A running job's steps per second over the "
-                      "last 30 s", [JOB_LABEL])
+                      "last 30 s", [JOB_LABEL], registry=None)
+HEALTH: Families = (FAULTS, DETECTION, JOB_STEP, JOB_STEP_RATE)
 
 # --- elasticity (the leader) -----------------------------------------------------------------
 
-GENERATIONS = Counter("phalanx_generations", "Generations (memberships) decided", ["reason"])
+GENERATIONS = Counter("phalanx_generations", "Generations (memberships) decided", ["reason"],
+                      registry=None)
 RECOVERY = Histogram("phalanx_recovery_seconds", "What a generation change cost a member that "
                      "trained before and after it (GenerationApplied.pause_s)", ["reason"],
-                     buckets=_SHORT_BUCKETS)
+                     buckets=_SHORT_BUCKETS, registry=None)
 RECOVERY_PHASE = Histogram("phalanx_recovery_phase_seconds", "A member's time in each phase "
                            "of applying a generation: rebuild (process group), state_copy",
-                           ["phase"], buckets=_SHORT_BUCKETS)
+                           ["phase"], buckets=_SHORT_BUCKETS, registry=None)
 JOB_WORLD_SIZE = Gauge("phalanx_job_world_size", "A running job's world size in its current "
-                       "generation", [JOB_LABEL])
+                       "generation", [JOB_LABEL], registry=None)
 JOB_GENERATION = Gauge("phalanx_job_generation", "A running job's current generation",
-                       [JOB_LABEL])
+                       [JOB_LABEL], registry=None)
+ELASTICITY: Families = (GENERATIONS, RECOVERY, RECOVERY_PHASE, JOB_WORLD_SIZE,
+                                     JOB_GENERATION)
 
 # --- agents ----------------------------------------------------------------------------------
 
-RANKS = Gauge("phalanx_agent_ranks", "Ranks running on this node")
+RANKS = Gauge("phalanx_agent_ranks", "Ranks running on this node", registry=None)
 RANK_EXITS = Counter("phalanx_agent_rank_exits", "Ranks on this node that ended, by how",
-                     ["cause"])
+                     ["cause"], registry=None)
+AGENT: Families = (RANKS, RANK_EXITS)
+
+_registered: set[Collector] = set()
+_register_lock = threading.Lock()
+
+
+def register(families: Iterable[Collector]) -> None:
+    """Export ``families`` from this process's ``/metrics`` from now on; each once, however
+    often it is asked (several services may run in one process, as in tests)."""
+    with _register_lock:
+        for family in families:
+            if family not in _registered:
+                REGISTRY.register(family)
+                _registered.add(family)
 
 
 class MetricsConfigError(PhalanxError, ValueError):

@@ -114,6 +114,7 @@ class AdmissionService(LeaderService[AdmissionTerm]):
     """Gang admission: one leader decides, every instance takes requests."""
 
     description = "phalanx gang admission"
+    metric_families = metrics.LEADERSHIP + metrics.ADMISSION
 
     def __init__(self, config: AdmissionConfig, bus_config: BusConfig | None = None, *,
                  instance: str | None = None) -> None:
@@ -507,11 +508,16 @@ class AdmissionService(LeaderService[AdmissionTerm]):
         except core.SpecRejected as exc:
             raise RequestRefused("400", f"job spec refused: {exc}") from None
         now = time.time()
-        # The job's trace is its submission's: later decisions and scaling events join it.
+        # The job's trace is its submission's (the submitting client's, when it traces; a
+        # new one when it does not): later decisions and scaling events join it.
+        with telemetry.tracer().start_as_current_span(
+                "job submitted", attributes={"phalanx.job": request.job_id,
+                                             "phalanx.team": request.spec.team}):
+            trace = telemetry.traceparent()
         record = JobRecord(job_id=request.job_id, spec=request.spec, state=JobState.PENDING,
                            submitted_at=now, updated_at=now, reason_code=ReasonCode.QUEUED,
                            reason="submitted; waiting for the next admission pass",
-                           trace=telemetry.traceparent())
+                           trace=trace)
         try:
             await self.jobs.create(request.job_id, record)
         except Conflict:

@@ -100,6 +100,7 @@ class AgentService(Service):
     """One per machine: keeps its node registered and alive in the registry."""
 
     description = "phalanx node agent"
+    metric_families = metrics.AGENT
 
     def __init__(self, config: AgentConfig, bus_config: BusConfig | None = None) -> None:
         super().__init__("phalanx-agent", config.node_id, bus_config,

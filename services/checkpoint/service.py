@@ -51,6 +51,7 @@ from phalanx.schemas.messages import (
     SnapshotRecord,
 )
 from phalanx.schemas.registry import DEFAULT_LOST_AFTER_S
+from phalanx.services import metrics
 from phalanx.services.checkpoint import core
 from phalanx.services.leader import LeaderService
 from phalanx.services.lease import LeadershipLost
@@ -65,6 +66,7 @@ class CheckpointService(LeaderService[core.CheckpointCore]):
     """Keeps the catalog of every job's snapshots; answers where a job can resume."""
 
     description = "phalanx checkpoint catalog"
+    metric_families = metrics.LEADERSHIP
 
     def __init__(self, bus_config: BusConfig | None = None, *, instance: str | None = None,
                  lease_s: float = 3.0, lost_after_s: float = DEFAULT_LOST_AFTER_S) -> None:

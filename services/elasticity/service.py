@@ -97,6 +97,7 @@ class ElasticityService(JobEventsLeader[ElasticityTerm]):
     """
 
     description = "phalanx membership of running jobs"
+    metric_families = metrics.LEADERSHIP + metrics.ELASTICITY
     event_kinds = frozenset({"fault", "ready", "applied", "exited"})
 
     def __init__(self, make_core: Callable[[], core.ElasticityCore],

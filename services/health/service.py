@@ -123,6 +123,7 @@ class HealthService(JobEventsLeader[HealthTerm]):
     """
 
     description = "phalanx failure detection"
+    metric_families = metrics.LEADERSHIP + metrics.HEALTH
     event_kinds = frozenset({"started", "exited"})
 
     def __init__(self, policy: core.HealthPolicy, bus_config: BusConfig | None = None, *,

@@ -46,11 +46,12 @@ from phalanx.bus.kv import TypedKV
 from phalanx.schemas import subjects
 from phalanx.schemas.messages import BuddyPlacement, JobState
 from phalanx.services import control_plane
-from phalanx.services.auth.roles import SERVICE_NAMES
+from phalanx.services.auth.roles import SERVICE_NAMES, Role
 from phalanx.services.natsd import free_port, server_binary
 
 COMPOSE = DEPLOY / "compose.yaml"
 PROMETHEUS = DEPLOY / "prometheus.yml"
+RULES = DEPLOY / "prometheus-rules.yml"
 METRICS_PORT = 9464  # every container's, docs/observability.md
 # Jaeger's service names: every control-plane service's and the agents'.
 PHALANX_SERVICES = tuple(SERVICE_NAMES.values())
@@ -267,12 +268,13 @@ def start_compose(procs: Processes, world: World, services: dict, image: Image,
             continue
         if name == "prometheus":  # a real Prometheus (Debian's) with the container's command
             spec = container(name, service, None)
-            file_mount = "/etc/prometheus/prometheus.yml"
-            assert spec.mounts.pop(file_mount) == f"./{PROMETHEUS.name}"
-            spec.mounts["/etc/prometheus"] = "prometheus-config"  # the file, in a directory
-            config = world.root / "volumes" / "prometheus-config" / "prometheus.yml"
-            config.parent.mkdir(parents=True)
-            config.write_text(world.rehost(PROMETHEUS.read_text()))
+            config = world.root / "volumes" / "prometheus-config"
+            config.mkdir(parents=True)
+            for source in (PROMETHEUS, RULES):  # the files, in one directory
+                file_mount = f"/etc/prometheus/{source.name}"
+                assert spec.mounts.pop(file_mount) == f"./{source.name}"
+                (config / source.name).write_text(world.rehost(source.read_text()))
+            spec.mounts["/etc/prometheus"] = "prometheus-config"
             spec.argv = [prometheus_binary("prometheus"), *spec.argv,
                          f"--web.listen-address=127.0.0.1:{prometheus_port}"]
             procs.start(spec)
@@ -391,6 +393,11 @@ def test_compose_services_and_workers_train_a_job(tmp_path: Path) -> None:
 
             wait_for(lambda: targets() == dict.fromkeys(expected, "up"), 30,
                      "prometheus scraping every service and worker", detail=targets)
+            # It has loaded the alert rules deploy/prometheus.yml names.
+            reply = json.loads(urllib.request.urlopen(f"{api}/rules", timeout=10).read())
+            alerts = {r["name"] for g in reply["data"]["groups"] for r in g["rules"]}
+            assert alerts == {r["alert"] for g in yaml.safe_load(RULES.read_text())["groups"]
+                              for r in g["rules"]}, reply
 
             def query(promql: str) -> float | None:
                 url = f"{api}/query?" + urllib.parse.urlencode({"query": promql})
@@ -426,6 +433,11 @@ def test_compose_services_and_workers_train_a_job(tmp_path: Path) -> None:
             assert cancelled.returncode == 0, cancelled.stderr
             for name in procs.running:
                 assert procs.alive(name), f"{name} died:\n{procs.logs()}"
-        # Stopped (spans flushed on SIGTERM): every process exported to "Jaeger".
+        # Stopped (spans flushed on SIGTERM): every process on the jobs' traced path (their
+        # submission, admission, launches, rank starts and exits) exported to "Jaeger";
+        # routine traffic (heartbeats, the checkpoint catalog's snapshot records) starts
+        # no trace, so the checkpoint service has nothing to export.
         assert not jaeger.bad_requests
-        assert set(PHALANX_SERVICES) <= set(jaeger.spans), dict(jaeger.spans)
+        traced = set(PHALANX_SERVICES) - {SERVICE_NAMES[Role.CHECKPOINT]}
+        assert traced <= set(jaeger.spans), dict(jaeger.spans)
+        assert not [n for names in jaeger.spans.values() for n in names if "heartbeat" in n]

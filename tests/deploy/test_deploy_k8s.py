@@ -167,6 +167,29 @@ def test_rendered_objects_follow_the_deployment_rules(overlay: str) -> None:
         assert int(slots) <= int(resources["requests"]["cpu"]), "a CPU per rank slot"
 
 
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_every_workload_gets_the_otlp_settings_and_names_itself(overlay: str) -> None:
+    """The exporter switch and the collector's endpoint reach every container (through the
+    shared ConfigMap), and none is given a service name: each process names its own spans
+    (phalanx-admission, phalanx-agent, and the agent's ranks, which inherit its
+    environment, phalanx-rank)."""
+    docs = render(overlay)
+    config_maps = by_kind(docs, "ConfigMap")
+    workloads = 0
+    for workload, c in containers_of(docs):
+        env = {}
+        for source in c.get("envFrom", []):
+            env.update(config_maps[source["configMapRef"]["name"]]["data"])
+        env.update({e["name"]: e.get("value") for e in c.get("env", [])})
+        name = workload["metadata"]["name"]
+        assert env["OTEL_TRACES_EXPORTER"] in ("none", "otlp"), name
+        assert re.fullmatch(r"https?://[a-z0-9.-]+:4318", env["OTEL_EXPORTER_OTLP_ENDPOINT"]), \
+            name
+        assert "OTEL_SERVICE_NAME" not in env, name
+        workloads += 1
+    assert workloads == len(control_plane.SERVICES) + 1  # and the agent
+
+
 def test_nats_values_give_a_jetstream_cluster_with_the_pods_credentials() -> None:
     values = yaml.safe_load((K8S / "nats-values.yaml").read_text())
     assert values["config"]["cluster"]["enabled"] is True

@@ -209,11 +209,15 @@ async def test_a_crash_and_its_fault_are_one_trace(tmp_path: Path, monkeypatch) 
     exited = next(s for s in agent_spans if s["name"] == "rank 3 exited")
     assert exited["attributes"]["phalanx.exit.signal"] == "SIGKILL"
     trace_id = exited["context"]["trace_id"]
-    fault = next(s for s in health_spans
-                 if s["name"] == f"publish phalanx.job.{job.job_id}.fault")
+    # Span names hold the subject's template; the subject itself is an attribute.
+    fault = next(s for s in health_spans if s["name"] == "publish phalanx.job.{job}.fault"
+                 and s["attributes"]["messaging.destination.name"]
+                 == f"phalanx.job.{job.job_id}.fault")
     assert fault["context"]["trace_id"] == trace_id  # signal -> fault: one trace
     processed = next(s for s in health_spans
-                     if s["name"] == f"process phalanx.job.{job.job_id}.exited"
+                     if s["name"] == "process phalanx.job.{job}.exited"
+                     and s["attributes"]["messaging.destination.name"]
+                     == f"phalanx.job.{job.job_id}.exited"
                      and s["context"]["trace_id"] == trace_id)
     raised = next(s for s in health_spans if s["name"] == "fault crash"
                   and s["context"]["trace_id"] == trace_id)

@@ -12,6 +12,9 @@ that drops it, the test finds
 * on every process's ``/metrics``: the fault counted by kind with its detection time,
   the generation by reason, the survivors' recovery pauses and phases, the rank exit on
   the killed rank's node, the admission, and the bus metrics everywhere.
+
+The same cluster idle records (next to) no spans, heartbeats notwithstanding, and each
+process's page holds its own metric families and no other's.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import json
 import os
 import subprocess
 import sys
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -28,6 +32,7 @@ from e2e_cli import next_of, phalanx
 from metrics_page import scrape as scrape_page
 from metrics_page import value
 from otlp_sink import OtlpSink, SpanRecord
+from prometheus_client.parser import text_string_to_metric_families
 
 from phalanx.bus.client import Bus
 from phalanx.bus.config import BusConfig
@@ -38,12 +43,13 @@ from phalanx.schemas.messages import (
     GenerationReason,
     JobProgress,
     JobSpec,
+    NodeHeartbeat,
     Placement,
     RankProgress,
     RankStarted,
     ReplicaRange,
 )
-from phalanx.services import control_plane
+from phalanx.services import control_plane, metrics
 from phalanx.services.client import AdmissionClient
 
 SCRIPT = Path(__file__).resolve().parents[2] / "examples" / "train_mlp.py"
@@ -205,3 +211,62 @@ async def test_one_recovery_is_one_trace_and_moves_every_services_counters(
                 and s.attributes.get("phalanx.job") == job.job_id]
     assert len(admitted) == 1 and admitted[0].service == "phalanx-admission"
     assert not jaeger.bad_requests
+
+
+def families(port: int) -> set[str]:
+    """The phalanx metric families one process's ``/metrics`` page declares (with or
+    without samples yet; a counter's ``_created`` series, which the parser reads as a
+    family of its own, is its counter's)."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as reply:
+        text = reply.read().decode()
+    return {f.name.removesuffix("_created") for f in text_string_to_metric_families(text)
+            if f.name.startswith("phalanx_")}
+
+
+def names(*groups: metrics.Families) -> set[str]:
+    return {m.name for group in groups for family in group for m in family.collect()}
+
+
+@pytest.mark.timeout(180)
+async def test_an_idle_cluster_records_no_spans_and_each_process_exports_its_own_families(
+        tmp_path: Path) -> None:
+    """Two agents beating every 0.2 s for 10 s (50 beats each, all heard by health) start no
+    trace: the heartbeats publish and are handled outside any trace. Spans are exported
+    within 200 ms and flushed at ``phalanx down``, so the receiver has all there were."""
+    cluster = tmp_path / "cluster"
+    with OtlpSink() as jaeger:
+        phalanx("up", "--agents", "2", "--slots-per-agent", "2", "--detach", "--data-dir",
+                str(cluster), "--nats-port", "0", "--heartbeat-interval", "0.2",
+                env={**os.environ, "OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{jaeger.port}",
+                     "OTEL_BSP_SCHEDULE_DELAY": "200"})
+        try:
+            state = json.loads((cluster / "up.json").read_text())
+            ports = state["metrics"]
+            pages = {name: families(port) for name, port in ports.items()}
+            async with await Bus.connect(BusConfig.load(env={}, servers=state["nats_url"])) \
+                    as bus:
+                beats: asyncio.Queue[NodeHeartbeat] = asyncio.Queue()
+                await bus.subscribe(subjects.node_heartbeats(), NodeHeartbeat,
+                                    lambda m, _: beats.put(m))
+                counted = {"local-0": 0, "local-1": 0}
+                async with asyncio.timeout(60):
+                    while min(counted.values()) < 50:
+                        counted[(await beats.get()).node_id] += 1
+        finally:
+            phalanx("down", "--data-dir", str(cluster))
+        spans = jaeger.received()
+    assert len(spans) <= 5, [(s.service, s.name) for s in spans]
+    assert not [s for s in spans if "heartbeat" in s.name], [s.name for s in spans]
+
+    # Each process exports its own families: no agent shows admission's queue, no
+    # service shows an agent's ranks.
+    own = {"admission": names(metrics.LEADERSHIP, metrics.ADMISSION),
+           "health": names(metrics.LEADERSHIP, metrics.HEALTH),
+           "elasticity": names(metrics.LEADERSHIP, metrics.ELASTICITY),
+           "checkpoint": names(metrics.LEADERSHIP),
+           "agent-local-0": names(metrics.AGENT), "agent-local-1": names(metrics.AGENT)}
+    assert set(own) == set(pages)
+    for process, declared in pages.items():
+        assert declared == names(metrics.BUS) | own[process], process
+    assert "phalanx_admission_queue_depth" not in pages["agent-local-0"]
+    assert "phalanx_agent_ranks" not in pages["admission"]

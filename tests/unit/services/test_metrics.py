@@ -6,6 +6,7 @@ import socket
 import urllib.request
 
 import pytest
+from prometheus_client import Gauge
 from prometheus_client.parser import text_string_to_metric_families
 
 from phalanx.bus.client import Counters
@@ -41,6 +42,7 @@ def test_the_endpoint_serves_the_exposition_with_what_was_counted() -> None:
     server = metrics.serve({metrics.PORT_ENV: "0", metrics.ADDR_ENV: "127.0.0.1"})
     assert server is not None
     port = server.server_address[1]
+    metrics.register(metrics.BUS + metrics.HEALTH + metrics.ELASTICITY)
     try:
         metrics.FAULTS.labels("crash").inc()
         metrics.JOB_WORLD_SIZE.labels("unit-job").set(3)
@@ -62,6 +64,7 @@ def test_an_inherited_socket_is_served_on_its_port_even_when_a_port_is_also_name
     # The server takes the socket over (as a child given it by its supervisor would).
     server = metrics.serve({metrics.FD_ENV: str(listening.detach()), metrics.PORT_ENV: "1"})
     assert server is not None and server.server_address[1] == port
+    metrics.register(metrics.HEALTH)
     try:
         metrics.FAULTS.labels("hang").inc()
         assert _scrape(port)[("phalanx_faults_total", (("kind", "hang"),))] >= 1
@@ -76,6 +79,7 @@ def test_the_bus_failure_counts_of_every_connection_and_bucket_are_counters() ->
     port = server.server_address[1]
     names = ("phalanx_bus_bad_messages_total", "phalanx_bus_handler_errors_total",
              "phalanx_bus_denials_total")
+    metrics.register(metrics.BUS)
     try:
         before = _scrape(port)
         connection, bucket = Counters(), Counters()
@@ -91,6 +95,22 @@ def test_the_bus_failure_counts_of_every_connection_and_bucket_are_counters() ->
             urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10)
             .read().decode())}
         assert all(types[n.removesuffix("_total")] == "counter" for n in names)
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_a_family_is_exported_once_registered_and_registering_it_again_is_harmless() -> None:
+    server = metrics.serve({metrics.PORT_ENV: "0", metrics.ADDR_ENV: "127.0.0.1"})
+    assert server is not None
+    port = server.server_address[1]
+    family = Gauge("phalanx_unit_registered", "A family of this test only", registry=None)
+    family.set(7)
+    try:
+        assert ("phalanx_unit_registered", ()) not in _scrape(port)
+        metrics.register((family,))
+        metrics.register((family,))  # a second service in the same process
+        assert _scrape(port)[("phalanx_unit_registered", ())] == 7
     finally:
         server.shutdown()
         server.server_close()

@@ -1,0 +1,153 @@
+"""deploy/'s signals: the Prometheus alert rules and the Grafana dashboard.
+
+``promtool`` (Debian's ``prometheus`` package, which .ci/run installs) checks the rules,
+and, since it has no command that parses a bare PromQL expression, every panel expression
+of the dashboard too, as a recording rule of a generated rules file. Every metric either
+names is one a phalanx process exports (read from :mod:`phalanx.services.metrics`'s
+families), so a renamed metric cannot leave a panel or an alert silently empty.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+from pathlib import Path
+
+import yaml
+from deploy_local import DEPLOY
+from test_deploy_compose import PROMETHEUS, RULES, prometheus_binary
+
+from phalanx.services import metrics
+
+DASHBOARD = DEPLOY / "grafana" / "phalanx.json"
+#: Every family a phalanx process can export, by group.
+GROUPS = (metrics.BUS, metrics.LEADERSHIP, metrics.ADMISSION, metrics.HEALTH,
+          metrics.ELASTICITY, metrics.AGENT)
+#: Series Prometheus makes itself for every target.
+PROMETHEUS_OWN = {"up"}
+
+
+def exported() -> set[str]:
+    """The sample names phalanx's families put on a ``/metrics`` page."""
+    suffixes = {"counter": ("_total",), "histogram": ("_bucket", "_count", "_sum"),
+                "gauge": ("",)}
+    return {family.name + suffix for group in GROUPS for collector in group
+            for family in collector.collect() for suffix in suffixes[family.type]}
+
+
+def metric_names(expr: str) -> set[str]:
+    """The series names an expression of ours reads: identifiers outside label matchers
+    and grouping clauses that are no function or aggregation (all of ours are called)."""
+    bare = re.sub(r"\{[^}]*\}", "", expr)
+    bare = re.sub(r"\b(by|without|on|ignoring|group_left|group_right)\s*\([^)]*\)", "", bare)
+    bare = re.sub(r"\[[^\]]*\]", "", bare)
+    return {name for name in re.findall(r"\b[A-Za-z_:][A-Za-z0-9_:]*\b(?!\s*\()", bare)
+            if not re.fullmatch(r"(and|or|unless|bool|offset)", name)}
+
+
+def promtool_check_rules(path: Path) -> None:
+    result = subprocess.run([prometheus_binary("promtool"), "check", "rules", str(path)],
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def alerts() -> list[dict]:
+    return [rule for group in yaml.safe_load(RULES.read_text())["groups"]
+            for rule in group["rules"]]
+
+
+def panel_targets() -> list[tuple[str, dict]]:
+    dashboard = json.loads(DASHBOARD.read_text())
+    return [(panel["title"], target) for panel in dashboard["panels"]
+            for target in panel.get("targets", [])]
+
+
+def test_the_names_read_from_an_expression_are_its_series_only() -> None:
+    """The reader the checks below rely on: labels, functions, ranges are not series."""
+    assert metric_names('histogram_quantile(0.95, sum by (le, phalanx_job) '
+                        '(rate(phalanx_recovery_seconds_bucket{reason="fault"}[10m])))') \
+        == {"phalanx_recovery_seconds_bucket"}
+    assert metric_names("up{job=\"phalanx\"} == 0") == {"up"}
+
+
+def test_the_alert_rules_pass_promtool_and_prometheus_loads_them() -> None:
+    promtool_check_rules(RULES)
+    assert RULES.name in yaml.safe_load(PROMETHEUS.read_text())["rule_files"]
+    result = subprocess.run([prometheus_binary("promtool"), "check", "config", str(PROMETHEUS)],
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0 and "1 rule files found" in result.stdout, result.stdout
+
+
+def test_the_alerts_cover_what_an_operator_must_hear_of() -> None:
+    names = {rule["alert"] for rule in alerts()}
+    assert names == {"PhalanxJobStalled", "PhalanxNoLeader", "PhalanxNodeLost",
+                     "PhalanxRecoverySlow", "PhalanxBusDown", "PhalanxScrapeDown"}
+    for rule in alerts():
+        assert rule["labels"]["severity"] in ("warning", "critical"), rule["alert"]
+        assert rule["annotations"]["summary"], rule["alert"]
+    slow = next(r for r in alerts() if r["alert"] == "PhalanxRecoverySlow")["expr"]
+    # The threshold is a bucket bound of the histogram, spelled as the client spells it.
+    bound = float(re.search(r'le="([^"]+)"', slow)[1])
+    assert bound in metrics.RECOVERY._upper_bounds and f'le="{bound}"' in slow
+
+
+def test_every_metric_the_alerts_name_is_exported() -> None:
+    known = exported() | PROMETHEUS_OWN
+    for rule in alerts():
+        names = metric_names(rule["expr"])
+        assert names and names <= known, (rule["alert"], names - known)
+
+
+def test_the_dashboard_is_a_grafana_dashboard_of_prometheus_panels() -> None:
+    dashboard = json.loads(DASHBOARD.read_text())
+    assert dashboard["uid"] == "phalanx" and dashboard["title"]
+    assert isinstance(dashboard["schemaVersion"], int)
+    [source] = dashboard["templating"]["list"]
+    assert (source["type"], source["query"], source["name"]) == \
+        ("datasource", "prometheus", "datasource")
+    ids = [panel["id"] for panel in dashboard["panels"]]
+    assert len(ids) == len(set(ids)), "panel ids are unique"
+    for panel in dashboard["panels"]:
+        grid = panel["gridPos"]
+        assert grid["x"] >= 0 and grid["x"] + grid["w"] <= 24 and grid["h"] > 0, panel["title"]
+        if panel["type"] == "row":
+            continue
+        assert panel["type"] in ("timeseries", "stat"), panel["title"]
+        assert panel["datasource"] == {"type": "prometheus", "uid": "${datasource}"}
+        refs = [target["refId"] for target in panel["targets"]]
+        assert refs and len(refs) == len(set(refs)), panel["title"]
+
+
+def test_every_panel_expression_parses_and_reads_exported_metrics(tmp_path: Path) -> None:
+    targets = panel_targets()
+    rules = {"groups": [{"name": "dashboard", "rules": [
+        {"record": f"dashboard:panel_{i}", "expr": target["expr"]}
+        for i, (_, target) in enumerate(targets)]}]}
+    path = tmp_path / "dashboard-rules.yml"
+    path.write_text(yaml.safe_dump(rules))
+    promtool_check_rules(path)
+    known = exported() | PROMETHEUS_OWN
+    for title, target in targets:
+        names = metric_names(target["expr"])
+        assert names and names <= known, (title, names - known)
+
+
+def test_a_panel_expression_that_does_not_parse_fails_the_check(tmp_path: Path) -> None:
+    """promtool is no rubber stamp for the generated file."""
+    path = tmp_path / "broken.yml"
+    path.write_text(yaml.safe_dump({"groups": [{"name": "d", "rules": [
+        {"record": "dashboard:broken", "expr": "sum by (phalanx_job (phalanx_job_step)"}]}]}))
+    result = subprocess.run([prometheus_binary("promtool"), "check", "rules", str(path)],
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode != 0
+
+
+def test_the_dashboard_shows_what_an_operator_watches() -> None:
+    read = set().union(*(metric_names(target["expr"]) for _, target in panel_targets()))
+    assert {"phalanx_job_step_rate", "phalanx_job_world_size", "phalanx_job_generation",
+            "phalanx_generations_total", "phalanx_recovery_seconds_bucket",
+            "phalanx_agent_ranks", "phalanx_leader", "phalanx_bus_bad_messages_total",
+            "phalanx_bus_handler_errors_total", "phalanx_bus_denials_total",
+            "phalanx_bus_connected"} <= read
+    assert read >= {n for n in exported() if n.startswith("phalanx_bus_")}
