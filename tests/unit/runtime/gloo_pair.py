@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import datetime
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -16,16 +17,19 @@ def on_two_ranks(body: Callable[[int, dist.ProcessGroup], Any], *,
                  join_s: float = 30.0) -> list[Any]:
     """``body(rank, group)`` on ranks 0 and 1 at once; their results, in rank order.
 
-    What either rank raised is raised here (the first rank's first), so a failing rank
-    shows its own error rather than a missing result.
+    What a rank raised is raised here, the one raised first when both did: a rank that
+    failed leaves its peer to time out in the next collective, and the peer's timeout
+    would hide the cause.
     """
     store = dist.HashStore()
     results: list[Any] = [None, None]
+    failed_at: dict[int, float] = {}
 
     def rank(r: int) -> None:
         try:
             results[r] = body(r, dist.ProcessGroupGloo(store, r, 2, timeout))
         except BaseException as exc:  # re-raised by the test's thread
+            failed_at[r] = time.monotonic()
             results[r] = exc
 
     threads = [threading.Thread(target=rank, args=(r,)) for r in range(2)]
@@ -33,7 +37,6 @@ def on_two_ranks(body: Callable[[int, dist.ProcessGroup], Any], *,
         t.start()
     for t in threads:
         t.join(join_s)
-    for result in results:
-        if isinstance(result, BaseException):
-            raise result
+    for r in sorted(failed_at, key=failed_at.__getitem__):
+        raise results[r]
     return results
