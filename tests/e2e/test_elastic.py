@@ -49,11 +49,19 @@ from phalanx.schemas.messages import (
 from phalanx.services.client import AdmissionClient
 
 SCRIPT = Path(__file__).resolve().parents[2] / "examples" / "train_mlp.py"
-STEPS = 700
-# Paced (run_job), 125 s for a replacement, or a new node's replicas, to start (torch
-# imported at low CPU priority) and join before the end, even on a loaded machine.
-LONG_STEPS = 2500
+# A job's length: the tests' last faults come at step 280 (paced: 14 s in), the job ends
+# 6 s of pace after that at the earliest, so a fault's recovery happens before its end.
+STEPS = 400
 PACE_S = 0.05  # a job's pace until the test's faults are made (run_job)
+# The job of a test that waits for a replacement, or a new node's replicas, to start
+# (torch imported at low CPU priority) and join: paced at LONG_PACE_S it leaves them
+# LONG_STEPS * LONG_PACE_S = 125 s, even on a loaded machine, and once they have joined
+# (run_job releases the pace) it trains the steps left at full speed: a longer job at a
+# faster pace would give the same window and train thousands more steps that prove
+# nothing more. Its faults come at FAULT_STEP (5 s in).
+LONG_STEPS = 250
+LONG_PACE_S = 0.5
+FAULT_STEP = 10
 SAMPLES = 640  # 10 steps per epoch at a global batch of 64
 ARGS = ["--widths", "64,128,64", "--samples", str(SAMPLES), "--micro-batch", "8"]
 ORDER = ElasticOrder(SAMPLES, 64, seed=0)
@@ -143,12 +151,12 @@ def drain(queue: asyncio.Queue) -> None:
 
 async def run_job(cluster, data_dir: Path, tmp_path: Path, name: str, inject,
                   env: dict[str, str] | None = None, steps: int = STEPS,
-                  spec: dict | None = None,
-                  args: Sequence[str] = ()) -> tuple[Path, list[Generation]]:
+                  spec: dict | None = None, args: Sequence[str] = (),
+                  pace_s: float = PACE_S) -> tuple[Path, list[Generation]]:
     """Submit the job (``spec``: JobSpec fields to set; ``args``: the script's, beyond
     ARGS), call ``inject(job_id)`` once it trains, wait for it to finish.
 
-    Until ``inject`` returns the job trains at most ``1 / PACE_S`` steps a second
+    Until ``inject`` returns the job trains at most ``1 / pace_s`` steps a second
     (:mod:`phalanx.runtime.chaos`), so whatever it waits for (a replacement joining, a
     leader elected) happens while the job still trains, however fast the machine.
     """
@@ -162,7 +170,7 @@ async def run_job(cluster, data_dir: Path, tmp_path: Path, name: str, inject,
                    command=[sys.executable, str(SCRIPT), "--data-dir", str(data_dir), *ARGS,
                             *args, "--steps", str(steps), "--save", str(tmp_path / "final.pt")],
                    env={"PHALANX_RECORD_DIR": str(rec), **RUN_ENV,
-                        "PHALANX_CHAOS_PACE": f"{PACE_S}:{release}", **(env or {})},
+                        "PHALANX_CHAOS_PACE": f"{pace_s}:{release}", **(env or {})},
                    **{"hang_timeout_s": 2.0, "grace_period_s": 3.0, **(spec or {})})
     job = await AdmissionClient(bus).submit(spec, f"{name}-1")
     generations = [await next_of(watch.generations, lambda g: g.job_id == job.job_id, 120)]
@@ -249,7 +257,7 @@ async def test_sigkill_one_of_four_then_a_replacement_joins_with_a_peers_state(
     async def kill(job_id: str, watch: Watch) -> None:
         await bus.subscribe(subjects.job_generation(job_id), Generation,
                             lambda g, _: joined.put(g))
-        await progressed(watch, job_id, 40)
+        await progressed(watch, job_id, FAULT_STEP)
         # Following every replica's log, as a user would, from before the fault.
         follower.append(subprocess.Popen(
             [sys.executable, "-m", "phalanx.services.cli", "logs", job_id, "-f", *where],
@@ -282,14 +290,14 @@ async def test_sigkill_one_of_four_then_a_replacement_joins_with_a_peers_state(
         assert sizes[job_id][0] == 4 and sizes[job_id][1] >= join_step
 
     rec, generations = await run_job(cluster, data_dir, tmp_path, "kill", kill,
-                                     steps=LONG_STEPS)
+                                     steps=LONG_STEPS, pace_s=LONG_PACE_S)
     reasons = [(g.reason, g.world_size) for g in generations]
     assert reasons[:3] == [(GenerationReason.START, 4), (GenerationReason.FAULT, 3),
                            (GenerationReason.JOIN, 4)]
     assert [m.replica_id for m in generations[2].members] == ["r0-0", "r2-0", "r3-0", "r1-1"]
     joiner = record.read(rec)["r1-1"]
     adopt = next(line for line in joiner if line["kind"] == "adopt")
-    assert adopt["step"] > 40 and adopt["state_bytes"] > 0
+    assert adopt["step"] > FAULT_STEP and adopt["state_bytes"] > 0
     assert any(line["kind"] == "commit" for line in joiner)
     check_run(rec, tmp_path / "final.pt", long_reference)
     check_one_trace(data, generations[1])
@@ -354,7 +362,7 @@ def check_one_trace(data: Path, fault_generation: Generation) -> None:
                and s["attributes"].get("phalanx.job") == fault_generation.job_id]
     assert {s["attributes"]["phalanx.replica"] for s in applied} == {
         m.replica_id for m in fault_generation.members}
-    fault = f"publish {subjects.job_fault(fault_generation.job_id)}"
+    fault = "publish phalanx.job.{job}.fault"  # the subject's template: no ids in names
     for span in applied:
         chain = ancestry(span)
         assert chain.index(f"generation {fault_generation.generation}") \
@@ -453,7 +461,7 @@ async def test_a_whole_node_dies_the_survivors_go_on_and_the_job_grows_back_else
         grown: asyncio.Queue[Generation] = asyncio.Queue()
         await bus.subscribe(subjects.job_generation(job_id), Generation,
                             lambda g, _: grown.put(g))
-        await progressed(watch, job_id, 40)
+        await progressed(watch, job_id, FAULT_STEP)
         pids = pids_of(job_id, "local-1")
         assert len(pids) == 2
         phalanx("chaos", "kill-agent", "local-1", "--data-dir", str(data))
@@ -470,7 +478,7 @@ async def test_a_whole_node_dies_the_survivors_go_on_and_the_job_grows_back_else
 
     try:
         rec, generations = await run_job(cluster, data_dir, tmp_path, "node", node_dies,
-                                         steps=LONG_STEPS)
+                                         steps=LONG_STEPS, pace_s=LONG_PACE_S)
     finally:
         for agent in spare:
             agent.send_signal(signal.SIGTERM)

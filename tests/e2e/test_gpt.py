@@ -3,7 +3,7 @@
 ``examples/chargpt.py`` — the port of the plain DDP script, its DDP-shaped
 loop over ``session.epochs`` and ``session.loader`` — (at test size: 2 layers,
 16-token windows of the first 5 kB of the corpus, so an epoch is 20 steps,
-40 epochs) runs as a 4-replica
+10 epochs) runs as a 4-replica
 elastic job on a local cluster with ``phalanx up``. Replica ``r1-0`` SIGKILLs
 itself while its gradient all-reduce is in flight; the survivors repair the
 step and go on at 3; elasticity starts a replacement, which joins with a
@@ -42,14 +42,15 @@ from phalanx.services.client import AdmissionClient
 pytestmark = pytest.mark.timeout(600)
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 SCRIPT = EXAMPLES / "chargpt.py"
-EPOCHS = 40
-# The job trains at most 10 steps/s until the replacement has joined (then at full speed),
-# so the join comes before the end however fast the machine.
-PACE_S = 0.1
-KILL_STEP = 60
+EPOCHS = 10
+# The job trains at most 2.5 steps/s until the replacement has joined (then at full
+# speed), so the join comes before the end however fast the machine: STEPS * PACE_S = 80 s.
+# The kill comes after the LR warmup (10 steps), 6 s in.
+PACE_S = 0.4
+KILL_STEP = 15
 BLOCK, GLOBAL_BATCH, BYTES = 16, 16, 5120
 ARGS = ["--layers", "2", "--heads", "2", "--embd", "32", "--block-size", str(BLOCK),
-        "--global-batch", str(GLOBAL_BATCH), "--micro-batch", "4", "--warmup", "50",
+        "--global-batch", str(GLOBAL_BATCH), "--micro-batch", "4", "--warmup", "10",
         "--log-every", "100", "--epochs", str(EPOCHS)]
 ORDER = ElasticOrder((BYTES - 1) // BLOCK, GLOBAL_BATCH, seed=0)
 STEPS = EPOCHS * ORDER.steps_per_epoch

@@ -4,7 +4,7 @@ A 4-replica job of ``examples/train_mlp.py --sharded-optimizer`` on a local clus
 (2 agents x 2 slots): each rank holds AdamW's state for its partition of the
 parameters only, and after every committed step (``checkpoint.memory_every_steps:
 1``) snapshots its share of the replicated state and its partition's entries into
-its agent's shared memory. One rank SIGKILLs itself in step 40's update, right
+its agent's shared memory. One rank SIGKILLs itself in step 10's update, right
 after posting the broadcasts of the parameters it owns (its agent alive): the step
 is torn (the survivors may hold some owners' new parameters and not others') and
 the dead rank's partition exists in no process any more, so the three survivors
@@ -25,6 +25,8 @@ from pathlib import Path
 import pytest
 from e2e_cli import next_of
 from test_elastic import (  # the e2e helpers of the elastic tests: same cluster, same job
+    FAULT_STEP,
+    LONG_PACE_S,
     LONG_STEPS,
     Watch,
     check_run,
@@ -40,7 +42,7 @@ from phalanx.schemas.messages import CheckpointPolicy, Generation, GenerationRea
 
 pytestmark = pytest.mark.timeout(420)
 SHARDED = ["--sharded-optimizer"]
-KILL_AT = 40
+KILL_AT = FAULT_STEP
 
 
 @pytest.fixture(scope="module")
@@ -64,7 +66,7 @@ async def test_a_rank_of_a_sharded_optimizer_killed_its_partition_comes_back_rep
 
         rec, generations = await run_job(
             cluster, data_dir, tmp_path, "zero", kill, steps=LONG_STEPS, args=SHARDED,
-            env={"PHALANX_CHAOS_KILL": f"r1-0:{KILL_AT}:update"},
+            pace_s=LONG_PACE_S, env={"PHALANX_CHAOS_KILL": f"r1-0:{KILL_AT}:update"},
             spec={"checkpoint": CheckpointPolicy(memory_every_steps=1)})
     reasons = [(g.reason, g.world_size) for g in generations]
     assert reasons[:3] == [(GenerationReason.START, 4), (GenerationReason.FAULT, 3),
