@@ -218,8 +218,9 @@ class Fuzzer:
                 n = rng.randrange(t.min_length or 0, max(t.min_length or 0, 4) + 1)
                 return [self._value(t.item_type, name, depth + 1) for _ in range(n)]
             case mi.DictType():
-                return {self._str(t.key_type, "label"): self._value(t.value_type, "label",
-                                                                     depth + 1)
+                return {(self._str(t.key_type, "label") if isinstance(t.key_type, mi.StrType)
+                         else self._value(t.key_type, "key", depth + 1)):
+                        self._value(t.value_type, "label", depth + 1)
                         for _ in range(rng.randrange(3))}
             case mi.StructType():
                 return self._struct(t, depth)

@@ -158,7 +158,8 @@ async def _follow(args: argparse.Namespace, data_dir: Path, replica: str | None)
                     change.value is None or change.value.state.terminal):
                 ended = change.value
                 break
-        for tail in tails.values():
+        # A replica's log found meanwhile adds a tail while another one finishes.
+        for tail in list(tails.values()):
             await tail.finish()
     what = "deleted" if ended is None else f"{ended.state.value}: {ended.reason}"
     print(f"=== phalanx: {job_id} {what}", file=sys.stderr)

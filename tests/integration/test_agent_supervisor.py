@@ -11,7 +11,9 @@ import signal
 import sys
 from pathlib import Path
 
-from phalanx.bus.client import Bus, Delivery
+from test_agent_replicas import queue_of
+
+from phalanx.bus.client import Bus
 from phalanx.bus.kv import TypedKV
 from phalanx.schemas import subjects
 from phalanx.schemas.messages import (
@@ -45,16 +47,6 @@ async def until(check, timeout_s: float = 30.0):
             raise TimeoutError(f"not within {timeout_s} s")
         await asyncio.sleep(0.05)
     return found
-
-
-async def queue_of(bus: Bus, subject: str, kind: type) -> asyncio.Queue:
-    queue: asyncio.Queue = asyncio.Queue()
-
-    async def put(message, _: Delivery) -> None:
-        await queue.put(message)
-
-    await bus.subscribe(subject, kind, put)
-    return queue
 
 
 async def test_ranks_outlive_their_agent_under_the_supervisor_and_are_adopted(
