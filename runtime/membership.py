@@ -186,7 +186,7 @@ class Membership:
             if newest is not None and (self.generation is None
                                        or newest.generation > self.generation.generation):
                 if self._switch_agreed and s._sharded is not None and self.pg is not None:
-                    self._hand_over()
+                    self._hand_over(newest)
                 if newest.member(s.replica_id) is None:
                     if self.generation is not None and newest.reason is GenerationReason.LEAVE \
                             and self._switch_agreed:
@@ -248,18 +248,25 @@ class Membership:
         s.close()
         raise left
 
-    def _hand_over(self) -> None:
-        """A planned change with a sharded optimizer: before the members switch (and the
-        leaving ones go), every member of the old generation gathers the consolidated
-        optimizer state, to be re-partitioned in the new one. Cut short by a fault, the
-        members hold only their partitions, and the new generation restores a snapshot."""
+    def _hand_over(self, newest: Generation) -> None:
+        """A planned change with a sharded optimizer, before the members switch: no member
+        gathers the whole state. A shrink (every new member is an old one) moves each
+        entry to its new owner over the old group now, before the leaving ones go; a join
+        keeps each member's partition through the switch, and the new group moves them
+        (:meth:`_apply`). Cut short by a fault, the members hold only their old partitions,
+        and the new generation restores a snapshot."""
         sharded = self.session._sharded
-        assert sharded is not None and self.pg is not None
+        assert sharded is not None and self.pg is not None and self.generation is not None
+        old = [self.generation.member(m.replica_id) for m in newest.members]
+        if any(member is None for member in old):
+            sharded.hold()
+            return
         try:
-            sharded.gather(self.pg, self.session._wait)
+            sharded.hand_to(self.pg, self.session._wait,
+                            [member.rank for member in old if member is not None],
+                            newest.world_size)
         except Aborted as exc:
             log.warning("the optimizer's partitions were not handed over: %s", exc)
-            sharded.full = None
             self.abandon()
 
     # --- from a step -----------------------------------------------------------------------
@@ -359,7 +366,14 @@ class Membership:
                 self.rank, self.world_size = member.rank, generation.world_size
                 s._inbox.forget_faults(generation)
                 with telemetry.tracer().start_as_current_span("copy state") as copying:
+                    # A planned change's held partitions, if they add up to the whole state.
+                    holders = None if s._sharded is None else s._sharded.agree(
+                        pg, s._wait, self.rank, self.world_size, s.committed)
                     resume, nbytes = self._resume(generation)
+                    if holders is not None and self._restored_from is StateSource.MEMBERS:
+                        assert s._sharded is not None
+                        nbytes += s._sharded.take_over(pg, s._wait, self.rank,
+                                                       self.world_size, holders)
                     copying.set_attribute("phalanx.state_bytes", nbytes)
                 if s._sharded is not None:
                     s._sharded.repartition(self.rank, self.world_size)

@@ -80,8 +80,10 @@ def resume(session: ElasticSession, generation: Generation, retained: Retained |
     s = session
     pg, rank, world_size = s.pg, s.rank, s.world_size
     assert pg is not None and rank is not None  # a member of ``generation``
-    # A member holding only its partition of a sharded optimizer holds no whole step.
-    mine = MemberProgress(s.committed if s._sharded is None or s._sharded.holds_all else -1)
+    # A member holding only its partition of a sharded optimizer holds no whole step,
+    # unless the members' held partitions add up to it (a planned change's hand-over).
+    mine = MemberProgress(s.committed if s._sharded is None or s._sharded.holds_all
+                          or s._sharded.held is not None else -1)
     if retained is not None and s._sharded is None:
         old = retained.generation
         was = old.member(s.replica_id)

@@ -1,9 +1,11 @@
-"""Whatever the world sizes, a sharded optimizer's state survives snapshots and durable
-steps whole: written by any number of owners, restored and re-partitioned over any other,
-every entry lands on exactly one new owner, bitwise as the plain optimizer holds it."""
+"""Whatever the world sizes, a sharded optimizer's state survives snapshots, durable
+steps and planned membership changes whole: written by any number of owners, restored and
+re-partitioned over any other, or handed owner to owner through a join and a leave, every
+entry lands on exactly one new owner, bitwise as the plain optimizer holds it."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import copy
 import datetime
 import itertools
@@ -149,3 +151,69 @@ def test_owners_snapshot_and_persist_any_world_restores_and_repartitions(
                     assert torch.equal(owner.owned_state()[index][name], value)
             built |= expected
     assert built == set(plain)
+
+
+def in_groups(world: int, name: str, work) -> list:
+    """``work(rank, group)`` on ``world`` threads, members of one fresh gloo group."""
+    store = dist.PrefixStore(name, dist.HashStore())
+
+    def run(rank: int) -> object:
+        group = dist.ProcessGroupGloo(store, rank, world, datetime.timedelta(seconds=20))
+        return work(rank, group)
+
+    with concurrent.futures.ThreadPoolExecutor(world) as pool:
+        return list(pool.map(run, range(world)))
+
+
+def assert_owns_its_partition(shards: list[Sharded], plain: dict) -> None:
+    owners = shards[0].owners(len(shards))
+    for rank, shard in enumerate(shards):
+        owned = shard.owned_state()
+        assert set(owned) == {index for index in plain if owners[index] == rank}
+        for index, entry in owned.items():
+            for name, value in plain[index].items():
+                assert torch.equal(entry[name], value), (rank, index, name)
+
+
+@SETTINGS
+@given(st.lists(st.integers(1, 12), min_size=2, max_size=5), st.integers(1, 3),
+       st.integers(1, 4), st.integers(1, 2), st.data())
+def test_a_join_then_a_leave_hand_every_entry_owner_to_owner(
+        widths: list[int], steps: int, old: int, joining: int, data: st.DataObject) -> None:
+    """Whatever the world sizes, a join and a leave handed over owner to owner leave each
+    member owning exactly its new partition, bitwise as the plain optimizer holds it."""
+    model, optimizer, _ = trained(widths, steps)
+    plain = optimizer.state_dict()["state"]
+    world = old + joining
+    shards = members(model, optimizer.state_dict(), old)
+    for shard in shards:
+        shard.hold()
+    replicated = shards[0].state_dict()
+    for _ in range(joining):
+        joiner = Sharded(sharded_optimizer(copy.deepcopy(model).parameters(),
+                                           torch.optim.AdamW, lr=0.01))
+        joiner.load_state_dict(copy.deepcopy(replicated))
+        shards.append(joiner)
+
+    def join(rank: int, group: dist.ProcessGroup) -> None:
+        holders = shards[rank].agree(group, lambda w: w.wait(), rank, world, steps)
+        assert holders is not None
+        shards[rank].take_over(group, lambda w: w.wait(), rank, world, holders)
+        shards[rank].repartition(rank, world)
+
+    in_groups(world, "join", join)
+    assert_owns_its_partition(shards, plain)
+    staying = sorted(data.draw(st.sets(st.integers(0, world - 1), min_size=1,
+                                       max_size=world - 1)))  # some leave, some stay
+    in_groups(world, "leave", lambda rank, group: shards[rank].hand_to(
+        group, lambda w: w.wait(), staying, len(staying)))
+    left = [shards[rank] for rank in staying]
+
+    def switch(rank: int, group: dist.ProcessGroup) -> None:
+        holders = left[rank].agree(group, lambda w: w.wait(), rank, len(left), steps)
+        assert holders is not None
+        assert left[rank].take_over(group, lambda w: w.wait(), rank, len(left), holders) == 0
+        left[rank].repartition(rank, len(left))
+
+    in_groups(len(left), "switch", switch)
+    assert_owns_its_partition(left, plain)

@@ -83,9 +83,18 @@ def assert_same(model: torch.nn.Module, optimizer_state: dict, reference: tuple)
             assert torch.equal(optimizer_state[index][name], value), (index, name)
 
 
-def test_partitioned_steps_and_a_handover_to_another_world_size_equal_the_plain_optimizer(
+def owned_everywhere(shards: list[Sharded]) -> dict:
+    """Every member's entries, each owned by exactly one member."""
+    everything: dict = {}
+    for shard in shards:
+        assert not set(everything) & set(shard.owned_state())
+        everything.update(shard.owned_state())
+    return everything
+
+
+def test_partitioned_steps_then_a_join_and_a_leave_hand_over_owner_to_owner(
         ) -> None:
-    models = [build() for _ in range(4)]  # built before the threads: one RNG
+    models = [build() for _ in range(3)]  # built before the threads: one RNG
     shards = [member(m) for m in models]
     for rank, shard in enumerate(shards[:2]):
         shard.repartition(rank, 2)
@@ -94,29 +103,76 @@ def test_partitioned_steps_and_a_handover_to_another_world_size_equal_the_plain_
     assert not shards[0].holds_all
     with pytest.raises(RuntimeError, match="holds only a partition"):
         shards[0].state_dict()
+    # A join, 2 -> 3: the members hold their partitions through the switch; the joiner
+    # receives the model and the replicated state only; the entries go owner to owner.
+    for shard in shards[:2]:
+        shard.hold()
+    replicated = shards[0].state_dict()
+    assert replicated["state"] == {}
+    models[2].load_state_dict(models[0].state_dict())
+    shards[2].load_state_dict(copy.deepcopy(replicated))
+    assert not shards[2].holds_all  # until its entries come, it holds none
+    moved = []
 
-    def hand_over(rank: int, group: dist.ProcessGroup) -> dict:
-        shards[rank].gather(group, lambda w: w.wait())
-        return shards[rank].state_dict()
+    def join(rank: int, group: dist.ProcessGroup) -> None:
+        holders = shards[rank].agree(group, lambda w: w.wait(), rank, 3, 3)
+        assert holders is not None
+        moved.append(shards[rank].take_over(group, lambda w: w.wait(), rank, 3, holders))
+        shards[rank].repartition(rank, 3)
 
-    full = in_group(2, hand_over)
-    assert_same(models[0], full[0]["state"], plain_run(3))
-    assert_same(models[1], full[1]["state"], plain_run(3))
-    # Two members become four: the joiners receive the model and the consolidated state.
-    for joiner in (2, 3):
-        models[joiner].load_state_dict(models[0].state_dict())
-        shards[joiner].load_state_dict(copy.deepcopy(full[0]))
+    in_group(3, join)
+    owners = shards[0].owners(3)
     for rank, shard in enumerate(shards):
-        shard.repartition(rank, 4)
-    owned = [set(s.owned_state()) for s in shards]
-    assert set().union(*owned) == set(range(6)) and sum(map(len, owned)) == 6
-    train(shards, models, range(3, 6))
-    reference = plain_run(6)
-    everything = {}
-    for shard in shards:
-        everything.update(shard.owned_state())
+        assert sorted(shard.owned_state()) == sorted(i for i, o in owners.items() if o == rank)
+    # Only what changes owner moves: less than the whole state each (a gather moves all).
+    whole = sum(v.numel() * v.element_size() for s in plain_run(3)[1].state_dict()["state"]
+                .values() for v in s.values())
+    assert 0 < max(moved) < whole
     for model in models:
-        assert_same(model, everything, reference)
+        assert_same(model, owned_everywhere(shards), plain_run(3))
+    train(shards, models, range(3, 5))
+    # A leave, 3 -> 2: member 1 goes; before the switch the staying members receive their
+    # new partitions' entries over the old group, the leaving one's included.
+
+    def leave(rank: int, group: dist.ProcessGroup) -> None:
+        shards[rank].hand_to(group, lambda w: w.wait(), [0, 2], 2)
+
+    in_group(3, leave)
+    assert shards[1].held is None and shards[0].held == (0, 2) and shards[2].held == (1, 2)
+    staying = [shards[0], shards[2]]
+
+    def switch(rank: int, group: dist.ProcessGroup) -> None:
+        holders = staying[rank].agree(group, lambda w: w.wait(), rank, 2, 5)
+        assert holders is not None and set(holders.values()) == {0, 1}
+        assert staying[rank].take_over(group, lambda w: w.wait(), rank, 2, holders) == 0
+        staying[rank].repartition(rank, 2)
+
+    in_group(2, switch)
+    assert_same(models[0], owned_everywhere(staying), plain_run(5))
+    train(staying, [models[0], models[2]], range(5, 7))
+    reference = plain_run(7)
+    for model in (models[0], models[2]):
+        assert_same(model, owned_everywhere(staying), reference)
+
+
+def test_held_partitions_that_do_not_add_up_are_let_go() -> None:
+    models = [build() for _ in range(3)]
+    shards = [member(m) for m in models]
+    for rank, shard in enumerate(shards):
+        shard.repartition(rank, 3)
+    train(shards, models, range(2))
+    for shard in shards:
+        shard.hold()
+    # Member 1 died after the switch: the two left hold partitions 0 and 2 of 3.
+    survivors = [shards[0], shards[2]]
+
+    def agree(rank: int, group: dist.ProcessGroup) -> object:
+        return survivors[rank].agree(group, lambda w: w.wait(), rank, 2, 2)
+
+    assert in_group(2, agree) == [None, None]
+    assert all(s.held is None and not s.holds_all for s in survivors)
+    with pytest.raises(RuntimeError, match="holds only a partition"):
+        survivors[0].state_dict()
 
 
 def test_each_owner_snapshots_its_entries_once_and_a_restore_repartitions_them(
