@@ -41,7 +41,10 @@ from phalanx.schemas import subjects
 from phalanx.schemas.messages import GenerationReason, NodeRecord
 from phalanx.services.manifest import running_in_manifest
 
-STEPS = 400  # the replacements must find steps left when they are ready
+# The replacements must find steps left when they are ready: every rank dies at step 60
+# (paced until then, run_job), so none trains before they are; more steps after the
+# restore would prove nothing more.
+STEPS = 200
 KILL_AFTER = 60
 # An LR schedule, an EMA and a counter stepped after each commit: a restore that missed
 # what the script did after commit() (the snapshot taken at commit) differs from the run.

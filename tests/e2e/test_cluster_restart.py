@@ -58,6 +58,12 @@ JOB = "restart-1"
 SCHEDULE = ["--schedule"]
 
 
+@pytest.fixture(scope="module")
+def reference(data_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:  # noqa: F811
+    """The fault-free run both restarts are compared with (the same job)."""
+    return fault_free(data_dir, tmp_path_factory.mktemp("reference"), STEPS, SCHEDULE)
+
+
 def spec_file(path: Path, data: Path, out: Path, release: Path) -> Path:
     path.write_text(yaml.safe_dump({
         "name": "restart", "team": "t", "priority_class": "normal",
@@ -83,8 +89,7 @@ def launch_headers(cluster: Path) -> dict[str, int]:
 
 @pytest.mark.parametrize("reboot", [False, True], ids=["memory", "durable"])
 async def test_a_job_running_when_the_cluster_restarts_resumes_by_itself(
-        data_dir: Path, tmp_path: Path, reboot: bool) -> None:  # noqa: F811
-    reference = fault_free(data_dir, tmp_path / "reference", STEPS, SCHEDULE)
+        data_dir: Path, reference: dict, tmp_path: Path, reboot: bool) -> None:  # noqa: F811
     cluster = tmp_path / "cluster"
     out, release = tmp_path / "out", tmp_path / "release"
 

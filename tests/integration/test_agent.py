@@ -79,6 +79,9 @@ async def test_heartbeats_go_on_while_the_registry_cannot_be_written(own_nats: N
             beats.get_nowait()
         after = [await asyncio.wait_for(beats.get(), 5) for _ in range(5)]
         assert [b.seq for b in after] == list(range(after[0].seq, after[0].seq + 5))
+        # The registry is back: the refresh under way ends at its next try, instead of
+        # holding the agent's stop for the KV's failover window (15 s).
+        await TypedKV.open(bus.js, subjects.NODES_BUCKET, NodeRecord)
     finally:
         await agent.stop()
         await bus.close()

@@ -38,7 +38,10 @@ from phalanx.services.natsd import NatsServer
 
 SCRIPT = Path(__file__).resolve().parents[2] / "examples" / "train_mlp.py"
 ARGS = ["--widths", "16,32,16", "--samples", "256", "--micro-batch", "8"]
-STEPS = 1000  # a few seconds: longer than a waiting replica's 2 s between ready reports
+STEPS = 200
+# The members train at most 20 steps/s until the test has seen a waiting replica report
+# ready again (2 s between reports) and stopped the other: 10 s, however fast the machine.
+PACE_S = 0.05
 RUN_ENV = {"PHALANX_DETERMINISTIC": "1"}
 MEMBERS, WAITING, STOPPED = ("r0-0", "r1-0"), "r2-0", "r3-0"
 
@@ -78,6 +81,7 @@ async def test_replicas_the_job_completes_without_save_nothing(
     await bus.subscribe(subjects.replica_ready(uid), ReplicaReady, on_ready)
     await bus.subscribe(subjects.health_job_ranks(uid), RankProgress, on_progress)
     replicas: dict[str, asyncio.subprocess.Process] = {}
+    release = tmp_path / "release"
     try:
         for slot, replica in enumerate([*MEMBERS, WAITING, STOPPED]):
             replicas[replica] = await asyncio.create_subprocess_exec(
@@ -85,7 +89,8 @@ async def test_replicas_the_job_completes_without_save_nothing(
                     **clean_env(), **RUN_ENV, "PHALANX_NATS_URL": nats_server.url,
                     "PHALANX_JOB_ID": uid, "PHALANX_RANK": str(slot),
                     "PHALANX_REPLICA_ID": replica, "PHALANX_NODE_ID": "n",
-                    "PHALANX_RECORD_DIR": str(tmp_path / "rec")})
+                    "PHALANX_RECORD_DIR": str(tmp_path / "rec"),
+                    "PHALANX_CHAOS_PACE": f"{PACE_S}:{release}"})
         await until(lambda: len(ready) == 4)
         members = [Member(replica_id=r, rank=i, node_id="n", endpoint=ready[r][0].endpoint)
                    for i, r in enumerate(MEMBERS)]
@@ -97,6 +102,7 @@ async def test_replicas_the_job_completes_without_save_nothing(
         # have restarted and missed it): it waits for a newer generation, not in a spin.
         await until(lambda: any(r.sent_at > published + 1.0 for r in ready[WAITING]))
         replicas[STOPPED].send_signal(signal.SIGTERM)  # as the agent stops a replica
+        release.touch()  # the job may run to its end at full speed
         codes = {r: await asyncio.wait_for(p.wait(), 240) for r, p in replicas.items()}
     finally:
         for process in replicas.values():
