@@ -11,6 +11,7 @@ never taken out of ``admitted`` (nothing admitted twice, nothing started again).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import signal
@@ -70,6 +71,18 @@ async def leader_pid(bus: Bus, data: Path, service: str) -> tuple[str, int]:
     return entry.value.holder, services[entry.value.holder]
 
 
+async def taken_over(bus: Bus, data: Path, holder: str, timeout_s: float = 30.0) -> None:
+    """Return once an instance other than ``holder`` leads its service (a lease read:
+    no event announces a new holder to an outsider)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        with contextlib.suppress(AssertionError):  # no leader at all yet
+            if (await leader_pid(bus, data, holder.split("-")[0]))[0] != holder:
+                return
+        assert time.monotonic() < deadline, f"no standby took over from {holder}"
+        await asyncio.sleep(0.1)
+
+
 @pytest.mark.timeout(300)
 async def test_the_leader_of_every_service_dies_while_the_job_trains_and_ranks_die(
         cluster, data_dir: Path, reference: dict, tmp_path: Path) -> None:  # noqa: F811
@@ -103,8 +116,8 @@ async def test_the_leader_of_every_service_dies_while_the_job_trains_and_ranks_d
     # (Whether the replacements join before the end is a matter of timing on a loaded box:
     # not asserted. That nothing was lost or repeated is.)
     check_run(rec, tmp_path / "final.pt", reference)
-    for holder in killed:  # a standby took over each
-        assert (await leader_pid(bus, data, holder.split("-")[0]))[0] != holder
+    for holder in killed:  # a standby takes over each (the last kill's lease may
+        await taken_over(bus, data, holder)  # outlast the job, now short: wait for it)
 
 
 @pytest.mark.timeout(300)
