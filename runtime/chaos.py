@@ -1,7 +1,8 @@
 """Fault injection inside a rank.
 
 ``PHALANX_CHAOS_KILL=<replica>:<step>:<phase>[,...]``: the named replica
-SIGKILLs itself at that step, either at the step's ``boundary`` (before it
+SIGKILLs itself at that step (``g<N>`` for the step: at the first step of
+generation N, whichever step that turns out to be), either at the step's ``boundary`` (before it
 starts), during its gradient ``allreduce`` (5 ms after the first bucket is
 launched, so the collective is in flight), or in its ``update``: with a sharded
 optimizer right after it posted the broadcasts of the parameters it owns (its
@@ -20,6 +21,7 @@ machine's speed leaves it.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
 import time
@@ -31,21 +33,34 @@ from phalanx.schemas.errors import ConfigError
 PHASES = ("boundary", "allreduce", "update")
 
 
-def parse_chaos_kill(value: str, replica_id: str) -> tuple[int, str] | None:
-    """``(step, phase)`` at which ``replica_id`` dies, or None.
+@dataclasses.dataclass(frozen=True)
+class Kill:
+    """Where a replica dies: in ``phase`` of step ``step``, or of the first step of
+    ``generation`` (exactly one of the two is set)."""
+
+    phase: str
+    step: int | None = None
+    generation: int | None = None
+
+
+def parse_chaos_kill(value: str, replica_id: str) -> Kill | None:
+    """Where ``replica_id`` dies, or None.
 
     Raises:
-        ConfigError: an entry is not ``<replica>:<step>:<boundary|allreduce|update>``.
+        ConfigError: an entry is not ``<replica>:<step|g<N>>:<boundary|allreduce|update>``.
     """
     kill = None
     for item in filter(None, value.split(",")):
         target, _, rest = item.partition(":")
         step, _, phase = rest.partition(":")
-        if not step.isdigit() or phase not in PHASES:
+        in_generation = step.startswith("g")
+        number = step[1:] if in_generation else step
+        if not number.isdigit() or phase not in PHASES:
             raise ConfigError(f"PHALANX_CHAOS_KILL: {item!r} is not "
-                              "<replica>:<step>:<boundary|allreduce|update>")
+                              "<replica>:<step|g<N>>:<boundary|allreduce|update>")
         if target == replica_id:
-            kill = (int(step), phase)
+            kill = Kill(phase, generation=int(number)) if in_generation \
+                else Kill(phase, step=int(number))
     return kill
 
 

@@ -25,7 +25,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import random
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from typing import TypeVar
 
 T = TypeVar("T")
@@ -101,25 +101,47 @@ class ElasticOrder:
         return micro_batches(share, micro_batch_size, len(batch))
 
 
-    def repair_plan(self, epoch: int, step: int, old_world_size: int, lost_ranks: Sequence[int],
-                    world_size: int, rank: int, micro_batch_size: int, *,
-                    aligned: bool = False) -> list[MicroBatch]:
+    def kept_counts(self, epoch: int, step: int, indices: Iterable[int]) -> list[int]:
+        """How often each sample of step ``step``'s batch is among ``indices`` (a kept
+        gradient's samples), in batch order, then how many of ``indices`` are not in
+        the batch: the layout the members sum for :meth:`repair_plan`."""
+        batch = self.batch(epoch, step)
+        position = {index: i for i, index in enumerate(batch)}
+        counts = [0] * (len(batch) + 1)
+        for index in indices:
+            counts[position.get(index, len(batch))] += 1
+        return counts
+
+    def repair_plan(self, epoch: int, step: int, kept: Sequence[int], world_size: int,
+                    rank: int, micro_batch_size: int, *,
+                    aligned: bool = False) -> list[MicroBatch] | None:
         """This rank's part of re-running a step whose all-reduce was aborted.
 
-        The step ran in a ``old_world_size`` membership; the survivors kept the
-        gradients of their own shares, so only the shares of ``lost_ranks`` (old
-        ranks) are computed again, dealt over the ``world_size`` ranks of the new
-        membership as :meth:`plan` deals a batch. Survivors' kept shares plus these
-        parts are the step's batch, each sample once.
+        ``kept`` is the survivors' :meth:`kept_counts` summed: the samples their kept
+        gradients cover. Only the samples nobody kept are computed again, dealt over
+        the ``world_size`` ranks of the new membership as :meth:`plan` deals a batch
+        (``aligned``: whole micro-batches of the global batch's cut). Kept shares plus
+        these parts are the step's batch, each sample once.
+
+        Returns None if the kept gradients cannot be completed that way: a sample kept
+        twice, one not in the batch, or (``aligned``) a micro-batch kept in part. The
+        step must then run whole, every kept gradient dropped.
         """
         order = self.epoch_order(epoch)
-        lost = [mb for r in sorted(lost_ranks)
-                for mb in self.plan(epoch, step, old_world_size, r, micro_batch_size, order,
-                                    aligned=aligned)]
+        batch = self.batch(epoch, step, order)
+        if len(kept) != len(batch) + 1 or kept[-1] or any(count > 1 for count in kept):
+            return None
         if aligned:
+            cut = micro_batches(batch, micro_batch_size, len(batch))
+            covered = dict(zip(batch, kept, strict=False))
+            states = [{covered[i] for i in mb.indices} for mb in cut]
+            if any(len(state) > 1 for state in states):
+                return None
+            lost = [mb for mb, state in zip(cut, states, strict=True) if state == {0}]
             return split(lost, world_size)[rank]
-        share = split([i for mb in lost for i in mb.indices], world_size)[rank]
-        return micro_batches(share, micro_batch_size, len(self.batch(epoch, step, order)))
+        missing = [index for index, count in zip(batch, kept, strict=False) if not count]
+        share = split(missing, world_size)[rank]
+        return micro_batches(share, micro_batch_size, len(batch))
 
 
 @functools.lru_cache(maxsize=2)

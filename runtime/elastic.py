@@ -103,7 +103,7 @@ from phalanx.bus import telemetry
 from phalanx.bus.config import BusConfig
 from phalanx.runtime import chaos, priority, spare, teardown
 from phalanx.runtime.bus_thread import BusThread
-from phalanx.runtime.chaos import Pace, parse_chaos_kill, parse_chaos_pace
+from phalanx.runtime.chaos import Kill, Pace, parse_chaos_kill, parse_chaos_pace
 from phalanx.runtime.data import ElasticOrder
 from phalanx.runtime.dataset import step_loader
 from phalanx.runtime.durable import DurablePolicy, DurableWriter, Persisted, committed_records
@@ -171,9 +171,10 @@ class ElasticSession:
             joins) is not slowed by cold caches and first allocations.
         nice_when_ready: the nice value to return to once ready (an agent starts a
             replacement at a lower CPU priority: :mod:`.priority`); None: unchanged.
-        chaos_kill: ``(step, phase)`` at which this process SIGKILLs itself, ``phase``
-            ``"boundary"`` (before the step), ``"allreduce"`` (while its all-reduce runs) or
-            ``"update"`` (in the optimizer step: :mod:`.chaos`).
+        chaos_kill: where this process SIGKILLs itself (:class:`.chaos.Kill`): in a step or
+            the first step of a generation, at its ``"boundary"`` (before the step),
+            ``"allreduce"`` (while its all-reduce runs) or ``"update"`` (in the optimizer
+            step: :mod:`.chaos`).
         chaos_pace: a slowed job (:class:`.chaos.Pace`): it waits before each step until
             released.
         state: name -> object with ``state_dict``/``load_state_dict`` (LR schedulers, an
@@ -208,7 +209,7 @@ class ElasticSession:
                  on_membership: Callable[[MembershipChange], None] | None = None,
                  deterministic: bool = False, warmup: Callable[[], None] | None = None,
                  nice_when_ready: int | None = None,
-                 chaos_kill: tuple[int, str] | None = None, chaos_pace: Pace | None = None,
+                 chaos_kill: Kill | None = None, chaos_pace: Pace | None = None,
                  state: Mapping[str, Any] | None = None, metrics: Sequence[str] = (),
                  loader: Mapping[str, Any] | None = None,
                  snapshot_interval: IntervalPolicy | None = None, snapshot_keep: int = 2,
@@ -239,7 +240,11 @@ class ElasticSession:
         self.deterministic = deterministic
         if deterministic and self.device.type == "cuda":
             deterministic_cuda()  # before the warm-up's first kernels
-        self.chaos_kill = chaos_kill
+        #: ``(step, phase)`` at which this process dies (a generation's: once applied).
+        self.chaos_kill = None if chaos_kill is None or chaos_kill.step is None \
+            else (chaos_kill.step, chaos_kill.phase)
+        self._chaos_in_generation = chaos_kill if chaos_kill is not None \
+            and chaos_kill.generation is not None else None
         self.chaos_pace = chaos_pace
         self._state: dict[str, Any] = {}
         self._started = False  # a step was taken: the registered state is fixed
@@ -546,6 +551,13 @@ class ElasticSession:
         :attr:`committed` is then the number of steps committed (the step's index + 1).
         """
         return self._loop.commit()
+
+    def _arm_chaos(self, generation: int, resume: int) -> None:
+        """Generation ``generation`` resumes at step ``resume``: a kill asked for in its
+        first step is now a kill at that step."""
+        kill = self._chaos_in_generation
+        if kill is not None and kill.generation == generation:
+            self.chaos_kill = (resume, kill.phase)
 
     def _chaos_kill(self) -> None:
         """Fault injection: die now, as a SIGKILLed rank does (recorded first)."""

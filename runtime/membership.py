@@ -433,4 +433,5 @@ class Membership:
         resumed = resume(self.session, generation, retained, landing)
         self._restored_from = resumed.origin
         self._repair, self._sitting_out = resumed.repair, resumed.sitting_out
+        self.session._arm_chaos(generation.generation, resumed.step)
         return resumed.step, resumed.nbytes

@@ -2,8 +2,8 @@
 
 After a membership change every member contributes one row to an all-reduce:
 the step it has committed up to, and, if its last all-reduce was aborted,
-which step it kept a gradient for and its rank and world size in the
-generation that attempted it (:class:`MemberProgress`). From the same rows,
+which step it kept a gradient for and the generation that attempted it
+(:class:`MemberProgress`). From the same rows,
 :func:`plan_recovery` makes every member decide the same thing:
 
 * **Resume step**: the highest step any member committed. A member behind it
@@ -12,10 +12,13 @@ generation that attempted it (:class:`MemberProgress`). From the same rows,
   *source*). In generation 0 every member receives rank 0's state, as DDP
   starts every rank from rank 0's parameters.
 * **Repair**: if nobody committed the resume step and members kept gradients
-  of it from one and the same attempt, those gradients count: only the shares
-  of the old ranks that kept nothing (the dead ones, and survivors that had
-  not reached the all-reduce) are computed again, dealt over every member
-  (:meth:`~.data.ElasticOrder.repair_plan`).
+  of it from one and the same attempt, those gradients count: only the samples
+  no kept gradient covers (the dead ranks' shares, and those of survivors that
+  had not reached the all-reduce) are computed again, dealt over every member
+  (:meth:`~.data.ElasticOrder.repair_plan`). Which samples are covered is
+  counted from the kept gradients' own samples, not from the attempt's ranks:
+  an attempt may have dealt its batch otherwise (members sat it out, or it was
+  itself a repair).
 * **Sitting out**: otherwise, when a join makes some members copy state, the
   ranks that send or receive sit the first step out and the others share its
   batch, so the survivors do not wait for the copy before computing.
@@ -44,28 +47,24 @@ class MemberProgress:
 
     ``committed`` is -1 on a member whose state copy was cut short (it holds no
     step). The ``kept_*`` fields are -1 unless the member kept the gradient of an
-    aborted step: that step, and the generation, rank and world size it was
-    attempted in.
+    aborted step: that step, and the generation it was attempted in.
     """
 
     committed: int
     kept_step: int = -1
     kept_generation: int = -1
-    kept_rank: int = -1
-    kept_world_size: int = -1
 
     def row(self) -> list[int]:
-        return [self.committed, self.kept_step, self.kept_generation, self.kept_rank,
-                self.kept_world_size]
+        return [self.committed, self.kept_step, self.kept_generation]
 
 
 @dataclasses.dataclass(frozen=True)
 class Repair:
-    """Re-run step ``step`` from its ``old_world_size`` attempt: only ``lost_ranks``' shares."""
+    """Re-run step ``step`` counting the gradients kept from its attempt in ``generation``:
+    only the samples they do not cover are computed again."""
 
     step: int
-    old_world_size: int
-    lost_ranks: tuple[int, ...]
+    generation: int
 
 
 @dataclasses.dataclass(frozen=True)
@@ -120,10 +119,7 @@ def plan_recovery(members: Sequence[MemberProgress], generation: int,
 
 
 def _repair(members: Sequence[MemberProgress], resume: int) -> Repair | None:
-    kept = [m for m in members if m.kept_step == resume]
-    if not kept or len({m.kept_generation for m in kept}) != 1 \
-            or len({m.kept_world_size for m in kept}) != 1:
+    attempts = {m.kept_generation for m in members if m.kept_step == resume}
+    if len(attempts) != 1:
         return None  # nothing kept for the step to run (or kept from different tries)
-    old_world = kept[0].kept_world_size
-    lost = sorted(set(range(old_world)) - {m.kept_rank for m in kept})
-    return Repair(resume, old_world, tuple(lost))
+    return Repair(resume, attempts.pop())

@@ -34,7 +34,7 @@ import torch
 from phalanx.runtime.data import MicroBatch
 from phalanx.runtime.durable import Committed, DurableCorrupt, corrupt_records
 from phalanx.runtime.durable import restore as restore_durable
-from phalanx.runtime.recovery import MemberProgress, StateLost, plan_recovery
+from phalanx.runtime.recovery import MemberProgress, Repair, StateLost, plan_recovery
 from phalanx.runtime.snapshot import restore
 from phalanx.runtime.state import StateTransferError, receive_state, send_state
 from phalanx.schemas import subjects
@@ -85,12 +85,8 @@ def resume(session: ElasticSession, generation: Generation, retained: Retained |
     mine = MemberProgress(s.committed if s._sharded is None or s._sharded.holds_all
                           or s._sharded.held is not None else -1)
     if retained is not None and s._sharded is None:
-        old = retained.generation
-        was = old.member(s.replica_id)
-        assert was is not None  # a step is retained only by a member of its generation
-        mine = MemberProgress(s.committed, retained.step, old.generation, was.rank,
-                              old.world_size)
-    info = torch.zeros(world_size, 5, dtype=torch.int64)
+        mine = MemberProgress(s.committed, retained.step, retained.generation.generation)
+    info = torch.zeros(world_size, len(mine.row()), dtype=torch.int64)
     info[rank] = torch.tensor(mine.row())
     s._wait(pg.allreduce([info]))
     rows = [MemberProgress(*row) for row in info.tolist()]
@@ -126,12 +122,7 @@ def resume(session: ElasticSession, generation: Generation, retained: Retained |
     step, source = plan.resume, plan.source
     repair = None
     if plan.repair is not None:
-        epoch, in_epoch = divmod(step, s.order.steps_per_epoch)
-        micro = s.order.repair_plan(
-            epoch, in_epoch, plan.repair.old_world_size, plan.repair.lost_ranks,
-            world_size, rank, s.micro_batch_size, aligned=s.deterministic)
-        kept = retained if retained is not None and retained.step == step else None
-        repair = (step, micro, kept)
+        repair = _repair(s, plan.repair, retained)
     sitting_out = None if plan.sitting_out is None else (step, list(plan.sitting_out))
     nbytes = 0
     if rank == source:
@@ -151,6 +142,28 @@ def resume(session: ElasticSession, generation: Generation, retained: Retained |
             s._record.write(kind="adopt", generation=generation.generation,
                             step=received, source=source, state_bytes=nbytes)
     return Resumed(step, nbytes, origin, repair, sitting_out)
+
+
+def _repair(s: ElasticSession, plan: Repair, retained: Retained | None
+            ) -> tuple[int, list[MicroBatch], Retained | None] | None:
+    """The repair of step ``plan.step``: one all-reduce of which samples the members'
+    kept gradients cover, then this rank's part of the rest; None (the step runs whole,
+    nothing kept counts) if the kept shares do not complete the batch once each."""
+    assert s.pg is not None and s.rank is not None
+    epoch, in_epoch = divmod(plan.step, s.order.steps_per_epoch)
+    kept = retained if retained is not None and retained.step == plan.step \
+        and retained.generation.generation == plan.generation else None
+    counts = torch.tensor(s.order.kept_counts(epoch, in_epoch,
+                                              kept.indices if kept is not None else []),
+                          dtype=torch.int64)
+    s._wait(s.pg.allreduce([counts]))
+    micro = s.order.repair_plan(epoch, in_epoch, counts.tolist(), s.world_size, s.rank,
+                                s.micro_batch_size, aligned=s.deterministic)
+    if micro is None:
+        log.error("%s: the gradients kept from step %d do not cover its batch once each; "
+                  "the step runs whole", s.replica_id, plan.step)
+        return None
+    return plan.step, micro, kept
 
 
 def _state_lost(s: ElasticSession, generation: Generation, reached: int, newest: int,

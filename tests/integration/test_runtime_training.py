@@ -192,6 +192,35 @@ async def test_an_aborted_step_never_steps_the_scheduler_and_a_repaired_step_rep
             assert got["losses"][step] == pytest.approx(loss, rel=1e-6), step
 
 
+async def test_a_step_that_members_sat_out_is_repaired_from_what_the_survivors_kept(
+        tmp_path: Path, data: Path, nats_server: NatsServer, bus: Bus, uid: str) -> None:
+    """A join's first step: rank 0 copies its state to the joiner while ranks 1 and 2
+    share the batch; rank 2 dies in that step's all-reduce. The repair computes the
+    samples no survivor kept as the join had dealt them (rank 2's half, not a quarter
+    of the batch by rank): nothing lost, nothing twice, the run alone bitwise."""
+    args = ["--steps", "40", "--clip", "1.0"]
+    reference = alone(data, tmp_path / "alone", *args)
+    release = tmp_path / "release"
+    env = {"PHALANX_CHAOS_PACE": f"0.05:{release}", "PHALANX_CHAOS_KILL": "r2-0:g1:allreduce"}
+    async with Job(bus, nats_server, uid, tmp_path, data, *args) as job:
+        for slot, replica in enumerate(["r0-0", "r1-0", "r2-0", "r3-0"]):
+            await job.start(replica, slot, env)
+        await job.publish(["r0-0", "r1-0", "r2-0"], GenerationReason.START)
+        await job.until(lambda: job.step >= 5)
+        await job.publish(["r0-0", "r1-0", "r2-0", "r3-0"], GenerationReason.JOIN)
+        assert await asyncio.wait_for(job.processes["r2-0"].wait(), 120) == -9
+        await job.publish(["r0-0", "r1-0", "r3-0"], GenerationReason.FAULT)
+        release.touch()
+        assert await job.exit_codes() == {"r0-0": 0, "r1-0": 0, "r2-0": -9, "r3-0": 0}
+    records = record.read(tmp_path / "rec")
+    died = next(line["step"] for line in records["r2-0"] if line["kind"] == "chaos")
+    kept = {line["rank"]: line["kept"] for lines in records.values() for line in lines
+            if line["kind"] == "batch" and line["step"] == died and line["generation"] == 2}
+    assert kept == {0: 0, 1: 8, 2: 0}  # rank 1's half of the 16 samples counted, as kept
+    for replica in ("r0-0", "r1-0", "r3-0"):
+        assert_same_state(job.result(replica), reference)
+
+
 async def test_the_lr_schedule_and_registered_state_arrive_intact_in_a_joiner(
         tmp_path: Path, data: Path, nats_server: NatsServer, bus: Bus, uid: str) -> None:
     # Paced until the joiner has committed a step in the job, then at full speed: it is

@@ -8,7 +8,7 @@ from collections import Counter
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from phalanx.runtime.data import ElasticOrder
+from phalanx.runtime.data import ElasticOrder, MicroBatch
 
 SETTINGS = settings(derandomize=True, database=None, deadline=None, max_examples=200)
 
@@ -64,23 +64,48 @@ def test_what_a_step_trains_on_does_not_depend_on_the_world_size(run) -> None:
         assert aligned == order.plan(0, step, 1, 0, micro, aligned=True)  # the same micro-batches
 
 
+def _counts(order: ElasticOrder, shares: list[list[MicroBatch]]) -> list[int]:
+    """The members' kept counts summed, as the repair's all-reduce sums them."""
+    rows = [order.kept_counts(0, 0, [i for m in share for i in m.indices])
+            for share in shares]
+    return [sum(column) for column in zip(*rows, strict=True)]
+
+
 @SETTINGS
 @given(runs(), st.integers(1, 9), st.data(), st.booleans())
-def test_repairing_an_aborted_step_covers_its_batch_once(run, old_world: int, data,
-                                                         aligned: bool) -> None:
+def test_repairs_cover_the_batch_once_however_the_attempts_dealt_it(
+        run, old_world: int, data, aligned: bool) -> None:
+    """The attempt sat some members out (a join's copy), then each repair may itself be
+    aborted by more deaths: the kept shares plus the repairs are still the batch once."""
     order, _, micro = run
-    lost = data.draw(st.lists(st.integers(0, old_world - 1), unique=True,
-                              max_size=old_world - 1))
-    survivors = [r for r in range(old_world) if r not in lost]
-    world = data.draw(st.integers(1, 9))
-    kept = [m for r in survivors
-            for m in order.plan(0, 0, old_world, r, micro, aligned=aligned)]
-    redone = [m for r in range(world)
-              for m in order.repair_plan(0, 0, old_world, lost, world, r, micro,
-                                         aligned=aligned)]
-    used = [i for m in kept + redone for i in m.indices]
-    assert sorted(used) == sorted(order.batch(0, 0))
-    assert math.isclose(sum(m.weight for m in kept + redone), 1.0)
+    computing = data.draw(st.lists(st.integers(0, old_world - 1), unique=True,
+                                   min_size=1).map(sorted))
+    shares = [order.plan(0, 0, len(computing), computing.index(r), micro, aligned=aligned)
+              if r in computing else [] for r in range(old_world)]
+    for _ in range(data.draw(st.integers(1, 3))):  # repairs, each aborted but the last
+        dead = data.draw(st.sets(st.integers(0, len(shares) - 1), max_size=len(shares) - 1))
+        kept = [share for r, share in enumerate(shares) if r not in dead]
+        world = len(kept) + data.draw(st.integers(0, 3))  # joiners keep nothing
+        counts = _counts(order, kept)
+        parts = [order.repair_plan(0, 0, counts, world, r, micro, aligned=aligned)
+                 for r in range(world)]
+        assert all(part is not None for part in parts)
+        shares = [(kept[r] if r < len(kept) else []) + (parts[r] or []) for r in range(world)]
+    used = [m for share in shares for m in share]
+    assert sorted(i for m in used for i in m.indices) == sorted(order.batch(0, 0))
+    assert math.isclose(sum(m.weight for m in used), 1.0)
     if aligned:  # the same micro-batches as a fault-free step: bitwise reproducible
-        assert sorted(m.indices for m in kept + redone) == sorted(
+        assert sorted(m.indices for m in used) == sorted(
             m.indices for m in order.plan(0, 0, 1, 0, micro, aligned=True))
+
+
+@SETTINGS
+@given(runs(), st.integers(2, 9), st.booleans())
+def test_kept_shares_that_overlap_are_refused(run, world: int, aligned: bool) -> None:
+    order, _, micro = run
+    share = order.plan(0, 0, world, 0, micro, aligned=aligned)
+    if share:  # the same share kept by two members would train its samples twice
+        assert order.repair_plan(0, 0, _counts(order, [share, share]), world, 0, micro,
+                                 aligned=aligned) is None
+    stray = order.kept_counts(0, 0, [order.dataset_size + 1])  # not a sample of the batch
+    assert order.repair_plan(0, 0, stray, world, 0, micro, aligned=aligned) is None

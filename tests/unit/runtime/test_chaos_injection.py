@@ -6,14 +6,15 @@ from pathlib import Path
 
 import pytest
 
-from phalanx.runtime.chaos import Pace, parse_chaos_kill, parse_chaos_pace
+from phalanx.runtime.chaos import Kill, Pace, parse_chaos_kill, parse_chaos_pace
 from phalanx.schemas.errors import ConfigError
 
 
 def test_chaos_kill_names_its_replica_step_and_phase() -> None:
-    value = "r1-0:40:allreduce,r2-0:7:boundary"
-    assert parse_chaos_kill(value, "r1-0") == (40, "allreduce")
-    assert parse_chaos_kill(value, "r2-0") == (7, "boundary")
+    value = "r1-0:40:allreduce,r2-0:7:boundary,r3-0:g2:update"
+    assert parse_chaos_kill(value, "r1-0") == Kill("allreduce", step=40)
+    assert parse_chaos_kill(value, "r2-0") == Kill("boundary", step=7)
+    assert parse_chaos_kill(value, "r3-0") == Kill("update", generation=2)
     assert parse_chaos_kill(value, "r0-0") is None and parse_chaos_kill("", "r0-0") is None
     with pytest.raises(ConfigError, match="'r1-0:x:boundary' is not"):
         parse_chaos_kill("r1-0:x:boundary", "r0-0")  # refused whoever reads it

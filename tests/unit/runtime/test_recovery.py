@@ -20,19 +20,19 @@ M = MemberProgress
                  id="generation 0: everyone starts from rank 0's state, as DDP does"),
     pytest.param([M(100), M(100), M(100), M(0)], 3, RecoveryPlan(100, 0, (3,), None, (1, 2)),
                  id="a join: rank 0 sends, the joiner receives, the others compute step 100"),
-    pytest.param([M(50, 50, 1, 0, 4), M(50, 50, 1, 2, 4), M(50, 50, 1, 3, 4)], 2,
-                 RecoveryPlan(50, 0, (), Repair(50, 4, (1,)), None),
-                 id="a rank died mid-all-reduce: only its share of step 50 is computed again"),
-    pytest.param([M(50, 50, 1, 0, 4), M(50), M(50, 50, 1, 3, 4)], 2,
-                 RecoveryPlan(50, 0, (), Repair(50, 4, (1, 2)), None),
-                 id="a survivor that had not reached the all-reduce: its share is lost too"),
-    pytest.param([M(50, 50, 1, 0, 4), M(50, 50, 2, 0, 3)], 3,
+    pytest.param([M(50, 50, 1), M(50, 50, 1), M(50, 50, 1)], 2,
+                 RecoveryPlan(50, 0, (), Repair(50, 1), None),
+                 id="a rank died mid-all-reduce: the kept gradients of step 50 count"),
+    pytest.param([M(50, 50, 1), M(50), M(50, 50, 1)], 2,
+                 RecoveryPlan(50, 0, (), Repair(50, 1), None),
+                 id="a survivor that had not reached the all-reduce kept nothing"),
+    pytest.param([M(50, 50, 1), M(50, 50, 2)], 3,
                  RecoveryPlan(50, 0, (), None, None),
                  id="kept from different attempts: the step runs whole"),
-    pytest.param([M(51), M(50, 50, 1, 1, 3)], 2, RecoveryPlan(51, 0, (1,), None, None),
+    pytest.param([M(51), M(50, 50, 1)], 2, RecoveryPlan(51, 0, (1,), None, None),
                  id="one survivor committed the step: the other receives its state"),
-    pytest.param([M(50, 50, 1, 0, 3), M(50, 50, 1, 1, 3), M(0)], 2,
-                 RecoveryPlan(50, 0, (2,), Repair(50, 3, (2,)), None),
+    pytest.param([M(50, 50, 1), M(50, 50, 1), M(0)], 2,
+                 RecoveryPlan(50, 0, (2,), Repair(50, 1), None),
                  id="a join during a repair: the joiner computes its part after the copy"),
     pytest.param([M(-1), M(7), M(7)], 4, RecoveryPlan(7, 1, (0,), None, (2,)),
                  id="a copy cut short: that rank holds no step and receives again"),
@@ -43,8 +43,8 @@ def test_the_plan(members: list[MemberProgress], generation: int,
 
 
 def test_a_row_round_trips_through_the_all_reduce_layout() -> None:
-    row = M(50, 50, 1, 3, 4)
-    assert M(*row.row()) == row and M(9).row() == [9, -1, -1, -1, -1]
+    row = M(50, 50, 1)
+    assert M(*row.row()) == row and M(9).row() == [9, -1, -1]
 
 
 def test_no_complete_state_is_refused() -> None:
