@@ -82,8 +82,12 @@ class AgentConfig:
     None: half the tmpfs."""
     replica_host: str | None = None
     """Address the replication listener binds (:mod:`.replication`: buddies' snapshots
-    arrive there, unauthenticated). None: the address the node's host name resolves to,
-    the one its peers connect to."""
+    arrive there). None: the address the node's host name resolves to, the one its peers
+    connect to."""
+    replica_key_file: str | None = None
+    """The cluster's replication key (hex, :mod:`.replica_auth`; ``phalanx auth init``
+    writes ``keys/replication.key``): buddies prove it to each other before any snapshot
+    moves. None: replication unauthenticated (anyone reaching the port may send)."""
     replica_port: int = 0
     """Port of the replication listener; 0: any free port (announced in the node record)."""
     replica_duty: float = 0.01

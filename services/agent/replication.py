@@ -31,12 +31,17 @@ failure domain (:func:`phalanx.services.checkpoint.core.place_buddies`, KV bucke
   older commits not yet sent they follow, so once training stops (all ranks
   killed) every committed buffer reaches the buddy.
 
-The stream, per replica: an offer (:data:`_OFFER`: magic ``PHXREPL``, version,
+The stream opens with the handshake of :mod:`.replica_auth`: the listener's
+hello (:data:`_HELLO`: magic ``PHXREPL``, version, its nonce), the sender's
+answer (:data:`_AUTH`: magic, version, its nonce, its proof of the cluster's
+replication key), the listener's reply (:data:`_REPLY`) followed, when taken, by
+its own proof. Then, per replica: an offer (:data:`_OFFER`: magic, version,
 source node, ring buffer name, payload bytes), the buffer's 4 KiB header as
-written, then its meta and shard bytes; the receiver answers with one reply
-(:data:`_REPLY`: magic, version, ok or refused, a message). No authentication:
-the listener binds the address the node's host name resolves to (the cluster's
-interface), not every interface; docs/security.md states the gap.
+written, the MAC sealing both, then its meta and shard bytes; the receiver
+answers with one reply (magic, version, ok or refused, a message). Without a
+key on either side the proofs are zeros and nothing is checked; the listener
+binds the address the node's host name resolves to (the cluster's interface),
+not every interface, either way (docs/security.md).
 """
 
 from __future__ import annotations
@@ -57,12 +62,18 @@ from phalanx.schemas import snapshot_file
 from phalanx.schemas.messages import SnapshotRecord, SnapshotTier
 from phalanx.schemas.snapshot_file import Header, SnapshotFileError
 from phalanx.schemas.subjects import token
+from phalanx.services.agent.replica_auth import MAC_BYTES, NONCE_BYTES, Handshake
 from phalanx.services.agent.snapshots import SnapshotRefused, SnapshotStore
 
 log = logging.getLogger("phalanx.agent.replication")
 
 MAGIC = b"PHXREPL"
-VERSION = 1
+VERSION = 2
+# magic, version, the listener's nonce
+_HELLO = struct.Struct(f"<7sB{NONCE_BYTES}s")
+HELLO_BYTES = _HELLO.size
+# magic, version, the sender's nonce, its proof of the key
+_AUTH = struct.Struct(f"<7sB{NONCE_BYTES}s{MAC_BYTES}s")
 # magic, version, source node (128 bytes), ring buffer name (64 bytes), payload bytes
 _OFFER = struct.Struct("<7sB128s64sQ")
 # magic, version, 0 ok / 1 refused, message bytes (the message follows)
@@ -91,16 +102,44 @@ def unpack_offer(data: bytes) -> tuple[str, str, int]:
         ReplicaRefused: not this protocol, another version, or names that are not ids.
     """
     magic, version, source, ring, payload = _OFFER.unpack(data)
-    if magic != MAGIC:
-        raise ReplicaRefused(f"not a phalanx replication stream (starts {data[:7]!r})")
-    if version != VERSION:
-        raise ReplicaRefused(f"replication protocol version {version}; this agent speaks "
-                             f"{VERSION}")
+    _check_version(magic, version, data)
     try:
         source_id = token(source.rstrip(b"\0").decode(), "source node")
         return source_id, ring.rstrip(b"\0").decode(), payload
     except (UnicodeDecodeError, ValueError) as exc:
         raise ReplicaRefused(f"bad offer: {exc}") from None
+
+
+def _check_version(magic: bytes, version: int, data: bytes) -> None:
+    """Refuse what is not this protocol at this version.
+
+    Raises:
+        ReplicaRefused: not this protocol, or another version of it.
+    """
+    if magic != MAGIC:
+        raise ReplicaRefused(f"not a phalanx replication stream (starts {data[:7]!r})")
+    if version != VERSION:
+        raise ReplicaRefused(f"replication protocol version {version}; this agent speaks "
+                             f"{VERSION}")
+
+
+def pack_auth(handshake: Handshake) -> bytes:
+    """The sender's answer to the listener's hello (whose nonce ``handshake`` holds)."""
+    return _AUTH.pack(MAGIC, VERSION, handshake.mine, handshake.proof())
+
+
+def read_hello(data: bytes) -> bytes:
+    """The listener's nonce in its hello.
+
+    Raises:
+        ConnectionError: not a phalanx replication listener, or another version.
+    """
+    magic, version, nonce = _HELLO.unpack(data)
+    try:
+        _check_version(magic, version, data)
+    except ReplicaRefused as exc:
+        raise ConnectionError(f"the buddy's listener: {exc}") from None
+    return nonce
 
 
 def pack_reply(problem: str = "") -> bytes:
@@ -132,12 +171,15 @@ class ReplicaListener:
         node_id: this node (the holder of the replicas it announces).
         announce: publishes a :class:`SnapshotRecord` to the catalog.
         ended: is this job over (its replicas are refused, so nothing outlives it)?
+        key: the cluster's replication key (:mod:`.replica_auth`): senders must prove it.
+            None: anyone who reaches the port may send.
     """
 
     def __init__(self, store: SnapshotStore, node_id: str,
                  announce: Callable[[SnapshotRecord], Awaitable[None]],
-                 ended: Callable[[str], bool]) -> None:
+                 ended: Callable[[str], bool], key: bytes | None = None) -> None:
         self.store, self.node_id, self.announce, self.ended = store, node_id, announce, ended
+        self.key = key
         self.server: asyncio.Server | None = None
         self.taken = 0  # replicas committed
         self.refused = 0  # replicas refused or cut short
@@ -232,7 +274,8 @@ class _Replicas(asyncio.BufferedProtocol):
         self.timer: asyncio.TimerHandle | None = None
         self.replica: tuple[mmap.mmap, Header, str, str] | None = None  # buffer, header, ...
         self.digest = xxhash.xxh3_64()
-        self._expect(bytearray(_OFFER.size), self._offered)
+        self.handshake = Handshake(listener.key, listener=True)
+        self._expect(bytearray(_AUTH.size), self._authed)
 
     def _expect(self, into: bytearray | memoryview, then: Callable[[], None]) -> None:
         self.view, self.got, self.then = memoryview(into), 0, then
@@ -241,6 +284,8 @@ class _Replicas(asyncio.BufferedProtocol):
         self.transport = transport  # type: ignore[assignment]  # uvloop's is no subclass
         self.peer = transport.get_extra_info("peername")
         self.what = f"replica from {self.peer}"
+        assert self.transport is not None
+        self.transport.write(_HELLO.pack(MAGIC, VERSION, self.handshake.mine))
 
     def get_buffer(self, sizehint: int) -> memoryview:
         return self.view[self.got:]
@@ -259,15 +304,32 @@ class _Replicas(asyncio.BufferedProtocol):
                 log.exception("%s failed", self.what)
                 self._abort()
 
+    def _authed(self) -> None:
+        data = bytes(self.view)
+        magic, version, nonce, proof = _AUTH.unpack(data)
+        _check_version(magic, version, data)
+        self.handshake.theirs = nonce
+        if not self.handshake.proven(proof):
+            raise ReplicaRefused("the sender did not prove the cluster's replication key "
+                                 "(PHALANX_AGENT_REPLICA_KEY_FILE)")
+        assert self.transport is not None
+        self.transport.write(pack_reply() + self.handshake.proof())
+        self._expect(bytearray(_OFFER.size), self._offered)
+
     def _offered(self) -> None:
-        source, ring, payload = unpack_offer(bytes(self.view))
+        offer = bytes(self.view)
+        source, ring, payload = unpack_offer(offer)
         self.what = f"replica of {source}'s {ring} (from {self.peer})"
-        self._expect(bytearray(snapshot_file.HEADER_BYTES),
-                     lambda: self._headed(source, ring, payload))
+        self._expect(bytearray(snapshot_file.HEADER_BYTES + MAC_BYTES),
+                     lambda: self._headed(offer, source, ring, payload))
         self._arm()
 
-    def _headed(self, source: str, ring: str, payload: int) -> None:
-        header = snapshot_file.read_header(self.view)
+    def _headed(self, offer: bytes, source: str, ring: str, payload: int) -> None:
+        block = bytes(self.view[:snapshot_file.HEADER_BYTES])
+        if not self.handshake.opened(offer, block, bytes(self.view[len(block):])):
+            raise ReplicaRefused("the offer is not sealed with the cluster's replication "
+                                 "key on this connection")
+        header = snapshot_file.read_header(block)
         self.what = (f"replica of {source}'s shard {header.shard}/{header.shards} of "
                      f"{header.job_id} step {header.step} (from {self.peer})")
         path = self.listener._target(source, ring, header, payload, self.what)
@@ -348,9 +410,10 @@ class _Replicas(asyncio.BufferedProtocol):
             log.warning("%s cut short after %d of %d bytes (the sender closed: %r): nothing "
                         "kept", self.what, self.got, len(self.view), exc)
             self._drop()
-        elif self.got and self.then == self._offered:
-            log.warning("replication peer %s closed mid-offer (%d of %d bytes)", self.peer,
-                        self.got, _OFFER.size)
+        elif self.got and self.then in (self._offered, self._authed):
+            log.warning("replication peer %s closed mid-%s (%d of %d bytes)", self.peer,
+                        "offer" if self.then == self._offered else "handshake", self.got,
+                        len(self.view))
         elif self.got:
             self.listener.refused += 1
             log.warning("%s cut short in its header: nothing kept", self.what)
@@ -379,14 +442,18 @@ class ReplicaSender:
         buddy: the current buddy's address, or None while there is none (the placement
             is missing, the buddy's listener unknown).
         duty: the most of its time spent sending (1: send whenever something is pending).
+        key: the cluster's replication key (:mod:`.replica_auth`): proven to the buddy, and
+            nothing is sent to one that cannot prove it back. None: no proof either way.
     """
 
     def __init__(self, store: SnapshotStore, node_id: str,
-                 buddy: Callable[[], Awaitable[Address | None]], duty: float = 1.0) -> None:
+                 buddy: Callable[[], Awaitable[Address | None]], duty: float = 1.0,
+                 key: bytes | None = None) -> None:
         self.store, self.node_id, self.buddy, self.duty = store, node_id, buddy, duty
+        self.key = key
         self.sent: dict[Path, tuple[int, int, int]] = {}  # buffer -> step, generation, sum
         self.address: Address | None = None
-        self.stream: tuple[asyncio.StreamReader, asyncio.StreamWriter] | None = None
+        self.stream: tuple[asyncio.StreamReader, asyncio.StreamWriter, Handshake] | None = None
         self.replicated = 0  # replicas the buddy took
         self.failing = False  # the last attempt to reach the buddy failed (logged once)
         self.sent_bytes = 0
@@ -461,9 +528,10 @@ class ReplicaSender:
                 return None
             if _key(header) != _key(listed):
                 return None
-            reader, writer = await self._connect(address)
+            reader, writer, handshake = await self._connect(address)
             payload = header.meta_length + header.length
-            writer.write(pack_offer(self.node_id, path.name, payload) + block)
+            offer = pack_offer(self.node_id, path.name, payload)
+            writer.write(offer + block + handshake.seal(offer, block))
             left = payload
             while left:
                 chunk = f.read(min(CHUNK, left))
@@ -483,15 +551,34 @@ class ReplicaSender:
         return problem
 
     async def _connect(self, address: Address) -> tuple[asyncio.StreamReader,
-                                                         asyncio.StreamWriter]:
+                                                         asyncio.StreamWriter, Handshake]:
+        """The connection to the buddy at ``address``, its handshake done.
+
+        Raises:
+            ConnectionError: the buddy refused this sender, or cannot prove the key.
+        """
         if self.stream is None:
             async with asyncio.timeout(IO_TIMEOUT_S):
-                self.stream = await asyncio.open_connection(address[1], address[2])
+                reader, writer = await asyncio.open_connection(address[1], address[2])
+                try:
+                    handshake = Handshake(self.key, listener=False)
+                    handshake.theirs = read_hello(await reader.readexactly(_HELLO.size))
+                    writer.write(pack_auth(handshake))
+                    problem = await read_reply(reader)
+                    if problem:
+                        raise ConnectionError(f"the buddy refused this node: {problem}")
+                    if not handshake.proven(await reader.readexactly(MAC_BYTES)):
+                        raise ConnectionError("the buddy did not prove the cluster's "
+                                              "replication key: no snapshot is sent to it")
+                except BaseException:
+                    writer.close()
+                    raise
+            self.stream = reader, writer, handshake
         return self.stream
 
     async def close(self) -> None:
         if self.stream is not None:
-            _, writer = self.stream
+            _, writer, _ = self.stream
             self.stream = None
             writer.close()
             with contextlib.suppress(Exception):

@@ -86,6 +86,7 @@ from phalanx.services.agent.snapshots import (
 )
 from phalanx.services.agent.spares import SpareSet
 from phalanx.services.auth.credentials import rank_env, shared_rank_env
+from phalanx.services.auth.replication_key import load_key
 from phalanx.services.base import Service
 from phalanx.services.manifest import start_ticks
 from phalanx.services.paths import default_data_dir
@@ -141,10 +142,11 @@ class AgentService(Service):
                                        if config.snapshot_limit_bytes is not None
                                        else default_limit(root))
         self.ended: dict[str, None] = {}  # jobs seen terminal, oldest first
+        key = load_key(config.replica_key_file) if config.replica_key_file else None
         self.replicas = ReplicaListener(self.snapshots, config.node_id, self._announce,
-                                        self.ended.__contains__)
+                                        self.ended.__contains__, key)
         self.sender = ReplicaSender(self.snapshots, config.node_id, self._buddy,
-                                    config.replica_duty)
+                                    config.replica_duty, key)
         self._buddy_read: tuple[float, Address | None] = (float("-inf"), None)
 
     async def setup(self) -> None:

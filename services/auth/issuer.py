@@ -10,6 +10,8 @@ revokes one (the local cluster revokes a job's when the job ends). Layout::
                            permissions (roles.py); holds no secret
     DIR/identities.json    name, role, scope and public key of every identity
     DIR/keys/<name>.nk     seeds of the services, cli, viewer and agents (0600)
+    DIR/keys/replication.key   the key agents prove to each other on the replication
+                           port (0600, :mod:`~phalanx.services.auth.replication_key`)
     DIR/ranks/<job>.nk     one seed per job, shared by its ranks (0600): the directory
                            agents read when they launch a job's ranks
     DIR/tls/               ca.pem (clients: PHALANX_NATS_CA), ca-key.pem, server*.pem
@@ -45,6 +47,7 @@ import nkeys
 from phalanx.schemas.errors import PhalanxError
 from phalanx.services.auth import roles, tls
 from phalanx.services.auth.credentials import identity_env, rank_seed_file
+from phalanx.services.auth.replication_key import write_key
 from phalanx.services.auth.roles import Role
 
 CONFIG = "nats.conf"
@@ -101,6 +104,10 @@ class AuthDir:
         return self.root / "tls" / "ca.pem"
 
     @property
+    def replication_key_path(self) -> Path:
+        return self.root / "keys" / "replication.key"
+
+    @property
     def ranks_dir(self) -> Path:
         return self.root / "ranks"
 
@@ -137,6 +144,7 @@ class AuthDir:
                 auth._add(role, None)
             for node in nodes:
                 auth._add(Role.AGENT, node)
+        write_key(auth.replication_key_path)
         return auth
 
     def add(self, role: Role, scope: str | None = None) -> tuple[Identity, bool]:
@@ -193,8 +201,12 @@ class AuthDir:
             AuthError: the identity does not exist.
         """
         who = self.identity(role, scope)
-        return {**identity_env(self.seed_path(role, scope), who.name),
-                "PHALANX_NATS_CA": str(self.ca_path)}
+        env = {**identity_env(self.seed_path(role, scope), who.name),
+               "PHALANX_NATS_CA": str(self.ca_path)}
+        if role is Role.AGENT:  # made here for a directory older than the key
+            write_key(self.replication_key_path)
+            env["PHALANX_AGENT_REPLICA_KEY_FILE"] = str(self.replication_key_path)
+        return env
 
     def _require(self) -> None:
         if not self.exists:

@@ -24,8 +24,10 @@ def cmd_auth(args: argparse.Namespace) -> int:
         print(f"made {auth.root}: server config {auth.config_path}, CA {auth.ca_path}")
         for who in auth.identities():
             print(f"  {who.name:<24} {who.public_key}  {auth.seed_path(who.role, who.scope)}")
+        print(f"  replication key{'':<9} {auth.replication_key_path}")
         print("start nats-server with `-c` that config; point each process at its identity "
-              "with PHALANX_NATS_NKEY, PHALANX_NATS_INBOX_PREFIX and PHALANX_NATS_CA "
+              "with PHALANX_NATS_NKEY, PHALANX_NATS_INBOX_PREFIX and PHALANX_NATS_CA, and "
+              "each agent at the replication key with PHALANX_AGENT_REPLICA_KEY_FILE "
               "(docs/security.md)")
         return 0
     role = Role.AGENT if args.action == "add-node" else Role.RANK

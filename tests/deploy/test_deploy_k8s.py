@@ -277,6 +277,12 @@ class Cluster:
                 directory.mkdir(parents=True, exist_ok=True)
                 for name, text in self.config_maps[volume["configMap"]["name"]]["data"].items():
                     (directory / name).write_text(text)
+            elif "secret" in volume:
+                directory = self.root / "volumes" / key
+                directory.mkdir(parents=True, exist_ok=True)
+                for name, text in self.secrets[volume["secret"]["secretName"]].items():
+                    (directory / name).write_text(text)
+                    (directory / name).chmod(volume["secret"].get("defaultMode", 0o644))
         ports = tuple(p["containerPort"] for p in c.get("ports", []))
         return Container(pod_name, argv, env, c.get("workingDir", image.workdir), mounts, ports)
 

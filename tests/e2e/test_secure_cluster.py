@@ -120,6 +120,7 @@ def rank_holds_its_job_identity_alone(tmp_path: Path, data_dir: Path, auth: Auth
     assert env["PHALANX_NATS_CA"] == str(auth.ca_path)
     assert set(env) & CREDENTIAL_VARS == {"PHALANX_NATS_NKEY", "PHALANX_NATS_INBOX_PREFIX"}
     assert not [name for name in env if name.startswith("PHALANX_AGENT_")]
+    assert str(auth.replication_key_path) not in env.values()  # its agent's, not its own
     # Nothing leads to the agents' seeds or to another job's.
     assert not [v for v in env.values() if str(auth.root / "keys") in v
                 or (str(auth.ranks_dir) in v and v != str(seed_file))]

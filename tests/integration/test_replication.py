@@ -4,7 +4,8 @@ counted against the receiver's bound; an overwritten ring slot is sent again; ba
 (garbage, another version, a wrong checksum, a path in the name, past the bound, an ended
 job) is refused with a reply saying why and the listener goes on; a sender that dies
 mid-replica leaves nothing a reader trusts; replicas of an earlier membership are pruned
-and an ended job's go."""
+and an ended job's go; with the cluster's replication key, only agents that prove it
+send or receive anything."""
 
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ from phalanx.runtime.snapshot import held_in
 from phalanx.schemas import snapshot_file
 from phalanx.schemas.messages import SnapshotRecord, SnapshotReserve, SnapshotTier
 from phalanx.services.agent import replication
+from phalanx.services.agent.replica_auth import NO_MAC, Handshake
 from phalanx.services.agent.replication import ReplicaListener, ReplicaSender
 from phalanx.services.agent.snapshots import SnapshotStore
 
@@ -44,14 +46,16 @@ def commit(path: Path, step: int, shard: int, shards: int, size: int = 3000) -> 
 class Pair:
     """Node a's store replicating to node b's listener on 127.0.0.1."""
 
-    def __init__(self, tmp_path: Path, limit: int = 100_000) -> None:
+    def __init__(self, tmp_path: Path, limit: int = 100_000, *, a_key: bytes | None = None,
+                 b_key: bytes | None = None) -> None:
         self.a = SnapshotStore(tmp_path / "a", 100_000)
         self.b = SnapshotStore(tmp_path / "b", limit)
         self.announced: list[SnapshotRecord] = []
         self.ended: set[str] = set()
-        self.listener = ReplicaListener(self.b, "b", self._announce, self.ended.__contains__)
+        self.listener = ReplicaListener(self.b, "b", self._announce, self.ended.__contains__,
+                                        b_key)
         self.port = 0
-        self.sender = ReplicaSender(self.a, "a", self._buddy)
+        self.sender = ReplicaSender(self.a, "a", self._buddy, key=a_key)
 
     async def _announce(self, record: SnapshotRecord) -> None:
         self.announced.append(record)
@@ -71,9 +75,25 @@ class Pair:
         return self.a.reserve(SnapshotReserve(job_id=JOB, replica_id=f"r{shard}-0",
                                               shard=shard, shards=shards, nbytes=8192))
 
-    async def raw(self, data: bytes) -> str:
-        """Send ``data`` on a connection of its own; the listener's reply."""
+    async def connect(self, key: bytes | None = None) -> tuple[asyncio.StreamReader,
+                                                               asyncio.StreamWriter, Handshake]:
+        """A connection of its own with the handshake done (proving ``key``)."""
         reader, writer = await asyncio.open_connection("127.0.0.1", self.port)
+        handshake = Handshake(key, listener=False)
+        handshake.theirs = replication.read_hello(await reader.readexactly(replication.HELLO_BYTES))
+        writer.write(replication.pack_auth(handshake))
+        assert await replication.read_reply(reader) == ""
+        await reader.readexactly(32)  # the listener's proof
+        return reader, writer, handshake
+
+    async def raw(self, data: bytes, *, greet: bool = True) -> str:
+        """Send ``data`` on a connection of its own (after the handshake, if ``greet``);
+        the listener's reply."""
+        if greet:
+            reader, writer, _ = await self.connect()
+        else:
+            reader, writer = await asyncio.open_connection("127.0.0.1", self.port)
+            await reader.readexactly(replication.HELLO_BYTES)  # the hello
         writer.write(data)
         await writer.drain()
         try:
@@ -108,13 +128,14 @@ async def test_committed_buffers_reach_the_buddy_committed_and_listed(tmp_path) 
 
 BAD_INPUTS = [
     (lambda offer, block, payload: b"GET / HTTP/1.1\r\n" + bytes(400), "not a phalanx"),
-    (lambda offer, block, payload: offer[:7] + bytes([9]) + offer[8:] + block + payload,
-     "version 9; this agent speaks 1"),
-    (lambda offer, block, payload: offer + block + payload[:-1] + bytes([payload[-1] ^ 1]),
-     "checksum mismatch"),
-    (lambda offer, block, payload: offer + bytes(len(block)) + payload, "never written"),
+    (lambda offer, block, payload: offer[:7] + bytes([9]) + offer[8:] + block + NO_MAC
+     + payload, "version 9; this agent speaks 2"),
+    (lambda offer, block, payload: offer + block + NO_MAC + payload[:-1]
+     + bytes([payload[-1] ^ 1]), "checksum mismatch"),
+    (lambda offer, block, payload: offer + bytes(len(block)) + NO_MAC + payload,
+     "never written"),
     (lambda offer, block, payload: replication.pack_offer("a", "../../etc", len(payload))
-     + block + payload, "not a node id and a ring buffer name"),
+     + block + NO_MAC + payload, "not a node id and a ring buffer name"),
 ]
 
 
@@ -156,9 +177,10 @@ async def test_a_sender_dying_mid_replica_leaves_nothing_trusted(tmp_path, caplo
         commit(ring[0], 7, 0, 2)  # the same slot, overwritten
         data = ring[0].read_bytes()
         header = snapshot_file.read_header(data)
-        _, writer = await asyncio.open_connection("127.0.0.1", pair.port)
+        _, writer, _ = await pair.connect()
         writer.write(replication.pack_offer("a", ring[0].name, header.nbytes - 4096)
-                     + data[:snapshot_file.HEADER_BYTES + 1500])  # half its bytes
+                     + data[:snapshot_file.HEADER_BYTES] + NO_MAC
+                     + data[snapshot_file.HEADER_BYTES:snapshot_file.HEADER_BYTES + 1500])
         await writer.drain()
         with caplog.at_level(logging.WARNING, "phalanx.agent.replication"):
             writer.transport.abort()  # the sender's machine dies
@@ -167,6 +189,61 @@ async def test_a_sender_dying_mid_replica_leaves_nothing_trusted(tmp_path, caplo
         replica = pair.b.job_dir(JOB) / "buddy.a.w2-s0.0"
         assert snapshot_file.committed_header(replica) is None  # marked writing
         assert held_in(pair.b.job_dir(JOB), JOB) == []
+
+
+KEY, OTHER_KEY = bytes(range(32)), bytes(range(1, 33))
+
+
+async def test_agents_that_hold_the_replication_key_replicate(tmp_path) -> None:
+    async with Pair(tmp_path, a_key=KEY, b_key=KEY) as pair:
+        ring = pair.ring()
+        commit(ring[0], 5, 0, 2)
+        commit(ring[1], 6, 0, 2)
+        assert await pair.sender.send_pending() == 2  # two offers sealed on one connection
+        assert pair.listener.taken == 2 and pair.listener.refused == 0
+
+
+@pytest.mark.parametrize("a_key", [None, OTHER_KEY], ids=["no key", "another key"])
+async def test_a_sender_that_cannot_prove_the_key_is_refused(tmp_path, caplog,
+                                                             a_key: bytes | None) -> None:
+    async with Pair(tmp_path, a_key=a_key, b_key=KEY) as pair:
+        commit(pair.ring()[0], 5, 0, 2)
+        with caplog.at_level(logging.WARNING, "phalanx.agent.replication"):
+            assert await pair.sender.send_pending() == 0
+        assert pair.sender.failing and pair.listener.refused == 1
+        assert "did not prove the cluster's replication key" in caplog.text
+        assert not pair.b.job_dir(JOB).exists()  # nothing received, nothing reserved
+
+
+@pytest.mark.parametrize("b_key", [None, OTHER_KEY], ids=["no key", "another key"])
+async def test_a_keyed_sender_sends_nothing_to_a_buddy_that_cannot_prove_it(
+        tmp_path, caplog, b_key: bytes | None) -> None:
+    async with Pair(tmp_path, a_key=KEY, b_key=b_key) as pair:
+        commit(pair.ring()[0], 5, 0, 2)
+        with caplog.at_level(logging.WARNING, "phalanx.agent.replication"):
+            assert await pair.sender.send_pending() == 0
+        assert pair.sender.failing and pair.listener.taken == 0
+        assert not pair.b.job_dir(JOB).exists()
+        assert "prove" in caplog.text
+
+
+async def test_an_offer_not_sealed_on_its_connection_is_refused(tmp_path) -> None:
+    """A peer past the handshake (a hijacked connection) that cannot seal its offers, or
+    replays a seal made for another offer, is refused before anything is reserved."""
+    async with Pair(tmp_path, b_key=KEY) as pair:
+        ring = pair.ring()
+        commit(ring[0], 5, 0, 2)
+        data = ring[0].read_bytes()
+        block = data[:snapshot_file.HEADER_BYTES]
+        payload = data[snapshot_file.HEADER_BYTES:snapshot_file.read_header(data).nbytes]
+        offer = replication.pack_offer("a", ring[0].name, len(payload))
+        for seal in (lambda h: NO_MAC, lambda h: (h.seal(offer, block), h.seal(offer, block))[1]):
+            reader, writer, handshake = await pair.connect(KEY)
+            writer.write(offer + block + seal(handshake) + payload)
+            assert "not sealed with the cluster's replication key" in \
+                await replication.read_reply(reader)
+            writer.close()
+        assert not pair.b.job_dir(JOB).exists() and pair.listener.refused == 2
 
 
 def test_replicas_of_an_earlier_membership_are_pruned_and_go_with_the_job(tmp_path) -> None:
