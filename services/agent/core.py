@@ -59,6 +59,12 @@ class NodeIdTaken(PhalanxError, RuntimeError):
     """Another live agent holds this node id."""
 
 
+def same_agent(held: NodeInfo, info: NodeInfo) -> bool:
+    """Whether a registry entry's ``held`` is the agent of ``info``: the same process on
+    the same host."""
+    return held.host == info.host and held.agent_pid == info.agent_pid
+
+
 def register(existing: NodeRecord | None, info: NodeInfo, now: float,
              lost_after_s: float, *, holder_dead: bool = False) -> NodeRecord:
     """The record to store when ``info``'s agent registers at ``now``.
@@ -72,8 +78,7 @@ def register(existing: NodeRecord | None, info: NodeInfo, now: float,
     """
     if existing is not None:
         held = existing.node
-        same_agent = held.host == info.host and held.agent_pid == info.agent_pid
-        if (not same_agent and not (holder_dead and held.host == info.host)
+        if (not same_agent(held, info) and not (holder_dead and held.host == info.host)
                 and view(existing, now, lost_after_s).state is NodeState.ALIVE):
             age = max(0.0, now - existing.heartbeat_at)
             raise NodeIdTaken(
@@ -101,7 +106,7 @@ def heartbeat(record: NodeRecord | None, info: NodeInfo, now: float,
     if record is None:
         return NodeRecord(node=info, heartbeat_at=now, slots_used=slots_used,
                           cordoned_slots=slots)
-    if record.node.host != info.host or record.node.agent_pid != info.agent_pid:
+    if not same_agent(record.node, info):
         raise NodeIdTaken(
             f"node id {info.node_id!r} was taken over by pid {record.node.agent_pid} on "
             f"{record.node.host} while this agent's heartbeats were late"

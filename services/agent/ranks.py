@@ -117,7 +117,8 @@ def master_port(job_id: str) -> int:
 
 
 #: How long a replica placed on a node whose slots are all held waits for one of them to be
-#: let go (by a change of another job that this agent has not applied yet).
+#: let go (by a change of another job that this agent has not applied yet). Once a rank here
+#: is stopping, its exit is waited for however long its grace period is.
 SLOT_WAIT_S = 30.0
 
 
@@ -407,21 +408,21 @@ class RankSet:
         """Start ``replica_id`` in slot ``rank``: a warm spare of the job told who it is
         when ``use_spare`` and one runs here, else a new process."""
         spec = record.spec
-        # Admission frees a stopped job's slots at once; its ranks may take their grace
-        # period to exit. A slot never holds two ranks: wait for them.
-        while self.capacity is not None \
-                and self.slots_used + spec.slots_per_replica \
-                > self.capacity - len(await self._cordoned()) \
-                and any(r.stopping for r in self.ranks.values()):
-            self._exit_seen.clear()
-            await self._exit_seen.wait()
-        deadline = time.monotonic() + SLOT_WAIT_S
+        # A slot never holds two ranks: until the replica has usable slots, it waits for the
+        # next exit here (and reads the cordons once a try).
+        deadline: float | None = None  # the end of SLOT_WAIT_S, from the first bounded wait
         while True:
             cordoned = await self._cordoned()
             held = {s for r in self.ranks.values() for s in r.node_slots}
             slots = node_slots(held | cordoned, spec.slots_per_replica)
             if self.capacity is None or slots[-1] < self.capacity:
                 break
+            self._exit_seen.clear()
+            if any(r.stopping for r in self.ranks.values()):
+                # Admission frees a stopped job's slots at once; its ranks may take their
+                # grace period to exit: wait for them, however long that is.
+                await self._exit_seen.wait()
+                continue
             if node_slots(held, spec.slots_per_replica)[-1] < self.capacity:
                 # Admission has not yet heard of a cordon (it follows the node record):
                 # the replica waits for a usable slot, elsewhere or here once uncordoned.
@@ -433,13 +434,14 @@ class RankSet:
             # Every slot is held by ranks of jobs admission has already moved off this node
             # (shrunk, preempted) whose records this agent has not applied yet: each job's
             # records are applied on their own. One of them is about to be stopped.
+            if deadline is None:
+                deadline = time.monotonic() + SLOT_WAIT_S
             left = deadline - time.monotonic()
             if left <= 0:
                 log.warning("no free slot for a replica: the node's ranks did not make way "
                             f"within {SLOT_WAIT_S:g} s", extra={
                                 "job": record.job_id, "rank": rank, "replica": replica_id})
                 return None
-            self._exit_seen.clear()
             await wait_set(self._exit_seen, left)
         identity = await self._identity(record, rank, placement, replica_id, slots, nice)
         self.launched[(record.job_id, rank)] = (placement, replica_id)

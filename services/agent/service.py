@@ -27,7 +27,6 @@ the GPU index names a slot) and polls at once.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import functools
 import logging
 import os
@@ -130,7 +129,6 @@ class AgentService(Service):
         )
         self.nodes: TypedKV[NodeRecord] | None = None
         self.record: NodeRecord | None = None
-        self.revision = 0
         self.ranks: RankSet | None = None
         self.spares: SpareSet | None = None
         self._job_locks: dict[str, asyncio.Lock] = {}
@@ -160,7 +158,7 @@ class AgentService(Service):
                 existing, self.info, time.time(), self.config.lost_after_s,
                 holder_dead=existing is not None and existing.node.host == self.info.host
                 and start_ticks(existing.node.agent_pid) is None))
-        self.record, self.revision = entry.value, entry.revision
+        self.record = entry.value
         await self.add_endpoint("status", subjects.agent_status(self.config.node_id),
                                 NodeStatusRequest, self.on_status)
         await self.add_endpoint("chaos", subjects.agent_chaos(self.config.node_id),
@@ -567,7 +565,8 @@ class AgentService(Service):
         The heartbeat, what health judges the node by, never waits for the registry write:
         on a loaded bus a JetStream write can take longer than the node timeout, and
         heartbeats held behind it had health judge live nodes lost (bench/scale.py, 200
-        simulated nodes). A refresh still under way when the next is due is not doubled.
+        simulated nodes). A refresh still under way when the next is due is not doubled,
+        and one still under way at a stop is cancelled.
         A bus outage is logged and retried at the next beat; losing the node id to another
         agent stops this one.
         """
@@ -591,9 +590,13 @@ class AgentService(Service):
                 except Exception as exc:
                     log.warning("heartbeat failed: %s", exc)
         finally:
-            if refresh is not None:  # finished, so that teardown deletes the latest revision
-                with contextlib.suppress(Exception):
-                    await refresh
+            if refresh is not None:
+                # A stop does not wait out a write that may be retrying through a registry
+                # failover (the KV's FAILOVER_S, 15 s): teardown deregisters all the same.
+                refresh.cancel()
+                await asyncio.wait([refresh])
+                if not refresh.cancelled():
+                    refresh.exception()  # retrieved: the agent stops whatever it was
 
     def _slots_used(self) -> int:
         return min(self.ranks.slots_used if self.ranks is not None else 0, self.info.slots)
@@ -624,7 +627,7 @@ class AgentService(Service):
             except Exception as exc:
                 log.warning("registry refresh failed: %s", exc)
                 return
-            self.record, self.revision = entry.value, entry.revision
+            self.record = entry.value
             for slot in cordons:  # stored now
                 self._cordoning.pop(slot, None)
         if set(self.cordoned) != before and self.spares is not None:
@@ -635,8 +638,9 @@ class AgentService(Service):
         cleanly stopped node leaves the registry at once, its snapshots freed — unless
         the stop is a restart (``AgentConfig.stop_is_restart``), which keeps both.
 
-        The delete is conditional on our last revision, so an agent that lost
-        its id to another never removes the other's entry.
+        The entry is read first and deleted only if it is this agent's, at the revision
+        read, so an agent that lost its id to another never removes the other's entry
+        (and a registry write cancelled by the stop but stored after all is no obstacle).
         """
         await self.replicas.stop()
         if self.spares is not None:
@@ -652,8 +656,11 @@ class AgentService(Service):
         self.snapshots.clear()
         if self.nodes is None or self.record is None:
             return
+        stored, revision = await self.nodes.current(self.config.node_id)
         try:
-            await self.nodes.delete(self.config.node_id, revision=self.revision)
+            if stored is None or not core.same_agent(stored.node, self.info):
+                raise Conflict(f"the entry of {self.config.node_id} is not this agent's")
+            await self.nodes.delete(self.config.node_id, revision=revision)
         except Conflict:
             log.warning("not deregistering: the entry is no longer ours")
             return

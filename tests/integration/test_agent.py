@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import gc
+import logging
 import os
 import signal
 import sys
 
 import pytest
+from test_agent_replicas import SLEEPS, admitted
 
 from phalanx.bus.client import Bus, Delivery
 from phalanx.bus.config import BusConfig
@@ -79,12 +82,85 @@ async def test_heartbeats_go_on_while_the_registry_cannot_be_written(own_nats: N
             beats.get_nowait()
         after = [await asyncio.wait_for(beats.get(), 5) for _ in range(5)]
         assert [b.seq for b in after] == list(range(after[0].seq, after[0].seq + 5))
-        # The registry is back: the refresh under way ends at its next try, instead of
-        # holding the agent's stop for the KV's failover window (15 s).
+        # The registry is back: the stop's deregistration does not retry for the KV's
+        # failover window (15 s).
         await TypedKV.open(bus.js, subjects.NODES_BUCKET, NodeRecord)
     finally:
         await agent.stop()
         await bus.close()
+
+
+@pytest.mark.parametrize("writer", ["this agent", "another agent"])
+async def test_a_stop_deregisters_the_entry_while_it_is_this_agents(
+        bus: Bus, bus_config: BusConfig, uid: str, writer: str) -> None:
+    """The entry is deleted at the revision read at the stop, not the last one this agent
+    saw written: a write of its own whose answer it never read (a refresh the stop
+    cancelled) is deleted with the rest, and an entry another agent took is left alone."""
+    config = AgentConfig(node_id=uid, slots=1, heartbeat_interval_s=60.0,  # no refresh
+                         lost_after_s=120.0)
+    nodes = await TypedKV.open(bus.js, subjects.NODES_BUCKET, NodeRecord)
+    agent = AgentService(config, bus_config)
+    await agent.start()
+    try:
+        stored = agent.record  # as registered
+        assert stored is not None
+        pid = stored.node.agent_pid if writer == "this agent" else 1
+        written = msgspec_replace(stored, node=msgspec_replace(stored.node, agent_pid=pid))
+        await nodes.put(uid, written)
+    finally:
+        await agent.stop()
+    after = await nodes.get(uid)
+    if writer == "this agent":
+        assert after is None
+    else:
+        assert after is not None and after.value == written
+
+
+class FirstRetry(logging.Handler):
+    """Catches the first task that retries a call to a KV key unanswered
+    (:func:`phalanx.bus.kv.through_failover` logs each retry)."""
+
+    def __init__(self, key: str) -> None:
+        super().__init__(logging.DEBUG)
+        self.prefix = f"{key} unanswered"
+        self.task: asyncio.Task | None = None
+        self.seen = asyncio.Event()
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if self.task is None and record.getMessage().startswith(self.prefix):
+            self.task = asyncio.current_task()
+            self.seen.set()
+
+
+async def test_a_stop_cancels_a_registry_refresh_retrying_through_a_failover(
+        own_nats: NatsServer, uid: str, caplog: pytest.LogCaptureFixture) -> None:
+    """A registry refresh retries an unanswered bucket for the KV's failover window (15 s);
+    a stop cancels it rather than wait it out, and logs no error. (Its own server: the
+    registry bucket is deleted under the agent. It stops as for a restart, keeping the
+    entry: a plain stop deregisters, which waits for the registry to answer.)"""
+    config = AgentConfig(node_id=uid, slots=1, heartbeat_interval_s=0.05, lost_after_s=1.0,
+                         stop_is_restart=True,
+                         shutdown_timeout_s=60.0)  # no loop is cut short by the stop's timeout
+    bus_config = BusConfig.load(env={}, servers=[own_nats.url])
+    bus = await Bus.connect(bus_config)
+    caplog.set_level(logging.DEBUG, logger="phalanx.bus.kv")
+    retry = FirstRetry(f"{subjects.NODES_BUCKET}/{uid}")
+    logging.getLogger("phalanx.bus.kv").addHandler(retry)
+    agent = AgentService(config, bus_config)
+    await agent.start()
+    try:
+        await bus.js.delete_key_value(subjects.NODES_BUCKET)  # every refresh retries now
+        await asyncio.wait_for(retry.seen.wait(), 10)
+        refresh = retry.task
+        assert refresh is not None and not refresh.done()
+        await agent.stop()
+        assert refresh.cancelled()
+    finally:
+        logging.getLogger("phalanx.bus.kv").removeHandler(retry)
+        await agent.stop()
+        await bus.close()
+    gc.collect()  # a task left pending would be reported as destroyed now
+    assert [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR] == []
 
 
 async def test_a_second_live_agent_cannot_take_the_node_id(bus_config: BusConfig,
@@ -125,16 +201,7 @@ async def test_restarted_agent_adopts_its_ranks_and_stops_them_when_the_job_ends
         bus: Bus, nats_server, uid: str, tmp_path) -> None:
     """A SIGKILLed agent leaves its ranks running; its successor finds them, no orphan stays."""
     from phalanx.bus.kv import TypedKV
-    from phalanx.schemas.messages import (
-        ExitCause,
-        JobRecord,
-        JobSpec,
-        JobState,
-        RankExited,
-        RankStarted,
-        ReasonCode,
-        ReplicaRange,
-    )
+    from phalanx.schemas.messages import ExitCause, JobRecord, JobState, RankExited, RankStarted
     from phalanx.services.manifest import start_ticks
 
     started: asyncio.Queue[RankStarted] = asyncio.Queue()
@@ -157,11 +224,7 @@ async def test_restarted_agent_adopts_its_ranks_and_stops_them_when_the_job_ends
             "--work-dir", str(tmp_path / "agent"),
             stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL)
 
-    spec = JobSpec(name="adopt", team="t", priority_class="normal",
-                   replicas=ReplicaRange(min=2, max=2), grace_period_s=2.0,
-                   command=[sys.executable, "-c", "import time; time.sleep(600)"])
-    record = JobRecord(job_id=job_id, spec=spec, state=JobState.ADMITTED, submitted_at=1.0,
-                       updated_at=1.0, reason_code=ReasonCode.ADMITTED, nodes=[uid, uid])
+    record = admitted(job_id, uid, SLEEPS)
     jobs = await TypedKV.open(bus.js, subjects.JOBS_BUCKET, JobRecord)
     await jobs.put(job_id, record)
     first = await agent()

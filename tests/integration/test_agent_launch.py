@@ -8,7 +8,9 @@ peers reach it at.
 from __future__ import annotations
 
 import asyncio
+import signal
 import sys
+from collections.abc import Collection
 from pathlib import Path
 
 import pytest
@@ -23,6 +25,7 @@ from phalanx.schemas.messages import (
     ReplicaRange,
 )
 from phalanx.services.agent import priority
+from phalanx.services.agent import ranks as ranks_module
 from phalanx.services.agent.ranks import RankSet
 
 may_restore = pytest.mark.skipif(not priority.can_restore(priority.current()),
@@ -115,32 +118,106 @@ async def test_a_replica_is_told_the_host_its_peers_reach_it_at(
     assert output == expected
 
 
-async def test_a_placement_larger_than_the_node_is_refused_and_nothing_starts(
-        tmp_path: Path) -> None:
-    """A record placing 3 replicas of 2 slots on a 4-slot node (never admission's: the
-    fuzzer's) launches nothing, and the node still runs a record that fits."""
-    started: list[RankStarted] = []
+def node(tmp_path: Path, capacity: int, cordoned: Collection[int] | None = None
+         ) -> tuple[RankSet, list[RankStarted | RankExited]]:
+    """Node n1's ranks, on ``capacity`` slots (``cordoned`` out of use), and what they
+    reported, in order."""
+    reports: list[RankStarted | RankExited] = []
 
     async def report(message: RankStarted | RankExited) -> None:
-        if isinstance(message, RankStarted):
-            started.append(message)
+        reports.append(message)
 
     async def host_of(_: str) -> str:
         return "127.0.0.1"
 
-    ranks = RankSet("n1", tmp_path, "nats://127.0.0.1:1", host_of, report, capacity=4)
+    async def cordons() -> Collection[int]:
+        return cordoned or ()
 
-    def record(job_id: str, replicas: int) -> JobRecord:
-        spec = JobSpec(name="big", team="t", priority_class="normal", slots_per_replica=2,
-                       replicas=ReplicaRange(min=1, max=4), command=["sleep", "600"])
-        return JobRecord(job_id=job_id, spec=spec, state=JobState.ADMITTED, submitted_at=1.0,
-                         updated_at=1.0, reason_code=ReasonCode.ADMITTED,
-                         nodes=["n1"] * replicas)
+    return RankSet("n1", tmp_path, "nats://127.0.0.1:1", host_of, report, capacity=capacity,
+                   cordoned=cordons), reports
 
+
+def on_n1(job_id: str, replicas: int = 1, slots_per_replica: int = 1,
+          grace_period_s: float = 30.0) -> JobRecord:
+    """Job ``job_id`` admitted with ``replicas`` replicas on n1, each sleeping."""
+    spec = JobSpec(name=job_id, team="t", priority_class="normal",
+                   slots_per_replica=slots_per_replica, grace_period_s=grace_period_s,
+                   replicas=ReplicaRange(min=1, max=4), command=["sleep", "600"])
+    return JobRecord(job_id=job_id, spec=spec, state=JobState.ADMITTED, submitted_at=1.0,
+                     updated_at=1.0, reason_code=ReasonCode.ADMITTED, nodes=["n1"] * replicas)
+
+
+def story(reports: list[RankStarted | RankExited]) -> list[tuple[str, str]]:
+    return [("started" if isinstance(m, RankStarted) else "exited", m.job_id) for m in reports]
+
+
+async def test_a_placement_larger_than_the_node_is_refused_and_nothing_starts(
+        tmp_path: Path) -> None:
+    """A record placing 3 replicas of 2 slots on a 4-slot node (never admission's: the
+    fuzzer's) launches nothing, and the node still runs a record that fits."""
+    ranks, reports = node(tmp_path, capacity=4)
     try:
-        await ranks.reconcile(record("too-big", 3))
-        assert started == [] and ranks.ranks == {} and ranks.launched == {}
-        await ranks.reconcile(record("fits", 2))
-        assert sorted((s.job_id, s.rank) for s in started) == [("fits", 0), ("fits", 1)]
+        await ranks.reconcile(on_n1("too-big", 3, slots_per_replica=2))
+        assert reports == [] and ranks.ranks == {} and ranks.launched == {}
+        await ranks.reconcile(on_n1("fits", 2, slots_per_replica=2))
+        assert sorted((s.job_id, s.rank) for s in reports) == [("fits", 0), ("fits", 1)]
+    finally:
+        await ranks.stop_all()
+
+
+@pytest.mark.parametrize("stopping", ["before the launch", "while the launch waits"])
+async def test_a_launch_waits_for_a_rank_that_is_stopping_however_long_it_takes(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, stopping: str) -> None:
+    """A node's one slot held by a rank of a job admission moved off: a launch there waits
+    for that rank to be stopped, and once it is stopping, for its exit, past SLOT_WAIT_S
+    (its grace period may be longer)."""
+    monkeypatch.setattr(ranks_module, "SLOT_WAIT_S", 0.2)
+    ranks, reports = node(tmp_path, capacity=1)
+    # Born ignoring SIGTERM (no window before a trap): it exits at the SIGKILL, 1 s on.
+    ignored = signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    try:
+        await ranks.reconcile(on_n1("old", grace_period_s=1.0))
+    finally:
+        signal.signal(signal.SIGTERM, ignored)
+    (old,) = ranks.ranks.values()
+    try:
+        if stopping == "before the launch":
+            drop = asyncio.create_task(ranks.drop("old"))
+            await asyncio.sleep(0)  # the drop runs up to its wait for the exit
+            assert old.stopping
+            launch = asyncio.create_task(ranks.reconcile(on_n1("new")))
+        else:
+            launch = asyncio.create_task(ranks.reconcile(on_n1("new")))
+            await asyncio.sleep(0)  # the launch runs up to its wait for a slot
+            assert not launch.done() and not old.stopping
+            drop = asyncio.create_task(ranks.drop("old"))
+        await asyncio.wait_for(asyncio.gather(drop, launch), 30)
+        assert story(reports) == [("started", "old"), ("exited", "old"), ("started", "new")]
+        exited = reports[1]
+        assert isinstance(exited, RankExited) and exited.signal == "SIGKILL"
+    finally:
+        await ranks.stop_all()
+
+
+@pytest.mark.parametrize(("cordoned", "warning"), [
+    ((), "no free slot for a replica: the node's ranks did not make way within 0.2 s"),
+    ((0,), "no usable slot for a replica: the node's free slots are cordoned"),
+])
+async def test_a_launch_gives_up_on_ranks_that_do_not_make_way_and_at_once_on_cordons(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture,
+        cordoned: tuple[int, ...], warning: str) -> None:
+    """A full node's ranks that are not stopping get SLOT_WAIT_S to make way; free slots
+    that are all cordoned are no reason to wait (admission places the replica elsewhere
+    once it hears of the cordon). Either way nothing starts, and the launch is not
+    recorded: the slot's next record launches it."""
+    monkeypatch.setattr(ranks_module, "SLOT_WAIT_S", 0.2)
+    ranks, reports = node(tmp_path, capacity=2, cordoned=cordoned)
+    try:
+        await ranks.reconcile(on_n1("old"))  # in slot 1 when slot 0 is cordoned
+        if not cordoned:
+            await ranks.reconcile(on_n1("older"))
+        await ranks.reconcile(on_n1("new"))
+        assert ("new", 0) not in ranks.launched and ("started", "new") not in story(reports)
+        assert warning in caplog.messages
     finally:
         await ranks.stop_all()

@@ -39,12 +39,16 @@ from phalanx.services.agent.service import AgentService
 from phalanx.services.natsd import NatsServer
 
 RANK = 'test "$RANK" = 1 && exit 3; exec sleep 600'
+#: A rank that runs until it is stopped.
+SLEEPS = [sys.executable, "-c", "import time; time.sleep(600)"]
 
 
-def admitted(job_id: str, node_id: str) -> JobRecord:
+def admitted(job_id: str, node_id: str, command: list[str] | None = None) -> JobRecord:
+    """Job ``job_id`` admitted with two replicas on ``node_id`` (grace period 2 s), each
+    running ``command`` (default: slot 1's dies at once, slot 0's sleeps)."""
     spec = JobSpec(name="replicas", team="t", priority_class="normal",
                    replicas=ReplicaRange(min=2, max=2), grace_period_s=2.0,
-                   command=["sh", "-c", RANK])
+                   command=command or ["sh", "-c", RANK])
     return JobRecord(job_id=job_id, spec=spec, state=JobState.ADMITTED, submitted_at=1.0,
                      updated_at=1.0, reason_code=ReasonCode.ADMITTED, nodes=[node_id, node_id])
 
