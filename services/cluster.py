@@ -19,7 +19,10 @@ A service or agent that exits while the cluster starts fails ``phalanx up`` at o
 with the end of its log in the error, instead of a wait for a readiness that cannot come.
 
 Agents that die are *not* restarted: a killed agent must show as lost, as it
-would on a real machine.
+would on a real machine. With ``supervised_agents`` (``phalanx up
+--supervised-agents``) each agent runs as a Kubernetes DaemonSet runs it, under
+``phalanx agent --supervised`` (:mod:`~phalanx.services.agent.supervisor`): one
+that dies is started again in place and adopts the ranks that outlived it.
 
 With ``nats_servers=N`` (``phalanx up --nats-cluster N``) the bus is a NATS cluster
 of N servers (:class:`~phalanx.services.natsd.NatsCluster`) and every process is
@@ -136,6 +139,7 @@ class LocalCluster:
         ready_timeout_s: how long :meth:`start` waits for every agent's first heartbeat.
         auth_dir: run secured with this auth directory (made if missing): the embedded
             server with its config, every process as its own identity.
+        supervised_agents: each agent under its supervisor, started again when it dies.
     """
 
     def __init__(self, data_dir: Path, *, agents: int = 2, slots_per_agent: int = 2,
@@ -143,7 +147,8 @@ class LocalCluster:
                  heartbeat_interval_s: float = 0.5, lost_after_s: float = 3.0,
                  admission_instances: int = 1, health_instances: int = 1,
                  elasticity_instances: int = 1, config_path: str | None = None,
-                 ready_timeout_s: float = 30.0, auth_dir: Path | None = None) -> None:
+                 ready_timeout_s: float = 30.0, auth_dir: Path | None = None,
+                 supervised_agents: bool = False) -> None:
         if agents < 0:
             raise ClusterError(f"--agents must be >= 0, got {agents}")
         if slots_per_agent < 1:
@@ -167,6 +172,7 @@ class LocalCluster:
         self.heartbeat_interval_s = heartbeat_interval_s
         self.lost_after_s = lost_after_s
         self.ready_timeout_s = ready_timeout_s
+        self.supervised_agents = supervised_agents
         # Instances of each service the flags count; one of every other.
         self.instances = {"admission": admission_instances, "health": health_instances,
                           "elasticity": elasticity_instances}
@@ -378,8 +384,10 @@ class LocalCluster:
         return processes[name]
 
     async def start_agent(self, node_id: str, domain: str) -> None:
+        command = ("phalanx.services.cli", "agent", "--supervised") \
+            if self.supervised_agents else ("phalanx.services.agent",)
         self.agents[node_id] = await self._spawn(
-            f"agent-{node_id}", "phalanx.services.agent", "--node-id", node_id,
+            f"agent-{node_id}", *command, "--node-id", node_id,
             "--slots", str(self.slots_per_agent), "--failure-domain", domain,
             "--heartbeat-interval", str(self.heartbeat_interval_s),
             "--lost-after", str(self.lost_after_s),

@@ -7,11 +7,8 @@ a spare running, replaced, or gone.
 
 from __future__ import annotations
 
-import asyncio
 import os
-from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 
 def spares_of(job_id: str) -> set[int]:
@@ -28,13 +25,3 @@ def spares_of(job_id: str) -> set[int]:
                 and any(v.startswith(b"PHALANX_SPARE=") for v in environ):
             found.add(int(entry))
     return found
-
-
-async def until(check: Callable[[], Any], timeout_s: float = 30.0) -> Any:
-    """Poll ``check`` until it returns something true (a /proc scan or a log file: there
-    is nothing to subscribe to); fails after ``timeout_s``."""
-    for _ in range(int(timeout_s / 0.05)):
-        if found := check():
-            return found
-        await asyncio.sleep(0.05)
-    raise TimeoutError(f"nothing found in {timeout_s} s")

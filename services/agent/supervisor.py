@@ -53,6 +53,17 @@ def next_delay(delay_s: float, ran_s: float) -> float:
     return min(MAX_DELAY_S, max(FIRST_DELAY_S, 2 * delay_s))
 
 
+#: The listening socket a supervisor of ours hands its process to serve metrics on
+#: (:mod:`phalanx.services.metrics`): the agent gets it, as it would unsupervised.
+METRICS_FD_ENV = "PHALANX_METRICS_FD"
+
+
+def inherited_fds() -> tuple[int, ...]:
+    """The descriptors the agent must inherit: the metrics socket, when one is named."""
+    raw = os.environ.get(METRICS_FD_ENV, "")
+    return (int(raw),) if raw.isdigit() else ()
+
+
 def become_subreaper() -> bool:
     """Make orphaned descendants this process's children; False where it cannot."""
     if os.getpid() == 1:
@@ -96,7 +107,7 @@ class Supervisor:
         delay = FIRST_DELAY_S
         while True:
             started = time.monotonic()
-            self.agent = subprocess.Popen(self.command).pid
+            self.agent = subprocess.Popen(self.command, pass_fds=inherited_fds()).pid
             log.info("agent started", extra={"pid": self.agent})
             status = self._reap_until(self.agent)
             self.agent = None

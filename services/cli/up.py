@@ -60,7 +60,8 @@ async def _up(args: argparse.Namespace, data_dir: Path) -> int:
         heartbeat_interval_s=args.heartbeat_interval, lost_after_s=args.lost_after,
         admission_instances=args.admission, health_instances=args.health,
         elasticity_instances=args.elasticity, config_path=args.config,
-        auth_dir=data_dir / "auth" if args.secure else None)
+        auth_dir=data_dir / "auth" if args.secure else None,
+        supervised_agents=args.supervised_agents)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -151,20 +152,10 @@ def _up_detached(args: argparse.Namespace, data_dir: Path) -> int:
 
 
 def _rebuild_argv(args: argparse.Namespace) -> list[str]:
-    argv = ["up", "--agents", str(args.agents), "--slots-per-agent", str(args.slots_per_agent),
-            "--nats-port", str(args.nats_port), "--nats-cluster", str(args.nats_cluster),
-            "--data-dir", str(args.data_dir),
-            "--heartbeat-interval", str(args.heartbeat_interval),
-            "--lost-after", str(args.lost_after), "--admission", str(args.admission),
-            "--health", str(args.health), "--elasticity", str(args.elasticity),
-            "--log-level", args.log_level]
-    if args.nats:
-        argv += ["--nats", args.nats]
-    if args.config:
-        argv += ["--config", args.config]
-    if args.secure:
-        argv.append("--secure")
-    return argv
+    """The detached child's command: this one's arguments as given (every option, present
+    or future, passes through), less ``--detach``, with the data dir as resolved here."""
+    return [a for a in args.argv if a not in ("--detach", "-d")] + [
+        "--data-dir", str(args.data_dir)]
 
 
 def cmd_down(args: argparse.Namespace) -> int:
@@ -209,6 +200,11 @@ def add_parsers(sub: Subparsers, parents: Parents) -> None:
     up.add_argument("--elasticity", type=int, default=1, metavar="N",
                     help="elasticity service instances (one leads, the others stand by)")
     up.add_argument("--detach", "-d", action="store_true", help="run in the background")
+    up.add_argument("--supervised-agents", action="store_true",
+                    help="run each agent under `phalanx agent --supervised`, as the "
+                         "Kubernetes DaemonSet does: an agent that dies is started again "
+                         "in place and adopts its ranks (without it a dead agent stays "
+                         "dead and its node is lost)")
     up.add_argument("--secure", action="store_true",
                     help="TLS and per-role permissions on the bus, every process as its own "
                          "identity (auth directory <data-dir>/auth, made if missing)")

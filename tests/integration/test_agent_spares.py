@@ -19,7 +19,8 @@ from pathlib import Path
 
 import msgspec
 import pytest
-from spare_probe import spares_of, until
+from proc_tree import until
+from spare_probe import spares_of
 from test_agent_replicas import process_exit, queue_of
 
 from phalanx.bus.client import Bus

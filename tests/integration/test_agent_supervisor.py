@@ -11,42 +11,20 @@ import signal
 import sys
 from pathlib import Path
 
-from test_agent_replicas import queue_of
+from proc_tree import children, parent, until
+from test_agent_replicas import SLEEPS, admitted, queue_of
 
 from phalanx.bus.client import Bus
 from phalanx.bus.kv import TypedKV
 from phalanx.schemas import subjects
 from phalanx.schemas.messages import (
     JobRecord,
-    JobSpec,
-    JobState,
     NodeHeartbeat,
     RankExited,
     RankStarted,
-    ReasonCode,
-    ReplicaRange,
 )
 from phalanx.services.manifest import start_ticks
 from phalanx.services.natsd import NatsServer
-
-
-def children(pid: int) -> set[int]:
-    return {int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()}
-
-
-def parent(pid: int) -> int:
-    return int(Path(f"/proc/{pid}/stat").read_text().rsplit(") ", 1)[1].split()[1])
-
-
-async def until(check, timeout_s: float = 30.0):
-    """``check()`` once it is true (a /proc scan: there is nothing to subscribe to)."""
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout_s
-    while not (found := check()):
-        if loop.time() > deadline:
-            raise TimeoutError(f"not within {timeout_s} s")
-        await asyncio.sleep(0.05)
-    return found
 
 
 async def test_ranks_outlive_their_agent_under_the_supervisor_and_are_adopted(
@@ -55,13 +33,8 @@ async def test_ranks_outlive_their_agent_under_the_supervisor_and_are_adopted(
     started = await queue_of(bus, subjects.rank_started(job_id), RankStarted)
     exited = await queue_of(bus, subjects.rank_exited(job_id), RankExited)
     beats = await queue_of(bus, subjects.node_heartbeat(uid), NodeHeartbeat)
-    spec = JobSpec(name="supervised", team="t", priority_class="normal",
-                   replicas=ReplicaRange(min=2, max=2), grace_period_s=2.0,
-                   command=[sys.executable, "-c", "import time; time.sleep(600)"])
-    record = JobRecord(job_id=job_id, spec=spec, state=JobState.ADMITTED, submitted_at=1.0,
-                       updated_at=1.0, reason_code=ReasonCode.ADMITTED, nodes=[uid, uid])
     jobs = await TypedKV.open(bus.js, subjects.JOBS_BUCKET, JobRecord)
-    await jobs.put(job_id, record)
+    await jobs.put(job_id, admitted(job_id, uid, SLEEPS))
     supervisor = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "phalanx.services.cli", "agent", "--supervised",
         "--node-id", uid, "--slots", "2", "--heartbeat-interval", "0.1",

@@ -73,3 +73,17 @@ def test_no_cluster_found_names_the_flags_to_pass(tmp_path: Path) -> None:
     assert "--data-dir DIR" in hint and "--nats URL" in hint
     args = build_parser().parse_args(["jobs", "--nats", "nats://h:1"])
     assert no_cluster_hint(args, BusUnavailable("cannot reach NATS")) == ""
+
+
+def test_up_detached_runs_the_same_cluster_in_its_child() -> None:
+    """The child ``up --detach`` starts gets every option this command was given."""
+    from phalanx.services.cli.up import _rebuild_argv
+
+    argv = ["up", "-d", "--agents", "3", "--supervised-agents", "--secure",
+            "--heartbeat-interval", "0.2", "--elasticity", "2", "--data-dir", "/tmp/x"]
+    given = build_parser().parse_args(argv)
+    given.argv = argv
+    child = build_parser().parse_args(_rebuild_argv(given))
+    assert not child.detach
+    assert {**vars(child), "detach": True} == {k: v for k, v in vars(given).items()
+                                                if k != "argv"}
