@@ -8,15 +8,20 @@ a nats-server from the wheel running the NATS container's own command, a local
 OTLP receiver in Jaeger's place, Debian's Prometheus with deploy/prometheus.yml in
 Prometheus's — in compose's dependency order, then submits a job from the host,
 trains it on the workers to the end and reads what every container's metrics
-endpoint counted, directly and through Prometheus.
+endpoint counted, directly and through Prometheus. Then a second job loses a whole
+worker (its container killed, its memory gone, compose starting it again) and every
+other rank: it resumes from the surviving worker's memory, its own snapshots and its
+replicas of the lost worker's, as under ``phalanx up``.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import urllib.parse
@@ -39,14 +44,24 @@ from deploy_local import (
 )
 from metrics_page import scrape, value
 from otlp_sink import OtlpSink
+from snapshot_probe import committed, newest_complete
 
-from phalanx.bus.client import Bus
+from phalanx.bus.client import Bus, Delivery
 from phalanx.bus.config import BusConfig
 from phalanx.bus.kv import TypedKV
 from phalanx.schemas import subjects
-from phalanx.schemas.messages import BuddyPlacement, JobState
+from phalanx.schemas.messages import (
+    BuddyPlacement,
+    JobRecord,
+    JobState,
+    RankProgress,
+    SnapshotRecord,
+    SnapshotTier,
+)
 from phalanx.services import control_plane
+from phalanx.services.agent.snapshots import default_root
 from phalanx.services.auth.roles import SERVICE_NAMES, Role
+from phalanx.services.manifest import running_in_manifest
 from phalanx.services.natsd import free_port, server_binary
 
 COMPOSE = DEPLOY / "compose.yaml"
@@ -314,6 +329,85 @@ async def buddies(nats_url: str) -> dict[str, str]:
         return {e.key: e.value.buddy_id for e in entries}
 
 
+async def whole_worker_lost(procs: Processes, world: World, services: dict, image: Image,
+                            nats_url: str, spec: dict, tmp_path: Path) -> tuple[int, str]:
+    """Train ``spec`` with a snapshot every step on both workers; once it trains, freeze
+    every rank until worker-0 holds replicas of all that worker-1's memory holds, then
+    kill worker-1's container and every rank, drop worker-1's memory and start it again
+    (``restart: unless-stopped``). The newest step complete in memory before the loss,
+    and the job's id once it finished."""
+    lost, survivor = "worker-1", "worker-0"
+    dirs = {w: Path(world.localize(container(w, services[w], image),
+                                   f"/var/lib/phalanx/agents/{w}")) for w in (lost, survivor)}
+    stores = {w: default_root(w, d) for w, d in dirs.items()}
+    release = Path("/dev/shm") / f"phalanx-release-{tmp_path.name}"  # every worker's
+    spec = {**spec, "hang_timeout_s": 60.0, "checkpoint": {"memory_every_steps": 1},
+            "env": {"PHALANX_CHAOS_PACE": f"0.1:{release}"}}
+    spec_path = tmp_path / "lost.yaml"
+    spec_path.write_text(yaml.safe_dump(spec))
+    async with await Bus.connect(BusConfig.load(env={}, servers=nats_url)) as bus:
+        replicated: set[tuple[int, int, int, str]] = set()
+        arrived, trained = asyncio.Event(), asyncio.Event()
+        states: asyncio.Queue[JobRecord] = asyncio.Queue()
+
+        async def on_snapshot(announced: SnapshotRecord, _: Delivery) -> None:
+            if announced.tier is SnapshotTier.BUDDY and announced.node_id == survivor:
+                replicated.add((announced.step, announced.num_shards, announced.shard,
+                                announced.checksum))
+                arrived.set()
+
+        async def on_progress(progress: RankProgress, _: Delivery) -> None:
+            if progress.step >= 10:
+                trained.set()
+
+        async def on_state(record: JobRecord, _: Delivery) -> None:
+            states.put_nowait(record)
+
+        await bus.subscribe(subjects.any_id(subjects.ckpt_snapshot), SnapshotRecord,
+                            on_snapshot)
+        await bus.subscribe(subjects.health_ranks(), RankProgress, on_progress)
+        await bus.subscribe(subjects.job_states(), JobRecord, on_state)
+        cli = [sys.executable, "-m", "phalanx.services.cli"]
+        submitted = await asyncio.to_thread(
+            subprocess.run, [*cli, "submit", str(spec_path), "--json", "--nats", nats_url],
+            capture_output=True, text=True, timeout=60)
+        assert submitted.returncode == 0, submitted.stderr
+        job_id = json.loads(submitted.stdout)["job_id"]
+        await asyncio.wait_for(trained.wait(), 120)
+        ranks = {w: [r["pid"] for r in running_in_manifest(dirs[w] / "ranks.json")
+                     if r["job_id"] == job_id] for w in (lost, survivor)}
+        assert [len(r) for r in ranks.values()] == [2, 2], ranks
+        for pid in ranks[lost] + ranks[survivor]:  # training stops where it is
+            os.kill(pid, signal.SIGSTOP)
+        while True:  # read again at each announcement: none missed while committing
+            arrived.clear()
+            own = committed(stores[lost] / job_id, "w")
+            if {(*key, f"{checksum:016x}") for key, (checksum, _) in own.items()} \
+                    <= replicated:
+                break
+            await asyncio.wait_for(arrived.wait(), 60)
+        newest = newest_complete(set(own) | set(committed(stores[survivor] / job_id, "w")))
+        # worker-1's container dies (its agent, the supervisor first) with its memory; the
+        # ranks on worker-0 die too, their agent alive. Compose starts worker-1 again.
+        os.killpg(procs.running[lost].process.pid, signal.SIGKILL)
+        for pid in ranks[lost] + ranks[survivor]:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        procs.running[lost].process.wait()
+        shutil.rmtree(stores[lost], ignore_errors=True)
+        procs.start(container(lost, services[lost], image))
+        release.touch()
+        try:
+            while not (record := await asyncio.wait_for(states.get(), 240)).state.terminal \
+                    or record.job_id != job_id:
+                pass
+        finally:
+            release.unlink(missing_ok=True)
+        assert record.state is JobState.FINISHED, record.reason
+    assert newest is not None, "nothing was snapshotted before the loss"
+    return newest, job_id
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(420)
 def test_compose_services_and_workers_train_a_job(tmp_path: Path) -> None:
@@ -431,6 +525,19 @@ def test_compose_services_and_workers_train_a_job(tmp_path: Path) -> None:
             cancelled = subprocess.run([*cli, "cancel", loop_id, "--nats", nats_url],
                                        capture_output=True, text=True, timeout=60, env=host_env)
             assert cancelled.returncode == 0, cancelled.stderr
+
+            # A whole worker and every rank lost: the restarted ranks restore the newest
+            # step complete in memory before the loss, from worker-0's own snapshots and
+            # its replicas of worker-1's, and say so in their logs.
+            longer = {**spec, "command": [*spec["command"], "--steps", "120"]}  # last wins
+            newest, lost_id = asyncio.run(whole_worker_lost(
+                procs, world, services, image, nats_url, longer, tmp_path))
+            resumed = [line for log in (tmp_path / "containers").glob(
+                f"*/var-lib-phalanx/agents/*/jobs/{lost_id}/r*-*.log")
+                for line in log.read_text().splitlines()
+                if "restored from the nodes' memory and buddy replicas" in line]
+            assert resumed and all(f"resuming after step {newest} " in line
+                                   for line in resumed), (newest, resumed)
             for name in procs.running:
                 assert procs.alive(name), f"{name} died:\n{procs.logs()}"
         # Stopped (spans flushed on SIGTERM): every process on the jobs' traced path (their
