@@ -19,6 +19,11 @@ paths of the container's filesystem (``/opt/phalanx`` → this checkout,
 containers that mount it, anything else → a directory of that container's own).
 :meth:`World.localize` refuses a container path it has no translation for, so a
 file naming a path the image does not have fails the test.
+
+Each image is a target of ``deploy/Dockerfile`` (:data:`TARGETS`). The control-plane
+image's virtualenv holds less than this one: a process standing in for one of its
+containers gets an import blocker (``image_without/sitecustomize.py``) that makes every
+module of a distribution outside that image fail to import, as it would there.
 """
 
 from __future__ import annotations
@@ -26,6 +31,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import functools
+import importlib.metadata
 import json
 import os
 import re
@@ -38,6 +45,8 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 
 import dockerfile
+from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name
 
 from phalanx.bus.client import Bus, Delivery
 from phalanx.bus.config import BusConfig
@@ -48,6 +57,16 @@ from phalanx.services.natsd import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 DEPLOY = REPO / "deploy"
+#: Each image the deployment files name -> the ``deploy/Dockerfile`` target that builds it.
+TARGETS = {"phalanx": "full", "phalanx-control-plane": "control-plane"}
+#: Targets whose virtualenv holds only ``deploy/requirements.py``'s list and phalanx.
+SLIM_TARGETS = ("control-plane",)
+#: What ``python3 -m venv`` puts into every virtualenv (Python 3.11).
+VENV_SEED = ("pip", "setuptools")
+#: The import blocker's directory (its ``sitecustomize``) and the variable naming what
+#: it blocks.
+BLOCKER = Path(__file__).resolve().parent / "image_without"
+BLOCKED_ENV = "DEPLOY_LOCAL_ABSENT_MODULES"
 # Paths of the image's filesystem a container may name; anything else absolute is refused.
 IMAGE_ROOTS = ("/opt/phalanx", "/opt/venv", "/var/lib/phalanx", "/home/phalanx", "/tmp",
                "/dev/shm")
@@ -57,24 +76,72 @@ BASE_ENV = {"PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bi
 SYSTEM_ROOTS = ("/usr/", "/bin", "/sbin", "/lib", "/etc/", "/proc/", "/sys/", "/dev/null")
 
 
+def stages(path: Path = DEPLOY / "Dockerfile") -> dict[str, tuple[str, list]]:
+    """``path``'s build stages in order: name -> (what it is ``FROM``, its instructions)."""
+    found: dict[str, tuple[str, list]] = {}
+    for c in dockerfile.parse_file(str(path)):
+        if c.cmd == "FROM":
+            assert len(c.value) == 3 and c.value[1].upper() == "AS", \
+                f"{path.name}: every stage is named (FROM image AS name): {c.original}"
+            found[c.value[2]] = (c.value[0], [])
+        elif found:
+            list(found.values())[-1][1].append(c)
+    return found
+
+
+@functools.cache
+def outside(requirements: tuple[str, ...]) -> frozenset[str]:
+    """The top-level modules installed here that a virtualenv holding only
+    ``requirements`` (with what they require), phalanx and :data:`VENV_SEED` lacks."""
+    need = {canonicalize_name(n) for n in ("phalanx", *VENV_SEED)}
+    todo = [r for r in map(Requirement, requirements)
+            if r.marker is None or r.marker.evaluate({"extra": ""})]
+    while todo:
+        requirement = todo.pop()
+        name = canonicalize_name(requirement.name)
+        if name in need:
+            continue
+        need.add(name)
+        try:
+            requires = importlib.metadata.distribution(name).requires or []
+        except importlib.metadata.PackageNotFoundError:
+            raise AssertionError(f"{name} (required by the image) is not installed here: "
+                                 "the stand-in cannot tell what the image holds") from None
+        extras = {"", *requirement.extras}
+        todo += [r for r in map(Requirement, requires)
+                 if r.marker is None or any(r.marker.evaluate({"extra": e}) for e in extras)]
+    return frozenset(module for module, dists in importlib.metadata.packages_distributions()
+                     .items() if not any(canonicalize_name(d) in need for d in dists))
+
+
 @dataclasses.dataclass(frozen=True)
 class Image:
-    """The run-time half of ``deploy/Dockerfile``: its last stage."""
+    """The run-time half of one ``deploy/Dockerfile`` target (by default the last stage,
+    which ``docker build`` builds without ``--target``)."""
 
     entrypoint: tuple[str, ...]
     cmd: tuple[str, ...]
     workdir: str
     env: dict[str, str]
     user: str
+    absent: frozenset[str] = frozenset()
+    """Top-level modules installed here that the image does not hold."""
 
     @classmethod
-    def parse(cls, path: Path = DEPLOY / "Dockerfile") -> Image:
-        commands = dockerfile.parse_file(str(path))
-        last_from = max(i for i, c in enumerate(commands) if c.cmd == "FROM")
+    def parse(cls, target: str | None = None, path: Path = DEPLOY / "Dockerfile") -> Image:
+        found = stages(path)
+        target = target or list(found)[-1]
+        assert target in found, f"{path.name} has no stage {target!r} ({list(found)})"
+        chain: list[list] = []  # the target's instructions, its parent stages' first
+        stage: str | None = target
+        while stage in found:
+            parent, commands = found[stage]
+            chain.insert(0, commands)
+            stage = parent
         entrypoint: tuple[str, ...] = ()
         cmd: tuple[str, ...] = ()
         workdir, user, env = "/", "root", {}
-        for c in commands[last_from + 1:]:
+        for c in (c for commands in chain for c in commands):
             if c.cmd == "ENTRYPOINT":
                 assert c.json, "ENTRYPOINT in exec form (a shell form ignores signals)"
                 entrypoint = c.value
@@ -92,7 +159,20 @@ class Image:
                     # $VAR from the image so far, else the base image's
                     env[key] = re.sub(r"\$\{?(\w+)\}?",
                                       lambda m: env.get(m[1], BASE_ENV.get(m[1], "")), value)
-        return cls(entrypoint, cmd, workdir, env, user)
+        absent = frozenset()
+        if target in SLIM_TARGETS:
+            requirements = subprocess.run(
+                [sys.executable, str(DEPLOY / "requirements.py"), str(REPO / "pyproject.toml")],
+                capture_output=True, text=True, check=True).stdout.split("\n")
+            absent = outside(tuple(r for r in requirements if r.strip()))
+        return cls(entrypoint, cmd, workdir, env, user, absent)
+
+    @classmethod
+    def named(cls, reference: str) -> Image:
+        """The image a deployment file's ``image:`` names (``name:tag``)."""
+        name = reference.rsplit(":", 1)[0]
+        assert name in TARGETS, f"{reference}: not an image deploy/Dockerfile builds"
+        return cls.parse(TARGETS[name])
 
 
 @dataclasses.dataclass
@@ -107,6 +187,8 @@ class Container:
     """Mount path in the container -> shared volume key."""
     ports: tuple[int, ...] = ()
     """Ports the container declares it listens on (compose ``expose``, ``containerPort``)."""
+    absent: frozenset[str] = frozenset()
+    """Modules installed here that the container's image does not hold (:attr:`Image.absent`)."""
 
 
 class World:
@@ -176,6 +258,10 @@ class World:
             env[metrics.PORT_ENV] = str(ports[port])
         argv = [self.localize(container, a) for a in container.argv]
         cwd = Path(self.localize(container, container.workdir))
+        if container.absent:  # importing what the image lacks fails, as in the image
+            env["PYTHONPATH"] = os.pathsep.join(
+                p for p in (str(BLOCKER), env.get("PYTHONPATH")) if p)
+            env[BLOCKED_ENV] = ",".join(sorted(container.absent))
         return argv, env, cwd
 
 

