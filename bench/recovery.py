@@ -208,8 +208,12 @@ def analyse_phalanx(records: dict[str, list[dict]], events: dict[str, list],
     fault_t, _ = events["fault"][0]
     fault_gen_t, fault_gen = next((t, g) for t, g in events["generation"]
                                   if g.reason is GenerationReason.FAULT)
-    applied = [line for lines in records.values() for line in lines
-               if line["kind"] == "generation" and line["generation"] == fault_gen.generation]
+    # The survivors' recovery: the first generation from the fault's on that they applied
+    # (a warm spare's join may supersede the fault's before anyone applied it).
+    after = [line for lines in records.values() for line in lines
+             if line["kind"] == "generation" and line["generation"] >= fault_gen.generation]
+    first = min(line["generation"] for line in after)
+    applied = [line for line in after if line["generation"] == first]
     resumed = min(s.committed_at for s in steps if s.committed_at > kill_t
                   and s.generation >= fault_gen.generation)
     result: dict[str, Any] = {

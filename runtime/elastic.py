@@ -141,6 +141,12 @@ log = logging.getLogger("phalanx.runtime")
 DURABLE_FLUSH_S = 60.0
 
 
+def _warm_up(warmup: Callable[[], None], optimizer: torch.optim.Optimizer) -> None:
+    """Run the user's warm-up; its gradients are zeroed, their memory kept touched."""
+    warmup()
+    optimizer.zero_grad(set_to_none=False)
+
+
 class ElasticSession:
     """A rank's membership, process group, state and data order.
 
@@ -169,6 +175,9 @@ class ElasticSession:
         warmup: one forward and backward pass of the user's, run before the replica
             reports ready, so its first real step (the survivors wait for it when it
             joins) is not slowed by cold caches and first allocations.
+        landing: the buffers a joiner receives the optimizer state into
+            (:func:`.state.landing_buffers`), made beforehand; None: made when it joins.
+            A warm spare makes them, and runs ``warmup``, while it waits (:meth:`from_env`).
         nice_when_ready: the nice value to return to once ready (an agent starts a
             replacement at a lower CPU priority: :mod:`.priority`); None: unchanged.
         chaos_kill: where this process SIGKILLs itself (:class:`.chaos.Kill`): in a step or
@@ -214,7 +223,8 @@ class ElasticSession:
                  loader: Mapping[str, Any] | None = None,
                  snapshot_interval: IntervalPolicy | None = None, snapshot_keep: int = 2,
                  snapshot_dir: str | None = None,
-                 durable: DurablePolicy | None = None, backend: str = "auto") -> None:
+                 durable: DurablePolicy | None = None, backend: str = "auto",
+                 landing: list[torch.Tensor] | None = None) -> None:
         self.model = model
         #: Where the model lives, and everything the session allocates for it.
         self.device = model_device(model)
@@ -277,8 +287,8 @@ class ElasticSession:
                 snapshot_interval, durable_every=durable.every if durable else 0))) \
             if bus is not None and snapshot_interval is not None and snapshot_dir else None
         if warmup is not None and bus is not None:
-            warmup()
-            optimizer.zero_grad(set_to_none=False)  # the gradients' memory stays touched
+            _warm_up(warmup, optimizer)
+        self._landing = landing
         if bus is not None:
             self._connect(bus)
 
@@ -302,6 +312,15 @@ class ElasticSession:
         """
         env = os.environ if env is None else env
         if env.get(environment.SPARE):  # a warm spare, model built: wait to be told who it is
+            if all(p.device.type == "cpu" for p in model.parameters()):
+                # What does not depend on who it becomes is done now, not once it is named:
+                # the warm-up, and the optimizer's first step (its state's buffers, and
+                # torch._dynamo's import: ~1 s of a replacement's start on W). In host
+                # memory only: a GPU's memory is its slot's rank's, not a waiting spare's.
+                warmup = kwargs.pop("warmup", None)
+                if warmup is not None:
+                    _warm_up(warmup, optimizer)
+                kwargs.setdefault("landing", landing_buffers(optimizer))
             env = spare.wait_for_identity(env)
         kwargs.setdefault("record_dir", env.get("PHALANX_RECORD_DIR") or None)
         kwargs.setdefault("checksum", env.get("PHALANX_STATE_CHECKSUM") == "1")
@@ -376,7 +395,9 @@ class ElasticSession:
             self._inbox.on_generation(stored, None)
             if stored.member(self.replica_id) is None and self._sharded is None:
                 # Joining a running job.
-                self._membership.landing = landing_buffers(self.optimizer)
+                self._membership.landing = self._landing if self._landing is not None \
+                    else landing_buffers(self.optimizer)
+        self._landing = None  # used by this join or never
         assert bus.bus is not None
         bus.bus.on_reconnect(lambda: self._resync_generation(bus))
         if self.nice_when_ready is not None:

@@ -14,10 +14,16 @@ them, and the session goes on exactly as a replica launched with that
 identity: it connects, reports ready and joins.
 
 What the script does before ``from_env`` is what a spare saves a
-replacement: the model is built before, the data opened before. What it
-does before ``from_env`` must not depend on the replica's identity
-(``RANK``, ``LOCAL_RANK``: a spare has none yet). If the standard input ends
-with no line (the agent stopped or died), the spare exits with status 0.
+replacement: the model is built before, the data opened before. ``from_env``
+adds what needs no identity either, before it waits: the script's ``warmup``
+and the optimizer's first (throwaway) step, which makes the buffers its state
+will be received into and imports what torch imports on a first step — about a
+second of a replacement's start on W. A spare then holds the optimizer state's
+size in host memory while it waits; it does neither for a model on a GPU, whose
+memory belongs to the slot's rank. What the script does before ``from_env``
+must not depend on the replica's identity (``RANK``, ``LOCAL_RANK``: a spare
+has none yet). If the standard input ends with no line (the agent stopped or
+died), the spare exits with status 0.
 """
 
 from __future__ import annotations

@@ -19,6 +19,7 @@ from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import pytest
+from restartable_nats import RestartableNats
 
 from phalanx.bus.client import Bus
 from phalanx.bus.config import BusConfig
@@ -55,30 +56,6 @@ def nats_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[NatsServer
     root = tmp_path_factory.mktemp("nats")
     with NatsServer(root / "jetstream", port=0, log_path=root / "nats.log") as server:
         yield server
-
-
-class RestartableNats:
-    """A test's own nats-server that it can SIGKILL and start again on the same port and
-    JetStream store, as a Deployment restarts a dead server."""
-
-    def __init__(self, root: Path) -> None:
-        self.server = NatsServer(root / "jetstream", port=0, log_path=root / "nats.log").start()
-
-    @property
-    def url(self) -> str:
-        return self.server.url
-
-    def kill(self) -> None:
-        assert self.server.process is not None
-        self.server.process.kill()
-        self.server.process.wait()
-
-    def start(self) -> None:
-        old = self.server
-        self.server = NatsServer(old.store_dir, port=old.port, log_path=old.log_path).start()
-
-    def stop(self) -> None:
-        self.server.stop()
 
 
 @pytest.fixture

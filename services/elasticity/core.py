@@ -53,7 +53,8 @@ to resume at, and why it changed (start, fault, join). A job runs in *slots*
   survivors have applied the generation that dropped it (the runtime reports
   that after its first step in it), so its start-up (importing torch) does
   not compete with their recovery; at once if the job
-  is below ``min`` (then nothing trains anyway). Below ``min`` the job
+  is below ``min`` (then nothing trains anyway). Meanwhile it is asked of a
+  warm spare only (``warm_only``), which costs their recovery nothing. Below ``min`` the job
   *waits*: survivors keep their state in memory, and a job still short after
   ``wait_timeout_s`` is handed back to admission (requeued).
 * **Joins.** A replica becomes a member only once it reports ready, so
@@ -63,7 +64,13 @@ to resume at, and why it changed (start, fault, join). A job runs in *slots*
   ``[2, 4]`` a third replica ready waits for the fourth.
 * **One change at a time.** A generation is *in flight* until every member
   has applied it. Joins arriving meanwhile are folded into the next
-  generation, decided the moment the current one completes.
+  generation, decided the moment the current one completes. A warm spare's
+  replacement is the exception: ready while the fault's generation is in
+  flight, it joins at once, superseding it. The survivors then rebuild once
+  more, now with it, instead of training a step short-handed and pausing for
+  it a step later (the join then waited for their first step in the fault's
+  generation, and they took it in only at the end of the step after: two
+  steps between a spare being ready and its first step).
 * **Completion.** When a member exits 0 the training is over: replicas
   still starting or waiting to join are stopped, and nothing is launched or
   published for the job any more.
@@ -280,6 +287,9 @@ class JobMembership:
     departing: list[str] = dataclasses.field(default_factory=list)  # left in current, unapplied
     sizes: list[int] = dataclasses.field(default_factory=list)  # allowed sizes (empty: all)
     history: list[GenerationRecord] = dataclasses.field(default_factory=list)  # latest last
+    # Ready replacements that came from a warm spare: they join without waiting for the
+    # change in flight (only a spare can be ready while one is: cold launches wait).
+    warm_ready: list[str] = dataclasses.field(default_factory=list)
     replaced: int = 0  # replacements launched
 
     @property
@@ -588,6 +598,8 @@ class ElasticityCore:
         job.forming.discard(replica)
         job.replicas[replica] = Replica(replica, event.slot, event.node_id, event.endpoint)
         job.ready.append(replica)
+        if any(d.replica_id == replica and d.warm_only for d in job.to_launch):
+            job.warm_ready.append(replica)
 
     def _advance(self, job: JobMembership, now: float, cause: str) -> list[Decision]:
         """Decide the next generation if one is due."""
@@ -598,8 +610,9 @@ class ElasticityCore:
             return self._next(job, [], joiners, GenerationReason.START, "admitted", cause,
                               now)
         survivors = [r for r in job.members if r not in job.failed and r not in job.leaving]
-        if job.in_flight and not job.failed:
-            return []  # joins and leaves wait for the change in flight
+        job.warm_ready = [r for r in job.warm_ready if r in job.ready]
+        if job.in_flight and not job.failed and not job.warm_ready:
+            return []  # joins and leaves wait for the change in flight (but a spare's)
         if job.leaving and not job.failed and len(survivors) >= job.min_members:
             left, job.departing, job.leaving = list(job.leaving), list(job.leaving), []
             for replica in left:
@@ -643,6 +656,7 @@ class ElasticityCore:
             job.replicas.pop(replica, None)
         for replica in joiners:
             job.ready.remove(replica)
+        job.warm_ready = [r for r in job.warm_ready if r in job.ready]
         # Every member that applied a generation holds at least the high-water mark, so a
         # generation whose members cannot provide it has lost the job's state: the runtime
         # refuses it rather than train from scratch (the checkpoint tier's case).

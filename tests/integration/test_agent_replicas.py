@@ -15,7 +15,7 @@ from pathlib import Path
 
 import msgspec
 import pytest
-from conftest import RestartableNats
+from restartable_nats import RestartableNats
 
 from phalanx.bus.client import Bus, Delivery
 from phalanx.bus.config import BusConfig

@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import RestartableNats
+from restartable_nats import RestartableNats
 
 from phalanx.bus.client import Bus, Delivery
 from phalanx.bus.config import BusConfig

@@ -94,18 +94,20 @@ def test_a_fault_drops_the_member_keeps_order_and_launches_a_replacement() -> No
     assert apply_all(core) == [LaunchReplacement("j", 1, "n1", "r1-1", "f1")]
 
 
-def test_a_spare_taken_during_recovery_joins_right_after_it_and_is_not_asked_for_again(
-        ) -> None:
+def test_a_spare_taken_during_recovery_joins_at_once_and_is_not_asked_for_again() -> None:
     core = ElasticityCore()
     start(core)
     apply_all(core)
     [warm] = [d for d in core.handle(MemberFailed("j", "r1-0"), 1.0)
               if isinstance(d, LaunchReplacement)]
     assert warm.warm_only and warm.replica_id == "r1-1"
-    assert generations(ready(core, "r1-1")) == []  # the spare: ready while 1 is in flight
-    out = apply_all(core)
-    [g] = generations(out)  # joins as soon as the survivors have recovered
+    # Ready while generation 1 is in flight: it supersedes it, the survivors rebuilding
+    # once more with the spare instead of training a step without it.
+    [g] = generations(ready(core, "r1-1"))
     assert (g.generation, g.reason) == (2, GenerationReason.JOIN)
+    assert [m.replica_id for m in g.members] == ["r0-0", "r2-0", "r3-0", "r1-1"]
+    out = apply_all(core)
+    assert not generations(out)
     assert not [d for d in out if isinstance(d, LaunchReplacement)]  # not asked for cold
     core.check_invariants()
 
@@ -124,15 +126,17 @@ def test_a_replacement_not_started_from_a_spare_is_asked_for_cold_once_after_rec
     assert apply_all(core) == []
 
 
-def test_the_replacement_joins_only_when_ready_and_after_the_change_in_flight() -> None:
+def test_a_cold_replacement_joins_only_when_ready_and_after_the_change_in_flight() -> None:
     core = ElasticityCore()
     start(core)
     apply_all(core)
-    core.handle(MemberFailed("j", "r1-0"), 1.0)
-    assert generations(ready(core, "r1-1")) == []  # generation 1 still in flight
-    [g] = generations(apply_all(core, step=30))
-    assert [m.replica_id for m in g.members] == ["r0-0", "r2-0", "r3-0", "r1-1"]
-    assert (g.generation, g.reason, g.resume_step) == (2, GenerationReason.JOIN, 30)
+    core.handle(MemberFailed("j", "r1-0"), 1.0)  # no spare took it: asked cold once applied
+    assert apply_all(core, step=30) == [LaunchReplacement("j", 1, "n1", "r1-1")]
+    core.handle(MemberFailed("j", "r3-0"), 2.0)  # generation 2 in flight
+    assert generations(ready(core, "r1-1")) == []  # a cold start waits for the change
+    [g] = generations(apply_all(core, step=31))
+    assert [m.replica_id for m in g.members] == ["r0-0", "r2-0", "r1-1"]
+    assert (g.generation, g.reason, g.resume_step) == (3, GenerationReason.JOIN, 31)
 
 
 def test_the_history_keeps_every_generation_its_pause_and_the_replacements() -> None:
