@@ -204,14 +204,16 @@ def analyse_phalanx(records: dict[str, list[dict]], events: dict[str, list],
         line for lines in records.values() for line in lines
         if line["kind"] == "generation" and line["generation"] == join.generation]
     join_at = min(a["received"] for a in joined) if joined else None
-    gap, median = record.downtime(steps, kill_t, until=join_at)
+    after = [line for lines in records.values() for line in lines
+             if line["kind"] == "generation" and line["t"] > kill_t]
+    # A warm spare's join can supersede the fault's generation before the survivors
+    # applied it: one pause, the fault's and the join's, counted whole as the downtime.
+    merged = join is not None and min(line["generation"] for line in after) == join.generation
+    gap, median = record.downtime(steps, kill_t, until=None if merged else join_at)
     fault_t, _ = events["fault"][0]
     fault_gen_t, fault_gen = next((t, g) for t, g in events["generation"]
                                   if g.reason is GenerationReason.FAULT)
-    # The survivors' recovery: the first generation from the fault's on that they applied
-    # (a warm spare's join may supersede the fault's before anyone applied it).
-    after = [line for lines in records.values() for line in lines
-             if line["kind"] == "generation" and line["generation"] >= fault_gen.generation]
+    # The survivors' recovery: the first generation from the fault's on that they applied.
     first = min(line["generation"] for line in after)
     applied = [line for line in after if line["generation"] == first]
     resumed = min(s.committed_at for s in steps if s.committed_at > kill_t
@@ -233,11 +235,15 @@ def analyse_phalanx(records: dict[str, list[dict]], events: dict[str, list],
         "full_strength_s": None if join is None else min(
             s.committed_at for s in steps if s.generation >= join.generation) - kill_t,
     }
-    if join_at is not None:
+    if merged:  # no pause of its own: it is in the downtime
+        result["join_pause_s"], result["join_pause_steps"] = 0.0, 0.0
+        result["join_merged_with_fault"] = True
+    elif join_at is not None:
         join_gap, join_median = record.downtime(steps, join_at)
         result["join_pause_s"] = join_gap - join_median
         result["join_pause_steps"] = (join_gap - join_median) / join_median if join_median \
             else None
+    if join_at is not None:
         result["join_state_bytes"] = max(a["state_bytes"] for a in joined)
         result["join_breakdown"] = {
             "rebuild": max(a["built"] - a["received"] for a in joined),
@@ -376,8 +382,10 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                    for name, values in (
                        ("downtime_s", [o["downtime_s"] for o in ours]),
                        ("ratio", [r if r is not None else 99 for r in ratios]),
-                       ("join_pause_steps", [o.get("join_pause_steps") or 99 for o in ours]),
-                       ("full_strength_s", [o["full_strength_s"] or 99 for o in ours]))}
+                       ("join_pause_steps", [99 if o.get("join_pause_steps") is None
+                                             else o["join_pause_steps"] for o in ours]),
+                       ("full_strength_s", [99 if o["full_strength_s"] is None
+                                            else o["full_strength_s"] for o in ours]))}
         targets = {  # judged on the worst run
             "downtime <= 10% of baseline": summary["ratio"]["worst"] <= 0.10,
             "downtime < 1 s": summary["downtime_s"]["worst"] < 1.0,
@@ -396,6 +404,11 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     return report
 
 
+def _figure(value: float | None) -> float:
+    """A figure for the table: a missing one (None) as nan, a zero as zero."""
+    return float("nan") if value is None else value
+
+
 def record_results(report: dict[str, Any]) -> None:
     rows, summaries = [], []
     for phase, r in report["runs"].items():
@@ -406,11 +419,11 @@ def record_results(report: dict[str, Any]) -> None:
             rows.append(
                 f"| {phase} #{n + 1} | {p['downtime_s']:.3f} | {p['steps_lost_or_redone']} | "
                 f"{p.get('join_pause_s', float('nan')):.3f} "
-                f"({p.get('join_pause_steps') or float('nan'):.2f} steps; copy "
+                f"({_figure(p.get('join_pause_steps')):.2f} steps; copy "
                 f"{copy * 1000:.0f} ms) | "
                 f"{b['downtime_s']:.2f} ({b['downtime_incl_redone_s']:.2f} incl. redone) | "
-                f"{b['steps_lost_or_redone']} | {ratio or float('nan'):.3f} | "
-                f"{p['full_strength_s'] or float('nan'):.2f} / {b['full_strength_s']:.2f} | "
+                f"{b['steps_lost_or_redone']} | {_figure(ratio):.3f} | "
+                f"{_figure(p['full_strength_s']):.2f} / {b['full_strength_s']:.2f} | "
                 f"{bd} |")
         summaries.append(f"{phase}: " + ", ".join(
             f"{name} median {v['median']:.3f} worst {v['worst']:.3f}"
