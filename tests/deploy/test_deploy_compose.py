@@ -46,7 +46,7 @@ from deploy_local import (
 )
 from metrics_page import scrape, value
 from otlp_sink import OtlpSink
-from snapshot_probe import committed, newest_complete
+from snapshot_probe import committed, newest_complete, until_replicated
 
 from phalanx.bus.client import Bus, Delivery
 from phalanx.bus.config import BusConfig
@@ -389,13 +389,7 @@ async def whole_worker_lost(procs: Processes, world: World, services: dict, nats
         assert [len(r) for r in ranks.values()] == [2, 2], ranks
         for pid in ranks[lost] + ranks[survivor]:  # training stops where it is
             os.kill(pid, signal.SIGSTOP)
-        while True:  # read again at each announcement: none missed while committing
-            arrived.clear()
-            own = committed(stores[lost] / job_id, "w")
-            if {(*key, f"{checksum:016x}") for key, (checksum, _) in own.items()} \
-                    <= replicated:
-                break
-            await asyncio.wait_for(arrived.wait(), 60)
+        own = await until_replicated(stores[lost] / job_id, replicated, arrived)
         newest = newest_complete(set(own) | set(committed(stores[survivor] / job_id, "w")))
         # worker-1's container dies (its agent, the supervisor first) with its memory; the
         # ranks on worker-0 die too, their agent alive. Compose starts worker-1 again.

@@ -20,7 +20,8 @@ from pathlib import Path
 import pytest
 import torch
 from e2e_cli import next_of, phalanx
-from spare_probe import spares_of, until
+from proc_tree import until
+from spare_probe import spares_of
 from test_elastic import (  # the e2e helpers of the elastic tests: same job, same checks
     STEPS,
     Watch,
