@@ -256,6 +256,8 @@ class Replica:
 
 #: How long events about a job not admitted yet (or ended) are kept, and how many at most.
 EARLY_TTL_S = 120.0
+#: How long a job whose state no survivor holds waits for every replacement launched.
+GATHER_S = 30.0
 EARLY_PER_JOB = 256
 EARLY_JOBS = 1024
 
@@ -290,6 +292,7 @@ class JobMembership:
     # Ready replacements that came from a warm spare: they join without waiting for the
     # change in flight (only a spare can be ready while one is: cold launches wait).
     warm_ready: list[str] = dataclasses.field(default_factory=list)
+    gather_since: float | None = None  # no survivor holds the state: replacements awaited
     replaced: int = 0  # replacements launched
 
     @property
@@ -419,14 +422,17 @@ class ElasticityCore:
         return decisions + _launches(job)
 
     def tick(self, now: float) -> list[Decision]:
-        """Requeue jobs that stayed below ``min`` for longer than ``wait_timeout_s``; forget
-        early events and ended jobs older than ``EARLY_TTL_S``."""
+        """Requeue jobs that stayed below ``min`` for longer than ``wait_timeout_s``; decide
+        the generation of a job that waited GATHER_S for its replacements; forget early
+        events and ended jobs older than ``EARLY_TTL_S``."""
         for job_id in [j for j, kept in self._early.items() if now - kept[0][0] > EARLY_TTL_S]:
             del self._early[job_id]
         for job_id in [j for j, at in self._ended.items() if now - at > EARLY_TTL_S]:
             del self._ended[job_id]
         decisions: list[Decision] = []
         for job in list(self.jobs.values()):
+            if job.gather_since is not None and now - job.gather_since >= GATHER_S:
+                decisions += self._advance(job, now, "gather-timeout") + _launches(job)
             if job.waiting_since is not None and now - job.waiting_since > self.wait_timeout_s:
                 del self.jobs[job.job_id]
                 decisions.append(Requeue(job.job_id, (
@@ -627,6 +633,8 @@ class ElasticityCore:
             return self._wait(job, now, len(survivors) + len(joiners))
         if not job.failed and not joiners:
             return []  # at max: ready replicas wait for room
+        if self._gathering(job, survivors, now):
+            return []
         if job.failed:
             why = "dropped " + _listing([f"{r} ({d})" for r, d in sorted(job.failed.items())])
             if job.leaving:  # a fault starts over anyway: the leavers go with it
@@ -641,6 +649,25 @@ class ElasticityCore:
                               now)
         return self._next(job, survivors, joiners, GenerationReason.JOIN,
                           "joined " + _listing(joiners), cause, now)
+
+    @staticmethod
+    def _gathering(job: JobMembership, survivors: list[str], now: float) -> bool:
+        """Whether the next generation waits for more replacements.
+
+        When no survivor holds the job's state (every member died, or those left are
+        replacements that never applied a generation), it comes back from the checkpoint
+        tiers, each node's memory holding its own ranks' shards: a generation of the first
+        replacements ready might see only some nodes' shards and start over while the
+        others hold the step. So it waits until every replacement launched is ready, at
+        most GATHER_S (one whose node died must not hold the job for ever).
+        """
+        if job.high_water == 0 or not job.launched \
+                or any(r in job.committed for r in survivors):
+            job.gather_since = None
+            return False
+        if job.gather_since is None:
+            job.gather_since = now
+        return now - job.gather_since < GATHER_S
 
     def _wait(self, job: JobMembership, now: float, have: int) -> list[Decision]:
         """Below ``min``: survivors keep their state; the timeout starts."""
@@ -676,7 +703,7 @@ class ElasticityCore:
             cause=why)])
         job.failed.clear()
         job.applied.clear()
-        job.waiting_since = None
+        job.waiting_since = job.gather_since = None
         return [PublishGeneration(job.current, cause)]
 
     def check_invariants(self) -> None:
@@ -753,7 +780,8 @@ def _launches(job: JobMembership) -> list[Decision]:
     one that became ready or was superseded meanwhile is not asked for again.
     """
     job.to_launch = [d for d in job.to_launch if job.launched.get(d.replica_id) == d.slot]
-    if job.current is None or not job.in_flight or job.waiting_since is not None:
+    if job.current is None or not job.in_flight or job.waiting_since is not None \
+            or job.gather_since is not None:
         launches: list[Decision] = [dataclasses.replace(d, warm_only=False)
                                     for d in job.to_launch]
         job.to_launch = []

@@ -8,6 +8,7 @@ from phalanx.schemas.errors import StoredStateError
 from phalanx.schemas.messages import GenerationReason
 from phalanx.services.elasticity.core import (
     EARLY_TTL_S,
+    GATHER_S,
     ElasticityCore,
     GenerationAppliedSeen,
     JobAdmitted,
@@ -365,3 +366,47 @@ def test_progress_gives_the_replacement_budget_back() -> None:
     assert launched(20) == []  # progress gives it back, for the next failure
     fail("r1-0", 2.0)
     assert launched(20) == ["r1-1"]
+
+
+def whole_job_lost(core: ElasticityCore) -> list:
+    """Every member of a job that trained to step 10 fails: the launches asked for."""
+    start(core)
+    apply_all(core)
+    out = []
+    for slot in range(4):
+        out += core.handle(MemberFailed("j", f"r{slot}-0"), 1.0 + slot)
+    return out
+
+
+def test_after_a_whole_job_loss_the_generation_waits_for_every_replacement() -> None:
+    """Nobody holds the state: it comes back from each node's memory, whose shards are its
+    own ranks'. A generation of the first two ready (min 2) might see one node's only."""
+    core = ElasticityCore()
+    launched = whole_job_lost(core)
+    assert {d.replica_id for d in launched if isinstance(d, LaunchReplacement)} == {
+        "r0-1", "r1-1", "r2-1", "r3-1"}
+    for replica in ("r2-1", "r0-1", "r3-1"):
+        assert generations(ready(core, replica, 5.0)) == []  # enough for min: still waits
+    [g] = generations(ready(core, "r1-1", 6.0))
+    assert sorted(m.replica_id for m in g.members) == ["r0-1", "r1-1", "r2-1", "r3-1"]
+    assert g.resume_step == 10  # the step the tiers must give back
+    core.check_invariants()
+
+
+def test_a_replacement_that_never_comes_holds_the_job_at_most_gather_s() -> None:
+    core = ElasticityCore()
+    whole_job_lost(core)
+    ready(core, "r0-1", 5.0)
+    assert generations(ready(core, "r1-1", 5.0)) == []
+    assert generations(core.tick(5.0 + GATHER_S - 1)) == []
+    [g] = generations(core.tick(5.0 + GATHER_S))  # r2-1 and r3-1's nodes may be gone
+    assert [m.replica_id for m in g.members] == ["r0-1", "r1-1"]
+
+
+def test_survivors_that_hold_the_state_never_wait_for_replacements() -> None:
+    core = ElasticityCore()
+    start(core)
+    apply_all(core)
+    core.handle(MemberFailed("j", "r0-0"), 1.0)
+    [g] = generations(core.handle(MemberFailed("j", "r1-0"), 2.0))
+    assert [m.replica_id for m in g.members] == ["r2-0", "r3-0"]
