@@ -54,7 +54,10 @@ to resume at, and why it changed (start, fault, join). A job runs in *slots*
   that after its first step in it), so its start-up (importing torch) does
   not compete with their recovery; at once if the job
   is below ``min`` (then nothing trains anyway). Meanwhile it is asked of a
-  warm spare only (``warm_only``), which costs their recovery nothing. Below ``min`` the job
+  warm spare only (``warm_only``), which costs their recovery nothing. When no
+  survivor holds the state, the next generation waits for every replacement
+  launched (at most ``GATHER_S``): the tiers give the state back from each
+  node's memory, and the first few ready may not see every shard. Below ``min`` the job
   *waits*: survivors keep their state in memory, and a job still short after
   ``wait_timeout_s`` is handed back to admission (requeued).
 * **Joins.** A replica becomes a member only once it reports ready, so
