@@ -25,18 +25,18 @@ from pathlib import Path
 
 import pytest
 from e2e_cli import phalanx
+from snapshot_probe import committed, newest_complete, until_replicated
 from test_elastic import (  # the e2e helpers of the elastic tests: same cluster, same job
+    FaultFreeRuns,
     Watch,
     check_run,
-    data_dir,  # noqa: F401  (a fixture)
-    fault_free,
     progressed,
     run_job,
     watched_cluster,
 )
 
 from phalanx.runtime import record
-from phalanx.schemas import snapshot_file, subjects
+from phalanx.schemas import subjects
 from phalanx.schemas.messages import CheckpointPolicy, SnapshotRecord, SnapshotTier
 from phalanx.services.agent.snapshots import default_root
 from phalanx.services.manifest import running_in_manifest
@@ -47,35 +47,15 @@ LOST, SURVIVOR = "local-0", "local-1"  # domain-0 and domain-1: each other's bud
 
 
 @pytest.fixture(scope="module")
-def reference(data_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:  # noqa: F811
-    return fault_free(data_dir, tmp_path_factory.mktemp("reference"), STEPS)
-
-
-def committed(store: Path, prefix: str = "") -> dict[tuple[int, int, int], tuple[int, int]]:
-    """The committed buffers in a node's store directory for a job whose name starts with
-    ``prefix``: (step, shards, shard) -> (checksum, generation)."""
-    found = {}
-    for path in store.glob(f"{prefix}*") if store.is_dir() else []:
-        header = snapshot_file.committed_header(path)
-        if header is not None:
-            found[(header.step, header.shards, header.shard)] = (header.checksum,
-                                                                 header.generation)
-    return found
-
-
-def newest_complete(held: set[tuple[int, int, int]]) -> int | None:
-    """The newest step all of whose shards (of one shard count) are in ``held``."""
-    steps = {(step, shards) for step, shards, _ in held}
-    complete = [step for step, shards in steps
-                if {(step, shards, s) for s in range(shards)} <= held]
-    return max(complete, default=None)
+def reference(fault_free_runs: FaultFreeRuns) -> dict:
+    return fault_free_runs(STEPS)
 
 
 # Sharded: half of the optimizer's owners' entries exist only in the buddy's replicas. The
 # reference is the plain optimizer's run: a sharded AdamW makes the same updates, bitwise.
 @pytest.mark.parametrize("args", [[], ["--sharded-optimizer"]], ids=["plain", "sharded"])
 async def test_a_node_and_every_rank_lost_the_job_resumes_from_the_buddys_replicas(
-        data_dir: Path, reference: dict, tmp_path: Path,  # noqa: F811
+        data_dir: Path, reference: dict, tmp_path: Path,
         tmp_path_factory: pytest.TempPathFactory, args: list[str]) -> None:
     cluster_dir = tmp_path_factory.mktemp("cluster")
     stores = {node: default_root(node, cluster_dir / "agents" / node)
@@ -99,16 +79,8 @@ async def test_a_node_and_every_rank_lost_the_job_resumes_from_the_buddys_replic
             assert [len(r) for r in ranks.values()] == [2, 2], ranks
             for rank in ranks[LOST] + ranks[SURVIVOR]:  # training stops where it is
                 os.kill(rank["pid"], signal.SIGSTOP)
-            # Wait until the buddy announced a replica of every buffer A's memory holds
-            # (read again at each announcement: nothing is missed if one was still being
-            # committed as its rank stopped).
-            while True:
-                arrived.clear()
-                lost_own = committed(stores[LOST] / job_id, "w")
-                if {(*key, f"{checksum:016x}") for key, (checksum, _) in lost_own.items()} \
-                        <= replicated:
-                    break
-                await asyncio.wait_for(arrived.wait(), 60)
+            # Until the buddy announced a replica of every buffer A's memory holds.
+            lost_own = await until_replicated(stores[LOST] / job_id, replicated, arrived)
             before["all"] = set(lost_own) | set(committed(stores[SURVIVOR] / job_id, "w"))
             before["survivor"] = set(committed(stores[SURVIVOR] / job_id))
             before["survivor_own"] = set(committed(stores[SURVIVOR] / job_id, "w"))

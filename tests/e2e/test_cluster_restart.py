@@ -1,7 +1,10 @@
 """A cluster restart under a running job: the same job comes back by itself.
 
-A 4-replica job of ``examples/train_mlp.py`` (2 agents x 2 slots) snapshots into its
-nodes' memory every step and persists every ``EVERY`` steps. Once a durable step is
+A 2-replica job of ``examples/train_mlp.py`` (2 agents x 1 slot: one rank per node, each
+node holding its own rank's snapshots and its buddy's replicas; more ranks per node would
+hold more shards of the same kind, each rank a torch process of seconds of CPU, and prove
+nothing more) snapshots into its nodes' memory every step and persists every ``EVERY``
+steps. Once a durable step is
 committed, ``phalanx down`` stops everything (services first, then the agents, which
 stop the ranks and report them lost), and ``phalanx up`` (same data dir) starts it
 again. Nothing is resubmitted: health faults the lost ranks from the job-events
@@ -31,9 +34,8 @@ from test_elastic import (  # the e2e helpers of the elastic tests: same cluster
     PACE_S,
     RUN_ENV,
     SCRIPT,
+    FaultFreeRuns,
     check_run,
-    data_dir,  # noqa: F401  (a fixture)
-    fault_free,
     watched_cluster,
     without_lost_work,
     write_records,
@@ -56,12 +58,14 @@ STEPS = 200
 EVERY = 20  # durable_every_steps
 JOB = "restart-1"
 SCHEDULE = ["--schedule"]
+REPLICAS = 2  # on 2 agents x 1 slot
+ONE_SLOT = ("--slots-per-agent", "1")
 
 
 @pytest.fixture(scope="module")
-def reference(data_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:  # noqa: F811
+def reference(fault_free_runs: FaultFreeRuns) -> dict:
     """The fault-free run both restarts are compared with (the same job)."""
-    return fault_free(data_dir, tmp_path_factory.mktemp("reference"), STEPS, SCHEDULE)
+    return fault_free_runs(STEPS, SCHEDULE)
 
 
 def spec_file(path: Path, data: Path, out: Path, release: Path) -> Path:
@@ -89,12 +93,12 @@ def launch_headers(cluster: Path) -> dict[str, int]:
 
 @pytest.mark.parametrize("reboot", [False, True], ids=["memory", "durable"])
 async def test_a_job_running_when_the_cluster_restarts_resumes_by_itself(
-        data_dir: Path, reference: dict, tmp_path: Path, reboot: bool) -> None:  # noqa: F811
+        data_dir: Path, reference: dict, tmp_path: Path, reboot: bool) -> None:
     cluster = tmp_path / "cluster"
     out, release = tmp_path / "out", tmp_path / "release"
 
     # 1. The job trains and persists a step; then the whole cluster stops under it.
-    async with watched_cluster(cluster) as (_, bus, watch):
+    async with watched_cluster(cluster, *ONE_SLOT) as (_, bus, watch):
         persisted = asyncio.Event()
 
         async def on_snapshot(announced: SnapshotRecord, _) -> None:
@@ -114,7 +118,7 @@ async def test_a_job_running_when_the_cluster_restarts_resumes_by_itself(
 
     # 2. The cluster comes back; the same job goes on by itself, at full speed now.
     release.touch()
-    async with watched_cluster(cluster) as (_, bus, watch):
+    async with watched_cluster(cluster, *ONE_SLOT) as (_, bus, watch):
         ended = await next_of(watch.states, lambda r: r.job_id == JOB and r.state.terminal,
                               180)
         assert ended.state is JobState.FINISHED, ended.reason
@@ -132,14 +136,16 @@ async def test_a_job_running_when_the_cluster_restarts_resumes_by_itself(
     tier = "durable" if reboot else "memory"
     assert restores and all(r["tier"] == tier for r in restores), restores
     assert min(r["step"] for r in restores) >= EVERY, restores
-    # Every replica launched once: the four first ones, then one replacement per slot.
-    assert launch_headers(cluster) == {f"r{s}-{i}": 1 for s in range(4) for i in (0, 1)}
+    # Every replica launched once: the first ones, then one replacement per slot.
+    assert launch_headers(cluster) == {f"r{s}-{i}": 1 for s in range(REPLICAS)
+                                       for i in (0, 1)}
     # The history: every old member dropped at once, the replacements joined.
-    after = [g for g in history.generations if set(g.members) & {f"r{s}-1" for s in range(4)}]
+    replacements = {f"r{s}-1" for s in range(REPLICAS)}
+    after = [g for g in history.generations if set(g.members) & replacements]
     assert after, history
     # ... and says where the state came from: the nodes' memory (own snapshots, with the
     # buddies' replicas where a node's own copy of a shard was older), or durable storage.
     assert after[0].restored_from in ((StateSource.DURABLE,) if reboot else (
         StateSource.MEMORY, StateSource.BUDDY)), history
     dropped = " ".join(g.cause for g in history.generations)
-    assert all(f"r{s}-0" in dropped for s in range(4)), history
+    assert all(f"r{s}-0" in dropped for s in range(REPLICAS)), history

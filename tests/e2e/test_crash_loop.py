@@ -22,7 +22,6 @@ from test_elastic import (  # the e2e helpers of the elastic tests: same cluster
     ORDER,
     SCRIPT,
     Watch,
-    data_dir,  # noqa: F401  (a fixture)
     drain,
     progressed,
     run_job,
@@ -52,7 +51,7 @@ async def cluster(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[tup
 
 
 async def test_rank_kills_with_steps_committed_between_them_never_fail_the_job(
-        cluster, data_dir: Path, tmp_path: Path) -> None:  # noqa: F811
+        cluster, data_dir: Path, tmp_path: Path) -> None:
     kills = {"r0-0": 20, "r1-0": 40, "r2-0": 60, "r3-0": 80}
 
     async def past_the_kills(job_id: str, watch: Watch) -> None:
@@ -71,7 +70,7 @@ async def test_rank_kills_with_steps_committed_between_them_never_fail_the_job(
 
 
 async def test_a_crash_that_recurs_before_any_step_fails_the_job(
-        cluster, data_dir: Path, tmp_path: Path) -> None:  # noqa: F811
+        cluster, data_dir: Path, tmp_path: Path) -> None:
     _, bus, watch = cluster
     drain(watch.states)
     # Every incarnation of slot 0 dies at step 0's boundary; with two replicas of two,

@@ -68,14 +68,6 @@ ORDER = ElasticOrder(SAMPLES, 64, seed=0)
 RUN_ENV = {"PHALANX_DETERMINISTIC": "1", "PHALANX_STATE_CHECKSUM": "1"}
 
 
-@pytest.fixture(scope="module")
-def data_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    path = tmp_path_factory.mktemp("data") / "mlp"
-    subprocess.run([sys.executable, str(SCRIPT), "--prepare", "--data-dir", str(path), *ARGS],
-                   check=True, timeout=120)
-    return path
-
-
 def fault_free(data_dir: Path, out: Path, steps: int, args: Sequence[str] = ()) -> dict:
     """The fault-free run: the same script alone (``args``: the script's, beyond ARGS)."""
     out.mkdir(parents=True, exist_ok=True)
@@ -88,14 +80,28 @@ def fault_free(data_dir: Path, out: Path, steps: int, args: Sequence[str] = ()) 
             "loss": [s.loss for s in record.timeline(record.read(out / "rec"))]}
 
 
-@pytest.fixture(scope="module")
-def reference(data_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
-    return fault_free(data_dir, tmp_path_factory.mktemp("reference"), STEPS)
+def prepare(data_dir: Path) -> None:
+    """The script's data set (``--prepare`` with ARGS) in ``data_dir``."""
+    subprocess.run([sys.executable, str(SCRIPT), "--prepare", "--data-dir", str(data_dir),
+                    *ARGS], check=True, timeout=120)
 
 
-@pytest.fixture(scope="module")
-def long_reference(data_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
-    return fault_free(data_dir, tmp_path_factory.mktemp("long-reference"), LONG_STEPS)
+class FaultFreeRuns:
+    """``fault_free`` runs, each made once however many tests and modules compare against it
+    (``conftest.fault_free_runs``: one per session). A run is a torch process of several
+    seconds of CPU; callers read its dict and never change it."""
+
+    def __init__(self, data_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> None:
+        self.data_dir = data_dir
+        self.tmp_path_factory = tmp_path_factory
+        self.runs: dict[tuple[int, tuple[str, ...]], dict] = {}
+
+    def __call__(self, steps: int, args: Sequence[str] = ()) -> dict:
+        key = (steps, tuple(args))
+        if key not in self.runs:
+            self.runs[key] = fault_free(self.data_dir, self.tmp_path_factory.mktemp("reference"),
+                                        steps, args)
+        return self.runs[key]
 
 
 class Watch:
@@ -154,7 +160,8 @@ async def run_job(cluster, data_dir: Path, tmp_path: Path, name: str, inject,
                   spec: dict | None = None, args: Sequence[str] = (),
                   pace_s: float = PACE_S) -> tuple[Path, list[Generation]]:
     """Submit the job (``spec``: JobSpec fields to set; ``args``: the script's, beyond
-    ARGS), call ``inject(job_id)`` once it trains, wait for it to finish.
+    ARGS), call ``inject(job_id)`` once it trains at its most replicas (4 unless ``spec``
+    sets them), wait for it to finish.
 
     Until ``inject`` returns the job trains at most ``1 / pace_s`` steps a second
     (:mod:`phalanx.runtime.chaos`), so whatever it waits for (a replacement joining, a
@@ -165,16 +172,16 @@ async def run_job(cluster, data_dir: Path, tmp_path: Path, name: str, inject,
         drain(queue)
     rec = tmp_path / "rec"
     release = tmp_path / "release"
-    spec = JobSpec(name=name, team="t", priority_class="normal",
-                   replicas=ReplicaRange(min=2, max=4), placement=Placement(),
+    spec = JobSpec(name=name, team="t", priority_class="normal", placement=Placement(),
                    command=[sys.executable, str(SCRIPT), "--data-dir", str(data_dir), *ARGS,
                             *args, "--steps", str(steps), "--save", str(tmp_path / "final.pt")],
                    env={"PHALANX_RECORD_DIR": str(rec), **RUN_ENV,
                         "PHALANX_CHAOS_PACE": f"{pace_s}:{release}", **(env or {})},
-                   **{"hang_timeout_s": 2.0, "grace_period_s": 3.0, **(spec or {})})
+                   **{"replicas": ReplicaRange(min=2, max=4), "hang_timeout_s": 2.0,
+                      "grace_period_s": 3.0, **(spec or {})})
     job = await AdmissionClient(bus).submit(spec, f"{name}-1")
     generations = [await next_of(watch.generations, lambda g: g.job_id == job.job_id, 120)]
-    assert generations[0].world_size == 4
+    assert generations[0].world_size == spec.replicas.max
     await inject(job.job_id, watch)
     release.touch()
     finished = asyncio.create_task(next_of(

@@ -33,10 +33,9 @@ from test_elastic import (  # the same workload, reference run and cluster
     ARGS,
     RUN_ENV,
     SCRIPT,
+    FaultFreeRuns,
     Watch,
     check_run,
-    data_dir,  # noqa: F401  (a fixture)
-    fault_free,
     watched_cluster,
 )
 
@@ -67,8 +66,8 @@ PACE_S = 0.5
 
 
 @pytest.fixture(scope="module")
-def reference(data_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:  # noqa: F811
-    return fault_free(data_dir, tmp_path_factory.mktemp("reference"), STEPS)
+def reference(fault_free_runs: FaultFreeRuns) -> dict:
+    return fault_free_runs(STEPS)
 
 
 def aborted(records: dict[str, list[dict]]) -> list[tuple[str, int, int]]:
@@ -89,7 +88,7 @@ def aborted(records: dict[str, list[dict]]) -> list[tuple[str, int, int]]:
     ScalingPolicy(replica_discrete_values=[2, 4]),
 ], ids=["increment-1", "discrete-2-4"])
 async def test_grow_shrink_gracefully_for_a_preemptor_and_grow_back(
-        scaling: ScalingPolicy, data_dir: Path, reference: dict,  # noqa: F811
+        scaling: ScalingPolicy, data_dir: Path, reference: dict,
         tmp_path: Path) -> None:
     async with watched_cluster(tmp_path / "cluster") as (data, bus, watch):
         await scenario(scaling, data, bus, watch, data_dir, reference, tmp_path)

@@ -3,11 +3,16 @@
 `phalanx up` (NATS, admission, health, two agents), a 4-rank job of
 ``examples/progress_loop.py``, and faults injected with `phalanx chaos`:
 each must come back as a fault event naming what happened.
+
+The tests share one cluster (each a few seconds of CPU to start): after each, every job
+it left is cancelled, so the next one's job finds the 4 slots. The test that kills an
+agent gets a cluster of its own.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import subprocess
@@ -63,9 +68,8 @@ class Watch:
                             lambda m, d: put(self.progress, m, d))
 
 
-@pytest.fixture
-async def cluster(tmp_path: Path) -> AsyncIterator[tuple[Path, Bus, Watch]]:
-    data_dir = tmp_path / "cluster"
+@contextlib.asynccontextmanager
+async def local_cluster(data_dir: Path) -> AsyncIterator[tuple[Path, Bus, Watch]]:
     phalanx("up", "--agents", "2", "--detach", "--data-dir", str(data_dir), "--nats-port", "0",
             "--heartbeat-interval", "0.2", "--lost-after", str(LOST_AFTER_S))
     state = json.loads((data_dir / "up.json").read_text())
@@ -76,6 +80,30 @@ async def cluster(tmp_path: Path) -> AsyncIterator[tuple[Path, Bus, Watch]]:
             yield data_dir, bus, watch
     finally:
         phalanx("down", "--data-dir", str(data_dir))
+
+
+@pytest.fixture(scope="module")
+async def shared_cluster(
+        tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[tuple[Path, Bus, Watch]]:
+    async with local_cluster(tmp_path_factory.mktemp("cluster")) as running:
+        yield running
+
+
+@pytest.fixture
+async def cluster(
+        shared_cluster: tuple[Path, Bus, Watch]) -> AsyncIterator[tuple[Path, Bus, Watch]]:
+    """The module's cluster; the jobs the test left running are cancelled after it."""
+    yield shared_cluster
+    client = AdmissionClient(shared_cluster[1])
+    for job in await client.jobs():
+        if not job.state.terminal:
+            await client.cancel(job.job_id)
+
+
+@pytest.fixture
+async def own_cluster(tmp_path: Path) -> AsyncIterator[tuple[Path, Bus, Watch]]:
+    async with local_cluster(tmp_path / "cluster") as running:
+        yield running
 
 
 def loop_spec(name: str, replicas: int = 4) -> JobSpec:
@@ -122,8 +150,9 @@ async def test_stopped_rank_is_a_hang_fault(cluster) -> None:
     assert fault.detected_at - stopped_at >= HANG_TIMEOUT_S * 0.9
 
 
-async def test_killed_agent_is_node_lost_for_its_ranks_and_leaves_capacity(cluster) -> None:
-    data_dir, bus, watch = cluster
+async def test_killed_agent_is_node_lost_for_its_ranks_and_leaves_capacity(
+        own_cluster: tuple[Path, Bus, Watch]) -> None:
+    data_dir, bus, watch = own_cluster
     job = await start_job(bus, watch, "lost")
     victim = job.nodes[0]
     phalanx("chaos", "kill-agent", victim, "--data-dir", str(data_dir))

@@ -25,7 +25,6 @@ from e2e_cli import next_of, phalanx
 from test_elastic import (  # the e2e helpers of the elastic tests: same cluster, same job
     ARGS,
     SCRIPT,
-    data_dir,  # noqa: F401  (a fixture)
     progressed,
     watched_cluster,
 )
@@ -52,7 +51,7 @@ REASON = "Xid 79 on slot 0 (a CPU slot: no GPU seen here), injected by phalanx c
 
 @pytest.mark.timeout(240)
 async def test_a_gpu_fault_cordons_its_slot_and_the_job_recovers_on_the_others(
-        data_dir: Path, tmp_path: Path) -> None:  # noqa: F811
+        data_dir: Path, tmp_path: Path) -> None:
     data = tmp_path / "cluster"
     where = ("--data-dir", str(data))
     async with watched_cluster(data, "--slots-per-agent", "3") as (_, bus, watch):

@@ -9,7 +9,9 @@ is what happened (issue 24): its history's resume steps are those in the ranks' 
 records, an ended job places no replicas, and the commands after ``phalanx up`` find
 its cluster without ``--data-dir``.
 
-Marked slow: each test starts a whole local cluster (NATS, services, two agents).
+Marked slow: a whole local cluster (NATS, services, two agents), one for the module's tests
+(each a few seconds of CPU to start): each test's jobs end, or it cancels them, and a test
+that gets a node cordoned uncordons it.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from phalanx.runtime import record
 from phalanx.services.manifest import running_in_manifest
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
+WIDTHS = "8,16,8"
 
 
 def free_port() -> int:
@@ -38,17 +41,26 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture
-def cluster(tmp_path: Path):
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory):
     """Two agents of two slots; health cordons a node at its first fault, so a fault
     that is charged to a node shows at once."""
-    data_dir = tmp_path / "cluster"
+    data_dir = tmp_path_factory.mktemp("cluster")
     env = {**os.environ, "PHALANX_HEALTH_CORDON_FAULTS": "1"}
     phalanx("up", "--agents", "2", "--detach", "--data-dir", str(data_dir),
             "--nats-port", str(free_port()), "--heartbeat-interval", "0.2",
             "--lost-after", "3", env=env)
     yield ("--data-dir", str(data_dir)), data_dir
     phalanx("down", "--data-dir", str(data_dir))
+
+
+@pytest.fixture(scope="module")
+def mlp_data(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny data set of ``train_mlp.py`` (WIDTHS, 256 samples), for the tests that train."""
+    data = tmp_path_factory.mktemp("data")
+    subprocess.run([sys.executable, str(EXAMPLES / "train_mlp.py"), "--prepare", "--data-dir",
+                    str(data), "--widths", WIDTHS, "--samples", "256"], check=True)
+    return data
 
 
 def submit(where: tuple[str, ...], tmp_path: Path, name: str, command: list[str],
@@ -160,29 +172,29 @@ def test_chaos_kills_never_cordon_while_the_same_kill_from_elsewhere_does(
                if r["job_id"] == job_id and r["rank"] == other_slot)
     os.kill(pid, signal.SIGKILL)
     deadline = time.monotonic() + 30
-    while not nodes(where)["local-1"]["cordoned"]:  # health heard both kills, in order
-        assert time.monotonic() < deadline, "the SIGKILL from outside was never charged"
-        time.sleep(0.2)
-    assert nodes(where)["local-0"]["cordoned"] is False
+    try:
+        while not nodes(where)["local-1"]["cordoned"]:  # health heard both kills, in order
+            assert time.monotonic() < deadline, "the SIGKILL from outside was never charged"
+            time.sleep(0.2)
+        assert nodes(where)["local-0"]["cordoned"] is False
+    finally:  # the module's next tests get the cluster whole
+        phalanx("cancel", job_id, *where)
+        phalanx("node", "uncordon", "local-1", *where)
 
 
 def test_a_replacement_that_raises_again_fails_the_job_after_max_app_failures(
-        cluster, tmp_path: Path) -> None:
+        cluster, mlp_data: Path, tmp_path: Path) -> None:
     """Under the runtime a failed replica is replaced; an application failure that its
     replacement repeats is not retried forever: the job ends failed with the exception."""
     where, _ = cluster
-    data = tmp_path / "data"
-    widths = "8,16,8"
-    subprocess.run([sys.executable, str(EXAMPLES / "train_mlp.py"), "--prepare", "--data-dir",
-                    str(data), "--widths", widths, "--samples", "256"], check=True)
     script = tmp_path / "slot1_raises.py"
     script.write_text(
         "import os, sys, torch\n"
         "from phalanx.examples import workload_w\n"
         "from phalanx.runtime import ElasticSession, MemmapDataset\n"
         "torch.set_num_threads(1)\n"
-        f"dataset = MemmapDataset({str(data)!r})\n"
-        f"model = workload_w.build_model(({widths}), 0)\n"
+        f"dataset = MemmapDataset({str(mlp_data)!r})\n"
+        f"model = workload_w.build_model(({WIDTHS}), 0)\n"
         "optimizer = workload_w.build_optimizer(model)\n"
         "with ElasticSession.from_env(model, optimizer, dataset, global_batch=32,\n"
         "                             micro_batch_size=8, seed=0) as session:\n"
@@ -204,15 +216,13 @@ def test_a_replacement_that_raises_again_fails_the_job_after_max_app_failures(
     assert not any(n["cordoned"] for n in nodes(where).values())
 
 
-def test_the_history_says_what_the_ranks_resumed_after(cluster, tmp_path: Path) -> None:
+def test_the_history_says_what_the_ranks_resumed_after(
+        cluster, mlp_data: Path, tmp_path: Path) -> None:
     """Issue 24: the CLI showed elasticity's estimate when it decided (step 1) where the
     ranks resumed after step 19. Compared here with the ranks' own records."""
-    data, rec = tmp_path / "data", tmp_path / "rec"
-    widths = "8,16,8"
-    subprocess.run([sys.executable, str(EXAMPLES / "train_mlp.py"), "--prepare", "--data-dir",
-                    str(data), "--widths", widths, "--samples", "256"], check=True)
-    command = [sys.executable, str(EXAMPLES / "train_mlp.py"), "--data-dir", str(data),
-               "--widths", widths, "--samples", "256", "--global-batch", "32",
+    rec = tmp_path / "rec"
+    command = [sys.executable, str(EXAMPLES / "train_mlp.py"), "--data-dir", str(mlp_data),
+               "--widths", WIDTHS, "--samples", "256", "--global-batch", "32",
                "--micro-batch", "8", "--steps", "40"]
     env = {"PHALANX_RECORD_DIR": str(rec), "PHALANX_CHAOS_KILL": "r1-0:20:boundary"}
     spec = tmp_path / "resume.yaml"

@@ -22,7 +22,6 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import subprocess
 import sys
 import urllib.request
 from pathlib import Path
@@ -33,6 +32,7 @@ from metrics_page import scrape as scrape_page
 from metrics_page import value
 from otlp_sink import OtlpSink, SpanRecord
 from prometheus_client.parser import text_string_to_metric_families
+from test_elastic import ARGS, SCRIPT  # the workload of the session's data_dir
 
 from phalanx.bus.client import Bus
 from phalanx.bus.config import BusConfig
@@ -52,8 +52,6 @@ from phalanx.schemas.messages import (
 from phalanx.services import control_plane, metrics
 from phalanx.services.client import AdmissionClient
 
-SCRIPT = Path(__file__).resolve().parents[2] / "examples" / "train_mlp.py"
-ARGS = ["--widths", "64,128,64", "--samples", "640", "--micro-batch", "8"]
 SURVIVORS = {"r0-0", "r2-0", "r3-0"}
 
 
@@ -76,10 +74,7 @@ def trace_of(spans: list[SpanRecord], leaf: SpanRecord) -> list[SpanRecord]:
 
 @pytest.mark.timeout(300)
 async def test_one_recovery_is_one_trace_and_moves_every_services_counters(
-        tmp_path: Path) -> None:
-    data_dir = tmp_path / "data"
-    subprocess.run([sys.executable, str(SCRIPT), "--prepare", "--data-dir", str(data_dir),
-                    *ARGS], check=True, timeout=120)
+        data_dir: Path, tmp_path: Path) -> None:
     cluster = tmp_path / "cluster"
     with OtlpSink() as jaeger:
         phalanx("up", "--agents", "2", "--slots-per-agent", "2", "--detach", "--data-dir",

@@ -28,10 +28,9 @@ from test_elastic import (  # the e2e helpers of the elastic tests: same cluster
     FAULT_STEP,
     LONG_PACE_S,
     LONG_STEPS,
+    FaultFreeRuns,
     Watch,
     check_run,
-    data_dir,  # noqa: F401  (a fixture)
-    fault_free,
     run_job,
     watched_cluster,
 )
@@ -46,12 +45,12 @@ KILL_AT = FAULT_STEP
 
 
 @pytest.fixture(scope="module")
-def reference(data_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:  # noqa: F811
-    return fault_free(data_dir, tmp_path_factory.mktemp("reference"), LONG_STEPS, SHARDED)
+def reference(fault_free_runs: FaultFreeRuns) -> dict:
+    return fault_free_runs(LONG_STEPS, SHARDED)
 
 
 async def test_a_rank_of_a_sharded_optimizer_killed_its_partition_comes_back_repartitioned(
-        data_dir: Path, reference: dict, tmp_path: Path,  # noqa: F811
+        data_dir: Path, reference: dict, tmp_path: Path,
         tmp_path_factory: pytest.TempPathFactory) -> None:
     async with watched_cluster(tmp_path_factory.mktemp("cluster")) as cluster:
         _, bus, _ = cluster

@@ -26,9 +26,7 @@ from test_elastic import (  # the e2e helpers of the elastic tests: same job, sa
     STEPS,
     Watch,
     check_run,
-    data_dir,  # noqa: F401  (a fixture)
     progressed,
-    reference,  # noqa: F401  (a fixture)
     run_job,
     watched_cluster,
 )
@@ -40,7 +38,7 @@ from phalanx.schemas.messages import Generation, GenerationReason, RankStarted
 
 @pytest.mark.timeout(420)
 async def test_a_killed_rank_is_replaced_by_a_warm_spare_and_the_job_ends_bitwise_equal(
-        data_dir: Path, reference: dict, tmp_path: Path,  # noqa: F811
+        data_dir: Path, reference: dict, tmp_path: Path,
         tmp_path_factory: pytest.TempPathFactory) -> None:
     data = tmp_path_factory.mktemp("cluster")
     where = ("--data-dir", str(data))
@@ -86,5 +84,9 @@ async def test_a_killed_rank_is_replaced_by_a_warm_spare_and_the_job_ends_bitwis
         launches = [json.loads(line) for line in
                     (data / "logs" / "elasticity.log").read_text().splitlines()
                     if '"agent request done"' in line]
-        assert [(e["replica"], e["spare"]) for e in launches] == [("r1-1", True)], launches
+        # (Asked of a spare during the recovery, then cold once it is over, r1-1 may be
+        # asked twice when the recovery ends before it is ready: the second is a no-op.)
+        assert [(e["replica"], e["spare"]) for e in launches][:1] == [("r1-1", True)], launches
+        assert all(e["replica"] == "r1-1" and "already launched" in e["detail"]
+                   for e in launches[1:]), launches
     assert not spares_of(job_id)  # nothing left after phalanx down

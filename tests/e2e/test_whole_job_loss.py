@@ -1,16 +1,17 @@
 """Every rank of a job killed, and again once it trains again: it resumes from memory both times.
 
-A 4-replica job of ``examples/train_mlp.py --schedule`` (a warmup + cosine LR
-schedule, clipping, an EMA and a counter stepped after each commit) on two
-agents of two slots each, with health's default cordoning, snapshots every
-step. Once step 40 is reported every rank is frozen and then SIGKILLed (pids
-from the agents' manifests); once the job trains again in a later generation,
-every process of the job is killed the same way a second time. However health
-saw the deaths (one crash first, then the others, over several generations),
-the job must restore the newest step its nodes' memory holds each time and end
-``finished``, bitwise equal to the script alone: parameters, EMA, schedule and
-counter, and every step's loss. Killing every rank alike is no evidence
-against any node: none is cordoned.
+A 2-replica job of ``examples/train_mlp.py --schedule`` (a warmup + cosine LR schedule,
+clipping, an EMA and a counter stepped after each commit) on two agents of one slot each
+(one rank per node: each node holds its own rank's snapshots and its buddy's replicas;
+more ranks per node would hold more shards of the same kind, each rank a torch process
+of seconds of CPU, and prove nothing more), with health's default cordoning, snapshots
+every step. Once step 40 is reported every rank is frozen and then SIGKILLed (pids from
+the agents' manifests); once the job trains again in a later generation, every process
+of the job is killed the same way a second time. However health saw the deaths (one
+crash first, then the others, over several generations), the job must restore the newest
+step its nodes' memory holds each time and end ``finished``, bitwise equal to the script
+alone: parameters, EMA, schedule and counter, and every step's loss. Killing every rank
+alike is no evidence against any node: none is cordoned.
 """
 
 from __future__ import annotations
@@ -22,10 +23,9 @@ from pathlib import Path
 import pytest
 from e2e_cli import next_of
 from test_elastic import (  # the e2e helpers of the elastic tests: same cluster, same job
+    FaultFreeRuns,
     Watch,
     check_run,
-    data_dir,  # noqa: F401  (a fixture)
-    fault_free,
     progressed,
     run_job,
     watched_cluster,
@@ -36,7 +36,7 @@ from test_elastic import (  # the e2e helpers of the elastic tests: same cluster
 from phalanx.bus.kv import TypedKV
 from phalanx.runtime import record
 from phalanx.schemas import subjects
-from phalanx.schemas.messages import CheckpointPolicy, NodeRecord
+from phalanx.schemas.messages import CheckpointPolicy, NodeRecord, ReplicaRange
 from phalanx.services.manifest import running_in_manifest
 
 pytestmark = pytest.mark.timeout(360)
@@ -45,11 +45,12 @@ pytestmark = pytest.mark.timeout(360)
 STEPS = 150
 KILL_AFTER = 40
 SCHEDULE = ["--schedule"]
+REPLICAS = 2  # on 2 agents x 1 slot
 
 
 @pytest.fixture(scope="module")
-def reference(data_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:  # noqa: F811
-    return fault_free(data_dir, tmp_path_factory.mktemp("reference"), STEPS, SCHEDULE)
+def reference(fault_free_runs: FaultFreeRuns) -> dict:
+    return fault_free_runs(STEPS, SCHEDULE)
 
 
 def kill_every_rank(cluster_dir: Path) -> list[int]:
@@ -65,13 +66,13 @@ def kill_every_rank(cluster_dir: Path) -> list[int]:
 
 
 async def test_every_rank_killed_twice_the_job_resumes_from_memory_each_time(
-        data_dir: Path, reference: dict, tmp_path: Path,  # noqa: F811
+        data_dir: Path, reference: dict, tmp_path: Path,
         tmp_path_factory: pytest.TempPathFactory) -> None:
     # Two nodes: a replacement generation's nodes then hold every shard (their own and
     # the buddy's replicas). With a third node, replacements there held a part only; the
     # members cannot fetch shards from outside their generation yet (issue 24's note).
-    async with watched_cluster(tmp_path_factory.mktemp("cluster"), agents=2,
-                               cordon=True) as cluster:
+    async with watched_cluster(tmp_path_factory.mktemp("cluster"), "--slots-per-agent", "1",
+                               agents=2, cordon=True) as cluster:
         cluster_dir, bus, _ = cluster
         killed: list[list[int]] = []
         reached: list[int] = []  # a step reported before each kill
@@ -80,7 +81,7 @@ async def test_every_rank_killed_twice_the_job_resumes_from_memory_each_time(
             await progressed(watch, job_id, KILL_AFTER)
             reached.append(KILL_AFTER)
             first = kill_every_rank(cluster_dir)
-            assert len(first) == 4, first
+            assert len(first) == REPLICAS, first
             killed.append(first)
             # Trains again: a rank of a later generation reports steps past the kill.
             last = await next_of(watch.progress, lambda p: p.job_id == job_id
@@ -94,7 +95,8 @@ async def test_every_rank_killed_twice_the_job_resumes_from_memory_each_time(
 
         rec, _ = await run_job(
             cluster, data_dir, tmp_path, "twice", kill_twice, steps=STEPS, args=SCHEDULE,
-            spec={"checkpoint": CheckpointPolicy(memory_every_steps=1)})
+            spec={"checkpoint": CheckpointPolicy(memory_every_steps=1),
+                  "replicas": ReplicaRange(min=2, max=REPLICAS)})
         nodes = await TypedKV.open(bus.js, subjects.NODES_BUCKET, NodeRecord)
         entries, _ = await nodes.entries()
         cordoned = [e.value.node.node_id for e in entries if e.value.cordoned]

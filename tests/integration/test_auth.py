@@ -253,6 +253,7 @@ async def test_an_agent_cannot_impersonate_another_node(connect: Connect,
     # (so never acknowledged).
     nodes_a = await TypedKV.open(agent_a.nc.jetstream(timeout=0.5), subjects.NODES_BUCKET,
                                  NodeRecord)
+    nodes_a.failover_s = 0  # no answer here is a refusal, not an election: no 15 s retry
     with pytest.raises(nats.errors.TimeoutError):
         await assert_refused(agent_a, subjects.kv_key(subjects.NODES_BUCKET, "node-b"),
                              nodes_a.put("node-b", node_record("node-b", 99)))

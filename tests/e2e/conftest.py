@@ -1,0 +1,42 @@
+"""Fixtures the e2e modules share for the whole session: the MLP workload's data set and its
+fault-free runs (``test_elastic``'s script and ARGS).
+
+Most e2e modules train the same script on the same data, and several compare against the
+same run alone. Each is a torch process (2-5 s of CPU on a suite bound by its CPU), so each
+is made once per session, not once per module. A module whose job differs (more steps, an
+LR schedule, the sharded optimizer) overrides ``reference`` with its own
+``fault_free_runs(steps, args)``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from test_elastic import LONG_STEPS, STEPS, FaultFreeRuns, prepare
+
+
+@pytest.fixture(scope="session")
+def data_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The data set of ``train_mlp.py`` with test_elastic's ARGS."""
+    path = tmp_path_factory.mktemp("data") / "mlp"
+    prepare(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def fault_free_runs(data_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> FaultFreeRuns:
+    """``fault_free_runs(steps, args)``: the script alone on ``data_dir``, once per session."""
+    return FaultFreeRuns(data_dir, tmp_path_factory)
+
+
+@pytest.fixture(scope="session")
+def reference(fault_free_runs: FaultFreeRuns) -> dict:
+    """The run alone of test_elastic's jobs (STEPS)."""
+    return fault_free_runs(STEPS)
+
+
+@pytest.fixture(scope="session")
+def long_reference(fault_free_runs: FaultFreeRuns) -> dict:
+    """The run alone of test_elastic's jobs that wait for a replacement (LONG_STEPS)."""
+    return fault_free_runs(LONG_STEPS)

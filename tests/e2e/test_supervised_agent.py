@@ -1,0 +1,68 @@
+"""The Kubernetes agent's process layout, with a training job: each agent runs under
+``phalanx agent --supervised`` (``phalanx up --supervised-agents``, as the DaemonSet
+runs it). An agent SIGKILLed mid-training is started again in place by its supervisor;
+the ranks it left are reparented to the supervisor meanwhile and train on, are adopted
+by the new agent, and the job finishes without a fault or a new generation, equal to
+the run alone (deterministic mode)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+
+import pytest
+from e2e_cli import phalanx
+from proc_tree import children, parent, until
+from test_elastic import Watch, check_run, progressed, run_job, watched_cluster
+
+from phalanx.schemas import subjects
+from phalanx.schemas.messages import GenerationReason, NodeHeartbeat
+from phalanx.services.manifest import running_in_manifest
+
+pytestmark = pytest.mark.timeout(300)
+NODE = "local-0"
+
+
+async def test_an_agent_killed_under_its_supervisor_comes_back_and_its_ranks_train_on(
+        data_dir: Path, reference: dict, tmp_path: Path,
+        tmp_path_factory: pytest.TempPathFactory) -> None:
+    cluster_dir = tmp_path_factory.mktemp("cluster")
+    seen: dict[str, object] = {}
+    # Long enough for the supervisor's restart (1 s) and the new agent's start on a
+    # loaded machine: the node must not be judged lost meanwhile.
+    async with watched_cluster(cluster_dir, "--supervised-agents", "--lost-after", "15") \
+            as cluster:
+        _, bus, _ = cluster
+        beats: asyncio.Queue[NodeHeartbeat] = asyncio.Queue()
+
+        async def on_beat(beat: NodeHeartbeat, _: object) -> None:
+            beats.put_nowait(beat)
+
+        await bus.subscribe(subjects.node_heartbeat(NODE), NodeHeartbeat, on_beat)
+
+        async def kill_agent(job_id: str, watch: Watch) -> None:
+            await progressed(watch, job_id, 10)
+            supervisor = json.loads((cluster_dir / "up.json").read_text())["agents"][NODE]
+            (agent,) = children(supervisor)
+            ranks = [r["pid"] for r in running_in_manifest(
+                cluster_dir / "agents" / NODE / "ranks.json") if r["job_id"] == job_id]
+            assert len(ranks) == 2 and all(parent(pid) == agent for pid in ranks)
+            phalanx("chaos", "kill-agent", NODE, "--data-dir", str(cluster_dir))
+            # Its ranks outlive it: reparented to the supervisor (the child subreaper).
+            await until(lambda: agent not in {parent(pid) for pid in ranks})
+            assert {parent(pid) for pid in ranks} == {supervisor}
+            # The agent again, in place: a new child of the supervisor that heartbeats.
+            await until(lambda: children(supervisor) - {agent, *ranks})
+            while not beats.empty():
+                beats.get_nowait()
+            await asyncio.wait_for(beats.get(), 30)
+            seen["ranks"], seen["agent"] = ranks, children(supervisor) - set(ranks)
+            seen["supervisor"] = supervisor
+
+        rec, generations = await run_job(cluster, data_dir, tmp_path, "supervised",
+                                         kill_agent)
+    # Adopted, not replaced: the same processes trained to the end, in one generation.
+    assert [g.reason for g in generations] == [GenerationReason.START], generations
+    assert len(seen["agent"]) == 1  # type: ignore[arg-type]
+    check_run(rec, tmp_path / "final.pt", reference)
