@@ -211,13 +211,24 @@ class StepLoader:
         self.sampler = _StepBatches()
         self.loader = torch.utils.data.DataLoader(dataset, batch_sampler=self.sampler,
                                                   **options)
+        self._iterator: Iterator[Any] | None = None
 
     def batches(self, plan: Sequence[MicroBatch]) -> Iterator[Any]:
         """The loaded batches of ``plan``, in order."""
         if not plan:
             return iter(())
         self.sampler.batches = [list(mb.indices) for mb in plan]
-        return iter(self.loader)
+        self._iterator = iter(self.loader)
+        return self._iterator
+
+    def close(self) -> None:
+        """Stop the worker processes now. Left to the garbage collector, a DataLoader's
+        finalizer joins its workers in whatever thread collects it, which can then stall
+        for seconds (a collective's thread among them)."""
+        iterator, self._iterator = self._iterator, None
+        shutdown = getattr(iterator, "_shutdown_workers", None)  # multi-process only
+        if shutdown is not None:
+            shutdown()
 
 
 def step_loader(dataset: Any, options: Mapping[str, Any] | None) -> StepLoader | None:

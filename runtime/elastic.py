@@ -604,7 +604,7 @@ class ElasticSession:
 
     def close(self) -> None:
         """Leave: let a durable write under way end (the job's last step is persisted),
-        flush the record, stop the bus thread (idempotent).
+        flush the record, stop the bus thread and the loader's workers (idempotent).
 
         A rank that trained in process groups then exits without tearing gloo down
         (:mod:`.teardown` says why): the interpreter's exit ends with ``os._exit`` once
@@ -628,6 +628,8 @@ class ElasticSession:
             teardown.arm()
         if self._record is not None:
             self._record.close()
+        if self._loader is not None:
+            self._loader.close()
 
 
 # Imported last: a step refers back to the session (the names stay importable from here).

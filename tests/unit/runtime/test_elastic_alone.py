@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import multiprocessing
 from pathlib import Path
 
 import numpy as np
@@ -314,11 +315,15 @@ def test_a_dataset_without_batch_is_read_by_the_dataloader_with_the_users_option
                                  Squares(40), global_batch=8, micro_batch_size=3,
                                  deterministic=True, loader=loader)
         seen = []
-        for step in session.steps(10):
-            for x, y, i in step:
-                step.backward(torch.nn.functional.mse_loss(model(x), y))
-                seen.append(i.tolist())
-            assert step.commit()
+        with session:  # its end stops the loader's workers
+            for step in session.steps(10):
+                for x, y, i in step:
+                    step.backward(torch.nn.functional.mse_loss(model(x), y))
+                    seen.append(i.tolist())
+                assert step.commit()
+            if loader and loader.get("num_workers"):
+                assert multiprocessing.active_children()  # persistent, until the end
+        assert not multiprocessing.active_children()  # the end stopped them
         return [p.detach().clone() for p in model.parameters()], seen
 
     params, seen = run({"num_workers": workers, "collate_fn": stacked})
