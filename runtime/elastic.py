@@ -288,9 +288,8 @@ class ElasticSession:
             if bus is not None and snapshot_interval is not None and snapshot_dir else None
         if warmup is not None and bus is not None:
             _warm_up(warmup, optimizer)
-        self._landing = landing
         if bus is not None:
-            self._connect(bus)
+            self._connect(bus, landing)
 
     @classmethod
     def from_env(cls, model: torch.nn.Module, optimizer: torch.optim.Optimizer, dataset: Any,
@@ -380,7 +379,7 @@ class ElasticSession:
 
     # --- the bus side (runs on the bus thread) ---------------------------------------------
 
-    def _connect(self, bus: BusThread) -> None:
+    def _connect(self, bus: BusThread, landing: list[torch.Tensor] | None) -> None:
         # Every replica hosts a store; a generation rendezvouses on its rank 0's.
         self.endpoint = self._membership.host_store()
         self._progress = ProgressReporter(None, self.job_id, self.slot,
@@ -395,9 +394,8 @@ class ElasticSession:
             self._inbox.on_generation(stored, None)
             if stored.member(self.replica_id) is None and self._sharded is None:
                 # Joining a running job.
-                self._membership.landing = self._landing if self._landing is not None \
+                self._membership.landing = landing if landing is not None \
                     else landing_buffers(self.optimizer)
-        self._landing = None  # used by this join or never
         assert bus.bus is not None
         bus.bus.on_reconnect(lambda: self._resync_generation(bus))
         if self.nice_when_ready is not None:
