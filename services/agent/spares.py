@@ -170,7 +170,7 @@ class SpareSet:
         """Start ``job_id``'s next spare :data:`REPLENISH_AFTER_S` after one was taken."""
         self._held[job_id] = max(self._held.get(job_id, 0.0),
                                  time.monotonic() + REPLENISH_AFTER_S)
-        self._spawn(self._refresh_after(REPLENISH_AFTER_S))
+        self._spawn(self._refresh_when_released(job_id))
 
     async def refresh(self) -> None:
         """Start and stop spares so that each job has what :func:`~.core.spare_counts`
@@ -253,10 +253,13 @@ class SpareSet:
         self.failures[job_id] = self.failures.get(job_id, 0) + 1
         delay = core.spare_restart_delay(self.failures[job_id])
         self._held[job_id] = time.monotonic() + delay
-        self._spawn(self._refresh_after(delay))
+        self._spawn(self._refresh_when_released(job_id))
 
-    async def _refresh_after(self, delay_s: float) -> None:
-        await asyncio.sleep(delay_s)
+    async def _refresh_when_released(self, job_id: str) -> None:
+        # Sleep on the clock the hold is read with: uvloop's timers may fire up to a
+        # millisecond early, and a refresh still inside the hold would start nothing.
+        while (left := self._held.get(job_id, 0.0) - time.monotonic()) > 0:
+            await asyncio.sleep(left)
         await self.refresh()
 
     def _spawn(self, work: Coroutine[None, None, None]) -> None:
