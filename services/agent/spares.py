@@ -256,10 +256,13 @@ class SpareSet:
         self._spawn(self._refresh_when_released(job_id))
 
     async def _refresh_when_released(self, job_id: str) -> None:
-        # Sleep on the clock the hold is read with: uvloop's timers may fire up to a
-        # millisecond early, and a refresh still inside the hold would start nothing.
-        while (left := self._held.get(job_id, 0.0) - time.monotonic()) > 0:
-            await asyncio.sleep(left)
+        held = self._held.get(job_id, 0.0)
+        await asyncio.sleep(max(0.0, held - time.monotonic()))
+        # The hold is over, whatever the clock says: uvloop's timers may fire up to a
+        # millisecond early, and a refresh still inside it would start nothing. A hold
+        # made longer meanwhile has its own task to end it.
+        if self._held.get(job_id) == held:
+            del self._held[job_id]
         await self.refresh()
 
     def _spawn(self, work: Coroutine[None, None, None]) -> None:
