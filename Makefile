@@ -8,6 +8,11 @@ PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
+# Tests run in this many processes, each given whole modules (the e2e modules share a
+# cluster per module). Most tests wait on processes they start, so two keep both cores
+# of a 2-core machine busy; three gain little there and load each test more.
+WORKERS ?= 2
+PYTEST := $(BIN)/pytest -n $(WORKERS) --dist loadfile
 # mypy reads each top-level folder as phalanx.<folder> through links here ([tool.mypy]).
 TYPED  := build/typecheck/phalanx
 
@@ -40,13 +45,13 @@ check: install | $(TYPED)
 	$(BIN)/ruff check .
 	$(BIN)/mypy
 	$(BIN)/python -m phalanx.schemas.reference --check docs/wire.md
-	$(BIN)/pytest -m "not slow"
+	$(PYTEST) -m "not slow"
 
 test: install | $(TYPED)
 	$(BIN)/ruff check .
 	$(BIN)/mypy
 	$(BIN)/python -m phalanx.schemas.reference --check docs/wire.md
-	$(BIN)/pytest
+	$(PYTEST)
 
 bench: install
 	$(BIN)/python bench/bus.py

@@ -10,24 +10,35 @@ LR schedule, the sharded optimizer) overrides ``reference`` with its own
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
-from test_elastic import LONG_STEPS, STEPS, FaultFreeRuns, prepare
+from test_elastic import LONG_STEPS, STEPS, FaultFreeRuns, made_once, prepare
 
 
 @pytest.fixture(scope="session")
-def data_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The data set of ``train_mlp.py`` with test_elastic's ARGS."""
-    path = tmp_path_factory.mktemp("data") / "mlp"
-    prepare(path)
+def shared_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A directory of this test session that all its processes see: with pytest-xdist,
+    the workers' common base; alone, this process's own."""
+    base = tmp_path_factory.getbasetemp()
+    return base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+
+
+@pytest.fixture(scope="session")
+def data_dir(shared_dir: Path) -> Path:
+    """The data set of ``train_mlp.py`` with test_elastic's ARGS (made once a session)."""
+    path = shared_dir / "data" / "mlp"
+    with made_once(path) as to_make:
+        if to_make:
+            prepare(path)
     return path
 
 
 @pytest.fixture(scope="session")
-def fault_free_runs(data_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> FaultFreeRuns:
-    """``fault_free_runs(steps, args)``: the script alone on ``data_dir``, once per session."""
-    return FaultFreeRuns(data_dir, tmp_path_factory)
+def fault_free_runs(data_dir: Path, shared_dir: Path) -> FaultFreeRuns:
+    """``fault_free_runs(steps, args)``: the script alone on ``data_dir``, once a session."""
+    return FaultFreeRuns(data_dir, shared_dir)
 
 
 @pytest.fixture(scope="session")

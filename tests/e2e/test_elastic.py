@@ -16,12 +16,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import fcntl
+import hashlib
 import json
 import os
 import signal
 import subprocess
 import sys
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Iterator, Sequence
 from pathlib import Path
 
 import pytest
@@ -76,6 +78,11 @@ def fault_free(data_dir: Path, out: Path, steps: int, args: Sequence[str] = ()) 
                     "--steps", str(steps), "--save", str(out / "final.pt")],
                    check=True, timeout=300,
                    env={**env, **RUN_ENV, "PHALANX_RECORD_DIR": str(out / "rec")})
+    return run_read(out, steps)
+
+
+def run_read(out: Path, steps: int) -> dict:
+    """A fault-free run made in ``out``: its steps, final parameters and losses."""
     return {"steps": steps, "params": torch.load(out / "final.pt"),
             "loss": [s.loss for s in record.timeline(record.read(out / "rec"))]}
 
@@ -87,21 +94,43 @@ def prepare(data_dir: Path) -> None:
 
 
 class FaultFreeRuns:
-    """``fault_free`` runs, each made once however many tests and modules compare against it
-    (``conftest.fault_free_runs``: one per session). A run is a torch process of several
-    seconds of CPU; callers read its dict and never change it."""
+    """``fault_free`` runs, each made once however many tests, modules and test processes
+    (pytest-xdist's workers) compare against it (``conftest.fault_free_runs``). A run is a
+    torch process of several seconds of CPU; callers read its dict and never change it.
 
-    def __init__(self, data_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> None:
+    Args:
+        data_dir: the script's data set.
+        shared: a directory every worker of the session sees: each run is made there
+            once, under a lock, and read by the others.
+    """
+
+    def __init__(self, data_dir: Path, shared: Path) -> None:
         self.data_dir = data_dir
-        self.tmp_path_factory = tmp_path_factory
+        self.shared = shared
         self.runs: dict[tuple[int, tuple[str, ...]], dict] = {}
 
     def __call__(self, steps: int, args: Sequence[str] = ()) -> dict:
         key = (steps, tuple(args))
         if key not in self.runs:
-            self.runs[key] = fault_free(self.data_dir, self.tmp_path_factory.mktemp("reference"),
-                                        steps, args)
+            name = hashlib.sha256(repr(key).encode()).hexdigest()[:16]
+            out = self.shared / f"reference-{name}"
+            with made_once(out) as to_make:
+                self.runs[key] = fault_free(self.data_dir, out, steps, args) if to_make \
+                    else run_read(out, steps)
         return self.runs[key]
+
+
+@contextlib.contextmanager
+def made_once(path: Path) -> Iterator[bool]:
+    """Hold the lock of ``path``, made by whichever test process gets there first while
+    the others wait; yields whether it is still to be made (by the body: it counts as
+    made once the body returns)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    done = path.parent / f"{path.name}.done"
+    with open(path.parent / f"{path.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        yield not done.exists()
+        done.touch()
 
 
 class Watch:
