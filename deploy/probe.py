@@ -56,6 +56,7 @@ async def answering(service: str, timeout_s: float,
     """
     from phalanx.bus.client import Bus
     from phalanx.bus.config import BusConfig
+    from phalanx.schemas import subjects
 
     config = BusConfig.load(connect_timeout_s=min(timeout_s, 5.0))
     async with await Bus.connect(config, name=f"probe:{service}") as bus:
@@ -63,7 +64,7 @@ async def answering(service: str, timeout_s: float,
         inbox = nc.new_inbox()
         found: list[str] = []
         sub = await nc.subscribe(inbox)
-        await nc.publish(f"$SRV.INFO.{service}", b"", reply=inbox)
+        await nc.publish(subjects.service_info(service), b"", reply=inbox)
         deadline = time.monotonic() + timeout_s
         while (left := deadline - time.monotonic()) > 0:
             try:

@@ -253,9 +253,10 @@ def kv_stream(bucket: str) -> str:
 
 
 def kv_key(bucket: str, key: str) -> str:
-    """The subject a KV bucket stores ``key`` under (``>`` for every key), both checked
-    as tokens (for permissions)."""
-    return kv_subject(token(bucket, "bucket"), key if key == ">" else token(key, "KV key"))
+    """The subject a KV bucket stores ``key`` under (``>`` or ``*`` for every key), both
+    checked as tokens (for permissions)."""
+    return kv_subject(token(bucket, "bucket"),
+                      key if key in (">", "*") else token(key, "KV key"))
 
 
 def kv_subject(bucket: str, key: str) -> str:
@@ -280,6 +281,12 @@ def service_api(service: str) -> tuple[str, ...]:
     """The NATS service API subjects (``$SRV.PING|INFO|STATS``) one service answers on."""
     name = token(service, "service name")
     return ("$SRV.*", f"$SRV.*.{name}", f"$SRV.*.{name}.*")
+
+
+def service_info(service: str) -> str:
+    """Where every instance of one service answers who it is (``$SRV.INFO.<name>``): a
+    probe's question."""
+    return f"$SRV.INFO.{token(service, 'service name')}"
 
 
 def service_api_requests() -> str:

@@ -64,15 +64,13 @@ class AgentConfig:
     rank_keys_dir: str | None = None
     """On a bus with permissions: where the seeds of jobs' identities are (an auth
     directory's ``ranks/``, see docs/security.md); each rank connects as its job, and
-    a job without a seed there does not start. None (and no ``rank_nats_user``): ranks
+    a job without a seed there does not start. None (and no ``rank_nkey``): ranks
     connect with no credentials (a bus without authentication). A rank never gets the
     agent's own credentials."""
-    rank_nats_user: str | None = None
-    """On a bus with user and password authentication and no per-job identities (the
-    Kubernetes base): the user every rank connects as, one allowed only ranks' subjects
-    (docs/security.md); its password is ``rank_nats_password``."""
-    rank_nats_password: str | None = dataclasses.field(default=None, repr=False)
-    """The password of ``rank_nats_user``."""
+    rank_nkey: str | None = None
+    """On a bus with permissions and no per-job identities (the Kubernetes base): the
+    seed file of the identity every job's ranks share (``ranks``, allowed only ranks'
+    subjects, docs/security.md)."""
 
     snapshot_dir: str | None = None
     """Where ranks' in-memory snapshots are kept: a directory on a tmpfs. Default
@@ -138,12 +136,9 @@ class AgentConfig:
         if self.gpu_poll_interval_s <= 0:
             raise ConfigError(f"agent.gpu_poll_interval_s must be > 0, "
                               f"got {self.gpu_poll_interval_s}")
-        if (self.rank_nats_user is None) != (self.rank_nats_password is None):
-            raise ConfigError("agent.rank_nats_user and agent.rank_nats_password go "
-                              "together: give both or neither")
-        if self.rank_nats_user is not None and self.rank_keys_dir is not None:
+        if self.rank_nkey is not None and self.rank_keys_dir is not None:
             raise ConfigError("agent.rank_keys_dir (an identity per job) and "
-                              "agent.rank_nats_user (one for all ranks) exclude each other")
+                              "agent.rank_nkey (one for all ranks) exclude each other")
         if self.lost_after_s <= self.heartbeat_interval_s:
             raise ConfigError(f"agent.lost_after_s ({self.lost_after_s}) must exceed "
                               f"agent.heartbeat_interval_s ({self.heartbeat_interval_s})")

@@ -294,15 +294,14 @@ class AgentService(Service):
 
     def _rank_identity(self) -> Callable[[str], dict[str, str]] | None:
         """What each job's ranks connect as (trusting the server's certificate as the
-        agent does): the job's own identity, or the ranks' shared user, or nothing."""
+        agent does): the job's own identity, or the ranks' shared one, or nothing."""
         assert self.bus is not None
         ca_file = self.bus.config.tls_ca_file
         if self.config.rank_keys_dir is not None:
             return functools.partial(rank_env, Path(self.config.rank_keys_dir),
                                      ca_file=ca_file)
-        user, password = self.config.rank_nats_user, self.config.rank_nats_password
-        if user is not None and password is not None:
-            shared = shared_rank_env(user, password, ca_file)
+        if self.config.rank_nkey is not None:
+            shared = shared_rank_env(Path(self.config.rank_nkey), ca_file)
             return lambda _job_id: shared
         return None
 

@@ -23,7 +23,7 @@ from pathlib import Path
 
 from phalanx.bus.config import with_identity
 from phalanx.schemas import subjects
-from phalanx.services.auth.roles import SHARED_RANKS, Role, identity
+from phalanx.services.auth.roles import ANY, Role, identity
 
 
 def identity_env(seed_file: Path, name: str) -> dict[str, str]:
@@ -66,10 +66,9 @@ def rank_env(ranks_dir: Path, job_id: str, ca_file: str | None = None) -> dict[s
     return {**env, "PHALANX_NATS_CA": ca_file} if ca_file else env
 
 
-def shared_rank_env(user: str, password: str, ca_file: str | None = None) -> dict[str, str]:
-    """What an agent gives every rank on a bus that authenticates by user and password
-    and has no per-job identities: the ranks' own user (:data:`~.roles.SHARED_RANKS`'s
-    permissions), never the agent's."""
-    env = {"PHALANX_NATS_USER": user, "PHALANX_NATS_PASSWORD": password,
-           "PHALANX_NATS_INBOX_PREFIX": subjects.inbox(SHARED_RANKS)}
+def shared_rank_env(seed_file: Path, ca_file: str | None = None) -> dict[str, str]:
+    """What an agent gives every rank where there are no per-job identities (the
+    Kubernetes base): the identity all jobs' ranks share (``ranks``, scope
+    :data:`~.roles.ANY`), never the agent's."""
+    env = identity_env(seed_file, identity(Role.RANK, ANY))
     return {**env, "PHALANX_NATS_CA": ca_file} if ca_file else env

@@ -74,9 +74,9 @@ def new_seed() -> tuple[bytes, str]:
     return seed, nkeys.from_seed(bytearray(seed)).public_key.decode()
 
 
-def server_config(identities: Iterable[Identity], tls_dir: Path) -> dict:
-    """The nats-server config (as JSON, which its config format accepts): TLS on the
-    client port, and each identity's public key with its role's permissions."""
+def authorization(identities: Iterable[Identity]) -> dict:
+    """The server's ``authorization`` block: each identity's public key with its role's
+    permissions."""
     users = []
     for who in sorted(identities, key=lambda i: i.name):
         granted = roles.permissions(who.role, who.scope)
@@ -84,9 +84,15 @@ def server_config(identities: Iterable[Identity], tls_dir: Path) -> dict:
             "publish": {"allow": sorted(granted.publish)},
             "subscribe": {"allow": sorted(granted.subscribe)},
             **({"allow_responses": True} if granted.responds else {})}})
+    return {"users": users}
+
+
+def server_config(identities: Iterable[Identity], tls_dir: Path) -> dict:
+    """The nats-server config (as JSON, which its config format accepts): TLS on the
+    client port, and :func:`authorization`."""
     return {"tls": {"cert_file": str(tls_dir / "server.pem"),
                     "key_file": str(tls_dir / "server-key.pem"), "timeout": 2},
-            "authorization": {"users": users}}
+            "authorization": authorization(identities)}
 
 
 class AuthDir:
@@ -112,7 +118,7 @@ class AuthDir:
         return self.root / "ranks"
 
     def seed_path(self, role: Role, scope: str | None = None) -> Path:
-        if role is Role.RANK:
+        if role is Role.RANK and scope != roles.ANY:
             assert scope is not None
             return rank_seed_file(self.ranks_dir, scope)
         return self.root / "keys" / f"{roles.identity(role, scope)}.nk"
@@ -123,9 +129,12 @@ class AuthDir:
 
     @classmethod
     def init(cls, root: str | os.PathLike[str], *, nodes: Iterable[str] = (),
-             hosts: Iterable[str] = ()) -> AuthDir:
+             hosts: Iterable[str] = (), shared: bool = False) -> AuthDir:
         """Make the directory: CA and server certificate for loopback, this host and
-        ``hosts``; an identity per static role and per node in ``nodes``.
+        ``hosts``; an identity per static role and per node in ``nodes``, and with
+        ``shared`` the agents' and the ranks' shared identities (scope
+        :data:`~.roles.ANY`: for a deployment whose nodes and jobs come and go without
+        a reload of the server's config, :mod:`.kubernetes`).
 
         Raises:
             AuthError: ``root`` already holds an auth directory.
@@ -144,6 +153,9 @@ class AuthDir:
                 auth._add(role, None)
             for node in nodes:
                 auth._add(Role.AGENT, node)
+            if shared:
+                auth._add(Role.AGENT, roles.ANY)
+                auth._add(Role.RANK, roles.ANY)
         write_key(auth.replication_key_path)
         return auth
 

@@ -31,11 +31,13 @@ flow control on ``$JS.FC``. Replies come to a per-identity inbox prefix
 replies; services answer requests through ``allow_responses`` rather than a
 publish permission on every inbox.
 
-Where the bus authenticates by user and password and has no per-job identities
-(the Kubernetes base's NATS), all jobs' ranks share one identity,
-:data:`SHARED_RANKS`, with a rank's permissions for any job
-(:func:`shared_rank_permissions`): still never their agent's, but a rank there
-may publish another job's progress, which per-job identities prevent.
+Where nodes and jobs come and go without the server's config being reloaded for
+each (the Kubernetes base: DaemonSet pods, jobs submitted at any time), a scoped
+role has one *shared* identity, of scope :data:`ANY`: ``agents``, an agent's
+permissions for any node, and ``ranks``, a rank's for any job. Still never a
+service's or the operator's, but an agent there may publish another node's
+heartbeat and a rank another job's progress, which per-node and per-job
+identities prevent.
 
 Limits: a permission names subjects, not payloads. An agent may publish the
 start or exit of any job's rank (it runs whichever the records place on it)
@@ -74,6 +76,10 @@ class Role(enum.StrEnum):
         return self in (Role.AGENT, Role.RANK)
 
 
+#: The scope of a scoped role's shared identity: every node (``agents``) or every job
+#: (``ranks``).
+ANY = "*"
+
 #: The roles ``phalanx auth init`` makes one identity for.
 STATIC_ROLES = tuple(role for role in Role if not role.scoped)
 
@@ -94,7 +100,8 @@ class Permissions:
 
 
 def identity(role: Role, scope: str | None = None) -> str:
-    """The identity's name: the role for a static role, ``agent-<node>`` / ``rank-<job>``.
+    """The identity's name: the role for a static role, ``agent-<node>`` / ``rank-<job>``,
+    ``agents`` / ``ranks`` for scope :data:`ANY`.
 
     Raises:
         ValueError: a scoped role without a scope, or a static one with one.
@@ -105,6 +112,8 @@ def identity(role: Role, scope: str | None = None) -> str:
                          f"{'node' if role is Role.AGENT else 'job'} id")
     if scope is None:
         return role.value
+    if scope == ANY:
+        return f"{role.value}s"
     return f"{role.value}-{s.token(scope, 'node id' if role is Role.AGENT else 'job id')}"
 
 
@@ -161,24 +170,10 @@ _ALL_BUCKETS = (s.NODES_BUCKET, s.JOBS_BUCKET, s.ADMISSION_BUCKET, s.GENERATIONS
                 s.PROGRESS_BUCKET, s.HISTORY_BUCKET, s.CHECKPOINTS_BUCKET, s.BUDDIES_BUCKET)
 
 
-#: The identity all jobs' ranks share where there are no per-job identities.
-SHARED_RANKS = "ranks"
-
-
-def _rank_grants(g: _Grants, job: Callable[[Callable[[str], str]], str]) -> None:
-    """A rank's permissions; ``job`` makes a job's subject of a builder (of its own job,
-    or of any)."""
-    g.sub(job(s.job_generation), job(s.job_fault), job(s.health_job_ranks))
-    g.pub(job(s.health_job_ranks), job(s.replica_ready), job(s.generation_applied),
-          job(s.ckpt_snapshot), s.any_id(s.agent_snapshot))
-    g.read_bucket(s.GENERATIONS_BUCKET, watch=False)
-
-
-def shared_rank_permissions() -> Permissions:
-    """The permissions of :data:`SHARED_RANKS`: a rank's, for every job."""
-    g = _Grants().sub(f"{s.inbox(SHARED_RANKS)}.>")
-    _rank_grants(g, s.any_id)
-    return Permissions(frozenset(g.publish), frozenset(g.subscribe), responds=False)
+def _scoped(scope: str) -> Callable[[Callable[[str], str]], str]:
+    """Makes the subject of a one-identifier builder for ``scope``: its own node or job,
+    or every one (:data:`ANY`)."""
+    return s.any_id if scope == ANY else lambda build: build(scope)
 
 
 def permissions(role: Role, scope: str | None = None) -> Permissions:
@@ -190,7 +185,9 @@ def permissions(role: Role, scope: str | None = None) -> Permissions:
     name = identity(role, scope)
     g = _Grants().sub(f"{s.inbox(name)}.>")
     if role in SERVICE_NAMES:
-        g.sub(s.service_api(SERVICE_NAMES[role]))
+        # It answers the service API, and may ask it which of its instances answer (its
+        # container's liveness and readiness probe, deploy/probe.py).
+        g.sub(s.service_api(SERVICE_NAMES[role])).pub(s.service_info(SERVICE_NAMES[role]))
     match role:
         case Role.ADMISSION:
             verbs = (s.admission_submit(), s.admission_cancel(), s.admission_requeue(),
@@ -227,8 +224,9 @@ def permissions(role: Role, scope: str | None = None) -> Permissions:
             g.read_bucket(s.NODES_BUCKET).open_bucket(s.BUDDIES_BUCKET, ">")
         case Role.AGENT:
             assert scope is not None
-            g.sub(s.agent_endpoints(scope), s.job_states())
-            g.pub(s.node_heartbeat(scope), s.node_chaos(scope), s.any_id(s.rank_started),
+            node = _scoped(scope)
+            g.sub(node(s.agent_endpoints), s.job_states())
+            g.pub(node(s.node_heartbeat), node(s.node_chaos), s.any_id(s.rank_started),
                   s.any_id(s.rank_exited))
             # It announces the replicas it keeps for its wards, of whichever job, and reads
             # its own buddy's placement.
@@ -237,7 +235,11 @@ def permissions(role: Role, scope: str | None = None) -> Permissions:
             g.open_bucket(s.GENERATIONS_BUCKET).ensure_events()
         case Role.RANK:
             assert scope is not None
-            _rank_grants(g, lambda build: build(scope))
+            job = _scoped(scope)
+            g.sub(job(s.job_generation), job(s.job_fault), job(s.health_job_ranks))
+            g.pub(job(s.health_job_ranks), job(s.replica_ready), job(s.generation_applied),
+                  job(s.ckpt_snapshot), s.any_id(s.agent_snapshot))
+            g.read_bucket(s.GENERATIONS_BUCKET, watch=False)
         case Role.CLI:
             g.sub(s.everything())
             g.pub(s.admission_submit(), s.admission_cancel(), s.admission_explain(),

@@ -1,6 +1,7 @@
 """``phalanx auth``: make an auth directory (CA, server config, an identity per role) or
-add a node's or a job's identity to one; and, on a secured local cluster, a submitted
-job's identity made before its ranks need it.
+add a node's or a job's identity to one; write one as a Kubernetes deployment's Secrets
+and NATS chart values; and, on a secured local cluster, a submitted job's identity made
+before its ranks need it.
 """
 
 from __future__ import annotations
@@ -30,6 +31,8 @@ def cmd_auth(args: argparse.Namespace) -> int:
               "each agent at the replication key with PHALANX_AGENT_REPLICA_KEY_FILE "
               "(docs/security.md)")
         return 0
+    if args.action == "kubernetes":
+        return _kubernetes(args)
     role = Role.AGENT if args.action == "add-node" else Role.RANK
     auth = AuthDir(args.dir)
     who, made = auth.add(role, args.id)
@@ -39,6 +42,31 @@ def cmd_auth(args: argparse.Namespace) -> int:
               f"config (SIGHUP) to admit it")
     else:
         print(f"{who.name} exists ({who.public_key}), seed {seed}")
+    return 0
+
+
+def _kubernetes(args: argparse.Namespace) -> int:
+    """Write the auth directory ``args.dir`` (made if missing) as Kubernetes Secrets and
+    NATS chart values beside it."""
+    import yaml
+
+    from phalanx.services.auth import kubernetes
+
+    root = Path(args.dir)
+    auth = kubernetes.prepare(root, args.namespace)
+    secrets, values = root / "secrets.yaml", root / "nats-auth-values.yaml"
+    fd = os.open(secrets, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        yaml.safe_dump_all(kubernetes.secrets(auth, args.namespace), f, sort_keys=False)
+    values.write_text("# Made by `phalanx auth kubernetes`: give it to helm after "
+                      "deploy/k8s/nats-values.yaml.\n"
+                      + yaml.safe_dump(kubernetes.nats_values(auth), sort_keys=False))
+    print(f"{auth.root}: identities {', '.join(w.name for w in auth.identities())}")
+    print(f"  {secrets} (Secrets {kubernetes.IDENTITIES_SECRET}, {kubernetes.TLS_SECRET}; "
+          f"holds the seeds: keep it as secret as {auth.root})")
+    print(f"  {values} (the NATS chart's TLS and users)")
+    print(f"kubectl apply -f {secrets}; helm install {kubernetes.RELEASE} nats/nats "
+          f"-n {args.namespace} -f deploy/k8s/nats-values.yaml -f {values}")
     return 0
 
 
@@ -84,6 +112,13 @@ def add_parsers(sub: Subparsers, parents: Parents) -> None:
     init.add_argument("--host", action="append", default=[], metavar="HOST",
                       help="a name or IP clients dial the server by, for its certificate "
                            "(repeatable; loopback and this host are always in)")
+    k8s = auth_sub.add_parser(
+        "kubernetes", help="write an auth directory (made if missing) as a Kubernetes "
+                           "deployment's Secrets and NATS chart values (docs/deploy.md)")
+    k8s.add_argument("dir")
+    k8s.add_argument("--namespace", default="phalanx",
+                     help="the namespace of phalanx and of the NATS release (default "
+                          "phalanx)")
     for name, what in (("add-node", "a node's agent"), ("add-job", "a job's ranks")):
         add = auth_sub.add_parser(name, help=f"add {what} identity")
         add.add_argument("dir")

@@ -7,7 +7,8 @@ Deployment, an agent pod on every simulated node the DaemonSet selects, each wit
 exactly its container's command, args and environment (ConfigMap and Secret
 references, the downward API and ``$(VAR)`` expanded as the kubelet does; mounted
 ConfigMaps written out), a 3-server NATS cluster configured with the
-authorization of deploy/k8s/nats-values.yaml in the chart's place — then checks
+TLS and authorization of deploy/k8s/nats-values.yaml and the values ``phalanx auth
+kubernetes`` writes in the chart's place — then checks
 every pod's probes and trains a job through them. Each pod runs what its image holds:
 the control plane's processes cannot import torch, numpy, matplotlib or pynvml
 (``deploy_local``'s import blocker), as in the ``phalanx-control-plane`` image.
@@ -17,16 +18,19 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import functools
 import json
 import os
 import re
 import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import kubernetes_validate
 import metrics_page
+import nkeys
 import pytest
 import yaml
 from deploy_local import (
@@ -42,7 +46,9 @@ from deploy_local import (
 )
 
 from phalanx.services import control_plane
-from phalanx.services.auth.roles import shared_rank_permissions
+from phalanx.services.auth import kubernetes
+from phalanx.services.auth.issuer import AuthDir, authorization
+from phalanx.services.auth.roles import ANY, Role, identity
 from phalanx.services.natsd import free_port, server_binary
 
 K8S = DEPLOY / "k8s"
@@ -62,16 +68,51 @@ RANK_PORTS = (29500, 39499)
 EPHEMERAL = (32768, 60999)
 
 
-def render(overlay: str) -> list[dict]:
+@functools.cache
+def deployment_copy() -> Path:
+    """deploy/k8s copied as an operator would use it: the local overlay's bus identities
+    made first (``phalanx auth kubernetes``, into its git-ignored ``auth/``)."""
+    root = Path(tempfile.mkdtemp(prefix="phalanx-k8s-")) / "k8s"
+    shutil.copytree(K8S, root, ignore=shutil.ignore_patterns("auth"))
+    made = subprocess.run([sys.executable, "-m", "phalanx.services.cli", "auth", "kubernetes",
+                           str(root / "overlays" / "local" / "auth")],
+                          capture_output=True, text=True, timeout=60)
+    assert made.returncode == 0, made.stderr
+    return root
+
+
+@functools.cache
+def _rendered(overlay: str) -> str:
     kubectl = shutil.which("kubectl")
     if kubectl is None:
         if os.environ.get("CI"):
             pytest.fail("kubectl is not installed")
         pytest.skip("kubectl not installed")
-    result = subprocess.run([kubectl, "kustomize", str(K8S / "overlays" / overlay)],
+    result = subprocess.run([kubectl, "kustomize", str(deployment_copy() / "overlays" / overlay)],
                             capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr
-    return [d for d in yaml.safe_load_all(result.stdout) if d]
+    return result.stdout
+
+
+def render(overlay: str) -> list[dict]:
+    """The overlay's objects, rendered by kustomize (a fresh copy each call)."""
+    return [d for d in yaml.safe_load_all(_rendered(overlay)) if d]
+
+
+def auth_dir() -> AuthDir:
+    """The local overlay's auth directory (:func:`deployment_copy`)."""
+    return AuthDir(deployment_copy() / "overlays" / "local" / "auth")
+
+
+def nats_values() -> dict:
+    """deploy/k8s/nats-values.yaml, then the auth directory's values, merged as helm does
+    with two ``-f`` files (maps merged key by key, anything else replaced)."""
+    def merge(base: dict, top: dict) -> dict:
+        return {**base, **{k: merge(base[k], v) if isinstance(v, dict)
+                           and isinstance(base.get(k), dict) else v for k, v in top.items()}}
+
+    return merge(yaml.safe_load((K8S / "nats-values.yaml").read_text()),
+                 yaml.safe_load((auth_dir().root / "nats-auth-values.yaml").read_text()))
 
 
 def by_kind(docs: list[dict], kind: str) -> dict[str, dict]:
@@ -143,16 +184,28 @@ def test_rendered_objects_follow_the_deployment_rules(overlay: str) -> None:
             assert port < RANK_PORTS[0] and not EPHEMERAL[0] <= port <= EPHEMERAL[1], name
         else:
             assert port in SERVICE_METRICS, name
-        # Credentials only from the Secret, never from a ConfigMap.
-        refs = {e["name"]: e.get("valueFrom", {}) for e in c["env"]}
-        for var in ("PHALANX_NATS_USER", "PHALANX_NATS_PASSWORD"):
-            assert refs[var]["secretKeyRef"]["name"] == "phalanx-nats", name
-        if workload["kind"] == "DaemonSet":  # what its ranks connect as: their own user
-            for var, key in (("PHALANX_AGENT_RANK_NATS_USER", "rank-user"),
-                             ("PHALANX_AGENT_RANK_NATS_PASSWORD", "rank-password")):
-                assert refs[var]["secretKeyRef"] == {"name": "phalanx-nats", "key": key}
+        # Its own identity over TLS: its seed and the CA mounted from the identities'
+        # Secret, those items alone; no credential in a variable or a ConfigMap.
+        own = identity(Role.AGENT, ANY) if workload["kind"] == "DaemonSet" \
+            else identity(Role(name.removeprefix("phalanx-")))
+        values = {e["name"]: e.get("value") for e in c["env"]}
+        assert not [e for e in c["env"] if "secretKeyRef" in e.get("valueFrom", {})], name
+        (volume,) = [v for v in spec["volumes"] if "secret" in v]
+        assert volume["secret"]["secretName"] == kubernetes.IDENTITIES_SECRET, name
+        items = {i["key"] for i in volume["secret"]["items"]}
+        (mount,) = [m["mountPath"] for m in c["volumeMounts"] if m["name"] == volume["name"]]
+        assert values["PHALANX_NATS_NKEY"] == f"{mount}/{own}.nk", name
+        assert values["PHALANX_NATS_INBOX_PREFIX"] == f"_INBOX.{own}", name
+        assert values["PHALANX_NATS_CA"] == f"{mount}/ca.pem", name
+        if workload["kind"] == "DaemonSet":  # what its ranks connect as: their own identity
+            ranks = identity(Role.RANK, ANY)
+            assert values["PHALANX_AGENT_RANK_NKEY"] == f"{mount}/{ranks}.nk"
+            assert values["PHALANX_AGENT_REPLICA_KEY_FILE"] == f"{mount}/replication.key"
+            assert items == {f"{own}.nk", f"{ranks}.nk", "ca.pem", "replication.key"}
+        else:
+            assert items == {f"{own}.nk", "ca.pem"}, name
     for cm in by_kind(docs, "ConfigMap").values():
-        assert not any("PASSWORD" in k or "TOKEN" in k for k in cm["data"])
+        assert not any(w in k for k in cm["data"] for w in ("PASSWORD", "TOKEN", "NKEY"))
     agent = by_kind(docs, "DaemonSet")["phalanx-agent"]["spec"]["template"]["spec"]
     assert agent["nodeSelector"]["phalanx.dev/worker"] == "true"
     slots = next(cm["data"]["PHALANX_AGENT_SLOTS"] for cm in by_kind(docs, "ConfigMap")
@@ -192,30 +245,31 @@ def test_every_workload_gets_the_otlp_settings_and_names_itself(overlay: str) ->
     assert workloads == len(control_plane.SERVICES) + 1  # and the agent
 
 
-def test_nats_values_give_a_jetstream_cluster_with_the_pods_credentials() -> None:
-    values = yaml.safe_load((K8S / "nats-values.yaml").read_text())
+def test_nats_values_give_a_jetstream_cluster_admitting_exactly_the_identities() -> None:
+    values = nats_values()
     assert values["config"]["cluster"]["enabled"] is True
     assert values["config"]["cluster"]["replicas"] >= 3
     assert values["config"]["jetstream"]["enabled"] is True
     assert values["config"]["jetstream"]["fileStore"]["pvc"]["size"]
-    env = values["container"]["env"]
-    secret = by_kind(render("local"), "Secret")["phalanx-nats"]
-    for var, key in (("PHALANX_NATS_USER", "user"), ("PHALANX_NATS_PASSWORD", "password"),
-                     ("PHALANX_NATS_RANK_USER", "rank-user"),
-                     ("PHALANX_NATS_RANK_PASSWORD", "rank-password")):
-        ref = env[var]["valueFrom"]["secretKeyRef"]
-        assert (ref["name"], ref["key"]) == ("phalanx-nats", key)
-        assert key in secret["data"]
-    # Two users: the pods' (every permission), and the ranks', allowed exactly a rank's
-    # subjects of any job.
-    pods, ranks = values["config"]["merge"]["authorization"]["users"]
-    assert pods == {"user": "<< $PHALANX_NATS_USER >>",
-                    "password": "<< $PHALANX_NATS_PASSWORD >>"}
-    assert (ranks["user"], ranks["password"]) == ("<< $PHALANX_NATS_RANK_USER >>",
-                                                  "<< $PHALANX_NATS_RANK_PASSWORD >>")
-    allowed = shared_rank_permissions()
-    assert ranks["permissions"] == {"publish": {"allow": sorted(allowed.publish)},
-                                    "subscribe": {"allow": sorted(allowed.subscribe)}}
+    # TLS from the Secret the overlay renders; one NKEY user per identity, with exactly
+    # its role's permissions: the agents' and the ranks' shared, each service its own.
+    secrets = by_kind(render("local"), "Secret")
+    tls = values["config"]["nats"]["tls"]
+    assert tls["enabled"] is True
+    assert secrets[tls["secretName"]]["type"] == "kubernetes.io/tls"
+    assert {"tls.crt", "tls.key"} <= set(secrets[tls["secretName"]]["data"])
+    who = auth_dir().identities()
+    assert {w.name for w in who} == {*(identity(r) for r in (
+        Role.ADMISSION, Role.HEALTH, Role.ELASTICITY, Role.CHECKPOINT, Role.CLI, Role.VIEWER)),
+        identity(Role.AGENT, ANY), identity(Role.RANK, ANY)}
+    assert values["config"]["merge"]["authorization"] == authorization(who)
+    # Each seed in the identities' Secret is the one whose public key the server admits.
+    seeds = secrets[kubernetes.IDENTITIES_SECRET]["data"]
+    for w in who:
+        seed = bytearray(base64.b64decode(seeds[f"{w.name}.nk"]))
+        assert nkeys.from_seed(seed).public_key.decode() == w.public_key, w.name
+    assert not (K8S / "nats-values.yaml").read_text().count("password"), \
+        "no credential in the committed values"
     replicas = next(cm["data"]["PHALANX_NATS_REPLICAS"] for cm in
                     by_kind(render("local"), "ConfigMap").values()
                     if "PHALANX_NATS_REPLICAS" in cm["data"])
@@ -282,9 +336,11 @@ class Cluster:
             elif "secret" in volume:
                 directory = self.root / "volumes" / key
                 directory.mkdir(parents=True, exist_ok=True)
-                for name, text in self.secrets[volume["secret"]["secretName"]].items():
-                    (directory / name).write_text(text)
-                    (directory / name).chmod(volume["secret"].get("defaultMode", 0o644))
+                data = self.secrets[volume["secret"]["secretName"]]
+                items = volume["secret"].get("items") or [{"key": k, "path": k} for k in data]
+                for item in items:  # only the items named, as the kubelet projects them
+                    (directory / item["path"]).write_text(data[item["key"]])
+                    (directory / item["path"]).chmod(volume["secret"].get("defaultMode", 0o644))
         ports = tuple(p["containerPort"] for p in c.get("ports", []))
         return Container(pod_name, argv, env, c.get("workingDir", image.workdir), mounts, ports,
                          image.absent)
@@ -305,23 +361,34 @@ class Cluster:
         return result
 
 
-def nats_conf(values: dict) -> str:
-    """The chart's ``config.merge`` as nats.conf: JSON, with ``<< x >>`` unquoted."""
-    text = json.dumps(values["config"]["merge"], indent=2)
-    return re.sub(r'"<< (.*?) >>"', r"\1", text)
+#: Where the chart mounts ``config.nats.tls.secretName`` (its ``config.nats.tls.dir``).
+CHART_CERT_DIR = "/etc/nats-certs/nats"
+
+
+def nats_conf(values: dict, cert_dir: str = CHART_CERT_DIR) -> str:
+    """What the chart makes of the values' client TLS and ``config.merge``, as nats.conf:
+    JSON, with ``<< x >>`` unquoted (``cert_dir``: where the TLS Secret is mounted)."""
+    conf = dict(values["config"]["merge"])
+    if values["config"].get("nats", {}).get("tls", {}).get("enabled"):
+        conf["tls"] = {"cert_file": f"{cert_dir}/tls.crt", "key_file": f"{cert_dir}/tls.key"}
+    return re.sub(r'"<< (.*?) >>"', r"\1", json.dumps(conf, indent=2))
 
 
 def start_nats(procs: Processes, values: dict, secrets: dict, root: Path) -> list[str]:
-    """Three routed nats-servers with JetStream and the values' authorization block, each
-    with the env the values give the chart's container (from the Secret); their URLs."""
+    """Three routed nats-servers with JetStream, the values' client TLS (the Secret they
+    name mounted where the chart mounts it) and authorization block; their URLs."""
     # Mounted where the chart mounts its config (one ConfigMap for all three servers).
     conf = root / "volumes" / "nats-config" / "nats.conf"
     conf.parent.mkdir(parents=True)
-    conf.write_text(nats_conf(values))
-    env = {}
-    for var, source in values["container"]["env"].items():
-        ref = source["valueFrom"]["secretKeyRef"]
-        env[var] = secrets[ref["name"]][ref["key"]]
+    # The TLS Secret as the chart mounts it; the config names it where it lies here (a
+    # file's contents are not translated as a command line is).
+    certs = root / "volumes" / "nats-certs"
+    certs.mkdir(parents=True)
+    tls = values["config"].get("nats", {}).get("tls", {})
+    for name, text in secrets[tls["secretName"]].items() if tls.get("enabled") else ():
+        (certs / name).write_text(text)
+    conf.write_text(nats_conf(values, str(certs)))
+    mounts = {"/etc/nats-config": "nats-config"}
     n = values["config"]["cluster"]["replicas"]
     ports = [(free_port(), free_port(), free_port()) for _ in range(n)]
     assert Path(server_binary()) == Path(sys.prefix) / "bin" / "nats-server"
@@ -331,8 +398,8 @@ def start_nats(procs: Processes, values: dict, secrets: dict, root: Path) -> lis
             "/opt/venv/bin/nats-server", "-c", "/etc/nats-config/nats.conf", "-js", "-sd", "/data",
             "-n", f"nats-{i}", "--cluster_name", "nats", "--cluster",
             f"nats://127.0.0.1:{route}", "--routes", routes, "-a", "127.0.0.1",
-            "-p", str(client), "-m", str(monitor)], env, "/",
-            {"/data": f"nats-{i}-data", "/etc/nats-config": "nats-config"}))
+            "-p", str(client), "-m", str(monitor)], {}, "/",
+            {"/data": f"nats-{i}-data", **mounts}))
     for i, (_, _, monitor) in enumerate(ports):
         wait_for(lambda m=monitor: healthy_http(f"http://127.0.0.1:{m}/healthz"), 60,
                  f"nats-{i} healthy", detail=procs.logs)
@@ -343,7 +410,7 @@ def start_nats(procs: Processes, values: dict, secrets: dict, root: Path) -> lis
 @pytest.mark.timeout(480)
 def test_local_overlay_pods_pass_their_probes_and_train_a_job(tmp_path: Path) -> None:
     docs = render("local")
-    values = yaml.safe_load((K8S / "nats-values.yaml").read_text())
+    values = nats_values()
     cluster = Cluster(docs, tmp_path)
     deployments = by_kind(docs, "Deployment")
     agents = by_kind(docs, "DaemonSet")["phalanx-agent"]
@@ -399,12 +466,16 @@ def test_local_overlay_pods_pass_their_probes_and_train_a_job(tmp_path: Path) ->
                              "--steps", str(STEPS)]]}
         spec_path = tmp_path / "job.yaml"
         spec_path.write_text(yaml.safe_dump(spec))
-        # The operator's CLI with the Secret's credentials, as from `kubectl exec`.
+        # The operator's CLI as its identity (the cli seed and the CA from the Secret).
         user_env = {k: v for k, v in os.environ.items() if not k.startswith(("PHALANX_",
                                                                              "OTEL_"))}
-        credentials = cluster.secrets["phalanx-nats"]
-        user_env.update(PHALANX_NATS_USER=credentials["user"],
-                        PHALANX_NATS_PASSWORD=credentials["password"])
+        operator = cluster.secrets[kubernetes.IDENTITIES_SECRET]
+        for name in ("cli.nk", "ca.pem"):
+            (tmp_path / name).write_text(operator[name])
+        (tmp_path / "cli.nk").chmod(0o600)
+        user_env.update(PHALANX_NATS_NKEY=str(tmp_path / "cli.nk"),
+                        PHALANX_NATS_INBOX_PREFIX=f"_INBOX.{identity(Role.CLI)}",
+                        PHALANX_NATS_CA=str(tmp_path / "ca.pem"))
         admitted, record, progress = asyncio.run(train(urls[0], spec_path, user_env))
         assert record.state.value == "finished", f"{record.reason}\n{procs.logs()}"
         assert set(admitted.nodes) == {"kind-worker", "ip-10-0-0-7-ec2-internal"}
@@ -458,8 +529,11 @@ def test_readme_deploy_section_matches_the_files() -> None:
     paths = set(re.findall(r"deploy/[\w./-]+\w", section))
     assert {"deploy/compose.yaml", "deploy/k8s/overlays/local", "deploy/k8s/overlays/gpu",
             "deploy/k8s/nats-values.yaml", "deploy/Dockerfile"} <= paths
+    # What the section's own `phalanx auth kubernetes DIR` makes, it need not hold.
+    made = re.findall(r"phalanx auth kubernetes (deploy/[\w./-]+\w)", section)
+    assert made == ["deploy/k8s/overlays/local/auth"], made
     for path in paths:
-        assert (DEPLOY.parent / path).exists(), path
+        assert path.startswith(made[0]) or (DEPLOY.parent / path).exists(), path
     for overlay in OVERLAYS:
         agent = by_kind(render(overlay), "DaemonSet")["phalanx-agent"]["spec"]["template"]
         for key, value in agent["spec"]["nodeSelector"].items():

@@ -185,13 +185,8 @@ def test_replacement_nice_not_an_int() -> None:
     config_error({**BASE, "PHALANX_AGENT_REPLACEMENT_NICE": "low"}, "agent config", "low")
 
 
-def test_the_ranks_user_needs_its_password_and_excludes_per_job_identities() -> None:
-    config = AgentConfig.from_env({"PHALANX_AGENT_RANK_NATS_USER": "ranks",
-                                   "PHALANX_AGENT_RANK_NATS_PASSWORD": "pw"}, node_id="n1")
-    assert (config.rank_nats_user, config.rank_nats_password) == ("ranks", "pw")
-    assert "pw" not in repr(config)  # a config may be logged
-    with pytest.raises(ConfigError, match="give both or neither"):
-        AgentConfig(node_id="n1", rank_nats_user="ranks")
+def test_the_ranks_shared_identity_excludes_per_job_identities() -> None:
+    config = AgentConfig.from_env({"PHALANX_AGENT_RANK_NKEY": "/keys/ranks.nk"}, node_id="n1")
+    assert config.rank_nkey == "/keys/ranks.nk"
     with pytest.raises(ConfigError, match="exclude each other"):
-        AgentConfig(node_id="n1", rank_nats_user="ranks", rank_nats_password="pw",
-                    rank_keys_dir="/auth/ranks")
+        AgentConfig(node_id="n1", rank_nkey="/keys/ranks.nk", rank_keys_dir="/auth/ranks")

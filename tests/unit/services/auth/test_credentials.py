@@ -11,7 +11,7 @@ AGENT = {"PHALANX_NATS_URL": "tls://bus:4222", "PHALANX_NATS_CA": "/etc/ca.pem",
          "PHALANX_NATS_USER": "phalanx", "PHALANX_NATS_PASSWORD": "agent-secret",
          "PHALANX_NATS_TOKEN": "t", "PHALANX_NATS_NKEY": "/keys/agent-n1.nk",
          "PHALANX_NATS_CREDS": "/keys/agent.creds", "PHALANX_NATS_INBOX_PREFIX": "_INBOX.agent-n1",
-         "PHALANX_AGENT_RANK_KEYS_DIR": "/auth/ranks", "PHALANX_AGENT_RANK_NATS_PASSWORD": "r",
+         "PHALANX_AGENT_RANK_KEYS_DIR": "/auth/ranks", "PHALANX_AGENT_RANK_NKEY": "/keys/ranks.nk",
          "PHALANX_JOB_ID": "j1", "RANK": "0", "PATH": "/usr/bin"}
 
 
@@ -25,13 +25,13 @@ def test_a_rank_keeps_no_credential_and_no_agent_setting_of_its_agent() -> None:
         "PHALANX_NATS_URL", "PHALANX_NATS_CA", "PHALANX_JOB_ID", "RANK", "PATH")}
 
 
-def test_a_rank_connects_as_its_job_or_as_the_ranks_user(tmp_path: Path) -> None:
+def test_a_rank_connects_as_its_job_or_as_the_ranks_shared_identity(tmp_path: Path) -> None:
     (tmp_path / "j1.nk").write_text("SU...")
     own = rank_environment(AGENT, rank_env(tmp_path, "j1", ca_file="/etc/ca.pem"))
     assert set(own) & CREDENTIAL_VARS == {"PHALANX_NATS_NKEY", "PHALANX_NATS_INBOX_PREFIX"}
     assert own["PHALANX_NATS_NKEY"] == str(tmp_path / "j1.nk")
     assert own["PHALANX_NATS_INBOX_PREFIX"] == "_INBOX.rank-j1"
-    shared = rank_environment(AGENT, shared_rank_env("ranks", "pw"))
+    shared = rank_environment(AGENT, shared_rank_env(Path("/keys/ranks.nk"), "/etc/ca.pem"))
     assert {k: shared[k] for k in set(shared) & CREDENTIAL_VARS} == {
-        "PHALANX_NATS_USER": "ranks", "PHALANX_NATS_PASSWORD": "pw",
-        "PHALANX_NATS_INBOX_PREFIX": "_INBOX.ranks"}
+        "PHALANX_NATS_NKEY": "/keys/ranks.nk", "PHALANX_NATS_INBOX_PREFIX": "_INBOX.ranks"}
+    assert shared["PHALANX_NATS_CA"] == "/etc/ca.pem"

@@ -6,12 +6,11 @@ import pytest
 
 from phalanx.schemas import subjects as s
 from phalanx.services.auth.roles import (
-    SHARED_RANKS,
+    ANY,
     STATIC_ROLES,
     Role,
     identity,
     permissions,
-    shared_rank_permissions,
 )
 from phalanx.services.elasticity import service as elasticity_service
 from phalanx.services.health import service as health_service
@@ -126,20 +125,30 @@ def test_a_scoped_role_needs_its_scope_and_a_static_one_takes_none() -> None:
         identity(Role.RANK, "job.>")  # an id can never widen a permission
 
 
-def test_the_shared_ranks_may_do_what_any_jobs_rank_may_and_nothing_more() -> None:
-    shared = shared_rank_permissions()
-    for job in ("job-a", "job-b"):
-        own = permissions(Role.RANK, job)
+@pytest.mark.parametrize(("role", "scopes", "forbidden"), [
+    (Role.RANK, ("job-a", "job-b"),
+     (s.job_state("job-a"), s.job_fault("job-a"), s.job_generation("job-a"),
+      s.admission_submit(), s.agent_launch("node-a"), s.node_heartbeat("node-a"),
+      s.kv_key(s.JOBS_BUCKET, "job-a"))),
+    (Role.AGENT, ("node-a", "node-b"),
+     (s.job_state("job-a"), s.job_fault("job-a"), s.job_generation("job-a"),
+      s.admission_submit(), s.agent_launch("node-a"), s.kv_key(s.JOBS_BUCKET, "job-a"),
+      s.kv_key(s.LEASES_BUCKET, "health"))),
+])
+def test_a_shared_identity_may_do_what_any_scopes_may_and_nothing_more(
+        role: Role, scopes: tuple[str, str], forbidden: tuple[str, ...]) -> None:
+    shared = permissions(role, ANY)
+    for scope in scopes:
+        own = permissions(role, scope)
         for subject in (*own.publish, *own.subscribe):
-            if subject.startswith(s.inbox(identity(Role.RANK, job))):
+            if subject.startswith(s.inbox(identity(role, scope))):
                 continue  # each has its own inbox
             granted = shared.publish if subject in own.publish else shared.subscribe
             assert any(matches(p, subject) for p in granted), subject
-    # ... and nothing a service, an agent or the operator does.
-    for subject in (s.job_state("job-a"), s.job_fault("job-a"), s.job_generation("job-a"),
-                    s.admission_submit(), s.agent_launch("node-a"),
-                    s.node_heartbeat("node-a"), s.kv_key(s.JOBS_BUCKET, "job-a")):
+    # ... and nothing a service or the operator does.
+    for subject in forbidden:
         assert not any(matches(p, subject) for p in shared.publish), subject
-    assert not shared.responds
-    assert shared.subscribe >= {f"{s.inbox(SHARED_RANKS)}.>"}
+    assert shared.responds == permissions(role, scopes[0]).responds
+    assert shared.subscribe >= {f"{s.inbox(identity(role, ANY))}.>"}
+    assert identity(role, ANY) == f"{role.value}s"
     assert not any(matches(p, f"{s.inbox('cli')}.x") for p in shared.subscribe)
