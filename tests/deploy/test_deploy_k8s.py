@@ -245,6 +245,40 @@ def test_every_workload_gets_the_otlp_settings_and_names_itself(overlay: str) ->
     assert workloads == len(control_plane.SERVICES) + 1  # and the agent
 
 
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_the_network_policy_confines_the_pods_it_can_to_what_they_use(overlay: str) -> None:
+    """Every pod not on the host network is selected (the agents are on it, where no
+    policy applies); it is reachable only on its declared metrics port and reaches only
+    the chart's NATS client port, the cluster DNS and the OTLP endpoint's port."""
+    docs = render(overlay)
+    (policy,) = by_kind(docs, "NetworkPolicy").values()
+    spec = policy["spec"]
+    assert set(spec["policyTypes"]) == {"Ingress", "Egress"}
+
+    def selected(workload: dict) -> bool:
+        labels = workload["spec"]["template"]["metadata"]["labels"]
+        return all(labels.get(k) == v for k, v in spec["podSelector"]["matchLabels"].items())
+
+    for workload, c in containers_of(docs):
+        on_host = bool(workload["spec"]["template"]["spec"].get("hostNetwork"))
+        assert selected(workload) != on_host, workload["metadata"]["name"]
+        if not on_host:
+            (ingress,) = spec["ingress"]
+            assert "from" not in ingress  # scraped from wherever Prometheus runs
+            named = {p["name"] for p in c["ports"]}
+            assert {p["port"] for p in ingress["ports"]} <= named
+    env = next(cm["data"] for cm in by_kind(docs, "ConfigMap").values()
+               if "PHALANX_NATS_URL" in cm["data"])
+    nats_port = int(env["PHALANX_NATS_URL"].rsplit(":", 1)[1])
+    otlp_port = int(env["OTEL_EXPORTER_OTLP_ENDPOINT"].rsplit(":", 1)[1])
+    allowed = {(p["port"], p["protocol"]) for rule in spec["egress"] for p in rule["ports"]}
+    assert allowed == {(nats_port, "TCP"), (53, "UDP"), (53, "TCP"), (otlp_port, "TCP")}
+    nats_rule = next(r for r in spec["egress"] if r["ports"][0]["port"] == nats_port)
+    (to,) = nats_rule["to"]
+    assert to["podSelector"]["matchLabels"]["app.kubernetes.io/instance"] == \
+        kubernetes.RELEASE
+
+
 def test_nats_values_give_a_jetstream_cluster_admitting_exactly_the_identities() -> None:
     values = nats_values()
     assert values["config"]["cluster"]["enabled"] is True
