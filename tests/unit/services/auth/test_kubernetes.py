@@ -1,0 +1,81 @@
+"""An auth directory as Kubernetes takes it: the Secrets and the NATS chart's values."""
+
+from __future__ import annotations
+
+import base64
+import stat
+from pathlib import Path
+
+import nkeys
+import yaml
+from cryptography import x509
+
+from phalanx.services.auth import kubernetes
+from phalanx.services.auth.issuer import AuthDir, authorization
+from phalanx.services.auth.roles import ANY, STATIC_ROLES, Role, identity
+from phalanx.services.cli import main as cli_main
+
+
+def test_a_new_directory_has_every_role_shared_scopes_and_the_services_names(
+        tmp_path: Path) -> None:
+    auth = kubernetes.prepare(tmp_path / "auth", "ml")
+    names = {who.name for who in auth.identities()}
+    assert names == {*(identity(r) for r in STATIC_ROLES), "agents", "ranks"}
+    cert = x509.load_pem_x509_certificate((auth.ca_path.parent / "server.pem").read_bytes())
+    dns = cert.extensions.get_extension_for_class(
+        x509.SubjectAlternativeName).value.get_values_for_type(x509.DNSName)
+    assert set(kubernetes.service_hosts("ml")) <= set(dns)
+    assert "nats.ml.svc.cluster.local" in dns
+
+
+def test_an_existing_directory_gains_the_shared_identities_and_keeps_the_rest(
+        tmp_path: Path) -> None:
+    before = AuthDir.init(tmp_path / "auth", nodes=["gpu-01"])
+    kept = {who.name: who.public_key for who in before.identities()}
+    auth = kubernetes.prepare(tmp_path / "auth", "phalanx")
+    now = {who.name: who.public_key for who in auth.identities()}
+    assert {k: now[k] for k in kept} == kept
+    assert set(now) - set(kept) == {"agents", "ranks"}
+
+
+def test_the_secrets_hold_each_seed_of_the_key_the_values_admit(tmp_path: Path) -> None:
+    auth = kubernetes.prepare(tmp_path / "auth", "phalanx")
+    identities, tls = kubernetes.secrets(auth, "phalanx")
+    assert identities["metadata"] == {"name": kubernetes.IDENTITIES_SECRET,
+                                      "namespace": "phalanx",
+                                      "labels": {"app.kubernetes.io/part-of": "phalanx"}}
+    data = {k: base64.b64decode(v) for k, v in identities["data"].items()}
+    for who in auth.identities():
+        seed = bytearray(data[f"{who.name}.nk"])
+        assert nkeys.from_seed(seed).public_key.decode() == who.public_key, who.name
+    assert data["ca.pem"] == auth.ca_path.read_bytes()
+    assert data["replication.key"] == auth.replication_key_path.read_bytes()
+    assert (tls["type"], tls["metadata"]["name"]) == ("kubernetes.io/tls",
+                                                      kubernetes.TLS_SECRET)
+    assert {"tls.crt", "tls.key", "ca.crt"} == set(tls["data"])
+    values = kubernetes.nats_values(auth)
+    assert values["config"]["nats"]["tls"] == {"enabled": True,
+                                               "secretName": kubernetes.TLS_SECRET}
+    assert values["config"]["merge"]["authorization"] == authorization(auth.identities())
+    shown = yaml.safe_dump(values)
+    assert not [w for w in auth.identities()
+                if auth.seed_path(w.role, w.scope).read_text().strip() in shown], "a seed"
+
+
+def test_the_command_writes_the_secrets_for_its_owner_alone(tmp_path: Path, capsys) -> None:
+    root = tmp_path / "auth"
+    assert cli_main(["auth", "kubernetes", str(root), "--namespace", "ml"]) == 0
+    secrets = list(yaml.safe_load_all((root / "secrets.yaml").read_text()))
+    assert [s["metadata"]["namespace"] for s in secrets] == ["ml", "ml"]
+    assert stat.S_IMODE((root / "secrets.yaml").stat().st_mode) == 0o600
+    values = yaml.safe_load((root / "nats-auth-values.yaml").read_text())
+    users = values["config"]["merge"]["authorization"]["users"]
+    assert len(users) == len(AuthDir(root).identities())
+    shown = capsys.readouterr().out
+    assert "helm install nats nats/nats -n ml" in shown
+    assert not [line for line in shown.split() if line.startswith("SU")], "no seed printed"
+    # Run again: the same identities, nothing minted twice.
+    keys = {w.name: w.public_key for w in AuthDir(root).identities()}
+    assert cli_main(["auth", "kubernetes", str(root), "--namespace", "ml"]) == 0
+    assert {w.name: w.public_key for w in AuthDir(root).identities()} == keys
+    assert identity(Role.RANK, ANY) in keys
