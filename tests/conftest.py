@@ -29,12 +29,24 @@ SLOW_TIERS = frozenset({"integration", "e2e", "deploy"})
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Mark every test of a slow tier ``slow`` (``-m "not slow"`` leaves the quick ones)."""
+    """Mark every test of a slow tier ``slow`` (``-m "not slow"`` leaves the quick ones),
+    and put the modules whose tests are allowed the longest first.
+
+    ``make test`` deals whole modules to two processes in this order: a long module
+    dealt last runs on alone while the other process has nothing left (the 160 s crash
+    storm of test_scale did, at the end of the integration tier). A test's own timeout
+    mark is what says it is long; modules without one keep their order, after them.
+    """
     tests = Path(__file__).parent
+    longest: dict[Path, float] = {}
     for item in items:
         tier = item.path.relative_to(tests).parts[0]
         if tier in SLOW_TIERS:
             item.add_marker(pytest.mark.slow)
+        mark = item.get_closest_marker("timeout")
+        allowed = float(mark.args[0]) if mark is not None and mark.args else 0.0
+        longest[item.path] = max(longest.get(item.path, 0.0), allowed)
+    items.sort(key=lambda item: -longest[item.path])  # stable: a module's order is kept
 
 
 @pytest.fixture(scope="session", autouse=True)
