@@ -26,10 +26,12 @@ from phalanx.schemas import subjects
 from phalanx.services.auth.roles import ANY, Role, identity
 
 
-def identity_env(seed_file: Path, name: str) -> dict[str, str]:
-    """The variables that make a phalanx process connect as identity ``name``."""
-    return {"PHALANX_NATS_NKEY": str(seed_file),
-            "PHALANX_NATS_INBOX_PREFIX": subjects.inbox(name)}
+def identity_env(seed_file: Path, name: str, ca_file: str | None = None) -> dict[str, str]:
+    """The variables that make a phalanx process connect as identity ``name`` (trusting
+    the server that ``ca_file`` signed, when given)."""
+    env = {"PHALANX_NATS_NKEY": str(seed_file),
+           "PHALANX_NATS_INBOX_PREFIX": subjects.inbox(name)}
+    return {**env, "PHALANX_NATS_CA": ca_file} if ca_file else env
 
 
 #: The agent's own configuration variables: never a rank's.
@@ -62,13 +64,11 @@ def rank_env(ranks_dir: Path, job_id: str, ca_file: str | None = None) -> dict[s
     if not seed_file.is_file():
         raise FileNotFoundError(f"no bus identity for job {job_id}: {seed_file} is missing "
                                 f"(`phalanx auth add-job` makes it)")
-    env = identity_env(seed_file, identity(Role.RANK, job_id))
-    return {**env, "PHALANX_NATS_CA": ca_file} if ca_file else env
+    return identity_env(seed_file, identity(Role.RANK, job_id), ca_file)
 
 
 def shared_rank_env(seed_file: Path, ca_file: str | None = None) -> dict[str, str]:
     """What an agent gives every rank where there are no per-job identities (the
     Kubernetes base): the identity all jobs' ranks share (``ranks``, scope
     :data:`~.roles.ANY`), never the agent's."""
-    env = identity_env(seed_file, identity(Role.RANK, ANY))
-    return {**env, "PHALANX_NATS_CA": ca_file} if ca_file else env
+    return identity_env(seed_file, identity(Role.RANK, ANY), ca_file)

@@ -90,8 +90,8 @@ def authorization(identities: Iterable[Identity]) -> dict:
 def server_config(identities: Iterable[Identity], tls_dir: Path) -> dict:
     """The nats-server config (as JSON, which its config format accepts): TLS on the
     client port, and :func:`authorization`."""
-    return {"tls": {"cert_file": str(tls_dir / "server.pem"),
-                    "key_file": str(tls_dir / "server-key.pem"), "timeout": 2},
+    return {"tls": {"cert_file": str(tls_dir / tls.SERVER_CERT),
+                    "key_file": str(tls_dir / tls.SERVER_KEY), "timeout": 2},
             "authorization": authorization(identities)}
 
 
@@ -106,8 +106,13 @@ class AuthDir:
         return self.root / CONFIG
 
     @property
+    def tls_dir(self) -> Path:
+        """The CA and the server's certificate and key (:mod:`.tls`)."""
+        return self.root / "tls"
+
+    @property
     def ca_path(self) -> Path:
-        return self.root / "tls" / "ca.pem"
+        return self.tls_dir / tls.CA_CERT
 
     @property
     def replication_key_path(self) -> Path:
@@ -129,12 +134,9 @@ class AuthDir:
 
     @classmethod
     def init(cls, root: str | os.PathLike[str], *, nodes: Iterable[str] = (),
-             hosts: Iterable[str] = (), shared: bool = False) -> AuthDir:
+             hosts: Iterable[str] = ()) -> AuthDir:
         """Make the directory: CA and server certificate for loopback, this host and
-        ``hosts``; an identity per static role and per node in ``nodes``, and with
-        ``shared`` the agents' and the ranks' shared identities (scope
-        :data:`~.roles.ANY`: for a deployment whose nodes and jobs come and go without
-        a reload of the server's config, :mod:`.kubernetes`).
+        ``hosts``; an identity per static role and per node in ``nodes``.
 
         Raises:
             AuthError: ``root`` already holds an auth directory.
@@ -145,7 +147,7 @@ class AuthDir:
                             f"with `phalanx auth add-node` / `add-job`")
         auth.root.mkdir(parents=True, exist_ok=True)
         os.chmod(auth.root, 0o700)
-        tls.make_ca_and_server_cert(auth.root / "tls", ["127.0.0.1", "::1", "localhost",
+        tls.make_ca_and_server_cert(auth.tls_dir, ["127.0.0.1", "::1", "localhost",
                                                         socket.gethostname(), *hosts])
         with auth._locked():
             (auth.root / IDENTITIES).write_text("[]")
@@ -153,9 +155,6 @@ class AuthDir:
                 auth._add(role, None)
             for node in nodes:
                 auth._add(Role.AGENT, node)
-            if shared:
-                auth._add(Role.AGENT, roles.ANY)
-                auth._add(Role.RANK, roles.ANY)
         write_key(auth.replication_key_path)
         return auth
 
@@ -213,8 +212,7 @@ class AuthDir:
             AuthError: the identity does not exist.
         """
         who = self.identity(role, scope)
-        env = {**identity_env(self.seed_path(role, scope), who.name),
-               "PHALANX_NATS_CA": str(self.ca_path)}
+        env = identity_env(self.seed_path(role, scope), who.name, str(self.ca_path))
         if role is Role.AGENT:  # made here for a directory older than the key
             write_key(self.replication_key_path)
             env["PHALANX_AGENT_REPLICA_KEY_FILE"] = str(self.replication_key_path)
@@ -245,7 +243,7 @@ class AuthDir:
         _replace(self.root / IDENTITIES, json.dumps(
             [dataclasses.asdict(i) for i in everyone], indent=2))
         _replace(self.config_path,
-                 json.dumps(server_config(everyone, self.root / "tls"), indent=2))
+                 json.dumps(server_config(everyone, self.tls_dir), indent=2))
 
     @contextlib.contextmanager
     def _locked(self) -> Iterator[None]:

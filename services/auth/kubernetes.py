@@ -24,7 +24,8 @@ from __future__ import annotations
 import base64
 from pathlib import Path
 
-from phalanx.services.auth.issuer import AuthDir, authorization
+from phalanx.services.auth import tls
+from phalanx.services.auth.issuer import AuthDir, AuthError, authorization
 from phalanx.services.auth.roles import ANY, Role
 
 #: The Secret holding every identity's seed, the CA and the replication key.
@@ -42,13 +43,24 @@ def service_hosts(namespace: str, release: str = RELEASE) -> list[str]:
 
 
 def prepare(root: Path, namespace: str) -> AuthDir:
-    """The auth directory at ``root``, made for ``namespace`` if it does not exist yet;
-    an existing one gets the shared identities if it lacks them."""
+    """The auth directory at ``root`` with the agents' and the ranks' shared identities,
+    made for ``namespace`` if it does not exist yet.
+
+    Raises:
+        AuthError: an existing directory's server certificate does not name the NATS
+            Service in ``namespace`` (pods would refuse the server).
+    """
     auth = AuthDir(root)
     if not auth.exists:
-        return AuthDir.init(root, hosts=service_hosts(namespace), shared=True)
-    auth.add(Role.AGENT, ANY)
-    auth.add(Role.RANK, ANY)
+        auth = AuthDir.init(root, hosts=service_hosts(namespace))
+    missing = [host for host in service_hosts(namespace)
+               if host not in tls.server_hosts(auth.tls_dir)]
+    if missing:
+        raise AuthError(f"the server certificate of {root} does not name {', '.join(missing)}"
+                        f": pods in namespace {namespace} could not verify the server (make "
+                        f"the directory with `phalanx auth kubernetes` for that namespace)")
+    for role in (Role.AGENT, Role.RANK):
+        auth.add(role, ANY)
     return auth
 
 
@@ -62,9 +74,8 @@ def secrets(auth: AuthDir, namespace: str) -> list[dict]:
              for who in auth.identities()}
     identities = {**seeds, "ca.pem": auth.ca_path.read_bytes(),
                   "replication.key": auth.replication_key_path.read_bytes()}
-    tls_dir = auth.ca_path.parent
-    server = {"tls.crt": (tls_dir / "server.pem").read_bytes(),
-              "tls.key": (tls_dir / "server-key.pem").read_bytes(),
+    server = {"tls.crt": (auth.tls_dir / tls.SERVER_CERT).read_bytes(),
+              "tls.key": (auth.tls_dir / tls.SERVER_KEY).read_bytes(),
               "ca.crt": auth.ca_path.read_bytes()}
     labels = {"app.kubernetes.io/part-of": "phalanx"}
     return [

@@ -24,6 +24,8 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 VALID_DAYS = 825  # the longest validity clients still accept for a server certificate
+#: The files :func:`make_ca_and_server_cert` writes in its directory.
+CA_CERT, CA_KEY, SERVER_CERT, SERVER_KEY = "ca.pem", "ca-key.pem", "server.pem", "server-key.pem"
 
 
 def _name(common_name: str) -> x509.Name:
@@ -50,8 +52,8 @@ def _subject_names(hosts: Iterable[str]) -> list[x509.GeneralName]:
 
 
 def make_ca_and_server_cert(directory: Path, hosts: Iterable[str]) -> None:
-    """Write ``ca.pem``, ``ca-key.pem``, ``server.pem`` and ``server-key.pem`` in
-    ``directory``; the server certificate is valid for ``hosts`` (names or IPs)."""
+    """Write :data:`CA_CERT`, :data:`CA_KEY`, :data:`SERVER_CERT` and :data:`SERVER_KEY`
+    in ``directory``; the server certificate is valid for ``hosts`` (names or IPs)."""
     directory.mkdir(parents=True, exist_ok=True)
     now = datetime.datetime.now(datetime.UTC)
     validity = (now - datetime.timedelta(minutes=5), now + datetime.timedelta(days=VALID_DAYS))
@@ -77,7 +79,15 @@ def make_ca_and_server_cert(directory: Path, hosts: Iterable[str]) -> None:
                              critical=False)
               .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
               .sign(ca_key, hashes.SHA256()))
-    _write_key(directory / "ca-key.pem", ca_key)
-    _write_key(directory / "server-key.pem", server_key)
-    (directory / "ca.pem").write_bytes(ca.public_bytes(serialization.Encoding.PEM))
-    (directory / "server.pem").write_bytes(server.public_bytes(serialization.Encoding.PEM))
+    _write_key(directory / CA_KEY, ca_key)
+    _write_key(directory / SERVER_KEY, server_key)
+    (directory / CA_CERT).write_bytes(ca.public_bytes(serialization.Encoding.PEM))
+    (directory / SERVER_CERT).write_bytes(server.public_bytes(serialization.Encoding.PEM))
+
+
+def server_hosts(directory: Path) -> set[str]:
+    """The names and IPs the server certificate in ``directory`` is valid for."""
+    cert = x509.load_pem_x509_certificate((directory / SERVER_CERT).read_bytes())
+    names = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    return {*names.get_values_for_type(x509.DNSName),
+            *(str(ip) for ip in names.get_values_for_type(x509.IPAddress))}

@@ -7,11 +7,11 @@ import stat
 from pathlib import Path
 
 import nkeys
+import pytest
 import yaml
-from cryptography import x509
 
-from phalanx.services.auth import kubernetes
-from phalanx.services.auth.issuer import AuthDir, authorization
+from phalanx.services.auth import kubernetes, tls
+from phalanx.services.auth.issuer import AuthDir, AuthError, authorization
 from phalanx.services.auth.roles import ANY, STATIC_ROLES, Role, identity
 from phalanx.services.cli import main as cli_main
 
@@ -21,21 +21,28 @@ def test_a_new_directory_has_every_role_shared_scopes_and_the_services_names(
     auth = kubernetes.prepare(tmp_path / "auth", "ml")
     names = {who.name for who in auth.identities()}
     assert names == {*(identity(r) for r in STATIC_ROLES), "agents", "ranks"}
-    cert = x509.load_pem_x509_certificate((auth.ca_path.parent / "server.pem").read_bytes())
-    dns = cert.extensions.get_extension_for_class(
-        x509.SubjectAlternativeName).value.get_values_for_type(x509.DNSName)
-    assert set(kubernetes.service_hosts("ml")) <= set(dns)
-    assert "nats.ml.svc.cluster.local" in dns
+    hosts = tls.server_hosts(auth.tls_dir)
+    assert set(kubernetes.service_hosts("ml")) <= hosts
+    assert "nats.ml.svc.cluster.local" in hosts
 
 
 def test_an_existing_directory_gains_the_shared_identities_and_keeps_the_rest(
         tmp_path: Path) -> None:
-    before = AuthDir.init(tmp_path / "auth", nodes=["gpu-01"])
+    before = AuthDir.init(tmp_path / "auth", nodes=["gpu-01"],
+                          hosts=kubernetes.service_hosts("phalanx"))
     kept = {who.name: who.public_key for who in before.identities()}
     auth = kubernetes.prepare(tmp_path / "auth", "phalanx")
     now = {who.name: who.public_key for who in auth.identities()}
     assert {k: now[k] for k in kept} == kept
     assert set(now) - set(kept) == {"agents", "ranks"}
+
+
+def test_an_existing_directory_whose_certificate_misses_the_service_is_refused(
+        tmp_path: Path) -> None:
+    AuthDir.init(tmp_path / "auth", hosts=kubernetes.service_hosts("ml"))
+    with pytest.raises(AuthError, match=r"does not name nats\.phalanx, nats\.phalanx\.svc"):
+        kubernetes.prepare(tmp_path / "auth", "phalanx")
+    assert "agents" not in {w.name for w in AuthDir(tmp_path / "auth").identities()}
 
 
 def test_the_secrets_hold_each_seed_of_the_key_the_values_admit(tmp_path: Path) -> None:
