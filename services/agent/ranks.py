@@ -91,6 +91,7 @@ from phalanx.services.agent.core import (
     rank_cpus,
     rank_devices,
 )
+from phalanx.services.agent.zygote import ChildProcess, ForkedProcess, Launcher
 from phalanx.services.auth.credentials import rank_environment
 from phalanx.services.deadline import wait_set
 from phalanx.services.manifest import MANIFEST, start_ticks
@@ -156,7 +157,7 @@ class Rank:
     grace_s: float
     slots: int
     replica_id: str
-    process: asyncio.subprocess.Process | None = None  # None when adopted
+    process: ChildProcess | None = None  # None when adopted
     stop: StopReason | None = None  # why this agent stops it (None: it does not)
     watcher: asyncio.Task[None] | None = None
     node_slots: tuple[int, ...] = ()  # this node's slots it holds (its LOCAL_RANK, GPUs)
@@ -198,6 +199,7 @@ class RankSet:
         found_gpus: the GPUs NVML described: a rank is pinned to its GPUs' CPUs.
         cordoned: the node's slots out of use now (a GPU fault's), as the registry holds
             them at the moment of a launch: no rank starts there. None: none ever are.
+        launcher: starts the processes (:mod:`.zygote`); None: each one cold.
     """
 
     def __init__(self, node_id: str, work_dir: Path, nats_url: str,
@@ -209,8 +211,10 @@ class RankSet:
                  snapshot_dir: Callable[[str], Path] | None = None,
                  checkpoint_dir: Path | None = None, gpus: tuple[int, ...] = (),
                  found_gpus: Sequence[GpuInfo] = (),
-                 cordoned: Callable[[], Awaitable[Collection[int]]] | None = None) -> None:
+                 cordoned: Callable[[], Awaitable[Collection[int]]] | None = None,
+                 launcher: Launcher | None = None) -> None:
         self.node_id = node_id
+        self.launcher = launcher or Launcher(work_dir, zygotes=False)
         self.gpus = gpus
         self.found_gpus = found_gpus
         self.cordoned = cordoned
@@ -476,8 +480,7 @@ class RankSet:
         return entry
 
     async def _start(self, record: JobRecord, rank: int, replica_id: str,
-                     identity: Mapping[str, str], log_path: Path
-                     ) -> asyncio.subprocess.Process | None:
+                     identity: Mapping[str, str], log_path: Path) -> ChildProcess | None:
         """A new process of the job's command with ``identity``; None when it cannot start
         (reported to health as a launch failure)."""
         spec = record.spec
@@ -488,9 +491,7 @@ class RankSet:
             log_file.flush()
             try:
                 env = {**self.job_environment(record), **identity}
-                return await asyncio.create_subprocess_exec(
-                    *spec.command, env=env, stdin=asyncio.subprocess.DEVNULL, stdout=log_file,
-                    stderr=log_file, start_new_session=True)
+                return await self.launcher.start(spec.command, env, log_file)
             except OSError as exc:
                 # The command cannot start (missing binary, bad path, no permission): the
                 # application's failure, told to health with the reason and written where
@@ -511,6 +512,11 @@ class RankSet:
     async def _watch_child(self, entry: Rank) -> None:
         assert entry.process is not None
         code = await entry.process.wait()
+        if isinstance(entry.process, ForkedProcess) and entry.process.status_lost:
+            # Its zygote died before it: how it ended is unknown, as for an adopted rank.
+            await self._exited(entry, exit_code=None, signame=None,
+                               cause=None if entry.stopping else ExitCause.LOST)
+            return
         signame = None
         if code < 0:
             with contextlib.suppress(ValueError):

@@ -84,6 +84,7 @@ from phalanx.services.agent.snapshots import (
     default_root,
 )
 from phalanx.services.agent.spares import SpareSet
+from phalanx.services.agent.zygote import Launcher
 from phalanx.services.auth.credentials import rank_env, shared_rank_env
 from phalanx.services.auth.replication_key import load_key
 from phalanx.services.base import Service
@@ -131,6 +132,7 @@ class AgentService(Service):
         self.record: NodeRecord | None = None
         self.ranks: RankSet | None = None
         self.spares: SpareSet | None = None
+        self.launcher = Launcher(self.work_dir, zygotes=config.zygote)
         self._job_locks: dict[str, asyncio.Lock] = {}
         self.jobs: TypedKV[JobRecord] | None = None
         self.generations: TypedKV[Generation] | None = None
@@ -178,13 +180,14 @@ class AgentService(Service):
                              if self.config.checkpoint_dir
                              else self.work_dir.parent.parent / "checkpoints",
                              gpus=self.gpus, found_gpus=self.gpu_watch.gpus,
-                             cordoned=self._cordoned_now)
+                             cordoned=self._cordoned_now, launcher=self.launcher)
         await self.ranks.adopt()
         ranks = self.ranks
         # A cordoned slot holds no spare either.
         self.spares = self.ranks.spares = SpareSet(
             self.config.node_id, self.work_dir, self.slots, self.gpus,
-            self.ranks.job_environment, lambda: ranks.slots_placed() + len(self.cordoned))
+            self.ranks.job_environment, lambda: ranks.slots_placed() + len(self.cordoned),
+            launcher=self.launcher)
         metrics.RANKS.set_function(lambda: len(ranks.ranks))
         # Both open before the first record arrives: reconciling one reads the generations.
         self.jobs = await TypedKV.open(self.bus.js, subjects.JOBS_BUCKET, JobRecord)
@@ -646,6 +649,7 @@ class AgentService(Service):
             await self.spares.stop_all()
         if self.ranks is not None:
             await self.ranks.stop_all()
+        await self.launcher.close()  # after the ranks: their zygotes report their exits
         async with self._gpu_poll:
             self.gpu_watch.close()
         if self.config.stop_is_restart:

@@ -49,6 +49,7 @@ from phalanx.schemas import environment
 from phalanx.schemas.messages import JobRecord, JobState
 from phalanx.services.agent import core
 from phalanx.services.agent.ranks import utc_now
+from phalanx.services.agent.zygote import ChildProcess, Launcher
 
 log = logging.getLogger("phalanx.agent.spares")
 #: After a spare is taken, how long before the job's next one starts: the replacement it
@@ -62,14 +63,14 @@ class Spare:
 
     spare_id: str
     job_id: str
-    process: asyncio.subprocess.Process
+    process: ChildProcess
     log_path: Path
     started_at: float  # time.time()
     stopping: bool = False
     watcher: asyncio.Task[None] | None = None
 
     async def hand_over(self, identity: Mapping[str, str],
-                        log_path: Path) -> asyncio.subprocess.Process | None:
+                        log_path: Path) -> ChildProcess | None:
         """Make this spare the replica ``identity`` names, writing to ``log_path`` from now
         on; its process, or None if it is gone (then it is killed, if anything is left)."""
         assert self.process.stdin is not None
@@ -106,6 +107,7 @@ class SpareSet:
         environment: job record -> what its processes start with
             (:meth:`.RankSet.job_environment`; raises ``OSError`` when it cannot be made).
         placed: the slots admitted replicas are placed on here (:meth:`.RankSet.slots_placed`).
+        launcher: starts the processes (:mod:`.zygote`); None: each one cold.
 
     Spares start at the agent's priority, not niced as a cold replacement starts: a spare
     warms up ahead of any fault, so its imports and model build cost the job once, early,
@@ -115,8 +117,9 @@ class SpareSet:
 
     def __init__(self, node_id: str, work_dir: Path, capacity: int | None,
                  gpus: tuple[int, ...], environment: Callable[[JobRecord], dict[str, str]],
-                 placed: Callable[[], int]) -> None:
+                 placed: Callable[[], int], launcher: Launcher | None = None) -> None:
         self.node_id = node_id
+        self.launcher = launcher or Launcher(work_dir, zygotes=False)
         self.work_dir = work_dir
         self.capacity = capacity
         self.gpus = gpus
@@ -214,9 +217,8 @@ class SpareSet:
             log_file.flush()
             try:
                 env = {**self.environment(record), environment.SPARE: spare_id}
-                process = await asyncio.create_subprocess_exec(
-                    *record.spec.command, env=env, stdin=asyncio.subprocess.PIPE,
-                    stdout=log_file, stderr=log_file, start_new_session=True)
+                process = await self.launcher.start(record.spec.command, env, log_file,
+                                                    stdin=True)
             except OSError as exc:
                 log.warning("cannot start a spare of %s: %s", record.job_id, exc)
                 self._died(record.job_id)

@@ -1,0 +1,343 @@
+"""A zygote: an interpreter with torch and the runtime imported, that ranks are forked from.
+
+A rank started cold spends its first 1.5 to 2 s of CPU (more on a loaded machine)
+importing torch and the runtime before the script's first line of its own.
+A node agent keeps a zygote (``python -m phalanx.runtime.zygote``, started in
+the job's environment) that has done those imports once; each rank or warm spare
+whose command is a script or module of the same interpreter is then a ``fork``
+of it that runs the script (:mod:`runpy`) as ``python script.py`` would: its own
+session, its standard streams on the descriptors the agent passed, the job's and
+the replica's variables in ``os.environ``, ``sys.argv`` and ``sys.path[0]`` as
+the interpreter sets them, and on the way out non-daemon threads joined,
+``atexit`` run, and the exit status an uncaught exception or ``SystemExit`` gives.
+The protocol is :mod:`phalanx.schemas.zygote`.
+
+Why a fork is safe here: the zygote forks only while it runs no Python thread
+but its own, imports nothing but :data:`~phalanx.schemas.zygote.PRELOAD` (torch
+starts no thread at import; OpenBLAS's pool, which numpy starts, is rebuilt by its
+own fork handlers), and never touches CUDA, so a child initialises its GPU as a
+fresh process would. Python's ``random`` reseeds itself in a child; numpy's
+global generator does not, so the child reseeds it (a fresh process would seed it
+from the OS too). What the script does is the child's alone: nothing of it runs
+in the zygote.
+
+The zygote is the children's parent, so it reports their exits
+(:class:`~phalanx.schemas.zygote.Exited`). It exits when its agent closes the
+request socket or dies; children still running then go on (the agent that
+restarts adopts them like any rank). Nothing it is sent can make it crash: a
+request it cannot read or fork is answered :class:`~phalanx.schemas.zygote.ForkFailed`
+and the zygote goes on.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import ctypes
+import importlib
+import io
+import logging
+import os
+import runpy
+import selectors
+import signal
+import socket
+import sys
+import threading
+import time
+import traceback
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from types import TracebackType
+from typing import NoReturn
+
+import msgspec
+
+from phalanx.schemas import zygote as protocol
+
+log = logging.getLogger("phalanx.runtime.zygote")
+
+
+class Zygote:
+    """The serving loop: read fork requests, fork, report children's exits."""
+
+    def __init__(self, requests: socket.socket, events: socket.socket) -> None:
+        self.requests = requests
+        self.events = events
+        self.children: set[int] = set()
+        self._wakeup_read, self._wakeup_write = os.pipe()
+        os.set_blocking(self._wakeup_read, False)
+        os.set_blocking(self._wakeup_write, False)
+        self._selector = selectors.DefaultSelector()
+        self._pending = bytearray()
+        self._fds: list[int] = []
+
+    def serve(self) -> None:
+        """Serve until the request socket ends (the agent closed it or died)."""
+        signal.set_wakeup_fd(self._wakeup_write)
+        signal.signal(signal.SIGCHLD, lambda *_: None)
+        self._selector.register(self.requests, selectors.EVENT_READ)
+        self._selector.register(self._wakeup_read, selectors.EVENT_READ)
+        while True:
+            for key, _ in self._selector.select():
+                if key.fileobj is self.requests and not self._read_requests():
+                    return
+            self._reap()
+
+    def _read_requests(self) -> bool:
+        """Read what arrived and serve every whole request; False when the socket ended."""
+        try:
+            data, fds, _, _ = socket.recv_fds(self.requests, 1 << 16, 4)
+        except OSError as exc:
+            log.warning("zygote: the request socket failed: %s", exc)
+            return False
+        if not data:
+            return False
+        self._pending += data
+        self._fds += fds
+        while len(self._pending) >= protocol.HEADER_BYTES:
+            try:
+                length = protocol.frame_length(bytes(self._pending[:protocol.HEADER_BYTES]))
+            except ValueError as exc:  # no frame boundary can be trusted after this one
+                log.error("zygote: %s; closing", exc)
+                return False
+            end = protocol.HEADER_BYTES + length
+            if len(self._pending) < end:
+                break
+            body = bytes(self._pending[protocol.HEADER_BYTES:end])
+            del self._pending[:end]
+            fds, self._fds = self._fds, []
+            self._serve_one(body, fds)
+        return True
+
+    def _serve_one(self, body: bytes, fds: list[int]) -> None:
+        try:
+            try:
+                request = protocol.decode_request(body)
+            except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+                self._send(protocol.ForkFailed(request=-1, error=f"bad request: {exc}"))
+                return
+            wanted = 3 if request.stdin else 2
+            if len(fds) != wanted:
+                self._send(protocol.ForkFailed(
+                    request=request.request,
+                    error=f"{len(fds)} descriptor(s) came with the request, not {wanted}"))
+                return
+            if threading.active_count() != 1:  # never fork under a running thread
+                self._send(protocol.ForkFailed(
+                    request=request.request,
+                    error=f"{threading.active_count()} threads run in the zygote"))
+                return
+            if _cuda_initialized():  # a child could not use the GPU a fork copied
+                self._send(protocol.ForkFailed(request=request.request,
+                                               error="CUDA is initialised in the zygote"))
+                return
+            for stream in (sys.stdout, sys.stderr):  # nothing of ours is copied into a child
+                with contextlib.suppress(Exception):
+                    stream.flush()
+            # Answered once the child leads its own session, as a cold start is: a stop
+            # (SIGTERM to the group) right after must reach it.
+            session_read, session_write = os.pipe()
+            try:
+                pid = os.fork()
+            except OSError as exc:
+                os.close(session_read)
+                os.close(session_write)
+                self._send(protocol.ForkFailed(request=request.request, error=str(exc)))
+                return
+            if pid == 0:
+                os.close(session_read)
+                self._become(request, fds, session_write)
+            os.close(session_write)
+            os.read(session_read, 1)  # EOF: the child closed its end (or died)
+            os.close(session_read)
+            self.children.add(pid)
+            self._send(protocol.Forked(request=request.request, pid=pid))
+        finally:
+            for fd in fds:
+                with contextlib.suppress(OSError):
+                    os.close(fd)
+
+    def _reap(self) -> None:
+        with contextlib.suppress(BlockingIOError):
+            while os.read(self._wakeup_read, 512):
+                pass
+        for pid in list(self.children):
+            try:
+                done, status = os.waitpid(pid, os.WNOHANG)
+            except ChildProcessError:
+                done, status = pid, 0
+            if done:
+                self.children.discard(pid)
+                self._send(protocol.Exited(pid=pid, code=os.waitstatus_to_exitcode(status)))
+
+    def _send(self, event: protocol.Event) -> None:
+        with contextlib.suppress(OSError):  # the agent is gone: the request socket ends too
+            self.events.sendall(protocol.encode_event(event))
+
+    def _become(self, request: protocol.Fork, fds: list[int], session: int) -> NoReturn:
+        """In the child: undo the zygote, take the request's identity, run the program."""
+        code = 1
+        try:
+            os.setsid()
+            os.close(session)
+            signal.set_wakeup_fd(-1)
+            signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+            for fd in (self._wakeup_read, self._wakeup_write):
+                os.close(fd)
+            self._selector.close()
+            self.requests.close()
+            self.events.close()
+            program_pipe, output = fds[0], fds[1]
+            stdin = fds[2] if request.stdin else os.open(os.devnull, os.O_RDONLY)
+            os.dup2(stdin, 0)
+            os.dup2(output, 1)
+            os.dup2(output, 2)
+            with os.fdopen(program_pipe, "rb") as pipe:
+                program = protocol.decode_program(pipe.read())
+            for fd in {stdin, output}:
+                if fd > 2:
+                    os.close(fd)
+            os.chdir(program.cwd)
+            os.environ.clear()
+            os.environ.update(program.env)
+            present_as(program.command, program.env)
+            code = run(program.entry)
+        except BaseException:
+            with contextlib.suppress(Exception):
+                traceback.print_exc()
+        finally:
+            with contextlib.suppress(Exception):
+                sys.stdout.flush()
+                sys.stderr.flush()
+            os._exit(code)
+
+
+def run(entry: protocol.Entry) -> int:
+    """Run ``entry`` as the interpreter would run it as its main program; its exit status."""
+    if entry.unbuffered:  # -u: no buffer under the text layer
+        sys.stdout, sys.stderr = (
+            io.TextIOWrapper(io.FileIO(fd, "w", closefd=False), encoding=stream.encoding,
+                             errors=stream.errors, write_through=True)
+            for fd, stream in ((1, sys.stdout), (2, sys.stderr)))
+    sys.argv = list(entry.argv)
+    _reseed_numpy()
+    code = 0
+    try:
+        if entry.module:
+            sys.path[0] = os.getcwd()
+            runpy.run_module(entry.argv[0], run_name="__main__", alter_sys=True)
+        else:
+            sys.path[0] = os.path.dirname(os.path.realpath(entry.argv[0]))
+            runpy.run_path(entry.argv[0], run_name="__main__")
+    except SystemExit as exc:
+        code = _exit_code(exc.code)
+    except BaseException as exc:  # reported as the interpreter reports it
+        program_tb = _program_frames(exc.__traceback__)
+        sys.excepthook(type(exc), exc.with_traceback(program_tb), program_tb)
+        code = 1
+    # Then what the interpreter's exit does: join the threads that are not daemons, run
+    # the atexit functions.
+    threading._shutdown()  # type: ignore[attr-defined]
+    atexit._run_exitfuncs()
+    return code
+
+
+def _program_frames(tb: TracebackType | None) -> TracebackType | None:
+    """``tb`` from the program's first frame on: the zygote's and runpy's frames left out,
+    as in the traceback of the program run by ``python`` itself."""
+    while tb is not None and (tb.tb_frame.f_code.co_filename == __file__
+                              or "runpy" in tb.tb_frame.f_code.co_filename):
+        tb = tb.tb_next
+    return tb
+
+
+def _exit_code(value: object) -> int:
+    if value is None:
+        return 0
+    if isinstance(value, int):
+        return value & 0xFF
+    print(value, file=sys.stderr)
+    return 1
+
+
+class _MemoryMap(ctypes.Structure):
+    """``struct prctl_mm_map`` (linux/prctl.h)."""
+
+    _fields_ = [(name, ctypes.c_uint64) for name in (
+        "start_code", "end_code", "start_data", "end_data", "start_brk", "brk", "start_stack",
+        "arg_start", "arg_end", "env_start", "env_end", "auxv")] + [
+        ("auxv_size", ctypes.c_uint32), ("exe_fd", ctypes.c_uint32)]
+
+
+_PR_SET_MM, _PR_SET_MM_MAP = 35, 14
+_presented: list[ctypes.Array[ctypes.c_char]] = []  # the new areas live as long as we do
+
+
+def present_as(command: Sequence[str], env: Mapping[str, str]) -> bool:
+    """Make ``/proc/self/cmdline`` and ``/proc/self/environ`` show ``command`` and ``env``
+    (as they would for a process started with them) instead of the zygote's: what ``ps``,
+    ``top`` and an operator's scripts read. ``prctl(PR_SET_MM_MAP)`` with this process's
+    own memory map, new argument and environment areas; it needs no privilege on Linux
+    3.18 and later with checkpoint/restore built in. False (the zygote's shown) where
+    the kernel refuses."""
+    try:
+        fields = Path("/proc/self/stat").read_text().rsplit(") ", 1)[1].split()
+        stat = {number: int(fields[number - 3]) for number in (26, 27, 28, 45, 46, 47)}
+        args = b"".join(a.encode(errors="surrogateescape") + b"\0" for a in command)
+        variables = b"".join(f"{k}={v}".encode(errors="surrogateescape") + b"\0"
+                             for k, v in env.items())
+        area = ctypes.create_string_buffer(args + variables, len(args) + len(variables))
+        base = ctypes.addressof(area)
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.sbrk.restype = ctypes.c_void_p
+        memory = _MemoryMap(
+            start_code=stat[26], end_code=stat[27], start_stack=stat[28], start_data=stat[45],
+            end_data=stat[46], start_brk=stat[47], brk=libc.sbrk(0) or stat[47],
+            arg_start=base, arg_end=base + len(args), env_start=base + len(args),
+            env_end=base + len(args) + len(variables), auxv=0, auxv_size=0,
+            exe_fd=0xFFFFFFFF)  # -1: the executable unchanged
+        if libc.prctl(_PR_SET_MM, _PR_SET_MM_MAP, ctypes.byref(memory),
+                      ctypes.sizeof(memory), 0) != 0:
+            return False
+    except (OSError, ValueError, IndexError, AttributeError):
+        return False
+    _presented.append(area)
+    return True
+
+
+def _cuda_initialized() -> bool:
+    torch = sys.modules.get("torch")
+    return torch is not None and bool(torch.cuda.is_initialized())
+
+
+def _reseed_numpy() -> None:
+    numpy = sys.modules.get("numpy")
+    if numpy is not None:
+        with contextlib.suppress(Exception):
+            numpy.random.seed()
+
+
+def preload() -> float:
+    """Import :data:`~phalanx.schemas.zygote.PRELOAD`; the seconds it took."""
+    started = time.perf_counter()
+    for name in protocol.PRELOAD:
+        importlib.import_module(name)
+    return time.perf_counter() - started
+
+
+def main() -> None:
+    # No logging set up here: a child would inherit the handlers, and the script's own
+    # ``logging.basicConfig`` would then do nothing.
+    requests = socket.socket(fileno=int(os.environ.pop(protocol.REQUESTS_FD)))
+    events = socket.socket(fileno=int(os.environ.pop(protocol.EVENTS_FD)))
+    requests.setblocking(True)
+    events.setblocking(True)
+    seconds = preload()
+    zygote = Zygote(requests, events)
+    zygote._send(protocol.Ready(pid=os.getpid(), seconds=seconds))
+    zygote.serve()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,192 @@
+"""What a node agent and its zygote say to each other, and which commands a zygote can run.
+
+A *zygote* (:mod:`phalanx.runtime.zygote`) is a Python interpreter an agent keeps
+with torch and the rank runtime already imported; a rank or a warm spare whose
+command is a Python script run by that same interpreter is *forked* from it
+instead of started cold, so it skips the imports (1.5 to 2 s of CPU on a quiet
+machine, several seconds on a loaded one). Both sides take the protocol from
+here, so neither imports the other.
+
+The agent talks over two sockets it passes to the zygote: on the *request*
+socket it sends one :class:`Fork` at a time as a frame (:func:`frame`: a 4-byte
+length, then the JSON), with the file descriptors the child gets attached
+(``SCM_RIGHTS``): a pipe holding its :class:`Program`, its standard output/error
+and input; on the *event* socket the zygote
+writes JSON lines: :class:`Ready` once, then :class:`Forked` or
+:class:`ForkFailed` for each request and :class:`Exited` for each child that
+ended (the zygote is their parent, so only it can collect their exit status).
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+from collections.abc import Mapping, Sequence
+
+import msgspec
+
+#: The module an agent runs (``python -m``) as a zygote.
+MODULE = "phalanx.runtime.zygote"
+#: What a zygote imports before it forks anything: what every rank imports first.
+PRELOAD = ("torch", "phalanx.runtime.elastic")
+#: Interpreter options a forked child can honour (``-u``: unbuffered output).
+OPTIONS = frozenset({"-u"})
+#: The variables that give the zygote its two sockets' descriptor numbers.
+REQUESTS_FD = "PHALANX_ZYGOTE_REQUESTS_FD"
+EVENTS_FD = "PHALANX_ZYGOTE_EVENTS_FD"
+#: The most bytes one frame may hold (a request is its command and environment).
+MAX_FRAME = 4 << 20
+
+_LENGTH = struct.Struct("!I")
+
+
+class Entry(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """What a Python command runs: a script or a module (``-m``), with its arguments."""
+
+    argv: tuple[str, ...]
+    """``sys.argv`` of the program: the script's path (or the module's name) first."""
+    module: bool = False
+    """``argv[0]`` is a module (``python -m``), not a script's path."""
+    unbuffered: bool = False
+    """``-u``: standard output and error unbuffered."""
+
+
+class Program(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """What one child runs, and as whom: read by the child alone, from a pipe."""
+
+    command: tuple[str, ...]
+    """The command line as the job gave it (what ``/proc/<pid>/cmdline`` shows)."""
+    entry: Entry
+    env: dict[str, str]
+    cwd: str
+
+
+class Fork(msgspec.Struct, frozen=True, tag="fork", forbid_unknown_fields=True):
+    """Fork a child, in a session of its own. Attached: the read end of a pipe that holds
+    the child's :class:`Program` (the zygote never reads it: a job's variables, its bus
+    credentials among them, never enter the zygote that later children are copies of),
+    then the child's standard output and error, then, with ``stdin``, its standard input
+    (else /dev/null)."""
+
+    request: int
+    stdin: bool = False
+
+
+class Ready(msgspec.Struct, frozen=True, tag="ready"):
+    """The zygote has imported :data:`PRELOAD` and forks from now on."""
+
+    pid: int
+    seconds: float
+    """How long the imports took."""
+
+
+class Forked(msgspec.Struct, frozen=True, tag="forked"):
+    request: int
+    pid: int
+
+
+class ForkFailed(msgspec.Struct, frozen=True, tag="fork_failed"):
+    request: int
+    error: str
+
+
+class Exited(msgspec.Struct, frozen=True, tag="exited"):
+    """A child ended: ``code`` as ``subprocess`` reports it (a signal: its negative)."""
+
+    pid: int
+    code: int
+
+
+Event = Ready | Forked | ForkFailed | Exited
+
+_encoder = msgspec.json.Encoder()
+_requests = msgspec.json.Decoder(Fork)
+_programs = msgspec.json.Decoder(Program)
+_events: msgspec.json.Decoder[Event] = msgspec.json.Decoder(Event)
+
+
+def frame(request: Fork) -> bytes:
+    """``request`` as one frame of the request socket."""
+    body = _encoder.encode(request)
+    return _LENGTH.pack(len(body)) + body
+
+
+def frame_length(header: bytes) -> int:
+    """The body length a frame's 4-byte header announces.
+
+    Raises:
+        ValueError: more than :data:`MAX_FRAME`.
+    """
+    length: int = _LENGTH.unpack(header)[0]
+    if length > MAX_FRAME:
+        raise ValueError(f"a zygote request of {length} bytes (at most {MAX_FRAME})")
+    return length
+
+
+HEADER_BYTES = _LENGTH.size
+
+
+def decode_request(body: bytes) -> Fork:
+    """Raises ``msgspec.ValidationError`` / ``msgspec.DecodeError`` on a bad frame."""
+    return _requests.decode(body)
+
+
+def encode_program(program: Program) -> bytes:
+    return _encoder.encode(program)
+
+
+def decode_program(data: bytes) -> Program:
+    """Raises ``msgspec.ValidationError`` / ``msgspec.DecodeError`` on bad data."""
+    return _programs.decode(data)
+
+
+def encode_event(event: Event) -> bytes:
+    return _encoder.encode(event) + b"\n"
+
+
+def decode_event(line: bytes) -> Event:
+    """Raises ``msgspec.ValidationError`` / ``msgspec.DecodeError`` on a bad line."""
+    return _events.decode(line)
+
+
+def python_entry(command: Sequence[str], env: Mapping[str, str],
+                 executable: str) -> Entry | None:
+    """What ``command`` runs, if it is ``executable`` running a script or a module; None
+    for anything a forked child of ``executable`` cannot run exactly as ``command`` would.
+
+    ``command[0]`` must name ``executable`` itself (found on ``env``'s ``PATH`` when it has
+    no slash): the same interpreter path, not merely a link to the same binary (a
+    virtual environment's ``python`` and the system's differ in what they import). Its
+    options may only be :data:`OPTIONS`, then a script or ``-m`` and a module.
+    """
+    if not command:
+        return None
+    program = command[0]
+    if os.sep not in program:
+        found = _which(program, env.get("PATH", ""))
+        if found is None:
+            return None
+        program = found
+    if os.path.abspath(program) != os.path.abspath(executable):
+        return None
+    rest = list(command[1:])
+    unbuffered = False
+    while rest and rest[0] in OPTIONS:
+        unbuffered = unbuffered or rest.pop(0) == "-u"
+    if not rest:
+        return None
+    if rest[0] == "-m":
+        if len(rest) < 2 or not rest[1] or rest[1].startswith("-"):
+            return None
+        return Entry(argv=tuple(rest[1:]), module=True, unbuffered=unbuffered)
+    if rest[0].startswith("-") or rest[0] == "":
+        return None  # -c, -X, a stdin script ("-"): run cold, as given
+    return Entry(argv=tuple(rest), unbuffered=unbuffered)
+
+
+def _which(name: str, path: str) -> str | None:
+    for folder in path.split(os.pathsep):
+        candidate = os.path.join(folder or ".", name)
+        if os.path.isfile(candidate) and os.access(candidate, os.X_OK):
+            return candidate
+    return None

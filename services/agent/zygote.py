@@ -1,0 +1,390 @@
+"""Starting a job's processes: forked from a zygote when the command allows, else cold.
+
+Every rank and warm spare the agent starts goes through :class:`Launcher`. A
+command that is this agent's own interpreter running a script or a module
+(:func:`~phalanx.schemas.zygote.python_entry`) is forked from a *zygote*
+(:mod:`phalanx.runtime.zygote`): an interpreter the agent keeps with torch and
+the rank runtime imported, so the rank skips 1.5 to 2 s of imports. Anything else
+(another interpreter, a shell, ``torchrun``) starts cold, as before, and so does
+every command when the zygote cannot serve (it failed to start or died; the
+reason is logged and the next launch tries a new one).
+
+A zygote is shared by the jobs whose processes start in the same environment
+once the variables the agent sets per job and per replica are left out (every
+``PHALANX_*`` variable and the replica's identity): it is started in that
+environment, so what an import reads from it (``OMP_NUM_THREADS``,
+``PYTHONPATH`` …) is the job's. It holds nothing of any job: a child's
+variables, its command line and its working directory reach the child alone,
+through a pipe the zygote passes on unread. At most :data:`MAX_ZYGOTES` are
+kept, the least recently used stopped first; all are stopped with the agent.
+
+A forked process is the zygote's child, not the agent's: the zygote reports its
+exit status (:class:`ForkedProcess`). If the zygote dies first, the exits of its
+children still running are watched through a pidfd and reported with no status
+(as for a rank adopted after an agent restart).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import fcntl
+import logging
+import os
+import socket
+import sys
+import time
+from collections import OrderedDict
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import BinaryIO, Protocol
+
+import msgspec
+
+from phalanx.schemas import zygote as protocol
+
+log = logging.getLogger("phalanx.agent.zygote")
+#: Zygotes kept at once (one per distinct import environment).
+MAX_ZYGOTES = 2
+#: How long a launch waits for a zygote's imports before it starts cold instead.
+READY_TIMEOUT_S = 120.0
+#: How long a fork request may take to be answered.
+FORK_TIMEOUT_S = 10.0
+#: Variables set per replica that are not ``PHALANX_*``: left out of a zygote's
+#: environment (see the module docstring) and given to each child.
+REPLICA_VARIABLES = frozenset({"RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE",
+                               "GROUP_RANK", "ROLE_RANK", "MASTER_ADDR", "MASTER_PORT",
+                               "CUDA_VISIBLE_DEVICES", "TORCHELASTIC_RUN_ID"})
+_F_SETPIPE_SZ = getattr(fcntl, "F_SETPIPE_SZ", 1031)
+
+
+class ChildProcess(Protocol):
+    """What the agent needs of a process it started: ``asyncio.subprocess.Process``
+    for a cold start, :class:`ForkedProcess` for a fork."""
+
+    @property
+    def pid(self) -> int: ...
+
+    @property
+    def returncode(self) -> int | None: ...
+
+    @property
+    def stdin(self) -> asyncio.StreamWriter | None: ...
+
+    async def wait(self) -> int: ...
+
+
+class ForkedProcess:
+    """A process forked from a zygote; its exit comes from the zygote (or its pidfd)."""
+
+    def __init__(self, pid: int, stdin: asyncio.StreamWriter | None) -> None:
+        self._pid = pid
+        self._stdin = stdin
+        self._code: int | None = None
+        self._lost = False
+        self._ended = asyncio.Event()
+
+    @property
+    def pid(self) -> int:
+        return self._pid
+
+    @property
+    def returncode(self) -> int | None:
+        return self._code
+
+    @property
+    def stdin(self) -> asyncio.StreamWriter | None:
+        return self._stdin
+
+    @property
+    def status_lost(self) -> bool:
+        """It ended after its zygote died, so its exit status is unknowable
+        (:meth:`wait` then gives :data:`UNKNOWN_STATUS`)."""
+        return self._lost
+
+    async def wait(self) -> int:
+        """Its exit status as ``subprocess`` gives it (a signal: its negative)."""
+        await self._ended.wait()
+        assert self._code is not None
+        return self._code
+
+    def ended(self, code: int, *, lost: bool = False) -> None:
+        if self._code is None:
+            self._code = code
+            self._lost = lost
+            self._ended.set()
+
+
+#: The status of a forked process that ended while no zygote could see how.
+UNKNOWN_STATUS = 255
+
+
+class ZygoteProcess:
+    """One zygote: its process, its two sockets, and the children it forked."""
+
+    def __init__(self, env: Mapping[str, str], log_path: Path) -> None:
+        self.env = dict(env)
+        self.log_path = log_path
+        self.process: asyncio.subprocess.Process | None = None
+        self.ready: asyncio.Future[protocol.Ready] | None = None
+        self.failed: str | None = None
+        self.used_at = time.monotonic()
+        self._requests: socket.socket | None = None
+        self._events: asyncio.StreamWriter | None = None
+        self._reader: asyncio.Task[None] | None = None
+        self._pending: dict[int, asyncio.Future[protocol.Forked | protocol.ForkFailed]] = {}
+        self._children: dict[int, ForkedProcess] = {}
+        self._early_exits: dict[int, int] = {}
+        self._next_request = 0
+        self._lock = asyncio.Lock()
+        self._stopping = False
+
+    async def start(self) -> None:
+        """Start the process (its imports go on in the background: :attr:`ready`)."""
+        loop = asyncio.get_running_loop()
+        self.ready = loop.create_future()
+        requests, theirs_requests = socket.socketpair()
+        events, theirs_events = socket.socketpair()
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            with self.log_path.open("ab") as log_file:
+                self.process = await asyncio.create_subprocess_exec(
+                    sys.executable, "-m", protocol.MODULE,
+                    env={**self.env, protocol.REQUESTS_FD: str(theirs_requests.fileno()),
+                         protocol.EVENTS_FD: str(theirs_events.fileno())},
+                    stdin=asyncio.subprocess.DEVNULL, stdout=log_file, stderr=log_file,
+                    pass_fds=(theirs_requests.fileno(), theirs_events.fileno()),
+                    start_new_session=True)
+        except OSError as exc:
+            requests.close()
+            events.close()
+            self._fail(f"cannot start: {exc}")
+            return
+        finally:
+            theirs_requests.close()
+            theirs_events.close()
+        requests.settimeout(FORK_TIMEOUT_S)
+        self._requests = requests
+        # The writer is kept: a writer collected closes the socket under the reader.
+        reader, self._events = await asyncio.open_unix_connection(sock=events)
+        self._reader = asyncio.create_task(self._read(reader))
+        log.info("zygote started", extra={"pid": self.process.pid})
+
+    async def fork(self, program: protocol.Program, output: BinaryIO,
+                   stdin: bool) -> ForkedProcess:
+        """A child running ``program``.
+
+        Raises:
+            OSError: the zygote cannot serve (not ready, gone, or the fork failed).
+        """
+        assert self.ready is not None
+        try:
+            async with asyncio.timeout(READY_TIMEOUT_S):
+                await asyncio.shield(self.ready)
+        except TimeoutError:
+            raise OSError(f"the zygote's imports took over {READY_TIMEOUT_S:g} s") from None
+        self.used_at = time.monotonic()
+        payload = protocol.encode_program(program)
+        program_read, program_write = os.pipe()
+        stdin_read = stdin_write = -1
+        try:
+            with contextlib.suppress(OSError):  # a larger pipe where the system allows
+                fcntl.fcntl(program_write, _F_SETPIPE_SZ, len(payload))
+            os.set_blocking(program_write, False)
+            try:
+                written = os.write(program_write, payload)
+            except BlockingIOError:
+                written = 0
+            if written != len(payload):
+                raise OSError(f"a program of {len(payload)} bytes does not fit a pipe")
+            os.close(program_write)
+            program_write = -1
+            fds = [program_read, output.fileno()]
+            if stdin:
+                stdin_read, stdin_write = os.pipe()
+                fds.append(stdin_read)
+            async with self._lock:
+                self._next_request += 1
+                request = self._next_request
+                answer = asyncio.get_running_loop().create_future()
+                self._pending[request] = answer
+                try:
+                    if self._requests is None:
+                        raise OSError(self.failed or "the zygote is gone")
+                    socket.send_fds(self._requests,
+                                    [protocol.frame(protocol.Fork(request=request,
+                                                                  stdin=stdin))], fds)
+                    async with asyncio.timeout(FORK_TIMEOUT_S):
+                        reply = await answer
+                except TimeoutError:
+                    raise OSError("the zygote did not answer a fork") from None
+                finally:
+                    self._pending.pop(request, None)
+        finally:
+            for fd in (program_read, program_write, stdin_read):
+                if fd >= 0:
+                    os.close(fd)
+        if isinstance(reply, protocol.ForkFailed):
+            if stdin_write >= 0:
+                os.close(stdin_write)
+            raise OSError(f"the zygote could not fork: {reply.error}")
+        writer = await _pipe_writer(stdin_write) if stdin_write >= 0 else None
+        child = ForkedProcess(reply.pid, writer)
+        self._children[reply.pid] = child
+        if reply.pid in self._early_exits:
+            child.ended(self._early_exits.pop(reply.pid))
+        elif self._reader is None or self._reader.done():
+            self._watch_orphan(child)
+        return child
+
+    async def _read(self, reader: asyncio.StreamReader) -> None:
+        try:
+            while line := await reader.readline():
+                try:
+                    event = protocol.decode_event(line)
+                except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+                    log.warning("zygote: unreadable event %r: %s", line[:200], exc)
+                    continue
+                self._on(event)
+        finally:
+            code = self.process.returncode if self.process is not None else None
+            self._fail(f"it ended (status {code})" if code is not None else "it ended")
+
+    def _on(self, event: protocol.Event) -> None:
+        if isinstance(event, protocol.Ready):
+            log.info("zygote ready", extra={"pid": event.pid, "seconds": event.seconds})
+            if self.ready is not None and not self.ready.done():
+                self.ready.set_result(event)
+        elif isinstance(event, protocol.Exited):
+            child = self._children.pop(event.pid, None)
+            if child is None:  # the exit overtook the agent's handling of the fork
+                self._early_exits[event.pid] = event.code
+            else:
+                child.ended(event.code)
+        else:
+            answer = self._pending.get(event.request)
+            if answer is not None and not answer.done():
+                answer.set_result(event)
+
+    def _fail(self, reason: str) -> None:
+        if self.failed is None:
+            self.failed = reason
+            if not self._stopping:
+                log.warning("zygote %s: ranks start cold", reason)
+        if self._requests is not None:
+            self._requests.close()
+            self._requests = None
+        if self.ready is not None and not self.ready.done():
+            self.ready.set_exception(OSError(f"the zygote {reason}"))
+            self.ready.exception()  # retrieved: a launch that never waited is no error
+        for answer in self._pending.values():
+            if not answer.done():
+                answer.set_exception(OSError(f"the zygote {reason}"))
+        for child in list(self._children.values()):
+            self._watch_orphan(child)
+
+    def _watch_orphan(self, child: ForkedProcess) -> None:
+        """Watch a child whose zygote is gone until it ends (its status is lost with the
+        zygote)."""
+        loop = asyncio.get_running_loop()
+        try:
+            fd = os.pidfd_open(child.pid)
+        except ProcessLookupError:
+            child.ended(UNKNOWN_STATUS, lost=True)
+            return
+
+        def ended() -> None:
+            loop.remove_reader(fd)
+            os.close(fd)
+            child.ended(UNKNOWN_STATUS, lost=True)
+
+        loop.add_reader(fd, ended)
+
+    async def stop(self) -> None:
+        """Close the zygote (it exits; children it forked go on, watched by pidfd)."""
+        self._stopping = True
+        if self._requests is not None:
+            self._requests.close()
+            self._requests = None
+        if self.process is not None and self.process.returncode is None:
+            with contextlib.suppress(ProcessLookupError):
+                self.process.kill()
+            await self.process.wait()
+        if self._reader is not None:
+            await asyncio.gather(self._reader, return_exceptions=True)
+        if self._events is not None:
+            self._events.close()
+
+
+class Launcher:
+    """Starts the processes of jobs' commands: forked from a zygote, else cold."""
+
+    def __init__(self, work_dir: Path, *, zygotes: bool = True) -> None:
+        self.work_dir = work_dir
+        self.use_zygotes = zygotes
+        self._zygotes: OrderedDict[tuple[tuple[str, str], ...], ZygoteProcess] = OrderedDict()
+        self._count = 0
+
+    async def start(self, command: Sequence[str], env: Mapping[str, str], output: BinaryIO,
+                    *, stdin: bool = False) -> ChildProcess:
+        """A process of ``command`` in ``env``, writing to ``output``, in its own session;
+        with ``stdin``, its standard input is a pipe (else /dev/null).
+
+        Raises:
+            OSError: the command cannot start (missing, not executable …).
+        """
+        entry = protocol.python_entry(command, env, sys.executable) \
+            if self.use_zygotes else None
+        if entry is not None:
+            zygote = await self._zygote(import_environment(env))
+            if zygote is not None:
+                program = protocol.Program(command=tuple(command), entry=entry, env=dict(env),
+                                           cwd=os.getcwd())
+                try:
+                    return await zygote.fork(program, output, stdin)
+                except OSError as exc:
+                    log.warning("cannot fork from the zygote (%s): starting cold", exc)
+        return await asyncio.create_subprocess_exec(
+            *command, env=dict(env),
+            stdin=asyncio.subprocess.PIPE if stdin else asyncio.subprocess.DEVNULL,
+            stdout=output, stderr=output, start_new_session=True)
+
+    async def _zygote(self, env: Mapping[str, str]) -> ZygoteProcess | None:
+        key = tuple(sorted(env.items()))
+        zygote = self._zygotes.get(key)
+        if zygote is not None and zygote.failed is not None:
+            await zygote.stop()
+            del self._zygotes[key]
+            zygote = None
+        if zygote is None:
+            while len(self._zygotes) >= MAX_ZYGOTES:
+                _, oldest = self._zygotes.popitem(last=False)
+                await oldest.stop()
+            self._count += 1
+            zygote = ZygoteProcess(env, self.work_dir / "zygotes" / f"zygote-{self._count}.log")
+            self._zygotes[key] = zygote
+            await zygote.start()
+        self._zygotes.move_to_end(key)
+        return None if zygote.failed is not None else zygote
+
+    async def close(self) -> None:
+        """Stop every zygote (the agent is stopping)."""
+        zygotes = list(self._zygotes.values())
+        self._zygotes.clear()
+        for zygote in zygotes:
+            await zygote.stop()
+
+
+def import_environment(env: Mapping[str, str]) -> dict[str, str]:
+    """``env`` without what the agent sets per job and per replica: the environment a
+    zygote that may fork a process of ``env`` is started in."""
+    return {k: v for k, v in env.items()
+            if not k.startswith("PHALANX_") and k not in REPLICA_VARIABLES}
+
+
+async def _pipe_writer(fd: int) -> asyncio.StreamWriter:
+    loop = asyncio.get_running_loop()
+    pipe = os.fdopen(fd, "wb", buffering=0)
+    transport, stream_protocol = await loop.connect_write_pipe(
+        asyncio.streams.FlowControlMixin, pipe)
+    return asyncio.StreamWriter(transport, stream_protocol, None, loop)

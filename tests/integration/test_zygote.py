@@ -1,0 +1,204 @@
+"""Ranks forked from a zygote behave as ranks started cold; a zygote's faults cost no rank.
+
+Real processes: the agent's :class:`~phalanx.services.agent.zygote.Launcher`
+starts a real zygote (``python -m phalanx.runtime.zygote``, torch imported) and
+forks real scripts from it. Each case runs the same probe script both ways,
+forked and cold, and compares what it saw of itself: what a script can observe
+is exactly what must not change.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import socket
+import sys
+from collections.abc import AsyncIterator, Mapping
+from pathlib import Path
+
+import pytest
+from proc_tree import parent
+
+from phalanx.schemas import zygote as protocol
+from phalanx.services.agent.zygote import ForkedProcess, Launcher
+
+PROBE = r'''
+import atexit, json, os, sys, threading, time
+import torch
+out = {"argv": sys.argv, "path0": sys.path[0], "name": __name__, "cwd": os.getcwd(),
+       "rank": os.environ.get("RANK"), "threads": torch.get_num_threads(),
+       "cmdline": open("/proc/self/cmdline", "rb").read().decode().split("\0")[:-1],
+       "environ_rank": ("RANK=" + os.environ.get("RANK", "")).encode()
+                       in open("/proc/self/environ", "rb").read().split(b"\0"),
+       "sid_is_pid": os.getsid(0) == os.getpid(), "stdin": sys.stdin.readline().strip(),
+       "buffered": not sys.stdout.write_through}
+print(json.dumps(out), flush=True)
+atexit.register(lambda: print("atexit", flush=True))
+# A non-daemon thread: the interpreter's exit waits for it.
+threading.Thread(target=lambda: (time.sleep(0.2), print("thread done", flush=True))).start()
+how = os.environ.get("END", "")
+if how == "raise":
+    raise RuntimeError("the probe failed")
+if how == "exit-text":
+    sys.exit("a message")
+sys.exit(int(how or 0))
+'''
+
+
+@pytest.fixture
+def probe(tmp_path: Path) -> Path:
+    path = tmp_path / "scripts" / "probe.py"
+    path.parent.mkdir()
+    path.write_text(PROBE)
+    return path
+
+
+@pytest.fixture
+async def launcher(tmp_path: Path) -> AsyncIterator[Launcher]:
+    launcher = Launcher(tmp_path / "agent")
+    yield launcher
+    await launcher.close()
+
+
+async def start(launcher: Launcher, command: list[str], out: Path, *,
+                env: Mapping[str, str] = {}, stdin: bytes | None = None
+                ) -> tuple[object, int, str]:
+    """Start ``command``, feed it ``stdin``, wait: (the process, its status, its output)."""
+    with out.open("wb") as output:
+        process = await launcher.start(command, {**os.environ, "RANK": "3", **env}, output,
+                                       stdin=stdin is not None)
+    if stdin is not None:
+        assert process.stdin is not None
+        process.stdin.write(stdin)
+        await process.stdin.drain()
+        process.stdin.close()
+    code = await asyncio.wait_for(process.wait(), 60)
+    return process, code, out.read_text()
+
+
+def observed(output: str) -> dict:
+    return json.loads(output.splitlines()[0])
+
+
+@pytest.mark.parametrize("end", ["0", "3", "raise", "exit-text"])
+async def test_a_forked_script_sees_and_ends_as_it_does_started_cold(
+        launcher: Launcher, probe: Path, tmp_path: Path, end: str) -> None:
+    command = [sys.executable, str(probe), "--lr", "3"]
+    cold = Launcher(tmp_path / "cold", zygotes=False)
+    cold_process, cold_code, cold_out = await start(cold, command, tmp_path / "cold.log",
+                                                    env={"END": end}, stdin=b"hello\n")
+    process, code, out = await start(launcher, command, tmp_path / "forked.log",
+                                     env={"END": end}, stdin=b"hello\n")
+    assert isinstance(process, ForkedProcess) and not isinstance(cold_process, ForkedProcess)
+    assert code == cold_code == {"0": 0, "3": 3, "raise": 1, "exit-text": 1}[end]
+    # What the script saw of itself, /proc included (what ps shows), is the same.
+    assert observed(out) == observed(cold_out)
+    assert observed(out)["cmdline"] == command and observed(out)["environ_rank"]
+    assert observed(out)["stdin"] == "hello" and observed(out)["sid_is_pid"]
+    # Exit as the interpreter exits: threads joined, then atexit; a traceback that
+    # starts at the script's own frame.
+    assert out.splitlines()[1:] == cold_out.splitlines()[1:]
+    assert out.splitlines()[-2:] == ["thread done", "atexit"]
+    if end == "raise":
+        assert "Traceback (most recent call last):\n  File \"" + str(probe) in out
+        assert "RuntimeError: the probe failed" in out and "zygote" not in out
+
+
+async def test_a_module_unbuffered_and_a_signal_end_as_started_cold(
+        launcher: Launcher, probe: Path, tmp_path: Path) -> None:
+    command = [sys.executable, "-u", "-m", "probe", "x"]
+    os.chdir(probe.parent)  # -m finds the module in the working directory
+    try:
+        _, _, cold_out = await start(Launcher(tmp_path / "cold", zygotes=False), command,
+                                     tmp_path / "cold.log")
+        _, code, out = await start(launcher, command, tmp_path / "forked.log")
+    finally:
+        os.chdir(tmp_path)
+    assert code == 0
+    assert observed(out) == observed(cold_out)
+    assert observed(out)["argv"] == [str(probe), "x"] and not observed(out)["buffered"]
+
+    # Killed by a signal: the status says which, as for a process started cold.
+    with (tmp_path / "killed.log").open("wb") as output:
+        process = await launcher.start([sys.executable, str(probe)],
+                                       {**os.environ, "END": "0"}, output, stdin=True)
+    assert isinstance(process, ForkedProcess)
+    os.killpg(process.pid, signal.SIGKILL)
+    assert await asyncio.wait_for(process.wait(), 30) == -signal.SIGKILL
+
+
+async def test_one_zygote_per_import_environment_and_its_variables_reach_the_imports(
+        launcher: Launcher, probe: Path, tmp_path: Path) -> None:
+    command = [sys.executable, str(probe)]
+    first, _, _ = await start(launcher, command, tmp_path / "a.log", env={"RANK": "0"})
+    second, _, _ = await start(launcher, command, tmp_path / "b.log", env={"RANK": "1"})
+    # Both forked from one zygote: replica variables are not the import environment.
+    assert isinstance(first, ForkedProcess) and isinstance(second, ForkedProcess)
+    assert len(launcher._zygotes) == 1
+    # A variable torch reads at import (OMP_NUM_THREADS) gets a zygote of its own.
+    _, _, out = await start(launcher, command, tmp_path / "c.log",
+                            env={"OMP_NUM_THREADS": "1"})
+    assert observed(out)["threads"] == 1
+    assert len(launcher._zygotes) == 2
+    # A command a child cannot run as given starts cold.
+    cold, code, out = await start(launcher, [sys.executable, "-c", "print('cold')"],
+                                  tmp_path / "d.log")
+    assert not isinstance(cold, ForkedProcess) and code == 0 and out == "cold\n"
+
+
+async def test_a_zygote_killed_leaves_its_children_running_and_the_next_launch_gets_a_new_one(
+        launcher: Launcher, probe: Path, tmp_path: Path) -> None:
+    command = [sys.executable, str(probe)]
+    with (tmp_path / "a.log").open("wb") as output:
+        child = await launcher.start(command, {**os.environ, "RANK": "3"}, output, stdin=True)
+    assert isinstance(child, ForkedProcess)
+    (zygote,) = launcher._zygotes.values()
+    assert zygote.process is not None and parent(child.pid) == zygote.process.pid
+    zygote.process.kill()
+    await zygote.process.wait()
+    os.kill(child.pid, 0)  # still running, waiting on its standard input
+    assert child.stdin is not None
+    child.stdin.close()  # it reads EOF, ends
+    assert await asyncio.wait_for(child.wait(), 30) == 255 and child.status_lost
+    process, code, _ = await start(launcher, command, tmp_path / "b.log")
+    assert isinstance(process, ForkedProcess) and code == 0
+    (new,) = launcher._zygotes.values()
+    assert new is not zygote
+
+
+async def test_requests_a_zygote_cannot_serve_are_refused_and_it_serves_on(
+        tmp_path: Path) -> None:
+    """Spoken to directly: a bad frame, a request without its descriptors."""
+    requests, theirs_requests = socket.socketpair()
+    events, theirs_events = socket.socketpair()
+    process = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", protocol.MODULE,
+        env={**os.environ, protocol.REQUESTS_FD: str(theirs_requests.fileno()),
+             protocol.EVENTS_FD: str(theirs_events.fileno())},
+        pass_fds=(theirs_requests.fileno(), theirs_events.fileno()))
+    theirs_requests.close()
+    theirs_events.close()
+    lines = events.makefile("rb")
+    try:
+        assert isinstance(protocol.decode_event(await asyncio.to_thread(lines.readline)),
+                          protocol.Ready)
+        body = b'{"type": "fork", "request": "x"}'
+        requests.sendall(len(body).to_bytes(4, "big") + body)
+        failed = protocol.decode_event(await asyncio.to_thread(lines.readline))
+        assert isinstance(failed, protocol.ForkFailed) and "bad request" in failed.error
+        requests.sendall(protocol.frame(protocol.Fork(request=2)))  # no descriptors
+        failed = protocol.decode_event(await asyncio.to_thread(lines.readline))
+        assert failed == protocol.ForkFailed(
+            request=2, error="0 descriptor(s) came with the request, not 2")
+        assert process.returncode is None
+        # A frame longer than any request: the zygote closes (no boundary can be trusted).
+        requests.sendall((protocol.MAX_FRAME + 1).to_bytes(4, "big"))
+        assert await asyncio.wait_for(process.wait(), 30) == 0
+    finally:
+        requests.close()
+        events.close()
+        if process.returncode is None:
+            process.kill()
+            await process.wait()

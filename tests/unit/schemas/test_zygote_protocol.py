@@ -1,0 +1,79 @@
+"""Which commands a zygote may fork, and the frames an agent and its zygote exchange."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import msgspec
+import pytest
+
+from phalanx.schemas import zygote as protocol
+
+PYTHON = "/opt/venv/bin/python"
+
+
+@pytest.fixture
+def path(tmp_path: Path) -> str:
+    """A PATH whose ``python`` is :data:`PYTHON`'s stand-in (an executable file)."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for name in ("python", "python3.11"):
+        (bin_dir / name).write_text("")
+        (bin_dir / name).chmod(0o755)
+    return str(bin_dir)
+
+
+def entry(command: list[str], path: str, executable: str | None = None
+          ) -> protocol.Entry | None:
+    return protocol.python_entry(command, {"PATH": path},
+                                 executable or os.path.join(path, "python"))
+
+
+def test_a_script_or_a_module_of_the_same_interpreter_is_forkable(path: str) -> None:
+    assert entry(["python", "train.py", "--lr", "3"], path) == protocol.Entry(
+        argv=("train.py", "--lr", "3"))
+    assert entry([os.path.join(path, "python"), "-u", "train.py"], path) == protocol.Entry(
+        argv=("train.py",), unbuffered=True)
+    assert entry(["python", "-u", "-m", "pkg.train", "-x"], path) == protocol.Entry(
+        argv=("pkg.train", "-x"), module=True, unbuffered=True)
+
+
+def test_anything_a_child_could_not_run_exactly_as_given_starts_cold(path: str) -> None:
+    # Another interpreter, even one that links to the same binary (a venv's and the
+    # system's python import different things).
+    assert entry(["python3.11", "train.py"], path) is None
+    assert entry(["/usr/bin/python3", "train.py"], path) is None
+    assert entry(["torchrun", "train.py"], path) is None
+    assert entry(["bash", "-c", "python train.py"], path) is None
+    # Options a child cannot honour, or no program at all.
+    for rest in (["-c", "print(1)"], ["-X", "importtime", "t.py"], ["-O", "t.py"], ["-"],
+                 ["-m"], ["-m", "-u"], [], [""]):
+        assert entry(["python", *rest], path) is None, rest
+    assert protocol.python_entry([], {"PATH": path}, PYTHON) is None
+
+
+def test_a_frame_carries_one_request_and_its_length_is_bounded() -> None:
+    request = protocol.Fork(request=7, stdin=True)
+    data = protocol.frame(request)
+    length = protocol.frame_length(data[:protocol.HEADER_BYTES])
+    assert length == len(data) - protocol.HEADER_BYTES
+    assert protocol.decode_request(data[protocol.HEADER_BYTES:]) == request
+    too_long = (protocol.MAX_FRAME + 1).to_bytes(protocol.HEADER_BYTES, "big")
+    with pytest.raises(ValueError, match="bytes"):
+        protocol.frame_length(too_long)
+    with pytest.raises(msgspec.ValidationError):
+        protocol.decode_request(b'{"type": "fork", "request": 1, "env": {}}')
+
+
+def test_events_and_programs_read_back_as_written() -> None:
+    for event in (protocol.Ready(pid=3, seconds=1.5), protocol.Forked(request=1, pid=9),
+                  protocol.ForkFailed(request=1, error="no"), protocol.Exited(pid=9, code=-9)):
+        line = protocol.encode_event(event)
+        assert line.endswith(b"\n") and line.count(b"\n") == 1
+        assert protocol.decode_event(line) == event
+    program = protocol.Program(command=("python", "t.py"), entry=protocol.Entry(argv=("t.py",)),
+                               env={"A": "1"}, cwd="/")
+    assert protocol.decode_program(protocol.encode_program(program)) == program
+    with pytest.raises(msgspec.DecodeError):
+        protocol.decode_event(b"not json\n")
