@@ -48,14 +48,16 @@ async def test_an_agent_killed_under_its_supervisor_comes_back_and_its_ranks_tra
             ranks = [r["pid"] for r in running_in_manifest(
                 cluster_dir / "agents" / NODE / "ranks.json") if r["job_id"] == job_id]
             # The agent's children, or its zygote's (the agent forks ranks from it).
+            agent_and_zygote = {agent, *children(agent)}
             assert len(ranks) == 2
-            assert all(parent(pid) in {agent, *children(agent)} for pid in ranks)
+            assert all(parent(pid) in agent_and_zygote for pid in ranks)
             phalanx("chaos", "kill-agent", NODE, "--data-dir", str(cluster_dir))
-            # Its ranks outlive it: reparented to the supervisor (the child subreaper).
-            await until(lambda: agent not in {parent(pid) for pid in ranks})
+            # Its ranks outlive it (and its zygote, which ends with it): reparented to
+            # the supervisor (the child subreaper).
+            await until(lambda: not agent_and_zygote & {parent(pid) for pid in ranks})
             assert {parent(pid) for pid in ranks} == {supervisor}
             # The agent again, in place: a new child of the supervisor that heartbeats.
-            await until(lambda: children(supervisor) - {agent, *ranks})
+            await until(lambda: children(supervisor) - {*agent_and_zygote, *ranks})
             while not beats.empty():
                 beats.get_nowait()
             await asyncio.wait_for(beats.get(), 30)

@@ -107,15 +107,14 @@ async def test_a_forked_script_sees_and_ends_as_it_does_started_cold(
 
 
 async def test_a_module_unbuffered_and_a_signal_end_as_started_cold(
-        launcher: Launcher, probe: Path, tmp_path: Path) -> None:
+        launcher: Launcher, probe: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+        ) -> None:
     command = [sys.executable, "-u", "-m", "probe", "x"]
-    os.chdir(probe.parent)  # -m finds the module in the working directory
-    try:
+    with monkeypatch.context() as cwd:
+        cwd.chdir(probe.parent)  # -m finds the module in the working directory
         _, _, cold_out = await start(Launcher(tmp_path / "cold", zygotes=False), command,
                                      tmp_path / "cold.log")
         _, code, out = await start(launcher, command, tmp_path / "forked.log")
-    finally:
-        os.chdir(tmp_path)
     assert code == 0
     assert observed(out) == observed(cold_out)
     assert observed(out)["argv"] == [str(probe), "x"] and not observed(out)["buffered"]
