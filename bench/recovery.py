@@ -26,7 +26,7 @@ warm spare (``spares: 1``) and without: the figure is the time from the kill to
 the first step committed at full world size, against torchrun's kill to its first step
 after the restart (target with spares: 1.5 s)::
 
-    python bench/recovery.py --phases spares,cold --overhead-repeat 0
+    python bench/recovery.py --phases spares,cold,cold_no_zygote --overhead-repeat 0
 
 Then the runtime's step-time cost (``--overhead-repeat`` rounds, 0: skipped): on
 one local cluster, fault-free 4-rank runs of the script under phalanx with the
@@ -136,22 +136,28 @@ def prepare_workload(args: argparse.Namespace, *, sharded_optimizer: bool = Fals
                                                          gpt.seed))
 
 
-def cli(*args: str) -> None:
+def cli(*args: str, env: dict[str, str] | None = None) -> None:
     subprocess.run([sys.executable, "-m", "phalanx.services.cli", *args], check=True,
-                   capture_output=True, timeout=120)
+                   capture_output=True, timeout=120,
+                   env=None if env is None else {**os.environ, **env})
 
 
 #: The phases with warm spares on and off: a kill between steps on one agent of 5 slots,
 #: so that the dead rank's node has a free slot for a spare (a replacement starts on its
-#: slot's node); the figure is the time to full strength.
-SPARE_PHASES = {"spares": 1, "cold": 0}
+#: slot's node); the figure is the time to full strength. ``cold`` forks the replacement
+#: from the agent's zygote; ``cold_no_zygote`` starts it as a new interpreter.
+SPARE_PHASES = {"spares": 1, "cold": 0, "cold_no_zygote": 0}
+#: The phases whose agents start every process as a new interpreter (no zygote).
+NO_ZYGOTE_PHASES = {"cold_no_zygote"}
 
 
-def cluster_up(directory: Path, agents: int = 2, slots_per_agent: int = 2) -> str:
-    """A local cluster of ``agents`` x ``slots_per_agent`` slots (``phalanx up``); its NATS
-    URL."""
+def cluster_up(directory: Path, agents: int = 2, slots_per_agent: int = 2, *,
+               zygote: bool = True) -> str:
+    """A local cluster of ``agents`` x ``slots_per_agent`` slots (``phalanx up``), whose
+    agents fork ranks from a zygote unless ``zygote`` is False; its NATS URL."""
     cli("up", "--agents", str(agents), "--slots-per-agent", str(slots_per_agent),
-        "--detach", "--data-dir", str(directory), "--nats-port", "0")
+        "--detach", "--data-dir", str(directory), "--nats-port", "0",
+        env={"PHALANX_AGENT_ZYGOTE": "1" if zygote else "0"})
     return json.loads((directory / "up.json").read_text())["nats_url"]
 
 
@@ -172,7 +178,8 @@ async def run_phalanx(args: argparse.Namespace, workload: Workload, phase: str,
     """One elastic run with a self-kill of r1-0; its figures from records and bus events."""
     cluster = work / "cluster"
     rec = work / "records"
-    url = cluster_up(cluster, *((1, WORLD + 1) if phase in SPARE_PHASES else (2, 2)))
+    url = cluster_up(cluster, *((1, WORLD + 1) if phase in SPARE_PHASES else (2, 2)),
+                     zygote=phase not in NO_ZYGOTE_PHASES)
     events: dict[str, list] = {"fault": [], "generation": []}
     try:
         async with await Bus.connect(BusConfig.load(env={}, servers=[url])) as bus:

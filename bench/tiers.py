@@ -9,6 +9,9 @@ reported:
 
 * **memory** (own node): every rank frozen (SIGSTOP), then SIGKILLed; the agents live.
   The replacements restore from their nodes' shared memory.
+* **memory_no_zygote**: the same with every replacement started as a new interpreter
+  (``PHALANX_AGENT_ZYGOTE=0``), not forked from the agent's zygote: how every phase
+  started its processes before zygotes.
 * **memory_spares**: the same with warm spares: 2 agents x 4 slots, the job spread over
   both (2 ranks each) with ``spares: 2``, so each node keeps two spares in its free
   slots and every replacement is a spare told its replica id.
@@ -78,7 +81,7 @@ from phalanx.services.manifest import running_in_manifest
 BENCH = Path(__file__).resolve().parent
 
 LOST, SURVIVOR = "local-0", "local-1"  # domains 0 and 1: each other's buddy
-PHASES = ("memory", "memory_spares", "buddy", "durable")
+PHASES = ("memory", "memory_no_zygote", "memory_spares", "buddy", "durable")
 #: Spares per node in the memory_spares phase: every rank a node loses has one.
 SPARES = 2
 
@@ -132,7 +135,7 @@ async def run_phase(args: argparse.Namespace, workload: recovery.Workload, phase
                       if phase == "memory_spares" else {}))
     job = f"tiers-{phase}".replace("_", "-")
     url = recovery.cluster_up(cluster, slots_per_agent=2 + SPARES if phase == "memory_spares"
-                              else 2)
+                              else 2, zygote=phase != "memory_no_zygote")
     extra: dict[str, Any] = {}
     try:
         async with await Bus.connect(BusConfig.load(env={}, servers=[url])) as bus:
@@ -149,7 +152,7 @@ async def run_phase(args: argparse.Namespace, workload: recovery.Workload, phase
             await bus.subscribe(subjects.ckpt_snapshot(job), SnapshotRecord, on_snapshot)
             job_run = asyncio.create_task(recovery.run_job(bus, spec, job, args.timeout))
             await progress.reached(args.fault_step)
-            if phase in ("memory", "memory_spares"):
+            if phase in ("memory", "memory_no_zygote", "memory_spares"):
                 freeze_then_kill(ranks_of(cluster, LOST) + ranks_of(cluster, SURVIVOR))
                 fault_t = time.time()
             elif phase == "buddy":
@@ -288,6 +291,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
 
 def section(report: dict[str, Any]) -> str:
     names = {"memory": "phalanx, own node's memory (every rank killed)",
+             "memory_no_zygote": "phalanx, own node's memory, no zygote (cold interpreters)",
              "memory_spares": "phalanx, own node's memory, replacements from warm spares",
              "buddy": "phalanx, buddy replicas (a node and every rank lost)",
              "durable": "phalanx, durable storage (`phalanx down`/`up`, resubmitted)",
