@@ -84,7 +84,7 @@ class RecoveryPlan:
 
 
 def plan_recovery(members: Sequence[MemberProgress], generation: int,
-                  job_resume_step: int = 0) -> RecoveryPlan:
+                  job_resume_step: int = 0, *, restored: bool = False) -> RecoveryPlan:
     """The recovery every member of ``generation`` agrees on from the same rows.
 
     Args:
@@ -92,6 +92,9 @@ def plan_recovery(members: Sequence[MemberProgress], generation: int,
         generation: the generation's number (0: everyone starts from rank 0's state).
         job_resume_step: the step the job is known to have reached (the generation's
             ``resume_step``); the members must hold at least that.
+        restored: every member has just loaded the same step from a checkpoint tier
+            (the rows say so): nobody copies it, not even in generation 0 — a sharded
+            optimizer's members loaded only their partitions and could not send more.
 
     Raises:
         StateLost: no member holds a complete state, or none holds ``job_resume_step``.
@@ -111,7 +114,7 @@ def plan_recovery(members: Sequence[MemberProgress], generation: int,
     source = steps.index(resume)
     repair = _repair(members, resume)
     behind = tuple(r for r, step in enumerate(steps)
-                   if r != source and (step < resume or generation == 0))
+                   if r != source and (step < resume or (generation == 0 and not restored)))
     active = tuple(r for r in range(len(members)) if r != source and r not in behind)
     sitting_out = active if behind and active and repair is None and generation > 0 \
         else None

@@ -118,7 +118,7 @@ def resume(session: ElasticSession, generation: Generation, retained: Retained |
                         "complete step is left on the members' nodes (a sharded "
                         "optimizer recovers from a fault only from snapshots: "
                         "checkpoint.memory_every_steps)")
-    plan = plan_recovery(rows, generation.generation, job_step)
+    plan = plan_recovery(rows, generation.generation, job_step, restored=restored is not None)
     step, source = plan.resume, plan.source
     repair = None
     if plan.repair is not None:

@@ -56,3 +56,11 @@ def test_members_behind_the_jobs_progress_are_refused_naming_the_steps() -> None
     # Every replica that held step 300 is gone: starting over would redo committed steps.
     with pytest.raises(StateLost, match="holds step 300, which the job has reached .*up to 0"):
         plan_recovery([M(0), M(0)], 6, job_resume_step=300)
+
+
+def test_every_member_restored_from_a_tier_copies_nothing_even_in_generation_0() -> None:
+    """A whole-job restore: each member loaded the step (a sharded optimizer's member only
+    its partition, so it could not send the whole state anyway)."""
+    assert plan_recovery([M(40), M(40)], 0, 40, restored=True) == RecoveryPlan(
+        40, 0, (), None, None)
+    assert plan_recovery([M(40), M(40)], 0, 40) == RecoveryPlan(40, 0, (1,), None, None)
