@@ -82,8 +82,8 @@ def test_a_polled_wait_gives_up_the_moment_the_generation_is_abandoned() -> None
             wait.inbox.wake.set()  # what the bus thread does with a fault
 
         timer = threading.Timer(0.2, fault)
+        started = time.monotonic()  # before the timer: the wait lasts at least its 0.2 s
         timer.start()
-        started = time.monotonic()
         try:
             with pytest.raises(Aborted, match="a member failed"):
                 wait.work(work, abort.is_set)
@@ -93,4 +93,6 @@ def test_a_polled_wait_gives_up_the_moment_the_generation_is_abandoned() -> None
             work.work.wait()  # rank 1 completes it
 
     given_up_after = on_two_ranks(body)[0]
-    assert given_up_after is not None and 0.2 <= given_up_after < 0.5
+    # Given up by the abort, not by gloo's timeout (10 s): how soon is the benchmarks' to
+    # say (bench/recovery.py), the bound here only tells the two apart on a loaded machine.
+    assert given_up_after is not None and 0.2 <= given_up_after < 5
