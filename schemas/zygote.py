@@ -27,8 +27,10 @@ import msgspec
 
 #: The module an agent runs (``python -m``) as a zygote.
 MODULE = "phalanx.runtime.zygote"
-#: What a zygote imports before it forks anything: what every rank imports first.
-PRELOAD = ("torch", "phalanx.runtime.elastic")
+#: What a zygote imports before it forks anything: what every rank imports first, and
+#: ``torch._dynamo``, which torch imports at an optimizer's first step (over 800 modules,
+#: 1 to 2.5 s of CPU: more than torch itself).
+PRELOAD = ("torch", "torch._dynamo", "phalanx.runtime.elastic")
 #: Interpreter options a forked child can honour (``-u``: unbuffered output).
 OPTIONS = frozenset({"-u"})
 #: The variables that give the zygote its two sockets' descriptor numbers.
