@@ -83,11 +83,16 @@ class Ready(msgspec.Struct, frozen=True, tag="ready"):
 
 
 class Forked(msgspec.Struct, frozen=True, tag="forked"):
+    """Request ``request`` is child ``pid``, already the leader of its own session."""
+
     request: int
     pid: int
 
 
 class ForkFailed(msgspec.Struct, frozen=True, tag="fork_failed"):
+    """Request ``request`` (-1: unreadable) forked nothing, and why; the agent starts the
+    process cold."""
+
     request: int
     error: str
 
