@@ -162,9 +162,11 @@ def python_entry(command: Sequence[str], env: Mapping[str, str],
     for anything a forked child of ``executable`` cannot run exactly as ``command`` would.
 
     ``command[0]`` must name ``executable`` itself (found on ``env``'s ``PATH`` when it has
-    no slash): the same interpreter path, not merely a link to the same binary (a
-    virtual environment's ``python`` and the system's differ in what they import). Its
-    options may only be :data:`OPTIONS`, then a script or ``-m`` and a module.
+    no slash): the same path, or a name for the same binary in the same directory
+    (``python`` beside ``python3`` in a virtual environment). A link to the same binary
+    elsewhere is another interpreter: a virtual environment's ``python`` and the
+    system's import different things. Its options may only be :data:`OPTIONS`, then a
+    script or ``-m`` and a module.
     """
     if not command:
         return None
@@ -174,7 +176,7 @@ def python_entry(command: Sequence[str], env: Mapping[str, str],
         if found is None:
             return None
         program = found
-    if os.path.abspath(program) != os.path.abspath(executable):
+    if not _same_interpreter(program, executable):
         return None
     rest = list(command[1:])
     unbuffered = False
@@ -189,6 +191,17 @@ def python_entry(command: Sequence[str], env: Mapping[str, str],
     if rest[0].startswith("-") or rest[0] == "":
         return None  # -c, -X, a stdin script ("-"): run cold, as given
     return Entry(argv=tuple(rest), unbuffered=unbuffered)
+
+
+def _same_interpreter(program: str, executable: str) -> bool:
+    program, executable = os.path.abspath(program), os.path.abspath(executable)
+    if program == executable:
+        return True
+    try:
+        return os.path.dirname(program) == os.path.dirname(executable) \
+            and os.path.samefile(program, executable)
+    except OSError:
+        return False
 
 
 def _which(name: str, path: str) -> str | None:

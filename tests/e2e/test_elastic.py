@@ -209,21 +209,28 @@ async def run_job(cluster, data_dir: Path, tmp_path: Path, name: str, inject,
                    **{"replicas": ReplicaRange(min=2, max=4), "hang_timeout_s": 2.0,
                       "grace_period_s": 3.0, **(spec or {})})
     job = await AdmissionClient(bus).submit(spec, f"{name}-1")
-    generations = [await next_of(watch.generations, lambda g: g.job_id == job.job_id, 120)]
-    assert generations[0].world_size == spec.replicas.max
-    await inject(job.job_id, watch)
-    release.touch()
-    finished = asyncio.create_task(next_of(
-        watch.states, lambda r: r.job_id == job.job_id and r.state.terminal, 240))
-    while not finished.done():
-        getter = asyncio.create_task(watch.generations.get())
-        await asyncio.wait([finished, getter], return_when=asyncio.FIRST_COMPLETED)
-        if getter.done():
-            if getter.result().job_id == job.job_id:
-                generations.append(getter.result())
-        else:
-            getter.cancel()
-    assert finished.result().state is JobState.FINISHED, finished.result().reason
+    try:
+        generations = [await next_of(watch.generations, lambda g: g.job_id == job.job_id, 120)]
+        assert generations[0].world_size == spec.replicas.max
+        await inject(job.job_id, watch)
+        release.touch()
+        finished = asyncio.create_task(next_of(
+            watch.states, lambda r: r.job_id == job.job_id and r.state.terminal, 240))
+        while not finished.done():
+            getter = asyncio.create_task(watch.generations.get())
+            await asyncio.wait([finished, getter], return_when=asyncio.FIRST_COMPLETED)
+            if getter.done():
+                if getter.result().job_id == job.job_id:
+                    generations.append(getter.result())
+            else:
+                getter.cancel()
+        assert finished.result().state is JobState.FINISHED, finished.result().reason
+    except BaseException:
+        # A failed test must not leave its job holding the module's shared cluster: the
+        # next test would find its slots taken and fail for that instead.
+        with contextlib.suppress(Exception):
+            await AdmissionClient(bus).cancel(job.job_id, retry_s=5.0)
+        raise
     return rec, generations
 
 
@@ -303,8 +310,10 @@ async def test_sigkill_one_of_four_then_a_replacement_joins_with_a_peers_state(
         # after the generation that drops the killed rank, whichever it is by now).
         row = job(job_id)
         assert (row["min"], row["max"], row["restart_policy"]["max_restarts"]) == (2, 4, 16)
+        # (A replacement forked from its agent's zygote may even have joined already.)
         assert (row["generation"], row["world_size"], row["members"]) in (
-            (0, 4, ["r0-0", "r1-0", "r2-0", "r3-0"]), (1, 3, ["r0-0", "r2-0", "r3-0"])), row
+            (0, 4, ["r0-0", "r1-0", "r2-0", "r3-0"]), (1, 3, ["r0-0", "r2-0", "r3-0"]),
+            (2, 4, ["r0-0", "r2-0", "r3-0", "r1-1"])), row
         # The replacement joins: generation 2. Once a step after it is stored by health,
         # phalanx job says so, with the history and the restart it cost.
         await next_of(joined, lambda g: g.reason is GenerationReason.JOIN, 120)

@@ -39,6 +39,24 @@ def test_a_script_or_a_module_of_the_same_interpreter_is_forkable(path: str) -> 
         argv=("pkg.train", "-x"), module=True, unbuffered=True)
 
 
+def test_another_name_of_the_same_binary_in_the_same_directory_is_the_same_interpreter(
+        tmp_path: Path) -> None:
+    """``python`` and ``python3`` of one virtual environment: links to one binary."""
+    venv, system = tmp_path / "venv" / "bin", tmp_path / "usr" / "bin"
+    venv.mkdir(parents=True)
+    system.mkdir(parents=True)
+    (system / "python3.11").write_text("")
+    (system / "python3.11").chmod(0o755)
+    for folder in (venv, system):
+        for name in ("python", "python3"):
+            (folder / name).symlink_to(system / "python3.11")
+    executable = str(venv / "python3")
+    assert protocol.python_entry(["python", "t.py"], {"PATH": str(venv)}, executable) \
+        == protocol.Entry(argv=("t.py",))
+    # The same binary elsewhere (the system's, outside the environment): cold.
+    assert protocol.python_entry(["python", "t.py"], {"PATH": str(system)}, executable) is None
+
+
 def test_anything_a_child_could_not_run_exactly_as_given_starts_cold(path: str) -> None:
     # Another interpreter, even one that links to the same binary (a venv's and the
     # system's python import different things).
