@@ -12,6 +12,11 @@ it). It writes a ``chaos`` line to its
 record first, so a test knows the death was injected. Other replicas ignore
 the entries that do not name them.
 
+``PHALANX_CHAOS_HOLD=<replica>:<path>``: a slow start. The named replica waits in
+``ElasticSession.from_env``, before it connects, until ``path`` exists (checked every
+50 ms): a replacement that must still be starting when something happens, however
+quickly the machine starts processes.
+
 ``PHALANX_CHAOS_PACE=<seconds>:<path>``: a slow job. Every replica waits that
 long before each step until ``path`` exists, then runs at full speed. A test
 that must act while the job still trains (grow it, kill a node, start a
@@ -87,6 +92,22 @@ class Pace:
             self.released = self.release.exists()
         if not self.released:
             self._sleep(self.seconds)
+
+
+def hold(value: str, replica_id: str, sleep: Callable[[float], None] = time.sleep) -> None:
+    """Wait here while ``value`` (``<replica>:<path>``) names this replica and ``path``
+    does not exist.
+
+    Raises:
+        ConfigError: ``value`` is not ``<replica>:<path>``.
+    """
+    if not value:
+        return
+    target, _, path = value.partition(":")
+    if not target or not path:
+        raise ConfigError(f"PHALANX_CHAOS_HOLD: {value!r} is not <replica>:<path>")
+    while target == replica_id and not Path(path).exists():
+        sleep(0.05)
 
 
 def parse_chaos_pace(value: str) -> Pace | None:

@@ -307,7 +307,7 @@ class ElasticSession:
 
         Raises:
             BusUnavailable: the bus cannot be reached at start (no generation to join).
-            ConfigError: a malformed ``PHALANX_CHAOS_KILL``.
+            ConfigError: a malformed ``PHALANX_CHAOS_KILL`` or ``PHALANX_CHAOS_HOLD``.
         """
         env = os.environ if env is None else env
         if env.get(environment.SPARE):  # a warm spare, model built: wait to be told who it is
@@ -338,6 +338,7 @@ class ElasticSession:
             return cls(model, optimizer, dataset, **kwargs)
         replica_id = env.get("PHALANX_REPLICA_ID") or f"r{env.get('PHALANX_RANK', '0')}-0"
         chaos_kill = parse_chaos_kill(env.get("PHALANX_CHAOS_KILL", ""), replica_id)
+        chaos.hold(env.get("PHALANX_CHAOS_HOLD", ""), replica_id)
         kwargs.setdefault("chaos_pace", parse_chaos_pace(env.get("PHALANX_CHAOS_PACE", "")))
         telemetry.setup_tracing("phalanx-rank", env)  # off unless OTEL_* asks for it
         bus = BusThread(BusConfig.load(env=env), f"rank:{env['PHALANX_JOB_ID']}:{replica_id}")

@@ -457,9 +457,11 @@ async def test_two_faults_within_one_step(
 
 async def test_a_replacement_still_starting_when_the_job_completes_saves_nothing(
         cluster, data_dir: Path, reference: dict, tmp_path: Path) -> None:
-    """r1-0 dies 10 steps before the end: its replacement starts (importing torch takes
-    seconds) while the survivors finish, and is stopped without ever joining. Every
-    replica runs the script's save: only the trained model may end up on disk."""
+    """r1-0 dies 10 steps before the end: its replacement starts while the survivors
+    finish, and is stopped without ever joining. A replacement forked from its agent's
+    zygote could join within those 10 steps, so r1-1 is held before it connects
+    (``PHALANX_CHAOS_HOLD``, never released). Only the trained model may end up on
+    disk."""
     _, bus, _ = cluster
     started: list[RankStarted] = []
 
@@ -471,7 +473,8 @@ async def test_a_replacement_still_starting_when_the_job_completes_saves_nothing
 
     rec, generations = await run_job(
         cluster, data_dir, tmp_path, "late", watch_starts,
-        env={"PHALANX_CHAOS_KILL": f"r1-0:{STEPS - 10}:boundary"})
+        env={"PHALANX_CHAOS_KILL": f"r1-0:{STEPS - 10}:boundary",
+             "PHALANX_CHAOS_HOLD": f"r1-1:{tmp_path / 'never'}"})
     assert [(g.reason, g.world_size) for g in generations] == [
         (GenerationReason.START, 4), (GenerationReason.FAULT, 3)]
     assert "r1-1" in {s.replica_id for s in started}  # the replacement was launched

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from phalanx.runtime.chaos import Kill, Pace, parse_chaos_kill, parse_chaos_pace
+from phalanx.runtime.chaos import Kill, Pace, hold, parse_chaos_kill, parse_chaos_pace
 from phalanx.schemas.errors import ConfigError
 
 
@@ -45,3 +45,22 @@ def test_a_pace_is_seconds_and_a_path() -> None:
     assert pace is not None and (pace.seconds, pace.release) == (
         0.05, Path("/tmp/phalanx-release"))
     assert parse_chaos_pace("") is None
+
+
+def test_a_held_replica_waits_until_released_and_others_go_on(tmp_path: Path) -> None:
+    release = tmp_path / "release"
+    naps: list[float] = []
+
+    def nap(seconds: float) -> None:
+        naps.append(seconds)
+        if len(naps) == 3:
+            release.touch()
+
+    hold(f"r1-1:{release}", "r1-1", sleep=nap)
+    assert naps == [0.05] * 3  # until the path existed
+    naps.clear()
+    hold(f"r1-1:{tmp_path / 'never'}", "r0-0", sleep=nap)  # not named: no wait
+    hold("", "r1-1", sleep=nap)
+    assert naps == []
+    with pytest.raises(ConfigError, match="PHALANX_CHAOS_HOLD"):
+        hold("r1-1", "r1-1", sleep=nap)
