@@ -515,7 +515,7 @@ class RankSet:
         if isinstance(entry.process, ForkedProcess) and entry.process.status_lost:
             # Its zygote died before it: how it ended is unknown, as for an adopted rank.
             await self._exited(entry, exit_code=None, signame=None,
-                               cause=None if entry.stopping else ExitCause.LOST)
+                               cause=exit_cause(entry.stop, status_known=False))
             return
         signame = None
         if code < 0:

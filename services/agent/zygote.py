@@ -33,7 +33,6 @@ import logging
 import os
 import socket
 import sys
-import time
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -128,7 +127,6 @@ class ZygoteProcess:
         self.process: asyncio.subprocess.Process | None = None
         self.ready: asyncio.Future[protocol.Ready] | None = None
         self.failed: str | None = None
-        self.used_at = time.monotonic()
         self._requests: socket.socket | None = None
         self._events: asyncio.StreamWriter | None = None
         self._reader: asyncio.Task[None] | None = None
@@ -183,7 +181,6 @@ class ZygoteProcess:
                 await asyncio.shield(self.ready)
         except TimeoutError:
             raise OSError(f"the zygote's imports took over {READY_TIMEOUT_S:g} s") from None
-        self.used_at = time.monotonic()
         payload = protocol.encode_program(program)
         program_read, program_write = os.pipe()
         stdin_read = stdin_write = -1
