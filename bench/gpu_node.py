@@ -184,7 +184,9 @@ async def fault_latency(work: Path, faults: int, cpu: bool) -> dict[str, Any]:
                 await agent.wait()
     return {"faults": faults, "fault_to_exit_delivered_ms": {
                 "p50": percentile(latencies, 0.5) * 1000,
-                "p99": percentile(latencies, 0.99) * 1000, "max": max(latencies) * 1000},
+                "p99": percentile(latencies, 0.99) * 1000, "max": max(latencies) * 1000,
+                "each": [round(x * 1000, 2) for x in latencies]},
+            "fault_to_rank_reaped_ms": [round(x * 1000, 2) for x in reaped],
             "fault_to_rank_reaped_ms_p50": percentile(reaped, 0.5) * 1000,
             "target_p99_under_100_ms": percentile(latencies, 0.99) < 0.1,
             "chaos_reply": chaos_reply, "exit_detail": detail, "node": node_row,

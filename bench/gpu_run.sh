@@ -1,17 +1,25 @@
 #!/usr/bin/env bash
 # The one command a session with a GPU machine runs (docs/gpu.md, "Checking it on a GPU"):
-# phalanx's dependencies from carried wheels, the GPU tests, then bench/gpu.py. Run from the
-# repository root there, with build/gpu-wheels carried (`make gpu-wheels` here first; the
-# machine has torch, numpy, xxhash, fsspec, uvloop, PyYAML, rich and prometheus-client):
+# phalanx's dependencies from carried wheels, then the GPU checks, each under a time limit of
+# its own so that one that hangs leaves the others their time. Run from the repository root
+# there, with build/gpu-wheels carried (`make gpu-wheels` here first; the machine has torch,
+# numpy, xxhash, fsspec, uvloop, PyYAML, rich and prometheus-client):
 #
-#   bash bench/gpu_run.sh                      # tests, then the three phases (~6 minutes)
-#   PHASES=b bash bench/gpu_run.sh             # a rerun of one phase, tests skipped
-#   NODE_BENCH=1 bash bench/gpu_run.sh         # bench/gpu_node.py alone (~2 minutes)
+#   bash bench/gpu_run.sh                   # every step below, at most 10 minutes (about 6 on an H200)
+#   STEPS=node bash bench/gpu_run.sh        # a rerun of some steps
+#   PHASES=b STEPS=bench BENCH_ARGS="--generations 4" bash bench/gpu_run.sh
+#
+# Steps, in order (STEPS, comma-separated):
+#   tests  the GPU tests of the runtime (test_gpu.py, device groups, placement)
+#   bench  bench/gpu.py's phases (PHASES, default b,a,c: NCCL generations first)
+#   node   the agent's real NVML (test_nvml.py's GPU test) and bench/gpu_node.py
 #
 # Everything it writes is under $OUT (the device tool brings that folder back): device.txt,
-# tests.log, bench.log (its last line is the bench's JSON) and RESULTS.md.
+# tests.log, bench.log (its last line is the bench's JSON), node-tests.log, gpu_node.log
+# and RESULTS.md (with the sections the benches appended).
 set -uo pipefail
 OUT=${OUT:-/tmp/phalanx-gpu-out}
+STEPS=",${STEPS:-tests,bench,node},"
 mkdir -p "$OUT"
 SITE=/tmp/phalanx-site
 
@@ -25,24 +33,35 @@ for package in schemas bus services runtime bench examples; do
 done
 export PYTHONPATH="$SITE" PATH="$SITE/bin:$PATH" PYTHONUNBUFFERED=1
 
-{ nvidia-smi -L; python3 -c 'import torch; print("torch", torch.__version__, "CUDA",
+{ nvidia-smi -L; nproc; python3 -c 'import torch; print("torch", torch.__version__, "CUDA",
 torch.version.cuda, "NCCL", torch.cuda.nccl.version(), torch.cuda.get_device_name(0))'; } \
     > "$OUT/device.txt" 2>&1
 df -h /dev/shm /tmp >> "$OUT/device.txt" 2>&1  # agents keep snapshots in /dev/shm
 cat "$OUT/device.txt"
+status=0
+# The image's own pytest plugins (xdist, cov, benchmark ...) are built for its pytest, not
+# the carried one: load only the two the tests use.
+pytest() {
+    PYTEST_DISABLE_PLUGIN_AUTOLOAD=1 python3 -m pytest -p pytest_asyncio.plugin -p pytest_timeout \
+        -p no:cacheprovider -q -rs --timeout 60 "$@"
+}
 
-if [ -n "${NODE_BENCH:-}" ]; then  # the agent's NVML view, health poll, injected GPU faults
-    timeout 60 python3 -m pytest -p no:cacheprovider -q -rs tests/unit/services/agent/test_nvml.py \
-        2>&1 | tee "$OUT/tests.log"
-    timeout 240 python3 bench/gpu_node.py 2>&1 | tee "$OUT/gpu_node.log"
-    cp bench/RESULTS.md "$OUT/RESULTS.md"
-    exit 0
+if [[ $STEPS == *,tests,* ]]; then
+    echo "== tests"
+    timeout 90 pytest tests/unit/runtime/test_gpu.py tests/unit/runtime/test_device_group.py \
+        tests/unit/runtime/test_placement.py 2>&1 | tee "$OUT/tests.log" || status=1
 fi
-if [ -z "${PHASES:-}" ]; then
-    timeout 120 python3 -m pytest -p no:cacheprovider -q -x \
-        tests/unit/runtime/test_gpu.py tests/unit/runtime/test_device_group.py \
-        tests/unit/runtime/test_placement.py 2>&1 | tee "$OUT/tests.log"
+if [[ $STEPS == *,bench,* ]]; then
+    echo "== bench/gpu.py"
+    timeout 420 python3 bench/gpu.py --phases "${PHASES:-b,a,c}" ${BENCH_ARGS:-} \
+        --phase-timeouts a=150,b=90,c=170 2>&1 | tee "$OUT/bench.log" || status=1
 fi
-timeout 440 python3 bench/gpu.py --phases "${PHASES:-a,b,c}" --phase-timeouts a=180,b=90,c=150 \
-    2>&1 | tee "$OUT/bench.log"
+if [[ $STEPS == *,node,* ]]; then
+    echo "== node"
+    timeout 30 pytest tests/unit/services/agent/test_nvml.py 2>&1 \
+        | tee "$OUT/node-tests.log" || status=1
+    timeout 75 python3 bench/gpu_node.py --polls 100 --faults 10 2>&1 \
+        | tee "$OUT/gpu_node.log" || status=1
+fi
 cp bench/RESULTS.md "$OUT/RESULTS.md"
+exit $status

@@ -80,6 +80,8 @@ class Waits:
         self.heartbeat = heartbeat
         #: Process groups and work items given up on, left to gloo's own timeout.
         self.abandoned: list[Any] = []
+        #: The threads aborting given-up NCCL groups (:meth:`DeviceGroup.abort`).
+        self.aborting: list[threading.Thread] = []
 
     def work(self, work: dist.Work | DeviceWork, must_abort: Callable[[], bool]) -> None:
         """Wait for ``work``; raise :class:`Aborted` the moment ``must_abort()`` says so, or
@@ -142,13 +144,24 @@ class Waits:
             raise Aborted(str(exc)) from None
 
     def abandon(self, group: Any) -> None:
-        """Give ``group`` up: an NCCL group is aborted now (its kernels end, the device is
-        free for the next generation) and released; a gloo group is kept (its threads may
-        still block on a dead peer, until gloo's timeout)."""
+        """Give ``group`` up: an NCCL group is aborted (its kernels end, the device is free
+        for the next generation) and released, on a thread of its own (:attr:`aborting`);
+        a gloo group is kept (its threads may still block on a dead peer, until gloo's
+        timeout)."""
         if isinstance(group, DeviceGroup) and group.backend_kind is Backend.NCCL:
-            group.abort()
+            self.aborting = [t for t in self.aborting if t.is_alive()]
+            self.aborting.append(group.abort())
         else:
             self.abandoned.append(group)
+
+    def aborted(self, timeout: float) -> bool:
+        """Wait up to ``timeout`` seconds for the NCCL aborts under way; whether all ended
+        (their communicators' device memory and threads are then released)."""
+        deadline = time.monotonic() + timeout
+        for thread in self.aborting:
+            thread.join(max(0.0, deadline - time.monotonic()))
+        self.aborting = [t for t in self.aborting if t.is_alive()]
+        return not self.aborting
 
     def call(self, call: Callable[[], T], give_up: Callable[[], str | None]) -> T:
         """``call()`` on a helper thread; :class:`Aborted` if it fails, or with the reason
@@ -257,13 +270,21 @@ class DeviceGroup:
         return self._run(lambda staged: self.backend.recv(staged, src, tag), tensors, True,
                          True)
 
-    def abort(self) -> None:
-        """NCCL: abort the communicator (``ncclCommAbort``: its kernels end), then let go
-        of the group on a thread of its own (its destructor joins torch's watchdog)."""
-        self.backend.abort()
+    def abort(self) -> threading.Thread:
+        """NCCL: abort the communicator (``ncclCommAbort``: its kernels end) and let go of
+        the group (its destructor joins torch's watchdog), both on a thread of their own,
+        which is returned. Measured on an H200 (NCCL 2.28), the abort takes about 1 s
+        whatever the group did; the next generation's communicator need not wait for it."""
         held = [self.backend]
         self.backend = None
-        threading.Thread(target=held.clear, name="phalanx-release", daemon=True).start()
+
+        def abort_and_release() -> None:
+            held[0].abort()
+            held.clear()
+
+        thread = threading.Thread(target=abort_and_release, name="phalanx-abort", daemon=True)
+        thread.start()
+        return thread
 
 
 #: A generation's group as the session calls it: torch's (gloo, for a CPU rank) or a
@@ -281,7 +302,7 @@ def connect(store: dist.Store, rank: int, world_size: int, timeout: datetime.tim
     if backend is Backend.NCCL:
         from torch.distributed import ProcessGroupNCCL  # not in a CPU build of torch
 
-        nccl_environment()
+        nccl_environment(timeout)
         options = ProcessGroupNCCL.Options()
         options.config.blocking = 0  # an initialisation that waits for the dead is aborted
         options._timeout = timeout
@@ -354,6 +375,6 @@ def rendezvous(waits: Waits, stores: dict[str, dist.Store], own: tuple[str, dist
     try:
         abortable(lambda: nccl_ready(group))
     except Aborted:
-        group.abort()  # releases a communicator that waits for peers that never come
+        waits.abandon(group)  # aborts a communicator that waits for peers that never come
         raise
     return group

@@ -41,8 +41,10 @@ and :func:`nccl_environment` (which set process-wide state).
 
 from __future__ import annotations
 
+import datetime
 import enum
 import logging
+import math
 import os
 from collections.abc import Mapping, MutableMapping
 
@@ -55,6 +57,8 @@ DEVICE_ENV = "PHALANX_DEVICE"
 BACKEND_ENV = "PHALANX_BACKEND"
 #: The watchdog setting a runtime that aborts NCCL communicators on purpose needs.
 NCCL_SETTINGS = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "0"}
+#: Seconds torch waits for a non-blocking NCCL communicator (:func:`nccl_environment`).
+NONBLOCKING_TIMEOUT_ENV = "TORCH_NCCL_NONBLOCKING_TIMEOUT"
 
 
 class Backend(enum.StrEnum):
@@ -133,12 +137,22 @@ def deterministic_cuda(env: MutableMapping[str, str] | None = None) -> None:
     torch.backends.cuda.enable_cudnn_sdp(False)
 
 
-def nccl_environment(env: MutableMapping[str, str] | None = None) -> None:
+def nccl_environment(init_timeout: datetime.timedelta,
+                     env: MutableMapping[str, str] | None = None) -> None:
     """Set :data:`NCCL_SETTINGS` in ``env`` (the process's, by default) before an NCCL
-    group is built, saying so when it replaces another value."""
+    group is built, saying so when it replaces another value; and, unless set already,
+    how long torch waits for a non-blocking communicator to initialise.
+
+    That wait holds the communicator's lock, which its abort needs too: a generation
+    given up while its communicator waits for a peer that never comes is aborted only
+    once the wait ends (seen on an H200: still waiting after 60 s). torch's default is
+    30 minutes; the generation's collective timeout bounds it instead. torch reads it
+    once, at the first NCCL group of the process.
+    """
     env = os.environ if env is None else env
     for name, value in NCCL_SETTINGS.items():
         if env.get(name, value) != value:
             log.warning("%s=%s replaced by %s: the runtime aborts NCCL communicators on "
                         "purpose and handles their failures itself", name, env[name], value)
         env[name] = value
+    env.setdefault(NONBLOCKING_TIMEOUT_ENV, str(max(1, math.ceil(init_timeout.total_seconds()))))

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -23,7 +24,7 @@ import torch.distributed as dist
 from phalanx.runtime.device_staging import DeviceStaging
 from phalanx.runtime.elastic import ElasticSession
 from phalanx.runtime.flat_state import copy_range, flat_state
-from phalanx.runtime.group import DeviceGroup, Waits, rendezvous
+from phalanx.runtime.group import Aborted, DeviceGroup, Waits, connect, nccl_ready, rendezvous
 from phalanx.runtime.inbox import Inbox
 from phalanx.runtime.placement import Backend
 from phalanx.runtime.reduce import BucketedReduce, bucket_plan
@@ -32,6 +33,9 @@ from phalanx.runtime.state import receive_state, send_state
 from phalanx.schemas.messages import Generation, GenerationReason, Member
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+# torch reads it once, at the process's first NCCL group: an initialisation given up is
+# released within seconds here (the runtime sets the generation's collective timeout).
+os.environ.setdefault("TORCH_NCCL_NONBLOCKING_TIMEOUT", "5")
 GPU = torch.device("cuda", 0)
 TIMEOUT = datetime.timedelta(seconds=30)
 
@@ -59,8 +63,9 @@ def test_nccl_generations_are_aborted_and_rebuilt_and_leak_nothing() -> None:
     waits = Waits(Inbox("r0-0"), lambda: None)
     weight = torch.nn.Parameter(torch.ones(256, 256, device=GPU))
     optimizer = torch.optim.SGD([weight], lr=0.01)
-    after: list[tuple[int, int]] = []  # GPU memory in use and threads, after each abort
+    after: list[tuple[int, int]] = []  # GPU memory in use and threads, after the aborts
     for number in range(8):
+        # Every other generation is built while the last one's abort is still under way.
         group = rendezvous(waits, {}, ("r0-0", store), generation(number, f"x:{store.port}"),
                            0, TIMEOUT, lambda: None, Backend.NCCL, GPU)
         assert isinstance(group, DeviceGroup) and group.backend_kind is Backend.NCCL
@@ -68,16 +73,41 @@ def test_nccl_generations_are_aborted_and_rebuilt_and_leak_nothing() -> None:
         for tensor in (on_device, on_host):  # the host vector is staged and comes back
             waits.work(group.allreduce([tensor]), lambda: False)
         assert on_device.tolist() == [2.0] * 4 and on_host.tolist() == [0, 1, 2]
-        waits.abandon(group)  # what a fault does: ncclCommAbort
+        waits.abandon(group)  # what a fault does: ncclCommAbort, on a thread of its own
         assert waits.abandoned == []  # nothing kept on NCCL
-        weight.grad = (weight @ weight).sum() * torch.ones_like(weight)  # a step on the device
+        weight.grad = torch.tanh(weight @ weight)  # a step on the device during the abort
         optimizer.step()
         torch.cuda.synchronize(GPU)
-        after.append((used_bytes(), threads()))
-    assert torch.isfinite(weight).all()
-    memory, count = zip(*after[2:], strict=True)  # once the first communicators warmed up
+        if number % 2:
+            assert waits.aborted(30), "an NCCL abort did not end in 30 s"
+            after.append((used_bytes(), threads()))
+    assert torch.isfinite(weight).all() and not torch.equal(weight, torch.ones_like(weight))
+    memory, count = zip(*after[1:], strict=True)  # once the first communicators warmed up
     assert max(memory) - min(memory) < 16 * 2**20, after
     assert max(count) - min(count) <= 4, after  # a leak: two threads or more a generation
+
+
+@pytest.mark.skipif(not dist.is_nccl_available(), reason="torch without NCCL")
+def test_a_communicator_given_up_while_it_waits_for_a_peer_is_aborted_and_released() -> None:
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                          timeout=TIMEOUT, use_libuv=True)
+    waits = Waits(Inbox("r0-0"), lambda: None)
+    lonely = connect(dist.PrefixStore("lonely/", store), 0, 2, TIMEOUT, Backend.NCCL, GPU)
+    assert isinstance(lonely, DeviceGroup)
+    deadline = time.monotonic() + 0.5
+    with pytest.raises(Aborted, match="rank 1 never came"):
+        waits.call(lambda: nccl_ready(lonely),
+                   lambda: "rank 1 never came" if time.monotonic() > deadline else None)
+    waits.abandon(lonely)
+    # The next generation forms while that abort waits for torch to give the init up.
+    after = rendezvous(waits, {}, ("r0-0", store), generation(1, f"x:{store.port}"), 0,
+                       TIMEOUT, lambda: None, Backend.NCCL, GPU)
+    probe = torch.ones(4, device=GPU)
+    waits.work(after.allreduce([probe]), lambda: False)
+    assert probe.tolist() == [1.0] * 4
+    waits.abandon(after)
+    # Bounded by TORCH_NCCL_NONBLOCKING_TIMEOUT (5 s in this module), not torch's 30 min.
+    assert waits.aborted(60), "an NCCL communicator given up during its init stayed"
 
 
 def test_a_device_snapshot_holds_the_committed_bytes_and_the_fence_keeps_them() -> None:

@@ -3,6 +3,8 @@ session that uses it)."""
 
 from __future__ import annotations
 
+import datetime
+
 import pytest
 import torch
 
@@ -63,13 +65,17 @@ def test_the_models_device_is_where_its_tensors_are() -> None:
 
 def test_nccl_environment_keeps_the_watchdog_from_ending_the_process(
         caplog: pytest.LogCaptureFixture) -> None:
-    env = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "3", "OTHER": "x"}
-    nccl_environment(env)
-    assert env == {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "0", "OTHER": "x"}
+    env = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "3", "TORCH_NCCL_NONBLOCKING_TIMEOUT": "90",
+           "OTHER": "x"}
+    nccl_environment(datetime.timedelta(seconds=30), env)
+    assert env == {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "0",
+                   "TORCH_NCCL_NONBLOCKING_TIMEOUT": "90", "OTHER": "x"}  # the user's wait
     assert "TORCH_NCCL_ASYNC_ERROR_HANDLING=3 replaced by 0" in caplog.text
     unset: dict[str, str] = {}
-    nccl_environment(unset)
-    assert unset == {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "0"}
+    nccl_environment(datetime.timedelta(seconds=2.5), unset)
+    # An initialisation given up is aborted once torch's wait for it ends: bounded.
+    assert unset == {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "0",
+                     "TORCH_NCCL_NONBLOCKING_TIMEOUT": "3"}
 
 
 class Pairs(torch.utils.data.Dataset):
