@@ -102,6 +102,11 @@ def resume(session: ElasticSession, generation: Generation, retained: Retained |
         restored, origin = durable, StateSource.DURABLE
     if restored is not None:  # every member holds the restored step now, nothing kept
         rows, retained = [MemberProgress(restored)] * len(rows), None
+        if restored < job_step:  # the steps since the newest snapshot are trained again
+            log.warning("%s: job %s had reached step %d; generation %d restores step %d "
+                        "from the %s tier (%d steps trained again)", s.replica_id, s.job_id,
+                        job_step, generation.generation, restored, origin.value,
+                        job_step - restored)
         job_step = min(job_step, restored)
     newest = max(row.committed for row in rows)
     if 0 <= newest < job_step:

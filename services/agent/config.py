@@ -54,13 +54,12 @@ class AgentConfig:
     launch: bool = True
     """Run the ranks of admitted jobs here. Off, the node only offers capacity (an
     external launcher runs the ranks, or a benchmark measures admission alone)."""
-    zygote: bool = False
+    zygote: bool = True
     """Fork ranks and spares whose command is this agent's Python running a script (or
     ``-m`` a module) from a *zygote* that has imported torch and the rank runtime once
     (:mod:`phalanx.services.agent.zygote`), instead of starting each cold: a replacement
-    skips 1.5 to 2.5 s of imports. Any other command starts cold either way. Off by
-    default until a chaos run that redid two steps with it on is explained (the
-    faster replacements changed the interleavings; docs/architecture.md, Zygotes)."""
+    skips 1.5 to 2.5 s of imports. Any other command starts cold either way; off
+    (``PHALANX_AGENT_ZYGOTE=0``), every one does."""
     replacement_nice: int = 10
     """Nice value a replacement replica starts at, until it is ready (0: as the others).
     Applied only where the replica may lower it again (``CAP_SYS_NICE`` or

@@ -27,13 +27,19 @@ reporting rank from the takeover on.
 **Blindness is not evidence.** While the bus connection is down the timer does
 not judge; after a reconnection, and at the start of a term, every node and
 rank gets a full timeout (:class:`~.core.WatchResumed`), since the silence
-may have been this instance's, not theirs. Nor is a backlog: before a due
-timeout is judged, a round trip to the server brings every report it already
-sent into the subscriptions' queues, and those are handled first (for up to
-``UNREAD_GRACE_S``), and what the core decides is carried out from an outbox
-(:mod:`.outbox`), so a slow write never holds up the intake, and a fault never
-waits behind the state writes of earlier events. A cordon counts only faults seen
-within one term: a new leader starts a fresh window.
+may have been this instance's, not theirs. A new leader resumes only once it
+listens (its subscriptions made and a round trip done): the time it spends
+reading the stored records is not the ranks' silence. Nor is a backlog: only the
+timer moves the core's clock past a deadline. An event from the intake is applied
+at the current time or the next deadline, whichever is earlier (a starved or
+freshly started instance handles the reports queued behind a heartbeat before it
+judges anyone on it); and before a due timeout is judged, a round trip to the
+server brings every report it already sent into the subscriptions' queues, and
+the timer waits until those are handled (for up to ``BACKLOG_LIMIT_S``). What the
+core decides is carried out from an outbox (:mod:`.outbox`), so a slow write
+never holds up the intake, and a fault never waits behind the state writes of
+earlier events. A cordon counts only faults seen within one term: a new leader
+starts a fresh window.
 
 Time-based rules (hangs, lost nodes) run when they are due: the timer sleeps
 exactly until :meth:`HealthCore.next_deadline` and is woken whenever an
@@ -93,9 +99,9 @@ SNAPSHOT_FORMAT = 1
 CURSOR_EVERY_S = 1.0
 #: How often a job's progress record is stored while it trains.
 PROGRESS_EVERY_S = 1.0
-# A timeout falls due while reports wait unhandled: they are handled first, for at most this
-# long (a detector that stays behind still judges, only later).
-UNREAD_GRACE_S = 1.0
+#: A timeout falls due while reports wait unhandled: those already received are handled
+#: first, for at most this long (a detector stuck behind still judges, only later).
+BACKLOG_LIMIT_S = 10.0
 #: After an injected fault is over, how long its effects may still be reported.
 CHAOS_DETECTION_S = 10.0
 
@@ -165,12 +171,10 @@ class HealthService(JobEventsLeader[HealthTerm]):
     def restore_job(self, term: HealthTerm, state: bytes, now: float) -> str:
         return term.core.restore(state, now)
 
-    async def restored(self, term: HealthTerm) -> None:
-        await self._resume(term)
-
     async def caught_up(self, term: HealthTerm) -> None:
         """Listen to progress, heartbeats and node conditions (not stored: one lost is
-        harmless)."""
+        harmless), then resume: every restored rank's timeout runs from when this
+        instance can hear it, not from the restore (reading records takes time)."""
         assert self.bus is not None
         for subject, message_type, handler in (
                 (subjects.health_ranks(), RankProgress, self._on_progress),
@@ -179,6 +183,8 @@ class HealthService(JobEventsLeader[HealthTerm]):
                 (subjects.node_chaos_all(), NodeConditionChanged, self._on_chaos)):
             term.subscriptions.append(await self.bus.subscribe(
                 subject, message_type, functools.partial(handler, term)))
+        await self.bus.round_trip(1.0)  # the server has the subscriptions
+        await self._resume(term)
 
     def term_loops(self, term: HealthTerm) -> list[Coroutine[Any, Any, None]]:
         return [self._timer(term), self._cursor(term), self._progress_records(term),
@@ -232,7 +238,7 @@ class HealthService(JobEventsLeader[HealthTerm]):
             # Events still arrive (queued before a disconnection, or right after a
             # reconnection before the resumption): none may judge a timeout meanwhile.
             term.core.handle(core.WatchLost(), time.time())
-        decisions = term.core.handle(event, time.time())
+        decisions = term.core.receive(event, time.time())
         self._decided(term, decisions, occurred_at)
         if any(isinstance(d, core.FinishJob | core.FailJob) for d in decisions):
             self._store_progress(term)  # its last progress, with the record that ends it
@@ -307,14 +313,29 @@ class HealthService(JobEventsLeader[HealthTerm]):
         async with term.turn:
             await self._handle(term, core.ChaosInjected(msg.node_id, until))
 
-    async def _flushed(self) -> bool:
+    async def _read_the_mail(self, term: HealthTerm, deadline: float) -> bool:
+        """Before silence is judged: a round trip to the server puts every report it
+        already sent into the subscriptions' queues (a starved process has them unread in
+        its socket), then wait until those are handled; False if the round trip failed
+        (the timer tries again). Reports that come in meanwhile are not waited for: the
+        backlog to read is the one there was, so a detector that is behind still judges.
+        """
         assert self.bus is not None
-        return await self.bus.round_trip(1.0)
-
-    @staticmethod
-    def _unread(term: HealthTerm) -> bool:
-        """Progress or heartbeats received but not yet handled (health is behind)."""
-        return any(sub.pending_msgs for sub in term.subscriptions)
+        if not await self.bus.round_trip(1.0):
+            await asyncio.sleep(0.01)
+            return False
+        # A subscription's delivered count includes what is queued; what has left the queue
+        # has been handled (or waits for the turn, which the judgement takes after it).
+        marks = [(sub, sub.delivered) for sub in term.subscriptions]
+        waited = time.time()
+        while any(sub.delivered - sub.pending_msgs < mark for sub, mark in marks):
+            if time.time() - waited > BACKLOG_LIMIT_S:
+                log.warning("judging timeouts with reports unread",
+                            extra={"unread": sum(s.pending_msgs for s, _ in marks),
+                                   "late_s": round(time.time() - deadline, 3)})
+                break
+            await asyncio.sleep(0.005)
+        return True
 
     def _seeing(self, term: HealthTerm) -> bool:
         """Connected, and resumed since the connection came up: silence means something."""
@@ -334,12 +355,7 @@ class HealthService(JobEventsLeader[HealthTerm]):
                 if deadline is None or time.time() < deadline or not self._seeing(term):
                     continue  # woken early, or blind: recompute
             assert deadline is not None  # without one, the wait above always recomputes
-            # Read all mail before judging silence: a round trip to the server puts every
-            # report it already sent us into the subscriptions' queues (a starved process
-            # has them unread in its socket), and those are handled first.
-            if time.time() < deadline + UNREAD_GRACE_S \
-                    and (not await self._flushed() or self._unread(term)):
-                await asyncio.sleep(0.01)
+            if not await self._read_the_mail(term, deadline):
                 continue
             async with term.turn:
                 if self._seeing(term):
