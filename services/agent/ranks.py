@@ -80,7 +80,7 @@ from phalanx.schemas.messages import (
     RankExited,
     RankStarted,
 )
-from phalanx.services.agent import priority
+from phalanx.services.agent import pidfd, priority
 from phalanx.services.agent.core import (
     LaunchVerdict,
     StopReason,
@@ -708,23 +708,7 @@ class RankSet:
         self._save()
 
     async def _watch_adopted(self, entry: Rank) -> None:
-        loop = asyncio.get_running_loop()
-        gone = loop.create_future()
-        try:
-            fd = os.pidfd_open(entry.pid)
-        except ProcessLookupError:
-            fd = None
-        if fd is not None:
-            def exited() -> None:
-                if not gone.done():
-                    gone.set_result(None)
-
-            loop.add_reader(fd, exited)
-            try:
-                await gone
-            finally:
-                loop.remove_reader(fd)
-                os.close(fd)
+        await pidfd.ended(entry.pid)
         await self._exited(entry, exit_code=None, signame=None,
                            cause=exit_cause(entry.stop, status_known=False))
 

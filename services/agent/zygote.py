@@ -41,6 +41,7 @@ from typing import BinaryIO, Protocol
 import msgspec
 
 from phalanx.schemas import zygote as protocol
+from phalanx.services.agent import pidfd
 
 log = logging.getLogger("phalanx.agent.zygote")
 #: Zygotes kept at once (one per distinct import environment).
@@ -132,6 +133,7 @@ class ZygoteProcess:
         self._reader: asyncio.Task[None] | None = None
         self._pending: dict[int, asyncio.Future[protocol.Forked | protocol.ForkFailed]] = {}
         self._children: dict[int, ForkedProcess] = {}
+        self._orphans: set[asyncio.Task[None]] = set()  # watches of children it left
         self._early_exits: dict[int, int] = {}
         self._next_request = 0
         self._lock = asyncio.Lock()
@@ -283,19 +285,13 @@ class ZygoteProcess:
     def _watch_orphan(self, child: ForkedProcess) -> None:
         """Watch a child whose zygote is gone until it ends (its status is lost with the
         zygote)."""
-        loop = asyncio.get_running_loop()
-        try:
-            fd = os.pidfd_open(child.pid)
-        except ProcessLookupError:
-            child.ended(UNKNOWN_STATUS, lost=True)
-            return
-
-        def ended() -> None:
-            loop.remove_reader(fd)
-            os.close(fd)
+        async def watch() -> None:
+            await pidfd.ended(child.pid)
             child.ended(UNKNOWN_STATUS, lost=True)
 
-        loop.add_reader(fd, ended)
+        task = asyncio.create_task(watch())
+        self._orphans.add(task)
+        task.add_done_callback(self._orphans.discard)
 
     async def stop(self) -> None:
         """Close the zygote (it exits; children it forked go on, watched by pidfd)."""
