@@ -21,7 +21,9 @@ and the nodes that send heartbeats, and turns what it hears into faults:
 3. **Hang.** A rank that has reported progress at least once and then reports
    nothing for longer than the job's ``hang_timeout_s`` hangs: one hang fault,
    strictly after ``last progress + hang_timeout_s``; a report at or before
-   that moment is in time. A rank still starting up (no report yet), or one
+   that moment is in time. A rank still starting up (no report yet, and no
+   generation applied: :class:`MemberApplied`, from the stored job events, which a
+   new leader reads even when the rank's reports went to its predecessor), or one
    whose last report said it was its final step (it is exiting), is not
    judged. The next report re-arms the rule. Ranks that exited, and ranks on a
    node that is currently lost (the node-lost fault covers them), are not
@@ -127,6 +129,7 @@ from phalanx.services.health.events import (
     JobWatched,
     MarkNodeAlive,
     MarkNodeLost,
+    MemberApplied,
     NodeUncordoned,
     ProgressReported,
     RaiseFault,
@@ -142,8 +145,8 @@ from phalanx.services.health.stored import snapshot
 __all__ = [
     "ChaosInjected", "CordonNode", "Decision", "Event", "FailJob", "FinishJob", "HealthCore",
     "HealthPolicy", "HeartbeatSeen", "JobUnwatched", "JobWatched", "MarkNodeAlive",
-    "MarkNodeLost", "NodeUncordoned", "ProgressReported", "RaiseFault", "RankExitSeen",
-    "RankStartSeen", "WatchLost", "WatchResumed", "snapshot",
+    "MarkNodeLost", "MemberApplied", "NodeUncordoned", "ProgressReported", "RaiseFault",
+    "RankExitSeen", "RankStartSeen", "WatchLost", "WatchResumed", "snapshot",
 ]
 
 

@@ -103,6 +103,18 @@ class ProgressReported:
 
 
 @dataclasses.dataclass(frozen=True)
+class MemberApplied:
+    """Replica ``replica_id`` of a job switched to a generation and committed ``step``, its
+    first step in it: past its start-up. Unlike a report, this comes from the stored
+    job events, so a leader that heard none of the replica's reports (they went to a
+    leader that died, or through a bus restart) still learns that it trains."""
+
+    job_id: str
+    replica_id: str
+    step: int
+
+
+@dataclasses.dataclass(frozen=True)
 class HeartbeatSeen:
     """A node's agent is alive; it arrived at the ``now`` passed with it."""
 
@@ -138,9 +150,11 @@ class WatchResumed:
 
 
 Event = (JobWatched | JobUnwatched | RankStartSeen | RankExitSeen | ProgressReported
-         | HeartbeatSeen | NodeUncordoned | ChaosInjected | WatchLost | WatchResumed)
+         | MemberApplied | HeartbeatSeen | NodeUncordoned | ChaosInjected | WatchLost
+         | WatchResumed)
 EVENTS = (JobWatched, JobUnwatched, RankStartSeen, RankExitSeen, ProgressReported,
-           HeartbeatSeen, NodeUncordoned, ChaosInjected, WatchLost, WatchResumed)
+          MemberApplied, HeartbeatSeen, NodeUncordoned, ChaosInjected, WatchLost,
+          WatchResumed)
 
 
 # --- decisions -----------------------------------------------------------------------------

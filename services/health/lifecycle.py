@@ -4,7 +4,8 @@ Rules 1, 2 and 9 of :mod:`.core`, and its *Departing* rule. :func:`handle` first
 the timeouts due by the event's ``now`` (:func:`.detect.due`), then the event's own rule:
 a watch replaces a job's placement (:func:`watched`), a start judges a rank afresh
 (:func:`started`), an exit is a crash, a finish or nothing (:func:`exited`), a progress
-report re-arms the hang rule and is judged for stragglers (:func:`progress`); heartbeats,
+report re-arms the hang rule and is judged for stragglers (:func:`progress`), a member's
+first step in a generation makes it a reporting rank (:func:`applied`); heartbeats,
 blindness and cordons go to :mod:`.detect` and :mod:`.cordon`.
 """
 
@@ -21,6 +22,7 @@ from phalanx.services.health.events import (
     HeartbeatSeen,
     JobUnwatched,
     JobWatched,
+    MemberApplied,
     NodeUncordoned,
     ProgressReported,
     RaiseFault,
@@ -62,6 +64,8 @@ def handle(state: HealthState, event: Event, now: float) -> list[Decision]:
             decisions += exited(state, event, now)
         case ProgressReported():
             decisions += progress(state, event, now)
+        case MemberApplied():
+            applied(state, event, now)
         case HeartbeatSeen():
             decisions += detect.heartbeat(state, event.node_id, now)
         case NodeUncordoned():
@@ -144,6 +148,23 @@ def exited(state: HealthState, event: RankExitSeen, now: float) -> list[Decision
     if state.jobs.get(job.job_id) is job:
         decisions += outcome.finish_if_done(state, job)
     return decisions
+
+
+def applied(state: HealthState, event: MemberApplied, now: float) -> None:
+    """A replica committed its first step in a generation: it reports from now on (judged
+    for hangs), even if no report of it was heard. A report says more, when there is one."""
+    job = state.jobs.get(event.job_id)
+    rank = None if job is None else next(
+        (r for r in job.ranks.values() if r.replica_id == event.replica_id and r.exit is None),
+        None)
+    if rank is None or rank.reporting:
+        return
+    rank.reporting = True
+    rank.hang_since = now  # no report yet: its step time and report time stay unknown
+    rank.last_step = event.step
+    rank.hang_raised = False
+    state.arm(rank)
+    state.changed.add(event.job_id)
 
 
 def progress(state: HealthState, event: ProgressReported, now: float) -> list[Decision]:

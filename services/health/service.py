@@ -73,6 +73,7 @@ from phalanx.bus.stream import StreamEvent
 from phalanx.schemas import subjects
 from phalanx.schemas.messages import (
     Fault,
+    GenerationApplied,
     JobProgress,
     JobRecord,
     JobSnapshot,
@@ -130,7 +131,7 @@ class HealthService(JobEventsLeader[HealthTerm]):
 
     description = "phalanx failure detection"
     metric_families = metrics.LEADERSHIP + metrics.HEALTH
-    event_kinds = frozenset({"started", "exited"})
+    event_kinds = frozenset({"started", "exited", "applied"})
 
     def __init__(self, policy: core.HealthPolicy, bus_config: BusConfig | None = None, *,
                  instance: str | None = None, lease_s: float = 3.0) -> None:
@@ -201,6 +202,8 @@ class HealthService(JobEventsLeader[HealthTerm]):
         if isinstance(msg, RankStarted):
             happened: core.Event = core.RankStartSeen(
                 msg.job_id, msg.rank, msg.node_id, msg.pid, msg.replica_id)
+        elif isinstance(msg, GenerationApplied):
+            happened = core.MemberApplied(msg.job_id, msg.replica_id, msg.committed_step)
         else:
             assert isinstance(msg, RankExited)
             happened = core.RankExitSeen(msg.job_id, msg.rank, msg.node_id, msg.exit_code,
@@ -244,7 +247,8 @@ class HealthService(JobEventsLeader[HealthTerm]):
             self._store_progress(term)  # its last progress, with the record that ends it
         changed = term.core.take_changed()
         if seq is not None:  # from the job-events stream: a rank's start or exit
-            assert isinstance(event, core.RankStartSeen | core.RankExitSeen)
+            assert isinstance(event, core.RankStartSeen | core.RankExitSeen
+                              | core.MemberApplied)
             changed.add(event.job_id)
         for job_id in changed:
             stored_seq = term.store.seq_of(job_id, seq)

@@ -24,6 +24,7 @@ from phalanx.services.health.events import (
     JobWatched,
     MarkNodeAlive,
     MarkNodeLost,
+    MemberApplied,
     NodeUncordoned,
     ProgressReported,
     RaiseFault,
@@ -351,6 +352,22 @@ def test_events_received_past_a_deadline_judge_no_silence_only_a_tick_does() -> 
     run(resumed, T0, progress(0))
     assert resumed.receive(WatchResumed(), T0 + 50) == []
     assert resumed.next_deadline() == T0 + 50 + 2.0
+
+
+def test_a_member_whose_reports_went_unheard_is_judged_once_its_generation_applied() -> None:
+    """A replacement reported only to a leader that died, then hung: its generation's
+    stored event, which the next leader reads, makes it a reporting rank."""
+    core = make(hang=2.0)
+    run(core, T0, RankStartSeen("j", 2, "n2", 77, "r5-0"), progress(0), progress(1))
+    assert run(core, T0 + 1, MemberApplied("j", "r9-9", 1349)) == []  # no such replica
+    assert faults(tick(core, T0 + 10)) == [(HANG, "j", 0, "n0"), (HANG, "j", 1, "n1")]
+    assert run(core, T0 + 11, MemberApplied("j", "r5-0", 1349)) == []
+    decisions = tick(core, after(T0 + 13))
+    assert faults(decisions) == [(HANG, "j", 2, "n2")]
+    assert "after step 1349" in next(d for d in decisions if isinstance(d, RaiseFault)).detail
+    restored = HealthCore(core.policy)  # the flag is stored: a next leader judges it too
+    restored.restore(snapshot(core.jobs["j"]), T0 + 20)
+    assert restored.jobs["j"].ranks[2].reporting
 
 
 def test_one_hang_fault_per_silence_then_rearmed_by_progress() -> None:
