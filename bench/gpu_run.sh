@@ -39,8 +39,9 @@ torch.version.cuda, "NCCL", torch.cuda.nccl.version(), torch.cuda.get_device_nam
 df -h /dev/shm /tmp >> "$OUT/device.txt" 2>&1  # agents keep snapshots in /dev/shm
 cat "$OUT/device.txt"
 status=0
-# The image's own pytest plugins (xdist, cov, benchmark ...) are built for its pytest, not
-# the carried one: load only the two the tests use.
+# Meant to load only the two plugins the tests use, the image's own (xdist, cov, benchmark
+# ...) being built for its pytest, not the carried one. On the H200 (2026-11-27) pytest 9.2
+# listed the image's plugins as loaded all the same, and they did no harm.
 pytest() {
     PYTEST_DISABLE_PLUGIN_AUTOLOAD=1 python3 -m pytest -p pytest_asyncio.plugin -p pytest_timeout \
         -p no:cacheprovider -q -rs --timeout 60 "$@"
