@@ -61,9 +61,6 @@ and the nodes that send heartbeats, and turns what it hears into faults:
    timeout, even when it is still handed events; :class:`WatchResumed` (also at
    a takeover) gives every node and every reporting rank a full timeout from
    that moment, so timeouts that fell due while it was blind are never judged.
-   Nor does a backlog judge: :meth:`HealthCore.receive` applies an event from the
-   intake no later than the next deadline, so only :meth:`HealthCore.tick` (which
-   the shell calls once it has read its mail) judges silence.
 8. **Restart policy.** Each crash, hang or node-lost fault of a rank is
    charged to its job's :class:`~phalanx.services.health.policy.RestartBudget`
    (the job's ``restart_policy``, kept across new placements of the same
@@ -194,19 +191,6 @@ class HealthCore:
             TypeError: not one of :mod:`.events`' events.
         """
         return lifecycle.handle(self.state, event, now)
-
-    def receive(self, event: Event, now: float) -> list[Decision]:
-        """Apply an event as the intake hands it over at ``now``: at ``now`` or the next
-        deadline, whichever is earlier, so it judges no silence. Only :meth:`tick` moves
-        the clock past a deadline, and the service ticks once it has read its mail: a
-        report queued behind this event may be the one that proves a rank alive (a
-        starved or new leader, behind by more than a hang timeout, judged every rank hung
-        on the first heartbeat it read).
-        """
-        deadline = self.next_deadline()
-        if deadline is None or isinstance(event, WatchLost | WatchResumed):
-            return self.handle(event, now)  # a resumption's full timeouts run from now
-        return self.handle(event, min(now, deadline))
 
     def take_changed(self) -> set[str]:
         """The jobs whose lasting part changed since the last call: store the

@@ -29,13 +29,13 @@ not judge; after a reconnection, and at the start of a term, every node and
 rank gets a full timeout (:class:`~.core.WatchResumed`), since the silence
 may have been this instance's, not theirs. A new leader resumes only once it
 listens (its subscriptions made and a round trip done): the time it spends
-reading the stored records is not the ranks' silence. Nor is a backlog: only the
-timer moves the core's clock past a deadline. An event from the intake is applied
-at the current time or the next deadline, whichever is earlier (a starved or
-freshly started instance handles the reports queued behind a heartbeat before it
-judges anyone on it); and before a due timeout is judged, a round trip to the
-server brings every report it already sent into the subscriptions' queues, and
-the timer waits until those are handled (for up to ``BACKLOG_LIMIT_S``). What the
+reading the stored records is not the ranks' silence. Nor is a backlog: before
+a due timeout is judged, a round trip to the server brings every report it
+already sent into the subscriptions' queues, and the timer waits until those
+are handled (for up to ``BACKLOG_LIMIT_S``). (An event from the intake still
+judges the timeouts due by its arrival; applying it no later than the next
+deadline instead froze the core's clock while the timer waited, and the
+re-arms from a frozen clock judged live nodes lost: tried and taken back.) What the
 core decides is carried out from an outbox (:mod:`.outbox`), so a slow write
 never holds up the intake, and a fault never waits behind the state writes of
 earlier events. A cordon counts only faults seen within one term: a new leader
@@ -241,7 +241,7 @@ class HealthService(JobEventsLeader[HealthTerm]):
             # Events still arrive (queued before a disconnection, or right after a
             # reconnection before the resumption): none may judge a timeout meanwhile.
             term.core.handle(core.WatchLost(), time.time())
-        decisions = term.core.receive(event, time.time())
+        decisions = term.core.handle(event, time.time())
         self._decided(term, decisions, occurred_at)
         if any(isinstance(d, core.FinishJob | core.FailJob) for d in decisions):
             self._store_progress(term)  # its last progress, with the record that ends it

@@ -329,31 +329,6 @@ def test_report_after_the_deadline_is_a_hang_even_without_a_tick() -> None:
     assert core.next_deadline() == T0 + 4.5  # re-armed by the report
 
 
-def test_events_received_past_a_deadline_judge_no_silence_only_a_tick_does() -> None:
-    """A leader behind by more than the hang timeout (starved, or just taken over) reads
-    a heartbeat queued before the ranks' reports: handled at now, it would judge every
-    rank hung; received, it judges nobody, and the reports behind it re-arm the ranks."""
-    nodes = ("n0", "n0", "n1", "n1")
-    behind, received = make(nodes), make(nodes)
-    for core in (behind, received):
-        run(core, T0, HeartbeatSeen("n0"), HeartbeatSeen("n1"),
-            *(progress(rank) for rank in range(4)))
-    assert len(faults(run(behind, T0 + 2.5, HeartbeatSeen("n0")))) == 4
-    for node in ("n0", "n1"):
-        assert received.receive(HeartbeatSeen(node), T0 + 2.5) == []
-    for rank in range(4):
-        assert received.receive(progress(rank, step=2), T0 + 2.5) == []
-        received.check_invariants()
-    assert tick(received, T0 + 2.5) == []
-    assert received.next_deadline() == T0 + 2.0 + 2.0  # re-armed from the deadline
-    assert faults(tick(received, T0 + 4.5)) == [(HANG, "j", r, n) for r, n in enumerate(nodes)]
-    # A resumption is received at now: its full timeouts run from now, not the deadline.
-    resumed = make()
-    run(resumed, T0, progress(0))
-    assert resumed.receive(WatchResumed(), T0 + 50) == []
-    assert resumed.next_deadline() == T0 + 50 + 2.0
-
-
 def test_a_member_whose_reports_went_unheard_is_judged_once_its_generation_applied() -> None:
     """A replacement reported only to a leader that died, then hung: its generation's
     stored event, which the next leader reads, makes it a reporting rank."""
