@@ -32,14 +32,11 @@ listens (its subscriptions made and a round trip done): the time it spends
 reading the stored records is not the ranks' silence. Nor is a backlog: before
 a due timeout is judged, a round trip to the server brings every report it
 already sent into the subscriptions' queues, and the timer waits until those
-are handled (for up to ``BACKLOG_LIMIT_S``). (An event from the intake still
-judges the timeouts due by its arrival; applying it no later than the next
-deadline instead froze the core's clock while the timer waited, and the
-re-arms from a frozen clock judged live nodes lost: tried and taken back.) What the
-core decides is carried out from an outbox (:mod:`.outbox`), so a slow write
-never holds up the intake, and a fault never waits behind the state writes of
-earlier events. A cordon counts only faults seen within one term: a new leader
-starts a fresh window.
+are handled (for up to ``BACKLOG_LIMIT_S``); an event from the intake judges
+the timeouts due by its arrival. What the core decides is carried out from an
+outbox (:mod:`.outbox`), so a slow write never holds up the intake, and a fault
+never waits behind the state writes of earlier events. A cordon counts only
+faults seen within one term: a new leader starts a fresh window.
 
 Time-based rules (hangs, lost nodes) run when they are due: the timer sleeps
 exactly until :meth:`HealthCore.next_deadline` and is woken whenever an

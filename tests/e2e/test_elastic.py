@@ -436,9 +436,9 @@ async def test_two_faults_within_one_step(
         cluster, data_dir: Path, reference: dict, tmp_path: Path) -> None:
     async def nothing(job_id: str, watch: Watch) -> None:
         # r1-0 and r2-0 both die before step 30, so nobody's step-30 all-reduce can
-        # complete: r0-0 and r3-0 are left blocked in it until both faults abort it. (r2-0
-        # dying inside the all-reduce raced r1-0's fault: a rank running late applied the
-        # fault's generation before it reached step 30's all-reduce, and died at step 31.)
+        # complete: r0-0 and r3-0 are left blocked in it until both faults abort it. (At
+        # the boundary, not inside the all-reduce: a rank running late would apply the
+        # first fault's generation before it got there.)
         return None
 
     rec, generations = await run_job(
