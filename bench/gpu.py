@@ -102,12 +102,15 @@ def phase_a(args: argparse.Namespace, out: Callable[[dict[str, Any]], None]) -> 
 
     gpt = train_gpt.arguments().parse_args(gpt_options(args))
     result: dict[str, Any] = {"backend": "gloo", "device": device_name(args),
-                              "ranks": 4, "steps": args.steps, "kill_step": args.kill_step}
+                              "ranks": 4, "steps": args.steps, "kill_step": args.kill_step,
+                              "spares": args.spares}
+    # A spare waits on a node with a free slot: with spares, each agent has one slot more.
+    slots = 2 + (1 if args.spares else 0)
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
-        if not args.cpu:  # 2 agents x 2 slots, every slot on GPU 0
-            os.environ["PHALANX_AGENT_GPUS"] = "0,0"
-        url = recovery.cluster_up(work / "cluster")
+        if not args.cpu:  # 2 agents, every slot on GPU 0
+            os.environ["PHALANX_AGENT_GPUS"] = ",".join(["0"] * slots)
+        url = recovery.cluster_up(work / "cluster", 2, slots)
         events: dict[str, list] = {"fault": [], "generation": []}
         try:
             async def run() -> Any:
@@ -122,7 +125,7 @@ def phase_a(args: argparse.Namespace, out: Callable[[dict[str, Any]], None]) -> 
                         env={"PHALANX_RECORD_DIR": str(work / "records"),
                              "PHALANX_DETERMINISTIC": "1",
                              "PHALANX_CHAOS_KILL": f"r1-0:{args.kill_step}:allreduce"},
-                        hang_timeout_s=10.0, grace_period_s=5.0)
+                        hang_timeout_s=10.0, grace_period_s=5.0, spares=args.spares)
                     return await recovery.run_job(bus, spec, "gpt-gpu", args.timeout)
 
             ended = asyncio.run(run())
@@ -154,7 +157,9 @@ def rank_starts(logs: Path) -> dict[str, int]:
     launches that fell back to a cold start (a zygote refuses to fork once CUDA is up)."""
     text = "".join(path.read_text(errors="replace") for path in sorted(logs.glob("*.log")))
     return {"zygotes_ready": text.count("zygote ready"),
-            "cold_fallbacks": text.count("starting cold") + text.count("ranks start cold")}
+            "cold_fallbacks": text.count("starting cold") + text.count("ranks start cold"),
+            "spares_started": text.count("spare started"),
+            "spares_taken": text.count("spare taken")}
 
 
 # --- (b) NCCL generations at world size 1 ---------------------------------------------------
@@ -569,6 +574,9 @@ def results_section(report: dict[str, Any]) -> str:
         ("(a)", "steps lost or redone", fmt(get(a, "steps_lost_or_redone"))),
         ("(a)", "replacement joined; its pause", f"{fmt(get(a, 'replacement_joined'))}; "
                                                  f"{fmt(get(a, 'join_pause_s'), unit=' s')}"),
+        ("(a)", "warm spares per node; spares taken",
+         f"{fmt(get(a, 'spares'))}; {fmt(get(a, 'rank_starts', 'spares_taken'))}"),
+        ("(a)", "from the kill to full strength", fmt(get(a, "full_strength_s"), unit=" s")),
         ("(a)", "final parameters bitwise equal to the script alone",
          fmt(get(a, "bitwise_equal_to_alone"))),
         ("(a)", "median step, 4 ranks", fmt(get(a, "median_step_s"), unit=" s")),
@@ -624,6 +632,8 @@ def main() -> int:
     parser.add_argument("--phases", default=",".join(PHASES))
     parser.add_argument("--steps", type=int, help="(a) the job's steps")
     parser.add_argument("--kill-step", type=int, help="(a)")
+    parser.add_argument("--spares", type=int, default=0,
+                        help="(a) warm spares per node (each agent gets a slot more for them)")
     parser.add_argument("--gpt-options", help="(a), (c): the GPT's size options")
     parser.add_argument("--generations", type=int, help="(b)")
     parser.add_argument("--state-gb", type=float, help="(c) the snapshot's state")

@@ -22,8 +22,11 @@ second of a replacement's start on W. A spare then holds the optimizer state's
 size in host memory while it waits; it does neither for a model on a GPU, whose
 memory belongs to the slot's rank. What the script does before ``from_env``
 must not depend on the replica's identity (``RANK``, ``LOCAL_RANK``: a spare
-has none yet). If the standard input ends with no line (the agent stopped or
-died), the spare exits with status 0.
+has none yet). On a GPU node the agent starts a spare on the GPUs of free slots
+and names it a replica in slots on those same GPUs: CUDA fixes its devices when it
+starts, and a model built on the GPU before ``from_env`` is there already. If the
+standard input ends with no line (the agent stopped or died), the spare exits with
+status 0.
 """
 
 from __future__ import annotations
@@ -39,6 +42,12 @@ from phalanx.schemas import environment
 from phalanx.schemas.errors import ConfigError
 
 log = logging.getLogger("phalanx.runtime.spare")
+
+
+def cuda_initialised() -> bool:
+    """Whether this process started CUDA (torch imported and its CUDA initialised)."""
+    torch = sys.modules.get("torch")
+    return bool(torch is not None and torch.cuda.is_initialized())
 
 
 def wait_for_identity(env: Mapping[str, str], source: BinaryIO | None = None,
@@ -72,6 +81,13 @@ def wait_for_identity(env: Mapping[str, str], source: BinaryIO | None = None,
             or not all(isinstance(k, str) and isinstance(v, str) for k, v in identity.items()):
         raise ConfigError(f"spare {spare_id}: the identity must be an object of strings, "
                           f"got {line[:200]!r}")
+    devices = identity.get("CUDA_VISIBLE_DEVICES")
+    if devices is not None and devices != process_env.get("CUDA_VISIBLE_DEVICES") \
+            and cuda_initialised():
+        # CUDA read its devices once, at its start: the replica would run on the wrong GPU.
+        raise ConfigError(f"spare {spare_id}: told to be a replica on GPUs {devices!r}, but "
+                          "CUDA started on GPUs "
+                          f"{process_env.get('CUDA_VISIBLE_DEVICES')!r} already")
     process_env.pop(environment.SPARE, None)
     process_env.update(identity)
     log.info("spare %s is %s now", spare_id, identity.get("PHALANX_REPLICA_ID"))

@@ -38,8 +38,10 @@ ever.
 Warm spares (:mod:`.spares`) hold no slot, so they live in what the node has
 free: :func:`spare_counts` gives each job the spares its spec asks for while
 the slots no admitted replica is placed on still hold them, jobs served in the
-order given; a node that lists GPUs keeps none (a spare's GPU would have to be
-chosen before its slot is known). A spare that dies by itself is started again
+order given. On a node that lists GPUs a spare is started on the GPUs of free
+slots, and :func:`slots_on_gpus` finds it free slots on those GPUs again when it
+is taken (or says it has none left, when ranks or cordons took them: it is
+stopped). A spare that dies by itself is started again
 after :func:`spare_restart_delay`: at once the first time, then backing off,
 so a script that cannot start does not loop.
 """
@@ -47,7 +49,7 @@ so a script that cannot start does not loop.
 from __future__ import annotations
 
 import enum
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 
 from phalanx.schemas.errors import ConfigError, PhalanxError
 from phalanx.schemas.messages import ExitCause, GpuInfo, NodeInfo, NodeRecord
@@ -254,8 +256,8 @@ def rank_devices(gpus: tuple[int, ...], slots: tuple[int, ...]) -> dict[str, str
 SPARE_BACKOFF_MAX_S = 60.0
 
 
-def spare_counts(capacity: int | None, placed: int, jobs: Sequence[tuple[str, int, int]],
-                 *, gpus: bool = False) -> dict[str, int]:
+def spare_counts(capacity: int | None, placed: int,
+                 jobs: Sequence[tuple[str, int, int]]) -> dict[str, int]:
     """How many warm spares each job keeps on this node.
 
     Args:
@@ -264,7 +266,6 @@ def spare_counts(capacity: int | None, placed: int, jobs: Sequence[tuple[str, in
             rank's slot is its replacement's).
         jobs: ``(job id, spares its spec asks for, slots per replica)`` of each elastic
             job running here, in the order they are served.
-        gpus: the node lists GPUs: no spares.
 
     Returns:
         job id -> spares to keep (every job of ``jobs``, 0 included).
@@ -272,11 +273,30 @@ def spare_counts(capacity: int | None, placed: int, jobs: Sequence[tuple[str, in
     free = None if capacity is None else max(0, capacity - placed)
     counts: dict[str, int] = {}
     for job_id, asked, slots_per_replica in jobs:
-        count = 0 if gpus else asked if free is None else min(asked, free // slots_per_replica)
+        count = asked if free is None else min(asked, free // slots_per_replica)
         if free is not None:
             free -= count * slots_per_replica
         counts[job_id] = count
     return counts
+
+
+def slots_on_gpus(gpus: tuple[int, ...], unusable: Collection[int],
+                  wanted: tuple[int, ...]) -> tuple[int, ...] | None:
+    """Slots of this node, none of them ``unusable``, whose GPUs are ``wanted`` in that
+    order (a spare's, which its process sees as ``cuda:0`` onwards); None if there are
+    none. On a node of CPU slots (``gpus`` empty) a spare has no GPUs: ``()``.
+
+    A spare's process fixed its GPUs when it started (CUDA reads ``CUDA_VISIBLE_DEVICES``
+    once), so the replica it becomes must run in slots on those GPUs, lowest first.
+    """
+    chosen: list[int] = []
+    for gpu in wanted:
+        slot = next((s for s, g in enumerate(gpus)
+                     if g == gpu and s not in unusable and s not in chosen), None)
+        if slot is None:
+            return None
+        chosen.append(slot)
+    return tuple(chosen)
 
 
 def spare_restart_delay(failures: int) -> float:

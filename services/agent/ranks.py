@@ -330,7 +330,8 @@ class RankSet:
             case LaunchVerdict.OUTDATED:
                 raise ReplicaOutdated(f"{replica_id} is older than {last}, launched in slot "
                                       f"{slot} of {record.job_id} already")
-        if warm_only and (self.spares is None or not self.spares.running(record.job_id)):
+        if warm_only and (self.spares is None or self.spares.placeable(
+                record.job_id, await self.unusable_slots(but=running)) is None):
             return Replaced(None, new=False, no_spare=True)
         if running is not None:
             await self.stop(running)
@@ -417,7 +418,7 @@ class RankSet:
         deadline: float | None = None  # the end of SLOT_WAIT_S, from the first bounded wait
         while True:
             cordoned = await self._cordoned()
-            held = {s for r in self.ranks.values() for s in r.node_slots}
+            held = self.held_slots()
             slots = node_slots(held | cordoned, spec.slots_per_replica)
             if self.capacity is None or slots[-1] < self.capacity:
                 break
@@ -447,12 +448,15 @@ class RankSet:
                                 "job": record.job_id, "rank": rank, "replica": replica_id})
                 return None
             await wait_set(self._exit_seen, left)
+        taken = self.spares.take(record.job_id, held | cordoned) \
+            if use_spare and self.spares is not None else None
+        spare = None if taken is None else taken[0]
+        if taken is not None and taken[1]:
+            slots = taken[1]  # free slots on the GPUs the spare's process already sees
         identity = await self._identity(record, rank, placement, replica_id, slots, nice)
         self.launched[(record.job_id, rank)] = (placement, replica_id)
         log_path = self.log_path(record.job_id, replica_id)
         log_path.parent.mkdir(parents=True, exist_ok=True)
-        spare = self.spares.take(record.job_id) if use_spare and self.spares is not None \
-            else None
         process = None if spare is None else await spare.hand_over(identity, log_path)
         from_spare = process is not None
         if process is None:
@@ -627,6 +631,16 @@ class RankSet:
 
     async def _cordoned(self) -> set[int]:
         return set(await self.cordoned()) if self.cordoned is not None else set()
+
+    def held_slots(self) -> set[int]:
+        """The node's slots that ranks hold now (running or stopping), by index."""
+        return {s for r in self.ranks.values() for s in r.node_slots}
+
+    async def unusable_slots(self, but: Rank | None = None) -> set[int]:
+        """The node's slots no new process may use now: held (except ``but``'s, about to
+        be stopped for its replacement) or cordoned."""
+        return {s for r in self.ranks.values() if r is not but for s in r.node_slots} \
+            | await self._cordoned()
 
     def gpu_fault(self, slots: Collection[int], fault: str, seen_at: float) -> list[Rank]:
         """The GPU of ``slots`` failed (``fault`` says how, seen at ``seen_at``): SIGKILL

@@ -187,7 +187,8 @@ class AgentService(Service):
         self.spares = self.ranks.spares = SpareSet(
             self.config.node_id, self.work_dir, self.slots, self.gpus,
             self.ranks.job_environment, lambda: ranks.slots_placed() + len(self.cordoned),
-            launcher=self.launcher)
+            lambda: ranks.held_slots() | set(self.cordoned), launcher=self.launcher,
+            pin=ranks.pin)
         metrics.RANKS.set_function(lambda: len(ranks.ranks))
         # Both open before the first record arrives: reconciling one reads the generations.
         self.jobs = await TypedKV.open(self.bus.js, subjects.JOBS_BUCKET, JobRecord)

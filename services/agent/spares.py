@@ -27,8 +27,16 @@ process group: nothing in them is worth a grace period) when their job ends
 or leaves this node, when the node's free slots no longer hold them (a rank
 was placed there), and when the agent stops. If the agent dies, a spare sees
 its standard input end and exits by itself. Spares are kept only for jobs
-that ask (``spares`` defaults to 0) and only on nodes without GPUs (a spare's
-GPU would have to be fixed before its slot is known).
+that ask (``spares`` defaults to 0).
+
+On a node that lists GPUs, a spare runs on the GPUs of free slots, chosen when it
+starts (``CUDA_VISIBLE_DEVICES``, ``PHALANX_DEVICE=cuda``; pinned to their CPUs as a
+rank is): CUDA fixes a process's devices when it initialises, and a script builds
+its model on the GPU before ``from_env``. Spares of different jobs are spread over
+the free slots' GPUs. When it is taken, the replica it becomes runs in free slots on
+those GPUs (:func:`~.core.slots_on_gpus`), not in the lowest free slots as a cold
+start does; a spare whose GPUs no free slot offers any more (a rank was placed there,
+a cordon) is stopped, and another starts where there is room.
 """
 
 from __future__ import annotations
@@ -57,7 +65,7 @@ log = logging.getLogger("phalanx.agent.spares")
 REPLENISH_AFTER_S = 10.0
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(eq=False)  # one process: equal only to itself, a key by identity
 class Spare:
     """One warm spare process of a job."""
 
@@ -66,6 +74,7 @@ class Spare:
     process: ChildProcess
     log_path: Path
     started_at: float  # time.time()
+    gpus: tuple[int, ...] = ()  # the GPUs its process sees (none on a node of CPU slots)
     stopping: bool = False
     watcher: asyncio.Task[None] | None = None
 
@@ -103,11 +112,14 @@ class SpareSet:
         node_id: this node.
         work_dir: the agent's; spares log to ``jobs/<job>/spares/<spare>.log`` there.
         capacity: the node's slots (None: unbounded).
-        gpus: the node's GPUs; a node that lists any keeps no spares.
+        gpus: the GPU of each of the node's slots (empty: CPU slots).
         environment: job record -> what its processes start with
             (:meth:`.RankSet.job_environment`; raises ``OSError`` when it cannot be made).
         placed: the slots admitted replicas are placed on here (:meth:`.RankSet.slots_placed`).
+        unusable: the node's slots that ranks hold or that are cordoned now, by index
+            (where a spare's GPUs must not be).
         launcher: starts the processes (:mod:`.zygote`); None: each one cold.
+        pin: pins a process to the CPUs of slots (:meth:`.RankSet.pin`).
 
     Spares start at the agent's priority, not niced as a cold replacement starts: a spare
     warms up ahead of any fault, so its imports and model build cost the job once, early,
@@ -117,8 +129,12 @@ class SpareSet:
 
     def __init__(self, node_id: str, work_dir: Path, capacity: int | None,
                  gpus: tuple[int, ...], environment: Callable[[JobRecord], dict[str, str]],
-                 placed: Callable[[], int], launcher: Launcher | None = None) -> None:
+                 placed: Callable[[], int], unusable: Callable[[], set[int]] = set,
+                 launcher: Launcher | None = None,
+                 pin: Callable[[int, tuple[int, ...]], None] | None = None) -> None:
         self.node_id = node_id
+        self.unusable = unusable
+        self.pin = pin
         self.launcher = launcher or Launcher(work_dir, zygotes=False)
         self.work_dir = work_dir
         self.capacity = capacity
@@ -154,12 +170,22 @@ class SpareSet:
         self.records.pop(job_id, None)
         await self.refresh()
 
-    def take(self, job_id: str) -> Spare | None:
-        """The job's oldest running spare, no longer a spare from now on; None if none."""
-        running = self.running(job_id)
-        if not running:
+    def placeable(self, job_id: str, unusable: set[int]) -> tuple[Spare, tuple[int, ...]] | None:
+        """The job's oldest running spare that can run as a replica with the node's
+        ``unusable`` slots out of reach, and the slots it would hold (``()`` on a node of
+        CPU slots: any free ones); None if there is none."""
+        for spare in self.running(job_id):
+            slots = core.slots_on_gpus(self.gpus, unusable, spare.gpus)
+            if slots is not None:
+                return spare, slots
+        return None
+
+    def take(self, job_id: str, unusable: set[int]) -> tuple[Spare, tuple[int, ...]] | None:
+        """:meth:`placeable`'s spare, no longer a spare from now on, and its slots."""
+        found = self.placeable(job_id, unusable)
+        if found is None:
             return None
-        spare = running[0]
+        spare, slots = found
         self.spares[job_id].remove(spare)
         if spare.watcher is not None:
             spare.watcher.cancel()  # its exit is the replica's now
@@ -167,7 +193,7 @@ class SpareSet:
         log.info("spare taken", extra={"job": job_id, "spare": spare.spare_id,
                                        "pid": spare.process.pid,
                                        "waited_s": round(time.time() - spare.started_at, 3)})
-        return spare
+        return spare, slots
 
     def replenish(self, job_id: str) -> None:
         """Start ``job_id``'s next spare :data:`REPLENISH_AFTER_S` after one was taken."""
@@ -184,7 +210,12 @@ class SpareSet:
             counts = core.spare_counts(
                 self.capacity, self.placed(),
                 [(job, r.spec.spares, r.spec.slots_per_replica)
-                 for job, r in self.records.items()], gpus=bool(self.gpus))
+                 for job, r in self.records.items()])
+            if self.gpus:  # first those whose GPUs no free slot offers any more
+                kept = self._gpu_slots()
+                for spare in [s for spares in self.spares.values() for s in spares
+                              if not s.stopping and s not in kept]:
+                    await self._stop(spare)
             for job_id in list(self.spares):
                 running = self.running(job_id)
                 # The newest go first: the oldest are likeliest to be ready.
@@ -207,7 +238,36 @@ class SpareSet:
         for task in list(self._tasks):
             task.cancel()
 
+    def _gpu_slots(self) -> dict[Spare, tuple[int, ...]]:
+        """The running spares that free slots on their GPUs hold, oldest job's first, each
+        with those slots (no two spares share one)."""
+        taken = set(self.unusable())
+        kept: dict[Spare, tuple[int, ...]] = {}
+        for job_id in self.spares:
+            for spare in self.running(job_id):
+                slots = core.slots_on_gpus(self.gpus, taken, spare.gpus)
+                if slots is not None:
+                    kept[spare] = slots
+                    taken.update(slots)
+        return kept
+
+    def _devices(self, record: JobRecord) -> tuple[dict[str, str], tuple[int, ...]] | None:
+        """A new spare's device variables and the slots they come from: on a GPU node, the
+        lowest free slots no other spare holds (None if there are not enough)."""
+        if not self.gpus:
+            return {}, ()
+        taken = set(self.unusable()).union(*self._gpu_slots().values())
+        slots = core.node_slots(taken, record.spec.slots_per_replica)
+        if slots[-1] >= len(self.gpus):
+            return None
+        devices = core.rank_devices(self.gpus, slots)
+        del devices["LOCAL_RANK"]  # the replica's, told when it is taken
+        return devices, slots
+
     async def _start(self, record: JobRecord) -> bool:
+        devices = self._devices(record)
+        if devices is None:
+            return False  # no free GPU for it: the next refresh tries again
         spare_id = f"spare-{next(self._ids)}"
         log_path = self.work_dir / "jobs" / record.job_id / "spares" / f"{spare_id}.log"
         log_path.parent.mkdir(parents=True, exist_ok=True)
@@ -216,14 +276,17 @@ class SpareSet:
                            f"{self.node_id} at {utc_now()}\n".encode())
             log_file.flush()
             try:
-                env = {**self.environment(record), environment.SPARE: spare_id}
+                env = {**self.environment(record), **devices[0], environment.SPARE: spare_id}
                 process = await self.launcher.start(record.spec.command, env, log_file,
                                                     stdin=True)
             except OSError as exc:
                 log.warning("cannot start a spare of %s: %s", record.job_id, exc)
                 self._died(record.job_id)
                 return False
-        spare = Spare(spare_id, record.job_id, process, log_path, time.time())
+        if self.gpus and self.pin is not None:
+            self.pin(process.pid, devices[1])
+        spare = Spare(spare_id, record.job_id, process, log_path, time.time(),
+                      gpus=tuple(self.gpus[s] for s in devices[1]))
         self.spares.setdefault(record.job_id, []).append(spare)
         spare.watcher = asyncio.create_task(self._watch(spare))
         log.info("spare started", extra={"job": record.job_id, "spare": spare_id,

@@ -45,7 +45,7 @@ import os, sys, time
 from phalanx.runtime.spare import wait_for_identity
 env = wait_for_identity(os.environ) if os.environ.get("PHALANX_SPARE") else os.environ
 print("I am", env["PHALANX_REPLICA_ID"], "rank", env["RANK"], "local", env["LOCAL_RANK"],
-      flush=True)
+      "gpus", env.get("CUDA_VISIBLE_DEVICES"), flush=True)
 time.sleep(600)
 """
 
@@ -73,14 +73,15 @@ async def gone(pid: int) -> None:
         await asyncio.wait_for(process_exit(pid), 10)
 
 
-@pytest.fixture
-async def agent(nats_server: NatsServer, uid: str,
-                tmp_path: Path) -> AsyncIterator[asyncio.subprocess.Process]:
-    """An agent with 3 slots; stopped (SIGTERM) after the test if it still runs."""
+@contextlib.asynccontextmanager
+async def running_agent(url: str, node_id: str, work_dir: Path, gpus: str = ""
+                        ) -> AsyncIterator[asyncio.subprocess.Process]:
+    """An agent with 3 slots (on ``gpus``, one per slot, where given: no GPU is touched,
+    the ranks here never import torch); stopped (SIGTERM) at the end if it still runs."""
+    env = {**os.environ, "PHALANX_AGENT_GPUS": gpus} if gpus else None
     process = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "phalanx.services.agent", "--node-id", uid, "--slots", "3",
-        "--heartbeat-interval", "0.1", "--nats", nats_server.url,
-        "--work-dir", str(tmp_path / "agent"),
+        sys.executable, "-m", "phalanx.services.agent", "--node-id", node_id, "--slots", "3",
+        "--heartbeat-interval", "0.1", "--nats", url, "--work-dir", str(work_dir), env=env,
         stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL)
     try:
         yield process
@@ -88,6 +89,18 @@ async def agent(nats_server: NatsServer, uid: str,
         if process.returncode is None:
             process.send_signal(signal.SIGTERM)
             await process.wait()
+
+
+@pytest.fixture
+async def agent(nats_server: NatsServer, uid: str,
+                tmp_path: Path) -> AsyncIterator[asyncio.subprocess.Process]:
+    async with running_agent(nats_server.url, uid, tmp_path / "agent") as process:
+        yield process
+
+
+def environ_of(pid: int) -> dict[str, str]:
+    entries = Path(f"/proc/{pid}/environ").read_bytes().decode().split("\0")
+    return dict(e.split("=", 1) for e in entries if "=" in e)
 
 
 async def test_a_replacement_is_a_spare_which_is_replaced_and_stopped_with_its_job(
@@ -175,3 +188,41 @@ async def test_a_spare_yields_its_slot_to_another_job_and_none_outlives_the_agen
     finally:
         await jobs.delete(first)
         await jobs.delete(other)
+
+
+async def test_on_gpus_a_spare_waits_on_a_free_gpu_and_its_replica_runs_there(
+        bus: Bus, nats_server: NatsServer, uid: str, tmp_path: Path) -> None:
+    first, other = f"spares-{uid}", f"other-{uid}"
+    started = await queue_of(bus, subjects.rank_started(first), RankStarted)
+    exited = await queue_of(bus, subjects.rank_exited(first), RankExited)
+    jobs = await TypedKV.open(bus.js, subjects.JOBS_BUCKET, JobRecord)
+    async with running_agent(nats_server.url, uid, tmp_path / "agent", gpus="0,1,2"):
+        await put(bus, jobs, record(first, uid, replicas=1, spares=1))
+        try:
+            rank = await asyncio.wait_for(started.get(), 30)
+            assert environ_of(rank.pid)["CUDA_VISIBLE_DEVICES"] == "0"
+            # The spare sees the first free slot's GPU, as a rank there would.
+            (spare,) = await until(lambda: spares_of(first))
+            assert {k: environ_of(spare).get(k) for k in ("CUDA_VISIBLE_DEVICES",
+                                                          "PHALANX_DEVICE", "LOCAL_RANK")} \
+                == {"CUDA_VISIBLE_DEVICES": "1", "PHALANX_DEVICE": "cuda", "LOCAL_RANK": None}
+
+            # Another job's rank is placed on that GPU's slot: the spare goes, and one
+            # starts on the GPU still free.
+            await put(bus, jobs, record(other, uid, replicas=1, spares=0))
+            await gone(spare)
+            (moved,) = await until(lambda: spares_of(first))
+            assert environ_of(moved)["CUDA_VISIBLE_DEVICES"] == "2"
+
+            # The rank on GPU 0 dies: its replacement is the spare, in the slot of the
+            # spare's GPU (LOCAL_RANK 2), not in the lowest free slot (0, another GPU).
+            os.kill(rank.pid, signal.SIGKILL)
+            assert (await asyncio.wait_for(exited.get(), 30)).replica_id == "r0-0"
+            reply = await bus.request(subjects.agent_launch(uid), LaunchReplica(
+                job_id=first, slot=0, replica_id="r0-1"), ReplicaReply, timeout_s=10)
+            assert (reply.spare, reply.pid) == (True, moved), reply
+            log_path = tmp_path / "agent" / "jobs" / first / "r0-1.log"
+            await until(lambda: "I am r0-1 rank 0 local 2 gpus 2" in log_path.read_text())
+        finally:
+            await jobs.delete(first)
+            await jobs.delete(other)

@@ -11,6 +11,8 @@ this covers and what it does not (NCCL across ranks and nodes).
 from __future__ import annotations
 
 import datetime
+import io
+import json
 import os
 import time
 from collections.abc import Callable
@@ -29,7 +31,9 @@ from phalanx.runtime.inbox import Inbox
 from phalanx.runtime.placement import Backend
 from phalanx.runtime.reduce import BucketedReduce, bucket_plan
 from phalanx.runtime.snapshot import write_share
+from phalanx.runtime.spare import wait_for_identity
 from phalanx.runtime.state import receive_state, send_state
+from phalanx.schemas.errors import ConfigError
 from phalanx.schemas.messages import Generation, GenerationReason, Member
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -228,3 +232,15 @@ def test_a_lone_session_trains_on_the_gpu_and_deterministic_mode_repeats_bitwise
 
     first, again = train(), train()
     assert all(torch.equal(a, b) for a, b in zip(first, again, strict=True))
+
+
+def test_a_spare_whose_cuda_started_refuses_a_replica_on_other_gpus() -> None:
+    torch.ones(1, device=GPU)  # CUDA is up in this process, on the devices it sees
+    seen = os.environ.get("CUDA_VISIBLE_DEVICES", "")
+    process_env = {"PHALANX_SPARE": "spare-1", "CUDA_VISIBLE_DEVICES": seen}
+    line = json.dumps({"PHALANX_REPLICA_ID": "r0-1", "CUDA_VISIBLE_DEVICES": seen + ",7"})
+    with pytest.raises(ConfigError, match="spare spare-1: told to be a replica on GPUs"):
+        wait_for_identity(process_env, io.BytesIO(line.encode() + b"\n"), process_env)
+    same = json.dumps({"PHALANX_REPLICA_ID": "r0-1", "CUDA_VISIBLE_DEVICES": seen})
+    assert wait_for_identity(process_env, io.BytesIO(same.encode() + b"\n"),
+                             process_env)["PHALANX_REPLICA_ID"] == "r0-1"

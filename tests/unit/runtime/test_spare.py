@@ -36,3 +36,11 @@ def test_no_identity_before_the_input_ends_exits_with_status_0() -> None:
 def test_a_malformed_identity_is_refused_naming_the_spare(line: bytes, message: str) -> None:
     with pytest.raises(ConfigError, match=f"spare spare-1: .*{message}"):
         wait_for_identity(SPARE_ENV, io.BytesIO(line), {})
+
+
+def test_a_spare_whose_cuda_has_not_started_may_be_told_other_gpus() -> None:
+    process_env = {**SPARE_ENV, "CUDA_VISIBLE_DEVICES": "2"}
+    identity = {"PHALANX_REPLICA_ID": "r1-1", "CUDA_VISIBLE_DEVICES": "3"}
+    env = wait_for_identity(process_env, io.BytesIO(json.dumps(identity).encode() + b"\n"),
+                            process_env)
+    assert env["CUDA_VISIBLE_DEVICES"] == process_env["CUDA_VISIBLE_DEVICES"] == "3"
