@@ -42,6 +42,7 @@ from phalanx.schemas.errors import WireError
 from phalanx.schemas.messages import (
     Fault,
     GenerationApplied,
+    GenerationGivenUp,
     RankExited,
     RankStarted,
     ReplicaReady,
@@ -51,11 +52,12 @@ log = logging.getLogger("phalanx.bus.stream")
 
 JOB_EVENTS = subjects.JOB_EVENTS_STREAM
 #: A message the stream keeps: each is about one job (its ``job_id``).
-JobEvent = RankStarted | RankExited | Fault | ReplicaReady | GenerationApplied
+JobEvent = (RankStarted | RankExited | Fault | ReplicaReady | GenerationApplied
+            | GenerationGivenUp)
 #: The job event kinds the stream keeps, and the message each carries.
 KINDS: dict[str, type[JobEvent]] = {
     "started": RankStarted, "exited": RankExited, "fault": Fault, "ready": ReplicaReady,
-    "applied": GenerationApplied,
+    "applied": GenerationApplied, "given_up": GenerationGivenUp,
 }
 MAX_AGE_S = 7 * 24 * 3600.0
 MAX_BYTES = 1 << 30
@@ -74,15 +76,22 @@ class StreamEvent:
 
 async def ensure_job_events(bus: Bus) -> None:
     """Create the stream if it does not exist yet (idempotent; any service may call it),
-    with as many replicas as the bus is configured for."""
+    with as many replicas as the bus is configured for. A stream made by a build that
+    knew fewer kinds is given the missing subjects: an event no stream keeps would be
+    retried by its publisher for ever, and lost to a leader that reads the stream."""
+    wanted = [subjects.job_events(kind) for kind in KINDS]
     config = StreamConfig(
-        name=JOB_EVENTS, subjects=[subjects.job_events(kind) for kind in KINDS],
+        name=JOB_EVENTS, subjects=wanted,
         storage=StorageType.FILE, max_age=MAX_AGE_S, max_bytes=MAX_BYTES,
         discard=DiscardPolicy.OLD, num_replicas=replicas_for(bus.js))
 
     async def ensure() -> None:
         try:
-            await bus.js.stream_info(JOB_EVENTS)
+            info = await bus.js.stream_info(JOB_EVENTS)
+            have = list(info.config.subjects or [])
+            if not set(wanted) <= set(have):
+                await bus.js.update_stream(dataclasses.replace(
+                    info.config, subjects=have + [x for x in wanted if x not in have]))
         except jse.NotFoundError:
             try:
                 await bus.js.add_stream(config)

@@ -674,6 +674,24 @@ class GenerationApplied(Message, tag="phalanx.generation_applied.v1", frozen=Tru
     restored_from: StateSource | None = None
 
 
+class GenerationGivenUp(Message, tag="phalanx.generation_given_up.v1", frozen=True):
+    """A member gave up forming a generation that is still the job's newest
+    (``phalanx.job.<job>.given_up``): its rendezvous failed (rank 0's store or a
+    peer could not be reached in time) with no member known to have died.
+
+    It waits for a newer generation, repeating this report (stored once per
+    duplicate window) until one comes; elasticity decides that generation
+    again with the same members, since nothing else would replace it. ``reason``
+    is what the rendezvous failed with.
+    """
+
+    job_id: Ident
+    generation: NonNegInt
+    replica_id: Ident
+    reason: Annotated[str, msgspec.Meta(max_length=DETAIL_CHARS)] = ""
+    sent_at: NonNegFloat = 0.0
+
+
 class GenerationRecord(Part, frozen=True):
     """One generation in a job's history (:class:`JobHistory`)."""
 
@@ -1118,6 +1136,7 @@ ALL_MESSAGES: tuple[type[Message], ...] = (
     Generation,
     ReplicaReady,
     GenerationApplied,
+    GenerationGivenUp,
     JobHistory,
     LaunchReplica,
     StopReplica,

@@ -107,6 +107,10 @@ def generation_applied(job_id: str) -> str:
     return _job(job_id, "applied")
 
 
+def generation_given_up(job_id: str) -> str:
+    return _job(job_id, "given_up")
+
+
 def job_fault(job_id: str) -> str:
     return _job(job_id, "fault")
 

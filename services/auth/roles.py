@@ -150,7 +150,8 @@ class _Grants:
 
     def ensure_events(self) -> _Grants:
         return self.pub(s.js_api("STREAM.INFO", s.JOB_EVENTS_STREAM),
-                        s.js_api("STREAM.CREATE", s.JOB_EVENTS_STREAM))
+                        s.js_api("STREAM.CREATE", s.JOB_EVENTS_STREAM),
+                        s.js_api("STREAM.UPDATE", s.JOB_EVENTS_STREAM))
 
 
 def _consumer(stream: str) -> tuple[str, ...]:
@@ -238,7 +239,7 @@ def permissions(role: Role, scope: str | None = None) -> Permissions:
             job = _scoped(scope)
             g.sub(job(s.job_generation), job(s.job_fault), job(s.health_job_ranks))
             g.pub(job(s.health_job_ranks), job(s.replica_ready), job(s.generation_applied),
-                  job(s.ckpt_snapshot), s.any_id(s.agent_snapshot))
+                  job(s.generation_given_up), job(s.ckpt_snapshot), s.any_id(s.agent_snapshot))
             g.read_bucket(s.GENERATIONS_BUCKET, watch=False)
         case Role.CLI:
             g.sub(s.everything())

@@ -7,11 +7,13 @@ import asyncio
 import socket
 from pathlib import Path
 
+from nats.js.api import StorageType, StreamConfig
+
 from phalanx.bus.client import Bus
 from phalanx.bus.config import BusConfig
-from phalanx.bus.stream import EventReader, StreamEvent, ensure_job_events, last_seq
+from phalanx.bus.stream import KINDS, EventReader, StreamEvent, ensure_job_events, last_seq
 from phalanx.schemas import subjects
-from phalanx.schemas.messages import ExitCause, RankExited, ReplicaReady
+from phalanx.schemas.messages import ExitCause, GenerationGivenUp, RankExited, ReplicaReady
 from phalanx.services.natsd import NatsServer
 
 
@@ -100,3 +102,23 @@ async def test_events_published_around_a_server_restart_arrive_once_in_order(
         await reader_bus.close()
         await writer_bus.close()
         server.stop()
+
+
+async def test_a_stream_made_by_a_build_with_fewer_kinds_is_given_the_new_ones(
+        own_nats: NatsServer, uid: str) -> None:
+    async with await Bus.connect(BusConfig.load(env={}, servers=[own_nats.url])) as bus:
+        await bus.js.add_stream(StreamConfig(
+            name=subjects.JOB_EVENTS_STREAM, subjects=[subjects.job_events("exited")],
+            storage=StorageType.FILE))
+        await ensure_job_events(bus)
+        info = await bus.js.stream_info(subjects.JOB_EVENTS_STREAM)
+        assert set(info.config.subjects or []) == {subjects.job_events(k) for k in KINDS}
+        seq = await bus.publish_event(subjects.generation_given_up(uid), GenerationGivenUp(
+            job_id=uid, generation=3, replica_id="r1-0", reason="timed out"),
+            event_id=f"{uid}-given-up")
+        reader = await EventReader(bus, seq, frozenset({"given_up"})).start()
+        try:
+            [event] = await asyncio.wait_for(take(reader, 1), 10)
+        finally:
+            await reader.close()
+        assert event.kind == "given_up" and event.message.generation == 3

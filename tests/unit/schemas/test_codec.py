@@ -30,6 +30,7 @@ from phalanx.schemas.messages import (
     FaultKind,
     Generation,
     GenerationApplied,
+    GenerationGivenUp,
     GenerationReason,
     GenerationRecord,
     JobHistory,
@@ -118,6 +119,9 @@ EXAMPLES: dict[type[Message], Message] = {
                                          committed_step=1200, resume_step=1200, rebuild_s=0.021,
                                          state_copy_s=0.35, state_bytes=201_326_592,
                                          pause_s=0.28),
+    GenerationGivenUp: GenerationGivenUp(
+        job_id="llama-ft", generation=4, replica_id="r1-0", sent_at=1_717_000_042.0,
+        reason="rendezvous of generation 4: timed out connecting to 10.0.0.7:41234"),
     JobHistory: JobHistory(job_id="llama-ft", replacements=1, updated_at=1_717_000_041.0,
                            generations=[GenerationRecord(
                                generation=3, reason=GenerationReason.FAULT, world_size=7,

@@ -37,6 +37,7 @@ SUBJECT_PATTERNS = [
     "phalanx.job.<job>.generation",
     "phalanx.job.<job>.ready",
     "phalanx.job.<job>.applied",
+    "phalanx.job.<job>.given_up",
     "phalanx.job.<job>.fault",
     "phalanx.job.<job>.started",
     "phalanx.job.<job>.exited",

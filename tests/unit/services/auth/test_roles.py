@@ -64,6 +64,7 @@ def test_the_matcher_follows_nats_wildcards() -> None:
     (s.health_rank("job-a", 3), {"rank-job-a"}),
     (s.replica_ready("job-a"), {"rank-job-a"}),
     (s.generation_applied("job-b"), {"rank-job-b"}),
+    (s.generation_given_up("job-a"), {"rank-job-a"}),
     (s.rank_exited("job-a"), {"agent-node-a", "agent-node-b"}),
     (s.kv_key(s.JOBS_BUCKET, "job-a"), {"admission", "health"}),
     (s.kv_key(s.NODES_BUCKET, "node-a"), {"agent-node-a", "health", "cli"}),
