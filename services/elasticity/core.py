@@ -74,6 +74,14 @@ to resume at, and why it changed (start, fault, join). A job runs in *slots*
   it a step later (the join then waited for their first step in the fault's
   generation, and they took it in only at the end of the step after: two
   steps between a spare being ready and its first step).
+* **Given up.** Members that cannot form a generation (its rank 0's store timed
+  out under load) give it up and wait for a newer one, none of them dead, so no
+  fault would ever supersede it. A member that gives up the job's current
+  generation while it is in flight says so (:class:`GenerationGivenUpSeen`), and
+  it is decided again at once like a fault's (the same members, minus any that
+  failed meanwhile, with joiners ready then; a fresh rendezvous namespace). Only
+  a report of the current generation by one of its members counts, so repeated
+  or late reports re-form it at most once.
 * **Completion.** When a member exits 0 the training is over: replicas
   still starting or waiting to join are stopped, and nothing is launched or
   published for the job any more.
@@ -173,6 +181,18 @@ class GenerationAppliedSeen:
 
 
 @dataclasses.dataclass(frozen=True)
+class GenerationGivenUpSeen:
+    """A member could not form ``generation`` (its rendezvous failed) and waits for a newer
+    one; ``reason`` is what the rendezvous failed with."""
+
+    job_id: str
+    generation: int
+    replica_id: str
+    reason: str = ""
+    event_id: str = ""
+
+
+@dataclasses.dataclass(frozen=True)
 class MemberFinished:
     """A replica exited 0: if it was a member, the training is complete."""
 
@@ -198,7 +218,7 @@ class JobStopped:
 
 
 Event = (JobAdmitted | MemberFailed | ReplicaReadySeen | GenerationAppliedSeen | MemberFinished
-         | ReplicaExited | JobStopped)
+         | ReplicaExited | JobStopped | GenerationGivenUpSeen)
 
 # --- decisions -----------------------------------------------------------------------------
 
@@ -297,6 +317,8 @@ class JobMembership:
     warm_ready: list[str] = dataclasses.field(default_factory=list)
     gather_since: float | None = None  # no survivor holds the state: replacements awaited
     replaced: int = 0  # replacements launched
+    # Why a member gave the current generation up ("": none did); it is decided again.
+    given_up: str = ""
 
     @property
     def members(self) -> list[str]:
@@ -359,7 +381,7 @@ class ElasticityCore:
                 self._ended[event.job_id] = now
                 return []
             case MemberFailed() | ReplicaReadySeen() | GenerationAppliedSeen() | MemberFinished() \
-                    | ReplicaExited():
+                    | ReplicaExited() | GenerationGivenUpSeen():
                 job = self.jobs.get(event.job_id)
                 if job is None and event.job_id not in self._ended:
                     self._keep_early(event, now)
@@ -403,6 +425,8 @@ class ElasticityCore:
                 decisions += self._failed(job, event)
             case ReplicaReadySeen():
                 self._ready(job, event)
+            case GenerationGivenUpSeen():
+                self._given_up(job, event)
             case GenerationAppliedSeen():
                 _record_resumed(job, event)
                 if job.current is not None and event.generation == job.current.generation \
@@ -416,6 +440,7 @@ class ElasticityCore:
                             job.replacements_left = job.replacement_budget
                     if not job.in_flight:
                         job.departing.clear()  # the leave is done: the leavers are gone
+                        job.given_up = ""  # formed after all: nothing to decide again
                     last = job.history[-1] if job.history else None
                     if event.pause_s is not None and last is not None \
                             and last.generation == event.generation \
@@ -597,6 +622,18 @@ class ElasticityCore:
         return [RetireReplica(job.job_id, slot, job.slots[slot], replica, event.event_id)
                 for replica, slot in sorted(waiting.items()) if slot in job.slots]
 
+    @staticmethod
+    def _given_up(job: JobMembership, event: GenerationGivenUpSeen) -> None:
+        """A member gave up forming the generation in flight: it is decided again (in
+        :meth:`_advance`). A report of an older generation (decided again already, or
+        superseded) or by a replica that is not a member changes nothing."""
+        if job.current is None or event.generation != job.current.generation \
+                or event.replica_id not in job.members or not job.in_flight \
+                or job.given_up:
+            return
+        job.given_up = f"{event.replica_id} gave up generation {event.generation} " \
+            f"({_brief(event.reason, 'rendezvous failed')})"
+
     def _ready(self, job: JobMembership, event: ReplicaReadySeen) -> None:
         replica = event.replica_id
         if replica in job.members or replica in job.replicas:
@@ -620,26 +657,32 @@ class ElasticityCore:
                               now)
         survivors = [r for r in job.members if r not in job.failed and r not in job.leaving]
         job.warm_ready = [r for r in job.warm_ready if r in job.ready]
-        if job.in_flight and not job.failed and not job.warm_ready:
+        # A fault, or members that gave the generation in flight up: it cannot complete,
+        # so the next one is decided now.
+        restart = bool(job.failed) or bool(job.given_up)
+        if job.in_flight and not restart and not job.warm_ready:
             return []  # joins and leaves wait for the change in flight (but a spare's)
-        if job.leaving and not job.failed and len(survivors) >= job.min_members:
+        if job.leaving and not restart and len(survivors) >= job.min_members:
             left, job.departing, job.leaving = list(job.leaving), list(job.leaving), []
             for replica in left:
                 job.committed.pop(replica, None)
                 job.replicas.pop(replica, None)
             return self._next(job, survivors, [], GenerationReason.LEAVE,
                               "left: " + _listing(left), cause, now)
-        if not job.failed and not job.ready:
+        if not restart and not job.ready:
             return []
         joiners = _allowed(job, len(survivors), job.ready)
         if len(survivors) + len(joiners) < job.min_members:
             return self._wait(job, now, len(survivors) + len(joiners))
-        if not job.failed and not joiners:
+        if not restart and not joiners:
             return []  # at max: ready replicas wait for room
         if self._gathering(job, survivors, now):
             return []
-        if job.failed:
-            why = "dropped " + _listing([f"{r} ({d})" for r, d in sorted(job.failed.items())])
+        if restart:
+            why = "; ".join(
+                ([job.given_up] if job.given_up else [])
+                + (["dropped " + _listing([f"{r} ({d})" for r, d in sorted(job.failed.items())])]
+                   if job.failed else []))
             if job.leaving:  # a fault starts over anyway: the leavers go with it
                 why += "; left " + _listing(job.leaving)
                 for replica in job.leaving:
@@ -706,6 +749,7 @@ class ElasticityCore:
             cause=why)])
         job.failed.clear()
         job.applied.clear()
+        job.given_up = ""
         job.waiting_since = job.gather_since = None
         return [PublishGeneration(job.current, cause)]
 
@@ -720,6 +764,7 @@ class ElasticityCore:
             assert len(members) <= job.max_members, "above max"
             assert set(job.leaving) <= set(members), "a leaver that is not a member"
             assert not set(job.departing) & set(members), "a departed replica is a member"
+            assert not job.given_up or job.in_flight, "a formed generation waits to be re-formed"
             live = [r for r in members if r not in job.failed] + job.ready
             slots = [job.replicas[r].slot for r in live] + list(job.launched.values())
             assert len(slots) == len(set(slots)), "two replicas in one slot"

@@ -1,4 +1,5 @@
-"""Random faults, readiness, acknowledgements and ticks: generations stay sane."""
+"""Random faults, readiness, acknowledgements, given-up reports and ticks: generations stay
+sane."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from phalanx.schemas.messages import GenerationReason
 from phalanx.services.elasticity.core import (
     ElasticityCore,
     GenerationAppliedSeen,
+    GenerationGivenUpSeen,
     JobAdmitted,
     LaunchReplacement,
     MemberFailed,
@@ -20,7 +22,7 @@ from phalanx.services.elasticity.core import (
 )
 
 SETTINGS = settings(derandomize=True, database=None, deadline=None, max_examples=300)
-ops = st.lists(st.tuples(st.sampled_from(["fail", "ready", "apply", "tick"]),
+ops = st.lists(st.tuples(st.sampled_from(["fail", "ready", "apply", "giveup", "giveup", "tick"]),
                          st.integers(0, 40), st.integers(0, 50)), max_size=80)
 
 
@@ -56,6 +58,17 @@ def test_generations_under_random_events(lo: int, extra: int, events) -> None:
                 continue
             applied = GenerationAppliedSeen("j", job.current.generation, replica, step)
             out = core.handle(applied, now)
+        elif kind == "giveup":
+            if job.current is None:
+                continue
+            if n % 4:  # mostly a member's report (else any replica's)
+                replica = job.current.members[n % job.current.world_size].replica_id
+            if replica in dead:
+                continue
+            # Of the current generation, or a late report of the one before.
+            named = job.current.generation - step % 2
+            given_up = job.current
+            out = core.handle(GenerationGivenUpSeen("j", named, replica, "timed out"), now)
         else:
             out = core.tick(now)
         core.check_invariants()
@@ -67,7 +80,16 @@ def test_generations_under_random_events(lo: int, extra: int, events) -> None:
         spare_joins = kind == "ready" and replica in warm and all(
             g.reason is GenerationReason.JOIN and replica in {m.replica_id for m in g.members}
             for g in new)
-        if new and in_flight and kind not in ("apply", "fail") and not spare_joins:
+        # A generation a member gave up is decided again at once, from its report alone.
+        reformed = kind == "giveup" and bool(new)
+        if reformed:
+            assert named == given_up.generation, "a stale report re-formed a generation"
+            assert replica in {m.replica_id for m in given_up.members}
+            kept = {m.replica_id for m in given_up.members} - dead
+            assert kept <= {m.replica_id for m in new[0].members}, "a live member was lost"
+            assert new[0].reason is GenerationReason.FAULT
+        if new and in_flight and kind not in ("apply", "fail") and not spare_joins \
+                and not reformed:
             raise AssertionError("a generation was published while another was in flight")
         for g in new:
             expected = published[-1].generation + 1 if published else 0
@@ -104,6 +126,8 @@ def random_events(hi: int, events) -> list:
                 out.append(ReplicaReadySeen("j", replica, f"n{slot}", slot, f"h:{slot}"))
             case "apply":
                 out.append(GenerationAppliedSeen("j", step % 4, replica, step))
+            case "giveup":
+                out.append(("giveup", n, step))  # of the generation then: see feed()
             case "admit":
                 slots = dict(slots)
                 if slot in slots and len(slots) > 1:
@@ -119,24 +143,43 @@ def random_events(hi: int, events) -> list:
 
 
 restart_ops = st.lists(st.tuples(
-    st.sampled_from(["fail", "ready", "ready", "apply", "apply", "admit", "finish", "tick"]),
+    st.sampled_from(["fail", "ready", "ready", "apply", "apply", "giveup", "admit", "finish",
+                     "tick"]),
     st.integers(0, 40), st.integers(0, 50)), max_size=60)
+
+
+def given_up(core: ElasticityCore, n: int, step: int, i: int) -> GenerationGivenUpSeen:
+    """A member's report of the job's generation when it is fed (a third of them late,
+    of the one before), so that reports count often enough to matter. A restored core
+    and one that never stopped hold the same generation here, or they already differ."""
+    job = core.jobs.get("j")
+    current = None if job is None else job.current
+    if current is None:
+        return GenerationGivenUpSeen("j", step % 4, f"r{n % 3}-0", event_id=f"g{i}")
+    member = current.members[n % current.world_size].replica_id
+    return GenerationGivenUpSeen("j", current.generation - step % 3 // 2, member,
+                                 "timed out", event_id=f"g{i}")
 
 
 def feed(core: ElasticityCore, events: list, t0: float) -> list:
     decisions = []
     for i, event in enumerate(events):
         now = t0 + i
+        if isinstance(event, tuple):
+            event = given_up(core, event[1], event[2], int(t0) + i)
         decisions.append(core.tick(now) if event == "tick" else core.handle(event, now))
     return decisions
 
 
 @SETTINGS
-@given(st.integers(1, 4), restart_ops, st.integers(0, 60))
+@given(st.integers(1, 4), restart_ops, st.integers(0, 60), st.booleans())
 def test_a_core_restored_at_any_point_decides_what_one_that_never_stopped_decides(
-        hi: int, ops, cut: int) -> None:
+        hi: int, ops, cut: int, formed: bool) -> None:
+    # formed: every replica is ready first, so the events act on a running generation
+    # (random readiness alone seldom forms one).
+    first = [ReplicaReadySeen("j", f"r{i}-0", f"n{i}", i, f"h:{i}") for i in range(hi)]
     events = [JobAdmitted("j", {i: f"n{i}" for i in range(hi)}, 1, hi),
-              *random_events(hi, ops)]
+              *(first if formed else []), *random_events(hi, ops)]
     cut = min(cut, len(events))
     steady = ElasticityCore(wait_timeout_s=5, max_replacements=4)
     expected = feed(steady, events, 0.0)
