@@ -36,6 +36,7 @@ from phalanx.schemas.messages import (
     Fault,
     Generation,
     GenerationApplied,
+    GenerationGivenUp,
     JobProgress,
     JobRecord,
     Message,
@@ -107,6 +108,9 @@ def describe(message: Message, arrived_at: float) -> tuple[float, str, str] | No
             return (arrived_at, message.job_id,
                     f"{message.replica_id} applied generation {message.generation} "
                     f"(rebuild {message.rebuild_s:.3f} s, copy {message.state_copy_s:.3f} s)")
+        case GenerationGivenUp():
+            return (message.sent_at or arrived_at, message.job_id,
+                    f"{message.replica_id} gave up generation {message.generation}")
         case Generation():
             return (arrived_at, message.job_id,
                     f"generation {message.generation} ({message.reason.value}): "

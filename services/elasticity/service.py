@@ -8,8 +8,9 @@ the lease bound. The leader feeds the pure :class:`~.core.ElasticityCore` from
   start of a term and again after each reconnection, then every change): an
   admitted record is admission's current placement, anything else ends the job;
 * the job-events stream (:mod:`phalanx.bus.stream`): faults from health,
-  ``ready`` and ``applied`` from the runtime in every rank, and rank exits from
-  agents (a member that exits 0 completes the training);
+  ``ready``, ``applied`` and ``given_up`` (a member could not form the newest
+  generation) from the runtime in every rank, and rank exits from agents (a
+  member that exits 0 completes the training);
 
 and carries out its decisions: a generation is stored in the
 ``phalanx_generations`` bucket (so a late or restarted rank reads the current
@@ -59,6 +60,7 @@ from phalanx.schemas.messages import (
     FaultKind,
     Generation,
     GenerationApplied,
+    GenerationGivenUp,
     JobHistory,
     JobRecord,
     JobSnapshot,
@@ -98,7 +100,7 @@ class ElasticityService(JobEventsLeader[ElasticityTerm]):
 
     description = "phalanx membership of running jobs"
     metric_families = metrics.LEADERSHIP + metrics.ELASTICITY
-    event_kinds = frozenset({"fault", "ready", "applied", "exited"})
+    event_kinds = frozenset({"fault", "ready", "applied", "given_up", "exited"})
 
     def __init__(self, make_core: Callable[[], core.ElasticityCore],
                  bus_config: BusConfig | None = None, *, instance: str | None = None,
@@ -147,6 +149,10 @@ class ElasticityService(JobEventsLeader[ElasticityTerm]):
             return
         if isinstance(event.message, GenerationApplied):
             _observe_applied(term.core, event.message)  # before it moves on
+        elif isinstance(event.message, GenerationGivenUp):
+            log.info("generation given up", extra={
+                "job": event.message.job_id, "generation": event.message.generation,
+                "replica": event.message.replica_id, "reason": event.message.reason})
         await self._act(term, translated.job_id, term.core.handle(translated, time.time()),
                         event.seq)
 
@@ -313,6 +319,10 @@ def _event(event: StreamEvent) -> core.Event | None:
                                           event_id=f"applied:{msg.replica_id}",
                                           pause_s=msg.pause_s, resume_step=msg.resume_step,
                                           restored_from=msg.restored_from)
+        case GenerationGivenUp() as msg:
+            return core.GenerationGivenUpSeen(
+                msg.job_id, msg.generation, msg.replica_id, msg.reason,
+                event_id=f"given-up:{msg.replica_id}:g{msg.generation}")
         case RankExited() as msg:
             if msg.replica_id is None:
                 return None

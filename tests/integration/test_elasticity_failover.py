@@ -27,6 +27,9 @@ from phalanx.schemas.messages import (
     FaultKind,
     Generation,
     GenerationApplied,
+    GenerationGivenUp,
+    GenerationReason,
+    JobHistory,
     JobRecord,
     JobSpec,
     JobState,
@@ -160,6 +163,69 @@ async def test_a_standby_takes_over_and_acts_on_what_happened_while_no_leader_ra
             proc.send_signal(signal.SIGTERM)
         for proc in running:
             assert proc.wait(20) == 0  # a stop is clean, even right after a takeover
+
+
+async def test_a_generation_given_up_while_no_leader_ran_is_decided_again_by_the_standby(
+        own_nats: NatsServer, bus: Bus, tmp_path: Path) -> None:
+    """Its members could not form generation 0 and, none dead, wait for a newer one; their
+    reports, stored while no leader ran, make the standby decide it again, once."""
+    ranks = Ranks(bus)
+    members = ["r0-0", "r1-0"]
+
+    async def on_generation(g: Generation, _: Delivery) -> None:
+        await ranks.generations.put(g)
+
+    async def gave_up(replica: str, generation: int, n: int) -> None:
+        await bus.publish_event(subjects.generation_given_up(JOB), GenerationGivenUp(
+            job_id=JOB, generation=generation, replica_id=replica, reason="timed out"),
+            event_id=f"{JOB}-{replica}-g{generation}-given-up-{n}")
+
+    await bus.subscribe(subjects.job_generation(JOB), Generation, on_generation)
+    instances = {name: start(own_nats, name, tmp_path) for name in ("e1", "e2")}
+    try:
+        first = await asyncio.wait_for(leader(bus), 30)
+        jobs = await TypedKV.open(bus.js, subjects.JOBS_BUCKET, JobRecord)
+        await jobs.put(JOB, JobRecord(
+            job_id=JOB, spec=JobSpec(name="fo", team="t", priority_class="normal",
+                                     replicas=ReplicaRange(min=2, max=2), command=["true"]),
+            state=JobState.ADMITTED, submitted_at=1.0, updated_at=1.0,
+            reason_code=ReasonCode.ADMITTED, nodes=["n0", "n0"]))
+        for slot, replica in enumerate(members):
+            await ranks.ready(replica, slot)
+        g0 = await ranks.next_generation(0)
+        assert [m.replica_id for m in g0.members] == members
+        instances[first].send_signal(signal.SIGKILL)
+        instances[first].wait()
+        for replica in members:
+            await gave_up(replica, 0, 0)
+        await asyncio.wait_for(leader(bus, not_=first), 30)
+        # The standby re-asserts generation 0, then decides it again: the same members.
+        g1 = await ranks.next_generation(1)
+        assert [m.replica_id for m in g1.members] == members
+        assert (g1.reason, g1.rendezvous) == (GenerationReason.FAULT, f"{JOB}-g1")
+        assert "gave up generation 0" in g1.cause
+        # A report of generation 0 heard again (after the stream's duplicate window)
+        # changes nothing: when the members' reports of applying generation 1, read after
+        # it, are in the history, generation 1 is still the last.
+        await gave_up("r0-0", 0, 1)
+        await ranks.apply(g1, 0)
+        history = await TypedKV.open(bus.js, subjects.HISTORY_BUCKET, JobHistory)
+
+        async def applied() -> JobHistory:
+            async for change in history.watch():
+                if change is not None and change.key == JOB and change.value is not None \
+                        and change.value.generations[-1].applied_resume_step is not None:
+                    return change.value
+            raise AssertionError("the history watch ended")
+
+        told = await asyncio.wait_for(applied(), 30)
+        assert [g.generation for g in told.generations] == [0, 1]
+    finally:
+        running = [proc for proc in instances.values() if proc.poll() is None]
+        for proc in running:
+            proc.send_signal(signal.SIGTERM)
+        for proc in running:
+            assert proc.wait(20) == 0
 
 
 async def test_readiness_that_overtakes_its_jobs_record_is_not_lost(
