@@ -11,6 +11,14 @@ of, its rank, world size and process group.
   join, a leave) waits until the members agreed, in a step's all-reduce, to
   switch after that step (:meth:`Membership.agree_to_switch`). A generation
   superseded while it is applied is given up, and the newer one applied.
+* **A generation that cannot form.** One given up for another reason (rank 0's
+  store or a peer unreachable in time, under load) while it is still the newest
+  is reported (:class:`~phalanx.schemas.messages.GenerationGivenUp`), and again
+  every 2 s while this replica waits for a newer one: with no member dead, no
+  fault would replace it, and elasticity keeps a generation in flight until
+  every member applies it. The stream stores repeats within its duplicate window
+  once; after it (elasticity or the bus restarted and lost it) they are heard
+  again, and a report of a generation decided again already changes nothing.
 * **Not a member.** A replica not yet taken in waits for a newer generation,
   re-announcing itself every 2 s; one the job completes without ends with
   :class:`JobCompletedWithoutThisReplica`; one a planned shrink takes out
@@ -39,7 +47,15 @@ from phalanx.bus import telemetry
 from phalanx.runtime.data import MicroBatch
 from phalanx.runtime.group import Aborted, Group, rendezvous
 from phalanx.runtime.resume import resume
-from phalanx.schemas.messages import Generation, GenerationApplied, GenerationReason, StateSource
+from phalanx.schemas import subjects
+from phalanx.schemas.messages import (
+    DETAIL_CHARS,
+    Generation,
+    GenerationApplied,
+    GenerationGivenUp,
+    GenerationReason,
+    StateSource,
+)
 
 if TYPE_CHECKING:
     from phalanx.runtime.elastic import ElasticSession
@@ -203,24 +219,51 @@ class Membership:
                         log.warning("generation %d not applied: %s", newest.generation, exc)
                         self.abandon()
                         if newest.generation == s._inbox.newest_number():
-                            self.wait_for_newer(newest.generation, total_steps)
+                            self.wait_for_newer(newest.generation, total_steps,
+                                                given_up=str(exc))
                         continue
             # Here the newest generation is this replica's own, or one it is not in (and it
             # never was a member): wait for a newer one than that.
             self.wait_for_newer(-1 if newest is None else newest.generation, total_steps)
 
-    def wait_for_newer(self, than: int, total_steps: int) -> None:
-        """Wait for a generation newer than ``than`` (a non-member re-announces itself)."""
+    def wait_for_newer(self, than: int, total_steps: int, given_up: str | None = None) -> None:
+        """Wait for a generation newer than ``than`` (a non-member re-announces itself).
+
+        ``given_up``: why this member gave generation ``than`` up; it reports that now
+        and every 2 s while it waits, since elasticity decides no newer one otherwise.
+        """
         s = self.session
+        if given_up is not None:
+            self._report_given_up(than, given_up)
         last_announce = time.monotonic()
         while s._inbox.newest_number() <= than:
             if self.generation is None and s._inbox.finished_step >= total_steps:
                 return
             s._inbox.sleep(0.5)
             s._heartbeat()
-            if self.generation is None and time.monotonic() - last_announce > 2.0:
-                s._announce()  # elasticity may have restarted: say it again
+            if time.monotonic() - last_announce > 2.0:
+                # Elasticity may have restarted (or the bus): say it again.
+                if given_up is not None:
+                    self._report_given_up(than, given_up)
+                if self.generation is None:
+                    s._announce()
                 last_announce = time.monotonic()
+
+    def _report_given_up(self, generation: int, why: str) -> None:
+        """Tell elasticity this member gave ``generation`` up (stored in the job-events
+        stream; repeats within its duplicate window are stored once). Not when a member
+        of it is known to have failed, or the job to have finished: the fault (or the
+        end) replaces it anyway, and a report would only add a generation."""
+        s = self.session
+        newest, _ = s._inbox.newest()
+        if s.bus is None or newest is None or newest.generation != generation \
+                or s._inbox.must_abort(newest) \
+                or (self.generation is None and s._inbox.finished_step >= s._total_steps):
+            return
+        s.bus.publish_event(subjects.generation_given_up(s.job_id), GenerationGivenUp(
+            job_id=s.job_id, generation=generation, replica_id=s.replica_id,
+            reason=why[:DETAIL_CHARS], sent_at=time.time()),
+            f"{s.job_id}-{s.replica_id}-g{generation}-given-up")
 
     def leave_without_joining(self) -> None:
         """The job completed before this replica became a member: end the process (status

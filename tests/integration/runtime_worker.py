@@ -10,6 +10,7 @@ step it committed. It exits with ``--exit-code`` from inside ``with session:``, 
 
     python runtime_worker.py --prepare DIR
     python runtime_worker.py --data DIR --out OUT --steps N [--clip X] [--nan-step S]
+        [--collective-timeout SECONDS]
 """
 
 from __future__ import annotations
@@ -37,6 +38,8 @@ def main() -> None:
     parser.add_argument("--clip", type=float)
     parser.add_argument("--nan-step", type=int, help="a sample of this step's loss is nan")
     parser.add_argument("--exit-code", type=int, default=0)
+    parser.add_argument("--collective-timeout", type=float,
+                        help="the session's store and gloo timeout, seconds")
     args = parser.parse_args()
     if args.prepare:
         rng = np.random.default_rng(0)
@@ -66,7 +69,9 @@ def main() -> None:
     norms: dict[int, float] = {}
     session = ElasticSession.from_env(model, optimizer, dataset, global_batch=GLOBAL_BATCH,
                                       micro_batch_size=MICRO_BATCH,
-                                      state={"scheduler": scheduler, "ema": ema})
+                                      state={"scheduler": scheduler, "ema": ema},
+                                      **({} if args.collective_timeout is None else {
+                                          "collective_timeout_s": args.collective_timeout}))
     with session:
         for step in session.steps(args.steps):
             poisoned = -1
