@@ -104,13 +104,14 @@ def phase_a(args: argparse.Namespace, out: Callable[[dict[str, Any]], None]) -> 
     result: dict[str, Any] = {"backend": "gloo", "device": device_name(args),
                               "ranks": 4, "steps": args.steps, "kill_step": args.kill_step,
                               "spares": args.spares}
-    # A spare waits on a node with a free slot: with spares, each agent has one slot more.
-    slots = 2 + (1 if args.spares else 0)
+    # A spare waits on a node with a free slot, and a replacement starts on its slot's
+    # node: with spares, one agent of 5 slots (admission would pack 2 x 3 as 3 + 1).
+    agents, slots = (1, 5) if args.spares else (2, 2)
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
-        if not args.cpu:  # 2 agents, every slot on GPU 0
+        if not args.cpu:  # every slot on GPU 0
             os.environ["PHALANX_AGENT_GPUS"] = ",".join(["0"] * slots)
-        url = recovery.cluster_up(work / "cluster", 2, slots)
+        url = recovery.cluster_up(work / "cluster", agents, slots)
         events: dict[str, list] = {"fault": [], "generation": []}
         try:
             async def run() -> Any:
@@ -633,7 +634,7 @@ def main() -> int:
     parser.add_argument("--steps", type=int, help="(a) the job's steps")
     parser.add_argument("--kill-step", type=int, help="(a)")
     parser.add_argument("--spares", type=int, default=0,
-                        help="(a) warm spares per node (each agent gets a slot more for them)")
+                        help="(a) warm spares (then one agent of 5 slots, not 2 of 2)")
     parser.add_argument("--gpt-options", help="(a), (c): the GPT's size options")
     parser.add_argument("--generations", type=int, help="(b)")
     parser.add_argument("--state-gb", type=float, help="(c) the snapshot's state")
