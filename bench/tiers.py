@@ -132,7 +132,7 @@ async def run_phase(args: argparse.Namespace, workload: recovery.Workload, phase
                    # Frozen ranks are not hung: the buddy phase waits on replicas meanwhile.
                    hang_timeout_s=60.0, grace_period_s=5.0,
                    **({"spares": SPARES, "placement": Placement(spread_failure_domains=True)}
-                      if phase == "memory_spares" else {}))
+                      if phase == "memory_spares" else {"spares": 0}))
     job = f"tiers-{phase}".replace("_", "-")
     url = recovery.cluster_up(cluster, slots_per_agent=2 + SPARES if phase == "memory_spares"
                               else 2, zygote=phase != "memory_no_zygote")

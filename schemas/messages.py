@@ -302,10 +302,12 @@ class JobSpec(Message, tag="phalanx.job_spec.v1", frozen=True):
     has a GPU (its agent lists GPUs: ``agent.gpus``) and gloo on one that has none, so
     the same spec runs on CPU and GPU nodes; ranks sharing one GPU need ``gloo``.
 
-    ``spares`` is how many warm spare processes of an elastic job each of its nodes
-    keeps while it has a free slot for them (:mod:`phalanx.services.agent.spares`): a
-    replacement is then a spare told its replica id instead of a cold start. 0 (the
-    default) keeps none.
+    ``spares`` is how many warm spare processes of the job each of its nodes keeps
+    while it has a free slot for them (:mod:`phalanx.services.agent.spares`): a
+    replacement is then a spare told its replica id instead of a cold start. 0 keeps
+    none. Unset (the default): one, once the job's ranks have shown that they run a
+    phalanx session (the job has a generation), and none before; a spare of a command
+    that never starts a session would run the whole command beside its ranks.
     """
 
     name: Ident
@@ -323,7 +325,7 @@ class JobSpec(Message, tag="phalanx.job_spec.v1", frozen=True):
     checkpoint: CheckpointPolicy = CheckpointPolicy()
     scaling: ScalingPolicy = ScalingPolicy()
     backend: CollectiveBackend = CollectiveBackend.AUTO
-    spares: Annotated[int, msgspec.Meta(ge=0, le=64)] = 0
+    spares: Annotated[int, msgspec.Meta(ge=0, le=64)] | None = None
 
     def __post_init__(self) -> None:
         values = self.scaling.replica_discrete_values

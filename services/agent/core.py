@@ -256,6 +256,22 @@ def rank_devices(gpus: tuple[int, ...], slots: tuple[int, ...]) -> dict[str, str
 SPARE_BACKOFF_MAX_S = 60.0
 
 
+#: The warm spares a job whose spec leaves ``spares`` unset keeps on each of its nodes, once
+#: its ranks run a phalanx session (:func:`spares_wanted`).
+DEFAULT_SPARES = 1
+
+
+def spares_wanted(asked: int | None, session: bool) -> int:
+    """The spares a job keeps on a node with room for them: what its spec asks, else
+    :data:`DEFAULT_SPARES` once its ranks are known to run a phalanx session (``session``:
+    the job has a generation), else none. A spare runs the job's command and waits inside
+    ``ElasticSession.from_env``; a command that never gets there would run to its end
+    beside the ranks, so a default is only given to a job shown to get there."""
+    if asked is not None:
+        return asked
+    return DEFAULT_SPARES if session else 0
+
+
 def spare_counts(capacity: int | None, placed: int,
                  jobs: Sequence[tuple[str, int, int]]) -> dict[str, int]:
     """How many warm spares each job keeps on this node.

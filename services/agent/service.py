@@ -208,9 +208,26 @@ class AgentService(Service):
         self.bus.on_reconnect(self._on_reconnect)
         self.spawn(self.heartbeat_loop(), "heartbeat")
         self.spawn(self.sender.run(self.sleep_or_stop), "replicate")
+        self.spawn(self._follow_generations(), "generations")
         log.info("registered", extra={"node": self.config.node_id, "slots": self.slots,
                                       "gpus": [g.uuid for g in self.gpu_watch.gpus],
                                       "failure_domain": self.config.failure_domain})
+
+    async def _follow_generations(self) -> None:
+        """Which jobs have a generation, so run a phalanx session: a job that leaves its
+        spares unset keeps them from then on (:func:`.core.spares_wanted`). A failure of
+        the watch is retried: it must not stop the agent, and its ranks with it."""
+        assert self.generations is not None and self.spares is not None
+        assert self.bus is not None
+        while True:
+            try:
+                async for change in self.generations.follow(self.bus.resync_event()):
+                    if change is not None:
+                        await self.spares.session_seen(change.key, change.value is not None)
+            except Exception as exc:  # the bus gone for longer than its retries
+                log.warning("following the jobs' generations failed (%s); again in 1 s", exc)
+            if await self.sleep_or_stop(1.0):
+                return
 
     async def _listen(self) -> None:
         """Start the replication listener; its port goes into the node record. Without

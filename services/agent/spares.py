@@ -26,8 +26,10 @@ dying (:func:`~.core.spare_restart_delay`). Spares are stopped (SIGKILL to the
 process group: nothing in them is worth a grace period) when their job ends
 or leaves this node, when the node's free slots no longer hold them (a rank
 was placed there), and when the agent stops. If the agent dies, a spare sees
-its standard input end and exits by itself. Spares are kept only for jobs
-that ask (``spares`` defaults to 0).
+its standard input end and exits by itself. A job keeps what its spec's ``spares``
+asks; left unset, one, from when the job has a generation (its ranks run a phalanx
+session: :func:`~.core.spares_wanted`; the agent follows the generations bucket and
+calls :meth:`SpareSet.session_seen`).
 
 On a node that lists GPUs, a spare runs on the GPUs of free slots, chosen when it
 starts (``CUDA_VISIBLE_DEVICES``, ``PHALANX_DEVICE=cuda``; pinned to their CPUs as a
@@ -141,7 +143,8 @@ class SpareSet:
         self.gpus = gpus
         self.environment = environment
         self.placed = placed
-        self.records: dict[str, JobRecord] = {}  # jobs that want spares here, oldest first
+        self.records: dict[str, JobRecord] = {}  # jobs that may want spares here, oldest first
+        self.sessions: set[str] = set()  # jobs whose ranks run a phalanx session
         self.spares: dict[str, list[Spare]] = {}
         self.failures: dict[str, int] = {}  # job -> spares that died by themselves in a row
         self._held: dict[str, float] = {}  # job -> no restart before this (monotonic)
@@ -158,12 +161,24 @@ class SpareSet:
     async def reconcile(self, record: JobRecord) -> None:
         """Keep the spares ``record`` asks for here (none once it is not admitted here),
         and re-balance every job's to the node's free slots."""
-        if record.state is JobState.ADMITTED and record.spec.spares \
+        if record.state is JobState.ADMITTED and record.spec.spares != 0 \
                 and self.node_id in record.nodes:
             self.records[record.job_id] = record
         else:
             self.records.pop(record.job_id, None)
         await self.refresh()
+
+    async def session_seen(self, job_id: str, running: bool = True) -> None:
+        """The job has a generation (``running``), or no longer has one: its spares by
+        default follow (:func:`~.core.spares_wanted`)."""
+        known = job_id in self.sessions
+        if running:
+            self.sessions.add(job_id)
+        else:
+            self.sessions.discard(job_id)
+        record = self.records.get(job_id)
+        if known != running and record is not None and record.spec.spares is None:
+            await self.refresh()
 
     async def drop(self, job_id: str) -> None:
         """The job is gone: stop its spares."""
@@ -209,8 +224,8 @@ class SpareSet:
                 return
             counts = core.spare_counts(
                 self.capacity, self.placed(),
-                [(job, r.spec.spares, r.spec.slots_per_replica)
-                 for job, r in self.records.items()])
+                [(job, core.spares_wanted(r.spec.spares, job in self.sessions),
+                  r.spec.slots_per_replica) for job, r in self.records.items()])
             if self.gpus:  # first those whose GPUs no free slot offers any more
                 kept = self._gpu_slots()
                 for spare in [s for spares in self.spares.values() for s in spares

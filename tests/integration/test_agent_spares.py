@@ -27,10 +27,13 @@ from phalanx.bus.client import Bus
 from phalanx.bus.kv import TypedKV
 from phalanx.schemas import subjects
 from phalanx.schemas.messages import (
+    Generation,
+    GenerationReason,
     JobRecord,
     JobSpec,
     JobState,
     LaunchReplica,
+    Member,
     NodeHeartbeat,
     RankExited,
     RankStarted,
@@ -50,7 +53,7 @@ time.sleep(600)
 """
 
 
-def record(job_id: str, node_id: str, replicas: int, spares: int,
+def record(job_id: str, node_id: str, replicas: int, spares: int | None,
            state: JobState = JobState.ADMITTED) -> JobRecord:
     spec = JobSpec(name="spares", team="t", priority_class="normal",
                    replicas=ReplicaRange(min=replicas, max=replicas), grace_period_s=2.0,
@@ -226,3 +229,38 @@ async def test_on_gpus_a_spare_waits_on_a_free_gpu_and_its_replica_runs_there(
         finally:
             await jobs.delete(first)
             await jobs.delete(other)
+
+
+async def test_unset_spares_start_once_the_job_has_a_generation_and_stop_without(
+        bus: Bus, agent: asyncio.subprocess.Process, uid: str) -> None:
+    job_id = f"spares-{uid}"
+    started = await queue_of(bus, subjects.rank_started(job_id), RankStarted)
+    beats = await queue_of(bus, subjects.node_heartbeat(uid), NodeHeartbeat)
+    jobs = await TypedKV.open(bus.js, subjects.JOBS_BUCKET, JobRecord)
+    generations = await TypedKV.open(bus.js, subjects.GENERATIONS_BUCKET, Generation)
+    await put(bus, jobs, record(job_id, uid, replicas=2, spares=None))
+    try:
+        for _ in range(2):
+            await asyncio.wait_for(started.get(), 30)
+        # No generation: the command may not run a session, and a spare of it would run
+        # the whole command. Nothing starts while the agent beats on.
+        while not beats.empty():
+            beats.get_nowait()
+        for _ in range(5):
+            await asyncio.wait_for(beats.get(), 10)
+        assert spares_of(job_id) == set()
+
+        # Its ranks reported ready from a session: elasticity stores the job's generation.
+        await generations.put(job_id, Generation(
+            job_id=job_id, generation=0, world_size=2, rendezvous=f"{job_id}-g0",
+            resume_step=0, reason=GenerationReason.START,
+            members=[Member(replica_id=f"r{i}-0", rank=i, node_id=uid) for i in range(2)]))
+        (spare,) = await until(lambda: spares_of(job_id))
+        # The generation gone (the job's membership ended), the default spare goes too.
+        await generations.delete(job_id)
+        await gone(spare)
+        assert spares_of(job_id) == set()
+    finally:
+        await jobs.delete(job_id)
+        with contextlib.suppress(Exception):
+            await generations.delete(job_id)
