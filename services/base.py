@@ -210,6 +210,20 @@ class Service:
         """Wait ``seconds`` unless a stop is requested first; returns True if stopping."""
         return await wait_set(self._stop_requested, seconds)
 
+    async def until_stopped(self, work: Coroutine[Any, Any, None]) -> None:
+        """Run ``work`` until it ends or a stop is requested, which cancels it: for a loop
+        that waits on the bus, where :meth:`stop` would otherwise wait out its timeout."""
+        task = asyncio.ensure_future(work)
+        stopped = asyncio.ensure_future(self._stop_requested.wait())
+        try:
+            await asyncio.wait({task, stopped}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for waiting in (task, stopped):
+                waiting.cancel()
+            await asyncio.wait({task, stopped})
+        if not task.cancelled():
+            task.result()  # its failure is the caller's
+
 
 async def _count_reconnect() -> None:
     metrics.BUS_RECONNECTS.inc()

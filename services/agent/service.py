@@ -208,7 +208,7 @@ class AgentService(Service):
         self.bus.on_reconnect(self._on_reconnect)
         self.spawn(self.heartbeat_loop(), "heartbeat")
         self.spawn(self.sender.run(self.sleep_or_stop), "replicate")
-        self.spawn(self._follow_generations(), "generations")
+        self.spawn(self.until_stopped(self._follow_generations()), "generations")
         log.info("registered", extra={"node": self.config.node_id, "slots": self.slots,
                                       "gpus": [g.uuid for g in self.gpu_watch.gpus],
                                       "failure_domain": self.config.failure_domain})

@@ -68,3 +68,34 @@ async def test_service_answers_srv_api_and_survives_garbage(bus: Bus, bus_config
         await service.stop()
     assert service.loop_finished.is_set()  # the loop saw the stop and ended by itself
     await service.stop()  # idempotent
+
+
+class WaitingService(Service):
+    """A loop that waits on something that never comes (as a bus watch may)."""
+
+    def __init__(self, config: BusConfig, uid: str) -> None:
+        super().__init__(f"waiting-{uid}", "test", config, shutdown_timeout_s=3600.0)
+        self.waiting = asyncio.Event()
+        self.cancelled = asyncio.Event()
+
+    async def setup(self) -> None:
+        self.spawn(self.until_stopped(self.forever()), "forever")
+
+    async def forever(self) -> None:
+        self.waiting.set()
+        try:
+            await asyncio.Event().wait()
+        except asyncio.CancelledError:
+            self.cancelled.set()
+            raise
+
+
+async def test_a_stop_cancels_a_loop_run_until_stopped_instead_of_waiting_for_it(
+        bus_config: BusConfig, uid: str) -> None:
+    service = WaitingService(bus_config, uid)
+    await service.start()
+    await asyncio.wait_for(service.waiting.wait(), 10)
+    # The stop would wait an hour for the loop (its shutdown timeout) if it were not
+    # cancelled; the test's own timeout ends it long before.
+    await service.stop()
+    assert service.cancelled.is_set()
