@@ -80,6 +80,8 @@ from phalanx.services.agent.replication import Address, ReplicaListener, Replica
 from phalanx.services.agent.snapshots import (
     SnapshotRefused,
     SnapshotStore,
+    claim,
+    collect_abandoned,
     default_limit,
     default_root,
 )
@@ -138,6 +140,9 @@ class AgentService(Service):
         self.generations: TypedKV[Generation] | None = None
         root = Path(config.snapshot_dir) if config.snapshot_dir \
             else default_root(config.node_id, self.work_dir)
+        if not config.snapshot_dir:  # the default place: shared by every agent of the host
+            collect_abandoned(root)
+            claim(root, self.work_dir)
         self.snapshots = SnapshotStore(root, config.snapshot_limit_bytes
                                        if config.snapshot_limit_bytes is not None
                                        else default_limit(root))

@@ -27,7 +27,14 @@ from them, and the agent is what bounds and frees them.
   Everything of a job is deleted when it ends (:meth:`drop`), and the whole
   store when the agent stops cleanly. A crashed agent leaves the store to the
   agent restarted with the same work directory (which prunes nothing of a job
-  until one of its ranks reserves again).
+  until one of its ranks reserves again), and so does a stop for a restart
+  (``phalanx down``: the memory tier outlives the cluster).
+* **Abandoned stores.** A store in the default place names the work directory
+  it belongs to (:data:`OWNER_FILE`). Its own agent is the only one that could
+  use it again, and only from that directory: once the directory is gone (a
+  local cluster's data directory deleted after ``phalanx down``, a test's temporary
+  one), an agent starting on the host deletes the store (:func:`collect_abandoned`),
+  so tmpfs memory, which is RAM, does not leak until the next boot.
 * **Replicas.** The agent also keeps its buddies' snapshots
   (:mod:`.replication`): a replica of another node's ring buffer ``<name>`` is
   ``<root>/<job>/buddy.<node>.<name>``, beside this node's own rings, so a
@@ -60,11 +67,44 @@ class SnapshotRefused(PhalanxError, OSError):
     """A reservation would take the node's snapshot memory past its bound."""
 
 
+#: In a store's root: the work directory of the agent it belongs to.
+OWNER_FILE = ".owner"
+
+
 def default_root(node_id: str, work_dir: Path) -> Path:
     """``/dev/shm/phalanx-<uid>/<node>-<hash of the work dir>``: one store per agent, even
     with several agents (a local cluster) on one host."""
     tag = f"{zlib.crc32(str(work_dir.resolve()).encode()):08x}"
     return Path("/dev/shm") / f"phalanx-{os.getuid()}" / f"{node_id}-{tag}"
+
+
+def claim(root: Path, work_dir: Path) -> None:
+    """Mark ``root`` as the store of the agent working in ``work_dir``."""
+    root.mkdir(parents=True, exist_ok=True)
+    (root / OWNER_FILE).write_text(str(work_dir.resolve()))
+
+
+def collect_abandoned(root: Path) -> list[tuple[Path, int]]:
+    """Delete the stores beside ``root`` (this agent's, in the default place) whose
+    agent's work directory no longer exists; each one deleted, with the bytes it held.
+    A store that names no owner (made before owners were written) is left alone."""
+    deleted = []
+    for store in root.parent.iterdir() if root.parent.is_dir() else []:
+        owner_file = store / OWNER_FILE
+        if store == root or not owner_file.is_file():
+            continue
+        try:
+            owner = Path(owner_file.read_text())
+        except OSError:
+            continue  # being deleted meanwhile
+        if not owner.is_absolute() or owner.exists():
+            continue
+        held = sum(f.stat().st_size for f in store.glob("*/*") if f.is_file())  # buffers
+        shutil.rmtree(store, ignore_errors=True)
+        log.info("deleted an abandoned snapshot store", extra={
+            "store": str(store), "work_dir": str(owner), "bytes": held})
+        deleted.append((store, held))
+    return deleted
 
 
 def default_limit(root: Path) -> int:

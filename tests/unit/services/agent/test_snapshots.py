@@ -8,7 +8,13 @@ import pytest
 
 from phalanx.schemas import snapshot_file
 from phalanx.schemas.messages import SnapshotReserve
-from phalanx.services.agent.snapshots import SnapshotRefused, SnapshotStore
+from phalanx.services.agent.snapshots import (
+    OWNER_FILE,
+    SnapshotRefused,
+    SnapshotStore,
+    claim,
+    collect_abandoned,
+)
 
 
 def ask(shard: int = 0, shards: int = 2, nbytes: int = 1000, job: str = "j") -> SnapshotReserve:
@@ -71,3 +77,23 @@ def test_an_earlier_membership_is_pruned_once_the_current_one_holds_two_steps(
     assert sorted(p.name for p in store.job_dir("j").iterdir()) == ["w2-s0.0", "w2-s0.1"]
     assert store.steps_held("j") == {2: {61, 62}}
     assert store.prune("other") == 0
+
+
+def test_a_store_whose_agents_work_dir_is_gone_is_deleted_and_no_other(tmp_path) -> None:
+    stores, work = tmp_path / "phalanx-0", tmp_path / "work"
+    mine = stores / "n0-aaaa"
+    claim(mine, work / "n0")  # this agent's: never touched, whatever it names
+    (work / "live").mkdir(parents=True)
+    claim(stores / "n1-bbbb", work / "live")  # another agent's, still there
+    claim(stores / "n2-cccc", work / "gone")  # a cluster's data directory deleted since
+    (stores / "n2-cccc" / "job").mkdir()
+    (stores / "n2-cccc" / "job" / "w2-s0.0").write_bytes(b"x" * 1000)
+    (stores / "n3-dddd" / "job").mkdir(parents=True)  # no owner named: left alone
+    (stores / "n4-eeee").mkdir()
+    (stores / "n4-eeee" / OWNER_FILE).write_text("relative/path")  # not ours: left alone
+
+    assert collect_abandoned(mine) == [(stores / "n2-cccc", 1000)]
+    assert sorted(p.name for p in stores.iterdir()) == ["n0-aaaa", "n1-bbbb", "n3-dddd",
+                                                         "n4-eeee"]
+    # The owner marker is no job of the store.
+    assert SnapshotStore(mine, 10_000).jobs() == set()
