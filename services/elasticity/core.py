@@ -612,7 +612,12 @@ class ElasticityCore:
         job.complete = True
         # Never asked for: nothing to stop (one asked of a spare may run).
         unlaunched = {d.replica_id for d in job.to_launch if not d.warm_only}
-        waiting = {r: job.replicas[r].slot for r in job.ready} | {
+        # A member of the generation in flight that never trained (a joiner taken in as
+        # the training ended) cannot form it without the member that finished, nor end
+        # by itself: it would wait for a newer generation, and its job for it, for ever.
+        joined = {r: job.replicas[r].slot for r in job.members
+                  if r not in job.committed and r != event.replica_id and r in job.replicas}
+        waiting = {r: job.replicas[r].slot for r in job.ready} | joined | {
             r: slot for r, slot in job.launched.items() if r not in unlaunched}
         job.ready.clear()
         job.launched.clear()

@@ -304,6 +304,21 @@ def test_a_member_exiting_zero_completes_the_job_and_stops_waiting_joiners() -> 
     core.check_invariants()
 
 
+def test_a_joiner_taken_in_as_the_training_ends_is_stopped_with_the_waiting() -> None:
+    core = ElasticityCore()
+    start(core, n=2, lo=1, hi=2)
+    apply_all(core)
+    core.handle(MemberFailed("j", "r1-0"), 1.0)
+    apply_all(core)  # r0-0 trains alone; r1-1 is launched
+    [join] = generations(ready(core, "r1-1", 2.0))
+    assert [m.replica_id for m in join.members] == ["r0-0", "r1-1"]
+    # r0-0 took the last step before it saw the join, and exited 0: r1-1, a member that
+    # never trained, can form the join with nobody and finish nothing.
+    [stop] = core.handle(MemberFinished("j", "r0-0"), 2.0)
+    assert stop == RetireReplica("j", 1, "n1", "r1-1")
+    core.check_invariants()
+
+
 def test_a_shrunk_placement_keeps_slot_numbers_and_a_grown_one_gets_new_replicas() -> None:
     core = ElasticityCore()
     start(core)
