@@ -92,6 +92,11 @@ class AgentConfig:
     """The cluster's replication key (hex, :mod:`.replica_auth`; ``phalanx auth init``
     writes ``keys/replication.key``): buddies prove it to each other before any snapshot
     moves. None: replication unauthenticated (anyone reaching the port may send)."""
+    replica_tls_dir: str | None = None
+    """A directory holding the cluster's replication certificate and key and its CA
+    (``replication.pem``, ``replication-key.pem``, ``ca.pem``: the ``tls`` directory
+    ``phalanx auth init`` makes): the replication stream is then mutual TLS 1.3,
+    encrypted, every byte authenticated (:mod:`.replica_tls`). None: in the clear."""
     replica_port: int = 0
     """Port of the replication listener; 0: any free port (announced in the node record)."""
     replica_duty: float = 0.01

@@ -51,6 +51,7 @@ import contextlib
 import logging
 import mmap
 import os
+import ssl
 import struct
 import time
 from collections.abc import Awaitable, Callable
@@ -62,6 +63,7 @@ from phalanx.schemas import snapshot_file
 from phalanx.schemas.messages import SnapshotRecord, SnapshotTier
 from phalanx.schemas.snapshot_file import Header, SnapshotFileError
 from phalanx.schemas.subjects import token
+from phalanx.services.agent import replica_tls
 from phalanx.services.agent.replica_auth import MAC_BYTES, NONCE_BYTES, Handshake
 from phalanx.services.agent.snapshots import SnapshotRefused, SnapshotStore
 
@@ -173,13 +175,16 @@ class ReplicaListener:
         ended: is this job over (its replicas are refused, so nothing outlives it)?
         key: the cluster's replication key (:mod:`.replica_auth`): senders must prove it.
             None: anyone who reaches the port may send.
+        tls: the listener's TLS context (:mod:`.replica_tls`): senders speak mutual TLS
+            with the cluster's replication certificate. None: the stream is in the clear.
     """
 
     def __init__(self, store: SnapshotStore, node_id: str,
                  announce: Callable[[SnapshotRecord], Awaitable[None]],
-                 ended: Callable[[str], bool], key: bytes | None = None) -> None:
+                 ended: Callable[[str], bool], key: bytes | None = None,
+                 tls: ssl.SSLContext | None = None) -> None:
         self.store, self.node_id, self.announce, self.ended = store, node_id, announce, ended
-        self.key = key
+        self.key, self.tls = key, tls
         self.server: asyncio.Server | None = None
         self.taken = 0  # replicas committed
         self.refused = 0  # replicas refused or cut short
@@ -190,7 +195,8 @@ class ReplicaListener:
     async def start(self, host: str, port: int = 0) -> int:
         """Listen on ``host``:``port`` (0: any free port); returns the port."""
         loop = asyncio.get_running_loop()
-        self.server = await loop.create_server(lambda: _Replicas(self), host, port)
+        self.server = await loop.create_server(lambda: _Replicas(self), host, port,
+                                               ssl=self.tls)
         return self.server.sockets[0].getsockname()[1]
 
     async def stop(self) -> None:
@@ -285,6 +291,13 @@ class _Replicas(asyncio.BufferedProtocol):
         self.peer = transport.get_extra_info("peername")
         self.what = f"replica from {self.peer}"
         assert self.transport is not None
+        if self.listener.tls is not None:  # its TLS handshake is done: who is it?
+            problem = replica_tls.peer_problem(transport.get_extra_info("peercert"))
+            if problem:
+                self.listener.refused += 1
+                log.warning("replication peer %s refused: %s", self.peer, problem)
+                self._abort()
+                return
         self.transport.write(_HELLO.pack(MAGIC, VERSION, self.handshake.mine))
 
     def get_buffer(self, sizehint: int) -> memoryview:
@@ -444,13 +457,15 @@ class ReplicaSender:
         duty: the most of its time spent sending (1: send whenever something is pending).
         key: the cluster's replication key (:mod:`.replica_auth`): proven to the buddy, and
             nothing is sent to one that cannot prove it back. None: no proof either way.
+        tls: the sender's TLS context (:mod:`.replica_tls`): nothing is sent to a buddy
+            that does not present the cluster's replication certificate. None: in the clear.
     """
 
     def __init__(self, store: SnapshotStore, node_id: str,
                  buddy: Callable[[], Awaitable[Address | None]], duty: float = 1.0,
-                 key: bytes | None = None) -> None:
+                 key: bytes | None = None, tls: ssl.SSLContext | None = None) -> None:
         self.store, self.node_id, self.buddy, self.duty = store, node_id, buddy, duty
-        self.key = key
+        self.key, self.tls = key, tls
         self.sent: dict[Path, tuple[int, int, int]] = {}  # buffer -> step, generation, sum
         self.address: Address | None = None
         self.stream: tuple[asyncio.StreamReader, asyncio.StreamWriter, Handshake] | None = None
@@ -559,8 +574,13 @@ class ReplicaSender:
         """
         if self.stream is None:
             async with asyncio.timeout(IO_TIMEOUT_S):
-                reader, writer = await asyncio.open_connection(address[1], address[2])
+                reader, writer = await asyncio.open_connection(address[1], address[2],
+                                                               ssl=self.tls)
                 try:
+                    if self.tls is not None:
+                        problem = replica_tls.peer_problem(writer.get_extra_info("peercert"))
+                        if problem:
+                            raise ConnectionError(f"the buddy's listener: {problem}")
                     handshake = Handshake(self.key, listener=False)
                     handshake.theirs = read_hello(await reader.readexactly(_HELLO.size))
                     writer.write(pack_auth(handshake))

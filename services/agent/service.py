@@ -72,7 +72,7 @@ from phalanx.schemas.messages import (
     StopReplica,
 )
 from phalanx.services import metrics
-from phalanx.services.agent import core
+from phalanx.services.agent import core, replica_tls
 from phalanx.services.agent.config import AgentConfig
 from phalanx.services.agent.nvml import GpuFault, GpuWatch, describe, discover
 from phalanx.services.agent.ranks import RankSet, ReplicaOutdated
@@ -148,10 +148,13 @@ class AgentService(Service):
                                        else default_limit(root))
         self.ended: dict[str, None] = {}  # jobs seen terminal, oldest first
         key = load_key(config.replica_key_file) if config.replica_key_file else None
-        self.replicas = ReplicaListener(self.snapshots, config.node_id, self._announce,
-                                        self.ended.__contains__, key)
-        self.sender = ReplicaSender(self.snapshots, config.node_id, self._buddy,
-                                    config.replica_duty, key)
+        tls_dir = config.replica_tls_dir
+        self.replicas = ReplicaListener(
+            self.snapshots, config.node_id, self._announce, self.ended.__contains__, key,
+            replica_tls.context(tls_dir, server=True) if tls_dir else None)
+        self.sender = ReplicaSender(
+            self.snapshots, config.node_id, self._buddy, config.replica_duty, key,
+            replica_tls.context(tls_dir, server=False) if tls_dir else None)
         self._buddy_read: tuple[float, Address | None] = (float("-inf"), None)
 
     async def setup(self) -> None:

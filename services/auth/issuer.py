@@ -149,6 +149,7 @@ class AuthDir:
         os.chmod(auth.root, 0o700)
         tls.make_ca_and_server_cert(auth.tls_dir, ["127.0.0.1", "::1", "localhost",
                                                         socket.gethostname(), *hosts])
+        tls.make_replication_cert(auth.tls_dir)
         with auth._locked():
             (auth.root / IDENTITIES).write_text("[]")
             for role in roles.STATIC_ROLES:
@@ -215,7 +216,9 @@ class AuthDir:
         env = identity_env(self.seed_path(role, scope), who.name, str(self.ca_path))
         if role is Role.AGENT:  # made here for a directory older than the key
             write_key(self.replication_key_path)
+            tls.make_replication_cert(self.tls_dir)
             env["PHALANX_AGENT_REPLICA_KEY_FILE"] = str(self.replication_key_path)
+            env["PHALANX_AGENT_REPLICA_TLS_DIR"] = str(self.tls_dir)
         return env
 
     def _require(self) -> None:

@@ -72,8 +72,11 @@ def secrets(auth: AuthDir, namespace: str) -> list[dict]:
     """The Secrets of ``auth``'s deployment in ``namespace``."""
     seeds = {f"{who.name}.nk": auth.seed_path(who.role, who.scope).read_bytes()
              for who in auth.identities()}
+    tls.make_replication_cert(auth.tls_dir)  # for a directory made before it existed
     identities = {**seeds, "ca.pem": auth.ca_path.read_bytes(),
-                  "replication.key": auth.replication_key_path.read_bytes()}
+                  "replication.key": auth.replication_key_path.read_bytes(),
+                  tls.REPLICATION_CERT: (auth.tls_dir / tls.REPLICATION_CERT).read_bytes(),
+                  tls.REPLICATION_KEY: (auth.tls_dir / tls.REPLICATION_KEY).read_bytes()}
     server = {"tls.crt": (auth.tls_dir / tls.SERVER_CERT).read_bytes(),
               "tls.key": (auth.tls_dir / tls.SERVER_KEY).read_bytes(),
               "ca.crt": auth.ca_path.read_bytes()}

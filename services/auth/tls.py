@@ -26,6 +26,10 @@ from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 VALID_DAYS = 825  # the longest validity clients still accept for a server certificate
 #: The files :func:`make_ca_and_server_cert` writes in its directory.
 CA_CERT, CA_KEY, SERVER_CERT, SERVER_KEY = "ca.pem", "ca-key.pem", "server.pem", "server-key.pem"
+#: The files :func:`make_replication_cert` writes beside them.
+REPLICATION_CERT, REPLICATION_KEY = "replication.pem", "replication-key.pem"
+#: The replication certificate's common name (``services/agent/replica_tls.py`` checks it).
+REPLICATION_NAME = "phalanx replication"
 
 
 def _name(common_name: str) -> x509.Name:
@@ -83,6 +87,32 @@ def make_ca_and_server_cert(directory: Path, hosts: Iterable[str]) -> None:
     _write_key(directory / SERVER_KEY, server_key)
     (directory / CA_CERT).write_bytes(ca.public_bytes(serialization.Encoding.PEM))
     (directory / SERVER_CERT).write_bytes(server.public_bytes(serialization.Encoding.PEM))
+
+
+def make_replication_cert(directory: Path) -> None:
+    """Write :data:`REPLICATION_CERT` and :data:`REPLICATION_KEY` in ``directory``, signed
+    by the CA there: the certificate every agent presents on its replication stream
+    (mutual TLS, client and server). Kept if it exists already."""
+    if (directory / REPLICATION_CERT).exists() and (directory / REPLICATION_KEY).exists():
+        return
+    ca = x509.load_pem_x509_certificate((directory / CA_CERT).read_bytes())
+    ca_key = serialization.load_pem_private_key((directory / CA_KEY).read_bytes(), None)
+    assert isinstance(ca_key, ec.EllipticCurvePrivateKey)
+    now = datetime.datetime.now(datetime.UTC)
+    key = ec.generate_private_key(ec.SECP256R1())
+    cert = (x509.CertificateBuilder().subject_name(_name(REPLICATION_NAME))
+            .issuer_name(ca.subject).public_key(key.public_key())
+            .serial_number(x509.random_serial_number())
+            .not_valid_before(now - datetime.timedelta(minutes=5))
+            .not_valid_after(min(ca.not_valid_after_utc, now + datetime.timedelta(
+                days=VALID_DAYS)))
+            .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH,
+                                                  ExtendedKeyUsageOID.CLIENT_AUTH]),
+                           critical=False)
+            .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
+            .sign(ca_key, hashes.SHA256()))
+    _write_key(directory / REPLICATION_KEY, key)
+    (directory / REPLICATION_CERT).write_bytes(cert.public_bytes(serialization.Encoding.PEM))
 
 
 def server_hosts(directory: Path) -> set[str]:

@@ -26,9 +26,11 @@ def cmd_auth(args: argparse.Namespace) -> int:
         for who in auth.identities():
             print(f"  {who.name:<24} {who.public_key}  {auth.seed_path(who.role, who.scope)}")
         print(f"  replication key{'':<9} {auth.replication_key_path}")
+        print(f"  replication TLS{'':<9} {auth.tls_dir}")
         print("start nats-server with `-c` that config; point each process at its identity "
               "with PHALANX_NATS_NKEY, PHALANX_NATS_INBOX_PREFIX and PHALANX_NATS_CA, and "
-              "each agent at the replication key with PHALANX_AGENT_REPLICA_KEY_FILE "
+              "each agent at the replication key with PHALANX_AGENT_REPLICA_KEY_FILE and "
+              "at the replication certificate with PHALANX_AGENT_REPLICA_TLS_DIR "
               "(docs/security.md)")
         return 0
     if args.action == "kubernetes":

@@ -201,7 +201,9 @@ def test_rendered_objects_follow_the_deployment_rules(overlay: str) -> None:
             ranks = identity(Role.RANK, ANY)
             assert values["PHALANX_AGENT_RANK_NKEY"] == f"{mount}/{ranks}.nk"
             assert values["PHALANX_AGENT_REPLICA_KEY_FILE"] == f"{mount}/replication.key"
-            assert items == {f"{own}.nk", f"{ranks}.nk", "ca.pem", "replication.key"}
+            assert values["PHALANX_AGENT_REPLICA_TLS_DIR"] == mount  # with ca.pem there
+            assert items == {f"{own}.nk", f"{ranks}.nk", "ca.pem", "replication.key",
+                             "replication.pem", "replication-key.pem"}
         else:
             assert items == {f"{own}.nk", "ca.pem"}, name
     for cm in by_kind(docs, "ConfigMap").values():

@@ -5,13 +5,15 @@ counted against the receiver's bound; an overwritten ring slot is sent again; ba
 job) is refused with a reply saying why and the listener goes on; a sender that dies
 mid-replica leaves nothing a reader trusts; replicas of an earlier membership are pruned
 and an ended job's go; with the cluster's replication key, only agents that prove it
-send or receive anything."""
+send or receive anything; with its replication certificate, the stream is TLS 1.3 and
+only agents holding that certificate take part."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
 import os
+import ssl
 import time
 from pathlib import Path
 
@@ -20,11 +22,13 @@ import uvloop
 
 from phalanx.runtime.snapshot import held_in
 from phalanx.schemas import snapshot_file
+from phalanx.schemas.errors import ConfigError
 from phalanx.schemas.messages import SnapshotRecord, SnapshotReserve, SnapshotTier
-from phalanx.services.agent import replication
+from phalanx.services.agent import replica_tls, replication
 from phalanx.services.agent.replica_auth import NO_MAC, Handshake
 from phalanx.services.agent.replication import ReplicaListener, ReplicaSender
 from phalanx.services.agent.snapshots import SnapshotStore
+from phalanx.services.auth import tls
 
 JOB = "j"
 
@@ -47,15 +51,16 @@ class Pair:
     """Node a's store replicating to node b's listener on 127.0.0.1."""
 
     def __init__(self, tmp_path: Path, limit: int = 100_000, *, a_key: bytes | None = None,
-                 b_key: bytes | None = None) -> None:
+                 b_key: bytes | None = None, a_tls: ssl.SSLContext | None = None,
+                 b_tls: ssl.SSLContext | None = None) -> None:
         self.a = SnapshotStore(tmp_path / "a", 100_000)
         self.b = SnapshotStore(tmp_path / "b", limit)
         self.announced: list[SnapshotRecord] = []
         self.ended: set[str] = set()
         self.listener = ReplicaListener(self.b, "b", self._announce, self.ended.__contains__,
-                                        b_key)
+                                        b_key, b_tls)
         self.port = 0
-        self.sender = ReplicaSender(self.a, "a", self._buddy, key=a_key)
+        self.sender = ReplicaSender(self.a, "a", self._buddy, key=a_key, tls=a_tls)
 
     async def _announce(self, record: SnapshotRecord) -> None:
         self.announced.append(record)
@@ -308,3 +313,90 @@ def test_the_listener_and_sender_work_on_uvloop(tmp_path) -> None:
     for i, (damage, reason) in enumerate(BAD_INPUTS):
         uvloop.run(test_bad_input_is_refused_saying_why_and_the_listener_goes_on(
             tmp_path / f"bad-{i}", damage, reason))
+
+
+def cluster_tls(directory: Path) -> Path:
+    """A cluster's CA, bus server certificate and replication certificate, as
+    ``phalanx auth init`` makes them."""
+    tls.make_ca_and_server_cert(directory, ["127.0.0.1"])
+    tls.make_replication_cert(directory)
+    return directory
+
+
+async def test_with_the_replication_certificate_the_stream_is_tls_and_intact(
+        tmp_path) -> None:
+    folder = cluster_tls(tmp_path / "tls")
+    async with Pair(tmp_path, a_key=KEY, b_key=KEY,
+                    a_tls=replica_tls.context(folder, server=False),
+                    b_tls=replica_tls.context(folder, server=True)) as pair:
+        ring = pair.ring()
+        commit(ring[0], 5, 0, 2)
+        commit(ring[1], 6, 0, 2)
+        assert await pair.sender.send_pending() == 2
+        assert pair.listener.taken == 2 and pair.listener.refused == 0
+        assert pair.sender.stream is not None
+        tls_object = pair.sender.stream[1].get_extra_info("ssl_object")
+        assert tls_object is not None and tls_object.version() == "TLSv1.3"
+        for source in ring:  # decrypted, the same snapshot, checksum-verified
+            replica = pair.b.replica_path(JOB, "a", source.name).read_bytes()
+            header = snapshot_file.read_header(replica)
+            assert header == snapshot_file.read_header(source.read_bytes())
+            snapshot_file.verify(memoryview(bytearray(replica)), header)
+
+
+def test_over_tls_the_listener_and_sender_work_on_uvloop(tmp_path) -> None:
+    uvloop.run(test_with_the_replication_certificate_the_stream_is_tls_and_intact(tmp_path))
+
+
+def swapped_in_server_cert(folder: Path, into: Path) -> Path:
+    """A directory whose "replication" certificate is the bus server's: signed by the
+    cluster's CA, but not the replication role's."""
+    into.mkdir()
+    for name, source in ((tls.CA_CERT, tls.CA_CERT), (tls.REPLICATION_CERT, tls.SERVER_CERT),
+                         (tls.REPLICATION_KEY, tls.SERVER_KEY)):
+        (into / name).write_bytes((folder / source).read_bytes())
+    return into
+
+
+@pytest.mark.parametrize("sender", ["clear", "another CA", "the bus server's certificate"])
+async def test_a_tls_listener_takes_nothing_from_a_sender_without_the_certificate(
+        tmp_path, caplog, monkeypatch, sender: str) -> None:
+    # A sender in the clear waits for a hello that a TLS listener never sends (it waits
+    # for a TLS hello): the sender's I/O timeout ends it.
+    monkeypatch.setattr(replication, "IO_TIMEOUT_S", 1.0)
+    folder = cluster_tls(tmp_path / "tls")
+    a_tls = {"clear": None,
+             "another CA": replica_tls.context(cluster_tls(tmp_path / "other"), server=False),
+             "the bus server's certificate": replica_tls.context(
+                 swapped_in_server_cert(folder, tmp_path / "server"), server=False)}[sender]
+    async with Pair(tmp_path, a_tls=a_tls,
+                    b_tls=replica_tls.context(folder, server=True)) as pair:
+        commit(pair.ring()[0], 5, 0, 2)
+        with caplog.at_level(logging.WARNING, "phalanx.agent.replication"):
+            assert await pair.sender.send_pending() == 0
+        assert pair.sender.failing and pair.listener.taken == 0
+        assert not pair.b.job_dir(JOB).exists()  # nothing received, nothing reserved
+
+
+@pytest.mark.parametrize("listener", ["clear", "another CA", "the bus server's certificate"])
+async def test_a_tls_sender_sends_nothing_to_a_listener_without_the_certificate(
+        tmp_path, caplog, listener: str) -> None:
+    folder = cluster_tls(tmp_path / "tls")
+    b_tls = {"clear": None,
+             "another CA": replica_tls.context(cluster_tls(tmp_path / "other"), server=True),
+             "the bus server's certificate": replica_tls.context(
+                 swapped_in_server_cert(folder, tmp_path / "server"), server=True)}[listener]
+    async with Pair(tmp_path, a_tls=replica_tls.context(folder, server=False),
+                    b_tls=b_tls) as pair:
+        commit(pair.ring()[0], 5, 0, 2)
+        with caplog.at_level(logging.WARNING, "phalanx.agent.replication"):
+            assert await pair.sender.send_pending() == 0
+        assert pair.sender.failing and pair.listener.taken == 0
+        assert not pair.b.job_dir(JOB).exists()
+        if listener == "the bus server's certificate":
+            assert "not the cluster's replication certificate" in caplog.text
+
+
+def test_a_tls_directory_without_the_certificate_is_refused_naming_it(tmp_path) -> None:
+    with pytest.raises(ConfigError, match=r"replication TLS in .*phalanx auth init"):
+        replica_tls.context(tmp_path, server=True)

@@ -57,6 +57,8 @@ def test_the_secrets_hold_each_seed_of_the_key_the_values_admit(tmp_path: Path) 
         assert nkeys.from_seed(seed).public_key.decode() == who.public_key, who.name
     assert data["ca.pem"] == auth.ca_path.read_bytes()
     assert data["replication.key"] == auth.replication_key_path.read_bytes()
+    for name in ("replication.pem", "replication-key.pem"):  # the stream's TLS
+        assert data[name] == (auth.tls_dir / name).read_bytes()
     assert (tls["type"], tls["metadata"]["name"]) == ("kubernetes.io/tls",
                                                       kubernetes.TLS_SECRET)
     assert {"tls.crt", "tls.key", "ca.crt"} == set(tls["data"])

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from phalanx.schemas.errors import ConfigError
+from phalanx.services.agent import replica_tls
 from phalanx.services.auth.credentials import rank_environment
 from phalanx.services.auth.issuer import AuthDir
 from phalanx.services.auth.replication_key import KEY_BYTES, load_key, write_key
@@ -51,5 +52,9 @@ def test_an_auth_directory_points_its_agents_and_never_its_ranks_at_the_key(
     assert load_key(agent["PHALANX_AGENT_REPLICA_KEY_FILE"]) == load_key(
         auth.replication_key_path)
     assert "PHALANX_AGENT_REPLICA_KEY_FILE" not in auth.env(Role.ADMISSION)
+    # And at the replication certificate, whose key no rank is pointed at either.
+    assert replica_tls.context(agent["PHALANX_AGENT_REPLICA_TLS_DIR"], server=True)
+    assert "PHALANX_AGENT_REPLICA_TLS_DIR" not in auth.env(Role.ADMISSION)
     rank = rank_environment(agent, {})
     assert str(auth.replication_key_path) not in rank.values()
+    assert str(auth.tls_dir) not in rank.values()
