@@ -88,6 +88,16 @@ class Ranks:
             assert g.generation < number, f"skipped to generation {g.generation}"
 
 
+async def admit(bus: Bus, replicas: ReplicaRange, nodes: list[str]) -> None:
+    """Store JOB's record as admission does once it is admitted on ``nodes``."""
+    jobs = await TypedKV.open(bus.js, subjects.JOBS_BUCKET, JobRecord)
+    await jobs.put(JOB, JobRecord(
+        job_id=JOB, spec=JobSpec(name="fo", team="t", priority_class="normal",
+                                 replicas=replicas, command=["true"]),
+        state=JobState.ADMITTED, submitted_at=1.0, updated_at=1.0,
+        reason_code=ReasonCode.ADMITTED, nodes=nodes))
+
+
 async def leader(bus: Bus, not_: str | None = None) -> str:
     """The current holder of the lease (other than ``not_``), as soon as there is one."""
     leases = await TypedKV.open(bus.js, subjects.LEASES_BUCKET, Lease)
@@ -117,12 +127,7 @@ async def test_a_standby_takes_over_and_acts_on_what_happened_while_no_leader_ra
     instances = {name: start(own_nats, name, tmp_path) for name in ("e1", "e2")}
     try:
         first = await asyncio.wait_for(leader(bus), 30)
-        jobs = await TypedKV.open(bus.js, subjects.JOBS_BUCKET, JobRecord)
-        await jobs.put(JOB, JobRecord(
-            job_id=JOB, spec=JobSpec(name="fo", team="t", priority_class="normal",
-                                     replicas=ReplicaRange(min=2, max=4), command=["true"]),
-            state=JobState.ADMITTED, submitted_at=1.0, updated_at=1.0,
-            reason_code=ReasonCode.ADMITTED, nodes=list(NODES.values())))
+        await admit(bus, ReplicaRange(min=2, max=4), list(NODES.values()))
         for slot in NODES:
             await ranks.ready(f"r{slot}-0", slot)
         g0 = await ranks.next_generation(0)
@@ -184,12 +189,7 @@ async def test_a_generation_given_up_while_no_leader_ran_is_decided_again_by_the
     instances = {name: start(own_nats, name, tmp_path) for name in ("e1", "e2")}
     try:
         first = await asyncio.wait_for(leader(bus), 30)
-        jobs = await TypedKV.open(bus.js, subjects.JOBS_BUCKET, JobRecord)
-        await jobs.put(JOB, JobRecord(
-            job_id=JOB, spec=JobSpec(name="fo", team="t", priority_class="normal",
-                                     replicas=ReplicaRange(min=2, max=2), command=["true"]),
-            state=JobState.ADMITTED, submitted_at=1.0, updated_at=1.0,
-            reason_code=ReasonCode.ADMITTED, nodes=["n0", "n0"]))
+        await admit(bus, ReplicaRange(min=2, max=2), ["n0", "n0"])
         for slot, replica in enumerate(members):
             await ranks.ready(replica, slot)
         g0 = await ranks.next_generation(0)

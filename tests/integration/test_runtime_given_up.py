@@ -13,13 +13,10 @@ from __future__ import annotations
 
 import asyncio
 import socket
-import subprocess
-import sys
 import time
 from pathlib import Path
 
-import pytest
-from test_runtime_training import WORKER, Job  # the same worker and job harness
+from test_runtime_training import Job  # the same worker and job harness
 
 from phalanx.bus.client import Bus, Delivery
 from phalanx.bus.stream import EventReader, ensure_job_events, last_seq
@@ -31,14 +28,6 @@ from phalanx.services.natsd import NatsServer
 
 STEPS = 30
 MEMBERS = ["r0-0", "r1-0"]
-
-
-@pytest.fixture(scope="module")
-def data(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    path = tmp_path_factory.mktemp("given_up") / "data"
-    subprocess.run([sys.executable, str(WORKER), "--prepare", str(path)], check=True,
-                   timeout=120)
-    return path
 
 
 def unused_address() -> str:

@@ -44,14 +44,6 @@ def clean_env() -> dict[str, str]:
     return {k: v for k, v in os.environ.items() if not k.startswith("PHALANX_")}
 
 
-@pytest.fixture(scope="module")
-def data(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    path = tmp_path_factory.mktemp("runtime") / "data"
-    subprocess.run([sys.executable, str(WORKER), "--prepare", str(path)], check=True,
-                   timeout=120)
-    return path
-
-
 def alone(data: Path, out: Path, *args: str) -> dict[str, Any]:
     """The reference: the same script alone (world size 1)."""
     subprocess.run([sys.executable, str(WORKER), "--data", str(data), "--out", str(out),
