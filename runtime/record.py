@@ -3,7 +3,8 @@
 Every replica of a job run with ``PHALANX_RECORD_DIR`` appends its own record
 (see :mod:`.elastic`): a ``batch`` line with the sample indices of each step
 it took part in (written before its gradients left the process), a
-``commit`` line per committed step, ``generation`` lines with the time of
+``commit`` line per committed step (then, when the step was snapshotted, a
+``snapshot`` line that :func:`read` folds into it), ``generation`` lines with the time of
 each phase of a membership change, and an ``adopt`` line when it received
 its state from a peer.
 
@@ -56,15 +57,22 @@ class Recorder:
 
 
 def read(record_dir: str | Path) -> dict[str, list[dict[str, Any]]]:
-    """Every replica's record lines (a line cut short by a kill is skipped)."""
+    """Every replica's record lines (a line cut short by a kill is skipped), a step's
+    ``snapshot`` line folded into its ``commit`` line (its fields added there)."""
     records: dict[str, list[dict[str, Any]]] = {}
     for path in sorted(Path(record_dir).glob("*.jsonl")):
-        lines = []
-        for line in path.read_text().splitlines():
+        lines: list[dict[str, Any]] = []
+        for text in path.read_text().splitlines():
             try:
-                lines.append(json.loads(line))
+                line = json.loads(text)
             except ValueError:
                 continue
+            if line.get("kind") == "snapshot":
+                commit = next((c for c in reversed(lines) if c["kind"] == "commit"), None)
+                if commit is not None and commit["step"] == line["step"]:
+                    commit.update({k: v for k, v in line.items() if k not in ("t", "kind")})
+                continue
+            lines.append(line)
         records[path.stem] = lines
     return records
 

@@ -252,15 +252,23 @@ class StepRunner:
         self._boundary = None
 
     def finish_commit(self) -> None:
-        """At the boundary after a committed step: snapshot the whole training state (the
-        model, the optimizer and every registered object as the script left them), record,
-        report. The snapshot comes first: a step reported committed is in memory."""
+        """At the boundary after a committed step: record it, snapshot the whole training
+        state (the model, the optimizer and every registered object as the script left
+        them), report. The snapshot comes before the report: a step reported committed is
+        in memory. The record comes first: a rank stopped between the two had committed
+        the step all the same, and a record without it showed a step that a restore from
+        that snapshot resumed after as never trained (a cluster stopped under the job)."""
         if self._boundary is None:
             return
         session, membership = self.session, self.membership
         step, now, step_before, previous = self._boundary
         self._boundary = None
-        extra: dict[str, Any] = {} if step.updated else {"skipped": True}
+        if session._record is not None:
+            session._record.write(kind="commit", step=step.index,
+                                  generation=self._generation_number(), rank=membership.rank,
+                                  **step.timings(now),
+                                  **({} if step.updated else {"skipped": True}))
+        extra: dict[str, Any] = {}
         snapshots = session._snapshots
         if snapshots is not None:
             snapshot_s = None
@@ -275,10 +283,8 @@ class StepRunner:
             extra["snapshot_every"] = snapshots.schedule.interval
             snapshots.schedule.measured(
                 session.last_step_s, None if snapshots.last_was_first else snapshot_s)
-        if session._record is not None:
-            session._record.write(kind="commit", step=step.index,
-                                  generation=self._generation_number(), rank=membership.rank,
-                                  **step.timings(now), **extra)
+        if session._record is not None and extra:
+            session._record.write(kind="snapshot", step=step.index, **extra)
         if session._progress is not None:
             session._progress.report(session.committed, session.last_step_s,
                                      final=session.committed == session._total_steps)

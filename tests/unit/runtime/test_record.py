@@ -74,6 +74,18 @@ def test_records_are_read_per_replica_and_a_torn_last_line_is_skipped(tmp_path: 
     assert record.read(tmp_path) == {"r0-0": [{"kind": "commit"}]}
 
 
+def test_a_snapshot_line_is_folded_into_its_steps_commit(tmp_path: Path) -> None:
+    recorder = record.Recorder(tmp_path, "r0-0")
+    recorder.write(kind="commit", step=4, compute_s=0.1)
+    recorder.write(kind="snapshot", step=4, snapshot_s=0.02, snapshot_every=2)
+    recorder.write(kind="commit", step=5, compute_s=0.1)  # its snapshot never recorded
+    recorder.write(kind="snapshot", step=9, snapshot_s=0.02)  # no commit of 9: dropped
+    recorder.close()
+    lines = record.read(tmp_path)["r0-0"]
+    assert [(line["kind"], line["step"], line.get("snapshot_s"), line.get("snapshot_every"))
+            for line in lines] == [("commit", 4, 0.02, 2), ("commit", 5, None, None)]
+
+
 def test_downtime_is_the_longest_gap_around_the_event_against_the_median_step() -> None:
     steps = [record.StepRecord(i, 0, 4, t, 0.0)
              for i, t in enumerate([0.0, 1.0, 2.0, 3.0, 6.5, 7.5])]
