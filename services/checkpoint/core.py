@@ -125,13 +125,15 @@ def add_snapshot(catalog: CheckpointCatalog | None, record: SnapshotRecord,
 def _retained(steps: list[CatalogStep], keep: int,
               kind: Callable[[ShardCopy], bool]) -> set[int]:
     """Which of ``steps`` (ascending) keep their copies of ``kind``: the newest ``keep``
-    complete in that kind, and any newer (being written)."""
+    complete in that kind, and any newer (being written). Counted by entry, not by step
+    number: one step can be complete at two shard counts (written again after a restore
+    at another world size), and each counts toward ``keep``."""
     done = [i for i, s in enumerate(steps) if complete(s, kind)]
     if not done:
         return set(range(len(steps)))
-    oldest, newest = steps[done[max(0, len(done) - keep)]].step, steps[done[-1]].step
-    return {i for i, s in enumerate(steps)
-            if s.step >= oldest and (i in done or s.step > newest)}
+    newest = steps[done[-1]].step
+    return set(done[max(0, len(done) - keep):]) | {
+        i for i, s in enumerate(steps) if s.step > newest}
 
 
 def retain(steps: list[CatalogStep], keep: int, durable_keep: int) -> list[CatalogStep]:

@@ -6,7 +6,7 @@ stored catalogs answers as one that never stopped."""
 
 from __future__ import annotations
 
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from phalanx.schemas.messages import SnapshotRecord, SnapshotTier
@@ -62,9 +62,18 @@ def replay(events: list[SnapshotRecord], keep: int, durable_keep: int):
     return the_core.catalogs.get(JOB)
 
 
+DURABLE, LOCAL = SnapshotTier.DURABLE, SnapshotTier.LOCAL
+
+
 @settings(max_examples=200, deadline=None)
 @given(st.lists(records, max_size=40), st.integers(1, 3), st.integers(1, 3),
        st.integers(0, 40))
+# One step complete at two shard counts (written again after a restore at another world
+# size): both counted toward keep, in either kind (found by this test).
+@example([snapshot(1, 2, 0, 0, LOCAL, False, 0), snapshot(1, 2, 1, 0, LOCAL, False, 0),
+          snapshot(1, 1, 0, 0, LOCAL, False, 0)], 1, 1, 0)
+@example([snapshot(0, 2, 0, 0, DURABLE, False, 0), snapshot(0, 2, 1, 0, DURABLE, False, 0),
+          snapshot(0, 1, 0, 0, DURABLE, False, 0)], 1, 1, 0)
 def test_the_catalog_answers_from_healthy_complete_steps_and_restores(
         events, keep, durable_keep, cut) -> None:
     live = core.CheckpointCore()
