@@ -632,15 +632,15 @@ class RankSet:
     async def _cordoned(self) -> set[int]:
         return set(await self.cordoned()) if self.cordoned is not None else set()
 
-    def held_slots(self) -> set[int]:
-        """The node's slots that ranks hold now (running or stopping), by index."""
-        return {s for r in self.ranks.values() for s in r.node_slots}
+    def held_slots(self, but: Rank | None = None) -> set[int]:
+        """The node's slots that ranks hold now (running or stopping), by index, except
+        ``but``'s."""
+        return {s for r in self.ranks.values() if r is not but for s in r.node_slots}
 
     async def unusable_slots(self, but: Rank | None = None) -> set[int]:
         """The node's slots no new process may use now: held (except ``but``'s, about to
         be stopped for its replacement) or cordoned."""
-        return {s for r in self.ranks.values() if r is not but for s in r.node_slots} \
-            | await self._cordoned()
+        return self.held_slots(but) | await self._cordoned()
 
     def gpu_fault(self, slots: Collection[int], fault: str, seen_at: float) -> list[Rank]:
         """The GPU of ``slots`` failed (``fault`` says how, seen at ``seen_at``): SIGKILL

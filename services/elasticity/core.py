@@ -684,10 +684,11 @@ class ElasticityCore:
         if self._gathering(job, survivors, now):
             return []
         if restart:
-            why = "; ".join(
-                ([job.given_up] if job.given_up else [])
-                + (["dropped " + _listing([f"{r} ({d})" for r, d in sorted(job.failed.items())])]
-                   if job.failed else []))
+            reasons = [job.given_up] if job.given_up else []
+            if job.failed:
+                reasons.append("dropped " + _listing([f"{r} ({d})"
+                                                      for r, d in sorted(job.failed.items())]))
+            why = "; ".join(reasons)
             if job.leaving:  # a fault starts over anyway: the leavers go with it
                 why += "; left " + _listing(job.leaving)
                 for replica in job.leaving:
