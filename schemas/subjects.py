@@ -298,6 +298,12 @@ def service_api_requests() -> str:
     return "$SRV.>"
 
 
+def auth_callout() -> str:
+    """Where nats-server asks its auth callout whether a connection gets in (the server's
+    own subject, ``$SYS.REQ.USER.AUTH``: docs/security.md)."""
+    return "$SYS.REQ.USER.AUTH"
+
+
 #: Buckets keyed by job id, and by node id: a record stored there names its key.
 _JOB_BUCKETS = frozenset({JOBS_BUCKET, GENERATIONS_BUCKET, HISTORY_BUCKET, HEALTH_BUCKET,
                           ELASTICITY_BUCKET, PROGRESS_BUCKET, CHECKPOINTS_BUCKET})

@@ -12,6 +12,9 @@ revokes one (the local cluster revokes a job's when the job ends). Layout::
     DIR/keys/<name>.nk     seeds of the services, cli, viewer and agents (0600)
     DIR/keys/replication.key   the key agents prove to each other on the replication
                            port (0600, :mod:`~phalanx.services.auth.replication_key`)
+    DIR/keys/rank-token.key, DIR/keys/callout-issuer.nk   Kubernetes only (``phalanx
+                           auth kubernetes``): the key agents mint rank tokens with, and
+                           the auth callout's account seed (0600)
     DIR/ranks/<job>.nk     one seed per job, shared by its ranks (0600): the directory
                            agents read when they launch a job's ranks
     DIR/tls/               ca.pem (clients: PHALANX_NATS_CA), ca-key.pem, server*.pem
@@ -44,18 +47,14 @@ from pathlib import Path
 
 import nkeys
 
-from phalanx.schemas.errors import PhalanxError
 from phalanx.services.auth import roles, tls
 from phalanx.services.auth.credentials import identity_env, rank_seed_file
+from phalanx.services.auth.errors import AuthError
 from phalanx.services.auth.replication_key import write_key
 from phalanx.services.auth.roles import Role
 
 CONFIG = "nats.conf"
 IDENTITIES = "identities.json"
-
-
-class AuthError(PhalanxError, RuntimeError):
-    """The auth directory is missing, already made, or lacks an identity."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -117,6 +116,17 @@ class AuthDir:
     @property
     def replication_key_path(self) -> Path:
         return self.root / "keys" / "replication.key"
+
+    @property
+    def rank_token_key_path(self) -> Path:
+        """The key agents mint rank tokens with and the auth callout verifies them with
+        (Kubernetes: ``phalanx auth kubernetes`` makes it, :mod:`.rank_token`)."""
+        return self.root / "keys" / "rank-token.key"
+
+    @property
+    def callout_issuer_path(self) -> Path:
+        """The seed of the account key the auth callout signs with (Kubernetes)."""
+        return self.root / "keys" / "callout-issuer.nk"
 
     @property
     def ranks_dir(self) -> Path:

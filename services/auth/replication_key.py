@@ -21,8 +21,10 @@ from phalanx.schemas.errors import ConfigError
 KEY_BYTES = 32
 
 
-def load_key(path: str | os.PathLike[str]) -> bytes:
-    """The replication key in the file at ``path``: hex digits (whitespace ignored).
+def load_key(path: str | os.PathLike[str], what: str = "replication key") -> bytes:
+    """The key in the file at ``path``: hex digits (whitespace ignored). The same form
+    holds the rank token key (:mod:`~phalanx.services.auth.rank_token`): ``what`` names
+    the key in errors.
 
     Raises:
         ConfigError: the file cannot be read, or is not hex of at least 32 bytes.
@@ -30,14 +32,14 @@ def load_key(path: str | os.PathLike[str]) -> bytes:
     try:
         text = Path(path).read_text().strip()
     except (OSError, UnicodeDecodeError) as exc:
-        raise ConfigError(f"replication key {path}: cannot be read: {exc}") from None
+        raise ConfigError(f"{what} {path}: cannot be read: {exc}") from None
     try:
         key = bytes.fromhex(text)
     except ValueError:
-        raise ConfigError(f"replication key {path}: not hex digits (make one with "
-                          "`phalanx auth init`)") from None
+        raise ConfigError(f"{what} {path}: not hex digits (make one with "
+                          "`phalanx auth init` or `phalanx auth kubernetes`)") from None
     if len(key) < KEY_BYTES:
-        raise ConfigError(f"replication key {path}: {len(key)} bytes, at least "
+        raise ConfigError(f"{what} {path}: {len(key)} bytes, at least "
                           f"{KEY_BYTES} needed")
     return key
 

@@ -69,6 +69,9 @@ class Role(enum.StrEnum):
     """The operator: submits, cancels, cordons, injects faults."""
     VIEWER = "viewer"
     """Reads everything, changes nothing."""
+    CALLOUT = "callout"
+    """The auth callout of a Kubernetes deployment: admits each job's ranks as their job
+    (:mod:`~phalanx.services.auth.callout`). Not made by ``phalanx auth init``."""
 
     @property
     def scoped(self) -> bool:
@@ -80,13 +83,14 @@ class Role(enum.StrEnum):
 #: (``ranks``).
 ANY = "*"
 
-#: The roles ``phalanx auth init`` makes one identity for.
-STATIC_ROLES = tuple(role for role in Role if not role.scoped)
+#: The roles ``phalanx auth init`` makes one identity for (the callout is made only for
+#: Kubernetes, by ``phalanx auth kubernetes``).
+STATIC_ROLES = tuple(role for role in Role if not role.scoped and role is not Role.CALLOUT)
 
 #: The service API name each role's processes register under (``$SRV``).
 SERVICE_NAMES = {Role.ADMISSION: "phalanx-admission", Role.HEALTH: "phalanx-health",
                  Role.ELASTICITY: "phalanx-elasticity", Role.CHECKPOINT: "phalanx-checkpoint",
-                 Role.AGENT: "phalanx-agent"}
+                 Role.AGENT: "phalanx-agent", Role.CALLOUT: "phalanx-callout"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -251,6 +255,10 @@ def permissions(role: Role, scope: str | None = None) -> Permissions:
             g.read_bucket(s.GENERATIONS_BUCKET).read_bucket(s.HISTORY_BUCKET)
             g.read_bucket(s.PROGRESS_BUCKET)
             g.read_bucket(s.CHECKPOINTS_BUCKET)  # phalanx ckpt ls / export
+        case Role.CALLOUT:
+            # It hears the server's authorization requests (which carry the clients'
+            # tokens: no one else may) and reads whether a token's job is live.
+            g.sub(s.auth_callout()).open_bucket(s.JOBS_BUCKET)
         case Role.VIEWER:
             g.sub(s.everything())
             g.pub(s.admission_explain(), s.any_id(s.agent_status), s.service_api_requests())

@@ -299,6 +299,10 @@ PURE_MODULES = sorted({
     "phalanx.services.health.crash",
     "phalanx.services.health.stored",
     "phalanx.services.agent.priority",
+    # the auth callout's rule, its JWTs and the rank tokens
+    "phalanx.services.auth.callout",
+    "phalanx.services.auth.nats_jwt",
+    "phalanx.services.auth.rank_token",
     # every core.py
     *(m for m in modules(ROOT) if m.endswith(".core")),
 })

@@ -153,3 +153,14 @@ def test_a_shared_identity_may_do_what_any_scopes_may_and_nothing_more(
     assert shared.subscribe >= {f"{s.inbox(identity(role, ANY))}.>"}
     assert identity(role, ANY) == f"{role.value}s"
     assert not any(matches(p, f"{s.inbox('cli')}.x") for p in shared.subscribe)
+
+
+def test_only_the_callout_hears_the_servers_authorization_requests() -> None:
+    """The requests carry the clients' tokens: no other identity may subscribe to them,
+    and the callout publishes nothing but its answers (allow_responses) and its $SRV."""
+    callout = permissions(Role.CALLOUT)
+    assert s.auth_callout() in callout.subscribe and callout.responds
+    assert not who_may_subscribe(s.auth_callout())
+    assert not [p for p in callout.publish if p.startswith((s.PREFIX, "$KV"))]
+    assert Role.CALLOUT not in STATIC_ROLES
+    assert identity(Role.CALLOUT) == "callout"
