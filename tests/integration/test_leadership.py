@@ -11,6 +11,7 @@ from phalanx.bus.client import Bus
 from phalanx.bus.kv import TypedKV
 from phalanx.schemas import subjects
 from phalanx.schemas.messages import Lease
+from phalanx.services import metrics
 from phalanx.services.deadline import wait_set
 from phalanx.services.lease import Leadership
 
@@ -32,6 +33,9 @@ async def test_the_leader_gauge_is_one_while_the_lease_is_held_and_zero_after(
         finally:
             ended.set()
 
+    # What a leader service's shell does at start: the test must not rely on one having
+    # started earlier in this process.
+    metrics.register(metrics.LEADERSHIP)
     leadership = Leadership(leases, key, "a", 3.0, lead)
     assert leader_gauge(key) == 0  # a standby shows 0, not nothing
     running = asyncio.create_task(leadership.run(lambda s: wait_set(stop, s)))
