@@ -14,7 +14,8 @@ ports are listed in ``up.json`` (``metrics``).
 The metrics are defined here, once, and updated only in the service shells from what
 their pure cores decided and what they sent (a core never imports this). They are defined
 unregistered, in groups: :data:`BUS` (every process), :data:`LEADERSHIP` (every instance
-of a leader service), :data:`ADMISSION`, :data:`HEALTH`, :data:`ELASTICITY`, :data:`AGENT`.
+of a leader service), :data:`ADMISSION`, :data:`HEALTH`, :data:`ELASTICITY`, :data:`AGENT`,
+:data:`CALLOUT`.
 A process exports the groups it registers (:func:`register`, which the service shell calls
 at start with the service's ``metric_families``), so a scrape of the health service shows
 faults and no admission queue, and an agent's shows its ranks and nothing of a leader. A
@@ -153,6 +154,13 @@ RANKS = Gauge("phalanx_agent_ranks", "Ranks running on this node", registry=None
 RANK_EXITS = Counter("phalanx_agent_rank_exits", "Ranks on this node that ended, by how",
                      ["cause"], registry=None)
 AGENT: Families = (RANKS, RANK_EXITS)
+
+# --- the auth callout (Kubernetes) ------------------------------------------------------------
+
+CALLOUT_DECISIONS = Counter("phalanx_callout_decisions", "Connections the auth callout "
+                            "answered: admitted, or the refusal's reason", ["outcome"],
+                            registry=None)
+CALLOUT: Families = (CALLOUT_DECISIONS,)
 
 _registered: set[Collector] = set()
 _register_lock = threading.Lock()

@@ -74,9 +74,17 @@ class AgentConfig:
     connect with no credentials (a bus without authentication). A rank never gets the
     agent's own credentials."""
     rank_nkey: str | None = None
-    """On a bus with permissions and no per-job identities (the Kubernetes base): the
-    seed file of the identity every job's ranks share (``ranks``, allowed only ranks'
-    subjects, docs/security.md)."""
+    """On a bus with permissions and no per-job identities: the seed file of an identity
+    every job's ranks share (``ranks``, allowed only ranks' subjects, docs/security.md)."""
+    rank_token_key_file: str | None = None
+    """On a bus with an auth callout (the Kubernetes base): the cluster's rank token key
+    (hex, ``rank-token.key``). The agent mints a token for a rank's job each time it
+    starts one (:mod:`~phalanx.services.auth.rank_token`), and the rank connects with it
+    (``PHALANX_NATS_TOKEN``) as its job's ranks alone; the key itself stays with the
+    agent."""
+    rank_token_ttl_s: float = 30 * 24 * 3600.0
+    """How long a minted rank token admits its rank (30 days): a rank running longer can
+    no longer reconnect to the bus once its connection's lifetime ends."""
 
     snapshot_dir: str | None = None
     """Where ranks' in-memory snapshots are kept: a directory on a tmpfs. Default
@@ -147,9 +155,14 @@ class AgentConfig:
         if self.gpu_poll_interval_s <= 0:
             raise ConfigError(f"agent.gpu_poll_interval_s must be > 0, "
                               f"got {self.gpu_poll_interval_s}")
-        if self.rank_nkey is not None and self.rank_keys_dir is not None:
-            raise ConfigError("agent.rank_keys_dir (an identity per job) and "
-                              "agent.rank_nkey (one for all ranks) exclude each other")
+        ways = [name for name in ("rank_keys_dir", "rank_nkey", "rank_token_key_file")
+                if getattr(self, name) is not None]
+        if len(ways) > 1:
+            raise ConfigError(f"agent.{' and agent.'.join(ways)} exclude each other: ranks "
+                              "connect one way (a seed per job, one shared seed, or a token)")
+        if not math.isfinite(self.rank_token_ttl_s) or self.rank_token_ttl_s < 60:
+            raise ConfigError(f"agent.rank_token_ttl_s must be at least 60 s, "
+                              f"got {self.rank_token_ttl_s}")
         if self.lost_after_s <= self.heartbeat_interval_s:
             raise ConfigError(f"agent.lost_after_s ({self.lost_after_s}) must exceed "
                               f"agent.heartbeat_interval_s ({self.heartbeat_interval_s})")
@@ -180,7 +193,7 @@ class AgentConfig:
                 if name in values:
                     values[name] = int(values[name])
             for name in ("heartbeat_interval_s", "lost_after_s", "shutdown_timeout_s",
-                         "replica_duty", "gpu_poll_interval_s"):
+                         "replica_duty", "gpu_poll_interval_s", "rank_token_ttl_s"):
                 if name in values:
                     values[name] = float(values[name])
             for name in ("stop_is_restart", "launch", "discover_gpus", "zygote"):

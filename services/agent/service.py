@@ -87,7 +87,12 @@ from phalanx.services.agent.snapshots import (
 )
 from phalanx.services.agent.spares import SpareSet
 from phalanx.services.agent.zygote import Launcher
-from phalanx.services.auth.credentials import rank_env, shared_rank_env
+from phalanx.services.auth import rank_token
+from phalanx.services.auth.credentials import (
+    rank_env,
+    shared_rank_env,
+    token_rank_env,
+)
 from phalanx.services.auth.replication_key import load_key
 from phalanx.services.base import Service
 from phalanx.services.manifest import start_ticks
@@ -147,6 +152,9 @@ class AgentService(Service):
                                        if config.snapshot_limit_bytes is not None
                                        else default_limit(root))
         self.ended: dict[str, None] = {}  # jobs seen terminal, oldest first
+        #: Mints the rank tokens an auth callout admits ranks by (read once, refused here).
+        self.token_key = load_key(config.rank_token_key_file, "rank token key") \
+            if config.rank_token_key_file else None
         key = load_key(config.replica_key_file) if config.replica_key_file else None
         tls_dir = config.replica_tls_dir
         self.replicas = ReplicaListener(
@@ -332,6 +340,15 @@ class AgentService(Service):
         if self.config.rank_nkey is not None:
             shared = shared_rank_env(Path(self.config.rank_nkey), ca_file)
             return lambda _job_id: shared
+        if self.token_key is not None:
+            key, ttl_s = self.token_key, self.config.rank_token_ttl_s
+
+            def minted(job_id: str) -> dict[str, str]:  # a fresh token for every start
+                token = rank_token.mint(key, job_id, now=time.time(), ttl_s=ttl_s,
+                                        nonce=os.urandom(rank_token.NONCE_BYTES))
+                return token_rank_env(token, job_id, ca_file)
+
+            return minted
         return None
 
     def bus_config_url(self) -> str:

@@ -20,11 +20,22 @@ cluster's key and unexpired, and its job must be known and not ended (the caller
 reads the job's record). Then the connection is the job's ranks, ``rank-<job>``,
 with exactly :func:`~phalanx.services.auth.roles.permissions` of the rank role for
 that job — the permissions bare metal writes into ``nats.conf`` for the same
-identity, so a subject is spelled in one place — until the token expires or
-``connection_ttl_s`` passes, whichever is first. At that expiry the server closes
-the connection and the client reconnects, asking again: a connection of a job that
-ended meanwhile ends then, at the latest. Every refusal has a :class:`Refusal` and a
-one-line message, which the response carries to the server's log.
+identity, so a subject is spelled in one place — until the token expires (or
+``connection_ttl_s`` passes, when given, whichever is first). At that expiry the
+server closes the connection: a connection of a job that ended meanwhile ends then,
+at the latest, and any reconnection (after a server restart, a network fault) is
+asked about again and refused. Every refusal has a :class:`Refusal` and a one-line
+message, which the response carries to the server's log.
+
+The bound on an open connection is the token's lifetime, not the job's end: the
+server cannot be told to drop a connection when a job ends (that needs a system
+account, which the chart's values do not configure). The job's agents stop its ranks
+when it ends, which closes their connections; only a rank that outlives its agent's
+stop keeps its connection, until its token expires. A shorter ``connection_ttl_s``
+would tighten that, but nats-py (the ranks' client) treats the server's "User
+Authentication Expired" as final and does not reconnect: a rank would lose the bus
+for good at the cap. So phalanx leaves it unset and bounds a connection by the token
+(``PHALANX_AGENT_RANK_TOKEN_TTL_S``).
 
 :func:`examine` reads the request and the token (the caller then looks the job up);
 :func:`decide` returns the response. Pure: the clock and the job's state are
@@ -153,7 +164,7 @@ def _read_request(text: str, issuer: str, now: float) -> tuple[Request, str | No
 
 
 def decide(examined: Examined, job_state: JobState | None, *, issuer_seed: bytes, now: float,
-           connection_ttl_s: float, account: str = GLOBAL_ACCOUNT) -> Decision:
+           connection_ttl_s: float | None = None, account: str = GLOBAL_ACCOUNT) -> Decision:
     """The response to an examined request, given its token's job's state (None: no
     record of the job; ignored when the token was refused already).
 
@@ -164,7 +175,7 @@ def decide(examined: Examined, job_state: JobState | None, *, issuer_seed: bytes
             user JWTs.
         now: Unix seconds.
         connection_ttl_s: the longest an admitted connection lives before the server
-            closes it and the client asks again.
+            closes it; None: until the token expires.
         account: the account connections land in.
     """
     request = examined.request
@@ -181,7 +192,8 @@ def decide(examined: Examined, job_state: JobState | None, *, issuer_seed: bytes
         refused = refusal or Refusal.BAD_TOKEN
         return Decision(_response(request, issuer_seed, now, error=f"{refused}: {message}"),
                         None, refusal=refused, message=message)
-    expires_at = min(token.expires_at, int(now + connection_ttl_s))
+    expires_at = token.expires_at if connection_ttl_s is None \
+        else min(token.expires_at, int(now + connection_ttl_s))
     user = user_claims(request.user_nkey, token.job_id, expires_at=expires_at, account=account)
     user_jwt = nats_jwt.encode(user, issuer_seed, issued_at=int(now))
     return Decision(_response(request, issuer_seed, now, user_jwt=user_jwt), token.job_id,

@@ -14,6 +14,13 @@ holds no credential variable of the agent's or of the job's spec
 configuration (``PHALANX_AGENT_*``, its rank keys directory among them):
 :func:`rank_environment`. So a rank can neither connect as its agent nor find
 another job's seed through its environment.
+
+Where the server's config cannot hold a user per job (the Kubernetes base), the agent
+instead mints a rank token for the job each time it starts a rank
+(:func:`token_rank_env`, :mod:`.rank_token`) and the rank connects with it
+(``PHALANX_NATS_TOKEN``); the server's auth callout admits it as its job's ranks. The
+token is the rank's own credential, for its job alone; the key that mints tokens stays
+with the agent (``PHALANX_AGENT_RANK_TOKEN_KEY_FILE``, which no rank inherits).
 """
 
 from __future__ import annotations
@@ -72,3 +79,12 @@ def shared_rank_env(seed_file: Path, ca_file: str | None = None) -> dict[str, st
     Kubernetes base): the identity all jobs' ranks share (``ranks``, scope
     :data:`~.roles.ANY`), never the agent's."""
     return identity_env(seed_file, identity(Role.RANK, ANY), ca_file)
+
+
+def token_rank_env(token: str, job_id: str, ca_file: str | None = None) -> dict[str, str]:
+    """What an agent gives a rank of ``job_id`` where an auth callout admits ranks: the
+    job's freshly minted rank ``token`` and the job's identity's inbox prefix (the replies
+    the callout lets the rank read), trusting the server ``ca_file`` signed."""
+    env = {"PHALANX_NATS_TOKEN": token,
+           "PHALANX_NATS_INBOX_PREFIX": subjects.inbox(identity(Role.RANK, job_id))}
+    return {**env, "PHALANX_NATS_CA": ca_file} if ca_file else env

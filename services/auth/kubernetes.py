@@ -1,31 +1,44 @@
 """An auth directory in the form a Kubernetes deployment takes it: Secrets and chart values.
 
-``phalanx auth kubernetes DIR`` makes (or reuses) the auth directory ``DIR``
-with the agents' and ranks' shared identities (:data:`~.roles.ANY`: on
-Kubernetes, nodes are DaemonSet pods and jobs arrive at any time, and the
-server's config is the chart's, which phalanx does not rewrite) and a server
-certificate for the names pods dial the NATS service by, then writes beside it:
+``phalanx auth kubernetes DIR`` makes (or reuses) the auth directory ``DIR`` with
+the agents' shared identity (``agents``, :data:`~.roles.ANY`: nodes are DaemonSet
+pods, and the server's config is the chart's, which phalanx does not rewrite), the
+auth callout's identity (``callout``), the callout's account key and the cluster's
+rank token key, and a server certificate for the names pods dial the NATS service
+by, then writes beside it:
 
 * ``secrets.yaml``: the Secret :data:`IDENTITIES_SECRET` (every identity's seed as
   ``<identity>.nk``, the CA as ``ca.pem``, the replication key as
-  ``replication.key``; each workload mounts only its own items) and the TLS Secret
-  :data:`TLS_SECRET` the NATS chart serves its client port with;
+  ``replication.key``, the callout's account seed as :data:`ISSUER_ITEM`, the rank
+  token key as :data:`TOKEN_KEY_ITEM`; each workload mounts only its own items) and
+  the TLS Secret :data:`TLS_SECRET` the NATS chart serves its client port with;
 * ``nats-auth-values.yaml``: values for the official NATS chart, given after
-  ``deploy/k8s/nats-values.yaml``: TLS on the client port from that Secret, and one
-  NKEY user per identity with exactly its role's permissions (:mod:`.roles`).
+  ``deploy/k8s/nats-values.yaml``: TLS on the client port from that Secret, one NKEY
+  user per identity with exactly its role's permissions (:mod:`.roles`), and the auth
+  callout (``authorization.auth_callout``): its issuer is the callout's account key,
+  and every identity above is one of its ``auth_users``, which the server admits by
+  its seed without asking. Every other connection is asked about: a job's ranks,
+  connecting with the rank token their agent minted for the job, are admitted as that
+  job's ranks while it is live (:mod:`.callout`, :mod:`.rank_token`).
 
-The values hold public keys only; the seeds and the server's private key are in
-``secrets.yaml``, which is as secret as the directory itself. Pure functions
-over an :class:`~.issuer.AuthDir`: the CLI writes what they return.
+Jobs have no seed and no user here: the shared ``ranks`` identity of earlier
+versions is revoked when found. The values hold public keys only; the seeds, keys and
+the server's private key are in ``secrets.yaml``, which is as secret as the
+directory itself. Pure functions over an :class:`~.issuer.AuthDir`, but
+:func:`prepare`, which makes what is missing: the CLI writes what they return.
 """
 
 from __future__ import annotations
 
 import base64
+import os
 from pathlib import Path
 
-from phalanx.services.auth import tls
+import nkeys
+
+from phalanx.services.auth import nats_jwt, tls
 from phalanx.services.auth.issuer import AuthDir, AuthError, authorization
+from phalanx.services.auth.replication_key import write_key
 from phalanx.services.auth.roles import ANY, Role
 
 #: The Secret holding every identity's seed, the CA and the replication key.
@@ -34,6 +47,10 @@ IDENTITIES_SECRET = "phalanx-identities"
 TLS_SECRET = "phalanx-nats-tls"
 #: The NATS chart's release name: its client Service, which the pods dial.
 RELEASE = "nats"
+#: The Secret items of the callout's account seed (the callout alone mounts it) and of
+#: the rank token key (the agents, which mint, and the callout, which verifies).
+ISSUER_ITEM = "callout-issuer.nk"
+TOKEN_KEY_ITEM = "rank-token.key"
 
 
 def service_hosts(namespace: str, release: str = RELEASE) -> list[str]:
@@ -43,8 +60,9 @@ def service_hosts(namespace: str, release: str = RELEASE) -> list[str]:
 
 
 def prepare(root: Path, namespace: str) -> AuthDir:
-    """The auth directory at ``root`` with the agents' and the ranks' shared identities,
-    made for ``namespace`` if it does not exist yet.
+    """The auth directory at ``root`` with the agents' shared identity, the callout's
+    identity, account key and rank token key, made for ``namespace`` if it does not
+    exist yet; the ranks' shared identity of earlier versions revoked.
 
     Raises:
         AuthError: an existing directory's server certificate does not name the NATS
@@ -59,9 +77,27 @@ def prepare(root: Path, namespace: str) -> AuthDir:
         raise AuthError(f"the server certificate of {root} does not name {', '.join(missing)}"
                         f": pods in namespace {namespace} could not verify the server (make "
                         f"the directory with `phalanx auth kubernetes` for that namespace)")
-    for role in (Role.AGENT, Role.RANK):
-        auth.add(role, ANY)
+    auth.add(Role.AGENT, ANY)
+    auth.add(Role.CALLOUT)
+    auth.remove(Role.RANK, ANY)  # each job's ranks are their job now, through the callout
+    write_key(auth.rank_token_key_path)
+    _write_account_seed(auth.callout_issuer_path)
     return auth
+
+
+def _write_account_seed(path: Path) -> None:
+    """A new account seed at ``path``, readable by its owner only; an existing one kept."""
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    except FileExistsError:
+        return
+    with os.fdopen(fd, "wb") as f:
+        f.write(nkeys.encode_seed(os.urandom(32), nkeys.PREFIX_BYTE_ACCOUNT))
+
+
+def callout_issuer(auth: AuthDir) -> str:
+    """The public account key the auth callout signs with (the server's ``issuer``)."""
+    return nats_jwt.public_key_of(auth.callout_issuer_path.read_bytes(), nats_jwt.ACCOUNT)
 
 
 def _data(files: dict[str, bytes]) -> dict[str, str]:
@@ -75,6 +111,8 @@ def secrets(auth: AuthDir, namespace: str) -> list[dict]:
     tls.make_replication_cert(auth.tls_dir)  # for a directory made before it existed
     identities = {**seeds, "ca.pem": auth.ca_path.read_bytes(),
                   "replication.key": auth.replication_key_path.read_bytes(),
+                  ISSUER_ITEM: auth.callout_issuer_path.read_bytes(),
+                  TOKEN_KEY_ITEM: auth.rank_token_key_path.read_bytes(),
                   tls.REPLICATION_CERT: (auth.tls_dir / tls.REPLICATION_CERT).read_bytes(),
                   tls.REPLICATION_KEY: (auth.tls_dir / tls.REPLICATION_KEY).read_bytes()}
     server = {"tls.crt": (auth.tls_dir / tls.SERVER_CERT).read_bytes(),
@@ -92,6 +130,16 @@ def secrets(auth: AuthDir, namespace: str) -> list[dict]:
 
 
 def nats_values(auth: AuthDir) -> dict:
-    """The NATS chart's values that admit exactly ``auth``'s identities, over TLS."""
+    """The NATS chart's values that admit exactly ``auth``'s identities, and every other
+    connection only through the auth callout, over TLS."""
     return {"config": {"nats": {"tls": {"enabled": True, "secretName": TLS_SECRET}},
-                       "merge": {"authorization": authorization(auth.identities())}}}
+                       "merge": {"authorization": server_authorization(auth)}}}
+
+
+def server_authorization(auth: AuthDir) -> dict:
+    """The server's ``authorization`` block: each identity's NKEY user with its role's
+    permissions, and the auth callout, which every identity here bypasses."""
+    who = auth.identities()
+    return {**authorization(who), "auth_callout": {
+        "issuer": callout_issuer(auth),
+        "auth_users": sorted(w.public_key for w in who)}}

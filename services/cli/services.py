@@ -1,6 +1,7 @@
 """``phalanx agent``, ``admission``, ``health``, ``elasticity`` and ``checkpoint``: run one
 node agent or one instance of a leader service in this process, until it is signalled
-(what ``phalanx up`` starts, and what a real machine or a deployment runs). Each reads its
+(what ``phalanx up`` starts, and what a real machine or a deployment runs); and
+``phalanx callout``, the auth callout only a Kubernetes deployment runs. Each reads its
 settings from the command line and ``PHALANX_<SERVICE>_*``, refusing bad ones before it
 connects.
 """
@@ -115,6 +116,23 @@ def cmd_checkpoint(args: argparse.Namespace) -> int:
     return run_service(service)
 
 
+def cmd_callout(args: argparse.Namespace) -> int:
+    from phalanx.schemas.errors import ConfigError
+    from phalanx.services.base import run_service
+    from phalanx.services.callout.config import CalloutConfig
+    from phalanx.services.callout.service import CalloutService
+    from phalanx.services.logs import configure_logging
+
+    try:
+        service = CalloutService(CalloutConfig.from_env(), bus_config(args),
+                                 instance=args.instance)
+    except ConfigError as exc:
+        print(f"phalanx callout: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    configure_logging("phalanx-callout", service.instance, args.log_level)
+    return run_service(service)
+
+
 def add_parsers(sub: Subparsers, parents: Parents) -> None:
     common, lost_after = parents
     agent = sub.add_parser("agent", parents=[common, lost_after], help="run a node agent")
@@ -150,3 +168,9 @@ def add_parsers(sub: Subparsers, parents: Parents) -> None:
                                 help="run the checkpoint service (the snapshot catalog)")
     checkpoint.add_argument("--instance", help="instance name (default: host-pid-random)")
     checkpoint.set_defaults(func=cmd_checkpoint)
+
+    callout = sub.add_parser("callout", parents=[common],
+                             help="run the auth callout (Kubernetes: admits each job's ranks "
+                                  "as their job, docs/security.md)")
+    callout.add_argument("--instance", help="instance name (default: host-pid-random)")
+    callout.set_defaults(func=cmd_callout)

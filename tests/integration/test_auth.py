@@ -7,6 +7,14 @@ denied one never came before it (one connection's messages keep their order).
 The allowed paths run through the real services: admission, health, elasticity
 and an agent, each as its own identity, and a rank the agent launches as its
 job's identity.
+
+The Kubernetes form runs on a second server configured as the chart's values
+configure it (``phalanx auth kubernetes``): the static identities as NKEY users,
+every other connection asked about through the auth callout, which the real
+callout service answers. A rank connects with the token its agent minted for its
+job and gets exactly its job's rank role; a forged, expired, unknown or ended job's
+token gets nothing, and a job that ends gets no new connection and loses an open
+one when its token expires.
 """
 
 from __future__ import annotations
@@ -20,6 +28,7 @@ import sys
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import nats.js.errors
 import pytest
@@ -46,6 +55,7 @@ from phalanx.schemas.messages import (
     NodeRecord,
     RankExited,
     RankProgress,
+    ReasonCode,
     ReplicaRange,
     ReplicaReady,
     ShardCopy,
@@ -55,9 +65,15 @@ from phalanx.services.admission.config import AdmissionConfig
 from phalanx.services.admission.service import AdmissionService
 from phalanx.services.agent.config import AgentConfig
 from phalanx.services.agent.service import AgentService
-from phalanx.services.auth.issuer import AuthDir
-from phalanx.services.auth.roles import Role
+from phalanx.services.auth import kubernetes, rank_token
+from phalanx.services.auth.callout import Decision, Refusal
+from phalanx.services.auth.credentials import token_rank_env
+from phalanx.services.auth.issuer import AuthDir, new_seed, server_config
+from phalanx.services.auth.replication_key import load_key
+from phalanx.services.auth.roles import ANY, Role
 from phalanx.services.base import Service
+from phalanx.services.callout.config import CalloutConfig
+from phalanx.services.callout.service import CalloutService
 from phalanx.services.client import AdmissionClient
 from phalanx.services.elasticity.core import ElasticityCore
 from phalanx.services.elasticity.service import ElasticityService
@@ -279,30 +295,42 @@ with ProgressReporter.from_env() as reporter:
 """
 
 
+@contextlib.asynccontextmanager
+async def running_services(auth: AuthDir, server: NatsServer, work_dir: Path,
+                           agent_scope: str = "node-c", **agent: Any) -> AsyncIterator[None]:
+    """Admission, health, elasticity and an agent (identity ``agent_scope``, settings
+    ``agent``), each as its own identity."""
+    started: list[Service] = []
+    try:
+        for make in (
+                lambda: AdmissionService(AdmissionConfig(lease_s=1.0),
+                                         config_for(auth, server, Role.ADMISSION),
+                                         instance="a0"),
+                lambda: HealthService(HealthPolicy(), config_for(auth, server, Role.HEALTH),
+                                      instance="h0", lease_s=1.0),
+                lambda: ElasticityService(ElasticityCore,
+                                          config_for(auth, server, Role.ELASTICITY),
+                                          instance="e0", lease_s=1.0),
+                lambda: AgentService(AgentConfig(
+                    node_id="node-c", slots=2, heartbeat_interval_s=0.2, lost_after_s=3.0,
+                    work_dir=str(work_dir), **agent),
+                    config_for(auth, server, Role.AGENT, agent_scope))):
+            service = make()
+            await service.start()  # a permission it lacks would fail its setup
+            started.append(service)
+        yield
+    finally:
+        for service in reversed(started):
+            await service.stop()
+
+
 @pytest.fixture
 async def services(auth: AuthDir, secured: NatsServer,
                    tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[None]:
     """Admission, health, elasticity and node-c's agent, each as its own identity."""
-    started: list[Service] = []
-    work_dir = tmp_path_factory.mktemp("agent")
-    for make in (
-            lambda: AdmissionService(AdmissionConfig(lease_s=1.0),
-                                     config_for(auth, secured, Role.ADMISSION), instance="a0"),
-            lambda: HealthService(HealthPolicy(), config_for(auth, secured, Role.HEALTH),
-                                  instance="h0", lease_s=1.0),
-            lambda: ElasticityService(ElasticityCore,
-                                      config_for(auth, secured, Role.ELASTICITY),
-                                      instance="e0", lease_s=1.0),
-            lambda: AgentService(AgentConfig(
-                node_id="node-c", slots=2, heartbeat_interval_s=0.2, lost_after_s=3.0,
-                work_dir=str(work_dir), rank_keys_dir=str(auth.ranks_dir)),
-                config_for(auth, secured, Role.AGENT, "node-c"))):
-        service = make()
-        await service.start()  # a permission it lacks would fail its setup
-        started.append(service)
-    yield
-    for service in reversed(started):
-        await service.stop()
+    async with running_services(auth, secured, tmp_path_factory.mktemp("agent"),
+                                rank_keys_dir=str(auth.ranks_dir)):
+        yield
 
 
 def job_spec(name: str) -> JobSpec:
@@ -458,3 +486,235 @@ async def test_a_revoked_identity_is_disconnected_and_cannot_come_back(
         await Bus.connect(BusConfig.load(env=env, servers=[secured.url], connect_timeout_s=2.0))
     # The same way in with an identity that was not revoked works.
     await (await Bus.connect(config_for(auth, secured, Role.RANK, "job-a"))).close()
+
+
+# --- the Kubernetes form: the auth callout admits each job's ranks as their job -------------
+
+@pytest.fixture(scope="module")
+def k8s_auth(tmp_path_factory: pytest.TempPathFactory) -> AuthDir:
+    """What ``phalanx auth kubernetes`` makes: static identities, the callout's keys."""
+    return kubernetes.prepare(tmp_path_factory.mktemp("k8s") / "auth", "phalanx")
+
+
+@pytest.fixture(scope="module")
+def k8s_server(k8s_auth: AuthDir,
+               tmp_path_factory: pytest.TempPathFactory) -> Iterator[NatsServer]:
+    """A server configured as the chart's values configure it: TLS on the client port and
+    the values' ``authorization`` block (NKEY users, and the auth callout)."""
+    root = tmp_path_factory.mktemp("k8s-server")
+    config = server_config(k8s_auth.identities(), k8s_auth.tls_dir)
+    config["authorization"] = kubernetes.nats_values(k8s_auth)["config"]["merge"][
+        "authorization"]
+    (root / "nats.conf").write_text(json.dumps(config))
+    with NatsServer(root / "js", port=0, log_path=root / "nats.log",
+                    config_file=root / "nats.conf") as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+async def callout_service(k8s_auth: AuthDir, k8s_server: NatsServer
+                          ) -> AsyncIterator[CalloutService]:
+    service = CalloutService(CalloutConfig(
+        issuer_seed_file=str(k8s_auth.callout_issuer_path),
+        token_key_file=str(k8s_auth.rank_token_key_path)),
+        config_for(k8s_auth, k8s_server, Role.CALLOUT), instance="c0")
+    await service.start()
+    yield service
+    await service.stop()
+
+
+@pytest.fixture
+async def k8s_connect(k8s_auth: AuthDir, k8s_server: NatsServer,
+                      callout_service: CalloutService) -> AsyncIterator[Connect]:
+    """``await k8s_connect(role)``: a Bus connected as that static identity."""
+    opened: list[Bus] = []
+
+    async def connect(role: Role, scope: str | None = None) -> Bus:
+        bus = await Bus.connect(config_for(k8s_auth, k8s_server, role, scope), name=f"k-{role}")
+        opened.append(bus)
+        return bus
+
+    yield connect
+    for bus in opened:
+        await bus.close()
+
+
+@pytest.fixture
+def decisions(callout_service: CalloutService) -> Iterator[asyncio.Queue[Decision]]:
+    """The callout's answers from now on, in order."""
+    queue: asyncio.Queue[Decision] = asyncio.Queue()
+    answer = callout_service.answer
+
+    async def recorded(request: bytes) -> Decision:
+        decision = await answer(request)
+        queue.put_nowait(decision)
+        return decision
+
+    callout_service.answer = recorded  # type: ignore[method-assign]
+    yield queue
+    del callout_service.answer
+
+
+def token_config(auth: AuthDir, server: NatsServer, job: str, *, key: bytes | None = None,
+                 now: float | None = None, ttl_s: float = 600.0) -> BusConfig:
+    """What an agent gives a rank of ``job``: a freshly minted token (with the cluster's key
+    unless another is given)."""
+    token = rank_token.mint(key or load_key(auth.rank_token_key_path), job,
+                            now=time.time() if now is None else now, ttl_s=ttl_s,
+                            nonce=os.urandom(rank_token.NONCE_BYTES))
+    return BusConfig.load(env=token_rank_env(token, job, str(auth.ca_path)),
+                          servers=[server.url], connect_timeout_s=2.0)
+
+
+async def put_job(admission: Bus, job: str, state: JobState) -> None:
+    jobs = await TypedKV.open(admission.js, subjects.JOBS_BUCKET, JobRecord)
+    await jobs.put(job, JobRecord(job_id=job, spec=job_spec("k8s"), state=state,
+                                  submitted_at=1.0, updated_at=time.time(),
+                                  reason_code=ReasonCode.QUEUED,
+                                  nodes=["node-x"] if state is JobState.ADMITTED else []))
+
+
+REFUSED = "Authorization Violation|Broken pipe|Connection reset by peer"
+
+
+async def test_a_rank_token_admits_its_job_s_rank_role_and_nothing_more(
+        k8s_auth: AuthDir, k8s_server: NatsServer, k8s_connect: Connect,
+        decisions: asyncio.Queue[Decision]) -> None:
+    admission = await k8s_connect(Role.ADMISSION)
+    for job in ("k8s-a", "k8s-b"):
+        await put_job(admission, job, JobState.ADMITTED)
+    await TypedKV.open(admission.js, subjects.GENERATIONS_BUCKET, Generation)  # as it does
+    watcher = await Watcher().start(await k8s_connect(Role.VIEWER))
+    rank_a = await Bus.connect(token_config(k8s_auth, k8s_server, "k8s-a"), name="rank-a")
+    try:
+        admitted = decisions.get_nowait()
+        assert (admitted.job_id, admitted.refusal) == ("k8s-a", None)
+        # Another job's progress and readiness, its own job's record and fault, a node's
+        # heartbeat, a submission: refused.
+        for subject in (subjects.health_rank("k8s-b", 0), subjects.replica_ready("k8s-b"),
+                        subjects.job_state("k8s-a"), subjects.job_fault("k8s-a"),
+                        subjects.node_heartbeat("node-a"), subjects.admission_submit(),
+                        subjects.kv_key(subjects.JOBS_BUCKET, "k8s-a"),
+                        subjects.auth_callout()):
+            await assert_refused(rank_a, subject, forge(rank_a, subject))
+        for subject in (subjects.job_generation("k8s-b"), subjects.auth_callout()):
+            await assert_refused(rank_a, subject, rank_a.nc.subscribe(subject),
+                                 "subscription")
+        await rank_a.publish(subjects.health_rank("k8s-a", 0), progress("k8s-a"))
+        assert await watcher.until(subjects.health_rank("k8s-a", 0)) == [
+            subjects.health_rank("k8s-a", 0)]
+        # Its job's generation it reads, as a rank does.
+        stored = await TypedKV.open(rank_a.js, subjects.GENERATIONS_BUCKET, Generation)
+        assert await stored.get("k8s-a") is None
+    finally:
+        await rank_a.close()
+
+
+async def test_a_forged_expired_or_ended_job_s_token_does_not_connect(
+        k8s_auth: AuthDir, k8s_server: NatsServer, k8s_connect: Connect,
+        decisions: asyncio.Queue[Decision]) -> None:
+    admission = await k8s_connect(Role.ADMISSION)
+    await put_job(admission, "k8s-live", JobState.ADMITTED)
+    await put_job(admission, "k8s-done", JobState.FINISHED)
+    for config, refusal in (
+            (token_config(k8s_auth, k8s_server, "k8s-live", key=os.urandom(32)),
+             Refusal.BAD_TOKEN),
+            (token_config(k8s_auth, k8s_server, "k8s-live", now=time.time() - 120, ttl_s=60),
+             Refusal.EXPIRED_TOKEN),
+            (token_config(k8s_auth, k8s_server, "k8s-done"), Refusal.ENDED_JOB),
+            (token_config(k8s_auth, k8s_server, "k8s-never"), Refusal.UNKNOWN_JOB),
+            (BusConfig.load(env={"PHALANX_NATS_CA": str(k8s_auth.ca_path)},
+                            servers=[k8s_server.url], connect_timeout_s=2.0),
+             Refusal.NO_TOKEN)):
+        with pytest.raises(BusUnavailable, match=REFUSED):
+            await Bus.connect(config)
+        asked = [decisions.get_nowait() for _ in range(decisions.qsize())]  # each try
+        assert asked and {(d.job_id, d.refusal) for d in asked} == {(None, refusal)}, asked
+
+
+async def test_static_identities_connect_without_the_callout(
+        k8s_auth: AuthDir, k8s_server: NatsServer, k8s_connect: Connect,
+        decisions: asyncio.Queue[Decision], tmp_path: Path) -> None:
+    for role, scope in ((Role.HEALTH, None), (Role.CLI, None), (Role.AGENT, ANY)):
+        bus = await k8s_connect(role, scope)
+        assert await bus.round_trip(5.0)
+    assert decisions.empty(), "the server asked about a static identity"
+    # A key the config does not list is no static identity: asked about, and refused.
+    stranger = tmp_path / "stranger.nk"
+    stranger.write_bytes(new_seed()[0])
+    env = {**k8s_auth.env(Role.HEALTH), "PHALANX_NATS_NKEY": str(stranger)}
+    with pytest.raises(BusUnavailable, match=REFUSED):
+        await Bus.connect(BusConfig.load(env=env, servers=[k8s_server.url],
+                                         connect_timeout_s=2.0))
+    assert {d.refusal for d in [decisions.get_nowait() for _ in range(decisions.qsize())]} \
+        == {Refusal.NO_TOKEN}
+
+
+async def test_a_job_that_ends_gets_no_new_connection_and_loses_its_own_at_expiry(
+        k8s_auth: AuthDir, k8s_server: NatsServer, k8s_connect: Connect,
+        decisions: asyncio.Queue[Decision]) -> None:
+    admission = await k8s_connect(Role.ADMISSION)
+    await put_job(admission, "k8s-end", JobState.ADMITTED)
+    rank = await Bus.connect(token_config(k8s_auth, k8s_server, "k8s-end", ttl_s=3.0),
+                             name="rank-end")
+    try:
+        admitted = decisions.get_nowait()
+        assert admitted.job_id == "k8s-end" and admitted.expires_at is not None
+        assert admitted.expires_at <= time.time() + 3.0
+        await put_job(admission, "k8s-end", JobState.FINISHED)
+        # From now on no rank of the job gets in, whatever its token.
+        with pytest.raises(BusUnavailable, match=REFUSED):
+            await Bus.connect(token_config(k8s_auth, k8s_server, "k8s-end"))
+        assert {d.refusal for d in [decisions.get_nowait() for _ in
+                                    range(decisions.qsize())]} == {Refusal.ENDED_JOB}
+        # The one already open ends when its token does: the server closes it (nats-py
+        # then gives it up; no callback says so, so its state is watched).
+        deadline = time.monotonic() + 10
+        while rank.connected:
+            assert time.monotonic() < deadline, "the expired connection stayed open"
+            await asyncio.sleep(0.1)
+    finally:
+        await rank.close()
+
+
+@pytest.mark.usefixtures("callout_service")
+async def test_an_agent_holding_the_token_key_starts_a_rank_as_its_job_alone(
+        k8s_auth: AuthDir, k8s_server: NatsServer, k8s_connect: Connect,
+        tmp_path: Path) -> None:
+    """The Kubernetes agents' way: the agent (as ``agents``) mints a token for the job; the
+    rank reports as its job, and its environment holds no agent credential, no agent
+    setting and not the key."""
+    seen_env = tmp_path / "rank-env.json"
+    spec = JobSpec(name="k8s", team="t", priority_class="normal",
+                   replicas=ReplicaRange(min=1, max=1),
+                   command=[sys.executable, "-c", ENV_RANK_SCRIPT, str(seen_env)])
+    async with running_services(k8s_auth, k8s_server, tmp_path / "agent", agent_scope=ANY,
+                                rank_token_key_file=str(k8s_auth.rank_token_key_path)):
+        cli = AdmissionClient(await k8s_connect(Role.CLI))
+        viewer = await k8s_connect(Role.VIEWER)
+        reports = await viewer.nc.subscribe(subjects.health_job_ranks("k8s-run"))
+        await cli.submit(spec, "k8s-run")
+        assert decode((await reports.next_msg(timeout=20)).data,
+                      RankProgress).job_id == "k8s-run"
+        await reports.unsubscribe()
+        await asyncio.wait_for(wait_state(viewer, "k8s-run", JobState.FINISHED), 20)
+    env = json.loads(seen_env.read_text())
+    key = load_key(k8s_auth.rank_token_key_path)
+    assert rank_token.verify(key, env["PHALANX_NATS_TOKEN"], now=time.time()).job_id == \
+        "k8s-run"
+    assert env["PHALANX_NATS_INBOX_PREFIX"] == "_INBOX.rank-k8s-run"
+    assert not [k for k in env if k.startswith("PHALANX_AGENT_")]
+    assert not {"PHALANX_NATS_NKEY", "PHALANX_NATS_CREDS", "PHALANX_NATS_USER"} & set(env)
+    secret = k8s_auth.rank_token_key_path.read_text().strip()
+    assert not [k for k, v in env.items() if secret in v or "agents.nk" in v], "a key"
+
+
+ENV_RANK_SCRIPT = """
+import json, os, sys
+from phalanx.runtime.progress import ProgressReporter
+with open(sys.argv[1], "w") as f:
+    json.dump(dict(os.environ), f)
+with ProgressReporter.from_env() as reporter:
+    for step in range(1, 4):
+        reporter.report(step, 0.01, final=step == 3)
+"""

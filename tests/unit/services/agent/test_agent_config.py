@@ -190,3 +190,14 @@ def test_the_ranks_shared_identity_excludes_per_job_identities() -> None:
     assert config.rank_nkey == "/keys/ranks.nk"
     with pytest.raises(ConfigError, match="exclude each other"):
         AgentConfig(node_id="n1", rank_nkey="/keys/ranks.nk", rank_keys_dir="/auth/ranks")
+
+
+def test_a_rank_token_key_is_a_third_way_for_ranks_and_excludes_the_others() -> None:
+    config = AgentConfig.from_env({"PHALANX_AGENT_RANK_TOKEN_KEY_FILE": "/id/rank-token.key",
+                                   "PHALANX_AGENT_RANK_TOKEN_TTL_S": "86400"}, node_id="n1")
+    assert (config.rank_token_key_file, config.rank_token_ttl_s) == ("/id/rank-token.key",
+                                                                     86400.0)
+    with pytest.raises(ConfigError, match="rank_nkey and agent.rank_token_key_file exclude"):
+        AgentConfig(node_id="n1", rank_nkey="/keys/ranks.nk", rank_token_key_file="/k")
+    with pytest.raises(ConfigError, match="rank_token_ttl_s must be at least 60"):
+        AgentConfig(node_id="n1", rank_token_ttl_s=5)

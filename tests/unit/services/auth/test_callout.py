@@ -73,13 +73,18 @@ def test_a_live_job_s_token_gets_exactly_the_rank_role_of_its_job() -> None:
     assert user["nats"]["pub"] == {"allow": sorted(granted.publish)}
     assert user["nats"]["sub"] == {"allow": sorted(granted.subscribe)}
     assert "resp" not in user["nats"] and user["nats"]["type"] == "user"
-    # The connection lasts the connection lifetime, then the client asks again.
+    # The connection lasts the connection lifetime (capped here), then the server ends it.
     assert user["exp"] == decision.expires_at == int(NOW + TTL_S)
 
 
 def test_a_connection_never_outlives_its_token() -> None:
     decision = decide(request(token(ttl_s=70)))
     assert decision.expires_at == int(NOW - 10 + 70)
+    # Uncapped (phalanx's default: its ranks' client does not reconnect at an expiry),
+    # the token's expiry is the connection's.
+    examined = callout.examine(request(token(ttl_s=7200)), issuer=ISSUER, key=KEY, now=NOW)
+    uncapped = callout.decide(examined, JobState.ADMITTED, issuer_seed=ISSUER_SEED, now=NOW)
+    assert uncapped.expires_at == int(NOW - 10 + 7200)
 
 
 @pytest.mark.parametrize(("state", "refusal", "said"), [

@@ -16,17 +16,21 @@ from phalanx.services.auth.roles import ANY, STATIC_ROLES, Role, identity
 from phalanx.services.cli import main as cli_main
 
 
-def test_a_new_directory_has_every_role_shared_scopes_and_the_services_names(
+def test_a_new_directory_has_every_role_the_callout_and_the_services_names(
         tmp_path: Path) -> None:
     auth = kubernetes.prepare(tmp_path / "auth", "ml")
     names = {who.name for who in auth.identities()}
-    assert names == {*(identity(r) for r in STATIC_ROLES), "agents", "ranks"}
+    assert names == {*(identity(r) for r in STATIC_ROLES), "agents", "callout"}
+    assert "ranks" not in names, "each job's ranks are their job, through the callout"
+    assert auth.rank_token_key_path.stat().st_mode & 0o777 == 0o600
+    assert auth.callout_issuer_path.stat().st_mode & 0o777 == 0o600
+    assert kubernetes.callout_issuer(auth).startswith("A")
     hosts = tls.server_hosts(auth.tls_dir)
     assert set(kubernetes.service_hosts("ml")) <= hosts
     assert "nats.ml.svc.cluster.local" in hosts
 
 
-def test_an_existing_directory_gains_the_shared_identities_and_keeps_the_rest(
+def test_an_existing_directory_gains_the_agents_and_the_callout_and_keeps_the_rest(
         tmp_path: Path) -> None:
     before = AuthDir.init(tmp_path / "auth", nodes=["gpu-01"],
                           hosts=kubernetes.service_hosts("phalanx"))
@@ -34,7 +38,19 @@ def test_an_existing_directory_gains_the_shared_identities_and_keeps_the_rest(
     auth = kubernetes.prepare(tmp_path / "auth", "phalanx")
     now = {who.name: who.public_key for who in auth.identities()}
     assert {k: now[k] for k in kept} == kept
-    assert set(now) - set(kept) == {"agents", "ranks"}
+    assert set(now) - set(kept) == {"agents", "callout"}
+
+
+def test_the_ranks_shared_identity_of_an_earlier_directory_is_revoked(tmp_path: Path) -> None:
+    before = AuthDir.init(tmp_path / "auth", hosts=kubernetes.service_hosts("phalanx"))
+    before.add(Role.RANK, ANY)
+    token_key = None
+    for _ in range(2):  # and a second run keeps the keys it made
+        auth = kubernetes.prepare(tmp_path / "auth", "phalanx")
+        assert "ranks" not in {w.name for w in auth.identities()}
+        assert not auth.seed_path(Role.RANK, ANY).exists()
+        assert token_key in (None, auth.rank_token_key_path.read_bytes())
+        token_key = auth.rank_token_key_path.read_bytes()
 
 
 def test_an_existing_directory_whose_certificate_misses_the_service_is_refused(
@@ -65,10 +81,20 @@ def test_the_secrets_hold_each_seed_of_the_key_the_values_admit(tmp_path: Path) 
     values = kubernetes.nats_values(auth)
     assert values["config"]["nats"]["tls"] == {"enabled": True,
                                                "secretName": kubernetes.TLS_SECRET}
-    assert values["config"]["merge"]["authorization"] == authorization(auth.identities())
+    # The callout's account seed for the callout, the token key for it and the agents.
+    assert data[kubernetes.ISSUER_ITEM] == auth.callout_issuer_path.read_bytes()
+    assert data[kubernetes.TOKEN_KEY_ITEM] == auth.rank_token_key_path.read_bytes()
+    block = values["config"]["merge"]["authorization"]
+    assert block["users"] == authorization(auth.identities())["users"]
+    # Every identity bypasses the callout; everyone else is asked about.
+    assert block["auth_callout"] == {
+        "issuer": nkeys.from_seed(bytearray(data[kubernetes.ISSUER_ITEM])).public_key.decode(),
+        "auth_users": sorted(w.public_key for w in auth.identities())}
     shown = yaml.safe_dump(values)
     assert not [w for w in auth.identities()
                 if auth.seed_path(w.role, w.scope).read_text().strip() in shown], "a seed"
+    assert data[kubernetes.ISSUER_ITEM].decode().strip() not in shown
+    assert data[kubernetes.TOKEN_KEY_ITEM].decode().strip() not in shown
 
 
 def test_the_command_writes_the_secrets_for_its_owner_alone(tmp_path: Path, capsys) -> None:
@@ -87,4 +113,4 @@ def test_the_command_writes_the_secrets_for_its_owner_alone(tmp_path: Path, caps
     keys = {w.name: w.public_key for w in AuthDir(root).identities()}
     assert cli_main(["auth", "kubernetes", str(root), "--namespace", "ml"]) == 0
     assert {w.name: w.public_key for w in AuthDir(root).identities()} == keys
-    assert identity(Role.RANK, ANY) in keys
+    assert identity(Role.CALLOUT) in keys and identity(Role.RANK, ANY) not in keys

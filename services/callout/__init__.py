@@ -1,0 +1,1 @@
+"""The auth callout: admits each job's ranks to the bus as their job (Kubernetes)."""
