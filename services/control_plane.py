@@ -15,6 +15,12 @@ from __future__ import annotations
 
 SERVICES: tuple[str, ...] = ("admission", "health", "elasticity", "checkpoint")
 
+#: Services only the Kubernetes base runs: the auth callout (``phalanx callout``), which
+#: admits each job's ranks as their job where the server's config cannot list a user per
+#: job. Bare metal (``phalanx up --secure``) writes each job's NKEY user into the server's
+#: config instead, and compose runs no authentication, so neither runs it.
+KUBERNETES_ONLY: tuple[str, ...] = ("callout",)
+
 
 def module(service: str) -> str:
     """The module ``python -m`` runs for ``service``."""

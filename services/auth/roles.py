@@ -31,13 +31,16 @@ flow control on ``$JS.FC``. Replies come to a per-identity inbox prefix
 replies; services answer requests through ``allow_responses`` rather than a
 publish permission on every inbox.
 
-Where nodes and jobs come and go without the server's config being reloaded for
-each (the Kubernetes base: DaemonSet pods, jobs submitted at any time), a scoped
-role has one *shared* identity, of scope :data:`ANY`: ``agents``, an agent's
-permissions for any node, and ``ranks``, a rank's for any job. Still never a
-service's or the operator's, but an agent there may publish another node's
-heartbeat and a rank another job's progress, which per-node and per-job
-identities prevent.
+Where nodes come and go without the server's config being reloaded for each
+(the Kubernetes base: DaemonSet pods), the agents share one identity of scope
+:data:`ANY`, ``agents``: an agent's permissions for any node (never a service's or
+the operator's, but an agent there may publish another node's heartbeat, which
+per-node identities prevent). Jobs there keep identities of their own without a
+reload: the auth callout (:mod:`~phalanx.services.auth.callout`, role ``callout``,
+which alone hears the server's authorization requests) admits a job's ranks with
+exactly :func:`permissions` of the rank role for their job. ``ranks``, a rank's
+permissions for any job, remains only for deployments that choose it
+(``PHALANX_AGENT_RANK_NKEY``).
 
 Limits: a permission names subjects, not payloads. An agent may publish the
 start or exit of any job's rank (it runs whichever the records place on it)

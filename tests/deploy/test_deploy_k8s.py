@@ -149,7 +149,8 @@ def test_validation_catches_a_wrong_field() -> None:
 def test_rendered_objects_follow_the_deployment_rules(overlay: str) -> None:
     docs = render(overlay)
     deployments = by_kind(docs, "Deployment")
-    assert {f"phalanx-{s}" for s in control_plane.SERVICES} == set(deployments)
+    assert {f"phalanx-{s}" for s in (*control_plane.SERVICES, *control_plane.KUBERNETES_ONLY)
+            } == set(deployments)
     assert all(d["spec"]["replicas"] == 2 for d in deployments.values()), \
         "every lease-holding service runs a standby"
     assert set(by_kind(docs, "DaemonSet")) == {"phalanx-agent"}
@@ -197,13 +198,21 @@ def test_rendered_objects_follow_the_deployment_rules(overlay: str) -> None:
         assert values["PHALANX_NATS_NKEY"] == f"{mount}/{own}.nk", name
         assert values["PHALANX_NATS_INBOX_PREFIX"] == f"_INBOX.{own}", name
         assert values["PHALANX_NATS_CA"] == f"{mount}/ca.pem", name
-        if workload["kind"] == "DaemonSet":  # what its ranks connect as: their own identity
-            ranks = identity(Role.RANK, ANY)
-            assert values["PHALANX_AGENT_RANK_NKEY"] == f"{mount}/{ranks}.nk"
+        if workload["kind"] == "DaemonSet":  # its ranks connect as their job: a token
+            token_key = kubernetes.TOKEN_KEY_ITEM
+            assert values["PHALANX_AGENT_RANK_TOKEN_KEY_FILE"] == f"{mount}/{token_key}"
+            assert "PHALANX_AGENT_RANK_NKEY" not in values
             assert values["PHALANX_AGENT_REPLICA_KEY_FILE"] == f"{mount}/replication.key"
             assert values["PHALANX_AGENT_REPLICA_TLS_DIR"] == mount  # with ca.pem there
-            assert items == {f"{own}.nk", f"{ranks}.nk", "ca.pem", "replication.key",
+            assert items == {f"{own}.nk", token_key, "ca.pem", "replication.key",
                              "replication.pem", "replication-key.pem"}
+        elif name == "phalanx-callout":  # and the keys it signs and verifies with, alone
+            assert values["PHALANX_CALLOUT_ISSUER_SEED_FILE"] == \
+                f"{mount}/{kubernetes.ISSUER_ITEM}"
+            assert values["PHALANX_CALLOUT_TOKEN_KEY_FILE"] == \
+                f"{mount}/{kubernetes.TOKEN_KEY_ITEM}"
+            assert items == {f"{own}.nk", "ca.pem", kubernetes.ISSUER_ITEM,
+                             kubernetes.TOKEN_KEY_ITEM}
         else:
             assert items == {f"{own}.nk", "ca.pem"}, name
     for cm in by_kind(docs, "ConfigMap").values():
@@ -244,7 +253,8 @@ def test_every_workload_gets_the_otlp_settings_and_names_itself(overlay: str) ->
             name
         assert "OTEL_SERVICE_NAME" not in env, name
         workloads += 1
-    assert workloads == len(control_plane.SERVICES) + 1  # and the agent
+    # and the callout, and the agent
+    assert workloads == len(control_plane.SERVICES) + len(control_plane.KUBERNETES_ONLY) + 1
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
@@ -296,9 +306,17 @@ def test_nats_values_give_a_jetstream_cluster_admitting_exactly_the_identities()
     assert {"tls.crt", "tls.key"} <= set(secrets[tls["secretName"]]["data"])
     who = auth_dir().identities()
     assert {w.name for w in who} == {*(identity(r) for r in (
-        Role.ADMISSION, Role.HEALTH, Role.ELASTICITY, Role.CHECKPOINT, Role.CLI, Role.VIEWER)),
-        identity(Role.AGENT, ANY), identity(Role.RANK, ANY)}
-    assert values["config"]["merge"]["authorization"] == authorization(who)
+        Role.ADMISSION, Role.HEALTH, Role.ELASTICITY, Role.CHECKPOINT, Role.CLI, Role.VIEWER,
+        Role.CALLOUT)), identity(Role.AGENT, ANY)}
+    block = values["config"]["merge"]["authorization"]
+    assert block["users"] == authorization(who)["users"]
+    # Every other connection (a job's ranks, by their token) is the auth callout's to admit;
+    # it signs with the key whose seed only its pods mount.
+    issuer = base64.b64decode(secrets[kubernetes.IDENTITIES_SECRET]["data"][
+        kubernetes.ISSUER_ITEM])
+    assert block["auth_callout"] == {
+        "issuer": nkeys.from_seed(bytearray(issuer)).public_key.decode(),
+        "auth_users": sorted(w.public_key for w in who)}
     # Each seed in the identities' Secret is the one whose public key the server admits.
     seeds = secrets[kubernetes.IDENTITIES_SECRET]["data"]
     for w in who:

@@ -1,4 +1,5 @@
-"""Every deployment runs the services ``phalanx up`` runs: ``control_plane.SERVICES``.
+"""Every deployment runs the services ``phalanx up`` runs: ``control_plane.SERVICES``
+(and Kubernetes also ``control_plane.KUBERNETES_ONLY``, the auth callout).
 
 ``phalanx up`` starts its instances from the list itself; compose.yaml, the
 Prometheus config compose uses, and every rendered Kubernetes overlay must each
@@ -18,12 +19,15 @@ from phalanx.services import control_plane
 from phalanx.services.auth.roles import SERVICE_NAMES, Role
 
 SERVICES = set(control_plane.SERVICES)
+#: Run by the Kubernetes base alone (the auth callout).
+KUBERNETES_ONLY = set(control_plane.KUBERNETES_ONLY)
 
 
 def test_each_service_has_a_module_a_role_and_a_service_api_name() -> None:
-    for service in control_plane.SERVICES:
+    for service in (*control_plane.SERVICES, *control_plane.KUBERNETES_ONLY):
         assert importlib.util.find_spec(f"{control_plane.module(service)}.__main__"), service
-    assert {role.value for role in SERVICE_NAMES if role is not Role.AGENT} == SERVICES
+    assert {role.value for role in SERVICE_NAMES if role is not Role.AGENT} == \
+        SERVICES | KUBERNETES_ONLY
 
 
 def compose_services() -> dict[str, dict]:
@@ -47,8 +51,8 @@ def test_compose_runs_probes_and_scrapes_every_service() -> None:
 @pytest.mark.parametrize("overlay", OVERLAYS)
 def test_kubernetes_runs_and_probes_every_service(overlay: str) -> None:
     deployments = by_kind(render(overlay), "Deployment")
-    assert set(deployments) == {f"phalanx-{s}" for s in SERVICES}
-    for service in SERVICES:
+    assert set(deployments) == {f"phalanx-{s}" for s in SERVICES | KUBERNETES_ONLY}
+    for service in SERVICES | KUBERNETES_ONLY:
         spec = deployments[f"phalanx-{service}"]["spec"]
         assert spec["replicas"] >= 2, f"{service}: a standby takes over the lease"
         (container,) = spec["template"]["spec"]["containers"]
