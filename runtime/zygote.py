@@ -194,15 +194,22 @@ class Zygote:
             os.dup2(output, 1)
             os.dup2(output, 2)
             with os.fdopen(program_pipe, "rb") as pipe:
-                program = protocol.decode_program(pipe.read())
+                payload = pipe.read()
             for fd in {stdin, output}:
                 if fd > 2:
                     os.close(fd)
-            os.chdir(program.cwd)
-            os.environ.clear()
-            os.environ.update(program.env)
-            present_as(program.command, program.env)
-            code = run(program.entry)
+            if payload:
+                program = protocol.decode_program(payload)
+                os.chdir(program.cwd)
+                os.environ.clear()
+                os.environ.update(program.env)
+                present_as(program.command, program.env)
+                code = run(program.entry)
+            else:
+                # Held, and the agent died before this process was on its record: running
+                # would leave a rank no agent knows of.
+                sys.stderr.write(protocol.NOT_RELEASED_LINE)
+                code = protocol.NOT_RELEASED
         except BaseException:
             with contextlib.suppress(Exception):
                 traceback.print_exc()

@@ -15,6 +15,11 @@ and input; on the *event* socket the zygote
 writes JSON lines: :class:`Ready` once, then :class:`Forked` or
 :class:`ForkFailed` for each request and :class:`Exited` for each child that
 ended (the zygote is their parent, so only it can collect their exit status).
+
+A rank's program may be *held*: the agent writes it into the pipe only once the
+rank is on its record (where a restarted agent finds it), so a child whose agent
+died before that reads nothing and exits with :data:`NOT_RELEASED` without
+running any of the job's code.
 """
 
 from __future__ import annotations
@@ -36,6 +41,11 @@ OPTIONS = frozenset({"-u"})
 #: The variables that give the zygote its two sockets' descriptor numbers.
 REQUESTS_FD = "PHALANX_ZYGOTE_REQUESTS_FD"
 EVENTS_FD = "PHALANX_ZYGOTE_EVENTS_FD"
+#: The exit status of a process held for its agent that never let it run (the agent died
+#: before the process was on its record): nothing of the job's command ran.
+NOT_RELEASED = 125
+#: What such a process writes to its log before it exits.
+NOT_RELEASED_LINE = "=== phalanx: not started: the agent that launched it died first\n"
 #: The most bytes one frame may hold (a request is its command and environment).
 MAX_FRAME = 4 << 20
 

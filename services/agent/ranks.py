@@ -457,7 +457,14 @@ class RankSet:
         self.launched[(record.job_id, rank)] = (placement, replica_id)
         log_path = self.log_path(record.job_id, replica_id)
         log_path.parent.mkdir(parents=True, exist_ok=True)
-        process = None if spare is None else await spare.hand_over(identity, log_path)
+        process: ChildProcess | None = None
+        if spare is not None:
+            # On the record before it learns who it is, as a new process is before it runs.
+            self._record(record, rank, placement, replica_id, spare.process, slots,
+                         from_spare=True)
+            process = await spare.hand_over(identity, log_path)
+            if process is None:  # it died: a new process instead
+                del self.ranks[(record.job_id, rank)]
         from_spare = process is not None
         if process is None:
             process = await self._start(record, rank, replica_id, identity, log_path)
@@ -467,12 +474,11 @@ class RankSet:
             if nice is not None:
                 with contextlib.suppress(ProcessLookupError):  # it may have died already
                     priority.lower(process.pid, nice)
-        entry = Rank(record.job_id, rank, len(placement), placement, process.pid,
-                     start_ticks(process.pid), spec.grace_period_s, spec.slots_per_replica,
-                     replica_id, process, node_slots=slots, from_spare=from_spare)
-        self.ranks[(record.job_id, rank)] = entry
+            self._record(record, rank, placement, replica_id, process, slots,
+                         from_spare=False)
+            process.release()
+        entry = self.ranks[(record.job_id, rank)]
         entry.watcher = asyncio.create_task(self._watch_child(entry))
-        self._save()
         log.info("rank started", extra={"job": record.job_id, "rank": rank, "pid": process.pid,
                                         "replica": replica_id, "from_spare": from_spare})
         await self.report(RankStarted(job_id=record.job_id, rank=rank,
@@ -483,10 +489,23 @@ class RankSet:
             self.spares.replenish(record.job_id)  # the spare taken is replaced, later
         return entry
 
+    def _record(self, record: JobRecord, rank: int, placement: tuple[str, ...],
+                replica_id: str, process: ChildProcess, slots: tuple[int, ...], *,
+                from_spare: bool) -> None:
+        """Put ``process`` on the manifest as ``replica_id`` in slot ``rank``: before it
+        runs any of the job's code, so an agent restarted after a crash adopts every rank
+        that runs (a held process whose agent died first never runs)."""
+        spec = record.spec
+        self.ranks[(record.job_id, rank)] = Rank(
+            record.job_id, rank, len(placement), placement, process.pid,
+            start_ticks(process.pid), spec.grace_period_s, spec.slots_per_replica,
+            replica_id, process, node_slots=slots, from_spare=from_spare)
+        self._save()
+
     async def _start(self, record: JobRecord, rank: int, replica_id: str,
                      identity: Mapping[str, str], log_path: Path) -> ChildProcess | None:
-        """A new process of the job's command with ``identity``; None when it cannot start
-        (reported to health as a launch failure)."""
+        """A new process of the job's command with ``identity``, held until released;
+        None when it cannot start (reported to health as a launch failure)."""
         spec = record.spec
         with log_path.open("ab") as log_file:
             log_file.write(f"=== phalanx: {replica_id} of {record.job_id} starting on "
@@ -495,7 +514,7 @@ class RankSet:
             log_file.flush()
             try:
                 env = {**self.job_environment(record), **identity}
-                return await self.launcher.start(spec.command, env, log_file)
+                return await self.launcher.start(spec.command, env, log_file, hold=True)
             except OSError as exc:
                 # The command cannot start (missing binary, bad path, no permission): the
                 # application's failure, told to health with the reason and written where

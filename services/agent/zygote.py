@@ -18,6 +18,15 @@ variables, its command line and its working directory reach the child alone,
 through a pipe the zygote passes on unread. At most :data:`MAX_ZYGOTES` are
 kept, the least recently used stopped first; all are stopped with the agent.
 
+A rank is started *held* (``hold=True``): it runs none of the job's code until the
+agent, having put it on its record, calls :meth:`ChildProcess.release`. Should the
+agent die in between, the process sees its end of a pipe close and exits with
+:data:`~phalanx.schemas.zygote.NOT_RELEASED`, so a restarted agent never misses a
+rank that is running: either the rank is on the record it adopts from, or it never
+ran. A fork's program is written into its pipe at the release; a cold start runs
+under ``/bin/sh``, which waits for a line on its standard input before it execs
+the command (same process, same start time).
+
 A forked process is the zygote's child, not the agent's: the zygote reports its
 exit status (:class:`ForkedProcess`). If the zygote dies first, the exits of its
 children still running are watched through a pidfd and reported with no status
@@ -28,9 +37,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import fcntl
 import logging
 import os
+import shutil
 import socket
 import sys
 from collections import OrderedDict
@@ -56,6 +67,7 @@ REPLICA_VARIABLES = frozenset({"RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_
                                "GROUP_RANK", "ROLE_RANK", "MASTER_ADDR", "MASTER_PORT",
                                "CUDA_VISIBLE_DEVICES", "TORCHELASTIC_RUN_ID"})
 _F_SETPIPE_SZ = getattr(fcntl, "F_SETPIPE_SZ", 1031)
+_F_GETPIPE_SZ = getattr(fcntl, "F_GETPIPE_SZ", 1032)
 
 
 class ChildProcess(Protocol):
@@ -73,13 +85,56 @@ class ChildProcess(Protocol):
 
     async def wait(self) -> int: ...
 
+    def release(self) -> None:
+        """Let a held process run its command (nothing, if it was not held)."""
+
+
+#: What a held cold start runs: its command, once a line arrives on its standard input
+#: (the agent's release); at end of input (the agent died first) nothing of it.
+_HELD = ('read -r _ || { echo "' + protocol.NOT_RELEASED_LINE.strip() + '" >&2; exit '
+         + str(protocol.NOT_RELEASED) + '; }; exec "$@" </dev/null')
+
+
+class ColdProcess:
+    """A process started cold; held, its shell runs the command once released."""
+
+    def __init__(self, process: asyncio.subprocess.Process, *, held: bool) -> None:
+        self._process = process
+        self._held = held
+
+    @property
+    def pid(self) -> int:
+        return self._process.pid
+
+    @property
+    def returncode(self) -> int | None:
+        return self._process.returncode
+
+    @property
+    def stdin(self) -> asyncio.StreamWriter | None:
+        return None if self._held else self._process.stdin
+
+    async def wait(self) -> int:
+        return await self._process.wait()
+
+    def release(self) -> None:
+        if self._held:
+            self._held = False
+            gate = self._process.stdin
+            assert gate is not None
+            with contextlib.suppress(OSError):  # it died already: its exit tells
+                gate.write(b"\n")
+                gate.close()
+
 
 class ForkedProcess:
     """A process forked from a zygote; its exit comes from the zygote (or its pidfd)."""
 
-    def __init__(self, pid: int, stdin: asyncio.StreamWriter | None) -> None:
+    def __init__(self, pid: int, stdin: asyncio.StreamWriter | None,
+                 held: tuple[int, bytes] | None = None) -> None:
         self._pid = pid
         self._stdin = stdin
+        self._held = held  # (the program pipe's write end, the program) until released
         self._code: int | None = None
         self._lost = False
         self._ended = asyncio.Event()
@@ -108,7 +163,21 @@ class ForkedProcess:
         assert self._code is not None
         return self._code
 
+    def release(self) -> None:
+        if self._held is not None:
+            fd, payload = self._held
+            self._held = None
+            try:
+                os.write(fd, payload)  # it fits: the pipe was sized for it, and is empty
+            except OSError:
+                pass  # it died already: its exit tells
+            finally:
+                os.close(fd)
+
     def ended(self, code: int, *, lost: bool = False) -> None:
+        if self._held is not None:  # ended unreleased: the program is not for anyone
+            os.close(self._held[0])
+            self._held = None
         if self._code is None:
             self._code = code
             self._lost = lost
@@ -171,8 +240,8 @@ class ZygoteProcess:
         log.info("zygote started", extra={"pid": self.process.pid})
 
     async def fork(self, program: protocol.Program, output: BinaryIO,
-                   stdin: bool) -> ForkedProcess:
-        """A child running ``program``.
+                   stdin: bool, *, hold: bool = False) -> ForkedProcess:
+        """A child running ``program`` (held: once released).
 
         Raises:
             OSError: the zygote cannot serve (not ready, gone, or the fork failed).
@@ -189,15 +258,13 @@ class ZygoteProcess:
         try:
             with contextlib.suppress(OSError):  # a larger pipe where the system allows
                 fcntl.fcntl(program_write, _F_SETPIPE_SZ, len(payload))
-            os.set_blocking(program_write, False)
-            try:
-                written = os.write(program_write, payload)
-            except BlockingIOError:
-                written = 0
-            if written != len(payload):
+            if fcntl.fcntl(program_write, _F_GETPIPE_SZ) < len(payload):
                 raise OSError(f"a program of {len(payload)} bytes does not fit a pipe")
-            os.close(program_write)
-            program_write = -1
+            os.set_blocking(program_write, False)
+            if not hold:
+                os.write(program_write, payload)
+                os.close(program_write)
+                program_write = -1
             fds = [program_read, output.fileno()]
             if stdin:
                 stdin_read, stdin_write = os.pipe()
@@ -219,16 +286,23 @@ class ZygoteProcess:
                     raise OSError("the zygote did not answer a fork") from None
                 finally:
                     self._pending.pop(request, None)
+        except BaseException:
+            for fd in (program_write, stdin_write):
+                if fd >= 0:
+                    os.close(fd)
+            raise
         finally:
-            for fd in (program_read, program_write, stdin_read):
+            for fd in (program_read, stdin_read):
                 if fd >= 0:
                     os.close(fd)
         if isinstance(reply, protocol.ForkFailed):
-            if stdin_write >= 0:
-                os.close(stdin_write)
+            for fd in (program_write, stdin_write):
+                if fd >= 0:
+                    os.close(fd)
             raise OSError(f"the zygote could not fork: {reply.error}")
         writer = await _pipe_writer(stdin_write) if stdin_write >= 0 else None
-        child = ForkedProcess(reply.pid, writer)
+        child = ForkedProcess(reply.pid, writer,
+                              (program_write, payload) if program_write >= 0 else None)
         self._children[reply.pid] = child
         if reply.pid in self._early_exits:
             child.ended(self._early_exits.pop(reply.pid))
@@ -319,13 +393,15 @@ class Launcher:
         self._count = 0
 
     async def start(self, command: Sequence[str], env: Mapping[str, str], output: BinaryIO,
-                    *, stdin: bool = False) -> ChildProcess:
+                    *, stdin: bool = False, hold: bool = False) -> ChildProcess:
         """A process of ``command`` in ``env``, writing to ``output``, in its own session;
-        with ``stdin``, its standard input is a pipe (else /dev/null).
+        with ``stdin``, its standard input is a pipe (else /dev/null); with ``hold``, it
+        runs the command only once :meth:`ChildProcess.release` is called.
 
         Raises:
             OSError: the command cannot start (missing, not executable …).
         """
+        assert not (stdin and hold), "a held process's standard input is its gate"
         entry = protocol.python_entry(command, env, sys.executable) \
             if self.use_zygotes else None
         if entry is not None:
@@ -334,13 +410,19 @@ class Launcher:
                 program = protocol.Program(command=tuple(command), entry=entry, env=dict(env),
                                            cwd=os.getcwd())
                 try:
-                    return await zygote.fork(program, output, stdin)
+                    return await zygote.fork(program, output, stdin, hold=hold)
                 except OSError as exc:
                     log.warning("cannot fork from the zygote (%s): starting cold", exc)
-        return await asyncio.create_subprocess_exec(
+        if hold:
+            # What exec would refuse, refused here, where the shell cannot: a command that
+            # cannot start is the launch's failure, not the job's exit status 127.
+            executable(command[0], env)
+            command = ["/bin/sh", "-c", _HELD, "phalanx-held", *command]
+        process = await asyncio.create_subprocess_exec(
             *command, env=dict(env),
-            stdin=asyncio.subprocess.PIPE if stdin else asyncio.subprocess.DEVNULL,
+            stdin=asyncio.subprocess.PIPE if stdin or hold else asyncio.subprocess.DEVNULL,
             stdout=output, stderr=output, start_new_session=True)
+        return ColdProcess(process, held=hold)
 
     async def _zygote(self, env: Mapping[str, str]) -> ZygoteProcess | None:
         key = tuple(sorted(env.items()))
@@ -373,6 +455,23 @@ def import_environment(env: Mapping[str, str]) -> dict[str, str]:
     zygote that may fork a process of ``env`` is started in."""
     return {k: v for k, v in env.items()
             if not k.startswith("PHALANX_") and k not in REPLICA_VARIABLES}
+
+
+def executable(program: str, env: Mapping[str, str]) -> str:
+    """The file ``exec`` would run for ``program`` in ``env`` (searched on its ``PATH``
+    when the name has no slash).
+
+    Raises:
+        FileNotFoundError: there is no such file.
+        PermissionError: it is not an executable file.
+    """
+    path = program if "/" in program else shutil.which(
+        program, mode=os.F_OK, path=os.pathsep.join(os.get_exec_path(dict(env))))
+    if path is None or not os.path.exists(path):
+        raise FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT), program)
+    if not os.path.isfile(path) or not os.access(path, os.X_OK):
+        raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), program)
+    return path
 
 
 async def _pipe_writer(fd: int) -> asyncio.StreamWriter:

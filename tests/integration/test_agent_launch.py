@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import signal
 import sys
+import time
 from collections.abc import Collection
 from pathlib import Path
 
@@ -221,3 +222,31 @@ async def test_a_launch_gives_up_on_ranks_that_do_not_make_way_and_at_once_on_co
         assert warning in caplog.messages
     finally:
         await ranks.stop_all()
+
+
+# What the agent's manifest says as the replica's command begins.
+ON_RECORD = """
+import json, os
+manifest = json.load(open(os.path.join(os.environ["WORK_DIR"], "ranks.json")))
+print(sorted(r["replica_id"] for r in manifest["ranks"]), flush=True)
+"""
+
+
+@pytest.mark.parametrize("how", ["first", "replacement"])
+async def test_a_replica_is_on_the_agents_record_before_its_command_runs(
+        tmp_path: Path, how: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    # A restarted agent adopts what its manifest lists: a rank that ran before it was
+    # listed would train on with no agent to report its exit. The agent is made slow
+    # between the process's start and its record (its CPU pinning blocks for 0.5 s),
+    # time enough for a process that did not wait to read the manifest without itself.
+    pin = RankSet.pin
+
+    def slow_pin(self: RankSet, pid: int, slots: tuple[int, ...]) -> None:
+        time.sleep(0.5)
+        pin(self, pid, slots)
+
+    monkeypatch.setattr(RankSet, "pin", slow_pin)
+    replica = "r0-1" if how == "replacement" else "r0-0"
+    assert ranks_module.MANIFEST == "ranks.json"
+    assert await run_in_slot(tmp_path, how, child=ON_RECORD,
+                             env={"WORK_DIR": str(tmp_path)}) == f"['{replica}']"

@@ -22,6 +22,7 @@ import pytest
 from proc_tree import parent
 
 from phalanx.schemas import zygote as protocol
+from phalanx.services.agent import pidfd
 from phalanx.services.agent.zygote import ForkedProcess, Launcher
 
 PROBE = r'''
@@ -201,3 +202,58 @@ async def test_requests_a_zygote_cannot_serve_are_refused_and_it_serves_on(
         if process.returncode is None:
             process.kill()
             await process.wait()
+
+
+# An agent in miniature: starts a script that leaves the file ``sys.argv[2]`` held
+# (forked when argv[1] is "fork"), releases it when argv[3] is "release", says the pid and
+# how it started, then dies as a SIGKILLed agent does.
+HOLDING_AGENT = r'''
+import asyncio, os, signal, sys
+from pathlib import Path
+from phalanx.services.agent.zygote import ForkedProcess, Launcher
+
+async def main() -> None:
+    how, marker, then = sys.argv[1], sys.argv[2], sys.argv[3]
+    script = Path(marker + ".py")
+    script.write_text(f"open({marker!r}, 'w')\n")
+    launcher = Launcher(Path(marker).parent / "agent", zygotes=how == "fork")
+    with open(marker + ".log", "wb") as out:
+        process = await launcher.start([sys.executable, str(script)], dict(os.environ), out,
+                                       hold=True)
+    if then == "release":
+        process.release()
+    print(process.pid, isinstance(process, ForkedProcess), flush=True)
+    os.kill(os.getpid(), signal.SIGKILL)
+
+asyncio.run(main())
+'''
+
+
+@pytest.mark.parametrize("how", ["fork", "cold"])
+@pytest.mark.parametrize("then", ["die", "release"])
+async def test_a_held_process_runs_nothing_if_its_agent_dies_before_releasing_it(
+        tmp_path: Path, how: str, then: str) -> None:
+    marker = tmp_path / "ran"
+    agent = await asyncio.create_subprocess_exec(
+        sys.executable, "-c", HOLDING_AGENT, how, str(marker), then,
+        stdout=asyncio.subprocess.PIPE)
+    out, _ = await asyncio.wait_for(agent.communicate(), 120)
+    assert agent.returncode == -signal.SIGKILL
+    pid, forked = out.split()
+    assert forked == str(how == "fork").encode()
+    await asyncio.wait_for(pidfd.ended(int(pid)), 30)  # the held process ends by itself
+    log = Path(f"{marker}.log").read_text()
+    if then == "release":
+        assert marker.exists() and protocol.NOT_RELEASED_LINE not in log
+    else:  # its agent died with it held: none of the job's command ran
+        assert not marker.exists() and log == protocol.NOT_RELEASED_LINE
+
+
+async def test_a_held_cold_start_fails_at_once_for_a_command_exec_refuses(
+        tmp_path: Path) -> None:
+    cold = Launcher(tmp_path / "cold", zygotes=False)
+    with (tmp_path / "out.log").open("wb") as out:
+        with pytest.raises(FileNotFoundError):
+            await cold.start(["no-such-command-here"], dict(os.environ), out, hold=True)
+        with pytest.raises(PermissionError):
+            await cold.start([str(tmp_path)], dict(os.environ), out, hold=True)
