@@ -70,8 +70,10 @@ COMPOSE = DEPLOY / "compose.yaml"
 PROMETHEUS = DEPLOY / "prometheus.yml"
 RULES = DEPLOY / "prometheus-rules.yml"
 METRICS_PORT = 9464  # every container's, docs/observability.md
-# Jaeger's service names: every control-plane service's and the agents'.
-PHALANX_SERVICES = tuple(SERVICE_NAMES.values())
+# Jaeger's service names: every control-plane service's that compose runs, and the agents'
+# (the auth callout runs on Kubernetes alone).
+PHALANX_SERVICES = tuple(name for role, name in SERVICE_NAMES.items()
+                         if role.value in (*control_plane.SERVICES, Role.AGENT.value))
 STEPS = 30
 
 
