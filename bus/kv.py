@@ -42,6 +42,7 @@ from nats.js.kv import KeyValue
 
 from phalanx.bus.client import Counters, raise_if_cancelled, replicas_for, subscribed
 from phalanx.bus.errors import Conflict
+from phalanx.bus.tasks import concurrently
 from phalanx.schemas import subjects
 from phalanx.schemas.codec import decode, encode
 from phalanx.schemas.errors import WireError
@@ -372,7 +373,7 @@ class TypedKV(Generic[M]):
                 value, revision = await self.current(key)
             return key, value, revision
 
-        read_all = await asyncio.gather(*(read(key) for key in await self._keys(prefix)))
+        read_all = await concurrently(read(key) for key in await self._keys(prefix))
         return {key: (value, revision) for key, value, revision in read_all if revision}
 
     async def entries(self) -> tuple[list[Entry[M]], list[WireError]]:

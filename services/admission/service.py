@@ -46,6 +46,7 @@ from phalanx.bus.client import Delivery
 from phalanx.bus.config import BusConfig
 from phalanx.bus.errors import Conflict, NoResponders, RemoteError, RequestRefused, RequestTimeout
 from phalanx.bus.kv import Change, TypedKV
+from phalanx.bus.tasks import concurrently
 from phalanx.schemas import subjects
 from phalanx.schemas.messages import (
     Explanation,
@@ -317,7 +318,10 @@ class AdmissionService(LeaderService[AdmissionTerm]):
                        repair: ledger.Restored | None = None,
                        ledger_jobs: set[str] | frozenset[str] = frozenset()) -> None:
         """The ledger's changes first (:func:`ledger.plan`), then changed job records,
-        then state and scaling events."""
+        then state and scaling events. Writes of one step run at once; when one fails,
+        the rest are cancelled and waited for (:func:`~phalanx.bus.tasks.concurrently`),
+        so none of them runs on into the next term (a record write retrying its
+        compare-and-swap would rewrite that term's decision with this one's)."""
         touched = {d.job_id for d in decisions}
         placed = {d.job_id for d in decisions if not isinstance(d, Announce)} | ledger_jobs
         gangs = term.core.gangs
@@ -335,8 +339,8 @@ class AdmissionService(LeaderService[AdmissionTerm]):
                 if persisted is None or persisted[1] is not gang.reason.code:
                     touched.add(gang.job_id)
         decided = {d.job_id: d for d in decisions if not isinstance(d, Announce | Reconciled)}
-        await asyncio.gather(*(self._write_decided(term, gangs[j], now, decided.get(j))
-                               for j in touched))
+        await concurrently(self._write_decided(term, gangs[j], now, decided.get(j))
+                           for j in touched)
         for decision in decisions:
             if isinstance(decision, Announce):
                 await self._announce(term, decision, now)

@@ -8,24 +8,27 @@ acting (:class:`~phalanx.services.lease.LeadershipLost`) rather than guess.
 
 :meth:`LedgerStore.phases` hands out a plan's writes one by one, phase by phase, so
 that a test can interleave the writes of several instances; :meth:`LedgerStore.write`
-runs each phase's writes at once.
+runs each phase's writes at once, and when one fails it cancels the others and waits
+for them (:func:`~phalanx.bus.tasks.concurrently`): none lands after the leader stepped
+down.
 """
 
 from __future__ import annotations
 
-import asyncio
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable, Coroutine
+from typing import Any
 
 from nats.js.kv import KeyValue
 
 from phalanx.bus.errors import Conflict
 from phalanx.bus.kv import TypedKV
+from phalanx.bus.tasks import concurrently
 from phalanx.schemas.messages import JobPlacement, NodeClaims
 from phalanx.services.admission import ledger
 from phalanx.services.lease import LeadershipLost
 
-Write = Callable[[], Awaitable[None]]
+Write = Callable[[], Coroutine[Any, Any, None]]
 
 
 class LedgerStore:
@@ -82,7 +85,7 @@ class LedgerStore:
             LeadershipLost: a key had moved on since this instance read or wrote it.
         """
         for phase in self.phases(plan):
-            await asyncio.gather(*(write() for write in phase))
+            await concurrently(write() for write in phase)
 
     def _placement_write(self, job: str, placement: JobPlacement | None) -> Write:
         key = ledger.job_key(job)

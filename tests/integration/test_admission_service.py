@@ -25,6 +25,7 @@ from phalanx.bus.errors import RemoteError
 from phalanx.bus.kv import TypedKV
 from phalanx.schemas import subjects
 from phalanx.schemas.codec import encode
+from phalanx.schemas.errors import WireError
 from phalanx.schemas.messages import (
     JobRecord,
     JobSpec,
@@ -41,6 +42,7 @@ from phalanx.schemas.messages import (
     ScalingEventKind,
     ScalingPolicy,
 )
+from phalanx.services.admission import ledger
 from phalanx.services.admission.config import AdmissionConfig
 from phalanx.services.admission.service import AdmissionService
 from phalanx.services.admission.store import LedgerStore
@@ -482,6 +484,27 @@ async def test_sigkill_mid_burst_loses_nothing_and_admits_nothing_twice(
                 await proc.wait()
         for agent in agents:
             await agent.stop()
+
+
+async def test_a_ledger_write_that_fails_leaves_none_of_its_pass_running(
+        own_nats: NatsServer, client_bus: Bus) -> None:
+    # A pass's writes run at once. When one fails, the leader steps down and the next term
+    # restores from what is stored: no other write of the failed pass may still be going
+    # on then, to land after the restore (seen on a loaded server: a record write timed
+    # out, the leader stepped down, and admitted records of the failed pass were written
+    # over the next term's requeue, with no placement behind them).
+    bucket = await TypedKV.open(client_bus.js, subjects.ADMISSION_BUCKET, Lease)
+    store = LedgerStore(bucket.kv, subjects.ADMISSION_BUCKET)
+    await store.load()
+    # One node's claims past the payload bound (the ledger's documented limit): that write
+    # fails at once, while the pass's other writes are on their way.
+    crowded = {f"job-{i:05d}-{'x' * 100}": 1 for i in range(10_000)}
+    claims = {"crowded": crowded} | {f"n{i}": {f"j{i}": 1} for i in range(500)}
+    before = asyncio.all_tasks()
+    with pytest.raises(WireError, match="exceeds"):
+        await store.write(ledger.WritePlan({}, claims, {}))
+    assert [task for task in asyncio.all_tasks() - before if not task.done()] == []
+    assert "crowded" not in store.claims
 
 
 async def test_two_instances_hand_over_when_the_leader_dies(
