@@ -107,19 +107,29 @@ def config_for(auth: AuthDir, server: NatsServer, role: Role,
     return BusConfig.load(env=auth.env(role, scope), servers=[server.url])
 
 
-@pytest.fixture
-async def connect(auth: AuthDir, secured: NatsServer) -> AsyncIterator[Connect]:
-    """``await connect(role, scope)``: a Bus connected as that identity, closed after."""
+@contextlib.asynccontextmanager
+async def connections(auth: AuthDir, server: NatsServer, name: str) -> AsyncIterator[Connect]:
+    """``await connect(role, scope)``: a Bus connected to ``server`` as that identity of
+    ``auth``, closed on the way out."""
     opened: list[Bus] = []
 
     async def connect(role: Role, scope: str | None = None) -> Bus:
-        bus = await Bus.connect(config_for(auth, secured, role, scope), name=f"test-{role}")
+        bus = await Bus.connect(config_for(auth, server, role, scope), name=f"{name}-{role}")
         opened.append(bus)
         return bus
 
-    yield connect
-    for bus in opened:
-        await bus.close()
+    try:
+        yield connect
+    finally:
+        for bus in opened:
+            await bus.close()
+
+
+@pytest.fixture
+async def connect(auth: AuthDir, secured: NatsServer) -> AsyncIterator[Connect]:
+    """``await connect(role, scope)``: a Bus connected as that identity, closed after."""
+    async with connections(auth, secured, "test") as connect:
+        yield connect
 
 
 @pytest.fixture
@@ -527,16 +537,8 @@ async def callout_service(k8s_auth: AuthDir, k8s_server: NatsServer
 async def k8s_connect(k8s_auth: AuthDir, k8s_server: NatsServer,
                       callout_service: CalloutService) -> AsyncIterator[Connect]:
     """``await k8s_connect(role)``: a Bus connected as that static identity."""
-    opened: list[Bus] = []
-
-    async def connect(role: Role, scope: str | None = None) -> Bus:
-        bus = await Bus.connect(config_for(k8s_auth, k8s_server, role, scope), name=f"k-{role}")
-        opened.append(bus)
-        return bus
-
-    yield connect
-    for bus in opened:
-        await bus.close()
+    async with connections(k8s_auth, k8s_server, "k") as connect:
+        yield connect
 
 
 @pytest.fixture
