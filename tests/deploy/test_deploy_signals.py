@@ -4,7 +4,9 @@
 and, since it has no command that parses a bare PromQL expression, every panel expression
 of the dashboard too, as a recording rule of a generated rules file. Every metric either
 names is one a phalanx process exports (read from :mod:`phalanx.services.metrics`'s
-families), so a renamed metric cannot leave a panel or an alert silently empty.
+families), so a renamed metric cannot leave a panel or an alert silently empty. The
+dashboard is read through Grafana's own dashboard schema (the types of its foundation SDK,
+generated from it) and must come back whole: a field Grafana does not know would be lost.
 """
 
 from __future__ import annotations
@@ -16,6 +18,9 @@ from pathlib import Path
 
 import yaml
 from deploy_local import DEPLOY
+from grafana_foundation_sdk.cog import plugins
+from grafana_foundation_sdk.cog.encoder import JSONEncoder
+from grafana_foundation_sdk.models.dashboard import Dashboard
 from test_deploy_compose import PROMETHEUS, RULES, prometheus_binary
 
 from phalanx.services import metrics
@@ -151,3 +156,40 @@ def test_the_dashboard_shows_what_an_operator_watches() -> None:
             "phalanx_bus_handler_errors_total", "phalanx_bus_denials_total",
             "phalanx_bus_connected"} <= read
     assert read >= {n for n in exported() if n.startswith("phalanx_bus_")}
+
+
+def lost_in_grafanas_schema(dashboard: dict) -> list[str]:
+    """What of ``dashboard`` does not survive a decode and encode by Grafana's dashboard
+    schema types: each field (at any depth) dropped or changed, by its path."""
+    plugins.register_default_plugins()  # the panel and query types by name (prometheus …)
+    again = json.loads(json.dumps(Dashboard.from_json(dashboard), cls=JSONEncoder))
+
+    def lost(ours: object, theirs: object, path: str) -> list[str]:
+        if isinstance(ours, dict) and isinstance(theirs, dict):
+            problems = []
+            for key, value in ours.items():
+                where = f"{path}.{key}"
+                problems += lost(value, theirs[key], where) if key in theirs \
+                    else [f"{where}: dropped"]
+            return problems
+        if isinstance(ours, list) and isinstance(theirs, list) and len(ours) == len(theirs):
+            return [problem for i, (a, b) in enumerate(zip(ours, theirs, strict=True))
+                    for problem in lost(a, b, f"{path}[{i}]")]
+        return [] if ours == theirs else [f"{path}: {ours!r} became {theirs!r}"]
+
+    return sorted(lost(dashboard, again, ""))
+
+
+def test_the_dashboard_reads_whole_through_grafanas_dashboard_schema() -> None:
+    assert lost_in_grafanas_schema(json.loads(DASHBOARD.read_text())) == []
+
+
+def test_a_field_grafana_does_not_know_fails_the_schema_check() -> None:
+    dashboard = json.loads(DASHBOARD.read_text())
+    dashboard["panels"][1]["gridPosition"] = dashboard["panels"][1].pop("gridPos")
+    dashboard["panels"][1]["targets"][0]["expression"] = "up"
+    assert lost_in_grafanas_schema(dashboard) == [
+        ".panels[1].gridPosition: dropped", ".panels[1].targets[0].expression: dropped"]
+    dashboard["panels"][1]["gridPos"] = dashboard["panels"][1].pop("gridPosition")
+    dashboard["panels"][1]["targets"][0].pop("expression")
+    assert lost_in_grafanas_schema(dashboard) == []
