@@ -25,8 +25,11 @@ another instance wrote it: this one steps down rather than guess.
 
 A node is judged lost only on silence the leader could have heard: nothing
 while its bus is disconnected, a fresh ``lost_after_s`` for every node from
-the start of its term and one more after a reconnection (the registry rule's
-``watching_since``), so a bus outage never requeues a job.
+its term's first read of the registry and one more after a reconnection (the
+registry rule's ``watching_since``), so a bus outage never requeues a job. The
+registry is followed from that read on, through the restore of the jobs, so a
+restore longer than ``lost_after_s`` leaves no check judging entries it read
+before.
 """
 
 from __future__ import annotations
@@ -184,39 +187,52 @@ class AdmissionService(LeaderService[AdmissionTerm]):
     async def lead(self, term: AdmissionTerm) -> None:
         """Rebuild state from KV, then serve requests and run the core until cancelled."""
         assert self.bus is not None
-        term.watching_since = time.time()  # a new leader has heard nobody yet
         await term.store.load()
-        now = time.time()
-        node_entries, _ = await self.nodes.entries()
-        for entry in node_entries:
-            self._node_changed(term, entry.key, entry.value, now)
-        while not term.events.empty():
-            if (event := term.events.get_nowait()) is not _TICK:
-                term.core.handle(event, now)
+        # The registry is heard from here on: read whole, then followed without a gap
+        # through the restore (which can outlast lost_after_s), so that no liveness check
+        # judges a node on a record older than what this term could have heard since.
+        node_changes = self.nodes.follow(self.bus.resync_event())
         job_changes = self.jobs.follow(self.bus.resync_event())
-        restored, repair = await self._restore(term, job_changes)
-        subscriptions = [
-            await self.bus.subscribe(subjects.admission_leader(verb), request_type,
-                                     self._serving(term, verb), concurrent=True)
-            # Every verb a standby forwards (requeue too: elasticity's requeue reaching a
-            # standby was forwarded to nobody, and the job was dropped).
-            for verb, (request_type, _) in VERBS.items()
-        ]
-        term.serving = True
+        nodes_followed: asyncio.Task[None] | None = None
+        subscriptions = []
         try:
+            term.watching_since = now = time.time()  # a new leader has heard nobody yet
+            async for change in node_changes:
+                if change is None:
+                    break
+                self._node_changed(term, change.key, change.value, now)
+            while not term.events.empty():
+                if (event := term.events.get_nowait()) is not _TICK:
+                    term.core.handle(event, now)
+            nodes_followed = asyncio.create_task(self._watch_nodes(term, node_changes))
+            restored, repair = await self._restore(term, job_changes)
+            subscriptions = [
+                await self.bus.subscribe(subjects.admission_leader(verb), request_type,
+                                         self._serving(term, verb), concurrent=True)
+                # Every verb a standby forwards (requeue too: elasticity's requeue reaching
+                # a standby was forwarded to nobody, and the job was dropped).
+                for verb, (request_type, _) in VERBS.items()
+            ]
+            term.serving = True
             async with asyncio.TaskGroup() as tasks:
                 tasks.create_task(self._watch_jobs(term, job_changes))
-                tasks.create_task(self._watch_nodes(term))
+                tasks.create_task(_joined(nodes_followed))
                 tasks.create_task(self._watch_generations(term))
                 tasks.create_task(self._tick(term))
                 tasks.create_task(self._schedule(term, restored, repair))
         finally:
+            if nodes_followed is not None:
+                nodes_followed.cancel()
+                await asyncio.wait([nodes_followed])
+                if not nodes_followed.cancelled():
+                    nodes_followed.exception()  # retrieved: raised by _joined, or moot
             for sub in subscriptions:
                 try:
                     await sub.unsubscribe()
                 except Exception as exc:  # the connection may be closing
                     log.debug("unsubscribe failed: %s", exc)
             await job_changes.aclose()
+            await node_changes.aclose()
 
     async def _restore(self, term: AdmissionTerm, changes
                        ) -> tuple[list[core.Decision | Reconciled], ledger.Restored]:
@@ -452,9 +468,8 @@ class AdmissionService(LeaderService[AdmissionTerm]):
                 term.events.put_nowait(core.MembershipChanged(change.key, size,
                                                               event_id="generation"))
 
-    async def _watch_nodes(self, term: AdmissionTerm) -> None:
-        assert self.bus is not None
-        async for change in self.nodes.follow(self.bus.resync_event()):
+    async def _watch_nodes(self, term: AdmissionTerm, changes) -> None:
+        async for change in changes:
             if change is not None:
                 self._node_changed(term, change.key, change.value, time.time())
 
@@ -600,6 +615,11 @@ class AdmissionService(LeaderService[AdmissionTerm]):
         return Explanation(job_id=gang.job_id, state=gang.state, reason_code=reason.code,
                            reason=reason.message, position=position,
                            queue_length=len(term.core.queue), nodes=list(gang.nodes))
+
+async def _joined(task: asyncio.Task[None]) -> None:
+    """Wait for ``task`` (started before a task group), raising what it raised."""
+    await task
+
 
 def _placement(gang: core.Gang | None, now: float) -> JobPlacement | None:
     """What the ledger stores for ``gang`` now: None once it ended (or is unknown)."""

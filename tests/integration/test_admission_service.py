@@ -556,3 +556,76 @@ def test_config_reads_policy_and_timings(tmp_path: Path) -> None:
     assert config.policy.quota("vision").ceiling == 12
     assert config.policy.max_reservations == 2
     assert Placement() == Placement()
+
+
+async def test_a_slow_restore_does_not_judge_live_nodes_on_records_read_before_it(
+        own_nats: NatsServer, config: BusConfig, client_bus: Bus,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # Seen on a loaded machine with 12,000 jobs: a new leader read the registry, then took
+    # longer than lost_after_s to read the jobs back, and its first liveness checks judged
+    # the registry as read before that restore (its node watch had not delivered yet):
+    # every node, heartbeating all along, was lost and every running job requeued.
+    lost_after_s = 1.5
+    nodes = [NodeInfo(node_id=f"node-{i}", host="h", slots=2, failure_domain=f"d{i}")
+             for i in range(2)]
+    stop_beats, registered = asyncio.Event(), asyncio.Event()
+    beats = asyncio.create_task(heartbeat_nodes(client_bus, nodes, stop_beats, registered))
+    await asyncio.wait_for(registered.wait(), 10)
+    timings = AdmissionConfig(lease_s=1.0, lost_after_s=lost_after_s, tick_s=0.1)
+    first = AdmissionService(timings, config, instance="first")
+    second = None
+    try:
+        await first.start()
+        client = AdmissionClient(client_bus)
+        ids = [f"job-{i}" for i in range(4)]
+        for job_id in ids:
+            await client.submit(spec(job_id, 1), job_id)
+        for job_id in ids:
+            await wait_state(client_bus, job_id, JobState.ADMITTED)
+        await first.stop()  # hands over at once
+
+        jobs = await TypedKV.open(client_bus.js, subjects.JOBS_BUCKET, JobRecord)
+        seen: list[JobRecord] = []
+
+        async def record_all() -> None:
+            async for change in jobs.watch():
+                if change is not None and change.value is not None:
+                    seen.append(change.value)
+
+        watching = asyncio.create_task(record_all())
+        # The new leader on a loaded server: its restore takes twice lost_after_s, and
+        # reading the registry whole takes a while (the heartbeats go on meanwhile).
+        restore = AdmissionService._restore
+
+        async def slow_restore(self: AdmissionService, term, changes):
+            result = await restore(self, term, changes)
+            await asyncio.sleep(2 * lost_after_s)
+            return result
+
+        entries = TypedKV.entries
+
+        async def slow_entries(self: TypedKV, *args, **kwargs):
+            result = await entries(self, *args, **kwargs)
+            if self.bucket == subjects.NODES_BUCKET:
+                await asyncio.sleep(0.5)
+            return result
+
+        monkeypatch.setattr(AdmissionService, "_restore", slow_restore)
+        monkeypatch.setattr(TypedKV, "entries", slow_entries)
+        second = AdmissionService(timings, config, instance="second")
+        await second.start()
+        served = time.monotonic() + 30
+        while second.term is None or not second.term.serving:
+            assert time.monotonic() < served, "the second instance never served"
+            await asyncio.sleep(0.05)
+        await asyncio.sleep(4 * lost_after_s)  # long past the first ticks after the restore
+        watching.cancel()
+        assert second.term is not None and len(second.term.core.running) == len(ids)
+        assert [(r.job_id, r.state, r.reason_code) for r in seen
+                if r.job_id in ids and r.state is not JobState.ADMITTED] == []
+    finally:
+        for service in (first, second):
+            if service is not None:
+                await service.stop()
+        stop_beats.set()
+        await beats
