@@ -29,7 +29,8 @@ its term's first read of the registry and one more after a reconnection (the
 registry rule's ``watching_since``), so a bus outage never requeues a job. The
 registry is followed from that read on, through the restore of the jobs, so a
 restore longer than ``lost_after_s`` leaves no check judging entries it read
-before.
+before; and a time the leader's loop was held up (a long pass, with heartbeats
+waiting unread) counts as no node's silence.
 """
 
 from __future__ import annotations
@@ -508,8 +509,18 @@ class AdmissionService(LeaderService[AdmissionTerm]):
             term.events.put_nowait(event)
 
     async def _tick(self, term: AdmissionTerm) -> None:
+        due = time.monotonic() + self.config.tick_s
         while not await self.sleep_or_stop(self.config.tick_s):
+            woke = time.monotonic()
+            held_up = woke - due  # how long the loop kept this tick waiting past its time
+            due = woke + self.config.tick_s
             now = time.time()
+            if held_up > self.config.tick_s:
+                # The loop heard nothing while it was held up (a long pass): the heartbeats
+                # of that time wait unread, so it is no node's silence. A node is judged
+                # lost once it has been silent for lost_after_s of time this term heard.
+                term.watching_since = max(term.watching_since,
+                                          now - self.config.lost_after_s + held_up)
             for record in list(self.node_records.values()):
                 self._node_seen(term, record, now)
             term.events.put_nowait(_TICK)

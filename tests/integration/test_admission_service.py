@@ -12,8 +12,9 @@ import json
 import os
 import signal
 import sys
+import threading
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 
 import msgspec
@@ -393,6 +394,36 @@ async def heartbeat_nodes(bus: Bus, nodes: list[NodeInfo], stop: asyncio.Event,
             await asyncio.wait_for(stop.wait(), 0.5)
 
 
+@contextlib.contextmanager
+def heartbeats_elsewhere(config: BusConfig, nodes: list[NodeInfo]) -> Iterator[None]:
+    """:func:`heartbeat_nodes` from a thread of its own, on a connection of its own: the
+    heartbeats go on while the test's loop (and a service in it) is held up, as the
+    agents' would."""
+    registered = threading.Event()
+    stopping: list[Callable[[], None]] = []  # how the test's thread stops the beats
+
+    async def beat() -> None:
+        bus = await Bus.connect(config, name="heartbeats")
+        stop, ours = asyncio.Event(), asyncio.Event()
+        loop = asyncio.get_running_loop()
+        stopping.append(lambda: loop.call_soon_threadsafe(stop.set))
+        task = asyncio.create_task(heartbeat_nodes(bus, nodes, stop, ours))
+        await ours.wait()
+        registered.set()
+        await task
+        await bus.close()
+
+    thread = threading.Thread(target=asyncio.run, args=(beat(),), name="heartbeats")
+    thread.start()
+    try:
+        assert registered.wait(60), "the registry entries were never written"
+        yield
+    finally:
+        if stopping:
+            stopping[0]()
+        thread.join(10)
+
+
 @pytest.mark.parametrize("n_jobs", [
     120,
     # Past the old single-value ledger's ceiling: these placements would not fit in one
@@ -403,16 +434,17 @@ async def heartbeat_nodes(bus: Bus, nodes: list[NodeInfo], stop: asyncio.Event,
 async def test_sigkill_mid_burst_loses_nothing_and_admits_nothing_twice(
         own_nats: NatsServer, config: BusConfig, client_bus: Bus, n_jobs: int) -> None:
     big = n_jobs > 1_000
-    agents, stop_beats, beats = [], asyncio.Event(), None
+    agents = []
+    beats = contextlib.ExitStack()
     slots_per_node, node_count = (128, n_jobs // 128 + 2) if big else (64, 2)
     if big:
         nodes = [NodeInfo(node_id=f"node-{i}", host="h", slots=slots_per_node,
                           failure_domain=f"d{i % 8}") for i in range(node_count)]
-        registered = asyncio.Event()
-        beats = asyncio.create_task(heartbeat_nodes(client_bus, nodes, stop_beats, registered))
         # A burst against a running cluster: the nodes are registered before admission
-        # starts (a leader reads the registry whole before it serves).
-        await asyncio.wait_for(registered.wait(), 60)
+        # starts (a leader reads the registry whole before it serves). Their heartbeats
+        # come from a thread of their own: the burst's 12,000 requests, in this loop,
+        # must not starve them into a silence the leaders would rightly judge.
+        beats.enter_context(heartbeats_elsewhere(config, nodes))
     else:
         agents = await start_agents(config, slots=slots_per_node, count=node_count)
     first = await _spawn_admission(own_nats.url, "first")
@@ -475,9 +507,7 @@ async def test_sigkill_mid_burst_loses_nothing_and_admits_nothing_twice(
         if big:
             assert sum(len(encode(p)) for p in placements.values()) > 1_048_576
     finally:
-        stop_beats.set()
-        if beats is not None:
-            await beats
+        beats.close()
         for proc in (first, second):
             if proc is not None and proc.returncode is None:
                 proc.kill()
@@ -629,3 +659,48 @@ async def test_a_slow_restore_does_not_judge_live_nodes_on_records_read_before_i
                 await service.stop()
         stop_beats.set()
         await beats
+
+
+async def test_a_leader_held_up_longer_than_lost_after_s_judges_no_node_on_that_silence(
+        config: BusConfig, client_bus: Bus) -> None:
+    # A long pass holds the leader's loop: the heartbeats of that time wait unread in its
+    # connection, and the first tick after it must not judge the nodes on what it read
+    # before (every node lost, every running job requeued).
+    lost_after_s = 1.5
+    nodes = [NodeInfo(node_id=f"node-{i}", host="h", slots=2, failure_domain=f"d{i}")
+             for i in range(2)]
+    leader = AdmissionService(AdmissionConfig(lease_s=5.0, lost_after_s=lost_after_s,
+                                              tick_s=0.1), config, instance="held")
+    jobs = await TypedKV.open(client_bus.js, subjects.JOBS_BUCKET, JobRecord)
+    seen: list[JobRecord] = []
+
+    async def record_all() -> None:
+        async for change in jobs.watch():
+            if change is not None and change.value is not None:
+                seen.append(change.value)
+
+    with heartbeats_elsewhere(config, nodes):
+        await leader.start()
+        watching = asyncio.create_task(record_all())
+        try:
+            client = AdmissionClient(client_bus)
+            ids = [f"held-{i}" for i in range(4)]
+            for job_id in ids:
+                await client.submit(spec(job_id, 1), job_id)
+            for job_id in ids:
+                await wait_state(client_bus, job_id, JobState.ADMITTED)
+            time.sleep(2 * lost_after_s)  # the loop held up, the leader inside it
+            await asyncio.sleep(3 * lost_after_s)  # long past the ticks after it
+            assert leader.term is not None and len(leader.term.core.running) == len(ids)
+            admitted: set[str] = set()
+            after = []  # every record of a job once it was admitted
+            for record in seen:
+                if record.job_id in admitted:
+                    after.append((record.job_id, record.state, record.reason_code))
+                if record.state is JobState.ADMITTED:
+                    admitted.add(record.job_id)
+            assert admitted == set(ids)
+            assert [entry for entry in after if entry[1] is not JobState.ADMITTED] == []
+        finally:
+            watching.cancel()
+            await leader.stop()
