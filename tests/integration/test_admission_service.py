@@ -394,6 +394,31 @@ async def heartbeat_nodes(bus: Bus, nodes: list[NodeInfo], stop: asyncio.Event,
             await asyncio.wait_for(stop.wait(), 0.5)
 
 
+async def admit_one_slot_jobs(bus: Bus, prefix: str, count: int) -> list[str]:
+    """Submit ``count`` jobs of one slot and wait until each is admitted; their ids."""
+    client = AdmissionClient(bus)
+    ids = [f"{prefix}-{i}" for i in range(count)]
+    for job_id in ids:
+        await client.submit(spec(job_id, 1), job_id)
+    for job_id in ids:
+        await wait_state(bus, job_id, JobState.ADMITTED)
+    return ids
+
+
+async def record_jobs(bus: Bus) -> tuple[list[JobRecord], asyncio.Task[None]]:
+    """Every job record the jobs bucket holds and is written from now on, in order, as a
+    watch delivers them; cancel the task to stop."""
+    jobs = await TypedKV.open(bus.js, subjects.JOBS_BUCKET, JobRecord)
+    seen: list[JobRecord] = []
+
+    async def record_all() -> None:
+        async for change in jobs.watch():
+            if change is not None and change.value is not None:
+                seen.append(change.value)
+
+    return seen, asyncio.create_task(record_all())
+
+
 @contextlib.contextmanager
 def heartbeats_elsewhere(config: BusConfig, nodes: list[NodeInfo]) -> Iterator[None]:
     """:func:`heartbeat_nodes` from a thread of its own, on a connection of its own: the
@@ -606,23 +631,10 @@ async def test_a_slow_restore_does_not_judge_live_nodes_on_records_read_before_i
     second = None
     try:
         await first.start()
-        client = AdmissionClient(client_bus)
-        ids = [f"job-{i}" for i in range(4)]
-        for job_id in ids:
-            await client.submit(spec(job_id, 1), job_id)
-        for job_id in ids:
-            await wait_state(client_bus, job_id, JobState.ADMITTED)
+        ids = await admit_one_slot_jobs(client_bus, "job", 4)
         await first.stop()  # hands over at once
 
-        jobs = await TypedKV.open(client_bus.js, subjects.JOBS_BUCKET, JobRecord)
-        seen: list[JobRecord] = []
-
-        async def record_all() -> None:
-            async for change in jobs.watch():
-                if change is not None and change.value is not None:
-                    seen.append(change.value)
-
-        watching = asyncio.create_task(record_all())
+        seen, watching = await record_jobs(client_bus)
         # The new leader on a loaded server: its restore takes twice lost_after_s, and
         # reading the registry whole takes a while (the heartbeats go on meanwhile).
         restore = AdmissionService._restore
@@ -671,24 +683,11 @@ async def test_a_leader_held_up_longer_than_lost_after_s_judges_no_node_on_that_
              for i in range(2)]
     leader = AdmissionService(AdmissionConfig(lease_s=5.0, lost_after_s=lost_after_s,
                                               tick_s=0.1), config, instance="held")
-    jobs = await TypedKV.open(client_bus.js, subjects.JOBS_BUCKET, JobRecord)
-    seen: list[JobRecord] = []
-
-    async def record_all() -> None:
-        async for change in jobs.watch():
-            if change is not None and change.value is not None:
-                seen.append(change.value)
-
     with heartbeats_elsewhere(config, nodes):
         await leader.start()
-        watching = asyncio.create_task(record_all())
+        seen, watching = await record_jobs(client_bus)
         try:
-            client = AdmissionClient(client_bus)
-            ids = [f"held-{i}" for i in range(4)]
-            for job_id in ids:
-                await client.submit(spec(job_id, 1), job_id)
-            for job_id in ids:
-                await wait_state(client_bus, job_id, JobState.ADMITTED)
+            ids = await admit_one_slot_jobs(client_bus, "held", 4)
             time.sleep(2 * lost_after_s)  # the loop held up, the leader inside it
             await asyncio.sleep(3 * lost_after_s)  # long past the ticks after it
             assert leader.term is not None and len(leader.term.core.running) == len(ids)
