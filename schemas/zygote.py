@@ -182,7 +182,7 @@ def python_entry(command: Sequence[str], env: Mapping[str, str],
         return None
     program = command[0]
     if os.sep not in program:
-        found = _which(program, env.get("PATH", ""))
+        found = which(program, env.get("PATH", ""))
         if found is None:
             return None
         program = found
@@ -214,7 +214,9 @@ def _same_interpreter(program: str, executable: str) -> bool:
         return False
 
 
-def _which(name: str, path: str) -> str | None:
+def which(name: str, path: str) -> str | None:
+    """The file ``exec`` runs for the bare command ``name`` searched on ``path`` (a
+    ``PATH`` value): the first executable file of that name in its folders."""
     for folder in path.split(os.pathsep):
         candidate = os.path.join(folder or ".", name)
         if os.path.isfile(candidate) and os.access(candidate, os.X_OK):

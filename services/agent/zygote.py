@@ -41,7 +41,6 @@ import errno
 import fcntl
 import logging
 import os
-import shutil
 import socket
 import sys
 from collections import OrderedDict
@@ -167,12 +166,11 @@ class ForkedProcess:
         if self._held is not None:
             fd, payload = self._held
             self._held = None
-            try:
-                os.write(fd, payload)  # it fits: the pipe was sized for it, and is empty
-            except OSError:
-                pass  # it died already: its exit tells
-            finally:
-                os.close(fd)
+            # It fits: the pipe was sized for it, and is empty. An error: it died already,
+            # and its exit tells.
+            with contextlib.suppress(OSError):
+                os.write(fd, payload)
+            os.close(fd)
 
     def ended(self, code: int, *, lost: bool = False) -> None:
         if self._held is not None:  # ended unreleased: the program is not for anyone
@@ -286,6 +284,8 @@ class ZygoteProcess:
                     raise OSError("the zygote did not answer a fork") from None
                 finally:
                     self._pending.pop(request, None)
+            if isinstance(reply, protocol.ForkFailed):
+                raise OSError(f"the zygote could not fork: {reply.error}")
         except BaseException:
             for fd in (program_write, stdin_write):
                 if fd >= 0:
@@ -295,11 +295,6 @@ class ZygoteProcess:
             for fd in (program_read, stdin_read):
                 if fd >= 0:
                     os.close(fd)
-        if isinstance(reply, protocol.ForkFailed):
-            for fd in (program_write, stdin_write):
-                if fd >= 0:
-                    os.close(fd)
-            raise OSError(f"the zygote could not fork: {reply.error}")
         writer = await _pipe_writer(stdin_write) if stdin_write >= 0 else None
         child = ForkedProcess(reply.pid, writer,
                               (program_write, payload) if program_write >= 0 else None)
@@ -465,8 +460,8 @@ def executable(program: str, env: Mapping[str, str]) -> str:
         FileNotFoundError: there is no such file.
         PermissionError: it is not an executable file.
     """
-    path = program if "/" in program else shutil.which(
-        program, mode=os.F_OK, path=os.pathsep.join(os.get_exec_path(dict(env))))
+    path = program if "/" in program else protocol.which(
+        program, os.pathsep.join(os.get_exec_path(dict(env))))
     if path is None or not os.path.exists(path):
         raise FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT), program)
     if not os.path.isfile(path) or not os.access(path, os.X_OK):
