@@ -21,6 +21,7 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.distributed as dist
 
 from phalanx.examples.chargpt_model import (
     GPT,
@@ -50,19 +51,19 @@ def main() -> None:
     for epoch in session.epochs(args.epochs):
         for x, y in loader:
             loss = next_token_loss(model, x, y)
-            session.backward(loss)
+            loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             if not session.commit():
                 continue
             optimizer.zero_grad(set_to_none=True)
             scheduler.step()
             step = session.committed
-            if session.is_primary and step % args.log_every == 0:
+            if dist.get_rank() == 0 and step % args.log_every == 0:
                 print(f"epoch {epoch} step {step:5d} loss {loss.item():.4f} "
                       f"lr {scheduler.get_last_lr()[0]:.2e}", flush=True)
-    if session.is_primary and args.save:
+    if dist.get_rank() == 0 and args.save:
         save(args.save, model, optimizer, scheduler)
-    session.close()
+    dist.destroy_process_group()
 
 
 if __name__ == "__main__":

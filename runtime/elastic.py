@@ -87,11 +87,13 @@ bus thread hands over), :mod:`.group` (abortable waits and the rendezvous),
 from __future__ import annotations
 
 import asyncio
+import atexit
 import dataclasses
 import datetime
 import logging
 import os
 import time
+import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -101,7 +103,7 @@ import torch.distributed as dist
 
 from phalanx.bus import telemetry
 from phalanx.bus.config import BusConfig
-from phalanx.runtime import chaos, priority, spare, teardown
+from phalanx.runtime import chaos, default_group, priority, spare, teardown
 from phalanx.runtime.bus_thread import BusThread
 from phalanx.runtime.chaos import Kill, Pace, parse_chaos_kill, parse_chaos_pace
 from phalanx.runtime.data import ElasticOrder
@@ -139,6 +141,20 @@ from phalanx.schemas.messages import Fault, Generation, RankProgress, ReplicaRea
 log = logging.getLogger("phalanx.runtime")
 #: How long leaving waits for a durable write under way (the job's last step, often).
 DURABLE_FLUSH_S = 60.0
+
+
+#: The sessions not closed yet: the interpreter's exit closes them (:func:`_close_at_exit`).
+_open: weakref.WeakSet[ElasticSession] = weakref.WeakSet()
+
+
+@atexit.register  # after teardown's handler (imported above), so it runs before that one
+def _close_at_exit() -> None:
+    """Close the sessions the script left open, as ``with session:`` would: the last
+    step's boundary is dropped if an uncaught exception is ending the process."""
+    for session in list(_open):
+        if teardown.failed():
+            session._runner.forget_boundary()
+        session.close()
 
 
 def _warm_up(warmup: Callable[[], None], optimizer: torch.optim.Optimizer) -> None:
@@ -225,6 +241,7 @@ class ElasticSession:
                  snapshot_dir: str | None = None,
                  durable: DurablePolicy | None = None, backend: str = "auto",
                  landing: list[torch.Tensor] | None = None) -> None:
+        teardown.watch()
         self.model = model
         #: Where the model lives, and everything the session allocates for it.
         self.device = model_device(model)
@@ -290,6 +307,9 @@ class ElasticSession:
             _warm_up(warmup, optimizer)
         if bus is not None:
             self._connect(bus, landing)
+        else:
+            default_group.answer(0, 1)
+        _open.add(self)
 
     @classmethod
     def from_env(cls, model: torch.nn.Module, optimizer: torch.optim.Optimizer, dataset: Any,
@@ -612,8 +632,11 @@ class ElasticSession:
         ``sys.exit(n)`` or an exception leaving ``with session:``, an uncaught exception
         (1); otherwise 0.
 
-        A script that left the loop early (``break``) ends its last step here.
+        A script that left the loop early (``break``) ends its last step here. A session
+        the script does not close is closed as the interpreter exits (the default group,
+        :mod:`.default_group`, stays until then: a script may ask it after the loop).
         """
+        _open.discard(self)
         self._runner.finish_commit()
         if self._snapshots is not None:
             self._snapshots.settle()  # a snapshot still being written off the device
@@ -629,6 +652,7 @@ class ElasticSession:
             self._record.close()
         if self._loader is not None:
             self._loader.close()
+        self._loop.close()
 
 
 # Imported last: a step refers back to the session (the names stay importable from here).

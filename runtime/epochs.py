@@ -1,13 +1,13 @@
 """The DDP-shaped loop over an elastic session: epochs, a loader, backward, commit.
 
-A DDP script's loop keeps its shape under the session; the sampler, the
-backward and the optimizer step become the session's::
+A DDP script's loop keeps its shape under the session, its ``loss.backward()``
+included; the sampler and the optimizer step become the session's::
 
     loader = session.loader                      # DataLoader(..., sampler=DistributedSampler)
     for epoch in session.epochs(epochs):         # for epoch in range(epochs): set_epoch(epoch)
         for x, y in loader:
             loss = loss_fn(model(x), y)
-            session.backward(loss)               # loss.backward()
+            loss.backward()                      # as under DDP
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             if not session.commit():             # optimizer.step()
                 continue
@@ -32,14 +32,24 @@ drives the step (:class:`~.step.Step`) from the script's calls:
   with no sample in a step (it sits out the first step after a state copy, or
   the step has fewer micro-batches than there are ranks) is handed the step's
   first micro-batch so that the loop body, and the script's post-commit code,
-  runs on every rank; its backward is skipped (it weighs nothing).
-* :meth:`EpochLoop.backward` weights the micro-batch's mean loss as
-  :meth:`Step.backward` does. On the step's last micro-batch it also runs the
-  all-reduce, as DDP's backward does, so that ``.grad`` then holds the global
-  batch's gradient and ``torch.nn.utils.clip_grad_norm_`` where DDP scripts
-  call it clips that. Between the micro-batches of one step the session holds
-  the accumulated gradient out of ``.grad``: an ``optimizer.zero_grad()`` or a
-  clip there touches nothing.
+  runs on every rank; its gradient is dropped (it weighs nothing).
+* **The backward of a batch is the script's own** (``loss.backward()``, or
+  anything that back-propagates into the parameters once per batch, a loss
+  scaler's included), as under DDP: the session sees it through hooks on the
+  parameters. Each gradient is weighted by the micro-batch's share of the
+  global batch on its way into ``.grad``; when the backward ends (a callback
+  the autograd engine runs after the whole pass, as DDP's reducer uses) the
+  step's last micro-batch also completes the all-reduce, so ``.grad`` then
+  holds the global batch's gradient and ``torch.nn.utils.clip_grad_norm_``
+  where DDP scripts call it clips that. Between the micro-batches of one step
+  the session holds the accumulated gradient out of ``.grad``: an
+  ``optimizer.zero_grad()`` or a clip there touches nothing.
+  :meth:`EpochLoop.backward` (``session.backward(loss)``) is the same pass that
+  also counts the batch's loss into the step's global loss (the records and
+  ``step.loss``); it weights the loss itself, as :meth:`Step.backward` does.
+  One backward per batch: a second one of the same batch, and a backward
+  inside the backward (reentrant activation checkpointing: use
+  ``use_reentrant=False``), are refused by name.
 * :meth:`EpochLoop.commit` returns False on a micro-batch that is not the
   step's last and on an aborted step, True once the step is committed.
 """
@@ -50,6 +60,7 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 import torch
+from torch.utils.hooks import RemovableHandle
 
 from phalanx.runtime.data import MicroBatch
 
@@ -58,6 +69,8 @@ if TYPE_CHECKING:
     from phalanx.runtime.step import Step
 
 _END = object()
+REENTRANT = ("activation checkpointing with use_reentrant=True runs a backward within the "
+             "backward: pass use_reentrant=False")
 
 
 class EpochLoader:
@@ -99,6 +112,9 @@ class EpochLoop:
         self._settled = False  # the backward of the batch handed out last has run
         self._stand_in = False  # the step has no sample here: its batch only runs the body
         self._stash: list[torch.Tensor | None] | None = None  # gradient between batches
+        self._hooks: list[RemovableHandle] | None = None  # on the parameters, once armed
+        self._weighted = False  # session.backward weighted the batch's loss itself
+        self._pass: int | None = None  # the autograd task of the batch's backward, once begun
 
     def epochs(self, count: int) -> Iterator[int]:
         """The epochs to train, from the committed step's to ``count - 1``.
@@ -140,13 +156,15 @@ class EpochLoop:
                 self._advance()
                 continue
             if self._out:
-                raise RuntimeError(f"step {step.index}: call session.backward(loss) on each "
-                                   "batch before taking the next")
+                raise RuntimeError(f"step {step.index}: call loss.backward() on each batch "
+                                   "before taking the next (no gradient reached the "
+                                   "parameters)")
             if not self._left:
                 raise RuntimeError(f"step {step.index} was not committed: call "
                                    "session.commit() after each batch's backward")
             self._left -= 1
-            self._out, self._settled = True, False
+            self._out, self._settled, self._weighted = True, False, False
+            self._arm_hooks()
             if self._stand_in:
                 indices = self.session.order.batch(step.epoch, step.step_in_epoch)
                 stand_in = MicroBatch(tuple(indices[:self.session.micro_batch_size]), 0.0)
@@ -158,8 +176,8 @@ class EpochLoop:
             return next(self._batches)[0]
 
     def backward(self, loss: torch.Tensor) -> None:
-        """Back-propagate the batch's mean loss, weighted; on the step's last batch, then
-        all-reduce the gradients (abortably).
+        """``loss.backward()`` that also counts the batch's mean loss into the step's loss;
+        the loss is weighted here, so the hooks pass its gradient on as it is.
 
         Raises:
             RuntimeError: called outside the loop over the loader, or twice on a batch.
@@ -168,15 +186,64 @@ class EpochLoop:
         if step is None or not self._out:
             raise RuntimeError("session.backward(loss) belongs in the loop over "
                                "session.loader, once per batch")
+        if not self._stand_in:
+            self._weighted = True
+            step.backward(loss)
+        if self._out:  # a stand-in's, or a loss no parameter's gradient came from
+            self._backward_done()
+
+    def _arm_hooks(self) -> None:
+        """Hook every parameter's gradient on its way into ``.grad`` (once)."""
+        if self._hooks is None:
+            self._hooks = [p.register_hook(self._gradient)
+                           for p in self.session._runner.params()]
+
+    def _gradient(self, grad: torch.Tensor) -> torch.Tensor | None:
+        """A parameter's gradient from the batch's backward, before it is accumulated:
+        weighted by the micro-batch's share; the first of a pass puts the step's gradient
+        so far back into ``.grad`` (the pass adds to it) and asks for the pass's end."""
+        step = self._step
+        if step is None:
+            return None  # outside the loop: the script's own passes (a warm-up) are its own
+        if not self._out:
+            raise RuntimeError(f"step {step.index}: a backward with no batch awaiting one: "
+                               "call loss.backward() once per batch the loader hands out "
+                               f"({REENTRANT})")
+        task = torch._C._current_graph_task_id()
+        if self._pass is None:
+            self._pass = task
+            self._restore_stash()
+            torch.autograd.Variable._execution_engine.queue_callback(self._backward_done)
+        elif task != self._pass:
+            raise RuntimeError(f"a backward inside the batch's backward ({REENTRANT})")
+        if self._weighted or self._stand_in:
+            return None
+        assert step._weight is not None
+        return grad * step._weight
+
+    def _restore_stash(self) -> None:
+        """Give the step's gradient so far back to ``.grad`` for the pass to add into."""
+        if self._stash is None:
+            return
+        for p, kept in zip(self.session._runner.params(), self._stash, strict=True):
+            if kept is not None:
+                p.grad = kept if p.grad is None else p.grad.add_(kept)
+        self._stash = None
+
+    def _backward_done(self) -> None:
+        """The batch's backward ended: fold it (deterministic mode), hold the step's
+        gradient out of ``.grad`` until the next batch's backward, or, after the step's
+        last batch, all-reduce it."""
+        step = self._step
+        assert step is not None
+        self._pass = None
         self._out, self._settled = False, True
         params = self.session._runner.params()
-        if self._stash is not None:  # the step's gradient so far: backward adds to it
-            for p, kept in zip(params, self._stash, strict=True):
-                if kept is not None:
-                    p.grad = kept if p.grad is None else p.grad.add_(kept)
-            self._stash = None
-        if not self._stand_in:
-            step.backward(loss)
+        if self._stand_in:  # it weighs nothing: what its backward left is dropped
+            for p in params:
+                p.grad = None
+        else:
+            self._restore_stash()  # no parameter's gradient came: the step's is kept whole
             assert self._batches is not None
             # Step.batches folds a deterministic micro-batch once its backward is done.
             if self._left:
@@ -190,6 +257,12 @@ class EpochLoop:
         elif not step.reduce():
             for p in params:  # a local gradient: nothing may act on it (it is kept)
                 p.grad = None
+
+    def close(self) -> None:
+        """Take the hooks off the parameters (the model outlives the session)."""
+        for hook in self._hooks or ():
+            hook.remove()
+        self._hooks = None
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor | None:
         """:meth:`Step.clip_grad_norm_` on the step's last batch; None on another batch
@@ -210,8 +283,8 @@ class EpochLoop:
 
     def _settled_step(self, call: str) -> Step:
         if self._step is None or not self._settled:
-            raise RuntimeError(f"{call} follows session.backward(loss) in the loop over "
-                               "session.loader")
+            raise RuntimeError(f"{call} follows the batch's loss.backward() in the loop "
+                               "over session.loader")
         return self._step
 
     def _ends_epoch(self, step: Step) -> bool:
@@ -221,7 +294,7 @@ class EpochLoop:
         """The next step from the session (its boundary first), or None at the end."""
         assert self._steps is not None
         self._step = step = next(self._steps, None)
-        self._ahead, self._stash = None, None
+        self._ahead, self._stash, self._pass = None, None, None
         self._out = self._settled = False
         if step is None:
             return

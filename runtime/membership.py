@@ -44,6 +44,7 @@ import torch.distributed as dist
 from opentelemetry import context as otel_context
 
 from phalanx.bus import telemetry
+from phalanx.runtime import default_group
 from phalanx.runtime.data import MicroBatch
 from phalanx.runtime.group import Aborted, Group, rendezvous
 from phalanx.runtime.resume import resume
@@ -209,6 +210,7 @@ class Membership:
                         self._leave(newest)
                     if self.generation is not None:
                         self.rank = None  # its state is no longer the job's
+                        default_group.clear()
                         raise Dropped(f"{s.replica_id} is not a member of generation "
                                       f"{newest.generation} of {s.job_id}")
                 else:
@@ -285,6 +287,7 @@ class Membership:
         left = LeftTheJob(s.job_id, s.replica_id, s.committed - 1, generation.generation)
         log.info("%s", left)
         self.rank = None  # the job goes on without it: it is nobody's primary
+        default_group.clear()
         if s._record is not None:
             s._record.write(kind="left", step=s.committed, generation=generation.generation,
                             planned=True)
@@ -438,6 +441,7 @@ class Membership:
             job_id=s.job_id, generation=generation.generation, replica_id=s.replica_id,
             committed_step=s.committed, resume_step=resume, rebuild_s=built - received,
             state_copy_s=synced - built, state_bytes=nbytes, restored_from=self._restored_from)
+        default_group.answer(self.rank, self.world_size)
         if s._progress is not None:
             s._progress.generation = generation.generation
         # In the replica's log (the agent's file for its output): where membership changed.

@@ -44,6 +44,7 @@ from typing import TYPE_CHECKING, Any, TypeGuard, cast
 import torch
 import torch.distributed as dist
 
+from phalanx.runtime import default_group
 from phalanx.runtime.group import Group
 from phalanx.runtime.state import Wait, _fill, _strip
 
@@ -78,13 +79,13 @@ def sharded_optimizer(params: Any, optimizer_class: type[torch.optim.Optimizer],
     """A ``ZeroRedundancyOptimizer`` of ``optimizer_class`` over ``params``, for
     :class:`~.elastic.ElasticSession` (which partitions it over each generation).
 
-    Initialises a one-process gloo world as the default process group if the process
-    has none (the session never uses it for training: each generation has its own group).
+    ZeRO's constructor needs a default process group: if the process has none, it gets
+    the session's (:mod:`.default_group`), rank 0 of 1 until the replica applies a
+    generation (the session never uses it for training: each generation has its own group).
     """
     from torch.distributed.optim import ZeroRedundancyOptimizer
 
-    if not dist.is_initialized():
-        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    default_group.answer(0, 1)
     if dist.get_world_size() != 1:
         raise RuntimeError("the process already has a default group of "
                            f"{dist.get_world_size()} ranks: under the session a sharded "

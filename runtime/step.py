@@ -82,6 +82,9 @@ class Step:
         self.updated = True
         self._weight: float | None = None  # of the micro-batch being yielded
         self._loss_share = 0.0
+        #: A loss was counted (:meth:`backward`, or given to :meth:`reduce`): a script's
+        #: own ``loss.backward()`` tells the step none.
+        self.loss_given = False
         self._metric_shares: dict[str, float] = {}
         self._reduced: bool | None = None
         self._reduced_at = 0.0
@@ -128,6 +131,7 @@ class Step:
             raise RuntimeError("step.backward(loss) belongs inside the loop over the step's "
                                "micro-batches (for batch in step: ...)")
         self._loss_share += float(loss.detach()) * self._weight
+        self.loss_given = True
         (loss * self._weight).backward()
 
     def add(self, name: str, value: float | torch.Tensor) -> None:
@@ -180,7 +184,7 @@ class Step:
                                  "the first reduce() or commit()")
             return self._reduced
         if loss is not None:
-            self._loss_share = float(loss)
+            self._loss_share, self.loss_given = float(loss), True
         self._runner.record_batch(self)  # before the gradients leave this process
         self._computed_at = time.perf_counter()
         self._reduced = self._runner.allreduce(self)

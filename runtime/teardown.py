@@ -39,14 +39,23 @@ from typing import Any
 _armed = False
 _status: int | None = None  # known from the session's __exit__, if it saw one
 _uncaught = False
+_watching = False
 
 
 def arm() -> None:
     """The process trained over gloo: at exit, skip its teardown (idempotent)."""
     global _armed
-    if _armed:
-        return
     _armed = True
+    watch()
+
+
+def watch() -> None:
+    """Note an uncaught exception from now on (idempotent): a session the script leaves
+    open is closed at exit, after the exception was reported (:func:`failed`)."""
+    global _watching
+    if _watching:
+        return
+    _watching = True
     previous_hook = sys.excepthook
 
     def remember(kind: type[BaseException], value: BaseException, tb: Any) -> None:
@@ -65,6 +74,11 @@ def exit_status(exc: BaseException | None) -> None:
         _status = 0 if code is None else code if isinstance(code, int) else 1
     elif exc is not None:
         _status = 1
+
+
+def failed() -> bool:
+    """Whether an uncaught exception is ending the process (seen once :func:`watch` ran)."""
+    return _uncaught
 
 
 def _leave() -> None:

@@ -231,7 +231,8 @@ class StepRunner:
             record.write(
                 kind="batch", step=step.index, generation=self._generation_number(),
                 rank=self.membership.rank, world_size=self.membership.world_size,
-                indices=step.indices, loss=float(step.local_metrics()[0]),
+                indices=step.indices,
+                loss=float(step.local_metrics()[0]) if step.loss_given else None,
                 kept=0 if step.kept is None else len(step.kept.indices))
 
     def committed(self, step: Step, now: float) -> None:

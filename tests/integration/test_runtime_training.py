@@ -99,13 +99,18 @@ class Job:
                 process.kill()
                 await process.wait()
 
-    async def start(self, replica: str, slot: int, env: dict[str, str] | None = None) -> None:
+    async def start(self, replica: str, slot: int, env: dict[str, str] | None = None,
+                    log: Path | None = None) -> None:
+        """Start ``replica`` in ``slot`` (its output to ``log``, if given)."""
+        output = None if log is None else log.open("wb")
         self.processes[replica] = await asyncio.create_subprocess_exec(
-            *self.command, env={
+            *self.command, stdout=output, env={
                 **clean_env(), **RUN_ENV, "PHALANX_NATS_URL": self.nats.url,
                 "PHALANX_JOB_ID": self.uid, "PHALANX_RANK": str(slot),
                 "PHALANX_REPLICA_ID": replica, "PHALANX_NODE_ID": "n",
                 "PHALANX_RECORD_DIR": str(self.tmp / "rec"), **(env or {})})
+        if output is not None:
+            output.close()  # the child holds its own descriptor
 
     async def until(self, condition: Callable[[], bool]) -> None:
         async def check() -> None:

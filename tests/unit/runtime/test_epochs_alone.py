@@ -35,13 +35,19 @@ def parts(tmp_path: Path, deterministic: bool = False, micro: int | None = 3,
 
 
 def ddp_shaped(session: ElasticSession, model: torch.nn.Module,
-               optimizer: torch.optim.Optimizer, scheduler, epochs: int) -> list[tuple]:
-    """A DDP loop as users write it: zero_grad before backward, torch's clip after it."""
+               optimizer: torch.optim.Optimizer, scheduler, epochs: int,
+               plain: bool = False) -> list[tuple]:
+    """A DDP loop as users write it: zero_grad before backward, torch's clip after it
+    (``plain``: the script's own ``loss.backward()``, else ``session.backward(loss)``)."""
     seen = []
     for epoch in session.epochs(epochs):
         for x, y in session.loader:
             optimizer.zero_grad(set_to_none=True)
-            session.backward(torch.nn.functional.mse_loss(model(x), y))
+            loss = torch.nn.functional.mse_loss(model(x), y)
+            if plain:
+                loss.backward()
+            else:
+                session.backward(loss)
             torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)
             if not session.commit():
                 continue
@@ -108,7 +114,7 @@ def test_misuses_of_the_loop_are_refused_by_name(tmp_path: Path) -> None:
     loss = torch.nn.functional.mse_loss(model(torch.zeros(1, 4)), torch.zeros(1, 2))
     with pytest.raises(RuntimeError, match="belongs in the loop over session.loader"):
         session.backward(loss)
-    with pytest.raises(RuntimeError, match="follows session.backward"):
+    with pytest.raises(RuntimeError, match="follows the batch's loss.backward"):
         session.commit()
     with pytest.raises(RuntimeError, match="inside `for epoch in session.epochs"):
         next(iter(session.loader))
@@ -119,9 +125,9 @@ def test_misuses_of_the_loop_are_refused_by_name(tmp_path: Path) -> None:
     next(epochs)
     batches = iter(session.loader)
     x, y = next(batches)
-    with pytest.raises(RuntimeError, match="follows session.backward"):
+    with pytest.raises(RuntimeError, match="follows the batch's loss.backward"):
         session.commit()
-    with pytest.raises(RuntimeError, match="call session.backward"):
+    with pytest.raises(RuntimeError, match="call loss.backward"):
         next(batches)
     with pytest.raises(RuntimeError, match="runs once per session"):
         next(session.epochs(2))
@@ -139,3 +145,83 @@ def test_misuses_of_the_loop_are_refused_by_name(tmp_path: Path) -> None:
         session.commit()
     with pytest.raises(RuntimeError, match="left epoch 0 at step 0"):
         next(epochs)  # the loop over the loader left the epoch after one step
+
+
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_the_scripts_own_loss_backward_trains_as_session_backward_does(
+        tmp_path: Path, deterministic: bool) -> None:
+    # The hooks weight each micro-batch's gradient where session.backward weights its loss:
+    # the same sums, rounded at another point, so close rather than bitwise; and the plain
+    # form is as deterministic as the other (the same run twice is bitwise the same).
+    runs = []
+    for plain in (False, True, True):
+        session, model, optimizer, scheduler = parts(
+            tmp_path, deterministic, record_dir=str(tmp_path / f"rec{len(runs)}"))
+        ddp_shaped(session, model, optimizer, scheduler, 3, plain=plain)
+        runs.append((model, scheduler))
+    (told, told_scheduler), (plain, plain_scheduler), (again, _) = runs
+    for p, q, r in zip(told.parameters(), plain.parameters(), again.parameters(), strict=True):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+        assert torch.equal(q, r)
+    assert told_scheduler.state_dict() == plain_scheduler.state_dict()
+    # The records say what each step trained on either way; only a told loss is recorded.
+    told_lines, plain_lines = (record.read(tmp_path / rec) for rec in ("rec0", "rec1"))
+    order = ElasticOrder(SAMPLES, BATCH)
+    steps = 3 * order.steps_per_epoch
+    assert record.verify(plain_lines, order, steps) == []
+    batches = [[line for lines in replicas.values() for line in lines
+                if line["kind"] == "batch"] for replicas in (told_lines, plain_lines)]
+    assert all(line["loss"] > 0 for line in batches[0])
+    assert all(line["loss"] is None for line in batches[1])
+    assert len(batches[0]) == len(batches[1]) == steps
+
+
+def test_a_second_backward_of_a_batch_and_a_backward_within_a_backward_are_refused(
+        tmp_path: Path) -> None:
+    session, model, _, _ = parts(tmp_path, micro=3)
+    # Outside the loop the script's passes are its own: nothing weighted, nothing held.
+    outside = torch.ones(2, 4), torch.zeros(2, 2)
+    torch.nn.functional.mse_loss(model(outside[0]), outside[1]).backward()
+    alone = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    for _ in session.epochs(1):
+        for x, y in session.loader:
+            loss = torch.nn.functional.mse_loss(model(x), y)
+            loss.backward(retain_graph=True)
+            with pytest.raises(RuntimeError, match="a backward with no batch awaiting one"):
+                loss.backward()
+            break
+        break
+    session.close()
+    model.zero_grad()
+    torch.nn.functional.mse_loss(model(outside[0]), outside[1]).backward()  # hooks are gone
+    assert all(torch.equal(p.grad, a) for p, a in zip(model.parameters(), alone, strict=True))
+
+    session, model, _, _ = parts(tmp_path, micro=3)
+    for _ in session.epochs(1):
+        for x, y in session.loader:
+            first, second = model[0], torch.nn.Sequential(model[1], model[2])
+            hidden = torch.utils.checkpoint.checkpoint(first, x.requires_grad_(),
+                                                       use_reentrant=True)
+            out = torch.utils.checkpoint.checkpoint(second, hidden, use_reentrant=True)
+            with pytest.raises(RuntimeError, match="use_reentrant=False"):
+                torch.nn.functional.mse_loss(out, y).backward()
+            break
+        break
+
+
+def test_non_reentrant_activation_checkpointing_trains_as_without(tmp_path: Path) -> None:
+    models = []
+    for checkpointed in (False, True):
+        session, model, _, _ = parts(tmp_path, micro=3)
+        for _ in session.epochs(1):
+            for x, y in session.loader:
+                out = torch.utils.checkpoint.checkpoint(model, x, use_reentrant=False) \
+                    if checkpointed else model(x)
+                torch.nn.functional.mse_loss(out, y).backward()
+                if not session.commit():
+                    continue
+        session.close()
+        models.append(model)
+    for p, q in zip(*(m.parameters() for m in models), strict=True):
+        assert torch.equal(p, q)

@@ -1,0 +1,91 @@
+"""torch.distributed's default group under the session: ``dist.get_rank()`` and
+``dist.get_world_size()`` answer for the generation this replica applied last.
+
+A DDP script asks the default group who it is wherever it decides something
+per rank: the log line and the save on rank 0, a data path, a seed. Under the
+session the membership changes, so each time this replica applies a
+generation the default group is made again, with no communication: a process
+group of this module's backend, ``phalanx``, that holds the rank and the size
+and nothing else. Alone it is rank 0 of 1. Before a replica's first
+generation, and once it is no longer a member (dropped, or left in a planned
+shrink), the process has no default group (``dist.is_initialized()`` is
+False).
+
+A collective on it is refused by name. The session's collectives are
+abortable: a peer that dies aborts them and the step runs again in the next
+generation. A collective on a default group would block on a dead peer, or
+mix members of two generations, so a rank's number goes into the step's own
+reduce instead (``metrics=`` and :meth:`~.step.Step.add`).
+
+A default group the process made itself before the session (its own
+``init_process_group``) is left alone, and answers for itself.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, NoReturn
+
+import torch.distributed as dist
+
+log = logging.getLogger("phalanx.runtime")
+
+#: The backend's name, as ``dist.get_backend()`` gives it.
+BACKEND = "phalanx"
+
+#: The collectives a ``ProcessGroup`` offers, each refused on this one.
+_COLLECTIVES = (
+    "allgather", "allgather_coalesced", "allgather_into_tensor_coalesced", "_allgather_base",
+    "allreduce", "allreduce_coalesced", "alltoall", "alltoall_base", "barrier", "broadcast",
+    "gather", "monitored_barrier", "recv", "recv_anysource", "reduce", "reduce_scatter",
+    "_reduce_scatter_base", "reduce_scatter_tensor_coalesced", "scatter", "send")
+
+
+class MembershipGroup(dist.ProcessGroup):
+    """A default process group that is a rank and a size: its collectives are refused."""
+
+    def refuse(self, *args: Any, **kwargs: Any) -> NoReturn:
+        raise RuntimeError(
+            f"a collective on the default process group (rank {self.rank()} of "
+            f"{self.size()}): under phalanx it only says who this rank is; the session's "
+            "collectives are the abortable ones (add a number to the step's reduce with "
+            "metrics= and step.add, or use session.pg)")
+
+
+for _name in _COLLECTIVES:
+    if hasattr(dist.ProcessGroup, _name):
+        setattr(MembershipGroup, _name, MembershipGroup.refuse)
+
+
+def _create(store: dist.Store, rank: int, world_size: int, timeout: Any) -> MembershipGroup:
+    # The (rank, size) constructor: the only one a Python subclass may use (torch's stub
+    # lists the one with a store alone).
+    return MembershipGroup(rank, world_size)  # type: ignore[call-arg]
+
+
+def _registered() -> None:
+    if not hasattr(dist.Backend, BACKEND.upper()):
+        dist.Backend.register_backend(BACKEND, _create, devices=["cpu", "cuda"])
+
+
+def ours() -> bool:
+    """Whether the process's default group is the session's (not one of the script's)."""
+    return dist.is_initialized() and dist.get_backend() == BACKEND
+
+
+def answer(rank: int, world_size: int) -> None:
+    """Make the default group say ``rank`` of ``world_size`` (unless the script made its own)."""
+    if dist.is_initialized():
+        if not ours():
+            return
+        if (dist.get_rank(), dist.get_world_size()) == (rank, world_size):
+            return
+        dist.destroy_process_group()
+    _registered()
+    dist.init_process_group(BACKEND, store=dist.HashStore(), rank=rank, world_size=world_size)
+
+
+def clear() -> None:
+    """No default group: this replica is no longer a member (the script's own is kept)."""
+    if ours():
+        dist.destroy_process_group()

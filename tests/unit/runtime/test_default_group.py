@@ -1,0 +1,98 @@
+"""torch.distributed's default group under the session, and a session the script leaves open."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from phalanx.runtime import default_group, record
+from phalanx.runtime.elastic import ElasticSession
+from phalanx.runtime.sharded import sharded_optimizer
+
+
+@pytest.fixture(autouse=True)
+def no_default_group() -> Iterator[None]:
+    """Each test starts and ends with no default group in this process."""
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    yield
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def session_alone() -> ElasticSession:
+    model = torch.nn.Linear(2, 1)
+    data = [(torch.zeros(2), torch.zeros(1))] * 8
+    return ElasticSession(model, torch.optim.SGD(model.parameters(), lr=0.1), data,
+                          global_batch=4)
+
+
+def test_a_session_alone_is_rank_0_of_1_and_collectives_on_the_default_group_are_refused(
+        ) -> None:
+    session_alone()
+    assert (dist.get_rank(), dist.get_world_size(), dist.get_backend()) == (0, 1, "phalanx")
+    for collective in (lambda: dist.all_reduce(torch.ones(1)), dist.barrier,
+                       lambda: dist.broadcast(torch.ones(1), 0)):
+        with pytest.raises(RuntimeError, match="default process group.*step.add"):
+            collective()
+
+
+def test_each_generation_remakes_the_default_group_and_a_non_member_has_none() -> None:
+    default_group.answer(2, 4)
+    assert (dist.get_rank(), dist.get_world_size()) == (2, 4)
+    default_group.answer(0, 3)
+    assert (dist.get_rank(), dist.get_world_size()) == (0, 3)
+    default_group.clear()
+    assert not dist.is_initialized()
+
+
+def test_a_default_group_the_script_made_itself_is_left_alone() -> None:
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    session_alone()
+    default_group.answer(1, 2)
+    default_group.clear()
+    assert dist.get_backend() == "gloo"
+    dist.all_reduce(torch.ones(1))  # the script's own group does its collectives
+
+
+def test_a_sharded_optimizer_is_built_over_the_sessions_default_group() -> None:
+    model = torch.nn.Linear(2, 1)
+    zero = sharded_optimizer(model.parameters(), torch.optim.AdamW, lr=0.1)
+    assert (zero.world_size, dist.get_backend()) == (1, "phalanx")
+
+
+SCRIPT = """
+import sys, torch
+from phalanx.runtime.elastic import ElasticSession
+torch.manual_seed(0)
+model = torch.nn.Linear(2, 1)
+data = [(torch.randn(2), torch.randn(1)) for _ in range(8)]
+session = ElasticSession(model, torch.optim.SGD(model.parameters(), lr=0.1), data,
+                         global_batch=4, record_dir=sys.argv[1])
+for step in session.steps(4):
+    for x, y in step:
+        step.backward(torch.nn.functional.mse_loss(model(x), y))
+    step.commit()
+    if step.index == 1:
+        if sys.argv[2] == "raise":
+            raise RuntimeError("the script's own failure after step 1's commit")
+        break
+"""
+
+
+@pytest.mark.parametrize("ending", ["break", "raise"])
+def test_a_session_left_open_is_closed_at_exit(tmp_path: Path, ending: str) -> None:
+    # Left after step 1's commit: its boundary (the commit's record) comes as the process
+    # exits, unless an uncaught exception is ending it (the step's post-commit code failed).
+    run = subprocess.run([sys.executable, "-c", SCRIPT, str(tmp_path), ending],
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode == (1 if ending == "raise" else 0), run.stderr
+    (lines,) = record.read(tmp_path).values()
+    commits = [line["step"] for line in lines if line["kind"] == "commit"]
+    assert commits == ([0] if ending == "raise" else [0, 1])
