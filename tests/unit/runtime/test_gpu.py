@@ -234,6 +234,35 @@ def test_a_lone_session_trains_on_the_gpu_and_deterministic_mode_repeats_bitwise
     assert all(torch.equal(a, b) for a, b in zip(first, again, strict=True))
 
 
+def test_the_scripts_own_backward_on_the_gpu_trains_as_session_backward_does(
+        global_cuda_settings: Any) -> None:
+    # The hooks and the pass's end callback run on the autograd engine's device thread.
+    def train(plain: bool) -> list[torch.Tensor]:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(8, 64), torch.nn.GELU(),
+                                    torch.nn.Linear(64, 2)).to(GPU)
+        optimizer = torch.optim.AdamW(model.parameters())
+        session = ElasticSession(model, optimizer, Tokens(), global_batch=16,
+                                 micro_batch_size=4, deterministic=True)
+        for _ in session.epochs(2):
+            for x, y in session.loader:
+                loss = torch.nn.functional.mse_loss(model(x.to(GPU)), y.to(GPU))
+                if plain:
+                    loss.backward()
+                else:
+                    session.backward(loss)
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+                if not session.commit():
+                    continue
+        session.close()
+        return [p.detach().cpu() for p in model.parameters()]
+
+    told, plain, again = train(False), train(True), train(True)
+    for a, b, c in zip(told, plain, again, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+        assert torch.equal(b, c)
+
+
 def test_a_spare_whose_cuda_started_refuses_a_replica_on_other_gpus() -> None:
     torch.ones(1, device=GPU)  # CUDA is up in this process, on the devices it sees
     seen = os.environ.get("CUDA_VISIBLE_DEVICES", "")
