@@ -52,6 +52,7 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed as dist
 
+from phalanx.runtime import gloo_loop
 from phalanx.runtime.inbox import Inbox
 from phalanx.runtime.placement import Backend, nccl_environment
 from phalanx.schemas.messages import Generation
@@ -147,12 +148,14 @@ class Waits:
         """Give ``group`` up: an NCCL group is aborted (its kernels end, the device is free
         for the next generation) and released, on a thread of its own (:attr:`aborting`);
         a gloo group is kept (its threads may still block on a dead peer, until gloo's
-        timeout)."""
+        timeout), its loop made edge-triggered so that it cannot spin on a connection it
+        will never read again (:mod:`.gloo_loop`)."""
         if isinstance(group, DeviceGroup) and group.backend_kind is Backend.NCCL:
             self.aborting = [t for t in self.aborting if t.is_alive()]
             self.aborting.append(group.abort())
         else:
             self.abandoned.append(group)
+            gloo_loop.quiet_group(group.backend if isinstance(group, DeviceGroup) else group)
 
     def aborted(self, timeout: float) -> bool:
         """Wait up to ``timeout`` seconds for the NCCL aborts under way; whether all ended
@@ -308,7 +311,7 @@ def connect(store: dist.Store, rank: int, world_size: int, timeout: datetime.tim
         options._timeout = timeout
         return DeviceGroup(ProcessGroupNCCL(store, rank, world_size, options), backend,
                            device)
-    gloo = dist.ProcessGroupGloo(store, rank, world_size, timeout)
+    gloo = gloo_loop.built(lambda: dist.ProcessGroupGloo(store, rank, world_size, timeout))
     # torch's stub derives ProcessGroupGloo from Backend and gives it none of the
     # collectives (allreduce, broadcast, send, recv) it has and ProcessGroup declares.
     return gloo if device.type == "cpu" else DeviceGroup(  # type: ignore[return-value]
