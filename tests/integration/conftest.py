@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
+
+from phalanx.services.agent.zygote import Launcher
 
 
 @pytest.fixture(scope="module")
@@ -17,3 +20,13 @@ def data(tmp_path_factory: pytest.TempPathFactory) -> Path:
     subprocess.run([sys.executable, str(worker), "--prepare", str(path)], check=True,
                    timeout=120)
     return path
+
+
+@pytest.fixture(scope="session")
+async def launcher(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Launcher]:
+    """Starts the tests' rank processes as an agent does: forked from a zygote that has
+    torch imported (started cold, a worker spent about 2.4 s of CPU before its first step,
+    most of what these modules cost)."""
+    launcher = Launcher(tmp_path_factory.mktemp("launcher"))
+    yield launcher
+    await launcher.close()

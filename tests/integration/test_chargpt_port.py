@@ -18,13 +18,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_runtime_training import RUN_ENV, Job, clean_env
+from test_runtime_training import RUN_ENV, Job, clean_env, run
 
 from phalanx.bus.client import Bus, Delivery
 from phalanx.runtime import record
 from phalanx.runtime.data import ElasticOrder
 from phalanx.schemas import subjects
 from phalanx.schemas.messages import GenerationApplied, GenerationReason
+from phalanx.services.agent.zygote import Launcher
 from phalanx.services.natsd import NatsServer
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
@@ -62,13 +63,13 @@ def test_the_ddp_script_trains_under_torchrun(data: Path, tmp_path: Path) -> Non
 
 
 async def test_the_port_trains_through_an_aborted_step_and_a_join_as_it_does_alone(
-        tmp_path: Path, data: Path, nats_server: NatsServer, bus: Bus, uid: str) -> None:
+        tmp_path: Path, data: Path, nats_server: NatsServer, bus: Bus, uid: str,
+        launcher: Launcher) -> None:
     command = [sys.executable, str(EXAMPLES / "chargpt.py"), "--data-dir", str(data), *ARGS,
                "--epochs", str(EPOCHS)]
-    alone_log = subprocess.run(
-        [*command, "--save", str(tmp_path / "alone.pt")], check=True, timeout=300,
-        capture_output=True, text=True,
-        env={**clean_env(), **RUN_ENV, "PHALANX_RECORD_DIR": str(tmp_path / "ref")}).stdout
+    alone_log = await run(launcher, [*command, "--save", str(tmp_path / "alone.pt")],
+                          {**clean_env(), **RUN_ENV, "PHALANX_RECORD_DIR": str(tmp_path / "ref")},
+                          tmp_path / "alone.out")
     applied: dict[int, set[str]] = {}
     changed = asyncio.Event()
 
@@ -83,13 +84,13 @@ async def test_the_port_trains_through_an_aborted_step_and_a_join_as_it_does_alo
 
     await bus.subscribe(subjects.generation_applied(uid), GenerationApplied, on_applied)
     release = tmp_path / "release"
-    async with Job(bus, nats_server, uid, tmp_path, data) as job:
+    async with Job(bus, nats_server, uid, tmp_path, data, launcher=launcher) as job:
         job.command = [*command, "--save", str(tmp_path / "final.pt")]
         env = {"PHALANX_CHAOS_KILL": f"r2-0:{KILL_STEP}:allreduce",
                # At most 10 steps/s until the joiner is in: it joins before the end.
                "PHALANX_CHAOS_PACE": f"0.1:{release}"}
         for slot, replica in enumerate(["r0-0", "r1-0", "r2-0", "r3-0"]):
-            await job.start(replica, slot, env, log=tmp_path / f"{replica}.out")
+            await job.start(replica, slot, env)
         await job.publish(["r0-0", "r1-0", "r2-0"], GenerationReason.START)
         assert await asyncio.wait_for(job.processes["r2-0"].wait(), 120) == -9
         await job.publish(["r0-0", "r1-0"], GenerationReason.FAULT)
@@ -113,7 +114,7 @@ async def test_the_port_trains_through_an_aborted_step_and_a_join_as_it_does_alo
     # join, with the step and LR the script alone logs (the loss is rank 0's last batch's).
     logged = sorted(line.rsplit(" loss ", 1)[0] + " lr " + line.rsplit(" lr ", 1)[1]
                     for replica in ("r0-0", "r1-0", "r2-0", "r3-0")
-                    for line in (tmp_path / f"{replica}.out").read_text().splitlines()
+                    for line in job.log(replica).read_text().splitlines()
                     if line.startswith("epoch "))
     expected = sorted(line.rsplit(" loss ", 1)[0] + " lr " + line.rsplit(" lr ", 1)[1]
                       for line in alone_log.splitlines() if line.startswith("epoch "))

@@ -15,6 +15,8 @@ import sys
 import time
 from pathlib import Path
 
+from test_runtime_training import kill, start
+
 from phalanx.bus.client import Bus, Delivery
 from phalanx.bus.config import BusConfig
 from phalanx.runtime import record
@@ -27,6 +29,7 @@ from phalanx.schemas.messages import (
     RankProgress,
     ReplicaReady,
 )
+from phalanx.services.agent.zygote import ChildProcess, Launcher
 from phalanx.services.natsd import NatsServer
 
 SCRIPT = Path(__file__).resolve().parents[2] / "examples" / "train_mlp.py"
@@ -38,12 +41,13 @@ STEPS = 400
 PACE_S = 0.02
 
 
-async def test_training_goes_on_through_a_bus_outage(tmp_path: Path, uid: str) -> None:
+async def test_training_goes_on_through_a_bus_outage(tmp_path: Path, uid: str,
+                                                     launcher: Launcher) -> None:
     data = tmp_path / "data"
     subprocess.run([sys.executable, str(SCRIPT), "--prepare", "--data-dir", str(data), *ARGS],
                    check=True, timeout=120)
     server = NatsServer(tmp_path / "js", port=0, log_path=tmp_path / "nats.log").start()
-    ranks: list[asyncio.subprocess.Process] = []
+    ranks: list[ChildProcess] = []
     try:
         async with await Bus.connect(BusConfig.load(env={}, servers=[server.url])) as bus:
             ready: dict[str, ReplicaReady] = {}
@@ -66,9 +70,9 @@ async def test_training_goes_on_through_a_bus_outage(tmp_path: Path, uid: str) -
                        "PHALANX_RANK": str(slot), "PHALANX_REPLICA_ID": f"r{slot}-0",
                        "PHALANX_NODE_ID": "n", "PHALANX_RECORD_DIR": str(tmp_path / "rec"),
                        "PHALANX_CHAOS_PACE": f"{PACE_S}:{tmp_path / 'never'}"}
-                ranks.append(await asyncio.create_subprocess_exec(
-                    sys.executable, str(SCRIPT), "--data-dir", str(data), *ARGS,
-                    "--steps", str(STEPS), env=env))
+                ranks.append(await start(
+                    launcher, [sys.executable, str(SCRIPT), "--data-dir", str(data), *ARGS,
+                               "--steps", str(STEPS)], env, tmp_path / f"r{slot}-0.out"))
             await asyncio.wait_for(all_ready.wait(), 120)
             members = [Member(replica_id=r.replica_id, rank=i, node_id="n", endpoint=r.endpoint)
                        for i, r in enumerate(sorted(ready.values(), key=lambda r: r.slot))]
@@ -82,8 +86,7 @@ async def test_training_goes_on_through_a_bus_outage(tmp_path: Path, uid: str) -
     finally:
         server.stop()
         for process in ranks:
-            if process.returncode is None:
-                process.kill()
+            kill(process)
     assert codes == [0, 0]
     records = record.read(tmp_path / "rec")
     assert record.verify(records, ElasticOrder(256, 64), STEPS) == []

@@ -24,6 +24,7 @@ from phalanx.runtime import record
 from phalanx.runtime.data import ElasticOrder
 from phalanx.schemas import subjects
 from phalanx.schemas.messages import Generation, GenerationGivenUp, GenerationReason, Member
+from phalanx.services.agent.zygote import Launcher
 from phalanx.services.natsd import NatsServer
 
 STEPS = 30
@@ -38,12 +39,13 @@ def unused_address() -> str:
 
 
 async def test_a_member_that_cannot_form_the_newest_generation_reports_it_while_it_waits(
-        tmp_path: Path, nats_server: NatsServer, bus: Bus, uid: str, data: Path) -> None:
+        tmp_path: Path, nats_server: NatsServer, bus: Bus, uid: str, data: Path,
+        launcher: Launcher) -> None:
     reports: list[GenerationGivenUp] = []
     await ensure_job_events(bus)
     cursor = await last_seq(bus)
     async with Job(bus, nats_server, uid, tmp_path, data, "--steps", str(STEPS),
-                   "--collective-timeout", "3") as job:
+                   "--collective-timeout", "3", launcher=launcher) as job:
         async def on_given_up(message: GenerationGivenUp, _: Delivery) -> None:
             reports.append(message)
             job.changed.set()

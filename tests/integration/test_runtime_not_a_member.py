@@ -22,6 +22,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
+from test_runtime_training import kill, run, start
 
 from phalanx.bus.client import Bus, Delivery
 from phalanx.runtime import record
@@ -34,6 +35,7 @@ from phalanx.schemas.messages import (
     RankProgress,
     ReplicaReady,
 )
+from phalanx.services.agent.zygote import ChildProcess, Launcher
 from phalanx.services.natsd import NatsServer
 
 SCRIPT = Path(__file__).resolve().parents[2] / "examples" / "train_mlp.py"
@@ -51,14 +53,15 @@ def clean_env() -> dict[str, str]:
 
 
 async def test_replicas_the_job_completes_without_save_nothing(
-        tmp_path: Path, nats_server: NatsServer, bus: Bus, uid: str) -> None:
+        tmp_path: Path, nats_server: NatsServer, bus: Bus, uid: str,
+        launcher: Launcher) -> None:
     data = tmp_path / "data"
     subprocess.run([sys.executable, str(SCRIPT), "--prepare", "--data-dir", str(data), *ARGS],
                    check=True, timeout=120)
     command = [sys.executable, str(SCRIPT), "--data-dir", str(data), *ARGS,
                "--steps", str(STEPS)]
-    subprocess.run([*command, "--save", str(tmp_path / "reference.pt")], check=True,
-                   timeout=300, env={**clean_env(), **RUN_ENV})
+    await run(launcher, [*command, "--save", str(tmp_path / "reference.pt")],
+              {**clean_env(), **RUN_ENV}, tmp_path / "reference.out")
     ready: dict[str, list[ReplicaReady]] = {}
     changed = asyncio.Event()
     progress: list[RankProgress] = []
@@ -80,17 +83,17 @@ async def test_replicas_the_job_completes_without_save_nothing(
 
     await bus.subscribe(subjects.replica_ready(uid), ReplicaReady, on_ready)
     await bus.subscribe(subjects.health_job_ranks(uid), RankProgress, on_progress)
-    replicas: dict[str, asyncio.subprocess.Process] = {}
+    replicas: dict[str, ChildProcess] = {}
     release = tmp_path / "release"
     try:
         for slot, replica in enumerate([*MEMBERS, WAITING, STOPPED]):
-            replicas[replica] = await asyncio.create_subprocess_exec(
-                *command, "--save", str(tmp_path / "final.pt"), env={
+            replicas[replica] = await start(
+                launcher, [*command, "--save", str(tmp_path / "final.pt")], {
                     **clean_env(), **RUN_ENV, "PHALANX_NATS_URL": nats_server.url,
                     "PHALANX_JOB_ID": uid, "PHALANX_RANK": str(slot),
                     "PHALANX_REPLICA_ID": replica, "PHALANX_NODE_ID": "n",
                     "PHALANX_RECORD_DIR": str(tmp_path / "rec"),
-                    "PHALANX_CHAOS_PACE": f"{PACE_S}:{release}"})
+                    "PHALANX_CHAOS_PACE": f"{PACE_S}:{release}"}, tmp_path / f"{replica}.out")
         await until(lambda: len(ready) == 4)
         members = [Member(replica_id=r, rank=i, node_id="n", endpoint=ready[r][0].endpoint)
                    for i, r in enumerate(MEMBERS)]
@@ -101,13 +104,12 @@ async def test_replicas_the_job_completes_without_save_nothing(
         # Waiting to be taken in, a replica says again that it is ready (elasticity may
         # have restarted and missed it): it waits for a newer generation, not in a spin.
         await until(lambda: any(r.sent_at > published + 1.0 for r in ready[WAITING]))
-        replicas[STOPPED].send_signal(signal.SIGTERM)  # as the agent stops a replica
+        os.kill(replicas[STOPPED].pid, signal.SIGTERM)  # as the agent stops a replica
         release.touch()  # the job may run to its end at full speed
         codes = {r: await asyncio.wait_for(p.wait(), 240) for r, p in replicas.items()}
     finally:
         for process in replicas.values():
-            if process.returncode is None:
-                process.kill()
+            kill(process)
     assert codes == {**dict.fromkeys(MEMBERS, 0), WAITING: 0, STOPPED: -signal.SIGTERM}
     assert max(p.step for p in progress) == STEPS  # it left after the job's last commit
     records = record.read(tmp_path / "rec")

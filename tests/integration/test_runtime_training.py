@@ -12,8 +12,9 @@ the same script run alone: parameters, optimizer, scheduler and EMA state.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
-import subprocess
+import signal
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -34,6 +35,7 @@ from phalanx.schemas.messages import (
     ReplicaReady,
     StateSource,
 )
+from phalanx.services.agent.zygote import ChildProcess, Launcher
 from phalanx.services.natsd import NatsServer
 
 WORKER = Path(__file__).resolve().parent / "runtime_worker.py"
@@ -44,10 +46,39 @@ def clean_env() -> dict[str, str]:
     return {k: v for k, v in os.environ.items() if not k.startswith("PHALANX_")}
 
 
-def alone(data: Path, out: Path, *args: str) -> dict[str, Any]:
+async def start(launcher: Launcher, command: list[str], env: dict[str, str],
+                log: Path) -> ChildProcess:
+    """``command`` as an agent starts a rank (forked from the launcher's zygote), its
+    output to ``log``."""
+    with log.open("ab") as output:  # the process holds its own descriptor
+        process = await launcher.start(command, env, output)
+    return process
+
+
+def kill(process: ChildProcess) -> None:
+    """SIGKILL ``process`` unless it has ended."""
+    if process.returncode is None:
+        with contextlib.suppress(ProcessLookupError):  # exited meanwhile: its exit is known
+            os.kill(process.pid, signal.SIGKILL)
+
+
+def tail(log: Path, chars: int = 3000) -> str:
+    return log.read_text(errors="replace")[-chars:] if log.exists() else "(no output)"
+
+
+async def run(launcher: Launcher, command: list[str], env: dict[str, str], log: Path) -> str:
+    """Run ``command`` to its end (it must succeed); its output."""
+    process = await start(launcher, command, env, log)
+    code = await asyncio.wait_for(process.wait(), 300)
+    assert code == 0, f"{command[1]} exited {code}:\n{tail(log)}"
+    return log.read_text()
+
+
+async def alone(launcher: Launcher, data: Path, out: Path, *args: str) -> dict[str, Any]:
     """The reference: the same script alone (world size 1)."""
-    subprocess.run([sys.executable, str(WORKER), "--data", str(data), "--out", str(out),
-                    *args], check=True, timeout=300, env={**clean_env(), **RUN_ENV})
+    out.mkdir(parents=True, exist_ok=True)
+    await run(launcher, [sys.executable, str(WORKER), "--data", str(data), "--out", str(out),
+                         *args], {**clean_env(), **RUN_ENV}, out / "alone.out")
     return torch.load(out / "local.pt")
 
 
@@ -69,14 +100,15 @@ class Job:
     """Replicas of the worker as one job on the bus; the test publishes its generations."""
 
     def __init__(self, bus: Bus, nats: NatsServer, uid: str, tmp: Path, data: Path,
-                 *args: str) -> None:
+                 *args: str, launcher: Launcher) -> None:
         self.bus, self.nats, self.uid, self.tmp = bus, nats, uid, tmp
+        self.launcher = launcher
         self.command = [sys.executable, str(WORKER), "--data", str(data), "--out",
                         str(tmp / "out"), *args]
         self.ready: dict[str, ReplicaReady] = {}
         self.step = 0  # the highest step any rank reported
         self.changed = asyncio.Event()
-        self.processes: dict[str, asyncio.subprocess.Process] = {}
+        self.processes: dict[str, ChildProcess] = {}
         self.generation = -1
 
     async def __aenter__(self) -> Job:
@@ -93,24 +125,29 @@ class Job:
                                  on_progress)
         return self
 
-    async def __aexit__(self, *_: object) -> None:
+    async def __aexit__(self, kind: object, *_: object) -> None:
         for process in self.processes.values():
             if process.returncode is None:
-                process.kill()
+                kill(process)
                 await process.wait()
+        if kind is not None:  # what each replica said, for the failure's report
+            for replica in self.processes:
+                print(f"--- {replica}:\n{tail(self.log(replica))}")
 
-    async def start(self, replica: str, slot: int, env: dict[str, str] | None = None,
-                    log: Path | None = None) -> None:
-        """Start ``replica`` in ``slot`` (its output to ``log``, if given)."""
-        output = None if log is None else log.open("wb")
-        self.processes[replica] = await asyncio.create_subprocess_exec(
-            *self.command, stdout=output, env={
-                **clean_env(), **RUN_ENV, "PHALANX_NATS_URL": self.nats.url,
-                "PHALANX_JOB_ID": self.uid, "PHALANX_RANK": str(slot),
-                "PHALANX_REPLICA_ID": replica, "PHALANX_NODE_ID": "n",
-                "PHALANX_RECORD_DIR": str(self.tmp / "rec"), **(env or {})})
-        if output is not None:
-            output.close()  # the child holds its own descriptor
+    def log(self, replica: str) -> Path:
+        """Where ``replica``'s output goes."""
+        return self.tmp / f"{replica}.out"
+
+    async def start(self, replica: str, slot: int, env: dict[str, str] | None = None) -> None:
+        self.processes[replica] = await start(self.launcher, self.command, {
+            **clean_env(), **RUN_ENV, "PHALANX_NATS_URL": self.nats.url,
+            "PHALANX_JOB_ID": self.uid, "PHALANX_RANK": str(slot),
+            "PHALANX_REPLICA_ID": replica, "PHALANX_NODE_ID": "n",
+            "PHALANX_RECORD_DIR": str(self.tmp / "rec"), **(env or {})}, self.log(replica))
+
+    def kill(self, replica: str) -> None:
+        """SIGKILL ``replica``."""
+        kill(self.processes[replica])
 
     async def until(self, condition: Callable[[], bool]) -> None:
         async def check() -> None:
@@ -138,12 +175,14 @@ class Job:
 
 
 async def test_clipping_acts_on_the_reduced_gradient_and_a_nonfinite_step_is_skipped_everywhere(
-        tmp_path: Path, data: Path, nats_server: NatsServer, bus: Bus, uid: str) -> None:
+        tmp_path: Path, data: Path, nats_server: NatsServer, bus: Bus, uid: str,
+        launcher: Launcher) -> None:
     args = ["--steps", "30", "--nan-step", "5"]
-    tight = alone(data, tmp_path / "tight", *args, "--clip", "1e-3")
-    loose = alone(data, tmp_path / "loose", *args, "--clip", "1e9")
+    tight = await alone(launcher, data, tmp_path / "tight", *args, "--clip", "1e-3")
+    loose = await alone(launcher, data, tmp_path / "loose", *args, "--clip", "1e9")
     assert not torch.equal(tight["params"]["0.weight"], loose["params"]["0.weight"])
-    async with Job(bus, nats_server, uid, tmp_path, data, *args, "--clip", "1e-3") as job:
+    async with Job(bus, nats_server, uid, tmp_path, data, *args, "--clip", "1e-3",
+                   launcher=launcher) as job:
         for slot, replica in enumerate(["r0-0", "r1-0"]):
             await job.start(replica, slot)
         await job.publish(["r0-0", "r1-0"], GenerationReason.START)
@@ -161,10 +200,12 @@ async def test_clipping_acts_on_the_reduced_gradient_and_a_nonfinite_step_is_ski
 
 
 async def test_an_aborted_step_never_steps_the_scheduler_and_a_repaired_step_reports_the_whole_loss(
-        tmp_path: Path, data: Path, nats_server: NatsServer, bus: Bus, uid: str) -> None:
+        tmp_path: Path, data: Path, nats_server: NatsServer, bus: Bus, uid: str,
+        launcher: Launcher) -> None:
     args = ["--steps", "40", "--clip", "1.0"]
-    reference = alone(data, tmp_path / "alone", *args)
-    async with Job(bus, nats_server, uid, tmp_path, data, *args, "--exit-code", "3") as job:
+    reference = await alone(launcher, data, tmp_path / "alone", *args)
+    async with Job(bus, nats_server, uid, tmp_path, data, *args, "--exit-code", "3",
+                   launcher=launcher) as job:
         for slot, replica in enumerate(["r0-0", "r1-0", "r2-0"]):
             await job.start(replica, slot, {"PHALANX_CHAOS_KILL": "r2-0:12:allreduce"})
         await job.publish(["r0-0", "r1-0", "r2-0"], GenerationReason.START)
@@ -190,16 +231,17 @@ async def test_an_aborted_step_never_steps_the_scheduler_and_a_repaired_step_rep
 
 
 async def test_a_step_that_members_sat_out_is_repaired_from_what_the_survivors_kept(
-        tmp_path: Path, data: Path, nats_server: NatsServer, bus: Bus, uid: str) -> None:
+        tmp_path: Path, data: Path, nats_server: NatsServer, bus: Bus, uid: str,
+        launcher: Launcher) -> None:
     """A join's first step: rank 0 copies its state to the joiner while ranks 1 and 2
     share the batch; rank 2 dies in that step's all-reduce. The repair computes the
     samples no survivor kept as the join had dealt them (rank 2's half, not a quarter
     of the batch by rank): nothing lost, nothing twice, the run alone bitwise."""
     args = ["--steps", "40", "--clip", "1.0"]
-    reference = alone(data, tmp_path / "alone", *args)
+    reference = await alone(launcher, data, tmp_path / "alone", *args)
     release = tmp_path / "release"
     env = {"PHALANX_CHAOS_PACE": f"0.05:{release}", "PHALANX_CHAOS_KILL": "r2-0:g1:allreduce"}
-    async with Job(bus, nats_server, uid, tmp_path, data, *args) as job:
+    async with Job(bus, nats_server, uid, tmp_path, data, *args, launcher=launcher) as job:
         for slot, replica in enumerate(["r0-0", "r1-0", "r2-0", "r3-0"]):
             await job.start(replica, slot, env)
         await job.publish(["r0-0", "r1-0", "r2-0"], GenerationReason.START)
@@ -219,12 +261,13 @@ async def test_a_step_that_members_sat_out_is_repaired_from_what_the_survivors_k
 
 
 async def test_the_lr_schedule_and_registered_state_arrive_intact_in_a_joiner(
-        tmp_path: Path, data: Path, nats_server: NatsServer, bus: Bus, uid: str) -> None:
+        tmp_path: Path, data: Path, nats_server: NatsServer, bus: Bus, uid: str,
+        launcher: Launcher) -> None:
     # Paced until the joiner has committed a step in the job, then at full speed: it is
     # taken in before the end however fast the machine, without thousands of steps after.
     steps = 200
     args = ["--steps", str(steps), "--clip", "1.0"]
-    reference = alone(data, tmp_path / "alone", *args)
+    reference = await alone(launcher, data, tmp_path / "alone", *args)
     release = tmp_path / "release"
     joined = asyncio.Event()
 
@@ -233,7 +276,7 @@ async def test_the_lr_schedule_and_registered_state_arrive_intact_in_a_joiner(
             joined.set()
 
     await bus.subscribe(subjects.generation_applied(uid), GenerationApplied, on_applied)
-    async with Job(bus, nats_server, uid, tmp_path, data, *args) as job:
+    async with Job(bus, nats_server, uid, tmp_path, data, *args, launcher=launcher) as job:
         for slot, replica in enumerate(["r0-0", "r1-0", "r2-0"]):
             await job.start(replica, slot, {"PHALANX_CHAOS_PACE": f"0.05:{release}"})
         await job.publish(["r0-0", "r1-0"], GenerationReason.START)
@@ -251,26 +294,27 @@ async def test_the_lr_schedule_and_registered_state_arrive_intact_in_a_joiner(
 
 
 async def test_a_job_whose_every_holder_of_its_state_died_goes_on_from_the_start_and_says_so(
-        tmp_path: Path, data: Path, nats_server: NatsServer, bus: Bus, uid: str) -> None:
+        tmp_path: Path, data: Path, nats_server: NatsServer, bus: Bus, uid: str,
+        launcher: Launcher) -> None:
     """No snapshots, every member killed: nothing holds the step the job reached, so the
     replacements train again from the initial state (as a restart would), report where the
     state came from, and end as the run alone does."""
     args = ["--steps", "60", "--clip", "1.0"]
-    reference = alone(data, tmp_path / "alone", *args)
+    reference = await alone(launcher, data, tmp_path / "alone", *args)
     applied: list[GenerationApplied] = []
 
     async def on_applied(message: GenerationApplied, _: Delivery) -> None:
         applied.append(message)
 
     await bus.subscribe(subjects.generation_applied(uid), GenerationApplied, on_applied)
-    async with Job(bus, nats_server, uid, tmp_path, data, *args) as job:
+    async with Job(bus, nats_server, uid, tmp_path, data, *args, launcher=launcher) as job:
         for slot, replica in enumerate(["r0-0", "r1-0"]):
             await job.start(replica, slot, {"PHALANX_CHAOS_PACE": f"0.05:{tmp_path / 'go'}"})
         await job.publish(["r0-0", "r1-0"], GenerationReason.START)
         await job.until(lambda: job.step >= 10)
         reached = job.step
         for replica in ("r0-0", "r1-0"):
-            job.processes[replica].kill()
+            job.kill(replica)
             await job.processes[replica].wait()
         for slot, replica in enumerate(["r0-1", "r1-1"]):
             await job.start(replica, slot)
