@@ -267,10 +267,12 @@ class AdmissionService(LeaderService[AdmissionTerm]):
             term.persisted[record.job_id] = (record.state, record.reason_code,
                                              tuple(record.nodes))
         # Records the crash left behind the ledger (admitted there, still pending here, or
-        # the other way round) are rewritten by the first persist.
+        # the other way round, or admitted on other nodes: a pass that moved a job wrote
+        # the ledger, then not every record) are rewritten by the first persist.
         stale = [Reconciled(gang.job_id) for gang in term.core.gangs.values()
                  if not gang.state.terminal
-                 and term.persisted[gang.job_id][0] is not gang.state]
+                 and (term.persisted[gang.job_id][0] is not gang.state
+                      or term.persisted[gang.job_id][2] != tuple(gang.nodes))]
         repair = ledger.restore(placements, store.claims)
         log.info("restored", extra={"jobs": len(current), "admitted": len(term.core.running),
                                     "reconciled": len(stale), "fenced": len(repair.fence),

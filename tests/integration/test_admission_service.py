@@ -703,3 +703,46 @@ async def test_a_leader_held_up_longer_than_lost_after_s_judges_no_node_on_that_
         finally:
             watching.cancel()
             await leader.stop()
+
+
+async def test_a_record_left_on_other_nodes_than_the_ledger_is_rewritten_by_the_restore(
+        config: BusConfig, client_bus: Bus) -> None:
+    # Seen after a 12,000-job burst on a loaded machine: a pass moved thousands of jobs off
+    # a node judged lost, wrote the ledger, and its term ended before every record was
+    # written; the next term's restore compared only states (admitted, admitted), so 5,932
+    # records named a node the ledger no longer gave them, for good.
+    nodes = [NodeInfo(node_id=f"node-{i}", host="h", slots=2, failure_domain=f"d{i}")
+             for i in range(2)]
+    timings = AdmissionConfig(lease_s=1.0, lost_after_s=30.0, tick_s=0.1)
+    first = AdmissionService(timings, config, instance="first")
+    second = None
+    jobs = await TypedKV.open(client_bus.js, subjects.JOBS_BUCKET, JobRecord)
+    with heartbeats_elsewhere(config, nodes):
+        try:
+            await first.start()
+            (job,) = await admit_one_slot_jobs(client_bus, "moved", 1)
+            await first.stop()  # hands over at once
+            record, _ = await jobs.current(job)
+            assert record is not None and len(record.nodes) == 1
+            placed = record.nodes[0]
+            elsewhere = next(n.node_id for n in nodes if n.node_id != placed)
+            await jobs.modify(job, lambda r: msgspec.structs.replace(r, nodes=[elsewhere]))
+
+            async def rewritten() -> JobRecord:
+                async for change in jobs.watch():
+                    if change is not None and change.key == job and change.value is not None \
+                            and change.value.nodes != [elsewhere]:
+                        return change.value
+                raise AssertionError("watch ended")
+
+            watching = asyncio.create_task(rewritten())
+            second = AdmissionService(timings, config, instance="second")
+            await second.start()
+            record = await asyncio.wait_for(watching, 30)
+            assert (record.state, record.nodes) == (JobState.ADMITTED, [placed])
+            ledger = await stored_ledger(client_bus)
+            assert ledger.stored[job].nodes == [placed]
+        finally:
+            for service in (first, second):
+                if service is not None:
+                    await service.stop()
