@@ -610,6 +610,11 @@ async def test_a_rank_token_admits_its_job_s_rank_role_and_nothing_more(
         assert await stored.get("k8s-a") is None
     finally:
         await rank_a.close()
+        # The server is the module's: a later test that starts admission and an agent
+        # would otherwise restore these jobs, admitted on a node that does not exist,
+        # requeue them onto its agent and wait behind them (seen: its rank never ran).
+        for job in ("k8s-a", "k8s-b"):
+            await put_job(admission, job, JobState.FINISHED)
 
 
 async def test_a_forged_expired_or_ended_job_s_token_does_not_connect(
