@@ -212,15 +212,20 @@ def global_cuda_settings() -> Any:
         enable(on)
 
 
+def lone_gpu_session() -> tuple[torch.nn.Module, ElasticSession]:
+    """A small model on the GPU and its lone session, deterministic (seeded alike)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 64), torch.nn.GELU(),
+                                torch.nn.Linear(64, 2)).to(GPU)
+    optimizer = torch.optim.AdamW(model.parameters())
+    return model, ElasticSession(model, optimizer, Tokens(), global_batch=16,
+                                 micro_batch_size=4, deterministic=True)
+
+
 def test_a_lone_session_trains_on_the_gpu_and_deterministic_mode_repeats_bitwise(
         global_cuda_settings: Any) -> None:
     def train() -> list[torch.Tensor]:
-        torch.manual_seed(0)
-        model = torch.nn.Sequential(torch.nn.Linear(8, 64), torch.nn.GELU(),
-                                    torch.nn.Linear(64, 2)).to(GPU)
-        optimizer = torch.optim.AdamW(model.parameters())
-        session = ElasticSession(model, optimizer, Tokens(), global_batch=16,
-                                 micro_batch_size=4, deterministic=True)
+        model, session = lone_gpu_session()
         assert session.device == GPU and session.backend is Backend.NCCL
         assert torch.are_deterministic_algorithms_enabled()
         for step in session.steps(6):
@@ -238,12 +243,7 @@ def test_the_scripts_own_backward_on_the_gpu_trains_as_session_backward_does(
         global_cuda_settings: Any) -> None:
     # The hooks and the pass's end callback run on the autograd engine's device thread.
     def train(plain: bool) -> list[torch.Tensor]:
-        torch.manual_seed(0)
-        model = torch.nn.Sequential(torch.nn.Linear(8, 64), torch.nn.GELU(),
-                                    torch.nn.Linear(64, 2)).to(GPU)
-        optimizer = torch.optim.AdamW(model.parameters())
-        session = ElasticSession(model, optimizer, Tokens(), global_batch=16,
-                                 micro_batch_size=4, deterministic=True)
+        model, session = lone_gpu_session()
         for _ in session.epochs(2):
             for x, y in session.loader:
                 loss = torch.nn.functional.mse_loss(model(x.to(GPU)), y.to(GPU))
