@@ -52,11 +52,11 @@ check: install | $(TYPED)
 	$(BIN)/python -m phalanx.schemas.reference --check docs/wire.md
 	$(PYTEST) -m "not slow"
 
-# The type check runs beside the tests (they leave a core mostly idle); both must pass.
 test: install | $(TYPED)
 	$(BIN)/ruff check .
+	$(BIN)/mypy
 	$(BIN)/python -m phalanx.schemas.reference --check docs/wire.md
-	$(BIN)/mypy & types=$$!; $(PYTEST); tests=$$?; wait $$types && exit $$tests
+	$(PYTEST)
 
 bench: install
 	$(BIN)/python bench/bus.py
