@@ -23,12 +23,9 @@ A default group the process made itself before the session (its own
 
 from __future__ import annotations
 
-import logging
 from typing import Any, NoReturn
 
 import torch.distributed as dist
-
-log = logging.getLogger("phalanx.runtime")
 
 #: The backend's name, as ``dist.get_backend()`` gives it.
 BACKEND = "phalanx"

@@ -85,7 +85,8 @@ def sharded_optimizer(params: Any, optimizer_class: type[torch.optim.Optimizer],
     """
     from torch.distributed.optim import ZeroRedundancyOptimizer
 
-    default_group.answer(0, 1)
+    if not dist.is_initialized():  # one the process has, the session's included, is kept
+        default_group.answer(0, 1)
     if dist.get_world_size() != 1:
         raise RuntimeError("the process already has a default group of "
                            f"{dist.get_world_size()} ranks: under the session a sharded "

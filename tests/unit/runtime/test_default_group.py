@@ -65,6 +65,11 @@ def test_a_sharded_optimizer_is_built_over_the_sessions_default_group() -> None:
     model = torch.nn.Linear(2, 1)
     zero = sharded_optimizer(model.parameters(), torch.optim.AdamW, lr=0.1)
     assert (zero.world_size, dist.get_backend()) == (1, "phalanx")
+    # Built by a member, it leaves the member's rank alone: it is refused, as before.
+    default_group.answer(2, 4)
+    with pytest.raises(RuntimeError, match="default group of 4 ranks"):
+        sharded_optimizer(model.parameters(), torch.optim.AdamW, lr=0.1)
+    assert (dist.get_rank(), dist.get_world_size()) == (2, 4)
 
 
 SCRIPT = """
