@@ -274,7 +274,10 @@ class AdmissionService(LeaderService[AdmissionTerm]):
                  and (term.persisted[gang.job_id][0] is not gang.state
                       or term.persisted[gang.job_id][2] != tuple(gang.nodes))]
         repair = ledger.restore(placements, store.claims)
+        nodes = term.core.nodes.values()
         log.info("restored", extra={"jobs": len(current), "admitted": len(term.core.running),
+                                    "placements": len(repair.placements),
+                                    "nodes": len(nodes), "alive": sum(n.alive for n in nodes),
                                     "reconciled": len(stale), "fenced": len(repair.fence),
                                     "nodes_repaired": len(repair.dirty)})
         return [*decisions, *stale], repair

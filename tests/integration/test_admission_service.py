@@ -369,12 +369,16 @@ async def test_scale_pins_and_releases_through_the_leader_with_clear_refusals(
         await node.stop()
 
 
-def _spawn_admission(url: str, instance: str) -> asyncio.subprocess.Process:
+async def _spawn_admission(url: str, instance: str,
+                           logs: Path | None = None) -> asyncio.subprocess.Process:
+    """An admission instance; its log goes to ``logs/<instance>.log`` when given."""
     env = {**os.environ, "PHALANX_ADMISSION_LEASE_S": "1.0"}
-    return asyncio.create_subprocess_exec(
-        sys.executable, "-m", "phalanx.services.admission", "--nats", url,
-        "--instance", instance, env=env, stdout=asyncio.subprocess.DEVNULL,
-        stderr=asyncio.subprocess.DEVNULL)
+    with contextlib.ExitStack() as files:
+        out = files.enter_context(open(logs / f"{instance}.log", "wb")) \
+            if logs is not None else asyncio.subprocess.DEVNULL
+        return await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "phalanx.services.admission", "--nats", url,
+            "--instance", instance, env=env, stdout=out, stderr=asyncio.subprocess.STDOUT)
 
 
 async def heartbeat_nodes(bus: Bus, nodes: list[NodeInfo], stop: asyncio.Event,
@@ -457,7 +461,8 @@ def heartbeats_elsewhere(config: BusConfig, nodes: list[NodeInfo]) -> Iterator[N
     pytest.param(12_000, marks=pytest.mark.timeout(600)),
 ])
 async def test_sigkill_mid_burst_loses_nothing_and_admits_nothing_twice(
-        own_nats: NatsServer, config: BusConfig, client_bus: Bus, n_jobs: int) -> None:
+        own_nats: NatsServer, config: BusConfig, client_bus: Bus, n_jobs: int,
+        tmp_path: Path) -> None:
     big = n_jobs > 1_000
     agents = []
     beats = contextlib.ExitStack()
@@ -472,7 +477,7 @@ async def test_sigkill_mid_burst_loses_nothing_and_admits_nothing_twice(
         beats.enter_context(heartbeats_elsewhere(config, nodes))
     else:
         agents = await start_agents(config, slots=slots_per_node, count=node_count)
-    first = await _spawn_admission(own_nats.url, "first")
+    first = await _spawn_admission(own_nats.url, "first", tmp_path)
     client = AdmissionClient(client_bus, timeout_s=5.0)
     # Long ids, as generated ones are: they make each placement ~100 bytes.
     ids = [f"burst-job-{i:05d}-{i * 7919 % 10**12:012d}-0123456789abcdef0123456789abcdef"
@@ -496,7 +501,7 @@ async def test_sigkill_mid_burst_loses_nothing_and_admits_nothing_twice(
         await asyncio.wait_for(half.wait(), 600)
         first.send_signal(signal.SIGKILL)
         await first.wait()
-        second = await _spawn_admission(own_nats.url, "second")
+        second = await _spawn_admission(own_nats.url, "second", tmp_path)
         records = await asyncio.wait_for(burst, 900)
         assert sorted(r.job_id for r in records) == sorted(ids)
 
