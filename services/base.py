@@ -34,6 +34,7 @@ from nats.micro.service import Service as MicroService
 from phalanx.bus import telemetry
 from phalanx.bus.client import Bus, Counters, Delivery, Failed, Handler, process
 from phalanx.bus.config import BusConfig
+from phalanx.bus.kv import TypedKV
 from phalanx.schemas import __version__
 from phalanx.schemas.codec import encode
 from phalanx.schemas.messages import Message
@@ -81,6 +82,11 @@ class Service:
         """Release what :meth:`setup` took; runs on stop after the loops ended, still connected."""
 
     # --- building blocks ----------------------------------------------------------------
+
+    async def bucket(self, name: str, message_type: type[M]) -> TypedKV[M]:
+        """The KV bucket ``name`` of ``message_type`` records, created if it does not exist."""
+        assert self.bus is not None, "buckets are opened from setup()"
+        return await TypedKV.open(self.bus.js, name, message_type)
 
     async def add_endpoint(self, name: str, subject: str, request_type: type[M],
                            handler: Handler[M], *, queue: str | None = None,

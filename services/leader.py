@@ -144,11 +144,10 @@ class JobEventsLeader(LeaderService[JobTermT]):
         """Open the jobs, snapshot, cursor and lease buckets and the job-events stream,
         then contend for the lease."""
         assert self.bus is not None
-        js = self.bus.js
-        self.jobs = await TypedKV.open(js, subjects.JOBS_BUCKET, JobRecord)
-        self.snapshots = await TypedKV.open(js, snapshot_bucket, JobSnapshot)
-        self.cursors = await TypedKV.open(js, subjects.CURSORS_BUCKET, StreamCursor)
-        leases = await TypedKV.open(js, subjects.LEASES_BUCKET, Lease)
+        self.jobs = await self.bucket(subjects.JOBS_BUCKET, JobRecord)
+        self.snapshots = await self.bucket(snapshot_bucket, JobSnapshot)
+        self.cursors = await self.bucket(subjects.CURSORS_BUCKET, StreamCursor)
+        leases = await self.bucket(subjects.LEASES_BUCKET, Lease)
         await ensure_job_events(self.bus)
         self.start_leadership(leases)
 

@@ -49,7 +49,7 @@ from phalanx.bus import telemetry
 from phalanx.bus.client import Delivery
 from phalanx.bus.config import BusConfig
 from phalanx.bus.errors import Conflict, NoResponders, RemoteError, RequestRefused, RequestTimeout
-from phalanx.bus.kv import Change, TypedKV
+from phalanx.bus.kv import Change
 from phalanx.bus.tasks import concurrently
 from phalanx.schemas import subjects
 from phalanx.schemas.messages import (
@@ -135,12 +135,10 @@ class AdmissionService(LeaderService[AdmissionTerm]):
     # --- set-up and the lease -----------------------------------------------------------
 
     async def setup(self) -> None:
-        assert self.bus is not None
-        js = self.bus.js
-        self.jobs = await TypedKV.open(js, subjects.JOBS_BUCKET, JobRecord)
-        self.nodes = await TypedKV.open(js, subjects.NODES_BUCKET, NodeRecord)
-        self.leases = await TypedKV.open(js, subjects.ADMISSION_BUCKET, Lease)
-        self.generations = await TypedKV.open(js, subjects.GENERATIONS_BUCKET, Generation)
+        self.jobs = await self.bucket(subjects.JOBS_BUCKET, JobRecord)
+        self.nodes = await self.bucket(subjects.NODES_BUCKET, NodeRecord)
+        self.leases = await self.bucket(subjects.ADMISSION_BUCKET, Lease)
+        self.generations = await self.bucket(subjects.GENERATIONS_BUCKET, Generation)
         for verb, (request_type, reply_type) in VERBS.items():
             await self.add_endpoint(verb, subjects.admission(verb), request_type,
                                     self._forwarder(verb, reply_type), concurrent=True)

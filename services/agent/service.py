@@ -168,8 +168,8 @@ class AgentService(Service):
     async def setup(self) -> None:
         assert self.bus is not None
         await self._listen()
-        self.nodes = await TypedKV.open(self.bus.js, subjects.NODES_BUCKET, NodeRecord)
-        self.buddies = await TypedKV.open(self.bus.js, subjects.BUDDIES_BUCKET, BuddyPlacement)
+        self.nodes = await self.bucket(subjects.NODES_BUCKET, NodeRecord)
+        self.buddies = await self.bucket(subjects.BUDDIES_BUCKET, BuddyPlacement)
         entry = await self.nodes.modify(
             self.config.node_id,
             lambda existing: core.register(
@@ -207,9 +207,8 @@ class AgentService(Service):
             pin=ranks.pin)
         metrics.RANKS.set_function(lambda: len(ranks.ranks))
         # Both open before the first record arrives: reconciling one reads the generations.
-        self.jobs = await TypedKV.open(self.bus.js, subjects.JOBS_BUCKET, JobRecord)
-        self.generations = await TypedKV.open(self.bus.js, subjects.GENERATIONS_BUCKET,
-                                              Generation)
+        self.jobs = await self.bucket(subjects.JOBS_BUCKET, JobRecord)
+        self.generations = await self.bucket(subjects.GENERATIONS_BUCKET, Generation)
         await self.bus.subscribe(subjects.job_states(), JobRecord, self.on_job_state)
         await self._sync_jobs()
         # Served once what was launched here is known and the first reconcile of every job

@@ -85,7 +85,7 @@ class CalloutService(Service):
 
     async def setup(self) -> None:
         assert self.bus is not None
-        self.jobs = await TypedKV.open(self.bus.js, subjects.JOBS_BUCKET, JobRecord)
+        self.jobs = await self.bucket(subjects.JOBS_BUCKET, JobRecord)
         await self.bus.nc.subscribe(subjects.auth_callout(), queue=QUEUE, cb=self._on_request)
 
     async def _on_request(self, msg: Msg) -> None:

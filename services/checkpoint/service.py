@@ -38,7 +38,6 @@ import time
 from phalanx.bus.client import Delivery
 from phalanx.bus.config import BusConfig
 from phalanx.bus.errors import Conflict
-from phalanx.bus.kv import TypedKV
 from phalanx.schemas import subjects
 from phalanx.schemas.messages import (
     BuddyPlacement,
@@ -75,13 +74,11 @@ class CheckpointService(LeaderService[core.CheckpointCore]):
         self.lost_after_s = lost_after_s
 
     async def setup(self) -> None:
-        assert self.bus is not None
-        js = self.bus.js
-        self.catalogs = await TypedKV.open(js, subjects.CHECKPOINTS_BUCKET, CheckpointCatalog)
-        self.jobs = await TypedKV.open(js, subjects.JOBS_BUCKET, JobRecord)
-        self.nodes = await TypedKV.open(js, subjects.NODES_BUCKET, NodeRecord)
-        self.buddies = await TypedKV.open(js, subjects.BUDDIES_BUCKET, BuddyPlacement)
-        leases = await TypedKV.open(js, subjects.LEASES_BUCKET, Lease)
+        self.catalogs = await self.bucket(subjects.CHECKPOINTS_BUCKET, CheckpointCatalog)
+        self.jobs = await self.bucket(subjects.JOBS_BUCKET, JobRecord)
+        self.nodes = await self.bucket(subjects.NODES_BUCKET, NodeRecord)
+        self.buddies = await self.bucket(subjects.BUDDIES_BUCKET, BuddyPlacement)
+        leases = await self.bucket(subjects.LEASES_BUCKET, Lease)
         await self.add_endpoint("resume", subjects.ckpt_resume(), ResumeRequest,
                                 self.on_resume)
         self.start_leadership(leases)

@@ -51,7 +51,7 @@ from typing import Any
 from phalanx.bus import telemetry
 from phalanx.bus.config import BusConfig
 from phalanx.bus.errors import NoResponders, RequestTimeout
-from phalanx.bus.kv import Change, TypedKV
+from phalanx.bus.kv import Change
 from phalanx.bus.stream import StreamEvent
 from phalanx.schemas import subjects
 from phalanx.schemas.errors import PhalanxError
@@ -110,10 +110,8 @@ class ElasticityService(JobEventsLeader[ElasticityTerm]):
         self.make_core = make_core
 
     async def setup(self) -> None:
-        assert self.bus is not None
-        js = self.bus.js
-        self.generations = await TypedKV.open(js, subjects.GENERATIONS_BUCKET, Generation)
-        self.histories = await TypedKV.open(js, subjects.HISTORY_BUCKET, JobHistory)
+        self.generations = await self.bucket(subjects.GENERATIONS_BUCKET, Generation)
+        self.histories = await self.bucket(subjects.HISTORY_BUCKET, JobHistory)
         await self.open_job_state(subjects.ELASTICITY_BUCKET)
 
     # --- a term of leadership -----------------------------------------------------------

@@ -65,7 +65,7 @@ from opentelemetry import context as otel_context
 from phalanx.bus import telemetry
 from phalanx.bus.client import Delivery
 from phalanx.bus.config import BusConfig
-from phalanx.bus.kv import Change, TypedKV
+from phalanx.bus.kv import Change
 from phalanx.bus.stream import StreamEvent
 from phalanx.schemas import subjects
 from phalanx.schemas.messages import (
@@ -143,9 +143,8 @@ class HealthService(JobEventsLeader[HealthTerm]):
 
     async def setup(self) -> None:
         assert self.bus is not None
-        js = self.bus.js
-        self.nodes = await TypedKV.open(js, subjects.NODES_BUCKET, NodeRecord)
-        self.progress = await TypedKV.open(js, subjects.PROGRESS_BUCKET, JobProgress)
+        self.nodes = await self.bucket(subjects.NODES_BUCKET, NodeRecord)
+        self.progress = await self.bucket(subjects.PROGRESS_BUCKET, JobProgress)
         self.bus.on_reconnect(self._on_reconnect)
         await self.open_job_state(subjects.HEALTH_BUCKET)
 
