@@ -53,22 +53,25 @@ def instance_name() -> str:
 class LeaderService(Service, Generic[TermT]):
     """A service whose instances share one lease; the holder runs :meth:`lead`.
 
-    Subclasses open their buckets in :meth:`~.base.Service.setup`, call
-    :meth:`start_leadership` with the lease bucket, and implement
-    :meth:`begin_term` (the term's fresh state) and :meth:`lead` (the leader's
-    work, which runs until the lease is lost and is then cancelled).
+    Subclasses name the service and its lease (:attr:`service_name`, :attr:`lease_key`),
+    open their buckets in :meth:`~.base.Service.setup`, call :meth:`start_leadership`
+    with the lease bucket, and implement :meth:`begin_term` (the term's fresh state)
+    and :meth:`lead` (the leader's work, which runs until the lease is lost and is
+    then cancelled).
 
     Args:
-        name: the service's name for ``$SRV``.
-        lease_key: its key in the lease bucket.
         instance: this instance's name; by default :func:`instance_name`.
         lease_s: how long the lease lasts without renewal (the takeover bound).
     """
 
-    def __init__(self, name: str, lease_key: str, bus_config: BusConfig | None = None, *,
-                 instance: str | None = None, lease_s: float = 3.0) -> None:
-        super().__init__(name, instance or instance_name(), bus_config)
-        self.lease_key = lease_key
+    #: The service's name for ``$SRV``.
+    service_name: ClassVar[str]
+    #: Its key in the lease bucket.
+    lease_key: ClassVar[str]
+
+    def __init__(self, bus_config: BusConfig | None = None, *, instance: str | None = None,
+                 lease_s: float = 3.0) -> None:
+        super().__init__(self.service_name, instance or instance_name(), bus_config)
         self.lease_s = lease_s
         #: What exists only while this instance leads; None while it stands by.
         self.term: TermT | None = None

@@ -119,12 +119,13 @@ class AdmissionService(LeaderService[AdmissionTerm]):
     """Gang admission: one leader decides, every instance takes requests."""
 
     description = "phalanx gang admission"
+    service_name = "phalanx-admission"
+    lease_key = LEADER_KEY
     metric_families = metrics.LEADERSHIP + metrics.ADMISSION
 
     def __init__(self, config: AdmissionConfig, bus_config: BusConfig | None = None, *,
                  instance: str | None = None) -> None:
-        super().__init__("phalanx-admission", LEADER_KEY, bus_config, instance=instance,
-                         lease_s=config.lease_s)
+        super().__init__(bus_config, instance=instance, lease_s=config.lease_s)
         self.config = config
         self.node_records: dict[str, NodeRecord] = {}
         self._capacity: core.Capacity | None = None  # of node_records; None: recount

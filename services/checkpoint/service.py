@@ -65,12 +65,13 @@ class CheckpointService(LeaderService[core.CheckpointCore]):
     """Keeps the catalog of every job's snapshots; answers where a job can resume."""
 
     description = "phalanx checkpoint catalog"
+    service_name = "phalanx-checkpoint"
+    lease_key = LEASE_KEY
     metric_families = metrics.LEADERSHIP
 
     def __init__(self, bus_config: BusConfig | None = None, *, instance: str | None = None,
                  lease_s: float = 3.0, lost_after_s: float = DEFAULT_LOST_AFTER_S) -> None:
-        super().__init__("phalanx-checkpoint", LEASE_KEY, bus_config, instance=instance,
-                         lease_s=lease_s)
+        super().__init__(bus_config, instance=instance, lease_s=lease_s)
         self.lost_after_s = lost_after_s
 
     async def setup(self) -> None:

@@ -99,14 +99,15 @@ class ElasticityService(JobEventsLeader[ElasticityTerm]):
     """
 
     description = "phalanx membership of running jobs"
+    service_name = "phalanx-elasticity"
+    lease_key = LEASE_KEY
     metric_families = metrics.LEADERSHIP + metrics.ELASTICITY
     event_kinds = frozenset({"fault", "ready", "applied", "given_up", "exited"})
 
     def __init__(self, make_core: Callable[[], core.ElasticityCore],
                  bus_config: BusConfig | None = None, *, instance: str | None = None,
                  lease_s: float = 3.0) -> None:
-        super().__init__("phalanx-elasticity", LEASE_KEY, bus_config, instance=instance,
-                         lease_s=lease_s)
+        super().__init__(bus_config, instance=instance, lease_s=lease_s)
         self.make_core = make_core
 
     async def setup(self) -> None:

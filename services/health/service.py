@@ -127,13 +127,14 @@ class HealthService(JobEventsLeader[HealthTerm]):
     """
 
     description = "phalanx failure detection"
+    service_name = "phalanx-health"
+    lease_key = LEASE_KEY
     metric_families = metrics.LEADERSHIP + metrics.HEALTH
     event_kinds = frozenset({"started", "exited", "applied"})
 
     def __init__(self, policy: core.HealthPolicy, bus_config: BusConfig | None = None, *,
                  instance: str | None = None, lease_s: float = 3.0) -> None:
-        super().__init__("phalanx-health", LEASE_KEY, bus_config, instance=instance,
-                         lease_s=lease_s)
+        super().__init__(bus_config, instance=instance, lease_s=lease_s)
         self.policy = policy
         self.faults_published = 0
 
