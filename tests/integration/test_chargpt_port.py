@@ -51,9 +51,14 @@ def test_the_ddp_script_trains_under_torchrun(data: Path, tmp_path: Path) -> Non
                "--nproc-per-node", "2", str(EXAMPLES / "chargpt_ddp.py"), "--data-dir",
                str(data), *ARGS, "--epochs", "1", "--save", str(tmp_path / "ddp.pt")]
     run = subprocess.run(command, timeout=120, env=clean_env(), capture_output=True, text=True)
-    if run.returncode and "EADDRINUSE" in run.stderr + run.stdout:
-        # torchrun --standalone picks a free port, frees it, then binds it: another test's
-        # process may take it between the two (torch's race, not the script's).
+    if run.returncode and any(torch_race in run.stderr + run.stdout for torch_race in (
+            # torchrun --standalone picks a free port, frees it, then binds it: another
+            # test's process may take it between the two.
+            "EADDRINUSE",
+            # A rank aborts at interpreter exit, after its destroy_process_group returned
+            # (about 1 run in 15 on a loaded 2-core machine, torch 2.13): the gloo group
+            # DDP still holds is torn down with the interpreter.
+            "terminate called without an active exception")):
         run = subprocess.run(command, timeout=120, env=clean_env(), capture_output=True,
                              text=True)
     assert run.returncode == 0, f"torchrun exited {run.returncode}:\n{run.stderr[-3000:]}"
