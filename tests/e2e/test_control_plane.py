@@ -131,6 +131,14 @@ async def test_a_bus_restart_redoes_no_step_and_starts_nothing_again(
             states.append(record.state)
 
     await bus.subscribe(subjects.job_state("restart-1"), JobRecord, on_state)
+    jobs = await TypedKV.open(bus.js, subjects.JOBS_BUCKET, JobRecord)
+
+    async def resync() -> None:  # a state published while this connection was down
+        entry = await jobs.get("restart-1")
+        if entry is not None:
+            states.append(entry.value.state)
+
+    bus.on_reconnect(resync)
 
     async def restart_bus(job_id: str, watch: Watch) -> None:
         for step in (40, 160, 280):

@@ -174,6 +174,15 @@ async def watched_cluster(data: Path, *up_args: str, agents: int = 2,
                                 lambda m, d: put(watch.progress, m, d))
             await bus.subscribe(subjects.job_states(), JobRecord,
                                 lambda m, d: put(watch.states, m, d))
+            jobs = await TypedKV.open(bus.js, subjects.JOBS_BUCKET, JobRecord)
+
+            async def resync() -> None:
+                # A state published while this connection was down is lost with it (plain
+                # publishes are at most once): the records themselves are the truth.
+                for entry in (await jobs.entries())[0]:
+                    await watch.states.put(entry.value)
+
+            bus.on_reconnect(resync)
             yield data, bus, watch
     finally:
         phalanx("down", "--data-dir", str(data))
