@@ -52,7 +52,7 @@ from phalanx.services.manifest import running_in_manifest
 pytestmark = pytest.mark.timeout(480)  # two clusters, one after the other
 STEPS = 300
 EVERY = 20  # durable_every_steps
-PERSISTED = 3  # durable steps kept; everything stops once step PERSISTED * EVERY is
+PERSISTED = 3  # durable_keep; everything stops once step PERSISTED * EVERY is persisted
 OLD, NEW = "durable-1", "durable-2"
 REPLICAS = 2  # on 2 agents x 1 slot
 ONE_SLOT = ("--slots-per-agent", "1")

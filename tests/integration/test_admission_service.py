@@ -369,13 +369,10 @@ async def test_scale_pins_and_releases_through_the_leader_with_clear_refusals(
         await node.stop()
 
 
-async def _spawn_admission(url: str, instance: str,
-                           logs: Path | None = None) -> asyncio.subprocess.Process:
-    """An admission instance; its log goes to ``logs/<instance>.log`` when given."""
+async def _spawn_admission(url: str, instance: str, logs: Path) -> asyncio.subprocess.Process:
+    """An admission instance, its log in ``logs/<instance>.log``."""
     env = {**os.environ, "PHALANX_ADMISSION_LEASE_S": "1.0"}
-    with contextlib.ExitStack() as files:
-        out = files.enter_context(open(logs / f"{instance}.log", "wb")) \
-            if logs is not None else asyncio.subprocess.DEVNULL
+    with (logs / f"{instance}.log").open("wb") as out:
         return await asyncio.create_subprocess_exec(
             sys.executable, "-m", "phalanx.services.admission", "--nats", url,
             "--instance", instance, env=env, stdout=out, stderr=asyncio.subprocess.STDOUT)
@@ -568,9 +565,9 @@ async def test_a_ledger_write_that_fails_leaves_none_of_its_pass_running(
 
 
 async def test_two_instances_hand_over_when_the_leader_dies(
-        own_nats: NatsServer, config: BusConfig, client_bus: Bus) -> None:
+        own_nats: NatsServer, config: BusConfig, client_bus: Bus, tmp_path: Path) -> None:
     agents = await start_agents(config, slots=4, count=1)
-    procs = {name: await _spawn_admission(own_nats.url, name) for name in ("a", "b")}
+    procs = {name: await _spawn_admission(own_nats.url, name, tmp_path) for name in ("a", "b")}
     client = AdmissionClient(client_bus)
     leases = TypedKV((await TypedKV.open(client_bus.js, subjects.ADMISSION_BUCKET,
                                          Lease)).kv, subjects.ADMISSION_BUCKET, Lease)
