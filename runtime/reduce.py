@@ -10,6 +10,14 @@ every rank issues the same collectives in the same order whatever order its
 hooks fire in; :meth:`BucketedReduce.finish` starts what is left (a parameter
 without a gradient counts as zeros) and waits for all of them.
 
+The gradients go into the buckets by copy, so that an aborted all-reduce leaves
+them whole, but come back as views: once every bucket is summed, each ``.grad``
+is its slice of the bucket (DDP's ``gradient_as_bucket_view``), which spares a
+copy of the whole gradient every step (4 ms of a W rank's 145 ms of CPU). The
+next step reuses the buckets; where a gradient still views one then (a script
+that zeroes gradients rather than setting them to None), that bucket is a new
+one, as a gradient held across steps is the script's.
+
 After the buckets, one small float64 all-reduce sums the caller's ``tail``:
 the step's metrics (this rank's share of the loss, and any scalar the script
 adds) and one flag (the session uses it to agree on when to switch
@@ -67,6 +75,25 @@ def write_gradients(params: Sequence[torch.nn.Parameter], flat: torch.Tensor) ->
         offset += n
 
 
+def view_gradients(params: Sequence[torch.nn.Parameter], flat: torch.Tensor) -> None:
+    """Make the gradients views of ``flat`` (laid out as :func:`flat_gradients`); a
+    parameter of another dtype or device gets a copy, rounded to its dtype."""
+    offset = 0
+    for p in params:
+        part = flat[offset:offset + p.numel()]
+        if p.dtype == flat.dtype and p.device == flat.device:
+            p.grad = part.view_as(p)
+        else:
+            write_gradients([p], part)
+        offset += p.numel()
+
+
+def _views(grad: torch.Tensor | None, flat: torch.Tensor) -> bool:
+    """Whether ``grad`` lies in ``flat``'s memory."""
+    return grad is not None and \
+        grad.untyped_storage().data_ptr() == flat.untyped_storage().data_ptr()
+
+
 class BucketedReduce:
     """One step's gradient all-reduce, bucket by bucket.
 
@@ -98,7 +125,7 @@ class BucketedReduce:
             self.offsets.append(self.offsets[-1] + p.numel())
         self.bucket_of = {i: b for b, bucket in enumerate(plan) for i in bucket}
         self.pending = [len(bucket) for bucket in plan]
-        self.flats = buffers if buffers is not None else self.buffers_for(params, plan)
+        self.flats = list(buffers) if buffers is not None else self.buffers_for(params, plan)
         self.works: list[GroupWork] = []
         self.on_first_launch: Callable[[], None] | None = None
 
@@ -117,8 +144,13 @@ class BucketedReduce:
         return [torch.empty(n, dtype=first.dtype, device=first.device) for n in sizes]
 
     def _launch(self, b: int) -> None:
-        # A copy: the gradients stay as they are until every bucket is done.
+        # A copy: the gradients stay as they are until every bucket is done, so an aborted
+        # all-reduce leaves them whole (the step keeps them). Gradients still viewing this
+        # bucket from the step before (kept, not set to None) are this step's own: the
+        # bucket is then a new one.
         flat = self.flats[b]
+        if any(_views(self.params[i].grad, flat) for i in self.plan[b]):
+            flat = self.flats[b] = torch.empty_like(flat)
         offset = 0
         for i in self.plan[b]:
             p = self.params[i]
@@ -135,8 +167,8 @@ class BucketedReduce:
             self.on_first_launch()
 
     def finish(self, wait: Wait) -> torch.Tensor:
-        """Start the remaining buckets and the tail, wait for all, write the sums into the
-        gradients.
+        """Start the remaining buckets and the tail, wait for all, make the gradients the
+        sums: views of the buckets (as DDP's ``gradient_as_bucket_view``), no copy back.
 
         Returns the tail summed over the ranks. Whatever ``wait`` raises (an abort)
         propagates, with the gradients untouched.
@@ -148,7 +180,7 @@ class BucketedReduce:
         for work in works:
             wait(work)
         for bucket, flat in zip(self.plan, self.flats, strict=True):
-            write_gradients([self.params[i] for i in bucket], flat)
+            view_gradients([self.params[i] for i in bucket], flat)
         return tail
 
     def local_gradient(self) -> torch.Tensor:

@@ -71,7 +71,7 @@ def test_a_kept_gradient_is_added_to_this_ranks_share() -> None:
         assert torch.equal(grad, torch.full_like(grad, 3.0))
 
 
-def test_a_steps_buckets_are_reused_by_the_next_and_sum_afresh() -> None:
+def test_the_sums_come_back_as_views_of_the_buckets_which_the_next_step_reuses() -> None:
     models = [model(1), model(2)]
     expected = [a.grad + b.grad for a, b in zip(models[0].parameters(), models[1].parameters(),
                                                 strict=True)]
@@ -82,8 +82,10 @@ def test_a_steps_buckets_are_reused_by_the_next_and_sum_afresh() -> None:
         plan = bucket_plan(params, bucket_bytes=16 * 4 * 8)
         first = BucketedReduce(pg, params, plan, None, lambda: torch.ones(1))
         first.finish(wait)
+        viewed = {p.grad.untyped_storage().data_ptr() for p in params}
+        assert viewed == {flat.untyped_storage().data_ptr() for flat in first.flats}
         for p, grad in zip(params, originals[rank], strict=True):
-            p.grad.copy_(grad)  # the next step's gradients: the same again
+            p.grad = grad.clone()  # the next step's gradients (zero_grad set them to None)
         second = BucketedReduce(pg, params, plan, None, lambda: torch.ones(1), first.flats)
         tail = second.finish(wait)
         same = all(a is b for a, b in zip(first.flats, second.flats, strict=True))
@@ -93,4 +95,34 @@ def test_a_steps_buckets_are_reused_by_the_next_and_sum_afresh() -> None:
     assert reused0 and reused1
     for got0, got1, want in zip(grads0, grads1, expected, strict=True):
         torch.testing.assert_close(got0, want)  # no leftover of the first sum
+        assert torch.equal(got0, got1)
+
+
+def test_gradients_kept_across_steps_are_never_summed_in_place() -> None:
+    """A script that zeroes its gradients keeps the views: the next all-reduce goes into
+    new buckets, so the gradients stay this rank's own until every bucket is summed (what
+    an aborted step keeps)."""
+    models = [model(1), model(2)]
+    expected = [a.grad + b.grad for a, b in zip(models[0].parameters(), models[1].parameters(),
+                                                strict=True)]
+    originals = [[p.grad.clone() for p in m.parameters()] for m in models]
+
+    def body(rank: int, pg: dist.ProcessGroup) -> tuple[list[torch.Tensor], bool]:
+        params = list(models[rank].parameters())
+        plan = bucket_plan(params, bucket_bytes=16 * 4 * 8)
+        first = BucketedReduce(pg, params, plan, None, lambda: torch.ones(1))
+        first.finish(wait)
+        views = [p.grad for p in params]
+        for view, grad in zip(views, originals[rank], strict=True):
+            view.zero_().add_(grad)  # zero_grad(set_to_none=False), then the backward
+        second = BucketedReduce(pg, params, plan, None, lambda: torch.ones(1), first.flats)
+        second.finish(wait)
+        local = all(torch.equal(v, g) for v, g in zip(views, originals[rank], strict=True))
+        fresh = not any(a is b for a, b in zip(first.flats, second.flats, strict=True))
+        return [p.grad.clone() for p in params], local and fresh
+
+    (grads0, apart0), (grads1, apart1) = on_two_ranks(body)
+    assert apart0 and apart1
+    for got0, got1, want in zip(grads0, grads1, expected, strict=True):
+        torch.testing.assert_close(got0, want)
         assert torch.equal(got0, got1)
