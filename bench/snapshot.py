@@ -57,7 +57,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
@@ -82,7 +82,7 @@ BENCH = Path(__file__).resolve().parent
 SCRIPT = BENCH.parent / "examples" / "train_mlp.py"
 WORLD = 4
 #: The modes: name, checkpoint.memory_every_steps.
-MODES: dict[str, int | str] = {"off": 0, "every": 1, "auto": "auto"}
+MODES: dict[str, int | Literal["auto"]] = {"off": 0, "every": 1, "auto": "auto"}
 #: The runs of a round, in order: a palindrome, every mode's runs centred alike.
 ROUND = ("off", "auto", "every", "auto", "off")
 #: The most a round's adaptive interval may cost against its off runs.
