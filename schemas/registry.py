@@ -12,6 +12,14 @@ before that proves nothing, so a node is lost only after ``lost_after_s`` of
 silence the reader could have heard — a bus outage never looks like every
 node dying.
 
+A *mass silence* is the same proof of nothing (:func:`mass_silence`): a node that
+times out while no other node was heard within half a timeout either, when there are
+others, is more likely the reader's fault (its server cut off from the agents, its
+heartbeat readers starved) or the network's than every node's at once; the
+Kubernetes node controller stops evicting a fully disrupted zone for the same
+reason. Admission and health then judge nothing until a node is heard again, and give
+the rest a full timeout from then; a lone node's silence is its own.
+
 Every reader of the registry (admission, the agent, checkpoint placement, ``phalanx
 nodes`` and ``top``) applies this one rule, so it lives in the contract they share.
 """
@@ -70,6 +78,14 @@ def view(record: NodeRecord, now: float, lost_after_s: float = DEFAULT_LOST_AFTE
         agent_pid=node.agent_pid, cordoned_slots=dict(record.cordoned_slots),
         gpus=tuple(node.gpus),
     )
+
+
+def mass_silence(others_heard_at: Iterable[float], at: float, timeout_s: float) -> bool:
+    """Whether a node that timed out at ``at`` fell silent with every other node: there
+    are others (those not judged lost yet, by when each was last heard, or judged as
+    heard) and none was heard within half of ``timeout_s`` before ``at``."""
+    heard = list(others_heard_at)
+    return bool(heard) and all(at - when > timeout_s / 2 for when in heard)
 
 
 def views(records: Iterable[NodeRecord], now: float,

@@ -30,7 +30,10 @@ registry rule's ``watching_since``), so a bus outage never requeues a job. The
 registry is followed from that read on, through the restore of the jobs, so a
 restore longer than ``lost_after_s`` leaves no check judging entries it read
 before; and a time the leader's loop was held up (a long pass, with heartbeats
-waiting unread) counts as no node's silence.
+waiting unread) counts as no node's silence. Nor does a mass silence
+(:func:`~phalanx.schemas.registry.mass_silence`: a node falls silent with every
+other node believed alive): no node is judged lost while it lasts, and once one is
+heard the others have a full ``lost_after_s`` from its last moment.
 """
 
 from __future__ import annotations
@@ -68,7 +71,7 @@ from phalanx.schemas.messages import (
     ScalingEvent,
     SubmitRequest,
 )
-from phalanx.schemas.registry import NodeState, view
+from phalanx.schemas.registry import NodeState, mass_silence, view
 from phalanx.services import metrics
 from phalanx.services.admission import core, ledger
 from phalanx.services.admission.changes import Announce
@@ -113,6 +116,7 @@ class AdmissionTerm:
     traces: dict[str, str] = dataclasses.field(default_factory=dict)  # JobRecord.trace by job
     serving: bool = False  # state rebuilt: requests may be answered
     watching_since: float = 0.0  # nodes are judged on silence heard since then
+    silent_since: float | None = None  # a mass silence under way: since when
 
 
 class AdmissionService(LeaderService[AdmissionTerm]):
@@ -492,17 +496,28 @@ class AdmissionService(LeaderService[AdmissionTerm]):
         self.node_records[node_id] = record
         self._node_seen(term, record, now)
 
-    def _node_seen(self, term: AdmissionTerm, record: NodeRecord, now: float) -> None:
+    def _watching_since(self, term: AdmissionTerm) -> float | None:
+        """Since when this term could have heard the nodes; None while disconnected."""
         assert self.bus is not None
         connected_since = self.bus.connected_since
         if connected_since is None:
-            return  # blind while disconnected: the nodes' silence proves nothing
-        node = record.node
+            return None
         # After a reconnection the agents need a moment too (JetStream may refuse their
         # first heartbeat writes while it recovers): one more timeout of grace.
+        return max(connected_since + self.config.lost_after_s, term.watching_since)
+
+    def _node_seen(self, term: AdmissionTerm, record: NodeRecord, now: float) -> None:
+        since = self._watching_since(term)
+        if since is None:
+            return  # blind while disconnected: the nodes' silence proves nothing
+        node = record.node
+        if term.silent_since is not None and record.heartbeat_at > term.silent_since:
+            log.warning("mass silence ended: %s heard again after %.1f s; the other nodes "
+                        "have %g s from then", node.node_id, now - term.silent_since,
+                        self.config.lost_after_s)
+            term.silent_since = None
         alive = view(record, now, self.config.lost_after_s,
-                     watching_since=max(connected_since + self.config.lost_after_s,
-                                        term.watching_since)).state is NodeState.ALIVE
+                     watching_since=since).state is NodeState.ALIVE
         # A cordoned slot (its GPU failed) is no slot: placements leave it out, and a node
         # that holds more than its usable slots now gives back its newest gangs.
         event = core.NodeUpdated(node.node_id, record.usable_slots, node.failure_domain,
@@ -525,9 +540,30 @@ class AdmissionService(LeaderService[AdmissionTerm]):
                 # lost once it has been silent for lost_after_s of time this term heard.
                 term.watching_since = max(term.watching_since,
                                           now - self.config.lost_after_s + held_up)
+            self._hold_a_mass_silence(term, now)
             for record in list(self.node_records.values()):
                 self._node_seen(term, record, now)
             term.events.put_nowait(_TICK)
+
+    def _hold_a_mass_silence(self, term: AdmissionTerm, now: float) -> None:
+        """A node believed alive falls silent with every other such node: judge none lost
+        (every job would be requeued at once, more likely for this leader's or the
+        network's fault than every node's), and count their silence from now."""
+        since = self._watching_since(term)
+        if since is None:
+            return
+        heard = {r.node.node_id: max(r.heartbeat_at, since)
+                 for r in self.node_records.values()
+                 if (seen := term.node_events.get(r.node.node_id)) is not None and seen.alive}
+        falling = [n for n, at in heard.items() if now - at > self.config.lost_after_s]
+        if not falling or not mass_silence((at for n, at in heard.items() if n != falling[0]),
+                                           now, self.config.lost_after_s):
+            return
+        term.watching_since = now
+        if term.silent_since is None:
+            term.silent_since = now
+            log.warning("mass silence: every node (%s) fell silent at once; no node is "
+                        "judged lost until one is heard again", ", ".join(sorted(heard)))
 
     # --- requests (leader side) ---------------------------------------------------------
 

@@ -61,6 +61,15 @@ and the nodes that send heartbeats, and turns what it hears into faults:
    timeout, even when it is still handed events; :class:`WatchResumed` (also at
    a takeover) gives every node and every reporting rank a full timeout from
    that moment, so timeouts that fell due while it was blind are never judged.
+   A *mass silence* is blindness too: a node that times out while there are
+   other nodes not lost and none of them was heard within half the node
+   timeout either (:func:`~phalanx.schemas.registry.mass_silence`) is not lost;
+   the detector judges nothing (no node, no hang) until a node is heard, and
+   that heartbeat gives every node and rank a full timeout, as
+   :class:`WatchResumed` does (:class:`JudgementHeld` says both). Every node
+   silent at once is more likely the detector's connection or the network
+   than every node dying, and a fault raised for each would end or requeue
+   every job at once. A lone node's silence is its own.
 8. **Restart policy.** Each crash, hang or node-lost fault of a rank is
    charged to its job's :class:`~phalanx.services.health.policy.RestartBudget`
    (the job's ``restart_policy``, kept across new placements of the same
@@ -124,6 +133,7 @@ from phalanx.services.health.events import (
     HeartbeatSeen,
     JobUnwatched,
     JobWatched,
+    JudgementHeld,
     MarkNodeAlive,
     MarkNodeLost,
     MemberApplied,
@@ -141,7 +151,8 @@ from phalanx.services.health.stored import snapshot
 # The names the core has always offered, wherever they are defined now.
 __all__ = [
     "ChaosInjected", "CordonNode", "Decision", "Event", "FailJob", "FinishJob", "HealthCore",
-    "HealthPolicy", "HeartbeatSeen", "JobUnwatched", "JobWatched", "MarkNodeAlive",
+    "HealthPolicy", "HeartbeatSeen", "JobUnwatched", "JobWatched", "JudgementHeld",
+    "MarkNodeAlive",
     "MarkNodeLost", "MemberApplied", "NodeUncordoned", "ProgressReported", "RaiseFault",
     "RankExitSeen", "RankStartSeen", "WatchLost", "WatchResumed", "snapshot",
 ]

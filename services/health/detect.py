@@ -16,9 +16,11 @@ import math
 import statistics
 
 from phalanx.schemas.messages import FaultKind
+from phalanx.schemas.registry import mass_silence
 from phalanx.services.health import cordon, outcome
 from phalanx.services.health.events import (
     Decision,
+    JudgementHeld,
     MarkNodeAlive,
     MarkNodeLost,
     ProgressReported,
@@ -32,9 +34,7 @@ def due(state: HealthState, now: float) -> list[Decision]:
     """Timeouts and charges to judge due by ``now``, in time order (a timeout first
     on a tie: a fault at the very edge of a charge's spread counts for it)."""
     decisions: list[Decision] = []
-    if state.blind:
-        return decisions
-    while True:
+    while state.judging:
         entry = state.peek()
         timeout = entry[0] if entry is not None and entry[0] < now else math.inf
         charge = state.charges[0][0] if state.charges else math.inf
@@ -44,16 +44,21 @@ def due(state: HealthState, now: float) -> list[Decision]:
             at, _, _, item = heapq.heappop(state.heap)
             item.queued = False
             if isinstance(item, NodeHealth):
-                decisions += lose(state, item, at)
+                decisions += lose(state, item, at) if not silenced(state, item, at) \
+                    else hold(state, item, at)
             else:
                 decisions += hang(state, item, at)
         else:
             return decisions
+    return decisions
 
 
 def next_deadline(state: HealthState) -> float | None:
     """The earliest deadline of a judged rank or node, or of a node's charge to judge;
-    None when nothing is timed."""
+    None when nothing is timed (nor while the detector is blind or a mass silence holds
+    judgement: only an event ends that)."""
+    if not state.judging:
+        return None
     entry = state.peek()
     deadlines = [entry[0]] if entry is not None else []
     if state.charges:
@@ -95,10 +100,39 @@ def lose(state: HealthState, node: NodeHealth, at: float) -> list[Decision]:
     return decisions
 
 
+def silenced(state: HealthState, node: NodeHealth, at: float) -> bool:
+    """Whether ``node``, timed out at ``at``, fell silent with every other node not lost
+    (:func:`~phalanx.schemas.registry.mass_silence`)."""
+    return mass_silence((max(other.last_heartbeat, other.heard_from)
+                         for other in state.nodes.values()
+                         if other is not node and not other.lost
+                         and other.last_heartbeat is not None),
+                        at, state.policy.node_timeout_s)
+
+
+def hold(state: HealthState, node: NodeHealth, at: float) -> list[Decision]:
+    """A mass silence from ``at`` on: nothing is judged until a node is heard again."""
+    state.silent_since = at
+    state.arm(node)  # judged again once the silence ends, after a full timeout
+    silent = sorted(n.node_id for n in state.nodes.values() if not n.lost)
+    return [JudgementHeld(True, (
+        f"every node fell silent at once ({', '.join(silent)}): more likely this service's "
+        "or the network's fault than every node's; no node or rank is judged until one "
+        "is heard again"))]
+
+
 def heartbeat(state: HealthState, node_id: str, now: float) -> list[Decision]:
-    """A heartbeat from ``node_id`` at ``now``: alive again if it was lost."""
+    """A heartbeat from ``node_id`` at ``now``: alive again if it was lost; the end of a
+    mass silence (every node and rank a full timeout from now) if one was under way."""
     node = state.node(node_id)
     decisions: list[Decision] = []
+    if state.silent_since is not None:
+        decisions.append(JudgementHeld(False, (
+            f"{node_id} heard after {now - state.silent_since:.1f} s in which no node was: "
+            "every node and rank is judged again, with a full timeout from now")))
+        state.silent_since = None
+        resumed(state, now)
+        decisions += due(state, now)  # the charges that fell due meanwhile
     if node.lost:
         assert node.last_heartbeat is not None
         node.lost = False

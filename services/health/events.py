@@ -192,6 +192,16 @@ class MarkNodeAlive:
 
 
 @dataclasses.dataclass(frozen=True)
+class JudgementHeld:
+    """A mass silence began (``held``: no timeout is judged until a node is heard
+    again), or ended (a node was heard: every node and rank has a full timeout from
+    then)."""
+
+    held: bool
+    reason: str
+
+
+@dataclasses.dataclass(frozen=True)
 class CordonNode:
     """The node faults too often: no new work on it until an operator uncordons it."""
 
@@ -216,5 +226,6 @@ class FailJob:
     reason: str
 
 
-Decision = RaiseFault | MarkNodeLost | MarkNodeAlive | CordonNode | FinishJob | FailJob
+Decision = (RaiseFault | MarkNodeLost | MarkNodeAlive | JudgementHeld | CordonNode
+            | FinishJob | FailJob)
 

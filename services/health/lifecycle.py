@@ -49,8 +49,9 @@ def handle(state: HealthState, event: Event, now: float) -> list[Decision]:
         return []
     if isinstance(event, WatchResumed):
         state.blind = False
+        state.silent_since = None  # a full timeout for everything, from now
         detect.resumed(state, now)  # before anything falls due: the silence proves nothing
-        return []
+        return detect.due(state, now)  # the charges that fell due meanwhile
     decisions = detect.due(state, now)
     match event:
         case JobWatched():

@@ -164,7 +164,13 @@ class HealthState:
         self.charges: list[tuple[float, int, Charge]] = []
         self.struck: collections.deque[tuple[float, str, str]] = collections.deque()
         self.blind = False  # between WatchLost and WatchResumed: no timeout is judged
+        self.silent_since: float | None = None  # a mass silence (rule 7): nor then
         self.ended_progress: list[JobProgress] = []  # of jobs that ended since taken
+
+    @property
+    def judging(self) -> bool:
+        """Whether timeouts are judged: not blind, and no mass silence under way."""
+        return not self.blind and self.silent_since is None
 
     def advance(self, now: float) -> float:
         """Move the latest time seen to ``now`` (never back); returns it.
@@ -282,7 +288,7 @@ class HealthState:
         for due, _, charge in self.charges:
             assert charge.node_id in self.nodes, f"a charge to unknown {charge.node_id}"
             assert due == charge.at + policy.cordon_spread_s and charge.at <= self.now
-            assert self.blind or due >= self.now, f"{charge!r} is overdue"
+            assert not self.judging or due >= self.now, f"{charge!r} is overdue"
             assert charge.job_id is None or (charge.at, charge.job_id, charge.node_id) \
                 in self.struck, f"{charge!r}: its own fault is no longer kept"
         entries: collections.Counter[int] = collections.Counter()
@@ -302,7 +308,7 @@ class HealthState:
         deadline = self.deadline(item)
         if deadline is not None:
             assert item.queued, f"{item!r} is judged but has no deadline queued"
-            assert self.blind or deadline >= self.now, \
+            assert not self.judging or deadline >= self.now, \
                 f"{item!r} is overdue ({deadline} < {self.now})"
 
 

@@ -387,6 +387,9 @@ class HealthService(JobEventsLeader[HealthTerm]):
                 case core.MarkNodeAlive():
                     await self._condition(decision.node_id, NodeCondition.ALIVE,
                                           decision.reason)
+                case core.JudgementHeld():
+                    log.warning("mass silence" if decision.held else "mass silence ended",
+                                extra={"reason": decision.reason})
                 case core.CordonNode():
                     try:
                         await self.nodes.modify(decision.node_id, _cordon)

@@ -379,17 +379,19 @@ async def _spawn_admission(url: str, instance: str, logs: Path) -> asyncio.subpr
 
 
 async def heartbeat_nodes(bus: Bus, nodes: list[NodeInfo], stop: asyncio.Event,
-                          registered: asyncio.Event) -> None:
+                          registered: asyncio.Event, silent: set[str] = frozenset()) -> None:
     """Keep registry entries for ``nodes`` fresh (every 0.5 s), as their agents would: the
     big burst needs thousands of slots, and admission reads only the registry. Sets
-    ``registered`` once every node has its entry."""
+    ``registered`` once every node has its entry. Nodes in ``silent`` (the caller may
+    change it) send nothing meanwhile."""
     registry = await TypedKV.open(bus.js, subjects.NODES_BUCKET, NodeRecord)
     seq = 0
     while not stop.is_set():
         seq += 1
         now = time.time()
         await asyncio.gather(*(registry.put(node.node_id, NodeRecord(
-            node=node, heartbeat_seq=seq, heartbeat_at=now)) for node in nodes))
+            node=node, heartbeat_seq=seq, heartbeat_at=now)) for node in nodes
+            if node.node_id not in silent))
         registered.set()
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(stop.wait(), 0.5)
@@ -705,6 +707,51 @@ async def test_a_leader_held_up_longer_than_lost_after_s_judges_no_node_on_that_
         finally:
             watching.cancel()
             await leader.stop()
+
+
+async def test_every_node_silent_at_once_requeues_nothing_and_one_left_silent_is_lost(
+        config: BusConfig, client_bus: Bus) -> None:
+    # The 12,000-job burst on a loaded machine starved every node's heartbeats at once,
+    # and each node, judged on its own, was lost with every job on it.
+    lost_after_s = 1.5
+    nodes = [NodeInfo(node_id=f"node-{i}", host="h", slots=2, failure_domain=f"d{i}")
+             for i in range(2)]
+    leader = AdmissionService(AdmissionConfig(lease_s=5.0, lost_after_s=lost_after_s,
+                                              tick_s=0.1), config, instance="silence")
+    silent: set[str] = set()
+    stop, registered = asyncio.Event(), asyncio.Event()
+    beats = asyncio.create_task(heartbeat_nodes(client_bus, nodes, stop, registered, silent))
+    await registered.wait()
+    await leader.start()
+    seen, watching = await record_jobs(client_bus)
+    try:
+        ids = await admit_one_slot_jobs(client_bus, "silence", 4)
+        silent.update(n.node_id for n in nodes)  # every node at once, for 3 timeouts
+        await asyncio.sleep(3 * lost_after_s)
+        silent.clear()
+        await asyncio.sleep(2 * lost_after_s)
+        assert leader.term is not None and len(leader.term.core.running) == len(ids)
+        admitted = {r.job_id: r for r in seen if r.state is JobState.ADMITTED}
+        assert sorted(admitted) == ids
+        once: set[str] = set()  # jobs admitted once: no other state after that
+        for record in seen:
+            assert record.job_id not in once or record.state is JobState.ADMITTED, record
+            if record.state is JobState.ADMITTED:
+                once.add(record.job_id)
+        # Again, but one node stays silent after the other is heard: its jobs go back.
+        silent.update(n.node_id for n in nodes)
+        await asyncio.sleep(2 * lost_after_s)
+        silent.discard("node-0")
+        on_node_1 = [job_id for job_id, r in admitted.items() if r.nodes == ["node-1"]]
+        assert len(on_node_1) == 2
+        for job_id in on_node_1:
+            requeued = await wait_state(client_bus, job_id, JobState.PENDING)
+            assert requeued.reason_code is ReasonCode.NODE_LOST
+    finally:
+        watching.cancel()
+        await leader.stop()
+        stop.set()
+        await beats
 
 
 async def test_a_record_left_on_other_nodes_than_the_ledger_is_rewritten_by_the_restore(

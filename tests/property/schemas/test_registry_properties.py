@@ -6,7 +6,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from phalanx.schemas.messages import NodeInfo, NodeRecord
-from phalanx.schemas.registry import NodeState, view, views
+from phalanx.schemas.registry import NodeState, mass_silence, view, views
 
 SETTINGS = settings(derandomize=True, database=None, deadline=None, max_examples=200)
 
@@ -87,3 +87,21 @@ def test_a_reader_judges_only_silence_it_could_hear(record: NodeRecord, now: flo
         assert v.state is NodeState.ALIVE
     if since <= record.heartbeat_at:
         assert v == view(record, now, lost_after)
+
+
+@SETTINGS
+@given(at=times, timeout=lost_afters,
+       ages=st.lists(st.floats(min_value=-10.0, max_value=1200.0, allow_nan=False), max_size=8))
+def test_a_mass_silence_is_every_other_node_silent_past_half_a_timeout(
+        at: float, timeout: float, ages: list[float]) -> None:
+    heard = [at - age for age in ages]
+    silent = mass_silence(heard, at, timeout)
+    # A lone node's silence is its own; any node heard within half a timeout (or after
+    # ``at``) shows the reader hears the nodes.
+    assert silent == (bool(heard) and all(at - when > timeout / 2 for when in heard))
+    if not heard or any(when >= at for when in heard):
+        assert not silent
+    # Adding a node heard just now ends it; adding one as silent as the rest keeps it.
+    assert not mass_silence([*heard, at], at, timeout)
+    if silent:
+        assert mass_silence([*heard, min(heard)], at, timeout)

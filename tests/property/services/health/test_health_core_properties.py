@@ -42,6 +42,7 @@ from phalanx.services.health.events import (
     HeartbeatSeen,
     JobUnwatched,
     JobWatched,
+    JudgementHeld,
     MarkNodeAlive,
     MarkNodeLost,
     NodeUncordoned,
@@ -181,6 +182,8 @@ def key(d: Decision) -> Key:
             return ("fail", d.job_id, d.reason_code, None, None)
         case MarkNodeLost() | MarkNodeAlive() | CordonNode():
             return (type(d).__name__, None, None, None, d.node_id)
+        case JudgementHeld():
+            return ("JudgementHeld", None, d.held, None, None)
     raise TypeError(d)
 
 
@@ -269,6 +272,7 @@ class Model:
         self.pending: list[tuple[float, int, str, str | None, int, int]] = []
         self.uncordons: dict[str, int] = {}
         self.seq = 0
+        self.silent: float | None = None  # since when every node not lost is silent
 
     def hang_deadline(self, job: JobModel, r: RankModel) -> float | None:
         if r.exit or r.last is None or r.covered or r.done or r.node in self.lost:
@@ -290,6 +294,8 @@ class Model:
         return out
 
     def next_deadline(self) -> float | None:
+        if self.silent is not None:
+            return None
         return min((d for d, _, _ in self.timed()), default=None)
 
     def charge(self, node: str, at: float, job: str | None, nodes: int) -> None:
@@ -316,13 +322,16 @@ class Model:
 
     def due(self, now: float) -> list[Key]:
         out: list[Key] = []
-        while True:
+        while self.silent is None:
             timed = [t for t in self.timed() if t[0] < now]
             if not timed:
                 return out
             at, _, what = min(timed, key=lambda t: (t[0], t[1]))
             if isinstance(what, tuple) and len(what) == 6:
                 out += self.judge(what)  # type: ignore[arg-type]
+            elif isinstance(what, str) and self.everyone_silent(what, at):
+                self.silent = at
+                out.append(("JudgementHeld", None, True, None, None))
             elif isinstance(what, str):
                 self.lost.add(what)
                 out.append(("MarkNodeLost", None, None, None, what))
@@ -345,6 +354,12 @@ class Model:
                 out += self.failed(job_id, "infra", at, ("fault", job_id, FaultKind.HANG, i,
                                                          r.node), r)
                 self.charge(r.node, at, job_id, nodes)
+        return out
+
+    def everyone_silent(self, node: str, at: float) -> bool:
+        """Other nodes not lost, none heard within half a node timeout before ``at``."""
+        others = [t for n, t in self.heard.items() if n != node and n not in self.lost]
+        return bool(others) and all(at - t > self.p.node_timeout_s / 2 for t in others)
 
     def failed(self, job_id: str, failure: str, at: float, fault: Key,
                r: RankModel) -> list[Key]:
@@ -432,6 +447,14 @@ class Model:
                         self.jobs[e.job_id].final = e.step
                     out += self.straggler(e.job_id, e.rank, r, now)
             case HeartbeatSeen():
+                if self.silent is not None:  # the silence ends: a full timeout for all
+                    self.silent = None
+                    out.append(("JudgementHeld", None, False, None, None))
+                    self.heard = {n: max(t, now) for n, t in self.heard.items()}
+                    for job in self.jobs.values():
+                        for r in job.ranks:
+                            r.since = max(r.since, now)
+                    out += self.due(now)  # the charges that fell due meanwhile
                 if e.node_id in self.lost:
                     self.lost.discard(e.node_id)
                     out.append(("MarkNodeAlive", None, None, None, e.node_id))

@@ -22,6 +22,7 @@ from phalanx.services.health.events import (
     HeartbeatSeen,
     JobUnwatched,
     JobWatched,
+    JudgementHeld,
     MarkNodeAlive,
     MarkNodeLost,
     MemberApplied,
@@ -920,6 +921,49 @@ def test_silence_while_the_detector_was_blind_proves_nothing() -> None:
     assert "after step 1" in fault.detail
     lost = tick(core, after(T0 + 13))  # and a full node timeout
     assert [type(d) for d in lost] == [MarkNodeLost, RaiseFault]
+
+
+def test_every_node_silent_at_once_loses_none_and_hangs_none() -> None:
+    """The 12,000-job burst on a loaded machine starved the heartbeats of every node at
+    once: each node, judged on its own, was lost with every job on it. A silence of every
+    node is held: nothing is judged until one is heard, then all get a full timeout."""
+    core = make(("n0", "n1"), hang=5.0, node_timeout_s=3.0)
+    run(core, T0, HeartbeatSeen("n0"), progress(0), progress(1))
+    run(core, T0 + 0.4, HeartbeatSeen("n1"))
+    [held] = tick(core, after(T0 + 3))  # n0 times out; n1 not heard for 2.6 s either
+    assert isinstance(held, JudgementHeld) and held.held and "n0, n1" in held.reason
+    assert core.next_deadline() is None  # only an event ends it
+    assert tick(core, T0 + 60) == []  # no node lost, no rank hung, however long
+    ended = run(core, T0 + 60, HeartbeatSeen("n1"))
+    assert [type(d) for d in ended] == [JudgementHeld] and not ended[0].held
+    run(core, T0 + 60.5, HeartbeatSeen("n0"), progress(0))
+    run(core, T0 + 62, HeartbeatSeen("n0"), HeartbeatSeen("n1"))
+    run(core, T0 + 64.5, HeartbeatSeen("n0"), HeartbeatSeen("n1"))
+    assert tick(core, T0 + 65) == []
+    # Heard again, every node and rank is judged as before: rank 1 never reported again.
+    [hang] = tick(core, after(T0 + 65))
+    assert (hang.kind, hang.rank) == (HANG, 1)
+
+
+def test_after_a_mass_silence_a_node_that_stays_silent_is_lost_a_timeout_later() -> None:
+    core = make(("n0", "n1", "n2"), hang=100.0, node_timeout_s=2.0)
+    run(core, T0, *(HeartbeatSeen(n) for n in ("n0", "n1", "n2")))
+    assert [type(d) for d in tick(core, T0 + 10)] == [JudgementHeld]
+    run(core, T0 + 10, HeartbeatSeen("n0"))  # the silence ends; n1 and n2 get 2 s
+    run(core, T0 + 11, HeartbeatSeen("n1"), HeartbeatSeen("n0"))
+    assert tick(core, T0 + 12) == []
+    lost = tick(core, after(T0 + 12))  # n0 heard 1 s before: n2's silence is its own
+    assert [(type(d), getattr(d, "node_id", None)) for d in lost] == [
+        (MarkNodeLost, "n2"), (RaiseFault, "n2")]
+
+
+def test_a_node_silent_while_the_others_are_heard_is_lost_and_a_lone_node_too() -> None:
+    core = make(("n0", "n1"), hang=100.0, node_timeout_s=2.0)
+    run(core, T0, HeartbeatSeen("n0"), HeartbeatSeen("n1"))
+    run(core, T0 + 1.5, HeartbeatSeen("n1"))  # heard within half a timeout of n0's end
+    assert [type(d) for d in tick(core, after(T0 + 2))] == [MarkNodeLost, RaiseFault]
+    # n1 is now the only node not lost: its own silence is no mass silence.
+    assert [type(d) for d in tick(core, after(T0 + 3.5))] == [MarkNodeLost, RaiseFault]
 
 
 def test_faults_name_the_replica_last_started_in_the_slot() -> None:
