@@ -677,33 +677,45 @@ async def test_a_slow_restore_does_not_judge_live_nodes_on_records_read_before_i
         await beats
 
 
+#: The silences below, against this timeout.
+SHORT_LOST_AFTER_S = 1.5
+TWO_NODES = [NodeInfo(node_id=f"node-{i}", host="h", slots=2, failure_domain=f"d{i}")
+             for i in range(2)]
+
+
+def short_timeout_leader(config: BusConfig, instance: str) -> AdmissionService:
+    return AdmissionService(AdmissionConfig(lease_s=5.0, lost_after_s=SHORT_LOST_AFTER_S,
+                                            tick_s=0.1), config, instance=instance)
+
+
+def stayed_admitted(leader: AdmissionService, seen: list[JobRecord],
+                    ids: list[str]) -> dict[str, JobRecord]:
+    """Asserts every job of ``ids`` runs and no record of one had another state once it
+    was admitted; the admitted records."""
+    assert leader.term is not None and len(leader.term.core.running) == len(ids)
+    admitted: dict[str, JobRecord] = {}
+    for record in seen:
+        assert record.job_id not in admitted or record.state is JobState.ADMITTED, record
+        if record.state is JobState.ADMITTED:
+            admitted[record.job_id] = record
+    assert sorted(admitted) == sorted(ids)
+    return admitted
+
+
 async def test_a_leader_held_up_longer_than_lost_after_s_judges_no_node_on_that_silence(
         config: BusConfig, client_bus: Bus) -> None:
     # A long pass holds the leader's loop: the heartbeats of that time wait unread in its
     # connection, and the first tick after it must not judge the nodes on what it read
     # before (every node lost, every running job requeued).
-    lost_after_s = 1.5
-    nodes = [NodeInfo(node_id=f"node-{i}", host="h", slots=2, failure_domain=f"d{i}")
-             for i in range(2)]
-    leader = AdmissionService(AdmissionConfig(lease_s=5.0, lost_after_s=lost_after_s,
-                                              tick_s=0.1), config, instance="held")
-    with heartbeats_elsewhere(config, nodes):
+    leader = short_timeout_leader(config, "held")
+    with heartbeats_elsewhere(config, TWO_NODES):
         await leader.start()
         seen, watching = await record_jobs(client_bus)
         try:
             ids = await admit_one_slot_jobs(client_bus, "held", 4)
-            time.sleep(2 * lost_after_s)  # the loop held up, the leader inside it
-            await asyncio.sleep(3 * lost_after_s)  # long past the ticks after it
-            assert leader.term is not None and len(leader.term.core.running) == len(ids)
-            admitted: set[str] = set()
-            after = []  # every record of a job once it was admitted
-            for record in seen:
-                if record.job_id in admitted:
-                    after.append((record.job_id, record.state, record.reason_code))
-                if record.state is JobState.ADMITTED:
-                    admitted.add(record.job_id)
-            assert admitted == set(ids)
-            assert [entry for entry in after if entry[1] is not JobState.ADMITTED] == []
+            time.sleep(2 * SHORT_LOST_AFTER_S)  # the loop held up, the leader inside it
+            await asyncio.sleep(3 * SHORT_LOST_AFTER_S)  # long past the ticks after it
+            stayed_admitted(leader, seen, ids)
         finally:
             watching.cancel()
             await leader.stop()
@@ -713,34 +725,24 @@ async def test_every_node_silent_at_once_requeues_nothing_and_one_left_silent_is
         config: BusConfig, client_bus: Bus) -> None:
     # The 12,000-job burst on a loaded machine starved every node's heartbeats at once,
     # and each node, judged on its own, was lost with every job on it.
-    lost_after_s = 1.5
-    nodes = [NodeInfo(node_id=f"node-{i}", host="h", slots=2, failure_domain=f"d{i}")
-             for i in range(2)]
-    leader = AdmissionService(AdmissionConfig(lease_s=5.0, lost_after_s=lost_after_s,
-                                              tick_s=0.1), config, instance="silence")
+    leader = short_timeout_leader(config, "silence")
     silent: set[str] = set()
     stop, registered = asyncio.Event(), asyncio.Event()
-    beats = asyncio.create_task(heartbeat_nodes(client_bus, nodes, stop, registered, silent))
+    beats = asyncio.create_task(heartbeat_nodes(client_bus, TWO_NODES, stop, registered,
+                                                silent))
     await registered.wait()
     await leader.start()
     seen, watching = await record_jobs(client_bus)
     try:
         ids = await admit_one_slot_jobs(client_bus, "silence", 4)
-        silent.update(n.node_id for n in nodes)  # every node at once, for 3 timeouts
-        await asyncio.sleep(3 * lost_after_s)
+        silent.update(n.node_id for n in TWO_NODES)  # every node at once, for 3 timeouts
+        await asyncio.sleep(3 * SHORT_LOST_AFTER_S)
         silent.clear()
-        await asyncio.sleep(2 * lost_after_s)
-        assert leader.term is not None and len(leader.term.core.running) == len(ids)
-        admitted = {r.job_id: r for r in seen if r.state is JobState.ADMITTED}
-        assert sorted(admitted) == ids
-        once: set[str] = set()  # jobs admitted once: no other state after that
-        for record in seen:
-            assert record.job_id not in once or record.state is JobState.ADMITTED, record
-            if record.state is JobState.ADMITTED:
-                once.add(record.job_id)
+        await asyncio.sleep(2 * SHORT_LOST_AFTER_S)
+        admitted = stayed_admitted(leader, seen, ids)
         # Again, but one node stays silent after the other is heard: its jobs go back.
-        silent.update(n.node_id for n in nodes)
-        await asyncio.sleep(2 * lost_after_s)
+        silent.update(n.node_id for n in TWO_NODES)
+        await asyncio.sleep(2 * SHORT_LOST_AFTER_S)
         silent.discard("node-0")
         on_node_1 = [job_id for job_id, r in admitted.items() if r.nodes == ["node-1"]]
         assert len(on_node_1) == 2

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.distributed as dist
 from gloo_pair import on_two_ranks
@@ -71,58 +73,61 @@ def test_a_kept_gradient_is_added_to_this_ranks_share() -> None:
         assert torch.equal(grad, torch.full_like(grad, 3.0))
 
 
-def test_the_sums_come_back_as_views_of_the_buckets_which_the_next_step_reuses() -> None:
+Step = tuple[BucketedReduce, BucketedReduce, list[torch.Tensor], list[torch.Tensor]]
+
+
+def two_steps(between: Callable[[list[torch.nn.Parameter], list[torch.Tensor]], None]
+              ) -> list[Step]:
+    """Two steps of the same gradients on two ranks, ``between`` giving the parameters the
+    second step's gradients (the originals) after the first's sums; checks the second's
+    sums. Per rank: both reduces, the gradients after the first, and the originals."""
     models = [model(1), model(2)]
     expected = [a.grad + b.grad for a, b in zip(models[0].parameters(), models[1].parameters(),
                                                 strict=True)]
     originals = [[p.grad.clone() for p in m.parameters()] for m in models]
 
-    def body(rank: int, pg: dist.ProcessGroup) -> tuple[list[torch.Tensor], bool]:
+    def body(rank: int, pg: dist.ProcessGroup) -> tuple[Step, list[torch.Tensor], list[float]]:
         params = list(models[rank].parameters())
         plan = bucket_plan(params, bucket_bytes=16 * 4 * 8)
         first = BucketedReduce(pg, params, plan, None, lambda: torch.ones(1))
         first.finish(wait)
-        viewed = {p.grad.untyped_storage().data_ptr() for p in params}
-        assert viewed == {flat.untyped_storage().data_ptr() for flat in first.flats}
-        for p, grad in zip(params, originals[rank], strict=True):
-            p.grad = grad.clone()  # the next step's gradients (zero_grad set them to None)
+        views = [p.grad for p in params]
+        between(params, originals[rank])
         second = BucketedReduce(pg, params, plan, None, lambda: torch.ones(1), first.flats)
         tail = second.finish(wait)
-        same = all(a is b for a, b in zip(first.flats, second.flats, strict=True))
-        return [p.grad.clone() for p in params], same and tail.tolist() == [2.0]
+        return (first, second, views, originals[rank]), [p.grad.clone() for p in params], \
+            tail.tolist()
 
-    (grads0, reused0), (grads1, reused1) = on_two_ranks(body)
-    assert reused0 and reused1
+    (step0, grads0, tail0), (step1, grads1, tail1) = on_two_ranks(body)
+    assert tail0 == tail1 == [2.0]
     for got0, got1, want in zip(grads0, grads1, expected, strict=True):
         torch.testing.assert_close(got0, want)  # no leftover of the first sum
         assert torch.equal(got0, got1)
+    return [step0, step1]
+
+
+def storage(tensor: torch.Tensor) -> int:
+    return tensor.untyped_storage().data_ptr()
+
+
+def test_the_sums_come_back_as_views_of_the_buckets_which_the_next_step_reuses() -> None:
+    def set_to_none(params: list[torch.nn.Parameter], grads: list[torch.Tensor]) -> None:
+        for p, grad in zip(params, grads, strict=True):
+            p.grad = grad.clone()  # zero_grad set them to None, the backward made new ones
+
+    for first, second, views, _ in two_steps(set_to_none):
+        assert {storage(v) for v in views} == {storage(flat) for flat in first.flats}
+        assert all(a is b for a, b in zip(first.flats, second.flats, strict=True))
 
 
 def test_gradients_kept_across_steps_are_never_summed_in_place() -> None:
     """A script that zeroes its gradients keeps the views: the next all-reduce goes into
     new buckets, so the gradients stay this rank's own until every bucket is summed (what
     an aborted step keeps)."""
-    models = [model(1), model(2)]
-    expected = [a.grad + b.grad for a, b in zip(models[0].parameters(), models[1].parameters(),
-                                                strict=True)]
-    originals = [[p.grad.clone() for p in m.parameters()] for m in models]
+    def zeroed(params: list[torch.nn.Parameter], grads: list[torch.Tensor]) -> None:
+        for p, grad in zip(params, grads, strict=True):
+            p.grad.zero_().add_(grad)  # zero_grad(set_to_none=False), then the backward
 
-    def body(rank: int, pg: dist.ProcessGroup) -> tuple[list[torch.Tensor], bool]:
-        params = list(models[rank].parameters())
-        plan = bucket_plan(params, bucket_bytes=16 * 4 * 8)
-        first = BucketedReduce(pg, params, plan, None, lambda: torch.ones(1))
-        first.finish(wait)
-        views = [p.grad for p in params]
-        for view, grad in zip(views, originals[rank], strict=True):
-            view.zero_().add_(grad)  # zero_grad(set_to_none=False), then the backward
-        second = BucketedReduce(pg, params, plan, None, lambda: torch.ones(1), first.flats)
-        second.finish(wait)
-        local = all(torch.equal(v, g) for v, g in zip(views, originals[rank], strict=True))
-        fresh = not any(a is b for a, b in zip(first.flats, second.flats, strict=True))
-        return [p.grad.clone() for p in params], local and fresh
-
-    (grads0, apart0), (grads1, apart1) = on_two_ranks(body)
-    assert apart0 and apart1
-    for got0, got1, want in zip(grads0, grads1, expected, strict=True):
-        torch.testing.assert_close(got0, want)
-        assert torch.equal(got0, got1)
+    for first, second, views, originals in two_steps(zeroed):
+        assert all(torch.equal(v, g) for v, g in zip(views, originals, strict=True))
+        assert not any(a is b for a, b in zip(first.flats, second.flats, strict=True))
