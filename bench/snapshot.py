@@ -3,7 +3,10 @@ every step and with the adaptive interval, in one run, next to the bound a memcp
 bytes per step sets.
 
 * **Step time**: ``examples/train_mlp.py`` on W as a 4-replica job on a local cluster
-  (``phalanx up``, 2 agents x 2 slots), with ``checkpoint.memory_every_steps`` 0 (no
+  (``phalanx up``, 2 agents x 2 slots; ``--agents`` and ``--slots`` change that: on the
+  2-core test machine 4 ranks oversubscribe the cores, and a run's own step time drifts
+  by up to 11 % within it, where 2 x 1 stays within 2 %), with
+  ``checkpoint.memory_every_steps`` 0 (no
   snapshot), 1 (every committed step) and ``auto`` (the default: the interval the ranks
   agree on to keep a snapshot's cost in the training thread within
   ``checkpoint.memory_overhead``, 2 %, of the training time), ``--repeat`` rounds; per
@@ -80,7 +83,6 @@ from phalanx.schemas.messages import (
 BENCH = Path(__file__).resolve().parent
 
 SCRIPT = BENCH.parent / "examples" / "train_mlp.py"
-WORLD = 4
 #: The modes: name, checkpoint.memory_every_steps.
 MODES: dict[str, int | Literal["auto"]] = {"off": 0, "every": 1, "auto": "auto"}
 #: The runs of a round, in order: a palindrome, every mode's runs centred alike.
@@ -102,7 +104,7 @@ async def step_time(bus: Bus, args: argparse.Namespace, work: Path, name: str,
     rec = work / name
     spec = JobSpec(
         name="w", team="bench", priority_class="normal",
-        replicas=ReplicaRange(min=WORLD, max=WORLD),
+        replicas=ReplicaRange(min=args.agents * args.slots, max=args.agents * args.slots),
         command=[sys.executable, str(SCRIPT), "--data-dir", str(args.data_dir),
                  "--widths", args.widths, "--samples", str(args.samples),
                  "--steps", str(args.steps)],
@@ -127,8 +129,9 @@ async def step_time(bus: Bus, args: argparse.Namespace, work: Path, name: str,
             "in_thread": sum(taken) / trained}
 
 
-def bound(widths: tuple[int, ...]) -> dict[str, float]:
-    """The bytes one of WORLD ranks snapshots per step, and what copying them costs here."""
+def bound(widths: tuple[int, ...], world: int) -> dict[str, float]:
+    """The bytes one of ``world`` ranks snapshots per step, and what copying them costs
+    here."""
     torch.set_num_threads(1)
     model = workload_w.build_model(widths)
     optimizer = workload_w.build_optimizer(model)
@@ -137,7 +140,7 @@ def bound(widths: tuple[int, ...]) -> dict[str, float]:
     optimizer.step()  # the AdamW moments exist from here
     state = flat_state(model, optimizer, {}, 1)
     meta = pickle.dumps(state.meta)
-    _, share = snapshot_file.share(state.total, 0, WORLD)
+    _, share = snapshot_file.share(state.total, 0, world)
     source = torch.empty(share, dtype=torch.uint8)
     target = torch.empty(share, dtype=torch.uint8)
     buffer = bytearray(snapshot_file.HEADER_BYTES + len(meta) + share)
@@ -153,18 +156,20 @@ def bound(widths: tuple[int, ...]) -> dict[str, float]:
     return {"state_bytes": state.total, "share_bytes": share,
             "memcpy_s": best_of(lambda: target.copy_(source)),
             "write_share_s": best_of(lambda: write_share(memoryview(buffer), state, meta,
-                                                         "bench", 1, 0, 0, WORLD))}
+                                                         "bench", 1, 0, 0, world))}
 
 
 async def run(args: argparse.Namespace) -> dict[str, Any]:
     widths = tuple(int(w) for w in args.widths.split(","))
     workload_w.prepare(args.data_dir, args.samples, widths)
     report: dict[str, Any] = {"date": utc_date(), "command": " ".join(sys.argv),
-                              "widths": args.widths, "world_size": WORLD, "steps": args.steps,
+                              "widths": args.widths, "world_size": args.agents * args.slots,
+                              "agents": args.agents, "steps": args.steps,
                               "runs": {mode: [] for mode in MODES}}
     with tempfile.TemporaryDirectory() as tmp:
         cluster = Path(tmp) / "cluster"
-        cli("up", "--agents", "2", "--slots-per-agent", "2", "--detach", "--data-dir",
+        cli("up", "--agents", str(args.agents), "--slots-per-agent", str(args.slots),
+            "--detach", "--data-dir",
             str(cluster), "--nats-port", "0")
         try:
             url = json.loads((cluster / "up.json").read_text())["nats_url"]
@@ -179,7 +184,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                         print(json.dumps({"mode": mode, **run}), flush=True)
         finally:
             cli("down", "--data-dir", str(cluster))
-    report.update(bound(widths))
+    report.update(bound(widths, report["world_size"]))
     report.update(await asyncio.to_thread(replication.measure, report["share_bytes"], 5))
     report["rounds"] = rounds(report["runs"], args.repeat)
     report["overhead"] = {mode: statistics.median(r["overhead"][mode] for r in report["rounds"])
@@ -221,7 +226,8 @@ def record_results(report: dict[str, Any]) -> None:
     verdict = "pass" if report["target_auto_every_round"] else "FAIL"
     append(f"\n## snapshot.py — {report['date']}\n\nCommand: `{report['command']}`\n\n"
            f"W widths {report['widths']}, {report['world_size']} ranks, {report['steps']} "
-           "steps per run, on one local cluster (2 agents x 2 slots); rounds of runs without "
+           f"steps per run, on one local cluster ({report['agents']} agents x "
+           f"{report['world_size'] // report['agents']} slots); rounds of runs without "
            "snapshots (off), with one every step (every) and with the adaptive interval "
            "(auto), each round a palindrome (off, auto, every, auto, off). Per run: the "
            "median step, a rank's median snapshot in the training thread, the median "
@@ -268,6 +274,10 @@ def arguments() -> argparse.ArgumentParser:
     parser.add_argument("--data-dir", type=Path,
                         default=Path(tempfile.gettempdir()) / "phalanx-bench-w")
     parser.add_argument("--timeout", type=float, default=900)
+    parser.add_argument("--agents", type=int, default=2,
+                        help="agents of the local cluster (nodes, each other's buddy)")
+    parser.add_argument("--slots", type=int, default=2,
+                        help="slots per agent: the job is agents x slots ranks")
     parser.add_argument("--no-tiers", action="store_true",
                         help="skip the recovery time per source (bench/tiers.py's phases)")
     parser.add_argument("--no-record", action="store_true")
