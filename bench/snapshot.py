@@ -4,8 +4,9 @@ bytes per step sets.
 
 * **Step time**: ``examples/train_mlp.py`` on W as a 4-replica job on a local cluster
   (``phalanx up``, 2 agents x 2 slots; ``--agents`` and ``--slots`` change that: on the
-  2-core test machine 4 ranks oversubscribe the cores, and a run's own step time drifts
-  by up to 11 % within it, where 2 x 1 stays within 2 %), with
+  2-core test machine 4 ranks oversubscribe the cores, and a run's own step time drifted
+  by up to 11 % within it; 2 x 1 stayed within 2 % inside a run, but its runs a minute
+  apart still differed by up to 11 %: bench/RESULTS.md, 2026-11-28), with
   ``checkpoint.memory_every_steps`` 0 (no
   snapshot), 1 (every committed step) and ``auto`` (the default: the interval the ranks
   agree on to keep a snapshot's cost in the training thread within
