@@ -13,9 +13,9 @@ silence the reader could have heard — a bus outage never looks like every
 node dying.
 
 A *mass silence* is the same proof of nothing (:func:`mass_silence`): a node that
-times out while no other node was heard within half a timeout either, when there are
-others, is more likely the reader's fault (its server cut off from the agents, its
-heartbeat readers starved) or the network's than every node's at once; the
+times out while no other node was heard within half a timeout either is more likely
+the reader's fault (its server cut off from the agents, its heartbeat readers starved)
+or the network's than every node's at once; the
 Kubernetes node controller stops evicting a fully disrupted zone for the same
 reason. Admission and health then judge nothing until a node is heard again, and give
 the rest a full timeout from then; a lone node's silence is its own.
@@ -80,12 +80,12 @@ def view(record: NodeRecord, now: float, lost_after_s: float = DEFAULT_LOST_AFTE
     )
 
 
-def mass_silence(others_heard_at: Iterable[float], at: float, timeout_s: float) -> bool:
-    """Whether a node that timed out at ``at`` fell silent with every other node: there
-    are others (those not judged lost yet, by when each was last heard, or judged as
-    heard) and none was heard within half of ``timeout_s`` before ``at``."""
-    heard = list(others_heard_at)
-    return bool(heard) and all(at - when > timeout_s / 2 for when in heard)
+def mass_silence(heard_at: Iterable[float], at: float, timeout_s: float) -> bool:
+    """Whether the nodes not judged lost (by when each was last heard, or judged as
+    heard), at least two of them, are all silent at ``at``: none heard within half of
+    ``timeout_s`` before it. A lone node's silence is its own."""
+    heard = list(heard_at)
+    return len(heard) >= 2 and all(at - when > timeout_s / 2 for when in heard)
 
 
 def views(records: Iterable[NodeRecord], now: float,

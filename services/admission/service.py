@@ -556,8 +556,7 @@ class AdmissionService(LeaderService[AdmissionTerm]):
                  for r in self.node_records.values()
                  if (seen := term.node_events.get(r.node.node_id)) is not None and seen.alive}
         falling = [n for n, at in heard.items() if now - at > self.config.lost_after_s]
-        if not falling or not mass_silence((at for n, at in heard.items() if n != falling[0]),
-                                           now, self.config.lost_after_s):
+        if not falling or not mass_silence(heard.values(), now, self.config.lost_after_s):
             return
         term.watching_since = now
         if term.silent_since is None:

@@ -61,10 +61,11 @@ and the nodes that send heartbeats, and turns what it hears into faults:
    timeout, even when it is still handed events; :class:`WatchResumed` (also at
    a takeover) gives every node and every reporting rank a full timeout from
    that moment, so timeouts that fell due while it was blind are never judged.
-   A *mass silence* is blindness too: a node that times out while there are
-   other nodes not lost and none of them was heard within half the node
-   timeout either (:func:`~phalanx.schemas.registry.mass_silence`) is not lost;
-   the detector judges nothing (no node, no hang) until a node is heard, and
+   A *mass silence* is blindness too: a node or a rank that times out while
+   every node not lost, at least two, went unheard for more than half the
+   node timeout (:func:`~phalanx.schemas.registry.mass_silence`) is not
+   judged; the detector judges nothing (no node, no hang) until a node is
+   heard, and
    that heartbeat gives every node and rank a full timeout, as
    :class:`WatchResumed` does (:class:`JudgementHeld` says both). Every node
    silent at once is more likely the detector's connection or the network

@@ -43,9 +43,10 @@ def due(state: HealthState, now: float) -> list[Decision]:
         elif timeout < now:
             at, _, _, item = heapq.heappop(state.heap)
             item.queued = False
-            if isinstance(item, NodeHealth):
-                decisions += lose(state, item, at) if not silenced(state, item, at) \
-                    else hold(state, item, at)
+            if silenced(state, at):
+                decisions += hold(state, item, at)
+            elif isinstance(item, NodeHealth):
+                decisions += lose(state, item, at)
             else:
                 decisions += hang(state, item, at)
         else:
@@ -100,20 +101,21 @@ def lose(state: HealthState, node: NodeHealth, at: float) -> list[Decision]:
     return decisions
 
 
-def silenced(state: HealthState, node: NodeHealth, at: float) -> bool:
-    """Whether ``node``, timed out at ``at``, fell silent with every other node not lost
-    (:func:`~phalanx.schemas.registry.mass_silence`)."""
-    return mass_silence((max(other.last_heartbeat, other.heard_from)
-                         for other in state.nodes.values()
-                         if other is not node and not other.lost
-                         and other.last_heartbeat is not None),
+def silenced(state: HealthState, at: float) -> bool:
+    """Whether every node not lost, at least two, is silent at ``at``
+    (:func:`~phalanx.schemas.registry.mass_silence`): a node or a rank timing out then
+    is not judged. A rank's hang timeout is often the shorter (2 s by default against
+    the node's 3 s), and its reports stop with its node's heartbeats."""
+    return mass_silence((max(node.last_heartbeat, node.heard_from)
+                         for node in state.nodes.values()
+                         if not node.lost and node.last_heartbeat is not None),
                         at, state.policy.node_timeout_s)
 
 
-def hold(state: HealthState, node: NodeHealth, at: float) -> list[Decision]:
+def hold(state: HealthState, item: RankHealth | NodeHealth, at: float) -> list[Decision]:
     """A mass silence from ``at`` on: nothing is judged until a node is heard again."""
     state.silent_since = at
-    state.arm(node)  # judged again once the silence ends, after a full timeout
+    state.arm(item)  # judged again once the silence ends, after a full timeout
     silent = sorted(n.node_id for n in state.nodes.values() if not n.lost)
     return [JudgementHeld(True, (
         f"every node fell silent at once ({', '.join(silent)}): more likely this service's "

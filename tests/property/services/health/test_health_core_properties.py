@@ -329,7 +329,7 @@ class Model:
             at, _, what = min(timed, key=lambda t: (t[0], t[1]))
             if isinstance(what, tuple) and len(what) == 6:
                 out += self.judge(what)  # type: ignore[arg-type]
-            elif isinstance(what, str) and self.everyone_silent(what, at):
+            elif self.everyone_silent(at):
                 self.silent = at
                 out.append(("JudgementHeld", None, True, None, None))
             elif isinstance(what, str):
@@ -356,10 +356,11 @@ class Model:
                 self.charge(r.node, at, job_id, nodes)
         return out
 
-    def everyone_silent(self, node: str, at: float) -> bool:
-        """Other nodes not lost, none heard within half a node timeout before ``at``."""
-        others = [t for n, t in self.heard.items() if n != node and n not in self.lost]
-        return bool(others) and all(at - t > self.p.node_timeout_s / 2 for t in others)
+    def everyone_silent(self, at: float) -> bool:
+        """At least two nodes not lost, none heard within half a node timeout before
+        ``at``."""
+        heard = [t for n, t in self.heard.items() if n not in self.lost]
+        return len(heard) >= 2 and all(at - t > self.p.node_timeout_s / 2 for t in heard)
 
     def failed(self, job_id: str, failure: str, at: float, fault: Key,
                r: RankModel) -> list[Key]:

@@ -945,6 +945,19 @@ def test_every_node_silent_at_once_loses_none_and_hangs_none() -> None:
     assert (hang.kind, hang.rank) == (HANG, 1)
 
 
+def test_a_hang_timeout_shorter_than_the_node_timeout_is_held_in_a_mass_silence() -> None:
+    core = make(("n0", "n1"), hang=2.0, node_timeout_s=3.0)  # the defaults
+    run(core, T0, HeartbeatSeen("n0"), HeartbeatSeen("n1"), progress(0), progress(1))
+    [held] = tick(core, after(T0 + 2))  # the reports stopped with the heartbeats
+    assert isinstance(held, JudgementHeld) and held.held
+    assert tick(core, T0 + 30) == []
+    assert [type(d) for d in run(core, T0 + 30, HeartbeatSeen("n0"))] == [JudgementHeld]
+    # Ranks that stop while their nodes are heard hang as before.
+    run(core, T0 + 31, HeartbeatSeen("n0"), HeartbeatSeen("n1"))
+    hangs = [d for d in tick(core, after(T0 + 32)) if isinstance(d, RaiseFault)]
+    assert sorted((d.kind, d.rank) for d in hangs) == [(HANG, 0), (HANG, 1)]
+
+
 def test_after_a_mass_silence_a_node_that_stays_silent_is_lost_a_timeout_later() -> None:
     core = make(("n0", "n1", "n2"), hang=100.0, node_timeout_s=2.0)
     run(core, T0, *(HeartbeatSeen(n) for n in ("n0", "n1", "n2")))
