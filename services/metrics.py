@@ -104,6 +104,11 @@ LEADER = Gauge("phalanx_leader", "1 while this instance holds its service's leas
 #: Every instance of a leader service: whether it leads.
 LEADERSHIP: Families = (LEADER,)
 
+#: Admission's and health's: whether a mass silence holds their judgement of the nodes.
+MASS_SILENCE = Gauge("phalanx_mass_silence", "1 while this leader judges no node lost, every "
+                     "node having fallen silent at once (a mass silence), else 0", ["service"],
+                     registry=None)
+
 # --- admission (the leader) ------------------------------------------------------------------
 
 QUEUE_DEPTH = Gauge("phalanx_admission_queue_depth", "Gangs waiting for admission after the "
@@ -117,7 +122,7 @@ PREEMPTED = Counter("phalanx_admission_preempted", "Running gangs that gave slot
 REQUEUED = Counter("phalanx_admission_requeued", "Running gangs sent back to the queue",
                    ["reason"], registry=None)
 ADMISSION: Families = (QUEUE_DEPTH, ADMISSION_LATENCY, ADMITTED, PREEMPTED,
-                                    REQUEUED)
+                                    REQUEUED, MASS_SILENCE)
 
 # --- health (the leader) ---------------------------------------------------------------------
 
@@ -129,7 +134,7 @@ JOB_STEP = Gauge("phalanx_job_step", "A running job's highest committed step", [
                  registry=None)
 JOB_STEP_RATE = Gauge("phalanx_job_step_rate", "A running job's steps per second over the "
                       "last 30 s", [JOB_LABEL], registry=None)
-HEALTH: Families = (FAULTS, DETECTION, JOB_STEP, JOB_STEP_RATE)
+HEALTH: Families = (FAULTS, DETECTION, JOB_STEP, JOB_STEP_RATE, MASS_SILENCE)
 
 # --- elasticity (the leader) -----------------------------------------------------------------
 

@@ -225,6 +225,7 @@ class AdmissionService(LeaderService[AdmissionTerm]):
                 tasks.create_task(self._tick(term))
                 tasks.create_task(self._schedule(term, restored, repair))
         finally:
+            metrics.MASS_SILENCE.labels("admission").set(0)  # a standby judges nothing
             if nodes_followed is not None:
                 nodes_followed.cancel()
                 await asyncio.wait([nodes_followed])
@@ -516,6 +517,7 @@ class AdmissionService(LeaderService[AdmissionTerm]):
                         "have %g s from then", node.node_id, now - term.silent_since,
                         self.config.lost_after_s)
             term.silent_since = None
+            metrics.MASS_SILENCE.labels("admission").set(0)
         alive = view(record, now, self.config.lost_after_s,
                      watching_since=since).state is NodeState.ALIVE
         # A cordoned slot (its GPU failed) is no slot: placements leave it out, and a node
@@ -561,6 +563,7 @@ class AdmissionService(LeaderService[AdmissionTerm]):
         term.watching_since = now
         if term.silent_since is None:
             term.silent_since = now
+            metrics.MASS_SILENCE.labels("admission").set(1)
             log.warning("mass silence: every node (%s) fell silent at once; no node is "
                         "judged lost until one is heard again", ", ".join(sorted(heard)))
 

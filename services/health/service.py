@@ -189,6 +189,7 @@ class HealthService(JobEventsLeader[HealthTerm]):
                 term.outbox.run()]
 
     async def end_term(self, term: HealthTerm) -> None:
+        metrics.MASS_SILENCE.labels("health").set(0)  # a standby judges nothing
         for sub in term.subscriptions:
             with contextlib.suppress(Exception):  # the connection may be closing
                 await sub.unsubscribe()
@@ -388,6 +389,7 @@ class HealthService(JobEventsLeader[HealthTerm]):
                     await self._condition(decision.node_id, NodeCondition.ALIVE,
                                           decision.reason)
                 case core.JudgementHeld():
+                    metrics.MASS_SILENCE.labels("health").set(int(decision.held))
                     log.warning("mass silence" if decision.held else "mass silence ended",
                                 extra={"reason": decision.reason})
                 case core.CordonNode():

@@ -87,7 +87,8 @@ def test_the_alert_rules_pass_promtool_and_prometheus_loads_them() -> None:
 def test_the_alerts_cover_what_an_operator_must_hear_of() -> None:
     names = {rule["alert"] for rule in alerts()}
     assert names == {"PhalanxJobStalled", "PhalanxNoLeader", "PhalanxNodeLost",
-                     "PhalanxRecoverySlow", "PhalanxBusDown", "PhalanxScrapeDown"}
+                     "PhalanxMassSilence", "PhalanxRecoverySlow", "PhalanxBusDown",
+                     "PhalanxScrapeDown"}
     for rule in alerts():
         assert rule["labels"]["severity"] in ("warning", "critical"), rule["alert"]
         assert rule["annotations"]["summary"], rule["alert"]

@@ -43,6 +43,7 @@ from phalanx.schemas.messages import (
     ScalingEventKind,
     ScalingPolicy,
 )
+from phalanx.services import metrics
 from phalanx.services.admission import ledger
 from phalanx.services.admission.config import AdmissionConfig
 from phalanx.services.admission.service import AdmissionService
@@ -683,6 +684,12 @@ TWO_NODES = [NodeInfo(node_id=f"node-{i}", host="h", slots=2, failure_domain=f"d
              for i in range(2)]
 
 
+def mass_silence_gauge() -> float:
+    """Admission's ``phalanx_mass_silence``, as its ``/metrics`` page would show it."""
+    [family] = metrics.MASS_SILENCE.collect()
+    return next(s.value for s in family.samples if s.labels == {"service": "admission"})
+
+
 def short_timeout_leader(config: BusConfig, instance: str) -> AdmissionService:
     return AdmissionService(AdmissionConfig(lease_s=5.0, lost_after_s=SHORT_LOST_AFTER_S,
                                             tick_s=0.1), config, instance=instance)
@@ -737,8 +744,10 @@ async def test_every_node_silent_at_once_requeues_nothing_and_one_left_silent_is
         ids = await admit_one_slot_jobs(client_bus, "silence", 4)
         silent.update(n.node_id for n in TWO_NODES)  # every node at once, for 3 timeouts
         await asyncio.sleep(3 * SHORT_LOST_AFTER_S)
+        assert mass_silence_gauge() == 1.0
         silent.clear()
         await asyncio.sleep(2 * SHORT_LOST_AFTER_S)
+        assert mass_silence_gauge() == 0.0
         admitted = stayed_admitted(leader, seen, ids)
         # Again, but one node stays silent after the other is heard: its jobs go back.
         silent.update(n.node_id for n in TWO_NODES)
