@@ -15,6 +15,7 @@ import asyncio
 import contextlib
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -173,6 +174,31 @@ async def test_killed_agent_is_node_lost_for_its_ranks_and_leaves_capacity(
         phalanx("nodes", "--json", "--lost-after", str(LOST_AFTER_S),
                 "--data-dir", str(data_dir)).stdout)}
     assert nodes[victim]["state"] == "lost"
+
+
+async def test_every_agent_silent_at_once_faults_nothing_and_the_job_trains_on(
+        cluster) -> None:
+    """Both agents stopped for three node timeouts: their ranks train on, and health and
+    admission, hearing no node at all, judge none lost (a mass silence), before or after
+    the agents are heard again."""
+    data_dir, bus, watch = cluster
+    job = await start_job(bus, watch, "silent")
+    agents = json.loads((data_dir / "up.json").read_text())["agents"]
+    for pid in agents.values():
+        os.kill(pid, signal.SIGSTOP)
+    try:
+        with pytest.raises(TimeoutError):
+            await next_of(watch.faults, lambda f: f.job_id == job.job_id,
+                          timeout_s=LOST_AFTER_S * 3)
+    finally:
+        for pid in agents.values():
+            os.kill(pid, signal.SIGCONT)
+    with pytest.raises(TimeoutError):
+        await next_of(watch.faults, lambda f: f.job_id == job.job_id,
+                      timeout_s=LOST_AFTER_S * 2)
+    record = await AdmissionClient(bus).job(job.job_id)
+    assert record is not None and record.state is JobState.ADMITTED
+    assert record.nodes == job.nodes
 
 
 async def test_cancel_stops_every_rank_and_frees_the_slots(cluster) -> None:
