@@ -170,8 +170,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as tmp:
         cluster = Path(tmp) / "cluster"
         cli("up", "--agents", str(args.agents), "--slots-per-agent", str(args.slots),
-            "--detach", "--data-dir",
-            str(cluster), "--nats-port", "0")
+            "--detach", "--data-dir", str(cluster), "--nats-port", "0")
         try:
             url = json.loads((cluster / "up.json").read_text())["nats_url"]
             async with await Bus.connect(BusConfig.load(env={}, servers=[url])) as bus:

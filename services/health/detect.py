@@ -101,22 +101,27 @@ def lose(state: HealthState, node: NodeHealth, at: float) -> list[Decision]:
     return decisions
 
 
+def _heard(state: HealthState) -> dict[str, float]:
+    """When each node whose silence is judged (heard from, not lost) was last heard, or
+    is judged as heard."""
+    return {node.node_id: max(node.last_heartbeat, node.heard_from)
+            for node in state.nodes.values()
+            if not node.lost and node.last_heartbeat is not None}
+
+
 def silenced(state: HealthState, at: float) -> bool:
     """Whether every node not lost, at least two, is silent at ``at``
     (:func:`~phalanx.schemas.registry.mass_silence`): a node or a rank timing out then
     is not judged. A rank's hang timeout is often the shorter (2 s by default against
     the node's 3 s), and its reports stop with its node's heartbeats."""
-    return mass_silence((max(node.last_heartbeat, node.heard_from)
-                         for node in state.nodes.values()
-                         if not node.lost and node.last_heartbeat is not None),
-                        at, state.policy.node_timeout_s)
+    return mass_silence(_heard(state).values(), at, state.policy.node_timeout_s)
 
 
 def hold(state: HealthState, item: RankHealth | NodeHealth, at: float) -> list[Decision]:
     """A mass silence from ``at`` on: nothing is judged until a node is heard again."""
     state.silent_since = at
     state.arm(item)  # judged again once the silence ends, after a full timeout
-    silent = sorted(n.node_id for n in state.nodes.values() if not n.lost)
+    silent = sorted(_heard(state))
     return [JudgementHeld(True, (
         f"every node fell silent at once ({', '.join(silent)}): more likely this service's "
         "or the network's fault than every node's; no node or rank is judged until one "
