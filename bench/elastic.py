@@ -335,7 +335,7 @@ def section(report: dict[str, Any]) -> str:
     growth = ", ".join(seconds(v) for v in report["growth_join_pauses_s"])
 
     def cause(text: str) -> str:  # one table cell: without the rank's last output
-        short = text.split("; its last output")[0].splitlines()[0][:80]
+        short = text.splitlines()[0][:80]
         return short + ")" * (short.count("(") - short.count(")"))
 
     rows = "\n".join(

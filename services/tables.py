@@ -9,10 +9,21 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
+from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
 from phalanx.schemas.registry import NodeView
+
+
+def print_whole(table: Table, console: Console | None = None) -> None:
+    """Print ``table`` at least as wide as its columns' minimum widths: where the terminal
+    is narrower, its lines wrap (as ``kubectl get``'s do) rather than lose their ends."""
+    console = console or Console()
+    needed = console.measure(table, options=console.options.update_width(10_000)).minimum
+    if needed > console.width:
+        console.width = needed  # the console is the command's own, used for this table
+    console.print(table)
 
 
 def id_column(table: Table, title: str, ids: list[str]) -> None:

@@ -77,6 +77,8 @@ def _size(record, generation) -> int:
 def cmd_jobs(args: argparse.Namespace) -> int:
     from rich.console import Console
 
+    from phalanx.services.tables import print_whole
+
     async def read(client):
         return await asyncio.gather(client.jobs(), client.generations(), client.all_progress())
 
@@ -93,32 +95,51 @@ def cmd_jobs(args: argparse.Namespace) -> int:
     table = jobs_table(records, rows)
     if any(r.state.value == "pending" for r in records):
         Console().print("`phalanx explain JOB` says why a job waits and where it stands.")
-    Console().print(table)
+    print_whole(table)
     return 0
 
 
 def jobs_table(records: list, rows: list[dict]):
     """``phalanx jobs``'s table of ``records``, with their ``rows`` as ``--json`` gives
-    them."""
+    them (``size``: now, then the spec's min..max). Nothing is cut in a narrow terminal:
+    every cell keeps its width but the nodes', which wraps between names."""
+    from rich import box
     from rich.table import Table
 
     from phalanx.services.tables import id_column
 
-    table = Table(title="phalanx jobs")
+    cells = [(r.job_id, _state_cell(r), r.spec.team, r.spec.priority_class,
+              _size_cell(r, row), _step_cell(row), " ".join(sorted(set(r.nodes))) or "-")
+             for r, row in zip(records, rows, strict=True)]
+    # Without vertical rules: 7 columns of lines cost a tenth of 80 columns.
+    table = Table(title="phalanx jobs", box=box.SIMPLE_HEAD, pad_edge=False, padding=(0, 1, 0, 0))
     id_column(table, "job", [r.job_id for r in records])
-    for column in ("state", "team", "priority", "size (min..max) x slots", "step", "nodes",
-                   "why"):
-        table.add_column(column)
-    for r, row in zip(records, rows, strict=True):
-        replicas = r.spec.replicas
-        step = "-" if row["step"] is None else str(row["step"]) + (
-            f"/{row['total_steps']}" if row["total_steps"] else "")
-        table.add_row(r.job_id, r.state.value, r.spec.team, r.spec.priority_class,
-                      f"{row['size']} ({replicas.min}..{replicas.max}) x "
-                      f"{r.spec.slots_per_replica}", step,
-                      ",".join(sorted(set(r.nodes))) or "-",
-                      "" if r.state.value == "admitted" else r.reason_code.value)
+    for i, column in enumerate(("state", "team", "priority", "size", "step", "nodes"), 1):
+        # The nodes wrap between names; every other cell stays whole.
+        widest = max([len(column), *(len(word) for c in cells for word in (
+            c[i].split() if column == "nodes" else [c[i]]))])
+        table.add_column(column, no_wrap=column != "nodes", min_width=widest)
+    for row_cells in cells:
+        table.add_row(*row_cells)
     return table
+
+
+def _size_cell(record, row: dict) -> str:
+    replicas, slots = record.spec.replicas, record.spec.slots_per_replica
+    return f"{row['size']} ({replicas.min}..{replicas.max})" + (
+        f" x {slots} slots" if slots > 1 else "")
+
+
+def _state_cell(record) -> str:
+    """The state, with the reason's code where it says more (pending, failed, cancelled)."""
+    state, code = record.state.value, record.reason_code.value
+    return state if code in ("admitted", state) else f"{state} ({code})"
+
+
+def _step_cell(row: dict) -> str:
+    if row["step"] is None:
+        return "-"
+    return str(row["step"]) + (f"/{row['total_steps']}" if row["total_steps"] else "")
 
 
 def cmd_job(args: argparse.Namespace) -> int:
@@ -162,12 +183,43 @@ def job_lines(row: dict, now: float) -> list[str]:
     row = dict(row)
     generations = row.pop("history", [])
     scaling = row.pop("scaling", None)
-    lines = [f"{key:>18}: {value}" for key, value in row.items()]
+    lines = [f"{key:>18}: {shown(key, value, now)}" for key, value in row.items()
+             if value is not None]
     lines += _scaling_lines(scaling, now)
     if generations:
         lines.append(f"{'history':>18}:")
         lines += [f"{'':>20}{line}" for line in history_lines(generations)]
     return lines
+
+
+#: The ``--json`` fields that are Unix times: ``phalanx job`` shows them as local times.
+TIME_FIELDS = ("submitted_at", "updated_at", "progress_at")
+
+
+def shown(key: str, value: object, now: float) -> str:
+    """A ``--json`` field's value as ``phalanx job`` prints it: a time as the local time
+    and how long ago, a list comma-separated, an object as its ``key value`` pairs, the
+    lines after a text's first indented under it."""
+    if key in TIME_FIELDS and isinstance(value, int | float):
+        return f"{time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(value))} " \
+            f"({duration(now - value)} ago)"
+    if isinstance(value, list):
+        return ", ".join(map(str, value)) or "-"
+    if isinstance(value, dict):
+        return ", ".join(f"{k} {v:g}" if isinstance(v, float) else f"{k} {v}"
+                         for k, v in value.items())
+    return str(value).replace("\n", "\n" + " " * 20)  # a failed rank's output, indented
+
+
+def duration(seconds: float) -> str:
+    """``seconds`` as people read a span: "4.2 s", "3 min 20 s", "2 h 5 min"."""
+    seconds = max(0.0, seconds)
+    if seconds < 60:
+        return f"{seconds:.1f} s"
+    minutes, secs = divmod(round(seconds), 60)
+    if minutes < 60:
+        return f"{minutes} min {secs} s"
+    return f"{minutes // 60} h {minutes % 60} min"
 
 
 #: Where a history entry's ``resume_step`` comes from: the members' own report of the
@@ -203,7 +255,10 @@ def history_lines(rows: list[dict]) -> list[str]:
     lines = []
     for g in rows:
         pause = "" if g["pause_s"] is None else f", paused the survivors {g['pause_s']:.2f} s"
-        if g["resume_source"] == RESUME_REPORTED:
+        if g["resume_source"] == RESUME_REPORTED and g["resume_step"] == 0 \
+                and g.get("restored_from") in (None, "members"):
+            resume = "from the first step"
+        elif g["resume_source"] == RESUME_REPORTED:
             resume = f"resumed after step {g['resume_step']} (its members' report)"
             if g.get("restored_from") not in (None, "members"):
                 resume += f", state from {STATE_SOURCES[g['restored_from']]}"

@@ -199,12 +199,16 @@ def add_parsers(sub: Subparsers, parents: Parents) -> None:
 
     chaos = sub.add_parser("chaos", help="inject faults through the agents")
     chaos_sub = chaos.add_subparsers(dest="action", required=True)
-    kill_rank = chaos_sub.add_parser("kill-rank", parents=[common])
+    kill_rank = chaos_sub.add_parser(
+        "kill-rank", parents=[common],
+        help="signal one rank of a job through its agent (announced: nothing is "
+             "cordoned)")
     kill_rank.add_argument("job")
     kill_rank.add_argument("rank", type=int)
     kill_rank.add_argument("--signal", default="KILL", choices=["KILL", "STOP", "TERM", "CONT"])
-    for name in ("kill-agent", "pause-agent"):
-        node_chaos = chaos_sub.add_parser(name, parents=[common])
+    for name, what in (("kill-agent", "SIGKILL a node's agent (announced: nothing is cordoned)"),
+                       ("pause-agent", "SIGSTOP a node's agent for --seconds, then resume it")):
+        node_chaos = chaos_sub.add_parser(name, parents=[common], help=what)
         node_chaos.add_argument("node")
         node_chaos.add_argument("--seconds", type=float, default=5.0,
                                 help="pause-agent: how long the agent stays stopped")

@@ -13,6 +13,9 @@ from phalanx.services.health.events import RankExitSeen
 
 #: The most of a rank's error line that the first line of its crash detail quotes.
 ERROR_CHARS = 500
+#: What parts the detail's first line from the rank's last output: the first line stands
+#: alone (a one-line view shows only it), so nothing on it announces what follows.
+LAST_OUTPUT = "\nits last output:\n"
 
 
 def crash_detail(event: RankExitSeen) -> str:
@@ -26,7 +29,7 @@ def crash_detail(event: RankExitSeen) -> str:
         output = output.rstrip()
         if not output:
             return head
-        head += "; its last output:\n"
+        head += LAST_OUTPUT
         return head + output[max(0, len(output) - (DETAIL_CHARS - len(head))):]
     if event.cause == "lost" and event.with_agent:
         return (f"rank {event.rank} was stopped with its agent on {event.node_id} (the agent "
@@ -53,7 +56,7 @@ def crash_detail(event: RankExitSeen) -> str:
     # within DETAIL_CHARS, so the error is never what is lost.
     error = output.splitlines()[-1].strip()
     # A process killed by a signal was stopped from outside: its last line is no error.
-    head = f"{what}; its last output:\n" if event.signal is not None \
-        else f"{what}: {error[:ERROR_CHARS]}; its last output:\n"
+    head = f"{what}{LAST_OUTPUT}" if event.signal is not None \
+        else f"{what}: {error[:ERROR_CHARS]}{LAST_OUTPUT}"
     return head + output[max(0, len(output) - (DETAIL_CHARS - len(head))):]
 

@@ -29,13 +29,16 @@ def rank_failed(state: HealthState, rank: RankHealth, failure: Failure, at: floa
         # An injected fault is no evidence, neither against its node nor for a fault
         # that struck the whole job (which would clear a real one beside it).
         cordon.strike(state, job.job_id, rank.node_id, at)
-    what = f"{rank.replica_id or f'rank {rank.rank}'} on {rank.node_id}: {fault.detail}"
+    # The reason's first line is the fault's first line and the policy's verdict (a
+    # one-line view shows only it); the rank's last output follows.
+    first, newline, output = fault.detail.partition("\n")
+    what = f"{rank.replica_id or f'rank {rank.rank}'} on {rank.node_id}: {first}"
     verdict = job.budget.charge(failure, at, what, started_in=rank.round,
                                 step=max(job.track.step, job.final_step or 0))
     if verdict is not None:
         del state.jobs[job.job_id]
         state.ended_progress.append(job.progress(at))
-        return [FailJob(job.job_id, verdict.reason_code, verdict.reason)]
+        return [FailJob(job.job_id, verdict.reason_code, verdict.reason + newline + output)]
     job.progress_due = True  # a restart more
     return [dataclasses.replace(fault, application=failure.application)]
 

@@ -129,8 +129,10 @@ def test_an_exception_fails_the_job_with_its_last_line_and_cordons_nothing(
     # The rank's error as its log ends, on the reason's first line too (one-line views).
     last = phalanx("logs", job_id, "--rank", "0", *where).stdout.rstrip().splitlines()[-1]
     assert last == "RuntimeError: loss is nan at step 5"
-    assert last in row["reason"].splitlines()[0] and last in row["reason"].splitlines()[-1]
-    assert "max_app_failures 0" in row["reason"]
+    first, *output = row["reason"].splitlines()
+    # The first line stands alone: the error, then the policy's verdict.
+    assert last in first and first.endswith("(application failure 1, max_app_failures 0)")
+    assert output[0] == "its last output:" and output[-1] == last
     assert row["replicas"] == 0
     assert not any(n["cordoned"] for n in nodes(where).values())
 

@@ -5,7 +5,9 @@ members' own reports, nothing placed once a job ended, events at their own times
 from __future__ import annotations
 
 import io
+import time
 
+import msgspec
 from rich.console import Console
 
 from phalanx.schemas.messages import (
@@ -31,6 +33,7 @@ from phalanx.services.cli.jobs import (
     jobs_table,
     record_row,
 )
+from phalanx.services.tables import print_whole
 
 T0 = 1_795_700_000.0
 
@@ -52,15 +55,38 @@ def text(renderable, width: int = 80) -> str:
     return out.getvalue()
 
 
+def whole(table, width: int = 80) -> str:
+    out = io.StringIO()
+    print_whole(table, Console(file=out, width=width, color_system=None))
+    return out.getvalue()
+
+
 def test_ids_that_share_a_long_prefix_stay_whole_at_80_columns() -> None:
     records = [record("train-gpt-char-level-deterministic-a1b2c3"),
                record("train-gpt-char-level-deterministic-a1b2c4", JobState.PENDING)]
     rows = [{**record_row(r), "size": 2, "step": 120, "total_steps": 1000} for r in records]
-    shown = text(jobs_table(records, rows))
+    shown = whole(jobs_table(records, rows))
     assert all(r.job_id in shown for r in records), shown
     board = top.Board(jobs={r.job_id: r for r in records})
     shown = text(top.render(board, T0, 3.0))
     assert all(r.job_id in shown for r in records), shown
+
+
+def test_no_cell_of_the_jobs_table_is_cut_in_a_narrow_terminal() -> None:
+    """Issue 24: at 80 columns states read "admitt…" and steps "545/5…"; a step cut to
+    "120/1" reads as another number. Every cell stays whole; only nodes wrap."""
+    records = [record("train-gpt-char-level-deterministic-a1b2c3"),
+               record("gpt-c0e626", JobState.FAILED, reason="r0-0 failed")]
+    records[1] = msgspec.structs.replace(records[1], reason_code=ReasonCode.APP_FAILED)
+    rows = [{**record_row(r), "size": 2, "step": 545, "total_steps": 1000} for r in records]
+    for width in (60, 80, 200):
+        shown = whole(jobs_table(records, rows), width)
+        lines = shown.splitlines()
+        for cell in ("admitted", "failed (app_failed)", "nlp-research", "normal", "2 (2..2)",
+                     "545/1000", "local-0"):
+            assert cell in shown, (width, shown)
+        # One row's cells on one line: nothing folded but the nodes.
+        assert any(line.split()[:2] == ["gpt-c0e626", "failed"] for line in lines if line.strip())
 
 
 def test_an_ended_job_places_no_replicas() -> None:
@@ -101,6 +127,29 @@ def test_the_job_id_comes_first_and_scaling_after_the_record() -> None:
     scaling = next(i for i, line in enumerate(lines) if line.split()[0] == "scaling:")
     assert scaling > next(i for i, line in enumerate(lines) if line.split()[0] == "reason:")
     assert lines.index(f"{'history':>18}:") > scaling
+
+
+def test_the_job_view_is_read_by_people_and_the_json_by_programs() -> None:
+    """Times as local times and how long ago, objects as pairs, lists comma-separated,
+    nothing printed for a field that has no value, a failed rank's output indented."""
+    reason = "r0-0 on n0: rank 0 exited with code 1: boom\nits last output:\nboom"
+    row = {**record_row(record("j", JobState.FAILED, reason=reason)),
+           "restart_policy": {"max_restarts": 16, "window_s": 300.0}, "eta_s": None,
+           "members": ["r0-0", "r1-1"]}
+    view = "\n".join(job_lines(row, T0 + 200))
+    stamp = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(T0))
+    assert f"submitted_at: {stamp} (3 min 20 s ago)" in view, view
+    assert "restart_policy: max_restarts 16, window_s 300\n" in view
+    assert view.endswith("members: r0-0, r1-1") and "nodes: -\n" in view
+    assert "eta_s" not in view and "None" not in view
+    assert f"reason: r0-0 on n0: rank 0 exited with code 1: boom\n{'':20}its last output:\n" \
+        f"{'':20}boom\n" in view
+    assert row["submitted_at"] == T0  # what --json prints is unchanged
+
+
+def test_a_start_from_the_first_step_says_so() -> None:
+    [start, *_] = history_lines(history_rows(history()))
+    assert start == "g0 +0.0 s start: 2 rank(s), from the first step (admitted)"
 
 
 def test_events_are_shown_at_their_own_time_in_the_order_they_happened() -> None:

@@ -1,5 +1,6 @@
 """A crash's detail and a failed job's reason carry the failing rank's error: its last
-output line on the first line (all a one-line view shows), then its last output."""
+output line on the first line (all a one-line view shows, so that line stands alone),
+then its last output."""
 
 from __future__ import annotations
 
@@ -31,18 +32,21 @@ def crash(detail: str, max_app_failures: int = 3) -> list:
 def test_the_error_line_leads_and_the_output_follows() -> None:
     [fault] = [d for d in crash(TRACEBACK) if isinstance(d, RaiseFault)]
     first, rest = fault.detail.split("\n", 1)
-    assert first == ("rank 0 exited with code 1: RuntimeError: loss is nan at step 5; its "
-                     "last output:")
-    assert rest == TRACEBACK.rstrip()
+    assert first == "rank 0 exited with code 1: RuntimeError: loss is nan at step 5"
+    assert rest == "its last output:\n" + TRACEBACK.rstrip()
 
 
 def test_a_failed_jobs_reason_ends_with_the_ranks_error() -> None:
     [failed] = [d for d in crash("/usr/bin/python: can't open file '/x/t.py': [Errno 2] No "
                                  "such file or directory\n", max_app_failures=0)
                 if isinstance(d, FailJob)]
-    assert failed.reason.startswith("r0-0 on n0: rank 0 exited with code 1: /usr/bin/python: "
-                                    "can't open file '/x/t.py'")
-    assert failed.reason.split("\n")[-1].startswith("/usr/bin/python: can't open file")
+    first, *rest = failed.reason.split("\n")
+    # The policy's verdict ends the first line, which says it all; the output follows.
+    assert first == ("r0-0 on n0: rank 0 exited with code 1: /usr/bin/python: can't open "
+                     "file '/x/t.py': [Errno 2] No such file or directory (application "
+                     "failure 1, max_app_failures 0)")
+    assert rest == ["its last output:", "/usr/bin/python: can't open file '/x/t.py': [Errno 2] "
+                    "No such file or directory"]
 
 
 def test_long_output_is_cut_at_its_start_within_the_detail_limit() -> None:
@@ -64,7 +68,7 @@ def test_a_signal_kill_quotes_no_line_as_its_error() -> None:
     [fault] = [d for d in core.handle(RankExitSeen("j", 0, "n0", None, "SIGKILL", "exited",
                                                  "r0-0", banner), T0 + 1)
                if isinstance(d, RaiseFault)]
-    assert fault.detail == ("rank 0 was killed by signal SIGKILL; its last output:\n"
+    assert fault.detail == ("rank 0 was killed by signal SIGKILL\nits last output:\n"
                             + banner.rstrip())
 
 
@@ -92,5 +96,5 @@ def test_a_gpu_fault_is_an_infrastructure_crash_naming_the_gpu_and_the_fault() -
     assert not fault.application and fault.signal == "SIGKILL"
     first, rest = fault.detail.split("\n", 1)
     assert first == ("rank 0 was killed by its agent on n0: GPU fault: Xid 79 on GPU 0 "
-                     "(GPU-5d2c); its last output:")
-    assert rest == "step 41\nstep 42"
+                     "(GPU-5d2c)")
+    assert rest == "its last output:\nstep 41\nstep 42"
