@@ -3,12 +3,15 @@
 runs it). An agent SIGKILLed mid-training is started again in place by its supervisor;
 the ranks it left are reparented to the supervisor meanwhile and train on, are adopted
 by the new agent, and the job finishes without a fault or a new generation, equal to
-the run alone (deterministic mode)."""
+the run alone (deterministic mode). A job whose ranks end while every agent is down
+finishes too."""
 
 from __future__ import annotations
 
 import asyncio
 import json
+import os
+import signal
 from pathlib import Path
 
 import pytest
@@ -70,3 +73,47 @@ async def test_an_agent_killed_under_its_supervisor_comes_back_and_its_ranks_tra
     assert [g.reason for g in generations] == [GenerationReason.START], generations
     assert len(seen["agent"]) == 1  # type: ignore[arg-type]
     check_run(rec, tmp_path / "final.pt", reference)
+
+
+def ended(pid: int) -> bool:
+    """The process exited: gone, or a zombie its stopped parent has not reaped."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(") ", 1)[1].split()[0]
+    except FileNotFoundError:
+        return True
+    return state == "Z"
+
+
+async def test_a_job_that_ends_while_its_agents_are_down_finishes(
+        data_dir: Path, reference: dict, tmp_path: Path,
+        tmp_path_factory: pytest.TempPathFactory) -> None:
+    """Every agent stalls (SIGSTOP, as a machine under memory pressure) while the job
+    trains its last steps; its ranks end meanwhile, unreported; the agents are then
+    SIGKILLed and their supervisors start them again. The new agents find the ranks gone,
+    their exit statuses unknowable (reported ``lost``): after the ranks' final report that
+    is the training's end, not a crash, and the job finishes with no new generation."""
+    cluster_dir = tmp_path_factory.mktemp("cluster")
+    async with watched_cluster(cluster_dir, "--supervised-agents", "--lost-after", "15") \
+            as cluster:
+        async def stall_agents_over_the_end(job_id: str, watch: Watch) -> None:
+            await progressed(watch, job_id, 10)
+            supervisors = json.loads((cluster_dir / "up.json").read_text())["agents"]
+            agents = {node: children(pid) - {
+                r["pid"] for r in running_in_manifest(
+                    cluster_dir / "agents" / node / "ranks.json")}
+                for node, pid in supervisors.items()}
+            agent_pids = [pid for pids in agents.values() for pid in pids]
+            ranks = [r["pid"] for node in supervisors for r in running_in_manifest(
+                cluster_dir / "agents" / node / "ranks.json") if r["job_id"] == job_id]
+            assert len(agent_pids) == 2 and len(ranks) == 4
+            for pid in agent_pids:
+                os.kill(pid, signal.SIGSTOP)
+            (tmp_path / "release").touch()  # the job trains its last steps at full speed
+            await until(lambda: all(ended(pid) for pid in ranks), 120)
+            for pid in agent_pids:
+                os.kill(pid, signal.SIGKILL)
+
+        _, generations = await run_job(cluster, data_dir, tmp_path, "ends-unseen",
+                                       stall_agents_over_the_end)
+    assert [g.reason for g in generations] == [GenerationReason.START], generations
+    check_run(tmp_path / "rec", tmp_path / "final.pt", reference)
