@@ -100,13 +100,36 @@ def spec_errors(data: Mapping[Any, Any], struct: type[msgspec.Struct],
             msgspec.convert(value, field.type)
         except msgspec.ValidationError as exc:
             message = str(exc)
+            pattern = "matching regex" in message
+            message = _in_words(message)
             if isinstance(field.type, type) and issubclass(field.type, enum.Enum):
                 message += f" (one of {', '.join(str(m.value) for m in field.type)})"
+            elif isinstance(value, str) and message.startswith("Expected `array`, got `str`"):
+                words = ", ".join(value.split())
+                message += f" (a YAML list: did you mean [{words}]?)"
+            elif isinstance(value, str) and pattern:
+                message += f" (got {value!r})"
             errors.append(message.replace("`$", f"`{where}") if "`$" in message
                           else f"{message}{_at(where)}")
     errors += [f"Object missing required field `{name}`{_at(path)}"
                for name, field in known.items() if field.required and name not in data]
     return errors
+
+
+#: What the spec's string patterns allow, in words (msgspec quotes the regex).
+PATTERN_WORDS = {
+    r"^[A-Za-z0-9_\-]+\Z": "letters, digits, '_' and '-' only",
+    r"^[A-Za-z_][A-Za-z0-9_]*\Z": "an environment variable's name (letters, digits and "
+                                  "'_', not starting with a digit)",
+    r"^[^\x00]*\Z": "no NUL character",
+}
+
+
+def _in_words(message: str) -> str:
+    """msgspec's ``matching regex '...'`` as what the pattern allows."""
+    for pattern, words in PATTERN_WORDS.items():
+        message = message.replace(f"`str` matching regex {pattern!r}", f"`str` of {words}")
+    return message
 
 
 def _at(path: str) -> str:

@@ -107,3 +107,19 @@ def test_a_spec_without_command_says_so_with_the_other_missing_fields() -> None:
     spec = {k: v for k, v in VALID.items() if k != "command"}
     with pytest.raises(SpecError, match="^job spec: Object missing required field `command`$"):
         parse_job_spec(spec)
+
+
+@pytest.mark.parametrize(("change", "said"), [
+    ({"name": "has space"}, "Expected `str` of letters, digits, '_' and '-' only "
+                            "(got 'has space') - at `$.name`"),
+    ({"env": {"1ST": "x"}}, "Expected `str` of an environment variable's name (letters, "
+                            "digits and '_', not starting with a digit) - at `key` in `$.env`"),
+    ({"command": "python train.py --epochs 2"},
+     "Expected `array`, got `str` (a YAML list: did you mean [python, train.py, --epochs, "
+     "2]?) - at `$.command`"),
+])
+def test_an_error_says_what_is_allowed_in_words(change: dict, said: str) -> None:
+    """Not the pattern's regex, nor a bare type name where a list was meant."""
+    with pytest.raises(SpecError) as err:
+        parse_job_spec({**VALID, **change}, "job.yaml")
+    assert str(err.value) == f"job.yaml: {said}"
