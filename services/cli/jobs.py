@@ -331,9 +331,8 @@ def cmd_explain(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(msgspec_to_builtins(explanation), indent=2))
         return 0
-    where = (f", position {explanation.position} of {explanation.queue_length}"
-             if explanation.position else "")
-    print(f"{explanation.job_id}: {explanation.state.value}{where}")
+    # A pending job's reason ends with (or, queued, starts with) its queue position.
+    print(f"{explanation.job_id}: {explanation.state.value}")
     print(f"  {explanation.reason_code.value}: {explanation.reason}")
     if explanation.nodes:
         print(f"  nodes: {', '.join(explanation.nodes)}")
