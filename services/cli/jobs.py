@@ -253,7 +253,7 @@ def history_lines(rows: list[dict]) -> list[str]:
     """One line per generation of :func:`history_rows`, times relative to the first."""
     start = rows[0]["decided_at"] if rows else 0.0
     lines = []
-    for g in rows:
+    for g, after in zip(rows, [*rows[1:], None], strict=True):
         pause = "" if g["pause_s"] is None else f", paused the survivors {g['pause_s']:.2f} s"
         if g["resume_source"] == RESUME_REPORTED and g["resume_step"] == 0 \
                 and g.get("restored_from") in (None, "members"):
@@ -262,9 +262,11 @@ def history_lines(rows: list[dict]) -> list[str]:
             resume = f"resumed after step {g['resume_step']} (its members' report)"
             if g.get("restored_from") not in (None, "members"):
                 resume += f", state from {STATE_SOURCES[g['restored_from']]}"
+        elif after is not None:  # its estimate would read as where the job was
+            resume = f"never applied (g{after['generation']} replaced it first)"
         else:
             resume = (f"resume after step {g['resume_step']} (elasticity's estimate; no "
-                      "member reported applying it)")
+                      "member has reported applying it yet)")
         lines.append(f"g{g['generation']} +{g['decided_at'] - start:.1f} s {g['reason']}: "
                      f"{g['world_size']} rank(s), {resume}{pause} ({g['cause']})")
     return lines

@@ -117,6 +117,19 @@ def test_the_history_resumes_where_the_members_said_and_says_so() -> None:
     assert "resume after step 60 (elasticity's estimate" in lines[2]
 
 
+def test_a_generation_replaced_before_any_member_applied_it_says_so() -> None:
+    """Seen after a cluster restart: two generations decided as the ranks died, shown
+    as "resume after step 1 (elasticity's estimate)" while the job was at step 186."""
+    gone = history()
+    gone.generations.insert(2, GenerationRecord(
+        generation=2, reason=GenerationReason.FAULT, world_size=1, members=["r1-0"],
+        resume_step=1, decided_at=T0 + 10, cause="dropped r0-0"))
+    gone.generations[3] = msgspec.structs.replace(gone.generations[3], generation=3)
+    lines = history_lines(history_rows(gone))
+    assert "fault: 1 rank(s), never applied (g3 replaced it first) (dropped r0-0)" in lines[2]
+    assert "step 1" not in lines[2]
+
+
 def test_the_job_id_comes_first_and_scaling_after_the_record() -> None:
     row = {**record_row(record("j")), "scaling": {
         "sizes": [1, 2], "scale_up_cooldown_s": 30.0, "graceful_shutdown_timeout_s": 30.0,
