@@ -1,5 +1,6 @@
 """The tables the command line draws: ``phalanx nodes`` (also ``up``'s status and ``top``'s
-nodes panel) and the job id column that ``phalanx jobs`` and ``top`` share.
+nodes panel), and the columns no narrow terminal cuts that ``phalanx jobs`` and ``top``
+share (a job id cut short can read as another job's, a step cut as another number).
 
 Kept apart from :mod:`phalanx.services.cli` and :mod:`phalanx.services.top` so that both
 draw the same tables without importing each other.
@@ -7,7 +8,7 @@ draw the same tables without importing each other.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 from rich.console import Console
 from rich.markup import escape
@@ -26,10 +27,19 @@ def print_whole(table: Table, console: Console | None = None) -> None:
     console.print(table)
 
 
-def id_column(table: Table, title: str, ids: list[str]) -> None:
-    """Add ``table``'s id column: as wide as its longest id and never wrapped or cut, so
-    two ids never look the same however narrow the terminal (other columns give way)."""
-    table.add_column(title, no_wrap=True, min_width=max([len(title), *map(len, ids)]))
+def whole_columns(table: Table, titles: Iterable[str], rows: Sequence[Sequence[str]],
+                  wrapping: Iterable[str] = ()) -> None:
+    """Add ``titles`` as columns no narrow terminal cuts, and ``rows`` of their cells: each
+    as wide as its widest cell; those named in ``wrapping`` (lists of names) wrap between
+    names, as wide as the longest name."""
+    wrapping = set(wrapping)
+    for i, title in enumerate(titles):
+        cells = [row[i] for row in rows]
+        words = [w for c in cells for w in c.split()] if title in wrapping else cells
+        table.add_column(title, no_wrap=title not in wrapping,
+                         min_width=max([len(title), *map(len, words)]))
+    for row in rows:
+        table.add_row(*row)
 
 
 def node_table(nodes: Iterable[NodeView]) -> Table:

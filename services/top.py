@@ -49,7 +49,7 @@ from phalanx.schemas.messages import (
 )
 from phalanx.schemas.registry import views
 from phalanx.services.deadline import wait_set
-from phalanx.services.tables import id_column, node_table
+from phalanx.services.tables import node_table, whole_columns
 
 #: Events kept and shown (the newest last).
 EVENTS = 12
@@ -128,10 +128,7 @@ def describe(message: Message, arrived_at: float) -> tuple[float, str, str] | No
 def render(board: Board, now: float, lost_after_s: float) -> Group:
     """One frame of the view."""
     nodes = node_table(views(board.nodes.values(), now, lost_after_s))
-    jobs = Table(title="jobs")
-    id_column(jobs, "job", list(board.jobs))
-    for column in ("state", "size (min..max)", "generation", "step", "steps/s", "nodes"):
-        jobs.add_column(column)
+    rows = []
     for job_id, record in sorted(board.jobs.items(), key=lambda j: j[1].submitted_at):
         generation = board.generations.get(job_id)
         progress = board.progress.get(job_id)
@@ -141,9 +138,13 @@ def render(board: Board, now: float, lost_after_s: float) -> Group:
         rate = "-" if progress is None or progress.steps_per_s is None \
             else f"{progress.steps_per_s:.1f}"
         replicas = record.spec.replicas
-        jobs.add_row(job_id, record.state.value, f"{size} ({replicas.min}..{replicas.max})",
+        rows.append((job_id, record.state.value, f"{size} ({replicas.min}..{replicas.max})",
                      "-" if generation is None else str(generation.generation), step, rate,
-                     ",".join(sorted(set(record.nodes))) or "-")
+                     " ".join(sorted(set(record.nodes))) or "-"))
+    jobs = Table(title="jobs")
+    # Size: now (min..max); gen: the generation. No cell is cut; the nodes wrap.
+    whole_columns(jobs, ("job", "state", "size", "gen", "step", "steps/s", "nodes"), rows,
+                  wrapping=("nodes",))
     events = Table(title="latest events")
     for column in ("time", "job / node", "event"):
         events.add_column(column)

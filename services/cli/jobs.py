@@ -106,21 +106,16 @@ def jobs_table(records: list, rows: list[dict]):
     from rich import box
     from rich.table import Table
 
-    from phalanx.services.tables import id_column
+    from phalanx.services.tables import whole_columns
 
     cells = [(r.job_id, _state_cell(r), r.spec.team, r.spec.priority_class,
               _size_cell(r, row), _step_cell(row), " ".join(sorted(set(r.nodes))) or "-")
              for r, row in zip(records, rows, strict=True)]
     # Without vertical rules: 7 columns of lines cost a tenth of 80 columns.
-    table = Table(title="phalanx jobs", box=box.SIMPLE_HEAD, pad_edge=False, padding=(0, 1, 0, 0))
-    id_column(table, "job", [r.job_id for r in records])
-    for i, column in enumerate(("state", "team", "priority", "size", "step", "nodes"), 1):
-        # The nodes wrap between names; every other cell stays whole.
-        widest = max([len(column), *(len(word) for c in cells for word in (
-            c[i].split() if column == "nodes" else [c[i]]))])
-        table.add_column(column, no_wrap=column != "nodes", min_width=widest)
-    for row_cells in cells:
-        table.add_row(*row_cells)
+    table = Table(title="phalanx jobs", box=box.SIMPLE_HEAD, pad_edge=False,
+                  padding=(0, 1, 0, 0))
+    whole_columns(table, ("job", "state", "team", "priority", "size", "step", "nodes"), cells,
+                  wrapping=("nodes",))
     return table
 
 
