@@ -907,6 +907,43 @@ class ChaosReply(Message, tag="phalanx.chaos_reply.v1", frozen=True):
     pid: NonNegInt | None = None
 
 
+#: The most of a replica's log one :class:`LogReply` carries.
+LOG_CHUNK_BYTES = 256 * 1024
+
+
+class LogRequest(Message, tag="phalanx.log_request.v1", frozen=True):
+    """Reads a job's replica logs from the agent that ran them (``phalanx.agent.<node>.logs``):
+    logs stay on their node, and ``phalanx logs`` asks each node for its part.
+
+    Without ``replica_id``: which of the job's replicas left a log on the node, with each
+    log's size. With it: up to ``max_bytes`` of that replica's log from byte ``offset``.
+    """
+
+    job_id: Ident
+    replica_id: Ident | None = None
+    offset: NonNegInt = 0
+    max_bytes: Annotated[int, msgspec.Meta(ge=1, le=LOG_CHUNK_BYTES)] = LOG_CHUNK_BYTES
+
+
+class ReplicaLog(Part, frozen=True):
+    """One replica's log on a node, and its size in bytes."""
+
+    replica_id: Ident
+    size: NonNegInt
+
+
+class LogReply(Message, tag="phalanx.log_reply.v1", frozen=True):
+    """An agent's answer to a :class:`LogRequest`: the job's logs on the node (``logs``,
+    in slot then incarnation order), or ``data``, the log's bytes from ``offset``
+    (empty at its end), and ``size``, the log's length when it was read."""
+
+    node_id: Ident
+    logs: Annotated[list[ReplicaLog], msgspec.Meta(max_length=4096)] = []
+    offset: NonNegInt = 0
+    data: Annotated[bytes, msgspec.Meta(max_length=LOG_CHUNK_BYTES)] = b""
+    size: NonNegInt = 0
+
+
 class NodeCondition(enum.StrEnum):
     ALIVE = "alive"
     LOST = "lost"
@@ -1148,6 +1185,8 @@ ALL_MESSAGES: tuple[type[Message], ...] = (
     RankExited,
     ChaosRequest,
     ChaosReply,
+    LogRequest,
+    LogReply,
     NodeConditionChanged,
     RankProgress,
     JobProgress,

@@ -83,6 +83,8 @@ CATALOG: tuple[SubjectDoc, ...] = (
                "agent", "health", "a rank process ended (published at once)"),
     SubjectDoc(lambda: subjects.agent_chaos("NODE"), "request", m.ChaosRequest, m.ChaosReply,
                "`phalanx chaos`", "agent", "fault injection: kill a rank, kill or pause an agent"),
+    SubjectDoc(lambda: subjects.agent_logs("NODE"), "request", m.LogRequest, m.LogReply,
+               "`phalanx logs`", "agent", "a job's replica logs on the node: which, or a piece"),
     SubjectDoc(lambda: subjects.node_condition("NODE"), "event", m.NodeConditionChanged, None,
                "health", "CLI, operators", "a node was found lost, came back, was cordoned"),
     SubjectDoc(lambda: subjects.node_chaos("NODE"), "event", m.NodeConditionChanged, None,
@@ -175,7 +177,7 @@ def _struct_section(cls: type[msgspec.Struct]) -> list[str]:
     info = mi.type_info(cls)
     if not isinstance(info, mi.StructType):
         raise TypeError(f"{cls.__name__} is not a msgspec Struct")
-    doc = (cls.__doc__ or "").strip().split("\n\n")[0].replace("\n", " ")
+    doc = " ".join((cls.__doc__ or "").strip().split("\n\n")[0].split())
     title = cls.__name__
     lines = [f"### {title}", ""]
     if issubclass(cls, m.Message):

@@ -23,3 +23,10 @@ def incarnation(replica: str) -> int | None:
     """The incarnation number of ``r<slot>-<incarnation>``; None for any other name."""
     match = _REPLICA.fullmatch(replica)
     return int(match[2]) if match else None
+
+
+def replica_order(replica: str) -> tuple[int, int, str]:
+    """A sort key: ``r<slot>-<incarnation>`` in slot, then incarnation order (any other
+    name after them, by name), as ``phalanx logs`` lists replicas."""
+    match = _REPLICA.fullmatch(replica)
+    return (int(match[1]), int(match[2]), "") if match else (1 << 62, 0, replica)

@@ -142,6 +142,10 @@ def agent_chaos(node_id: str) -> str:
     return f"{PREFIX}.agent.{token(node_id, 'node id')}.chaos"
 
 
+def agent_logs(node_id: str) -> str:
+    return f"{PREFIX}.agent.{token(node_id, 'node id')}.logs"
+
+
 def node_condition(node_id: str) -> str:
     return f"{PREFIX}.node.{token(node_id, 'node id')}.condition"
 

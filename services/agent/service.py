@@ -57,6 +57,8 @@ from phalanx.schemas.messages import (
     JobRecord,
     JobState,
     LaunchReplica,
+    LogReply,
+    LogRequest,
     NodeCondition,
     NodeConditionChanged,
     NodeHeartbeat,
@@ -74,6 +76,7 @@ from phalanx.schemas.messages import (
 from phalanx.services import metrics
 from phalanx.services.agent import core, replica_tls
 from phalanx.services.agent.config import AgentConfig
+from phalanx.services.agent.logs import read_logs
 from phalanx.services.agent.nvml import GpuFault, GpuWatch, describe, discover
 from phalanx.services.agent.ranks import RankSet, ReplicaOutdated
 from phalanx.services.agent.replication import Address, ReplicaListener, ReplicaSender
@@ -181,6 +184,8 @@ class AgentService(Service):
                                 NodeStatusRequest, self.on_status)
         await self.add_endpoint("chaos", subjects.agent_chaos(self.config.node_id),
                                 ChaosRequest, self.on_chaos)
+        await self.add_endpoint("logs", subjects.agent_logs(self.config.node_id), LogRequest,
+                                self.on_logs, concurrent=True)
         if self.gpu_watch.nvml is not None:
             self.spawn(self.gpu_loop(), "gpu health")
         if not self.config.launch:
@@ -392,6 +397,9 @@ class AgentService(Service):
     async def on_status(self, request: NodeStatusRequest, delivery: Delivery) -> NodeRecord:
         assert self.record is not None
         return self.record
+
+    async def on_logs(self, request: LogRequest, _: Delivery) -> LogReply:
+        return await asyncio.to_thread(read_logs, self.work_dir, self.config.node_id, request)
 
     async def on_job_state(self, record: JobRecord, _: Delivery) -> None:
         self._apply(record)

@@ -252,7 +252,7 @@ def permissions(role: Role, scope: str | None = None) -> Permissions:
             g.sub(s.everything())
             g.pub(s.admission_submit(), s.admission_cancel(), s.admission_explain(),
                   s.admission_scale(), s.any_id(s.agent_chaos), s.any_id(s.agent_status),
-                  s.any_id(s.node_condition), s.service_api_requests())
+                  s.any_id(s.agent_logs), s.any_id(s.node_condition), s.service_api_requests())
             g.open_bucket(s.NODES_BUCKET, ">").open_bucket(s.JOBS_BUCKET)
             # phalanx job shows the current membership, the history and the progress
             g.read_bucket(s.GENERATIONS_BUCKET).read_bucket(s.HISTORY_BUCKET)
@@ -264,7 +264,8 @@ def permissions(role: Role, scope: str | None = None) -> Permissions:
             g.sub(s.auth_callout()).open_bucket(s.JOBS_BUCKET)
         case Role.VIEWER:
             g.sub(s.everything())
-            g.pub(s.admission_explain(), s.any_id(s.agent_status), s.service_api_requests())
+            g.pub(s.admission_explain(), s.any_id(s.agent_status), s.any_id(s.agent_logs),
+                  s.service_api_requests())
             for bucket in _ALL_BUCKETS:
                 g.read_bucket(bucket)
             g.read_events()

@@ -1,7 +1,11 @@
-"""``phalanx logs``: a job's replica logs, read from the work dirs of this machine's agents
-(logs stay on the node that ran the replica). ``--rank`` names the replica that holds the
-rank in the job's current generation; ``-f`` follows, ``tail -F`` per file, until the
-job's record says it ended, picking up replicas the job starts meanwhile.
+"""``phalanx logs``: a job's replica logs, read over the bus from the agents that ran them.
+
+A replica's output stays in a file on its node; each agent answers ``LogRequest`` on
+``phalanx.agent.<node>.logs`` with which of the job's logs it holds, or a piece of one
+(:mod:`phalanx.services.agent.logs`), so the command works from any machine that reaches
+the bus, as ``kubectl logs`` does through the kubelet. ``--rank`` names the replica that
+holds the rank in the job's current generation; ``-f`` follows until the job's record
+says it ended, picking up replicas the job starts meanwhile.
 """
 
 from __future__ import annotations
@@ -9,50 +13,132 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import subprocess
+import dataclasses
 import sys
-from pathlib import Path
+from collections.abc import Callable
 
-from phalanx.services.cli.common import EXIT_FAILED, Parents, Subparsers, bus_config, with_client
+from phalanx.services.cli.common import EXIT_FAILED, Parents, Subparsers, bus_config
+
+#: How often ``-f`` asks the agents for what their followed logs gained: the files are on
+#: other machines, with nothing to subscribe to.
+FOLLOW_POLL_S = 0.5
+#: How long a node's agent has to answer (one that does not is named, its logs missing).
+ANSWER_S = 5.0
+
+
+@dataclasses.dataclass
+class ReplicaLog:
+    """One replica's log on its node, and how much of it has been printed."""
+
+    node_id: str
+    replica_id: str
+    offset: int = 0
+    partial: bytes = b""  # a line begun and not ended, held back while labelling lines
 
 
 def cmd_logs(args: argparse.Namespace) -> int:
-    """Print (or follow) a job's replica logs from this machine's agents' work dirs."""
-    data_dir = Path(args.data_dir)
-    replica = args.replica
-    if args.rank is not None:
-        members, where = asyncio.run(with_client(args, lambda c: _members(c, args.job)))
-        replica = _replica_at_rank(data_dir, args.job, args.rank, members, where)
-        if replica is None:
+    """Print (or follow) a job's replica logs, read from the agents of the nodes."""
+    return asyncio.run(_logs(args))
+
+
+async def _logs(args: argparse.Namespace) -> int:
+    from phalanx.bus.client import Bus
+    from phalanx.services.client import AdmissionClient
+
+    async with await Bus.connect(bus_config(args), name="phalanx-cli") as bus:
+        client = AdmissionClient(bus)
+        if await client.job(args.job) is None:
+            print(f"phalanx logs: no job {args.job!r}", file=sys.stderr)
             return EXIT_FAILED
-    if args.follow:
-        return asyncio.run(_follow(args, data_dir, replica))
-    paths = _replica_logs(data_dir, args.job, replica)
-    if not paths:
-        what = f"replica {replica}" if replica else "any replica"
-        print(f"phalanx logs: no log of {what} of {args.job!r} under {data_dir} (logs stay "
-              "on the node that ran the replica)", file=sys.stderr)
-        return EXIT_FAILED
-    for path in paths:
-        if len(paths) > 1:
-            sys.stdout.write(f"==> {path.stem} on {path.parents[2].name} <==\n")
-        sys.stdout.flush()
-        sys.stdout.buffer.write(path.read_bytes())
-    sys.stdout.flush()
+        replica = args.replica
+        if args.rank is not None:
+            members, where = await _members(client, args.job)
+            if members is not None:
+                if args.rank >= len(members):
+                    print(f"phalanx logs: {args.job!r} has no rank {args.rank}: its world "
+                          f"size is {len(members)} ({where})", file=sys.stderr)
+                    return EXIT_FAILED
+                replica = members[args.rank]
+        if args.follow:
+            return await _follow(bus, args.job, replica, args.rank)
+        logs = _chosen(await _listing(bus, args.job), replica, args.rank)
+        if not logs:
+            what = f"replica {replica}" if replica else (
+                f"rank {args.rank}" if args.rank is not None else "any replica")
+            print(f"phalanx logs: no agent holds a log of {what} of {args.job!r}",
+                  file=sys.stderr)
+            return EXIT_FAILED
+        for log in logs:
+            if len(logs) > 1:
+                _write(f"==> {log.replica_id} on {log.node_id} <==\n".encode())
+            await _read_new(bus, args.job, log, _write)
     return 0
 
 
-def _replica_logs(data_dir: Path, job_id: str, replica: str | None) -> list[Path]:
-    """The log files of ``replica`` (every replica: None) of the job under ``data_dir``."""
-    return sorted(data_dir.glob(f"agents/*/jobs/{job_id}/{replica or '*'}.log"),
-                  key=_replica_order)
+def _chosen(logs: list[ReplicaLog], replica: str | None, rank: int | None) -> list[ReplicaLog]:
+    """``replica``'s log; with only ``rank`` (a job not under the runtime), the latest
+    replica's in that slot; else every log."""
+    if replica is not None:
+        return [log for log in logs if log.replica_id == replica]
+    if rank is not None:
+        in_slot = [log for log in logs if log.replica_id.startswith(f"r{rank}-")]
+        return in_slot[-1:]
+    return logs
 
 
-def _replica_order(path: Path) -> tuple[int, int]:
-    """``r<slot>-<incarnation>.log`` in slot, then incarnation order."""
-    slot, _, incarnation = path.stem.removeprefix("r").partition("-")
-    return (int(slot), int(incarnation)) if slot.isdigit() and incarnation.isdigit() \
-        else (1 << 62, 0)
+async def _listing(bus, job_id: str) -> list[ReplicaLog]:
+    """Every node's logs of the job, asked at once, in slot then incarnation order; a node
+    whose agent does not answer is named on stderr."""
+    from phalanx.bus.kv import TypedKV
+    from phalanx.schemas import subjects
+    from phalanx.schemas.errors import PhalanxError
+    from phalanx.schemas.messages import LogReply, LogRequest, NodeRecord
+    from phalanx.schemas.replicas import replica_order
+
+    nodes = await TypedKV.open(bus.js, subjects.NODES_BUCKET, NodeRecord)
+    entries, _ = await nodes.entries()  # an entry that does not decode is still a node
+    node_ids = sorted(entry.key for entry in entries)
+
+    async def ask(node_id: str) -> LogReply | None:
+        try:
+            return await bus.request(subjects.agent_logs(node_id), LogRequest(job_id=job_id),
+                                     LogReply, timeout_s=ANSWER_S)
+        except PhalanxError:
+            return None
+
+    replies = await asyncio.gather(*(ask(n) for n in node_ids))
+    silent = [n for n, reply in zip(node_ids, replies, strict=True) if reply is None]
+    if silent:
+        shown = ", ".join(silent[:5]) + (f" and {len(silent) - 5} more" if len(silent) > 5
+                                         else "")
+        print(f"phalanx logs: no agent answered on {len(silent)} node(s) ({shown}): logs "
+              "there, if any, are not shown", file=sys.stderr)
+    logs = [ReplicaLog(reply.node_id, log.replica_id) for reply in replies
+            if reply is not None for log in reply.logs]
+    return sorted(logs, key=lambda log: replica_order(log.replica_id))
+
+
+async def _read_new(bus, job_id: str, log: ReplicaLog, write: Callable[[bytes], None]) -> None:
+    """Pass on what ``log`` holds beyond what was read of it, piece by piece."""
+    from phalanx.schemas import subjects
+    from phalanx.schemas.messages import LogReply, LogRequest
+
+    while True:
+        reply = await bus.request(
+            subjects.agent_logs(log.node_id),
+            LogRequest(job_id=job_id, replica_id=log.replica_id, offset=log.offset),
+            LogReply, timeout_s=ANSWER_S)
+        if not reply.data:
+            return
+        write(reply.data)
+        log.offset = reply.offset + len(reply.data)
+        if log.offset >= reply.size:
+            return
+
+
+def _write(data: bytes) -> None:
+    sys.stdout.buffer.write(data)
+    sys.stdout.buffer.flush()
 
 
 async def _members(client, job_id: str) -> tuple[list[str] | None, str]:
@@ -68,107 +154,78 @@ async def _members(client, job_id: str) -> tuple[list[str] | None, str]:
     return None, ""
 
 
-def _replica_at_rank(data_dir: Path, job_id: str, rank: int, members: list[str] | None,
-                     where: str) -> str | None:
-    """The replica that is ``rank`` in ``members``; in a job not under the runtime, the
-    latest replica in slot ``rank``. None (said why) when there is none."""
-    if members is not None:
-        if rank < len(members):
-            return members[rank]
-        print(f"phalanx logs: {job_id!r} has no rank {rank}: its world size is "
-              f"{len(members)} ({where})", file=sys.stderr)
-        return None
-    in_slot = sorted(data_dir.glob(f"agents/*/jobs/{job_id}/r{rank}-*.log"), key=_replica_order)
-    if not in_slot:
-        print(f"phalanx logs: no log of rank {rank} of {job_id!r} under {data_dir}",
-              file=sys.stderr)
-        return None
-    return in_slot[-1].stem
-
-
-class _Tail:
-    """``tail -F`` of one replica's log, each line prefixed with the replica when several
-    are followed; :meth:`finish` prints what the file holds beyond what tail passed on."""
-
-    def __init__(self, path: Path, label: str) -> None:
-        self.path, self.label, self.offset = path, label.encode(), 0
-
-    async def start(self) -> _Tail:
-        self.process = await asyncio.create_subprocess_exec(
-            "tail", "-n", "+1", "-F", str(self.path), stdout=subprocess.PIPE,
-            stderr=subprocess.DEVNULL)
-        self.reader = asyncio.create_task(self._read())
-        return self
-
-    async def _read(self) -> None:
-        assert self.process.stdout is not None
-        while line := await self.process.stdout.readline():
-            self.offset += len(line)
-            self._write(line)
-
-    def _write(self, data: bytes) -> None:
-        sys.stdout.buffer.write(self.label + data)
-        sys.stdout.buffer.flush()
-
-    async def finish(self) -> None:
-        with contextlib.suppress(ProcessLookupError):
-            self.process.terminate()
-        await self.reader
-        await self.process.wait()
-        with contextlib.suppress(OSError), self.path.open("rb") as f:
-            f.seek(self.offset)
-            rest = f.read()
-            for line in rest.splitlines(keepends=True):
-                self._write(line)
-
-
-async def _follow(args: argparse.Namespace, data_dir: Path, replica: str | None) -> int:
+async def _follow(bus, job_id: str, replica: str | None, rank: int | None) -> int:
     """Follow ``replica``'s log (None: every replica's, also those the job starts from now
-    on) until the job's record says it ended."""
-    from phalanx.bus.client import Bus
+    on) until the job's record says it ended; then pass on what was written last."""
     from phalanx.bus.kv import TypedKV
     from phalanx.schemas import subjects
+    from phalanx.schemas.errors import PhalanxError
     from phalanx.schemas.messages import JobRecord, RankStarted
-    from phalanx.services.agent.ranks import replica_log
 
-    job_id, everyone = args.job, replica is None
-    tails: dict[Path, _Tail] = {}
+    everyone = replica is None and rank is None
+    followed: dict[str, ReplicaLog] = {}
 
-    async def follow(path: Path) -> None:
-        if path not in tails:
-            tails[path] = await _Tail(path, f"{path.stem} | " if everyone else "").start()
+    def follow(log: ReplicaLog) -> None:
+        followed.setdefault(log.replica_id, log)
 
     async def started(message: RankStarted, _) -> None:
         if message.replica_id is not None:
-            await follow(replica_log(data_dir / "agents" / message.node_id, job_id,
-                                     message.replica_id))
+            follow(ReplicaLog(message.node_id, message.replica_id))
 
-    async with await Bus.connect(bus_config(args), name="phalanx-cli") as bus:
-        jobs = await TypedKV.open(bus.js, subjects.JOBS_BUCKET, JobRecord)
-        if await jobs.get(job_id) is None:
-            print(f"phalanx logs: no job {job_id!r}", file=sys.stderr)
-            return EXIT_FAILED
-        if everyone:  # before the files are listed: no replica started meanwhile is missed
-            await bus.subscribe(subjects.rank_started(job_id), RankStarted, started)
-        for path in await asyncio.to_thread(_replica_logs, data_dir, job_id, replica):
-            await follow(path)
-        ended: JobRecord | None = None
+    if everyone:  # before the logs are listed: no replica started meanwhile is missed
+        await bus.subscribe(subjects.rank_started(job_id), RankStarted, started)
+    for log in _chosen(await _listing(bus, job_id), replica, rank):
+        follow(log)
+    jobs = await TypedKV.open(bus.js, subjects.JOBS_BUCKET, JobRecord)
+    ended: asyncio.Future[JobRecord | None] = asyncio.get_running_loop().create_future()
+
+    async def watch() -> None:
         async for change in jobs.watch():  # the record's changes, not a poll
             if change is not None and change.key == job_id and (
                     change.value is None or change.value.state.terminal):
-                ended = change.value
+                ended.set_result(change.value)
+                return
+
+    watcher = asyncio.create_task(watch())
+    try:
+        while True:
+            done = ended.done()  # read once more after the end: what was written last
+            for log in list(followed.values()):
+                with contextlib.suppress(PhalanxError):  # its node is gone: nothing more
+                    await _read_new(bus, job_id, log, _lines_of(log, everyone))
+            if done:
                 break
-        # A replica's log found meanwhile adds a tail while another one finishes.
-        for tail in list(tails.values()):
-            await tail.finish()
-    what = "deleted" if ended is None else f"{ended.state.value}: {ended.reason}"
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(asyncio.shield(ended), FOLLOW_POLL_S)
+    finally:
+        watcher.cancel()
+    for log in followed.values():  # a last line without its newline
+        if log.partial:
+            _lines(log, b"\n", labelled=everyone)
+    record = ended.result()
+    what = "deleted" if record is None else f"{record.state.value}: {record.reason}"
     print(f"=== phalanx: {job_id} {what}", file=sys.stderr)
     return 0
 
 
+def _lines_of(log: ReplicaLog, labelled: bool) -> Callable[[bytes], None]:
+    return lambda data: _lines(log, data, labelled=labelled)
+
+
+def _lines(log: ReplicaLog, data: bytes, *, labelled: bool) -> None:
+    """Write ``data`` of ``log``; labelled, whole lines only, each after ``r1-1 | ``."""
+    if not labelled:
+        _write(data)
+        return
+    *lines, log.partial = (log.partial + data).split(b"\n")
+    if lines:
+        label = f"{log.replica_id} | ".encode()
+        _write(b"".join(label + line + b"\n" for line in lines))
+
+
 def add_parsers(sub: Subparsers, parents: Parents) -> None:
     logs = sub.add_parser("logs", parents=[parents.common],
-                          help="a job's replica logs (on this machine's agents)")
+                          help="a job's replica logs, from the agents that ran them")
     logs.add_argument("job")
     which = logs.add_mutually_exclusive_group()
     which.add_argument("--rank", type=int, metavar="R",

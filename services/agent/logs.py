@@ -1,0 +1,40 @@
+"""A node's replica logs, read for ``phalanx logs`` over the bus (``LogRequest``).
+
+Each replica's output goes to a file in its agent's work dir
+(:func:`~phalanx.services.agent.ranks.replica_log`) and stays on that node; the agent
+answers with which of a job's replicas left a log here, or a piece of one. Job and
+replica ids are ``Ident`` tokens (letters, digits, ``_`` and ``-``), so a request
+names a file under ``jobs/<job>/`` and nothing else.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from phalanx.bus.errors import RequestRefused
+from phalanx.schemas.messages import LogReply, LogRequest, ReplicaLog
+from phalanx.schemas.replicas import replica_order
+from phalanx.services.agent.ranks import replica_log
+
+
+def read_logs(work_dir: Path, node_id: str, request: LogRequest) -> LogReply:
+    """The answer to ``request`` from the logs under ``work_dir`` (blocking file reads).
+
+    Raises:
+        RequestRefused: 404, the replica left no log on this node.
+    """
+    if request.replica_id is None:
+        logs = [ReplicaLog(replica_id=path.stem, size=path.stat().st_size)
+                for path in (work_dir / "jobs" / request.job_id).glob("*.log")]
+        return LogReply(node_id=node_id, logs=sorted(
+            logs, key=lambda log: replica_order(log.replica_id)))
+    path = replica_log(work_dir, request.job_id, request.replica_id)
+    try:
+        with path.open("rb") as log:
+            size = log.seek(0, 2)
+            log.seek(min(request.offset, size))
+            data = log.read(request.max_bytes)
+    except FileNotFoundError:
+        raise RequestRefused("404", f"{request.replica_id} of {request.job_id} left no log "
+                                    f"on {node_id}") from None
+    return LogReply(node_id=node_id, offset=min(request.offset, size), data=data, size=size)
