@@ -64,6 +64,11 @@ def test_a_secured_cluster_runs_a_job_refuses_a_viewer_and_logs_no_secret(
 
         viewer = {**os.environ, **auth.env(Role.VIEWER)}
         outputs.append(phalanx("jobs", "--json", "--data-dir", str(data_dir), env=viewer))
+        # The replicas' logs come from the agents over the secured bus, to the viewer too.
+        for env in (None, viewer):
+            logs = phalanx("logs", "sec-1", "--data-dir", str(data_dir), env=env)
+            outputs.append(logs)
+            assert logs.stdout.count("=== phalanx: r") == 2 and not logs.stderr, logs
         refused = phalanx("cancel", "sec-1", "--data-dir", str(data_dir), env=viewer,
                           check=False)
         outputs.append(refused)
