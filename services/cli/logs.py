@@ -161,6 +161,7 @@ async def _follow(bus, job_id: str, replica: str | None, rank: int | None) -> in
     from phalanx.schemas import subjects
     from phalanx.schemas.errors import PhalanxError
     from phalanx.schemas.messages import JobRecord, RankStarted
+    from phalanx.services.deadline import wait_set
 
     everyone = replica is None and rank is None
     followed: dict[str, ReplicaLog] = {}
@@ -177,32 +178,33 @@ async def _follow(bus, job_id: str, replica: str | None, rank: int | None) -> in
     for log in _chosen(await _listing(bus, job_id), replica, rank):
         follow(log)
     jobs = await TypedKV.open(bus.js, subjects.JOBS_BUCKET, JobRecord)
-    ended: asyncio.Future[JobRecord | None] = asyncio.get_running_loop().create_future()
+    ended = asyncio.Event()
+    last: list[JobRecord | None] = []  # the record that ended it (None: deleted)
 
     async def watch() -> None:
         async for change in jobs.watch():  # the record's changes, not a poll
             if change is not None and change.key == job_id and (
                     change.value is None or change.value.state.terminal):
-                ended.set_result(change.value)
+                last.append(change.value)
+                ended.set()
                 return
 
     watcher = asyncio.create_task(watch())
     try:
         while True:
-            done = ended.done()  # read once more after the end: what was written last
+            done = ended.is_set()  # read once more after the end: what was written last
             for log in list(followed.values()):
                 with contextlib.suppress(PhalanxError):  # its node is gone: nothing more
                     await _read_new(bus, job_id, log, _lines_of(log, everyone))
             if done:
                 break
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(asyncio.shield(ended), FOLLOW_POLL_S)
+            await wait_set(ended, FOLLOW_POLL_S)
     finally:
         watcher.cancel()
     for log in followed.values():  # a last line without its newline
         if log.partial:
             _lines(log, b"\n", labelled=everyone)
-    record = ended.result()
+    record = last[0]
     what = "deleted" if record is None else f"{record.state.value}: {record.reason}"
     print(f"=== phalanx: {job_id} {what}", file=sys.stderr)
     return 0

@@ -26,6 +26,7 @@ SUBJECT_PATTERNS = [
     "phalanx.agent.<node>.status",
     "phalanx.agent.<node>.launch",
     "phalanx.agent.<node>.stop",
+    "phalanx.agent.<node>.logs",
     "phalanx.admission.submit",
     "phalanx.admission.cancel",
     "phalanx.admission.requeue",
