@@ -32,6 +32,7 @@ class ReplicaLog:
 
     node_id: str
     replica_id: str
+    size: int = 0  # when it was listed
     offset: int = 0
     partial: bytes = b""  # a line begun and not ended, held back while labelling lines
 
@@ -60,7 +61,7 @@ async def _logs(args: argparse.Namespace) -> int:
                     return EXIT_FAILED
                 replica = members[args.rank]
         if args.follow:
-            return await _follow(bus, args.job, replica, args.rank)
+            return await _follow(bus, args.job, replica, args.rank, args.tail)
         logs = _chosen(await _listing(bus, args.job), replica, args.rank)
         if not logs:
             what = f"replica {replica}" if replica else (
@@ -71,6 +72,8 @@ async def _logs(args: argparse.Namespace) -> int:
         for log in logs:
             if len(logs) > 1:
                 _write(f"==> {log.replica_id} on {log.node_id} <==\n".encode())
+            if args.tail is not None:
+                await _skip_to_tail(bus, args.job, log, args.tail)
             await _read_new(bus, args.job, log, _write)
     return 0
 
@@ -113,7 +116,7 @@ async def _listing(bus, job_id: str) -> list[ReplicaLog]:
                                          else "")
         print(f"phalanx logs: no agent answered on {len(silent)} node(s) ({shown}): logs "
               "there, if any, are not shown", file=sys.stderr)
-    logs = [ReplicaLog(reply.node_id, log.replica_id) for reply in replies
+    logs = [ReplicaLog(reply.node_id, log.replica_id, log.size) for reply in replies
             if reply is not None for log in reply.logs]
     return sorted(logs, key=lambda log: replica_order(log.replica_id))
 
@@ -136,6 +139,42 @@ async def _read_new(bus, job_id: str, log: ReplicaLog, write: Callable[[bytes], 
             return
 
 
+def tail_start(data: bytes, lines: int) -> int | None:
+    """Where the last ``lines`` lines of ``data``, the end of a log, begin (its last line
+    may lack its newline); None unless ``data`` holds more (its first line may have begun
+    before it: the reader reads further back, or from the log's start)."""
+    if lines == 0:
+        return len(data)
+    end = len(data) - 1 if data.endswith(b"\n") else len(data)
+    for _ in range(lines):
+        end = data.rfind(b"\n", 0, end)
+        if end < 0:
+            return None
+    return end + 1
+
+
+async def _skip_to_tail(bus, job_id: str, log: ReplicaLog, lines: int) -> None:
+    """Move ``log``'s offset to where its last ``lines`` lines (as listed) begin, reading
+    it backwards a piece at a time."""
+    from phalanx.schemas import subjects
+    from phalanx.schemas.messages import LOG_CHUNK_BYTES, LogReply, LogRequest
+
+    seen, start = b"", log.size
+    while start > 0:
+        start = max(0, start - LOG_CHUNK_BYTES)
+        reply = await bus.request(
+            subjects.agent_logs(log.node_id),
+            LogRequest(job_id=job_id, replica_id=log.replica_id, offset=start,
+                       max_bytes=min(LOG_CHUNK_BYTES, log.size - len(seen) - start)),
+            LogReply, timeout_s=ANSWER_S)
+        seen = reply.data + seen
+        found = tail_start(seen, lines)
+        if found is not None:
+            log.offset = start + found
+            return
+    log.offset = 0
+
+
 def _write(data: bytes) -> None:
     sys.stdout.buffer.write(data)
     sys.stdout.buffer.flush()
@@ -154,9 +193,11 @@ async def _members(client, job_id: str) -> tuple[list[str] | None, str]:
     return None, ""
 
 
-async def _follow(bus, job_id: str, replica: str | None, rank: int | None) -> int:
+async def _follow(bus, job_id: str, replica: str | None, rank: int | None,
+                  tail: int | None) -> int:
     """Follow ``replica``'s log (None: every replica's, also those the job starts from now
-    on) until the job's record says it ended; then pass on what was written last."""
+    on; ``tail``: from the last lines of those listed) until the job's record says it
+    ended; then pass on what was written last."""
     from phalanx.bus.kv import TypedKV
     from phalanx.schemas import subjects
     from phalanx.schemas.errors import PhalanxError
@@ -176,6 +217,8 @@ async def _follow(bus, job_id: str, replica: str | None, rank: int | None) -> in
     if everyone:  # before the logs are listed: no replica started meanwhile is missed
         await bus.subscribe(subjects.rank_started(job_id), RankStarted, started)
     for log in _chosen(await _listing(bus, job_id), replica, rank):
+        if tail is not None:
+            await _skip_to_tail(bus, job_id, log, tail)
         follow(log)
     jobs = await TypedKV.open(bus.js, subjects.JOBS_BUCKET, JobRecord)
     ended = asyncio.Event()
@@ -235,4 +278,13 @@ def add_parsers(sub: Subparsers, parents: Parents) -> None:
     which.add_argument("--replica", metavar="ID", help="one replica, e.g. r1-0")
     logs.add_argument("-f", "--follow", action="store_true",
                       help="follow until the job ends (all replicas: new ones too)")
+    logs.add_argument("--tail", type=_line_count, metavar="N",
+                      help="only the last N lines of each log (then, with -f, what follows)")
     logs.set_defaults(func=cmd_logs)
+
+
+def _line_count(text: str) -> int:
+    """``--tail``'s N: a whole number >= 0."""
+    if not text.isdigit():
+        raise argparse.ArgumentTypeError(f"must be a whole number >= 0, got {text!r}")
+    return int(text)

@@ -105,6 +105,16 @@ async def test_the_logs_come_over_the_bus_from_every_node_in_replica_order(
         code, out, err = await logs(nats_server.url, elsewhere, job_id, "--rank", "0")
         assert (code, out) == (0, long), err
 
+        # The last lines, found reading the log backwards (10,000 lines span two replies).
+        for n in (3, 10_000):
+            code, out, err = await logs(nats_server.url, elsewhere, job_id, "--replica",
+                                        "r0-1", "--tail", str(n))
+            assert (code, out) == (0, b"".join(long.splitlines(keepends=True)[-n:])), err
+        code, out, err = await logs(nats_server.url, elsewhere, job_id, "--tail", "1")
+        assert out == (f"==> r0-0 on {a} <==\n".encode() + b"first\n"
+                       + f"==> r0-1 on {b} <==\n".encode() + long.splitlines(True)[-1]
+                       + f"==> r1-0 on {a} <==\n".encode() + b"no newline at the end")
+
         code, out, err = await logs(nats_server.url, elsewhere, job_id, "--replica", "r5-0")
         assert code != 0 and f"no agent holds a log of replica r5-0 of '{job_id}'" in err
         code, out, err = await logs(nats_server.url, elsewhere, f"none-{uid}")

@@ -1,6 +1,6 @@
-"""An agent's answer to ``LogRequest``: the job's logs on its node in slot then
-incarnation order, and any piece of one from any offset; a log it does not hold is a
-404 naming it."""
+"""Replica logs read over the bus. An agent's answer to ``LogRequest``: the job's logs
+on its node in slot then incarnation order, and any piece of one from any offset; a log
+it does not hold is a 404 naming it. And where ``phalanx logs --tail N`` starts."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from phalanx.bus.errors import RequestRefused
 from phalanx.schemas.messages import LogRequest
 from phalanx.services.agent.logs import read_logs
 from phalanx.services.agent.ranks import replica_log
+from phalanx.services.cli.logs import tail_start
 
 
 def logs(work_dir: Path, job_id: str, **texts: bytes) -> None:
@@ -53,3 +54,14 @@ def test_a_log_not_held_here_is_refused_by_name(tmp_path: Path) -> None:
     with pytest.raises(RequestRefused, match="r3-1 of j left no log on n0") as refused:
         read_logs(tmp_path, "n0", LogRequest(job_id="j", replica_id="r3-1"))
     assert refused.value.code == "404"
+
+
+@pytest.mark.parametrize(("data", "lines", "start"), [
+    (b"a\nb\nc\n", 2, 2), (b"a\nb\nc", 2, 2),  # the last line may lack its newline
+    # Not enough, or just enough (its first line may have begun before): read further back.
+    (b"a\nb\nc\n", 3, None), (b"a\nb\nc\n", 4, None),
+    (b"x\na\nb\n", 2, 2), (b"\n\n", 1, 1), (b"a\n", 0, 2), (b"", 1, None),
+])
+def test_the_tail_starts_after_the_newline_before_the_last_lines(
+        data: bytes, lines: int, start: int | None) -> None:
+    assert tail_start(data, lines) == start
