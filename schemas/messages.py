@@ -909,6 +909,8 @@ class ChaosReply(Message, tag="phalanx.chaos_reply.v1", frozen=True):
 
 #: The most of a replica's log one :class:`LogReply` carries.
 LOG_CHUNK_BYTES = 256 * 1024
+#: The most logs one :class:`LogReply` lists (about 30 bytes each on the wire).
+MAX_LISTED_LOGS = 16384
 
 
 class LogRequest(Message, tag="phalanx.log_request.v1", frozen=True):
@@ -934,11 +936,14 @@ class ReplicaLog(Part, frozen=True):
 
 class LogReply(Message, tag="phalanx.log_reply.v1", frozen=True):
     """An agent's answer to a :class:`LogRequest`: the job's logs on the node (``logs``,
-    in slot then incarnation order), or ``data``, the log's bytes from ``offset``
-    (empty at its end), and ``size``, the log's length when it was read."""
+    in slot then incarnation order; beyond :data:`MAX_LISTED_LOGS`, the newest
+    incarnations', ``unlisted`` saying how many are left out), or ``data``, the log's
+    bytes from ``offset`` (empty at its end), and ``size``, the log's length when it
+    was read."""
 
     node_id: Ident
-    logs: Annotated[list[ReplicaLog], msgspec.Meta(max_length=4096)] = []
+    logs: Annotated[list[ReplicaLog], msgspec.Meta(max_length=MAX_LISTED_LOGS)] = []
+    unlisted: NonNegInt = 0
     offset: NonNegInt = 0
     data: Annotated[bytes, msgspec.Meta(max_length=LOG_CHUNK_BYTES)] = b""
     size: NonNegInt = 0

@@ -12,7 +12,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from phalanx.bus.errors import RequestRefused
-from phalanx.schemas.messages import LogReply, LogRequest, ReplicaLog
+from phalanx.schemas.messages import MAX_LISTED_LOGS, LogReply, LogRequest, ReplicaLog
 from phalanx.schemas.replicas import replica_order
 from phalanx.services.agent.ranks import replica_log
 
@@ -26,8 +26,11 @@ def read_logs(work_dir: Path, node_id: str, request: LogRequest) -> LogReply:
     if request.replica_id is None:
         logs = [ReplicaLog(replica_id=path.stem, size=path.stat().st_size)
                 for path in (work_dir / "jobs" / request.job_id).glob("*.log")]
-        return LogReply(node_id=node_id, logs=sorted(
-            logs, key=lambda log: replica_order(log.replica_id)))
+        # Too many for one reply (a node that ran thousands of replacements): the newest
+        # incarnations', which hold what is happening now.
+        kept = sorted(sorted(logs, key=lambda log: replica_order(log.replica_id)[1::-1])
+                      [-MAX_LISTED_LOGS:], key=lambda log: replica_order(log.replica_id))
+        return LogReply(node_id=node_id, logs=kept, unlisted=len(logs) - len(kept))
     path = replica_log(work_dir, request.job_id, request.replica_id)
     try:
         with path.open("rb") as log:

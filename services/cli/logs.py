@@ -118,6 +118,11 @@ async def _listing(bus, job_id: str) -> list[ReplicaLog]:
               "there, if any, are not shown", file=sys.stderr)
     logs = [ReplicaLog(reply.node_id, log.replica_id, log.size) for reply in replies
             if reply is not None for log in reply.logs]
+    for reply in replies:
+        if reply is not None and reply.unlisted:
+            print(f"phalanx logs: {reply.node_id} holds {reply.unlisted} more log(s) of "
+                  f"{job_id}, of older incarnations, than one answer lists: not shown",
+                  file=sys.stderr)
     return sorted(logs, key=lambda log: replica_order(log.replica_id))
 
 

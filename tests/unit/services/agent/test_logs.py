@@ -65,3 +65,12 @@ def test_a_log_not_held_here_is_refused_by_name(tmp_path: Path) -> None:
 def test_the_tail_starts_after_the_newline_before_the_last_lines(
         data: bytes, lines: int, start: int | None) -> None:
     assert tail_start(data, lines) == start
+
+
+def test_a_listing_too_long_for_one_reply_keeps_the_newest_incarnations(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("phalanx.services.agent.logs.MAX_LISTED_LOGS", 3)
+    logs(tmp_path, "j", r0_0=b"", r0_1=b"", r0_2=b"", r1_0=b"", r1_1=b"")
+    reply = read_logs(tmp_path, "n0", LogRequest(job_id="j"))
+    assert [log.replica_id for log in reply.logs] == ["r0-1", "r0-2", "r1-1"]
+    assert reply.unlisted == 2
