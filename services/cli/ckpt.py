@@ -48,14 +48,25 @@ def cmd_ckpt(args: argparse.Namespace) -> int:
         print(json.dumps(rows, indent=2))
         return 0
     for row in rows:
-        print(f"step {row['step']}: {row['shards']} shards, {row['total_bytes']} B"
+        print(f"step {row['step']}: {row['shards']} shards, {size_text(row['total_bytes'])}"
               f"{'' if row['complete'] else ' (incomplete)'}")
         for copy in row["copies"]:
             flag = "  CORRUPT" if copy["corrupt"] else ""
             where = f"at {copy['location']}" if copy["location"] else f"on {copy['node_id']}"
             print(f"  shard {copy['shard']}: {copy['tier']} {where}, "
-                  f"{copy['nbytes']} B, xxh3 {copy['checksum']}{flag}")
+                  f"{size_text(copy['nbytes'])}, xxh3 {copy['checksum']}{flag}")
     return 0
+
+
+def size_text(nbytes: int) -> str:
+    """``nbytes`` as people read a size: "812 B", "7.9 MiB", "1.2 GiB" (``--json`` keeps
+    the exact count)."""
+    size, unit = float(nbytes), "B"
+    for bigger in ("KiB", "MiB", "GiB", "TiB"):
+        if size < 1024:
+            break
+        size, unit = size / 1024, bigger
+    return f"{nbytes} B" if unit == "B" else f"{size:.1f} {unit}"
 
 
 def cmd_ckpt_export(args: argparse.Namespace) -> int:

@@ -183,3 +183,10 @@ def test_events_are_shown_at_their_own_time_in_the_order_they_happened() -> None
     shown = text(top.render(board, T0 + 30, 3.0), width=120)
     assert shown.index("generation 1 (fault)") < shown.index("applied generation 1") \
         < shown.index("exited")
+
+
+def test_checkpoint_sizes_read_in_binary_units() -> None:
+    from phalanx.services.cli.ckpt import size_text
+
+    assert [size_text(n) for n in (0, 1023, 1024, 8_242_480, 32_969_920, 5 << 30)] == [
+        "0 B", "1023 B", "1.0 KiB", "7.9 MiB", "31.4 MiB", "5.0 GiB"]
