@@ -85,6 +85,7 @@ from phalanx.schemas.messages import (
     JobState,
     LaunchReplica,
     Lease,
+    LogRequest,
     Message,
     NodeClaims,
     NodeCondition,
@@ -496,7 +497,7 @@ def targets(world: World) -> list[Target]:
     adm_endpoint = {verb: (lambda s, verb=verb: [s.admission._counters[verb]])
                     for verb in ("submit", "cancel", "requeue", "explain", "scale")}
     agent_endpoint = {name: (lambda s, name=name: [s.agent._counters[name]])
-                      for name in ("status", "chaos", "launch", "stop")}
+                      for name in ("status", "chaos", "launch", "stop", "logs")}
 
     def bus_of(*names: str) -> Callable[[Services], list[Counters]]:
         return lambda s: [getattr(s, n).bus.counters for n in names]
@@ -540,7 +541,8 @@ def targets(world: World) -> list[Target]:
           for name, t, build in (("status", NodeStatusRequest, subjects.agent_status),
                                  ("chaos", ChaosRequest, subjects.agent_chaos),
                                  ("launch", LaunchReplica, subjects.agent_launch),
-                                 ("stop", StopReplica, subjects.agent_stop))),
+                                 ("stop", StopReplica, subjects.agent_stop),
+                                 ("logs", LogRequest, subjects.agent_logs))),
         Target("kv.jobs", Via.KV, JobRecord,
                lambda rng: f"{subjects.JOBS_BUCKET}/{job(rng)}",
                kv_of("admission.jobs", "health.jobs", "elasticity.jobs"), exact=False),
