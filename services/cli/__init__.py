@@ -41,7 +41,10 @@ GROUPS = (up, nodes, jobs, logs, ckpt, auth, services)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="phalanx", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="phalanx", description="Gang scheduling, elastic training and checkpointless "
+        "recovery for PyTorch: run a local cluster or a service, submit and watch jobs. "
+        "README.md and docs/cli.md say more.")
     parser.add_argument("--version", action="version", version=f"phalanx {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     shared = parents()
