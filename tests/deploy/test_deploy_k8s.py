@@ -535,6 +535,12 @@ def test_local_overlay_pods_pass_their_probes_and_train_a_job(tmp_path: Path) ->
         assert set(admitted.nodes) == {"kind-worker", "ip-10-0-0-7-ec2-internal"}
         assert sorted(progress) == [0, 1, 2, 3]
         assert all(p.step == STEPS and p.final for p in progress.values()), progress
+        # The ranks' output stays in the agents' pods; the operator reads it over the bus.
+        logs = subprocess.run([sys.executable, "-m", "phalanx.services.cli", "logs",
+                               record.job_id, "--nats", urls[0]],
+                              capture_output=True, text=True, timeout=60, env=user_env)
+        assert logs.returncode == 0 and not logs.stderr, logs
+        assert logs.stdout.count("=== phalanx: r") == 4, logs.stdout
 
         # Metrics, scraped as Prometheus's kubernetes-pods job does: at each pod's annotated
         # port and path (here each pod's declared port is a local port of its own).
