@@ -723,12 +723,15 @@ HISTORY_BYTES = 128 * 1024
 class JobHistory(Message, tag="phalanx.job_history.v1", frozen=True):
     """A running job's generations so far, as the elasticity service decided them (bucket
     ``phalanx_history``, key = job id; kept after the job ends). ``generations`` holds the
-    latest ``HISTORY_LIMIT`` of them, oldest first; ``replacements`` counts the replicas
-    launched to replace failed ones."""
+    latest ``HISTORY_LIMIT`` of its current admission's, oldest first, and ``earlier``
+    those of the admissions before it (a requeue, then admission again), each starting
+    with its generation 0; ``replacements`` counts the replicas launched to replace failed
+    ones in the current admission."""
 
     job_id: Ident
     generations: Annotated[list[GenerationRecord],
                            msgspec.Meta(max_length=HISTORY_LIMIT)] = []
+    earlier: Annotated[list[GenerationRecord], msgspec.Meta(max_length=HISTORY_LIMIT)] = []
     replacements: NonNegInt = 0
     updated_at: NonNegFloat = 0.0
 

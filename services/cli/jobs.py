@@ -150,7 +150,7 @@ def cmd_job(args: argparse.Namespace) -> int:
     replicas = record.spec.replicas
     row.update(min=replicas.min, max=replicas.max,
                restart_policy=msgspec_to_builtins(record.spec.restart_policy))
-    generations = [] if history is None else history_rows(history)
+    generations = [] if history is None else history_rows(history.generations)
     if generation is not None and not record.state.terminal:
         # The elasticity service's current membership: who trains now, from which step
         # (the members' own report of it once one has come).
@@ -163,7 +163,8 @@ def cmd_job(args: argparse.Namespace) -> int:
                    members=[m.replica_id for m in generation.members])
     row.update(_progress_fields(progress, record))
     if history is not None:
-        row.update(replacements=history.replacements, history=generations)
+        row.update(replacements=history.replacements, history=generations,
+                   earlier_history=history_rows(history.earlier))
     row.update(_scaling_fields(record))
     if args.json:
         print(json.dumps(row, indent=2))
@@ -174,16 +175,24 @@ def cmd_job(args: argparse.Namespace) -> int:
 
 def job_lines(row: dict, now: float) -> list[str]:
     """``phalanx job``'s text for its ``--json`` object ``row``: the record's fields (the
-    job id first), then the scaling rules, then the history."""
+    job id first), then the scaling rules, then the history: the earlier admissions',
+    each ended by a requeue, then the current one's."""
     row = dict(row)
+    earlier = row.pop("earlier_history", [])
     generations = row.pop("history", [])
     scaling = row.pop("scaling", None)
     lines = [f"{key:>18}: {shown(key, value, now)}" for key, value in row.items()
              if value is not None]
     lines += _scaling_lines(scaling, now)
-    if generations:
+    if generations or earlier:
         lines.append(f"{'history':>18}:")
-        lines += [f"{'':>20}{line}" for line in history_lines(generations)]
+        start = (earlier or generations)[0]["decided_at"]
+        shown_lines: list[str] = []
+        for admission in admissions(earlier):
+            shown_lines += history_lines(admission, start, requeued=True)
+            shown_lines.append("requeued, then admitted again:")
+        shown_lines += history_lines(generations, start)
+        lines += [f"{'':>20}{line}" for line in shown_lines]
     return lines
 
 
@@ -229,12 +238,12 @@ STATE_SOURCES = {"memory": "the nodes' memory", "buddy": "the nodes' and buddies
                  "start": "the start (the job's state was lost)"}
 
 
-def history_rows(history) -> list[dict]:
+def history_rows(generations: list) -> list[dict]:
     """A job's generations as ``phalanx job`` shows them: ``resume_step`` is the step the
     members resumed after as they reported it, else elasticity's estimate, and
     ``resume_source`` says which (``decided_resume_step`` keeps the estimate)."""
     rows = []
-    for g in history.generations:
+    for g in generations:
         row = msgspec_to_builtins(g)
         applied = row.pop("applied_resume_step", None)
         row.update(decided_resume_step=g.resume_step,
@@ -244,9 +253,22 @@ def history_rows(history) -> list[dict]:
     return rows
 
 
-def history_lines(rows: list[dict]) -> list[str]:
-    """One line per generation of :func:`history_rows`, times relative to the first."""
-    start = rows[0]["decided_at"] if rows else 0.0
+def admissions(rows: list[dict]) -> list[list[dict]]:
+    """``rows`` of several admissions, split where one starts (its generation 0)."""
+    split: list[list[dict]] = []
+    for row in rows:
+        if not split or (row["generation"] == 0 and row["reason"] == "start"):
+            split.append([])
+        split[-1].append(row)
+    return split
+
+
+def history_lines(rows: list[dict], start: float | None = None, *,
+                  requeued: bool = False) -> list[str]:
+    """One line per generation of :func:`history_rows` (of one admission; ``requeued``:
+    one that a requeue ended), times relative to ``start`` (default: the first's)."""
+    if start is None:
+        start = rows[0]["decided_at"] if rows else 0.0
     lines = []
     for g, after in zip(rows, [*rows[1:], None], strict=True):
         pause = "" if g["pause_s"] is None else f", paused the survivors {g['pause_s']:.2f} s"
@@ -259,6 +281,8 @@ def history_lines(rows: list[dict]) -> list[str]:
                 resume += f", state from {STATE_SOURCES[g['restored_from']]}"
         elif after is not None:  # its estimate would read as where the job was
             resume = f"never applied (g{after['generation']} replaced it first)"
+        elif requeued:
+            resume = "never applied (the job was requeued first)"
         else:
             resume = (f"resume after step {g['resume_step']} (elasticity's estimate; no "
                       "member has reported applying it yet)")

@@ -121,7 +121,6 @@ import msgspec
 from phalanx.schemas.errors import StoredStateError
 from phalanx.schemas.messages import (
     CAUSE_CHARS,
-    HISTORY_BYTES,
     HISTORY_LIMIT,
     Generation,
     GenerationReason,
@@ -131,6 +130,7 @@ from phalanx.schemas.messages import (
     StateSource,
 )
 from phalanx.schemas.replicas import replica_id
+from phalanx.services.elasticity.history import within_budget
 
 # --- events --------------------------------------------------------------------------------
 
@@ -213,6 +213,9 @@ class ReplicaExited:
 
 @dataclasses.dataclass(frozen=True)
 class JobStopped:
+    """The job's record is not admitted (pending, requeued, ended), whether or not this
+    core ran it: its events until it is admitted again are an earlier admission's."""
+
     job_id: str
     event_id: str = ""
 
@@ -749,7 +752,7 @@ class ElasticityCore:
                             endpoint=r.endpoint) for i, r in enumerate(members)],
             world_size=len(members), rendezvous=f"{job.job_id}-g{number}", resume_step=resume,
             reason=reason, cause=why)
-        job.history = _within_budget([*job.history[-(HISTORY_LIMIT - 1):], GenerationRecord(
+        job.history = within_budget([*job.history[-(HISTORY_LIMIT - 1):], GenerationRecord(
             generation=number, reason=reason, world_size=len(members),
             members=[r.replica_id for r in members], resume_step=resume, decided_at=now,
             cause=why)])
@@ -808,18 +811,6 @@ def _listing(items: list[str]) -> str:
         shown.append(item)
         used += len(item) + 2
     return ", ".join(shown)
-
-
-def _within_budget(history: list[GenerationRecord]) -> list[GenerationRecord]:
-    """The latest of ``history`` whose records take about ``HISTORY_BYTES`` at most (the
-    newest is always kept)."""
-    used = 0
-    for i in range(len(history) - 1, -1, -1):
-        record = history[i]
-        used += 64 + len(record.cause.encode()) + sum(len(m) + 2 for m in record.members)
-        if used > HISTORY_BYTES and i < len(history) - 1:
-            return history[i + 1:]
-    return history
 
 
 

@@ -75,6 +75,7 @@ from phalanx.schemas.messages import (
 from phalanx.schemas.scaling import ScalingRules
 from phalanx.services import metrics
 from phalanx.services.elasticity import core
+from phalanx.services.elasticity.history import carried
 from phalanx.services.leader import JobEventsLeader, JobTerm
 
 log = logging.getLogger("phalanx.elasticity")
@@ -179,8 +180,11 @@ class ElasticityService(JobEventsLeader[ElasticityTerm]):
                 sizes=ScalingRules.of(record.spec).sizes)
             await self._act(term, job_id, term.core.handle(event, time.time()), None)
             return
-        if job_id in term.core.jobs:
-            term.core.handle(core.JobStopped(job_id, event_id="record"), time.time())
+        # Told even of a job it never ran: a leader that took over while the job was
+        # requeued must not keep its earlier admission's events for the next one.
+        known = job_id in term.core.jobs
+        term.core.handle(core.JobStopped(job_id, event_id="record"), time.time())
+        if known:
             await term.store.forget(job_id)
             metrics.forget_job(job_id, metrics.JOB_WORLD_SIZE, metrics.JOB_GENERATION)
         with contextlib.suppress(PhalanxError):
@@ -191,7 +195,9 @@ class ElasticityService(JobEventsLeader[ElasticityTerm]):
         """Carry out ``decisions``, then store the job's state as of event ``seq``."""
         await self._execute(decisions)
         for history in term.core.take_histories():
-            await self.histories.put(history.job_id, history)
+            stored = await self.histories.get(history.job_id)
+            await self.histories.put(history.job_id, carried(
+                None if stored is None else stored.value, history))
         seq = term.store.seq_of(job_id, seq)
         job = term.core.jobs.get(job_id)
         if job is not None:

@@ -16,11 +16,13 @@ import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 
+import msgspec
 import pytest
 
 from phalanx.bus.client import Bus, Delivery
 from phalanx.bus.config import BusConfig
 from phalanx.bus.kv import TypedKV
+from phalanx.bus.stream import JOB_EVENTS
 from phalanx.schemas import subjects
 from phalanx.schemas.messages import (
     Fault,
@@ -39,6 +41,7 @@ from phalanx.schemas.messages import (
     ReplicaRange,
     ReplicaReady,
     ReplicaReply,
+    StreamCursor,
 )
 from phalanx.services.natsd import NatsServer
 
@@ -270,3 +273,74 @@ async def test_readiness_that_overtakes_its_jobs_record_is_not_lost(
     finally:
         instance.send_signal(signal.SIGTERM)
         assert instance.wait(20) == 0
+
+
+async def stored_history(histories: TypedKV, holds) -> JobHistory:
+    """JOB's stored history once it ``holds`` (the leader stores it after acting)."""
+    async for change in histories.watch():
+        if change is not None and change.key == JOB and change.value is not None \
+                and holds(change.value):
+            return change.value
+    raise AssertionError("the history watch ended")
+
+
+async def test_a_requeued_jobs_history_keeps_its_first_admission_across_a_failover(
+        own_nats: NatsServer, bus: Bus, tmp_path: Path) -> None:
+    """Admitted, trained, requeued (its record pending), the leader SIGKILLed, admitted
+    again: the standby's history of the new admission carries the first one's
+    generations (``JobHistory.earlier``), read from what the first leader stored."""
+    ranks = Ranks(bus)
+
+    async def on_generation(g: Generation, _: Delivery) -> None:
+        await ranks.generations.put(g)
+
+    await bus.subscribe(subjects.job_generation(JOB), Generation, on_generation)
+    histories = await TypedKV.open(bus.js, subjects.HISTORY_BUCKET, JobHistory)
+    jobs = await TypedKV.open(bus.js, subjects.JOBS_BUCKET, JobRecord)
+    instances = {name: start(own_nats, name, tmp_path) for name in ("e1", "e2")}
+    try:
+        first = await asyncio.wait_for(leader(bus), 30)
+        await admit(bus, ReplicaRange(min=2, max=2), ["n0", "n1"])
+        for slot in (0, 1):
+            await ranks.ready(f"r{slot}-0", slot)
+        g0 = await ranks.next_generation(0)
+        await ranks.apply(g0, 40)
+        before = await stored_history(histories, lambda h: h.generations and
+                                      h.generations[0].applied_resume_step == 40)
+        record = (await jobs.get(JOB)).value
+        await jobs.put(JOB, msgspec.structs.replace(
+            record, state=JobState.PENDING, reason_code=ReasonCode.PREEMPTED, nodes=[]))
+        # The leader has stored its stream position past the first admission's events
+        # (it does every second): the standby does not read them again. (One that read
+        # them again could take them for the next admission's: docs/status.md.)
+        last = (await bus.js.stream_info(JOB_EVENTS)).state.last_seq
+        cursors = await TypedKV.open(bus.js, subjects.CURSORS_BUCKET, StreamCursor)
+        async for change in cursors.watch():
+            if change is not None and change.key == "elasticity" and change.value is not None \
+                    and change.value.seq >= last:
+                break
+        instances[first].send_signal(signal.SIGKILL)
+        instances[first].wait()
+        await asyncio.wait_for(leader(bus, not_=first), 30)
+
+        await admit(bus, ReplicaRange(min=2, max=2), ["n1", "n0"])
+        for slot in (0, 1):  # the new admission's replicas, again r<slot>-0
+            await bus.publish_event(subjects.replica_ready(JOB), ReplicaReady(
+                job_id=JOB, replica_id=f"r{slot}-0", slot=slot, node_id=["n1", "n0"][slot],
+                endpoint=f"127.0.0.1:{9100 + slot}"), event_id=f"{JOB}-r{slot}-0-ready-again")
+        again = await ranks.next_generation(0)
+        while again.members[0].node_id != "n1":  # the first admission's, re-asserted
+            again = await ranks.next_generation(0)
+        stored = await stored_history(histories, lambda h: h.generations and (
+            h.generations[0].decided_at != before.generations[0].decided_at))
+        assert stored.earlier == before.generations
+        assert [(g.generation, g.applied_resume_step) for g in stored.earlier] == [(0, 40)]
+        assert [(g.generation, g.members) for g in stored.generations] == [
+            (0, ["r0-0", "r1-0"])]
+    finally:
+        running = [proc for proc in instances.values() if proc.poll() is None]
+        for proc in running:
+            proc.send_signal(signal.SIGTERM)
+        for proc in running:
+            assert proc.wait(20) == 0
+        await jobs.delete(JOB)

@@ -112,7 +112,7 @@ def history() -> JobHistory:
 
 
 def test_the_history_resumes_where_the_members_said_and_says_so() -> None:
-    rows = history_rows(history())
+    rows = history_rows(history().generations)
     assert [(g["resume_step"], g["resume_source"], g["decided_resume_step"]) for g in rows] == [
         (0, "members", 0), (59, "members", 1), (60, "elasticity", 60)]
     lines = history_lines(rows)
@@ -128,7 +128,7 @@ def test_a_generation_replaced_before_any_member_applied_it_says_so() -> None:
         generation=2, reason=GenerationReason.FAULT, world_size=1, members=["r1-0"],
         resume_step=1, decided_at=T0 + 10, cause="dropped r0-0"))
     gone.generations[3] = msgspec.structs.replace(gone.generations[3], generation=3)
-    lines = history_lines(history_rows(gone))
+    lines = history_lines(history_rows(gone.generations))
     assert "fault: 1 rank(s), never applied (g3 replaced it first) (dropped r0-0)" in lines[2]
     assert "step 1" not in lines[2]
 
@@ -137,7 +137,7 @@ def test_the_job_id_comes_first_and_scaling_after_the_record() -> None:
     row = {**record_row(record("j")), "scaling": {
         "sizes": [1, 2], "scale_up_cooldown_s": 30.0, "graceful_shutdown_timeout_s": 30.0,
         "scaling_timeout_s": 120.0, "pinned_replicas": None, "change": None},
-        "history": history_rows(history())}
+        "history": history_rows(history().generations)}
     lines = job_lines(row, T0)
     assert lines[0].split() == ["job_id:", "j"]
     scaling = next(i for i, line in enumerate(lines) if line.split()[0] == "scaling:")
@@ -164,7 +164,7 @@ def test_the_job_view_is_read_by_people_and_the_json_by_programs() -> None:
 
 
 def test_a_start_from_the_first_step_says_so() -> None:
-    [start, *_] = history_lines(history_rows(history()))
+    [start, *_] = history_lines(history_rows(history().generations))
     assert start == "g0 +0.0 s start: 2 rank(s), from the first step (admitted)"
 
 
@@ -190,3 +190,26 @@ def test_checkpoint_sizes_read_in_binary_units() -> None:
 
     assert [size_text(n) for n in (0, 1023, 1024, 8_242_480, 32_969_920, 5 << 30)] == [
         "0 B", "1023 B", "1.0 KiB", "7.9 MiB", "31.4 MiB", "5.0 GiB"]
+
+
+def test_the_history_shows_earlier_admissions_each_ended_by_a_requeue() -> None:
+    first = [GenerationRecord(generation=0, reason=GenerationReason.START, world_size=2,
+                              members=["r0-0", "r1-0"], resume_step=0,
+                              decided_at=T0 - 100, cause="admitted", applied_resume_step=0),
+             GenerationRecord(generation=1, reason=GenerationReason.FAULT, world_size=1,
+                              members=["r0-0"], resume_step=30, decided_at=T0 - 80,
+                              cause="dropped r1-0")]
+    stored = JobHistory(job_id="j", generations=history().generations, earlier=first)
+    rows = history_rows(stored.generations)
+    row = {**record_row(record("j")), "history": rows,
+           "earlier_history": history_rows(stored.earlier)}
+    lines = [line.strip() for line in job_lines(row, T0)]
+    at = lines.index("history:")
+    assert lines[at + 1:at + 4] == [
+        "g0 +0.0 s start: 2 rank(s), from the first step (admitted)",
+        "g1 +20.0 s fault: 1 rank(s), never applied (the job was requeued first) "
+        "(dropped r1-0)",
+        "requeued, then admitted again:"]
+    # The current admission's times count from the first admission's start too.
+    assert lines[at + 4].startswith("g0 +100.0 s start")
+    assert lines[at + 5].startswith("g1 +109.5 s fault")
