@@ -92,6 +92,7 @@ import dataclasses
 import datetime
 import logging
 import os
+import secrets
 import time
 import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -259,6 +260,10 @@ class ElasticSession:
         self.bus = bus
         self.job_id = job_id
         self.replica_id = replica_id
+        # Replica ids and generation numbers start over when a requeued job is admitted
+        # again: this process's events must not share an id with an earlier admission's,
+        # which the stream would drop as duplicates for two minutes.
+        self._process_token = secrets.token_hex(4)
         self.slot = slot
         self.node_id = node_id
         self.checksum = checksum
@@ -446,13 +451,17 @@ class ElasticSession:
         entry = await kv.get(self.job_id)
         return None if entry is None else entry.value
 
+    def event_id(self, kind: str) -> str:
+        """The stream id of this process's event ``kind`` (``ready``, ``g3-applied``): the
+        same for its repeats, which the stream stores once, and for no other process."""
+        return f"{self.job_id}-{self.replica_id}-{self._process_token}-{kind}"
+
     def _announce(self) -> None:
         assert self.bus is not None
-        # Repeats within the stream's duplicate window are stored once.
         self.bus.publish_event(subjects.replica_ready(self.job_id), ReplicaReady(
             job_id=self.job_id, replica_id=self.replica_id, slot=self.slot,
             node_id=self.node_id, endpoint=self.endpoint, committed_step=self.committed,
-            sent_at=time.time()), f"{self.job_id}-{self.replica_id}-ready")
+            sent_at=time.time()), self.event_id("ready"))
 
     # --- waiting (training thread) -----------------------------------------------------------
 

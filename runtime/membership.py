@@ -265,7 +265,7 @@ class Membership:
         s.bus.publish_event(subjects.generation_given_up(s.job_id), GenerationGivenUp(
             job_id=s.job_id, generation=generation, replica_id=s.replica_id,
             reason=why[:DETAIL_CHARS], sent_at=time.time()),
-            f"{s.job_id}-{s.replica_id}-g{generation}-given-up")
+            s.event_id(f"g{generation}-given-up"))
 
     def leave_without_joining(self) -> None:
         """The job completed before this replica became a member: end the process (status

@@ -298,4 +298,4 @@ class StepRunner:
                                               pause_s=pause)
             session.bus.publish_event(
                 subjects.generation_applied(session.job_id), applied,
-                f"{session.job_id}-{session.replica_id}-g{applied.generation}-applied")
+                session.event_id(f"g{applied.generation}-applied"))

@@ -210,13 +210,13 @@ async def run_job(cluster, data_dir: Path, tmp_path: Path, name: str, inject,
         drain(queue)
     rec = tmp_path / "rec"
     release = tmp_path / "release"
-    spec = JobSpec(name=name, team="t", priority_class="normal", placement=Placement(),
+    spec = JobSpec(name=name, team="t", placement=Placement(),
                    command=[sys.executable, str(SCRIPT), "--data-dir", str(data_dir), *ARGS,
                             *args, "--steps", str(steps), "--save", str(tmp_path / "final.pt")],
                    env={"PHALANX_RECORD_DIR": str(rec), **RUN_ENV,
                         "PHALANX_CHAOS_PACE": f"{pace_s}:{release}", **(env or {})},
-                   **{"replicas": ReplicaRange(min=2, max=4), "hang_timeout_s": 2.0,
-                      "grace_period_s": 3.0, **(spec or {})})
+                   **{"priority_class": "normal", "replicas": ReplicaRange(min=2, max=4),
+                      "hang_timeout_s": 2.0, "grace_period_s": 3.0, **(spec or {})})
     job = await AdmissionClient(bus).submit(spec, f"{name}-1")
     try:
         generations = [await next_of(watch.generations, lambda g: g.job_id == job.job_id, 120)]

@@ -78,6 +78,24 @@ def test_alone_the_replica_is_the_primary(tmp_path: Path) -> None:
     assert (session.rank, session.world_size, session.is_primary) == (0, 1, True)
 
 
+def test_a_process_events_never_share_an_id_with_another_process_of_that_replica(
+        tmp_path: Path) -> None:
+    """A requeued job's next admission runs r0-0 again, at generation 0 again: the stream
+    would drop its events as the first admission's repeats (tests/e2e/test_requeue.py)."""
+    sessions = []
+    for _ in range(2):
+        model = torch.nn.Linear(4, 2)
+        sessions.append(ElasticSession(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                                       dataset(tmp_path), global_batch=8, job_id="j",
+                                       replica_id="r0-0"))
+    first, second = sessions
+    assert first.event_id("ready") == first.event_id("ready")  # its repeats: stored once
+    assert first.event_id("ready") != second.event_id("ready")
+    assert first.event_id("g0-applied") != second.event_id("g0-applied")
+    for session in sessions:
+        session.close()
+
+
 def test_a_replica_the_job_completed_without_exits_with_status_0_past_except_exception() -> None:
     completed = JobCompletedWithoutThisReplica("j", "r1-1", 700)
     assert isinstance(completed, SystemExit) and completed.code == 0
