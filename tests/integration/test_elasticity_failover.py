@@ -63,6 +63,16 @@ def start(own_nats: NatsServer, name: str, log_dir: Path) -> subprocess.Popen:
         stdout=log, stderr=log)
 
 
+def stop(instances: dict[str, subprocess.Popen]) -> None:
+    """SIGTERM the instances still running; each stops cleanly, even right after a
+    takeover."""
+    running = [proc for proc in instances.values() if proc.poll() is None]
+    for proc in running:
+        proc.send_signal(signal.SIGTERM)
+    for proc in running:
+        assert proc.wait(20) == 0
+
+
 class Ranks:
     """What the job's ranks would do: report ready, apply generations."""
 
@@ -166,11 +176,7 @@ async def test_a_standby_takes_over_and_acts_on_what_happened_while_no_leader_ra
         stored = await TypedKV.open(bus.js, subjects.GENERATIONS_BUCKET, Generation)
         assert (await stored.get(JOB)).value == g
     finally:
-        running = [proc for proc in instances.values() if proc.poll() is None]
-        for proc in running:
-            proc.send_signal(signal.SIGTERM)
-        for proc in running:
-            assert proc.wait(20) == 0  # a stop is clean, even right after a takeover
+        stop(instances)
 
 
 async def test_a_generation_given_up_while_no_leader_ran_is_decided_again_by_the_standby(
@@ -224,11 +230,7 @@ async def test_a_generation_given_up_while_no_leader_ran_is_decided_again_by_the
         told = await asyncio.wait_for(applied(), 30)
         assert [g.generation for g in told.generations] == [0, 1]
     finally:
-        running = [proc for proc in instances.values() if proc.poll() is None]
-        for proc in running:
-            proc.send_signal(signal.SIGTERM)
-        for proc in running:
-            assert proc.wait(20) == 0
+        stop(instances)
 
 
 async def test_readiness_that_overtakes_its_jobs_record_is_not_lost(
@@ -338,9 +340,5 @@ async def test_a_requeued_jobs_history_keeps_its_first_admission_across_a_failov
         assert [(g.generation, g.members) for g in stored.generations] == [
             (0, ["r0-0", "r1-0"])]
     finally:
-        running = [proc for proc in instances.values() if proc.poll() is None]
-        for proc in running:
-            proc.send_signal(signal.SIGTERM)
-        for proc in running:
-            assert proc.wait(20) == 0
+        stop(instances)
         await jobs.delete(JOB)
