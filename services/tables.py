@@ -14,7 +14,21 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
+from phalanx.schemas.messages import ReplicaRange
 from phalanx.schemas.registry import NodeView
+
+
+def step_cell(step: int | None, total: int | None) -> str:
+    """A job's step as ``phalanx jobs`` and ``top`` show it: ``step/total``, ``step`` while
+    the total is unknown, ``-`` before any progress."""
+    if step is None:
+        return "-"
+    return str(step) + (f"/{total}" if total else "")
+
+
+def size_cell(size: int, replicas: ReplicaRange) -> str:
+    """A job's size now, then its spec's ``(min..max)``."""
+    return f"{size} ({replicas.min}..{replicas.max})"
 
 
 def print_whole(table: Table, console: Console | None = None) -> None:

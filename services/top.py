@@ -49,7 +49,7 @@ from phalanx.schemas.messages import (
 )
 from phalanx.schemas.registry import views
 from phalanx.services.deadline import wait_set
-from phalanx.services.tables import node_table, whole_columns
+from phalanx.services.tables import node_table, size_cell, step_cell, whole_columns
 
 #: Events kept and shown (the newest last).
 EVENTS = 12
@@ -133,12 +133,11 @@ def render(board: Board, now: float, lost_after_s: float) -> Group:
         generation = board.generations.get(job_id)
         progress = board.progress.get(job_id)
         size = generation.world_size if generation is not None else len(record.nodes)
-        step = "-" if progress is None else str(progress.step) + (
-            f"/{progress.total_steps}" if progress.total_steps else "")
+        step = step_cell(None, None) if progress is None \
+            else step_cell(progress.step, progress.total_steps)
         rate = "-" if progress is None or progress.steps_per_s is None \
             else f"{progress.steps_per_s:.1f}"
-        replicas = record.spec.replicas
-        rows.append((job_id, record.state.value, f"{size} ({replicas.min}..{replicas.max})",
+        rows.append((job_id, record.state.value, size_cell(size, record.spec.replicas),
                      "-" if generation is None else str(generation.generation), step, rate,
                      " ".join(sorted(set(record.nodes))) or "-"))
     jobs = Table(title="jobs")

@@ -92,6 +92,13 @@ async def with_client(args: argparse.Namespace,
         return await action(AdmissionClient(bus))
 
 
+def whole_number(text: str) -> int:
+    """An argument that counts or indexes (a GPU, an Xid, lines): a whole number >= 0."""
+    if not text.isdigit():
+        raise argparse.ArgumentTypeError(f"must be a whole number >= 0, got {text!r}")
+    return int(text)
+
+
 def msgspec_to_builtins(message: object) -> Any:
     """``message`` (a struct, or a list or dict of them) as JSON-ready builtins."""
     import msgspec

@@ -17,7 +17,13 @@ import dataclasses
 import sys
 from collections.abc import Callable
 
-from phalanx.services.cli.common import EXIT_FAILED, Parents, Subparsers, bus_config
+from phalanx.services.cli.common import (
+    EXIT_FAILED,
+    Parents,
+    Subparsers,
+    bus_config,
+    whole_number,
+)
 
 #: How often ``-f`` asks the agents for what their followed logs gained: the files are on
 #: other machines, with nothing to subscribe to.
@@ -126,16 +132,24 @@ async def _listing(bus, job_id: str) -> list[ReplicaLog]:
     return sorted(logs, key=lambda log: replica_order(log.replica_id))
 
 
+async def _piece(bus, job_id: str, log: ReplicaLog, offset: int,
+                 max_bytes: int | None = None):
+    """``LogReply``: up to ``max_bytes`` (default: one reply's most) of ``log`` from
+    ``offset``, from its node's agent."""
+    from phalanx.schemas import subjects
+    from phalanx.schemas.messages import LOG_CHUNK_BYTES, LogReply, LogRequest
+
+    return await bus.request(
+        subjects.agent_logs(log.node_id),
+        LogRequest(job_id=job_id, replica_id=log.replica_id, offset=offset,
+                   max_bytes=max_bytes or LOG_CHUNK_BYTES),
+        LogReply, timeout_s=ANSWER_S)
+
+
 async def _read_new(bus, job_id: str, log: ReplicaLog, write: Callable[[bytes], None]) -> None:
     """Pass on what ``log`` holds beyond what was read of it, piece by piece."""
-    from phalanx.schemas import subjects
-    from phalanx.schemas.messages import LogReply, LogRequest
-
     while True:
-        reply = await bus.request(
-            subjects.agent_logs(log.node_id),
-            LogRequest(job_id=job_id, replica_id=log.replica_id, offset=log.offset),
-            LogReply, timeout_s=ANSWER_S)
+        reply = await _piece(bus, job_id, log, log.offset)
         if not reply.data:
             return
         write(reply.data)
@@ -161,18 +175,12 @@ def tail_start(data: bytes, lines: int) -> int | None:
 async def _skip_to_tail(bus, job_id: str, log: ReplicaLog, lines: int) -> None:
     """Move ``log``'s offset to where its last ``lines`` lines (as listed) begin, reading
     it backwards a piece at a time."""
-    from phalanx.schemas import subjects
-    from phalanx.schemas.messages import LOG_CHUNK_BYTES, LogReply, LogRequest
+    from phalanx.schemas.messages import LOG_CHUNK_BYTES
 
     seen, start = b"", log.size
     while start > 0:
-        start = max(0, start - LOG_CHUNK_BYTES)
-        reply = await bus.request(
-            subjects.agent_logs(log.node_id),
-            LogRequest(job_id=job_id, replica_id=log.replica_id, offset=start,
-                       max_bytes=min(LOG_CHUNK_BYTES, log.size - len(seen) - start)),
-            LogReply, timeout_s=ANSWER_S)
-        seen = reply.data + seen
+        end, start = start, max(0, start - LOG_CHUNK_BYTES)
+        seen = (await _piece(bus, job_id, log, start, end - start)).data + seen
         found = tail_start(seen, lines)
         if found is not None:
             log.offset = start + found
@@ -283,13 +291,6 @@ def add_parsers(sub: Subparsers, parents: Parents) -> None:
     which.add_argument("--replica", metavar="ID", help="one replica, e.g. r1-0")
     logs.add_argument("-f", "--follow", action="store_true",
                       help="follow until the job ends (all replicas: new ones too)")
-    logs.add_argument("--tail", type=_line_count, metavar="N",
+    logs.add_argument("--tail", type=whole_number, metavar="N",
                       help="only the last N lines of each log (then, with -f, what follows)")
     logs.set_defaults(func=cmd_logs)
-
-
-def _line_count(text: str) -> int:
-    """``--tail``'s N: a whole number >= 0."""
-    if not text.isdigit():
-        raise argparse.ArgumentTypeError(f"must be a whole number >= 0, got {text!r}")
-    return int(text)

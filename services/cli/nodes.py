@@ -19,6 +19,7 @@ from phalanx.services.cli.common import (
     Parents,
     Subparsers,
     bus_config,
+    whole_number,
     with_client,
 )
 
@@ -217,19 +218,13 @@ def add_parsers(sub: Subparsers, parents: Parents) -> None:
         help="a GPU fault seen by the agent's next health poll (injected at its NVML "
              "boundary): the GPU's slots are cordoned and their ranks killed")
     gpu_fault.add_argument("node")
-    gpu_fault.add_argument("--gpu", type=_index, required=True, metavar="I",
+    gpu_fault.add_argument("--gpu", type=whole_number, required=True, metavar="I",
                            help="the GPU's index (on a node without GPUs: a slot's)")
     gpu_fault.add_argument("--kind", default="xid",
                            choices=["xid", "ecc", "retired_pages", "row_remap", "lost",
                                     "throttle"],
                            help="what fails (throttle: reported, not a fault)")
-    gpu_fault.add_argument("--code", type=_index, default=79, metavar="XID",
+    gpu_fault.add_argument("--code", type=whole_number, default=79, metavar="XID",
                            help="the Xid of --kind xid (default 79: fallen off the bus)")
     chaos.set_defaults(func=cmd_chaos)
 
-
-def _index(text: str) -> int:
-    """A GPU index or Xid: a whole number >= 0."""
-    if not text.isdigit():
-        raise argparse.ArgumentTypeError(f"must be a whole number >= 0, got {text!r}")
-    return int(text)
