@@ -15,7 +15,8 @@
 #   node   the agent's real NVML (test_nvml.py's GPU test) and bench/gpu_node.py
 #   snapshot  (only when named) bench/snapshot.py's rounds on the machine's CPU cores: W's
 #          4 CPU ranks on 16 cores, which the 2-core VM's drift cannot resolve (issue 28;
-#          about 3 minutes expected, not yet run on a device)
+#          about 4 minutes on an H200's 16 cores), with SNAPSHOT_ARGS (default --pin-cpus:
+#          unpinned, the H200's step times varied 22 % between runs, 2026-11-28)
 #
 # Everything it writes is under $OUT (the device tool brings that folder back): device.txt,
 # tests.log, bench.log (its last line is the bench's JSON), node-tests.log, gpu_node.log
@@ -40,6 +41,7 @@ export PYTHONPATH="$SITE" PATH="$SITE/bin:$PATH" PYTHONUNBUFFERED=1
 torch.version.cuda, "NCCL", torch.cuda.nccl.version(), torch.cuda.get_device_name(0))'; } \
     > "$OUT/device.txt" 2>&1
 df -h /dev/shm /tmp >> "$OUT/device.txt" 2>&1  # agents keep snapshots in /dev/shm
+lscpu >> "$OUT/device.txt" 2>&1  # cores, hyperthreads and caches: what pinning works with
 cat "$OUT/device.txt"
 status=0
 # Meant to load only the two plugins the tests use, the image's own (xdist, cov, benchmark
@@ -69,7 +71,8 @@ if [[ $STEPS == *,node,* ]]; then
 fi
 if [[ $STEPS == *,snapshot,* ]]; then
     echo "== bench/snapshot.py (CPU ranks, the GPU hidden)"
-    CUDA_VISIBLE_DEVICES= timeout 420 python3 bench/snapshot.py --repeat 3 --no-tiers 2>&1 \
+    CUDA_VISIBLE_DEVICES= timeout 420 python3 bench/snapshot.py --repeat 3 --no-tiers \
+        ${SNAPSHOT_ARGS---pin-cpus} 2>&1 \
         | tee "$OUT/snapshot.log" || status=1
 fi
 cp bench/RESULTS.md "$OUT/RESULTS.md"

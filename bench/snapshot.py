@@ -166,11 +166,13 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     report: dict[str, Any] = {"date": utc_date(), "command": " ".join(sys.argv),
                               "widths": args.widths, "world_size": args.agents * args.slots,
                               "agents": args.agents, "steps": args.steps,
+                              "cpus": os.cpu_count(), "pinned": args.pin_cpus,
                               "runs": {mode: [] for mode in MODES}}
     with tempfile.TemporaryDirectory() as tmp:
         cluster = Path(tmp) / "cluster"
         cli("up", "--agents", str(args.agents), "--slots-per-agent", str(args.slots),
-            "--detach", "--data-dir", str(cluster), "--nats-port", "0")
+            "--detach", "--data-dir", str(cluster), "--nats-port", "0",
+            *(("--pin-cpus",) if args.pin_cpus else ()))
         try:
             url = json.loads((cluster / "up.json").read_text())["nats_url"]
             async with await Bus.connect(BusConfig.load(env={}, servers=[url])) as bus:
@@ -227,13 +229,15 @@ def record_results(report: dict[str, Any]) -> None:
     append(f"\n## snapshot.py — {report['date']}\n\nCommand: `{report['command']}`\n\n"
            f"W widths {report['widths']}, {report['world_size']} ranks, {report['steps']} "
            f"steps per run, on one local cluster ({report['agents']} agents x "
-           f"{report['world_size'] // report['agents']} slots); rounds of runs without "
+           f"{report['world_size'] // report['agents']} slots, "
+           f"{'ranks pinned to cores of their own' if report['pinned'] else 'unpinned'}, "
+           f"{report['cpus']} CPUs); rounds of runs without "
            "snapshots (off), with one every step (every) and with the adaptive interval "
            "(auto), each round a palindrome (off, auto, every, auto, off). Per run: the "
            "median step, a rank's median snapshot in the training thread, the median "
            "interval in force, the snapshots' share of the steps' own time (what auto keeps "
            "within checkpoint.memory_overhead, 2 % by default), and the 1-minute load "
-           "average before the run (2 cores). Per round: the mode's mean step against off's "
+           "average before the run. Per round: the mode's mean step against off's "
            "mean in the same round.\n\n"
            "| mode | step time per run (ms) | overhead per round | median of rounds | "
            "snapshot in the thread (ms) | interval | in-thread share | load |\n"
@@ -278,6 +282,9 @@ def arguments() -> argparse.ArgumentParser:
                         help="agents of the local cluster (nodes, each other's buddy)")
     parser.add_argument("--slots", type=int, default=2,
                         help="slots per agent: the job is agents x slots ranks")
+    parser.add_argument("--pin-cpus", action="store_true",
+                        help="each agent on cores of its own, each rank on cores of its own "
+                             "among them (phalanx up --pin-cpus)")
     parser.add_argument("--no-tiers", action="store_true",
                         help="skip the recovery time per source (bench/tiers.py's phases)")
     parser.add_argument("--no-record", action="store_true")

@@ -63,6 +63,7 @@ from phalanx.schemas import subjects
 from phalanx.schemas.errors import PhalanxError
 from phalanx.schemas.messages import JobRecord, NodeHeartbeat
 from phalanx.services import control_plane, metrics
+from phalanx.services.agent import cpus
 from phalanx.services.auth.issuer import AuthDir
 from phalanx.services.auth.roles import Role
 from phalanx.services.client import AdmissionClient
@@ -140,6 +141,8 @@ class LocalCluster:
         auth_dir: run secured with this auth directory (made if missing): the embedded
             server with its config, every process as its own identity.
         supervised_agents: each agent under its supervisor, started again when it dies.
+        pin_cpus: each agent on a share of this machine's cores of its own, its CPU slots'
+            ranks pinned to shares of that (``agent.cpus``, :mod:`.agent.cpus`).
     """
 
     def __init__(self, data_dir: Path, *, agents: int = 2, slots_per_agent: int = 2,
@@ -148,7 +151,7 @@ class LocalCluster:
                  admission_instances: int = 1, health_instances: int = 1,
                  elasticity_instances: int = 1, config_path: str | None = None,
                  ready_timeout_s: float = 30.0, auth_dir: Path | None = None,
-                 supervised_agents: bool = False) -> None:
+                 supervised_agents: bool = False, pin_cpus: bool = False) -> None:
         if agents < 0:
             raise ClusterError(f"--agents must be >= 0, got {agents}")
         if slots_per_agent < 1:
@@ -173,6 +176,9 @@ class LocalCluster:
         self.lost_after_s = lost_after_s
         self.ready_timeout_s = ready_timeout_s
         self.supervised_agents = supervised_agents
+        #: Each agent's CPU set, in the order they are started (empty: not pinned).
+        self.agent_cpus = cpus.shares(sorted(os.sched_getaffinity(0)), agents) \
+            if pin_cpus and agents else ()
         # Instances of each service the flags count; one of every other.
         self.instances = {"admission": admission_instances, "health": health_instances,
                           "elasticity": elasticity_instances}
@@ -398,7 +404,16 @@ class LocalCluster:
             # the environment asks for discovery (bench/gpu_node.py on a GPU, one agent).
             extra_env={"PHALANX_AGENT_STOP_IS_RESTART": "1",
                        "PHALANX_AGENT_DISCOVER_GPUS":
-                       os.environ.get("PHALANX_AGENT_DISCOVER_GPUS", "0")})
+                       os.environ.get("PHALANX_AGENT_DISCOVER_GPUS", "0"),
+                       **self._cpus_of(len(self.agents))})
+
+    def _cpus_of(self, index: int) -> dict[str, str]:
+        """The ``agent.cpus`` of the cluster's ``index``-th agent, where agents are pinned
+        (one started later, bench/detect.py's, shares the first's)."""
+        if not self.agent_cpus:
+            return {}
+        return {"PHALANX_AGENT_CPUS":
+                cpus.format_cpu_list(self.agent_cpus[index % len(self.agent_cpus)])}
 
     @property
     def embedded_nats(self) -> list[NatsServer]:

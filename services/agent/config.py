@@ -13,6 +13,7 @@ from typing import Any
 from phalanx.schemas.errors import ConfigError
 from phalanx.schemas.registry import DEFAULT_LOST_AFTER_S
 from phalanx.schemas.subjects import token
+from phalanx.services.agent.cpus import parse_cpu_list
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -28,6 +29,14 @@ class AgentConfig:
     share that GPU (their jobs need ``backend: gloo``). Empty: the GPUs NVML finds, one
     slot each (``discover_gpus``); with none, CPU slots, and ranks get the agent's
     ``CUDA_VISIBLE_DEVICES`` unchanged."""
+    cpus: tuple[int, ...] = ()
+    """The CPUs this agent runs on (``"0-7,16-23"``, the kernel's list format; they must
+    be among those it was started with), each CPU slot's ranks pinned to a share of them
+    of their own: whole physical cores, split evenly among the slots (:mod:`.cpus`).
+    Without ``slots``, one slot per CPU of the set. Empty: the agent's CPUs as it was
+    started, and its CPU slots' ranks not pinned (the kernel places them). A rank on a
+    GPU slot is pinned to its GPU's CPUs either way (within this set, where there is one).
+    """
     discover_gpus: bool = True
     """Ask NVML for the node's GPUs at start (:mod:`.nvml`), report them in the node record
     and watch their health. Off: no NVML at all, and without ``gpus`` CPU slots (a local
@@ -184,6 +193,8 @@ class AgentConfig:
         try:
             if isinstance(values.get("labels"), str):
                 values["labels"] = parse_labels(values["labels"])
+            if isinstance(values.get("cpus"), str):
+                values["cpus"] = parse_cpu_list(values["cpus"])
             if isinstance(values.get("gpus"), str):
                 values["gpus"] = parse_gpus(values["gpus"])
             if values.get("gpus"):

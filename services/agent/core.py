@@ -13,7 +13,8 @@ A node's slots are its GPUs or its CPUs (:func:`node_gpus`): the GPUs configured
 (``agent.gpus``) win; else, when NVML found GPUs, one slot per GPU; else the slots
 configured, or one per CPU. A GPU fault takes the slots on that GPU out of use
 (:func:`gpu_slots`; on a node without GPUs an injected fault names a slot), and a
-rank on a GPU runs on that GPU's CPUs (:func:`rank_cpus`).
+rank on a GPU runs on that GPU's CPUs, one on a CPU slot on its slot's share of the
+agent's CPUs where it has a set (:func:`rank_cpus`).
 
 A replica (``r<slot>-<incarnation>``, named by
 :func:`phalanx.schemas.replicas.replica_id`) is launched at most once
@@ -157,13 +158,16 @@ def gpu_slots(gpu: int, gpus: tuple[int, ...], slots: int) -> tuple[int, ...]:
     return (gpu,) if gpu < slots else ()
 
 
-def rank_cpus(gpus: tuple[int, ...], found: Sequence[GpuInfo],
-              slots: tuple[int, ...]) -> set[int]:
-    """The CPUs close to the GPUs of ``slots`` (NVML's affinity), where a rank holding
-    them is pinned; empty (not pinned) on CPU slots or where NVML gave no affinity."""
-    by_index = {g.index: g for g in found}
-    return {cpu for s in slots if s < len(gpus) and gpus[s] in by_index
-            for cpu in by_index[gpus[s]].cpus}
+def rank_cpus(gpus: tuple[int, ...], found: Sequence[GpuInfo], slots: tuple[int, ...],
+              slot_cpus: Sequence[Sequence[int]] = ()) -> set[int]:
+    """The CPUs a rank holding ``slots`` is pinned to: on GPU slots, those close to its
+    GPUs (NVML's affinity); on CPU slots, its slots' shares of the agent's CPU set
+    (``slot_cpus``, :func:`~.cpus.shares`). Empty (not pinned) where neither is known."""
+    if gpus:
+        by_index = {g.index: g for g in found}
+        return {cpu for s in slots if s < len(gpus) and gpus[s] in by_index
+                for cpu in by_index[gpus[s]].cpus}
+    return {cpu for s in slots if s < len(slot_cpus) for cpu in slot_cpus[s]}
 
 
 class LaunchVerdict(enum.Enum):

@@ -91,6 +91,7 @@ from phalanx.services.agent.core import (
     rank_cpus,
     rank_devices,
 )
+from phalanx.services.agent.cpus import pin as pin_cpus
 from phalanx.services.agent.zygote import ChildProcess, ForkedProcess, Launcher
 from phalanx.services.auth.credentials import rank_environment
 from phalanx.services.deadline import wait_set
@@ -197,6 +198,8 @@ class RankSet:
             no ``checkpoint.durable_url``.
         gpus: the GPU of each of this node's slots (``agent.gpus``); empty: CPU slots.
         found_gpus: the GPUs NVML described: a rank is pinned to its GPUs' CPUs.
+        slot_cpus: each CPU slot's share of the agent's CPU set (``agent.cpus``,
+            :func:`~.cpus.shares`), where its ranks are pinned; empty: not pinned.
         cordoned: the node's slots out of use now (a GPU fault's), as the registry holds
             them at the moment of a launch: no rank starts there. None: none ever are.
         launcher: starts the processes (:mod:`.zygote`); None: each one cold.
@@ -211,12 +214,14 @@ class RankSet:
                  snapshot_dir: Callable[[str], Path] | None = None,
                  checkpoint_dir: Path | None = None, gpus: tuple[int, ...] = (),
                  found_gpus: Sequence[GpuInfo] = (),
+                 slot_cpus: Sequence[Sequence[int]] = (),
                  cordoned: Callable[[], Awaitable[Collection[int]]] | None = None,
                  launcher: Launcher | None = None) -> None:
         self.node_id = node_id
         self.launcher = launcher or Launcher(work_dir, zygotes=False)
         self.gpus = gpus
         self.found_gpus = found_gpus
+        self.slot_cpus = slot_cpus
         self.cordoned = cordoned
         self.snapshot_dir = snapshot_dir
         self.checkpoint_dir = checkpoint_dir
@@ -465,6 +470,8 @@ class RankSet:
             process = await spare.hand_over(identity, log_path)
             if process is None:  # it died: a new process instead
                 del self.ranks[(record.job_id, rank)]
+            else:  # a spare runs on the agent's CPUs until it holds a slot
+                self.pin(process.pid, slots)
         from_spare = process is not None
         if process is None:
             process = await self._start(record, rank, replica_id, identity, log_path)
@@ -675,17 +682,13 @@ class RankSet:
         return hit
 
     def pin(self, pid: int, slots: tuple[int, ...]) -> None:
-        """Pin a rank just spawned to the CPUs close to its GPUs (those NVML gave, that
-        this agent may use); threads it starts later inherit them."""
-        cpus = rank_cpus(self.gpus, self.found_gpus, slots) & os.sched_getaffinity(0)
-        if not cpus:
-            return
-        try:
-            os.sched_setaffinity(pid, cpus)
-        except ProcessLookupError:
-            return  # it died at once: its exit is reported as any other
-        except OSError as exc:
-            log.warning("cannot pin pid %d to CPUs %s: %s", pid, sorted(cpus), exc)
+        """Pin a rank to its CPUs (:func:`~.core.rank_cpus`: its GPUs' or its CPU slots'
+        share, those this agent may use), every thread it has; threads it starts later
+        inherit them."""
+        cpus = rank_cpus(self.gpus, self.found_gpus, slots, self.slot_cpus) \
+            & os.sched_getaffinity(0)
+        if cpus:
+            pin_cpus(pid, cpus)
 
     def signal(self, job_id: str, rank: int, sig: signal.Signals) -> int:
         """Send ``sig`` to one rank process (chaos); returns its pid.

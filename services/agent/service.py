@@ -74,7 +74,7 @@ from phalanx.schemas.messages import (
     StopReplica,
 )
 from phalanx.services import metrics
-from phalanx.services.agent import core, replica_tls
+from phalanx.services.agent import core, cpus, replica_tls
 from phalanx.services.agent.config import AgentConfig
 from phalanx.services.agent.logs import read_logs
 from phalanx.services.agent.nvml import GpuFault, GpuWatch, describe, discover
@@ -117,12 +117,14 @@ class AgentService(Service):
         super().__init__("phalanx-agent", config.node_id, bus_config,
                          shutdown_timeout_s=config.shutdown_timeout_s)
         self.config = config
+        if config.cpus:
+            cpus.run_on(config.cpus)
         nvml = discover() if config.discover_gpus else None
         found = nvml.gpus if nvml is not None else None
         try:
             #: The node's slots and the GPU of each (empty: CPU slots).
             self.slots, self.gpus = core.node_gpus(config.slots, config.gpus, found,
-                                                   os.cpu_count() or 1)
+                                                   len(config.cpus) or os.cpu_count() or 1)
             self.gpu_watch = GpuWatch(nvml)  # its baseline: the readings at start
         except BaseException:
             if nvml is not None:
@@ -201,6 +203,8 @@ class AgentService(Service):
                              if self.config.checkpoint_dir
                              else self.work_dir.parent.parent / "checkpoints",
                              gpus=self.gpus, found_gpus=self.gpu_watch.gpus,
+                             slot_cpus=cpus.shares(self.config.cpus, self.slots)
+                             if self.config.cpus and not self.gpus else (),
                              cordoned=self._cordoned_now, launcher=self.launcher)
         await self.ranks.adopt()
         ranks = self.ranks

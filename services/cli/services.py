@@ -29,7 +29,8 @@ def cmd_agent(args: argparse.Namespace) -> int:
     from phalanx.services.logs import configure_logging
 
     config = AgentConfig.from_env(
-        node_id=args.node_id, slots=args.slots, failure_domain=args.failure_domain,
+        node_id=args.node_id, slots=args.slots, cpus=args.cpus,
+        failure_domain=args.failure_domain,
         labels=args.labels, heartbeat_interval_s=args.heartbeat_interval,
         lost_after_s=args.lost_after, work_dir=args.work_dir)
     if config.work_dir is None:
@@ -138,6 +139,9 @@ def add_parsers(sub: Subparsers, parents: Parents) -> None:
     agent = sub.add_parser("agent", parents=[common, lost_after], help="run a node agent")
     agent.add_argument("--node-id")
     agent.add_argument("--slots", type=int)
+    agent.add_argument("--cpus", metavar="LIST",
+                       help="the CPUs the agent runs on, e.g. 0-7,16-23: each CPU slot's "
+                            "ranks pinned to whole cores of their own among them")
     agent.add_argument("--failure-domain")
     agent.add_argument("--labels", help="key=value,key=value")
     agent.add_argument("--heartbeat-interval", type=float, metavar="S")

@@ -16,7 +16,9 @@ from pathlib import Path
 import pytest
 from e2e_cli import phalanx
 
+from phalanx.services.agent.cpus import shares
 from phalanx.services.cluster import pid_alive
+from phalanx.services.manifest import MANIFEST, running_in_manifest
 
 LOST_AFTER_S = 1.5
 
@@ -154,3 +156,33 @@ def test_a_service_that_cannot_start_fails_up_naming_it_and_its_error(tmp_path: 
     assert "admission.lease_s must be a number, got 'soon'" in out.stderr, out.stderr
     assert "no admission leader" not in out.stderr
     assert not (data_dir / "up.json").exists()
+
+
+def test_a_pinned_agents_ranks_run_on_cpus_of_their_own(tmp_path: Path) -> None:
+    """`phalanx up --pin-cpus`: the agent on its share of the machine's CPUs (here all of
+    them), and each rank it starts on its slot's share of those, as the processes
+    themselves show."""
+    allowed = os.sched_getaffinity(0)
+    if len(allowed) < 2:
+        pytest.skip("one CPU: nothing to share out")
+    data_dir = tmp_path / "cluster"
+    where = ("--data-dir", str(data_dir))
+    phalanx("up", "--agents", "1", "--slots-per-agent", "2", "--pin-cpus", "--detach",
+            "--nats-port", str(free_port()), *where)
+    try:
+        agent = json.loads((data_dir / "up.json").read_text())["agents"]["local-0"]
+        assert os.sched_getaffinity(agent) == allowed
+        spec = tmp_path / "sleeper.yaml"
+        spec.write_text("name: sleeper\nteam: t\npriority_class: normal\n"
+                        "replicas: {min: 2, max: 2}\ncommand: [sleep, '300']\n")
+        job = json.loads(phalanx("submit", str(spec), "--json", *where).stdout)["job_id"]
+        manifest = data_dir / "agents" / "local-0" / MANIFEST
+        deadline = time.monotonic() + 30
+        while len(ranks := running_in_manifest(manifest)) < 2 and time.monotonic() < deadline:
+            time.sleep(0.1)  # the agent writes its manifest as each rank starts
+        assert len(ranks) == 2, f"ranks not started in 30 s: {ranks}"
+        pinned = sorted(sorted(os.sched_getaffinity(rank["pid"])) for rank in ranks)
+        assert pinned == [list(share) for share in shares(sorted(allowed), 2)]
+        phalanx("cancel", job, *where)
+    finally:
+        phalanx("down", *where)
