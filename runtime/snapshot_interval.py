@@ -1,19 +1,27 @@
 """How often a rank snapshots: a fixed interval, or one the members agree on from the
 measured cost (``checkpoint.memory_every_steps: auto``, the default).
 
-**The rule** (:func:`choose_interval`, pure). A snapshot costs ``c`` seconds in the
-training thread (state views, meta, copy, checksum, the announcement handed to the bus
-thread: the time by which the rank's next step starts later), a step ``s`` seconds of
-training. Snapshotting every ``k`` steps costs ``c / (k·s)`` of the training time, so the
-rule takes the smallest ``k`` with ``c / (k·s) <= overhead`` (``checkpoint.memory_overhead``,
-2 %), capped at ``max_every`` (``checkpoint.memory_max_every_steps``: the most steps a job
-whose every rank dies loses from memory; at the cap the overhead may pass the target).
-A rank's ``c`` is the mean of its last :data:`COST_WINDOW` snapshots (the budget is
-about their total time, slow ones included), its ``s`` the median of its last
-:data:`STEP_WINDOW` steps (a step descheduled on a shared machine does not shorten the
-interval). The first write of each buffer of a membership is not measured: it also pays
-the page faults of a fresh mapping (on W, 4-6 times a warm snapshot), once per buffer
-and membership, not once per snapshot, and would hold the interval up for a window.
+**The rule** (:func:`choose_interval`, pure). A snapshot costs ``c`` seconds: its time in
+the training thread (state views, meta, copy, checksum, the announcement handed to the bus
+thread: the time by which the rank's next step starts later) and what the step after it
+takes beyond a plain step (the median of the last :data:`STEP_WINDOW` steps no snapshot
+preceded): a member whose snapshot ran long is a straggler in that step's all-reduce, and
+the copy has evicted caches the step reads. The in-thread time alone missed that: with
+2 % of the training time in the thread, W's steps on the 2-core test machine averaged
+2.6-3.1 % more than its plain steps in the same run (bench/RESULTS.md, 2026-11-28). A
+step costs ``s`` seconds of training. Snapshotting every ``k`` steps costs ``c / (k·s)`` of
+the training time, so the rule takes the smallest ``k`` with ``c / (k·s) <= overhead``
+(``checkpoint.memory_overhead``, 2 %), capped at ``max_every``
+(``checkpoint.memory_max_every_steps``: the most steps a job whose every rank dies loses
+from memory; at the cap the overhead may pass the target). A rank's ``c`` is the mean of
+its last :data:`COST_WINDOW` snapshots (the budget is about their total time, slow ones
+included), with the steps after them where that is more (a step after one that runs
+faster than a plain step does not make a snapshot cheaper than its own time), its ``s``
+the median of its last :data:`STEP_WINDOW` steps (a step descheduled on a shared machine
+does not shorten the interval). The first write of each buffer of a membership is not
+measured, nor the step after it: it also pays the page faults of a fresh mapping (on W,
+4-6 times a warm snapshot), once per buffer and membership, not once per snapshot, and
+would hold the interval up for a window.
 
 **Agreement.** Every member must snapshot the same steps: a restore needs every shard of
 one step, and a durable step is persisted from its memory snapshot. So no rank decides
@@ -130,7 +138,13 @@ class SnapshotSchedule:
         self.policy = policy
         self.interval = policy.every or 1
         self._costs: deque[float] = deque(maxlen=COST_WINDOW)
+        # Each measured snapshot with what the step after it took beyond a plain step.
+        self._whole_costs: deque[float] = deque(maxlen=COST_WINDOW)
         self._steps: deque[float] = deque(maxlen=STEP_WINDOW)
+        self._plain_steps: deque[float] = deque(maxlen=STEP_WINDOW)
+        # What preceded the step measured next: a snapshot measured (its in-thread time),
+        # one not measured (True), or none (None).
+        self._after: float | bool | None = None
 
     @property
     def adaptive(self) -> bool:
@@ -139,19 +153,36 @@ class SnapshotSchedule:
     def due(self, committed: int) -> bool:
         return is_due(committed, self.interval, self.policy.durable_every)
 
-    def measured(self, step_s: float, snapshot_s: float | None) -> None:
+    def measured(self, step_s: float, snapshot_s: float | None, taken: bool = False) -> None:
         """A committed step took ``step_s`` of training, and its snapshot ``snapshot_s`` in
-        the training thread (None: none taken)."""
+        the training thread (None: none taken, or ``taken`` but not to be measured)."""
         self._steps.append(step_s)
+        if self._after is None:
+            self._plain_steps.append(step_s)
+        elif self._after is not True and self._plain_steps:
+            excess = step_s - statistics.median(self._plain_steps)
+            self._whole_costs.append(self._after + excess)
         if snapshot_s is not None:
             self._costs.append(snapshot_s)
+        self._after = snapshot_s if snapshot_s is not None else (True if taken else None)
+
+    def cost(self) -> float:
+        """What a snapshot costs this rank (0: nothing measured): the mean of its last
+        snapshots' time in the training thread, or, where larger, of that time with what
+        the step after each took beyond a plain step."""
+        if not self._costs:
+            return 0.0
+        in_thread = statistics.fmean(self._costs)
+        if not self._whole_costs:
+            return in_thread
+        return max(in_thread, statistics.fmean(self._whole_costs))
 
     def tail(self) -> list[float]:
         """This member's part of the all-reduce tail: ``[cost, step time, 1]``, zeros while
         it has not measured both."""
         if not self._costs or not self._steps:
             return [0.0] * TAIL_LENGTH
-        return [statistics.fmean(self._costs), statistics.median(self._steps), 1.0]
+        return [self.cost(), statistics.median(self._steps), 1.0]
 
     def agree(self, summed: Sequence[float]) -> None:
         """Every member's tail summed (the same on every member): set the interval."""

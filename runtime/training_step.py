@@ -283,7 +283,8 @@ class StepRunner:
             # The interval the members agreed on in this step (bench/snapshot.py reads both).
             extra["snapshot_every"] = snapshots.schedule.interval
             snapshots.schedule.measured(
-                session.last_step_s, None if snapshots.last_was_first else snapshot_s)
+                session.last_step_s, None if snapshots.last_was_first else snapshot_s,
+                taken=snapshot_s is not None)
         if session._record is not None and extra:
             session._record.write(kind="snapshot", step=step.index, **extra)
         if session._progress is not None:
