@@ -21,8 +21,7 @@ bytes per step sets.
   round. Runs of one mode differ by more than that, on the 2-core test machine and on a
   16-CPU one alike, ranks pinned or not (up to 22 %: bench/RESULTS.md, 2026-11-28), so
   each run is also judged within itself (:func:`step_gaps`): its mean step over the
-  median of the steps no snapshot precedes, less the same excess of the off runs of its
-  round (``in_run``).
+  mean of the steps no snapshot precedes (``in_run``).
   Beside it, from the commit records: the median time of a
   rank's snapshot in the training thread (``snapshot_s``: state views, meta, copy,
   checksum, the announcement handed to the bus thread), the interval in force
@@ -139,21 +138,22 @@ async def step_time(bus: Bus, args: argparse.Namespace, work: Path, name: str,
 
 def step_gaps(steps: list[record.StepRecord],
               snapshotted: set[int]) -> dict[str, float | None]:
-    """The mean gap between consecutive committed ``steps``, the median of the gaps that
+    """The mean gap between consecutive committed ``steps``, the mean of the gaps that
     follow a step without a snapshot (a snapshot after step k delays step k + 1), and the
-    one's excess over the other (None with a snapshot after every step). The excess is
-    judged within one run, the same processes on the same memory: runs of one mode
-    differed by up to 22 % on a 16-CPU machine (bench/RESULTS.md, 2026-11-28), so a few %
-    is only seen within a run. It holds what a snapshot costs the steps around it (its own
-    time, the stragglers it makes, the caches it evicts), not what is spread evenly over
-    every step (the agents' replication, bounded by ``agent.replica_duty``)."""
+    one's excess over the other (None with a snapshot after every step): what the
+    snapshots cost the steps they delay, judged within one run, the same processes on the
+    same memory (runs of one mode differed by up to 22 % on a 16-CPU machine:
+    bench/RESULTS.md, 2026-11-28). Means, not medians, on both sides: an outlier falls on
+    either kind of step alike, and a median of all the gaps would leave out the one in k
+    that a snapshot delays. What is spread evenly over every step (the agents'
+    replication, bounded by ``agent.replica_duty``) is not in it."""
     gaps = [(b.committed_at - a.committed_at, a.step) for a, b in itertools.pairwise(steps)]
     mean = statistics.fmean(gap for gap, _ in gaps)
     plain = [gap for gap, after in gaps if after not in snapshotted]
     if not plain:  # a snapshot after every step: nothing to hold it against
         return {"step_s": mean, "plain_step_s": None, "in_run": None}
-    median = statistics.median(plain)
-    return {"step_s": mean, "plain_step_s": median, "in_run": mean / median - 1}
+    plain_mean = statistics.fmean(plain)
+    return {"step_s": mean, "plain_step_s": plain_mean, "in_run": mean / plain_mean - 1}
 
 
 def bound(widths: tuple[int, ...], world: int) -> dict[str, float]:
@@ -230,8 +230,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
 
 def rounds(runs: dict[str, list[dict[str, Any]]], count: int) -> list[dict[str, Any]]:
     """Per round: each mode's mean step time over its runs in the round and its overhead
-    against off's; and auto's mean in-run excess less off's (``in_run``: off's own is the
-    gaps' spread, a mean above a median, that every mode has; every has no step without a
+    against off's; and auto's mean in-run excess (``in_run``; every has no step without a
     snapshot before it to hold its steps against)."""
     def mean(mode: str, figure: str, n: int) -> float:
         return statistics.fmean(run[figure] for run in runs[mode] if run["round"] == n)
@@ -241,7 +240,7 @@ def rounds(runs: dict[str, list[dict[str, Any]]], count: int) -> list[dict[str, 
         step = {mode: mean(mode, "step_s", n) for mode in runs}
         out.append({"step_s": step,
                     "overhead": {mode: step[mode] / step["off"] - 1 for mode in ("every", "auto")},
-                    "in_run": {"auto": mean("auto", "in_run", n) - mean("off", "in_run", n)}})
+                    "in_run": {"auto": mean("auto", "in_run", n)}})
     return out
 
 
@@ -277,15 +276,15 @@ def record_results(report: dict[str, Any]) -> None:
            "snapshots (off), with one every step (every) and with the adaptive interval "
            "(auto), each round a palindrome (off, auto, every, auto, off). Per run: the "
            "mean step (what the job pays), the run's in-run excess (its mean step over the "
-           "median of the steps no snapshot precedes: what the snapshots cost within the "
+           "mean of the steps no snapshot precedes: what the snapshots cost within the "
            "same processes, free of the differences between runs), a rank's median "
            "snapshot in the training thread, the median interval in force, the snapshots' "
            "share of the steps' own time (what auto keeps within "
            "checkpoint.memory_overhead, 2 % by default), and the 1-minute load average "
            "before the run. Per round: the mode's mean step against off's mean in the same "
-           "round, and its mean in-run excess less off's.\n\n"
+           "round, and its mean in-run excess.\n\n"
            "| mode | step time per run (ms) | overhead per round | median of rounds | "
-           "in-run excess per run | in-run, per round less off's | median of rounds | "
+           "in-run excess per run | in-run per round | median of rounds | "
            "snapshot in the thread (ms) | interval | in-thread share | load |\n"
            "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n"
            f"{rows}\nResult: auto <= {TARGET * 100:.0f} % in every round, between runs "
