@@ -180,6 +180,8 @@ class ElasticSession:
         seed: fixes the data order.
         bus: the bus thread (None: alone, world size 1).
         job_id / replica_id / slot / node_id: who this rank is.
+        admission: the job's admission this rank was started for (``JobRecord.admission``;
+            0: not known), carried in its events.
         record_dir: where to append this replica's record (None: no record).
         checksum: verify every state copy with Adler-32.
         collective_timeout_s: gloo's own timeout, the last resort.
@@ -241,7 +243,7 @@ class ElasticSession:
                  snapshot_interval: IntervalPolicy | None = None, snapshot_keep: int = 2,
                  snapshot_dir: str | None = None,
                  durable: DurablePolicy | None = None, backend: str = "auto",
-                 landing: list[torch.Tensor] | None = None) -> None:
+                 landing: list[torch.Tensor] | None = None, admission: int = 0) -> None:
         teardown.watch()
         self.model = model
         #: Where the model lives, and everything the session allocates for it.
@@ -266,6 +268,7 @@ class ElasticSession:
         self._process_token = secrets.token_hex(4)
         self.slot = slot
         self.node_id = node_id
+        self.admission = admission
         self.checksum = checksum
         self.timeout = datetime.timedelta(seconds=collective_timeout_s)
         self.on_membership = on_membership
@@ -369,7 +372,8 @@ class ElasticSession:
         bus = BusThread(BusConfig.load(env=env), f"rank:{env['PHALANX_JOB_ID']}:{replica_id}")
         return cls(model, optimizer, dataset, bus=bus.start(), job_id=env["PHALANX_JOB_ID"],
                    replica_id=replica_id, slot=int(env.get("PHALANX_RANK", "0")),
-                   node_id=env.get("PHALANX_NODE_ID", "local"), chaos_kill=chaos_kill, **kwargs)
+                   node_id=env.get("PHALANX_NODE_ID", "local"), chaos_kill=chaos_kill,
+                   admission=int(env.get(environment.ADMISSION, "0") or 0), **kwargs)
 
     def register(self, name: str, obj: Any) -> None:
         """Carry ``obj``'s state with the model and optimizer (before the first step).
@@ -461,7 +465,7 @@ class ElasticSession:
         self.bus.publish_event(subjects.replica_ready(self.job_id), ReplicaReady(
             job_id=self.job_id, replica_id=self.replica_id, slot=self.slot,
             node_id=self.node_id, endpoint=self.endpoint, committed_step=self.committed,
-            sent_at=time.time()), self.event_id("ready"))
+            sent_at=time.time(), admission=self.admission), self.event_id("ready"))
 
     # --- waiting (training thread) -----------------------------------------------------------
 

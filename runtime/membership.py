@@ -264,7 +264,7 @@ class Membership:
             return
         s.bus.publish_event(subjects.generation_given_up(s.job_id), GenerationGivenUp(
             job_id=s.job_id, generation=generation, replica_id=s.replica_id,
-            reason=why[:DETAIL_CHARS], sent_at=time.time()),
+            reason=why[:DETAIL_CHARS], sent_at=time.time(), admission=s.admission),
             s.event_id(f"g{generation}-given-up"))
 
     def leave_without_joining(self) -> None:
@@ -440,7 +440,8 @@ class Membership:
         self._applied = GenerationApplied(
             job_id=s.job_id, generation=generation.generation, replica_id=s.replica_id,
             committed_step=s.committed, resume_step=resume, rebuild_s=built - received,
-            state_copy_s=synced - built, state_bytes=nbytes, restored_from=self._restored_from)
+            state_copy_s=synced - built, state_bytes=nbytes, restored_from=self._restored_from,
+            admission=s.admission)
         default_group.answer(self.rank, self.world_size)
         if s._progress is not None:
             s._progress.generation = generation.generation

@@ -11,3 +11,7 @@ NICE_WHEN_READY = "PHALANX_NICE_WHEN_READY"
 #: replica identity yet and waits, in the session's ``from_env``, for the one its agent
 #: writes to its standard input (one JSON object of variables, one line).
 SPARE = "PHALANX_SPARE"
+
+#: The job's admission a rank was started for (``JobRecord.admission``), which its events
+#: carry so that elasticity tells them from an earlier admission's.
+ADMISSION = "PHALANX_ADMISSION"

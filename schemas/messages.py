@@ -412,7 +412,11 @@ class JobRecord(Message, tag="phalanx.job_record.v1", frozen=True):
     elastic job to (``phalanx scale``); None: admission sizes it. ``scaling_change`` is
     the planned size change in progress, if any. ``trace`` is the W3C ``traceparent`` of
     the job's submission (empty when it was not traced): the job's trace, in which
-    admission's decisions about it and its scaling events are spans.
+    admission's decisions about it and its scaling events are spans. ``admission``
+    counts the job's admissions: 1 from its first, one more each time it is admitted
+    again after a requeue (0: never admitted). Its ranks carry it in their events, so
+    that an earlier admission's, read late, is never taken for the current one's (the
+    replica ids and generation numbers start again at each admission).
     """
 
     job_id: Ident
@@ -427,6 +431,7 @@ class JobRecord(Message, tag="phalanx.job_record.v1", frozen=True):
     next_slot: NonNegInt = 0
     pinned_replicas: ReplicaCount | None = None
     scaling_change: ScalingChange | None = None
+    admission: NonNegInt = 0
     trace: Annotated[str, msgspec.Meta(
         pattern=r"^(00-[0-9a-f]{32}-[0-9a-f]{16}-[0-9a-f]{2})?\Z")] = ""
 
@@ -630,6 +635,8 @@ class ReplicaReady(Message, tag="phalanx.replica_ready.v1", frozen=True):
     ``slot`` is the job's placement slot the replica runs in; ``endpoint`` is
     its rendezvous store, used when it is rank 0 of a generation.
     ``committed_step`` is the last step whose state it holds (0 when fresh).
+    ``admission`` is the job's admission it was started for (:class:`JobRecord`;
+    0: not known, a sender that predates the field or a rank started by hand).
     """
 
     job_id: Ident
@@ -639,6 +646,7 @@ class ReplicaReady(Message, tag="phalanx.replica_ready.v1", frozen=True):
     endpoint: Endpoint
     committed_step: NonNegInt = 0
     sent_at: NonNegFloat = 0.0
+    admission: NonNegInt = 0
 
 
 class StateSource(enum.StrEnum):
@@ -674,6 +682,8 @@ class GenerationApplied(Message, tag="phalanx.generation_applied.v1", frozen=Tru
     pause_s: NonNegFloat | None = None
     #: Where the state came from (None: a sender that predates the field).
     restored_from: StateSource | None = None
+    #: The job's admission the member was started for (:class:`ReplicaReady`).
+    admission: NonNegInt = 0
 
 
 class GenerationGivenUp(Message, tag="phalanx.generation_given_up.v1", frozen=True):
@@ -692,6 +702,8 @@ class GenerationGivenUp(Message, tag="phalanx.generation_given_up.v1", frozen=Tr
     replica_id: Ident
     reason: Annotated[str, msgspec.Meta(max_length=DETAIL_CHARS)] = ""
     sent_at: NonNegFloat = 0.0
+    #: The job's admission the member was started for (:class:`ReplicaReady`).
+    admission: NonNegInt = 0
 
 
 class GenerationRecord(Part, frozen=True):

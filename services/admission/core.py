@@ -95,6 +95,7 @@ from phalanx.services.admission.model import (
     Gang,
     Node,
     Shape,
+    admission_number,
     carry_slots,
 )
 from phalanx.services.admission.policy import AdmissionPolicy
@@ -104,7 +105,7 @@ __all__ = [
     "AdmissionCore", "AdmissionState", "Admit", "Capacity", "Decision", "Event", "Evict",
     "Fail", "Gang", "Grow", "JobCancelled", "JobFailed", "JobFinished", "JobRequeued",
     "JobSubmitted", "MembershipChanged", "Node", "NodeRemoved", "NodeUpdated", "Reason",
-    "ScalePinned", "Shape", "Shrink", "SpecRejected", "carry_slots",
+    "ScalePinned", "Shape", "Shrink", "SpecRejected", "admission_number", "carry_slots",
 ]
 
 

@@ -70,6 +70,16 @@ def carry_slots(old_nodes: list[str], old_slots: list[int], new_nodes: list[str]
     return slots
 
 
+def admission_number(stored: JobState | None, admissions: int, state: JobState) -> int:
+    """The record's ``admission`` once ``state`` is written over a record ``stored`` in
+    (None: none yet) that counted ``admissions``: one more when the job goes from not
+    admitted to admitted, the same otherwise (a leader writing the admitted record
+    again, after a failover, counts nothing)."""
+    if state is JobState.ADMITTED and stored is not JobState.ADMITTED:
+        return admissions + 1
+    return admissions
+
+
 #: What admitting a gang depends on besides its place in the queue: weight, team, slots per
 #: replica, smallest size, node labels and spread (see :attr:`Gang.shape`).
 Shape = tuple[int, str, int, int, tuple[tuple[str, str], ...], bool]

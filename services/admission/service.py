@@ -414,6 +414,9 @@ class AdmissionService(LeaderService[AdmissionTerm]):
         reason = gang.reason  # the record keeps the reason; explain adds the live position
 
         def change(current: JobRecord | None) -> JobRecord:
+            admission = core.admission_number(
+                None if current is None else current.state,
+                0 if current is None else current.admission, gang.state)
             base = current or JobRecord(
                 job_id=gang.job_id, spec=gang.spec, state=gang.state,
                 submitted_at=gang.submitted_at, updated_at=now, reason_code=reason.code)
@@ -432,7 +435,7 @@ class AdmissionService(LeaderService[AdmissionTerm]):
                                            reason_code=reason.code, reason=reason.message,
                                            nodes=nodes, next_slot=next_slot,
                                            pinned_replicas=gang.pinned,
-                                           scaling_change=gang.change,
+                                           scaling_change=gang.change, admission=admission,
                                            slots=[] if slots == list(range(len(nodes))) else slots)
 
         entry = await self.jobs.modify(gang.job_id, change)

@@ -405,6 +405,7 @@ class RankSet:
             "MASTER_PORT": str(master_port(record.job_id)),
             "PHALANX_RANK": str(rank), "PHALANX_REPLICA_ID": replica_id,
             "PHALANX_WORLD_SIZE": str(len(placement)),
+            environment.ADMISSION: str(record.admission),
             # The node's slots it runs in: its LOCAL_RANK and, on a GPU node, its GPUs alone.
             **rank_devices(self.gpus, slots),
         }

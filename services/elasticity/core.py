@@ -147,6 +147,7 @@ class JobAdmitted:
     event_id: str = ""
     max_replacements: int | None = None  # the job's restart_policy.max_restarts
     sizes: tuple[int, ...] = ()  # the sizes its scaling rules allow (empty: every size)
+    admission: int = 0  # which admission of the job the record is (0: not known)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -166,6 +167,7 @@ class ReplicaReadySeen:
     slot: int
     endpoint: str
     event_id: str = ""
+    admission: int = 0  # the job's admission the replica was started for (0: not known)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -178,6 +180,7 @@ class GenerationAppliedSeen:
     pause_s: float | None = None  # what the change cost this member (None: a joiner)
     resume_step: int | None = None  # the step the members agreed to resume after
     restored_from: StateSource | None = None  # where the members' state came from
+    admission: int = 0  # the job's admission the member was started for (0: not known)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -190,6 +193,7 @@ class GenerationGivenUpSeen:
     replica_id: str
     reason: str = ""
     event_id: str = ""
+    admission: int = 0  # the job's admission the member was started for (0: not known)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -295,6 +299,7 @@ class JobMembership:
     max_members: int
     slots: dict[int, str]  # slot -> node
     replacements_left: int
+    admission: int = 0  # which admission of the job this membership is (0: not known)
     current: Generation | None = None  # None until generation 0 forms
     replacement_budget: int | None = None  # replacements_left again after progress
     replicas: dict[str, Replica] = dataclasses.field(default_factory=dict)  # members + ready
@@ -371,6 +376,11 @@ class ElasticityCore:
         match event:
             case JobAdmitted():
                 job = self.jobs.get(event.job_id)
+                if job is not None and _another_admission(job, event.admission):
+                    # Admitted again and this core never saw the requeue between: the
+                    # earlier membership is over, whatever it was doing.
+                    del self.jobs[event.job_id]
+                    job = None
                 if job is None:
                     self._admitted(event)
                     self._ended.pop(event.job_id, None)
@@ -389,6 +399,10 @@ class ElasticityCore:
                 if job is None and event.job_id not in self._ended:
                     self._keep_early(event, now)
                     return []
+                if job is not None and isinstance(
+                        event, ReplicaReadySeen | GenerationAppliedSeen | GenerationGivenUpSeen) \
+                        and _another_admission(job, event.admission):
+                    return []  # an earlier admission's, read late: its replica ids recur
             case _:
                 raise TypeError(f"unknown event {event!r}")
         if job is None:
@@ -515,7 +529,8 @@ class ElasticityCore:
         self.jobs[event.job_id] = JobMembership(event.job_id, event.min_members,
                                                 event.max_members, dict(event.slots),
                                                 budget, replacement_budget=budget,
-                                                sizes=list(event.sizes))
+                                                sizes=list(event.sizes),
+                                                admission=event.admission)
 
     def _unmanaged(self, job: JobMembership, event: Event, now: float) -> list[Decision]:
         """Before the first ready replica: follow the placement, keep faults for later."""
@@ -834,6 +849,12 @@ def _launches(job: JobMembership) -> list[Decision]:
     warm = [dataclasses.replace(d, warm_only=True) for d in job.to_launch if not d.warm_only]
     job.to_launch = [d for d in job.to_launch if d.warm_only] + warm
     return list(warm)
+
+
+def _another_admission(job: JobMembership, admission: int) -> bool:
+    """Whether something of the job's ``admission`` belongs to another admission than the
+    membership ``job`` (0 on either side: not known, taken as the same)."""
+    return bool(admission and job.admission and admission != job.admission)
 
 
 def snapshot(job: JobMembership) -> bytes:

@@ -177,7 +177,7 @@ class ElasticityService(JobEventsLeader[ElasticityTerm]):
             event: core.Event = core.JobAdmitted(
                 job_id, record.placement(), replicas.min, replicas.max, event_id="record",
                 max_replacements=record.spec.restart_policy.max_restarts,
-                sizes=ScalingRules.of(record.spec).sizes)
+                sizes=ScalingRules.of(record.spec).sizes, admission=record.admission)
             await self._act(term, job_id, term.core.handle(event, time.time()), None)
             return
         # Told even of a job it never ran: a leader that took over while the job was
@@ -317,17 +317,20 @@ def _event(event: StreamEvent) -> core.Event | None:
                 replaceable=fault.kind is not FaultKind.NODE_LOST, event_id=fault.fault_id)
         case ReplicaReady() as msg:
             return core.ReplicaReadySeen(msg.job_id, msg.replica_id, msg.node_id, msg.slot,
-                                     msg.endpoint, event_id=f"ready:{msg.replica_id}")
+                                         msg.endpoint, event_id=f"ready:{msg.replica_id}",
+                                         admission=msg.admission)
         case GenerationApplied() as msg:
             return core.GenerationAppliedSeen(msg.job_id, msg.generation, msg.replica_id,
                                           msg.committed_step,
                                           event_id=f"applied:{msg.replica_id}",
                                           pause_s=msg.pause_s, resume_step=msg.resume_step,
-                                          restored_from=msg.restored_from)
+                                          restored_from=msg.restored_from,
+                                          admission=msg.admission)
         case GenerationGivenUp() as msg:
             return core.GenerationGivenUpSeen(
                 msg.job_id, msg.generation, msg.replica_id, msg.reason,
-                event_id=f"given-up:{msg.replica_id}:g{msg.generation}")
+                event_id=f"given-up:{msg.replica_id}:g{msg.generation}",
+                admission=msg.admission)
         case RankExited() as msg:
             if msg.replica_id is None:
                 return None

@@ -73,6 +73,7 @@ async def test_a_preempted_job_admitted_again_resumes_at_once_from_memory(
         range(reference["steps"]))
     assert seen["again"] not in generations  # taken by preempt: the second admission's g0
     job = json.loads(phalanx("job", "preempted-1", "--json", "--data-dir", str(data)).stdout)
+    assert job["admission"] == 2  # what the second admission's ranks' events carry
     assert [(g["generation"], g["reason"]) for g in job["earlier_history"]] == [(0, "start")]
     assert job["history"][0]["generation"] == 0
     assert job["history"][0]["restored_from"] in ("memory", "buddy"), job["history"][0]

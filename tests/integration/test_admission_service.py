@@ -272,7 +272,7 @@ async def test_a_requeue_forwarded_by_a_standby_is_served_by_the_leader(
     nodes = await TypedKV.open(client_bus.js, subjects.NODES_BUCKET, NodeRecord)
     try:
         await client.submit(spec("runs", 2), "runs-1")
-        await wait_state(client_bus, "runs-1", JobState.ADMITTED)
+        assert (await wait_state(client_bus, "runs-1", JobState.ADMITTED)).admission == 1
         await client.submit(spec("waits", 1), "waits-1")
         # Cordoned, node-0 keeps its running job but could not take it back once requeued.
         # The leader reads the registry in order: once it admits the waiting job on the
@@ -287,7 +287,10 @@ async def test_a_requeue_forwarded_by_a_standby_is_served_by_the_leader(
             JobRecord)
         assert reply.job_id == "runs-1"
         requeued = await wait_state(client_bus, "runs-1", JobState.PENDING)
-        assert requeued.nodes == []
+        assert requeued.nodes == [] and requeued.admission == 1
+        # Admitted again: its ranks' events then name the second admission.
+        await nodes.modify("node-0", lambda r: msgspec.structs.replace(r, cordoned=False))
+        assert (await wait_state(client_bus, "runs-1", JobState.ADMITTED)).admission == 2
     finally:
         for instance in instances:
             await instance.stop()

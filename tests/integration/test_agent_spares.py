@@ -48,7 +48,8 @@ import os, sys, time
 from phalanx.runtime.spare import wait_for_identity
 env = wait_for_identity(os.environ) if os.environ.get("PHALANX_SPARE") else os.environ
 print("I am", env["PHALANX_REPLICA_ID"], "rank", env["RANK"], "local", env["LOCAL_RANK"],
-      "gpus", env.get("CUDA_VISIBLE_DEVICES"), flush=True)
+      "gpus", env.get("CUDA_VISIBLE_DEVICES"), "admission", env["PHALANX_ADMISSION"],
+      flush=True)
 time.sleep(600)
 """
 
@@ -61,7 +62,8 @@ def record(job_id: str, node_id: str, replicas: int, spares: int | None,
     return JobRecord(job_id=job_id, spec=spec, state=state, submitted_at=1.0, updated_at=2.0,
                      reason_code=ReasonCode.ADMITTED if state is JobState.ADMITTED
                      else ReasonCode.FINISHED,
-                     nodes=[node_id] * replicas if state is JobState.ADMITTED else [])
+                     nodes=[node_id] * replicas if state is JobState.ADMITTED else [],
+                     admission=3)
 
 
 async def put(bus: Bus, jobs: TypedKV[JobRecord], job: JobRecord) -> None:
@@ -137,6 +139,7 @@ async def test_a_replacement_is_a_spare_which_is_replaced_and_stopped_with_its_j
         log_path = tmp_path / "agent" / "jobs" / job_id / "r1-1.log"
         await until(lambda: "I am r1-1 rank 1 local 1" in log_path.read_text())
         assert "starting on warm spare spare-1" in log_path.read_text()
+        assert "admission 3" in log_path.read_text()  # the record's, told with its identity
 
         # The spare taken is replaced; a spare killed is replaced too, and neither
         # is reported as a rank.

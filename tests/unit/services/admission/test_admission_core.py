@@ -1050,3 +1050,14 @@ def test_explain_names_the_cordoned_and_lost_nodes_a_waiting_gang_could_use() ->
                                 "on lost node(s) n3 (position 1 of 1)"), why.message
     run(core, [node("n2", 2)])  # uncordoned: it fits
     assert state(core, "g") is JobState.ADMITTED
+
+
+def test_a_records_admission_counts_each_time_the_job_is_admitted() -> None:
+    from phalanx.services.admission.core import admission_number
+
+    assert admission_number(None, 0, JobState.PENDING) == 0  # submitted
+    assert admission_number(JobState.PENDING, 0, JobState.ADMITTED) == 1
+    assert admission_number(JobState.ADMITTED, 1, JobState.ADMITTED) == 1  # written again
+    assert admission_number(JobState.ADMITTED, 1, JobState.PENDING) == 1  # requeued
+    assert admission_number(JobState.PENDING, 1, JobState.ADMITTED) == 2
+    assert admission_number(JobState.ADMITTED, 2, JobState.FINISHED) == 2

@@ -425,3 +425,60 @@ def test_survivors_that_hold_the_state_never_wait_for_replacements() -> None:
     core.handle(MemberFailed("j", "r0-0"), 1.0)
     [g] = generations(core.handle(MemberFailed("j", "r1-0"), 2.0))
     assert [m.replica_id for m in g.members] == ["r2-0", "r3-0"]
+
+
+def admitted(core: ElasticityCore, admission: int, n: int = 2) -> list:
+    return core.handle(JobAdmitted("j", {i: f"n{i}" for i in range(n)}, n, n,
+                                   admission=admission), 0.0)
+
+
+def ready_of(admission: int, replica: str, port: int) -> ReplicaReadySeen:
+    slot = int(replica[1:].split("-")[0])
+    return ReplicaReadySeen("j", replica, f"n{slot}", slot, f"h:{port}", admission=admission)
+
+
+def test_an_earlier_admissions_readiness_read_late_is_not_the_new_replicas() -> None:
+    """A leader that took over at a requeue applies the next admission's record before
+    reading the earlier admission's last readiness (the replica ids recur): the
+    generation it forms must point at the new processes, not at the dead ones."""
+    core = ElasticityCore()
+    assert admitted(core, 2) == []
+    assert core.handle(ready_of(1, "r0-0", 7000), 0.0) == []  # the first admission's
+    assert core.handle(ready_of(1, "r1-0", 7001), 0.0) == []
+    assert core.jobs["j"].current is None
+    out = core.handle(ready_of(2, "r0-0", 8000), 1.0) + core.handle(ready_of(2, "r1-0", 8001), 1.0)
+    [g] = generations(out)
+    assert [m.endpoint for m in g.members] == ["h:8000", "h:8001"]
+    # Its applied reports and given-up ones are dropped the same way.
+    old = GenerationAppliedSeen("j", 0, "r0-0", 95, admission=1)
+    assert core.handle(old, 2.0) == [] and core.jobs["j"].applied == set()
+
+
+def test_readiness_kept_before_the_record_is_dropped_when_it_is_of_another_admission() -> None:
+    core = ElasticityCore()
+    assert core.handle(ready_of(1, "r0-0", 7000), 0.0) == []  # kept early
+    assert core.handle(ready_of(2, "r1-0", 8001), 0.0) == []
+    assert admitted(core, 2) == []  # only r1-0 of this admission is ready
+    [g] = generations(core.handle(ready_of(2, "r0-0", 8000), 1.0))
+    assert [m.endpoint for m in g.members] == ["h:8000", "h:8001"]
+
+
+def test_a_record_of_another_admission_starts_the_membership_again() -> None:
+    """A core that never saw the requeue between two admissions (the record changed twice
+    while no leader read it) drops the earlier membership at the new record."""
+    core = ElasticityCore()
+    admitted(core, 1)
+    generations(core.handle(ready_of(1, "r0-0", 7000), 0.0)
+                + core.handle(ready_of(1, "r1-0", 7001), 0.0))
+    assert core.jobs["j"].current is not None
+    assert admitted(core, 2) == []
+    assert core.jobs["j"].current is None and core.jobs["j"].admission == 2
+    assert admitted(core, 2) == []  # the same record again: nothing changes
+
+
+def test_events_that_name_no_admission_are_taken_as_the_current_ones() -> None:
+    """A rank started by hand, or one older than the field, says 0."""
+    core = ElasticityCore()
+    admitted(core, 3)
+    out = core.handle(ready_of(0, "r0-0", 9000), 0.0) + core.handle(ready_of(0, "r1-0", 9001), 0.0)
+    assert len(generations(out)) == 1
