@@ -299,7 +299,7 @@ class ElasticSession:
         self._inbox = Inbox(replica_id)
         self._waits = Waits(self._inbox, self._heartbeat)
         self._loop = EpochLoop(self)  # the DDP-shaped loop: epochs(), loader, backward, commit
-        self._record = None if record_dir is None else Recorder(record_dir, replica_id)
+        self._record = None if record_dir is None else Recorder(record_dir, replica_id, admission)
         self._progress: ProgressReporter | None = None
         self.nice_when_ready = nice_when_ready
         self.snapshot_dir = snapshot_dir

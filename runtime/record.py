@@ -39,13 +39,17 @@ class Recorder:
     missing (:func:`read` skips a line cut short) even under SIGKILL.
     """
 
-    def __init__(self, directory: str | Path, replica_id: str) -> None:
+    def __init__(self, directory: str | Path, replica_id: str, admission: int = 0) -> None:
         os.makedirs(directory, exist_ok=True)
         self.fd = os.open(os.path.join(directory, f"{replica_id}.jsonl"),
                           os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        # On every line where known: a replica id, and the generation numbers, start again
+        # with each admission of the job, so a line names its generation with it.
+        self._admission = {"admission": admission} if admission else {}
 
     def write(self, **fields: Any) -> None:
-        os.write(self.fd, (json.dumps({"t": time.time(), **fields}) + "\n").encode())
+        line = {"t": time.time(), **self._admission, **fields}
+        os.write(self.fd, (json.dumps(line) + "\n").encode())
 
     def close(self) -> None:
         """Idempotent."""
@@ -84,6 +88,22 @@ class StepRecord:
     world_size: int  # of the generation that ran it
     committed_at: float  # when its last rank committed it
     loss: float  # the global batch's mean loss (sum of the ranks' weighted shares)
+    admission: int = 0  # the job's admission that generation was of (0: not recorded)
+
+
+#: A generation as the records name it: (the job's admission, its number in it).
+GenerationKey = tuple[int, int]
+
+
+def generation_of(line: dict[str, Any]) -> GenerationKey:
+    """The generation a record line is of (a job admitted again numbers its generations
+    from 0 again; a line without an admission is of admission 0)."""
+    return line.get("admission", 0), line["generation"]
+
+
+def _named(key: GenerationKey) -> str:
+    admission, generation = key
+    return f"generation {generation}" + (f" of admission {admission}" if admission else "")
 
 
 def timeline(records: dict[str, list[dict[str, Any]]]) -> list[StepRecord]:
@@ -94,25 +114,25 @@ def timeline(records: dict[str, list[dict[str, Any]]]) -> list[StepRecord]:
     shares every rank of that generation recorded before its all-reduce, so a
     step some ranks committed and others abandoned still counts in full.
     """
-    commits: dict[int, dict[int, list[dict[str, Any]]]] = {}
-    losses: dict[tuple[int, int], float] = {}
-    worlds: dict[tuple[int, int], int] = {}
+    commits: dict[int, dict[GenerationKey, list[dict[str, Any]]]] = {}
+    losses: dict[tuple[int, GenerationKey], float] = {}
+    worlds: dict[tuple[int, GenerationKey], int] = {}
     for lines in records.values():
         for line in lines:
             if line["kind"] == "commit":
-                commits.setdefault(line["step"], {}).setdefault(line["generation"],
+                commits.setdefault(line["step"], {}).setdefault(generation_of(line),
                                                                 []).append(line)
             elif line["kind"] == "batch":
-                key = (line["step"], line["generation"])
+                key = (line["step"], generation_of(line))
                 losses[key] = losses.get(key, 0.0) + (line.get("loss") or 0.0)
                 worlds[key] = line["world_size"]
     steps = []
     for step in sorted(commits):
         generation = max(commits[step])
         kept = commits[step][generation]
-        steps.append(StepRecord(step, generation, worlds.get((step, generation), 0),
+        steps.append(StepRecord(step, generation[1], worlds.get((step, generation), 0),
                                 max(c["t"] for c in kept),
-                                losses.get((step, generation), 0.0)))
+                                losses.get((step, generation), 0.0), generation[0]))
     return steps
 
 
@@ -121,8 +141,10 @@ def verify(records: dict[str, list[dict[str, Any]]], order: ElasticOrder,
     """Everything wrong with the run, as sentences; empty when nothing is."""
     problems: list[str] = []
     for replica, lines in records.items():
-        expected = None
+        expected, admission = None, None
         for line in lines:
+            if line.get("admission", 0) != admission:  # another process, the id reused
+                expected, admission = None, line.get("admission", 0)
             if line["kind"] in ("adopt", "restore"):  # the step this replica now holds
                 expected = line["step"]
             elif line["kind"] == "commit":
@@ -131,22 +153,22 @@ def verify(records: dict[str, list[dict[str, Any]]], order: ElasticOrder,
                                     f"{expected - 1}: the step counter repeated or skipped")
                 expected = line["step"] + 1
     problems += _redone(records)
-    kept = {s.step: s.generation for s in timeline(records)}
+    kept = {s.step: (s.admission, s.generation) for s in timeline(records)}
     missing = sorted(set(range(total_steps)) - set(kept))
     if missing:
         problems.append(f"steps never committed: {missing[:10]}")
-    shares: dict[tuple[int, int], list[list[int]]] = {}
+    shares: dict[tuple[int, GenerationKey], list[list[int]]] = {}
     for lines in records.values():
         for line in lines:
-            if line["kind"] == "batch" and kept.get(line["step"]) == line["generation"]:
-                shares.setdefault((line["step"], line["generation"]), []).append(
+            if line["kind"] == "batch" and kept.get(line["step"]) == generation_of(line):
+                shares.setdefault((line["step"], generation_of(line)), []).append(
                     line["indices"])
     epochs: dict[int, list[int]] = {}
     for step, generation in sorted(kept.items()):
         epoch, in_epoch = divmod(step, order.steps_per_epoch)
         used = [i for share in shares.get((step, generation), []) for i in share]
         if sorted(used) != sorted(order.batch(epoch, in_epoch)):
-            problems.append(f"step {step} (generation {generation}) trained on "
+            problems.append(f"step {step} ({_named(generation)}) trained on "
                             f"{len(used)} samples that are not exactly its batch")
         epochs.setdefault(epoch, []).extend(used)
     for epoch, used in epochs.items():
@@ -160,10 +182,10 @@ def _redone(records: dict[str, list[dict[str, Any]]]) -> list[str]:
     """Steps a generation trained again although some replica had committed a later step
     before it started. (The step in flight is exempt: a rank that died right after its
     own commit of it took that commit along, and the survivors run it again.)"""
-    commits = sorted((line["t"], line["step"], line["generation"])
+    commits = sorted((line["t"], line["step"], generation_of(line))
                      for lines in records.values() for line in lines
                      if line["kind"] == "commit")
-    started: dict[int, float] = {}
+    started: dict[GenerationKey, float] = {}
     for t, _, generation in commits:
         started.setdefault(generation, t)
     problems = []
@@ -172,7 +194,7 @@ def _redone(records: dict[str, list[dict[str, Any]]]) -> list[str]:
                      default=-1)
         again = sorted({step for _, step, g in commits if g == generation and step < before})
         if again:
-            problems.append(f"generation {generation} trained {len(again)} step(s) again "
+            problems.append(f"{_named(generation)} trained {len(again)} step(s) again "
                             f"that were committed before it started (first {again[:5]}, the "
                             f"job had reached step {before})")
     return problems

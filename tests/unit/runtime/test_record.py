@@ -110,3 +110,48 @@ def test_a_generation_that_starts_over_after_every_holder_of_the_state_died_is_n
     problems = record.verify(records, ORDER, 4)
     assert any("generation 1 trained 3 step(s) again" in p and "reached step 3" in p
                for p in problems), problems
+
+
+def admitted_again(at: int, steps: int, world: int = 2) -> dict[str, list[dict]]:
+    """A run preempted in step ``at`` (in flight: committed by one rank only) and admitted
+    again, its replicas ``r<rank>-0`` again in generation 0 again, restored after step
+    ``at - 1`` from memory; each line names its admission, as a Recorder writes it."""
+    first = run([world] * steps)
+    records: dict[str, list[dict]] = {}
+    for replica, lines in first.items():
+        kept = [x for x in lines if x["step"] < at
+                or (x["step"] == at and replica == "r0-0")]
+        again = [{**x, "admission": 2, "t": x.get("t", 0) + 50} for x in lines
+                 if x["step"] >= at]
+        restore = {"kind": "restore", "step": at, "generation": 0, "admission": 2}
+        records[replica] = [{**x, "admission": 1} for x in kept] + [restore] + again
+    return records
+
+
+def test_a_run_admitted_again_verifies_across_its_admissions() -> None:
+    """Both admissions number their generations from 0 and reuse the replica ids: the
+    step the first one had in flight is kept as the second one ran it."""
+    records = admitted_again(at=2, steps=4)
+    assert record.verify(records, ORDER, 4) == []
+    assert [(s.admission, s.generation) for s in record.timeline(records)] == [
+        (1, 0), (1, 0), (2, 0), (2, 0)]
+
+
+def test_a_sample_the_second_admission_trains_again_is_named() -> None:
+    records = admitted_again(at=2, steps=4)
+    records["r1-0"] = [x for x in records["r1-0"]
+                       if not (x["kind"] == "batch" and x["step"] == 3 and x["admission"] == 2)]
+    problems = record.verify(records, ORDER, 4)
+    assert any(p.startswith("step 3 (generation 0 of admission 2) trained on 2 samples")
+               for p in problems), problems
+
+
+def test_a_recorder_names_its_admission_on_every_line(tmp_path: Path) -> None:
+    recorder = record.Recorder(tmp_path, "r0-0", admission=2)
+    recorder.write(kind="commit", step=0, generation=0)
+    recorder.close()
+    plain = record.Recorder(tmp_path, "r1-0")
+    plain.write(kind="commit", step=0, generation=0)
+    plain.close()
+    lines = record.read(tmp_path)
+    assert lines["r0-0"][0]["admission"] == 2 and "admission" not in lines["r1-0"][0]
