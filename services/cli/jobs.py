@@ -140,7 +140,9 @@ def cmd_job(args: argparse.Namespace) -> int:
     row = record_row(record)
     replicas = record.spec.replicas
     row.update(min=replicas.min, max=replicas.max,
-               restart_policy=msgspec_to_builtins(record.spec.restart_policy))
+               restart_policy=msgspec_to_builtins(record.spec.restart_policy),
+               # 2 and up: requeued and admitted again (its history lists the earlier ones).
+               admission=record.admission or None)
     generations = [] if history is None else history_rows(history.generations)
     if generation is not None and not record.state.terminal:
         # The elasticity service's current membership: who trains now, from which step
