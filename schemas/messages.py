@@ -812,6 +812,8 @@ class Fault(Message, tag="phalanx.fault.v1", frozen=True):
     signal: str | None = None
     detail: str = ""
     application: bool = False  # the script failed by itself (see RestartPolicy)
+    #: The job's admission the rank was started for (JobRecord.admission; 0: not known).
+    admission: NonNegInt = 0
 
 
 class ExitCause(enum.StrEnum):
@@ -837,6 +839,8 @@ class RankStarted(Message, tag="phalanx.rank_started.v1", frozen=True):
     started_at: NonNegFloat
     replica_id: Ident | None = None
     from_spare: bool = False
+    #: The job's admission it was started for (JobRecord.admission; 0: not known).
+    admission: NonNegInt = 0
 
 
 class RankExited(Message, tag="phalanx.rank_exited.v1", frozen=True):
@@ -863,6 +867,8 @@ class RankExited(Message, tag="phalanx.rank_exited.v1", frozen=True):
     with_agent: bool = False
     #: Cause ``gpu_fault``: when the agent's health poll saw the fault (its wall clock).
     fault_seen_at: NonNegFloat | None = None
+    #: The job's admission it was started for (JobRecord.admission; 0: not known).
+    admission: NonNegInt = 0
 
     @property
     def failed(self) -> bool:

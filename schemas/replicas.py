@@ -5,6 +5,11 @@ the slot's next *incarnation* (``r<slot>-1``, ``r<slot>-2`` …). The node agent
 launches replicas by these names and refuses one older than the slot's last
 (:func:`phalanx.services.agent.core.launch_verdict`), so both sides must write and
 read the name the same way: they take it from here, not from each other. Pure.
+
+A job admitted again after a requeue names its replicas ``r<slot>-0`` again, so a
+replica id names one process only within one admission (``JobRecord.admission``): the
+ranks' events carry it, and health and elasticity drop an earlier admission's
+(:func:`another_admission`).
 """
 
 from __future__ import annotations
@@ -30,3 +35,10 @@ def replica_order(replica: str) -> tuple[int, int, str]:
     name after them, by name), as ``phalanx logs`` lists replicas."""
     match = _REPLICA.fullmatch(replica)
     return (int(match[1]), int(match[2]), "") if match else (1 << 62, 0, replica)
+
+
+def another_admission(current: int, seen: int) -> bool:
+    """Whether an event of the job's admission ``seen`` is of another admission than the
+    ``current`` one (0 on either side: not known, a sender older than the number or a
+    rank started by hand, taken as the current one)."""
+    return bool(current and seen and current != seen)

@@ -165,6 +165,7 @@ class Rank:
     from_spare: bool = False  # a warm spare handed its identity, not a new process
     fault: str = ""  # the GPU fault it was killed for (stop GPU_FAULT)
     fault_seen_at: float | None = None  # when the health poll saw that fault
+    admission: int = 0  # the job's admission it was started for (JobRecord.admission)
 
     @property
     def stopping(self) -> bool:
@@ -492,7 +493,8 @@ class RankSet:
         await self.report(RankStarted(job_id=record.job_id, rank=rank,
                                       world_size=len(placement), node_id=self.node_id,
                                       pid=process.pid, started_at=time.time(),
-                                      replica_id=replica_id, from_spare=from_spare))
+                                      replica_id=replica_id, from_spare=from_spare,
+                                      admission=record.admission))
         if spare is not None and self.spares is not None:
             self.spares.replenish(record.job_id)  # the spare taken is replaced, later
         return entry
@@ -507,7 +509,8 @@ class RankSet:
         self.ranks[(record.job_id, rank)] = Rank(
             record.job_id, rank, len(placement), placement, process.pid,
             start_ticks(process.pid), spec.grace_period_s, spec.slots_per_replica,
-            replica_id, process, node_slots=slots, from_spare=from_spare)
+            replica_id, process, node_slots=slots, from_spare=from_spare,
+            admission=record.admission)
         self._save()
 
     async def _start(self, record: JobRecord, rank: int, replica_id: str,
@@ -535,7 +538,8 @@ class RankSet:
                 await self.report(RankExited(
                     job_id=record.job_id, rank=rank, node_id=self.node_id, pid=1,
                     cause=ExitCause.LAUNCH_FAILED, exited_at=time.time(),
-                    replica_id=replica_id, detail=error[-DETAIL_CHARS:]))
+                    replica_id=replica_id, detail=error[-DETAIL_CHARS:],
+                    admission=record.admission))
                 return None
 
     # --- exits --------------------------------------------------------------------------
@@ -567,7 +571,7 @@ class RankSet:
         exited = RankExited(job_id=entry.job_id, rank=entry.rank, node_id=self.node_id,
                             pid=entry.pid, cause=cause, exited_at=time.time(),
                             exit_code=exit_code, signal=signame, replica_id=entry.replica_id,
-                            with_agent=entry.stop is StopReason.AGENT,
+                            with_agent=entry.stop is StopReason.AGENT, admission=entry.admission,
                             fault_seen_at=entry.fault_seen_at
                             if cause is ExitCause.GPU_FAULT else None)
         if exited.failed:  # its last output says why (an exception's traceback)
@@ -707,7 +711,7 @@ class RankSet:
         ranks = [{"job_id": r.job_id, "rank": r.rank, "world_size": r.world_size,
                   "placement": list(r.placement), "pid": r.pid, "ticks": r.ticks,
                   "grace_s": r.grace_s, "slots": r.slots, "replica_id": r.replica_id,
-                  "node_slots": list(r.node_slots)}
+                  "node_slots": list(r.node_slots), "admission": r.admission}
                  for r in self.ranks.values()]
         launched = [{"job_id": job, "slot": slot, "placement": list(placement),
                      "replica_id": replica}
@@ -732,7 +736,8 @@ class RankSet:
             entry = Rank(item["job_id"], item["rank"], item["world_size"],
                          tuple(item["placement"]), item["pid"], item["ticks"], item["grace_s"],
                          item["slots"], item.get("replica_id", first_replica(item["rank"])),
-                         node_slots=tuple(item.get("node_slots", ())))
+                         node_slots=tuple(item.get("node_slots", ())),
+                         admission=item.get("admission", 0))
             self.launched.setdefault((entry.job_id, entry.rank),
                                      (entry.placement, entry.replica_id))
             if entry.ticks is not None and start_ticks(entry.pid) == entry.ticks:

@@ -129,7 +129,7 @@ from phalanx.schemas.messages import (
     Member,
     StateSource,
 )
-from phalanx.schemas.replicas import replica_id
+from phalanx.schemas.replicas import another_admission, replica_id
 from phalanx.services.elasticity.history import within_budget
 
 # --- events --------------------------------------------------------------------------------
@@ -157,6 +157,7 @@ class MemberFailed:
     detail: str = ""
     replaceable: bool = True  # False when its node is gone
     event_id: str = ""
+    admission: int = 0  # the job's admission the replica was started for (0: not known)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -203,6 +204,7 @@ class MemberFinished:
     job_id: str
     replica_id: str
     event_id: str = ""
+    admission: int = 0  # the job's admission the replica was started for (0: not known)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -213,6 +215,7 @@ class ReplicaExited:
     replica_id: str
     detail: str = ""
     event_id: str = ""
+    admission: int = 0  # the job's admission the replica was started for (0: not known)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -399,9 +402,7 @@ class ElasticityCore:
                 if job is None and event.job_id not in self._ended:
                     self._keep_early(event, now)
                     return []
-                if job is not None and isinstance(
-                        event, ReplicaReadySeen | GenerationAppliedSeen | GenerationGivenUpSeen) \
-                        and _another_admission(job, event.admission):
+                if job is not None and _another_admission(job, event.admission):
                     return []  # an earlier admission's, read late: its replica ids recur
             case _:
                 raise TypeError(f"unknown event {event!r}")
@@ -853,8 +854,8 @@ def _launches(job: JobMembership) -> list[Decision]:
 
 def _another_admission(job: JobMembership, admission: int) -> bool:
     """Whether something of the job's ``admission`` belongs to another admission than the
-    membership ``job`` (0 on either side: not known, taken as the same)."""
-    return bool(admission and job.admission and admission != job.admission)
+    membership ``job``."""
+    return another_admission(job.admission, admission)
 
 
 def snapshot(job: JobMembership) -> bytes:

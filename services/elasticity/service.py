@@ -314,7 +314,8 @@ def _event(event: StreamEvent) -> core.Event | None:
             return core.MemberFailed(
                 fault.job_id, fault.replica_id,
                 f"{fault.kind.value}: {fault.detail}".rstrip(": "),
-                replaceable=fault.kind is not FaultKind.NODE_LOST, event_id=fault.fault_id)
+                replaceable=fault.kind is not FaultKind.NODE_LOST, event_id=fault.fault_id,
+                admission=fault.admission)
         case ReplicaReady() as msg:
             return core.ReplicaReadySeen(msg.job_id, msg.replica_id, msg.node_id, msg.slot,
                                          msg.endpoint, event_id=f"ready:{msg.replica_id}",
@@ -336,9 +337,11 @@ def _event(event: StreamEvent) -> core.Event | None:
                 return None
             if msg.exit_code == 0:
                 return core.MemberFinished(msg.job_id, msg.replica_id,
-                                           event_id=f"exited:{msg.replica_id}")
+                                           event_id=f"exited:{msg.replica_id}",
+                                           admission=msg.admission)
             how = f"signal {msg.signal}" if msg.signal else f"exit code {msg.exit_code}"
             return core.ReplicaExited(msg.job_id, msg.replica_id, f"{msg.cause.value}, {how}",
-                                      event_id=f"exited:{msg.replica_id}")
+                                      event_id=f"exited:{msg.replica_id}",
+                                      admission=msg.admission)
     return None
 

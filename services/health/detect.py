@@ -76,7 +76,7 @@ def hang(state: HealthState, rank: RankHealth, at: float) -> list[Decision]:
     detail = (f"rank {rank.rank} reported no progress for more than "
               f"{job.hang_timeout_s:g} s {after}")
     fault = RaiseFault(job.job_id, FaultKind.HANG, rank.node_id, rank.rank, detail,
-                       replica_id=rank.replica_id)
+                       replica_id=rank.replica_id, admission=job.admission)
     decisions = outcome.rank_failed(state, rank, Failure.INFRASTRUCTURE, at, fault)
     cordon.charge(state, rank.node_id, at, FaultKind.HANG, job)
     return decisions
@@ -95,7 +95,7 @@ def lose(state: HealthState, node: NodeHealth, at: float) -> list[Decision]:
             del rank.job.departing[rank.rank]  # its fault is all that is left to say
         fault = RaiseFault(rank.job.job_id, FaultKind.NODE_LOST, node.node_id, rank.rank,
                            f"rank {rank.rank}'s node {node.node_id} was lost: {why}",
-                           replica_id=rank.replica_id)
+                           replica_id=rank.replica_id, admission=rank.job.admission)
         decisions += outcome.rank_failed(state, rank, Failure.INFRASTRUCTURE, at, fault)
     cordon.charge(state, node.node_id, at, FaultKind.NODE_LOST, None)
     return decisions
@@ -187,7 +187,7 @@ def straggler(state: HealthState, rank: RankHealth, event: ProgressReported,
               f"over {policy.straggler_factor:g} x the median {median:.3g} s of the other "
               f"{len(others)} rank(s), for {rank.slow_reports} reports in a row")
     fault = RaiseFault(rank.job.job_id, FaultKind.STRAGGLER, rank.node_id, rank.rank, detail,
-                       replica_id=rank.replica_id)
+                       replica_id=rank.replica_id, admission=rank.job.admission)
     cordon.strike(state, rank.job.job_id, rank.node_id, now)
     cordon.charge(state, rank.node_id, now, FaultKind.STRAGGLER, rank.job)
     return [fault]

@@ -35,6 +35,7 @@ class JobWatched:
     hang_timeout_s: float
     slots: tuple[int, ...] = ()
     restart_policy: RestartPolicy = DEFAULT_RESTART_POLICY
+    admission: int = 0  # the record's (JobRecord.admission; 0: not known)
 
     def __post_init__(self) -> None:
         if not self.nodes:
@@ -63,6 +64,7 @@ class RankStartSeen:
     node_id: str
     pid: int
     replica_id: str | None = None
+    admission: int = 0  # the job's admission it was started for (0: not known)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,6 +84,7 @@ class RankExitSeen:
     replica_id: str | None = None
     detail: str = ""
     with_agent: bool = False
+    admission: int = 0  # the job's admission it was started for (0: not known)
 
     def __post_init__(self) -> None:
         if self.cause not in EXIT_CAUSES:
@@ -173,6 +176,7 @@ class RaiseFault:
     signal: str | None = None
     replica_id: str | None = None
     application: bool = False  # the script failed by itself
+    admission: int = 0  # the job's admission the rank was of (0: not known)
 
 
 @dataclasses.dataclass(frozen=True)

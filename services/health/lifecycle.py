@@ -12,6 +12,7 @@ blindness and cordons go to :mod:`.detect` and :mod:`.cordon`.
 from __future__ import annotations
 
 from phalanx.schemas.messages import FaultKind
+from phalanx.schemas.replicas import another_admission
 from phalanx.services.health import cordon, detect, outcome
 from phalanx.services.health.crash import crash_detail
 from phalanx.services.health.events import (
@@ -80,12 +81,15 @@ def watched(state: HealthState, event: JobWatched) -> None:
     """Watch a job's (new) placement; a new placement of the same admission keeps its
     spending, progress and running ranks of the slots it no longer holds (departing)."""
     old = state.jobs.get(event.job_id)
+    if old is not None and another_admission(old.admission, event.admission):
+        old = None  # admitted again, the requeue between unseen: nothing carries over
     slots = tuple(event.slots) or tuple(range(len(event.nodes)))
     if (old is not None and old.nodes == event.nodes and old.slots == slots
             and old.hang_timeout_s == event.hang_timeout_s
             and old.budget.policy == event.restart_policy):
         return  # a replay
-    job = JobHealth(event.job_id, tuple(event.nodes), event.hang_timeout_s, slots)
+    job = JobHealth(event.job_id, tuple(event.nodes), event.hang_timeout_s, slots,
+                    admission=event.admission)
     if old is not None:  # a new placement of the same admission: the spending goes on
         job.budget, job.completed, job.final_step = old.budget, old.completed, old.final_step
         job.track, job.progress_due = old.track, old.progress_due
@@ -105,7 +109,7 @@ def started(state: HealthState, event: RankStartSeen) -> None:
     """A placed rank started (again): judged afresh, in the job's current restart round."""
     job = state.jobs.get(event.job_id)
     old = None if job is None else job.ranks.get(event.rank)
-    if old is not None:
+    if old is not None and not another_admission(old.job.admission, event.admission):
         old.job.ranks[event.rank] = RankHealth(old.job, event.rank, event.node_id,
                                                event.replica_id,
                                                round=old.job.budget.round)
@@ -115,8 +119,9 @@ def started(state: HealthState, event: RankStartSeen) -> None:
 def exited(state: HealthState, event: RankExitSeen, now: float) -> list[Decision]:
     """A rank's process ended: a crash, the training's completion, or nothing to say."""
     rank = state.rank(event.job_id, event.rank)
-    if rank is None or rank.exit is not None or rank.node_id != event.node_id:
-        return []
+    if rank is None or rank.exit is not None or rank.node_id != event.node_id \
+            or another_admission(rank.job.admission, event.admission):
+        return []  # not a rank watched now (an earlier admission's too: its ids recur)
     if rank.replica_id is None:
         rank.replica_id = event.replica_id
     elif event.replica_id is not None and event.replica_id != rank.replica_id:
@@ -141,7 +146,7 @@ def exited(state: HealthState, event: RankExitSeen, now: float) -> list[Decision
     failure = classify_exit(event.cause, event.exit_code, event.signal)
     fault = RaiseFault(event.job_id, FaultKind.CRASH, event.node_id, event.rank,
                        crash_detail(event), event.exit_code, event.signal,
-                       rank.replica_id)
+                       rank.replica_id, admission=job.admission)
     decisions = outcome.rank_failed(state, rank, failure, now, fault)
     # The script's own failures are no node's, nor is its agent's orderly shutdown.
     if failure is Failure.INFRASTRUCTURE and not event.with_agent:

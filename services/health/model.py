@@ -105,6 +105,7 @@ class JobHealth:
     track: StepTrack = dataclasses.field(default_factory=StepTrack)
     progress_due: bool = False  # its progress changed since it was last taken
     progress_taken: float = -math.inf
+    admission: int = 0  # which admission of the job this is (JobRecord.admission)
 
     def progress(self, now: float) -> JobProgress:
         """The job's progress record at ``now``, as the shell stores it."""

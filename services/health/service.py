@@ -199,14 +199,14 @@ class HealthService(JobEventsLeader[HealthTerm]):
         occurred_at = None
         if isinstance(msg, RankStarted):
             happened: core.Event = core.RankStartSeen(
-                msg.job_id, msg.rank, msg.node_id, msg.pid, msg.replica_id)
+                msg.job_id, msg.rank, msg.node_id, msg.pid, msg.replica_id, msg.admission)
         elif isinstance(msg, GenerationApplied):
             happened = core.MemberApplied(msg.job_id, msg.replica_id, msg.committed_step)
         else:
             assert isinstance(msg, RankExited)
             happened = core.RankExitSeen(msg.job_id, msg.rank, msg.node_id, msg.exit_code,
                                        msg.signal, msg.cause.value, msg.replica_id,
-                                       msg.detail, msg.with_agent)
+                                       msg.detail, msg.with_agent, msg.admission)
             occurred_at = msg.exited_at
         await self._handle(term, happened, event.seq, occurred_at=occurred_at)
         term.handled = event.seq
@@ -283,7 +283,8 @@ class HealthService(JobEventsLeader[HealthTerm]):
             await self._handle(term, core.JobWatched(record.job_id, tuple(record.nodes),
                                                      record.spec.hang_timeout_s,
                                                      tuple(record.slots),
-                                                     record.spec.restart_policy))
+                                                     record.spec.restart_policy,
+                                                     record.admission))
         elif change.key in term.core.jobs:
             await self._handle(term, core.JobUnwatched(change.key))
             metrics.forget_job(change.key, metrics.JOB_STEP, metrics.JOB_STEP_RATE)
@@ -378,7 +379,8 @@ class HealthService(JobEventsLeader[HealthTerm]):
                                   detected_at=now, rank=decision.rank,
                                   exit_code=decision.exit_code, signal=decision.signal,
                                   detail=decision.detail, replica_id=decision.replica_id,
-                                  application=decision.application)
+                                  application=decision.application,
+                                  admission=decision.admission)
                     await self._raise(fault, occurred_at)
                     log.warning("fault", extra={"job": fault.job_id, "kind": fault.kind.value,
                                                 "rank": fault.rank, "node": fault.node_id,

@@ -228,7 +228,7 @@ async def test_restarted_agent_adopts_its_ranks_and_stops_them_when_the_job_ends
             "--work-dir", str(tmp_path / "agent"),
             stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL)
 
-    record = admitted(job_id, uid, SLEEPS)
+    record = msgspec_replace(admitted(job_id, uid, SLEEPS), admission=2)
     jobs = await TypedKV.open(bus.js, subjects.JOBS_BUCKET, JobRecord)
     await jobs.put(job_id, record)
     first = await agent()
@@ -248,6 +248,7 @@ async def test_restarted_agent_adopts_its_ranks_and_stops_them_when_the_job_ends
         ends = [await asyncio.wait_for(exited.get(), 30) for _ in range(2)]
         assert {e.pid for e in ends} == pids
         assert {e.cause for e in ends} == {ExitCause.STOPPED}
+        assert {e.admission for e in ends} == {2}  # kept in the manifest across the restart
         assert all(start_ticks(pid) is None for pid in pids)  # no orphan keeps a slot
     finally:
         for proc in (first, second):

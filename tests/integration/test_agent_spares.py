@@ -134,7 +134,7 @@ async def test_a_replacement_is_a_spare_which_is_replaced_and_stopped_with_its_j
         assert (reply.spare, reply.pid) == (True, spare), reply
         assert reply.detail == "started r1-1 in slot 1 from a warm spare"
         start = await asyncio.wait_for(started.get(), 10)
-        assert (start.replica_id, start.pid) == ("r1-1", spare)
+        assert (start.replica_id, start.pid, start.admission) == ("r1-1", spare, 3)
         # The spare is r1-1 now, in the slot r1-0 left (LOCAL_RANK 1), writing to its log.
         log_path = tmp_path / "agent" / "jobs" / job_id / "r1-1.log"
         await until(lambda: "I am r1-1 rank 1 local 1" in log_path.read_text())

@@ -17,6 +17,7 @@ from phalanx.services.elasticity.core import (
     MemberFailed,
     MemberFinished,
     PublishGeneration,
+    ReplicaExited,
     ReplicaReadySeen,
     Requeue,
     RetireReplica,
@@ -482,3 +483,19 @@ def test_events_that_name_no_admission_are_taken_as_the_current_ones() -> None:
     admitted(core, 3)
     out = core.handle(ready_of(0, "r0-0", 9000), 0.0) + core.handle(ready_of(0, "r1-0", 9001), 0.0)
     assert len(generations(out)) == 1
+
+
+def test_an_earlier_admissions_late_fault_and_exit_replace_nothing() -> None:
+    """The first admission's r0-0 was killed at the preemption; its fault and exit, read
+    after the second admission's record, are not the new r0-0's."""
+    core = ElasticityCore()
+    admitted(core, 2)
+    assert core.handle(MemberFailed("j", "r0-0", "crash: SIGKILL", admission=1), 0.0) == []
+    assert core.handle(ReplicaExited("j", "r0-0", "exited, signal SIGKILL", admission=1),
+                       0.0) == []
+    out = core.handle(ready_of(2, "r0-0", 8000), 1.0) + core.handle(ready_of(2, "r1-0", 8001), 1.0)
+    [g] = generations(out)
+    assert [m.replica_id for m in g.members] == ["r0-0", "r1-0"]
+    assert not [d for d in out if isinstance(d, LaunchReplacement)]
+    assert core.handle(MemberFinished("j", "r0-0", admission=1), 2.0) == []
+    assert not core.jobs["j"].complete

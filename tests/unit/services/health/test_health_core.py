@@ -1049,3 +1049,31 @@ def test_a_crash_after_the_training_completed_is_a_finish() -> None:
     assert run(core, T0 + 1, exited(0, 0)) == []
     assert run(core, T0 + 2, exited(1, None, signal="SIGABRT")) == [FinishJob("j", 9)]
     assert not core.nodes.get("n1") or not core.nodes["n1"].cordoned
+
+
+# --- admissions ------------------------------------------------------------------------------
+
+
+def test_an_earlier_admissions_late_exit_is_no_crash_of_the_new_one() -> None:
+    """A requeued job admitted again runs r<slot>-0 again: the first admission's exit of
+    r0-0, read after the second admission's record, is not the new r0-0's crash."""
+    core = HealthCore(HealthPolicy())
+    run(core, T0, JobWatched("j", ("n0", "n1"), 2.0, admission=2))
+    late = RankExitSeen("j", 0, "n0", None, "SIGKILL", "exited", "r0-0", admission=1)
+    assert run(core, T0 + 1, late) == []
+    assert run(core, T0 + 1, RankStartSeen("j", 0, "n0", 4242, "r0-0", admission=1)) == []
+    [fault] = [d for d in run(core, T0 + 2, RankExitSeen(
+        "j", 0, "n0", None, "SIGKILL", "exited", "r0-0", admission=2))
+        if isinstance(d, RaiseFault)]
+    assert fault.admission == 2  # elasticity tells it from the earlier admission's
+
+
+def test_a_record_of_another_admission_starts_the_restart_budget_afresh() -> None:
+    """Health that never saw the requeue between two admissions does not carry the first
+    one's restarts into the second."""
+    core = HealthCore(HealthPolicy())
+    run(core, T0, JobWatched("j", ("n0", "n1"), 2.0, admission=1))
+    run(core, T0 + 1, exited(0, 1))
+    assert core.state.jobs["j"].budget.restarts == 1
+    run(core, T0 + 2, JobWatched("j", ("n0", "n1"), 2.0, admission=2))
+    assert core.state.jobs["j"].budget.restarts == 0 and core.state.jobs["j"].admission == 2
