@@ -51,6 +51,7 @@ class WatchedJobState:
     final_step: int | None = None
     restart_round: int = 0
     stalled_step: int = 0  # the job's step when the latest round began
+    admission: int = 0  # which admission of the job it watched (JobRecord.admission)
 
 
 _ENCODER = msgspec.msgpack.Encoder()
@@ -66,7 +67,7 @@ def snapshot(job: JobHealth) -> bytes:
                            departing=r.rank not in job.ranks, round=r.round)
               for r in [*job.ranks.values(), *job.departing.values()]),
         budget.policy, budget.restarts, budget.app_failures, tuple(budget.stalled),
-        job.completed, job.final_step, budget.round, budget.step))
+        job.completed, job.final_step, budget.round, budget.step, job.admission))
 
 
 def restore(state: HealthState, data: bytes, now: float) -> str:
@@ -88,7 +89,8 @@ def restore(state: HealthState, data: bytes, now: float) -> str:
                                          collections.deque(stored.recent_restarts),
                                          stored.restart_round, stored.stalled_step,
                                          knows_step=False),
-                    completed=stored.completed, final_step=stored.final_step)
+                    completed=stored.completed, final_step=stored.final_step,
+                    admission=stored.admission)
     for kept in stored.ranks:
         into = job.departing if kept.departing else job.ranks
         into[kept.rank] = RankHealth(job, kept.rank, kept.node_id, kept.replica_id,

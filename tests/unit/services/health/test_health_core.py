@@ -1077,3 +1077,13 @@ def test_a_record_of_another_admission_starts_the_restart_budget_afresh() -> Non
     assert core.state.jobs["j"].budget.restarts == 1
     run(core, T0 + 2, JobWatched("j", ("n0", "n1"), 2.0, admission=2))
     assert core.state.jobs["j"].budget.restarts == 0 and core.state.jobs["j"].admission == 2
+
+
+def test_a_restored_watch_keeps_its_admission() -> None:
+    core = HealthCore(HealthPolicy())
+    run(core, T0, JobWatched("j", ("n0",), 2.0, admission=3))
+    other = HealthCore(HealthPolicy())
+    other.restore(snapshot(core.jobs["j"]), T0 + 1)
+    assert other.jobs["j"].admission == 3
+    late = RankExitSeen("j", 0, "n0", None, "SIGKILL", "exited", "r0-0", admission=2)
+    assert run(other, T0 + 2, late) == []  # still told from the earlier admission's
