@@ -143,8 +143,8 @@ def verify(records: dict[str, list[dict[str, Any]]], order: ElasticOrder,
     for replica, lines in records.items():
         expected, admission = None, None
         for line in lines:
-            if line.get("admission", 0) != admission:  # another process, the id reused
-                expected, admission = None, line.get("admission", 0)
+            if (admission_of := line.get("admission", 0)) != admission:
+                expected, admission = None, admission_of  # another process, the id reused
             if line["kind"] in ("adopt", "restore"):  # the step this replica now holds
                 expected = line["step"]
             elif line["kind"] == "commit":
@@ -160,9 +160,8 @@ def verify(records: dict[str, list[dict[str, Any]]], order: ElasticOrder,
     shares: dict[tuple[int, GenerationKey], list[list[int]]] = {}
     for lines in records.values():
         for line in lines:
-            if line["kind"] == "batch" and kept.get(line["step"]) == generation_of(line):
-                shares.setdefault((line["step"], generation_of(line)), []).append(
-                    line["indices"])
+            if line["kind"] == "batch" and kept.get(line["step"]) == (key := generation_of(line)):
+                shares.setdefault((line["step"], key), []).append(line["indices"])
     epochs: dict[int, list[int]] = {}
     for step, generation in sorted(kept.items()):
         epoch, in_epoch = divmod(step, order.steps_per_epoch)

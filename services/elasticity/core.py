@@ -379,7 +379,7 @@ class ElasticityCore:
         match event:
             case JobAdmitted():
                 job = self.jobs.get(event.job_id)
-                if job is not None and _another_admission(job, event.admission):
+                if job is not None and another_admission(job.admission, event.admission):
                     # Admitted again and this core never saw the requeue between: the
                     # earlier membership is over, whatever it was doing.
                     del self.jobs[event.job_id]
@@ -402,7 +402,7 @@ class ElasticityCore:
                 if job is None and event.job_id not in self._ended:
                     self._keep_early(event, now)
                     return []
-                if job is not None and _another_admission(job, event.admission):
+                if job is not None and another_admission(job.admission, event.admission):
                     return []  # an earlier admission's, read late: its replica ids recur
             case _:
                 raise TypeError(f"unknown event {event!r}")
@@ -850,12 +850,6 @@ def _launches(job: JobMembership) -> list[Decision]:
     warm = [dataclasses.replace(d, warm_only=True) for d in job.to_launch if not d.warm_only]
     job.to_launch = [d for d in job.to_launch if d.warm_only] + warm
     return list(warm)
-
-
-def _another_admission(job: JobMembership, admission: int) -> bool:
-    """Whether something of the job's ``admission`` belongs to another admission than the
-    membership ``job``."""
-    return another_admission(job.admission, admission)
 
 
 def snapshot(job: JobMembership) -> bytes:
