@@ -136,9 +136,9 @@ def heartbeat(state: HealthState, node_id: str, now: float) -> list[Decision]:
     if state.silent_since is not None:
         decisions.append(JudgementHeld(False, (
             f"{node_id} heard after {now - state.silent_since:.1f} s in which no node was: "
-            "every node and rank is judged again, with a full timeout from now")))
+            "every node and rank is judged again, the silence not held against any")))
         state.silent_since = None
-        resumed(state, now)
+        resumed(state, now, unheard_since=max(_heard(state).values(), default=now))
         decisions += due(state, now)  # the charges that fell due meanwhile
     if node.lost:
         assert node.last_heartbeat is not None
@@ -153,11 +153,18 @@ def heartbeat(state: HealthState, node_id: str, now: float) -> list[Decision]:
     return decisions
 
 
-def resumed(state: HealthState, now: float) -> None:
-    """The detector hears again at ``now``: every node and reporting rank gets a full
-    timeout from then."""
+def resumed(state: HealthState, now: float, unheard_since: float | None = None) -> None:
+    """The detector hears again at ``now``: every reporting rank gets a full timeout from
+    then, and every node too; or, after a mass silence (``unheard_since``: when the last
+    node was heard before it), only the span no node was heard in is held against no node.
+    A node silent before that span stays that long closer to its timeout: with a full
+    timeout each time, a dead node whose survivors' heartbeats came late at each of its
+    deadlines (a loaded machine) was never judged lost."""
     for node in state.nodes.values():
-        node.heard_from = now
+        if unheard_since is None:
+            node.heard_from = now
+        elif node.last_heartbeat is not None:
+            node.heard_from = max(node.last_heartbeat, node.heard_from) + now - unheard_since
         state.arm(node)
     for job in state.jobs.values():
         for rank in job.ranks.values():

@@ -448,10 +448,12 @@ class Model:
                         self.jobs[e.job_id].final = e.step
                     out += self.straggler(e.job_id, e.rank, r, now)
             case HeartbeatSeen():
-                if self.silent is not None:  # the silence ends: a full timeout for all
-                    self.silent = None
+                if self.silent is not None:  # the silence ends: a full timeout for the
+                    self.silent = None  # ranks, the span no node was heard in for the nodes
                     out.append(("JudgementHeld", None, False, None, None))
-                    self.heard = {n: max(t, now) for n, t in self.heard.items()}
+                    blind = now - max((t for n, t in self.heard.items() if n not in self.lost),
+                                      default=now)
+                    self.heard = {n: t + blind for n, t in self.heard.items()}
                     for job in self.jobs.values():
                         for r in job.ranks:
                             r.since = max(r.since, now)

@@ -970,6 +970,28 @@ def test_after_a_mass_silence_a_node_that_stays_silent_is_lost_a_timeout_later()
         (MarkNodeLost, "n2"), (RaiseFault, "n2")]
 
 
+def test_a_dead_node_is_lost_though_its_survivor_is_late_at_each_of_its_deadlines() -> None:
+    """On a loaded machine the one other node's heartbeats came late just as the dead
+    node's timeout ran out, again and again: with a full timeout for every node after
+    each held silence, the dead node was never judged lost. Only the span no node was
+    heard in is held against none."""
+    core = make(("n0", "n1"), hang=100.0, node_timeout_s=3.0)
+    run(core, T0, HeartbeatSeen("n0"), HeartbeatSeen("n1"))  # n0 dies after this
+    lost: list[Decision] = []
+    at = T0
+    for _ in range(5):  # n1 heard 1.4 s after, then 1.6 s unheard at n0's deadline
+        run(core, at + 1.4, HeartbeatSeen("n1"))
+        deadline = core.next_deadline()
+        assert deadline is not None
+        lost += tick(core, after(deadline))
+        if any(isinstance(d, MarkNodeLost) for d in lost):
+            break
+        at = deadline + 0.1
+        run(core, at, HeartbeatSeen("n1"))  # the silence ends
+    assert [(type(d), getattr(d, "node_id", None)) for d in lost
+            if not isinstance(d, JudgementHeld)] == [(MarkNodeLost, "n0"), (RaiseFault, "n0")]
+
+
 def test_a_node_silent_while_the_others_are_heard_is_lost_and_a_lone_node_too() -> None:
     core = make(("n0", "n1"), hang=100.0, node_timeout_s=2.0)
     run(core, T0, HeartbeatSeen("n0"), HeartbeatSeen("n1"))
