@@ -201,8 +201,8 @@ class ElasticSession:
             replacement at a lower CPU priority: :mod:`.priority`); None: unchanged.
         chaos_kill: where this process SIGKILLs itself (:class:`.chaos.Kill`): in a step or
             the first step of a generation, at its ``"boundary"`` (before the step),
-            ``"allreduce"`` (while its all-reduce runs) or ``"update"`` (in the optimizer
-            step: :mod:`.chaos`).
+            ``"allreduce"`` (in its all-reduce: no peer completes the step) or ``"update"``
+            (in the optimizer step: :mod:`.chaos`).
         chaos_pace: a slowed job (:class:`.chaos.Pace`): it waits before each step until
             released.
         state: name -> object with ``state_dict``/``load_state_dict`` (LR schedulers, an

@@ -127,7 +127,9 @@ class BucketedReduce:
         self.pending = [len(bucket) for bucket in plan]
         self.flats = list(buffers) if buffers is not None else self.buffers_for(params, plan)
         self.works: list[GroupWork] = []
-        self.on_first_launch: Callable[[], None] | None = None
+        #: Called as the last bucket's all-reduce would be launched, before it is (fault
+        #: injection: a rank dying there leaves every peer inside the step's collective).
+        self.before_last_launch: Callable[[], None] | None = None
 
     def gradient_ready(self, index: int) -> None:
         """The hook of parameter ``index`` fired: its gradient is final for this step."""
@@ -162,9 +164,9 @@ class BucketedReduce:
             if self.kept is not None:
                 part.add_(self.kept[self.offsets[i]:self.offsets[i + 1]])
             offset += p.numel()
+        if b == len(self.plan) - 1 and self.before_last_launch is not None:
+            self.before_last_launch()
         self.works.append(self.pg.allreduce([flat]))
-        if b == 0 and self.on_first_launch is not None:
-            self.on_first_launch()
 
     def finish(self, wait: Wait) -> torch.Tensor:
         """Start the remaining buckets and the tail, wait for all, make the gradients the

@@ -27,7 +27,6 @@ session, :class:`StepRunner` does, in the step's order:
 from __future__ import annotations
 
 import logging
-import threading
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
@@ -166,10 +165,9 @@ class StepRunner:
         assert pg is not None
 
         def run() -> torch.Tensor:
-            work = pg.allreduce([flat])
             if session.chaos_kill == (step.index, "allreduce"):
-                threading.Timer(0.005, session._chaos_kill).start()
-            session._wait(work)
+                session._chaos_kill()
+            session._wait(pg.allreduce([flat]))
             write_gradients(self.params(), flat)  # rounds float64 sums once
             return flat[-tail:]
 
@@ -193,7 +191,7 @@ class StepRunner:
         # threads may still write into them), so the next step allocates new ones.
         self._bucket_buffers = None
         if session.chaos_kill == (step.index, "allreduce"):
-            reduce.on_first_launch = lambda: threading.Timer(0.005, session._chaos_kill).start()
+            reduce.before_last_launch = session._chaos_kill
         return reduce
 
     # --- apply and commit ----------------------------------------------------------------
