@@ -17,8 +17,8 @@ times out while no other node was heard within half a timeout either is more lik
 the reader's fault (its server cut off from the agents, its heartbeat readers starved)
 or the network's than every node's at once; the Kubernetes node controller stops
 evicting a fully disrupted zone for the same reason. Admission and health then judge
-nothing until a node is heard again, and give the rest a full timeout from then; a
-lone node's silence is its own.
+nothing until a node is heard again, and then credit each node the span in which no
+node was heard; a lone node's silence is its own.
 
 Every reader of the registry (admission, the agent, checkpoint placement, ``phalanx
 nodes`` and ``top``) applies this one rule, so it lives in the contract they share.

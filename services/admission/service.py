@@ -32,8 +32,8 @@ restore longer than ``lost_after_s`` leaves no check judging entries it read
 before; and a time the leader's loop was held up (a long pass, with heartbeats
 waiting unread) counts as no node's silence. Nor does a mass silence
 (:func:`~phalanx.schemas.registry.mass_silence`: a node falls silent with every
-other node believed alive): no node is judged lost while it lasts, and once one is
-heard the others have a full ``lost_after_s`` from its last moment.
+other node believed alive): no judgement changes while it lasts, and once a node is
+heard the others are credited the span in which none was (:mod:`.node_watch`).
 """
 
 from __future__ import annotations
@@ -71,12 +71,12 @@ from phalanx.schemas.messages import (
     ScalingEvent,
     SubmitRequest,
 )
-from phalanx.schemas.registry import NodeState, mass_silence, view
 from phalanx.services import metrics
 from phalanx.services.admission import core, ledger
 from phalanx.services.admission.changes import Announce
 from phalanx.services.admission.config import AdmissionConfig
 from phalanx.services.admission.events import Event, NodeUpdated
+from phalanx.services.admission.node_watch import NodeWatch
 from phalanx.services.admission.store import LedgerStore
 from phalanx.services.leader import LeaderService
 
@@ -110,13 +110,12 @@ class AdmissionTerm:
     core: core.AdmissionCore
     events: asyncio.Queue[Event | _Tick]
     store: LedgerStore
+    watch: NodeWatch  # the nodes' silence as this term could hear it
     persisted: dict[str, tuple[JobState, ReasonCode, tuple[str, ...]]] = dataclasses.field(
         default_factory=dict)
     node_events: dict[str, NodeUpdated] = dataclasses.field(default_factory=dict)
     traces: dict[str, str] = dataclasses.field(default_factory=dict)  # JobRecord.trace by job
     serving: bool = False  # state rebuilt: requests may be answered
-    watching_since: float = 0.0  # nodes are judged on silence heard since then
-    silent_since: float | None = None  # a mass silence under way: since when
 
 
 class AdmissionService(LeaderService[AdmissionTerm]):
@@ -184,7 +183,8 @@ class AdmissionService(LeaderService[AdmissionTerm]):
 
     def begin_term(self) -> AdmissionTerm:
         return AdmissionTerm(core.AdmissionCore(self.config.policy), asyncio.Queue(),
-                    LedgerStore(self.leases.kv, subjects.ADMISSION_BUCKET))
+                    LedgerStore(self.leases.kv, subjects.ADMISSION_BUCKET),
+                    NodeWatch(self.config.lost_after_s))
 
     # --- leading ------------------------------------------------------------------------
 
@@ -200,7 +200,8 @@ class AdmissionService(LeaderService[AdmissionTerm]):
         nodes_followed: asyncio.Task[None] | None = None
         subscriptions = []
         try:
-            term.watching_since = now = time.time()  # a new leader has heard nobody yet
+            now = time.time()
+            term.watch.blind_until(now)  # a new leader has heard nobody yet
             async for change in node_changes:
                 if change is None:
                     break
@@ -494,41 +495,45 @@ class AdmissionService(LeaderService[AdmissionTerm]):
             self._capacity = None  # heartbeats leave it alone: only slots added or gone
         if record is None:
             self.node_records.pop(node_id, None)
+            term.watch.forget(node_id)
             if term.node_events.pop(node_id, None) is not None:
                 term.events.put_nowait(core.NodeRemoved(node_id, event_id="registry"))
             return
         self.node_records[node_id] = record
         self._node_seen(term, record, now)
 
-    def _watching_since(self, term: AdmissionTerm) -> float | None:
-        """Since when this term could have heard the nodes; None while disconnected."""
+    def _hearing(self, term: AdmissionTerm) -> bool:
+        """Whether this term can hear the nodes now (its bus connected); if so, its
+        watch is blind until one timeout after the connection: the agents need a moment
+        too (JetStream may refuse their first heartbeat writes while it recovers)."""
         assert self.bus is not None
         connected_since = self.bus.connected_since
         if connected_since is None:
-            return None
-        # After a reconnection the agents need a moment too (JetStream may refuse their
-        # first heartbeat writes while it recovers): one more timeout of grace.
-        return max(connected_since + self.config.lost_after_s, term.watching_since)
+            return False
+        term.watch.blind_until(connected_since + self.config.lost_after_s)
+        return True
+
+    def _believed_alive(self, term: AdmissionTerm) -> list[NodeRecord]:
+        return [r for r in self.node_records.values()
+                if (seen := term.node_events.get(r.node.node_id)) is not None and seen.alive]
 
     def _node_seen(self, term: AdmissionTerm, record: NodeRecord, now: float) -> None:
-        since = self._watching_since(term)
-        if since is None:
+        if not self._hearing(term):
             return  # blind while disconnected: the nodes' silence proves nothing
         node = record.node
-        if term.silent_since is not None and record.heartbeat_at > term.silent_since:
+        held = term.watch.heard(record, self._believed_alive(term), now)
+        if held is not None:
             log.warning("mass silence ended: %s heard again after %.1f s; the other nodes "
-                        "have %g s from then", node.node_id, now - term.silent_since,
-                        self.config.lost_after_s)
-            term.silent_since = None
+                        "are credited the span in which none was heard", node.node_id, held)
             metrics.MASS_SILENCE.labels("admission").set(0)
-        alive = view(record, now, self.config.lost_after_s,
-                     watching_since=since).state is NodeState.ALIVE
+        seen = term.node_events.get(node.node_id)
+        alive = term.watch.alive(record, now, None if seen is None else seen.alive)
         # A cordoned slot (its GPU failed) is no slot: placements leave it out, and a node
         # that holds more than its usable slots now gives back its newest gangs.
         event = core.NodeUpdated(node.node_id, record.usable_slots, node.failure_domain,
                                  dict(node.labels), alive=alive, cordoned=record.cordoned,
                                  event_id="registry")
-        if term.node_events.get(node.node_id) != event:
+        if seen != event:
             term.node_events[node.node_id] = event
             term.events.put_nowait(event)
 
@@ -543,8 +548,7 @@ class AdmissionService(LeaderService[AdmissionTerm]):
                 # The loop heard nothing while it was held up (a long pass): the heartbeats
                 # of that time wait unread, so it is no node's silence. A node is judged
                 # lost once it has been silent for lost_after_s of time this term heard.
-                term.watching_since = max(term.watching_since,
-                                          now - self.config.lost_after_s + held_up)
+                term.watch.blind_until(now - self.config.lost_after_s + held_up)
             self._hold_a_mass_silence(term, now)
             for record in list(self.node_records.values()):
                 self._node_seen(term, record, now)
@@ -553,22 +557,13 @@ class AdmissionService(LeaderService[AdmissionTerm]):
     def _hold_a_mass_silence(self, term: AdmissionTerm, now: float) -> None:
         """A node believed alive falls silent with every other such node: judge none lost
         (every job would be requeued at once, more likely for this leader's or the
-        network's fault than every node's), and count their silence from now."""
-        since = self._watching_since(term)
-        if since is None:
-            return
-        heard = {r.node.node_id: max(r.heartbeat_at, since)
-                 for r in self.node_records.values()
-                 if (seen := term.node_events.get(r.node.node_id)) is not None and seen.alive}
-        falling = [n for n, at in heard.items() if now - at > self.config.lost_after_s]
-        if not falling or not mass_silence(heard.values(), now, self.config.lost_after_s):
-            return
-        term.watching_since = now
-        if term.silent_since is None:
-            term.silent_since = now
+        network's fault than every node's) until one is heard again."""
+        believed_alive = self._believed_alive(term)
+        if self._hearing(term) and term.watch.hold(believed_alive, now):
             metrics.MASS_SILENCE.labels("admission").set(1)
             log.warning("mass silence: every node (%s) fell silent at once; no node is "
-                        "judged lost until one is heard again", ", ".join(sorted(heard)))
+                        "judged lost until one is heard again",
+                        ", ".join(sorted(r.node.node_id for r in believed_alive)))
 
     # --- requests (leader side) ---------------------------------------------------------
 

@@ -1,0 +1,96 @@
+"""Which nodes admission's leader judges alive: the registry's rule, applied only to
+the silence this leader could have heard.
+
+The registry's rule (:func:`phalanx.schemas.registry.view`) judges a node lost after
+``lost_after_s`` of silence since the reader began watching. A leader cannot hear
+before its term begins, while its bus connection is down (and for one timeout after
+it, while the agents' first writes may be refused), or while its event loop is held
+up. Each of these blinds it to every node alike (:meth:`NodeWatch.blind_until`).
+
+It cannot tell either during a *mass silence* (:func:`~phalanx.schemas.registry.mass_silence`):
+a node times out while no other node has been heard for half a timeout. That is more
+likely the leader's fault or the network's than every node's, so no judgement
+changes until some node is heard again. Then each node the leader believed alive is
+credited the span in which no node was heard, and nothing more, as health's detector
+does (:func:`phalanx.services.health.detect.resumed`). A node that was already silent
+before that span stays that much nearer its timeout. With a full timeout from the end
+instead, a dead node's requeue was put off at each of its deadlines where its
+survivors' heartbeats happened to arrive late.
+
+Pure: the caller passes the records and the time, and keeps what each node was last
+judged.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable
+
+from phalanx.schemas.messages import NodeRecord
+from phalanx.schemas.registry import NodeState, mass_silence, view
+
+
+@dataclasses.dataclass
+class NodeWatch:
+    """One leader's judgement of the nodes' silence (see the module)."""
+
+    lost_after_s: float
+    #: Silence before this proves nothing about any node.
+    watching_since: float = float("-inf")
+    #: Per node: silence before this proves nothing (the credit of a mass silence).
+    credited: dict[str, float] = dataclasses.field(default_factory=dict)
+    #: A mass silence under way: since when.
+    silent_since: float | None = None
+    #: When a node was last heard before the mass silence under way.
+    unheard_since: float = float("-inf")
+
+    def blind_until(self, at: float) -> None:
+        """Nothing before ``at`` could have been heard."""
+        self.watching_since = max(self.watching_since, at)
+
+    def judged_from(self, node_id: str) -> float:
+        """The time from which ``node_id``'s silence counts against it (at the latest
+        heartbeat; this one if later)."""
+        return max(self.watching_since, self.credited.get(node_id, float("-inf")))
+
+    def alive(self, record: NodeRecord, now: float, was_alive: bool | None) -> bool:
+        """Whether ``record``'s node is alive at ``now``. During a mass silence a node
+        keeps the judgement it had (``was_alive``; None: it has none yet)."""
+        if self.silent_since is not None and was_alive is not None:
+            return was_alive
+        since = self.judged_from(record.node.node_id)
+        return view(record, now, self.lost_after_s, watching_since=since).state \
+            is NodeState.ALIVE
+
+    def hold(self, believed_alive: Iterable[NodeRecord], now: float) -> bool:
+        """Whether a mass silence begins at ``now``, among the nodes believed alive."""
+        if self.silent_since is not None:
+            return False
+        heard = [max(r.heartbeat_at, self.judged_from(r.node.node_id)) for r in believed_alive]
+        falling = any(now - at > self.lost_after_s for at in heard)
+        if not falling or not mass_silence(heard, now, self.lost_after_s):
+            return False
+        self.silent_since = now
+        self.unheard_since = max(heard)
+        return True
+
+    def heard(self, record: NodeRecord, believed_alive: Iterable[NodeRecord],
+              now: float) -> float | None:
+        """``record`` was read at ``now``. If its heartbeat ends a mass silence, credit
+        each other node in ``believed_alive`` the span in which no node was heard, and
+        return how long the silence was held; otherwise None."""
+        if self.silent_since is None or record.heartbeat_at <= self.silent_since:
+            return None
+        span = now - self.unheard_since
+        for other in believed_alive:
+            node_id = other.node.node_id
+            if node_id != record.node.node_id:
+                # Never past now: a late heartbeat read during the silence shortens it.
+                self.credited[node_id] = min(
+                    now, max(other.heartbeat_at, self.judged_from(node_id)) + span)
+        held, self.silent_since = now - self.silent_since, None
+        return held
+
+    def forget(self, node_id: str) -> None:
+        """``node_id`` left the registry."""
+        self.credited.pop(node_id, None)
