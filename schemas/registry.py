@@ -20,6 +20,11 @@ evicting a fully disrupted zone for the same reason. Admission and health then j
 nothing until a node is heard again, and then credit each node the span in which no
 node was heard; a lone node's silence is its own.
 
+A reader that follows the registry passes ``heard_at``, when it read each heartbeat by
+its own clock, as the Kubernetes node controller times a node's lease by when it saw
+it renewed: then an agent's clock may be off by any amount. A one-off reader has only
+the agent's stamp, good while the clocks agree.
+
 Every reader of the registry (admission, the agent, checkpoint placement, ``phalanx
 nodes`` and ``top``) applies this one rule, so it lives in the contract they share.
 """
@@ -65,10 +70,13 @@ class NodeView:
 
 
 def view(record: NodeRecord, now: float, lost_after_s: float = DEFAULT_LOST_AFTER_S, *,
-         watching_since: float = float("-inf")) -> NodeView:
-    """How ``record`` looks at time ``now`` to a reader watching since ``watching_since``."""
-    age = max(0.0, now - record.heartbeat_at)
-    silence = now - max(record.heartbeat_at, watching_since)
+         watching_since: float = float("-inf"), heard_at: float | None = None) -> NodeView:
+    """How ``record`` looks at time ``now`` to a reader watching since ``watching_since``
+    that read its heartbeat at ``heard_at`` by its own clock (None: the agent's stamp,
+    which holds only while the two clocks agree)."""
+    heard = record.heartbeat_at if heard_at is None else heard_at
+    age = max(0.0, now - heard)
+    silence = now - max(heard, watching_since)
     node = record.node
     return NodeView(
         node_id=node.node_id, host=node.host,

@@ -1,5 +1,11 @@
-"""Which nodes admission's leader judges alive: the registry's rule, applied only to
-the silence this leader could have heard.
+"""Which nodes admission's leader judges alive: the registry's rule, applied to the
+heartbeats as this leader heard them, and only to the silence it could have heard.
+
+A heartbeat is timed by when the leader first read it, by its own clock, not by the
+agent's stamp (the Kubernetes node controller times a node's lease the same way): an
+agent whose clock is off by any amount is judged as one whose clock agrees. A record
+rewritten without a new heartbeat (a cordon, a resync after a reconnection) times
+nothing.
 
 The registry's rule (:func:`phalanx.schemas.registry.view`) judges a node lost after
 ``lost_after_s`` of silence since the reader began watching. A leader cannot hear
@@ -17,8 +23,8 @@ before that span stays that much nearer its timeout. With a full timeout from th
 instead, a dead node's requeue was put off at each of its deadlines where its
 survivors' heartbeats happened to arrive late.
 
-Pure: the caller passes the records and the time, and keeps what each node was last
-judged.
+Pure: the caller passes each record it reads and the time, and keeps what it last
+judged each node.
 """
 
 from __future__ import annotations
@@ -30,6 +36,14 @@ from phalanx.schemas.messages import NodeRecord
 from phalanx.schemas.registry import NodeState, mass_silence, view
 
 
+@dataclasses.dataclass(frozen=True)
+class Heard:
+    """A node's newest heartbeat: its agent's stamp, and when this watch read it."""
+
+    stamp: float
+    at: float
+
+
 @dataclasses.dataclass
 class NodeWatch:
     """One leader's judgement of the nodes' silence (see the module)."""
@@ -37,6 +51,8 @@ class NodeWatch:
     lost_after_s: float
     #: Silence before this proves nothing about any node.
     watching_since: float = float("-inf")
+    #: Per node: its newest heartbeat, as read.
+    heard: dict[str, Heard] = dataclasses.field(default_factory=dict)
     #: Per node: silence before this proves nothing (the credit of a mass silence).
     credited: dict[str, float] = dataclasses.field(default_factory=dict)
     #: A mass silence under way: since when.
@@ -49,24 +65,45 @@ class NodeWatch:
         self.watching_since = max(self.watching_since, at)
 
     def judged_from(self, node_id: str) -> float:
-        """The time from which ``node_id``'s silence counts against it (at the latest
-        heartbeat; this one if later)."""
+        """The time from which ``node_id``'s silence counts against it (at its latest
+        heartbeat; that one if later)."""
         return max(self.watching_since, self.credited.get(node_id, float("-inf")))
 
+    def read(self, record: NodeRecord, believed_alive: Iterable[NodeRecord],
+             now: float) -> float | None:
+        """``record`` was read at ``now``. If it holds a new heartbeat that ends a mass
+        silence, credit each other node in ``believed_alive`` the span in which no node
+        was heard, and return how long the silence was held; otherwise None."""
+        node_id = record.node.node_id
+        known = self.heard.get(node_id)
+        if known is not None and known.stamp == record.heartbeat_at:
+            return None  # rewritten, not a heartbeat
+        self.heard[node_id] = Heard(record.heartbeat_at, now)
+        if self.silent_since is None:
+            return None
+        span = now - self.unheard_since
+        for other in believed_alive:
+            other_id = other.node.node_id
+            if other_id != node_id:
+                self.credited[other_id] = self._heard_or_judged(other_id) + span
+        held, self.silent_since = now - self.silent_since, None
+        return held
+
     def alive(self, record: NodeRecord, now: float, was_alive: bool | None) -> bool:
-        """Whether ``record``'s node is alive at ``now``. During a mass silence a node
-        keeps the judgement it had (``was_alive``; None: it has none yet)."""
+        """Whether ``record``'s node, read before, is alive at ``now``. During a mass
+        silence a node keeps the judgement it had (``was_alive``; None: it has none
+        yet)."""
         if self.silent_since is not None and was_alive is not None:
             return was_alive
-        since = self.judged_from(record.node.node_id)
-        return view(record, now, self.lost_after_s, watching_since=since).state \
-            is NodeState.ALIVE
+        node_id = record.node.node_id
+        return view(record, now, self.lost_after_s, watching_since=self.judged_from(node_id),
+                    heard_at=self.heard[node_id].at).state is NodeState.ALIVE
 
     def hold(self, believed_alive: Iterable[NodeRecord], now: float) -> bool:
         """Whether a mass silence begins at ``now``, among the nodes believed alive."""
         if self.silent_since is not None:
             return False
-        heard = [max(r.heartbeat_at, self.judged_from(r.node.node_id)) for r in believed_alive]
+        heard = [self._heard_or_judged(r.node.node_id) for r in believed_alive]
         falling = any(now - at > self.lost_after_s for at in heard)
         if not falling or not mass_silence(heard, now, self.lost_after_s):
             return False
@@ -74,23 +111,10 @@ class NodeWatch:
         self.unheard_since = max(heard)
         return True
 
-    def heard(self, record: NodeRecord, believed_alive: Iterable[NodeRecord],
-              now: float) -> float | None:
-        """``record`` was read at ``now``. If its heartbeat ends a mass silence, credit
-        each other node in ``believed_alive`` the span in which no node was heard, and
-        return how long the silence was held; otherwise None."""
-        if self.silent_since is None or record.heartbeat_at <= self.silent_since:
-            return None
-        span = now - self.unheard_since
-        for other in believed_alive:
-            node_id = other.node.node_id
-            if node_id != record.node.node_id:
-                # Never past now: a late heartbeat read during the silence shortens it.
-                self.credited[node_id] = min(
-                    now, max(other.heartbeat_at, self.judged_from(node_id)) + span)
-        held, self.silent_since = now - self.silent_since, None
-        return held
-
     def forget(self, node_id: str) -> None:
         """``node_id`` left the registry."""
+        self.heard.pop(node_id, None)
         self.credited.pop(node_id, None)
+
+    def _heard_or_judged(self, node_id: str) -> float:
+        return max(self.heard[node_id].at, self.judged_from(node_id))

@@ -23,7 +23,8 @@ ledger is admitted, a terminal record (cancelled, failed, finished) is final,
 everything else is pending. A ledger write whose compare-and-swap fails means
 another instance wrote it: this one steps down rather than guess.
 
-A node is judged lost only on silence the leader could have heard: nothing
+A node is judged lost only on silence the leader could have heard, timed by when
+it read each heartbeat (agents' clocks need not agree with its own): nothing
 while its bus is disconnected, a fresh ``lost_after_s`` for every node from
 its term's first read of the registry and one more after a reconnection (the
 registry rule's ``watching_since``), so a bus outage never requeues a job. The
@@ -500,6 +501,11 @@ class AdmissionService(LeaderService[AdmissionTerm]):
                 term.events.put_nowait(core.NodeRemoved(node_id, event_id="registry"))
             return
         self.node_records[node_id] = record
+        held = term.watch.read(record, self._believed_alive(term), now)
+        if held is not None:
+            log.warning("mass silence ended: %s heard again after %.1f s; the other nodes "
+                        "are credited the span in which none was heard", node_id, held)
+            metrics.MASS_SILENCE.labels("admission").set(0)
         self._node_seen(term, record, now)
 
     def _hearing(self, term: AdmissionTerm) -> bool:
@@ -521,11 +527,6 @@ class AdmissionService(LeaderService[AdmissionTerm]):
         if not self._hearing(term):
             return  # blind while disconnected: the nodes' silence proves nothing
         node = record.node
-        held = term.watch.heard(record, self._believed_alive(term), now)
-        if held is not None:
-            log.warning("mass silence ended: %s heard again after %.1f s; the other nodes "
-                        "are credited the span in which none was heard", node.node_id, held)
-            metrics.MASS_SILENCE.labels("admission").set(0)
         seen = term.node_events.get(node.node_id)
         alive = term.watch.alive(record, now, None if seen is None else seen.alive)
         # A cordoned slot (its GPU failed) is no slot: placements leave it out, and a node

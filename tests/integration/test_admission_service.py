@@ -383,18 +383,22 @@ async def _spawn_admission(url: str, instance: str, logs: Path) -> asyncio.subpr
 
 
 async def heartbeat_nodes(bus: Bus, nodes: list[NodeInfo], stop: asyncio.Event,
-                          registered: asyncio.Event, silent: set[str] = frozenset()) -> None:
+                          registered: asyncio.Event, silent: set[str] = frozenset(),
+                          clock_off: dict[str, float] | None = None) -> None:
     """Keep registry entries for ``nodes`` fresh (every 0.5 s), as their agents would: the
     big burst needs thousands of slots, and admission reads only the registry. Sets
     ``registered`` once every node has its entry. Nodes in ``silent`` (the caller may
-    change it) send nothing meanwhile."""
+    change it) send nothing meanwhile. A node in ``clock_off`` stamps its heartbeats by
+    a clock that many seconds off."""
+    clock_off = clock_off or {}
     registry = await TypedKV.open(bus.js, subjects.NODES_BUCKET, NodeRecord)
     seq = 0
     while not stop.is_set():
         seq += 1
         now = time.time()
         await asyncio.gather(*(registry.put(node.node_id, NodeRecord(
-            node=node, heartbeat_seq=seq, heartbeat_at=now)) for node in nodes
+            node=node, heartbeat_seq=seq,
+            heartbeat_at=now + clock_off.get(node.node_id, 0.0))) for node in nodes
             if node.node_id not in silent))
         registered.set()
         with contextlib.suppress(TimeoutError):
@@ -756,6 +760,37 @@ async def test_every_node_silent_at_once_requeues_nothing_and_one_left_silent_is
         silent.update(n.node_id for n in TWO_NODES)
         await asyncio.sleep(2 * SHORT_LOST_AFTER_S)
         silent.discard("node-0")
+        on_node_1 = [job_id for job_id, r in admitted.items() if r.nodes == ["node-1"]]
+        assert len(on_node_1) == 2
+        for job_id in on_node_1:
+            requeued = await wait_state(client_bus, job_id, JobState.PENDING)
+            assert requeued.reason_code is ReasonCode.NODE_LOST
+    finally:
+        watching.cancel()
+        await leader.stop()
+        stop.set()
+        await beats
+
+
+async def test_nodes_whose_clocks_are_off_are_judged_by_when_their_heartbeats_arrive(
+        config: BusConfig, client_bus: Bus) -> None:
+    # An agent's clock a minute behind made every heartbeat of its look a minute old:
+    # its node was lost at once, and stayed lost while it beat.
+    leader = short_timeout_leader(config, "clocks")
+    silent: set[str] = set()
+    stop, registered = asyncio.Event(), asyncio.Event()
+    beats = asyncio.create_task(heartbeat_nodes(
+        client_bus, TWO_NODES, stop, registered, silent,
+        clock_off={"node-0": -60.0, "node-1": 45.0}))
+    await registered.wait()
+    await leader.start()
+    seen, watching = await record_jobs(client_bus)
+    try:
+        ids = await admit_one_slot_jobs(client_bus, "clocks", 4)
+        await asyncio.sleep(3 * SHORT_LOST_AFTER_S)
+        admitted = stayed_admitted(leader, seen, ids)
+        # node-1's clock runs ahead: its silence still counts from its last arrival.
+        silent.add("node-1")
         on_node_1 = [job_id for job_id, r in admitted.items() if r.nodes == ["node-1"]]
         assert len(on_node_1) == 2
         for job_id in on_node_1:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import msgspec
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -35,7 +36,7 @@ class Leader:
 
     def read(self, node_id: str, heartbeat_at: float, now: float) -> None:
         self.records[node_id] = record(node_id, heartbeat_at)
-        self.watch.heard(self.records[node_id], self.believed_alive(), now)
+        self.watch.read(self.records[node_id], self.believed_alive(), now)
         self._judge(node_id, now)
 
     def tick(self, now: float) -> None:
@@ -89,7 +90,7 @@ def test_no_judgement_changes_in_a_mass_silence_and_its_span_is_credited() -> No
              "b": [0.0, 1.0, 2.0, 3.0, 4.0, *(float(t) for t in range(12, 21))], "c": [0.0]}
     lost = run(leader, 20.0, beats)
     assert leader.held == [7.1]  # a and b both past the timeout at once
-    assert lost["c"] == 3.1
+    assert lost["c"] == 3.2  # its one heartbeat was read at the first tick, 0.1
     # a is credited the unheard span (4.0 to 12.0): lost 3 s of heard silence after 4.0
     assert lost["a"] == 15.1
     assert "b" not in lost
@@ -121,24 +122,54 @@ def test_a_dead_nodes_requeue_is_not_put_off_by_a_survivor_late_at_each_deadline
     assert lost_at is not None and lost_at < 10.0, lost_at
 
 
-def test_a_late_heartbeat_read_in_the_silence_never_credits_past_now() -> None:
+def test_heartbeats_are_timed_as_read_whatever_the_agents_clock_says() -> None:
+    """a's clock runs 60 s behind, c's 60 s ahead: each is alive while its heartbeats
+    arrive, and lost a timeout after the last one arrived."""
+    leader = Leader()
+    for t in range(8):
+        leader.read("a", t - 60.0, float(t))
+        leader.read("b", float(t), float(t))
+        if t < 4:
+            leader.read("c", t + 60.0, float(t))
+        leader.tick(t + 0.5)
+        assert leader.judged["a"] and leader.judged["b"]
+    assert leader.judged["c"] is False  # last read at 3.0, lost past 6.0
+    assert leader.watch.heard["a"].at == 7.0
+
+
+def test_a_record_rewritten_without_a_heartbeat_times_nothing() -> None:
+    leader = Leader()
+    leader.read("a", 0.0, 0.0)
+    leader.read("b", 0.0, 0.0)
+    for t in (1.0, 2.0, 3.0, 4.0):
+        leader.read("b", t, t)
+        leader.records["a"] = msgspec.structs.replace(leader.records["a"], cordoned=True)
+        leader.watch.read(leader.records["a"], leader.believed_alive(), t)  # a cordon
+        leader.tick(t)
+    assert leader.judged == {"a": False, "b": True}
+
+
+def test_a_heartbeat_read_late_still_ends_a_mass_silence() -> None:
     watch = NodeWatch(LOST_AFTER)
     a, b = record("a", 0.0), record("b", 0.0)
+    watch.read(a, [], 0.0)
+    watch.read(b, [a], 0.0)
     assert watch.hold([a, b], 3.5)
-    late_b = record("b", 2.0)  # written before the silence began, read in it
-    assert watch.heard(late_b, [a, late_b], 4.0) is None
-    assert watch.heard(record("a", 9.0), [record("a", 0.0), late_b], 9.0) == 5.5
-    assert watch.judged_from("b") <= 9.0
+    assert watch.read(record("b", 2.0), [a, b], 4.0) == 0.5  # written before, heard now
+    assert watch.judged_from("a") == 4.0  # credited the 4 s in which no node was heard
 
 
 def test_a_node_that_left_keeps_no_credit() -> None:
     watch = NodeWatch(LOST_AFTER)
     a, b = record("a", 0.0), record("b", 0.0)
+    watch.read(a, [], 0.0)
+    watch.read(b, [a], 0.0)
     assert watch.hold([a, b], 3.5)
-    watch.heard(record("a", 5.0), [a, b], 5.0)
+    watch.read(record("a", 5.0), [a, b], 5.0)
     assert watch.judged_from("b") == 5.0
     watch.forget("b")
     assert watch.judged_from("b") == float("-inf")
+    assert "b" not in watch.heard
 
 
 # --- properties over arbitrary heartbeat schedules --------------------------------------
@@ -148,15 +179,17 @@ NODES = ("a", "b", "c")
 
 @st.composite
 def schedules(draw: st.DrawFn) -> dict[str, list[tuple[float, float]]]:
-    """Per node: its heartbeats as (written at, read at), each read at most 2 s late."""
+    """Per node: its heartbeats as (its agent's stamp, read at), each read at most 2 s
+    late, each agent's clock off by up to a minute either way."""
     beats: dict[str, list[tuple[float, float]]] = {}
     for node_id in NODES[:draw(st.integers(1, 3))]:
         gaps = draw(st.lists(st.sampled_from([0.5, 1.0, 1.0, 1.7, 2.5, 4.0, 9.0]),
                              min_size=1, max_size=20))
+        skew = draw(st.sampled_from([0.0, 0.0, -60.0, 45.5]))
         at, beats[node_id] = 0.0, []
         for gap in gaps:
             lag = draw(st.sampled_from([0.0, 0.0, 0.3, 1.2, 2.0]))
-            beats[node_id].append((at, round(at + lag, 6)))
+            beats[node_id].append((at + skew, round(at + lag, 6)))
             at = round(at + gap, 6)
     return beats
 
@@ -167,31 +200,31 @@ def test_judgements_follow_only_the_silence_that_could_be_heard(
         beats: dict[str, list[tuple[float, float]]], blind: float) -> None:
     leader = Leader()
     leader.watch.blind_until(blind)
-    reads = sorted((read, written, node_id)
-                   for node_id, times in beats.items() for written, read in times)
+    reads = sorted((read, stamp, node_id)
+                   for node_id, times in beats.items() for stamp, read in times)
     end = max(read for read, _, _ in reads) + 2 * LOST_AFTER
     never_held, now = True, 0.0
     while now < end:
         now = round(now + TICK, 6)
         read_now = set()
         while reads and reads[0][0] <= now:
-            _, written, node_id = reads.pop(0)
+            _, stamp, node_id = reads.pop(0)
             newest = leader.records.get(node_id)
-            if newest is None or written > newest.heartbeat_at:
-                leader.read(node_id, written, now)
+            if newest is None or stamp > newest.heartbeat_at:
+                leader.read(node_id, stamp, now)
             read_now.add(node_id)
         before = dict(leader.judged)
         silent = leader.watch.silent_since is not None
         leader.tick(now)
         never_held &= not leader.held
         for node_id, alive in leader.judged.items():
-            heartbeat_at = leader.records[node_id].heartbeat_at
+            heard = leader.watch.heard[node_id].at  # by the leader's clock, not the agent's
             if before.get(node_id) is False and alive:
                 # Only a node's own heartbeat brings it back: no credit revives the lost.
                 assert node_id in read_now
             if silent and leader.watch.silent_since is not None and node_id in before:
                 assert alive == before[node_id]  # nothing judged in a mass silence
-            if leader.watch.silent_since is None and now - heartbeat_at <= LOST_AFTER:
+            if leader.watch.silent_since is None and now - heard <= LOST_AFTER:
                 assert alive  # heard within the timeout
-            if never_held and now - max(heartbeat_at, blind) > LOST_AFTER + 1e-9:
+            if never_held and now - max(heard, blind) > LOST_AFTER + 1e-9:
                 assert not alive  # no silence held: the registry's rule, exactly
