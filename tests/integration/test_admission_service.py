@@ -735,19 +735,46 @@ async def test_a_leader_held_up_longer_than_lost_after_s_judges_no_node_on_that_
             await leader.stop()
 
 
-async def test_every_node_silent_at_once_requeues_nothing_and_one_left_silent_is_lost(
-        config: BusConfig, client_bus: Bus) -> None:
-    # The 12,000-job burst on a loaded machine starved every node's heartbeats at once,
-    # and each node, judged on its own, was lost with every job on it.
-    leader = short_timeout_leader(config, "silence")
+@contextlib.asynccontextmanager
+async def leading_two_beating_nodes(
+        config: BusConfig, client_bus: Bus, instance: str,
+        clock_off: dict[str, float] | None = None,
+) -> AsyncIterator[tuple[AdmissionService, set[str], list[JobRecord]]]:
+    """A short-timeout leader over ``TWO_NODES``, which beat until the end (those in
+    the set yielded, which the caller may change, fall silent); every job record
+    written meanwhile."""
+    leader = short_timeout_leader(config, instance)
     silent: set[str] = set()
     stop, registered = asyncio.Event(), asyncio.Event()
     beats = asyncio.create_task(heartbeat_nodes(client_bus, TWO_NODES, stop, registered,
-                                                silent))
+                                                silent, clock_off))
     await registered.wait()
     await leader.start()
     seen, watching = await record_jobs(client_bus)
     try:
+        yield leader, silent, seen
+    finally:
+        watching.cancel()
+        await leader.stop()
+        stop.set()
+        await beats
+
+
+async def requeued_off_node_1(client_bus: Bus, admitted: dict[str, JobRecord]) -> None:
+    """Asserts the two jobs that ran on node-1 go back to pending, their node lost."""
+    on_node_1 = [job_id for job_id, r in admitted.items() if r.nodes == ["node-1"]]
+    assert len(on_node_1) == 2
+    for job_id in on_node_1:
+        requeued = await wait_state(client_bus, job_id, JobState.PENDING)
+        assert requeued.reason_code is ReasonCode.NODE_LOST
+
+
+async def test_every_node_silent_at_once_requeues_nothing_and_one_left_silent_is_lost(
+        config: BusConfig, client_bus: Bus) -> None:
+    # The 12,000-job burst on a loaded machine starved every node's heartbeats at once,
+    # and each node, judged on its own, was lost with every job on it.
+    async with leading_two_beating_nodes(config, client_bus, "silence") as (
+            leader, silent, seen):
         ids = await admit_one_slot_jobs(client_bus, "silence", 4)
         silent.update(n.node_id for n in TWO_NODES)  # every node at once, for 3 timeouts
         await asyncio.sleep(3 * SHORT_LOST_AFTER_S)
@@ -760,47 +787,20 @@ async def test_every_node_silent_at_once_requeues_nothing_and_one_left_silent_is
         silent.update(n.node_id for n in TWO_NODES)
         await asyncio.sleep(2 * SHORT_LOST_AFTER_S)
         silent.discard("node-0")
-        on_node_1 = [job_id for job_id, r in admitted.items() if r.nodes == ["node-1"]]
-        assert len(on_node_1) == 2
-        for job_id in on_node_1:
-            requeued = await wait_state(client_bus, job_id, JobState.PENDING)
-            assert requeued.reason_code is ReasonCode.NODE_LOST
-    finally:
-        watching.cancel()
-        await leader.stop()
-        stop.set()
-        await beats
+        await requeued_off_node_1(client_bus, admitted)
 
 
 async def test_nodes_whose_clocks_are_off_are_judged_by_when_their_heartbeats_arrive(
         config: BusConfig, client_bus: Bus) -> None:
     # An agent's clock a minute behind made every heartbeat of its look a minute old:
     # its node was lost at once, and stayed lost while it beat.
-    leader = short_timeout_leader(config, "clocks")
-    silent: set[str] = set()
-    stop, registered = asyncio.Event(), asyncio.Event()
-    beats = asyncio.create_task(heartbeat_nodes(
-        client_bus, TWO_NODES, stop, registered, silent,
-        clock_off={"node-0": -60.0, "node-1": 45.0}))
-    await registered.wait()
-    await leader.start()
-    seen, watching = await record_jobs(client_bus)
-    try:
+    async with leading_two_beating_nodes(config, client_bus, "clocks", clock_off={
+            "node-0": -60.0, "node-1": 45.0}) as (leader, silent, seen):
         ids = await admit_one_slot_jobs(client_bus, "clocks", 4)
         await asyncio.sleep(3 * SHORT_LOST_AFTER_S)
         admitted = stayed_admitted(leader, seen, ids)
-        # node-1's clock runs ahead: its silence still counts from its last arrival.
-        silent.add("node-1")
-        on_node_1 = [job_id for job_id, r in admitted.items() if r.nodes == ["node-1"]]
-        assert len(on_node_1) == 2
-        for job_id in on_node_1:
-            requeued = await wait_state(client_bus, job_id, JobState.PENDING)
-            assert requeued.reason_code is ReasonCode.NODE_LOST
-    finally:
-        watching.cancel()
-        await leader.stop()
-        stop.set()
-        await beats
+        silent.add("node-1")  # its clock runs ahead: silence counts from its last arrival
+        await requeued_off_node_1(client_bus, admitted)
 
 
 async def test_a_record_left_on_other_nodes_than_the_ledger_is_rewritten_by_the_restore(

@@ -149,23 +149,25 @@ def test_a_record_rewritten_without_a_heartbeat_times_nothing() -> None:
     assert leader.judged == {"a": False, "b": True}
 
 
-def test_a_heartbeat_read_late_still_ends_a_mass_silence() -> None:
+def silent_from_nought() -> tuple[NodeWatch, list[NodeRecord]]:
+    """A watch that read a and b at 0 and held their silence at 3.5; the two records."""
     watch = NodeWatch(LOST_AFTER)
     a, b = record("a", 0.0), record("b", 0.0)
     watch.read(a, [], 0.0)
     watch.read(b, [a], 0.0)
     assert watch.hold([a, b], 3.5)
-    assert watch.read(record("b", 2.0), [a, b], 4.0) == 0.5  # written before, heard now
+    return watch, [a, b]
+
+
+def test_a_heartbeat_read_late_still_ends_a_mass_silence() -> None:
+    watch, both = silent_from_nought()
+    assert watch.read(record("b", 2.0), both, 4.0) == 0.5  # written before, heard now
     assert watch.judged_from("a") == 4.0  # credited the 4 s in which no node was heard
 
 
 def test_a_node_that_left_keeps_no_credit() -> None:
-    watch = NodeWatch(LOST_AFTER)
-    a, b = record("a", 0.0), record("b", 0.0)
-    watch.read(a, [], 0.0)
-    watch.read(b, [a], 0.0)
-    assert watch.hold([a, b], 3.5)
-    watch.read(record("a", 5.0), [a, b], 5.0)
+    watch, both = silent_from_nought()
+    watch.read(record("a", 5.0), both, 5.0)
     assert watch.judged_from("b") == 5.0
     watch.forget("b")
     assert watch.judged_from("b") == float("-inf")
