@@ -30,7 +30,7 @@ judged each node.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 from phalanx.schemas.messages import NodeRecord
 from phalanx.schemas.registry import NodeState, mass_silence, view
@@ -69,11 +69,12 @@ class NodeWatch:
         heartbeat; that one if later)."""
         return max(self.watching_since, self.credited.get(node_id, float("-inf")))
 
-    def read(self, record: NodeRecord, believed_alive: Iterable[NodeRecord],
+    def read(self, record: NodeRecord, believed_alive: Callable[[], Iterable[NodeRecord]],
              now: float) -> float | None:
         """``record`` was read at ``now``. If it holds a new heartbeat that ends a mass
-        silence, credit each other node in ``believed_alive`` the span in which no node
-        was heard, and return how long the silence was held; otherwise None."""
+        silence, credit each other node ``believed_alive()`` gives (asked only then: a
+        heartbeat is read for every node every second) the span in which no node was
+        heard, and return how long the silence was held; otherwise None."""
         node_id = record.node.node_id
         known = self.heard.get(node_id)
         if known is not None and known.stamp == record.heartbeat_at:
@@ -82,7 +83,7 @@ class NodeWatch:
         if self.silent_since is None:
             return None
         span = now - self.unheard_since
-        for other in believed_alive:
+        for other in believed_alive():
             other_id = other.node.node_id
             if other_id != node_id:
                 self.credited[other_id] = self._heard_or_judged(other_id) + span
@@ -90,14 +91,15 @@ class NodeWatch:
         return held
 
     def alive(self, record: NodeRecord, now: float, was_alive: bool | None) -> bool:
-        """Whether ``record``'s node, read before, is alive at ``now``. During a mass
-        silence a node keeps the judgement it had (``was_alive``; None: it has none
-        yet)."""
+        """Whether ``record``'s node is alive at ``now`` (a record not read before counts
+        as read now). During a mass silence a node keeps the judgement it had
+        (``was_alive``; None: it has none yet)."""
         if self.silent_since is not None and was_alive is not None:
             return was_alive
         node_id = record.node.node_id
+        heard = self.heard.setdefault(node_id, Heard(record.heartbeat_at, now))
         return view(record, now, self.lost_after_s, watching_since=self.judged_from(node_id),
-                    heard_at=self.heard[node_id].at).state is NodeState.ALIVE
+                    heard_at=heard.at).state is NodeState.ALIVE
 
     def hold(self, believed_alive: Iterable[NodeRecord], now: float) -> bool:
         """Whether a mass silence begins at ``now``, among the nodes believed alive."""
@@ -117,4 +119,5 @@ class NodeWatch:
         self.credited.pop(node_id, None)
 
     def _heard_or_judged(self, node_id: str) -> float:
-        return max(self.heard[node_id].at, self.judged_from(node_id))
+        heard = self.heard.get(node_id)
+        return max(float("-inf") if heard is None else heard.at, self.judged_from(node_id))

@@ -203,6 +203,9 @@ class AdmissionService(LeaderService[AdmissionTerm]):
         try:
             now = time.time()
             term.watch.blind_until(now)  # a new leader has heard nobody yet
+            # The registry as this term reads it: a node removed while another instance
+            # led is in no change this term will see.
+            self.node_records, self._capacity = {}, None
             async for change in node_changes:
                 if change is None:
                     break
@@ -501,7 +504,7 @@ class AdmissionService(LeaderService[AdmissionTerm]):
                 term.events.put_nowait(core.NodeRemoved(node_id, event_id="registry"))
             return
         self.node_records[node_id] = record
-        held = term.watch.read(record, self._believed_alive(term), now)
+        held = term.watch.read(record, lambda: self._believed_alive(term), now)
         if held is not None:
             log.warning("mass silence ended: %s heard again after %.1f s; the other nodes "
                         "are credited the span in which none was heard", node_id, held)

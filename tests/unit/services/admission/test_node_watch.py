@@ -36,7 +36,7 @@ class Leader:
 
     def read(self, node_id: str, heartbeat_at: float, now: float) -> None:
         self.records[node_id] = record(node_id, heartbeat_at)
-        self.watch.read(self.records[node_id], self.believed_alive(), now)
+        self.watch.read(self.records[node_id], self.believed_alive, now)
         self._judge(node_id, now)
 
     def tick(self, now: float) -> None:
@@ -144,7 +144,7 @@ def test_a_record_rewritten_without_a_heartbeat_times_nothing() -> None:
     for t in (1.0, 2.0, 3.0, 4.0):
         leader.read("b", t, t)
         leader.records["a"] = msgspec.structs.replace(leader.records["a"], cordoned=True)
-        leader.watch.read(leader.records["a"], leader.believed_alive(), t)  # a cordon
+        leader.watch.read(leader.records["a"], leader.believed_alive, t)  # a cordon
         leader.tick(t)
     assert leader.judged == {"a": False, "b": True}
 
@@ -153,21 +153,21 @@ def silent_from_nought() -> tuple[NodeWatch, list[NodeRecord]]:
     """A watch that read a and b at 0 and held their silence at 3.5; the two records."""
     watch = NodeWatch(LOST_AFTER)
     a, b = record("a", 0.0), record("b", 0.0)
-    watch.read(a, [], 0.0)
-    watch.read(b, [a], 0.0)
+    watch.read(a, list, 0.0)
+    watch.read(b, lambda: [a], 0.0)
     assert watch.hold([a, b], 3.5)
     return watch, [a, b]
 
 
 def test_a_heartbeat_read_late_still_ends_a_mass_silence() -> None:
     watch, both = silent_from_nought()
-    assert watch.read(record("b", 2.0), both, 4.0) == 0.5  # written before, heard now
+    assert watch.read(record("b", 2.0), lambda: both, 4.0) == 0.5  # written before, heard now
     assert watch.judged_from("a") == 4.0  # credited the 4 s in which no node was heard
 
 
 def test_a_node_that_left_keeps_no_credit() -> None:
     watch, both = silent_from_nought()
-    watch.read(record("a", 5.0), both, 5.0)
+    watch.read(record("a", 5.0), lambda: both, 5.0)
     assert watch.judged_from("b") == 5.0
     watch.forget("b")
     assert watch.judged_from("b") == float("-inf")
@@ -230,3 +230,11 @@ def test_judgements_follow_only_the_silence_that_could_be_heard(
                 assert alive  # heard within the timeout
             if never_held and now - max(heard, blind) > LOST_AFTER + 1e-9:
                 assert not alive  # no silence held: the registry's rule, exactly
+
+
+def test_a_record_judged_before_it_was_read_counts_as_read_then() -> None:
+    watch = NodeWatch(LOST_AFTER)
+    stale = record("a", -100.0)
+    assert watch.alive(stale, 10.0, None)
+    assert watch.alive(stale, 13.0, True)
+    assert not watch.alive(stale, 13.5, True)
