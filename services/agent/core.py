@@ -1,9 +1,11 @@
 """The agent's rules, pure: registration, and which replica a slot may run.
 
 An agent may take a node id when no record holds it, when the record is its
-own (same host and pid: a re-registration), when the holder is lost (its
-heartbeat is older than ``lost_after_s``), or when the holder ran on the same
-host and its process is gone: a restarted agent takes its node back at once.
+own (same host and pid: a re-registration), when the holder ran on the same
+host and its process is gone (a restarted agent takes its node back at once),
+or when the agent watched the holder's record for ``lost_after_s`` by its own
+clock and no heartbeat came (:func:`silent_holder`). The holder's stamps are
+never compared with this agent's clock, so clocks may disagree by any amount.
 Two live agents never share an id. Each heartbeat bumps the sequence and time
 and keeps what others set on the record (``cordoned``, and ``cordoned_slots``,
 which an operator's uncordon removes), adding the slots the agent cordoned since
@@ -54,7 +56,6 @@ from collections.abc import Collection, Mapping, Sequence
 
 from phalanx.schemas.errors import ConfigError, PhalanxError
 from phalanx.schemas.messages import ExitCause, GpuInfo, NodeInfo, NodeRecord
-from phalanx.schemas.registry import NodeState, view
 from phalanx.schemas.replicas import incarnation, replica_id
 
 
@@ -68,30 +69,40 @@ def same_agent(held: NodeInfo, info: NodeInfo) -> bool:
     return held.host == info.host and held.agent_pid == info.agent_pid
 
 
-def register(existing: NodeRecord | None, info: NodeInfo, now: float,
-             lost_after_s: float, *, holder_dead: bool = False) -> NodeRecord:
+def register(existing: NodeRecord | None, info: NodeInfo, now: float, *,
+             holder_dead: bool = False, silent: NodeRecord | None = None) -> NodeRecord:
     """The record to store when ``info``'s agent registers at ``now``.
 
     Args:
         holder_dead: the holder ran on this host and its process is gone (the caller
             checked), so a restarted agent takes its node back at once.
+        silent: the holder's record as the caller saw it before watching it for a
+            timeout with no heartbeat coming (:func:`silent_holder`): taken over if it
+            is still the record held.
 
     Raises:
-        NodeIdTaken: a different agent holds the id and is alive.
+        NodeIdTaken: a different agent holds the id and is not known to be gone.
     """
     if existing is not None:
         held = existing.node
         if (not same_agent(held, info) and not (holder_dead and held.host == info.host)
-                and view(existing, now, lost_after_s).state is NodeState.ALIVE):
-            age = max(0.0, now - existing.heartbeat_at)
+                and not silent_holder(silent, existing)):
+            watched = "" if silent is None else ", and it beat while this agent watched"
             raise NodeIdTaken(
-                f"node id {info.node_id!r} is held by a live agent (pid {held.agent_pid} on "
-                f"{held.host}, last heartbeat {age:.1f} s ago); pick another --node-id"
-            )
+                f"node id {info.node_id!r} is held by a live agent (pid {held.agent_pid} "
+                f"on {held.host}{watched}); pick another --node-id")
     cordoned = existing.cordoned if existing is not None else False
     slots = _within(existing.cordoned_slots if existing is not None else {}, info)
     return NodeRecord(node=info, heartbeat_seq=0, heartbeat_at=now, cordoned=cordoned,
                       cordoned_slots=slots)
+
+
+def silent_holder(watched: NodeRecord | None, now_held: NodeRecord | None) -> bool:
+    """Whether a holder's record seen at the start of a watch (``watched``) is the one
+    held at its end (``now_held``): the same agent, with no newer heartbeat."""
+    return (watched is not None and now_held is not None and watched.node == now_held.node
+            and watched.heartbeat_at == now_held.heartbeat_at
+            and watched.heartbeat_seq == now_held.heartbeat_seq)
 
 
 def heartbeat(record: NodeRecord | None, info: NodeInfo, now: float,

@@ -103,6 +103,8 @@ from phalanx.services.paths import default_data_dir
 
 log = logging.getLogger("phalanx.agent")
 BUDDY_REFRESH_S = 2.0
+#: How often an agent reads the record of a holder of its node id it is watching.
+HOLDER_POLL_S = 0.1
 #: Ended jobs remembered (replicas of them are refused), newest kept.
 ENDED_KEPT = 4096
 
@@ -170,17 +172,40 @@ class AgentService(Service):
             replica_tls.context(tls_dir, server=False) if tls_dir else None)
         self._buddy_read: tuple[float, Address | None] = (float("-inf"), None)
 
+    def _holder_dead(self, held: NodeRecord | None) -> bool:
+        """Whether ``held`` was an agent on this host whose process is gone."""
+        return held is not None and held.node.host == self.info.host \
+            and start_ticks(held.node.agent_pid) is None
+
+    async def _watch_holder(self, nodes: TypedKV[NodeRecord]) -> NodeRecord | None:
+        """If another agent, not known gone, holds this node id: watch its record for
+        ``lost_after_s`` by this agent's clock, and return it if no heartbeat of its came
+        (the id may be taken, :func:`.core.silent_holder`). None otherwise: nobody to
+        watch, or the holder beat (registering then refuses at once)."""
+        node_id = self.config.node_id
+        held, _ = await nodes.current(node_id)
+        if held is None or core.same_agent(held.node, self.info) or self._holder_dead(held):
+            return None
+        log.info("node id %s is held by pid %d on %s: watching for its heartbeats for %g s",
+                 node_id, held.node.agent_pid, held.node.host, self.config.lost_after_s)
+        deadline = time.monotonic() + self.config.lost_after_s
+        while (left := deadline - time.monotonic()) > 0:
+            await asyncio.sleep(min(left, HOLDER_POLL_S))
+            if not core.silent_holder(held, (await nodes.current(node_id))[0]):
+                return None
+        return held
+
     async def setup(self) -> None:
         assert self.bus is not None
         await self._listen()
         self.nodes = await self.bucket(subjects.NODES_BUCKET, NodeRecord)
         self.buddies = await self.bucket(subjects.BUDDIES_BUCKET, BuddyPlacement)
+        silent = await self._watch_holder(self.nodes)
         entry = await self.nodes.modify(
             self.config.node_id,
-            lambda existing: core.register(
-                existing, self.info, time.time(), self.config.lost_after_s,
-                holder_dead=existing is not None and existing.node.host == self.info.host
-                and start_ticks(existing.node.agent_pid) is None))
+            lambda existing: core.register(existing, self.info, time.time(),
+                                           holder_dead=self._holder_dead(existing),
+                                           silent=silent))
         self.record = entry.value
         await self.add_endpoint("status", subjects.agent_status(self.config.node_id),
                                 NodeStatusRequest, self.on_status)

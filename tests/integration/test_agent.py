@@ -8,6 +8,7 @@ import logging
 import os
 import signal
 import sys
+import time
 
 import pytest
 from test_agent_replicas import SLEEPS, admitted
@@ -180,6 +181,24 @@ async def test_a_second_live_agent_cannot_take_the_node_id(bus_config: BusConfig
         await second.stop()
     finally:
         await first.stop()
+
+
+async def test_an_agent_takes_an_id_whose_holder_fell_silent_whatever_its_clock_said(
+        bus: Bus, bus_config: BusConfig, uid: str) -> None:
+    # A holder on another host whose clock ran an hour ahead left a record stamped an
+    # hour from now: judged by the stamp, it held the id for that hour after it died.
+    nodes = await TypedKV.open(bus.js, subjects.NODES_BUCKET, NodeRecord)
+    config = AgentConfig(node_id=uid, slots=1, heartbeat_interval_s=0.05, lost_after_s=0.5)
+    agent = AgentService(config, bus_config)
+    gone = NodeRecord(node=type(agent.info)(**{**_fields(agent.info), "host": "elsewhere"}),
+                      heartbeat_seq=41, heartbeat_at=time.time() + 3600.0)
+    await nodes.put(uid, gone)
+    await agent.start()
+    try:
+        entry = await nodes.get(uid)
+        assert entry is not None and entry.value.node == agent.info
+    finally:
+        await agent.stop()
 
 
 def _fields(info) -> dict:

@@ -6,7 +6,10 @@ that register, heartbeat, stop cleanly (conditional delete, as in
 ``AgentService.teardown``), crash (record left behind) and restart with a new
 pid. An agent *believes* it holds the id from a successful register until a
 ``NodeIdTaken`` or its stop; it is *alive* while its last successful write is
-at most ``lost_after_s`` old.
+at most ``lost_after_s`` old by the true clock. Each agent stamps its records by a
+clock of its own, off by up to an hour; one that finds another agent's record
+may watch it (:func:`silent_holder`) and register with what it watched once
+more than ``lost_after_s`` has passed.
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from phalanx.schemas.messages import NodeInfo, NodeRecord
-from phalanx.services.agent.core import NodeIdTaken, heartbeat, register
+from phalanx.services.agent.core import NodeIdTaken, heartbeat, register, silent_holder
 
 T0 = 1_717_000_000.0
 LOST = 3.0
@@ -29,8 +32,10 @@ NODE = "gpu-07"
 class Agent:
     host: str
     pid: int
+    clock_off: float = 0.0  # its stamps: the true time plus this
     holds: bool = False
     last_ok: float = -1.0
+    watched: tuple[NodeRecord, float] | None = None  # a holder's record, and since when
 
     @property
     def info(self) -> NodeInfo:
@@ -52,8 +57,9 @@ class NodeIdMachine(RuleBasedStateMachine):
         super().__init__()
         self.now = T0
         self.record: NodeRecord | None = None
-        # Two agents on the same host: only the pid tells them apart.
-        self.agents = [Agent("host-a", 100), Agent("host-a", 200)]
+        # Two agents on the same host: only the pid tells them apart. Their clocks
+        # disagree by more than any timeout.
+        self.agents = [Agent("host-a", 100, -3600.0), Agent("host-a", 200, 1800.0)]
         self.next_pid = 1000
 
     def alive(self, agent: Agent) -> bool:
@@ -64,12 +70,22 @@ class NodeIdMachine(RuleBasedStateMachine):
         self.now += dt
 
     @rule(i=AGENT)
+    def watch(self, i: int) -> None:
+        agent = self.agents[i]
+        agent.watched = None if self.record is None else (self.record, self.now)
+
+    @rule(i=AGENT)
     def start_or_re_register(self, i: int) -> None:
         agent = self.agents[i]
+        silent = None
+        if agent.watched is not None and self.now - agent.watched[1] > LOST:
+            silent = agent.watched[0]  # watched long enough (each read it made is moot)
         try:
-            self.record = register(self.record, agent.info, self.now, LOST)
+            self.record = register(self.record, agent.info, self.now + agent.clock_off,
+                                   silent=silent)
         except NodeIdTaken:
             agent.holds = False
+            assert not silent_holder(silent, self.record)
         else:
             agent.holds, agent.last_ok = True, self.now
             assert self.record.heartbeat_seq == 0
@@ -82,7 +98,7 @@ class NodeIdMachine(RuleBasedStateMachine):
             return
         before = self.record
         try:
-            self.record = heartbeat(self.record, agent.info, self.now)
+            self.record = heartbeat(self.record, agent.info, self.now + agent.clock_off)
         except NodeIdTaken:
             assert not agent.owns(before)
             agent.holds = False
@@ -115,7 +131,7 @@ class NodeIdMachine(RuleBasedStateMachine):
             if self.alive(agent):
                 assert agent.owns(self.record)
                 assert self.record is not None
-                assert self.record.heartbeat_at == agent.last_ok
+                assert self.record.heartbeat_at == agent.last_ok + agent.clock_off
 
 
 NodeIdMachine.TestCase.settings = settings(

@@ -91,7 +91,7 @@ def test_a_gpu_faults_exit_is_its_own_cause() -> None:
 
 
 def test_heartbeats_add_the_agents_cordons_and_keep_the_stored_ones() -> None:
-    record = register(None, info(), T0, 3.0)
+    record = register(None, info(), T0)
     assert record.cordoned_slots == {}
     record = heartbeat(record, info(), T0 + 1, cordons={2: "Xid 79 on GPU 2 (GPU-2)"})
     assert record.cordoned_slots == {2: "Xid 79 on GPU 2 (GPU-2)"}
@@ -104,11 +104,13 @@ def test_heartbeats_add_the_agents_cordons_and_keep_the_stored_ones() -> None:
 
 
 def test_a_re_registration_keeps_the_cordons_the_node_still_has_slots_for() -> None:
-    held = heartbeat(register(None, info(), T0, 3.0), info(), T0,
+    held = heartbeat(register(None, info(), T0), info(), T0,
                      cordons={1: "Xid 79", 3: "ECC"})
-    assert register(held, info(pid=101), T0 + 10, 3.0).cordoned_slots == {1: "Xid 79", 3: "ECC"}
+    restarted = register(held, info(pid=101), T0 + 10, silent=held)
+    assert restarted.cordoned_slots == {1: "Xid 79", 3: "ECC"}
     # Back with fewer slots (fewer GPUs): a cordon beyond them goes.
-    assert register(held, info(slots=2, pid=101), T0 + 10, 3.0).cordoned_slots == {1: "Xid 79"}
+    fewer = register(held, info(slots=2, pid=101), T0 + 10, silent=held)
+    assert fewer.cordoned_slots == {1: "Xid 79"}
 
 
 def test_a_node_record_refuses_cordons_beyond_its_slots() -> None:
