@@ -21,8 +21,8 @@ nothing until a node is heard again, and then credit each node the span in which
 node was heard; a lone node's silence is its own.
 
 A reader that follows the registry passes ``heard_at``, when it read each heartbeat by
-its own clock, as the Kubernetes node controller times a node's lease by when it saw
-it renewed: then an agent's clock may be off by any amount. A one-off reader has only
+its own clock (:func:`heard`), as the Kubernetes node controller times a node's lease
+by when it saw it renewed: then an agent's clock may be off by any amount. A one-off reader has only
 the agent's stamp, good while the clocks agree.
 
 Every reader of the registry (admission, the agent, checkpoint placement, ``phalanx
@@ -67,6 +67,23 @@ class NodeView:
         if self.state is not NodeState.ALIVE or self.cordoned:
             return 0
         return max(0, self.slots - len(self.cordoned_slots) - self.slots_used)
+
+
+@dataclasses.dataclass(frozen=True)
+class Heard:
+    """A node's newest heartbeat as a reader following the registry has it: the agent's
+    stamp, and when the reader first read it, by its own clock."""
+
+    stamp: float
+    at: float
+
+
+def heard(known: Heard | None, record: NodeRecord, now: float) -> Heard:
+    """``record`` read at ``now``: its heartbeat, timed by the first read that held it. A
+    record rewritten with the same stamp (a cordon, a resync) times nothing."""
+    if known is not None and known.stamp == record.heartbeat_at:
+        return known
+    return Heard(record.heartbeat_at, now)
 
 
 def view(record: NodeRecord, now: float, lost_after_s: float = DEFAULT_LOST_AFTER_S, *,

@@ -33,15 +33,7 @@ import dataclasses
 from collections.abc import Callable, Iterable
 
 from phalanx.schemas.messages import NodeRecord
-from phalanx.schemas.registry import NodeState, mass_silence, view
-
-
-@dataclasses.dataclass(frozen=True)
-class Heard:
-    """A node's newest heartbeat: its agent's stamp, and when this watch read it."""
-
-    stamp: float
-    at: float
+from phalanx.schemas.registry import Heard, NodeState, heard, mass_silence, view
 
 
 @dataclasses.dataclass
@@ -77,9 +69,9 @@ class NodeWatch:
         heard, and return how long the silence was held; otherwise None."""
         node_id = record.node.node_id
         known = self.heard.get(node_id)
-        if known is not None and known.stamp == record.heartbeat_at:
+        self.heard[node_id] = heard(known, record, now)
+        if self.heard[node_id] is known:
             return None  # rewritten, not a heartbeat
-        self.heard[node_id] = Heard(record.heartbeat_at, now)
         if self.silent_since is None:
             return None
         span = now - self.unheard_since
@@ -97,9 +89,9 @@ class NodeWatch:
         if self.silent_since is not None and was_alive is not None:
             return was_alive
         node_id = record.node.node_id
-        heard = self.heard.setdefault(node_id, Heard(record.heartbeat_at, now))
+        read = self.heard.setdefault(node_id, Heard(record.heartbeat_at, now))
         return view(record, now, self.lost_after_s, watching_since=self.judged_from(node_id),
-                    heard_at=heard.at).state is NodeState.ALIVE
+                    heard_at=read.at).state is NodeState.ALIVE
 
     def hold(self, believed_alive: Iterable[NodeRecord], now: float) -> bool:
         """Whether a mass silence begins at ``now``, among the nodes believed alive."""
@@ -119,5 +111,5 @@ class NodeWatch:
         self.credited.pop(node_id, None)
 
     def _heard_or_judged(self, node_id: str) -> float:
-        heard = self.heard.get(node_id)
-        return max(float("-inf") if heard is None else heard.at, self.judged_from(node_id))
+        read = self.heard.get(node_id)
+        return max(float("-inf") if read is None else read.at, self.judged_from(node_id))

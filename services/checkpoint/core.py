@@ -233,12 +233,15 @@ class JobEnded:
 @dataclasses.dataclass(frozen=True)
 class NodesSeen:
     """The node registry as read at ``now`` by a reader watching it since
-    ``watching_since`` (a node is lost only after silence it could have heard)."""
+    ``watching_since`` (a node is lost only after silence it could have heard), which
+    first read each node's newest heartbeat at ``heard_at`` by its own clock (a node
+    not in it: by the heartbeat's stamp, which needs the clocks to agree)."""
 
     records: tuple[NodeRecord, ...]
     now: float
     lost_after_s: float
     watching_since: float = float("-inf")
+    heard_at: Mapping[str, float] = dataclasses.field(default_factory=dict)
 
 
 Event = SnapshotAnnounced | JobSeen | JobEnded | NodesSeen
@@ -308,7 +311,8 @@ class CheckpointCore:
             case NodesSeen(records=records, now=now):
                 domains = {r.node.node_id: r.node.failure_domain for r in records
                            if view(r, now, event.lost_after_s,
-                                   watching_since=event.watching_since).state
+                                   watching_since=event.watching_since,
+                                   heard_at=event.heard_at.get(r.node.node_id)).state
                            is NodeState.ALIVE}
                 placed = place_buddies(domains, self.buddies, now)
                 decisions: list[Decision] = [ForgetBuddy(n) for n in sorted(

@@ -49,7 +49,7 @@ from phalanx.schemas.messages import (
     ResumeRequest,
     SnapshotRecord,
 )
-from phalanx.schemas.registry import DEFAULT_LOST_AFTER_S
+from phalanx.schemas.registry import DEFAULT_LOST_AFTER_S, Heard, heard
 from phalanx.services import metrics
 from phalanx.services.checkpoint import core
 from phalanx.services.leader import LeaderService
@@ -152,16 +152,23 @@ class CheckpointService(LeaderService[core.CheckpointCore]):
     async def _place(self, the_core: core.CheckpointCore) -> None:
         """Every PLACE_EVERY_S, place buddies on the registry as read now and store what
         changed. Silence before this term proves nothing (the node may have beaten while
-        no leader read), so a node is judged lost only after silence within the term."""
+        no leader read), so a node is judged lost only after silence within the term;
+        each heartbeat is timed by the first read that held it, so the agents' clocks
+        may be off."""
         since = time.time()
+        read: dict[str, Heard] = {}
         while not await self.sleep_or_stop(PLACE_EVERY_S):
             try:
-                records, _ = await self.nodes.entries()
+                entries, _ = await self.nodes.entries()
             except Exception as exc:  # the bus away: placements stay as they are
                 log.warning("cannot read the node registry: %s", exc)
                 continue
+            now = time.time()
+            records = tuple(e.value for e in entries)
+            read = {r.node.node_id: heard(read.get(r.node.node_id), r, now) for r in records}
             decisions = the_core.handle(core.NodesSeen(
-                tuple(e.value for e in records), time.time(), self.lost_after_s, since))
+                records, now, self.lost_after_s, since,
+                heard_at={node_id: h.at for node_id, h in read.items()}))
             for decision in decisions:
                 match decision:
                     case core.StoreBuddy(placement=placement):

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from phalanx.schemas.messages import NodeInfo, NodeRecord
-from phalanx.schemas.registry import NodeState, mass_silence, view, views
+from phalanx.schemas.registry import NodeState, heard, mass_silence, view, views
 
 SETTINGS = settings(derandomize=True, database=None, deadline=None, max_examples=200)
 
@@ -105,3 +106,28 @@ def test_a_mass_silence_is_every_other_node_silent_past_half_a_timeout(
     assert not mass_silence([*heard, at], at, timeout)
     if silent or (len(heard) == 1 and at - heard[0] > timeout / 2):
         assert mass_silence([*heard, min(heard)], at, timeout)
+
+
+@SETTINGS
+@given(stamps=st.lists(st.sampled_from([0.0, 1.0, 2.0, -3600.0]), min_size=1, max_size=12),
+       lost_after=lost_afters)
+def test_a_followed_heartbeat_is_timed_by_its_first_read_whatever_its_stamp(
+        stamps: list[float], lost_after: float) -> None:
+    """Reads one second apart, of a node whose stamps may repeat (a record rewritten) or
+    lie: each heartbeat is heard at the first read that held it, and the view judges the
+    node by that alone."""
+    known = None
+    for now, stamp in enumerate(stamps):
+        record = NodeRecord(node=NodeInfo(node_id="n", host="h", slots=1, failure_domain="d"),
+                            heartbeat_at=stamp)
+        before, known = known, heard(known, record, float(now))
+        assert known.stamp == stamp
+        if before is not None and before.stamp == stamp:
+            assert known is before
+        else:
+            assert known.at == now
+        seen = view(record, known.at + lost_after / 2, lost_after, heard_at=known.at)
+        assert seen.state is NodeState.ALIVE
+        assert seen.heartbeat_age_s == pytest.approx(lost_after / 2)
+        late = view(record, known.at + 2 * lost_after, lost_after, heard_at=known.at)
+        assert late.state is NodeState.LOST
