@@ -9,13 +9,16 @@ so a standby takes over within ``lease_s`` of a crash and at once after a stop.
 
 A renewal that finds the lease moved on means another instance leads: the
 leader's work is cancelled at once. A renewal that fails for want of a bus (an
-outage) keeps leading until the lease would have expired by this instance's own
-clock, and no longer: another instance may take over only after it expired by
-*its* clock, so the two never act at once as long as clocks agree far better
-than ``lease_s`` (NTP does). Whatever a leader writes that others must not
-overwrite after a takeover is compare-and-swapped on its own revision as well
-(fencing), so even a leader that has not yet noticed its loss cannot clobber
-its successor.
+outage) keeps leading for ``lease_s`` after its last renewal was sent, by its own
+clock, and no longer. Another instance takes over only after watching the same
+revision of the lease for ``lease_s`` by *its* clock (:func:`may_take`): it
+cannot see a renewal before it is written, so the two never act at once, and
+no two clocks need agree (the lease's ``expires_at``, the holder's wall clock,
+is for people to read). A standby that has just started, or last saw another
+revision, waits a whole ``lease_s`` of watching. Whatever a leader writes that
+others must not overwrite after a takeover is compare-and-swapped on its own
+revision as well (fencing), so even a leader that has not yet noticed its loss
+cannot clobber its successor.
 
 Each instance shows whether it leads as ``phalanx_leader{service=<key>}`` (1 or 0) on
 its metrics page, so "no leader" is ``max by (service) (phalanx_leader) < 1``.
@@ -25,6 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import time
 from collections.abc import Awaitable, Callable
@@ -42,9 +46,30 @@ class LeadershipLost(PhalanxError, RuntimeError):
     """Another instance changed the lease (or state this leader fences on): stop acting."""
 
 
-def may_take(current: Lease | None, holder: str, now: float) -> bool:
-    """Whether ``holder`` may take the lease at ``now``: absent, expired or its own."""
-    return current is None or current.expires_at <= now or current.holder == holder
+@dataclasses.dataclass(frozen=True)
+class Sighting:
+    """Another instance's lease as this one watches it: the revision it saw, and when
+    it first saw that revision, by its own monotonic clock."""
+
+    revision: int
+    since: float
+
+
+def sighted(before: Sighting | None, revision: int, now: float) -> Sighting:
+    """The sighting after reading the lease at ``revision`` at ``now``."""
+    if before is not None and before.revision == revision:
+        return before
+    return Sighting(revision, now)
+
+
+def may_take(current: Lease | None, holder: str, sighting: Sighting | None, revision: int,
+             lease_s: float, now: float) -> bool:
+    """Whether ``holder`` may take the lease, read at ``revision`` at ``now`` (its own
+    monotonic clock): absent, its own, or left unrenewed — that revision watched since
+    ``sighting`` — for ``lease_s``. The holder's stamps are never read."""
+    return (current is None or current.holder == holder
+            or (sighting is not None and sighting.revision == revision
+                and now - sighting.since >= lease_s))
 
 
 def fenced_out(exc: BaseException) -> LeadershipLost | None:
@@ -87,7 +112,8 @@ class Leadership:
         self.lease_s = lease_s
         self.lead = lead
         self.revision: int | None = None  # of our lease while we lead
-        self.expires_at = 0.0
+        self.renewed_at = 0.0  # monotonic: when our last renewal was sent
+        self.sighting: Sighting | None = None  # another's lease, while we stand by
         self.epoch = 0
         self._task: asyncio.Task[None] | None = None
         self._gauge = metrics.LEADER.labels(key)
@@ -119,25 +145,29 @@ class Leadership:
             await self.step_down(release=False)
         except (PhalanxError, TimeoutError, OSError) as exc:
             log.warning("lease check failed: %s", exc, extra={"lease": self.key})
-            if self.revision is not None and time.time() >= self.expires_at:
+            if self.revision is not None and \
+                    time.monotonic() >= self.renewed_at + self.lease_s:
                 await self.step_down(release=False)
         if self._task is not None and self._task.done():
             await self.step_down(release=True)  # the work ended: let the next term start clean
 
     async def _try_take(self) -> None:
-        now = time.time()
         # An undecodable lease counts as absent: it is replaced at its revision.
         current, revision = await self.leases.current(self.key)
-        if not may_take(current, self.holder, now):
+        now = time.monotonic()
+        if current is not None and current.holder != self.holder:
+            self.sighting = sighted(self.sighting, revision, now)
+        if not may_take(current, self.holder, self.sighting, revision, self.lease_s, now):
             return
         epoch = current.epoch + 1 if current else 1
-        lease = Lease(holder=self.holder, epoch=epoch, expires_at=now + self.lease_s)
+        lease = Lease(holder=self.holder, epoch=epoch, expires_at=time.time() + self.lease_s)
         try:
             revision = (await self.leases.update(self.key, lease, revision) if revision
                         else await self.leases.create(self.key, lease))
         except Conflict:
             return  # another instance was quicker
-        self.revision, self.expires_at, self.epoch = revision, lease.expires_at, epoch
+        self.revision, self.renewed_at, self.epoch = revision, now, epoch
+        self.sighting = None
         self._gauge.set(1)
         log.info("leading", extra={"lease": self.key, "epoch": epoch})
         self._task = asyncio.create_task(self._lead(), name=f"lead {self.key}")
@@ -156,13 +186,14 @@ class Leadership:
 
     async def _renew(self) -> None:
         assert self.revision is not None
-        now = time.time()
-        lease = Lease(holder=self.holder, epoch=self.epoch, expires_at=now + self.lease_s)
+        sent = time.monotonic()
+        lease = Lease(holder=self.holder, epoch=self.epoch,
+                      expires_at=time.time() + self.lease_s)
         try:
             self.revision = await self.leases.update(self.key, lease, self.revision)
         except Conflict:
             raise LeadershipLost("the lease was taken over") from None
-        self.expires_at = lease.expires_at
+        self.renewed_at = sent
 
     async def step_down(self, *, release: bool) -> None:
         """Stop leading (idempotent): cancel the work, then optionally release the lease."""

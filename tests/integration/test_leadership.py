@@ -4,6 +4,7 @@ while this instance holds the lease."""
 from __future__ import annotations
 
 import asyncio
+import time
 
 from prometheus_client import REGISTRY
 
@@ -53,3 +54,37 @@ async def test_the_leader_gauge_is_one_while_the_lease_is_held_and_zero_after(
         stop.set()
         await running
     assert leader_gauge(key) == 0
+
+
+async def test_a_lease_is_judged_by_the_standbys_own_clock_never_the_holders(
+        bus: Bus, uid: str) -> None:
+    """A live holder stamping an hour behind keeps its lease; a dead one that stamped
+    an hour ahead loses it after a lease's length of watching, not after the hour."""
+    leases = await TypedKV.open(bus.js, subjects.LEASES_BUCKET, Lease)
+    key = f"clocks-{uid}"
+    lease_s = 0.6
+    leading, stop = asyncio.Event(), asyncio.Event()
+
+    async def lead() -> None:
+        leading.set()
+        await asyncio.Event().wait()
+
+    metrics.register(metrics.LEADERSHIP)
+    revision = await leases.create(key, Lease(holder="behind", epoch=1, expires_at=1.0))
+    standby = Leadership(leases, key, "standby", lease_s, lead)
+    running = asyncio.create_task(standby.run(lambda s: wait_set(stop, s)))
+    try:
+        for _ in range(int(4 * lease_s / 0.1)):  # renewed: its stamps long expired
+            await asyncio.sleep(0.1)
+            revision = await leases.update(key, Lease(holder="behind", epoch=1,
+                                                      expires_at=1.0), revision)
+            assert not leading.is_set()
+        # It dies, having stamped its last renewal an hour ahead of the standby's clock.
+        await leases.update(key, Lease(holder="behind", epoch=1,
+                                       expires_at=time.time() + 3600), revision)
+        assert await wait_set(leading, 10 * lease_s)
+        current, _ = await leases.current(key)
+        assert current is not None and (current.holder, current.epoch) == ("standby", 2)
+    finally:
+        stop.set()
+        await running

@@ -3,15 +3,34 @@
 from __future__ import annotations
 
 from phalanx.schemas.messages import Lease
-from phalanx.services.lease import LeadershipLost, fenced_out, may_take
+from phalanx.services.lease import LeadershipLost, Sighting, fenced_out, may_take, sighted
 
 
-def test_may_take_absent_expired_or_own() -> None:
+def test_may_take_absent_own_or_watched_unrenewed_for_a_lease() -> None:
     lease = Lease(holder="a", epoch=3, expires_at=100.0)
-    assert may_take(None, "b", 50.0)
-    assert may_take(lease, "a", 50.0)
-    assert not may_take(lease, "b", 99.9)
-    assert may_take(lease, "b", 100.0)
+    assert may_take(None, "b", None, 0, 3.0, 50.0)
+    assert may_take(lease, "a", None, 7, 3.0, 50.0)
+    assert not may_take(lease, "b", None, 7, 3.0, 50.0)  # never watched: however stale
+    watched = Sighting(7, 50.0)
+    assert not may_take(lease, "b", watched, 7, 3.0, 52.9)
+    assert may_take(lease, "b", watched, 7, 3.0, 53.0)
+    assert not may_take(lease, "b", watched, 8, 3.0, 60.0)  # renewed since
+
+
+def test_a_standby_judges_by_its_own_clock_whatever_the_holder_stamped() -> None:
+    """Renewed every second, stamped an hour behind or ahead: never taken; unrenewed
+    for a lease's length of watching: taken, whatever the stamp says."""
+    for stamp in (100.0 - 3600.0, 100.0 + 3600.0):
+        lease = Lease(holder="a", epoch=1, expires_at=stamp)
+        seen = None
+        for revision, now in enumerate(range(100, 110), start=1):
+            seen = sighted(seen, revision, float(now))
+            assert not may_take(lease, "b", seen, revision, 3.0, float(now))
+        for now in (110.0, 111.0):
+            seen = sighted(seen, 10, now)
+            assert not may_take(lease, "b", seen, 10, 3.0, now)
+        assert seen == Sighting(10, 109.0)
+        assert may_take(lease, "b", sighted(seen, 10, 112.0), 10, 3.0, 112.0)
 
 
 def test_fenced_out_finds_the_loss_inside_task_groups() -> None:
