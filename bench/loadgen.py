@@ -78,8 +78,6 @@ from phalanx.schemas.messages import (
 )
 from phalanx.services.agent import core
 
-LOST_AFTER_S = 10.0
-
 
 def wildcard(subject_of: Callable[[str], str]) -> str:
     """The subject ``subject_of`` builds, with its one id token as ``*``."""
@@ -123,7 +121,7 @@ class SimNode:
         nodes = self.gen.nodes_kv
         assert nodes is not None
         await nodes.modify(self.node_id, lambda existing: core.register(
-            existing, self.info, time.time(), LOST_AFTER_S))
+            existing, self.info, time.time()))
 
     async def heartbeat(self) -> None:
         """As the agent does: the heartbeat goes out now, and the registry entry is
