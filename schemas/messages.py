@@ -546,7 +546,9 @@ class NodeClaims(Message, tag="phalanx.node_claims.v1", frozen=True):
 
 
 class Lease(Message, tag="phalanx.lease.v1", frozen=True):
-    """Leadership of a service: ``holder`` leads until ``expires_at`` unless it renews."""
+    """Leadership of a service: ``holder`` leads while it renews. ``expires_at`` is when
+    the lease runs out by the holder's clock, for people to read: a standby judges the
+    lease by watching its revision go unrenewed by its own clock (``services/lease.py``)."""
 
     holder: Ident
     epoch: NonNegInt
