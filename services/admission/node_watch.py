@@ -97,12 +97,12 @@ class NodeWatch:
         """Whether a mass silence begins at ``now``, among the nodes believed alive."""
         if self.silent_since is not None:
             return False
-        heard = [self._heard_or_judged(r.node.node_id) for r in believed_alive]
-        falling = any(now - at > self.lost_after_s for at in heard)
-        if not falling or not mass_silence(heard, now, self.lost_after_s):
+        last = [self._heard_or_judged(r.node.node_id) for r in believed_alive]
+        falling = any(now - at > self.lost_after_s for at in last)
+        if not falling or not mass_silence(last, now, self.lost_after_s):
             return False
         self.silent_since = now
-        self.unheard_since = max(heard)
+        self.unheard_since = max(last)
         return True
 
     def forget(self, node_id: str) -> None:
