@@ -18,7 +18,7 @@ PYTEST := $(BIN)/pytest -n $(WORKERS) --dist loadfile
 # mypy reads each top-level folder as phalanx.<folder> through links here ([tool.mypy]).
 TYPED  := build/typecheck/phalanx
 
-.PHONY: install demo up types check test bench wire-doc gpu-wheels clean
+.PHONY: install demo up typed-links types check test bench wire-doc gpu-wheels clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -39,20 +39,21 @@ demo: install
 up: install
 	$(BIN)/phalanx up $(ARGS)
 
-$(TYPED):
-	mkdir -p $@
-	for d in schemas bus runtime services; do ln -sfn ../../../$$d $@/$$d; done
+# Made every time (cheap): a checkout from before a folder joined the list gets its link.
+typed-links:
+	mkdir -p $(TYPED)
+	for d in schemas bus runtime services bench examples; do ln -sfn ../../../$$d $(TYPED)/$$d; done
 
-types: install | $(TYPED)
+types: install typed-links
 	$(BIN)/mypy
 
-check: install | $(TYPED)
+check: install typed-links
 	$(BIN)/ruff check .
 	$(BIN)/mypy
 	$(BIN)/python -m phalanx.schemas.reference --check docs/wire.md
 	$(PYTEST) -m "not slow"
 
-test: install | $(TYPED)
+test: install typed-links
 	$(BIN)/ruff check .
 	$(BIN)/mypy
 	$(BIN)/python -m phalanx.schemas.reference --check docs/wire.md

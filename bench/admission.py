@@ -663,7 +663,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     e2e: list[dict[str, Any]] = []
     if not args.no_e2e:
-        from admission_bus import measure
+        from phalanx.bench.admission_bus import measure
 
         for nodes, jobs in E2E_GRID[:1] if args.quick else E2E_GRID:
             print(f"end to end: {nodes} agents, {jobs:,} jobs submitted over the bus",

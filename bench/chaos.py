@@ -200,8 +200,8 @@ class Chaos:
                        # launches per admission, which progress does not reset yet.
                        restart_policy=RestartPolicy(max_restarts=100_000),
                        # A sharded optimizer recovers from snapshots: one every step.
-                       **({"checkpoint": CheckpointPolicy(memory_every_steps=1)}
-                          if self.sharded else {}))
+                       checkpoint=CheckpointPolicy(memory_every_steps=1) if self.sharded
+                       else CheckpointPolicy())
 
     async def finished(self, timeout_s: float) -> JobRecord:
         jobs = await TypedKV.open(self.bus.js, subjects.JOBS_BUCKET, JobRecord)

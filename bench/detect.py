@@ -187,7 +187,7 @@ async def fanout(config: BusConfig, subscribers: int, rounds: int) -> list[float
     buses = [await Bus.connect(config, name=f"fan-{i}") for i in range(subscribers)]
     latencies: list[float] = []
     sent = 0.0
-    got = asyncio.Queue()
+    got: asyncio.Queue[float] = asyncio.Queue()
 
     async def on_fault(_: Fault, __: Delivery) -> None:
         got.put_nowait(time.perf_counter() - sent)
@@ -237,7 +237,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             await cluster.stop()
     figures = {"crash_to_fault": stats(crash), "hang_minus_timeout": stats(hang),
                "node_lost_minus_timeout": stats(node), "fanout_64": stats(fan)}
-    targets = {
+    targets: dict[str, dict[str, Any]] = {
         "crash_p99_ms": {"target": "< 100", "measured": figures["crash_to_fault"]["p99_ms"]},
         "hang_p99_ms": {"target": "< 100", "measured": figures["hang_minus_timeout"]["p99_ms"]},
         "fanout_p99_ms": {"target": "< 10", "measured": figures["fanout_64"]["p99_ms"]},

@@ -55,6 +55,7 @@ async def run(per_subject: int, seed: int) -> dict[str, Any]:
                     alive: Any = await barrage.still_works("fz-probe")
                 except (AssertionError, TimeoutError, OSError) as exc:
                     alive = f"{type(exc).__name__}: {exc}"
+                assert barrage.services is not None  # started with the barrage
                 stopped = [s.name for s in barrage.services.all() if s.stopping]
                 report = barrage.report()
     report.update(per_subject=per_subject, still_works=alive, crashes=len(stopped),

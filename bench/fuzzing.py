@@ -170,7 +170,9 @@ class Fuzzer:
     def document(self, message_type: type[Message]) -> dict[str, Any]:
         """A valid-by-type MessagePack map of ``message_type`` (its cross-field checks may
         still fail, which makes it a bad message like any other)."""
-        doc = self._struct(mi.type_info(message_type), depth=0)
+        info = mi.type_info(message_type)
+        assert isinstance(info, mi.StructType)  # every message is a struct
+        doc = self._struct(info, depth=0)
         doc["type"] = message_type.wire_name()
         if self.rng.random() < 0.7:
             _cohere(doc)
@@ -201,11 +203,11 @@ class Fuzzer:
                                         2**63 - 1, 2**64 - 1 if low >= 0 else -2**63])
                 return value if high is None else min(value, high)  # its type's bounds
             case mi.FloatType():
-                low = t.ge if t.ge is not None else (t.gt if t.gt is not None else -1e308)
-                high = t.le if t.le is not None else (t.lt if t.lt is not None else None)
-                value = rng.choice([low + 1e-9, low + rng.random() * 10, time.time(), 1e308,
-                                    float("inf")])
-                return value if high is None else min(value, high)
+                floor = t.ge if t.ge is not None else (t.gt if t.gt is not None else -1e308)
+                ceiling = t.le if t.le is not None else (t.lt if t.lt is not None else None)
+                drawn = rng.choice([floor + 1e-9, floor + rng.random() * 10, time.time(),
+                                    1e308, float("inf")])
+                return drawn if ceiling is None else min(drawn, ceiling)
             case mi.NoneType():
                 return None
             case mi.BytesType():
@@ -919,7 +921,11 @@ class Barrage:
         barrage's jobs crash, and health cordons a node whose ranks keep crashing."""
         assert self.bus is not None
         node = self.world.node
-        await nodes.modify(node, lambda r: msgspec.structs.replace(r, cordoned=False))
+        def uncordoned(record: NodeRecord | None) -> NodeRecord:
+            assert record is not None, f"{node} left the registry"
+            return msgspec.structs.replace(record, cordoned=False)
+
+        await nodes.modify(node, uncordoned)
         await self.bus.publish(subjects.node_condition(node), NodeConditionChanged(
             node_id=node, condition=NodeCondition.UNCORDONED, reason="fuzz", at=time.time()))
 

@@ -366,7 +366,7 @@ def snapshot_bandwidth(args: argparse.Namespace) -> dict[str, Any]:
     total = state.total
     result: dict[str, Any] = {"state_bytes": total}
 
-    def best(run: Callable[[], None], repeat: int = 3) -> float:
+    def best(run: Callable[[], object], repeat: int = 3) -> float:
         times = []
         for _ in range(repeat):
             sync(on)

@@ -193,8 +193,8 @@ async def run_phalanx(args: argparse.Namespace, workload: Workload, phase: str,
                 env={"PHALANX_RECORD_DIR": str(rec), "PHALANX_CHAOS_KILL": kill},
                 hang_timeout_s=10.0, grace_period_s=5.0, spares=SPARE_PHASES.get(phase, 0),
                 # A sharded optimizer recovers from snapshots: one every step loses nothing.
-                **({"checkpoint": CheckpointPolicy(memory_every_steps=1)}
-                   if args.sharded_optimizer else {}))
+                checkpoint=CheckpointPolicy(memory_every_steps=1) if args.sharded_optimizer
+                else CheckpointPolicy())
             await run_job(bus, spec, f"{workload.name}-{phase}", args.timeout)
     finally:
         cli("down", "--data-dir", str(cluster))
@@ -307,7 +307,7 @@ async def phalanx_step_time(bus: Bus, args: argparse.Namespace, workload: Worklo
         command=[sys.executable, str(workload.script), *workload.options,
                  "--steps", str(args.overhead_steps)],
         env={"PHALANX_RECORD_DIR": str(rec)}, hang_timeout_s=30.0, grace_period_s=5.0,
-        **({} if policy is None else {"checkpoint": policy}))
+        checkpoint=CheckpointPolicy() if policy is None else policy)
     ended = await run_job(bus, spec, rec.name, args.timeout)
     if ended.state is not JobState.FINISHED:
         raise RuntimeError(f"{rec.name} ended {ended.state.value}: {ended.reason}")

@@ -479,7 +479,10 @@ def _judge(nodes: int, gens: list[dict[str, Any]], *, jobs: int,
     for job_id, _ in crash_faults:
         per_job_faults[job_id] += 1
     gen_mismatch = sum(len(fault_generations.get(j, [])) != n for j, n in per_job_faults.items())
-    fanout, fanout_start, fault_to_all, fanout_missed = [], [], [], 0
+    fanout: list[float] = []
+    fanout_start: list[float] = []
+    fault_to_all: list[float] = []
+    fanout_missed = 0
     spreads: list[tuple[float, str, int, int]] = []  # ms, reason, generation, members
     for (job_id, number), (generation, at) in generations.items():
         if at >= rack_at:

@@ -102,7 +102,7 @@ def cli(*args: str) -> None:
 
 
 async def step_time(bus: Bus, args: argparse.Namespace, work: Path, name: str,
-                    every: int | str) -> dict[str, Any]:
+                    every: int | Literal["auto"]) -> dict[str, Any]:
     """One run with ``checkpoint.memory_every_steps`` = ``every``: the mean seconds
     between committed steps (``step_s``: what the job pays, the steps that take a snapshot
     included); the median of the gaps no snapshot precedes (``plain_step_s``) and the

@@ -124,7 +124,9 @@ def kill_hook(state: KillState, bucket: dist.GradBucket) -> torch.futures.Future
     all-reduce is still in flight ``KILL_DELAY_S`` after it was started, or in the
     last bucket if every all-reduce was quicker (only with tiny models).
     """
-    future = default_hooks.allreduce_hook(None, bucket)
+    world = dist.group.WORLD
+    assert world is not None  # the hook runs inside the initialized default group
+    future = default_hooks.allreduce_hook(world, bucket)
     if state.step == state.kill_step:
         time.sleep(KILL_DELAY_S)
         in_flight = not future.done()
@@ -234,8 +236,8 @@ def build_gpt(options: argparse.Namespace, rank: int, world: int,
     if rest or not accumulation:
         raise ValueError(f"--global-batch {options.global_batch} is not a multiple of "
                          f"{world} ranks x --micro-batch {options.micro_batch}")
-    sampler = DistributedSampler(windows, world, rank, shuffle=True, seed=options.seed,
-                                 drop_last=True)
+    sampler: DistributedSampler[int] = DistributedSampler(
+        windows, world, rank, shuffle=True, seed=options.seed, drop_last=True)
     loader = DataLoader(windows, batch_size=options.micro_batch, sampler=sampler,
                         drop_last=True)
     steps_per_epoch = len(loader) // accumulation
