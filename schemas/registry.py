@@ -22,8 +22,8 @@ node was heard; a lone node's silence is its own.
 
 A reader that follows the registry passes ``heard_at``, when it read each heartbeat by
 its own clock (:func:`heard`), as the Kubernetes node controller times a node's lease
-by when it saw it renewed: then an agent's clock may be off by any amount. A one-off reader has only
-the agent's stamp, good while the clocks agree.
+by when it saw it renewed: then an agent's clock may be off by any amount. A one-off
+reader has only the agent's stamp, good while the clocks agree.
 
 Every reader of the registry (admission, the agent, checkpoint placement, ``phalanx
 nodes`` and ``top``) applies this one rule, so it lives in the contract they share.

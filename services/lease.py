@@ -2,10 +2,12 @@
 
 A lease is a :class:`~phalanx.schemas.messages.Lease` record under the
 service's key in the ``phalanx_leases`` bucket. An instance takes it when it is
-absent, expired, or already its own (compare-and-swap: of two instances trying
-at once, one wins), renews it every ``lease_s / 3`` at the revision it last
-wrote, and releases it on a clean stop (a delete conditional on that revision),
-so a standby takes over within ``lease_s`` of a crash and at once after a stop.
+absent, left unrenewed (below), or already its own (compare-and-swap: of two
+instances trying at once, one wins), renews it every ``lease_s / 3`` at the
+revision it last wrote, and releases it on a clean stop (a delete conditional on
+that revision), so a standby takes over at once after a stop, and after a crash
+once it has watched the last renewal for ``lease_s`` (it checks every
+``lease_s / 3``: within ``lease_s * 5 / 3`` of that renewal).
 
 A renewal that finds the lease moved on means another instance leads: the
 leader's work is cancelled at once. A renewal that fails for want of a bus (an

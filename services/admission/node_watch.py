@@ -89,7 +89,7 @@ class NodeWatch:
         if self.silent_since is not None and was_alive is not None:
             return was_alive
         node_id = record.node.node_id
-        read = self.heard.setdefault(node_id, Heard(record.heartbeat_at, now))
+        read = self.heard.setdefault(node_id, heard(None, record, now))
         return view(record, now, self.lost_after_s, watching_since=self.judged_from(node_id),
                     heard_at=read.at).state is NodeState.ALIVE
 

@@ -562,8 +562,10 @@ class AdmissionService(LeaderService[AdmissionTerm]):
         """A node believed alive falls silent with every other such node: judge none lost
         (every job would be requeued at once, more likely for this leader's or the
         network's fault than every node's) until one is heard again."""
+        if not self._hearing(term):
+            return
         believed_alive = self._believed_alive(term)
-        if self._hearing(term) and term.watch.hold(believed_alive, now):
+        if term.watch.hold(believed_alive, now):
             metrics.MASS_SILENCE.labels("admission").set(1)
             log.warning("mass silence: every node (%s) fell silent at once; no node is "
                         "judged lost until one is heard again",
