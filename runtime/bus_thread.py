@@ -13,6 +13,7 @@ arrived (set an event, store a value).
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
 import threading
 from collections.abc import Callable, Coroutine
@@ -26,6 +27,8 @@ from phalanx.schemas.messages import Message
 log = logging.getLogger("phalanx.runtime.bus")
 M = TypeVar("M", bound=Message)
 T = TypeVar("T")
+#: How often a caller waiting on :meth:`BusThread.request` is called back.
+POLL_S = 0.1
 
 
 class BusThread:
@@ -65,6 +68,23 @@ class BusThread:
     def run(self, coroutine: Coroutine[Any, Any, T], timeout_s: float) -> T:
         """Run ``coroutine`` on the bus thread and wait for its result (blocks the caller)."""
         return asyncio.run_coroutine_threadsafe(coroutine, self._loop).result(timeout_s)
+
+    def request(self, subject: str, message: Message, reply_type: type[M], timeout_s: float,
+                waiting: Callable[[], None]) -> M:
+        """:meth:`Bus.request` from the caller's thread, calling ``waiting`` every
+        :data:`POLL_S` until the reply (a rank heartbeats meanwhile: it is not hung).
+
+        Raises:
+            PhalanxError: as :meth:`Bus.request` (no reply in ``timeout_s``: RequestTimeout).
+        """
+        assert self.bus is not None
+        future = asyncio.run_coroutine_threadsafe(
+            self.bus.request(subject, message, reply_type, timeout_s=timeout_s), self._loop)
+        while True:
+            try:
+                return future.result(POLL_S)
+            except concurrent.futures.TimeoutError:
+                waiting()
 
     def publish(self, subject: str, message: Message) -> None:
         """Publish without waiting; a failure is counted in :attr:`dropped`, never raised."""

@@ -7,7 +7,10 @@ runs on every member, in the same order, over the new group:
    the step each committed, and the step a survivor kept a gradient for).
 2. The newest complete snapshot in the members' nodes' memory newer than any
    member's step (:mod:`.snapshot`), then a committed step in durable storage
-   newer than both (:mod:`.durable`), is restored on every member.
+   newer than both (:mod:`.durable`), is restored on every member. When no
+   member holds the step the job had reached, the shards of the newest step in
+   memory that no member's node holds are first fetched onto one
+   (:mod:`.fetch`).
 3. If nothing holds the step the job had reached, the members go on from the
    newest step left (the initial state at worst), and the record says so.
 4. The pure plan (:func:`~.recovery.plan_recovery`): the resume step, a repair
@@ -34,6 +37,7 @@ import torch
 from phalanx.runtime.data import MicroBatch
 from phalanx.runtime.durable import Committed, DurableCorrupt, corrupt_records
 from phalanx.runtime.durable import restore as restore_durable
+from phalanx.runtime.fetch import fetch_missing
 from phalanx.runtime.recovery import MemberProgress, Repair, StateLost, plan_recovery
 from phalanx.runtime.snapshot import restore
 from phalanx.runtime.state import StateTransferError, receive_state, send_state
@@ -94,6 +98,8 @@ def resume(session: ElasticSession, generation: Generation, retained: Retained |
     members_step = max(row.committed for row in rows)
     origin = StateSource.MEMBERS
     restored: int | None = None
+    if members_step < job_step:  # a shard no member's node holds is fetched onto one
+        fetch_missing(s, generation, members_step)
     snapshot = _restore_snapshot(s, generation, members_step)
     if snapshot is not None:
         restored, origin = snapshot

@@ -1165,21 +1165,55 @@ class BuddyPlacement(Message, tag="phalanx.buddy_placement.v1", frozen=True):
 
 
 class ResumeRequest(Message, tag="phalanx.resume_request.v1", frozen=True):
-    """Where can ``job_id`` resume at ``world_size`` replicas?"""
+    """Where can ``job_id`` resume at ``world_size`` replicas?
+
+    ``at_nodes``: the nodes that will restore (a generation's members'): a copy in their
+    memory is nearer than any other. ``memory_only``: only copies in nodes' memory count
+    (own or buddy), as when the members look for what to fetch before a restore."""
 
     job_id: Ident
     world_size: PosInt
+    at_nodes: Annotated[list[Ident], msgspec.Meta(max_length=MAX_REPLICAS)] = []
+    memory_only: bool = False
 
 
 class ResumeAnswer(Message, tag="phalanx.resume_answer.v1", frozen=True):
     """The newest step complete across all its shards (None: none is), and for each
-    shard its nearest healthy copy (own memory, buddy, durable), or why there is none."""
+    shard its nearest healthy copy (on ``at_nodes``, then own memory, buddy, durable),
+    or why there is none. ``held_by``: per shard, every node whose memory holds a
+    healthy copy, nearest first (on ``at_nodes``, then by node id)."""
 
     job_id: Ident
     step: NonNegInt | None = None
     shards: NonNegInt = 0
     sources: list[ShardCopy] = []
+    held_by: list[list[Ident]] = []
     detail: Annotated[str, msgspec.Meta(max_length=DETAIL_CHARS)] = ""
+
+
+class ReplicaFetch(Message, tag="phalanx.replica_fetch.v1", frozen=True):
+    """A rank asks the agent of a node that is not a member's to send the copy it holds
+    of shard ``shard`` of ``shards`` of ``job_id``'s snapshot of ``step`` to the
+    replication listener of node ``to_node``, which keeps it as a replica."""
+
+    job_id: Ident
+    step: NonNegInt
+    shard: NonNegInt
+    shards: PosInt
+    to_node: Ident
+
+    def __post_init__(self) -> None:
+        if self.shard >= self.shards:
+            raise ValueError(f"shard {self.shard} out of range for {self.shards} shards")
+
+
+class ReplicaFetched(Message, tag="phalanx.replica_fetched.v1", frozen=True):
+    """The agent's answer: ``to_node`` took the copy, ``nbytes`` sent in ``seconds``
+    (a copy that is not sent is answered with an error saying why)."""
+
+    node_id: Ident
+    nbytes: NonNegInt
+    seconds: NonNegFloat
 
 
 #: Every top-level message type, in reference order.
@@ -1225,4 +1259,6 @@ ALL_MESSAGES: tuple[type[Message], ...] = (
     BuddyPlacement,
     ResumeRequest,
     ResumeAnswer,
+    ReplicaFetch,
+    ReplicaFetched,
 )

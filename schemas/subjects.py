@@ -194,6 +194,12 @@ def agent_snapshot(node_id: str) -> str:
     return f"{PREFIX}.agent.{token(node_id, 'node id')}.snapshot"
 
 
+def agent_fetch(node_id: str) -> str:
+    """A rank asks a node's agent to send a snapshot copy it holds to a member's node
+    (:class:`~phalanx.schemas.messages.ReplicaFetch`)."""
+    return f"{PREFIX}.agent.{token(node_id, 'node id')}.fetch"
+
+
 #: JetStream KV bucket holding one NodeRecord per registered node.
 NODES_BUCKET = "phalanx_nodes"
 #: JetStream KV bucket holding one JobRecord per submitted job.
@@ -239,7 +245,8 @@ def everything() -> str:
 
 
 def agent_endpoints(node_id: str) -> str:
-    """Wildcard over the request endpoints of one node's agent (status, launch, stop, chaos)."""
+    """Wildcard over the request endpoints of one node's agent (status, launch, stop, chaos,
+    snapshot, fetch)."""
     return f"{PREFIX}.agent.{token(node_id, 'node id')}.*"
 
 

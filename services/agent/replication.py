@@ -532,9 +532,29 @@ class ReplicaSender:
             self.sent[path] = _key(header)
         return taken
 
-    async def _send(self, address: Address, path: Path, listed: Header) -> str | None:
-        """Stream the buffer at ``path``; the buddy's answer ("" taken), None if the buffer
-        no longer holds the snapshot ``listed`` names."""
+    async def send_copy(self, address: Address, path: Path, listed: Header,
+                        owner: str) -> str:
+        """Stream one copy held here (``owner``'s ring buffer or a replica of it) to the
+        listener at ``address`` on a connection of its own, not the buddy's: its answer
+        ("" taken, else why not).
+
+        Raises:
+            OSError, TimeoutError, asyncio.IncompleteReadError, ConnectionError: the
+                listener could not be reached, or the stream broke.
+        """
+        once = ReplicaSender(self.store, self.node_id, _no_buddy, key=self.key, tls=self.tls)
+        try:
+            problem = await once._send(address, path, listed, owner)
+        finally:
+            await once.close()
+        self.sent_bytes += once.sent_bytes
+        return f"{path.name} was overwritten meanwhile" if problem is None else problem
+
+    async def _send(self, address: Address, path: Path, listed: Header,
+                    owner: str | None = None) -> str | None:
+        """Stream the buffer at ``path`` (a ring of ``owner``'s, by default this node's);
+        the listener's answer ("" taken), None if the buffer no longer holds the snapshot
+        ``listed`` names."""
         with path.open("rb") as f:
             block = f.read(snapshot_file.HEADER_BYTES)
             try:
@@ -545,7 +565,7 @@ class ReplicaSender:
                 return None
             reader, writer, handshake = await self._connect(address)
             payload = header.meta_length + header.length
-            offer = pack_offer(self.node_id, path.name, payload)
+            offer = pack_offer(owner or self.node_id, SnapshotStore.ring_of(path), payload)
             writer.write(offer + block + handshake.seal(offer, block))
             left = payload
             while left:
@@ -603,6 +623,10 @@ class ReplicaSender:
             writer.close()
             with contextlib.suppress(Exception):
                 await writer.wait_closed()
+
+
+async def _no_buddy() -> Address | None:
+    return None
 
 
 def _key(header: Header) -> tuple[int, int, int]:

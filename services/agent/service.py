@@ -67,6 +67,8 @@ from phalanx.schemas.messages import (
     NodeStatusRequest,
     RankExited,
     RankStarted,
+    ReplicaFetch,
+    ReplicaFetched,
     ReplicaReply,
     SnapshotRecord,
     SnapshotReservation,
@@ -253,6 +255,8 @@ class AgentService(Service):
                                 StopReplica, self.on_stop, concurrent=True)
         await self.add_endpoint("snapshot", subjects.agent_snapshot(self.config.node_id),
                                 SnapshotReserve, self.on_snapshot)
+        await self.add_endpoint("fetch", subjects.agent_fetch(self.config.node_id),
+                                ReplicaFetch, self.on_fetch, concurrent=True)
         # Records published while disconnected were missed: read them all again after.
         self.bus.on_reconnect(self._on_reconnect)
         self.spawn(self.heartbeat_loop(), "heartbeat")
@@ -518,6 +522,42 @@ class AgentService(Service):
             raise RequestRefused("507", str(exc)) from None
         return SnapshotReservation(node_id=self.config.node_id, paths=[str(p) for p in paths],
                                    detail=f"{len(paths)} x {request.nbytes} B")
+
+    async def on_fetch(self, request: ReplicaFetch, _: Delivery) -> ReplicaFetched:
+        """Send the copy this node holds of a snapshot shard to another node's replication
+        listener, for a generation about to restore there (404: no committed copy here,
+        or no such node; 409: the node is this one; 503: it could not be sent)."""
+        node = self.config.node_id
+        what = (f"shard {request.shard}/{request.shards} of {request.job_id} step "
+                f"{request.step}")
+        if request.to_node == node:
+            raise RequestRefused("409", f"{what} is asked for {node}, which is this node")
+        found = self.snapshots.copy_of(request.job_id, request.step, request.shards,
+                                       request.shard)
+        if found is None:
+            raise RequestRefused("404", f"{node} holds no committed copy of {what}")
+        assert self.nodes is not None
+        record, _revision = await self.nodes.current(request.to_node)
+        if record is None or not record.node.replica_port:
+            raise RequestRefused("404", f"node {request.to_node} is not registered with a "
+                                        "replication listener")
+        path, header, owner = found
+        address = (request.to_node, record.node.host, record.node.replica_port)
+        started = time.monotonic()
+        try:
+            problem = await self.sender.send_copy(address, path, header, owner or node)
+        except (OSError, TimeoutError, asyncio.IncompleteReadError) as exc:
+            problem = f"sending to {address[1]}:{address[2]} failed: {exc!r}"
+        if problem:
+            log.warning("fetch refused", extra={"job": request.job_id, "what": what,
+                                                "to": request.to_node, "reason": problem})
+            raise RequestRefused("503", f"{what} not taken by {request.to_node}: {problem}")
+        seconds = time.monotonic() - started
+        log.info("fetched", extra={"job": request.job_id, "what": what, "to": request.to_node,
+                                   "bytes": header.meta_length + header.length,
+                                   "seconds": round(seconds, 3)})
+        return ReplicaFetched(node_id=node, nbytes=header.meta_length + header.length,
+                              seconds=seconds)
 
     async def on_chaos(self, request: ChaosRequest, _: Delivery) -> ChaosReply:
         """Inject a fault the way a user would: kill a rank, kill or pause this agent."""

@@ -57,6 +57,7 @@ from pathlib import Path
 from phalanx.schemas import snapshot_file
 from phalanx.schemas.errors import PhalanxError
 from phalanx.schemas.messages import SnapshotReserve
+from phalanx.schemas.snapshot_file import Header
 
 log = logging.getLogger("phalanx.agent.snapshots")
 _RING_FILE = re.compile(r"^w(?P<shards>\d+)-s(?P<shard>\d+)\.(?P<i>\d+)$")
@@ -197,22 +198,39 @@ class SnapshotStore:
         for path in directory.iterdir() if directory.is_dir() else []:
             replica = _REPLICA_FILE.match(path.name)
             if (replica["source"] if replica else None) == source and \
-                    _RING_FILE.match(self._ring_of(path)):
+                    _RING_FILE.match(self.ring_of(path)):
                 found.append(path)
         return found
 
     @staticmethod
-    def _ring_of(path: Path) -> str:
+    def ring_of(path: Path) -> str:
+        """The ring buffer's name of a file of the store (a replica's name adds its source)."""
         replica = _REPLICA_FILE.match(path.name)
         return replica["ring"] if replica else path.name
 
     @classmethod
     def _shards_of(cls, path: Path) -> int:
         """The shard count of the ring buffer file at ``path`` (one :meth:`_rings` found)."""
-        ring = _RING_FILE.match(cls._ring_of(path))
+        ring = _RING_FILE.match(cls.ring_of(path))
         if ring is None:
             raise ValueError(f"{path.name} is not a ring buffer file")
         return int(ring["shards"])
+
+    def copy_of(self, job_id: str, step: int, shards: int, shard: int
+                ) -> tuple[Path, Header, str | None] | None:
+        """A committed copy held here of shard ``shard`` of ``shards`` of ``job_id``'s
+        snapshot of ``step``: its file, its header, and whose ring it is a replica of
+        (None: this node's own ring); None if this node holds none."""
+        directory = self.job_dir(job_id)
+        for path in sorted(directory.iterdir()) if directory.is_dir() else []:
+            ring = _RING_FILE.match(self.ring_of(path))
+            if ring is None or (int(ring["shards"]), int(ring["shard"])) != (shards, shard):
+                continue
+            header = snapshot_file.committed_header(path)
+            if header is not None and header.step == step:
+                replica = _REPLICA_FILE.match(path.name)
+                return path, header, replica["source"] if replica else None
+        return None
 
     def own_rings(self) -> list[Path]:
         """Every ring buffer file of this node's own ranks, of every job."""

@@ -247,6 +247,9 @@ def permissions(role: Role, scope: str | None = None) -> Permissions:
             g.sub(job(s.job_generation), job(s.job_fault), job(s.health_job_ranks))
             g.pub(job(s.health_job_ranks), job(s.replica_ready), job(s.generation_applied),
                   job(s.generation_given_up), job(s.ckpt_snapshot), s.any_id(s.agent_snapshot))
+            # Before a restore: where the job's snapshots are, and copies of them fetched
+            # onto the members' nodes (agent to agent: the bytes never pass through here).
+            g.pub(s.ckpt_resume(), s.any_id(s.agent_fetch))
             g.read_bucket(s.GENERATIONS_BUCKET, watch=False)
         case Role.CLI:
             g.sub(s.everything())

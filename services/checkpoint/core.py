@@ -39,7 +39,10 @@ The rules, each a pure function of the catalog and one input:
   then durable storage (lowest node id, or location, among equals). The state is split
   flat (shard r of n is bytes ``[r·N/n, (r+1)·N/n)``), so a step taken at any
   world size can be restored at any other: the world size asked for does not
-  narrow the answer.
+  narrow the answer. Asked by the members of a generation about to restore
+  (``at_nodes``, ``memory_only``), a copy in their nodes' memory comes first,
+  and every node holding each shard in memory is listed: a shard none of them
+  holds is fetched from one of those (:mod:`phalanx.runtime.fetch`).
 
 :class:`CheckpointCore` keeps the catalogs of every job and says which ones
 changed (to store) or lost every copy (to delete); its state is nothing but the stored
@@ -50,7 +53,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections import Counter
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 
 import msgspec
 
@@ -157,21 +160,37 @@ def ended(catalog: CheckpointCatalog) -> CheckpointCatalog | None:
     return msgspec.structs.replace(catalog, steps=steps) if steps else None
 
 
-def resume_answer(catalog: CheckpointCatalog | None, job_id: str,
-                  world_size: int) -> ResumeAnswer:
-    """From which step, and which copy of each shard, ``job_id`` can resume."""
-    steps = [] if catalog is None else [s for s in catalog.steps if complete(s)]
+def resume_answer(catalog: CheckpointCatalog | None, job_id: str, world_size: int, *,
+                  at_nodes: Collection[str] = (), memory_only: bool = False) -> ResumeAnswer:
+    """From which step, and which copy of each shard, ``job_id`` can resume.
+
+    ``at_nodes``: the nodes that will restore; a copy in their memory comes first.
+    ``memory_only``: durable copies do not count (neither for completeness nor as
+    sources)."""
+    kind = in_memory if memory_only else None
+    steps = [] if catalog is None else [s for s in catalog.steps if complete(s, kind)]
     if not steps:
         seen = 0 if catalog is None else len(catalog.steps)
+        where = "in memory " if memory_only else ""
         return ResumeAnswer(job_id=job_id, detail=(
-            f"no complete step of {job_id} is known ({seen} incomplete)" if seen
+            f"no step of {job_id} is known complete {where}({seen} incomplete)" if seen
             else f"no snapshot of {job_id} is known"))
     best = max(steps, key=lambda s: (s.step, -s.shards))
-    sources = []
+    here = set(at_nodes)
+
+    def nearness(c: ShardCopy) -> tuple[bool, int, str]:
+        return (not (in_memory(c) and c.node_id in here), TIER_ORDER[c.tier], place(c))
+
+    sources, held_by = [], []
     for shard in range(best.shards):
-        healthy = [c for c in best.copies if c.shard == shard and not c.corrupt]
-        sources.append(min(healthy, key=lambda c: (TIER_ORDER[c.tier], place(c))))
+        healthy = sorted((c for c in best.copies if c.shard == shard and not c.corrupt
+                          and (kind is None or kind(c))), key=nearness)
+        sources.append(healthy[0])
+        held_by.append(list(dict.fromkeys(
+            c.node_id for c in sorted(healthy, key=lambda c: (nearness(c)[0], c.node_id))
+            if in_memory(c))))
     return ResumeAnswer(job_id=job_id, step=best.step, shards=best.shards, sources=sources,
+                        held_by=held_by,
                         detail=f"step {best.step}: {best.shards} shards of "
                                f"{best.total_bytes} B, restorable at world size {world_size}")
 

@@ -87,7 +87,8 @@ class CheckpointService(LeaderService[core.CheckpointCore]):
     async def on_resume(self, request: ResumeRequest, _: Delivery) -> ResumeAnswer:
         entry = await self.catalogs.get(request.job_id)
         return core.resume_answer(None if entry is None else entry.value, request.job_id,
-                                  request.world_size)
+                                  request.world_size, at_nodes=request.at_nodes,
+                                  memory_only=request.memory_only)
 
     def begin_term(self) -> core.CheckpointCore:
         return core.CheckpointCore()

@@ -115,3 +115,70 @@ async def test_a_node_and_every_rank_lost_the_job_resumes_from_the_buddys_replic
     for generation in (g for g in generations if g.generation in restored_in):
         assert {m.node_id for m in generation.members} == {SURVIVOR}, generation
     check_run(rec, tmp_path / "final.pt", reference)
+
+
+async def test_a_lost_nodes_shards_are_fetched_from_a_buddy_that_runs_no_member(
+        data_dir: Path, reference: dict, tmp_path: Path,
+        tmp_path_factory: pytest.TempPathFactory) -> None:
+    """Three nodes: the job runs on A and C (domain-0), and their buddy B (domain-1, the
+    only node in another domain) is cordoned, so it runs none of the job's ranks but
+    keeps A's replicas. A dies with its memory and C's ranks are killed: the job starts
+    again on C alone, whose node lacks A's shards. The members fetch them from B's agent
+    onto C before restoring, and resume at the newest step complete in memory."""
+    lost, buddy, survivor = "local-0", "local-1", "local-2"
+    cluster_dir = tmp_path_factory.mktemp("cluster")
+    stores = {node: default_root(node, cluster_dir / "agents" / node)
+              for node in (lost, survivor)}
+    before: dict = {}
+    async with watched_cluster(cluster_dir, agents=3) as cluster:
+        _, bus, _ = cluster
+        phalanx("node", "cordon", buddy, "--data-dir", str(cluster_dir))
+        replicated: set[tuple[int, int, int, str]] = set()
+        arrived = asyncio.Event()
+
+        async def on_snapshot(announced: SnapshotRecord, _) -> None:
+            if announced.tier is SnapshotTier.BUDDY and announced.node_id == buddy:
+                replicated.add((announced.step, announced.num_shards, announced.shard,
+                                announced.checksum))
+                arrived.set()
+
+        async def node_lost(job_id: str, watch: Watch) -> None:
+            await progressed(watch, job_id, 20)
+            ranks = {node: running_in_manifest(cluster_dir / "agents" / node / "ranks.json")
+                     for node in (lost, survivor)}
+            assert [len(r) for r in ranks.values()] == [2, 2], ranks
+            for rank in ranks[lost] + ranks[survivor]:
+                os.kill(rank["pid"], signal.SIGSTOP)
+            lost_own = await until_replicated(stores[lost] / job_id, replicated, arrived)
+            before["all"] = set(lost_own) | set(committed(stores[survivor] / job_id, "w"))
+            before["survivor"] = set(committed(stores[survivor] / job_id))
+            phalanx("chaos", "kill-agent", lost, "--data-dir", str(cluster_dir))
+            for rank in ranks[lost] + ranks[survivor]:
+                os.kill(rank["pid"], signal.SIGKILL)
+            shutil.rmtree(stores[lost], ignore_errors=True)
+
+        await bus.subscribe(subjects.any_id(subjects.ckpt_snapshot), SnapshotRecord,
+                            on_snapshot)
+        rec, generations = await run_job(
+            cluster, data_dir, tmp_path, "fetch", node_lost, steps=STEPS,
+            spec={"hang_timeout_s": 60.0,
+                  "checkpoint": CheckpointPolicy(memory_every_steps=1)})
+    newest = newest_complete(before["all"])
+    assert newest is not None and newest < STEPS - 1, "the job ended before the loss"
+    # The survivor's node alone held no complete step: A's shards had to come from B.
+    assert newest_complete(before["survivor"]) is None, before
+    records = record.read(rec)
+    lines = [line for replica in records.values() for line in replica]
+    restores = [line for line in lines if line["kind"] == "restore"]
+    fetches = [line for line in lines if line["kind"] == "fetch"]
+    assert restores and {line["step"] for line in restores} == {newest}, (restores, newest)
+    assert all(line["tier"] == "memory" and line["corrupt"] == [] for line in restores)
+    # Each of A's two shards was fetched once, by one member, with the step restored.
+    assert fetches and {line["step"] for line in fetches} == {newest}, fetches
+    assert sorted(s for line in fetches for s in line["shards"]) == \
+        sorted(s for line in fetches for s in line["wanted"]), fetches
+    assert len([s for line in fetches for s in line["shards"]]) == 2, fetches
+    restored_in = {line["generation"] for line in restores}
+    for generation in (g for g in generations if g.generation in restored_in):
+        assert {m.node_id for m in generation.members} == {survivor}, generation
+    check_run(rec, tmp_path / "final.pt", reference)

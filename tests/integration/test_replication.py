@@ -131,6 +131,47 @@ async def test_committed_buffers_reach_the_buddy_committed_and_listed(tmp_path) 
         assert snapshot_file.committed_header(replicas[0]).step == 7
 
 
+async def test_a_copy_held_here_is_sent_on_its_own_connection_as_its_owners_replica(
+        tmp_path) -> None:
+    """A fetch before a restore: a's own buffer and a's replica of node c's buffer each
+    reach b as a replica of their owner's ring, committed and checksum-equal, without
+    touching the buddy stream; what a does not hold is not found."""
+    async with Pair(tmp_path) as pair:
+        own = pair.ring(shard=0)
+        commit(own[0], 5, 0, 2)
+        mirror = pair.a.replica_path(JOB, "c", "w2-s1.0")
+        mirror.parent.mkdir(parents=True, exist_ok=True)
+        mirror.write_bytes(bytes(own[0].stat().st_size))
+        commit(mirror, 5, 1, 2)
+        address = ("b", "127.0.0.1", pair.port)
+        for shard, owner in ((0, None), (1, "c")):
+            found = pair.a.copy_of(JOB, 5, 2, shard)
+            assert found is not None and found[2] == owner
+            path, header, _ = found
+            assert await pair.sender.send_copy(address, path, header, owner or "a") == ""
+        assert pair.sender.stream is None  # the buddy's connection was never opened
+        assert sorted(p.name for p in pair.b.job_dir(JOB).iterdir()) == [
+            "buddy.a.w2-s0.0", "buddy.c.w2-s1.0"]
+        for source in (own[0], mirror):
+            replica = pair.b.job_dir(JOB) / f"buddy.{'c' if source == mirror else 'a'}." \
+                f"{SnapshotStore.ring_of(source)}"
+            header = snapshot_file.read_header(replica.read_bytes())
+            assert header == snapshot_file.read_header(source.read_bytes())
+            snapshot_file.verify(memoryview(bytearray(replica.read_bytes())), header)
+        assert {(h.step, h.shard) for h in held_in(pair.b.job_dir(JOB), JOB)} == {
+            (5, 0), (5, 1)}
+        assert pair.a.copy_of(JOB, 6, 2, 0) is None  # no such step
+        assert pair.a.copy_of(JOB, 5, 4, 0) is None  # another membership
+        assert pair.a.copy_of("other", 5, 2, 0) is None
+        # A copy of b's own ring is refused by b, saying why.
+        mirror_of_b = pair.a.replica_path(JOB, "b", "w2-s0.1")
+        mirror_of_b.write_bytes(bytes(own[0].stat().st_size))
+        commit(mirror_of_b, 6, 0, 2)
+        path, header, owner = pair.a.copy_of(JOB, 6, 2, 0)
+        assert owner == "b"
+        assert "no replica of itself" in await pair.sender.send_copy(address, path, header, "b")
+
+
 BAD_INPUTS = [
     (lambda offer, block, payload: b"GET / HTTP/1.1\r\n" + bytes(400), "not a phalanx"),
     (lambda offer, block, payload: offer[:7] + bytes([9]) + offer[8:] + block + NO_MAC

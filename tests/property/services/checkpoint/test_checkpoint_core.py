@@ -119,3 +119,35 @@ def test_the_catalog_answers_from_healthy_complete_steps_and_restores(
                                                        False, 1))) == []
     assert live.handle(core.SnapshotAnnounced(late)) != []
     assert live.resume(JOB, 2).step == 13
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(records, max_size=40), st.sets(st.integers(0, 2)), st.booleans())
+def test_members_asking_from_their_nodes_get_their_own_copies_first_and_every_holder(
+        events, members, memory_only) -> None:
+    """Asked from the nodes of a generation's members (what to fetch before a restore):
+    a shard one of them holds in memory is sourced there, ``held_by`` lists exactly
+    the nodes holding each shard in memory (members' first), and with ``memory_only``
+    the step is the newest complete in memory, from memory copies only."""
+    catalog = replay(events, 3, 3)
+    at_nodes = [f"n{m}" for m in sorted(members)]
+    answer = core.resume_answer(catalog, JOB, 2, at_nodes=at_nodes, memory_only=memory_only)
+    kind = core.in_memory if memory_only else None
+    complete = [] if catalog is None else [s for s in catalog.steps if core.complete(s, kind)]
+    if answer.step is None:
+        assert complete == []
+        return
+    assert answer.step == max(s.step for s in complete)
+    entry = next(s for s in complete if (s.step, s.shards) == (answer.step, answer.shards))
+    assert len(answer.sources) == len(answer.held_by) == entry.shards
+    for shard, (source, holders) in enumerate(zip(answer.sources, answer.held_by,
+                                                  strict=True)):
+        healthy = [c for c in entry.copies if c.shard == shard and not c.corrupt]
+        in_memory = {c.node_id for c in healthy if core.in_memory(c)}
+        assert source.shard == shard and not source.corrupt
+        assert not memory_only or core.in_memory(source)
+        assert sorted(holders) == sorted(in_memory) and len(set(holders)) == len(holders)
+        ours = [n for n in holders if n in at_nodes]
+        assert holders[:len(ours)] == ours  # the members' nodes first
+        if ours:
+            assert core.in_memory(source) and source.node_id in at_nodes
