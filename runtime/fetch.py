@@ -20,7 +20,11 @@ copies travel in parallel and each member waits for its own share only.
 
 Everything here is best effort: a catalog that cannot be asked, a holder that
 is gone or refuses, a copy overwritten meanwhile, is logged and skipped; the
-restore then works from what the members' nodes hold, as before. The catalog
+restore then works from what the members' nodes hold, as before. A member
+waits for its fetches at most :data:`FETCH_SHARE` of the collective timeout,
+so that the members meet in the restore's first collective before it times
+out and the generation is not given up for a slow copy (one still under way
+lands anyway, for a later restore). The catalog
 may also be behind the stores (a ring overwrote a buffer it lists): the
 restore's own agreement on what the members hold decides, never the catalog.
 """
@@ -51,8 +55,9 @@ log = logging.getLogger("phalanx.runtime")
 
 #: How long the checkpoint service may take to say where the job's snapshots are.
 CATALOG_TIMEOUT_S = 5.0
-#: How long one shard's copy may take to reach this node (sent agent to agent).
-FETCH_TIMEOUT_S = 60.0
+#: The share of the collective timeout a member may spend on its fetches: the members
+#: then meet in the restore's first collective, which must not time out waiting for one.
+FETCH_SHARE = 0.8
 
 
 @dataclasses.dataclass(frozen=True)
@@ -103,13 +108,20 @@ def fetch_missing(s: ElasticSession, generation: Generation, newer_than: int) ->
         return None
     mine = plan_fetches(answer, set(at_nodes), s.rank, s.world_size)
     started, taken, nbytes, failed = time.monotonic(), [], 0, []
+    deadline = started + FETCH_SHARE * s.timeout.total_seconds()
     for shard, holders in mine:
         for holder in holders:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                # A copy still under way lands all the same: a later restore finds it.
+                failed.append(f"shard {shard}: no time left (collective timeout "
+                              f"{s.timeout.total_seconds():g} s)")
+                break
             request = ReplicaFetch(job_id=s.job_id, step=answer.step, shard=shard,
                                    shards=answer.shards, to_node=s.node_id)
             try:
                 reply = s.bus.request(subjects.agent_fetch(holder), request, ReplicaFetched,
-                                      FETCH_TIMEOUT_S, s._heartbeat)
+                                      left, s._heartbeat)
             except (PhalanxError, OSError) as exc:
                 failed.append(f"shard {shard} from {holder}: {exc}")
                 log.warning("%s: shard %d of step %d not fetched from %s: %s", s.replica_id,
