@@ -12,6 +12,10 @@ Then, in this process, over 127.0.0.1:
 * **replication over TLS**: the same, with the replication certificate of a cluster made
   for the run (``phalanx auth init``'s): mutual TLS 1.3, as ``phalanx up --secure`` and
   the Kubernetes agents run it.
+* **a fetch**: the same buffer sent as an agent answers a rank's fetch before a
+  restore (:meth:`ReplicaSender.send_copy`): one copy on a connection of its own, so
+  the connection and its handshake (and TLS's) are in the figure; in the clear and
+  over TLS.
 * **plain TCP copy**: the same bytes from memory, in the same chunks, over a kept
   connection, received straight into a preallocated buffer (a buffered protocol, as
   the listener receives), then a one-byte answer.
@@ -78,7 +82,7 @@ def snapshot(store: SnapshotStore, nbytes: int) -> Path:
 
 
 async def replication_s(source: SnapshotStore, target: SnapshotStore, repeat: int,
-                        tls_dir: Path | None = None) -> list[float]:
+                        tls_dir: Path | None = None, fetch: bool = False) -> list[float]:
     async def announce(_: SnapshotRecord) -> None:
         pass
 
@@ -96,7 +100,13 @@ async def replication_s(source: SnapshotStore, target: SnapshotStore, repeat: in
         for _ in range(repeat):
             sender.sent.clear()  # send the same buffer again
             started = time.perf_counter()
-            if await sender.send_pending() != 1:
+            if fetch:  # as an agent answers a fetch: one copy, on a connection of its own
+                path, header = next((p, h) for p in source.own_rings()
+                                    if (h := snapshot_file.committed_header(p)) is not None)
+                if await sender.send_copy(("buddy", "127.0.0.1", port), path, header,
+                                          "node"):
+                    raise RuntimeError("the member's node did not take the copy")
+            elif await sender.send_pending() != 1:
                 raise RuntimeError("the buddy did not take the replica")
             times.append(time.perf_counter() - started)
     finally:
@@ -160,14 +170,20 @@ def measure(nbytes: int, repeat: int) -> dict[str, Any]:
         tls.make_ca_and_server_cert(tls_dir, ["127.0.0.1"])
         tls.make_replication_cert(tls_dir)
         encrypted = asyncio.run(replication_s(source, target, repeat, tls_dir))
+        fetched = asyncio.run(replication_s(source, target, repeat, fetch=True))
+        fetched_tls = asyncio.run(replication_s(source, target, repeat, tls_dir, fetch=True))
         copied = asyncio.run(tcp_copy_s(payload, repeat))
     mb = len(payload) / 1e6
     return {"replica_bytes": len(payload),
             "replication_s": statistics.median(replicated),
             "replication_tls_s": statistics.median(encrypted),
+            "fetch_s": statistics.median(fetched),
+            "fetch_tls_s": statistics.median(fetched_tls),
             "tcp_copy_s": statistics.median(copied),
             "replication_MBps": mb / statistics.median(replicated),
             "replication_tls_MBps": mb / statistics.median(encrypted),
+            "fetch_MBps": mb / statistics.median(fetched),
+            "fetch_tls_MBps": mb / statistics.median(fetched_tls),
             "tcp_copy_MBps": mb / statistics.median(copied)}
 
 
@@ -191,6 +207,10 @@ def main() -> int:
                f"| the same over mutual TLS 1.3 (the replication certificate) | "
                f"{report['replication_tls_s'] * 1000:.1f} | "
                f"{report['replication_tls_MBps']:.0f} |\n"
+               f"| a fetch before a restore (the same, on a new connection: handshake "
+               f"included) | {report['fetch_s'] * 1000:.1f} | {report['fetch_MBps']:.0f} |\n"
+               f"| the fetch over mutual TLS 1.3 | {report['fetch_tls_s'] * 1000:.1f} | "
+               f"{report['fetch_tls_MBps']:.0f} |\n"
                f"| plain TCP copy | {report['tcp_copy_s'] * 1000:.1f} | "
                f"{report['tcp_copy_MBps']:.0f} |\n")
     print(json.dumps(report))
