@@ -8,9 +8,9 @@ runs on every member, in the same order, over the new group:
 2. The newest complete snapshot in the members' nodes' memory newer than any
    member's step (:mod:`.snapshot`), then a committed step in durable storage
    newer than both (:mod:`.durable`), is restored on every member. When no
-   member holds the step the job had reached, the shards of the newest step in
-   memory that no member's node holds are first fetched onto one
-   (:mod:`.fetch`).
+   member holds the step the job had reached (or any trained step: a job
+   admitted again), the shards of the newest step in memory that no member's
+   node holds are first fetched onto one (:mod:`.fetch`).
 3. If nothing holds the step the job had reached, the members go on from the
    newest step left (the initial state at worst), and the record says so.
 4. The pure plan (:func:`~.recovery.plan_recovery`): the resume step, a repair
@@ -98,7 +98,9 @@ def resume(session: ElasticSession, generation: Generation, retained: Retained |
     members_step = max(row.committed for row in rows)
     origin = StateSource.MEMBERS
     restored: int | None = None
-    if members_step < job_step:  # a shard no member's node holds is fetched onto one
+    # No member holds the step the job reached, or any trained step (a job admitted
+    # again starts its count afresh): a shard no member's node holds is fetched onto one.
+    if members_step < job_step or members_step == 0:
         fetch_missing(s, generation, members_step)
     snapshot = _restore_snapshot(s, generation, members_step)
     if snapshot is not None:

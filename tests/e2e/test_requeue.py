@@ -77,3 +77,50 @@ async def test_a_preempted_job_admitted_again_resumes_at_once_from_memory(
     assert [(g["generation"], g["reason"]) for g in job["earlier_history"]] == [(0, "start")]
     assert job["history"][0]["generation"] == 0
     assert job["history"][0]["restored_from"] in ("memory", "buddy"), job["history"][0]
+
+
+async def test_a_preempted_job_admitted_on_another_node_fetches_its_memory_there(
+        data_dir: Path, reference: dict, tmp_path: Path,
+        tmp_path_factory: pytest.TempPathFactory) -> None:
+    """Three nodes: the job runs on A alone (B and C cordoned), is preempted by a job
+    taking A and C, and is admitted again on C alone (A cordoned meanwhile). Its
+    snapshots are in A's memory and A's buddy B's, neither of which runs a member: the
+    members fetch them onto C and resume from memory, not from the start."""
+    a, b, c = "local-0", "local-1", "local-2"
+    async with watched_cluster(tmp_path_factory.mktemp("cluster"), agents=3) as cluster:
+        data, bus, _ = cluster
+        for node in (b, c):
+            phalanx("node", "cordon", node, "--data-dir", str(data))
+        seen: dict[str, object] = {}
+
+        async def preempt(job_id: str, watch: Watch) -> None:
+            await progressed(watch, job_id, 10)
+            phalanx("node", "uncordon", c, "--data-dir", str(data))
+            await AdmissionClient(bus).submit(JobSpec(
+                name="preemptor", team="t", priority_class="high",
+                replicas=ReplicaRange(min=4, max=4), command=["sleep", "5"]), "preemptor-1")
+            await next_of(watch.states, lambda r: r.job_id == job_id
+                          and r.state is JobState.PENDING, 60)
+            phalanx("node", "cordon", a, "--data-dir", str(data))
+            seen["again"] = await next_of(watch.generations, lambda g: g.job_id == job_id, 90)
+
+        rec, _ = await run_job(
+            cluster, data_dir, tmp_path, "moved", preempt,
+            spec={"replicas": ReplicaRange(min=2, max=2), "priority_class": "low",
+                  "checkpoint": CheckpointPolicy(memory_every_steps=1)})
+    again = seen["again"]
+    assert {m.node_id for m in again.members} == {c}, again  # type: ignore[attr-defined]
+    lines = [line for replica in record.read(rec).values() for line in replica
+             if line.get("admission") == 2]
+    restores = [line for line in lines if line["kind"] == "restore"]
+    fetches = [line for line in lines if line["kind"] == "fetch"]
+    assert restores and all(line["tier"] == "memory" for line in restores), restores
+    [step] = {line["step"] for line in restores}
+    assert step >= 10, restores  # not from the start
+    # Both of A's shards came onto C, one per member, of the step restored.
+    assert {line["step"] for line in fetches} == {step}, fetches
+    assert sorted(s for line in fetches for s in line["shards"]) == [0, 1], fetches
+    assert record.verify(record.read(rec), ORDER, reference["steps"]) == []
+    params = torch.load(tmp_path / "final.pt")
+    for name, value in reference["params"].items():
+        torch.testing.assert_close(params[name], value, rtol=1e-6, atol=1e-7)
