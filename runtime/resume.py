@@ -117,6 +117,12 @@ def resume(session: ElasticSession, generation: Generation, retained: Retained |
                         job_step - restored)
         job_step = min(job_step, restored)
     newest = max(row.committed for row in rows)
+    if restored is None and newest == 0 and job_step == 0 and s.admission > 1 \
+            and generation.generation == 0:
+        # Admitted again, its count started afresh: nothing says what the earlier
+        # admissions reached, but no member and no tier holds any trained step.
+        origin = StateSource.START
+        _started_over(s, generation)
     if 0 <= newest < job_step:
         # No member and no tier holds the step the job reached (every holder died with
         # its memory, snapshots off or not yet taken): go on from the newest step that
@@ -190,6 +196,18 @@ def _state_lost(s: ElasticSession, generation: Generation, reached: int, newest:
     if s._record is not None:
         s._record.write(kind="restore", generation=generation.generation, step=newest,
                         tier=origin.value, reached=reached, state_bytes=0,
+                        seconds=0.0, corrupt=[])
+
+
+def _started_over(s: ElasticSession, generation: Generation) -> None:
+    """A job admitted again (admission ``s.admission``) whose members and tiers hold no
+    trained step: it trains from step 0, and says so (its history: from ``start``)."""
+    log.error("%s: job %s is admitted again (admission %d) and no member and no "
+              "checkpoint tier holds a step of it: it trains from step 0", s.replica_id,
+              s.job_id, s.admission)
+    if s._record is not None:
+        s._record.write(kind="restore", generation=generation.generation, step=0,
+                        tier=StateSource.START.value, reached=None, state_bytes=0,
                         seconds=0.0, corrupt=[])
 
 

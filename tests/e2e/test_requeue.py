@@ -124,3 +124,34 @@ async def test_a_preempted_job_admitted_on_another_node_fetches_its_memory_there
     params = torch.load(tmp_path / "final.pt")
     for name, value in reference["params"].items():
         torch.testing.assert_close(params[name], value, rtol=1e-6, atol=1e-7)
+
+
+async def test_a_job_admitted_again_with_no_state_left_says_it_starts_over(
+        cluster, data_dir: Path, reference: dict, tmp_path: Path) -> None:
+    """Without snapshots nothing holds a preempted job's state: admitted again, it trains
+    from step 0 (to the run alone's model), and its history says so (``start``) where
+    it said nothing before."""
+    data, bus, _ = cluster
+
+    async def preempt(job_id: str, watch: Watch) -> None:
+        await progressed(watch, job_id, 10)
+        await AdmissionClient(bus).submit(JobSpec(
+            name="preemptor", team="t", priority_class="high",
+            replicas=ReplicaRange(min=4, max=4), command=["sleep", "1"]), "preemptor-2")
+        await next_of(watch.states, lambda r: r.job_id == job_id
+                      and r.state is JobState.PENDING, 60)
+
+    rec, _ = await run_job(
+        cluster, data_dir, tmp_path, "lost", preempt,
+        spec={"replicas": ReplicaRange(min=4, max=4), "priority_class": "low",
+              "checkpoint": CheckpointPolicy(memory_every_steps=0)})
+    params = torch.load(tmp_path / "final.pt")
+    for name, value in reference["params"].items():
+        torch.testing.assert_close(params[name], value, rtol=1e-6, atol=1e-7)
+    restores = [line for replica in record.read(rec).values() for line in replica
+                if line["kind"] == "restore"]
+    assert restores and {(line["admission"], line["step"], line["tier"])
+                         for line in restores} == {(2, 0, "start")}, restores
+    job = json.loads(phalanx("job", "lost-1", "--json", "--data-dir", str(data)).stdout)
+    assert job["admission"] == 2
+    assert job["history"][0]["restored_from"] == "start", job["history"][0]
