@@ -19,6 +19,11 @@ reported:
   node's shards of that node's newest snapshot, that node's agent is SIGKILLed, every
   rank SIGKILLed and the dead node's memory removed. The replacements, on the survivor
   only, restore from its own snapshots and the buddy replicas.
+* **fetch**: three nodes; the job runs on ``local-0`` and ``local-2`` (domain 0), their
+  buddy ``local-1`` (domain 1) is cordoned, so it runs no rank but keeps their
+  replicas. The buddy phase's loss of ``local-0``: the replacements, on ``local-2``
+  only, fetch ``local-0``'s shards from ``local-1``'s agent onto their node before
+  they restore (:mod:`phalanx.runtime.fetch`).
 * **durable**: ``checkpoint.durable_every_steps`` ``--durable-every``; once a durable
   step is committed every rank is frozen and the whole cluster stops (``phalanx
   down``), comes back (``phalanx up``, its time reported apart) and the job is submitted
@@ -81,7 +86,9 @@ from phalanx.services.manifest import running_in_manifest
 BENCH = Path(__file__).resolve().parent
 
 LOST, SURVIVOR = "local-0", "local-1"  # domains 0 and 1: each other's buddy
-PHASES = ("memory", "memory_no_zygote", "memory_spares", "buddy", "durable")
+#: The fetch phase's third node: domain 0 with LOST, so both have SURVIVOR as buddy.
+THIRD = "local-2"
+PHASES = ("memory", "memory_no_zygote", "memory_spares", "buddy", "fetch", "durable")
 #: Spares per node in the memory_spares phase: every rank a node loses has one.
 SPARES = 2
 
@@ -134,8 +141,13 @@ async def run_phase(args: argparse.Namespace, workload: recovery.Workload, phase
                    **({"spares": SPARES, "placement": Placement(spread_failure_domains=True)}
                       if phase == "memory_spares" else {"spares": 0}))
     job = f"tiers-{phase}".replace("_", "-")
-    url = recovery.cluster_up(cluster, slots_per_agent=2 + SPARES if phase == "memory_spares"
-                              else 2, zygote=phase != "memory_no_zygote")
+    url = recovery.cluster_up(cluster, agents=3 if phase == "fetch" else 2,
+                              slots_per_agent=2 + SPARES if phase == "memory_spares" else 2,
+                              zygote=phase != "memory_no_zygote")
+    # The fetch phase's job runs on LOST and THIRD; their buddy holds replicas only.
+    survivor = THIRD if phase == "fetch" else SURVIVOR
+    if phase == "fetch":
+        recovery.cli("node", "cordon", SURVIVOR, "--data-dir", str(cluster))
     extra: dict[str, Any] = {}
     try:
         async with await Bus.connect(BusConfig.load(env={}, servers=[url])) as bus:
@@ -155,8 +167,8 @@ async def run_phase(args: argparse.Namespace, workload: recovery.Workload, phase
             if phase in ("memory", "memory_no_zygote", "memory_spares"):
                 freeze_then_kill(ranks_of(cluster, LOST) + ranks_of(cluster, SURVIVOR))
                 fault_t = time.time()
-            elif phase == "buddy":
-                pids = ranks_of(cluster, LOST) + ranks_of(cluster, SURVIVOR)
+            elif phase in ("buddy", "fetch"):
+                pids = ranks_of(cluster, LOST) + ranks_of(cluster, survivor)
                 for pid in pids:
                     os.kill(pid, signal.SIGSTOP)
                 await replicated(snapshots, announced)
@@ -198,7 +210,19 @@ async def run_phase(args: argparse.Namespace, workload: recovery.Workload, phase
         raise RuntimeError(f"{phase}: the job ended {ended.state.value}: {ended.reason}")
     if phase == "durable":  # the resumed job's replicas have the first one's names
         return {**analyse(record.read(resumed), fault_t, record.read(rec)), **extra}
-    return {**analyse(record.read(rec), fault_t), "from_spares": spares_taken(cluster)}
+    return {**analyse(record.read(rec), fault_t), "from_spares": spares_taken(cluster),
+            **fetched(record.read(rec))}
+
+
+def fetched(records: dict[str, list[dict]]) -> dict[str, Any]:
+    """What the members fetched before their restore (the fetch phase): shards, bytes,
+    and the slowest member's time."""
+    lines = [line for lines in records.values() for line in lines if line["kind"] == "fetch"]
+    if not lines:
+        return {}
+    return {"shards_fetched": sum(len(line["shards"]) for line in lines),
+            "fetched_bytes": sum(line["state_bytes"] for line in lines),
+            "fetch_s": max(line["seconds"] for line in lines)}
 
 
 def spares_taken(cluster: Path) -> int:
@@ -294,6 +318,7 @@ def section(report: dict[str, Any]) -> str:
              "memory_no_zygote": "phalanx, own node's memory, no zygote (cold interpreters)",
              "memory_spares": "phalanx, own node's memory, replacements from warm spares",
              "buddy": "phalanx, buddy replicas (a node and every rank lost)",
+             "fetch": "phalanx, buddy replicas fetched to a node without them (3 nodes)",
              "durable": "phalanx, durable storage (`phalanx down`/`up`, resubmitted)",
              "torchrun_dcp": "torchrun + DDP, DCP every 10 steps (one rank killed)"}
     rows = "\n".join(
@@ -306,17 +331,23 @@ def section(report: dict[str, Any]) -> str:
                        for (p, ratio), met in zip(report.get("ratio_to_torchrun", {}).items(),
                                                   report.get("targets", {}).values(),
                                                   strict=True)) or "-"
+    fetch = report["phases"].get("fetch")
+    fetch_line = "" if not fetch or "fetch_s" not in fetch else (
+        f"The fetch phase's members fetched {fetch['shards_fetched']} shards "
+        f"({fetch['fetched_bytes'] / 1e6:.0f} MB) from the buddy's agent in "
+        f"{fetch['fetch_s']:.2f} s (the slowest member's share) before their restore.")
     durable = report["phases"].get("durable")
-    cluster = "" if durable is None else (
-        f" The durable phase's cluster took {durable['down_s']:.1f} s to stop and "
-        f"{durable['up_s']:.1f} s to start again (not in its recovery figure).")
+    cluster = " ".join(part for part in (fetch_line, "" if durable is None else (
+        f"The durable phase's cluster took {durable['down_s']:.1f} s to stop and "
+        f"{durable['up_s']:.1f} s to start again (not in its recovery figure).")) if part)
     return f"""
 ## tiers.py — {report['date']}
 
 Command: `{report['command']}`
 
 {report['description']}, 4 ranks on a local cluster (2 agents x 2 slots, each other's
-buddy); every holder of the state lost once step {report['fault_step']} is reported.
+buddy; the fetch phase 3 agents, the job on two of one domain and their buddy cordoned);
+every holder of the state lost once step {report['fault_step']} is reported.
 Recovery: the fault (the last kill; for durable, the resubmission) to the first step
 committed after it. Restore: the slowest rank's read, verification and load of the state
 (for torchrun, the DCP load); shard reads from buddy replicas: of the 4 shards each rank
