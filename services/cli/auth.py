@@ -1,13 +1,14 @@
-"""``phalanx auth``: make an auth directory (CA, server config, an identity per role) or
-add a node's or a job's identity to one; write one as a Kubernetes deployment's Secrets
-and NATS chart values; and, on a secured local cluster, a submitted job's identity made
-before its ranks need it.
+"""``phalanx auth``: make an auth directory (CA, server config, an identity per role),
+add a node's or a job's identity to one or revoke it; write one as a Kubernetes
+deployment's Secrets and NATS chart values; and, on a secured local cluster, a submitted
+job's identity made before its ranks need it.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import sys
 import time
 from pathlib import Path
 
@@ -15,10 +16,10 @@ from phalanx.services.cli.common import Parents, Subparsers
 
 
 def cmd_auth(args: argparse.Namespace) -> int:
-    """Make an auth directory, or add a node's or a job's identity to one. Prints names,
-    public keys and paths; never a seed."""
+    """Make an auth directory, or add a node's or a job's identity to one or revoke it.
+    Prints names, public keys and paths; never a seed."""
     from phalanx.services.auth.issuer import AuthDir
-    from phalanx.services.auth.roles import Role
+    from phalanx.services.auth.roles import Role, identity
 
     if args.action == "init":
         auth = AuthDir.init(args.dir, nodes=args.node, hosts=args.host)
@@ -35,8 +36,17 @@ def cmd_auth(args: argparse.Namespace) -> int:
         return 0
     if args.action == "kubernetes":
         return _kubernetes(args)
-    role = Role.AGENT if args.action == "add-node" else Role.RANK
+    role = Role.AGENT if args.action.endswith("-node") else Role.RANK
     auth = AuthDir(args.dir)
+    if args.action.startswith("revoke-"):
+        name = identity(role, args.id)
+        if not auth.remove(role, args.id):
+            print(f"phalanx auth: {auth.root} holds no identity {name}", file=sys.stderr)
+            return 1
+        print(f"revoked {name}: its user and its seed are gone from {auth.root}; have "
+              "nats-server reload its config (SIGHUP): its connections are closed then, "
+              "and none is admitted again")
+        return 0
     who, made = auth.add(role, args.id)
     seed = auth.seed_path(role, args.id)
     if made:
@@ -121,8 +131,12 @@ def add_parsers(sub: Subparsers, parents: Parents) -> None:
     k8s.add_argument("--namespace", default="phalanx",
                      help="the namespace of phalanx and of the NATS release (default "
                           "phalanx)")
-    for name, what in (("add-node", "a node's agent"), ("add-job", "a job's ranks")):
-        add = auth_sub.add_parser(name, help=f"add {what} identity")
+    for name, what in (("add-node", "add a node's agent identity"),
+                       ("add-job", "add a job's ranks' identity"),
+                       ("revoke-node", "revoke a node's agent identity (a node retired or "
+                                       "compromised)"),
+                       ("revoke-job", "revoke a job's ranks' identity")):
+        add = auth_sub.add_parser(name, help=what)
         add.add_argument("dir")
-        add.add_argument("id", metavar=name.removeprefix("add-").upper())
+        add.add_argument("id", metavar=name.split("-")[1].upper())
     auth.set_defaults(func=cmd_auth)

@@ -725,3 +725,44 @@ with ProgressReporter.from_env() as reporter:
     for step in range(1, 4):
         reporter.report(step, 0.01, final=step == 3)
 """
+
+
+async def test_an_operator_revokes_a_node_and_its_agent_is_shut_out(
+        auth: AuthDir, secured: NatsServer) -> None:
+    """``phalanx auth revoke-node``: the node's identity goes, and once the server reloads
+    its config the agent's connection is closed and it cannot come back; revoking what is
+    not there says so."""
+    assert secured.process is not None
+    root = str(auth.root)
+    cli("auth", "add-node", root, "node-retired")
+    kept = auth.root / "retired-seed.nk"
+    kept.write_bytes(auth.seed_path(Role.AGENT, "node-retired").read_bytes())
+    kept.chmod(0o600)
+    env = {**auth.env(Role.AGENT, "node-retired"), "PHALANX_NATS_NKEY": str(kept)}
+    reload_config(secured.process.pid)
+    deadline = time.monotonic() + 10
+    while True:  # the server admits the new identity once it has reloaded
+        try:
+            agent = await Bus.connect(BusConfig.load(env=env, servers=[secured.url]))
+            break
+        except BusUnavailable:
+            assert time.monotonic() < deadline
+    try:
+        revoked = cli("auth", "revoke-node", root, "node-retired")
+        assert "revoked agent-node-retired" in revoked.stdout and "SIGHUP" in revoked.stdout
+        assert "agent-node-retired" not in {who.name for who in auth.identities()}
+        assert not auth.seed_path(Role.AGENT, "node-retired").exists()
+        reload_config(secured.process.pid)
+        deadline = time.monotonic() + 10
+        while agent.connected:
+            assert time.monotonic() < deadline, "the revoked node stayed connected"
+            await asyncio.sleep(0.1)
+        with pytest.raises(BusUnavailable):
+            await Bus.connect(BusConfig.load(env=env, servers=[secured.url],
+                                             connect_timeout_s=2.0))
+    finally:
+        await agent.close()
+    again = cli("auth", "revoke-node", root, "node-retired", check=False)
+    assert again.returncode == 1 and "holds no identity agent-node-retired" in again.stderr
+    gone = cli("auth", "revoke-job", root, "job-never-added", check=False)
+    assert gone.returncode == 1 and "rank-job-never-added" in gone.stderr
