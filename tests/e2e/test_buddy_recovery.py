@@ -51,6 +51,54 @@ def reference(fault_free_runs: FaultFreeRuns) -> dict:
     return fault_free_runs(STEPS)
 
 
+class NodeLoss:
+    """The fault, as ``run_job``'s inject: once the job trains, every rank of ``lost`` and
+    ``survivor`` is frozen; once ``buddy`` announced a replica of every buffer ``lost``'s
+    memory holds, ``lost`` dies with its memory (agent and ranks SIGKILLed, store
+    deleted) and every rank of ``survivor`` is SIGKILLed, its agent alive. ``before``
+    holds what the stores held then: ``all`` (``lost``'s and ``survivor``'s own
+    buffers), ``survivor`` (everything its store held) and ``survivor_own``."""
+
+    def __init__(self, cluster_dir: Path, lost: str, survivor: str, buddy: str) -> None:
+        self.cluster_dir, self.lost, self.survivor, self.buddy = (cluster_dir, lost,
+                                                                  survivor, buddy)
+        self.stores = {node: default_root(node, cluster_dir / "agents" / node)
+                       for node in (lost, survivor)}
+        self.replicated: set[tuple[int, int, int, str]] = set()  # step, shards, shard, sum
+        self.arrived = asyncio.Event()
+        self.before: dict[str, set] = {}
+
+    async def watch(self, bus) -> None:
+        """Follow the buddy's announcements of the replicas it took."""
+        async def on_snapshot(announced: SnapshotRecord, _) -> None:
+            if announced.tier is SnapshotTier.BUDDY and announced.node_id == self.buddy:
+                self.replicated.add((announced.step, announced.num_shards, announced.shard,
+                                     announced.checksum))
+                self.arrived.set()
+
+        await bus.subscribe(subjects.any_id(subjects.ckpt_snapshot), SnapshotRecord,
+                            on_snapshot)
+
+    async def __call__(self, job_id: str, watch: Watch) -> None:
+        await progressed(watch, job_id, 20)
+        lost, survivor, stores = self.lost, self.survivor, self.stores
+        ranks = {node: running_in_manifest(self.cluster_dir / "agents" / node / "ranks.json")
+                 for node in (lost, survivor)}
+        assert [len(r) for r in ranks.values()] == [2, 2], ranks
+        for rank in ranks[lost] + ranks[survivor]:  # training stops where it is
+            os.kill(rank["pid"], signal.SIGSTOP)
+        # Until the buddy announced a replica of every buffer the lost node's memory holds.
+        lost_own = await until_replicated(stores[lost] / job_id, self.replicated, self.arrived)
+        self.before["all"] = set(lost_own) | set(committed(stores[survivor] / job_id, "w"))
+        self.before["survivor"] = set(committed(stores[survivor] / job_id))
+        self.before["survivor_own"] = set(committed(stores[survivor] / job_id, "w"))
+        # The lost node dies with its memory; every other rank dies, its agent alive.
+        phalanx("chaos", "kill-agent", lost, "--data-dir", str(self.cluster_dir))
+        for rank in ranks[lost] + ranks[survivor]:
+            os.kill(rank["pid"], signal.SIGKILL)
+        shutil.rmtree(stores[lost], ignore_errors=True)
+
+
 # Sharded: half of the optimizer's owners' entries exist only in the buddy's replicas. The
 # reference is the plain optimizer's run: a sharded AdamW makes the same updates, bitwise.
 @pytest.mark.parametrize("args", [[], ["--sharded-optimizer"]], ids=["plain", "sharded"])
@@ -58,42 +106,12 @@ async def test_a_node_and_every_rank_lost_the_job_resumes_from_the_buddys_replic
         data_dir: Path, reference: dict, tmp_path: Path,
         tmp_path_factory: pytest.TempPathFactory, args: list[str]) -> None:
     cluster_dir = tmp_path_factory.mktemp("cluster")
-    stores = {node: default_root(node, cluster_dir / "agents" / node)
-              for node in (LOST, SURVIVOR)}
-    before: dict = {}
+    loss = NodeLoss(cluster_dir, LOST, SURVIVOR, buddy=SURVIVOR)
+    before = loss.before
     async with watched_cluster(cluster_dir) as cluster:
-        _, bus, _ = cluster
-        replicated: set[tuple[int, int, int, str]] = set()  # step, shards, shard, checksum
-        arrived = asyncio.Event()
-
-        async def on_snapshot(announced: SnapshotRecord, _) -> None:
-            if announced.tier is SnapshotTier.BUDDY and announced.node_id == SURVIVOR:
-                replicated.add((announced.step, announced.num_shards, announced.shard,
-                                announced.checksum))
-                arrived.set()
-
-        async def node_lost(job_id: str, watch: Watch) -> None:
-            await progressed(watch, job_id, 20)
-            ranks = {node: running_in_manifest(cluster_dir / "agents" / node / "ranks.json")
-                     for node in (LOST, SURVIVOR)}
-            assert [len(r) for r in ranks.values()] == [2, 2], ranks
-            for rank in ranks[LOST] + ranks[SURVIVOR]:  # training stops where it is
-                os.kill(rank["pid"], signal.SIGSTOP)
-            # Until the buddy announced a replica of every buffer A's memory holds.
-            lost_own = await until_replicated(stores[LOST] / job_id, replicated, arrived)
-            before["all"] = set(lost_own) | set(committed(stores[SURVIVOR] / job_id, "w"))
-            before["survivor"] = set(committed(stores[SURVIVOR] / job_id))
-            before["survivor_own"] = set(committed(stores[SURVIVOR] / job_id, "w"))
-            # Node A dies with its memory; every other rank dies, its agent alive.
-            phalanx("chaos", "kill-agent", LOST, "--data-dir", str(cluster_dir))
-            for rank in ranks[LOST] + ranks[SURVIVOR]:
-                os.kill(rank["pid"], signal.SIGKILL)
-            shutil.rmtree(stores[LOST], ignore_errors=True)
-
-        await bus.subscribe(subjects.any_id(subjects.ckpt_snapshot), SnapshotRecord,
-                            on_snapshot)
+        await loss.watch(cluster[1])
         rec, generations = await run_job(
-            cluster, data_dir, tmp_path, "buddy", node_lost, steps=STEPS, args=args,
+            cluster, data_dir, tmp_path, "buddy", loss, steps=STEPS, args=args,
             # Frozen ranks are not hung: the test waits on the replicas meanwhile.
             spec={"hang_timeout_s": 60.0,
                   "checkpoint": CheckpointPolicy(memory_every_steps=1)})
@@ -127,40 +145,13 @@ async def test_a_lost_nodes_shards_are_fetched_from_a_buddy_that_runs_no_member(
     onto C before restoring, and resume at the newest step complete in memory."""
     lost, buddy, survivor = "local-0", "local-1", "local-2"
     cluster_dir = tmp_path_factory.mktemp("cluster")
-    stores = {node: default_root(node, cluster_dir / "agents" / node)
-              for node in (lost, survivor)}
-    before: dict = {}
+    loss = NodeLoss(cluster_dir, lost, survivor, buddy)
+    before = loss.before
     async with watched_cluster(cluster_dir, agents=3) as cluster:
-        _, bus, _ = cluster
         phalanx("node", "cordon", buddy, "--data-dir", str(cluster_dir))
-        replicated: set[tuple[int, int, int, str]] = set()
-        arrived = asyncio.Event()
-
-        async def on_snapshot(announced: SnapshotRecord, _) -> None:
-            if announced.tier is SnapshotTier.BUDDY and announced.node_id == buddy:
-                replicated.add((announced.step, announced.num_shards, announced.shard,
-                                announced.checksum))
-                arrived.set()
-
-        async def node_lost(job_id: str, watch: Watch) -> None:
-            await progressed(watch, job_id, 20)
-            ranks = {node: running_in_manifest(cluster_dir / "agents" / node / "ranks.json")
-                     for node in (lost, survivor)}
-            assert [len(r) for r in ranks.values()] == [2, 2], ranks
-            for rank in ranks[lost] + ranks[survivor]:
-                os.kill(rank["pid"], signal.SIGSTOP)
-            lost_own = await until_replicated(stores[lost] / job_id, replicated, arrived)
-            before["all"] = set(lost_own) | set(committed(stores[survivor] / job_id, "w"))
-            before["survivor"] = set(committed(stores[survivor] / job_id))
-            phalanx("chaos", "kill-agent", lost, "--data-dir", str(cluster_dir))
-            for rank in ranks[lost] + ranks[survivor]:
-                os.kill(rank["pid"], signal.SIGKILL)
-            shutil.rmtree(stores[lost], ignore_errors=True)
-
-        await bus.subscribe(subjects.any_id(subjects.ckpt_snapshot), SnapshotRecord,
-                            on_snapshot)
+        await loss.watch(cluster[1])
         rec, generations = await run_job(
-            cluster, data_dir, tmp_path, "fetch", node_lost, steps=STEPS,
+            cluster, data_dir, tmp_path, "fetch", loss, steps=STEPS,
             spec={"hang_timeout_s": 60.0,
                   "checkpoint": CheckpointPolicy(memory_every_steps=1)})
     newest = newest_complete(before["all"])

@@ -40,6 +40,18 @@ async def cluster(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[tup
         yield running
 
 
+async def preempted(bus, watch: Watch, job_id: str, preemptor_id: str,
+                    seconds: float = 1.0) -> None:
+    """Once ``job_id`` trains, a 4-replica high-priority job (running ``seconds``)
+    preempts it; returns once it is pending."""
+    await progressed(watch, job_id, 10)
+    await AdmissionClient(bus).submit(JobSpec(
+        name="preemptor", team="t", priority_class="high",
+        replicas=ReplicaRange(min=4, max=4), command=["sleep", f"{seconds:g}"]), preemptor_id)
+    await next_of(watch.states, lambda r: r.job_id == job_id
+                  and r.state is JobState.PENDING, 60)
+
+
 async def test_a_preempted_job_admitted_again_resumes_at_once_from_memory(
         cluster, data_dir: Path, reference: dict, tmp_path: Path) -> None:
     data, bus, _ = cluster
@@ -47,12 +59,7 @@ async def test_a_preempted_job_admitted_again_resumes_at_once_from_memory(
 
     async def preempt(job_id: str, watch: Watch) -> None:
         first_ready = time.monotonic()  # about when the first admission's replicas were
-        await progressed(watch, job_id, 10)
-        await AdmissionClient(bus).submit(JobSpec(
-            name="preemptor", team="t", priority_class="high",
-            replicas=ReplicaRange(min=4, max=4), command=["sleep", "1"]), "preemptor-1")
-        await next_of(watch.states, lambda r: r.job_id == job_id
-                      and r.state is JobState.PENDING, 60)
+        await preempted(bus, watch, job_id, "preemptor-1")
         again = await next_of(watch.generations, lambda g: g.job_id == job_id, 90)
         assert again.generation == 0 and again.reason is GenerationReason.START, again
         assert time.monotonic() - first_ready < DUPLICATE_WINDOW_S / 2
@@ -96,11 +103,7 @@ async def test_a_preempted_job_admitted_on_another_node_fetches_its_memory_there
         async def preempt(job_id: str, watch: Watch) -> None:
             await progressed(watch, job_id, 10)
             phalanx("node", "uncordon", c, "--data-dir", str(data))
-            await AdmissionClient(bus).submit(JobSpec(
-                name="preemptor", team="t", priority_class="high",
-                replicas=ReplicaRange(min=4, max=4), command=["sleep", "5"]), "preemptor-1")
-            await next_of(watch.states, lambda r: r.job_id == job_id
-                          and r.state is JobState.PENDING, 60)
+            await preempted(bus, watch, job_id, "preemptor-1", seconds=5)
             phalanx("node", "cordon", a, "--data-dir", str(data))
             seen["again"] = await next_of(watch.generations, lambda g: g.job_id == job_id, 90)
 
@@ -134,12 +137,7 @@ async def test_a_job_admitted_again_with_no_state_left_says_it_starts_over(
     data, bus, _ = cluster
 
     async def preempt(job_id: str, watch: Watch) -> None:
-        await progressed(watch, job_id, 10)
-        await AdmissionClient(bus).submit(JobSpec(
-            name="preemptor", team="t", priority_class="high",
-            replicas=ReplicaRange(min=4, max=4), command=["sleep", "1"]), "preemptor-2")
-        await next_of(watch.states, lambda r: r.job_id == job_id
-                      and r.state is JobState.PENDING, 60)
+        await preempted(bus, watch, job_id, "preemptor-2")
 
     rec, _ = await run_job(
         cluster, data_dir, tmp_path, "lost", preempt,
