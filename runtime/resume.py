@@ -119,8 +119,8 @@ def resume(session: ElasticSession, generation: Generation, retained: Retained |
     newest = max(row.committed for row in rows)
     if restored is None and newest == 0 and job_step == 0 and s.admission > 1 \
             and generation.generation == 0:
-        # Admitted again, its count started afresh: nothing says what the earlier
-        # admissions reached, but no member and no tier holds any trained step.
+        # Admitted again and the step it had reached not known (health's record of it
+        # missing): no member and no tier holds any trained step either.
         origin = StateSource.START
         _started_over(s, generation)
     if 0 <= newest < job_step:
@@ -255,7 +255,8 @@ def _restore_snapshot(s: ElasticSession, generation: Generation,
         s._record.write(kind="restore", generation=generation.generation,
                         step=restored.step, tier="memory", state_bytes=restored.nbytes,
                         seconds=time.time() - started, corrupt=restored.corrupt,
-                        from_replicas=restored.from_replicas)
+                        from_replicas=restored.from_replicas,
+                        reached=generation.resume_step)
     return restored.step, StateSource.BUDDY if restored.from_replicas else StateSource.MEMORY
 
 
@@ -289,5 +290,6 @@ def _restore_durable(s: ElasticSession, generation: Generation, newer_than: int)
     if s._record is not None:
         s._record.write(kind="restore", generation=generation.generation, step=step,
                         tier="durable", state_bytes=nbytes,
-                        seconds=time.time() - started, corrupt=[])
+                        seconds=time.time() - started, corrupt=[],
+                        reached=generation.resume_step)
     return step

@@ -1012,7 +1012,9 @@ class JobProgress(Message, tag="phalanx.job_progress.v1", frozen=True):
     admitted, ``total_steps`` the steps it trains to (when its runtime says),
     ``steps_per_s`` the rate over the last ``window_s`` (pauses included; None
     until two reports of different steps), ``restarts`` and ``app_failures``
-    what the job has spent of its ``restart_policy``.
+    what the job has spent of its ``restart_policy``. ``reached`` is the most
+    steps committed over every admission of the job: a job admitted again
+    resumes there, or says how many steps it trains again.
     """
 
     job_id: Ident
@@ -1023,6 +1025,7 @@ class JobProgress(Message, tag="phalanx.job_progress.v1", frozen=True):
     restarts: NonNegInt = 0
     app_failures: NonNegInt = 0
     updated_at: NonNegFloat = 0.0
+    reached: NonNegInt = 0
 
 
 # --- checkpoints ---------------------------------------------------------------------------

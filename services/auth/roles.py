@@ -222,6 +222,8 @@ def permissions(role: Role, scope: str | None = None) -> Permissions:
                       s.any_id(s.agent_stop), s.admission_requeue())
                 g.open_bucket(s.GENERATIONS_BUCKET, ">").open_bucket(s.ELASTICITY_BUCKET, ">")
                 g.open_bucket(s.HISTORY_BUCKET, ">")
+                # A job admitted again resumes at the step health says it had reached.
+                g.open_bucket(s.PROGRESS_BUCKET)
         case Role.CHECKPOINT:
             # It hears snapshot announcements, follows job records, keeps the catalog and
             # answers where a job can resume.

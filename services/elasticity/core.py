@@ -148,6 +148,9 @@ class JobAdmitted:
     max_replacements: int | None = None  # the job's restart_policy.max_restarts
     sizes: tuple[int, ...] = ()  # the sizes its scaling rules allow (empty: every size)
     admission: int = 0  # which admission of the job the record is (0: not known)
+    #: The most steps the job committed over its admissions (``JobProgress.reached``):
+    #: a job admitted again resumes there, so its first generation's members know it.
+    reached: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -531,7 +534,9 @@ class ElasticityCore:
                                                 event.max_members, dict(event.slots),
                                                 budget, replacement_budget=budget,
                                                 sizes=list(event.sizes),
-                                                admission=event.admission)
+                                                admission=event.admission,
+                                                high_water=event.reached
+                                                if event.admission > 1 else 0)
 
     def _unmanaged(self, job: JobMembership, event: Event, now: float) -> list[Decision]:
         """Before the first ready replica: follow the placement, keep faults for later."""

@@ -62,6 +62,7 @@ from phalanx.schemas.messages import (
     GenerationApplied,
     GenerationGivenUp,
     JobHistory,
+    JobProgress,
     JobRecord,
     JobSnapshot,
     JobState,
@@ -114,6 +115,7 @@ class ElasticityService(JobEventsLeader[ElasticityTerm]):
     async def setup(self) -> None:
         self.generations = await self.bucket(subjects.GENERATIONS_BUCKET, Generation)
         self.histories = await self.bucket(subjects.HISTORY_BUCKET, JobHistory)
+        self.progress = await self.bucket(subjects.PROGRESS_BUCKET, JobProgress)
         await self.open_job_state(subjects.ELASTICITY_BUCKET)
 
     # --- a term of leadership -----------------------------------------------------------
@@ -177,7 +179,8 @@ class ElasticityService(JobEventsLeader[ElasticityTerm]):
             event: core.Event = core.JobAdmitted(
                 job_id, record.placement(), replicas.min, replicas.max, event_id="record",
                 max_replacements=record.spec.restart_policy.max_restarts,
-                sizes=ScalingRules.of(record.spec).sizes, admission=record.admission)
+                sizes=ScalingRules.of(record.spec).sizes, admission=record.admission,
+                reached=await self._reached(job_id) if record.admission > 1 else 0)
             await self._act(term, job_id, term.core.handle(event, time.time()), None)
             return
         # Told even of a job it never ran: a leader that took over while the job was
@@ -189,6 +192,18 @@ class ElasticityService(JobEventsLeader[ElasticityTerm]):
             metrics.forget_job(job_id, metrics.JOB_WORLD_SIZE, metrics.JOB_GENERATION)
         with contextlib.suppress(PhalanxError):
             await self.generations.delete(job_id)
+
+    async def _reached(self, job_id: str) -> int:
+        """The most steps the job committed over its admissions, as health stored it (0:
+        not known; a read that fails is logged)."""
+        try:
+            stored = await self.progress.get(job_id)
+        except (PhalanxError, TimeoutError, OSError) as exc:
+            log.warning("the step job %s had reached is not known: %s", job_id, exc)
+            return 0
+        reached = 0 if stored is None else max(stored.value.step, stored.value.reached)
+        log.info("admitted again", extra={"job": job_id, "reached": reached})
+        return reached
 
     async def _act(self, term: ElasticityTerm, job_id: str, decisions: list[core.Decision],
                    seq: int | None) -> None:

@@ -58,8 +58,11 @@ def handle(state: HealthState, event: Event, now: float) -> list[Decision]:
         case JobWatched():
             watched(state, event)
         case JobUnwatched():
-            if state.jobs.pop(event.job_id, None) is not None:
+            job = state.jobs.pop(event.job_id, None)
+            if job is not None:
                 state.changed.add(event.job_id)
+                if job.progress_due:  # its last step is stored: admitted again, it goes on
+                    state.ended_progress.append(job.progress(now))
         case RankStartSeen():
             started(state, event)
         case RankExitSeen():

@@ -14,12 +14,20 @@ so it is where a job's progress is known; :class:`StepTrack` keeps one job's:
 
 The track is timing state, like the detector's last reports: it is not part
 of health's snapshot, and a new leader starts it afresh from the next report.
+
+A job requeued and admitted again starts a new track at step 0; what it had
+reached is carried in the stored record instead (:func:`carried`), so the
+step a job reached outlives its admissions and health's leaders alike.
 """
 
 from __future__ import annotations
 
 import collections
 import dataclasses
+
+import msgspec
+
+from phalanx.schemas.messages import JobProgress
 
 #: How far back the rate looks (seconds).
 RATE_WINDOW_S = 30.0
@@ -57,3 +65,10 @@ class StepTrack:
         since, first = self.changes[0]
         elapsed = now - since
         return (self.step - first) / elapsed if elapsed > 0 else None
+
+
+def carried(stored: JobProgress | None, new: JobProgress) -> JobProgress:
+    """``new`` as stored over ``stored``: its ``reached`` the most steps either says
+    were committed (a step stored was committed in some admission of the job)."""
+    before = 0 if stored is None else max(stored.step, stored.reached)
+    return msgspec.structs.replace(new, reached=max(new.step, new.reached, before))

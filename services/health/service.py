@@ -89,6 +89,7 @@ from phalanx.services.deadline import wait_set
 from phalanx.services.health import core
 from phalanx.services.health.core import Decision, Event  # HealthService.core hides `core`
 from phalanx.services.health.outbox import Outbox
+from phalanx.services.health.progress import carried as carried_progress
 from phalanx.services.leader import JobEventsLeader, JobTerm
 
 log = logging.getLogger("phalanx.health")
@@ -226,8 +227,9 @@ class HealthService(JobEventsLeader[HealthTerm]):
             metrics.JOB_STEP.labels(progress.job_id).set(progress.step)
             if progress.steps_per_s is not None:
                 metrics.JOB_STEP_RATE.labels(progress.job_id).set(progress.steps_per_s)
-            term.outbox.write(("progress", progress.job_id),
-                              functools.partial(self.progress.put, progress.job_id, progress))
+            term.outbox.write(("progress", progress.job_id), functools.partial(
+                self.progress.modify, progress.job_id,
+                functools.partial(carried_progress, new=progress)))
 
     # --- events in ----------------------------------------------------------------------
 

@@ -148,3 +148,18 @@ def test_an_earlier_admissions_events_never_reach_the_next_one() -> None:
         ReplicaReadySeen("j", f"r{slot}-0", f"n{1 - slot}", slot, f"new:{slot}"), 3.0)]
     [published] = [d.generation for d in decisions if hasattr(d, "generation")]
     assert [m.endpoint for m in published.members] == ["new:0", "new:1"]
+
+
+def test_a_job_admitted_again_resumes_at_the_step_it_had_reached() -> None:
+    """Its first generation tells the members the step the earlier admissions reached
+    (health's ``JobProgress.reached``), so that they fetch and restore it or say what
+    was lost; a first admission knows of no such step."""
+    for admission, reached, expected in ((2, 300, 300), (1, 300, 0), (3, 0, 0)):
+        core = ElasticityCore()
+        core.handle(JobAdmitted("j", {0: "n0", 1: "n1"}, 2, 2, admission=admission,
+                                reached=reached), 0.0)
+        decisions = [d for slot in range(2) for d in core.handle(
+            ReplicaReadySeen("j", f"r{slot}-0", f"n{slot}", slot, f"h:{slot}",
+                             admission=admission), 1.0)]
+        [first] = [d.generation for d in decisions if hasattr(d, "generation")]
+        assert (first.generation, first.resume_step) == (0, expected), admission

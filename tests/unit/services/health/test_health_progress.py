@@ -5,18 +5,19 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from phalanx.schemas.messages import RestartPolicy
+from phalanx.schemas.messages import JobProgress, RestartPolicy
 from phalanx.services.health.core import HealthCore
 from phalanx.services.health.events import (
     FailJob,
     FinishJob,
+    JobUnwatched,
     JobWatched,
     ProgressReported,
     RaiseFault,
     RankExitSeen,
 )
 from phalanx.services.health.model import HealthPolicy
-from phalanx.services.health.progress import StepTrack
+from phalanx.services.health.progress import StepTrack, carried
 
 T0 = 1_717_000_000.0
 EVERY = 1.0
@@ -87,6 +88,21 @@ def test_a_new_placement_keeps_the_progress_and_a_new_admission_starts_afresh() 
     assert core.jobs["j"].track.step == 7
 
 
+def test_a_job_unwatched_leaves_its_last_step_for_the_next_admission() -> None:
+    """Preempted within the interval, the step it got to is taken all the same: the next
+    admission resumes from what is stored (JobProgress.reached)."""
+    core = watched()
+    core.handle(ProgressReported("j", 0, 7, 0.1), T0 + 1)
+    core.take_progress(T0 + 1, EVERY)
+    core.handle(ProgressReported("j", 0, 9, 0.1), T0 + 1.2)
+    core.handle(JobUnwatched("j"), T0 + 1.3)
+    [last] = core.take_progress(T0 + 1.3, EVERY)
+    assert last.step == 9
+    core.handle(JobWatched("j", ("n0", "n1"), 2.0), T0 + 2)
+    core.handle(JobUnwatched("j"), T0 + 3)  # nothing new since: nothing to store
+    assert core.take_progress(T0 + 3, EVERY) == []
+
+
 @settings(derandomize=True, database=None, deadline=None, max_examples=200)
 @given(st.lists(st.tuples(st.integers(0, 50), st.sampled_from([None, 40, 50]),
                           st.floats(0.0, 5.0)), max_size=40))
@@ -103,3 +119,25 @@ def test_the_track_holds_the_highest_step_the_latest_total_and_a_rate_never_nega
         assert not track.changes or track.changes[-1][1] == track.step
     totals = [t for _, t, _ in reports if t is not None]
     assert track.total_steps == (totals[-1] if totals else None)
+
+
+@given(st.lists(st.tuples(st.integers(0, 500), st.integers(0, 500)), min_size=1, max_size=12))
+def test_the_step_reached_is_carried_over_admissions_and_never_goes_back(records) -> None:
+    """Each stored record is health's progress of one moment of some admission (``step``
+    since that admission, ``reached`` as it was told): stored one over the other, the
+    record's ``reached`` is the most any of them said, and its own step stays its own."""
+    stored = None
+    for step, reached in records:
+        new = JobProgress(job_id="j", step=step, reached=reached)
+        stored = carried(stored, new)
+        assert stored.step == step
+    assert stored is not None
+    assert stored.reached == max(max(step, reached) for step, reached in records)
+
+
+def test_a_job_admitted_again_keeps_what_it_had_reached() -> None:
+    first = carried(None, JobProgress(job_id="j", step=300))
+    assert first.reached == 300
+    again = carried(first, JobProgress(job_id="j", step=0))  # the next admission's start
+    assert (again.step, again.reached) == (0, 300)
+    assert carried(again, JobProgress(job_id="j", step=320)).reached == 320
