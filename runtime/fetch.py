@@ -13,8 +13,9 @@ the members ask the checkpoint service which step is complete in memory
 anywhere (:func:`phalanx.services.checkpoint.core.resume_answer` with
 ``at_nodes`` and ``memory_only``). For each shard of it that no member's node
 holds, one member asks the agent of a node that does to send its copy to the
-member's own node (:class:`~phalanx.schemas.messages.ReplicaFetch`): agent to
-agent, over the replication stream, where it lands as a replica, checksummed
+member's own node (:class:`~phalanx.schemas.messages.ReplicaFetch`, on a subject
+naming the job: a rank may ask for its own job's shards only), agent to agent,
+over the replication stream, where it lands as a replica, checksummed
 and announced like any other. The shards are split among the members, so the
 copies travel in parallel and each member waits for its own share only.
 
@@ -120,7 +121,8 @@ def fetch_missing(s: ElasticSession, generation: Generation, newer_than: int) ->
             request = ReplicaFetch(job_id=s.job_id, step=answer.step, shard=shard,
                                    shards=answer.shards, to_node=s.node_id)
             try:
-                reply = s.bus.request(subjects.agent_fetch(holder), request, ReplicaFetched,
+                reply = s.bus.request(subjects.agent_fetch(holder, s.job_id), request,
+                                      ReplicaFetched,
                                       left, s._heartbeat)
             except (PhalanxError, OSError) as exc:
                 failed.append(f"shard {shard} from {holder}: {exc}")

@@ -99,7 +99,7 @@ CATALOG: tuple[SubjectDoc, ...] = (
                "snapshot buffers in the node's shared memory (refused over the node's bound)"),
     SubjectDoc(subjects.ckpt_resume, "request", m.ResumeRequest, m.ResumeAnswer,
                "runtime, CLI", "checkpoint", "from which step and sources a job can resume"),
-    SubjectDoc(lambda: subjects.agent_fetch("NODE"), "request", m.ReplicaFetch,
+    SubjectDoc(lambda: subjects.agent_fetch("NODE", "JOB"), "request", m.ReplicaFetch,
                m.ReplicaFetched, "runtime", "agent",
                "send a snapshot copy this node holds to a member's node, before a restore"),
 )

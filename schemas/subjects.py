@@ -194,10 +194,16 @@ def agent_snapshot(node_id: str) -> str:
     return f"{PREFIX}.agent.{token(node_id, 'node id')}.snapshot"
 
 
-def agent_fetch(node_id: str) -> str:
-    """A rank asks a node's agent to send a snapshot copy it holds to a member's node
-    (:class:`~phalanx.schemas.messages.ReplicaFetch`)."""
-    return f"{PREFIX}.agent.{token(node_id, 'node id')}.fetch"
+def agent_fetch(node_id: str, job_id: str) -> str:
+    """A rank of job ``job_id`` asks a node's agent to send a copy it holds of one of the
+    job's snapshot shards to a member's node (:class:`~phalanx.schemas.messages.ReplicaFetch`):
+    the job in the subject, so that a rank's permission names its own job's shards only."""
+    return f"{PREFIX}.agent.{token(node_id, 'node id')}.fetch.{token(job_id, 'job id')}"
+
+
+def agent_fetches(node_id: str) -> str:
+    """Wildcard over the fetches one node's agent answers, of every job."""
+    return f"{PREFIX}.agent.{token(node_id, 'node id')}.fetch.*"
 
 
 #: JetStream KV bucket holding one NodeRecord per registered node.
@@ -246,7 +252,7 @@ def everything() -> str:
 
 def agent_endpoints(node_id: str) -> str:
     """Wildcard over the request endpoints of one node's agent (status, launch, stop, chaos,
-    snapshot, fetch)."""
+    snapshot; its fetches are :func:`agent_fetches`)."""
     return f"{PREFIX}.agent.{token(node_id, 'node id')}.*"
 
 
@@ -339,6 +345,8 @@ def owner(subject: str) -> tuple[str, str] | None:
             return "node", parts[2]
     if parts[0] == PREFIX and len(parts) == 5 and parts[1:3] == ["health", "rank"]:
         return "job", parts[3]
+    if parts[0] == PREFIX and len(parts) == 5 and parts[1] == "agent" and parts[3] == "fetch":
+        return "job", parts[4]
     if parts[0] == "$KV" and len(parts) >= 3:
         key = ".".join(parts[2:])
         if parts[1] in _JOB_BUCKETS:

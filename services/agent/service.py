@@ -255,7 +255,8 @@ class AgentService(Service):
                                 StopReplica, self.on_stop, concurrent=True)
         await self.add_endpoint("snapshot", subjects.agent_snapshot(self.config.node_id),
                                 SnapshotReserve, self.on_snapshot)
-        await self.add_endpoint("fetch", subjects.agent_fetch(self.config.node_id),
+        # The job is in the subject, and a fetch naming another job is refused as bad input.
+        await self.add_endpoint("fetch", subjects.agent_fetches(self.config.node_id),
                                 ReplicaFetch, self.on_fetch, concurrent=True)
         # Records published while disconnected were missed: read them all again after.
         self.bus.on_reconnect(self._on_reconnect)

@@ -235,7 +235,7 @@ def permissions(role: Role, scope: str | None = None) -> Permissions:
         case Role.AGENT:
             assert scope is not None
             node = _scoped(scope)
-            g.sub(node(s.agent_endpoints), s.job_states())
+            g.sub(node(s.agent_endpoints), node(s.agent_fetches), s.job_states())
             g.pub(node(s.node_heartbeat), node(s.node_chaos), s.any_id(s.rank_started),
                   s.any_id(s.rank_exited))
             # It announces the replicas it keeps for its wards, of whichever job, and reads
@@ -249,9 +249,10 @@ def permissions(role: Role, scope: str | None = None) -> Permissions:
             g.sub(job(s.job_generation), job(s.job_fault), job(s.health_job_ranks))
             g.pub(job(s.health_job_ranks), job(s.replica_ready), job(s.generation_applied),
                   job(s.generation_given_up), job(s.ckpt_snapshot), s.any_id(s.agent_snapshot))
-            # Before a restore: where the job's snapshots are, and copies of them fetched
-            # onto the members' nodes (agent to agent: the bytes never pass through here).
-            g.pub(s.ckpt_resume(), s.any_id(s.agent_fetch))
+            # Before a restore: where the job's snapshots are, and copies of its own shards
+            # fetched onto the members' nodes (agent to agent: never through the rank).
+            g.pub(s.ckpt_resume(), s.any_id(lambda node: s.agent_fetch(node, scope))
+                  if scope != ANY else s.any_id(s.agent_fetches))
             g.read_bucket(s.GENERATIONS_BUCKET, watch=False)
         case Role.CLI:
             g.sub(s.everything())

@@ -41,7 +41,7 @@ async def test_an_agent_sends_what_it_holds_to_another_node_and_refuses_saying_w
             return ReplicaFetch(**{"job_id": JOB, "step": 7, "shard": 1, "shards": 2,
                                    "to_node": member, **changes})
 
-        reply = await bus.request(subjects.agent_fetch(holder), fetch(), ReplicaFetched,
+        reply = await bus.request(subjects.agent_fetch(holder, JOB), fetch(), ReplicaFetched,
                                   timeout_s=10)
         header = snapshot_file.read_header(ring[0].read_bytes())
         assert (reply.node_id, reply.nbytes) == (holder, header.meta_length + header.length)
@@ -54,9 +54,11 @@ async def test_an_agent_sends_what_it_holds_to_another_node_and_refuses_saying_w
                 ({"step": 8}, "404", f"{holder} holds no committed copy of shard 1/2"),
                 ({"shards": 4}, "404", "holds no committed copy"),
                 ({"to_node": holder}, "409", "which is this node"),
-                ({"to_node": f"{uid}-nowhere"}, "404", "is not registered")]:
+                ({"to_node": f"{uid}-nowhere"}, "404", "is not registered"),
+                # A fetch of this job's shard asked on another job's subject.
+                ({"job_id": "other"}, "400", f"belongs to job '{JOB}'")]:
             with pytest.raises(RemoteError) as refused:
-                await bus.request(subjects.agent_fetch(holder), fetch(**changes),
+                await bus.request(subjects.agent_fetch(holder, JOB), fetch(**changes),
                                   ReplicaFetched, timeout_s=10)
             assert refused.value.code == code and reason in refused.value.description, \
                 (changes, refused.value)

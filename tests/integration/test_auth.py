@@ -188,7 +188,9 @@ async def test_a_rank_publishes_its_own_jobs_progress_and_nothing_for_another_jo
     rank_a = await connect(Role.RANK, "job-a")
     forged = (subjects.job_fault("job-b"), subjects.job_fault("job-a"),
               subjects.health_rank("job-b", 0), subjects.replica_ready("job-b"),
-              subjects.job_state("job-a"), subjects.node_heartbeat("node-a"))
+              subjects.job_state("job-a"), subjects.node_heartbeat("node-a"),
+              # It may have its own job's snapshot shards fetched, no other job's.
+              subjects.agent_fetch("node-a", "job-b"))
     for subject in forged:
         await assert_refused(rank_a, subject, forge(rank_a, subject))
     await rank_a.publish(subjects.health_rank("job-a", 0), progress("job-a"))
@@ -283,9 +285,15 @@ async def test_an_agent_cannot_impersonate_another_node(connect: Connect,
     with pytest.raises(nats.errors.TimeoutError):
         await assert_refused(agent_a, subjects.kv_key(subjects.NODES_BUCKET, "node-b"),
                              nodes_a.put("node-b", node_record("node-b", 99)))
-    # Nor serve another node's endpoints.
-    launch_b = subjects.agent_launch("node-b")
-    await assert_refused(agent_a, launch_b, agent_a.nc.subscribe(launch_b), "subscription")
+    # Nor serve another node's endpoints, its fetches included.
+    for endpoint in (subjects.agent_launch("node-b"), subjects.agent_fetches("node-b")):
+        await assert_refused(agent_a, endpoint, agent_a.nc.subscribe(endpoint),
+                             "subscription")
+    # Its own fetches it serves: a rank's request reaches it.
+    fetches = await agent_a.nc.subscribe(subjects.agent_fetches("node-a"))
+    rank = await connect(Role.RANK, "job-a")
+    await rank.nc.publish(subjects.agent_fetch("node-a", "job-a"), b"asked")
+    assert (await fetches.next_msg(timeout=5)).data == b"asked"
 
     await nodes_a.put("node-a", node_record("node-a", 1))  # its own entry: allowed
     await agent_a.publish(subjects.node_heartbeat("node-a"), NodeHeartbeat(

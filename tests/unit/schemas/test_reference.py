@@ -49,7 +49,7 @@ SUBJECT_PATTERNS = [
     "phalanx.ckpt.<job>.snapshot",
     "phalanx.agent.<node>.snapshot",
     "phalanx.ckpt.resume",
-    "phalanx.agent.<node>.fetch",
+    "phalanx.agent.<node>.fetch.<job>",
 ]
 
 
