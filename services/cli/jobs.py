@@ -51,7 +51,7 @@ def cmd_submit(args: argparse.Namespace) -> int:
     return 0
 
 
-def _progress_fields(progress, record) -> dict:
+def progress_fields(progress, record) -> dict:
     """What health stored of a job's progress (``phalanx_progress``), as ``phalanx job``
     shows it; the ETA only while it runs and the rate and total are known."""
     if progress is None:
@@ -59,7 +59,8 @@ def _progress_fields(progress, record) -> dict:
     rate, total = progress.steps_per_s, progress.total_steps
     eta = (total - progress.step) / rate if (rate and total and record.state.value == "admitted"
                                              and total >= progress.step) else None
-    return {"step": progress.step, "total_steps": total,
+    return {"step": progress.step, "reached": max(progress.step, progress.reached),
+            "total_steps": total,
             "steps_per_s": None if rate is None else round(rate, 3),
             "eta_s": None if eta is None else round(eta, 1),
             "restarts": progress.restarts, "app_failures": progress.app_failures,
@@ -154,7 +155,7 @@ def cmd_job(args: argparse.Namespace) -> int:
                    else current["resume_step"],
                    generation_reason=generation.reason.value, generation_cause=generation.cause,
                    members=[m.replica_id for m in generation.members])
-    row.update(_progress_fields(progress, record))
+    row.update(progress_fields(progress, record))
     if history is not None:
         row.update(replacements=history.replacements, history=generations,
                    earlier_history=history_rows(history.earlier))

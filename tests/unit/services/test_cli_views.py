@@ -17,6 +17,7 @@ from phalanx.schemas.messages import (
     GenerationReason,
     GenerationRecord,
     JobHistory,
+    JobProgress,
     JobRecord,
     JobSpec,
     JobState,
@@ -31,6 +32,7 @@ from phalanx.services.cli.jobs import (
     history_rows,
     job_lines,
     jobs_table,
+    progress_fields,
     record_row,
 )
 from phalanx.services.tables import print_whole
@@ -96,6 +98,14 @@ def test_an_ended_job_places_no_replicas() -> None:
     for state in (JobState.FINISHED, JobState.CANCELLED, JobState.FAILED, JobState.PENDING):
         assert record_row(record("j", state))["replicas"] == 0
     assert record_row(record("j"))["replicas"] == 2
+
+
+def test_a_job_admitted_again_shows_the_step_it_had_reached_beside_its_own() -> None:
+    again = progress_fields(JobProgress(job_id="j", step=40, reached=300, total_steps=1000),
+                             record("j", admission=2))
+    assert (again["step"], again["reached"]) == (40, 300)
+    first = progress_fields(JobProgress(job_id="j", step=40), record("j"))
+    assert (first["step"], first["reached"]) == (40, 40)  # not stored yet: its own step
 
 
 def history() -> JobHistory:
