@@ -25,14 +25,13 @@ restore then works from what the members' nodes hold, as before. A member
 waits for its fetches at most :data:`FETCH_SHARE` of the collective timeout,
 so that the members meet in the restore's first collective before it times
 out and the generation is not given up for a slow copy (one still under way
-lands anyway, for a later restore). The catalog
-may also be behind the stores (a ring overwrote a buffer it lists): the
-restore's own agreement on what the members hold decides, never the catalog.
+lands anyway, for a later restore). The catalog may also be behind the stores
+(a ring overwrote a buffer it lists): the restore's own agreement on what the
+members hold decides, never the catalog.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import time
 from typing import TYPE_CHECKING
@@ -61,17 +60,6 @@ CATALOG_TIMEOUT_S = 5.0
 FETCH_SHARE = 0.8
 
 
-@dataclasses.dataclass(frozen=True)
-class Fetched:
-    """What this member fetched onto its node before a restore."""
-
-    step: int
-    shards: list[int]  # the shards it took, each from the first holder that sent it
-    nbytes: int
-    seconds: float
-    failed: list[str]  # why each refused or failed attempt did not bring a copy
-
-
 def plan_fetches(answer: ResumeAnswer, at_nodes: set[str], rank: int,
                  world_size: int) -> list[tuple[int, list[str]]]:
     """This member's share of the shards to fetch: ``(shard, its holders nearest
@@ -82,12 +70,13 @@ def plan_fetches(answer: ResumeAnswer, at_nodes: set[str], rank: int,
     return missing[rank::world_size]
 
 
-def fetch_missing(s: ElasticSession, generation: Generation, newer_than: int) -> Fetched | None:
+def fetch_missing(s: ElasticSession, generation: Generation, newer_than: int) -> None:
     """A collective of the members of ``generation``: fetch onto the members' nodes the
     shards of the newest step complete in memory that those nodes lack, if it is newer
-    than ``newer_than``; what this member fetched (None: nothing was asked of it)."""
+    than ``newer_than``. What this member fetched, and why any copy did not come, goes
+    to the log and its record (``kind: fetch``)."""
     if s._snapshots is None or s.bus is None or s.bus.bus is None:
-        return None
+        return
     assert s.pg is not None and s.rank is not None
     at_nodes = sorted({m.node_id for m in generation.members})
     data: bytes | None = None
@@ -103,12 +92,16 @@ def fetch_missing(s: ElasticSession, generation: Generation, newer_than: int) ->
             data = b""
     data = broadcast_bytes(s.pg, s._wait, s.rank, 0, data)
     if not data:
-        return None
+        return
     answer = decode(data, ResumeAnswer)
     if answer.step is None or answer.step <= newer_than:
-        return None
+        return
     mine = plan_fetches(answer, set(at_nodes), s.rank, s.world_size)
-    started, taken, nbytes, failed = time.monotonic(), [], 0, []
+    if not mine:
+        return
+    started, nbytes = time.monotonic(), 0
+    taken: list[int] = []  # the shards this member took, each from the first holder that sent it
+    failed: list[str] = []  # why each refused or failed attempt brought no copy
     deadline = started + FETCH_SHARE * s.timeout.total_seconds()
     for shard, holders in mine:
         for holder in holders:
@@ -122,8 +115,7 @@ def fetch_missing(s: ElasticSession, generation: Generation, newer_than: int) ->
                                    shards=answer.shards, to_node=s.node_id)
             try:
                 reply = s.bus.request(subjects.agent_fetch(holder, s.job_id), request,
-                                      ReplicaFetched,
-                                      left, s._heartbeat)
+                                      ReplicaFetched, left, s._heartbeat)
             except (PhalanxError, OSError) as exc:
                 failed.append(f"shard {shard} from {holder}: {exc}")
                 log.warning("%s: shard %d of step %d not fetched from %s: %s", s.replica_id,
@@ -132,13 +124,10 @@ def fetch_missing(s: ElasticSession, generation: Generation, newer_than: int) ->
             taken.append(shard)
             nbytes += reply.nbytes
             break
-    fetched = Fetched(answer.step, taken, nbytes, time.monotonic() - started, failed)
-    if mine:
-        log.warning("%s fetched %d of %d shards of step %d onto %s (%d B, %.2f s)",
-                    s.replica_id, len(taken), len(mine), answer.step, s.node_id, nbytes,
-                    fetched.seconds)
-    if s._record is not None and mine:
+    seconds = time.monotonic() - started
+    log.warning("%s fetched %d of %d shards of step %d onto %s (%d B, %.2f s)",
+                s.replica_id, len(taken), len(mine), answer.step, s.node_id, nbytes, seconds)
+    if s._record is not None:
         s._record.write(kind="fetch", generation=generation.generation, step=answer.step,
                         shards=taken, wanted=[shard for shard, _ in mine], state_bytes=nbytes,
-                        seconds=round(fetched.seconds, 3), failed=failed)
-    return fetched
+                        seconds=round(seconds, 3), failed=failed)
