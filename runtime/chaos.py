@@ -2,14 +2,16 @@
 
 ``PHALANX_CHAOS_KILL=<replica>:<step>:<phase>[,...]``: the named replica
 SIGKILLs itself at that step (``g<N>`` for the step: at the first step of
-generation N, whichever step that turns out to be), either at the step's ``boundary`` (before it
-starts), in its gradient ``allreduce`` (with every bucket but the last in flight, as
-it would launch the last: its peers are inside the step's collective and none can
-complete it, however fast the machine), or in its ``update``: with a sharded
-optimizer right after it posted the broadcasts of the parameters it owns (its
-peers may receive some and not others: a torn step), with a plain one right
-after ``optimizer.step()`` (its peers commit the step, its own commit dies with
-it). It writes a ``chaos`` line to its
+generation N, whichever step that turns out to be), either at the step's
+``boundary`` (before it starts; a member dies there before applying a generation
+that came meanwhile, a replica not yet a member after it joins), in its gradient
+``allreduce`` (with every bucket but the last in flight, as it would launch the
+last: its peers are inside the step's collective and none can complete it,
+however fast the machine), or in its ``update``: with a sharded optimizer right
+after it posted the broadcasts of the parameters it owns (its peers may receive
+some and not others: a torn step), with a plain one right after
+``optimizer.step()`` (its peers commit the step, its own commit dies with it).
+It writes a ``chaos`` line to its
 record first, so a test knows the death was injected. Other replicas ignore
 the entries that do not name them.
 

@@ -546,9 +546,15 @@ class ElasticSession:
         self._started = True
         while self.committed < total_steps:
             self._runner.finish_commit()
+            # A member killed between steps dies where it stands, before it applies a
+            # generation that came meanwhile (as a kill from outside would), so a test's
+            # faults at one boundary strike in one generation however late a rank runs.
+            if self.generation is not None and self.chaos_kill == (self.committed,
+                                                                   "boundary"):
+                self._chaos_kill()
             if not self._membership.ensure(total_steps):
                 self._membership.leave_without_joining()
-            if self.chaos_kill == (self.committed, "boundary"):
+            if self.chaos_kill == (self.committed, "boundary"):  # joined, or moved to it
                 self._chaos_kill()
             if self.chaos_pace is not None:
                 self.chaos_pace.wait()

@@ -446,8 +446,9 @@ async def test_two_faults_within_one_step(
     async def nothing(job_id: str, watch: Watch) -> None:
         # r1-0 and r2-0 both die before step 30, so nobody's step-30 all-reduce can
         # complete: r0-0 and r3-0 are left blocked in it until both faults abort it. (At
-        # the boundary, not inside the all-reduce: a rank running late would apply the
-        # first fault's generation before it got there.)
+        # the boundary, where a member dies before it applies a newer generation: inside
+        # the all-reduce, a rank running late would apply the first fault's generation
+        # before it got there, and die in that one.)
         return None
 
     rec, generations = await run_job(
