@@ -1027,6 +1027,11 @@ class JobProgress(Message, tag="phalanx.job_progress.v1", frozen=True):
     updated_at: NonNegFloat = 0.0
     reached: NonNegInt = 0
 
+    def reached_step(self) -> int:
+        """The most steps committed over every admission (a record stored before
+        ``reached`` existed has only its ``step``)."""
+        return max(self.step, self.reached)
+
 
 # --- checkpoints ---------------------------------------------------------------------------
 

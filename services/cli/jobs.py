@@ -59,7 +59,7 @@ def progress_fields(progress, record) -> dict:
     rate, total = progress.steps_per_s, progress.total_steps
     eta = (total - progress.step) / rate if (rate and total and record.state.value == "admitted"
                                              and total >= progress.step) else None
-    return {"step": progress.step, "reached": max(progress.step, progress.reached),
+    return {"step": progress.step, "reached": progress.reached_step(),
             "total_steps": total,
             "steps_per_s": None if rate is None else round(rate, 3),
             "eta_s": None if eta is None else round(eta, 1),

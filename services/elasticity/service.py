@@ -73,6 +73,7 @@ from phalanx.schemas.messages import (
     RequeueRequest,
     StopReplica,
 )
+from phalanx.schemas.replicas import another_admission
 from phalanx.schemas.scaling import ScalingRules
 from phalanx.services import metrics
 from phalanx.services.elasticity import core
@@ -176,11 +177,16 @@ class ElasticityService(JobEventsLeader[ElasticityTerm]):
         job_id = change.key
         if record is not None and record.state is JobState.ADMITTED:
             replicas = record.spec.replicas
+            running = term.core.jobs.get(job_id)
+            # Admitted again, a new membership starts where the earlier admissions left
+            # the job (read once, when it starts: a record is seen at every change).
+            starts = record.admission > 1 and (
+                running is None or another_admission(running.admission, record.admission))
             event: core.Event = core.JobAdmitted(
                 job_id, record.placement(), replicas.min, replicas.max, event_id="record",
                 max_replacements=record.spec.restart_policy.max_restarts,
                 sizes=ScalingRules.of(record.spec).sizes, admission=record.admission,
-                reached=await self._reached(job_id) if record.admission > 1 else 0)
+                reached=await self._reached(job_id) if starts else 0)
             await self._act(term, job_id, term.core.handle(event, time.time()), None)
             return
         # Told even of a job it never ran: a leader that took over while the job was
@@ -201,7 +207,7 @@ class ElasticityService(JobEventsLeader[ElasticityTerm]):
         except (PhalanxError, TimeoutError, OSError) as exc:
             log.warning("the step job %s had reached is not known: %s", job_id, exc)
             return 0
-        reached = 0 if stored is None else max(stored.value.step, stored.value.reached)
+        reached = 0 if stored is None else stored.value.reached_step()
         log.info("admitted again", extra={"job": job_id, "reached": reached})
         return reached
 

@@ -70,5 +70,5 @@ class StepTrack:
 def carried(stored: JobProgress | None, new: JobProgress) -> JobProgress:
     """``new`` as stored over ``stored``: its ``reached`` the most steps either says
     were committed (a step stored was committed in some admission of the job)."""
-    before = 0 if stored is None else max(stored.step, stored.reached)
-    return msgspec.structs.replace(new, reached=max(new.step, new.reached, before))
+    before = 0 if stored is None else stored.reached_step()
+    return msgspec.structs.replace(new, reached=max(new.reached_step(), before))
