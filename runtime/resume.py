@@ -98,9 +98,11 @@ def resume(session: ElasticSession, generation: Generation, retained: Retained |
     members_step = max(row.committed for row in rows)
     origin = StateSource.MEMBERS
     restored: int | None = None
-    # No member holds the step the job reached, or any trained step (a job admitted
-    # again starts its count afresh): a shard no member's node holds is fetched onto one.
-    if members_step < job_step or members_step == 0:
+    # No member holds the step the job reached, or any trained step of a job admitted
+    # again whose earlier step is not on record: a shard no member's node holds is
+    # fetched onto one. (A first admission's members hold step 0 only at its start, when
+    # nothing anywhere holds more.)
+    if members_step < job_step or (members_step == 0 and s.admission > 1):
         fetch_missing(s, generation, members_step)
     snapshot = _restore_snapshot(s, generation, members_step)
     if snapshot is not None:
@@ -122,7 +124,7 @@ def resume(session: ElasticSession, generation: Generation, retained: Retained |
         # Admitted again and the step it had reached not known (health's record of it
         # missing): no member and no tier holds any trained step either.
         origin = StateSource.START
-        _started_over(s, generation)
+        _state_lost(s, generation, None, 0, origin)
     if 0 <= newest < job_step:
         # No member and no tier holds the step the job reached (every holder died with
         # its memory, snapshots off or not yet taken): go on from the newest step that
@@ -185,29 +187,23 @@ def _repair(s: ElasticSession, plan: Repair, retained: Retained | None
     return plan.step, micro, kept
 
 
-def _state_lost(s: ElasticSession, generation: Generation, reached: int, newest: int,
-                origin: StateSource) -> None:
-    """The job had reached step ``reached`` and nothing holds it: the members go on
-    from ``newest`` (their newest step, 0: the initial state), ``origin`` saying which."""
-    log.error("%s: no member and no checkpoint tier holds step %d, which job %s had "
-              "reached: generation %d resumes after step %d (%d steps trained again)",
-              s.replica_id, reached, s.job_id, generation.generation, newest,
-              reached - newest)
+def _state_lost(s: ElasticSession, generation: Generation, reached: int | None,
+                newest: int, origin: StateSource) -> None:
+    """The job had reached step ``reached`` (None: not known, a job admitted again whose
+    earlier progress is not on record) and nothing holds it: the members go on from
+    ``newest`` (their newest step, 0: the initial state), ``origin`` saying which."""
+    if reached is None:
+        log.error("%s: job %s is admitted again (admission %d) and no member and no "
+                  "checkpoint tier holds a step of it: it trains from step %d",
+                  s.replica_id, s.job_id, s.admission, newest)
+    else:
+        log.error("%s: no member and no checkpoint tier holds step %d, which job %s had "
+                  "reached: generation %d resumes after step %d (%d steps trained again)",
+                  s.replica_id, reached, s.job_id, generation.generation, newest,
+                  reached - newest)
     if s._record is not None:
         s._record.write(kind="restore", generation=generation.generation, step=newest,
                         tier=origin.value, reached=reached, state_bytes=0,
-                        seconds=0.0, corrupt=[])
-
-
-def _started_over(s: ElasticSession, generation: Generation) -> None:
-    """A job admitted again (admission ``s.admission``) whose members and tiers hold no
-    trained step: it trains from step 0, and says so (its history: from ``start``)."""
-    log.error("%s: job %s is admitted again (admission %d) and no member and no "
-              "checkpoint tier holds a step of it: it trains from step 0", s.replica_id,
-              s.job_id, s.admission)
-    if s._record is not None:
-        s._record.write(kind="restore", generation=generation.generation, step=0,
-                        tier=StateSource.START.value, reached=None, state_bytes=0,
                         seconds=0.0, corrupt=[])
 
 
