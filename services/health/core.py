@@ -37,8 +37,9 @@ and the nodes that send heartbeats, and turns what it hears into faults:
 5. **Lost node.** A node that sent a heartbeat and then none for longer than
    ``node_timeout_s`` is lost (once), with a node-lost fault for every rank of
    every watched job on it that has not exited, departing ranks included (see
-   *Departing*). A node never heard from is not judged. When its heartbeats
-   resume it is alive again, without new faults.
+   *Departing*). A node never heard from is not judged, unless a running rank
+   of a watched job is on it at a :class:`WatchResumed` (see 7). When its
+   heartbeats resume it is alive again, without new faults.
 6. **Cordon.** A cordon needs evidence against the node, not against the
    job. Every infrastructure fault (see 8) and straggler is charged to its
    node (a node loss once, however many ranks it takes down) at the moment it
@@ -61,6 +62,10 @@ and the nodes that send heartbeats, and turns what it hears into faults:
    timeout, even when it is still handed events; :class:`WatchResumed` (also at
    a takeover) gives every node and every reporting rank a full timeout from
    that moment, so timeouts that fell due while it was blind are never judged.
+   A node a running rank is on is judged from then too, though never heard: a
+   node that died just before a takeover is heard by no new leader, and its
+   ranks (still starting, or with a long hang timeout) were otherwise never
+   judged.
    A *mass silence* is blindness too: a node or a rank that times out while
    every node not lost, at least two, went unheard for more than half the
    node timeout (:func:`~phalanx.schemas.registry.mass_silence`) is not

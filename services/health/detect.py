@@ -104,9 +104,8 @@ def lose(state: HealthState, node: NodeHealth, at: float) -> list[Decision]:
 def _heard(state: HealthState) -> dict[str, float]:
     """When each node whose silence is judged (heard from, not lost) was last heard, or
     is judged as heard."""
-    return {node.node_id: max(node.last_heartbeat, node.heard_from)
-            for node in state.nodes.values()
-            if not node.lost and node.last_heartbeat is not None}
+    return {node.node_id: heard for node in state.nodes.values()
+            if not node.lost and (heard := node.heard) is not None}
 
 
 def silenced(state: HealthState, at: float) -> bool:
@@ -141,10 +140,11 @@ def heartbeat(state: HealthState, node_id: str, now: float) -> list[Decision]:
         resumed(state, now, unheard_since=max(_heard(state).values(), default=now))
         decisions += due(state, now)  # the charges that fell due meanwhile
     if node.lost:
-        assert node.last_heartbeat is not None
+        heard = node.heard
+        assert heard is not None
         node.lost = False
         decisions.append(MarkNodeAlive(node_id, (
-            f"heartbeats resumed after {now - node.last_heartbeat:.1f} s of silence")))
+            f"heartbeats resumed after {now - heard:.1f} s of silence")))
         for rank in state.ranks_on(node_id):
             rank.hang_since = max(rank.hang_since, now)  # a full timeout from the return
             state.arm(rank)
@@ -159,12 +159,25 @@ def resumed(state: HealthState, now: float, unheard_since: float | None = None) 
     node was heard before it), only the span no node was heard in is held against no node.
     A node silent before that span stays that long closer to its timeout: with a full
     timeout each time, a dead node whose survivors' heartbeats came late at each of its
-    deadlines (a loaded machine) was never judged lost."""
+    deadlines (a loaded machine) was never judged lost.
+
+    After blindness (a takeover, a reconnection) a node that a running rank of a watched
+    job is on is judged too, though this detector never heard it: as if heard at ``now``.
+    A node that died just before a takeover sends nothing the new leader could hear; its
+    ranks, if still starting up or with a long hang timeout, were otherwise never judged,
+    and the job waited on them for good."""
+    running_on = {rank.node_id for job in state.jobs.values()
+                  for rank in [*job.ranks.values(), *job.departing.values()]
+                  if rank.exit is None} if unheard_since is None else set()
+    for node_id in running_on:
+        state.node(node_id)
     for node in state.nodes.values():
+        heard = node.heard
         if unheard_since is None:
-            node.heard_from = now
-        elif node.last_heartbeat is not None:
-            node.heard_from = max(node.last_heartbeat, node.heard_from) + now - unheard_since
+            if heard is not None or node.node_id in running_on:
+                node.heard_from = now
+        elif heard is not None:
+            node.heard_from = heard + now - unheard_since
         state.arm(node)
     for job in state.jobs.values():
         for rank in job.ranks.values():

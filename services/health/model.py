@@ -129,6 +129,14 @@ class NodeHealth:
     queued: bool = False
     uncordons: int = 0  # how often it was uncordoned: a charge made before one is forgotten
 
+    @property
+    def heard(self) -> float | None:
+        """When it was last heard, or is judged as heard (after blindness, or expected at
+        a takeover); None while it is not judged at all."""
+        if self.last_heartbeat is None:
+            return None if self.heard_from == -math.inf else self.heard_from
+        return max(self.last_heartbeat, self.heard_from)
+
 
 @dataclasses.dataclass(frozen=True)
 class Charge:
@@ -212,10 +220,10 @@ class HealthState:
     def deadline(self, item: RankHealth | NodeHealth) -> float | None:
         """When ``item`` times out, or None when it is not judged (or no longer tracked)."""
         if isinstance(item, NodeHealth):
-            if (self.nodes.get(item.node_id) is not item or item.lost
-                    or item.last_heartbeat is None):
+            heard = item.heard
+            if self.nodes.get(item.node_id) is not item or item.lost or heard is None:
                 return None
-            return max(item.last_heartbeat, item.heard_from) + self.policy.node_timeout_s
+            return heard + self.policy.node_timeout_s
         job = item.job
         if (self.jobs.get(job.job_id) is not job or job.ranks.get(item.rank) is not item
                 or item.exit is not None or not item.reporting or item.hang_raised
@@ -275,7 +283,7 @@ class HealthState:
                 live.add(id(rank))
         for node_id, node in self.nodes.items():
             assert node.node_id == node_id, f"{node_id} filed under another id"
-            assert not node.lost or node.last_heartbeat is not None, f"{node_id} lost unheard"
+            assert not node.lost or node.heard is not None, f"{node_id} lost unjudged"
             assert node.last_heartbeat is None or node.last_heartbeat <= self.now
             times = [t for t, _ in node.faults]
             assert times == sorted(times), f"{node_id} faults out of order"

@@ -21,11 +21,13 @@ import asyncio
 import os
 import shutil
 import signal
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import pytest
 from e2e_cli import phalanx
 from snapshot_probe import committed, newest_complete, until_replicated
+from test_control_plane import leader_pid
 from test_elastic import (  # the e2e helpers of the elastic tests: same cluster, same job
     FaultFreeRuns,
     Watch,
@@ -59,9 +61,11 @@ class NodeLoss:
     holds what the stores held then: ``all`` (``lost``'s and ``survivor``'s own
     buffers), ``survivor`` (everything its store held) and ``survivor_own``."""
 
-    def __init__(self, cluster_dir: Path, lost: str, survivor: str, buddy: str) -> None:
+    def __init__(self, cluster_dir: Path, lost: str, survivor: str, buddy: str,
+                 before_loss: Callable[[], Awaitable[None]] | None = None) -> None:
         self.cluster_dir, self.lost, self.survivor, self.buddy = (cluster_dir, lost,
                                                                   survivor, buddy)
+        self.before_loss = before_loss  # awaited just before the node dies
         self.stores = {node: default_root(node, cluster_dir / "agents" / node)
                        for node in (lost, survivor)}
         self.replicated: set[tuple[int, int, int, str]] = set()  # step, shards, shard, sum
@@ -92,6 +96,8 @@ class NodeLoss:
         self.before["all"] = set(lost_own) | set(committed(stores[survivor] / job_id, "w"))
         self.before["survivor"] = set(committed(stores[survivor] / job_id))
         self.before["survivor_own"] = set(committed(stores[survivor] / job_id, "w"))
+        if self.before_loss is not None:
+            await self.before_loss()
         # The lost node dies with its memory; every other rank dies, its agent alive.
         phalanx("chaos", "kill-agent", lost, "--data-dir", str(self.cluster_dir))
         for rank in ranks[lost] + ranks[survivor]:
@@ -135,19 +141,33 @@ async def test_a_node_and_every_rank_lost_the_job_resumes_from_the_buddys_replic
     check_run(rec, tmp_path / "final.pt", reference)
 
 
+@pytest.mark.parametrize("handover", [False, True], ids=["leaders-alive", "leaders-killed"])
 async def test_a_lost_nodes_shards_are_fetched_from_a_buddy_that_runs_no_member(
         data_dir: Path, reference: dict, tmp_path: Path,
-        tmp_path_factory: pytest.TempPathFactory) -> None:
+        tmp_path_factory: pytest.TempPathFactory, handover: bool) -> None:
     """Three nodes: the job runs on A and C (domain-0), and their buddy B (domain-1, the
     only node in another domain) is cordoned, so it runs none of the job's ranks but
     keeps A's replicas. A dies with its memory and C's ranks are killed: the job starts
     again on C alone, whose node lacks A's shards. The members fetch them from B's agent
-    onto C before restoring, and resume at the newest step complete in memory."""
+    onto C before restoring, and resume at the newest step complete in memory.
+
+    With ``handover``, the leaders of health, admission and elasticity are SIGKILLed just
+    before A dies: their standbys never hear A. Health must still judge A lost from its
+    takeover (its ranks, departing from the shrunk placement, leave only by that fault);
+    before, none did and the job waited on them for good."""
     lost, buddy, survivor = "local-0", "local-1", "local-2"
     cluster_dir = tmp_path_factory.mktemp("cluster")
+    standbys = ("--admission", "2", "--health", "2", "--elasticity", "2") if handover else ()
     loss = NodeLoss(cluster_dir, lost, survivor, buddy)
     before = loss.before
-    async with watched_cluster(cluster_dir, agents=3) as cluster:
+    async with watched_cluster(cluster_dir, *standbys, agents=3) as cluster:
+        if handover:
+            async def kill_leaders() -> None:
+                for service in ("health", "admission", "elasticity"):
+                    os.kill((await leader_pid(cluster[1], cluster_dir, service))[1],
+                            signal.SIGKILL)
+
+            loss.before_loss = kill_leaders
         phalanx("node", "cordon", buddy, "--data-dir", str(cluster_dir))
         await loss.watch(cluster[1])
         rec, generations = await run_job(

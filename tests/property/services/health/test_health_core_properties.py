@@ -701,8 +701,9 @@ def plain_events(op: Op, nodes: dict[str, tuple[str, ...]],
 
 def restored_run(policy: HealthPolicy, restart: RestartPolicy, ops: list[Op], cut: int
                  ) -> tuple[HealthCore, HealthCore, list[Decision], list[Decision]]:
-    """Feed ``ops`` to a core that never stops and to one that is restored from the
-    other's snapshots before op ``cut``; returns both and their decisions after the cut."""
+    """Feed ``ops`` to a core that never stops (blind for a moment before op ``cut``) and to
+    one that is restored from the other's snapshots then; returns both and their decisions
+    after the cut."""
     steady, before = HealthCore(policy), HealthCore(policy)
     restored: HealthCore | None = None
     nodes: dict[str, tuple[str, ...]] = {}
@@ -715,6 +716,9 @@ def restored_run(policy: HealthPolicy, restart: RestartPolicy, ops: list[Op], cu
                 restored.restore(snapshot(job), now)
             restored.handle(WatchResumed(), now)
             restored.check_invariants()
+            # The steady core is blind at the cut too: both judge the nodes that ranks run
+            # on from there, though neither heard them (rule 7).
+            steady.handle(WatchResumed(), now)
         if op[0] == "watch":
             nodes[op[1]] = op[2]
         if op[0] == "wait":

@@ -923,6 +923,37 @@ def test_silence_while_the_detector_was_blind_proves_nothing() -> None:
     assert [type(d) for d in lost] == [MarkNodeLost, RaiseFault]
 
 
+def test_a_node_a_rank_runs_on_is_judged_from_a_takeover_though_never_heard() -> None:
+    """A node that died just before a takeover: the new leader never hears it. Its ranks,
+    still starting up (not judged for hangs), were never faulted, and the job waited on
+    them for good."""
+    old = make(("n0", "n1", "n1"), hang=60.0, node_timeout_s=3.0)
+    run(old, T0, RankExitSeen("j", 2, "n1", 0, None, "exited"))  # done: judged for nothing
+    core = make((), node_timeout_s=3.0)
+    assert core.restore(snapshot(old.jobs["j"]), T0 + 5) == "j"
+    run(core, T0 + 5, HeartbeatSeen("n7"))  # a node no job runs on
+    assert run(core, T0 + 5, WatchResumed()) == []
+    for t in (6.0, 7.0, 8.0):
+        assert run(core, T0 + t, HeartbeatSeen("n0"), HeartbeatSeen("n7")) == []
+    assert tick(core, T0 + 8) == []
+    decisions = tick(core, after(T0 + 8))  # a full node timeout from the takeover
+    assert decisions[0] == MarkNodeLost("n1", "no heartbeat for more than 3 s")
+    assert faults(decisions) == [(LOST, "j", 1, "n1")]
+    # Heard at last: alive again, the silence counted from the takeover.
+    assert run(core, T0 + 10, HeartbeatSeen("n1")) == [
+        MarkNodeAlive("n1", "heartbeats resumed after 5.0 s of silence")]
+
+
+def test_a_node_no_running_rank_is_on_is_not_judged_unheard_after_a_takeover() -> None:
+    core = make(("n0", "n1"), hang=60.0, node_timeout_s=3.0)
+    run(core, T0, RankExitSeen("j", 1, "n1", 1, None, "exited"))  # a crash: n1 runs nothing
+    assert run(core, T0 + 1, WatchResumed()) == []
+    run(core, T0 + 2, HeartbeatSeen("n0"))
+    assert "n1" not in core.nodes or core.nodes["n1"].heard is None
+    assert [d for d in tick(core, T0 + 100) if isinstance(d, MarkNodeLost)] == [
+        MarkNodeLost("n0", "no heartbeat for more than 3 s")]
+
+
 def test_every_node_silent_at_once_loses_none_and_hangs_none() -> None:
     """The 12,000-job burst on a loaded machine starved the heartbeats of every node at
     once: each node, judged on its own, was lost with every job on it. A silence of every
