@@ -7,7 +7,9 @@ generation N, whichever step that turns out to be), either at the step's
 that came meanwhile, a replica not yet a member after it joins), in its gradient
 ``allreduce`` (with every bucket but the last in flight, as it would launch the
 last: its peers are inside the step's collective and none can complete it,
-however fast the machine), or in its ``update``: with a sharded optimizer right
+however fast the machine; rarely, a peer is still completing the step before,
+which gloo completed on the dying rank first, and aborts that one), or in its
+``update``: with a sharded optimizer right
 after it posted the broadcasts of the parameters it owns (its peers may receive
 some and not others: a torn step), with a plain one right after
 ``optimizer.step()`` (its peers commit the step, its own commit dies with it).

@@ -219,13 +219,16 @@ async def test_an_aborted_step_never_steps_the_scheduler_and_a_repaired_step_rep
     records = record.read(tmp_path / "rec")
     repaired = {line["step"] for lines in records.values() for line in lines
                 if line["kind"] == "batch" and line["kept"] > 0}
-    assert repaired == {12}, "each survivor kept its share of the aborted step"
+    # The kill is in step 12's all-reduce. Its peers are usually inside it too, but may
+    # still be completing step 11's (gloo finished it on the dead rank first; seen once
+    # in seven CI runs): then they abort and repair step 11. Either way, one step.
+    assert len(repaired) == 1 and repaired <= {11, 12}, repaired
     for replica in ("r0-0", "r1-0"):
         got = job.result(replica)
         assert_same_state(got, reference)  # the scheduler too: stepped once per commit
         assert got["scheduler"]["last_epoch"] == 40
-        # The kill left both survivors inside step 12's all-reduce: each committed every
-        # step, the repaired one once, and the script saw each commit once.
+        # Each survivor committed every step, the repaired one once, and the script saw
+        # each commit once.
         committed = [line["step"] for line in records[replica] if line["kind"] == "commit"]
         assert committed == list(range(40))
         assert sorted(got["losses"]) == committed
