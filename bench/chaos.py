@@ -14,19 +14,22 @@ injected, drawn with a seeded RNG (the first ones cover every kind once):
   ``leader_kill``: the instance holding that service's lease; either is started
   again a second later, as a Deployment would;
 * ``bus_restart``: SIGKILL nats-server; the supervisor starts it again two seconds
-  later on the same JetStream store.
+  later on the same JetStream store;
+* ``node_loss``: SIGKILL a node's agent and every rank of the job on it (only while
+  the job has at least two members elsewhere); the agent is started again after
+  longer than the node timeout, so the node is lost and comes back.
 
-The draws after the first six weigh rank_kill 3, rank_stop 2, agent_kill 2,
-service_kill 2, leader_kill 2, bus_restart 1 (a rank fault no sooner than six
-seconds after the last one, else another kind): at the default 2.5 s interval,
+The draws after the first seven weigh rank_kill 3, rank_stop 2, agent_kill 2,
+service_kill 2, leader_kill 2, bus_restart 1, node_loss 1 (a rank fault or node
+loss no sooner than six seconds after the last one, else another kind): at the
+default 2.5 s interval,
 about ten restarts of the job within five minutes. The job runs under the
 default crash-loop guard (at most ``max_restarts_in_window`` 8 restarts in
 300 s *without a committed step between them*), so a guard that counted
 restarts instead of judging progress fails the run; it used to hide exactly
 that (issue 24): the job's restart policy was raised to 100,000, as if faults
-every few seconds could not be a crash loop. Still not drawn: an agent down for
-longer than the node timeout (its node lost; it is started again 0.5 s later),
-and cordons (``PHALANX_HEALTH_CORDON_FAULTS`` off: faults drawn at random on
+every few seconds could not be a crash loop. Still not drawn: a node lost with
+its memory (the agent comes back with its store), and cordons (``PHALANX_HEALTH_CORDON_FAULTS`` off: faults drawn at random on
 two nodes are evidence against them, not a bug).
 
 Then the job must finish ``finished`` with final parameters *equal* to the same
@@ -49,6 +52,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import collections
+import contextlib
 import dataclasses
 import json
 import os
@@ -90,9 +94,13 @@ BENCH = Path(__file__).resolve().parent
 SCRIPT = BENCH.parent / "examples" / "train_mlp.py"
 SAMPLES = 640
 ARGS = ["--widths", "64,128,64", "--samples", str(SAMPLES), "--micro-batch", "8"]
-KINDS = ("rank_kill", "rank_stop", "agent_kill", "service_kill", "leader_kill", "bus_restart")
+KINDS = ("rank_kill", "rank_stop", "agent_kill", "service_kill", "leader_kill", "bus_restart",
+         "node_loss")
+WEIGHTS = (3, 2, 2, 2, 2, 1, 1)
 SERVICES = ("admission", "health", "elasticity")
-RANK_KINDS = ("rank_kill", "rank_stop")
+RANK_KINDS = ("rank_kill", "rank_stop", "node_loss")
+#: How long a lost node's agent stays down: past the node timeout (3 s), so it is lost.
+NODE_DOWN_S = 5.0
 JOB = "chaos-1"
 
 
@@ -216,8 +224,9 @@ class Chaos:
     # --- faults -------------------------------------------------------------------------
 
     def _ranks(self) -> list[dict[str, Any]]:
-        """The job's rank processes now, from the agents' manifests."""
-        return [r for manifest in (self.cluster.data_dir / "agents").glob("*/ranks.json")
+        """The job's rank processes now, from the agents' manifests (``node``: whose)."""
+        return [{**r, "node": manifest.parent.name}
+                for manifest in (self.cluster.data_dir / "agents").glob("*/ranks.json")
                 for r in running_in_manifest(manifest) if r["job_id"] == JOB]
 
     async def _members(self) -> list[str]:
@@ -256,7 +265,7 @@ class Chaos:
         order; a rank fault waits until the job has three members and the last rank fault
         is six seconds old (later ones are replaced by another kind instead)."""
         first = n < len(KINDS)
-        kind = self.order[n] if first else self.rng.choices(KINDS, weights=(3, 2, 2, 2, 2, 1))[0]
+        kind = self.order[n] if first else self.rng.choices(KINDS, weights=WEIGHTS)[0]
         if kind in RANK_KINDS:
             members = await self._members()
             if len(members) < 3 or time.monotonic() - self.last_rank_fault < 6.0:
@@ -286,6 +295,21 @@ class Chaos:
             case "agent_kill":
                 target = self.rng.choice(sorted(self.cluster.agents))
                 self._kill(target, 0.5)
+            case "node_loss":
+                members = set(await self._members())
+                ranks = self._ranks()
+                nodes = [node for node in sorted(self.cluster.agents)
+                         if len({r["replica_id"] for r in ranks if r["node"] != node}
+                                & members) >= 2]
+                if not nodes:
+                    return None
+                target = self.rng.choice(nodes)
+                self._kill(target, NODE_DOWN_S)
+                for rank in ranks:
+                    if rank["node"] == target:
+                        with contextlib.suppress(ProcessLookupError):
+                            os.kill(rank["pid"], signal.SIGKILL)
+                self.last_rank_fault = time.monotonic()
             case "service_kill":
                 service = self.rng.choice(SERVICES)
                 target = self.rng.choice(sorted(n for n in self.cluster.services

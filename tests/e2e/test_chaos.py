@@ -1,6 +1,7 @@
 """The seeded chaos run of ``bench/chaos.py`` at CI size: at least 15 faults, every kind
 (rank SIGKILL and SIGSTOP, agent SIGKILL, a service instance and a leader SIGKILLed, a
-nats-server restart) at least once, against one elastic job in deterministic mode."""
+nats-server restart, a node lost with its ranks) at least once, against one elastic job
+in deterministic mode."""
 
 from __future__ import annotations
 
