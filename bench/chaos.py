@@ -247,6 +247,10 @@ class Chaos:
     def _later(self, delay_s: float, name: str) -> None:
         async def restart() -> None:
             await asyncio.sleep(delay_s)
+            processes = (self.cluster.agents if name in self.cluster.agents
+                         else self.cluster.services)
+            if processes[name].returncode is None:
+                return  # an earlier fault's restart started it again: a supervisor runs one
             await self.cluster.restart(name)
 
         task = asyncio.create_task(restart())
@@ -467,6 +471,10 @@ async def run(work: Path, *, seed: int, faults: int, interval_s: float,
         "finished": job.state is JobState.FINISHED,
         "params_equal": equal, "verify_errors": errors[:10],
         "admitted_once": JobState.PENDING not in chaos.observer.states[1:] and len(starts) <= 1,
+        # What that verdict is drawn from: the job's states, and each start generation seen.
+        "states": [state.value for state in chaos.observer.states],
+        "starts": [f"generation {g.generation} ({g.rendezvous}): {g.cause}"
+                   for g in starts],
         "left_behind": left,
         "fault_log": [dataclasses.asdict(f) for f in chaos.faults],
     }
@@ -500,6 +508,8 @@ def main() -> None:
                                  interval_s=args.interval, steps=steps,
                                  sharded=args.sharded_optimizer))
     result["ok"] = ok(result)
+    if args.keep:  # when each fault came, beside the logs and records it explains
+        (work / "faults.json").write_text(json.dumps(result["fault_log"], indent=1))
     if not args.no_record:
         rows = "\n".join(
             f"| {kind} | {s['n']} | {s['median_s']} | {s['max_s']} | {s['unrecovered']} |"
