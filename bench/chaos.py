@@ -29,8 +29,9 @@ default crash-loop guard (at most ``max_restarts_in_window`` 8 restarts in
 restarts instead of judging progress fails the run; it used to hide exactly
 that (issue 24): the job's restart policy was raised to 100,000, as if faults
 every few seconds could not be a crash loop. Still not drawn: a node lost with
-its memory (the agent comes back with its store), and cordons (``PHALANX_HEALTH_CORDON_FAULTS`` off: faults drawn at random on
-two nodes are evidence against them, not a bug).
+its memory (the agent comes back with its store), and cordons
+(``PHALANX_HEALTH_CORDON_FAULTS`` off: faults drawn at random on two nodes are
+evidence against them, not a bug).
 
 Then the job must finish ``finished`` with final parameters *equal* to the same
 script run alone, every sample used exactly once per epoch and no committed

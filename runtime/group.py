@@ -330,15 +330,17 @@ def nccl_ready(group: DeviceGroup) -> None:
     torch.cuda.current_stream(group.device).synchronize()
 
 
-def rendezvous(waits: Waits, stores: dict[str, dist.Store], own: tuple[str, dist.Store],
+def rendezvous(waits: Waits, stores: dict[str, dist.Store], own: tuple[str, dist.TCPStore],
                generation: Generation, rank: int, timeout: datetime.timedelta,
                give_up: Callable[[], str | None], backend: Backend = Backend.GLOO,
                device: torch.device | None = None) -> dist.ProcessGroup | DeviceGroup:
     """A group over ``generation``'s namespace in its rank 0's store.
 
     Args:
-        stores: connections to other replicas' stores by endpoint (filled as needed).
-        own: this replica's id and the store it hosts (used when it is rank 0).
+        stores: connections to the replicas' stores by endpoint (filled as needed; one
+            a given-up rendezvous used is dropped).
+        own: this replica's id and the store it hosts (reached on 127.0.0.1 when it is
+            rank 0).
         give_up: the reason to give the generation up (superseded, job over), or None.
         backend / device: which group (:func:`connect`), for a model on ``device``
             (None: the CPU).
@@ -347,21 +349,27 @@ def rendezvous(waits: Waits, stores: dict[str, dist.Store], own: tuple[str, dist
         Aborted: a store or peer is unreachable, or ``give_up`` gave a reason (an NCCL
             communicator started meanwhile is aborted first).
     """
+    endpoint = generation.members[0].endpoint
+
     def abortable(call: Callable[[], T]) -> T:
         try:
             return waits.call(call, give_up)
         except Aborted as exc:
+            # The call given up may still wait inside the connection (gloo's connect for a
+            # peer that died), and a store client runs one call at a time: the next
+            # generation's calls on it would wait for that one's timeout (30 s seen).
+            stores.pop(endpoint, None)
             raise Aborted(f"rendezvous of generation {generation.generation}: {exc}") from None
 
-    endpoint = generation.members[0].endpoint
     store = stores.get(endpoint)
     if store is None:
         if generation.members[0].replica_id == own[0]:
-            store = own[1]
+            # A connection of its own, not the hosting object's, so it can be dropped.
+            host, port = "127.0.0.1", own[1].port
         else:
-            host, _, port = endpoint.rpartition(":")
-            store = abortable(lambda: dist.TCPStore(host, int(port), is_master=False,
-                                                    timeout=timeout))
+            host, _, text = endpoint.rpartition(":")
+            port = int(text)
+        store = abortable(lambda: dist.TCPStore(host, port, is_master=False, timeout=timeout))
         stores[endpoint] = store
     prefixed = dist.PrefixStore(f"{generation.rendezvous}/", store)
     # Everyone arrives before gloo connects, so a rank that is gone is noticed here.
