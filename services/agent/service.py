@@ -269,7 +269,8 @@ class AgentService(Service):
 
     async def _follow_generations(self) -> None:
         """Which jobs have a generation, so run a phalanx session: a job that leaves its
-        spares unset keeps them from then on (:func:`.core.spares_wanted`). A failure of
+        spares unset keeps them from then on (:func:`.core.spares_wanted`); and on which
+        nodes its newest one runs (the replicas of the others are pruned). A failure of
         the watch is retried: it must not stop the agent, and its ranks with it."""
         assert self.generations is not None and self.spares is not None
         assert self.bus is not None
@@ -278,6 +279,10 @@ class AgentService(Service):
                 async for change in self.generations.follow(self.bus.resync_event()):
                     if change is not None:
                         await self.spares.session_seen(change.key, change.value is not None)
+                        if change.value is not None:
+                            self.snapshots.generation_seen(
+                                change.key, change.value.generation,
+                                [member.node_id for member in change.value.members])
             except Exception as exc:  # the bus gone for longer than its retries
                 log.warning("following the jobs' generations failed (%s); again in 1 s", exc)
             if await self.sleep_or_stop(1.0):
@@ -734,6 +739,8 @@ class AgentService(Service):
         for job_id in self.snapshots.jobs():
             if self.snapshots.prune_replicas(job_id):
                 log.info("pruned earlier replicas", extra={"job": job_id})
+            if self.snapshots.prune_departed(job_id):
+                log.info("pruned the replicas of nodes the job left", extra={"job": job_id})
         memory = {"snapshot_bytes": self.snapshots.used(),
                   "snapshot_limit_bytes": self.snapshots.limit,
                   "snapshot_refused": self.snapshots.refused}

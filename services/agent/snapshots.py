@@ -43,15 +43,29 @@ from them, and the agent is what bounds and frees them.
   replicas of an earlier membership are pruned by the rule above, the
   membership being that of the newest step replicated from it
   (:meth:`prune_replicas`).
+* **Departed sources.** A node that runs no member of the job's newest generation
+  sends no newer replica, so that rule never prunes what came from it: a node
+  lost, a buddy re-placed, or the copies a restore fetched from a holder
+  (:mod:`phalanx.runtime.fetch`). The agent follows each job's generations
+  (:meth:`SnapshotStore.generation_seen`); once this node's own rings hold two
+  committed steps written in the newest one since the agent saw it, every
+  replica from a node outside that generation is deleted
+  (:meth:`SnapshotStore.prune_departed`), by the rule above's argument: from
+  then on a step of that generation is complete on its members' nodes.
+  Commits the rings held before the agent saw the generation are not counted:
+  generation numbers start over when a job is admitted again, and what the
+  earlier admission left may be the very state the new one restores.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import re
 import shutil
 import zlib
+from collections.abc import Iterable
 from pathlib import Path
 
 from phalanx.schemas import snapshot_file
@@ -129,6 +143,16 @@ def _grow(path: Path, nbytes: int) -> None:
         os.close(fd)
 
 
+@dataclasses.dataclass(frozen=True)
+class NewestGeneration:
+    """A job's newest generation as this agent saw it, and the commits its own rings
+    held then (none of them evidence that the generation trains)."""
+
+    generation: int
+    nodes: frozenset[str]
+    before: frozenset[tuple[str, Header]]
+
+
 class SnapshotStore:
     """The snapshot buffers of one node, under ``root``, at most ``limit`` bytes."""
 
@@ -139,6 +163,7 @@ class SnapshotStore:
         self.limit = limit
         self.refused = ""  # why the last reservation was refused ("" while none was)
         self.current: dict[str, int] = {}  # job -> the shard count last reserved for
+        self.newest: dict[str, NewestGeneration] = {}  # job -> its newest generation seen
 
     def job_dir(self, job_id: str) -> Path:
         return self.root / job_id
@@ -302,6 +327,43 @@ class SnapshotStore:
                 deleted += 1
         return deleted
 
+    def generation_seen(self, job_id: str, generation: int, nodes: Iterable[str]) -> None:
+        """``job_id``'s newest generation is ``generation``, its members on ``nodes``."""
+        seen = self.newest.get(job_id)
+        if seen is None or seen.generation != generation:
+            self.newest[job_id] = NewestGeneration(generation, frozenset(nodes),
+                                                   self._own_commits(job_id))
+
+    def _own_commits(self, job_id: str) -> frozenset[tuple[str, Header]]:
+        commits = set()
+        for path in self._rings(job_id, None):
+            header = snapshot_file.committed_header(path)
+            if header is not None:
+                commits.add((path.name, header))
+        return frozenset(commits)
+
+    def prune_departed(self, job_id: str) -> int:
+        """Delete ``job_id``'s replicas from nodes outside its newest generation once one
+        of this node's own rings holds two steps committed in it since it was seen (the
+        module docstring says why that is safe); returns the files deleted."""
+        newest = self.newest.get(job_id)
+        if newest is None:
+            return 0
+        steps: dict[str, set[int]] = {}  # ring (without its buffer index) -> new steps
+        for name, header in self._own_commits(job_id) - newest.before:
+            if header.generation == newest.generation:
+                steps.setdefault(name.rpartition(".")[0], set()).add(header.step)
+        if not any(len(held) >= 2 for held in steps.values()):
+            return 0
+        deleted = 0
+        directory = self.job_dir(job_id)
+        for path in list(directory.iterdir()) if directory.is_dir() else []:
+            replica = _REPLICA_FILE.match(path.name)
+            if replica is not None and replica["source"] not in newest.nodes:
+                path.unlink(missing_ok=True)
+                deleted += 1
+        return deleted
+
     def jobs(self) -> set[str]:
         return {p.name for p in self.root.iterdir() if p.is_dir()} if self.root.is_dir() \
             else set()
@@ -310,6 +372,7 @@ class SnapshotStore:
         """Delete every buffer of ``job_id`` (its job ended)."""
         shutil.rmtree(self.job_dir(job_id), ignore_errors=True)
         self.current.pop(job_id, None)
+        self.newest.pop(job_id, None)
 
     def clear(self) -> None:
         """Delete the whole store (the agent stops cleanly)."""

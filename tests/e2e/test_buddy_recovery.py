@@ -192,4 +192,8 @@ async def test_a_lost_nodes_shards_are_fetched_from_a_buddy_that_runs_no_member(
     restored_in = {line["generation"] for line in restores}
     for generation in (g for g in generations if g.generation in restored_in):
         assert {m.node_id for m in generation.members} == {survivor}, generation
+    # The fetched copies of A's shards went once the job trained on C alone: no newer
+    # replica from A would ever have replaced them.
+    log = (cluster_dir / "logs" / f"agent-{survivor}.log").read_text()
+    assert "pruned the replicas of nodes the job left" in log
     check_run(rec, tmp_path / "final.pt", reference)

@@ -52,12 +52,12 @@ def test_an_ended_job_leaves_nothing(tmp_path) -> None:
     assert store.used() == 0 and store.jobs() == set()
 
 
-def commit(path, step: int, shard: int, shards: int) -> None:
+def commit(path, step: int, shard: int, shards: int, generation: int = 0) -> None:
     """Write a committed snapshot of ``step`` into the buffer file at ``path``."""
     with path.open("r+b") as f:
         data = bytearray(f.read())
-        header = snapshot_file.Header("j", step, 0, shard, shards, 8 * shards, 8 * shard, 8,
-                                      0, 0)
+        header = snapshot_file.Header("j", step, generation, shard, shards, 8 * shards,
+                                      8 * shard, 8, 0, 0)
         snapshot_file.write(memoryview(data), header, b"m", lambda view: None)
         f.seek(0)
         f.write(data)
@@ -77,6 +77,58 @@ def test_an_earlier_membership_is_pruned_once_the_current_one_holds_two_steps(
     assert sorted(p.name for p in store.job_dir("j").iterdir()) == ["w2-s0.0", "w2-s0.1"]
     assert store.steps_held("j") == {2: {61, 62}}
     assert store.prune("other") == 0
+
+
+def replica(store: SnapshotStore, source: str, ring: str, step: int, generation: int):
+    path = store.replica_path("j", source, ring)
+    store.make_room(path, 5000, "test")
+    shards, shard = (int(part[1:]) for part in ring.split(".")[0].split("-"))
+    commit(path, step, shard, shards, generation)
+    return path
+
+
+def test_the_replicas_of_nodes_the_job_left_go_once_its_generation_holds_two_steps(
+        tmp_path) -> None:
+    """Node "a" was lost: the job's generation 3 runs on this node ("b") and "c". What
+    "a" replicated here, or a restore fetched from it, is never pruned by a newer replica
+    of "a"; it goes once this node's own ring committed two steps in generation 3."""
+    store = SnapshotStore(tmp_path / "shm", limit=100_000)
+    own = store.reserve(ask(shard=0, shards=2, nbytes=5000))
+    commit(own[0], 40, 0, 2, generation=3)  # before the agent saw generation 3: no evidence
+    gone = [replica(store, "a", "w2-s1.0", 40, 2), replica(store, "a", "w2-s1.1", 39, 2)]
+    kept = replica(store, "c", "w2-s1.0", 40, 3)
+    assert store.prune_departed("j") == 0  # no generation seen
+    store.generation_seen("j", 3, ["b", "c"])
+    assert store.prune_departed("j") == 0
+    commit(own[1], 41, 0, 2, generation=3)
+    assert store.prune_departed("j") == 0  # one new step: the others may not have it
+    commit(own[0], 42, 0, 2, generation=4)
+    assert store.prune_departed("j") == 0  # another generation's: not evidence for 3
+    commit(own[0], 42, 0, 2, generation=3)
+    assert store.prune_departed("j") == 2
+    assert not any(path.exists() for path in gone) and kept.exists()
+    assert store.prune_departed("j") == 0
+    store.generation_seen("j", 3, ["b"])  # the same generation again: nothing restarts
+    assert store.prune_departed("j") == 0 and kept.exists()
+
+
+def test_a_job_admitted_again_keeps_what_its_earlier_admission_left_until_it_trains(
+        tmp_path) -> None:
+    """Generation numbers start over: the earlier admission's rings here hold steps of
+    generation 0 too. They are not evidence; the new admission's restore may read the
+    replicas of the old nodes (or fetch from them) first."""
+    store = SnapshotStore(tmp_path / "shm", limit=100_000)
+    own = store.reserve(ask(shard=0, shards=2, nbytes=5000))
+    commit(own[0], 80, 0, 2)
+    commit(own[1], 81, 0, 2)
+    old = replica(store, "a", "w2-s1.0", 81, 0)
+    store.generation_seen("j", 0, ["b", "c"])  # the new admission, on other nodes
+    assert store.prune_departed("j") == 0 and old.exists()
+    commit(own[0], 82, 0, 2)
+    commit(own[1], 83, 0, 2)
+    assert store.prune_departed("j") == 1 and not old.exists()
+    store.drop("j")
+    assert "j" not in store.newest
 
 
 def test_a_store_whose_agents_work_dir_is_gone_is_deleted_and_no_other(tmp_path) -> None:
