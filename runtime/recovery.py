@@ -38,7 +38,17 @@ from collections.abc import Sequence
 
 
 class StateLost(RuntimeError):
-    """No member holds the state the job has reached: in-process recovery is impossible."""
+    """No member holds the state the job has reached: in-process recovery is impossible.
+
+    ``retry``: whether a later generation may still find it (a lost node's memory, its
+    agent back; a holder that was unreachable): the rank then exits
+    :data:`~phalanx.schemas.environment.EXIT_STATE_LOST`, a failure health retries.
+    Not when nothing could ever hold it (a sharded optimizer without snapshots).
+    """
+
+    def __init__(self, message: str, *, retry: bool = True) -> None:
+        super().__init__(message)
+        self.retry = retry
 
 
 @dataclasses.dataclass(frozen=True)

@@ -138,7 +138,8 @@ def resume(session: ElasticSession, generation: Generation, retained: Retained |
                         "its partition of the sharded optimizer and no snapshot of a "
                         "complete step is left on the members' nodes (a sharded "
                         "optimizer recovers from a fault only from snapshots: "
-                        "checkpoint.memory_every_steps)")
+                        "checkpoint.memory_every_steps)",
+                        retry=s._snapshots is not None or s.durable is not None)
     plan = plan_recovery(rows, generation.generation, job_step, restored=restored is not None)
     step, source = plan.resume, plan.source
     repair = None

@@ -22,7 +22,9 @@ copy), first makes the training stream wait for the side stream
 next snapshot first waits for the writer (:meth:`Snapshotter.settle`), so it is
 at most one behind. The buffers are asked for once per
 membership; an agent that refuses (its node's bound) leaves the rank training
-without snapshots until its next membership, with the reason logged.
+without snapshots until its next membership, with the reason logged. An agent
+that does not answer (down, restarting) is asked again at the first snapshot
+due :data:`RESERVE_RETRY_S` later.
 
 **Restoring.** When a generation's members hold no state as new as what their
 nodes' memory holds (every rank of the job died, the agents lived),
@@ -40,6 +42,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import mmap
 import pickle
 import time
@@ -78,6 +81,8 @@ log = logging.getLogger("phalanx.runtime.snapshot")
 MAX_HELD = 64
 META_SLACK = 64 * 1024  # room for the meta section to grow without a new reservation
 RESERVE_TIMEOUT_S = 10.0
+#: After the agent did not answer a reservation (down, restarting), ask again no sooner.
+RESERVE_RETRY_S = 2.0
 
 
 class Snapshotter:
@@ -93,11 +98,17 @@ class Snapshotter:
             :class:`~.durable.DurableWriter`) to persist; the ring gets one buffer more, so
             the one being persisted is never overwritten and the newest commit still is
             not either.
+        clock: seconds, for when to ask an agent that did not answer again.
     """
 
     def __init__(self, bus: BusThread, job_id: str, replica_id: str, node_id: str, *,
-                 schedule: SnapshotSchedule, keep: int = 2, durable: Any = None) -> None:
+                 schedule: SnapshotSchedule, keep: int = 2, durable: Any = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.bus, self.job_id, self.replica_id, self.node_id = bus, job_id, replica_id, node_id
+        self.clock = clock
+        # When to ask an agent that did not answer again: a refusal (the node's bound)
+        # holds for the generation, an agent restarting for a moment only.
+        self._ask_again_at = -math.inf
         self.schedule, self.durable = schedule, durable
         self.durable_every = schedule.policy.durable_every
         self.keep = min(16, keep + 1) if durable is not None and self.durable_every else keep
@@ -143,7 +154,7 @@ class Snapshotter:
         ``world_size``; False if this membership has no buffers (refused). A state on a
         GPU is written and announced by the writer thread once copied off the device
         (:class:`DeviceStaging`); this call waits for the previous one first."""
-        if self._refused_in == generation:
+        if self._refused_in == generation or self.clock() < self._ask_again_at:
             return False
         started = time.perf_counter()
         self.settle()
@@ -155,7 +166,8 @@ class Snapshotter:
             and self._reserved[2] >= need
         if not fits:
             asked = time.perf_counter()
-            if not self._reserve(rank, world_size, need + len(meta) + META_SLACK, generation):
+            if not self._reserve(rank, world_size, need + len(meta) + META_SLACK, generation,
+                                 step):
                 return False
             started += time.perf_counter() - asked  # once a membership: not the snapshot's
         pinned = None if self.durable is None else self.durable.busy_with
@@ -199,7 +211,8 @@ class Snapshotter:
             checksum=f"{header.checksum:016x}", created_at=time.time(), generation=generation,
             total_bytes=state.total))
 
-    def _reserve(self, shard: int, shards: int, nbytes: int, generation: int) -> bool:
+    def _reserve(self, shard: int, shards: int, nbytes: int, generation: int,
+                 step: int) -> bool:
         assert self.bus.bus is not None
         request = SnapshotReserve(job_id=self.job_id, replica_id=self.replica_id, shard=shard,
                                   shards=shards, nbytes=nbytes, buffers=self.keep)
@@ -207,7 +220,15 @@ class Snapshotter:
             reply = self.bus.run(self.bus.bus.request(
                 subjects.agent_snapshot(self.node_id), request, SnapshotReservation,
                 timeout_s=RESERVE_TIMEOUT_S), RESERVE_TIMEOUT_S + 1)
-        except (PhalanxError, TimeoutError, OSError) as exc:
+        except (ConnectionError, TimeoutError) as exc:
+            # Not a refusal: the agent is down or restarting. Before, the whole generation
+            # went without snapshots (176 steps in a chaos run), and a fault then restored
+            # a step that old.
+            log.warning("no snapshot of step %d yet: %s; asking again in %g s", step, exc,
+                        RESERVE_RETRY_S)
+            self._ask_again_at = self.clock() + RESERVE_RETRY_S
+            return False
+        except (PhalanxError, OSError) as exc:
             log.warning("no snapshots in generation %d: %s", generation, exc)
             self._refused_in = generation
             return False

@@ -21,7 +21,10 @@ imported are skipped.
 
 The exit status is the one Python would give when the runtime can know it:
 an exception or ``sys.exit(n)`` that leaves ``with session:`` (the session's
-``__exit__`` records it), an uncaught exception (1), otherwise 0. A
+``__exit__`` records it), an uncaught exception (1), otherwise 0; except for
+a ``StateLost`` a later generation may recover from, armed or not:
+:data:`~phalanx.schemas.environment.EXIT_STATE_LOST` (75), which health counts as
+a failure to retry, not the script's. A
 ``sys.exit(n)`` *after* the session is closed, outside its ``with`` block,
 cannot be seen from an ``atexit`` handler and exits 0: end the script inside
 the block, or raise before closing.
@@ -36,9 +39,13 @@ import os
 import sys
 from typing import Any
 
+from phalanx.runtime.recovery import StateLost
+from phalanx.schemas.environment import EXIT_STATE_LOST
+
 _armed = False
 _status: int | None = None  # known from the session's __exit__, if it saw one
 _uncaught = False
+_state_lost = False  # the uncaught exception is StateLost: EXIT_STATE_LOST
 _watching = False
 
 
@@ -59,8 +66,9 @@ def watch() -> None:
     previous_hook = sys.excepthook
 
     def remember(kind: type[BaseException], value: BaseException, tb: Any) -> None:
-        global _uncaught
+        global _uncaught, _state_lost
         _uncaught = True
+        _state_lost = isinstance(value, StateLost) and value.retry
         previous_hook(kind, value, tb)
 
     sys.excepthook = remember
@@ -72,6 +80,8 @@ def exit_status(exc: BaseException | None) -> None:
     if isinstance(exc, SystemExit):
         code = exc.code
         _status = 0 if code is None else code if isinstance(code, int) else 1
+    elif isinstance(exc, StateLost) and exc.retry:
+        _status = EXIT_STATE_LOST
     elif exc is not None:
         _status = 1
 
@@ -82,12 +92,14 @@ def failed() -> bool:
 
 
 def _leave() -> None:
-    if not _armed:
+    if not _armed and not _state_lost:
         return
     logging.shutdown()
     for stream in (sys.stdout, sys.stderr):
         with contextlib.suppress(Exception):
             stream.flush()
+    if _state_lost:
+        os._exit(EXIT_STATE_LOST)
     os._exit(1 if _uncaught else (_status or 0) & 0xFF)
 
 

@@ -1,6 +1,7 @@
 """The environment a rank process starts with: variables its node agent sets and the
-runtime inside the rank reads. Both sides name them from here, so neither imports the
-other (services never import the runtime; the runtime never imports a service)."""
+runtime inside the rank reads; and the one exit status the runtime gives a meaning.
+Both sides name them from here, so neither imports the other (services never import
+the runtime; the runtime never imports a service)."""
 
 from __future__ import annotations
 
@@ -15,3 +16,10 @@ SPARE = "PHALANX_SPARE"
 #: The job's admission a rank was started for (``JobRecord.admission``), which its events
 #: carry so that elasticity tells them from an earlier admission's.
 ADMISSION = "PHALANX_ADMISSION"
+
+#: The exit status of a rank that ended because its generation found the job's state
+#: nowhere it could reach (``StateLost``): ``EX_TEMPFAIL``, a failure to retry. The
+#: state may be reachable again later (a lost node's agent back with its memory), so
+#: health counts it against the restart budget, which judges progress, not against the
+#: application failures that end a job at the first few.
+EXIT_STATE_LOST = 75

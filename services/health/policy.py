@@ -55,6 +55,7 @@ import dataclasses
 import enum
 import signal as signals
 
+from phalanx.schemas.environment import EXIT_STATE_LOST
 from phalanx.schemas.messages import ReasonCode, RestartPolicy
 
 
@@ -63,7 +64,8 @@ class Failure(enum.StrEnum):
 
     APPLICATION = "application"  # the script exited non-zero by itself
     LAUNCH = "launch"  # the command could not be started (an application failure too)
-    INFRASTRUCTURE = "infrastructure"  # a signal, a hang, a lost node, a lost status
+    INFRASTRUCTURE = "infrastructure"  # a signal, a hang, a lost node, a lost status,
+    # or the runtime's own word that the job's state is out of reach (EXIT_STATE_LOST)
 
     @property
     def application(self) -> bool:
@@ -76,7 +78,7 @@ def classify_exit(cause: str, exit_code: int | None, signal: str | None) -> Fail
         return Failure.LAUNCH
     if cause != "exited" or signal is not None or exit_code is None:
         return Failure.INFRASTRUCTURE
-    if _killed_through_shell(exit_code):
+    if _killed_through_shell(exit_code) or exit_code == EXIT_STATE_LOST:
         return Failure.INFRASTRUCTURE
     return Failure.APPLICATION
 

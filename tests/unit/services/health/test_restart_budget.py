@@ -7,6 +7,7 @@ and step reports at explicit times and assert on what it decides.
 
 from __future__ import annotations
 
+from phalanx.schemas.environment import EXIT_STATE_LOST
 from phalanx.schemas.messages import ReasonCode, RestartPolicy
 from phalanx.services.health.core import HealthCore
 from phalanx.services.health.events import (
@@ -123,6 +124,28 @@ def test_application_failures_keep_their_own_limit() -> None:
     step(core, T0 + 5, 3)  # progress does not forgive the script's own failures
     verdict = failed(core.handle(RankExitSeen("j", 1, "n0", 1, None, "exited"), T0 + 10))
     assert verdict is not None and verdict.reason_code is ReasonCode.APP_FAILED
+
+
+def test_a_state_lost_exit_is_retried_under_the_restart_budget_not_the_scripts() -> None:
+    """Every member of a sharded job exits EXIT_STATE_LOST: no complete step was within
+    reach (a lost node's memory, its agent down for seconds). Those are restarts to
+    retry, judged by progress, not application failures that end the job at once."""
+    core = watched(RestartPolicy(max_app_failures=1, max_restarts_in_window=3))
+    out: list[Decision] = []
+    for rank in range(4):
+        out += core.handle(RankExitSeen("j", rank, NODES[rank], EXIT_STATE_LOST, None,
+                                        "exited"), T0)
+    assert failed(out) is None
+    assert [d.application for d in out if isinstance(d, RaiseFault)] == [False] * 4
+    # Retried and still lost, round after round without a step: the crash-loop guard.
+    verdicts = []
+    for round_ in range(1, 4):
+        for rank in range(4):
+            core.handle(RankStartSeen("j", rank, NODES[rank], 10 + round_), T0 + 10 * round_)
+        verdicts += [failed(core.handle(RankExitSeen("j", 0, "n0", EXIT_STATE_LOST, None,
+                                                     "exited"), T0 + 10 * round_ + 5))]
+    verdict = next(v for v in verdicts if v is not None)
+    assert verdict.reason_code is ReasonCode.RESTART_RATE, verdict
 
 
 def test_a_restored_budget_goes_on_judging_the_same_streak() -> None:
