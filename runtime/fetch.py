@@ -20,7 +20,9 @@ and announced like any other. The shards are split among the members, so the
 copies travel in parallel and each member waits for its own share only.
 
 Everything here is best effort: a catalog that cannot be asked, a holder that
-is gone or refuses, a copy overwritten meanwhile, is logged and skipped; the
+refuses, a copy overwritten meanwhile, is logged and skipped; a holder whose
+agent does not answer (down, restarting: its memory may be intact) is asked
+again until the time is up, after the others (:func:`fetch_shard`); the
 restore then works from what the members' nodes hold, as before. A member
 waits for its fetches at most :data:`FETCH_SHARE` of the collective timeout,
 so that the members meet in the restore's first collective before it times
@@ -34,8 +36,10 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
+from phalanx.bus.errors import NoResponders
 from phalanx.runtime.state import broadcast_bytes
 from phalanx.schemas import subjects
 from phalanx.schemas.codec import decode, encode
@@ -58,6 +62,8 @@ CATALOG_TIMEOUT_S = 5.0
 #: The share of the collective timeout a member may spend on its fetches: the members
 #: then meet in the restore's first collective, which must not time out waiting for one.
 FETCH_SHARE = 0.8
+#: How often holders whose agents do not answer are asked again, within that share.
+ASK_AGAIN_S = 0.5
 
 
 def plan_fetches(answer: ResumeAnswer, at_nodes: set[str], rank: int,
@@ -103,27 +109,28 @@ def fetch_missing(s: ElasticSession, generation: Generation, newer_than: int) ->
     taken: list[int] = []  # the shards this member took, each from the first holder that sent it
     failed: list[str] = []  # why each refused or failed attempt brought no copy
     deadline = started + FETCH_SHARE * s.timeout.total_seconds()
+    bus = s.bus
+
+    def pause(seconds: float) -> None:
+        s._heartbeat()  # waiting for a holder's agent is not a hang
+        s._inbox.sleep(seconds)
+
     for shard, holders in mine:
-        for holder in holders:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                # A copy still under way lands all the same: a later restore finds it.
-                failed.append(f"shard {shard}: no time left (collective timeout "
-                              f"{s.timeout.total_seconds():g} s)")
-                break
-            request = ReplicaFetch(job_id=s.job_id, step=answer.step, shard=shard,
-                                   shards=answer.shards, to_node=s.node_id)
-            try:
-                reply = s.bus.request(subjects.agent_fetch(holder, s.job_id), request,
-                                      ReplicaFetched, left, s._heartbeat)
-            except (PhalanxError, OSError) as exc:
-                failed.append(f"shard {shard} from {holder}: {exc}")
-                log.warning("%s: shard %d of step %d not fetched from %s: %s", s.replica_id,
-                            shard, answer.step, holder, exc)
-                continue
+        request = ReplicaFetch(job_id=s.job_id, step=answer.step, shard=shard,
+                               shards=answer.shards, to_node=s.node_id)
+
+        def ask(holder: str, left: float, request: ReplicaFetch = request) -> int:
+            return bus.request(subjects.agent_fetch(holder, s.job_id), request,
+                               ReplicaFetched, left, s._heartbeat).nbytes
+
+        got, why = fetch_shard(ask, holders, deadline, time.monotonic, pause)
+        failed += [f"shard {shard} {reason}" for reason in why]
+        for reason in why:
+            log.warning("%s: shard %d of step %d: %s", s.replica_id, shard, answer.step,
+                        reason)
+        if got is not None:
             taken.append(shard)
-            nbytes += reply.nbytes
-            break
+            nbytes += got
     seconds = time.monotonic() - started
     log.warning("%s fetched %d of %d shards of step %d onto %s (%d B, %.2f s)",
                 s.replica_id, len(taken), len(mine), answer.step, s.node_id, nbytes, seconds)
@@ -131,3 +138,34 @@ def fetch_missing(s: ElasticSession, generation: Generation, newer_than: int) ->
         s._record.write(kind="fetch", generation=generation.generation, step=answer.step,
                         shards=taken, wanted=[shard for shard, _ in mine], state_bytes=nbytes,
                         seconds=round(seconds, 3), failed=failed)
+
+
+def fetch_shard(ask: Callable[[str, float], int], holders: Sequence[str], deadline: float,
+                clock: Callable[[], float], pause: Callable[[float], None]
+                ) -> tuple[int | None, list[str]]:
+    """Ask ``holders`` in turn (``ask(holder, seconds left)``: the bytes it sent) until
+    one sends the shard or ``deadline`` (on ``clock``) passes; the bytes (None: no copy
+    came) and why each holder last failed. While every holder's agent is only silent
+    (none listens: down, restarting), ask again every :data:`ASK_AGAIN_S`: a node's agent
+    back within the deadline still serves the step its memory kept. A refusal (the copy
+    is no longer there) is final for its holder."""
+    why: dict[str, str] = {}
+    asking = list(holders)
+    while asking:
+        silent = []
+        for holder in asking:
+            left = deadline - clock()
+            if left <= 0:
+                # A copy still under way lands all the same: a later restore finds it.
+                return None, [*why.values(), "no time left to fetch it"]
+            try:
+                return ask(holder, left), list(why.values())
+            except NoResponders as exc:
+                why[holder] = f"from {holder}: {exc}"
+                silent.append(holder)
+            except (PhalanxError, OSError) as exc:
+                why[holder] = f"from {holder}: {exc}"
+        asking = silent
+        if asking:
+            pause(min(ASK_AGAIN_S, max(0.0, deadline - clock())))
+    return None, list(why.values())
