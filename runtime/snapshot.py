@@ -24,7 +24,8 @@ at most one behind. The buffers are asked for once per
 membership; an agent that refuses (its node's bound) leaves the rank training
 without snapshots until its next membership, with the reason logged. An agent
 that does not answer (down, restarting) is asked again at the first snapshot
-due :data:`RESERVE_RETRY_S` later.
+due :data:`RESERVE_RETRY_S` later (one that does not answer in time is not: each try
+would hold the training thread that long).
 
 **Restoring.** When a generation's members hold no state as new as what their
 nodes' memory holds (every rank of the job died, the agents lived),
@@ -53,6 +54,7 @@ from typing import Any
 
 import torch
 
+from phalanx.bus.errors import BusUnavailable, NoResponders
 from phalanx.runtime.bus_thread import BusThread
 from phalanx.runtime.device_staging import DeviceStaging
 from phalanx.runtime.flat_state import FlatState, copy_range, flat_state, load_flat, tensors_in
@@ -220,10 +222,12 @@ class Snapshotter:
             reply = self.bus.run(self.bus.bus.request(
                 subjects.agent_snapshot(self.node_id), request, SnapshotReservation,
                 timeout_s=RESERVE_TIMEOUT_S), RESERVE_TIMEOUT_S + 1)
-        except (ConnectionError, TimeoutError) as exc:
-            # Not a refusal: the agent is down or restarting. Before, the whole generation
-            # went without snapshots (176 steps in a chaos run), and a fault then restored
-            # a step that old.
+        except (NoResponders, BusUnavailable) as exc:
+            # Not a refusal: the agent is down or restarting (said at once, not after a
+            # timeout: asking again costs the training thread nothing). Before, the whole
+            # generation went without snapshots (176 steps in a chaos run), and a fault
+            # then restored a step that old. An agent that does not answer in time (held
+            # up, stopped) is not asked again: each try would stall training that long.
             log.warning("no snapshot of step %d yet: %s; asking again in %g s", step, exc,
                         RESERVE_RETRY_S)
             self._ask_again_at = self.clock() + RESERVE_RETRY_S
