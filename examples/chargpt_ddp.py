@@ -3,14 +3,14 @@
     python examples/chargpt_model.py --data-dir /tmp/phalanx-gpt-data   # tokenize once
     torchrun --nproc-per-node 4 examples/chargpt_ddp.py --epochs 2       # plain DDP
     phalanx submit examples/gpt.yaml                                      # the port, elastic
-    python examples/chargpt.py --epochs 2                                 # the port alone
+    torchrun --nproc-per-node 1 examples/chargpt.py --epochs 2           # the port alone
 
 chargpt_ddp.py is a DDP loop as users write it: a ``DistributedSampler`` and a
 ``DataLoader`` (each rank takes ``global_batch / world_size`` windows a step),
 AdamW, a linear warmup then cosine decay of the learning rate, clipping at
 norm 1.0, a log line every ``--log-every`` steps and the save on rank 0.
 chargpt.py is the same script under phalanx: elastic, recovering from faults
-in process, and alone (no phalanx) the reference at world size 1. The two
+in process, and alone (one process, no phalanx) the reference. The two
 files share this text so that ``diff examples/chargpt_ddp.py
 examples/chargpt.py`` is the port; docs/runtime.md (The diff) says what each
 changed line does.

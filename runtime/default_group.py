@@ -17,8 +17,14 @@ generation. A collective on a default group would block on a dead peer, or
 mix members of two generations, so a rank's number goes into the step's own
 reduce instead (``metrics=`` and :meth:`~.step.Step.add`).
 
-A default group the process made itself before the session (its own
-``init_process_group``) is left alone, and answers for itself.
+The session owns the default group, also one the script made itself before
+it: a DDP script keeps its own ``dist.init_process_group(...)``, which under
+phalanx makes the first gang's group (torchrun's variables) or, for a replica
+of a job that has a generation, a world of one; alone, a world of one too
+(``torchrun --nproc-per-node 1``). That group says nothing true once the
+membership changes, so the session destroys it (:func:`take_over`) and makes
+its own. Alone, a script's group of more than one rank is refused: a session
+outside phalanx trains alone.
 """
 
 from __future__ import annotations
@@ -41,7 +47,7 @@ _COLLECTIVES = (
 class MembershipGroup(dist.ProcessGroup):
     """A default process group that is a rank and a size: its collectives are refused."""
 
-    def refuse(self, *args: Any, **kwargs: Any) -> NoReturn:
+    def refuse(self) -> NoReturn:
         raise RuntimeError(
             f"a collective on the default process group (rank {self.rank()} of "
             f"{self.size()}): under phalanx it only says who this rank is; the session's "
@@ -49,9 +55,13 @@ class MembershipGroup(dist.ProcessGroup):
             "metrics= and step.add, or use session.pg)")
 
 
+def _refused(self: MembershipGroup, *args: Any, **kwargs: Any) -> NoReturn:
+    self.refuse()  # a subclass says what the collective was for
+
+
 for _name in _COLLECTIVES:
     if hasattr(dist.ProcessGroup, _name):
-        setattr(MembershipGroup, _name, MembershipGroup.refuse)
+        setattr(MembershipGroup, _name, _refused)
 
 
 def _create(store: dist.Store, rank: int, world_size: int, timeout: Any) -> MembershipGroup:
@@ -70,12 +80,27 @@ def ours() -> bool:
     return dist.is_initialized() and dist.get_backend() == BACKEND
 
 
+def take_over(alone: bool) -> None:
+    """Destroy a default group the script made before the session (see the module
+    docstring); ``alone``: outside phalanx, where only a world of one is the session's.
+
+    Raises:
+        RuntimeError: alone, the script's default group has more than one rank.
+    """
+    if not dist.is_initialized() or ours():
+        return
+    if alone and dist.get_world_size() > 1:
+        raise RuntimeError(
+            f"this process's default group has {dist.get_world_size()} ranks, but outside "
+            "phalanx (no PHALANX_JOB_ID) the session trains alone: submit the script to "
+            "phalanx, or run one process (torchrun --nproc-per-node 1)")
+    dist.destroy_process_group()
+
+
 def answer(rank: int, world_size: int) -> None:
-    """Make the default group say ``rank`` of ``world_size`` (unless the script made its own)."""
+    """Make the default group say ``rank`` of ``world_size``."""
     if dist.is_initialized():
-        if not ours():
-            return
-        if (dist.get_rank(), dist.get_world_size()) == (rank, world_size):
+        if ours() and (dist.get_rank(), dist.get_world_size()) == (rank, world_size):
             return
         dist.destroy_process_group()
     _registered()
@@ -83,6 +108,6 @@ def answer(rank: int, world_size: int) -> None:
 
 
 def clear() -> None:
-    """No default group: this replica is no longer a member (the script's own is kept)."""
+    """No default group: this replica is no longer a member."""
     if ours():
         dist.destroy_process_group()

@@ -104,7 +104,7 @@ import torch.distributed as dist
 
 from phalanx.bus import telemetry
 from phalanx.bus.config import BusConfig
-from phalanx.runtime import chaos, default_group, priority, spare, teardown
+from phalanx.runtime import chaos, ddp, default_group, priority, schedulers, spare, teardown
 from phalanx.runtime.bus_thread import BusThread
 from phalanx.runtime.chaos import Kill, Pace, parse_chaos_kill, parse_chaos_pace
 from phalanx.runtime.data import ElasticOrder
@@ -136,10 +136,12 @@ from phalanx.runtime.snapshot_interval import IntervalPolicy, SnapshotSchedule
 from phalanx.runtime.state import landing_buffers
 from phalanx.runtime.training_step import StepRunner
 from phalanx.schemas import environment, subjects
-from phalanx.schemas.errors import PhalanxError
+from phalanx.schemas.errors import ConfigError, PhalanxError
 from phalanx.schemas.messages import Fault, Generation, RankProgress, ReplicaReady
 
 log = logging.getLogger("phalanx.runtime")
+#: The micro-batch size a job's spec may set for a script that gives none (:meth:`from_env`).
+MICRO_BATCH_ENV = "PHALANX_MICRO_BATCH_SIZE"
 #: How long leaving waits for a durable write under way (the job's last step, often).
 DURABLE_FLUSH_S = 60.0
 
@@ -158,6 +160,13 @@ def _close_at_exit() -> None:
         session.close()
 
 
+def _micro_batch_size(value: str) -> int:
+    if not value.isdigit() or int(value) < 1:
+        raise ConfigError(f"{MICRO_BATCH_ENV}: {value!r} is not a positive whole number of "
+                          "samples")
+    return int(value)
+
+
 def _warm_up(warmup: Callable[[], None], optimizer: torch.optim.Optimizer) -> None:
     """Run the user's warm-up; its gradients are zeroed, their memory kept touched."""
     warmup()
@@ -168,7 +177,9 @@ class ElasticSession:
     """A rank's membership, process group, state and data order.
 
     Args:
-        model / optimizer: what to train; the session never wraps them.
+        model / optimizer: what to train; the session never wraps them. ``model`` may be
+            the script's ``DistributedDataParallel`` wrapper: the session trains the module
+            inside and keeps DDP's own all-reduce off (:mod:`.ddp`).
         dataset: map-style; if it has ``batch(indices)`` (and no ``loader`` options are
             given) that is used for a micro-batch, else a standard DataLoader.
         loader: options of the ``DataLoader`` that reads the micro-batches
@@ -207,7 +218,9 @@ class ElasticSession:
             released.
         state: name -> object with ``state_dict``/``load_state_dict`` (LR schedulers, an
             EMA, a loss scaler) carried with the model and optimizer to every replica that
-            receives state; more with :meth:`register`.
+            receives state; more with :meth:`register`. An LR scheduler built on
+            ``optimizer`` before the session is carried without it, as ``lr_scheduler``
+            (:mod:`.schedulers`).
         metrics: names of scalars the script adds per step with :meth:`Step.add`; each is
             summed over the ranks with the gradients (the loss always is).
         snapshot_interval: which committed steps to snapshot this rank's share of the
@@ -223,9 +236,10 @@ class ElasticSession:
             process group of every generation, for the model's device.
 
     Raises:
-        ValueError: an unknown ``backend``, ``nccl`` for a model not on a GPU, or a model
-            on more than one device.
-        RuntimeError: ``nccl`` with a torch built without NCCL.
+        ValueError: an unknown ``backend``, ``nccl`` for a model not on a GPU, a model on
+            more than one device, or two LR schedulers of ``optimizer`` not registered.
+        RuntimeError: ``nccl`` with a torch built without NCCL; alone, a default group
+            the script made of more than one rank.
     """
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
@@ -245,9 +259,11 @@ class ElasticSession:
                  durable: DurablePolicy | None = None, backend: str = "auto",
                  landing: list[torch.Tensor] | None = None, admission: int = 0) -> None:
         teardown.watch()
-        self.model = model
+        #: What the session trains: the script's model, or the module inside its DDP wrapper.
+        self.model = ddp.unwrap(model)
+        default_group.take_over(alone=bus is None)  # the script's group, DDP's let go of
         #: Where the model lives, and everything the session allocates for it.
-        self.device = model_device(model)
+        self.device = model_device(self.model)
         self.backend = choose_backend(backend, self.device)
         if self.backend is Backend.NCCL and not dist.is_nccl_available():
             raise RuntimeError(f"backend nccl: torch {torch.__version__} is built without "
@@ -285,6 +301,8 @@ class ElasticSession:
         self._started = False  # a step was taken: the registered state is fixed
         for name, obj in (state or {}).items():
             self.register(name, obj)
+        for name, obj in schedulers.unregistered(optimizer, self._state.values()).items():
+            self.register(name, obj)
         self.metric_names = tuple(metrics)
         if len(set(self.metric_names)) != len(self.metric_names) or "loss" in metrics:
             raise ValueError(f"metrics must be distinct names other than 'loss', got "
@@ -321,8 +339,13 @@ class ElasticSession:
 
     @classmethod
     def from_env(cls, model: torch.nn.Module, optimizer: torch.optim.Optimizer, dataset: Any,
-                 *, env: Mapping[str, str] | None = None, **kwargs: Any) -> ElasticSession:
+                 global_batch: int | None = None, *, env: Mapping[str, str] | None = None,
+                 **kwargs: Any) -> ElasticSession:
         """The session of the replica an agent launched, or a lone one outside phalanx.
+
+        ``global_batch`` and ``kwargs`` are the constructor's. ``PHALANX_MICRO_BATCH_SIZE``
+        (a job spec's ``env``) is ``micro_batch_size`` where the script gives none: how
+        many samples fit in one forward pass is the machine's, not the script's.
 
         Reads ``PHALANX_NATS_URL``, ``PHALANX_JOB_ID``, ``PHALANX_REPLICA_ID``,
         ``PHALANX_RANK`` (the slot), ``PHALANX_NODE_ID``, and optionally
@@ -335,9 +358,14 @@ class ElasticSession:
 
         Raises:
             BusUnavailable: the bus cannot be reached at start (no generation to join).
-            ConfigError: a malformed ``PHALANX_CHAOS_KILL`` or ``PHALANX_CHAOS_HOLD``.
+            ConfigError: a malformed ``PHALANX_CHAOS_KILL``, ``PHALANX_CHAOS_HOLD`` or
+                ``PHALANX_MICRO_BATCH_SIZE``.
         """
         env = os.environ if env is None else env
+        if global_batch is not None:
+            kwargs["global_batch"] = global_batch
+        if env.get(MICRO_BATCH_ENV):
+            kwargs.setdefault("micro_batch_size", _micro_batch_size(env[MICRO_BATCH_ENV]))
         if env.get(environment.SPARE):  # a warm spare, model built: wait to be told who it is
             if all(p.device.type == "cpu" for p in model.parameters()):
                 # What does not depend on who it becomes is done now, not once it is named:

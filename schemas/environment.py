@@ -5,6 +5,9 @@ the runtime; the runtime never imports a service)."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from types import MappingProxyType
+
 #: The nice value a replica started at low CPU priority returns to once it is ready.
 NICE_WHEN_READY = "PHALANX_NICE_WHEN_READY"
 
@@ -23,3 +26,12 @@ ADMISSION = "PHALANX_ADMISSION"
 #: health counts it against the restart budget, which judges progress, not against the
 #: application failures that end a job at the first few.
 EXIT_STATE_LOST = 75
+
+#: torchrun's variables for a process that is a world of its own: what a rank of a job that
+#: has a generation starts with (the first gang's ranks, before it, get the gang's). A DDP
+#: script's own ``dist.init_process_group(...)`` then makes a group of one at once, with a
+#: store on a free port, and never waits for a peer that died or left; the session, which
+#: knows the membership, takes torch's default group over (``phalanx.runtime.default_group``).
+WORLD_OF_ONE: Mapping[str, str] = MappingProxyType({
+    "RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1", "GROUP_RANK": "0",
+    "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "0"})

@@ -16,7 +16,11 @@ A rank gets the environment a torchrun script expects (``RANK``,
 ``LOCAL_RANK``, ``WORLD_SIZE``, ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR``,
 ``MASTER_PORT``; ``LOCAL_RANK`` is the index of the node's slot it runs in, and on
 a node that lists GPUs, ``CUDA_VISIBLE_DEVICES`` is that slot's GPU alone) plus
-``PHALANX_*`` for the runtime (``PHALANX_BACKEND``: the spec's ``backend``), runs
+``PHALANX_*`` for the runtime (``PHALANX_BACKEND``: the spec's ``backend``). Those
+variables describe the job's gang until the job has a generation; from then on (its
+replacements, joiners and spares) they make each process a world of its own
+(:data:`~phalanx.schemas.environment.WORLD_OF_ONE`): a ported DDP script's own
+``init_process_group`` must not wait for a gang that is gone. The rank runs
 in its own session so a stop reaches its children too, and logs to
 ``<work_dir>/jobs/<job>/<replica>.log`` (one file per replica, so a
 replacement's output never runs on from its predecessor's; the agent writes a
@@ -307,7 +311,7 @@ class RankSet:
                 # A slot an elastic job grew into: its replica joins running survivors.
                 await self._launch(record, slot, placement, first_replica(slot),
                                    nice=self.replacement_nice if elastic else None,
-                                   use_spare=elastic)
+                                   elastic=elastic)
 
     async def replace(self, record: JobRecord, slot: int, replica_id: str,
                       warm_only: bool = False) -> Replaced:
@@ -342,7 +346,7 @@ class RankSet:
         if running is not None:
             await self.stop(running)
         entry = await self._launch(record, slot, placement, replica_id,
-                                   nice=self.replacement_nice, use_spare=True)
+                                   nice=self.replacement_nice, elastic=True)
         if entry is None:
             raise OSError(f"cannot start {replica_id}: see the agent's log")
         return Replaced(entry.pid, new=True, from_spare=entry.from_spare)
@@ -393,17 +397,25 @@ class RankSet:
                                 if self.bus_identity is not None else {})
 
     async def _identity(self, record: JobRecord, rank: int, placement: tuple[str, ...],
-                        replica_id: str, slots: tuple[int, ...],
-                        nice: int | None) -> dict[str, str]:
+                        replica_id: str, slots: tuple[int, ...], nice: int | None,
+                        elastic: bool) -> dict[str, str]:
         """The variables that make a process of the job replica ``replica_id`` in slot
-        ``rank``, holding this node's ``slots``: what a warm spare is handed."""
-        local = sorted(s for s, node in record.placement().items() if node == self.node_id)
+        ``rank``, holding this node's ``slots``: what a warm spare is handed. ``elastic``:
+        the job has a generation, so torchrun's variables make the process a world of its
+        own (:data:`~phalanx.schemas.environment.WORLD_OF_ONE`), not one of a gang."""
+        if elastic:
+            gang: Mapping[str, str] = environment.WORLD_OF_ONE
+        else:
+            local = sorted(s for s, node in record.placement().items() if node == self.node_id)
+            gang = {
+                "RANK": str(rank),
+                "WORLD_SIZE": str(len(placement)), "LOCAL_WORLD_SIZE": str(len(local)),
+                "GROUP_RANK": str(sorted(set(placement), key=placement.index)
+                                  .index(self.node_id)),
+                "MASTER_ADDR": await self.host_of(placement[0]),
+                "MASTER_PORT": str(master_port(record.job_id))}
         env = {
-            "RANK": str(rank),
-            "WORLD_SIZE": str(len(placement)), "LOCAL_WORLD_SIZE": str(len(local)),
-            "GROUP_RANK": str(sorted(set(placement), key=placement.index).index(self.node_id)),
-            "MASTER_ADDR": await self.host_of(placement[0]),
-            "MASTER_PORT": str(master_port(record.job_id)),
+            **gang,
             "PHALANX_RANK": str(rank), "PHALANX_REPLICA_ID": replica_id,
             "PHALANX_WORLD_SIZE": str(len(placement)),
             environment.ADMISSION: str(record.admission),
@@ -416,9 +428,10 @@ class RankSet:
 
     async def _launch(self, record: JobRecord, rank: int, placement: tuple[str, ...],
                       replica_id: str, nice: int | None = None,
-                      use_spare: bool = False) -> Rank | None:
-        """Start ``replica_id`` in slot ``rank``: a warm spare of the job told who it is
-        when ``use_spare`` and one runs here, else a new process."""
+                      elastic: bool = False) -> Rank | None:
+        """Start ``replica_id`` in slot ``rank``: for a job that has a generation
+        (``elastic``), a warm spare of the job told who it is if one runs here, else a new
+        process."""
         spec = record.spec
         # A slot never holds two ranks: until the replica has usable slots, it waits for the
         # next exit here (and reads the cordons once a try).
@@ -456,11 +469,12 @@ class RankSet:
                 return None
             await wait_set(self._exit_seen, left)
         taken = self.spares.take(record.job_id, held | cordoned) \
-            if use_spare and self.spares is not None else None
+            if elastic and self.spares is not None else None
         spare = None if taken is None else taken[0]
         if taken is not None and taken[1]:
             slots = taken[1]  # free slots on the GPUs the spare's process already sees
-        identity = await self._identity(record, rank, placement, replica_id, slots, nice)
+        identity = await self._identity(record, rank, placement, replica_id, slots, nice,
+                                        elastic)
         self.launched[(record.job_id, rank)] = (placement, replica_id)
         log_path = self.log_path(record.job_id, replica_id)
         log_path.parent.mkdir(parents=True, exist_ok=True)

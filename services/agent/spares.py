@@ -291,7 +291,10 @@ class SpareSet:
                            f"{self.node_id} at {utc_now()}\n".encode())
             log_file.flush()
             try:
-                env = {**self.environment(record), **devices[0], environment.SPARE: spare_id}
+                # A spare is of a job with a generation: it is a world of its own, as the
+                # replica it becomes (its script's init_process_group runs before that).
+                env = {**self.environment(record), **environment.WORLD_OF_ONE, **devices[0],
+                       environment.SPARE: spare_id}
                 process = await self.launcher.start(record.spec.command, env, log_file,
                                                     stdin=True)
             except OSError as exc:

@@ -28,6 +28,7 @@ from test_elastic import drain, watched_cluster
 
 from phalanx.runtime import record
 from phalanx.runtime.data import ElasticOrder
+from phalanx.schemas import environment
 from phalanx.schemas.messages import (
     GenerationReason,
     JobSpec,
@@ -50,11 +51,13 @@ PACE_S = 0.4
 KILL_STEP = 15
 BLOCK, GLOBAL_BATCH, BYTES = 16, 16, 5120
 ARGS = ["--layers", "2", "--heads", "2", "--embd", "32", "--block-size", str(BLOCK),
-        "--global-batch", str(GLOBAL_BATCH), "--micro-batch", "4", "--warmup", "10",
-        "--log-every", "100", "--epochs", str(EPOCHS)]
+        "--global-batch", str(GLOBAL_BATCH), "--warmup", "10", "--log-every", "100",
+        "--epochs", str(EPOCHS)]
 ORDER = ElasticOrder((BYTES - 1) // BLOCK, GLOBAL_BATCH, seed=0)
 STEPS = EPOCHS * ORDER.steps_per_epoch
-RUN_ENV = {"PHALANX_DETERMINISTIC": "1", "PHALANX_STATE_CHECKSUM": "1"}
+# The micro-batch size is the job's (the DDP script has none).
+RUN_ENV = {"PHALANX_DETERMINISTIC": "1", "PHALANX_STATE_CHECKSUM": "1",
+           "PHALANX_MICRO_BATCH_SIZE": "4"}
 
 
 @pytest.fixture(scope="module")
@@ -72,9 +75,11 @@ async def cluster(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[tup
 
 
 def alone(data_dir: Path, out: Path) -> dict:
-    """The reference: the same script alone (world size 1)."""
+    """The reference: the same script alone (one process: a world of one, as torchrun
+    --nproc-per-node 1 makes it)."""
     out.mkdir(parents=True)
     env = {k: v for k, v in os.environ.items() if not k.startswith("PHALANX_")}
+    env.update(environment.WORLD_OF_ONE)
     subprocess.run([sys.executable, str(SCRIPT), "--data-dir", str(data_dir), *ARGS,
                     "--save", str(out / "final.pt")], check=True,
                    timeout=600, env={**env, **RUN_ENV, "PHALANX_RECORD_DIR": str(out / "rec")})

@@ -31,8 +31,9 @@ from phalanx.services.natsd import NatsServer
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 BLOCK, GLOBAL_BATCH, BYTES, EPOCHS = 16, 16, 5120, 6
 ARGS = ["--layers", "2", "--heads", "2", "--embd", "32", "--block-size", str(BLOCK),
-        "--global-batch", str(GLOBAL_BATCH), "--micro-batch", "4", "--warmup", "10",
-        "--log-every", "10"]
+        "--global-batch", str(GLOBAL_BATCH), "--warmup", "10", "--log-every", "10"]
+# The port takes the micro-batch size from the job's environment (the DDP script has none).
+PORT_ENV = {**RUN_ENV, "PHALANX_MICRO_BATCH_SIZE": "4"}
 ORDER = ElasticOrder((BYTES - 1) // BLOCK, GLOBAL_BATCH, seed=0)
 STEPS = EPOCHS * ORDER.steps_per_epoch
 KILL_STEP = 27  # in the second epoch
@@ -73,7 +74,7 @@ async def test_the_port_trains_through_an_aborted_step_and_a_join_as_it_does_alo
     command = [sys.executable, str(EXAMPLES / "chargpt.py"), "--data-dir", str(data), *ARGS,
                "--epochs", str(EPOCHS)]
     alone_log = await run(launcher, [*command, "--save", str(tmp_path / "alone.pt")],
-                          {**clean_env(), **RUN_ENV, "PHALANX_RECORD_DIR": str(tmp_path / "ref")},
+                          {**clean_env(), **PORT_ENV, "PHALANX_RECORD_DIR": str(tmp_path / "ref")},
                           tmp_path / "alone.out")
     applied: dict[int, set[str]] = {}
     changed = asyncio.Event()
@@ -91,7 +92,7 @@ async def test_the_port_trains_through_an_aborted_step_and_a_join_as_it_does_alo
     release = tmp_path / "release"
     async with Job(bus, nats_server, uid, tmp_path, data, launcher=launcher) as job:
         job.command = [*command, "--save", str(tmp_path / "final.pt")]
-        env = {"PHALANX_CHAOS_KILL": f"r2-0:{KILL_STEP}:allreduce",
+        env = {**PORT_ENV, "PHALANX_CHAOS_KILL": f"r2-0:{KILL_STEP}:allreduce",
                # At most 10 steps/s until the joiner is in: it joins before the end.
                "PHALANX_CHAOS_PACE": f"0.1:{release}"}
         for slot, replica in enumerate(["r0-0", "r1-0", "r2-0", "r3-0"]):

@@ -25,7 +25,7 @@ import torch
 
 from phalanx.bus.client import Bus, Delivery
 from phalanx.runtime import record
-from phalanx.schemas import subjects
+from phalanx.schemas import environment, subjects
 from phalanx.schemas.messages import (
     Generation,
     GenerationApplied,
@@ -48,10 +48,10 @@ def clean_env() -> dict[str, str]:
 
 async def start(launcher: Launcher, command: list[str], env: dict[str, str],
                 log: Path) -> ChildProcess:
-    """``command`` as an agent starts a rank (forked from the launcher's zygote), its
-    output to ``log``."""
+    """``command`` as an agent starts a rank of a job that has a generation (forked from
+    the launcher's zygote, torchrun's variables a world of one), its output to ``log``."""
     with log.open("ab") as output:  # the process holds its own descriptor
-        process = await launcher.start(command, env, output)
+        process = await launcher.start(command, {**environment.WORLD_OF_ONE, **env}, output)
     return process
 
 

@@ -15,7 +15,7 @@ ROOT = Path(__file__).resolve().parents[2]
 DDP, PORT = ROOT / "examples" / "chargpt_ddp.py", ROOT / "examples" / "chargpt.py"
 #: What the port measures (11 out, 9 in). Issue 24 asks for at most 15; what is left is
 #: one pair per concept (docs/runtime.md, The diff), see the test below.
-MAX_CHANGED = 20
+MAX_CHANGED = 15
 
 
 def port_diff() -> list[str]:

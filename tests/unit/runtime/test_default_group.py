@@ -52,13 +52,14 @@ def test_each_generation_remakes_the_default_group_and_a_non_member_has_none() -
     assert not dist.is_initialized()
 
 
-def test_a_default_group_the_script_made_itself_is_left_alone() -> None:
+def test_a_default_group_the_script_made_itself_is_the_sessions_from_then_on() -> None:
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     session_alone()
+    assert (dist.get_rank(), dist.get_world_size(), dist.get_backend()) == (0, 1, "phalanx")
     default_group.answer(1, 2)
+    assert (dist.get_rank(), dist.get_world_size()) == (1, 2)
     default_group.clear()
-    assert dist.get_backend() == "gloo"
-    dist.all_reduce(torch.ones(1))  # the script's own group does its collectives
+    assert not dist.is_initialized()
 
 
 def test_a_sharded_optimizer_is_built_over_the_sessions_default_group() -> None:

@@ -1,0 +1,57 @@
+"""A model the script wrapped in ``DistributedDataParallel``: trained by the session, not DDP.
+
+A DDP script keeps its ``model = DDP(model)`` when it is ported, and hands the
+wrapper to the session. The session trains the module inside (``.module``):
+its hooks take each gradient into the session's abortable all-reduce, whose
+membership changes between steps. DDP's own reducer would all-reduce the same
+gradients again, over the group the script made before the session (the
+first gang's, or a world of one), which says nothing true after the first
+membership change and blocks on a dead peer. So the session quiets it:
+
+* DDP is pointed at a :class:`QuietGroup`, a group whose collectives are
+  refused by name, and lets go of the script's group, which the session then
+  destroys (:func:`.default_group.take_over`) while nothing else holds it;
+* its backward hooks stay unarmed (``require_backward_grad_sync`` False, as
+  inside ``no_sync()``) and its buffers are not broadcast before a forward
+  (``require_forward_param_sync`` False).
+
+What is left of DDP is its forward (the module's, with its input moves to
+``device_ids``) and its ``state_dict`` (the module's under ``module.``), so
+code that saves or loads the wrapper keeps working. Its gradient buckets stay
+allocated (one copy of the gradients, as under DDP): the reducer has no way
+to free them. Anything that arms DDP again (``require_backward_grad_sync =
+True``) reaches the quiet group and is refused, never a stale peer.
+"""
+
+from __future__ import annotations
+
+from typing import NoReturn
+
+import torch
+from torch.nn.parallel import DistributedDataParallel
+
+from phalanx.runtime.default_group import MembershipGroup
+
+
+class QuietGroup(MembershipGroup):
+    """The process group of a DDP wrapper the session trains: it does no collective."""
+
+    def refuse(self) -> NoReturn:
+        raise RuntimeError(
+            "DistributedDataParallel's own all-reduce under a phalanx session: the session "
+            "all-reduces the gradients over each generation's members, so the wrapper's "
+            "reducer stays off (leave require_backward_grad_sync False) and its buffers "
+            "are not broadcast")
+
+
+def unwrap(model: torch.nn.Module) -> torch.nn.Module:
+    """The module the session trains: ``model``, or the module inside a DDP wrapper,
+    which is quieted (see the module docstring)."""
+    if not isinstance(model, DistributedDataParallel):
+        return model
+    quiet = QuietGroup(0, 1)  # type: ignore[call-arg]
+    model._update_process_group(quiet)
+    model.require_backward_grad_sync = False
+    model.require_forward_param_sync = False
+    module: torch.nn.Module = model.module
+    return module
