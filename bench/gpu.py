@@ -1,6 +1,7 @@
-"""The runtime on a GPU: recovery of the GPT on CUDA, NCCL generations, snapshots off the device.
+"""The runtime on a GPU: recovery of the GPT on CUDA, NCCL generations, snapshots off the
+device, and a ported DDP script that keeps NCCL and its DDP wrapper.
 
-Three phases, each in a process of its own (a phase that hangs or fails is reported
+Four phases, each in a process of its own (a phase that hangs or fails is reported
 and the next still runs; each writes what it has measured as it goes):
 
 * **(a) recovery on CUDA.** ``examples/train_gpt.py`` as a 4-replica job of a local
@@ -30,6 +31,13 @@ and the next still runs; each writes what it has measured as it goes):
   beside compute slows the compute. Then the GPT's step with the default checkpoint
   policy against the same loop under torchrun + DDP, one rank each (NCCL), the arms
   alternated (``--overhead-rounds``). Target: at most 5 % slower.
+
+* **(d) the ported DDP script on CUDA** (``bench/gpu_ddp_port.py``: its own
+  ``init_process_group("nccl")`` and ``DDP(model, device_ids=[0])``, its scheduler not
+  registered) as a 1-replica job with the memory tier every step, on one agent whose 2
+  slots are GPU 0; ``r0-0`` SIGKILLs itself at ``--port-kill-step``, so the whole job is
+  restored from its node's memory by a replacement, started cold, then (second job) from
+  a warm spare. Each must end bitwise equal to the script alone, its scheduler too.
 
 ``--cpu`` runs the same phases on the CPU with small sizes, to show the script works end
 to end where there is no GPU: the NCCL phases run gloo instead, and the JSON says so.
@@ -66,7 +74,7 @@ import torch.distributed as dist
 BENCH = Path(__file__).resolve().parent
 ROOT = BENCH.parent
 
-PHASES = ("a", "b", "c")
+PHASES = ("a", "b", "c", "d")
 
 
 # --- (a) recovery of the GPT on CUDA ----------------------------------------------------------
@@ -161,6 +169,100 @@ def rank_starts(logs: Path) -> dict[str, int]:
             "cold_fallbacks": text.count("starting cold") + text.count("ranks start cold"),
             "spares_started": text.count("spare started"),
             "spares_taken": text.count("spare taken")}
+
+
+# --- (d) the ported DDP script on CUDA -------------------------------------------------------
+
+PORT = BENCH / "gpu_ddp_port.py"
+
+
+def port_options(args: argparse.Namespace) -> list[str]:
+    return ["--data-dir", str(args.data_dir), "--epochs", "1", "--log-every", "100",
+            *args.port_options.split()]
+
+
+def phase_d(args: argparse.Namespace, out: Callable[[dict[str, Any]], None]) -> None:
+    from phalanx.bench import recovery
+    from phalanx.bus.client import Bus
+    from phalanx.bus.config import BusConfig
+    from phalanx.runtime import record
+    from phalanx.runtime.data import ElasticOrder
+    from phalanx.runtime.dataset import TokenWindows
+    from phalanx.schemas import environment
+    from phalanx.schemas.messages import CheckpointPolicy, JobSpec, JobState, ReplicaRange
+
+    port = vars(train_options(port_options(args)))
+    order = ElasticOrder(len(TokenWindows(args.data_dir, port["block_size"])),
+                         port["global_batch"], port["seed"])
+    result: dict[str, Any] = {"device": device_name(args), "steps": order.steps_per_epoch,
+                              "kill_step": args.port_kill_step, "jobs": {}}
+    plain = {k: v for k, v in os.environ.items() if not k.startswith("PHALANX_")}
+    with tempfile.TemporaryDirectory() as tmp:
+        work = Path(tmp)
+        started = time.monotonic()
+        # The reference: one process, a world of one (torchrun --nproc-per-node 1).
+        subprocess.run([sys.executable, str(PORT), *port_options(args), "--save",
+                        str(work / "alone.pt")], check=True, capture_output=True,
+                       timeout=args.timeout, env={**plain, **environment.WORLD_OF_ONE,
+                                                  "PHALANX_DETERMINISTIC": "1"})
+        result["alone_s"] = time.monotonic() - started
+        out(result)
+        alone = torch.load(work / "alone.pt", map_location="cpu")
+        if not args.cpu:  # both slots on GPU 0: a spare waits beside the rank
+            os.environ["PHALANX_AGENT_GPUS"] = "0,0"
+        url = recovery.cluster_up(work / "cluster", 1, 2)
+        try:
+            for name, spares in (("cold", 0), ("spare", 1)):
+                job = work / name
+                spec = JobSpec(
+                    name=f"port-{name}", team="bench", priority_class="normal",
+                    replicas=ReplicaRange(min=1, max=1), spares=spares,
+                    checkpoint=CheckpointPolicy(memory_every_steps=1),
+                    command=[sys.executable, str(PORT), *port_options(args),
+                             "--save", str(job / "phalanx.pt")],
+                    env={"PHALANX_RECORD_DIR": str(job / "records"),
+                         "PHALANX_DETERMINISTIC": "1",
+                         "PHALANX_CHAOS_KILL": f"r0-0:{args.port_kill_step}:boundary"},
+                    hang_timeout_s=30.0, grace_period_s=5.0)
+
+                async def run(spec: JobSpec = spec, name: str = name) -> Any:
+                    async with await Bus.connect(BusConfig.load(env={}, servers=[url])) as bus:
+                        return await recovery.run_job(bus, spec, f"port-{name}", args.timeout)
+
+                job_started = time.monotonic()
+                ended = asyncio.run(run())
+                outcome: dict[str, Any] = {"job": ended.state.value,
+                                           "seconds": time.monotonic() - job_started}
+                result["jobs"][name] = outcome
+                if ended.state is not JobState.FINISHED:
+                    outcome["error"] = f"the job ended {ended.state.value}: {ended.reason}"
+                    out(result)
+                    continue
+                records = record.read(job / "records")
+                outcome["replicas"] = sorted(records)
+                outcome["restores"] = [
+                    {k: line.get(k) for k in ("step", "tier", "reached", "seconds")}
+                    for lines in records.values() for line in lines
+                    if line["kind"] == "restore"]
+                outcome["problems"] = record.verify(records, order, order.steps_per_epoch)
+                ours = torch.load(job / "phalanx.pt", map_location="cpu")
+                outcome["bitwise_equal_to_alone"] = all(
+                    torch.equal(ours["model"][k], v) for k, v in alone["model"].items())
+                outcome["scheduler_equal"] = ours["scheduler"] == alone["scheduler"]
+                outcome["max_abs_difference"] = max(
+                    float((ours["model"][k].double() - v.double()).abs().max())
+                    for k, v in alone["model"].items())
+                out(result)
+        finally:
+            recovery.cli("down", "--data-dir", str(work / "cluster"))
+            result["rank_starts"] = rank_starts(work / "cluster" / "logs")
+    out(result)
+
+
+def train_options(argv: list[str]) -> argparse.Namespace:
+    from phalanx.examples.chargpt_model import arguments
+
+    return arguments("the port's options").parse_args(argv)
 
 
 # --- (b) NCCL generations at world size 1 ---------------------------------------------------
@@ -518,7 +620,7 @@ def device_name(args: argparse.Namespace) -> str:
            f"{torch.version.cuda}, NCCL {'.'.join(map(str, torch.cuda.nccl.version()))}"
 
 
-PHASE_RUNS = {"a": phase_a, "b": phase_b, "c": phase_c}
+PHASE_RUNS = {"a": phase_a, "b": phase_b, "c": phase_c, "d": phase_d}
 
 
 def run_phase(args: argparse.Namespace, phase: str, argv: list[str]) -> dict[str, Any]:
@@ -569,7 +671,16 @@ def results_section(report: dict[str, Any]) -> str:
             return f"{value}{unit}"
         return f"{value * scale:.{digits}f}{unit}"
 
-    a, b, c = (report["phases"].get(p, {}) for p in PHASES)
+    a, b, c, d = (report["phases"].get(p, {}) for p in PHASES)
+    port_rows = [
+        ("(d)", f"the DDP port, {job} replacement: job; restored from; bitwise equal to "
+                "alone; scheduler equal; problems",
+         f"{fmt(get(d, 'jobs', job, 'job'))}; "
+         f"{fmt(get(d, 'jobs', job, 'restores') and json.dumps(get(d, 'jobs', job, 'restores')))}"
+         f"; {fmt(get(d, 'jobs', job, 'bitwise_equal_to_alone'))}; "
+         f"{fmt(get(d, 'jobs', job, 'scheduler_equal'))}; "
+         f"{fmt(get(d, 'jobs', job, 'problems') and json.dumps(get(d, 'jobs', job, 'problems')))}")
+        for job in ("cold", "spare")]
     rows = [
         ("(a)", "survivors' downtime beyond a step", fmt(get(a, "downtime_s"), unit=" s")),
         ("(a)", "steps lost or redone", fmt(get(a, "steps_lost_or_redone"))),
@@ -611,6 +722,7 @@ def results_section(report: dict[str, Any]) -> str:
          fmt(get(c, "snapshot", "overlap", "slowdown"), 100, " %", 1)),
         ("(c)", "GPT step, phalanx (default checkpoint policy) against DDP, one rank",
          fmt(get(c, "overhead", "overhead"), 100, " %", 1)),
+        *port_rows,
     ]
     lines = [f"\n## gpu.py — {report['date']}\n", f"Command: `{report['command']}`\n",
              f"Device: {report['device']}.\n"]
@@ -643,7 +755,9 @@ def main() -> int:
     parser.add_argument("--overhead-rounds", type=int, help="(c) pairs of runs")
     parser.add_argument("--data-dir", type=Path)
     parser.add_argument("--timeout", type=float, default=300, help="one job or run")
-    parser.add_argument("--phase-timeouts", default="a=200,b=120,c=200",
+    parser.add_argument("--port-options", help="(d) the GPT's size options")
+    parser.add_argument("--port-kill-step", type=int, help="(d)")
+    parser.add_argument("--phase-timeouts", default="a=200,b=120,c=200,d=200",
                         help="seconds each phase may take, e.g. a=200,b=120,c=200")
     parser.add_argument("--no-record", action="store_true")
     parser.add_argument("--phase", choices=PHASES, help=argparse.SUPPRESS)
@@ -655,7 +769,9 @@ def main() -> int:
     defaults = {"steps": 200 if small else 300, "kill_step": 8 if small else 20,
                 "gpt_options": "--layers 2 --embd 64 --heads 4" if small else "",
                 "generations": 10 if small else 50, "state_gb": 0.05 if small else 1.2,
-                "overhead_steps": 40 if small else 300, "overhead_rounds": 1 if small else 2}
+                "overhead_steps": 40 if small else 300, "overhead_rounds": 1 if small else 2,
+                "port_options": "--layers 2 --embd 64 --heads 4 --global-batch 64",
+                "port_kill_step": 40 if small else 120}
     for name, value in defaults.items():
         if getattr(args, name) is None:
             setattr(args, name, value)

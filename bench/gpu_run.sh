@@ -5,13 +5,14 @@
 # there, with build/gpu-wheels carried (`make gpu-wheels` here first; the machine has torch,
 # numpy, xxhash, fsspec, uvloop, PyYAML, rich and prometheus-client):
 #
-#   bash bench/gpu_run.sh                   # every step below, at most 10 minutes (about 6 on an H200)
+#   bash bench/gpu_run.sh                   # every step below, at most 12 minutes (about 7 on an H200)
 #   STEPS=node bash bench/gpu_run.sh        # a rerun of some steps
 #   PHASES=b STEPS=bench BENCH_ARGS="--generations 4" bash bench/gpu_run.sh
 #
 # Steps, in order (STEPS, comma-separated):
 #   tests  the GPU tests of the runtime (test_gpu.py, device groups, placement)
-#   bench  bench/gpu.py's phases (PHASES, default b,a,c: NCCL generations first)
+#   bench  bench/gpu.py's phases (PHASES, default b,a,c,d: NCCL generations first; d, the
+#          ported DDP script on NCCL, about a minute on an H200)
 #   node   the agent's real NVML (test_nvml.py's GPU test) and bench/gpu_node.py
 #   snapshot  (only when named) bench/snapshot.py's rounds on the machine's CPU cores: W's
 #          4 CPU ranks on 16 cores, which the 2-core VM's drift cannot resolve (issue 28;
@@ -59,8 +60,8 @@ if [[ $STEPS == *,tests,* ]]; then
 fi
 if [[ $STEPS == *,bench,* ]]; then
     echo "== bench/gpu.py"
-    timeout 420 python3 bench/gpu.py --phases "${PHASES:-b,a,c}" ${BENCH_ARGS:-} \
-        --phase-timeouts a=150,b=90,c=170 2>&1 | tee "$OUT/bench.log" || status=1
+    timeout 570 python3 bench/gpu.py --phases "${PHASES:-b,a,c,d}" ${BENCH_ARGS:-} \
+        --phase-timeouts a=150,b=90,c=170,d=150 2>&1 | tee "$OUT/bench.log" || status=1
 fi
 if [[ $STEPS == *,node,* ]]; then
     echo "== node"
