@@ -730,8 +730,9 @@ def results_section(report: dict[str, Any]) -> str:
         lines.append("No GPU: the phases ran on the CPU with small sizes, NCCL's phases over "
                      "gloo, to show the script works end to end; none of these figures is a "
                      "GPU's.\n")
+    ran = {f"({p})" for p in report["phases"]}
     lines.append("| phase | figure | value |\n|---|---|---|\n" + "\n".join(
-        f"| {phase} | {name} | {value} |" for phase, name, value in rows) + "\n")
+        f"| {phase} | {name} | {value} |" for phase, name, value in rows if phase in ran) + "\n")
     lines.append("Ended: " + ", ".join(f"({p}) {r['ended']} in {r['seconds']:.0f} s"
                                         for p, r in report["phases"].items()) + ".\n")
     lines += [f"({p}) `{json.dumps(r, sort_keys=True)}`\n" for p, r in report["phases"].items()]
