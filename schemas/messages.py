@@ -308,6 +308,14 @@ class JobSpec(Message, tag="phalanx.job_spec.v1", frozen=True):
     none. Unset (the default): one, once the job's ranks have shown that they run a
     phalanx session (the job has a generation), and none before; a spare of a command
     that never starts a session would run the whole command beside its ranks.
+
+    ``session`` says that the ranks run a phalanx session (``ElasticSession``), which
+    is otherwise known only once the job has a generation. From then on torchrun's
+    variables make each process a world of its own, so that a ported DDP script's own
+    ``init_process_group`` never waits for a peer; before it they describe the gang, as
+    torchrun's would, and a replica that dies between its start and DDP's constructor
+    holds the others there. ``session: true`` gives the world of one from the first
+    start, and spares (unless ``spares`` says otherwise) too.
     """
 
     name: Ident
@@ -326,6 +334,7 @@ class JobSpec(Message, tag="phalanx.job_spec.v1", frozen=True):
     scaling: ScalingPolicy = ScalingPolicy()
     backend: CollectiveBackend = CollectiveBackend.AUTO
     spares: Annotated[int, msgspec.Meta(ge=0, le=64)] | None = None
+    session: bool = False
 
     def __post_init__(self) -> None:
         values = self.scaling.replica_discrete_values

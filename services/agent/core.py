@@ -279,9 +279,10 @@ DEFAULT_SPARES = 1
 def spares_wanted(asked: int | None, session: bool) -> int:
     """The spares a job keeps on a node with room for them: what its spec asks, else
     :data:`DEFAULT_SPARES` once its ranks are known to run a phalanx session (``session``:
-    the job has a generation), else none. A spare runs the job's command and waits inside
-    ``ElasticSession.from_env``; a command that never gets there would run to its end
-    beside the ranks, so a default is only given to a job shown to get there."""
+    the job has a generation, or its spec declares a ``session``), else none. A spare
+    runs the job's command and waits inside ``ElasticSession.from_env``; a command that
+    never gets there would run to its end beside the ranks, so a default is only given
+    to a job shown, or declared, to get there."""
     if asked is not None:
         return asked
     return DEFAULT_SPARES if session else 0

@@ -17,7 +17,8 @@ A rank gets the environment a torchrun script expects (``RANK``,
 ``MASTER_PORT``; ``LOCAL_RANK`` is the index of the node's slot it runs in, and on
 a node that lists GPUs, ``CUDA_VISIBLE_DEVICES`` is that slot's GPU alone) plus
 ``PHALANX_*`` for the runtime (``PHALANX_BACKEND``: the spec's ``backend``). Those
-variables describe the job's gang until the job has a generation; from then on (its
+variables describe the job's gang until the job has a generation (or from the start, if
+its spec declares a ``session``); from then on (its
 replacements, joiners and spares) they make each process a world of its own
 (:data:`~phalanx.schemas.environment.WORLD_OF_ONE`): a ported DDP script's own
 ``init_process_group`` must not wait for a gang that is gone. The rank runs
@@ -401,9 +402,10 @@ class RankSet:
                         elastic: bool) -> dict[str, str]:
         """The variables that make a process of the job replica ``replica_id`` in slot
         ``rank``, holding this node's ``slots``: what a warm spare is handed. ``elastic``:
-        the job has a generation, so torchrun's variables make the process a world of its
-        own (:data:`~phalanx.schemas.environment.WORLD_OF_ONE`), not one of a gang."""
-        if elastic:
+        the job has a generation. Then, or when its spec declares a ``session``,
+        torchrun's variables make the process a world of its own
+        (:data:`~phalanx.schemas.environment.WORLD_OF_ONE`), not one of a gang."""
+        if elastic or record.spec.session:
             gang: Mapping[str, str] = environment.WORLD_OF_ONE
         else:
             local = sorted(s for s, node in record.placement().items() if node == self.node_id)

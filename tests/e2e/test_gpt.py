@@ -141,3 +141,33 @@ async def test_gpt_trains_through_a_kill_mid_all_reduce_and_a_join_as_it_does_al
         for name, value in state.items():
             torch.testing.assert_close(final["optimizer"]["state"][index][name], value,
                                        rtol=1e-6, atol=1e-7)
+
+
+async def test_a_declared_session_starts_though_a_replica_dies_before_its_process_group(
+        cluster, data_dir: Path, tmp_path: Path) -> None:
+    # r1-0 exits before the script's init_process_group. Were torchrun's variables the
+    # gang's, r0-0 would wait there for it (gloo's store, 30 minutes); the job declares its
+    # session, so each process is a world of its own: generation 0 forms without r1-0 and
+    # the job trains to its end (a replacement may come too late to join: it is that fast).
+    _, bus, watch = cluster
+    for queue in (watch.generations, watch.states):
+        drain(queue)
+    script = (f'[ "$PHALANX_REPLICA_ID" = r1-0 ] && exit 1; exec {sys.executable} {SCRIPT} '
+              f'--data-dir {data_dir} {" ".join(ARGS[:-2])} --epochs 2')
+    spec = JobSpec(name="gpt-start", team="t", priority_class="normal",
+                   replicas=ReplicaRange(min=1, max=2), placement=Placement(),
+                   command=["sh", "-c", script], session=True,
+                   env={"PHALANX_RECORD_DIR": str(tmp_path / "rec")},
+                   hang_timeout_s=5.0, grace_period_s=3.0)
+    job = await AdmissionClient(bus).submit(spec, "gpt-start")
+    finished = await next_of(watch.states,
+                             lambda r: r.job_id == job.job_id and r.state.terminal, 300)
+    assert finished.state is JobState.FINISHED, finished.reason
+    generations = []
+    while not watch.generations.empty():
+        generation = watch.generations.get_nowait()
+        if generation.job_id == job.job_id:
+            generations.append(generation)
+    assert (generations[0].generation, [m.replica_id for m in generations[0].members]) \
+        == (0, ["r0-0"])
+    assert record.verify(record.read(tmp_path / "rec"), ORDER, 2 * ORDER.steps_per_epoch) == []

@@ -1,5 +1,6 @@
 """Where an agent runs a replica: the node's slot (``LOCAL_RANK``), and on a node that
-lists GPUs, that slot's GPU alone (``CUDA_VISIBLE_DEVICES``), with the job's backend.
+lists GPUs, that slot's GPU alone (``CUDA_VISIBLE_DEVICES``), with the job's backend; and
+torchrun's variables: the gang's, or a world of one for a job that runs a session.
 
 Real rank processes of a real agent's RankSet; each prints what it was given and holds
 its slot until every replica of the job was launched.
@@ -27,7 +28,7 @@ from phalanx.services.agent.ranks import RankSet
 # /dev/null: a file is the signal).
 CHILD = """
 import os, sys, time
-names = ("LOCAL_RANK", "CUDA_VISIBLE_DEVICES", "PHALANX_DEVICE", "PHALANX_BACKEND")
+names = sys.argv[2].split(",")
 print(" ".join(f"{n}={os.environ.get(n, '-')}" for n in names), flush=True)
 release = sys.argv[1]
 while not os.path.exists(release):
@@ -35,10 +36,17 @@ while not os.path.exists(release):
 """
 
 
+PLACEMENT = ("LOCAL_RANK", "CUDA_VISIBLE_DEVICES", "PHALANX_DEVICE", "PHALANX_BACKEND")
+TORCHRUN = ("RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
 async def placements(tmp_path: Path, gpus: tuple[int, ...], replicas: int,
                      env: dict[str, str] | None = None,
-                     backend: CollectiveBackend = CollectiveBackend.AUTO) -> list[str]:
-    """Launch ``replicas`` ranks of one job on one node; what each printed, by slot."""
+                     backend: CollectiveBackend = CollectiveBackend.AUTO,
+                     names: tuple[str, ...] = PLACEMENT, session: bool = False,
+                     elastic: bool = False) -> list[str]:
+    """Launch ``replicas`` ranks of one job on one node (``elastic``: it has a generation);
+    what each printed, by slot."""
     exited: asyncio.Queue[RankExited] = asyncio.Queue()
 
     async def report(message: RankStarted | RankExited) -> None:
@@ -53,12 +61,13 @@ async def placements(tmp_path: Path, gpus: tuple[int, ...], replicas: int,
                     capacity=max(len(gpus), replicas), gpus=gpus)
     spec = JobSpec(name="p", team="t", priority_class="normal", env=env or {},
                    replicas=ReplicaRange(min=replicas, max=replicas), backend=backend,
-                   command=[sys.executable, "-c", CHILD, str(release)])
+                   session=session,
+                   command=[sys.executable, "-c", CHILD, str(release), ",".join(names)])
     record = JobRecord(job_id="p1", spec=spec, state=JobState.ADMITTED, submitted_at=1.0,
                        updated_at=1.0, reason_code=ReasonCode.ADMITTED,
                        nodes=["n1"] * replicas)
     try:
-        await ranks.reconcile(record)  # both launched: each holds its slot until released
+        await ranks.reconcile(record, elastic=elastic)  # all launched: each holds its slot until released
         release.touch()
         for _ in range(replicas):
             end = await asyncio.wait_for(exited.get(), 60)
@@ -86,3 +95,19 @@ async def test_a_cpu_node_leaves_the_gpus_as_they_were(tmp_path: Path) -> None:
     assert seen == [
         "LOCAL_RANK=0 CUDA_VISIBLE_DEVICES=5 PHALANX_DEVICE=cpu PHALANX_BACKEND=gloo",
         "LOCAL_RANK=1 CUDA_VISIBLE_DEVICES=5 PHALANX_DEVICE=cpu PHALANX_BACKEND=gloo"]
+
+
+async def test_torchrun_variables_describe_the_gang_until_the_job_runs_a_session(
+        tmp_path: Path) -> None:
+    gang = await placements(tmp_path / "gang", gpus=(), replicas=2, names=TORCHRUN)
+    port = gang[0].rsplit("=", 1)[1]
+    assert 29500 <= int(port) < 39500
+    assert gang == [f"RANK={rank} WORLD_SIZE=2 LOCAL_WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 "
+                    f"MASTER_PORT={port}" for rank in (0, 1)]
+    # A job with a generation (its replacements, joiners), or one whose spec declares a
+    # session from the start: each process is a world of its own, its store on a free port.
+    own = ["RANK=0 WORLD_SIZE=1 LOCAL_WORLD_SIZE=1 MASTER_ADDR=127.0.0.1 MASTER_PORT=0"] * 2
+    assert await placements(tmp_path / "elastic", gpus=(), replicas=2, names=TORCHRUN,
+                            elastic=True) == own
+    assert await placements(tmp_path / "declared", gpus=(), replicas=2, names=TORCHRUN,
+                            session=True) == own
