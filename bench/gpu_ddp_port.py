@@ -39,7 +39,7 @@ def main() -> None:
         torch.cuda.set_device(device)
     dist.init_process_group("nccl" if on_gpu else "gloo")
     data = dataset(args)
-    model = GPT(args.layers, args.heads, args.embd, args.block_size).to(device)
+    model: torch.nn.Module = GPT(args.layers, args.heads, args.embd, args.block_size).to(device)
     optimizer = build_optimizer(model, args.lr)
     steps = args.epochs * math.ceil(len(data) / args.global_batch)
     scheduler = build_scheduler(optimizer, steps, args.warmup)

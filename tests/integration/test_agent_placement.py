@@ -67,7 +67,8 @@ async def placements(tmp_path: Path, gpus: tuple[int, ...], replicas: int,
                        updated_at=1.0, reason_code=ReasonCode.ADMITTED,
                        nodes=["n1"] * replicas)
     try:
-        await ranks.reconcile(record, elastic=elastic)  # all launched: each holds its slot until released
+        # All launched: each holds its slot until released.
+        await ranks.reconcile(record, elastic=elastic)
         release.touch()
         for _ in range(replicas):
             end = await asyncio.wait_for(exited.get(), 60)
