@@ -32,12 +32,14 @@ and the next still runs; each writes what it has measured as it goes):
   policy against the same loop under torchrun + DDP, one rank each (NCCL), the arms
   alternated (``--overhead-rounds``). Target: at most 5 % slower.
 
-* **(d) the ported DDP script on CUDA** (``bench/gpu_ddp_port.py``: its own
-  ``init_process_group("nccl")`` and ``DDP(model, device_ids=[0])``, its scheduler not
-  registered) as a 1-replica job with the memory tier every step, on one agent whose 2
-  slots are GPU 0; ``r0-0`` SIGKILLs itself at ``--port-kill-step``, so the whole job is
-  restored from its node's memory by a replacement, started cold, then (second job) from
-  a warm spare. Each must end bitwise equal to the script alone, its scheduler too.
+* **(d) the ported DDP script on CUDA** (``examples/chargpt.py``: on a GPU its own
+  ``init_process_group("nccl")``, ``cuda:LOCAL_RANK`` and ``DDP(model, device_ids=...)``,
+  its scheduler not registered) as a 1-replica job that declares its session, with the
+  memory tier every step, on one agent whose 2 slots are GPU 0; ``r0-0`` SIGKILLs itself
+  at ``--port-kill-step``, so the whole job is restored from its node's memory by a
+  replacement, started cold, then (second job) from a warm spare, which becomes the
+  replica of the other slot (``LOCAL_RANK`` must be 0 there). Each must end bitwise equal
+  to the script alone, its scheduler too.
 
 ``--cpu`` runs the same phases on the CPU with small sizes, to show the script works end
 to end where there is no GPU: the NCCL phases run gloo instead, and the JSON says so.
@@ -173,7 +175,7 @@ def rank_starts(logs: Path) -> dict[str, int]:
 
 # --- (d) the ported DDP script on CUDA -------------------------------------------------------
 
-PORT = BENCH / "gpu_ddp_port.py"
+PORT = ROOT / "examples" / "chargpt.py"
 
 
 def port_options(args: argparse.Namespace) -> list[str]:
@@ -216,7 +218,7 @@ def phase_d(args: argparse.Namespace, out: Callable[[dict[str, Any]], None]) -> 
                 job = work / name
                 spec = JobSpec(
                     name=f"port-{name}", team="bench", priority_class="normal",
-                    replicas=ReplicaRange(min=1, max=1), spares=spares,
+                    replicas=ReplicaRange(min=1, max=1), spares=spares, session=True,
                     checkpoint=CheckpointPolicy(memory_every_steps=1),
                     command=[sys.executable, str(PORT), *port_options(args),
                              "--save", str(job / "phalanx.pt")],

@@ -14,8 +14,8 @@ answered "already launched", one for an older incarnation is refused.
 
 A rank gets the environment a torchrun script expects (``RANK``,
 ``LOCAL_RANK``, ``WORLD_SIZE``, ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR``,
-``MASTER_PORT``; ``LOCAL_RANK`` is the index of the node's slot it runs in, and on
-a node that lists GPUs, ``CUDA_VISIBLE_DEVICES`` is that slot's GPU alone) plus
+``MASTER_PORT``; in a gang ``LOCAL_RANK`` is the index of the node's slot it runs in,
+and on a node that lists GPUs, ``CUDA_VISIBLE_DEVICES`` is that slot's GPU alone) plus
 ``PHALANX_*`` for the runtime (``PHALANX_BACKEND``: the spec's ``backend``). Those
 variables describe the job's gang until the job has a generation (or from the start, if
 its spec declares a ``session``); from then on (its
@@ -417,12 +417,12 @@ class RankSet:
                 "MASTER_ADDR": await self.host_of(placement[0]),
                 "MASTER_PORT": str(master_port(record.job_id))}
         env = {
-            **gang,
             "PHALANX_RANK": str(rank), "PHALANX_REPLICA_ID": replica_id,
             "PHALANX_WORLD_SIZE": str(len(placement)),
             environment.ADMISSION: str(record.admission),
             # The node's slots it runs in: its LOCAL_RANK and, on a GPU node, its GPUs alone.
             **rank_devices(self.gpus, slots),
+            **gang,  # a world of one's LOCAL_RANK is 0: it sees its slots' GPUs alone
         }
         if nice is not None:
             env[environment.NICE_WHEN_READY] = str(self.nice)

@@ -275,9 +275,9 @@ class SpareSet:
         slots = core.node_slots(taken, record.spec.slots_per_replica)
         if slots[-1] >= len(self.gpus):
             return None
-        devices = core.rank_devices(self.gpus, slots)
-        del devices["LOCAL_RANK"]  # the replica's, told when it is taken
-        return devices, slots
+        # Its LOCAL_RANK is a world of one's (0), as the replica's it becomes: it sees its
+        # slots' GPUs alone.
+        return core.rank_devices(self.gpus, slots), slots
 
     async def _start(self, record: JobRecord) -> bool:
         devices = self._devices(record)
@@ -293,7 +293,7 @@ class SpareSet:
             try:
                 # A spare is of a job with a generation: it is a world of its own, as the
                 # replica it becomes (its script's init_process_group runs before that).
-                env = {**self.environment(record), **environment.WORLD_OF_ONE, **devices[0],
+                env = {**self.environment(record), **devices[0], **environment.WORLD_OF_ONE,
                        environment.SPARE: spare_id}
                 process = await self.launcher.start(record.spec.command, env, log_file,
                                                     stdin=True)

@@ -37,7 +37,8 @@ while not os.path.exists(release):
 
 
 PLACEMENT = ("LOCAL_RANK", "CUDA_VISIBLE_DEVICES", "PHALANX_DEVICE", "PHALANX_BACKEND")
-TORCHRUN = ("RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+TORCHRUN = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
+            "MASTER_PORT")
 
 
 async def placements(tmp_path: Path, gpus: tuple[int, ...], replicas: int,
@@ -103,12 +104,17 @@ async def test_torchrun_variables_describe_the_gang_until_the_job_runs_a_session
     gang = await placements(tmp_path / "gang", gpus=(), replicas=2, names=TORCHRUN)
     port = gang[0].rsplit("=", 1)[1]
     assert 29500 <= int(port) < 39500
-    assert gang == [f"RANK={rank} WORLD_SIZE=2 LOCAL_WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 "
-                    f"MASTER_PORT={port}" for rank in (0, 1)]
+    assert gang == [f"RANK={rank} LOCAL_RANK={rank} WORLD_SIZE=2 LOCAL_WORLD_SIZE=2 "
+                    f"MASTER_ADDR=127.0.0.1 MASTER_PORT={port}" for rank in (0, 1)]
     # A job with a generation (its replacements, joiners), or one whose spec declares a
-    # session from the start: each process is a world of its own, its store on a free port.
-    own = ["RANK=0 WORLD_SIZE=1 LOCAL_WORLD_SIZE=1 MASTER_ADDR=127.0.0.1 MASTER_PORT=0"] * 2
+    # session from the start: each process is a world of its own, its store on a free port,
+    # and on a GPU node its slot's GPU is cuda:LOCAL_RANK, the only one it sees.
+    own = ["RANK=0 LOCAL_RANK=0 WORLD_SIZE=1 LOCAL_WORLD_SIZE=1 MASTER_ADDR=127.0.0.1 "
+           "MASTER_PORT=0"] * 2
     assert await placements(tmp_path / "elastic", gpus=(), replicas=2, names=TORCHRUN,
                             elastic=True) == own
     assert await placements(tmp_path / "declared", gpus=(), replicas=2, names=TORCHRUN,
                             session=True) == own
+    assert await placements(tmp_path / "gpus", gpus=(3, 1), replicas=2, session=True,
+                            names=("LOCAL_RANK", "CUDA_VISIBLE_DEVICES")) == [
+        "LOCAL_RANK=0 CUDA_VISIBLE_DEVICES=3", "LOCAL_RANK=0 CUDA_VISIBLE_DEVICES=1"]

@@ -38,7 +38,7 @@ from phalanx.services.agent.config import AgentConfig
 from phalanx.services.agent.service import AgentService
 from phalanx.services.natsd import NatsServer
 
-RANK = 'test "$RANK" = 1 && exit 3; exec sleep 600'
+RANK = 'test "$PHALANX_RANK" = 1 && exit 3; exec sleep 600'  # the slot, in any world
 #: A rank that runs until it is stopped.
 SLEEPS = [sys.executable, "-c", "import time; time.sleep(600)"]
 

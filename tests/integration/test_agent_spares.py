@@ -135,9 +135,11 @@ async def test_a_replacement_is_a_spare_which_is_replaced_and_stopped_with_its_j
         assert reply.detail == "started r1-1 in slot 1 from a warm spare"
         start = await asyncio.wait_for(started.get(), 10)
         assert (start.replica_id, start.pid, start.admission) == ("r1-1", spare, 3)
-        # The spare is r1-1 now, in the slot r1-0 left (LOCAL_RANK 1), writing to its log.
+        # The spare is r1-1 now, in the slot r1-0 left (RankStarted's rank 1), writing to
+        # its log; torchrun's variables make it a world of one, as any replica of a job
+        # that has a generation.
         log_path = tmp_path / "agent" / "jobs" / job_id / "r1-1.log"
-        await until(lambda: "I am r1-1 rank 1 local 1" in log_path.read_text())
+        await until(lambda: "I am r1-1 rank 0 local 0" in log_path.read_text())
         assert "starting on warm spare spare-1" in log_path.read_text()
         assert "admission 3" in log_path.read_text()  # the record's, told with its identity
 
@@ -211,7 +213,7 @@ async def test_on_gpus_a_spare_waits_on_a_free_gpu_and_its_replica_runs_there(
             (spare,) = await until(lambda: spares_of(first))
             assert {k: environ_of(spare).get(k) for k in ("CUDA_VISIBLE_DEVICES",
                                                           "PHALANX_DEVICE", "LOCAL_RANK")} \
-                == {"CUDA_VISIBLE_DEVICES": "1", "PHALANX_DEVICE": "cuda", "LOCAL_RANK": None}
+                == {"CUDA_VISIBLE_DEVICES": "1", "PHALANX_DEVICE": "cuda", "LOCAL_RANK": "0"}
 
             # Another job's rank is placed on that GPU's slot: the spare goes, and one
             # starts on the GPU still free.
@@ -221,14 +223,15 @@ async def test_on_gpus_a_spare_waits_on_a_free_gpu_and_its_replica_runs_there(
             assert environ_of(moved)["CUDA_VISIBLE_DEVICES"] == "2"
 
             # The rank on GPU 0 dies: its replacement is the spare, in the slot of the
-            # spare's GPU (LOCAL_RANK 2), not in the lowest free slot (0, another GPU).
+            # spare's GPU (2), not in the lowest free slot (0, another GPU): it sees that
+            # GPU alone, as cuda:LOCAL_RANK (0).
             os.kill(rank.pid, signal.SIGKILL)
             assert (await asyncio.wait_for(exited.get(), 30)).replica_id == "r0-0"
             reply = await bus.request(subjects.agent_launch(uid), LaunchReplica(
                 job_id=first, slot=0, replica_id="r0-1"), ReplicaReply, timeout_s=10)
             assert (reply.spare, reply.pid) == (True, moved), reply
             log_path = tmp_path / "agent" / "jobs" / first / "r0-1.log"
-            await until(lambda: "I am r0-1 rank 0 local 2 gpus 2" in log_path.read_text())
+            await until(lambda: "I am r0-1 rank 0 local 0 gpus 2" in log_path.read_text())
         finally:
             await jobs.delete(first)
             await jobs.delete(other)
