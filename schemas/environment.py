@@ -32,8 +32,7 @@ EXIT_STATE_LOST = 75
 #: until it has a generation). A DDP script's own ``dist.init_process_group(...)`` then
 #: makes a group of one at once, with a store on a free port, and never waits for a peer
 #: that died or left; the session, which knows the membership, takes torch's default group
-#: over (``phalanx.runtime.default_group``). ``LOCAL_RANK`` 0 is also the device the
-#: script's ``cuda:LOCAL_RANK`` must be: a rank on a GPU node sees its slot's GPUs alone.
+#: over (``phalanx.runtime.default_group``).
 WORLD_OF_ONE: Mapping[str, str] = MappingProxyType({
     "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1",
     "GROUP_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "0"})

@@ -250,15 +250,17 @@ def node_slots(held: set[int], count: int) -> tuple[int, ...]:
 
 def rank_devices(gpus: tuple[int, ...], slots: tuple[int, ...]) -> dict[str, str]:
     """The placement variables of a replica that holds this node's ``slots``: its
-    ``LOCAL_RANK`` (the first slot's index), ``PHALANX_DEVICE`` (``cuda`` when the node
-    lists ``gpus``, one per slot, else ``cpu``: :func:`phalanx.runtime.placement.device`)
-    and, on a GPU node, ``CUDA_VISIBLE_DEVICES``: the slots' GPUs, which the rank then
-    sees alone (as ``cuda:0`` onwards).
+    ``LOCAL_RANK``, ``PHALANX_DEVICE`` (``cuda`` when the node lists ``gpus``, one per
+    slot, else ``cpu``: :func:`phalanx.runtime.placement.device`) and, on a GPU node,
+    ``CUDA_VISIBLE_DEVICES``: the slots' GPUs, which the rank then sees alone (as
+    ``cuda:0`` onwards). ``LOCAL_RANK`` is the first slot's index on a CPU node and 0 on
+    a GPU node, where a script's ``cuda:LOCAL_RANK`` must name the first GPU it sees.
 
     Raises:
         ValueError: a slot beyond the GPUs listed (the node offers one slot per GPU).
     """
-    env = {"LOCAL_RANK": str(slots[0]), "PHALANX_DEVICE": "cuda" if gpus else "cpu"}
+    env = {"LOCAL_RANK": "0" if gpus else str(slots[0]),
+           "PHALANX_DEVICE": "cuda" if gpus else "cpu"}
     if gpus:
         beyond = [s for s in slots if s >= len(gpus)]
         if beyond:

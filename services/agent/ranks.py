@@ -14,8 +14,9 @@ answered "already launched", one for an older incarnation is refused.
 
 A rank gets the environment a torchrun script expects (``RANK``,
 ``LOCAL_RANK``, ``WORLD_SIZE``, ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR``,
-``MASTER_PORT``; in a gang ``LOCAL_RANK`` is the index of the node's slot it runs in,
-and on a node that lists GPUs, ``CUDA_VISIBLE_DEVICES`` is that slot's GPU alone) plus
+``MASTER_PORT``; on a node that lists GPUs, ``CUDA_VISIBLE_DEVICES`` is its slot's GPU
+alone and ``LOCAL_RANK`` 0, so that ``cuda:LOCAL_RANK`` is that GPU; on a CPU node a
+gang's ``LOCAL_RANK`` is the index of the node's slot it runs in) plus
 ``PHALANX_*`` for the runtime (``PHALANX_BACKEND``: the spec's ``backend``). Those
 variables describe the job's gang until the job has a generation (or from the start, if
 its spec declares a ``session``); from then on (its

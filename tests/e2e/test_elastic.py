@@ -460,9 +460,17 @@ async def test_two_faults_within_one_step(
     faults = [g for g in generations if g.reason is GenerationReason.FAULT]
     assert {"r1-0", "r2-0"} <= {r for g in faults for r in ("r1-0", "r2-0") if r in g.cause}
     assert {m.replica_id for m in faults[-1].members} == {"r0-0", "r3-0"}
-    # The survivors kept their step-30 gradients: only the dead ranks' shares were computed
-    # again, in the generation that dropped both.
-    assert repaired(records, faults[-1].generation)
+    if all(r in faults[-1].cause for r in ("r1-0", "r2-0")):
+        # The survivors kept their step-30 gradients: only the dead ranks' shares were
+        # computed again, in the generation that dropped both.
+        assert repaired(records, faults[-1].generation)
+    else:
+        # Under load one rank reached its step-30 boundary (and died) only after a
+        # generation still counting it was formed (CI, 2026-12-04): the survivors' repair
+        # in that generation was aborted in turn, and an aborted repair's gradients are not
+        # kept, so the step ran whole in the last one. Still every sample once, bitwise.
+        first = {m.replica_id for m in faults[0].members}
+        assert len(faults) == 2 and len(first & {"r1-0", "r2-0"}) == 1, generations
     steps = check_run(rec, tmp_path / "final.pt", reference)
     assert min(s.world_size for s in steps) == 2  # both faults took effect
 

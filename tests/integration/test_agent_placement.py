@@ -88,7 +88,7 @@ async def test_each_replica_of_a_gpu_node_sees_its_slots_gpu_alone(tmp_path: Pat
                             env={"CUDA_VISIBLE_DEVICES": "0,1,2,3"})
     assert seen == [
         "LOCAL_RANK=0 CUDA_VISIBLE_DEVICES=3 PHALANX_DEVICE=cuda PHALANX_BACKEND=auto",
-        "LOCAL_RANK=1 CUDA_VISIBLE_DEVICES=1 PHALANX_DEVICE=cuda PHALANX_BACKEND=auto"]
+        "LOCAL_RANK=0 CUDA_VISIBLE_DEVICES=1 PHALANX_DEVICE=cuda PHALANX_BACKEND=auto"]
 
 
 async def test_a_cpu_node_leaves_the_gpus_as_they_were(tmp_path: Path) -> None:

@@ -53,8 +53,9 @@ def test_a_replica_takes_the_lowest_free_slots(held: set[int], count: int,
 
 
 def test_a_gpu_slot_sees_its_gpu_alone_and_a_cpu_slot_sees_none_set() -> None:
+    # On a GPU node cuda:LOCAL_RANK is the slot's GPU: the first, and only, one it sees.
     assert rank_devices((3, 1, 1), (1,)) == {
-        "LOCAL_RANK": "1", "PHALANX_DEVICE": "cuda", "CUDA_VISIBLE_DEVICES": "1"}
+        "LOCAL_RANK": "0", "PHALANX_DEVICE": "cuda", "CUDA_VISIBLE_DEVICES": "1"}
     assert rank_devices((3, 1, 1), (0, 2)) == {
         "LOCAL_RANK": "0", "PHALANX_DEVICE": "cuda", "CUDA_VISIBLE_DEVICES": "3,1"}
     assert rank_devices((), (5,)) == {"LOCAL_RANK": "5", "PHALANX_DEVICE": "cpu"}
