@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -20,14 +19,7 @@ from phalanx.schemas.errors import ConfigError
 SAMPLES, BATCH = 24, 8
 
 
-@pytest.fixture(autouse=True)
-def no_default_group() -> Iterator[None]:
-    """Each test starts and ends with no default group in this process."""
-    if dist.is_initialized():
-        dist.destroy_process_group()
-    yield
-    if dist.is_initialized():
-        dist.destroy_process_group()
+pytestmark = pytest.mark.usefixtures("no_default_group")
 
 
 def data() -> list[tuple[torch.Tensor, torch.Tensor]]:

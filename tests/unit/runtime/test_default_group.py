@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -15,15 +14,7 @@ from phalanx.runtime import default_group, record
 from phalanx.runtime.elastic import ElasticSession
 from phalanx.runtime.sharded import sharded_optimizer
 
-
-@pytest.fixture(autouse=True)
-def no_default_group() -> Iterator[None]:
-    """Each test starts and ends with no default group in this process."""
-    if dist.is_initialized():
-        dist.destroy_process_group()
-    yield
-    if dist.is_initialized():
-        dist.destroy_process_group()
+pytestmark = pytest.mark.usefixtures("no_default_group")
 
 
 def session_alone() -> ElasticSession:
