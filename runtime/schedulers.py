@@ -41,7 +41,7 @@ def unregistered(optimizer: torch.optim.Optimizer,
     known = {id(obj) for obj in registered}
     outer = [obj for obj in found if id(obj) not in inner and id(obj) not in known]
     if len(outer) > 1:
-        kinds_found = ", ".join(type(obj).__name__ for obj in outer)
+        kinds_found = ", ".join(sorted(type(obj).__name__ for obj in outer))
         raise ValueError(f"{len(outer)} LR schedulers of the optimizer are not registered "
                          f"({kinds_found}): register each by name (state= or "
                          "session.register), so that every replica carries them alike")
