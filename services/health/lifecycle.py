@@ -12,7 +12,7 @@ blindness and cordons go to :mod:`.detect` and :mod:`.cordon`.
 from __future__ import annotations
 
 from phalanx.schemas.messages import FaultKind
-from phalanx.schemas.replicas import another_admission
+from phalanx.schemas.replicas import another_admission, incarnation
 from phalanx.services.health import cordon, detect, outcome
 from phalanx.services.health.crash import crash_detail
 from phalanx.services.health.events import (
@@ -122,6 +122,13 @@ def started(state: HealthState, event: RankStartSeen) -> None:
 def exited(state: HealthState, event: RankExitSeen, now: float) -> list[Decision]:
     """A rank's process ended: a crash, the training's completion, or nothing to say."""
     rank = state.rank(event.job_id, event.rank)
+    if event.cause == "launch_failed" and rank is not None \
+            and _succeeds(event.replica_id, rank.replica_id):
+        # A command that cannot start never reports a start: its failure is its start
+        # too, in the round now running (a replacement's, or a whole gang's again).
+        started(state, RankStartSeen(event.job_id, event.rank, event.node_id, 0,
+                                     event.replica_id, event.admission))
+        rank = state.rank(event.job_id, event.rank)
     if rank is None or rank.exit is not None or rank.node_id != event.node_id \
             or another_admission(rank.job.admission, event.admission):
         return []  # not a rank watched now (an earlier admission's too: its ids recur)
@@ -157,6 +164,17 @@ def exited(state: HealthState, event: RankExitSeen, now: float) -> list[Decision
     if state.jobs.get(job.job_id) is job:
         decisions += outcome.finish_if_done(state, job)
     return decisions
+
+
+def _succeeds(replica: str | None, watched: str | None) -> bool:
+    """Whether ``replica`` is a later incarnation of the slot than ``watched`` (any
+    replica succeeds a rank watched since its placement, not yet named)."""
+    if replica is None or replica == watched:
+        return False
+    if watched is None:
+        return True
+    later, earlier = incarnation(replica), incarnation(watched)
+    return later is None or earlier is None or later > earlier
 
 
 def applied(state: HealthState, event: MemberApplied, now: float) -> None:

@@ -30,8 +30,14 @@ be the ``max_restarts_in_window + 1``-th within ``window_s`` (``restart_rate``:
 a fast loop fails in minutes). A job that never reports a step (no runtime
 session) never shows progress, so its restarts count over its whole
 admission, as torchrun's ``--max-restarts`` counts restart rounds. Application
-failures start rounds by the same rule, besides counting towards their own
-limit.
+failures start rounds by the same rule, and count towards their own limit only
+when they start one: a rank already running when the round began that then
+exits with an error is the incident's collateral (a torchrun script's
+all-reduce failing because its peer died, while its gang is restarted
+whole), not its code failing again. The round's replacements failing again
+count; so does any failure once the job has stepped on, and every command that
+cannot start (it never reported a start, so it counts as started in the round
+now running).
 
 Why not a count per window, as before: ten faults in 133 s on three nodes,
 the job committing steps between all of them, failed it with ``restart_rate``
@@ -136,14 +142,15 @@ class RestartBudget:
         the job fails instead.
         """
         policy = self.policy
-        if failure.application:
+        begins = not self.stalled or started_in == self.round
+        if failure.application and begins:
             self.app_failures += 1
             if self.app_failures > policy.max_app_failures:
                 code = ReasonCode.LAUNCH_FAILED if failure is Failure.LAUNCH \
                     else ReasonCode.APP_FAILED
                 return BudgetSpent(code, f"{what} (application failure {self.app_failures}, "
                                        f"max_app_failures {policy.max_app_failures})")
-        if not self.stalled or started_in == self.round:  # a round begins
+        if begins:
             if len(self.stalled) + 1 > policy.max_restarts:
                 return BudgetSpent(ReasonCode.RESTARTS_EXHAUSTED,
                                  f"{what}, after {len(self.stalled)} restart(s) without a "

@@ -214,12 +214,12 @@ class Budget:
 
     def charge(self, failure: str, at: float, started_in: int, step: int) -> str | None:
         """None: repaired (a restart); else the reason code the job fails with."""
+        if self.stalled and started_in != self.round:
+            return None  # a rank running since before the round began: the same incident
         if failure != "infra":
             self.app += 1
             if self.app > self.policy.max_app_failures:
                 return "launch_failed" if failure == "launch" else "app_failed"
-        if self.stalled and started_in != self.round:
-            return None  # a rank running since before the round began: the same incident
         if len(self.stalled) >= self.policy.max_restarts:
             return "restarts_exhausted"
         if len([t for t in self.stalled if at - t <= self.policy.window_s]) \

@@ -62,11 +62,13 @@ def test_restarts_are_progress_and_a_job_that_ends_leaves_its_last_record() -> N
     assert any(isinstance(d, RaiseFault) for d in out)
     [after_kill] = core.take_progress(T0 + 2, EVERY)
     assert (after_kill.step, after_kill.restarts, after_kill.app_failures) == (7, 1, 0)
+    # Stepped on since the kill, so rank 0's error is its own, not the kill's collateral.
+    core.handle(ProgressReported("j", 0, 8, 0.1), T0 + 2.05)
     out = core.handle(RankExitSeen("j", 0, "n0", 1, None, "exited", detail="boom"), T0 + 2.1)
     assert any(isinstance(d, FailJob) for d in out)
     # Ended within the interval, its last record is taken all the same.
     [last] = core.take_progress(T0 + 2.1, EVERY)
-    assert (last.step, last.restarts, last.app_failures) == (7, 1, 1)
+    assert (last.step, last.restarts, last.app_failures) == (8, 1, 1)
 
 
 def test_a_finished_job_leaves_its_final_step() -> None:

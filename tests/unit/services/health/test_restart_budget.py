@@ -126,6 +126,35 @@ def test_application_failures_keep_their_own_limit() -> None:
     assert verdict is not None and verdict.reason_code is ReasonCode.APP_FAILED
 
 
+def test_a_survivors_error_in_the_same_incident_is_not_its_code_failing_again() -> None:
+    """A torchrun script's all-reduce fails when its peer is killed: that exit is the
+    kill's collateral while the gang restarts, not an application failure; the same
+    error from a rank started since is."""
+    core = watched(RestartPolicy(max_app_failures=0, max_restarts_in_window=5))
+    assert failed(kill(core, T0, 1)) is None
+    out = core.handle(RankExitSeen("j", 0, "n0", 1, None, "exited"), T0 + 0.5)
+    assert failed(out) is None and core.jobs["j"].budget.app_failures == 0
+    core.handle(RankStartSeen("j", 0, "n0", 1), T0 + 1)
+    verdict = failed(core.handle(RankExitSeen("j", 0, "n0", 1, None, "exited"), T0 + 2))
+    assert verdict is not None and verdict.reason_code is ReasonCode.APP_FAILED
+
+
+def test_replacements_that_cannot_start_fail_the_job_though_they_never_started() -> None:
+    """A command that cannot start never reports a start: each launch failure, the
+    placement's or a replacement's, is the script failing by itself in the round now
+    running, never an earlier round's collateral nor a late exit to ignore."""
+    core = watched(RestartPolicy(max_app_failures=2, max_restarts_in_window=5))
+    first = core.handle(RankExitSeen("j", 0, "n0", None, None, "launch_failed", "r0-0"), T0)
+    assert failed(first) is None and any(isinstance(d, RaiseFault) for d in first)
+    # The gang is restarted whole: r0-1 cannot start either, nor can r1-1.
+    assert failed(core.handle(
+        RankExitSeen("j", 0, "n0", None, None, "launch_failed", "r0-1"), T0 + 1)) is None
+    verdict = failed(core.handle(
+        RankExitSeen("j", 1, "n0", None, None, "launch_failed", "r1-1"), T0 + 1.1))
+    assert verdict is not None and verdict.reason_code is ReasonCode.LAUNCH_FAILED
+    assert "application failure 3" in verdict.reason
+
+
 def test_a_state_lost_exit_is_retried_under_the_restart_budget_not_the_scripts() -> None:
     """Every member of a sharded job exits EXIT_STATE_LOST: no complete step was within
     reach (a lost node's memory, its agent down for seconds). Those are restarts to
