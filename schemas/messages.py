@@ -765,13 +765,17 @@ class LaunchReplica(Message, tag="phalanx.launch_replica.v1", frozen=True):
     Whatever still runs in that slot (a hung or dropped replica) is stopped
     first: a slot never runs two replicas. ``warm_only``: only from a warm spare
     of the job on this node; with none, nothing is started (and the replica id is
-    not used up: the same launch may follow without it).
+    not used up: the same launch may follow without it). ``gang``: one slot of a
+    restart of the job's whole torchrun gang (before any replica was ready): the
+    replica gets the gang's ``RANK``, ``WORLD_SIZE`` and a ``MASTER_PORT`` of its
+    incarnation, never a warm spare.
     """
 
     job_id: Ident
     slot: NonNegInt
     replica_id: Ident
     warm_only: bool = False
+    gang: bool = False
 
 
 class StopReplica(Message, tag="phalanx.stop_replica.v1", frozen=True):

@@ -22,7 +22,9 @@ variables describe the job's gang until the job has a generation (or from the st
 its spec declares a ``session``); from then on (its
 replacements, joiners and spares) they make each process a world of its own
 (:data:`~phalanx.schemas.environment.WORLD_OF_ONE`): a ported DDP script's own
-``init_process_group`` must not wait for a gang that is gone. The rank runs
+``init_process_group`` must not wait for a gang that is gone. A gang restarted whole
+(:meth:`RankSet.replace` with ``gang``: a replica failed before any was ready) gets the
+gang's variables again, with a ``MASTER_PORT`` of its incarnation. The rank runs
 in its own session so a stop reaches its children too, and logs to
 ``<work_dir>/jobs/<job>/<replica>.log`` (one file per replica, so a
 replacement's output never runs on from its predecessor's; the agent writes a
@@ -86,6 +88,7 @@ from phalanx.schemas.messages import (
     RankExited,
     RankStarted,
 )
+from phalanx.schemas.replicas import incarnation
 from phalanx.services.agent import pidfd, priority
 from phalanx.services.agent.core import (
     LaunchVerdict,
@@ -119,9 +122,11 @@ def resolves(host: str) -> bool:
     return True
 
 
-def master_port(job_id: str) -> int:
-    """A stable port per job for ``MASTER_PORT`` (29500..39499)."""
-    return 29500 + zlib.crc32(job_id.encode()) % 10000
+def master_port(job_id: str, incarnation: int = 0) -> int:
+    """A stable port per job and gang incarnation for ``MASTER_PORT`` (29500..39499): a
+    gang started again rendezvous where no process of the one before can answer."""
+    key = job_id if incarnation == 0 else f"{job_id}/{incarnation}"
+    return 29500 + zlib.crc32(key.encode()) % 10000
 
 
 #: How long a replica placed on a node whose slots are all held waits for one of them to be
@@ -316,10 +321,12 @@ class RankSet:
                                    elastic=elastic)
 
     async def replace(self, record: JobRecord, slot: int, replica_id: str,
-                      warm_only: bool = False) -> Replaced:
+                      warm_only: bool = False, gang: bool = False) -> Replaced:
         """Run ``replica_id`` in ``slot``, stopping what runs there first: a warm spare of
         the job told who it is (:mod:`.spares`) if one runs here, else a new process
-        (``warm_only``: else nothing, and the replica id stays unused).
+        (``warm_only``: else nothing, and the replica id stays unused). ``gang``: the slot's
+        part of a restart of the job's whole torchrun gang, a new process with the gang's
+        variables.
 
         A replica launched here before, running or exited, is not started again.
 
@@ -348,7 +355,8 @@ class RankSet:
         if running is not None:
             await self.stop(running)
         entry = await self._launch(record, slot, placement, replica_id,
-                                   nice=self.replacement_nice, elastic=True)
+                                   nice=None if gang else self.replacement_nice,
+                                   elastic=not gang)
         if entry is None:
             raise OSError(f"cannot start {replica_id}: see the agent's log")
         return Replaced(entry.pid, new=True, from_spare=entry.from_spare)
@@ -416,7 +424,7 @@ class RankSet:
                 "GROUP_RANK": str(sorted(set(placement), key=placement.index)
                                   .index(self.node_id)),
                 "MASTER_ADDR": await self.host_of(placement[0]),
-                "MASTER_PORT": str(master_port(record.job_id))}
+                "MASTER_PORT": str(master_port(record.job_id, incarnation(replica_id) or 0))}
         env = {
             "PHALANX_RANK": str(rank), "PHALANX_REPLICA_ID": replica_id,
             "PHALANX_WORLD_SIZE": str(len(placement)),

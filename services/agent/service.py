@@ -489,7 +489,7 @@ class AgentService(Service):
         async with self._job_locks.setdefault(request.job_id, asyncio.Lock()):
             try:
                 done = await self.ranks.replace(entry.value, request.slot, request.replica_id,
-                                                warm_only=request.warm_only)
+                                                warm_only=request.warm_only, gang=request.gang)
             except (LookupError, ReplicaOutdated) as exc:
                 raise RequestRefused("409", str(exc)) from None
             except OSError as exc:

@@ -11,7 +11,20 @@ to resume at, and why it changed (start, fault, join). A job runs in *slots*
   reconnection): it is level-triggered, so seeing the same record twice
   changes nothing. A job is *managed* only from its first ready replica on:
   jobs that do not use the runtime never get generations or replacements.
-  Faults that arrive before that are kept and applied when it becomes managed.
+* **A gang before that.** Until then the job's processes are a torchrun gang
+  (the agents give them the gang's ``RANK``, ``WORLD_SIZE`` and rendezvous),
+  unless its spec declares a ``session`` (:attr:`JobAdmitted.session`): a
+  process that fails leaves the others waiting for it in their
+  ``init_process_group`` or failing with it. So a failed replica restarts the
+  whole gang, as torchrun restarts its workers: every slot gets its next
+  incarnation, all alike (``r<s>-1`` in every slot, then ``r<s>-2`` …), launched
+  as a gang (:attr:`LaunchReplacement.gang`: the agent stops what runs in the
+  slot and gives the new process the gang's variables and a rendezvous port of
+  that incarnation's own), and a failure or readiness of an earlier
+  incarnation changes nothing. Health's restart budget decides how often:
+  past it the job fails before its fault reaches here. A declared session's
+  processes are worlds of their own: its faults are kept and applied when it
+  becomes managed (the replica alone is replaced).
 * **Early events.** A job's record and its events travel apart (a KV watch
   and a stream), so a replica's ready report (or a fault) can come before the
   admitted record: it is kept and applied when the record comes (within
@@ -129,7 +142,7 @@ from phalanx.schemas.messages import (
     Member,
     StateSource,
 )
-from phalanx.schemas.replicas import another_admission, replica_id
+from phalanx.schemas.replicas import another_admission, incarnation, replica_id
 from phalanx.services.elasticity.history import within_budget
 
 # --- events --------------------------------------------------------------------------------
@@ -151,6 +164,9 @@ class JobAdmitted:
     #: The most steps the job committed over its admissions (``JobProgress.reached``):
     #: a job admitted again resumes there, so its first generation's members know it.
     reached: int = 0
+    #: The spec declares a session: each process is a world of its own from the start,
+    #: never a torchrun gang, so a failure before the first ready replaces it alone.
+    session: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -257,6 +273,8 @@ class LaunchReplacement:
     replica_id: str
     cause: str = ""
     warm_only: bool = False
+    #: One slot of a restart of the whole torchrun gang, before the job is managed.
+    gang: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -333,6 +351,8 @@ class JobMembership:
     replaced: int = 0  # replacements launched
     # Why a member gave the current generation up ("": none did); it is decided again.
     given_up: str = ""
+    session: bool = False  # the spec declares a session: never a torchrun gang
+    gang_round: int = 0  # not managed yet: the incarnation the gang runs in every slot
 
     @property
     def members(self) -> list[str]:
@@ -536,20 +556,26 @@ class ElasticityCore:
                                                 sizes=list(event.sizes),
                                                 admission=event.admission,
                                                 high_water=event.reached
-                                                if event.admission > 1 else 0)
+                                                if event.admission > 1 else 0,
+                                                session=event.session)
 
     def _unmanaged(self, job: JobMembership, event: Event, now: float) -> list[Decision]:
-        """Before the first ready replica: follow the placement, keep faults for later."""
+        """Before the first ready replica: follow the placement; a gang restarts whole, a
+        declared session's faults are kept for later."""
         match event:
             case JobAdmitted():
-                job.slots = dict(event.slots)
-            case MemberFailed():
+                if event.slots != job.slots:
+                    # Re-placed: the agents start the gang again, r<s>-0 in the new world.
+                    job.slots, job.gang_round, job.launched = dict(event.slots), 0, {}
+            case MemberFailed() if job.session:
                 job.early_faults.append(event)
-            case ReplicaReadySeen():
-                job.managed = True  # the job uses the runtime: launched r<s>-0 are expected
+            case MemberFailed():
+                return _restart_gang(job, event)
+            case ReplicaReadySeen() if incarnation(event.replica_id) == job.gang_round:
+                job.managed = True  # the job uses the runtime: the gang's replicas expected
                 for slot in sorted(job.slots):
-                    job.launched[replica_id(slot, 0)] = slot
-                    job.incarnation[slot] = 0
+                    job.launched[replica_id(slot, job.gang_round)] = slot
+                    job.incarnation[slot] = job.gang_round
                 job.forming = set(job.launched)
                 early, job.early_faults = job.early_faults, []
                 decisions: list[Decision] = []
@@ -833,6 +859,22 @@ def _listing(items: list[str]) -> str:
         used += len(item) + 2
     return ", ".join(shown)
 
+
+
+def _restart_gang(job: JobMembership, failed: MemberFailed) -> list[Decision]:
+    """A replica of the job's current torchrun gang failed before any was ready: every
+    slot's next incarnation, launched as a gang. A fault of an earlier incarnation (a
+    member of the gang already restarted, failing with it) or of a node that is gone
+    (admission re-places the job) restarts nothing."""
+    if not failed.replaceable or incarnation(failed.replica_id) != job.gang_round \
+            or slot_of(failed.replica_id)[0] not in job.slots:
+        return []
+    job.gang_round += 1
+    job.launched = {replica_id(s, job.gang_round): s for s in job.slots}
+    job.replaced += len(job.slots)
+    return [LaunchReplacement(job.job_id, s, node, replica_id(s, job.gang_round),
+                              failed.event_id, gang=True)
+            for s, node in sorted(job.slots.items())]
 
 
 def _launches(job: JobMembership) -> list[Decision]:

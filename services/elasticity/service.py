@@ -186,7 +186,8 @@ class ElasticityService(JobEventsLeader[ElasticityTerm]):
                 job_id, record.placement(), replicas.min, replicas.max, event_id="record",
                 max_replacements=record.spec.restart_policy.max_restarts,
                 sizes=ScalingRules.of(record.spec).sizes, admission=record.admission,
-                reached=await self._reached(job_id) if starts else 0)
+                reached=await self._reached(job_id) if starts else 0,
+                session=record.spec.session)
             await self._act(term, job_id, term.core.handle(event, time.time()), None)
             return
         # Told even of a job it never ran: a leader that took over while the job was
@@ -272,7 +273,7 @@ class ElasticityService(JobEventsLeader[ElasticityTerm]):
         if isinstance(decision, core.LaunchReplacement):
             request = LaunchReplica(job_id=decision.job_id, slot=decision.slot,
                                     replica_id=decision.replica_id,
-                                    warm_only=decision.warm_only)
+                                    warm_only=decision.warm_only, gang=decision.gang)
             subject = subjects.agent_launch(decision.node_id)
         else:
             request = StopReplica(job_id=decision.job_id, slot=decision.slot,

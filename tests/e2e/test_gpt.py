@@ -143,12 +143,14 @@ async def test_gpt_trains_through_a_kill_mid_all_reduce_and_a_join_as_it_does_al
                                        rtol=1e-6, atol=1e-7)
 
 
-async def test_a_declared_session_starts_though_a_replica_dies_before_its_process_group(
-        cluster, data_dir: Path, tmp_path: Path) -> None:
-    # r1-0 exits before the script's init_process_group. Were torchrun's variables the
-    # gang's, r0-0 would wait there for it (gloo's store, 30 minutes); the job declares its
-    # session, so each process is a world of its own: generation 0 forms without r1-0 and
-    # the job trains to its end (a replacement may come too late to join: it is that fast).
+@pytest.mark.parametrize("session", [True, False], ids=["declared", "undeclared"])
+async def test_a_session_starts_though_a_replica_dies_before_its_process_group(
+        cluster, data_dir: Path, tmp_path: Path, session: bool) -> None:
+    # r1-0 exits before the script's init_process_group. Declared, the job's processes are
+    # each a world of their own: generation 0 forms without r1-0 and the job trains to its
+    # end (a replacement may come too late to join: it is that fast). Undeclared, the first
+    # processes are a torchrun gang and r0-0 waits for r1-0 in its init_process_group (for
+    # gloo's 30 minutes): the whole gang starts again, as torchrun would, and trains.
     _, bus, watch = cluster
     for queue in (watch.generations, watch.states):
         drain(queue)
@@ -156,10 +158,10 @@ async def test_a_declared_session_starts_though_a_replica_dies_before_its_proces
               f'--data-dir {data_dir} {" ".join(ARGS[:-2])} --epochs 2')
     spec = JobSpec(name="gpt-start", team="t", priority_class="normal",
                    replicas=ReplicaRange(min=1, max=2), placement=Placement(),
-                   command=["sh", "-c", script], session=True,
+                   command=["sh", "-c", script], session=session,
                    env={"PHALANX_RECORD_DIR": str(tmp_path / "rec")},
                    hang_timeout_s=5.0, grace_period_s=3.0)
-    job = await AdmissionClient(bus).submit(spec, "gpt-start")
+    job = await AdmissionClient(bus).submit(spec, f"gpt-start-{session}")
     finished = await next_of(watch.states,
                              lambda r: r.job_id == job.job_id and r.state.terminal, 300)
     assert finished.state is JobState.FINISHED, finished.reason
@@ -169,5 +171,5 @@ async def test_a_declared_session_starts_though_a_replica_dies_before_its_proces
         if generation.job_id == job.job_id:
             generations.append(generation)
     assert (generations[0].generation, [m.replica_id for m in generations[0].members]) \
-        == (0, ["r0-0"])
+        == ((0, ["r0-0"]) if session else (0, ["r0-1", "r1-1"]))
     assert record.verify(record.read(tmp_path / "rec"), ORDER, 2 * ORDER.steps_per_epoch) == []

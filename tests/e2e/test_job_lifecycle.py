@@ -137,6 +137,50 @@ def test_an_exception_fails_the_job_with_its_last_line_and_cordons_nothing(
     assert not any(n["cordoned"] for n in nodes(where).values())
 
 
+def test_a_torchrun_gang_whose_rank_fails_starts_again_whole_as_torchrun_would(
+        cluster, tmp_path: Path) -> None:
+    # A plain torchrun script, no phalanx in it: r1-0 fails before its init_process_group,
+    # where r0-0 waits for it. The whole gang starts again (r0-1, r1-1), on a rendezvous
+    # of its own, and its all-reduce sees both ranks.
+    where, _ = cluster
+    script = tmp_path / "gang.py"
+    script.write_text(
+        "import os, sys\n"
+        "import torch, torch.distributed as dist\n"
+        "if os.environ['PHALANX_REPLICA_ID'] == 'r1-0':\n"
+        "    sys.exit('r1-0 fails before its init_process_group')\n"
+        "dist.init_process_group('gloo')\n"
+        "total = torch.ones(1) * (dist.get_rank() + 1)\n"
+        "dist.all_reduce(total)\n"
+        "print(f'rank {dist.get_rank()} of {dist.get_world_size()}: {int(total)}', flush=True)\n"
+        "dist.destroy_process_group()\n")
+    job_id = submit(where, tmp_path, "gang", [sys.executable, str(script)], replicas=2)
+    row = until(where, job_id, {"failed", "finished", "cancelled"}, timeout_s=120)
+    assert row["state"] == "finished", row
+    for rank in (0, 1):
+        log = phalanx("logs", job_id, "--replica", f"r{rank}-1", *where).stdout
+        assert f"rank {rank} of 2: 3" in log, log
+    assert "of 2" not in phalanx("logs", job_id, "--replica", "r0-0", *where).stdout
+
+
+def test_a_gang_that_fails_again_before_any_step_fails_after_its_restarts(
+        cluster, tmp_path: Path) -> None:
+    # Rank 1 fails at every start: the gang starts again once (max_app_failures 1), then
+    # the job fails with the rank's error, as a crash loop.
+    where, _ = cluster
+    script = tmp_path / "loop.py"
+    script.write_text("import os, sys, time\n"
+                      "if os.environ['PHALANX_RANK'] == '1':\n"
+                      "    sys.exit('rank 1 cannot start')\n"
+                      "time.sleep(600)\n")
+    job_id = submit(where, tmp_path, "loop", [sys.executable, str(script)], replicas=2)
+    row = until(where, job_id, {"failed", "finished", "cancelled"}, timeout_s=120)
+    assert row["state"] == "failed" and row["reason_code"] == "app_failed", row
+    assert row["reason"].splitlines()[0].startswith("r1-1 on "), row["reason"]
+    assert "(application failure 2, max_app_failures 1)" in row["reason"]
+    assert "rank 1 cannot start" in row["reason"]
+
+
 def test_a_rank_dying_after_its_last_step_finishes_the_job(cluster, tmp_path: Path) -> None:
     """As a script that never closes its session does when gloo times out at exit."""
     where, _ = cluster

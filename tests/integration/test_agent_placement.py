@@ -22,7 +22,7 @@ from phalanx.schemas.messages import (
     ReasonCode,
     ReplicaRange,
 )
-from phalanx.services.agent.ranks import RankSet
+from phalanx.services.agent.ranks import RankSet, master_port
 
 # Prints its placement, then holds its slot until the test lets it go (a rank's stdin is
 # /dev/null: a file is the signal).
@@ -118,3 +118,50 @@ async def test_torchrun_variables_describe_the_gang_until_the_job_runs_a_session
     assert await placements(tmp_path / "gpus", gpus=(3, 1), replicas=2, session=True,
                             names=("LOCAL_RANK", "CUDA_VISIBLE_DEVICES")) == [
         "LOCAL_RANK=0 CUDA_VISIBLE_DEVICES=3", "LOCAL_RANK=0 CUDA_VISIBLE_DEVICES=1"]
+
+
+async def test_a_gang_restarted_whole_is_the_gang_again_on_a_rendezvous_of_its_own(
+        tmp_path: Path) -> None:
+    # Elasticity restarts a gang whose replica failed before any was ready: each slot's
+    # next incarnation gets the gang's variables (not a world of one), and a MASTER_PORT
+    # no process of the gang before can answer on.
+    exited: asyncio.Queue[RankExited] = asyncio.Queue()
+
+    async def report(message: RankStarted | RankExited) -> None:
+        if isinstance(message, RankExited):
+            await exited.put(message)
+
+    async def host_of(_: str) -> str:
+        return "127.0.0.1"
+
+    release = tmp_path / "release"
+    ranks = RankSet("n1", tmp_path, "nats://127.0.0.1:1", host_of, report, capacity=2)
+    spec = JobSpec(name="p", team="t", priority_class="normal",
+                   replicas=ReplicaRange(min=2, max=2), grace_period_s=5.0,
+                   command=[sys.executable, "-c", CHILD, str(release), ",".join(TORCHRUN)])
+    record = JobRecord(job_id="p1", spec=spec, state=JobState.ADMITTED, submitted_at=1.0,
+                       updated_at=1.0, reason_code=ReasonCode.ADMITTED, nodes=["n1"] * 2)
+    try:
+        await ranks.reconcile(record)
+        for slot in (0, 1):
+            replaced = await ranks.replace(record, slot, f"r{slot}-1", gang=True)
+            assert replaced.new and not replaced.from_spare
+        release.touch()
+        done: dict[str, RankExited] = {}
+        while {"r0-1", "r1-1"} - done.keys():
+            end = await asyncio.wait_for(exited.get(), 60)
+            done[end.replica_id or ""] = end
+        assert done["r0-1"].exit_code == done["r1-1"].exit_code == 0
+    finally:
+        release.touch()
+        await ranks.stop_all()
+
+    def printed(replica: str) -> str:
+        log = (tmp_path / "jobs" / "p1" / f"{replica}.log").read_text().splitlines()
+        return next(line for line in log if not line.startswith("=== phalanx:"))
+
+    again = printed("r0-1").rsplit("=", 1)[1]
+    assert int(again) == master_port("p1", 1) != master_port("p1", 0)
+    assert [printed(f"r{rank}-1") for rank in (0, 1)] == [
+        f"RANK={rank} LOCAL_RANK={rank} WORLD_SIZE=2 LOCAL_WORLD_SIZE=2 "
+        f"MASTER_ADDR=127.0.0.1 MASTER_PORT={again}" for rank in (0, 1)]

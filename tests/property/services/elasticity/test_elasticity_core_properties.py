@@ -111,7 +111,7 @@ def test_generations_under_random_events(lo: int, extra: int, events) -> None:
                     for g in published]
 
 
-def random_events(hi: int, events) -> list:
+def random_events(hi: int, events, session: bool = False) -> list:
     """A replayable event list over slots ``0..hi+1`` (two slots admission may grow into)."""
     out = []
     slots = {i: f"n{i}" for i in range(hi)}
@@ -134,7 +134,7 @@ def random_events(hi: int, events) -> list:
                     del slots[slot]
                 else:
                     slots[slot] = f"n{slot}"
-                out.append(JobAdmitted("j", slots, 1, hi))
+                out.append(JobAdmitted("j", slots, 1, hi, session=session))
             case "finish":
                 out.append(MemberFinished("j", replica))
             case _:
@@ -172,14 +172,15 @@ def feed(core: ElasticityCore, events: list, t0: float) -> list:
 
 
 @SETTINGS
-@given(st.integers(1, 4), restart_ops, st.integers(0, 60), st.booleans())
+@given(st.integers(1, 4), restart_ops, st.integers(0, 60), st.booleans(), st.booleans())
 def test_a_core_restored_at_any_point_decides_what_one_that_never_stopped_decides(
-        hi: int, ops, cut: int, formed: bool) -> None:
+        hi: int, ops, cut: int, formed: bool, session: bool) -> None:
     # formed: every replica is ready first, so the events act on a running generation
-    # (random readiness alone seldom forms one).
+    # (random readiness alone seldom forms one); else early faults restart a gang, or are
+    # kept for a declared session.
     first = [ReplicaReadySeen("j", f"r{i}-0", f"n{i}", i, f"h:{i}") for i in range(hi)]
-    events = [JobAdmitted("j", {i: f"n{i}" for i in range(hi)}, 1, hi),
-              *(first if formed else []), *random_events(hi, ops)]
+    events = [JobAdmitted("j", {i: f"n{i}" for i in range(hi)}, 1, hi, session=session),
+              *(first if formed else []), *random_events(hi, ops, session)]
     cut = min(cut, len(events))
     steady = ElasticityCore(wait_timeout_s=5, max_replacements=4)
     expected = feed(steady, events, 0.0)

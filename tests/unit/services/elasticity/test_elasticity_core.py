@@ -266,16 +266,53 @@ def test_a_restored_snapshot_carries_on_where_the_job_was() -> None:
         other.restore(b"\x81\xa1x\x01")
 
 
-def test_a_job_is_managed_from_its_first_ready_replica_and_earlier_faults_then_count() -> None:
+def test_a_declared_session_is_managed_from_its_first_ready_replica_and_earlier_faults_then_count(
+        ) -> None:
     core = ElasticityCore()
-    core.handle(JobAdmitted("j", {0: "n0", 1: "n1", 2: "n0"}, 2, 3), 0.0)
+    admitted = JobAdmitted("j", {0: "n0", 1: "n1", 2: "n0"}, 2, 3, session=True)
+    core.handle(admitted, 0.0)
     assert core.handle(MemberFailed("j", "r2-0"), 0.5) == []  # kept: not managed yet
-    assert core.handle(JobAdmitted("j", {0: "n0", 1: "n1", 2: "n0"}, 2, 3), 0.6) == []
+    assert core.handle(admitted, 0.6) == []
     out = ready(core, "r0-0", 1.0)
     assert [(d.slot, d.replica_id) for d in out if isinstance(d, LaunchReplacement)] == [
         (2, "r2-1")]  # below min while forming: the replacement starts at once
     [g] = generations(ready(core, "r1-0", 1.0))
     assert [m.replica_id for m in g.members] == ["r0-0", "r1-0"]
+
+
+def test_a_gangs_replica_failing_before_any_is_ready_restarts_the_whole_gang() -> None:
+    # Undeclared, the first processes are a torchrun gang: the others wait for r2-0 in
+    # their init_process_group, so every slot starts again, on a rendezvous of its own.
+    core = ElasticityCore()
+    core.handle(JobAdmitted("j", {0: "n0", 1: "n1", 2: "n0"}, 2, 3), 0.0)
+    out = core.handle(MemberFailed("j", "r2-0", "exit 1", event_id="f1"), 0.5)
+    assert out == [LaunchReplacement("j", 0, "n0", "r0-1", "f1", gang=True),
+                   LaunchReplacement("j", 1, "n1", "r1-1", "f1", gang=True),
+                   LaunchReplacement("j", 2, "n0", "r2-1", "f1", gang=True)]
+    assert all(core.awaits(launch) for launch in out)
+    # The restarted gang's members fail with it, or get ready before they are stopped.
+    assert core.handle(MemberFailed("j", "r0-0"), 0.6) == []
+    assert ready(core, "r1-0", 0.7) == [] and not core.jobs["j"].managed
+    assert ready(core, "r0-1") == [] and ready(core, "r2-1") == []
+    [g] = generations(ready(core, "r1-1"))
+    assert [m.replica_id for m in g.members] == ["r0-1", "r1-1", "r2-1"]
+    assert core.jobs["j"].replaced == 3
+
+
+def test_a_gang_restarts_once_per_incarnation_and_from_r0_when_re_placed() -> None:
+    core = ElasticityCore()
+    core.handle(JobAdmitted("j", {0: "n0", 1: "n1"}, 1, 2), 0.0)
+    assert len(core.handle(MemberFailed("j", "r1-0"), 1.0)) == 2
+    assert core.handle(MemberFailed("j", "r1-0"), 1.1) == []  # the same fault again
+    assert [d.replica_id for d in core.handle(MemberFailed("j", "r0-1"), 2.0)] == [
+        "r0-2", "r1-2"]
+    # A node lost re-places the job: the agents start r<s>-0 in the new world.
+    assert core.handle(MemberFailed("j", "r1-2", replaceable=False), 3.0) == []
+    assert core.handle(JobAdmitted("j", {0: "n0", 2: "n2"}, 1, 2), 3.1) == []
+    assert core.handle(MemberFailed("j", "r0-2"), 3.2) == []  # the gang before
+    assert [d.replica_id for d in core.handle(MemberFailed("j", "r2-0"), 4.0)] == [
+        "r0-1", "r2-1"]
+    assert core.handle(MemberFailed("j", "r7-1"), 4.1) == []  # no such slot
 
 
 def test_stopped_jobs_are_forgotten_and_bad_input_is_refused() -> None:
