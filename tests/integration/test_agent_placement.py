@@ -45,9 +45,9 @@ async def placements(tmp_path: Path, gpus: tuple[int, ...], replicas: int,
                      env: dict[str, str] | None = None,
                      backend: CollectiveBackend = CollectiveBackend.AUTO,
                      names: tuple[str, ...] = PLACEMENT, session: bool = False,
-                     elastic: bool = False) -> list[str]:
-    """Launch ``replicas`` ranks of one job on one node (``elastic``: it has a generation);
-    what each printed, by slot."""
+                     elastic: bool = False, restarted: bool = False) -> list[str]:
+    """Launch ``replicas`` ranks of one job on one node (``elastic``: it has a generation;
+    ``restarted``: then the gang is restarted whole); what each printed, by slot."""
     exited: asyncio.Queue[RankExited] = asyncio.Queue()
 
     async def report(message: RankStarted | RankExited) -> None:
@@ -62,7 +62,7 @@ async def placements(tmp_path: Path, gpus: tuple[int, ...], replicas: int,
                     capacity=max(len(gpus), replicas), gpus=gpus)
     spec = JobSpec(name="p", team="t", priority_class="normal", env=env or {},
                    replicas=ReplicaRange(min=replicas, max=replicas), backend=backend,
-                   session=session,
+                   session=session, grace_period_s=5.0,
                    command=[sys.executable, "-c", CHILD, str(release), ",".join(names)])
     record = JobRecord(job_id="p1", spec=spec, state=JobState.ADMITTED, submitted_at=1.0,
                        updated_at=1.0, reason_code=ReasonCode.ADMITTED,
@@ -70,14 +70,23 @@ async def placements(tmp_path: Path, gpus: tuple[int, ...], replicas: int,
     try:
         # All launched: each holds its slot until released.
         await ranks.reconcile(record, elastic=elastic)
+        incarnation = int(restarted)
+        if restarted:  # as elasticity restarts a gang: every slot's next incarnation
+            for slot in range(replicas):
+                replaced = await ranks.replace(record, slot, f"r{slot}-1", gang=True)
+                assert replaced.new and not replaced.from_spare
         release.touch()
-        for _ in range(replicas):
+        waiting = {f"r{slot}-{incarnation}" for slot in range(replicas)}
+        while waiting:
             end = await asyncio.wait_for(exited.get(), 60)
-            assert end.exit_code == 0
+            if end.replica_id in waiting:
+                assert end.exit_code == 0
+                waiting.remove(end.replica_id)
     finally:
         release.touch()
         await ranks.stop_all()
-    logs = [tmp_path / "jobs" / "p1" / f"r{slot}-0.log" for slot in range(replicas)]
+    logs = [tmp_path / "jobs" / "p1" / f"r{slot}-{incarnation}.log"
+            for slot in range(replicas)]
     return [next(line for line in log.read_text().splitlines()
                  if not line.startswith("=== phalanx:")) for log in logs]
 
@@ -125,43 +134,8 @@ async def test_a_gang_restarted_whole_is_the_gang_again_on_a_rendezvous_of_its_o
     # Elasticity restarts a gang whose replica failed before any was ready: each slot's
     # next incarnation gets the gang's variables (not a world of one), and a MASTER_PORT
     # no process of the gang before can answer on.
-    exited: asyncio.Queue[RankExited] = asyncio.Queue()
-
-    async def report(message: RankStarted | RankExited) -> None:
-        if isinstance(message, RankExited):
-            await exited.put(message)
-
-    async def host_of(_: str) -> str:
-        return "127.0.0.1"
-
-    release = tmp_path / "release"
-    ranks = RankSet("n1", tmp_path, "nats://127.0.0.1:1", host_of, report, capacity=2)
-    spec = JobSpec(name="p", team="t", priority_class="normal",
-                   replicas=ReplicaRange(min=2, max=2), grace_period_s=5.0,
-                   command=[sys.executable, "-c", CHILD, str(release), ",".join(TORCHRUN)])
-    record = JobRecord(job_id="p1", spec=spec, state=JobState.ADMITTED, submitted_at=1.0,
-                       updated_at=1.0, reason_code=ReasonCode.ADMITTED, nodes=["n1"] * 2)
-    try:
-        await ranks.reconcile(record)
-        for slot in (0, 1):
-            replaced = await ranks.replace(record, slot, f"r{slot}-1", gang=True)
-            assert replaced.new and not replaced.from_spare
-        release.touch()
-        done: dict[str, RankExited] = {}
-        while {"r0-1", "r1-1"} - done.keys():
-            end = await asyncio.wait_for(exited.get(), 60)
-            done[end.replica_id or ""] = end
-        assert done["r0-1"].exit_code == done["r1-1"].exit_code == 0
-    finally:
-        release.touch()
-        await ranks.stop_all()
-
-    def printed(replica: str) -> str:
-        log = (tmp_path / "jobs" / "p1" / f"{replica}.log").read_text().splitlines()
-        return next(line for line in log if not line.startswith("=== phalanx:"))
-
-    again = printed("r0-1").rsplit("=", 1)[1]
-    assert int(again) == master_port("p1", 1) != master_port("p1", 0)
-    assert [printed(f"r{rank}-1") for rank in (0, 1)] == [
-        f"RANK={rank} LOCAL_RANK={rank} WORLD_SIZE=2 LOCAL_WORLD_SIZE=2 "
-        f"MASTER_ADDR=127.0.0.1 MASTER_PORT={again}" for rank in (0, 1)]
+    again = await placements(tmp_path, gpus=(), replicas=2, names=TORCHRUN, restarted=True)
+    port = again[0].rsplit("=", 1)[1]
+    assert int(port) == master_port("p1", 1) != master_port("p1", 0)
+    assert again == [f"RANK={rank} LOCAL_RANK={rank} WORLD_SIZE=2 LOCAL_WORLD_SIZE=2 "
+                     f"MASTER_ADDR=127.0.0.1 MASTER_PORT={port}" for rank in (0, 1)]
