@@ -30,6 +30,13 @@ def incarnation(replica: str) -> int | None:
     return int(match[2]) if match else None
 
 
+def earlier(replica: str, than: str) -> bool:
+    """Whether ``replica`` is an earlier incarnation than ``than`` (names without an
+    incarnation are never earlier: they are told apart by equality alone)."""
+    before, after = incarnation(than), incarnation(replica)
+    return before is not None and after is not None and after < before
+
+
 def replica_order(replica: str) -> tuple[int, int, str]:
     """A sort key: ``r<slot>-<incarnation>`` in slot, then incarnation order (any other
     name after them, by name), as ``phalanx logs`` lists replicas."""

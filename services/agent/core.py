@@ -56,7 +56,7 @@ from collections.abc import Collection, Mapping, Sequence
 
 from phalanx.schemas.errors import ConfigError, PhalanxError
 from phalanx.schemas.messages import ExitCause, GpuInfo, NodeInfo, NodeRecord
-from phalanx.schemas.replicas import incarnation, replica_id
+from phalanx.schemas.replicas import earlier, replica_id
 
 
 class NodeIdTaken(PhalanxError, RuntimeError):
@@ -206,10 +206,7 @@ def launch_verdict(last: str | None, wanted: str) -> LaunchVerdict:
         return LaunchVerdict.LAUNCH
     if wanted == last:
         return LaunchVerdict.ALREADY_LAUNCHED
-    before, after = incarnation(last), incarnation(wanted)
-    if before is not None and after is not None and after < before:
-        return LaunchVerdict.OUTDATED
-    return LaunchVerdict.LAUNCH
+    return LaunchVerdict.OUTDATED if earlier(wanted, last) else LaunchVerdict.LAUNCH
 
 
 class StopReason(enum.Enum):

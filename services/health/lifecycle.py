@@ -12,7 +12,7 @@ blindness and cordons go to :mod:`.detect` and :mod:`.cordon`.
 from __future__ import annotations
 
 from phalanx.schemas.messages import FaultKind
-from phalanx.schemas.replicas import another_admission, incarnation
+from phalanx.schemas.replicas import another_admission, earlier
 from phalanx.services.health import cordon, detect, outcome
 from phalanx.services.health.crash import crash_detail
 from phalanx.services.health.events import (
@@ -167,14 +167,12 @@ def exited(state: HealthState, event: RankExitSeen, now: float) -> list[Decision
 
 
 def _succeeds(replica: str | None, watched: str | None) -> bool:
-    """Whether ``replica`` is a later incarnation of the slot than ``watched`` (any
-    replica succeeds a rank watched since its placement, not yet named)."""
+    """Whether ``replica`` succeeds ``watched`` in its slot: another replica, not an
+    earlier incarnation (any replica succeeds a rank watched since its placement, not
+    yet named)."""
     if replica is None or replica == watched:
         return False
-    if watched is None:
-        return True
-    later, earlier = incarnation(replica), incarnation(watched)
-    return later is None or earlier is None or later > earlier
+    return watched is None or not earlier(replica, watched)
 
 
 def applied(state: HealthState, event: MemberApplied, now: float) -> None:
