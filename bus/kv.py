@@ -23,6 +23,16 @@ the last error: a caller sees the election as a slow call, not as a failure. A
 conditional write retried after an unanswered attempt may find that attempt was
 stored (only its acknowledgement was lost): when the key then holds exactly the
 bytes written, that is the write's result, not a conflict.
+
+Every outcome of a conditional write is an answer (:meth:`TypedKV._swap`): stored;
+lost to another writer (:class:`~phalanx.bus.errors.Conflict`); the key deleted, so
+created again at the revision of its deletion marker (a delete, a purge, or the
+server's own marker when a message's TTL ran out); unanswered, so retried. A refusal
+is resolved by reading the key's last message from the stream's leader, and that read
+may find nothing at all: the key's messages removed since (an expiry, a subject purge),
+or, on a replicated bucket, another writer's message proposed but not yet stored (the
+leader refuses a write to a key while another to it is in flight). A create then tries
+again at revision 0, and is refused again exactly while the other write is in flight.
 """
 
 from __future__ import annotations
@@ -79,6 +89,24 @@ async def through_failover(call: Callable[[], Awaitable[T]], what: str,
         await asyncio.sleep(_RETRY_S)
 
 
+#: Headers that make a key's last message a deletion: a KV delete or purge, and the
+#: marker the server leaves when a message's TTL or the bucket's age limit removes it.
+_OPERATION, _DELETED_OPERATIONS, _MARKER_REASON = "KV-Operation", ("DEL", "PURGE"), \
+    "Nats-Marker-Reason"
+#: How often a create meets a fresh deletion marker (or an emptied key) before it counts
+#: as lost: each such refusal means another writer touched the key meanwhile.
+_RECREATES = 3
+
+
+@dataclasses.dataclass(frozen=True)
+class Stored:
+    """A key's last message as the stream holds it: a value, or a deletion marker."""
+
+    data: bytes
+    revision: int
+    deleted: bool
+
+
 @dataclasses.dataclass(frozen=True)
 class Entry(Generic[M]):
     key: str
@@ -131,35 +159,60 @@ class TypedKV(Generic[M]):
     async def _retrying(self, call: Callable[[], Awaitable[T]], what: str) -> T:
         return await through_failover(call, f"{self.bucket}/{what}", self.failover_s)
 
-    async def _conditional(self, key: str, data: bytes,
-                           write: Callable[[], Awaitable[int]]) -> int:
-        """``write()`` (a create or an update of ``key`` to ``data``), retried while
-        unanswered; raises ``KeyWrongLastSequenceError`` unless the conflict is an
-        earlier attempt of this write that was stored after all."""
-        unanswered = False
+    async def _swap(self, key: str, data: bytes, last: int) -> int:
+        """Store ``data`` under ``key`` if its last revision is ``last`` (0: if it is
+        absent or deleted); the new revision. Each outcome is an answer (module
+        docstring): an unanswered attempt is retried, and a refusal is looked up in the
+        key's last message on the stream's leader.
 
-        async def attempt() -> int:
-            nonlocal unanswered
+        Raises:
+            Conflict: another writer's value is there, or one is being stored.
+        """
+        at = last
+        for _ in range(_RECREATES):
+            unanswered = False
+
+            async def attempt(at: int = at) -> int:
+                nonlocal unanswered
+                try:
+                    return await self.kv.update(key, data, last=at)
+                except _UNANSWERED:
+                    unanswered = True
+                    raise
+
             try:
-                return await write()
-            except _UNANSWERED:
-                unanswered = True
-                raise
+                return await self._retrying(attempt, key)
+            except jse.KeyWrongLastSequenceError:
+                pass
+            stored = await self._last(key, leader=True)
+            if unanswered and stored is not None and not stored.deleted \
+                    and stored.data == data:
+                return stored.revision  # an earlier attempt of this very write was stored
+            if last or (stored is not None and not stored.deleted):
+                break  # the key moved on from ``last``, or holds another writer's value
+            at = stored.revision if stored is not None else 0  # deleted, or emptied, since
+        raise Conflict(f"{self.bucket}/{key} changed since revision {last}" if last
+                       else f"{self.bucket}/{key} already exists")
 
+    async def _last(self, key: str, *, leader: bool = False) -> Stored | None:
+        """``key``'s last message, value or deletion marker, or None if it has none; from
+        the stream's leader when ``leader`` (a bucket that allows direct gets may
+        otherwise answer from a replica that lags behind)."""
+        direct = bool(self.kv._direct) and not leader
+        subject = f"{self.kv._pre}{key}"
         try:
-            return await self._retrying(attempt, key)
-        except jse.KeyWrongLastSequenceError:
-            if unanswered:
-                raw = await self._raw(key)
-                if raw is not None and raw.value == data:
-                    return raw.revision or 0
-            raise
-
-    async def _raw(self, key: str) -> KeyValue.Entry | None:
-        try:
-            return await self._retrying(lambda: self.kv.get(key), key)
-        except jse.KeyNotFoundError:
+            msg = await self._retrying(lambda: self.kv._js.get_msg(
+                self.kv._stream, subject=subject, direct=direct), key)
+        except jse.NotFoundError:
             return None
+        headers = msg.headers or {}
+        deleted = headers.get(_OPERATION) in _DELETED_OPERATIONS or _MARKER_REASON in headers
+        return Stored(msg.data or b"", msg.seq or 0, deleted)
+
+    async def _raw(self, key: str) -> Stored | None:
+        """``key``'s live value, or None if it is absent or deleted."""
+        stored = await self._last(key)
+        return None if stored is None or stored.deleted else stored
 
     def _decode(self, key: str, data: bytes | None) -> M:
         try:
@@ -178,7 +231,7 @@ class TypedKV(Generic[M]):
         raw = await self._raw(key)
         if raw is None:
             return None
-        return Entry(key, self._decode(key, raw.value), raw.revision or 0)
+        return Entry(key, self._decode(key, raw.data), raw.revision)
 
     async def current(self, key: str) -> tuple[M | None, int]:
         """The value to compute a compare-and-swap from, and the revision to swap at.
@@ -191,10 +244,10 @@ class TypedKV(Generic[M]):
         if raw is None:
             return None, 0
         try:
-            return self._decode(key, raw.value), raw.revision or 0
+            return self._decode(key, raw.data), raw.revision
         except WireError as exc:
             log.warning("replacing an undecodable KV entry: %s", exc)
-            return None, raw.revision or 0
+            return None, raw.revision
 
     async def put(self, key: str, value: M) -> int:
         """Store ``value`` unconditionally; returns the new revision."""
@@ -209,14 +262,10 @@ class TypedKV(Generic[M]):
         Raises:
             Conflict: the key exists.
         """
-        data = encode(value)
         try:
-            revision = await self._conditional(key, data, lambda: self.kv.create(key, data))
-        except jse.KeyWrongLastSequenceError:
-            raise Conflict(f"{self.bucket}/{key} already exists") from None
+            return await self._swap(key, encode(value), 0)
         finally:
             raise_if_cancelled()
-        return revision
 
     async def update(self, key: str, value: M, revision: int) -> int:
         """Store ``value`` only if ``key`` is still at ``revision``.
@@ -224,15 +273,10 @@ class TypedKV(Generic[M]):
         Raises:
             Conflict: the key changed since ``revision``.
         """
-        data, last = encode(value), revision
         try:
-            revision = await self._conditional(
-                key, data, lambda: self.kv.update(key, data, last=last))
-        except jse.KeyWrongLastSequenceError:
-            raise Conflict(f"{self.bucket}/{key} changed since revision {revision}") from None
+            return await self._swap(key, encode(value), revision)
         finally:
             raise_if_cancelled()
-        return revision
 
     async def modify(self, key: str, change: Callable[[M | None], M], *,
                      attempts: int = 16) -> Entry[M]:

@@ -31,6 +31,12 @@ class WireError(PhalanxError, ValueError):
         super().__init__(f"cannot decode payload{where}{what}: {problem}")
 
 
+class MustStop(PhalanxError, RuntimeError):
+    """A background task's failure that must end its process, because going on would be
+    wrong (another live process holds this one's identity). Any other failure of a
+    service's background task is logged and the task goes on or starts again."""
+
+
 class SubjectError(PhalanxError, ValueError):
     """A subject token is not allowed (empty, a dot, a wildcard, whitespace, ``$``)."""
 

@@ -2,7 +2,9 @@
 
 A :class:`Service` connects to the bus, registers with the NATS service API
 (``$SRV.PING/INFO/STATS`` via ``nats.micro``), exposes typed request
-endpoints, runs background loops, and shuts down in a fixed order on SIGTERM
+endpoints, runs background tasks (a failed loop is started again, a failed one-off
+task logged: only :class:`~phalanx.schemas.errors.MustStop` stops a service), and
+shuts down in a fixed order on SIGTERM
 or SIGINT: stop taking requests, give background loops ``shutdown_timeout_s``
 to notice the stop and finish, cancel what is left, run
 :meth:`Service.teardown` while still connected, drain the connection.
@@ -22,7 +24,8 @@ import asyncio
 import contextlib
 import logging
 import signal
-from collections.abc import Coroutine
+import time
+from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
 from wsgiref.simple_server import WSGIServer
 
@@ -37,12 +40,16 @@ from phalanx.bus.config import BusConfig
 from phalanx.bus.kv import TypedKV
 from phalanx.schemas import __version__
 from phalanx.schemas.codec import encode
+from phalanx.schemas.errors import MustStop
 from phalanx.schemas.messages import Message
 from phalanx.services import metrics
 from phalanx.services.deadline import wait_set
 
 log = logging.getLogger("phalanx.service")
 M = TypeVar("M", bound=Message)
+#: A failed background loop's back-off before it starts again: the first, the most, and
+#: how long a run must last for the next failure to start from the first again.
+RESTART_FIRST_S, RESTART_MAX_S, RESTART_RESET_S = 0.5, 30.0, 60.0
 
 
 class Service:
@@ -128,18 +135,51 @@ class Service:
             queue_group=queue or None))
 
     def spawn(self, coro: Coroutine[Any, Any, Any], name: str) -> asyncio.Task[Any]:
-        """Run a background loop; if it dies with an error the service stops (and says why)."""
+        """Run a one-off task in the background. Its failure is logged and counted
+        (``phalanx_task_failures{task}``, the first word of ``name``) and the service goes
+        on, unless it is :class:`~phalanx.schemas.errors.MustStop`: that stops the service."""
         task = asyncio.create_task(coro, name=name)
         self._tasks.add(task)
 
         def done(t: asyncio.Task[Any]) -> None:
             self._tasks.discard(t)
-            if not t.cancelled() and t.exception() is not None:
-                log.error("background task %s failed; stopping", name, exc_info=t.exception())
-                self.request_stop()
+            failure = None if t.cancelled() else t.exception()
+            if failure is not None:
+                self._failed(name, failure)
 
         task.add_done_callback(done)
         return task
+
+    def keep_running(self, loop: Callable[[], Coroutine[Any, Any, Any]],
+                     name: str) -> asyncio.Task[Any]:
+        """Run ``loop()`` in the background until the service stops, starting it again
+        after a failure (logged and counted as in :meth:`spawn`) once a back-off has
+        passed: 0.5 s, doubling to 30 s while it keeps failing within a minute of its
+        start. A loop's bug or an outage it did not expect must not stop the service."""
+        async def supervised() -> None:
+            pause = RESTART_FIRST_S
+            while not self.stopping:
+                started = time.monotonic()
+                try:
+                    await loop()
+                    return
+                except Exception as exc:  # what the supervision is for
+                    self._failed(name, exc)
+                if time.monotonic() - started >= RESTART_RESET_S:
+                    pause = RESTART_FIRST_S
+                if await self.sleep_or_stop(pause):
+                    return
+                pause = min(2 * pause, RESTART_MAX_S)
+
+        return self.spawn(supervised(), name)
+
+    def _failed(self, name: str, exc: BaseException) -> None:
+        if isinstance(exc, MustStop):
+            log.error("%s: %s; stopping", name, exc)
+            self.request_stop()
+            return
+        metrics.TASK_FAILURES.labels(name.split()[0]).inc()
+        log.error("background task %s failed; the service goes on", name, exc_info=exc)
 
     def stats_data(self, endpoint: EndpointStats) -> dict[str, Any]:
         counters = self._counters.get(endpoint.name, Counters())

@@ -84,7 +84,7 @@ class LeaderService(Service, Generic[TermT]):
         """Contend for the lease from now until the service stops."""
         self.leadership = Leadership(leases, self.lease_key, self.instance, self.lease_s,
                                      self._term)
-        self.spawn(self.leadership.run(self.sleep_or_stop), "lease")
+        self.keep_running(lambda: self.leadership.run(self.sleep_or_stop), "lease")
 
     async def _term(self) -> None:
         term = self.begin_term()

@@ -10,7 +10,10 @@ once it has watched the last renewal for ``lease_s`` (it checks every
 ``lease_s / 3``: within ``lease_s * 5 / 3`` of that renewal).
 
 A renewal that finds the lease moved on means another instance leads: the
-leader's work is cancelled at once. A renewal that fails for want of a bus (an
+leader's work is cancelled at once. No error in a check ends the lease's loop: one
+this module does not expect steps down (the work is cancelled, the lease left to run
+out) and the next check starts from a fresh read, which finds the lease still its own
+if nothing else took it. A renewal that fails for want of a bus (an
 outage) keeps leading for ``lease_s`` after its last renewal was sent, by its own
 clock, and no longer. Another instance takes over only after watching the same
 revision of the lease for ``lease_s`` by *its* clock (:func:`may_take`): it
@@ -150,6 +153,10 @@ class Leadership:
             if self.revision is not None and \
                     time.monotonic() >= self.renewed_at + self.lease_s:
                 await self.step_down(release=False)
+        except Exception:  # not an outage this code knows: lead again from a fresh read
+            log.exception("lease check failed unexpectedly; stepping down",
+                          extra={"lease": self.key})
+            await self.step_down(release=False)
         if self._task is not None and self._task.done():
             await self.step_down(release=True)  # the work ended: let the next term start clean
 
@@ -211,6 +218,6 @@ class Leadership:
         if release:
             try:
                 await self.leases.delete(self.key, revision=revision)
-            except (PhalanxError, TimeoutError, OSError) as exc:
+            except Exception as exc:  # it runs out by itself: a standby waits lease_s longer
                 log.warning("could not release the lease: %s", exc, extra={"lease": self.key})
         log.info("stepped down", extra={"lease": self.key})

@@ -95,7 +95,9 @@ class _BusFailures(Collector):
 
 
 #: Every process's families: the bus connection's.
-BUS: Families = (BUS_CONNECTED, BUS_RECONNECTS, _BusFailures())
+TASK_FAILURES = Counter("phalanx_task_failures", "Background tasks of this process that failed "
+                        "and went on or were started again, by task", ["task"], registry=None)
+BUS: Families = (BUS_CONNECTED, BUS_RECONNECTS, _BusFailures(), TASK_FAILURES)
 
 # --- every leader service (admission, health, elasticity, checkpoint) ------------------------
 

@@ -54,12 +54,12 @@ from __future__ import annotations
 import enum
 from collections.abc import Collection, Mapping, Sequence
 
-from phalanx.schemas.errors import ConfigError, PhalanxError
+from phalanx.schemas.errors import ConfigError, MustStop
 from phalanx.schemas.messages import ExitCause, GpuInfo, NodeInfo, NodeRecord
 from phalanx.schemas.replicas import earlier, replica_id
 
 
-class NodeIdTaken(PhalanxError, RuntimeError):
+class NodeIdTaken(MustStop):
     """Another live agent holds this node id."""
 
 

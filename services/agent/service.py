@@ -216,9 +216,9 @@ class AgentService(Service):
         await self.add_endpoint("logs", subjects.agent_logs(self.config.node_id), LogRequest,
                                 self.on_logs, concurrent=True)
         if self.gpu_watch.nvml is not None:
-            self.spawn(self.gpu_loop(), "gpu health")
+            self.keep_running(self.gpu_loop, "gpu health")
         if not self.config.launch:
-            self.spawn(self.heartbeat_loop(), "heartbeat")
+            self.keep_running(self.heartbeat_loop, "heartbeat")
             return
         await ensure_job_events(self.bus)  # where rank starts and exits are stored
         self.ranks = RankSet(self.config.node_id, self.work_dir, self.bus_config_url(),
@@ -260,9 +260,9 @@ class AgentService(Service):
                                 ReplicaFetch, self.on_fetch, concurrent=True)
         # Records published while disconnected were missed: read them all again after.
         self.bus.on_reconnect(self._on_reconnect)
-        self.spawn(self.heartbeat_loop(), "heartbeat")
-        self.spawn(self.sender.run(self.sleep_or_stop), "replicate")
-        self.spawn(self.until_stopped(self._follow_generations()), "generations")
+        self.keep_running(self.heartbeat_loop, "heartbeat")
+        self.keep_running(lambda: self.sender.run(self.sleep_or_stop), "replicate")
+        self.keep_running(lambda: self.until_stopped(self._follow_generations()), "generations")
         log.info("registered", extra={"node": self.config.node_id, "slots": self.slots,
                                       "gpus": [g.uuid for g in self.gpu_watch.gpus],
                                       "failure_domain": self.config.failure_domain})

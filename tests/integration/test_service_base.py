@@ -6,10 +6,12 @@ import asyncio
 import json
 
 import pytest
+from prometheus_client import REGISTRY
 
 from phalanx.bus.client import Bus, Delivery, raise_for_error
 from phalanx.bus.config import BusConfig
 from phalanx.bus.errors import RemoteError
+from phalanx.schemas.errors import MustStop
 from phalanx.schemas.messages import NodeInfo, NodeRecord, NodeStatusRequest
 from phalanx.services.base import Service
 
@@ -99,3 +101,51 @@ async def test_a_stop_cancels_a_loop_run_until_stopped_instead_of_waiting_for_it
     # cancelled; the test's own timeout ends it long before.
     await service.stop()
     assert service.cancelled.is_set()
+
+
+class FailingLoopService(Service):
+    """A loop that fails twice and then runs; a one-off task that fails; and, when
+    asked, a task that must stop the service."""
+
+    def __init__(self, config: BusConfig, uid: str) -> None:
+        super().__init__(f"failing-{uid}", "test", config, shutdown_timeout_s=1.0)
+        self.starts = 0
+        self.running = asyncio.Event()
+
+    async def setup(self) -> None:
+        self.keep_running(self.loop, "flaky loop")
+        self.spawn(self.one_off(), "one-off")
+
+    async def loop(self) -> None:
+        self.starts += 1
+        if self.starts <= 2:
+            raise KeyError("a bug in the loop")
+        self.running.set()
+        while not await self.sleep_or_stop(0.05):
+            pass
+
+    async def one_off(self) -> None:
+        raise RuntimeError("a one-off task's bug")
+
+
+def failures(task: str) -> float:
+    return REGISTRY.get_sample_value("phalanx_task_failures_total", {"task": task}) or 0.0
+
+
+async def test_a_failing_background_task_never_stops_the_service_but_must_stop_does(
+        bus_config: BusConfig, uid: str) -> None:
+    service = FailingLoopService(bus_config, uid)
+    before = failures("flaky"), failures("one-off")
+    await service.start()
+    try:
+        await asyncio.wait_for(service.running.wait(), 10)  # started a third time
+        assert service.starts == 3 and not service.stopping
+        assert (failures("flaky"), failures("one-off")) == (before[0] + 2, before[1] + 1)
+
+        async def node_id_taken() -> None:
+            raise MustStop("another live agent holds this node id")
+
+        service.spawn(node_id_taken(), "heartbeat")
+        await asyncio.wait_for(service._stop_requested.wait(), 10)
+    finally:
+        await service.stop()
