@@ -14,7 +14,7 @@ STAMP  := $(VENV)/.installed
 # two, and three cut its time by 15 % (2026-11-27: 723 s -> 616 s); four loaded it to
 # 656 s and made the 12,000-job burst three times slower.
 WORKERS ?= 3
-PYTEST := $(BIN)/pytest -n $(WORKERS) --dist loadfile
+PYTEST := $(BIN)/pytest -n $(WORKERS) --dist loadfile --no-loadscope-reorder
 # mypy reads each top-level folder as phalanx.<folder> through links here ([tool.mypy]).
 TYPED  := build/typecheck/phalanx
 

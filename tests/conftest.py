@@ -13,6 +13,7 @@ that restarts the server gets its own (``restartable_nats``).
 
 from __future__ import annotations
 
+import json
 import os
 import uuid
 from collections.abc import AsyncIterator, Iterator
@@ -28,14 +29,21 @@ from phalanx.services.natsd import NatsServer
 SLOW_TIERS = frozenset({"integration", "e2e", "deploy"})
 
 
+#: Each slow module's seconds in a whole run on this project's 2-core VMs (the mean of a
+#: run with 3 workers and one with 4, 2026-12-06), to deal the longest first.
+MODULE_SECONDS: dict[str, float] = json.loads(
+    (Path(__file__).parent / "module_seconds.json").read_text())
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Mark every test of a slow tier ``slow`` (``-m "not slow"`` leaves the quick ones),
-    and put the modules whose tests are allowed the longest first.
+    and put the modules that take longest first.
 
-    ``make test`` deals whole modules to two processes in this order: a long module
-    dealt last runs on alone while the other process has nothing left (the 160 s crash
-    storm of test_scale did, at the end of the integration tier). A test's own timeout
-    mark is what says it is long; modules without one keep their order, after them.
+    ``make test`` deals whole modules to its processes in this order (with
+    ``--no-loadscope-reorder``: pytest-xdist would otherwise deal the modules with most
+    tests first, and the one-test chaos module, the longest, ran last, alone, at the
+    end of the run). A module's measured seconds (:data:`MODULE_SECONDS`) say how long it
+    is; one not measured yet counts as long as its longest timeout mark allows.
     """
     tests = Path(__file__).parent
     longest: dict[Path, float] = {}
@@ -46,7 +54,9 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
         mark = item.get_closest_marker("timeout")
         allowed = float(mark.args[0]) if mark is not None and mark.args else 0.0
         longest[item.path] = max(longest.get(item.path, 0.0), allowed)
-    items.sort(key=lambda item: -longest[item.path])  # stable: a module's order is kept
+    measured = {path: MODULE_SECONDS.get(path.relative_to(tests.parent).as_posix(), allowed)
+                for path, allowed in longest.items()}
+    items.sort(key=lambda item: -measured[item.path])  # stable: a module's order is kept
 
 
 @pytest.fixture(scope="session", autouse=True)

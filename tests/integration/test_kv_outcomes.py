@@ -48,16 +48,22 @@ async def test_a_create_racing_one_in_flight_on_a_replicated_bucket_loses_cleanl
     followers paused the proposal cannot commit, so the race is held open: a lease
     check meeting it stands by, and the create in flight wins once they are back."""
     config = BusConfig.load(env={"PHALANX_NATS_REPLICAS": "3"}, servers=",".join(cluster.urls))
+    bucket = f"leases_{uid}"
+    async with await Bus.connect(config, name="setup") as setup:
+        await TypedKV.open(setup.js, bucket, Lease)
+        info = (await setup.js.stream_info(f"KV_{bucket}")).cluster
+    assert info is not None and info.replicas is not None
+    names = [s.routes.server_name if s.routes else "" for s in cluster.servers]
+    followers = [names.index(r.name) for r in info.replicas]
+    leader = names.index(info.leader or "")
+    assert len(followers) == 2
     metrics.register(metrics.LEADERSHIP)
-    async with await Bus.connect(config, name="test") as bus:
-        bucket = f"leases_{uid}"
+    # Connected to the leader alone, every request of this client is answered while the
+    # followers are paused, and in the order it was sent.
+    only_leader = BusConfig.load(env={}, servers=cluster.urls[leader])
+    async with await Bus.connect(only_leader, name="test") as bus:
         kv = await TypedKV.open(bus.js, bucket, Lease)
-        info = (await bus.js.stream_info(f"KV_{bucket}")).cluster
-        assert info is not None and info.replicas is not None
-        followers = [i for i, s in enumerate(cluster.servers)
-                     if s.routes is not None and s.routes.server_name in
-                     {r.name for r in info.replicas}]
-        assert len(followers) == 2
+        proposed = await bus.nc.subscribe(f"$KV.{bucket}.svc")
 
         async def lead() -> None:
             await asyncio.Event().wait()
@@ -67,13 +73,13 @@ async def test_a_create_racing_one_in_flight_on_a_replicated_bucket_loses_cleanl
         for i in followers:
             os.kill(cluster.servers[i].process.pid, signal.SIGSTOP)  # type: ignore[union-attr]
         try:
-            taking = asyncio.create_task(first._check())  # proposed; cannot commit
-            await asyncio.sleep(0.3)
-            assert not taking.done()
+            taking = asyncio.create_task(first._check())
+            await proposed.next_msg(timeout=30)  # the leader has it: proposed, not stored
+            await proposed.unsubscribe()  # a drain would wait on what it holds unread
             with pytest.raises(Conflict, match="already exists"):
                 await kv.create("svc", lease("raw"))
             await second._check()  # refused while "first" is in flight: no error, no lead
-            assert not second.leading
+            assert not second.leading and not taking.done()
         finally:
             for i in followers:
                 os.kill(cluster.servers[i].process.pid, signal.SIGCONT)  # type: ignore[union-attr]
