@@ -35,8 +35,11 @@ def unregistered(optimizer: torch.optim.Optimizer,
         ValueError: more than one.
     """
     kinds = (LRScheduler, ReduceLROnPlateau)
+    # type(), not isinstance(): isinstance reads ``__class__``, and some of torch's objects
+    # warn when it is read (``torch.distributed.reduce_op`` said it was deprecated on
+    # every rank, at every session's start).
     found = [obj for obj in gc.get_objects()
-             if isinstance(obj, kinds) and getattr(obj, "optimizer", None) is optimizer]
+             if issubclass(type(obj), kinds) and getattr(obj, "optimizer", None) is optimizer]
     inner = {id(child) for obj in found for child in getattr(obj, "_schedulers", ())}
     known = {id(obj) for obj in registered}
     outer = [obj for obj in found if id(obj) not in inner and id(obj) not in known]

@@ -113,6 +113,19 @@ def test_the_lr_scheduler_of_the_optimizer_is_carried_without_being_registered()
     assert others.optimizer is other
 
 
+def test_finding_a_scheduler_raises_no_warning_of_torchs_own(
+        recwarn: pytest.WarningsRecorder) -> None:
+    """Looking at every object must not read attributes torch warns about: every rank
+    printed ``torch.distributed.reduce_op is deprecated`` at its session's start."""
+    assert dist.reduce_op is not None  # the deprecated object exists
+    recwarn.clear()
+    model = torch.nn.Linear(4, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    step = torch.optim.lr_scheduler.StepLR(optimizer, 5)
+    assert schedulers.unregistered(optimizer, []) == {"lr_scheduler": step}
+    assert [str(w.message) for w in recwarn] == []
+
+
 def test_two_unregistered_schedulers_are_refused_by_name() -> None:
     model = torch.nn.Linear(4, 2)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
