@@ -96,6 +96,14 @@ def spec_errors(data: Mapping[Any, Any], struct: type[msgspec.Struct],
             if inner:
                 errors += inner
                 continue
+        if isinstance(value, Mapping) and not nested:
+            # msgspec says `$.env[...]` for a bad value of a mapping: try each entry alone,
+            # so the error names its key.
+            entries = [spec_errors_of_entry(key_, item, field.type, where)
+                       for key_, item in value.items()]
+            if any(entries):
+                errors += [e for entry in entries for e in entry]
+                continue
         try:
             msgspec.convert(value, field.type)
         except msgspec.ValidationError as exc:
@@ -114,6 +122,20 @@ def spec_errors(data: Mapping[Any, Any], struct: type[msgspec.Struct],
     errors += [f"Object missing required field `{name}`{_at(path)}"
                for name, field in known.items() if field.required and name not in data]
     return errors
+
+
+def spec_errors_of_entry(key: object, item: object, mapping_type: object,
+                         where: str) -> list[str]:
+    """The error of one entry ``key: item`` of the mapping field at ``where`` (as
+    ``mapping_type``), naming its key; empty when it is valid."""
+    try:
+        msgspec.convert({key: item}, mapping_type)
+    except msgspec.ValidationError as exc:
+        message = _in_words(str(exc))
+        if message.endswith("- at `key` in `$`"):
+            return [message.replace("`key` in `$`", f"key `{key}` in `{where}`")]
+        return [message.replace("`$[...]`", f"`{where}.{key}`")]
+    return []
 
 
 #: What the spec's string patterns allow, in words (msgspec quotes the regex).

@@ -33,9 +33,9 @@ def test_a_valid_spec_round_trips_from_yaml(tmp_path: Path) -> None:
     ({"placement": {"node_label": {}}}, "unknown field `node_label`"),
     ({"replicas": "four"}, "$.replicas"),
     # What no process can be started with (the agent's exec would fail on each launch).
-    ({"env": {"1ST": "x"}}, "in `$.env`"),
-    ({"env": {"A=B": "x"}}, "in `$.env`"),
-    ({"env": {"OK": "nul\x00byte"}}, "$.env[...]"),
+    ({"env": {"1ST": "x"}}, "at key `1ST` in `$.env`"),
+    ({"env": {"A=B": "x"}}, "at key `A=B` in `$.env`"),
+    ({"env": {"OK": "nul\x00byte"}}, "at `$.env.OK`"),
     ({"command": ["python", "train\x00.py"]}, "$.command[1]"),
 ])
 def test_invalid_fields_are_named(change: dict, named: str) -> None:
@@ -113,7 +113,7 @@ def test_a_spec_without_command_says_so_with_the_other_missing_fields() -> None:
     ({"name": "has space"}, "Expected `str` of letters, digits, '_' and '-' only "
                             "(got 'has space') - at `$.name`"),
     ({"env": {"1ST": "x"}}, "Expected `str` of an environment variable's name (letters, "
-                            "digits and '_', not starting with a digit) - at `key` in `$.env`"),
+                            "digits and '_', not starting with a digit) - at key `1ST` in `$.env`"),
     ({"command": "python train.py --epochs 2"},
      "Expected `array`, got `str` (a YAML list: did you mean [python, train.py, --epochs, "
      "2]?) - at `$.command`"),
@@ -123,3 +123,15 @@ def test_an_error_says_what_is_allowed_in_words(change: dict, said: str) -> None
     with pytest.raises(SpecError) as err:
         parse_job_spec({**VALID, **change}, "job.yaml")
     assert str(err.value) == f"job.yaml: {said}"
+
+
+def test_a_bad_env_entry_names_its_key() -> None:
+    """msgspec says ``$.env[...]`` for any bad value of a mapping; each is named."""
+    spec = {**VALID, "env": {"OMP_NUM_THREADS": 4, "GOOD": "x", "1BAD": "y", "LIST": [1]}}
+    with pytest.raises(SpecError) as err:
+        parse_job_spec(spec)
+    assert [e.strip() for e in str(err.value).splitlines()[1:]] == [
+        "Expected `str`, got `int` - at `$.env.OMP_NUM_THREADS`",
+        "Expected `str` of an environment variable's name (letters, digits and '_', not "
+        "starting with a digit) - at key `1BAD` in `$.env`",
+        "Expected `str`, got `array` - at `$.env.LIST`"]
