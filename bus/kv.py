@@ -184,6 +184,8 @@ class TypedKV(Generic[M]):
                 return await self._retrying(attempt, key)
             except jse.KeyWrongLastSequenceError:
                 pass
+            if last and not unanswered:
+                break  # an update refused at once: the key moved on, nothing to look up
             stored = await self._last(key, leader=True)
             if unanswered and stored is not None and not stored.deleted \
                     and stored.data == data:

@@ -99,7 +99,7 @@ def spec_errors(data: Mapping[Any, Any], struct: type[msgspec.Struct],
         if isinstance(value, Mapping) and not nested:
             # msgspec says `$.env[...]` for a bad value of a mapping: try each entry alone,
             # so the error names its key.
-            entries = [spec_errors_of_entry(key_, item, field.type, where)
+            entries = [_entry_errors(key_, item, field.type, where)
                        for key_, item in value.items()]
             if any(entries):
                 errors += [e for entry in entries for e in entry]
@@ -124,7 +124,7 @@ def spec_errors(data: Mapping[Any, Any], struct: type[msgspec.Struct],
     return errors
 
 
-def spec_errors_of_entry(key: object, item: object, mapping_type: object,
+def _entry_errors(key: object, item: object, mapping_type: object,
                          where: str) -> list[str]:
     """The error of one entry ``key: item`` of the mapping field at ``where`` (as
     ``mapping_type``), naming its key; empty when it is valid."""
