@@ -15,6 +15,14 @@ membership change and blocks on a dead peer. So the session quiets it:
   inside ``no_sync()``) and its buffers are not broadcast before a forward
   (``require_forward_param_sync`` False).
 
+* its ``no_sync()`` is refused, naming the fix: a script that accumulates
+  gradients itself (``no_sync()`` on all but the last micro-batch, ``loss /
+  accumulation``, the update under an ``if``) would have the session weight each
+  micro-batch again, and step at another count. Under the session the
+  micro-batches are the session's (``micro_batch_size``): their number a step
+  follows the world size, each is weighted by its share of the global batch, and
+  ``commit()`` is called on every one.
+
 What is left of DDP is its forward (the module's, with its input moves to
 ``device_ids``) and its ``state_dict`` (the module's under ``module.``), so
 code that saves or loads the wrapper keeps working. Its gradient buckets stay
@@ -53,5 +61,16 @@ def unwrap(model: torch.nn.Module) -> torch.nn.Module:
     model._update_process_group(quiet)
     model.require_backward_grad_sync = False
     model.require_forward_param_sync = False
+    model.no_sync = _accumulation_is_the_sessions  # type: ignore[method-assign]
     module: torch.nn.Module = model.module
     return module
+
+
+def _accumulation_is_the_sessions() -> NoReturn:
+    raise RuntimeError(
+        "model.no_sync(): the script accumulates gradients itself, and under a phalanx "
+        "session the micro-batches are the session's. Pass micro_batch_size= to the session "
+        "(or set PHALANX_MICRO_BATCH_SIZE in the job's env), drop no_sync() and the "
+        "'loss / accumulation' (each batch is weighted by its share of the global batch), "
+        "and call session.commit() after every batch's backward, not under an 'if': it "
+        "returns False until the step's last batch (docs/runtime.md, Gradient accumulation)")

@@ -104,7 +104,17 @@ import torch.distributed as dist
 
 from phalanx.bus import telemetry
 from phalanx.bus.config import BusConfig
-from phalanx.runtime import chaos, ddp, default_group, priority, schedulers, spare, teardown
+from phalanx.runtime import (
+    averaged,
+    chaos,
+    ddp,
+    default_group,
+    priority,
+    schedulers,
+    spare,
+    teardown,
+)
+from phalanx.runtime.buffers import StepBuffers
 from phalanx.runtime.bus_thread import BusThread
 from phalanx.runtime.chaos import Kill, Pace, parse_chaos_kill, parse_chaos_pace
 from phalanx.runtime.data import ElasticOrder
@@ -189,6 +199,11 @@ class ElasticSession:
         global_batch: samples per optimizer step across all ranks.
         micro_batch_size: the most samples one forward pass takes (gradient accumulation).
         seed: fixes the data order.
+        drop_last: an epoch's last, partial batch is dropped, as a ``DistributedSampler``
+            and ``DataLoader`` with ``drop_last=True`` drop it: an epoch is then
+            ``len(dataset) // global_batch`` steps (what DDP's ``len(loader)`` gives a
+            scheduler sized by it), each sample of them once; otherwise the last step
+            trains the rest.
         bus: the bus thread (None: alone, world size 1).
         job_id / replica_id / slot / node_id: who this rank is.
         admission: the job's admission this rank was started for (``JobRecord.admission``;
@@ -244,9 +259,9 @@ class ElasticSession:
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                  dataset: Any, *, global_batch: int, micro_batch_size: int | None = None,
-                 seed: int = 0, bus: BusThread | None = None, job_id: str = "local",
-                 replica_id: str = "r0-0", slot: int = 0, node_id: str = "local",
-                 record_dir: str | None = None, checksum: bool = False,
+                 seed: int = 0, drop_last: bool = False, bus: BusThread | None = None,
+                 job_id: str = "local", replica_id: str = "r0-0", slot: int = 0,
+                 node_id: str = "local", record_dir: str | None = None, checksum: bool = False,
                  collective_timeout_s: float = 30.0,
                  on_membership: Callable[[MembershipChange], None] | None = None,
                  deterministic: bool = False, warmup: Callable[[], None] | None = None,
@@ -261,6 +276,8 @@ class ElasticSession:
         teardown.watch()
         #: What the session trains: the script's model, or the module inside its DDP wrapper.
         self.model = ddp.unwrap(model)
+        #: Every member's buffers alike, as DDP's broadcast has them (:mod:`.buffers`).
+        self._buffers = StepBuffers(self.model, getattr(model, "broadcast_buffers", True))
         default_group.take_over(alone=bus is None)  # the script's group, DDP's let go of
         #: Where the model lives, and everything the session allocates for it.
         self.device = model_device(self.model)
@@ -272,7 +289,7 @@ class ElasticSession:
         #: A sharded optimizer's handle (:mod:`.sharded`); None for a plain optimizer.
         self._sharded = Sharded(optimizer) if is_sharded(optimizer) else None
         self.dataset = dataset
-        self.order = ElasticOrder(len(dataset), global_batch, seed)
+        self.order = ElasticOrder(len(dataset), global_batch, seed, drop_last)
         self._loader = step_loader(dataset, loader)
         self.micro_batch_size = micro_batch_size or global_batch
         self.bus = bus
@@ -301,8 +318,7 @@ class ElasticSession:
         self._started = False  # a step was taken: the registered state is fixed
         for name, obj in (state or {}).items():
             self.register(name, obj)
-        for name, obj in schedulers.unregistered(optimizer, self._state.values()).items():
-            self.register(name, obj)
+        self._carry_found()
         self.metric_names = tuple(metrics)
         if len(set(self.metric_names)) != len(self.metric_names) or "loss" in metrics:
             raise ValueError(f"metrics must be distinct names other than 'loss', got "
@@ -425,6 +441,18 @@ class ElasticSession:
             raise ValueError(f"register {name!r} before the first step: a replica that "
                              "received state without it would differ from its peers")
         self._state[name] = obj
+
+    def _carry_found(self) -> None:
+        """Register what the script did not and must be carried all the same: the
+        optimizer's LR scheduler (:mod:`.schedulers`) and an averaged model
+        (:mod:`.averaged`), when the session is made and again before its first step."""
+        for name, obj in {**schedulers.unregistered(self.optimizer, self._state.values()),
+                          **averaged.unregistered(self.model, self._state.values())}.items():
+            if name in self._state:
+                raise ValueError(f"another {type(obj).__name__} than the one carried as "
+                                 f"{name!r}: register each by name (state= or "
+                                 "session.register)")
+            self.register(name, obj)
 
     def __enter__(self) -> ElasticSession:
         return self
@@ -571,6 +599,8 @@ class ElasticSession:
         self._total_steps = total_steps
         if self._progress is not None:
             self._progress.total_steps = total_steps
+        if not self._started:
+            self._carry_found()  # built after the session, before its first step
         self._started = True
         while self.committed < total_steps:
             self._runner.finish_commit()

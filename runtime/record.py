@@ -172,7 +172,9 @@ def verify(records: dict[str, list[dict[str, Any]]], order: ElasticOrder,
         epochs.setdefault(epoch, []).extend(used)
     for epoch, used in epochs.items():
         complete = (epoch + 1) * order.steps_per_epoch <= total_steps
-        if complete and sorted(used) != list(range(order.dataset_size)):
+        # Every sample once; with drop_last, every sample of the epoch's full batches.
+        whole = order.epoch_order(epoch)[:order.steps_per_epoch * order.global_batch]
+        if complete and sorted(used) != sorted(whole):
             problems.append(f"epoch {epoch} did not use every sample exactly once")
     return problems
 

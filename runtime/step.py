@@ -72,6 +72,11 @@ class Step:
         self.plan: list[MicroBatch]
         self.kept: Retained | None
         self.plan, self.kept = session._membership.share(index)
+        if session._buffers.buffers:
+            first = session.order.batch(self.epoch, self.step_in_epoch)[0]
+            session._buffers.start(
+                index, next((n for n, mb in enumerate(self.plan) if first in mb.indices), None),
+                self.kept is not None and first in self.kept.indices)
         self.outcome: bool | None = None
         #: The step's loss over the whole global batch (the sum of every rank's weighted
         #: shares), once reduced; None before, or if the step was aborted.
@@ -109,6 +114,7 @@ class Step:
             if n == len(self.plan) - 1:
                 runner.arm(self)  # its backward starts the all-reduce
             self._weight = mb.weight
+            self.session._buffers.handing(n)
             yield next(loaded), mb.weight
             if self.session.deterministic:  # the caller's backward for this micro-batch is done
                 runner.fold()

@@ -109,12 +109,16 @@ class StepRunner:
         reduce = self._reduce
         self._reduce = None
 
+        buffers = session._buffers.tail()  # the designated member's buffers (.buffers)
+
         def tail() -> torch.Tensor:
-            # Then this member's snapshot measurements (every member agrees on the interval
-            # from their sums), and how many members have seen a newer (join) generation.
+            # The loss and metrics, the buffers, then this member's snapshot measurements
+            # (every member agrees on the interval from their sums), and how many members
+            # have seen a newer (join) generation.
             measured = [0.0] * TAIL_LENGTH if snapshots is None else snapshots.schedule.tail()
-            return torch.cat([metrics, torch.tensor([*measured, membership.seen_newer()],
-                                                    dtype=torch.float64)])
+            return torch.cat([metrics, buffers,
+                              torch.tensor([*measured, membership.seen_newer()],
+                                           dtype=torch.float64)])
 
         if session.deterministic or membership.pg is None:
             if session.deterministic:
@@ -130,7 +134,8 @@ class StepRunner:
                 step.reduced(metrics)
                 return True
             flat = torch.cat([local.to(torch.float64), tail().to(local.device)])
-            run = self._reduce_whole(flat, len(metrics) + TAIL_LENGTH + 1, step)
+            run = self._reduce_whole(flat, len(metrics) + len(buffers) + TAIL_LENGTH + 1,
+                                     step)
             local_gradient = (lambda: local)  # noqa: E731  (already at hand)
         else:
             reduce = reduce or self._bucketed(step, tail)  # not armed: no micro-batch here
@@ -150,8 +155,10 @@ class StepRunner:
         if reduce is not None:
             self._bucket_buffers = reduce.flats  # given back: the all-reduce completed
         step.reduced(summed[:len(metrics)])
+        after_metrics = len(metrics) + len(buffers)
+        session._buffers.settle(summed[len(metrics):after_metrics])
         if snapshots is not None:
-            snapshots.schedule.agree(summed[len(metrics):-1].tolist())
+            snapshots.schedule.agree(summed[after_metrics:-1].tolist())
         if summed[-1] > 0:
             membership.agree_to_switch()
         return True
@@ -240,6 +247,7 @@ class StepRunner:
         *boundary*: when the script next asks for a step, the loop ends, or the session is
         closed (:meth:`finish_commit`)."""
         session = self.session
+        session._buffers.end()
         session.committed = step.index + 1
         step_before, previous = session.last_step_s, self._last_commit_at
         session.last_step_s, self._last_commit_at = now - step.started, now

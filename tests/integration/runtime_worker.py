@@ -10,7 +10,7 @@ step it committed. It exits with ``--exit-code`` from inside ``with session:``, 
 
     python runtime_worker.py --prepare DIR
     python runtime_worker.py --data DIR --out OUT --steps N [--clip X] [--nan-step S]
-        [--collective-timeout SECONDS]
+        [--collective-timeout SECONDS] [--batchnorm]
 """
 
 from __future__ import annotations
@@ -38,6 +38,8 @@ def main() -> None:
     parser.add_argument("--clip", type=float)
     parser.add_argument("--nan-step", type=int, help="a sample of this step's loss is nan")
     parser.add_argument("--exit-code", type=int, default=0)
+    parser.add_argument("--batchnorm", action="store_true",
+                        help="a BatchNorm layer, and an EMA that averages its statistics")
     parser.add_argument("--collective-timeout", type=float,
                         help="the session's store and gloo timeout, seconds")
     args = parser.parse_args()
@@ -55,7 +57,9 @@ def main() -> None:
     torch.set_num_threads(1)
     torch.manual_seed(0)
     dataset = MemmapDataset(args.data)
-    model = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
+    norm = [torch.nn.BatchNorm1d(32)] if args.batchnorm else []
+    model = torch.nn.Sequential(torch.nn.Linear(8, 32), *norm, torch.nn.ReLU(),
+                                torch.nn.Linear(32, 4))
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-2, weight_decay=0.1)
     warmup = max(1, args.steps // 10)
     scheduler = torch.optim.lr_scheduler.SequentialLR(optimizer, [
@@ -63,7 +67,8 @@ def main() -> None:
         torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, args.steps - warmup, 1e-4)],
         milestones=[warmup])
     ema = torch.optim.swa_utils.AveragedModel(
-        model, multi_avg_fn=torch.optim.swa_utils.get_ema_multi_avg_fn(0.9))
+        model, multi_avg_fn=torch.optim.swa_utils.get_ema_multi_avg_fn(0.9),
+        use_buffers=args.batchnorm)
     order = ElasticOrder(SAMPLES, GLOBAL_BATCH, seed=0)
     losses: dict[int, float] = {}
     norms: dict[int, float] = {}

@@ -243,8 +243,10 @@ async def test_a_step_that_members_sat_out_is_repaired_from_what_the_survivors_k
     """A join's first step: rank 0 copies its state to the joiner while ranks 1 and 2
     share the batch; rank 2 dies in that step's all-reduce. The repair computes the
     samples no survivor kept as the join had dealt them (rank 2's half, not a quarter
-    of the batch by rank): nothing lost, nothing twice, the run alone bitwise."""
-    args = ["--steps", "40", "--clip", "1.0"]
+    of the batch by rank): nothing lost, nothing twice, the run alone bitwise. The model
+    has a BatchNorm layer: its statistics, and the EMA's, are bitwise the run alone's on
+    every member, through the state copy, the kill and the repair."""
+    args = ["--steps", "40", "--clip", "1.0", "--batchnorm"]
     reference = await alone(launcher, data, tmp_path / "alone", *args)
     release = tmp_path / "release"
     env = {"PHALANX_CHAOS_PACE": f"0.05:{release}", "PHALANX_CHAOS_KILL": "r2-0:g1:allreduce"}
@@ -263,6 +265,8 @@ async def test_a_step_that_members_sat_out_is_repaired_from_what_the_survivors_k
     kept = {line["rank"]: line["kept"] for lines in records.values() for line in lines
             if line["kind"] == "batch" and line["step"] == died and line["generation"] == 2}
     assert kept == {0: 0, 1: 8, 2: 0}  # rank 1's half of the 16 samples counted, as kept
+    # One update of the statistics a step (its first micro-batch's), at any world size.
+    assert int(reference["params"]["1.num_batches_tracked"]) == 40
     for replica in ("r0-0", "r1-0", "r3-0"):
         assert_same_state(job.result(replica), reference)
 

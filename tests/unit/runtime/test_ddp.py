@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from phalanx.runtime import default_group, schedulers
+from phalanx.runtime import averaged, default_group, schedulers
 from phalanx.runtime.ddp import QuietGroup
 from phalanx.runtime.default_group import MembershipGroup
 from phalanx.runtime.elastic import ElasticSession
@@ -62,6 +62,10 @@ def test_a_ddp_wrapped_model_trains_as_the_module_alone_and_ddp_never_communicat
     assert isinstance(wrapper.process_group, QuietGroup)
     # The script's gloo group is gone: the default group is the session's.
     assert dist.get_backend() == default_group.BACKEND
+    # Accumulating under no_sync() is the session's: refused at the first batch, with the fix.
+    with pytest.raises(RuntimeError, match=r"accumulates gradients itself.*micro_batch_size="
+                                           r".*PHALANX_MICRO_BATCH_SIZE.*loss / accumulation"):
+        wrapper.no_sync()
     # Armed again, DDP's reducer reaches the quiet group, which refuses by name.
     wrapper.require_backward_grad_sync = True
     with pytest.raises(RuntimeError, match="DistributedDataParallel's own all-reduce"):
@@ -124,6 +128,48 @@ def test_finding_a_scheduler_raises_no_warning_of_torchs_own(
     step = torch.optim.lr_scheduler.StepLR(optimizer, 5)
     assert schedulers.unregistered(optimizer, []) == {"lr_scheduler": step}
     assert [str(w.message) for w in recwarn] == []
+
+
+def test_an_averaged_model_of_the_model_is_carried_without_being_registered() -> None:
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.BatchNorm1d(3))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    # torchvision's recipe: an EMA that averages the buffers too.
+    ema = torch.optim.swa_utils.AveragedModel(
+        model, multi_avg_fn=torch.optim.swa_utils.get_ema_multi_avg_fn(0.99),
+        use_buffers=True)
+    other = torch.optim.swa_utils.AveragedModel(torch.nn.Linear(2, 2))  # not this model's
+    session = ElasticSession(model, optimizer, data(), global_batch=BATCH)
+    assert session._state == {averaged.NAME: ema}
+    session.close()
+    named = ElasticSession(model, optimizer, data(), global_batch=BATCH, state={"ema": ema})
+    assert named._state == {"ema": ema}
+    named.close()
+    del session, named, ema
+    # Built after the session, before its first step: found when the step starts.
+    late_session = ElasticSession(model, optimizer, data(), global_batch=BATCH)
+    assert late_session._state == {}
+    late = torch.optim.swa_utils.AveragedModel(model)
+    next(late_session.steps(1))
+    assert late_session._state == {averaged.NAME: late}
+    late_session.close()
+    assert other.module.weight.shape == (2, 2)
+
+
+def test_two_unregistered_averaged_models_are_refused_by_name() -> None:
+    model = torch.nn.Linear(4, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    kept = [torch.optim.swa_utils.AveragedModel(model) for _ in range(2)]
+    with pytest.raises(ValueError, match=r"2 averaged models \(AveragedModel\) are not "
+                                         r"registered: register each by name"):
+        ElasticSession(model, optimizer, data(), global_batch=BATCH)
+    session = ElasticSession(model, optimizer, data(), global_batch=BATCH,
+                             state={"ema": kept[0]})
+    assert session._state == {"ema": kept[0], averaged.NAME: kept[1]}
+    third = torch.optim.swa_utils.AveragedModel(model)
+    with pytest.raises(ValueError, match="another AveragedModel than the one carried"):
+        next(session.steps(1))
+    session.close()
+    assert third is not None
 
 
 def test_two_unregistered_schedulers_are_refused_by_name() -> None:

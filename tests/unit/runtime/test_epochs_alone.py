@@ -97,6 +97,34 @@ def test_each_epoch_ends_after_its_last_step_and_every_sample_is_trained_once_an
     assert record.verify(records, ElasticOrder(SAMPLES, BATCH), 3 * per_epoch) == []
 
 
+def test_drop_last_makes_an_epoch_as_long_as_ddps_loader_and_trains_its_samples_once(
+        tmp_path: Path) -> None:
+    # The DDP script's loader on 4 ranks, and a one-cycle schedule sized by it (stepped
+    # once too often, it raises): 44 samples, 2 a rank, the last 4 dropped.
+    data = dataset(tmp_path)
+    sampler = torch.utils.data.DistributedSampler(data, num_replicas=4, rank=0,
+                                                  drop_last=True)
+    ddp_loader = torch.utils.data.DataLoader(data, BATCH // 4, sampler=sampler,
+                                             drop_last=True)
+    assert len(ddp_loader) == SAMPLES // BATCH == 5
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 16), torch.nn.Tanh(), torch.nn.Linear(16, 2))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=5e-2)
+    scheduler = torch.optim.lr_scheduler.OneCycleLR(optimizer, 0.1,
+                                                    total_steps=3 * len(ddp_loader))
+    session = ElasticSession(model, optimizer, data, global_batch=BATCH, drop_last=True,
+                             record_dir=str(tmp_path / "rec"))
+    assert ddp_shaped(session, model, optimizer, scheduler, 3) == [(0, 5), (1, 10), (2, 15)]
+    records = record.read(tmp_path / "rec")
+    order = ElasticOrder(SAMPLES, BATCH, drop_last=True)
+    assert record.verify(records, order, 15) == []
+    trained = [i for lines in records.values() for line in lines if line["kind"] == "batch"
+               for i in line["indices"]]
+    assert len(trained) == 3 * len(ddp_loader) * BATCH  # DDP's count: 40 an epoch
+    for epoch in range(3):
+        assert len(set(trained[epoch * 40:(epoch + 1) * 40])) == 40
+
+
 def test_commit_and_clip_answer_per_batch_and_the_last_batch_commits(tmp_path: Path) -> None:
     session, model, _, _ = parts(tmp_path, micro=3)  # batches of 3, 3, 2 a step
     answers = []
