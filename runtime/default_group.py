@@ -29,9 +29,16 @@ outside phalanx trains alone.
 
 from __future__ import annotations
 
+import functools
+import os
+import sys
+import warnings
+from collections.abc import Callable
 from typing import Any, NoReturn
 
 import torch.distributed as dist
+
+from phalanx.schemas.environment import WORLD_OF_ONE_MARK
 
 #: The backend's name, as ``dist.get_backend()`` gives it.
 BACKEND = "phalanx"
@@ -97,6 +104,17 @@ def take_over(alone: bool) -> None:
     dist.destroy_process_group()
 
 
+def _without_rank_prefixes(hook: Callable[..., Any]) -> Callable[..., Any]:
+    """``hook`` less the wrappers torch's ``init_process_group`` put around it, each of
+    which prefixes a traceback's lines with the rank it was made for."""
+    while getattr(hook, "__name__", "") == "_distributed_excepthook":
+        cells = dict(zip(hook.__code__.co_freevars, hook.__closure__ or (), strict=True))
+        if "old_hook" not in cells:  # a torch that wraps it otherwise: left as it is
+            break
+        hook = cells["old_hook"].cell_contents
+    return hook
+
+
 def answer(rank: int, world_size: int) -> None:
     """Make the default group say ``rank`` of ``world_size``."""
     if dist.is_initialized():
@@ -104,6 +122,9 @@ def answer(rank: int, world_size: int) -> None:
             return
         dist.destroy_process_group()
     _registered()
+    # Each group made wraps the exception hook once more: a traceback then said every
+    # rank this process ever had ("[rank1]: [rank2]: [rank0]: ..."). Only this one's.
+    sys.excepthook = _without_rank_prefixes(sys.excepthook)
     dist.init_process_group(BACKEND, store=dist.HashStore(), rank=rank, world_size=world_size)
 
 
@@ -111,3 +132,28 @@ def clear() -> None:
     """No default group: this replica is no longer a member."""
     if ours():
         dist.destroy_process_group()
+
+
+def _warns_before_the_session(get_rank: Callable[..., int]) -> Callable[..., int]:
+    """``dist.get_rank`` that warns, asked of a world of one the agent started (every
+    replica of a job that declares ``session: true``) before the session took it over:
+    the answer, 0, is every replica's, so a ``rank = dist.get_rank()`` kept from before
+    the session makes each one rank 0 (all validate, all write the same file)."""
+    @functools.wraps(get_rank)
+    def guarded(group: Any = None) -> int:
+        if group is None and os.environ.get(WORLD_OF_ONE_MARK) == "1" \
+                and dist.is_initialized() and not ours():
+            warnings.warn(
+                "dist.get_rank() before the phalanx session is 0 in every replica (each "
+                "process's own group is a world of one until the session knows the "
+                "membership): ask it after ElasticSession.from_env(...), which makes it "
+                "the rank of each generation, or use session.is_primary",
+                RuntimeWarning, stacklevel=2)
+        return get_rank(group)
+
+    guarded.phalanx_guard = True  # type: ignore[attr-defined]
+    return guarded
+
+
+if not getattr(dist.get_rank, "phalanx_guard", False):
+    dist.get_rank = _warns_before_the_session(dist.get_rank)

@@ -33,6 +33,10 @@ EXIT_STATE_LOST = 75
 #: makes a group of one at once, with a store on a free port, and never waits for a peer
 #: that died or left; the session, which knows the membership, takes torch's default group
 #: over (``phalanx.runtime.default_group``).
+#: ``PHALANX_WORLD_OF_ONE`` marks them: ``dist.get_rank()`` asked before the session is 0 in
+#: every replica, and the runtime says so (``phalanx.runtime.default_group``).
+WORLD_OF_ONE_MARK = "PHALANX_WORLD_OF_ONE"
 WORLD_OF_ONE: Mapping[str, str] = MappingProxyType({
     "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1",
-    "GROUP_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "0"})
+    "GROUP_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "0",
+    WORLD_OF_ONE_MARK: "1"})

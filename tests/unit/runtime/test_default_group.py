@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -13,6 +14,7 @@ import torch.distributed as dist
 from phalanx.runtime import default_group, record
 from phalanx.runtime.elastic import ElasticSession
 from phalanx.runtime.sharded import sharded_optimizer
+from phalanx.schemas import environment
 
 pytestmark = pytest.mark.usefixtures("no_default_group")
 
@@ -51,6 +53,46 @@ def test_a_default_group_the_script_made_itself_is_the_sessions_from_then_on() -
     assert (dist.get_rank(), dist.get_world_size()) == (1, 2)
     default_group.clear()
     assert not dist.is_initialized()
+
+
+def test_a_traceback_names_the_rank_of_the_generation_applied_last_once(
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setattr(sys, "excepthook", sys.__excepthook__)
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    session_alone()  # the script's world of one, then the session's groups
+    for rank in (1, 2, 3):
+        default_group.answer(rank, 4)
+    try:
+        raise OSError("the disk is full")
+    except OSError:
+        sys.excepthook(*sys.exc_info())
+    lines = [line for line in capsys.readouterr().err.splitlines() if line]
+    assert lines[-1] == "[rank3]: OSError: the disk is full"
+    assert all(line.startswith("[rank3]: ") and "[rank" not in line[9:] for line in lines)
+    default_group.clear()
+
+
+def test_the_rank_asked_before_the_session_of_a_world_of_one_warns_with_the_fix(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every replica of a declared session starts as rank 0 of its own world of one: a
+    ``rank = dist.get_rank()`` kept from before the session made all four rank 0."""
+    for name, value in environment.WORLD_OF_ONE.items():
+        monkeypatch.setenv(name, value)
+    dist.init_process_group("gloo")  # the script's, from the agent's variables
+    with pytest.warns(RuntimeWarning, match=r"0 in every replica.*after "
+                                            r"ElasticSession.from_env.*session.is_primary"):
+        assert dist.get_rank() == 0
+    session_alone()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        default_group.answer(2, 4)
+        assert dist.get_rank() == 2  # the session's: the generation's rank
+    default_group.clear()
+    monkeypatch.delenv(environment.WORLD_OF_ONE_MARK)
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    with warnings.catch_warnings():  # torchrun's world of one, outside phalanx: nothing
+        warnings.simplefilter("error")
+        assert dist.get_rank() == 0
 
 
 def test_a_sharded_optimizer_is_built_over_the_sessions_default_group() -> None:
