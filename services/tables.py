@@ -18,12 +18,15 @@ from phalanx.schemas.messages import ReplicaRange
 from phalanx.schemas.registry import NodeView
 
 
-def step_cell(step: int | None, total: int | None) -> str:
+def step_cell(step: int | None, total: int | None, reached: int | None = None) -> str:
     """A job's step as ``phalanx jobs`` and ``top`` show it: ``step/total``, ``step`` while
-    the total is unknown, ``-`` before any progress."""
+    the total is unknown, ``-`` before any progress; then, while an admission has not
+    caught up with the most steps an earlier one committed, ``(reached N)``: a job
+    coming back from an outage is at 0 in its new admission, not at step 0."""
     if step is None:
         return "-"
-    return str(step) + (f"/{total}" if total else "")
+    return str(step) + (f"/{total}" if total else "") + (
+        f" (reached {reached})" if reached is not None and reached > step else "")
 
 
 def size_cell(size: int, replicas: ReplicaRange) -> str:

@@ -89,7 +89,7 @@ def describe(message: Message, arrived_at: float) -> tuple[float, str, str] | No
     match message:
         case RankStarted():
             return (message.started_at, message.job_id,
-                    f"{message.replica_id or 'rank'} started as rank {message.rank} on "
+                    f"{message.replica_id or 'rank'} started in slot {message.rank} on "
                     f"{message.node_id}")
         case RankExited():
             how = f"signal {message.signal}" if message.signal else f"code {message.exit_code}"
@@ -134,7 +134,7 @@ def render(board: Board, now: float, lost_after_s: float) -> Group:
         progress = board.progress.get(job_id)
         size = generation.world_size if generation is not None else len(record.nodes)
         step = step_cell(None, None) if progress is None \
-            else step_cell(progress.step, progress.total_steps)
+            else step_cell(progress.step, progress.total_steps, progress.reached_step())
         rate = "-" if progress is None or progress.steps_per_s is None \
             else f"{progress.steps_per_s:.1f}"
         rows.append((job_id, record.state.value, size_cell(size, record.spec.replicas),

@@ -89,7 +89,8 @@ def cmd_jobs(args: argparse.Namespace) -> int:
         p = progress.get(r.job_id)
         rows.append({**record_row(r), "size": _size(r, generations.get(r.job_id)),
                      "step": None if p is None else p.step,
-                     "total_steps": None if p is None else p.total_steps})
+                     "total_steps": None if p is None else p.total_steps,
+                     "reached": None if p is None else p.reached_step()})
     if args.json:
         print(json.dumps(rows, indent=2))
         return 0
@@ -113,7 +114,8 @@ def jobs_table(records: list, rows: list[dict]):
               size_cell(row["size"], r.spec.replicas) + (
                   f" x {r.spec.slots_per_replica} slots" if r.spec.slots_per_replica > 1
                   else ""),
-              step_cell(row["step"], row["total_steps"]), " ".join(sorted(set(r.nodes))) or "-")
+              step_cell(row["step"], row["total_steps"], row.get("reached")),
+              " ".join(sorted(set(r.nodes))) or "-")
              for r, row in zip(records, rows, strict=True)]
     # Without vertical rules: 7 columns of lines cost a tenth of 80 columns.
     table = Table(title="phalanx jobs", box=box.SIMPLE_HEAD, pad_edge=False,
@@ -273,6 +275,10 @@ def history_lines(rows: list[dict], start: float | None = None, *,
             resume = f"resumed after step {g['resume_step']} (its members' report)"
             if g.get("restored_from") not in (None, "members"):
                 resume += f", state from {STATE_SOURCES[g['restored_from']]}"
+                again = g["decided_resume_step"] - g["resume_step"]
+                if again > 0:  # decided at the step the job had reached, as elasticity knew it
+                    resume += (f", {again} step(s) trained again (the job had reached step "
+                               f"{g['decided_resume_step']})")
         elif after is not None:  # its estimate would read as where the job was
             resume = f"never applied (g{after['generation']} replaced it first)"
         elif requeued:

@@ -20,7 +20,6 @@ from phalanx.services.cli.common import (
     Subparsers,
     bus_config,
     whole_number,
-    with_client,
 )
 
 
@@ -92,12 +91,23 @@ def cmd_top(args: argparse.Namespace) -> int:
     return 0
 
 
-async def _agent_request(args: argparse.Namespace, node_id: str, request):
+async def _agent_request(args: argparse.Namespace, node_id: str | None, request):
+    """``request`` answered by ``node_id``'s agent; for a rank to kill (``node_id``
+    None), the agent of the node its job placed the slot on, found on the same
+    connection (one connection, not two: the fault strikes sooner)."""
     from phalanx.bus.client import Bus
     from phalanx.schemas import subjects
     from phalanx.schemas.messages import ChaosReply
+    from phalanx.services.client import AdmissionClient
 
     async with await Bus.connect(bus_config(args), name="phalanx-cli") as bus:
+        if node_id is None:
+            record = await AdmissionClient(bus).job(request.job_id)
+            # The rank is a slot number: slots keep their numbers when a placement shrinks
+            # or grows, so the node is the slot's, not the list position's.
+            node_id = None if record is None else record.placement().get(request.rank)
+            if node_id is None:
+                return None
         return await bus.request(subjects.agent_chaos(node_id), request, ChaosReply,
                                  timeout_s=5.0)
 
@@ -106,14 +116,7 @@ def cmd_chaos(args: argparse.Namespace) -> int:
     from phalanx.schemas.messages import ChaosAction, ChaosRequest, GpuFaultKind
 
     if args.action == "kill-rank":
-        record = asyncio.run(with_client(args, lambda c: c.job(args.job)))
-        # The rank is a slot number: slots keep their numbers when a placement shrinks or
-        # grows, so the node is the slot's, not the list position's.
-        node = None if record is None else record.placement().get(args.rank)
-        if node is None:
-            print(f"phalanx chaos: {args.job!r} has no running rank {args.rank}",
-                  file=sys.stderr)
-            return EXIT_FAILED
+        node = None
         request = ChaosRequest(action=ChaosAction.KILL_RANK, job_id=args.job, rank=args.rank,
                                signal=args.signal)
     elif args.action == "gpu-fault":
@@ -127,6 +130,9 @@ def cmd_chaos(args: argparse.Namespace) -> int:
             ChaosAction.PAUSE_AGENT
         request = ChaosRequest(action=action, duration_s=args.seconds)
     reply = asyncio.run(_agent_request(args, node, request))
+    if reply is None:
+        print(f"phalanx chaos: {args.job!r} has no running rank {args.rank}", file=sys.stderr)
+        return EXIT_FAILED
     print(f"{reply.node_id}: {reply.detail}")
     return 0
 

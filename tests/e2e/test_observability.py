@@ -125,7 +125,7 @@ async def test_one_recovery_is_one_trace_and_moves_every_services_counters(
                 row = next(line for line in frame.splitlines() if job.job_id in line
                            and "admitted" in line)
                 assert "(2..4)" in row, frame
-                assert "fault crash: r1-0" in frame and "r1-1 started as rank 1" in frame, frame
+                assert "fault crash: r1-0" in frame and "r1-1 started in slot 1" in frame, frame
 
                 # Health sets its step gauge as it stores the job's progress record (once a
                 # second): once the record says 20, so does the gauge.

@@ -25,6 +25,7 @@ from phalanx.schemas.messages import (
     RankExited,
     ReasonCode,
     ReplicaRange,
+    StateSource,
 )
 from phalanx.services import top
 from phalanx.services.cli.jobs import (
@@ -35,7 +36,7 @@ from phalanx.services.cli.jobs import (
     progress_fields,
     record_row,
 )
-from phalanx.services.tables import print_whole
+from phalanx.services.tables import print_whole, step_cell
 
 T0 = 1_795_700_000.0
 
@@ -128,6 +129,20 @@ def test_the_history_resumes_where_the_members_said_and_says_so() -> None:
     lines = history_lines(rows)
     assert "resumed after step 59 (its members' report)" in lines[1]
     assert "resume after step 60 (elasticity's estimate" in lines[2]
+
+
+def test_a_restore_from_a_tier_says_how_many_steps_are_trained_again() -> None:
+    """A down/up: the job had reached step 78, the durable tier held step 70."""
+    restored = GenerationRecord(
+        generation=0, reason=GenerationReason.START, world_size=4,
+        members=["r0-0", "r1-0", "r2-0", "r3-0"], resume_step=78, decided_at=T0,
+        cause="admitted", applied_resume_step=70, restored_from=StateSource.DURABLE)
+    [line] = history_lines(history_rows([restored]))
+    assert "resumed after step 70 (its members' report), state from durable storage, 8 " \
+        "step(s) trained again (the job had reached step 78)" in line
+    whole_again = msgspec.structs.replace(restored, applied_resume_step=78)
+    [line] = history_lines(history_rows([whole_again]))
+    assert "trained again" not in line
 
 
 def test_a_generation_replaced_before_any_member_applied_it_says_so() -> None:
@@ -223,3 +238,16 @@ def test_the_history_shows_earlier_admissions_each_ended_by_a_requeue() -> None:
     # The current admission's times count from the first admission's start too.
     assert lines[at + 4].startswith("g0 +100.0 s start")
     assert lines[at + 5].startswith("g1 +109.5 s fault")
+
+
+def test_a_job_back_from_an_outage_shows_the_step_it_had_reached() -> None:
+    """Its new admission starts counting at 0; the step an earlier one reached is shown
+    beside it until it is caught up (top read "step 0" for a job at step 78)."""
+    assert step_cell(0, 200, 78) == "0/200 (reached 78)"
+    assert step_cell(80, 200, 78) == step_cell(80, 200) == "80/200"
+    job = record("gpt")
+    board = top.Board(jobs={"gpt": job}, progress={"gpt": JobProgress(
+        job_id="gpt", step=0, total_steps=200, reached=78)})
+    assert "0/200 (reached 78)" in text(top.render(board, T0, 3.0), 120)
+    rows = [{**record_row(job), "size": 2, "step": 0, "total_steps": 200, "reached": 78}]
+    assert "0/200 (reached 78)" in whole(jobs_table([job], rows), 120)
