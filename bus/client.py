@@ -391,6 +391,12 @@ class Bus:
         """Drain subscriptions and close the connection (idempotent)."""
         if self.nc.is_closed:
             return
+        # A subscription read with next_msg has no callback to take what is left in its
+        # queue, and the drain waited its whole timeout (30 s) for it: dropped first.
+        for sub in list(self.nc._subs.values()):
+            if sub._cb is None:
+                with contextlib.suppress(nats.errors.Error):
+                    await sub.unsubscribe()
         try:
             await self.nc.drain()
         except (nats.errors.Error, TimeoutError, OSError):

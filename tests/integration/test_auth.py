@@ -376,7 +376,6 @@ async def test_the_operator_submits_a_job_whose_ranks_run_as_the_job(connect: Co
     # The rank reports progress: only the job's identity may, so the agent gave it that
     # (as the agent, or as nobody, it would have been refused).
     assert decode((await reports.next_msg(timeout=10)).data, RankProgress).job_id == "job-run"
-    await reports.unsubscribe()  # with reports left unread, closing would wait for them
     # Health saw every rank exit 0 and finished the job: its job-record writes are allowed.
     await asyncio.wait_for(wait_state(viewer, "job-run", JobState.FINISHED), 20)
 

@@ -204,3 +204,19 @@ async def test_a_cancellation_at_any_point_of_subscribing_ends_the_task_and_its_
             assert done, f"{start.__name__} cancelled after {loop_turns} loop turns never ended"
             assert task.cancelled(), f"{start.__name__} ended but not cancelled: {task}"
             assert len(bus.nc._subs) == baseline, f"{start.__name__} left a subscription"
+
+
+async def test_closing_with_a_message_left_unread_does_not_wait_for_it(
+        bus_config: BusConfig, bus: Bus, uid: str) -> None:
+    """A subscription read with ``next_msg`` and a message left in it: the drain waited
+    its whole timeout (30 s) for a reader that never comes (a test's teardown did)."""
+    reader = await Bus.connect(bus_config, name="reader")
+    unread = await reader.nc.subscribe(f"test.{uid}")
+    assert await reader.round_trip(10)  # the server has the subscription before the publish
+    await bus.nc.publish(f"test.{uid}", b"one")
+    await bus.nc.publish(f"test.{uid}", b"two")
+    assert (await unread.next_msg(timeout=10)).data == b"one"
+    closing = asyncio.create_task(reader.close())
+    done, _ = await asyncio.wait({closing}, timeout=10)  # not cancelled: it would give up
+    await closing
+    assert closing in done and reader.nc.is_closed
