@@ -135,3 +135,9 @@ def test_a_bad_env_entry_names_its_key() -> None:
         "Expected `str` of an environment variable's name (letters, digits and '_', not "
         "starting with a digit) - at key `1BAD` in `$.env`",
         "Expected `str`, got `array` - at `$.env.LIST`"]
+
+
+@pytest.mark.parametrize("path", sorted((Path(__file__).resolve().parents[3] / "examples")
+                                        .glob("*.yaml")), ids=lambda p: p.name)
+def test_every_example_job_spec_is_valid(path: Path) -> None:
+    assert load_job_spec(path).name == path.stem
