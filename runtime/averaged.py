@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import gc
 from collections.abc import Iterable
+from typing import cast
 
 import torch
 from torch.optim.swa_utils import AveragedModel
@@ -36,10 +37,18 @@ def unregistered(model: torch.nn.Module, registered: Iterable[object]) -> dict[s
         ValueError: more than one.
     """
     known, shapes = {id(obj) for obj in registered}, _shapes(model)
-    gc.collect()  # one dropped but held in a reference cycle (a traceback's) is not found
-    found = [obj for obj in gc.get_objects()
-             if issubclass(type(obj), AveragedModel) and id(obj) not in known
-             and _shapes(obj.module) == shapes]
+
+    def find() -> list[AveragedModel]:
+        return [obj for obj in gc.get_objects() if issubclass(type(obj), AveragedModel)
+                and id(obj) not in known and _shapes(cast(AveragedModel, obj).module) == shapes]
+
+    found = find()
+    if len(found) > 1:
+        # One dropped but held in a reference cycle (a traceback's) is not the script's:
+        # collected, then looked for again (not every time: a collection costs ~0.1 s).
+        del found
+        gc.collect()
+        found = find()
     if len(found) > 1:
         raise ValueError(f"{len(found)} averaged models (AveragedModel) are not registered: "
                          "register each by name (state= or session.register), so that "

@@ -5,10 +5,12 @@ its default), so its ranks evaluate and save the same statistics. The session
 never lets DDP communicate, so it takes that rule's place, in a form that does
 not depend on the world size: **a step's buffers are those the forward of the
 micro-batch holding the step's first sample leaves**, starting from the step's
-buffers before it. Every other training forward of the step has its buffer
-updates undone, and the member that ran that forward adds its buffers to the
-step's all-reduce (the others add zeros), so once the step is reduced every
-member holds that one copy. Snapshots and durable checkpoints then save one
+buffers before it. Every training forward of the step has its buffer updates
+undone (within a step every member holds the step's buffers, so a state copied
+out of an aborted step holds them as committed); the member that ran that
+forward keeps what it left aside and adds it to the step's all-reduce (the
+others add zeros), so once the step is reduced every member holds that one
+copy. Snapshots and durable checkpoints then save one
 rank's consistent buffers, never a mix, and the script run alone (which runs
 every micro-batch) ends with the same buffers as any membership: in
 deterministic mode that micro-batch is the same at any world size, so the
@@ -89,10 +91,11 @@ class StepBuffers:
         current, self._current = self._current, None  # a second forward of it is undone
         if current is not None and current == self._first and self._index is not None:
             self._designated = (self._index, [b.detach().clone() for b in self.buffers])
-            return
-        # Through .data: the forward's graph holds the buffers (BatchNorm's backward takes
-        # them, but reads them only in eval mode), and an in-place write it can see would
-        # fail that backward.
+        # Every forward's update is undone, that one's too (it is kept aside): within a
+        # step the buffers stay the step's, so a state copied out of an aborted step (to a
+        # joiner, or to a try run whole again) holds them as committed. Through .data: the
+        # forward's graph holds the buffers (BatchNorm's backward takes them, but reads
+        # them only in eval mode), and an in-place write it can see would fail it.
         for buffer, value in zip(self.buffers, before, strict=True):
             buffer.data.copy_(value)
 
@@ -106,6 +109,13 @@ class StepBuffers:
                                   for b in self._designated[1]])
             out[-1] = 1.0
         return out
+
+    def alone(self) -> None:
+        """No all-reduce (a world of one): this rank ran the step's first sample; its
+        buffers become what that forward left."""
+        if self._designated is not None and self._designated[0] == self._index:
+            for buffer, value in zip(self.buffers, self._designated[1], strict=True):
+                buffer.data.copy_(value)
 
     def settle(self, summed: torch.Tensor) -> None:
         """The step's buffers from the reduced ``tail``s: every member's become the one

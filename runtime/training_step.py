@@ -132,6 +132,7 @@ class StepRunner:
             if membership.pg is None:
                 write_gradients(params, local)
                 step.reduced(metrics)
+                session._buffers.alone()
                 return True
             flat = torch.cat([local.to(torch.float64), tail().to(local.device)])
             run = self._reduce_whole(flat, len(metrics) + len(buffers) + TAIL_LENGTH + 1,

@@ -42,6 +42,10 @@ def test_a_steps_statistics_are_its_first_micro_batchs_forward_alone() -> None:
             if n == 0:
                 first = x
             step.backward(torch.nn.functional.mse_loss(model(x), y))
+        # Within the step the buffers are the step's: a state copied out of a step that
+        # is then aborted (to a joiner, to a try run whole) holds them as committed.
+        for name in ("1.running_mean", "1.running_var", "1.num_batches_tracked"):
+            assert torch.equal(model.state_dict()[name], before.state_dict()[name]), name
         model.eval()  # an evaluation inside the step moves nothing
         with torch.no_grad():
             model(first)
