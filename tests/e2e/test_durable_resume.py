@@ -51,7 +51,7 @@ from phalanx.schemas.messages import JobState, SnapshotRecord, SnapshotTier
 from phalanx.services.manifest import running_in_manifest
 
 pytestmark = pytest.mark.timeout(480)  # two clusters, one after the other
-STEPS = 300
+STEPS = 200  # the run alone is the checkpoint and cluster-restart tests' too
 EVERY = 20  # durable_every_steps
 PERSISTED = 3  # durable_keep; everything stops once step PERSISTED * EVERY is persisted
 OLD, NEW = "durable-1", "durable-2"

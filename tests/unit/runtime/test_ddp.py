@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import gc
 from pathlib import Path
 
 import pytest
@@ -145,6 +146,7 @@ def test_an_averaged_model_of_the_model_is_carried_without_being_registered() ->
     assert named._state == {"ema": ema}
     named.close()
     del session, named, ema
+    gc.collect()  # the sessions hold it in reference cycles
     # Built after the session, before its first step: found when the step starts.
     late_session = ElasticSession(model, optimizer, data(), global_batch=BATCH)
     assert late_session._state == {}
