@@ -14,41 +14,33 @@ alike in every replica.
 
 from __future__ import annotations
 
-import gc
 from collections.abc import Iterable
-from typing import cast
 
 import torch
 from torch.optim.swa_utils import AveragedModel
 
 #: The name a found averaged model is carried under.
 NAME = "averaged_model"
+#: What :func:`unregistered` looks among.
+KIND = AveragedModel
 
 
 def _shapes(model: torch.nn.Module) -> list[torch.Size]:
     return [p.shape for p in model.parameters()]
 
 
-def unregistered(model: torch.nn.Module, registered: Iterable[object]) -> dict[str, object]:
-    """The averaged model of ``model`` alive in this process and not among
-    ``registered``, by name (none: empty).
+def unregistered(model: torch.nn.Module, registered: Iterable[object],
+                 candidates: Iterable[object]) -> dict[str, object]:
+    """The averaged model of ``model`` among ``candidates`` (the process's objects of
+    :data:`KIND`: :func:`.schedulers.alive`) and not among ``registered``, by name (none:
+    empty).
 
     Raises:
         ValueError: more than one.
     """
     known, shapes = {id(obj) for obj in registered}, _shapes(model)
-
-    def find() -> list[AveragedModel]:
-        return [obj for obj in gc.get_objects() if issubclass(type(obj), AveragedModel)
-                and id(obj) not in known and _shapes(cast(AveragedModel, obj).module) == shapes]
-
-    found = find()
-    if len(found) > 1:
-        # One dropped but held in a reference cycle (a traceback's) is not the script's:
-        # collected, then looked for again (not every time: a collection costs ~0.1 s).
-        del found
-        gc.collect()
-        found = find()
+    found = [obj for obj in candidates if isinstance(obj, AveragedModel)
+             and id(obj) not in known and _shapes(obj.module) == shapes]
     if len(found) > 1:
         raise ValueError(f"{len(found)} averaged models (AveragedModel) are not registered: "
                          "register each by name (state= or session.register), so that "

@@ -90,6 +90,7 @@ import asyncio
 import atexit
 import dataclasses
 import datetime
+import gc
 import logging
 import os
 import secrets
@@ -446,8 +447,22 @@ class ElasticSession:
         """Register what the script did not and must be carried all the same: the
         optimizer's LR scheduler (:mod:`.schedulers`) and an averaged model
         (:mod:`.averaged`), when the session is made and again before its first step."""
-        for name, obj in {**schedulers.unregistered(self.optimizer, self._state.values()),
-                          **averaged.unregistered(self.model, self._state.values())}.items():
+        for attempt in range(2):
+            candidates = schedulers.alive(*schedulers.KINDS, averaged.KIND)
+            registered = list(self._state.values())
+            try:
+                found = {**schedulers.unregistered(self.optimizer, registered, candidates),
+                         **averaged.unregistered(self.model, registered, candidates)}
+                break
+            except ValueError:
+                if attempt:
+                    raise
+                # One dropped but held in a reference cycle (a traceback's) is no longer
+                # the script's: collected, then looked for again (only then: a collection
+                # costs a rank ~0.1 s).
+                del candidates
+                gc.collect()
+        for name, obj in found.items():
             if name in self._state:
                 raise ValueError(f"another {type(obj).__name__} than the one carried as "
                                  f"{name!r}: register each by name (state= or "

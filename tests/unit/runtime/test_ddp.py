@@ -106,8 +106,9 @@ def test_the_lr_scheduler_of_the_optimizer_is_carried_without_being_registered()
     decay = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, 10)
     sequential = torch.optim.lr_scheduler.SequentialLR(optimizer, [warmup, decay], [3])
     # The outermost one, whose state holds its children's.
-    assert schedulers.unregistered(optimizer, []) == {"lr_scheduler": sequential}
-    assert schedulers.unregistered(optimizer, [sequential]) == {}  # registered: its name
+    alive = schedulers.alive(*schedulers.KINDS)
+    assert schedulers.unregistered(optimizer, [], alive) == {"lr_scheduler": sequential}
+    assert schedulers.unregistered(optimizer, [sequential], alive) == {}  # registered: its name
     session = ElasticSession(model, optimizer, data(), global_batch=BATCH)
     assert session._state == {"lr_scheduler": sequential}
     session.close()
@@ -127,7 +128,8 @@ def test_finding_a_scheduler_raises_no_warning_of_torchs_own(
     model = torch.nn.Linear(4, 2)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     step = torch.optim.lr_scheduler.StepLR(optimizer, 5)
-    assert schedulers.unregistered(optimizer, []) == {"lr_scheduler": step}
+    alive = schedulers.alive(*schedulers.KINDS)
+    assert schedulers.unregistered(optimizer, [], alive) == {"lr_scheduler": step}
     assert [str(w.message) for w in recwarn] == []
 
 
