@@ -119,13 +119,13 @@ class StepBuffers:
 
     def settle(self, summed: torch.Tensor) -> None:
         """The step's buffers from the reduced ``tail``s: every member's become the one
-        copy (left as they are if not exactly one member held it)."""
+        copy (left as they were before the step if not exactly one member held it)."""
         if not self.buffers:
             return
         holders = float(summed[-1])
         if holders != 1.0:
-            log.error("step %s: %s members held the buffers of its first sample; each keeps "
-                      "its own", self._index, holders)
+            log.error("step %s: %s members held the buffers of its first sample; the "
+                      "buffers stay as they were before it", self._index, holders)
             return
         offset = 0
         for buffer in self.buffers:
