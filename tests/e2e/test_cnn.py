@@ -20,8 +20,6 @@ consistent copy of the buffers, not each rank's share of its own.
 from __future__ import annotations
 
 import contextlib
-import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -30,12 +28,12 @@ import torch
 import torch.distributed.checkpoint as dcp
 from e2e_cli import next_of, phalanx
 from test_elastic import drain, watched_cluster, without_lost_work, write_records
+from test_gpt import run_alone
 from test_whole_job_loss import kill_every_rank
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from phalanx.runtime import averaged, record
 from phalanx.runtime.data import ElasticOrder
-from phalanx.schemas import environment
 from phalanx.schemas.messages import (
     CheckpointPolicy,
     Generation,
@@ -61,18 +59,6 @@ PACE_S = 0.4
 KILLS = "r1-0:6:allreduce,r0-0:16:boundary"
 
 
-def alone(out: Path) -> dict:
-    """The reference: the port alone (a world of one, as torchrun --nproc-per-node 1)."""
-    out.mkdir(parents=True)
-    env = {k: v for k, v in os.environ.items() if not k.startswith("PHALANX_")}
-    subprocess.run([sys.executable, str(SCRIPT), *ARGS, "--save", str(out / "final.pt")],
-                   check=True, timeout=300,
-                   env={**env, **environment.WORLD_OF_ONE, **RUN_ENV,
-                        "PHALANX_RECORD_DIR": str(out / "rec")})
-    return {**torch.load(out / "final.pt"),
-            "loss": [s.loss for s in record.timeline(record.read(out / "rec"))]}
-
-
 def assert_bitwise(got: object, want: object, where: str) -> None:
     """Every tensor of ``want`` equal in ``got``, bitwise; everything else equal."""
     if isinstance(want, dict):
@@ -87,7 +73,7 @@ def assert_bitwise(got: object, want: object, where: str) -> None:
 
 async def test_the_cnn_port_ends_bitwise_as_alone_through_kills_scaling_and_a_whole_job_loss(
         tmp_path: Path, tmp_path_factory: pytest.TempPathFactory) -> None:
-    reference = alone(tmp_path / "alone")
+    reference = run_alone(SCRIPT, ARGS, tmp_path / "alone", RUN_ENV)
     # BatchNorm's statistics moved once a step (its first micro-batch), not once a forward.
     assert int(reference["model"]["features.1.num_batches_tracked"]) == STEPS
     rec, release = tmp_path / "rec", tmp_path / "release"

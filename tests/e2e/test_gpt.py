@@ -18,7 +18,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping, Sequence
 from pathlib import Path
 
 import pytest
@@ -74,22 +74,23 @@ async def cluster(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[tup
         yield running
 
 
-def alone(data_dir: Path, out: Path) -> dict:
-    """The reference: the same script alone (one process: a world of one, as torchrun
-    --nproc-per-node 1 makes it)."""
+def run_alone(script: Path, args: Sequence[str], out: Path, env: Mapping[str, str]) -> dict:
+    """The reference: ``script`` alone (one process: a world of one, as torchrun
+    --nproc-per-node 1 makes it) with ``env``; what it saved with ``--save``, and every
+    step's loss from its record."""
     out.mkdir(parents=True)
-    env = {k: v for k, v in os.environ.items() if not k.startswith("PHALANX_")}
-    env.update(environment.WORLD_OF_ONE)
-    subprocess.run([sys.executable, str(SCRIPT), "--data-dir", str(data_dir), *ARGS,
-                    "--save", str(out / "final.pt")], check=True,
-                   timeout=600, env={**env, **RUN_ENV, "PHALANX_RECORD_DIR": str(out / "rec")})
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("PHALANX_")}
+    subprocess.run([sys.executable, str(script), *args, "--save", str(out / "final.pt")],
+                   check=True, timeout=600, env={**clean, **environment.WORLD_OF_ONE, **env,
+                                                 "PHALANX_RECORD_DIR": str(out / "rec")})
     return {**torch.load(out / "final.pt"),
             "loss": [s.loss for s in record.timeline(record.read(out / "rec"))]}
 
 
 async def test_gpt_trains_through_a_kill_mid_all_reduce_and_a_join_as_it_does_alone(
         cluster, data_dir: Path, tmp_path: Path) -> None:
-    reference = alone(data_dir, tmp_path / "alone")
+    reference = run_alone(SCRIPT, ["--data-dir", str(data_dir), *ARGS], tmp_path / "alone",
+                          RUN_ENV)
     _, bus, watch = cluster
     for queue in (watch.generations, watch.progress, watch.states):
         drain(queue)
