@@ -74,6 +74,29 @@ def parse_chaos_kill(value: str, replica_id: str) -> Kill | None:
     return kill
 
 
+@dataclasses.dataclass
+class Plan:
+    """Where this process dies: ``at`` (step, phase), or the first step of the generation
+    ``kill.generation`` once that generation is applied (:meth:`arm`)."""
+
+    kill: Kill | None = None
+    at: tuple[int, str] | None = None
+
+    @classmethod
+    def of(cls, kill: Kill | None) -> Plan:
+        return cls(kill, None if kill is None or kill.step is None else (kill.step, kill.phase))
+
+    def due(self, step: int, phase: str) -> bool:
+        """Whether this process dies in ``phase`` of step ``step``."""
+        return self.at == (step, phase)
+
+    def arm(self, generation: int, resume: int) -> None:
+        """Generation ``generation`` resumes at step ``resume``: a kill asked for in its
+        first step is now a kill at that step."""
+        if self.kill is not None and self.kill.generation == generation:
+            self.at = (resume, self.kill.phase)
+
+
 def die(before: Callable[[], None] | None = None) -> None:
     """Die now, as a SIGKILLed rank does (``before`` runs first: the record line)."""
     if before is not None:

@@ -73,8 +73,10 @@ before its gradients leave the process), each commit, each generation it
 applied with the time of every phase. Tests and benchmarks check those.
 
 This module is the session a script holds: its construction, the loop it
-offers and its bus side (subscriptions, the ready announcement). The other
-concepts live beside it: :mod:`.membership` (applying generations, leaving),
+offers and its bus side (subscriptions). What the session holds is a
+:class:`~.session_state.SessionState`, which its parts receive instead of the
+session (they never reach into it): :mod:`.membership` (applying generations,
+waiting on the group, announcing, leaving),
 :mod:`.resume` (the state a generation resumes from), :mod:`.training_step`
 (the session's side of a step: the all-reduce, the update, the boundary),
 :mod:`.step` (one step's loop, as the script sees it), :mod:`.inbox` (what the
@@ -95,6 +97,7 @@ import logging
 import os
 import secrets
 import time
+import types
 import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
@@ -122,7 +125,7 @@ from phalanx.runtime.data import ElasticOrder
 from phalanx.runtime.dataset import step_loader
 from phalanx.runtime.durable import DurablePolicy, DurableWriter, Persisted, committed_records
 from phalanx.runtime.epochs import EpochLoader, EpochLoop
-from phalanx.runtime.group import Aborted, Group, GroupWork, Waits
+from phalanx.runtime.group import Aborted, Group
 from phalanx.runtime.inbox import Inbox
 from phalanx.runtime.membership import (
     Dropped,
@@ -130,7 +133,6 @@ from phalanx.runtime.membership import (
     LeftTheJob,
     Membership,
     MembershipChange,
-    Retained,
 )
 from phalanx.runtime.placement import (
     BACKEND_ENV,
@@ -141,14 +143,17 @@ from phalanx.runtime.placement import (
 )
 from phalanx.runtime.progress import ProgressReporter
 from phalanx.runtime.record import Recorder
+from phalanx.runtime.recovery import Retained
+from phalanx.runtime.session_state import Replica, SessionState
 from phalanx.runtime.sharded import Sharded, is_sharded
 from phalanx.runtime.snapshot import Snapshotter
 from phalanx.runtime.snapshot_interval import IntervalPolicy, SnapshotSchedule
 from phalanx.runtime.state import landing_buffers
+from phalanx.runtime.step import Step
 from phalanx.runtime.training_step import StepRunner
 from phalanx.schemas import environment, subjects
 from phalanx.schemas.errors import ConfigError, PhalanxError
-from phalanx.schemas.messages import Fault, Generation, RankProgress, ReplicaReady
+from phalanx.schemas.messages import Fault, Generation, RankProgress
 
 log = logging.getLogger("phalanx.runtime")
 #: The micro-batch size a job's spec may set for a script that gives none (:meth:`from_env`).
@@ -275,77 +280,52 @@ class ElasticSession:
                  durable: DurablePolicy | None = None, backend: str = "auto",
                  landing: list[torch.Tensor] | None = None, admission: int = 0) -> None:
         teardown.watch()
-        #: What the session trains: the script's model, or the module inside its DDP wrapper.
-        self.model = ddp.unwrap(model)
-        #: Every member's buffers alike, as DDP's broadcast has them (:mod:`.buffers`).
-        self._buffers = StepBuffers(self.model, getattr(model, "broadcast_buffers", True))
+        trained = ddp.unwrap(model)  # the script's model, or the module in its DDP wrapper
+        buffers = StepBuffers(trained, getattr(model, "broadcast_buffers", True))
         default_group.take_over(alone=bus is None)  # the script's group, DDP's let go of
-        #: Where the model lives, and everything the session allocates for it.
-        self.device = model_device(self.model)
-        self.backend = choose_backend(backend, self.device)
-        if self.backend is Backend.NCCL and not dist.is_nccl_available():
+        device = model_device(trained)  # the model's, and what the session allocates
+        chosen = choose_backend(backend, device)
+        if chosen is Backend.NCCL and not dist.is_nccl_available():
             raise RuntimeError(f"backend nccl: torch {torch.__version__} is built without "
                                "NCCL")
-        self.optimizer = optimizer
-        #: A sharded optimizer's handle (:mod:`.sharded`); None for a plain optimizer.
-        self._sharded = Sharded(optimizer) if is_sharded(optimizer) else None
-        self.dataset = dataset
-        self.order = ElasticOrder(len(dataset), global_batch, seed, drop_last)
-        self._loader = step_loader(dataset, loader)
-        self.micro_batch_size = micro_batch_size or global_batch
-        self.bus = bus
-        self.job_id = job_id
-        self.replica_id = replica_id
-        # Replica ids and generation numbers start over when a requeued job is admitted
-        # again: this process's events must not share an id with an earlier admission's,
-        # which the stream would drop as duplicates for two minutes.
-        self._process_token = secrets.token_hex(4)
-        self.slot = slot
-        self.node_id = node_id
-        self.admission = admission
-        self.checksum = checksum
-        self.timeout = datetime.timedelta(seconds=collective_timeout_s)
-        self.on_membership = on_membership
-        self.deterministic = deterministic
-        if deterministic and self.device.type == "cuda":
+        if len(set(metrics)) != len(metrics) or "loss" in metrics:
+            raise ValueError(f"metrics must be distinct names other than 'loss', got "
+                             f"{list(metrics)}")
+        if deterministic and device.type == "cuda":
             deterministic_cuda()  # before the warm-up's first kernels
-        #: ``(step, phase)`` at which this process dies (a generation's: once applied).
-        self.chaos_kill = None if chaos_kill is None or chaos_kill.step is None \
-            else (chaos_kill.step, chaos_kill.phase)
-        self._chaos_in_generation = chaos_kill if chaos_kill is not None \
-            and chaos_kill.generation is not None else None
-        self.chaos_pace = chaos_pace
-        self._state: dict[str, Any] = {}
+        writer = DurableWriter(durable.url, durable.keep, self._persisted) \
+            if durable is not None and durable.every and bus is not None else None
+        self._s = SessionState(
+            replica=Replica(job_id, replica_id, slot, node_id, admission, secrets.token_hex(4)),
+            model=trained, optimizer=optimizer,
+            sharded=Sharded(optimizer) if is_sharded(optimizer) else None,
+            carried={}, buffers=buffers, dataset=dataset,
+            loader=step_loader(dataset, loader),
+            order=ElasticOrder(len(dataset), global_batch, seed, drop_last),
+            micro_batch_size=micro_batch_size or global_batch, metric_names=tuple(metrics),
+            device=device, backend=chosen, deterministic=deterministic, checksum=checksum,
+            timeout=datetime.timedelta(seconds=collective_timeout_s), bus=bus,
+            inbox=Inbox(replica_id),
+            record=None if record_dir is None else Recorder(record_dir, replica_id, admission),
+            snapshots=Snapshotter(
+                bus, job_id, replica_id, node_id, keep=snapshot_keep, durable=writer,
+                schedule=SnapshotSchedule(dataclasses.replace(
+                    snapshot_interval, durable_every=durable.every if durable else 0)))
+            if bus is not None and snapshot_interval is not None and snapshot_dir else None,
+            snapshot_dir=snapshot_dir, durable=durable, chaos=chaos.Plan.of(chaos_kill),
+            on_membership=on_membership)
         self._started = False  # a step was taken: the registered state is fixed
         for name, obj in (state or {}).items():
             self.register(name, obj)
         self._carry_found()
-        self.metric_names = tuple(metrics)
-        if len(set(self.metric_names)) != len(self.metric_names) or "loss" in metrics:
-            raise ValueError(f"metrics must be distinct names other than 'loss', got "
-                             f"{list(metrics)}")
-        self.committed = 0  # steps committed: the next step to run
-        self.last_step_s = 0.0
         #: The generation this replica is a member of, its rank, world size and group.
-        self._membership = Membership(self)
+        self._membership = Membership(self._s)
         #: What a step asks of the session: its batches, the all-reduce, the update.
-        self._runner = StepRunner(self, self._membership)
-        self._total_steps = 0
-        self._inbox = Inbox(replica_id)
-        self._waits = Waits(self._inbox, self._heartbeat)
-        self._loop = EpochLoop(self)  # the DDP-shaped loop: epochs(), loader, backward, commit
-        self._record = None if record_dir is None else Recorder(record_dir, replica_id, admission)
-        self._progress: ProgressReporter | None = None
-        self.nice_when_ready = nice_when_ready
-        self.snapshot_dir = snapshot_dir
-        self.durable = durable
-        writer = DurableWriter(durable.url, durable.keep, self._persisted) \
-            if durable is not None and durable.every and bus is not None else None
-        self._snapshots = Snapshotter(
-            bus, job_id, replica_id, node_id, keep=snapshot_keep, durable=writer,
-            schedule=SnapshotSchedule(dataclasses.replace(
-                snapshot_interval, durable_every=durable.every if durable else 0))) \
-            if bus is not None and snapshot_interval is not None and snapshot_dir else None
+        self._runner = StepRunner(self._s, self._membership)
+        # The DDP-shaped loop: epochs(), loader, backward, commit.
+        self._loop = EpochLoop(self._runner, self.steps)
+        self._chaos_pace = chaos_pace
+        self._nice_when_ready = nice_when_ready
         if warmup is not None and bus is not None:
             _warm_up(warmup, optimizer)
         if bus is not None:
@@ -436,12 +416,12 @@ class ElasticSession:
         if not callable(getattr(obj, "state_dict", None)) \
                 or not callable(getattr(obj, "load_state_dict", None)):
             raise TypeError(f"{name!r}: {type(obj).__name__} has no state_dict/load_state_dict")
-        if name in self._state:
+        if name in self._s.carried:
             raise ValueError(f"{name!r} is registered already")
         if self._started:
             raise ValueError(f"register {name!r} before the first step: a replica that "
                              "received state without it would differ from its peers")
-        self._state[name] = obj
+        self._s.carried[name] = obj
 
     def _carry_found(self) -> None:
         """Register what the script did not and must be carried all the same: the
@@ -449,10 +429,10 @@ class ElasticSession:
         (:mod:`.averaged`), when the session is made and again before its first step."""
         for attempt in range(2):
             candidates = schedulers.alive(*schedulers.KINDS, averaged.KIND)
-            registered = list(self._state.values())
+            registered = list(self._s.carried.values())
             try:
-                found = {**schedulers.unregistered(self.optimizer, registered, candidates),
-                         **averaged.unregistered(self.model, registered, candidates)}
+                found = {**schedulers.unregistered(self._s.optimizer, registered, candidates),
+                         **averaged.unregistered(self._s.model, registered, candidates)}
                 break
             except ValueError:
                 if attempt:
@@ -463,7 +443,7 @@ class ElasticSession:
                 del candidates
                 gc.collect()
         for name, obj in found.items():
-            if name in self._state:
+            if name in self._s.carried:
                 raise ValueError(f"another {type(obj).__name__} than the one carried as "
                                  f"{name!r}: register each by name (state= or "
                                  "session.register)")
@@ -481,27 +461,27 @@ class ElasticSession:
     # --- the bus side (runs on the bus thread) ---------------------------------------------
 
     def _connect(self, bus: BusThread, landing: list[torch.Tensor] | None) -> None:
+        s = self._s
         # Every replica hosts a store; a generation rendezvouses on its rank 0's.
-        self.endpoint = self._membership.host_store()
-        self._progress = ProgressReporter(None, self.job_id, self.slot,
-                                          replica_id=self.replica_id, bus=bus)
-        bus.subscribe(subjects.job_generation(self.job_id), Generation,
-                      self._inbox.on_generation)
-        bus.subscribe(subjects.job_fault(self.job_id), Fault, self._inbox.on_fault)
-        bus.subscribe(subjects.health_job_ranks(self.job_id), RankProgress,
-                      self._inbox.on_progress)
+        self._membership.host_store()
+        s.reporter = ProgressReporter(None, s.replica.job_id, s.replica.slot,
+                                      replica_id=s.replica.replica_id, bus=bus)
+        job_id = s.replica.job_id
+        bus.subscribe(subjects.job_generation(job_id), Generation, s.inbox.on_generation)
+        bus.subscribe(subjects.job_fault(job_id), Fault, s.inbox.on_fault)
+        bus.subscribe(subjects.health_job_ranks(job_id), RankProgress, s.inbox.on_progress)
         stored = bus.run(self._stored_generation(bus), 10)
         if stored is not None:
-            self._inbox.on_generation(stored, None)
-            if stored.member(self.replica_id) is None and self._sharded is None:
+            s.inbox.on_generation(stored, None)
+            if stored.member(s.replica.replica_id) is None and s.sharded is None:
                 # Joining a running job.
                 self._membership.landing = landing if landing is not None \
-                    else landing_buffers(self.optimizer)
+                    else landing_buffers(s.optimizer)
         assert bus.bus is not None
         bus.bus.on_reconnect(lambda: self._resync_generation(bus))
-        if self.nice_when_ready is not None:
-            priority.restore(self.nice_when_ready)
-        self._announce()
+        if self._nice_when_ready is not None:
+            priority.restore(self._nice_when_ready)
+        self._membership.announce()
 
     async def _resync_generation(self, bus: BusThread) -> None:
         """After a bus outage: a generation published meanwhile was missed; the stored
@@ -514,7 +494,7 @@ class ElasticSession:
                 await asyncio.sleep(0.25)
                 continue
             if stored is not None:
-                self._inbox.on_generation(stored, None)
+                self._s.inbox.on_generation(stored, None)
             return
         log.warning("could not read the stored generation after reconnecting")
 
@@ -523,36 +503,8 @@ class ElasticSession:
 
         assert bus.bus is not None
         kv = await TypedKV.open(bus.bus.js, subjects.GENERATIONS_BUCKET, Generation)
-        entry = await kv.get(self.job_id)
+        entry = await kv.get(self._s.replica.job_id)
         return None if entry is None else entry.value
-
-    def event_id(self, kind: str) -> str:
-        """The stream id of this process's event ``kind`` (``ready``, ``g3-applied``): the
-        same for its repeats, which the stream stores once, and for no other process."""
-        return f"{self.job_id}-{self.replica_id}-{self._process_token}-{kind}"
-
-    def _announce(self) -> None:
-        assert self.bus is not None
-        self.bus.publish_event(subjects.replica_ready(self.job_id), ReplicaReady(
-            job_id=self.job_id, replica_id=self.replica_id, slot=self.slot,
-            node_id=self.node_id, endpoint=self.endpoint, committed_step=self.committed,
-            sent_at=time.time(), admission=self.admission), self.event_id("ready"))
-
-    # --- waiting (training thread) -----------------------------------------------------------
-
-    def _must_abort(self) -> bool:
-        """A member of the current generation failed, or a fault generation replaced it."""
-        return self._inbox.must_abort(self.generation)
-
-    def _wait(self, work: GroupWork) -> None:
-        """Wait for ``work``; raise :class:`Aborted` the moment the generation is abandoned."""
-        self._waits.work(work, self._must_abort)
-
-    def _heartbeat(self) -> None:
-        """Progress while waiting: a rank waiting for its peers is not hung (in collectives,
-        rendezvous and store calls alike; the reporter sends at most one per 0.1 s)."""
-        if self._progress is not None and self.generation is not None:
-            self._progress.report(max(self.committed, 0), self.last_step_s)
 
     # --- the training loop ---------------------------------------------------------------
 
@@ -571,10 +523,10 @@ class ElasticSession:
             if session.is_primary:
                 torch.save(model.state_dict(), path)
         """
-        if self.bus is not None and self.generation is None and not self._started:
+        if self._s.bus is not None and self.generation is None and not self._started:
             self._membership.wait_for_newer(-1, 1)  # the first generation (or the job's first step)
-            newest = self._inbox.newest()[0]
-            member = None if newest is None else newest.member(self.replica_id)
+            newest = self._s.inbox.newest()[0]
+            member = None if newest is None else newest.member(self._s.replica.replica_id)
             return member is not None and member.rank == 0
         return self.rank == 0
 
@@ -599,6 +551,55 @@ class ElasticSession:
         """The process group of :attr:`generation`; None alone and once it is given up."""
         return self._membership.pg
 
+    @property
+    def committed(self) -> int:
+        """Steps committed: the next step to run (-1 while a state copy is under way)."""
+        return self._s.committed
+
+    @property
+    def model(self) -> torch.nn.Module:
+        """What the session trains: the script's model, or the module in its DDP wrapper."""
+        return self._s.model
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer:
+        return self._s.optimizer
+
+    @property
+    def dataset(self) -> Any:
+        return self._s.dataset
+
+    @property
+    def order(self) -> ElasticOrder:
+        """The data order: which samples each step trains on (:mod:`.data`)."""
+        return self._s.order
+
+    @property
+    def micro_batch_size(self) -> int:
+        """The most samples one forward pass takes."""
+        return self._s.micro_batch_size
+
+    @property
+    def device(self) -> torch.device:
+        """Where the model lives, and everything the session allocates for it."""
+        return self._s.device
+
+    @property
+    def backend(self) -> Backend:
+        """The process group every generation builds (:mod:`.placement`)."""
+        return self._s.backend
+
+    @property
+    def replica(self) -> Replica:
+        """Who this process is: its job, replica, slot and node."""
+        return self._s.replica
+
+    @property
+    def carried(self) -> Mapping[str, Any]:
+        """The objects carried with the model and optimizer, by name (:meth:`register`,
+        and the LR scheduler and averaged model found without it)."""
+        return types.MappingProxyType(self._s.carried)
+
     def steps(self, total_steps: int) -> Iterator[Step]:
         """Steps ``committed .. total_steps-1``; a step aborted by a fault is run again.
 
@@ -611,27 +612,31 @@ class ElasticSession:
             JobCompletedWithoutThisReplica: the job completed before this replica became
                 a member (a ``SystemExit`` with status 0, raised after :meth:`close`).
         """
-        self._total_steps = total_steps
-        if self._progress is not None:
-            self._progress.total_steps = total_steps
+        s = self._s
+        s.total_steps = total_steps
+        if s.reporter is not None:
+            s.reporter.total_steps = total_steps
         if not self._started:
             self._carry_found()  # built after the session, before its first step
         self._started = True
-        while self.committed < total_steps:
+        while s.committed < total_steps:
             self._runner.finish_commit()
             # A member killed between steps dies where it stands, before it applies a
             # generation that came meanwhile (as a kill from outside would), so a test's
             # faults at one boundary strike in one generation however late a rank runs.
-            if self.generation is not None and self.chaos_kill == (self.committed,
-                                                                   "boundary"):
-                self._chaos_kill()
-            if not self._membership.ensure(total_steps):
-                self._membership.leave_without_joining()
-            if self.chaos_kill == (self.committed, "boundary"):  # joined, or moved to it
-                self._chaos_kill()
-            if self.chaos_pace is not None:
-                self.chaos_pace.wait()
-            step = Step(self, self.committed)
+            if self.generation is not None and s.chaos.due(s.committed, "boundary"):
+                s.die()
+            try:
+                if not self._membership.ensure(total_steps):
+                    self._membership.leave_without_joining()
+            except (LeftTheJob, JobCompletedWithoutThisReplica):
+                self.close()  # then the process ends, status 0
+                raise
+            if s.chaos.due(s.committed, "boundary"):  # joined, or moved to it
+                s.die()
+            if self._chaos_pace is not None:
+                self._chaos_pace.wait()
+            step = Step(self._runner, s.committed)
             yield step
             if step.outcome is None:
                 raise RuntimeError(f"step {step.index} was not committed: call step.commit()")
@@ -684,34 +689,17 @@ class ElasticSession:
         """
         return self._loop.commit()
 
-    def _arm_chaos(self, generation: int, resume: int) -> None:
-        """Generation ``generation`` resumes at step ``resume``: a kill asked for in its
-        first step is now a kill at that step."""
-        kill = self._chaos_in_generation
-        if kill is not None and kill.generation == generation:
-            self.chaos_kill = (resume, kill.phase)
-
-    def _chaos_kill(self) -> None:
-        """Fault injection: die now, as a SIGKILLed rank does (recorded first)."""
-        record = self._record
-        chaos.die(None if record is None else
-                  lambda: record.write(kind="chaos", step=self.committed))
-
-    @property
-    def _optimizer_state(self) -> torch.optim.Optimizer | Sharded:
-        """What carries the optimizer's whole state in a copy or a restore."""
-        return self.optimizer if self._sharded is None else self._sharded
-
     def _persisted(self, done: Persisted) -> None:
         """The durable writer's report (on its thread): announce a step it committed."""
         log.info("durable: shard %d of step %d written (%d B, %.2f s)%s", done.shard,
                  done.step, done.nbytes, done.seconds, ", step committed" if done.committed
                  else "")
-        if done.committed is None or self.bus is None:
+        bus, replica = self._s.bus, self._s.replica
+        if done.committed is None or bus is None:
             return
-        for message in committed_records(done.committed, done.location, self.node_id,
+        for message in committed_records(done.committed, done.location, replica.node_id,
                                          time.time()):
-            self.bus.publish(subjects.ckpt_snapshot(self.job_id), message)
+            bus.publish(subjects.ckpt_snapshot(replica.job_id), message)
 
     def close(self) -> None:
         """Leave: let a durable write under way end (the job's last step is persisted),
@@ -729,26 +717,24 @@ class ElasticSession:
         :mod:`.default_group`, stays until then: a script may ask it after the loop).
         """
         _open.discard(self)
+        s = self._s
         self._runner.finish_commit()
-        if self._snapshots is not None:
-            self._snapshots.settle()  # a snapshot still being written off the device
-        writer = None if self._snapshots is None else self._snapshots.durable
+        if s.snapshots is not None:
+            s.snapshots.settle()  # a snapshot still being written off the device
+        writer = None if s.snapshots is None else s.snapshots.durable
         if writer is not None and not writer.wait_idle(DURABLE_FLUSH_S):
             log.error("the durable write of the last step did not end within %.0f s: that "
                       "step is not persisted", DURABLE_FLUSH_S)
-        if self.bus is not None:
-            self.bus.close()
+        if s.bus is not None:
+            s.bus.close()
             telemetry.shutdown_tracing()
             teardown.arm()
-        if self._record is not None:
-            self._record.close()
-        if self._loader is not None:
-            self._loader.close()
+        if s.record is not None:
+            s.record.close()
+        if s.loader is not None:
+            s.loader.close()
         self._loop.close()
 
-
-# Imported last: a step refers back to the session (the names stay importable from here).
-from phalanx.runtime.step import Step  # noqa: E402
 
 __all__ = ["Aborted", "Dropped", "ElasticSession", "JobCompletedWithoutThisReplica",
            "LeftTheJob", "MembershipChange", "Retained", "Step"]

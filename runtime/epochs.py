@@ -56,17 +56,15 @@ drives the step (:class:`~.step.Step`) from the script's calls:
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
 from torch.utils.hooks import RemovableHandle
 
 from phalanx.runtime.data import MicroBatch
-
-if TYPE_CHECKING:
-    from phalanx.runtime.elastic import ElasticSession
-    from phalanx.runtime.step import Step
+from phalanx.runtime.step import Step
+from phalanx.runtime.training_step import StepRunner
 
 _END = object()
 REENTRANT = ("activation checkpointing with use_reentrant=True runs a backward within the "
@@ -98,8 +96,9 @@ class EpochLoader:
 class EpochLoop:
     """The state of the DDP-shaped loop of one session (see the module docstring)."""
 
-    def __init__(self, session: ElasticSession) -> None:
-        self.session = session
+    def __init__(self, runner: StepRunner, steps: Callable[[int], Iterator[Step]]) -> None:
+        self._runner = runner
+        self._session_steps = steps  # the session's loop over steps
         self.loader = EpochLoader(self)
         #: The epoch being iterated; None outside ``session.epochs()``.
         self.epoch: int | None = None
@@ -128,7 +127,7 @@ class EpochLoop:
             raise ValueError(f"epochs must be >= 1, got {count}")
         if self._steps is not None:
             raise RuntimeError("session.epochs() runs once per session")
-        self._steps = self.session.steps(count * self.session.order.steps_per_epoch)
+        self._steps = self._session_steps(count * self._runner.state.order.steps_per_epoch)
         self._advance()
         while self._step is not None:
             self.epoch = self._step.epoch
@@ -166,9 +165,9 @@ class EpochLoop:
             self._out, self._settled, self._weighted = True, False, False
             self._arm_hooks()
             if self._stand_in:
-                indices = self.session.order.batch(step.epoch, step.step_in_epoch)
-                stand_in = MicroBatch(tuple(indices[:self.session.micro_batch_size]), 0.0)
-                return next(self.session._runner.load([stand_in]))
+                indices = self._runner.state.order.batch(step.epoch, step.step_in_epoch)
+                stand_in = MicroBatch(tuple(indices[:self._runner.state.micro_batch_size]), 0.0)
+                return next(self._runner.load([stand_in]))
             if self._ahead is not None:
                 batch, self._ahead = self._ahead, None
                 return batch
@@ -196,7 +195,7 @@ class EpochLoop:
         """Hook every parameter's gradient on its way into ``.grad`` (once)."""
         if self._hooks is None:
             self._hooks = [p.register_hook(self._gradient)
-                           for p in self.session._runner.params()]
+                           for p in self._runner.params()]
 
     def _gradient(self, grad: torch.Tensor) -> torch.Tensor | None:
         """A parameter's gradient from the batch's backward, before it is accumulated:
@@ -225,7 +224,7 @@ class EpochLoop:
         """Give the step's gradient so far back to ``.grad`` for the pass to add into."""
         if self._stash is None:
             return
-        for p, kept in zip(self.session._runner.params(), self._stash, strict=True):
+        for p, kept in zip(self._runner.params(), self._stash, strict=True):
             if kept is not None:
                 p.grad = kept if p.grad is None else p.grad.add_(kept)
         self._stash = None
@@ -238,7 +237,7 @@ class EpochLoop:
         assert step is not None
         self._pass = None
         self._out, self._settled = False, True
-        params = self.session._runner.params()
+        params = self._runner.params()
         if self._stand_in:  # it weighs nothing: what its backward left is dropped
             for p in params:
                 p.grad = None
@@ -288,7 +287,7 @@ class EpochLoop:
         return self._step
 
     def _ends_epoch(self, step: Step) -> bool:
-        return step.step_in_epoch == self.session.order.steps_per_epoch - 1
+        return step.step_in_epoch == self._runner.state.order.steps_per_epoch - 1
 
     def _advance(self) -> None:
         """The next step from the session (its boundary first), or None at the end."""

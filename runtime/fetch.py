@@ -37,9 +37,9 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING
 
 from phalanx.bus.errors import NoResponders
+from phalanx.runtime.session_state import Seat, SessionState
 from phalanx.runtime.state import broadcast_bytes
 from phalanx.schemas import subjects
 from phalanx.schemas.codec import decode, encode
@@ -51,9 +51,6 @@ from phalanx.schemas.messages import (
     ResumeAnswer,
     ResumeRequest,
 )
-
-if TYPE_CHECKING:
-    from phalanx.runtime.elastic import ElasticSession
 
 log = logging.getLogger("phalanx.runtime")
 
@@ -76,33 +73,33 @@ def plan_fetches(answer: ResumeAnswer, at_nodes: set[str], rank: int,
     return missing[rank::world_size]
 
 
-def fetch_missing(s: ElasticSession, generation: Generation, newer_than: int) -> None:
+def fetch_missing(s: SessionState, seat: Seat, generation: Generation,
+                  newer_than: int) -> None:
     """A collective of the members of ``generation``: fetch onto the members' nodes the
     shards of the newest step complete in memory that those nodes lack, if it is newer
     than ``newer_than``. What this member fetched, and why any copy did not come, goes
     to the log and its record (``kind: fetch``)."""
-    if s._snapshots is None or s.bus is None or s.bus.bus is None:
+    if s.snapshots is None or s.bus is None or s.bus.bus is None:
         return
-    assert s.pg is not None and s.rank is not None
     at_nodes = sorted({m.node_id for m in generation.members})
     data: bytes | None = None
-    if s.rank == 0:
+    if seat.rank == 0:
         try:
             answer = s.bus.request(subjects.ckpt_resume(), ResumeRequest(
-                job_id=s.job_id, world_size=s.world_size, at_nodes=at_nodes,
-                memory_only=True), ResumeAnswer, CATALOG_TIMEOUT_S, s._heartbeat)
+                job_id=s.replica.job_id, world_size=seat.world_size, at_nodes=at_nodes,
+                memory_only=True), ResumeAnswer, CATALOG_TIMEOUT_S, seat.heartbeat)
             data = encode(answer)
         except (PhalanxError, OSError) as exc:
             log.warning("%s: where the job's snapshots are is not known (%s): the restore "
-                        "reads the members' nodes only", s.replica_id, exc)
+                        "reads the members' nodes only", s.replica.replica_id, exc)
             data = b""
-    data = broadcast_bytes(s.pg, s._wait, s.rank, 0, data)
+    data = broadcast_bytes(seat.pg, seat.wait, seat.rank, 0, data)
     if not data:
         return
     answer = decode(data, ResumeAnswer)
     if answer.step is None or answer.step <= newer_than:
         return
-    mine = plan_fetches(answer, set(at_nodes), s.rank, s.world_size)
+    mine = plan_fetches(answer, set(at_nodes), seat.rank, seat.world_size)
     if not mine:
         return
     started, nbytes = time.monotonic(), 0
@@ -112,30 +109,31 @@ def fetch_missing(s: ElasticSession, generation: Generation, newer_than: int) ->
     bus = s.bus
 
     def pause(seconds: float) -> None:
-        s._heartbeat()  # waiting for a holder's agent is not a hang
-        s._inbox.sleep(seconds)
+        seat.heartbeat()  # waiting for a holder's agent is not a hang
+        s.inbox.sleep(seconds)
 
     for shard, holders in mine:
-        request = ReplicaFetch(job_id=s.job_id, step=answer.step, shard=shard,
-                               shards=answer.shards, to_node=s.node_id)
+        request = ReplicaFetch(job_id=s.replica.job_id, step=answer.step, shard=shard,
+                               shards=answer.shards, to_node=s.replica.node_id)
 
         def ask(holder: str, left: float, request: ReplicaFetch = request) -> int:
-            return bus.request(subjects.agent_fetch(holder, s.job_id), request,
-                               ReplicaFetched, left, s._heartbeat).nbytes
+            return bus.request(subjects.agent_fetch(holder, s.replica.job_id), request,
+                               ReplicaFetched, left, seat.heartbeat).nbytes
 
         got, why = fetch_shard(ask, holders, deadline, time.monotonic, pause)
         failed += [f"shard {shard} {reason}" for reason in why]
         for reason in why:
-            log.warning("%s: shard %d of step %d: %s", s.replica_id, shard, answer.step,
+            log.warning("%s: shard %d of step %d: %s", s.replica.replica_id, shard, answer.step,
                         reason)
         if got is not None:
             taken.append(shard)
             nbytes += got
     seconds = time.monotonic() - started
     log.warning("%s fetched %d of %d shards of step %d onto %s (%d B, %.2f s)",
-                s.replica_id, len(taken), len(mine), answer.step, s.node_id, nbytes, seconds)
-    if s._record is not None:
-        s._record.write(kind="fetch", generation=generation.generation, step=answer.step,
+                s.replica.replica_id, len(taken), len(mine), answer.step, s.replica.node_id,
+                nbytes, seconds)
+    if s.record is not None:
+        s.record.write(kind="fetch", generation=generation.generation, step=answer.step,
                         shards=taken, wanted=[shard for shard, _ in mine], state_bytes=nbytes,
                         seconds=round(seconds, 3), failed=failed)
 

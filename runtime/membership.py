@@ -37,7 +37,7 @@ import dataclasses
 import logging
 import os
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -46,8 +46,10 @@ from opentelemetry import context as otel_context
 from phalanx.bus import telemetry
 from phalanx.runtime import default_group
 from phalanx.runtime.data import MicroBatch
-from phalanx.runtime.group import Aborted, Group, rendezvous
+from phalanx.runtime.group import Aborted, Group, GroupWork, Waits, rendezvous
+from phalanx.runtime.recovery import Retained
 from phalanx.runtime.resume import resume
+from phalanx.runtime.session_state import Seat, SessionState
 from phalanx.schemas import subjects
 from phalanx.schemas.messages import (
     DETAIL_CHARS,
@@ -55,11 +57,9 @@ from phalanx.schemas.messages import (
     GenerationApplied,
     GenerationGivenUp,
     GenerationReason,
+    ReplicaReady,
     StateSource,
 )
-
-if TYPE_CHECKING:
-    from phalanx.runtime.elastic import ElasticSession
 
 log = logging.getLogger("phalanx.runtime")
 
@@ -119,17 +119,6 @@ class MembershipChange:
     resume_step: int
 
 
-@dataclasses.dataclass(frozen=True)
-class Retained:
-    """A step's local gradient kept when its all-reduce was aborted, to be reused."""
-
-    step: int
-    generation: Generation  # the one the step was attempted in
-    gradient: torch.Tensor  # this rank's summed share, not yet all-reduced
-    indices: list[int]  # the samples it covers
-    metrics: torch.Tensor  # their share of the loss and of the script's metrics (float64)
-
-
 #: How a replica's log line of an applied generation names a state that came from a tier.
 _FROM = {StateSource.MEMORY: " (restored from the nodes' memory)",
          StateSource.BUDDY: " (restored from the nodes' memory and buddy replicas)",
@@ -141,21 +130,23 @@ _FROM = {StateSource.MEMORY: " (restored from the nodes' memory)",
 class Membership:
     """The generation a session's replica is a member of, its rank, world size and group.
 
-    Owned by its :class:`~.elastic.ElasticSession`, whose configuration, training state
-    (model, optimizer, registered objects, ``committed``), inbox, record and bus it uses;
-    a state copy or a restore moves the session's ``committed``.
+    Reads the session's :class:`~.session_state.SessionState` (its configuration, training
+    state, inbox, record and bus); a state copy or a restore moves its ``committed``.
     """
 
-    def __init__(self, session: ElasticSession) -> None:
-        self.session = session
+    def __init__(self, state: SessionState) -> None:
+        self.state = state
         self.generation: Generation | None = None
         # None while not a member (never taken in, or dropped): such a replica holds no
         # trained state, and `rank == 0` must not single it out to save.
-        self.rank: int | None = 0 if session.bus is None else None
+        self.rank: int | None = 0 if state.bus is None else None
         self.world_size = 1
         self.pg: Group | None = None
+        self.waits = Waits(state.inbox, self.heartbeat)
         #: For the optimizer state a joiner receives (set when it joins a running job).
         self.landing: list[torch.Tensor] = []
+        #: Where peers reach this replica's store, ``<host>:<port>`` (:meth:`host_store`).
+        self.endpoint = ""
         self._store: dist.TCPStore | None = None
         self._stores: dict[str, dist.Store] = {}
         self._switch_agreed = False  # the last all-reduce said: switch to the next generation
@@ -173,9 +164,39 @@ class Membership:
         """Host this replica's store (a generation rendezvouses on its rank 0's): the
         endpoint peers reach it at, ``<host>:<port>``."""
         self._store = dist.TCPStore("0.0.0.0", 0, is_master=True, wait_for_workers=False,
-                                    timeout=self.session.timeout, use_libuv=True)
+                                    timeout=self.state.timeout, use_libuv=True)
         host = os.environ.get("PHALANX_ADVERTISE_HOST", "127.0.0.1")
-        return f"{host}:{self._store.port}"
+        self.endpoint = f"{host}:{self._store.port}"
+        return self.endpoint
+
+    def announce(self) -> None:
+        """Tell elasticity this replica is ready (again: a non-member repeats it)."""
+        s = self.state
+        assert s.bus is not None
+        s.bus.publish_event(subjects.replica_ready(s.replica.job_id), ReplicaReady(
+            job_id=s.replica.job_id, replica_id=s.replica.replica_id, slot=s.replica.slot,
+            node_id=s.replica.node_id, endpoint=self.endpoint, committed_step=s.committed,
+            sent_at=time.time(), admission=s.replica.admission),
+            s.replica.event_id("ready"))
+
+    # --- waiting ---------------------------------------------------------------------------
+
+    def wait(self, work: GroupWork) -> None:
+        """Wait for ``work``; raise :class:`Aborted` the moment the generation is abandoned
+        (a member of it failed, or a fault generation replaced it)."""
+        self.waits.work(work, lambda: self.state.inbox.must_abort(self.generation))
+
+    def heartbeat(self) -> None:
+        """Progress while waiting: a rank waiting for its peers is not hung (in collectives,
+        rendezvous and store calls alike; the reporter sends at most one per 0.1 s)."""
+        s = self.state
+        if s.reporter is not None and self.generation is not None:
+            s.reporter.report(max(s.committed, 0), s.last_step_s)
+
+    def seat(self) -> Seat:
+        """This member's place in its generation (a member: its group is built)."""
+        assert self.pg is not None and self.rank is not None
+        return Seat(self.pg, self.rank, self.world_size, self.wait, self.heartbeat)
 
     # --- at a step boundary --------------------------------------------------------------
 
@@ -184,10 +205,10 @@ class Membership:
 
         Returns False when the job completed before this replica became a member.
         """
-        s = self.session
+        s = self.state
         while True:
-            newest, context = s._inbox.newest()
-            finished = s._inbox.finished_step
+            newest, context = s.inbox.newest()
+            finished = s.inbox.finished_step
             if s.bus is None:
                 return True  # alone: world size 1, no process group
             if self.generation is None and finished >= total_steps:
@@ -202,17 +223,17 @@ class Membership:
                 return True
             if newest is not None and (self.generation is None
                                        or newest.generation > self.generation.generation):
-                if self._switch_agreed and s._sharded is not None and self.pg is not None:
+                if self._switch_agreed and s.sharded is not None and self.pg is not None:
                     self._hand_over(newest)
-                if newest.member(s.replica_id) is None:
+                if newest.member(s.replica.replica_id) is None:
                     if self.generation is not None and newest.reason is GenerationReason.LEAVE \
                             and self._switch_agreed:
                         self._leave(newest)
                     if self.generation is not None:
                         self.rank = None  # its state is no longer the job's
                         default_group.clear()
-                        raise Dropped(f"{s.replica_id} is not a member of generation "
-                                      f"{newest.generation} of {s.job_id}")
+                        raise Dropped(f"{s.replica.replica_id} is not a member of generation "
+                                      f"{newest.generation} of {s.replica.job_id}")
                 else:
                     try:
                         self._apply(newest, context)
@@ -220,7 +241,7 @@ class Membership:
                     except Aborted as exc:  # anything else is a bug: the rank crashes
                         log.warning("generation %d not applied: %s", newest.generation, exc)
                         self.abandon()
-                        if newest.generation == s._inbox.newest_number():
+                        if newest.generation == s.inbox.newest_number():
                             self.wait_for_newer(newest.generation, total_steps,
                                                 given_up=str(exc))
                         continue
@@ -234,21 +255,21 @@ class Membership:
         ``given_up``: why this member gave generation ``than`` up; it reports that now
         and every 2 s while it waits, since elasticity decides no newer one otherwise.
         """
-        s = self.session
+        s = self.state
         if given_up is not None:
             self._report_given_up(than, given_up)
         last_announce = time.monotonic()
-        while s._inbox.newest_number() <= than:
-            if self.generation is None and s._inbox.finished_step >= total_steps:
+        while s.inbox.newest_number() <= than:
+            if self.generation is None and s.inbox.finished_step >= total_steps:
                 return
-            s._inbox.sleep(0.5)
-            s._heartbeat()
+            s.inbox.sleep(0.5)
+            self.heartbeat()
             if time.monotonic() - last_announce > 2.0:
                 # Elasticity may have restarted (or the bus): say it again.
                 if given_up is not None:
                     self._report_given_up(than, given_up)
                 if self.generation is None:
-                    s._announce()
+                    self.announce()
                 last_announce = time.monotonic()
 
     def _report_given_up(self, generation: int, why: str) -> None:
@@ -256,42 +277,43 @@ class Membership:
         stream; repeats within its duplicate window are stored once). Not when a member
         of it is known to have failed, or the job to have finished: the fault (or the
         end) replaces it anyway, and a report would only add a generation."""
-        s = self.session
-        newest, _ = s._inbox.newest()
+        s = self.state
+        newest, _ = s.inbox.newest()
         if s.bus is None or newest is None or newest.generation != generation \
-                or s._inbox.must_abort(newest) \
-                or (self.generation is None and s._inbox.finished_step >= s._total_steps):
+                or s.inbox.must_abort(newest) \
+                or (self.generation is None and s.inbox.finished_step >= s.total_steps):
             return
-        s.bus.publish_event(subjects.generation_given_up(s.job_id), GenerationGivenUp(
-            job_id=s.job_id, generation=generation, replica_id=s.replica_id,
-            reason=why[:DETAIL_CHARS], sent_at=time.time(), admission=s.admission),
-            s.event_id(f"g{generation}-given-up"))
+        s.bus.publish_event(subjects.generation_given_up(s.replica.job_id), GenerationGivenUp(
+            job_id=s.replica.job_id, generation=generation, replica_id=s.replica.replica_id,
+            reason=why[:DETAIL_CHARS], sent_at=time.time(), admission=s.replica.admission),
+            s.replica.event_id(f"g{generation}-given-up"))
 
     def leave_without_joining(self) -> None:
-        """The job completed before this replica became a member: end the process (status
-        0) without returning into the script, whose post-training code would otherwise
+        """The job completed before this replica became a member: raise
+        :class:`JobCompletedWithoutThisReplica` (the session closes, and the process ends
+        with status 0) rather than return into the script, whose post-training code would
         treat the untrained parameters as the result."""
-        s = self.session
-        finished = s._inbox.finished_step
-        completed = JobCompletedWithoutThisReplica(s.job_id, s.replica_id, finished)
+        s = self.state
+        finished = s.inbox.finished_step
+        completed = JobCompletedWithoutThisReplica(s.replica.job_id, s.replica.replica_id, finished)
         log.info("%s", completed)
-        if s._record is not None:
-            s._record.write(kind="left", step=finished)
-        s.close()
+        if s.record is not None:
+            s.record.write(kind="left", step=finished)
         raise completed
 
     def _leave(self, generation: Generation) -> None:
         """A planned shrink took this replica out: it committed the step the members switched
-        after; end the process with status 0 (its agent frees the slot when it exits)."""
-        s = self.session
-        left = LeftTheJob(s.job_id, s.replica_id, s.committed - 1, generation.generation)
+        after. Raise :class:`LeftTheJob` (the session closes, and the process ends with
+        status 0: its agent frees the slot when it exits)."""
+        s = self.state
+        left = LeftTheJob(s.replica.job_id, s.replica.replica_id, s.committed - 1,
+                          generation.generation)
         log.info("%s", left)
         self.rank = None  # the job goes on without it: it is nobody's primary
         default_group.clear()
-        if s._record is not None:
-            s._record.write(kind="left", step=s.committed, generation=generation.generation,
+        if s.record is not None:
+            s.record.write(kind="left", step=s.committed, generation=generation.generation,
                             planned=True)
-        s.close()
         raise left
 
     def _hand_over(self, newest: Generation) -> None:
@@ -301,14 +323,14 @@ class Membership:
         keeps each member's partition through the switch, and the new group moves them
         (:meth:`_apply`). Cut short by a fault, the members hold only their old partitions,
         and the new generation restores a snapshot."""
-        sharded = self.session._sharded
+        sharded = self.state.sharded
         assert sharded is not None and self.pg is not None and self.generation is not None
         old = [self.generation.member(m.replica_id) for m in newest.members]
         if any(member is None for member in old):
             sharded.hold()
             return
         try:
-            sharded.hand_to(self.pg, self.session._wait,
+            sharded.hand_to(self.pg, self.wait,
                             [member.rank for member in old if member is not None],
                             newest.world_size)
         except Aborted as exc:
@@ -319,7 +341,7 @@ class Membership:
 
     def share(self, index: int) -> tuple[list[MicroBatch], Retained | None]:
         """Step ``index``'s micro-batches for this rank, and a repaired step's kept share."""
-        s = self.session
+        s = self.state
         order = s.order
         epoch, in_epoch = divmod(index, order.steps_per_epoch)
         if self._repair is not None and self._repair[0] == index:
@@ -340,15 +362,15 @@ class Membership:
     def seen_newer(self) -> float:
         """1.0 if this member has seen a newer generation (its part of a step's flag)."""
         assert self.generation is not None  # asked in a step's all-reduce: within one
-        return 1.0 if self.session._inbox.newest_number() > self.generation.generation else 0.0
+        return 1.0 if self.state.inbox.newest_number() > self.generation.generation else 0.0
 
     def agree_to_switch(self) -> None:
         """A step's all-reduce said a member has seen a newer generation: every member
         switches after this step (waiting here for the generation if it has not come)."""
         assert self.generation is not None
         self._switch_agreed = True
-        if self.session._inbox.newest_number() <= self.generation.generation:
-            self.wait_for_newer(self.generation.generation, self.session._total_steps)
+        if self.state.inbox.newest_number() <= self.generation.generation:
+            self.wait_for_newer(self.generation.generation, self.state.total_steps)
 
     def give_up(self, step: int, why: Aborted, kept: Retained | None = None) -> None:
         """A fault aborted ``step``: abandon the group, and keep for the next generation
@@ -368,7 +390,7 @@ class Membership:
         # peer must be left to its own timeout; abort() makes its exit std::terminate).
         # NCCL: aborted, its kernels hold the device (:meth:`.group.Waits.abandon`).
         if self.pg is not None:
-            self.session._waits.abandon(self.pg)
+            self.waits.abandon(self.pg)
         self.pg = None
 
     # --- applying a generation -----------------------------------------------------------
@@ -381,28 +403,29 @@ class Membership:
         step, aborted_ns, why = self._aborted
         self._aborted = None
         span = telemetry.tracer().start_span("abort step", start_time=aborted_ns, attributes={
-            "phalanx.job": self.session.job_id, "phalanx.replica": self.session.replica_id,
+            "phalanx.job": self.state.replica.job_id,
+            "phalanx.replica": self.state.replica.replica_id,
             "phalanx.step": step, "phalanx.generation": generation.generation,
             "phalanx.abort.cause": why})
         span.end(end_time=max(aborted_ns, received_ns))
 
     def _apply(self, generation: Generation, context: Any) -> None:
         """Rebuild the process group for ``generation`` and agree on the state."""
-        s = self.session
+        s = self.state
         received = time.time()
         token = otel_context.attach(context) if context is not None else None
         try:
             self._trace_abort(generation, int(received * 1e9))
             with telemetry.tracer().start_as_current_span(
                     f"apply generation {generation.generation}", attributes={
-                        "phalanx.job": s.job_id, "phalanx.replica": s.replica_id,
+                        "phalanx.job": s.replica.job_id, "phalanx.replica": s.replica.replica_id,
                         "phalanx.generation": generation.generation,
                         "phalanx.reason": generation.reason.value,
                         "phalanx.world_size": generation.world_size}) as applying:
                 self.abandon()
-                if s._snapshots is not None:
-                    s._snapshots.fence()  # a restore or a copy writes the state
-                member = generation.member(s.replica_id)
+                if s.snapshots is not None:
+                    s.snapshots.fence()  # a restore or a copy writes the state
+                member = generation.member(s.replica.replica_id)
                 assert member is not None
                 with telemetry.tracer().start_as_current_span("rebuild process group"):
                     pg = self._rendezvous(generation, member.rank)
@@ -410,27 +433,27 @@ class Membership:
                 self.pg, self.generation = pg, generation
                 self._switch_agreed = False
                 self.rank, self.world_size = member.rank, generation.world_size
-                s._inbox.forget_faults(generation)
+                s.inbox.forget_faults(generation)
                 with telemetry.tracer().start_as_current_span("copy state") as copying:
                     # A planned change's held partitions, if they add up to the whole state.
-                    holders = None if s._sharded is None else s._sharded.agree(
-                        pg, s._wait, self.rank, self.world_size, s.committed)
+                    holders = None if s.sharded is None else s.sharded.agree(
+                        pg, self.wait, self.rank, self.world_size, s.committed)
                     resume, nbytes = self._resume(generation)
                     if holders is not None and self._restored_from is StateSource.MEMBERS:
-                        assert s._sharded is not None
-                        nbytes += s._sharded.take_over(pg, s._wait, self.rank,
+                        assert s.sharded is not None
+                        nbytes += s.sharded.take_over(pg, self.wait, self.rank,
                                                        self.world_size, holders)
                     copying.set_attribute("phalanx.state_bytes", nbytes)
-                if s._sharded is not None:
-                    s._sharded.repartition(self.rank, self.world_size)
+                if s.sharded is not None:
+                    s.sharded.repartition(self.rank, self.world_size)
                 synced = time.time()
                 applying.set_attributes({"phalanx.rank": member.rank,
                                          "phalanx.resume_step": resume})
         finally:
             if token is not None:
                 otel_context.detach(token)
-        if s._record is not None:
-            s._record.write(kind="generation", generation=generation.generation,
+        if s.record is not None:
+            s.record.write(kind="generation", generation=generation.generation,
                             reason=generation.reason.value, rank=self.rank,
                             world_size=self.world_size, received=received, built=built,
                             synced=synced, resume=resume, state_bytes=nbytes,
@@ -438,16 +461,17 @@ class Membership:
         # Reported once the first step in the generation is committed: elasticity starts
         # replacements only then, so their start-up does not slow the survivors' recovery.
         self._applied = GenerationApplied(
-            job_id=s.job_id, generation=generation.generation, replica_id=s.replica_id,
+            job_id=s.replica.job_id, generation=generation.generation,
+            replica_id=s.replica.replica_id,
             committed_step=s.committed, resume_step=resume, rebuild_s=built - received,
             state_copy_s=synced - built, state_bytes=nbytes, restored_from=self._restored_from,
-            admission=s.admission)
+            admission=s.replica.admission)
         default_group.answer(self.rank, self.world_size)
-        if s._progress is not None:
-            s._progress.generation = generation.generation
+        if s.reporter is not None:
+            s.reporter.generation = generation.generation
         # In the replica's log (the agent's file for its output): where membership changed.
         print(f"=== phalanx: generation {generation.generation} ({generation.reason.value}"
-              f"{': ' + generation.cause if generation.cause else ''}): {s.replica_id} is "
+              f"{': ' + generation.cause if generation.cause else ''}): {s.replica.replica_id} is "
               f"rank {self.rank} of {self.world_size}, resuming after step {resume}"
               f"{_FROM.get(self._restored_from, '')}", flush=True)
         if s.on_membership is not None:
@@ -458,17 +482,17 @@ class Membership:
         """The group of ``generation`` (the session's ``backend``), given up at once if it
         is superseded meanwhile (its rank 0 died, say) or the job ends before this replica
         gets in."""
-        s = self.session
+        s = self.state
 
         def give_up() -> str | None:
-            if s._inbox.newest_number() > generation.generation:
+            if s.inbox.newest_number() > generation.generation:
                 return f"generation {generation.generation} was superseded"
-            if self.generation is None and s._inbox.finished_step >= s._total_steps:
+            if self.generation is None and s.inbox.finished_step >= s.total_steps:
                 return "the job finished before this replica joined"
             return None
 
         assert self._store is not None
-        return rendezvous(s._waits, self._stores, (s.replica_id, self._store),
+        return rendezvous(self.waits, self._stores, (s.replica.replica_id, self._store),
                           generation, rank, s.timeout, give_up, s.backend, s.device)
 
     def _resume(self, generation: Generation) -> tuple[int, int]:
@@ -478,8 +502,8 @@ class Membership:
         landing, self.landing = self.landing, []  # used by this copy or never
         retained, self._retained = self._retained, None
         self._repair = self._sitting_out = None
-        resumed = resume(self.session, generation, retained, landing)
+        resumed = resume(self.state, self.seat(), generation, retained, landing)
         self._restored_from = resumed.origin
         self._repair, self._sitting_out = resumed.repair, resumed.sitting_out
-        self.session._arm_chaos(generation.generation, resumed.step)
+        self.state.chaos.arm(generation.generation, resumed.step)
         return resumed.step, resumed.nbytes

@@ -35,6 +35,12 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # carried, never computed on, here
+    import torch
+
+    from phalanx.schemas.messages import Generation
 
 
 class StateLost(RuntimeError):
@@ -49,6 +55,18 @@ class StateLost(RuntimeError):
     def __init__(self, message: str, *, retry: bool = True) -> None:
         super().__init__(message)
         self.retry = retry
+
+
+@dataclasses.dataclass(frozen=True)
+class Retained:
+    """A step's local gradient kept when its all-reduce was aborted: a repair of the step
+    in the next generation counts it instead of computing its samples again."""
+
+    step: int
+    generation: Generation  # the one the step was attempted in
+    gradient: torch.Tensor  # this rank's summed share, not yet all-reduced
+    indices: list[int]  # the samples it covers
+    metrics: torch.Tensor  # their share of the loss and of the script's metrics (float64)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -18,8 +18,8 @@ the all-reduce made explicit:
   and returns whether the step is committed: an aborted step runs again, so
   a scheduler stepped only on True is stepped once per committed step.
 
-The session runs the collectives: a step takes its plan from the session's
-membership (:meth:`.membership.Membership.share`), and asks the session's
+The session runs the collectives: a step takes its plan from the membership
+(:meth:`.membership.Membership.share`), and asks the
 :class:`~.training_step.StepRunner` to load its batches, arm the bucketed
 all-reduce before the last micro-batch's backward (``arm``), fold
 deterministic-mode gradients (``fold``), reduce (``allreduce``), update and
@@ -31,15 +31,13 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from phalanx.runtime.data import MicroBatch
-
-if TYPE_CHECKING:
-    from phalanx.runtime.elastic import ElasticSession
-    from phalanx.runtime.membership import Retained
+from phalanx.runtime.recovery import Retained
+from phalanx.runtime.training_step import StepRunner
 
 log = logging.getLogger("phalanx.runtime")
 
@@ -63,18 +61,18 @@ class Step:
     decides the same from it.
     """
 
-    def __init__(self, session: ElasticSession, index: int) -> None:
-        self.session = session
-        self._runner = session._runner
+    def __init__(self, runner: StepRunner, index: int) -> None:
+        self._runner = runner
+        self._state = state = runner.state
         self.index = index
-        self.epoch, self.step_in_epoch = divmod(index, session.order.steps_per_epoch)
+        self.epoch, self.step_in_epoch = divmod(index, state.order.steps_per_epoch)
         #: This rank's micro-batches, and a repaired step's share kept from its aborted try.
         self.plan: list[MicroBatch]
         self.kept: Retained | None
-        self.plan, self.kept = session._membership.share(index)
-        if session._buffers.buffers:
-            first = session.order.batch(self.epoch, self.step_in_epoch)[0]
-            session._buffers.start(
+        self.plan, self.kept = runner.membership.share(index)
+        if state.buffers.buffers:
+            first = state.order.batch(self.epoch, self.step_in_epoch)[0]
+            state.buffers.start(
                 index, next((n for n, mb in enumerate(self.plan) if first in mb.indices), None),
                 self.kept is not None and first in self.kept.indices)
         self.outcome: bool | None = None
@@ -114,9 +112,9 @@ class Step:
             if n == len(self.plan) - 1:
                 runner.arm(self)  # its backward starts the all-reduce
             self._weight = mb.weight
-            self.session._buffers.handing(n)
+            self._state.buffers.handing(n)
             yield next(loaded), mb.weight
-            if self.session.deterministic:  # the caller's backward for this micro-batch is done
+            if self._state.deterministic:  # the caller's backward for this micro-batch is done
                 runner.fold()
         self._weight = None
 
@@ -148,9 +146,9 @@ class Step:
             KeyError: ``name`` was not declared.
             RuntimeError: the step was reduced already.
         """
-        if name not in self.session.metric_names:
+        if name not in self._state.metric_names:
             raise KeyError(f"metric {name!r} is not declared in the session's metrics "
-                           f"{list(self.session.metric_names)}")
+                           f"{list(self._state.metric_names)}")
         if self._reduced is not None:
             raise RuntimeError(f"step {self.index} was reduced already: add metrics before")
         self._metric_shares[name] = self._metric_shares.get(name, 0.0) + float(value)
@@ -158,7 +156,7 @@ class Step:
     def local_metrics(self) -> torch.Tensor:
         """This rank's share of ``[loss, *metrics]`` (with a repaired step's kept share)."""
         values = torch.tensor([self._loss_share, *(
-            self._metric_shares.get(name, 0.0) for name in self.session.metric_names)],
+            self._metric_shares.get(name, 0.0) for name in self._state.metric_names)],
             dtype=torch.float64)
         return values if self.kept is None else values + self.kept.metrics
 
@@ -166,7 +164,7 @@ class Step:
         """The session's call: ``summed`` is :meth:`local_metrics` summed over the ranks."""
         values = summed.tolist()
         self.loss = values[0]
-        self.metrics = dict(zip(self.session.metric_names, values[1:], strict=True))
+        self.metrics = dict(zip(self._state.metric_names, values[1:], strict=True))
 
     def reduce(self, loss: float | None = None) -> bool:
         """All-reduce the gradients (and the loss and metrics); idempotent.
@@ -248,7 +246,7 @@ class Step:
             self._runner.committed(self, time.perf_counter())
         # None, as DDP users do: the next backward hands its gradient over instead of
         # adding it into zeroed memory (two passes over every gradient saved).
-        self.session.optimizer.zero_grad(set_to_none=True)
+        self._state.optimizer.zero_grad(set_to_none=True)
         self.outcome = ok
         return ok
 

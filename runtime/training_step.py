@@ -28,38 +28,55 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import msgspec
 import torch
 
 from phalanx.runtime.data import MicroBatch
 from phalanx.runtime.group import Aborted
-from phalanx.runtime.membership import Membership, Retained
+from phalanx.runtime.membership import Membership
+from phalanx.runtime.recovery import Retained
 from phalanx.runtime.reduce import (
     BucketedReduce,
     bucket_plan,
     flat_gradients,
     write_gradients,
 )
+from phalanx.runtime.session_state import SessionState
 from phalanx.runtime.snapshot_interval import TAIL_LENGTH
 from phalanx.schemas import subjects
-
-if TYPE_CHECKING:
-    from phalanx.runtime.elastic import ElasticSession
-    from phalanx.runtime.step import Step
 
 log = logging.getLogger("phalanx.runtime")
 
 
-class StepRunner:
-    """What a session's steps ask of it: owned by the session, in its ``membership``.
+class Step(Protocol):
+    """What the runner reads of a step (:class:`.step.Step`, which holds the runner)."""
 
-    It moves the session's ``committed`` and ``last_step_s`` as steps commit.
+    index: int
+    kept: Retained | None
+    started: float
+    updated: bool
+    loss_given: bool
+
+    @property
+    def indices(self) -> list[int]: ...
+
+    def local_metrics(self) -> torch.Tensor: ...
+
+    def reduced(self, summed: torch.Tensor) -> None: ...
+
+    def timings(self, now: float) -> dict[str, float]: ...
+
+
+class StepRunner:
+    """What a session's steps ask of it, in the generation ``membership`` applied.
+
+    It moves the state's ``committed`` and ``last_step_s`` as steps commit.
     """
 
-    def __init__(self, session: ElasticSession, membership: Membership) -> None:
-        self.session = session
+    def __init__(self, state: SessionState, membership: Membership) -> None:
+        self.state = state
         self.membership = membership
         self._accumulated: torch.Tensor | None = None  # float64 gradient sum (deterministic)
         self._reduce: BucketedReduce | None = None  # the step's all-reduce, once armed
@@ -74,14 +91,14 @@ class StepRunner:
 
     def params(self) -> list[torch.nn.Parameter]:
         """The parameters that train (the ones the gradients are of)."""
-        return [p for p in self.session.model.parameters() if p.requires_grad]
+        return [p for p in self.state.model.parameters() if p.requires_grad]
 
     def load(self, plan: list[MicroBatch]) -> Iterator[Any]:
         """The batches of ``plan``'s micro-batches, in order (lazily)."""
-        session = self.session
-        if session._loader is None:  # the dataset's own gather
-            return (session.dataset.batch(mb.indices) for mb in plan)
-        return session._loader.batches(plan)
+        state = self.state
+        if state.loader is None:  # the dataset's own gather
+            return (state.dataset.batch(mb.indices) for mb in plan)
+        return state.loader.batches(plan)
 
     # --- reduce --------------------------------------------------------------------------
 
@@ -89,11 +106,11 @@ class StepRunner:
         """Deterministic mode: add the micro-batch's gradient to the float64 sum."""
         flat = flat_gradients(self.params(), torch.float64)
         self._accumulated = flat if self._accumulated is None else self._accumulated + flat
-        self.session.optimizer.zero_grad(set_to_none=False)
+        self.state.optimizer.zero_grad(set_to_none=False)
 
     def arm(self, step: Step) -> None:
         """Before the step's last backward: let the hooks start the all-reduce as it runs."""
-        if not self.session.deterministic and self.membership.pg is not None:
+        if not self.state.deterministic and self.membership.pg is not None:
             self._reduce = self._bucketed(step)
 
     def allreduce(self, step: Step) -> bool:
@@ -101,15 +118,15 @@ class StepRunner:
 
         On success ``step.loss`` and ``step.metrics`` hold the sums over the ranks.
         """
-        session, membership = self.session, self.membership
-        snapshots = session._snapshots
+        state, membership = self.state, self.membership
+        snapshots = state.snapshots
         params = self.params()
         kept = step.kept.gradient if step.kept is not None else None
         metrics = step.local_metrics()
         reduce = self._reduce
         self._reduce = None
 
-        buffers = session._buffers.tail()  # the designated member's buffers (.buffers)
+        buffers = state.buffers.tail()  # the designated member's buffers (.buffers)
 
         def tail() -> torch.Tensor:
             # The loss and metrics, the buffers, then this member's snapshot measurements
@@ -120,10 +137,10 @@ class StepRunner:
                               torch.tensor([*measured, membership.seen_newer()],
                                            dtype=torch.float64)])
 
-        if session.deterministic or membership.pg is None:
-            if session.deterministic:
+        if state.deterministic or membership.pg is None:
+            if state.deterministic:
                 local = self._accumulated if self._accumulated is not None else torch.zeros(
-                    sum(p.numel() for p in params), dtype=torch.float64, device=session.device)
+                    sum(p.numel() for p in params), dtype=torch.float64, device=state.device)
                 self._accumulated = None
             else:
                 local = flat_gradients(params)
@@ -132,7 +149,7 @@ class StepRunner:
             if membership.pg is None:
                 write_gradients(params, local)
                 step.reduced(metrics)
-                session._buffers.alone()
+                state.buffers.alone()
                 return True
             flat = torch.cat([local.to(torch.float64), tail().to(local.device)])
             run = self._reduce_whole(flat, len(metrics) + len(buffers) + TAIL_LENGTH + 1,
@@ -141,7 +158,7 @@ class StepRunner:
         else:
             reduce = reduce or self._bucketed(step, tail)  # not armed: no micro-batch here
             reduce.tail = tail
-            run = (lambda: reduce.finish(session._wait))  # noqa: E731
+            run = (lambda: reduce.finish(membership.wait))  # noqa: E731
             local_gradient = reduce.local_gradient
         generation = membership.generation
         assert generation is not None  # a group exists only within a generation
@@ -157,7 +174,7 @@ class StepRunner:
             self._bucket_buffers = reduce.flats  # given back: the all-reduce completed
         step.reduced(summed[:len(metrics)])
         after_metrics = len(metrics) + len(buffers)
-        session._buffers.settle(summed[len(metrics):after_metrics])
+        state.buffers.settle(summed[len(metrics):after_metrics])
         if snapshots is not None:
             snapshots.schedule.agree(summed[after_metrics:-1].tolist())
         if summed[-1] > 0:
@@ -168,14 +185,14 @@ class StepRunner:
                       step: Step) -> Callable[[], torch.Tensor]:
         """One all-reduce of the whole flat gradient and the ``tail`` last elements
         (deterministic mode)."""
-        session = self.session
+        state = self.state
         pg = self.membership.pg
         assert pg is not None
 
         def run() -> torch.Tensor:
-            if session.chaos_kill == (step.index, "allreduce"):
-                session._chaos_kill()
-            session._wait(pg.allreduce([flat]))
+            if state.chaos.due(step.index, "allreduce"):
+                state.die()
+            self.membership.wait(pg.allreduce([flat]))
             write_gradients(self.params(), flat)  # rounds float64 sums once
             return flat[-tail:]
 
@@ -184,7 +201,7 @@ class StepRunner:
     def _bucketed(self, step: Step,
                   tail: Callable[[], torch.Tensor] | None = None) -> BucketedReduce:
         """A bucketed all-reduce for ``step``, started by the gradient hooks as backward runs."""
-        session = self.session
+        state = self.state
         assert self.membership.pg is not None
         params = self.params()
         if self._buckets is None:
@@ -198,8 +215,8 @@ class StepRunner:
         # Lent to this step's all-reduce; an aborted one never gives them back (its gloo
         # threads may still write into them), so the next step allocates new ones.
         self._bucket_buffers = None
-        if session.chaos_kill == (step.index, "allreduce"):
-            reduce.before_last_launch = session._chaos_kill
+        if state.chaos.due(step.index, "allreduce"):
+            reduce.before_last_launch = state.die
         return reduce
 
     # --- apply and commit ----------------------------------------------------------------
@@ -208,18 +225,18 @@ class StepRunner:
         """The optimizer step; False if a fault cut a sharded optimizer's broadcast of the
         updated parameters short (the step is torn: it is not committed, and the members
         hold no complete step until they restore one)."""
-        session = self.session
-        if session._snapshots is not None:
-            session._snapshots.fence()  # a snapshot copied off the device is not overwritten
-        dies = session.chaos_kill == (step.index, "update")
-        if session._sharded is None:
-            session.optimizer.step()
+        state = self.state
+        if state.snapshots is not None:
+            state.snapshots.fence()  # a snapshot copied off the device is not overwritten
+        dies = state.chaos.due(step.index, "update")
+        if state.sharded is None:
+            state.optimizer.step()
             if dies:
-                session._chaos_kill()
+                state.die()
             return True
         try:
-            session._sharded.step(self.membership.pg, session._wait,
-                                  session._chaos_kill if dies else None)
+            state.sharded.step(self.membership.pg, self.membership.wait,
+                               state.die if dies else None)
             return True
         except Aborted as exc:
             log.warning("step %d's parameter broadcast aborted: %s", step.index, exc)
@@ -232,7 +249,7 @@ class StepRunner:
 
     def record_batch(self, step: Step) -> None:
         """The record's line of what ``step`` trained on (before its gradients leave)."""
-        record = self.session._record
+        record = self.state.record
         if record is not None:
             record.write(
                 kind="batch", step=step.index, generation=self._generation_number(),
@@ -247,11 +264,11 @@ class StepRunner:
         part of the step too, so the step is snapshotted, recorded and reported at the
         *boundary*: when the script next asks for a step, the loop ends, or the session is
         closed (:meth:`finish_commit`)."""
-        session = self.session
-        session._buffers.end()
-        session.committed = step.index + 1
-        step_before, previous = session.last_step_s, self._last_commit_at
-        session.last_step_s, self._last_commit_at = now - step.started, now
+        state = self.state
+        state.buffers.end()
+        state.committed = step.index + 1
+        step_before, previous = state.last_step_s, self._last_commit_at
+        state.last_step_s, self._last_commit_at = now - step.started, now
         self._boundary = (step, now, step_before, previous)
 
     def forget_boundary(self) -> None:
@@ -268,42 +285,42 @@ class StepRunner:
         that snapshot resumed after as never trained (a cluster stopped under the job)."""
         if self._boundary is None:
             return
-        session, membership = self.session, self.membership
+        state, membership = self.state, self.membership
         step, now, step_before, previous = self._boundary
         self._boundary = None
-        if session._record is not None:
-            session._record.write(kind="commit", step=step.index,
+        if state.record is not None:
+            state.record.write(kind="commit", step=step.index,
                                   generation=self._generation_number(), rank=membership.rank,
                                   **step.timings(now),
                                   **({} if step.updated else {"skipped": True}))
         extra: dict[str, Any] = {}
-        snapshots = session._snapshots
+        snapshots = state.snapshots
         if snapshots is not None:
             snapshot_s = None
-            if snapshots.due(session.committed):
+            if snapshots.due(state.committed):
                 # A member's.
                 assert membership.generation is not None and membership.rank is not None
-                if snapshots.take(session.model, session._optimizer_state, session._state,
-                                  session.committed, membership.generation.generation,
+                if snapshots.take(state.model, state.optimizer_state, state.carried,
+                                  state.committed, membership.generation.generation,
                                   membership.rank, membership.world_size):
                     snapshot_s = extra["snapshot_s"] = snapshots.last_copy_s
             # The interval the members agreed on in this step (bench/snapshot.py reads both).
             extra["snapshot_every"] = snapshots.schedule.interval
             snapshots.schedule.measured(
-                session.last_step_s, None if snapshots.last_was_first else snapshot_s,
+                state.last_step_s, None if snapshots.last_was_first else snapshot_s,
                 taken=snapshot_s is not None)
-        if session._record is not None and extra:
-            session._record.write(kind="snapshot", step=step.index, **extra)
-        if session._progress is not None:
-            session._progress.report(session.committed, session.last_step_s,
-                                     final=session.committed == session._total_steps)
+        if state.record is not None and extra:
+            state.record.write(kind="snapshot", step=step.index, **extra)
+        if state.reporter is not None:
+            state.reporter.report(state.committed, state.last_step_s,
+                                     final=state.committed == state.total_steps)
         applied = membership.take_applied()
-        if applied is not None and session.bus is not None:
+        if applied is not None and state.bus is not None:
             # What the change cost this member: the gap between its commits around it,
             # beyond the step it took before (a joiner had no commit before it).
             pause = None if previous is None else max(0.0, now - previous - step_before)
-            applied = msgspec.structs.replace(applied, committed_step=session.committed,
+            applied = msgspec.structs.replace(applied, committed_step=state.committed,
                                               pause_s=pause)
-            session.bus.publish_event(
-                subjects.generation_applied(session.job_id), applied,
-                session.event_id(f"g{applied.generation}-applied"))
+            state.bus.publish_event(
+                subjects.generation_applied(state.replica.job_id), applied,
+                state.replica.event_id(f"g{applied.generation}-applied"))

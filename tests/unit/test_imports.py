@@ -143,12 +143,15 @@ def breaches(root: Path) -> list[str]:
     return found
 
 
-def cycles(root: Path) -> list[list[str]]:
-    """The import cycles among our modules (strongly connected components of more than one
-    module), imports under ``if TYPE_CHECKING:`` left out."""
-    edges: dict[str, set[str]] = {m: set() for m in modules(root)}
+def cycles(root: Path, *, within: str = "phalanx", type_only: bool = False
+           ) -> list[list[str]]:
+    """The import cycles among our modules under ``within`` (strongly connected components
+    of more than one module), imports under ``if TYPE_CHECKING:`` left out unless
+    ``type_only``."""
+    edges: dict[str, set[str]] = {m: set() for m in modules(root)
+                                  if m == within or m.startswith(within + ".")}
     for i in imports(root):
-        if not i.type_only and i.target in edges:
+        if (type_only or not i.type_only) and i.source in edges and i.target in edges:
             edges[i.source].add(i.target)
     index: dict[str, int] = {}
     low: dict[str, int] = {}
@@ -186,6 +189,12 @@ def test_every_import_keeps_the_matrix() -> None:
 
 def test_no_import_cycle() -> None:
     assert cycles(ROOT) == []
+
+
+def test_the_runtime_has_no_import_cycle_even_for_types() -> None:
+    """The session's parts take its state (:mod:`phalanx.runtime.session_state`), never the
+    session: not even an annotation loops back to it."""
+    assert cycles(ROOT, within="phalanx.runtime", type_only=True) == []
 
 
 def test_the_layers_are_the_documented_ones() -> None:
@@ -265,6 +274,8 @@ def test_a_cycle_is_reported_unless_one_side_imports_for_types_only(tmp_path: Pa
                              "phalanx.services.cli.up", "phalanx.services.top"]]
     top.write_text(source + "\nif TYPE_CHECKING:\n    from phalanx.services.cli import main\n")
     assert cycles(tree) == []
+    assert ["phalanx.services.cli", "phalanx.services.cli.nodes", "phalanx.services.cli.up",
+            "phalanx.services.top"] in cycles(tree, within="phalanx.services", type_only=True)
 
 
 # --- the pure layers load without the bus ----------------------------------------------------

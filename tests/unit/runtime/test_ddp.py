@@ -110,11 +110,11 @@ def test_the_lr_scheduler_of_the_optimizer_is_carried_without_being_registered()
     assert schedulers.unregistered(optimizer, [], alive) == {"lr_scheduler": sequential}
     assert schedulers.unregistered(optimizer, [sequential], alive) == {}  # registered: its name
     session = ElasticSession(model, optimizer, data(), global_batch=BATCH)
-    assert session._state == {"lr_scheduler": sequential}
+    assert dict(session.carried) == {"lr_scheduler": sequential}
     session.close()
     named = ElasticSession(model, optimizer, data(), global_batch=BATCH,
                            state={"scheduler": sequential})
-    assert named._state == {"scheduler": sequential}
+    assert dict(named.carried) == {"scheduler": sequential}
     named.close()
     assert others.optimizer is other
 
@@ -142,19 +142,19 @@ def test_an_averaged_model_of_the_model_is_carried_without_being_registered() ->
         use_buffers=True)
     other = torch.optim.swa_utils.AveragedModel(torch.nn.Linear(2, 2))  # not this model's
     session = ElasticSession(model, optimizer, data(), global_batch=BATCH)
-    assert session._state == {averaged.NAME: ema}
+    assert dict(session.carried) == {averaged.NAME: ema}
     session.close()
     named = ElasticSession(model, optimizer, data(), global_batch=BATCH, state={"ema": ema})
-    assert named._state == {"ema": ema}
+    assert dict(named.carried) == {"ema": ema}
     named.close()
     del session, named, ema
     gc.collect()  # the sessions hold it in reference cycles
     # Built after the session, before its first step: found when the step starts.
     late_session = ElasticSession(model, optimizer, data(), global_batch=BATCH)
-    assert late_session._state == {}
+    assert dict(late_session.carried) == {}
     late = torch.optim.swa_utils.AveragedModel(model)
     next(late_session.steps(1))
-    assert late_session._state == {averaged.NAME: late}
+    assert dict(late_session.carried) == {averaged.NAME: late}
     late_session.close()
     assert other.module.weight.shape == (2, 2)
 
@@ -168,7 +168,7 @@ def test_two_unregistered_averaged_models_are_refused_by_name() -> None:
         ElasticSession(model, optimizer, data(), global_batch=BATCH)
     session = ElasticSession(model, optimizer, data(), global_batch=BATCH,
                              state={"ema": kept[0]})
-    assert session._state == {"ema": kept[0], averaged.NAME: kept[1]}
+    assert dict(session.carried) == {"ema": kept[0], averaged.NAME: kept[1]}
     third = torch.optim.swa_utils.AveragedModel(model)
     with pytest.raises(ValueError, match="another AveragedModel than the one carried"):
         next(session.steps(1))
