@@ -248,7 +248,7 @@ class ScalingPolicy(Part, frozen=True):
 
 
 class CheckpointPolicy(Part, frozen=True):
-    """When a job's state is snapshotted (docs/architecture.md, Checkpoints).
+    """When a job's state is snapshotted (docs/checkpoints.md).
 
     Every ``memory_every_steps`` committed steps (0: never) each rank copies its share
     of the state into its node agent's shared memory, in a ring of ``memory_keep``

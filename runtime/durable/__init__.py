@@ -36,7 +36,7 @@ never loaded and that retention deletes. Retention (by every committer): the
 newest ``durable_keep`` committed steps of the job stay; older steps and
 abandoned attempts older than the newest committed step are deleted.
 
-**Loading** (:func:`load`, path 4 of docs/architecture.md, Checkpoints): every
+**Loading** (:func:`load`, path 4 of docs/checkpoints.md): every
 file's checksum is checked against the commit record before anything is
 loaded; a mismatch raises :class:`DurableCorrupt` and the caller goes on to the
 next older step. The state is then read with ``torch.distributed.checkpoint``

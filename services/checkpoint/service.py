@@ -14,7 +14,7 @@ this leader last wrote.
 Announcements are plain publishes, not stream events: a memory snapshot is
 superseded by the next one within one interval, so one missed while no leader
 listened is corrected by the next, and the ranks restore from their nodes'
-memory without asking the catalog (docs/architecture.md, Checkpoints).
+memory without asking the catalog (docs/checkpoints.md).
 
 The leader also places buddies (:func:`.core.place_buddies`): every
 :data:`PLACE_EVERY_S` it reads the node registry and stores each live node's
