@@ -418,7 +418,8 @@ def fault_free(work: Path, steps: int, sharded: bool = False) -> dict[str, Any]:
                     *script_args(sharded), "--steps", str(steps),
                     "--save", str(work / "reference.pt")],
                    check=True, timeout=900, env={**env, "PHALANX_DETERMINISTIC": "1"})
-    return torch.load(work / "reference.pt")
+    reference: dict[str, Any] = torch.load(work / "reference.pt")
+    return reference
 
 
 async def run(work: Path, *, seed: int, faults: int, interval_s: float,

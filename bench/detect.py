@@ -35,8 +35,9 @@ import signal
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from phalanx.bench.results import append, utc_date
 from phalanx.bus.client import Bus, Delivery
@@ -61,10 +62,15 @@ HANG_TIMEOUT_S = 0.5
 NODE_TIMEOUT_S = 0.6
 HEARTBEAT_S = 0.1
 
+T = TypeVar("T")
+
 
 def stats(values_ms: list[float]) -> dict[str, float]:
     values = sorted(values_ms)
-    pick = lambda q: values[min(len(values) - 1, int(q * len(values)))]  # noqa: E731
+
+    def pick(q: float) -> float:
+        return values[min(len(values) - 1, int(q * len(values)))]
+
     return {"n": len(values), "p50_ms": round(pick(0.50), 2), "p99_ms": round(pick(0.99), 2),
             "max_ms": round(values[-1], 2)}
 
@@ -80,7 +86,7 @@ class Events:
         self.last_heartbeat: dict[str, float] = {}
         self.changed = asyncio.Event()
 
-    async def until(self, condition) -> None:
+    async def until(self, condition: Callable[[], bool]) -> None:
         """Wait until ``condition()`` holds, re-checked on each progress report or heartbeat."""
         while not condition():
             self.changed.clear()
@@ -113,8 +119,9 @@ class Events:
                             on_condition)
 
 
-async def wait_for(queue: asyncio.Queue, predicate, timeout_s: float = 30.0):
-    async def scan():
+async def wait_for(queue: asyncio.Queue[T], predicate: Callable[[T], bool],
+                   timeout_s: float = 30.0) -> T:
+    async def scan() -> T:
         while True:
             item = await queue.get()
             if predicate(item):
@@ -157,9 +164,11 @@ async def rank_trials(client: AdmissionClient, events: Events, trials: int, per_
                 break
             killed_at = time.time()
             os.kill(pid, sig)
-            arrived, _ = await wait_for(events.faults, lambda x, r=rank, n=name:
-                                        x[1].job_id == n and x[1].rank == r
-                                        and x[1].kind is kind)
+
+            def struck(x: tuple[float, Fault], r: int = rank, n: str = name) -> bool:
+                return x[1].job_id == n and x[1].rank == r and x[1].kind is kind
+
+            arrived, _ = await wait_for(events.faults, struck)
             due = (killed_at if kind is FaultKind.CRASH
                    else events.last_progress[(name, rank)] + HANG_TIMEOUT_S)
             latencies.append((arrived - due) * 1e3)
@@ -173,11 +182,19 @@ async def node_trials(cluster: LocalCluster, events: Events, trials: int) -> lis
         node = f"doomed-{i}"
         await cluster.start_agent(node, "doomed")
         proc = cluster.agents[node]
-        await events.until(lambda n=node: n in events.last_heartbeat)
+
+        def heard(n: str = node) -> bool:
+            return n in events.last_heartbeat
+
+        await events.until(heard)
         await asyncio.sleep(HEARTBEAT_S * 2)  # let health hear it beat, so it judges the node
         proc.kill()
         await proc.wait()
-        arrived, _ = await wait_for(events.lost, lambda x, n=node: x[1].node_id == n)
+
+        def lost(x: tuple[float, NodeConditionChanged], n: str = node) -> bool:
+            return x[1].node_id == n
+
+        arrived, _ = await wait_for(events.lost, lost)
         due = events.last_heartbeat[node] + NODE_TIMEOUT_S
         latencies.append((arrived - due) * 1e3)
     return latencies

@@ -41,8 +41,9 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from phalanx.bench.results import append, utc_date
 from phalanx.bus.client import Bus, Delivery
@@ -57,6 +58,7 @@ from phalanx.schemas.messages import (
     GenerationReason,
     JobHistory,
     JobSpec,
+    Message,
     RankProgress,
     RankStarted,
     ReplicaRange,
@@ -64,6 +66,8 @@ from phalanx.schemas.messages import (
     ScalingPolicy,
 )
 from phalanx.services.client import AdmissionClient
+
+T = TypeVar("T")
 
 BENCH = Path(__file__).resolve().parent
 
@@ -91,7 +95,7 @@ class Scenario:
         self.changed = asyncio.Condition()
 
     async def listen(self) -> None:
-        async def on(message, _: Delivery) -> None:
+        async def on(message: Message, _: Delivery) -> None:
             now = time.time()
             async with self.changed:
                 match message:
@@ -111,9 +115,9 @@ class Scenario:
                               (subjects.health_ranks(), RankProgress)):
             await self.bus.subscribe(subject, kind, on)
 
-    async def until(self, what: str, condition) -> Any:
+    async def until(self, what: str, condition: Callable[[], T | None]) -> T:
         """Wait (on bus events) until ``condition()`` is truthy; returns its value."""
-        async def wait() -> Any:
+        async def wait() -> T:
             async with self.changed:
                 while not (value := condition()):
                     await self.changed.wait()
@@ -131,7 +135,7 @@ class Scenario:
             (g for _, g in self.generations[after:]
              if g.reason is reason and g.world_size == size), None))
 
-    async def change(self, marks: list[tuple[float, str]], label: str, action,
+    async def change(self, marks: list[tuple[float, str]], label: str, action: Awaitable[object],
                      reason: GenerationReason, size: int) -> None:
         """Mark ``label`` now, await ``action``, then wait for the generation it brings."""
         marks.append((time.time(), label))

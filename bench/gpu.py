@@ -122,7 +122,7 @@ def phase_a(args: argparse.Namespace, out: Callable[[dict[str, Any]], None]) -> 
         if not args.cpu:  # every slot on GPU 0
             os.environ["PHALANX_AGENT_GPUS"] = ",".join(["0"] * slots)
         url = recovery.cluster_up(work / "cluster", agents, slots)
-        events: dict[str, list] = {"fault": [], "generation": []}
+        events: recovery.Arrivals = {"fault": [], "generation": []}
         try:
             async def run() -> Any:
                 async with await Bus.connect(BusConfig.load(env={}, servers=[url])) as bus:
@@ -794,14 +794,14 @@ def main() -> int:
         return 0
 
     from phalanx.bench.results import utc_date
-    from phalanx.examples import train_gpt
+    from phalanx.examples import chargpt_model
     from phalanx.runtime.dataset import TokenWindows
 
     os.environ.setdefault("PHALANX_HEALTH_CORDON_FAULTS", "1000")
     try:
         TokenWindows(args.data_dir, 64)
     except FileNotFoundError:
-        train_gpt.prepare(args.data_dir)
+        chargpt_model.prepare(args.data_dir)
     argv = [a for a in sys.argv[1:] if a != "--no-record"]
     report: dict[str, Any] = {"date": utc_date(), "command": " ".join(sys.argv),
                               "cpu": args.cpu, "phases": {}}

@@ -239,7 +239,7 @@ class Generator:
         self.nodes_kv: TypedKV[NodeRecord] | None = None
         self.records: dict[str, JobRecord] = {}
         self.by_job: dict[str, set[SimRank]] = defaultdict(set)
-        self._pids = itertools.count(args.first * 1000 + 100_000)
+        self._pids: itertools.count[int] = itertools.count(args.first * 1000 + 100_000)
         self.rng = random.Random(args.seed + args.first)
         self.crashes: list[dict[str, Any]] = []
         self.received: list[tuple[str, int, str, float]] = []  # job, generation, replica, at

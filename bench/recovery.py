@@ -62,13 +62,13 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, TypedDict
 
 from phalanx.bench import recovery_baseline
 from phalanx.bench.results import append, utc_date
 from phalanx.bus.client import Bus, Delivery
 from phalanx.bus.config import BusConfig
-from phalanx.examples import train_gpt, workload_w
+from phalanx.examples import chargpt_model, train_gpt, workload_w
 from phalanx.runtime import record
 from phalanx.runtime.data import ElasticOrder
 from phalanx.runtime.dataset import TokenWindows
@@ -124,9 +124,9 @@ def prepare_workload(args: argparse.Namespace, *, sharded_optimizer: bool = Fals
     try:
         windows = TokenWindows(args.data_dir, gpt.block_size)
     except FileNotFoundError:  # python examples/train_gpt.py --prepare, once
-        train_gpt.prepare(args.data_dir)
+        chargpt_model.prepare(args.data_dir)
         windows = TokenWindows(args.data_dir, gpt.block_size)
-    model = train_gpt.GPT(gpt.layers, gpt.heads, gpt.embd, gpt.block_size)
+    model = chargpt_model.GPT(gpt.layers, gpt.heads, gpt.embd, gpt.block_size)
     return Workload(
         "gpt", f"GPT example (examples/train_gpt.py {args.gpt_options or 'defaults'}: "
         f"{sum(p.numel() for p in model.parameters()):,} parameters, {gpt.layers} layers, "
@@ -158,10 +158,18 @@ def cluster_up(directory: Path, agents: int = 2, slots_per_agent: int = 2, *,
     cli("up", "--agents", str(agents), "--slots-per-agent", str(slots_per_agent),
         "--detach", "--data-dir", str(directory), "--nats-port", "0",
         env={"PHALANX_AGENT_ZYGOTE": "1" if zygote else "0"})
-    return json.loads((directory / "up.json").read_text())["nats_url"]
+    url: str = json.loads((directory / "up.json").read_text())["nats_url"]
+    return url
 
 
-async def watch_recovery(bus: Bus, events: dict[str, list]) -> None:
+class Arrivals(TypedDict):
+    """Every job's faults and generations, each with the time it came."""
+
+    fault: list[tuple[float, Fault]]
+    generation: list[tuple[float, Generation]]
+
+
+async def watch_recovery(bus: Bus, events: Arrivals) -> None:
     """Collect every job's faults and generations into ``events`` with the time each came."""
     async def on_fault(fault: Fault, _: Delivery) -> None:
         events["fault"].append((time.time(), fault))
@@ -180,7 +188,7 @@ async def run_phalanx(args: argparse.Namespace, workload: Workload, phase: str,
     rec = work / "records"
     url = cluster_up(cluster, *((1, WORLD + 1) if phase in SPARE_PHASES else (2, 2)),
                      zygote=phase not in NO_ZYGOTE_PHASES)
-    events: dict[str, list] = {"fault": [], "generation": []}
+    events: Arrivals = {"fault": [], "generation": []}
     try:
         async with await Bus.connect(BusConfig.load(env={}, servers=[url])) as bus:
             await watch_recovery(bus, events)
@@ -201,7 +209,7 @@ async def run_phalanx(args: argparse.Namespace, workload: Workload, phase: str,
     return analyse_phalanx(record.read(rec), events, workload.order, args.steps)
 
 
-def analyse_phalanx(records: dict[str, list[dict]], events: dict[str, list],
+def analyse_phalanx(records: dict[str, list[dict[str, Any]]], events: Arrivals,
                     order: ElasticOrder, total_steps: int) -> dict[str, Any]:
     steps = record.timeline(records)
     problems = record.verify(records, order, total_steps)

@@ -90,7 +90,7 @@ async def replication_s(source: SnapshotStore, target: SnapshotStore, repeat: in
                                if tls_dir is None else replica_tls.context(tls_dir, server=True))
     port = await listener.start("127.0.0.1")
 
-    async def buddy():
+    async def buddy() -> tuple[str, str, int]:
         return "buddy", "127.0.0.1", port
 
     sender = ReplicaSender(source, "node", buddy, tls=None if tls_dir is None

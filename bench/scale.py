@@ -135,7 +135,8 @@ def rss_mb(pid: int) -> float:
 
 def varz(port: int) -> dict[str, Any]:
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/varz", timeout=5) as reply:
-        return json.load(reply)
+        stats: dict[str, Any] = json.load(reply)
+    return stats
 
 
 def p99(values: list[float]) -> float | None:

@@ -64,6 +64,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Literal
 
@@ -172,7 +173,7 @@ def bound(widths: tuple[int, ...], world: int) -> dict[str, float]:
     target = torch.empty(share, dtype=torch.uint8)
     buffer = bytearray(snapshot_file.HEADER_BYTES + len(meta) + share)
 
-    def best_of(fn, n: int = 7) -> float:
+    def best_of(fn: Callable[[], object], n: int = 7) -> float:
         times = []
         for _ in range(n):
             started = time.perf_counter()

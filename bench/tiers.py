@@ -214,7 +214,7 @@ async def run_phase(args: argparse.Namespace, workload: recovery.Workload, phase
             **fetched(record.read(rec))}
 
 
-def fetched(records: dict[str, list[dict]]) -> dict[str, Any]:
+def fetched(records: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
     """What the members fetched before their restore (the fetch phase): shards, bytes,
     and the slowest member's time."""
     lines = [line for lines in records.values() for line in lines if line["kind"] == "fetch"]
@@ -249,8 +249,8 @@ async def replicated(snapshots: list[SnapshotRecord], announced: asyncio.Event) 
         await asyncio.wait_for(announced.wait(), 60)
 
 
-def analyse(records: dict[str, list[dict]], fault_t: float,
-            lost: dict[str, list[dict]] | None = None) -> dict[str, Any]:
+def analyse(records: dict[str, list[dict[str, Any]]], fault_t: float,
+            lost: dict[str, list[dict[str, Any]]] | None = None) -> dict[str, Any]:
     """Recovery from ``fault_t`` to the first commit after it, the restore, and the steps
     retrained: committed before the fault (in ``records``, or ``lost``: the records of
     the job that was resumed) after the restored one."""

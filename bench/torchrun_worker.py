@@ -82,7 +82,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, DistributedSampler
 
-from phalanx.examples import train_gpt, workload_w
+from phalanx.examples import chargpt_model, train_gpt, workload_w
 from phalanx.runtime.data import ElasticOrder
 from phalanx.runtime.dataset import MemmapDataset, TokenWindows
 
@@ -228,10 +228,10 @@ def build_gpt(options: argparse.Namespace, rank: int, world: int,
     """The GPT example's loop as a DDP user writes it (docs/runtime.md's starting point)."""
     torch.manual_seed(options.seed)
     windows = TokenWindows(options.data_dir, options.block_size)
-    model = DistributedDataParallel(train_gpt.GPT(options.layers, options.heads, options.embd,
+    model = DistributedDataParallel(chargpt_model.GPT(options.layers, options.heads, options.embd,
                                                   options.block_size).to(device))
-    optimizer = train_gpt.build_optimizer(model.module, options.lr)
-    scheduler = train_gpt.build_scheduler(optimizer, options.steps, options.warmup)
+    optimizer = chargpt_model.build_optimizer(model.module, options.lr)
+    scheduler = chargpt_model.build_scheduler(optimizer, options.steps, options.warmup)
     accumulation, rest = divmod(options.global_batch, world * options.micro_batch)
     if rest or not accumulation:
         raise ValueError(f"--global-batch {options.global_batch} is not a multiple of "
@@ -257,7 +257,7 @@ def build_gpt(options: argparse.Namespace, rank: int, world: int,
             x, y = x.to(device), y.to(device)
             # Gradients are all-reduced in the last micro-batch's backward only.
             with model.no_sync() if micro < accumulation - 1 else contextlib.nullcontext():
-                micro_loss = train_gpt.next_token_loss(model, x, y) / accumulation
+                micro_loss = chargpt_model.next_token_loss(model, x, y) / accumulation
                 micro_loss.backward()
             loss += micro_loss.item()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)

@@ -172,7 +172,7 @@ def _constraints(t: mi.Type) -> str:
 def _default(f: mi.Field) -> str:
     if f.required:
         return "required"
-    value = f.default if f.default is not mi.NODEFAULT else f.default_factory()
+    value = f.default if f.default is not msgspec.NODEFAULT else f.default_factory()
     return f"`{msgspec.json.encode(value).decode()}`"
 
 

@@ -185,7 +185,8 @@ class AdmissionClient:
         self.bus = bus
         self.timeout_s = timeout_s
 
-    async def _request(self, verb: str, message, reply_type, retry_s: float):
+    async def _request(self, verb: str, message: Message, reply_type: type[M],
+                       retry_s: float) -> M:
         """Request ``verb``, retrying while no leader answers (503/504/no responders)."""
         deadline = time.monotonic() + retry_s
         delay = 0.05

@@ -248,7 +248,8 @@ def free_port(host: str = "127.0.0.1") -> int:
     take it before it is used, which a start then reports as a busy port)."""
     with socket.socket() as sock:
         sock.bind((host, 0))
-        return sock.getsockname()[1]
+        port: int = sock.getsockname()[1]
+        return port
 
 
 class NatsCluster:

@@ -23,7 +23,7 @@ import collections
 import dataclasses
 import time
 from collections.abc import AsyncIterator, Callable
-from typing import Any
+from typing import Any, TypeVar
 
 from rich.console import Group
 from rich.table import Table
@@ -56,6 +56,8 @@ EVENTS = 12
 #: Stored job events a frame starts from.
 STORED_EVENTS = 50
 
+M = TypeVar("M", bound=Message)
+
 
 @dataclasses.dataclass
 class Board:
@@ -68,7 +70,7 @@ class Board:
     events: collections.deque[tuple[float, str, str]] = dataclasses.field(
         default_factory=lambda: collections.deque(maxlen=EVENTS))
 
-    def take(self, into: dict[str, Any], change: Change) -> None:
+    def take(self, into: dict[str, M], change: Change[M]) -> None:
         if change.value is None:
             into.pop(change.key, None)
         else:
@@ -152,7 +154,12 @@ def render(board: Board, now: float, lost_after_s: float) -> Group:
     return Group(nodes, jobs, events)
 
 
-async def _buckets(bus: Bus) -> list[tuple[TypedKV, Callable[[Board], dict]]]:
+#: A bucket the board mirrors, and the board's part that holds its values (the list of
+#: them mixes message types: each pair agrees on one, which a list cannot say).
+Mirrored = tuple[TypedKV[Any], Callable[[Board], dict[str, Any]]]
+
+
+async def _buckets(bus: Bus) -> list[Mirrored]:
     return [
         (await TypedKV.open(bus.js, subjects.NODES_BUCKET, NodeRecord), lambda b: b.nodes),
         (await TypedKV.open(bus.js, subjects.JOBS_BUCKET, JobRecord), lambda b: b.jobs),
@@ -194,7 +201,7 @@ async def snapshot(bus: Bus) -> Board:
     return board
 
 
-async def _current(kv: TypedKV) -> AsyncIterator[Change]:
+async def _current(kv: TypedKV[M]) -> AsyncIterator[Change[M]]:
     async for change in kv.watch():
         if change is None:
             return
@@ -208,7 +215,7 @@ async def live(bus: Bus, show: Callable[[Board], None]) -> None:
     changed = asyncio.Event()
     _, last = await _stored_events(bus)
 
-    async def follow(kv: TypedKV, part: Callable[[Board], dict]) -> None:
+    async def follow(kv: TypedKV[M], part: Callable[[Board], dict[str, M]]) -> None:
         async for change in kv.follow(bus.resync_event()):
             if change is not None:
                 board.take(part(board), change)

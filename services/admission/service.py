@@ -44,7 +44,7 @@ import dataclasses
 import enum
 import logging
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any, Final
 
 import msgspec
@@ -149,7 +149,8 @@ class AdmissionService(LeaderService[AdmissionTerm]):
                                     self._forwarder(verb, reply_type), concurrent=True)
         self.start_leadership(self.leases)
 
-    def _forwarder(self, verb: str, reply_type: type[Message]):
+    def _forwarder(self, verb: str,
+                   reply_type: type[Message]) -> Callable[[Message, Delivery], Awaitable[Message]]:
         """The public endpoint: served here when leading, else forwarded to the leader."""
         subject = subjects.admission_leader(verb)
 
@@ -244,7 +245,8 @@ class AdmissionService(LeaderService[AdmissionTerm]):
             await job_changes.aclose()
             await node_changes.aclose()
 
-    async def _restore(self, term: AdmissionTerm, changes
+    async def _restore(self, term: AdmissionTerm,
+                       changes: AsyncIterator[Change[JobRecord] | None]
                        ) -> tuple[list[core.Decision | Reconciled], ledger.Restored]:
         """Feed the jobs' current records to the core, admitted ones onto their placements;
         returns the decisions and what the ledger needs repaired (:func:`ledger.restore`)."""
@@ -453,7 +455,8 @@ class AdmissionService(LeaderService[AdmissionTerm]):
 
     # --- event sources ------------------------------------------------------------------
 
-    async def _watch_jobs(self, term: AdmissionTerm, changes) -> None:
+    async def _watch_jobs(self, term: AdmissionTerm,
+                          changes: AsyncIterator[Change[JobRecord] | None]) -> None:
         async for change in changes:
             if change is not None:
                 self._job_changed(term, change)
@@ -486,7 +489,8 @@ class AdmissionService(LeaderService[AdmissionTerm]):
                 term.events.put_nowait(core.MembershipChanged(change.key, size,
                                                               event_id="generation"))
 
-    async def _watch_nodes(self, term: AdmissionTerm, changes) -> None:
+    async def _watch_nodes(self, term: AdmissionTerm,
+                           changes: AsyncIterator[Change[NodeRecord] | None]) -> None:
         async for change in changes:
             if change is not None:
                 self._node_changed(term, change.key, change.value, time.time())

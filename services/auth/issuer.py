@@ -73,7 +73,7 @@ def new_seed() -> tuple[bytes, str]:
     return seed, nkeys.from_seed(bytearray(seed)).public_key.decode()
 
 
-def authorization(identities: Iterable[Identity]) -> dict:
+def authorization(identities: Iterable[Identity]) -> dict[str, object]:
     """The server's ``authorization`` block: each identity's public key with its role's
     permissions."""
     users = []
@@ -86,7 +86,7 @@ def authorization(identities: Iterable[Identity]) -> dict:
     return {"users": users}
 
 
-def server_config(identities: Iterable[Identity], tls_dir: Path) -> dict:
+def server_config(identities: Iterable[Identity], tls_dir: Path) -> dict[str, object]:
     """The nats-server config (as JSON, which its config format accepts): TLS on the
     client port, and :func:`authorization`."""
     return {"tls": {"cert_file": str(tls_dir / tls.SERVER_CERT),

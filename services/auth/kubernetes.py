@@ -37,7 +37,8 @@ from pathlib import Path
 import nkeys
 
 from phalanx.services.auth import nats_jwt, tls
-from phalanx.services.auth.issuer import AuthDir, AuthError, authorization
+from phalanx.services.auth.errors import AuthError
+from phalanx.services.auth.issuer import AuthDir, authorization
 from phalanx.services.auth.replication_key import write_key
 from phalanx.services.auth.roles import ANY, Role
 
@@ -104,7 +105,7 @@ def _data(files: dict[str, bytes]) -> dict[str, str]:
     return {name: base64.b64encode(content).decode() for name, content in sorted(files.items())}
 
 
-def secrets(auth: AuthDir, namespace: str) -> list[dict]:
+def secrets(auth: AuthDir, namespace: str) -> list[dict[str, object]]:
     """The Secrets of ``auth``'s deployment in ``namespace``."""
     seeds = {f"{who.name}.nk": auth.seed_path(who.role, who.scope).read_bytes()
              for who in auth.identities()}
@@ -129,14 +130,14 @@ def secrets(auth: AuthDir, namespace: str) -> list[dict]:
     ]
 
 
-def nats_values(auth: AuthDir) -> dict:
+def nats_values(auth: AuthDir) -> dict[str, object]:
     """The NATS chart's values that admit exactly ``auth``'s identities, and every other
     connection only through the auth callout, over TLS."""
     return {"config": {"nats": {"tls": {"enabled": True, "secretName": TLS_SECRET}},
                        "merge": {"authorization": server_authorization(auth)}}}
 
 
-def server_authorization(auth: AuthDir) -> dict:
+def server_authorization(auth: AuthDir) -> dict[str, object]:
     """The server's ``authorization`` block: each identity's NKEY user with its role's
     permissions, and the auth callout, which every identity here bypasses."""
     who = auth.identities()

@@ -34,10 +34,12 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections.abc import AsyncIterator, Callable
 
 from phalanx.bus.client import Delivery
 from phalanx.bus.config import BusConfig
 from phalanx.bus.errors import Conflict
+from phalanx.bus.kv import Change
 from phalanx.schemas import subjects
 from phalanx.schemas.messages import (
     BuddyPlacement,
@@ -138,7 +140,9 @@ class CheckpointService(LeaderService[core.CheckpointCore]):
                 await sub.unsubscribe()
             await records.aclose()
 
-    async def _follow_jobs(self, the_core: core.CheckpointCore, records, act) -> None:
+    async def _follow_jobs(self, the_core: core.CheckpointCore,
+                           records: AsyncIterator[Change[JobRecord] | None],
+                           act: Callable[[list[core.Decision]], None]) -> None:
         async for change in records:
             if change is None:
                 continue

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Callable
 
 from phalanx.schemas import __version__
 from phalanx.schemas.errors import PhalanxError
@@ -61,8 +62,9 @@ def main(argv: list[str] | None = None) -> int:
     args.argv = argv  # what `agent --supervised` runs again under its supervisor
     if hasattr(args, "data_dir"):
         args.data_dir = str(resolve_data_dir(args))
+    command: Callable[[argparse.Namespace], int] = args.func
     try:
-        return args.func(args)
+        return command(args)
     except PhalanxError as exc:
         print(f"phalanx {args.command}: {exc}{no_cluster_hint(args, exc)}", file=sys.stderr)
         refused = getattr(exc, "code", "").startswith("4")

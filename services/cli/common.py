@@ -13,7 +13,7 @@ import argparse
 import os
 from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar
+from typing import TYPE_CHECKING, Any, NamedTuple, TypeAlias, TypeVar
 
 from phalanx.schemas.errors import PhalanxError
 
@@ -26,7 +26,7 @@ EXIT_USAGE = 2
 
 #: What ``add_subparsers`` returns: each command group adds its commands to it.
 #: (argparse names its class only privately.)
-Subparsers = argparse._SubParsersAction
+Subparsers: TypeAlias = "argparse._SubParsersAction[argparse.ArgumentParser]"
 
 T = TypeVar("T")
 

@@ -10,6 +10,7 @@ import asyncio
 import json
 import sys
 import time
+from typing import TYPE_CHECKING, Any
 
 from phalanx.services.cli.auth import admit_job
 from phalanx.services.cli.common import (
@@ -21,8 +22,23 @@ from phalanx.services.cli.common import (
     with_client,
 )
 
+if TYPE_CHECKING:
+    from rich.table import Table
 
-def record_row(record) -> dict:
+    from phalanx.schemas.messages import (
+        Generation,
+        GenerationRecord,
+        JobHistory,
+        JobProgress,
+        JobRecord,
+    )
+    from phalanx.services.client import AdmissionClient
+
+#: A ``--json`` object: what the command prints, and what its text is made from.
+Row = dict[str, Any]
+
+
+def record_row(record: JobRecord) -> Row:
     """A job's record as ``phalanx submit``, ``jobs`` and ``job`` give it with ``--json``."""
     return {"job_id": record.job_id, "state": record.state.value, "team": record.spec.team,
             "priority_class": record.spec.priority_class,
@@ -51,7 +67,7 @@ def cmd_submit(args: argparse.Namespace) -> int:
     return 0
 
 
-def progress_fields(progress, record) -> dict:
+def progress_fields(progress: JobProgress | None, record: JobRecord) -> Row:
     """What health stored of a job's progress (``phalanx_progress``), as ``phalanx job``
     shows it; the ETA only while it runs and the rate and total are known."""
     if progress is None:
@@ -67,7 +83,7 @@ def progress_fields(progress, record) -> dict:
             "progress_at": progress.updated_at}
 
 
-def _size(record, generation) -> int:
+def _size(record: JobRecord, generation: Generation | None) -> int:
     """The job's size now: its generation's world size under the runtime, else its
     placement's replica count."""
     if generation is not None and not record.state.terminal:
@@ -80,11 +96,12 @@ def cmd_jobs(args: argparse.Namespace) -> int:
 
     from phalanx.services.tables import print_whole
 
-    async def read(client):
+    async def read(client: AdmissionClient) -> tuple[list[JobRecord], dict[str, Generation],
+                                                     dict[str, JobProgress]]:
         return await asyncio.gather(client.jobs(), client.generations(), client.all_progress())
 
     records, generations, progress = asyncio.run(with_client(args, read))
-    rows = []
+    rows: list[Row] = []
     for r in records:
         p = progress.get(r.job_id)
         rows.append({**record_row(r), "size": _size(r, generations.get(r.job_id)),
@@ -101,7 +118,7 @@ def cmd_jobs(args: argparse.Namespace) -> int:
     return 0
 
 
-def jobs_table(records: list, rows: list[dict]):
+def jobs_table(records: list[JobRecord], rows: list[Row]) -> Table:
     """``phalanx jobs``'s table of ``records``, with their ``rows`` as ``--json`` gives
     them (``size``: now, then the spec's min..max). Nothing is cut in a narrow terminal:
     every cell keeps its width but the nodes', which wraps between names."""
@@ -125,14 +142,15 @@ def jobs_table(records: list, rows: list[dict]):
     return table
 
 
-def _state_cell(record) -> str:
+def _state_cell(record: JobRecord) -> str:
     """The state, with the reason's code where it says more (pending, failed, cancelled)."""
     state, code = record.state.value, record.reason_code.value
     return state if code in ("admitted", state) else f"{state} ({code})"
 
 
 def cmd_job(args: argparse.Namespace) -> int:
-    async def read(client):
+    async def read(client: AdmissionClient) -> tuple[JobRecord | None, Generation | None,
+                                                     JobProgress | None, JobHistory | None]:
         return await asyncio.gather(client.job(args.job), client.generation(args.job),
                                     client.progress(args.job), client.history(args.job))
 
@@ -169,7 +187,7 @@ def cmd_job(args: argparse.Namespace) -> int:
     return 0
 
 
-def job_lines(row: dict, now: float) -> list[str]:
+def job_lines(row: Row, now: float) -> list[str]:
     """``phalanx job``'s text for its ``--json`` object ``row``: the record's fields (the
     job id first), then the scaling rules, then the history: the earlier admissions',
     each ended by a requeue, then the current one's."""
@@ -234,13 +252,13 @@ STATE_SOURCES = {"memory": "the nodes' memory", "buddy": "the nodes' and buddies
                  "start": "the start (the job's state was lost)"}
 
 
-def history_rows(generations: list) -> list[dict]:
+def history_rows(generations: list[GenerationRecord]) -> list[Row]:
     """A job's generations as ``phalanx job`` shows them: ``resume_step`` is the step the
     members resumed after as they reported it, else elasticity's estimate, and
     ``resume_source`` says which (``decided_resume_step`` keeps the estimate)."""
-    rows = []
+    rows: list[Row] = []
     for g in generations:
-        row = msgspec_to_builtins(g)
+        row: Row = msgspec_to_builtins(g)
         applied = row.pop("applied_resume_step", None)
         row.update(decided_resume_step=g.resume_step,
                    resume_step=g.resume_step if applied is None else applied,
@@ -249,9 +267,9 @@ def history_rows(generations: list) -> list[dict]:
     return rows
 
 
-def admissions(rows: list[dict]) -> list[list[dict]]:
+def admissions(rows: list[Row]) -> list[list[Row]]:
     """``rows`` of several admissions, split where one starts (its generation 0)."""
-    split: list[list[dict]] = []
+    split: list[list[Row]] = []
     for row in rows:
         if not split or (row["generation"] == 0 and row["reason"] == "start"):
             split.append([])
@@ -259,7 +277,7 @@ def admissions(rows: list[dict]) -> list[list[dict]]:
     return split
 
 
-def history_lines(rows: list[dict], start: float | None = None, *,
+def history_lines(rows: list[Row], start: float | None = None, *,
                   requeued: bool = False) -> list[str]:
     """One line per generation of :func:`history_rows` (of one admission; ``requeued``:
     one that a requeue ended), times relative to ``start`` (default: the first's)."""
@@ -291,7 +309,7 @@ def history_lines(rows: list[dict], start: float | None = None, *,
     return lines
 
 
-def _scaling_fields(record) -> dict:
+def _scaling_fields(record: JobRecord) -> Row:
     """An elastic job's scaling rules in force, its pin and the planned size change in
     progress (all from the job record), as ``phalanx job`` shows them; nothing for a
     rigid job."""
@@ -311,7 +329,7 @@ def _scaling_fields(record) -> dict:
         else msgspec_to_builtins(change)}}
 
 
-def _scaling_lines(scaling: dict | None, now: float) -> list[str]:
+def _scaling_lines(scaling: Row | None, now: float) -> list[str]:
     if scaling is None:
         return []
     lines = [f"{'scaling':>18}: sizes {', '.join(map(str, scaling['sizes']))}; growth "

@@ -16,6 +16,7 @@ import contextlib
 import dataclasses
 import sys
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from phalanx.services.cli.common import (
     EXIT_FAILED,
@@ -24,6 +25,11 @@ from phalanx.services.cli.common import (
     bus_config,
     whole_number,
 )
+
+if TYPE_CHECKING:
+    from phalanx.bus.client import Bus, Delivery
+    from phalanx.schemas.messages import LogReply
+    from phalanx.services.client import AdmissionClient
 
 #: How often ``-f`` asks the agents for what their followed logs gained: the files are on
 #: other machines, with nothing to subscribe to.
@@ -95,7 +101,7 @@ def _chosen(logs: list[ReplicaLog], replica: str | None, rank: int | None) -> li
     return logs
 
 
-async def _listing(bus, job_id: str) -> list[ReplicaLog]:
+async def _listing(bus: Bus, job_id: str) -> list[ReplicaLog]:
     """Every node's logs of the job, asked at once, in slot then incarnation order; a node
     whose agent does not answer is named on stderr."""
     from phalanx.bus.kv import TypedKV
@@ -132,8 +138,8 @@ async def _listing(bus, job_id: str) -> list[ReplicaLog]:
     return sorted(logs, key=lambda log: replica_order(log.replica_id))
 
 
-async def _piece(bus, job_id: str, log: ReplicaLog, offset: int,
-                 max_bytes: int | None = None):
+async def _piece(bus: Bus, job_id: str, log: ReplicaLog, offset: int,
+                 max_bytes: int | None = None) -> LogReply:
     """``LogReply``: up to ``max_bytes`` (default: one reply's most) of ``log`` from
     ``offset``, from its node's agent."""
     from phalanx.schemas import subjects
@@ -146,7 +152,7 @@ async def _piece(bus, job_id: str, log: ReplicaLog, offset: int,
         LogReply, timeout_s=ANSWER_S)
 
 
-async def _read_new(bus, job_id: str, log: ReplicaLog, write: Callable[[bytes], None]) -> None:
+async def _read_new(bus: Bus, job_id: str, log: ReplicaLog, write: Callable[[bytes], None]) -> None:
     """Pass on what ``log`` holds beyond what was read of it, piece by piece."""
     while True:
         reply = await _piece(bus, job_id, log, log.offset)
@@ -172,7 +178,7 @@ def tail_start(data: bytes, lines: int) -> int | None:
     return end + 1
 
 
-async def _skip_to_tail(bus, job_id: str, log: ReplicaLog, lines: int) -> None:
+async def _skip_to_tail(bus: Bus, job_id: str, log: ReplicaLog, lines: int) -> None:
     """Move ``log``'s offset to where its last ``lines`` lines (as listed) begin, reading
     it backwards a piece at a time."""
     from phalanx.schemas.messages import LOG_CHUNK_BYTES
@@ -193,7 +199,7 @@ def _write(data: bytes) -> None:
     sys.stdout.buffer.flush()
 
 
-async def _members(client, job_id: str) -> tuple[list[str] | None, str]:
+async def _members(client: AdmissionClient, job_id: str) -> tuple[list[str] | None, str]:
     """The replicas of the job's current generation by rank (its last one, once it ended),
     and which generation that is; None for a job not under the runtime."""
     generation = await client.generation(job_id)
@@ -206,7 +212,7 @@ async def _members(client, job_id: str) -> tuple[list[str] | None, str]:
     return None, ""
 
 
-async def _follow(bus, job_id: str, replica: str | None, rank: int | None,
+async def _follow(bus: Bus, job_id: str, replica: str | None, rank: int | None,
                   tail: int | None) -> int:
     """Follow ``replica``'s log (None: every replica's, also those the job starts from now
     on; ``tail``: from the last lines of those listed) until the job's record says it
@@ -223,7 +229,7 @@ async def _follow(bus, job_id: str, replica: str | None, rank: int | None,
     def follow(log: ReplicaLog) -> None:
         followed.setdefault(log.replica_id, log)
 
-    async def started(message: RankStarted, _) -> None:
+    async def started(message: RankStarted, _: Delivery) -> None:
         if message.replica_id is not None:
             follow(ReplicaLog(message.node_id, message.replica_id))
 

@@ -12,6 +12,7 @@ import contextlib
 import json
 import sys
 import time
+from typing import TYPE_CHECKING, Any
 
 from phalanx.services.cli.common import (
     EXIT_FAILED,
@@ -22,8 +23,13 @@ from phalanx.services.cli.common import (
     whole_number,
 )
 
+if TYPE_CHECKING:
+    from phalanx.schemas.errors import WireError
+    from phalanx.schemas.messages import ChaosReply, ChaosRequest
+    from phalanx.schemas.registry import NodeView
 
-async def read_nodes(args: argparse.Namespace):
+
+async def read_nodes(args: argparse.Namespace) -> tuple[list[NodeView], list[WireError]]:
     """The registry's nodes as seen now (lost after ``--lost-after``), and the entries it
     could not read."""
     from phalanx.bus.client import Bus
@@ -38,7 +44,7 @@ async def read_nodes(args: argparse.Namespace):
     return views((e.value for e in entries), time.time(), args.lost_after), errors
 
 
-def _node_rows(nodes) -> list[dict]:
+def _node_rows(nodes: list[NodeView]) -> list[dict[str, Any]]:
     import msgspec
 
     return [{
@@ -91,7 +97,8 @@ def cmd_top(args: argparse.Namespace) -> int:
     return 0
 
 
-async def _agent_request(args: argparse.Namespace, node_id: str | None, request):
+async def _agent_request(args: argparse.Namespace, node_id: str | None,
+                         request: ChaosRequest) -> ChaosReply | None:
     """``request`` answered by ``node_id``'s agent; for a rank to kill (``node_id``
     None), the agent of the node its job placed the slot on, found on the same
     connection (one connection, not two: the fault strikes sooner)."""
@@ -102,6 +109,8 @@ async def _agent_request(args: argparse.Namespace, node_id: str | None, request)
 
     async with await Bus.connect(bus_config(args), name="phalanx-cli") as bus:
         if node_id is None:
+            # a kill_rank request, which holds both (ChaosRequest checks it)
+            assert request.job_id is not None and request.rank is not None
             record = await AdmissionClient(bus).job(request.job_id)
             # The rank is a slot number: slots keep their numbers when a placement shrinks
             # or grows, so the node is the slot's, not the list position's.
