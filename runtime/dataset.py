@@ -75,7 +75,7 @@ def write_arrays(directory: str | Path, arrays: Mapping[str, np.ndarray]) -> Pat
     return directory
 
 
-class MemmapDataset(torch.utils.data.Dataset):
+class MemmapDataset(torch.utils.data.Dataset[tuple[torch.Tensor, ...]]):
     """A dataset directory opened read-only through memory maps.
 
     ``dataset[i]`` is a tuple of tensors, one per field, in the manifest's order.
@@ -131,7 +131,7 @@ def write_tokens(directory: str | Path, tokens: np.ndarray | Sequence[int],
     return write_arrays(directory, {"tokens": array.astype(dtype)})
 
 
-class TokenWindows(torch.utils.data.Dataset):
+class TokenWindows(torch.utils.data.Dataset[tuple[torch.Tensor, torch.Tensor]]):
     """Non-overlapping ``block_size`` windows of a token stream from :func:`write_tokens`.
 
     ``windows[i]`` is ``(x, y)``, int64 tensors of ``block_size`` tokens, ``y`` the

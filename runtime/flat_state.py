@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -39,11 +39,11 @@ class FlatState:
 
     @property
     def offsets(self) -> list[int]:
-        return self.meta["offsets"]
+        return cast(list[int], self.meta["offsets"])
 
     @property
     def total(self) -> int:
-        return self.meta["total"]
+        return cast(int, self.meta["total"])
 
     @property
     def device(self) -> torch.device:

@@ -170,7 +170,7 @@ class Waits:
         """``call()`` on a helper thread; :class:`Aborted` if it fails, or with the reason
         ``give_up()`` returns (checked every 50 ms and on every wake-up) while it runs."""
         done = threading.Event()
-        outcome: list[Any] = []
+        outcome: list[T | Exception] = []
         wake = self.inbox.wake
 
         def run() -> None:
@@ -188,9 +188,10 @@ class Waits:
                 raise Aborted(reason)
             self.heartbeat()  # a store or gloo connect that waits on a peer is not a hang
             self.inbox.sleep(0.05)
-        if isinstance(outcome[0], Exception):
-            raise Aborted(str(outcome[0]))
-        return outcome[0]
+        result = outcome[0]
+        if isinstance(result, Exception):
+            raise Aborted(str(result))
+        return result
 
 
 class DeviceWork:
@@ -204,7 +205,7 @@ class DeviceWork:
     def is_completed(self) -> bool:
         return self.work.is_completed()
 
-    def get_future(self) -> torch.futures.Future:
+    def get_future(self) -> torch.futures.Future[list[torch.Tensor]]:
         """gloo's future (RuntimeError for its send/receive, which have none)."""
         return self.work.get_future()
 

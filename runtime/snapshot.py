@@ -480,4 +480,5 @@ def _owned_entries(pg: Group, wait: Wait, rank: int, source: int,
     owned = pickle.loads(meta)["owned"]
     entries = {index: entry for index, entry in owned["state"].items()
                if keep is None or keep(index)}
-    return _fill(entries, tensors_in(extent, owned, tensor_refs(entries)))
+    filled: dict[int, Any] = _fill(entries, tensors_in(extent, owned, tensor_refs(entries)))
+    return filled

@@ -59,7 +59,7 @@ def _checksum(tensor: torch.Tensor) -> int:
     return zlib.adler32(np.ascontiguousarray(data).data)
 
 
-def _describe(tensors: list[torch.Tensor], checksum: bool) -> list[tuple]:
+def _describe(tensors: list[torch.Tensor], checksum: bool) -> list[tuple[Any, ...]]:
     return [(tuple(t.shape), str(t.dtype), t.numel() * t.element_size(),
              _checksum(t) if checksum else None) for t in tensors]
 

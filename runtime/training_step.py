@@ -137,6 +137,8 @@ class StepRunner:
                               torch.tensor([*measured, membership.seen_newer()],
                                            dtype=torch.float64)])
 
+        run: Callable[[], torch.Tensor]
+        local_gradient: Callable[[], torch.Tensor]
         if state.deterministic or membership.pg is None:
             if state.deterministic:
                 local = self._accumulated if self._accumulated is not None else torch.zeros(

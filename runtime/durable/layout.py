@@ -74,7 +74,10 @@ def boxes(shape: tuple[int, ...], start: int, end: int) -> list[Box]:
 
 def dtype_of(name: str) -> torch.dtype:
     """The torch dtype a meta's dtype name (``torch.float32`` or ``float32``) names."""
-    return getattr(torch, name.removeprefix("torch."))
+    dtype = getattr(torch, name.removeprefix("torch."))
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"{name!r} names no torch dtype")
+    return dtype
 
 
 def element_size(name: str) -> int:
