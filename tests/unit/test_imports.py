@@ -298,6 +298,13 @@ PURE_MODULES = sorted({
     "phalanx.services.health.outcome",
     "phalanx.services.health.crash",
     "phalanx.services.health.stored",
+    "phalanx.services.elasticity.events",
+    "phalanx.services.elasticity.model",
+    "phalanx.services.elasticity.gang",
+    "phalanx.services.elasticity.generations",
+    "phalanx.services.elasticity.causes",
+    "phalanx.services.elasticity.stored",
+    "phalanx.services.elasticity.history",
     "phalanx.services.agent.priority",
     # the auth callout's rule, its JWTs and the rank tokens
     "phalanx.services.auth.callout",
