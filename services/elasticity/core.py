@@ -1,12 +1,13 @@
 """Membership of running jobs as generations: the elasticity service's rules. Pure.
 
 :class:`ElasticityCore` is the entry point: it keeps one :class:`~.model.JobMembership`
-per admitted job and hands each event to the rules that apply: :mod:`.gang` before the
-job's first ready replica, :mod:`.generations` after. It also keeps the events that come
-before their job's admitted record, requeues jobs left below ``min``, and hands the
-shell the histories to store. Events carry the ``event_id`` of what caused them and
-decisions carry it as ``cause`` (:mod:`.events`); ``now`` is passed in, and the core
-does no I/O. What a new leader restores is :mod:`.stored`'s.
+per admitted job and hands each event to the rules of the job's phase
+(:class:`~.phase.Phase`): :mod:`.gang` before its first ready replica,
+:mod:`.generations` after. It also keeps the events that come before their job's
+admitted record, requeues jobs left below ``min``, and hands the shell the histories to
+store. Events carry the ``event_id`` of what caused them and decisions carry it as
+``cause`` (:mod:`.events`); ``now`` is passed in, and the core does no I/O. What a new
+leader restores is :mod:`.stored`'s.
 """
 
 from __future__ import annotations
@@ -32,14 +33,15 @@ from phalanx.services.elasticity.events import (
 )
 from phalanx.services.elasticity.generations import GATHER_S
 from phalanx.services.elasticity.model import JobMembership, Replica, slot_of
+from phalanx.services.elasticity.phase import TRANSITIONS, Phase
 from phalanx.services.elasticity.stored import snapshot
 
 # The names the core has always offered, wherever they are defined now.
 __all__ = [
-    "EARLY_JOBS", "EARLY_PER_JOB", "EARLY_TTL_S", "GATHER_S", "Decision",
+    "EARLY_JOBS", "EARLY_PER_JOB", "EARLY_TTL_S", "GATHER_S", "TRANSITIONS", "Decision",
     "ElasticityCore", "Event", "GenerationAppliedSeen", "GenerationGivenUpSeen",
     "JobAdmitted", "JobMembership", "JobStopped", "LaunchReplacement", "MemberFailed",
-    "MemberFinished", "PublishGeneration", "Replica", "ReplicaExited",
+    "MemberFinished", "Phase", "PublishGeneration", "Replica", "ReplicaExited",
     "ReplicaReadySeen", "Requeue", "RetireReplica", "slot_of", "snapshot",
 ]
 
@@ -124,13 +126,14 @@ class ElasticityCore:
                 raise TypeError(f"unknown event {event!r}")
         if job is None:
             return []  # a job this core does not run any more
-        if job.complete:
-            return []
-        if not job.managed:
-            decisions, managed = gang.handle(job, event)
-            for then in managed:
-                decisions += self.handle(then, now)
-            return decisions
+        match job.phase:
+            case Phase.COMPLETE:
+                return []
+            case Phase.GANG:
+                decisions, managed = gang.handle(job, event)
+                for then in managed:
+                    decisions += self.handle(then, now)
+                return decisions
         told = _history_mark(job)
         decisions = generations.handle(job, event, now)
         if _history_mark(job) != told:

@@ -2,7 +2,8 @@
 
 :class:`JobMembership` is everything the rules know of one running job: its placement
 (slots), the replicas launched, ready and members, the ``current`` generation and what
-is pending for the next one, the replacement budget and the history. The rules are
+is pending for the next one, the replacement budget and the history; its
+:attr:`~JobMembership.phase` names what it is doing (:mod:`.phase`). The rules are
 :mod:`.gang` (before the first ready replica) and :mod:`.generations` (after it).
 """
 
@@ -12,6 +13,7 @@ import dataclasses
 
 from phalanx.schemas.messages import Generation, GenerationRecord
 from phalanx.services.elasticity.events import LaunchReplacement, MemberFailed
+from phalanx.services.elasticity.phase import Phase
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,6 +70,22 @@ class JobMembership:
     def in_flight(self) -> bool:
         return not set(self.members) <= self.applied
 
+    @property
+    def phase(self) -> Phase:
+        """What the membership is doing (the first of :class:`~.phase.Phase`'s that
+        applies: a job below ``min`` that also gathers is waiting)."""
+        if self.complete:
+            return Phase.COMPLETE
+        if not self.managed:
+            return Phase.GANG
+        if self.waiting_since is not None:
+            return Phase.WAITING
+        if self.gather_since is not None:
+            return Phase.GATHERING
+        if self.current is None:
+            return Phase.FORMING
+        return Phase.IN_FLIGHT if self.in_flight else Phase.TRAINING
+
     def check_invariants(self) -> None:
         """Assert the membership is consistent (used by tests after every step)."""
         members = self.members
@@ -87,6 +105,9 @@ class JobMembership:
             assert self.current.world_size == len(members)
             assert len(members) >= self.min_members or self.current.generation == 0, \
                 "a generation below min"
+        elif self.managed:  # FORMING means what it says: generation 0 awaits replicas
+            assert self.forming or self.waiting_since is not None, \
+                "no generation, and none awaited"
 
 
 def slot_of(replica: str) -> tuple[int, int]:

@@ -299,6 +299,7 @@ PURE_MODULES = sorted({
     "phalanx.services.health.crash",
     "phalanx.services.health.stored",
     "phalanx.services.elasticity.events",
+    "phalanx.services.elasticity.phase",
     "phalanx.services.elasticity.model",
     "phalanx.services.elasticity.gang",
     "phalanx.services.elasticity.generations",
