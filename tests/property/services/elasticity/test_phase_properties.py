@@ -107,9 +107,10 @@ def event_for(job: JobMembership, kind: str, n: int, step: int) -> Event | None:
     return None
 
 
-def moves(shape: tuple[int, int, bool, bool, bool],
-          steps: list[tuple[str, int, int]]) -> Iterator[tuple[Phase, Phase | None, object]]:
-    """Each step's phase before, after (None: the job left the core) and what caused it."""
+def walk(shape: tuple[int, int, bool, bool, bool],
+         steps: list[tuple[str, int, int]]) -> Iterator[tuple[Phase, ElasticityCore, object]]:
+    """The core after each step of a job of ``shape``, with the job's phase before and
+    what the step fed it."""
     lo, extra, stepped, session, again = shape
     hi = lo + extra
     sizes = tuple(range(lo, hi + 1, 2)) if stepped else (hi,)
@@ -134,10 +135,17 @@ def moves(shape: tuple[int, int, bool, bool, bool],
                 continue
             core.handle(cause, now)
         core.check_invariants()
+        yield before, core, cause
+        if "j" not in core.jobs or before is Phase.COMPLETE:
+            return  # nothing happens to a complete job any more: one step shows it
+
+
+def moves(shape: tuple[int, int, bool, bool, bool],
+          steps: list[tuple[str, int, int]]) -> Iterator[tuple[Phase, Phase | None, object]]:
+    """Each step's phase before, after (None: the job left the core) and what caused it."""
+    for before, core, cause in walk(shape, steps):
         after = core.jobs.get("j")
         yield before, None if after is None else after.phase, cause
-        if after is None or before is Phase.COMPLETE:
-            return  # nothing happens to a complete job any more: one step shows it
 
 
 @SETTINGS
