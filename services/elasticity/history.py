@@ -1,7 +1,7 @@
 """A job's history across its admissions: what ``phalanx_history`` keeps. Pure.
 
 The core keeps the generations of the job's current admission
-(:attr:`~phalanx.services.elasticity.core.JobMembership.history`); a job requeued
+(:attr:`~phalanx.services.elasticity.model.JobMembership.history`); a job requeued
 (preempted, its node lost, too long below its minimum) and admitted again starts a new
 membership at generation 0. So that ``phalanx job`` still shows what happened before,
 each history stored carries the earlier admissions' generations (``JobHistory.earlier``),
