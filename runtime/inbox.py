@@ -28,7 +28,6 @@ from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapProp
 from phalanx.bus.client import Delivery
 from phalanx.schemas.messages import (
     Fault,
-    FaultKind,
     Generation,
     GenerationReason,
     RankProgress,
@@ -60,7 +59,7 @@ class Inbox:
         self.wake.set()
 
     def on_fault(self, fault: Fault, _: Delivery) -> None:
-        if fault.kind is FaultKind.STRAGGLER or fault.replica_id is None:
+        if not fault.removes_member or fault.replica_id is None:
             return
         with self._lock:
             self._faulted.add(fault.replica_id)

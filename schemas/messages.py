@@ -807,10 +807,24 @@ class ReplicaReply(Message, tag="phalanx.replica_reply.v1", frozen=True):
 
 
 class FaultKind(enum.StrEnum):
+    """What health detected. What each kind means to a job is read from its properties,
+    by elasticity and by the ranks alike, so a new kind is decided here once."""
+
     CRASH = "crash"
     HANG = "hang"
     STRAGGLER = "straggler"
     NODE_LOST = "node_lost"
+
+    @property
+    def removes_member(self) -> bool:
+        """Whether the rank is out of its generation (a straggler is slow, not gone: it is
+        only reported)."""
+        return self is not FaultKind.STRAGGLER
+
+    @property
+    def replaceable(self) -> bool:
+        """Whether a replacement may start in the rank's slot (not when its node is gone)."""
+        return self is not FaultKind.NODE_LOST
 
 
 class Fault(Message, tag="phalanx.fault.v1", frozen=True):
@@ -829,6 +843,12 @@ class Fault(Message, tag="phalanx.fault.v1", frozen=True):
     application: bool = False  # the script failed by itself (see RestartPolicy)
     #: The job's admission the rank was started for (JobRecord.admission; 0: not known).
     admission: NonNegInt = 0
+
+    @property
+    def removes_member(self) -> bool:
+        """Whether this fault takes a member out of its generation: a replica's, of a kind
+        that does (:attr:`FaultKind.removes_member`)."""
+        return self.replica_id is not None and self.kind.removes_member
 
 
 class ExitCause(enum.StrEnum):

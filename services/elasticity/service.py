@@ -57,7 +57,6 @@ from phalanx.schemas import subjects
 from phalanx.schemas.errors import PhalanxError
 from phalanx.schemas.messages import (
     Fault,
-    FaultKind,
     Generation,
     GenerationApplied,
     GenerationGivenUp,
@@ -331,12 +330,12 @@ def _event(event: StreamEvent) -> core.Event | None:
     """The core's event for a stored job event (None: nothing for elasticity)."""
     match event.message:
         case Fault() as fault:
-            if fault.kind is FaultKind.STRAGGLER or fault.replica_id is None:
+            if not fault.removes_member or fault.replica_id is None:
                 return None
             return core.MemberFailed(
                 fault.job_id, fault.replica_id,
                 f"{fault.kind.value}: {fault.detail}".rstrip(": "),
-                replaceable=fault.kind is not FaultKind.NODE_LOST, event_id=fault.fault_id,
+                replaceable=fault.kind.replaceable, event_id=fault.fault_id,
                 admission=fault.admission)
         case ReplicaReady() as msg:
             return core.ReplicaReadySeen(msg.job_id, msg.replica_id, msg.node_id, msg.slot,
