@@ -89,8 +89,10 @@ class Inbox:
             return self._finished_step
 
     def must_abort(self, current: Generation | None) -> bool:
-        """A member of ``current`` failed, or a generation that is not planned replaced it
-        (a fault, or a join that leaves this replica out)."""
+        """A member of ``current`` failed, or a generation that is not planned replaced it:
+        a fault, or a join that leaves this replica out after one it did not see (a fault
+        dropped it meanwhile). A join right after ``current`` that leaves it out takes it
+        out as a leaver (its slot was taken while the others were below min), planned."""
         if current is None:
             return False
         with self._lock:
@@ -98,7 +100,8 @@ class Inbox:
         if newest is not None and newest.generation > current.generation and not (
                 newest.reason is GenerationReason.LEAVE
                 or (newest.reason is GenerationReason.JOIN
-                    and newest.member(self.replica_id) is not None)):
+                    and (newest.member(self.replica_id) is not None
+                         or newest.generation == current.generation + 1))):
             return True
         return any(m.replica_id in faulted for m in current.members)
 

@@ -226,8 +226,9 @@ class Membership:
                 if self._switch_agreed and s.sharded is not None and self.pg is not None:
                     self._hand_over(newest)
                 if newest.member(s.replica.replica_id) is None:
-                    if self.generation is not None and newest.reason is GenerationReason.LEAVE \
-                            and self._switch_agreed:
+                    # A planned change without it (a leave, or a join that takes leavers out
+                    # with it): it switches out after the agreed step, as everyone does.
+                    if self.generation is not None and planned and self._switch_agreed:
                         self._leave(newest)
                     if self.generation is not None:
                         self.rank = None  # its state is no longer the job's

@@ -301,12 +301,8 @@ def _advance(job: JobMembership, now: float, cause: str) -> list[Decision]:
     if job.in_flight and not restart and not job.warm_ready:
         return []  # joins and leaves wait for the change in flight (but a spare's)
     if job.leaving and not restart and len(survivors) >= job.min_members:
-        left, job.departing, job.leaving = list(job.leaving), list(job.leaving), []
-        for replica in left:
-            job.committed.pop(replica, None)
-            job.replicas.pop(replica, None)
-        return _next(job, survivors, [], GenerationReason.LEAVE, "left: " + listing(left),
-                     cause, now)
+        return _next(job, survivors, [], GenerationReason.LEAVE,
+                     "left: " + listing(_depart(job)), cause, now)
     if not restart and not job.ready:
         return []
     joiners = _allowed(job, len(survivors), job.ready)
@@ -331,8 +327,22 @@ def _advance(job: JobMembership, now: float, cause: str) -> list[Decision]:
         if joiners:
             why += "; joined " + listing(joiners)
         return _next(job, survivors, joiners, GenerationReason.FAULT, why, cause, now)
-    return _next(job, survivors, joiners, GenerationReason.JOIN, "joined " + listing(joiners),
-                 cause, now)
+    why = "joined " + listing(joiners)
+    if job.leaving:
+        # The leave waited below min for these joiners: both are one planned change, the
+        # leavers switching out after the same step as everyone (and exiting 0).
+        why += "; left " + listing(_depart(job))
+    return _next(job, survivors, joiners, GenerationReason.JOIN, why, cause, now)
+
+
+def _depart(job: JobMembership) -> list[str]:
+    """The leavers go in the next generation: no longer the job's replicas, and departing
+    until it is applied. Returns them."""
+    left, job.departing, job.leaving = list(job.leaving), list(job.leaving), []
+    for replica in left:
+        job.committed.pop(replica, None)
+        job.replicas.pop(replica, None)
+    return left
 
 
 def _gathering(job: JobMembership, survivors: list[str], now: float) -> bool:

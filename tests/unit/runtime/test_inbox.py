@@ -67,11 +67,22 @@ def test_a_leave_lets_the_step_in_flight_finish_for_those_who_stay_and_those_who
     assert inbox.must_abort(current)  # a fault generation supersedes the leave
 
 
-def test_a_join_that_leaves_this_replica_out_gives_up_its_collective() -> None:
+def test_a_join_that_takes_this_replica_out_as_a_leaver_lets_the_step_finish() -> None:
+    """Its slot was taken while the others were below min: the join that makes min again
+    takes it out, planned, after the step everyone switches at."""
     inbox = Inbox("r2-0")
     current = generation(1, ["r0-0", "r1-0", "r2-0"])
     inbox.on_generation(current, None)
     inbox.on_generation(generation(2, ["r0-0", "r1-0", "r3-0"], GenerationReason.JOIN), None)
+    assert not inbox.must_abort(current)
+
+
+def test_a_join_after_a_generation_this_replica_missed_gives_up_its_collective() -> None:
+    """A fault generation dropped it (unheard: the bus was away), then a join came."""
+    inbox = Inbox("r2-0")
+    current = generation(1, ["r0-0", "r1-0", "r2-0"])
+    inbox.on_generation(current, None)
+    inbox.on_generation(generation(3, ["r0-0", "r1-0", "r3-0"], GenerationReason.JOIN), None)
     assert inbox.must_abort(current)
 
 

@@ -89,12 +89,6 @@ def event_for(job: JobMembership, kind: str, n: int, step: int) -> Event | None:
             if not job.min_members <= len(slots) <= job.max_members \
                     or (job.sizes and len(slots) not in job.sizes):
                 return None
-            # Not a shrink that leaves fewer than min members: a replica ready then joins
-            # without the leavers leaving (a known bug, test_elasticity_leave.py).
-            stay = [r for r in members if job.replicas[r].slot in slots and r not in job.failed]
-            if current is not None and len(slots) < len(job.slots) \
-                    and len(stay) < job.min_members:
-                return None
             return JobAdmitted("j", slots, job.min_members, job.max_members,
                                sizes=tuple(job.sizes), session=job.session,
                                admission=job.admission, reached=job.high_water)
