@@ -61,7 +61,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import datetime
 import json
 import logging
 import os
@@ -101,6 +100,7 @@ from phalanx.services.agent.core import (
     rank_devices,
 )
 from phalanx.services.agent.cpus import pin as pin_cpus
+from phalanx.services.agent.logs import replica_log, utc_now
 from phalanx.services.agent.zygote import ChildProcess, ForkedProcess, Launcher
 from phalanx.services.auth.credentials import rank_environment
 from phalanx.services.deadline import wait_set
@@ -151,11 +151,6 @@ class Replaced:
     """Started now from a warm spare of the job (:mod:`.spares`)."""
     no_spare: bool = False
     """Not started: asked for from a warm spare only, and none runs here."""
-
-
-def replica_log(work_dir: Path, job_id: str, replica_id: str) -> Path:
-    """Where a node's agent (work dir ``work_dir``) keeps a replica's output."""
-    return work_dir / "jobs" / job_id / f"{replica_id}.log"
 
 
 @dataclasses.dataclass
@@ -778,11 +773,6 @@ class RankSet:
         await pidfd.ended(entry.pid)
         await self._exited(entry, exit_code=None, signame=None,
                            cause=exit_cause(entry.stop, status_known=False))
-
-
-def utc_now() -> str:
-    """Now, as log headers write it."""
-    return datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
 
 
 def _one_line(command: list[str], limit: int = 200) -> str:
