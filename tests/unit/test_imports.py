@@ -332,6 +332,7 @@ PURE_MODULES = sorted({
     "phalanx.services.health.crash",
     "phalanx.services.health.stored",
     "phalanx.services.agent.priority",
+    "phalanx.services.agent.reconcile",
     # the auth callout's rule, its JWTs and the rank tokens
     "phalanx.services.auth.callout",
     "phalanx.services.auth.nats_jwt",
