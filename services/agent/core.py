@@ -1,4 +1,4 @@
-"""The agent's rules, pure: registration, and which replica a slot may run.
+"""The agent's rules, pure: registration, slots, exits, spares, and which ranks run here.
 
 An agent may take a node id when no record holds it, when the record is its
 own (same host and pid: a re-registration), when the holder ran on the same
@@ -18,15 +18,11 @@ configured, or one per CPU. A GPU fault takes the slots on that GPU out of use
 rank on a GPU runs on that GPU's CPUs, one on a CPU slot on its slot's share of the
 agent's CPUs where it has a set (:func:`rank_cpus`).
 
-A replica (``r<slot>-<incarnation>``, named by
-:func:`phalanx.schemas.replicas.replica_id`) is launched at most once
-per node: :func:`launch_verdict` answers a launch request for a slot from the
-replica last launched there. The same replica again is *already launched* —
-a retried or re-sent request (elasticity re-sends its launches after a
-restart: at least once), never a second process, even if the first has
-exited; an older incarnation than the last is refused, since a newer one
-has already replaced it. The shell keeps the last launch of every slot on
-disk, so this holds across agent restarts too.
+Which of a job's ranks run here, which replica a slot may run and where a replica
+starts are the rules of :mod:`.reconcile`, offered here too: the shell hands them what
+runs and what was launched, and carries out the decisions they return. It keeps the
+last launch of every slot on disk, so a replica is launched at most once per node
+across agent restarts too.
 
 Why a rank ended (:func:`exit_cause`) is reported as what it means to its job:
 a rank that ended by itself *exited*; one stopped because its job no longer
@@ -56,7 +52,37 @@ from collections.abc import Collection, Mapping, Sequence
 
 from phalanx.schemas.errors import ConfigError, MustStop
 from phalanx.schemas.messages import ExitCause, GpuInfo, NodeInfo, NodeRecord
-from phalanx.schemas.replicas import earlier, replica_id
+from phalanx.services.agent.reconcile import (
+    Decision,
+    Forget,
+    Keep,
+    Launch,
+    LaunchVerdict,
+    Leave,
+    Refusal,
+    Refuse,
+    SlotWait,
+    Start,
+    Stop,
+    drop,
+    first_replica,
+    launch_verdict,
+    node_slots,
+    reconcile,
+    replacement,
+    slots_for,
+    stop_request,
+)
+
+# The rules of which ranks run here, offered with the rest (they live in .reconcile).
+__all__ = [
+    "DEFAULT_SPARES", "SPARE_BACKOFF_MAX_S", "Decision", "Forget", "Keep", "Launch",
+    "LaunchVerdict", "Leave", "NodeIdTaken", "Refusal", "Refuse", "SlotWait", "Start", "Stop",
+    "StopReason", "drop", "exit_cause", "first_replica", "gpu_slots", "heartbeat",
+    "launch_verdict", "node_gpus", "node_slots", "rank_cpus", "rank_devices", "reconcile",
+    "register", "replacement", "same_agent", "silent_holder", "slots_for", "slots_on_gpus",
+    "spare_counts", "spare_restart_delay", "spares_wanted", "stop_request",
+]
 
 
 class NodeIdTaken(MustStop):
@@ -181,34 +207,6 @@ def rank_cpus(gpus: tuple[int, ...], found: Sequence[GpuInfo], slots: tuple[int,
     return {cpu for s in slots if s < len(slot_cpus) for cpu in slot_cpus[s]}
 
 
-class LaunchVerdict(enum.Enum):
-    """What a launch request for a slot gets, given the replica last launched there."""
-
-    LAUNCH = "launch"
-    """Nothing launched there yet, or a newer incarnation: start it."""
-    ALREADY_LAUNCHED = "already launched"
-    """This very replica was launched there before (it may have exited): not again."""
-    OUTDATED = "outdated"
-    """An older incarnation than the one last launched there: refused."""
-
-
-def first_replica(slot: int) -> str:
-    """The replica an admitted slot starts with."""
-    return replica_id(slot, 0)
-
-
-def launch_verdict(last: str | None, wanted: str) -> LaunchVerdict:
-    """May ``wanted`` start in a slot whose last launched replica is ``last``?
-
-    Names that carry no incarnation are only told apart by equality.
-    """
-    if last is None:
-        return LaunchVerdict.LAUNCH
-    if wanted == last:
-        return LaunchVerdict.ALREADY_LAUNCHED
-    return LaunchVerdict.OUTDATED if earlier(wanted, last) else LaunchVerdict.LAUNCH
-
-
 class StopReason(enum.Enum):
     """Why the agent stops a rank."""
 
@@ -231,18 +229,6 @@ def exit_cause(stop: StopReason | None, *, status_known: bool = True) -> ExitCau
     if stop is StopReason.AGENT or not status_known:
         return ExitCause.LOST
     return ExitCause.EXITED
-
-
-def node_slots(held: set[int], count: int) -> tuple[int, ...]:
-    """The ``count`` lowest slot indices of this node that no running rank holds: where a
-    new replica runs (its ``LOCAL_RANK`` is the first, its GPUs are those slots' GPUs)."""
-    free: list[int] = []
-    index = 0
-    while len(free) < count:
-        if index not in held:
-            free.append(index)
-        index += 1
-    return tuple(free)
 
 
 def rank_devices(gpus: tuple[int, ...], slots: tuple[int, ...]) -> dict[str, str]:

@@ -1,20 +1,31 @@
-"""A node's replica logs, read for ``phalanx logs`` over the bus (``LogRequest``).
+"""A node's replica logs: where they are, and reading them for ``phalanx logs`` over the bus
+(``LogRequest``).
 
-Each replica's output goes to a file in its agent's work dir
-(:func:`~phalanx.services.agent.ranks.replica_log`) and stays on that node; the agent
-answers with which of a job's replicas left a log here, or a piece of one. Job and
-replica ids are ``Ident`` tokens (letters, digits, ``_`` and ``-``), so a request
-names a file under ``jobs/<job>/`` and nothing else.
+Each replica's output goes to a file in its agent's work dir (:func:`replica_log`; the
+agent heads it, and a warm spare's, with a line stamped :func:`utc_now`) and stays on
+that node; the agent answers with which of a job's replicas left a log here, or a piece
+of one. Job and replica ids are ``Ident`` tokens (letters, digits, ``_`` and ``-``), so
+a request names a file under ``jobs/<job>/`` and nothing else.
 """
 
 from __future__ import annotations
 
+import datetime
 from pathlib import Path
 
 from phalanx.bus.errors import RequestRefused
 from phalanx.schemas.messages import MAX_LISTED_LOGS, LogReply, LogRequest, ReplicaLog
 from phalanx.schemas.replicas import replica_order
-from phalanx.services.agent.ranks import replica_log
+
+
+def replica_log(work_dir: Path, job_id: str, replica_id: str) -> Path:
+    """Where a node's agent (work dir ``work_dir``) keeps a replica's output."""
+    return work_dir / "jobs" / job_id / f"{replica_id}.log"
+
+
+def utc_now() -> str:
+    """Now, as log headers write it."""
+    return datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
 
 
 def read_logs(work_dir: Path, node_id: str, request: LogRequest) -> LogReply:

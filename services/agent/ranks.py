@@ -10,7 +10,10 @@ replaces a failed one with ``r<slot>-1`` … through :meth:`RankSet.replace`,
 so a rank that died is never restarted behind elasticity's back. A replica
 is launched at most once here (:func:`~phalanx.services.agent.core.launch_verdict`):
 a launch request repeated after it started, even after it exited, is
-answered "already launched", one for an older incarnation is refused.
+answered "already launched", one for an older incarnation is refused. What to
+start, stop, let leave or keep, and in which slots, is decided by the pure rules
+of :mod:`.reconcile` (offered by :mod:`.core`) from what runs and what was
+launched here; this module carries the decisions out.
 
 A rank gets the environment a torchrun script expects (``RANK``,
 ``LOCAL_RANK``, ``WORLD_SIZE``, ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR``,
@@ -61,7 +64,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import datetime
 import json
 import logging
 import os
@@ -84,23 +86,14 @@ from phalanx.schemas.messages import (
     ExitCause,
     GpuInfo,
     JobRecord,
-    JobState,
     RankExited,
     RankStarted,
 )
 from phalanx.schemas.replicas import incarnation
-from phalanx.services.agent import pidfd, priority
-from phalanx.services.agent.core import (
-    LaunchVerdict,
-    StopReason,
-    exit_cause,
-    first_replica,
-    launch_verdict,
-    node_slots,
-    rank_cpus,
-    rank_devices,
-)
+from phalanx.services.agent import core, pidfd, priority
+from phalanx.services.agent.core import StopReason, exit_cause, rank_cpus, rank_devices
 from phalanx.services.agent.cpus import pin as pin_cpus
+from phalanx.services.agent.logs import replica_log, utc_now
 from phalanx.services.agent.zygote import ChildProcess, ForkedProcess, Launcher
 from phalanx.services.auth.credentials import rank_environment
 from phalanx.services.deadline import wait_set
@@ -151,11 +144,6 @@ class Replaced:
     """Started now from a warm spare of the job (:mod:`.spares`)."""
     no_spare: bool = False
     """Not started: asked for from a warm spare only, and none runs here."""
-
-
-def replica_log(work_dir: Path, job_id: str, replica_id: str) -> Path:
-    """Where a node's agent (work dir ``work_dir``) keeps a replica's output."""
-    return work_dir / "jobs" / job_id / f"{replica_id}.log"
 
 
 @dataclasses.dataclass
@@ -251,9 +239,9 @@ class RankSet:
         self.host_of = host_of
         self.report = report
         self.ranks: dict[tuple[str, int], Rank] = {}
-        # (job, slot) -> (placement, replica) last launched there, running or not: a slot's
-        # first replica is launched once per placement, any replica at most once.
-        self.launched: dict[tuple[str, int], tuple[tuple[str, ...], str]] = {}
+        # (job, slot) -> the replica last launched there, running or not: a slot's first
+        # replica is launched once per placement, any replica at most once.
+        self.launched: dict[tuple[str, int], core.Launch] = {}
         self._leaving: set[asyncio.Task[None]] = set()  # ranks given time to leave
         self._job_slots: dict[str, int] = {}  # job -> its slots per replica, as last seen
         #: The node's warm spares (:mod:`.spares`), which a replacement is taken from.
@@ -278,47 +266,19 @@ class RankSet:
     # --- desired state ------------------------------------------------------------------
 
     async def reconcile(self, record: JobRecord, *, elastic: bool = False) -> None:
-        """Make this node run exactly the ranks ``record`` places here.
+        """Make this node run exactly the ranks ``record`` places here
+        (:func:`~.core.reconcile`).
 
         ``elastic``: the job's membership is managed by elasticity, so a rank keeps
         running as long as its slot stays here, whatever else the placement does;
         otherwise (a torchrun-style job) a changed placement restarts the job's ranks
         with the new world.
         """
-        placement = tuple(record.nodes) if record.state is JobState.ADMITTED else ()
-        wanted = {s for s, node in record.placement().items() if node == self.node_id}
-        self._job_slots[record.job_id] = record.spec.slots_per_replica
-        if self.capacity is not None \
-                and len(wanted) * record.spec.slots_per_replica > self.capacity:
-            # Admission never places more here than the node has: such a record is not
-            # admission's (or is corrupt), and running it would oversubscribe the node.
-            log.warning("refused a placement larger than this node",
-                        extra={"job": record.job_id, "replicas": len(wanted),
-                               "slots_per_replica": record.spec.slots_per_replica,
-                               "slots": self.capacity})
-            return
-
-        def outdated(slot: int, launched_in: tuple[str, ...]) -> bool:
-            return slot not in wanted or (not elastic and launched_in != placement)
-
-        for (job_id, slot), running in list(self.ranks.items()):
-            if job_id == record.job_id and outdated(slot, running.placement):
-                if elastic and placement:  # shrunk, not ended: it leaves by itself first
-                    self._leave(running, record.spec.scaling.graceful_shutdown_timeout_s)
-                else:
-                    await self.stop(running)
-        gone = [k for k in self.launched
-                if k[0] == record.job_id and outdated(k[1], self.launched[k][0])]
-        for key in gone:
-            del self.launched[key]
-        if gone:
-            self._save()
-        for slot in sorted(wanted):
-            if (record.job_id, slot) not in self.launched:
-                # A slot an elastic job grew into: its replica joins running survivors.
-                await self._launch(record, slot, placement, first_replica(slot),
-                                   nice=self.replacement_nice if elastic else None,
-                                   elastic=elastic)
+        job_id = record.job_id
+        self._job_slots[job_id] = record.spec.slots_per_replica
+        await self._carry_out(record, core.reconcile(
+            record, self.node_id, self._running(job_id), self._launched(job_id),
+            elastic=elastic, capacity=self.capacity))
 
     async def replace(self, record: JobRecord, slot: int, replica_id: str,
                       warm_only: bool = False, gang: bool = False) -> Replaced:
@@ -328,35 +288,32 @@ class RankSet:
         part of a restart of the job's whole torchrun gang, a new process with the gang's
         variables.
 
-        A replica launched here before, running or exited, is not started again.
+        A replica launched here before, running or exited, is not started again
+        (:func:`~.core.replacement`).
 
         Raises:
             LookupError: the job is not admitted with that slot on this node.
             ReplicaOutdated: a newer incarnation was launched in the slot already.
             OSError: the command cannot start.
         """
-        placement = tuple(record.nodes) if record.state is JobState.ADMITTED else ()
-        if record.placement().get(slot) != self.node_id:
-            raise LookupError(f"slot {slot} of {record.job_id} is not placed on {self.node_id}")
         key = (record.job_id, slot)
-        last = self.launched[key][1] if key in self.launched else None
         running = self.ranks.get(key)
-        match launch_verdict(last, replica_id):
-            case LaunchVerdict.ALREADY_LAUNCHED:
-                pid = running.pid if running is not None and running.replica_id == replica_id \
-                    else None
-                return Replaced(pid, new=False)
-            case LaunchVerdict.OUTDATED:
-                raise ReplicaOutdated(f"{replica_id} is older than {last}, launched in slot "
-                                      f"{slot} of {record.job_id} already")
-        if warm_only and (self.spares is None or self.spares.placeable(
-                record.job_id, await self.unusable_slots(but=running)) is None):
-            return Replaced(None, new=False, no_spare=True)
-        if running is not None:
-            await self.stop(running)
-        entry = await self._launch(record, slot, placement, replica_id,
-                                   nice=None if gang else self.replacement_nice,
-                                   elastic=not gang)
+        decisions = core.replacement(
+            record, self.node_id, slot, replica_id, self._running(record.job_id).get(slot),
+            self.launched.get(key), gang=gang, warm_only=warm_only)
+        match decisions:
+            case [core.Refuse(reason=core.Refusal.OUTDATED, message=message)]:
+                raise ReplicaOutdated(message)
+            case [core.Refuse(message=message)]:
+                raise LookupError(message)
+            case [core.Keep(running=still)]:
+                return Replaced(running.pid if still and running is not None else None,
+                                new=False)
+            case [*_, core.Start(warm_only=True)] if self.spares is None \
+                    or self.spares.placeable(record.job_id,
+                                             await self.unusable_slots(but=running)) is None:
+                return Replaced(None, new=False, no_spare=True)
+        (entry,) = await self._carry_out(record, decisions)
         if entry is None:
             raise OSError(f"cannot start {replica_id}: see the agent's log")
         return Replaced(entry.pid, new=True, from_spare=entry.from_spare)
@@ -364,10 +321,56 @@ class RankSet:
     async def stop_replica(self, job_id: str, slot: int, replica_id: str) -> int | None:
         """Stop ``replica_id`` if it is what runs in ``slot``; returns its pid if it ran."""
         running = self.ranks.get((job_id, slot))
-        if running is None or running.replica_id != replica_id:
-            return None
-        await self.stop(running)
-        return running.pid
+        decisions = core.stop_request(slot, replica_id, self._running(job_id).get(slot))
+        await self._carry_out(job_id, decisions)
+        return running.pid if decisions and running is not None else None
+
+    async def drop(self, job_id: str) -> None:
+        """Stop every rank of a job that is gone, and forget its launches
+        (:func:`~.core.drop`)."""
+        await self._carry_out(job_id, core.drop(self._running(job_id), self._launched(job_id)))
+
+    def _running(self, job_id: str) -> dict[int, core.Launch]:
+        """The job's ranks here (running or stopping), by slot, in the order they started."""
+        return {slot: core.Launch(r.replica_id, r.placement)
+                for (job, slot), r in self.ranks.items() if job == job_id}
+
+    def _launched(self, job_id: str) -> dict[int, core.Launch]:
+        """The replica last launched in each of the job's slots here."""
+        return {slot: launch for (job, slot), launch in self.launched.items() if job == job_id}
+
+    async def _carry_out(self, job: JobRecord | str,
+                         decisions: Sequence[core.Decision]) -> list[Rank | None]:
+        """Do what ``decisions`` say for ``job`` (its record, where they start a rank), in
+        order; returns what each :class:`~.core.Start` started (None: it could not)."""
+        job_id = job if isinstance(job, str) else job.job_id
+        started: list[Rank | None] = []
+        for decision in decisions:
+            match decision:
+                case core.Stop(slot=slot) | core.Leave(slot=slot):
+                    entry = self.ranks.get((job_id, slot))
+                    if entry is None or entry.replica_id != decision.replica_id:
+                        continue  # exited while an earlier one was stopped
+                    if isinstance(decision, core.Leave):
+                        self._leave(entry, decision.timeout_s)
+                    else:
+                        await self.stop(entry)
+                case core.Forget(slots=slots):
+                    for slot in slots:
+                        del self.launched[(job_id, slot)]
+                    self._save()
+                case core.Start():
+                    assert isinstance(job, JobRecord), "a start needs the job's record"
+                    started.append(await self._launch(
+                        job, decision.slot, decision.placement, decision.replica_id,
+                        nice=self.replacement_nice if decision.elastic else None,
+                        elastic=decision.elastic))
+                case core.Refuse(reason=core.Refusal.TOO_LARGE):
+                    log.warning("refused a placement larger than this node: %s",
+                                decision.message, extra={"job": job_id})
+                case _:
+                    raise TypeError(f"{decision!r} is not carried out by the rank set")
+        return started
 
     def job_environment(self, record: JobRecord) -> dict[str, str]:
         """What every process of ``record``'s job starts with here, rank or spare: the
@@ -443,33 +446,31 @@ class RankSet:
         """Start ``replica_id`` in slot ``rank``: for a job that has a generation
         (``elastic``), a warm spare of the job told who it is if one runs here, else a new
         process."""
-        spec = record.spec
         # A slot never holds two ranks: until the replica has usable slots, it waits for the
         # next exit here (and reads the cordons once a try).
         deadline: float | None = None  # the end of SLOT_WAIT_S, from the first bounded wait
         while True:
             cordoned = await self._cordoned()
             held = self.held_slots()
-            slots = node_slots(held | cordoned, spec.slots_per_replica)
-            if self.capacity is None or slots[-1] < self.capacity:
+            found = core.slots_for(record.spec.slots_per_replica, held, cordoned,
+                                   self.capacity, any(r.stopping for r in self.ranks.values()))
+            if isinstance(found, tuple):
+                slots = found
                 break
             self._exit_seen.clear()
-            if any(r.stopping for r in self.ranks.values()):
+            if found is core.SlotWait.EXIT:
                 # Admission frees a stopped job's slots at once; its ranks may take their
-                # grace period to exit: wait for them, however long that is.
+                # grace period to exit.
                 await self._exit_seen.wait()
                 continue
-            if node_slots(held, spec.slots_per_replica)[-1] < self.capacity:
-                # Admission has not yet heard of a cordon (it follows the node record):
-                # the replica waits for a usable slot, elsewhere or here once uncordoned.
+            if found is core.SlotWait.CORDONED:
                 log.warning("no usable slot for a replica: the node's free slots are "
                             "cordoned", extra={"job": record.job_id, "rank": rank,
                                                "replica": replica_id,
                                                "cordoned": sorted(cordoned)})
                 return None
-            # Every slot is held by ranks of jobs admission has already moved off this node
-            # (shrunk, preempted) whose records this agent has not applied yet: each job's
-            # records are applied on their own. One of them is about to be stopped.
+            # SlotWait.MOVED: each job's records are applied on their own, so the ones that
+            # stop those ranks may come after this one.
             if deadline is None:
                 deadline = time.monotonic() + SLOT_WAIT_S
             left = deadline - time.monotonic()
@@ -486,7 +487,7 @@ class RankSet:
             slots = taken[1]  # free slots on the GPUs the spare's process already sees
         identity = await self._identity(record, rank, placement, replica_id, slots, nice,
                                         elastic)
-        self.launched[(record.job_id, rank)] = (placement, replica_id)
+        self.launched[(record.job_id, rank)] = core.Launch(replica_id, placement)
         log_path = self.log_path(record.job_id, replica_id)
         log_path.parent.mkdir(parents=True, exist_ok=True)
         process: ChildProcess | None = None
@@ -666,15 +667,6 @@ class RankSet:
         await asyncio.gather(*(self.stop(r, StopReason.AGENT)
                                for r in list(self.ranks.values())))
 
-    async def drop(self, job_id: str) -> None:
-        """Stop every rank of a job that is gone, and forget its launches."""
-        for (job, _), entry in list(self.ranks.items()):
-            if job == job_id:
-                await self.stop(entry)
-        for key in [k for k in self.launched if k[0] == job_id]:
-            del self.launched[key]
-        self._save()
-
     def _signal_group(self, entry: Rank, sig: signal.Signals) -> None:
         if start_ticks(entry.pid) != entry.ticks:
             return  # already gone (or the pid is someone else's now)
@@ -738,9 +730,9 @@ class RankSet:
                   "grace_s": r.grace_s, "slots": r.slots, "replica_id": r.replica_id,
                   "node_slots": list(r.node_slots), "admission": r.admission}
                  for r in self.ranks.values()]
-        launched = [{"job_id": job, "slot": slot, "placement": list(placement),
-                     "replica_id": replica}
-                    for (job, slot), (placement, replica) in self.launched.items()]
+        launched = [{"job_id": job, "slot": slot, "placement": list(launch.placement),
+                     "replica_id": launch.replica_id}
+                    for (job, slot), launch in self.launched.items()]
         tmp = self.work_dir / f".{MANIFEST}.tmp"
         tmp.write_text(json.dumps({"ranks": ranks, "launched": launched}))
         tmp.replace(self.work_dir / MANIFEST)
@@ -755,16 +747,16 @@ class RankSet:
         if isinstance(recorded, list):  # an agent of before the launches were kept
             recorded = {"ranks": recorded, "launched": []}
         for item in recorded["launched"]:
-            self.launched[(item["job_id"], item["slot"])] = (tuple(item["placement"]),
-                                                              item["replica_id"])
+            self.launched[(item["job_id"], item["slot"])] = core.Launch(
+                item["replica_id"], tuple(item["placement"]))
         for item in recorded["ranks"]:
             entry = Rank(item["job_id"], item["rank"], item["world_size"],
                          tuple(item["placement"]), item["pid"], item["ticks"], item["grace_s"],
-                         item["slots"], item.get("replica_id", first_replica(item["rank"])),
+                         item["slots"], item.get("replica_id", core.first_replica(item["rank"])),
                          node_slots=tuple(item.get("node_slots", ())),
                          admission=item.get("admission", 0))
             self.launched.setdefault((entry.job_id, entry.rank),
-                                     (entry.placement, entry.replica_id))
+                                     core.Launch(entry.replica_id, entry.placement))
             if entry.ticks is not None and start_ticks(entry.pid) == entry.ticks:
                 self.ranks[(entry.job_id, entry.rank)] = entry
                 entry.watcher = asyncio.create_task(self._watch_adopted(entry))
@@ -778,11 +770,6 @@ class RankSet:
         await pidfd.ended(entry.pid)
         await self._exited(entry, exit_code=None, signame=None,
                            cause=exit_cause(entry.stop, status_known=False))
-
-
-def utc_now() -> str:
-    """Now, as log headers write it."""
-    return datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
 
 
 def _one_line(command: list[str], limit: int = 200) -> str:

@@ -141,7 +141,7 @@ def read_hello(data: bytes) -> bytes:
         _check_version(magic, version, data)
     except ReplicaRefused as exc:
         raise ConnectionError(f"the buddy's listener: {exc}") from None
-    return nonce
+    return bytes(nonce)
 
 
 def pack_reply(problem: str = "") -> bytes:
@@ -197,7 +197,8 @@ class ReplicaListener:
         loop = asyncio.get_running_loop()
         self.server = await loop.create_server(lambda: _Replicas(self), host, port,
                                                ssl=self.tls)
-        return self.server.sockets[0].getsockname()[1]
+        bound: int = self.server.sockets[0].getsockname()[1]
+        return bound
 
     async def stop(self) -> None:
         if self.server is not None:

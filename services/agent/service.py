@@ -9,19 +9,16 @@ one job's ranks (up to its grace period) never delays another's launch.
 Elasticity's launch requests are idempotent: a replica launched here before
 is never started again (:mod:`.ranks`).
 
-Beside the ranks, the agent keeps the node's snapshot store (:mod:`.snapshots`)
-and replicates it (:mod:`.replication`): a listener takes its wards' snapshots
-(its port is in the node record), a sender streams this node's to the buddy the
-checkpoint service placed (KV bucket ``phalanx_buddies``, re-read every
+Beside the ranks, the agent keeps the node's snapshot store (:mod:`.snapshots`),
+answers its ranks' reservations and other nodes' fetches of it
+(:mod:`.snapshot_endpoints`) and replicates it (:mod:`.replication`): a listener takes
+its wards' snapshots (its port is in the node record), a sender streams this node's to
+the buddy the checkpoint service placed (KV bucket ``phalanx_buddies``, re-read every
 :data:`BUDDY_REFRESH_S`).
 
-On a node whose GPUs NVML sees (:mod:`.nvml`), the slots are those GPUs and their
-health is polled every ``agent.gpu_poll_interval_s``. A GPU fault cordons that GPU's
-slots in the node record (``cordoned_slots``, with the reason; the node's other
-slots stay in use), and SIGKILLs the ranks there, each exit reported ``gpu_fault`` at
-once; nothing starts on a cordoned slot until an operator uncordons it. ``phalanx
-chaos gpu-fault`` injects such a fault at the NVML boundary (on a CPU node too, where
-the GPU index names a slot) and polls at once.
+On a node whose GPUs NVML sees (:mod:`.nvml`), the slots are those GPUs, and their
+health is polled (:mod:`.gpu_health`): a GPU fault cordons that GPU's slots in the node
+record and SIGKILLs the ranks there.
 """
 
 from __future__ import annotations
@@ -33,7 +30,7 @@ import os
 import signal
 import socket
 import time
-from collections.abc import Callable, Collection
+from collections.abc import Callable
 from pathlib import Path
 
 import msgspec
@@ -68,22 +65,21 @@ from phalanx.schemas.messages import (
     RankExited,
     RankStarted,
     ReplicaFetch,
-    ReplicaFetched,
     ReplicaReply,
     SnapshotRecord,
-    SnapshotReservation,
     SnapshotReserve,
     StopReplica,
 )
 from phalanx.services import metrics
 from phalanx.services.agent import core, cpus, replica_tls
 from phalanx.services.agent.config import AgentConfig
+from phalanx.services.agent.gpu_health import GpuHealth
 from phalanx.services.agent.logs import read_logs
-from phalanx.services.agent.nvml import GpuFault, GpuWatch, describe, discover
+from phalanx.services.agent.nvml import GpuWatch, discover
 from phalanx.services.agent.ranks import RankSet, ReplicaOutdated
 from phalanx.services.agent.replication import Address, ReplicaListener, ReplicaSender
+from phalanx.services.agent.snapshot_endpoints import SnapshotEndpoints
 from phalanx.services.agent.snapshots import (
-    SnapshotRefused,
     SnapshotStore,
     claim,
     collect_abandoned,
@@ -129,15 +125,18 @@ class AgentService(Service):
             #: The node's slots and the GPU of each (empty: CPU slots).
             self.slots, self.gpus = core.node_gpus(config.slots, config.gpus, found,
                                                    len(config.cpus) or os.cpu_count() or 1)
-            self.gpu_watch = GpuWatch(nvml)  # its baseline: the readings at start
+            watch = GpuWatch(nvml)  # its baseline: the readings at start
         except BaseException:
             if nvml is not None:
                 nvml.close()
             raise
-        self._gpu_poll = asyncio.Lock()  # one poll at a time: NVML reads are not shared
+        self.gpu_health = GpuHealth(
+            watch, self.gpus, self.slots, stored=lambda: self.record,
+            read=lambda: self._node_record(config.node_id),
+            kill=lambda slots, why, seen_at: self.ranks.gpu_fault(slots, why, seen_at)
+            if self.ranks is not None else [],
+            write=lambda: self._refresh_record(time.time(), self._slots_used()))
         self._record_write = asyncio.Lock()  # record writes in order: the revision kept
-        #: Slots this agent cordoned that the stored record does not show yet.
-        self._cordoning: dict[int, str] = {}
         self.info = NodeInfo(
             node_id=config.node_id, host=socket.gethostname(), slots=self.slots,
             failure_domain=config.failure_domain, labels=config.labels,
@@ -215,8 +214,9 @@ class AgentService(Service):
                                 ChaosRequest, self.on_chaos)
         await self.add_endpoint("logs", subjects.agent_logs(self.config.node_id), LogRequest,
                                 self.on_logs, concurrent=True)
-        if self.gpu_watch.nvml is not None:
-            self.keep_running(self.gpu_loop, "gpu health")
+        if self.gpu_health.watch.nvml is not None:
+            self.keep_running(lambda: self.gpu_health.run(
+                self.sleep_or_stop, self.config.gpu_poll_interval_s), "gpu health")
         if not self.config.launch:
             self.keep_running(self.heartbeat_loop, "heartbeat")
             return
@@ -229,17 +229,18 @@ class AgentService(Service):
                              checkpoint_dir=Path(self.config.checkpoint_dir)
                              if self.config.checkpoint_dir
                              else self.work_dir.parent.parent / "checkpoints",
-                             gpus=self.gpus, found_gpus=self.gpu_watch.gpus,
+                             gpus=self.gpus, found_gpus=self.gpu_health.watch.gpus,
                              slot_cpus=cpus.shares(self.config.cpus, self.slots)
                              if self.config.cpus and not self.gpus else (),
-                             cordoned=self._cordoned_now, launcher=self.launcher)
+                             cordoned=self.gpu_health.cordoned_now, launcher=self.launcher)
         await self.ranks.adopt()
         ranks = self.ranks
         # A cordoned slot holds no spare either.
         self.spares = self.ranks.spares = SpareSet(
             self.config.node_id, self.work_dir, self.slots, self.gpus,
-            self.ranks.job_environment, lambda: ranks.slots_placed() + len(self.cordoned),
-            lambda: ranks.held_slots() | set(self.cordoned), launcher=self.launcher,
+            self.ranks.job_environment,
+            lambda: ranks.slots_placed() + len(self.gpu_health.cordoned),
+            lambda: ranks.held_slots() | set(self.gpu_health.cordoned), launcher=self.launcher,
             pin=ranks.pin)
         metrics.RANKS.set_function(lambda: len(ranks.ranks))
         # Both open before the first record arrives: reconciling one reads the generations.
@@ -253,18 +254,20 @@ class AgentService(Service):
                                 LaunchReplica, self.on_launch, concurrent=True)
         await self.add_endpoint("stop", subjects.agent_stop(self.config.node_id),
                                 StopReplica, self.on_stop, concurrent=True)
+        endpoints = SnapshotEndpoints(self.config.node_id, self.snapshots, self.sender,
+                                      ranks.jobs, self._node_record)
         await self.add_endpoint("snapshot", subjects.agent_snapshot(self.config.node_id),
-                                SnapshotReserve, self.on_snapshot)
+                                SnapshotReserve, endpoints.reserve)
         # The job is in the subject, and a fetch naming another job is refused as bad input.
         await self.add_endpoint("fetch", subjects.agent_fetches(self.config.node_id),
-                                ReplicaFetch, self.on_fetch, concurrent=True)
+                                ReplicaFetch, endpoints.fetch, concurrent=True)
         # Records published while disconnected were missed: read them all again after.
         self.bus.on_reconnect(self._on_reconnect)
         self.keep_running(self.heartbeat_loop, "heartbeat")
         self.keep_running(lambda: self.sender.run(self.sleep_or_stop), "replicate")
         self.keep_running(lambda: self.until_stopped(self._follow_generations()), "generations")
         log.info("registered", extra={"node": self.config.node_id, "slots": self.slots,
-                                      "gpus": [g.uuid for g in self.gpu_watch.gpus],
+                                      "gpus": [g.uuid for g in self.gpu_health.watch.gpus],
                                       "failure_domain": self.config.failure_domain})
 
     async def _follow_generations(self) -> None:
@@ -398,9 +401,14 @@ class AgentService(Service):
         assert self.bus is not None
         return ",".join(self.bus.config.servers)
 
-    async def _host_of(self, node_id: str) -> str:
+    async def _node_record(self, node_id: str) -> NodeRecord | None:
+        """A node's record as the registry holds it now (None: it holds none)."""
         assert self.nodes is not None
-        record, _ = await self.nodes.current(node_id)  # unreadable: as good as unknown
+        record, _ = await self.nodes.current(node_id)
+        return record
+
+    async def _host_of(self, node_id: str) -> str:
+        record = await self._node_record(node_id)  # unreadable: as good as unknown
         return record.node.host if record is not None else "127.0.0.1"
 
     async def _report(self, event: RankStarted | RankExited) -> None:
@@ -514,57 +522,6 @@ class AgentService(Service):
         return ReplicaReply(node_id=self.config.node_id, replica_id=request.replica_id, pid=pid,
                             detail=detail)
 
-    async def on_snapshot(self, request: SnapshotReserve, _: Delivery) -> SnapshotReservation:
-        """Give a rank of a job running here a ring of snapshot buffers in this node's
-        shared memory (507 when the node's bound would be passed)."""
-        assert self.ranks is not None
-        if request.job_id not in self.ranks.jobs():
-            raise RequestRefused("404", f"no rank of {request.job_id!r} runs on "
-                                        f"{self.config.node_id}")
-        try:
-            paths = self.snapshots.reserve(request)
-        except SnapshotRefused as exc:
-            log.warning("snapshot refused", extra={"job": request.job_id, "reason": str(exc)})
-            raise RequestRefused("507", str(exc)) from None
-        return SnapshotReservation(node_id=self.config.node_id, paths=[str(p) for p in paths],
-                                   detail=f"{len(paths)} x {request.nbytes} B")
-
-    async def on_fetch(self, request: ReplicaFetch, _: Delivery) -> ReplicaFetched:
-        """Send the copy this node holds of a snapshot shard to another node's replication
-        listener, for a generation about to restore there (404: no committed copy here,
-        or no such node; 409: the node is this one; 503: it could not be sent)."""
-        node = self.config.node_id
-        what = (f"shard {request.shard}/{request.shards} of {request.job_id} step "
-                f"{request.step}")
-        if request.to_node == node:
-            raise RequestRefused("409", f"{what} is asked for {node}, which is this node")
-        found = self.snapshots.copy_of(request.job_id, request.step, request.shards,
-                                       request.shard)
-        if found is None:
-            raise RequestRefused("404", f"{node} holds no committed copy of {what}")
-        assert self.nodes is not None
-        record, _revision = await self.nodes.current(request.to_node)
-        if record is None or not record.node.replica_port:
-            raise RequestRefused("404", f"node {request.to_node} is not registered with a "
-                                        "replication listener")
-        path, header, owner = found
-        address = (request.to_node, record.node.host, record.node.replica_port)
-        started = time.monotonic()
-        try:
-            problem = await self.sender.send_copy(address, path, header, owner or node)
-        except (OSError, TimeoutError, asyncio.IncompleteReadError) as exc:
-            problem = f"sending to {address[1]}:{address[2]} failed: {exc!r}"
-        if problem:
-            log.warning("fetch refused", extra={"job": request.job_id, "what": what,
-                                                "to": request.to_node, "reason": problem})
-            raise RequestRefused("503", f"{what} not taken by {request.to_node}: {problem}")
-        seconds = time.monotonic() - started
-        log.info("fetched", extra={"job": request.job_id, "what": what, "to": request.to_node,
-                                   "bytes": header.meta_length + header.length,
-                                   "seconds": round(seconds, 3)})
-        return ReplicaFetched(node_id=node, nbytes=header.meta_length + header.length,
-                              seconds=seconds)
-
     async def on_chaos(self, request: ChaosRequest, _: Delivery) -> ChaosReply:
         """Inject a fault the way a user would: kill a rank, kill or pause this agent."""
         assert self.ranks is not None and self.bus is not None
@@ -605,86 +562,13 @@ class AgentService(Service):
                                   detail=f"agent paused for {request.duration_s:g} s")
             case ChaosAction.GPU_FAULT:
                 assert request.gpu is not None
-                if self.gpu_watch.nvml is None \
-                        and not core.gpu_slots(request.gpu, self.gpus, self.slots):
-                    raise RequestRefused("404", f"{node} has no GPU and no slot {request.gpu} "
-                                                f"(slots 0..{self.slots - 1})")
                 try:
-                    self.gpu_watch.inject(request.gpu, request.gpu_fault, request.code)
+                    done = await self.gpu_health.inject(request.gpu, request.gpu_fault,
+                                                        request.code)
                 except ValueError as exc:
                     raise RequestRefused("404", f"{node}: {exc}") from None
-                done = await self.poll_gpus()  # the next poll is now
                 return ChaosReply(node_id=node, detail="; ".join(done) or "nothing seen")
         raise RequestRefused("400", f"unknown chaos action {request.action}")
-
-    @property
-    def cordoned(self) -> dict[int, str]:
-        """This node's slots out of use (local slot -> why): as the registry last stored
-        them (an operator's uncordon shows there at the next heartbeat), plus those this
-        agent cordoned since."""
-        stored = self.record.cordoned_slots if self.record is not None else {}
-        return {**stored, **self._cordoning}
-
-    async def _cordoned_now(self) -> Collection[int]:
-        """The cordoned slots a launch must avoid: read from the registry when any are
-        known (an operator's uncordon counts at once, not at the next heartbeat: admission
-        may already have placed work there), else none without a read."""
-        if self.cordoned and self.nodes is not None:
-            try:
-                stored, _ = await self.nodes.current(self.config.node_id)
-            except (PhalanxError, TimeoutError, OSError, nats.errors.Error) as exc:
-                log.warning("cannot read this node's cordoned slots: %s", exc)
-            else:
-                if stored is not None:
-                    return {**stored.cordoned_slots, **self._cordoning}.keys()
-        return self.cordoned.keys()
-
-    async def gpu_loop(self) -> None:
-        """Poll the GPUs' health every ``gpu_poll_interval_s``."""
-        while not await self.sleep_or_stop(self.config.gpu_poll_interval_s):
-            await self.poll_gpus()
-
-    async def poll_gpus(self) -> list[str]:
-        """One health poll of the GPUs (NVML's reads on a worker thread) and what its
-        faults made this agent do, one line each."""
-        async with self._gpu_poll:
-            watch = self.gpu_watch
-            faults = await asyncio.to_thread(watch.poll) if watch.nvml is not None \
-                else watch.poll()
-            return await self._gpu_faults(faults, time.time())
-
-    async def _gpu_faults(self, faults: list[GpuFault], seen_at: float) -> list[str]:
-        """Act on one poll's observations: a fatal fault's GPU has its slots cordoned and
-        the ranks on them killed at once (their exits carry ``seen_at``); the rest (a
-        throttled GPU: straggler evidence) are logged."""
-        done: list[str] = []
-        fatal: dict[int, list[GpuFault]] = {}
-        for fault in faults:
-            if fault.fatal:
-                fatal.setdefault(fault.gpu, []).append(fault)
-                continue
-            log.warning("GPU %d: %s (reported, not a fault)", fault.gpu, fault.what,
-                        extra={"gpu": fault.gpu, "kind": fault.kind.value})
-            done.append(f"GPU {fault.gpu}: {fault.what} (reported, not a fault)")
-        info = {g.index: g for g in self.gpu_watch.gpus}
-        cordoned = self.cordoned
-        for gpu, seen in sorted(fatal.items()):
-            why = describe(gpu, seen, info.get(gpu))
-            slots = core.gpu_slots(gpu, self.gpus, self.slots)
-            for slot in slots:
-                if slot not in cordoned:
-                    self._cordoning[slot] = why
-            killed = self.ranks.gpu_fault(slots, why, seen_at) if self.ranks is not None else []
-            ranks = ", ".join(f"rank {r.rank} of {r.job_id} (pid {r.pid})" for r in killed)
-            log.error("GPU fault: %s", why, extra={
-                "gpu": gpu, "kinds": [f.kind.value for f in seen], "slots": list(slots),
-                "killed": [r.pid for r in killed]})
-            done.append(f"{why}: " + (f"slot(s) {', '.join(map(str, slots))} cordoned, "
-                                      f"killed {ranks or 'no rank'}" if slots
-                                      else "no slot runs on it"))
-        if self._cordoning:
-            await self._refresh_record(time.time(), self._slots_used())
-        return done
 
     async def heartbeat_loop(self) -> None:
         """Publish a heartbeat every interval, and refresh the registry entry beside it.
@@ -744,22 +628,22 @@ class AgentService(Service):
         memory = {"snapshot_bytes": self.snapshots.used(),
                   "snapshot_limit_bytes": self.snapshots.limit,
                   "snapshot_refused": self.snapshots.refused}
+        health = self.gpu_health
         async with self._record_write:
-            cordons, before = dict(self._cordoning), set(self.cordoned)
+            unstored, before = dict(health.unstored), set(health.cordoned)
             try:
                 entry = await self.nodes.modify(
                     self.config.node_id,
                     lambda record: msgspec.structs.replace(
-                        core.heartbeat(record, self.info, now, used, cordons), **memory))
+                        core.heartbeat(record, self.info, now, used, unstored), **memory))
             except core.NodeIdTaken:
                 raise
             except Exception as exc:
                 log.warning("registry refresh failed: %s", exc)
                 return
             self.record = entry.value
-            for slot in cordons:  # stored now
-                self._cordoning.pop(slot, None)
-        if set(self.cordoned) != before and self.spares is not None:
+            health.written(unstored)
+        if set(health.cordoned) != before and self.spares is not None:
             self.spawn(self.spares.refresh(), "spares")  # a slot cordoned or uncordoned
 
     async def teardown(self) -> None:
@@ -777,8 +661,7 @@ class AgentService(Service):
         if self.ranks is not None:
             await self.ranks.stop_all()
         await self.launcher.close()  # after the ranks: their zygotes report their exits
-        async with self._gpu_poll:
-            self.gpu_watch.close()
+        await self.gpu_health.close()
         if self.config.stop_is_restart:
             log.info("stopped for a restart: registry entry and snapshots kept",
                      extra={"node": self.config.node_id})

@@ -58,7 +58,7 @@ from pathlib import Path
 from phalanx.schemas import environment
 from phalanx.schemas.messages import JobRecord, JobState
 from phalanx.services.agent import core
-from phalanx.services.agent.ranks import utc_now
+from phalanx.services.agent.logs import utc_now
 from phalanx.services.agent.zygote import ChildProcess, Launcher
 
 log = logging.getLogger("phalanx.agent.spares")

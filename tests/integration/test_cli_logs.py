@@ -29,7 +29,7 @@ from phalanx.schemas.messages import (
     ReplicaRange,
 )
 from phalanx.services.agent.config import AgentConfig
-from phalanx.services.agent.ranks import replica_log
+from phalanx.services.agent.logs import replica_log
 from phalanx.services.agent.service import AgentService
 from phalanx.services.natsd import NatsServer
 

@@ -10,8 +10,7 @@ import pytest
 
 from phalanx.bus.errors import RequestRefused
 from phalanx.schemas.messages import LogRequest
-from phalanx.services.agent.logs import read_logs
-from phalanx.services.agent.ranks import replica_log
+from phalanx.services.agent.logs import read_logs, replica_log
 from phalanx.services.cli.logs import tail_start
 
 
