@@ -28,6 +28,8 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
+import phalanx.bus  # noqa: F401  (first: nats-py without aiohttp, :mod:`phalanx.bus.transport`)
+
 _EXPORTS = {
     "ElasticSession": "elastic",
     "Step": "elastic",

@@ -374,10 +374,24 @@ def test_pure_module_does_not_pull_in_nats_or_asyncio(module: str) -> None:
 
 
 def test_the_check_detects_the_bus_layer() -> None:
-    """Control: the bus package does import nats, so the check above is not vacuous."""
-    loaded = imported_after("phalanx.bus")
+    """Control: the bus's client does import nats, so the check above is not vacuous."""
+    loaded = imported_after("phalanx.bus.client")
     assert "nats" in loaded
     assert "asyncio" in loaded
+
+
+def test_the_bus_loads_nats_without_aiohttp_which_stays_importable() -> None:
+    """nats-py's websocket transport would import aiohttp (0.1-0.2 s of every process's
+    start): the service, command and rank packages keep it out (:mod:`phalanx.bus.transport`)."""
+    for module in ("phalanx.services.health.service", "phalanx.runtime.bus_thread",
+                   "phalanx.services.client"):
+        loaded = imported_after(module)
+        assert "nats" in loaded and "aiohttp" not in loaded, module
+    code = ("import phalanx.bus.client, aiohttp, nats.aio.transport as t; "
+            "print(t.aiohttp is None, aiohttp.ClientSession.__name__)")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                            timeout=60, check=True)
+    assert result.stdout.split() == ["True", "ClientSession"]
 
 
 #: What a rank's start does not pay for unless its script uses it: torch's sharded
