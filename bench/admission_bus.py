@@ -25,7 +25,7 @@ from typing import Any
 from phalanx.bus.client import Bus, Delivery
 from phalanx.bus.config import BusConfig
 from phalanx.bus.errors import RemoteError
-from phalanx.schemas import subjects
+from phalanx.schemas import settings, subjects
 from phalanx.schemas.messages import JobRecord, JobSpec, JobState, ReplicaRange
 from phalanx.services.agent.config import AgentConfig
 from phalanx.services.agent.service import AgentService
@@ -43,7 +43,7 @@ async def _measure(nodes: int, jobs: int, concurrency: int) -> dict[str, Any]:
                   for i in range(nodes)]
         for agent in agents:
             await agent.start()
-        env = {**os.environ, "PHALANX_NATS_URL": server.url}
+        env = {**os.environ, settings.NATS_URL: server.url}
         admission = await asyncio.create_subprocess_exec(
             sys.executable, "-m", "phalanx.services.admission", "--log-level", "WARNING",
             env=env, stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL)

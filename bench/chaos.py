@@ -73,7 +73,7 @@ from phalanx.bus.config import BusConfig
 from phalanx.bus.kv import TypedKV
 from phalanx.runtime import record
 from phalanx.runtime.data import ElasticOrder
-from phalanx.schemas import subjects
+from phalanx.schemas import environment, settings, subjects
 from phalanx.schemas.messages import (
     CheckpointPolicy,
     Generation,
@@ -176,8 +176,8 @@ class Chaos:
     # --- the cluster and the job --------------------------------------------------------
 
     async def start(self) -> Bus:
-        os.environ.update({"PHALANX_HEALTH_CORDON_FAULTS": "100000",  # chaos never cordons
-                           "PHALANX_ELASTICITY_MAX_REPLACEMENTS": "100000"})
+        os.environ.update({settings.HEALTH("cordon_faults"): "100000",  # chaos never cordons
+                           settings.ELASTICITY("max_replacements"): "100000"})
         await self.cluster.start()
         self.keeper = asyncio.create_task(self.cluster.keep_nats(self.stop, restart_after_s=2))
         bus = await Bus.connect(BusConfig.load(env={}, servers=[self.cluster.nats_url or ""]),
@@ -197,11 +197,11 @@ class Chaos:
                                 str(self.work / "data"), *ARGS, *script_args(self.sharded),
                                 "--steps", str(self.steps),
                                 "--save", str(self.work / "final.pt")],
-                       env={"PHALANX_RECORD_DIR": str(self.work / "rec"),
-                            "PHALANX_DETERMINISTIC": "1",
+                       env={environment.RECORD_DIR: str(self.work / "rec"),
+                            environment.DETERMINISTIC: "1",
                             # At most 1 / pace_s steps/s until the faults are made:
                             # the job outlasts them on a fast machine too.
-                            "PHALANX_CHAOS_PACE": f"{self.pace_s}:{self.release}"},
+                            environment.CHAOS_PACE: f"{self.pace_s}:{self.release}"},
                        hang_timeout_s=2.0, grace_period_s=3.0,
                        # The crash-loop guard as it ships (8 restarts without progress in
                        # 300 s): the job trains between the faults, so they must never fail
@@ -382,7 +382,7 @@ def left_behind(work: Path) -> list[tuple[str, str]]:
                 continue  # exited; its parent has yet to reap it
             command = (proc / "cmdline").read_bytes()
             if marker in command \
-                    or f"PHALANX_JOB_ID={JOB}".encode() in (proc / "environ").read_bytes():
+                    or f"{environment.JOB_ID}={JOB}".encode() in (proc / "environ").read_bytes():
                 left.append((proc.name, command.replace(b"\0", b" ").decode()[:200]))
         except (OSError, IndexError):
             continue
@@ -413,11 +413,11 @@ def fault_free(work: Path, steps: int, sharded: bool = False) -> dict[str, Any]:
     """The same script alone: the reference parameters."""
     import torch
 
-    env = {k: v for k, v in os.environ.items() if not k.startswith("PHALANX_")}
+    env = {k: v for k, v in os.environ.items() if not k.startswith(settings.PREFIX)}
     subprocess.run([sys.executable, str(SCRIPT), "--data-dir", str(work / "data"), *ARGS,
                     *script_args(sharded), "--steps", str(steps),
                     "--save", str(work / "reference.pt")],
-                   check=True, timeout=900, env={**env, "PHALANX_DETERMINISTIC": "1"})
+                   check=True, timeout=900, env={**env, environment.DETERMINISTIC: "1"})
     reference: dict[str, Any] = torch.load(work / "reference.pt")
     return reference
 

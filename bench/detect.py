@@ -42,7 +42,7 @@ from typing import Any, TypeVar
 from phalanx.bench.results import append, utc_date
 from phalanx.bus.client import Bus, Delivery
 from phalanx.bus.config import BusConfig
-from phalanx.schemas import subjects
+from phalanx.schemas import settings, subjects
 from phalanx.schemas.messages import (
     Fault,
     FaultKind,
@@ -228,7 +228,7 @@ async def fanout(config: BusConfig, subscribers: int, rounds: int) -> list[float
 
 async def run(args: argparse.Namespace) -> dict[str, Any]:
     # Hundreds of injected faults would cordon every node; this measures detection only.
-    os.environ["PHALANX_HEALTH_CORDON_FAULTS"] = "1000000"
+    os.environ[settings.HEALTH("cordon_faults")] = "1000000"
     with tempfile.TemporaryDirectory() as tmp:
         cluster = LocalCluster(Path(tmp), agents=2, slots_per_agent=args.per_job,
                                nats_port=0, heartbeat_interval_s=HEARTBEAT_S,

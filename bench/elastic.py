@@ -49,7 +49,7 @@ from phalanx.bench.results import append, utc_date
 from phalanx.bus.client import Bus, Delivery
 from phalanx.bus.config import BusConfig
 from phalanx.runtime import record
-from phalanx.schemas import subjects
+from phalanx.schemas import environment, settings, subjects
 from phalanx.schemas.messages import (
     ChaosAction,
     ChaosReply,
@@ -150,7 +150,7 @@ class Scenario:
 
 async def run_scenario(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     cluster, rec = work / "cluster", work / "records"
-    env = {**os.environ, "PHALANX_HEALTH_CORDON_FAULTS": "1000"}  # the kills are on purpose
+    env = {**os.environ, settings.HEALTH("cordon_faults"): "1000"}  # the kills are on purpose
     cli("up", "--agents", "2", "--slots-per-agent", "2", "--detach", "--data-dir", str(cluster),
         "--nats-port", "0", "--heartbeat-interval", "0.2", env=env)
     url = json.loads((cluster / "up.json").read_text())["nats_url"]
@@ -172,7 +172,7 @@ async def run_scenario(args: argparse.Namespace, work: Path) -> dict[str, Any]:
                 command=[sys.executable, str(SCRIPT), "--data-dir", str(args.data_dir),
                          "--widths", args.widths, "--samples", str(args.samples),
                          "--micro-batch", "8", "--steps", "10000000"],
-                env={"PHALANX_RECORD_DIR": str(rec)}, hang_timeout_s=5.0,
+                env={environment.RECORD_DIR: str(rec)}, hang_timeout_s=5.0,
                 grace_period_s=3.0), run.job_id)
             await run.generation(GenerationReason.START, 2, 0)
             await run.settle(args.settle_steps)

@@ -73,6 +73,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from phalanx.schemas import environment, settings
+
 BENCH = Path(__file__).resolve().parent
 ROOT = BENCH.parent
 
@@ -88,8 +90,8 @@ def gpt_options(args: argparse.Namespace) -> list[str]:
 
 def run_alone(args: argparse.Namespace, save: Path, steps: int) -> None:
     """The GPT script alone (no job: world size 1), deterministic, saving its result."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("PHALANX_")}
-    env["PHALANX_DETERMINISTIC"] = "1"  # alone, the script trains on cuda:0 where there is one
+    env = {k: v for k, v in os.environ.items() if not k.startswith(settings.PREFIX)}
+    env[environment.DETERMINISTIC] = "1"  # alone, the script trains on cuda:0 where there is one
     subprocess.run([sys.executable, str(ROOT / "examples" / "train_gpt.py"), *gpt_options(args),
                     "--steps", str(steps), "--save", str(save)], env=env, check=True,
                    capture_output=True, timeout=args.timeout)
@@ -120,7 +122,7 @@ def phase_a(args: argparse.Namespace, out: Callable[[dict[str, Any]], None]) -> 
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
         if not args.cpu:  # every slot on GPU 0
-            os.environ["PHALANX_AGENT_GPUS"] = ",".join(["0"] * slots)
+            os.environ[settings.AGENT("gpus")] = ",".join(["0"] * slots)
         url = recovery.cluster_up(work / "cluster", agents, slots)
         events: recovery.Arrivals = {"fault": [], "generation": []}
         try:
@@ -133,9 +135,9 @@ def phase_a(args: argparse.Namespace, out: Callable[[dict[str, Any]], None]) -> 
                         command=[sys.executable, str(ROOT / "examples" / "train_gpt.py"),
                                  *gpt_options(args), "--steps", str(args.steps),
                                  "--save", str(work / "phalanx.pt")],
-                        env={"PHALANX_RECORD_DIR": str(work / "records"),
-                             "PHALANX_DETERMINISTIC": "1",
-                             "PHALANX_CHAOS_KILL": f"r1-0:{args.kill_step}:allreduce"},
+                        env={environment.RECORD_DIR: str(work / "records"),
+                             environment.DETERMINISTIC: "1",
+                             environment.CHAOS_KILL: f"r1-0:{args.kill_step}:allreduce"},
                         hang_timeout_s=10.0, grace_period_s=5.0, spares=args.spares)
                     return await recovery.run_job(bus, spec, "gpt-gpu", args.timeout)
 
@@ -190,7 +192,6 @@ def phase_d(args: argparse.Namespace, out: Callable[[dict[str, Any]], None]) -> 
     from phalanx.runtime import record
     from phalanx.runtime.data import ElasticOrder
     from phalanx.runtime.dataset import TokenWindows
-    from phalanx.schemas import environment
     from phalanx.schemas.messages import CheckpointPolicy, JobSpec, JobState, ReplicaRange
 
     port = vars(train_options(port_options(args)))
@@ -198,7 +199,7 @@ def phase_d(args: argparse.Namespace, out: Callable[[dict[str, Any]], None]) -> 
                          port["global_batch"], port["seed"])
     result: dict[str, Any] = {"device": device_name(args), "steps": order.steps_per_epoch,
                               "kill_step": args.port_kill_step, "jobs": {}}
-    plain = {k: v for k, v in os.environ.items() if not k.startswith("PHALANX_")}
+    plain = {k: v for k, v in os.environ.items() if not k.startswith(settings.PREFIX)}
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
         started = time.monotonic()
@@ -206,12 +207,12 @@ def phase_d(args: argparse.Namespace, out: Callable[[dict[str, Any]], None]) -> 
         subprocess.run([sys.executable, str(PORT), *port_options(args), "--save",
                         str(work / "alone.pt")], check=True, capture_output=True,
                        timeout=args.timeout, env={**plain, **environment.WORLD_OF_ONE,
-                                                  "PHALANX_DETERMINISTIC": "1"})
+                                                  environment.DETERMINISTIC: "1"})
         result["alone_s"] = time.monotonic() - started
         out(result)
         alone = torch.load(work / "alone.pt", map_location="cpu")
         if not args.cpu:  # both slots on GPU 0: a spare waits beside the rank
-            os.environ["PHALANX_AGENT_GPUS"] = "0,0"
+            os.environ[settings.AGENT("gpus")] = "0,0"
         url = recovery.cluster_up(work / "cluster", 1, 2)
         try:
             for name, spares in (("cold", 0), ("spare", 1)):
@@ -222,9 +223,9 @@ def phase_d(args: argparse.Namespace, out: Callable[[dict[str, Any]], None]) -> 
                     checkpoint=CheckpointPolicy(memory_every_steps=1),
                     command=[sys.executable, str(PORT), *port_options(args),
                              "--save", str(job / "phalanx.pt")],
-                    env={"PHALANX_RECORD_DIR": str(job / "records"),
-                         "PHALANX_DETERMINISTIC": "1",
-                         "PHALANX_CHAOS_KILL": f"r0-0:{args.port_kill_step}:boundary"},
+                    env={environment.RECORD_DIR: str(job / "records"),
+                         environment.DETERMINISTIC: "1",
+                         environment.CHAOS_KILL: f"r0-0:{args.port_kill_step}:boundary"},
                     hang_timeout_s=30.0, grace_period_s=5.0)
 
                 async def run(spec: JobSpec = spec, name: str = name) -> Any:
@@ -555,7 +556,7 @@ def step_overhead(args: argparse.Namespace, result: dict[str, Any],
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
         if not args.cpu:
-            os.environ["PHALANX_AGENT_GPUS"] = "0,0"
+            os.environ[settings.AGENT("gpus")] = "0,0"
         started = time.monotonic()
         url = recovery.cluster_up(work / "cluster")
         result["cluster_up_s"] = time.monotonic() - started
@@ -583,7 +584,7 @@ def step_overhead(args: argparse.Namespace, result: dict[str, Any],
                                          str(ROOT / "examples" / "train_gpt.py"),
                                          *gpt_options(args), "--steps",
                                          str(args.overhead_steps)],
-                                env={"PHALANX_RECORD_DIR": str(rec)}, hang_timeout_s=30.0)
+                                env={environment.RECORD_DIR: str(rec)}, hang_timeout_s=30.0)
                             return await recovery.run_job(bus, spec, f"gpt-overhead-{n}",
                                                           args.timeout)
 
@@ -797,7 +798,7 @@ def main() -> int:
     from phalanx.examples import chargpt_model
     from phalanx.runtime.dataset import TokenWindows
 
-    os.environ.setdefault("PHALANX_HEALTH_CORDON_FAULTS", "1000")
+    os.environ.setdefault(settings.HEALTH("cordon_faults"), "1000")
     try:
         TokenWindows(args.data_dir, 64)
     except FileNotFoundError:

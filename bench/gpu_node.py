@@ -44,6 +44,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from phalanx.schemas import environment, settings
+
 NODE = "gpu-node"
 JOB = "gpu-node-bench"
 
@@ -132,7 +134,7 @@ async def fault_latency(work: Path, faults: int, cpu: bool) -> dict[str, Any]:
                 *(["--slots", "1"] if cpu else []), "--heartbeat-interval", "0.1",
                 "--nats", url, "--work-dir", str(work / "agent"),
                 stdout=agent_log, stderr=agent_log,
-                env={**os.environ, "PHALANX_AGENT_DISCOVER_GPUS": "1"})
+                env={**os.environ, settings.AGENT("discover_gpus"): "1"})
         try:
             async with await Bus.connect(BusConfig.load(env={}, servers=[url])) as bus:
                 exits: asyncio.Queue[tuple[float, RankExited]] = asyncio.Queue()
@@ -209,7 +211,7 @@ def rank_placement(pid: int) -> dict[str, Any]:
     environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
     env = dict(item.decode(errors="replace").partition("=")[::2] for item in environ if item)
     return {"cuda_visible_devices": env.get("CUDA_VISIBLE_DEVICES"),
-            "phalanx_device": env.get("PHALANX_DEVICE"),
+            "phalanx_device": env.get(environment.DEVICE),
             "cpus_allowed": len(os.sched_getaffinity(pid)), "cpus_of_agent": os.cpu_count()}
 
 

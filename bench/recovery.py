@@ -72,7 +72,7 @@ from phalanx.examples import chargpt_model, train_gpt, workload_w
 from phalanx.runtime import record
 from phalanx.runtime.data import ElasticOrder
 from phalanx.runtime.dataset import TokenWindows
-from phalanx.schemas import subjects
+from phalanx.schemas import environment, settings, subjects
 from phalanx.schemas.messages import (
     CheckpointPolicy,
     Fault,
@@ -157,7 +157,7 @@ def cluster_up(directory: Path, agents: int = 2, slots_per_agent: int = 2, *,
     agents fork ranks from a zygote unless ``zygote`` is False; its NATS URL."""
     cli("up", "--agents", str(agents), "--slots-per-agent", str(slots_per_agent),
         "--detach", "--data-dir", str(directory), "--nats-port", "0",
-        env={"PHALANX_AGENT_ZYGOTE": "1" if zygote else "0"})
+        env={settings.AGENT("zygote"): "1" if zygote else "0"})
     url: str = json.loads((directory / "up.json").read_text())["nats_url"]
     return url
 
@@ -198,7 +198,7 @@ async def run_phalanx(args: argparse.Namespace, workload: Workload, phase: str,
                 replicas=ReplicaRange(min=2, max=WORLD),
                 command=[sys.executable, str(workload.script), *workload.options,
                          "--steps", str(args.steps)],
-                env={"PHALANX_RECORD_DIR": str(rec), "PHALANX_CHAOS_KILL": kill},
+                env={environment.RECORD_DIR: str(rec), environment.CHAOS_KILL: kill},
                 hang_timeout_s=10.0, grace_period_s=5.0, spares=SPARE_PHASES.get(phase, 0),
                 # A sharded optimizer recovers from snapshots: one every step loses nothing.
                 checkpoint=CheckpointPolicy(memory_every_steps=1) if args.sharded_optimizer
@@ -314,7 +314,7 @@ async def phalanx_step_time(bus: Bus, args: argparse.Namespace, workload: Worklo
         replicas=ReplicaRange(min=WORLD, max=WORLD),
         command=[sys.executable, str(workload.script), *workload.options,
                  "--steps", str(args.overhead_steps)],
-        env={"PHALANX_RECORD_DIR": str(rec)}, hang_timeout_s=30.0, grace_period_s=5.0,
+        env={environment.RECORD_DIR: str(rec)}, hang_timeout_s=30.0, grace_period_s=5.0,
         checkpoint=CheckpointPolicy() if policy is None else policy)
     ended = await run_job(bus, spec, rec.name, args.timeout)
     if ended.state is not JobState.FINISHED:
@@ -524,7 +524,7 @@ def main() -> int:
     if args.sharded_optimizer and args.workload != "w":
         parser.error("--sharded-optimizer: the W workload only")
     args.data_dir = args.data_dir or Path(tempfile.gettempdir()) / f"phalanx-bench-{args.workload}"
-    os.environ.setdefault("PHALANX_HEALTH_CORDON_FAULTS", "1000")
+    os.environ.setdefault(settings.HEALTH("cordon_faults"), "1000")
     report = asyncio.run(run(args))
     if not args.no_record:
         record_results(report)

@@ -45,7 +45,7 @@ WORKER = BENCH_DIR / "torchrun_worker.py"
 
 KILL_PHASES = ("between", "allreduce")  # see bench/torchrun_worker.py
 # Set in the environment of torchrun and so of all its workers, to find them all.
-RUN_MARKER = "PHALANX_BASELINE_RUN"
+RUN_MARKER = "BASELINE_RUN"
 # Restart phases recorded by the worker, in order, and the breakdown entry each one ends.
 RESTART_PHASES = (("start", "detect_and_restart"), ("torch", "import_torch"),
                   ("imported", "import_other"), ("process_group", "process_group"),

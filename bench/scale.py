@@ -79,7 +79,7 @@ from phalanx.bus.client import Bus, Delivery
 from phalanx.bus.config import BusConfig
 from phalanx.bus.errors import RemoteError
 from phalanx.bus.kv import TypedKV
-from phalanx.schemas import subjects
+from phalanx.schemas import settings, subjects
 from phalanx.schemas.messages import (
     Fault,
     FaultKind,
@@ -194,7 +194,7 @@ def _measure(args: argparse.Namespace, nodes: int) -> dict[str, Any]:
         conf.write_text(f"http: 127.0.0.1:{http_port}\n")
         server = NatsServer(Path(tmp, "js"), port=free_port(), config_file=conf).start()
         procs: dict[str, list[subprocess.Popen[bytes]]] = defaultdict(list)
-        env = {**os.environ, "PHALANX_NATS_URL": server.url}
+        env = {**os.environ, settings.NATS_URL: server.url}
         try:
             for name in SERVICES:
                 log = files.enter_context(Path(tmp, f"{name}.log").open("wb"))

@@ -78,7 +78,7 @@ from phalanx.examples import workload_w
 from phalanx.runtime import record
 from phalanx.runtime.flat_state import flat_state
 from phalanx.runtime.snapshot import write_share
-from phalanx.schemas import snapshot_file
+from phalanx.schemas import environment, snapshot_file
 from phalanx.schemas.messages import (
     CheckpointPolicy,
     JobSpec,
@@ -117,7 +117,7 @@ async def step_time(bus: Bus, args: argparse.Namespace, work: Path, name: str,
         command=[sys.executable, str(SCRIPT), "--data-dir", str(args.data_dir),
                  "--widths", args.widths, "--samples", str(args.samples),
                  "--steps", str(args.steps)],
-        env={"PHALANX_RECORD_DIR": str(rec)},
+        env={environment.RECORD_DIR: str(rec)},
         checkpoint=CheckpointPolicy(memory_every_steps=every),
         hang_timeout_s=30.0, grace_period_s=5.0)
     ended = await recovery.run_job(bus, spec, name, args.timeout)

@@ -69,7 +69,7 @@ from phalanx.bus.client import Bus, Delivery
 from phalanx.bus.config import BusConfig
 from phalanx.examples import workload_w
 from phalanx.runtime import record
-from phalanx.schemas import subjects
+from phalanx.schemas import environment, subjects
 from phalanx.schemas.messages import (
     CheckpointPolicy,
     JobSpec,
@@ -135,7 +135,7 @@ async def run_phase(args: argparse.Namespace, workload: recovery.Workload, phase
                    replicas=ReplicaRange(min=2, max=recovery.WORLD),
                    command=[sys.executable, str(workload.script), *workload.options,
                             "--steps", str(args.steps)],
-                   env={"PHALANX_RECORD_DIR": str(rec)}, checkpoint=policy,
+                   env={environment.RECORD_DIR: str(rec)}, checkpoint=policy,
                    # Frozen ranks are not hung: the buddy phase waits on replicas meanwhile.
                    hang_timeout_s=60.0, grace_period_s=5.0,
                    **({"spares": SPARES, "placement": Placement(spread_failure_domains=True)}
@@ -196,7 +196,7 @@ async def run_phase(args: argparse.Namespace, workload: recovery.Workload, phase
             url = recovery.cluster_up(cluster)
             extra = {"down_s": up_t - stop_t, "up_s": time.time() - up_t}
             recovery.cli("cancel", job, "--data-dir", str(cluster))  # its record came back
-            spec = msgspec.structs.replace(spec, env={"PHALANX_RECORD_DIR": str(resumed)},
+            spec = msgspec.structs.replace(spec, env={environment.RECORD_DIR: str(resumed)},
                                            checkpoint=CheckpointPolicy(
                                                durable_every_steps=args.durable_every,
                                                resume_from=job))

@@ -39,6 +39,7 @@ from phalanx.bus.errors import (
     RequestRefused,
     RequestTimeout,
 )
+from phalanx.schemas import settings
 from phalanx.schemas.codec import decode, encode
 from phalanx.schemas.errors import WireError
 from phalanx.schemas.messages import Message
@@ -376,7 +377,7 @@ class Bus:
             raise BusUnavailable(
                 f"cannot reach NATS at {', '.join(config.servers)} within "
                 f"{config.connect_timeout_s:g} s ({type(cause).__name__}: {cause}); "
-                "is `phalanx up` running, or is PHALANX_NATS_URL set?"
+                f"is `phalanx up` running, or is {settings.NATS_URL} set?"
             ) from None
         bus.append(cls(nc, config))
         return bus[0]

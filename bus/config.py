@@ -19,6 +19,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from phalanx.schemas import settings
 from phalanx.schemas.errors import ConfigError
 
 DEFAULT_URL = "nats://127.0.0.1:4222"
@@ -26,18 +27,18 @@ _SUBJECT_PREFIX = re.compile(r"[A-Za-z0-9_\-]+(\.[A-Za-z0-9_\-]+)*")
 
 # field name -> environment variable
 _ENV = {
-    "servers": "PHALANX_NATS_URL",
-    "user": "PHALANX_NATS_USER",
-    "password": "PHALANX_NATS_PASSWORD",
-    "token": "PHALANX_NATS_TOKEN",
-    "nkey_seed_file": "PHALANX_NATS_NKEY",
-    "creds_file": "PHALANX_NATS_CREDS",
-    "tls_ca_file": "PHALANX_NATS_CA",
-    "tls_cert_file": "PHALANX_NATS_CERT",
-    "tls_key_file": "PHALANX_NATS_KEY",
-    "connect_timeout_s": "PHALANX_NATS_CONNECT_TIMEOUT_S",
-    "inbox_prefix": "PHALANX_NATS_INBOX_PREFIX",
-    "jetstream_replicas": "PHALANX_NATS_REPLICAS",
+    "servers": settings.NATS_URL,
+    "user": settings.NATS_USER,
+    "password": settings.NATS_PASSWORD,
+    "token": settings.NATS_TOKEN,
+    "nkey_seed_file": settings.NATS_NKEY,
+    "creds_file": settings.NATS_CREDS,
+    "tls_ca_file": settings.NATS_CA,
+    "tls_cert_file": settings.NATS_CERT,
+    "tls_key_file": settings.NATS_KEY,
+    "connect_timeout_s": settings.NATS_CONNECT_TIMEOUT_S,
+    "inbox_prefix": settings.NATS_INBOX_PREFIX,
+    "jetstream_replicas": settings.NATS_REPLICAS,
 }
 #: Most replicas JetStream keeps of a stream.
 MAX_REPLICAS = 5
@@ -124,7 +125,7 @@ class BusConfig:
         """
         env = os.environ if env is None else env
         values: dict[str, Any] = {}
-        path = path or env.get("PHALANX_CONFIG")
+        path = path or env.get(settings.CONFIG)
         if path:
             values.update(_read_file(Path(path)))
         for field, var in _ENV.items():

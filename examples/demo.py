@@ -34,7 +34,7 @@ from phalanx.bus.config import BusConfig
 from phalanx.examples import workload_w
 from phalanx.runtime import record
 from phalanx.runtime.data import ElasticOrder
-from phalanx.schemas import subjects
+from phalanx.schemas import environment, settings, subjects
 from phalanx.schemas.messages import (
     Generation,
     GenerationReason,
@@ -102,8 +102,8 @@ async def run_elastic(args: argparse.Namespace, out: Path, train: list[str]) -> 
             await bus.subscribe(subjects.job_events("started"), RankStarted, on_started)
             spec = JobSpec(name="demo", team="demo", priority_class="normal",
                            replicas=ReplicaRange(min=2, max=4), command=train,
-                           env={"PHALANX_RECORD_DIR": str(out / "records"),
-                                "PHALANX_DETERMINISTIC": "1"},
+                           env={environment.RECORD_DIR: str(out / "records"),
+                                environment.DETERMINISTIC: "1"},
                            hang_timeout_s=10.0, grace_period_s=5.0,
                            # Two replicas on each node, so each keeps a slot free for
                            # its spare: a replacement starts on its dead rank's node.
@@ -179,10 +179,10 @@ def main(argv: list[str] | None = None) -> int:
 
     events = asyncio.run(run_elastic(args, out, [*train, "--save", str(out / "final.pt")]))
     say("fault-free reference: the same script alone")
-    env = {k: v for k, v in os.environ.items() if not k.startswith("PHALANX_")}
+    env = {k: v for k, v in os.environ.items() if not k.startswith(settings.PREFIX)}
     subprocess.run([*train, "--save", str(out / "reference" / "final.pt")], check=True,
-                   env={**env, "PHALANX_RECORD_DIR": str(out / "reference" / "records"),
-                        "PHALANX_DETERMINISTIC": "1"}, timeout=args.timeout)
+                   env={**env, environment.RECORD_DIR: str(out / "reference" / "records"),
+                        environment.DETERMINISTIC: "1"}, timeout=args.timeout)
 
     records = record.read(out / "records")
     steps = record.timeline(records)

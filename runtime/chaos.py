@@ -38,6 +38,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from phalanx.schemas import environment
 from phalanx.schemas.errors import ConfigError
 
 PHASES = ("boundary", "allreduce", "update")
@@ -66,7 +67,7 @@ def parse_chaos_kill(value: str, replica_id: str) -> Kill | None:
         in_generation = step.startswith("g")
         number = step[1:] if in_generation else step
         if not number.isdigit() or phase not in PHASES:
-            raise ConfigError(f"PHALANX_CHAOS_KILL: {item!r} is not "
+            raise ConfigError(f"{environment.CHAOS_KILL}: {item!r} is not "
                               "<replica>:<step|g<N>>:<boundary|allreduce|update>")
         if target == replica_id:
             kill = Kill(phase, generation=int(number)) if in_generation \
@@ -133,7 +134,7 @@ def hold(value: str, replica_id: str, sleep: Callable[[float], None] = time.slee
         return
     target, _, path = value.partition(":")
     if not target or not path:
-        raise ConfigError(f"PHALANX_CHAOS_HOLD: {value!r} is not <replica>:<path>")
+        raise ConfigError(f"{environment.CHAOS_HOLD}: {value!r} is not <replica>:<path>")
     while target == replica_id and not Path(path).exists():
         sleep(0.05)
 
@@ -152,6 +153,6 @@ def parse_chaos_pace(value: str) -> Pace | None:
     except ValueError:
         wait = -1.0
     if not 0 < wait <= 60 or not path:
-        raise ConfigError(f"PHALANX_CHAOS_PACE: {value!r} is not <seconds>:<path> "
+        raise ConfigError(f"{environment.CHAOS_PACE}: {value!r} is not <seconds>:<path> "
                           "(seconds in (0, 60])")
     return Pace(wait, Path(path))

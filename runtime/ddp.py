@@ -39,6 +39,7 @@ import torch
 from torch.nn.parallel import DistributedDataParallel
 
 from phalanx.runtime.default_group import MembershipGroup
+from phalanx.schemas import environment
 
 
 class QuietGroup(MembershipGroup):
@@ -70,7 +71,7 @@ def _accumulation_is_the_sessions() -> NoReturn:
     raise RuntimeError(
         "model.no_sync(): the script accumulates gradients itself, and under a phalanx "
         "session the micro-batches are the session's. Pass micro_batch_size= to the session "
-        "(or set PHALANX_MICRO_BATCH_SIZE in the job's env), drop no_sync() and the "
+        f"(or set {environment.MICRO_BATCH_SIZE} in the job's env), drop no_sync() and the "
         "'loss / accumulation' (each batch is weighted by its share of the global batch), "
         "and call session.commit() after every batch's backward, not under an 'if': it "
         "returns False until the step's last batch (docs/runtime.md, Gradient accumulation)")

@@ -38,7 +38,7 @@ from typing import Any, NoReturn
 
 import torch.distributed as dist
 
-from phalanx.schemas.environment import WORLD_OF_ONE_MARK
+from phalanx.schemas.environment import JOB_ID, WORLD_OF_ONE_MARK
 
 #: The backend's name, as ``dist.get_backend()`` gives it.
 BACKEND = "phalanx"
@@ -99,7 +99,7 @@ def take_over(alone: bool) -> None:
     if alone and dist.get_world_size() > 1:
         raise RuntimeError(
             f"this process's default group has {dist.get_world_size()} ranks, but outside "
-            "phalanx (no PHALANX_JOB_ID) the session trains alone: submit the script to "
+            f"phalanx (no {JOB_ID}) the session trains alone: submit the script to "
             "phalanx, or run one process (torchrun --nproc-per-node 1)")
     dist.destroy_process_group()
 

@@ -135,7 +135,6 @@ from phalanx.runtime.membership import (
     MembershipChange,
 )
 from phalanx.runtime.placement import (
-    BACKEND_ENV,
     Backend,
     choose_backend,
     deterministic_cuda,
@@ -152,12 +151,11 @@ from phalanx.runtime.state import landing_buffers
 from phalanx.runtime.step import Step
 from phalanx.runtime.training_step import StepRunner
 from phalanx.schemas import environment, subjects
-from phalanx.schemas.errors import ConfigError, PhalanxError
+from phalanx.schemas.environment import RankEnvironment
+from phalanx.schemas.errors import PhalanxError
 from phalanx.schemas.messages import Fault, Generation, RankProgress
 
 log = logging.getLogger("phalanx.runtime")
-#: The micro-batch size a job's spec may set for a script that gives none (:meth:`from_env`).
-MICRO_BATCH_ENV = "PHALANX_MICRO_BATCH_SIZE"
 #: How long leaving waits for a durable write under way (the job's last step, often).
 DURABLE_FLUSH_S = 60.0
 
@@ -174,13 +172,6 @@ def _close_at_exit() -> None:
         if teardown.failed():
             session._runner.forget_boundary()
         session.close()
-
-
-def _micro_batch_size(value: str) -> int:
-    if not value.isdigit() or int(value) < 1:
-        raise ConfigError(f"{MICRO_BATCH_ENV}: {value!r} is not a positive whole number of "
-                          "samples")
-    return int(value)
 
 
 def _warm_up(warmup: Callable[[], None], optimizer: torch.optim.Optimizer) -> None:
@@ -344,25 +335,25 @@ class ElasticSession:
         (a job spec's ``env``) is ``micro_batch_size`` where the script gives none: how
         many samples fit in one forward pass is the machine's, not the script's.
 
-        Reads ``PHALANX_NATS_URL``, ``PHALANX_JOB_ID``, ``PHALANX_REPLICA_ID``,
-        ``PHALANX_RANK`` (the slot), ``PHALANX_NODE_ID``, and optionally
-        ``PHALANX_RECORD_DIR``, ``PHALANX_STATE_CHECKSUM=1``, ``PHALANX_DETERMINISTIC=1`` and
-        ``PHALANX_CHAOS_KILL=<replica>:<step>:<boundary|allreduce|update>[,...]`` (fault injection).
-        ``PHALANX_ADVERTISE_HOST`` is the address peers reach this replica's store at
-        (set by the agent to its node's host; default 127.0.0.1). ``PHALANX_NICE_WHEN_READY``
-        is set by the agent that started this replica at a lower CPU priority, and
-        ``PHALANX_BACKEND`` from the job spec's ``backend`` (default ``auto``).
+        Reads :class:`~phalanx.schemas.environment.RankEnvironment` from ``env`` (default
+        ``os.environ``): the bus, job, replica, slot and node the agent set (with no
+        ``PHALANX_JOB_ID`` or ``PHALANX_NATS_URL`` the session trains alone), its backend
+        (default ``auto``), checkpoint policy and nice value to return to, and what the
+        job's spec may set: the record dir, ``PHALANX_STATE_CHECKSUM=1``,
+        ``PHALANX_DETERMINISTIC=1`` and fault injection (``PHALANX_CHAOS_*``,
+        :mod:`.chaos`).
 
         Raises:
             BusUnavailable: the bus cannot be reached at start (no generation to join).
-            ConfigError: a malformed ``PHALANX_CHAOS_KILL``, ``PHALANX_CHAOS_HOLD`` or
-                ``PHALANX_MICRO_BATCH_SIZE``.
+            ConfigError: a malformed variable (a ``PHALANX_CHAOS_KILL``,
+                ``PHALANX_MICRO_BATCH_SIZE`` …), named.
         """
         env = os.environ if env is None else env
         if global_batch is not None:
             kwargs["global_batch"] = global_batch
-        if env.get(MICRO_BATCH_ENV):
-            kwargs.setdefault("micro_batch_size", _micro_batch_size(env[MICRO_BATCH_ENV]))
+        micro_batch_size = RankEnvironment.from_env(env).micro_batch_size
+        if micro_batch_size is not None:
+            kwargs.setdefault("micro_batch_size", micro_batch_size)
         if env.get(environment.SPARE):  # a warm spare, model built: wait to be told who it is
             if all(p.device.type == "cpu" for p in model.parameters()):
                 # What does not depend on who it becomes is done now, not once it is named:
@@ -374,31 +365,30 @@ class ElasticSession:
                     _warm_up(warmup, optimizer)
                 kwargs.setdefault("landing", landing_buffers(optimizer))
             env = spare.wait_for_identity(env)
-        kwargs.setdefault("record_dir", env.get("PHALANX_RECORD_DIR") or None)
-        kwargs.setdefault("checksum", env.get("PHALANX_STATE_CHECKSUM") == "1")
-        kwargs.setdefault("deterministic", env.get("PHALANX_DETERMINISTIC") == "1")
-        kwargs.setdefault("backend", env.get(BACKEND_ENV) or "auto")
-        if env.get("PHALANX_SNAPSHOT_DIR"):  # set by the agent with the job's checkpoint policy
-            kwargs.setdefault("snapshot_dir", env["PHALANX_SNAPSHOT_DIR"])
-            kwargs.setdefault("snapshot_interval", IntervalPolicy.from_env(env))
-            kwargs.setdefault("durable", DurablePolicy.from_env(env))
-            kwargs.setdefault("snapshot_keep", int(env.get("PHALANX_CHECKPOINT_MEMORY_KEEP",
-                                                           "2")))
-        if env.get(priority.ENV, "").lstrip("-").isdigit():
-            kwargs.setdefault("nice_when_ready", int(env[priority.ENV]))
-        if not env.get("PHALANX_JOB_ID") or not env.get("PHALANX_NATS_URL"):
+        rank = RankEnvironment.from_env(env)
+        kwargs.setdefault("record_dir", rank.record_dir)
+        kwargs.setdefault("checksum", rank.checksum)
+        kwargs.setdefault("deterministic", rank.deterministic)
+        kwargs.setdefault("backend", rank.backend or "auto")
+        if rank.checkpoint is not None:  # set by the agent with the job's checkpoint policy
+            kwargs.setdefault("snapshot_dir", rank.checkpoint.snapshot_dir)
+            kwargs.setdefault("snapshot_interval", IntervalPolicy.of(rank.checkpoint))
+            kwargs.setdefault("durable", DurablePolicy.of(rank.checkpoint))
+            kwargs.setdefault("snapshot_keep", rank.checkpoint.memory_keep)
+        if rank.nice_when_ready is not None:
+            kwargs.setdefault("nice_when_ready", rank.nice_when_ready)
+        if not rank.job_id or not rank.nats_url:
             kwargs.setdefault("replica_id", "local")
             return cls(model, optimizer, dataset, **kwargs)
-        replica_id = env.get("PHALANX_REPLICA_ID") or f"r{env.get('PHALANX_RANK', '0')}-0"
-        chaos_kill = parse_chaos_kill(env.get("PHALANX_CHAOS_KILL", ""), replica_id)
-        chaos.hold(env.get("PHALANX_CHAOS_HOLD", ""), replica_id)
-        kwargs.setdefault("chaos_pace", parse_chaos_pace(env.get("PHALANX_CHAOS_PACE", "")))
+        replica_id = rank.replica
+        chaos_kill = parse_chaos_kill(rank.chaos_kill or "", replica_id)
+        chaos.hold(rank.chaos_hold or "", replica_id)
+        kwargs.setdefault("chaos_pace", parse_chaos_pace(rank.chaos_pace or ""))
         telemetry.setup_tracing("phalanx-rank", env)  # off unless OTEL_* asks for it
-        bus = BusThread(BusConfig.load(env=env), f"rank:{env['PHALANX_JOB_ID']}:{replica_id}")
-        return cls(model, optimizer, dataset, bus=bus.start(), job_id=env["PHALANX_JOB_ID"],
-                   replica_id=replica_id, slot=int(env.get("PHALANX_RANK", "0")),
-                   node_id=env.get("PHALANX_NODE_ID", "local"), chaos_kill=chaos_kill,
-                   admission=int(env.get(environment.ADMISSION, "0") or 0), **kwargs)
+        bus = BusThread(BusConfig.load(env=env), f"rank:{rank.job_id}:{replica_id}")
+        return cls(model, optimizer, dataset, bus=bus.start(), job_id=rank.job_id,
+                   replica_id=replica_id, slot=rank.slot, node_id=rank.node_id or "local",
+                   chaos_kill=chaos_kill, admission=rank.admission or 0, **kwargs)
 
     def register(self, name: str, obj: Any) -> None:
         """Carry ``obj``'s state with the model and optimizer (before the first step).

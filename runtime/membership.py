@@ -50,7 +50,7 @@ from phalanx.runtime.group import Aborted, Group, GroupWork, Waits, rendezvous
 from phalanx.runtime.recovery import Retained
 from phalanx.runtime.resume import resume
 from phalanx.runtime.session_state import Seat, SessionState
-from phalanx.schemas import subjects
+from phalanx.schemas import environment, subjects
 from phalanx.schemas.messages import (
     DETAIL_CHARS,
     Generation,
@@ -165,7 +165,7 @@ class Membership:
         endpoint peers reach it at, ``<host>:<port>``."""
         self._store = dist.TCPStore("0.0.0.0", 0, is_master=True, wait_for_workers=False,
                                     timeout=self.state.timeout, use_libuv=True)
-        host = os.environ.get("PHALANX_ADVERTISE_HOST", "127.0.0.1")
+        host = os.environ.get(environment.ADVERTISE_HOST, "127.0.0.1")
         self.endpoint = f"{host}:{self._store.port}"
         return self.endpoint
 

@@ -50,11 +50,9 @@ from collections.abc import Mapping, MutableMapping
 
 import torch
 
+from phalanx.schemas import environment
+
 log = logging.getLogger("phalanx.runtime")
-#: Set by the agent: ``cuda`` for a rank of a node that lists GPUs, ``cpu`` otherwise.
-DEVICE_ENV = "PHALANX_DEVICE"
-#: Set by the agent from the job spec's ``backend``.
-BACKEND_ENV = "PHALANX_BACKEND"
 #: The watchdog setting a runtime that aborts NCCL communicators on purpose needs.
 NCCL_SETTINGS = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "0"}
 #: Seconds torch waits for a non-blocking NCCL communicator (:func:`nccl_environment`).
@@ -78,11 +76,11 @@ def device(env: Mapping[str, str] | None = None) -> torch.device:
         RuntimeError: the agent gave this rank a GPU and torch sees no CUDA device.
     """
     env = os.environ if env is None else env
-    wanted = env.get(DEVICE_ENV)
+    wanted = env.get(environment.DEVICE)
     if wanted is None:
         return torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
     if wanted not in ("cuda", "cpu"):
-        raise ValueError(f"{DEVICE_ENV} must be cuda or cpu, got {wanted!r}")
+        raise ValueError(f"{environment.DEVICE} must be cuda or cpu, got {wanted!r}")
     if wanted == "cpu":
         return torch.device("cpu")
     if not torch.cuda.is_available():

@@ -23,6 +23,7 @@ from collections.abc import Mapping
 from phalanx.bus.config import BusConfig
 from phalanx.runtime.bus_thread import BusThread
 from phalanx.schemas import subjects
+from phalanx.schemas.environment import RankEnvironment
 from phalanx.schemas.messages import RankProgress
 
 
@@ -61,11 +62,11 @@ class ProgressReporter:
     def from_env(cls, env: Mapping[str, str] | None = None) -> ProgressReporter | None:
         """A started reporter for the rank an agent launched, or None outside phalanx."""
         env = os.environ if env is None else env
-        if not env.get("PHALANX_JOB_ID") or not env.get("PHALANX_NATS_URL"):
+        rank = RankEnvironment.from_env(env)
+        if not rank.job_id or not rank.nats_url:
             return None
-        reporter = cls(BusConfig.load(env=env), env["PHALANX_JOB_ID"],
-                       int(env.get("PHALANX_RANK", "0")),
-                       replica_id=env.get("PHALANX_REPLICA_ID"))
+        reporter = cls(BusConfig.load(env=env), rank.job_id, rank.slot,
+                       replica_id=rank.replica_id)
         return reporter.start()
 
     @property

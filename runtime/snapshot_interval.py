@@ -56,7 +56,9 @@ import dataclasses
 import math
 import statistics
 from collections import deque
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
+
+from phalanx.schemas.environment import CheckpointEnvironment
 
 #: Snapshot costs a rank's mean is taken over.
 COST_WINDOW = 5
@@ -64,7 +66,6 @@ COST_WINDOW = 5
 STEP_WINDOW = 16
 #: The numbers each member adds to the step's all-reduce tail.
 TAIL_LENGTH = 3
-AUTO = "auto"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,15 +92,14 @@ class IntervalPolicy:
                              f"got {self.overhead}, {self.max_every}, {self.durable_every}")
 
     @classmethod
-    def from_env(cls, env: Mapping[str, str]) -> IntervalPolicy | None:
-        """The policy the agent passed (``PHALANX_CHECKPOINT_MEMORY_*``; ``durable_every``
-        is the session's to set, from its durable policy); None: never."""
-        every = env.get("PHALANX_CHECKPOINT_MEMORY_EVERY", AUTO)
-        if every != AUTO and int(every) == 0:
+    def of(cls, checkpoint: CheckpointEnvironment) -> IntervalPolicy | None:
+        """The policy the agent passed (its ``memory_*``; ``durable_every`` is the
+        session's to set, from its durable policy); None: never."""
+        every = checkpoint.memory_every
+        if every == 0:
             return None
-        return cls(None if every == AUTO else int(every),
-                   float(env.get("PHALANX_CHECKPOINT_MEMORY_OVERHEAD", "0.02")),
-                   int(env.get("PHALANX_CHECKPOINT_MEMORY_MAX_EVERY", "100")))
+        return cls(every if isinstance(every, int) else None, checkpoint.memory_overhead,
+                   checkpoint.memory_max_every)
 
 
 def choose_interval(cost_s: float, step_s: float, overhead: float, max_every: int) -> int:

@@ -90,5 +90,5 @@ def wait_for_identity(env: Mapping[str, str], source: BinaryIO | None = None,
                           f"{process_env.get('CUDA_VISIBLE_DEVICES')!r} already")
     process_env.pop(environment.SPARE, None)
     process_env.update(identity)
-    log.info("spare %s is %s now", spare_id, identity.get("PHALANX_REPLICA_ID"))
+    log.info("spare %s is %s now", spare_id, identity.get(environment.REPLICA_ID))
     return {**{k: v for k, v in env.items() if k != environment.SPARE}, **identity}

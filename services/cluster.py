@@ -59,7 +59,7 @@ from typing import Any
 from phalanx.bus.client import Bus, Delivery
 from phalanx.bus.config import BusConfig, with_identity
 from phalanx.bus.errors import RemoteError
-from phalanx.schemas import subjects
+from phalanx.schemas import settings, subjects
 from phalanx.schemas.errors import PhalanxError
 from phalanx.schemas.messages import JobRecord, NodeHeartbeat
 from phalanx.services import control_plane, metrics
@@ -348,21 +348,21 @@ class LocalCluster:
             reload_config(self.nats.process.pid)
         env = self.auth.env(role, scope)
         if role is Role.AGENT:
-            env["PHALANX_AGENT_RANK_KEYS_DIR"] = str(self.auth.ranks_dir)
+            env[settings.AGENT("rank_keys_dir")] = str(self.auth.ranks_dir)
         return env
 
     async def _spawn(self, name: str, *argv: str, identity: dict[str, str] | None = None,
                      extra_env: dict[str, str] | None = None) -> asyncio.subprocess.Process:
         self._argv[name] = (argv, identity or {}, extra_env or {})
         log_file = (self.logs_dir / f"{name}.log").open("ab")
-        env = {**os.environ, "PHALANX_NATS_URL": self.nats_url or "",
-               "PHALANX_NATS_REPLICAS": str(self.nats_replicas), **(extra_env or {})}
+        env = {**os.environ, settings.NATS_URL: self.nats_url or "",
+               settings.NATS_REPLICAS: str(self.nats_replicas), **(extra_env or {})}
         # Admission judges nodes lost by the registry, health by heartbeats: one bound.
-        env.setdefault("PHALANX_ADMISSION_LOST_AFTER_S", str(self.lost_after_s))
+        env.setdefault(settings.ADMISSION("lost_after_s"), str(self.lost_after_s))
         if identity:
             env = with_identity(env, identity)
         if self.config_path:
-            env["PHALANX_CONFIG"] = self.config_path
+            env[settings.CONFIG] = self.config_path
         # Its own /metrics socket, the same one again after a restart (scrape configs hold
         # its port).
         if name not in self.metrics_sockets:
@@ -402,9 +402,9 @@ class LocalCluster:
             # `phalanx down` is a restart of the node: the next `phalanx up` brings it back.
             # The agents share one machine's GPUs: CPU slots (--slots-per-agent), unless
             # the environment asks for discovery (bench/gpu_node.py on a GPU, one agent).
-            extra_env={"PHALANX_AGENT_STOP_IS_RESTART": "1",
-                       "PHALANX_AGENT_DISCOVER_GPUS":
-                       os.environ.get("PHALANX_AGENT_DISCOVER_GPUS", "0"),
+            extra_env={settings.AGENT("stop_is_restart"): "1",
+                       settings.AGENT("discover_gpus"):
+                       os.environ.get(settings.AGENT("discover_gpus"), "0"),
                        **self._cpus_of(len(self.agents))})
 
     def _cpus_of(self, index: int) -> dict[str, str]:
@@ -412,7 +412,7 @@ class LocalCluster:
         (one started later, bench/detect.py's, shares the first's)."""
         if not self.agent_cpus:
             return {}
-        return {"PHALANX_AGENT_CPUS":
+        return {settings.AGENT("cpus"):
                 cpus.format_cpu_list(self.agent_cpus[index % len(self.agent_cpus)])}
 
     @property

@@ -55,13 +55,14 @@ from prometheus_client.exposition import ThreadingWSGIServer
 from prometheus_client.registry import Collector
 
 from phalanx.bus.client import TOTALS
+from phalanx.schemas import settings
 from phalanx.schemas.errors import PhalanxError
 
 log = logging.getLogger("phalanx.metrics")
 
-PORT_ENV = "PHALANX_METRICS_PORT"
-ADDR_ENV = "PHALANX_METRICS_ADDR"
-FD_ENV = "PHALANX_METRICS_FD"
+PORT_ENV = settings.METRICS_PORT
+ADDR_ENV = settings.METRICS_ADDR
+FD_ENV = settings.METRICS_FD
 
 #: Seconds, from a scheduling pass to a pause of several seconds.
 _SHORT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)

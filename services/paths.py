@@ -15,19 +15,21 @@ import contextlib
 import os
 from pathlib import Path
 
+from phalanx.schemas import settings
+
 #: The pointer's file name in the state dir: the data dir of the cluster ``up`` started.
 POINTER = "current-cluster"
 
 
 def state_dir() -> Path:
-    if explicit := os.environ.get("PHALANX_STATE_DIR"):
+    if explicit := os.environ.get(settings.STATE_DIR):
         return Path(explicit)
     xdg = os.environ.get("XDG_STATE_HOME")
     return (Path(xdg) if xdg else Path.home() / ".local/state") / "phalanx"
 
 
 def default_data_dir() -> Path:
-    return Path(os.environ.get("PHALANX_DATA_DIR") or state_dir())
+    return Path(os.environ.get(settings.DATA_DIR) or state_dir())
 
 
 def remember_cluster(data_dir: Path) -> None:

@@ -31,6 +31,7 @@ from phalanx.runtime.durable.layout import (
 from phalanx.runtime.flat_state import load_tensors
 from phalanx.runtime.sharded import Sharded
 from phalanx.runtime.state import tensor_refs
+from phalanx.schemas.environment import CheckpointEnvironment
 from phalanx.schemas.messages import DETAIL_CHARS, SnapshotRecord, SnapshotTier
 
 log = logging.getLogger("phalanx.runtime.durable")
@@ -49,15 +50,13 @@ class DurablePolicy:
     resume_from: str | None  # an earlier job whose durable steps this one may start from
 
     @classmethod
-    def from_env(cls, env: Mapping[str, str]) -> DurablePolicy | None:
+    def of(cls, checkpoint: CheckpointEnvironment) -> DurablePolicy | None:
         """None when the job persists nothing and resumes from no other job."""
-        url = env.get("PHALANX_CHECKPOINT_DURABLE_URL", "")
-        every = int(env.get("PHALANX_CHECKPOINT_DURABLE_EVERY", "0"))
-        resume_from = env.get("PHALANX_CHECKPOINT_RESUME_FROM") or None
-        if not url or not (every or resume_from):
+        if not checkpoint.durable_url or not (checkpoint.durable_every
+                                              or checkpoint.resume_from):
             return None
-        return cls(url, every, int(env.get("PHALANX_CHECKPOINT_DURABLE_KEEP", "2")),
-                   resume_from)
+        return cls(checkpoint.durable_url, checkpoint.durable_every, checkpoint.durable_keep,
+                   checkpoint.resume_from)
 
     def sources(self, job_id: str) -> tuple[fsspec.AbstractFileSystem, list[str]]:
         """The storage, and the job directories this job may resume from."""

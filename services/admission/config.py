@@ -15,6 +15,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from phalanx.schemas import settings
 from phalanx.schemas.errors import ConfigError
 from phalanx.schemas.registry import DEFAULT_LOST_AFTER_S
 from phalanx.services.admission.policy import AdmissionPolicy
@@ -51,7 +52,7 @@ class AdmissionConfig:
         """
         env = os.environ if env is None else env
         table: dict[str, Any] = {}
-        path = path or env.get("PHALANX_CONFIG")
+        path = path or env.get(settings.CONFIG)
         if path:
             try:
                 table = dict(tomllib.loads(Path(path).read_text()).get("admission", {}))
@@ -61,7 +62,7 @@ class AdmissionConfig:
                 raise ConfigError(f"config file {path} is not valid TOML: {exc}") from None
         timings: dict[str, float] = {}
         for name in _TIMINGS:
-            raw = env.get(f"PHALANX_ADMISSION_{name.upper()}", table.pop(name, None))
+            raw = env.get(settings.ADMISSION(name), table.pop(name, None))
             if raw is not None:
                 try:
                     timings[name] = float(raw)

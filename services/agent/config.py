@@ -10,6 +10,7 @@ import socket
 from collections.abc import Mapping
 from typing import Any
 
+from phalanx.schemas import settings
 from phalanx.schemas.errors import ConfigError
 from phalanx.schemas.registry import DEFAULT_LOST_AFTER_S
 from phalanx.schemas.subjects import token
@@ -186,7 +187,7 @@ class AgentConfig:
         env = os.environ if env is None else env
         values: dict[str, Any] = {}
         for field in dataclasses.fields(cls):
-            raw = env.get(f"PHALANX_AGENT_{field.name.upper()}")
+            raw = env.get(settings.AGENT(field.name))
             if raw is not None:
                 values[field.name] = raw
         values.update({k: v for k, v in overrides.items() if v is not None})
@@ -221,7 +222,7 @@ def _flag(name: str, raw: str) -> bool:
         return True
     if text in ("0", "false", "no", "off", ""):
         return False
-    raise ValueError(f"PHALANX_AGENT_{name.upper()} must be 1/0 (true/false, yes/no), "
+    raise ValueError(f"{settings.AGENT(name)} must be 1/0 (true/false, yes/no), "
                      f"got {raw!r}")
 
 

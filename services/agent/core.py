@@ -50,6 +50,7 @@ from __future__ import annotations
 import enum
 from collections.abc import Collection, Mapping, Sequence
 
+from phalanx.schemas import environment
 from phalanx.schemas.errors import ConfigError, MustStop
 from phalanx.schemas.messages import ExitCause, GpuInfo, NodeInfo, NodeRecord
 from phalanx.services.agent.reconcile import (
@@ -243,7 +244,7 @@ def rank_devices(gpus: tuple[int, ...], slots: tuple[int, ...]) -> dict[str, str
         ValueError: a slot beyond the GPUs listed (the node offers one slot per GPU).
     """
     env = {"LOCAL_RANK": "0" if gpus else str(slots[0]),
-           "PHALANX_DEVICE": "cuda" if gpus else "cpu"}
+           environment.DEVICE: "cuda" if gpus else "cpu"}
     if gpus:
         beyond = [s for s in slots if s >= len(gpus)]
         if beyond:

@@ -381,31 +381,29 @@ class RankSet:
             OSError: the job has no bus identity (``bus_identity``).
         """
         spec = record.spec
+        checkpoint = None
+        if self.snapshot_dir is not None and spec.checkpoint.memory_every_steps:
+            policy = spec.checkpoint
+            checkpoint = environment.CheckpointEnvironment(
+                snapshot_dir=str(self.snapshot_dir(record.job_id)),
+                memory_every=policy.memory_every_steps, memory_keep=policy.memory_keep,
+                memory_overhead=policy.memory_overhead,
+                memory_max_every=policy.memory_max_every_steps,
+                durable_every=policy.durable_every_steps, durable_keep=policy.durable_keep,
+                durable_url=policy.durable_url or str(self.checkpoint_dir),
+                resume_from=policy.resume_from)
+        job = environment.RankEnvironment(
+            nats_url=self.nats_url, job_id=record.job_id, node_id=self.node_id,
+            hang_timeout_s=spec.hang_timeout_s, backend=spec.backend.value,
+            checkpoint=checkpoint)
         # The agent's own environment, then the job's, may name another host.
-        advertised = {"PHALANX_ADVERTISE_HOST": self.advertise_host} if self.advertise_host \
-            else {}
+        advertised = environment.RankEnvironment(advertise_host=self.advertise_host)
         env = {
-            **advertised, **os.environ, **spec.env,
-            "PHALANX_NATS_URL": self.nats_url, "PHALANX_JOB_ID": record.job_id,
-            "PHALANX_NODE_ID": self.node_id,
-            "PHALANX_HANG_TIMEOUT_S": str(spec.hang_timeout_s),
-            "PHALANX_BACKEND": spec.backend.value,
+            **advertised.to_env(), **os.environ, **spec.env, **job.to_env(),
             # Ranks run in the agent's environment, as torchrun's workers do.
             "PATH": os.pathsep.join([str(Path(sys.executable).parent),
                                      os.environ.get("PATH", "")]),
         }
-        if self.snapshot_dir is not None and spec.checkpoint.memory_every_steps:
-            policy = spec.checkpoint
-            env.update(PHALANX_SNAPSHOT_DIR=str(self.snapshot_dir(record.job_id)),
-                       PHALANX_CHECKPOINT_MEMORY_EVERY=str(policy.memory_every_steps),
-                       PHALANX_CHECKPOINT_MEMORY_KEEP=str(policy.memory_keep),
-                       PHALANX_CHECKPOINT_MEMORY_OVERHEAD=str(policy.memory_overhead),
-                       PHALANX_CHECKPOINT_MEMORY_MAX_EVERY=str(policy.memory_max_every_steps),
-                       PHALANX_CHECKPOINT_DURABLE_EVERY=str(policy.durable_every_steps),
-                       PHALANX_CHECKPOINT_DURABLE_KEEP=str(policy.durable_keep),
-                       PHALANX_CHECKPOINT_DURABLE_URL=policy.durable_url
-                       or str(self.checkpoint_dir),
-                       PHALANX_CHECKPOINT_RESUME_FROM=policy.resume_from or "")
         return rank_environment(env, self.bus_identity(record.job_id)
                                 if self.bus_identity is not None else {})
 
@@ -428,17 +426,15 @@ class RankSet:
                                   .index(self.node_id)),
                 "MASTER_ADDR": await self.host_of(placement[0]),
                 "MASTER_PORT": str(master_port(record.job_id, incarnation(replica_id) or 0))}
-        env = {
-            "PHALANX_RANK": str(rank), "PHALANX_REPLICA_ID": replica_id,
-            "PHALANX_WORLD_SIZE": str(len(placement)),
-            environment.ADMISSION: str(record.admission),
+        replica = environment.RankEnvironment(
+            rank=rank, replica_id=replica_id, world_size=len(placement),
+            admission=record.admission, nice_when_ready=None if nice is None else self.nice)
+        return {
+            **replica.to_env(),
             # The node's slots it runs in: its LOCAL_RANK and, on a GPU node, its GPUs alone.
             **rank_devices(self.gpus, slots),
             **gang,  # a world of one's LOCAL_RANK is 0: it sees its slots' GPUs alone
         }
-        if nice is not None:
-            env[environment.NICE_WHEN_READY] = str(self.nice)
-        return env
 
     async def _launch(self, record: JobRecord, rank: int, placement: tuple[str, ...],
                       replica_id: str, nice: int | None = None,

@@ -59,7 +59,7 @@ from pathlib import Path
 
 import xxhash
 
-from phalanx.schemas import snapshot_file
+from phalanx.schemas import settings, snapshot_file
 from phalanx.schemas.messages import SnapshotRecord, SnapshotTier
 from phalanx.schemas.snapshot_file import Header, SnapshotFileError
 from phalanx.schemas.subjects import token
@@ -325,7 +325,7 @@ class _Replicas(asyncio.BufferedProtocol):
         self.handshake.theirs = nonce
         if not self.handshake.proven(proof):
             raise ReplicaRefused("the sender did not prove the cluster's replication key "
-                                 "(PHALANX_AGENT_REPLICA_KEY_FILE)")
+                                 f"({settings.AGENT('replica_key_file')})")
         assert self.transport is not None
         self.transport.write(pack_reply() + self.handshake.proof())
         self._expect(bytearray(_OFFER.size), self._offered)

@@ -85,7 +85,7 @@ class Spare:
         """Make this spare the replica ``identity`` names, writing to ``log_path`` from now
         on; its process, or None if it is gone (then it is killed, if anything is left)."""
         assert self.process.stdin is not None
-        replica = identity.get("PHALANX_REPLICA_ID", "?")
+        replica = identity.get(environment.REPLICA_ID, "?")
         with contextlib.suppress(OSError):  # a log not moved is no reason for a cold start
             self.log_path.replace(log_path)
         with log_path.open("ab") as log_file:

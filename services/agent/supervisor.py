@@ -33,6 +33,8 @@ import sys
 import time
 from collections.abc import Sequence
 
+from phalanx.schemas import settings
+
 log = logging.getLogger("phalanx.agent.supervisor")
 
 #: prctl(2) option: orphaned descendants are reparented to this process, not to init.
@@ -55,7 +57,7 @@ def next_delay(delay_s: float, ran_s: float) -> float:
 
 #: The listening socket a supervisor of ours hands its process to serve metrics on
 #: (:mod:`phalanx.services.metrics`): the agent gets it, as it would unsupervised.
-METRICS_FD_ENV = "PHALANX_METRICS_FD"
+METRICS_FD_ENV = settings.METRICS_FD
 
 
 def inherited_fds() -> tuple[int, ...]:

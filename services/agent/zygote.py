@@ -50,6 +50,7 @@ from typing import BinaryIO, Protocol
 
 import msgspec
 
+from phalanx.schemas import settings
 from phalanx.schemas import zygote as protocol
 from phalanx.services.agent import pidfd
 
@@ -449,7 +450,7 @@ def import_environment(env: Mapping[str, str]) -> dict[str, str]:
     """``env`` without what the agent sets per job and per replica: the environment a
     zygote that may fork a process of ``env`` is started in."""
     return {k: v for k, v in env.items()
-            if not k.startswith("PHALANX_") and k not in REPLICA_VARIABLES}
+            if not k.startswith(settings.PREFIX) and k not in REPLICA_VARIABLES}
 
 
 def executable(program: str, env: Mapping[str, str]) -> str:

@@ -29,26 +29,26 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from phalanx.bus.config import with_identity
-from phalanx.schemas import subjects
+from phalanx.schemas import settings, subjects
 from phalanx.services.auth.roles import ANY, Role, identity
 
 
 def identity_env(seed_file: Path, name: str, ca_file: str | None = None) -> dict[str, str]:
     """The variables that make a phalanx process connect as identity ``name`` (trusting
     the server that ``ca_file`` signed, when given)."""
-    return _connecting_as(name, {"PHALANX_NATS_NKEY": str(seed_file)}, ca_file)
+    return _connecting_as(name, {settings.NATS_NKEY: str(seed_file)}, ca_file)
 
 
 def _connecting_as(name: str, credential: dict[str, str],
                    ca_file: str | None) -> dict[str, str]:
     """``credential`` (the variable that proves the identity), the inbox prefix identity
     ``name`` may read replies on, and the CA when given."""
-    env = {**credential, "PHALANX_NATS_INBOX_PREFIX": subjects.inbox(name)}
-    return {**env, "PHALANX_NATS_CA": ca_file} if ca_file else env
+    env = {**credential, settings.NATS_INBOX_PREFIX: subjects.inbox(name)}
+    return {**env, settings.NATS_CA: ca_file} if ca_file else env
 
 
 #: The agent's own configuration variables: never a rank's.
-AGENT_VARS_PREFIX = "PHALANX_AGENT_"
+AGENT_VARS_PREFIX = settings.AGENT.prefix
 
 
 def rank_environment(env: Mapping[str, str], identity: Mapping[str, str]) -> dict[str, str]:
@@ -91,4 +91,4 @@ def token_rank_env(token: str, job_id: str, ca_file: str | None = None) -> dict[
     """What an agent gives a rank of ``job_id`` where an auth callout admits ranks: the
     job's freshly minted rank ``token`` and the job's identity's inbox prefix (the replies
     the callout lets the rank read), trusting the server ``ca_file`` signed."""
-    return _connecting_as(identity(Role.RANK, job_id), {"PHALANX_NATS_TOKEN": token}, ca_file)
+    return _connecting_as(identity(Role.RANK, job_id), {settings.NATS_TOKEN: token}, ca_file)

@@ -47,6 +47,7 @@ from pathlib import Path
 
 import nkeys
 
+from phalanx.schemas import settings
 from phalanx.services.auth import roles, tls
 from phalanx.services.auth.credentials import identity_env, rank_seed_file
 from phalanx.services.auth.errors import AuthError
@@ -227,8 +228,8 @@ class AuthDir:
         if role is Role.AGENT:  # made here for a directory older than the key
             write_key(self.replication_key_path)
             tls.make_replication_cert(self.tls_dir)
-            env["PHALANX_AGENT_REPLICA_KEY_FILE"] = str(self.replication_key_path)
-            env["PHALANX_AGENT_REPLICA_TLS_DIR"] = str(self.tls_dir)
+            env[settings.AGENT("replica_key_file")] = str(self.replication_key_path)
+            env[settings.AGENT("replica_tls_dir")] = str(self.tls_dir)
         return env
 
     def _require(self) -> None:

@@ -13,6 +13,7 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
+from phalanx.schemas import settings
 from phalanx.schemas.errors import ConfigError
 from phalanx.services.auth.callout import GLOBAL_ACCOUNT
 
@@ -37,8 +38,7 @@ class CalloutConfig:
     def __post_init__(self) -> None:
         for name in ("issuer_seed_file", "token_key_file"):
             if not getattr(self, name):
-                raise ConfigError(f"callout.{name} is required (PHALANX_CALLOUT_"
-                                  f"{name.upper()})")
+                raise ConfigError(f"callout.{name} is required ({settings.CALLOUT(name)})")
         if self.connection_ttl_s is not None and (not math.isfinite(self.connection_ttl_s)
                                                   or self.connection_ttl_s < 1):
             raise ConfigError(f"callout.connection_ttl_s must be at least 1 s, "
@@ -56,7 +56,7 @@ class CalloutConfig:
         env = os.environ if env is None else env
         values: dict[str, Any] = {}
         for field in dataclasses.fields(cls):
-            raw = env.get(f"PHALANX_CALLOUT_{field.name.upper()}")
+            raw = env.get(settings.CALLOUT(field.name))
             if raw:
                 values[field.name] = raw
         values.update({k: v for k, v in overrides.items() if v is not None})

@@ -12,6 +12,7 @@ import sys
 import time
 from pathlib import Path
 
+from phalanx.schemas import settings
 from phalanx.services.cli.common import Parents, Subparsers
 
 
@@ -29,10 +30,10 @@ def cmd_auth(args: argparse.Namespace) -> int:
         print(f"  replication key{'':<9} {auth.replication_key_path}")
         print(f"  replication TLS{'':<9} {auth.tls_dir}")
         print("start nats-server with `-c` that config; point each process at its identity "
-              "with PHALANX_NATS_NKEY, PHALANX_NATS_INBOX_PREFIX and PHALANX_NATS_CA, and "
-              "each agent at the replication key with PHALANX_AGENT_REPLICA_KEY_FILE and "
-              "at the replication certificate with PHALANX_AGENT_REPLICA_TLS_DIR "
-              "(docs/security.md)")
+              f"with {settings.NATS_NKEY}, {settings.NATS_INBOX_PREFIX} and "
+              f"{settings.NATS_CA}, and each agent at the replication key with "
+              f"{settings.AGENT('replica_key_file')} and at the replication certificate with "
+              f"{settings.AGENT('replica_tls_dir')} (docs/security.md)")
         return 0
     if args.action == "kubernetes":
         return _kubernetes(args)

@@ -15,6 +15,7 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple, TypeAlias, TypeVar
 
+from phalanx.schemas import settings
 from phalanx.schemas.errors import PhalanxError
 
 if TYPE_CHECKING:
@@ -49,7 +50,7 @@ def parents() -> Parents:
     common.add_argument("--config", metavar="FILE", help="TOML config file with a [bus] table")
     common.add_argument("--data-dir", help="local cluster state, logs and JetStream data "
                         "(default: the cluster `phalanx up` last started, if neither --nats "
-                        f"nor PHALANX_NATS_URL is given; else {default_data_dir()})")
+                        f"nor {settings.NATS_URL} is given; else {default_data_dir()})")
     common.add_argument("--log-level", default="INFO")
     lost_after = argparse.ArgumentParser(add_help=False)
     lost_after.add_argument("--lost-after", type=float, default=DEFAULT_LOST_AFTER_S,
@@ -67,16 +68,16 @@ def bus_config(args: argparse.Namespace) -> BusConfig:
 
     url = args.nats
     env = dict(os.environ)
-    if url is None and not os.environ.get("PHALANX_NATS_URL"):
+    if url is None and not os.environ.get(settings.NATS_URL):
         state = ClusterState.read(Path(args.data_dir))
         url = state.nats_url if state else None
-        if state is not None and not env.get("PHALANX_NATS_REPLICAS"):
-            env["PHALANX_NATS_REPLICAS"] = str(state.nats_replicas)
+        if state is not None and not env.get(settings.NATS_REPLICAS):
+            env[settings.NATS_REPLICAS] = str(state.nats_replicas)
         if state is not None and state.auth_dir is not None:
             # A secured local cluster: the operator's identity, unless the environment
             # names another (a viewer's, say).
             auth = AuthDir(state.auth_dir)
-            env.setdefault("PHALANX_NATS_CA", str(auth.ca_path))
+            env.setdefault(settings.NATS_CA, str(auth.ca_path))
             if not CREDENTIAL_VARS & env.keys():
                 env.update(auth.env(Role.CLI))
     return BusConfig.load(args.config, env=env, servers=url)  # comma-separated URLs
@@ -114,8 +115,8 @@ def resolve_data_dir(args: argparse.Namespace) -> Path:
 
     if args.data_dir is not None:
         return Path(args.data_dir)
-    if os.environ.get("PHALANX_DATA_DIR") or args.command == "up" or args.nats \
-            or os.environ.get("PHALANX_NATS_URL"):
+    if os.environ.get(settings.DATA_DIR) or args.command == "up" or args.nats \
+            or os.environ.get(settings.NATS_URL):
         return default_data_dir()
     return remembered_cluster() or default_data_dir()
 
@@ -127,9 +128,9 @@ def no_cluster_hint(args: argparse.Namespace, exc: PhalanxError) -> str:
     from phalanx.services.cluster import ClusterState
 
     if not isinstance(exc, BusUnavailable) or getattr(args, "data_dir", None) is None \
-            or args.nats or os.environ.get("PHALANX_NATS_URL") \
+            or args.nats or os.environ.get(settings.NATS_URL) \
             or ClusterState.read(Path(args.data_dir)) is not None:
         return ""
     return (f"\nno local cluster runs from {args.data_dir}: for one started with "
             "`phalanx up --data-dir DIR`, pass the same --data-dir DIR; for another "
-            "cluster, pass --nats URL (or set PHALANX_NATS_URL)")
+            f"cluster, pass --nats URL (or set {settings.NATS_URL})")

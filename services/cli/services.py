@@ -15,6 +15,7 @@ import os
 import sys
 from pathlib import Path
 
+from phalanx.schemas import settings
 from phalanx.services.cli.common import EXIT_USAGE, Parents, Subparsers, bus_config
 
 
@@ -60,12 +61,12 @@ def cmd_health(args: argparse.Namespace) -> int:
 
     overrides = {}
     for field in dataclasses.fields(HealthPolicy):  # PHALANX_HEALTH_<FIELD> overrides
-        raw = os.environ.get(f"PHALANX_HEALTH_{field.name.upper()}")
+        raw = os.environ.get(settings.HEALTH(field.name))
         if raw is not None:
             try:
                 overrides[field.name] = int(raw) if field.type in (int, "int") else float(raw)
             except ValueError:
-                print(f"phalanx health: PHALANX_HEALTH_{field.name.upper()} must be a number, "
+                print(f"phalanx health: {settings.HEALTH(field.name)} must be a number, "
                       f"got {raw!r}", file=sys.stderr)
                 return EXIT_USAGE
     try:
@@ -74,7 +75,7 @@ def cmd_health(args: argparse.Namespace) -> int:
         print(f"phalanx health: {exc}", file=sys.stderr)
         return EXIT_USAGE
     service = HealthService(policy, bus_config(args), instance=args.instance,
-                            lease_s=float(os.environ.get("PHALANX_HEALTH_LEASE_S", "3")))
+                            lease_s=float(os.environ.get(settings.HEALTH("lease_s"), "3")))
     configure_logging("phalanx-health", service.instance, args.log_level)
     return run_service(service)
 
@@ -88,14 +89,14 @@ def cmd_elasticity(args: argparse.Namespace) -> int:
     try:
         make_core = functools.partial(
             ElasticityCore,
-            wait_timeout_s=float(os.environ.get("PHALANX_ELASTICITY_WAIT_TIMEOUT_S", "60")),
-            max_replacements=int(os.environ.get("PHALANX_ELASTICITY_MAX_REPLACEMENTS", "16")))
+            wait_timeout_s=float(os.environ.get(settings.ELASTICITY("wait_timeout_s"), "60")),
+            max_replacements=int(os.environ.get(settings.ELASTICITY("max_replacements"), "16")))
         make_core()  # refused here, not at the first takeover
         service = ElasticityService(
             make_core, bus_config(args), instance=args.instance,
-            lease_s=float(os.environ.get("PHALANX_ELASTICITY_LEASE_S", "3")))
+            lease_s=float(os.environ.get(settings.ELASTICITY("lease_s"), "3")))
     except ValueError as exc:
-        print(f"phalanx elasticity: PHALANX_ELASTICITY_*: {exc}", file=sys.stderr)
+        print(f"phalanx elasticity: {settings.ELASTICITY.prefix}*: {exc}", file=sys.stderr)
         return EXIT_USAGE
     configure_logging("phalanx-elasticity", service.instance, args.log_level)
     return run_service(service)
@@ -109,9 +110,9 @@ def cmd_checkpoint(args: argparse.Namespace) -> int:
     try:
         service = CheckpointService(
             bus_config(args), instance=args.instance,
-            lease_s=float(os.environ.get("PHALANX_CHECKPOINT_LEASE_S", "3")))
+            lease_s=float(os.environ.get(settings.CHECKPOINT("lease_s"), "3")))
     except ValueError as exc:
-        print(f"phalanx checkpoint: PHALANX_CHECKPOINT_*: {exc}", file=sys.stderr)
+        print(f"phalanx checkpoint: {settings.CHECKPOINT.prefix}*: {exc}", file=sys.stderr)
         return EXIT_USAGE
     configure_logging("phalanx-checkpoint", service.instance, args.log_level)
     return run_service(service)

@@ -12,16 +12,24 @@ from phalanx.runtime.snapshot_interval import (
     SnapshotSchedule,
     agreed_interval,
 )
+from phalanx.schemas.environment import CheckpointEnvironment
+
+
+def policy(**env: str) -> IntervalPolicy | None:
+    checkpoint = CheckpointEnvironment.from_env({"PHALANX_SNAPSHOT_DIR": "/s", **env})
+    assert checkpoint is not None
+    return IntervalPolicy.of(checkpoint)
 
 
 def test_the_policy_the_agent_passes() -> None:
-    assert IntervalPolicy.from_env({}) == IntervalPolicy()  # auto, 2 %, at most 100
-    assert IntervalPolicy.from_env({"PHALANX_CHECKPOINT_MEMORY_EVERY": "0"}) is None
-    assert IntervalPolicy.from_env({"PHALANX_CHECKPOINT_MEMORY_EVERY": "5"}).every == 5
-    policy = IntervalPolicy.from_env({"PHALANX_CHECKPOINT_MEMORY_EVERY": "auto",
-                                      "PHALANX_CHECKPOINT_MEMORY_OVERHEAD": "0.01",
-                                      "PHALANX_CHECKPOINT_MEMORY_MAX_EVERY": "7"})
-    assert (policy.every, policy.overhead, policy.max_every) == (None, 0.01, 7)
+    assert policy() == IntervalPolicy()  # auto, 2 %, at most 100
+    assert policy(PHALANX_CHECKPOINT_MEMORY_EVERY="0") is None
+    fixed = policy(PHALANX_CHECKPOINT_MEMORY_EVERY="5")
+    assert fixed is not None and fixed.every == 5
+    auto = policy(PHALANX_CHECKPOINT_MEMORY_EVERY="auto",
+                  PHALANX_CHECKPOINT_MEMORY_OVERHEAD="0.01",
+                  PHALANX_CHECKPOINT_MEMORY_MAX_EVERY="7")
+    assert auto is not None and (auto.every, auto.overhead, auto.max_every) == (None, 0.01, 7)
 
 
 @pytest.mark.parametrize("kwargs", [{"every": 0}, {"overhead": 0.0}, {"overhead": 0.6},
