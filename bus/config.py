@@ -89,6 +89,11 @@ class BusConfig:
                 raise ConfigError(f"bus.{name} must be a string, got {type(value).__name__}")
         if not self.servers or any(not s.strip() for s in self.servers):
             raise ConfigError("bus.servers: at least one non-empty NATS URL is required")
+        websockets = [s for s in self.servers if s.startswith(("ws://", "wss://"))]
+        if websockets:
+            raise ConfigError(f"bus.servers: {websockets[0]!r}: phalanx connects over nats:// "
+                              "or tls:// only (a NATS server's client port, not its websocket "
+                              "port)")
         if (self.user is None) != (self.password is None):
             raise ConfigError("bus.user and bus.password must be given together")
         if (self.tls_cert_file is None) != (self.tls_key_file is None):

@@ -205,6 +205,8 @@ class ElasticSession:
         job_id / replica_id / slot / node_id: who this rank is.
         admission: the job's admission this rank was started for (``JobRecord.admission``;
             0: not known), carried in its events.
+        advertise_host: the address peers reach this replica's rendezvous store at (its
+            node's; the agent sets ``PHALANX_ADVERTISE_HOST``).
         record_dir: where to append this replica's record (None: no record).
         checksum: verify every state copy with Adler-32.
         collective_timeout_s: gloo's own timeout, the last resort.
@@ -269,7 +271,8 @@ class ElasticSession:
                  snapshot_interval: IntervalPolicy | None = None, snapshot_keep: int = 2,
                  snapshot_dir: str | None = None,
                  durable: DurablePolicy | None = None, backend: str = "auto",
-                 landing: list[torch.Tensor] | None = None, admission: int = 0) -> None:
+                 landing: list[torch.Tensor] | None = None, admission: int = 0,
+                 advertise_host: str = "127.0.0.1") -> None:
         teardown.watch()
         trained = ddp.unwrap(model)  # the script's model, or the module in its DDP wrapper
         buffers = StepBuffers(trained, getattr(model, "broadcast_buffers", True))
@@ -287,7 +290,8 @@ class ElasticSession:
         writer = DurableWriter(durable.url, durable.keep, self._persisted) \
             if durable is not None and durable.every and bus is not None else None
         self._s = SessionState(
-            replica=Replica(job_id, replica_id, slot, node_id, admission, secrets.token_hex(4)),
+            replica=Replica(job_id, replica_id, slot, node_id, admission, advertise_host,
+                            secrets.token_hex(4)),
             model=trained, optimizer=optimizer,
             sharded=Sharded(optimizer) if is_sharded(optimizer) else None,
             carried={}, buffers=buffers, dataset=dataset,
@@ -388,7 +392,8 @@ class ElasticSession:
         bus = BusThread(BusConfig.load(env=env), f"rank:{rank.job_id}:{replica_id}")
         return cls(model, optimizer, dataset, bus=bus.start(), job_id=rank.job_id,
                    replica_id=replica_id, slot=rank.slot, node_id=rank.node_id or "local",
-                   chaos_kill=chaos_kill, admission=rank.admission or 0, **kwargs)
+                   chaos_kill=chaos_kill, admission=rank.admission or 0,
+                   advertise_host=rank.advertise_host or "127.0.0.1", **kwargs)
 
     def register(self, name: str, obj: Any) -> None:
         """Carry ``obj``'s state with the model and optimizer (before the first step).

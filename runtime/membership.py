@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import os
 import time
 from typing import Any
 
@@ -50,7 +49,7 @@ from phalanx.runtime.group import Aborted, Group, GroupWork, Waits, rendezvous
 from phalanx.runtime.recovery import Retained
 from phalanx.runtime.resume import resume
 from phalanx.runtime.session_state import Seat, SessionState
-from phalanx.schemas import environment, subjects
+from phalanx.schemas import subjects
 from phalanx.schemas.messages import (
     DETAIL_CHARS,
     Generation,
@@ -165,8 +164,7 @@ class Membership:
         endpoint peers reach it at, ``<host>:<port>``."""
         self._store = dist.TCPStore("0.0.0.0", 0, is_master=True, wait_for_workers=False,
                                     timeout=self.state.timeout, use_libuv=True)
-        host = os.environ.get(environment.ADVERTISE_HOST, "127.0.0.1")
-        self.endpoint = f"{host}:{self._store.port}"
+        self.endpoint = f"{self.state.replica.host}:{self._store.port}"
         return self.endpoint
 
     def announce(self) -> None:

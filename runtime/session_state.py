@@ -41,6 +41,7 @@ class Replica:
     slot: int
     node_id: str
     admission: int  # the job's admission it was started for (0: not known)
+    host: str  # where peers reach its rendezvous store (its node's address)
     # Replica ids and generation numbers start over when a requeued job is admitted
     # again: this process's events must not share an id with an earlier admission's,
     # which the stream would drop as duplicates for two minutes.

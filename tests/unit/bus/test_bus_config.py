@@ -304,3 +304,11 @@ def test_an_inbox_prefix_cannot_widen_a_subscription() -> None:
         == "_INBOX.rank-j1"
     with pytest.raises(ConfigError, match="inbox_prefix"):
         BusConfig.load(env={"PHALANX_NATS_INBOX_PREFIX": "_INBOX.>"})
+
+
+@pytest.mark.parametrize("url", ["ws://127.0.0.1:8080", "wss://nats.example:443"])
+def test_a_websocket_server_is_refused_by_name(url: str) -> None:
+    """phalanx leaves nats-py's websocket transport out (phalanx.bus.transport): a ws://
+    URL is named at once, not met later as 'Could not import aiohttp transport'."""
+    with pytest.raises(ConfigError, match=r"bus.servers: 'wss?://.*': phalanx connects over nats://"):
+        BusConfig(servers=("nats://127.0.0.1:4222", url))
