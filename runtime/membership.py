@@ -49,7 +49,7 @@ from phalanx.runtime.group import Aborted, Group, GroupWork, Waits, rendezvous
 from phalanx.runtime.recovery import Retained
 from phalanx.runtime.resume import resume
 from phalanx.runtime.session_state import Seat, SessionState
-from phalanx.schemas import subjects
+from phalanx.schemas import environment, subjects
 from phalanx.schemas.messages import (
     DETAIL_CHARS,
     Generation,
@@ -64,7 +64,13 @@ log = logging.getLogger("phalanx.runtime")
 
 
 class Dropped(RuntimeError):
-    """This replica is not a member of the job's newest generation."""
+    """This replica is not a member of the job's newest generation.
+
+    Uncaught, the process exits :data:`~phalanx.schemas.environment.EXIT_DROPPED`, which
+    health counts as an infrastructure event, not the application's failure.
+    """
+
+    exit_status = environment.EXIT_DROPPED
 
 
 class JobCompletedWithoutThisReplica(SystemExit):

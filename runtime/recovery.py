@@ -37,6 +37,8 @@ import dataclasses
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
+from phalanx.schemas.environment import EXIT_STATE_LOST
+
 if TYPE_CHECKING:  # carried, never computed on, here
     import torch
 
@@ -55,6 +57,11 @@ class StateLost(RuntimeError):
     def __init__(self, message: str, *, retry: bool = True) -> None:
         super().__init__(message)
         self.retry = retry
+
+    @property
+    def exit_status(self) -> int | None:
+        """The status the rank exits with, uncaught: a failure to retry, or None (1)."""
+        return EXIT_STATE_LOST if self.retry else None
 
 
 @dataclasses.dataclass(frozen=True)

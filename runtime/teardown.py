@@ -21,10 +21,12 @@ imported are skipped.
 
 The exit status is the one Python would give when the runtime can know it:
 an exception or ``sys.exit(n)`` that leaves ``with session:`` (the session's
-``__exit__`` records it), an uncaught exception (1), otherwise 0; except for
-a ``StateLost`` a later generation may recover from, armed or not:
-:data:`~phalanx.schemas.environment.EXIT_STATE_LOST` (75), which health counts as
-a failure to retry, not the script's. A
+``__exit__`` records it), an uncaught exception (1), otherwise 0; except for the
+runtime's exceptions that are the job's doing, not the script's, armed or not (their
+``exit_status``): a ``StateLost`` a later generation may recover from,
+:data:`~phalanx.schemas.environment.EXIT_STATE_LOST` (75), and ``Dropped``, a rank
+fenced out of its job, :data:`~phalanx.schemas.environment.EXIT_DROPPED` (76); health
+counts both as infrastructure failures. A
 ``sys.exit(n)`` *after* the session is closed, outside its ``with`` block,
 cannot be seen from an ``atexit`` handler and exits 0: end the script inside
 the block, or raise before closing.
@@ -39,13 +41,10 @@ import os
 import sys
 from typing import Any
 
-from phalanx.runtime.recovery import StateLost
-from phalanx.schemas.environment import EXIT_STATE_LOST
-
 _armed = False
 _status: int | None = None  # known from the session's __exit__, if it saw one
 _uncaught = False
-_state_lost = False  # the uncaught exception is StateLost: EXIT_STATE_LOST
+_infrastructure: int | None = None  # the uncaught exception's exit_status, if it has one
 _watching = False
 
 
@@ -66,9 +65,9 @@ def watch() -> None:
     previous_hook = sys.excepthook
 
     def remember(kind: type[BaseException], value: BaseException, tb: Any) -> None:
-        global _uncaught, _state_lost
+        global _uncaught, _infrastructure
         _uncaught = True
-        _state_lost = isinstance(value, StateLost) and value.retry
+        _infrastructure = infrastructure_status(value)
         previous_hook(kind, value, tb)
 
     sys.excepthook = remember
@@ -80,10 +79,17 @@ def exit_status(exc: BaseException | None) -> None:
     if isinstance(exc, SystemExit):
         code = exc.code
         _status = 0 if code is None else code if isinstance(code, int) else 1
-    elif isinstance(exc, StateLost) and exc.retry:
-        _status = EXIT_STATE_LOST
+    elif exc is not None and (status := infrastructure_status(exc)) is not None:
+        _status = status
     elif exc is not None:
         _status = 1
+
+
+def infrastructure_status(exc: BaseException) -> int | None:
+    """The exit status of a runtime exception that is the job's doing, not the script's
+    (``StateLost``, ``Dropped``: their ``exit_status``); None for any other."""
+    status = getattr(exc, "exit_status", None)
+    return status if isinstance(status, int) else None
 
 
 def failed() -> bool:
@@ -92,14 +98,14 @@ def failed() -> bool:
 
 
 def _leave() -> None:
-    if not _armed and not _state_lost:
+    if not _armed and _infrastructure is None:
         return
     logging.shutdown()
     for stream in (sys.stdout, sys.stderr):
         with contextlib.suppress(Exception):
             stream.flush()
-    if _state_lost:
-        os._exit(EXIT_STATE_LOST)
+    if _infrastructure is not None:
+        os._exit(_infrastructure)
     os._exit(1 if _uncaught else (_status or 0) & 0xFF)
 
 

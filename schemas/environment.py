@@ -95,6 +95,11 @@ SPARE = "PHALANX_SPARE"
 #: application failures that end a job at the first few.
 EXIT_STATE_LOST = 75
 
+#: The exit status of a rank fenced out of its job (``Dropped``: the job moved to a
+#: generation without it, its node cut off from the bus or judged failed): the job's
+#: doing, not the script's, however many ranks end so. ``EX_PROTOCOL``.
+EXIT_DROPPED = 76
+
 #: torchrun's variables for a process that is a world of its own: what a rank of a job that
 #: runs a session starts with (a job that does not declare it in its spec gets the gang's
 #: until it has a generation). A DDP script's own ``dist.init_process_group(...)`` then

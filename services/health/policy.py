@@ -61,7 +61,7 @@ import dataclasses
 import enum
 import signal as signals
 
-from phalanx.schemas.environment import EXIT_STATE_LOST
+from phalanx.schemas.environment import EXIT_DROPPED, EXIT_STATE_LOST
 from phalanx.schemas.messages import ReasonCode, RestartPolicy
 
 
@@ -72,6 +72,7 @@ class Failure(enum.StrEnum):
     LAUNCH = "launch"  # the command could not be started (an application failure too)
     INFRASTRUCTURE = "infrastructure"  # a signal, a hang, a lost node, a lost status,
     # or the runtime's own word that the job's state is out of reach (EXIT_STATE_LOST)
+    # or that the job fenced the rank out (EXIT_DROPPED)
 
     @property
     def application(self) -> bool:
@@ -84,7 +85,7 @@ def classify_exit(cause: str, exit_code: int | None, signal: str | None) -> Fail
         return Failure.LAUNCH
     if cause != "exited" or signal is not None or exit_code is None:
         return Failure.INFRASTRUCTURE
-    if _killed_through_shell(exit_code) or exit_code == EXIT_STATE_LOST:
+    if _killed_through_shell(exit_code) or exit_code in (EXIT_STATE_LOST, EXIT_DROPPED):
         return Failure.INFRASTRUCTURE
     return Failure.APPLICATION
 

@@ -7,7 +7,7 @@ and step reports at explicit times and assert on what it decides.
 
 from __future__ import annotations
 
-from phalanx.schemas.environment import EXIT_STATE_LOST
+from phalanx.schemas.environment import EXIT_DROPPED, EXIT_STATE_LOST
 from phalanx.schemas.messages import ReasonCode, RestartPolicy
 from phalanx.services.health.core import HealthCore
 from phalanx.services.health.events import (
@@ -175,6 +175,25 @@ def test_a_state_lost_exit_is_retried_under_the_restart_budget_not_the_scripts()
                                                      "exited"), T0 + 10 * round_ + 5))]
     verdict = next(v for v in verdicts if v is not None)
     assert verdict.reason_code is ReasonCode.RESTART_RATE, verdict
+
+
+def test_ranks_fenced_out_of_their_job_are_no_application_failure() -> None:
+    """A node cut off from the bus: its ranks find the job moved past them and exit
+    EXIT_DROPPED, 0.6 s apart. The second exit was counted as the script's own failure
+    and ended a job with max_app_failures 1 (issue 53): the job's doing, not the script's."""
+    core = watched(RestartPolicy(max_app_failures=1, max_restarts_in_window=3))
+    out: list[Decision] = []
+    for at, rank in ((T0, 0), (T0 + 0.6, 1)):
+        out += core.handle(RankExitSeen("j", rank, NODES[rank], EXIT_DROPPED, None,
+                                        "exited"), at)
+    assert failed(out) is None
+    assert [d.application for d in out if isinstance(d, RaiseFault)] == [False, False]
+    # Control: the same two exits with the script's own status 1 are the application's.
+    core = watched(RestartPolicy(max_app_failures=1, max_restarts_in_window=3))
+    out = []
+    for at, rank in ((T0, 0), (T0 + 0.6, 1)):
+        out += core.handle(RankExitSeen("j", rank, NODES[rank], 1, None, "exited"), at)
+    assert [d.application for d in out if isinstance(d, RaiseFault)] == [True, True]
 
 
 def test_a_restored_budget_goes_on_judging_the_same_streak() -> None:
