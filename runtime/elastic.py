@@ -16,61 +16,13 @@ usual loop over :meth:`ElasticSession.steps`::
         torch.save(model.state_dict(), path)
     session.close()
 
-What the session does around that loop:
-
-* **Membership.** The rank's replica reports *ready* (model built) and trains
-  in whatever generation elasticity publishes. Each generation gets a fresh
-  gloo process group, rendezvousing through the store of the generation's
-  rank 0 under the generation's own namespace; every replica hosts such a
-  store, so no single process is needed across generations.
-* **Step boundaries.** A *join* is applied between steps, at the same step on
-  every member: each gradient all-reduce carries one extra number, how many
-  members have seen a newer generation, so all of them switch after the same
-  step. A *leave* (a planned shrink: admission took the slots of some members)
-  is switched the same way: the leaving members take part in every step up to
-  and including the one after which everyone switches, commit it, and then end
-  with :class:`LeftTheJob` (status 0) while the others go on in the new
-  generation; no step is aborted and no sample is lost or repeated.
-* **Faults.** A fault of a member (announced on the bus by health) or a
-  *fault* generation aborts the in-flight all-reduce at once on every rank:
-  the rank stops waiting for it, abandons that process group (its gloo
-  threads are left to time out; their buffers are never reused) and discards
-  the partial step. The gloo timeout is only a last resort.
-* **State.** After rebuilding, the members agree on the resume step (the
-  highest step any of them committed, by one all-reduce); members behind it,
-  and joiners, receive model, optimizer, registered objects (``state=`` /
-  :meth:`ElasticSession.register`), RNG and step from the lowest rank that
-  has it, peer to peer (:mod:`.state`).
-* **A step** is reduce (:meth:`Step.reduce`: gradients, the loss and the
-  script's metrics summed over the ranks, abortably), then apply
-  (:meth:`Step.commit`: ``optimizer.step()``). Between the two every rank
-  holds the same global gradient: clipping and skip-on-inf go there.
-* **Devices.** The model's device is the session's (:attr:`ElasticSession.device`,
-  from :func:`.placement.device` in a script): gradient buckets, snapshot staging and
-  received state live there. Each generation builds the job spec's ``backend``
-  (:mod:`.placement`): gloo on a CPU, NCCL on a GPU under ``auto``, whose
-  communicator is aborted when the generation is given up (:mod:`.group`).
-* **Who holds the result.** ``session.rank`` is None until the replica is a
-  member; :attr:`ElasticSession.is_primary` is True only on rank 0 of the last
-  generation it applied (alone: always). A replica the job completes without
-  (still starting or waiting to join when the last step is committed) never
-  returns from :meth:`ElasticSession.steps`: it raises
-  :class:`JobCompletedWithoutThisReplica`, a ``SystemExit`` with status 0, so
-  code after the loop (a save of its untrained parameters) does not run. A
-  stop (the agent's SIGTERM) while waiting ends the process by the signal.
-* **Data.** Step ``s`` trains on the samples :class:`~.data.ElasticOrder`
-  assigns to ``(epoch, step)`` and this rank, in micro-batches weighted by
-  ``len / global_batch``; gradients are *summed*, so the global batch and
-  the learning rate are the same at every world size. ``on_membership`` lets
-  a user change them per world size instead.
-
-Outside phalanx (no ``PHALANX_JOB_ID``) the same script runs alone, as world
-size 1, with the same data order: that is the fault-free reference.
-
-With ``PHALANX_RECORD_DIR`` set, every replica appends what it did to
-``<dir>/<replica>.jsonl``: the samples of each step it took part in (written
-before its gradients leave the process), each commit, each generation it
-applied with the time of every phase. Tests and benchmarks check those.
+Around that loop the session applies the job's generations between steps (a
+join or a leave at the same step on every member, a fault at once, aborting the
+all-reduce in flight), agrees on the resume step and copies or restores the state
+a member lacks, and trains each step on the samples the exactly-once data order
+gives it (:mod:`.data`). Outside phalanx (no ``PHALANX_JOB_ID``) the same script
+runs alone, as world size 1: the fault-free reference. docs/runtime.md says what
+each line buys and how the runtime works inside.
 
 This module is the session a script holds: its construction, the loop it
 offers and its bus side (subscriptions). What the session holds is a
