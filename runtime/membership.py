@@ -252,30 +252,52 @@ class Membership:
                         continue
             # Here the newest generation is this replica's own, or one it is not in (and it
             # never was a member): wait for a newer one than that.
-            self.wait_for_newer(-1 if newest is None else newest.generation, total_steps)
+            self.wait_for_newer(-1 if newest is None else newest.generation, total_steps,
+                                *self._failed_without_fault(newest))
 
-    def wait_for_newer(self, than: int, total_steps: int, given_up: str | None = None) -> None:
+    def wait_for_newer(self, than: int, total_steps: int, given_up: str | None = None,
+                       report_after_s: float = 0.0) -> None:
         """Wait for a generation newer than ``than`` (a non-member re-announces itself).
 
-        ``given_up``: why this member gave generation ``than`` up; it reports that now
-        and every 2 s while it waits, since elasticity decides no newer one otherwise.
+        ``given_up``: why this member gave generation ``than`` up; it reports that after
+        ``report_after_s`` and every 2 s while it waits, since elasticity decides no newer
+        one otherwise.
         """
         s = self.state
-        if given_up is not None:
-            self._report_given_up(than, given_up)
-        last_announce = time.monotonic()
-        while s.inbox.newest_number() <= than:
+        started = last_announce = time.monotonic()
+        reported: float | None = None
+        while True:
+            now = time.monotonic()
+            if given_up is not None and (
+                    now - started >= report_after_s if reported is None
+                    else now - reported > 2.0):  # elasticity or the bus may have restarted
+                self._report_given_up(than, given_up)
+                reported = now
+            if s.inbox.newest_number() > than:
+                return
             if self.generation is None and s.inbox.finished_step >= total_steps:
                 return
             s.inbox.sleep(0.5)
             self.heartbeat()
-            if time.monotonic() - last_announce > 2.0:
-                # Elasticity may have restarted (or the bus): say it again.
-                if given_up is not None:
-                    self._report_given_up(than, given_up)
-                if self.generation is None:
-                    self.announce()
+            if self.generation is None and time.monotonic() - last_announce > 2.0:
+                self.announce()  # elasticity may have restarted (or the bus): say it again
                 last_announce = time.monotonic()
+
+    def _failed_without_fault(self, newest: Generation | None) -> tuple[str | None, float]:
+        """Why this member gave its own generation up after a step's collectives failed
+        with no fault known, and after how long to say so: ``(None, 0)`` otherwise.
+
+        A link cut between members, or lossy, fails their collectives (gloo times out or
+        loses a connection) with every process alive: no fault comes, no member's
+        progress stops, and without a report elasticity would decide no generation, the
+        job deadlocked. A peer that died is faulted within seconds (the collective
+        timeout is the grace), so only a failure nobody else sees is reported."""
+        if self.generation is None or self.pg is not None or self._aborted is None \
+                or newest is None or newest.generation != self.generation.generation:
+            return None, 0.0
+        step, _, why = self._aborted
+        return (f"step {step}'s collectives failed with no member faulted: {why}",
+                self.state.timeout.total_seconds())
 
     def _report_given_up(self, generation: int, why: str) -> None:
         """Tell elasticity this member gave ``generation`` up (stored in the job-events

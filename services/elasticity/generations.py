@@ -239,18 +239,19 @@ def _finished(job: JobMembership, event: MemberFinished) -> list[Decision]:
 
 
 def _given_up(job: JobMembership, event: GenerationGivenUpSeen) -> None:
-    """A member gave up forming the generation in flight: it is decided again (in
+    """A member gave the current generation up: it is decided again (in
     :func:`_advance`), like a fault's: the same members, minus any that failed
     meanwhile, with joiners ready then, a fresh rendezvous namespace.
 
-    Members that cannot form a generation (its rank 0's store timed out under load) wait
-    for a newer one, none of them dead, so no fault would ever supersede it. A report of
-    an older generation (decided again already, or superseded), by a replica that is not
-    a member, or repeated changes nothing, so it is re-formed at most once.
+    Members that cannot form a generation (its rank 0's store timed out under load), or
+    whose collectives in it failed with none of them faulted (a link between them cut or
+    lossy), wait for a newer one, none of them dead, so no fault would ever supersede it.
+    A report of an older generation (decided again already, or superseded), by a
+    replica that is not a member, or repeated changes nothing, so it is re-formed at
+    most once.
     """
     if job.current is None or event.generation != job.current.generation \
-            or event.replica_id not in job.members or not job.in_flight \
-            or job.given_up:
+            or event.replica_id not in job.members or job.given_up or job.complete:
         return
     job.given_up = f"{event.replica_id} gave up generation {event.generation} " \
         f"({brief(event.reason, 'rendezvous failed')})"

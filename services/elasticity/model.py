@@ -97,7 +97,8 @@ class JobMembership:
         assert len(members) <= self.max_members, "above max"
         assert set(self.leaving) <= set(members), "a leaver that is not a member"
         assert not set(self.departing) & set(members), "a departed replica is a member"
-        assert not self.given_up or self.in_flight, "a formed generation waits to be re-formed"
+        assert not self.given_up or self.phase is not Phase.TRAINING, \
+            "a generation given up is trained in"
         live = [r for r in members if r not in self.failed] + self.ready
         slots = [self.replicas[r].slot for r in live] + list(self.launched.values())
         assert len(slots) == len(set(slots)), "two replicas in one slot"

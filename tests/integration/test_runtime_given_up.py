@@ -83,3 +83,37 @@ async def test_a_member_that_cannot_form_the_newest_generation_reports_it_while_
     assert all(r.sent_at < replaced + 1.0 for r in reports)  # it stopped once replaced
     records = record.read(tmp_path / "rec")
     assert record.verify(records, ElasticOrder(96, 16, seed=0), STEPS) == []
+
+
+async def test_a_member_whose_collectives_failed_with_no_fault_reports_it_after_the_timeout(
+        tmp_path: Path, nats_server: NatsServer, bus: Bus, uid: str, data: Path,
+        launcher: Launcher) -> None:
+    """Its peer gone with no fault ever published (no health here; in a cluster: a link
+    cut between members, or lossy, with every process alive): the survivor's all-reduce
+    fails and nothing else will happen. After the collective timeout (the grace a dead
+    peer's fault has to arrive) it reports its generation given up, which elasticity
+    forms again; without it the job deadlocked (issue 53's 20 % loss)."""
+    reports: list[GenerationGivenUp] = []
+    async with Job(bus, nats_server, uid, tmp_path, data, "--steps", "400",
+                   "--collective-timeout", "3", launcher=launcher) as job:
+        async def on_given_up(message: GenerationGivenUp, _: Delivery) -> None:
+            reports.append(message)
+            job.changed.set()
+
+        await bus.subscribe(subjects.generation_given_up(uid), GenerationGivenUp,
+                            on_given_up)
+        for slot, replica in enumerate(MEMBERS):
+            await job.start(replica, slot)
+        await job.publish(MEMBERS, GenerationReason.START)
+        await job.until(lambda: job.step >= 10)
+        job.kill("r1-0")
+        killed = time.time()
+        await job.until(lambda: bool(reports))
+        assert {(r.generation, r.replica_id) for r in reports} == {(0, "r0-0")}
+        assert "collectives failed with no member faulted" in reports[0].reason
+        assert reports[0].sent_at - killed >= 2.5  # not before a fault could have come
+        await job.publish(["r0-0"], GenerationReason.FAULT)  # what elasticity decides
+        codes = await job.exit_codes()
+    assert codes["r0-0"] == 0
+    records = record.read(tmp_path / "rec")
+    assert record.verify(records, ElasticOrder(96, 16, seed=0), 400) == []
