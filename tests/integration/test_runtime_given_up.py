@@ -38,6 +38,18 @@ def unused_address() -> str:
         return f"127.0.0.1:{s.getsockname()[1]}"
 
 
+async def started(job: Job, reports: list[GenerationGivenUp]) -> None:
+    """Collect the job's given-up reports into ``reports``; start its members."""
+    async def on_given_up(message: GenerationGivenUp, _: Delivery) -> None:
+        reports.append(message)
+        job.changed.set()
+
+    await job.bus.subscribe(subjects.generation_given_up(job.uid), GenerationGivenUp,
+                            on_given_up)
+    for slot, replica in enumerate(MEMBERS):
+        await job.start(replica, slot)
+
+
 async def test_a_member_that_cannot_form_the_newest_generation_reports_it_while_it_waits(
         tmp_path: Path, nats_server: NatsServer, bus: Bus, uid: str, data: Path,
         launcher: Launcher) -> None:
@@ -46,14 +58,7 @@ async def test_a_member_that_cannot_form_the_newest_generation_reports_it_while_
     cursor = await last_seq(bus)
     async with Job(bus, nats_server, uid, tmp_path, data, "--steps", str(STEPS),
                    "--collective-timeout", "3", launcher=launcher) as job:
-        async def on_given_up(message: GenerationGivenUp, _: Delivery) -> None:
-            reports.append(message)
-            job.changed.set()
-
-        await bus.subscribe(subjects.generation_given_up(uid), GenerationGivenUp,
-                            on_given_up)
-        for slot, replica in enumerate(MEMBERS):
-            await job.start(replica, slot)
+        await started(job, reports)
         await job.until(lambda: all(r in job.ready for r in MEMBERS))
         members = [Member(replica_id="r0-0", rank=0, node_id="n", endpoint=unused_address()),
                    Member(replica_id="r1-0", rank=1, node_id="n",
@@ -96,14 +101,7 @@ async def test_a_member_whose_collectives_failed_with_no_fault_reports_it_after_
     reports: list[GenerationGivenUp] = []
     async with Job(bus, nats_server, uid, tmp_path, data, "--steps", "400",
                    "--collective-timeout", "3", launcher=launcher) as job:
-        async def on_given_up(message: GenerationGivenUp, _: Delivery) -> None:
-            reports.append(message)
-            job.changed.set()
-
-        await bus.subscribe(subjects.generation_given_up(uid), GenerationGivenUp,
-                            on_given_up)
-        for slot, replica in enumerate(MEMBERS):
-            await job.start(replica, slot)
+        await started(job, reports)
         await job.publish(MEMBERS, GenerationReason.START)
         await job.until(lambda: job.step >= 10)
         job.kill("r1-0")
