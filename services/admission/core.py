@@ -1,66 +1,18 @@
 """Gang admission rules: who runs, where, and why the rest wait. Pure.
 
-A *gang* is a job's set of data-parallel replicas; each replica needs
-``slots_per_replica`` slots on one node. The rules, applied by
-:meth:`AdmissionCore.schedule` in one pass over the queue:
-
-1. **Order.** Pending gangs are considered by priority weight (high first),
-   then submission order. Preempted or requeued gangs keep their place.
-2. **All or nothing.** A gang is admitted only when its smallest allowed size
-   (``replicas.min`` unless its scaling rules,
-   :mod:`phalanx.schemas.scaling`, say otherwise) of
-   replicas can be placed at once on schedulable (alive, uncordoned) nodes
-   matching its labels; with ``spread_failure_domains`` no domain gets more
-   than ``ceil(n / domains)`` of its replicas. Placement is best-fit (the
-   fullest node that still fits first) to keep large holes for large gangs.
-3. **Quota.** A team may hold at most ``nominal + borrow_limit`` slots.
-4. **Preemption.** A gang that does not fit may free room by taking slots
-   from *victims*: lower-priority gangs of its own team, and gangs of teams
-   that are borrowing (above nominal) when the preemptor's team is within
-   its nominal quota after admission (reclaim) or the victim has lower
-   priority. Elastic victims are first shrunk toward their ``min``, one allowed size
-   at a time; whole
-   gangs are evicted only after that, lowest priority and newest first, and
-   victims that turn out unnecessary are spared. Never a partial gang.
-5. **Reservation and backfill.** The first ``max_reservations`` gangs that
-   still do not fit hold the free slots they would use, so slots freed later
-   accumulate for them; gangs behind them are admitted only into what is not
-   reserved (backfill). A big gang therefore cannot starve behind a stream
-   of small ones, as long as running work ends.
-6. **Elastic growth.** After the pass, gangs admitted in it get replicas up
-   to ``replicas.max`` (or an operator's pin) from what is still free and
-   unreserved, to the largest allowed size that reaches. Running gangs below
-   that (shrunk when a node was lost or by preemption, or admitted small) grow
-   back the same way (:class:`Grow`), by priority, but only when no gang waits
-   for capacity — a waiting gang gets freed slots first — and only once the
-   gang's growth cooldown since its last size change is over.
-7. **Timeouts.** A gang that waits in the queue longer than its
-   ``schedule_timeout_s`` fails, with the reason it was waiting for; the wait
-   starts at submission and again each time it is put back in the queue
-   (preempted, or its node lost), so running time never counts against it.
-8. **Pins.** An operator may pin a running or pending elastic gang to one of
-   its allowed sizes (:class:`ScalePinned`): it grows no further than the pin,
-   and one above it shrinks to it at once (:class:`Shrink`); a pin of ``None``
-   releases it. Preemption may still shrink a pinned gang below its pin.
-9. **Scaling events.** Every size change of a running gang, pin and release is
-   announced (:class:`~.changes.Announce`); a planned change is followed until
-   the job's runtime runs at its size (:class:`MembershipChanged`) or abandoned
-   at its ``scaling_timeout_s`` deadline, a growth then shrinking back
-   (:mod:`.changes`).
-
-Every pending gang has a reason (:class:`Reason`); gangs a pass did not
-reach are "queued" behind the ones it did. Capacity changes are events:
-a lost node requeues the gangs on it (or shrinks elastic ones that keep
-their ``min``). The core is synchronous, takes ``now`` as an argument, and
+:meth:`AdmissionCore.schedule` applies the rules in one pass over the queue, numbered as
+the modules cite them (1 order, 2 all or nothing, 3 quota, 4 preemption, 5 reservation
+and backfill, 6 elastic growth, 7 timeouts, 8 pins, 9 scaling events); docs/admission.md,
+"Rules", writes them out. The core is synchronous, takes ``now`` as an argument, and
 never reads a clock or does I/O; the service persists its decisions.
 
-Where the rules live (each a module of plain functions over the one model,
-:class:`~.model.AdmissionState`; :class:`AdmissionCore` is their entry point):
+The rules live one concept a module over one model (:class:`~.model.AdmissionState`):
 :mod:`.events` (what comes in and goes out), :mod:`.model` (gangs, nodes, the queue,
 the allocation and its indexes), :mod:`.lifecycle` (what each event does, and
 :meth:`~AdmissionCore.validate`), :mod:`.scheduling` (the pass: rules 1-3 and 5-7),
 :mod:`.placement` (where replicas go: rules 2, 5 and 6), :mod:`.preemption` (rule 4),
-:mod:`.changes` (rule 9), :mod:`.explain` (the reasons).
+:mod:`.changes` (rule 9), :mod:`.explain` (the reasons); :class:`AdmissionCore` is their
+entry point.
 """
 
 from __future__ import annotations
