@@ -289,10 +289,11 @@ class Held:
     shard: int
     shards: int
     total: int
+    generation: int = 0  # the generation that committed the step
     path: Path | None = None  # only known on the member whose node holds it
 
     def row(self) -> list[int]:
-        return [1, self.step, self.shard, self.shards, self.total]
+        return [1, self.step, self.shard, self.shards, self.total, self.generation]
 
 
 def held_in(store: Path, job_id: str) -> list[Held]:
@@ -301,18 +302,20 @@ def held_in(store: Path, job_id: str) -> list[Held]:
     for path in sorted(store.glob("*")) if store.is_dir() else []:
         header = snapshot_file.committed_header(path)
         if header is not None and header.job_id == job_id:
-            found.append(Held(header.step, header.shard, header.shards, header.total, path))
+            found.append(Held(header.step, header.shard, header.shards, header.total,
+                              header.generation, path))
     return found
 
 
 @dataclasses.dataclass(frozen=True)
 class Candidate:
-    """A step every shard of which some member's node holds: ``holders[s]`` are the ranks
-    whose node holds shard ``s`` (lowest first)."""
+    """A step every shard of which some member's node holds, as one generation committed
+    it: ``holders[s]`` are the ranks whose node holds shard ``s`` (lowest first)."""
 
     step: int
     shards: int
     total: int
+    generation: int
     holders: tuple[tuple[int, ...], ...]
 
 
@@ -323,20 +326,24 @@ def plan_restore(held: Sequence[Sequence[Held]], newer_than: int) -> list[Candid
         held: per member (rank order), the buffers its node's store holds.
         newer_than: the newest step a member holds in memory; only newer steps count.
 
-    Pure: a step counts when every shard of one shard count (and state size) is held on
-    some member's node.
+    Pure: a step counts when every shard of one shard count (and state size), committed
+    by one generation, is held on some member's node. Shards of one step from two
+    generations are never mixed: a rank fenced out of its job (its node cut off) may go
+    on committing steps of its old generation that the job's new one commits too,
+    differently. Of one step, the newest generation's comes first (the one the job went
+    on in).
     """
-    by_step: dict[tuple[int, int, int], dict[int, set[int]]] = {}
+    by_step: dict[tuple[int, int, int, int], dict[int, set[int]]] = {}
     for rank, rows in enumerate(held):
         for h in rows:
             if h.step > newer_than:
-                by_step.setdefault((h.step, h.shards, h.total), {}).setdefault(
+                by_step.setdefault((h.step, h.shards, h.total, h.generation), {}).setdefault(
                     h.shard, set()).add(rank)
-    candidates = [Candidate(step, shards, total,
+    candidates = [Candidate(step, shards, total, generation,
                             tuple(tuple(sorted(holders[s])) for s in range(shards)))
-                  for (step, shards, total), holders in by_step.items()
+                  for (step, shards, total, generation), holders in by_step.items()
                   if len(holders) == shards]
-    return sorted(candidates, key=lambda c: (-c.step, c.shards))
+    return sorted(candidates, key=lambda c: (-c.step, -c.generation, c.shards))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -365,7 +372,7 @@ def restore(pg: Group, wait: Wait, rank: int, world_size: int, store: Path,
     of the global parameter indices it accepts are built and loaded.
     """
     mine = held_in(store, job_id)[:MAX_HELD]
-    rows = torch.zeros(world_size, MAX_HELD, 5, dtype=torch.int64)
+    rows = torch.zeros(world_size, MAX_HELD, len(Held(0, 0, 0, 0).row()), dtype=torch.int64)
     for i, h in enumerate(mine):
         rows[rank, i] = torch.tensor(h.row())
     wait(pg.allreduce([rows]))
@@ -377,8 +384,9 @@ def restore(pg: Group, wait: Wait, rank: int, world_size: int, store: Path,
         verified: dict[int, tuple[mmap.mmap, Header]] = {}
         replicas: set[int] = set()  # shards whose verified copy here is a buddy's replica
         for h in mine:
-            if (h.step, h.shards, h.total) != (candidate.step, candidate.shards,
-                                                 candidate.total) or h.shard in verified:
+            if (h.step, h.shards, h.total, h.generation) != (
+                    candidate.step, candidate.shards, candidate.total, candidate.generation) \
+                    or h.shard in verified:
                 continue
             assert h.path is not None
             try:

@@ -138,6 +138,16 @@ def test_the_plan_takes_the_newest_step_whose_every_shard_a_member_holds() -> No
     assert plan_restore(held, newer_than=10) == []  # the members hold 10 already
 
 
+def test_shards_of_one_step_from_two_generations_are_never_mixed() -> None:
+    """Split brain: ranks cut off from the bus went on in generation 1 and committed step
+    20 there; the job's generation 2 committed its own step 20. Generation 2's comes
+    first; a step whose shards only add up across the two is no candidate."""
+    held = [[Held(20, 0, 2, 100, 1), Held(20, 0, 2, 100, 2), Held(21, 0, 2, 100, 1)],
+            [Held(20, 1, 2, 100, 1), Held(20, 1, 2, 100, 2), Held(21, 1, 2, 100, 2)]]
+    plan = plan_restore(held, newer_than=0)
+    assert [(c.step, c.generation) for c in plan] == [(20, 2), (20, 1)]  # 21 is mixed
+
+
 def gloo_group(port: int, rank: int, world: int) -> dist.ProcessGroup:
     """Member ``rank`` of a ``world``-member gloo group rendezvousing on ``port``."""
     store = dist.TCPStore("127.0.0.1", port, world, is_master=rank == 0,
