@@ -307,9 +307,9 @@ class ElasticSession:
         env = os.environ if env is None else env
         if global_batch is not None:
             kwargs["global_batch"] = global_batch
-        micro_batch_size = RankEnvironment.from_env(env).micro_batch_size
-        if micro_batch_size is not None:
-            kwargs.setdefault("micro_batch_size", micro_batch_size)
+        rank = RankEnvironment.from_env(env)
+        if rank.micro_batch_size is not None:
+            kwargs.setdefault("micro_batch_size", rank.micro_batch_size)
         if env.get(environment.SPARE):  # a warm spare, model built: wait to be told who it is
             if all(p.device.type == "cpu" for p in model.parameters()):
                 # What does not depend on who it becomes is done now, not once it is named:
@@ -321,7 +321,7 @@ class ElasticSession:
                     _warm_up(warmup, optimizer)
                 kwargs.setdefault("landing", landing_buffers(optimizer))
             env = spare.wait_for_identity(env)
-        rank = RankEnvironment.from_env(env)
+            rank = RankEnvironment.from_env(env)  # with the identity it was handed
         kwargs.setdefault("record_dir", rank.record_dir)
         kwargs.setdefault("checksum", rank.checksum)
         kwargs.setdefault("deterministic", rank.deterministic)
