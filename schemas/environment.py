@@ -42,6 +42,14 @@ RANK = "PHALANX_RANK"
 WORLD_SIZE = "PHALANX_WORLD_SIZE"
 #: The node the rank runs on.
 NODE_ID = "PHALANX_NODE_ID"
+#: The job spec's ``ranks_per_replica``: how many rank processes one replica (a group) is.
+RANKS_PER_REPLICA = "PHALANX_RANKS_PER_REPLICA"
+#: This process's rank in its replica's group (0 .. ranks_per_replica - 1). With more
+#: than one rank per replica, torchrun's variables (``RANK``, ``WORLD_SIZE``,
+#: ``MASTER_ADDR``, ``MASTER_PORT``) describe the group, which stays the same for the
+#: group's life: the script's own ``init_process_group()`` and device mesh are the
+#: group's, the replicas' world is the session's.
+GROUP_RANK = "PHALANX_GROUP_RANK"
 #: The job's admission a rank was started for (``JobRecord.admission``), which its events
 #: carry so that elasticity tells them from an earlier admission's.
 ADMISSION = "PHALANX_ADMISSION"
@@ -218,6 +226,10 @@ class RankEnvironment(msgspec.Struct, frozen=True, kw_only=True):
     """:data:`REPLICA_ID` (default ``r<rank>-0``)."""
     world_size: int | None = None
     """:data:`WORLD_SIZE`."""
+    ranks_per_replica: int | None = None
+    """:data:`RANKS_PER_REPLICA` (default 1)."""
+    group_rank: int | None = None
+    """:data:`GROUP_RANK` (default 0)."""
     admission: int | None = None
     """:data:`ADMISSION` (default 0)."""
     nice_when_ready: int | None = None
@@ -267,7 +279,7 @@ class RankEnvironment(msgspec.Struct, frozen=True, kw_only=True):
         Raises:
             ConfigError: a malformed value, naming its variable and the value.
         """
-        return cls(
+        found = cls(
             nats_url=env.get(NATS_URL) or None,
             job_id=env.get(JOB_ID) or None,
             node_id=env.get(NODE_ID) or None,
@@ -278,6 +290,8 @@ class RankEnvironment(msgspec.Struct, frozen=True, kw_only=True):
             rank=_get(env, RANK, _whole(0)),
             replica_id=env.get(REPLICA_ID) or None,
             world_size=_get(env, WORLD_SIZE, _whole(1)),
+            ranks_per_replica=_get(env, RANKS_PER_REPLICA, _whole(1)),
+            group_rank=_get(env, GROUP_RANK, _whole(0)),
             admission=_get(env, ADMISSION, _whole(0)),
             nice_when_ready=_get(env, NICE_WHEN_READY, _whole(-20)),
             record_dir=env.get(RECORD_DIR) or None,
@@ -287,13 +301,18 @@ class RankEnvironment(msgspec.Struct, frozen=True, kw_only=True):
             chaos_kill=env.get(CHAOS_KILL) or None,
             chaos_hold=env.get(CHAOS_HOLD) or None,
             chaos_pace=env.get(CHAOS_PACE) or None)
+        if (found.group_rank or 0) >= (found.ranks_per_replica or 1):
+            raise ConfigError(f"{GROUP_RANK}: {found.group_rank} is not below "
+                              f"{RANKS_PER_REPLICA} = {found.ranks_per_replica or 1}")
+        return found
 
 
 #: :class:`RankEnvironment`'s fields and their variables (its checkpoint's are its own).
 _VARIABLES = {
     "nats_url": NATS_URL, "job_id": JOB_ID, "node_id": NODE_ID, "backend": BACKEND,
     "hang_timeout_s": HANG_TIMEOUT_S, "advertise_host": ADVERTISE_HOST, "rank": RANK,
-    "replica_id": REPLICA_ID, "world_size": WORLD_SIZE, "admission": ADMISSION,
+    "replica_id": REPLICA_ID, "world_size": WORLD_SIZE,
+    "ranks_per_replica": RANKS_PER_REPLICA, "group_rank": GROUP_RANK, "admission": ADMISSION,
     "nice_when_ready": NICE_WHEN_READY, "record_dir": RECORD_DIR,
     "deterministic": DETERMINISTIC, "checksum": STATE_CHECKSUM,
     "micro_batch_size": MICRO_BATCH_SIZE, "chaos_kill": CHAOS_KILL,

@@ -309,6 +309,12 @@ class JobSpec(Message, tag="phalanx.job_spec.v1", frozen=True):
     phalanx session (the job has a generation), and none before; a spare of a command
     that never starts a session would run the whole command beside its ranks.
 
+    ``ranks_per_replica`` makes a replica a *group* of that many rank processes, each
+    with ``slots_per_replica`` slots of its own, placed together on one node: a model
+    sharded inside the group (FSDP2, tensor or pipeline parallel: the script's business)
+    and replicated across groups by phalanx (docs/hsdp.md). The group is the unit of
+    ``replicas``, of failure and of spares. 1 (the default): a replica is one process.
+
     ``session`` says that the ranks run a phalanx session (``ElasticSession``), which
     is otherwise known only once the job has a generation. From then on torchrun's
     variables make each process a world of its own, so that a ported DDP script's own
@@ -324,6 +330,7 @@ class JobSpec(Message, tag="phalanx.job_spec.v1", frozen=True):
     replicas: ReplicaRange
     command: Annotated[list[ExecString], msgspec.Meta(min_length=1)]
     slots_per_replica: SlotCount = 1
+    ranks_per_replica: Annotated[int, msgspec.Meta(ge=1, le=256)] = 1
     placement: Placement = Placement()
     env: Environment = {}
     schedule_timeout_s: PosFloat | None = None
@@ -336,7 +343,15 @@ class JobSpec(Message, tag="phalanx.job_spec.v1", frozen=True):
     spares: Annotated[int, msgspec.Meta(ge=0, le=64)] | None = None
     session: bool = False
 
+    @property
+    def slots_per_group(self) -> int:
+        """The slots one replica takes on its node: each of its ranks' slots."""
+        return self.ranks_per_replica * self.slots_per_replica
+
     def __post_init__(self) -> None:
+        if self.slots_per_group > 65_536:
+            raise ValueError(f"ranks_per_replica x slots_per_replica = "
+                             f"{self.slots_per_group} slots: more than one node can have")
         values = self.scaling.replica_discrete_values
         if values is not None and (values[0] < self.replicas.min
                                    or values[-1] > self.replicas.max):
