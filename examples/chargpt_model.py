@@ -1,7 +1,8 @@
 """The character-level GPT of the examples: model, optimizer, LR schedule, data, options.
 
 Shared by the plain DDP script ``chargpt_ddp.py``, its phalanx port
-``chargpt.py`` and ``train_gpt.py`` (the same training in the session's
+``chargpt.py``, the plain FSDP2 HSDP script ``chargpt_hsdp_torchrun.py`` and its
+port ``chargpt_hsdp.py``, and ``train_gpt.py`` (the same training in the session's
 ``steps(n)`` form; bench/ runs it). Run alone, it tokenizes the corpus once::
 
     python examples/chargpt_model.py --data-dir /tmp/phalanx-gpt-data [--max-bytes N]
@@ -21,13 +22,18 @@ from __future__ import annotations
 import argparse
 import math
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.nn import functional as F
 
 from phalanx.runtime import TokenWindows, write_tokens
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
 
 CORPUS = Path(__file__).resolve().parent / "data" / "tinyshakespeare.txt"
 VOCAB = 256  # bytes
@@ -133,6 +139,31 @@ def save(path: str, model: nn.Module, optimizer: torch.optim.Optimizer,
                 "scheduler": scheduler.state_dict()}, path)
 
 
+def shard(model: GPT, mesh: DeviceMesh) -> GPT:
+    """Shard ``model`` with FSDP2 over ``mesh``, block by block, as torchtitan does: each
+    rank holds a slice of every parameter, gradient and optimizer state (over a 2-D
+    ``("replicate", "shard")`` mesh, plain HSDP: the slices repeat across replicate)."""
+    from torch.distributed.fsdp import fully_shard  # FSDP2's import is ~0.5 s: only here
+
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model
+
+
+def save_sharded(path: str, model: nn.Module, optimizer: torch.optim.Optimizer,
+                 scheduler: torch.optim.lr_scheduler.LRScheduler) -> None:
+    """Gather a sharded model's and optimizer's whole state (a collective of the ranks of
+    its mesh) and write it, with the scheduler's, on rank 0."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+    model_state, optimizer_state = get_state_dict(
+        model, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if dist.get_rank() == 0:
+        torch.save({"model": model_state, "optimizer": optimizer_state,
+                    "scheduler": scheduler.state_dict()}, path)
+
+
 def arguments(description: str, length: str = "epochs") -> argparse.ArgumentParser:
     """The training options; ``length``: how the run's length is given, ``"epochs"`` or
     ``"steps"``."""
@@ -154,6 +185,9 @@ def arguments(description: str, length: str = "epochs") -> argparse.ArgumentPars
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--log-every", type=int, default=10)
     parser.add_argument("--save", help="write model, optimizer and scheduler state here")
+    parser.add_argument("--shard", type=int, default=2,
+                        help="plain HSDP's ranks per replica group (a phalanx job's group "
+                        "is its ranks_per_replica)")
     return parser
 
 

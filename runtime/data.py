@@ -86,15 +86,22 @@ class ElasticOrder:
 
     def plan(self, epoch: int, step: int, world_size: int, rank: int,
              micro_batch_size: int, order: Sequence[int] | None = None, *,
-             aligned: bool = False) -> list[MicroBatch]:
+             aligned: bool = False, group_size: int = 1,
+             group_rank: int = 0) -> list[MicroBatch]:
         """This rank's micro-batches of global step ``step`` in a ``world_size`` membership.
 
         ``aligned``: cut the *global* batch into micro-batches first and deal whole
         micro-batches to the ranks, so every micro-batch is the same whatever the world
         size (what a bitwise world-size-invariant reduction needs); shares are then even
         to a micro-batch rather than to a sample.
+
+        ``group_size``: each member is a group of that many ranks (a model sharded inside
+        it), of which this is ``group_rank``: see :func:`group_plan`.
         """
         batch = self.batch(epoch, step, order)
+        if group_size > 1:
+            return group_plan(batch, world_size, rank, micro_batch_size, group_size,
+                              group_rank, aligned=aligned)
         if aligned:
             return split(micro_batches(batch, micro_batch_size, len(batch)), world_size)[rank]
         share = split(batch, world_size)[rank]
@@ -183,6 +190,43 @@ def micro_batches(share: Sequence[int], micro_batch_size: int,
     return [MicroBatch(tuple(share[i:i + micro_batch_size]),
                        len(share[i:i + micro_batch_size]) / batch_size)
             for i in range(0, len(share), micro_batch_size)]
+
+
+def group_plan(batch: Sequence[int], groups: int, group: int, micro_batch_size: int,
+               group_size: int, group_rank: int, *, aligned: bool = False) -> list[MicroBatch]:
+    """Rank ``group_rank`` of member ``group``'s micro-batches of ``batch``, every member
+    being a group of ``group_size`` ranks that shard one model.
+
+    The ranks of a group run their forward and backward passes together (the sharded
+    model's collectives), so each gets the same number of micro-batches: where one has
+    none left, a *filler* (a sample of its group's share, weight 0: a zero gradient,
+    counted as no sample) keeps it in step. ``aligned``: the global batch is cut into
+    micro-batches and those into tuples of ``group_size``, dealt whole to the groups;
+    rank ``r`` takes micro-batch ``r`` of each of its group's tuples, so what a group's
+    collectives sum at each micro-step is the same whatever the number of groups.
+    Otherwise the group's share is split over its ranks, and each part into as many
+    micro-batches of at most ``micro_batch_size`` as the largest part needs.
+    """
+    total = len(batch)
+    if aligned:
+        cut = micro_batches(batch, micro_batch_size, total)
+        tuples = [cut[i:i + group_size] for i in range(0, len(cut), group_size)]
+        return [found[group_rank] if group_rank < len(found) else _filler(found[0])
+                for found in split(tuples, groups)[group]]
+    share = split(batch, groups)[group]
+    if not share:
+        return []
+    parts = split(share, group_size)
+    passes = -(-len(parts[0]) // micro_batch_size)  # parts[0] is the largest
+    return [MicroBatch(tuple(piece), len(piece) / total) if piece
+            else _filler(MicroBatch((share[0],), 0.0))
+            for piece in split(parts[group_rank], passes)]
+
+
+def _filler(beside: MicroBatch) -> MicroBatch:
+    """A micro-batch that keeps a group's rank in step with its peers and trains on
+    nothing: one sample, weight 0."""
+    return MicroBatch(beside.indices[:1], 0.0)
 
 
 def cursor_steps(order: ElasticOrder, epoch: int, step: int) -> Iterator[tuple[int, int]]:

@@ -66,6 +66,7 @@ from phalanx.runtime import (
     ddp,
     default_group,
     priority,
+    replica_group,
     schedulers,
     spare,
     teardown,
@@ -200,12 +201,18 @@ class ElasticSession:
             nothing newer resumes from (its own steps, or ``durable.resume_from``'s).
         backend: the job spec's ``auto``, ``nccl`` or ``gloo`` (:mod:`.placement`): the
             process group of every generation, for the model's device.
+        ranks_per_replica: the job's (its agent's ``PHALANX_RANKS_PER_REPLICA``): a
+            replica is a group of that many ranks whose model is sharded over the
+            group (:mod:`.replica_group`); alone, a sharded model's group is the
+            script's default process group.
 
     Raises:
         ValueError: an unknown ``backend``, ``nccl`` for a model not on a GPU, a model on
             more than one device, or two LR schedulers of ``optimizer`` not registered.
         RuntimeError: ``nccl`` with a torch built without NCCL; alone, a default group
-            the script made of more than one rank.
+            the script made of more than one rank for a model that is not sharded.
+        GroupMismatch: the model's sharding is not the replica group's (the error names
+            the fix).
     """
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
@@ -224,11 +231,25 @@ class ElasticSession:
                  snapshot_dir: str | None = None,
                  durable: DurablePolicy | None = None, backend: str = "auto",
                  landing: list[torch.Tensor] | None = None, admission: int = 0,
-                 advertise_host: str = "127.0.0.1") -> None:
+                 advertise_host: str = "127.0.0.1", ranks_per_replica: int | None = None
+                 ) -> None:
         teardown.watch()
         trained = ddp.unwrap(model)  # the script's model, or the module in its DDP wrapper
         buffers = StepBuffers(trained, getattr(model, "broadcast_buffers", True))
-        default_group.take_over(alone=bus is None)  # the script's group, DDP's let go of
+        group = replica_group.of(trained, ranks_per_replica if bus is not None else None)
+        if group is None:
+            default_group.take_over(alone=bus is None)  # the script's, DDP's let go of
+        else:
+            replica_group.prepare(trained)
+            if is_sharded(optimizer):
+                raise ValueError("a replica group's model is sharded already: its optimizer "
+                                 "steps its own shards, not a ZeroRedundancyOptimizer")
+            if snapshot_interval is not None or durable is not None:
+                # Not built for groups yet: the shards would mix in one replica's files.
+                log.warning("checkpoints of a replica group (ranks_per_replica > 1) are not "
+                            "taken yet: this job recovers from its live groups only")
+                snapshot_interval = durable = None
+            landing = []
         device = model_device(trained)  # the model's, and what the session allocates
         chosen = choose_backend(backend, device)
         if chosen is Backend.NCCL and not dist.is_nccl_available():
@@ -260,7 +281,7 @@ class ElasticSession:
                     snapshot_interval, durable_every=durable.every if durable else 0)))
             if bus is not None and snapshot_interval is not None and snapshot_dir else None,
             snapshot_dir=snapshot_dir, durable=durable, chaos=chaos.Plan.of(chaos_kill),
-            on_membership=on_membership)
+            on_membership=on_membership, group=group)
         self._started = False  # a step was taken: the registered state is fixed
         for name, obj in (state or {}).items():
             self.register(name, obj)
@@ -277,7 +298,7 @@ class ElasticSession:
             _warm_up(warmup, optimizer)
         if bus is not None:
             self._connect(bus, landing)
-        else:
+        elif group is None:
             default_group.answer(0, 1)
         _open.add(self)
 
@@ -345,7 +366,8 @@ class ElasticSession:
         return cls(model, optimizer, dataset, bus=bus.start(), job_id=rank.job_id,
                    replica_id=replica_id, slot=rank.slot, node_id=rank.node_id or "local",
                    chaos_kill=chaos_kill, admission=rank.admission or 0,
-                   advertise_host=rank.advertise_host or "127.0.0.1", **kwargs)
+                   advertise_host=rank.advertise_host or "127.0.0.1",
+                   ranks_per_replica=rank.ranks_per_replica or 1, **kwargs)
 
     def register(self, name: str, obj: Any) -> None:
         """Carry ``obj``'s state with the model and optimizer (before the first step).
@@ -411,8 +433,9 @@ class ElasticSession:
         s = self._s
         # Every replica hosts a store; a generation rendezvouses on its rank 0's.
         self._membership.host_store()
-        s.reporter = ProgressReporter(None, s.replica.job_id, s.replica.slot,
-                                      replica_id=s.replica.replica_id, bus=bus)
+        if s.speaks:  # a group's rank 0 reports the group's progress
+            s.reporter = ProgressReporter(None, s.replica.job_id, s.replica.slot,
+                                          replica_id=s.replica.replica_id, bus=bus)
         job_id = s.replica.job_id
         bus.subscribe(subjects.job_generation(job_id), Generation, s.inbox.on_generation)
         bus.subscribe(subjects.job_fault(job_id), Fault, s.inbox.on_fault)
@@ -420,7 +443,8 @@ class ElasticSession:
         stored = bus.run(self._stored_generation(bus), 10)
         if stored is not None:
             s.inbox.on_generation(stored, None)
-            if stored.member(s.replica.replica_id) is None and s.sharded is None:
+            if stored.member(s.replica.replica_id) is None and s.sharded is None \
+                    and s.group is None:
                 # Joining a running job.
                 self._membership.landing = landing if landing is not None \
                     else landing_buffers(s.optimizer)
@@ -469,6 +493,10 @@ class ElasticSession:
 
             if session.is_primary:
                 torch.save(model.state_dict(), path)
+
+        With a replica group every rank of the primary replica is primary: gathering a
+        sharded model's state is a collective of the group (the script then writes it
+        on its group rank 0).
         """
         if self._s.bus is not None and self.generation is None and not self._started:
             self._membership.wait_for_newer(-1, 1)  # the first generation (or the job's first step)

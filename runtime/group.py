@@ -334,7 +334,8 @@ def nccl_ready(group: DeviceGroup) -> None:
 def rendezvous(waits: Waits, stores: dict[str, dist.Store], own: tuple[str, dist.TCPStore],
                generation: Generation, rank: int, timeout: datetime.timedelta,
                give_up: Callable[[], str | None], backend: Backend = Backend.GLOO,
-               device: torch.device | None = None) -> dist.ProcessGroup | DeviceGroup:
+               device: torch.device | None = None,
+               column: int = 0) -> dist.ProcessGroup | DeviceGroup:
     """A group over ``generation``'s namespace in its rank 0's store.
 
     Args:
@@ -345,6 +346,9 @@ def rendezvous(waits: Waits, stores: dict[str, dist.Store], own: tuple[str, dist
         give_up: the reason to give the generation up (superseded, job over), or None.
         backend / device: which group (:func:`connect`), for a model on ``device``
             (None: the CPU).
+        column: with replica groups, which of the generation's groups: the one of every
+            group's rank ``column`` (:mod:`.replica_group`), under a namespace of its own
+            in the store of rank 0's group rank 0.
 
     Raises:
         Aborted: a store or peer is unreachable, or ``give_up`` gave a reason (an NCCL
@@ -364,7 +368,7 @@ def rendezvous(waits: Waits, stores: dict[str, dist.Store], own: tuple[str, dist
 
     store = stores.get(endpoint)
     if store is None:
-        if generation.members[0].replica_id == own[0]:
+        if generation.members[0].replica_id == own[0] and column == 0:
             # A connection of its own, not the hosting object's, so it can be dropped.
             host, port = "127.0.0.1", own[1].port
         else:
@@ -372,7 +376,9 @@ def rendezvous(waits: Waits, stores: dict[str, dist.Store], own: tuple[str, dist
             port = int(text)
         store = abortable(lambda: dist.TCPStore(host, port, is_master=False, timeout=timeout))
         stores[endpoint] = store
-    prefixed = dist.PrefixStore(f"{generation.rendezvous}/", store)
+    prefixed = dist.PrefixStore(
+        f"{generation.rendezvous}/" if column == 0 else f"{generation.rendezvous}/g{column}/",
+        store)
     # Everyone arrives before gloo connects, so a rank that is gone is noticed here.
     abortable(lambda: prefixed.add("arrived", 1))
     while int(abortable(lambda: prefixed.add("arrived", 0))) < generation.world_size:

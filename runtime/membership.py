@@ -174,9 +174,12 @@ class Membership:
         return self.endpoint
 
     def announce(self) -> None:
-        """Tell elasticity this replica is ready (again: a non-member repeats it)."""
+        """Tell elasticity this replica is ready (again: a non-member repeats it); a group's
+        rank 0 speaks for the group."""
         s = self.state
         assert s.bus is not None
+        if not s.speaks:
+            return
         s.bus.publish_event(subjects.replica_ready(s.replica.job_id), ReplicaReady(
             job_id=s.replica.job_id, replica_id=s.replica.replica_id, slot=s.replica.slot,
             node_id=s.replica.node_id, endpoint=self.endpoint, committed_step=s.committed,
@@ -236,7 +239,8 @@ class Membership:
                         self._leave(newest)
                     if self.generation is not None:
                         self.rank = None  # its state is no longer the job's
-                        default_group.clear()
+                        if s.group is None:
+                            default_group.clear()
                         raise Dropped(f"{s.replica.replica_id} is not a member of generation "
                                       f"{newest.generation} of {s.replica.job_id}")
                 else:
@@ -337,7 +341,8 @@ class Membership:
                           generation.generation)
         log.info("%s", left)
         self.rank = None  # the job goes on without it: it is nobody's primary
-        default_group.clear()
+        if s.group is None:
+            default_group.clear()
         if s.record is not None:
             s.record.write(kind="left", step=s.committed, generation=generation.generation,
                             planned=True)
@@ -369,8 +374,6 @@ class Membership:
     def share(self, index: int) -> tuple[list[MicroBatch], Retained | None]:
         """Step ``index``'s micro-batches for this rank, and a repaired step's kept share."""
         s = self.state
-        order = s.order
-        epoch, in_epoch = divmod(index, order.steps_per_epoch)
         if self._repair is not None and self._repair[0] == index:
             _, plan, kept = self._repair
             self._repair = None
@@ -380,11 +383,9 @@ class Membership:
             self._sitting_out = None
             if self.rank not in active:
                 return [], None
-            return order.plan(epoch, in_epoch, len(active), active.index(self.rank),
-                              s.micro_batch_size, aligned=s.deterministic), None
+            return s.plan_share(index, len(active), active.index(self.rank)), None
         assert self.rank is not None  # a step is planned only for a member
-        return order.plan(epoch, in_epoch, self.world_size, self.rank, s.micro_batch_size,
-                          aligned=s.deterministic), None
+        return s.plan_share(index, self.world_size, self.rank), None
 
     def seen_newer(self) -> float:
         """1.0 if this member has seen a newer generation (its part of a step's flag)."""
@@ -493,7 +494,8 @@ class Membership:
             committed_step=s.committed, resume_step=resume, rebuild_s=built - received,
             state_copy_s=synced - built, state_bytes=nbytes, restored_from=self._restored_from,
             admission=s.replica.admission)
-        default_group.answer(self.rank, self.world_size)
+        if s.group is None:  # a group's default group is the group's own
+            default_group.answer(self.rank, self.world_size)
         if s.reporter is not None:
             s.reporter.generation = generation.generation
         # In the replica's log (the agent's file for its output): where membership changed.
@@ -520,7 +522,8 @@ class Membership:
 
         assert self._store is not None
         return rendezvous(self.waits, self._stores, (s.replica.replica_id, self._store),
-                          generation, rank, s.timeout, give_up, s.backend, s.device)
+                          generation, rank, s.timeout, give_up, s.backend, s.device,
+                          column=s.column)
 
     def _resume(self, generation: Generation) -> tuple[int, int]:
         """Agree on the state ``generation`` resumes from (:mod:`.resume`), handing it what

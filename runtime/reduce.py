@@ -35,6 +35,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from phalanx.runtime.group import Group, GroupWork
+from phalanx.runtime.replica_group import assign_gradient, local
 from phalanx.runtime.state import Wait
 
 #: Bucket size; DDP's default is 25 MiB.
@@ -47,7 +48,7 @@ def bucket_plan(params: Sequence[torch.nn.Parameter],
     buckets: list[list[int]] = [[]]
     size = 0
     for i in reversed(range(len(params))):
-        nbytes = params[i].numel() * params[i].element_size()
+        nbytes = local(params[i]).numel() * params[i].element_size()
         if buckets[-1] and size + nbytes > bucket_bytes:
             buckets.append([])
             size = 0
@@ -59,7 +60,7 @@ def bucket_plan(params: Sequence[torch.nn.Parameter],
 def flat_gradients(params: Sequence[torch.nn.Parameter],
                    dtype: torch.dtype | None = None) -> torch.Tensor:
     """The parameters' gradients in one flat tensor (zeros where a gradient is None)."""
-    return torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p))
+    return torch.cat([(local(p.grad) if p.grad is not None else torch.zeros_like(local(p)))
                       .reshape(-1).to(dtype or p.dtype) for p in params])
 
 
@@ -68,10 +69,12 @@ def write_gradients(params: Sequence[torch.nn.Parameter], flat: torch.Tensor) ->
     to their dtype; extra trailing elements are ignored."""
     offset = 0
     for p in params:
-        n = p.numel()
+        shard = local(p)
+        n = shard.numel()
         if p.grad is None:
-            p.grad = torch.empty_like(p)
-        p.grad.copy_(flat[offset:offset + n].view_as(p))
+            assign_gradient(p, torch.empty_like(shard))
+        assert p.grad is not None
+        local(p.grad).copy_(flat[offset:offset + n].view_as(shard))
         offset += n
 
 
@@ -80,18 +83,19 @@ def view_gradients(params: Sequence[torch.nn.Parameter], flat: torch.Tensor) -> 
     parameter of another dtype or device gets a copy, rounded to its dtype."""
     offset = 0
     for p in params:
-        part = flat[offset:offset + p.numel()]
+        shard = local(p)
+        part = flat[offset:offset + shard.numel()]
         if p.dtype == flat.dtype and p.device == flat.device:
-            p.grad = part.view_as(p)
+            assign_gradient(p, part.view_as(shard))
         else:
             write_gradients([p], part)
-        offset += p.numel()
+        offset += shard.numel()
 
 
 def _views(grad: torch.Tensor | None, flat: torch.Tensor) -> bool:
     """Whether ``grad`` lies in ``flat``'s memory."""
     return grad is not None and \
-        grad.untyped_storage().data_ptr() == flat.untyped_storage().data_ptr()
+        local(grad).untyped_storage().data_ptr() == flat.untyped_storage().data_ptr()
 
 
 class BucketedReduce:
@@ -122,7 +126,7 @@ class BucketedReduce:
         self.tail = tail
         self.offsets = [0]
         for p in params:
-            self.offsets.append(self.offsets[-1] + p.numel())
+            self.offsets.append(self.offsets[-1] + local(p).numel())
         self.bucket_of = {i: b for b, bucket in enumerate(plan) for i in bucket}
         self.pending = [len(bucket) for bucket in plan]
         self.flats = list(buffers) if buffers is not None else self.buffers_for(params, plan)
@@ -141,8 +145,8 @@ class BucketedReduce:
     def buffers_for(params: Sequence[torch.nn.Parameter],
                     plan: list[list[int]]) -> list[torch.Tensor]:
         """One flat buffer per bucket, where the parameters are."""
-        sizes = [sum(params[i].numel() for i in bucket) for bucket in plan]
-        first = params[plan[0][0]]
+        sizes = [sum(local(params[i]).numel() for i in bucket) for bucket in plan]
+        first = local(params[plan[0][0]])
         return [torch.empty(n, dtype=first.dtype, device=first.device) for n in sizes]
 
     def _launch(self, b: int) -> None:
@@ -156,14 +160,15 @@ class BucketedReduce:
         offset = 0
         for i in self.plan[b]:
             p = self.params[i]
-            part = flat[offset:offset + p.numel()]
+            n = self.offsets[i + 1] - self.offsets[i]
+            part = flat[offset:offset + n]
             if p.grad is None:
                 part.zero_()
             else:
-                part.copy_(p.grad.reshape(-1))
+                part.copy_(local(p.grad).reshape(-1))
             if self.kept is not None:
                 part.add_(self.kept[self.offsets[i]:self.offsets[i + 1]])
-            offset += p.numel()
+            offset += n
         if b == len(self.plan) - 1 and self.before_last_launch is not None:
             self.before_last_launch()
         self.works.append(self.pg.allreduce([flat]))

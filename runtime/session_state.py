@@ -20,7 +20,7 @@ import torch
 from phalanx.runtime import chaos
 from phalanx.runtime.buffers import StepBuffers
 from phalanx.runtime.bus_thread import BusThread
-from phalanx.runtime.data import ElasticOrder
+from phalanx.runtime.data import ElasticOrder, MicroBatch
 from phalanx.runtime.dataset import StepLoader
 from phalanx.runtime.durable import DurablePolicy
 from phalanx.runtime.group import Group, GroupWork
@@ -28,6 +28,7 @@ from phalanx.runtime.inbox import Inbox
 from phalanx.runtime.placement import Backend
 from phalanx.runtime.progress import ProgressReporter
 from phalanx.runtime.record import Recorder
+from phalanx.runtime.replica_group import ReplicaGroup
 from phalanx.runtime.sharded import Sharded
 from phalanx.runtime.snapshot import Snapshotter
 
@@ -96,6 +97,8 @@ class SessionState:
     durable: DurablePolicy | None
     chaos: chaos.Plan
     on_membership: Callable[[Any], None] | None
+    #: The replica's group of ranks (:mod:`.replica_group`); None: one rank per replica.
+    group: ReplicaGroup | None = None
     reporter: ProgressReporter | None = None  # once connected
     # Moved by commits, copies and restores.
     committed: int = 0  # steps committed: the next step to run
@@ -106,6 +109,28 @@ class SessionState:
     def optimizer_state(self) -> torch.optim.Optimizer | Sharded:
         """What carries the optimizer's whole state in a copy or a restore."""
         return self.optimizer if self.sharded is None else self.sharded
+
+    @property
+    def speaks(self) -> bool:
+        """Whether this process speaks for its replica on the bus (announces it, reports
+        its progress and what it applied): a group's rank 0, or the replica's only rank."""
+        return self.group is None or self.group.rank == 0
+
+    @property
+    def column(self) -> int:
+        """Which of a generation's columns this process trains in (its rank in its
+        replica's group; 0 with one rank per replica)."""
+        return 0 if self.group is None else self.group.rank
+
+    def plan_share(self, index: int, world_size: int, rank: int) -> list[MicroBatch]:
+        """Step ``index``'s micro-batches for rank ``rank`` of ``world_size`` members (this
+        process's part of its group's share, with a replica group)."""
+        epoch, in_epoch = divmod(index, self.order.steps_per_epoch)
+        group = self.group
+        return self.order.plan(epoch, in_epoch, world_size, rank, self.micro_batch_size,
+                               aligned=self.deterministic,
+                               group_size=1 if group is None else group.size,
+                               group_rank=0 if group is None else group.rank)
 
     def die(self) -> None:
         """Fault injection: die now, as a SIGKILLed rank does (recorded first)."""

@@ -26,6 +26,7 @@ import numpy as np
 import torch
 
 from phalanx.runtime.group import Group, GroupWork
+from phalanx.runtime.replica_group import local, meshes_of, rewrap, shard_spec
 
 #: Waits for a work item of the generation's group; raises if it failed or was aborted.
 Wait = Callable[[GroupWork], None]
@@ -130,16 +131,19 @@ def send_state(pg: Group, dst: int, model: torch.nn.Module,
     ``extra``: name -> object with ``state_dict()``, sent after the optimizer's state
     (the receiver must hold objects of the same names).
     """
-    model_tensors = list(model.state_dict().values())
+    model_tensors = [local(t) for t in model.state_dict().values()]
     optim_tensors: list[torch.Tensor] = []
     optim_skeleton = _strip(optimizer.state_dict(), optim_tensors)
     extra_skeletons = {name: _strip(obj.state_dict(), optim_tensors)
                        for name, obj in (extra or {}).items()}
-    tensors = model_tensors + optim_tensors
+    # A sharded model's state goes as this rank's shards, each with what makes it a
+    # DTensor again on the receiver (rank s of a group sends to rank s of another).
+    shards = [shard_spec(t) for t in optim_tensors]
+    tensors = model_tensors + [local(t) for t in optim_tensors]
     header = pickle.dumps({
         "step": step, "rng": torch.get_rng_state(), "optimizer": optim_skeleton,
         "extra": extra_skeletons, "model_tensors": len(model_tensors),
-        "tensors": _describe(tensors, checksum)})
+        "tensors": _describe(tensors, checksum), "shards": shards})
     payload = torch.frombuffer(bytearray(header), dtype=torch.uint8)
     wait(pg.send([torch.tensor([payload.numel()], dtype=torch.int64)], dst, 0))
     wait(pg.send([payload], dst, 1))
@@ -176,7 +180,7 @@ def receive_state(pg: Group, src: int, model: torch.nn.Module,
     if sorted(header["extra"]) != sorted(extra):
         raise StateTransferError(f"the peer carries the state of {sorted(header['extra'])}, "
                                  f"this rank registered {sorted(extra)}")
-    model_tensors = [t.detach() for t in model.state_dict().values()]
+    model_tensors = [local(t).detach() for t in model.state_dict().values()]
     # What is not received straight into the model lands on its device (the optimizer's
     # load_state_dict then keeps each entry where its parameter wants it).
     device = model_tensors[0].device if model_tensors else torch.device("cpu")
@@ -215,7 +219,9 @@ def receive_state(pg: Group, src: int, model: torch.nn.Module,
         for mine, tensor in zip(model_tensors, received, strict=False):
             if mine.data_ptr() != tensor.data_ptr():
                 mine.copy_(tensor)
-    rest = received[len(model_tensors):]
+    meshes = meshes_of(model)
+    rest = [rewrap(tensor, spec, meshes) for tensor, spec in
+            zip(received[len(model_tensors):], header["shards"], strict=True)]
     optimizer.load_state_dict(_fill(header["optimizer"], rest))
     for name, skeleton in header["extra"].items():
         try:

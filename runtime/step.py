@@ -37,6 +37,7 @@ import torch
 
 from phalanx.runtime.data import MicroBatch
 from phalanx.runtime.recovery import Retained
+from phalanx.runtime.replica_group import is_dtensor
 from phalanx.runtime.training_step import StepRunner
 
 log = logging.getLogger("phalanx.runtime")
@@ -96,9 +97,10 @@ class Step:
 
     @property
     def indices(self) -> list[int]:
-        """The samples this rank's gradient covers (a repaired step's kept share first)."""
+        """The samples this rank's gradient covers (a repaired step's kept share first; a
+        replica group's filler, weight 0, covers none)."""
         kept = self.kept.indices if self.kept is not None else []
-        return kept + [i for mb in self.plan for i in mb.indices]
+        return kept + [i for mb in self.plan if mb.weight for i in mb.indices]
 
     def batches(self) -> Iterator[tuple[Any, float]]:
         """``(batch, weight)`` per micro-batch: the raw form of iterating the step.
@@ -207,6 +209,8 @@ class Step:
         if not self.reduce():
             return None
         norm = torch.nn.utils.clip_grad_norm_(self._runner.params(), max_norm, norm_type)
+        if is_dtensor(norm):  # the norm over a replica group's shards (summed within it)
+            norm = norm.full_tensor()  # type: ignore[attr-defined]
         if not bool(torch.isfinite(norm)):
             log.warning("step %d: gradient norm %s, the update is skipped", self.index,
                         float(norm))

@@ -43,6 +43,7 @@ from phalanx.runtime.reduce import (
     flat_gradients,
     write_gradients,
 )
+from phalanx.runtime.replica_group import local as shard
 from phalanx.runtime.session_state import SessionState
 from phalanx.runtime.snapshot_interval import TAIL_LENGTH
 from phalanx.schemas import subjects
@@ -142,7 +143,8 @@ class StepRunner:
         if state.deterministic or membership.pg is None:
             if state.deterministic:
                 local = self._accumulated if self._accumulated is not None else torch.zeros(
-                    sum(p.numel() for p in params), dtype=torch.float64, device=state.device)
+                    sum(shard(p).numel() for p in params), dtype=torch.float64,
+                    device=state.device)
                 self._accumulated = None
             else:
                 local = flat_gradients(params)
@@ -150,7 +152,8 @@ class StepRunner:
                 local = local + kept
             if membership.pg is None:
                 write_gradients(params, local)
-                step.reduced(metrics)
+                # Alone, a replica group is the whole job: its ranks' metrics are the step's.
+                step.reduced(metrics if state.group is None else state.group.agree(metrics))
                 state.buffers.alone()
                 return True
             flat = torch.cat([local.to(torch.float64), tail().to(local.device)])
@@ -164,13 +167,23 @@ class StepRunner:
             local_gradient = reduce.local_gradient
         generation = membership.generation
         assert generation is not None  # a group exists only within a generation
+        summed: torch.Tensor | None = None
         try:
             summed = run()
         except Aborted as exc:
             log.warning("step %d aborted: %s", step.index, exc)
-            membership.give_up(step.index, exc, Retained(step.index, generation,
-                                                         local_gradient(), step.indices,
-                                                         metrics))
+            # A rank of a replica group keeps nothing: its group's ranks repair nothing
+            # alike (each column would plan its own repair of other samples).
+            membership.give_up(step.index, exc, None if state.group is not None else
+                               Retained(step.index, generation, local_gradient(),
+                                        step.indices, metrics))
+        if state.group is not None:
+            completed = summed is not None
+            summed, why = self._agree_in_group(summed, len(metrics))
+            if why is not None and completed:  # its column completed, another did not
+                log.warning("step %d aborted: %s", step.index, why)
+                membership.give_up(step.index, why)
+        if summed is None:
             return False
         if reduce is not None:
             self._bucket_buffers = reduce.flats  # given back: the all-reduce completed
@@ -182,6 +195,28 @@ class StepRunner:
         if summed[-1] > 0:
             membership.agree_to_switch()
         return True
+
+    def _agree_in_group(self, summed: torch.Tensor | None,
+                        metrics: int) -> tuple[torch.Tensor | None, Aborted | None]:
+        """A replica group's ranks commit the step or give it up as one
+        (:meth:`.replica_group.ReplicaGroup.agree`): ``summed`` (this rank's column's
+        sums; None: its all-reduce was aborted) with the metrics and the switch flag
+        summed over the group's columns, or None with why the group gave the step up."""
+        group = self.state.group
+        assert group is not None
+        column = summed if summed is not None else torch.zeros(metrics + 1,
+                                                               dtype=torch.float64)
+        verdict = group.agree(torch.cat([
+            torch.tensor([0.0 if summed is not None else 1.0], dtype=torch.float64),
+            column[:metrics].to(torch.float64), column[-1:].to(torch.float64)]))
+        if verdict[0] > 0:
+            return None, Aborted(f"{int(verdict[0])} of this replica group's ranks lost "
+                                 "the step's all-reduce")
+        assert summed is not None
+        out = summed.clone()
+        out[:metrics] = verdict[1:1 + metrics].to(out.dtype)
+        out[-1] = verdict[-1]
+        return out, None
 
     def _reduce_whole(self, flat: torch.Tensor, tail: int,
                       step: Step) -> Callable[[], torch.Tensor]:
@@ -317,7 +352,7 @@ class StepRunner:
             state.reporter.report(state.committed, state.last_step_s,
                                      final=state.committed == state.total_steps)
         applied = membership.take_applied()
-        if applied is not None and state.bus is not None:
+        if applied is not None and state.bus is not None and state.speaks:
             # What the change cost this member: the gap between its commits around it,
             # beyond the step it took before (a joiner had no commit before it).
             pause = None if previous is None else max(0.0, now - previous - step_before)

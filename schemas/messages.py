@@ -349,9 +349,6 @@ class JobSpec(Message, tag="phalanx.job_spec.v1", frozen=True):
         return self.ranks_per_replica * self.slots_per_replica
 
     def __post_init__(self) -> None:
-        if self.slots_per_group > 65_536:
-            raise ValueError(f"ranks_per_replica x slots_per_replica = "
-                             f"{self.slots_per_group} slots: more than one node can have")
         values = self.scaling.replica_discrete_values
         if values is not None and (values[0] < self.replicas.min
                                    or values[-1] > self.replicas.max):

@@ -1,0 +1,214 @@
+"""A replica that is a group of rank processes: a model sharded inside the group.
+
+With ``ranks_per_replica: S`` in the job spec a replica is S processes on one
+node, started together by their agent. torchrun's variables describe the group,
+so the script's own ``init_process_group()`` makes the group's default process
+group, and its device mesh (``init_device_mesh(device, (S,))``, or a 2-D one for
+tensor parallelism inside the group) spans the group alone. The script shards
+its model over that mesh with FSDP2's ``fully_shard``: each rank holds a part of
+the parameters, gradients and optimizer state, so the model need not fit on one
+rank. What runs inside the group is the script's; the session never looks in.
+
+The replicate dimension is the session's. Rank ``s`` of a group trains with rank
+``s`` of every other group: the generation's *column* ``s``, a process group
+of its own per generation (rendezvoused under ``<namespace>/g<s>`` in the
+generation's rank 0 store), over which the session all-reduces the rank's
+gradient shards (its parameters' local tensors), abortably, as it all-reduces a
+whole model's gradients with one rank per replica. FSDP2 sums inside the group
+(:func:`prepare`), the columns sum across groups, and every micro-batch's mean
+loss is weighted by its share of the global batch, so the gradient is the mean
+over the global batch whatever R and S are. A state copy goes column by column:
+rank ``s`` of a joining group receives rank ``s``'s shard from a live group,
+never the whole model.
+
+A group commits a step or gives it up as one (:meth:`ReplicaGroup.agree`): its
+columns' all-reduces can end differently (one column's peer died mid-step while
+another column completed), and a group whose ranks held different steps could
+not run its own collectives again. The agreement also sums the columns' loss and
+metrics into the step's, and makes a switch to a newer generation that any
+column agreed on the whole group's.
+
+Alone (no ``PHALANX_JOB_ID``), the same script under ``torchrun
+--nproc-per-node S`` is one group and R = 1: the reference a phalanx run of any R
+is compared with.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+from typing import TYPE_CHECKING, Any, cast
+
+import torch
+import torch.distributed as dist
+
+if TYPE_CHECKING:
+    from torch.distributed.tensor import DTensor, Placement
+
+#: How a mesh is named across processes: its ranks and its dimensions' names.
+MeshKey = tuple[tuple[Any, ...], tuple[str, ...] | None]
+
+
+class GroupMismatch(ValueError):
+    """The model's sharding does not match the replica group the job asked for."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardSpec:
+    """What makes a local tensor a DTensor again in another process of the same shape of
+    group: the mesh (named by its ranks and dimensions), placements, global shape and
+    stride."""
+
+    mesh: MeshKey
+    placements: tuple[Placement, ...]
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class ReplicaGroup:
+    """This process's place in its replica's group: its rank and the group's size."""
+
+    rank: int
+    size: int
+
+    def agree(self, values: torch.Tensor) -> torch.Tensor:
+        """``values`` (float64) summed over the group's ranks, on the group's default
+        process group. Not abortable: a rank of the group that dies takes the group with
+        it (its agent stops the others), so no rank of the group waits here for long."""
+        summed = values.to(torch.float64).clone()
+        dist.all_reduce(summed)
+        return summed
+
+
+def _dtensor() -> type[DTensor] | None:
+    """DTensor's class once torch.distributed.tensor is imported (FSDP2 and tensor
+    parallelism import it), else None: no tensor can be one then, and importing it for
+    every rank would cost each ~0.5 s of start-up."""
+    module = sys.modules.get("torch.distributed.tensor")
+    return None if module is None else module.DTensor  # type: ignore[no-any-return]
+
+
+def is_dtensor(tensor: object) -> bool:
+    cls = _dtensor()
+    return cls is not None and isinstance(tensor, cls)
+
+
+def local(tensor: torch.Tensor) -> torch.Tensor:
+    """The part of ``tensor`` this rank holds: a DTensor's local tensor (the same memory),
+    any other tensor itself."""
+    if is_dtensor(tensor):
+        return tensor._local_tensor  # type: ignore[attr-defined, no-any-return]
+    return tensor
+
+
+def shard_spec(tensor: torch.Tensor) -> ShardSpec | None:
+    """``tensor``'s :class:`ShardSpec` if it is a DTensor, else None."""
+    if not is_dtensor(tensor):
+        return None
+    sharded = cast("DTensor", tensor)
+    return ShardSpec(mesh_key(sharded.device_mesh), tuple(sharded.placements),
+                     tuple(sharded.shape), tuple(sharded.stride()))
+
+
+def mesh_key(mesh: Any) -> MeshKey:
+    names = mesh.mesh_dim_names
+    return (tuple(mesh.mesh.tolist()), None if names is None else tuple(names))
+
+
+def meshes_of(model: torch.nn.Module) -> dict[MeshKey, Any]:
+    """The device meshes the model's parameters are sharded over, by key."""
+    return {mesh_key(p.device_mesh): p.device_mesh for p in model.parameters()
+            if is_dtensor(p)}
+
+
+def rewrap(tensor: torch.Tensor, spec: ShardSpec | None,
+           meshes: dict[MeshKey, Any]) -> torch.Tensor:
+    """``tensor`` (a local shard) as the DTensor ``spec`` describes, over this process's
+    mesh of the same key; ``tensor`` itself when ``spec`` is None.
+
+    Raises:
+        GroupMismatch: this process's model has no such mesh.
+    """
+    if spec is None:
+        return tensor
+    from torch.distributed.tensor import DTensor
+
+    mesh = meshes.get(spec.mesh)
+    if mesh is None:
+        raise GroupMismatch(f"a shard over the mesh {spec.mesh} came from a peer, but this "
+                            f"rank's model is sharded over {sorted(meshes)}")
+    return DTensor.from_local(tensor, mesh, spec.placements, shape=torch.Size(spec.shape),
+                              stride=spec.stride, run_check=False)
+
+
+def assign_gradient(param: torch.Tensor, gradient: torch.Tensor) -> None:
+    """Make ``gradient`` (shaped as ``param``'s local tensor) ``param``'s gradient: a
+    DTensor over it, sharing its memory, for a sharded parameter."""
+    if is_dtensor(param):
+        from torch.distributed.tensor import DTensor
+
+        param = cast(DTensor, param)
+        param.grad = DTensor.from_local(gradient, param.device_mesh, param.placements,
+                                        shape=param.shape, stride=param.stride(),
+                                        run_check=False)
+    else:
+        param.grad = gradient
+
+
+def is_sharded(model: torch.nn.Module) -> bool:
+    """Whether any of ``model``'s parameters is a DTensor (FSDP2, tensor parallel)."""
+    return any(is_dtensor(p) for p in model.parameters())
+
+
+def of(model: torch.nn.Module, ranks_per_replica: int | None) -> ReplicaGroup | None:
+    """The group this process is a rank of, checked against how ``model`` is sharded;
+    None for a model every rank holds whole (one rank per replica).
+
+    ``ranks_per_replica``: the job's (its agent set it); None alone, where the group is
+    the script's default process group (``torchrun --nproc-per-node S``).
+
+    Raises:
+        GroupMismatch: the job asks for a group but the model is not sharded, or the model
+            is sharded over a mesh that is not the group (its size, or a replicate
+            dimension the script kept from a plain HSDP script), naming the fix.
+    """
+    sharded = is_sharded(model)
+    expected = ranks_per_replica
+    if expected is None:
+        expected = dist.get_world_size() if sharded and dist.is_initialized() else 1
+    if not sharded:
+        if expected > 1:
+            raise GroupMismatch(
+                f"the job runs {expected} ranks per replica, but the model is not sharded: "
+                "shard it over the group's mesh (init_device_mesh(device, "
+                f"({expected},)) and fully_shard), or set ranks_per_replica: 1")
+        return None
+    if not dist.is_initialized() or dist.get_world_size() != expected:
+        size = dist.get_world_size() if dist.is_initialized() else 1
+        raise GroupMismatch(
+            f"the model is sharded, but this process's default group has {size} ranks and "
+            f"its replica group {expected}: call dist.init_process_group() (torchrun's "
+            "variables, which phalanx sets to the group's) before building the mesh")
+    for key, mesh in meshes_of(model).items():
+        if mesh.size() != expected or sorted(mesh.mesh.reshape(-1).tolist()) \
+                != list(range(expected)):
+            raise GroupMismatch(
+                f"the model is sharded over a mesh of {mesh.size()} ranks {key}, but the "
+                f"replica group has {expected}: build the mesh over the group alone, "
+                f"init_device_mesh(device, ({expected},)) (or a 2-D one for tensor "
+                "parallelism within it); the replicate dimension is phalanx's, which "
+                "all-reduces across the groups")
+    return ReplicaGroup(dist.get_rank(), expected)
+
+
+def prepare(model: torch.nn.Module) -> None:
+    """Make FSDP2 *sum* gradients inside the group (the session weights each micro-batch
+    by its share of the global batch, and the columns sum across groups): no division,
+    and gloo's SUM rather than an average or a pre-multiplied sum, which gloo lacks."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.set_gradient_divide_factor(1.0)
+            module.set_force_sum_reduction_for_comms(True)
