@@ -6,6 +6,10 @@ launches replicas by these names and refuses one older than the slot's last
 (:func:`phalanx.services.agent.core.launch_verdict`), so both sides must write and
 read the name the same way: they take it from here, not from each other. Pure.
 
+A replica of several ranks (``JobSpec.ranks_per_replica``, a group) is one name for all
+its processes; each writes its own log, named with its rank in the group
+(:func:`member_log`: ``r<slot>-<incarnation>_g<group rank>``).
+
 A job admitted again after a requeue names its replicas ``r<slot>-0`` again, so a
 replica id names one process only within one admission (``JobRecord.admission``): the
 ranks' events carry it, and health and elasticity drop an earlier admission's
@@ -17,6 +21,7 @@ from __future__ import annotations
 import re
 
 _REPLICA = re.compile(r"r(\d+)-(\d+)")
+_MEMBER = re.compile(r"(.+)_g(\d+)")
 
 
 def replica_id(slot: int, incarnation: int) -> str:
@@ -37,11 +42,26 @@ def earlier(replica: str, than: str) -> bool:
     return before is not None and after is not None and after < before
 
 
-def replica_order(replica: str) -> tuple[int, int, str]:
-    """A sort key: ``r<slot>-<incarnation>`` in slot, then incarnation order (any other
-    name after them, by name), as ``phalanx logs`` lists replicas."""
+def member_log(replica: str, group_rank: int | None) -> str:
+    """The name of the log of rank ``group_rank`` of ``replica``'s group (None: a replica
+    of one rank, whose log is named as the replica)."""
+    return replica if group_rank is None else f"{replica}_g{group_rank}"
+
+
+def log_replica(name: str) -> tuple[str, int | None]:
+    """The replica and group rank a log's ``name`` is of (:func:`member_log` read back)."""
+    match = _MEMBER.fullmatch(name)
+    return (match[1], int(match[2])) if match else (name, None)
+
+
+def replica_order(log: str) -> tuple[int, int, int, str]:
+    """A sort key: ``r<slot>-<incarnation>`` in slot, then incarnation order, a group's
+    logs (:func:`member_log`) in group rank order (any other name after them, by name),
+    as ``phalanx logs`` lists replicas."""
+    replica, group_rank = log_replica(log)
     match = _REPLICA.fullmatch(replica)
-    return (int(match[1]), int(match[2]), "") if match else (1 << 62, 0, replica)
+    return (int(match[1]), int(match[2]), group_rank or 0, "") if match \
+        else (1 << 62, 0, 0, log)
 
 
 def another_admission(current: int, seen: int) -> bool:

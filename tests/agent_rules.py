@@ -16,11 +16,12 @@ from phalanx.services.agent.core import Decision, Forget, Launch, Leave, Start, 
 
 def job_record(*nodes: str, slots: tuple[int, ...] = (),
                state: JobState = JobState.ADMITTED, slots_per_replica: int = 1,
-               leave_s: float = 30.0) -> JobRecord:
+               leave_s: float = 30.0, ranks_per_replica: int = 1) -> JobRecord:
     """Job ``j`` with replica (slot) ``slots[i]``, else ``i``, on ``nodes[i]`` when
     admitted; ``leave_s``: its ``scaling.graceful_shutdown_timeout_s``."""
     spec = JobSpec(name="j", team="t", priority_class="normal", command=["train"],
-                   slots_per_replica=slots_per_replica, replicas=ReplicaRange(min=1, max=8),
+                   slots_per_replica=slots_per_replica, ranks_per_replica=ranks_per_replica,
+                   replicas=ReplicaRange(min=1, max=8),
                    scaling=ScalingPolicy(graceful_shutdown_timeout_s=leave_s))
     admitted = state is JobState.ADMITTED
     return JobRecord(job_id="j", spec=spec, state=state, submitted_at=1.0, updated_at=1.0,

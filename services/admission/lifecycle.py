@@ -7,7 +7,8 @@ lost node's gangs shrunk or requeued, a pin's shrink); admitting what the event 
 possible is the next pass's work (:mod:`.scheduling`). A lost node shrinks each elastic
 gang on it to the largest allowed size its other replicas hold, and puts the rest back in
 the queue whole. :func:`validate` refuses, before submission, a spec that could never run
-here.
+here: more slots than the cluster has, or a replica (all of a group's ranks) larger than
+its largest node.
 """
 
 from __future__ import annotations
@@ -55,18 +56,27 @@ def validate(state: AdmissionState, spec: JobSpec, registered: Capacity | None =
     smallest = ScalingRules.of(spec).smallest
     field = "replicas.min" if smallest == spec.replicas.min else \
         "the smallest of scaling.replica_discrete_values"
-    need = smallest * spec.slots_per_replica
+    per_replica = spec.slots_per_group  # a group's ranks all sit on the replica's node
+    need = smallest * per_replica
     # Every registered node counts, silent or not: "never fits" must not follow from a
     # moment when heartbeats lag (a new leader, a loaded bus) — such a job waits, with
     # its reason, for the nodes to be heard again. A node leaves the count when it
     # leaves the registry.
     capacity = registered if registered is not None else \
         Capacity.of(n.slots for n in state.nodes.values())
-    if need > capacity.total:
+    if spec.ranks_per_replica > 1 and per_replica > capacity.largest:
+        # Before the total: a group no node holds is what to change, whatever the total.
         raise SpecRejected(
-            f"{field} x slots_per_replica = {smallest} x "
-            f"{spec.slots_per_replica} = {need} slots, but the whole cluster has "
-            f"{capacity.total}")
+            f"ranks_per_replica x slots_per_replica = {spec.ranks_per_replica} x "
+            f"{spec.slots_per_replica} = {per_replica} slots on one node, but the largest "
+            f"node has {capacity.largest}: a replica's ranks run on one node")
+    if need > capacity.total:
+        size = (f"slots_per_replica = {smallest} x {spec.slots_per_replica}"
+                if spec.ranks_per_replica == 1 else
+                f"ranks_per_replica x slots_per_replica = {smallest} x "
+                f"{spec.ranks_per_replica} x {spec.slots_per_replica}")
+        raise SpecRejected(f"{field} x {size} = {need} slots, but the whole cluster has "
+                           f"{capacity.total}")
     if spec.slots_per_replica > capacity.largest:
         raise SpecRejected(f"slots_per_replica {spec.slots_per_replica} exceeds every "
                            "node's slots")

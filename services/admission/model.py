@@ -81,7 +81,8 @@ def admission_number(stored: JobState | None, admissions: int, state: JobState) 
 
 
 #: What admitting a gang depends on besides its place in the queue: weight, team, slots per
-#: replica, smallest size, node labels and spread (see :attr:`Gang.shape`).
+#: replica (all its group's ranks': ``JobSpec.slots_per_group``), smallest size, node
+#: labels and spread (see :attr:`Gang.shape`).
 Shape = tuple[int, str, int, int, tuple[tuple[str, str], ...], bool]
 
 
@@ -116,16 +117,17 @@ class Gang:
     def __post_init__(self) -> None:
         spec = self.spec
         self.team = spec.team
-        self.per_replica = spec.slots_per_replica
+        # A replica of several ranks (a group) takes all their slots on one node.
+        self.per_replica = spec.slots_per_group
         self.rules = ScalingRules.of(spec)
-        self.min_slots = self.rules.smallest * spec.slots_per_replica
-        self.shape = (self.weight, self.team, spec.slots_per_replica, self.rules.smallest,
+        self.min_slots = self.rules.smallest * self.per_replica
+        self.shape = (self.weight, self.team, self.per_replica, self.rules.smallest,
                       tuple(sorted(spec.placement.node_labels.items())),
                       spec.placement.spread_failure_domains)
 
     @property
     def slots(self) -> int:
-        return len(self.nodes) * self.spec.slots_per_replica
+        return len(self.nodes) * self.per_replica
 
     @property
     def smallest(self) -> int:

@@ -2,8 +2,10 @@
 reservation holds, and elastic growth into free slots. Pure.
 
 A replica needs ``slots_per_replica`` slots on one schedulable node that carries the
-gang's labels. Placement is best-fit: the fullest node that still fits first, so large
-holes stay for large gangs. A gang with ``spread_failure_domains`` puts no more than
+gang's labels; one of ``ranks_per_replica`` ranks (a group) needs all their slots
+(``JobSpec.slots_per_group``) on one node, and is placed as one replica that size.
+Placement is best-fit: the fullest node that still fits first, so large holes stay for
+large gangs. A gang with ``spread_failure_domains`` puts no more than
 ``ceil(n / domains)`` of its ``n`` replicas in one failure domain, ``domains`` counting
 those with a node that could host a replica. Slots a reservation holds (``reserved``:
 node -> slots) are not free to anyone else in the pass.

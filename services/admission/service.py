@@ -267,7 +267,7 @@ class AdmissionService(LeaderService[AdmissionTerm]):
             if record.job_id in store.unreadable and record.state is JobState.ADMITTED:
                 # An undecodable placement: the admitted record says where the job runs.
                 placements[record.job_id] = JobPlacement(
-                    team=record.spec.team, slots_per_replica=record.spec.slots_per_replica,
+                    team=record.spec.team, slots_per_replica=record.spec.slots_per_group,
                     nodes=list(record.nodes))
             placement = placements.get(record.job_id)
             event = core.JobSubmitted(record.job_id, record.spec, record.submitted_at,

@@ -42,11 +42,22 @@ slots, and :func:`slots_on_gpus` finds it free slots on those GPUs again when it
 is taken (or says it has none left, when ranks or cordons took them: it is
 stopped). A spare that dies by itself is started again
 after :func:`spare_restart_delay`: at once the first time, then backing off,
-so a script that cannot start does not loop.
+so a script that cannot start does not loop. A job whose replica is a group of
+several ranks keeps none (:func:`spares_wanted`).
+
+A replica of several ranks (``ranks_per_replica``: a *group*) is that many processes,
+each on its own share of the replica's slots (:func:`group_slots`), with torchrun's
+variables describing the group, on this node, not the job (:func:`group_variables`).
+The group lives and dies together: once one of its processes ends, the others are
+stopped, at once unless it exited 0 (a finished job, a planned leave: they are given
+the grace period to end by themselves first, :func:`siblings_wait_s`), and the replica's
+end is reported once (:func:`group_exit`): the first process's, or the first failure
+if it exited 0 and another did not.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 from collections.abc import Collection, Mapping, Sequence
 
@@ -78,11 +89,12 @@ from phalanx.services.agent.reconcile import (
 # The rules of which ranks run here, offered with the rest (they live in .reconcile).
 __all__ = [
     "DEFAULT_SPARES", "SPARE_BACKOFF_MAX_S", "Decision", "Forget", "Keep", "Launch",
-    "LaunchVerdict", "Leave", "NodeIdTaken", "Refusal", "Refuse", "SlotWait", "Start", "Stop",
-    "StopReason", "drop", "exit_cause", "first_replica", "gpu_slots", "heartbeat",
-    "launch_verdict", "node_gpus", "node_slots", "rank_cpus", "rank_devices", "reconcile",
-    "register", "replacement", "same_agent", "silent_holder", "slots_for", "slots_on_gpus",
-    "spare_counts", "spare_restart_delay", "spares_wanted", "stop_request",
+    "LaunchVerdict", "Leave", "NodeIdTaken", "ProcessEnd", "Refusal", "Refuse", "SlotWait",
+    "Start", "Stop", "StopReason", "drop", "exit_cause", "first_replica", "gpu_slots",
+    "group_exit", "group_slots", "group_variables", "heartbeat", "launch_verdict",
+    "node_gpus", "node_slots", "rank_cpus", "rank_devices", "reconcile", "register",
+    "replacement", "same_agent", "siblings_wait_s", "silent_holder", "slots_for",
+    "slots_on_gpus", "spare_counts", "spare_restart_delay", "spares_wanted", "stop_request",
 ]
 
 
@@ -262,13 +274,18 @@ SPARE_BACKOFF_MAX_S = 60.0
 DEFAULT_SPARES = 1
 
 
-def spares_wanted(asked: int | None, session: bool) -> int:
+def spares_wanted(asked: int | None, session: bool, ranks_per_replica: int = 1) -> int:
     """The spares a job keeps on a node with room for them: what its spec asks, else
     :data:`DEFAULT_SPARES` once its ranks are known to run a phalanx session (``session``:
     the job has a generation, or its spec declares a ``session``), else none. A spare
     runs the job's command and waits inside ``ElasticSession.from_env``; a command that
     never gets there would run to its end beside the ranks, so a default is only given
-    to a job shown, or declared, to get there."""
+    to a job shown, or declared, to get there.
+
+    A job whose replica is a group of several ranks (``ranks_per_replica`` > 1) keeps
+    none, whatever it asks: a spare is one process, a replacement a whole group."""
+    if ranks_per_replica > 1:
+        return 0
     if asked is not None:
         return asked
     return DEFAULT_SPARES if session else 0
@@ -324,3 +341,72 @@ def spare_restart_delay(failures: int) -> float:
     if failures <= 1:
         return 0.0
     return min(SPARE_BACKOFF_MAX_S, 2.0 ** (failures - 2))
+
+
+# --- a replica of several ranks (a group) --------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class ProcessEnd:
+    """How one process of a replica ended: its rank in the replica's group (0 for a
+    replica of one rank), its exit code or the signal that ended it, or neither when the
+    status is not known (``known`` False: adopted after an agent restart, or its zygote
+    died first)."""
+
+    group_rank: int
+    exit_code: int | None
+    signal: str | None = None
+    known: bool = True
+
+    @property
+    def clean(self) -> bool:
+        """It exited 0 by itself."""
+        return self.known and self.exit_code == 0
+
+
+def group_slots(slots: tuple[int, ...], ranks: int) -> tuple[tuple[int, ...], ...]:
+    """Each group rank's share of a replica's ``slots`` (:func:`slots_for`'s, lowest
+    first): rank ``s`` holds the ``s``-th run of ``len(slots) // ranks``."""
+    per = len(slots) // ranks
+    return tuple(slots[s * per:(s + 1) * per] for s in range(ranks))
+
+
+def group_variables(gpus: tuple[int, ...], slots: tuple[int, ...], group_rank: int,
+                    ranks: int, master_port: int) -> dict[str, str]:
+    """torchrun's variables of rank ``group_rank`` of a group of ``ranks`` processes on
+    this node, holding this node's ``slots``: they describe the group, not the job
+    (``RANK`` the group rank, ``WORLD_SIZE`` and ``LOCAL_WORLD_SIZE`` the group's size,
+    ``GROUP_RANK`` 0, ``MASTER_ADDR`` this host, ``MASTER_PORT`` the group's), so that a
+    script's own ``init_process_group`` and device mesh are the group's; and its device
+    variables (:func:`rank_devices`). ``LOCAL_RANK`` is the group rank on a node of CPU
+    slots and 0 on a GPU node, where the process sees its slots' GPUs alone (as
+    ``cuda:0`` onwards)."""
+    env = rank_devices(gpus, slots)
+    if not gpus:
+        env["LOCAL_RANK"] = str(group_rank)
+    env.update({"RANK": str(group_rank), "WORLD_SIZE": str(ranks),
+                "LOCAL_WORLD_SIZE": str(ranks), "GROUP_RANK": "0",
+                "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(master_port)})
+    return env
+
+
+def siblings_wait_s(first: ProcessEnd, grace_s: float) -> float:
+    """How long the other processes of a group whose process ``first`` ended are left to
+    end by themselves before they are stopped (SIGTERM, then SIGKILL after ``grace_s``):
+    the grace period after a clean exit (the job finished, or the replica leaves: they
+    exit 0 too, and a SIGTERM would cut their last writes), none after any other end,
+    which is the group's failure."""
+    return grace_s if first.clean else 0.0
+
+
+def group_exit(ends: Sequence[ProcessEnd]) -> ProcessEnd:
+    """What a group's replica is reported to have ended with, given its processes' ends
+    in the order they were seen: the first; but a first that exited 0 while another did
+    not is no clean end of the group, and the first failure is reported instead.
+
+    Raises:
+        ValueError: no end given.
+    """
+    if not ends:
+        raise ValueError("a group ends with at least one process")
+    return next((end for end in ends if not end.clean), ends[0])

@@ -31,10 +31,21 @@ gang's variables again, with a ``MASTER_PORT`` of its incarnation. The rank runs
 in its own session so a stop reaches its children too, and logs to
 ``<work_dir>/jobs/<job>/<replica>.log`` (one file per replica, so a
 replacement's output never runs on from its predecessor's; the agent writes a
-header line when it starts it). Its exit is reported the moment the
-event loop's child watcher sees it. A stop is SIGTERM to the process group,
-then SIGKILL after the job's grace period. A rank of an elastic job whose slot
-admission took away (a planned shrink) first gets to *leave*: the runtime
+header line when it starts it).
+
+A replica of several ranks (``ranks_per_replica`` S > 1, a *group*) is S processes
+started together, held until every one of them is on the manifest, each on its share
+of the replica's slots with the replica's ``PHALANX_*`` identity plus its group rank,
+torchrun's variables describing the group (:func:`~.core.group_variables`, with a
+``MASTER_PORT`` picked free here for each group incarnation), and a log of its own
+(``<replica>_g<group rank>.log``). It is one rank to everyone else: one
+``RankStarted`` (with group rank 0's pid), one ``RankExited`` once every process of
+it is gone (:func:`~.core.group_exit`); the first process to end takes the others
+down (:func:`~.core.siblings_wait_s`), and a stop stops them all.
+
+A rank's exit is reported the moment the event loop's child watcher sees it. A stop
+is SIGTERM to the process group, then SIGKILL after the job's grace period. A rank of
+an elastic job whose slot admission took away (a planned shrink) first gets to *leave*: the runtime
 finishes its step and exits 0 by itself, told by elasticity's leave
 generation; only if it is still there after the spec's
 ``scaling.graceful_shutdown_timeout_s`` is it stopped. Either way its exit is
@@ -89,7 +100,7 @@ from phalanx.schemas.messages import (
     RankExited,
     RankStarted,
 )
-from phalanx.schemas.replicas import incarnation
+from phalanx.schemas.replicas import incarnation, member_log
 from phalanx.services.agent import core, pidfd, priority
 from phalanx.services.agent.core import StopReason, exit_cause, rank_cpus, rank_devices
 from phalanx.services.agent.cpus import pin as pin_cpus
@@ -128,6 +139,15 @@ def master_port(job_id: str, incarnation: int = 0) -> int:
 SLOT_WAIT_S = 30.0
 
 
+def free_port() -> int:
+    """A TCP port free on this host now (the kernel's pick), for a group's ``MASTER_PORT``:
+    its processes rendezvous on their own host."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.bind(("127.0.0.1", 0))
+        port: int = probe.getsockname()[1]
+        return port
+
+
 class ReplicaOutdated(PhalanxError, ValueError):
     """A launch request names an older incarnation than the slot's last launched replica."""
 
@@ -147,7 +167,22 @@ class Replaced:
 
 
 @dataclasses.dataclass
+class Member:
+    """One more process of a replica of several ranks: its rank in the group (1 …), and
+    this node's slots it holds."""
+
+    group_rank: int
+    pid: int
+    ticks: int | None
+    node_slots: tuple[int, ...]
+    process: ChildProcess | None = None  # None when adopted
+
+
+@dataclasses.dataclass
 class Rank:
+    """A replica running here: its process (group rank 0 of a replica of several ranks,
+    whose other processes are ``group``), and the node's slots it holds, all of them."""
+
     job_id: str
     rank: int
     world_size: int
@@ -165,10 +200,21 @@ class Rank:
     fault: str = ""  # the GPU fault it was killed for (stop GPU_FAULT)
     fault_seen_at: float | None = None  # when the health poll saw that fault
     admission: int = 0  # the job's admission it was started for (JobRecord.admission)
+    group: tuple[Member, ...] = ()  # a group's other processes (ranks 1 …); () for one
 
     @property
     def stopping(self) -> bool:
         return self.stop is not None
+
+    def processes(self) -> list[tuple[int, int, int | None, ChildProcess | None]]:
+        """Each process of the replica: its group rank, pid, start time and handle (None
+        when adopted)."""
+        return [(0, self.pid, self.ticks, self.process),
+                *((m.group_rank, m.pid, m.ticks, m.process) for m in self.group)]
+
+    def log_name(self, group_rank: int) -> str:
+        """The name of the log of the replica's process ``group_rank``."""
+        return member_log(self.replica_id, group_rank if self.group else None)
 
 
 class RankSet:
@@ -275,7 +321,7 @@ class RankSet:
         with the new world.
         """
         job_id = record.job_id
-        self._job_slots[job_id] = record.spec.slots_per_replica
+        self._job_slots[job_id] = record.spec.slots_per_group
         await self._carry_out(record, core.reconcile(
             record, self.node_id, self._running(job_id), self._launched(job_id),
             elastic=elastic, capacity=self.capacity))
@@ -409,14 +455,22 @@ class RankSet:
 
     async def _identity(self, record: JobRecord, rank: int, placement: tuple[str, ...],
                         replica_id: str, slots: tuple[int, ...], nice: int | None,
-                        elastic: bool) -> dict[str, str]:
+                        elastic: bool, group_rank: int = 0,
+                        group_port: int = 0) -> dict[str, str]:
         """The variables that make a process of the job replica ``replica_id`` in slot
         ``rank``, holding this node's ``slots``: what a warm spare is handed. ``elastic``:
         the job has a generation. Then, or when its spec declares a ``session``,
         torchrun's variables make the process a world of its own
-        (:data:`~phalanx.schemas.environment.WORLD_OF_ONE`), not one of a gang."""
-        if elastic or record.spec.session:
-            gang: Mapping[str, str] = environment.WORLD_OF_ONE
+        (:data:`~phalanx.schemas.environment.WORLD_OF_ONE`), not one of a gang. In a
+        replica of several ranks they describe its group, whatever the job
+        (:func:`~.core.group_variables`: rank ``group_rank`` of it, the group meeting on
+        ``group_port``)."""
+        ranks = record.spec.ranks_per_replica
+        if ranks > 1:
+            gang: Mapping[str, str] = core.group_variables(self.gpus, slots, group_rank, ranks,
+                                                           group_port)
+        elif elastic or record.spec.session:
+            gang = environment.WORLD_OF_ONE
         else:
             local = sorted(s for s, node in record.placement().items() if node == self.node_id)
             gang = {
@@ -428,6 +482,8 @@ class RankSet:
                 "MASTER_PORT": str(master_port(record.job_id, incarnation(replica_id) or 0))}
         replica = environment.RankEnvironment(
             rank=rank, replica_id=replica_id, world_size=len(placement),
+            ranks_per_replica=ranks if ranks > 1 else None,
+            group_rank=group_rank if ranks > 1 else None,
             admission=record.admission, nice_when_ready=None if nice is None else self.nice)
         return {
             **replica.to_env(),
@@ -448,7 +504,7 @@ class RankSet:
         while True:
             cordoned = await self._cordoned()
             held = self.held_slots()
-            found = core.slots_for(record.spec.slots_per_replica, held, cordoned,
+            found = core.slots_for(record.spec.slots_per_group, held, cordoned,
                                    self.capacity, any(r.stopping for r in self.ranks.values()))
             if isinstance(found, tuple):
                 slots = found
@@ -476,6 +532,9 @@ class RankSet:
                                 "job": record.job_id, "rank": rank, "replica": replica_id})
                 return None
             await wait_set(self._exit_seen, left)
+        if record.spec.ranks_per_replica > 1:  # a group: never from a spare
+            return await self._launch_group(record, rank, placement, replica_id, slots, nice,
+                                            elastic)
         taken = self.spares.take(record.job_id, held | cordoned) \
             if elastic and self.spares is not None else None
         spare = None if taken is None else taken[0]
@@ -508,31 +567,77 @@ class RankSet:
             self._record(record, rank, placement, replica_id, process, slots,
                          from_spare=False)
             process.release()
-        entry = self.ranks[(record.job_id, rank)]
-        entry.watcher = asyncio.create_task(self._watch_child(entry))
-        log.info("rank started", extra={"job": record.job_id, "rank": rank, "pid": process.pid,
-                                        "replica": replica_id, "from_spare": from_spare})
-        await self.report(RankStarted(job_id=record.job_id, rank=rank,
-                                      world_size=len(placement), node_id=self.node_id,
-                                      pid=process.pid, started_at=time.time(),
-                                      replica_id=replica_id, from_spare=from_spare,
+        assert from_spare == self.ranks[(record.job_id, rank)].from_spare
+        return await self._started(record, self.ranks[(record.job_id, rank)],
+                                   spare_taken=spare is not None)
+
+    async def _launch_group(self, record: JobRecord, rank: int, placement: tuple[str, ...],
+                            replica_id: str, slots: tuple[int, ...], nice: int | None,
+                            elastic: bool) -> Rank | None:
+        """Start ``replica_id`` in slot ``rank`` as a group of the spec's
+        ``ranks_per_replica`` processes on ``slots``, each on its share
+        (:func:`~.core.group_slots`): every one held until all are on the manifest, then
+        released together. None when one cannot start (reported as the replica's launch
+        failure; the others, held, never run)."""
+        port = free_port()  # the group's rendezvous, new for each incarnation
+        shares = core.group_slots(slots, record.spec.ranks_per_replica)
+        self.launched[(record.job_id, rank)] = core.Launch(replica_id, placement)
+        started: list[ChildProcess] = []
+        for group_rank, share in enumerate(shares):
+            identity = await self._identity(record, rank, placement, replica_id, share, nice,
+                                            elastic, group_rank=group_rank, group_port=port)
+            log_path = self.log_path(record.job_id, member_log(replica_id, group_rank))
+            log_path.parent.mkdir(parents=True, exist_ok=True)
+            process = await self._start(record, rank, replica_id, identity, log_path)
+            if process is None:
+                for held in started:
+                    with contextlib.suppress(ProcessLookupError, PermissionError):
+                        os.killpg(held.pid, signal.SIGKILL)
+                    await held.wait()
+                return None
+            self.pin(process.pid, share)
+            if nice is not None:
+                with contextlib.suppress(ProcessLookupError):  # it may have died already
+                    priority.lower(process.pid, nice)
+            started.append(process)
+        group = tuple(Member(g, process.pid, start_ticks(process.pid), shares[g], process)
+                      for g, process in enumerate(started) if g)
+        self._record(record, rank, placement, replica_id, started[0], slots,
+                     from_spare=False, group=group)
+        for process in started:
+            process.release()
+        return await self._started(record, self.ranks[(record.job_id, rank)],
+                                   spare_taken=False)
+
+    async def _started(self, record: JobRecord, entry: Rank, *, spare_taken: bool) -> Rank:
+        """Watch ``entry``, just started (released), and report its start."""
+        entry.watcher = asyncio.create_task(self._watch(entry))
+        log.info("rank started", extra={
+            "job": record.job_id, "rank": entry.rank, "pid": entry.pid,
+            "replica": entry.replica_id, "from_spare": entry.from_spare,
+            "group_pids": [m.pid for m in entry.group]})
+        await self.report(RankStarted(job_id=record.job_id, rank=entry.rank,
+                                      world_size=entry.world_size, node_id=self.node_id,
+                                      pid=entry.pid, started_at=time.time(),
+                                      replica_id=entry.replica_id, from_spare=entry.from_spare,
                                       admission=record.admission))
-        if spare is not None and self.spares is not None:
+        if spare_taken and self.spares is not None:
             self.spares.replenish(record.job_id)  # the spare taken is replaced, later
         return entry
 
     def _record(self, record: JobRecord, rank: int, placement: tuple[str, ...],
                 replica_id: str, process: ChildProcess, slots: tuple[int, ...], *,
-                from_spare: bool) -> None:
-        """Put ``process`` on the manifest as ``replica_id`` in slot ``rank``: before it
-        runs any of the job's code, so an agent restarted after a crash adopts every rank
-        that runs (a held process whose agent died first never runs)."""
+                from_spare: bool, group: tuple[Member, ...] = ()) -> None:
+        """Put ``process`` (and a group's other processes, ``group``) on the manifest as
+        ``replica_id`` in slot ``rank``, holding ``slots``: before it runs any of the job's
+        code, so an agent restarted after a crash adopts every rank that runs (a held
+        process whose agent died first never runs)."""
         spec = record.spec
         self.ranks[(record.job_id, rank)] = Rank(
             record.job_id, rank, len(placement), placement, process.pid,
-            start_ticks(process.pid), spec.grace_period_s, spec.slots_per_replica,
+            start_ticks(process.pid), spec.grace_period_s, spec.slots_per_group,
             replica_id, process, node_slots=slots, from_spare=from_spare,
-            admission=record.admission)
+            admission=record.admission, group=group)
         self._save()
 
     async def _start(self, record: JobRecord, rank: int, replica_id: str,
@@ -566,22 +671,49 @@ class RankSet:
 
     # --- exits --------------------------------------------------------------------------
 
-    async def _watch_child(self, entry: Rank) -> None:
-        assert entry.process is not None
-        code = await entry.process.wait()
-        if isinstance(entry.process, ForkedProcess) and entry.process.status_lost:
-            # Its zygote died before it: how it ended is unknown, as for an adopted rank.
-            await self._exited(entry, exit_code=None, signame=None,
-                               cause=exit_cause(entry.stop, status_known=False))
-            return
-        signame = None
-        if code < 0:
-            with contextlib.suppress(ValueError):
-                signame = signal.Signals(-code).name
-        await self._exited(entry, exit_code=None if code < 0 else code, signame=signame)
+    async def _watch(self, entry: Rank) -> None:
+        """Report ``entry``'s end once all its processes are gone
+        (:func:`~.core.group_exit`'s, in a group)."""
+        end = core.group_exit(await self._ends(entry))
+        await self._exited(entry, exit_code=end.exit_code, signame=end.signal,
+                           cause=exit_cause(entry.stop, status_known=end.known),
+                           group_rank=end.group_rank)
+
+    async def _ends(self, entry: Rank) -> list[core.ProcessEnd]:
+        """How each of ``entry``'s processes ended, in the order seen, once all have. In a
+        group the first to end takes the others down (:func:`~.core.siblings_wait_s`:
+        after a clean exit they are given the grace period to end by themselves first)."""
+        waits = {asyncio.create_task(_end(g, pid, ticks, process)): (pid, ticks)
+                 for g, pid, ticks, process in entry.processes()}
+        ends: list[core.ProcessEnd] = []
+
+        async def seen(timeout_s: float | None = None, first: bool = False) -> None:
+            done, _ = await asyncio.wait(waits, timeout=timeout_s, return_when=(
+                asyncio.FIRST_COMPLETED if first else asyncio.ALL_COMPLETED))
+            ends.extend(sorted((t.result() for t in done), key=lambda end: end.group_rank))
+            for task in done:
+                del waits[task]
+
+        try:
+            await seen(first=True)
+            if waits and core.siblings_wait_s(ends[0], entry.grace_s) > 0:
+                await seen(core.siblings_wait_s(ends[0], entry.grace_s))
+            for sig in (signal.SIGTERM, signal.SIGKILL):
+                if not waits:
+                    break
+                log.info("stopping the rest of a group", extra={
+                    "job": entry.job_id, "rank": entry.rank, "replica": entry.replica_id,
+                    "signal": sig.name, "first": ends[0].group_rank})
+                for pid, ticks in waits.values():
+                    _signal_process(pid, ticks, sig)
+                await seen(entry.grace_s if sig is signal.SIGTERM else None)
+            return ends
+        finally:
+            for task in waits:  # cancelled itself: nothing is left waiting
+                task.cancel()
 
     async def _exited(self, entry: Rank, *, exit_code: int | None, signame: str | None,
-                      cause: ExitCause | None = None) -> None:
+                      cause: ExitCause | None = None, group_rank: int = 0) -> None:
         if self.ranks.get((entry.job_id, entry.rank)) is entry:
             del self.ranks[(entry.job_id, entry.rank)]
             self._save()
@@ -590,28 +722,30 @@ class RankSet:
         log.info("rank exited", extra={"job": entry.job_id, "rank": entry.rank,
                                        "exit_code": exit_code, "signal": signame,
                                        "cause": cause.value})
+        pid = dict((g, p) for g, p, _, _ in entry.processes())[group_rank]
         exited = RankExited(job_id=entry.job_id, rank=entry.rank, node_id=self.node_id,
-                            pid=entry.pid, cause=cause, exited_at=time.time(),
+                            pid=pid, cause=cause, exited_at=time.time(),
                             exit_code=exit_code, signal=signame, replica_id=entry.replica_id,
                             with_agent=entry.stop is StopReason.AGENT, admission=entry.admission,
                             fault_seen_at=entry.fault_seen_at
                             if cause is ExitCause.GPU_FAULT else None)
         if exited.failed:  # its last output says why (an exception's traceback)
-            output = self.last_output(entry.job_id, entry.replica_id)
+            output = self.last_output(entry.job_id, entry.log_name(group_rank))
             if cause is ExitCause.GPU_FAULT:  # the fault first, then what the rank said
                 output = entry.fault + "\n" + output[-(DETAIL_CHARS - len(entry.fault) - 1):]
             exited = msgspec.structs.replace(exited, detail=output.rstrip())
         await self.report(exited)
 
-    def log_path(self, job_id: str, replica_id: str) -> Path:
-        """The file a replica writes its output to (``phalanx logs`` reads it)."""
-        return replica_log(self.work_dir, job_id, replica_id)
+    def log_path(self, job_id: str, log_name: str) -> Path:
+        """The file a replica (a group's process: :func:`member_log`) writes its output to
+        (``phalanx logs`` reads it)."""
+        return replica_log(self.work_dir, job_id, log_name)
 
-    def last_output(self, job_id: str, replica_id: str, lines: int = 12) -> str:
+    def last_output(self, job_id: str, log_name: str, lines: int = 12) -> str:
         """The last ``lines`` lines of a replica's output (an exception's traceback ends
         there), at most :data:`DETAIL_CHARS` characters; empty if unreadable."""
         try:
-            with self.log_path(job_id, replica_id).open("rb") as f:
+            with self.log_path(job_id, log_name).open("rb") as f:
                 f.seek(0, os.SEEK_END)
                 f.seek(max(0, f.tell() - 4 * DETAIL_CHARS))
                 tail = f.read().decode(errors="replace")
@@ -664,14 +798,9 @@ class RankSet:
                                for r in list(self.ranks.values())))
 
     def _signal_group(self, entry: Rank, sig: signal.Signals) -> None:
-        if start_ticks(entry.pid) != entry.ticks:
-            return  # already gone (or the pid is someone else's now)
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(entry.pid, sig)
-        if sig in (signal.SIGTERM, signal.SIGKILL):
-            # A stopped (SIGSTOP) rank must run to act on SIGTERM.
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(entry.pid, signal.SIGCONT)
+        """Send ``sig`` to the process group of each of ``entry``'s processes."""
+        for _, pid, ticks, _ in entry.processes():
+            _signal_process(pid, ticks, sig)
 
     async def _cordoned(self) -> set[int]:
         return set(await self.cordoned()) if self.cordoned is not None else set()
@@ -724,7 +853,9 @@ class RankSet:
         ranks = [{"job_id": r.job_id, "rank": r.rank, "world_size": r.world_size,
                   "placement": list(r.placement), "pid": r.pid, "ticks": r.ticks,
                   "grace_s": r.grace_s, "slots": r.slots, "replica_id": r.replica_id,
-                  "node_slots": list(r.node_slots), "admission": r.admission}
+                  "node_slots": list(r.node_slots), "admission": r.admission,
+                  "group": [{"group_rank": m.group_rank, "pid": m.pid, "ticks": m.ticks,
+                             "node_slots": list(m.node_slots)} for m in r.group]}
                  for r in self.ranks.values()]
         launched = [{"job_id": job, "slot": slot, "placement": list(launch.placement),
                      "replica_id": launch.replica_id}
@@ -750,22 +881,53 @@ class RankSet:
                          tuple(item["placement"]), item["pid"], item["ticks"], item["grace_s"],
                          item["slots"], item.get("replica_id", core.first_replica(item["rank"])),
                          node_slots=tuple(item.get("node_slots", ())),
-                         admission=item.get("admission", 0))
+                         admission=item.get("admission", 0),
+                         group=tuple(Member(m["group_rank"], m["pid"], m["ticks"],
+                                            tuple(m["node_slots"]))
+                                     for m in item.get("group", ())))
             self.launched.setdefault((entry.job_id, entry.rank),
                                      core.Launch(entry.replica_id, entry.placement))
-            if entry.ticks is not None and start_ticks(entry.pid) == entry.ticks:
+            if any(ticks is not None and start_ticks(pid) == ticks
+                   for _, pid, ticks, _ in entry.processes()):
+                # A group with one process gone is ended by its watcher: the rest stopped,
+                # its end reported lost once.
                 self.ranks[(entry.job_id, entry.rank)] = entry
-                entry.watcher = asyncio.create_task(self._watch_adopted(entry))
+                entry.watcher = asyncio.create_task(self._watch(entry))
                 log.info("rank adopted", extra={"job": entry.job_id, "rank": entry.rank,
                                                 "pid": entry.pid})
             else:
                 await self._exited(entry, exit_code=None, signame=None, cause=ExitCause.LOST)
         self._save()
 
-    async def _watch_adopted(self, entry: Rank) -> None:
-        await pidfd.ended(entry.pid)
-        await self._exited(entry, exit_code=None, signame=None,
-                           cause=exit_cause(entry.stop, status_known=False))
+
+def _signal_process(pid: int, ticks: int | None, sig: signal.Signals) -> None:
+    """Send ``sig`` to the process group of rank process ``pid`` (started at ``ticks``)."""
+    if start_ticks(pid) != ticks:
+        return  # already gone (or the pid is someone else's now)
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pid, sig)
+    if sig in (signal.SIGTERM, signal.SIGKILL):
+        # A stopped (SIGSTOP) rank must run to act on SIGTERM.
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(pid, signal.SIGCONT)
+
+
+async def _end(group_rank: int, pid: int, ticks: int | None,
+               process: ChildProcess | None) -> core.ProcessEnd:
+    """How a rank process ends, once it has: its status, or not known (adopted, watched
+    through a pidfd; or its zygote died before it)."""
+    if process is None:
+        if ticks is not None and start_ticks(pid) == ticks:
+            await pidfd.ended(pid)
+        return core.ProcessEnd(group_rank, None, known=False)
+    code = await process.wait()
+    if isinstance(process, ForkedProcess) and process.status_lost:
+        return core.ProcessEnd(group_rank, None, known=False)
+    signame = None
+    if code < 0:
+        with contextlib.suppress(ValueError):
+            signame = signal.Signals(-code).name
+    return core.ProcessEnd(group_rank, None if code < 0 else code, signame)
 
 
 def _one_line(command: list[str], limit: int = 200) -> str:

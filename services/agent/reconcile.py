@@ -10,7 +10,8 @@ tested as torch elastic tests its agent: with no processes at all.
 node its admitted record places slot ``s`` on; a record that is not admitted (pending
 again, cancelled, finished) places nothing.
 
-1. A record that places more here than the node has slots is refused whole
+1. A record that places more here than the node has slots (a replica of several ranks
+   takes all their slots, ``JobSpec.slots_per_group``) is refused whole
    (:attr:`Refusal.TOO_LARGE`): admission never does so, so it is not admission's (or is
    corrupt), and running it would oversubscribe the node.
 2. A running rank whose slot the record no longer places here is stopped
@@ -195,7 +196,7 @@ def reconcile(record: JobRecord, node_id: str, running: Mapping[int, Launch],
     """
     placement = tuple(record.nodes) if record.state is JobState.ADMITTED else ()
     wanted = {slot for slot, node in record.placement().items() if node == node_id}
-    per_replica = record.spec.slots_per_replica
+    per_replica = record.spec.slots_per_group  # all of a group's ranks' slots
     if capacity is not None and len(wanted) * per_replica > capacity:
         return [Refuse(Refusal.TOO_LARGE,
                        f"{record.job_id} places {len(wanted)} replicas of {per_replica} "

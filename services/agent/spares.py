@@ -224,7 +224,8 @@ class SpareSet:
                 return
             counts = core.spare_counts(
                 self.capacity, self.placed(),
-                [(job, core.spares_wanted(r.spec.spares, r.spec.session or job in self.sessions),
+                [(job, core.spares_wanted(r.spec.spares, r.spec.session or job in self.sessions,
+                                          r.spec.ranks_per_replica),
                   r.spec.slots_per_replica) for job, r in self.records.items()])
             if self.gpus:  # first those whose GPUs no free slot offers any more
                 kept = self._gpu_slots()

@@ -31,6 +31,7 @@ if TYPE_CHECKING:
         JobHistory,
         JobProgress,
         JobRecord,
+        JobSpec,
     )
     from phalanx.services.client import AdmissionClient
 
@@ -43,7 +44,8 @@ def record_row(record: JobRecord) -> Row:
     return {"job_id": record.job_id, "state": record.state.value, "team": record.spec.team,
             "priority_class": record.spec.priority_class,
             "replicas": 0 if record.state.terminal else len(record.nodes),
-            "slots_per_replica": record.spec.slots_per_replica, "nodes": list(record.nodes),
+            "slots_per_replica": record.spec.slots_per_replica,
+            "ranks_per_replica": record.spec.ranks_per_replica, "nodes": list(record.nodes),
             "reason_code": record.reason_code.value, "reason": record.reason,
             "submitted_at": record.submitted_at, "updated_at": record.updated_at}
 
@@ -118,6 +120,14 @@ def cmd_jobs(args: argparse.Namespace) -> int:
     return 0
 
 
+def _group_text(spec: JobSpec) -> str:
+    """What one replica is, after its count in the size column: nothing for one rank of
+    one slot, else its ranks and each rank's slots."""
+    ranks = f" x {spec.ranks_per_replica} ranks" if spec.ranks_per_replica > 1 else ""
+    slots = f" x {spec.slots_per_replica} slots" if spec.slots_per_replica > 1 else ""
+    return ranks + slots
+
+
 def jobs_table(records: list[JobRecord], rows: list[Row]) -> Table:
     """``phalanx jobs``'s table of ``records``, with their ``rows`` as ``--json`` gives
     them (``size``: now, then the spec's min..max). Nothing is cut in a narrow terminal:
@@ -128,9 +138,7 @@ def jobs_table(records: list[JobRecord], rows: list[Row]) -> Table:
     from phalanx.services.tables import size_cell, step_cell, whole_columns
 
     cells = [(r.job_id, _state_cell(r), r.spec.team, r.spec.priority_class,
-              size_cell(row["size"], r.spec.replicas) + (
-                  f" x {r.spec.slots_per_replica} slots" if r.spec.slots_per_replica > 1
-                  else ""),
+              size_cell(row["size"], r.spec.replicas) + _group_text(r.spec),
               step_cell(row["step"], row["total_steps"], row.get("reached")),
               " ".join(sorted(set(r.nodes))) or "-")
              for r, row in zip(records, rows, strict=True)]

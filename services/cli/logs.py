@@ -60,7 +60,8 @@ async def _logs(args: argparse.Namespace) -> int:
 
     async with await Bus.connect(bus_config(args), name="phalanx-cli") as bus:
         client = AdmissionClient(bus)
-        if await client.job(args.job) is None:
+        record = await client.job(args.job)
+        if record is None:
             print(f"phalanx logs: no job {args.job!r}", file=sys.stderr)
             return EXIT_FAILED
         replica = args.replica
@@ -73,7 +74,8 @@ async def _logs(args: argparse.Namespace) -> int:
                     return EXIT_FAILED
                 replica = members[args.rank]
         if args.follow:
-            return await _follow(bus, args.job, replica, args.rank, args.tail)
+            return await _follow(bus, args.job, replica, args.rank, args.tail,
+                                 record.spec.ranks_per_replica)
         logs = _chosen(await _listing(bus, args.job), replica, args.rank)
         if not logs:
             what = f"replica {replica}" if replica else (
@@ -91,13 +93,17 @@ async def _logs(args: argparse.Namespace) -> int:
 
 
 def _chosen(logs: list[ReplicaLog], replica: str | None, rank: int | None) -> list[ReplicaLog]:
-    """``replica``'s log; with only ``rank`` (a job not under the runtime), the latest
-    replica's in that slot; else every log."""
-    if replica is not None:
-        return [log for log in logs if log.replica_id == replica]
-    if rank is not None:
+    """``replica``'s log (a group's: each of its processes'); with only ``rank`` (a job
+    not under the runtime), the latest replica's in that slot; else every log."""
+    from phalanx.schemas.replicas import log_replica
+
+    if replica is None and rank is not None:
         in_slot = [log for log in logs if log.replica_id.startswith(f"r{rank}-")]
-        return in_slot[-1:]
+        if not in_slot:
+            return []
+        replica = log_replica(in_slot[-1].replica_id)[0]
+    if replica is not None:
+        return [log for log in logs if log_replica(log.replica_id)[0] == replica]
     return logs
 
 
@@ -213,14 +219,16 @@ async def _members(client: AdmissionClient, job_id: str) -> tuple[list[str] | No
 
 
 async def _follow(bus: Bus, job_id: str, replica: str | None, rank: int | None,
-                  tail: int | None) -> int:
+                  tail: int | None, ranks_per_replica: int = 1) -> int:
     """Follow ``replica``'s log (None: every replica's, also those the job starts from now
-    on; ``tail``: from the last lines of those listed) until the job's record says it
-    ended; then pass on what was written last."""
+    on, each process's of a replica of ``ranks_per_replica`` ranks; ``tail``: from the
+    last lines of those listed) until the job's record says it ended; then pass on what
+    was written last."""
     from phalanx.bus.kv import TypedKV
     from phalanx.schemas import subjects
     from phalanx.schemas.errors import PhalanxError
     from phalanx.schemas.messages import JobRecord, RankStarted
+    from phalanx.schemas.replicas import member_log
     from phalanx.services.deadline import wait_set
 
     everyone = replica is None and rank is None
@@ -231,7 +239,8 @@ async def _follow(bus: Bus, job_id: str, replica: str | None, rank: int | None,
 
     async def started(message: RankStarted, _: Delivery) -> None:
         if message.replica_id is not None:
-            follow(ReplicaLog(message.node_id, message.replica_id))
+            for group_rank in range(ranks_per_replica) if ranks_per_replica > 1 else [None]:
+                follow(ReplicaLog(message.node_id, member_log(message.replica_id, group_rank)))
 
     if everyone:  # before the logs are listed: no replica started meanwhile is missed
         await bus.subscribe(subjects.rank_started(job_id), RankStarted, started)

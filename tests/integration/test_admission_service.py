@@ -219,6 +219,9 @@ async def test_invalid_specs_are_refused_naming_the_field(config: BusConfig,
             (spec("x", 1, priority="urgent"), "priority_class 'urgent' is not one of"),
             (spec("x", 5), "= 5 slots, but the whole cluster has 4"),
             (spec("x", 1, slots_per_replica=3), "slots_per_replica 3 exceeds every node"),
+            (spec("x", 1, ranks_per_replica=3),
+             "ranks_per_replica x slots_per_replica = 3 x 1 = 3 slots on one node, but the "
+             "largest node has 2"),
         ]
         for bad, message in cases:
             with pytest.raises(RemoteError) as err:

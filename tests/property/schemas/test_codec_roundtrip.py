@@ -132,6 +132,8 @@ def _fix_job_spec(kw: dict[str, Any]) -> dict[str, Any]:
         inside = sorted({min(max(v, replicas.min), replicas.max)
                          for v in scaling.replica_discrete_values})
         kw["scaling"] = msgspec.structs.replace(scaling, replica_discrete_values=inside)
+    slots = kw.get("slots_per_replica", 1)  # a group's slots fit one node
+    kw["ranks_per_replica"] = min(kw.get("ranks_per_replica", 1), 65_536 // slots)
     return kw
 
 

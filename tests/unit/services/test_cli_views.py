@@ -251,3 +251,25 @@ def test_a_job_back_from_an_outage_shows_the_step_it_had_reached() -> None:
     assert "0/200 (reached 78)" in text(top.render(board, T0, 3.0), 120)
     rows = [{**record_row(job), "size": 2, "step": 0, "total_steps": 200, "reached": 78}]
     assert "0/200 (reached 78)" in whole(jobs_table([job], rows), 120)
+
+
+def test_a_replica_of_several_ranks_shows_its_ranks_and_their_slots() -> None:
+    group = msgspec.structs.replace(spec(), ranks_per_replica=2, slots_per_replica=4)
+    grouped = msgspec.structs.replace(record("hsdp"), spec=group)
+    rows = [{**record_row(r), "size": 2, "step": 1, "total_steps": 10}
+            for r in (grouped, record("ddp"))]
+    assert (rows[0]["ranks_per_replica"], rows[0]["slots_per_replica"]) == (2, 4)
+    shown = whole(jobs_table([grouped, record("ddp")], rows), 200)
+    assert "2 (2..2) x 2 ranks x 4 slots" in shown, shown
+    assert "2 (2..2) x" not in shown.split("hsdp")[1].split("\n", 1)[1], shown
+
+
+def test_logs_of_a_replica_or_a_slot_are_every_process_of_its_group() -> None:
+    from phalanx.services.cli.logs import ReplicaLog, _chosen
+
+    names = ["r0-0_g0", "r0-0_g1", "r1-0_g0", "r1-0_g1", "r1-1_g0", "r1-1_g1", "r2-0"]
+    logs = [ReplicaLog("n1", name) for name in names]
+    assert [log.replica_id for log in _chosen(logs, "r1-0", None)] == ["r1-0_g0", "r1-0_g1"]
+    assert [log.replica_id for log in _chosen(logs, None, 1)] == ["r1-1_g0", "r1-1_g1"]
+    assert [log.replica_id for log in _chosen(logs, None, 2)] == ["r2-0"]
+    assert _chosen(logs, None, 7) == [] and _chosen(logs, None, None) == logs

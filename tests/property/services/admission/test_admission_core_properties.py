@@ -59,6 +59,7 @@ POSITION = re.compile(r"position (\d+) of (\d+)")
 # Plain tuples so a counterexample can be pasted into an @example.
 #   node:   (slots, domain, gpu label or "")
 #   submit: ("submit", team, class, min, extra, slots_per_replica, gpu or "", spread, timeout)
+#           slots_per_replica may be (ranks_per_replica, slots_per_replica): a replica group
 #   others: ("cancel", i) ("finish", i) ("lose"|"revive"|"cordon"|"uncordon"|"remove", node)
 #           ("resize", node, slots) ("tick", seconds)
 
@@ -78,7 +79,7 @@ LABEL = st.sampled_from(["", "", "", "a", "b"])
 JOB_LABEL = st.sampled_from(["", "", "", "", "", "a", "b"])
 SUBMIT = st.tuples(st.just("submit"), st.integers(0, 2), st.integers(0, 2),
                    st.sampled_from([1, 1, 2, 3, 4]), st.sampled_from([0, 0, 1, 3]),
-                   st.sampled_from([1, 1, 1, 2, 2, 3, 4]), JOB_LABEL,
+                   st.sampled_from([1, 1, 1, 2, 2, 3, 4, (2, 1), (3, 1), (2, 2)]), JOB_LABEL,
                    st.sampled_from([False, False, False, True]),
                    st.sampled_from([None, None, None, None, 0.5, 2.0, 6.0]))
 FINISH = st.tuples(st.just("finish"), st.integers(0, 50))
@@ -136,7 +137,7 @@ def matches(node: NodeModel, spec: JobSpec) -> bool:
 
 def fits_empty(nodes: dict[str, NodeModel], spec: JobSpec) -> bool:
     """Could ``spec``'s min replicas be placed if every schedulable node were empty?"""
-    k, n = spec.slots_per_replica, spec.replicas.min
+    k, n = spec.slots_per_group, spec.replicas.min
     per_domain: Counter[str] = Counter()
     for node in nodes.values():
         if node.schedulable and matches(node, spec) and node.slots >= k:
@@ -187,11 +188,12 @@ class Run:
         if kind == "submit":
             _, team, cls, mn, extra, k, gpu, spread, timeout = op
             job = f"j{len(self.specs)}"
+            ranks, k = k if isinstance(k, tuple) else (1, k)
             spec = JobSpec(
                 name=job, team=f"t{team % len(self.teams)}",
                 priority_class=f"p{cls % len(self.classes)}",
                 replicas=ReplicaRange(min=mn, max=mn + extra), command=["train"],
-                slots_per_replica=k,
+                slots_per_replica=k, ranks_per_replica=ranks,
                 placement=Placement(node_labels={"gpu": gpu} if gpu else {},
                                     spread_failure_domains=spread),
                 schedule_timeout_s=timeout)
@@ -311,7 +313,7 @@ class Run:
             assert matches(node, spec), f"{job} placed on {node_id} with labels {node.labels}"
         if spec.placement.spread_failure_domains:
             domains = {n.domain for n in self.nodes.values() if n.schedulable
-                       and matches(n, spec) and n.slots >= spec.slots_per_replica}
+                       and matches(n, spec) and n.slots >= spec.slots_per_group}
             cap = math.ceil(len(nodes) / len(domains))
             per_domain = Counter(self.nodes[n].domain for n in nodes)
             assert max(per_domain.values()) <= cap, f"{job} spread {per_domain}, cap {cap}"
@@ -338,8 +340,8 @@ class Run:
             spec = self.specs[job]
             assert spec.replicas.min <= len(nodes) <= spec.replicas.max, (job, nodes)
             for node_id in nodes:
-                used[node_id] += spec.slots_per_replica
-            team_use[spec.team] += len(nodes) * spec.slots_per_replica
+                used[node_id] += spec.slots_per_group  # a group's ranks, on one node
+            team_use[spec.team] += len(nodes) * spec.slots_per_group
         for node_id, slots in used.items():
             node = self.nodes[node_id]
             assert node.present and node.alive, f"{node_id} lost but still runs replicas"
@@ -405,7 +407,7 @@ class Run:
             spec = self.specs[job]
             why = self.core.explain(job)
             if why.code is ReasonCode.QUOTA:
-                need = spec.replicas.min * spec.slots_per_replica
+                need = spec.replicas.min * spec.slots_per_group
                 assert need > self.ceiling(job), f"{job} quota-blocked on an empty cluster"
             elif why.code is ReasonCode.UNSCHEDULABLE:
                 assert not fits_empty(self.nodes, spec), f"{job} fits an empty cluster"

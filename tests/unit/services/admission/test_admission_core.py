@@ -42,11 +42,11 @@ T0 = 1_717_000_000.0
 
 
 def spec(team: str = "t", prio: str = "normal", mn: int = 1, mx: int | None = None, *,
-         k: int = 1, labels: dict[str, str] | None = None, spread: bool = False,
+         k: int = 1, s: int = 1, labels: dict[str, str] | None = None, spread: bool = False,
          timeout: float | None = None) -> JobSpec:
     return JobSpec(name="job", team=team, priority_class=prio,
                    replicas=ReplicaRange(min=mn, max=mn if mx is None else mx),
-                   command=["python", "train.py"], slots_per_replica=k,
+                   command=["python", "train.py"], slots_per_replica=k, ranks_per_replica=s,
                    placement=Placement(node_labels=labels or {}, spread_failure_domains=spread),
                    schedule_timeout_s=timeout)
 
@@ -163,6 +163,43 @@ def test_replicas_are_packed_per_node_by_slots(slots: list[int], k: int, mn: int
     assert Counter(decisions[0].nodes) == expect  # type: ignore[union-attr]
     for n in core.nodes.values():
         assert n.used == expect.get(n.node_id, 0) * k <= n.slots
+
+
+# --- ranks_per_replica: a replica is a group of ranks on one node -------------------------
+
+
+@pytest.mark.parametrize(("slots", "s", "k", "mn", "expect"), [
+    ([4, 4], 2, 1, 3, {"n0": 2, "n1": 1}),  # 2 groups of 2 slots fill a node
+    ([3, 3, 3], 2, 1, 3, {"n0": 1, "n1": 1, "n2": 1}),  # 3 slots hold one group of 2
+    ([8, 2], 2, 2, 2, {"n0": 2}),  # a group of 4 slots never goes on the node of 2
+    ([6, 4], 3, 1, 2, {"n0": 1, "n1": 1}),  # best fit: the fuller node first
+])
+def test_a_group_takes_all_its_ranks_slots_on_one_node(
+        slots: list[int], s: int, k: int, mn: int, expect: dict[str, int]) -> None:
+    core = make(*(node(f"n{i}", count) for i, count in enumerate(slots)))
+    decisions = run(core, [sub("g", mn=mn, k=k, s=s)])
+    assert kinds(decisions) == [("Admit", "g")]
+    assert Counter(decisions[0].nodes) == expect  # type: ignore[union-attr]
+    for n in core.nodes.values():
+        assert n.used == expect.get(n.node_id, 0) * s * k <= n.slots
+    assert core.gangs["g"].slots == mn * s * k
+
+
+def test_a_group_never_spans_nodes_and_its_need_counts_every_rank() -> None:
+    core = make(*(node(f"n{i}", 3, f"d{i}") for i in range(4)))
+    assert run(core, [sub("g", k=2, s=2)]) == []
+    why = explain(core, "g")
+    assert why.code is ReasonCode.UNSCHEDULABLE
+    assert "needs 1 replica(s) x 4 slot(s) = 4 slots" in why.message
+    assert all(n.used == 0 for n in core.nodes.values())
+
+
+def test_preemption_frees_a_whole_group_for_a_higher_priority_one() -> None:
+    core = make(node("n1", 4))
+    assert kinds(run(core, [sub("low", prio="low", mn=2, s=2)])) == [("Admit", "low")]
+    decisions = run(core, [sub("high", prio="high", mn=1, s=2, k=2)], T0 + 1)
+    assert kinds(decisions) == [("Evict", "low"), ("Admit", "high")]
+    assert core.nodes["n1"].used == 4
 
 
 def test_blocked_on_per_node_room_not_on_total_free() -> None:
@@ -872,6 +909,12 @@ def test_node_shrinking_below_use_gives_back_its_newest_gangs() -> None:
     ({"mn": 5, "k": 2}, "replicas.min x slots_per_replica = 5 x 2 = 10 slots, but the whole "
                         "cluster has 8"),
     ({"k": 5}, "slots_per_replica 5 exceeds every node's slots"),
+    ({"s": 3, "k": 2}, "ranks_per_replica x slots_per_replica = 3 x 2 = 6 slots on one node, "
+                       "but the largest node has 4: a replica's ranks run on one node"),
+    ({"s": 5}, "ranks_per_replica x slots_per_replica = 5 x 1 = 5 slots on one node, but the "
+               "largest node has 4: a replica's ranks run on one node"),
+    ({"mn": 3, "s": 2, "k": 2}, "replicas.min x ranks_per_replica x slots_per_replica = "
+                                "3 x 2 x 2 = 12 slots, but the whole cluster has 8"),
     ({"team": "a", "mn": 5}, "needs 5 slots but team 'a' may hold at most 4"),
 ])
 def test_validate_rejects_naming_the_field(kw: dict[str, object], message: str) -> None:
@@ -883,7 +926,8 @@ def test_validate_rejects_naming_the_field(kw: dict[str, object], message: str) 
 
 
 @pytest.mark.parametrize("kw", [
-    {"mn": 8}, {"mn": 2, "k": 4}, {"team": "a", "mn": 4}, {"prio": "low", "mx": 100}])
+    {"mn": 8}, {"mn": 2, "k": 4}, {"team": "a", "mn": 4}, {"prio": "low", "mx": 100},
+    {"mn": 2, "s": 2, "k": 2}, {"s": 4}])
 def test_validate_accepts_what_could_fit(kw: dict[str, object]) -> None:
     policy = AdmissionPolicy(teams={"a": TeamQuota(3, 1)})
     core = make(node("n1", 4), node("n2", 4, cordoned=True), policy=policy)
