@@ -274,7 +274,10 @@ class ElasticSession:
             device=device, backend=chosen, deterministic=deterministic, checksum=checksum,
             timeout=datetime.timedelta(seconds=collective_timeout_s), bus=bus,
             inbox=Inbox(replica_id),
-            record=None if record_dir is None else Recorder(record_dir, replica_id, admission),
+            # A group's ranks each keep their own (what each trained on).
+            record=None if record_dir is None else Recorder(
+                record_dir, replica_id if group is None or group.rank == 0
+                else f"{replica_id}.g{group.rank}", admission),
             snapshots=Snapshotter(
                 bus, job_id, replica_id, node_id, keep=snapshot_keep, durable=writer,
                 schedule=SnapshotSchedule(dataclasses.replace(

@@ -155,6 +155,12 @@ class EpochLoop:
                 self._advance()
                 continue
             if self._out:
+                if self._runner.state.group is not None:
+                    # FSDP2 hands a sharded parameter its gradient outside autograd: the
+                    # hooks that weight a plain loss.backward() never see it.
+                    raise RuntimeError(f"step {step.index}: with a sharded model (a replica "
+                                       "group) call session.backward(loss) on each batch, "
+                                       "which weights its loss, not loss.backward()")
                 raise RuntimeError(f"step {step.index}: call loss.backward() on each batch "
                                    "before taking the next (no gradient reached the "
                                    "parameters)")
@@ -188,6 +194,11 @@ class EpochLoop:
         if not self._stand_in:
             self._weighted = True
             step.backward(loss)
+        elif self._runner.state.group is not None:
+            # A replica group's sharded model ends the pass its forward began (FSDP2
+            # reshards and reduces in the backward, the group's ranks together): a
+            # weightless backward, whose gradient the stand-in drops.
+            (loss * 0.0).backward()
         if self._out:  # a stand-in's, or a loss no parameter's gradient came from
             self._backward_done()
 

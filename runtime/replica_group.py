@@ -86,7 +86,7 @@ def _dtensor() -> type[DTensor] | None:
     parallelism import it), else None: no tensor can be one then, and importing it for
     every rank would cost each ~0.5 s of start-up."""
     module = sys.modules.get("torch.distributed.tensor")
-    return None if module is None else module.DTensor  # type: ignore[no-any-return]
+    return None if module is None else module.DTensor
 
 
 def is_dtensor(tensor: object) -> bool:
@@ -118,8 +118,8 @@ def mesh_key(mesh: Any) -> MeshKey:
 
 def meshes_of(model: torch.nn.Module) -> dict[MeshKey, Any]:
     """The device meshes the model's parameters are sharded over, by key."""
-    return {mesh_key(p.device_mesh): p.device_mesh for p in model.parameters()
-            if is_dtensor(p)}
+    meshes = (cast("DTensor", p).device_mesh for p in model.parameters() if is_dtensor(p))
+    return {mesh_key(mesh): mesh for mesh in meshes}
 
 
 def rewrap(tensor: torch.Tensor, spec: ShardSpec | None,

@@ -89,9 +89,16 @@ class StepRunner:
         # commit before).
         self._boundary: tuple[Step, float, float, float | None] | None = None
         self._last_commit_at: float | None = None  # perf_counter of this process's last commit
+        self._sharded_params = None if state.group is None else [
+            p for p in state.model.parameters() if p.requires_grad]
 
     def params(self) -> list[torch.nn.Parameter]:
-        """The parameters that train (the ones the gradients are of)."""
+        """The parameters that train (the ones the gradients are of). A replica group's
+        are its sharded ones, as the session found them: FSDP2 registers the unsharded
+        ones in their place between a forward and its backward (all through a
+        stand-in's forward, whose backward never runs)."""
+        if self._sharded_params is not None:
+            return self._sharded_params
         return [p for p in self.state.model.parameters() if p.requires_grad]
 
     def load(self, plan: list[MicroBatch]) -> Iterator[Any]:

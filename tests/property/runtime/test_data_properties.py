@@ -8,7 +8,7 @@ from collections import Counter
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from phalanx.runtime.data import ElasticOrder, MicroBatch
+from phalanx.runtime.data import ElasticOrder, MicroBatch, group_plan
 
 SETTINGS = settings(derandomize=True, database=None, deadline=None, max_examples=200)
 
@@ -109,3 +109,35 @@ def test_kept_shares_that_overlap_are_refused(run, world: int, aligned: bool) ->
                                  aligned=aligned) is None
     stray = order.kept_counts(0, 0, [order.dataset_size + 1])  # not a sample of the batch
     assert order.repair_plan(0, 0, stray, world, 0, micro, aligned=aligned) is None
+
+
+@given(st.lists(st.integers(0, 10_000), min_size=1, max_size=60, unique=True),
+       st.integers(1, 5), st.integers(1, 4), st.integers(1, 7), st.booleans())
+def test_a_groups_ranks_run_alike_and_the_groups_cover_the_batch_once(
+        batch: list[int], groups: int, group_size: int, micro: int, aligned: bool) -> None:
+    """Every rank of a group gets as many micro-batches as its peers (they run their
+    sharded model's collectives together), fillers weigh nothing, and the groups' real
+    micro-batches are the batch, each sample once, weighted by its share of it."""
+    plans = {(g, r): group_plan(batch, groups, g, micro, group_size, r, aligned=aligned)
+             for g in range(groups) for r in range(group_size)}
+    for g in range(groups):
+        assert len({len(plans[g, r]) for r in range(group_size)}) == 1
+    real = [mb for plan in plans.values() for mb in plan if mb.weight]
+    assert Counter(i for mb in real for i in mb.indices) == Counter(batch)
+    assert all(mb.weight == len(mb.indices) / len(batch) for mb in real)
+    assert all(len(mb.indices) <= micro for mb in real)
+    assert all(len(mb.indices) == 1 for plan in plans.values() for mb in plan if not mb.weight)
+
+
+@given(st.lists(st.integers(0, 10_000), min_size=1, max_size=60, unique=True),
+       st.integers(1, 5), st.integers(1, 5), st.integers(1, 4), st.integers(1, 7))
+def test_aligned_a_groups_micro_steps_are_the_same_whatever_the_number_of_groups(
+        batch: list[int], before: int, after: int, group_size: int, micro: int) -> None:
+    """What a group's ranks sum at each micro-step (one micro-batch each) is one tuple of
+    the global batch's cut whatever the number of groups: a bitwise R-invariant sum."""
+    def micro_steps(groups: int) -> set[tuple[tuple[int, ...], ...]]:
+        plans = [[group_plan(batch, groups, g, micro, group_size, r, aligned=True)
+                  for r in range(group_size)] for g in range(groups)]
+        return {tuple(plan[j].indices if plan[j].weight else () for plan in ranks)
+                for ranks in plans for j in range(len(ranks[0]))}
+    assert micro_steps(before) == micro_steps(after)
