@@ -1,5 +1,5 @@
 """The FSDP2 GPT end to end: 3 replica groups of 2 ranks, a rank killed mid-step, its group
-replaced.
+replaced; and scaled by groups, 3 to 2 to 3.
 
 ``examples/chargpt_hsdp.py`` (the port of the plain FSDP2 HSDP script) at test size runs
 as a job of ``ranks_per_replica: 2`` on a local cluster of 3 agents of 2 slots
@@ -9,7 +9,8 @@ inside its all-reduce (both its ranks: its agent would stop the other); the two 
 groups run the step again and go on; elasticity starts a replacement group, which joins
 with the state of a live group's ranks, shard by shard. Deterministic mode: the gathered
 state must be bitwise the port's under ``torchrun --nproc-per-node 2`` with no phalanx,
-and every window used once an epoch.
+and every window used once an epoch. Scaled with ``phalanx scale``, one group leaves
+after a step all groups agreed on (both its ranks end with status 0) and a new one joins.
 """
 
 from __future__ import annotations
@@ -22,12 +23,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from e2e_cli import next_of
+from e2e_cli import next_of, phalanx
 from test_elastic import drain, watched_cluster
 
 from phalanx.runtime import record
 from phalanx.runtime.data import ElasticOrder
 from phalanx.schemas.messages import (
+    Generation,
     GenerationReason,
     JobSpec,
     JobState,
@@ -65,8 +67,10 @@ async def cluster(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[tup
         yield running
 
 
-def alone(data_dir: Path, save: Path) -> dict:
-    """The port as one group of 2 with no phalanx (torchrun)."""
+@pytest.fixture(scope="module")
+def reference(data_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """The port as one group of 2 with no phalanx (torchrun): what it saved."""
+    save = tmp_path_factory.mktemp("hsdp-alone") / "alone.pt"
     clean = {k: v for k, v in os.environ.items() if not k.startswith("PHALANX_")}
     subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
                     "--nproc-per-node", "2", str(SCRIPT), "--data-dir", str(data_dir), *ARGS,
@@ -75,42 +79,23 @@ def alone(data_dir: Path, save: Path) -> dict:
     return torch.load(save)
 
 
-async def test_hsdp_trains_through_a_rank_killed_mid_step_and_a_group_replaced(
-        cluster, data_dir: Path, tmp_path: Path) -> None:
-    reference = alone(data_dir, tmp_path / "alone.pt")
-    _, bus, watch = cluster
-    for queue in (watch.generations, watch.progress, watch.states):
-        drain(queue)
-    rec, release = tmp_path / "rec", tmp_path / "release"
-    spec = JobSpec(name="hsdp", team="t", priority_class="normal",
+def spec_of(name: str, data_dir: Path, tmp_path: Path, **env: str) -> JobSpec:
+    """The port as a job of 2 to 3 groups of 2 ranks, deterministic, paced until
+    ``tmp_path/release`` exists."""
+    return JobSpec(name=name, team="t", priority_class="normal",
                    replicas=ReplicaRange(min=2, max=3), placement=Placement(),
                    ranks_per_replica=2, session=True,
                    command=[sys.executable, str(SCRIPT), "--data-dir", str(data_dir), *ARGS,
                             "--save", str(tmp_path / "final.pt")],
-                   env={"PHALANX_RECORD_DIR": str(rec), **RUN_ENV,
-                        "PHALANX_CHAOS_KILL": f"r1-0:{KILL_STEP}:allreduce",
-                        "PHALANX_CHAOS_PACE": f"{PACE_S}:{release}"},
+                   env={"PHALANX_RECORD_DIR": str(tmp_path / "rec"), **RUN_ENV,
+                        "PHALANX_CHAOS_PACE": f"{PACE_S}:{tmp_path / 'release'}", **env},
                    hang_timeout_s=10.0, grace_period_s=3.0)
-    job = await AdmissionClient(bus).submit(spec, "hsdp-1")
-    generations = [await next_of(watch.generations, lambda g: g.job_id == job.job_id, 180)]
-    while generations[-1].reason is not GenerationReason.JOIN:  # the kill, the replacement
-        generations.append(await next_of(watch.generations,
-                                         lambda g: g.job_id == job.job_id, 300))
-    release.touch()
-    finished = await next_of(watch.states,
-                             lambda r: r.job_id == job.job_id and r.state.terminal, 600)
-    assert finished.state is JobState.FINISHED, finished.reason
-    assert [(g.reason, g.world_size) for g in generations[:3]] == [
-        (GenerationReason.START, 3), (GenerationReason.FAULT, 2), (GenerationReason.JOIN, 3)]
 
-    records = record.read(rec)
-    assert any(line["kind"] == "chaos" for line in records["r1-0"])
-    joined = [m.replica_id for m in generations[2].members
-              if m.replica_id not in {m.replica_id for m in generations[1].members}]
-    for name in (joined[0], f"{joined[0]}.g1"):  # both ranks of the new group copied
-        adopt = next(line for line in records[name] if line["kind"] == "adopt")
-        assert KILL_STEP < adopt["step"] < STEPS and adopt["state_bytes"] > 0
-    assert record.verify(records, ORDER, STEPS) == []  # every window once an epoch
+
+def check_run(tmp_path: Path, reference: dict) -> dict[str, list[dict]]:
+    """Every window once an epoch, and the saved state bitwise the reference's."""
+    records = record.read(tmp_path / "rec")
+    assert record.verify(records, ORDER, STEPS) == []
     final = torch.load(tmp_path / "final.pt")
     for part in ("model", "optimizer"):
         assert final[part].keys() == reference[part].keys()
@@ -120,3 +105,64 @@ async def test_hsdp_trains_through_a_rank_killed_mid_step_and_a_group_replaced(
         for key, value in state.items():
             assert torch.equal(final["optimizer"]["state"][name][key], value), (name, key)
     assert final["scheduler"] == reference["scheduler"]
+    return records
+
+
+async def test_hsdp_trains_through_a_rank_killed_mid_step_and_a_group_replaced(
+        cluster, data_dir: Path, reference: dict, tmp_path: Path) -> None:
+    _, bus, watch = cluster
+    for queue in (watch.generations, watch.progress, watch.states):
+        drain(queue)
+    spec = spec_of("hsdp", data_dir, tmp_path,
+                   PHALANX_CHAOS_KILL=f"r1-0:{KILL_STEP}:allreduce")
+    job = await AdmissionClient(bus).submit(spec, "hsdp-1")
+    generations = [await next_of(watch.generations, lambda g: g.job_id == job.job_id, 180)]
+    while generations[-1].reason is not GenerationReason.JOIN:  # the kill, the replacement
+        generations.append(await next_of(watch.generations,
+                                         lambda g: g.job_id == job.job_id, 300))
+    (tmp_path / "release").touch()
+    finished = await next_of(watch.states,
+                             lambda r: r.job_id == job.job_id and r.state.terminal, 600)
+    assert finished.state is JobState.FINISHED, finished.reason
+    assert [(g.reason, g.world_size) for g in generations[:3]] == [
+        (GenerationReason.START, 3), (GenerationReason.FAULT, 2), (GenerationReason.JOIN, 3)]
+
+    records = check_run(tmp_path, reference)
+    assert any(line["kind"] == "chaos" for line in records["r1-0"])
+    joined = [m.replica_id for m in generations[2].members
+              if m.replica_id not in {m.replica_id for m in generations[1].members}]
+    for name in (joined[0], f"{joined[0]}.g1"):  # both ranks of the new group copied
+        adopt = next(line for line in records[name] if line["kind"] == "adopt")
+        assert KILL_STEP < adopt["step"] < STEPS and adopt["state_bytes"] > 0
+
+
+async def test_hsdp_scales_by_whole_groups_3_2_3_as_it_trains_alone(
+        cluster, data_dir: Path, reference: dict, tmp_path: Path) -> None:
+    data, bus, watch = cluster
+    for queue in (watch.generations, watch.progress, watch.states):
+        drain(queue)
+    job = await AdmissionClient(bus).submit(spec_of("hsdp-scale", data_dir, tmp_path),
+                                            "hsdp-scale-1")
+
+    async def generation(reason: GenerationReason) -> Generation:
+        return await next_of(watch.generations,
+                             lambda g: g.job_id == job.job_id and g.reason is reason, 300)
+
+    start = await generation(GenerationReason.START)
+    assert start.world_size == 3
+    await next_of(watch.progress, lambda p: p.job_id == job.job_id and p.step >= 5, 120)
+    phalanx("scale", job.job_id, "--replicas", "2", "--data-dir", str(data))
+    leave = await generation(GenerationReason.LEAVE)
+    await next_of(watch.progress,
+                  lambda p: p.job_id == job.job_id and p.step >= leave.resume_step + 3, 120)
+    phalanx("scale", job.job_id, "--replicas", "3", "--data-dir", str(data))
+    join = await generation(GenerationReason.JOIN)
+    (tmp_path / "release").touch()
+    finished = await next_of(watch.states,
+                             lambda r: r.job_id == job.job_id and r.state.terminal, 600)
+    assert finished.state is JobState.FINISHED, finished.reason
+    assert (leave.world_size, join.world_size) == (2, 3)
+    records = check_run(tmp_path, reference)
+    left = next(m.replica_id for m in start.members if leave.member(m.replica_id) is None)
+    for name in (left, f"{left}.g1"):  # both ranks of the group left after an agreed step
+        assert records[name][-1]["kind"] == "left" and records[name][-1]["planned"]
