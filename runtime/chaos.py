@@ -54,8 +54,11 @@ class Kill:
     generation: int | None = None
 
 
-def parse_chaos_kill(value: str, replica_id: str) -> Kill | None:
-    """Where ``replica_id`` dies, or None.
+def parse_chaos_kill(value: str, replica_id: str, group_rank: int | None = None
+                     ) -> Kill | None:
+    """Where ``replica_id`` dies, or None. An entry's ``<replica>`` names every rank of a
+    replica group, ``<replica>.g<rank>`` one of them (this process when ``group_rank`` is
+    that rank).
 
     Raises:
         ConfigError: an entry is not ``<replica>:<step|g<N>>:<boundary|allreduce|update>``.
@@ -69,7 +72,8 @@ def parse_chaos_kill(value: str, replica_id: str) -> Kill | None:
         if not number.isdigit() or phase not in PHASES:
             raise ConfigError(f"{environment.CHAOS_KILL}: {item!r} is not "
                               "<replica>:<step|g<N>>:<boundary|allreduce|update>")
-        if target == replica_id:
+        if target == replica_id or (group_rank is not None
+                                    and target == f"{replica_id}.g{group_rank}"):
             kill = Kill(phase, generation=int(number)) if in_generation \
                 else Kill(phase, step=int(number))
     return kill

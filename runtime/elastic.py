@@ -361,7 +361,9 @@ class ElasticSession:
             kwargs.setdefault("replica_id", "local")
             return cls(model, optimizer, dataset, **kwargs)
         replica_id = rank.replica
-        chaos_kill = parse_chaos_kill(rank.chaos_kill or "", replica_id)
+        chaos_kill = parse_chaos_kill(rank.chaos_kill or "", replica_id,
+                                      rank.group_rank if (rank.ranks_per_replica or 1) > 1
+                                      else None)
         chaos.hold(rank.chaos_hold or "", replica_id)
         kwargs.setdefault("chaos_pace", parse_chaos_pace(rank.chaos_pace or ""))
         telemetry.setup_tracing("phalanx-rank", env)  # off unless OTEL_* asks for it

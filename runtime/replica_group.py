@@ -42,6 +42,8 @@ from typing import TYPE_CHECKING, Any, cast
 import torch
 import torch.distributed as dist
 
+from phalanx.schemas import environment
+
 if TYPE_CHECKING:
     from torch.distributed.tensor import DTensor, Placement
 
@@ -51,6 +53,14 @@ MeshKey = tuple[tuple[Any, ...], tuple[str, ...] | None]
 
 class GroupMismatch(ValueError):
     """The model's sharding does not match the replica group the job asked for."""
+
+
+class GroupLost(RuntimeError):
+    """A rank of this process's replica group is gone: the group is out of the job (its
+    agent stops its other ranks). Uncaught, the process exits
+    :data:`~phalanx.schemas.environment.EXIT_DROPPED`, the job's doing, not the script's."""
+
+    exit_status = environment.EXIT_DROPPED
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,7 +87,11 @@ class ReplicaGroup:
         process group. Not abortable: a rank of the group that dies takes the group with
         it (its agent stops the others), so no rank of the group waits here for long."""
         summed = values.to(torch.float64).clone()
-        dist.all_reduce(summed)
+        try:
+            dist.all_reduce(summed)
+        except RuntimeError as exc:  # gloo's word for a peer that died
+            raise GroupLost(f"rank {self.rank} of a replica group of {self.size}: a peer of "
+                            f"the group is gone ({exc})") from exc
         return summed
 
 

@@ -4,9 +4,9 @@ replaced; and scaled by groups, 3 to 2 to 3.
 ``examples/chargpt_hsdp.py`` (the port of the plain FSDP2 HSDP script) at test size runs
 as a job of ``ranks_per_replica: 2`` on a local cluster of 3 agents of 2 slots
 (``phalanx up``): admission places each group on one node, each agent starts its group's
-two processes with torchrun's variables for the group. Replica ``r1-0`` SIGKILLs itself
-inside its all-reduce (both its ranks: its agent would stop the other); the two other
-groups run the step again and go on; elasticity starts a replacement group, which joins
+two processes with torchrun's variables for the group. Rank 1 of replica ``r1-0`` SIGKILLs
+itself inside its all-reduce and its agent stops the other (or both its ranks die); the
+two other groups run the step again and go on; elasticity starts a replacement group, which joins
 with the state of a live group's ranks, shard by shard. Deterministic mode: the gathered
 state must be bitwise the port's under ``torchrun --nproc-per-node 2`` with no phalanx,
 and every window used once an epoch. Scaled with ``phalanx scale``, one group leaves
@@ -108,14 +108,15 @@ def check_run(tmp_path: Path, reference: dict) -> dict[str, list[dict]]:
     return records
 
 
+@pytest.mark.parametrize("killed", ["r1-0.g1", "r1-0"], ids=["one-rank", "whole-group"])
 async def test_hsdp_trains_through_a_rank_killed_mid_step_and_a_group_replaced(
-        cluster, data_dir: Path, reference: dict, tmp_path: Path) -> None:
+        cluster, data_dir: Path, reference: dict, tmp_path: Path, killed: str) -> None:
     _, bus, watch = cluster
     for queue in (watch.generations, watch.progress, watch.states):
         drain(queue)
     spec = spec_of("hsdp", data_dir, tmp_path,
-                   PHALANX_CHAOS_KILL=f"r1-0:{KILL_STEP}:allreduce")
-    job = await AdmissionClient(bus).submit(spec, "hsdp-1")
+                   PHALANX_CHAOS_KILL=f"{killed}:{KILL_STEP}:allreduce")
+    job = await AdmissionClient(bus).submit(spec, f"hsdp-{killed.replace('.', '-')}")
     generations = [await next_of(watch.generations, lambda g: g.job_id == job.job_id, 180)]
     while generations[-1].reason is not GenerationReason.JOIN:  # the kill, the replacement
         generations.append(await next_of(watch.generations,
@@ -128,7 +129,7 @@ async def test_hsdp_trains_through_a_rank_killed_mid_step_and_a_group_replaced(
         (GenerationReason.START, 3), (GenerationReason.FAULT, 2), (GenerationReason.JOIN, 3)]
 
     records = check_run(tmp_path, reference)
-    assert any(line["kind"] == "chaos" for line in records["r1-0"])
+    assert any(line["kind"] == "chaos" for line in records[killed])
     joined = [m.replica_id for m in generations[2].members
               if m.replica_id not in {m.replica_id for m in generations[1].members}]
     for name in (joined[0], f"{joined[0]}.g1"):  # both ranks of the new group copied

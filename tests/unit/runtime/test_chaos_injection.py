@@ -20,6 +20,13 @@ def test_chaos_kill_names_its_replica_step_and_phase() -> None:
         parse_chaos_kill("r1-0:x:boundary", "r0-0")  # refused whoever reads it
 
 
+def test_chaos_kill_names_a_replica_groups_ranks_or_one_of_them() -> None:
+    assert parse_chaos_kill("r1-0:5:update", "r1-0", group_rank=1) == Kill("update", step=5)
+    assert parse_chaos_kill("r1-0.g1:5:update", "r1-0", group_rank=1) == Kill("update", step=5)
+    assert parse_chaos_kill("r1-0.g1:5:update", "r1-0", group_rank=0) is None
+    assert parse_chaos_kill("r1-0.g1:5:update", "r1-0") is None  # one rank per replica
+
+
 def test_a_paced_job_waits_before_every_step_until_released(tmp_path: Path) -> None:
     slept: list[float] = []
     release = tmp_path / "release"
