@@ -159,13 +159,24 @@ def cpu_per_step(per_rank: Iterable[Iterable[tuple[int, float]]]) -> float:
     return statistics.median(costs)
 
 
+def peak_rss_kb(pid: int | str = "self") -> int | None:
+    """A process's peak resident memory in KiB (``VmHWM``); None once it is gone."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return None
+    return next((int(line.split()[1]) for line in status.splitlines()
+                 if line.startswith("VmHWM:")), None)
+
+
 def run_fault_free(*, steps: int, worker_args: list[str], work_dir: Path, skip: int,
-                   world: int = 4, timeout_s: float = 600) -> dict[str, float]:
-    """The plain DDP loop's median step time and CPU per step: no fault, no checkpoint.
+                   world: int = 4, timeout_s: float = 600) -> dict[str, Any]:
+    """The plain loop's median step time, CPU per step and memory: no fault, no checkpoint.
 
     ``step_s``: the median gap between consecutive commits (a step's commit: its last
     rank's ``step`` record); ``cpu_s``: :func:`cpu_per_step`; the first ``skip``
-    steps left out of both (start-up, first allocations).
+    steps left out of both (start-up, first allocations); ``peak_rss_kb``: each rank's
+    peak resident memory (:func:`peak_rss_kb` at its end), ascending.
 
     Raises:
         TimeoutError: torchrun did not finish within ``timeout_s``.
@@ -177,13 +188,15 @@ def run_fault_free(*, steps: int, worker_args: list[str], work_dir: Path, skip: 
         raise RuntimeError(f"torchrun exited {returncode}; see {Path(work_dir) / 'torchrun.log'}")
     commits: dict[int, float] = defaultdict(float)
     cpu: dict[int, list[tuple[int, float]]] = defaultdict(list)
-    for r in read_records(Path(work_dir) / "records"):
+    records = read_records(Path(work_dir) / "records")
+    for r in records:
         if r["phase"] == "step" and r["step"] > skip:
             commits[r["step"]] = max(commits[r["step"]], r["t"])
             cpu[r["rank"]].append((r["step"], r["process_cpu_s"]))
     ordered = [commits[step] for step in sorted(commits)]
     return {"step_s": statistics.median(b - a for a, b in itertools.pairwise(ordered)),
-            "cpu_s": cpu_per_step(cpu.values())}
+            "cpu_s": cpu_per_step(cpu.values()),
+            "peak_rss_kb": sorted(r["peak_rss_kb"] for r in records if r["phase"] == "done")}
 
 
 def read_records(record_dir: Path) -> list[dict[str, Any]]:

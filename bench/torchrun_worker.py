@@ -14,6 +14,12 @@ launches it). Each rank trains with DDP over gloo (``--device cuda``: the GPT on
   accumulation under ``no_sync``, ``clip_grad_norm_(1.0)``, ``optimizer.step()``,
   ``scheduler.step()`` — the loop docs/runtime.md starts its diff from. The LR
   scheduler is checkpointed with the model and optimizer.
+* ``--workload hsdp``: the same GPT loop as plain FSDP2 HSDP, as
+  ``examples/chargpt_hsdp_torchrun.py`` shards it: a 2-D device mesh ``replicate`` x
+  ``shard`` (``world / --shard`` groups of ``--shard`` ranks) and
+  ``chargpt_model.shard`` (``fully_shard`` per block and on the model), gradient sync
+  turned off but for the last micro-batch. Its DCP checkpoint is sharded: each rank
+  writes its own shards.
 
 Steps are counted 1..N; after
 every ``--ckpt-every``-th committed step (0: never) the group saves a DCP checkpoint
@@ -36,7 +42,8 @@ Each rank appends JSON lines ``{"step", "t", "attempt", "phase", ...}`` to
   process's CPU time so far (``process_cpu_s``);
 * ``saved``: the checkpoint of step ``step`` is complete;
 * ``kill``: this rank is about to SIGKILL itself (fault injection);
-* ``done``: all ranks have finished the last step (and its checkpoint, if due).
+* ``done``: all ranks have finished the last step (and its checkpoint, if due), with
+  the process's peak resident memory (``peak_rss_kb``: ``VmHWM`` of /proc/self/status).
 
 Fault injection, on the first attempt only, with ``BASELINE_KILL="<rank>:<step>:<phase>"``:
 
@@ -48,7 +55,10 @@ Fault injection, on the first attempt only, with ``BASELINE_KILL="<rank>:<step>:
   a bucket, waits ``KILL_DELAY_S`` and kills the process if the all-reduce has
   not completed yet (else it tries again on the next bucket, and kills anyway
   after the last one). The ``kill`` record carries ``bucket`` and ``in_flight``
-  to show where it landed; with workload W's widths it is always in flight.
+  to show where it landed; with workload W's widths it is always in flight. With
+  ``hsdp`` (no DDP) the rank kills itself in step ``<step>``'s backward, when FSDP2
+  has all-reduced the last block's gradient shards across the replicas (its
+  all-reduce hook): the other blocks' reductions are still to come.
 """
 
 # The clock is read before the imports, which are part of what it times.
@@ -67,9 +77,9 @@ import json
 import os
 import shutil
 import signal
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, TextIO
+from typing import Any, TextIO, cast
 
 import torch
 
@@ -82,6 +92,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, DistributedSampler
 
+from phalanx.bench.recovery_baseline import peak_rss_kb
 from phalanx.examples import chargpt_model, train_gpt, workload_w
 from phalanx.runtime.data import ElasticOrder
 from phalanx.runtime.dataset import MemmapDataset, TokenWindows
@@ -183,14 +194,27 @@ def load_checkpoint(path: Path, model: torch.nn.Module, optimizer: torch.optim.O
                    optim_state_dict=state["optim"])
 
 
+def fsdp_kill_hook(state: KillState) -> Callable[[torch.Tensor], None]:
+    """FSDP2 all-reduce hook: the ``allreduce`` fault injection without DDP; the process
+    SIGKILLs itself in step ``kill_step`` once the module's shards are all-reduced."""
+    def hook(_: torch.Tensor) -> None:
+        if state.step == state.kill_step:
+            state.record("kill", state.step, in_flight=True)
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    return hook
+
+
 @dataclasses.dataclass
 class Training:
-    """A workload under DDP: what the checkpoint holds, and how to train one step."""
+    """A workload under DDP or FSDP2: what the checkpoint holds, how to train one step,
+    and where the ``allreduce`` fault goes in."""
 
-    model: DistributedDataParallel
+    model: torch.nn.Module
     optimizer: torch.optim.Optimizer
     extra: dict[str, Any]  # more state for the checkpoint (DCP ``Stateful`` objects)
     step: Callable[[int], float]  # trains global step n (1-based); this rank's mean loss
+    install_kill: Callable[[KillState], None]  # registers the ``allreduce`` kill
 
 
 def build_w(options: argparse.Namespace, rank: int, world: int,
@@ -220,17 +244,59 @@ def build_w(options: argparse.Namespace, rank: int, world: int,
         optimizer.step()
         return loss.item() / (micro.weight * world)
 
-    return Training(model, optimizer, {}, step)
+    return Training(model, optimizer, {}, step, ddp_kill(model))
+
+
+def ddp_kill(model: DistributedDataParallel) -> Callable[[KillState], None]:
+    return lambda state: model.register_comm_hook(state, kill_hook)
 
 
 def build_gpt(options: argparse.Namespace, rank: int, world: int,
               device: torch.device) -> Training:
     """The GPT example's loop as a DDP user writes it (docs/runtime.md's starting point)."""
     torch.manual_seed(options.seed)
-    windows = TokenWindows(options.data_dir, options.block_size)
     model = DistributedDataParallel(chargpt_model.GPT(options.layers, options.heads, options.embd,
                                                   options.block_size).to(device))
-    optimizer = chargpt_model.build_optimizer(model.module, options.lr)
+    return gpt_loop(options, rank, world, device, model, model.module,
+                    lambda sync: contextlib.nullcontext() if sync else model.no_sync(),
+                    ddp_kill(model))
+
+
+def build_hsdp(options: argparse.Namespace, rank: int, world: int,
+               device: torch.device) -> Training:
+    """The same loop with the model sharded as plain FSDP2 HSDP
+    (``examples/chargpt_hsdp_torchrun.py``'s mesh and ``chargpt_model.shard``)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import FSDPModule
+
+    torch.manual_seed(options.seed)
+    if world % options.shard:
+        raise ValueError(f"--shard {options.shard} does not divide {world} ranks")
+    mesh = init_device_mesh(device.type, (world // options.shard, options.shard),
+                            mesh_dim_names=("replicate", "shard"))
+    model = chargpt_model.shard(chargpt_model.GPT(options.layers, options.heads, options.embd,
+                                                  options.block_size).to(device), mesh)
+    fsdp = cast(FSDPModule, model)
+
+    @contextlib.contextmanager
+    def sync(on: bool) -> Iterator[None]:
+        fsdp.set_requires_gradient_sync(on)
+        yield
+
+    def install_kill(state: KillState) -> None:
+        cast(FSDPModule, model.blocks[-1]).set_all_reduce_hook(fsdp_kill_hook(state))
+
+    return gpt_loop(options, rank, world, device, model, model, sync, install_kill)
+
+
+def gpt_loop(options: argparse.Namespace, rank: int, world: int, device: torch.device,
+             model: torch.nn.Module, inner: torch.nn.Module,
+             sync: Callable[[bool], contextlib.AbstractContextManager[Any]],
+             install_kill: Callable[[KillState], None]) -> Training:
+    """The GPT example's loop over ``model`` (``inner``: the GPT it wraps); ``sync(on)``
+    turns the gradient reduction off (False) for the micro-batches but the last."""
+    windows = TokenWindows(options.data_dir, options.block_size)
+    optimizer = chargpt_model.build_optimizer(inner, options.lr)
     scheduler = chargpt_model.build_scheduler(optimizer, options.steps, options.warmup)
     accumulation, rest = divmod(options.global_batch, world * options.micro_batch)
     if rest or not accumulation:
@@ -256,7 +322,7 @@ def build_gpt(options: argparse.Namespace, rank: int, world: int,
             x, y = next(batches)
             x, y = x.to(device), y.to(device)
             # Gradients are all-reduced in the last micro-batch's backward only.
-            with model.no_sync() if micro < accumulation - 1 else contextlib.nullcontext():
+            with sync(micro == accumulation - 1):
                 micro_loss = chargpt_model.next_token_loss(model, x, y) / accumulation
                 micro_loss.backward()
             loss += micro_loss.item()
@@ -266,7 +332,7 @@ def build_gpt(options: argparse.Namespace, rank: int, world: int,
         optimizer.zero_grad()
         return loss
 
-    return Training(model, optimizer, {"scheduler": scheduler}, step)
+    return Training(model, optimizer, {"scheduler": scheduler}, step, install_kill)
 
 
 def w_arguments() -> argparse.ArgumentParser:
@@ -279,7 +345,8 @@ def w_arguments() -> argparse.ArgumentParser:
     return parser
 
 
-WORKLOADS = {"w": (w_arguments, build_w), "gpt": (train_gpt.arguments, build_gpt)}
+WORKLOADS = {"w": (w_arguments, build_w), "gpt": (train_gpt.arguments, build_gpt),
+             "hsdp": (train_gpt.arguments, build_hsdp)}
 
 
 def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, argparse.Namespace]:
@@ -317,7 +384,7 @@ def main() -> None:
     _, build = WORKLOADS[args.workload]
     training = build(options, rank, world, device)
     hook = KillState(record, kill_step if kill_phase == "allreduce" else None)
-    training.model.register_comm_hook(hook, kill_hook)
+    training.install_kill(hook)
     record("built")
 
     args.ckpt_dir.mkdir(parents=True, exist_ok=True)
@@ -342,7 +409,7 @@ def main() -> None:
     # tearing down: gloo's process-group destructor can hang joining its threads once
     # the peers are gone (seen on rank 0 with torch 2.13), and nothing is left to flush.
     dist.barrier()
-    record("done", options.steps)
+    record("done", options.steps, peak_rss_kb=peak_rss_kb())
     os._exit(0)
 
 

@@ -5,7 +5,10 @@ tiers phase on ``sharded_optimizer``) is caught here in a second."""
 
 from __future__ import annotations
 
+import argparse
 from pathlib import Path
+
+import pytest
 
 from phalanx.bench import recovery, snapshot, tiers
 
@@ -34,3 +37,16 @@ def test_the_sharded_optimizer_is_an_option_of_recovery_alone(tmp_path: Path) ->
     args = tiers.arguments().parse_args([*SMALL, "--data-dir", str(tmp_path)])
     sharded = recovery.prepare_workload(args, sharded_optimizer=True)
     assert "--sharded-optimizer" in sharded.options
+
+
+def test_hsdp_runs_groups_of_two_for_whole_epochs(tmp_path: Path) -> None:
+    args = argparse.Namespace(workload="hsdp", gpt_options="--layers 1 --embd 16 --heads 2 "
+                              "--block-size 8 --global-batch 8", data_dir=tmp_path)
+    workload = recovery.prepare_workload(args)
+    assert (workload.ranks_per_replica, workload.replicas, workload.baseline) == (2, 2, "fsdp2")
+    assert workload.order.steps_per_epoch == recovery.HSDP_EPOCH_STEPS
+    assert workload.length(3 * recovery.HSDP_EPOCH_STEPS) == ["--epochs", "3"]
+    with pytest.raises(ValueError, match="whole epochs"):
+        workload.length(recovery.HSDP_EPOCH_STEPS + 1)
+    assert workload.worker_options[:2] == ["--workload", "hsdp"]
+    assert set(recovery.overhead_arms(workload)) == {"phalanx", "fsdp2"}
