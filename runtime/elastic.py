@@ -205,6 +205,9 @@ class ElasticSession:
             replica is a group of that many ranks whose model is sharded over the
             group (:mod:`.replica_group`); alone, a sharded model's group is the
             script's default process group.
+        data_parallel: in a replica group, the 1-D device mesh whose ranks take different
+            data (``mesh["dp"]`` of a ``("dp", "tp")`` mesh: tensor-parallel ranks take
+            the same batch); None: every rank of the group its own.
 
     Raises:
         ValueError: an unknown ``backend``, ``nccl`` for a model not on a GPU, a model on
@@ -231,12 +234,13 @@ class ElasticSession:
                  snapshot_dir: str | None = None,
                  durable: DurablePolicy | None = None, backend: str = "auto",
                  landing: list[torch.Tensor] | None = None, admission: int = 0,
-                 advertise_host: str = "127.0.0.1", ranks_per_replica: int | None = None
-                 ) -> None:
+                 advertise_host: str = "127.0.0.1", ranks_per_replica: int | None = None,
+                 data_parallel: Any = None) -> None:
         teardown.watch()
         trained = ddp.unwrap(model)  # the script's model, or the module in its DDP wrapper
         buffers = StepBuffers(trained, getattr(model, "broadcast_buffers", True))
-        group = replica_group.of(trained, ranks_per_replica if bus is not None else None)
+        group = replica_group.of(trained, ranks_per_replica if bus is not None else None,
+                                 data_parallel)
         if group is None:
             default_group.take_over(alone=bus is None)  # the script's, DDP's let go of
         else:

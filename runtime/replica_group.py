@@ -77,10 +77,28 @@ class ShardSpec:
 
 @dataclasses.dataclass(frozen=True)
 class ReplicaGroup:
-    """This process's place in its replica's group: its rank and the group's size."""
+    """This process's place in its replica's group: its rank and the group's size, and
+    its rank among the group's ranks that take different data (``data_size`` of them:
+    all of them under FSDP alone; with tensor parallelism, a tensor-parallel set of
+    ranks takes the same batch)."""
 
     rank: int
     size: int
+    data_rank: int = 0
+    data_size: int = 0  # 0: ``size``, each rank its own data
+    #: The first of the ranks that share its data shard: the one whose record says what
+    #: the shard trained on (each sample once).
+    records_data: bool = True
+
+    def __post_init__(self) -> None:
+        if not self.data_size:
+            object.__setattr__(self, "data_rank", self.rank)
+            object.__setattr__(self, "data_size", self.size)
+
+    @property
+    def copies(self) -> int:
+        """How many of the group's ranks train on each of its data shards."""
+        return self.size // self.data_size
 
     def agree(self, values: torch.Tensor) -> torch.Tensor:
         """``values`` (float64) summed over the group's ranks, on the group's default
@@ -127,7 +145,8 @@ def shard_spec(tensor: torch.Tensor) -> ShardSpec | None:
 
 def mesh_key(mesh: Any) -> MeshKey:
     names = mesh.mesh_dim_names
-    return (tuple(mesh.mesh.tolist()), None if names is None else tuple(names))
+    return (tuple(mesh.mesh.shape), *mesh.mesh.reshape(-1).tolist()), \
+        None if names is None else tuple(names)
 
 
 def meshes_of(model: torch.nn.Module) -> dict[MeshKey, Any]:
@@ -175,9 +194,13 @@ def is_sharded(model: torch.nn.Module) -> bool:
     return any(is_dtensor(p) for p in model.parameters())
 
 
-def of(model: torch.nn.Module, ranks_per_replica: int | None) -> ReplicaGroup | None:
+def of(model: torch.nn.Module, ranks_per_replica: int | None,
+       data_parallel: Any = None) -> ReplicaGroup | None:
     """The group this process is a rank of, checked against how ``model`` is sharded;
     None for a model every rank holds whole (one rank per replica).
+
+    ``data_parallel``: the 1-D device mesh (a dimension of the group's) whose ranks take
+    different data; None: every rank of the group takes its own.
 
     ``ranks_per_replica``: the job's (its agent set it); None alone, where the group is
     the script's default process group (``torchrun --nproc-per-node S``).
@@ -213,7 +236,18 @@ def of(model: torch.nn.Module, ranks_per_replica: int | None) -> ReplicaGroup | 
                 f"init_device_mesh(device, ({expected},)) (or a 2-D one for tensor "
                 "parallelism within it); the replicate dimension is phalanx's, which "
                 "all-reduces across the groups")
-    return ReplicaGroup(dist.get_rank(), expected)
+    if data_parallel is None:
+        return ReplicaGroup(dist.get_rank(), expected)
+    if data_parallel.ndim != 1 or expected % data_parallel.size():
+        raise GroupMismatch(f"data_parallel must be one dimension of the group's mesh, got "
+                            f"a mesh of shape {tuple(data_parallel.shape)} in a group of "
+                            f"{expected}: pass mesh[\"dp\"]")
+    data_rank = data_parallel.get_local_rank()
+    shards = torch.zeros(expected, dtype=torch.int64)
+    shards[dist.get_rank()] = data_rank
+    dist.all_reduce(shards)  # every rank's data shard, once, as the group starts
+    return ReplicaGroup(dist.get_rank(), expected, data_rank, data_parallel.size(),
+                        records_data=shards.tolist().index(data_rank) == dist.get_rank())
 
 
 def prepare(model: torch.nn.Module) -> None:

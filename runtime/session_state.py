@@ -129,8 +129,8 @@ class SessionState:
         group = self.group
         return self.order.plan(epoch, in_epoch, world_size, rank, self.micro_batch_size,
                                aligned=self.deterministic,
-                               group_size=1 if group is None else group.size,
-                               group_rank=0 if group is None else group.rank)
+                               group_size=1 if group is None else group.data_size,
+                               group_rank=0 if group is None else group.data_rank)
 
     def die(self) -> None:
         """Fault injection: die now, as a SIGKILLed rank does (recorded first)."""

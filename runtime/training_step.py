@@ -160,7 +160,8 @@ class StepRunner:
             if membership.pg is None:
                 write_gradients(params, local)
                 # Alone, a replica group is the whole job: its ranks' metrics are the step's.
-                step.reduced(metrics if state.group is None else state.group.agree(metrics))
+                step.reduced(metrics if state.group is None
+                             else state.group.agree(metrics) / state.group.copies)
                 state.buffers.alone()
                 return True
             flat = torch.cat([local.to(torch.float64), tail().to(local.device)])
@@ -221,7 +222,8 @@ class StepRunner:
                                  "the step's all-reduce")
         assert summed is not None
         out = summed.clone()
-        out[:metrics] = verdict[1:1 + metrics].to(out.dtype)
+        # Each data shard's loss and metrics were counted by every rank that trained on it.
+        out[:metrics] = (verdict[1:1 + metrics] / group.copies).to(out.dtype)
         out[-1] = verdict[-1]
         return out, None
 
@@ -293,12 +295,12 @@ class StepRunner:
 
     def record_batch(self, step: Step) -> None:
         """The record's line of what ``step`` trained on (before its gradients leave)."""
-        record = self.state.record
+        record, group = self.state.record, self.state.group
         if record is not None:
             record.write(
                 kind="batch", step=step.index, generation=self._generation_number(),
                 rank=self.membership.rank, world_size=self.membership.world_size,
-                indices=step.indices,
+                indices=step.indices if group is None or group.records_data else [],
                 loss=float(step.local_metrics()[0]) if step.loss_given else None,
                 kept=0 if step.kept is None else len(step.kept.indices))
 
