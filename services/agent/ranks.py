@@ -37,8 +37,8 @@ A replica of several ranks (``ranks_per_replica`` S > 1, a *group*) is S process
 started together, held until every one of them is on the manifest, each on its share
 of the replica's slots with the replica's ``PHALANX_*`` identity plus its group rank,
 torchrun's variables describing the group (:func:`~.core.group_variables`, with a
-``MASTER_PORT`` picked free here for each group incarnation), and a log of its own
-(``<replica>_g<group rank>.log``). It is one rank to everyone else: one
+``MASTER_PORT`` picked free here for each group incarnation, below the ephemeral
+ports), and a log of its own (``<replica>_g<group rank>.log``). It is one rank to everyone else: one
 ``RankStarted`` (with group rank 0's pid), one ``RankExited`` once every process of
 it is gone (:func:`~.core.group_exit`); the first process to end takes the others
 down (:func:`~.core.siblings_wait_s`), and a stop stops them all.
@@ -139,13 +139,29 @@ def master_port(job_id: str, incarnation: int = 0) -> int:
 SLOT_WAIT_S = 30.0
 
 
-def free_port() -> int:
-    """A TCP port free on this host now (the kernel's pick), for a group's ``MASTER_PORT``:
-    its processes rendezvous on their own host."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
-        probe.bind(("127.0.0.1", 0))
-        port: int = probe.getsockname()[1]
-        return port
+#: Where a group's ``MASTER_PORT`` is picked: below the kernel's ephemeral ports (32768 up
+#: by default), which every ``bind(port 0)`` on the host draws from (gloo's pairs, the
+#: ranks' stores), and below the gangs' ``master_port`` range.
+GROUP_PORTS = range(20000, 29500)
+
+
+def group_master_port(key: str) -> int:
+    """A TCP port free on this host now for a group's ``MASTER_PORT`` (its processes
+    rendezvous on their own host), scanning :data:`GROUP_PORTS` from a point ``key`` (the
+    group's job, replica and incarnation) picks. A port from the ephemeral range, free
+    when picked, was taken by another process's ``bind(0)`` before the group's rank 0
+    bound it (seen in the suite: the group's ranks met another's store)."""
+    first = zlib.crc32(key.encode()) % len(GROUP_PORTS)
+    for i in range(len(GROUP_PORTS)):
+        port = GROUP_PORTS[(first + i) % len(GROUP_PORTS)]
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+            try:
+                probe.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise OSError(f"no free port in {GROUP_PORTS.start}..{GROUP_PORTS.stop - 1} for a "
+                  "replica group's rendezvous")
 
 
 class ReplicaOutdated(PhalanxError, ValueError):
@@ -579,7 +595,8 @@ class RankSet:
         (:func:`~.core.group_slots`): every one held until all are on the manifest, then
         released together. None when one cannot start (reported as the replica's launch
         failure; the others, held, never run)."""
-        port = free_port()  # the group's rendezvous, new for each incarnation
+        # The group's rendezvous, new for each incarnation.
+        port = group_master_port(f"{record.job_id}/{replica_id}")
         shares = core.group_slots(slots, record.spec.ranks_per_replica)
         self.launched[(record.job_id, rank)] = core.Launch(replica_id, placement)
         started: list[ChildProcess] = []

@@ -14,7 +14,6 @@ and every window used once an epoch.
 from __future__ import annotations
 
 import asyncio
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -28,6 +27,7 @@ from phalanx.runtime import record
 from phalanx.runtime.data import ElasticOrder
 from phalanx.schemas import environment, subjects
 from phalanx.schemas.messages import GenerationApplied, GenerationReason
+from phalanx.services.agent.ranks import group_master_port
 from phalanx.services.agent.zygote import Launcher
 from phalanx.services.natsd import NatsServer
 
@@ -52,12 +52,6 @@ def data(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return path
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def group_env(replica: str, rank: int, port: int) -> dict[str, str]:
     """What an agent gives rank ``rank`` of replica ``replica``'s group."""
     return {environment.REPLICA_ID: replica, environment.RANKS_PER_REPLICA: str(RANKS),
@@ -68,7 +62,7 @@ def group_env(replica: str, rank: int, port: int) -> dict[str, str]:
 
 
 async def start_group(job: Job, replica: str, slot: int, env: dict[str, str]) -> None:
-    port = free_port()
+    port = group_master_port(f"{job.uid}/{replica}")  # as an agent picks it
     for rank in range(RANKS):
         await job.start(f"{replica}.g{rank}", slot, {**env, **group_env(replica, rank, port)})
 

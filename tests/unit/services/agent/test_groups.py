@@ -4,6 +4,8 @@ keeps no spares. Pure rules, no process."""
 
 from __future__ import annotations
 
+import socket
+
 import pytest
 from agent_rules import job_record
 
@@ -20,6 +22,7 @@ from phalanx.services.agent.core import (
     siblings_wait_s,
     spares_wanted,
 )
+from phalanx.services.agent.ranks import GROUP_PORTS, group_master_port
 
 
 @pytest.mark.parametrize(("slots", "ranks", "shares"), [
@@ -88,3 +91,13 @@ def test_a_record_placing_more_groups_than_the_node_holds_is_refused() -> None:
     too_big = job_record("n1", "n1", ranks_per_replica=2, slots_per_replica=2)
     assert reconcile(too_big, "n1", {}, {}, capacity=4) == [Refuse(
         Refusal.TOO_LARGE, "j places 2 replicas of 4 slots on n1, which has 4")]
+
+
+def test_a_groups_master_port_is_free_and_below_the_ephemeral_ports() -> None:
+    """Picked from the ephemeral range, a port free when picked was taken by another
+    process's bind(0) before the group's rank 0 bound it."""
+    port = group_master_port("job/r0-0")
+    assert port in GROUP_PORTS and port < 32768
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", port))
+        assert group_master_port("job/r0-0") != port  # the next free one
