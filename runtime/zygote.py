@@ -27,6 +27,9 @@ request socket or dies; children still running then go on (the agent that
 restarts adopts them like any rank). Nothing it is sent can make it crash: a
 request it cannot read or fork is answered :class:`~phalanx.schemas.zygote.ForkFailed`
 and the zygote goes on.
+
+Run with ``--template PATH`` it is a machine's :class:`Template` instead: it listens on
+a Unix socket and forks the agents' zygotes, with the imports done once between them.
 """
 
 from __future__ import annotations
@@ -333,9 +336,164 @@ def preload() -> float:
     return time.perf_counter() - started
 
 
+class Template:
+    """A zygote of zygotes: forks each agent's zygote with :data:`PRELOAD` imported once.
+
+    It serves one :class:`~phalanx.schemas.zygote.Spawn` per connection, in turn, and
+    only for an environment equal to its own (once ``PHALANX_*`` and the replica's
+    variables are left out): its imports must have read what the zygote's would have.
+    It imports at the first request, so a machine whose agents never fork pays nothing.
+    """
+
+    def __init__(self, listener: socket.socket,
+                 environment: Mapping[str, str] | None = None) -> None:
+        self.listener = listener
+        self.environment = protocol.import_environment(
+            os.environ if environment is None else environment)
+        self.seconds: float | None = None  # the imports', once done
+
+    def serve(self) -> NoReturn:
+        """Serve until killed (a template's children are reaped as they end)."""
+        signal.signal(signal.SIGCHLD, _reap_all)
+        while True:
+            try:
+                connection, _ = self.listener.accept()
+            except OSError as exc:  # a connection reset before it was accepted
+                log.warning("zygote template: accept failed: %s", exc)
+                continue
+            with connection:
+                self.serve_one(connection)
+
+    def serve_one(self, connection: socket.socket) -> None:
+        """Read one request from ``connection``, answer it, close what came with it."""
+        connection.settimeout(_TEMPLATE_READ_TIMEOUT_S)
+        fds: list[int] = []
+        try:
+            body, fds = _read_frame(connection)
+            reply = self._spawn(body, fds, connection)
+        except (OSError, ValueError) as exc:
+            reply = protocol.SpawnFailed(error=f"bad request: {exc}")
+        finally:
+            for fd in fds:
+                with contextlib.suppress(OSError):
+                    os.close(fd)
+        with contextlib.suppress(OSError):  # the agent gave up waiting: its loss
+            connection.sendall(protocol.encode_template_reply(reply))
+
+    def _spawn(self, body: bytes, fds: list[int],
+               connection: socket.socket) -> protocol.TemplateReply:
+        try:
+            request = protocol.decode_spawn(body)
+        except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+            return protocol.SpawnFailed(error=f"bad request: {exc}")
+        if len(fds) != 3:
+            return protocol.SpawnFailed(
+                error=f"{len(fds)} descriptor(s) came with the request, not 3")
+        wanted = protocol.import_environment(request.env)
+        if wanted != self.environment:
+            differing = sorted(k for k in wanted.keys() | self.environment.keys()
+                               if wanted.get(k) != self.environment.get(k))
+            return protocol.SpawnFailed(
+                error=f"the environment differs from the template's in {differing[:8]}")
+        if self.seconds is None:
+            self.seconds = preload()
+        if threading.active_count() != 1 or _cuda_initialized():
+            return protocol.SpawnFailed(error="the template cannot fork safely")
+        try:
+            pid = os.fork()
+        except OSError as exc:
+            return protocol.SpawnFailed(error=str(exc))
+        if pid == 0:
+            self._become(request, fds, connection)
+        return protocol.Spawned(pid=pid)
+
+    def _become(self, request: protocol.Spawn, fds: list[int],
+                connection: socket.socket) -> NoReturn:
+        """In the child: leave the template, serve as a zygote until its agent goes."""
+        try:
+            os.setsid()
+            signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+            self.listener.close()
+            connection.close()
+            requests_fd, events_fd, output = fds
+            os.dup2(output, 1)
+            os.dup2(output, 2)
+            os.close(output)
+            stdin = os.open(os.devnull, os.O_RDONLY)
+            os.dup2(stdin, 0)
+            os.close(stdin)
+            os.environ.clear()
+            os.environ.update(request.env)
+            zygote = Zygote(socket.socket(fileno=requests_fd), socket.socket(fileno=events_fd))
+            zygote.requests.setblocking(True)
+            zygote.events.setblocking(True)
+            zygote._send(protocol.Ready(pid=os.getpid(), seconds=self.seconds or 0.0))
+            zygote.serve()
+        except BaseException:
+            with contextlib.suppress(Exception):
+                traceback.print_exc()
+        os._exit(0)
+
+
+#: How long a template waits for the rest of a request once a connection is accepted.
+_TEMPLATE_READ_TIMEOUT_S = 5.0
+
+
+def _read_frame(connection: socket.socket) -> tuple[bytes, list[int]]:
+    """One frame and the descriptors that came with it.
+
+    Raises:
+        ValueError: the frame is too long, or the connection ended first.
+        OSError: reading failed (timed out, reset).
+    """
+    data = bytearray()
+    fds: list[int] = []
+    try:
+        while True:
+            chunk, more, _, _ = socket.recv_fds(connection, 1 << 16, 4)
+            fds += more
+            if not chunk:
+                raise ValueError("the connection ended inside a request")
+            data += chunk
+            if len(data) >= protocol.HEADER_BYTES:
+                end = protocol.HEADER_BYTES + protocol.frame_length(
+                    bytes(data[:protocol.HEADER_BYTES]))
+                if len(data) >= end:
+                    return bytes(data[protocol.HEADER_BYTES:end]), fds
+    except BaseException:
+        for fd in fds:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+        raise
+
+
+def _reap_all(*_: object) -> None:
+    with contextlib.suppress(ChildProcessError):
+        while os.waitpid(-1, os.WNOHANG)[0]:
+            pass
+
+
+def serve_template(path: str, listening: int) -> NoReturn:
+    """Listen on the Unix socket ``path`` (only this user may connect), say so by closing
+    the descriptor ``listening``, and serve."""
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    old_mask = os.umask(0o177)
+    try:
+        listener.bind(path)
+    finally:
+        os.umask(old_mask)
+    listener.listen(16)
+    os.close(listening)
+    Template(listener).serve()
+
+
 def main() -> None:
     # No logging set up here: a child would inherit the handlers, and the script's own
     # ``logging.basicConfig`` would then do nothing.
+    if len(sys.argv) == 4 and sys.argv[1] == "--template":
+        serve_template(sys.argv[2], int(sys.argv[3]))
     requests = socket.socket(fileno=int(os.environ.pop(protocol.REQUESTS_FD)))
     events = socket.socket(fileno=int(os.environ.pop(protocol.EVENTS_FD)))
     requests.setblocking(True)

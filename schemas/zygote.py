@@ -16,6 +16,17 @@ writes JSON lines: :class:`Ready` once, then :class:`Forked` or
 :class:`ForkFailed` for each request and :class:`Exited` for each child that
 ended (the zygote is their parent, so only it can collect their exit status).
 
+A machine that runs several agents (a local cluster, ``phalanx up``) may keep one
+*template* (``python -m phalanx.runtime.zygote --template PATH``): a zygote of zygotes
+listening on a Unix socket, that imports :data:`PRELOAD` once, at its first request,
+and forks each agent's zygote from then on, so the machine pays torch's imports once
+rather than once per agent. An agent told of one (``PHALANX_AGENT_ZYGOTE_TEMPLATE``)
+connects, sends one :class:`Spawn` frame with the new zygote's two sockets and its log
+attached, and reads one JSON line back: :class:`Spawned` or :class:`SpawnFailed`. A
+template serves only an environment equal to its own (:func:`import_environment`):
+what its imports read must be what the zygote's would have read; for any other the
+agent starts a zygote of its own, as it would without a template.
+
 A rank's program may be *held*: the agent writes it into the pipe only once the
 rank is on its record (where a restarted agent finds it), so a child whose agent
 died before that reads nothing and exits with :data:`NOT_RELEASED` without
@@ -29,6 +40,8 @@ import struct
 from collections.abc import Mapping, Sequence
 
 import msgspec
+
+from phalanx.schemas import settings
 
 #: The module an agent runs (``python -m``) as a zygote.
 MODULE = "phalanx.runtime.zygote"
@@ -48,6 +61,12 @@ NOT_RELEASED = 125
 NOT_RELEASED_LINE = "=== phalanx: not started: the agent that launched it died first\n"
 #: The most bytes one frame may hold (a request is its command and environment).
 MAX_FRAME = 4 << 20
+
+#: Variables set per replica that are not ``PHALANX_*``: left out of a zygote's
+#: environment (see the module docstring) and given to each child.
+REPLICA_VARIABLES = frozenset({"RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE",
+                               "GROUP_RANK", "ROLE_RANK", "MASTER_ADDR", "MASTER_PORT",
+                               "CUDA_VISIBLE_DEVICES", "TORCHELASTIC_RUN_ID"})
 
 _LENGTH = struct.Struct("!I")
 
@@ -116,13 +135,38 @@ class Exited(msgspec.Struct, frozen=True, tag="exited"):
 
 Event = Ready | Forked | ForkFailed | Exited
 
+
+class Spawn(msgspec.Struct, frozen=True, tag="spawn", forbid_unknown_fields=True):
+    """Ask a template for a zygote of environment ``env``. Attached: the zygote's request
+    socket, its event socket (it sends :class:`Ready` there first, as a zygote started
+    cold does) and its log (standard output and error)."""
+
+    env: dict[str, str]
+
+
+class Spawned(msgspec.Struct, frozen=True, tag="spawned"):
+    """The zygote is process ``pid`` (the template's child, leading its own session)."""
+
+    pid: int
+
+
+class SpawnFailed(msgspec.Struct, frozen=True, tag="spawn_failed"):
+    """No zygote was forked, and why; the agent starts one of its own."""
+
+    error: str
+
+
+TemplateReply = Spawned | SpawnFailed
+
 _encoder = msgspec.json.Encoder()
 _requests = msgspec.json.Decoder(Fork)
 _programs = msgspec.json.Decoder(Program)
 _events: msgspec.json.Decoder[Event] = msgspec.json.Decoder(Event)
+_spawns = msgspec.json.Decoder(Spawn)
+_template_replies: msgspec.json.Decoder[TemplateReply] = msgspec.json.Decoder(TemplateReply)
 
 
-def frame(request: Fork) -> bytes:
+def frame(request: Fork | Spawn) -> bytes:
     """``request`` as one frame of the request socket."""
     body = _encoder.encode(request)
     return _LENGTH.pack(len(body)) + body
@@ -146,6 +190,34 @@ HEADER_BYTES = _LENGTH.size
 def decode_request(body: bytes) -> Fork:
     """Raises ``msgspec.ValidationError`` / ``msgspec.DecodeError`` on a bad frame."""
     return _requests.decode(body)
+
+
+def decode_spawn(body: bytes) -> Spawn:
+    """Raises ``msgspec.ValidationError`` / ``msgspec.DecodeError`` on a bad frame."""
+    return _spawns.decode(body)
+
+
+def encode_template_reply(reply: TemplateReply) -> bytes:
+    return _encoder.encode(reply) + b"\n"
+
+
+def decode_template_reply(line: bytes) -> TemplateReply:
+    """Raises ``msgspec.ValidationError`` / ``msgspec.DecodeError`` on a bad line."""
+    return _template_replies.decode(line)
+
+
+def import_environment(env: Mapping[str, str]) -> dict[str, str]:
+    """``env`` without what the agent sets per job and per replica: the environment a
+    zygote that may fork a process of ``env`` is started in."""
+    return {k: v for k, v in env.items()
+            if not k.startswith(settings.PREFIX) and k not in REPLICA_VARIABLES}
+
+
+def with_interpreter_path(env: Mapping[str, str], executable: str) -> dict[str, str]:
+    """``env`` with ``executable``'s folder first on its ``PATH``: how a rank runs in its
+    agent's environment (as torchrun's workers do), and so a template's environment."""
+    return {**env, "PATH": os.pathsep.join([os.path.dirname(executable),
+                                            env.get("PATH", "")])}
 
 
 def encode_program(program: Program) -> bytes:

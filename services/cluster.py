@@ -64,6 +64,7 @@ from phalanx.schemas.errors import PhalanxError
 from phalanx.schemas.messages import JobRecord, NodeHeartbeat
 from phalanx.services import control_plane, metrics
 from phalanx.services.agent import cpus
+from phalanx.services.agent.zygote import Template
 from phalanx.services.auth.issuer import AuthDir
 from phalanx.services.auth.roles import Role
 from phalanx.services.client import AdmissionClient
@@ -194,6 +195,9 @@ class LocalCluster:
         self.metrics_sockets: dict[str, socket.socket] = {}
         self.auth = AuthDir(auth_dir) if auth_dir is not None else None
         self.bus: Bus | None = None
+        # The agents' zygotes are forked from one template: the machine imports torch
+        # once for all of them. One given in the environment is used instead.
+        self.zygote_template: Template | None = None
 
     @property
     def logs_dir(self) -> Path:
@@ -251,6 +255,11 @@ class LocalCluster:
                 self.services[instance] = await self._spawn(
                     instance, control_plane.module(service), "--instance", instance, *extra,
                     identity=self._identity(Role(service)))
+        if self.n_agents and settings.AGENT("zygote_template") not in os.environ:
+            self.zygote_template = Template(self.logs_dir / "zygote-template.log")
+            if not await asyncio.to_thread(self.zygote_template.wait_listening):
+                log.warning("the zygote template exited at its start: each agent starts "
+                            "its own zygote (see %s)", self.logs_dir / "zygote-template.log")
         for i in range(self.n_agents):
             await self.start_agent(f"local-{i}", f"domain-{i % 2}")
         if not self.agents:
@@ -403,6 +412,8 @@ class LocalCluster:
             # The agents share one machine's GPUs: CPU slots (--slots-per-agent), unless
             # the environment asks for discovery (bench/gpu_node.py on a GPU, one agent).
             extra_env={settings.AGENT("stop_is_restart"): "1",
+                       **({settings.AGENT("zygote_template"): self.zygote_template.path}
+                          if self.zygote_template is not None else {}),
                        settings.AGENT("discover_gpus"):
                        os.environ.get(settings.AGENT("discover_gpus"), "0"),
                        **self._cpus_of(len(self.agents))})
@@ -494,6 +505,9 @@ class LocalCluster:
             await self.bus.close()
             self.bus = None
         sweep_ranks(self.data_dir)
+        if self.zygote_template is not None:
+            await asyncio.to_thread(self.zygote_template.stop)
+            self.zygote_template = None
         if self.nats is not None:
             await asyncio.to_thread(self.nats.stop)
         if self.nats_cluster is not None:

@@ -70,6 +70,12 @@ class AgentConfig:
     (:mod:`phalanx.services.agent.zygote`), instead of starting each cold: a replacement
     skips 1.5 to 2.5 s of imports. Any other command starts cold either way; off
     (``PHALANX_AGENT_ZYGOTE=0``), every one does."""
+    zygote_template: str | None = None
+    """The Unix socket of this machine's zygote template
+    (``python -m phalanx.runtime.zygote --template PATH``): the agent's zygotes are forked
+    from it, so agents sharing a machine import torch once between them (``phalanx up``
+    starts one for its agents). A template that is gone, or whose environment differs
+    from a job's, is passed over for a zygote of the agent's own."""
     replacement_nice: int = 10
     """Nice value a replacement replica starts at, until it is ready (0: as the others).
     Applied only where the replica may lower it again (``CAP_SYS_NICE`` or

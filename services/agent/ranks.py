@@ -90,7 +90,7 @@ from typing import TYPE_CHECKING
 
 import msgspec
 
-from phalanx.schemas import environment
+from phalanx.schemas import environment, zygote
 from phalanx.schemas.errors import PhalanxError
 from phalanx.schemas.messages import (
     DETAIL_CHARS,
@@ -460,12 +460,10 @@ class RankSet:
             checkpoint=checkpoint)
         # The agent's own environment, then the job's, may name another host.
         advertised = environment.RankEnvironment(advertise_host=self.advertise_host)
-        env = {
-            **advertised.to_env(), **os.environ, **spec.env, **job.to_env(),
-            # Ranks run in the agent's environment, as torchrun's workers do.
-            "PATH": os.pathsep.join([str(Path(sys.executable).parent),
-                                     os.environ.get("PATH", "")]),
-        }
+        # Ranks run in the agent's environment, as torchrun's workers do.
+        env = zygote.with_interpreter_path(
+            {**advertised.to_env(), **os.environ, **spec.env, **job.to_env()},
+            sys.executable)
         return rank_environment(env, self.bus_identity(record.job_id)
                                 if self.bus_identity is not None else {})
 

@@ -147,7 +147,8 @@ class AgentService(Service):
         self.record: NodeRecord | None = None
         self.ranks: RankSet | None = None
         self.spares: SpareSet | None = None
-        self.launcher = Launcher(self.work_dir, zygotes=config.zygote)
+        self.launcher = Launcher(self.work_dir, zygotes=config.zygote,
+                                 template=config.zygote_template)
         self._job_locks: dict[str, asyncio.Lock] = {}
         self.jobs: TypedKV[JobRecord] | None = None
         self.generations: TypedKV[Generation] | None = None

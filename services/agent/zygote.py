@@ -27,6 +27,10 @@ ran. A fork's program is written into its pipe at the release; a cold start runs
 under ``/bin/sh``, which waits for a line on its standard input before it execs
 the command (same process, same start time).
 
+Where the machine keeps a zygote template (:class:`Template`; a local cluster starts
+one for its agents), the zygote is forked from it, its imports already done, when the
+template serves the zygote's environment; else it is started cold.
+
 A forked process is the zygote's child, not the agent's: the zygote reports its
 exit status (:class:`ForkedProcess`). If the zygote dies first, the exits of its
 children still running are watched through a pidfd and reported with no status
@@ -39,10 +43,15 @@ import asyncio
 import contextlib
 import errno
 import fcntl
+import functools
 import logging
 import os
+import shutil
+import signal
 import socket
+import subprocess
 import sys
+import tempfile
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -50,9 +59,9 @@ from typing import BinaryIO, Protocol
 
 import msgspec
 
-from phalanx.schemas import settings
 from phalanx.schemas import zygote as protocol
 from phalanx.services.agent import pidfd
+from phalanx.services.natsd import _die_with_parent
 
 log = logging.getLogger("phalanx.agent.zygote")
 #: Zygotes kept at once (one per distinct import environment).
@@ -61,11 +70,6 @@ MAX_ZYGOTES = 2
 READY_TIMEOUT_S = 120.0
 #: How long a fork request may take to be answered.
 FORK_TIMEOUT_S = 10.0
-#: Variables set per replica that are not ``PHALANX_*``: left out of a zygote's
-#: environment (see the module docstring) and given to each child.
-REPLICA_VARIABLES = frozenset({"RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE",
-                               "GROUP_RANK", "ROLE_RANK", "MASTER_ADDR", "MASTER_PORT",
-                               "CUDA_VISIBLE_DEVICES", "TORCHELASTIC_RUN_ID"})
 _F_SETPIPE_SZ = getattr(fcntl, "F_SETPIPE_SZ", 1031)
 _F_GETPIPE_SZ = getattr(fcntl, "F_GETPIPE_SZ", 1032)
 
@@ -190,10 +194,13 @@ UNKNOWN_STATUS = 255
 class ZygoteProcess:
     """One zygote: its process, its two sockets, and the children it forked."""
 
-    def __init__(self, env: Mapping[str, str], log_path: Path) -> None:
+    def __init__(self, env: Mapping[str, str], log_path: Path,
+                 template: str | None = None) -> None:
         self.env = dict(env)
         self.log_path = log_path
-        self.process: asyncio.subprocess.Process | None = None
+        self.template = template
+        self.pid: int | None = None
+        self._ended: asyncio.Task[int | None] | None = None  # its status, where known
         self.ready: asyncio.Future[protocol.Ready] | None = None
         self.failed: str | None = None
         self._requests: socket.socket | None = None
@@ -208,7 +215,9 @@ class ZygoteProcess:
         self._stopping = False
 
     async def start(self) -> None:
-        """Start the process (its imports go on in the background: :attr:`ready`)."""
+        """Start the process (its imports go on in the background: :attr:`ready`):
+        forked by the machine's template where there is one that serves this
+        environment, else started cold."""
         loop = asyncio.get_running_loop()
         self.ready = loop.create_future()
         requests, theirs_requests = socket.socketpair()
@@ -216,13 +225,22 @@ class ZygoteProcess:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         try:
             with self.log_path.open("ab") as log_file:
-                self.process = await asyncio.create_subprocess_exec(
-                    sys.executable, "-m", protocol.MODULE,
-                    env={**self.env, protocol.REQUESTS_FD: str(theirs_requests.fileno()),
-                         protocol.EVENTS_FD: str(theirs_events.fileno())},
-                    stdin=asyncio.subprocess.DEVNULL, stdout=log_file, stderr=log_file,
-                    pass_fds=(theirs_requests.fileno(), theirs_events.fileno()),
-                    start_new_session=True)
+                theirs = (theirs_requests.fileno(), theirs_events.fileno(), log_file.fileno())
+                spawned = None if self.template is None else \
+                    await self._spawn_from_template(self.template, theirs)
+                from_template = spawned is not None
+                if spawned is not None:
+                    self.pid = spawned
+                    self._ended = asyncio.create_task(pidfd.ended(spawned))  # no status
+                else:
+                    process = await asyncio.create_subprocess_exec(
+                        sys.executable, "-m", protocol.MODULE,
+                        env={**self.env, protocol.REQUESTS_FD: str(theirs[0]),
+                             protocol.EVENTS_FD: str(theirs[1])},
+                        stdin=asyncio.subprocess.DEVNULL, stdout=log_file, stderr=log_file,
+                        pass_fds=theirs[:2], start_new_session=True)
+                    self.pid = process.pid
+                    self._ended = asyncio.create_task(process.wait())
         except OSError as exc:
             requests.close()
             events.close()
@@ -236,7 +254,37 @@ class ZygoteProcess:
         # The writer is kept: a writer collected closes the socket under the reader.
         reader, self._events = await asyncio.open_unix_connection(sock=events)
         self._reader = asyncio.create_task(self._read(reader))
-        log.info("zygote started", extra={"pid": self.process.pid})
+        log.info("zygote started", extra={"pid": self.pid, "from_template": from_template})
+
+    async def _spawn_from_template(self, path: str, fds: Sequence[int]) -> int | None:
+        """The pid of a zygote the template at ``path`` forked with ``fds`` (its two
+        sockets and its log); None where it would not or could not (said in the log)."""
+        loop = asyncio.get_running_loop()
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as connection:
+            connection.setblocking(False)
+            try:
+                async with asyncio.timeout(READY_TIMEOUT_S):  # the first waits for imports
+                    await loop.sock_connect(connection, path)
+                    await loop.run_in_executor(None, functools.partial(
+                        socket.send_fds, connection,
+                        [protocol.frame(protocol.Spawn(env=self.env))], list(fds)))
+                    line = bytearray()
+                    while not line.endswith(b"\n"):
+                        chunk = await loop.sock_recv(connection, 4096)
+                        if not chunk:
+                            raise ConnectionError("the template closed the connection")
+                        line += chunk
+                reply = protocol.decode_template_reply(bytes(line))
+            except (OSError, TimeoutError, msgspec.ValidationError,
+                    msgspec.DecodeError) as exc:
+                log.warning("the zygote template at %s did not answer (%s): starting a "
+                            "zygote of this agent's own", path, exc)
+                return None
+        if isinstance(reply, protocol.SpawnFailed):
+            log.info("the zygote template at %s spawned no zygote (%s): starting one of "
+                     "this agent's own", path, reply.error)
+            return None
+        return reply.pid
 
     async def fork(self, program: protocol.Program, output: BinaryIO,
                    stdin: bool, *, hold: bool = False) -> ForkedProcess:
@@ -316,7 +364,8 @@ class ZygoteProcess:
                     continue
                 self._on(event)
         finally:
-            code = self.process.returncode if self.process is not None else None
+            code = self._ended.result() if self._ended is not None and self._ended.done() \
+                and not self._ended.cancelled() else None
             self._fail(f"it ended (status {code})" if code is not None else "it ended")
 
     def _on(self, event: protocol.Event) -> None:
@@ -369,10 +418,10 @@ class ZygoteProcess:
         if self._requests is not None:
             self._requests.close()
             self._requests = None
-        if self.process is not None and self.process.returncode is None:
+        if self.pid is not None and self._ended is not None and not self._ended.done():
             with contextlib.suppress(ProcessLookupError):
-                self.process.kill()
-            await self.process.wait()
+                os.kill(self.pid, signal.SIGKILL)
+            await self._ended
         if self._reader is not None:
             await asyncio.gather(self._reader, return_exceptions=True)
         if self._events is not None:
@@ -382,9 +431,11 @@ class ZygoteProcess:
 class Launcher:
     """Starts the processes of jobs' commands: forked from a zygote, else cold."""
 
-    def __init__(self, work_dir: Path, *, zygotes: bool = True) -> None:
+    def __init__(self, work_dir: Path, *, zygotes: bool = True,
+                 template: str | None = None) -> None:
         self.work_dir = work_dir
         self.use_zygotes = zygotes
+        self.template = template
         self._zygotes: OrderedDict[tuple[tuple[str, str], ...], ZygoteProcess] = OrderedDict()
         self._count = 0
 
@@ -401,7 +452,7 @@ class Launcher:
         entry = protocol.python_entry(command, env, sys.executable) \
             if self.use_zygotes else None
         if entry is not None:
-            zygote = await self._zygote(import_environment(env))
+            zygote = await self._zygote(protocol.import_environment(env))
             if zygote is not None:
                 program = protocol.Program(command=tuple(command), entry=entry, env=dict(env),
                                            cwd=os.getcwd())
@@ -432,7 +483,8 @@ class Launcher:
                 _, oldest = self._zygotes.popitem(last=False)
                 await oldest.stop()
             self._count += 1
-            zygote = ZygoteProcess(env, self.work_dir / "zygotes" / f"zygote-{self._count}.log")
+            zygote = ZygoteProcess(env, self.work_dir / "zygotes" / f"zygote-{self._count}.log",
+                                   self.template)
             self._zygotes[key] = zygote
             await zygote.start()
         self._zygotes.move_to_end(key)
@@ -446,11 +498,45 @@ class Launcher:
             await zygote.stop()
 
 
-def import_environment(env: Mapping[str, str]) -> dict[str, str]:
-    """``env`` without what the agent sets per job and per replica: the environment a
-    zygote that may fork a process of ``env`` is started in."""
-    return {k: v for k, v in env.items()
-            if not k.startswith(settings.PREFIX) and k not in REPLICA_VARIABLES}
+class Template:
+    """A zygote template (:class:`phalanx.runtime.zygote.Template`) this process started
+    for the agents it starts: they are given :attr:`path`. It stops with its starter."""
+
+    def __init__(self, log_path: Path, env: Mapping[str, str] | None = None) -> None:
+        # A folder of its own under the temporary dir: a socket's path is at most 107 bytes.
+        self.folder = Path(tempfile.mkdtemp(prefix="phalanx-zygotes-"))
+        self.path = str(self.folder / "template.sock")
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        self._listening, theirs = os.pipe()  # closed by the template once it listens
+        try:
+            with log_path.open("ab") as log_file:
+                self.process = subprocess.Popen(
+                    [sys.executable, "-m", protocol.MODULE, "--template", self.path,
+                     str(theirs)],
+                    env=protocol.with_interpreter_path(os.environ if env is None else env,
+                                                       sys.executable),
+                    stdin=subprocess.DEVNULL, stdout=log_file, stderr=log_file,
+                    pass_fds=(theirs,), start_new_session=True, preexec_fn=_die_with_parent)
+        finally:
+            os.close(theirs)
+
+    def wait_listening(self) -> bool:
+        """Block until the template listens (True) or has died (False)."""
+        if self._listening >= 0:
+            os.read(self._listening, 1)  # end of file either way
+            os.close(self._listening)
+            self._listening = -1
+        return self.process.poll() is None
+
+    def stop(self) -> None:
+        """Stop it (the zygotes it forked go on until their agents close them)."""
+        if self.process.poll() is None:
+            self.process.kill()
+        self.process.wait()
+        if self._listening >= 0:
+            os.close(self._listening)
+            self._listening = -1
+        shutil.rmtree(self.folder, ignore_errors=True)
 
 
 def executable(program: str, env: Mapping[str, str]) -> str:

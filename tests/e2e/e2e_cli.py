@@ -4,6 +4,7 @@ waiting for the bus event a test expects."""
 from __future__ import annotations
 
 import asyncio
+import os
 import subprocess
 import sys
 from collections.abc import Callable
@@ -13,6 +14,9 @@ from typing import Any
 def phalanx(*args: str, check: bool = True,
             env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     """``phalanx ARGS`` in a fresh interpreter; asserts success unless ``check=False``."""
+    # The test's own name left out: the clusters of a test process share a zygote template.
+    env = {k: v for k, v in (os.environ if env is None else env).items()
+           if k != "PYTEST_CURRENT_TEST"}
     result = subprocess.run([sys.executable, "-m", "phalanx.services.cli", *args],
                             capture_output=True, text=True, timeout=60, env=env)
     if check:

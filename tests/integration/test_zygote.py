@@ -15,7 +15,7 @@ import os
 import signal
 import socket
 import sys
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Iterator, Mapping
 from pathlib import Path
 
 import pytest
@@ -23,7 +23,7 @@ from proc_tree import parent
 
 from phalanx.schemas import zygote as protocol
 from phalanx.services.agent import pidfd
-from phalanx.services.agent.zygote import ForkedProcess, Launcher
+from phalanx.services.agent.zygote import ForkedProcess, Launcher, Template
 
 PROBE = r'''
 import atexit, json, os, sys, threading, time
@@ -155,9 +155,9 @@ async def test_a_zygote_killed_leaves_its_children_running_and_the_next_launch_g
         child = await launcher.start(command, {**os.environ, "RANK": "3"}, output, stdin=True)
     assert isinstance(child, ForkedProcess)
     (zygote,) = launcher._zygotes.values()
-    assert zygote.process is not None and parent(child.pid) == zygote.process.pid
-    zygote.process.kill()
-    await zygote.process.wait()
+    assert zygote.pid is not None and parent(child.pid) == zygote.pid
+    os.kill(zygote.pid, signal.SIGKILL)
+    await asyncio.wait_for(pidfd.ended(zygote.pid), 30)
     os.kill(child.pid, 0)  # still running, waiting on its standard input
     assert child.stdin is not None
     child.stdin.close()  # it reads EOF, ends
@@ -210,7 +210,7 @@ async def test_requests_a_zygote_cannot_serve_are_refused_and_it_serves_on(
 HOLDING_AGENT = r'''
 import asyncio, os, signal, sys
 from pathlib import Path
-from phalanx.services.agent.zygote import ForkedProcess, Launcher
+from phalanx.services.agent.zygote import ForkedProcess, Launcher, Template
 
 async def main() -> None:
     how, marker, then = sys.argv[1], sys.argv[2], sys.argv[3]
@@ -257,3 +257,104 @@ async def test_a_held_cold_start_fails_at_once_for_a_command_exec_refuses(
             await cold.start(["no-such-command-here"], dict(os.environ), out, hold=True)
         with pytest.raises(PermissionError):
             await cold.start([str(tmp_path)], dict(os.environ), out, hold=True)
+
+
+def agent_environment(**extra: str) -> dict[str, str]:
+    """This process's environment without the variable pytest changes per test phase."""
+    return {**{k: v for k, v in os.environ.items() if k != "PYTEST_CURRENT_TEST"}, **extra}
+
+
+def launch_environment(**extra: str) -> dict[str, str]:
+    """A rank's environment as its agent makes it (the interpreter's folder first on
+    ``PATH``)."""
+    return protocol.with_interpreter_path(agent_environment(**extra), sys.executable)
+
+
+@pytest.fixture
+def template(tmp_path: Path) -> Iterator[Template]:
+    template = Template(tmp_path / "template.log", agent_environment())
+    assert template.wait_listening()
+    yield template
+    template.stop()
+
+
+async def launch(launcher: Launcher, command: list[str], out: Path,
+                 **extra: str) -> tuple[object, int, str]:
+    with out.open("wb") as output:
+        process = await launcher.start(command, launch_environment(RANK="3", **extra), output)
+    code = await asyncio.wait_for(process.wait(), 60)
+    return process, code, out.read_text()
+
+
+def zygote_of(launcher: Launcher) -> int:
+    (zygote,) = launcher._zygotes.values()
+    assert zygote.pid is not None
+    return zygote.pid
+
+
+async def test_agents_zygotes_forked_from_one_template_fork_ranks_as_a_zygote_of_their_own(
+        template: Template, probe: Path, tmp_path: Path) -> None:
+    command = [sys.executable, str(probe), "--lr", "3"]
+    agents = [Launcher(tmp_path / f"agent-{i}", template=template.path) for i in range(2)]
+    alone = Launcher(tmp_path / "alone")
+    try:
+        results = [await launch(agent, command, tmp_path / f"{i}.log")
+                   for i, agent in enumerate([*agents, alone])]
+        # Each agent has a zygote of its own, both children of the template; the agent
+        # without one started its own, as before.
+        assert [parent(zygote_of(agent)) for agent in agents] == [template.process.pid] * 2
+        assert parent(zygote_of(alone)) == os.getpid()
+        assert len({zygote_of(agent) for agent in agents}) == 2
+        for process, code, out in results:
+            assert isinstance(process, ForkedProcess) and code == 0
+            assert observed(out) == observed(results[-1][2])
+            assert out.splitlines()[-2:] == ["thread done", "atexit"]
+        # A zygote from the template imported nothing itself: the template did, once.
+        assert "torch" in Path(f"/proc/{template.process.pid}/maps").read_text()
+    finally:
+        for launcher in (*agents, alone):
+            await launcher.close()
+
+
+async def test_a_template_serves_only_its_own_environment_and_a_gone_one_is_passed_over(
+        template: Template, probe: Path, tmp_path: Path) -> None:
+    command = [sys.executable, str(probe)]
+    agent = Launcher(tmp_path / "agent", template=template.path)
+    try:
+        # A variable torch reads at import: the template's imports did not see it.
+        process, code, out = await launch(agent, command, tmp_path / "a.log",
+                                          OMP_NUM_THREADS="1")
+        assert isinstance(process, ForkedProcess) and code == 0
+        assert observed(out)["threads"] == 1 and parent(zygote_of(agent)) == os.getpid()
+    finally:
+        await agent.close()
+    template.stop()
+    agent = Launcher(tmp_path / "later", template=template.path)
+    try:
+        process, code, _ = await launch(agent, command, tmp_path / "b.log")
+        assert isinstance(process, ForkedProcess) and code == 0
+        assert parent(zygote_of(agent)) == os.getpid()
+    finally:
+        await agent.close()
+
+
+async def test_requests_a_template_cannot_serve_are_refused_and_it_serves_on(
+        template: Template, tmp_path: Path) -> None:
+    async def ask(frame: bytes, fds: list[int]) -> protocol.TemplateReply:
+        def exchange() -> bytes:
+            with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as connection:
+                connection.settimeout(30)
+                connection.connect(template.path)
+                socket.send_fds(connection, [frame], fds)
+                return connection.makefile("rb").readline()
+        return protocol.decode_template_reply(await asyncio.to_thread(exchange))
+
+    body = b'{"type": "spawn", "env": 3}'
+    reply = await ask(len(body).to_bytes(4, "big") + body, [])
+    assert isinstance(reply, protocol.SpawnFailed) and "bad request" in reply.error
+    reply = await ask(protocol.frame(protocol.Spawn(env=launch_environment())), [])
+    assert reply == protocol.SpawnFailed(error="0 descriptor(s) came with the request, not 3")
+    reply = await ask(protocol.frame(protocol.Spawn(env=launch_environment(HOME="/else"))),
+                      [0, 1, 2])
+    assert isinstance(reply, protocol.SpawnFailed) and "['HOME']" in reply.error
+    assert template.process.poll() is None
