@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from phalanx.services.agent.zygote import Launcher
+from phalanx.services.agent.zygote import Launcher, Template
 
 
 @pytest.fixture(scope="module")
@@ -23,10 +23,11 @@ def data(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
-async def launcher(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Launcher]:
+async def launcher(tmp_path_factory: pytest.TempPathFactory,
+                   zygote_template: Template) -> AsyncIterator[Launcher]:
     """Starts the tests' rank processes as an agent does: forked from a zygote that has
     torch imported (started cold, a worker spent about 2.4 s of CPU before its first step,
-    most of what these modules cost)."""
-    launcher = Launcher(tmp_path_factory.mktemp("launcher"))
+    most of what these modules cost), itself forked from the test process's template."""
+    launcher = Launcher(tmp_path_factory.mktemp("launcher"), template=zygote_template.path)
     yield launcher
     await launcher.close()

@@ -9,13 +9,12 @@ step, every sample exactly once, and the ranks must exit 0.
 from __future__ import annotations
 
 import asyncio
-import os
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-from test_runtime_training import kill, start
+from test_runtime_training import clean_env, kill, start
 
 from phalanx.bus.client import Bus, Delivery
 from phalanx.bus.config import BusConfig
@@ -65,7 +64,7 @@ async def test_training_goes_on_through_a_bus_outage(tmp_path: Path, uid: str,
             await bus.subscribe(subjects.replica_ready(uid), ReplicaReady, on_ready)
             await bus.subscribe(subjects.health_ranks(), RankProgress, on_progress)
             for slot in range(2):
-                env = {**{k: v for k, v in os.environ.items() if not k.startswith("PHALANX_")},
+                env = {**clean_env(),
                        "PHALANX_NATS_URL": server.url, "PHALANX_JOB_ID": uid,
                        "PHALANX_RANK": str(slot), "PHALANX_REPLICA_ID": f"r{slot}-0",
                        "PHALANX_NODE_ID": "n", "PHALANX_RECORD_DIR": str(tmp_path / "rec"),

@@ -22,7 +22,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
-from test_runtime_training import kill, run, start
+from test_runtime_training import clean_env, kill, run, start
 
 from phalanx.bus.client import Bus, Delivery
 from phalanx.runtime import record
@@ -46,10 +46,6 @@ STEPS = 200
 PACE_S = 0.05
 RUN_ENV = {"PHALANX_DETERMINISTIC": "1"}
 MEMBERS, WAITING, STOPPED = ("r0-0", "r1-0"), "r2-0", "r3-0"
-
-
-def clean_env() -> dict[str, str]:
-    return {k: v for k, v in os.environ.items() if not k.startswith("PHALANX_")}
 
 
 async def test_replicas_the_job_completes_without_save_nothing(

@@ -25,7 +25,7 @@ import torch
 
 from phalanx.bus.client import Bus, Delivery
 from phalanx.runtime import record
-from phalanx.schemas import environment, subjects
+from phalanx.schemas import environment, subjects, zygote
 from phalanx.schemas.messages import (
     Generation,
     GenerationApplied,
@@ -43,7 +43,11 @@ RUN_ENV = {"PHALANX_DETERMINISTIC": "1", "PHALANX_STATE_CHECKSUM": "1"}
 
 
 def clean_env() -> dict[str, str]:
-    return {k: v for k, v in os.environ.items() if not k.startswith("PHALANX_")}
+    """This process's environment as an agent gives it to a rank, without phalanx's own
+    variables and pytest's per-test one: every test's ranks fork from one zygote."""
+    return zygote.with_interpreter_path(
+        {k: v for k, v in os.environ.items()
+         if not k.startswith("PHALANX_") and k != "PYTEST_CURRENT_TEST"}, sys.executable)
 
 
 async def start(launcher: Launcher, command: list[str], env: dict[str, str],

@@ -56,9 +56,22 @@ def probe(tmp_path: Path) -> Path:
     return path
 
 
+def agent_environment(**extra: str) -> dict[str, str]:
+    """This process's environment without the variable pytest changes per test phase."""
+    return {**{k: v for k, v in os.environ.items() if k != "PYTEST_CURRENT_TEST"}, **extra}
+
+
+def launch_environment(**extra: str) -> dict[str, str]:
+    """A rank's environment as its agent makes it (the interpreter's folder first on
+    ``PATH``)."""
+    return protocol.with_interpreter_path(agent_environment(**extra), sys.executable)
+
+
 @pytest.fixture
-async def launcher(tmp_path: Path) -> AsyncIterator[Launcher]:
-    launcher = Launcher(tmp_path / "agent")
+async def launcher(tmp_path: Path, zygote_template: Template) -> AsyncIterator[Launcher]:
+    """An agent's launcher; its zygotes come from the test process's template (a zygote
+    of its own in an environment the template does not serve: a cold start's path)."""
+    launcher = Launcher(tmp_path / "agent", template=zygote_template.path)
     yield launcher
     await launcher.close()
 
@@ -68,8 +81,8 @@ async def start(launcher: Launcher, command: list[str], out: Path, *,
                 ) -> tuple[object, int, str]:
     """Start ``command``, feed it ``stdin``, wait: (the process, its status, its output)."""
     with out.open("wb") as output:
-        process = await launcher.start(command, {**os.environ, "RANK": "3", **env}, output,
-                                       stdin=stdin is not None)
+        process = await launcher.start(command, launch_environment(**{"RANK": "3", **env}),
+                                       output, stdin=stdin is not None)
     if stdin is not None:
         assert process.stdin is not None
         process.stdin.write(stdin)
@@ -123,7 +136,7 @@ async def test_a_module_unbuffered_and_a_signal_end_as_started_cold(
     # Killed by a signal: the status says which, as for a process started cold.
     with (tmp_path / "killed.log").open("wb") as output:
         process = await launcher.start([sys.executable, str(probe)],
-                                       {**os.environ, "END": "0"}, output, stdin=True)
+                                       launch_environment(END="0"), output, stdin=True)
     assert isinstance(process, ForkedProcess)
     os.killpg(process.pid, signal.SIGKILL)
     assert await asyncio.wait_for(process.wait(), 30) == -signal.SIGKILL
@@ -152,7 +165,8 @@ async def test_a_zygote_killed_leaves_its_children_running_and_the_next_launch_g
         launcher: Launcher, probe: Path, tmp_path: Path) -> None:
     command = [sys.executable, str(probe)]
     with (tmp_path / "a.log").open("wb") as output:
-        child = await launcher.start(command, {**os.environ, "RANK": "3"}, output, stdin=True)
+        child = await launcher.start(command, launch_environment(RANK="3"), output,
+                                     stdin=True)
     assert isinstance(child, ForkedProcess)
     (zygote,) = launcher._zygotes.values()
     assert zygote.pid is not None and parent(child.pid) == zygote.pid
@@ -257,17 +271,6 @@ async def test_a_held_cold_start_fails_at_once_for_a_command_exec_refuses(
             await cold.start(["no-such-command-here"], dict(os.environ), out, hold=True)
         with pytest.raises(PermissionError):
             await cold.start([str(tmp_path)], dict(os.environ), out, hold=True)
-
-
-def agent_environment(**extra: str) -> dict[str, str]:
-    """This process's environment without the variable pytest changes per test phase."""
-    return {**{k: v for k, v in os.environ.items() if k != "PYTEST_CURRENT_TEST"}, **extra}
-
-
-def launch_environment(**extra: str) -> dict[str, str]:
-    """A rank's environment as its agent makes it (the interpreter's folder first on
-    ``PATH``)."""
-    return protocol.with_interpreter_path(agent_environment(**extra), sys.executable)
 
 
 @pytest.fixture
