@@ -71,7 +71,7 @@ from phalanx.runtime import (
     spare,
     teardown,
 )
-from phalanx.runtime.buffers import StepBuffers
+from phalanx.runtime.buffers import StepBuffers, refuse_sync_batchnorm
 from phalanx.runtime.bus_thread import BusThread
 from phalanx.runtime.chaos import Kill, Pace, parse_chaos_kill, parse_chaos_pace
 from phalanx.runtime.data import ElasticOrder
@@ -239,6 +239,7 @@ class ElasticSession:
         teardown.watch()
         trained = ddp.unwrap(model)  # the script's model, or the module in its DDP wrapper
         buffers = StepBuffers(trained, getattr(model, "broadcast_buffers", True))
+        refuse_sync_batchnorm(trained)
         group = replica_group.of(trained, ranks_per_replica if bus is not None else None,
                                  data_parallel)
         if group is None:
