@@ -11,14 +11,16 @@ batch, bf16 autocast, clipping at norm 1.0, AdamW, a one-cycle learning rate
 sized by the loader's length, an EMA of the weights and the BatchNorm
 statistics, and the save on rank 0. cnn.py is the same script under phalanx:
 the session samples the data, accumulates (``--micro-batch`` images a forward)
-and carries the EMA. The two files share this text so that ``diff
-examples/cnn_ddp.py examples/cnn.py`` is the port; docs/runtime.md (What else
-a DDP script carries over) says what the accumulation lines became.
+and carries the EMA, so the script's own accumulation count is 1 and its
+accumulation lines stay as they are. The two files share this text so that
+``diff examples/cnn_ddp.py examples/cnn.py`` is the port; docs/runtime.md
+(What else a DDP script carries over) says why the count is 1.
 """
 
 from __future__ import annotations
 
 import os
+from contextlib import nullcontext
 
 import torch
 import torch.distributed as dist
@@ -53,14 +55,18 @@ def main() -> None:
                                 args.lr)
     ema = build_ema(model)
     model = DDP(model, device_ids=[device.index] if cuda else None)
+    accumulation = 1  # the session accumulates: a batch a forward, commit() ends the step
     session = ElasticSession.from_env(model, optimizer, data, args.global_batch, seed=args.seed,
                                       micro_batch_size=args.micro_batch, drop_last=True)
     loader = session.loader
     for epoch in session.epochs(args.epochs):
         optimizer.zero_grad(set_to_none=True)
-        for x, y in loader:
-            loss = classification_loss(model, x.to(device), y.to(device))
-            loss.backward()
+        for i, (x, y) in enumerate(loader):
+            with nullcontext() if (i + 1) % accumulation == 0 else model.no_sync():
+                loss = classification_loss(model, x.to(device), y.to(device)) / accumulation
+                loss.backward()
+            if (i + 1) % accumulation:
+                continue
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             if not session.commit():
                 continue

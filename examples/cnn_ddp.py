@@ -11,9 +11,10 @@ batch, bf16 autocast, clipping at norm 1.0, AdamW, a one-cycle learning rate
 sized by the loader's length, an EMA of the weights and the BatchNorm
 statistics, and the save on rank 0. cnn.py is the same script under phalanx:
 the session samples the data, accumulates (``--micro-batch`` images a forward)
-and carries the EMA. The two files share this text so that ``diff
-examples/cnn_ddp.py examples/cnn.py`` is the port; docs/runtime.md (What else
-a DDP script carries over) says what the accumulation lines became.
+and carries the EMA, so the script's own accumulation count is 1 and its
+accumulation lines stay as they are. The two files share this text so that
+``diff examples/cnn_ddp.py examples/cnn.py`` is the port; docs/runtime.md
+(What else a DDP script carries over) says why the count is 1.
 """
 
 from __future__ import annotations

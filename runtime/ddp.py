@@ -15,13 +15,19 @@ membership change and blocks on a dead peer. So the session quiets it:
   inside ``no_sync()``) and its buffers are not broadcast before a forward
   (``require_forward_param_sync`` False).
 
-* its ``no_sync()`` is refused, naming the fix: a script that accumulates
-  gradients itself (``no_sync()`` on all but the last micro-batch, ``loss /
-  accumulation``, the update under an ``if``) would have the session weight each
-  micro-batch again, and step at another count. Under the session the
-  micro-batches are the session's (``micro_batch_size``): their number a step
-  follows the world size, each is weighted by its share of the global batch, and
-  ``commit()`` is called on every one.
+* its ``no_sync()`` is refused at the first batch, naming the fix. A script
+  that accumulates gradients itself (``no_sync()`` on all but the last of every
+  ``accumulation`` batches, ``loss / accumulation``, the update under an ``if``)
+  fixes the count before training; under the session a rank's micro-batches a
+  step follow the membership (the global batch stays, and so does each
+  micro-batch, so that any membership trains as the script alone does: 8 at
+  world size 1, 2 at 4, 3 or 2 at 3), so no fixed count ends each of the
+  rank's steps on its last batch, and a loss divided by it would be weighted
+  twice. The micro-batches are the session's (``micro_batch_size``): each is
+  weighted by its share of the global batch, and ``commit()`` returns False
+  until the step's last. So the script's count becomes 1
+  (``accumulation = 1``): its ``no_sync()``, division and ``if`` then stay
+  and do nothing (examples/cnn.py).
 
 What is left of DDP is its forward (the module's, with its input moves to
 ``device_ids``) and its ``state_dict`` (the module's under ``module.``), so
@@ -69,9 +75,12 @@ def unwrap(model: torch.nn.Module) -> torch.nn.Module:
 
 def _accumulation_is_the_sessions() -> NoReturn:
     raise RuntimeError(
-        "model.no_sync(): the script accumulates gradients itself, and under a phalanx "
-        "session the micro-batches are the session's. Pass micro_batch_size= to the session "
-        f"(or set {environment.MICRO_BATCH_SIZE} in the job's env), drop no_sync() and the "
-        "'loss / accumulation' (each batch is weighted by its share of the global batch), "
-        "and call session.commit() after every batch's backward, not under an 'if': it "
-        "returns False until the step's last batch (docs/runtime.md, Gradient accumulation)")
+        "model.no_sync(): the script accumulates gradients itself over a count of batches "
+        "fixed before training, and under a phalanx session a rank's batches a step change "
+        "with the membership (the micro-batches are the session's), so no fixed count ends "
+        "each step on its last batch. Set the script's accumulation count to 1 (no "
+        "no_sync(), no division of the loss, the update after every batch) and pass "
+        f"micro_batch_size= to the session (or set {environment.MICRO_BATCH_SIZE} in the "
+        "job's env): each batch is weighted by its share of the global batch, and "
+        "session.commit() returns False until the step's last batch (docs/runtime.md, "
+        "What else a DDP script carries over)")

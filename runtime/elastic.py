@@ -71,7 +71,7 @@ from phalanx.runtime import (
     spare,
     teardown,
 )
-from phalanx.runtime.buffers import StepBuffers
+from phalanx.runtime.buffers import StepBuffers, refuse_sync_batchnorm
 from phalanx.runtime.bus_thread import BusThread
 from phalanx.runtime.chaos import Kill, Pace, parse_chaos_kill, parse_chaos_pace
 from phalanx.runtime.data import ElasticOrder
@@ -238,9 +238,15 @@ class ElasticSession:
                  data_parallel: Any = None) -> None:
         teardown.watch()
         trained = ddp.unwrap(model)  # the script's model, or the module in its DDP wrapper
-        buffers = StepBuffers(trained, getattr(model, "broadcast_buffers", True))
+        refuse_sync_batchnorm(trained)
         group = replica_group.of(trained, ranks_per_replica if bus is not None else None,
                                  data_parallel)
+        # Deterministic mode cuts a step the same at any world size: its BatchNorm
+        # statistics can then move once per micro-batch of the cut (.buffers).
+        buffers = StepBuffers(trained, getattr(model, "broadcast_buffers", True),
+                              slots=-(-global_batch // micro_batch_size)
+                              if deterministic and group is None and micro_batch_size
+                              else None)
         if group is None:
             default_group.take_over(alone=bus is None)  # the script's, DDP's let go of
         else:

@@ -71,11 +71,21 @@ class Step:
         self.plan: list[MicroBatch]
         self.kept: Retained | None
         self.plan, self.kept = runner.membership.share(index)
-        if state.buffers.buffers:
-            first = state.order.batch(self.epoch, self.step_in_epoch)[0]
-            state.buffers.start(
-                index, next((n for n, mb in enumerate(self.plan) if first in mb.indices), None),
-                self.kept is not None and first in self.kept.indices)
+        #: Each micro-batch's place in the step's cut, where the statistics move once per
+        #: micro-batch (:mod:`.buffers`); None for one that trains on nothing.
+        self._slots: list[int | None] = []
+        buffers = state.buffers
+        if buffers.buffers:
+            batch = state.order.batch(self.epoch, self.step_in_epoch)
+            place = {} if buffers.slots is None else {
+                sample: n // state.micro_batch_size for n, sample in enumerate(batch)}
+            self._slots = [place.get(mb.indices[0]) if mb.weight else None
+                           for mb in self.plan]
+            kept = [] if self.kept is None else self.kept.indices
+            buffers.start(
+                index,
+                next((n for n, mb in enumerate(self.plan) if batch[0] in mb.indices), None),
+                batch[0] in kept, frozenset(place[i] for i in kept if i in place))
         self.outcome: bool | None = None
         #: The step's loss over the whole global batch (the sum of every rank's weighted
         #: shares), once reduced; None before, or if the step was aborted.
@@ -114,7 +124,7 @@ class Step:
             if n == len(self.plan) - 1:
                 runner.arm(self)  # its backward starts the all-reduce
             self._weight = mb.weight
-            self._state.buffers.handing(n)
+            self._state.buffers.handing(n, self._slots[n] if self._slots else None)
             yield next(loaded), mb.weight
             if self._state.deterministic:  # the caller's backward for this micro-batch is done
                 runner.fold()

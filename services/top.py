@@ -1,14 +1,15 @@
 """``phalanx top``: a live terminal view of the cluster at work.
 
 Three panels, rendered with rich: the **nodes** (as ``phalanx nodes`` shows them), the
-**jobs** (state, size against its min and max, generation, step and steps per second),
+**jobs** (state, size against its min and max, the generation its members applied last
+and one decided after it, marked pending, step and steps per second),
 and the **latest events** (rank starts and exits, faults, readiness and applied
 generations from the job-events stream, then generations, scaling events and node
 conditions as they are published), in the order they happened: each at its own time,
 or the time the stream stored it, or (a message not stored) when it arrived.
 
-It refreshes from the bus, not by polling: the jobs, nodes, generations and progress
-buckets are watched (their current values first, then every change) and each change
+It refreshes from the bus, not by polling: the jobs, nodes, generations, history and
+progress buckets are watched (their current values first, then every change) and each change
 redraws the frame; a one-second tick only ages the heartbeats. ``--once`` reads the
 current values and the last events stored, prints one frame and exits.
 
@@ -37,6 +38,7 @@ from phalanx.schemas.messages import (
     Generation,
     GenerationApplied,
     GenerationGivenUp,
+    JobHistory,
     JobProgress,
     JobRecord,
     Message,
@@ -67,6 +69,7 @@ class Board:
     jobs: dict[str, JobRecord] = dataclasses.field(default_factory=dict)
     generations: dict[str, Generation] = dataclasses.field(default_factory=dict)
     progress: dict[str, JobProgress] = dataclasses.field(default_factory=dict)
+    histories: dict[str, JobHistory] = dataclasses.field(default_factory=dict)
     events: collections.deque[tuple[float, str, str]] = dataclasses.field(
         default_factory=lambda: collections.deque(maxlen=EVENTS))
 
@@ -127,23 +130,50 @@ def describe(message: Message, arrived_at: float) -> tuple[float, str, str] | No
     return None
 
 
+def generation_cells(generation: Generation | None,
+                     history: JobHistory | None) -> tuple[int | None, str]:
+    """A job's size and generation as its members have them: the generation they applied
+    last (the newest of its admission's history that a member reported applied), and a
+    newer one elasticity decided, ``(N pending)``, until a member applies it. During an
+    outage a generation is decided that no member applies until the cluster is back
+    (top showed ``gen 2`` for a job still training in generation 1). Without a history
+    that holds the decided generation (not written yet, or still another admission's:
+    each admission counts from generation 0) the decided generation is all there is to
+    show. The size is the shown generation's world size (None: neither is known)."""
+    if generation is None:
+        return None, "-"
+    members = [m.replica_id for m in generation.members]
+    if history is None or not any(g.generation == generation.generation
+                                  and g.members == members for g in history.generations):
+        return generation.world_size, str(generation.generation)
+    applied = next((g for g in reversed(history.generations)
+                    if g.applied_resume_step is not None), None)
+    if applied is not None and applied.generation >= generation.generation:
+        return applied.world_size, str(applied.generation)
+    pending = f"({generation.generation} pending)"
+    if applied is None:
+        return generation.world_size, f"- {pending}"
+    return applied.world_size, f"{applied.generation} {pending}"
+
+
 def render(board: Board, now: float, lost_after_s: float) -> Group:
     """One frame of the view."""
     nodes = node_table(views(board.nodes.values(), now, lost_after_s))
     rows = []
     for job_id, record in sorted(board.jobs.items(), key=lambda j: j[1].submitted_at):
-        generation = board.generations.get(job_id)
+        applied_size, gen = generation_cells(board.generations.get(job_id),
+                                             board.histories.get(job_id))
         progress = board.progress.get(job_id)
-        size = generation.world_size if generation is not None else len(record.nodes)
+        size = applied_size if applied_size is not None else len(record.nodes)
         step = step_cell(None, None) if progress is None \
             else step_cell(progress.step, progress.total_steps, progress.reached_step())
         rate = "-" if progress is None or progress.steps_per_s is None \
             else f"{progress.steps_per_s:.1f}"
-        rows.append((job_id, record.state.value, size_cell(size, record.spec.replicas),
-                     "-" if generation is None else str(generation.generation), step, rate,
-                     " ".join(sorted(set(record.nodes))) or "-"))
+        rows.append((job_id, record.state.value, size_cell(size, record.spec.replicas), gen,
+                     step, rate, " ".join(sorted(set(record.nodes))) or "-"))
     jobs = Table(title="jobs")
-    # Size: now (min..max); gen: the generation. No cell is cut; the nodes wrap.
+    # Size: now (min..max); gen: the generation applied (one decided after it pending). No
+    # cell is cut; the nodes wrap.
     whole_columns(jobs, ("job", "state", "size", "gen", "step", "steps/s", "nodes"), rows,
                   wrapping=("nodes",))
     events = Table(title="latest events")
@@ -167,6 +197,8 @@ async def _buckets(bus: Bus) -> list[Mirrored]:
          lambda b: b.generations),
         (await TypedKV.open(bus.js, subjects.PROGRESS_BUCKET, JobProgress),
          lambda b: b.progress),
+        (await TypedKV.open(bus.js, subjects.HISTORY_BUCKET, JobHistory),
+         lambda b: b.histories),
     ]
 
 

@@ -1,5 +1,6 @@
 """The buffers rule (runtime/buffers.py) in a session alone: a step's BatchNorm statistics
-are its first micro-batch's forward's, whatever else the step or the script runs."""
+are its first micro-batch's forward's, whatever else the step or the script runs; a
+SyncBatchNorm is refused, naming the fix."""
 
 from __future__ import annotations
 
@@ -62,6 +63,41 @@ def test_a_steps_statistics_are_its_first_micro_batchs_forward_alone() -> None:
     session.close()
 
 
+@pytest.mark.parametrize("momentum", [0.1, None], ids=["momentum", "cumulative"])
+def test_in_deterministic_mode_the_statistics_move_once_per_micro_batch(
+        momentum: float | None) -> None:
+    """Deterministic mode cuts a step the same at any world size, so the statistics move
+    once per micro-batch of the cut, as BatchNorm moves them in the script alone: after
+    each step, as a BatchNorm run over the step's micro-batches in order leaves them
+    (to rounding: the session replays each micro-batch's own update), while within the
+    step they stay the step's."""
+    model = bn_model()
+    model[1].momentum = momentum
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    session = ElasticSession(model, optimizer, data(), global_batch=BATCH,
+                             micro_batch_size=MICRO, deterministic=True)
+    for step in session.steps(3):
+        before = bn_model()
+        before[1].momentum = momentum
+        before.load_state_dict(copy.deepcopy(model.state_dict()))
+        inputs = []
+        for x, y in step:
+            inputs.append(x)
+            step.backward(torch.nn.functional.mse_loss(model(x), y))
+        for name in ("1.running_mean", "1.running_var", "1.num_batches_tracked"):
+            assert torch.equal(model.state_dict()[name], before.state_dict()[name]), name
+        assert step.commit()
+        with torch.no_grad():  # BatchNorm's own update, micro-batch after micro-batch
+            for x in inputs:
+                before(x)
+        for name in ("1.running_mean", "1.running_var"):
+            torch.testing.assert_close(model.state_dict()[name], before.state_dict()[name],
+                                       rtol=1e-6, atol=1e-7)
+        assert torch.equal(model[1].num_batches_tracked, before[1].num_batches_tracked)
+    assert int(model[1].num_batches_tracked) == 9  # three micro-batches a step
+    session.close()
+
+
 def test_broadcast_buffers_false_keeps_every_micro_batchs_update_and_says_so(
         caplog: pytest.LogCaptureFixture) -> None:
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
@@ -77,4 +113,26 @@ def test_broadcast_buffers_false_keeps_every_micro_batchs_update_and_says_so(
             step.backward(torch.nn.functional.mse_loss(wrapper(x), y))
         assert step.commit()
     assert int(module[1].num_batches_tracked) == 6  # three micro-batches a step
+    session.close()
+
+
+def test_sync_batchnorm_is_refused_at_its_first_training_forward_naming_the_fix() -> None:
+    """It reduced over the default group, whose refusal did not say why (and on the CPU
+    torch's own ValueError came first); it is refused alone too, where it would be a
+    BatchNorm, since the script alone is what every membership must train."""
+    model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(bn_model())
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    session = ElasticSession(model, optimizer, data(), global_batch=BATCH,
+                             micro_batch_size=MICRO)
+    x = torch.randn(4, 4)
+    model.eval()  # an evaluation synchronises nothing
+    with torch.no_grad():
+        model(x)
+    model.train()
+    with pytest.raises(RuntimeError, match=r"SyncBatchNorm \(1\) under a phalanx session.*"
+                                           r"membership.*Use BatchNorm.*micro_batch_size"):
+        for step in session.steps(1):
+            for x, y in step:
+                step.backward(torch.nn.functional.mse_loss(model(x), y))
+            step.commit()
     session.close()

@@ -63,9 +63,11 @@ def test_a_ddp_wrapped_model_trains_as_the_module_alone_and_ddp_never_communicat
     assert isinstance(wrapper.process_group, QuietGroup)
     # The script's gloo group is gone: the default group is the session's.
     assert dist.get_backend() == default_group.BACKEND
-    # Accumulating under no_sync() is the session's: refused at the first batch, with the fix.
-    with pytest.raises(RuntimeError, match=r"accumulates gradients itself.*micro_batch_size="
-                                           r".*PHALANX_MICRO_BATCH_SIZE.*loss / accumulation"):
+    # Accumulating under no_sync() is the session's: refused at the first batch, with the
+    # fix (the script's count becomes 1, as in examples/cnn.py).
+    with pytest.raises(RuntimeError, match=r"accumulates gradients itself.*fixed count.*"
+                                           r"accumulation count to 1.*micro_batch_size="
+                                           r".*PHALANX_MICRO_BATCH_SIZE"):
         wrapper.no_sync()
     # Armed again, DDP's reducer reaches the quiet group, which refuses by name.
     wrapper.require_backward_grad_sync = True

@@ -253,6 +253,38 @@ def test_a_job_back_from_an_outage_shows_the_step_it_had_reached() -> None:
     assert "0/200 (reached 78)" in whole(jobs_table([job], rows), 120)
 
 
+def test_top_shows_the_generation_applied_and_one_decided_after_it_as_pending() -> None:
+    """During a down/up outage top showed ``gen 2`` for a job still training in generation
+    1: generation 2 was decided and never applied. The members' generation is shown, the
+    decided one beside it as pending, with the applied generation's size."""
+    decided = Generation(job_id="j", generation=2, reason=GenerationReason.JOIN,
+                         world_size=2, members=[Member(replica_id="r0-0", rank=0, node_id="n0"),
+                                                Member(replica_id="r1-1", rank=1, node_id="n1")],
+                         rendezvous="j-g2", resume_step=60)
+    board = top.Board(jobs={"j": record("j")}, generations={"j": decided},
+                      histories={"j": history()})
+    row = next(line for line in text(top.render(board, T0, 3.0), 120).splitlines()
+               if line.lstrip("│ ").startswith("j "))
+    assert "1 (2 pending)" in row and "1 (2..2)" in row, row
+    assert top.generation_cells(decided, history()) == (1, "1 (2 pending)")
+    applied = history()
+    applied.generations[2] = msgspec.structs.replace(applied.generations[2],
+                                                     applied_resume_step=60)
+    assert top.generation_cells(decided, applied) == (2, "2")
+    starting = JobHistory(job_id="j", generations=[msgspec.structs.replace(
+        history().generations[0], applied_resume_step=None)])
+    first = msgspec.structs.replace(
+        decided, generation=0, reason=GenerationReason.START,
+        members=[decided.members[0], msgspec.structs.replace(decided.members[1],
+                                                             replica_id="r1-0")])
+    assert top.generation_cells(first, starting) == (2, "- (0 pending)")
+    assert top.generation_cells(decided, None) == (2, "2")  # no history yet: as decided
+    # A history of another admission (or one behind the decision) is not this generation's.
+    other = msgspec.structs.replace(decided, generation=1)
+    assert top.generation_cells(other, history()) == (2, "1")
+    assert top.generation_cells(None, applied) == (None, "-")
+
+
 def test_a_replica_of_several_ranks_shows_its_ranks_and_their_slots() -> None:
     group = msgspec.structs.replace(spec(), ranks_per_replica=2, slots_per_replica=4)
     grouped = msgspec.structs.replace(record("hsdp"), spec=group)
