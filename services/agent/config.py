@@ -102,6 +102,12 @@ class AgentConfig:
     snapshot_limit_bytes: int | None = None
     """The most snapshot memory this node holds; a reservation past it is refused.
     None: half the tmpfs."""
+    address: str | None = None
+    """The address peers reach this node at (``PHALANX_AGENT_ADDRESS``): registered as the
+    node's host, so its ranks' rendezvous stores and gloo, ``MASTER_ADDR`` and its
+    replication listener all use it. None: the node's host name, which is only right where
+    it resolves to that address (a machine whose own name resolves to 127.0.1.1, as
+    Debian's /etc/hosts has it, advertised its loopback to every peer)."""
     replica_host: str | None = None
     """Address the replication listener binds (:mod:`.replication`: buddies' snapshots
     arrive there). None: the address the node's host name resolves to, the one its peers

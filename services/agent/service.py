@@ -138,7 +138,7 @@ class AgentService(Service):
             write=lambda: self._refresh_record(time.time(), self._slots_used()))
         self._record_write = asyncio.Lock()  # record writes in order: the revision kept
         self.info = NodeInfo(
-            node_id=config.node_id, host=socket.gethostname(), slots=self.slots,
+            node_id=config.node_id, host=config.address or socket.gethostname(), slots=self.slots,
             failure_domain=config.failure_domain, labels=config.labels,
             agent_pid=os.getpid(), agent_version=__version__, started_at=time.time(),
             gpus=found or [],
