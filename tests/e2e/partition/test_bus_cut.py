@@ -13,10 +13,9 @@ them, bitwise as it trains alone, with no step committed by two generations in a
 rank's record but the step in flight when the job moved on (trained again by its
 members, and kept as theirs), and it is never admitted again.
 
-The cut here is both ways; cut one way only (``cut(BUS, CUT, both=False)``: the node
-heard nothing, the bus heard it) the same test passed by hand, the cut-off ranks fenced
-3.17 s after the cut, and there they had finished the step in flight in their own
-generation.
+The cut here is both ways; ``test_bus_cut_one_way`` cuts what the bus sends the node
+only (it hears nothing, the bus hears it), where cut-off ranks were seen to finish the
+step in flight in their own generation.
 """
 
 from __future__ import annotations
@@ -24,10 +23,11 @@ from __future__ import annotations
 import asyncio
 import os
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from harness import BUS, NamespacedCluster
+from harness import BUS, NamespacedCluster, Network
 from test_elastic import Watch, check_run, progressed, run_job
 
 from phalanx.bus.client import Bus, Delivery
@@ -70,6 +70,15 @@ async def exited(pid: int, timeout_s: float) -> float:
 async def test_a_node_cut_from_the_bus_stops_its_ranks_and_the_job_goes_on_without_them(
         partitioned: tuple[NamespacedCluster, Bus, Watch], data_dir: Path, reference: dict,
         tmp_path: Path) -> None:
+    await cut_off_from_the_bus(partitioned, data_dir, reference, tmp_path, "buscut",
+                               lambda net: net.cut(CUT, BUS))
+
+
+async def cut_off_from_the_bus(partitioned: tuple[NamespacedCluster, Bus, Watch],
+                               data_dir: Path, reference: dict, tmp_path: Path, name: str,
+                               cut_off: Callable[[Network], None]) -> None:
+    """Run the job (``name``), cut ``CUT`` off with ``cut_off`` at step 40 for ``CUT_S``,
+    and check the fence and the run."""
     cluster, bus, watch = partitioned
     bound = fence.bound_s(cluster.lost_after_s, cluster.heartbeat_interval_s)
     states: list[JobState] = []
@@ -77,7 +86,7 @@ async def test_a_node_cut_from_the_bus_stops_its_ranks_and_the_job_goes_on_witho
     async def on_state(job: JobRecord, _: Delivery) -> None:
         states.append(job.state)
 
-    await bus.subscribe(subjects.job_state("buscut-1"), JobRecord, on_state)
+    await bus.subscribe(subjects.job_state(f"{name}-1"), JobRecord, on_state)
     stopped: dict[str, float] = {}
     cut_at = 0.0
 
@@ -88,7 +97,7 @@ async def test_a_node_cut_from_the_bus_stops_its_ranks_and_the_job_goes_on_witho
                  if r["job_id"] == job_id]
         assert len(ranks) == 2, ranks
         cut_at = time.time()
-        cluster.net.cut(CUT, BUS)
+        cut_off(cluster.net)
         try:
             ends = await asyncio.gather(*(exited(r["pid"], bound + SLACK_S) for r in ranks))
             stopped.update({r["replica_id"]: end - cut_at
@@ -98,7 +107,7 @@ async def test_a_node_cut_from_the_bus_stops_its_ranks_and_the_job_goes_on_witho
             cluster.net.heal()
 
     rec, generations = await run_job((cluster.data_dir, bus, watch), data_dir, tmp_path,
-                                     "buscut", cut)
+                                     name, cut)
     # The cut-off ranks were stopped within the bound, by the fence (not by the heal).
     assert len(stopped) == 2 and max(stopped.values()) <= bound + SLACK_S, stopped
     print(f"cut-off ranks stopped {stopped} s after the cut (bound {bound:g} s)")
