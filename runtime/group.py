@@ -44,6 +44,7 @@ touches it.
 from __future__ import annotations
 
 import datetime
+import os
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -60,6 +61,11 @@ from phalanx.schemas.messages import Generation
 T = TypeVar("T")
 #: How often a wait asks the device whether an NCCL collective completed.
 POLL_S = 0.0005
+#: torch's variable naming the interfaces gloo listens on; where set it wins over the
+#: replica's advertised address.
+GLOO_SOCKET_IFNAME = "GLOO_SOCKET_IFNAME"
+#: gloo's threads per group, as torch's own constructor gives it.
+GLOO_THREADS = 2
 #: How often a long wait reports progress (the reporter sends at most one per 0.1 s).
 HEARTBEAT_S = 0.5
 
@@ -298,11 +304,18 @@ GroupWork = dist.Work | DeviceWork
 
 
 def connect(store: dist.Store, rank: int, world_size: int, timeout: datetime.timedelta,
-            backend: Backend, device: torch.device) -> dist.ProcessGroup | DeviceGroup:
+            backend: Backend, device: torch.device,
+            host: str | None = None) -> dist.ProcessGroup | DeviceGroup:
     """Build the group of one generation: gloo as it is for a CPU rank, else a
     :class:`DeviceGroup` in front of gloo or NCCL. Blocks until gloo has connected; an
     NCCL group's communicator is started by :func:`nccl_ready` (its constructor does not
-    block)."""
+    block).
+
+    gloo listens on ``host``, the address this replica's store is advertised at, so its
+    peers reach both at the same place; None, or ``GLOO_SOCKET_IFNAME`` set: gloo's own
+    choice, the address the machine's host name resolves to (its loopback, where the name
+    resolves to 127.0.1.1 as Debian's /etc/hosts has it: unreachable from other nodes).
+    """
     if backend is Backend.NCCL:
         from torch.distributed import ProcessGroupNCCL  # not in a CPU build of torch
 
@@ -312,11 +325,23 @@ def connect(store: dist.Store, rank: int, world_size: int, timeout: datetime.tim
         options._timeout = timeout
         return DeviceGroup(ProcessGroupNCCL(store, rank, world_size, options), backend,
                            device)
-    gloo = gloo_loop.built(lambda: dist.ProcessGroupGloo(store, rank, world_size, timeout))
+    gloo = gloo_loop.built(lambda: gloo_group(store, rank, world_size, timeout, host))
     # torch's stub derives ProcessGroupGloo from Backend and gives it none of the
     # collectives (allreduce, broadcast, send, recv) it has and ProcessGroup declares.
     return gloo if device.type == "cpu" else DeviceGroup(  # type: ignore[return-value]
         gloo, backend, device)
+
+
+def gloo_group(store: dist.Store, rank: int, world_size: int, timeout: datetime.timedelta,
+               host: str | None) -> dist.ProcessGroupGloo:
+    """A gloo group whose transport listens on ``host`` (:func:`connect`)."""
+    if host is None or os.environ.get(GLOO_SOCKET_IFNAME):
+        return dist.ProcessGroupGloo(store, rank, world_size, timeout)
+    options = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]  # not in the stub
+    options._timeout = timeout
+    options._threads = GLOO_THREADS
+    options._devices = [dist.ProcessGroupGloo.create_device(hostname=host)]
+    return dist.ProcessGroupGloo(store, rank, world_size, options)
 
 
 def nccl_ready(group: DeviceGroup) -> None:
@@ -334,8 +359,8 @@ def nccl_ready(group: DeviceGroup) -> None:
 def rendezvous(waits: Waits, stores: dict[str, dist.Store], own: tuple[str, dist.TCPStore],
                generation: Generation, rank: int, timeout: datetime.timedelta,
                give_up: Callable[[], str | None], backend: Backend = Backend.GLOO,
-               device: torch.device | None = None,
-               column: int = 0) -> dist.ProcessGroup | DeviceGroup:
+               device: torch.device | None = None, column: int = 0,
+               host: str | None = None) -> dist.ProcessGroup | DeviceGroup:
     """A group over ``generation``'s namespace in its rank 0's store.
 
     Args:
@@ -349,6 +374,7 @@ def rendezvous(waits: Waits, stores: dict[str, dist.Store], own: tuple[str, dist
         column: with replica groups, which of the generation's groups: the one of every
             group's rank ``column`` (:mod:`.replica_group`), under a namespace of its own
             in the store of rank 0's group rank 0.
+        host: where this replica's gloo listens (:func:`connect`).
 
     Raises:
         Aborted: a store or peer is unreachable, or ``give_up`` gave a reason (an NCCL
@@ -370,11 +396,12 @@ def rendezvous(waits: Waits, stores: dict[str, dist.Store], own: tuple[str, dist
     if store is None:
         if generation.members[0].replica_id == own[0] and column == 0:
             # A connection of its own, not the hosting object's, so it can be dropped.
-            host, port = "127.0.0.1", own[1].port
+            store_host, port = "127.0.0.1", own[1].port
         else:
-            host, _, text = endpoint.rpartition(":")
+            store_host, _, text = endpoint.rpartition(":")
             port = int(text)
-        store = abortable(lambda: dist.TCPStore(host, port, is_master=False, timeout=timeout))
+        store = abortable(lambda: dist.TCPStore(store_host, port, is_master=False,
+                                                timeout=timeout))
         stores[endpoint] = store
     prefixed = dist.PrefixStore(
         f"{generation.rendezvous}/" if column == 0 else f"{generation.rendezvous}/g{column}/",
@@ -387,8 +414,8 @@ def rendezvous(waits: Waits, stores: dict[str, dist.Store], own: tuple[str, dist
     device = device if device is not None else torch.device("cpu")
     if backend is Backend.GLOO:
         return abortable(lambda: connect(prefixed, rank, generation.world_size, timeout,
-                                         backend, device))
-    group = connect(prefixed, rank, generation.world_size, timeout, backend, device)
+                                         backend, device, host))
+    group = connect(prefixed, rank, generation.world_size, timeout, backend, device, host)
     assert isinstance(group, DeviceGroup)
     try:
         abortable(lambda: nccl_ready(group))

@@ -523,7 +523,7 @@ class Membership:
         assert self._store is not None
         return rendezvous(self.waits, self._stores, (s.replica.replica_id, self._store),
                           generation, rank, s.timeout, give_up, s.backend, s.device,
-                          column=s.column)
+                          column=s.column, host=s.replica.host)
 
     def _resume(self, generation: Generation) -> tuple[int, int]:
         """Agree on the state ``generation`` resumes from (:mod:`.resume`), handing it what

@@ -105,6 +105,8 @@ class NodeInfo(Part, frozen=True):
     """What an agent registers about its machine."""
 
     node_id: Ident
+    #: Where peers reach the node: the agent's ``address`` where it has one, else its host
+    #: name.
     host: str
     slots: SlotCount
     failure_domain: Ident

@@ -52,7 +52,7 @@ import signal
 import socket
 import sys
 import time
-from collections.abc import Coroutine
+from collections.abc import Coroutine, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -188,9 +188,10 @@ class LocalCluster:
         self.nats_cluster: NatsCluster | None = None
         self.agents: dict[str, asyncio.subprocess.Process] = {}
         self.services: dict[str, asyncio.subprocess.Process] = {}
-        # log name -> what it was started with: arguments, and the variables it gets beside
-        # the supervisor's (its identity's, an agent's config)
-        self._argv: dict[str, tuple[tuple[str, ...], dict[str, str], dict[str, str]]] = {}
+        # log name -> what it was started with: arguments, the variables it gets beside
+        # the supervisor's (its identity's, an agent's config), the command it runs under
+        self._argv: dict[str, tuple[tuple[str, ...], dict[str, str], dict[str, str],
+                                    tuple[str, ...]]] = {}
         # log name -> the listening socket its /metrics is served on (kept across restarts)
         self.metrics_sockets: dict[str, socket.socket] = {}
         self.auth = AuthDir(auth_dir) if auth_dir is not None else None
@@ -361,8 +362,9 @@ class LocalCluster:
         return env
 
     async def _spawn(self, name: str, *argv: str, identity: dict[str, str] | None = None,
-                     extra_env: dict[str, str] | None = None) -> asyncio.subprocess.Process:
-        self._argv[name] = (argv, identity or {}, extra_env or {})
+                     extra_env: dict[str, str] | None = None,
+                     wrap: Sequence[str] = ()) -> asyncio.subprocess.Process:
+        self._argv[name] = (argv, identity or {}, extra_env or {}, tuple(wrap))
         log_file = (self.logs_dir / f"{name}.log").open("ab")
         env = {**os.environ, settings.NATS_URL: self.nats_url or "",
                settings.NATS_REPLICAS: str(self.nats_replicas), **(extra_env or {})}
@@ -380,8 +382,9 @@ class LocalCluster:
         env[metrics.FD_ENV] = str(metrics_fd)  # served before any PHALANX_METRICS_PORT
         try:
             return await asyncio.create_subprocess_exec(
-                sys.executable, "-m", *argv, stdin=asyncio.subprocess.DEVNULL, stdout=log_file,
-                stderr=log_file, env=env, preexec_fn=_die_with_parent, pass_fds=(metrics_fd,))
+                *wrap, sys.executable, "-m", *argv, stdin=asyncio.subprocess.DEVNULL,
+                stdout=log_file, stderr=log_file, env=env, preexec_fn=_die_with_parent,
+                pass_fds=(metrics_fd,))
         finally:
             log_file.close()
 
@@ -392,13 +395,22 @@ class LocalCluster:
         if name not in processes:
             raise ClusterError(f"no service instance or agent named {name!r}")
         log_name = f"agent-{name}" if processes is self.agents else name
-        argv, identity, extra_env = self._argv[log_name]
+        argv, identity, extra_env, wrap = self._argv[log_name]
         processes[name] = await self._spawn(log_name, *argv, identity=identity,
-                                            extra_env=extra_env)
+                                            extra_env=extra_env, wrap=wrap)
         self.state().write(self.data_dir)
         return processes[name]
 
-    async def start_agent(self, node_id: str, domain: str) -> None:
+    async def start_agent(self, node_id: str, domain: str, *, wrap: Sequence[str] = (),
+                          env: Mapping[str, str] | None = None) -> None:
+        """Start the agent of ``node_id`` in failure domain ``domain``.
+
+        Args:
+            wrap: a command it runs under, which ends by executing the rest of its command
+                line (``ip netns exec NS``: an agent with a network of its own; the tests'
+                partition harness).
+            env: variables it gets beside the cluster's (``PHALANX_AGENT_ADDRESS``).
+        """
         command = ("phalanx.services.cli", "agent", "--supervised") \
             if self.supervised_agents else ("phalanx.services.agent",)
         self.agents[node_id] = await self._spawn(
@@ -416,7 +428,7 @@ class LocalCluster:
                           if self.zygote_template is not None else {}),
                        settings.AGENT("discover_gpus"):
                        os.environ.get(settings.AGENT("discover_gpus"), "0"),
-                       **self._cpus_of(len(self.agents))})
+                       **self._cpus_of(len(self.agents)), **(env or {})}, wrap=wrap)
 
     def _cpus_of(self, index: int) -> dict[str, str]:
         """The ``agent.cpus`` of the cluster's ``index``-th agent, where agents are pinned

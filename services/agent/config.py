@@ -53,6 +53,10 @@ class AgentConfig:
     """Time between heartbeats (registry refresh and heartbeat event)."""
     lost_after_s: float = DEFAULT_LOST_AFTER_S
     """A registered node whose heartbeat is older than this is lost (and its id may be reused)."""
+    fence_after_s: float | None = None
+    """Once the bus has answered none of the agent's round trips for this long, the agent
+    SIGKILLs every rank it runs (:mod:`.fence`: a node cut off must not train on as a
+    second line of its jobs). None: ``lost_after_s``, the node timeout; 0: never."""
     shutdown_timeout_s: float = 5.0
     """How long in-flight work gets on SIGTERM."""
     stop_is_restart: bool = False
@@ -108,6 +112,12 @@ class AgentConfig:
     snapshot_limit_bytes: int | None = None
     """The most snapshot memory this node holds; a reservation past it is refused.
     None: half the tmpfs."""
+    address: str | None = None
+    """The address peers reach this node at (``PHALANX_AGENT_ADDRESS``): registered as the
+    node's host, so its ranks' rendezvous stores and gloo, ``MASTER_ADDR`` and its
+    replication listener all use it. None: the node's host name, which is only right where
+    it resolves to that address (a machine whose own name resolves to 127.0.1.1, as
+    Debian's /etc/hosts has it, advertised its loopback to every peer)."""
     replica_host: str | None = None
     """Address the replication listener binds (:mod:`.replication`: buddies' snapshots
     arrive there). None: the address the node's host name resolves to, the one its peers
@@ -148,6 +158,10 @@ class AgentConfig:
         if any(gpu < 0 for gpu in self.gpus):
             raise ConfigError(f"agent.gpus must be CUDA device indices (>= 0), "
                               f"got {list(self.gpus)}")
+        if self.fence_after_s is not None and not (
+                math.isfinite(self.fence_after_s) and self.fence_after_s >= 0):
+            raise ConfigError(f"agent.fence_after_s must be >= 0 (0: never), "
+                              f"got {self.fence_after_s}")
         for name in ("heartbeat_interval_s", "lost_after_s", "shutdown_timeout_s",
                      "gpu_poll_interval_s"):
             if not math.isfinite(getattr(self, name)):
@@ -211,7 +225,8 @@ class AgentConfig:
                 if name in values:
                     values[name] = int(values[name])
             for name in ("heartbeat_interval_s", "lost_after_s", "shutdown_timeout_s",
-                         "replica_duty", "gpu_poll_interval_s", "rank_token_ttl_s"):
+                         "replica_duty", "gpu_poll_interval_s", "rank_token_ttl_s",
+                         "fence_after_s"):
                 if name in values:
                     values[name] = float(values[name])
             for name in ("stop_is_restart", "launch", "discover_gpus", "zygote"):
@@ -220,6 +235,12 @@ class AgentConfig:
         except ValueError as exc:
             raise ConfigError(f"agent config: {exc}") from None
         return cls(**values)
+
+
+    @property
+    def fence_s(self) -> float:
+        """``fence_after_s``, its default resolved."""
+        return self.lost_after_s if self.fence_after_s is None else self.fence_after_s
 
 
 def _flag(name: str, raw: str) -> bool:

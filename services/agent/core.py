@@ -230,6 +230,9 @@ class StopReason(enum.Enum):
     """This agent is shutting down while the job still wants the rank."""
     GPU_FAULT = "gpu_fault"
     """The GPU of its slot failed: the rank cannot go on there."""
+    FENCED = "fenced"
+    """This node could not confirm the bus for ``fence_after_s`` (:mod:`.fence`): its jobs
+    may have gone on without it, and still want the rank, so it is lost."""
 
 
 def exit_cause(stop: StopReason | None, *, status_known: bool = True) -> ExitCause:
@@ -239,7 +242,7 @@ def exit_cause(stop: StopReason | None, *, status_known: bool = True) -> ExitCau
         return ExitCause.STOPPED
     if stop is StopReason.GPU_FAULT:
         return ExitCause.GPU_FAULT
-    if stop is StopReason.AGENT or not status_known:
+    if stop in (StopReason.AGENT, StopReason.FENCED) or not status_known:
         return ExitCause.LOST
     return ExitCause.EXITED
 

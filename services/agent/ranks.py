@@ -843,6 +843,18 @@ class RankSet:
             self._signal_group(entry, signal.SIGKILL)
         return hit
 
+    def fence(self) -> list[Rank]:
+        """This node is cut off from the bus (:mod:`.fence`): SIGKILL every rank now, with
+        no grace period (its job may be training on without it, and nothing it does now
+        is kept). Each exit is reported lost by its watcher once the bus takes it; one the
+        job was letting go of anyway is reported as before. Returns the ranks killed."""
+        hit = list(self.ranks.values())
+        for entry in hit:
+            if entry.stop is None:
+                entry.stop = StopReason.FENCED
+            self._signal_group(entry, signal.SIGKILL)
+        return hit
+
     def pin(self, pid: int, slots: tuple[int, ...]) -> None:
         """Pin a rank to its CPUs (:func:`~.core.rank_cpus`: its GPUs' or its CPU slots'
         share, those this agent may use), every thread it has; threads it starts later

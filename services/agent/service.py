@@ -71,7 +71,7 @@ from phalanx.schemas.messages import (
     StopReplica,
 )
 from phalanx.services import metrics
-from phalanx.services.agent import core, cpus, replica_tls
+from phalanx.services.agent import core, cpus, fence, replica_tls
 from phalanx.services.agent.config import AgentConfig
 from phalanx.services.agent.gpu_health import GpuHealth
 from phalanx.services.agent.logs import read_logs
@@ -138,7 +138,7 @@ class AgentService(Service):
             write=lambda: self._refresh_record(time.time(), self._slots_used()))
         self._record_write = asyncio.Lock()  # record writes in order: the revision kept
         self.info = NodeInfo(
-            node_id=config.node_id, host=socket.gethostname(), slots=self.slots,
+            node_id=config.node_id, host=config.address or socket.gethostname(), slots=self.slots,
             failure_domain=config.failure_domain, labels=config.labels,
             agent_pid=os.getpid(), agent_version=__version__, started_at=time.time(),
             gpus=found or [],
@@ -265,6 +265,7 @@ class AgentService(Service):
         # Records published while disconnected were missed: read them all again after.
         self.bus.on_reconnect(self._on_reconnect)
         self.keep_running(self.heartbeat_loop, "heartbeat")
+        self.keep_running(self.fence_loop, "fence")
         self.keep_running(lambda: self.sender.run(self.sleep_or_stop), "replicate")
         self.keep_running(lambda: self.until_stopped(self._follow_generations()), "generations")
         log.info("registered", extra={"node": self.config.node_id, "slots": self.slots,
@@ -609,6 +610,24 @@ class AgentService(Service):
                 await asyncio.wait([refresh])
                 if not refresh.cancelled():
                     refresh.exception()  # retrieved: the agent stops whatever it was
+
+    async def fence_loop(self) -> None:
+        """Each heartbeat interval, a round trip with the bus; the node's ranks SIGKILLed
+        once none has been answered for ``fence_after_s`` (:mod:`.fence`)."""
+        assert self.bus is not None and self.ranks is not None
+        interval = self.config.heartbeat_interval_s
+        watch = fence.BusWatch(self.config.fence_s, time.monotonic())
+        while not await self.sleep_or_stop(interval):
+            sent = time.monotonic()
+            if await self.bus.round_trip(interval):
+                watch.confirmed(sent)
+                continue
+            verdict = watch.verdict(time.monotonic(), len(self.ranks.ranks))
+            if verdict is not None:
+                killed = self.ranks.fence()
+                log.warning(verdict.message, extra={
+                    "ranks": sorted(f"{r.job_id}/{r.replica_id}" for r in killed),
+                    "unconfirmed_s": round(verdict.unconfirmed_s, 3)})
 
     def _slots_used(self) -> int:
         return min(self.ranks.slots_used if self.ranks is not None else 0, self.info.slots)

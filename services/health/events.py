@@ -103,6 +103,8 @@ class ProgressReported:
     final: bool = False
     replica_id: str | None = None
     total_steps: int | None = None
+    #: The generation the rank committed ``step`` in (None: not said).
+    generation: int | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -115,6 +117,7 @@ class MemberApplied:
     job_id: str
     replica_id: str
     step: int
+    generation: int | None = None
 
 
 @dataclasses.dataclass(frozen=True)

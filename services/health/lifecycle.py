@@ -96,6 +96,7 @@ def watched(state: HealthState, event: JobWatched) -> None:
     if old is not None:  # a new placement of the same admission: the spending goes on
         job.budget, job.completed, job.final_step = old.budget, old.completed, old.final_step
         job.track, job.progress_due = old.track, old.progress_due
+        job.generation = old.generation
         job.progress_taken = old.progress_taken
         for slot, rank in [*old.ranks.items(), *old.departing.items()]:
             if slot not in slots and rank.exit is None:
@@ -179,6 +180,8 @@ def applied(state: HealthState, event: MemberApplied, now: float) -> None:
     """A replica committed its first step in a generation: it reports from now on (judged
     for hangs), even if no report of it was heard. A report says more, when there is one."""
     job = state.jobs.get(event.job_id)
+    if job is not None and event.generation is not None:
+        job.generation = max(job.generation, event.generation)
     rank = None if job is None else next(
         (r for r in job.ranks.values() if r.replica_id == event.replica_id and r.exit is None),
         None)
@@ -193,10 +196,19 @@ def applied(state: HealthState, event: MemberApplied, now: float) -> None:
 
 
 def progress(state: HealthState, event: ProgressReported, now: float) -> list[Decision]:
-    """A rank's progress report: the job's step, the hang rule re-armed, stragglers."""
+    """A rank's progress report: the job's step, the hang rule re-armed, stragglers.
+
+    A report of a generation older than the newest a member of the job applied or
+    reported in is a rank the job moved past (cut from its peers or the bus and fenced
+    out, still reporting until its agent stops it): it moves neither the job's step, nor
+    its restart budget, nor any rank's hang timer."""
     rank = state.rank(event.job_id, event.rank)
     if rank is None or rank.exit is not None:
         return []
+    if event.generation is not None:
+        if event.generation < rank.job.generation:
+            return []  # a rank fenced out, still reporting: neither the step nor a hang
+        rank.job.generation = event.generation
     if rank.job.budget.progressed(event.step):  # a streak of restarts ended
         state.changed.add(event.job_id)
     if rank.job.departing.get(rank.rank) is rank:  # counts for the job's step, no more

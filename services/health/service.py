@@ -202,7 +202,8 @@ class HealthService(JobEventsLeader[HealthTerm]):
             happened: core.Event = core.RankStartSeen(
                 msg.job_id, msg.rank, msg.node_id, msg.pid, msg.replica_id, msg.admission)
         elif isinstance(msg, GenerationApplied):
-            happened = core.MemberApplied(msg.job_id, msg.replica_id, msg.committed_step)
+            happened = core.MemberApplied(msg.job_id, msg.replica_id, msg.committed_step,
+                                          msg.generation)
         else:
             assert isinstance(msg, RankExited)
             happened = core.RankExitSeen(msg.job_id, msg.rank, msg.node_id, msg.exit_code,
@@ -295,7 +296,8 @@ class HealthService(JobEventsLeader[HealthTerm]):
         async with term.turn:
             await self._handle(term, core.ProgressReported(msg.job_id, msg.rank, msg.step,
                                                            msg.step_time_s, msg.final,
-                                                           msg.replica_id, msg.total_steps))
+                                                           msg.replica_id, msg.total_steps,
+                                                           msg.generation))
 
     async def _on_heartbeat(self, term: HealthTerm, msg: NodeHeartbeat, _: Delivery) -> None:
         async with term.turn:

@@ -159,32 +159,39 @@ async def watched_cluster(data: Path, *up_args: str, agents: int = 2,
                            **({} if cordon else {"PHALANX_HEALTH_CORDON_FAULTS": "1000"})})
     state = json.loads((data / "up.json").read_text())
     try:
-        config = BusConfig.load(env={}, servers=state["nats_url"],
-                                jetstream_replicas=state["nats_replicas"])
-        async with await Bus.connect(config) as bus:
-            watch = Watch()
-
-            async def put(queue: asyncio.Queue, message, _: Delivery) -> None:
-                await queue.put(message)
-
-            await bus.subscribe(subjects.job_events("generation"), Generation,
-                                lambda m, d: put(watch.generations, m, d))
-            await bus.subscribe(subjects.health_ranks(), RankProgress,
-                                lambda m, d: put(watch.progress, m, d))
-            await bus.subscribe(subjects.job_states(), JobRecord,
-                                lambda m, d: put(watch.states, m, d))
-            jobs = await TypedKV.open(bus.js, subjects.JOBS_BUCKET, JobRecord)
-
-            async def resync() -> None:
-                # A state published while this connection was down is lost with it (plain
-                # publishes are at most once): the records themselves are the truth.
-                for entry in (await jobs.entries())[0]:
-                    await watch.states.put(entry.value)
-
-            bus.on_reconnect(resync)
+        async with watching(state["nats_url"], state["nats_replicas"]) as (bus, watch):
             yield data, bus, watch
     finally:
         phalanx("down", "--data-dir", str(data))
+
+
+@contextlib.asynccontextmanager
+async def watching(nats_url: str, replicas: int = 1) -> AsyncIterator[tuple[Bus, Watch]]:
+    """A bus connection to ``nats_url`` with the generations, progress and job states it
+    sees in a :class:`Watch`'s queues (the job records read again after a reconnection)."""
+    config = BusConfig.load(env={}, servers=nats_url, jetstream_replicas=replicas)
+    async with await Bus.connect(config) as bus:
+        watch = Watch()
+
+        async def put(queue: asyncio.Queue, message, _: Delivery) -> None:
+            await queue.put(message)
+
+        await bus.subscribe(subjects.job_events("generation"), Generation,
+                            lambda m, d: put(watch.generations, m, d))
+        await bus.subscribe(subjects.health_ranks(), RankProgress,
+                            lambda m, d: put(watch.progress, m, d))
+        await bus.subscribe(subjects.job_states(), JobRecord,
+                            lambda m, d: put(watch.states, m, d))
+        jobs = await TypedKV.open(bus.js, subjects.JOBS_BUCKET, JobRecord)
+
+        async def resync() -> None:
+            # A state published while this connection was down is lost with it (plain
+            # publishes are at most once): the records themselves are the truth.
+            for entry in (await jobs.entries())[0]:
+                await watch.states.put(entry.value)
+
+        bus.on_reconnect(resync)
+        yield bus, watch
 
 
 def drain(queue: asyncio.Queue) -> None:

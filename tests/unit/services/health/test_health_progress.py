@@ -12,6 +12,7 @@ from phalanx.services.health.events import (
     FinishJob,
     JobUnwatched,
     JobWatched,
+    MemberApplied,
     ProgressReported,
     RaiseFault,
     RankExitSeen,
@@ -143,3 +144,18 @@ def test_a_job_admitted_again_keeps_what_it_had_reached() -> None:
     again = carried(first, JobProgress(job_id="j", step=0))  # the next admission's start
     assert (again.step, again.reached) == (0, 300)
     assert carried(again, JobProgress(job_id="j", step=320)).reached == 320
+
+
+def test_a_rank_of_a_generation_the_job_moved_past_moves_nothing() -> None:
+    core = watched()
+    for rank in (0, 1):
+        core.handle(ProgressReported("j", rank, 10, 0.1, generation=0), T0 + 1)
+    core.handle(MemberApplied("j", "r0-0", 11, generation=1), T0 + 2)
+    core.handle(ProgressReported("j", 0, 11, 0.1, generation=1), T0 + 2)
+    # Rank 1 was cut off and trains on in generation 0 with whoever it still reaches.
+    core.handle(ProgressReported("j", 1, 50, 0.1, generation=0), T0 + 2.5)
+    [progress] = core.take_progress(T0 + 3, EVERY)
+    assert progress.step == 11
+    core.handle(ProgressReported("j", 0, 12, 0.1, generation=1), T0 + 4)
+    [progress] = core.take_progress(T0 + 4, EVERY)
+    assert progress.step == 12

@@ -1,0 +1,152 @@
+"""A node cut from the bus while its ranks still reach their peers (issue 53).
+
+The cluster's nodes each run in a network namespace of their own (:mod:`harness`), each
+given its address, with its own host name resolving to 127.0.1.1 on itself as on a
+Debian machine: the job trains across them only because the address peers reach a rank
+at (its rendezvous store, gloo) follows the node's address.
+
+Before the fencing rule the cut-off ranks idled unfenced, holding their slots and a
+generation the job had left, until the link healed (and in one run of two the job then
+failed on their ``Dropped`` exits). Now the agent of the cut node stops them itself,
+within the rule's bound (:mod:`phalanx.services.agent.fence`); the job goes on without
+them, bitwise as it trains alone, with no step committed by two generations in any
+rank's record but the step in flight when the job moved on (trained again by its
+members, and kept as theirs), and it is never admitted again.
+
+The cut here is both ways; ``test_bus_cut_one_way`` cuts what the bus sends the node
+only (it hears nothing, the bus hears it), where cut-off ranks were seen to finish the
+step in flight in their own generation.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+from harness import BUS, NamespacedCluster, Network
+from test_elastic import Watch, check_run, progressed, run_job
+
+from phalanx.bus.client import Bus, Delivery
+from phalanx.runtime import record
+from phalanx.schemas import subjects
+from phalanx.schemas.messages import GenerationReason, JobRecord, JobState
+from phalanx.services.agent import fence
+from phalanx.services.manifest import MANIFEST, running_in_manifest
+
+CUT = "local-1"
+#: How long the cut lasts at least: past the fence bound, so the fence, not the heal,
+#: ends the cut-off ranks.
+CUT_S = 6.0
+#: What a SIGKILL and the wake-up of this test's wait on the exit may add to the bound.
+SLACK_S = 0.5
+
+
+async def exited(pid: int, timeout_s: float) -> float:
+    """When ``pid`` exited (this machine's clock), waiting at most ``timeout_s``.
+
+    Raises:
+        TimeoutError: it still runs.
+    """
+    try:
+        fd = os.pidfd_open(pid)
+    except ProcessLookupError:
+        return time.time()
+    loop = asyncio.get_running_loop()
+    gone = asyncio.Event()
+    loop.add_reader(fd, gone.set)
+    try:
+        await asyncio.wait_for(gone.wait(), timeout_s)
+        return time.time()
+    finally:
+        loop.remove_reader(fd)
+        os.close(fd)
+
+
+@pytest.mark.timeout(150)
+async def test_a_node_cut_from_the_bus_stops_its_ranks_and_the_job_goes_on_without_them(
+        partitioned: tuple[NamespacedCluster, Bus, Watch], data_dir: Path, reference: dict,
+        tmp_path: Path) -> None:
+    await cut_off_from_the_bus(partitioned, data_dir, reference, tmp_path, "buscut",
+                               lambda net: net.cut(CUT, BUS))
+
+
+async def cut_off_from_the_bus(partitioned: tuple[NamespacedCluster, Bus, Watch],
+                               data_dir: Path, reference: dict, tmp_path: Path, name: str,
+                               cut_off: Callable[[Network], None]) -> None:
+    """Run the job (``name``), cut ``CUT`` off with ``cut_off`` at step 40 for ``CUT_S``,
+    and check the fence and the run."""
+    cluster, bus, watch = partitioned
+    bound = fence.bound_s(cluster.lost_after_s, cluster.heartbeat_interval_s)
+    states: list[JobState] = []
+
+    async def on_state(job: JobRecord, _: Delivery) -> None:
+        states.append(job.state)
+
+    await bus.subscribe(subjects.job_state(f"{name}-1"), JobRecord, on_state)
+    stopped: dict[str, float] = {}
+    cut_at = 0.0
+
+    async def cut(job_id: str, watch: Watch) -> None:
+        nonlocal cut_at
+        await progressed(watch, job_id, 40)
+        ranks = [r for r in running_in_manifest(cluster.data_dir / "agents" / CUT / MANIFEST)
+                 if r["job_id"] == job_id]
+        assert len(ranks) == 2, ranks
+        cut_at = time.time()
+        cut_off(cluster.net)
+        try:
+            ends = await asyncio.gather(*(exited(r["pid"], bound + SLACK_S) for r in ranks))
+            stopped.update({r["replica_id"]: end - cut_at
+                            for r, end in zip(ranks, ends, strict=True)})
+            await asyncio.sleep(max(0.0, cut_at + CUT_S - time.time()))  # the cut lasts on
+        finally:
+            cluster.net.heal()
+
+    rec, generations = await run_job((cluster.data_dir, bus, watch), data_dir, tmp_path,
+                                     name, cut)
+    # The cut-off ranks were stopped within the bound, by the fence (not by the heal).
+    assert len(stopped) == 2 and max(stopped.values()) <= bound + SLACK_S, stopped
+    print(f"cut-off ranks stopped {stopped} s after the cut (bound {bound:g} s)")
+    # Every node at its own address (its host name is 127.0.1.1 on itself, as on Debian):
+    # without that, gloo offered peers its loopback and no generation ever formed.
+    hosts = {m.endpoint.rpartition(":")[0] for m in generations[0].members}
+    assert hosts == {n.address for n in cluster.net.nodes.values()}
+    # Bitwise as the job alone; every step committed, in the records of every rank, the
+    # cut-off ones' included.
+    steps = check_run(rec, tmp_path / "final.pt", reference)
+    pause, usual = record.downtime(steps, cut_at)
+    print(f"longest pause between commits after the cut {pause:.2f} s (usually {usual:.3f})")
+    records = record.read(rec)
+    cut_off = set(stopped)
+    assert cut_off <= set(records)
+    by_step: dict[int, set[int]] = {}
+    for lines in records.values():
+        for line in lines:
+            if line["kind"] == "commit":
+                by_step.setdefault(line["step"], set()).add(line["generation"])
+    # One step may be committed by two generations: the one in flight when the job moved
+    # on. Its members aborted it and trained it again in the next generation while the
+    # cut-off ranks, hearing nothing, may have finished it in theirs: a commit the job
+    # does not keep (of a step, the newest generation's is kept).
+    twice = {step: gens for step, gens in by_step.items() if len(gens) > 1}
+    assert len(twice) <= 1, twice
+    kept = {s.step: s.generation for s in steps}
+    for step, gens in twice.items():
+        assert kept[step] == max(gens), (step, gens)
+        assert all(replica in cut_off for replica, lines in records.items() for line in lines
+                   if line["kind"] == "commit" and line["step"] == step
+                   and line["generation"] < max(gens)), step
+    # Nothing the cut-off ranks committed after the job moved past their generation.
+    left_at = min(g.generation for g in generations
+                  if not {m.replica_id for m in g.members} >= cut_off)
+    assert all(line["generation"] < left_at for replica in cut_off
+               for line in records[replica] if line["kind"] == "commit")
+    # The job went on without them: never admitted again, no gang restart.
+    assert all(g.reason is not GenerationReason.START for g in generations[1:]), generations
+    ended = next(i for i, s in enumerate(states) if s.terminal)
+    assert set(states[:ended]) <= {JobState.ADMITTED}, states
+    assert set(states[ended:]) == {JobState.FINISHED}, states
