@@ -120,6 +120,9 @@ def sweep() -> list[str]:
         alias = line.partition(" alias ")[2].split()
         if name.startswith(PREFIX) and alias and alias[0].startswith(f"{PREFIX}-owner-") \
                 and not _alive(int(alias[0].rsplit("-", 1)[1])):
+            for port in sh("ip", "-o", "link", "show", "master", name,
+                           check=False).splitlines():  # at once, as in Network.stop
+                sh("ip", "link", "del", port.split(":")[1].strip().split("@")[0], check=False)
             sh("ip", "link", "del", name, check=False)
             removed.append(name)
     for line in sh("nft", "list", "tables", "bridge", check=False).splitlines():
@@ -229,6 +232,9 @@ class Network:
 
         for node in self.nodes.values():
             _kill_netns_processes(node.netns)
+            # The veth first, at once: a namespace deleted takes its end with it only later,
+            # in the kernel's own time.
+            attempt("ip", "link", "del", node.veth)
             attempt("ip", "netns", "del", node.netns)
             shutil.rmtree(NETNS_ETC / node.netns, ignore_errors=True)
         attempt("ip", "link", "del", self.bridge)
