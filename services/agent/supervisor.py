@@ -31,7 +31,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 from phalanx.schemas import settings
 
@@ -109,7 +109,8 @@ class Supervisor:
         delay = FIRST_DELAY_S
         while True:
             started = time.monotonic()
-            self.agent = subprocess.Popen(self.command, pass_fds=inherited_fds()).pid
+            self.agent = subprocess.Popen(self.command, pass_fds=inherited_fds(),
+                                          env=agent_environment(os.environ)).pid
             log.info("agent started", extra={"pid": self.agent})
             status = self._reap_until(self.agent)
             self.agent = None
@@ -143,6 +144,13 @@ class Supervisor:
                     pass
             time.sleep(min(0.1, max(0.0, until - time.monotonic())))
         return self.stopping
+
+
+def agent_environment(env: Mapping[str, str]) -> dict[str, str]:
+    """``env`` without a zygote template: a zygote forked from one is the template's
+    child, outside this tree, and the ranks it forked would be reparented, when their
+    agent and its zygote die, to another reaper than this one."""
+    return {k: v for k, v in env.items() if k != settings.AGENT("zygote_template")}
 
 
 def supervise(command: Sequence[str]) -> int:
