@@ -24,6 +24,7 @@ import pytest
 import torch
 
 from phalanx.bus.client import Bus, Delivery
+from phalanx.bus.kv import TypedKV
 from phalanx.runtime import record
 from phalanx.schemas import environment, subjects, zygote
 from phalanx.schemas.messages import (
@@ -166,10 +167,16 @@ class Job:
         self.generation += 1
         members = [Member(replica_id=r, rank=i, node_id="n", endpoint=self.ready[r].endpoint)
                    for i, r in enumerate(replicas)]
-        await self.bus.publish(subjects.job_generation(self.uid), Generation(
+        generation = Generation(
             job_id=self.uid, generation=self.generation, members=members,
             world_size=len(members), rendezvous=f"{self.uid}-g{self.generation}",
-            resume_step=resume_step, reason=reason))
+            resume_step=resume_step, reason=reason)
+        # Stored, then published, as elasticity does: a process that subscribes after the
+        # publication (a group's rank other than its first, which alone says it is ready)
+        # reads the stored one.
+        kv = await TypedKV.open(self.bus.js, subjects.GENERATIONS_BUCKET, Generation)
+        await kv.put(self.uid, generation)
+        await self.bus.publish(subjects.job_generation(self.uid), generation)
 
     async def exit_codes(self) -> dict[str, int]:
         return {r: await asyncio.wait_for(p.wait(), 240) for r, p in self.processes.items()}
