@@ -276,6 +276,9 @@ class Membership:
                         return True
                     except Aborted as exc:  # anything else is a bug: the rank crashes
                         log.warning("generation %d not applied: %s", newest.generation, exc)
+                        # Its state copy's peers it could not reach are named in the report.
+                        self._unreachable = exc.replicas if isinstance(exc, Unreachable) \
+                            else ()
                         self.abandon()
                         if newest.generation == s.inbox.newest_number():
                             self.wait_for_newer(newest.generation, total_steps,
