@@ -66,6 +66,7 @@ from phalanx.runtime import (
     ddp,
     default_group,
     priority,
+    reach,
     replica_group,
     schedulers,
     spare,
@@ -163,6 +164,11 @@ class ElasticSession:
         record_dir: where to append this replica's record (None: no record).
         checksum: verify every state copy with Adler-32.
         collective_timeout_s: gloo's own timeout, the last resort.
+        unreachable_after_s: how long a collective waits without progress before this
+            rank asks which members' nodes answer a connect; if some do not (a link cut
+            between nodes, which fails no process), it gives the generation up and
+            reports them unreachable, and elasticity forms one without them
+            (:mod:`.reach`). A collective that is only slow goes on waiting.
         on_membership: called after each applied generation.
         deterministic: make the summed gradient bitwise independent of the world size: the
             global batch is cut into the same micro-batches at any size, each micro-batch's
@@ -224,6 +230,7 @@ class ElasticSession:
                  job_id: str = "local", replica_id: str = "r0-0", slot: int = 0,
                  node_id: str = "local", record_dir: str | None = None, checksum: bool = False,
                  collective_timeout_s: float = 30.0,
+                 unreachable_after_s: float = reach.UNREACHABLE_AFTER_S,
                  on_membership: Callable[[MembershipChange], None] | None = None,
                  deterministic: bool = False, warmup: Callable[[], None] | None = None,
                  nice_when_ready: int | None = None,
@@ -294,7 +301,8 @@ class ElasticSession:
                     snapshot_interval, durable_every=durable.every if durable else 0)))
             if bus is not None and snapshot_interval is not None and snapshot_dir else None,
             snapshot_dir=snapshot_dir, durable=durable, chaos=chaos.Plan.of(chaos_kill),
-            on_membership=on_membership, group=group)
+            on_membership=on_membership, group=group,
+            unreachable_after_s=unreachable_after_s)
         self._started = False  # a step was taken: the registered state is fixed
         for name, obj in (state or {}).items():
             self.register(name, obj)

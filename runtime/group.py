@@ -18,6 +18,16 @@ still blocked on a dead peer is left to its own timeout (:attr:`Waits.abandoned`
 and its buffers are never reused. While it waits, the rank reports progress
 (``heartbeat``): waiting for peers is not a hang.
 
+**A peer it cannot reach.** A link cut between nodes fails no process: the
+collective waits for gloo's timeout, and since its ranks report progress while
+they wait, nobody else notices. So a work item that has made no progress for
+``unreachable_after_s`` (and again each ``unreachable_after_s`` after) asks which
+peers' nodes answer a connect (:mod:`.reach`); if some do not, the wait raises
+:class:`Unreachable` naming them, which the member reports to elasticity. A
+collective that is merely slow (a peer still computing, a straggler) finds every
+node answering and goes on waiting. The clock starts only once a wait has slept
+without its work completing: a collective that completes costs nothing more.
+
 **On NCCL** the rest differs. An NCCL collective waiting for a dead peer is a
 kernel spinning on the GPU: it holds the device's stream, so the group cannot be
 left to a timeout; it is *aborted* (``ProcessGroupNCCL.abort()``, which is
@@ -44,6 +54,7 @@ touches it.
 from __future__ import annotations
 
 import datetime
+import math
 import os
 import threading
 import time
@@ -74,17 +85,33 @@ class Aborted(Exception):
     """The generation a collective ran in was abandoned (a member failed)."""
 
 
+class Unreachable(Aborted):
+    """A collective made no progress and the nodes of ``replicas`` (members of its
+    generation) answered no connect: a link between this node and theirs is cut."""
+
+    def __init__(self, replicas: Sequence[str], after_s: float) -> None:
+        self.replicas = tuple(replicas)
+        super().__init__(f"no progress for {after_s:g} s and no answer from the node(s) of "
+                         f"{', '.join(self.replicas)}: unreachable")
+
+
 class Waits:
     """The training thread's abortable waits.
 
     Args:
         inbox: what wakes a wait (its event is set by the bus thread and by completions).
         heartbeat: called while a wait goes on (rate-limited by the caller).
+        unreachable: the members whose node answers no connect (:mod:`.reach`), asked
+            when a work item made no progress for ``unreachable_after_s``; None: never.
     """
 
-    def __init__(self, inbox: Inbox, heartbeat: Callable[[], None]) -> None:
+    def __init__(self, inbox: Inbox, heartbeat: Callable[[], None],
+                 unreachable: Callable[[], Sequence[str]] | None = None,
+                 unreachable_after_s: float = math.inf) -> None:
         self.inbox = inbox
         self.heartbeat = heartbeat
+        self.unreachable = unreachable
+        self.unreachable_after_s = unreachable_after_s
         #: Process groups and work items given up on, left to gloo's own timeout.
         self.abandoned: list[Any] = []
         #: The threads aborting given-up NCCL groups (:meth:`DeviceGroup.abort`).
@@ -119,6 +146,7 @@ class Waits:
                 finished()
 
             threading.Thread(target=waiter, name="phalanx-wait", daemon=True).start()
+        since: float | None = None  # when it was first seen waiting
         while not done.is_set():
             if must_abort():
                 self.abandoned.append(work)
@@ -126,6 +154,11 @@ class Waits:
             self.inbox.sleep(0.5)
             if not done.is_set():
                 self.heartbeat()
+                try:
+                    since = self._stalled(since)
+                except Unreachable:
+                    self.abandoned.append(work)
+                    raise
         try:
             if failure:
                 raise failure[0]
@@ -138,6 +171,7 @@ class Waits:
         """An NCCL work item: its completion is asked of the device; an abort leaves it to
         the communicator's abort (:meth:`abandon`), so nothing is kept."""
         beat = time.monotonic()
+        since: float | None = None
         while not work.is_completed():
             if must_abort():
                 raise Aborted("a member failed")
@@ -145,10 +179,29 @@ class Waits:
             if time.monotonic() - beat >= HEARTBEAT_S:
                 self.heartbeat()
                 beat = time.monotonic()
+                since = self._stalled(since)
         try:
             work.wait()
         except RuntimeError as exc:  # the collective failed or timed out
             raise Aborted(str(exc)) from None
+
+    def _stalled(self, since: float | None) -> float:
+        """A wait seen without progress since ``since`` (None: just now): when to count
+        from next. Past ``unreachable_after_s``, the members' nodes are probed.
+
+        Raises:
+            Unreachable: some answered no connect (the probe takes up to
+                :data:`.reach.PROBE_S`).
+        """
+        now = time.monotonic()
+        if since is None or self.unreachable is None:
+            return now
+        if now - since < self.unreachable_after_s:
+            return since
+        silent = self.unreachable()
+        if silent:
+            raise Unreachable(silent, round(now - since, 1))
+        return time.monotonic()
 
     def abandon(self, group: Any) -> None:
         """Give ``group`` up: an NCCL group is aborted (its kernels end, the device is free

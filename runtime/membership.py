@@ -16,9 +16,14 @@ of, its rank, world size and process group.
   is reported (:class:`~phalanx.schemas.messages.GenerationGivenUp`), and again
   every 2 s while this replica waits for a newer one: with no member dead, no
   fault would replace it, and elasticity keeps a generation in flight until
-  every member applies it. The stream stores repeats within its duplicate window
-  once; after it (elasticity or the bus restarted and lost it) they are heard
-  again, and a report of a generation decided again already changes nothing.
+  every member applies it. So is one whose step's collectives failed with no
+  fault known: at once, naming the members whose nodes answer no connect, when
+  a collective waited ``unreachable_after_s`` without progress for them
+  (:class:`~.group.Unreachable`: a link between nodes cut, which the bus does
+  not see); after the collective timeout otherwise. The stream stores repeats
+  within its duplicate window once; after it (elasticity or the bus restarted
+  and lost it) they are heard again, and a report of a generation decided
+  again already changes nothing.
 * **Not a member.** A replica not yet taken in waits for a newer generation,
   re-announcing itself every 2 s; one the job completes without ends with
   :class:`JobCompletedWithoutThisReplica`; one a planned shrink takes out
@@ -43,9 +48,9 @@ import torch.distributed as dist
 from opentelemetry import context as otel_context
 
 from phalanx.bus import telemetry
-from phalanx.runtime import default_group
+from phalanx.runtime import default_group, reach
 from phalanx.runtime.data import MicroBatch
-from phalanx.runtime.group import Aborted, Group, GroupWork, Waits, rendezvous
+from phalanx.runtime.group import Aborted, Group, GroupWork, Unreachable, Waits, rendezvous
 from phalanx.runtime.recovery import Retained
 from phalanx.runtime.resume import resume
 from phalanx.runtime.session_state import Seat, SessionState
@@ -147,7 +152,8 @@ class Membership:
         self.rank: int | None = 0 if state.bus is None else None
         self.world_size = 1
         self.pg: Group | None = None
-        self.waits = Waits(state.inbox, self.heartbeat)
+        self.waits = Waits(state.inbox, self.heartbeat, self.unreachable,
+                           state.unreachable_after_s)
         #: For the optimizer state a joiner receives (set when it joins a running job).
         self.landing: list[torch.Tensor] = []
         #: Where peers reach this replica's store, ``<host>:<port>`` (:meth:`host_store`).
@@ -159,6 +165,8 @@ class Membership:
         self._restored_from = StateSource.MEMBERS  # where the last applied state came from
         # The step given up last, when and why: a span of the generation that ends the wait.
         self._aborted: tuple[int, int, str] | None = None
+        # The members the step given up last could not reach (:class:`Unreachable`).
+        self._unreachable: tuple[str, ...] = ()
         self._retained: Retained | None = None  # from an aborted step
         # A repaired step: (step, this rank's plan, its kept gradient if it has one).
         self._repair: tuple[int, list[MicroBatch], Retained | None] | None = None
@@ -199,6 +207,25 @@ class Membership:
         s = self.state
         if s.reporter is not None and self.generation is not None:
             s.reporter.report(max(s.committed, 0), s.last_step_s)
+
+    def unreachable(self) -> list[str]:
+        """The members of this replica's generation whose node answers no connect to
+        their endpoint (:mod:`.reach`; one connect per node, this node's own never):
+        asked when a collective made no progress for ``unreachable_after_s``."""
+        generation, own = self.generation, self.state.replica
+        if generation is None:
+            return []
+        by_host: dict[str, list[str]] = {}
+        endpoint: dict[str, str] = {}
+        for member in generation.members:
+            host = member.endpoint.rpartition(":")[0]
+            if member.replica_id == own.replica_id or host == own.host or not host:
+                continue
+            by_host.setdefault(host, []).append(member.replica_id)
+            endpoint.setdefault(host, member.endpoint)
+        silent = reach.silent(endpoint.values())
+        return [replica for host, replicas in by_host.items() if endpoint[host] in silent
+                for replica in replicas]
 
     def seat(self) -> Seat:
         """This member's place in its generation (a member: its group is built)."""
@@ -249,6 +276,9 @@ class Membership:
                         return True
                     except Aborted as exc:  # anything else is a bug: the rank crashes
                         log.warning("generation %d not applied: %s", newest.generation, exc)
+                        # Its state copy's peers it could not reach are named in the report.
+                        self._unreachable = exc.replicas if isinstance(exc, Unreachable) \
+                            else ()
                         self.abandon()
                         if newest.generation == s.inbox.newest_number():
                             self.wait_for_newer(newest.generation, total_steps,
@@ -300,8 +330,9 @@ class Membership:
                 or newest is None or newest.generation != self.generation.generation:
             return None, 0.0
         step, _, why = self._aborted
+        # Members it cannot reach are said at once: it waited unreachable_after_s already.
         return (f"step {step}'s collectives failed with no member faulted: {why}",
-                self.state.timeout.total_seconds())
+                0.0 if self._unreachable else self.state.timeout.total_seconds())
 
     def _report_given_up(self, generation: int, why: str) -> None:
         """Tell elasticity this member gave ``generation`` up (stored in the job-events
@@ -314,9 +345,11 @@ class Membership:
                 or s.inbox.must_abort(newest) \
                 or (self.generation is None and s.inbox.finished_step >= s.total_steps):
             return
+        own = self.generation is not None and self.generation.generation == generation
         s.bus.publish_event(subjects.generation_given_up(s.replica.job_id), GenerationGivenUp(
             job_id=s.replica.job_id, generation=generation, replica_id=s.replica.replica_id,
-            reason=why[:DETAIL_CHARS], sent_at=time.time(), admission=s.replica.admission),
+            reason=why[:DETAIL_CHARS], sent_at=time.time(), admission=s.replica.admission,
+            unreachable=list(self._unreachable) if own else []),
             s.replica.event_id(f"g{generation}-given-up"))
 
     def leave_without_joining(self) -> None:
@@ -404,6 +437,7 @@ class Membership:
         """A fault aborted ``step``: abandon the group, and keep for the next generation
         when and why (its trace) and this rank's gradient, if ``kept`` (its repair)."""
         self._aborted = (step, time.time_ns(), str(why))
+        self._unreachable = why.replicas if isinstance(why, Unreachable) else ()
         if kept is not None:
             self._retained = kept
         self.abandon()

@@ -27,6 +27,7 @@ from phalanx.runtime.group import Group, GroupWork
 from phalanx.runtime.inbox import Inbox
 from phalanx.runtime.placement import Backend
 from phalanx.runtime.progress import ProgressReporter
+from phalanx.runtime.reach import UNREACHABLE_AFTER_S
 from phalanx.runtime.record import Recorder
 from phalanx.runtime.replica_group import ReplicaGroup
 from phalanx.runtime.sharded import Sharded
@@ -99,6 +100,9 @@ class SessionState:
     on_membership: Callable[[Any], None] | None
     #: The replica's group of ranks (:mod:`.replica_group`); None: one rank per replica.
     group: ReplicaGroup | None = None
+    #: How long a collective waits without progress before it asks which members' nodes
+    #: answer (:mod:`.reach`), and gives the generation up naming those that do not.
+    unreachable_after_s: float = UNREACHABLE_AFTER_S
     reporter: ProgressReporter | None = None  # once connected
     # Moved by commits, copies and restores.
     committed: int = 0  # steps committed: the next step to run

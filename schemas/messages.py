@@ -712,14 +712,16 @@ class GenerationApplied(Message, tag="phalanx.generation_applied.v1", frozen=Tru
 
 
 class GenerationGivenUp(Message, tag="phalanx.generation_given_up.v1", frozen=True):
-    """A member gave up forming a generation that is still the job's newest
+    """A member gave up a generation that is still the job's newest
     (``phalanx.job.<job>.given_up``): its rendezvous failed (rank 0's store or a
-    peer could not be reached in time) with no member known to have died.
+    peer could not be reached in time), or its collectives did, with no member known
+    to have died.
 
     It waits for a newer generation, repeating this report (stored once per
     duplicate window) until one comes; elasticity decides that generation
-    again with the same members, since nothing else would replace it. ``reason``
-    is what the rendezvous failed with.
+    again with the same members, since nothing else would replace it, or without
+    the ``unreachable`` ones. ``reason`` is what the rendezvous or the collective
+    failed with.
     """
 
     job_id: Ident
@@ -729,6 +731,10 @@ class GenerationGivenUp(Message, tag="phalanx.generation_given_up.v1", frozen=Tr
     sent_at: NonNegFloat = 0.0
     #: The job's admission the member was started for (:class:`ReplicaReady`).
     admission: NonNegInt = 0
+    #: The members whose node did not answer this member (a TCP connect to their
+    #: rendezvous store unanswered) after a collective made no progress for the
+    #: runtime's ``unreachable_after_s``: a link between them is cut.
+    unreachable: Annotated[list[Ident], msgspec.Meta(max_length=MAX_REPLICAS)] = []
 
 
 class GenerationRecord(Part, frozen=True):

@@ -72,8 +72,9 @@ class GenerationAppliedSeen:
 
 @dataclasses.dataclass(frozen=True)
 class GenerationGivenUpSeen:
-    """A member could not form ``generation`` (its rendezvous failed) and waits for a newer
-    one; ``reason`` is what the rendezvous failed with."""
+    """A member could not form ``generation`` (its rendezvous failed) or finish its
+    collectives, and waits for a newer one; ``reason`` is what failed, ``unreachable``
+    the members whose nodes it could not reach (a link cut)."""
 
     job_id: str
     generation: int
@@ -81,6 +82,7 @@ class GenerationGivenUpSeen:
     reason: str = ""
     event_id: str = ""
     admission: int = 0  # the job's admission the member was started for (0: not known)
+    unreachable: tuple[str, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)

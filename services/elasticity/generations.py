@@ -241,7 +241,9 @@ def _finished(job: JobMembership, event: MemberFinished) -> list[Decision]:
 def _given_up(job: JobMembership, event: GenerationGivenUpSeen) -> None:
     """A member gave the current generation up: it is decided again (in
     :func:`_advance`), like a fault's: the same members, minus any that failed
-    meanwhile, with joiners ready then, a fresh rendezvous namespace.
+    meanwhile, with joiners ready then, a fresh rendezvous namespace. A report that
+    names members the reporter cannot reach drops them instead, as failed and not
+    replaced (:func:`cut_off`), or, from the smaller side of a cut, changes nothing.
 
     Members that cannot form a generation (its rank 0's store timed out under load), or
     whose collectives in it failed with none of them faulted (a link between them cut or
@@ -253,8 +255,35 @@ def _given_up(job: JobMembership, event: GenerationGivenUpSeen) -> None:
     if job.current is None or event.generation != job.current.generation \
             or event.replica_id not in job.members or job.given_up or job.complete:
         return
+    if event.unreachable:
+        for replica in cut_off(job.members, event.replica_id, event.unreachable):
+            if replica not in job.failed:
+                job.failed[replica] = f"unreachable from {event.replica_id}"
+                job.applied.discard(replica)
+        return
     job.given_up = f"{event.replica_id} gave up generation {event.generation} " \
         f"({brief(event.reason, 'rendezvous failed')})"
+
+
+def cut_off(members: list[str], reporter: str, unreachable: tuple[str, ...]) -> list[str]:
+    """The members a report from ``reporter`` that it cannot reach ``unreachable`` drops.
+
+    A link cut between nodes splits a generation in two sides, and the members of both
+    report the other side unreachable. The larger side stays, so that one node cut off
+    from the rest (its own link down) cannot drop the rest; on a tie, the side of the
+    generation's rank 0 (``members[0]``) stays, so both sides' reports agree whichever
+    comes first. A report from the side that does not stay drops nobody: it waits for
+    the other side's, or for a newer generation. A cut that splits the members three
+    ways is undone one report at a time (each newer generation that still cannot finish
+    a collective is reported again), never dropping a reporter.
+    """
+    named = [r for r in members if r in unreachable and r != reporter]
+    if reporter not in members or not named:
+        return []
+    stays = len(members) - len(named)
+    if stays > len(named) or (stays == len(named) and members[0] not in named):
+        return named
+    return []
 
 
 def _ready(job: JobMembership, event: ReplicaReadySeen) -> None:

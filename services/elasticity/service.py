@@ -154,7 +154,8 @@ class ElasticityService(JobEventsLeader[ElasticityTerm]):
         elif isinstance(event.message, GenerationGivenUp):
             log.info("generation given up", extra={
                 "job": event.message.job_id, "generation": event.message.generation,
-                "replica": event.message.replica_id, "reason": event.message.reason})
+                "replica": event.message.replica_id, "reason": event.message.reason,
+                "unreachable": event.message.unreachable})
         await self._act(term, translated.job_id, term.core.handle(translated, time.time()),
                         event.seq)
 
@@ -352,7 +353,7 @@ def _event(event: StreamEvent) -> core.Event | None:
             return core.GenerationGivenUpSeen(
                 msg.job_id, msg.generation, msg.replica_id, msg.reason,
                 event_id=f"given-up:{msg.replica_id}:g{msg.generation}",
-                admission=msg.admission)
+                admission=msg.admission, unreachable=tuple(msg.unreachable))
         case RankExited() as msg:
             if msg.replica_id is None:
                 return None

@@ -21,21 +21,18 @@ step in flight in their own generation.
 from __future__ import annotations
 
 import asyncio
-import os
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+from cuts import check_cut_off, exited, job_states, ranks_on
 from harness import BUS, NamespacedCluster, Network
 from test_elastic import Watch, check_run, progressed, run_job
 
-from phalanx.bus.client import Bus, Delivery
+from phalanx.bus.client import Bus
 from phalanx.runtime import record
-from phalanx.schemas import subjects
-from phalanx.schemas.messages import GenerationReason, JobRecord, JobState
 from phalanx.services.agent import fence
-from phalanx.services.manifest import MANIFEST, running_in_manifest
 
 CUT = "local-1"
 #: How long the cut lasts at least: past the fence bound, so the fence, not the heal,
@@ -43,27 +40,6 @@ CUT = "local-1"
 CUT_S = 6.0
 #: What a SIGKILL and the wake-up of this test's wait on the exit may add to the bound.
 SLACK_S = 0.5
-
-
-async def exited(pid: int, timeout_s: float) -> float:
-    """When ``pid`` exited (this machine's clock), waiting at most ``timeout_s``.
-
-    Raises:
-        TimeoutError: it still runs.
-    """
-    try:
-        fd = os.pidfd_open(pid)
-    except ProcessLookupError:
-        return time.time()
-    loop = asyncio.get_running_loop()
-    gone = asyncio.Event()
-    loop.add_reader(fd, gone.set)
-    try:
-        await asyncio.wait_for(gone.wait(), timeout_s)
-        return time.time()
-    finally:
-        loop.remove_reader(fd)
-        os.close(fd)
 
 
 @pytest.mark.timeout(150)
@@ -81,20 +57,14 @@ async def cut_off_from_the_bus(partitioned: tuple[NamespacedCluster, Bus, Watch]
     and check the fence and the run."""
     cluster, bus, watch = partitioned
     bound = fence.bound_s(cluster.lost_after_s, cluster.heartbeat_interval_s)
-    states: list[JobState] = []
-
-    async def on_state(job: JobRecord, _: Delivery) -> None:
-        states.append(job.state)
-
-    await bus.subscribe(subjects.job_state(f"{name}-1"), JobRecord, on_state)
+    states = await job_states(bus, f"{name}-1")
     stopped: dict[str, float] = {}
     cut_at = 0.0
 
     async def cut(job_id: str, watch: Watch) -> None:
         nonlocal cut_at
         await progressed(watch, job_id, 40)
-        ranks = [r for r in running_in_manifest(cluster.data_dir / "agents" / CUT / MANIFEST)
-                 if r["job_id"] == job_id]
+        ranks = ranks_on(cluster, CUT, job_id)
         assert len(ranks) == 2, ranks
         cut_at = time.time()
         cut_off(cluster.net)
@@ -120,33 +90,4 @@ async def cut_off_from_the_bus(partitioned: tuple[NamespacedCluster, Bus, Watch]
     steps = check_run(rec, tmp_path / "final.pt", reference)
     pause, usual = record.downtime(steps, cut_at)
     print(f"longest pause between commits after the cut {pause:.2f} s (usually {usual:.3f})")
-    records = record.read(rec)
-    cut_off = set(stopped)
-    assert cut_off <= set(records)
-    by_step: dict[int, set[int]] = {}
-    for lines in records.values():
-        for line in lines:
-            if line["kind"] == "commit":
-                by_step.setdefault(line["step"], set()).add(line["generation"])
-    # One step may be committed by two generations: the one in flight when the job moved
-    # on. Its members aborted it and trained it again in the next generation while the
-    # cut-off ranks, hearing nothing, may have finished it in theirs: a commit the job
-    # does not keep (of a step, the newest generation's is kept).
-    twice = {step: gens for step, gens in by_step.items() if len(gens) > 1}
-    assert len(twice) <= 1, twice
-    kept = {s.step: s.generation for s in steps}
-    for step, gens in twice.items():
-        assert kept[step] == max(gens), (step, gens)
-        assert all(replica in cut_off for replica, lines in records.items() for line in lines
-                   if line["kind"] == "commit" and line["step"] == step
-                   and line["generation"] < max(gens)), step
-    # Nothing the cut-off ranks committed after the job moved past their generation.
-    left_at = min(g.generation for g in generations
-                  if not {m.replica_id for m in g.members} >= cut_off)
-    assert all(line["generation"] < left_at for replica in cut_off
-               for line in records[replica] if line["kind"] == "commit")
-    # The job went on without them: never admitted again, no gang restart.
-    assert all(g.reason is not GenerationReason.START for g in generations[1:]), generations
-    ended = next(i for i, s in enumerate(states) if s.terminal)
-    assert set(states[:ended]) <= {JobState.ADMITTED}, states
-    assert set(states[ended:]) == {JobState.FINISHED}, states
+    check_cut_off(rec, steps, generations, set(stopped), states)

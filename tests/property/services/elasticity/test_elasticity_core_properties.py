@@ -22,7 +22,8 @@ from phalanx.services.elasticity.core import (
 )
 
 SETTINGS = settings(derandomize=True, database=None, deadline=None, max_examples=300)
-ops = st.lists(st.tuples(st.sampled_from(["fail", "ready", "apply", "giveup", "giveup", "tick"]),
+ops = st.lists(st.tuples(st.sampled_from(["fail", "ready", "apply", "giveup", "giveup", "cut",
+                                          "tick"]),
                          st.integers(0, 40), st.integers(0, 50)), max_size=80)
 
 
@@ -39,9 +40,11 @@ def test_generations_under_random_events(lo: int, extra: int, events) -> None:
     now = 0.0
     for kind, n, step in events:
         now += 1
+        named_unreachable: set[str] = set()
         job = core.jobs.get("j")
         if job is None:
             break
+        failed_before = set(job.failed)
         # A change is waited for only while none of its members has died.
         in_flight = job.current is not None and job.in_flight and not set(job.members) & dead
         replica = known[n % len(known)]
@@ -58,7 +61,7 @@ def test_generations_under_random_events(lo: int, extra: int, events) -> None:
                 continue
             applied = GenerationAppliedSeen("j", job.current.generation, replica, step)
             out = core.handle(applied, now)
-        elif kind == "giveup":
+        elif kind in ("giveup", "cut"):
             if job.current is None:
                 continue
             if n % 4:  # mostly a member's report (else any replica's)
@@ -68,7 +71,12 @@ def test_generations_under_random_events(lo: int, extra: int, events) -> None:
             # Of the current generation, or a late report of the one before.
             named = job.current.generation - step % 2
             given_up = job.current
-            out = core.handle(GenerationGivenUpSeen("j", named, replica, "timed out"), now)
+            if kind == "cut":  # the members it cannot reach: those the bits of step pick
+                named_unreachable = {m.replica_id for i, m in enumerate(job.current.members)
+                                     if step >> i & 1}
+            out = core.handle(GenerationGivenUpSeen(
+                "j", named, replica, "timed out",
+                unreachable=tuple(sorted(named_unreachable))), now)
         else:
             out = core.tick(now)
         core.check_invariants()
@@ -81,13 +89,21 @@ def test_generations_under_random_events(lo: int, extra: int, events) -> None:
             g.reason is GenerationReason.JOIN and replica in {m.replica_id for m in g.members}
             for g in new)
         # A generation a member gave up is decided again at once, from its report alone.
-        reformed = kind == "giveup" and bool(new)
+        reformed = kind in ("giveup", "cut") and bool(new)
         if reformed:
             assert named == given_up.generation, "a stale report re-formed a generation"
             assert replica in {m.replica_id for m in given_up.members}
-            kept = {m.replica_id for m in given_up.members} - dead
+            kept = {m.replica_id for m in given_up.members} - dead - named_unreachable
             assert kept <= {m.replica_id for m in new[0].members}, "a live member was lost"
+            assert replica in {m.replica_id for m in new[0].members}, "a reporter dropped"
             assert new[0].reason is GenerationReason.FAULT
+            # A report drops only members it named, never more than stay, and on a tie
+            # it keeps rank 0.
+            old = [m.replica_id for m in given_up.members]
+            gone = set(old) - {m.replica_id for m in new[0].members} - dead - failed_before
+            assert gone <= named_unreachable, gone
+            assert len(gone) < len(old) - len(gone) or (
+                len(gone) == len(old) - len(gone) and old[0] not in gone), gone
         if new and in_flight and kind not in ("apply", "fail") and not spare_joins \
                 and not reformed:
             raise AssertionError("a generation was published while another was in flight")

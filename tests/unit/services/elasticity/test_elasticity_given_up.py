@@ -4,6 +4,7 @@ counts (the current generation, by one of its members, while it is in flight).""
 from __future__ import annotations
 
 import msgspec
+import pytest
 from test_elasticity_core import apply_all, generations, ready, start  # the same job
 
 from phalanx.schemas.messages import GenerationReason
@@ -12,11 +13,13 @@ from phalanx.services.elasticity.core import (
     GenerationAppliedSeen,
     GenerationGivenUpSeen,
     JobAdmitted,
+    LaunchReplacement,
     MemberFailed,
     MemberFinished,
     PublishGeneration,
     snapshot,
 )
+from phalanx.services.elasticity.generations import cut_off
 
 TIMED_OUT = "timed out connecting to h:9000\nTraceback ..."
 
@@ -153,3 +156,71 @@ def test_a_generation_trained_in_whose_collectives_failed_unfaulted_is_formed_ag
     assert [m.replica_id for m in g2.members] == ["r0-0", "r1-0", "r2-0"]
     assert gave_up(core, "r0-0", 1) == []  # the same news again: re-formed once
     core.check_invariants()
+
+
+def cut(core: ElasticityCore, replica: str, generation: int, *unreachable: str,
+        now: float = 5.0) -> list:
+    """``replica``'s report that its collectives in ``generation`` made no progress and
+    the nodes of ``unreachable`` answered no connect."""
+    return core.handle(GenerationGivenUpSeen(
+        "j", generation, replica, "no progress for 3 s and no answer", unreachable=unreachable,
+        event_id=f"given-up:{replica}:g{generation}"), now)
+
+
+def test_a_cut_between_two_halves_drops_the_half_without_rank_0_whoever_reports_first(
+        ) -> None:
+    """Four members, r0-0 r1-0 | r2-0 r3-0 cut apart, the bus reaching all: both halves
+    report the other unreachable. The half of rank 0 stays whichever report comes first,
+    and the other half is not replaced (its node is cut off: a replacement there could
+    not reach the rest either)."""
+    endings = []
+    for rank_0_first in (True, False):
+        core = ElasticityCore()
+        start(core)
+        apply_all(core, step=30)
+        published = []
+        if not rank_0_first:
+            assert cut(core, "r3-0", 0, "r0-0", "r1-0") == []  # the tie's other half
+        out = cut(core, "r1-0", 0, "r2-0", "r3-0")
+        published += generations(out)
+        assert not [d for d in out if isinstance(d, LaunchReplacement)]
+        # The other half's reports, late, name a generation decided again already.
+        assert cut(core, "r2-0", 0, "r0-0", "r1-0") == []
+        assert cut(core, "r0-0", 0, "r2-0", "r3-0") == []
+        [g1] = published
+        assert [m.replica_id for m in g1.members] == ["r0-0", "r1-0"]
+        assert (g1.reason, g1.resume_step) == (GenerationReason.FAULT, 30)
+        assert g1.cause == "dropped r2-0 (unreachable from r1-0), r3-0 (unreachable from r1-0)"
+        # Their Dropped exits (faults, as health sees them) replace nothing.
+        for replica in ("r2-0", "r3-0"):
+            assert core.handle(MemberFailed("j", replica, "exit code 76"), 6.0) == []
+        assert not generations(apply_all(core, step=30))
+        core.check_invariants()
+        endings.append(g1.members)
+    assert endings[0] == endings[1]
+
+
+def test_a_member_cut_off_from_the_rest_cannot_drop_the_rest() -> None:
+    """r3-0's own link is down: it names the three others, and is the smaller side; the
+    others' report drops it."""
+    core = ElasticityCore()
+    start(core)
+    apply_all(core, step=30)
+    assert cut(core, "r3-0", 0, "r0-0", "r1-0", "r2-0") == []
+    [g1] = generations(cut(core, "r2-0", 0, "r3-0"))
+    assert [m.replica_id for m in g1.members] == ["r0-0", "r1-0", "r2-0"]
+    core.check_invariants()
+
+
+@pytest.mark.parametrize(("members", "reporter", "unreachable", "dropped"), [
+    (["a", "b", "c", "d"], "a", ("c", "d"), ["c", "d"]),    # a tie, with rank 0
+    (["a", "b", "c", "d"], "c", ("a", "b"), []),            # a tie, without rank 0
+    (["a", "b", "c"], "c", ("a",), ["a"]),                  # rank 0 alone on its side
+    (["a", "b", "c"], "a", ("b", "c"), []),                 # the smaller side
+    (["a", "b"], "a", ("a", "x"), []),                      # itself, a non-member
+    (["a", "b"], "x", ("b",), []),                          # not a member's report
+])
+def test_the_larger_side_of_a_cut_stays(members: list[str], reporter: str,
+                                       unreachable: tuple[str, ...], dropped: list[str]
+                                       ) -> None:
+    assert cut_off(members, reporter, unreachable) == dropped

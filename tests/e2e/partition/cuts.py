@@ -1,0 +1,94 @@
+"""What every partition test waits on and checks: a cut-off rank's exit, and a run whose
+cut-off ranks' records hold no step the job keeps twice, on a job admitted once."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from pathlib import Path
+
+from harness import NamespacedCluster
+
+from phalanx.bus.client import Bus, Delivery
+from phalanx.runtime import record
+from phalanx.schemas import subjects
+from phalanx.schemas.messages import Generation, GenerationReason, JobRecord, JobState
+from phalanx.services.manifest import MANIFEST, running_in_manifest
+
+
+async def exited(pid: int, timeout_s: float) -> float:
+    """When ``pid`` exited (this machine's clock), waiting at most ``timeout_s``.
+
+    Raises:
+        TimeoutError: it still runs.
+    """
+    try:
+        fd = os.pidfd_open(pid)
+    except ProcessLookupError:
+        return time.time()
+    loop = asyncio.get_running_loop()
+    gone = asyncio.Event()
+    loop.add_reader(fd, gone.set)
+    try:
+        await asyncio.wait_for(gone.wait(), timeout_s)
+        return time.time()
+    finally:
+        loop.remove_reader(fd)
+        os.close(fd)
+
+
+def ranks_on(cluster: NamespacedCluster, node_id: str, job_id: str) -> list[dict]:
+    """The ranks of ``job_id`` that ``node_id``'s agent runs (its manifest's entries)."""
+    return [r for r in running_in_manifest(cluster.data_dir / "agents" / node_id / MANIFEST)
+            if r["job_id"] == job_id]
+
+
+async def job_states(bus: Bus, job_id: str) -> list[JobState]:
+    """The list that ``job_id``'s states fill as its record changes, from now on."""
+    states: list[JobState] = []
+
+    async def on_state(job: JobRecord, _: Delivery) -> None:
+        states.append(job.state)
+
+    await bus.subscribe(subjects.job_state(job_id), JobRecord, on_state)
+    return states
+
+
+def check_cut_off(rec: Path, steps: list[record.StepRecord], generations: list[Generation],
+                  cut_off: set[str], states: list[JobState]) -> None:
+    """Every rank's record (the cut-off ranks' included) holds no step the job keeps
+    committed twice, and none committed by a cut-off rank once the job left it; the job
+    went on without them (``cut_off``: none, it kept them), admitted once, and finished.
+
+    One step may be committed by two generations: the one in flight when the job moved
+    on. Its members aborted it and trained it again in the next generation while the
+    cut-off ranks, hearing nothing, may have finished it in theirs: a commit the job
+    does not keep (of a step, the newest generation's is kept).
+    """
+    records = record.read(rec)
+    assert cut_off <= set(records)
+    by_step: dict[int, set[int]] = {}
+    for lines in records.values():
+        for line in lines:
+            if line["kind"] == "commit":
+                by_step.setdefault(line["step"], set()).add(line["generation"])
+    twice = {step: gens for step, gens in by_step.items() if len(gens) > 1}
+    assert len(twice) <= 1, twice
+    kept = {s.step: s.generation for s in steps}
+    for step, gens in twice.items():
+        assert kept[step] == max(gens), (step, gens)
+        assert all(replica in cut_off for replica, lines in records.items() for line in lines
+                   if line["kind"] == "commit" and line["step"] == step
+                   and line["generation"] < max(gens)), step
+    # Nothing the cut-off ranks committed after the job moved past their generation.
+    if cut_off:
+        left_at = min(g.generation for g in generations
+                      if not {m.replica_id for m in g.members} >= cut_off)
+        assert all(line["generation"] < left_at for replica in cut_off
+                   for line in records[replica] if line["kind"] == "commit")
+    # The job went on without them: never admitted again, no gang restart.
+    assert all(g.reason is not GenerationReason.START for g in generations[1:]), generations
+    ended = next(i for i, s in enumerate(states) if s.terminal)
+    assert set(states[:ended]) <= {JobState.ADMITTED}, states
+    assert set(states[ended:]) == {JobState.FINISHED}, states
