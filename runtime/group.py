@@ -356,42 +356,27 @@ def nccl_ready(group: DeviceGroup) -> None:
     torch.cuda.current_stream(group.device).synchronize()
 
 
-def rendezvous(waits: Waits, stores: dict[str, dist.Store], own: tuple[str, dist.TCPStore],
-               generation: Generation, rank: int, timeout: datetime.timedelta,
-               give_up: Callable[[], str | None], backend: Backend = Backend.GLOO,
-               device: torch.device | None = None, column: int = 0,
-               host: str | None = None) -> dist.ProcessGroup | DeviceGroup:
-    """A group over ``generation``'s namespace in its rank 0's store.
+def host_store(timeout: datetime.timedelta) -> dist.TCPStore:
+    """The store a replica hosts for the generations it is rank 0 of: libuv, on every
+    interface, on a port of the system's choice (``.port``)."""
+    return dist.TCPStore("0.0.0.0", 0, is_master=True, wait_for_workers=False,
+                         timeout=timeout, use_libuv=True)
 
-    Args:
-        stores: connections to the replicas' stores by endpoint (filled as needed; one
-            a given-up rendezvous used is dropped).
-        own: this replica's id and the store it hosts (reached on 127.0.0.1 when it is
-            rank 0).
-        give_up: the reason to give the generation up (superseded, job over), or None.
-        backend / device: which group (:func:`connect`), for a model on ``device``
-            (None: the CPU).
-        column: with replica groups, which of the generation's groups: the one of every
-            group's rank ``column`` (:mod:`.replica_group`), under a namespace of its own
-            in the store of rank 0's group rank 0.
-        host: where this replica's gloo listens (:func:`connect`).
+
+def arrive(waits: Waits, stores: dict[str, dist.Store], own: tuple[str, dist.TCPStore],
+           generation: Generation, timeout: datetime.timedelta,
+           give_up: Callable[[], str | None], column: int = 0) -> dist.PrefixStore:
+    """The first part of :func:`rendezvous`: connect to the store of ``generation``'s rank
+    0 (or reuse the connection in ``stores``), count this member in and wait until every
+    member has (the count polled every 2 ms). Returns the generation's namespace in that
+    store.
 
     Raises:
-        Aborted: a store or peer is unreachable, or ``give_up`` gave a reason (an NCCL
-            communicator started meanwhile is aborted first).
+        Aborted: the store is unreachable, or ``give_up`` gave a reason (the connection
+            is then dropped from ``stores``).
     """
+    abortable = _abortable(waits, stores, generation, give_up)
     endpoint = generation.members[0].endpoint
-
-    def abortable(call: Callable[[], T]) -> T:
-        try:
-            return waits.call(call, give_up)
-        except Aborted as exc:
-            # The call given up may still wait inside the connection (gloo's connect for a
-            # peer that died), and a store client runs one call at a time: the next
-            # generation's calls on it would wait for that one's timeout (30 s seen).
-            stores.pop(endpoint, None)
-            raise Aborted(f"rendezvous of generation {generation.generation}: {exc}") from None
-
     store = stores.get(endpoint)
     if store is None:
         if generation.members[0].replica_id == own[0] and column == 0:
@@ -411,6 +396,55 @@ def rendezvous(waits: Waits, stores: dict[str, dist.Store], own: tuple[str, dist
     while int(abortable(lambda: prefixed.add("arrived", 0))) < generation.world_size:
         waits.heartbeat()  # waiting for a slow member is not a hang (rate-limited)
         waits.inbox.sleep(0.002)
+    return prefixed
+
+
+def _abortable(waits: Waits, stores: dict[str, dist.Store], generation: Generation,
+               give_up: Callable[[], str | None]) -> Callable[[Callable[[], T]], T]:
+    """``waits.call`` for a rendezvous's blocking parts, dropping its store's connection
+    when one is given up."""
+    endpoint = generation.members[0].endpoint
+
+    def abortable(call: Callable[[], T]) -> T:
+        try:
+            return waits.call(call, give_up)
+        except Aborted as exc:
+            # The call given up may still wait inside the connection (gloo's connect for a
+            # peer that died), and a store client runs one call at a time: the next
+            # generation's calls on it would wait for that one's timeout (30 s seen).
+            stores.pop(endpoint, None)
+            raise Aborted(f"rendezvous of generation {generation.generation}: {exc}") from None
+
+    return abortable
+
+
+def rendezvous(waits: Waits, stores: dict[str, dist.Store], own: tuple[str, dist.TCPStore],
+               generation: Generation, rank: int, timeout: datetime.timedelta,
+               give_up: Callable[[], str | None], backend: Backend = Backend.GLOO,
+               device: torch.device | None = None, column: int = 0,
+               host: str | None = None) -> dist.ProcessGroup | DeviceGroup:
+    """A group over ``generation``'s namespace in its rank 0's store: every member
+    counts in (:func:`arrive`), then the group connects.
+
+    Args:
+        stores: connections to the replicas' stores by endpoint (filled as needed; one
+            a given-up rendezvous used is dropped).
+        own: this replica's id and the store it hosts (reached on 127.0.0.1 when it is
+            rank 0).
+        give_up: the reason to give the generation up (superseded, job over), or None.
+        backend / device: which group (:func:`connect`), for a model on ``device``
+            (None: the CPU).
+        column: with replica groups, which of the generation's groups: the one of every
+            group's rank ``column`` (:mod:`.replica_group`), under a namespace of its own
+            in the store of rank 0's group rank 0.
+        host: where this replica's gloo listens (:func:`connect`).
+
+    Raises:
+        Aborted: a store or peer is unreachable, or ``give_up`` gave a reason (an NCCL
+            communicator started meanwhile is aborted first).
+    """
+    prefixed = arrive(waits, stores, own, generation, timeout, give_up, column)
+    abortable = _abortable(waits, stores, generation, give_up)
     device = device if device is not None else torch.device("cpu")
     if backend is Backend.GLOO:
         return abortable(lambda: connect(prefixed, rank, generation.world_size, timeout,

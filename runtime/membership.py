@@ -45,7 +45,7 @@ from opentelemetry import context as otel_context
 from phalanx.bus import telemetry
 from phalanx.runtime import default_group
 from phalanx.runtime.data import MicroBatch
-from phalanx.runtime.group import Aborted, Group, GroupWork, Waits, rendezvous
+from phalanx.runtime.group import Aborted, Group, GroupWork, Waits, host_store, rendezvous
 from phalanx.runtime.recovery import Retained
 from phalanx.runtime.resume import resume
 from phalanx.runtime.session_state import Seat, SessionState
@@ -168,8 +168,7 @@ class Membership:
     def host_store(self) -> str:
         """Host this replica's store (a generation rendezvouses on its rank 0's): the
         endpoint peers reach it at, ``<host>:<port>``."""
-        self._store = dist.TCPStore("0.0.0.0", 0, is_master=True, wait_for_workers=False,
-                                    timeout=self.state.timeout, use_libuv=True)
+        self._store = host_store(self.state.timeout)
         self.endpoint = f"{self.state.replica.host}:{self._store.port}"
         return self.endpoint
 
