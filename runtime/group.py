@@ -68,6 +68,10 @@ GLOO_SOCKET_IFNAME = "GLOO_SOCKET_IFNAME"
 GLOO_THREADS = 2
 #: How often a long wait reports progress (the reporter sends at most one per 0.1 s).
 HEARTBEAT_S = 0.5
+#: The key a generation's members count themselves in under, in its namespace.
+ARRIVED = "arrived"
+#: The key the last member to count itself in sets; the others wait on it.
+ALL_ARRIVED = "all-arrived"
 
 
 class Aborted(Exception):
@@ -363,13 +367,36 @@ def host_store(timeout: datetime.timedelta) -> dist.TCPStore:
                          timeout=timeout, use_libuv=True)
 
 
+def count_in(store: dist.Store, world_size: int) -> bool:
+    """Count a member in under :data:`ARRIVED`; the one that completes the count sets
+    :data:`ALL_ARRIVED`, which the others wait on. Whether every member has arrived."""
+    if store.add(ARRIVED, 1) < world_size:
+        return False
+    store.set(ALL_ARRIVED, b"1")
+    return True
+
+
+def all_arrived(store: dist.Store, within: datetime.timedelta) -> bool:
+    """Wait up to ``within`` for :data:`ALL_ARRIVED`; whether it came. The store answers
+    the wait when the key is set (no polling); a wait that times out is cancelled, so
+    the connection stays usable for the next."""
+    try:
+        store.wait([ALL_ARRIVED], within)
+    except dist.DistStoreError:  # this wait's timeout (a lost connection is a DistNetworkError)
+        return False
+    return True
+
+
 def arrive(waits: Waits, stores: dict[str, dist.Store], own: tuple[str, dist.TCPStore],
            generation: Generation, timeout: datetime.timedelta,
            give_up: Callable[[], str | None], column: int = 0) -> dist.PrefixStore:
     """The first part of :func:`rendezvous`: connect to the store of ``generation``'s rank
     0 (or reuse the connection in ``stores``), count this member in and wait until every
-    member has (the count polled every 2 ms). Returns the generation's namespace in that
-    store.
+    member has. Returns the generation's namespace in that store. Two requests per member
+    (an ``add``, then a ``wait`` the store answers when the last one counts in: one more
+    ``set`` for that one), however long the others take, where polling the count sent
+    one every 2 ms each; the waits are ``timeout`` long, one after the other, so a member
+    that never comes holds the others until the generation is given up, as before.
 
     Raises:
         Aborted: the store is unreachable, or ``give_up`` gave a reason (the connection
@@ -392,10 +419,9 @@ def arrive(waits: Waits, stores: dict[str, dist.Store], own: tuple[str, dist.TCP
         f"{generation.rendezvous}/" if column == 0 else f"{generation.rendezvous}/g{column}/",
         store)
     # Everyone arrives before gloo connects, so a rank that is gone is noticed here.
-    abortable(lambda: prefixed.add("arrived", 1))
-    while int(abortable(lambda: prefixed.add("arrived", 0))) < generation.world_size:
-        waits.heartbeat()  # waiting for a slow member is not a hang (rate-limited)
-        waits.inbox.sleep(0.002)
+    if not abortable(lambda: count_in(prefixed, generation.world_size)):
+        while not abortable(lambda: all_arrived(prefixed, timeout)):
+            pass  # the next wait (each call reports progress: waiting is not a hang)
     return prefixed
 
 
