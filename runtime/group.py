@@ -372,7 +372,7 @@ def count_in(store: dist.Store, world_size: int) -> bool:
     :data:`ALL_ARRIVED`, which the others wait on. Whether every member has arrived."""
     if store.add(ARRIVED, 1) < world_size:
         return False
-    store.set(ALL_ARRIVED, b"1")
+    store.set(ALL_ARRIVED, "1")
     return True
 
 
@@ -448,7 +448,8 @@ def rendezvous(waits: Waits, stores: dict[str, dist.Store], own: tuple[str, dist
                generation: Generation, rank: int, timeout: datetime.timedelta,
                give_up: Callable[[], str | None], backend: Backend = Backend.GLOO,
                device: torch.device | None = None, column: int = 0,
-               host: str | None = None) -> dist.ProcessGroup | DeviceGroup:
+               host: str | None = None,
+               arrived: Callable[[], None] | None = None) -> dist.ProcessGroup | DeviceGroup:
     """A group over ``generation``'s namespace in its rank 0's store: every member
     counts in (:func:`arrive`), then the group connects.
 
@@ -464,12 +465,16 @@ def rendezvous(waits: Waits, stores: dict[str, dist.Store], own: tuple[str, dist
             group's rank ``column`` (:mod:`.replica_group`), under a namespace of its own
             in the store of rank 0's group rank 0.
         host: where this replica's gloo listens (:func:`connect`).
+        arrived: called once every member has counted in, before the group connects
+            (fault injection: :mod:`.chaos`'s ``rendezvous`` phase).
 
     Raises:
         Aborted: a store or peer is unreachable, or ``give_up`` gave a reason (an NCCL
             communicator started meanwhile is aborted first).
     """
     prefixed = arrive(waits, stores, own, generation, timeout, give_up, column)
+    if arrived is not None:
+        arrived()
     abortable = _abortable(waits, stores, generation, give_up)
     device = device if device is not None else torch.device("cpu")
     if backend is Backend.GLOO:

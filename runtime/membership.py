@@ -519,10 +519,14 @@ class Membership:
                 return "the job finished before this replica joined"
             return None
 
+        def arrived() -> None:
+            if s.chaos.in_rendezvous(generation.generation):
+                s.die()
+
         assert self._store is not None
         return rendezvous(self.waits, self._stores, (s.replica.replica_id, self._store),
                           generation, rank, s.timeout, give_up, s.backend, s.device,
-                          column=s.column, host=s.replica.host)
+                          column=s.column, host=s.replica.host, arrived=arrived)
 
     def _resume(self, generation: Generation) -> tuple[int, int]:
         """Agree on the state ``generation`` resumes from (:mod:`.resume`), handing it what
