@@ -85,14 +85,13 @@ import math
 import os
 import platform
 import random
-import shlex
 import statistics
 import sys
 import time
 from collections.abc import Sequence
 from typing import Any
 
-from phalanx.bench.results import RESULTS_PATH, append, utc_date
+from phalanx.bench.results import RESULTS_PATH, append, command_line, utc_date
 from phalanx.schemas.messages import JobSpec, Placement, ReplicaRange
 from phalanx.services.admission.core import AdmissionCore
 from phalanx.services.admission.events import (
@@ -435,10 +434,6 @@ def scaling(nodes_grid: Sequence[int], queue_grid: Sequence[int], steps: int, bu
 # --- report -----------------------------------------------------------------------------------
 
 
-def command_line(argv: Sequence[str]) -> str:
-    return shlex.join([".venv/bin/python", "bench/admission.py", *argv])
-
-
 def target(measured: float) -> dict[str, Any]:
     return {"target": f">= {TARGET_DECISIONS_PER_S:g}", "measured": measured,
             "pass": measured >= TARGET_DECISIONS_PER_S}
@@ -471,7 +466,7 @@ def build_report(args: argparse.Namespace, argv: Sequence[str], fills: dict[str,
     return {
         "benchmark": "admission-core",
         "date": utc_date(),
-        "command": command_line(argv),
+        "command": command_line("admission.py", argv),
         "python": platform.python_version(),
         "cpus": os.cpu_count(),
         "nodes": args.nodes,

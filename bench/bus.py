@@ -41,7 +41,6 @@ import json
 import math
 import os
 import platform
-import shlex
 import statistics
 import sys
 import tempfile
@@ -52,7 +51,7 @@ from typing import Any
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 
-from phalanx.bench.results import RESULTS_PATH, append, utc_date
+from phalanx.bench.results import RESULTS_PATH, append, command_line, utc_date
 from phalanx.bus import telemetry
 from phalanx.bus.client import Bus, Delivery
 from phalanx.bus.config import BusConfig
@@ -258,10 +257,6 @@ def bench_codec(iterations: int, repeats: int) -> dict[str, Any]:
 # --- report -----------------------------------------------------------------------------------
 
 
-def command_line(argv: Sequence[str]) -> str:
-    return shlex.join([".venv/bin/python", "bench/bus.py", *argv])
-
-
 def build_report(args: argparse.Namespace, argv: Sequence[str], loop_name: str, tracing: str,
                  latency: dict[str, Latency], codec: dict[str, Any]) -> dict[str, Any]:
     typed, raw = latency["typed"], latency["raw"]
@@ -275,7 +270,7 @@ def build_report(args: argparse.Namespace, argv: Sequence[str], loop_name: str, 
     return {
         "benchmark": "bus",
         "date": utc_date(),
-        "command": command_line(argv),
+        "command": command_line("bus.py", argv),
         "python": platform.python_version(),
         "cpus": os.cpu_count(),
         "event_loop": loop_name,

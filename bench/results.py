@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import datetime as dt
+import shlex
+from collections.abc import Sequence
 from pathlib import Path
 
 RESULTS_PATH = Path(__file__).resolve().parent / "RESULTS.md"
@@ -28,3 +30,8 @@ def append(section: str, path: Path = RESULTS_PATH) -> None:
     text = "" if path.exists() else RESULTS_HEADER
     with path.open("a", encoding="utf-8") as f:
         f.write(text + section)
+
+
+def command_line(script: str, argv: Sequence[str]) -> str:
+    """How to run ``bench/<script>`` with ``argv`` again, as a section records it."""
+    return shlex.join([".venv/bin/python", f"bench/{script}", *argv])

@@ -13,7 +13,10 @@ which gloo completed on the dying rank first, and aborts that one), or in its
 after it posted the broadcasts of the parameters it owns (its peers may receive
 some and not others: a torn step), with a plain one right after
 ``optimizer.step()`` (its peers commit the step, its own commit dies with it).
-It writes a ``chaos`` line to its
+``rendezvous`` (``g<N>`` only): in generation N's rendezvous, once every member
+has counted itself in on rank 0's store and before the group connects; when it
+is rank 0, its peers are then inside the rendezvous, on the store its death takes
+with it. It writes a ``chaos`` line to its
 record first, so a test knows the death was injected. Other replicas ignore
 the entries that do not name them.
 
@@ -41,7 +44,9 @@ from pathlib import Path
 from phalanx.schemas import environment
 from phalanx.schemas.errors import ConfigError
 
-PHASES = ("boundary", "allreduce", "update")
+PHASES = ("boundary", "allreduce", "update", "rendezvous")
+#: The phase that is not in a step: only ``g<N>`` names when.
+RENDEZVOUS = "rendezvous"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,7 +66,8 @@ def parse_chaos_kill(value: str, replica_id: str, group_rank: int | None = None
     that rank).
 
     Raises:
-        ConfigError: an entry is not ``<replica>:<step|g<N>>:<boundary|allreduce|update>``.
+        ConfigError: an entry is not ``<replica>:<step|g<N>>:<boundary|allreduce|update>``
+            or ``<replica>:g<N>:rendezvous``.
     """
     kill = None
     for item in filter(None, value.split(",")):
@@ -69,9 +75,11 @@ def parse_chaos_kill(value: str, replica_id: str, group_rank: int | None = None
         step, _, phase = rest.partition(":")
         in_generation = step.startswith("g")
         number = step[1:] if in_generation else step
-        if not number.isdigit() or phase not in PHASES:
+        if not number.isdigit() or phase not in PHASES or (
+                phase == RENDEZVOUS and not in_generation):
             raise ConfigError(f"{environment.CHAOS_KILL}: {item!r} is not "
-                              "<replica>:<step|g<N>>:<boundary|allreduce|update>")
+                              "<replica>:<step|g<N>>:<boundary|allreduce|update> or "
+                              "<replica>:g<N>:rendezvous")
         if target == replica_id or (group_rank is not None
                                     and target == f"{replica_id}.g{group_rank}"):
             kill = Kill(phase, generation=int(number)) if in_generation \
@@ -98,8 +106,15 @@ class Plan:
     def arm(self, generation: int, resume: int) -> None:
         """Generation ``generation`` resumes at step ``resume``: a kill asked for in its
         first step is now a kill at that step."""
-        if self.kill is not None and self.kill.generation == generation:
+        if self.kill is not None and self.kill.generation == generation \
+                and self.kill.phase != RENDEZVOUS:
             self.at = (resume, self.kill.phase)
+
+    def in_rendezvous(self, generation: int) -> bool:
+        """Whether this process dies in ``generation``'s rendezvous, once every member
+        has counted in (before the group connects)."""
+        return self.kill is not None and self.kill.phase == RENDEZVOUS \
+            and self.kill.generation == generation
 
 
 def die(before: Callable[[], None] | None = None) -> None:

@@ -79,6 +79,10 @@ GLOO_SOCKET_IFNAME = "GLOO_SOCKET_IFNAME"
 GLOO_THREADS = 2
 #: How often a long wait reports progress (the reporter sends at most one per 0.1 s).
 HEARTBEAT_S = 0.5
+#: The key a generation's members count themselves in under, in its namespace.
+ARRIVED = "arrived"
+#: The key the last member to count itself in sets; the others wait on it.
+ALL_ARRIVED = "all-arrived"
 
 
 class Aborted(Exception):
@@ -409,42 +413,50 @@ def nccl_ready(group: DeviceGroup) -> None:
     torch.cuda.current_stream(group.device).synchronize()
 
 
-def rendezvous(waits: Waits, stores: dict[str, dist.Store], own: tuple[str, dist.TCPStore],
-               generation: Generation, rank: int, timeout: datetime.timedelta,
-               give_up: Callable[[], str | None], backend: Backend = Backend.GLOO,
-               device: torch.device | None = None, column: int = 0,
-               host: str | None = None) -> dist.ProcessGroup | DeviceGroup:
-    """A group over ``generation``'s namespace in its rank 0's store.
+def host_store(timeout: datetime.timedelta) -> dist.TCPStore:
+    """The store a replica hosts for the generations it is rank 0 of: libuv, on every
+    interface, on a port of the system's choice (``.port``)."""
+    return dist.TCPStore("0.0.0.0", 0, is_master=True, wait_for_workers=False,
+                         timeout=timeout, use_libuv=True)
 
-    Args:
-        stores: connections to the replicas' stores by endpoint (filled as needed; one
-            a given-up rendezvous used is dropped).
-        own: this replica's id and the store it hosts (reached on 127.0.0.1 when it is
-            rank 0).
-        give_up: the reason to give the generation up (superseded, job over), or None.
-        backend / device: which group (:func:`connect`), for a model on ``device``
-            (None: the CPU).
-        column: with replica groups, which of the generation's groups: the one of every
-            group's rank ``column`` (:mod:`.replica_group`), under a namespace of its own
-            in the store of rank 0's group rank 0.
-        host: where this replica's gloo listens (:func:`connect`).
+
+def count_in(store: dist.Store, world_size: int) -> bool:
+    """Count a member in under :data:`ARRIVED`; the one that completes the count sets
+    :data:`ALL_ARRIVED`, which the others wait on. Whether every member has arrived."""
+    if store.add(ARRIVED, 1) < world_size:
+        return False
+    store.set(ALL_ARRIVED, "1")
+    return True
+
+
+def all_arrived(store: dist.Store, within: datetime.timedelta) -> bool:
+    """Wait up to ``within`` for :data:`ALL_ARRIVED`; whether it came. The store answers
+    the wait when the key is set (no polling); a wait that times out is cancelled, so
+    the connection stays usable for the next."""
+    try:
+        store.wait([ALL_ARRIVED], within)
+    except dist.DistStoreError:  # this wait's timeout (a lost connection is a DistNetworkError)
+        return False
+    return True
+
+
+def arrive(waits: Waits, stores: dict[str, dist.Store], own: tuple[str, dist.TCPStore],
+           generation: Generation, timeout: datetime.timedelta,
+           give_up: Callable[[], str | None], column: int = 0) -> dist.PrefixStore:
+    """The first part of :func:`rendezvous`: connect to the store of ``generation``'s rank
+    0 (or reuse the connection in ``stores``), count this member in and wait until every
+    member has. Returns the generation's namespace in that store. Two requests per member
+    (an ``add``, then a ``wait`` the store answers when the last one counts in: one more
+    ``set`` for that one), however long the others take, where polling the count sent
+    one every 2 ms each; the waits are ``timeout`` long, one after the other, so a member
+    that never comes holds the others until the generation is given up, as before.
 
     Raises:
-        Aborted: a store or peer is unreachable, or ``give_up`` gave a reason (an NCCL
-            communicator started meanwhile is aborted first).
+        Aborted: the store is unreachable, or ``give_up`` gave a reason (the connection
+            is then dropped from ``stores``).
     """
+    abortable = _abortable(waits, stores, generation, give_up)
     endpoint = generation.members[0].endpoint
-
-    def abortable(call: Callable[[], T]) -> T:
-        try:
-            return waits.call(call, give_up)
-        except Aborted as exc:
-            # The call given up may still wait inside the connection (gloo's connect for a
-            # peer that died), and a store client runs one call at a time: the next
-            # generation's calls on it would wait for that one's timeout (30 s seen).
-            stores.pop(endpoint, None)
-            raise Aborted(f"rendezvous of generation {generation.generation}: {exc}") from None
-
     store = stores.get(endpoint)
     if store is None:
         if generation.members[0].replica_id == own[0] and column == 0:
@@ -460,10 +472,63 @@ def rendezvous(waits: Waits, stores: dict[str, dist.Store], own: tuple[str, dist
         f"{generation.rendezvous}/" if column == 0 else f"{generation.rendezvous}/g{column}/",
         store)
     # Everyone arrives before gloo connects, so a rank that is gone is noticed here.
-    abortable(lambda: prefixed.add("arrived", 1))
-    while int(abortable(lambda: prefixed.add("arrived", 0))) < generation.world_size:
-        waits.heartbeat()  # waiting for a slow member is not a hang (rate-limited)
-        waits.inbox.sleep(0.002)
+    if not abortable(lambda: count_in(prefixed, generation.world_size)):
+        while not abortable(lambda: all_arrived(prefixed, timeout)):
+            pass  # the next wait (each call reports progress: waiting is not a hang)
+    return prefixed
+
+
+def _abortable(waits: Waits, stores: dict[str, dist.Store], generation: Generation,
+               give_up: Callable[[], str | None]) -> Callable[[Callable[[], T]], T]:
+    """``waits.call`` for a rendezvous's blocking parts, dropping its store's connection
+    when one is given up."""
+    endpoint = generation.members[0].endpoint
+
+    def abortable(call: Callable[[], T]) -> T:
+        try:
+            return waits.call(call, give_up)
+        except Aborted as exc:
+            # The call given up may still wait inside the connection (gloo's connect for a
+            # peer that died), and a store client runs one call at a time: the next
+            # generation's calls on it would wait for that one's timeout (30 s seen).
+            stores.pop(endpoint, None)
+            raise Aborted(f"rendezvous of generation {generation.generation}: {exc}") from None
+
+    return abortable
+
+
+def rendezvous(waits: Waits, stores: dict[str, dist.Store], own: tuple[str, dist.TCPStore],
+               generation: Generation, rank: int, timeout: datetime.timedelta,
+               give_up: Callable[[], str | None], backend: Backend = Backend.GLOO,
+               device: torch.device | None = None, column: int = 0,
+               host: str | None = None,
+               arrived: Callable[[], None] | None = None) -> dist.ProcessGroup | DeviceGroup:
+    """A group over ``generation``'s namespace in its rank 0's store: every member
+    counts in (:func:`arrive`), then the group connects.
+
+    Args:
+        stores: connections to the replicas' stores by endpoint (filled as needed; one
+            a given-up rendezvous used is dropped).
+        own: this replica's id and the store it hosts (reached on 127.0.0.1 when it is
+            rank 0).
+        give_up: the reason to give the generation up (superseded, job over), or None.
+        backend / device: which group (:func:`connect`), for a model on ``device``
+            (None: the CPU).
+        column: with replica groups, which of the generation's groups: the one of every
+            group's rank ``column`` (:mod:`.replica_group`), under a namespace of its own
+            in the store of rank 0's group rank 0.
+        host: where this replica's gloo listens (:func:`connect`).
+        arrived: called once every member has counted in, before the group connects
+            (fault injection: :mod:`.chaos`'s ``rendezvous`` phase).
+
+    Raises:
+        Aborted: a store or peer is unreachable, or ``give_up`` gave a reason (an NCCL
+            communicator started meanwhile is aborted first).
+    """
+    prefixed = arrive(waits, stores, own, generation, timeout, give_up, column)
+    if arrived is not None:
+        arrived()
+    abortable = _abortable(waits, stores, generation, give_up)
     device = device if device is not None else torch.device("cpu")
     if backend is Backend.GLOO:
         return abortable(lambda: connect(prefixed, rank, generation.world_size, timeout,

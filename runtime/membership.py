@@ -50,7 +50,15 @@ from opentelemetry import context as otel_context
 from phalanx.bus import telemetry
 from phalanx.runtime import default_group, reach
 from phalanx.runtime.data import MicroBatch
-from phalanx.runtime.group import Aborted, Group, GroupWork, Unreachable, Waits, rendezvous
+from phalanx.runtime.group import (
+    Aborted,
+    Group,
+    GroupWork,
+    Unreachable,
+    Waits,
+    host_store,
+    rendezvous,
+)
 from phalanx.runtime.recovery import Retained
 from phalanx.runtime.resume import resume
 from phalanx.runtime.session_state import Seat, SessionState
@@ -176,8 +184,7 @@ class Membership:
     def host_store(self) -> str:
         """Host this replica's store (a generation rendezvouses on its rank 0's): the
         endpoint peers reach it at, ``<host>:<port>``."""
-        self._store = dist.TCPStore("0.0.0.0", 0, is_master=True, wait_for_workers=False,
-                                    timeout=self.state.timeout, use_libuv=True)
+        self._store = host_store(self.state.timeout)
         self.endpoint = f"{self.state.replica.host}:{self._store.port}"
         return self.endpoint
 
@@ -554,10 +561,14 @@ class Membership:
                 return "the job finished before this replica joined"
             return None
 
+        def arrived() -> None:
+            if s.chaos.in_rendezvous(generation.generation):
+                s.die()
+
         assert self._store is not None
         return rendezvous(self.waits, self._stores, (s.replica.replica_id, self._store),
                           generation, rank, s.timeout, give_up, s.backend, s.device,
-                          column=s.column, host=s.replica.host)
+                          column=s.column, host=s.replica.host, arrived=arrived)
 
     def _resume(self, generation: Generation) -> tuple[int, int]:
         """Agree on the state ``generation`` resumes from (:mod:`.resume`), handing it what

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from phalanx.runtime.chaos import Kill, Pace, hold, parse_chaos_kill, parse_chaos_pace
+from phalanx.runtime.chaos import Kill, Pace, Plan, hold, parse_chaos_kill, parse_chaos_pace
 from phalanx.schemas.errors import ConfigError
 
 
@@ -18,6 +18,17 @@ def test_chaos_kill_names_its_replica_step_and_phase() -> None:
     assert parse_chaos_kill(value, "r0-0") is None and parse_chaos_kill("", "r0-0") is None
     with pytest.raises(ConfigError, match="'r1-0:x:boundary' is not"):
         parse_chaos_kill("r1-0:x:boundary", "r0-0")  # refused whoever reads it
+
+
+def test_a_kill_in_a_rendezvous_names_its_generation_and_no_step() -> None:
+    kill = parse_chaos_kill("r0-0:g1:rendezvous", "r0-0")
+    assert kill == Kill("rendezvous", generation=1)
+    plan = Plan.of(kill)
+    assert plan.in_rendezvous(1) and not plan.in_rendezvous(2)
+    plan.arm(1, 5)  # generation 1 applied after all: none of its steps is the kill's
+    assert not plan.due(5, "rendezvous")
+    with pytest.raises(ConfigError, match="'r0-0:3:rendezvous' is not"):
+        parse_chaos_kill("r0-0:3:rendezvous", "r0-0")  # a rendezvous is in no step
 
 
 def test_chaos_kill_names_a_replica_groups_ranks_or_one_of_them() -> None:

@@ -1,6 +1,7 @@
 """A generation's rendezvous (:func:`phalanx.runtime.group.rendezvous`) on real TCP stores
 and gloo: given up when a member that arrived never connects, and the next generation
-built on the same store without waiting for the one given up."""
+built on the same store without waiting for the one given up; members waiting for the
+last one in waits that time out, one after the other, on one connection."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from typing import TypeVar
 import torch
 import torch.distributed as dist
 
-from phalanx.runtime.group import Aborted, Waits, rendezvous
+from phalanx.runtime.group import Aborted, Waits, all_arrived, count_in, host_store, rendezvous
 from phalanx.runtime.inbox import Inbox
 from phalanx.schemas.messages import Generation, GenerationReason, Member
 
@@ -51,12 +52,12 @@ def test_a_generation_given_up_in_gloos_connect_does_not_hold_up_the_next() -> N
     first = generation(1, store, world_size=2)
     peer = dist.PrefixStore(f"{first.rendezvous}/", dist.TCPStore(
         "127.0.0.1", store.port, is_master=False, timeout=TIMEOUT))
-    peer.add("arrived", 1)  # rank 1 arrived, and will never connect
+    assert not count_in(peer, 2)  # rank 1 arrived, and will never connect
 
     def superseded() -> str | None:
-        # The calls: the store's connection, the arrival, the count (both arrived), then
-        # gloo's connect, given up at once.
-        return "generation 1 was superseded" if waits.calls == 4 else None
+        # The calls: the store's connection, the arrival (the last: no wait), then gloo's
+        # connect, given up at once.
+        return "generation 1 was superseded" if waits.calls == 3 else None
 
     try:
         rendezvous(waits, stores, ("r0-0", store), first, 0, TIMEOUT, superseded)
@@ -72,3 +73,17 @@ def test_a_generation_given_up_in_gloos_connect_does_not_hold_up_the_next() -> N
     tensor = torch.ones(3)
     waits.work(group.allreduce([tensor]), lambda: False)
     assert tensor.tolist() == [1.0, 1.0, 1.0]
+
+
+def test_a_wait_for_the_last_member_that_times_out_leaves_the_connection_usable() -> None:
+    """A member waits for the last one in waits of the store's timeout, one after the
+    other: a wait that timed out is cancelled, and the next one, on the same connection,
+    sees the last member come."""
+    store = host_store(TIMEOUT)
+    first, last = (dist.PrefixStore("j-g1/", dist.TCPStore(
+        "127.0.0.1", store.port, is_master=False, timeout=TIMEOUT)) for _ in range(2))
+    assert not count_in(first, 2)
+    assert not all_arrived(first, datetime.timedelta(milliseconds=50))
+    assert count_in(last, 2)
+    assert all_arrived(first, TIMEOUT)
+    assert first.add("arrived", 0) == 2  # the connection answers as before
