@@ -21,13 +21,12 @@ from pathlib import Path
 
 import pytest
 from e2e_cli import phalanx
-from test_elastic import Watch, check_run, progressed, run_job
+from test_elastic import Watch, check_run, progressed, run_job, watching
 
 from phalanx.bus.client import Bus, Delivery
-from phalanx.bus.config import BusConfig
 from phalanx.bus.kv import TypedKV
 from phalanx.schemas import subjects
-from phalanx.schemas.messages import Generation, GenerationReason, JobRecord, JobState, Lease
+from phalanx.schemas.messages import GenerationReason, JobRecord, JobState, Lease
 
 
 @pytest.fixture(scope="module")
@@ -39,19 +38,7 @@ async def cluster(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[tup
             env={**os.environ, "PHALANX_HEALTH_CORDON_FAULTS": "1000"})
     state = json.loads((data / "up.json").read_text())
     try:
-        async with await Bus.connect(BusConfig.load(env={}, servers=[state["nats_url"]])) as bus:
-            watch = Watch()
-
-            async def put(queue: asyncio.Queue, message, _: Delivery) -> None:
-                await queue.put(message)
-
-            await bus.subscribe(subjects.job_events("generation"), Generation,
-                                lambda m, d: put(watch.generations, m, d))
-            from phalanx.schemas.messages import RankProgress
-            await bus.subscribe(subjects.health_ranks(), RankProgress,
-                                lambda m, d: put(watch.progress, m, d))
-            await bus.subscribe(subjects.job_states(), JobRecord,
-                                lambda m, d: put(watch.states, m, d))
+        async with watching(state["nats_url"]) as (bus, watch):
             yield data, bus, watch
     finally:
         phalanx("down", "--data-dir", str(data))
