@@ -20,6 +20,7 @@ from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import pytest
+from process_env import shared_environment
 from restartable_nats import RestartableNats
 
 from phalanx.bus.client import Bus
@@ -75,20 +76,14 @@ def state_dir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
         os.environ["PHALANX_STATE_DIR"] = before
 
 
-#: Set by pytest, to each test's name and phase, while it runs: not the environment of
-#: the clusters a test starts (tests/e2e/e2e_cli.py leaves it out), which share one
-#: zygote template.
-PER_TEST_VARIABLE = "PYTEST_CURRENT_TEST"
-
-
 @pytest.fixture(scope="session", autouse=True)
 def zygote_template(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Template]:
     """One zygote template for every agent this test process's clusters start, as one
     local cluster's agents share theirs: torch is imported once per test process (at its
     first fork) instead of once per agent, by far the largest CPU cost of the suite's
     clusters."""
-    env = {k: v for k, v in os.environ.items() if k != PER_TEST_VARIABLE}
-    template = Template(tmp_path_factory.mktemp("zygote-template") / "template.log", env)
+    template = Template(tmp_path_factory.mktemp("zygote-template") / "template.log",
+                        shared_environment())
     assert template.wait_listening(), "the zygote template did not start"
     os.environ[settings.AGENT("zygote_template")] = template.path
     yield template

@@ -4,19 +4,19 @@ waiting for the bus event a test expects."""
 from __future__ import annotations
 
 import asyncio
-import os
 import subprocess
 import sys
 from collections.abc import Callable
 from typing import Any
+
+from process_env import shared_environment
 
 
 def phalanx(*args: str, check: bool = True,
             env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     """``phalanx ARGS`` in a fresh interpreter; asserts success unless ``check=False``."""
     # The test's own name left out: the clusters of a test process share a zygote template.
-    env = {k: v for k, v in (os.environ if env is None else env).items()
-           if k != "PYTEST_CURRENT_TEST"}
+    env = shared_environment(env)
     result = subprocess.run([sys.executable, "-m", "phalanx.services.cli", *args],
                             capture_output=True, text=True, timeout=60, env=env)
     if check:

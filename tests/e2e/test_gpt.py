@@ -21,6 +21,7 @@ import sys
 from collections.abc import AsyncIterator, Mapping, Sequence
 from pathlib import Path
 
+import chargpt_data
 import pytest
 import torch
 from e2e_cli import next_of
@@ -62,10 +63,7 @@ RUN_ENV = {"PHALANX_DETERMINISTIC": "1", "PHALANX_STATE_CHECKSUM": "1",
 
 @pytest.fixture(scope="module")
 def data_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    path = tmp_path_factory.mktemp("gpt-data") / "tokens"
-    subprocess.run([sys.executable, str(EXAMPLES / "chargpt_model.py"), "--data-dir",
-                    str(path), "--max-bytes", str(BYTES)], check=True, timeout=120)
-    return path
+    return chargpt_data.tokens(tmp_path_factory, "gpt-data", BYTES)
 
 
 @pytest.fixture(scope="module")

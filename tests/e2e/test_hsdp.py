@@ -21,6 +21,7 @@ import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
 
+import chargpt_data
 import pytest
 import torch
 from e2e_cli import next_of, phalanx
@@ -55,10 +56,7 @@ RUN_ENV = {"PHALANX_DETERMINISTIC": "1", "PHALANX_STATE_CHECKSUM": "1",
 
 @pytest.fixture(scope="module")
 def data_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    path = tmp_path_factory.mktemp("hsdp-data") / "tokens"
-    subprocess.run([sys.executable, str(EXAMPLES / "chargpt_model.py"), "--data-dir",
-                    str(path), "--max-bytes", str(BYTES)], check=True, timeout=120)
-    return path
+    return chargpt_data.tokens(tmp_path_factory, "hsdp-data", BYTES)
 
 
 @pytest.fixture(scope="module")

@@ -16,15 +16,15 @@ import subprocess
 import sys
 from pathlib import Path
 
+import chargpt_data
 import pytest
 import torch
 from test_runtime_training import RUN_ENV, Job, clean_env, run
 
-from phalanx.bus.client import Bus, Delivery
+from phalanx.bus.client import Bus
 from phalanx.runtime import record
 from phalanx.runtime.data import ElasticOrder
-from phalanx.schemas import subjects
-from phalanx.schemas.messages import GenerationApplied, GenerationReason
+from phalanx.schemas.messages import GenerationReason
 from phalanx.services.agent.zygote import Launcher
 from phalanx.services.natsd import NatsServer
 
@@ -41,10 +41,7 @@ KILL_STEP = 27  # in the second epoch
 
 @pytest.fixture(scope="module")
 def data(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    path = tmp_path_factory.mktemp("chargpt") / "tokens"
-    subprocess.run([sys.executable, str(EXAMPLES / "chargpt_model.py"), "--data-dir",
-                    str(path), "--max-bytes", str(BYTES)], check=True, timeout=120)
-    return path
+    return chargpt_data.tokens(tmp_path_factory, "chargpt", BYTES)
 
 
 def test_the_ddp_script_trains_under_torchrun(data: Path, tmp_path: Path) -> None:
@@ -76,19 +73,6 @@ async def test_the_port_trains_through_an_aborted_step_and_a_join_as_it_does_alo
     alone_log = await run(launcher, [*command, "--save", str(tmp_path / "alone.pt")],
                           {**clean_env(), **PORT_ENV, "PHALANX_RECORD_DIR": str(tmp_path / "ref")},
                           tmp_path / "alone.out")
-    applied: dict[int, set[str]] = {}
-    changed = asyncio.Event()
-
-    async def on_applied(message: GenerationApplied, _: Delivery) -> None:
-        applied.setdefault(message.generation, set()).add(message.replica_id)
-        changed.set()
-
-    async def until_applied(generation: int, replica: str) -> None:
-        while replica not in applied.get(generation, set()):
-            changed.clear()
-            await changed.wait()
-
-    await bus.subscribe(subjects.generation_applied(uid), GenerationApplied, on_applied)
     release = tmp_path / "release"
     async with Job(bus, nats_server, uid, tmp_path, data, launcher=launcher) as job:
         job.command = [*command, "--save", str(tmp_path / "final.pt")]
@@ -100,9 +84,9 @@ async def test_the_port_trains_through_an_aborted_step_and_a_join_as_it_does_alo
         await job.publish(["r0-0", "r1-0", "r2-0"], GenerationReason.START)
         assert await asyncio.wait_for(job.processes["r2-0"].wait(), 120) == -9
         await job.publish(["r0-0", "r1-0"], GenerationReason.FAULT)
-        await asyncio.wait_for(until_applied(1, "r0-0"), 120)  # the step repaired on 2
+        await job.until_applied(1, "r0-0")  # the step repaired on 2
         await job.publish(["r0-0", "r1-0", "r3-0"], GenerationReason.JOIN)
-        await asyncio.wait_for(until_applied(2, "r3-0"), 120)
+        await job.until_applied(2, "r3-0")
         release.touch()
         assert await job.exit_codes() == {"r0-0": 0, "r1-0": 0, "r2-0": -9, "r3-0": 0}
 

@@ -18,15 +18,16 @@ import subprocess
 import sys
 from pathlib import Path
 
+import chargpt_data
 import pytest
 import torch
 from test_runtime_training import RUN_ENV, Job, clean_env
 
-from phalanx.bus.client import Bus, Delivery
+from phalanx.bus.client import Bus
 from phalanx.runtime import record
 from phalanx.runtime.data import ElasticOrder
-from phalanx.schemas import environment, subjects
-from phalanx.schemas.messages import GenerationApplied, GenerationReason
+from phalanx.schemas import environment
+from phalanx.schemas.messages import GenerationReason
 from phalanx.services.agent.ranks import group_master_port
 from phalanx.services.agent.zygote import Launcher
 from phalanx.services.natsd import NatsServer
@@ -46,10 +47,7 @@ pytestmark = pytest.mark.timeout(600)
 
 @pytest.fixture(scope="module")
 def data(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    path = tmp_path_factory.mktemp("hsdp") / "tokens"
-    subprocess.run([sys.executable, str(EXAMPLES / "chargpt_model.py"), "--data-dir",
-                    str(path), "--max-bytes", str(BYTES)], check=True, timeout=120)
-    return path
+    return chargpt_data.tokens(tmp_path_factory, "hsdp", BYTES)
 
 
 def group_env(replica: str, rank: int, port: int) -> dict[str, str]:
@@ -104,19 +102,6 @@ async def test_groups_train_through_a_lost_group_and_a_join_as_one_group_alone(
         tmp_path: Path, data: Path, nats_server: NatsServer, bus: Bus, uid: str,
         launcher: Launcher) -> None:
     alone(data, tmp_path / "alone.pt")
-    applied: dict[int, set[str]] = {}
-    changed = asyncio.Event()
-
-    async def on_applied(message: GenerationApplied, _: Delivery) -> None:
-        applied.setdefault(message.generation, set()).add(message.replica_id)
-        changed.set()
-
-    async def until_applied(generation: int, replica: str) -> None:
-        while replica not in applied.get(generation, set()):
-            changed.clear()
-            await changed.wait()
-
-    await bus.subscribe(subjects.generation_applied(uid), GenerationApplied, on_applied)
     release = tmp_path / "release"
     async with Job(bus, nats_server, uid, tmp_path, data, launcher=launcher) as job:
         job.command = [sys.executable, str(EXAMPLES / "chargpt_hsdp.py"), "--data-dir",
@@ -129,9 +114,9 @@ async def test_groups_train_through_a_lost_group_and_a_join_as_one_group_alone(
         for rank in range(RANKS):  # the whole group dies (its agent stops the rest)
             assert await asyncio.wait_for(job.processes[f"r2-0.g{rank}"].wait(), 120) == -9
         await job.publish(["r0-0", "r1-0"], GenerationReason.FAULT)
-        await asyncio.wait_for(until_applied(1, "r0-0"), 120)
+        await job.until_applied(1, "r0-0")
         await job.publish(["r0-0", "r1-0", "r3-0"], GenerationReason.JOIN)
-        await asyncio.wait_for(until_applied(2, "r3-0"), 120)
+        await job.until_applied(2, "r3-0")
         release.touch()
         codes = await job.exit_codes()
         assert codes == {f"{r}.g{s}": -9 if r == "r2-0" else 0

@@ -22,6 +22,7 @@ from typing import Any
 
 import pytest
 import torch
+from process_env import shared_environment
 
 from phalanx.bus.client import Bus, Delivery
 from phalanx.bus.kv import TypedKV
@@ -47,8 +48,8 @@ def clean_env() -> dict[str, str]:
     """This process's environment as an agent gives it to a rank, without phalanx's own
     variables and pytest's per-test one: every test's ranks fork from one zygote."""
     return zygote.with_interpreter_path(
-        {k: v for k, v in os.environ.items()
-         if not k.startswith("PHALANX_") and k != "PYTEST_CURRENT_TEST"}, sys.executable)
+        {k: v for k, v in shared_environment().items() if not k.startswith("PHALANX_")},
+        sys.executable)
 
 
 async def start(launcher: Launcher, command: list[str], env: dict[str, str],
@@ -111,6 +112,7 @@ class Job:
         self.command = [sys.executable, str(WORKER), "--data", str(data), "--out",
                         str(tmp / "out"), *args]
         self.ready: dict[str, ReplicaReady] = {}
+        self.applied: dict[int, set[str]] = {}  # generation -> the replicas that applied it
         self.step = 0  # the highest step any rank reported
         self.changed = asyncio.Event()
         self.processes: dict[str, ChildProcess] = {}
@@ -125,7 +127,13 @@ class Job:
             self.step = max(self.step, message.step)
             self.changed.set()
 
+        async def on_applied(message: GenerationApplied, _: Delivery) -> None:
+            self.applied.setdefault(message.generation, set()).add(message.replica_id)
+            self.changed.set()
+
         await self.bus.subscribe(subjects.replica_ready(self.uid), ReplicaReady, on_ready)
+        await self.bus.subscribe(subjects.generation_applied(self.uid), GenerationApplied,
+                                 on_applied)
         await self.bus.subscribe(subjects.health_job_ranks(self.uid), RankProgress,
                                  on_progress)
         return self
@@ -153,6 +161,10 @@ class Job:
     def kill(self, replica: str) -> None:
         """SIGKILL ``replica``."""
         kill(self.processes[replica])
+
+    async def until_applied(self, generation: int, replica: str) -> None:
+        """Return once ``replica`` has applied ``generation``."""
+        await self.until(lambda: replica in self.applied.get(generation, set()))
 
     async def until(self, condition: Callable[[], bool]) -> None:
         async def check() -> None:

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 from proc_tree import parent
+from process_env import shared_environment
 
 from phalanx.schemas import zygote as protocol
 from phalanx.services.agent import pidfd
@@ -58,7 +59,7 @@ def probe(tmp_path: Path) -> Path:
 
 def agent_environment(**extra: str) -> dict[str, str]:
     """This process's environment without the variable pytest changes per test phase."""
-    return {**{k: v for k, v in os.environ.items() if k != "PYTEST_CURRENT_TEST"}, **extra}
+    return {**shared_environment(), **extra}
 
 
 def launch_environment(**extra: str) -> dict[str, str]:
@@ -224,7 +225,7 @@ async def test_requests_a_zygote_cannot_serve_are_refused_and_it_serves_on(
 HOLDING_AGENT = r'''
 import asyncio, os, signal, sys
 from pathlib import Path
-from phalanx.services.agent.zygote import ForkedProcess, Launcher, Template
+from phalanx.services.agent.zygote import ForkedProcess, Launcher
 
 async def main() -> None:
     how, marker, then = sys.argv[1], sys.argv[2], sys.argv[3]
