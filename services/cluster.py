@@ -74,7 +74,7 @@ from phalanx.services.natsd import (
     NatsCluster,
     NatsServer,
     NatsServerError,
-    _die_with_parent,
+    die_with_parent,
     reload_config,
 )
 
@@ -383,7 +383,7 @@ class LocalCluster:
         try:
             return await asyncio.create_subprocess_exec(
                 *wrap, sys.executable, "-m", *argv, stdin=asyncio.subprocess.DEVNULL,
-                stdout=log_file, stderr=log_file, env=env, preexec_fn=_die_with_parent,
+                stdout=log_file, stderr=log_file, env=env, preexec_fn=die_with_parent,
                 pass_fds=(metrics_fd,))
         finally:
             log_file.close()

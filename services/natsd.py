@@ -63,7 +63,7 @@ def server_binary() -> str:
     return found
 
 
-def _die_with_parent() -> None:
+def die_with_parent() -> None:
     """Have Linux SIGTERM the child when the process that started it dies."""
     try:
         import ctypes
@@ -163,7 +163,7 @@ class NatsServer:
             args += ["-c", str(self.config_file)]
         self.process = subprocess.Popen(
             args, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-            preexec_fn=_die_with_parent,
+            preexec_fn=die_with_parent,
         )
         self._reader = threading.Thread(target=self._read_log, name="nats-server-log",
                                         daemon=True)

@@ -61,7 +61,7 @@ import msgspec
 
 from phalanx.schemas import zygote as protocol
 from phalanx.services.agent import pidfd
-from phalanx.services.natsd import _die_with_parent
+from phalanx.services.natsd import die_with_parent
 
 log = logging.getLogger("phalanx.agent.zygote")
 #: Zygotes kept at once (one per distinct import environment).
@@ -516,7 +516,7 @@ class Template:
                     env=protocol.with_interpreter_path(os.environ if env is None else env,
                                                        sys.executable),
                     stdin=subprocess.DEVNULL, stdout=log_file, stderr=log_file,
-                    pass_fds=(theirs,), start_new_session=True, preexec_fn=_die_with_parent)
+                    pass_fds=(theirs,), start_new_session=True, preexec_fn=die_with_parent)
         finally:
             os.close(theirs)
 
