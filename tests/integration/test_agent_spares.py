@@ -108,6 +108,13 @@ def environ_of(pid: int) -> dict[str, str]:
     return dict(e.split("=", 1) for e in entries if "=" in e)
 
 
+async def program_environ_of(pid: int) -> dict[str, str]:
+    """The environment a rank forked by a zygote shows once it runs its program: the
+    agent reports the start when the zygote forks it, a moment before the child's
+    ``/proc/<pid>/environ`` stops showing the zygote's."""
+    return await until(lambda: (env := environ_of(pid)).get("PHALANX_JOB_ID") and env)
+
+
 async def test_a_replacement_is_a_spare_which_is_replaced_and_stopped_with_its_job(
         bus: Bus, agent: asyncio.subprocess.Process, uid: str, tmp_path: Path) -> None:
     job_id = f"spares-{uid}"
@@ -208,7 +215,7 @@ async def test_on_gpus_a_spare_waits_on_a_free_gpu_and_its_replica_runs_there(
         await put(bus, jobs, record(first, uid, replicas=1, spares=1))
         try:
             rank = await asyncio.wait_for(started.get(), 30)
-            assert environ_of(rank.pid)["CUDA_VISIBLE_DEVICES"] == "0"
+            assert (await program_environ_of(rank.pid))["CUDA_VISIBLE_DEVICES"] == "0"
             # The spare sees the first free slot's GPU, as a rank there would.
             (spare,) = await until(lambda: spares_of(first))
             assert {k: environ_of(spare).get(k) for k in ("CUDA_VISIBLE_DEVICES",
