@@ -39,6 +39,7 @@ from phalanx.bus.errors import (
     RequestRefused,
     RequestTimeout,
 )
+from phalanx.bus.tasks import within
 from phalanx.schemas import settings
 from phalanx.schemas.codec import decode, encode
 from phalanx.schemas.errors import WireError
@@ -369,10 +370,9 @@ class Bus:
                 context.load_cert_chain(config.tls_cert_file, config.tls_key_file)
             options["tls"] = context
         try:
-            async with asyncio.timeout(config.connect_timeout_s):  # wait_for can lose a cancel
-                await nc.connect(**options)
+            await within(nc.connect(**options), config.connect_timeout_s)
         except (TimeoutError, OSError, nats.errors.Error) as exc:
-            await nc.close()
+            await within(nc.close(), config.connect_timeout_s)
             cause = last_error[-1] if last_error else exc
             raise BusUnavailable(
                 f"cannot reach NATS at {', '.join(config.servers)} within "

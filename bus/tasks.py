@@ -1,4 +1,5 @@
-"""Running several bus calls at once, none of which outlives the call that made them.
+"""Running bus calls so that none outlives the call that made them: several at once
+(:func:`concurrently`), or one with a deadline (:func:`within`).
 
 ``asyncio.gather`` raises the first failure at once and leaves the other awaitables
 running, unowned. For writes that is wrong: a leader whose pass failed (one write
@@ -14,7 +15,8 @@ once every one has finished.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Coroutine, Iterable
+import contextlib
+from collections.abc import Awaitable, Coroutine, Iterable
 from typing import Any, TypeVar
 
 T = TypeVar("T")
@@ -39,3 +41,26 @@ async def concurrently(calls: Iterable[Coroutine[Any, Any, T]]) -> list[T]:
     if failure is not None:
         raise failure  # outside the except clause: the exception keeps its own context
     return [task.result() for task in tasks]
+
+
+async def within(call: Awaitable[T], timeout_s: float) -> T:
+    """``await call``, ended (``TimeoutError``) once ``timeout_s`` has passed.
+
+    Unlike ``asyncio.timeout``, which cancels once, the call is cancelled again until it
+    ends: nats-py's connect retries its servers in a loop whose ``wait_for`` can swallow
+    a cancellation (:func:`~.client.raise_if_cancelled`), and a refused first
+    connection then went on retrying for good on a loaded machine instead of failing at
+    its deadline.
+    """
+    task = asyncio.ensure_future(call)
+    try:
+        done, _ = await asyncio.wait({task}, timeout=timeout_s)
+    finally:
+        while not task.done():  # out of time, or the caller cancelled: so is the call
+            task.cancel()
+            await asyncio.wait({task}, timeout=0.05)
+    if task in done:
+        return task.result()
+    with contextlib.suppress(asyncio.CancelledError):
+        task.result()  # its own error, if it ended with one before its cancel
+    raise TimeoutError(f"not done within {timeout_s:g} s")

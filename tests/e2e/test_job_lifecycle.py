@@ -85,6 +85,16 @@ def until(where: tuple[str, ...], job_id: str, states: set[str], timeout_s: floa
     return row
 
 
+def rank_pid(agent_dir: Path, job_id: str, rank: int, timeout_s: float = 60) -> int:
+    """The pid of the job's ``rank`` on that agent's node, once the agent started it."""
+    deadline = time.monotonic() + timeout_s
+    while not (pids := [r["pid"] for r in running_in_manifest(agent_dir / "ranks.json")
+                        if r["job_id"] == job_id and r["rank"] == rank]):
+        assert time.monotonic() < deadline, f"rank {rank} of {job_id} never started"
+        time.sleep(0.2)
+    return pids[0]
+
+
 def nodes(where: tuple[str, ...]) -> dict[str, dict]:
     return {n["node_id"]: n for n in json.loads(phalanx("nodes", "--json", *where).stdout)}
 
@@ -208,22 +218,20 @@ def test_chaos_kills_never_cordon_while_the_same_kill_from_elsewhere_does(
     where, data_dir = cluster
     job_id = submit(where, tmp_path, "target", [sys.executable, str(EXAMPLES / "progress_loop.py"),
                                                 "--step-time", "0.1"], replicas=4)
-    placed = until(where, job_id, {"admitted"})["nodes"]
-    chaos_slot = placed.index("local-0")
-    other_slot = placed.index("local-1")
-    phalanx("chaos", "kill-rank", job_id, str(chaos_slot), *where)
-    # The same signal, sent by something that is not phalanx chaos (say the OOM killer).
-    pid = next(r["pid"] for r in running_in_manifest(data_dir / "agents" / "local-1"
-                                                     / "ranks.json")
-               if r["job_id"] == job_id and r["rank"] == other_slot)
-    os.kill(pid, signal.SIGKILL)
-    deadline = time.monotonic() + 30
-    try:
+    try:  # the module's next tests get the cluster whole, whatever fails here
+        placed = until(where, job_id, {"admitted"})["nodes"]
+        chaos_slot = placed.index("local-0")
+        other_slot = placed.index("local-1")
+        phalanx("chaos", "kill-rank", job_id, str(chaos_slot), *where)
+        # The same signal, sent by something that is not phalanx chaos (say the OOM
+        # killer), once the agent started that rank (admitted is before started).
+        os.kill(rank_pid(data_dir / "agents" / "local-1", job_id, other_slot), signal.SIGKILL)
+        deadline = time.monotonic() + 30
         while not nodes(where)["local-1"]["cordoned"]:  # health heard both kills, in order
             assert time.monotonic() < deadline, "the SIGKILL from outside was never charged"
             time.sleep(0.2)
         assert nodes(where)["local-0"]["cordoned"] is False
-    finally:  # the module's next tests get the cluster whole
+    finally:
         phalanx("cancel", job_id, *where)
         phalanx("node", "uncordon", "local-1", *where)
 

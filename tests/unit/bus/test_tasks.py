@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from phalanx.bus.tasks import concurrently
+from phalanx.bus.tasks import concurrently, within
 
 
 class Boom(RuntimeError):
@@ -62,3 +62,52 @@ async def test_cancelling_the_caller_cancels_every_call_and_waits_for_them() -> 
     with pytest.raises(asyncio.CancelledError):
         await caller
     assert finished == [True, True]
+
+
+async def test_within_returns_the_result_or_the_calls_own_error_in_time() -> None:
+    async def after(value: int) -> int:
+        await asyncio.sleep(0)
+        return value
+
+    async def fails() -> None:
+        raise Boom("refused")
+
+    assert await within(after(7), 1.0) == 7
+    with pytest.raises(Boom, match="refused"):
+        await within(fails(), 1.0)
+
+
+async def test_within_cancels_again_a_call_that_swallows_its_cancellation() -> None:
+    swallowed = 0
+
+    async def retries_forever() -> None:  # as nats-py's connect loop does
+        nonlocal swallowed
+        while True:
+            try:
+                await asyncio.sleep(3600)
+            except asyncio.CancelledError:
+                swallowed += 1
+                if swallowed == 3:
+                    raise
+
+    with pytest.raises(TimeoutError, match="not done within 0.01 s"):
+        await within(retries_forever(), 0.01)
+    assert swallowed == 3
+
+
+async def test_within_cancelled_returns_once_its_call_ended() -> None:
+    started, ended = asyncio.Event(), asyncio.Event()
+
+    async def slow() -> None:
+        started.set()
+        try:
+            await asyncio.sleep(3600)
+        finally:
+            ended.set()
+
+    waiting = asyncio.ensure_future(within(slow(), 3600))
+    await started.wait()
+    waiting.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await waiting
+    assert ended.is_set()
