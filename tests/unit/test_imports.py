@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import functools
 import shutil
 import subprocess
 import sys
@@ -83,28 +84,53 @@ def _type_checking_lines(tree: ast.Module) -> set[int]:
     return lines
 
 
+@dataclasses.dataclass(frozen=True)
+class Statement:
+    """One ``import`` statement as written: ``from`` (``names``) or plain (``module``)."""
+
+    line: int
+    level: int  # the dots of a relative import
+    module: str  # ``import a, b`` is two statements
+    names: tuple[str, ...] | None  # ``from module import names``
+    type_only: bool
+
+
+@functools.cache
+def statements(source: str) -> tuple[Statement, ...]:
+    """The import statements of a module's ``source``; parsed once per text, as every
+    test here reads the same tree (and its copies) again."""
+    tree = ast.parse(source)
+    type_only = _type_checking_lines(tree)
+    found: list[Statement] = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found += [Statement(node.lineno, 0, alias.name, None, node.lineno in type_only)
+                      for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            found.append(Statement(node.lineno, node.level, node.module or "",
+                                   tuple(a.name for a in node.names),
+                                   node.lineno in type_only))
+    return tuple(found)
+
+
 def imports(root: Path) -> list[Import]:
     """Every import of one of our modules by another, resolved: ``from pkg import name``
     names module ``pkg.name`` when that is a module, else ``pkg``."""
     known = modules(root)
     found = []
     for module, path in known.items():
-        tree = ast.parse(path.read_text(), filename=str(path))
-        type_only = _type_checking_lines(tree)
         package = module if path.name == "__init__.py" else module.rpartition(".")[0]
-        for node in ast.walk(tree):
-            if isinstance(node, ast.Import):
-                targets = [alias.name for alias in node.names]
-            elif isinstance(node, ast.ImportFrom):
-                base = node.module or ""
-                if node.level:
-                    anchor = package.split(".")[:len(package.split(".")) - node.level + 1]
-                    base = ".".join([*anchor, *([base] if base else [])])
-                targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in known else base
-                           for a in node.names]
+        for statement in statements(path.read_text()):
+            if statement.names is None:
+                targets = [statement.module]
             else:
-                continue
-            found += [Import(module, t, node.lineno, node.lineno in type_only)
+                base = statement.module
+                if statement.level:
+                    anchor = package.split(".")[:len(package.split(".")) - statement.level + 1]
+                    base = ".".join([*anchor, *([base] if base else [])])
+                targets = [f"{base}.{name}" if f"{base}.{name}" in known else base
+                           for name in statement.names]
+            found += [Import(module, t, statement.line, statement.type_only)
                       for t in targets if t.split(".")[0] == "phalanx" and t != module]
     return found
 
