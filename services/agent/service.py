@@ -81,8 +81,7 @@ from phalanx.services.agent.replication import Address, ReplicaListener, Replica
 from phalanx.services.agent.snapshot_endpoints import SnapshotEndpoints
 from phalanx.services.agent.snapshots import (
     SnapshotStore,
-    claim,
-    collect_abandoned,
+    claim_in_default_place,
     default_limit,
     default_root,
 )
@@ -155,8 +154,7 @@ class AgentService(Service):
         root = Path(config.snapshot_dir) if config.snapshot_dir \
             else default_root(config.node_id, self.work_dir)
         if not config.snapshot_dir:  # the default place: shared by every agent of the host
-            collect_abandoned(root)
-            claim(root, self.work_dir)
+            claim_in_default_place(root, self.work_dir)
         self.snapshots = SnapshotStore(root, config.snapshot_limit_bytes
                                        if config.snapshot_limit_bytes is not None
                                        else default_limit(root))

@@ -60,6 +60,7 @@ from them, and the agent is what bounds and frees them.
 from __future__ import annotations
 
 import dataclasses
+import fcntl
 import logging
 import os
 import re
@@ -84,6 +85,8 @@ class SnapshotRefused(PhalanxError, OSError):
 
 #: In a store's root: the work directory of the agent it belongs to.
 OWNER_FILE = ".owner"
+#: Beside the stores: held while an agent collects abandoned stores and claims its own.
+LOCK_FILE = ".lock"
 
 
 def default_root(node_id: str, work_dir: Path) -> Path:
@@ -97,6 +100,24 @@ def claim(root: Path, work_dir: Path) -> None:
     """Mark ``root`` as the store of the agent working in ``work_dir``."""
     root.mkdir(parents=True, exist_ok=True)
     (root / OWNER_FILE).write_text(str(work_dir.resolve()))
+
+
+def claim_in_default_place(root: Path, work_dir: Path) -> list[tuple[Path, int]]:
+    """Claim ``root`` (:func:`default_root`) for the agent working in ``work_dir``, made
+    first, and delete the abandoned stores beside it (:func:`collect_abandoned`), all
+    under one lock of the host's stores.
+
+    Agents of several clusters start on one host at once (the suite's): one that named a
+    work directory not made yet, or claimed while another was collecting, had its store
+    deleted under it as abandoned and failed to start.
+    """
+    root.parent.mkdir(parents=True, exist_ok=True)
+    with open(root.parent / LOCK_FILE, "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released as the file closes
+        deleted = collect_abandoned(root)
+        work_dir.mkdir(parents=True, exist_ok=True)
+        claim(root, work_dir)
+    return deleted
 
 
 def collect_abandoned(root: Path) -> list[tuple[Path, int]]:

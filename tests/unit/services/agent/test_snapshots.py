@@ -13,6 +13,7 @@ from phalanx.services.agent.snapshots import (
     SnapshotRefused,
     SnapshotStore,
     claim,
+    claim_in_default_place,
     collect_abandoned,
 )
 
@@ -129,6 +130,19 @@ def test_a_job_admitted_again_keeps_what_its_earlier_admission_left_until_it_tra
     assert store.prune_departed("j") == 1 and not old.exists()
     store.drop("j")
     assert "j" not in store.newest
+
+
+def test_an_agent_claiming_its_store_beside_another_never_loses_it(tmp_path) -> None:
+    """Two agents starting at once: the store one claims is never the other's abandoned
+    one, though its work directory did not exist before the claim."""
+    stores, work = tmp_path / "phalanx-0", tmp_path / "work"
+    assert claim_in_default_place(stores / "n0-aaaa", work / "n0") == []
+    assert (work / "n0").is_dir()
+    assert claim_in_default_place(stores / "n1-bbbb", work / "n1") == []
+    assert sorted(p.name for p in stores.iterdir() if p.is_dir()) == ["n0-aaaa", "n1-bbbb"]
+    # Once its work directory is gone, another agent's claim deletes it.
+    (work / "n0").rmdir()
+    assert claim_in_default_place(stores / "n2-cccc", work / "n2") == [(stores / "n0-aaaa", 0)]
 
 
 def test_a_store_whose_agents_work_dir_is_gone_is_deleted_and_no_other(tmp_path) -> None:
