@@ -163,12 +163,27 @@ def efficiency(commits: Sequence[Commit], start: float, end: float,
     return work, work * step_s / (end - start)
 
 
-def stall_s(commits: Sequence[Commit], at: float, until: float, step_s: float) -> float:
-    """How much longer than a step the longest gap between commits lasted that spans
-    ``at`` and ends by ``until`` (or the first commit after it)."""
-    times = sorted(c.t for c in commits)
-    gaps = [b - a for a, b in itertools.pairwise(times) if b >= at and a <= until]
-    return max(0.0, max(gaps, default=0.0) - step_s)
+#: A gap between commits longer than this many fault-free steps is a stall; a shorter one
+#: a slow step.
+STALL_STEPS = 3
+
+
+def lost_time(commits: Sequence[Commit], start: float, end: float,
+              step_s: float) -> dict[str, float]:
+    """The window's lost time, ``wall - steps x step_s``, in two parts that sum to it:
+
+    * ``stalled``: no step committed: every gap between consecutive commits (clipped to
+      the window) longer than ``STALL_STEPS`` fault-free steps, less one step (detection,
+      rendezvous, restarts, state recovery, redone steps and checkpoints fall here);
+    * ``degraded``: the rest: training on, but slower or smaller than fault-free: fewer
+      ranks carrying the whole batch (phalanx, torchrun), steps that trained only a share
+      of it (torchft with groups missing), a loaded machine.
+    """
+    times = [start, *sorted(c.t for c in commits if start <= c.t < end), end]
+    stalled = sum(b - a - step_s for a, b in itertools.pairwise(times)
+                  if b - a > STALL_STEPS * step_s)
+    lost = (end - start) - sum(c.share for c in commits if start <= c.t < end) * step_s
+    return {"stalled": stalled, "degraded": lost - stalled}
 
 
 # --- processes -------------------------------------------------------------------------
@@ -404,6 +419,9 @@ def launch(command: list[str], log: Path, marker: str, env: dict[str, str] | Non
 
 
 def torchrun_command(*argv: str) -> list[str]:
+    """torchrun restarting its workers without limit, checking them every 0.1 s. (A hung
+    worker never handles the SIGTERM of a restart: torch 2.13's agent waits 30 s for it,
+    hard-coded in ``LocalElasticAgent._stop_workers``, before its SIGKILL.)"""
     return [sys.executable, "-m", "torch.distributed.run", "--max-restarts", "1000000",
             "--monitor-interval", "0.1", *argv]
 
@@ -523,33 +541,32 @@ class Torchft(Agents):
                 dropped.add(key)
         repeated = sum(n - 1 for n in used.values()) * batch
         lost = len(dropped - set(used)) * batch
-        phases: dict[str, list[float]] = defaultdict(list)
-        starts = sorted((x["t"], x["pid"], x["file"]) for x in lines if x["kind"] == "start")
+        # A killed group's new process: started (torchrun noticed and restarted it) ->
+        # ready (imports, manager, model) -> its first commit (quorum, state from a peer).
+        # The others train on meanwhile: this time is short-handed, not stalled.
+        info: dict[str, list[float]] = defaultdict(list)
+        group_of = {x["pid"]: x["file"] for x in lines}
         for injected in log:
-            # Detection: the first step after the failure that did not commit or had fewer
-            # participants than the one before it (the survivors saw the failure).
-            before = [x for x in steps if x["t"] < injected.at]
-            usual = max((x["participants"] for x in before[-WORLD:]), default=WORLD)
-            seen = next((x["t"] for x in sorted(steps, key=lambda x: x["t"])
-                         if x["t"] >= injected.at
-                         and (not x["committed"] or x["participants"] < usual)), None)
-            if seen is not None and seen < injected.at + 60:
-                phases["detection"].append(seen - injected.at)
-            # The group started again: its process start -> ready (restart), ready -> its
-            # first commit (quorum, and its state from a peer).
-            new = next(((t, pid, f) for t, pid, f in starts if t > injected.at), None)
-            if new is None or new[0] > injected.at + 60:
+            pid = int(injected.target.rpartition("/")[2]) if injected.kind == "rank_kill" \
+                else None
+            if pid not in group_of:
                 continue
-            _, pid, _ = new
-            ready = next((x["t"] for x in lines if x["pid"] == pid and x["kind"] == "ready"),
+            new = next((x for x in lines if x["file"] == group_of[pid]
+                        and x["kind"] == "start" and x["t"] > injected.at), None)
+            if new is None:
+                continue
+            mine = [x for x in lines if x["pid"] == new["pid"]]
+            ready = next((x["t"] for x in mine if x["kind"] == "ready"), None)
+            first = next((x["t"] for x in mine if x["kind"] == "step" and x["committed"]),
                          None)
-            first = next((x["t"] for x in steps if x["pid"] == pid and x["committed"]), None)
-            if ready is not None:
-                phases["restart"].append(ready - injected.at)
-                if first is not None:
-                    phases["state_recovery"].append(first - ready)
+            info["restart"].append(new["t"] - injected.at)
+            if ready is not None and first is not None:
+                info["ready"].append(ready - new["t"])
+                info["heal_and_first_step"].append(first - ready)
         return {"samples_lost_or_repeated": lost + repeated, "samples_lost": lost,
-                "samples_repeated": repeated, "phases": phases,
+                "samples_repeated": repeated, "phases": {},
+                "group_restart_medians_s": {k: round(statistics.median(v), 3)
+                                            for k, v in info.items()},
                 "uncommitted_steps": len({x["step"] for x in steps if not x["committed"]
                                           and start <= x["t"] < end}),
                 "redone_steps": 0,
@@ -709,21 +726,24 @@ async def measure(system: Any, args: argparse.Namespace, mtbf_s: float,
     commits = system.commits()
     work, eff = efficiency(commits, start, end, step_s)
     result: dict[str, Any] = system.analyse(injector.log, start, end, step_s)
-    stalls = [stall_s(commits, f.at, min(f.at + 30, end), step_s) for f in injector.log]
-    lost = (end - start) - work * step_s
-    phases = result.pop("phases")
     n = max(1, len(injector.log))
-    per_failure = {name: sum(values) / n for name, values in phases.items()}
-    per_failure["other"] = lost / n - sum(per_failure.values())
+    # Per failure: the stall split into the phases measured within it (each failure's
+    # phases summed over the failures, over their number), the rest of it "stalled, other".
+    parts = lost_time(commits, start, end, step_s)
+    phases = result.pop("phases")
+    causes = {name: sum(values) / n for name, values in phases.items()}
+    causes["stalled, other"] = parts["stalled"] / n - sum(causes.values())
+    causes.update({k: v / n for k, v in parts.items() if k != "stalled"})
+    lost = sum(parts.values())
     return {"system": system.name, "mtbf_s": mtbf_s, "efficiency": round(eff, 4),
             "committed_steps": round(work, 2), "wall_s": round(end - start, 2),
             "fault_free_step_s": round(step_s, 4), "failures": len(injector.log),
             "by_kind": {k: sum(i.kind == k for i in injector.log) for k in MIX},
             "lost_s": round(lost, 2), "lost_per_failure_s": round(lost / n, 3),
-            "lost_per_failure_by_cause_s": {k: round(v, 3) for k, v in per_failure.items()},
+            "lost_s_by_part": {k: round(v, 2) for k, v in parts.items()},
+            "lost_per_failure_by_cause_s": {k: round(v, 3) for k, v in causes.items()},
             "phase_medians_s": {k: round(statistics.median(v), 3)
                                 for k, v in phases.items() if v},
-            "stall_median_s": round(statistics.median(stalls), 3) if stalls else None,
             "load_before": load,
             "load_after": os.getloadavg()[0],
             "injected": [dataclasses.asdict(i) | {"at": round(i.at - start, 2)}
@@ -853,6 +873,8 @@ def arguments() -> argparse.ArgumentParser:
     parser.add_argument("--timeout", type=float, default=300.0,
                         help="seconds a system may take to start training")
     parser.add_argument("--no-record", action="store_true")
+    parser.add_argument("--keep", type=Path, metavar="DIR",
+                        help="work in DIR and keep it (logs, records) instead of a temp dir")
     return parser
 
 
@@ -863,7 +885,7 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"--systems: unknown {sorted(unknown)}; of {','.join(SYSTEMS)}")
     args.data_dir = args.data_dir or Path(tempfile.gettempdir()) / "phalanx-bench-goodput"
     with tempfile.TemporaryDirectory(prefix="phalanx-goodput-") as tmp:
-        report = asyncio.run(run(args, Path(tmp)))
+        report = asyncio.run(run(args, args.keep or Path(tmp)))
     plot(report, args.plot)
     if not args.no_record:
         append(section(report))
