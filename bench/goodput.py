@@ -385,14 +385,16 @@ class Phalanx:
                              if g.reason is GenerationReason.FAULT)
         applied = [line for lines in records.values() for line in lines
                    if line["kind"] == "generation" and "synced" in line]
+        seen: set[int] = set()  # each generation once, for the first failure before it
         for injected in log:
             fault = next((t for t in faults if t >= injected.at - 0.5), None)
             if fault is None or fault > injected.at + 60:
                 continue
-            phases["detection"].append(max(0.0, fault - injected.at))
             gen = next(((t, g) for t, g in generations if t >= fault), None)
-            if gen is None:
+            if gen is None or gen[1].generation in seen:
                 continue
+            seen.add(gen[1].generation)
+            phases["detection"].append(max(0.0, fault - injected.at))
             phases["rendezvous"].append(gen[0] - fault)
             lines = [a for a in applied if a["generation"] == gen[1].generation]
             if lines:
@@ -633,11 +635,13 @@ class Torchrun(Agents):
                        key=lambda x: x["t"])
         phases: dict[str, list[float]] = defaultdict(list)
         redone = 0
+        rounds: set[float] = set()  # each restart once, for the first failure before it
         for injected in log:
             after = [x for x in lines if x["t"] > injected.at]
             loaded = next((x for x in after if x["phase"] == "loaded"), None)
-            if loaded is None or loaded["t"] > injected.at + 120:
+            if loaded is None or loaded["t"] > injected.at + 120 or loaded["t"] in rounds:
                 continue
+            rounds.add(loaded["t"])
             # The round that loaded: its ranks' records within the seconds before.
             round_ = [x for x in after if x["t"] <= loaded["t"] + 2]
             started = [x["t"] for x in round_ if x["phase"] == "start"]
@@ -716,7 +720,7 @@ async def measure(system: Any, args: argparse.Namespace, mtbf_s: float,
         await asyncio.sleep(args.calibrate)
         start = time.time()
         if step_s is None:
-            step_s = median_step_s(system.commits(), began + 2, start)
+            step_s = median_step_s(system.commits(), began + args.calibrate / 4, start)
         await injector.run(failures, start)
         await asyncio.sleep(max(0.0, start + args.duration - time.time()))
         end = time.time()

@@ -27,7 +27,10 @@ every ``--ckpt-every``-th committed step (0: never) the group saves a DCP checkp
 into ``step-<n>.partial``, and rank 0 renames it to ``step-<n>`` after a barrier,
 so a kill mid-save never leaves a directory that looks complete. On start (and
 on every torchrun restart) the workers load the newest complete checkpoint and
-continue at the step after it.
+continue at the step after it. ``--ckpt-keep N`` deletes all but the newest N
+complete checkpoints after each save (bench/goodput.py saves every few seconds);
+``--pg-timeout`` bounds every collective, so that a hung peer fails the group and
+torchrun restarts it (torch's default would wait 30 min).
 
 Each rank appends JSON lines ``{"step", "t", "attempt", "phase", ...}`` to
 ``<record-dir>/rank-<r>.jsonl`` (``attempt`` = ``TORCHELASTIC_RESTART_COUNT``):

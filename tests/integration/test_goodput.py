@@ -21,7 +21,7 @@ from phalanx.bench import goodput
 @pytest.mark.timeout(420)
 def test_three_systems_under_failures_in_one_invocation(tmp_path: Path, capsys) -> None:
     plot = tmp_path / "goodput.png"
-    assert goodput.main(["--mtbf", "4", "--duration", "12", "--calibrate", "3",
+    assert goodput.main(["--mtbf", "3", "--duration", "8", "--calibrate", "3",
                          "--calibrate-steps", "12", "--widths", "32,64,32", "--samples",
                          "640", "--data-dir", str(tmp_path / "data"), "--plot", str(plot),
                          "--no-record"]) == 0
