@@ -34,8 +34,8 @@ Figures, per system and MTBF:
 
 * **efficiency**: committed steps x fault-free step time / wall time. The window starts
   once the system has trained ``--calibrate`` seconds without faults; its fault-free step
-  time is the median gap between commits there (torchrun's: from its own calibration
-  run, between checkpoints). A torchft step trained by fewer than the four groups counts
+  time is the median gap between commits there (torchrun's calibration run only sets
+  its checkpoint interval). A torchft step trained by fewer than the four groups counts
   as the share of W's global batch it trained (torchft shrinks the batch, phalanx keeps
   it whole over fewer ranks).
 * **samples lost or repeated**: phalanx from its data accounting (``record.verify``, as
@@ -707,10 +707,9 @@ async def until_training(system: Any, timeout_s: float) -> float:
     return time.time()
 
 
-async def measure(system: Any, args: argparse.Namespace, mtbf_s: float,
-                  step_s: float | None) -> dict[str, Any]:
-    """Start ``system``, let it train ``--calibrate`` s without faults (its step time, if
-    ``step_s`` is None), inject the failures for ``--duration`` s; its figures."""
+async def measure(system: Any, args: argparse.Namespace, mtbf_s: float) -> dict[str, Any]:
+    """Start ``system``, let it train ``--calibrate`` s without faults (its step time),
+    inject the failures for ``--duration`` s; its figures."""
     failures = schedule(args.seed, mtbf_s, args.duration)
     injector = Injector(system, args.hang_s, args.node_down_s)
     load = os.getloadavg()[0]
@@ -719,8 +718,7 @@ async def measure(system: Any, args: argparse.Namespace, mtbf_s: float,
         began = await until_training(system, args.timeout)
         await asyncio.sleep(args.calibrate)
         start = time.time()
-        if step_s is None:
-            step_s = median_step_s(system.commits(), began + args.calibrate / 4, start)
+        step_s = median_step_s(system.commits(), began + args.calibrate / 4, start)
         await injector.run(failures, start)
         await asyncio.sleep(max(0.0, start + args.duration - time.time()))
         end = time.time()
@@ -773,7 +771,6 @@ async def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         for name in args.systems:
             where = work / f"{name}-{mtbf:g}"
             system: Any
-            step_s = None
             if name == "phalanx":
                 system = Phalanx(where, options, order)
             elif name == "torchft":
@@ -784,8 +781,7 @@ async def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
                 system = Torchrun(where, args,
                                   max(1, round(interval / calibration["step_s"])),
                                   calibration["checkpoint_s"])
-                step_s = calibration["step_s"]
-            result = await measure(system, args, mtbf, step_s)
+            result = await measure(system, args, mtbf)
             if name == "torchrun":
                 assert calibration is not None
                 result["young_daly_s"] = round(young_daly_s(calibration["checkpoint_s"],
