@@ -847,31 +847,32 @@ def section(report: dict[str, Any]) -> str:
             + f"\n\nPlot: bench/{PLOT.name}.\n")
 
 
+#: The numeric options: flag, type, default, help.
+NUMBERS: tuple[tuple[str, type, float, str], ...] = (
+    ("--duration", float, 300.0, "seconds of failures per system and MTBF"),
+    ("--seed", int, 0, "of the failure schedule"),
+    ("--calibrate", float, 15.0, "fault-free seconds before the failures: the step time"),
+    ("--calibrate-steps", int, 30, "torchrun's calibration run (a checkpoint every 5 steps)"),
+    ("--hang-s", float, 30.0, "a hung rank its system has not killed is let go on after this"),
+    ("--node-down-s", float, 30.0, "a lost node's agents and ranks start again after this"),
+    ("--torch-timeout", float, 5.0, "torchft's and torchrun's collective timeout (s)"),
+    ("--samples", int, 64 * 40, "W's dataset"),
+    ("--timeout", float, 300.0, "seconds a system may take to start training"),
+)
+
+
 def arguments() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--mtbf", type=float, nargs="+", default=[300.0, 60.0, 15.0],
                         help="mean seconds between failures, one run of each system each")
-    parser.add_argument("--duration", type=float, default=300.0,
-                        help="seconds of failures per system and MTBF")
     parser.add_argument("--systems", default=",".join(SYSTEMS),
                         type=lambda s: [x for x in s.split(",") if x])
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--calibrate", type=float, default=15.0,
-                        help="fault-free seconds before the failures: the step time")
-    parser.add_argument("--calibrate-steps", type=int, default=30,
-                        help="torchrun's calibration run (a checkpoint every 5 steps)")
-    parser.add_argument("--hang-s", type=float, default=30.0,
-                        help="a hung rank its system has not killed is let go on after this")
-    parser.add_argument("--node-down-s", type=float, default=30.0)
-    parser.add_argument("--torch-timeout", type=float, default=5.0,
-                        help="torchft's and torchrun's collective timeout (s)")
+    for flag, kind, default, text in NUMBERS:
+        parser.add_argument(flag, type=kind, default=kind(default), help=text)
     parser.add_argument("--widths", default=",".join(map(str, workload_w.W_WIDTHS)))
-    parser.add_argument("--samples", type=int, default=64 * 40)
     parser.add_argument("--data-dir", type=Path,
                         help="default: phalanx-bench-goodput in the temporary directory")
     parser.add_argument("--plot", type=Path, default=PLOT)
-    parser.add_argument("--timeout", type=float, default=300.0,
-                        help="seconds a system may take to start training")
     parser.add_argument("--no-record", action="store_true")
     parser.add_argument("--keep", type=Path, metavar="DIR",
                         help="work in DIR and keep it (logs, records) instead of a temp dir")
