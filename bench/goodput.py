@@ -56,6 +56,7 @@ last line::
 
 from __future__ import annotations
 
+import abc
 import argparse
 import asyncio
 import contextlib
@@ -439,8 +440,9 @@ def read_lines(directory: Path, pattern: str) -> list[dict[str, Any]]:
     return lines
 
 
-class Agents:
-    """The torch systems' agent processes by node, and their node losses."""
+class Agents(abc.ABC):
+    """The torch systems' torchrun agents by node: a node's ranks are their children, a
+    node loss SIGKILLs both, and the node comes back as the same commands started again."""
 
     name: str
 
@@ -449,8 +451,9 @@ class Agents:
         self.marker = f"goodput-{os.getpid()}-{time.time_ns()}"
         self.agents: dict[str, list[subprocess.Popen[bytes]]] = {}
 
+    @abc.abstractmethod
     def agent_commands(self, node: str) -> list[list[str]]:
-        raise NotImplementedError
+        """The commands of ``node``'s torchrun agents."""
 
     def start_node(self, node: str) -> None:
         self.agents[node] = [launch(c, self.work / f"{node}.log", self.marker)
@@ -827,6 +830,7 @@ def section(report: dict[str, Any]) -> str:
         rows.append(f"| {r['mtbf_s']:g} | {r['system']} | {r['efficiency'] * 100:.1f} % | "
                     f"{r['committed_steps']:g} | {r['fault_free_step_s'] * 1000:.0f} | "
                     f"{r['failures']} ({kinds}) | {r['samples_lost_or_repeated']} | "
+                    f"{r['lost_s_by_part']['stalled']:.1f} | "
                     f"{r['lost_per_failure_s']:.2f} | {causes} | "
                     f"{r['load_before']:.1f} / {r['load_after']:.1f} |")
     calibration = report.get("torchrun_calibration")
@@ -841,9 +845,9 @@ def section(report: dict[str, Any]) -> str:
             f"calibration; failures Poisson from seed {report['seed']}, mix "
             + ", ".join(f"{k} {v:.0%}" for k, v in report["mix"].items()) + "." + ckpt
             + "\n\n| MTBF (s) | system | efficiency | steps | fault-free step (ms) | "
-            "failures | samples lost or repeated | lost per failure (s) | "
+            "failures | samples lost or repeated | stalled (s) | lost per failure (s) | "
             "lost per failure by cause (s) | load avg before / after |\n"
-            "|---:|---|---:|---:|---:|---|---:|---:|---|---|\n" + "\n".join(rows)
+            "|---:|---|---:|---:|---:|---|---:|---:|---:|---|---|\n" + "\n".join(rows)
             + f"\n\nPlot: bench/{PLOT.name}.\n")
 
 
