@@ -27,7 +27,10 @@ every ``--ckpt-every``-th committed step (0: never) the group saves a DCP checkp
 into ``step-<n>.partial``, and rank 0 renames it to ``step-<n>`` after a barrier,
 so a kill mid-save never leaves a directory that looks complete. On start (and
 on every torchrun restart) the workers load the newest complete checkpoint and
-continue at the step after it.
+continue at the step after it. ``--ckpt-keep N`` deletes all but the newest N
+complete checkpoints after each save (bench/goodput.py saves every few seconds);
+``--pg-timeout`` bounds every collective, so that a hung peer fails the group and
+torchrun restarts it (torch's default would wait 30 min).
 
 Each rank appends JSON lines ``{"step", "t", "attempt", "phase", ...}`` to
 ``<record-dir>/rank-<r>.jsonl`` (``attempt`` = ``TORCHELASTIC_RESTART_COUNT``):
@@ -72,6 +75,7 @@ STARTED = time.time()
 import argparse
 import contextlib
 import dataclasses
+import datetime as dt
 import itertools
 import json
 import os
@@ -165,11 +169,13 @@ def latest_checkpoint(ckpt_dir: Path) -> tuple[int, Path | None]:
 
 
 def save_checkpoint(ckpt_dir: Path, step: int, model: torch.nn.Module,
-                    optimizer: torch.optim.Optimizer, extra: dict[str, Any]) -> None:
+                    optimizer: torch.optim.Optimizer, extra: dict[str, Any],
+                    keep: int = 0) -> None:
     """Save the group's checkpoint of ``step`` synchronously; a collective.
 
     ``extra``: more state to save, objects with ``state_dict``/``load_state_dict``
-    (DCP's ``Stateful``: an LR scheduler).
+    (DCP's ``Stateful``: an LR scheduler). ``keep``: rank 0 then deletes all but the
+    newest ``keep`` complete checkpoints (0: none deleted).
     """
     partial = ckpt_dir / f"step-{step}{PARTIAL}"
     if dist.get_rank() == 0:
@@ -180,6 +186,10 @@ def save_checkpoint(ckpt_dir: Path, step: int, model: torch.nn.Module,
     dist.barrier()
     if dist.get_rank() == 0:
         partial.rename(ckpt_dir / f"step-{step}")
+        complete = sorted(int(p.name.removeprefix("step-")) for p in ckpt_dir.glob("step-*")
+                          if not p.name.endswith(PARTIAL))
+        for old in complete[:-keep] if keep else []:
+            shutil.rmtree(ckpt_dir / f"step-{old}", ignore_errors=True)
     dist.barrier()
 
 
@@ -356,6 +366,11 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, argpa
     parser.add_argument("--ckpt-dir", type=Path, required=True)
     parser.add_argument("--record-dir", type=Path, required=True)
     parser.add_argument("--ckpt-every", type=int, default=10, help="0: never")
+    parser.add_argument("--ckpt-keep", type=int, default=0,
+                        help="keep this many newest checkpoints, delete older ones (0: all)")
+    parser.add_argument("--pg-timeout", type=float,
+                        help="seconds a collective may block before it fails (default: "
+                        "torch's): how a hung peer is noticed")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                         help="cuda: GPU LOCAL_RANK, NCCL")
     args, rest = parser.parse_known_args(argv)
@@ -378,7 +393,8 @@ def main() -> None:
     if args.device == "cuda":
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
         torch.cuda.set_device(device)
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    timeout = None if args.pg_timeout is None else dt.timedelta(seconds=args.pg_timeout)
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=timeout)
     record("process_group")
 
     _, build = WORKLOADS[args.workload]
@@ -402,7 +418,7 @@ def main() -> None:
         record("step", step, loss=loss, process_cpu_s=time.process_time())
         if args.ckpt_every and step % args.ckpt_every == 0:
             save_checkpoint(args.ckpt_dir, step, training.model, training.optimizer,
-                            training.extra)
+                            training.extra, keep=args.ckpt_keep)
             record("saved", step)
 
     # Every rank is done (and the checkpoint complete) after this barrier. Exit without
