@@ -282,7 +282,8 @@ class Leadership:
         log.warning("deposed: no renewal confirmed for %.2f s (a leader acts %.2f s after "
                     "its last, lease_s %g); stopping", unconfirmed,
                     self.lease_s * ACTS_FOR, self.lease_s,
-                    extra={"lease": self.key, "epoch": self.epoch})
+                    extra={"lease": self.key, "epoch": self.epoch,
+                           "unconfirmed_s": round(unconfirmed, 3)})
         self.revision = None
         self.deposals += 1
         self._gauge.set(0)

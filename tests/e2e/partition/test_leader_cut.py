@@ -221,15 +221,21 @@ async def test_a_leader_cut_from_the_bus_stops_before_its_standby_takes_over(
 
     # The cut leader stopped within the bound, before its successor led.
     cut_log, standby_log = log_lines(cluster, CUT), log_lines(cluster, STANDBY)
-    [deposed] = [line["ts"] for line in cut_log
-                 if line["ts"] >= cut_at and line["msg"].startswith("deposed")]
+    [stop] = [line for line in cut_log
+              if line["ts"] >= cut_at and line["msg"].startswith("deposed")]
+    deposed = stop["ts"]
     took = min(line["ts"] for line in standby_log
                if line["ts"] >= cut_at and line["msg"] == "leading")
     print(f"cut leader stopped {deposed - cut_at:.2f} s after the cut (bound "
           f"{LEASE_S * ACTS_FOR:g} s), its successor led {took - cut_at:.2f} s after the cut; "
           f"the old leader answered again {back_s} s after the heal")
     assert deposed - cut_at <= LEASE_S * ACTS_FOR + SLACK_S
+    # By its own clock: stopped at its deadline by the timer, not by a later check.
+    assert stop["unconfirmed_s"] <= LEASE_S * ACTS_FOR + SLACK_S, stop
     assert deposed < took
+    # The standby watched the last renewal for a whole lease: a third of one after the
+    # old leader stopped (its renewal sent ``unconfirmed_s`` before it stopped).
+    assert took - (deposed - stop["unconfirmed_s"]) >= LEASE_S - 0.05, (took, stop)
     # Nothing the deposed leader decided went out after it stopped (its log says what it
     # published), nor did it lead again.
     assert not [line for line in cut_log if line["ts"] > deposed
