@@ -90,6 +90,12 @@ class Program(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     entry: Entry
     env: dict[str, str]
     cwd: str
+    uid: int | None = None
+    """The user it runs as (its job's, ``agent.job_uids``): the child drops to it, with
+    ``gid``, no supplementary groups, umask 077 and no core dumps or ``/proc`` reads by
+    others (``PR_SET_DUMPABLE`` 0), before any of the program runs. None: the zygote's."""
+    gid: int | None = None
+    """The group it runs as, with ``uid``."""
 
 
 class Fork(msgspec.Struct, frozen=True, tag="fork", forbid_unknown_fields=True):

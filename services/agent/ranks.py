@@ -97,13 +97,21 @@ from phalanx.schemas.messages import (
     ExitCause,
     GpuInfo,
     JobRecord,
+    JobSpec,
     RankExited,
     RankStarted,
 )
 from phalanx.schemas.replicas import incarnation, member_log
 from phalanx.services.agent import core, pidfd, priority
-from phalanx.services.agent.core import StopReason, exit_cause, rank_cpus, rank_devices
+from phalanx.services.agent.core import (
+    JobUser,
+    StopReason,
+    exit_cause,
+    rank_cpus,
+    rank_devices,
+)
 from phalanx.services.agent.cpus import pin as pin_cpus
+from phalanx.services.agent.identity import JobIdentities
 from phalanx.services.agent.logs import replica_log, utc_now
 from phalanx.services.agent.zygote import ChildProcess, ForkedProcess, Launcher
 from phalanx.services.auth.credentials import rank_environment
@@ -124,6 +132,11 @@ def resolves(host: str) -> bool:
     except OSError:
         return False
     return True
+
+
+def policy_durable(spec: JobSpec) -> bool:
+    """Whether ``spec`` names its own durable checkpoint place (else the agent's is used)."""
+    return bool(spec.checkpoint.durable_url)
 
 
 def master_port(job_id: str, incarnation: int = 0) -> int:
@@ -265,6 +278,11 @@ class RankSet:
         cordoned: the node's slots out of use now (a GPU fault's), as the registry holds
             them at the moment of a launch: no rank starts there. None: none ever are.
         launcher: starts the processes (:mod:`.zygote`); None: each one cold.
+        identities: each job's user on this node and its private directories
+            (:mod:`.identity`, ``agent.job_uids``); None: every process runs as the agent.
+        store_key: the cluster's key, from which each job's rendezvous secret is derived
+            (:func:`~phalanx.schemas.environment.derive_store_secret`): its replicas' stores
+            then answer its own members alone. None: they answer anyone.
     """
 
     def __init__(self, node_id: str, work_dir: Path, nats_url: str,
@@ -278,8 +296,12 @@ class RankSet:
                  found_gpus: Sequence[GpuInfo] = (),
                  slot_cpus: Sequence[Sequence[int]] = (),
                  cordoned: Callable[[], Awaitable[Collection[int]]] | None = None,
-                 launcher: Launcher | None = None) -> None:
+                 launcher: Launcher | None = None,
+                 identities: JobIdentities | None = None,
+                 store_key: bytes | None = None) -> None:
         self.node_id = node_id
+        self.identities = identities
+        self.store_key = store_key
         self.launcher = launcher or Launcher(work_dir, zygotes=False)
         self.gpus = gpus
         self.found_gpus = found_gpus
@@ -460,12 +482,27 @@ class RankSet:
             checkpoint=checkpoint)
         # The agent's own environment, then the job's, may name another host.
         advertised = environment.RankEnvironment(advertise_host=self.advertise_host)
+        # A job of its own user gets its own HOME and TMPDIR (its env may name others).
+        private = {} if self.identities is None else self.identities.prepare(
+            record.job_id, None if policy_durable(spec) else self.checkpoint_dir)
         # Ranks run in the agent's environment, as torchrun's workers do.
         env = zygote.with_interpreter_path(
-            {**advertised.to_env(), **os.environ, **spec.env, **job.to_env()},
+            {**advertised.to_env(), **os.environ, **private, **spec.env, **job.to_env()},
             sys.executable)
+        env.pop(environment.STORE_SECRET, None)  # never the agent's, nor one a job names
+        if self.store_key is not None:
+            env[environment.STORE_SECRET] = environment.derive_store_secret(
+                self.store_key, record.job_id)
         return rank_environment(env, self.bus_identity(record.job_id)
                                 if self.bus_identity is not None else {})
+
+    def job_user(self, job_id: str) -> JobUser | None:
+        """The user ``job_id``'s processes run as here (None: the agent's own).
+
+        Raises:
+            JobUidsExhausted: every uid of ``agent.job_uids`` is held.
+        """
+        return None if self.identities is None else self.identities.user(job_id)
 
     async def _identity(self, record: JobRecord, rank: int, placement: tuple[str, ...],
                         replica_id: str, slots: tuple[int, ...], nice: int | None,
@@ -667,7 +704,8 @@ class RankSet:
             log_file.flush()
             try:
                 env = {**self.job_environment(record), **identity}
-                return await self.launcher.start(spec.command, env, log_file, hold=True)
+                return await self.launcher.start(spec.command, env, log_file, hold=True,
+                                                 user=self.job_user(record.job_id))
             except OSError as exc:
                 # The command cannot start (missing binary, bad path, no permission): the
                 # application's failure, told to health with the reason and written where
