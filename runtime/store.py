@@ -177,8 +177,16 @@ class StoreServer:
         return [_ERROR, f"unknown store operation {op!r}"]
 
 
+#: Every client not closed: torch holds a Python store by its C++ half alone (a
+#: ``PrefixStore`` over it, a group given up that still waits in it), and the C++ half of a
+#: collected one has no methods left ("pure virtual function"). A client lives until
+#: :meth:`StoreClient.close`, as torch's own ``TCPStore`` lives as long as anything holds it.
+_open: set[StoreClient] = set()
+
+
 class StoreClient(dist.Store):
-    """A connection to a :class:`StoreServer`, proving ``secret``; a torch store.
+    """A connection to a :class:`StoreServer`, proving ``secret``; a torch store, kept
+    until :meth:`close` (see :data:`_open`).
 
     Raises (constructing):
         StoreRefused: the server refused the proof, or could not prove the secret back.
@@ -214,6 +222,7 @@ class StoreClient(dist.Store):
                 raise StoreRefused(f"the store at {host}:{port} is not this job's: it "
                                    "could not prove the job's secret")
             self._sock.settimeout(None)
+            _open.add(self)
         except (OSError, ConnectionError, ValueError, msgspec.DecodeError) as exc:
             self._sock.close()
             if isinstance(exc, StoreRefused):
@@ -271,5 +280,7 @@ class StoreClient(dist.Store):
         return result
 
     def close(self) -> None:
+        """Close the connection (what still holds the store then gets errors from it)."""
+        _open.discard(self)
         with contextlib.suppress(OSError):
             self._sock.close()

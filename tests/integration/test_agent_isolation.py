@@ -25,8 +25,8 @@ from typing import Any
 
 import pytest
 from job_users import JOB_UIDS, reachable
-from process_env import shared_environment
 from proc_tree import until
+from process_env import shared_environment
 from test_agent_replicas import queue_of
 
 from phalanx.bus.client import Bus
