@@ -117,6 +117,13 @@ class AgentConfig:
     ranks of different jobs on a node can read each other's environment, snapshots and
     the agent's keys (docs/security.md)."""
 
+    confine_memory: bool = True
+    """Run each process of a job whose spec sets ``memory_per_rank`` in a memory cgroup of
+    its own with that limit (:mod:`.cgroups`: v1 or v2, under the agent's own cgroup), so
+    that one over it is killed alone. Where no cgroup can be made (no hierarchy, not
+    writable, v2 without the memory controller delegated), or off, ranks run
+    unconfined and their logs say so."""
+
     snapshot_dir: str | None = None
     """Where ranks' in-memory snapshots are kept: a directory on a tmpfs. Default
     ``/dev/shm/phalanx-<uid>/<node>-<hash of work_dir>`` (:mod:`.snapshots`)."""
@@ -250,7 +257,8 @@ class AgentConfig:
                          "fence_after_s"):
                 if name in values:
                     values[name] = float(values[name])
-            for name in ("stop_is_restart", "launch", "discover_gpus", "zygote"):
+            for name in ("stop_is_restart", "launch", "discover_gpus", "zygote",
+                         "confine_memory"):
                 if isinstance(values.get(name), str):
                     values[name] = _flag(name, values[name])
         except ValueError as exc:

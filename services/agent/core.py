@@ -280,14 +280,21 @@ class StopReason(enum.Enum):
     may have gone on without it, and still want the rank, so it is lost."""
 
 
-def exit_cause(stop: StopReason | None, *, status_known: bool = True) -> ExitCause:
+def exit_cause(stop: StopReason | None, *, status_known: bool = True,
+               oom: bool = False) -> ExitCause:
     """What a rank's end is reported as, given why this agent stopped it (None: it did
-    not) and whether its exit status is known (False: adopted after an agent restart)."""
+    not), whether its exit status is known (False: adopted after an agent restart) and
+    whether the OOM killer ended a process of it in its memory cgroup (``oom``: it passed
+    its job's ``memory_per_rank``, its own fault even where its status is not known)."""
     if stop is StopReason.JOB:
         return ExitCause.STOPPED
     if stop is StopReason.GPU_FAULT:
         return ExitCause.GPU_FAULT
-    if stop in (StopReason.AGENT, StopReason.FENCED) or not status_known:
+    if stop in (StopReason.AGENT, StopReason.FENCED):
+        return ExitCause.LOST
+    if oom:
+        return ExitCause.OOM
+    if not status_known:
         return ExitCause.LOST
     return ExitCause.EXITED
 

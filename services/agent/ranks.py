@@ -86,7 +86,7 @@ import time
 import zlib
 from collections.abc import Awaitable, Callable, Collection, Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, BinaryIO
 
 import msgspec
 
@@ -103,6 +103,7 @@ from phalanx.schemas.messages import (
 )
 from phalanx.schemas.replicas import incarnation, member_log
 from phalanx.services.agent import core, pidfd, priority
+from phalanx.services.agent.cgroups import MemoryCgroups
 from phalanx.services.agent.core import (
     JobUser,
     StopReason,
@@ -280,6 +281,9 @@ class RankSet:
         launcher: starts the processes (:mod:`.zygote`); None: each one cold.
         identities: each job's user on this node and its private directories
             (:mod:`.identity`, ``agent.job_uids``); None: every process runs as the agent.
+        cgroups: where each process of a job that sets ``memory_per_rank`` is confined
+            (:mod:`.cgroups`); None: nowhere, and ``no_cgroups`` says why (its ranks' logs
+            say so).
         store_key: the cluster's key, from which each job's rendezvous secret is derived
             (:func:`~phalanx.schemas.environment.derive_store_secret`): its replicas' stores
             then answer its own members alone. None: they answer anyone.
@@ -298,8 +302,11 @@ class RankSet:
                  cordoned: Callable[[], Awaitable[Collection[int]]] | None = None,
                  launcher: Launcher | None = None,
                  identities: JobIdentities | None = None,
-                 store_key: bytes | None = None) -> None:
+                 store_key: bytes | None = None, cgroups: MemoryCgroups | None = None,
+                 no_cgroups: str = "") -> None:
         self.node_id = node_id
+        self.cgroups = cgroups
+        self.no_cgroups = no_cgroups
         self.identities = identities
         self.store_key = store_key
         self.launcher = launcher or Launcher(work_dir, zygotes=False)
@@ -704,8 +711,10 @@ class RankSet:
             log_file.flush()
             try:
                 env = {**self.job_environment(record), **identity}
-                return await self.launcher.start(spec.command, env, log_file, hold=True,
-                                                 user=self.job_user(record.job_id))
+                process = await self.launcher.start(spec.command, env, log_file, hold=True,
+                                                    user=self.job_user(record.job_id))
+                self.confine(record, process.pid, log_file)  # held: none of its code ran
+                return process
             except OSError as exc:
                 # The command cannot start (missing binary, bad path, no permission): the
                 # application's failure, told to health with the reason and written where
@@ -728,8 +737,11 @@ class RankSet:
         """Report ``entry``'s end once all its processes are gone
         (:func:`~.core.group_exit`'s, in a group)."""
         end = core.group_exit(await self._ends(entry))
+        pids = [pid for _, pid, _, _ in entry.processes()]
+        oom = any(self._oom_killed(entry.job_id, pid) for pid in pids)
+        self.unconfine(entry.job_id, pids)
         await self._exited(entry, exit_code=end.exit_code, signame=end.signal,
-                           cause=exit_cause(entry.stop, status_known=end.known),
+                           cause=exit_cause(entry.stop, status_known=end.known, oom=oom),
                            group_rank=end.group_rank)
 
     async def _ends(self, entry: Rank) -> list[core.ProcessEnd]:
@@ -855,6 +867,48 @@ class RankSet:
         for _, pid, ticks, _ in entry.processes():
             _signal_process(pid, ticks, sig)
 
+    # --- confined memory ------------------------------------------------------------------
+
+    def confine(self, record: JobRecord, pid: int, log_file: BinaryIO | None = None) -> None:
+        """Put process ``pid`` of ``record``'s job in a memory cgroup of its own, limited to
+        the spec's ``memory_per_rank`` (:mod:`.cgroups`); nothing when the spec sets none.
+        Where that cannot be done, it runs unconfined, and ``log_file`` (its log) says so."""
+        limit = record.spec.memory_limit
+        if limit is None:
+            return
+        why = self.no_cgroups
+        if self.cgroups is not None:
+            path = self.cgroups.path(self.node_id, f"{record.job_id}-{pid}")
+            try:
+                self.cgroups.create(path, limit)
+                self.cgroups.join(path, pid)
+                return
+            except OSError as exc:
+                why = f"cannot confine it in {path}: {exc}"
+                with contextlib.suppress(OSError):
+                    self.cgroups.remove(path)
+        log.warning("memory_per_rank not enforced: %s", why, extra={
+            "job": record.job_id, "pid": pid})
+        if log_file is not None:
+            log_file.write(f"=== phalanx: memory_per_rank not enforced on {self.node_id}: "
+                           f"{why}\n".encode())
+            log_file.flush()
+
+    def _oom_killed(self, job_id: str, pid: int) -> bool:
+        """Whether the OOM killer ended a process in ``pid``'s cgroup (none: False)."""
+        return self.cgroups is not None and self.cgroups.oom_killed(
+            self.cgroups.path(self.node_id, f"{job_id}-{pid}"))
+
+    def unconfine(self, job_id: str, pids: Collection[int]) -> None:
+        """Remove the cgroups of ``job_id``'s processes ``pids``, which have ended."""
+        if self.cgroups is None:
+            return
+        for pid in pids:
+            try:
+                self.cgroups.remove(self.cgroups.path(self.node_id, f"{job_id}-{pid}"))
+            except OSError as exc:
+                log.warning("cannot remove a rank's cgroup: %s", exc, extra={"job": job_id})
+
     async def _cordoned(self) -> set[int]:
         return set(await self.cordoned()) if self.cordoned is not None else set()
 
@@ -961,7 +1015,11 @@ class RankSet:
                 log.info("rank adopted", extra={"job": entry.job_id, "rank": entry.rank,
                                                 "pid": entry.pid})
             else:
-                await self._exited(entry, exit_code=None, signame=None, cause=ExitCause.LOST)
+                pids = [pid for _, pid, _, _ in entry.processes()]
+                oom = any(self._oom_killed(entry.job_id, pid) for pid in pids)
+                self.unconfine(entry.job_id, pids)
+                await self._exited(entry, exit_code=None, signame=None,
+                                   cause=ExitCause.OOM if oom else ExitCause.LOST)
         self._save()
 
 

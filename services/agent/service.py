@@ -72,6 +72,7 @@ from phalanx.schemas.messages import (
 )
 from phalanx.services import metrics
 from phalanx.services.agent import core, cpus, fence, identity, replica_tls
+from phalanx.services.agent.cgroups import MemoryCgroups
 from phalanx.services.agent.config import AgentConfig
 from phalanx.services.agent.gpu_health import GpuHealth
 from phalanx.services.agent.logs import read_logs
@@ -235,6 +236,10 @@ class AgentService(Service):
             self.keep_running(self.heartbeat_loop, "heartbeat")
             return
         await ensure_job_events(self.bus)  # where rank starts and exits are stored
+        cgroups, no_cgroups = MemoryCgroups.find() if self.config.confine_memory \
+            else (None, "agent.confine_memory is off")
+        if cgroups is None:
+            log.info("ranks' memory_per_rank is not enforced here: %s", no_cgroups)
         self.ranks = RankSet(self.config.node_id, self.work_dir, self.bus_config_url(),
                              self._host_of, self._report, capacity=self.slots,
                              replacement_nice=self.config.replacement_nice,
@@ -247,7 +252,8 @@ class AgentService(Service):
                              slot_cpus=cpus.shares(self.config.cpus, self.slots)
                              if self.config.cpus and not self.gpus else (),
                              cordoned=self.gpu_health.cordoned_now, launcher=self.launcher,
-                             identities=self.identities, store_key=self.cluster_key)
+                             identities=self.identities, store_key=self.cluster_key,
+                             cgroups=cgroups, no_cgroups=no_cgroups)
         await self.ranks.adopt()
         ranks = self.ranks
         # A cordoned slot holds no spare either.
@@ -256,7 +262,8 @@ class AgentService(Service):
             self.ranks.job_environment,
             lambda: ranks.slots_placed() + len(self.gpu_health.cordoned),
             lambda: ranks.held_slots() | set(self.gpu_health.cordoned), launcher=self.launcher,
-            pin=ranks.pin, user=ranks.job_user)
+            pin=ranks.pin, user=ranks.job_user, confine=ranks.confine,
+            unconfine=ranks.unconfine)
         metrics.RANKS.set_function(lambda: len(ranks.ranks))
         # Both open before the first record arrives: reconciling one reads the generations.
         self.jobs = await self.bucket(subjects.JOBS_BUCKET, JobRecord)
