@@ -3,12 +3,14 @@ configured, and what an agent lacks to hand them out (:mod:`.identity`)."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from phalanx.schemas.errors import ConfigError
 from phalanx.services.agent.config import AgentConfig
 from phalanx.services.agent.core import JobUidsExhausted, JobUser, job_user
-from phalanx.services.agent.identity import missing_capabilities
+from phalanx.services.agent.identity import JobIdentities, missing_capabilities
 
 UIDS = range(20000, 20004)
 
@@ -55,3 +57,17 @@ def test_an_agent_without_the_capabilities_is_told_which_it_lacks() -> None:
                                                "CAP_FOWNER", "CAP_KILL"]
     assert missing_capabilities(root, UIDS, (20001, 0)) == [
         "the agent's own uid 20001 is in the range"]
+
+
+def test_a_restarted_agent_gives_each_job_the_uid_it_had(tmp_path: Path) -> None:
+    """The uids held are on disk before a process of the job starts: an agent SIGKILLed
+    and started again gives its adopted ranks' jobs the same ones, and a uid is given
+    back only once nothing of its job is left."""
+    first = JobIdentities(tmp_path, UIDS, (tmp_path / "tmp", tmp_path / "shm"))
+    given = {job: first.user(job).uid for job in ("a", "b")}
+    again = JobIdentities(tmp_path, UIDS, (tmp_path / "tmp", tmp_path / "shm"))
+    assert {job: again.user(job).uid for job in ("b", "a")} == given
+    assert not again.release("a", still_here={"a"})  # a snapshot of it is left
+    assert again.release("a", still_here=set())
+    assert JobIdentities(tmp_path, UIDS, (tmp_path / "tmp", tmp_path / "shm")).held == {
+        "b": given["b"]}
