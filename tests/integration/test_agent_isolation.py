@@ -79,10 +79,10 @@ class Node:
 
 
 def job(job_id: str, node_id: str, command: list[str], env: dict[str, str] | None = None,
-        state: JobState = JobState.ADMITTED) -> JobRecord:
+        state: JobState = JobState.ADMITTED, spares: int = 0) -> JobRecord:
     spec = JobSpec(name="iso", team="t", priority_class="normal", command=command,
                    replicas=ReplicaRange(min=1, max=1), grace_period_s=2.0, env=env or {},
-                   checkpoint=CheckpointPolicy(memory_every_steps=1))
+                   checkpoint=CheckpointPolicy(memory_every_steps=1), spares=spares)
     return JobRecord(job_id=job_id, spec=spec, state=state, submitted_at=1.0, updated_at=1.0,
                      reason_code=ReasonCode.ADMITTED, nodes=[node_id])
 
@@ -127,9 +127,10 @@ async def test_a_rank_of_one_job_cannot_touch_another_job_or_the_agent(
         bus: Bus, node: Node) -> None:
     victim_id, attacker_id = f"victim-{node.node_id}", f"attacker-{node.node_id}"
     started = await queue_of(bus, subjects.rank_started(victim_id), RankStarted)
-    # The victim starts cold (a shell first), the attacker is forked from the zygote.
+    # The victim starts cold (a shell first), with a warm spare; the attacker is forked
+    # from the zygote.
     await node.put(bus, job(victim_id, node.node_id, [
-        "/bin/sh", "-c", f'exec "{sys.executable}" "{PROBE}" victim']))
+        "/bin/sh", "-c", f'exec "{sys.executable}" "{PROBE}" victim'], spares=1))
     victim_pid = (await asyncio.wait_for(started.get(), 60)).pid
     store = await node.saying(victim_id, "store")
     assert store["member_read"] == "mine"  # its own members use its store
@@ -152,6 +153,10 @@ async def test_a_rank_of_one_job_cannot_touch_another_job_or_the_agent(
         assert who["groups"] == [] and who["umask"] == 0o077 and who["tmp_mode"] == "0o700"
         assert who["secret"]
     assert victim["uid"] != attacker["uid"]
+    spare = await until(lambda: next((json.loads(line) for path in (
+        node.work_dir / "jobs" / victim_id / "spares").glob("*.log")
+        for line in path.read_text().splitlines() if line.startswith("{")), None))
+    assert (spare["uid"], spare["home"]) == (victim["uid"], victim["home"])  # its job's
     assert attacker["dumpable"] == 0  # forked: not dumpable, whoever asks
     assert Path(attacker["tmpdir"]).parent == Path(attacker["home"]) != Path(victim["home"])
 
@@ -170,3 +175,5 @@ async def test_a_rank_of_one_job_cannot_touch_another_job_or_the_agent(
         await node.put(bus, job(job_id, node.node_id, record.spec.command,
                                 state=JobState.CANCELLED))
     await until(lambda: json.loads((node.work_dir / USERS_FILE).read_text()) == {})
+    assert not any(Path(who["home"]).exists() for who in (victim, attacker))
+    assert not snapshot.parent.exists()
