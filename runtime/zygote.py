@@ -206,6 +206,9 @@ class Zygote:
                 os.chdir(program.cwd)
                 os.environ.clear()
                 os.environ.update(program.env)
+                cached = sys.modules.get("tempfile")
+                if cached is not None:  # what the preload cached of the zygote's TMPDIR
+                    cached.tempdir = None
                 present_as(program.command, program.env)
                 if program.uid is not None:
                     drop_privileges(program.uid, program.uid if program.gid is None

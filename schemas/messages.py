@@ -302,7 +302,9 @@ class CollectiveBackend(enum.StrEnum):
 MIN_RANK_MEMORY = 64 << 20
 _MEMORY_UNITS = {"": 1, "K": 10**3, "M": 10**6, "G": 10**9, "T": 10**12,
                  "KI": 1 << 10, "MI": 1 << 20, "GI": 1 << 30, "TI": 1 << 40}
-_MEMORY = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*([KMGT]i?)?B?\s*$", re.IGNORECASE)
+#: An amount of memory with a unit, as Kubernetes writes it (``512Mi``, ``4Gi``, ``2G``).
+MEMORY_PATTERN = r"^([0-9]{1,15}(?:\.[0-9]{1,6})?)([KMGT]i?)?$"
+_MEMORY = re.compile(MEMORY_PATTERN)
 
 
 def memory_bytes(value: int | str) -> int:
@@ -375,7 +377,7 @@ class JobSpec(Message, tag="phalanx.job_spec.v1", frozen=True):
     spares: Annotated[int, msgspec.Meta(ge=0, le=64)] | None = None
     session: bool = False
     memory_per_rank: Annotated[int, msgspec.Meta(ge=MIN_RANK_MEMORY, le=1 << 50)] | Annotated[
-        str, msgspec.Meta(max_length=32)] | None = None
+        str, msgspec.Meta(pattern=MEMORY_PATTERN, max_length=32)] | None = None
 
     @property
     def slots_per_group(self) -> int:

@@ -30,6 +30,13 @@ jobs the uids they run as. A job's uid is given back (:meth:`release`) only once
 of the job is left here: no process, no snapshot, and its private directories deleted;
 only then may another job get it.
 
+A job's uid is its node's choice: the same on every node unless another job holds the
+uid its id picks there. Where its ranks on several nodes share files (a durable
+directory on a shared file system), they may then be different users: give such a job
+a ``checkpoint.durable_url`` of its own (an object store), or its own folder's group.
+A job that resumes from another's durable steps (``checkpoint.resume_from``) on the
+agent's default directory cannot read them: the other job's folder is its user's.
+
 Without ``agent.job_uids`` (the default) every process runs as the agent does, as before:
 ranks of different jobs can then read each other's environment and snapshots, and the
 agent's keys (docs/security.md).

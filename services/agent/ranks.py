@@ -59,6 +59,13 @@ the GPU and the fault. No rank starts on a cordoned slot, and on a node whose GP
 NVML described a rank is pinned to the CPUs close to its GPUs
 (``os.sched_setaffinity`` the moment it is spawned, before it starts threads).
 
+With ``agent.job_uids`` every process of a job runs as its job's user
+(:mod:`.identity`: :meth:`RankSet.job_user`), with a private ``HOME`` and ``TMPDIR``;
+where the job sets ``memory_per_rank``, each one runs in a memory cgroup of its own,
+joined while it is held (:mod:`.cgroups`: :meth:`RankSet.confine`), and an exit the OOM
+killer caused is reported ``oom``. Where the cluster has a key, every process of a job
+gets the job's rendezvous secret (``PHALANX_STORE_SECRET``), and no other.
+
 Every running rank is recorded in ``<work_dir>/ranks.json`` with its start
 time (from ``/proc``), so an agent restarted after a crash finds its ranks
 again: one still running is adopted (watched through a pidfd; its exit
@@ -97,7 +104,6 @@ from phalanx.schemas.messages import (
     ExitCause,
     GpuInfo,
     JobRecord,
-    JobSpec,
     RankExited,
     RankStarted,
 )
@@ -133,11 +139,6 @@ def resolves(host: str) -> bool:
     except OSError:
         return False
     return True
-
-
-def policy_durable(spec: JobSpec) -> bool:
-    """Whether ``spec`` names its own durable checkpoint place (else the agent's is used)."""
-    return bool(spec.checkpoint.durable_url)
 
 
 def master_port(job_id: str, incarnation: int = 0) -> int:
@@ -489,9 +490,10 @@ class RankSet:
             checkpoint=checkpoint)
         # The agent's own environment, then the job's, may name another host.
         advertised = environment.RankEnvironment(advertise_host=self.advertise_host)
-        # A job of its own user gets its own HOME and TMPDIR (its env may name others).
+        # A job of its own user gets its own HOME and TMPDIR (its env may name others), and
+        # its own folder of the agent's durable directory where it names no place of its own.
         private = {} if self.identities is None else self.identities.prepare(
-            record.job_id, None if policy_durable(spec) else self.checkpoint_dir)
+            record.job_id, None if spec.checkpoint.durable_url else self.checkpoint_dir)
         # Ranks run in the agent's environment, as torchrun's workers do.
         env = zygote.with_interpreter_path(
             {**advertised.to_env(), **os.environ, **private, **spec.env, **job.to_env()},

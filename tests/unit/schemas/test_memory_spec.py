@@ -24,7 +24,7 @@ def test_memory_per_rank_is_read_as_bytes(given: object, limit: int | None) -> N
 
 
 @pytest.mark.parametrize(("given", "said"), [
-    ("lots", "is no amount of memory: give bytes, or a number with a unit"),
+    ("lots", "matching regex"), ("4gi", "matching regex"),
     ("1Mi", "at least 64 MiB"), (1000, ">= 67108864")])
 def test_a_bad_memory_per_rank_says_what_is_allowed(given: object, said: str) -> None:
     with pytest.raises(msgspec.ValidationError, match=said):
