@@ -46,6 +46,7 @@ import selectors
 import signal
 import socket
 import sys
+import tempfile
 import threading
 import time
 import traceback
@@ -206,9 +207,7 @@ class Zygote:
                 os.chdir(program.cwd)
                 os.environ.clear()
                 os.environ.update(program.env)
-                cached = sys.modules.get("tempfile")
-                if cached is not None:  # what the preload cached of the zygote's TMPDIR
-                    cached.tempdir = None
+                tempfile.tempdir = None  # what the preload cached of the zygote's TMPDIR
                 present_as(program.command, program.env)
                 if program.uid is not None:
                     drop_privileges(program.uid, program.uid if program.gid is None
