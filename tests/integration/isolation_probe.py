@@ -6,7 +6,8 @@ once its agent made it (the test reserves it), and sleeps.
 
 ``attacker``: says who it runs as, then tries, on the victim job, each thing one job
 must not do to another, and prints what each attempt raised (``ok`` when it worked):
-read the agent's keys (``PROBE_FILES``), read and write the victim's snapshot buffer
+read the agent's keys (``PROBE_FILES``) and mint a bus token with its rank token key
+(``PROBE_TOKEN_KEY``), read and write the victim's snapshot buffer
 (``PROBE_SNAPSHOT``), read its ``/proc/<pid>/environ`` and signal it (``PROBE_PID``), and
 connect to its rendezvous store (``PROBE_STORE``). Every line it prints is one JSON
 object.
@@ -24,6 +25,7 @@ from pathlib import Path
 
 from phalanx.runtime.group import host_store, store_client
 from phalanx.schemas import environment
+from phalanx.services.auth import rank_token
 
 TIMEOUT = datetime.timedelta(seconds=10)
 
@@ -72,6 +74,9 @@ def attacker() -> None:
     who()
     for path in os.environ["PROBE_FILES"].split(os.pathsep):
         attempt(f"read {path}", lambda path=path: Path(path).read_bytes())
+    attempt("mint a token", lambda: rank_token.mint(
+        bytes.fromhex(Path(os.environ["PROBE_TOKEN_KEY"]).read_text()), "victim",
+        now=time.time(), ttl_s=3600, nonce=os.urandom(rank_token.NONCE_BYTES)))
     snapshot = Path(os.environ["PROBE_SNAPSHOT"])
     attempt("read snapshot", lambda: snapshot.read_bytes())
     attempt("write snapshot", lambda: snapshot.open("r+b").write(b"poison"))

@@ -1,7 +1,7 @@
 """One job cannot touch another on a node: a real agent runs each job as a user of its own.
 
 An agent (a process, root, with ``agent.job_uids`` and the cluster's keys as
-``phalanx auth init`` writes them) runs a victim job, started cold, and an attacker
+``phalanx auth kubernetes`` writes them) runs a victim job, started cold, and an attacker
 job, forked from the agent's zygote (isolation_probe.py). The attacker's attempts on
 the agent's keys, the victim's snapshot buffer, its ``/proc/<pid>/environ`` and its
 rendezvous store each fail with a permission error, while the victim uses all of its
@@ -90,12 +90,13 @@ def job(job_id: str, node_id: str, command: list[str], env: dict[str, str] | Non
 @pytest.fixture
 async def node(bus: Bus, nats_server: NatsServer, uid: str,
                tmp_path: Path) -> AsyncIterator[Node]:
-    """An agent with ``agent.job_uids``, and the keys of ``phalanx auth init`` in a folder
-    every user may enter (as a mounted Secret is): only the files' modes guard them."""
+    """An agent with ``agent.job_uids``, and the keys of ``phalanx auth kubernetes`` (the
+    agents' seed and rank token key among them) in a folder every user may enter (as a
+    mounted Secret is): only the files' modes guard them."""
     shelf = Path(tempfile.mkdtemp(prefix="phalanx-keys-"))
     auth = shelf / "auth"
-    subprocess.run([sys.executable, "-m", "phalanx.services.cli", "auth", "init", str(auth)],
-                   check=True, capture_output=True, timeout=60)
+    subprocess.run([sys.executable, "-m", "phalanx.services.cli", "auth", "kubernetes",
+                    str(auth)], check=True, capture_output=True, timeout=60)
     for folder in (shelf, auth, auth / "keys", auth / "tls"):
         folder.chmod(0o755)
     keys = sorted(p for p in auth.rglob("*") if p.is_file() and not p.stat().st_mode & 0o044)
@@ -143,6 +144,7 @@ async def test_a_rank_of_one_job_cannot_touch_another_job_or_the_agent(
     await node.put(bus, job(attacker_id, node.node_id, [
         sys.executable, str(PROBE), "attacker"], env={
             "PROBE_FILES": os.pathsep.join(map(str, node.keys)),
+            "PROBE_TOKEN_KEY": str(next(k for k in node.keys if k.name == "rank-token.key")),
             "PROBE_SNAPSHOT": str(snapshot), "PROBE_PID": str(victim_pid),
             "PROBE_STORE": store["store"]}))
     await node.saying(attacker_id, "done")
@@ -161,7 +163,9 @@ async def test_a_rank_of_one_job_cannot_touch_another_job_or_the_agent(
     assert Path(attacker["tmpdir"]).parent == Path(attacker["home"]) != Path(victim["home"])
 
     attempts = {line["what"]: line for line in node.said(attacker_id) if "what" in line}
-    assert len(node.keys) >= 5 and all(f"read {key}" in attempts for key in node.keys)
+    names = {key.name for key in node.keys}
+    assert {"agents.nk", "rank-token.key", "replication.key", "replication-key.pem"} <= names
+    assert all(f"read {key}" in attempts for key in node.keys) and "mint a token" in attempts
     for what, result in attempts.items():
         assert result["permission"], f"{what}: {result}"
     assert attempts["connect store"]["raised"] == "StoreRefused"
