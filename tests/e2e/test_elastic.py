@@ -507,7 +507,11 @@ async def test_a_rank_past_its_memory_limit_dies_alone_and_its_job_recovers(
         rec, generations = await run_job(
             cluster, data_dir, tmp_path, "oom", oom,
             env={"PHALANX_CHAOS_KILL": "r1-0:30:boundary:oom"},
-            spec={"replicas": ReplicaRange(min=1, max=2), "memory_per_rank": "1Gi"})
+            # Near its limit the kernel reclaims the rank's own pages first (its libraries'
+            # code among them) and it may crawl for seconds before the OOM killer comes:
+            # no hang for health to find first.
+            spec={"replicas": ReplicaRange(min=1, max=2), "memory_per_rank": "1Gi",
+                  "hang_timeout_s": 60.0})
         assert not [e for e in drain(exits) if e.job_id == bystander.job_id]
     finally:
         await AdmissionClient(bus).cancel(bystander.job_id, retry_s=5.0)
