@@ -172,6 +172,14 @@ class JobIdentities:
         log.info("job's uid given back", extra={"job": job_id, "uid": uid})
         return True
 
+    def close(self) -> None:
+        """The agent stops cleanly, its ranks stopped: every job's private directories
+        go, with this agent's folders for them, and every uid is given back."""
+        for root in self.private:
+            shutil.rmtree(root, ignore_errors=True)
+        self.held.clear()
+        self._save()
+
     def _save(self) -> None:
         self.work_dir.mkdir(parents=True, exist_ok=True)
         tmp = self.work_dir / f".{USERS_FILE}.tmp"

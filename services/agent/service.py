@@ -726,6 +726,8 @@ class AgentService(Service):
                      extra={"node": self.config.node_id})
             return
         self.snapshots.clear()
+        if self.identities is not None:  # its ranks are stopped: their folders go
+            self.identities.close()
         if self.nodes is None or self.record is None:
             return
         stored, revision = await self.nodes.current(self.config.node_id)

@@ -43,7 +43,7 @@ from phalanx.schemas.messages import (
     SnapshotReservation,
     SnapshotReserve,
 )
-from phalanx.services.agent.identity import USERS_FILE
+from phalanx.services.agent.identity import USERS_FILE, private_roots
 from phalanx.services.natsd import NatsServer
 
 pytestmark = pytest.mark.timeout(120)
@@ -122,6 +122,8 @@ async def node(bus: Bus, nats_server: NatsServer, uid: str,
             agent.kill()
             await agent.wait()
         shutil.rmtree(shelf, ignore_errors=True)
+    # A clean stop leaves none of the folders it made for jobs.
+    assert not any(root.exists() for root in private_roots(uid, work_dir))
 
 
 async def test_a_rank_of_one_job_cannot_touch_another_job_or_the_agent(
