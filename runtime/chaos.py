@@ -16,7 +16,10 @@ some and not others: a torn step), with a plain one right after
 ``rendezvous`` (``g<N>`` only): in generation N's rendezvous, once every member
 has counted itself in on rank 0's store and before the group connects; when it
 is rank 0, its peers are then inside the rendezvous, on the store its death takes
-with it. It writes a ``chaos`` line to its
+with it. An entry may end in ``:oom``: the replica then
+dies as one that runs out of memory does, allocating and touching memory until
+something kills it (the OOM killer of its memory cgroup, where its job sets
+``memory_per_rank``). It writes a ``chaos`` line to its
 record first, so a test knows the death was injected. Other replicas ignore
 the entries that do not name them.
 
@@ -57,6 +60,8 @@ class Kill:
     phase: str
     step: int | None = None
     generation: int | None = None
+    oom: bool = False
+    """By running out of memory (:func:`die`), not by SIGKILL."""
 
 
 def parse_chaos_kill(value: str, replica_id: str, group_rank: int | None = None
@@ -73,17 +78,18 @@ def parse_chaos_kill(value: str, replica_id: str, group_rank: int | None = None
     for item in filter(None, value.split(",")):
         target, _, rest = item.partition(":")
         step, _, phase = rest.partition(":")
+        phase, _, way = phase.partition(":")
         in_generation = step.startswith("g")
         number = step[1:] if in_generation else step
-        if not number.isdigit() or phase not in PHASES or (
+        if not number.isdigit() or phase not in PHASES or way not in ("", "oom") or (
                 phase == RENDEZVOUS and not in_generation):
             raise ConfigError(f"{environment.CHAOS_KILL}: {item!r} is not "
-                              "<replica>:<step|g<N>>:<boundary|allreduce|update> or "
-                              "<replica>:g<N>:rendezvous")
+                              "<replica>:<step|g<N>>:<boundary|allreduce|update>[:oom] or "
+                              "<replica>:g<N>:rendezvous[:oom]")
         if target == replica_id or (group_rank is not None
                                     and target == f"{replica_id}.g{group_rank}"):
-            kill = Kill(phase, generation=int(number)) if in_generation \
-                else Kill(phase, step=int(number))
+            kill = Kill(phase, generation=int(number), oom=bool(way)) if in_generation \
+                else Kill(phase, step=int(number), oom=bool(way))
     return kill
 
 
@@ -117,10 +123,23 @@ class Plan:
             and self.kill.generation == generation
 
 
-def die(before: Callable[[], None] | None = None) -> None:
-    """Die now, as a SIGKILLed rank does (``before`` runs first: the record line)."""
+#: How much an ``oom`` death allocates at a time, and at most (then it SIGKILLs itself:
+#: nothing confined it).
+OOM_CHUNK = 64 << 20
+OOM_MOST = 64 << 30
+
+
+def die(before: Callable[[], None] | None = None, oom: bool = False) -> None:
+    """Die now, as a SIGKILLed rank does (``before`` runs first: the record line); with
+    ``oom``, as one out of memory does: allocate and touch memory until killed."""
     if before is not None:
         before()
+    if oom:
+        held: list[bytearray] = []
+        while len(held) * OOM_CHUNK < OOM_MOST:
+            chunk = bytearray(OOM_CHUNK)
+            chunk[::4096] = b"\1" * (OOM_CHUNK // 4096)  # every page touched, so taken
+            held.append(chunk)
     os.kill(os.getpid(), signal.SIGKILL)
 
 

@@ -67,6 +67,8 @@ import torch.distributed as dist
 from phalanx.runtime import gloo_loop
 from phalanx.runtime.inbox import Inbox
 from phalanx.runtime.placement import Backend, nccl_environment
+from phalanx.runtime.store import StoreClient, StoreServer
+from phalanx.schemas.environment import store_secret
 from phalanx.schemas.messages import Generation
 
 T = TypeVar("T")
@@ -413,11 +415,33 @@ def nccl_ready(group: DeviceGroup) -> None:
     torch.cuda.current_stream(group.device).synchronize()
 
 
-def host_store(timeout: datetime.timedelta) -> dist.TCPStore:
-    """The store a replica hosts for the generations it is rank 0 of: libuv, on every
-    interface, on a port of the system's choice (``.port``)."""
+#: The store a replica hosts: torch's, or one that answers its job's members alone.
+Hosted = dist.TCPStore | StoreServer
+
+
+def host_store(timeout: datetime.timedelta, secret: bytes | None = None) -> Hosted:
+    """The store a replica hosts for the generations it is rank 0 of, on every interface,
+    on a port of the system's choice (``.port``): with the job's ``secret``
+    (:func:`~phalanx.schemas.environment.store_secret`), one that answers only
+    connections that prove it (:mod:`.store`); without, torch's libuv ``TCPStore``, which
+    answers anyone."""
+    if secret is not None:
+        return StoreServer(secret)
     return dist.TCPStore("0.0.0.0", 0, is_master=True, wait_for_workers=False,
                          timeout=timeout, use_libuv=True)
+
+
+def store_client(host: str, port: int, timeout: datetime.timedelta,
+                 secret: bytes | None = None) -> dist.Store:
+    """A connection to a replica's store (:func:`host_store`), proving ``secret`` where the
+    job has one.
+
+    Raises:
+        StoreRefused: the store is not this job's (it refused the proof, or gave none).
+    """
+    if secret is not None:
+        return StoreClient(host, port, secret, timeout)
+    return dist.TCPStore(host, port, is_master=False, timeout=timeout)
 
 
 def count_in(store: dist.Store, world_size: int) -> bool:
@@ -440,7 +464,7 @@ def all_arrived(store: dist.Store, within: datetime.timedelta) -> bool:
     return True
 
 
-def arrive(waits: Waits, stores: dict[str, dist.Store], own: tuple[str, dist.TCPStore],
+def arrive(waits: Waits, stores: dict[str, dist.Store], own: tuple[str, Hosted],
            generation: Generation, timeout: datetime.timedelta,
            give_up: Callable[[], str | None], column: int = 0) -> dist.PrefixStore:
     """The first part of :func:`rendezvous`: connect to the store of ``generation``'s rank
@@ -465,8 +489,8 @@ def arrive(waits: Waits, stores: dict[str, dist.Store], own: tuple[str, dist.TCP
         else:
             store_host, _, text = endpoint.rpartition(":")
             port = int(text)
-        store = abortable(lambda: dist.TCPStore(store_host, port, is_master=False,
-                                                timeout=timeout))
+        secret = store_secret(os.environ)
+        store = abortable(lambda: store_client(store_host, port, timeout, secret))
         stores[endpoint] = store
     prefixed = dist.PrefixStore(
         f"{generation.rendezvous}/" if column == 0 else f"{generation.rendezvous}/g{column}/",
@@ -497,7 +521,7 @@ def _abortable(waits: Waits, stores: dict[str, dist.Store], generation: Generati
     return abortable
 
 
-def rendezvous(waits: Waits, stores: dict[str, dist.Store], own: tuple[str, dist.TCPStore],
+def rendezvous(waits: Waits, stores: dict[str, dist.Store], own: tuple[str, Hosted],
                generation: Generation, rank: int, timeout: datetime.timedelta,
                give_up: Callable[[], str | None], backend: Backend = Backend.GLOO,
                device: torch.device | None = None, column: int = 0,

@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import time
 from typing import Any
 
@@ -54,6 +55,7 @@ from phalanx.runtime.group import (
     Aborted,
     Group,
     GroupWork,
+    Hosted,
     Unreachable,
     Waits,
     host_store,
@@ -166,7 +168,7 @@ class Membership:
         self.landing: list[torch.Tensor] = []
         #: Where peers reach this replica's store, ``<host>:<port>`` (:meth:`host_store`).
         self.endpoint = ""
-        self._store: dist.TCPStore | None = None
+        self._store: Hosted | None = None
         self._stores: dict[str, dist.Store] = {}
         self._switch_agreed = False  # the last all-reduce said: switch to the next generation
         self._applied: GenerationApplied | None = None  # to report after the next commit
@@ -184,7 +186,7 @@ class Membership:
     def host_store(self) -> str:
         """Host this replica's store (a generation rendezvouses on its rank 0's): the
         endpoint peers reach it at, ``<host>:<port>``."""
-        self._store = host_store(self.state.timeout)
+        self._store = host_store(self.state.timeout, environment.store_secret(os.environ))
         self.endpoint = f"{self.state.replica.host}:{self._store.port}"
         return self.endpoint
 

@@ -140,4 +140,5 @@ class SessionState:
         """Fault injection: die now, as a SIGKILLed rank does (recorded first)."""
         record = self.record
         chaos.die(None if record is None else
-                  lambda: record.write(kind="chaos", step=self.committed))
+                  lambda: record.write(kind="chaos", step=self.committed),
+                  oom=self.chaos.kill is not None and self.chaos.kill.oom)

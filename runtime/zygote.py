@@ -46,6 +46,7 @@ import selectors
 import signal
 import socket
 import sys
+import tempfile
 import threading
 import time
 import traceback
@@ -206,7 +207,11 @@ class Zygote:
                 os.chdir(program.cwd)
                 os.environ.clear()
                 os.environ.update(program.env)
+                tempfile.tempdir = None  # what the preload cached of the zygote's TMPDIR
                 present_as(program.command, program.env)
+                if program.uid is not None:
+                    drop_privileges(program.uid, program.uid if program.gid is None
+                                    else program.gid)
                 code = run(program.entry)
             else:
                 # Held, and the agent died before this process was on its record: running
@@ -221,6 +226,32 @@ class Zygote:
                 sys.stdout.flush()
                 sys.stderr.flush()
             os._exit(code)
+
+
+_PR_SET_DUMPABLE = 4
+
+
+def drop_privileges(uid: int, gid: int) -> None:
+    """Become ``uid``:``gid`` for good, as a job's process must before any of its code runs:
+    no supplementary groups, real, effective and saved ids all changed (no way back),
+    umask 077 (what it creates is its own), and not dumpable, so a process of another
+    user (another job) can neither read its ``/proc/<pid>/environ`` (its bus token) nor
+    attach to it.
+
+    Raises:
+        PermissionError: this process may not change its ids (no ``CAP_SETUID`` /
+            ``CAP_SETGID``), or the change did not take.
+    """
+    os.umask(0o077)
+    os.setgroups([])
+    os.setgid(gid)
+    os.setuid(uid)
+    if os.getresuid() != (uid, uid, uid) or os.getresgid() != (gid, gid, gid):
+        raise PermissionError(f"still {os.getresuid()}/{os.getresgid()} after dropping to "
+                              f"{uid}:{gid}")
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(_PR_SET_DUMPABLE, 0, 0, 0, 0) != 0:
+        raise PermissionError(ctypes.get_errno(), "prctl(PR_SET_DUMPABLE, 0) failed")
 
 
 def run(entry: protocol.Entry) -> int:

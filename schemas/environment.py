@@ -19,6 +19,8 @@ which a rank reads too) are in :mod:`phalanx.schemas.settings`.
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import math
 import re
 from collections.abc import Callable, Mapping
@@ -95,6 +97,14 @@ DEVICE = "PHALANX_DEVICE"
 #: replica identity yet and waits, in the session's ``from_env``, for the one its agent
 #: writes to its standard input (one JSON object of variables, one line).
 SPARE = "PHALANX_SPARE"
+#: A job's own directory on shared memory (mode 0700, its user's), where the agent runs
+#: each job as a user of its own (``agent.job_uids``).
+SHM_DIR = "PHALANX_SHM_DIR"
+#: The job's rendezvous secret (hex): the stores its replicas host answer only
+#: connections that prove it (:mod:`phalanx.runtime.store`). Its agents derive it from the
+#: cluster's key (:func:`derive_store_secret`), so every node gives a job the same one and
+#: no job can compute another's. Unset: the stores answer anyone (torch's ``TCPStore``).
+STORE_SECRET = "PHALANX_STORE_SECRET"
 
 #: The exit status of a rank that ended because its generation found the job's state
 #: nowhere it could reach (``StateLost``): ``EX_TEMPFAIL``, a failure to retry. The
@@ -361,3 +371,19 @@ def _micro_batch_size(var: str, raw: str) -> int:
     if not raw.isdigit() or int(raw) < 1:
         raise ConfigError(f"{var}: {raw!r} is not a positive whole number of samples")
     return int(raw)
+
+
+def derive_store_secret(cluster_key: bytes, job_id: str) -> str:
+    """The rendezvous secret of ``job_id`` (:data:`STORE_SECRET`), hex: an HMAC of the job
+    id under the cluster's key, in a domain of its own (the key serves other ends too)."""
+    return hmac.new(cluster_key, b"phalanx rendezvous v1\0" + job_id.encode(),
+                    hashlib.sha256).hexdigest()
+
+
+def store_secret(env: Mapping[str, str]) -> bytes | None:
+    """The job's rendezvous secret in ``env`` (None: unset, or not hex)."""
+    text = env.get(STORE_SECRET, "")
+    try:
+        return bytes.fromhex(text) or None
+    except ValueError:
+        return None

@@ -15,6 +15,7 @@ inside a message and are versioned with it.
 from __future__ import annotations
 
 import enum
+import re
 import sys
 from typing import Annotated, Literal
 
@@ -297,6 +298,31 @@ class CollectiveBackend(enum.StrEnum):
     GLOO = "gloo"  # CPU tensors, or CUDA tensors of ranks that share a GPU
 
 
+#: The least ``memory_per_rank`` a job may set.
+MIN_RANK_MEMORY = 64 << 20
+_MEMORY_UNITS = {"": 1, "K": 10**3, "M": 10**6, "G": 10**9, "T": 10**12,
+                 "KI": 1 << 10, "MI": 1 << 20, "GI": 1 << 30, "TI": 1 << 40}
+#: An amount of memory with a unit, as Kubernetes writes it (``512Mi``, ``4Gi``, ``2G``).
+MEMORY_PATTERN = r"^([0-9]{1,15}(?:\.[0-9]{1,6})?)([KMGT]i?)?$"
+_MEMORY = re.compile(MEMORY_PATTERN)
+
+
+def memory_bytes(value: int | str) -> int:
+    """``value`` in bytes: a whole number of bytes, or a number with a unit as Kubernetes
+    writes it (``512Mi``, ``4Gi``, ``2G``, ``1.5Gi``).
+
+    Raises:
+        ValueError: ``value`` is no amount of memory.
+    """
+    if isinstance(value, int):
+        return value
+    match = _MEMORY.match(value)
+    if match is None:
+        raise ValueError(f"memory_per_rank {value!r} is no amount of memory: give bytes, "
+                         "or a number with a unit (512Mi, 4Gi, 2G)")
+    return int(float(match[1]) * _MEMORY_UNITS[(match[2] or "").upper()])
+
+
 class JobSpec(Message, tag="phalanx.job_spec.v1", frozen=True):
     """A job as submitted: a gang of data-parallel replicas and how to run them.
 
@@ -324,6 +350,12 @@ class JobSpec(Message, tag="phalanx.job_spec.v1", frozen=True):
     torchrun's would, and a replica that dies between its start and DDP's constructor
     holds the others there. ``session: true`` gives the world of one from the first
     start, and spares (unless ``spares`` says otherwise) too.
+
+    ``memory_per_rank`` bounds each rank process's memory (bytes, or a number with a unit:
+    ``"512Mi"``, ``"4Gi"``, ``"2G"``): its agent runs it in a memory cgroup of its own
+    with that limit (:mod:`phalanx.services.agent.cgroups`), so a rank that allocates
+    past it is killed alone, reported with cause ``oom``, and replaced as a crash is
+    (an application failure: :class:`RestartPolicy`). Unset: no limit of its own.
     """
 
     name: Ident
@@ -344,13 +376,25 @@ class JobSpec(Message, tag="phalanx.job_spec.v1", frozen=True):
     backend: CollectiveBackend = CollectiveBackend.AUTO
     spares: Annotated[int, msgspec.Meta(ge=0, le=64)] | None = None
     session: bool = False
+    memory_per_rank: Annotated[int, msgspec.Meta(ge=MIN_RANK_MEMORY, le=1 << 50)] | Annotated[
+        str, msgspec.Meta(pattern=MEMORY_PATTERN, max_length=32)] | None = None
 
     @property
     def slots_per_group(self) -> int:
         """The slots one replica takes on its node: each of its ranks' slots."""
         return self.ranks_per_replica * self.slots_per_replica
 
+    @property
+    def memory_limit(self) -> int | None:
+        """``memory_per_rank`` in bytes (None: unset)."""
+        return None if self.memory_per_rank is None else memory_bytes(self.memory_per_rank)
+
     def __post_init__(self) -> None:
+        limit = self.memory_limit  # raises on a value that is no amount of memory
+        if limit is not None and limit < MIN_RANK_MEMORY:
+            raise ValueError(f"memory_per_rank {self.memory_per_rank!r} is {limit} B: at "
+                             f"least {MIN_RANK_MEMORY >> 20} MiB (a rank's interpreter "
+                             "alone takes more)")
         values = self.scaling.replica_discrete_values
         if values is not None and (values[0] < self.replicas.min
                                    or values[-1] > self.replicas.max):
@@ -877,6 +921,7 @@ class ExitCause(enum.StrEnum):
     LOST = "lost"  # found dead by a restarted agent; its exit status is unknown
     LAUNCH_FAILED = "launch_failed"  # never ran: the command could not be started
     GPU_FAULT = "gpu_fault"  # its agent SIGKILLed it: the GPU of its slot failed (detail)
+    OOM = "oom"  # the kernel's OOM killer ended it: it passed its job's memory_per_rank
 
 
 class RankStarted(Message, tag="phalanx.rank_started.v1", frozen=True):

@@ -68,6 +68,12 @@ REPLICA_VARIABLES = frozenset({"RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_
                                "GROUP_RANK", "ROLE_RANK", "MASTER_ADDR", "MASTER_PORT",
                                "CUDA_VISIBLE_DEVICES", "TORCHELASTIC_RUN_ID"})
 
+#: Variables an agent that runs each job as its own user sets per job (its private
+#: directories): left out of a zygote's environment too, so one zygote still serves
+#: every job of an import environment; the child re-reads what the preload cached of
+#: them (``tempfile``'s directory).
+JOB_VARIABLES = frozenset({"HOME", "TMPDIR"})
+
 _LENGTH = struct.Struct("!I")
 
 
@@ -90,6 +96,12 @@ class Program(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     entry: Entry
     env: dict[str, str]
     cwd: str
+    uid: int | None = None
+    """The user it runs as (its job's, ``agent.job_uids``): the child drops to it, with
+    ``gid``, no supplementary groups, umask 077 and no core dumps or ``/proc`` reads by
+    others (``PR_SET_DUMPABLE`` 0), before any of the program runs. None: the zygote's."""
+    gid: int | None = None
+    """The group it runs as, with ``uid``."""
 
 
 class Fork(msgspec.Struct, frozen=True, tag="fork", forbid_unknown_fields=True):
@@ -209,8 +221,8 @@ def decode_template_reply(line: bytes) -> TemplateReply:
 def import_environment(env: Mapping[str, str]) -> dict[str, str]:
     """``env`` without what the agent sets per job and per replica: the environment a
     zygote that may fork a process of ``env`` is started in."""
-    return {k: v for k, v in env.items()
-            if not k.startswith(settings.PREFIX) and k not in REPLICA_VARIABLES}
+    return {k: v for k, v in env.items() if not k.startswith(settings.PREFIX)
+            and k not in REPLICA_VARIABLES and k not in JOB_VARIABLES}
 
 
 def with_interpreter_path(env: Mapping[str, str], executable: str) -> dict[str, str]:

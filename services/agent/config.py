@@ -106,6 +106,24 @@ class AgentConfig:
     """How long a minted rank token admits its rank (30 days): a rank running longer can
     no longer reconnect to the bus once its connection's lifetime ends."""
 
+    job_uids: tuple[int, int] | None = None
+    """Run each job's processes as a user of its own: the first and last uid of the range
+    they are taken from (``PHALANX_AGENT_JOB_UIDS="20000-29999"``), one per job with
+    anything on this node, its gid the same number (:mod:`.identity`). The agent must be
+    able to change its ids and hand files over (root, or ``CAP_SETUID``, ``CAP_SETGID``,
+    ``CAP_CHOWN``, ``CAP_DAC_OVERRIDE``, ``CAP_FOWNER`` and ``CAP_KILL``; docs/deploy.md),
+    and the interpreter, the job's scripts and its data must be readable by those users.
+    None (the default, or an empty value): every process runs as the agent does, and the
+    ranks of different jobs on a node can read each other's environment, snapshots and
+    the agent's keys (docs/security.md)."""
+
+    confine_memory: bool = True
+    """Run each process of a job whose spec sets ``memory_per_rank`` in a memory cgroup of
+    its own with that limit (:mod:`.cgroups`: v1 or v2, under the agent's own cgroup), so
+    that one over it is killed alone. Where no cgroup can be made (no hierarchy, not
+    writable, v2 without the memory controller delegated), or off, ranks run
+    unconfined and their logs say so."""
+
     snapshot_dir: str | None = None
     """Where ranks' in-memory snapshots are kept: a directory on a tmpfs. Default
     ``/dev/shm/phalanx-<uid>/<node>-<hash of work_dir>`` (:mod:`.snapshots`)."""
@@ -125,7 +143,10 @@ class AgentConfig:
     replica_key_file: str | None = None
     """The cluster's replication key (hex, :mod:`.replica_auth`; ``phalanx auth init``
     writes ``keys/replication.key``): buddies prove it to each other before any snapshot
-    moves. None: replication unauthenticated (anyone reaching the port may send)."""
+    moves. None: replication unauthenticated (anyone reaching the port may send). Each
+    job's rendezvous secret is derived from it too
+    (:data:`~phalanx.schemas.environment.STORE_SECRET`): with it, the store a replica
+    hosts answers its job's members alone (:mod:`phalanx.runtime.store`); without, anyone."""
     replica_tls_dir: str | None = None
     """A directory holding the cluster's replication certificate and key and its CA
     (``replication.pem``, ``replication-key.pem``, ``ca.pem``: the ``tls`` directory
@@ -193,6 +214,11 @@ class AgentConfig:
         if not math.isfinite(self.rank_token_ttl_s) or self.rank_token_ttl_s < 60:
             raise ConfigError(f"agent.rank_token_ttl_s must be at least 60 s, "
                               f"got {self.rank_token_ttl_s}")
+        if self.job_uids is not None:
+            first, last = self.job_uids
+            if not 0 < first <= last < 2**31 - 1:
+                raise ConfigError(f"agent.job_uids must be a range FIRST-LAST of uids within "
+                                  f"1..{2**31 - 2}, FIRST <= LAST, got {first}-{last}")
         if self.lost_after_s <= self.heartbeat_interval_s:
             raise ConfigError(f"agent.lost_after_s ({self.lost_after_s}) must exceed "
                               f"agent.heartbeat_interval_s ({self.heartbeat_interval_s})")
@@ -218,6 +244,8 @@ class AgentConfig:
                 values["cpus"] = parse_cpu_list(values["cpus"])
             if isinstance(values.get("gpus"), str):
                 values["gpus"] = parse_gpus(values["gpus"])
+            if isinstance(values.get("job_uids"), str):
+                values["job_uids"] = parse_uid_range(values["job_uids"])
             if values.get("gpus"):
                 values["gpus"] = tuple(values["gpus"])
                 values.setdefault("slots", len(values["gpus"]))
@@ -229,13 +257,20 @@ class AgentConfig:
                          "fence_after_s"):
                 if name in values:
                     values[name] = float(values[name])
-            for name in ("stop_is_restart", "launch", "discover_gpus", "zygote"):
+            for name in ("stop_is_restart", "launch", "discover_gpus", "zygote",
+                         "confine_memory"):
                 if isinstance(values.get(name), str):
                     values[name] = _flag(name, values[name])
         except ValueError as exc:
             raise ConfigError(f"agent config: {exc}") from None
         return cls(**values)
 
+
+    @property
+    def job_uid_range(self) -> range | None:
+        """``job_uids`` as a range (None: jobs run as the agent)."""
+        return None if self.job_uids is None else range(self.job_uids[0],
+                                                        self.job_uids[1] + 1)
 
     @property
     def fence_s(self) -> float:
@@ -265,6 +300,19 @@ def parse_gpus(text: str) -> tuple[int, ...]:
     if not all(item.isdigit() for item in items):
         raise ValueError(f"gpus must be CUDA device indices separated by commas, got {text!r}")
     return tuple(int(item) for item in items)
+
+
+def parse_uid_range(text: str) -> tuple[int, int] | None:
+    """``"20000-29999"`` → ``(20000, 29999)``; ``"20000"`` → ``(20000, 20000)``; ``""`` →
+    None (jobs run as the agent)."""
+    text = text.strip()
+    if not text:
+        return None
+    first, sep, last = text.partition("-")
+    if not first.strip().isdigit() or (sep and not last.strip().isdigit()):
+        raise ValueError(f"job_uids must be a range of uids FIRST-LAST (e.g. 20000-29999), "
+                         f"got {text!r}")
+    return int(first), int(last if sep else first)
 
 
 def parse_labels(text: str) -> dict[str, str]:

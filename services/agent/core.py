@@ -24,6 +24,10 @@ runs and what was launched, and carries out the decisions they return. It keeps 
 last launch of every slot on disk, so a replica is launched at most once per node
 across agent restarts too.
 
+Each job's processes may run as a user of their own (``agent.job_uids``, as slurmd runs
+a job as its user): :func:`job_user` gives a job its uid, stable while anything of the
+job is on the node, never shared by two jobs at once.
+
 Why a rank ended (:func:`exit_cause`) is reported as what it means to its job:
 a rank that ended by itself *exited*; one stopped because its job no longer
 wants it there (cancel, preemption, a shrink, a replica not needed) was
@@ -59,10 +63,11 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import zlib
 from collections.abc import Collection, Mapping, Sequence
 
 from phalanx.schemas import environment
-from phalanx.schemas.errors import ConfigError, MustStop
+from phalanx.schemas.errors import ConfigError, MustStop, PhalanxError
 from phalanx.schemas.messages import ExitCause, GpuInfo, NodeInfo, NodeRecord
 from phalanx.services.agent.reconcile import (
     Decision,
@@ -88,18 +93,58 @@ from phalanx.services.agent.reconcile import (
 
 # The rules of which ranks run here, offered with the rest (they live in .reconcile).
 __all__ = [
-    "DEFAULT_SPARES", "SPARE_BACKOFF_MAX_S", "Decision", "Forget", "Keep", "Launch",
-    "LaunchVerdict", "Leave", "NodeIdTaken", "ProcessEnd", "Refusal", "Refuse", "SlotWait",
-    "Start", "Stop", "StopReason", "drop", "exit_cause", "first_replica", "gpu_slots",
-    "group_exit", "group_slots", "group_variables", "heartbeat", "launch_verdict",
-    "node_gpus", "node_slots", "rank_cpus", "rank_devices", "reconcile", "register",
-    "replacement", "same_agent", "siblings_wait_s", "silent_holder", "slots_for",
-    "slots_on_gpus", "spare_counts", "spare_restart_delay", "spares_wanted", "stop_request",
+    "DEFAULT_SPARES", "SPARE_BACKOFF_MAX_S", "Decision", "Forget", "JobUidsExhausted",
+    "JobUser", "Keep", "Launch", "LaunchVerdict", "Leave", "NodeIdTaken", "ProcessEnd",
+    "Refusal", "Refuse", "SlotWait", "Start", "Stop", "StopReason", "drop", "exit_cause",
+    "first_replica", "gpu_slots", "group_exit", "group_slots", "group_variables",
+    "heartbeat", "job_user", "launch_verdict", "node_gpus", "node_slots", "rank_cpus",
+    "rank_devices", "reconcile", "register", "replacement", "same_agent", "siblings_wait_s",
+    "silent_holder", "slots_for", "slots_on_gpus", "spare_counts", "spare_restart_delay",
+    "spares_wanted", "stop_request",
 ]
 
 
 class NodeIdTaken(MustStop):
     """Another live agent holds this node id."""
+
+
+# --- job identities on the node ----------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class JobUser:
+    """The user and group a job's processes run as on this node (``agent.job_uids``)."""
+
+    uid: int
+    gid: int
+
+
+class JobUidsExhausted(PhalanxError, OSError):
+    """Every uid of ``agent.job_uids`` is held by a job with something on this node."""
+
+
+def job_user(job_id: str, held: Mapping[str, int], uids: range) -> JobUser:
+    """The user ``job_id`` runs as here: the uid it holds already (``held``: job -> uid,
+    every job with processes, snapshots or private directories on this node), else the
+    first free uid of ``uids`` from a point the job's id picks (so the same job mostly
+    gets the same uid on every node and after the mapping is lost). Its group is the
+    uid's number. Two jobs never share a uid while both hold it: the caller keeps
+    ``held`` (on disk, so an agent restarted after a crash gives adopted ranks' jobs
+    their uid again) and frees a job's uid only once nothing of it is left here.
+
+    Raises:
+        JobUidsExhausted: every uid of ``uids`` is held.
+    """
+    if job_id in held:
+        return JobUser(held[job_id], held[job_id])
+    taken = set(held.values())
+    first = zlib.crc32(job_id.encode()) % len(uids)
+    for i in range(len(uids)):
+        uid = uids[(first + i) % len(uids)]
+        if uid not in taken:
+            return JobUser(uid, uid)
+    raise JobUidsExhausted(f"all {len(uids)} uids of agent.job_uids ({uids.start}.."
+                           f"{uids.stop - 1}) are held by jobs on this node")
 
 
 def same_agent(held: NodeInfo, info: NodeInfo) -> bool:
@@ -235,14 +280,21 @@ class StopReason(enum.Enum):
     may have gone on without it, and still want the rank, so it is lost."""
 
 
-def exit_cause(stop: StopReason | None, *, status_known: bool = True) -> ExitCause:
+def exit_cause(stop: StopReason | None, *, status_known: bool = True,
+               oom: bool = False) -> ExitCause:
     """What a rank's end is reported as, given why this agent stopped it (None: it did
-    not) and whether its exit status is known (False: adopted after an agent restart)."""
+    not), whether its exit status is known (False: adopted after an agent restart) and
+    whether the OOM killer ended a process of it in its memory cgroup (``oom``: it passed
+    its job's ``memory_per_rank``, its own fault even where its status is not known)."""
     if stop is StopReason.JOB:
         return ExitCause.STOPPED
     if stop is StopReason.GPU_FAULT:
         return ExitCause.GPU_FAULT
-    if stop in (StopReason.AGENT, StopReason.FENCED) or not status_known:
+    if stop in (StopReason.AGENT, StopReason.FENCED):
+        return ExitCause.LOST
+    if oom:
+        return ExitCause.OOM
+    if not status_known:
         return ExitCause.LOST
     return ExitCause.EXITED
 

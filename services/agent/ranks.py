@@ -59,6 +59,13 @@ the GPU and the fault. No rank starts on a cordoned slot, and on a node whose GP
 NVML described a rank is pinned to the CPUs close to its GPUs
 (``os.sched_setaffinity`` the moment it is spawned, before it starts threads).
 
+With ``agent.job_uids`` every process of a job runs as its job's user
+(:mod:`.identity`: :meth:`RankSet.job_user`), with a private ``HOME`` and ``TMPDIR``;
+where the job sets ``memory_per_rank``, each one runs in a memory cgroup of its own,
+joined while it is held (:mod:`.cgroups`: :meth:`RankSet.confine`), and an exit the OOM
+killer caused is reported ``oom``. Where the cluster has a key, every process of a job
+gets the job's rendezvous secret (``PHALANX_STORE_SECRET``), and no other.
+
 Every running rank is recorded in ``<work_dir>/ranks.json`` with its start
 time (from ``/proc``), so an agent restarted after a crash finds its ranks
 again: one still running is adopted (watched through a pidfd; its exit
@@ -86,7 +93,7 @@ import time
 import zlib
 from collections.abc import Awaitable, Callable, Collection, Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, BinaryIO
 
 import msgspec
 
@@ -102,8 +109,16 @@ from phalanx.schemas.messages import (
 )
 from phalanx.schemas.replicas import incarnation, member_log
 from phalanx.services.agent import core, pidfd, priority
-from phalanx.services.agent.core import StopReason, exit_cause, rank_cpus, rank_devices
+from phalanx.services.agent.cgroups import MemoryCgroups
+from phalanx.services.agent.core import (
+    JobUser,
+    StopReason,
+    exit_cause,
+    rank_cpus,
+    rank_devices,
+)
 from phalanx.services.agent.cpus import pin as pin_cpus
+from phalanx.services.agent.identity import JobIdentities
 from phalanx.services.agent.logs import replica_log, utc_now
 from phalanx.services.agent.zygote import ChildProcess, ForkedProcess, Launcher
 from phalanx.services.auth.credentials import rank_environment
@@ -265,6 +280,14 @@ class RankSet:
         cordoned: the node's slots out of use now (a GPU fault's), as the registry holds
             them at the moment of a launch: no rank starts there. None: none ever are.
         launcher: starts the processes (:mod:`.zygote`); None: each one cold.
+        identities: each job's user on this node and its private directories
+            (:mod:`.identity`, ``agent.job_uids``); None: every process runs as the agent.
+        cgroups: where each process of a job that sets ``memory_per_rank`` is confined
+            (:mod:`.cgroups`); None: nowhere, and ``no_cgroups`` says why (its ranks' logs
+            say so).
+        store_key: the cluster's key, from which each job's rendezvous secret is derived
+            (:func:`~phalanx.schemas.environment.derive_store_secret`): its replicas' stores
+            then answer its own members alone. None: they answer anyone.
     """
 
     def __init__(self, node_id: str, work_dir: Path, nats_url: str,
@@ -278,8 +301,15 @@ class RankSet:
                  found_gpus: Sequence[GpuInfo] = (),
                  slot_cpus: Sequence[Sequence[int]] = (),
                  cordoned: Callable[[], Awaitable[Collection[int]]] | None = None,
-                 launcher: Launcher | None = None) -> None:
+                 launcher: Launcher | None = None,
+                 identities: JobIdentities | None = None,
+                 store_key: bytes | None = None, cgroups: MemoryCgroups | None = None,
+                 no_cgroups: str = "") -> None:
         self.node_id = node_id
+        self.cgroups = cgroups
+        self.no_cgroups = no_cgroups
+        self.identities = identities
+        self.store_key = store_key
         self.launcher = launcher or Launcher(work_dir, zygotes=False)
         self.gpus = gpus
         self.found_gpus = found_gpus
@@ -460,12 +490,28 @@ class RankSet:
             checkpoint=checkpoint)
         # The agent's own environment, then the job's, may name another host.
         advertised = environment.RankEnvironment(advertise_host=self.advertise_host)
+        # A job of its own user gets its own HOME and TMPDIR (its env may name others), and
+        # its own folder of the agent's durable directory where it names no place of its own.
+        private = {} if self.identities is None else self.identities.prepare(
+            record.job_id, None if spec.checkpoint.durable_url else self.checkpoint_dir)
         # Ranks run in the agent's environment, as torchrun's workers do.
         env = zygote.with_interpreter_path(
-            {**advertised.to_env(), **os.environ, **spec.env, **job.to_env()},
+            {**advertised.to_env(), **os.environ, **private, **spec.env, **job.to_env()},
             sys.executable)
+        env.pop(environment.STORE_SECRET, None)  # never the agent's, nor one a job names
+        if self.store_key is not None:
+            env[environment.STORE_SECRET] = environment.derive_store_secret(
+                self.store_key, record.job_id)
         return rank_environment(env, self.bus_identity(record.job_id)
                                 if self.bus_identity is not None else {})
+
+    def job_user(self, job_id: str) -> JobUser | None:
+        """The user ``job_id``'s processes run as here (None: the agent's own).
+
+        Raises:
+            JobUidsExhausted: every uid of ``agent.job_uids`` is held.
+        """
+        return None if self.identities is None else self.identities.user(job_id)
 
     async def _identity(self, record: JobRecord, rank: int, placement: tuple[str, ...],
                         replica_id: str, slots: tuple[int, ...], nice: int | None,
@@ -667,7 +713,10 @@ class RankSet:
             log_file.flush()
             try:
                 env = {**self.job_environment(record), **identity}
-                return await self.launcher.start(spec.command, env, log_file, hold=True)
+                process = await self.launcher.start(spec.command, env, log_file, hold=True,
+                                                    user=self.job_user(record.job_id))
+                self.confine(record, process.pid, log_file)  # held: none of its code ran
+                return process
             except OSError as exc:
                 # The command cannot start (missing binary, bad path, no permission): the
                 # application's failure, told to health with the reason and written where
@@ -690,8 +739,11 @@ class RankSet:
         """Report ``entry``'s end once all its processes are gone
         (:func:`~.core.group_exit`'s, in a group)."""
         end = core.group_exit(await self._ends(entry))
+        pids = [pid for _, pid, _, _ in entry.processes()]
+        oom = any(self._oom_killed(entry.job_id, pid) for pid in pids)
+        self.unconfine(entry.job_id, pids)
         await self._exited(entry, exit_code=end.exit_code, signame=end.signal,
-                           cause=exit_cause(entry.stop, status_known=end.known),
+                           cause=exit_cause(entry.stop, status_known=end.known, oom=oom),
                            group_rank=end.group_rank)
 
     async def _ends(self, entry: Rank) -> list[core.ProcessEnd]:
@@ -817,6 +869,48 @@ class RankSet:
         for _, pid, ticks, _ in entry.processes():
             _signal_process(pid, ticks, sig)
 
+    # --- confined memory ------------------------------------------------------------------
+
+    def confine(self, record: JobRecord, pid: int, log_file: BinaryIO | None = None) -> None:
+        """Put process ``pid`` of ``record``'s job in a memory cgroup of its own, limited to
+        the spec's ``memory_per_rank`` (:mod:`.cgroups`); nothing when the spec sets none.
+        Where that cannot be done, it runs unconfined, and ``log_file`` (its log) says so."""
+        limit = record.spec.memory_limit
+        if limit is None:
+            return
+        why = self.no_cgroups
+        if self.cgroups is not None:
+            path = self.cgroups.path(self.node_id, f"{record.job_id}-{pid}")
+            try:
+                self.cgroups.create(path, limit)
+                self.cgroups.join(path, pid)
+                return
+            except OSError as exc:
+                why = f"cannot confine it in {path}: {exc}"
+                with contextlib.suppress(OSError):
+                    self.cgroups.remove(path)
+        log.warning("memory_per_rank not enforced: %s", why, extra={
+            "job": record.job_id, "pid": pid})
+        if log_file is not None:
+            log_file.write(f"=== phalanx: memory_per_rank not enforced on {self.node_id}: "
+                           f"{why}\n".encode())
+            log_file.flush()
+
+    def _oom_killed(self, job_id: str, pid: int) -> bool:
+        """Whether the OOM killer ended a process in ``pid``'s cgroup (none: False)."""
+        return self.cgroups is not None and self.cgroups.oom_killed(
+            self.cgroups.path(self.node_id, f"{job_id}-{pid}"))
+
+    def unconfine(self, job_id: str, pids: Collection[int]) -> None:
+        """Remove the cgroups of ``job_id``'s processes ``pids``, which have ended."""
+        if self.cgroups is None:
+            return
+        for pid in pids:
+            try:
+                self.cgroups.remove(self.cgroups.path(self.node_id, f"{job_id}-{pid}"))
+            except OSError as exc:
+                log.warning("cannot remove a rank's cgroup: %s", exc, extra={"job": job_id})
+
     async def _cordoned(self) -> set[int]:
         return set(await self.cordoned()) if self.cordoned is not None else set()
 
@@ -923,7 +1017,11 @@ class RankSet:
                 log.info("rank adopted", extra={"job": entry.job_id, "rank": entry.rank,
                                                 "pid": entry.pid})
             else:
-                await self._exited(entry, exit_code=None, signame=None, cause=ExitCause.LOST)
+                pids = [pid for _, pid, _, _ in entry.processes()]
+                oom = any(self._oom_killed(entry.job_id, pid) for pid in pids)
+                self.unconfine(entry.job_id, pids)
+                await self._exited(entry, exit_code=None, signame=None,
+                                   cause=ExitCause.OOM if oom else ExitCause.LOST)
         self._save()
 
 

@@ -44,7 +44,7 @@ from phalanx.bus.errors import Conflict, RequestRefused
 from phalanx.bus.kv import TypedKV
 from phalanx.bus.stream import ensure_job_events
 from phalanx.schemas import __version__, subjects
-from phalanx.schemas.errors import PhalanxError
+from phalanx.schemas.errors import ConfigError, PhalanxError
 from phalanx.schemas.messages import (
     BuddyPlacement,
     ChaosAction,
@@ -71,7 +71,8 @@ from phalanx.schemas.messages import (
     StopReplica,
 )
 from phalanx.services import metrics
-from phalanx.services.agent import core, cpus, fence, replica_tls
+from phalanx.services.agent import core, cpus, fence, identity, replica_tls
+from phalanx.services.agent.cgroups import MemoryCgroups
 from phalanx.services.agent.config import AgentConfig
 from phalanx.services.agent.gpu_health import GpuHealth
 from phalanx.services.agent.logs import read_logs
@@ -155,14 +156,29 @@ class AgentService(Service):
             else default_root(config.node_id, self.work_dir)
         if not config.snapshot_dir:  # the default place: shared by every agent of the host
             claim_in_default_place(root, self.work_dir)
+        uids = config.job_uid_range
+        if uids is not None:
+            missing = identity.missing_capabilities(
+                Path("/proc/self/status").read_text(), uids, (os.getuid(), os.getgid()))
+            if missing:
+                raise ConfigError(f"agent.job_uids {uids.start}-{uids.stop - 1}: this agent "
+                                  f"cannot run jobs as their own users: it lacks "
+                                  f"{'; '.join(missing)} (docs/deploy.md)")
+        #: Each job's user and private directories here (None: jobs run as the agent).
+        self.identities = None if uids is None else identity.JobIdentities(
+            self.work_dir, uids, identity.private_roots(config.node_id, self.work_dir))
         self.snapshots = SnapshotStore(root, config.snapshot_limit_bytes
                                        if config.snapshot_limit_bytes is not None
-                                       else default_limit(root))
+                                       else default_limit(root),
+                                       None if self.identities is None
+                                       else self.identities.user)
         self.ended: dict[str, None] = {}  # jobs seen terminal, oldest first
         #: Mints the rank tokens an auth callout admits ranks by (read once, refused here).
         self.token_key = load_key(config.rank_token_key_file, "rank token key") \
             if config.rank_token_key_file else None
         key = load_key(config.replica_key_file) if config.replica_key_file else None
+        #: The cluster's key: replication's, and the root of each job's rendezvous secret.
+        self.cluster_key = key
         tls_dir = config.replica_tls_dir
         self.replicas = ReplicaListener(
             self.snapshots, config.node_id, self._announce, self.ended.__contains__, key,
@@ -220,6 +236,10 @@ class AgentService(Service):
             self.keep_running(self.heartbeat_loop, "heartbeat")
             return
         await ensure_job_events(self.bus)  # where rank starts and exits are stored
+        cgroups, no_cgroups = MemoryCgroups.find() if self.config.confine_memory \
+            else (None, "agent.confine_memory is off")
+        if cgroups is None:
+            log.info("ranks' memory_per_rank is not enforced here: %s", no_cgroups)
         self.ranks = RankSet(self.config.node_id, self.work_dir, self.bus_config_url(),
                              self._host_of, self._report, capacity=self.slots,
                              replacement_nice=self.config.replacement_nice,
@@ -231,7 +251,9 @@ class AgentService(Service):
                              gpus=self.gpus, found_gpus=self.gpu_health.watch.gpus,
                              slot_cpus=cpus.shares(self.config.cpus, self.slots)
                              if self.config.cpus and not self.gpus else (),
-                             cordoned=self.gpu_health.cordoned_now, launcher=self.launcher)
+                             cordoned=self.gpu_health.cordoned_now, launcher=self.launcher,
+                             identities=self.identities, store_key=self.cluster_key,
+                             cgroups=cgroups, no_cgroups=no_cgroups)
         await self.ranks.adopt()
         ranks = self.ranks
         # A cordoned slot holds no spare either.
@@ -240,7 +262,8 @@ class AgentService(Service):
             self.ranks.job_environment,
             lambda: ranks.slots_placed() + len(self.gpu_health.cordoned),
             lambda: ranks.held_slots() | set(self.gpu_health.cordoned), launcher=self.launcher,
-            pin=ranks.pin)
+            pin=ranks.pin, user=ranks.job_user, confine=ranks.confine,
+            unconfine=ranks.unconfine)
         metrics.RANKS.set_function(lambda: len(ranks.ranks))
         # Both open before the first record arrives: reconciling one reads the generations.
         self.jobs = await self.bucket(subjects.JOBS_BUCKET, JobRecord)
@@ -338,6 +361,19 @@ class AgentService(Service):
             del self.ended[next(iter(self.ended))]
         if self.ranks is None or job_id not in self.ranks.jobs():
             self.snapshots.drop(job_id)
+            self._release_user(job_id)
+
+    def _release_user(self, job_id: str) -> None:
+        """Give ``job_id``'s uid back once nothing of it is left here: no rank, no spare,
+        no snapshot (:meth:`.identity.JobIdentities.release`)."""
+        if self.identities is None:
+            return
+        here = set(self.snapshots.jobs())
+        if self.ranks is not None:
+            here |= {job for job, _ in self.ranks.ranks}
+        if self.spares is not None:
+            here |= set(self.spares.spares)
+        self.identities.release(job_id, here)
 
     async def _on_reconnect(self) -> None:
         self.spawn(self._resync(), "resync jobs")  # not inside nats-py's reconnection
@@ -368,6 +404,9 @@ class AgentService(Service):
             self.spawn(self._drop_job(job_id), f"drop {job_id}")
         for job_id in self.snapshots.jobs() - known:  # snapshots of a job that is gone
             self.snapshots.drop(job_id)
+        for job_id in set(self.identities.held if self.identities is not None else ()) \
+                - known:
+            self._release_user(job_id)
 
     @property
     def work_dir(self) -> Path:
@@ -469,6 +508,7 @@ class AgentService(Service):
                     await self.spares.reconcile(record)
                 if record.state.terminal:  # its snapshots are needed no more
                     self.snapshots.drop(record.job_id)
+                    self._release_user(record.job_id)
             except Exception:  # one job's trouble must not stop the agent
                 log.exception("reconciling %s failed", record.job_id)
 
@@ -487,6 +527,7 @@ class AgentService(Service):
             await self.ranks.drop(job_id)
             if self.spares is not None:
                 await self.spares.drop(job_id)
+            self._release_user(job_id)
 
     async def on_launch(self, request: LaunchReplica, _: Delivery) -> ReplicaReply:
         """Run a new replica in one of a job's slots here (elasticity's replacements)."""
@@ -685,6 +726,8 @@ class AgentService(Service):
                      extra={"node": self.config.node_id})
             return
         self.snapshots.clear()
+        if self.identities is not None:  # its ranks are stopped: their folders go
+            self.identities.close()
         if self.nodes is None or self.record is None:
             return
         stored, revision = await self.nodes.current(self.config.node_id)

@@ -35,6 +35,10 @@ from them, and the agent is what bounds and frees them.
   local cluster's data directory deleted after ``phalanx down``, a test's temporary
   one), an agent starting on the host deletes the store (:func:`collect_abandoned`),
   so tmpfs memory, which is RAM, does not leak until the next boot.
+* **Ownership.** Where jobs run as users of their own (:mod:`.identity`), a job's
+  directory here is its user's, mode 0700, and so is every buffer in it, its buddies'
+  replicas included: its ranks write and restore them, no other job's can even list
+  them. The agent, root, reads and replicates them all.
 * **Replicas.** The agent also keeps its buddies' snapshots
   (:mod:`.replication`): a replica of another node's ring buffer ``<name>`` is
   ``<root>/<job>/buddy.<node>.<name>``, beside this node's own rings, so a
@@ -66,13 +70,14 @@ import os
 import re
 import shutil
 import zlib
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 from phalanx.schemas import snapshot_file
 from phalanx.schemas.errors import PhalanxError
 from phalanx.schemas.messages import SnapshotReserve
 from phalanx.schemas.snapshot_file import Header
+from phalanx.services.agent.core import JobUser
 
 log = logging.getLogger("phalanx.agent.snapshots")
 _RING_FILE = re.compile(r"^w(?P<shards>\d+)-s(?P<shard>\d+)\.(?P<i>\d+)$")
@@ -152,12 +157,19 @@ def default_limit(root: Path) -> int:
     return stat.f_blocks * stat.f_frsize // 2
 
 
-def _grow(path: Path, nbytes: int) -> None:
+def _grow(path: Path, nbytes: int, owner: JobUser | None = None) -> None:
     """Create the buffer file at ``path`` or grow it to ``nbytes`` (sparse: tmpfs pages are
-    taken as they are written); never shrunk, so what it holds stays readable."""
+    taken as they are written); never shrunk, so what it holds stays readable. With
+    ``owner`` (the job's user), the file and its job's directory are that user's, and
+    the directory mode 0700: no other job's process may read or write them."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    if owner is not None:
+        os.chown(path.parent, owner.uid, owner.gid)
+        os.chmod(path.parent, 0o700)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
     try:
+        if owner is not None:
+            os.fchown(fd, owner.uid, owner.gid)
         if os.fstat(fd).st_size < nbytes:
             os.ftruncate(fd, nbytes)
     finally:
@@ -175,16 +187,23 @@ class NewestGeneration:
 
 
 class SnapshotStore:
-    """The snapshot buffers of one node, under ``root``, at most ``limit`` bytes."""
+    """The snapshot buffers of one node, under ``root``, at most ``limit`` bytes; with
+    ``owner`` (job id -> its user, :mod:`.identity`), each job's directory and buffers
+    are its user's alone."""
 
-    def __init__(self, root: Path, limit: int) -> None:
+    def __init__(self, root: Path, limit: int,
+                 owner: Callable[[str], JobUser | None] | None = None) -> None:
         if limit < 0:
             raise ValueError(f"the snapshot limit must be >= 0 bytes, got {limit}")
         self.root = root
+        self.owner = owner
         self.limit = limit
         self.refused = ""  # why the last reservation was refused ("" while none was)
         self.current: dict[str, int] = {}  # job -> the shard count last reserved for
         self.newest: dict[str, NewestGeneration] = {}  # job -> its newest generation seen
+
+    def _owner(self, job_id: str) -> JobUser | None:
+        return None if self.owner is None else self.owner(job_id)
 
     def job_dir(self, job_id: str) -> Path:
         return self.root / job_id
@@ -222,8 +241,9 @@ class SnapshotStore:
                 f"{request.nbytes} B of snapshot memory: {more} B more than held would make "
                 f"{used + more} B, over this node's limit of {self.limit} B")
             raise SnapshotRefused(self.refused)
+        owner = self._owner(request.job_id)
         for path in paths:
-            _grow(path, request.nbytes)
+            _grow(path, request.nbytes, owner)
         self.current[request.job_id] = request.shards
         return paths
 
@@ -308,7 +328,7 @@ class SnapshotStore:
             self.refused = (f"{why}: {more} B more than held would make {used + more} B, "
                             f"over this node's limit of {self.limit} B")
             raise SnapshotRefused(self.refused)
-        _grow(path, nbytes)
+        _grow(path, nbytes, self._owner(path.parent.name))
 
     def prune_replicas(self, job_id: str) -> int:
         """Delete each source's replicas of ``job_id`` from earlier memberships once the

@@ -52,12 +52,14 @@ import logging
 import os
 import signal
 import time
-from collections.abc import Callable, Coroutine, Mapping
+from collections.abc import Callable, Collection, Coroutine, Mapping
 from pathlib import Path
+from typing import BinaryIO
 
 from phalanx.schemas import environment
 from phalanx.schemas.messages import JobRecord, JobState
 from phalanx.services.agent import core
+from phalanx.services.agent.core import JobUser
 from phalanx.services.agent.logs import utc_now
 from phalanx.services.agent.zygote import ChildProcess, Launcher
 
@@ -122,6 +124,11 @@ class SpareSet:
             (where a spare's GPUs must not be).
         launcher: starts the processes (:mod:`.zygote`); None: each one cold.
         pin: pins a process to the CPUs of slots (:meth:`.RankSet.pin`).
+        user: job id -> the user its processes run as (:meth:`.RankSet.job_user`); a
+            spare runs as its job's, as the rank it becomes.
+        confine / unconfine: put a spare's process in its memory cgroup as the rank it
+            becomes is (:meth:`.RankSet.confine`), and remove that cgroup once a spare
+            that was never taken has ended (a taken one's is its rank's).
 
     Spares start at the agent's priority, not niced as a cold replacement starts: a spare
     warms up ahead of any fault, so its imports and model build cost the job once, early,
@@ -133,8 +140,14 @@ class SpareSet:
                  gpus: tuple[int, ...], environment: Callable[[JobRecord], dict[str, str]],
                  placed: Callable[[], int], unusable: Callable[[], set[int]] = set,
                  launcher: Launcher | None = None,
-                 pin: Callable[[int, tuple[int, ...]], None] | None = None) -> None:
+                 pin: Callable[[int, tuple[int, ...]], None] | None = None,
+                 user: Callable[[str], JobUser | None] | None = None,
+                 confine: Callable[[JobRecord, int, BinaryIO], None] | None = None,
+                 unconfine: Callable[[str, Collection[int]], None] | None = None) -> None:
         self.node_id = node_id
+        self.user = user
+        self.confine = confine
+        self.unconfine = unconfine
         self.unusable = unusable
         self.pin = pin
         self.launcher = launcher or Launcher(work_dir, zygotes=False)
@@ -296,8 +309,11 @@ class SpareSet:
                 # replica it becomes (its script's init_process_group runs before that).
                 env = {**self.environment(record), **devices[0], **environment.WORLD_OF_ONE,
                        environment.SPARE: spare_id}
-                process = await self.launcher.start(record.spec.command, env, log_file,
-                                                    stdin=True)
+                process = await self.launcher.start(
+                    record.spec.command, env, log_file, stdin=True,
+                    user=None if self.user is None else self.user(record.job_id))
+                if self.confine is not None:  # not held: its imports have begun
+                    self.confine(record, process.pid, log_file)
             except OSError as exc:
                 log.warning("cannot start a spare of %s: %s", record.job_id, exc)
                 self._died(record.job_id)
@@ -323,6 +339,8 @@ class SpareSet:
         spares = self.spares.get(spare.job_id, [])
         if spare in spares:
             spares.remove(spare)
+            if self.unconfine is not None:  # never taken: its cgroup is nobody's
+                self.unconfine(spare.job_id, [spare.process.pid])
         if not spares:
             self.spares.pop(spare.job_id, None)
         log.info("spare exited", extra={"job": spare.job_id, "spare": spare.spare_id,

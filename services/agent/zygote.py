@@ -55,12 +55,13 @@ import tempfile
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import BinaryIO, Protocol
+from typing import Any, BinaryIO, Protocol
 
 import msgspec
 
 from phalanx.schemas import zygote as protocol
 from phalanx.services.agent import pidfd
+from phalanx.services.agent.core import JobUser
 from phalanx.services.natsd import die_with_parent
 
 log = logging.getLogger("phalanx.agent.zygote")
@@ -440,10 +441,14 @@ class Launcher:
         self._count = 0
 
     async def start(self, command: Sequence[str], env: Mapping[str, str], output: BinaryIO,
-                    *, stdin: bool = False, hold: bool = False) -> ChildProcess:
+                    *, stdin: bool = False, hold: bool = False,
+                    user: JobUser | None = None) -> ChildProcess:
         """A process of ``command`` in ``env``, writing to ``output``, in its own session;
         with ``stdin``, its standard input is a pipe (else /dev/null); with ``hold``, it
-        runs the command only once :meth:`ChildProcess.release` is called.
+        runs the command only once :meth:`ChildProcess.release` is called; with ``user``,
+        as that user and group, with no supplementary groups and umask 077 (a fork drops
+        to them before the program runs, :func:`phalanx.runtime.zygote.drop_privileges`;
+        a cold start before its shell runs).
 
         Raises:
             OSError: the command cannot start (missing, not executable …).
@@ -454,8 +459,10 @@ class Launcher:
         if entry is not None:
             zygote = await self._zygote(protocol.import_environment(env))
             if zygote is not None:
-                program = protocol.Program(command=tuple(command), entry=entry, env=dict(env),
-                                           cwd=os.getcwd())
+                program = protocol.Program(
+                    command=tuple(command), entry=entry, env=dict(env), cwd=os.getcwd(),
+                    uid=None if user is None else user.uid,
+                    gid=None if user is None else user.gid)
                 try:
                     return await zygote.fork(program, output, stdin, hold=hold)
                 except OSError as exc:
@@ -465,10 +472,14 @@ class Launcher:
             # cannot start is the launch's failure, not the job's exit status 127.
             executable(command[0], env)
             command = ["/bin/sh", "-c", _HELD, "phalanx-held", *command]
+        # uvloop's subprocesses take no user, group or umask: the child drops to them itself,
+        # with nothing but system calls between fork and exec.
+        as_user: dict[str, Any] = {} if user is None else {
+            "preexec_fn": functools.partial(_become_user, user.uid, user.gid)}
         process = await asyncio.create_subprocess_exec(
             *command, env=dict(env),
             stdin=asyncio.subprocess.PIPE if stdin or hold else asyncio.subprocess.DEVNULL,
-            stdout=output, stderr=output, start_new_session=True)
+            stdout=output, stderr=output, start_new_session=True, **as_user)
         return ColdProcess(process, held=hold)
 
     async def _zygote(self, env: Mapping[str, str]) -> ZygoteProcess | None:
@@ -537,6 +548,14 @@ class Template:
             os.close(self._listening)
             self._listening = -1
         shutil.rmtree(self.folder, ignore_errors=True)
+
+
+def _become_user(uid: int, gid: int) -> None:
+    """In a cold start's child, before exec: ``uid``:``gid``, no other groups, umask 077."""
+    os.umask(0o077)
+    os.setgroups([])
+    os.setgid(gid)
+    os.setuid(uid)
 
 
 def executable(program: str, env: Mapping[str, str]) -> str:

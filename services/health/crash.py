@@ -40,7 +40,10 @@ def crash_detail(event: RankExitSeen) -> str:
         if event.signal is not None or event.exit_code is not None:
             what += f" (reported: exit code {event.exit_code}, signal {event.signal})"
         return what
-    if event.signal is not None:
+    if event.cause == "oom":
+        what = (f"rank {event.rank} was killed by the OOM killer on {event.node_id}: its "
+                "memory passed its job's memory_per_rank")
+    elif event.signal is not None:
         code = f" (exit code {event.exit_code})" if event.exit_code is not None else ""
         what = f"rank {event.rank} was killed by signal {event.signal}{code}"
     elif event.exit_code is None:

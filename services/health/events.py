@@ -15,7 +15,7 @@ import math
 
 from phalanx.schemas.messages import FaultKind, ReasonCode, RestartPolicy
 
-EXIT_CAUSES = frozenset({"exited", "stopped", "lost", "launch_failed", "gpu_fault"})
+EXIT_CAUSES = frozenset({"exited", "stopped", "lost", "launch_failed", "gpu_fault", "oom"})
 DEFAULT_RESTART_POLICY = RestartPolicy()  # frozen: one instance serves every default
 
 

@@ -80,9 +80,13 @@ class Failure(enum.StrEnum):
 
 
 def classify_exit(cause: str, exit_code: int | None, signal: str | None) -> Failure:
-    """The class of a rank's failed exit (cause ``exited``, ``lost`` or ``launch_failed``)."""
+    """The class of a rank's failed exit (cause ``exited``, ``lost``, ``launch_failed`` or
+    ``oom``). A rank the OOM killer ended passed its job's ``memory_per_rank``: the
+    application's failure, as running it again the same way may fail the same way."""
     if cause == "launch_failed":
         return Failure.LAUNCH
+    if cause == "oom":
+        return Failure.APPLICATION
     if cause != "exited" or signal is not None or exit_code is None:
         return Failure.INFRASTRUCTURE
     if _killed_through_shell(exit_code) or exit_code in (EXIT_STATE_LOST, EXIT_DROPPED):

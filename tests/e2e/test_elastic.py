@@ -36,6 +36,7 @@ from phalanx.runtime import record
 from phalanx.runtime.data import ElasticOrder
 from phalanx.schemas import subjects
 from phalanx.schemas.messages import (
+    ExitCause,
     Generation,
     GenerationReason,
     JobProgress,
@@ -43,6 +44,7 @@ from phalanx.schemas.messages import (
     JobSpec,
     JobState,
     Placement,
+    RankExited,
     RankProgress,
     RankStarted,
     ReplicaRange,
@@ -194,9 +196,12 @@ async def watching(nats_url: str, replicas: int = 1) -> AsyncIterator[tuple[Bus,
         yield bus, watch
 
 
-def drain(queue: asyncio.Queue) -> None:
+def drain(queue: asyncio.Queue) -> list:
+    """What ``queue`` holds now, taken out."""
+    items = []
     while not queue.empty():
-        queue.get_nowait()
+        items.append(queue.get_nowait())
+    return items
 
 
 async def run_job(cluster, data_dir: Path, tmp_path: Path, name: str, inject,
@@ -466,6 +471,57 @@ async def test_a_replacement_still_starting_when_the_job_completes_saves_nothing
     late = record.read(rec).get("r1-1", [])
     assert not [line for line in late if line["kind"] in ("batch", "commit")], late
     check_run(rec, tmp_path / "final.pt", reference)
+
+
+async def test_a_rank_past_its_memory_limit_dies_alone_and_its_job_recovers(
+        cluster, data_dir: Path, reference: dict, tmp_path: Path) -> None:
+    """Each rank of the job may use ``memory_per_rank`` (1 GiB); r1-0 allocates past it at
+    step 30. Its memory cgroup's OOM killer ends it alone: reported with cause ``oom``,
+    while its peer and another job's two ranks on the same nodes train on, and the job
+    recovers as from a crash, every sample once."""
+    _, bus, watch = cluster
+    exits: asyncio.Queue[RankExited] = asyncio.Queue()
+    await bus.subscribe(subjects.job_events("exited"), RankExited,
+                        lambda m, _: exits.put(m))
+    bystander = await AdmissionClient(bus).submit(JobSpec(
+        name="bystander", team="t", priority_class="normal",
+        replicas=ReplicaRange(min=2, max=2), hang_timeout_s=2.0, grace_period_s=3.0,
+        command=[sys.executable, str(SCRIPT), "--data-dir", str(data_dir), *ARGS,
+                 "--steps", "100000"],
+        env={"PHALANX_CHAOS_PACE": f"0.1:{tmp_path / 'never'}"}), "bystander-1")
+    seen: dict[str, object] = {}
+
+    async def oom(job_id: str, watch: Watch) -> None:
+        exited = await next_of(exits, lambda e: e.job_id == job_id, 120)
+        assert (exited.replica_id, exited.cause, exited.signal) == (
+            "r1-0", ExitCause.OOM, "SIGKILL"), exited
+        # The other job trains on: five more steps after the OOM.
+        step = (await next_of(watch.progress, lambda p: p.job_id == bystander.job_id,
+                              60)).step
+        await next_of(watch.progress, lambda p: p.job_id == bystander.job_id
+                      and p.step >= step + 5, 60)
+        seen["exited"] = exited
+
+    try:
+        await next_of(watch.generations, lambda g: g.job_id == bystander.job_id, 120)
+        rec, generations = await run_job(
+            cluster, data_dir, tmp_path, "oom", oom,
+            env={"PHALANX_CHAOS_KILL": "r1-0:30:boundary:oom"},
+            # Near its limit the kernel reclaims the rank's own pages first (its libraries'
+            # code among them) and it may crawl for seconds before the OOM killer comes:
+            # no hang for health to find first.
+            spec={"replicas": ReplicaRange(min=1, max=2), "memory_per_rank": "1Gi",
+                  "hang_timeout_s": 60.0})
+        assert not [e for e in drain(exits) if e.job_id == bystander.job_id]
+    finally:
+        await AdmissionClient(bus).cancel(bystander.job_id, retry_s=5.0)
+    fault = next(g for g in generations if g.reason is GenerationReason.FAULT)
+    assert [m.replica_id for m in fault.members] == ["r0-0"]  # its peer trained on
+    assert "OOM killer" in fault.cause, fault.cause
+    assert "r1-1" in {m.replica_id for m in generations[-1].members}  # replaced, joined
+    check_run(rec, tmp_path / "final.pt", reference)
+    leftover = [p for p in Path("/sys/fs/cgroup").glob("*/**/phalanx-local-*-oom-1-*")]
+    assert leftover == []  # every rank's cgroup went with it
 
 
 def pids_of(job_id: str, node_id: str) -> list[int]:

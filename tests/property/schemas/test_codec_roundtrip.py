@@ -23,6 +23,7 @@ from phalanx.schemas.codec import MAX_PAYLOAD_BYTES, decode, encode
 from phalanx.schemas.errors import WireError
 from phalanx.schemas.messages import (
     ALL_MESSAGES,
+    MIN_RANK_MEMORY,
     BuddyPlacement,
     BuddyReason,
     ChaosAction,
@@ -45,6 +46,7 @@ from phalanx.schemas.messages import (
     SnapshotRecord,
     SnapshotReserve,
     SnapshotTier,
+    memory_bytes,
 )
 
 SETTINGS = settings(derandomize=True, database=None, deadline=None, max_examples=100,
@@ -151,6 +153,9 @@ def _fix_job_spec(kw: dict[str, Any]) -> dict[str, Any]:
         kw["scaling"] = msgspec.structs.replace(scaling, replica_discrete_values=inside)
     slots = kw.get("slots_per_replica", 1)  # a group's slots fit one node
     kw["ranks_per_replica"] = min(kw.get("ranks_per_replica", 1), 65_536 // slots)
+    memory = kw.get("memory_per_rank")
+    if isinstance(memory, str) and memory_bytes(memory) < MIN_RANK_MEMORY:
+        kw["memory_per_rank"] = "64Mi"  # the pattern allows less than a rank's least
     return kw
 
 

@@ -93,5 +93,18 @@ def test_events_and_programs_read_back_as_written() -> None:
     program = protocol.Program(command=("python", "t.py"), entry=protocol.Entry(argv=("t.py",)),
                                env={"A": "1"}, cwd="/")
     assert protocol.decode_program(protocol.encode_program(program)) == program
+    as_user = msgspec.structs.replace(program, uid=20001, gid=20001)
+    assert protocol.decode_program(protocol.encode_program(as_user)) == as_user
     with pytest.raises(msgspec.DecodeError):
         protocol.decode_event(b"not json\n")
+
+
+def test_one_zygote_serves_every_job_of_an_import_environment() -> None:
+    """What the agent sets per job (its id, its private HOME and TMPDIR where jobs run as
+    users of their own) and per replica is not part of the environment a zygote starts
+    in: two jobs that differ only there share one."""
+    job = {"PATH": "/bin", "OMP_NUM_THREADS": "4", "HOME": "/tmp/jobs/a",
+           "TMPDIR": "/tmp/jobs/a/tmp", "PHALANX_JOB_ID": "a", "RANK": "0"}
+    other = {**job, "HOME": "/tmp/jobs/b", "TMPDIR": "/tmp/jobs/b/tmp", "PHALANX_JOB_ID": "b"}
+    assert protocol.import_environment(job) == protocol.import_environment(other) == {
+        "PATH": "/bin", "OMP_NUM_THREADS": "4"}

@@ -98,3 +98,20 @@ def test_a_gpu_fault_is_an_infrastructure_crash_naming_the_gpu_and_the_fault() -
     assert first == ("rank 0 was killed by its agent on n0: GPU fault: Xid 79 on GPU 0 "
                      "(GPU-5d2c)")
     assert rest == "its last output:\nstep 41\nstep 42"
+
+
+def test_an_oom_kill_names_the_oom_killer_and_is_the_jobs_own_failure() -> None:
+    """An exit with cause ``oom`` says what killed the rank and charges the job's
+    application failures (its memory use, not the node's fault): past
+    ``max_app_failures`` it fails the job, saying why."""
+    for allowed in (1, 0):
+        core = HealthCore(HealthPolicy())
+        core.handle(JobWatched("j", ("n0", "n1"), 2.0,
+                               restart_policy=RestartPolicy(max_app_failures=allowed)), T0)
+        [decision] = [d for d in core.handle(RankExitSeen(
+            "j", 1, "n1", None, "SIGKILL", "oom", "r1-0", "step 30\n"), T0 + 1)
+            if isinstance(d, RaiseFault | FailJob)]
+        text = decision.detail if isinstance(decision, RaiseFault) else decision.reason
+        assert isinstance(decision, RaiseFault if allowed else FailJob)
+        assert "rank 1 was killed by the OOM killer on n1: its memory passed its job's " \
+            "memory_per_rank" in text
