@@ -3,19 +3,34 @@ its own (:mod:`harness`), skipped with the reason where namespaces cannot be mad
 
 from __future__ import annotations
 
+import os
 from collections.abc import AsyncIterator
 
 import pytest
-from cuts import watched_partitioned
-from harness import NamespacedCluster
-from test_elastic import Watch
+from harness import NamespacedCluster, partitioned_cluster, unavailable
+from test_elastic import Watch, watching
 
 from phalanx.bus.client import Bus
+from phalanx.schemas import settings
 
 
 @pytest.fixture(scope="module")
 async def partitioned(tmp_path_factory: pytest.TempPathFactory
                       ) -> AsyncIterator[tuple[NamespacedCluster, Bus, Watch]]:
     """Two nodes of two slots, each in its namespace; the bus watched from this machine."""
-    async with watched_partitioned(tmp_path_factory.mktemp("cluster")) as running:
-        yield running
+    why = unavailable()
+    if why is not None:
+        pytest.skip(f"partition harness: {why}")
+    cordon = settings.HEALTH("cordon_faults")
+    before = os.environ.get(cordon)
+    os.environ[cordon] = "1000"  # a node cut off is not a bad node
+    try:
+        async with partitioned_cluster(tmp_path_factory.mktemp("cluster")) as cluster:
+            assert cluster.nats_url is not None
+            async with watching(cluster.nats_url) as (bus, watch):
+                yield cluster, bus, watch
+    finally:
+        if before is None:
+            del os.environ[cordon]
+        else:
+            os.environ[cordon] = before

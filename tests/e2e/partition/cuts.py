@@ -1,24 +1,18 @@
-"""What every partition test starts, waits on and checks: its watched cluster, a cut-off
-rank's exit, and a run whose cut-off ranks' records hold no step the job keeps twice, on
-a job admitted once."""
+"""What every partition test waits on and checks: a cut-off rank's exit, and a run whose
+cut-off ranks' records hold no step the job keeps twice, on a job admitted once."""
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import os
 import time
-from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import Any
 
-import pytest
-from harness import NamespacedCluster, partitioned_cluster, unavailable
-from test_elastic import Watch, watching
+from harness import NamespacedCluster
 
 from phalanx.bus.client import Bus, Delivery
 from phalanx.runtime import record
-from phalanx.schemas import settings, subjects
+from phalanx.schemas import subjects
 from phalanx.schemas.messages import Generation, GenerationReason, JobRecord, JobState
 from phalanx.services.manifest import MANIFEST, running_in_manifest
 
@@ -98,27 +92,3 @@ def check_cut_off(rec: Path, steps: list[record.StepRecord], generations: list[G
     ended = next(i for i, s in enumerate(states) if s.terminal)
     assert set(states[:ended]) <= {JobState.ADMITTED}, states
     assert set(states[ended:]) == {JobState.FINISHED}, states
-
-
-@contextlib.asynccontextmanager
-async def watched_partitioned(data_dir: Path, **cluster: Any
-                              ) -> AsyncIterator[tuple[NamespacedCluster, Bus, Watch]]:
-    """A namespaced cluster (``cluster``: :func:`partitioned_cluster`'s options), its bus
-    watched from this machine; skipped where namespaces cannot be made. A node cut off,
-    or one whose rank a test kills, is no bad node: health cordons none."""
-    why = unavailable()
-    if why is not None:
-        pytest.skip(f"partition harness: {why}")
-    cordon = settings.HEALTH("cordon_faults")
-    before = os.environ.get(cordon)
-    os.environ[cordon] = "1000"
-    try:
-        async with partitioned_cluster(data_dir, **cluster) as running:
-            assert running.nats_url is not None
-            async with watching(running.nats_url) as (bus, watch):
-                yield running, bus, watch
-    finally:
-        if before is None:
-            del os.environ[cordon]
-        else:
-            os.environ[cordon] = before

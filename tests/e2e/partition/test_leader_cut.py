@@ -35,14 +35,14 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from cuts import job_states, ranks_on, watched_partitioned
+from cuts import job_states, ranks_on
 from e2e_cli import next_of
-from harness import BUS, NamespacedCluster
-from test_elastic import Watch, check_run, progressed, run_job
+from harness import BUS, NamespacedCluster, partitioned_cluster, unavailable
+from test_elastic import Watch, check_run, progressed, run_job, watching
 
 from phalanx.bus.client import Bus
 from phalanx.bus.kv import Change, TypedKV
-from phalanx.schemas import subjects
+from phalanx.schemas import settings, subjects
 from phalanx.schemas.messages import (
     Generation,
     GenerationReason,
@@ -69,9 +69,23 @@ async def leader_cut(tmp_path_factory: pytest.TempPathFactory
                      ) -> AsyncIterator[tuple[NamespacedCluster, Bus, Watch]]:
     """Two nodes of two slots and a host with no agent, each in its namespace; no
     elasticity instance yet (each test starts them where it wants them)."""
-    async with watched_partitioned(tmp_path_factory.mktemp("cluster"), hosts=(HOST,),
-                                   elasticity_instances=0) as running:
-        yield running
+    why = unavailable()
+    if why is not None:
+        pytest.skip(f"partition harness: {why}")
+    cordon = settings.HEALTH("cordon_faults")
+    before = os.environ.get(cordon)
+    os.environ[cordon] = "1000"  # a node with a killed rank is not a bad node
+    try:
+        async with partitioned_cluster(tmp_path_factory.mktemp("cluster"), hosts=(HOST,),
+                                       elasticity_instances=0) as cluster:
+            assert cluster.nats_url is not None
+            async with watching(cluster.nats_url) as (bus, watch):
+                yield cluster, bus, watch
+    finally:
+        if before is None:
+            del os.environ[cordon]
+        else:
+            os.environ[cordon] = before
 
 
 def log_lines(cluster: NamespacedCluster, instance: str) -> list[dict[str, Any]]:
