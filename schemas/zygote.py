@@ -74,6 +74,14 @@ REPLICA_VARIABLES = frozenset({"RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_
 #: them (``tempfile``'s directory).
 JOB_VARIABLES = frozenset({"HOME", "TMPDIR"})
 
+#: Variables no preloaded import reads, whose values a process reads once it runs:
+#: OpenTelemetry's (a rank sets its tracing up in its session, after the fork) and
+#: pytest's name of the test phase running (set anew at every phase of every test).
+#: Left out of a zygote's environment, so that these alone never cost a zygote, and a
+#: machine's template, of its own: torch imported again.
+NOT_IMPORTED_PREFIXES = ("OTEL_",)
+NOT_IMPORTED = frozenset({"PYTEST_CURRENT_TEST"})
+
 _LENGTH = struct.Struct("!I")
 
 
@@ -221,8 +229,10 @@ def decode_template_reply(line: bytes) -> TemplateReply:
 def import_environment(env: Mapping[str, str]) -> dict[str, str]:
     """``env`` without what the agent sets per job and per replica: the environment a
     zygote that may fork a process of ``env`` is started in."""
-    return {k: v for k, v in env.items() if not k.startswith(settings.PREFIX)
-            and k not in REPLICA_VARIABLES and k not in JOB_VARIABLES}
+    return {k: v for k, v in env.items()
+            if not k.startswith((settings.PREFIX, *NOT_IMPORTED_PREFIXES))
+            and k not in REPLICA_VARIABLES and k not in JOB_VARIABLES
+            and k not in NOT_IMPORTED}
 
 
 def with_interpreter_path(env: Mapping[str, str], executable: str) -> dict[str, str]:

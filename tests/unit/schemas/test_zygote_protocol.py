@@ -108,3 +108,14 @@ def test_one_zygote_serves_every_job_of_an_import_environment() -> None:
     other = {**job, "HOME": "/tmp/jobs/b", "TMPDIR": "/tmp/jobs/b/tmp", "PHALANX_JOB_ID": "b"}
     assert protocol.import_environment(job) == protocol.import_environment(other) == {
         "PATH": "/bin", "OMP_NUM_THREADS": "4"}
+
+
+def test_what_no_preloaded_import_reads_costs_no_zygote_of_its_own() -> None:
+    """A rank reads OpenTelemetry's settings when its session sets tracing up, after the
+    fork, and pytest renames its test phase in the environment at every phase: neither
+    makes an environment another zygote's, while a variable an import may read does."""
+    base = {"PATH": "/bin", "OMP_NUM_THREADS": "4"}
+    traced = {**base, "OTEL_EXPORTER_OTLP_ENDPOINT": "http://127.0.0.1:4317",
+              "OTEL_BSP_SCHEDULE_DELAY": "100", "PYTEST_CURRENT_TEST": "t.py::t (call)"}
+    assert protocol.import_environment(traced) == base
+    assert protocol.import_environment({**base, "TORCHINDUCTOR_CACHE_DIR": "/c"}) != base
