@@ -45,6 +45,7 @@ import runpy
 import selectors
 import signal
 import socket
+import struct
 import sys
 import tempfile
 import threading
@@ -420,6 +421,11 @@ class Template:
         if len(fds) != 3:
             return protocol.SpawnFailed(
                 error=f"{len(fds)} descriptor(s) came with the request, not 3")
+        elsewhere = namespaces_not_shared(connection)
+        if elsewhere:
+            return protocol.SpawnFailed(
+                error=f"the agent runs in other namespaces than the template's "
+                      f"({', '.join(elsewhere)}): a zygote forked here would not")
         wanted = protocol.import_environment(request.env)
         if wanted != self.environment:
             differing = sorted(k for k in wanted.keys() | self.environment.keys()
@@ -464,6 +470,28 @@ class Template:
             with contextlib.suppress(Exception):
                 traceback.print_exc()
         os._exit(0)
+
+
+#: The namespaces a process forked by a template lives in: the template's, not those of
+#: the agent that asked (``ip netns exec``: a node of its own network).
+NAMESPACES = ("net", "mnt", "pid", "ipc", "uts", "user", "cgroup")
+
+
+def namespaces_not_shared(connection: socket.socket) -> list[str]:
+    """The namespaces the process at the other end of ``connection`` does not share with
+    this one. A zygote forked here for an agent in another network namespace ran its
+    ranks in the template's network: partitioned nodes whose ranks were not cut off."""
+    credentials = connection.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED,
+                                        struct.calcsize("3i"))
+    pid = struct.unpack("3i", credentials)[0]
+    differing = []
+    for kind in NAMESPACES:
+        try:
+            if os.readlink(f"/proc/{pid}/ns/{kind}") != os.readlink(f"/proc/self/ns/{kind}"):
+                differing.append(kind)
+        except OSError:  # a kernel without that namespace, or the peer gone
+            continue
+    return differing
 
 
 #: How long a template waits for the rest of a request once a connection is accepted.

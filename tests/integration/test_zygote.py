@@ -14,6 +14,7 @@ import json
 import os
 import signal
 import socket
+import subprocess
 import sys
 from collections.abc import AsyncIterator, Iterator, Mapping
 from pathlib import Path
@@ -362,3 +363,33 @@ async def test_requests_a_template_cannot_serve_are_refused_and_it_serves_on(
                       [0, 1, 2])
     assert isinstance(reply, protocol.SpawnFailed) and "['OMP_NUM_THREADS']" in reply.error
     assert template.process.poll() is None
+
+
+#: Asks the template at argv[1] for a zygote of this environment, its reply printed.
+ASK_FROM_ELSEWHERE = """
+import os, socket, sys
+from phalanx.schemas import zygote as protocol
+with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as connection:
+    connection.settimeout(30)
+    connection.connect(sys.argv[1])
+    socket.send_fds(connection, [protocol.frame(protocol.Spawn(env=dict(os.environ)))],
+                    [0, 1, 2])
+    sys.stdout.write(connection.makefile("rb").readline().decode())
+"""
+
+
+def test_an_agent_in_another_network_namespace_gets_no_zygote_of_the_templates(
+        template: Template, tmp_path: Path) -> None:
+    """A zygote forked by the template lives in the template's namespaces: an agent that
+    runs in a network of its own (a partitioned node) must start its own."""
+    if os.geteuid() != 0:
+        pytest.skip("a network namespace of its own needs root")
+    result = subprocess.run(["unshare", "--net", sys.executable, "-c", ASK_FROM_ELSEWHERE,
+                             template.path], capture_output=True, text=True, timeout=60,
+                            env=launch_environment())
+    if result.returncode != 0 and "unshare" in result.stderr:
+        pytest.skip(f"unshare: {result.stderr.strip()}")
+    assert result.returncode == 0, result.stderr
+    reply = protocol.decode_template_reply(result.stdout.encode())
+    assert isinstance(reply, protocol.SpawnFailed), reply
+    assert "other namespaces than the template's (net)" in reply.error
