@@ -372,7 +372,8 @@ class Bus:
         try:
             await within(nc.connect(**options), config.connect_timeout_s)
         except (TimeoutError, OSError, nats.errors.Error) as exc:
-            await within(nc.close(), config.connect_timeout_s)
+            with contextlib.suppress(TimeoutError):  # what is raised is the connect's
+                await within(nc.close(), config.connect_timeout_s)
             cause = last_error[-1] if last_error else exc
             raise BusUnavailable(
                 f"cannot reach NATS at {', '.join(config.servers)} within "
