@@ -56,6 +56,11 @@ DEFAULT_REQUEST_TIMEOUT_S = 2.0
 #: :meth:`Bus.round_trip`): a reconnection drops its PONG for good, and only then does
 #: this wait end by the deadline.
 _PONG_WAIT_S = 600
+#: How long a close waits for its drain: nats-py's drain gives the subscriptions' callbacks
+#: 30 s to finish, then flushes for up to 10 s.
+_DRAIN_WAIT_S = 45.0
+#: How long a close whose drain failed waits for nats-py to close the connection.
+_CLOSE_WAIT_S = 5.0
 # How nats-server words a refused publish or subscription (sent as -ERR, connection kept).
 _DENIAL = re.compile(r'permissions violation for (publish|subscription) to "([^"]+)"',
                      re.IGNORECASE)
@@ -390,21 +395,44 @@ class Bus:
         await self.close()
 
     async def close(self) -> None:
-        """Drain subscriptions and close the connection (idempotent)."""
+        """Drain subscriptions and close the connection (idempotent).
+
+        Ends within :data:`_DRAIN_WAIT_S` + :data:`_CLOSE_WAIT_S` whatever the server does:
+        nats-py flushes what is unsent before it closes, and against a server that stopped
+        reading (hung, cut off) that flush waited for good.
+        """
         if self.nc.is_closed:
             return
+        try:
+            await within(self._drain(), _DRAIN_WAIT_S)
+        except (nats.errors.Error, TimeoutError, OSError):
+            # The drain fails when the connection is down or the server stopped reading:
+            # what is unsent cannot reach it, and waiting to send it would never end.
+            self._drop_unsent()
+            try:
+                await within(self.nc.close(), _CLOSE_WAIT_S)
+            except TimeoutError:
+                log.warning("closing the NATS connection did not end within %g s",
+                            _CLOSE_WAIT_S)
+        for ping in self._round_trips:  # closed: no PONG can come and trip the read loop
+            ping.cancel()
+
+    async def _drain(self) -> None:
         # A subscription read with next_msg has no callback to take what is left in its
         # queue, and the drain waited its whole timeout (30 s) for it: dropped first.
         for sub in list(self.nc._subs.values()):
             if sub._cb is None:
                 with contextlib.suppress(nats.errors.Error):
                     await sub.unsubscribe()
-        try:
-            await self.nc.drain()
-        except (nats.errors.Error, TimeoutError, OSError):
-            await self.nc.close()
-        for ping in self._round_trips:  # closed: no PONG can come and trip the read loop
-            ping.cancel()
+        await self.nc.drain()
+
+    def _drop_unsent(self) -> None:
+        """Forget what nats-py has not written yet and drop the socket under it."""
+        self.nc._pending = []
+        self.nc._pending_data_size = 0
+        writer = getattr(self.nc._transport, "_io_writer", None)
+        if writer is not None:
+            writer.transport.abort()
 
     async def round_trip(self, timeout_s: float) -> bool:
         """Whether the server answered a PING within ``timeout_s``: then everything

@@ -17,6 +17,7 @@ import asyncio
 import signal
 import sys
 import time
+import uuid
 from pathlib import Path
 
 import pytest
@@ -25,6 +26,7 @@ from restartable_nats import RestartableNats
 from phalanx.bus.client import Bus, Delivery
 from phalanx.bus.config import BusConfig
 from phalanx.bus.kv import TypedKV
+from phalanx.bus.tasks import within
 from phalanx.schemas import subjects
 from phalanx.schemas.messages import (
     JobRecord,
@@ -38,6 +40,7 @@ from phalanx.services.admission.config import AdmissionConfig
 from phalanx.services.admission.service import AdmissionService
 from phalanx.services.admission.store import LedgerStore
 from phalanx.services.client import AdmissionClient
+from phalanx.services.natsd import NatsServer
 
 LOST_AFTER_S = 2.0
 OUTAGE_S = 3.0
@@ -136,3 +139,25 @@ async def reaches(jobs: TypedKV[JobRecord], job_id: str, state: JobState) -> Job
                 and change.value.state is state:
             return change.value
     raise AssertionError("watch ended")
+
+
+async def test_a_close_ends_against_a_server_that_stopped_reading(own_nats: NatsServer) -> None:
+    """A hung server (SIGSTOP) reads nothing: nats-py's close flushed what was unsent
+    first and waited on the socket for good. Bus.close gives that up and ends."""
+    assert own_nats.process is not None
+    bus = await Bus.connect(BusConfig.load(env={}, servers=[own_nats.url]))
+    own_nats.process.send_signal(signal.SIGSTOP)
+    try:
+        blob = b"x" * 500_000
+        stalled = False
+        for _ in range(200):  # until the socket is full and a publish waits on the server
+            try:
+                await within(bus.nc.publish(f"stall.{uuid.uuid4().hex}", blob), 0.5)
+            except TimeoutError:
+                stalled = True
+                break
+        assert stalled, "the publishes never waited on the stopped server"
+        await within(bus.close(), 120)
+        assert bus.nc.is_closed
+    finally:
+        own_nats.process.send_signal(signal.SIGCONT)
