@@ -94,6 +94,7 @@ from phalanx.schemas.messages import (
 from phalanx.services.client import AdmissionClient
 from phalanx.services.cluster import LocalCluster
 from phalanx.services.manifest import running_in_manifest
+from phalanx.services.ports import free_port
 
 BENCH = Path(__file__).resolve().parent
 SYSTEMS = ("phalanx", "torchft", "torchrun")
@@ -489,7 +490,7 @@ class Torchft(Agents):
         super().__init__(work)
         self.args = args
         self.records = work / "records"
-        self.port = recovery_baseline.free_port()
+        self.port = free_port()
         self.lighthouse: subprocess.Popen[bytes] | None = None
 
     def agent_commands(self, node: str) -> list[list[str]]:
@@ -596,7 +597,7 @@ class Torchrun(Agents):
         self.ckpt_every = ckpt_every
         self.checkpoint_s = checkpoint_s
         self.records = work / "records"
-        self.port = recovery_baseline.free_port()
+        self.port = free_port()
         self.store: Any = None
 
     def agent_commands(self, node: str) -> list[list[str]]:

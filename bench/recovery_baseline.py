@@ -27,7 +27,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -39,6 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from phalanx.examples import workload_w
+from phalanx.services.ports import free_port
 
 BENCH_DIR = Path(__file__).resolve().parent
 WORKER = BENCH_DIR / "torchrun_worker.py"
@@ -67,14 +67,6 @@ def kill_marked(marker: str) -> None:
                 os.kill(int(proc.name), signal.SIGKILL)
         except OSError:
             continue
-
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
 
 
 def torchrun(*, steps: int, worker_args: list[str], work_dir: Path, world: int,

@@ -93,7 +93,8 @@ from phalanx.schemas.messages import (
 )
 from phalanx.services.client import AdmissionClient
 from phalanx.services.health.core import HealthPolicy
-from phalanx.services.natsd import NatsServer, free_port
+from phalanx.services.natsd import NatsServer
+from phalanx.services.ports import free_port
 
 SERVICES = ("admission", "health", "elasticity")
 NODE_TIMEOUT_S = HealthPolicy().node_timeout_s  # the services run with the defaults

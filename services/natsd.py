@@ -29,7 +29,6 @@ import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -41,6 +40,7 @@ import nats.errors
 from nats.js.api import StreamConfig
 
 from phalanx.schemas.errors import PhalanxError
+from phalanx.services.ports import free_port
 
 _LISTEN = re.compile(r"Listening for client connections on ([\d.:\[\]a-f]+):(\d+)")
 _META_LEADER = re.compile(r"JetStream cluster new metadata leader: ([^/\s]+)/")
@@ -241,15 +241,6 @@ class NatsServer:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port nothing listens on now (the kernel's pick; another process could still
-    take it before it is used, which a start then reports as a busy port)."""
-    with socket.socket() as sock:
-        sock.bind((host, 0))
-        port: int = sock.getsockname()[1]
-        return port
 
 
 class NatsCluster:

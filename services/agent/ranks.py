@@ -124,6 +124,7 @@ from phalanx.services.agent.zygote import ChildProcess, ForkedProcess, Launcher
 from phalanx.services.auth.credentials import rank_environment
 from phalanx.services.deadline import wait_set
 from phalanx.services.manifest import MANIFEST, start_ticks
+from phalanx.services.ports import GROUP_PORTS, free_in
 
 if TYPE_CHECKING:
     from phalanx.services.agent.spares import SpareSet
@@ -154,29 +155,14 @@ def master_port(job_id: str, incarnation: int = 0) -> int:
 SLOT_WAIT_S = 30.0
 
 
-#: Where a group's ``MASTER_PORT`` is picked: below the kernel's ephemeral ports (32768 up
-#: by default), which every ``bind(port 0)`` on the host draws from (gloo's pairs, the
-#: ranks' stores), and below the gangs' ``master_port`` range.
-GROUP_PORTS = range(20000, 29500)
-
-
 def group_master_port(key: str) -> int:
     """A TCP port free on this host now for a group's ``MASTER_PORT`` (its processes
-    rendezvous on their own host), scanning :data:`GROUP_PORTS` from a point ``key`` (the
-    group's job, replica and incarnation) picks. A port from the ephemeral range, free
-    when picked, was taken by another process's ``bind(0)`` before the group's rank 0
-    bound it (seen in the suite: the group's ranks met another's store)."""
-    first = zlib.crc32(key.encode()) % len(GROUP_PORTS)
-    for i in range(len(GROUP_PORTS)):
-        port = GROUP_PORTS[(first + i) % len(GROUP_PORTS)]
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
-            try:
-                probe.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-            return port
-    raise OSError(f"no free port in {GROUP_PORTS.start}..{GROUP_PORTS.stop - 1} for a "
-                  "replica group's rendezvous")
+    rendezvous on their own host), scanning :data:`~phalanx.services.ports.GROUP_PORTS`
+    from a point ``key`` (the group's job, replica and incarnation) picks."""
+    try:
+        return free_in(GROUP_PORTS, zlib.crc32(key.encode()) % len(GROUP_PORTS))
+    except OSError as exc:
+        raise OSError(f"{exc}, for a replica group's rendezvous") from None
 
 
 class ReplicaOutdated(PhalanxError, ValueError):

@@ -53,7 +53,7 @@ from phalanx.bus.config import BusConfig
 from phalanx.schemas import subjects
 from phalanx.schemas.messages import JobRecord, JobState, RankProgress
 from phalanx.services import metrics
-from phalanx.services.natsd import free_port
+from phalanx.services.ports import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 DEPLOY = REPO / "deploy"

@@ -64,7 +64,8 @@ from phalanx.services import control_plane
 from phalanx.services.agent.snapshots import default_root
 from phalanx.services.auth.roles import SERVICE_NAMES, Role
 from phalanx.services.manifest import running_in_manifest
-from phalanx.services.natsd import free_port, server_binary
+from phalanx.services.natsd import server_binary
+from phalanx.services.ports import free_port
 
 COMPOSE = DEPLOY / "compose.yaml"
 PROMETHEUS = DEPLOY / "prometheus.yml"

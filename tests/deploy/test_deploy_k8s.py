@@ -49,7 +49,8 @@ from phalanx.services import control_plane
 from phalanx.services.auth import kubernetes
 from phalanx.services.auth.issuer import AuthDir, authorization
 from phalanx.services.auth.roles import ANY, Role, identity
-from phalanx.services.natsd import free_port, server_binary
+from phalanx.services.natsd import server_binary
+from phalanx.services.ports import free_port
 
 K8S = DEPLOY / "k8s"
 OVERLAYS = ("local", "gpu")

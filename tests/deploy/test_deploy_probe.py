@@ -11,7 +11,8 @@ from deploy_local import DEPLOY
 
 from phalanx.bus.config import BusConfig
 from phalanx.services.base import Service
-from phalanx.services.natsd import NatsServer, free_port
+from phalanx.services.natsd import NatsServer
+from phalanx.services.ports import free_port
 
 
 async def probe(*args: str, url: str, **env: str) -> tuple[int, str]:

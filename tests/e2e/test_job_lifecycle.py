@@ -19,7 +19,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -30,15 +29,11 @@ from e2e_cli import phalanx
 
 from phalanx.runtime import record
 from phalanx.services.manifest import running_in_manifest
+from phalanx.services.ports import free_port
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 WIDTHS = "8,16,8"
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")

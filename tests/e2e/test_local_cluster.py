@@ -9,7 +9,6 @@ import json
 import os
 import select
 import signal
-import socket
 import time
 from pathlib import Path
 
@@ -19,6 +18,7 @@ from e2e_cli import phalanx
 from phalanx.services.agent.cpus import shares
 from phalanx.services.cluster import pid_alive
 from phalanx.services.manifest import MANIFEST, running_in_manifest
+from phalanx.services.ports import free_port
 
 LOST_AFTER_S = 1.5
 
@@ -38,11 +38,6 @@ def kill_and_wait(pid: int, timeout_s: float) -> None:
     finally:
         os.close(fd)
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture

@@ -21,7 +21,6 @@ from pathlib import Path
 import pytest
 import yaml
 from e2e_cli import phalanx
-from test_local_cluster import free_port
 
 from phalanx.bus.client import Bus
 from phalanx.bus.config import CREDENTIAL_VARS, BusConfig
@@ -29,6 +28,7 @@ from phalanx.bus.errors import BusUnavailable
 from phalanx.schemas import subjects
 from phalanx.services.auth.issuer import AuthDir
 from phalanx.services.auth.roles import Role
+from phalanx.services.ports import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -12,7 +12,6 @@ import contextlib
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -40,15 +39,11 @@ from phalanx.schemas.messages import (
     ReplicaRange,
 )
 from phalanx.services.natsd import NatsServer
+from phalanx.services.ports import free_port
 
 JOB = "hf-1"
 NODES = ["n0", "n0", "n1", "n1"]
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def start(url: str, name: str, log_dir: Path) -> subprocess.Popen:

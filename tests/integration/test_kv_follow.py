@@ -4,7 +4,6 @@ server restart a resync pass brings what changed meanwhile and nothing goes miss
 from __future__ import annotations
 
 import asyncio
-import socket
 from pathlib import Path
 
 import nats.js.errors as jse
@@ -15,12 +14,7 @@ from phalanx.bus.config import BusConfig
 from phalanx.bus.kv import Change, TypedKV
 from phalanx.schemas.messages import Lease
 from phalanx.services.natsd import NatsServer
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from phalanx.services.ports import free_port
 
 
 def lease(holder: str, epoch: int) -> Lease:

@@ -4,7 +4,6 @@ once each, across a restart of the server on the same store."""
 from __future__ import annotations
 
 import asyncio
-import socket
 from pathlib import Path
 
 from nats.js.api import StorageType, StreamConfig
@@ -15,6 +14,7 @@ from phalanx.bus.stream import KINDS, EventReader, StreamEvent, ensure_job_event
 from phalanx.schemas import subjects
 from phalanx.schemas.messages import ExitCause, GenerationGivenUp, RankExited, ReplicaReady
 from phalanx.services.natsd import NatsServer
+from phalanx.services.ports import free_port
 
 
 def exited(job_id: str, rank: int) -> RankExited:
@@ -52,11 +52,6 @@ async def test_a_reader_from_a_cursor_sees_only_later_events_of_its_kinds(bus: B
     assert events[0].seq > cursor and events[1].seq > events[0].seq
     assert reader.delivered == events[1].seq
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 async def test_events_published_around_a_server_restart_arrive_once_in_order(

@@ -7,7 +7,6 @@ from __future__ import annotations
 import copy
 import math
 import pickle
-import socket
 import subprocess
 import sys
 import textwrap
@@ -25,6 +24,7 @@ from phalanx.runtime.sharded import Sharded, sharded_optimizer
 from phalanx.runtime.snapshot import write_share
 from phalanx.schemas import snapshot_file
 from phalanx.schemas.snapshot_file import HEADER_BYTES
+from phalanx.services.ports import free_port
 
 
 def test_boxes_tile_an_element_range_with_contiguous_chunks() -> None:
@@ -149,11 +149,6 @@ def test_retention_keeps_the_newest_committed_steps_and_drops_abandoned_attempts
     assert sorted(p.name for p in (tmp_path / "job-a").iterdir()) == [
         "step-0000000030-g3-w2", "step-0000000040-g3-w2"]
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture

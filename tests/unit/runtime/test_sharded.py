@@ -20,7 +20,7 @@ from phalanx.runtime.flat_state import flat_state
 from phalanx.runtime.sharded import Sharded, sharded_optimizer
 from phalanx.runtime.snapshot import restore, write_share
 from phalanx.schemas import snapshot_file
-from phalanx.services.natsd import free_port
+from phalanx.services.ports import free_port
 
 
 def build(seed: int = 0) -> torch.nn.Module:

@@ -17,7 +17,7 @@ from phalanx.runtime.flat_state import copy_range, flat_state, load_flat
 from phalanx.runtime.snapshot import Held, plan_restore, restore, write_share
 from phalanx.schemas import snapshot_file
 from phalanx.schemas.snapshot_file import HEADER_BYTES, Header, SnapshotFileError
-from phalanx.services.natsd import free_port
+from phalanx.services.ports import free_port
 
 
 def trained(seed: int, steps: int) -> tuple[torch.nn.Module, torch.optim.Optimizer, object]:

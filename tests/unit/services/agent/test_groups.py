@@ -22,7 +22,8 @@ from phalanx.services.agent.core import (
     siblings_wait_s,
     spares_wanted,
 )
-from phalanx.services.agent.ranks import GROUP_PORTS, group_master_port
+from phalanx.services.agent.ranks import group_master_port
+from phalanx.services.ports import GROUP_PORTS
 
 
 @pytest.mark.parametrize(("slots", "ranks", "shares"), [
