@@ -7,6 +7,7 @@ Exits 0 after its last step, so a job of these finishes by itself.
 
 import argparse
 import time
+from pathlib import Path
 
 from phalanx.runtime.progress import ProgressReporter
 
@@ -15,7 +16,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=1_000_000)
     parser.add_argument("--step-time", type=float, default=0.05)
+    parser.add_argument("--wait-for", type=Path, metavar="PATH",
+                        help="start stepping once PATH exists (a test holds the job running)")
     args = parser.parse_args()
+    while args.wait_for is not None and not args.wait_for.exists():
+        time.sleep(0.05)
     reporter = ProgressReporter.from_env()
     try:
         for step in range(1, args.steps + 1):

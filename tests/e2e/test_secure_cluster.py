@@ -56,10 +56,11 @@ def test_a_secured_cluster_runs_a_job_refuses_a_viewer_and_logs_no_secret(
         spec.write_text(
             "name: sec\nteam: t\npriority_class: normal\nreplicas: {min: 2, max: 2}\n"
             f"command: [python, {ROOT / 'examples' / 'progress_loop.py'}, --steps, '5', "
-            "--step-time, '0.02']\n")
+            f"--step-time, '0.02', --wait-for, {tmp_path / 'release'}]\n")
         outputs.append(phalanx("submit", str(spec), "--job-id", "sec-1", "--data-dir",
                                str(data_dir)))
         job_seeds.append(auth.seed_path(Role.RANK, "sec-1").read_text().strip())
+        (tmp_path / "release").touch()
         outputs.append(wait_finished("sec-1", data_dir))
 
         viewer = {**os.environ, **auth.env(Role.VIEWER)}
