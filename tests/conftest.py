@@ -32,8 +32,8 @@ from phalanx.services.natsd import NatsServer
 SLOW_TIERS = frozenset({"integration", "e2e", "deploy"})
 
 
-#: Each slow module's seconds in a whole run on this project's 2-core VMs (the mean of a
-#: run with 3 workers and one with 4, 2026-12-06), to deal the longest first.
+#: Each module's seconds in a whole run on this project's 2-core VMs (a clean clone's
+#: `make test`, 3 workers, 2026-12-07; modules of 2 s and more), to deal the longest first.
 MODULE_SECONDS: dict[str, float] = json.loads(
     (Path(__file__).parent / "module_seconds.json").read_text())
 
