@@ -26,9 +26,10 @@ from test_deploy_compose import PROMETHEUS, RULES, prometheus_binary
 from phalanx.services import metrics
 
 DASHBOARD = DEPLOY / "grafana" / "phalanx.json"
+RULE_TESTS = DEPLOY / "prometheus-rules.test.yml"
 #: Every family a phalanx process can export, by group.
 GROUPS = (metrics.BUS, metrics.LEADERSHIP, metrics.ADMISSION, metrics.HEALTH,
-          metrics.ELASTICITY, metrics.AGENT)
+          metrics.ELASTICITY, metrics.AGENT, metrics.CALLOUT)
 #: Series Prometheus makes itself for every target.
 PROMETHEUS_OWN = {"up"}
 
@@ -88,7 +89,8 @@ def test_the_alerts_cover_what_an_operator_must_hear_of() -> None:
     names = {rule["alert"] for rule in alerts()}
     assert names == {"PhalanxJobStalled", "PhalanxNoLeader", "PhalanxNodeLost",
                      "PhalanxMassSilence", "PhalanxRecoverySlow", "PhalanxBusDown",
-                     "PhalanxScrapeDown"}
+                     "PhalanxScrapeDown", "PhalanxCalloutUnavailable",
+                     "PhalanxCalloutBadTokens"}
     for rule in alerts():
         assert rule["labels"]["severity"] in ("warning", "critical"), rule["alert"]
         assert rule["annotations"]["summary"], rule["alert"]
@@ -96,6 +98,39 @@ def test_the_alerts_cover_what_an_operator_must_hear_of() -> None:
     # The threshold is a bucket bound of the histogram, spelled as the client spells it.
     bound = float(re.search(r'le="([^"]+)"', slow)[1])
     assert bound in metrics.RECOVERY._upper_bounds and f'le="{bound}"' in slow
+
+
+def promtool_test_rules(path: Path) -> subprocess.CompletedProcess:
+    return subprocess.run([prometheus_binary("promtool"), "test", "rules", str(path)],
+                          capture_output=True, text=True, timeout=60)
+
+
+def test_every_alert_fires_on_a_kubernetes_scrapes_series_and_keeps_quiet_otherwise() -> None:
+    """``promtool test rules`` on prometheus-rules.test.yml passes, and every alert has a
+    case there where it fires on series labelled as a Kubernetes pods job labels them
+    (an alert keyed to compose's job name never fired there)."""
+    result = promtool_test_rules(RULE_TESTS)
+    assert result.returncode == 0, result.stdout + result.stderr
+    firing: dict[str, set[str]] = {}
+    for case in yaml.safe_load(RULE_TESTS.read_text())["tests"]:
+        jobs = {job for series in case["input_series"]
+                for job in re.findall(r'\bjob="([^"]+)"', series["series"])}
+        for expected in case.get("alert_rule_test", []):
+            if expected["exp_alerts"]:
+                firing.setdefault(expected["alertname"], set()).update(jobs)
+    for rule in alerts():
+        assert "kubernetes-pods" in firing.get(rule["alert"], set()), rule["alert"]
+
+
+def test_a_wrong_expectation_fails_the_rule_tests(tmp_path: Path) -> None:
+    (tmp_path / RULES.name).write_text(RULES.read_text())
+    tests = RULE_TESTS.read_text()
+    wrong = tmp_path / RULE_TESTS.name
+    wrong.write_text(tests.replace("{severity: critical, service: admission}",
+                                   "{severity: critical, service: health}"))
+    assert wrong.read_text() != tests
+    result = promtool_test_rules(wrong)
+    assert result.returncode != 0 and "PhalanxNoLeader" in result.stdout + result.stderr
 
 
 def test_every_metric_the_alerts_name_is_exported() -> None:
