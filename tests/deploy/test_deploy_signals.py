@@ -144,9 +144,11 @@ def test_the_dashboard_is_a_grafana_dashboard_of_prometheus_panels() -> None:
     dashboard = json.loads(DASHBOARD.read_text())
     assert dashboard["uid"] == "phalanx" and dashboard["title"]
     assert isinstance(dashboard["schemaVersion"], int)
-    [source] = dashboard["templating"]["list"]
+    source, *choices = dashboard["templating"]["list"]
     assert (source["type"], source["query"], source["name"]) == \
         ("datasource", "prometheus", "datasource")
+    for choice in choices:  # each reads its values through the chosen data source
+        assert choice["datasource"] == {"type": "prometheus", "uid": "${datasource}"}
     ids = [panel["id"] for panel in dashboard["panels"]]
     assert len(ids) == len(set(ids)), "panel ids are unique"
     for panel in dashboard["panels"]:
@@ -192,6 +194,27 @@ def test_the_dashboard_shows_what_an_operator_watches() -> None:
             "phalanx_bus_handler_errors_total", "phalanx_bus_denials_total",
             "phalanx_bus_connected"} <= read
     assert read >= {n for n in exported() if n.startswith("phalanx_bus_")}
+
+
+def test_every_panel_follows_the_namespace_and_job_chosen() -> None:
+    """The dashboard's ``namespace`` and ``job`` variables (all by default) narrow every
+    series a panel reads: by namespace always (compose's series have none, which ``.*``
+    matches), by job where the family has a job label."""
+    variables = {v["name"]: v for v in json.loads(DASHBOARD.read_text())["templating"]["list"]}
+    for name in ("namespace", "job"):
+        assert variables[name]["type"] == "query" and variables[name]["includeAll"]
+        assert variables[name]["allValue"] == ".*"
+    by_job = {family.name for group in GROUPS for collector in group
+              for family in collector.collect()
+              if metrics.JOB_LABEL in getattr(collector, "_labelnames", ())}
+    assert by_job
+    for title, target in panel_targets():
+        for name, labels in re.findall(r"\b(phalanx_[a-z_]+)\{([^}]*)\}", target["expr"]):
+            assert 'namespace=~"$namespace"' in labels, (title, name)
+            family = re.sub(r"_(bucket|count|sum|total)$", "", name)
+            assert ('phalanx_job=~"$job"' in labels) == (family in by_job), (title, name)
+        bare = re.findall(r"\b(phalanx_[a-z_]+)\b(?![{(])", target["expr"])
+        assert not [n for n in bare if n != metrics.JOB_LABEL], (title, bare)
 
 
 def lost_in_grafanas_schema(dashboard: dict) -> list[str]:
