@@ -44,6 +44,7 @@ from deploy_local import (
     train,
     wait_for,
 )
+from test_deploy_compose import RULES
 
 from phalanx.services import control_plane
 from phalanx.services.auth import kubernetes
@@ -83,23 +84,34 @@ def deployment_copy() -> Path:
 
 
 @functools.cache
-def _rendered(overlay: str) -> str:
+def _rendered(overlay: str, component: str | None = None) -> str:
+    """``kubectl kustomize`` of the overlay; with ``component``, of an overlay of the
+    operator's over it that adds that component, as docs/deploy.md shows."""
     kubectl = shutil.which("kubectl")
     if kubectl is None:
         if os.environ.get("CI"):
             pytest.fail("kubectl is not installed")
         pytest.skip("kubectl not installed")
-    result = subprocess.run([kubectl, "kustomize", str(deployment_copy() / "overlays" / overlay)],
+    folder = deployment_copy() / "overlays" / overlay
+    if component is not None:
+        mine = folder.parent / f"{overlay}-{component}"
+        mine.mkdir()
+        (mine / "kustomization.yaml").write_text(yaml.safe_dump({
+            "apiVersion": "kustomize.config.k8s.io/v1beta1", "kind": "Kustomization",
+            "resources": [f"../{overlay}"], "components": [f"../../components/{component}"]}))
+        folder = mine
+    result = subprocess.run([kubectl, "kustomize", str(folder)],
                             capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr
     return result.stdout
 
 
-def render(overlay: str) -> list[dict]:
-    """The overlay's objects, rendered by kustomize (a fresh copy each call), read with
-    libyaml's safe loader where PyYAML has it: the pure-Python one took seconds."""
+def render(overlay: str, component: str | None = None) -> list[dict]:
+    """The overlay's objects (with ``component``), rendered by kustomize (a fresh copy
+    each call), read with libyaml's safe loader where PyYAML has it: the pure-Python one
+    took seconds."""
     loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
-    return [d for d in yaml.load_all(_rendered(overlay), Loader=loader) if d]
+    return [d for d in yaml.load_all(_rendered(overlay, component), Loader=loader) if d]
 
 
 def auth_dir() -> AuthDir:
@@ -292,6 +304,55 @@ def test_the_network_policy_confines_the_pods_it_can_to_what_they_use(overlay: s
     (to,) = nats_rule["to"]
     assert to["podSelector"]["matchLabels"]["app.kubernetes.io/instance"] == \
         kubernetes.RELEASE
+
+
+def test_the_monitoring_component_watches_every_phalanx_pod_with_the_rules_and_dashboard(
+        ) -> None:
+    """components/monitoring: its PodMonitor selects every phalanx workload's pods, in
+    their namespace, on their ``metrics`` port; its PrometheusRule and dashboard ConfigMap
+    are deploy/'s rules and dashboard as written now (deploy/monitoring.py)."""
+    up_to_date = monitoring_check(DEPLOY)
+    assert up_to_date.returncode == 0, up_to_date.stderr
+    docs = render("local", "monitoring")
+    [monitor] = by_kind(docs, "PodMonitor").values()
+    [rule] = by_kind(docs, "PrometheusRule").values()
+    dashboard = by_kind(docs, "ConfigMap")["phalanx-dashboard"]
+    workloads = {**by_kind(docs, "Deployment"), **by_kind(docs, "DaemonSet")}
+    assert {name for name in workloads if name.startswith("phalanx-")} == \
+        {f"phalanx-{s}" for s in (*control_plane.SERVICES, "callout", "agent")}
+    selector = monitor["spec"]["selector"]["matchLabels"]
+    [endpoint] = monitor["spec"]["podMetricsEndpoints"]
+    for name, workload in workloads.items():
+        template = workload["spec"]["template"]
+        assert selector.items() <= template["metadata"]["labels"].items(), name
+        assert workload["metadata"]["namespace"] == monitor["metadata"]["namespace"], name
+        ports = {p.get("name") for c in template["spec"]["containers"] for p in c["ports"]}
+        assert endpoint["port"] in ports, name
+    assert rule["metadata"]["namespace"] == dashboard["metadata"]["namespace"] == "phalanx"
+    assert rule["spec"]["groups"] == yaml.safe_load(RULES.read_text())["groups"]
+    assert dashboard["metadata"]["labels"] == {"grafana_dashboard": "1"}
+    assert json.loads(dashboard["data"]["phalanx.json"]) == \
+        json.loads((DEPLOY / "grafana" / "phalanx.json").read_text())
+
+
+def monitoring_check(deploy: Path) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(deploy / "monitoring.py"), "--check"],
+                          capture_output=True, text=True, timeout=60)
+
+
+def test_a_monitoring_object_out_of_date_is_named(tmp_path: Path) -> None:
+    deploy = tmp_path / "deploy"
+    for part in ("monitoring.py", "prometheus-rules.yml", "grafana",
+                 "k8s/components/monitoring"):
+        copy = shutil.copytree if (DEPLOY / part).is_dir() else shutil.copyfile
+        (deploy / part).parent.mkdir(parents=True, exist_ok=True)
+        copy(DEPLOY / part, deploy / part)
+    assert monitoring_check(deploy).returncode == 0
+    rules = deploy / "prometheus-rules.yml"
+    rules.write_text(rules.read_text().replace("for: 2m", "for: 3m"))
+    stale = monitoring_check(deploy)
+    assert stale.returncode == 1
+    assert "k8s/components/monitoring/prometheus-rule.yaml is out of date" in stale.stderr
 
 
 def test_nats_values_give_a_jetstream_cluster_admitting_exactly_the_identities() -> None:
