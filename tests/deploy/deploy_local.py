@@ -295,7 +295,7 @@ class Processes:
         return subprocess.run(argv, env=env, cwd=cwd, capture_output=True, text=True,
                               timeout=timeout_s, stdin=subprocess.DEVNULL)
 
-    def exec(self, name: str, argv: list[str], timeout_s: float = 30.0,
+    def exec(self, name: str, argv: list[str], timeout_s: float = 120.0,
              extra_env: Mapping[str, str] | None = None) -> subprocess.CompletedProcess:
         """``docker exec``: ``argv`` with the environment and working dir of container ``name``."""
         container = self.running[name].container

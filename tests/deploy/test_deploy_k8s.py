@@ -175,14 +175,22 @@ def test_rendered_objects_follow_the_deployment_rules(overlay: str) -> None:
                                                  "ClusterRoleBinding")]
     assert all(sa.get("automountServiceAccountToken") is False
                for sa in by_kind(docs, "ServiceAccount").values())
+    [environment] = [cm["data"] for name, cm in by_kind(docs, "ConfigMap").items()
+                     if name.startswith("phalanx-env")]
     for workload, c in containers_of(docs):
         spec = workload["spec"]["template"]["spec"]
         name = workload["metadata"]["name"]
         assert spec["serviceAccountName"] in by_kind(docs, "ServiceAccount"), name
         assert spec["securityContext"]["runAsNonRoot"] is True, name
         assert c["securityContext"]["allowPrivilegeEscalation"] is False, name
-        assert {"cpu", "memory"} <= set(c["resources"]["requests"]), name
-        assert "memory" in c["resources"]["limits"], name
+        assert {"cpu", "memory", "ephemeral-storage"} <= set(c["resources"]["requests"]), name
+        assert {"memory", "ephemeral-storage"} <= set(c["resources"]["limits"]), name
+        # A read-only root, every writable place an emptyDir of bounded size, HOME one.
+        assert c["securityContext"]["readOnlyRootFilesystem"] is True, name
+        scratch = {v["name"]: v["emptyDir"] for v in spec["volumes"] if "emptyDir" in v}
+        assert all("sizeLimit" in dir_ for dir_ in scratch.values()), name
+        mounted = {m["mountPath"]: m["name"] for m in c["volumeMounts"]}
+        assert mounted.get(environment["HOME"]) in scratch, name
         for probe in ("readinessProbe", "livenessProbe"):
             command = c[probe]["exec"]["command"]
             assert command[:2] == ["python", "/opt/phalanx/deploy/probe.py"], name
