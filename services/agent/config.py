@@ -159,6 +159,12 @@ class AgentConfig:
     sending for t seconds it rests t * (1/duty - 1). The agent's CPU is the ranks' CPU, and
     the buddy's agent does about as much work receiving: a lower duty costs training
     less, and leaves the buddy further behind (about 100 x the send time at 0.01)."""
+    tee_rank_output: bool = False
+    """Each line a rank writes also goes to this agent's stdout, as ``<job>/<replica> |
+    <line>`` (on Kubernetes, ``kubectl logs`` of the agent's pod shows its ranks')."""
+    rank_log_max_bytes: int = 64 << 20
+    """A rank's log file past this size is copied to ``<name>.log.1`` and emptied (0:
+    never): :mod:`.rank_output`."""
     checkpoint_dir: str | None = None
     """Where ranks persist durable checkpoints of a job whose spec names no
     ``checkpoint.durable_url``. Default: ``checkpoints`` beside the ``agents`` directory
@@ -197,6 +203,9 @@ class AgentConfig:
         if not 0 <= self.replacement_nice <= 19:
             raise ConfigError(f"agent.replacement_nice must be within 0..19, "
                               f"got {self.replacement_nice}")
+        if self.rank_log_max_bytes < 0:
+            raise ConfigError(f"agent.rank_log_max_bytes must be >= 0 (0: no limit), "
+                              f"got {self.rank_log_max_bytes}")
         if self.snapshot_limit_bytes is not None and self.snapshot_limit_bytes < 0:
             raise ConfigError(f"agent.snapshot_limit_bytes must be >= 0, "
                               f"got {self.snapshot_limit_bytes}")
@@ -249,7 +258,8 @@ class AgentConfig:
             if values.get("gpus"):
                 values["gpus"] = tuple(values["gpus"])
                 values.setdefault("slots", len(values["gpus"]))
-            for name in ("slots", "replacement_nice", "snapshot_limit_bytes", "replica_port"):
+            for name in ("slots", "replacement_nice", "snapshot_limit_bytes", "replica_port",
+                         "rank_log_max_bytes"):
                 if name in values:
                     values[name] = int(values[name])
             for name in ("heartbeat_interval_s", "lost_after_s", "shutdown_timeout_s",
@@ -258,7 +268,7 @@ class AgentConfig:
                 if name in values:
                     values[name] = float(values[name])
             for name in ("stop_is_restart", "launch", "discover_gpus", "zygote",
-                         "confine_memory"):
+                         "confine_memory", "tee_rank_output"):
                 if isinstance(values.get(name), str):
                     values[name] = _flag(name, values[name])
         except ValueError as exc:

@@ -29,6 +29,7 @@ import logging
 import os
 import signal
 import socket
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -77,6 +78,7 @@ from phalanx.services.agent.config import AgentConfig
 from phalanx.services.agent.gpu_health import GpuHealth
 from phalanx.services.agent.logs import read_logs
 from phalanx.services.agent.nvml import GpuWatch, discover
+from phalanx.services.agent.rank_output import RankOutput
 from phalanx.services.agent.ranks import RankSet, ReplicaOutdated
 from phalanx.services.agent.replication import Address, ReplicaListener, ReplicaSender
 from phalanx.services.agent.snapshot_endpoints import SnapshotEndpoints
@@ -105,6 +107,13 @@ BUDDY_REFRESH_S = 2.0
 HOLDER_POLL_S = 0.1
 #: Ended jobs remembered (replicas of them are refused), newest kept.
 ENDED_KEPT = 4096
+#: How often the ranks' log files are looked at (:mod:`.rank_output`).
+RANK_OUTPUT_INTERVAL_S = 0.5
+
+
+def _to_stdout(lines: bytes) -> None:
+    sys.stdout.buffer.write(lines)
+    sys.stdout.buffer.flush()
 
 
 class AgentService(Service):
@@ -289,9 +298,18 @@ class AgentService(Service):
         self.keep_running(self.fence_loop, "fence")
         self.keep_running(lambda: self.sender.run(self.sleep_or_stop), "replicate")
         self.keep_running(lambda: self.until_stopped(self._follow_generations()), "generations")
+        if self.config.tee_rank_output or self.config.rank_log_max_bytes:
+            output = RankOutput(self.work_dir / "jobs",
+                                _to_stdout if self.config.tee_rank_output else None,
+                                self.config.rank_log_max_bytes)
+            self.keep_running(lambda: self._follow_rank_output(output), "rank output")
         log.info("registered", extra={"node": self.config.node_id, "slots": self.slots,
                                       "gpus": [g.uuid for g in self.gpu_health.watch.gpus],
                                       "failure_domain": self.config.failure_domain})
+
+    async def _follow_rank_output(self, output: RankOutput) -> None:
+        while not await self.sleep_or_stop(RANK_OUTPUT_INTERVAL_S):
+            await asyncio.to_thread(output.look)
 
     async def _follow_generations(self) -> None:
         """Which jobs have a generation, so run a phalanx session: a job that leaves its

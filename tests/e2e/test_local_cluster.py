@@ -181,3 +181,35 @@ def test_a_pinned_agents_ranks_run_on_cpus_of_their_own(tmp_path: Path) -> None:
         phalanx("cancel", job, *where)
     finally:
         phalanx("down", *where)
+
+
+def test_an_agent_tees_its_ranks_lines_and_rotates_their_logs(tmp_path: Path) -> None:
+    """``agent.tee_rank_output``: each line a rank prints shows in its agent's output as
+    ``<job>/<replica> | <line>``; past ``agent.rank_log_max_bytes`` the rank's log is kept
+    as ``.log.1`` and emptied, and the rank's lines go on into it."""
+    data_dir = tmp_path / "cluster"
+    where = ("--data-dir", str(data_dir))
+    phalanx("up", "--agents", "1", "--detach", "--nats-port", str(free_port()), *where,
+            env={**os.environ, "PHALANX_AGENT_TEE_RANK_OUTPUT": "1",
+                 "PHALANX_AGENT_RANK_LOG_MAX_BYTES": "4000"})
+    try:
+        spec = tmp_path / "printer.yaml"
+        spec.write_text(
+            "name: printer\nteam: t\npriority_class: normal\nreplicas: {min: 1, max: 1}\n"
+            "command: [python, -c, \"import time\\nfor i in range(400):\\n"
+            "    print(f'line {i:04d}', flush=True); time.sleep(0.005)\"]\n")
+        job = json.loads(phalanx("submit", str(spec), "--json", *where).stdout)["job_id"]
+        agent_log = data_dir / "logs" / "agent-local-0.log"
+        deadline = time.monotonic() + 60
+        while f"{job}/r0-0 | line 0399" not in agent_log.read_text(errors="replace"):
+            assert time.monotonic() < deadline, agent_log.read_text(errors="replace")[-2000:]
+            time.sleep(0.2)
+        teed = [line.split(" | ", 1)[1] for line in agent_log.read_text().splitlines()
+                if line.startswith(f"{job}/r0-0 | line ")]
+        assert teed == [f"line {i:04d}" for i in range(400)]
+        logs = data_dir / "agents" / "local-0" / "jobs" / job
+        kept = (logs / "r0-0.log.1").read_text()
+        assert kept.startswith("=== phalanx: r0-0")  # the first 4000 bytes and more
+        assert "line 0399" in kept + (logs / "r0-0.log").read_text()
+    finally:
+        phalanx("down", *where)
