@@ -8,6 +8,7 @@ import os
 import re
 import socket
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 from phalanx.schemas import settings
@@ -231,6 +232,19 @@ class AgentConfig:
         if self.lost_after_s <= self.heartbeat_interval_s:
             raise ConfigError(f"agent.lost_after_s ({self.lost_after_s}) must exceed "
                               f"agent.heartbeat_interval_s ({self.heartbeat_interval_s})")
+
+    def node_local_durable(self, default_dir: Path, env: Mapping[str, str]) -> str | None:
+        """What to warn of when the durable tier's default (``checkpoint_dir`` unset:
+        ``default_dir``, on this node) serves an agent in a Kubernetes pod, where that is
+        the pod's own disk: lost with the pod and seen by no other node. None elsewhere
+        (a local cluster's agents share their machine's disk)."""
+        if self.checkpoint_dir or not env.get("KUBERNETES_SERVICE_HOST"):
+            return None
+        return (f"durable checkpoints of jobs that name no checkpoint.durable_url go to "
+                f"{default_dir}, on this pod's disk: lost with the pod, and no other node "
+                f"reads them. Give jobs a durable_url (s3://...), or set "
+                f"{settings.AGENT('checkpoint_dir')} to a volume every node mounts "
+                f"(docs/deploy.md \"Durable checkpoints off the nodes\")")
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None, **overrides: Any) -> AgentConfig:

@@ -249,14 +249,16 @@ class AgentService(Service):
             else (None, "agent.confine_memory is off")
         if cgroups is None:
             log.info("ranks' memory_per_rank is not enforced here: %s", no_cgroups)
+        default_durable = self.work_dir.parent.parent / "checkpoints"
+        if (node_local := self.config.node_local_durable(default_durable, os.environ)):
+            log.warning(node_local)
         self.ranks = RankSet(self.config.node_id, self.work_dir, self.bus_config_url(),
                              self._host_of, self._report, capacity=self.slots,
                              replacement_nice=self.config.replacement_nice,
                              advertise_host=self.info.host, bus_identity=self._rank_identity(),
                              snapshot_dir=self.snapshots.job_dir,
                              checkpoint_dir=Path(self.config.checkpoint_dir)
-                             if self.config.checkpoint_dir
-                             else self.work_dir.parent.parent / "checkpoints",
+                             if self.config.checkpoint_dir else default_durable,
                              gpus=self.gpus, found_gpus=self.gpu_health.watch.gpus,
                              slot_cpus=cpus.shares(self.config.cpus, self.slots)
                              if self.config.cpus and not self.gpus else (),

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from phalanx.schemas.errors import ConfigError
@@ -201,3 +203,22 @@ def test_a_rank_token_key_is_a_third_way_for_ranks_and_excludes_the_others() -> 
         AgentConfig(node_id="n1", rank_nkey="/keys/ranks.nk", rank_token_key_file="/k")
     with pytest.raises(ConfigError, match="rank_token_ttl_s must be at least 60"):
         AgentConfig(node_id="n1", rank_token_ttl_s=5)
+
+
+def test_the_rank_output_settings_are_read_and_checked() -> None:
+    config = AgentConfig.from_env({**BASE, "PHALANX_AGENT_TEE_RANK_OUTPUT": "1",
+                                   "PHALANX_AGENT_RANK_LOG_MAX_BYTES": "1000"})
+    assert config.tee_rank_output is True and config.rank_log_max_bytes == 1000
+    with pytest.raises(ConfigError, match="agent.rank_log_max_bytes must be >= 0"):
+        AgentConfig.from_env({**BASE, "PHALANX_AGENT_RANK_LOG_MAX_BYTES": "-1"})
+
+
+def test_a_pods_node_local_durable_default_is_warned_of_and_nowhere_else() -> None:
+    pod = {"KUBERNETES_SERVICE_HOST": "10.96.0.1"}
+    default = Path("/var/lib/phalanx/checkpoints")
+    warning = AgentConfig(node_id="n").node_local_durable(default, pod)
+    assert warning is not None and str(default) in warning
+    assert "durable_url" in warning and "PHALANX_AGENT_CHECKPOINT_DIR" in warning
+    assert AgentConfig(node_id="n").node_local_durable(default, {}) is None
+    shared = AgentConfig(node_id="n", checkpoint_dir="/mnt/shared/checkpoints")
+    assert shared.node_local_durable(default, pod) is None
