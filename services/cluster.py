@@ -159,8 +159,6 @@ class LocalCluster:
             raise ClusterError(f"--slots-per-agent must be >= 1, got {slots_per_agent}")
         if nats_servers < 1:
             raise ClusterError(f"--nats-cluster must be >= 1, got {nats_servers}")
-        if nats_servers > 1 and auth_dir is not None:
-            raise ClusterError("--secure with --nats-cluster is not supported yet")
         for flag, count in (("--admission", admission_instances),
                             ("--health", health_instances),
                             ("--elasticity", elasticity_instances)):
@@ -224,9 +222,11 @@ class LocalCluster:
             for i in range(self.n_agents):  # known before the server starts: no reload
                 self.auth.add(Role.AGENT, f"local-{i}")
         if self.nats_url is None and self.nats_servers > 1:
-            self.nats_cluster = NatsCluster(self.data_dir / "jetstream-cluster",
-                                            self.nats_servers, port=self.nats_port,
-                                            log_dir=self.logs_dir)
+            self.nats_cluster = NatsCluster(
+                self.data_dir / "jetstream-cluster", self.nats_servers, port=self.nats_port,
+                log_dir=self.logs_dir,
+                config_file=self.auth.config_path if self.auth else None,
+                secured=self.auth.route_security() if self.auth else None)
             await asyncio.to_thread(self.nats_cluster.start)
             self.nats_url = ",".join(self.nats_cluster.urls)
         elif self.nats_url is None:
@@ -344,9 +344,14 @@ class LocalCluster:
         if not record.state.terminal:
             return
         if await asyncio.to_thread(self.auth.remove, Role.RANK, record.job_id):
-            if self.nats is not None and self.nats.process is not None:
-                reload_config(self.nats.process.pid)
+            self._reload_nats()
             log.info("revoked the bus identity of %s (%s)", record.job_id, record.state.value)
+
+    def _reload_nats(self) -> None:
+        """Have every embedded server read its config again (identities added or gone)."""
+        for server in self.embedded_nats:
+            if server.process is not None:
+                reload_config(server.process.pid)
 
     def _identity(self, role: Role, scope: str | None = None) -> dict[str, str]:
         """The variables that make a process connect as ``role`` (an identity made, and the
@@ -354,8 +359,8 @@ class LocalCluster:
         if self.auth is None:
             return {}
         _, made = self.auth.add(role, scope)
-        if made and self.nats is not None and self.nats.process is not None:
-            reload_config(self.nats.process.pid)
+        if made:
+            self._reload_nats()
         env = self.auth.env(role, scope)
         if role is Role.AGENT:
             env[settings.AGENT("rank_keys_dir")] = str(self.auth.ranks_dir)

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
 import os
 import re
 import shutil
@@ -93,6 +94,37 @@ class Routes:
     """The port this member listens on for routes from the others."""
     routes: tuple[str, ...]
     """Every member's route URL (its own included, which the server ignores)."""
+    secured: RouteSecurity | None = None
+    """Mutual TLS and a shared secret on the routes (a secured cluster), else neither."""
+
+
+@dataclasses.dataclass(frozen=True)
+class RouteSecurity:
+    """What a secured cluster's members prove to each other on their routes: a
+    certificate of the cluster's CA (both ways: each end verifies the other's), and the
+    routes' user and password."""
+
+    cert_file: str
+    key_file: str
+    ca_file: str
+    user: str
+    password: str
+
+    def member_config(self, routes: Routes, host: str, include: str | None) -> str:
+        """A member's config file: ``include`` (the cluster's own config, as a path
+        relative to this file's folder), its name and its cluster block."""
+        urls = [url.replace("nats://", f"nats-route://{self.user}:{self.password}@", 1)
+                for url in routes.routes]
+        lines = [f"include {json.dumps(include)}"] if include else []
+        return "\n".join([*lines, f"server_name: {json.dumps(routes.server_name)}",
+                          "cluster " + json.dumps({
+                              "name": routes.cluster_name,
+                              "listen": f"{host}:{routes.port}",
+                              "routes": urls,
+                              "tls": {"cert_file": self.cert_file, "key_file": self.key_file,
+                                      "ca_file": self.ca_file, "verify": True, "timeout": 2},
+                              "authorization": {"user": self.user, "password": self.password,
+                                                "timeout": 2}}, indent=2), ""])
 
 
 class NatsServer:
@@ -116,9 +148,9 @@ class NatsServer:
                  config_file: str | os.PathLike[str] | None = None,
                  ready_timeout_s: float = 15.0, routes: Routes | None = None,
                  on_meta_leader: Callable[[str], None] | None = None) -> None:
-        if routes is not None and config_file is not None:
-            raise NatsServerError("a clustered server from a config file is not supported "
-                                  "(the config would have to carry the server name)")
+        if routes is not None and config_file is not None and routes.secured is None:
+            raise NatsServerError("a clustered server from a config file needs its routes "
+                                  "secured (the member's own config carries its name)")
         self.store_dir = Path(store_dir)
         self.port = port
         self.host = host
@@ -151,7 +183,16 @@ class NatsServer:
         self._log_event.clear()
         args = [server_binary(), "-a", self.host, "-p", str(self.port or -1), "-js",
                 "-sd", str(self.store_dir)]
-        if self.routes is not None:
+        if self.routes is not None and self.routes.secured is not None:
+            # Credentials and TLS files stay off the command line, in a file of its own.
+            member = self.store_dir.parent / f"{self.routes.server_name}.conf"
+            include = os.path.relpath(self.config_file, member.parent) \
+                if self.config_file else None
+            fd = os.open(member, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            with os.fdopen(fd, "w") as config:
+                config.write(self.routes.secured.member_config(self.routes, self.host, include))
+            args += ["-c", str(member)]
+        elif self.routes is not None:
             args += ["-n", self.routes.server_name, "--cluster_name", self.routes.cluster_name,
                      "--cluster", f"nats://{self.host}:{self.routes.port}",
                      "--routes", ",".join(self.routes.routes)]
@@ -259,11 +300,16 @@ class NatsCluster:
         log_dir: where the members' log files go (none when None).
         ready_timeout_s: how long :meth:`start` and :meth:`restart` wait for a member to
             be ready and for the cluster to have a JetStream meta leader.
+        config_file: every member's server config (users, client TLS: a secured cluster,
+            which needs ``secured``).
+        secured: mutual TLS and a secret on the routes (:class:`RouteSecurity`).
     """
 
     def __init__(self, root: str | os.PathLike[str], size: int = 3, *, port: int = 0,
                  name: str = "phalanx", log_dir: str | os.PathLike[str] | None = None,
-                 ready_timeout_s: float = 30.0) -> None:
+                 ready_timeout_s: float = 30.0,
+                 config_file: str | os.PathLike[str] | None = None,
+                 secured: RouteSecurity | None = None) -> None:
         if size < 1:
             raise NatsServerError(f"a NATS cluster needs at least one server, got {size}")
         self.root = Path(root)
@@ -271,6 +317,8 @@ class NatsCluster:
         self.name = name
         self.log_dir = Path(log_dir) if log_dir else None
         self.ready_timeout_s = ready_timeout_s
+        self.config_file = config_file
+        self.secured = secured
         self._client_ports = [port + i if port else 0 for i in range(size)]
         self._route_ports: list[int] = []
         self.servers: list[NatsServer] = []
@@ -293,7 +341,10 @@ class NatsCluster:
                 self.servers.append(self._member(i).start())
                 self._client_ports[i] = self.servers[i].port  # the port it got, kept
             self.wait_formed()
-            asyncio.run(self._commit_once())
+            if self.secured is None:
+                # A secured cluster admits no client of its own here: there the first
+                # bucket a service makes is the change the meta group commits.
+                asyncio.run(self._commit_once())
         except NatsServerError:
             self.stop()
             raise
@@ -332,9 +383,10 @@ class NatsCluster:
     def _member(self, i: int) -> NatsServer:
         routes = Routes(
             cluster_name=self.name, server_name=f"{self.name}-{i}", port=self._route_ports[i],
-            routes=tuple(f"nats://127.0.0.1:{p}" for p in self._route_ports))
+            routes=tuple(f"nats://127.0.0.1:{p}" for p in self._route_ports),
+            secured=self.secured)
         return NatsServer(
-            self.root / str(i), port=self._client_ports[i],
+            self.root / str(i), port=self._client_ports[i], config_file=self.config_file,
             log_path=self.log_dir / f"nats-{i}.log" if self.log_dir else None,
             ready_timeout_s=self.ready_timeout_s, routes=routes,
             on_meta_leader=self._on_meta_leader)

@@ -53,6 +53,7 @@ from phalanx.services.auth.credentials import identity_env, rank_seed_file
 from phalanx.services.auth.errors import AuthError
 from phalanx.services.auth.replication_key import write_key
 from phalanx.services.auth.roles import Role
+from phalanx.services.natsd import RouteSecurity
 
 CONFIG = "nats.conf"
 IDENTITIES = "identities.json"
@@ -128,6 +129,19 @@ class AuthDir:
     def callout_issuer_path(self) -> Path:
         """The seed of the account key the auth callout signs with (Kubernetes)."""
         return self.root / "keys" / "callout-issuer.nk"
+
+    def route_security(self) -> RouteSecurity:
+        """What the servers of a secured NATS cluster prove to each other on their routes
+        (:class:`~phalanx.services.natsd.RouteSecurity`): the route certificate signed by
+        this directory's CA, and the routes' password (``keys/route.password``), both made
+        the first time."""
+        tls.make_route_cert(self.tls_dir)
+        password = self.root / "keys" / "route.password"
+        write_key(password)
+        return RouteSecurity(cert_file=str(self.tls_dir / tls.ROUTE_CERT),
+                             key_file=str(self.tls_dir / tls.ROUTE_KEY),
+                             ca_file=str(self.ca_path), user="route",
+                             password=password.read_text().strip())
 
     @property
     def ranks_dir(self) -> Path:

@@ -30,6 +30,8 @@ CA_CERT, CA_KEY, SERVER_CERT, SERVER_KEY = "ca.pem", "ca-key.pem", "server.pem",
 REPLICATION_CERT, REPLICATION_KEY = "replication.pem", "replication-key.pem"
 #: The replication certificate's common name (``services/agent/replica_tls.py`` checks it).
 REPLICATION_NAME = "phalanx replication"
+#: The files :func:`make_route_cert` writes beside them, and its common name.
+ROUTE_CERT, ROUTE_KEY, ROUTE_NAME = "route.pem", "route-key.pem", "phalanx nats route"
 
 
 def _name(common_name: str) -> x509.Name:
@@ -93,26 +95,44 @@ def make_replication_cert(directory: Path) -> None:
     """Write :data:`REPLICATION_CERT` and :data:`REPLICATION_KEY` in ``directory``, signed
     by the CA there: the certificate every agent presents on its replication stream
     (mutual TLS, client and server). Kept if it exists already."""
-    if (directory / REPLICATION_CERT).exists() and (directory / REPLICATION_KEY).exists():
+    _make_peer_cert(directory, REPLICATION_CERT, REPLICATION_KEY, REPLICATION_NAME, ())
+
+
+def make_route_cert(directory: Path) -> None:
+    """Write :data:`ROUTE_CERT` and :data:`ROUTE_KEY` in ``directory``, signed by the CA
+    there: the certificate each server of a NATS cluster presents to the others on its
+    route port (mutual TLS, client and server; the route's dialer checks the name, so it
+    is valid for the server certificate's hosts). Kept if it exists already."""
+    _make_peer_cert(directory, ROUTE_CERT, ROUTE_KEY, ROUTE_NAME, server_hosts(directory))
+
+
+def _make_peer_cert(directory: Path, cert_file: str, key_file: str, common_name: str,
+                    hosts: Iterable[str]) -> None:
+    """A certificate for both ends of a mutual TLS connection, signed by the CA in
+    ``directory``, valid for ``hosts`` where there are any."""
+    if (directory / cert_file).exists() and (directory / key_file).exists():
         return
     ca = x509.load_pem_x509_certificate((directory / CA_CERT).read_bytes())
     ca_key = serialization.load_pem_private_key((directory / CA_KEY).read_bytes(), None)
     assert isinstance(ca_key, ec.EllipticCurvePrivateKey)
     now = datetime.datetime.now(datetime.UTC)
     key = ec.generate_private_key(ec.SECP256R1())
-    cert = (x509.CertificateBuilder().subject_name(_name(REPLICATION_NAME))
-            .issuer_name(ca.subject).public_key(key.public_key())
-            .serial_number(x509.random_serial_number())
-            .not_valid_before(now - datetime.timedelta(minutes=5))
-            .not_valid_after(min(ca.not_valid_after_utc, now + datetime.timedelta(
-                days=VALID_DAYS)))
-            .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH,
-                                                  ExtendedKeyUsageOID.CLIENT_AUTH]),
-                           critical=False)
-            .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
-            .sign(ca_key, hashes.SHA256()))
-    _write_key(directory / REPLICATION_KEY, key)
-    (directory / REPLICATION_CERT).write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    builder = (x509.CertificateBuilder().subject_name(_name(common_name))
+               .issuer_name(ca.subject).public_key(key.public_key())
+               .serial_number(x509.random_serial_number())
+               .not_valid_before(now - datetime.timedelta(minutes=5))
+               .not_valid_after(min(ca.not_valid_after_utc, now + datetime.timedelta(
+                   days=VALID_DAYS)))
+               .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH,
+                                                     ExtendedKeyUsageOID.CLIENT_AUTH]),
+                              critical=False)
+               .add_extension(x509.BasicConstraints(ca=False, path_length=None),
+                              critical=True))
+    if names := _subject_names(hosts):
+        builder = builder.add_extension(x509.SubjectAlternativeName(names), critical=False)
+    cert = builder.sign(ca_key, hashes.SHA256())
+    _write_key(directory / key_file, key)
+    (directory / cert_file).write_bytes(cert.public_bytes(serialization.Encoding.PEM))
 
 
 def server_hosts(directory: Path) -> set[str]:

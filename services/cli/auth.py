@@ -95,15 +95,19 @@ async def admit_job(args: argparse.Namespace, job_id: str, timeout_s: float = 10
     from phalanx.services.natsd import reload_config
 
     state = ClusterState.read(Path(args.data_dir))
-    if args.nats or state is None or state.auth_dir is None or state.nats_pid is None:
+    if args.nats or state is None or state.auth_dir is None:
+        return
+    servers = [*([state.nats_pid] if state.nats_pid else []), *state.nats_pids]
+    if not servers:
         return
     auth = AuthDir(state.auth_dir)
     _, made = auth.add(Role.RANK, job_id)
     if not made:
         return
-    reload_config(state.nats_pid)
+    for pid in servers:  # every server of an embedded cluster admits the job
+        reload_config(pid)
     config = BusConfig.load(env=with_identity(os.environ, auth.env(Role.RANK, job_id)),
-                            servers=[state.nats_url], connect_timeout_s=1.0)
+                            servers=state.nats_url, connect_timeout_s=1.0)
     deadline = time.monotonic() + timeout_s
     while True:  # each attempt is bounded by the connect timeout
         try:

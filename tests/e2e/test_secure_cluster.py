@@ -1,4 +1,5 @@
-"""`phalanx up --secure` as a user runs it: TLS, every process as its own identity.
+"""`phalanx up --secure` as a user runs it: TLS, every process as its own identity, on a
+bus of three servers whose routes are mutual TLS with the routes' secret.
 
 Marked slow: it starts a whole local cluster. A job runs to completion with its
 ranks as the job's identity (the agents launch them with it; a refused rank would
@@ -47,8 +48,9 @@ def wait_finished(job_id: str, data_dir: Path) -> subprocess.CompletedProcess[st
 def test_a_secured_cluster_runs_a_job_refuses_a_viewer_and_logs_no_secret(
         tmp_path: Path) -> None:
     data_dir = tmp_path / "cluster"
-    outputs = [phalanx("up", "--secure", "--agents", "2", "--detach", "--data-dir",
-                       str(data_dir), "--nats-port", str(free_port()))]
+    # Its bus a cluster of three servers, routed over mutual TLS with the routes' secret.
+    outputs = [phalanx("up", "--secure", "--nats-cluster", "3", "--agents", "2", "--detach",
+                       "--data-dir", str(data_dir), "--nats-port", str(free_port()))]
     auth = AuthDir(data_dir / "auth")
     job_seeds: list[str] = []  # a job's seed is deleted when it ends: read while it runs
     try:

@@ -11,19 +11,25 @@ written before must still be there.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import nats.errors
 import pytest
 
 from phalanx.bus.client import Bus, replicas_for
 from phalanx.bus.config import BusConfig
 from phalanx.bus.kv import TypedKV
 from phalanx.bus.stream import JOB_EVENTS, ensure_job_events
+from phalanx.schemas import subjects
 from phalanx.schemas.messages import Lease
-from phalanx.services.natsd import NatsCluster
+from phalanx.services.auth.issuer import AuthDir
+from phalanx.services.auth.roles import Role
+from phalanx.services.natsd import NatsCluster, NatsServer, Routes
+from phalanx.services.ports import free_port
 
 
 @pytest.fixture
@@ -103,3 +109,62 @@ def test_a_cluster_forms_and_elects_a_new_meta_leader_without_one_server(
     survivor_leader = cluster.wait_formed()
     assert survivor_leader != leader and cluster.servers[survivor_leader].running
     print(f"meta leader elected {time.monotonic() - started:.2f} s after the loss")
+
+
+def wait_logged(path: Path, needle: str, timeout_s: float = 30.0) -> str:
+    """The first line of the server log ``path`` that holds ``needle`` (read as it grows)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        text = path.read_text(errors="replace") if path.exists() else ""
+        found = [line for line in text.splitlines() if needle in line]
+        if found:
+            return found[0]
+        assert time.monotonic() < deadline, f"{needle!r} not in {path}:\n{text[-3000:]}"
+        time.sleep(0.1)
+
+
+async def test_a_secured_clusters_routes_admit_only_its_certificate_and_secret(
+        tmp_path: Path, uid: str) -> None:
+    """``phalanx up --secure --nats-cluster``'s bus: routes over mutual TLS with the CA's
+    route certificate, and the routes' secret. A message crosses the cluster between two
+    identities; a server with another CA's certificate is refused at the handshake, and
+    one with the cluster's certificate but not its secret is refused its route."""
+    auth = AuthDir.init(tmp_path / "auth")
+    auth.add(Role.CLI)
+    with NatsCluster(tmp_path / "js", 3, log_dir=tmp_path, config_file=auth.config_path,
+                     secured=auth.route_security()) as cluster:
+        env = auth.env(Role.CLI)
+        near, far = (BusConfig.load(env=env, servers=url) for url in cluster.urls[:2])
+        async with await Bus.connect(near) as sender, await Bus.connect(far) as receiver:
+            subject = subjects.agent_status(f"node-{uid}")  # the CLI's to send and hear
+            heard = await receiver.nc.subscribe(subject)
+            await receiver.round_trip(5)
+            deadline = time.monotonic() + 20
+            while True:  # until the receiver's interest has crossed the routes
+                await sender.nc.publish(subject, b"across the routes")
+                try:
+                    assert (await heard.next_msg(timeout=0.5)).data == b"across the routes"
+                    break
+                except nats.errors.TimeoutError:
+                    assert time.monotonic() < deadline, "nothing crossed the routes"
+
+        members = tuple(f"nats://127.0.0.1:{s.routes.port}" for s in cluster.servers
+                        if s.routes is not None)
+        cluster_secret = auth.route_security()
+        foreign = AuthDir.init(tmp_path / "foreign")
+        impostors = {  # each knows what the other lacks
+            "other-ca": dataclasses.replace(foreign.route_security(),
+                                            password=cluster_secret.password),
+            "no-secret": dataclasses.replace(cluster_secret, password="guessed"),
+        }
+        for name, secured in impostors.items():
+            routes = Routes(cluster_name=cluster.name, server_name=name, port=free_port(),
+                            routes=members, secured=secured)
+            log = tmp_path / f"{name}.log"
+            with NatsServer(tmp_path / name, log_path=log, routes=routes,
+                            config_file=foreign.config_path):
+                refused = "TLS route handshake error" if name == "other-ca" \
+                    else "Route Error 'Authorization Violation'"
+                assert refused in wait_logged(log, refused)
+                # Never a member: it heard of no JetStream meta leader.
+                assert "metadata leader" not in log.read_text(errors="replace")
