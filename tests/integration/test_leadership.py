@@ -4,17 +4,21 @@ while this instance holds the lease."""
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
 import time
 
 from prometheus_client import REGISTRY
 
 from phalanx.bus.client import Bus
+from phalanx.bus.config import BusConfig
 from phalanx.bus.kv import TypedKV
 from phalanx.schemas import subjects
 from phalanx.schemas.messages import Lease
 from phalanx.services import metrics
 from phalanx.services.deadline import wait_set
-from phalanx.services.lease import Leadership
+from phalanx.services.lease import ACTS_FOR, Leadership
+from phalanx.services.natsd import NatsServer
 
 
 def leader_gauge(key: str) -> float | None:
@@ -88,3 +92,52 @@ async def test_a_lease_is_judged_by_the_standbys_own_clock_never_the_holders(
     finally:
         stop.set()
         await running
+
+
+async def test_a_leader_whose_renewals_go_unanswered_stops_before_a_standby_may_take(
+        own_nats: NatsServer, uid: str) -> None:
+    """The server stops answering (SIGSTOP): the leader's renewal hangs, and its work is
+    cancelled ``lease_s * 2 / 3`` after it sent its last confirmed renewal, long before
+    the retries of that renewal give up (15 s) and before a standby could take over
+    (``lease_s``). Answered again, it finds the lease still its own and leads again."""
+    lease_s = 1.5
+    async with await Bus.connect(BusConfig.load(env={}, servers=[own_nats.url]),
+                                 name="test") as bus:
+        leases = await TypedKV.open(bus.js, subjects.LEASES_BUCKET, Lease)
+        terms = [asyncio.Event(), asyncio.Event()]  # set as the first and second start
+        gone = asyncio.Event()
+        ended: list[float] = []
+
+        async def lead() -> None:
+            next(t for t in terms if not t.is_set()).set()
+            try:
+                await asyncio.Event().wait()
+            finally:
+                ended.append(time.monotonic())
+                gone.set()
+
+        leadership = Leadership(leases, f"cut-{uid}", "a", lease_s, lead)
+        stop = asyncio.Event()
+        running = asyncio.create_task(leadership.run(lambda s: wait_set(stop, s)))
+        assert own_nats.process is not None
+        try:
+            assert await wait_set(terms[0], 10)
+            await asyncio.sleep(lease_s)  # a few renewals confirmed
+            os.kill(own_nats.process.pid, signal.SIGSTOP)
+            stopped_at = time.monotonic()
+            try:
+                await wait_set(gone, 5 * lease_s)
+                deadline = leadership.acts_until
+            finally:
+                os.kill(own_nats.process.pid, signal.SIGCONT)
+            assert ended, "the leader went on acting with its renewals unanswered"
+            # Its last confirmed renewal was sent before the stop: it stopped within 2/3
+            # of a lease of the stop (and of that renewal), plus the timer's wake-up.
+            assert ended[0] - stopped_at <= lease_s * ACTS_FOR + 0.3, ended[0] - stopped_at
+            assert ended[0] - deadline <= 0.3 and leadership.deposals == 1
+            assert not leadership.leading
+            # Answered again: the lease is still its own, and it leads again.
+            assert await wait_set(terms[1], 10 * lease_s) and leadership.leading
+        finally:
+            stop.set()
+            await running
