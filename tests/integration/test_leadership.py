@@ -41,7 +41,7 @@ async def test_the_leader_gauge_is_one_while_the_lease_is_held_and_zero_after(
     # What a leader service's shell does at start: the test must not rely on one having
     # started earlier in this process.
     metrics.register(metrics.LEADERSHIP)
-    leadership = Leadership(leases, key, "a", 3.0, lead)
+    leadership = Leadership(leases, key, "a", 3.0, lead, bus_config=bus.config)
     assert leader_gauge(key) == 0  # a standby shows 0, not nothing
     running = asyncio.create_task(leadership.run(lambda s: wait_set(stop, s)))
     try:
@@ -75,7 +75,8 @@ async def test_a_lease_is_judged_by_the_standbys_own_clock_never_the_holders(
 
     metrics.register(metrics.LEADERSHIP)
     revision = await leases.create(key, Lease(holder="behind", epoch=1, expires_at=1.0))
-    standby = Leadership(leases, key, "standby", lease_s, lead)
+    standby = Leadership(leases, key, "standby", lease_s, lead,
+                         bus_config=bus.config)
     running = asyncio.create_task(standby.run(lambda s: wait_set(stop, s)))
     try:
         for _ in range(int(1.5 * lease_s / 0.1)):  # renewed: its stamps long expired
@@ -116,7 +117,8 @@ async def test_a_leader_whose_renewals_go_unanswered_stops_before_a_standby_may_
                 ended.append(time.monotonic())
                 gone.set()
 
-        leadership = Leadership(leases, f"cut-{uid}", "a", lease_s, lead)
+        leadership = Leadership(leases, f"cut-{uid}", "a", lease_s, lead,
+                                bus_config=bus.config)
         stop = asyncio.Event()
         running = asyncio.create_task(leadership.run(lambda s: wait_set(stop, s)))
         assert own_nats.process is not None
@@ -141,3 +143,79 @@ async def test_a_leader_whose_renewals_go_unanswered_stops_before_a_standby_may_
         finally:
             stop.set()
             await running
+
+
+def hold_the_loop(seconds: float) -> None:
+    """What a long restore does to its event loop: compute without awaiting."""
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        pass
+
+
+async def test_a_leader_whose_own_work_holds_its_loop_keeps_its_lease(
+        bus: Bus, uid: str) -> None:
+    """A restore holds the loop a whole lease at a time, longer than a leader acts after a
+    renewal (``lease_s * 2 / 3``): its renewals go on from their own thread, so the term
+    is neither deposed nor cancelled. Renewed from the loop (before), the first hold
+    deposed it, and every term after restored again and was deposed again."""
+    leases = await TypedKV.open(bus.js, subjects.LEASES_BUCKET, Lease)
+    lease_s = 1.0
+    restored, stop = asyncio.Event(), asyncio.Event()
+    cancelled: list[bool] = []
+
+    async def lead() -> None:
+        try:
+            for _ in range(3):
+                hold_the_loop(lease_s)
+                await asyncio.sleep(0)  # a chunk done: the loop turns once
+            restored.set()
+            await asyncio.Event().wait()
+        except asyncio.CancelledError:
+            cancelled.append(True)
+            raise
+
+    metrics.register(metrics.LEADERSHIP)
+    leadership = Leadership(leases, f"busy-{uid}", "a", lease_s, lead,
+                            bus_config=bus.config)
+    running = asyncio.create_task(leadership.run(lambda s: wait_set(stop, s)))
+    try:
+        assert await wait_set(restored, 20)
+        assert leadership.deposals == 0 and not cancelled
+        assert leadership.leading and leadership.epoch == 1
+        current, _ = await leases.current(f"busy-{uid}")
+        assert current is not None and (current.holder, current.epoch) == ("a", 1)
+    finally:
+        stop.set()
+        await running
+
+
+async def test_a_leader_whose_loop_hangs_stops_renewing_and_is_deposed(
+        bus: Bus, uid: str) -> None:
+    """A loop that has not turned for ``hung_s`` is hung: the thread renews no more, and
+    once the loop turns again the term is deposed (a standby has meanwhile been free to
+    take the lease a lease after the last renewal)."""
+    leases = await TypedKV.open(bus.js, subjects.LEASES_BUCKET, Lease)
+    lease_s, hung_s = 1.0, 0.5
+    leading, ended, stop = asyncio.Event(), asyncio.Event(), asyncio.Event()
+
+    async def lead() -> None:
+        leading.set()
+        try:
+            await asyncio.Event().wait()
+        finally:
+            ended.set()
+
+    metrics.register(metrics.LEADERSHIP)
+    leadership = Leadership(leases, f"hung-{uid}", "a", lease_s, lead,
+                            bus_config=bus.config, hung_s=hung_s)
+    running = asyncio.create_task(leadership.run(lambda s: wait_set(stop, s)))
+    try:
+        assert await wait_set(leading, 10)
+        held_from = time.monotonic()
+        hold_the_loop(hung_s + lease_s * 1.5)
+        # Renewals stopped about hung_s into the hold: the term ended well before its end.
+        assert leadership.acts_until < held_from + hung_s + lease_s
+        assert await wait_set(ended, 5) and leadership.deposals == 1
+    finally:
+        stop.set()
+        await running
