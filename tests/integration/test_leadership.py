@@ -7,6 +7,7 @@ import asyncio
 import os
 import signal
 import time
+from collections.abc import Awaitable, Callable
 
 from prometheus_client import REGISTRY
 
@@ -25,11 +26,9 @@ def leader_gauge(key: str) -> float | None:
     return REGISTRY.get_sample_value("phalanx_leader", {"service": key})
 
 
-async def test_the_leader_gauge_is_one_while_the_lease_is_held_and_zero_after(
-        bus: Bus, uid: str) -> None:
-    leases = await TypedKV.open(bus.js, subjects.LEASES_BUCKET, Lease)
-    key = f"gauge-{uid}"
-    leading, ended, stop = asyncio.Event(), asyncio.Event(), asyncio.Event()
+def waiting_term() -> tuple[asyncio.Event, asyncio.Event, Callable[[], Awaitable[None]]]:
+    """A leader's work that only waits, and events set as it starts and as it ends."""
+    leading, ended = asyncio.Event(), asyncio.Event()
 
     async def lead() -> None:
         leading.set()
@@ -37,6 +36,16 @@ async def test_the_leader_gauge_is_one_while_the_lease_is_held_and_zero_after(
             await asyncio.Event().wait()
         finally:
             ended.set()
+
+    return leading, ended, lead
+
+
+async def test_the_leader_gauge_is_one_while_the_lease_is_held_and_zero_after(
+        bus: Bus, uid: str) -> None:
+    leases = await TypedKV.open(bus.js, subjects.LEASES_BUCKET, Lease)
+    key = f"gauge-{uid}"
+    leading, ended, lead = waiting_term()
+    stop = asyncio.Event()
 
     # What a leader service's shell does at start: the test must not rely on one having
     # started earlier in this process.
@@ -196,14 +205,8 @@ async def test_a_leader_whose_loop_hangs_stops_renewing_and_is_deposed(
     take the lease a lease after the last renewal)."""
     leases = await TypedKV.open(bus.js, subjects.LEASES_BUCKET, Lease)
     lease_s, hung_s = 1.0, 0.5
-    leading, ended, stop = asyncio.Event(), asyncio.Event(), asyncio.Event()
-
-    async def lead() -> None:
-        leading.set()
-        try:
-            await asyncio.Event().wait()
-        finally:
-            ended.set()
+    leading, ended, lead = waiting_term()
+    stop = asyncio.Event()
 
     metrics.register(metrics.LEADERSHIP)
     leadership = Leadership(leases, f"hung-{uid}", "a", lease_s, lead,

@@ -30,19 +30,18 @@ import json
 import os
 import signal
 import time
-from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 from cuts import job_states, ranks_on
 from e2e_cli import next_of
-from harness import BUS, NamespacedCluster, partitioned_cluster, unavailable
-from test_elastic import Watch, check_run, progressed, run_job, watching
+from harness import BUS, NamespacedCluster
+from test_elastic import Watch, check_run, progressed, run_job
 
 from phalanx.bus.client import Bus
 from phalanx.bus.kv import Change, TypedKV
-from phalanx.schemas import settings, subjects
+from phalanx.schemas import subjects
 from phalanx.schemas.messages import (
     Generation,
     GenerationReason,
@@ -62,30 +61,10 @@ LEASE_S = 3.0
 CUT_S = 6.0
 #: The timer's wake-up, and reading the log's clock against this test's.
 SLACK_S = 0.5
-
-
-@pytest.fixture(scope="module")
-async def leader_cut(tmp_path_factory: pytest.TempPathFactory
-                     ) -> AsyncIterator[tuple[NamespacedCluster, Bus, Watch]]:
-    """Two nodes of two slots and a host with no agent, each in its namespace; no
-    elasticity instance yet (each test starts them where it wants them)."""
-    why = unavailable()
-    if why is not None:
-        pytest.skip(f"partition harness: {why}")
-    cordon = settings.HEALTH("cordon_faults")
-    before = os.environ.get(cordon)
-    os.environ[cordon] = "1000"  # a node with a killed rank is not a bad node
-    try:
-        async with partitioned_cluster(tmp_path_factory.mktemp("cluster"), hosts=(HOST,),
-                                       elasticity_instances=0) as cluster:
-            assert cluster.nats_url is not None
-            async with watching(cluster.nats_url) as (bus, watch):
-                yield cluster, bus, watch
-    finally:
-        if before is None:
-            del os.environ[cordon]
-        else:
-            os.environ[cordon] = before
+#: The module's cluster (conftest's ``partitioned``): two nodes of two slots and a host
+#: with no agent, each in its namespace; no elasticity instance yet (each test starts
+#: them where it wants them).
+CLUSTER = {"hosts": (HOST,), "elasticity_instances": 0}
 
 
 def log_lines(cluster: NamespacedCluster, instance: str) -> list[dict[str, Any]]:
@@ -164,9 +143,9 @@ def forward(changes: list[tuple[float, Change[Any]]], key: str, order: Any) -> N
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("both", [True, False], ids=["both-ways", "heard-not"])
 async def test_a_leader_cut_from_the_bus_stops_before_its_standby_takes_over(
-        leader_cut: tuple[NamespacedCluster, Bus, Watch], data_dir: Path, reference: dict,
+        partitioned: tuple[NamespacedCluster, Bus, Watch], data_dir: Path, reference: dict,
         tmp_path: Path, both: bool) -> None:
-    cluster, bus, watch = leader_cut
+    cluster, bus, watch = partitioned
     leases = await TypedKV.open(bus.js, subjects.LEASES_BUCKET, Lease)
     await lead_from_the_cut_host(cluster, bus, leases)
     name = "leadcut" if both else "leaddeaf"
