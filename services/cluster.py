@@ -250,12 +250,8 @@ class LocalCluster:
         # Every service of the control plane: one instance leads, the others stand by;
         # the first keeps the plain name (logs/health.log).
         for service in control_plane.SERVICES:
-            extra = ("--lost-after", str(self.lost_after_s)) if service == "health" else ()
             for i in range(self.instances.get(service, 1)):
-                instance = service if i == 0 else f"{service}-{i}"
-                self.services[instance] = await self._spawn(
-                    instance, control_plane.module(service), "--instance", instance, *extra,
-                    identity=self._identity(Role(service)))
+                await self._spawn_service(service, service if i == 0 else f"{service}-{i}")
         if self.n_agents and settings.AGENT("zygote_template") not in os.environ:
             self.zygote_template = Template(self.logs_dir / "zygote-template.log")
             if not await asyncio.to_thread(self.zygote_template.wait_listening):
@@ -392,6 +388,39 @@ class LocalCluster:
                 pass_fds=(metrics_fd,))
         finally:
             log_file.close()
+
+    async def _spawn_service(self, service: str, instance: str, *, wrap: Sequence[str] = (),
+                             env: Mapping[str, str] | None = None
+                             ) -> asyncio.subprocess.Process:
+        extra = ("--lost-after", str(self.lost_after_s)) if service == "health" else ()
+        self.services[instance] = await self._spawn(
+            instance, control_plane.module(service), "--instance", instance, *extra,
+            identity=self._identity(Role(service)), extra_env=dict(env or {}), wrap=wrap)
+        return self.services[instance]
+
+    async def start_service(self, service: str, instance: str, *, wrap: Sequence[str] = (),
+                            env: Mapping[str, str] | None = None
+                            ) -> asyncio.subprocess.Process:
+        """Start one more instance of ``service`` (a name of
+        :data:`~phalanx.services.control_plane.SERVICES`), named ``instance`` (its log is
+        ``logs/<instance>.log``); :meth:`restart` starts it again as it was started.
+
+        Args:
+            wrap: a command it runs under, which ends by executing the rest of its command
+                line (``ip netns exec NS``: an instance with a network of its own, which
+                the tests' partition harness cuts from the bus).
+            env: variables it gets beside the cluster's.
+
+        Raises:
+            ClusterError: ``instance`` names a service instance already running.
+        """
+        running = self.services.get(instance)
+        if running is not None and running.returncode is None:
+            raise ClusterError(f"service instance {instance!r} already runs "
+                               f"(pid {running.pid})")
+        process = await self._spawn_service(service, instance, wrap=wrap, env=env)
+        self.state().write(self.data_dir)
+        return process
 
     async def restart(self, name: str) -> asyncio.subprocess.Process:
         """Start a service instance (by instance name) or an agent (by node id) again with

@@ -9,6 +9,9 @@ holds, for one term of leadership:
   revision this leader last wrote or read (fencing: a deposed leader that has
   not noticed yet cannot overwrite its successor, it gets
   :class:`~phalanx.services.lease.LeadershipLost` instead);
+* any other key a term writes that a successor's writes must win over
+  (:class:`FencedKeys`: elasticity's generation records), compare-and-swapped the
+  same way, the first write of a key in a term on the revision read just before;
 * the service's cursor in ``phalanx_cursors``: every event up to it is acted on
   and stored. It is written lazily (a replay of a few events is harmless, each
   job skips what its snapshot reflects), compare-and-swapped as well.
@@ -130,6 +133,40 @@ class JobStateStore(Generic[S]):
             raise LeadershipLost(f"the {self.service} stream cursor was written by another "
                                  "instance") from None
         self.cursor = seq
+
+
+class FencedKeys(Generic[S]):
+    """Keys of ``bucket`` that one term writes, each compare-and-swapped on the revision
+    this term last wrote, or read just before its first write of the key.
+
+    A successor's first write of a key moves its revision on, so a write of the deposed
+    leader that a cut held back and the heal lets through is refused, not applied.
+    """
+
+    def __init__(self, bucket: TypedKV[S], service: str) -> None:
+        self.bucket = bucket
+        self.service = service
+        self._revisions: dict[str, int] = {}
+
+    async def put(self, key: str, value: S) -> None:
+        """Write ``key``, fenced.
+
+        Raises:
+            LeadershipLost: another instance wrote it since this term last did.
+        """
+        revision = self._revisions.get(key)
+        if revision is None:
+            _, revision = await self.bucket.current(key)
+        try:
+            self._revisions[key] = (await self.bucket.update(key, value, revision) if revision
+                                    else await self.bucket.create(key, value))
+        except Conflict:
+            raise LeadershipLost(f"the {self.service} record {key} was written by another "
+                                 "instance") from None
+
+    def forget(self, key: str) -> None:
+        """``key`` is deleted or no longer this term's: its next write reads it afresh."""
+        self._revisions.pop(key, None)
 
 
 class JobRecords:

@@ -82,8 +82,9 @@ class LeaderService(Service, Generic[TermT]):
 
     def start_leadership(self, leases: TypedKV[Lease]) -> None:
         """Contend for the lease from now until the service stops."""
+        assert self.bus is not None
         self.leadership = Leadership(leases, self.lease_key, self.instance, self.lease_s,
-                                     self._term)
+                                     self._term, bus_config=self.bus.config)
         self.keep_running(lambda: self.leadership.run(self.sleep_or_stop), "lease")
 
     async def _term(self) -> None:

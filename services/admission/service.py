@@ -4,7 +4,7 @@ Any number of instances run. Each answers ``submit``/``cancel``/``requeue``/
 ``explain``/``scale`` on the public subjects and forwards the request to the leader's
 subject for that verb, so clients never need to know who leads. One instance
 at a time leads: it holds the ``leader`` lease in the ``phalanx_admission``
-bucket (compare-and-swap renewed every ``lease_s / 3``; a crashed leader is
+bucket (compare-and-swap renewed every ``lease_s / 6``; a crashed leader is
 replaced once its lease expires, a stopped one hands over at once by
 releasing it).
 

@@ -43,6 +43,7 @@ every rank's phases.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import time
 from collections.abc import Callable, Coroutine
@@ -77,6 +78,7 @@ from phalanx.schemas.scaling import ScalingRules
 from phalanx.services import metrics
 from phalanx.services.elasticity import core
 from phalanx.services.elasticity.history import carried
+from phalanx.services.jobstate import FencedKeys
 from phalanx.services.leader import JobEventsLeader, JobTerm
 
 log = logging.getLogger("phalanx.elasticity")
@@ -89,7 +91,12 @@ SNAPSHOT_FORMAT = 1
 CURSOR_EVERY_S = 1.0
 
 
-ElasticityTerm = JobTerm[core.ElasticityCore]
+@dataclasses.dataclass
+class ElasticityTerm(JobTerm[core.ElasticityCore]):
+    """A term of elasticity: its core and job state, and the generation records it
+    writes (fenced: a deposed leader's held-back write is refused by revision)."""
+
+    generations: FencedKeys[Generation] | None = None
 
 
 class ElasticityService(JobEventsLeader[ElasticityTerm]):
@@ -121,7 +128,8 @@ class ElasticityService(JobEventsLeader[ElasticityTerm]):
     # --- a term of leadership -----------------------------------------------------------
 
     def begin_term(self) -> ElasticityTerm:
-        return ElasticityTerm(self.make_core(), *self.job_state())
+        return ElasticityTerm(self.make_core(), *self.job_state(),
+                              generations=FencedKeys(self.generations, LEASE_KEY))
 
     def restore_job(self, term: ElasticityTerm, state: bytes, now: float) -> str:
         return term.core.restore(state)
@@ -139,7 +147,7 @@ class ElasticityService(JobEventsLeader[ElasticityTerm]):
             if job.complete:
                 continue
             if job.current is not None:
-                await self._publish(job.current)
+                await self._publish(term, job.current)
             for replica, slot in sorted(job.launched.items()):
                 if slot in job.slots and core.slot_of(replica)[1] > 0:
                     self._send(core.LaunchReplacement(job.job_id, slot, job.slots[slot],
@@ -197,6 +205,8 @@ class ElasticityService(JobEventsLeader[ElasticityTerm]):
         if known:
             await term.store.forget(job_id)
             metrics.forget_job(job_id, metrics.JOB_WORLD_SIZE, metrics.JOB_GENERATION)
+        assert term.generations is not None
+        term.generations.forget(job_id)
         with contextlib.suppress(PhalanxError):
             await self.generations.delete(job_id)
 
@@ -215,7 +225,7 @@ class ElasticityService(JobEventsLeader[ElasticityTerm]):
     async def _act(self, term: ElasticityTerm, job_id: str, decisions: list[core.Decision],
                    seq: int | None) -> None:
         """Carry out ``decisions``, then store the job's state as of event ``seq``."""
-        await self._execute(decisions)
+        await self._execute(term, decisions)
         for history in term.core.take_histories():
             stored = await self.histories.get(history.job_id)
             await self.histories.put(history.job_id, carried(
@@ -228,7 +238,7 @@ class ElasticityService(JobEventsLeader[ElasticityTerm]):
 
     # --- decisions out ------------------------------------------------------------------
 
-    async def _execute(self, decisions: list[core.Decision]) -> None:
+    async def _execute(self, term: ElasticityTerm, decisions: list[core.Decision]) -> None:
         for decision in decisions:
             match decision:
                 case core.PublishGeneration(generation=g):
@@ -237,7 +247,7 @@ class ElasticityService(JobEventsLeader[ElasticityTerm]):
                                 "phalanx.job": g.job_id, "phalanx.generation": g.generation,
                                 "phalanx.world_size": g.world_size,
                                 "phalanx.reason": g.reason.value}):
-                        await self._publish(g)
+                        await self._publish(term, g)
                     metrics.GENERATIONS.labels(g.reason.value).inc()
                     metrics.JOB_WORLD_SIZE.labels(g.job_id).set(g.world_size)
                     metrics.JOB_GENERATION.labels(g.job_id).set(g.generation)
@@ -251,9 +261,11 @@ class ElasticityService(JobEventsLeader[ElasticityTerm]):
                 case _:
                     raise TypeError(f"unknown decision {decision!r}")
 
-    async def _publish(self, generation: Generation) -> None:
-        assert self.bus is not None
-        await self.generations.put(generation.job_id, generation)
+    async def _publish(self, term: ElasticityTerm, generation: Generation) -> None:
+        """Store the generation (fenced on this term's revision of the job's record),
+        then publish it."""
+        assert self.bus is not None and term.generations is not None
+        await term.generations.put(generation.job_id, generation)
         await self.bus.publish(subjects.job_generation(generation.job_id), generation)
 
     def _send(self, decision: core.LaunchReplacement | core.RetireReplica) -> None:

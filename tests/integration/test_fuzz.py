@@ -161,7 +161,7 @@ async def test_leadership_takes_an_undecodable_lease(bus: Bus) -> None:
             await asyncio.wait_for(stop.wait(), seconds)
         return stop.is_set()
 
-    leadership = Leadership(leases, "fz-service", "me", 1.0, lead)
+    leadership = Leadership(leases, "fz-service", "me", 1.0, lead, bus_config=bus.config)
     running = asyncio.create_task(leadership.run(sleep_or_stop))
     try:
         await asyncio.wait_for(led.wait(), 10)

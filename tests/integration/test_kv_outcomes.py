@@ -74,8 +74,8 @@ async def test_a_create_racing_one_in_flight_on_a_replicated_bucket_loses_cleanl
         async def lead() -> None:
             await asyncio.Event().wait()
 
-        first = Leadership(kv, "svc", "first", 0.6, lead_first)
-        second = Leadership(kv, "svc", "second", 3.0, lead)
+        first = Leadership(kv, "svc", "first", 0.6, lead_first, bus_config=bus.config)
+        second = Leadership(kv, "svc", "second", 3.0, lead, bus_config=bus.config)
         for i in followers:
             os.kill(cluster.servers[i].process.pid, signal.SIGSTOP)  # type: ignore[union-attr]
         try:
@@ -198,21 +198,23 @@ async def test_a_lease_check_that_fails_unexpectedly_steps_down_and_leads_again(
         finally:
             ended.set()
 
-    leadership = Leadership(leases, "svc", "me", 0.6, lead)
-    update = leases.update
+    leadership = Leadership(leases, "svc", "me", 0.6, lead, bus_config=bus.config)
+    update = TypedKV.update
     failures = 0
 
-    async def failing_once(key: str, value: Lease, revision: int) -> int:
+    async def failing_once(self: TypedKV[Lease], key: str, value: Lease,
+                           revision: int) -> int:
         nonlocal failures
         if failures == 0:
             failures += 1
             raise jse.KeyNotFoundError
-        return await update(key, value, revision)
+        return await update(self, key, value, revision)
 
     running = asyncio.create_task(leadership.run(lambda s: wait_set(stop, s)))
     try:
         first = await asyncio.wait_for(terms.get(), 10)
-        monkeypatch.setattr(leases, "update", failing_once)  # the next renewal fails
+        # The next renewal fails (on the lease's own thread and connection: the class's).
+        monkeypatch.setattr(TypedKV, "update", failing_once)
         assert await wait_set(first, 10)
         second = await asyncio.wait_for(terms.get(), 10)
         assert failures == 1 and not second.is_set() and leadership.leading

@@ -3,7 +3,16 @@
 from __future__ import annotations
 
 from phalanx.schemas.messages import Lease
-from phalanx.services.lease import LeadershipLost, Sighting, fenced_out, may_take, sighted
+from phalanx.services.lease import (
+    ACTS_FOR,
+    LeadershipLost,
+    Sighting,
+    acts_until,
+    deposed,
+    fenced_out,
+    may_take,
+    sighted,
+)
 
 
 def test_may_take_absent_own_or_watched_unrenewed_for_a_lease() -> None:
@@ -44,3 +53,12 @@ def test_fenced_out_is_none_when_anything_else_failed() -> None:
     lost = LeadershipLost("taken over")
     assert fenced_out(RuntimeError("bug")) is None
     assert fenced_out(ExceptionGroup("tasks", [lost, ValueError("bug")])) is None
+
+
+def test_a_leader_acts_until_two_thirds_of_a_lease_after_its_last_confirmed_renewal() -> None:
+    """Sent at 100 with a 3 s lease: acting until 102, a standby taking no sooner than 103
+    by the same clock (a third of a lease of margin)."""
+    assert acts_until(100.0, 3.0) == 102.0
+    assert not deposed(100.0, 3.0, 101.99)
+    assert deposed(100.0, 3.0, 102.0)
+    assert acts_until(100.0, 3.0) + 3.0 * (1 - ACTS_FOR) == 100.0 + 3.0

@@ -15,17 +15,22 @@ from phalanx.schemas import settings
 
 
 @pytest.fixture(scope="module")
-async def partitioned(tmp_path_factory: pytest.TempPathFactory
+async def partitioned(request: pytest.FixtureRequest,
+                      tmp_path_factory: pytest.TempPathFactory
                       ) -> AsyncIterator[tuple[NamespacedCluster, Bus, Watch]]:
-    """Two nodes of two slots, each in its namespace; the bus watched from this machine."""
+    """Two nodes of two slots, each in its namespace; the bus watched from this machine.
+    A module's ``CLUSTER`` (a dict of :func:`partitioned_cluster`'s arguments) changes
+    what it starts."""
     why = unavailable()
     if why is not None:
         pytest.skip(f"partition harness: {why}")
     cordon = settings.HEALTH("cordon_faults")
     before = os.environ.get(cordon)
-    os.environ[cordon] = "1000"  # a node cut off is not a bad node
+    # A node cut off, or one whose rank a test killed, is not a bad node.
+    os.environ[cordon] = "1000"
     try:
-        async with partitioned_cluster(tmp_path_factory.mktemp("cluster")) as cluster:
+        async with partitioned_cluster(tmp_path_factory.mktemp("cluster"),
+                                       **getattr(request.module, "CLUSTER", {})) as cluster:
             assert cluster.nats_url is not None
             async with watching(cluster.nats_url) as (bus, watch):
                 yield cluster, bus, watch

@@ -6,7 +6,12 @@ a real host has; nats-server and the control plane's services run on this machin
 a bridge every node's veth is a port of:
 
     host: nats-server on <bus address>, services ── bridge phxp<tag> ── veth ── netns n0
-                                                                    └── veth ── netns n1
+                                                                    ├── veth ── netns n1
+                                                                    └── veth ── netns ctl
+
+A namespace may also host a control-plane instance instead of an agent (``hosts``,
+:meth:`NamespacedCluster.start_service_on`): a leader that a cut of its host cuts from
+the bus.
 
 A node's ``/etc/hosts`` names its own host 127.0.1.1, as Debian's does: a node whose
 advertised address followed its host name (gloo's listening address, the buddies'
@@ -33,6 +38,7 @@ after any test, failed or not; a namespace's processes are SIGKILLed first.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import ctypes
 import dataclasses
@@ -357,11 +363,20 @@ def network(node_ids: Sequence[str]) -> Iterator[Network]:
 
 class NamespacedCluster(LocalCluster):
     """A :class:`LocalCluster` whose agents each run as a node of ``net``, told its
-    address."""
+    address: the first ``agents`` of its nodes (all by default); the others are hosts
+    for control-plane instances (:meth:`start_service_on`)."""
 
-    def __init__(self, net: Network, data_dir: Path, **options: object) -> None:
-        super().__init__(data_dir, agents=len(net.nodes), **options)  # type: ignore[arg-type]
+    def __init__(self, net: Network, data_dir: Path, *, agents: int | None = None,
+                 **options: object) -> None:
+        super().__init__(data_dir, agents=len(net.nodes) if agents is None else agents,
+                         **options)  # type: ignore[arg-type]
         self.net = net
+
+    async def start_service_on(self, host: str, service: str,
+                               instance: str) -> asyncio.subprocess.Process:
+        """Start an instance of ``service`` as ``host`` of the network (its namespace, host
+        name and address), where a cut of ``host`` cuts it from the bus."""
+        return await self.start_service(service, instance, wrap=self.net.nodes[host].wrap())
 
     async def start_agent(self, node_id: str, domain: str, *, wrap: Sequence[str] = (),
                           env: Mapping[str, str] | None = None) -> None:
@@ -372,22 +387,25 @@ class NamespacedCluster(LocalCluster):
 
 @contextlib.asynccontextmanager
 async def partitioned_cluster(data_dir: Path, nodes: int = 2, slots_per_agent: int = 2,
-                              heartbeat_interval_s: float = 0.2,
-                              lost_after_s: float = 3.0) -> AsyncIterator[NamespacedCluster]:
+                              heartbeat_interval_s: float = 0.2, lost_after_s: float = 3.0,
+                              hosts: Sequence[str] = (), **options: object
+                              ) -> AsyncIterator[NamespacedCluster]:
     """A network of ``nodes`` nodes, nats-server on its bus address, and a local cluster on
     it (every service, and an agent per node in its namespace); everything stopped and
-    removed after.
+    removed after. ``hosts`` are namespaces of the network with no agent, for
+    control-plane instances; ``options`` go to the cluster (``elasticity_instances``).
 
     Raises:
         ClusterError: the cluster did not start (an agent's log tail in the message).
     """
-    with network([f"local-{i}" for i in range(nodes)]) as net:
+    with network([*(f"local-{i}" for i in range(nodes)), *hosts]) as net:
         (data_dir / "logs").mkdir(parents=True, exist_ok=True)
         with NatsServer(data_dir / "jetstream", port=0, host=net.bus_address,
                         log_path=data_dir / "logs" / "nats.log") as nats:
             cluster = NamespacedCluster(
-                net, data_dir, slots_per_agent=slots_per_agent, nats_url=nats.url,
-                heartbeat_interval_s=heartbeat_interval_s, lost_after_s=lost_after_s)
+                net, data_dir, agents=nodes, slots_per_agent=slots_per_agent,
+                nats_url=nats.url, heartbeat_interval_s=heartbeat_interval_s,
+                lost_after_s=lost_after_s, **options)
             try:
                 await cluster.start()
                 yield cluster
