@@ -20,7 +20,6 @@ column s's snapshots (the model's shard s), on its node, a buddy's, or fetched.
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
 from collections.abc import AsyncIterator
@@ -31,7 +30,7 @@ import msgspec
 import pytest
 import torch
 from e2e_cli import next_of, phalanx
-from test_elastic import drain, watched_cluster, without_lost_work
+from test_elastic import drain, kill_every_rank, watched_cluster, without_lost_work
 
 from phalanx.runtime import record
 from phalanx.runtime.data import ElasticOrder
@@ -45,7 +44,6 @@ from phalanx.schemas.messages import (
     ReplicaRange,
 )
 from phalanx.services.client import AdmissionClient
-from phalanx.services.manifest import running_in_manifest
 
 pytestmark = pytest.mark.timeout(600)
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
@@ -176,19 +174,6 @@ async def test_hsdp_scales_by_whole_groups_3_2_3_as_it_trains_alone(
     left = next(m.replica_id for m in start.members if leave.member(m.replica_id) is None)
     for name in (left, f"{left}.g1"):  # both ranks of the group left after an agreed step
         assert records[name][-1]["kind"] == "left" and records[name][-1]["planned"]
-
-
-def kill_every_rank(cluster_dir: Path, job_id: str) -> list[int]:
-    """Freeze every rank of ``job_id`` the agents run, every group's every rank (none
-    trains on while the others die), then SIGKILL them all; their pids."""
-    pids = sorted({pid for manifest in cluster_dir.glob("agents/*/ranks.json")
-                   for rank in running_in_manifest(manifest) if rank["job_id"] == job_id
-                   for pid in [rank["pid"], *(m["pid"] for m in rank.get("group", []))]})
-    for pid in pids:
-        os.kill(pid, signal.SIGSTOP)
-    for pid in pids:
-        os.kill(pid, signal.SIGKILL)
-    return pids
 
 
 async def test_hsdp_restores_every_groups_shards_from_memory_after_every_rank_is_killed(
