@@ -261,11 +261,12 @@ class ElasticSession:
             if is_sharded(optimizer):
                 raise ValueError("a replica group's model is sharded already: its optimizer "
                                  "steps its own shards, not a ZeroRedundancyOptimizer")
-            if snapshot_interval is not None or durable is not None:
-                # Not built for groups yet: the shards would mix in one replica's files.
-                log.warning("checkpoints of a replica group (ranks_per_replica > 1) are not "
-                            "taken yet: this job recovers from its live groups only")
-                snapshot_interval = durable = None
+            if durable is not None:
+                # Not built for groups yet: DCP's sharded format, resumable at another S.
+                log.warning("the durable tier is not taken for a replica group "
+                            "(ranks_per_replica > 1) yet: this job recovers from its live "
+                            "groups and the nodes' memory only")
+                durable = None
             landing = []
         device = model_device(trained)  # the model's, and what the session allocates
         chosen = choose_backend(backend, device)
@@ -298,7 +299,8 @@ class ElasticSession:
             snapshots=Snapshotter(
                 bus, job_id, replica_id, node_id, keep=snapshot_keep, durable=writer,
                 schedule=SnapshotSchedule(dataclasses.replace(
-                    snapshot_interval, durable_every=durable.every if durable else 0)))
+                    snapshot_interval, durable_every=durable.every if durable else 0)),
+                column=(0, 1) if group is None else (group.rank, group.size))
             if bus is not None and snapshot_interval is not None and snapshot_dir else None,
             snapshot_dir=snapshot_dir, durable=durable, chaos=chaos.Plan.of(chaos_kill),
             on_membership=on_membership, group=group,

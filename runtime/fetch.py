@@ -87,7 +87,8 @@ def fetch_missing(s: SessionState, seat: Seat, generation: Generation,
         try:
             answer = s.bus.request(subjects.ckpt_resume(), ResumeRequest(
                 job_id=s.replica.job_id, world_size=seat.world_size, at_nodes=at_nodes,
-                memory_only=True), ResumeAnswer, CATALOG_TIMEOUT_S, seat.heartbeat)
+                memory_only=True, column=s.column), ResumeAnswer, CATALOG_TIMEOUT_S,
+                seat.heartbeat)
             data = encode(answer)
         except (PhalanxError, OSError) as exc:
             log.warning("%s: where the job's snapshots are is not known (%s): the restore "
@@ -114,7 +115,8 @@ def fetch_missing(s: SessionState, seat: Seat, generation: Generation,
 
     for shard, holders in mine:
         request = ReplicaFetch(job_id=s.replica.job_id, step=answer.step, shard=shard,
-                               shards=answer.shards, to_node=s.replica.node_id)
+                               shards=answer.shards, to_node=s.replica.node_id,
+                               column=s.column)
 
         def ask(holder: str, left: float, request: ReplicaFetch = request) -> int:
             return bus.request(subjects.agent_fetch(holder, s.replica.job_id), request,

@@ -10,6 +10,11 @@ memcpy per tensor; :func:`load_flat` and :func:`load_tensors` load such bytes ba
 a model, an optimizer and the registered objects, refusing a state that does not fit.
 The in-memory snapshots (:mod:`.snapshot`) and the durable tier (:mod:`.durable`) both
 write and read this layout.
+
+A model sharded in a replica group (:mod:`.replica_group`: FSDP2's DTensors) is laid
+out as this rank's local shards, with what makes each optimizer tensor a DTensor again
+(its :class:`~.replica_group.ShardSpec`, in the meta): rank ``s`` of a group writes and
+loads shard ``s`` only, never the model whole.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ from typing import Any, cast
 
 import torch
 
+from phalanx.runtime.replica_group import local, meshes_of, rewrap, shard_spec
 from phalanx.runtime.sharded import Sharded
 from phalanx.runtime.state import _fill, _strip
 from phalanx.schemas import snapshot_file
@@ -67,11 +73,13 @@ def flat_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer | Sharde
     are this rank's alone (:attr:`FlatState.owned`).
     """
     model_state = model.state_dict()
-    model_tensors = [t.detach() for t in model_state.values()]
+    model_tensors = [local(t).detach() for t in model_state.values()]
     stripped: list[torch.Tensor] = []
     optimizer_skeleton = _strip(optimizer.replicated_state() if isinstance(optimizer, Sharded)
                                 else optimizer.state_dict(), stripped)
     extra_skeletons = {name: _strip(obj.state_dict(), stripped) for name, obj in extra.items()}
+    shards = [shard_spec(t) for t in stripped]  # a DTensor's, to make it one again
+    stripped = [local(t) for t in stripped]
     tensors = [_bytes_of(t.detach()) for t in model_tensors + stripped]
     offsets, total = snapshot_file.layout([t.numel() for t in tensors])
     # The RNG state as bytes: pickled as a tensor it took 0.1 ms of the meta's 0.12 ms,
@@ -82,6 +90,8 @@ def flat_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer | Sharde
             "model_names": list(model_state),
             "tensors": [(tuple(t.shape), str(t.dtype)) for t in model_tensors + stripped],
             "offsets": offsets, "total": total}
+    if any(spec is not None for spec in shards):
+        meta["shards"] = shards
     owned = _owned_flat(optimizer.owned_state()) if isinstance(optimizer, Sharded) else None
     if owned is not None:
         meta["owned"] = owned.meta
@@ -165,7 +175,7 @@ def load_tensors(tensors: list[torch.Tensor], meta: dict[str, Any], model: torch
     Raises:
         SnapshotFileError: the snapshot does not fit this model or these registered objects.
     """
-    model_tensors = [t.detach() for t in model.state_dict().values()]
+    model_tensors = [local(t).detach() for t in model.state_dict().values()]
     if meta["model_tensors"] != len(model_tensors) or sorted(meta["extra"]) != sorted(extra):
         raise SnapshotFileError(
             f"the snapshot holds {meta['model_tensors']} model tensors and "
@@ -181,6 +191,11 @@ def load_tensors(tensors: list[torch.Tensor], meta: dict[str, Any], model: torch
             with torch.no_grad():
                 mine.copy_(tensor)
     rest = tensors[len(model_tensors):]
+    if "shards" in meta:  # a replica group rank's shards: DTensors over its group's mesh
+        meshes = meshes_of(model)
+        device = model_tensors[0].device
+        rest = [rewrap(t if spec is None else t.to(device), spec, meshes)
+                for t, spec in zip(rest, meta["shards"], strict=True)]
     optimizer_state = _fill(meta["optimizer"], rest)
     if owned is not None:
         optimizer_state = {**optimizer_state, "state": dict(sorted(owned.items()))}

@@ -232,11 +232,15 @@ def _restore_snapshot(s: SessionState, seat: Seat, generation: Generation,
             tier=SnapshotTier.BUDDY if replica else SnapshotTier.LOCAL,
             nbytes=header.length, checksum=f"{header.checksum:016x}",
             created_at=time.time(), generation=header.generation,
-            total_bytes=header.total, corrupt=True, detail=problem))
+            total_bytes=header.total, corrupt=True, detail=problem,
+            column=header.column, columns=header.columns))
 
+    group = s.group
     restored = restore(seat.pg, seat.wait, seat.rank, seat.world_size, Path(s.snapshot_dir),
                        s.replica.job_id, members_step, s.model, s.optimizer_state, s.carried,
-                       report, _keeps(s, seat))
+                       report, _keeps(s, seat),
+                       column=(0, 1) if group is None else (group.rank, group.size),
+                       agree=None if group is None else group.agree)
     if restored is None:
         return None
     s.committed = restored.step

@@ -37,6 +37,15 @@ check their copies' checksums, the members agree on one good copy per shard,
 and each shard is broadcast to everyone, who then loads the whole state. A
 copy that fails its checksum is never loaded: it is reported and the next copy
 of the shard, or the next older step, is used.
+
+**Replica groups.** Rank ``s`` of a group of ``S`` holds shard ``s`` of the model:
+its state is column ``s``'s, snapshotted in rings of its own (the header's column),
+and restored over the column's process group from column ``s``'s buffers only, so
+rank ``s`` of each restored group loads shard ``s``, and nothing is gathered whole.
+The columns restore together: a group's ranks must hold one step, so each column's
+candidates are summed over the group (:data:`Agree`, the group's own all-reduce) and
+only steps complete in every column count (:func:`in_every_column`), newest first;
+a step one column cannot read (a checksum failed) is given up by every column.
 """
 
 from __future__ import annotations
@@ -85,6 +94,8 @@ META_SLACK = 64 * 1024  # room for the meta section to grow without a new reserv
 RESERVE_TIMEOUT_S = 10.0
 #: After the agent did not answer a reservation (down, restarting), ask again no sooner.
 RESERVE_RETRY_S = 2.0
+#: A replica group's sum over its ranks (:meth:`.replica_group.ReplicaGroup.agree`).
+Agree = Callable[[torch.Tensor], torch.Tensor]
 
 
 class Snapshotter:
@@ -101,12 +112,16 @@ class Snapshotter:
             the one being persisted is never overwritten and the newest commit still is
             not either.
         clock: seconds, for when to ask an agent that did not answer again.
+        column: ``(s, S)``: this rank is rank ``s`` of a replica group of ``S``; its
+            state (shard ``s`` of the model) is column ``s``'s, snapshotted apart.
     """
 
     def __init__(self, bus: BusThread, job_id: str, replica_id: str, node_id: str, *,
                  schedule: SnapshotSchedule, keep: int = 2, durable: Any = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic,
+                 column: tuple[int, int] = (0, 1)) -> None:
         self.bus, self.job_id, self.replica_id, self.node_id = bus, job_id, replica_id, node_id
+        self.column = column
         self.clock = clock
         # When to ask an agent that did not answer again: a refusal (the node's bound)
         # holds for the generation, an agent restarting for a moment only.
@@ -202,7 +217,7 @@ class Snapshotter:
         """Write the share into buffer ``at`` (from ``staged``, its bytes copied off the
         device, if given), hand it to the durable tier when due, announce it."""
         header = write_share(memoryview(self._buffers[at]), state, meta, self.job_id, step,
-                             generation, rank, world_size, staged)
+                             generation, rank, world_size, staged, self.column)
         if self.durable_every and step % self.durable_every == 0 and self.durable is not None \
                 and not self.durable.submit(self._paths[at], header):
             log.warning("durable step %d skipped: the previous one is still being written "
@@ -211,13 +226,14 @@ class Snapshotter:
             job_id=self.job_id, step=step, shard=rank, num_shards=world_size,
             node_id=self.node_id, tier=SnapshotTier.LOCAL, nbytes=header.length,
             checksum=f"{header.checksum:016x}", created_at=time.time(), generation=generation,
-            total_bytes=state.total))
+            total_bytes=state.total, column=header.column, columns=header.columns))
 
     def _reserve(self, shard: int, shards: int, nbytes: int, generation: int,
                  step: int) -> bool:
         assert self.bus.bus is not None
         request = SnapshotReserve(job_id=self.job_id, replica_id=self.replica_id, shard=shard,
-                                  shards=shards, nbytes=nbytes, buffers=self.keep)
+                                  shards=shards, nbytes=nbytes, buffers=self.keep,
+                                  column=self.column[0])
         try:
             reply = self.bus.run(self.bus.bus.request(
                 subjects.agent_snapshot(self.node_id), request, SnapshotReservation,
@@ -247,13 +263,15 @@ class Snapshotter:
 
 def write_share(buffer: memoryview, state: FlatState, meta: bytes, job_id: str, step: int,
                 generation: int, shard: int, shards: int,
-                staged: torch.Tensor | None = None) -> Header:
+                staged: torch.Tensor | None = None, column: tuple[int, int] = (0, 1)) -> Header:
     """Write shard ``shard`` of ``shards`` of ``state`` (and its pickled ``meta``) into
     ``buffer``, committed last (:func:`~.snapshot_file.write`): one copy of the share, and
     of the owned extent after it if the state has one; ``staged``: those bytes, already
-    copied off the device (:class:`DeviceStaging`), copied from there instead."""
+    copied off the device (:class:`DeviceStaging`), copied from there instead;
+    ``column``: the replica group column ``(s, S)`` whose state it is."""
     offset, length = state.extent(shard, shards)
-    header = Header(job_id, step, generation, shard, shards, state.total, offset, length, 0, 0)
+    header = Header(job_id, step, generation, shard, shards, state.total, offset, length, 0, 0,
+                    *column)
     owned = state.owned
 
     def fill(data: memoryview) -> None:
@@ -296,12 +314,14 @@ class Held:
         return [1, self.step, self.shard, self.shards, self.total, self.generation]
 
 
-def held_in(store: Path, job_id: str) -> list[Held]:
-    """The committed buffers of ``job_id`` in a node's store directory (headers only)."""
+def held_in(store: Path, job_id: str, column: tuple[int, int] = (0, 1)) -> list[Held]:
+    """The committed buffers of ``job_id`` in a node's store directory (headers only), of
+    replica group column ``column`` (``(s, S)``)."""
     found = []
     for path in sorted(store.glob("*")) if store.is_dir() else []:
         header = snapshot_file.committed_header(path)
-        if header is not None and header.job_id == job_id:
+        if header is not None and header.job_id == job_id \
+                and (header.column, header.columns) == column:
             found.append(Held(header.step, header.shard, header.shards, header.total,
                               header.generation, path))
     return found
@@ -346,6 +366,30 @@ def plan_restore(held: Sequence[Sequence[Held]], newer_than: int) -> list[Candid
     return sorted(candidates, key=lambda c: (-c.step, -c.generation, c.shards))
 
 
+def in_every_column(columns: Sequence[Sequence[tuple[int, int]]]) -> set[tuple[int, int]]:
+    """The ``(step, generation)`` pairs every column's candidates name (pure): the steps a
+    replica group can restore, each of its ranks its own column's shard of one step."""
+    if not columns:
+        return set()
+    common = set(columns[0])
+    for candidates in columns[1:]:
+        common &= set(candidates)
+    return common
+
+
+def _agreed(candidates: list[Candidate], agree: Agree, column: tuple[int, int]
+            ) -> list[Candidate]:
+    """Of this column's ``candidates``, those every column of the group holds: each rank
+    puts its column's in its row, the group sums the rows."""
+    rows = torch.zeros(column[1], MAX_HELD, 3, dtype=torch.float64)
+    for i, c in enumerate(candidates[:MAX_HELD]):
+        rows[column[0], i] = torch.tensor([1.0, c.step, c.generation], dtype=torch.float64)
+    summed = agree(rows).to(torch.int64).tolist()
+    common = in_every_column([[(step, generation) for present, step, generation in row
+                               if present] for row in summed])
+    return [c for c in candidates if (c.step, c.generation) in common]
+
+
 @dataclasses.dataclass(frozen=True)
 class SnapshotRestored:
     """What a restore from the nodes' memory brought back."""
@@ -360,7 +404,8 @@ def restore(pg: Group, wait: Wait, rank: int, world_size: int, store: Path,
             job_id: str, newer_than: int, model: torch.nn.Module,
             optimizer: torch.optim.Optimizer | Sharded, extra: Mapping[str, Any],
             report: Callable[[Header, str, bool], None],
-            keep: Callable[[int], bool] | None = None) -> SnapshotRestored | None:
+            keep: Callable[[int], bool] | None = None, column: tuple[int, int] = (0, 1),
+            agree: Agree | None = None) -> SnapshotRestored | None:
     """Restore the newest step the members' nodes hold, newer than ``newer_than``, into
     every member's ``model``, ``optimizer`` and ``extra`` (and RNG); None when there is
     none. A collective: every member of ``pg`` calls it with the same ``newer_than``.
@@ -369,16 +414,22 @@ def restore(pg: Group, wait: Wait, rank: int, world_size: int, store: Path,
     on this member (it is skipped; another copy or an older step is used); ``replica``:
     the copy is a buddy's replica on this node, not a rank's own snapshot. ``keep``: a
     sharded optimizer's new partition (:meth:`~.sharded.Sharded.keeps`): only the entries
-    of the global parameter indices it accepts are built and loaded.
+    of the global parameter indices it accepts are built and loaded. ``column``: this
+    rank is rank ``s`` of a replica group of ``S`` (``(s, S)``) and ``pg`` its column's
+    group: column ``s``'s buffers are restored, at a step every column restores (the
+    group's ranks sum what they hold with ``agree``; see the module docstring).
     """
-    mine = held_in(store, job_id)[:MAX_HELD]
+    mine = held_in(store, job_id, column)[:MAX_HELD]
     rows = torch.zeros(world_size, MAX_HELD, len(Held(0, 0, 0, 0).row()), dtype=torch.int64)
     for i, h in enumerate(mine):
         rows[rank, i] = torch.tensor(h.row())
     wait(pg.allreduce([rows]))
     held = [[Held(*row[1:]) for row in member.tolist() if row[0]] for member in rows]
     corrupt: list[str] = []
-    for candidate in plan_restore(held, newer_than):
+    candidates = plan_restore(held, newer_than)
+    if agree is not None:
+        candidates = _agreed(candidates, agree, column)
+    for candidate in candidates:
         # Each member checks the copies its node holds; all agree on one good copy a shard.
         good = torch.zeros(world_size, candidate.shards, dtype=torch.int64)
         verified: dict[int, tuple[mmap.mmap, Header]] = {}
@@ -404,7 +455,11 @@ def restore(pg: Group, wait: Wait, rank: int, world_size: int, store: Path,
         wait(pg.allreduce([good]))
         holders = [next((r for r in range(world_size) if good[r, s]), None)
                    for s in range(candidate.shards)]
-        if None in holders:
+        readable = None not in holders
+        if agree is not None:  # the group's columns restore one step or none of them
+            lacking = agree(torch.tensor([0.0 if readable else 1.0], dtype=torch.float64))
+            readable = float(lacking[0]) == 0.0
+        if not readable:
             for buffer, _ in verified.values():
                 buffer.close()
             continue  # a shard with no good copy: the next older step

@@ -187,7 +187,8 @@ class StepRunner:
                                         step.indices, metrics))
         if state.group is not None:
             completed = summed is not None
-            summed, why = self._agree_in_group(summed, len(metrics))
+            summed, why = self._agree_in_group(summed, len(metrics),
+                                               len(metrics) + len(buffers))
             if why is not None and completed:  # its column completed, another did not
                 log.warning("step %d aborted: %s", step.index, why)
                 membership.give_up(step.index, why)
@@ -204,19 +205,24 @@ class StepRunner:
             membership.agree_to_switch()
         return True
 
-    def _agree_in_group(self, summed: torch.Tensor | None,
-                        metrics: int) -> tuple[torch.Tensor | None, Aborted | None]:
+    def _agree_in_group(self, summed: torch.Tensor | None, metrics: int,
+                        measured: int) -> tuple[torch.Tensor | None, Aborted | None]:
         """A replica group's ranks commit the step or give it up as one
         (:meth:`.replica_group.ReplicaGroup.agree`): ``summed`` (this rank's column's
-        sums; None: its all-reduce was aborted) with the metrics and the switch flag
-        summed over the group's columns, or None with why the group gave the step up."""
+        sums; None: its all-reduce was aborted) with the metrics, the snapshot
+        measurements (at ``measured``) and the switch flag summed over the group's
+        columns, or None with why the group gave the step up. Every column then agrees
+        on one snapshot interval, from the whole job's measurements: a group's ranks
+        snapshot the same steps (a restore needs every column's shard of one step)."""
         group = self.state.group
         assert group is not None
-        column = summed if summed is not None else torch.zeros(metrics + 1,
-                                                               dtype=torch.float64)
+        at = slice(measured, measured + TAIL_LENGTH)
+        column = summed if summed is not None else torch.zeros(
+            measured + TAIL_LENGTH + 1, dtype=torch.float64)
         verdict = group.agree(torch.cat([
             torch.tensor([0.0 if summed is not None else 1.0], dtype=torch.float64),
-            column[:metrics].to(torch.float64), column[-1:].to(torch.float64)]))
+            column[:metrics].to(torch.float64), column[at].to(torch.float64),
+            column[-1:].to(torch.float64)]))
         if verdict[0] > 0:
             return None, Aborted(f"{int(verdict[0])} of this replica group's ranks lost "
                                  "the step's all-reduce")
@@ -224,6 +230,7 @@ class StepRunner:
         out = summed.clone()
         # Each data shard's loss and metrics were counted by every rank that trained on it.
         out[:metrics] = (verdict[1:1 + metrics] / group.copies).to(out.dtype)
+        out[at] = verdict[1 + metrics:1 + metrics + TAIL_LENGTH].to(out.dtype)
         out[-1] = verdict[-1]
         return out, None
 

@@ -1168,8 +1168,14 @@ class SnapshotRecord(Message, tag="phalanx.snapshot_record.v1", frozen=True):
     detail: Annotated[str, msgspec.Meta(max_length=DETAIL_CHARS)] = ""
     #: Where a durable copy is (required for tier ``durable``, empty for the others).
     location: Location = ""
+    #: A replica group's rank whose state the shard is of (its column; 0 with one rank
+    #: per replica): each column of a job of groups is a state of its own.
+    column: NonNegInt = 0
+    columns: PosInt = 1  # S: the ranks of a replica group
 
     def __post_init__(self) -> None:
+        if self.column >= self.columns:
+            raise ValueError(f"column {self.column} out of range for {self.columns} columns")
         if self.shard >= self.num_shards:
             raise ValueError(f"shard {self.shard} out of range for {self.num_shards} shards")
         if (self.tier is SnapshotTier.DURABLE) != bool(self.location):
@@ -1187,6 +1193,9 @@ class SnapshotReserve(Message, tag="phalanx.snapshot_reserve.v1", frozen=True):
     shards: PosInt
     nbytes: Annotated[int, msgspec.Meta(ge=1, le=1 << 44)]
     buffers: Annotated[int, msgspec.Meta(ge=2, le=16)] = 2
+    #: A replica group's rank whose state the shard is of (its column; 0 with one rank
+    #: per replica): each column of a job of groups is a state of its own.
+    column: NonNegInt = 0
 
     def __post_init__(self) -> None:
         if self.shard >= self.shards:
@@ -1214,15 +1223,20 @@ class ShardCopy(Part, frozen=True):
     generation: NonNegInt = 0
     corrupt: bool = False
     location: Location = ""
+    #: A replica group's rank whose state the shard is of (its column; 0 with one rank
+    #: per replica): each column of a job of groups is a state of its own.
+    column: NonNegInt = 0
 
 
 class CatalogStep(Part, frozen=True):
-    """What the catalog knows of one step: its shard count and every copy seen."""
+    """What the catalog knows of one step: its shard count and every copy seen; a job
+    of replica groups has ``shards`` shards of each of its ``columns``."""
 
     step: NonNegInt
     shards: PosInt
-    total_bytes: NonNegInt = 0
+    total_bytes: NonNegInt = 0  # of the first column announced
     copies: list[ShardCopy] = []
+    columns: PosInt = 1
 
 
 class CheckpointCatalog(Message, tag="phalanx.checkpoint_catalog.v1", frozen=True):
@@ -1275,12 +1289,14 @@ class ResumeRequest(Message, tag="phalanx.resume_request.v1", frozen=True):
 
     ``at_nodes``: the nodes that will restore (a generation's members'): a copy in their
     memory is nearer than any other. ``memory_only``: only copies in nodes' memory count
-    (own or buddy), as when the members look for what to fetch before a restore."""
+    (own or buddy), as when the members look for what to fetch before a restore.
+    ``column``: the replica-group column asked about (each restores apart)."""
 
     job_id: Ident
     world_size: PosInt
     at_nodes: Annotated[list[Ident], msgspec.Meta(max_length=MAX_REPLICAS)] = []
     memory_only: bool = False
+    column: NonNegInt = 0
 
 
 class ResumeAnswer(Message, tag="phalanx.resume_answer.v1", frozen=True):
@@ -1307,6 +1323,9 @@ class ReplicaFetch(Message, tag="phalanx.replica_fetch.v1", frozen=True):
     shard: NonNegInt
     shards: PosInt
     to_node: Ident
+    #: A replica group's rank whose state the shard is of (its column; 0 with one rank
+    #: per replica): each column of a job of groups is a state of its own.
+    column: NonNegInt = 0
 
     def __post_init__(self) -> None:
         if self.shard >= self.shards:

@@ -6,7 +6,10 @@ a *meta* section (opaque bytes: the runtime pickles the step's non-tensor
 state into it), then the shard's bytes. The header names the job, the step,
 the generation, the shard and the shard count, the total state size, the
 shard's offset and length, the meta length, an xxh3-64 checksum of meta and
-shard bytes, and ends with a CRC-32 of itself.
+shard bytes, the *column* (a replica group's rank ``s`` of ``S``: every column
+of a job of replica groups is a state of its own, rank ``s``'s model shard,
+snapshotted and restored apart; 0 of 1 with one rank per replica), and ends
+with a CRC-32 of itself.
 
 Writing (:func:`write`) marks the header *writing* first, then writes meta
 and bytes, then the checksum, and the header marked *committed* last: that
@@ -40,14 +43,14 @@ import xxhash
 #: A buffer file named with this prefix is a replica of another node's buffer, kept by
 #: this node's agent for its buddy (``buddy.<node>.<ring buffer name>``).
 REPLICA_PREFIX = "buddy."
-MAGIC = b"PHXSNAP2"  # 2: the flat state's tensors start at multiples of ALIGN
+MAGIC = b"PHXSNAP3"  # 2: tensors start at multiples of ALIGN; 3: the column
 HEADER_BYTES = 4096
 #: Bytes the flat state's tensors and the shares' cuts are aligned to (the widest element).
 ALIGN = 16
 _WRITING, _COMMITTED = 1, 2
 # magic, mark, job (64 bytes), step, generation, shard, shards, total, offset, length,
-# meta length, checksum; then the CRC-32 of all of that.
-_LAYOUT = struct.Struct("<8sI64sqqiiqqqqQ")
+# meta length, checksum, column, columns; then the CRC-32 of all of that.
+_LAYOUT = struct.Struct("<8sI64sqqiiqqqqQii")
 _CRC = struct.Struct("<I")
 
 
@@ -69,6 +72,9 @@ class Header:
     length: int  # this shard's bytes
     meta_length: int
     checksum: int  # xxh3-64 of meta + shard bytes
+    #: A replica group's rank whose state this is (its column), of ``columns`` (S).
+    column: int = 0
+    columns: int = 1
 
     def pack(self, mark: int) -> bytes:
         job = self.job_id.encode()
@@ -76,7 +82,7 @@ class Header:
             raise SnapshotFileError(f"job id {self.job_id!r} longer than 64 bytes")
         body = _LAYOUT.pack(MAGIC, mark, job, self.step, self.generation, self.shard,
                             self.shards, self.total, self.offset, self.length,
-                            self.meta_length, self.checksum)
+                            self.meta_length, self.checksum, self.column, self.columns)
         return body + _CRC.pack(zlib.crc32(body))
 
     @property

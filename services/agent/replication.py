@@ -238,7 +238,8 @@ class ReplicaListener:
                     num_shards=header.shards, node_id=self.node_id, tier=SnapshotTier.BUDDY,
                     nbytes=header.length, checksum=f"{header.checksum:016x}",
                     created_at=time.time(), generation=header.generation,
-                    total_bytes=header.total, detail=f"replica of {source}'s {ring}"))
+                    total_bytes=header.total, detail=f"replica of {source}'s {ring}",
+                    column=header.column, columns=header.columns))
             except Exception as exc:
                 log.warning("%s kept but not announced to the catalog: %s", what, exc)
 

@@ -70,12 +70,13 @@ class SnapshotEndpoints:
         listener, for a generation about to restore there (404: no committed copy here,
         or no such node; 409: the node is this one; 503: it could not be sent)."""
         node = self.node_id
-        what = (f"shard {request.shard}/{request.shards} of {request.job_id} step "
-                f"{request.step}")
+        what = (f"shard {request.shard}/{request.shards}"
+                f"{f' of column {request.column}' if request.column else ''} of "
+                f"{request.job_id} step {request.step}")
         if request.to_node == node:
             raise RequestRefused("409", f"{what} is asked for {node}, which is this node")
         found = self.store.copy_of(request.job_id, request.step, request.shards,
-                                   request.shard)
+                                   request.shard, request.column)
         if found is None:
             raise RequestRefused("404", f"{node} holds no committed copy of {what}")
         record = await self.node_record(request.to_node)

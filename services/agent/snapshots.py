@@ -7,10 +7,12 @@ they outlive the rank that wrote them, so a job whose ranks all died resumes
 from them, and the agent is what bounds and frees them.
 
 * **Reservation.** A rank asks once per membership for a ring of buffers for
-  its shard (:meth:`SnapshotStore.reserve`): ``<root>/<job>/w<shards>-s<shard>.<i>``,
-  sized with ``ftruncate`` (tmpfs pages are taken only as they are written). A
-  file that exists is kept and only grown, never shrunk or cleared, so the
-  snapshots it holds stay readable for the restore that comes first.
+  its shard (:meth:`SnapshotStore.reserve`): ``<root>/<job>/w<shards>-s<shard>.<i>``
+  (``w<shards>-s<shard>-c<column>.<i>`` for column ``s`` > 0 of a job of replica
+  groups: each group rank's shard of the model is a state of its own), sized with
+  ``ftruncate`` (tmpfs pages are taken only as they are written). A file that
+  exists is kept and only grown, never shrunk or cleared, so the snapshots it
+  holds stay readable for the restore that comes first.
 * **Bound.** The bytes of every buffer file count against ``limit`` (default:
   half the tmpfs); a reservation that would pass it is refused with
   :class:`SnapshotRefused` naming the numbers, and the rank trains on without
@@ -80,9 +82,16 @@ from phalanx.schemas.snapshot_file import Header
 from phalanx.services.agent.core import JobUser
 
 log = logging.getLogger("phalanx.agent.snapshots")
-_RING_FILE = re.compile(r"^w(?P<shards>\d+)-s(?P<shard>\d+)\.(?P<i>\d+)$")
+_RING_FILE = re.compile(
+    r"^w(?P<shards>\d+)-s(?P<shard>\d+)(?:-c(?P<column>[1-9]\d*))?\.(?P<i>\d+)$")
 _REPLICA_FILE = re.compile(rf"^{re.escape(snapshot_file.REPLICA_PREFIX)}"
-                           r"(?P<source>[A-Za-z0-9_\-]+)\.(?P<ring>w\d+-s\d+\.\d+)$")
+                           r"(?P<source>[A-Za-z0-9_\-]+)\.(?P<ring>w\d+-s\d+(?:-c\d+)?\.\d+)$")
+
+
+def ring_name(shards: int, shard: int, column: int, i: int) -> str:
+    """The name of buffer ``i`` of the ring of shard ``shard`` of ``shards`` (of replica
+    group column ``column``)."""
+    return f"w{shards}-s{shard}{f'-c{column}' if column else ''}.{i}"
 
 class SnapshotRefused(PhalanxError, OSError):
     """A reservation would take the node's snapshot memory past its bound."""
@@ -230,7 +239,7 @@ class SnapshotStore:
             SnapshotRefused: the buffers would take the store past its limit.
         """
         directory = self.job_dir(request.job_id)
-        paths = [directory / f"w{request.shards}-s{request.shard}.{i}"
+        paths = [directory / ring_name(request.shards, request.shard, request.column, i)
                  for i in range(request.buffers)]
         sizes = {path: size for path, size in self._files()}
         more = sum(max(0, request.nbytes - sizes.get(path, 0)) for path in paths)
@@ -282,15 +291,17 @@ class SnapshotStore:
             raise ValueError(f"{path.name} is not a ring buffer file")
         return int(ring["shards"])
 
-    def copy_of(self, job_id: str, step: int, shards: int, shard: int
+    def copy_of(self, job_id: str, step: int, shards: int, shard: int, column: int = 0
                 ) -> tuple[Path, Header, str | None] | None:
-        """A committed copy held here of shard ``shard`` of ``shards`` of ``job_id``'s
-        snapshot of ``step``: its file, its header, and whose ring it is a replica of
-        (None: this node's own ring); None if this node holds none."""
+        """A committed copy held here of shard ``shard`` of ``shards`` (of replica group
+        column ``column``) of ``job_id``'s snapshot of ``step``: its file, its header, and
+        whose ring it is a replica of (None: this node's own ring); None if this node
+        holds none."""
         directory = self.job_dir(job_id)
         for path in sorted(directory.iterdir()) if directory.is_dir() else []:
             ring = _RING_FILE.match(self.ring_of(path))
-            if ring is None or (int(ring["shards"]), int(ring["shard"])) != (shards, shard):
+            if ring is None or (int(ring["shards"]), int(ring["shard"]),
+                                int(ring["column"] or 0)) != (shards, shard, column):
                 continue
             header = snapshot_file.committed_header(path)
             if header is not None and header.step == step:

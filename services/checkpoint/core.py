@@ -11,7 +11,8 @@ The rules, each a pure function of the catalog and one input:
   failed its checksum when read) stays listed as corrupt, so it is never
   offered again, even when the same step is announced again.
 * **Complete**: a step is complete when every shard ``0..n-1`` has a copy
-  that is not corrupt.
+  that is not corrupt; of a job of replica groups, every shard of every column
+  (each column, a group rank's model shard, is a state of its own).
 * **Retention**, each kind of copy apart (:func:`retain`): memory copies
   (own node, buddy) of the newest ``keep`` steps complete in memory stay, with
   those of newer steps (being written); durable copies likewise for the newest
@@ -42,7 +43,8 @@ The rules, each a pure function of the catalog and one input:
   narrow the answer. Asked by the members of a generation about to restore
   (``at_nodes``, ``memory_only``), a copy in their nodes' memory comes first,
   and every node holding each shard in memory is listed: a shard none of them
-  holds is fetched from one of those (:mod:`phalanx.runtime.fetch`).
+  holds is fetched from one of those (:mod:`phalanx.runtime.fetch`). A job of
+  replica groups asks for one column at a time: its steps complete in that column.
 
 :class:`CheckpointCore` keeps the catalogs of every job and says which ones
 changed (to store) or lost every copy (to delete); its state is nothing but the stored
@@ -87,10 +89,14 @@ def place(copy: ShardCopy) -> str:
     return copy.location if durable(copy) else copy.node_id
 
 
-def complete(step: CatalogStep, kind: Callable[[ShardCopy], bool] | None = None) -> bool:
-    """Every shard of ``step`` has a copy that is not corrupt (of ``kind``, if given)."""
-    healthy = {c.shard for c in step.copies if not c.corrupt and (kind is None or kind(c))}
-    return healthy >= set(range(step.shards))
+def complete(step: CatalogStep, kind: Callable[[ShardCopy], bool] | None = None,
+             column: int | None = None) -> bool:
+    """Every shard of ``step`` has a copy that is not corrupt (of ``kind``, if given), in
+    every column (in ``column`` only, if given)."""
+    healthy = {(c.column, c.shard) for c in step.copies
+               if not c.corrupt and (kind is None or kind(c))}
+    columns = range(step.columns) if column is None else (column,)
+    return healthy >= {(g, s) for g in columns for s in range(step.shards)}
 
 
 def add_snapshot(catalog: CheckpointCatalog | None, record: SnapshotRecord,
@@ -101,24 +107,25 @@ def add_snapshot(catalog: CheckpointCatalog | None, record: SnapshotRecord,
     copy = ShardCopy(shard=record.shard, node_id=record.node_id, tier=record.tier,
                      nbytes=record.nbytes, checksum=record.checksum,
                      generation=record.generation, corrupt=record.corrupt,
-                     location=record.location)
+                     location=record.location, column=record.column)
     steps = list(catalog.steps)
     at = next((i for i, s in enumerate(steps)
                if (s.step, s.shards) == (record.step, record.num_shards)), None)
     if at is None:
         steps.append(CatalogStep(step=record.step, shards=record.num_shards,
-                                 total_bytes=record.total_bytes))
+                                 total_bytes=record.total_bytes, columns=record.columns))
         at = len(steps) - 1
     entry = steps[at]
 
     def same(c: ShardCopy) -> bool:
-        return (c.shard, c.tier, place(c)) == (copy.shard, copy.tier, place(copy))
+        return (c.column, c.shard, c.tier, place(c)) == (copy.column, copy.shard, copy.tier,
+                                                         place(copy))
 
     previous = [c for c in entry.copies if same(c)]
     if previous and previous[0].corrupt and previous[0].checksum == copy.checksum:
         copy = previous[0]  # the same damaged bytes announced again: still corrupt
     copies = [c for c in entry.copies if not same(c)] + [copy]
-    copies.sort(key=lambda c: (c.shard, TIER_ORDER[c.tier], place(c)))
+    copies.sort(key=lambda c: (c.column, c.shard, TIER_ORDER[c.tier], place(c)))
     steps[at] = msgspec.structs.replace(entry, copies=copies)
     steps.sort(key=lambda s: (s.step, s.shards))
     return msgspec.structs.replace(catalog, keep=keep, durable_keep=durable_keep,
@@ -161,14 +168,16 @@ def ended(catalog: CheckpointCatalog) -> CheckpointCatalog | None:
 
 
 def resume_answer(catalog: CheckpointCatalog | None, job_id: str, world_size: int, *,
-                  at_nodes: Collection[str] = (), memory_only: bool = False) -> ResumeAnswer:
+                  at_nodes: Collection[str] = (), memory_only: bool = False,
+                  column: int = 0) -> ResumeAnswer:
     """From which step, and which copy of each shard, ``job_id`` can resume.
 
     ``at_nodes``: the nodes that will restore; a copy in their memory comes first.
     ``memory_only``: durable copies do not count (neither for completeness nor as
-    sources)."""
+    sources). ``column``: of a job of replica groups, the column asked about."""
     kind = in_memory if memory_only else None
-    steps = [] if catalog is None else [s for s in catalog.steps if complete(s, kind)]
+    steps = [] if catalog is None else [s for s in catalog.steps
+                                        if column < s.columns and complete(s, kind, column)]
     if not steps:
         seen = 0 if catalog is None else len(catalog.steps)
         where = "in memory " if memory_only else ""
@@ -183,8 +192,8 @@ def resume_answer(catalog: CheckpointCatalog | None, job_id: str, world_size: in
 
     sources, held_by = [], []
     for shard in range(best.shards):
-        healthy = sorted((c for c in best.copies if c.shard == shard and not c.corrupt
-                          and (kind is None or kind(c))), key=nearness)
+        healthy = sorted((c for c in best.copies if (c.column, c.shard) == (column, shard)
+                          and not c.corrupt and (kind is None or kind(c))), key=nearness)
         sources.append(healthy[0])
         held_by.append(list(dict.fromkeys(
             c.node_id for c in sorted(healthy, key=lambda c: (nearness(c)[0], c.node_id))

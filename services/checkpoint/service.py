@@ -90,7 +90,7 @@ class CheckpointService(LeaderService[core.CheckpointCore]):
         entry = await self.catalogs.get(request.job_id)
         return core.resume_answer(None if entry is None else entry.value, request.job_id,
                                   request.world_size, at_nodes=request.at_nodes,
-                                  memory_only=request.memory_only)
+                                  memory_only=request.memory_only, column=request.column)
 
     def begin_term(self) -> core.CheckpointCore:
         return core.CheckpointCore()

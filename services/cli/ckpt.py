@@ -41,19 +41,22 @@ def cmd_ckpt(args: argparse.Namespace) -> int:
     if catalog is None:
         print(f"phalanx ckpt: no snapshot of {args.job!r} is known", file=sys.stderr)
         return EXIT_FAILED
-    rows = [{"step": s.step, "shards": s.shards, "total_bytes": s.total_bytes,
-             "complete": complete(s), "copies": msgspec_to_builtins(s.copies)}
+    rows = [{"step": s.step, "shards": s.shards, "columns": s.columns,
+             "total_bytes": s.total_bytes, "complete": complete(s),
+             "copies": msgspec_to_builtins(s.copies)}
             for s in reversed(catalog.steps)]
     if args.json:
         print(json.dumps(rows, indent=2))
         return 0
     for row in rows:
-        print(f"step {row['step']}: {row['shards']} shards, {size_text(row['total_bytes'])}"
-              f"{'' if row['complete'] else ' (incomplete)'}")
+        columns = f" of each of {row['columns']} group ranks" if row["columns"] > 1 else ""
+        print(f"step {row['step']}: {row['shards']} shards{columns}, "
+              f"{size_text(row['total_bytes'])}{'' if row['complete'] else ' (incomplete)'}")
         for copy in row["copies"]:
             flag = "  CORRUPT" if copy["corrupt"] else ""
             where = f"at {copy['location']}" if copy["location"] else f"on {copy['node_id']}"
-            print(f"  shard {copy['shard']}: {copy['tier']} {where}, "
+            column = f" of group rank {copy['column']}" if row["columns"] > 1 else ""
+            print(f"  shard {copy['shard']}{column}: {copy['tier']} {where}, "
                   f"{size_text(copy['nbytes'])}, xxh3 {copy['checksum']}{flag}")
     return 0
 

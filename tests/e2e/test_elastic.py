@@ -50,6 +50,7 @@ from phalanx.schemas.messages import (
     ReplicaRange,
 )
 from phalanx.services.client import AdmissionClient
+from phalanx.services.manifest import running_in_manifest
 
 SCRIPT = Path(__file__).resolve().parents[2] / "examples" / "train_mlp.py"
 # A job's length: the tests' last faults come at step 280 (paced: 14 s in), the job ends
@@ -295,6 +296,20 @@ def without_lost_work(records: dict[str, list[dict]], steps: int) -> dict[str, l
         kept[replica] = [line for line in lines if not (
             line["kind"] in ("commit", "batch") and line["step"] >= lost_from)]
     return kept
+
+
+def kill_every_rank(cluster_dir: Path, job_id: str | None = None) -> list[int]:
+    """Freeze every rank the agents run (of ``job_id``, if given; every rank of a replica
+    group), none training on while the others die, then SIGKILL them all; their pids."""
+    pids = sorted({pid for manifest in cluster_dir.glob("agents/*/ranks.json")
+                   for rank in running_in_manifest(manifest)  # the agents' own list
+                   if job_id is None or rank["job_id"] == job_id
+                   for pid in [rank["pid"], *(m["pid"] for m in rank.get("group", []))]})
+    for pid in pids:
+        os.kill(pid, signal.SIGSTOP)
+    for pid in pids:
+        os.kill(pid, signal.SIGKILL)
+    return pids
 
 
 def write_records(records: dict[str, list[dict]], directory: Path) -> Path:

@@ -1,5 +1,6 @@
 """The FSDP2 GPT end to end: 3 replica groups of 2 ranks, a rank killed mid-step, its group
-replaced; and scaled by groups, 3 to 2 to 3.
+replaced; scaled by groups, 3 to 2 to 3; and every rank of 2 groups killed, the job
+restored from the nodes' memory shard by shard.
 
 ``examples/chargpt_hsdp.py`` (the port of the plain FSDP2 HSDP script) at test size runs
 as a job of ``ranks_per_replica: 2`` on a local cluster of 3 agents of 2 slots
@@ -11,6 +12,9 @@ with the state of a live group's ranks, shard by shard. Deterministic mode: the 
 state must be bitwise the port's under ``torchrun --nproc-per-node 2`` with no phalanx,
 and every window used once an epoch. Scaled with ``phalanx scale``, one group leaves
 after a step all groups agreed on (both its ranks end with status 0) and a new one joins.
+With every rank of the job SIGKILLed (frozen first, pids from the agents' manifests), the
+replacement groups restore the newest step the memory tier holds: rank s of each from
+column s's snapshots (the model's shard s), on its node, a buddy's, or fetched.
 """
 
 from __future__ import annotations
@@ -22,14 +26,16 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 
 import chargpt_data
+import msgspec
 import pytest
 import torch
 from e2e_cli import next_of, phalanx
-from test_elastic import drain, watched_cluster
+from test_elastic import drain, kill_every_rank, watched_cluster, without_lost_work
 
 from phalanx.runtime import record
 from phalanx.runtime.data import ElasticOrder
 from phalanx.schemas.messages import (
+    CheckpointPolicy,
     Generation,
     GenerationReason,
     JobSpec,
@@ -77,11 +83,12 @@ def reference(data_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
     return torch.load(save)
 
 
-def spec_of(name: str, data_dir: Path, tmp_path: Path, **env: str) -> JobSpec:
-    """The port as a job of 2 to 3 groups of 2 ranks, deterministic, paced until
+def spec_of(name: str, data_dir: Path, tmp_path: Path, replicas: int = 3,
+            **env: str) -> JobSpec:
+    """The port as a job of 2 to ``replicas`` groups of 2 ranks, deterministic, paced until
     ``tmp_path/release`` exists."""
     return JobSpec(name=name, team="t", priority_class="normal",
-                   replicas=ReplicaRange(min=2, max=3), placement=Placement(),
+                   replicas=ReplicaRange(min=2, max=replicas), placement=Placement(),
                    ranks_per_replica=2, session=True,
                    command=[sys.executable, str(SCRIPT), "--data-dir", str(data_dir), *ARGS,
                             "--save", str(tmp_path / "final.pt")],
@@ -90,9 +97,11 @@ def spec_of(name: str, data_dir: Path, tmp_path: Path, **env: str) -> JobSpec:
                    hang_timeout_s=10.0, grace_period_s=3.0)
 
 
-def check_run(tmp_path: Path, reference: dict) -> dict[str, list[dict]]:
-    """Every window once an epoch, and the saved state bitwise the reference's."""
-    records = record.read(tmp_path / "rec")
+def check_run(tmp_path: Path, reference: dict,
+              records: dict[str, list[dict]] | None = None) -> dict[str, list[dict]]:
+    """Every window once an epoch (in ``records``, default the run's), and the saved state
+    bitwise the reference's."""
+    records = record.read(tmp_path / "rec") if records is None else records
     assert record.verify(records, ORDER, STEPS) == []
     final = torch.load(tmp_path / "final.pt")
     for part in ("model", "optimizer"):
@@ -165,3 +174,37 @@ async def test_hsdp_scales_by_whole_groups_3_2_3_as_it_trains_alone(
     left = next(m.replica_id for m in start.members if leave.member(m.replica_id) is None)
     for name in (left, f"{left}.g1"):  # both ranks of the group left after an agreed step
         assert records[name][-1]["kind"] == "left" and records[name][-1]["planned"]
+
+
+async def test_hsdp_restores_every_groups_shards_from_memory_after_every_rank_is_killed(
+        cluster, data_dir: Path, reference: dict, tmp_path: Path) -> None:
+    data, bus, watch = cluster
+    for queue in (watch.generations, watch.progress, watch.states):
+        drain(queue)
+    spec = spec_of("hsdp-lost", data_dir, tmp_path, replicas=2)
+    spec = msgspec.structs.replace(spec, checkpoint=CheckpointPolicy(memory_every_steps=1))
+    job = await AdmissionClient(bus).submit(spec, "hsdp-lost-1")
+    reached = await next_of(watch.progress, lambda p: p.job_id == job.job_id
+                            and p.step >= KILL_STEP, 180)
+    killed = kill_every_rank(data, job.job_id)
+    assert len(killed) == 4, killed  # 2 groups of 2
+    # Trains again: a rank of a later generation reports steps past the kill.
+    await next_of(watch.progress, lambda p: p.job_id == job.job_id
+                  and p.generation > reached.generation and p.step > reached.step, 300)
+    (tmp_path / "release").touch()
+    finished = await next_of(watch.states,
+                             lambda r: r.job_id == job.job_id and r.state.terminal, 600)
+    assert finished.state is JobState.FINISHED, finished.reason
+
+    records = record.read(tmp_path / "rec")
+    restores = [(name, line["step"]) for name, lines in records.items() for line in lines
+                if line["kind"] == "restore" and line["tier"] == "memory"]
+    # Both ranks of both replacement groups restored, their columns at one step: at least
+    # the one before the step reported (a rank a step behind was frozen before its
+    # snapshot).
+    groups = {name.removesuffix(".g1") for name, _ in restores}
+    assert len(groups) == 2 and {f"{g}.g1" for g in groups} <= {n for n, _ in restores}
+    assert len({step for _, step in restores}) == 1, restores
+    assert restores[0][1] >= reached.step - 1, (restores, reached.step)
+    # What the dead ranks committed after the step restored from is trained again.
+    check_run(tmp_path, reference, without_lost_work(records, STEPS))

@@ -16,8 +16,6 @@ alike is no evidence against any node: none is cordoned.
 
 from __future__ import annotations
 
-import os
-import signal
 from pathlib import Path
 
 import pytest
@@ -26,6 +24,7 @@ from test_elastic import (  # the e2e helpers of the elastic tests: same cluster
     FaultFreeRuns,
     Watch,
     check_run,
+    kill_every_rank,
     progressed,
     run_job,
     watched_cluster,
@@ -37,7 +36,6 @@ from phalanx.bus.kv import TypedKV
 from phalanx.runtime import record
 from phalanx.schemas import subjects
 from phalanx.schemas.messages import CheckpointPolicy, NodeRecord, ReplicaRange
-from phalanx.services.manifest import running_in_manifest
 
 pytestmark = pytest.mark.timeout(360)
 # Paced (run_job) until the second loss's replacements train: the kills come at step 40
@@ -51,18 +49,6 @@ REPLICAS = 2  # on 2 agents x 1 slot
 @pytest.fixture(scope="module")
 def reference(fault_free_runs: FaultFreeRuns) -> dict:
     return fault_free_runs(STEPS, SCHEDULE)
-
-
-def kill_every_rank(cluster_dir: Path) -> list[int]:
-    """Freeze every rank the agents run (none trains on while the others die), then
-    SIGKILL them all; their pids."""
-    ranks = [rank["pid"] for manifest in cluster_dir.glob("agents/*/ranks.json")
-             for rank in running_in_manifest(manifest)]  # the agents' own list
-    for pid in ranks:
-        os.kill(pid, signal.SIGSTOP)
-    for pid in ranks:
-        os.kill(pid, signal.SIGKILL)
-    return ranks
 
 
 async def test_every_rank_killed_twice_the_job_resumes_from_memory_each_time(

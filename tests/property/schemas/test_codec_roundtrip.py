@@ -119,6 +119,7 @@ def _fix_generation(kw: dict[str, Any]) -> dict[str, Any]:
 
 def _fix_snapshot(kw: dict[str, Any]) -> dict[str, Any]:
     kw["shard"] = min(kw["shard"], kw["num_shards"] - 1)
+    kw["column"] = min(kw.get("column", 0), kw.get("columns", 1) - 1)
     durable = kw["tier"] is SnapshotTier.DURABLE
     kw["location"] = (kw.get("location") or "/ckpt") if durable else ""
     return kw

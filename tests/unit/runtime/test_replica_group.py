@@ -12,6 +12,7 @@ from torch.distributed.fsdp import fully_shard
 
 from phalanx.runtime import replica_group
 from phalanx.runtime.elastic import ElasticSession
+from phalanx.runtime.flat_state import copy_range, flat_state, load_flat
 from phalanx.runtime.replica_group import GroupMismatch
 
 pytestmark = pytest.mark.usefixtures("no_default_group")
@@ -23,7 +24,8 @@ def model() -> torch.nn.Module:
 
 
 def sharded(whole: torch.nn.Module) -> torch.nn.Module:
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     mesh = init_device_mesh("cpu", (1,))
     for layer in (whole[0], whole[2]):
         fully_shard(layer, mesh=mesh)
@@ -85,3 +87,29 @@ def test_a_model_sharded_over_another_group_than_the_replicas_is_refused_with_th
                                             "group 2"):
         replica_group.of(net, 2)
     assert replica_group.of(net, 1) == replica_group.ReplicaGroup(0, 1)
+
+
+def test_a_group_ranks_snapshot_holds_its_shards_and_loads_back_as_dtensors() -> None:
+    """The memory tier's layout of a sharded model: local shards only, and the optimizer's
+    DTensors made again over the loading rank's mesh, bitwise."""
+    net = sharded(model())
+    session = train(net)
+    state = flat_state(net, session.optimizer, {}, 6)
+    assert state.meta["tensors"][0] == (tuple(replica_group.local(
+        next(iter(net.state_dict().values()))).shape), "torch.float32")
+    flat = torch.empty(state.total, dtype=torch.uint8)
+    copy_range(state, 0, flat)
+    fresh = sharded(torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(),
+                                        torch.nn.Linear(8, 1)))
+    optimizer = torch.optim.AdamW(fresh.parameters(), lr=0.01)
+    load_flat(flat, state.meta, fresh, optimizer, {})
+    for mine, theirs in zip(fresh.parameters(), net.parameters(), strict=True):
+        assert torch.equal(replica_group.local(mine), replica_group.local(theirs))
+    loaded, trained = optimizer.state_dict()["state"], session.optimizer.state_dict()["state"]
+    for index, entry in trained.items():
+        for key, value in entry.items():
+            if replica_group.is_dtensor(value):
+                assert replica_group.is_dtensor(loaded[index][key])
+                assert loaded[index][key].placements == value.placements
+            assert torch.equal(replica_group.local(loaded[index][key]),
+                               replica_group.local(value)), (index, key)

@@ -14,7 +14,14 @@ import torch
 import torch.distributed as dist
 
 from phalanx.runtime.flat_state import copy_range, flat_state, load_flat
-from phalanx.runtime.snapshot import Held, plan_restore, restore, write_share
+from phalanx.runtime.snapshot import (
+    Held,
+    held_in,
+    in_every_column,
+    plan_restore,
+    restore,
+    write_share,
+)
 from phalanx.schemas import snapshot_file
 from phalanx.schemas.snapshot_file import HEADER_BYTES, Header, SnapshotFileError
 from phalanx.services.ports import free_port
@@ -39,11 +46,12 @@ def buffer_file(path: Path, size: int) -> mmap.mmap:
 
 
 def snapshot_into(path: Path, model, optimizer, scheduler, step: int, shard: int,
-                  shards: int) -> Header:
+                  shards: int, column: tuple[int, int] = (0, 1)) -> Header:
     state = flat_state(model, optimizer, {"scheduler": scheduler}, step)
     meta = pickle.dumps(state.meta)
     buffer = buffer_file(path, HEADER_BYTES + len(meta) + state.total)
-    header = write_share(memoryview(buffer), state, meta, "job-a", step, 1, shard, shards)
+    header = write_share(memoryview(buffer), state, meta, "job-a", step, 1, shard, shards,
+                         column=column)
     buffer.close()
     return header
 
@@ -222,3 +230,40 @@ def test_members_read_the_shards_their_nodes_hold_and_receive_the_rest(tmp_path)
     assert [(r.step, r.from_replicas) for r in restored] == [(4, 1), (4, 0)]
     for target in targets:
         same_state(source, target)
+
+
+def test_a_group_restores_only_steps_every_column_holds() -> None:
+    assert in_every_column([[(4, 1), (3, 1)], [(3, 1), (2, 1)]]) == {(3, 1)}
+    assert in_every_column([[(4, 2)], [(4, 1)]]) == set()  # one step, two generations
+    assert in_every_column([]) == set()
+
+
+def test_a_group_rank_restores_its_own_columns_shard_at_a_step_every_column_holds(
+        tmp_path, group) -> None:
+    """Column 0 of a group of 2, one member: its node holds column 0's steps 3 and 4 and
+    column 1's step 4 (another rank's shard: never read here). The group's other rank
+    (played by ``agree``) holds column 1's step 3 only: both restore step 3."""
+    store = tmp_path / "store"
+    store.mkdir()
+    older, newer, other = trained(0, 3), trained(0, 4), trained(5, 4)
+    snapshot_into(store / "w1-s0.0", *older, 3, 0, 1, column=(0, 2))
+    snapshot_into(store / "w1-s0.1", *newer, 4, 0, 1, column=(0, 2))
+    snapshot_into(store / "w1-s0-c1.0", *other, 4, 0, 1, column=(1, 2))
+    assert [h.step for h in held_in(store, "job-a", (1, 2))] == [4]
+    assert held_in(store, "job-a") == []  # no column of a job of one rank per replica
+    asked: list[torch.Tensor] = []
+
+    def agree(values: torch.Tensor) -> torch.Tensor:
+        asked.append(values.clone())
+        if values.dim() == 3:  # the columns' candidates: column 1 holds step 3
+            values = values.clone()
+            values[1, 0] = torch.tensor([1.0, 3.0, 1.0])
+        return values  # the readable flag: column 1 reads its step
+
+    target = trained(7, 0)
+    restored = restore(group, lambda work: work.wait(), 0, 1, store, "job-a", 0, target[0],
+                       target[1], {"scheduler": target[2]}, lambda h, p, r: None,
+                       column=(0, 2), agree=agree)
+    assert restored is not None and restored.step == 3
+    same_state(older, target)
+    assert [tuple(a.shape) for a in asked] == [(2, 64, 3), (1,)]

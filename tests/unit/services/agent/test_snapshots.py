@@ -163,3 +163,21 @@ def test_a_store_whose_agents_work_dir_is_gone_is_deleted_and_no_other(tmp_path)
                                                          "n4-eeee"]
     # The owner marker is no job of the store.
     assert SnapshotStore(mine, 10_000).jobs() == set()
+
+
+def test_each_column_of_a_replica_group_keeps_a_ring_of_its_own(tmp_path) -> None:
+    """Rank s of a group of ranks holds the model's shard s: its share of a step is column
+    s's, in its own ring, and a fetch asks for a column's copy by name."""
+    store = SnapshotStore(tmp_path / "shm", limit=100_000)
+    column_0 = store.reserve(ask(nbytes=5000))
+    column_1 = store.reserve(SnapshotReserve(job_id="j", replica_id="r0-0", shard=0,
+                                             shards=2, nbytes=5000, column=1))
+    assert [p.name for p in column_1] == ["w2-s0-c1.0", "w2-s0-c1.1"]
+    commit(column_0[0], 7, 0, 2)
+    commit(column_1[0], 7, 0, 2)
+    found = store.copy_of("j", 7, 2, 0, column=1)
+    assert found is not None and found[0] == column_1[0]
+    assert store.copy_of("j", 7, 2, 0)[0] == column_0[0]  # type: ignore[index]
+    assert store.steps_held("j") == {2: {7}}
+    replica = store.replica_path("j", "n1", "w2-s0-c1.0")
+    assert store.ring_of(replica) == "w2-s0-c1.0"
