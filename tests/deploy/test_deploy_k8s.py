@@ -286,8 +286,7 @@ def test_the_network_policy_confines_the_pods_it_can_to_what_they_use(overlay: s
     policy applies); it is reachable only on its declared metrics port and reaches only
     the chart's NATS client port, the cluster DNS and the OTLP endpoint's port."""
     docs = render(overlay)
-    (policy,) = by_kind(docs, "NetworkPolicy").values()
-    spec = policy["spec"]
+    spec = by_kind(docs, "NetworkPolicy")["phalanx-control-plane"]["spec"]
     assert set(spec["policyTypes"]) == {"Ingress", "Egress"}
 
     def selected(workload: dict) -> bool:
@@ -312,6 +311,27 @@ def test_the_network_policy_confines_the_pods_it_can_to_what_they_use(overlay: s
     (to,) = nats_rule["to"]
     assert to["podSelector"]["matchLabels"]["app.kubernetes.io/instance"] == \
         kubernetes.RELEASE
+
+
+def test_the_nats_servers_take_routes_only_from_each_other_and_run_unprivileged() -> None:
+    """The NATS chart's pods: clients and monitoring from anywhere (agents come from node
+    addresses), routes only from the chart's servers; no root, no capabilities."""
+    spec = by_kind(render("local"), "NetworkPolicy")["phalanx-nats"]["spec"]
+    servers = {"app.kubernetes.io/name": "nats", "app.kubernetes.io/instance": kubernetes.RELEASE}
+    assert spec["podSelector"]["matchLabels"] == servers and spec["policyTypes"] == ["Ingress"]
+    open_ports = {p["port"] for rule in spec["ingress"] if "from" not in rule
+                  for p in rule["ports"]}
+    assert open_ports == {4222, 8222}
+    (routes,) = [rule for rule in spec["ingress"] if "from" in rule]
+    assert [p["port"] for p in routes["ports"]] == [6222]
+    assert routes["from"] == [{"podSelector": {"matchLabels": servers}}]
+    values = nats_values()
+    for part in (values["container"], values["reloader"]):
+        context = part["merge"]["securityContext"]
+        assert context["runAsNonRoot"] and not context["allowPrivilegeEscalation"]
+        assert context["readOnlyRootFilesystem"] and context["capabilities"] == {"drop": ["ALL"]}
+    pod = values["podTemplate"]["merge"]["spec"]["securityContext"]
+    assert pod["runAsUser"] != 0 and pod["fsGroup"] == pod["runAsGroup"]
 
 
 def test_the_monitoring_component_watches_every_phalanx_pod_with_the_rules_and_dashboard(
