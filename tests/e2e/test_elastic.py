@@ -241,8 +241,11 @@ async def run_job(cluster, data_dir: Path, tmp_path: Path, name: str, inject,
             getter = asyncio.create_task(watch.generations.get())
             await asyncio.wait([finished, getter], return_when=asyncio.FIRST_COMPLETED)
             if getter.done():
-                if getter.result().job_id == job.job_id:
-                    generations.append(getter.result())
+                new = getter.result()
+                # Each generation once: a new elasticity leader (a handover, a leader that
+                # stopped acting through a NATS election) publishes the current one again.
+                if new.job_id == job.job_id and new.generation > generations[-1].generation:
+                    generations.append(new)
             else:
                 getter.cancel()
         assert finished.result().state is JobState.FINISHED, finished.result().reason
