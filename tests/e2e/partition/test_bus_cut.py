@@ -38,6 +38,10 @@ CUT = "local-1"
 #: How long the cut lasts at least: past the fence bound, so the fence, not the heal,
 #: ends the cut-off ranks.
 CUT_S = 6.0
+#: What a SIGKILL, this test's wake-up and a loaded machine's late timers add to the
+#: bound: at load 15 (two CPU burners beside `make test WORKERS=4`) the fence stopped the
+#: ranks 3.98 s after the cut against a bound of 3.4 s.
+SLACK_S = 1.5
 
 
 @pytest.mark.timeout(150)
@@ -67,7 +71,7 @@ async def cut_off_from_the_bus(partitioned: tuple[NamespacedCluster, Bus, Watch]
         cut_at = time.time()
         cut_off(cluster.net)
         try:
-            ends = await asyncio.gather(*(exited(r["pid"], CUT_S) for r in ranks))
+            ends = await asyncio.gather(*(exited(r["pid"], bound + SLACK_S) for r in ranks))
             stopped.update({r["replica_id"]: end - cut_at
                             for r, end in zip(ranks, ends, strict=True)})
             await asyncio.sleep(max(0.0, cut_at + CUT_S - time.time()))  # the cut lasts on
@@ -76,11 +80,9 @@ async def cut_off_from_the_bus(partitioned: tuple[NamespacedCluster, Bus, Watch]
 
     rec, generations = await run_job((cluster.data_dir, bus, watch), data_dir, tmp_path,
                                      name, cut)
-    # The cut-off ranks were stopped while the cut held: by the fence, not by the heal.
-    # How soon (the rule's bound on an idle machine) is the figure printed, not asserted:
-    # a loaded machine's timers run late (3.98 s against a bound of 3.4 s at load 15).
+    # The cut-off ranks were stopped by the fence (not by the heal), within its bound.
     print(f"cut-off ranks stopped {stopped} s after the cut (bound {bound:.2f} s)")
-    assert len(stopped) == 2 and max(stopped.values()) < CUT_S, stopped
+    assert len(stopped) == 2 and max(stopped.values()) <= bound + SLACK_S, stopped
     print(f"cut-off ranks stopped {stopped} s after the cut (bound {bound:g} s)")
     # Every node at its own address (its host name is 127.0.1.1 on itself, as on Debian):
     # without that, gloo offered peers its loopback and no generation ever formed.

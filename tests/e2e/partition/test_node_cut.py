@@ -34,6 +34,9 @@ from phalanx.schemas.messages import Generation
 #: collective's wait without progress, the wake-up that finds it past (every 0.5 s), the
 #: probe (docs/architecture.md, "A cut between nodes").
 BOUND_S = UNREACHABLE_AFTER_S + 0.5 + PROBE_S
+#: The report's and the generation's way over the bus, this test's wake-up, and a loaded
+#: machine's late timers (the fence's were 0.6 s late at load 15: test_bus_cut.py).
+SLACK_S = 2.0
 #: Steps the survivors train while the cut still holds.
 TRAINED_CUT = 20
 
@@ -79,9 +82,9 @@ async def test_nodes_cut_from_each_other_drop_one_side_and_train_on(
           f"(bound {BOUND_S:g} s); dropped ranks stopped {stopped}")
     [g1] = during
     assert g1.world_size == 2 and "unreachable" in g1.cause, g1
-    # Formed while the cut held (the survivors then trained TRAINED_CUT steps in it). How
-    # soon, against BOUND_S on an idle machine, is the figure printed above: a loaded
-    # machine's timers run late.
+    # Formed while the cut held (the survivors then trained TRAINED_CUT steps in it), within
+    # the bound.
+    assert formed_s <= BOUND_S + SLACK_S
     assert len(stopped) == 2
     # Nothing more changed: the dropped side is not replaced (its node cannot reach the
     # rest while the cut holds), and nobody else was dropped.
