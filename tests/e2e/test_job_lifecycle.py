@@ -80,11 +80,14 @@ def until(where: tuple[str, ...], job_id: str, states: set[str], timeout_s: floa
     return row
 
 
-def rank_pid(agent_dir: Path, job_id: str, rank: int, timeout_s: float = 60) -> int:
-    """The pid of the job's ``rank`` on that agent's node, once the agent started it."""
+def rank_pid(agent_dir: Path, job_id: str, rank: int, timeout_s: float = 60,
+             other_than: int | None = None) -> int:
+    """The pid of the job's ``rank`` on that agent's node, once the agent started it (one
+    other than ``other_than``: a rank started again)."""
     deadline = time.monotonic() + timeout_s
     while not (pids := [r["pid"] for r in running_in_manifest(agent_dir / "ranks.json")
-                        if r["job_id"] == job_id and r["rank"] == rank]):
+                        if r["job_id"] == job_id and r["rank"] == rank
+                        and r["pid"] != other_than]):
         assert time.monotonic() < deadline, f"rank {rank} of {job_id} never started"
         time.sleep(0.2)
     return pids[0]
@@ -217,10 +220,17 @@ def test_chaos_kills_never_cordon_while_the_same_kill_from_elsewhere_does(
         placed = until(where, job_id, {"admitted"})["nodes"]
         chaos_slot = placed.index("local-0")
         other_slot = placed.index("local-1")
+        # The ranks started first (admitted is before started): a kill-rank before its
+        # rank runs is refused (404).
+        rank_pid(data_dir / "agents" / "local-0", job_id, chaos_slot)
+        first = rank_pid(data_dir / "agents" / "local-1", job_id, other_slot)
         phalanx("chaos", "kill-rank", job_id, str(chaos_slot), *where)
-        # The same signal, sent by something that is not phalanx chaos (say the OOM
-        # killer), once the agent started that rank (admitted is before started).
-        os.kill(rank_pid(data_dir / "agents" / "local-1", job_id, other_slot), signal.SIGKILL)
+        # The gang starts again after the kill: the same signal, sent by something that is
+        # not phalanx chaos (say the OOM killer), to local-1's rank of the new gang (one
+        # of the old gang's would be stopping already, and its exit no fault).
+        outside = rank_pid(data_dir / "agents" / "local-1", job_id, other_slot,
+                           other_than=first)
+        os.kill(outside, signal.SIGKILL)
         deadline = time.monotonic() + 30
         while not nodes(where)["local-1"]["cordoned"]:  # health heard both kills, in order
             assert time.monotonic() < deadline, "the SIGKILL from outside was never charged"

@@ -40,6 +40,10 @@ def during_loss(steps: list[record.StepRecord], lossy_at: float) -> list[float]:
     return [s.committed_at for s in steps if lossy_at <= s.committed_at <= lossy_at + LOSS_S]
 
 
+#: A loaded machine's late timers (7.64 s at load 10; the fence's 0.6 s at 15).
+SLACK_S = 2.0
+
+
 @pytest.mark.timeout(150)
 async def test_a_lossy_node_never_hangs_the_job(
         partitioned: tuple[NamespacedCluster, Bus, Watch], data_dir: Path, reference: dict,
@@ -71,10 +75,10 @@ async def test_a_lossy_node_never_hangs_the_job(
     print(f"{len(gaps) - 1} steps committed in the {LOSS_S:g} s of loss, the longest pause "
           f"{pause:.2f} s (usually {usual:.3f}; {PAUSE_S:g} s expected on an idle machine); "
           f"generations {[(g.generation, g.world_size, g.cause) for g in generations]}")
-    # Its longest stall ended in a commit while the loss still lasted: a deadlocked job's
-    # ran to the window's end. How long a stall lasts (detection and rebuild) follows the
-    # machine's load: the figure printed, not asserted.
-    assert gaps.index(pause) < len(gaps) - 1, (len(gaps) - 1, pause)
+    # Never hung: the longest stall within the window, its edges included, is the
+    # detection and rebuild's (PAUSE_S on an idle machine), not the window's length (the
+    # deadlock this test was written for stalled through the whole loss).
+    assert pause <= PAUSE_S + SLACK_S, (len(gaps) - 1, pause)
     kept = {m.replica_id for m in generations[-1].members}
     dropped = {m.replica_id for m in generations[0].members} - kept
     check_cut_off(rec, steps, generations, dropped, states)
