@@ -12,7 +12,7 @@ cause a function of N. Besides failures a system may pay a share of every step
 
 to first order: a failure during a recovery is counted as if it fell in training, which
 holds while the time lost per failure is small against the MTTF (the JSON gives that
-ratio per row, ``lost_over_mttf``: at most 4 % up to 16,384 GPUs, about 20 % at 100,000
+ratio per row, ``lost_over_mttf``: 4 % or less up to 16,384 GPUs, about 20 % at 100,000
 for phalanx and torchrun, where the figure is rougher).
 
 Lost seconds are whole-job seconds: a stall of the whole job counts fully; a replica
