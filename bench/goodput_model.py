@@ -27,7 +27,7 @@ are listed with it). Nothing here runs a process: the model is arithmetic, and
 ``bench/goodput.py --project`` prints it.
 
 Limits, plainly: the measured costs come from a 2-core CPU VM (and, where named, one
-H200); the sizes beyond them are extrapolations of at most four points; the workload
+H200); the sizes beyond them are extrapolated from at most four sizes; the workload
 (a Llama-3-405B-like job, weak-scaled) and the hardware rates are assumptions; the
 model ignores failures during recovery, correlated failures and planned maintenance.
 """
@@ -199,8 +199,10 @@ INPUTS: dict[str, Input] = {
                                          "phalanx.schemas.codec.encode of a Generation of "
                                          "1,024 members (ids 'r<i>-0', nodes 'node-<5 "
                                          "digits>', endpoints ip:port): 72,955 B, taken "
-                                         "here 2026-12-07; the codec refuses more than "
-                                         "1 MiB, about 14,700 members"),
+                                         "here 2026-12-07 and held to it by "
+                                         "tests/unit/test_bench_goodput_model.py; the "
+                                         "codec refuses more than 1 MiB, about 14,700 "
+                                         "members"),
     "bus_egress_gbps": Input(10.0, "GB/s", "assumption",
                              "what the NATS servers together deliver to subscribers "
                              "(a few servers on 100 Gb/s NICs); not measured here "

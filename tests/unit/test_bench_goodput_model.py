@@ -26,6 +26,9 @@ from phalanx.bench.goodput_model import (
     values,
     young_daly_s,
 )
+from phalanx.schemas import MAX_PAYLOAD_BYTES
+from phalanx.schemas.codec import encode
+from phalanx.schemas.messages import Generation, GenerationReason, Member
 
 
 def test_mttf_scales_as_one_over_n_from_the_published_mark() -> None:
@@ -64,6 +67,18 @@ def test_every_input_names_its_kind_and_source() -> None:
     for name, growth in GROWTHS.items():
         assert len({x for x, _ in growth.points}) >= 2, name
         assert growth.source, name
+
+
+def test_a_generations_size_per_member_is_the_codecs() -> None:
+    members = [Member(replica_id=f"r{i}-0", rank=i, node_id=f"node-{i // 8:05d}",
+                      endpoint=f"10.0.{i // 256}.{i % 256}:29500") for i in range(1024)]
+    generation = Generation(job_id="job-llm", generation=7, members=members,
+                            world_size=1024, rendezvous="job-llm-g7", resume_step=1000,
+                            reason=GenerationReason.FAULT)
+    per_member = len(encode(generation)) / 1024
+    assert per_member == pytest.approx(values()["generation_bytes_per_member"], rel=0.01)
+    limit = goodput_model.max_generation_members(values(), MAX_PAYLOAD_BYTES)
+    assert 14_000 < limit < 16384  # why 16,384 ranks is blocked as built
 
 
 def test_the_mix_covers_every_kind_and_sums_to_one() -> None:
