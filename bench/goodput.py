@@ -52,6 +52,12 @@ last line::
 
     python bench/goodput.py --mtbf 60 15 --duration 300
     python bench/goodput.py --mtbf 60 --duration 30 --widths 256,512,256   # a quick look
+
+``--project`` runs nothing: it prints the model of ``bench/goodput_model.py``, ETTR of the
+three systems projected to 1k-100k GPUs from the costs measured here (docs/goodput.md),
+appends it to bench/RESULTS.md unless ``--no-record``, and ends with its JSON::
+
+    python bench/goodput.py --project
 """
 
 from __future__ import annotations
@@ -63,7 +69,6 @@ import contextlib
 import dataclasses
 import itertools
 import json
-import math
 import os
 import random
 import signal
@@ -77,14 +82,15 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
-from phalanx.bench import recovery, recovery_baseline
+from phalanx.bench import goodput_model, recovery, recovery_baseline
+from phalanx.bench.goodput_model import young_daly_s
 from phalanx.bench.results import append, command_line, utc_date
 from phalanx.bus.client import Bus
 from phalanx.bus.config import BusConfig
 from phalanx.examples import workload_w
 from phalanx.runtime import record
 from phalanx.runtime.data import ElasticOrder
-from phalanx.schemas import environment, settings
+from phalanx.schemas import MAX_PAYLOAD_BYTES, environment, settings
 from phalanx.schemas.messages import (
     GenerationReason,
     JobSpec,
@@ -130,11 +136,6 @@ def schedule(seed: int, mtbf_s: float, duration_s: float,
         kind = rng.choices(list(mix), weights=list(mix.values()))[0]
         failures.append(Failure(round(at, 3), kind, rng.random()))
     return failures
-
-
-def young_daly_s(checkpoint_s: float, mtbf_s: float) -> float:
-    """The checkpoint interval that minimises expected lost time: sqrt(2 C MTBF)."""
-    return math.sqrt(2 * checkpoint_s * mtbf_s)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -879,13 +880,37 @@ def arguments() -> argparse.ArgumentParser:
                         help="default: phalanx-bench-goodput in the temporary directory")
     parser.add_argument("--plot", type=Path, default=PLOT)
     parser.add_argument("--no-record", action="store_true")
+    parser.add_argument("--project", action="store_true",
+                        help="run nothing: print ETTR projected to 1k-100k GPUs "
+                             "(bench/goodput_model.py, docs/goodput.md)")
     parser.add_argument("--keep", type=Path, metavar="DIR",
                         help="work in DIR and keep it (logs, records) instead of a temp dir")
     return parser
 
 
+def projection_section(table: str, argv: Sequence[str]) -> str:
+    return (f"\n## goodput.py --project — {utc_date()}\n\nCommand: "
+            f"`{command_line('goodput.py', argv)}`\n\nETTR projected from the costs "
+            "measured here, Meta's failure rate and Llama 3's mix (the model, every input "
+            "and its source: docs/goodput.md and the JSON line):\n\n" + table)
+
+
+def project(args: argparse.Namespace, argv: Sequence[str]) -> int:
+    """Print the projection's table and, last, its JSON; record it unless --no-record."""
+    rows = goodput_model.projections()
+    table = goodput_model.table(rows)
+    print(table)
+    if not args.no_record:
+        append(projection_section(table, argv))
+    print(json.dumps({"project": goodput_model.report(rows, MAX_PAYLOAD_BYTES),
+                      "date": utc_date(), "command": command_line("goodput.py", argv)}))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = arguments().parse_args(argv)
+    if args.project:
+        return project(args, sys.argv[1:] if argv is None else argv)
     unknown = set(args.systems) - set(SYSTEMS)
     if unknown:
         raise SystemExit(f"--systems: unknown {sorted(unknown)}; of {','.join(SYSTEMS)}")
