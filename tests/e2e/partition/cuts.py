@@ -61,10 +61,11 @@ def check_cut_off(rec: Path, steps: list[record.StepRecord], generations: list[G
     committed twice, and none committed by a cut-off rank once the job left it; the job
     went on without them (``cut_off``: none, it kept them), admitted once, and finished.
 
-    One step may be committed by two generations: the one in flight when the job moved
-    on. Its members aborted it and trained it again in the next generation while the
-    cut-off ranks, hearing nothing, may have finished it in theirs: a commit the job
-    does not keep (of a step, the newest generation's is kept).
+    A step may be committed by two generations: the one in flight when the job moved
+    on (one at each change of generation). Its members aborted it and trained it again
+    in the next generation while the cut-off ranks, hearing nothing, may have finished
+    it in theirs: a commit the job does not keep (of a step, the newest generation's is
+    kept).
     """
     records = record.read(rec)
     assert cut_off <= set(records)
@@ -74,19 +75,21 @@ def check_cut_off(rec: Path, steps: list[record.StepRecord], generations: list[G
             if line["kind"] == "commit":
                 by_step.setdefault(line["step"], set()).add(line["generation"])
     twice = {step: gens for step, gens in by_step.items() if len(gens) > 1}
-    assert len(twice) <= 1, twice
+    assert len(twice) <= len(generations) - 1, twice  # the step in flight at each change
     kept = {s.step: s.generation for s in steps}
     for step, gens in twice.items():
         assert kept[step] == max(gens), (step, gens)
         assert all(replica in cut_off for replica, lines in records.items() for line in lines
                    if line["kind"] == "commit" and line["step"] == step
                    and line["generation"] < max(gens)), step
-    # Nothing the cut-off ranks committed after the job moved past their generation.
-    if cut_off:
+    # Nothing a cut-off rank committed after the job moved past it: each is judged from
+    # the first generation without it (a lossy node's ranks may leave one by one: two
+    # unreachable in one generation, the third hung in the next).
+    for replica in cut_off:
         left_at = min(g.generation for g in generations
-                      if not {m.replica_id for m in g.members} >= cut_off)
-        assert all(line["generation"] < left_at for replica in cut_off
-                   for line in records[replica] if line["kind"] == "commit")
+                      if replica not in {m.replica_id for m in g.members})
+        assert all(line["generation"] < left_at for line in records[replica]
+                   if line["kind"] == "commit"), (replica, left_at)
     # The job went on without them: never admitted again, no gang restart.
     assert all(g.reason is not GenerationReason.START for g in generations[1:]), generations
     ended = next(i for i, s in enumerate(states) if s.terminal)
