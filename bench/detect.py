@@ -37,7 +37,7 @@ import signal
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -147,6 +147,21 @@ async def start_ranks(client: AdmissionClient, events: Events, name: str,
     return pids
 
 
+async def one_fault_a_job(client: AdmissionClient, events: Events, prefix: str, trials: int,
+                          per_job: int) -> AsyncIterator[tuple[str, int, int]]:
+    """For each trial a job's name, the rank to fault and its pid, the job cancelled once
+    the trial is done: one fault a job, since the gang's other ranks are stopped after
+    it, with no fault of theirs."""
+    for trial in range(trials):
+        name = f"{prefix}-{trial}"
+        pids = await start_ranks(client, events, name, per_job)
+        rank = trial % per_job
+        try:
+            yield name, rank, pids[rank]
+        finally:
+            await client.cancel(name)
+
+
 async def rank_trials(client: AdmissionClient, events: Events, trials: int, per_job: int,
                       kind: FaultKind) -> list[float]:
     """Fault ranks one by one until ``trials`` faults of ``kind`` have arrived.
@@ -156,13 +171,9 @@ async def rank_trials(client: AdmissionClient, events: Events, trials: int, per_
     """
     sig = signal.SIGKILL if kind is FaultKind.CRASH else signal.SIGSTOP
     latencies: list[float] = []
-    for trial in range(trials):
-        # One fault a job: the gang's other ranks are stopped after it (no fault of theirs).
-        name = f"{kind.value}-{trial}"
-        pids = await start_ranks(client, events, name, per_job)
-        rank = trial % per_job
+    async for name, rank, pid in one_fault_a_job(client, events, kind.value, trials, per_job):
         killed_at = time.time()
-        os.kill(pids[rank], sig)
+        os.kill(pid, sig)
 
         def struck(x: tuple[float, Fault], r: int = rank, n: str = name) -> bool:
             return x[1].job_id == n and x[1].rank == r and x[1].kind is kind
@@ -171,7 +182,6 @@ async def rank_trials(client: AdmissionClient, events: Events, trials: int, per_
         due = (killed_at if kind is FaultKind.CRASH
                else events.last_progress[(name, rank)] + HANG_TIMEOUT_S)
         latencies.append((arrived - due) * 1e3)
-        await client.cancel(name)
     return latencies
 
 
@@ -182,11 +192,8 @@ async def chaos_trials(client: AdmissionClient, events: Events, nats_url: str, t
     the rank's node and the agent's kill (the issue saw 2 s, and 18 more steps)."""
     latencies: list[float] = []
     loop = asyncio.get_running_loop()
-    for trial in range(trials):
-        name = f"chaos-{trial}"
-        pids = await start_ranks(client, events, name, per_job)
-        rank = trial % per_job
-        fd = os.pidfd_open(pids[rank])
+    async for name, rank, pid in one_fault_a_job(client, events, "chaos", trials, per_job):
+        fd = os.pidfd_open(pid)
         gone = asyncio.Event()
         loop.add_reader(fd, gone.set)
         started = time.monotonic()
@@ -201,7 +208,6 @@ async def chaos_trials(client: AdmissionClient, events: Events, nats_url: str, t
             loop.remove_reader(fd)
             os.close(fd)
             await command.wait()
-        await client.cancel(name)
     return latencies
 
 

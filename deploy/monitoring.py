@@ -58,7 +58,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--check", action="store_true",
                         help="write nothing; exit 1 naming each file that is out of date")
     args = parser.parse_args(argv)
-    stale = [path for path, text in written().items()
+    wanted = written()
+    stale = [path for path, text in wanted.items()
              if not path.exists() or path.read_text() != text]
     if args.check:
         for path in stale:
@@ -66,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
                   "python deploy/monitoring.py", file=sys.stderr)
         return 1 if stale else 0
     for path in stale:
-        path.write_text(written()[path])
+        path.write_text(wanted[path])
     return 0
 
 
