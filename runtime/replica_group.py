@@ -143,6 +143,22 @@ def shard_spec(tensor: torch.Tensor) -> ShardSpec | None:
                      tuple(sharded.shape), tuple(sharded.stride()))
 
 
+#: Where a local tensor lies in its DTensor: the global shape, and the local box's offsets.
+GlobalBox = tuple[tuple[int, ...], tuple[int, ...]]
+
+
+def global_box(tensor: torch.Tensor) -> GlobalBox | None:
+    """Where ``tensor``'s local part lies in it, if it is a DTensor: its global shape and
+    the offsets of the local box (as DCP writes it: ``__create_chunk_list__``)."""
+    if not is_dtensor(tensor):
+        return None
+    chunks = tensor.__create_chunk_list__()  # type: ignore[attr-defined]
+    if len(chunks) != 1:
+        raise GroupMismatch(f"a DTensor of shape {list(tensor.shape)} whose local part is "
+                            f"{len(chunks)} boxes of it: not a layout the durable tier writes")
+    return tuple(tensor.shape), tuple(chunks[0].offsets)
+
+
 def mesh_key(mesh: Any) -> MeshKey:
     names = mesh.mesh_dim_names
     return (tuple(mesh.mesh.shape), *mesh.mesh.reshape(-1).tolist()), \

@@ -51,6 +51,7 @@ from phalanx.runtime.durable.layout import (
     boxes,
     committed_steps,
 )
+from phalanx.runtime.durable.resharding import DurableLayoutError
 from phalanx.runtime.durable.restore import (
     DurablePolicy,
     committed_records,
@@ -62,6 +63,7 @@ from phalanx.runtime.durable.restore import (
 )
 from phalanx.runtime.durable.writer import DurableWriter, Persisted, write_shard
 
-__all__ = ["CommitRecord", "Committed", "DurableCorrupt", "DurablePolicy", "DurableWriter",
+__all__ = ["CommitRecord", "Committed", "DurableCorrupt", "DurableLayoutError", "DurablePolicy",
+           "DurableWriter",
            "Persisted", "boxes", "committed_records", "committed_steps", "corrupt_records",
            "export", "load", "restore", "verify", "write_shard"]

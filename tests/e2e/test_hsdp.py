@@ -19,7 +19,11 @@ column s's snapshots (the model's shard s), on its node, a buddy's, or fetched.
 
 from __future__ import annotations
 
+import asyncio
+import dataclasses
+import math
 import os
+import shutil
 import subprocess
 import sys
 from collections.abc import AsyncIterator
@@ -34,6 +38,7 @@ from test_elastic import drain, kill_every_rank, watched_cluster, without_lost_w
 
 from phalanx.runtime import record
 from phalanx.runtime.data import ElasticOrder
+from phalanx.schemas import subjects
 from phalanx.schemas.messages import (
     CheckpointPolicy,
     Generation,
@@ -42,7 +47,10 @@ from phalanx.schemas.messages import (
     JobState,
     Placement,
     ReplicaRange,
+    SnapshotRecord,
+    SnapshotTier,
 )
+from phalanx.services.agent.snapshots import default_root
 from phalanx.services.client import AdmissionClient
 
 pytestmark = pytest.mark.timeout(600)
@@ -58,6 +66,16 @@ KILL_STEP = 15
 PACE_S = 0.5  # until the replacement group has joined: STEPS * PACE_S = 40 s
 RUN_ENV = {"PHALANX_DETERMINISTIC": "1", "PHALANX_STATE_CHECKSUM": "1",
            "PHALANX_MICRO_BATCH_SIZE": "2"}
+RESTART_JOB = "hsdp-restart-1"
+EVERY = 10  # durable_every_steps of the restarted job
+RESHARD = Path(__file__).resolve().parent / "reshard_worker.py"
+# The durable step as one torch.save file, by plain torch: nothing of phalanx imported.
+PLAIN_EXPORT = """
+import sys
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+dcp_to_torch_save(sys.argv[1], sys.argv[2])
+assert not [m for m in sys.modules if m == "phalanx" or m.startswith("phalanx.")]
+"""
 
 
 @pytest.fixture(scope="module")
@@ -71,14 +89,18 @@ async def cluster(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[tup
         yield running
 
 
+def clean_env() -> dict[str, str]:
+    return {**{k: v for k, v in os.environ.items() if not k.startswith("PHALANX_")},
+            **RUN_ENV}
+
+
 @pytest.fixture(scope="module")
 def reference(data_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
     """The port as one group of 2 with no phalanx (torchrun): what it saved."""
     save = tmp_path_factory.mktemp("hsdp-alone") / "alone.pt"
-    clean = {k: v for k, v in os.environ.items() if not k.startswith("PHALANX_")}
     subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
                     "--nproc-per-node", "2", str(SCRIPT), "--data-dir", str(data_dir), *ARGS,
-                    "--save", str(save)], check=True, timeout=300, env={**clean, **RUN_ENV},
+                    "--save", str(save)], check=True, timeout=300, env=clean_env(),
                    capture_output=True)
     return torch.load(save)
 
@@ -113,6 +135,101 @@ def check_run(tmp_path: Path, reference: dict,
             assert torch.equal(final["optimizer"]["state"][name][key], value), (name, key)
     assert final["scheduler"] == reference["scheduler"]
     return records
+
+
+@dataclasses.dataclass(frozen=True)
+class Restarted:
+    """A job of 2 groups of 2 stopped with its cluster (``phalanx down``) once a durable
+    step was committed, its nodes' memory wiped, and resumed by itself (``phalanx up``)."""
+
+    out: Path  # its records and final state (spec_of's tmp_path)
+    durable: Path  # the job's durable steps
+    records: dict[str, list[dict]]
+    persisted: int  # the durable step committed before the cluster stopped
+
+
+@pytest.fixture(scope="module")
+async def restarted(data_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Restarted:
+    """Run first in the module, before ``cluster`` is started: its own cluster of 2 agents
+    x 2 slots, one group on each, stopped and started again under the job."""
+    base = tmp_path_factory.mktemp("hsdp-restart")
+    data, out = base / "cluster", base / "out"
+    out.mkdir()
+    spec = msgspec.structs.replace(spec_of("hsdp-restart", data_dir, out, replicas=2),
+                                   checkpoint=CheckpointPolicy(memory_every_steps=EVERY,
+                                                               durable_every_steps=EVERY))
+    async with watched_cluster(data) as (_, bus, _watch):
+        persisted: asyncio.Queue[int] = asyncio.Queue()
+
+        async def on_snapshot(announced: SnapshotRecord, _: object) -> None:
+            if announced.tier is SnapshotTier.DURABLE:
+                persisted.put_nowait(announced.step)
+
+        await bus.subscribe(subjects.ckpt_snapshot(RESTART_JOB), SnapshotRecord, on_snapshot)
+        await AdmissionClient(bus).submit(spec, RESTART_JOB)
+        # Every S x R = 4 file of the step is announced once it is committed.
+        step = await asyncio.wait_for(persisted.get(), 180)
+    for agent in (data / "agents").iterdir():  # rebooted: the memory tier is gone
+        shutil.rmtree(default_root(agent.name, agent), ignore_errors=True)
+    (out / "release").touch()
+    async with watched_cluster(data) as (_, bus, watch):
+        ended = await next_of(watch.states,
+                              lambda r: r.job_id == RESTART_JOB and r.state.terminal, 180)
+        assert ended.state is JobState.FINISHED, ended.reason
+    return Restarted(out, data / "checkpoints" / RESTART_JOB, record.read(out / "rec"), step)
+
+
+async def test_hsdp_resumes_from_its_durable_step_after_the_cluster_restarts(
+        restarted: Restarted, reference: dict) -> None:
+    records = restarted.records
+    restores = [(name, line["step"]) for name, lines in records.items() for line in lines
+                if line["kind"] == "restore"]
+    # Every rank of both replacement groups restored one step, from durable storage.
+    assert {name for name, _ in restores} == {"r0-1", "r0-1.g1", "r1-1", "r1-1.g1"}, restores
+    assert all(line["tier"] == "durable" for lines in records.values() for line in lines
+               if line["kind"] == "restore")
+    assert len({step for _, step in restores}) == 1
+    assert restores[0][1] >= restarted.persisted
+    # Bitwise the port alone, every window once an epoch (what the stopped ranks
+    # committed after the step restored trained again).
+    check_run(restarted.out, reference, without_lost_work(records, STEPS))
+
+
+async def test_hsdp_durable_step_loads_in_plain_dcp_and_reshards_from_2_to_4_ranks(
+        restarted: Restarted, data_dir: Path, reference: dict, tmp_path: Path) -> None:
+    """The job's last step, written by 2 groups of 2 (4 DCP files, one commit), is the
+    port's final state: exported whole by plain torch (nothing of phalanx imported), and
+    restored by a group of 4 ranks, each reading its quarter, which then trains on."""
+    [last] = [d for d in restarted.durable.glob(f"step-{STEPS:010d}-*-w2-c2")
+              if (d / ".phalanx-commit").exists()]
+    assert sorted(p.name for p in last.glob("*.distcp")) == [f"__{i}_0.distcp"
+                                                             for i in range(4)]
+    whole = tmp_path / "whole.pt"
+    subprocess.run([sys.executable, "-c", PLAIN_EXPORT, str(last), str(whole)], check=True,
+                   timeout=120, env=clean_env())
+    exported = torch.load(whole)
+    assert exported["phalanx"]["step"] == STEPS
+    for name, value in reference["model"].items():
+        assert torch.equal(exported["model"][name], value), name
+    assert exported["extra"]["lr_scheduler"]["last_epoch"] == reference["scheduler"]["last_epoch"]
+
+    out = tmp_path / "resharded.pt"
+    subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                    "--nproc-per-node", "4", str(RESHARD), "--data-dir", str(data_dir), *ARGS,
+                    "--durable", str(restarted.durable), "--save", str(out)],
+                   check=True, timeout=300, env=clean_env(), capture_output=True)
+    resharded = torch.load(out)
+    for name, value in reference["model"].items():  # each rank's quarter, gathered
+        assert torch.equal(resharded["restored"]["model"][name], value), name
+    for name, state in reference["optimizer"]["state"].items():
+        for key, value in state.items():
+            assert torch.equal(resharded["restored"]["optimizer"]["state"][name][key],
+                               value), (name, key)
+    assert resharded["restored"]["scheduler"] == reference["scheduler"]
+    losses = resharded["losses"]  # it trains on at S = 4: finite, the model moving
+    assert len(losses) == 3 and all(math.isfinite(x) for x in losses), losses
+    assert any(not torch.equal(resharded["trained"][name], value)
+               for name, value in reference["model"].items())
 
 
 @pytest.mark.parametrize("killed", ["r1-0.g1", "r1-0"], ids=["one-rank", "whole-group"])
