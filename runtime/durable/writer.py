@@ -161,7 +161,7 @@ def _commit(fs: fsspec.AbstractFileSystem, directory: str, header: Header,
         for i, offsets, sizes in marker["chunks"]:
             chunks.setdefault(i, []).append(ChunkStorageMetadata(torch.Size(offsets),
                                                                  torch.Size(sizes)))
-    if header.columns > 1:  # a group's step: global shapes, and each column's RNG
+    if "global" in meta:  # a replica group's step: global shapes, and each column's RNG
         meta = {**global_meta(meta), "rngs": [markers[file_index(0, header.shards, column)]
                                               ["rng"] for column in range(header.columns)]}
         meta_bytes = pickle.dumps(meta)
