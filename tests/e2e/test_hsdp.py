@@ -1,6 +1,15 @@
-"""The FSDP2 GPT end to end: 3 replica groups of 2 ranks, a rank killed mid-step, its group
-replaced; scaled by groups, 3 to 2 to 3; and every rank of 2 groups killed, the job
-restored from the nodes' memory shard by shard.
+"""The FSDP2 GPT end to end: a cluster restarted under 2 replica groups of 2 ranks, the job
+resumed from its durable step; 3 groups, a rank killed mid-step, its group replaced;
+scaled by groups, 3 to 2 to 3; and every rank of 2 groups killed, the job restored from
+the nodes' memory shard by shard.
+
+The module's cluster is first stopped (``phalanx down``) under a job of 2 groups that
+persists a durable step every ``EVERY`` steps, its nodes' memory wiped (a reboot), and
+started again (``phalanx up``): the job comes back by itself, each rank of its new groups
+reading its part of the durable step (DCP's sharded format, one commit over the 4
+files), and ends bitwise the port alone, every window once an epoch. Its last step loads
+in a plain torch process, and in a group of 4 ranks (``reshard_worker.py``, resharded by
+DCP on load), which trains on.
 
 ``examples/chargpt_hsdp.py`` (the port of the plain FSDP2 HSDP script) at test size runs
 as a job of ``ranks_per_replica: 2`` on a local cluster of 3 agents of 2 slots
