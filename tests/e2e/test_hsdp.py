@@ -62,6 +62,7 @@ from phalanx.schemas.messages import (
 )
 from phalanx.services.agent.snapshots import default_root
 from phalanx.services.client import AdmissionClient
+from phalanx.services.ports import free_port
 
 pytestmark = pytest.mark.timeout(600)
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
@@ -77,7 +78,8 @@ PACE_S = 0.5  # until the replacement group has joined: STEPS * PACE_S = 40 s
 RUN_ENV = {"PHALANX_DETERMINISTIC": "1", "PHALANX_STATE_CHECKSUM": "1",
            "PHALANX_MICRO_BATCH_SIZE": "2"}
 RESTART_JOB = "hsdp-restart-1"
-EVERY = 4  # durable_every_steps of the restarted job
+EVERY = 20  # durable_every_steps of the restarted job
+RESTART_PACE_S = 0.1  # until a durable step is committed: far from the end at phalanx down
 RESHARD = Path(__file__).resolve().parent / "reshard_worker.py"
 # The durable step as one torch.save file, by plain torch: nothing of phalanx imported.
 PLAIN_EXPORT = """
@@ -161,9 +163,10 @@ async def restarted(data_dir: Path, tmp_path_factory: pytest.TempPathFactory
     and it starts again (``phalanx up``, the same data dir): the job resumes by itself,
     and ends before the cluster is the module's."""
     data, out = tmp_path_factory.mktemp("hsdp-cluster"), tmp_path_factory.mktemp("hsdp-restart")
-    spec = msgspec.structs.replace(spec_of("hsdp-restart", data_dir, out, replicas=2),
-                                   checkpoint=CheckpointPolicy(memory_every_steps=EVERY,
-                                                               durable_every_steps=EVERY))
+    spec = spec_of("hsdp-restart", data_dir, out, replicas=2,
+                   PHALANX_CHAOS_PACE=f"{RESTART_PACE_S}:{out / 'release'}")
+    spec = msgspec.structs.replace(spec, checkpoint=CheckpointPolicy(
+        memory_every_steps=EVERY, durable_every_steps=EVERY))
     async with watched_cluster(data, agents=3) as (_, bus, _watch):
         persisted: asyncio.Queue[int] = asyncio.Queue()
 
@@ -227,11 +230,14 @@ async def test_hsdp_durable_step_loads_in_plain_dcp_and_reshards_from_2_to_4_ran
     assert exported["extra"]["lr_scheduler"]["last_epoch"] \
         == reference["scheduler"]["last_epoch"]
 
-    out = tmp_path / "resharded.pt"
-    subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                    "--nproc-per-node", "4", str(RESHARD), "--data-dir", str(data_dir), *ARGS,
-                    "--durable", str(restarted.durable), "--save", str(out)],
-                   check=True, timeout=300, env=clean_env(), capture_output=True)
+    out, port = tmp_path / "resharded.pt", free_port()
+    # torchrun's variables for a group of 4, set here: no launcher process to start.
+    ranks = [subprocess.Popen(
+        [sys.executable, str(RESHARD), "--data-dir", str(data_dir), *ARGS,
+         "--durable", str(restarted.durable), "--save", str(out)],
+        env={**clean_env(), "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "4",
+             "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}) for rank in range(4)]
+    assert [rank.wait(timeout=300) for rank in ranks] == [0] * 4
     resharded = torch.load(out)
     for name, value in reference["model"].items():  # each rank's quarter, gathered
         assert torch.equal(resharded["restored"]["model"][name], value), name
