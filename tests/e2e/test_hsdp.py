@@ -45,6 +45,7 @@ import torch
 from e2e_cli import next_of, phalanx
 from test_elastic import drain, kill_every_rank, watched_cluster, without_lost_work
 
+from phalanx.bus.kv import TypedKV
 from phalanx.runtime import record
 from phalanx.runtime.data import ElasticOrder
 from phalanx.schemas import subjects
@@ -52,6 +53,7 @@ from phalanx.schemas.messages import (
     CheckpointPolicy,
     Generation,
     GenerationReason,
+    JobHistory,
     JobRecord,
     JobSpec,
     JobState,
@@ -59,6 +61,7 @@ from phalanx.schemas.messages import (
     ReplicaRange,
     SnapshotRecord,
     SnapshotTier,
+    StateSource,
 )
 from phalanx.services.agent.snapshots import default_root
 from phalanx.services.client import AdmissionClient
@@ -153,6 +156,7 @@ class Restarted:
     durable: Path  # its durable steps
     persisted: int  # the durable step committed before the cluster stopped
     ended: JobRecord
+    history: JobHistory
 
 
 @pytest.fixture(scope="module")
@@ -184,7 +188,9 @@ async def restarted(data_dir: Path, tmp_path_factory: pytest.TempPathFactory
     async with watched_cluster(data, agents=3) as running:
         ended = await next_of(running[2].states,
                               lambda r: r.job_id == RESTART_JOB and r.state.terminal, 180)
-        yield Restarted(running, out, data / "checkpoints" / RESTART_JOB, step, ended)
+        histories = await TypedKV.open(running[1].js, subjects.HISTORY_BUCKET, JobHistory)
+        history = (await histories.get(RESTART_JOB)).value
+        yield Restarted(running, out, data / "checkpoints" / RESTART_JOB, step, ended, history)
 
 
 @pytest.fixture(scope="module")
@@ -206,6 +212,9 @@ async def test_hsdp_resumes_from_its_durable_step_after_the_cluster_restarts(
                if line["kind"] == "restore")
     assert len({step for _, step in restores}) == 1
     assert restores[0][1] >= restarted.persisted
+    # The job's history says so: the generation the new groups joined restored it.
+    assert [g.restored_from for g in restarted.history.generations
+            if g.restored_from is StateSource.DURABLE], restarted.history
     # Bitwise the port alone, every window once an epoch (what the stopped ranks
     # committed after the step restored trained again).
     check_run(restarted.out, reference, without_lost_work(records, STEPS))
