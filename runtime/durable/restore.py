@@ -103,8 +103,10 @@ def restore(pg: Any, wait: Wait, world_size: int, policy: DurablePolicy, job_id:
     seen = torch.tensor([len(candidates), candidates[0].step if candidates else -1],
                         dtype=torch.int64)
     wait(pg.allreduce([seen]))
-    if not _in_every_column(seen.tolist() == [len(candidates) * world_size, (
-            candidates[0].step if candidates else -1) * world_size], agree):
+    newest = candidates[0].step if candidates else -1
+    if not _in_every_column(seen.tolist() == [len(candidates) * world_size,
+                                              newest * world_size],
+                            agree, len(candidates), newest):
         log.error("durable restore skipped: the members see different committed steps")
         return None
     for candidate in candidates:
@@ -122,13 +124,17 @@ def restore(pg: Any, wait: Wait, world_size: int, policy: DurablePolicy, job_id:
     return None
 
 
-def _in_every_column(holds: bool, agree: Agree | None) -> bool:
-    """Whether ``holds`` is true in every column of this rank's replica group (``agree``:
-    the group's sum; None: a replica of one rank, its own column)."""
+def _in_every_column(holds: bool, agree: Agree | None, *same: int) -> bool:
+    """Whether ``holds`` is true, and the numbers ``same`` the same, in every column of
+    this rank's replica group (``agree``: the group's sum; None: a replica of one rank,
+    its own column)."""
     if agree is None:
         return holds
-    summed = agree(torch.tensor([float(holds), 1.0])).tolist()
-    return bool(summed[0] == summed[1])
+    summed = agree(torch.tensor([float(holds), 1.0, *map(float, same)],
+                                dtype=torch.float64)).tolist()
+    columns = summed[1]
+    return summed[0] == columns and all(total == columns * value
+                                        for total, value in zip(summed[2:], same, strict=True))
 
 
 # --- the catalog's view -------------------------------------------------------------------
