@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import dataclasses
 import sys
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, cast
 
 import torch
@@ -49,6 +50,9 @@ if TYPE_CHECKING:
 
 #: How a mesh is named across processes: its ranks and its dimensions' names.
 MeshKey = tuple[tuple[Any, ...], tuple[str, ...] | None]
+#: A replica group's sum over its ranks (:meth:`ReplicaGroup.agree`), as the restores
+#: take it: the columns of a group restore one step or none.
+Agree = Callable[[torch.Tensor], torch.Tensor]
 
 
 class GroupMismatch(ValueError):

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import math
 import warnings
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -33,10 +33,6 @@ from phalanx.runtime.state import _fill
 
 if TYPE_CHECKING:
     import torch.distributed.checkpoint as dcp
-
-#: A replica group's sum over its ranks (:meth:`~.replica_group.ReplicaGroup.agree`).
-Agree = Callable[[torch.Tensor], torch.Tensor]
-
 
 class DurableLayoutError(ValueError):
     """A committed durable step that cannot be loaded into this model: another model, a

@@ -28,9 +28,9 @@ from phalanx.runtime.durable.layout import (
     state_dict_of,
     url_of,
 )
-from phalanx.runtime.durable.resharding import Agree, load_sharded
+from phalanx.runtime.durable.resharding import load_sharded
 from phalanx.runtime.flat_state import load_tensors
-from phalanx.runtime.replica_group import is_sharded
+from phalanx.runtime.replica_group import Agree, is_sharded
 from phalanx.runtime.sharded import Sharded
 from phalanx.runtime.state import tensor_refs
 from phalanx.schemas.environment import CheckpointEnvironment
