@@ -141,3 +141,18 @@ def test_a_tensor_the_step_does_not_hold_whole_is_named() -> None:
     assert problems({"model.w": stored(((0, 0), (2, 2)))}, wanted) == [
         "model.w: the step's chunks hold 4 of its 8 elements (incomplete)",
         "model.b: not in the step"]
+
+
+def test_a_group_steps_files_are_announced_and_reported_by_column_and_shard() -> None:
+    record = durable.CommitRecord("job-g", 20, 1, 2, 100, {
+        f"__{i}_0.distcp": (10 + i, f"{i:016x}") for i in range(4)}, b"", columns=2)
+    announced = durable.committed_records(record, "/ckpt/job-g/step", "node-a", 0.0)
+    assert [(r.column, r.shard, r.num_shards, r.columns, r.nbytes) for r in announced] == [
+        (0, 0, 2, 2, 10), (0, 1, 2, 2, 11), (1, 0, 2, 2, 12), (1, 1, 2, 2, 13)]
+    step = durable.Committed("/ckpt/job-g/step-0000000020-g1-w2-c2", 20, 1, 2, 2)
+    damaged = durable.DurableCorrupt("__3_0.distcp: checksum mismatch", 3, "3" * 16)
+    [copy] = durable.corrupt_records(step, damaged, "/ckpt", "node-a", 0.0)
+    assert (copy.column, copy.shard, copy.corrupt, copy.checksum) == (1, 1, True, "3" * 16)
+    whole = durable.corrupt_records(step, durable.DurableCorrupt("no record"), "/ckpt",
+                                    "node-a", 0.0)
+    assert [(c.column, c.shard) for c in whole] == [(0, 0), (0, 1), (1, 0), (1, 1)]
