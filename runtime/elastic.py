@@ -261,12 +261,6 @@ class ElasticSession:
             if is_sharded(optimizer):
                 raise ValueError("a replica group's model is sharded already: its optimizer "
                                  "steps its own shards, not a ZeroRedundancyOptimizer")
-            if durable is not None:
-                # Not built for groups yet: DCP's sharded format, resumable at another S.
-                log.warning("the durable tier is not taken for a replica group "
-                            "(ranks_per_replica > 1) yet: this job recovers from its live "
-                            "groups and the nodes' memory only")
-                durable = None
             landing = []
         device = model_device(trained)  # the model's, and what the session allocates
         chosen = choose_backend(backend, device)

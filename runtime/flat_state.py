@@ -14,7 +14,9 @@ write and read this layout.
 A model sharded in a replica group (:mod:`.replica_group`: FSDP2's DTensors) is laid
 out as this rank's local shards, with what makes each optimizer tensor a DTensor again
 (its :class:`~.replica_group.ShardSpec`, in the meta): rank ``s`` of a group writes and
-loads shard ``s`` only, never the model whole.
+loads shard ``s`` only, never the model whole. The meta also names where each local
+tensor lies in its global one (``meta["global"]``: its global shape and offsets), so the
+durable tier writes it as its box of the global tensor (:mod:`.durable`).
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from typing import Any, cast
 
 import torch
 
-from phalanx.runtime.replica_group import local, meshes_of, rewrap, shard_spec
+from phalanx.runtime.replica_group import global_box, local, meshes_of, rewrap, shard_spec
 from phalanx.runtime.sharded import Sharded
 from phalanx.runtime.state import _fill, _strip
 from phalanx.schemas import snapshot_file
@@ -73,12 +75,14 @@ def flat_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer | Sharde
     are this rank's alone (:attr:`FlatState.owned`).
     """
     model_state = model.state_dict()
+    boxes = [global_box(t) for t in model_state.values()]
     model_tensors = [local(t).detach() for t in model_state.values()]
     stripped: list[torch.Tensor] = []
     optimizer_skeleton = _strip(optimizer.replicated_state() if isinstance(optimizer, Sharded)
                                 else optimizer.state_dict(), stripped)
     extra_skeletons = {name: _strip(obj.state_dict(), stripped) for name, obj in extra.items()}
     shards = [shard_spec(t) for t in stripped]  # a DTensor's, to make it one again
+    boxes += [global_box(t) for t in stripped]
     stripped = [local(t) for t in stripped]
     tensors = [_bytes_of(t.detach()) for t in model_tensors + stripped]
     offsets, total = snapshot_file.layout([t.numel() for t in tensors])
@@ -92,6 +96,8 @@ def flat_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer | Sharde
             "offsets": offsets, "total": total}
     if any(spec is not None for spec in shards):
         meta["shards"] = shards
+    if any(box is not None for box in boxes):
+        meta["global"] = boxes
     owned = _owned_flat(optimizer.owned_state()) if isinstance(optimizer, Sharded) else None
     if owned is not None:
         meta["owned"] = owned.meta

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import dataclasses
 import sys
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, cast
 
 import torch
@@ -49,6 +50,9 @@ if TYPE_CHECKING:
 
 #: How a mesh is named across processes: its ranks and its dimensions' names.
 MeshKey = tuple[tuple[Any, ...], tuple[str, ...] | None]
+#: A replica group's sum over its ranks (:meth:`ReplicaGroup.agree`), as the restores
+#: take it: the columns of a group restore one step or none.
+Agree = Callable[[torch.Tensor], torch.Tensor]
 
 
 class GroupMismatch(ValueError):
@@ -141,6 +145,22 @@ def shard_spec(tensor: torch.Tensor) -> ShardSpec | None:
     sharded = cast("DTensor", tensor)
     return ShardSpec(mesh_key(sharded.device_mesh), tuple(sharded.placements),
                      tuple(sharded.shape), tuple(sharded.stride()))
+
+
+#: Where a local tensor lies in its DTensor: the global shape, and the local box's offsets.
+GlobalBox = tuple[tuple[int, ...], tuple[int, ...]]
+
+
+def global_box(tensor: torch.Tensor) -> GlobalBox | None:
+    """Where ``tensor``'s local part lies in it, if it is a DTensor: its global shape and
+    the offsets of the local box (as DCP writes it: ``__create_chunk_list__``)."""
+    if not is_dtensor(tensor):
+        return None
+    chunks = tensor.__create_chunk_list__()  # type: ignore[attr-defined]
+    if len(chunks) != 1:
+        raise GroupMismatch(f"a DTensor of shape {list(tensor.shape)} whose local part is "
+                            f"{len(chunks)} boxes of it: not a layout the durable tier writes")
+    return tuple(tensor.shape), tuple(chunks[0].offsets)
 
 
 def mesh_key(mesh: Any) -> MeshKey:

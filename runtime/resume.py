@@ -275,9 +275,12 @@ def _restore_durable(s: SessionState, seat: Seat, generation: Generation,
             for message in corrupt_records(step, problem, location, s.replica.node_id, time.time()):
                 s.bus.publish(subjects.ckpt_snapshot(step.job_id), message)
 
+    group = s.group
     restored = restore_durable(seat.pg, seat.wait, seat.world_size, s.durable,
                                s.replica.job_id, newer_than, s.model, s.optimizer_state,
-                               s.carried, report, _keeps(s, seat))
+                               s.carried, report, _keeps(s, seat),
+                               agree=None if group is None else group.agree,
+                               column=0 if group is None else group.rank)
     if restored is None:
         return None
     step, nbytes = restored

@@ -68,6 +68,7 @@ from phalanx.runtime.bus_thread import BusThread
 from phalanx.runtime.device_staging import DeviceStaging
 from phalanx.runtime.flat_state import FlatState, copy_range, flat_state, load_flat, tensors_in
 from phalanx.runtime.group import Group
+from phalanx.runtime.replica_group import Agree
 from phalanx.runtime.sharded import Sharded
 from phalanx.runtime.snapshot_interval import SnapshotSchedule
 from phalanx.runtime.state import (
@@ -94,8 +95,6 @@ META_SLACK = 64 * 1024  # room for the meta section to grow without a new reserv
 RESERVE_TIMEOUT_S = 10.0
 #: After the agent did not answer a reservation (down, restarting), ask again no sooner.
 RESERVE_RETRY_S = 2.0
-#: A replica group's sum over its ranks (:meth:`.replica_group.ReplicaGroup.agree`).
-Agree = Callable[[torch.Tensor], torch.Tensor]
 
 
 class Snapshotter:

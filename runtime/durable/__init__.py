@@ -36,6 +36,13 @@ never loaded and that retention deletes. Retention (by every committer): the
 newest ``durable_keep`` committed steps of the job stay; older steps and
 abandoned attempts older than the newest committed step are deleted.
 
+**Replica groups.** Rank ``s`` of group ``r`` (``ranks_per_replica`` S, R groups)
+writes its share of column ``s``'s state, each DTensor's local elements as boxes of the
+global tensor (:func:`~.layout.shard_boxes`), to data file ``s·R + r``; the directory
+is ``step-<step>-g<generation>-w<R>-c<S>`` and the commit waits for all S·R markers. The
+step is one DCP checkpoint of the global tensors, which a group of any size loads, each
+rank its own part (:mod:`.resharding`).
+
 **Loading** (:func:`load`, path 4 of docs/checkpoints.md): every
 file's checksum is checked against the commit record before anything is
 loaded; a mismatch raises :class:`DurableCorrupt` and the caller goes on to the
@@ -51,6 +58,7 @@ from phalanx.runtime.durable.layout import (
     boxes,
     committed_steps,
 )
+from phalanx.runtime.durable.resharding import DurableLayoutError
 from phalanx.runtime.durable.restore import (
     DurablePolicy,
     committed_records,
@@ -62,6 +70,7 @@ from phalanx.runtime.durable.restore import (
 )
 from phalanx.runtime.durable.writer import DurableWriter, Persisted, write_shard
 
-__all__ = ["CommitRecord", "Committed", "DurableCorrupt", "DurablePolicy", "DurableWriter",
+__all__ = ["CommitRecord", "Committed", "DurableCorrupt", "DurableLayoutError", "DurablePolicy",
+           "DurableWriter",
            "Persisted", "boxes", "committed_records", "committed_steps", "corrupt_records",
            "export", "load", "restore", "verify", "write_shard"]

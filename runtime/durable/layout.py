@@ -24,7 +24,8 @@ from phalanx.schemas.snapshot_file import SnapshotFileError
 
 COMMIT = ".phalanx-commit"
 METADATA = ".metadata"
-_STEP_DIR = re.compile(r"^step-(?P<step>\d{10})-g(?P<generation>\d+)-w(?P<shards>\d+)$")
+_STEP_DIR = re.compile(r"^step-(?P<step>\d{10})-g(?P<generation>\d+)-w(?P<shards>\d+)"
+                       r"(?:-c(?P<columns>\d+))?$")
 DATA_FILE = re.compile(r"^__(?P<shard>\d+)_0\.distcp$")
 
 
@@ -167,26 +168,62 @@ def _names(flat: dict[str, Any], placeholders: list[torch.Tensor]
     return names, objects
 
 
-def shard_boxes(meta: dict[str, Any], shard: int, shards: int) -> list[tuple[int, Box]]:
-    """The chunks shard ``shard`` of ``shards`` writes: (tensor index, box)."""
+def shard_boxes(meta: dict[str, Any], shard: int, shards: int,
+                column: int = 0) -> list[tuple[int, Box]]:
+    """The chunks shard ``shard`` of ``shards`` writes: (tensor index, box), the box's
+    offsets in the global tensor, its first element in the local one.
+
+    A replica group's rank (``meta["global"]``, :mod:`.flat_state`) holds its column's
+    local part of each DTensor: its boxes are moved to where that part lies in the global
+    tensor. A tensor every rank of a group holds whole (not a DTensor: an optimizer's step
+    count, a buffer) is written by column 0 alone.
+    """
     offset, length = snapshot_file.share(meta["total"], shard, shards)
+    placed: list[Any] | None = meta.get("global")
     found: list[tuple[int, Box]] = []
     for i, ((shape, dtype), at) in enumerate(zip(meta["tensors"], meta["offsets"],
                                                  strict=True)):
+        where = None if placed is None else placed[i]
+        if placed is not None and where is None and column != 0:
+            continue
         size = element_size(dtype)
         nbytes = math.prod(shape) * size
         lo, hi = max(offset, at), min(offset + length, at + nbytes)
         if lo < hi:
-            found.extend((i, box) for box in boxes(tuple(shape), (lo - at) // size,
-                                                   (hi - at) // size))
+            for offsets, sizes, first in boxes(tuple(shape), (lo - at) // size,
+                                               (hi - at) // size):
+                if where is not None:
+                    offsets = tuple(o + g for o, g in zip(offsets, where[1], strict=True))
+                found.append((i, (offsets, sizes, first)))
     return found
+
+
+def global_meta(meta: dict[str, Any]) -> dict[str, Any]:
+    """``meta`` with each tensor's global shape (a replica group rank's meta names its local
+    parts' shapes); ``meta`` itself for a rank that holds its tensors whole."""
+    placed: list[Any] | None = meta.get("global")
+    if placed is None:
+        return meta
+    tensors = [(tuple(where[0]), dtype) if where is not None else (tuple(shape), dtype)
+               for (shape, dtype), where in zip(meta["tensors"], placed, strict=True)]
+    return {**meta, "tensors": tensors}
+
+
+def file_index(shard: int, shards: int, column: int) -> int:
+    """The data file of shard ``shard`` of ``shards`` of column ``column``: the columns'
+    shards one after another (one column, a plain job's: the shard itself)."""
+    return column * shards + shard
 
 
 # --- storage --------------------------------------------------------------------------------
 
 
-def step_dir(root: str, job_id: str, step: int, generation: int, shards: int) -> str:
-    return f"{root.rstrip('/')}/{job_id}/step-{step:010d}-g{generation}-w{shards}"
+def step_dir(root: str, job_id: str, step: int, generation: int, shards: int,
+             columns: int = 1) -> str:
+    """A step attempt's directory; ``columns``: a job of replica groups' S (its ``shards``
+    are each column's, R), named when more than 1."""
+    suffix = f"-c{columns}" if columns > 1 else ""
+    return f"{root.rstrip('/')}/{job_id}/step-{step:010d}-g{generation}-w{shards}{suffix}"
 
 
 def put_at_once(fs: fsspec.AbstractFileSystem, path: str, data: bytes) -> None:
@@ -201,7 +238,12 @@ def put_at_once(fs: fsspec.AbstractFileSystem, path: str, data: bytes) -> None:
 
 @dataclasses.dataclass(frozen=True)
 class CommitRecord:
-    """What makes a durable step exist: its files' sizes and checksums, and the meta."""
+    """What makes a durable step exist: its files' sizes and checksums, and the meta.
+
+    A job of replica groups wrote ``shards`` (R) data files per column, ``columns`` (S)
+    columns: every one of the S·R files is in ``files``, and ``meta`` holds the tensors'
+    global shapes and each column's RNG state (``rngs``).
+    """
 
     job_id: str
     step: int
@@ -210,6 +252,7 @@ class CommitRecord:
     total: int
     files: dict[str, tuple[int, str]]  # name -> (bytes, xxh3-64 hex)
     meta: bytes
+    columns: int = 1
 
     def encode(self) -> bytes:
         row = dataclasses.asdict(self)
@@ -235,6 +278,7 @@ class Committed:
     step: int
     generation: int
     shards: int
+    columns: int = 1
 
     @property
     def job_id(self) -> str:
@@ -261,7 +305,8 @@ def committed_steps(fs: fsspec.AbstractFileSystem, job_root: str) -> list[Commit
         match = _STEP_DIR.match(entry.rstrip("/").rsplit("/", 1)[-1])
         if match and fs.exists(f"{entry.rstrip('/')}/{COMMIT}"):
             found.append(Committed(entry.rstrip("/"), int(match["step"]),
-                                   int(match["generation"]), int(match["shards"])))
+                                   int(match["generation"]), int(match["shards"]),
+                                   int(match["columns"] or 1)))
     return sorted(found, key=lambda c: (-c.step, -c.generation))
 
 

@@ -31,6 +31,8 @@ from phalanx.runtime.durable.layout import (
     consolidated_meta,
     dtype_of,
     element_size,
+    file_index,
+    global_meta,
     owned_plan,
     put_at_once,
     retain,
@@ -64,7 +66,12 @@ class Persisted:
 def write_shard(fs: fsspec.AbstractFileSystem, root: str, header: Header, meta_bytes: bytes,
                 data: memoryview, keep: int) -> Persisted:
     """Persist shard ``header.shard`` (its bytes ``data``, verified by the caller), then
-    commit the step if every shard's marker is there, then apply retention."""
+    commit the step if every shard's marker is there, then apply retention.
+
+    A replica group's rank (``header.column`` of ``header.columns``) writes data file
+    :func:`~.layout.file_index`: the step has a file per shard of every column, and is
+    committed once all of them are written.
+    """
     # DCP is imported when a shard is first written, not with the runtime (layout._flatten).
     from torch.distributed.checkpoint.filesystem import _StorageInfo
     from torch.distributed.checkpoint.metadata import MetadataIndex
@@ -72,10 +79,13 @@ def write_shard(fs: fsspec.AbstractFileSystem, root: str, header: Header, meta_b
     started = time.perf_counter()
     meta = pickle.loads(meta_bytes)
     plan = Plan.of(meta)
-    directory = step_dir(root, header.job_id, header.step, header.generation, header.shards)
+    directory = step_dir(root, header.job_id, header.step, header.generation, header.shards,
+                         header.columns)
     fs.makedirs(directory, exist_ok=True)
-    name = f"__{header.shard}_0.distcp"
+    index = file_index(header.shard, header.shards, header.column)
+    name = f"__{index}_0.distcp"
     storage: dict[MetadataIndex, _StorageInfo] = {}
+    chunks: list[tuple[int, tuple[int, ...], tuple[int, ...]]] = []
     digest, at = xxhash.xxh3_64(), 0
     with fs.open(f"{directory}/{name}", "wb") as out:
         def item(index: MetadataIndex, payload: bytes) -> None:
@@ -90,16 +100,18 @@ def write_shard(fs: fsspec.AbstractFileSystem, root: str, header: Header, meta_b
             torch.save(value, buffer)
             item(index, buffer.getvalue())
 
-        if header.shard == 0:
+        if index == 0:
             for fqn, value in plan.objects.items():
                 saved(MetadataIndex(fqn), value)
-        for i, (offsets, sizes, first) in shard_boxes(meta, header.shard, header.shards):
+        for i, (offsets, sizes, first) in shard_boxes(meta, header.shard, header.shards,
+                                                      header.column):
             dtype = meta["tensors"][i][1]
             size = element_size(dtype)
             lo = meta["offsets"][i] + first * size - header.offset
             chunk = torch.frombuffer(data[lo:lo + math.prod(sizes) * size],
                                      dtype=dtype_of(dtype)).reshape(sizes)
             saved(MetadataIndex(plan.names[i], torch.Size(offsets)), chunk)
+            chunks.append((i, offsets, sizes))
         extent = meta.get("owned")
         if extent is not None:  # a sharded optimizer's entries this shard's owner holds
             names, objects = owned_plan(extent)
@@ -113,9 +125,9 @@ def write_shard(fs: fsspec.AbstractFileSystem, root: str, header: Header, meta_b
                     else torch.empty(shape, dtype=dtype_of(dtype))
                 saved(MetadataIndex(names[j], torch.Size((0,) * len(shape))), whole)
     checksum = f"{digest.intdigest():016x}"
-    put_at_once(fs, f"{directory}/shard-{header.shard}.done", pickle.dumps(
+    put_at_once(fs, f"{directory}/shard-{index}.done", pickle.dumps(
         {"file": name, "bytes": at, "xxh3": checksum, "storage": storage,
-         "owned": meta.get("owned")}))
+         "owned": meta.get("owned"), "chunks": chunks, "rng": meta["rng"]}))
     record = _commit(fs, directory, header, meta, meta_bytes, plan)
     if record is not None:
         for gone in retain(fs, f"{root.rstrip('/')}/{header.job_id}", keep):
@@ -126,7 +138,8 @@ def write_shard(fs: fsspec.AbstractFileSystem, root: str, header: Header, meta_b
 
 def _commit(fs: fsspec.AbstractFileSystem, directory: str, header: Header,
             meta: dict[str, Any], meta_bytes: bytes, plan: Plan) -> CommitRecord | None:
-    """Write ``.metadata`` and the commit record if every shard's marker is there."""
+    """Write ``.metadata`` and the commit record if every shard's marker (of every column)
+    is there."""
     from torch.distributed.checkpoint.filesystem import CURRENT_DCP_VERSION
     from torch.distributed.checkpoint.metadata import (
         BytesStorageMetadata,
@@ -137,17 +150,21 @@ def _commit(fs: fsspec.AbstractFileSystem, directory: str, header: Header,
     )
 
     markers = []
-    for shard in range(header.shards):
+    for index in range(header.shards * header.columns):
         try:
-            markers.append(pickle.loads(fs.cat_file(f"{directory}/shard-{shard}.done")))
+            markers.append(pickle.loads(fs.cat_file(f"{directory}/shard-{index}.done")))
         except FileNotFoundError:
             return None  # a shard still being written: its writer commits
     storage = {index: info for marker in markers for index, info in marker["storage"].items()}
     chunks: dict[int, list[ChunkStorageMetadata]] = {}
-    for shard in range(header.shards):
-        for i, (offsets, sizes, _) in shard_boxes(meta, shard, header.shards):
+    for marker in markers:
+        for i, offsets, sizes in marker["chunks"]:
             chunks.setdefault(i, []).append(ChunkStorageMetadata(torch.Size(offsets),
                                                                  torch.Size(sizes)))
+    if "global" in meta:  # a replica group's step: global shapes, and each column's RNG
+        meta = {**global_meta(meta), "rngs": [markers[file_index(0, header.shards, column)]
+                                              ["rng"] for column in range(header.columns)]}
+        meta_bytes = pickle.dumps(meta)
     if "owned" in meta:  # a sharded optimizer: the step is laid out as the consolidated state
         replicated = len(meta["tensors"])
         meta = consolidated_meta(meta, [marker["owned"] for marker in markers])
@@ -165,7 +182,7 @@ def _commit(fs: fsspec.AbstractFileSystem, directory: str, header: Header,
     files = {m["file"]: (m["bytes"], m["xxh3"]) for m in markers}
     files[METADATA] = (len(metadata), f"{xxhash.xxh3_64_intdigest(metadata):016x}")
     record = CommitRecord(header.job_id, header.step, header.generation, header.shards,
-                          header.total, files, meta_bytes)
+                          header.total, files, meta_bytes, header.columns)
     put_at_once(fs, f"{directory}/{COMMIT}", record.encode())  # the step exists from here
     return record
 

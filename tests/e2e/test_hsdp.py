@@ -1,6 +1,15 @@
-"""The FSDP2 GPT end to end: 3 replica groups of 2 ranks, a rank killed mid-step, its group
-replaced; scaled by groups, 3 to 2 to 3; and every rank of 2 groups killed, the job
-restored from the nodes' memory shard by shard.
+"""The FSDP2 GPT end to end: a cluster restarted under 2 replica groups of 2 ranks, the job
+resumed from its durable step; 3 groups, a rank killed mid-step, its group replaced;
+scaled by groups, 3 to 2 to 3; and every rank of 2 groups killed, the job restored from
+the nodes' memory shard by shard.
+
+The module's cluster is first stopped (``phalanx down``) under a job of 2 groups that
+persists a durable step every ``EVERY`` steps, its nodes' memory wiped (a reboot), and
+started again (``phalanx up``): the job comes back by itself, each rank of its new groups
+reading its part of the durable step (DCP's sharded format, one commit over the 4
+files), and ends bitwise the port alone, every window once an epoch. Its last step loads
+in a plain torch process, and in a group of 4 ranks (``reshard_worker.py``, resharded by
+DCP on load), which trains on.
 
 ``examples/chargpt_hsdp.py`` (the port of the plain FSDP2 HSDP script) at test size runs
 as a job of ``ranks_per_replica: 2`` on a local cluster of 3 agents of 2 slots
@@ -19,7 +28,11 @@ column s's snapshots (the model's shard s), on its node, a buddy's, or fetched.
 
 from __future__ import annotations
 
+import asyncio
+import dataclasses
+import math
 import os
+import shutil
 import subprocess
 import sys
 from collections.abc import AsyncIterator
@@ -32,18 +45,27 @@ import torch
 from e2e_cli import next_of, phalanx
 from test_elastic import drain, kill_every_rank, watched_cluster, without_lost_work
 
+from phalanx.bus.kv import TypedKV
 from phalanx.runtime import record
 from phalanx.runtime.data import ElasticOrder
+from phalanx.schemas import subjects
 from phalanx.schemas.messages import (
     CheckpointPolicy,
     Generation,
     GenerationReason,
+    JobHistory,
+    JobRecord,
     JobSpec,
     JobState,
     Placement,
     ReplicaRange,
+    SnapshotRecord,
+    SnapshotTier,
+    StateSource,
 )
+from phalanx.services.agent.snapshots import default_root
 from phalanx.services.client import AdmissionClient
+from phalanx.services.ports import free_port
 
 pytestmark = pytest.mark.timeout(600)
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
@@ -58,6 +80,17 @@ KILL_STEP = 15
 PACE_S = 0.5  # until the replacement group has joined: STEPS * PACE_S = 40 s
 RUN_ENV = {"PHALANX_DETERMINISTIC": "1", "PHALANX_STATE_CHECKSUM": "1",
            "PHALANX_MICRO_BATCH_SIZE": "2"}
+RESTART_JOB = "hsdp-restart-1"
+EVERY = 20  # durable_every_steps of the restarted job
+RESTART_PACE_S = 0.1  # until a durable step is committed: far from the end at phalanx down
+RESHARD = Path(__file__).resolve().parent / "reshard_worker.py"
+# The durable step as one torch.save file, by plain torch: nothing of phalanx imported.
+PLAIN_EXPORT = """
+import sys
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+dcp_to_torch_save(sys.argv[1], sys.argv[2])
+assert not [m for m in sys.modules if m == "phalanx" or m.startswith("phalanx.")]
+"""
 
 
 @pytest.fixture(scope="module")
@@ -65,20 +98,18 @@ def data_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return chargpt_data.tokens(tmp_path_factory, "hsdp-data", BYTES)
 
 
-@pytest.fixture(scope="module")
-async def cluster(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[tuple]:
-    async with watched_cluster(tmp_path_factory.mktemp("hsdp-cluster"), agents=3) as running:
-        yield running
+def clean_env() -> dict[str, str]:
+    return {**{k: v for k, v in os.environ.items() if not k.startswith("PHALANX_")},
+            **RUN_ENV}
 
 
 @pytest.fixture(scope="module")
 def reference(data_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
     """The port as one group of 2 with no phalanx (torchrun): what it saved."""
     save = tmp_path_factory.mktemp("hsdp-alone") / "alone.pt"
-    clean = {k: v for k, v in os.environ.items() if not k.startswith("PHALANX_")}
     subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
                     "--nproc-per-node", "2", str(SCRIPT), "--data-dir", str(data_dir), *ARGS,
-                    "--save", str(save)], check=True, timeout=300, env={**clean, **RUN_ENV},
+                    "--save", str(save)], check=True, timeout=300, env=clean_env(),
                    capture_output=True)
     return torch.load(save)
 
@@ -113,6 +144,121 @@ def check_run(tmp_path: Path, reference: dict,
             assert torch.equal(final["optimizer"]["state"][name][key], value), (name, key)
     assert final["scheduler"] == reference["scheduler"]
     return records
+
+
+@dataclasses.dataclass(frozen=True)
+class Restarted:
+    """The module's cluster (3 agents of 2 slots), restarted under a job of 2 groups of 2
+    that had committed a durable step: what came of the job."""
+
+    cluster: tuple  # watched_cluster's (data dir, bus, watch), running again
+    out: Path  # the job's records and final state (spec_of's tmp_path)
+    durable: Path  # its durable steps
+    persisted: int  # the durable step committed before the cluster stopped
+    ended: JobRecord
+    history: JobHistory
+
+
+@pytest.fixture(scope="module")
+async def restarted(data_dir: Path, tmp_path_factory: pytest.TempPathFactory
+                    ) -> AsyncIterator[Restarted]:
+    """The cluster starts, a job of 2 groups trains (paced) until a durable step is
+    committed, the cluster stops (``phalanx down``), its nodes' memory is wiped (a reboot)
+    and it starts again (``phalanx up``, the same data dir): the job resumes by itself,
+    and ends before the cluster is the module's."""
+    data, out = tmp_path_factory.mktemp("hsdp-cluster"), tmp_path_factory.mktemp("hsdp-restart")
+    spec = spec_of("hsdp-restart", data_dir, out, replicas=2,
+                   PHALANX_CHAOS_PACE=f"{RESTART_PACE_S}:{out / 'release'}")
+    spec = msgspec.structs.replace(spec, checkpoint=CheckpointPolicy(
+        memory_every_steps=EVERY, durable_every_steps=EVERY))
+    async with watched_cluster(data, agents=3) as (_, bus, _watch):
+        persisted: asyncio.Queue[int] = asyncio.Queue()
+
+        async def on_snapshot(announced: SnapshotRecord, _: object) -> None:
+            if announced.tier is SnapshotTier.DURABLE:
+                persisted.put_nowait(announced.step)
+
+        await bus.subscribe(subjects.ckpt_snapshot(RESTART_JOB), SnapshotRecord, on_snapshot)
+        await AdmissionClient(bus).submit(spec, RESTART_JOB)
+        # The files of a step are announced once it is committed.
+        step = await asyncio.wait_for(persisted.get(), 180)
+    for agent in (data / "agents").iterdir():  # rebooted: the memory tier is gone
+        shutil.rmtree(default_root(agent.name, agent), ignore_errors=True)
+    (out / "release").touch()
+    async with watched_cluster(data, agents=3) as running:
+        ended = await next_of(running[2].states,
+                              lambda r: r.job_id == RESTART_JOB and r.state.terminal, 180)
+        histories = await TypedKV.open(running[1].js, subjects.HISTORY_BUCKET, JobHistory)
+        history = (await histories.get(RESTART_JOB)).value
+        yield Restarted(running, out, data / "checkpoints" / RESTART_JOB, step, ended, history)
+
+
+@pytest.fixture(scope="module")
+def cluster(restarted: Restarted) -> tuple:
+    return restarted.cluster
+
+
+async def test_hsdp_resumes_from_its_durable_step_after_the_cluster_restarts(
+        restarted: Restarted, reference: dict) -> None:
+    assert restarted.ended.state is JobState.FINISHED, restarted.ended.reason
+    records = record.read(restarted.out / "rec")
+    restores = [(name, line["step"]) for name, lines in records.items() for line in lines
+                if line["kind"] == "restore"]
+    # Every rank of both replacement groups restored one step, from durable storage.
+    groups = {name.removesuffix(".g1") for name, _ in restores}
+    assert {name for name, _ in restores} == groups | {f"{g}.g1" for g in groups}, restores
+    assert len(groups) == 2 and not groups & {"r0-0", "r1-0"}, restores
+    assert all(line["tier"] == "durable" for lines in records.values() for line in lines
+               if line["kind"] == "restore")
+    assert len({step for _, step in restores}) == 1
+    assert restores[0][1] >= restarted.persisted
+    # The job's history says so: the generation the new groups joined restored it.
+    assert [g.restored_from for g in restarted.history.generations
+            if g.restored_from is StateSource.DURABLE], restarted.history
+    # Bitwise the port alone, every window once an epoch (what the stopped ranks
+    # committed after the step restored trained again).
+    check_run(restarted.out, reference, without_lost_work(records, STEPS))
+
+
+async def test_hsdp_durable_step_loads_in_plain_dcp_and_reshards_from_2_to_4_ranks(
+        restarted: Restarted, data_dir: Path, reference: dict, tmp_path: Path) -> None:
+    """The job's last step, written by 2 groups of 2 (4 DCP files, one commit), is the
+    port's final state: exported whole by plain torch (nothing of phalanx imported), and
+    restored by a group of 4 ranks, each reading its quarter, which then trains on."""
+    [last] = [d for d in restarted.durable.glob(f"step-{STEPS:010d}-*-w2-c2")
+              if (d / ".phalanx-commit").exists()]
+    assert sorted(p.name for p in last.glob("*.distcp")) == [f"__{i}_0.distcp"
+                                                             for i in range(4)]
+    whole = tmp_path / "whole.pt"
+    subprocess.run([sys.executable, "-c", PLAIN_EXPORT, str(last), str(whole)], check=True,
+                   timeout=120, env=clean_env())
+    exported = torch.load(whole)
+    assert exported["phalanx"]["step"] == STEPS
+    for name, value in reference["model"].items():
+        assert torch.equal(exported["model"][name], value), name
+    assert exported["extra"]["lr_scheduler"]["last_epoch"] \
+        == reference["scheduler"]["last_epoch"]
+
+    out, port = tmp_path / "resharded.pt", free_port()
+    # torchrun's variables for a group of 4, set here: no launcher process to start.
+    ranks = [subprocess.Popen(
+        [sys.executable, str(RESHARD), "--data-dir", str(data_dir), *ARGS,
+         "--durable", str(restarted.durable), "--save", str(out)],
+        env={**clean_env(), "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "4",
+             "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}) for rank in range(4)]
+    assert [rank.wait(timeout=300) for rank in ranks] == [0] * 4
+    resharded = torch.load(out)
+    for name, value in reference["model"].items():  # each rank's quarter, gathered
+        assert torch.equal(resharded["restored"]["model"][name], value), name
+    for name, state in reference["optimizer"]["state"].items():
+        for key, value in state.items():
+            assert torch.equal(resharded["restored"]["optimizer"]["state"][name][key],
+                               value), (name, key)
+    assert resharded["restored"]["scheduler"] == reference["scheduler"]
+    losses = resharded["losses"]  # it trains on at S = 4: finite, the model moving
+    assert len(losses) == 3 and all(math.isfinite(x) for x in losses), losses
+    assert any(not torch.equal(resharded["trained"][name], value)
+               for name, value in reference["model"].items())
 
 
 @pytest.mark.parametrize("killed", ["r1-0.g1", "r1-0"], ids=["one-rank", "whole-group"])
