@@ -40,14 +40,26 @@ from phalanx.services.auth import nats_jwt, tls
 from phalanx.services.auth.errors import AuthError
 from phalanx.services.auth.issuer import AuthDir, authorization
 from phalanx.services.auth.replication_key import write_key
-from phalanx.services.auth.roles import ANY, Role
+from phalanx.services.auth.roles import ANY, Role, identity
 
-#: The Secret holding every identity's seed, the CA and the replication key.
+#: The Secret of the control plane's namespace: the seeds of every identity but the
+#: agents', the CA, the callout's account seed and the rank token key.
 IDENTITIES_SECRET = "phalanx-identities"
+#: The Secret of the agents' namespace: their seed, the CA, the rank token key and the
+#: replication key and certificate.
+AGENT_SECRET = "phalanx-agent-identity"
 #: The Secret the NATS chart serves TLS with (``config.nats.tls.secretName``).
 TLS_SECRET = "phalanx-nats-tls"
-#: The NATS chart's release name: its client Service, which the pods dial.
+#: The Secret of the chart's routes (``config.cluster.tls.secretName``): the route
+#: certificate and key, the CA both ends verify each other with, and the routes'
+#: password (:data:`ROUTE_PASSWORD_ITEM`, which the servers read from a variable).
+ROUTES_SECRET = "phalanx-nats-routes"
+ROUTE_PASSWORD_ITEM = "password"
+#: The NATS chart's release name: its client Service, which the pods dial, and the
+#: headless Service its servers route to each other by.
 RELEASE = "nats"
+#: The namespaces of the control plane (and NATS) and of the agents (deploy/k8s/base).
+NAMESPACE, NODES_NAMESPACE = "phalanx", "phalanx-nodes"
 #: The Secret items of the callout's account seed (the callout alone mounts it) and of
 #: the rank token key (the agents, which mint, and the callout, which verifies).
 ISSUER_ITEM = "callout-issuer.nk"
@@ -58,6 +70,15 @@ def service_hosts(namespace: str, release: str = RELEASE) -> list[str]:
     """The names a pod may dial the NATS Service by: the server certificate names each."""
     return [release, f"{release}.{namespace}", f"{release}.{namespace}.svc",
             f"{release}.{namespace}.svc.cluster.local"]
+
+
+def route_hosts(namespace: str, release: str = RELEASE) -> list[str]:
+    """The names the chart's servers dial each other's routes by (``<pod>.<release>-
+    headless``, short or qualified): the route certificate names each, a pod by wildcard."""
+    headless = f"{release}-headless"
+    return [f"*.{host}" for host in (headless, f"{headless}.{namespace}",
+                                     f"{headless}.{namespace}.svc",
+                                     f"{headless}.{namespace}.svc.cluster.local")]
 
 
 def prepare(root: Path, namespace: str) -> AuthDir:
@@ -83,6 +104,9 @@ def prepare(root: Path, namespace: str) -> AuthDir:
     auth.remove(Role.RANK, ANY)  # each job's ranks are their job now, through the callout
     write_key(auth.rank_token_key_path)
     _write_account_seed(auth.callout_issuer_path)
+    # The routes' certificate for the headless Service's pods, and their password.
+    tls.make_route_cert(auth.tls_dir, route_hosts(namespace))
+    auth.route_security()
     return auth
 
 
@@ -105,29 +129,44 @@ def _data(files: dict[str, bytes]) -> dict[str, str]:
     return {name: base64.b64encode(content).decode() for name, content in sorted(files.items())}
 
 
-def secrets(auth: AuthDir, namespace: str) -> list[dict[str, object]]:
-    """The Secrets of ``auth``'s deployment in ``namespace``."""
+def secrets(auth: AuthDir, namespace: str = NAMESPACE,
+            nodes_namespace: str = NODES_NAMESPACE) -> list[dict[str, object]]:
+    """The Secrets of ``auth``'s deployment, each in the namespace of the pods that mount
+    it: the control plane's identities, the NATS chart's TLS and its routes' in
+    ``namespace``; the agents' in ``nodes_namespace``. Neither namespace holds the
+    other's keys."""
+    agents = identity(Role.AGENT, ANY)
     seeds = {f"{who.name}.nk": auth.seed_path(who.role, who.scope).read_bytes()
              for who in auth.identities()}
     tls.make_replication_cert(auth.tls_dir)  # for a directory made before it existed
-    identities = {**seeds, "ca.pem": auth.ca_path.read_bytes(),
-                  "replication.key": auth.replication_key_path.read_bytes(),
-                  ISSUER_ITEM: auth.callout_issuer_path.read_bytes(),
-                  TOKEN_KEY_ITEM: auth.rank_token_key_path.read_bytes(),
-                  tls.REPLICATION_CERT: (auth.tls_dir / tls.REPLICATION_CERT).read_bytes(),
-                  tls.REPLICATION_KEY: (auth.tls_dir / tls.REPLICATION_KEY).read_bytes()}
+    ca = auth.ca_path.read_bytes()
+    token_key = auth.rank_token_key_path.read_bytes()
+    control = {**{name: seed for name, seed in seeds.items() if name != f"{agents}.nk"},
+               "ca.pem": ca, ISSUER_ITEM: auth.callout_issuer_path.read_bytes(),
+               TOKEN_KEY_ITEM: token_key}
+    node = {f"{agents}.nk": seeds[f"{agents}.nk"], "ca.pem": ca, TOKEN_KEY_ITEM: token_key,
+            "replication.key": auth.replication_key_path.read_bytes(),
+            tls.REPLICATION_CERT: (auth.tls_dir / tls.REPLICATION_CERT).read_bytes(),
+            tls.REPLICATION_KEY: (auth.tls_dir / tls.REPLICATION_KEY).read_bytes()}
     server = {"tls.crt": (auth.tls_dir / tls.SERVER_CERT).read_bytes(),
               "tls.key": (auth.tls_dir / tls.SERVER_KEY).read_bytes(),
-              "ca.crt": auth.ca_path.read_bytes()}
+              "ca.crt": ca}
+    route = auth.route_security()
+    routes = {"tls.crt": Path(route.cert_file).read_bytes(),
+              "tls.key": Path(route.key_file).read_bytes(), "ca.crt": ca,
+              ROUTE_PASSWORD_ITEM: route.password.encode()}
     labels = {"app.kubernetes.io/part-of": "phalanx"}
-    return [
-        {"apiVersion": "v1", "kind": "Secret", "type": "Opaque",
-         "metadata": {"name": IDENTITIES_SECRET, "namespace": namespace, "labels": labels},
-         "data": _data(identities)},
-        {"apiVersion": "v1", "kind": "Secret", "type": "kubernetes.io/tls",
-         "metadata": {"name": TLS_SECRET, "namespace": namespace, "labels": labels},
-         "data": _data(server)},
-    ]
+
+    def secret(name: str, where: str, data: dict[str, bytes],
+               kind: str = "Opaque") -> dict[str, object]:
+        return {"apiVersion": "v1", "kind": "Secret", "type": kind,
+                "metadata": {"name": name, "namespace": where, "labels": labels},
+                "data": _data(data)}
+
+    return [secret(IDENTITIES_SECRET, namespace, control),
+            secret(AGENT_SECRET, nodes_namespace, node),
+            secret(TLS_SECRET, namespace, server, "kubernetes.io/tls"),
+            secret(ROUTES_SECRET, namespace, routes)]
 
 
 def nats_values(auth: AuthDir) -> dict[str, object]:

@@ -33,6 +33,7 @@ import metrics_page
 import nkeys
 import pytest
 import yaml
+from cryptography import x509
 from deploy_local import (
     DEPLOY,
     Container,
@@ -180,7 +181,16 @@ def test_rendered_objects_follow_the_deployment_rules(overlay: str) -> None:
     for workload, c in containers_of(docs):
         spec = workload["spec"]["template"]["spec"]
         name = workload["metadata"]["name"]
-        assert spec["serviceAccountName"] in by_kind(docs, "ServiceAccount"), name
+        # What it names is in its own namespace (a pod sees no other's).
+        here = {(d["kind"], d["metadata"]["name"]) for d in docs
+                if d["metadata"].get("namespace") == workload["metadata"]["namespace"]}
+        assert ("ServiceAccount", spec["serviceAccountName"]) in here, name
+        assert {("ConfigMap", s["configMapRef"]["name"]) for s in c["envFrom"]} <= here, name
+        assert {("ConfigMap", v["configMap"]["name"]) for v in spec["volumes"]
+                if "configMap" in v} <= here, name
+        if by_kind(docs, "Secret"):  # rendered (local), not applied beforehand (gpu)
+            assert {("Secret", v["secret"]["secretName"]) for v in spec["volumes"]
+                    if "secret" in v} <= here, name
         assert spec["securityContext"]["runAsNonRoot"] is True, name
         assert c["securityContext"]["allowPrivilegeEscalation"] is False, name
         assert {"cpu", "memory", "ephemeral-storage"} <= set(c["resources"]["requests"]), name
@@ -215,7 +225,9 @@ def test_rendered_objects_follow_the_deployment_rules(overlay: str) -> None:
         values = {e["name"]: e.get("value") for e in c["env"]}
         assert not [e for e in c["env"] if "secretKeyRef" in e.get("valueFrom", {})], name
         (volume,) = [v for v in spec["volumes"] if "secret" in v]
-        assert volume["secret"]["secretName"] == kubernetes.IDENTITIES_SECRET, name
+        assert volume["secret"]["secretName"] == (
+            kubernetes.AGENT_SECRET if workload["kind"] == "DaemonSet"
+            else kubernetes.IDENTITIES_SECRET), name
         items = {i["key"] for i in volume["secret"]["items"]}
         (mount,) = [m["mountPath"] for m in c["volumeMounts"] if m["name"] == volume["name"]]
         assert values["PHALANX_NATS_NKEY"] == f"{mount}/{own}.nk", name
@@ -334,6 +346,188 @@ def test_the_nats_servers_take_routes_only_from_each_other_and_run_unprivileged(
     assert pod["runAsUser"] != 0 and pod["fsGroup"] == pod["runAsGroup"]
 
 
+# Pod Security Standards (Kubernetes 1.30's policy): what each level refuses, by field.
+BASELINE_CAPABILITIES = {"AUDIT_WRITE", "CHOWN", "DAC_OVERRIDE", "FOWNER", "FSETID", "KILL",
+                         "MKNOD", "NET_BIND_SERVICE", "SETFCAP", "SETGID", "SETPCAP", "SETUID",
+                         "SYS_CHROOT"}
+SAFE_SYSCTLS = {"kernel.shm_rmid_forced", "net.ipv4.ip_local_port_range",
+                "net.ipv4.ip_unprivileged_port_start", "net.ipv4.tcp_syncookies",
+                "net.ipv4.ping_group_range", "net.ipv4.ip_local_reserved_ports",
+                "net.ipv4.tcp_keepalive_time", "net.ipv4.tcp_fin_timeout",
+                "net.ipv4.tcp_keepalive_intvl", "net.ipv4.tcp_keepalive_probes"}
+RESTRICTED_VOLUMES = {"configMap", "csi", "downwardAPI", "emptyDir", "ephemeral",
+                      "persistentVolumeClaim", "projected", "secret"}
+SELINUX_TYPES = {"", "container_t", "container_init_t", "container_kvm_t",
+                 "container_engine_t"}
+
+
+def pod_security_violations(spec: dict, level: str) -> set[str]:
+    """The fields of the pod ``spec`` that Pod Security's ``level`` ("baseline" or
+    "restricted") refuses, as the API server's admission judges them."""
+    found: set[str] = set()
+    pod = spec.get("securityContext", {})
+    containers = [*spec.get("initContainers", []), *spec["containers"],
+                  *spec.get("ephemeralContainers", [])]
+    contexts = [c.get("securityContext", {}) for c in containers]
+    found |= {k for k in ("hostNetwork", "hostPID", "hostIPC") if spec.get(k)}
+    found |= {"volumes.hostPath" for v in spec.get("volumes", []) if "hostPath" in v}
+    found |= {"sysctls" for s in pod.get("sysctls", []) if s["name"] not in SAFE_SYSCTLS}
+    for context in (pod, *contexts):
+        if context.get("seccompProfile", {}).get("type") == "Unconfined":
+            found.add("seccompProfile")
+        if context.get("appArmorProfile", {}).get("type") == "Unconfined":
+            found.add("appArmorProfile")
+        selinux = context.get("seLinuxOptions", {})
+        if selinux.get("type", "") not in SELINUX_TYPES or "user" in selinux \
+                or "role" in selinux:
+            found.add("seLinuxOptions")
+        if context.get("windowsOptions", {}).get("hostProcess"):
+            found.add("hostProcess")
+    for c, context in zip(containers, contexts, strict=True):
+        if context.get("privileged"):
+            found.add("privileged")
+        if set(context.get("capabilities", {}).get("add", [])) - BASELINE_CAPABILITIES:
+            found.add("capabilities.add")
+        if context.get("procMount", "Default") != "Default":
+            found.add("procMount")
+        if any(port.get("hostPort") for port in c.get("ports", [])):
+            found.add("hostPort")
+    if level == "baseline":
+        return found
+    assert level == "restricted", level
+    found |= {"volumes" for v in spec.get("volumes", [])
+              if not set(v) - {"name"} <= RESTRICTED_VOLUMES}
+    for context in contexts:
+        if context.get("allowPrivilegeEscalation") is not False:
+            found.add("allowPrivilegeEscalation")
+        if "ALL" not in context.get("capabilities", {}).get("drop", []):
+            found.add("capabilities.drop")
+        if set(context.get("capabilities", {}).get("add", [])) - {"NET_BIND_SERVICE"}:
+            found.add("capabilities.add")
+        if context.get("runAsNonRoot", pod.get("runAsNonRoot")) is not True:
+            found.add("runAsNonRoot")
+        if 0 in (context.get("runAsUser"), pod.get("runAsUser")):
+            found.add("runAsUser")
+        seccomp = context.get("seccompProfile", pod.get("seccompProfile", {}))
+        if seccomp.get("type") not in ("RuntimeDefault", "Localhost"):
+            found.add("seccompProfile")
+    return found
+
+
+def chart_pod(values: dict) -> dict:
+    """The NATS chart's server pod as our values shape it: the server and its config
+    reloader with the values' security contexts, the pod's, and the kinds of volume the
+    chart mounts (its config, pid dir, TLS Secrets and JetStream claim)."""
+    assert values["natsBox"]["enabled"] is False, "nats-box: a pod our values do not shape"
+    assert not values.get("promExporter", {}).get("enabled"), "a container not shaped here"
+    return {"securityContext": values["podTemplate"]["merge"]["spec"]["securityContext"],
+            "containers": [{"name": part, "securityContext":
+                            values[part]["merge"]["securityContext"]}
+                           for part in ("container", "reloader")],
+            "volumes": [{"name": "config", "configMap": {}}, {"name": "pid", "emptyDir": {}},
+                        {"name": "tls", "secret": {}}, {"name": "js",
+                                                        "persistentVolumeClaim": {}}]}
+
+
+@pytest.mark.parametrize(("overlay", "component"), [*((o, None) for o in OVERLAYS),
+                                                    ("local", "job-users")])
+def test_each_namespace_enforces_the_pod_security_its_pods_need(
+        overlay: str, component: str | None) -> None:
+    """phalanx (control plane, callout, NATS) enforces restricted, and every pod of it
+    meets it; the agents alone are in phalanx-nodes, privileged for the one setting
+    baseline refuses them, the host network."""
+    docs = render(overlay, component)
+    levels = {n["metadata"]["name"]: n["metadata"]["labels"] for n in docs
+              if n["kind"] == "Namespace"}
+    assert {name: labels["pod-security.kubernetes.io/enforce"]
+            for name, labels in levels.items()} == {kubernetes.NAMESPACE: "restricted",
+                                                    kubernetes.NODES_NAMESPACE: "privileged"}
+    assert all(d["metadata"]["namespace"] in levels for d in docs if d["kind"] != "Namespace")
+    pods = {(d["metadata"]["namespace"], d["metadata"]["name"]): d["spec"]["template"]["spec"]
+            for d in docs if "template" in d.get("spec", {})}
+    pods[(kubernetes.NAMESPACE, kubernetes.RELEASE)] = chart_pod(nats_values())
+    assert {name for namespace, name in pods if namespace == kubernetes.NODES_NAMESPACE} == \
+        {"phalanx-agent"}
+    for (namespace, name), spec in pods.items():
+        if namespace == kubernetes.NAMESPACE:
+            assert pod_security_violations(spec, "restricted") == set(), name
+    agent = pods[(kubernetes.NODES_NAMESPACE, "phalanx-agent")]
+    assert pod_security_violations(agent, "baseline") == {"hostNetwork"}, \
+        "base/namespace.yaml names hostNetwork as what makes the agents' namespace privileged"
+    restricted = pod_security_violations(agent, "restricted")
+    if component == "job-users":  # root with capabilities: baseline allows, restricted not
+        assert restricted == {"hostNetwork", "runAsNonRoot", "runAsUser", "capabilities.add"}
+    else:
+        assert restricted == {"hostNetwork"}
+
+
+def test_the_pod_security_check_names_each_privileged_setting() -> None:
+    """The check above is not a rubber stamp: each setting the restricted profile refuses,
+    added to a control-plane pod, is named."""
+    spec = by_kind(render("local"), "Deployment")["phalanx-admission"]["spec"]["template"][
+        "spec"]
+    assert pod_security_violations(spec, "restricted") == set()
+    context = spec["containers"][0]["securityContext"]
+    changes = {
+        "hostNetwork": lambda s: s.update(hostNetwork=True),
+        "hostPID": lambda s: s.update(hostPID=True),
+        "volumes.hostPath": lambda s: s["volumes"].append({"name": "h", "hostPath": {
+            "path": "/"}}),
+        "privileged": lambda s: s["containers"][0]["securityContext"].update(privileged=True),
+        "allowPrivilegeEscalation": lambda s: s["containers"][0]["securityContext"].pop(
+            "allowPrivilegeEscalation"),
+        "capabilities.drop": lambda s: s["containers"][0]["securityContext"].update(
+            capabilities={"drop": []}),
+        "capabilities.add": lambda s: s["containers"][0]["securityContext"].update(
+            capabilities={"drop": ["ALL"], "add": ["SETUID"]}),
+        "runAsNonRoot": lambda s: s["securityContext"].pop("runAsNonRoot"),
+        "runAsUser": lambda s: s["containers"][0]["securityContext"].update(runAsUser=0),
+        "seccompProfile": lambda s: s["securityContext"].pop("seccompProfile"),
+        "hostPort": lambda s: s["containers"][0]["ports"][0].update(hostPort=9464),
+    }
+    for field, change in changes.items():
+        changed = json.loads(json.dumps(spec))
+        change(changed)
+        assert field in pod_security_violations(changed, "restricted"), field
+    assert context == spec["containers"][0]["securityContext"]
+
+
+def test_nats_routes_are_mutual_tls_of_the_ca_with_a_password_from_a_secret() -> None:
+    """The chart's routes: TLS with the route certificate of phalanx's CA, which names
+    every server the routes dial, each end verifying the other's; the routes' password
+    from the Secret, one route URL per server."""
+    values = nats_values()
+    cluster = values["config"]["cluster"]
+    secret = by_kind(render("local"), "Secret")[kubernetes.ROUTES_SECRET]
+    assert secret["metadata"]["namespace"] == kubernetes.NAMESPACE
+    files = {k: base64.b64decode(v) for k, v in secret["data"].items()}
+    assert cluster["tls"]["enabled"] is True
+    assert cluster["tls"]["secretName"] == kubernetes.ROUTES_SECRET
+    assert cluster["tls"]["merge"] == {"ca_file": "/etc/nats-certs/cluster/ca.crt",
+                                       "verify": True, "timeout": 2}
+    assert files["ca.crt"] == auth_dir().ca_path.read_bytes()
+    cert = x509.load_pem_x509_certificate(files["tls.crt"])
+    ca = x509.load_pem_x509_certificate(files["ca.crt"])
+    cert.verify_directly_issued_by(ca)
+    names = set(cert.extensions.get_extension_for_class(
+        x509.SubjectAlternativeName).value.get_values_for_type(x509.DNSName))
+    replicas = cluster["replicas"]
+    (patch,) = cluster["patch"]
+    assert patch["op"] == "replace" and patch["path"] == "/routes"
+    assert patch["value"] == [f"<< $ROUTE_URL_{i} >>" for i in range(replicas)]
+    env = values["container"]["env"]
+    assert sorted(env).index("ROUTE_PASSWORD") < sorted(env).index("ROUTE_URL_0"), \
+        "the chart lists variables in name order; $(VAR) expands earlier ones alone"
+    for i in range(replicas):
+        url = env[f"ROUTE_URL_{i}"]
+        host = f"nats-{i}.{kubernetes.RELEASE}-headless"
+        assert url == f"tls://route:$(ROUTE_PASSWORD)@{host}:6222", url
+        assert "*." + host.split(".", 1)[1] in names, host
+    assert set(kubernetes.route_hosts(kubernetes.NAMESPACE)) <= names
+    assert cluster["merge"]["authorization"]["user"] == "route"
+    assert len(files[kubernetes.ROUTE_PASSWORD_ITEM]) >= 32
+
+
 def test_the_monitoring_component_watches_every_phalanx_pod_with_the_rules_and_dashboard(
         ) -> None:
     """components/monitoring: its PodMonitor selects every phalanx workload's pods, in
@@ -353,7 +547,8 @@ def test_the_monitoring_component_watches_every_phalanx_pod_with_the_rules_and_d
     for name, workload in workloads.items():
         template = workload["spec"]["template"]
         assert selector.items() <= template["metadata"]["labels"].items(), name
-        assert workload["metadata"]["namespace"] == monitor["metadata"]["namespace"], name
+        assert workload["metadata"]["namespace"] in \
+            monitor["spec"]["namespaceSelector"]["matchNames"], name
         ports = {p.get("name") for c in template["spec"]["containers"] for p in c["ports"]}
         assert endpoint["port"] in ports, name
     assert rule["metadata"]["namespace"] == dashboard["metadata"]["namespace"] == "phalanx"
@@ -409,13 +604,27 @@ def test_nats_values_give_a_jetstream_cluster_admitting_exactly_the_identities()
     assert block["auth_callout"] == {
         "issuer": nkeys.from_seed(bytearray(issuer)).public_key.decode(),
         "auth_users": sorted(w.public_key for w in who)}
-    # Each seed in the identities' Secret is the one whose public key the server admits.
-    seeds = secrets[kubernetes.IDENTITIES_SECRET]["data"]
+    # Each seed in the identities' Secrets is the one whose public key the server admits;
+    # the agents' in their namespace's alone, the others' in the control plane's alone.
+    control, nodes = (secrets[s]["data"] for s in (kubernetes.IDENTITIES_SECRET,
+                                                   kubernetes.AGENT_SECRET))
+    assert not {k for k in control if k.endswith(".nk")} & {k for k in nodes
+                                                            if k.endswith(".nk")}
+    assert not {"replication.key", "replication-key.pem"} & set(control)
+    seeds = {**control, **nodes}
     for w in who:
         seed = bytearray(base64.b64decode(seeds[f"{w.name}.nk"]))
         assert nkeys.from_seed(seed).public_key.decode() == w.public_key, w.name
-    assert not (K8S / "nats-values.yaml").read_text().count("password"), \
-        "no credential in the committed values"
+    # No credential in the committed values: the routes' password is a variable of the
+    # servers' (from the Secret), which the route URLs expand.
+    committed = yaml.safe_load((K8S / "nats-values.yaml").read_text())
+    password = committed["config"]["cluster"]["merge"]["authorization"]["password"]
+    assert password == "<< $ROUTE_PASSWORD >>"
+    assert committed["container"]["env"]["ROUTE_PASSWORD"] == {"valueFrom": {"secretKeyRef": {
+        "name": kubernetes.ROUTES_SECRET, "key": kubernetes.ROUTE_PASSWORD_ITEM}}}
+    route_password = base64.b64decode(secrets[kubernetes.ROUTES_SECRET]["data"][
+        kubernetes.ROUTE_PASSWORD_ITEM]).decode()
+    assert route_password not in (K8S / "nats-values.yaml").read_text()
     replicas = next(cm["data"]["PHALANX_NATS_REPLICAS"] for cm in
                     by_kind(render("local"), "ConfigMap").values()
                     if "PHALANX_NATS_REPLICAS" in cm["data"])
