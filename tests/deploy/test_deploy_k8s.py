@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
+import dataclasses
 import functools
 import json
 import os
@@ -26,6 +28,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import urllib.request
 from pathlib import Path
 
 import kubernetes_validate
@@ -51,7 +54,7 @@ from phalanx.services import control_plane
 from phalanx.services.auth import kubernetes
 from phalanx.services.auth.issuer import AuthDir, authorization
 from phalanx.services.auth.roles import ANY, Role, identity
-from phalanx.services.natsd import server_binary
+from phalanx.services.natsd import NatsServer, Routes, RouteSecurity, server_binary
 from phalanx.services.ports import free_port
 
 K8S = DEPLOY / "k8s"
@@ -647,20 +650,24 @@ class Cluster:
     def __init__(self, docs: list[dict], root: Path) -> None:
         self.docs = docs
         self.root = root
-        self.config_maps = by_kind(docs, "ConfigMap")
-        self.secrets = {name: {k: base64.b64decode(v).decode() for k, v in
-                               s.get("data", {}).items()}
-                        for name, s in by_kind(docs, "Secret").items()}
+        # By namespace and name: a pod gets what its own namespace holds, as the kubelet
+        # resolves its references.
+        self.config_maps = {(d["metadata"]["namespace"], d["metadata"]["name"]): d
+                            for d in docs if d["kind"] == "ConfigMap"}
+        self.secrets = {(s["metadata"]["namespace"], s["metadata"]["name"]):
+                        {k: base64.b64decode(v).decode() for k, v in s.get("data", {}).items()}
+                        for s in docs if s["kind"] == "Secret"}
 
     def pod(self, workload: dict, pod_name: str, node: str) -> Container:
         spec = workload["spec"]["template"]["spec"]
         (c,) = spec["containers"]
         image = Image.named(c["image"])  # the deploy/Dockerfile target that builds it
-        fields = {"metadata.name": pod_name, "metadata.namespace": workload["metadata"]
-                  ["namespace"], "spec.nodeName": node, "status.podIP": "127.0.0.1"}
+        namespace = workload["metadata"]["namespace"]
+        fields = {"metadata.name": pod_name, "metadata.namespace": namespace,
+                  "spec.nodeName": node, "status.podIP": "127.0.0.1"}
         env = dict(image.env)
         for source in c.get("envFrom", []):
-            env.update(self.config_maps[source["configMapRef"]["name"]]["data"])
+            env.update(self.config_maps[namespace, source["configMapRef"]["name"]]["data"])
         for var in c.get("env", []):
             if "value" in var:
                 env[var["name"]] = expand(var["value"], env)
@@ -668,10 +675,11 @@ class Cluster:
                 env[var["name"]] = fields[var["valueFrom"]["fieldRef"]["fieldPath"]]
             elif "secretKeyRef" in var["valueFrom"]:
                 ref = var["valueFrom"]["secretKeyRef"]
-                env[var["name"]] = self.secrets[ref["name"]][ref["key"]]
+                env[var["name"]] = self.secrets[namespace, ref["name"]][ref["key"]]
             else:
                 ref = var["valueFrom"]["configMapKeyRef"]
-                env[var["name"]] = self.config_maps[ref["name"]]["data"][ref["key"]]
+                env[var["name"]] = self.config_maps[namespace, ref["name"]]["data"][
+                    ref["key"]]
         # command replaces the image's entry point (and drops its CMD), args its CMD.
         command = c.get("command", list(image.entrypoint))
         args = c.get("args", list(image.cmd) if "command" not in c else [])
@@ -686,12 +694,13 @@ class Cluster:
             if "configMap" in volume:
                 directory = self.root / "volumes" / key
                 directory.mkdir(parents=True, exist_ok=True)
-                for name, text in self.config_maps[volume["configMap"]["name"]]["data"].items():
+                for name, text in self.config_maps[namespace, volume["configMap"]["name"]][
+                        "data"].items():
                     (directory / name).write_text(text)
             elif "secret" in volume:
                 directory = self.root / "volumes" / key
                 directory.mkdir(parents=True, exist_ok=True)
-                data = self.secrets[volume["secret"]["secretName"]]
+                data = self.secrets[namespace, volume["secret"]["secretName"]]
                 items = volume["secret"].get("items") or [{"key": k, "path": k} for k in data]
                 for item in items:  # only the items named, as the kubelet projects them
                     (directory / item["path"]).write_text(data[item["key"]])
@@ -716,49 +725,167 @@ class Cluster:
         return result
 
 
-#: Where the chart mounts ``config.nats.tls.secretName`` (its ``config.nats.tls.dir``).
+#: Where the chart mounts ``config.nats.tls.secretName`` (its ``config.nats.tls.dir``) and
+#: ``config.cluster.tls.secretName`` (``config.cluster.tls.dir``).
 CHART_CERT_DIR = "/etc/nats-certs/nats"
+CHART_ROUTE_CERT_DIR = "/etc/nats-certs/cluster"
+#: The port the chart's servers take routes on (``config.cluster.port``).
+CHART_ROUTE_PORT = 6222
 
 
-def nats_conf(values: dict, cert_dir: str = CHART_CERT_DIR) -> str:
-    """What the chart makes of the values' client TLS and ``config.merge``, as nats.conf:
-    JSON, with ``<< x >>`` unquoted (``cert_dir``: where the TLS Secret is mounted)."""
-    conf = dict(values["config"]["merge"])
-    if values["config"].get("nats", {}).get("tls", {}).get("enabled"):
-        conf["tls"] = {"cert_file": f"{cert_dir}/tls.crt", "key_file": f"{cert_dir}/tls.key"}
+def json_patch(doc: dict, patch: list[dict]) -> dict:
+    """``patch`` applied to ``doc``'s top-level keys, as the chart's ``patch`` values are
+    (the operations our values use)."""
+    doc = dict(doc)
+    for op in patch:
+        key = op["path"].removeprefix("/")
+        assert "/" not in key and op["op"] in ("add", "replace", "remove"), op
+        if op["op"] == "remove":
+            del doc[key]
+        else:
+            doc[key] = op["value"]
+    return doc
+
+
+def nats_conf(values: dict, cert_dirs: dict[str, str], route_listen: str) -> str:
+    """What the chart makes of the values' client TLS, cluster and ``config.merge``, as
+    nats.conf: JSON, with ``<< x >>`` unquoted. ``cert_dirs``: where each TLS Secret's
+    mount path of the chart's lies here; ``route_listen``: where this server takes
+    routes here (the chart's port, 6222, is every pod's own)."""
+    config = values["config"]
+    conf = dict(config["merge"])
+    if config.get("nats", {}).get("tls", {}).get("enabled"):
+        conf["tls"] = {"cert_file": f"{cert_dirs[CHART_CERT_DIR]}/tls.crt",
+                       "key_file": f"{cert_dirs[CHART_CERT_DIR]}/tls.key"}
+    cluster = config["cluster"]
+    if cluster.get("enabled"):  # the chart's files/config/cluster.yaml, then merge, patch
+        tls = cluster.get("tls", {})
+        proto = "tls" if tls.get("enabled") else "nats"
+        block: dict = {"name": "nats", "listen": route_listen, "no_advertise": True,
+                       "routes": [f"{proto}://nats-{i}.nats-headless:{CHART_ROUTE_PORT}"
+                                  for i in range(cluster["replicas"])]}
+        if tls.get("enabled"):
+            local = cert_dirs[CHART_ROUTE_CERT_DIR]
+            block["tls"] = {"cert_file": f"{local}/tls.crt", "key_file": f"{local}/tls.key",
+                            **{k: v.replace(CHART_ROUTE_CERT_DIR, local)
+                               if isinstance(v, str) else v
+                               for k, v in tls.get("merge", {}).items()}}
+        block.update(cluster.get("merge", {}))
+        conf["cluster"] = json_patch(block, cluster.get("patch", []))
     return re.sub(r'"<< (.*?) >>"', r"\1", json.dumps(conf, indent=2))
 
 
-def start_nats(procs: Processes, values: dict, secrets: dict, root: Path) -> list[str]:
-    """Three routed nats-servers with JetStream, the values' client TLS (the Secret they
-    name mounted where the chart mounts it) and authorization block; their URLs."""
-    # Mounted where the chart mounts its config (one ConfigMap for all three servers).
-    conf = root / "volumes" / "nats-config" / "nats.conf"
-    conf.parent.mkdir(parents=True)
-    # The TLS Secret as the chart mounts it; the config names it where it lies here (a
-    # file's contents are not translated as a command line is).
-    certs = root / "volumes" / "nats-certs"
-    certs.mkdir(parents=True)
-    tls = values["config"].get("nats", {}).get("tls", {})
-    for name, text in secrets[tls["secretName"]].items() if tls.get("enabled") else ():
-        (certs / name).write_text(text)
-    conf.write_text(nats_conf(values, str(certs)))
-    mounts = {"/etc/nats-config": "nats-config"}
+def chart_env(values: dict, secrets: dict, namespace: str) -> dict[str, str]:
+    """The server container's ``container.env`` as the kubelet gives it: in name order
+    (the chart writes the map so), Secret references resolved, ``$(VAR)`` expanded."""
+    env: dict[str, str] = {}
+    for name, value in sorted(values.get("container", {}).get("env", {}).items()):
+        if isinstance(value, str):
+            env[name] = expand(value, env)
+        else:
+            ref = value["valueFrom"]["secretKeyRef"]
+            env[name] = secrets[namespace, ref["name"]][ref["key"]]
+    return env
+
+
+@dataclasses.dataclass
+class NatsCluster:
+    """The chart's servers as local processes: their client URLs, and each one's route
+    and monitoring ports."""
+
+    urls: list[str]
+    routes: list[int]
+    monitors: list[int]
+
+
+def routes_of(monitor: int) -> set[str]:
+    """The servers the one monitored at ``monitor`` has routes to (by name: a pair of
+    servers holds a pool of route connections)."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{monitor}/routez", timeout=2) as answer:
+        return {r["remote_name"] for r in json.load(answer)["routes"] or []}
+
+
+def start_nats(procs: Processes, values: dict, secrets: dict, root: Path) -> NatsCluster:
+    """The chart's routed nats-servers (``config.cluster.replicas``) with JetStream, the
+    values' client TLS, routes (mutual TLS, password) and authorization, each Secret the
+    values name mounted where the chart mounts it, the route URLs' host names those of
+    the local servers."""
+    namespace = kubernetes.NAMESPACE  # the release's
+    config = root / "volumes" / "nats-config"
+    config.mkdir(parents=True)
+    # The TLS Secrets as the chart mounts them; the config names them where they lie here
+    # (a file's contents are not translated as a command line is).
+    cert_dirs = {}
+    for mount, part in ((CHART_CERT_DIR, "nats"), (CHART_ROUTE_CERT_DIR, "cluster")):
+        tls = values["config"][part].get("tls", {})
+        local = root / "volumes" / f"nats-certs-{part}"
+        local.mkdir(parents=True)
+        cert_dirs[mount] = str(local)
+        for name, text in secrets[namespace, tls["secretName"]].items() \
+                if tls.get("enabled") else ():
+            (local / name).write_text(text)
     n = values["config"]["cluster"]["replicas"]
     ports = [(free_port(), free_port(), free_port()) for _ in range(n)]
+    for i, (_, route, _) in enumerate(ports):  # each pod's name on the headless Service
+        procs.world.hosts[f"nats-{i}.nats-headless:{CHART_ROUTE_PORT}"] = f"127.0.0.1:{route}"
+    env = chart_env(values, secrets, namespace)
     assert Path(server_binary()) == Path(sys.prefix) / "bin" / "nats-server"
     for i, (client, route, monitor) in enumerate(ports):
-        routes = ",".join(f"nats://127.0.0.1:{r}" for j, (_, r, _) in enumerate(ports) if j != i)
+        # One config for all (the chart's ConfigMap) but for where routes are taken here.
+        (config / f"nats-{i}.conf").write_text(nats_conf(values, cert_dirs,
+                                                         f"127.0.0.1:{route}"))
         procs.start(Container(f"nats-{i}", [
-            "/opt/venv/bin/nats-server", "-c", "/etc/nats-config/nats.conf", "-js", "-sd", "/data",
-            "-n", f"nats-{i}", "--cluster_name", "nats", "--cluster",
-            f"nats://127.0.0.1:{route}", "--routes", routes, "-a", "127.0.0.1",
-            "-p", str(client), "-m", str(monitor)], {}, "/",
-            {"/data": f"nats-{i}-data", **mounts}))
+            "/opt/venv/bin/nats-server", "-c", f"/etc/nats-config/nats-{i}.conf", "-js",
+            "-sd", "/data", "-n", f"nats-{i}", "-a", "127.0.0.1", "-p", str(client),
+            "-m", str(monitor)], env, "/",
+            {"/data": f"nats-{i}-data", "/etc/nats-config": "nats-config"}))
     for i, (_, _, monitor) in enumerate(ports):
         wait_for(lambda m=monitor: healthy_http(f"http://127.0.0.1:{m}/healthz"), 60,
                  f"nats-{i} healthy", detail=procs.logs)
-    return [f"nats://127.0.0.1:{client}" for client, _, _ in ports]
+        # Routed to every other server, over the routes' TLS and password.
+        wait_for(lambda m=monitor, i=i: routes_of(m) == {f"nats-{j}" for j in range(n)
+                                                          if j != i},
+                 30, f"nats-{i}'s routes", detail=procs.logs)
+    return NatsCluster([f"nats://127.0.0.1:{client}" for client, _, _ in ports],
+                       [route for _, route, _ in ports], [m for _, _, m in ports])
+
+
+def impostors_are_refused(cluster: NatsCluster, secrets: dict,
+                          root: Path) -> None:
+    """A server with another CA's route certificate (and the routes' password) is refused
+    at the TLS handshake; one with the cluster's certificate but not the password is
+    refused its route. Neither becomes a route of the cluster's servers."""
+    routes = secrets[kubernetes.NAMESPACE, kubernetes.ROUTES_SECRET]
+    mine = root / "impostor-certs"
+    mine.mkdir()
+    for name in ("tls.crt", "tls.key", "ca.crt"):
+        (mine / name).write_text(routes[name])
+    cluster_secret = RouteSecurity(cert_file=str(mine / "tls.crt"),
+                                   key_file=str(mine / "tls.key"),
+                                   ca_file=str(mine / "ca.crt"), user="route",
+                                   password=routes[kubernetes.ROUTE_PASSWORD_ITEM])
+    foreign = AuthDir.init(root / "foreign")
+    impostors = {  # each knows what the other lacks
+        "other-ca": (dataclasses.replace(foreign.route_security(),
+                                         password=cluster_secret.password),
+                     "TLS route handshake error"),
+        "no-password": (dataclasses.replace(cluster_secret, password="guessed"),
+                        "Route Error 'Authorization Violation'"),
+    }
+    members = tuple(f"nats://127.0.0.1:{port}" for port in cluster.routes)
+    with contextlib.ExitStack() as stack:
+        for name, (secured, _) in impostors.items():
+            stack.enter_context(NatsServer(
+                root / name, log_path=root / f"{name}.log", config_file=foreign.config_path,
+                routes=Routes(cluster_name="nats", server_name=name, port=free_port(),
+                              routes=members, secured=secured)))
+        for name, (_, refused) in impostors.items():
+            log = root / f"{name}.log"
+            wait_for(lambda log=log, r=refused: r in log.read_text(errors="replace"), 20,
+                     f"{name} refused", detail=lambda log=log: log.read_text()[-2000:])
+        assert all(routes_of(m).isdisjoint(impostors) for m in cluster.monitors)
+    for name in impostors:  # never a member: it heard of no JetStream meta leader
+        assert "metadata leader" not in (root / f"{name}.log").read_text(errors="replace")
 
 
 @pytest.mark.slow
@@ -774,9 +901,13 @@ def test_local_overlay_pods_pass_their_probes_and_train_a_job(tmp_path: Path) ->
                     if all(labels.get(k) == v for k, v in selector.items())]
     assert len(worker_nodes) == 2
     with processes(World(tmp_path, {})) as procs:
-        urls = start_nats(procs, values, cluster.secrets, tmp_path)
-        # The Service "nats" of the chart's release: any of its servers.
-        procs.world.hosts["nats:4222"] = urls[0].removeprefix("nats://")
+        nats = start_nats(procs, values, cluster.secrets, tmp_path)
+        impostors_are_refused(nats, cluster.secrets, tmp_path)
+        urls = nats.urls
+        # The Service "nats" of the chart's release, as pods of either namespace name it:
+        # any of its servers.
+        procs.world.hosts[f"nats.{kubernetes.NAMESPACE}.svc:4222"] = \
+            urls[0].removeprefix("nats://")
         pods: dict[str, dict] = {}
         for name, deployment in deployments.items():
             for i in range(deployment["spec"]["replicas"]):
@@ -824,7 +955,7 @@ def test_local_overlay_pods_pass_their_probes_and_train_a_job(tmp_path: Path) ->
         # The operator's CLI as its identity (the cli seed and the CA from the Secret).
         user_env = {k: v for k, v in os.environ.items() if not k.startswith(("PHALANX_",
                                                                              "OTEL_"))}
-        operator = cluster.secrets[kubernetes.IDENTITIES_SECRET]
+        operator = cluster.secrets[kubernetes.NAMESPACE, kubernetes.IDENTITIES_SECRET]
         for name in ("cli.nk", "ca.pem"):
             (tmp_path / name).write_text(operator[name])
         (tmp_path / "cli.nk").chmod(0o600)
