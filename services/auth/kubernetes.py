@@ -7,11 +7,16 @@ auth callout's identity (``callout``), the callout's account key and the cluster
 rank token key, and a server certificate for the names pods dial the NATS service
 by, then writes beside it:
 
-* ``secrets.yaml``: the Secret :data:`IDENTITIES_SECRET` (every identity's seed as
-  ``<identity>.nk``, the CA as ``ca.pem``, the replication key as
-  ``replication.key``, the callout's account seed as :data:`ISSUER_ITEM`, the rank
-  token key as :data:`TOKEN_KEY_ITEM`; each workload mounts only its own items) and
-  the TLS Secret :data:`TLS_SECRET` the NATS chart serves its client port with;
+* ``secrets.yaml``, each Secret in the namespace of the pods that mount it: in the
+  control plane's (``--namespace``), :data:`IDENTITIES_SECRET` (every identity's seed
+  but the agents' as ``<identity>.nk``, the CA as ``ca.pem``, the callout's account
+  seed as :data:`ISSUER_ITEM`, the rank token key as :data:`TOKEN_KEY_ITEM`; each
+  workload mounts only its own items), the TLS Secret :data:`TLS_SECRET` the NATS
+  chart serves its client port with, and :data:`ROUTES_SECRET`, the route
+  certificate (valid for the headless Service's pods, :func:`route_hosts`), the CA
+  and the routes' password, which deploy/k8s/nats-values.yaml mounts for the
+  chart's routes; in the agents' (``--nodes-namespace``), :data:`AGENT_SECRET` (their
+  seed, the CA, the rank token key, the replication key and certificate);
 * ``nats-auth-values.yaml``: values for the official NATS chart, given after
   ``deploy/k8s/nats-values.yaml``: TLS on the client port from that Secret, one NKEY
   user per identity with exactly its role's permissions (:mod:`.roles`), and the auth
@@ -83,8 +88,9 @@ def route_hosts(namespace: str, release: str = RELEASE) -> list[str]:
 
 def prepare(root: Path, namespace: str) -> AuthDir:
     """The auth directory at ``root`` with the agents' shared identity, the callout's
-    identity, account key and rank token key, made for ``namespace`` if it does not
-    exist yet; the ranks' shared identity of earlier versions revoked.
+    identity, account key and rank token key, the routes' certificate and password,
+    made for ``namespace`` if it does not exist yet; the ranks' shared identity of
+    earlier versions revoked.
 
     Raises:
         AuthError: an existing directory's server certificate does not name the NATS

@@ -107,7 +107,7 @@ def make_route_cert(directory: Path, hosts: Iterable[str] = ()) -> None:
     ``hosts``; made again otherwise (both ends use the same certificate)."""
     hosts = list(hosts)
     cert = directory / ROUTE_CERT
-    if cert.exists() and not set(hosts) <= _names(cert):
+    if cert.exists() and not set(hosts) <= cert_hosts(cert):
         cert.unlink()
     _make_peer_cert(directory, ROUTE_CERT, ROUTE_KEY, ROUTE_NAME,
                     [*sorted(server_hosts(directory)), *hosts])
@@ -144,10 +144,10 @@ def _make_peer_cert(directory: Path, cert_file: str, key_file: str, common_name:
 
 def server_hosts(directory: Path) -> set[str]:
     """The names and IPs the server certificate in ``directory`` is valid for."""
-    return _names(directory / SERVER_CERT)
+    return cert_hosts(directory / SERVER_CERT)
 
 
-def _names(path: Path) -> set[str]:
+def cert_hosts(path: Path) -> set[str]:
     """The names and IPs the certificate at ``path`` is valid for."""
     cert = x509.load_pem_x509_certificate(path.read_bytes())
     names = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
