@@ -7,11 +7,16 @@ auth callout's identity (``callout``), the callout's account key and the cluster
 rank token key, and a server certificate for the names pods dial the NATS service
 by, then writes beside it:
 
-* ``secrets.yaml``: the Secret :data:`IDENTITIES_SECRET` (every identity's seed as
-  ``<identity>.nk``, the CA as ``ca.pem``, the replication key as
-  ``replication.key``, the callout's account seed as :data:`ISSUER_ITEM`, the rank
-  token key as :data:`TOKEN_KEY_ITEM`; each workload mounts only its own items) and
-  the TLS Secret :data:`TLS_SECRET` the NATS chart serves its client port with;
+* ``secrets.yaml``, each Secret in the namespace of the pods that mount it: in the
+  control plane's (``--namespace``), :data:`IDENTITIES_SECRET` (every identity's seed
+  but the agents' as ``<identity>.nk``, the CA as ``ca.pem``, the callout's account
+  seed as :data:`ISSUER_ITEM`, the rank token key as :data:`TOKEN_KEY_ITEM`; each
+  workload mounts only its own items), the TLS Secret :data:`TLS_SECRET` the NATS
+  chart serves its client port with, and :data:`ROUTES_SECRET`, the route
+  certificate (valid for the headless Service's pods, :func:`route_hosts`), the CA
+  and the routes' password, which deploy/k8s/nats-values.yaml mounts for the
+  chart's routes; in the agents' (``--nodes-namespace``), :data:`AGENT_SECRET` (their
+  seed, the CA, the rank token key, the replication key and certificate);
 * ``nats-auth-values.yaml``: values for the official NATS chart, given after
   ``deploy/k8s/nats-values.yaml``: TLS on the client port from that Secret, one NKEY
   user per identity with exactly its role's permissions (:mod:`.roles`), and the auth
@@ -40,14 +45,26 @@ from phalanx.services.auth import nats_jwt, tls
 from phalanx.services.auth.errors import AuthError
 from phalanx.services.auth.issuer import AuthDir, authorization
 from phalanx.services.auth.replication_key import write_key
-from phalanx.services.auth.roles import ANY, Role
+from phalanx.services.auth.roles import ANY, Role, identity
 
-#: The Secret holding every identity's seed, the CA and the replication key.
+#: The Secret of the control plane's namespace: the seeds of every identity but the
+#: agents', the CA, the callout's account seed and the rank token key.
 IDENTITIES_SECRET = "phalanx-identities"
+#: The Secret of the agents' namespace: their seed, the CA, the rank token key and the
+#: replication key and certificate.
+AGENT_SECRET = "phalanx-agent-identity"
 #: The Secret the NATS chart serves TLS with (``config.nats.tls.secretName``).
 TLS_SECRET = "phalanx-nats-tls"
-#: The NATS chart's release name: its client Service, which the pods dial.
+#: The Secret of the chart's routes (``config.cluster.tls.secretName``): the route
+#: certificate and key, the CA both ends verify each other with, and the routes'
+#: password (:data:`ROUTE_PASSWORD_ITEM`, which the servers read from a variable).
+ROUTES_SECRET = "phalanx-nats-routes"
+ROUTE_PASSWORD_ITEM = "password"
+#: The NATS chart's release name: its client Service, which the pods dial, and the
+#: headless Service its servers route to each other by.
 RELEASE = "nats"
+#: The namespaces of the control plane (and NATS) and of the agents (deploy/k8s/base).
+NAMESPACE, NODES_NAMESPACE = "phalanx", "phalanx-nodes"
 #: The Secret items of the callout's account seed (the callout alone mounts it) and of
 #: the rank token key (the agents, which mint, and the callout, which verifies).
 ISSUER_ITEM = "callout-issuer.nk"
@@ -60,10 +77,20 @@ def service_hosts(namespace: str, release: str = RELEASE) -> list[str]:
             f"{release}.{namespace}.svc.cluster.local"]
 
 
+def route_hosts(namespace: str, release: str = RELEASE) -> list[str]:
+    """The names the chart's servers dial each other's routes by (``<pod>.<release>-
+    headless``, short or qualified): the route certificate names each, a pod by wildcard."""
+    headless = f"{release}-headless"
+    return [f"*.{host}" for host in (headless, f"{headless}.{namespace}",
+                                     f"{headless}.{namespace}.svc",
+                                     f"{headless}.{namespace}.svc.cluster.local")]
+
+
 def prepare(root: Path, namespace: str) -> AuthDir:
     """The auth directory at ``root`` with the agents' shared identity, the callout's
-    identity, account key and rank token key, made for ``namespace`` if it does not
-    exist yet; the ranks' shared identity of earlier versions revoked.
+    identity, account key and rank token key, the routes' certificate and password,
+    made for ``namespace`` if it does not exist yet; the ranks' shared identity of
+    earlier versions revoked.
 
     Raises:
         AuthError: an existing directory's server certificate does not name the NATS
@@ -83,6 +110,9 @@ def prepare(root: Path, namespace: str) -> AuthDir:
     auth.remove(Role.RANK, ANY)  # each job's ranks are their job now, through the callout
     write_key(auth.rank_token_key_path)
     _write_account_seed(auth.callout_issuer_path)
+    # The routes' certificate for the headless Service's pods, and their password.
+    tls.make_route_cert(auth.tls_dir, route_hosts(namespace))
+    auth.route_security()
     return auth
 
 
@@ -105,29 +135,44 @@ def _data(files: dict[str, bytes]) -> dict[str, str]:
     return {name: base64.b64encode(content).decode() for name, content in sorted(files.items())}
 
 
-def secrets(auth: AuthDir, namespace: str) -> list[dict[str, object]]:
-    """The Secrets of ``auth``'s deployment in ``namespace``."""
+def secrets(auth: AuthDir, namespace: str = NAMESPACE,
+            nodes_namespace: str = NODES_NAMESPACE) -> list[dict[str, object]]:
+    """The Secrets of ``auth``'s deployment, each in the namespace of the pods that mount
+    it: the control plane's identities, the NATS chart's TLS and its routes' in
+    ``namespace``; the agents' in ``nodes_namespace``. Neither namespace holds the
+    other's keys."""
+    agents = identity(Role.AGENT, ANY)
     seeds = {f"{who.name}.nk": auth.seed_path(who.role, who.scope).read_bytes()
              for who in auth.identities()}
     tls.make_replication_cert(auth.tls_dir)  # for a directory made before it existed
-    identities = {**seeds, "ca.pem": auth.ca_path.read_bytes(),
-                  "replication.key": auth.replication_key_path.read_bytes(),
-                  ISSUER_ITEM: auth.callout_issuer_path.read_bytes(),
-                  TOKEN_KEY_ITEM: auth.rank_token_key_path.read_bytes(),
-                  tls.REPLICATION_CERT: (auth.tls_dir / tls.REPLICATION_CERT).read_bytes(),
-                  tls.REPLICATION_KEY: (auth.tls_dir / tls.REPLICATION_KEY).read_bytes()}
+    ca = auth.ca_path.read_bytes()
+    token_key = auth.rank_token_key_path.read_bytes()
+    control = {**{name: seed for name, seed in seeds.items() if name != f"{agents}.nk"},
+               "ca.pem": ca, ISSUER_ITEM: auth.callout_issuer_path.read_bytes(),
+               TOKEN_KEY_ITEM: token_key}
+    node = {f"{agents}.nk": seeds[f"{agents}.nk"], "ca.pem": ca, TOKEN_KEY_ITEM: token_key,
+            "replication.key": auth.replication_key_path.read_bytes(),
+            tls.REPLICATION_CERT: (auth.tls_dir / tls.REPLICATION_CERT).read_bytes(),
+            tls.REPLICATION_KEY: (auth.tls_dir / tls.REPLICATION_KEY).read_bytes()}
     server = {"tls.crt": (auth.tls_dir / tls.SERVER_CERT).read_bytes(),
               "tls.key": (auth.tls_dir / tls.SERVER_KEY).read_bytes(),
-              "ca.crt": auth.ca_path.read_bytes()}
+              "ca.crt": ca}
+    route = auth.route_security()
+    routes = {"tls.crt": Path(route.cert_file).read_bytes(),
+              "tls.key": Path(route.key_file).read_bytes(), "ca.crt": ca,
+              ROUTE_PASSWORD_ITEM: route.password.encode()}
     labels = {"app.kubernetes.io/part-of": "phalanx"}
-    return [
-        {"apiVersion": "v1", "kind": "Secret", "type": "Opaque",
-         "metadata": {"name": IDENTITIES_SECRET, "namespace": namespace, "labels": labels},
-         "data": _data(identities)},
-        {"apiVersion": "v1", "kind": "Secret", "type": "kubernetes.io/tls",
-         "metadata": {"name": TLS_SECRET, "namespace": namespace, "labels": labels},
-         "data": _data(server)},
-    ]
+
+    def secret(name: str, where: str, data: dict[str, bytes],
+               kind: str = "Opaque") -> dict[str, object]:
+        return {"apiVersion": "v1", "kind": "Secret", "type": kind,
+                "metadata": {"name": name, "namespace": where, "labels": labels},
+                "data": _data(data)}
+
+    return [secret(IDENTITIES_SECRET, namespace, control),
+            secret(AGENT_SECRET, nodes_namespace, node),
+            secret(TLS_SECRET, namespace, server, "kubernetes.io/tls"),
+            secret(ROUTES_SECRET, namespace, routes)]
 
 
 def nats_values(auth: AuthDir) -> dict[str, object]:

@@ -98,12 +98,19 @@ def make_replication_cert(directory: Path) -> None:
     _make_peer_cert(directory, REPLICATION_CERT, REPLICATION_KEY, REPLICATION_NAME, ())
 
 
-def make_route_cert(directory: Path) -> None:
+def make_route_cert(directory: Path, hosts: Iterable[str] = ()) -> None:
     """Write :data:`ROUTE_CERT` and :data:`ROUTE_KEY` in ``directory``, signed by the CA
     there: the certificate each server of a NATS cluster presents to the others on its
     route port (mutual TLS, client and server; the route's dialer checks the name, so it
-    is valid for the server certificate's hosts). Kept if it exists already."""
-    _make_peer_cert(directory, ROUTE_CERT, ROUTE_KEY, ROUTE_NAME, server_hosts(directory))
+    is valid for the server certificate's hosts and ``hosts``, the names servers dial
+    each other's routes by). Kept if it exists already and names every one of
+    ``hosts``; made again otherwise (both ends use the same certificate)."""
+    hosts = list(hosts)
+    cert = directory / ROUTE_CERT
+    if cert.exists() and not set(hosts) <= cert_hosts(cert):
+        cert.unlink()
+    _make_peer_cert(directory, ROUTE_CERT, ROUTE_KEY, ROUTE_NAME,
+                    [*sorted(server_hosts(directory)), *hosts])
 
 
 def _make_peer_cert(directory: Path, cert_file: str, key_file: str, common_name: str,
@@ -137,7 +144,12 @@ def _make_peer_cert(directory: Path, cert_file: str, key_file: str, common_name:
 
 def server_hosts(directory: Path) -> set[str]:
     """The names and IPs the server certificate in ``directory`` is valid for."""
-    cert = x509.load_pem_x509_certificate((directory / SERVER_CERT).read_bytes())
+    return cert_hosts(directory / SERVER_CERT)
+
+
+def cert_hosts(path: Path) -> set[str]:
+    """The names and IPs the certificate at ``path`` is valid for."""
+    cert = x509.load_pem_x509_certificate(path.read_bytes())
     names = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
     return {*names.get_values_for_type(x509.DNSName),
             *(str(ip) for ip in names.get_values_for_type(x509.IPAddress))}

@@ -70,13 +70,15 @@ def _kubernetes(args: argparse.Namespace) -> int:
     secrets, values = root / "secrets.yaml", root / "nats-auth-values.yaml"
     fd = os.open(secrets, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(fd, "w") as f:
-        yaml.safe_dump_all(kubernetes.secrets(auth, args.namespace), f, sort_keys=False)
+        yaml.safe_dump_all(kubernetes.secrets(auth, args.namespace, args.nodes_namespace), f,
+                           sort_keys=False)
     values.write_text("# Made by `phalanx auth kubernetes`: give it to helm after "
                       "deploy/k8s/nats-values.yaml.\n"
                       + yaml.safe_dump(kubernetes.nats_values(auth), sort_keys=False))
     print(f"{auth.root}: identities {', '.join(w.name for w in auth.identities())}")
-    print(f"  {secrets} (Secrets {kubernetes.IDENTITIES_SECRET}, {kubernetes.TLS_SECRET}; "
-          f"holds the seeds: keep it as secret as {auth.root})")
+    print(f"  {secrets} (Secrets {kubernetes.IDENTITIES_SECRET}, {kubernetes.TLS_SECRET}, "
+          f"{kubernetes.ROUTES_SECRET} in {args.namespace}, {kubernetes.AGENT_SECRET} in "
+          f"{args.nodes_namespace}; holds the seeds: keep it as secret as {auth.root})")
     print(f"  {values} (the NATS chart's TLS and users)")
     print(f"kubectl apply -f {secrets}; helm install {kubernetes.RELEASE} nats/nats "
           f"-n {args.namespace} -f deploy/k8s/nats-values.yaml -f {values}")
@@ -134,8 +136,10 @@ def add_parsers(sub: Subparsers, parents: Parents) -> None:
                            "deployment's Secrets and NATS chart values (docs/deploy.md)")
     k8s.add_argument("dir")
     k8s.add_argument("--namespace", default="phalanx",
-                     help="the namespace of phalanx and of the NATS release (default "
-                          "phalanx)")
+                     help="the namespace of the control plane and of the NATS release "
+                          "(default phalanx)")
+    k8s.add_argument("--nodes-namespace", default="phalanx-nodes",
+                     help="the namespace of the agents (default phalanx-nodes)")
     for name, what in (("add-node", "add a node's agent identity"),
                        ("add-job", "add a job's ranks' identity"),
                        ("revoke-node", "revoke a node's agent identity (a node retired or "

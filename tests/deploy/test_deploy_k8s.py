@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
+import dataclasses
 import functools
 import json
 import os
@@ -26,6 +28,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import urllib.request
 from pathlib import Path
 
 import kubernetes_validate
@@ -33,6 +36,7 @@ import metrics_page
 import nkeys
 import pytest
 import yaml
+from cryptography import x509
 from deploy_local import (
     DEPLOY,
     Container,
@@ -50,7 +54,7 @@ from phalanx.services import control_plane
 from phalanx.services.auth import kubernetes
 from phalanx.services.auth.issuer import AuthDir, authorization
 from phalanx.services.auth.roles import ANY, Role, identity
-from phalanx.services.natsd import server_binary
+from phalanx.services.natsd import NatsServer, Routes, RouteSecurity, server_binary
 from phalanx.services.ports import free_port
 
 K8S = DEPLOY / "k8s"
@@ -180,7 +184,16 @@ def test_rendered_objects_follow_the_deployment_rules(overlay: str) -> None:
     for workload, c in containers_of(docs):
         spec = workload["spec"]["template"]["spec"]
         name = workload["metadata"]["name"]
-        assert spec["serviceAccountName"] in by_kind(docs, "ServiceAccount"), name
+        # What it names is in its own namespace (a pod sees no other's).
+        here = {(d["kind"], d["metadata"]["name"]) for d in docs
+                if d["metadata"].get("namespace") == workload["metadata"]["namespace"]}
+        assert ("ServiceAccount", spec["serviceAccountName"]) in here, name
+        assert {("ConfigMap", s["configMapRef"]["name"]) for s in c["envFrom"]} <= here, name
+        assert {("ConfigMap", v["configMap"]["name"]) for v in spec["volumes"]
+                if "configMap" in v} <= here, name
+        if by_kind(docs, "Secret"):  # rendered (local), not applied beforehand (gpu)
+            assert {("Secret", v["secret"]["secretName"]) for v in spec["volumes"]
+                    if "secret" in v} <= here, name
         assert spec["securityContext"]["runAsNonRoot"] is True, name
         assert c["securityContext"]["allowPrivilegeEscalation"] is False, name
         assert {"cpu", "memory", "ephemeral-storage"} <= set(c["resources"]["requests"]), name
@@ -215,7 +228,9 @@ def test_rendered_objects_follow_the_deployment_rules(overlay: str) -> None:
         values = {e["name"]: e.get("value") for e in c["env"]}
         assert not [e for e in c["env"] if "secretKeyRef" in e.get("valueFrom", {})], name
         (volume,) = [v for v in spec["volumes"] if "secret" in v]
-        assert volume["secret"]["secretName"] == kubernetes.IDENTITIES_SECRET, name
+        assert volume["secret"]["secretName"] == (
+            kubernetes.AGENT_SECRET if workload["kind"] == "DaemonSet"
+            else kubernetes.IDENTITIES_SECRET), name
         items = {i["key"] for i in volume["secret"]["items"]}
         (mount,) = [m["mountPath"] for m in c["volumeMounts"] if m["name"] == volume["name"]]
         assert values["PHALANX_NATS_NKEY"] == f"{mount}/{own}.nk", name
@@ -334,6 +349,188 @@ def test_the_nats_servers_take_routes_only_from_each_other_and_run_unprivileged(
     assert pod["runAsUser"] != 0 and pod["fsGroup"] == pod["runAsGroup"]
 
 
+# Pod Security Standards (Kubernetes 1.30's policy): what each level refuses, by field.
+BASELINE_CAPABILITIES = {"AUDIT_WRITE", "CHOWN", "DAC_OVERRIDE", "FOWNER", "FSETID", "KILL",
+                         "MKNOD", "NET_BIND_SERVICE", "SETFCAP", "SETGID", "SETPCAP", "SETUID",
+                         "SYS_CHROOT"}
+SAFE_SYSCTLS = {"kernel.shm_rmid_forced", "net.ipv4.ip_local_port_range",
+                "net.ipv4.ip_unprivileged_port_start", "net.ipv4.tcp_syncookies",
+                "net.ipv4.ping_group_range", "net.ipv4.ip_local_reserved_ports",
+                "net.ipv4.tcp_keepalive_time", "net.ipv4.tcp_fin_timeout",
+                "net.ipv4.tcp_keepalive_intvl", "net.ipv4.tcp_keepalive_probes"}
+RESTRICTED_VOLUMES = {"configMap", "csi", "downwardAPI", "emptyDir", "ephemeral",
+                      "persistentVolumeClaim", "projected", "secret"}
+SELINUX_TYPES = {"", "container_t", "container_init_t", "container_kvm_t",
+                 "container_engine_t"}
+
+
+def pod_security_violations(spec: dict, level: str) -> set[str]:
+    """The fields of the pod ``spec`` that Pod Security's ``level`` ("baseline" or
+    "restricted") refuses, as the API server's admission judges them."""
+    found: set[str] = set()
+    pod = spec.get("securityContext", {})
+    containers = [*spec.get("initContainers", []), *spec["containers"],
+                  *spec.get("ephemeralContainers", [])]
+    contexts = [c.get("securityContext", {}) for c in containers]
+    found |= {k for k in ("hostNetwork", "hostPID", "hostIPC") if spec.get(k)}
+    found |= {"volumes.hostPath" for v in spec.get("volumes", []) if "hostPath" in v}
+    found |= {"sysctls" for s in pod.get("sysctls", []) if s["name"] not in SAFE_SYSCTLS}
+    for context in (pod, *contexts):
+        if context.get("seccompProfile", {}).get("type") == "Unconfined":
+            found.add("seccompProfile")
+        if context.get("appArmorProfile", {}).get("type") == "Unconfined":
+            found.add("appArmorProfile")
+        selinux = context.get("seLinuxOptions", {})
+        if selinux.get("type", "") not in SELINUX_TYPES or "user" in selinux \
+                or "role" in selinux:
+            found.add("seLinuxOptions")
+        if context.get("windowsOptions", {}).get("hostProcess"):
+            found.add("hostProcess")
+    for c, context in zip(containers, contexts, strict=True):
+        if context.get("privileged"):
+            found.add("privileged")
+        if set(context.get("capabilities", {}).get("add", [])) - BASELINE_CAPABILITIES:
+            found.add("capabilities.add")
+        if context.get("procMount", "Default") != "Default":
+            found.add("procMount")
+        if any(port.get("hostPort") for port in c.get("ports", [])):
+            found.add("hostPort")
+    if level == "baseline":
+        return found
+    assert level == "restricted", level
+    found |= {"volumes" for v in spec.get("volumes", [])
+              if not set(v) - {"name"} <= RESTRICTED_VOLUMES}
+    for context in contexts:
+        if context.get("allowPrivilegeEscalation") is not False:
+            found.add("allowPrivilegeEscalation")
+        if "ALL" not in context.get("capabilities", {}).get("drop", []):
+            found.add("capabilities.drop")
+        if set(context.get("capabilities", {}).get("add", [])) - {"NET_BIND_SERVICE"}:
+            found.add("capabilities.add")
+        if context.get("runAsNonRoot", pod.get("runAsNonRoot")) is not True:
+            found.add("runAsNonRoot")
+        if 0 in (context.get("runAsUser"), pod.get("runAsUser")):
+            found.add("runAsUser")
+        seccomp = context.get("seccompProfile", pod.get("seccompProfile", {}))
+        if seccomp.get("type") not in ("RuntimeDefault", "Localhost"):
+            found.add("seccompProfile")
+    return found
+
+
+def chart_pod(values: dict) -> dict:
+    """The NATS chart's server pod as our values shape it: the server and its config
+    reloader with the values' security contexts, the pod's, and the kinds of volume the
+    chart mounts (its config, pid dir, TLS Secrets and JetStream claim)."""
+    assert values["natsBox"]["enabled"] is False, "nats-box: a pod our values do not shape"
+    assert not values.get("promExporter", {}).get("enabled"), "a container not shaped here"
+    return {"securityContext": values["podTemplate"]["merge"]["spec"]["securityContext"],
+            "containers": [{"name": part, "securityContext":
+                            values[part]["merge"]["securityContext"]}
+                           for part in ("container", "reloader")],
+            "volumes": [{"name": "config", "configMap": {}}, {"name": "pid", "emptyDir": {}},
+                        {"name": "tls", "secret": {}}, {"name": "js",
+                                                        "persistentVolumeClaim": {}}]}
+
+
+@pytest.mark.parametrize(("overlay", "component"), [*((o, None) for o in OVERLAYS),
+                                                    ("local", "job-users")])
+def test_each_namespace_enforces_the_pod_security_its_pods_need(
+        overlay: str, component: str | None) -> None:
+    """phalanx (control plane, callout, NATS) enforces restricted, and every pod of it
+    meets it; the agents alone are in phalanx-nodes, privileged for the one setting
+    baseline refuses them, the host network."""
+    docs = render(overlay, component)
+    levels = {n["metadata"]["name"]: n["metadata"]["labels"] for n in docs
+              if n["kind"] == "Namespace"}
+    assert {name: labels["pod-security.kubernetes.io/enforce"]
+            for name, labels in levels.items()} == {kubernetes.NAMESPACE: "restricted",
+                                                    kubernetes.NODES_NAMESPACE: "privileged"}
+    assert all(d["metadata"]["namespace"] in levels for d in docs if d["kind"] != "Namespace")
+    pods = {(d["metadata"]["namespace"], d["metadata"]["name"]): d["spec"]["template"]["spec"]
+            for d in docs if "template" in d.get("spec", {})}
+    pods[(kubernetes.NAMESPACE, kubernetes.RELEASE)] = chart_pod(nats_values())
+    assert {name for namespace, name in pods if namespace == kubernetes.NODES_NAMESPACE} == \
+        {"phalanx-agent"}
+    for (namespace, name), spec in pods.items():
+        if namespace == kubernetes.NAMESPACE:
+            assert pod_security_violations(spec, "restricted") == set(), name
+    agent = pods[(kubernetes.NODES_NAMESPACE, "phalanx-agent")]
+    assert pod_security_violations(agent, "baseline") == {"hostNetwork"}, \
+        "base/namespace.yaml names hostNetwork as what makes the agents' namespace privileged"
+    restricted = pod_security_violations(agent, "restricted")
+    if component == "job-users":  # root with capabilities: baseline allows, restricted not
+        assert restricted == {"hostNetwork", "runAsNonRoot", "runAsUser", "capabilities.add"}
+    else:
+        assert restricted == {"hostNetwork"}
+
+
+def test_the_pod_security_check_names_each_privileged_setting() -> None:
+    """The check above is not a rubber stamp: each setting the restricted profile refuses,
+    added to a control-plane pod, is named."""
+    spec = by_kind(render("local"), "Deployment")["phalanx-admission"]["spec"]["template"][
+        "spec"]
+    assert pod_security_violations(spec, "restricted") == set()
+    context = spec["containers"][0]["securityContext"]
+    changes = {
+        "hostNetwork": lambda s: s.update(hostNetwork=True),
+        "hostPID": lambda s: s.update(hostPID=True),
+        "volumes.hostPath": lambda s: s["volumes"].append({"name": "h", "hostPath": {
+            "path": "/"}}),
+        "privileged": lambda s: s["containers"][0]["securityContext"].update(privileged=True),
+        "allowPrivilegeEscalation": lambda s: s["containers"][0]["securityContext"].pop(
+            "allowPrivilegeEscalation"),
+        "capabilities.drop": lambda s: s["containers"][0]["securityContext"].update(
+            capabilities={"drop": []}),
+        "capabilities.add": lambda s: s["containers"][0]["securityContext"].update(
+            capabilities={"drop": ["ALL"], "add": ["SETUID"]}),
+        "runAsNonRoot": lambda s: s["securityContext"].pop("runAsNonRoot"),
+        "runAsUser": lambda s: s["containers"][0]["securityContext"].update(runAsUser=0),
+        "seccompProfile": lambda s: s["securityContext"].pop("seccompProfile"),
+        "hostPort": lambda s: s["containers"][0]["ports"][0].update(hostPort=9464),
+    }
+    for field, change in changes.items():
+        changed = json.loads(json.dumps(spec))
+        change(changed)
+        assert field in pod_security_violations(changed, "restricted"), field
+    assert context == spec["containers"][0]["securityContext"]
+
+
+def test_nats_routes_are_mutual_tls_of_the_ca_with_a_password_from_a_secret() -> None:
+    """The chart's routes: TLS with the route certificate of phalanx's CA, which names
+    every server the routes dial, each end verifying the other's; the routes' password
+    from the Secret, one route URL per server."""
+    values = nats_values()
+    cluster = values["config"]["cluster"]
+    secret = by_kind(render("local"), "Secret")[kubernetes.ROUTES_SECRET]
+    assert secret["metadata"]["namespace"] == kubernetes.NAMESPACE
+    files = {k: base64.b64decode(v) for k, v in secret["data"].items()}
+    assert cluster["tls"]["enabled"] is True
+    assert cluster["tls"]["secretName"] == kubernetes.ROUTES_SECRET
+    assert cluster["tls"]["merge"] == {"ca_file": "/etc/nats-certs/cluster/ca.crt",
+                                       "verify": True, "timeout": 2}
+    assert files["ca.crt"] == auth_dir().ca_path.read_bytes()
+    cert = x509.load_pem_x509_certificate(files["tls.crt"])
+    ca = x509.load_pem_x509_certificate(files["ca.crt"])
+    cert.verify_directly_issued_by(ca)
+    names = set(cert.extensions.get_extension_for_class(
+        x509.SubjectAlternativeName).value.get_values_for_type(x509.DNSName))
+    replicas = cluster["replicas"]
+    (patch,) = cluster["patch"]
+    assert patch["op"] == "replace" and patch["path"] == "/routes"
+    assert patch["value"] == [f"<< $ROUTE_URL_{i} >>" for i in range(replicas)]
+    env = values["container"]["env"]
+    assert sorted(env).index("ROUTE_PASSWORD") < sorted(env).index("ROUTE_URL_0"), \
+        "the chart lists variables in name order; $(VAR) expands earlier ones alone"
+    for i in range(replicas):
+        url = env[f"ROUTE_URL_{i}"]
+        host = f"nats-{i}.{kubernetes.RELEASE}-headless"
+        assert url == f"tls://route:$(ROUTE_PASSWORD)@{host}:6222", url
+        assert "*." + host.split(".", 1)[1] in names, host
+    assert set(kubernetes.route_hosts(kubernetes.NAMESPACE)) <= names
+    assert cluster["merge"]["authorization"]["user"] == "route"
+    assert len(files[kubernetes.ROUTE_PASSWORD_ITEM]) >= 32
+
+
 def test_the_monitoring_component_watches_every_phalanx_pod_with_the_rules_and_dashboard(
         ) -> None:
     """components/monitoring: its PodMonitor selects every phalanx workload's pods, in
@@ -353,7 +550,8 @@ def test_the_monitoring_component_watches_every_phalanx_pod_with_the_rules_and_d
     for name, workload in workloads.items():
         template = workload["spec"]["template"]
         assert selector.items() <= template["metadata"]["labels"].items(), name
-        assert workload["metadata"]["namespace"] == monitor["metadata"]["namespace"], name
+        assert workload["metadata"]["namespace"] in \
+            monitor["spec"]["namespaceSelector"]["matchNames"], name
         ports = {p.get("name") for c in template["spec"]["containers"] for p in c["ports"]}
         assert endpoint["port"] in ports, name
     assert rule["metadata"]["namespace"] == dashboard["metadata"]["namespace"] == "phalanx"
@@ -409,13 +607,27 @@ def test_nats_values_give_a_jetstream_cluster_admitting_exactly_the_identities()
     assert block["auth_callout"] == {
         "issuer": nkeys.from_seed(bytearray(issuer)).public_key.decode(),
         "auth_users": sorted(w.public_key for w in who)}
-    # Each seed in the identities' Secret is the one whose public key the server admits.
-    seeds = secrets[kubernetes.IDENTITIES_SECRET]["data"]
+    # Each seed in the identities' Secrets is the one whose public key the server admits;
+    # the agents' in their namespace's alone, the others' in the control plane's alone.
+    control, nodes = (secrets[s]["data"] for s in (kubernetes.IDENTITIES_SECRET,
+                                                   kubernetes.AGENT_SECRET))
+    assert not {k for k in control if k.endswith(".nk")} & {k for k in nodes
+                                                            if k.endswith(".nk")}
+    assert not {"replication.key", "replication-key.pem"} & set(control)
+    seeds = {**control, **nodes}
     for w in who:
         seed = bytearray(base64.b64decode(seeds[f"{w.name}.nk"]))
         assert nkeys.from_seed(seed).public_key.decode() == w.public_key, w.name
-    assert not (K8S / "nats-values.yaml").read_text().count("password"), \
-        "no credential in the committed values"
+    # No credential in the committed values: the routes' password is a variable of the
+    # servers' (from the Secret), which the route URLs expand.
+    committed = yaml.safe_load((K8S / "nats-values.yaml").read_text())
+    password = committed["config"]["cluster"]["merge"]["authorization"]["password"]
+    assert password == "<< $ROUTE_PASSWORD >>"
+    assert committed["container"]["env"]["ROUTE_PASSWORD"] == {"valueFrom": {"secretKeyRef": {
+        "name": kubernetes.ROUTES_SECRET, "key": kubernetes.ROUTE_PASSWORD_ITEM}}}
+    route_password = base64.b64decode(secrets[kubernetes.ROUTES_SECRET]["data"][
+        kubernetes.ROUTE_PASSWORD_ITEM]).decode()
+    assert route_password not in (K8S / "nats-values.yaml").read_text()
     replicas = next(cm["data"]["PHALANX_NATS_REPLICAS"] for cm in
                     by_kind(render("local"), "ConfigMap").values()
                     if "PHALANX_NATS_REPLICAS" in cm["data"])
@@ -438,20 +650,24 @@ class Cluster:
     def __init__(self, docs: list[dict], root: Path) -> None:
         self.docs = docs
         self.root = root
-        self.config_maps = by_kind(docs, "ConfigMap")
-        self.secrets = {name: {k: base64.b64decode(v).decode() for k, v in
-                               s.get("data", {}).items()}
-                        for name, s in by_kind(docs, "Secret").items()}
+        # By namespace and name: a pod gets what its own namespace holds, as the kubelet
+        # resolves its references.
+        self.config_maps = {(d["metadata"]["namespace"], d["metadata"]["name"]): d
+                            for d in docs if d["kind"] == "ConfigMap"}
+        self.secrets = {(s["metadata"]["namespace"], s["metadata"]["name"]):
+                        {k: base64.b64decode(v).decode() for k, v in s.get("data", {}).items()}
+                        for s in docs if s["kind"] == "Secret"}
 
     def pod(self, workload: dict, pod_name: str, node: str) -> Container:
         spec = workload["spec"]["template"]["spec"]
         (c,) = spec["containers"]
         image = Image.named(c["image"])  # the deploy/Dockerfile target that builds it
-        fields = {"metadata.name": pod_name, "metadata.namespace": workload["metadata"]
-                  ["namespace"], "spec.nodeName": node, "status.podIP": "127.0.0.1"}
+        namespace = workload["metadata"]["namespace"]
+        fields = {"metadata.name": pod_name, "metadata.namespace": namespace,
+                  "spec.nodeName": node, "status.podIP": "127.0.0.1"}
         env = dict(image.env)
         for source in c.get("envFrom", []):
-            env.update(self.config_maps[source["configMapRef"]["name"]]["data"])
+            env.update(self.config_maps[namespace, source["configMapRef"]["name"]]["data"])
         for var in c.get("env", []):
             if "value" in var:
                 env[var["name"]] = expand(var["value"], env)
@@ -459,10 +675,11 @@ class Cluster:
                 env[var["name"]] = fields[var["valueFrom"]["fieldRef"]["fieldPath"]]
             elif "secretKeyRef" in var["valueFrom"]:
                 ref = var["valueFrom"]["secretKeyRef"]
-                env[var["name"]] = self.secrets[ref["name"]][ref["key"]]
+                env[var["name"]] = self.secrets[namespace, ref["name"]][ref["key"]]
             else:
                 ref = var["valueFrom"]["configMapKeyRef"]
-                env[var["name"]] = self.config_maps[ref["name"]]["data"][ref["key"]]
+                env[var["name"]] = self.config_maps[namespace, ref["name"]]["data"][
+                    ref["key"]]
         # command replaces the image's entry point (and drops its CMD), args its CMD.
         command = c.get("command", list(image.entrypoint))
         args = c.get("args", list(image.cmd) if "command" not in c else [])
@@ -477,12 +694,13 @@ class Cluster:
             if "configMap" in volume:
                 directory = self.root / "volumes" / key
                 directory.mkdir(parents=True, exist_ok=True)
-                for name, text in self.config_maps[volume["configMap"]["name"]]["data"].items():
+                for name, text in self.config_maps[namespace, volume["configMap"]["name"]][
+                        "data"].items():
                     (directory / name).write_text(text)
             elif "secret" in volume:
                 directory = self.root / "volumes" / key
                 directory.mkdir(parents=True, exist_ok=True)
-                data = self.secrets[volume["secret"]["secretName"]]
+                data = self.secrets[namespace, volume["secret"]["secretName"]]
                 items = volume["secret"].get("items") or [{"key": k, "path": k} for k in data]
                 for item in items:  # only the items named, as the kubelet projects them
                     (directory / item["path"]).write_text(data[item["key"]])
@@ -507,49 +725,180 @@ class Cluster:
         return result
 
 
-#: Where the chart mounts ``config.nats.tls.secretName`` (its ``config.nats.tls.dir``).
+#: Where the chart mounts ``config.nats.tls.secretName`` (its ``config.nats.tls.dir``) and
+#: ``config.cluster.tls.secretName`` (``config.cluster.tls.dir``).
 CHART_CERT_DIR = "/etc/nats-certs/nats"
+CHART_ROUTE_CERT_DIR = "/etc/nats-certs/cluster"
+#: The port the chart's servers take routes on (``config.cluster.port``).
+CHART_ROUTE_PORT = 6222
 
 
-def nats_conf(values: dict, cert_dir: str = CHART_CERT_DIR) -> str:
-    """What the chart makes of the values' client TLS and ``config.merge``, as nats.conf:
-    JSON, with ``<< x >>`` unquoted (``cert_dir``: where the TLS Secret is mounted)."""
-    conf = dict(values["config"]["merge"])
-    if values["config"].get("nats", {}).get("tls", {}).get("enabled"):
-        conf["tls"] = {"cert_file": f"{cert_dir}/tls.crt", "key_file": f"{cert_dir}/tls.key"}
+def json_patch(doc: dict, patch: list[dict]) -> dict:
+    """``patch`` applied to ``doc``'s top-level keys, as the chart's ``patch`` values are
+    (the operations our values use)."""
+    doc = dict(doc)
+    for op in patch:
+        key = op["path"].removeprefix("/")
+        assert "/" not in key and op["op"] in ("add", "replace", "remove"), op
+        if op["op"] == "remove":
+            del doc[key]
+        else:
+            doc[key] = op["value"]
+    return doc
+
+
+def nats_conf(values: dict, cert_dirs: dict[str, str], route_listen: str) -> str:
+    """What the chart makes of the values' client TLS, cluster and ``config.merge``, as
+    nats.conf: JSON, with ``<< x >>`` unquoted. ``cert_dirs``: where each TLS Secret's
+    mount path of the chart's lies here; ``route_listen``: where this server takes
+    routes here (the chart's port, 6222, is every pod's own)."""
+    config = values["config"]
+    conf = dict(config["merge"])
+    if config.get("nats", {}).get("tls", {}).get("enabled"):
+        conf["tls"] = {"cert_file": f"{cert_dirs[CHART_CERT_DIR]}/tls.crt",
+                       "key_file": f"{cert_dirs[CHART_CERT_DIR]}/tls.key"}
+    cluster = config["cluster"]
+    if cluster.get("enabled"):  # the chart's files/config/cluster.yaml, then merge, patch
+        tls = cluster.get("tls", {})
+        proto = "tls" if tls.get("enabled") else "nats"
+        block: dict = {"name": "nats", "listen": route_listen, "no_advertise": True,
+                       "routes": [f"{proto}://nats-{i}.nats-headless:{CHART_ROUTE_PORT}"
+                                  for i in range(cluster["replicas"])]}
+        if tls.get("enabled"):
+            local = cert_dirs[CHART_ROUTE_CERT_DIR]
+            block["tls"] = {"cert_file": f"{local}/tls.crt", "key_file": f"{local}/tls.key",
+                            **{k: v.replace(CHART_ROUTE_CERT_DIR, local)
+                               if isinstance(v, str) else v
+                               for k, v in tls.get("merge", {}).items()}}
+        block.update(cluster.get("merge", {}))
+        conf["cluster"] = json_patch(block, cluster.get("patch", []))
     return re.sub(r'"<< (.*?) >>"', r"\1", json.dumps(conf, indent=2))
 
 
-def start_nats(procs: Processes, values: dict, secrets: dict, root: Path) -> list[str]:
-    """Three routed nats-servers with JetStream, the values' client TLS (the Secret they
-    name mounted where the chart mounts it) and authorization block; their URLs."""
-    # Mounted where the chart mounts its config (one ConfigMap for all three servers).
-    conf = root / "volumes" / "nats-config" / "nats.conf"
-    conf.parent.mkdir(parents=True)
-    # The TLS Secret as the chart mounts it; the config names it where it lies here (a
-    # file's contents are not translated as a command line is).
-    certs = root / "volumes" / "nats-certs"
-    certs.mkdir(parents=True)
-    tls = values["config"].get("nats", {}).get("tls", {})
-    for name, text in secrets[tls["secretName"]].items() if tls.get("enabled") else ():
-        (certs / name).write_text(text)
-    conf.write_text(nats_conf(values, str(certs)))
-    mounts = {"/etc/nats-config": "nats-config"}
+def chart_env(values: dict, secrets: dict, namespace: str) -> dict[str, str]:
+    """The server container's ``container.env`` as the kubelet gives it: in name order
+    (the chart writes the map so), Secret references resolved, ``$(VAR)`` expanded."""
+    env: dict[str, str] = {}
+    for name, value in sorted(values.get("container", {}).get("env", {}).items()):
+        if isinstance(value, str):
+            env[name] = expand(value, env)
+        else:
+            ref = value["valueFrom"]["secretKeyRef"]
+            env[name] = secrets[namespace, ref["name"]][ref["key"]]
+    return env
+
+
+@dataclasses.dataclass
+class NatsCluster:
+    """The chart's servers as local processes: their client URLs, and each one's route
+    and monitoring ports."""
+
+    urls: list[str]
+    routes: list[int]
+    monitors: list[int]
+
+
+def routes_of(monitor: int) -> set[str]:
+    """The servers the one monitored at ``monitor`` has routes to (by name: a pair of
+    servers holds a pool of route connections)."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{monitor}/routez", timeout=2) as answer:
+        return {r["remote_name"] for r in json.load(answer)["routes"] or []}
+
+
+def start_nats(procs: Processes, values: dict, secrets: dict, root: Path) -> NatsCluster:
+    """The chart's routed nats-servers (``config.cluster.replicas``) with JetStream, the
+    values' client TLS, routes (mutual TLS, password) and authorization, each Secret the
+    values name mounted where the chart mounts it, the route URLs' host names those of
+    the local servers."""
+    namespace = kubernetes.NAMESPACE  # the release's
+    config = root / "volumes" / "nats-config"
+    config.mkdir(parents=True)
+    # The TLS Secrets as the chart mounts them; the config names them where they lie here
+    # (a file's contents are not translated as a command line is).
+    cert_dirs = {}
+    for mount, part in ((CHART_CERT_DIR, "nats"), (CHART_ROUTE_CERT_DIR, "cluster")):
+        tls = values["config"][part].get("tls", {})
+        local = root / "volumes" / f"nats-certs-{part}"
+        local.mkdir(parents=True)
+        cert_dirs[mount] = str(local)
+        for name, text in secrets[namespace, tls["secretName"]].items() \
+                if tls.get("enabled") else ():
+            (local / name).write_text(text)
     n = values["config"]["cluster"]["replicas"]
     ports = [(free_port(), free_port(), free_port()) for _ in range(n)]
+    for i, (_, route, _) in enumerate(ports):  # each pod's name on the headless Service
+        procs.world.hosts[f"nats-{i}.nats-headless:{CHART_ROUTE_PORT}"] = f"127.0.0.1:{route}"
+    env = chart_env(values, secrets, namespace)
     assert Path(server_binary()) == Path(sys.prefix) / "bin" / "nats-server"
     for i, (client, route, monitor) in enumerate(ports):
-        routes = ",".join(f"nats://127.0.0.1:{r}" for j, (_, r, _) in enumerate(ports) if j != i)
+        # One config for all (the chart's ConfigMap) but for where routes are taken here.
+        (config / f"nats-{i}.conf").write_text(nats_conf(values, cert_dirs,
+                                                         f"127.0.0.1:{route}"))
         procs.start(Container(f"nats-{i}", [
-            "/opt/venv/bin/nats-server", "-c", "/etc/nats-config/nats.conf", "-js", "-sd", "/data",
-            "-n", f"nats-{i}", "--cluster_name", "nats", "--cluster",
-            f"nats://127.0.0.1:{route}", "--routes", routes, "-a", "127.0.0.1",
-            "-p", str(client), "-m", str(monitor)], {}, "/",
-            {"/data": f"nats-{i}-data", **mounts}))
+            "/opt/venv/bin/nats-server", "-c", f"/etc/nats-config/nats-{i}.conf", "-js",
+            "-sd", "/data", "-n", f"nats-{i}", "-a", "127.0.0.1", "-p", str(client),
+            "-m", str(monitor)], env, "/",
+            {"/data": f"nats-{i}-data", "/etc/nats-config": "nats-config"}))
     for i, (_, _, monitor) in enumerate(ports):
         wait_for(lambda m=monitor: healthy_http(f"http://127.0.0.1:{m}/healthz"), 60,
                  f"nats-{i} healthy", detail=procs.logs)
-    return [f"nats://127.0.0.1:{client}" for client, _, _ in ports]
+        # Routed to every other server, over the routes' TLS and password.
+        wait_for(lambda m=monitor, i=i: routes_of(m) == {f"nats-{j}" for j in range(n)
+                                                          if j != i},
+                 30, f"nats-{i}'s routes", detail=procs.logs)
+    return NatsCluster([f"nats://127.0.0.1:{client}" for client, _, _ in ports],
+                       [route for _, route, _ in ports], [m for _, _, m in ports])
+
+
+def impostors_are_refused(cluster: NatsCluster, procs: Processes, secrets: dict,
+                          root: Path) -> None:
+    """The cluster's servers refuse a route from a server with another CA's certificate
+    (and the routes' password) at the TLS handshake, and one from a server with the
+    cluster's certificate but not the password; neither becomes a route of theirs.
+    Judged from the servers' own logs: an impostor sees only a closed connection."""
+    routes = secrets[kubernetes.NAMESPACE, kubernetes.ROUTES_SECRET]
+    mine = root / "impostor-certs"
+    mine.mkdir()
+    for name in ("tls.crt", "tls.key", "ca.crt"):
+        (mine / name).write_text(routes[name])
+    cluster_secret = RouteSecurity(cert_file=str(mine / "tls.crt"),
+                                   key_file=str(mine / "tls.key"),
+                                   ca_file=str(mine / "ca.crt"), user="route",
+                                   password=routes[kubernetes.ROUTE_PASSWORD_ITEM])
+    foreign = AuthDir.init(root / "foreign")
+    impostors = {  # each knows what the other lacks
+        # It trusts the cluster's CA, so only the servers' check of its certificate can
+        # fail the handshake.
+        "other-ca": dataclasses.replace(foreign.route_security(),
+                                        ca_file=cluster_secret.ca_file,
+                                        password=cluster_secret.password),
+        "no-password": dataclasses.replace(cluster_secret, password="guessed"),
+    }
+    refusals = ("TLS route handshake error: tls: failed to verify certificate: x509: "
+                "certificate signed by unknown authority",  # other-ca's
+                'authentication error - User "route"')  # no-password's
+    logs = [procs.running[f"nats-{i}"].log for i in range(len(cluster.routes))]
+    before = [log.stat().st_size for log in logs]
+    assert not [r for log in logs for r in refusals if r in log.read_text()]
+
+    def since(i: int) -> str:
+        with logs[i].open("rb") as f:
+            f.seek(before[i])
+            return f.read().decode(errors="replace")
+
+    members = tuple(f"nats://127.0.0.1:{port}" for port in cluster.routes)
+    with contextlib.ExitStack() as stack:
+        for name, secured in impostors.items():
+            stack.enter_context(NatsServer(
+                root / name, log_path=root / f"{name}.log", config_file=foreign.config_path,
+                routes=Routes(cluster_name="nats", server_name=name, port=free_port(),
+                              routes=members, secured=secured)))
+        for i in range(len(logs)):
+            wait_for(lambda i=i: all(r in since(i) for r in refusals), 20,
+                     f"nats-{i} refusing both impostors", detail=lambda i=i: since(i)[-2000:])
+        assert all(routes_of(m).isdisjoint(impostors) for m in cluster.monitors)
+    for name in impostors:  # never a member: it heard of no JetStream meta leader
+        assert "metadata leader" not in (root / f"{name}.log").read_text(errors="replace")
 
 
 @pytest.mark.slow
@@ -565,9 +914,13 @@ def test_local_overlay_pods_pass_their_probes_and_train_a_job(tmp_path: Path) ->
                     if all(labels.get(k) == v for k, v in selector.items())]
     assert len(worker_nodes) == 2
     with processes(World(tmp_path, {})) as procs:
-        urls = start_nats(procs, values, cluster.secrets, tmp_path)
-        # The Service "nats" of the chart's release: any of its servers.
-        procs.world.hosts["nats:4222"] = urls[0].removeprefix("nats://")
+        nats = start_nats(procs, values, cluster.secrets, tmp_path)
+        impostors_are_refused(nats, procs, cluster.secrets, tmp_path)
+        urls = nats.urls
+        # The Service "nats" of the chart's release, as pods of either namespace name it:
+        # any of its servers.
+        procs.world.hosts[f"nats.{kubernetes.NAMESPACE}.svc:4222"] = \
+            urls[0].removeprefix("nats://")
         pods: dict[str, dict] = {}
         for name, deployment in deployments.items():
             for i in range(deployment["spec"]["replicas"]):
@@ -615,7 +968,7 @@ def test_local_overlay_pods_pass_their_probes_and_train_a_job(tmp_path: Path) ->
         # The operator's CLI as its identity (the cli seed and the CA from the Secret).
         user_env = {k: v for k, v in os.environ.items() if not k.startswith(("PHALANX_",
                                                                              "OTEL_"))}
-        operator = cluster.secrets[kubernetes.IDENTITIES_SECRET]
+        operator = cluster.secrets[kubernetes.NAMESPACE, kubernetes.IDENTITIES_SECRET]
         for name in ("cli.nk", "ca.pem"):
             (tmp_path / name).write_text(operator[name])
         (tmp_path / "cli.nk").chmod(0o600)

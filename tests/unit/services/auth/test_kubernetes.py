@@ -9,6 +9,8 @@ from pathlib import Path
 import nkeys
 import pytest
 import yaml
+from cryptography import x509
+from cryptography.x509.oid import ExtendedKeyUsageOID
 
 from phalanx.services.auth import kubernetes, tls
 from phalanx.services.auth.issuer import AuthDir, AuthError, authorization
@@ -63,15 +65,24 @@ def test_an_existing_directory_whose_certificate_misses_the_service_is_refused(
 
 def test_the_secrets_hold_each_seed_of_the_key_the_values_admit(tmp_path: Path) -> None:
     auth = kubernetes.prepare(tmp_path / "auth", "phalanx")
-    identities, tls = kubernetes.secrets(auth, "phalanx")
+    identities, agents, tls, _ = kubernetes.secrets(auth, "phalanx", "phalanx-nodes")
     assert identities["metadata"] == {"name": kubernetes.IDENTITIES_SECRET,
                                       "namespace": "phalanx",
                                       "labels": {"app.kubernetes.io/part-of": "phalanx"}}
-    data = {k: base64.b64decode(v) for k, v in identities["data"].items()}
+    assert (agents["metadata"]["name"], agents["metadata"]["namespace"]) == (
+        kubernetes.AGENT_SECRET, "phalanx-nodes")
+    control = {k: base64.b64decode(v) for k, v in identities["data"].items()}
+    node = {k: base64.b64decode(v) for k, v in agents["data"].items()}
+    # Each namespace holds its pods' keys alone: the agents' seed and the replication key
+    # and certificate in theirs, every other seed and the callout's key in the other.
+    assert set(node) == {"agents.nk", "ca.pem", kubernetes.TOKEN_KEY_ITEM, "replication.key",
+                         "replication.pem", "replication-key.pem"}
+    assert not {"agents.nk", "replication.key", "replication-key.pem"} & set(control)
+    data = {**control, **node}
     for who in auth.identities():
         seed = bytearray(data[f"{who.name}.nk"])
         assert nkeys.from_seed(seed).public_key.decode() == who.public_key, who.name
-    assert data["ca.pem"] == auth.ca_path.read_bytes()
+    assert control["ca.pem"] == node["ca.pem"] == auth.ca_path.read_bytes()
     assert data["replication.key"] == auth.replication_key_path.read_bytes()
     for name in ("replication.pem", "replication-key.pem"):  # the stream's TLS
         assert data[name] == (auth.tls_dir / name).read_bytes()
@@ -99,9 +110,12 @@ def test_the_secrets_hold_each_seed_of_the_key_the_values_admit(tmp_path: Path) 
 
 def test_the_command_writes_the_secrets_for_its_owner_alone(tmp_path: Path, capsys) -> None:
     root = tmp_path / "auth"
-    assert cli_main(["auth", "kubernetes", str(root), "--namespace", "ml"]) == 0
+    assert cli_main(["auth", "kubernetes", str(root), "--namespace", "ml",
+                     "--nodes-namespace", "ml-nodes"]) == 0
     secrets = list(yaml.safe_load_all((root / "secrets.yaml").read_text()))
-    assert [s["metadata"]["namespace"] for s in secrets] == ["ml", "ml"]
+    assert {s["metadata"]["name"]: s["metadata"]["namespace"] for s in secrets} == {
+        kubernetes.IDENTITIES_SECRET: "ml", kubernetes.TLS_SECRET: "ml",
+        kubernetes.ROUTES_SECRET: "ml", kubernetes.AGENT_SECRET: "ml-nodes"}
     assert stat.S_IMODE((root / "secrets.yaml").stat().st_mode) == 0o600
     values = yaml.safe_load((root / "nats-auth-values.yaml").read_text())
     users = values["config"]["merge"]["authorization"]["users"]
@@ -114,3 +128,33 @@ def test_the_command_writes_the_secrets_for_its_owner_alone(tmp_path: Path, caps
     assert cli_main(["auth", "kubernetes", str(root), "--namespace", "ml"]) == 0
     assert {w.name: w.public_key for w in AuthDir(root).identities()} == keys
     assert identity(Role.CALLOUT) in keys and identity(Role.RANK, ANY) not in keys
+
+
+def test_the_routes_secret_holds_a_certificate_for_the_headless_pods_and_a_password(
+        tmp_path: Path) -> None:
+    """The chart's routes: the route certificate of the directory's CA, valid for every
+    name of the headless Service's pods, client and server; the routes' password, the
+    same on every run."""
+    auth = kubernetes.prepare(tmp_path / "auth", "ml")
+    *_, routes = kubernetes.secrets(auth, "ml", "ml-nodes")
+    assert (routes["metadata"]["name"], routes["metadata"]["namespace"]) == (
+        kubernetes.ROUTES_SECRET, "ml")
+    data = {k: base64.b64decode(v) for k, v in routes["data"].items()}
+    assert set(data) == {"tls.crt", "tls.key", "ca.crt", kubernetes.ROUTE_PASSWORD_ITEM}
+    cert = x509.load_pem_x509_certificate(data["tls.crt"])
+    cert.verify_directly_issued_by(x509.load_pem_x509_certificate(data["ca.crt"]))
+    assert data["ca.crt"] == auth.ca_path.read_bytes()
+    names = set(cert.extensions.get_extension_for_class(
+        x509.SubjectAlternativeName).value.get_values_for_type(x509.DNSName))
+    assert {"*.nats-headless", "*.nats-headless.ml", "*.nats-headless.ml.svc",
+            "*.nats-headless.ml.svc.cluster.local"} <= names
+    usages = set(cert.extensions.get_extension_for_class(x509.ExtendedKeyUsage).value)
+    assert usages == {ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH}
+    assert data[kubernetes.ROUTE_PASSWORD_ITEM].decode() == auth.route_security().password
+    # A route certificate made before (by `phalanx up --secure --nats-cluster`) lacks the
+    # pods' names: it is made again with them.
+    (auth.tls_dir / tls.ROUTE_CERT).unlink()
+    tls.make_route_cert(auth.tls_dir)
+    assert "*.nats-headless" not in tls.cert_hosts(auth.tls_dir / tls.ROUTE_CERT)
+    again = kubernetes.prepare(tmp_path / "auth", "ml")
+    assert set(kubernetes.route_hosts("ml")) <= tls.cert_hosts(again.tls_dir / tls.ROUTE_CERT)
