@@ -26,10 +26,10 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from cuts import check_cut_off, exited, job_states, ranks_on
-from harness import BUS, NamespacedCluster, Network
+from cuts import check_cut_off, job_states
 from test_elastic import Watch, check_run, progressed, run_job
 
+from phalanx.bench.partition_harness import BUS, NamespacedCluster, Network, exited, ranks_on
 from phalanx.bus.client import Bus
 from phalanx.runtime import record
 from phalanx.services.agent import fence

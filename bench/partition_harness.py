@@ -11,7 +11,10 @@ a bridge every node's veth is a port of:
 
 A namespace may also host a control-plane instance instead of an agent (``hosts``,
 :meth:`NamespacedCluster.start_service_on`): a leader that a cut of its host cuts from
-the bus.
+the bus (:func:`lead_from` makes the instance there lead, one on this machine standing by).
+
+The tests of ``tests/e2e/partition/`` and ``bench/partition.py`` (the cuts' latencies) both
+run on it: it lives here, in the package, for both.
 
 A node's ``/etc/hosts`` names its own host 127.0.1.1, as Debian's does: a node whose
 advertised address followed its host name (gloo's listening address, the buddies'
@@ -42,6 +45,7 @@ import asyncio
 import contextlib
 import ctypes
 import dataclasses
+import json
 import os
 import random
 import secrets
@@ -50,11 +54,17 @@ import signal
 import socket
 import subprocess
 import threading
+import time
 from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
+from phalanx.bus.client import Bus
+from phalanx.bus.kv import TypedKV
 from phalanx.schemas import settings
+from phalanx.schemas.messages import Lease
 from phalanx.services.cluster import LocalCluster
+from phalanx.services.manifest import MANIFEST, running_in_manifest
 from phalanx.services.natsd import NatsServer
 
 PREFIX = "phxp"
@@ -411,3 +421,98 @@ async def partitioned_cluster(data_dir: Path, nodes: int = 2, slots_per_agent: i
                 yield cluster
             finally:
                 await cluster.stop()
+
+
+async def exited(pid: int, timeout_s: float) -> float:
+    """When ``pid`` exited (this machine's clock), waiting at most ``timeout_s``.
+
+    Raises:
+        TimeoutError: it still runs.
+    """
+    try:
+        fd = os.pidfd_open(pid)
+    except ProcessLookupError:
+        return time.time()
+    loop = asyncio.get_running_loop()
+    gone = asyncio.Event()
+    loop.add_reader(fd, gone.set)
+    try:
+        await asyncio.wait_for(gone.wait(), timeout_s)
+        return time.time()
+    finally:
+        loop.remove_reader(fd)
+        os.close(fd)
+
+
+def ranks_on(cluster: LocalCluster, node_id: str, job_id: str) -> list[dict[str, Any]]:
+    """The ranks of ``job_id`` that ``node_id``'s agent runs (its manifest's entries)."""
+    return [r for r in running_in_manifest(cluster.data_dir / "agents" / node_id / MANIFEST)
+            if r["job_id"] == job_id]
+
+
+def log_lines(cluster: LocalCluster, instance: str) -> list[dict[str, Any]]:
+    """The JSON lines of a service instance's log (others skipped)."""
+    lines = []
+    for line in (cluster.logs_dir / f"{instance}.log").read_text(errors="replace").splitlines():
+        with contextlib.suppress(ValueError):
+            lines.append(json.loads(line))
+    return lines
+
+
+async def holder(leases: TypedKV[Lease], service: str) -> str | None:
+    """The instance ``service``'s lease names (None: no lease stored)."""
+    current, _ = await leases.current(service)
+    return None if current is None else current.holder
+
+
+async def led_by(leases: TypedKV[Lease], service: str, instance: str,
+                 timeout_s: float) -> None:
+    """Wait until ``instance`` holds ``service``'s lease.
+
+    Raises:
+        AssertionError: it does not within ``timeout_s``.
+    """
+    for _ in range(int(timeout_s / 0.1)):
+        if await holder(leases, service) == instance:
+            return
+        await asyncio.sleep(0.1)
+    raise AssertionError(f"{instance} did not lead within {timeout_s:g} s "
+                         f"(holder {await holder(leases, service)})")
+
+
+async def answering(bus: Bus, service: str, wait_s: float = 1.0) -> set[str]:
+    """The instances of ``service`` that answer ``$SRV.PING`` now."""
+    inbox = bus.nc.new_inbox()
+    sub = await bus.nc.subscribe(inbox)
+    try:
+        await bus.nc.publish(f"$SRV.PING.phalanx-{service}", b"", reply=inbox)
+        found: set[str] = set()
+        with contextlib.suppress(TimeoutError, asyncio.TimeoutError):
+            async with asyncio.timeout(wait_s):
+                async for msg in sub.messages:
+                    found.add(json.loads(msg.data)["metadata"]["instance"])
+        return found
+    finally:
+        await sub.unsubscribe()
+
+
+async def lead_from(cluster: NamespacedCluster, bus: Bus, leases: TypedKV[Lease], host: str,
+                    service: str, instance: str, standby: str) -> None:
+    """``instance`` of ``service``, on ``host`` of the network, leads; ``standby``, on this
+    machine, stands by. Each is started if it is not running; a standby that leads (after
+    a cut of ``host``) is stopped cleanly (it releases the lease) and started again."""
+    if instance not in cluster.services:
+        await cluster.start_service_on(host, service, instance)
+        await led_by(leases, service, instance, 30)
+    elif await holder(leases, service) != instance:
+        process = cluster.services[standby]
+        process.send_signal(signal.SIGTERM)  # a clean stop releases the lease
+        await asyncio.wait_for(process.wait(), 15)
+        await led_by(leases, service, instance, 15)
+    if standby in cluster.services and cluster.services[standby].returncode is None:
+        return
+    await cluster.start_service(service, standby)
+    for _ in range(150):
+        if standby in await answering(bus, service, 0.2):
+            return
+    raise AssertionError(f"the standby {standby} did not start")
