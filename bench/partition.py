@@ -428,6 +428,7 @@ TARGETS: dict[tuple[str, str], tuple[float, str]] = {
 async def run(work: Path, kinds: list[str], faults: int, seed: int,
               cut_s: float) -> dict[str, Any]:
     started = time.monotonic()
+    load_before = os.getloadavg()
     reference = prepare(work)
     # A node cut off, or whose rank is killed, is not a bad node: never cordoned here.
     os.environ[settings.HEALTH("cordon_faults")] = "1000000"
@@ -480,6 +481,9 @@ async def run(work: Path, kinds: list[str], faults: int, seed: int,
             "seed": seed, "faults": faults, "completed": len(trials), "errors": errors,
             "cut_s": cut_s, "lost_after_s": LOST_AFTER_S, "heartbeat_interval_s": HEARTBEAT_S,
             "lease_s": LEASE_S, "duration_s": round(time.monotonic() - started, 1),
+            # The machine's load (1, 5, 15 min) at the start and the end: timers run late
+            # on a loaded one, and the bounds' figures with them.
+            "load": [list(load_before), list(os.getloadavg())],
             "by_kind": by_kind, "counts": counts, "targets": targets,
             "pass": not errors and not any(must_be_zero.values())
             and all(t["pass"] for t in targets.values()),
@@ -504,7 +508,10 @@ def write_record(report: dict[str, Any]) -> None:
            f"{report['duration_s']} s (seed {report['seed']}); each a 4-replica job on two "
            f"namespaced nodes, cut at step {CUT_AT_STEP} for {report['cut_s']:g} s; node "
            f"timeout {report['lost_after_s']} s, heartbeat {report['heartbeat_interval_s']} "
-           f"s, elasticity lease {report['lease_s']} s. Seconds from the cut.\n\n"
+           f"s, elasticity lease {report['lease_s']} s; load average (1, 5, 15 min) "
+           f"{'/'.join(f'{x:.1f}' for x in report['load'][0])} at the start, "
+           f"{'/'.join(f'{x:.1f}' for x in report['load'][1])} at the end. Seconds from "
+           "the cut.\n\n"
            "| kind | from the cut to | n | p50 | p99 | max | target |\n"
            "|---|---|---:|---:|---:|---:|---|\n" + "\n".join(rows) +
            f"\n\nCounts over every run (each must be 0 but in_flight, the step in flight "
