@@ -65,7 +65,7 @@ from phalanx.schemas import settings
 from phalanx.schemas.messages import Lease
 from phalanx.services.cluster import LocalCluster
 from phalanx.services.manifest import MANIFEST, running_in_manifest
-from phalanx.services.natsd import NatsServer
+from phalanx.services.natsd import NatsServer, Routes
 
 PREFIX = "phxp"
 #: The endpoint that stands for nats-server and the services, on this machine.
@@ -395,33 +395,65 @@ class NamespacedCluster(LocalCluster):
                                   env={settings.AGENT("address"): node.address, **(env or {})})
 
 
+@contextlib.contextmanager
+def nats_servers(net: Network, hosts: Sequence[str], data_dir: Path) -> Iterator[str]:
+    """nats-server on each of ``hosts`` of ``net`` (a namespace each), routed into one
+    cluster with clustered JetStream when there are several; yields their client URLs
+    (comma-separated), the servers stopped after. A cut between two of the hosts cuts
+    the route between those servers: one cut from the others is a minority."""
+    nodes = [net.nodes[host] for host in hosts]
+    route_port = 16222  # each server has an address of its own: the same port for all
+    routes = tuple(f"nats://{n.address}:{route_port}" for n in nodes)
+    servers = [NatsServer(data_dir / f"jetstream-{i}", port=4222, host=n.address,
+                          log_path=data_dir / "logs" / f"nats-{i}.log", wrap=n.wrap(),
+                          routes=None if len(nodes) == 1 else Routes(
+                              "phalanx", f"phalanx-{i}", route_port, routes))
+               for i, n in enumerate(nodes)]
+    try:
+        for server in servers:
+            server.start()
+        yield ",".join(server.url for server in servers)
+    finally:
+        for server in servers:
+            server.stop()
+
+
 @contextlib.asynccontextmanager
 async def partitioned_cluster(data_dir: Path, nodes: int = 2, slots_per_agent: int = 2,
                               heartbeat_interval_s: float = 0.2, lost_after_s: float = 3.0,
-                              hosts: Sequence[str] = (), **options: object
-                              ) -> AsyncIterator[NamespacedCluster]:
+                              hosts: Sequence[str] = (), nats_hosts: int = 0,
+                              **options: object) -> AsyncIterator[NamespacedCluster]:
     """A network of ``nodes`` nodes, nats-server on its bus address, and a local cluster on
     it (every service, and an agent per node in its namespace); everything stopped and
     removed after. ``hosts`` are namespaces of the network with no agent, for
     control-plane instances; ``options`` go to the cluster (``elasticity_instances``).
+    With ``nats_hosts`` N, the bus is instead a NATS cluster of N servers, each on a host
+    of its own (``nats-0`` … ``nats-<N-1>``: :func:`nats_servers`), the buckets
+    replicated on up to 3 of them.
 
     Raises:
         ClusterError: the cluster did not start (an agent's log tail in the message).
     """
-    with network([*(f"local-{i}" for i in range(nodes)), *hosts]) as net:
+    servers = [f"nats-{i}" for i in range(nats_hosts)]
+    with network([*(f"local-{i}" for i in range(nodes)), *hosts, *servers]) as net:
         (data_dir / "logs").mkdir(parents=True, exist_ok=True)
-        with NatsServer(data_dir / "jetstream", port=0, host=net.bus_address,
-                        log_path=data_dir / "logs" / "nats.log") as nats:
+        with contextlib.ExitStack() as stack:
+            if servers:
+                url = stack.enter_context(nats_servers(net, servers, data_dir))
+            else:
+                url = stack.enter_context(NatsServer(
+                    data_dir / "jetstream", port=0, host=net.bus_address,
+                    log_path=data_dir / "logs" / "nats.log")).url
             cluster = NamespacedCluster(
                 net, data_dir, agents=nodes, slots_per_agent=slots_per_agent,
-                nats_url=nats.url, heartbeat_interval_s=heartbeat_interval_s,
+                nats_url=url, heartbeat_interval_s=heartbeat_interval_s,
                 lost_after_s=lost_after_s, **options)
+            cluster.nats_replicas = min(3, max(1, nats_hosts))
             try:
                 await cluster.start()
                 yield cluster
             finally:
                 await cluster.stop()
-
 
 async def exited(pid: int, timeout_s: float) -> float:
     """When ``pid`` exited (this machine's clock), waiting at most ``timeout_s``.
