@@ -33,7 +33,7 @@ import signal
 import subprocess
 import sys
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import nats
@@ -141,13 +141,16 @@ class NatsServer:
         routes: make it a member of a NATS cluster (:class:`NatsCluster`).
         on_meta_leader: called from the log thread with the JetStream meta leader's
             server name whenever this server reports a new one.
+        wrap: a command line that runs the server as its last arguments (the partition
+            harness's ``ip netns exec …``: a server on a host of a network of its own).
     """
 
     def __init__(self, store_dir: str | os.PathLike[str], *, port: int = 0,
                  host: str = "127.0.0.1", log_path: str | os.PathLike[str] | None = None,
                  config_file: str | os.PathLike[str] | None = None,
                  ready_timeout_s: float = 15.0, routes: Routes | None = None,
-                 on_meta_leader: Callable[[str], None] | None = None) -> None:
+                 on_meta_leader: Callable[[str], None] | None = None,
+                 wrap: Sequence[str] = ()) -> None:
         if routes is not None and config_file is not None and routes.secured is None:
             raise NatsServerError("a clustered server from a config file needs its routes "
                                   "secured (the member's own config carries its name)")
@@ -159,6 +162,7 @@ class NatsServer:
         self.ready_timeout_s = ready_timeout_s
         self.routes = routes
         self.on_meta_leader = on_meta_leader
+        self.wrap = tuple(wrap)
         self.meta_leader: str | None = None
         """The JetStream meta leader this server last reported (clustered only)."""
         self.process: subprocess.Popen[bytes] | None = None
@@ -181,7 +185,7 @@ class NatsServer:
         self._ready = False  # started again after a kill: wait for this run's "ready"
         self._fatal.clear()
         self._log_event.clear()
-        args = [server_binary(), "-a", self.host, "-p", str(self.port or -1), "-js",
+        args = [*self.wrap, server_binary(), "-a", self.host, "-p", str(self.port or -1), "-js",
                 "-sd", str(self.store_dir)]
         if self.routes is not None and self.routes.secured is not None:
             # Credentials and TLS files stay off the command line, in a file of its own.

@@ -7,9 +7,9 @@ import os
 from collections.abc import AsyncIterator
 
 import pytest
-from harness import NamespacedCluster, partitioned_cluster, unavailable
 from test_elastic import Watch, watching
 
+from phalanx.bench.partition_harness import NamespacedCluster, partitioned_cluster, unavailable
 from phalanx.bus.client import Bus
 from phalanx.schemas import settings
 

@@ -1,47 +1,15 @@
-"""What every partition test waits on and checks: a cut-off rank's exit, and a run whose
-cut-off ranks' records hold no step the job keeps twice, on a job admitted once."""
+"""What every partition test checks: a run whose cut-off ranks' records hold no step the
+job keeps twice, on a job admitted once (a rank's exit, waited on by its pidfd, is the
+harness's :func:`~phalanx.bench.partition_harness.exited`)."""
 
 from __future__ import annotations
 
-import asyncio
-import os
-import time
 from pathlib import Path
-
-from harness import NamespacedCluster
 
 from phalanx.bus.client import Bus, Delivery
 from phalanx.runtime import record
 from phalanx.schemas import subjects
 from phalanx.schemas.messages import Generation, GenerationReason, JobRecord, JobState
-from phalanx.services.manifest import MANIFEST, running_in_manifest
-
-
-async def exited(pid: int, timeout_s: float) -> float:
-    """When ``pid`` exited (this machine's clock), waiting at most ``timeout_s``.
-
-    Raises:
-        TimeoutError: it still runs.
-    """
-    try:
-        fd = os.pidfd_open(pid)
-    except ProcessLookupError:
-        return time.time()
-    loop = asyncio.get_running_loop()
-    gone = asyncio.Event()
-    loop.add_reader(fd, gone.set)
-    try:
-        await asyncio.wait_for(gone.wait(), timeout_s)
-        return time.time()
-    finally:
-        loop.remove_reader(fd)
-        os.close(fd)
-
-
-def ranks_on(cluster: NamespacedCluster, node_id: str, job_id: str) -> list[dict]:
-    """The ranks of ``job_id`` that ``node_id``'s agent runs (its manifest's entries)."""
-    return [r for r in running_in_manifest(cluster.data_dir / "agents" / node_id / MANIFEST)
-            if r["job_id"] == job_id]
 
 
 async def job_states(bus: Bus, job_id: str) -> list[JobState]:

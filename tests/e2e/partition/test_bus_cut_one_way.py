@@ -9,10 +9,10 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from harness import BUS, NamespacedCluster
 from test_bus_cut import CUT, cut_off_from_the_bus
 from test_elastic import Watch
 
+from phalanx.bench.partition_harness import BUS, NamespacedCluster
 from phalanx.bus.client import Bus
 
 

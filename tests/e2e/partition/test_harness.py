@@ -9,7 +9,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from harness import BUS, Network, delivered, network, sh, sweep, unavailable
+
+from phalanx.bench.partition_harness import BUS, Network, delivered, network, sh, sweep, unavailable
 
 WHY = unavailable()
 pytestmark = pytest.mark.skipif(WHY is not None, reason=f"partition harness: {WHY}")
@@ -53,10 +54,10 @@ def test_cuts_one_way_or_both_loss_and_heal_and_nothing_left() -> None:
 def test_the_sweep_removes_what_a_dead_owner_left_and_nothing_of_a_live_one(
         tmp_path: Path) -> None:
     made = subprocess.run(
-        [sys.executable, "-c", "import sys; sys.path.insert(0, sys.argv[1]); "
-         "from harness import Network; n = Network(['a']).start(); "
-         "print(n.bridge, n.table, *(x.netns for x in n.nodes.values()))",
-         str(Path(__file__).parent)], capture_output=True, text=True, check=True)
+        [sys.executable, "-c",
+         "from phalanx.bench.partition_harness import Network; n = Network(['a']).start(); "
+         "print(n.bridge, n.table, *(x.netns for x in n.nodes.values()))"],
+        capture_output=True, text=True, check=True)
     orphans = made.stdout.split()
     assert left(orphans) == orphans  # its owner exited without stopping it
     with network(["a"]) as live:  # the sweep at its start removes the orphans

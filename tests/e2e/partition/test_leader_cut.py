@@ -25,8 +25,6 @@ seen from this machine, which the cut never reaches):
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import json
 import os
 import signal
 import time
@@ -34,11 +32,19 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from cuts import job_states, ranks_on
+from cuts import job_states
 from e2e_cli import next_of
-from harness import BUS, NamespacedCluster
 from test_elastic import Watch, check_run, progressed, run_job
 
+from phalanx.bench.partition_harness import (
+    BUS,
+    NamespacedCluster,
+    answering,
+    holder,
+    lead_from,
+    log_lines,
+    ranks_on,
+)
 from phalanx.bus.client import Bus
 from phalanx.bus.kv import Change, TypedKV
 from phalanx.schemas import subjects
@@ -67,64 +73,6 @@ SLACK_S = 0.5
 CLUSTER = {"hosts": (HOST,), "elasticity_instances": 0}
 
 
-def log_lines(cluster: NamespacedCluster, instance: str) -> list[dict[str, Any]]:
-    lines = []
-    for line in (cluster.logs_dir / f"{instance}.log").read_text(errors="replace").splitlines():
-        with contextlib.suppress(ValueError):
-            lines.append(json.loads(line))
-    return lines
-
-
-async def holder(leases: TypedKV[Lease]) -> str | None:
-    current, _ = await leases.current("elasticity")
-    return None if current is None else current.holder
-
-
-async def led_by(leases: TypedKV[Lease], instance: str, timeout_s: float) -> None:
-    for _ in range(int(timeout_s / 0.1)):
-        if await holder(leases) == instance:
-            return
-        await asyncio.sleep(0.1)
-    raise AssertionError(f"{instance} did not lead within {timeout_s:g} s "
-                         f"(holder {await holder(leases)})")
-
-
-async def answering(bus: Bus, wait_s: float = 1.0) -> set[str]:
-    """The elasticity instances that answer ``$SRV.PING`` now."""
-    inbox = bus.nc.new_inbox()
-    sub = await bus.nc.subscribe(inbox)
-    try:
-        await bus.nc.publish("$SRV.PING.phalanx-elasticity", b"", reply=inbox)
-        found: set[str] = set()
-        with contextlib.suppress(TimeoutError, asyncio.TimeoutError):
-            async with asyncio.timeout(wait_s):
-                async for msg in sub.messages:
-                    found.add(json.loads(msg.data)["metadata"]["instance"])
-        return found
-    finally:
-        await sub.unsubscribe()
-
-
-async def lead_from_the_cut_host(cluster: NamespacedCluster, bus: Bus,
-                                 leases: TypedKV[Lease]) -> None:
-    """The instance on the cut host leads, and the standby on this machine stands by."""
-    if CUT not in cluster.services:
-        await cluster.start_service_on(HOST, "elasticity", CUT)
-        await led_by(leases, CUT, 30)
-    elif await holder(leases) != CUT:  # the last test's successor leads: stop it
-        process = cluster.services[STANDBY]
-        process.send_signal(signal.SIGTERM)  # a clean stop releases the lease
-        await asyncio.wait_for(process.wait(), 15)
-        await led_by(leases, CUT, 15)
-    if STANDBY in cluster.services and cluster.services[STANDBY].returncode is None:
-        return
-    await cluster.start_service("elasticity", STANDBY)
-    for _ in range(150):
-        if STANDBY in await answering(bus, 0.2):
-            return
-    raise AssertionError("the standby did not start")
-
-
 async def watched(bucket: TypedKV[Any], changes: list[tuple[float, Change[Any]]]) -> None:
     async for change in bucket.watch():
         if change is not None:
@@ -147,7 +95,7 @@ async def test_a_leader_cut_from_the_bus_stops_before_its_standby_takes_over(
         tmp_path: Path, both: bool) -> None:
     cluster, bus, watch = partitioned
     leases = await TypedKV.open(bus.js, subjects.LEASES_BUCKET, Lease)
-    await lead_from_the_cut_host(cluster, bus, leases)
+    await lead_from(cluster, bus, leases, HOST, "elasticity", CUT, STANDBY)
     name = "leadcut" if both else "leaddeaf"
     job_id = f"{name}-1"
     states = await job_states(bus, job_id)
@@ -183,7 +131,7 @@ async def test_a_leader_cut_from_the_bus_stops_before_its_standby_takes_over(
             cluster.net.heal()
         healed_at = time.time()
         for _ in range(60):  # its connection resumes at TCP's next retransmission
-            back = await answering(bus, 0.5)
+            back = await answering(bus, "elasticity", 0.5)
             if CUT in back:
                 back_s.append(time.time() - healed_at)
                 break
@@ -232,7 +180,7 @@ async def test_a_leader_cut_from_the_bus_stops_before_its_standby_takes_over(
     assert during and victim["replica_id"] not in {m.replica_id for m in during[0].members}
     # Healed, the old leader is on the bus again, standing by.
     assert back >= {CUT, STANDBY}, back
-    assert await holder(leases) == STANDBY
+    assert await holder(leases, "elasticity") == STANDBY
     # The job: admitted once, finished, bitwise as alone.
     check_run(rec, tmp_path / "final.pt", reference)
     assert all(g.reason is not GenerationReason.START for g in generations[1:]), generations

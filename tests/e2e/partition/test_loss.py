@@ -20,9 +20,9 @@ from pathlib import Path
 
 import pytest
 from cuts import check_cut_off, job_states
-from harness import NamespacedCluster
 from test_elastic import Watch, check_run, progressed, run_job
 
+from phalanx.bench.partition_harness import NamespacedCluster
 from phalanx.bus.client import Bus
 from phalanx.runtime import record
 from phalanx.runtime.reach import PROBE_S, UNREACHABLE_AFTER_S

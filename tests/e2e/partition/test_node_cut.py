@@ -20,11 +20,11 @@ import time
 from pathlib import Path
 
 import pytest
-from cuts import check_cut_off, exited, job_states, ranks_on
+from cuts import check_cut_off, job_states
 from e2e_cli import next_of
-from harness import NamespacedCluster
 from test_elastic import Watch, check_run, progressed, run_job
 
+from phalanx.bench.partition_harness import NamespacedCluster, exited, ranks_on
 from phalanx.bus.client import Bus
 from phalanx.runtime import record
 from phalanx.runtime.reach import PROBE_S, UNREACHABLE_AFTER_S

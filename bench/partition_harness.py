@@ -11,7 +11,10 @@ a bridge every node's veth is a port of:
 
 A namespace may also host a control-plane instance instead of an agent (``hosts``,
 :meth:`NamespacedCluster.start_service_on`): a leader that a cut of its host cuts from
-the bus.
+the bus (:func:`lead_from` makes the instance there lead, one on this machine standing by).
+
+The tests of ``tests/e2e/partition/`` and ``bench/partition.py`` (the cuts' latencies) both
+run on it: it lives here, in the package, for both.
 
 A node's ``/etc/hosts`` names its own host 127.0.1.1, as Debian's does: a node whose
 advertised address followed its host name (gloo's listening address, the buddies'
@@ -42,6 +45,7 @@ import asyncio
 import contextlib
 import ctypes
 import dataclasses
+import json
 import os
 import random
 import secrets
@@ -50,12 +54,18 @@ import signal
 import socket
 import subprocess
 import threading
+import time
 from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
+from phalanx.bus.client import Bus
+from phalanx.bus.kv import TypedKV
 from phalanx.schemas import settings
+from phalanx.schemas.messages import Lease
 from phalanx.services.cluster import LocalCluster
-from phalanx.services.natsd import NatsServer
+from phalanx.services.manifest import MANIFEST, running_in_manifest
+from phalanx.services.natsd import NatsServer, Routes
 
 PREFIX = "phxp"
 #: The endpoint that stands for nats-server and the services, on this machine.
@@ -385,29 +395,156 @@ class NamespacedCluster(LocalCluster):
                                   env={settings.AGENT("address"): node.address, **(env or {})})
 
 
+@contextlib.contextmanager
+def nats_servers(net: Network, hosts: Sequence[str], data_dir: Path) -> Iterator[str]:
+    """nats-server on each of ``hosts`` of ``net`` (a namespace each), routed into one
+    cluster with clustered JetStream when there are several; yields their client URLs
+    (comma-separated), the servers stopped after. A cut between two of the hosts cuts
+    the route between those servers: one cut from the others is a minority."""
+    nodes = [net.nodes[host] for host in hosts]
+    route_port = 16222  # each server has an address of its own: the same port for all
+    routes = tuple(f"nats://{n.address}:{route_port}" for n in nodes)
+    servers = [NatsServer(data_dir / f"jetstream-{i}", port=4222, host=n.address,
+                          log_path=data_dir / "logs" / f"nats-{i}.log", wrap=n.wrap(),
+                          routes=None if len(nodes) == 1 else Routes(
+                              "phalanx", f"phalanx-{i}", route_port, routes))
+               for i, n in enumerate(nodes)]
+    try:
+        for server in servers:
+            server.start()
+        yield ",".join(server.url for server in servers)
+    finally:
+        for server in servers:
+            server.stop()
+
+
 @contextlib.asynccontextmanager
 async def partitioned_cluster(data_dir: Path, nodes: int = 2, slots_per_agent: int = 2,
                               heartbeat_interval_s: float = 0.2, lost_after_s: float = 3.0,
-                              hosts: Sequence[str] = (), **options: object
-                              ) -> AsyncIterator[NamespacedCluster]:
+                              hosts: Sequence[str] = (), nats_hosts: int = 0,
+                              **options: object) -> AsyncIterator[NamespacedCluster]:
     """A network of ``nodes`` nodes, nats-server on its bus address, and a local cluster on
     it (every service, and an agent per node in its namespace); everything stopped and
     removed after. ``hosts`` are namespaces of the network with no agent, for
     control-plane instances; ``options`` go to the cluster (``elasticity_instances``).
+    With ``nats_hosts`` N, the bus is instead a NATS cluster of N servers, each on a host
+    of its own (``nats-0`` … ``nats-<N-1>``: :func:`nats_servers`), the buckets
+    replicated on up to 3 of them.
 
     Raises:
         ClusterError: the cluster did not start (an agent's log tail in the message).
     """
-    with network([*(f"local-{i}" for i in range(nodes)), *hosts]) as net:
+    servers = [f"nats-{i}" for i in range(nats_hosts)]
+    with network([*(f"local-{i}" for i in range(nodes)), *hosts, *servers]) as net:
         (data_dir / "logs").mkdir(parents=True, exist_ok=True)
-        with NatsServer(data_dir / "jetstream", port=0, host=net.bus_address,
-                        log_path=data_dir / "logs" / "nats.log") as nats:
+        with contextlib.ExitStack() as stack:
+            if servers:
+                url = stack.enter_context(nats_servers(net, servers, data_dir))
+            else:
+                url = stack.enter_context(NatsServer(
+                    data_dir / "jetstream", port=0, host=net.bus_address,
+                    log_path=data_dir / "logs" / "nats.log")).url
             cluster = NamespacedCluster(
                 net, data_dir, agents=nodes, slots_per_agent=slots_per_agent,
-                nats_url=nats.url, heartbeat_interval_s=heartbeat_interval_s,
+                nats_url=url, heartbeat_interval_s=heartbeat_interval_s,
                 lost_after_s=lost_after_s, **options)
+            cluster.nats_replicas = min(3, max(1, nats_hosts))
             try:
                 await cluster.start()
                 yield cluster
             finally:
                 await cluster.stop()
+
+async def exited(pid: int, timeout_s: float) -> float:
+    """When ``pid`` exited (this machine's clock), waiting at most ``timeout_s``.
+
+    Raises:
+        TimeoutError: it still runs.
+    """
+    try:
+        fd = os.pidfd_open(pid)
+    except ProcessLookupError:
+        return time.time()
+    loop = asyncio.get_running_loop()
+    gone = asyncio.Event()
+    loop.add_reader(fd, gone.set)
+    try:
+        await asyncio.wait_for(gone.wait(), timeout_s)
+        return time.time()
+    finally:
+        loop.remove_reader(fd)
+        os.close(fd)
+
+
+def ranks_on(cluster: LocalCluster, node_id: str, job_id: str) -> list[dict[str, Any]]:
+    """The ranks of ``job_id`` that ``node_id``'s agent runs (its manifest's entries)."""
+    return [r for r in running_in_manifest(cluster.data_dir / "agents" / node_id / MANIFEST)
+            if r["job_id"] == job_id]
+
+
+def log_lines(cluster: LocalCluster, instance: str) -> list[dict[str, Any]]:
+    """The JSON lines of a service instance's log (others skipped)."""
+    lines = []
+    for line in (cluster.logs_dir / f"{instance}.log").read_text(errors="replace").splitlines():
+        with contextlib.suppress(ValueError):
+            lines.append(json.loads(line))
+    return lines
+
+
+async def holder(leases: TypedKV[Lease], service: str) -> str | None:
+    """The instance ``service``'s lease names (None: no lease stored)."""
+    current, _ = await leases.current(service)
+    return None if current is None else current.holder
+
+
+async def led_by(leases: TypedKV[Lease], service: str, instance: str,
+                 timeout_s: float) -> None:
+    """Wait until ``instance`` holds ``service``'s lease.
+
+    Raises:
+        AssertionError: it does not within ``timeout_s``.
+    """
+    for _ in range(int(timeout_s / 0.1)):
+        if await holder(leases, service) == instance:
+            return
+        await asyncio.sleep(0.1)
+    raise AssertionError(f"{instance} did not lead within {timeout_s:g} s "
+                         f"(holder {await holder(leases, service)})")
+
+
+async def answering(bus: Bus, service: str, wait_s: float = 1.0) -> set[str]:
+    """The instances of ``service`` that answer ``$SRV.PING`` now."""
+    inbox = bus.nc.new_inbox()
+    sub = await bus.nc.subscribe(inbox)
+    try:
+        await bus.nc.publish(f"$SRV.PING.phalanx-{service}", b"", reply=inbox)
+        found: set[str] = set()
+        with contextlib.suppress(TimeoutError, asyncio.TimeoutError):
+            async with asyncio.timeout(wait_s):
+                async for msg in sub.messages:
+                    found.add(json.loads(msg.data)["metadata"]["instance"])
+        return found
+    finally:
+        await sub.unsubscribe()
+
+
+async def lead_from(cluster: NamespacedCluster, bus: Bus, leases: TypedKV[Lease], host: str,
+                    service: str, instance: str, standby: str) -> None:
+    """``instance`` of ``service``, on ``host`` of the network, leads; ``standby``, on this
+    machine, stands by. Each is started if it is not running; a standby that leads (after
+    a cut of ``host``) is stopped cleanly (it releases the lease) and started again."""
+    if instance not in cluster.services:
+        await cluster.start_service_on(host, service, instance)
+        await led_by(leases, service, instance, 30)
+    elif await holder(leases, service) != instance:
+        process = cluster.services[standby]
+        process.send_signal(signal.SIGTERM)  # a clean stop releases the lease
+        await asyncio.wait_for(process.wait(), 15)
+        await led_by(leases, service, instance, 15)
+    if standby in cluster.services and cluster.services[standby].returncode is None:
+        return
+    await cluster.start_service(service, standby)
+    for _ in range(150):
+        if standby in await answering(bus, service, 0.2):
+            return
+    raise AssertionError(f"the standby {standby} did not start")
