@@ -41,9 +41,9 @@ from phalanx.bus.errors import (
 )
 from phalanx.bus.tasks import within
 from phalanx.schemas import settings
-from phalanx.schemas.codec import decode, encode
+from phalanx.schemas.codec import MAX_PAYLOAD_BYTES, decode, encode
 from phalanx.schemas.errors import WireError
-from phalanx.schemas.messages import Message
+from phalanx.schemas.messages import MAX_SPILLED_BYTES, Message
 
 log = logging.getLogger("phalanx.bus")
 
@@ -169,8 +169,10 @@ TOTALS = Counters()
 
 
 async def process(delivery: Delivery, data: bytes, message_type: type[M], handler: Handler[M],
-                  counters: Counters, queue: str | None = None) -> Message | None:
-    """Decode ``data``, run ``handler`` inside a consumer span, and return its reply.
+                  counters: Counters, queue: str | None = None, *,
+                  limit: int = MAX_PAYLOAD_BYTES) -> Message | None:
+    """Decode ``data`` (at most ``limit`` bytes: more for a value put together from its
+    chunks), run ``handler`` inside a consumer span, and return its reply.
 
     Raises:
         Failed: the payload was bad, the handler refused or raised (already counted).
@@ -178,7 +180,7 @@ async def process(delivery: Delivery, data: bytes, message_type: type[M], handle
     subject = delivery.subject
     with telemetry.consumer_span(subject, delivery.headers, len(data), queue) as span:
         try:
-            message = decode(data, message_type, subject=subject)
+            message = decode(data, message_type, subject=subject, limit=limit)
         except WireError as exc:
             counters.bad_message(str(exc))
             span.record_exception(exc)
@@ -237,6 +239,9 @@ class Bus:
         self._resyncs: weakref.WeakSet[asyncio.Event] = weakref.WeakSet()
         self._refusal_waiters: dict[tuple[str, str], set[asyncio.Future[None]]] = {}
         self._round_trips: set[asyncio.Task[None]] = set()
+        from phalanx.bus import spill  # it opens buckets with this module's helpers
+
+        self.chunks = spill.ChunkStore(self.js)
 
     @property
     def connected(self) -> bool:
@@ -464,7 +469,12 @@ class Bus:
 
     async def publish(self, subject: str, message: Message,
                       headers: dict[str, str] | None = None) -> None:
-        """Publish ``message`` on ``subject`` with the current trace context."""
+        """Publish ``message`` on ``subject`` with the current trace context.
+
+        A value too large for one payload is published as the
+        :class:`~phalanx.schemas.messages.Spilled` pointer under which it was stored
+        (:meth:`~phalanx.bus.kv.TypedKV.pointer`); subscribers get the value itself.
+        """
         data = encode(message)
         with telemetry.producer_span(subject, len(data)):
             await self.nc.publish(subject, data, headers=telemetry.inject(headers))
@@ -543,8 +553,17 @@ class Bus:
         async def on_message(msg: Msg) -> None:
             delivery = Delivery(msg.subject, dict(msg.headers or {}), msg.reply)
             try:
-                reply = await process(delivery, msg.data, message_type, handler, self.counters,
-                                      queue)
+                data = await self._unspilled(msg.subject, msg.data)
+            except WireError as exc:
+                self.counters.bad_message(str(exc))
+                log.warning("bad message dropped: %s", exc)
+                await self._respond_error(msg, "400", str(exc))
+                return
+            if data is None:
+                return
+            try:
+                reply = await process(delivery, data, message_type, handler, self.counters,
+                                      queue, limit=MAX_SPILLED_BYTES)
             except Failed as exc:
                 await self._respond_error(msg, exc.code, exc.description)
             else:
@@ -561,6 +580,24 @@ class Bus:
         return await subscribed(
             self.nc.subscribe(subject, queue=queue or "", cb=spawn if concurrent else on_message),
             Subscription.unsubscribe)
+
+    async def _unspilled(self, subject: str, data: bytes) -> bytes | None:
+        """``data``, or, when it is a pointer to a value stored in chunks
+        (:mod:`~phalanx.bus.spill`), that value's encoding; a value replaced since it was
+        published is read as the key holds it now (None: the key is gone).
+
+        Raises:
+            WireError: a bad pointer, or chunks that do not make its value.
+        """
+        from phalanx.bus import spill
+
+        spilled = spill.pointer(data, subject=subject)
+        if spilled is None:
+            return data
+        try:
+            return await self.chunks.load(spilled)
+        except spill.Superseded:
+            return await self.chunks.current(spilled)
 
     async def _respond_error(self, msg: Msg, code: str, description: str) -> None:
         if msg.reply:

@@ -31,6 +31,8 @@ async def concurrently(calls: Iterable[Coroutine[Any, Any, T]]) -> list[T]:
     """
     failure: BaseException | None = None
     tasks: list[asyncio.Task[T]] = []
+    caller = asyncio.current_task()
+    cancels = caller.cancelling() if caller is not None else 0
     try:
         async with asyncio.TaskGroup() as group:
             tasks = [group.create_task(call) for call in calls]
@@ -38,6 +40,11 @@ async def concurrently(calls: Iterable[Coroutine[Any, Any, T]]) -> list[T]:
         failure = errors.exceptions[0]
         while isinstance(failure, BaseExceptionGroup):
             failure = failure.exceptions[0]
+        # Python 3.11's TaskGroup cancels its caller to stop on a child's failure and
+        # leaves that cancellation requested: every later check of it
+        # (``raise_if_cancelled``) took the caller for cancelled.
+        while caller is not None and caller.cancelling() > cancels:
+            caller.uncancel()
     if failure is not None:
         raise failure  # outside the except clause: the exception keeps its own context
     return [task.result() for task in tasks]

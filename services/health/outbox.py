@@ -49,6 +49,11 @@ class Outbox:
         self._writes[key] = (self._decided, work)
         self._writes_waiting.set()
 
+    def waiting(self, key: Hashable) -> bool:
+        """Whether a write of ``key`` waits in line (a write under way that sees one can
+        leave its work to it: it was queued later, after every change of its own)."""
+        return key in self._writes
+
     @property
     def pending(self) -> tuple[int, int]:
         """Actions and writes not yet carried out (or under way)."""
