@@ -118,7 +118,8 @@ async def test_chunks_without_their_pointer_are_never_read(bus: Bus, uid: str) -
     first = generation(job, 1)
     await kv.put(job, first)
     half = generation(job, 2)
-    await kv.chunks.spill(bucket, job, Generation.wire_name(), encode(half, limit=MAX_SPILLED_BYTES))
+    await kv.chunks.spill(bucket, job, Generation.wire_name(),
+                          encode(half, limit=MAX_SPILLED_BYTES))
     entry = await kv.get(job)
     assert entry is not None and entry.value == first
     # A chunk overwritten with other bytes: refused by the digest, counted as bad.
