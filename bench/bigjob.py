@@ -19,7 +19,7 @@ survives a node's worth of losses) and measures:
 Heartbeats every ``--big-heartbeat-s`` (2 s) and progress every ``--big-step-s`` (10 s)
 rather than the agent's 0.5 s: 2,048 nodes and 16,384 ranks at the defaults would be
 36,000 messages a second from one 2-core machine, which measures the generator. Health's
-node timeout is raised to five heartbeats to match. CPU per process is reported: where
+node timeout and admission's ``lost_after_s`` are raised to five heartbeats to match. CPU per process is reported: where
 the generators take more than the services, the figures are the machine's.
 """
 
@@ -79,7 +79,8 @@ def measure(args: argparse.Namespace, replicas: int) -> dict[str, Any]:
         server = NatsServer(Path(tmp, "js"), port=free_port(), config_file=conf).start()
         procs: dict[str, list[subprocess.Popen[bytes]]] = defaultdict(list)
         env = {**os.environ, settings.NATS_URL: server.url,
-               settings.HEALTH("node_timeout_s"): str(5 * args.big_heartbeat_s)}
+               settings.HEALTH("node_timeout_s"): str(5 * args.big_heartbeat_s),
+               settings.ADMISSION("lost_after_s"): str(5 * args.big_heartbeat_s)}
         try:
             for name in SERVICES:
                 log = files.enter_context(Path(tmp, f"{name}.log").open("wb"))

@@ -259,22 +259,43 @@ class TypedKV(Generic[M]):
                         subject=subjects.kv_subject(self.bucket, key),
                         message_type=self.message_type.wire_name())
 
-    async def _stored_form(self, key: str, value: M) -> tuple[bytes, Spilled | None]:
-        """What to store under ``key`` for ``value``: its encoding, or, past one payload,
-        a pointer to its chunks (stored first)."""
-        data = encode(value, limit=MAX_SPILLED_BYTES)
-        if len(data) <= spill.SPILL_ABOVE:
-            return data, None
-        spilled = await self.chunks.spill(self.bucket, key, value.wire_name(), data)
-        return encode(spilled), spilled
+    async def _write(self, key: str, value: M, store: Callable[[bytes], Awaitable[int]]) -> int:
+        """Store ``value`` under ``key`` with ``store`` (a put or a compare-and-swap of the
+        bytes); the new revision.
 
-    async def _written(self, key: str, spilled: Spilled | None) -> None:
-        """After a write under ``key``: remove the chunks of the values it replaced."""
+        Past one payload the value's chunks are stored first and ``store`` writes the
+        pointer to them (:mod:`phalanx.bus.spill`). Once stored, the chunks of the value
+        it replaced are removed, and only those: another writer's, stored meanwhile, may
+        be the key's next value (a deposed leader's put racing its successor's). The
+        chunks of a write refused are removed at once; those of a writer that died
+        between its chunks and its pointer stay until the key is deleted.
+        """
+        data = encode(value, limit=MAX_SPILLED_BYTES)
+        spilled: Spilled | None = None
+        replaced: Spilled | None = self._spilled.get(key)
+        if len(data) > spill.SPILL_ABOVE:
+            previous = await self._raw(key)
+            try:
+                replaced = None if previous is None else spill.pointer(previous.data)
+            except WireError:
+                replaced = None  # garbage under the key: nothing of it to remove
+            spilled = await self.chunks.spill(self.bucket, key, value.wire_name(), data)
+            data = encode(spilled)
+        try:
+            revision = await store(data)
+        except Conflict:
+            if spilled is not None and (replaced is None or replaced.digest != spilled.digest):
+                await self.chunks.remove(self.bucket, key, spilled.digest)
+            raise
+        finally:
+            raise_if_cancelled()
         if spilled is not None:
             self._spilled[key] = spilled
-            await self.chunks.drop(self.bucket, key, keep=spilled.digest)
-        elif self._spilled.pop(key, None) is not None:
-            await self.chunks.drop(self.bucket, key)
+        else:
+            self._spilled.pop(key, None)
+        if replaced is not None and (spilled is None or replaced.digest != spilled.digest):
+            await self.chunks.remove(self.bucket, key, replaced.digest)
+        return revision
 
     def pointer(self, key: str) -> Spilled | None:
         """The pointer this instance last stored under ``key`` in place of a value too
@@ -310,11 +331,8 @@ class TypedKV(Generic[M]):
 
     async def put(self, key: str, value: M) -> int:
         """Store ``value`` unconditionally; returns the new revision."""
-        data, spilled = await self._stored_form(key, value)
-        revision = await self._retrying(lambda: self.kv.put(key, data), key)
-        raise_if_cancelled()
-        await self._written(key, spilled)
-        return revision
+        return await self._write(
+            key, value, lambda data: self._retrying(lambda: self.kv.put(key, data), key))
 
     async def create(self, key: str, value: M) -> int:
         """Store ``value`` only if ``key`` does not exist.
@@ -322,13 +340,7 @@ class TypedKV(Generic[M]):
         Raises:
             Conflict: the key exists.
         """
-        try:
-            data, spilled = await self._stored_form(key, value)
-            revision = await self._swap(key, data, 0)
-        finally:
-            raise_if_cancelled()
-        await self._written(key, spilled)
-        return revision
+        return await self._write(key, value, lambda data: self._swap(key, data, 0))
 
     async def update(self, key: str, value: M, revision: int) -> int:
         """Store ``value`` only if ``key`` is still at ``revision``.
@@ -336,13 +348,7 @@ class TypedKV(Generic[M]):
         Raises:
             Conflict: the key changed since ``revision``.
         """
-        try:
-            data, spilled = await self._stored_form(key, value)
-            revision = await self._swap(key, data, revision)
-        finally:
-            raise_if_cancelled()
-        await self._written(key, spilled)
-        return revision
+        return await self._write(key, value, lambda data: self._swap(key, data, revision))
 
     async def modify(self, key: str, change: Callable[[M | None], M], *,
                      attempts: int = 16) -> Entry[M]:

@@ -15,21 +15,23 @@ Why a reader never sees half a value:
 * chunks are content-addressed and never rewritten: a newer value has another digest,
   hence other keys;
 * a value's chunks are removed only after a newer value has replaced its pointer under
-  the same key (:meth:`ChunkStore.drop`). A reader that then finds one missing
+  the same key, by the writer that replaced it (:meth:`ChunkStore.remove`), or once the
+  key is deleted (:meth:`ChunkStore.drop`). A reader that then finds one missing
   (:class:`Superseded`) reads the key again and gets the newer value; one that has all
   of them checks their concatenation against the digest before decoding.
 
 So a reader gets the whole value, or a newer one, never a mix. The chunks are removed
 with a subject purge of the chunk stream (no delete markers are left behind).
 
-Cost: a spilled write is ``ceil(size / CHUNK_BYTES)`` puts in parallel, then the
-pointer, then one stream-info request to find and purge older chunk sets of the key;
-a spilled read is the pointer and the chunks in parallel (direct gets).
+Cost: a spilled write is one read of the pointer it replaces, ``ceil(size /
+CHUNK_BYTES)`` puts in parallel, the pointer, then one purge of the replaced value's
+chunks; a spilled read is the pointer and the chunks in parallel (direct gets).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import logging
 
@@ -140,9 +142,17 @@ class ChunkStore:
                             message_type=spilled.of)
         return data
 
+    async def remove(self, bucket: str, key: str, digest: str) -> None:
+        """Remove the chunks of ``key``'s value of ``digest`` (a value replaced, or a write
+        refused; none there is no error)."""
+        stream = subjects.kv_stream(subjects.CHUNKS_BUCKET)
+        with contextlib.suppress(jse.NotFoundError):
+            await self.js.purge_stream(
+                stream, subject=f"$KV.{subjects.CHUNKS_BUCKET}.{bucket}.{key}.{digest}.>")
+
     async def drop(self, bucket: str, key: str, keep: str | None = None) -> int:
         """Remove every chunk set of ``key`` but ``keep``'s; how many sets were removed.
-        Called once a newer value has replaced theirs (nothing to remove is no error)."""
+        Called once the key is deleted (nothing to remove is no error)."""
         stream = subjects.kv_stream(subjects.CHUNKS_BUCKET)
         prefix = f"$KV.{subjects.CHUNKS_BUCKET}.{bucket}.{key}."
         try:

@@ -5,7 +5,7 @@ job (2.9 MiB) are each stored as a pointer and chunks: read back whole from anot
 connection, published as the pointer and delivered whole, a value replaced while a
 reader holds its pointer read as the newer one, chunks of a writer that died before
 its pointer never read, chunks that do not hash to their pointer refused, and every
-older chunk set removed once its value is replaced or deleted.
+chunk set removed once its value is replaced or deleted, and only then.
 """
 
 from __future__ import annotations
@@ -130,6 +130,26 @@ async def test_chunks_without_their_pointer_are_never_read(bus: Bus, uid: str) -
     with pytest.raises(WireError, match="do not hash"):
         await kv.get(job)
     assert kv.counters.bad_messages == 1
+
+
+async def test_a_write_removes_only_the_chunks_of_the_value_it_replaced(
+        bus: Bus, reader: Bus, uid: str) -> None:
+    """Two writers of one key (a deposed leader's put racing its successor's): the chunks
+    one has stored and not yet pointed to survive the other's write, so whichever
+    pointer lands last is read whole."""
+    bucket, job = f"gens_{uid}", f"big{uid}"
+    first = await TypedKV.open(bus.js, bucket, Generation)
+    second = await TypedKV.open(reader.js, bucket, Generation)
+    await first.put(job, generation(job, 1))
+    late = generation(job, 3)
+    in_flight = await first.chunks.spill(bucket, job, Generation.wire_name(),
+                                         encode(late, limit=MAX_SPILLED_BYTES))
+    await second.put(job, generation(job, 2))  # removes generation 1's chunks, only them
+    assert await chunk_sets(bus, bucket, job) == {
+        in_flight.digest, second.pointer(job).digest}  # type: ignore[union-attr]
+    await first.kv.put(job, encode(in_flight))  # the late writer's pointer lands
+    entry = await second.get(job)
+    assert entry is not None and entry.value == late
 
 
 async def test_a_smaller_value_or_a_delete_removes_the_chunks(bus: Bus, uid: str) -> None:
