@@ -242,7 +242,7 @@ async def _sizes(bus: Bus, generations: dict[int, tuple[Generation, float]]) -> 
                                ("record", subjects.JOBS_BUCKET, JobRecord),
                                ("elasticity_state", subjects.ELASTICITY_BUCKET, JobSnapshot),
                                ("health_state", subjects.HEALTH_BUCKET, JobSnapshot)):
-        kv = await TypedKV.open(bus.js, bucket, kind)  # type: ignore[type-var]
+        kv = await TypedKV.open(bus.js, bucket, kind)
         raw = await kv._raw(JOB)
         if raw is None:
             out[name] = None
@@ -264,14 +264,14 @@ def _members(times: dict[str, Any], gens: list[dict[str, Any]]) -> dict[str, Any
             if job == JOB:
                 last[number] = max(last.get(number, 0.0), received)
                 counts[number] += 1
-    numbers = {int(n): t for n, t in times["numbers"].items()}
+    numbers: dict[int, float] = {int(n): t for n, t in times["numbers"].items()}
     fault_number = times["fault_number"]
     crashes = [c for g in gens for c in g["crashes"]]
 
     def spread(n: int | None) -> float | None:
         if n is None or n not in last or n not in numbers:
             return None
-        return round(last[n] - numbers[n], 3)
+        return round(float(last[n]) - float(numbers[n]), 3)
 
     return {"generation_0_to_last_member_s": spread(0),
             "fault_generation_to_last_member_s": spread(fault_number),

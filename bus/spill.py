@@ -109,11 +109,20 @@ class ChunkStore:
         if len(data) > MAX_SPILLED_BYTES:
             raise WireError(f"encoded size {len(data)} B exceeds the {MAX_SPILLED_BYTES} B "
                             "limit of a value stored in chunks", message_type=of)
+        from phalanx.bus.kv import through_failover  # the KV layer spills through here
+
         kv = await self._bucket()
         digest = hashlib.sha256(data).hexdigest()
         pieces = [data[i:i + CHUNK_BYTES] for i in range(0, len(data), CHUNK_BYTES)]
-        await concurrently(kv.put(chunk_key(bucket, key, digest, i), piece)
-                           for i, piece in enumerate(pieces))
+
+        async def put(i: int, piece: bytes) -> int:
+            # A chunk's key names its bytes: a put retried after a lost answer stores the
+            # same value again. Retried as every KV call is, through a slow or electing
+            # server (a 768 KiB put on a loaded one was seen to take over 5 s).
+            name = chunk_key(bucket, key, digest, i)
+            return await through_failover(lambda: kv.put(name, piece), f"chunks/{name}")
+
+        await concurrently(put(i, piece) for i, piece in enumerate(pieces))
         return Spilled(bucket=bucket, key=key, of=of, digest=digest, size=len(data),
                        chunks=len(pieces))
 
@@ -124,11 +133,14 @@ class ChunkStore:
             Superseded: a chunk is gone (a newer value replaced this one).
             WireError: the chunks do not put together the value the pointer names.
         """
+        from phalanx.bus.kv import through_failover
+
         kv = await self._bucket()
 
         async def piece(i: int) -> bytes:
+            name = chunk_key(spilled.bucket, spilled.key, spilled.digest, i)
             try:
-                entry = await kv.get(chunk_key(spilled.bucket, spilled.key, spilled.digest, i))
+                entry = await through_failover(lambda: kv.get(name), f"chunks/{name}")
             except jse.KeyNotFoundError:
                 raise Superseded(f"{spilled.bucket}/{spilled.key}: chunk {i} of "
                                  f"{spilled.digest[:12]} is gone") from None

@@ -21,8 +21,10 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Awaitable, Callable, Hashable
+from typing import TypeVar
 
 Work = Callable[[], Awaitable[object]]  # its result is not used
+T = TypeVar("T")
 
 
 class Outbox:
@@ -49,10 +51,13 @@ class Outbox:
         self._writes[key] = (self._decided, work)
         self._writes_waiting.set()
 
-    def waiting(self, key: Hashable) -> bool:
-        """Whether a write of ``key`` waits in line (a write under way that sees one can
-        leave its work to it: it was queued later, after every change of its own)."""
-        return key in self._writes
+    async def settled(self, make: Callable[[], T]) -> T:
+        """``make()``, run once every action decided so far is carried out: a state read
+        then reflects no decision still to go out (a write that reads its state when its
+        turn comes, not when it was queued)."""
+        async with self._progress:
+            await self._progress.wait_for(lambda: self._done >= self._decided)
+            return make()
 
     @property
     def pending(self) -> tuple[int, int]:

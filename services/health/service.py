@@ -53,6 +53,7 @@ import contextlib
 import dataclasses
 import functools
 import logging
+import math
 import time
 import uuid
 from collections.abc import Coroutine
@@ -96,6 +97,9 @@ log = logging.getLogger("phalanx.health")
 LEASE_KEY = "health"
 SNAPSHOT_FORMAT = 1
 CURSOR_EVERY_S = 1.0
+#: A job of more ranks than this has its state stored at most every LARGE_EVERY_S.
+LARGE_JOB_RANKS = 1024
+LARGE_EVERY_S = 1.0
 #: How often a job's progress record is stored while it trains.
 PROGRESS_EVERY_S = 1.0
 #: A timeout falls due while reports wait unhandled: those already received are handled
@@ -115,6 +119,8 @@ class HealthTerm(JobTerm[core.HealthCore]):
     # retried through an outage) never holds up the intake of progress and heartbeats,
     # whose late handling would look like silence.
     outbox: Outbox = dataclasses.field(default_factory=Outbox)
+    stored_at: dict[str, float] = dataclasses.field(default_factory=dict)  # large jobs:
+    # when their state was last stored (monotonic)
     handled: int = 0  # the last stream event handled (its effects are in the outbox)
     subscriptions: list[Subscription] = dataclasses.field(default_factory=list)
 
@@ -262,20 +268,30 @@ class HealthService(JobEventsLeader[HealthTerm]):
         term.rearm.set()  # the next deadline may have moved
 
     async def _store_job(self, term: HealthTerm, job_id: str) -> None:
-        """Store ``job_id``'s state as it is now, made when its write's turn comes (not
-        at each event: a job of 16,384 ranks takes 0.3 s to encode, and a start storm
-        brings one event per rank).
-
-        Every change of the job queues a write of it at once, with no await between, so
-        a write that finds none queued after it sees exactly the state it was queued
-        for, whose actions the outbox has carried out; one that finds a later write
-        queued leaves the state to it."""
+        """Store ``job_id``'s state as it is when this write's turn comes, not as it was at
+        the event that queued it: a job of 16,384 ranks takes 0.3 s to encode, and a
+        start brings one event per rank. The state is read once every action decided
+        so far is out (:meth:`Outbox.settled`), so a stored state never reflects an
+        event whose fault is not out; it is at least as new as the event that queued
+        the write, so a cursor queued after it never passes an event it does not
+        reflect. A job of more than :data:`LARGE_JOB_RANKS` ranks (every progress report
+        changes its state) is stored at most every :data:`LARGE_EVERY_S`."""
         job = term.core.jobs.get(job_id)
-        if job is None or term.outbox.waiting(("job", job_id)):
-            return
-        await term.store.store(job_id, JobSnapshot(
-            job_id=job_id, seq=term.store.seq_of(job_id, None), format=SNAPSHOT_FORMAT,
-            state=core.snapshot(job)))
+        if job is not None and len(job.ranks) > LARGE_JOB_RANKS:
+            pause = term.stored_at.get(job_id, -math.inf) + LARGE_EVERY_S - time.monotonic()
+            if pause > 0:
+                await asyncio.sleep(pause)
+            term.stored_at[job_id] = time.monotonic()
+
+        def state() -> JobSnapshot | None:
+            job = term.core.jobs.get(job_id)
+            return None if job is None else JobSnapshot(
+                job_id=job_id, seq=term.store.seq_of(job_id, None), format=SNAPSHOT_FORMAT,
+                state=core.snapshot(job))
+
+        snapshot = await term.outbox.settled(state)
+        if snapshot is not None:
+            await term.store.store(job_id, snapshot)
 
     def _decided(self, term: HealthTerm, decisions: list[Decision],
                  occurred_at: float | None = None) -> None:
