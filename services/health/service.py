@@ -60,6 +60,7 @@ from collections.abc import Coroutine
 from typing import Any
 
 import msgspec
+import nats.errors
 from nats.aio.subscription import Subscription
 from opentelemetry import context as otel_context
 
@@ -100,6 +101,8 @@ CURSOR_EVERY_S = 1.0
 #: A job of more ranks than this has its state stored at most every LARGE_EVERY_S.
 LARGE_JOB_RANKS = 1024
 LARGE_EVERY_S = 1.0
+#: The pause before a job's state that could not be stored is stored again.
+STORE_RETRY_S = 1.0
 #: How often a job's progress record is stored while it trains.
 PROGRESS_EVERY_S = 1.0
 #: A timeout falls due while reports wait unhandled: those already received are handled
@@ -290,8 +293,18 @@ class HealthService(JobEventsLeader[HealthTerm]):
                 state=core.snapshot(job))
 
         snapshot = await term.outbox.settled(state)
-        if snapshot is not None:
-            await term.store.store(job_id, snapshot)
+        while snapshot is not None:
+            try:
+                await term.store.store(job_id, snapshot)
+                return
+            except (TimeoutError, nats.errors.Error) as exc:
+                # The server is slow (a large state's chunks on a loaded one timed out
+                # past the KV's retries): try again, holding up only the writes behind
+                # it. Ending the term for it (the outbox's rule for any failure) kept a
+                # crash's fault 40 s away at 16,384 ranks; faults go out meanwhile.
+                log.warning("storing job state failed; retrying",
+                            extra={"job": job_id, "error": repr(exc)})
+                await asyncio.sleep(STORE_RETRY_S)
 
     def _decided(self, term: HealthTerm, decisions: list[Decision],
                  occurred_at: float | None = None) -> None:
