@@ -24,7 +24,7 @@ So a reader gets the whole value, or a newer one, never a mix. The chunks are re
 with a subject purge of the chunk stream (no delete markers are left behind).
 
 Cost: a spilled write is one read of the pointer it replaces, ``ceil(size /
-CHUNK_BYTES)`` puts in parallel, the pointer, then one purge of the replaced value's
+CHUNK_BYTES)`` puts one after another, the pointer, then one purge of the replaced value's
 chunks; a spilled read is the pointer and the chunks in parallel (direct gets).
 """
 
@@ -122,7 +122,12 @@ class ChunkStore:
             name = chunk_key(bucket, key, digest, i)
             return await through_failover(lambda: kv.put(name, piece), f"chunks/{name}")
 
-        await concurrently(put(i, piece) for i, piece in enumerate(pieces))
+        # One at a time: the client buffers at most 2 MiB of outgoing data before it forces
+        # a flush with a deadline, and three 768 KiB chunks at once passed it (a 1.6 MB
+        # state stored every second; the client's flush timed out under load and its
+        # service stopped).
+        for i, piece in enumerate(pieces):
+            await put(i, piece)
         return Spilled(bucket=bucket, key=key, of=of, digest=digest, size=len(data),
                        chunks=len(pieces))
 
