@@ -19,8 +19,9 @@ survives a node's worth of losses) and measures:
 Heartbeats every ``--big-heartbeat-s`` (2 s) and progress every ``--big-step-s`` (10 s)
 rather than the agent's 0.5 s: 2,048 nodes and 16,384 ranks at the defaults would be
 36,000 messages a second from one 2-core machine, which measures the generator. Health's
-node timeout and admission's ``lost_after_s`` are raised to five heartbeats to match. CPU per process is reported: where
-the generators take more than the services, the figures are the machine's.
+node timeout and admission's ``lost_after_s`` are raised to five heartbeats to match. CPU
+per process is reported: where the generators take more than the services, the figures
+are the machine's.
 """
 
 from __future__ import annotations
