@@ -29,7 +29,7 @@ from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 from nats.js import JetStreamContext
 
-from phalanx.bus import telemetry
+from phalanx.bus import spill, telemetry
 from phalanx.bus.config import BusConfig
 from phalanx.bus.errors import (
     BusUnavailable,
@@ -39,7 +39,7 @@ from phalanx.bus.errors import (
     RequestRefused,
     RequestTimeout,
 )
-from phalanx.bus.tasks import within
+from phalanx.bus.tasks import raise_if_cancelled, within
 from phalanx.schemas import settings
 from phalanx.schemas.codec import MAX_PAYLOAD_BYTES, decode, encode
 from phalanx.schemas.errors import WireError
@@ -64,21 +64,6 @@ _CLOSE_WAIT_S = 5.0
 # How nats-server words a refused publish or subscription (sent as -ERR, connection kept).
 _DENIAL = re.compile(r'permissions violation for (publish|subscription) to "([^"]+)"',
                      re.IGNORECASE)
-
-
-def raise_if_cancelled() -> None:
-    """Raise the current task's cancellation if nats-py swallowed it.
-
-    nats-py's flush of pending writes catches ``CancelledError`` and returns, and its
-    requests wait with ``asyncio.wait_for``, which on Python 3.11 returns the reply
-    instead of raising when the reply and the cancellation arrive together. A task
-    cancelled then (a leader stepping down mid-write, a service stopping, a watcher
-    closed) would carry on and then wait forever. Every call into nats-py is followed
-    by this check, so a cancellation always takes effect.
-    """
-    task = asyncio.current_task()
-    if task is not None and task.cancelling():
-        raise asyncio.CancelledError
 
 
 async def subscribed(subscribe: Awaitable[S], unsubscribe: Callable[[S], Awaitable[Any]]) -> S:
@@ -239,9 +224,7 @@ class Bus:
         self._resyncs: weakref.WeakSet[asyncio.Event] = weakref.WeakSet()
         self._refusal_waiters: dict[tuple[str, str], set[asyncio.Future[None]]] = {}
         self._round_trips: set[asyncio.Task[None]] = set()
-        from phalanx.bus import spill  # it opens buckets with this module's helpers
-
-        self.chunks = spill.ChunkStore(self.js)
+        self.chunks = spill.ChunkStore(self.js, config.jetstream_replicas)
 
     @property
     def connected(self) -> bool:
@@ -589,8 +572,6 @@ class Bus:
         Raises:
             WireError: a bad pointer, or chunks that do not make its value.
         """
-        from phalanx.bus import spill
-
         spilled = spill.pointer(data, subject=subject)
         if spilled is None:
             return data

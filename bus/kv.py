@@ -44,20 +44,19 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-import time
 from collections.abc import AsyncGenerator, Awaitable, Callable
 from typing import Generic, TypeVar
 
-import nats.errors
 import nats.js.errors as jse
 from nats.js import JetStreamContext
 from nats.js.api import KeyValueConfig, StorageType
 from nats.js.kv import KeyValue
 
 from phalanx.bus import spill
-from phalanx.bus.client import Counters, raise_if_cancelled, replicas_for, subscribed
+from phalanx.bus.client import Counters, replicas_for, subscribed
 from phalanx.bus.errors import Conflict
-from phalanx.bus.tasks import concurrently
+from phalanx.bus.failover import _UNANSWERED, FAILOVER_S, through_failover
+from phalanx.bus.tasks import concurrently, raise_if_cancelled
 from phalanx.schemas import subjects
 from phalanx.schemas.codec import decode, encode
 from phalanx.schemas.errors import WireError
@@ -66,33 +65,6 @@ from phalanx.schemas.messages import MAX_SPILLED_BYTES, Message, Spilled
 M = TypeVar("M", bound=Message)
 T = TypeVar("T")
 log = logging.getLogger("phalanx.bus.kv")
-
-#: How long a call keeps retrying while JetStream cannot answer for a bucket (a leader
-#: election takes 4-9 s); the last attempt may add its own timeout (5 s) to this.
-FAILOVER_S = 15.0
-_RETRY_S = 0.2
-# Failures that mean "nobody answered for the bucket yet", not "the answer is no".
-_UNANSWERED = (TimeoutError, nats.errors.NoRespondersError, jse.NoStreamResponseError,
-               jse.ServiceUnavailableError)
-
-
-async def through_failover(call: Callable[[], Awaitable[T]], what: str,
-                           failover_s: float = FAILOVER_S) -> T:
-    """``await call()``, retried every 0.2 s while it fails unanswered (see the module
-    docstring) until ``failover_s`` has passed; then the last error is raised."""
-    deadline = time.monotonic() + failover_s
-    while True:
-        try:
-            result = await call()
-            raise_if_cancelled()
-            return result
-        except _UNANSWERED as exc:
-            raise_if_cancelled()
-            if time.monotonic() >= deadline:
-                raise
-            log.debug("%s unanswered (%r); retrying", what, exc)
-        await asyncio.sleep(_RETRY_S)
-
 
 #: Headers that make a key's last message a deletion: a KV delete or purge, and the
 #: marker the server leaves when a message's TTL or the bucket's age limit removes it.
@@ -138,7 +110,7 @@ class TypedKV(Generic[M]):
         self.counters = Counters()
         self.failover_s = FAILOVER_S
         """How long a call retries while the bucket's stream elects a leader."""
-        self.chunks = spill.ChunkStore(kv._js)
+        self.chunks = spill.ChunkStore(kv._js, replicas_for(kv._js))
         self._spilled: dict[str, Spilled] = {}  # key -> the pointer this instance last wrote
 
     @classmethod

@@ -40,6 +40,7 @@ from nats.js import JetStreamContext
 from nats.js.api import KeyValueConfig, StorageType
 from nats.js.kv import KeyValue
 
+from phalanx.bus.failover import through_failover
 from phalanx.bus.tasks import concurrently
 from phalanx.schemas import subjects
 from phalanx.schemas.codec import MAX_PAYLOAD_BYTES, decode
@@ -79,14 +80,13 @@ def chunk_key(bucket: str, key: str, digest: str, index: int) -> str:
 class ChunkStore:
     """The chunk bucket, as one connection's JetStream context reaches it."""
 
-    def __init__(self, js: JetStreamContext) -> None:
+    def __init__(self, js: JetStreamContext, replicas: int) -> None:
         self.js = js
+        self.replicas = replicas  # of the bucket, if this store creates it
         self._kv: KeyValue | None = None
         self._opening = asyncio.Lock()
 
     async def _bucket(self) -> KeyValue:
-        from phalanx.bus.client import replicas_for  # the client resolves pointers: no cycle
-
         async with self._opening:
             if self._kv is None:
                 try:
@@ -95,7 +95,7 @@ class ChunkStore:
                     try:
                         self._kv = await self.js.create_key_value(KeyValueConfig(
                             bucket=subjects.CHUNKS_BUCKET, history=1,
-                            storage=StorageType.FILE, replicas=replicas_for(self.js),
+                            storage=StorageType.FILE, replicas=self.replicas,
                             max_value_size=CHUNK_BYTES))
                     except jse.BadRequestError as exc:
                         if exc.err_code != 10058:  # made meanwhile
@@ -109,8 +109,6 @@ class ChunkStore:
         if len(data) > MAX_SPILLED_BYTES:
             raise WireError(f"encoded size {len(data)} B exceeds the {MAX_SPILLED_BYTES} B "
                             "limit of a value stored in chunks", message_type=of)
-        from phalanx.bus.kv import through_failover  # the KV layer spills through here
-
         kv = await self._bucket()
         digest = hashlib.sha256(data).hexdigest()
         pieces = [data[i:i + CHUNK_BYTES] for i in range(0, len(data), CHUNK_BYTES)]
@@ -138,8 +136,6 @@ class ChunkStore:
             Superseded: a chunk is gone (a newer value replaced this one).
             WireError: the chunks do not put together the value the pointer names.
         """
-        from phalanx.bus.kv import through_failover
-
         kv = await self._bucket()
 
         async def piece(i: int) -> bytes:

@@ -71,3 +71,18 @@ async def within(call: Awaitable[T], timeout_s: float) -> T:
     with contextlib.suppress(asyncio.CancelledError):
         task.result()  # its own error, if it ended with one before its cancel
     raise TimeoutError(f"not done within {timeout_s:g} s")
+
+
+def raise_if_cancelled() -> None:
+    """Raise the current task's cancellation if nats-py swallowed it.
+
+    nats-py's flush of pending writes catches ``CancelledError`` and returns, and its
+    requests wait with ``asyncio.wait_for``, which on Python 3.11 returns the reply
+    instead of raising when the reply and the cancellation arrive together. A task
+    cancelled then (a leader stepping down mid-write, a service stopping, a watcher
+    closed) would carry on and then wait forever. Every call into nats-py is followed
+    by this check, so a cancellation always takes effect.
+    """
+    task = asyncio.current_task()
+    if task is not None and task.cancelling():
+        raise asyncio.CancelledError

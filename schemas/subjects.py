@@ -287,7 +287,7 @@ def kv_key(bucket: str, key: str) -> str:
 def kv_chunks(bucket: str, key: str) -> str:
     """The subjects of the chunks of the values of ``key`` of ``bucket`` (``>``: of every
     key) in :data:`CHUNKS_BUCKET` (phalanx.bus.spill), checked as tokens."""
-    tail = ">" if key == ">" else f"{token(key, 'KV key')}.>"
+    tail = ">" if key == ">" else f"{key if key == '*' else token(key, 'KV key')}.>"
     return kv_subject(CHUNKS_BUCKET, f"{token(bucket, 'bucket')}.{tail}")
 
 
