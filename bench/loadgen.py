@@ -151,11 +151,9 @@ class SimNode:
         await self.bus.publish_event(
             subject, event, event_id=f"{event.job_id}-{self.node_id}-{event.pid}-{kind}")
 
-    async def reconcile(self, record: JobRecord) -> None:
-        """Run exactly the ranks ``record`` places here (the agent's elastic case)."""
-        admitted = record.state is JobState.ADMITTED
-        wanted = {s for s, n in record.placement().items() if n == self.node_id} \
-            if admitted else set()
+    async def reconcile(self, record: JobRecord, wanted: set[int]) -> None:
+        """Run exactly the ranks ``record`` places here, in slots ``wanted`` (the agent's
+        elastic case)."""
         for (job_id, slot), rank in list(self.ranks.items()):
             if job_id == record.job_id and slot not in wanted:
                 await self.end(rank, ExitCause.STOPPED, exit_code=None, signame="SIGTERM")
@@ -294,15 +292,20 @@ class Generator:
 
     async def on_state(self, record: JobRecord, _: Delivery) -> None:
         self.records[record.job_id] = record
-        mine = [self.nodes[n] for n in set(record.nodes) if n in self.nodes]
-        mine += [r.node for r in list(self.by_job.get(record.job_id, ())) if r.node not in mine]
-        for node in mine:
-            await node.reconcile(record)
+        wanted: dict[str, set[int]] = defaultdict(set)  # node -> its slots (one pass)
+        if record.state is JobState.ADMITTED:
+            for slot, node_id in record.placement().items():
+                if node_id in self.nodes:
+                    wanted[node_id].add(slot)
+        mine = {*wanted, *(r.node.node_id for r in list(self.by_job.get(record.job_id, ())))}
+        for node_id in sorted(mine):
+            await self.nodes[node_id].reconcile(record, wanted.get(node_id, set()))
 
     async def on_generation(self, generation: Generation, _: Delivery) -> None:
         now = time.time()
+        members = {m.replica_id for m in generation.members}  # once: 16,384 of them
         for rank in list(self.by_job.get(generation.job_id, ())):
-            if generation.member(rank.replica_id) is None:
+            if rank.replica_id not in members:
                 continue
             if rank.generation is None or generation.generation > rank.generation.generation:
                 rank.generation = generation

@@ -5,6 +5,11 @@ Usage::
     python bench/scale.py --nodes 100                 # one size
     python bench/scale.py --nodes 100 200 400         # the growth table
     python bench/scale.py --nodes 100 --no-record     # do not append to RESULTS.md
+    python bench/scale.py --big-job 16384             # one job of 16,384 replicas alone
+
+``--big-job N`` runs :mod:`bench.bigjob` (one job of ``N`` replicas: admitted, its
+generations formed, a rank's fault handled) instead of the sizes, unless ``--nodes`` is
+given too; its figures are the ``big_job`` member of the JSON line.
 
 For each size: a real ``nats-server`` (with its monitoring port, for the bus's message
 counts), the real admission, health and elasticity services as their own processes
@@ -709,7 +714,9 @@ def section(command: str, results: list[dict[str, Any]], failed: list[dict[str, 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--nodes", type=int, nargs="+", default=[100])
+    parser.add_argument("--nodes", type=int, nargs="+", default=None,
+                        help="simulated nodes of each size (default 100; none with "
+                             "--big-job alone)")
     parser.add_argument("--per-process", type=int, default=100,
                         help="simulated nodes per load-generator process")
     parser.add_argument("--crashes", type=int, default=None,
@@ -724,7 +731,33 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-record", action="store_true")
     parser.add_argument("--show-logs", action="store_true",
                         help="print the tail of every process's log after each size")
+    parser.add_argument("--big-job", type=int, default=None, metavar="N",
+                        help="one job of N replicas (bench/bigjob.py)")
+    parser.add_argument("--big-per-process", type=int, default=512,
+                        help="simulated nodes per load-generator process in --big-job")
+    parser.add_argument("--big-heartbeat-s", type=float, default=2.0)
+    parser.add_argument("--big-step-s", type=float, default=10.0)
+    parser.add_argument("--big-timeout-s", type=float, default=300.0,
+                        help="how long each stage of --big-job may take")
     args = parser.parse_args(argv)
+    command = "python bench/scale.py " + " ".join(sys.argv[1:] if argv is None else argv)
+    if args.nodes is None:
+        args.nodes = [] if args.big_job else [100]
+    big: dict[str, Any] | None = None
+    if args.big_job:
+        from phalanx.bench import bigjob
+
+        try:
+            big = bigjob.measure(args, args.big_job)
+        except Exception as exc:  # a finding too: recorded as such
+            big = {"replicas": args.big_job, "error": f"{type(exc).__name__}: {exc}"[:500]}
+        big["date"] = utc_date()
+        print(json.dumps(big), flush=True)
+        if not args.no_record:
+            append(bigjob.section(command, big) if "error" not in big else
+                   f"\n## A {args.big_job:,}-replica job (bench/scale.py --big-job)\n\n"
+                   f"`{command}` — {big['date']}: no figures, the run failed: "
+                   f"{big['error']}\n")
     results = []
     failed = []
     for nodes in args.nodes:
@@ -741,12 +774,12 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(result), flush=True)
         results.append(result)
     summary = summarize(results, failed)
-    print(summary["verdict"], flush=True)
-    if not args.no_record:
-        append(section("python bench/scale.py " + " ".join(sys.argv[1:] if argv is None
-                                                             else argv), results, failed,
-                       summary))
-    print(json.dumps({"scale": results, "failed": failed, "summary": summary}))
+    if args.nodes:
+        print(summary["verdict"], flush=True)
+        if not args.no_record:
+            append(section(command, results, failed, summary))
+    print(json.dumps({"scale": results, "failed": failed, "summary": summary,
+                      **({"big_job": big} if big is not None else {})}))
     return 0
 
 

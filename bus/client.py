@@ -29,7 +29,7 @@ from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 from nats.js import JetStreamContext
 
-from phalanx.bus import telemetry
+from phalanx.bus import spill, telemetry
 from phalanx.bus.config import BusConfig
 from phalanx.bus.errors import (
     BusUnavailable,
@@ -39,11 +39,11 @@ from phalanx.bus.errors import (
     RequestRefused,
     RequestTimeout,
 )
-from phalanx.bus.tasks import within
+from phalanx.bus.tasks import raise_if_cancelled, within
 from phalanx.schemas import settings
-from phalanx.schemas.codec import decode, encode
+from phalanx.schemas.codec import MAX_PAYLOAD_BYTES, decode, encode
 from phalanx.schemas.errors import WireError
-from phalanx.schemas.messages import Message
+from phalanx.schemas.messages import MAX_SPILLED_BYTES, Message
 
 log = logging.getLogger("phalanx.bus")
 
@@ -64,21 +64,6 @@ _CLOSE_WAIT_S = 5.0
 # How nats-server words a refused publish or subscription (sent as -ERR, connection kept).
 _DENIAL = re.compile(r'permissions violation for (publish|subscription) to "([^"]+)"',
                      re.IGNORECASE)
-
-
-def raise_if_cancelled() -> None:
-    """Raise the current task's cancellation if nats-py swallowed it.
-
-    nats-py's flush of pending writes catches ``CancelledError`` and returns, and its
-    requests wait with ``asyncio.wait_for``, which on Python 3.11 returns the reply
-    instead of raising when the reply and the cancellation arrive together. A task
-    cancelled then (a leader stepping down mid-write, a service stopping, a watcher
-    closed) would carry on and then wait forever. Every call into nats-py is followed
-    by this check, so a cancellation always takes effect.
-    """
-    task = asyncio.current_task()
-    if task is not None and task.cancelling():
-        raise asyncio.CancelledError
 
 
 async def subscribed(subscribe: Awaitable[S], unsubscribe: Callable[[S], Awaitable[Any]]) -> S:
@@ -169,8 +154,10 @@ TOTALS = Counters()
 
 
 async def process(delivery: Delivery, data: bytes, message_type: type[M], handler: Handler[M],
-                  counters: Counters, queue: str | None = None) -> Message | None:
-    """Decode ``data``, run ``handler`` inside a consumer span, and return its reply.
+                  counters: Counters, queue: str | None = None, *,
+                  limit: int = MAX_PAYLOAD_BYTES) -> Message | None:
+    """Decode ``data`` (at most ``limit`` bytes: more for a value put together from its
+    chunks), run ``handler`` inside a consumer span, and return its reply.
 
     Raises:
         Failed: the payload was bad, the handler refused or raised (already counted).
@@ -178,7 +165,7 @@ async def process(delivery: Delivery, data: bytes, message_type: type[M], handle
     subject = delivery.subject
     with telemetry.consumer_span(subject, delivery.headers, len(data), queue) as span:
         try:
-            message = decode(data, message_type, subject=subject)
+            message = decode(data, message_type, subject=subject, limit=limit)
         except WireError as exc:
             counters.bad_message(str(exc))
             span.record_exception(exc)
@@ -237,6 +224,7 @@ class Bus:
         self._resyncs: weakref.WeakSet[asyncio.Event] = weakref.WeakSet()
         self._refusal_waiters: dict[tuple[str, str], set[asyncio.Future[None]]] = {}
         self._round_trips: set[asyncio.Task[None]] = set()
+        self.chunks = spill.ChunkStore(self.js, config.jetstream_replicas)
 
     @property
     def connected(self) -> bool:
@@ -464,7 +452,12 @@ class Bus:
 
     async def publish(self, subject: str, message: Message,
                       headers: dict[str, str] | None = None) -> None:
-        """Publish ``message`` on ``subject`` with the current trace context."""
+        """Publish ``message`` on ``subject`` with the current trace context.
+
+        A value too large for one payload is published as the
+        :class:`~phalanx.schemas.messages.Spilled` pointer under which it was stored
+        (:meth:`~phalanx.bus.kv.TypedKV.pointer`); subscribers get the value itself.
+        """
         data = encode(message)
         with telemetry.producer_span(subject, len(data)):
             await self.nc.publish(subject, data, headers=telemetry.inject(headers))
@@ -543,8 +536,17 @@ class Bus:
         async def on_message(msg: Msg) -> None:
             delivery = Delivery(msg.subject, dict(msg.headers or {}), msg.reply)
             try:
-                reply = await process(delivery, msg.data, message_type, handler, self.counters,
-                                      queue)
+                data = await self._unspilled(msg.subject, msg.data)
+            except WireError as exc:
+                self.counters.bad_message(str(exc))
+                log.warning("bad message dropped: %s", exc)
+                await self._respond_error(msg, "400", str(exc))
+                return
+            if data is None:
+                return
+            try:
+                reply = await process(delivery, data, message_type, handler, self.counters,
+                                      queue, limit=MAX_SPILLED_BYTES)
             except Failed as exc:
                 await self._respond_error(msg, exc.code, exc.description)
             else:
@@ -561,6 +563,22 @@ class Bus:
         return await subscribed(
             self.nc.subscribe(subject, queue=queue or "", cb=spawn if concurrent else on_message),
             Subscription.unsubscribe)
+
+    async def _unspilled(self, subject: str, data: bytes) -> bytes | None:
+        """``data``, or, when it is a pointer to a value stored in chunks
+        (:mod:`~phalanx.bus.spill`), that value's encoding; a value replaced since it was
+        published is read as the key holds it now (None: the key is gone).
+
+        Raises:
+            WireError: a bad pointer, or chunks that do not make its value.
+        """
+        spilled = spill.pointer(data, subject=subject)
+        if spilled is None:
+            return data
+        try:
+            return await self.chunks.load(spilled)
+        except spill.Superseded:
+            return await self.chunks.current(spilled)
 
     async def _respond_error(self, msg: Msg, code: str, description: str) -> None:
         if msg.reply:

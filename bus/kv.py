@@ -33,6 +33,10 @@ may find nothing at all: the key's messages removed since (an expiry, a subject 
 or, on a replicated bucket, another writer's message proposed but not yet stored (the
 leader refuses a write to a key while another to it is in flight). A create then tries
 again at revision 0, and is refused again exactly while the other write is in flight.
+
+A value whose encoding passes one payload is stored in chunks with a pointer under its
+key (:mod:`phalanx.bus.spill`); every read here puts it back together, or reads the key
+again when a newer value replaced it meanwhile, so callers never see the difference.
 """
 
 from __future__ import annotations
@@ -40,54 +44,27 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-import time
 from collections.abc import AsyncGenerator, Awaitable, Callable
 from typing import Generic, TypeVar
 
-import nats.errors
 import nats.js.errors as jse
 from nats.js import JetStreamContext
 from nats.js.api import KeyValueConfig, StorageType
 from nats.js.kv import KeyValue
 
-from phalanx.bus.client import Counters, raise_if_cancelled, replicas_for, subscribed
+from phalanx.bus import spill
+from phalanx.bus.client import Counters, replicas_for, subscribed
 from phalanx.bus.errors import Conflict
-from phalanx.bus.tasks import concurrently
+from phalanx.bus.failover import _UNANSWERED, FAILOVER_S, through_failover
+from phalanx.bus.tasks import concurrently, raise_if_cancelled
 from phalanx.schemas import subjects
 from phalanx.schemas.codec import decode, encode
 from phalanx.schemas.errors import WireError
-from phalanx.schemas.messages import Message
+from phalanx.schemas.messages import MAX_SPILLED_BYTES, Message, Spilled
 
 M = TypeVar("M", bound=Message)
 T = TypeVar("T")
 log = logging.getLogger("phalanx.bus.kv")
-
-#: How long a call keeps retrying while JetStream cannot answer for a bucket (a leader
-#: election takes 4-9 s); the last attempt may add its own timeout (5 s) to this.
-FAILOVER_S = 15.0
-_RETRY_S = 0.2
-# Failures that mean "nobody answered for the bucket yet", not "the answer is no".
-_UNANSWERED = (TimeoutError, nats.errors.NoRespondersError, jse.NoStreamResponseError,
-               jse.ServiceUnavailableError)
-
-
-async def through_failover(call: Callable[[], Awaitable[T]], what: str,
-                           failover_s: float = FAILOVER_S) -> T:
-    """``await call()``, retried every 0.2 s while it fails unanswered (see the module
-    docstring) until ``failover_s`` has passed; then the last error is raised."""
-    deadline = time.monotonic() + failover_s
-    while True:
-        try:
-            result = await call()
-            raise_if_cancelled()
-            return result
-        except _UNANSWERED as exc:
-            raise_if_cancelled()
-            if time.monotonic() >= deadline:
-                raise
-            log.debug("%s unanswered (%r); retrying", what, exc)
-        await asyncio.sleep(_RETRY_S)
-
 
 #: Headers that make a key's last message a deletion: a KV delete or purge, and the
 #: marker the server leaves when a message's TTL or the bucket's age limit removes it.
@@ -133,6 +110,8 @@ class TypedKV(Generic[M]):
         self.counters = Counters()
         self.failover_s = FAILOVER_S
         """How long a call retries while the bucket's stream elects a leader."""
+        self.chunks = spill.ChunkStore(kv._js, replicas_for(kv._js))
+        self._spilled: dict[str, Spilled] = {}  # key -> the pointer this instance last wrote
 
     @classmethod
     async def open(cls, js: JetStreamContext, bucket: str, message_type: type[M], *,
@@ -216,13 +195,85 @@ class TypedKV(Generic[M]):
         stored = await self._last(key)
         return None if stored is None or stored.deleted else stored
 
-    def _decode(self, key: str, data: bytes | None) -> M:
+    async def _decode(self, key: str, data: bytes | None) -> M:
+        """The value ``data`` stores, its chunks put together if it is a pointer.
+
+        Raises:
+            WireError: it does not decode (counted).
+            spill.Superseded: it is a pointer whose chunks a newer value removed.
+        """
+        subject = subjects.kv_subject(self.bucket, key)
         try:
-            return decode(data or b"", self.message_type,
-                          subject=subjects.kv_subject(self.bucket, key))
+            spilled = spill.pointer(data or b"", subject=subject)
+            if spilled is not None:
+                if spilled.of != self.message_type.wire_name():
+                    raise WireError(f"it points to a {spilled.of} value",
+                                    subject=subject, message_type=self.message_type.wire_name())
+                data = await self.chunks.load(spilled)
+            return decode(data or b"", self.message_type, subject=subject,
+                          limit=MAX_SPILLED_BYTES)
         except WireError as exc:
             self.counters.bad_message(str(exc))
             raise
+
+    async def _read(self, key: str) -> tuple[M | None, Stored | None]:
+        """The key's live value and what is stored for it; (None, None) when absent.
+        A pointer whose chunks a newer value removed meanwhile is read again."""
+        for _ in range(8):
+            raw = await self._raw(key)
+            if raw is None:
+                return None, None
+            try:
+                return await self._decode(key, raw.data), raw
+            except spill.Superseded:
+                continue
+        raise WireError("its chunks were replaced eight times while being read",
+                        subject=subjects.kv_subject(self.bucket, key),
+                        message_type=self.message_type.wire_name())
+
+    async def _write(self, key: str, value: M, store: Callable[[bytes], Awaitable[int]]) -> int:
+        """Store ``value`` under ``key`` with ``store`` (a put or a compare-and-swap of the
+        bytes); the new revision.
+
+        Past one payload the value's chunks are stored first and ``store`` writes the
+        pointer to them (:mod:`phalanx.bus.spill`). Once stored, the chunks of the value
+        it replaced are removed, and only those: another writer's, stored meanwhile, may
+        be the key's next value (a deposed leader's put racing its successor's). The
+        chunks of a write refused are removed at once; those of a writer that died
+        between its chunks and its pointer stay until the key is deleted.
+        """
+        data = encode(value, limit=MAX_SPILLED_BYTES)
+        spilled: Spilled | None = None
+        replaced: Spilled | None = self._spilled.get(key)
+        if len(data) > spill.SPILL_ABOVE:
+            previous = await self._raw(key)
+            try:
+                replaced = None if previous is None else spill.pointer(previous.data)
+            except WireError:
+                replaced = None  # garbage under the key: nothing of it to remove
+            spilled = await self.chunks.spill(self.bucket, key, value.wire_name(), data)
+            data = encode(spilled)
+        try:
+            revision = await store(data)
+        except Conflict:
+            if spilled is not None and (replaced is None or replaced.digest != spilled.digest):
+                await self.chunks.remove(self.bucket, key, spilled.digest)
+            raise
+        finally:
+            raise_if_cancelled()
+        if spilled is not None:
+            self._spilled[key] = spilled
+        else:
+            self._spilled.pop(key, None)
+        if replaced is not None and (spilled is None or replaced.digest != spilled.digest):
+            await self.chunks.remove(self.bucket, key, replaced.digest)
+        return revision
+
+    def pointer(self, key: str) -> Spilled | None:
+        """The pointer this instance last stored under ``key`` in place of a value too
+        large for one payload (None: its last write there was a value of its own); what
+        to publish for that value (:meth:`~phalanx.bus.client.Bus.publish`)."""
+        return self._spilled.get(key)
 
     async def get(self, key: str) -> Entry[M] | None:
         """The current entry, or ``None`` if the key is absent or deleted.
@@ -230,10 +281,10 @@ class TypedKV(Generic[M]):
         Raises:
             WireError: the stored value does not decode.
         """
-        raw = await self._raw(key)
-        if raw is None:
+        value, raw = await self._read(key)
+        if value is None or raw is None:
             return None
-        return Entry(key, self._decode(key, raw.data), raw.revision)
+        return Entry(key, value, raw.revision)
 
     async def current(self, key: str) -> tuple[M | None, int]:
         """The value to compute a compare-and-swap from, and the revision to swap at.
@@ -242,21 +293,18 @@ class TypedKV(Generic[M]):
         not decode counts as absent but keeps its revision, so the next
         :meth:`update` replaces it (counted and logged here).
         """
-        raw = await self._raw(key)
-        if raw is None:
-            return None, 0
         try:
-            return self._decode(key, raw.data), raw.revision
+            value, raw = await self._read(key)
         except WireError as exc:
             log.warning("replacing an undecodable KV entry: %s", exc)
-            return None, raw.revision
+            raw = await self._raw(key)
+            return None, 0 if raw is None else raw.revision
+        return (None, 0) if value is None or raw is None else (value, raw.revision)
 
     async def put(self, key: str, value: M) -> int:
         """Store ``value`` unconditionally; returns the new revision."""
-        data = encode(value)
-        revision = await self._retrying(lambda: self.kv.put(key, data), key)
-        raise_if_cancelled()
-        return revision
+        return await self._write(
+            key, value, lambda data: self._retrying(lambda: self.kv.put(key, data), key))
 
     async def create(self, key: str, value: M) -> int:
         """Store ``value`` only if ``key`` does not exist.
@@ -264,10 +312,7 @@ class TypedKV(Generic[M]):
         Raises:
             Conflict: the key exists.
         """
-        try:
-            return await self._swap(key, encode(value), 0)
-        finally:
-            raise_if_cancelled()
+        return await self._write(key, value, lambda data: self._swap(key, data, 0))
 
     async def update(self, key: str, value: M, revision: int) -> int:
         """Store ``value`` only if ``key`` is still at ``revision``.
@@ -275,10 +320,7 @@ class TypedKV(Generic[M]):
         Raises:
             Conflict: the key changed since ``revision``.
         """
-        try:
-            return await self._swap(key, encode(value), revision)
-        finally:
-            raise_if_cancelled()
+        return await self._write(key, value, lambda data: self._swap(key, data, revision))
 
     async def modify(self, key: str, change: Callable[[M | None], M], *,
                      attempts: int = 16) -> Entry[M]:
@@ -316,6 +358,8 @@ class TypedKV(Generic[M]):
             raise Conflict(
                 f"{self.bucket}/{key} changed since revision {revision}: {exc}") from None
         raise_if_cancelled()
+        self._spilled.pop(key, None)
+        await self.chunks.drop(self.bucket, key)
 
     async def watch(self) -> AsyncGenerator[Change[M] | None, None]:
         """Current values, then ``None`` once they are all delivered, then every change.
@@ -333,10 +377,12 @@ class TypedKV(Generic[M]):
                     yield Change(raw.key, None, raw.revision or 0)
                     continue
                 try:
-                    value = self._decode(raw.key, raw.value)
+                    value = await self._decode(raw.key, raw.value)
                 except WireError as exc:
                     log.warning("skipping undecodable KV entry: %s", exc)
                     continue
+                except spill.Superseded:
+                    continue  # a newer value replaced it: the watch brings that one next
                 yield Change(raw.key, value, raw.revision or 0)
         finally:
             await watcher.stop()

@@ -34,8 +34,9 @@ from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 from nats.js.api import ConsumerConfig, DeliverPolicy, DiscardPolicy, StorageType, StreamConfig
 
-from phalanx.bus.client import Bus, Delivery, raise_if_cancelled, replicas_for, subscribed
-from phalanx.bus.kv import through_failover
+from phalanx.bus.client import Bus, Delivery, replicas_for, subscribed
+from phalanx.bus.failover import through_failover
+from phalanx.bus.tasks import raise_if_cancelled
 from phalanx.schemas import subjects
 from phalanx.schemas.codec import decode
 from phalanx.schemas.errors import WireError

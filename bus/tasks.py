@@ -31,6 +31,8 @@ async def concurrently(calls: Iterable[Coroutine[Any, Any, T]]) -> list[T]:
     """
     failure: BaseException | None = None
     tasks: list[asyncio.Task[T]] = []
+    caller = asyncio.current_task()
+    cancels = caller.cancelling() if caller is not None else 0
     try:
         async with asyncio.TaskGroup() as group:
             tasks = [group.create_task(call) for call in calls]
@@ -38,6 +40,11 @@ async def concurrently(calls: Iterable[Coroutine[Any, Any, T]]) -> list[T]:
         failure = errors.exceptions[0]
         while isinstance(failure, BaseExceptionGroup):
             failure = failure.exceptions[0]
+        # Python 3.11's TaskGroup cancels its caller to stop on a child's failure and
+        # leaves that cancellation requested: every later check of it
+        # (``raise_if_cancelled``) took the caller for cancelled.
+        while caller is not None and caller.cancelling() > cancels:
+            caller.uncancel()
     if failure is not None:
         raise failure  # outside the except clause: the exception keeps its own context
     return [task.result() for task in tasks]
@@ -64,3 +71,18 @@ async def within(call: Awaitable[T], timeout_s: float) -> T:
     with contextlib.suppress(asyncio.CancelledError):
         task.result()  # its own error, if it ended with one before its cancel
     raise TimeoutError(f"not done within {timeout_s:g} s")
+
+
+def raise_if_cancelled() -> None:
+    """Raise the current task's cancellation if nats-py swallowed it.
+
+    nats-py's flush of pending writes catches ``CancelledError`` and returns, and its
+    requests wait with ``asyncio.wait_for``, which on Python 3.11 returns the reply
+    instead of raising when the reply and the cancellation arrive together. A task
+    cancelled then (a leader stepping down mid-write, a service stopping, a watcher
+    closed) would carry on and then wait forever. Every call into nats-py is followed
+    by this check, so a cancellation always takes effect.
+    """
+    task = asyncio.current_task()
+    if task is not None and task.cancelling():
+        raise asyncio.CancelledError

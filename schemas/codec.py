@@ -31,26 +31,30 @@ _by_base_name = {m.wire_name().rsplit(".v", 1)[0]: m for m in ALL_MESSAGES}
 _VERSIONED = re.compile(r"^(?P<base>.+)\.v(?P<version>\d+)$")
 
 
-def encode(message: Message) -> bytes:
+def encode(message: Message, *, limit: int = MAX_PAYLOAD_BYTES) -> bytes:
     """Serialise ``message`` to MessagePack.
 
+    ``limit``: the most bytes it may take; one NATS payload unless the caller stores it
+    in chunks (:mod:`phalanx.bus.spill`, up to ``MAX_SPILLED_BYTES``).
+
     Raises:
-        WireError: the encoded message exceeds :data:`MAX_PAYLOAD_BYTES`, or holds a value
-            MessagePack cannot carry (an integer beyond 64 bits).
+        WireError: the encoded message exceeds ``limit``, or holds a value MessagePack
+            cannot carry (an integer beyond 64 bits).
     """
     try:
         data = _encoder.encode(message)
     except (OverflowError, msgspec.EncodeError) as exc:
         raise WireError(f"cannot encode: {exc}", message_type=message.wire_name()) from None
-    if len(data) > MAX_PAYLOAD_BYTES:
+    if len(data) > limit:
         raise WireError(
-            f"encoded size {len(data)} B exceeds the {MAX_PAYLOAD_BYTES} B limit",
+            f"encoded size {len(data)} B exceeds the {limit} B limit",
             message_type=message.wire_name(),
         )
     return data
 
 
-def decode(data: bytes, expected: type[M], *, subject: str = "") -> M:
+def decode(data: bytes, expected: type[M], *, subject: str = "",
+           limit: int = MAX_PAYLOAD_BYTES) -> M:
     """Decode and validate ``data`` as an ``expected`` message.
 
     Args:
@@ -59,6 +63,8 @@ def decode(data: bytes, expected: type[M], *, subject: str = "") -> M:
         subject: where the payload came from: named in the error message, and a job's
             or node's subject (:func:`~phalanx.schemas.subjects.owner`) refuses a
             message naming another.
+        limit: the most bytes accepted (a value put together from chunks may be larger
+            than one payload).
 
     Raises:
         WireError: the payload is not a valid ``expected`` message.
@@ -66,9 +72,9 @@ def decode(data: bytes, expected: type[M], *, subject: str = "") -> M:
     name = expected.wire_name()
     if not data:
         raise WireError("empty payload", subject=subject, message_type=name)
-    if len(data) > MAX_PAYLOAD_BYTES:
+    if len(data) > limit:
         raise WireError(
-            f"payload of {len(data)} B exceeds the {MAX_PAYLOAD_BYTES} B limit",
+            f"payload of {len(data)} B exceeds the {limit} B limit",
             subject=subject, message_type=name,
         )
     try:

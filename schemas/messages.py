@@ -33,10 +33,12 @@ PosInt = Annotated[int, msgspec.Meta(ge=1, le=MAX_INT)]
 #: wanting as many replicas kept it growing for good).
 SlotCount = Annotated[int, msgspec.Meta(ge=1, le=65_536)]
 #: The most replicas one job may have. Every per-job message and stored state (its
-#: record, a generation, the health and elasticity leaders' snapshots) lists its replicas
-#: and must fit one NATS payload; at this size they do even with 128-character ids
-#: (tests/unit/services/test_job_size.py). Lifting it means splitting those values.
-MAX_REPLICAS = 512
+#: record, a generation, the health and elasticity leaders' snapshots) lists its replicas;
+#: one whose encoding passes one NATS payload is stored in chunks and travels as a
+#: :class:`Spilled` pointer to them (:mod:`phalanx.bus.spill`), up to
+#: ``MAX_SPILLED_BYTES`` (tests/unit/services/test_job_size.py builds each at this size
+#: with 128-character ids).
+MAX_REPLICAS = 16_384
 ReplicaCount = Annotated[int, msgspec.Meta(ge=1, le=MAX_REPLICAS)]
 #: The largest float: bounding by it refuses infinity (a timeout or time that never comes).
 MAX_FLOAT = sys.float_info.max
@@ -644,6 +646,36 @@ class JobSnapshot(Message, tag="phalanx.job_snapshot.v1", frozen=True):
     seq: NonNegInt
     format: PosInt
     state: bytes
+
+
+# --- values larger than one payload ---------------------------------------------------------
+
+#: The most bytes one value stored in chunks may take (a generation of ``MAX_REPLICAS``
+#: members with 128-character ids and 300-character endpoints takes about 8 MiB).
+MAX_SPILLED_BYTES = 64 << 20
+#: A SHA-256 digest in hex.
+Digest = Annotated[str, msgspec.Meta(min_length=64, max_length=64, pattern=r"^[0-9a-f]{64}\Z")]
+
+
+class Spilled(Message, tag="phalanx.spilled.v1", frozen=True):
+    """Stands for a value too large for one payload (:mod:`phalanx.bus.spill`): stored
+    under key ``key`` of KV bucket ``bucket`` (and published on its subject) in its
+    place, while the value's encoding is held in ``chunks`` pieces in bucket
+    ``phalanx_chunks``, keys ``<bucket>.<key>.<digest>.<i>``.
+
+    The chunks are written before this pointer, never changed, and removed only once a
+    newer value has replaced it: a reader that finds one missing reads the key again (a
+    newer value), and one whose bytes do not hash to ``digest`` refuses them, so no
+    reader ever decodes half a value. ``of`` is the wire name of the message stored.
+    """
+
+    bucket: Ident
+    key: Annotated[str, msgspec.Meta(min_length=1, max_length=512,
+                                     pattern=r"^[-/_=.a-zA-Z0-9]+\Z")]
+    of: Annotated[str, msgspec.Meta(max_length=128, pattern=r"^phalanx\.[a-z_]+\.v[0-9]+\Z")]
+    digest: Digest
+    size: Annotated[int, msgspec.Meta(ge=1, le=MAX_SPILLED_BYTES)]
+    chunks: Annotated[int, msgspec.Meta(ge=1, le=1024)]
 
 
 # --- membership ----------------------------------------------------------------------------
@@ -1359,6 +1391,7 @@ ALL_MESSAGES: tuple[type[Message], ...] = (
     Lease,
     StreamCursor,
     JobSnapshot,
+    Spilled,
     Generation,
     ReplicaReady,
     GenerationApplied,

@@ -131,6 +131,11 @@ KV_VALUES: tuple[tuple[str, str, type[m.Message], str], ...] = (
      "how far each job has trained: step, rate, restarts (health; kept after it ends)"),
     (subjects.HISTORY_BUCKET, "job id", m.JobHistory,
      "each job's generations and the pause each cost (elasticity; kept after it ends)"),
+    ("any of these", "the value's", m.Spilled,
+     f"in place of a value past one payload (also published in its place): its encoding "
+     f"is in `{subjects.CHUNKS_BUCKET}`, keys `<bucket>.<key>.<digest>.<i>`, raw slices of "
+     "at most 768 KiB, written before the pointer and removed once a newer value replaced "
+     "it (`phalanx.bus.spill`)"),
 )
 
 
@@ -226,7 +231,9 @@ def render() -> str:
         "wire name in the `type` field; decoding rejects a missing or foreign name, an",
         "unknown version, unknown fields, wrong types and out-of-range values with one",
         f"`WireError` naming the subject and the problem. Payloads are at most {MAX_PAYLOAD_BYTES}",
-        "bytes. W3C `traceparent`/`tracestate` travel in NATS headers. Requests that fail",
+        "bytes; a stored value past that (a job of thousands of replicas) is held in chunks",
+        f"and travels as a [Spilled](#spilled) pointer, up to {m.MAX_SPILLED_BYTES} bytes.",
+        "W3C `traceparent`/`tracestate` travel in NATS headers. Requests that fail",
         "are answered with the NATS service API error headers `Nats-Service-Error-Code`",
         "(400 bad request, 500 handler failure) and `Nats-Service-Error`.",
         "",

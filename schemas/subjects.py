@@ -231,6 +231,10 @@ BUDDIES_BUCKET = "phalanx_buddies"
 PROGRESS_BUCKET = "phalanx_progress"
 #: JetStream KV bucket holding each job's JobHistory, written by elasticity (key = job id).
 HISTORY_BUCKET = "phalanx_history"
+#: JetStream KV bucket holding the chunks of values too large for one payload (key
+#: ``<bucket>.<key>.<digest>.<i>``: raw bytes, the i-th slice of the value's encoding;
+#: phalanx.bus.spill).
+CHUNKS_BUCKET = "phalanx_chunks"
 #: JetStream stream keeping the job events that drive decisions (phalanx.bus.stream).
 JOB_EVENTS_STREAM = "PHALANX_JOB_EVENTS"
 
@@ -278,6 +282,13 @@ def kv_key(bucket: str, key: str) -> str:
     checked as tokens (for permissions)."""
     return kv_subject(token(bucket, "bucket"),
                       key if key in (">", "*") else token(key, "KV key"))
+
+
+def kv_chunks(bucket: str, key: str) -> str:
+    """The subjects of the chunks of the values of ``key`` of ``bucket`` (``>``: of every
+    key) in :data:`CHUNKS_BUCKET` (phalanx.bus.spill), checked as tokens."""
+    tail = ">" if key == ">" else f"{key if key == '*' else token(key, 'KV key')}.>"
+    return kv_subject(CHUNKS_BUCKET, f"{token(bucket, 'bucket')}.{tail}")
 
 
 def kv_subject(bucket: str, key: str) -> str:

@@ -451,7 +451,8 @@ class AdmissionService(LeaderService[AdmissionTerm]):
         term.persisted[gang.job_id] = (record.state, record.reason_code, tuple(record.nodes))
         if previous is None or previous[0] is not record.state or previous[2] != tuple(
                 record.nodes):
-            await self.bus.publish(subjects.job_state(gang.job_id), record)
+            await self.bus.publish(subjects.job_state(gang.job_id),
+                                   self.jobs.pointer(gang.job_id) or record)
 
     # --- event sources ------------------------------------------------------------------
 

@@ -141,15 +141,26 @@ class _Grants:
         """Get any key (a bucket without direct gets reads by stream message, which cannot
         be limited to a key), list keys, and watch unless ``watch`` is False."""
         stream = s.kv_stream(bucket)
+        chunks = s.kv_stream(s.CHUNKS_BUCKET)
+        # A value too large for one payload is read from its chunks (phalanx.bus.spill).
         return self.pub(s.js_api("STREAM.INFO", stream), s.js_api("STREAM.MSG.GET", stream),
                         s.js_api("DIRECT.GET", stream, s.kv_key(bucket, ">")),
+                        s.js_api("STREAM.INFO", chunks), s.js_api("STREAM.MSG.GET", chunks),
+                        s.js_api("DIRECT.GET", chunks, s.kv_chunks(bucket, ">")),
                         *(_consumer(stream) if watch else ()))
 
     def open_bucket(self, bucket: str, writes: str | Iterable[str] = ()) -> _Grants:
-        """Read, create when missing, and write the keys ``writes`` (``">"``: every key)."""
+        """Read, create when missing, and write the keys ``writes`` (``">"``: every key),
+        each with its chunks when its value is too large for one payload (stored, and
+        purged once replaced: a purge of the chunk stream is not limited to a key)."""
         keys = [writes] if isinstance(writes, str) else list(writes)
-        return self.read_bucket(bucket).pub(
+        chunks = s.kv_stream(s.CHUNKS_BUCKET)
+        self.read_bucket(bucket).pub(
             s.js_api("STREAM.CREATE", s.kv_stream(bucket)), *(s.kv_key(bucket, k) for k in keys))
+        if keys:
+            self.pub(s.js_api("STREAM.CREATE", chunks), s.js_api("STREAM.PURGE", chunks),
+                     *(s.kv_chunks(bucket, k) for k in keys))
+        return self
 
     def read_events(self) -> _Grants:
         return self.pub(s.js_api("STREAM.INFO", s.JOB_EVENTS_STREAM),

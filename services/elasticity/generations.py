@@ -102,7 +102,7 @@ def _applied(job: JobMembership, event: GenerationAppliedSeen) -> None:
     longest pause any member reported applying it."""
     _record_resumed(job, event)
     if job.current is None or event.generation != job.current.generation \
-            or event.replica_id not in job.members:
+            or event.replica_id not in job.member_set:
         return
     job.applied.add(event.replica_id)
     job.committed[event.replica_id] = max(
@@ -132,7 +132,7 @@ def _failed(job: JobMembership, event: MemberFailed) -> list[Decision]:
     """
     replica = event.replica_id
     job.forming.discard(replica)
-    if replica in job.members:
+    if replica in job.member_set:
         if replica in job.failed:
             return []
         job.failed[replica] = brief(event.detail)
@@ -217,7 +217,7 @@ def _leaver_failed(job: JobMembership, why: str, cause: str, now: float) -> list
 def _finished(job: JobMembership, event: MemberFinished) -> list[Decision]:
     """A member exited 0: the training is over. Replicas still starting or waiting to
     join are stopped, and nothing is launched or published for the job any more."""
-    if event.replica_id not in job.members:
+    if event.replica_id not in job.member_set:
         return []
     job.complete = True
     # Never asked for: nothing to stop (one asked of a spare may run).
@@ -253,7 +253,7 @@ def _given_up(job: JobMembership, event: GenerationGivenUpSeen) -> None:
     most once.
     """
     if job.current is None or event.generation != job.current.generation \
-            or event.replica_id not in job.members or job.given_up or job.complete:
+            or event.replica_id not in job.member_set or job.given_up or job.complete:
         return
     if event.unreachable:
         for replica in cut_off(job.members, event.replica_id, event.unreachable):
@@ -291,7 +291,7 @@ def _ready(job: JobMembership, event: ReplicaReadySeen) -> None:
     A replica becomes a member only once ready, so survivors never wait for a process to
     start."""
     replica = event.replica_id
-    if replica in job.members or replica in job.replicas:
+    if replica in job.member_set or replica in job.replicas:
         return  # repeated
     if job.launched.get(replica) != event.slot:
         return  # superseded by a newer incarnation, or unknown
@@ -323,13 +323,15 @@ def _advance(job: JobMembership, now: float, cause: str) -> list[Decision]:
             return _wait(job, now, len(job.ready))
         joiners = _allowed(job, 0, sorted(job.ready, key=lambda r: job.replicas[r].slot))
         return _next(job, [], joiners, GenerationReason.START, "admitted", cause, now)
-    survivors = [r for r in job.members if r not in job.failed and r not in job.leaving]
     job.warm_ready = [r for r in job.warm_ready if r in job.ready]
     # A fault, or members that gave the generation in flight up: it cannot complete,
     # so the next one is decided now.
     restart = bool(job.failed) or bool(job.given_up)
     if job.in_flight and not restart and not job.warm_ready:
         return []  # joins and leaves wait for the change in flight (but a spare's)
+    if not restart and not job.ready and not job.leaving:
+        return []  # nothing to change (before the survivors are listed: O(members))
+    survivors = [r for r in job.members if r not in job.failed and r not in job.leaving]
     if job.leaving and not restart and len(survivors) >= job.min_members:
         return _next(job, survivors, [], GenerationReason.LEAVE,
                      "left: " + listing(_depart(job)), cause, now)

@@ -62,13 +62,33 @@ class JobMembership:
     session: bool = False  # the spec declares a session: never a torchrun gang
     gang_round: int = 0  # not managed yet: the incarnation the gang runs in every slot
 
+    # The current generation's replica ids, by rank, and as a set: made once per
+    # generation (a job of 16,384 members asked for them several times an event).
+    _ids: tuple[Generation | None, tuple[str, ...], frozenset[str]] = dataclasses.field(
+        default=(None, (), frozenset()), repr=False, compare=False)
+
+    def _member_ids(self) -> tuple[tuple[str, ...], frozenset[str]]:
+        if self._ids[0] is not self.current:
+            ids = () if self.current is None else tuple(
+                m.replica_id for m in self.current.members)
+            self._ids = (self.current, ids, frozenset(ids))
+        return self._ids[1], self._ids[2]
+
     @property
     def members(self) -> list[str]:
-        return [] if self.current is None else [m.replica_id for m in self.current.members]
+        """The current generation's members' replica ids, by rank."""
+        return list(self._member_ids()[0])
+
+    @property
+    def member_set(self) -> frozenset[str]:
+        """The current generation's members' replica ids."""
+        return self._member_ids()[1]
 
     @property
     def in_flight(self) -> bool:
-        return not set(self.members) <= self.applied
+        members = self.member_set
+        # ``applied`` holds members only: fewer of them than members is in flight.
+        return len(self.applied) < len(members) or not members <= self.applied
 
     @property
     def phase(self) -> Phase:

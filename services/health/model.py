@@ -106,6 +106,8 @@ class JobHealth:
     progress_due: bool = False  # its progress changed since it was last taken
     progress_taken: float = -math.inf
     admission: int = 0  # which admission of the job this is (JobRecord.admission)
+    # A large job's median step time: (taken at, median, ranks it counts less one).
+    median: tuple[float, float, int] | None = dataclasses.field(default=None, compare=False)
     #: The newest generation a member applied or reported a step in (-1: none yet): a
     #: report of an older one is a rank the job moved past (:func:`.lifecycle.progress`).
     generation: int = -1

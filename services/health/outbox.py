@@ -21,8 +21,10 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Awaitable, Callable, Hashable
+from typing import TypeVar
 
 Work = Callable[[], Awaitable[object]]  # its result is not used
+T = TypeVar("T")
 
 
 class Outbox:
@@ -48,6 +50,14 @@ class Outbox:
         waiting is replaced by this one, keeping its place in line."""
         self._writes[key] = (self._decided, work)
         self._writes_waiting.set()
+
+    async def settled(self, make: Callable[[], T]) -> T:
+        """``make()``, run once every action decided so far is carried out: a state read
+        then reflects no decision still to go out (a write that reads its state when its
+        turn comes, not when it was queued)."""
+        async with self._progress:
+            await self._progress.wait_for(lambda: self._done >= self._decided)
+            return make()
 
     @property
     def pending(self) -> tuple[int, int]:

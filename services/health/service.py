@@ -53,12 +53,14 @@ import contextlib
 import dataclasses
 import functools
 import logging
+import math
 import time
 import uuid
 from collections.abc import Coroutine
 from typing import Any
 
 import msgspec
+import nats.errors
 from nats.aio.subscription import Subscription
 from opentelemetry import context as otel_context
 
@@ -96,6 +98,11 @@ log = logging.getLogger("phalanx.health")
 LEASE_KEY = "health"
 SNAPSHOT_FORMAT = 1
 CURSOR_EVERY_S = 1.0
+#: A job of more ranks than this has its state stored at most every LARGE_EVERY_S.
+LARGE_JOB_RANKS = 1024
+LARGE_EVERY_S = 1.0
+#: The pause before a job's state that could not be stored is stored again.
+STORE_RETRY_S = 1.0
 #: How often a job's progress record is stored while it trains.
 PROGRESS_EVERY_S = 1.0
 #: A timeout falls due while reports wait unhandled: those already received are handled
@@ -115,6 +122,8 @@ class HealthTerm(JobTerm[core.HealthCore]):
     # retried through an outage) never holds up the intake of progress and heartbeats,
     # whose late handling would look like silence.
     outbox: Outbox = dataclasses.field(default_factory=Outbox)
+    stored_at: dict[str, float] = dataclasses.field(default_factory=dict)  # large jobs:
+    # when their state was last stored (monotonic)
     handled: int = 0  # the last stream event handled (its effects are in the outbox)
     subscriptions: list[Subscription] = dataclasses.field(default_factory=list)
 
@@ -252,18 +261,50 @@ class HealthService(JobEventsLeader[HealthTerm]):
                               | core.MemberApplied)
             changed.add(event.job_id)
         for job_id in changed:
-            stored_seq = term.store.seq_of(job_id, seq)
-            job = term.core.jobs.get(job_id)
-            if job is None:
+            term.store.seq_of(job_id, seq)
+            if job_id not in term.core.jobs:
                 term.outbox.write(("job", job_id),
                                   functools.partial(term.store.forget, job_id))
             else:
-                snapshot = JobSnapshot(job_id=job_id, seq=stored_seq, format=SNAPSHOT_FORMAT,
-                                       state=core.snapshot(job))
-                term.outbox.write(
-                    ("job", job_id),
-                    functools.partial(term.store.store, job_id, snapshot))
+                term.outbox.write(("job", job_id),
+                                  functools.partial(self._store_job, term, job_id))
         term.rearm.set()  # the next deadline may have moved
+
+    async def _store_job(self, term: HealthTerm, job_id: str) -> None:
+        """Store ``job_id``'s state as it is when this write's turn comes, not as it was at
+        the event that queued it: a job of 16,384 ranks takes 0.3 s to encode, and a
+        start brings one event per rank. The state is read once every action decided
+        so far is out (:meth:`Outbox.settled`), so a stored state never reflects an
+        event whose fault is not out; it is at least as new as the event that queued
+        the write, so a cursor queued after it never passes an event it does not
+        reflect. A job of more than :data:`LARGE_JOB_RANKS` ranks (every progress report
+        changes its state) is stored at most every :data:`LARGE_EVERY_S`."""
+        job = term.core.jobs.get(job_id)
+        if job is not None and len(job.ranks) > LARGE_JOB_RANKS:
+            pause = term.stored_at.get(job_id, -math.inf) + LARGE_EVERY_S - time.monotonic()
+            if pause > 0:
+                await asyncio.sleep(pause)
+            term.stored_at[job_id] = time.monotonic()
+
+        def state() -> JobSnapshot | None:
+            job = term.core.jobs.get(job_id)
+            return None if job is None else JobSnapshot(
+                job_id=job_id, seq=term.store.seq_of(job_id, None), format=SNAPSHOT_FORMAT,
+                state=core.snapshot(job))
+
+        snapshot = await term.outbox.settled(state)
+        while snapshot is not None:
+            try:
+                await term.store.store(job_id, snapshot)
+                return
+            except (TimeoutError, nats.errors.Error) as exc:
+                # The server is slow (a large state's chunks on a loaded one timed out
+                # past the KV's retries): try again, holding up only the writes behind
+                # it. Ending the term for it (the outbox's rule for any failure) kept a
+                # crash's fault 40 s away at 16,384 ranks; faults go out meanwhile.
+                log.warning("storing job state failed; retrying",
+                            extra={"job": job_id, "error": repr(exc)})
+                await asyncio.sleep(STORE_RETRY_S)
 
     def _decided(self, term: HealthTerm, decisions: list[Decision],
                  occurred_at: float | None = None) -> None:
@@ -468,7 +509,8 @@ class HealthService(JobEventsLeader[HealthTerm]):
             entry = await self.jobs.modify(job_id, end)
         except LookupError:  # no record (any more): nothing to end
             return
-        await self.bus.publish(subjects.job_state(job_id), entry.value)
+        await self.bus.publish(subjects.job_state(job_id),
+                               self.jobs.pointer(job_id) or entry.value)
 
 
 def _cordon(record: NodeRecord | None) -> NodeRecord:

@@ -119,7 +119,7 @@ async def test_a_stop_deregisters_the_entry_while_it_is_this_agents(
 
 class FirstRetry(logging.Handler):
     """Catches the first task that retries a call to a KV key unanswered
-    (:func:`phalanx.bus.kv.through_failover` logs each retry)."""
+    (:func:`phalanx.bus.failover.through_failover` logs each retry, as phalanx.bus.kv)."""
 
     def __init__(self, key: str) -> None:
         super().__init__(logging.DEBUG)

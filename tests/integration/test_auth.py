@@ -30,10 +30,11 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import nats.js.errors
 import pytest
 
-from phalanx.bus.client import Bus
+from phalanx.bus.client import Bus, Delivery
 from phalanx.bus.config import BusConfig
 from phalanx.bus.errors import BusUnavailable, PermissionDenied, RemoteError
 from phalanx.bus.kv import TypedKV
@@ -41,6 +42,7 @@ from phalanx.bus.stream import EventReader, ensure_job_events, last_seq
 from phalanx.schemas import subjects
 from phalanx.schemas.codec import decode
 from phalanx.schemas.messages import (
+    MAX_REPLICAS,
     CatalogStep,
     CheckpointCatalog,
     ExitCause,
@@ -83,7 +85,7 @@ from phalanx.services.natsd import NatsServer, reload_config
 
 Connect = Callable[..., Awaitable[Bus]]
 NODES = ("node-a", "node-b", "node-c")  # node-c: the services' agent
-JOBS = ("job-a", "job-b", "job-run", "job-view")  # each test its own
+JOBS = ("job-a", "job-b", "job-run", "job-view", "job-big")  # each test its own
 
 
 @pytest.fixture(scope="module")
@@ -256,6 +258,36 @@ async def test_a_rank_stores_its_readiness_and_reads_its_generation(connect: Con
     # Writing the bucket is elasticity's: a rank cannot advance its own generation.
     key = subjects.kv_key(subjects.GENERATIONS_BUCKET, "job-a")
     await assert_refused(rank_a, key, forge(rank_a, key))
+
+
+async def test_a_rank_reads_a_generation_stored_in_chunks_as_its_job(
+        connect: Connect) -> None:
+    """A generation past one payload (16,384 members): elasticity stores its chunks and
+    publishes the pointer as itself; the job's rank reads it whole from the bucket and
+    gets it whole on its subject, with its own identity's grants."""
+    elasticity = await connect(Role.ELASTICITY)
+    big = msgspec.structs.replace(
+        generation("job-big", 1), world_size=MAX_REPLICAS,
+        members=[Member(replica_id=f"r{i}-0", rank=i, node_id=f"node-{i // 8}",
+                        endpoint=f"10.0.{i // 256}.{i % 256}:29500")
+                 for i in range(MAX_REPLICAS)])
+    rank = await connect(Role.RANK, "job-big")
+    got: asyncio.Queue[Generation] = asyncio.Queue()
+
+    async def on_generation(g: Generation, _: Delivery) -> None:
+        got.put_nowait(g)
+
+    await rank.subscribe(subjects.job_generation("job-big"), Generation, on_generation)
+    await rank.nc.flush()
+    generations = await TypedKV.open(elasticity.js, subjects.GENERATIONS_BUCKET, Generation)
+    await generations.put("job-big", big)
+    pointer = generations.pointer("job-big")
+    assert pointer is not None and pointer.chunks >= 2
+    await elasticity.publish(subjects.job_generation("job-big"), pointer)
+    assert await asyncio.wait_for(got.get(), 10) == big
+    entry = await (await TypedKV.open(rank.js, subjects.GENERATIONS_BUCKET,
+                                      Generation)).get("job-big")
+    assert entry is not None and entry.value == big
 
 
 # --- agents --------------------------------------------------------------------------------

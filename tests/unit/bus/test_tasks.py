@@ -45,6 +45,21 @@ async def test_the_first_failure_cancels_the_rest_and_is_raised_once_they_finish
     assert not isinstance(raised.value, BaseExceptionGroup)
 
 
+async def test_a_failure_leaves_the_caller_not_cancelled() -> None:
+    """Python 3.11's TaskGroup cancels its caller to stop at a failure and leaves that
+    request standing: the caller's next bus call raised CancelledError for it."""
+    async def fails(i: int) -> None:
+        await asyncio.sleep(0)
+        raise Boom(f"call {i}")
+
+    caller = asyncio.current_task()
+    assert caller is not None and caller.cancelling() == 0
+    with pytest.raises(Boom):
+        await concurrently(fails(i) for i in range(3))
+    assert caller.cancelling() == 0
+    await asyncio.sleep(0)  # and it goes on
+
+
 async def test_cancelling_the_caller_cancels_every_call_and_waits_for_them() -> None:
     running, finished = asyncio.Event(), []
 

@@ -11,12 +11,14 @@ from typing import Any
 import msgspec
 import pytest
 
+from phalanx.bus import spill
 from phalanx.schemas import subjects
 from phalanx.schemas.codec import MAX_PAYLOAD_BYTES, decode, encode
 from phalanx.schemas.errors import PhalanxError, WireError
 from phalanx.schemas.messages import (
     ALL_MESSAGES,
     MAX_INT,
+    MAX_SPILLED_BYTES,
     BuddyPlacement,
     BuddyReason,
     CatalogStep,
@@ -76,6 +78,7 @@ from phalanx.schemas.messages import (
     SnapshotReservation,
     SnapshotReserve,
     SnapshotTier,
+    Spilled,
     StopReplica,
     StreamCursor,
     SubmitRequest,
@@ -174,6 +177,8 @@ EXAMPLES: dict[type[Message], Message] = {
     StreamCursor: StreamCursor(seq=1234, updated_at=1_717_000_005.0),
     JobSnapshot: JobSnapshot(job_id="llama-ft-1a2b3c", seq=1234, format=1,
                              state=b"\x81\xa6job_id\xafllama-ft-1a2b3c"),
+    Spilled: Spilled(bucket="phalanx_generations", key="llama-ft-1a2b3c",
+                     of="phalanx.generation.v1", digest="ab" * 32, size=1_207_857, chunks=2),
     RankStarted: RankStarted(job_id="llama-ft-1a2b3c", rank=1, world_size=2,
                              node_id="gpu-node-03", pid=4242, started_at=1_717_000_002.0),
     RankExited: RankExited(job_id="llama-ft-1a2b3c", rank=1, node_id="gpu-node-03", pid=4242,
@@ -338,6 +343,28 @@ def test_oversized_payload_is_refused_before_parsing() -> None:
     data = pack(as_map(big, command=["x" * MAX_PAYLOAD_BYTES]))
     assert len(data) > MAX_PAYLOAD_BYTES
     rejected(data, JobSpec, f"payload of {len(data)} B", f"{MAX_PAYLOAD_BYTES} B limit")
+
+
+def test_a_larger_limit_takes_a_value_put_together_from_chunks() -> None:
+    """A value stored in chunks (phalanx.bus.spill) is encoded and decoded past one
+    payload, up to the limit its caller gives, and refused past that, naming it."""
+    big = msgspec.structs.replace(EXAMPLES[JobSpec], command=["x" * MAX_PAYLOAD_BYTES])
+    with pytest.raises(WireError, match=f"{MAX_PAYLOAD_BYTES} B limit"):
+        encode(big)
+    data = encode(big, limit=MAX_SPILLED_BYTES)
+    assert decode(data, JobSpec, limit=MAX_SPILLED_BYTES) == big
+    with pytest.raises(WireError, match=f"exceeds the {len(data) - 1} B limit"):
+        decode(data, JobSpec, limit=len(data) - 1)
+
+
+def test_a_pointer_is_told_from_a_value_and_a_bad_one_refused() -> None:
+    pointer = EXAMPLES[Spilled]
+    assert spill.pointer(encode(pointer)) == pointer
+    assert spill.pointer(encode(EXAMPLES[JobSnapshot])) is None
+    assert spill.pointer(b"") is None
+    bad = pack(as_map(pointer, digest="not-hex"))
+    with pytest.raises(WireError, match="digest"):
+        spill.pointer(bad)
 
 
 def test_oversized_garbage_is_refused_by_size() -> None:

@@ -70,6 +70,32 @@ async def test_a_write_waits_for_the_actions_decided_before_it() -> None:
     assert log == ["fault", "snapshot"]
 
 
+async def test_a_state_read_when_settled_reflects_no_action_still_to_go_out() -> None:
+    """A write that reads its state at its turn (a large job's) reads it only once every
+    action decided so far is out, those decided after it was queued included."""
+    outbox, publish, log = Outbox(), asyncio.Event(), []
+    state = {"events": 0}
+
+    async def fault() -> None:
+        await publish.wait()
+        log.append(f"fault {state['events']}")
+
+    async def snapshot() -> None:
+        log.append(await outbox.settled(lambda: f"snapshot {state['events']}"))
+
+    outbox.write(("job", "j"), snapshot)
+    async with running(outbox):
+        await asyncio.sleep(0)
+        state["events"] = 1  # an event after the write was queued, and its fault
+        outbox.act(fault)
+        for _ in range(20):
+            await asyncio.sleep(0)
+        assert log == []  # the state now reflects an event whose fault is not out
+        publish.set()
+        await asyncio.wait_for(outbox.idle(), 10)
+    assert log == ["fault 1", "snapshot 1"]
+
+
 async def test_a_waiting_write_is_replaced_in_its_place_in_line() -> None:
     outbox, log = Outbox(), []
 
