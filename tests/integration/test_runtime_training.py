@@ -233,6 +233,21 @@ async def test_an_aborted_step_never_steps_the_scheduler_and_a_repaired_step_rep
             await job.start(replica, slot, {"PHALANX_CHAOS_KILL": "r2-0:12:allreduce"})
         await job.publish(["r0-0", "r1-0", "r2-0"], GenerationReason.START)
         assert await asyncio.wait_for(job.processes["r2-0"].wait(), 120) == -9
+
+        def in_step_12(replica: str) -> bool:  # its step 12 recorded: in the all-reduce
+            lines = record.read(tmp_path / "rec").get(replica, [])
+            return any(line["kind"] == "batch" and line["step"] == 12 for line in lines)
+
+        # The fault generation once both survivors wait in step 12's all-reduce, so that
+        # they keep its gradients: a slow one would otherwise be told before it got
+        # there and run step 12 anew, repairing nothing (seen under load). One still
+        # completing step 11's collective, which gloo finished on the dead rank first,
+        # never gets there (seen once in seven CI runs): hence the bound.
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(20):
+                # No message says so, only their record files: read again and again.
+                while not (in_step_12("r0-0") and in_step_12("r1-0")):  # noqa: ASYNC110
+                    await asyncio.sleep(0.05)
         await job.publish(["r0-0", "r1-0"], GenerationReason.FAULT)
         # The survivors exit as Python does, holding a group abandoned on a dead peer:
         # with the script's own status, after every atexit handler.
@@ -242,18 +257,20 @@ async def test_an_aborted_step_never_steps_the_scheduler_and_a_repaired_step_rep
     records = record.read(tmp_path / "rec")
     repaired = {line["step"] for lines in records.values() for line in lines
                 if line["kind"] == "batch" and line["kept"] > 0}
-    # The kill is in step 12's all-reduce. Its peers are usually inside it too, but may
-    # still be completing step 11's (gloo finished it on the dead rank first; seen once
-    # in seven CI runs): then they abort and repair step 11. Either way, one step.
+    # One step repaired: 12, or 11 when both survivors were still completing it; one
+    # left in step 11 while the other kept step 12 takes the other's state instead.
     assert len(repaired) == 1 and repaired <= {11, 12}, repaired
     for replica in ("r0-0", "r1-0"):
         got = job.result(replica)
         assert_same_state(got, reference)  # the scheduler too: stepped once per commit
         assert got["scheduler"]["last_epoch"] == 40
-        # Each survivor committed every step, the repaired one once, and the script saw
-        # each commit once.
+        # Each survivor committed every step once, but those a peer's state gave it, and
+        # the script saw each commit once.
         committed = [line["step"] for line in records[replica] if line["kind"] == "commit"]
-        assert committed == list(range(40))
+        adopted = {step for line in records[replica] if line["kind"] == "adopt"
+                   for step in range(line["step"]) if step not in committed}
+        assert committed == sorted(set(committed))
+        assert set(committed) | adopted == set(range(40)) and len(adopted) <= 1, adopted
         assert sorted(got["losses"]) == committed
         # Every step's loss is the whole global batch's, the repaired one's included.
         for step, loss in got["losses"].items():
