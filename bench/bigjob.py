@@ -40,6 +40,7 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
+from phalanx.bench.run_processes import stop_all
 from phalanx.bus import spill
 from phalanx.bus.client import Bus, Delivery
 from phalanx.bus.config import BusConfig
@@ -117,20 +118,7 @@ def measure(args: argparse.Namespace, replicas: int) -> dict[str, Any]:
             result.update(_members(result.pop("times"), gens))
             result["generators_lost"] = len(outs) - len(gens)
         finally:
-            for group in procs.values():
-                for p in group:
-                    if p.poll() is None:
-                        p.terminate()
-            for group in procs.values():
-                for p in group:
-                    try:
-                        p.wait(20)
-                    except subprocess.TimeoutExpired:
-                        p.kill()
-            server.stop()
-            if args.show_logs:
-                for log_path in sorted(Path(tmp).glob("*.log")):
-                    print(f"--- {log_path.name}", log_path.read_text()[-3000:], file=sys.stderr)
+            stop_all(procs, server, Path(tmp) if args.show_logs else None)
     result["loadavg_before"] = [round(x, 2) for x in load_before]
     result["loadavg_after"] = [round(x, 2) for x in os.getloadavg()]
     return result

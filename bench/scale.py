@@ -80,6 +80,7 @@ from pathlib import Path
 from typing import Any
 
 from phalanx.bench.results import append, utc_date
+from phalanx.bench.run_processes import stop_all
 from phalanx.bus.client import Bus, Delivery
 from phalanx.bus.config import BusConfig
 from phalanx.bus.errors import RemoteError
@@ -242,20 +243,7 @@ def _measure(args: argparse.Namespace, nodes: int) -> dict[str, Any]:
             # is missing from the figures: they are incomplete, and say so.
             result["generators_lost"] = lost
         finally:
-            for group in procs.values():
-                for p in group:
-                    if p.poll() is None:
-                        p.terminate()
-            for group in procs.values():
-                for p in group:
-                    try:
-                        p.wait(20)
-                    except subprocess.TimeoutExpired:
-                        p.kill()
-            server.stop()
-            if args.show_logs:
-                for log_path in sorted(Path(tmp).glob("*.log")):
-                    print(f"--- {log_path.name}", log_path.read_text()[-3000:], file=sys.stderr)
+            stop_all(procs, server, Path(tmp) if args.show_logs else None)
     result["loadavg_before"] = [round(x, 2) for x in load_before]
     result["loadavg_after"] = [round(x, 2) for x in os.getloadavg()]
     return result
