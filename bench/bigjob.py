@@ -34,13 +34,11 @@ import os
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 from collections import defaultdict
-from pathlib import Path
 from typing import Any
 
-from phalanx.bench.run_processes import stop_all
+from phalanx.bench.run_processes import simulated_run
 from phalanx.bus import spill
 from phalanx.bus.client import Bus, Delivery
 from phalanx.bus.config import BusConfig
@@ -62,7 +60,6 @@ from phalanx.schemas.messages import (
 )
 from phalanx.services.client import AdmissionClient
 from phalanx.services.natsd import NatsServer
-from phalanx.services.ports import free_port
 
 SLOTS = 8
 JOB = "big-job"
@@ -74,51 +71,38 @@ def measure(args: argparse.Namespace, replicas: int) -> dict[str, Any]:
 
     nodes = -(-replicas // SLOTS)
     load_before = os.getloadavg()
-    with tempfile.TemporaryDirectory() as tmp, contextlib.ExitStack() as files:
-        http_port = free_port()
-        conf = Path(tmp, "nats.conf")
-        conf.write_text(f"http: 127.0.0.1:{http_port}\n")
-        server = NatsServer(Path(tmp, "js"), port=free_port(), config_file=conf).start()
-        procs: dict[str, list[subprocess.Popen[bytes]]] = defaultdict(list)
-        env = {**os.environ, settings.NATS_URL: server.url,
-               settings.HEALTH("node_timeout_s"): str(5 * args.big_heartbeat_s),
-               settings.ADMISSION("lost_after_s"): str(5 * args.big_heartbeat_s)}
-        try:
-            for name in SERVICES:
-                log = files.enter_context(Path(tmp, f"{name}.log").open("wb"))
-                procs[name].append(subprocess.Popen(
-                    [sys.executable, "-m", f"phalanx.services.{name}", "--log-level", "WARNING"],
-                    env=env, stdout=log, stderr=log))
-            outs = []
-            starts = list(range(0, nodes, args.big_per_process))
-            for i, first in enumerate(starts):
-                count = min(args.big_per_process, nodes - first)
-                out = Path(tmp, f"gen-{first}.json")
-                outs.append(out)
-                log = files.enter_context(Path(tmp, f"gen-{first}.log").open("wb"))
-                procs["loadgen"].append(subprocess.Popen(
-                    [sys.executable, str(LOADGEN), "--url", server.url, "--first", str(first),
-                     "--nodes", str(count), "--out", str(out),
-                     "--heartbeat-s", str(args.big_heartbeat_s),
-                     "--step-s", str(args.big_step_s),
-                     "--crashes", "1" if i == len(starts) - 1 else "0"], stderr=log))
-            meter = Meter(procs, server, http_port)
-            began = meter.sample()
-            _wait_ready(outs, 300.0)
-            result = asyncio.run(_drive(args, replicas, nodes, server, procs))
-            result["usage"] = meter.between(began, meter.sample())
-            for p in procs["loadgen"]:
-                p.send_signal(signal.SIGTERM)
-            for p in procs["loadgen"]:
-                try:
-                    p.wait(120)
-                except subprocess.TimeoutExpired:
-                    p.kill()
-            gens = [json.loads(o.read_text()) for o in outs if o.exists()]
-            result.update(_members(result.pop("times"), gens))
-            result["generators_lost"] = len(outs) - len(gens)
-        finally:
-            stop_all(procs, server, Path(tmp) if args.show_logs else None)
+    env = {settings.HEALTH("node_timeout_s"): str(5 * args.big_heartbeat_s),
+           settings.ADMISSION("lost_after_s"): str(5 * args.big_heartbeat_s)}
+    with simulated_run(SERVICES, env, args.show_logs) as run:
+        server, procs = run.server, run.procs
+        outs = []
+        starts = list(range(0, nodes, args.big_per_process))
+        for i, first in enumerate(starts):
+            count = min(args.big_per_process, nodes - first)
+            out = run.folder / f"gen-{first}.json"
+            outs.append(out)
+            log = run.log(f"gen-{first}")
+            procs["loadgen"].append(subprocess.Popen(
+                [sys.executable, str(LOADGEN), "--url", server.url, "--first", str(first),
+                 "--nodes", str(count), "--out", str(out),
+                 "--heartbeat-s", str(args.big_heartbeat_s),
+                 "--step-s", str(args.big_step_s),
+                 "--crashes", "1" if i == len(starts) - 1 else "0"], stderr=log))
+        meter = Meter(procs, server, run.http_port)
+        began = meter.sample()
+        _wait_ready(outs, 300.0)
+        result = asyncio.run(_drive(args, replicas, nodes, server, procs))
+        result["usage"] = meter.between(began, meter.sample())
+        for p in procs["loadgen"]:
+            p.send_signal(signal.SIGTERM)
+        for p in procs["loadgen"]:
+            try:
+                p.wait(120)
+            except subprocess.TimeoutExpired:
+                p.kill()
+        gens = [json.loads(o.read_text()) for o in outs if o.exists()]
+        result.update(_members(result.pop("times"), gens))
+        result["generators_lost"] = len(outs) - len(gens)
     result["loadavg_before"] = [round(x, 2) for x in load_before]
     result["loadavg_after"] = [round(x, 2) for x in os.getloadavg()]
     return result

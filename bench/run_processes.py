@@ -1,13 +1,64 @@
-"""The processes of a simulated-cluster bench run (bench/scale.py, bench/bigjob.py), stopped
-together at its end, whatever state the run left them in."""
+"""The processes of a simulated-cluster bench run (bench/scale.py, bench/bigjob.py): a
+nats-server with its monitoring port, the control-plane services, and whatever the run
+adds (its load generators), started in one temporary folder and stopped together at the
+run's end, whatever state it left them in."""
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
+import os
 import subprocess
 import sys
+import tempfile
+from collections import defaultdict
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
+from typing import BinaryIO
 
+from phalanx.schemas import settings
 from phalanx.services.natsd import NatsServer
+from phalanx.services.ports import free_port
+
+
+@dataclasses.dataclass
+class SimulatedRun:
+    """A run's folder, server and processes (by kind: each service's name, ``loadgen``)."""
+
+    folder: Path
+    server: NatsServer
+    http_port: int  # the server's monitoring port (``/varz``)
+    procs: dict[str, list[subprocess.Popen[bytes]]]
+    files: contextlib.ExitStack
+
+    def log(self, name: str) -> BinaryIO:
+        """``<name>.log`` in the run's folder, open for the run's length."""
+        return self.files.enter_context((self.folder / f"{name}.log").open("wb"))
+
+
+@contextlib.contextmanager
+def simulated_run(services: Sequence[str], env: Mapping[str, str] | None = None,
+                  show_logs: bool = False) -> Iterator[SimulatedRun]:
+    """A nats-server and an instance of each of ``services`` (this environment and
+    ``env``, at WARNING); at the end every process of the run is stopped (:func:`stop_all`),
+    the end of each log on stderr with ``show_logs``."""
+    with tempfile.TemporaryDirectory() as tmp, contextlib.ExitStack() as files:
+        folder = Path(tmp)
+        http_port = free_port()
+        conf = folder / "nats.conf"
+        conf.write_text(f"http: 127.0.0.1:{http_port}\n")
+        server = NatsServer(folder / "js", port=free_port(), config_file=conf).start()
+        run = SimulatedRun(folder, server, http_port, defaultdict(list), files)
+        try:
+            environment = {**os.environ, settings.NATS_URL: server.url, **(env or {})}
+            for name in services:
+                log = run.log(name)
+                run.procs[name].append(subprocess.Popen(
+                    [sys.executable, "-m", f"phalanx.services.{name}", "--log-level", "WARNING"],
+                    env=environment, stdout=log, stderr=log))
+            yield run
+        finally:
+            stop_all(run.procs, server, folder if show_logs else None)
 
 
 def stop_all(procs: dict[str, list[subprocess.Popen[bytes]]], server: NatsServer,

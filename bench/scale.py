@@ -72,7 +72,6 @@ import os
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 import urllib.request
 from collections import defaultdict
@@ -80,12 +79,12 @@ from pathlib import Path
 from typing import Any
 
 from phalanx.bench.results import append, utc_date
-from phalanx.bench.run_processes import stop_all
+from phalanx.bench.run_processes import simulated_run
 from phalanx.bus.client import Bus, Delivery
 from phalanx.bus.config import BusConfig
 from phalanx.bus.errors import RemoteError
 from phalanx.bus.kv import TypedKV
-from phalanx.schemas import settings, subjects
+from phalanx.schemas import subjects
 from phalanx.schemas.messages import (
     Fault,
     FaultKind,
@@ -100,7 +99,6 @@ from phalanx.schemas.messages import (
 from phalanx.services.client import AdmissionClient
 from phalanx.services.health.core import HealthPolicy
 from phalanx.services.natsd import NatsServer
-from phalanx.services.ports import free_port
 
 SERVICES = ("admission", "health", "elasticity")
 NODE_TIMEOUT_S = HealthPolicy().node_timeout_s  # the services run with the defaults
@@ -195,55 +193,42 @@ def spec(least: int = 4, most: int = 8) -> JobSpec:
 
 def _measure(args: argparse.Namespace, nodes: int) -> dict[str, Any]:
     load_before = os.getloadavg()
-    with tempfile.TemporaryDirectory() as tmp, contextlib.ExitStack() as files:
-        http_port = free_port()
-        conf = Path(tmp, "nats.conf")
-        conf.write_text(f"http: 127.0.0.1:{http_port}\n")
-        server = NatsServer(Path(tmp, "js"), port=free_port(), config_file=conf).start()
-        procs: dict[str, list[subprocess.Popen[bytes]]] = defaultdict(list)
-        env = {**os.environ, settings.NATS_URL: server.url}
+    with simulated_run(SERVICES, show_logs=args.show_logs) as run:
+        server, procs = run.server, run.procs
+        outs = []
+        # The first generator simulates the rack (frozen in its phase); no crash there.
+        starts = [0, *range(args.rack, nodes, args.per_process)]
+        for first, end in zip(starts, [*starts[1:], nodes], strict=True):
+            count = end - first
+            out = run.folder / f"gen-{first}.json"
+            outs.append(out)
+            share = 0 if first == 0 else args.crashes * count // (nodes - args.rack)
+            log = run.log(f"gen-{first}")
+            procs["loadgen"].append(subprocess.Popen(
+                [sys.executable, str(LOADGEN), "--url", server.url, "--first", str(first),
+                 "--nodes", str(count), "--out", str(out), "--crashes", str(share)],
+                stderr=log))
+        meter = Meter(procs, server, run.http_port)
+        spawned = meter.sample()
         try:
-            for name in SERVICES:
-                log = files.enter_context(Path(tmp, f"{name}.log").open("wb"))
-                procs[name].append(subprocess.Popen(
-                    [sys.executable, "-m", f"phalanx.services.{name}", "--log-level", "WARNING"],
-                    env=env, stdout=log, stderr=log))
-            outs = []
-            # The first generator simulates the rack (frozen in its phase); no crash there.
-            starts = [0, *range(args.rack, nodes, args.per_process)]
-            for first, end in zip(starts, [*starts[1:], nodes], strict=True):
-                count = end - first
-                out = Path(tmp, f"gen-{first}.json")
-                outs.append(out)
-                share = 0 if first == 0 else args.crashes * count // (nodes - args.rack)
-                log = files.enter_context(Path(tmp, f"gen-{first}.log").open("wb"))
-                procs["loadgen"].append(subprocess.Popen(
-                    [sys.executable, str(LOADGEN), "--url", server.url, "--first", str(first),
-                     "--nodes", str(count), "--out", str(out), "--crashes", str(share)],
-                    stderr=log))
-            meter = Meter(procs, server, http_port)
-            spawned = meter.sample()
+            result = asyncio.run(_drive(args, nodes, server, procs, outs, meter))
+        except Exception as exc:
+            raise SizeFailed(f"{type(exc).__name__}: {exc}"[:300],
+                             meter.between(spawned, meter.sample())) from exc
+        lost = 0
+        for p, out in zip(procs["loadgen"], outs, strict=True):
             try:
-                result = asyncio.run(_drive(args, nodes, server, procs, outs, meter))
-            except Exception as exc:
-                raise SizeFailed(f"{type(exc).__name__}: {exc}"[:300],
-                                 meter.between(spawned, meter.sample())) from exc
-            lost = 0
-            for p, out in zip(procs["loadgen"], outs, strict=True):
-                try:
-                    p.wait(120)
-                except subprocess.TimeoutExpired:  # saturated past answering its SIGTERM
-                    p.kill()
-                lost += not out.exists()
-            gens = [json.loads(o.read_text()) for o in outs if o.exists()]
-            if not any(g["first"] == 0 for g in gens):
-                raise RuntimeError("the rack's generator wrote no result")
-            result = _judge(nodes, gens, rack=args.rack, **result)
-            # What a lost generator saw (its crashes, the generations its ranks received)
-            # is missing from the figures: they are incomplete, and say so.
-            result["generators_lost"] = lost
-        finally:
-            stop_all(procs, server, Path(tmp) if args.show_logs else None)
+                p.wait(120)
+            except subprocess.TimeoutExpired:  # saturated past answering its SIGTERM
+                p.kill()
+            lost += not out.exists()
+        gens = [json.loads(o.read_text()) for o in outs if o.exists()]
+        if not any(g["first"] == 0 for g in gens):
+            raise RuntimeError("the rack's generator wrote no result")
+        result = _judge(nodes, gens, rack=args.rack, **result)
+        # What a lost generator saw (its crashes, the generations its ranks received)
+        # is missing from the figures: they are incomplete, and say so.
+        result["generators_lost"] = lost
     result["loadavg_before"] = [round(x, 2) for x in load_before]
     result["loadavg_after"] = [round(x, 2) for x in os.getloadavg()]
     return result
