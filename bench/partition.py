@@ -51,7 +51,6 @@ import json
 import os
 import random
 import signal
-import subprocess
 import sys
 import tempfile
 import time
@@ -59,6 +58,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from phalanx.bench.chaos import ARGS, SAMPLES, SCRIPT, fault_free, prepare
 from phalanx.bench.partition_harness import (
     BUS,
     NamespacedCluster,
@@ -94,9 +94,6 @@ from phalanx.services.agent import fence
 from phalanx.services.client import AdmissionClient
 from phalanx.services.lease import ACTS_FOR
 
-SCRIPT = Path(__file__).resolve().parents[1] / "examples" / "train_mlp.py"
-SAMPLES = 640
-ARGS = ["--widths", "64,128,64", "--samples", str(SAMPLES), "--micro-batch", "8"]
 ORDER = ElasticOrder(SAMPLES, 64, seed=0)
 STEPS = 400
 PACE_S = 0.05  # the job's pace until its fault is dealt with (runtime/chaos.py)
@@ -391,20 +388,6 @@ class Bench:
                 "checks": checks, "generations": [g.world_size for g in generations]}
 
 
-def prepare(work: Path) -> dict[str, Any]:
-    """The data set and the script alone (the reference parameters)."""
-    import torch
-
-    subprocess.run([sys.executable, str(SCRIPT), "--prepare", "--data-dir",
-                    str(work / "data"), *ARGS], check=True, timeout=120)
-    env = {k: v for k, v in os.environ.items() if not k.startswith(settings.PREFIX)}
-    subprocess.run([sys.executable, str(SCRIPT), "--data-dir", str(work / "data"), *ARGS,
-                    "--steps", str(STEPS), "--save", str(work / "reference.pt")],
-                   check=True, timeout=600, env={**env, environment.DETERMINISTIC: "1"})
-    reference: dict[str, Any] = torch.load(work / "reference.pt")
-    return reference
-
-
 def schedule(kinds: list[str], faults: int, seed: int) -> list[str]:
     """``faults`` kinds: rounds of every kind once, each round in a seeded order."""
     rng = random.Random(seed)
@@ -429,7 +412,8 @@ async def run(work: Path, kinds: list[str], faults: int, seed: int,
               cut_s: float) -> dict[str, Any]:
     started = time.monotonic()
     load_before = os.getloadavg()
-    reference = prepare(work)
+    prepare(work)
+    reference = fault_free(work, STEPS)
     # A node cut off, or whose rank is killed, is not a bad node: never cordoned here.
     os.environ[settings.HEALTH("cordon_faults")] = "1000000"
     os.environ[settings.ELASTICITY("max_replacements")] = "1000000"
