@@ -20,6 +20,10 @@ process, on loopback.
   the store first (the generation has a new rank 0: the job's first, or its rank 0
   died). Off by default: on this project's VMs (gVisor) about one torch store client
   connect in 25 stalls for 5 s (plain sockets do not), so cold figures measure that.
+* **The store**: torch's ``TCPStore`` (libuv), as a job without a rendezvous secret
+  hosts it; with ``--secured``, the members-only store a job with one hosts
+  (:mod:`phalanx.runtime.store`: every connection proves the job's secret first, one
+  thread serves them all) and its client, plain sockets.
 * **Baseline**: torch's store barrier, as torchrun's c10d rendezvous and torch
   elastic's agents use it (``torch.distributed.elastic.utils.store.barrier``: an
   ``add``, a ``set`` by the last member, a ``wait`` on its key), called by the same
@@ -39,12 +43,14 @@ line of output is one JSON object; unless ``--no-record`` a section is appended 
 bench/RESULTS.md. The exit status is 1 when a target is missed or a
 member failed.
 
-Run: ``.venv/bin/python bench/rendezvous.py [--members 1024 4096 16384] [--repeat 3]``
+Run: ``.venv/bin/python bench/rendezvous.py [--members 1024 4096 16384] [--repeat 3]
+[--secured]``
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
 import multiprocessing
@@ -64,8 +70,9 @@ import torch.distributed as dist
 from torch.distributed.elastic.utils.store import barrier
 
 from phalanx.bench.results import RESULTS_PATH, append, command_line, utc_date
-from phalanx.runtime.group import Waits, arrive, host_store
+from phalanx.runtime.group import Waits, arrive, host_store, store_client
 from phalanx.runtime.inbox import Inbox
+from phalanx.schemas import environment
 from phalanx.schemas.messages import Generation, GenerationReason, Member
 
 T = TypeVar("T")
@@ -78,6 +85,8 @@ CONNECTING = 512
 TARGET_S = 1.0
 TARGET_MEMBERS = 16_000
 PHALANX, TORCH = "phalanx", "torch"
+#: Which store the members meet on, by ``--secured``.
+STORES = {False: "torch's TCPStore, libuv", True: "the members-only store, runtime/store.py"}
 VARIANTS: list[tuple[str, bool]] = [(PHALANX, True), (TORCH, True), (PHALANX, False),
                                     (TORCH, False)]
 WARM: list[tuple[str, bool]] = [(kind, cold) for kind, cold in VARIANTS if not cold]
@@ -94,9 +103,18 @@ class InlineWaits(Waits):
         return call()
 
 
-def connection(port: int) -> dist.TCPStore:
-    """A member's connection to the store, as :func:`arrive` makes it."""
-    return dist.TCPStore("127.0.0.1", port, is_master=False, timeout=TIMEOUT)
+def connection(port: int, secret: bytes | None) -> dist.Store:
+    """A member's connection to the store, as :func:`arrive` makes it: torch's client, or
+    with the job's ``secret`` the one that proves it."""
+    return store_client("127.0.0.1", port, TIMEOUT, secret)
+
+
+@dataclasses.dataclass(frozen=True)
+class HostedAt:
+    """Where the store the member of rank 0 hosts listens (hosted by the main process
+    here): all :func:`arrive` reads of a replica's own store."""
+
+    port: int
 
 
 def generation(members: int, port: int, namespace: str) -> Generation:
@@ -120,9 +138,10 @@ class Round:
     """One round of a worker's members: each thread waits for ``go``, rendezvouses and
     notes when it returned."""
 
-    def __init__(self, order: dict[str, Any], ranks: range, port: int, own: dist.TCPStore,
-                 pool: list[dist.TCPStore]) -> None:
-        self.order, self.ranks, self.port, self.own, self.pool = order, ranks, port, own, pool
+    def __init__(self, order: dict[str, Any], ranks: range, port: int, secret: bytes | None,
+                 pool: list[dist.Store]) -> None:
+        self.order, self.ranks, self.port, self.secret, self.pool = (order, ranks, port,
+                                                                      secret, pool)
         self.go = threading.Event()
         self.ends = [0.0] * len(ranks)
         self.failures: list[str] = []
@@ -141,9 +160,10 @@ class Round:
                 stores: dict[str, dist.Store] = {} if pooled is None else {
                     self.generation.members[0].endpoint: pooled}
                 waits = InlineWaits(Inbox(f"m{rank}"), lambda: None)
-                arrive(waits, stores, (f"m{rank}", self.own), self.generation, TIMEOUT, never)
+                own: Any = HostedAt(self.port)  # duck-typed: arrive reads its port alone
+                arrive(waits, stores, (f"m{rank}", own), self.generation, TIMEOUT, never)
             else:
-                store = pooled if pooled is not None else connection(self.port)
+                store = pooled if pooled is not None else connection(self.port, self.secret)
                 barrier(store, order["members"], key_prefix=f"{order['namespace']}/",
                         barrier_timeout=TIMEOUT.total_seconds())
         except Exception as exc:  # counted and reported: a member that did not get through
@@ -151,25 +171,27 @@ class Round:
         self.ends[i] = time.time()
 
 
-def worker(conn: Connection, port: int, index: int, processes: int) -> None:
+def worker(conn: Connection, port: int, index: int, processes: int,
+           secret: bytes | None) -> None:
     """Serve the orders of the main process: ``connect`` (the warm connections),
     ``close`` (them), ``round`` (start the members, say ``ready``, run them on ``go``,
     send back their end times and failures), ``None`` (exit)."""
     threading.stack_size(STACK_BYTES)
-    own = connection(port)  # names the store's port to the member of rank 0, as its own
-    pool: list[dist.TCPStore] = []
+    if secret is not None:  # where arrive finds it, as a rank of such a job does
+        os.environ[environment.STORE_SECRET] = secret.hex()
+    pool: list[dist.Store] = []
     while (order := conn.recv()) is not None:
         ranks = range(index, order["members"], processes)
         if order["op"] == "connect":
             # Many at once: the VMs' 5 s connect stalls (see above) overlap.
             with ThreadPoolExecutor(CONNECTING) as connecting:
-                pool = list(connecting.map(lambda _: connection(port), ranks))
+                pool = list(connecting.map(lambda _: connection(port, secret), ranks))
             conn.send("connected")
         elif order["op"] == "close":
             pool = []
             conn.send("closed")
         else:
-            round_ = Round(order, ranks, port, own, pool)
+            round_ = Round(order, ranks, port, secret, pool)
             for thread in round_.threads:
                 thread.start()
             conn.send("ready")
@@ -186,15 +208,15 @@ def worker(conn: Connection, port: int, index: int, processes: int) -> None:
 class Workers:
     """The worker processes and the store they rendezvous on, hosted here."""
 
-    def __init__(self, processes: int) -> None:
-        self.store = host_store(TIMEOUT)
+    def __init__(self, processes: int, secret: bytes | None) -> None:
+        self.store = host_store(TIMEOUT, secret)
         context = multiprocessing.get_context("spawn")
         self.conns: list[Connection] = []
         self.processes = []
         for index in range(processes):
             here, there = context.Pipe()
             process = context.Process(target=worker, args=(there, self.store.port, index,
-                                                           processes), daemon=True)
+                                                           processes, secret), daemon=True)
             process.start()
             self.conns.append(here)
             self.processes.append(process)
@@ -283,8 +305,8 @@ def markdown_section(report: dict[str, Any]) -> str:
         f"Command: `{report['command']}`\n",
         f"Python {report['python']}, torch {report['torch']}, {report['cpus']} CPUs, no GPU; "
         f"members are threads of {report['processes']} processes on loopback, the store "
-        f"(libuv) in one more; median of {report['repeat']} round(s). Seconds from go to "
-        "the last member through; in brackets the store's CPU seconds.\n",
+        f"({report['store']}) in one more; median of {report['repeat']} round(s). Seconds "
+        "from go to the last member through; in brackets the store's CPU seconds.\n",
         "| members | " + " | ".join(names) + " |",
         "|---:|" + "---:|" * len(names),
     ]
@@ -309,6 +331,10 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
                         help="rounds per variant and size (default 3)")
     parser.add_argument("--cold", action="store_true",
                         help="also the variants that connect first (see above)")
+    parser.add_argument("--secured", action="store_true",
+                        help="the store a job with a rendezvous secret hosts "
+                             "(runtime/store.py; its members prove the secret) rather "
+                             "than torch's TCPStore")
     parser.add_argument("--no-record", action="store_true",
                         help=f"do not append the results to {RESULTS_PATH.name}")
     args = parser.parse_args(argv)
@@ -329,7 +355,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     print(f"rendezvous benchmark: {args.members} members in {args.processes} processes, "
           f"{args.repeat} round(s) per variant", flush=True)
-    workers = Workers(args.processes)
+    secret = bytes.fromhex(environment.derive_store_secret(os.urandom(32), "bench")) \
+        if args.secured else None
+    workers = Workers(args.processes, secret)
     try:
         variants = VARIANTS if args.cold else WARM
         sizes = {members: measure(workers, members, args.repeat, variants)
@@ -346,6 +374,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "torch": torch.__version__,
         "cpus": os.cpu_count(),
         "processes": args.processes,
+        "store": STORES[args.secured],
         "repeat": args.repeat,
         "sizes": sizes,
         "targets": targets,

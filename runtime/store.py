@@ -32,6 +32,7 @@ connections between members are not authenticated.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import datetime
 import hashlib
@@ -41,6 +42,7 @@ import socket
 import struct
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import msgspec
@@ -50,6 +52,8 @@ from phalanx.schemas.errors import PhalanxError
 
 #: How long a new connection has to prove the secret.
 HANDSHAKE_TIMEOUT_S = 5.0
+#: Connections waiting to be accepted (the system caps it: ``net.core.somaxconn``).
+BACKLOG = 65535
 #: The most bytes of one frame (a request or an answer).
 MAX_FRAME = 64 << 20
 _NONCE = 32
@@ -66,9 +70,13 @@ def _proof(secret: bytes, side: bytes, nonce: bytes) -> bytes:
     return hmac.new(secret, side + nonce, hashlib.sha256).digest()
 
 
-def _send(sock: socket.socket, body: object) -> None:
+def _frame(body: object) -> bytes:
     data = msgspec.msgpack.encode(body)
-    sock.sendall(_LENGTH.pack(len(data)) + data)
+    return _LENGTH.pack(len(data)) + data
+
+
+def _send(sock: socket.socket, body: object) -> None:
+    sock.sendall(_frame(body))
 
 
 def _receive(sock: socket.socket) -> Any:
@@ -91,6 +99,13 @@ def _exactly(sock: socket.socket, n: int) -> bytes:
 class StoreServer:
     """The store a replica hosts, answering only connections that prove ``secret``.
 
+    One thread serves every connection (an event loop of its own, started here): a
+    generation of 16,384 members holds as many connections, and its count-in sends
+    two requests each. Each connection is a :class:`_Connection` reading frames as
+    they come; a ``wait`` or ``get`` for keys not there yet is answered when the last
+    of them is set, by the request that sets it (:class:`_Table`): no thread per
+    connection, and no waiter woken by keys it does not wait for.
+
     Args:
         secret: the job's (:data:`~phalanx.schemas.environment.STORE_SECRET`).
         host: the address it listens on (every interface by default, as ``TCPStore``).
@@ -98,83 +113,208 @@ class StoreServer:
 
     def __init__(self, secret: bytes, host: str = "0.0.0.0") -> None:
         self.secret = secret
-        self._data: dict[str, bytes] = {}
-        self._changed = threading.Condition()
+        self.table = _Table()
         self._listener = socket.create_server((host, 0))
         self.port: int = self._listener.getsockname()[1]
         self.refused = 0  # connections that failed the proof
-        threading.Thread(target=self._accept, name="phalanx-store", daemon=True).start()
+        self._loop = asyncio.new_event_loop()
+        started = threading.Event()
+        self._thread = threading.Thread(target=self._run, args=(started,),
+                                        name="phalanx-store", daemon=True)
+        self._thread.start()
+        started.wait()
 
-    def _accept(self) -> None:
-        while True:
-            try:
-                connection, _ = self._listener.accept()
-            except OSError:
-                return  # closed
-            threading.Thread(target=self._serve, args=(connection,), name="phalanx-store-conn",
-                             daemon=True).start()
+    def _run(self, started: threading.Event) -> None:
+        loop = self._loop
+        # Every member of a generation connects at once; past the backlog (asyncio's is
+        # 100) a connection's last handshake packet is dropped and the member waits for
+        # its retransmission: seconds.
+        server = loop.run_until_complete(loop.create_server(
+            lambda: _Connection(self), sock=self._listener, backlog=BACKLOG))
+        started.set()
+        loop.run_forever()
+        server.close()
+        loop.close()
 
     def close(self) -> None:
-        self._listener.close()
+        """Stop: the listener closed, nothing answered after."""
+        if self._thread.is_alive():
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join()
 
-    def _serve(self, connection: socket.socket) -> None:
-        with connection:
-            try:
-                connection.settimeout(HANDSHAKE_TIMEOUT_S)
-                if not self._handshake(connection):
-                    return
-                connection.settimeout(None)
-                while True:
-                    request = _receive(connection)
-                    _send(connection, self._answer(request))
-            except (OSError, ConnectionError, ValueError, msgspec.DecodeError):
-                return  # gone, timed out, or not speaking the protocol
 
-    def _handshake(self, connection: socket.socket) -> bool:
-        challenge = os.urandom(_NONCE)
-        connection.sendall(challenge)
-        proof, theirs = _exactly(connection, 32), _exactly(connection, _NONCE)
-        if not hmac.compare_digest(proof, _proof(self.secret, _CLIENT, challenge)):
-            self.refused += 1
-            _send(connection, [_REFUSED, "not a member of this job: the store's secret "
-                               "was not proven"])
-            return False
-        _send(connection, [_OK, _proof(self.secret, _SERVER, theirs)])
-        return True
+class _Wait:
+    """A ``wait`` or ``get`` of one connection, for keys not all set yet."""
 
-    def _answer(self, request: list[Any]) -> list[Any]:
+    def __init__(self, missing: set[str], answer: Callable[[bool], None]) -> None:
+        self.missing = missing
+        self.answer = answer  # called once, with whether it timed out
+        self.timer: asyncio.TimerHandle | None = None
+
+
+class _Table:
+    """The keys of a :class:`StoreServer` and the waits on keys not set yet. Used from
+    the server's loop alone."""
+
+    def __init__(self) -> None:
+        self.data: dict[str, bytes] = {}
+        self._waits: dict[str, list[_Wait]] = {}  # key -> the waits that still miss it
+
+    def answer(self, request: list[Any],
+               later: Callable[[list[Any]], None]) -> list[Any] | _Wait:
+        """The answer to ``request``, or the wait it is, which ``later`` answers.
+
+        Raises:
+            TypeError, IndexError, KeyError, ValueError: a malformed request.
+        """
         op, args = request[0], request[1:]
-        data, changed = self._data, self._changed
-        with changed:
-            if op == "set":
-                data[args[0]] = args[1]
-                changed.notify_all()
-                return [_OK, None]
-            if op == "add":
-                value = int(data.get(args[0], b"0")) + int(args[1])
-                data[args[0]] = str(value).encode()
-                changed.notify_all()
-                return [_OK, value]
-            if op == "compare_set":
-                key, expected, desired = args
-                current = data.get(key)
-                if (current is None and expected == b"") or current == expected:
-                    data[key] = desired
-                    changed.notify_all()
-                    return [_OK, desired]
-                return [_OK, expected if current is None else current]
-            if op in ("get", "wait"):
-                keys = [args[0]] if op == "get" else args[0]
-                if not changed.wait_for(lambda: all(k in data for k in keys), args[-1]):
-                    return [_TIMEOUT, f"wait for {keys} timed out after {args[-1]:g} s"]
+        data = self.data
+        if op == "set":
+            self._set(args[0], args[1])
+            return [_OK, None]
+        if op == "add":
+            value = int(data.get(args[0], b"0")) + int(args[1])
+            self._set(args[0], str(value).encode())
+            return [_OK, value]
+        if op == "compare_set":
+            key, expected, desired = args
+            current = data.get(key)
+            if (current is None and expected == b"") or current == expected:
+                self._set(key, desired)
+                return [_OK, desired]
+            return [_OK, expected if current is None else current]
+        if op in ("get", "wait"):
+            keys = [args[0]] if op == "get" else list(args[0])
+            seconds = float(args[-1])
+
+            def arrived() -> list[Any]:
                 return [_OK, data[args[0]] if op == "get" else None]
-            if op == "check":
-                return [_OK, all(k in data for k in args[0])]
-            if op == "delete_key":
-                return [_OK, data.pop(args[0], None) is not None]
-            if op == "num_keys":
-                return [_OK, len(data)]
+
+            missing = {k for k in keys if k not in data}
+            if not missing:
+                return arrived()
+            wait = _Wait(missing, lambda timed_out: later(
+                [_TIMEOUT, f"wait for {keys} timed out after {seconds:g} s"] if timed_out
+                else arrived()))
+            for key in missing:
+                self._waits.setdefault(key, []).append(wait)
+            wait.timer = asyncio.get_running_loop().call_later(seconds, self._expire, wait)
+            return wait
+        if op == "check":
+            return [_OK, all(k in data for k in args[0])]
+        if op == "delete_key":
+            return [_OK, data.pop(args[0], None) is not None]
+        if op == "num_keys":
+            return [_OK, len(data)]
         return [_ERROR, f"unknown store operation {op!r}"]
+
+    def _set(self, key: str, value: bytes) -> None:
+        self.data[key] = value
+        for wait in self._waits.pop(key, ()):
+            wait.missing.discard(key)
+            if not wait.missing:
+                self.drop(wait)
+                wait.answer(False)
+
+    def _expire(self, wait: _Wait) -> None:
+        self.drop(wait)
+        wait.answer(True)
+
+    def drop(self, wait: _Wait) -> None:
+        """Forget ``wait`` (answered, timed out, or its connection gone)."""
+        if wait.timer is not None:
+            wait.timer.cancel()
+        for key in wait.missing:
+            waits = self._waits.get(key, [])
+            if wait in waits:
+                waits.remove(wait)
+            if not waits:
+                self._waits.pop(key, None)
+
+
+class _Connection(asyncio.Protocol):
+    """One member's connection: the proof first, then one request at a time, each
+    answered in order (a request that waits holds the ones behind it, as its client
+    sends none until it is answered)."""
+
+    def __init__(self, server: StoreServer) -> None:
+        self.server = server
+        self.buffer = bytearray()
+        self.proven = False
+        self.waiting: _Wait | None = None
+        self.transport: asyncio.Transport | None = None
+        self.challenge = b""
+        self.silent: asyncio.TimerHandle | None = None  # closes a connection left unproven
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        assert isinstance(transport, asyncio.Transport)
+        self.transport = transport
+        self.challenge = os.urandom(_NONCE)
+        transport.write(self.challenge)
+        self.silent = asyncio.get_running_loop().call_later(HANDSHAKE_TIMEOUT_S,
+                                                            transport.close)
+
+    def data_received(self, data: bytes) -> None:
+        self.buffer += data
+        self._serve()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self.silent is not None:
+            self.silent.cancel()
+        if self.waiting is not None:
+            self.server.table.drop(self.waiting)
+            self.waiting = None
+
+    def _serve(self) -> None:
+        transport, buffer = self.transport, self.buffer
+        assert transport is not None
+        while self.waiting is None and not transport.is_closing():
+            if not self.proven:
+                if len(buffer) < 32 + _NONCE:
+                    return
+                proof, theirs = bytes(buffer[:32]), bytes(buffer[32:32 + _NONCE])
+                del buffer[:32 + _NONCE]
+                if self.silent is not None:
+                    self.silent.cancel()
+                if not hmac.compare_digest(proof, _proof(self.server.secret, _CLIENT,
+                                                         self.challenge)):
+                    self.server.refused += 1
+                    transport.write(_frame([_REFUSED, "not a member of this job: the "
+                                            "store's secret was not proven"]))
+                    transport.close()
+                    return
+                transport.write(_frame([_OK, _proof(self.server.secret, _SERVER, theirs)]))
+                self.proven = True
+                continue
+            if len(buffer) < _LENGTH.size:
+                return
+            (length,) = _LENGTH.unpack_from(buffer)
+            if length > MAX_FRAME:
+                transport.close()
+                return
+            if len(buffer) < _LENGTH.size + length:
+                return
+            body = bytes(buffer[_LENGTH.size:_LENGTH.size + length])
+            del buffer[:_LENGTH.size + length]
+            try:
+                request = msgspec.msgpack.decode(body)
+                answer = self.server.table.answer(request, self._answer_later)
+            except msgspec.DecodeError:
+                transport.close()  # not speaking the protocol
+                return
+            except (TypeError, IndexError, KeyError, ValueError) as exc:
+                answer = [_ERROR, f"malformed store request {request!r:.200}: {exc!r}"]
+            if isinstance(answer, _Wait):
+                self.waiting = answer
+                return
+            transport.write(_frame(answer))
+
+    def _answer_later(self, answer: list[Any]) -> None:
+        self.waiting = None
+        assert self.transport is not None
+        if not self.transport.is_closing():
+            self.transport.write(_frame(answer))
+            self._serve()
 
 
 #: Every client not closed: torch holds a Python store by its C++ half alone (a
@@ -210,7 +350,9 @@ class StoreClient(dist.Store):
                         f"no store at {host}:{port} within {timeout}: {exc}") from None
                 time.sleep(0.05)
         try:
-            self._sock.settimeout(HANDSHAKE_TIMEOUT_S)
+            # The connect's own deadline, not the server's bound on a silent client: a
+            # store that thousands of members connect to at once answers each in turn.
+            self._sock.settimeout(max(HANDSHAKE_TIMEOUT_S, deadline - time.monotonic()))
             challenge = _exactly(self._sock, _NONCE)
             mine = os.urandom(_NONCE)
             self._sock.sendall(_proof(secret, _CLIENT, challenge) + mine)

@@ -85,3 +85,59 @@ def test_a_wait_that_times_out_is_a_store_error_and_the_connection_stays_usable(
     assert first.add("arrived", 0) == 2
     assert first.compare_set("k", "", "v") == b"v" and first.compare_set("k", "x", "y") == b"v"
     assert first.check(["k"]) and not first.check(["absent"])
+
+
+def client(server: StoreServer) -> StoreClient:
+    return StoreClient("127.0.0.1", server.port, bytes.fromhex(SECRET), TIMEOUT)
+
+
+def test_a_wait_is_answered_by_the_set_of_its_last_key_and_by_nothing_else() -> None:
+    server = StoreServer(bytes.fromhex(SECRET))
+    waiter, other, setter = client(server), client(server), client(server)
+    answered: list[str] = []
+
+    def wait(store: StoreClient, keys: list[str], name: str) -> None:
+        store.wait(keys, TIMEOUT)
+        answered.append(name)
+
+    both = threading.Thread(target=wait, args=(waiter, ["a", "b"], "a and b"))
+    only_c = threading.Thread(target=wait, args=(other, ["c"], "c"))
+    both.start()
+    only_c.start()
+    setter.set("a", "1")
+    setter.add("b", 1)  # the last of the first wait's keys
+    both.join(30)
+    assert answered == ["a and b"]
+    assert only_c.is_alive()  # not woken by keys it does not wait for
+    assert setter.compare_set("c", "", "3") == b"3"
+    only_c.join(30)
+    assert answered == ["a and b", "c"]
+    server.close()
+
+
+def test_every_connection_is_served_by_one_thread() -> None:
+    server = StoreServer(bytes.fromhex(SECRET))
+    before = threading.active_count()
+    members = [client(server) for _ in range(200)]
+    assert threading.active_count() == before
+    for member in members:
+        member.add("arrived", 1)
+    assert members[0].get("arrived") == b"200"
+    for member in members:
+        member.close()
+    server.close()
+    assert threading.active_count() == before - 1  # the server's own, stopped
+
+
+def test_a_malformed_request_is_answered_with_what_is_wrong() -> None:
+    server = StoreServer(bytes.fromhex(SECRET))
+    member = client(server)
+    with pytest.raises(dist.DistError, match="unknown store operation 'drop'"):
+        member._call("drop", "k")
+    with pytest.raises(dist.DistError, match="malformed store request"):
+        member._call("add", "k", "not a number")
+    with pytest.raises(dist.DistError, match="malformed store request"):
+        member._call("set")
+    member.set("k", "v")  # the connection stays usable
+    assert member.get("k") == b"v"
+    server.close()
