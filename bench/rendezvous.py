@@ -72,6 +72,7 @@ from torch.distributed.elastic.utils.store import barrier
 from phalanx.bench.results import RESULTS_PATH, append, command_line, utc_date
 from phalanx.runtime.group import Waits, arrive, host_store, store_client
 from phalanx.runtime.inbox import Inbox
+from phalanx.runtime.store import StoreClient
 from phalanx.schemas import environment
 from phalanx.schemas.messages import Generation, GenerationReason, Member
 
@@ -188,6 +189,9 @@ def worker(conn: Connection, port: int, index: int, processes: int,
                 pool = list(connecting.map(lambda _: connection(port, secret), ranks))
             conn.send("connected")
         elif order["op"] == "close":
+            for store in pool:
+                if isinstance(store, StoreClient):  # kept open until closed (its _open)
+                    store.close()
             pool = []
             conn.send("closed")
         else:
