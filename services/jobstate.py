@@ -81,11 +81,15 @@ class JobStateStore(Generic[S]):
         """Whether ``job_id``'s state already reflects event ``seq`` (skip it)."""
         return seq <= self._seqs.get(job_id, 0)
 
-    def seq_of(self, job_id: str, seq: int | None) -> int:
-        """Note that ``job_id`` now reflects event ``seq`` (None: a change from elsewhere,
-        e.g. a job record); returns the sequence to store with its state."""
+    def reflects(self, job_id: str, seq: int | None) -> None:
+        """Note that ``job_id``'s state now reflects event ``seq`` (None: a change from
+        elsewhere, a job record, which moves no sequence)."""
         if seq is not None:
             self._seqs[job_id] = max(seq, self._seqs.get(job_id, 0))
+
+    def seq(self, job_id: str) -> int:
+        """The sequence to store with ``job_id``'s state: the last event it reflects (the
+        cursor for a job no event of this term has touched)."""
         return self._seqs.get(job_id, self.cursor)
 
     async def store(self, job_id: str, snapshot: S) -> None:

@@ -206,7 +206,7 @@ class ElasticityService(JobEventsLeader[ElasticityTerm]):
         job = term.core.jobs.get(job_id)
         if job is not None:
             await term.store.store(job_id, JobSnapshot(
-                job_id=job_id, seq=term.store.seq_of(job_id, None), format=SNAPSHOT_FORMAT,
+                job_id=job_id, seq=term.store.seq(job_id), format=SNAPSHOT_FORMAT,
                 state=core.snapshot(job)))
 
     # --- events in ----------------------------------------------------------------------
@@ -262,7 +262,7 @@ class ElasticityService(JobEventsLeader[ElasticityTerm]):
             stored = await self.histories.get(history.job_id)
             await self.histories.put(history.job_id, carried(
                 None if stored is None else stored.value, history))
-        term.store.seq_of(job_id, seq)
+        term.store.reflects(job_id, seq)
         job = term.core.jobs.get(job_id)
         if job is not None:
             if len(job.slots) > DEFER_ABOVE:

@@ -261,7 +261,7 @@ class HealthService(JobEventsLeader[HealthTerm]):
                               | core.MemberApplied)
             changed.add(event.job_id)
         for job_id in changed:
-            term.store.seq_of(job_id, seq)
+            term.store.reflects(job_id, seq)
             if job_id not in term.core.jobs:
                 term.outbox.write(("job", job_id),
                                   functools.partial(term.store.forget, job_id))
@@ -289,7 +289,7 @@ class HealthService(JobEventsLeader[HealthTerm]):
         def state() -> JobSnapshot | None:
             job = term.core.jobs.get(job_id)
             return None if job is None else JobSnapshot(
-                job_id=job_id, seq=term.store.seq_of(job_id, None), format=SNAPSHOT_FORMAT,
+                job_id=job_id, seq=term.store.seq(job_id), format=SNAPSHOT_FORMAT,
                 state=core.snapshot(job))
 
         snapshot = await term.outbox.settled(state)
