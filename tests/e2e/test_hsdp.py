@@ -1,7 +1,8 @@
 """The FSDP2 GPT end to end: a cluster restarted under 2 replica groups of 2 ranks, the job
 resumed from its durable step; 3 groups, a rank killed mid-step, its group replaced;
 scaled by groups, 3 to 2 to 3; and every rank of 2 groups killed, the job restored from
-the nodes' memory shard by shard.
+the nodes' memory shard by shard; and, on a node of 6 slots, a killed rank's group
+replaced by the job's warm spare group.
 
 The module's cluster is first stopped (``phalanx down``) under a job of 2 groups that
 persists a durable step every ``EVERY`` steps, its nodes' memory wiped (a reboot), and
@@ -24,6 +25,10 @@ after a step all groups agreed on (both its ranks end with status 0) and a new o
 With every rank of the job SIGKILLed (frozen first, pids from the agents' manifests), the
 replacement groups restore the newest step the memory tier holds: rank s of each from
 column s's snapshots (the model's shard s), on its node, a buddy's, or fetched.
+On one agent of 6 slots, 2 groups leave room for a spare group (``spares: 1``): two
+processes of the port run up to ``from_env`` as a group of their own (process group,
+mesh and sharded model built) and wait; the killed rank's group is replaced by it,
+rank s of it receiving shard s, and the job ends bitwise the port alone.
 """
 
 from __future__ import annotations
@@ -45,6 +50,7 @@ import torch
 from e2e_cli import next_of, phalanx
 from test_elastic import drain, kill_every_rank, watched_cluster, without_lost_work
 
+from phalanx.bus.client import Delivery
 from phalanx.bus.kv import TypedKV
 from phalanx.runtime import record
 from phalanx.runtime.data import ElasticOrder
@@ -58,6 +64,7 @@ from phalanx.schemas.messages import (
     JobSpec,
     JobState,
     Placement,
+    RankStarted,
     ReplicaRange,
     SnapshotRecord,
     SnapshotTier,
@@ -354,3 +361,41 @@ async def test_hsdp_restores_every_groups_shards_from_memory_after_every_rank_is
     assert restores[0][1] >= reached.step - 1, (restores, reached.step)
     # What the dead ranks committed after the step restored from is trained again.
     check_run(tmp_path, reference, without_lost_work(records, STEPS))
+
+
+async def test_hsdp_a_killed_ranks_group_is_replaced_by_a_warm_spare_group(
+        data_dir: Path, reference: dict, tmp_path: Path,
+        tmp_path_factory: pytest.TempPathFactory) -> None:
+    data = tmp_path_factory.mktemp("hsdp-spares")
+    spec = msgspec.structs.replace(
+        spec_of("hsdp-spares", data_dir, tmp_path, replicas=2,
+                PHALANX_CHAOS_KILL=f"r1-0.g1:{KILL_STEP}:allreduce"),
+        replicas=ReplicaRange(min=1, max=2), spares=1)
+    async with watched_cluster(data, "--slots-per-agent", "6", agents=1) as (_, bus, watch):
+        started: asyncio.Queue[RankStarted] = asyncio.Queue()
+
+        async def on_start(message: RankStarted, _: Delivery) -> None:
+            await started.put(message)
+
+        await bus.subscribe(subjects.rank_started("hsdp-spares-1"), RankStarted, on_start)
+        job = await AdmissionClient(bus).submit(spec, "hsdp-spares-1")
+        generations = [await next_of(watch.generations, lambda g: g.job_id == job.job_id,
+                                     180)]
+        while generations[-1].reason is not GenerationReason.JOIN:
+            generations.append(await next_of(watch.generations,
+                                             lambda g: g.job_id == job.job_id, 300))
+        (tmp_path / "release").touch()
+        finished = await next_of(watch.states,
+                                 lambda r: r.job_id == job.job_id and r.state.terminal, 600)
+    assert finished.state is JobState.FINISHED, finished.reason
+    assert [(g.reason, g.world_size) for g in generations] == [
+        (GenerationReason.START, 2), (GenerationReason.FAULT, 1), (GenerationReason.JOIN, 2)]
+    joined = next(m.replica_id for m in generations[2].members
+                  if generations[1].member(m.replica_id) is None)
+    starts = {m.replica_id: m for m in [started.get_nowait() for _ in range(started.qsize())]}
+    assert starts[joined].from_spare, starts  # the spare group, not a cold start
+
+    records = check_run(tmp_path, reference)
+    for name in (joined, f"{joined}.g1"):  # each rank of the spare group received its shard
+        adopt = next(line for line in records[name] if line["kind"] == "adopt")
+        assert KILL_STEP < adopt["step"] < STEPS and adopt["state_bytes"] > 0
