@@ -628,6 +628,8 @@ class ElasticSession:
             except (LeftTheJob, JobCompletedWithoutThisReplica):
                 self.close()  # then the process ends, status 0
                 raise
+            if s.committed >= total_steps:  # restored (or received) the job's last step
+                break
             if s.chaos.due(s.committed, "boundary"):  # joined, or moved to it
                 s.die()
             if self._chaos_pace is not None:
