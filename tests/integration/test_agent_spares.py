@@ -330,3 +330,22 @@ async def test_a_job_of_groups_keeps_a_spare_group_that_replaces_a_dead_group_wh
             assert exited.empty() and started.empty()
         finally:
             await jobs.delete(job_id)
+
+
+async def test_on_gpus_each_rank_of_a_spare_group_sees_its_own_free_gpu(
+        bus: Bus, nats_server: NatsServer, uid: str, tmp_path: Path) -> None:
+    job_id = f"groups-{uid}"
+    started = await queue_of(bus, subjects.rank_started(job_id), RankStarted)
+    jobs = await TypedKV.open(bus.js, subjects.JOBS_BUCKET, JobRecord)
+    async with running_agent(nats_server.url, uid, tmp_path / "agent", gpus="0,1,2,3",
+                             slots=4):
+        await put(bus, jobs, record(job_id, uid, replicas=1, spares=1, ranks=2))
+        try:
+            await asyncio.wait_for(started.get(), 30)  # the group, on GPUs 0 and 1
+            spare = await until(lambda: len(found := spares_of(job_id)) == 2 and found)
+            # Rank s of the spare group on the s-th free GPU, seen alone as cuda:0.
+            assert sorted((environ_of(pid)["RANK"], environ_of(pid)["CUDA_VISIBLE_DEVICES"],
+                           environ_of(pid)["LOCAL_RANK"]) for pid in spare) == [
+                ("0", "2", "0"), ("1", "3", "0")]
+        finally:
+            await jobs.delete(job_id)
