@@ -349,7 +349,9 @@ class ElasticSession:
         if rank.micro_batch_size is not None:
             kwargs.setdefault("micro_batch_size", rank.micro_batch_size)
         if env.get(environment.SPARE):  # a warm spare, model built: wait to be told who it is
-            if all(p.device.type == "cpu" for p in model.parameters()):
+            # A spare group's rank receives its state into its shards, not landing buffers.
+            if all(p.device.type == "cpu" for p in model.parameters()) \
+                    and (rank.ranks_per_replica or 1) == 1:
                 # What does not depend on who it becomes is done now, not once it is named:
                 # the warm-up, and the optimizer's first step (its state's buffers, and
                 # torch._dynamo's import: ~1 s of a replacement's start on W). In host
@@ -626,6 +628,8 @@ class ElasticSession:
             except (LeftTheJob, JobCompletedWithoutThisReplica):
                 self.close()  # then the process ends, status 0
                 raise
+            if s.committed >= total_steps:  # restored (or received) the job's last step
+                break
             if s.chaos.due(s.committed, "boundary"):  # joined, or moved to it
                 s.die()
             if self._chaos_pace is not None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import random
 import socket
+import zlib
 
 #: Where :func:`free_port` looks: ports for the servers a cluster or a test starts.
 SERVER_PORTS = range(10000, 20000)
@@ -42,3 +43,13 @@ def free_port(host: str = "127.0.0.1") -> int:
     """A port of :data:`SERVER_PORTS` nothing listens on now, from a random point (two
     pickers at once on a host rarely start at the same port)."""
     return free_in(SERVER_PORTS, random.randrange(len(SERVER_PORTS)), host)
+
+
+def group_master_port(key: str) -> int:
+    """A TCP port free on this host now for a group's ``MASTER_PORT`` (its processes
+    rendezvous on their own host), scanning :data:`GROUP_PORTS`
+    from a point ``key`` (the group's job, replica and incarnation) picks."""
+    try:
+        return free_in(GROUP_PORTS, zlib.crc32(key.encode()) % len(GROUP_PORTS))
+    except OSError as exc:
+        raise OSError(f"{exc}, for a replica group's rendezvous") from None

@@ -47,7 +47,8 @@ is taken (or says it has none left, when ranks or cordons took them: it is
 stopped). A spare that dies by itself is started again
 after :func:`spare_restart_delay`: at once the first time, then backing off,
 so a script that cannot start does not loop. A job whose replica is a group of
-several ranks keeps none (:func:`spares_wanted`).
+several ranks keeps spare groups: each one the group's processes, in a whole group's
+free slots.
 
 A replica of several ranks (``ranks_per_replica``: a *group*) is that many processes,
 each on its own share of the replica's slots (:func:`group_slots`), with torchrun's
@@ -329,18 +330,14 @@ SPARE_BACKOFF_MAX_S = 60.0
 DEFAULT_SPARES = 1
 
 
-def spares_wanted(asked: int | None, session: bool, ranks_per_replica: int = 1) -> int:
+def spares_wanted(asked: int | None, session: bool) -> int:
     """The spares a job keeps on a node with room for them: what its spec asks, else
     :data:`DEFAULT_SPARES` once its ranks are known to run a phalanx session (``session``:
     the job has a generation, or its spec declares a ``session``), else none. A spare
     runs the job's command and waits inside ``ElasticSession.from_env``; a command that
     never gets there would run to its end beside the ranks, so a default is only given
-    to a job shown, or declared, to get there.
-
-    A job whose replica is a group of several ranks (``ranks_per_replica`` > 1) keeps
-    none, whatever it asks: a spare is one process, a replacement a whole group."""
-    if ranks_per_replica > 1:
-        return 0
+    to a job shown, or declared, to get there. A job whose replica is a group of several
+    ranks counts spare *groups*: each is a whole group's processes."""
     if asked is not None:
         return asked
     return DEFAULT_SPARES if session else 0
@@ -355,7 +352,8 @@ def spare_counts(capacity: int | None, placed: int,
         placed: the slots admitted replicas are placed on here, running or not (a dead
             rank's slot is its replacement's).
         jobs: ``(job id, spares its spec asks for, slots per replica)`` of each elastic
-            job running here, in the order they are served.
+            job running here, in the order they are served (a group's replica: all its
+            ranks' slots, and each spare a whole group).
 
     Returns:
         job id -> spares to keep (every job of ``jobs``, 0 included).
@@ -436,9 +434,10 @@ def group_variables(gpus: tuple[int, ...], slots: tuple[int, ...], group_rank: i
     variables (:func:`rank_devices`). ``LOCAL_RANK`` is the group rank on a node of CPU
     slots and 0 on a GPU node, where the process sees its slots' GPUs alone (as
     ``cuda:0`` onwards)."""
-    env = rank_devices(gpus, slots)
-    if not gpus:
-        env["LOCAL_RANK"] = str(group_rank)
+    # On CPU slots the group rank is all a process's placement says (a warm spare group's
+    # processes, which hold no slots yet, get the same).
+    env = rank_devices(gpus, slots) if gpus \
+        else {"LOCAL_RANK": str(group_rank), environment.DEVICE: "cpu"}
     env.update({"RANK": str(group_rank), "WORLD_SIZE": str(ranks),
                 "LOCAL_WORLD_SIZE": str(ranks), "GROUP_RANK": "0",
                 "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(master_port)})

@@ -124,10 +124,10 @@ from phalanx.services.agent.zygote import ChildProcess, ForkedProcess, Launcher
 from phalanx.services.auth.credentials import rank_environment
 from phalanx.services.deadline import wait_set
 from phalanx.services.manifest import MANIFEST, start_ticks
-from phalanx.services.ports import GROUP_PORTS, free_in
+from phalanx.services.ports import group_master_port
 
 if TYPE_CHECKING:
-    from phalanx.services.agent.spares import SpareSet
+    from phalanx.services.agent.spares import Spare, SpareSet
 
 log = logging.getLogger("phalanx.agent.ranks")
 
@@ -153,16 +153,6 @@ def master_port(job_id: str, incarnation: int = 0) -> int:
 #: let go (by a change of another job that this agent has not applied yet). Once a rank here
 #: is stopping, its exit is waited for however long its grace period is.
 SLOT_WAIT_S = 30.0
-
-
-def group_master_port(key: str) -> int:
-    """A TCP port free on this host now for a group's ``MASTER_PORT`` (its processes
-    rendezvous on their own host), scanning :data:`~phalanx.services.ports.GROUP_PORTS`
-    from a point ``key`` (the group's job, replica and incarnation) picks."""
-    try:
-        return free_in(GROUP_PORTS, zlib.crc32(key.encode()) % len(GROUP_PORTS))
-    except OSError as exc:
-        raise OSError(f"{exc}, for a replica group's rendezvous") from None
 
 
 class ReplicaOutdated(PhalanxError, ValueError):
@@ -578,57 +568,76 @@ class RankSet:
                                 "job": record.job_id, "rank": rank, "replica": replica_id})
                 return None
             await wait_set(self._exit_seen, left)
-        if record.spec.ranks_per_replica > 1:  # a group: never from a spare
-            return await self._launch_group(record, rank, placement, replica_id, slots, nice,
-                                            elastic)
         taken = self.spares.take(record.job_id, held | cordoned) \
             if elastic and self.spares is not None else None
         spare = None if taken is None else taken[0]
         if taken is not None and taken[1]:
-            slots = taken[1]  # free slots on the GPUs the spare's process already sees
+            slots = taken[1]  # free slots on the GPUs the spare's processes already see
+        self.launched[(record.job_id, rank)] = core.Launch(replica_id, placement)
+        if spare is not None:
+            entry = await self._hand_over(record, rank, placement, replica_id, slots, nice,
+                                          elastic, spare)
+            if entry is not None:
+                return await self._started(record, entry, spare_taken=True)
+        # No spare, or it died: new processes.
+        if record.spec.ranks_per_replica > 1:
+            return await self._launch_group(record, rank, placement, replica_id, slots, nice,
+                                            elastic, spare_taken=spare is not None)
         identity = await self._identity(record, rank, placement, replica_id, slots, nice,
                                         elastic)
-        self.launched[(record.job_id, rank)] = core.Launch(replica_id, placement)
         log_path = self.log_path(record.job_id, replica_id)
         log_path.parent.mkdir(parents=True, exist_ok=True)
-        process: ChildProcess | None = None
-        if spare is not None:
-            # On the record before it learns who it is, as a new process is before it runs.
-            self._record(record, rank, placement, replica_id, spare.process, slots,
-                         from_spare=True)
-            process = await spare.hand_over(identity, log_path)
-            if process is None:  # it died: a new process instead
-                del self.ranks[(record.job_id, rank)]
-            else:  # a spare runs on the agent's CPUs until it holds a slot
-                self.pin(process.pid, slots)
-        from_spare = process is not None
+        process = await self._start(record, rank, replica_id, identity, log_path)
         if process is None:
-            process = await self._start(record, rank, replica_id, identity, log_path)
-            if process is None:
-                return None
-            self.pin(process.pid, slots)
-            if nice is not None:
-                with contextlib.suppress(ProcessLookupError):  # it may have died already
-                    priority.lower(process.pid, nice)
-            self._record(record, rank, placement, replica_id, process, slots,
-                         from_spare=False)
-            process.release()
-        assert from_spare == self.ranks[(record.job_id, rank)].from_spare
+            return None
+        self.pin(process.pid, slots)
+        if nice is not None:
+            with contextlib.suppress(ProcessLookupError):  # it may have died already
+                priority.lower(process.pid, nice)
+        self._record(record, rank, placement, replica_id, process, slots, from_spare=False)
+        process.release()
         return await self._started(record, self.ranks[(record.job_id, rank)],
                                    spare_taken=spare is not None)
 
+    async def _hand_over(self, record: JobRecord, rank: int, placement: tuple[str, ...],
+                         replica_id: str, slots: tuple[int, ...], nice: int | None,
+                         elastic: bool, spare: Spare) -> Rank | None:
+        """Make the warm spare ``spare`` (taken) replica ``replica_id`` in slot ``rank``:
+        in a spare group, rank s of it is told it is rank s of the replica, on its share of
+        ``slots``, keeping the group variables it met with (its ``MASTER_PORT``). On the
+        manifest before it learns who it is, as a new process is before it runs; None (and
+        off the manifest) when one of its processes is gone."""
+        ranks = record.spec.ranks_per_replica
+        shares = core.group_slots(slots, ranks)
+        identities = [await self._identity(record, rank, placement, replica_id, share, nice,
+                                           elastic, group_rank=g, group_port=spare.group_port)
+                      for g, share in enumerate(shares)]
+        log_paths = [self.log_path(record.job_id, member_log(replica_id, g if ranks > 1
+                                                             else None))
+                     for g in range(ranks)]
+        log_paths[0].parent.mkdir(parents=True, exist_ok=True)
+        first, *rest = spare.processes
+        self._record(record, rank, placement, replica_id, first, slots, from_spare=True,
+                     group=tuple(Member(g, p.pid, start_ticks(p.pid), shares[g], p)
+                                 for g, p in enumerate(rest, start=1)))
+        if await spare.hand_over(identities, log_paths) is None:
+            del self.ranks[(record.job_id, rank)]
+            return None
+        for process, share in zip(spare.processes, shares, strict=True):
+            self.pin(process.pid, share)  # on the agent's CPUs until it held its slots
+        return self.ranks[(record.job_id, rank)]
+
     async def _launch_group(self, record: JobRecord, rank: int, placement: tuple[str, ...],
                             replica_id: str, slots: tuple[int, ...], nice: int | None,
-                            elastic: bool) -> Rank | None:
+                            elastic: bool, *, spare_taken: bool) -> Rank | None:
         """Start ``replica_id`` in slot ``rank`` as a group of the spec's
-        ``ranks_per_replica`` processes on ``slots``, each on its share
+        ``ranks_per_replica`` new processes on ``slots``, each on its share
         (:func:`~.core.group_slots`): every one held until all are on the manifest, then
         released together. None when one cannot start (reported as the replica's launch
         failure; the others, held, never run)."""
+        shares = core.group_slots(slots, record.spec.ranks_per_replica)
         # The group's rendezvous, new for each incarnation.
         port = group_master_port(f"{record.job_id}/{replica_id}")
-        shares = core.group_slots(slots, record.spec.ranks_per_replica)
-        self.launched[(record.job_id, rank)] = core.Launch(replica_id, placement)
         started: list[ChildProcess] = []
         for group_rank, share in enumerate(shares):
             identity = await self._identity(record, rank, placement, replica_id, share, nice,
@@ -654,7 +663,7 @@ class RankSet:
         for process in started:
             process.release()
         return await self._started(record, self.ranks[(record.job_id, rank)],
-                                   spare_taken=False)
+                                   spare_taken=spare_taken)
 
     async def _started(self, record: JobRecord, entry: Rank, *, spare_taken: bool) -> Rank:
         """Watch ``entry``, just started (released), and report its start."""

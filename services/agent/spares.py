@@ -39,6 +39,15 @@ the free slots' GPUs. When it is taken, the replica it becomes runs in free slot
 those GPUs (:func:`~.core.slots_on_gpus`), not in the lowest free slots as a cold
 start does; a spare whose GPUs no free slot offers any more (a rank was placed there,
 a cordon) is stopped, and another starts where there is room.
+
+A job whose replica is a group of S ranks (``ranks_per_replica``) keeps spare
+*groups*: S processes, each started with torchrun's variables for its rank of
+the group (:func:`~.core.group_variables`, on a ``MASTER_PORT`` of the spare
+group's own), so the script's ``init_process_group``, device mesh and sharded
+model are the group's before they wait. Taken, rank s of the spare group is
+told it is rank s of the replacement (the same group variables, the replica's
+identity), and the group joins as one. One process of a spare group that dies
+breaks its rendezvous: the others are stopped with it, and the group starts again.
 """
 
 from __future__ import annotations
@@ -52,16 +61,18 @@ import logging
 import os
 import signal
 import time
-from collections.abc import Callable, Collection, Coroutine, Mapping
+from collections.abc import Callable, Collection, Coroutine, Mapping, Sequence
 from pathlib import Path
 from typing import BinaryIO
 
 from phalanx.schemas import environment
 from phalanx.schemas.messages import JobRecord, JobState
+from phalanx.schemas.replicas import member_log
 from phalanx.services.agent import core
 from phalanx.services.agent.core import JobUser
 from phalanx.services.agent.logs import utc_now
 from phalanx.services.agent.zygote import ChildProcess, Launcher
+from phalanx.services.ports import group_master_port
 
 log = logging.getLogger("phalanx.agent.spares")
 #: After a spare is taken, how long before the job's next one starts: the replacement it
@@ -69,38 +80,56 @@ log = logging.getLogger("phalanx.agent.spares")
 REPLENISH_AFTER_S = 10.0
 
 
-@dataclasses.dataclass(eq=False)  # one process: equal only to itself, a key by identity
+@dataclasses.dataclass(eq=False)  # its processes: equal only to itself, a key by identity
 class Spare:
-    """One warm spare process of a job."""
+    """One warm spare of a job: one process, or a spare group's (rank 0 first)."""
 
     spare_id: str
     job_id: str
-    process: ChildProcess
-    log_path: Path
+    processes: tuple[ChildProcess, ...]
+    log_paths: tuple[Path, ...]  # each process's
     started_at: float  # time.time()
-    gpus: tuple[int, ...] = ()  # the GPUs its process sees (none on a node of CPU slots)
+    gpus: tuple[int, ...] = ()  # the GPUs its processes see (none on a node of CPU slots)
+    group_port: int = 0  # a spare group's MASTER_PORT, which the replica keeps
     stopping: bool = False
     watcher: asyncio.Task[None] | None = None
 
-    async def hand_over(self, identity: Mapping[str, str],
-                        log_path: Path) -> ChildProcess | None:
-        """Make this spare the replica ``identity`` names, writing to ``log_path`` from now
-        on; its process, or None if it is gone (then it is killed, if anything is left)."""
-        assert self.process.stdin is not None
-        replica = identity.get(environment.REPLICA_ID, "?")
-        with contextlib.suppress(OSError):  # a log not moved is no reason for a cold start
-            self.log_path.replace(log_path)
-        with log_path.open("ab") as log_file:
-            log_file.write(f"=== phalanx: {replica} starting on warm spare {self.spare_id} "
-                           f"(pid {self.process.pid}) at {utc_now()}\n".encode())
-        try:
-            self.process.stdin.write(json.dumps(dict(identity)).encode() + b"\n")
-            await self.process.stdin.drain()
-            self.process.stdin.close()
-        except (BrokenPipeError, ConnectionResetError):
-            kill_group(self.process.pid)
-            return None
-        return None if self.process.returncode is not None else self.process
+    @property
+    def alive(self) -> bool:
+        """Every one of its processes runs."""
+        return all(p.returncode is None for p in self.processes)
+
+    async def hand_over(self, identities: Sequence[Mapping[str, str]],
+                        log_paths: Sequence[Path]) -> tuple[ChildProcess, ...] | None:
+        """Make this spare the replica ``identities`` name (one per process, in group rank
+        order), each process writing to its ``log_paths`` entry from now on; its
+        processes, or None if one is gone (then every one is killed)."""
+        for process, identity, old, new in zip(self.processes, identities, self.log_paths,
+                                               log_paths, strict=True):
+            assert process.stdin is not None
+            replica = identity.get(environment.REPLICA_ID, "?")
+            with contextlib.suppress(OSError):  # a log not moved is no reason for a cold start
+                old.replace(new)
+            with new.open("ab") as log_file:
+                log_file.write(f"=== phalanx: {replica} starting on warm spare "
+                               f"{self.spare_id} (pid {process.pid}) at {utc_now()}\n"
+                               .encode())
+            try:
+                process.stdin.write(json.dumps(dict(identity)).encode() + b"\n")
+                await process.stdin.drain()
+                process.stdin.close()
+            except (BrokenPipeError, ConnectionResetError):
+                break
+        else:
+            if self.alive:
+                return self.processes
+        self.kill()
+        return None
+
+    def kill(self) -> None:
+        """SIGKILL each of its processes' process groups."""
+        for process in self.processes:
+            kill_group(process.pid)
 
 
 def kill_group(pid: int) -> None:
@@ -169,7 +198,7 @@ class SpareSet:
     def running(self, job_id: str) -> list[Spare]:
         """The job's spares that are alive and not being stopped, oldest first."""
         return [s for s in self.spares.get(job_id, ())
-                if not s.stopping and s.process.returncode is None]
+                if not s.stopping and s.alive]
 
     async def reconcile(self, record: JobRecord) -> None:
         """Keep the spares ``record`` asks for here (none once it is not admitted here),
@@ -219,7 +248,7 @@ class SpareSet:
             spare.watcher.cancel()  # its exit is the replica's now
         self.failures.pop(job_id, None)
         log.info("spare taken", extra={"job": job_id, "spare": spare.spare_id,
-                                       "pid": spare.process.pid,
+                                       "pids": [p.pid for p in spare.processes],
                                        "waited_s": round(time.time() - spare.started_at, 3)})
         return spare, slots
 
@@ -237,9 +266,8 @@ class SpareSet:
                 return
             counts = core.spare_counts(
                 self.capacity, self.placed(),
-                [(job, core.spares_wanted(r.spec.spares, r.spec.session or job in self.sessions,
-                                          r.spec.ranks_per_replica),
-                  r.spec.slots_per_replica) for job, r in self.records.items()])
+                [(job, core.spares_wanted(r.spec.spares, r.spec.session or job in self.sessions),
+                  r.spec.slots_per_group) for job, r in self.records.items()])
             if self.gpus:  # first those whose GPUs no free slot offers any more
                 kept = self._gpu_slots()
                 for spare in [s for spares in self.spares.values() for s in spares
@@ -280,72 +308,117 @@ class SpareSet:
                     taken.update(slots)
         return kept
 
-    def _devices(self, record: JobRecord) -> tuple[dict[str, str], tuple[int, ...]] | None:
-        """A new spare's device variables and the slots they come from: on a GPU node, the
-        lowest free slots no other spare holds (None if there are not enough)."""
+    def _slots(self, record: JobRecord) -> tuple[int, ...] | None:
+        """The slots whose GPUs a new spare runs on: on a GPU node, the lowest free slots no
+        other spare holds (None if there are not enough); ``()`` on CPU slots."""
         if not self.gpus:
-            return {}, ()
+            return ()
         taken = set(self.unusable()).union(*self._gpu_slots().values())
-        slots = core.node_slots(taken, record.spec.slots_per_replica)
-        if slots[-1] >= len(self.gpus):
-            return None
-        # Its LOCAL_RANK is a world of one's (0), as the replica's it becomes: it sees its
-        # slots' GPUs alone.
-        return core.rank_devices(self.gpus, slots), slots
+        slots = core.node_slots(taken, record.spec.slots_per_group)
+        return None if slots[-1] >= len(self.gpus) else slots
+
+    def _variables(self, record: JobRecord, slots: tuple[int, ...],
+                   port: int) -> list[dict[str, str]]:
+        """Each process's placement variables in a new spare holding ``slots`` (``()`` on
+        CPU slots): a world of its own, as the replica of one rank it becomes (its
+        script's ``init_process_group`` runs before it is named); or, in a spare group,
+        its rank of the group meeting on ``port``, as in the replica group it becomes."""
+        ranks = record.spec.ranks_per_replica
+        if ranks == 1:
+            # Its LOCAL_RANK is a world of one's (0), as the replica's it becomes: it sees
+            # its slots' GPUs alone.
+            return [{**(core.rank_devices(self.gpus, slots) if self.gpus else {}),
+                     **environment.WORLD_OF_ONE}]
+        return [{**core.group_variables(self.gpus, share, g, ranks, port),
+                 **environment.RankEnvironment(ranks_per_replica=ranks,
+                                               group_rank=g).to_env()}
+                for g, share in enumerate(core.group_slots(slots, ranks) if slots
+                                          else [()] * ranks)]
 
     async def _start(self, record: JobRecord) -> bool:
-        devices = self._devices(record)
-        if devices is None:
+        slots = self._slots(record)
+        if slots is None:
             return False  # no free GPU for it: the next refresh tries again
         spare_id = f"spare-{next(self._ids)}"
-        log_path = self.work_dir / "jobs" / record.job_id / "spares" / f"{spare_id}.log"
-        log_path.parent.mkdir(parents=True, exist_ok=True)
-        with log_path.open("ab") as log_file:
-            log_file.write(f"=== phalanx: warm spare {spare_id} of {record.job_id} starting on "
-                           f"{self.node_id} at {utc_now()}\n".encode())
-            log_file.flush()
-            try:
-                # A spare is of a job with a generation: it is a world of its own, as the
-                # replica it becomes (its script's init_process_group runs before that).
-                env = {**self.environment(record), **devices[0], **environment.WORLD_OF_ONE,
-                       environment.SPARE: spare_id}
-                process = await self.launcher.start(
-                    record.spec.command, env, log_file, stdin=True,
-                    user=None if self.user is None else self.user(record.job_id))
-                if self.confine is not None:  # not held: its imports have begun
-                    self.confine(record, process.pid, log_file)
-            except OSError as exc:
-                log.warning("cannot start a spare of %s: %s", record.job_id, exc)
-                self._died(record.job_id)
-                return False
+        group = record.spec.ranks_per_replica > 1
+        try:
+            port = group_master_port(f"{record.job_id}/{spare_id}") if group else 0
+        except OSError as exc:
+            log.warning("cannot start a spare of %s: %s", record.job_id, exc)
+            self._died(record.job_id)
+            return False
+        folder = self.work_dir / "jobs" / record.job_id / "spares"
+        folder.mkdir(parents=True, exist_ok=True)
+        started: list[ChildProcess] = []
+        log_paths: list[Path] = []
+        for g, variables in enumerate(self._variables(record, slots, port)):
+            log_paths.append(folder / f"{member_log(spare_id, g if group else None)}.log")
+            with log_paths[-1].open("ab") as log_file:
+                log_file.write(f"=== phalanx: warm spare {spare_id} of {record.job_id} "
+                               f"starting on {self.node_id} at {utc_now()}\n".encode())
+                log_file.flush()
+                try:
+                    env = {**self.environment(record), **variables,
+                           environment.SPARE: spare_id}
+                    process = await self.launcher.start(
+                        record.spec.command, env, log_file, stdin=True,
+                        user=None if self.user is None else self.user(record.job_id))
+                    started.append(process)
+                    if self.confine is not None:  # not held: its imports have begun
+                        self.confine(record, process.pid, log_file)
+                except OSError as exc:
+                    log.warning("cannot start a spare of %s: %s", record.job_id, exc)
+                    await self._abandon(record.job_id, started)
+                    return False
         if self.gpus and self.pin is not None:
-            self.pin(process.pid, devices[1])
-        spare = Spare(spare_id, record.job_id, process, log_path, time.time(),
-                      gpus=tuple(self.gpus[s] for s in devices[1]))
+            shares = core.group_slots(slots, record.spec.ranks_per_replica)
+            for process, share in zip(started, shares, strict=True):
+                self.pin(process.pid, share)
+        spare = Spare(spare_id, record.job_id, tuple(started), tuple(log_paths), time.time(),
+                      gpus=tuple(self.gpus[s] for s in slots), group_port=port)
         self.spares.setdefault(record.job_id, []).append(spare)
         spare.watcher = asyncio.create_task(self._watch(spare))
         log.info("spare started", extra={"job": record.job_id, "spare": spare_id,
-                                         "pid": process.pid})
+                                         "pids": [p.pid for p in started]})
         return True
+
+    async def _abandon(self, job_id: str, started: list[ChildProcess]) -> None:
+        """A spare could not start whole: kill what of it did (a group short of a rank
+        never meets), and start another after the back-off."""
+        for process in started:
+            kill_group(process.pid)
+            await process.wait()
+        if started and self.unconfine is not None:
+            self.unconfine(job_id, [p.pid for p in started])
+        self._died(job_id)
 
     async def _stop(self, spare: Spare) -> None:
         spare.stopping = True
-        kill_group(spare.process.pid)
+        spare.kill()
         if spare.watcher is not None:
             await asyncio.shield(spare.watcher)
 
     async def _watch(self, spare: Spare) -> None:
-        code = await spare.process.wait()
+        waits = [asyncio.ensure_future(p.wait()) for p in spare.processes]
+        try:
+            done, _ = await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+            code = next(iter(done)).result()
+            if len(waits) > 1:
+                spare.kill()  # one of a group gone: the rest can never meet a replica's
+                await asyncio.gather(*waits)
+        finally:
+            for wait in waits:  # taken (cancelled): its exits are the replica's now
+                wait.cancel()
         spares = self.spares.get(spare.job_id, [])
         if spare in spares:
             spares.remove(spare)
             if self.unconfine is not None:  # never taken: its cgroup is nobody's
-                self.unconfine(spare.job_id, [spare.process.pid])
+                self.unconfine(spare.job_id, [p.pid for p in spare.processes])
         if not spares:
             self.spares.pop(spare.job_id, None)
         log.info("spare exited", extra={"job": spare.job_id, "spare": spare.spare_id,
-                                        "pid": spare.process.pid, "exit_code": code,
-                                        "stopped": spare.stopping})
+                                        "pids": [p.pid for p in spare.processes],
+                                        "exit_code": code, "stopped": spare.stopping})
         if not spare.stopping and not self._closed:
             self._died(spare.job_id)
 

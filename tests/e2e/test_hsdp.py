@@ -1,7 +1,8 @@
 """The FSDP2 GPT end to end: a cluster restarted under 2 replica groups of 2 ranks, the job
 resumed from its durable step; 3 groups, a rank killed mid-step, its group replaced;
 scaled by groups, 3 to 2 to 3; and every rank of 2 groups killed, the job restored from
-the nodes' memory shard by shard.
+the nodes' memory shard by shard; and, on a node of 6 slots, a killed rank's group
+replaced by the job's warm spare group.
 
 The module's cluster is first stopped (``phalanx down``) under a job of 2 groups that
 persists a durable step every ``EVERY`` steps, its nodes' memory wiped (a reboot), and
@@ -24,6 +25,15 @@ after a step all groups agreed on (both its ranks end with status 0) and a new o
 With every rank of the job SIGKILLed (frozen first, pids from the agents' manifests), the
 replacement groups restore the newest step the memory tier holds: rank s of each from
 column s's snapshots (the model's shard s), on its node, a buddy's, or fetched.
+On one agent of 6 slots, 2 groups leave room for a spare group (``spares: 1``): two
+processes of the port run up to ``from_env`` as a group of their own (process group,
+mesh and sharded model built) and wait; the killed rank's group is replaced by it,
+rank s of it receiving shard s, and the job ends bitwise the port alone.
+On one agent of 4 slots, a job of one group of 2 commits its durable steps and ends;
+the port resubmitted as one group of 4 (``ranks_per_replica: 4``) with
+``checkpoint.resume_from`` naming it (``phalanx submit --resume``) restores its last
+step, each of the 4 ranks reading its quarter of every tensor (DCP reshards), and trains
+on: every window once an epoch over both jobs.
 """
 
 from __future__ import annotations
@@ -43,8 +53,9 @@ import msgspec
 import pytest
 import torch
 from e2e_cli import next_of, phalanx
-from test_elastic import drain, kill_every_rank, watched_cluster, without_lost_work
+from test_elastic import Watch, drain, kill_every_rank, watched_cluster, without_lost_work
 
+from phalanx.bus.client import Delivery
 from phalanx.bus.kv import TypedKV
 from phalanx.runtime import record
 from phalanx.runtime.data import ElasticOrder
@@ -58,6 +69,7 @@ from phalanx.schemas.messages import (
     JobSpec,
     JobState,
     Placement,
+    RankStarted,
     ReplicaRange,
     SnapshotRecord,
     SnapshotTier,
@@ -114,12 +126,12 @@ def reference(data_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
     return torch.load(save)
 
 
-def spec_of(name: str, data_dir: Path, tmp_path: Path, replicas: int = 3,
+def spec_of(name: str, data_dir: Path, tmp_path: Path, replicas: int = 3, fewest: int = 2,
             **env: str) -> JobSpec:
-    """The port as a job of 2 to ``replicas`` groups of 2 ranks, deterministic, paced until
-    ``tmp_path/release`` exists."""
+    """The port as a job of ``fewest`` to ``replicas`` groups of 2 ranks, deterministic,
+    paced until ``tmp_path/release`` exists."""
     return JobSpec(name=name, team="t", priority_class="normal",
-                   replicas=ReplicaRange(min=2, max=replicas), placement=Placement(),
+                   replicas=ReplicaRange(min=fewest, max=replicas), placement=Placement(),
                    ranks_per_replica=2, session=True,
                    command=[sys.executable, str(SCRIPT), "--data-dir", str(data_dir), *ARGS,
                             "--save", str(tmp_path / "final.pt")],
@@ -128,12 +140,13 @@ def spec_of(name: str, data_dir: Path, tmp_path: Path, replicas: int = 3,
                    hang_timeout_s=10.0, grace_period_s=3.0)
 
 
-def check_run(tmp_path: Path, reference: dict,
-              records: dict[str, list[dict]] | None = None) -> dict[str, list[dict]]:
-    """Every window once an epoch (in ``records``, default the run's), and the saved state
-    bitwise the reference's."""
+def check_run(tmp_path: Path, reference: dict, records: dict[str, list[dict]] | None = None,
+              steps: int | None = STEPS) -> dict[str, list[dict]]:
+    """Every window once an epoch over ``steps`` (in ``records``, default the run's; None:
+    not checked), and the saved state bitwise the reference's."""
     records = record.read(tmp_path / "rec") if records is None else records
-    assert record.verify(records, ORDER, STEPS) == []
+    if steps is not None:
+        assert record.verify(records, ORDER, steps) == []
     final = torch.load(tmp_path / "final.pt")
     for part in ("model", "optimizer"):
         assert final[part].keys() == reference[part].keys()
@@ -270,24 +283,38 @@ async def test_hsdp_trains_through_a_rank_killed_mid_step_and_a_group_replaced(
     spec = spec_of("hsdp", data_dir, tmp_path,
                    PHALANX_CHAOS_KILL=f"{killed}:{KILL_STEP}:allreduce")
     job = await AdmissionClient(bus).submit(spec, f"hsdp-{killed.replace('.', '-')}")
-    generations = [await next_of(watch.generations, lambda g: g.job_id == job.job_id, 180)]
-    while generations[-1].reason is not GenerationReason.JOIN:  # the kill, the replacement
-        generations.append(await next_of(watch.generations,
-                                         lambda g: g.job_id == job.job_id, 300))
-    (tmp_path / "release").touch()
-    finished = await next_of(watch.states,
-                             lambda r: r.job_id == job.job_id and r.state.terminal, 600)
-    assert finished.state is JobState.FINISHED, finished.reason
-    assert [(g.reason, g.world_size) for g in generations[:3]] == [
+    generations = await replaced(watch, job.job_id, tmp_path)
+    assert [(g.reason, g.world_size) for g in generations] == [
         (GenerationReason.START, 3), (GenerationReason.FAULT, 2), (GenerationReason.JOIN, 3)]
 
     records = check_run(tmp_path, reference)
     assert any(line["kind"] == "chaos" for line in records[killed])
-    joined = [m.replica_id for m in generations[2].members
-              if m.replica_id not in {m.replica_id for m in generations[1].members}]
-    for name in (joined[0], f"{joined[0]}.g1"):  # both ranks of the new group copied
+    check_joined(records, generations)
+
+
+async def replaced(watch: Watch, job_id: str, tmp_path: Path) -> list[Generation]:
+    """The job's generations up to the replacement group's join (released then), once the
+    job has finished."""
+    generations = [await next_of(watch.generations, lambda g: g.job_id == job_id, 180)]
+    while generations[-1].reason is not GenerationReason.JOIN:  # the kill, the replacement
+        generations.append(await next_of(watch.generations,
+                                         lambda g: g.job_id == job_id, 300))
+    (tmp_path / "release").touch()
+    finished = await next_of(watch.states,
+                             lambda r: r.job_id == job_id and r.state.terminal, 600)
+    assert finished.state is JobState.FINISHED, finished.reason
+    return generations
+
+
+def check_joined(records: dict[str, list[dict]], generations: list[Generation]) -> str:
+    """Both ranks of the group that joined in ``generations[2]`` received their shard from
+    a live group after the kill; the group's replica id."""
+    joined = next(m.replica_id for m in generations[2].members
+                  if generations[1].member(m.replica_id) is None)
+    for name in (joined, f"{joined}.g1"):
         adopt = next(line for line in records[name] if line["kind"] == "adopt")
         assert KILL_STEP < adopt["step"] < STEPS and adopt["state_bytes"] > 0
+    return joined
 
 
 async def test_hsdp_scales_by_whole_groups_3_2_3_as_it_trains_alone(
@@ -354,3 +381,85 @@ async def test_hsdp_restores_every_groups_shards_from_memory_after_every_rank_is
     assert restores[0][1] >= reached.step - 1, (restores, reached.step)
     # What the dead ranks committed after the step restored from is trained again.
     check_run(tmp_path, reference, without_lost_work(records, STEPS))
+
+
+async def test_hsdp_a_killed_ranks_group_is_replaced_by_a_warm_spare_group(
+        data_dir: Path, reference: dict, tmp_path: Path,
+        tmp_path_factory: pytest.TempPathFactory) -> None:
+    data = tmp_path_factory.mktemp("hsdp-spares")
+    spec = msgspec.structs.replace(
+        spec_of("hsdp-spares", data_dir, tmp_path, replicas=2, fewest=1,
+                PHALANX_CHAOS_KILL=f"r1-0.g1:{KILL_STEP}:allreduce"), spares=1)
+    async with watched_cluster(data, "--slots-per-agent", "6", agents=1) as (_, bus, watch):
+        started: asyncio.Queue[RankStarted] = asyncio.Queue()
+
+        async def on_start(message: RankStarted, _: Delivery) -> None:
+            await started.put(message)
+
+        await bus.subscribe(subjects.rank_started("hsdp-spares-1"), RankStarted, on_start)
+        job = await AdmissionClient(bus).submit(spec, "hsdp-spares-1")
+        generations = await replaced(watch, job.job_id, tmp_path)
+    assert [(g.reason, g.world_size) for g in generations] == [
+        (GenerationReason.START, 2), (GenerationReason.FAULT, 1), (GenerationReason.JOIN, 2)]
+    joined = check_joined(check_run(tmp_path, reference), generations)
+    starts = {m.replica_id: m for m in [started.get_nowait() for _ in range(started.qsize())]}
+    assert starts[joined].from_spare, starts  # the spare group, not a cold start
+
+
+def with_epochs(spec: JobSpec, epochs: int) -> JobSpec:
+    """``spec`` with the port's ``--epochs`` set to ``epochs``."""
+    command = list(spec.command)
+    command[command.index("--epochs") + 1] = str(epochs)
+    return msgspec.structs.replace(spec, command=command)
+
+
+async def test_hsdp_a_durable_step_written_at_s2_resumes_as_a_job_at_s4_and_trains_on(
+        data_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> None:
+    data = tmp_path_factory.mktemp("hsdp-reshard")
+    first, second, restored = (tmp_path_factory.mktemp(name) for name in ("s2", "s4", "r4"))
+    for out in (first, second, restored):
+        (out / "release").touch()  # unpaced
+
+    def job_of(name: str, out: Path, ranks: int, epochs: int,
+               checkpoint: CheckpointPolicy) -> JobSpec:
+        spec = spec_of(name, data_dir, out, replicas=1, fewest=1)
+        return msgspec.structs.replace(with_epochs(spec, epochs), ranks_per_replica=ranks,
+                                       spares=0, checkpoint=checkpoint)
+
+    async with watched_cluster(data, "--slots-per-agent", "4", agents=1) as (_, bus, watch):
+        async def run(spec: JobSpec, job_id: str) -> None:
+            await AdmissionClient(bus).submit(spec, job_id)
+            ended = await next_of(watch.states,
+                                  lambda r: r.job_id == job_id and r.state.terminal, 300)
+            assert ended.state is JobState.FINISHED, ended.reason
+
+        written = ORDER.steps_per_epoch  # one epoch, a durable step every half
+        await run(job_of("hsdp-s2", first, 2, 1, CheckpointPolicy(
+            memory_every_steps=written // 2, durable_every_steps=written // 2)), "hsdp-s2-1")
+        resumed = CheckpointPolicy(memory_every_steps=written // 2, resume_from="hsdp-s2-1")
+        await run(job_of("hsdp-s4", second, 4, 2, resumed), "hsdp-s4-1")
+        # The same step restored at S = 4 with nothing left to train: saved as restored.
+        await run(job_of("hsdp-r4", restored, 4, 1, resumed), "hsdp-r4-1")
+    assert [d.name for d in (data / "checkpoints" / "hsdp-s2-1").glob(
+        f"step-{written:010d}-*-w1-c2")]
+
+    records = record.read(second / "rec")
+    restores = {name: line for name, lines in records.items() for line in lines
+                if line["kind"] == "restore"}
+    # Every rank of the group of 4 restored the last step the group of 2 wrote, from storage.
+    assert sorted(restores) == ["r0-0", "r0-0.g1", "r0-0.g2", "r0-0.g3"], restores
+    assert {(line["tier"], line["step"]) for line in restores.values()} == {
+        ("durable", written)}, restores
+    # The two jobs together trained every window once an epoch, the second on from the first.
+    both = {f"{job}/{name}": lines for job, out in (("s2", first), ("s4", second))
+            for name, lines in record.read(out / "rec").items()}
+    assert record.verify(both, ORDER, 2 * written) == []
+    # Restored at S = 4, the step is bitwise what the group of 2 ended with.
+    trained_from = torch.load(first / "final.pt")
+    assert trained_from["scheduler"]["last_epoch"] == written
+    check_run(restored, trained_from, steps=None)  # it trained no step
+    final = torch.load(second / "final.pt")
+    assert final["scheduler"]["last_epoch"] == 2 * written
+    assert any(not torch.equal(final["model"][name], value)
+               for name, value in trained_from["model"].items())
+    assert all(torch.isfinite(value).all() for value in final["model"].values())

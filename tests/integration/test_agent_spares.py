@@ -1,4 +1,5 @@
-"""Warm spares on a real agent: taken for a replacement, replaced, yielding, stopped.
+"""Warm spares on a real agent: taken for a replacement, replaced, yielding, stopped; a
+job of replica groups keeps spare groups, taken whole.
 
 A real agent (a subprocess), a real nats-server and real processes of a job's
 command: a small Python rank that, as a spare, waits in
@@ -49,16 +50,17 @@ from phalanx.runtime.spare import wait_for_identity
 env = wait_for_identity(os.environ) if os.environ.get("PHALANX_SPARE") else os.environ
 print("I am", env["PHALANX_REPLICA_ID"], "rank", env["RANK"], "local", env["LOCAL_RANK"],
       "gpus", env.get("CUDA_VISIBLE_DEVICES"), "admission", env["PHALANX_ADMISSION"],
-      flush=True)
+      "port", env.get("MASTER_PORT"), flush=True)
 time.sleep(600)
 """
 
 
 def record(job_id: str, node_id: str, replicas: int, spares: int | None,
-           state: JobState = JobState.ADMITTED) -> JobRecord:
+           state: JobState = JobState.ADMITTED, ranks: int = 1) -> JobRecord:
     spec = JobSpec(name="spares", team="t", priority_class="normal",
                    replicas=ReplicaRange(min=replicas, max=replicas), grace_period_s=2.0,
-                   command=[sys.executable, "-c", RANK], spares=spares)
+                   command=[sys.executable, "-c", RANK], spares=spares,
+                   ranks_per_replica=ranks)
     return JobRecord(job_id=job_id, spec=spec, state=state, submitted_at=1.0, updated_at=2.0,
                      reason_code=ReasonCode.ADMITTED if state is JobState.ADMITTED
                      else ReasonCode.FINISHED,
@@ -79,13 +81,15 @@ async def gone(pid: int) -> None:
 
 
 @contextlib.asynccontextmanager
-async def running_agent(url: str, node_id: str, work_dir: Path, gpus: str = ""
-                        ) -> AsyncIterator[asyncio.subprocess.Process]:
-    """An agent with 3 slots (on ``gpus``, one per slot, where given: no GPU is touched,
-    the ranks here never import torch); stopped (SIGTERM) at the end if it still runs."""
+async def running_agent(url: str, node_id: str, work_dir: Path, gpus: str = "",
+                        slots: int = 3) -> AsyncIterator[asyncio.subprocess.Process]:
+    """An agent with ``slots`` slots (on ``gpus``, one per slot, where given: no GPU is
+    touched, the ranks here never import torch); stopped (SIGTERM) at the end if it still
+    runs."""
     env = {**os.environ, "PHALANX_AGENT_GPUS": gpus} if gpus else None
     process = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "phalanx.services.agent", "--node-id", node_id, "--slots", "3",
+        sys.executable, "-m", "phalanx.services.agent", "--node-id", node_id,
+        "--slots", str(slots),
         "--heartbeat-interval", "0.1", "--nats", url, "--work-dir", str(work_dir), env=env,
         stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL)
     try:
@@ -277,3 +281,71 @@ async def test_unset_spares_start_once_the_job_has_a_generation_and_stop_without
         await jobs.delete(job_id)
         with contextlib.suppress(Exception):
             await generations.delete(job_id)
+
+
+async def test_a_job_of_groups_keeps_a_spare_group_that_replaces_a_dead_group_whole(
+        bus: Bus, nats_server: NatsServer, uid: str, tmp_path: Path) -> None:
+    """One group of 2 ranks on 4 slots: the 2 free slots hold a spare group, whose two
+    processes, started with the group's variables on a port of their own, become the
+    replacement group's ranks 0 and 1 on that same port; one of a spare group killed
+    takes the other down, and a new spare group starts."""
+    job_id = f"groups-{uid}"
+    started = await queue_of(bus, subjects.rank_started(job_id), RankStarted)
+    exited = await queue_of(bus, subjects.rank_exited(job_id), RankExited)
+    jobs = await TypedKV.open(bus.js, subjects.JOBS_BUCKET, JobRecord)
+    async with running_agent(nats_server.url, uid, tmp_path / "agent", slots=4):
+        await put(bus, jobs, record(job_id, uid, replicas=1, spares=1, ranks=2))
+        try:
+            rank = await asyncio.wait_for(started.get(), 30)
+            spare = await until(lambda: len(found := spares_of(job_id)) == 2 and found)
+            envs = {int(environ_of(pid)["RANK"]): environ_of(pid) for pid in spare}
+            port = envs[0]["MASTER_PORT"]
+            assert {(g, e["WORLD_SIZE"], e["MASTER_PORT"], e["PHALANX_GROUP_RANK"])
+                    for g, e in envs.items()} == {(0, "2", port, "0"), (1, "2", port, "1")}
+            assert "PHALANX_REPLICA_ID" not in envs[0]
+
+            os.kill(rank.pid, signal.SIGKILL)  # its agent takes the other rank down
+            assert (await asyncio.wait_for(exited.get(), 30)).replica_id == "r0-0"
+            reply = await bus.request(subjects.agent_launch(uid), LaunchReplica(
+                job_id=job_id, slot=0, replica_id="r0-1"), ReplicaReply, timeout_s=10)
+            first = next(pid for pid in spare if environ_of(pid)["RANK"] == "0")
+            assert (reply.spare, reply.pid) == (True, first), reply
+            start = await asyncio.wait_for(started.get(), 10)
+            assert (start.replica_id, start.pid) == ("r0-1", first)
+            logs = tmp_path / "agent" / "jobs" / job_id
+            # Each told its rank of the group, on the spare group's port.
+            await until(lambda: all(f"I am r0-1 rank {g} local {g}" in text
+                                    and f"port {port}" in text
+                                    for g in (0, 1)
+                                    for text in [(logs / f"r0-1_g{g}.log").read_text()]))
+
+            # The one taken is replaced; one rank of the next killed takes its group down,
+            # and another spare group starts. None is reported as a rank.
+            second = await until(lambda: len(found := spares_of(job_id) - spare) == 2
+                                 and found)
+            os.kill(min(second), signal.SIGKILL)
+            for pid in second:
+                await gone(pid)
+            await until(lambda: len(spares_of(job_id) - spare - second) == 2)
+            assert exited.empty() and started.empty()
+        finally:
+            await jobs.delete(job_id)
+
+
+async def test_on_gpus_each_rank_of_a_spare_group_sees_its_own_free_gpu(
+        bus: Bus, nats_server: NatsServer, uid: str, tmp_path: Path) -> None:
+    job_id = f"groups-{uid}"
+    started = await queue_of(bus, subjects.rank_started(job_id), RankStarted)
+    jobs = await TypedKV.open(bus.js, subjects.JOBS_BUCKET, JobRecord)
+    async with running_agent(nats_server.url, uid, tmp_path / "agent", gpus="0,1,2,3",
+                             slots=4):
+        await put(bus, jobs, record(job_id, uid, replicas=1, spares=1, ranks=2))
+        try:
+            await asyncio.wait_for(started.get(), 30)  # the group, on GPUs 0 and 1
+            spare = await until(lambda: len(found := spares_of(job_id)) == 2 and found)
+            # Rank s of the spare group on the s-th free GPU, seen alone as cuda:0.
+            assert sorted((environ_of(pid)["RANK"], environ_of(pid)["CUDA_VISIBLE_DEVICES"],
+                           environ_of(pid)["LOCAL_RANK"]) for pid in spare) == [
+                ("0", "2", "0"), ("1", "3", "0")]
+        finally:
+            await jobs.delete(job_id)

@@ -28,9 +28,9 @@ from phalanx.runtime import record
 from phalanx.runtime.data import ElasticOrder
 from phalanx.schemas import environment
 from phalanx.schemas.messages import GenerationReason
-from phalanx.services.agent.ranks import group_master_port
 from phalanx.services.agent.zygote import Launcher
 from phalanx.services.natsd import NatsServer
+from phalanx.services.ports import group_master_port
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 BLOCK, GLOBAL_BATCH, BYTES, EPOCHS = 16, 16, 5120, 2

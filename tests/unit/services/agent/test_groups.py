@@ -20,10 +20,10 @@ from phalanx.services.agent.core import (
     group_variables,
     reconcile,
     siblings_wait_s,
+    spare_counts,
     spares_wanted,
 )
-from phalanx.services.agent.ranks import group_master_port
-from phalanx.services.ports import GROUP_PORTS
+from phalanx.services.ports import GROUP_PORTS, group_master_port
 
 
 @pytest.mark.parametrize(("slots", "ranks", "shares"), [
@@ -80,10 +80,17 @@ def test_a_group_is_taken_down_at_once_after_a_failure_and_waited_for_after_a_cl
         group_exit([])
 
 
-def test_a_job_of_groups_keeps_no_spares_whatever_it_asks() -> None:
-    assert spares_wanted(3, True, ranks_per_replica=2) == 0
-    assert spares_wanted(None, True, ranks_per_replica=4) == 0
+def test_a_job_of_groups_keeps_spare_groups_each_in_a_whole_groups_free_slots() -> None:
     assert spares_wanted(3, False) == 3 and spares_wanted(None, True) == 1
+    # 2 groups of 2 ranks placed on 6 slots: room for one spare group, not a second.
+    assert spare_counts(6, 4, [("j", 2, 2)]) == {"j": 1}
+    assert spare_counts(5, 4, [("j", 1, 2)]) == {"j": 0}
+
+
+def test_a_spare_groups_ranks_hold_no_slots_yet_and_get_the_groups_variables() -> None:
+    env = group_variables((), (), 1, 2, 41234)
+    assert (env["RANK"], env["LOCAL_RANK"], env["WORLD_SIZE"], env["MASTER_PORT"]) == \
+        ("1", "1", "2", "41234")
 
 
 def test_a_record_placing_more_groups_than_the_node_holds_is_refused() -> None:
