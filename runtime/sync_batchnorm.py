@@ -174,7 +174,7 @@ class _Statistics(torch.autograd.Function):
                 bias: torch.Tensor | None, running_mean: torch.Tensor | None,
                 running_var: torch.Tensor | None, eps: float, factor: float,
                 rounds: SyncRounds) -> torch.Tensor:
-        dims, shape = _channels(input)
+        dims, _ = _channels(input)
         work = _working(input)
         x = input.detach().to(work)
         count = input.numel() // input.size(1)
@@ -199,11 +199,8 @@ class _Statistics(torch.autograd.Function):
         ctx.save_for_backward(input, weight, mean, invstd)
         ctx.total, ctx.filler, ctx.rounds = total, filler, rounds
         ctx.scale = rounds.weight  # the backward's sums are of gradients weighted by it
-        normed = (x - mean.to(work).view(shape)) * invstd.to(work).view(shape)
-        if weight is not None:
-            normed = normed * weight.to(work).view(shape)
-        if bias is not None:
-            normed = normed + bias.to(work).view(shape)
+        # The elementwise part is BatchNorm's with the members' statistics: its own kernel.
+        normed = F.batch_norm(x, mean.to(work), var.to(work), weight, bias, False, 0.0, eps)
         return normed.to(input.dtype)
 
     @staticmethod
