@@ -7,11 +7,9 @@ a DDP script converts its model. With ``--micro-batch`` the global batch, every
 member runs one micro-batch a step at any membership, and its statistics are
 over the whole global batch: what the script alone computes with plain
 BatchNorm (it is BatchNorm alone), and what DDP with SyncBatchNorm computes
-when each rank runs one batch. SGD with momentum, whose update is linear in the
-gradient: AdamW divides near-zero gradients by their own size, which amplified
-the last-bit differences of sums taken in another order at each world size until
-a 120-step run's losses drifted 1e-3 from the script alone's. ``--save`` writes
-the model's ``state_dict``.
+when each rank runs one batch. Plain SGD with momentum (the example's AdamW and
+schedule are the port's concern, not this one's). ``--save`` writes the model's
+``state_dict``.
 """
 
 from __future__ import annotations
