@@ -1,7 +1,8 @@
 """The workload of test_sync_batchnorm_job.py: examples/cnn_model.py's CNN with SyncBatchNorm.
 
 The DDP-shaped loop of the port (``session.epochs``, ``session.loader``,
-``session.backward`` so that the record holds every step's loss, clipping,
+``session.backward`` so that the record holds every step's loss, or the plain
+``loss.backward()`` with ``--plain-backward``; clipping,
 ``session.commit()``), with ``torch.nn.SyncBatchNorm.convert_sync_batchnorm`` as
 a DDP script converts its model. With ``--micro-batch`` the global batch, every
 member runs one micro-batch a step at any membership, and its statistics are
@@ -22,7 +23,10 @@ from phalanx.runtime import ElasticSession
 
 
 def main() -> None:
-    args = arguments(__doc__).parse_args()
+    parser = arguments(__doc__)
+    parser.add_argument("--plain-backward", action="store_true",
+                        help="loss.backward(): the session's hooks weight the gradients")
+    args = parser.parse_args()
     torch.set_num_threads(1)
     torch.manual_seed(args.seed)
     model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(CNN())
@@ -32,7 +36,11 @@ def main() -> None:
                                       drop_last=True)
     for _ in session.epochs(args.epochs):
         for x, y in session.loader:
-            session.backward(F.cross_entropy(model(x), y))
+            loss = F.cross_entropy(model(x), y)
+            if args.plain_backward:
+                loss.backward()
+            else:
+                session.backward(loss)
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             session.commit()
     if session.is_primary and args.save:

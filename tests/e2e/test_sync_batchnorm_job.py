@@ -17,7 +17,8 @@ it cannot be run beside this one here): equal up to the order of the sums,
 which differs at each world size (BatchNorm over each rank's quarter differs by
 1.7e-3 at the first step already). A second job, with micro-batches of 21 images,
 has members with a micro-batch fewer than others, who run fillers so that the
-rounds meet.
+rounds meet; a third back-propagates the plain loss, which the session's hooks
+weight, and must end with alone's model.
 """
 
 from __future__ import annotations
@@ -176,3 +177,24 @@ async def test_members_with_a_micro_batch_fewer_run_fillers_and_the_rounds_meet(
     records = await run_job(cluster, tmp_path, "fillers", arguments(21), replaced)
     steps = alike_everywhere(records, STEPS, tmp_path)
     assert {s.world_size for s in steps} == {3, 4}
+
+
+async def test_a_plain_loss_backward_trains_as_alone_where_the_hooks_weight_it(
+        cluster: tuple, tmp_path: Path) -> None:
+    """The script's own ``loss.backward()``: the session's hooks weight the parameters'
+    gradients, and SyncBatchNorm's backward weights its sums across the members, whose
+    shares differ on 3 members (22, 21 and 21 images). The model ends as alone's."""
+    args = [*arguments(GLOBAL_BATCH), "--plain-backward"]
+    reference = run_alone(SCRIPT, args, tmp_path / "alone", {})
+
+    async def replaced(client: AdmissionClient, job_id: str, reaches: Reaches) -> None:
+        await reaches(4, None)
+
+    records = await run_job(cluster, tmp_path, "plain", [*args, "--save",
+                                                         str(tmp_path / "final.pt")],
+                            replaced)
+    assert 3 in {s.world_size for s in alike_everywhere(records, STEPS, tmp_path)}
+    final = torch.load(tmp_path / "final.pt")
+    for name, value in final.items():
+        torch.testing.assert_close(value, reference[name], rtol=1e-5, atol=1e-6,
+                                   msg=lambda m, name=name: f"{name}: {m}")
