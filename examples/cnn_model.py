@@ -37,7 +37,8 @@ class CNN(nn.Module):
         self.classifier = nn.Linear(2 * width, CLASSES)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.classifier(self.features(x))
+        logits: torch.Tensor = self.classifier(self.features(x))
+        return logits
 
 
 def images(samples: int, seed: int = 0) -> torch.utils.data.TensorDataset:

@@ -30,26 +30,14 @@ per-rank buffers (and is told that its snapshots hold one rank's share of
 them). Only the persistent buffers (those in the ``state_dict``) are carried;
 forwards in eval mode, without gradients or outside a step are left alone.
 
-``SyncBatchNorm`` is refused at its first forward that would synchronise
-(:func:`refuse_sync_batchnorm`), naming the fix. It normalises each forward
-over the batches every rank runs at that moment, and under the session which
-micro-batches run together follows the membership: the step's micro-batches
-are the same at any world size, but dealt anew over its ranks (alone, one
-runs at a time; on 4 ranks, four; on 3, three, then two). The model would
-then depend on the membership, which the session exists to hide, and the
-script alone (the reference) could never train what any larger membership
-does. Its all-gather would also go to the default group, whose collectives
-the session refuses (it cannot be aborted when a peer dies). Statistics over
-a fixed set of micro-batches, whatever the world size, would need those
-micro-batches' forwards to meet in one collective, which one rank running
-them one after another cannot do. ``BatchNorm`` normalises over each
-micro-batch at any membership, alone included; a larger ``micro_batch_size``
-gives it more samples.
+``SyncBatchNorm``'s statistics are the same on every member after each of its
+forwards (:mod:`.sync_batchnorm`), and follow the same rule.
 """
 
 from __future__ import annotations
 
 import functools
+import hashlib
 import logging
 
 import torch
@@ -143,6 +131,16 @@ class StepBuffers:
         # them only in eval mode), and an in-place write it can see would fail it.
         for buffer, value in zip(self.buffers, before, strict=True):
             buffer.data.copy_(value)
+
+    def digest(self) -> str | None:
+        """A digest of the buffers the rule keeps alike (None: none), for the record: equal
+        digests on every member after a step are equal buffers."""
+        if not self.buffers:
+            return None
+        hashed = hashlib.blake2b(digest_size=8)
+        for buffer in self.buffers:
+            hashed.update(buffer.detach().cpu().reshape(-1).view(torch.uint8).numpy().tobytes())
+        return hashed.hexdigest()
 
     def tail(self) -> torch.Tensor:
         """This rank's part of the step's all-reduce: the designated buffers (float64,
@@ -314,24 +312,3 @@ def _statistic(norm: torch.nn.Module, name: str) -> torch.Tensor:
     value = getattr(norm, name)
     assert isinstance(value, torch.Tensor)
     return value
-
-
-def refuse_sync_batchnorm(model: torch.nn.Module) -> None:
-    """Make each ``SyncBatchNorm`` of ``model`` refuse its forwards that would synchronise
-    (in training mode), naming the fix (see the module docstring); evaluation is left
-    alone."""
-    for name, module in model.named_modules():
-        if isinstance(module, torch.nn.SyncBatchNorm):
-            module.register_forward_pre_hook(functools.partial(_refuse_sync, name or "model"))
-
-
-def _refuse_sync(name: str, module: torch.nn.Module, args: object) -> None:
-    if module.training:
-        raise RuntimeError(
-            f"SyncBatchNorm ({name}) under a phalanx session: it normalises over the "
-            "micro-batches every rank runs at once, and which run together changes with the "
-            "membership (alone, one at a time), so the model would depend on it, and its "
-            "all-gather goes to the default group, whose collectives the session refuses. "
-            "Use BatchNorm (drop convert_sync_batchnorm): it normalises over each "
-            "micro-batch at any membership, and a larger micro_batch_size gives it more "
-            "samples (docs/runtime.md, What else a DDP script carries over)")

@@ -8,7 +8,9 @@ that came meanwhile, a replica not yet a member after it joins), in its gradient
 ``allreduce`` (with every bucket but the last in flight, as it would launch the
 last: its peers are inside the step's collective and none can complete it,
 however fast the machine; rarely, a peer is still completing the step before,
-which gloo completed on the dying rank first, and aborts that one), or in its
+which gloo completed on the dying rank first, and aborts that one), before its
+first micro-batch's ``forward`` (its peers compute the step, and with
+``SyncBatchNorm`` wait in its first statistics all-reduce), or in its
 ``update``: with a sharded optimizer right
 after it posted the broadcasts of the parameters it owns (its peers may receive
 some and not others: a torn step), with a plain one right after
@@ -47,7 +49,7 @@ from pathlib import Path
 from phalanx.schemas import environment
 from phalanx.schemas.errors import ConfigError
 
-PHASES = ("boundary", "allreduce", "update", "rendezvous")
+PHASES = ("boundary", "forward", "allreduce", "update", "rendezvous")
 #: The phase that is not in a step: only ``g<N>`` names when.
 RENDEZVOUS = "rendezvous"
 
@@ -71,7 +73,8 @@ def parse_chaos_kill(value: str, replica_id: str, group_rank: int | None = None
     that rank).
 
     Raises:
-        ConfigError: an entry is not ``<replica>:<step|g<N>>:<boundary|allreduce|update>``
+        ConfigError: an entry is not
+            ``<replica>:<step|g<N>>:<boundary|forward|allreduce|update>``
             or ``<replica>:g<N>:rendezvous``.
     """
     kill = None
@@ -84,8 +87,8 @@ def parse_chaos_kill(value: str, replica_id: str, group_rank: int | None = None
         if not number.isdigit() or phase not in PHASES or way not in ("", "oom") or (
                 phase == RENDEZVOUS and not in_generation):
             raise ConfigError(f"{environment.CHAOS_KILL}: {item!r} is not "
-                              "<replica>:<step|g<N>>:<boundary|allreduce|update>[:oom] or "
-                              "<replica>:g<N>:rendezvous[:oom]")
+                              "<replica>:<step|g<N>>:<boundary|forward|allreduce|update>"
+                              "[:oom] or <replica>:g<N>:rendezvous[:oom]")
         if target == replica_id or (group_rank is not None
                                     and target == f"{replica_id}.g{group_rank}"):
             kill = Kill(phase, generation=int(number), oom=bool(way)) if in_generation \

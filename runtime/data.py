@@ -107,6 +107,11 @@ class ElasticOrder:
         share = split(batch, world_size)[rank]
         return micro_batches(share, micro_batch_size, len(batch))
 
+    def rounds(self, epoch: int, step: int, world_size: int, micro_batch_size: int) -> int:
+        """The most micro-batches :meth:`plan` (not aligned, one rank a member) gives any
+        rank of a ``world_size`` membership in step ``step``: the largest share's."""
+        largest = -(-len(self.batch(epoch, step)) // world_size)
+        return -(-largest // micro_batch_size)
 
     def kept_counts(self, epoch: int, step: int, indices: Iterable[int]) -> list[int]:
         """How often each sample of step ``step``'s batch is among ``indices`` (a kept
@@ -192,6 +197,15 @@ def micro_batches(share: Sequence[int], micro_batch_size: int,
             for i in range(0, len(share), micro_batch_size)]
 
 
+def evened(plan: Sequence[MicroBatch], rounds: int, sample: int) -> list[MicroBatch]:
+    """``plan`` with fillers up to ``rounds`` micro-batches, so that every member runs as
+    many forwards as the others (their ``SyncBatchNorm`` collectives meet): each a sample
+    of the plan's, or ``sample`` where the plan has none (the step's last: never its
+    first, whose holder's buffers the step keeps, where the step has two or more)."""
+    beside = plan[0] if plan else MicroBatch((sample,), 0.0)
+    return [*plan, *[_filler(beside)] * (rounds - len(plan))]
+
+
 def group_plan(batch: Sequence[int], groups: int, group: int, micro_batch_size: int,
                group_size: int, group_rank: int, *, aligned: bool = False) -> list[MicroBatch]:
     """Rank ``group_rank`` of member ``group``'s micro-batches of ``batch``, every member
@@ -224,8 +238,8 @@ def group_plan(batch: Sequence[int], groups: int, group: int, micro_batch_size: 
 
 
 def _filler(beside: MicroBatch) -> MicroBatch:
-    """A micro-batch that keeps a group's rank in step with its peers and trains on
-    nothing: one sample, weight 0."""
+    """A micro-batch that keeps a rank in step with its peers (a group's, or the members'
+    ``SyncBatchNorm`` rounds) and trains on nothing: one sample, weight 0."""
     return MicroBatch(beside.indices[:1], 0.0)
 
 

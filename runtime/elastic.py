@@ -70,9 +70,10 @@ from phalanx.runtime import (
     replica_group,
     schedulers,
     spare,
+    sync_batchnorm,
     teardown,
 )
-from phalanx.runtime.buffers import StepBuffers, refuse_sync_batchnorm
+from phalanx.runtime.buffers import StepBuffers
 from phalanx.runtime.bus_thread import BusThread
 from phalanx.runtime.chaos import Kill, Pace, parse_chaos_kill, parse_chaos_pace
 from phalanx.runtime.data import ElasticOrder
@@ -217,7 +218,9 @@ class ElasticSession:
 
     Raises:
         ValueError: an unknown ``backend``, ``nccl`` for a model not on a GPU, a model on
-            more than one device, or two LR schedulers of ``optimizer`` not registered.
+            more than one device, two LR schedulers of ``optimizer`` not registered, or a
+            ``SyncBatchNorm`` the session cannot synchronise (deterministic mode, a replica
+            group: :func:`.sync_batchnorm.adopt`).
         RuntimeError: ``nccl`` with a torch built without NCCL; alone, a default group
             the script made of more than one rank for a model that is not sharded.
         GroupMismatch: the model's sharding is not the replica group's (the error names
@@ -245,9 +248,10 @@ class ElasticSession:
                  data_parallel: Any = None) -> None:
         teardown.watch()
         trained = ddp.unwrap(model)  # the script's model, or the module in its DDP wrapper
-        refuse_sync_batchnorm(trained)
         group = replica_group.of(trained, ranks_per_replica if bus is not None else None,
                                  data_parallel)
+        norms = sync_batchnorm.adopt(trained, deterministic=deterministic,
+                                     grouped=group is not None)
         # Deterministic mode cuts a step the same at any world size: its BatchNorm
         # statistics can then move once per micro-batch of the cut (.buffers).
         buffers = StepBuffers(trained, getattr(model, "broadcast_buffers", True),
@@ -298,7 +302,7 @@ class ElasticSession:
             if bus is not None and snapshot_interval is not None and snapshot_dir else None,
             snapshot_dir=snapshot_dir, durable=durable, chaos=chaos.Plan.of(chaos_kill),
             on_membership=on_membership, group=group,
-            unreachable_after_s=unreachable_after_s)
+            unreachable_after_s=unreachable_after_s, even_rounds=bool(norms))
         self._started = False  # a step was taken: the registered state is fixed
         for name, obj in (state or {}).items():
             self.register(name, obj)
@@ -306,7 +310,7 @@ class ElasticSession:
         #: The generation this replica is a member of, its rank, world size and group.
         self._membership = Membership(self._s)
         #: What a step asks of the session: its batches, the all-reduce, the update.
-        self._runner = StepRunner(self._s, self._membership)
+        self._runner = StepRunner(self._s, self._membership, norms)
         # The DDP-shaped loop: epochs(), loader, backward, commit.
         self._loop = EpochLoop(self._runner, self.steps)
         self._chaos_pace = chaos_pace

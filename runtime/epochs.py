@@ -168,7 +168,8 @@ class EpochLoop:
                 raise RuntimeError(f"step {step.index} was not committed: call "
                                    "session.commit() after each batch's backward")
             self._left -= 1
-            self._out, self._settled, self._weighted = True, False, False
+            self._out, self._settled = True, False
+            self._weighting(hooks=True)
             self._arm_hooks()
             if self._stand_in:
                 indices = self._runner.state.order.batch(step.epoch, step.step_in_epoch)
@@ -192,7 +193,7 @@ class EpochLoop:
             raise RuntimeError("session.backward(loss) belongs in the loop over "
                                "session.loader, once per batch")
         if not self._stand_in:
-            self._weighted = True
+            self._weighting(hooks=False)
             step.backward(loss)
         elif self._runner.state.group is not None:
             # A replica group's sharded model ends the pass its forward began (FSDP2
@@ -201,6 +202,14 @@ class EpochLoop:
             (loss * 0.0).backward()
         if self._out:  # a stand-in's, or a loss no parameter's gradient came from
             self._backward_done()
+
+    def _weighting(self, hooks: bool) -> None:
+        """Who weights the batch's gradient: the hooks (the script's plain
+        ``loss.backward()``), or the loss (``session.backward``); ``SyncBatchNorm``'s
+        backward weights its sums across the members likewise (:mod:`.sync_batchnorm`)."""
+        self._weighted = not hooks
+        if self._runner.rounds is not None:
+            self._runner.rounds.hooks_weight = hooks
 
     def _arm_hooks(self) -> None:
         """Hook every parameter's gradient on its way into ``.grad`` (once)."""

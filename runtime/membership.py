@@ -423,9 +423,8 @@ class Membership:
         if self._sitting_out is not None and self._sitting_out[0] == index:
             active = self._sitting_out[1]
             self._sitting_out = None
-            if self.rank not in active:
-                return [], None
-            return s.plan_share(index, len(active), active.index(self.rank)), None
+            return s.plan_share(index, len(active), active.index(self.rank)
+                                if self.rank in active else None), None
         assert self.rank is not None  # a step is planned only for a member
         return s.plan_share(index, self.world_size, self.rank), None
 

@@ -20,7 +20,7 @@ import torch
 from phalanx.runtime import chaos
 from phalanx.runtime.buffers import StepBuffers
 from phalanx.runtime.bus_thread import BusThread
-from phalanx.runtime.data import ElasticOrder, MicroBatch
+from phalanx.runtime.data import ElasticOrder, MicroBatch, evened
 from phalanx.runtime.dataset import StepLoader
 from phalanx.runtime.durable import DurablePolicy
 from phalanx.runtime.group import Group, GroupWork
@@ -103,6 +103,9 @@ class SessionState:
     #: How long a collective waits without progress before it asks which members' nodes
     #: answer (:mod:`.reach`), and gives the generation up naming those that do not.
     unreachable_after_s: float = UNREACHABLE_AFTER_S
+    #: Every member runs as many micro-batches a step (``SyncBatchNorm``'s rounds meet:
+    #: :mod:`.sync_batchnorm`).
+    even_rounds: bool = False
     reporter: ProgressReporter | None = None  # once connected
     # Moved by commits, copies and restores.
     committed: int = 0  # steps committed: the next step to run
@@ -126,10 +129,21 @@ class SessionState:
         replica's group; 0 with one rank per replica)."""
         return 0 if self.group is None else self.group.rank
 
-    def plan_share(self, index: int, world_size: int, rank: int) -> list[MicroBatch]:
+    def plan_share(self, index: int, world_size: int, rank: int | None) -> list[MicroBatch]:
         """Step ``index``'s micro-batches for rank ``rank`` of ``world_size`` members (this
-        process's part of its group's share, with a replica group)."""
+        process's part of its group's share, with a replica group; None: a rank that
+        sits the step out). With ``even_rounds``, fillers up to the most any member runs
+        (:func:`.data.evened`)."""
         epoch, in_epoch = divmod(index, self.order.steps_per_epoch)
+        plan = [] if rank is None else self._plan(epoch, in_epoch, world_size, rank)
+        if not self.even_rounds:
+            return plan
+        return evened(plan, self.order.rounds(epoch, in_epoch, world_size,
+                                              self.micro_batch_size),
+                      self.order.batch(epoch, in_epoch)[-1])
+
+    def _plan(self, epoch: int, in_epoch: int, world_size: int,
+              rank: int) -> list[MicroBatch]:
         group = self.group
         return self.order.plan(epoch, in_epoch, world_size, rank, self.micro_batch_size,
                                aligned=self.deterministic,

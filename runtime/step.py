@@ -71,6 +71,8 @@ class Step:
         self.plan: list[MicroBatch]
         self.kept: Retained | None
         self.plan, self.kept = runner.membership.share(index)
+        if runner.rounds is not None:
+            runner.rounds.start(index)
         #: Each micro-batch's place in the step's cut, where the statistics move once per
         #: micro-batch (:mod:`.buffers`); None for one that trains on nothing.
         self._slots: list[int | None] = []
@@ -125,6 +127,10 @@ class Step:
                 runner.arm(self)  # its backward starts the all-reduce
             self._weight = mb.weight
             self._state.buffers.handing(n, self._slots[n] if self._slots else None)
+            if runner.rounds is not None:
+                runner.rounds.handing(mb.weight)
+            if n == 0 and self._state.chaos.due(self.index, "forward"):
+                self._state.die()
             yield next(loaded), mb.weight
             if self._state.deterministic:  # the caller's backward for this micro-batch is done
                 runner.fold()

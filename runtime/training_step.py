@@ -27,7 +27,7 @@ session, :class:`StepRunner` does, in the step's order:
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Protocol
 
 import msgspec
@@ -46,6 +46,7 @@ from phalanx.runtime.reduce import (
 from phalanx.runtime.replica_group import local as shard
 from phalanx.runtime.session_state import SessionState
 from phalanx.runtime.snapshot_interval import TAIL_LENGTH
+from phalanx.runtime.sync_batchnorm import SyncRounds
 from phalanx.schemas import subjects
 
 log = logging.getLogger("phalanx.runtime")
@@ -76,9 +77,12 @@ class StepRunner:
     It moves the state's ``committed`` and ``last_step_s`` as steps commit.
     """
 
-    def __init__(self, state: SessionState, membership: Membership) -> None:
+    def __init__(self, state: SessionState, membership: Membership,
+                 norms: Sequence[torch.nn.Module] = ()) -> None:
         self.state = state
         self.membership = membership
+        #: The collectives of the model's ``SyncBatchNorm`` layers, if it has any.
+        self.rounds = SyncRounds(membership, norms) if norms else None
         self._accumulated: torch.Tensor | None = None  # float64 gradient sum (deterministic)
         self._reduce: BucketedReduce | None = None  # the step's all-reduce, once armed
         self._buckets: list[list[int]] | None = None
@@ -133,6 +137,9 @@ class StepRunner:
         metrics = step.local_metrics()
         reduce = self._reduce
         self._reduce = None
+        if self.rounds is not None and self.rounds.end():
+            log.warning("step %d aborted in a SyncBatchNorm all-reduce", step.index)
+            return False  # given up there already: nothing to sum, the step runs again
 
         buffers = state.buffers.tail()  # the designated member's buffers (.buffers)
 
@@ -181,8 +188,10 @@ class StepRunner:
         except Aborted as exc:
             log.warning("step %d aborted: %s", step.index, exc)
             # A rank of a replica group keeps nothing: its group's ranks repair nothing
-            # alike (each column would plan its own repair of other samples).
-            membership.give_up(step.index, exc, None if state.group is not None else
+            # alike (each column would plan its own repair of other samples). Nor does a
+            # SyncBatchNorm model: its gradient is of the old membership's rounds.
+            membership.give_up(step.index, exc, None if state.group is not None
+                               or self.rounds is not None else
                                Retained(step.index, generation, local_gradient(),
                                         step.indices, metrics))
         if state.group is not None:
@@ -342,10 +351,12 @@ class StepRunner:
         step, now, step_before, previous = self._boundary
         self._boundary = None
         if state.record is not None:
+            digest = state.buffers.digest()
             state.record.write(kind="commit", step=step.index,
                                   generation=self._generation_number(), rank=membership.rank,
                                   **step.timings(now),
-                                  **({} if step.updated else {"skipped": True}))
+                                  **({} if step.updated else {"skipped": True}),
+                                  **({} if digest is None else {"buffers": digest}))
         extra: dict[str, Any] = {}
         snapshots = state.snapshots
         if snapshots is not None:

@@ -1,6 +1,5 @@
 """The buffers rule (runtime/buffers.py) in a session alone: a step's BatchNorm statistics
-are its first micro-batch's forward's, whatever else the step or the script runs; a
-SyncBatchNorm is refused, naming the fix."""
+are its first micro-batch's forward's, whatever else the step or the script runs."""
 
 from __future__ import annotations
 
@@ -113,26 +112,4 @@ def test_broadcast_buffers_false_keeps_every_micro_batchs_update_and_says_so(
             step.backward(torch.nn.functional.mse_loss(wrapper(x), y))
         assert step.commit()
     assert int(module[1].num_batches_tracked) == 6  # three micro-batches a step
-    session.close()
-
-
-def test_sync_batchnorm_is_refused_at_its_first_training_forward_naming_the_fix() -> None:
-    """It reduced over the default group, whose refusal did not say why (and on the CPU
-    torch's own ValueError came first); it is refused alone too, where it would be a
-    BatchNorm, since the script alone is what every membership must train."""
-    model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(bn_model())
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    session = ElasticSession(model, optimizer, data(), global_batch=BATCH,
-                             micro_batch_size=MICRO)
-    x = torch.randn(4, 4)
-    model.eval()  # an evaluation synchronises nothing
-    with torch.no_grad():
-        model(x)
-    model.train()
-    with pytest.raises(RuntimeError, match=r"SyncBatchNorm \(1\) under a phalanx session.*"
-                                           r"membership.*Use BatchNorm.*micro_batch_size"):
-        for step in session.steps(1):
-            for x, y in step:
-                step.backward(torch.nn.functional.mse_loss(model(x), y))
-            step.commit()
     session.close()

@@ -11,8 +11,9 @@ from phalanx.schemas.errors import ConfigError
 
 
 def test_chaos_kill_names_its_replica_step_and_phase() -> None:
-    value = "r1-0:40:allreduce,r2-0:7:boundary,r3-0:g2:update"
+    value = "r1-0:40:allreduce,r2-0:7:boundary,r3-0:g2:update,r4-0:8:forward"
     assert parse_chaos_kill(value, "r1-0") == Kill("allreduce", step=40)
+    assert parse_chaos_kill(value, "r4-0") == Kill("forward", step=8)
     assert parse_chaos_kill(value, "r2-0") == Kill("boundary", step=7)
     assert parse_chaos_kill(value, "r3-0") == Kill("update", generation=2)
     assert parse_chaos_kill(value, "r0-0") is None and parse_chaos_kill("", "r0-0") is None

@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from phalanx.runtime.data import ElasticOrder, cursor_steps, micro_batches, split
+from phalanx.runtime.data import ElasticOrder, cursor_steps, evened, micro_batches, split
 
 
 def test_steps_per_epoch_with_and_without_the_partial_batch() -> None:
@@ -97,3 +97,24 @@ def test_weighted_micro_batches_give_the_full_batch_gradient_in_torch(world_size
                      for m in order.plan(0, 0, world_size, r, micro_batch_size=5)])
     for a, b in zip(full, elastic, strict=True):
         assert torch.allclose(a, b, atol=1e-6)
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4, 7])
+def test_evened_plans_give_every_rank_the_most_micro_batches_and_the_same_samples(
+        world_size: int) -> None:
+    """SyncBatchNorm's rounds: 49 samples on 3 ranks are shares of 17, 16 and 16, two
+    micro-batches of 16 on rank 0 and one on the others, who get a filler each. Fillers
+    weigh nothing and cover no sample: the step's samples and weights are unchanged."""
+    order = ElasticOrder(98, 49, seed=3)
+    rounds = order.rounds(0, 1, world_size, 16)
+    plans = [order.plan(0, 1, world_size, rank, 16) for rank in range(world_size)]
+    assert rounds == max(len(plan) for plan in plans)
+    last = order.batch(0, 1)[-1]
+    for plan in plans:
+        even = evened(plan, rounds, last)
+        assert len(even) == rounds and even[:len(plan)] == plan
+        assert all(mb.weight == 0.0 and len(mb.indices) == 1 for mb in even[len(plan):])
+        assert {i for mb in even for i in mb.indices} <= set(order.batch(0, 1))
+    assert evened([], 2, last)[0].indices == (last,)  # a rank with no sample this step
+    if world_size == 3:
+        assert [len(plan) for plan in plans] == [2, 1, 1]
