@@ -5,7 +5,6 @@ entry lands on exactly one new owner, bitwise as the plain optimizer holds it.""
 
 from __future__ import annotations
 
-import concurrent.futures
 import copy
 import datetime
 import itertools
@@ -15,6 +14,7 @@ from pathlib import Path
 import fsspec
 import torch
 import torch.distributed as dist
+from gloo_pair import in_group
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -153,18 +153,6 @@ def test_owners_snapshot_and_persist_any_world_restores_and_repartitions(
     assert built == set(plain)
 
 
-def in_groups(world: int, name: str, work) -> list:
-    """``work(rank, group)`` on ``world`` threads, members of one fresh gloo group."""
-    store = dist.PrefixStore(name, dist.HashStore())
-
-    def run(rank: int) -> object:
-        group = dist.ProcessGroupGloo(store, rank, world, datetime.timedelta(seconds=20))
-        return work(rank, group)
-
-    with concurrent.futures.ThreadPoolExecutor(world) as pool:
-        return list(pool.map(run, range(world)))
-
-
 def assert_owns_its_partition(shards: list[Sharded], plain: dict) -> None:
     owners = shards[0].owners(len(shards))
     for rank, shard in enumerate(shards):
@@ -201,11 +189,11 @@ def test_a_join_then_a_leave_hand_every_entry_owner_to_owner(
         shards[rank].take_over(group, lambda w: w.wait(), rank, world, holders)
         shards[rank].repartition(rank, world)
 
-    in_groups(world, "join", join)
+    in_group(world, join)
     assert_owns_its_partition(shards, plain)
     staying = sorted(data.draw(st.sets(st.integers(0, world - 1), min_size=1,
                                        max_size=world - 1)))  # some leave, some stay
-    in_groups(world, "leave", lambda rank, group: shards[rank].hand_to(
+    in_group(world, lambda rank, group: shards[rank].hand_to(
         group, lambda w: w.wait(), staying, len(staying)))
     left = [shards[rank] for rank in staying]
 
@@ -215,5 +203,5 @@ def test_a_join_then_a_leave_hand_every_entry_owner_to_owner(
         assert left[rank].take_over(group, lambda w: w.wait(), rank, len(left), holders) == 0
         left[rank].repartition(rank, len(left))
 
-    in_groups(len(left), "switch", switch)
+    in_group(len(left), switch)
     assert_owns_its_partition(left, plain)

@@ -4,23 +4,20 @@ bitwise equal to the plain optimizer it shards."""
 
 from __future__ import annotations
 
-import concurrent.futures
 import copy
-import datetime
 import mmap
 import pickle
-from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
+from gloo_pair import in_group
 
 from phalanx.runtime.flat_state import flat_state
 from phalanx.runtime.sharded import Sharded, sharded_optimizer
 from phalanx.runtime.snapshot import restore, write_share
 from phalanx.schemas import snapshot_file
-from phalanx.services.ports import free_port
 
 
 def build(seed: int = 0) -> torch.nn.Module:
@@ -47,20 +44,6 @@ def plain_run(steps: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
 
 def member(model: torch.nn.Module) -> Sharded:
     return Sharded(sharded_optimizer(model.parameters(), torch.optim.AdamW, lr=0.01))
-
-
-def in_group(world: int, work: Callable[[int, dist.ProcessGroup], object]) -> list:
-    """``work(rank, group)`` on ``world`` threads, each a member of one fresh gloo group."""
-    port = free_port()
-
-    def run(rank: int) -> object:
-        store = dist.TCPStore("127.0.0.1", port, world, is_master=rank == 0,
-                              timeout=datetime.timedelta(seconds=20))
-        group = dist.ProcessGroupGloo(store, rank, world, datetime.timedelta(seconds=20))
-        return work(rank, group)
-
-    with concurrent.futures.ThreadPoolExecutor(world) as pool:
-        return list(pool.map(run, range(world)))
 
 
 def train(shards: list[Sharded], models: list[torch.nn.Module], steps: range) -> None:
