@@ -81,7 +81,7 @@ from phalanx.services.elasticity.core import ElasticityCore
 from phalanx.services.elasticity.service import ElasticityService
 from phalanx.services.health.core import HealthPolicy
 from phalanx.services.health.service import HealthService
-from phalanx.services.natsd import NatsServer, reload_config
+from phalanx.services.natsd import NatsCluster, NatsServer, reload_config
 
 Connect = Callable[..., Awaitable[Bus]]
 NODES = ("node-a", "node-b", "node-c")  # node-c: the services' agent
@@ -545,15 +545,23 @@ def k8s_auth(tmp_path_factory: pytest.TempPathFactory) -> AuthDir:
     return kubernetes.prepare(tmp_path_factory.mktemp("k8s") / "auth", "phalanx")
 
 
+def chart_config(auth: AuthDir, path: Path) -> Path:
+    """Write at ``path`` a server config as the chart's values make it: TLS on the client
+    port and the values' ``config.merge`` (NKEY users, the auth callout, the system
+    account)."""
+    config = {**server_config(auth.identities(), auth.tls_dir),
+              **kubernetes.nats_values(auth)["config"]["merge"]}  # type: ignore[index]
+    path.write_text(json.dumps(config))
+    return path
+
+
 @pytest.fixture(scope="module")
 def k8s_server(k8s_auth: AuthDir,
                tmp_path_factory: pytest.TempPathFactory) -> Iterator[NatsServer]:
     """A server configured as the chart's values configure it: TLS on the client port and
     the values' ``authorization`` block (NKEY users, and the auth callout)."""
     root = tmp_path_factory.mktemp("k8s-server")
-    config = {**server_config(k8s_auth.identities(), k8s_auth.tls_dir),
-              **kubernetes.nats_values(k8s_auth)["config"]["merge"]}  # type: ignore[index]
-    (root / "nats.conf").write_text(json.dumps(config))
+    chart_config(k8s_auth, root / "nats.conf")
     with NatsServer(root / "js", port=0, log_path=root / "nats.log",
                     config_file=root / "nats.conf") as server:
         yield server
@@ -788,6 +796,44 @@ async def test_an_ended_job_s_open_connection_is_closed_and_its_token_refused(
         await revoking.stop()
         for rank in (gone, ends):
             await rank.close()
+
+
+async def test_the_revoker_closes_an_ended_job_s_connections_on_every_server(
+        k8s_auth: AuthDir, tmp_path: Path) -> None:
+    """On a cluster of three servers configured as the chart's (routes over the CA's TLS
+    and a password), a job's ranks connected one to each server all lose their
+    connections when the job ends: every server lists its own, and closes its own."""
+    config = chart_config(k8s_auth, tmp_path / "nats.conf")
+    with NatsCluster(tmp_path / "js", 3, log_dir=tmp_path, config_file=config,
+                     secured=k8s_auth.route_security()) as cluster:
+        def on(role: Role) -> BusConfig:
+            return BusConfig.load(env=k8s_auth.env(role), servers=list(cluster.urls))
+
+        revoking = CalloutService(CalloutConfig(
+            issuer_seed_file=str(k8s_auth.callout_issuer_path),
+            token_key_file=str(k8s_auth.rank_token_key_path),
+            system_seed_file=str(k8s_auth.system_user_path), revoke_interval_s=3600.0),
+            on(Role.CALLOUT), instance="cluster")
+        await revoking.start()
+        ranks: list[Bus] = []
+        try:
+            async with await Bus.connect(on(Role.ADMISSION)) as admission:
+                await put_job(admission, "k8s-spread", JobState.ADMITTED)
+                for i, server in enumerate(cluster.servers):  # one rank on each
+                    ranks.append(await Bus.connect(
+                        token_config(k8s_auth, server, "k8s-spread"), name=f"rank-{i}"))
+                    assert ranks[-1].nc.connected_url is not None
+                    assert ranks[-1].nc.connected_url.port == server.port
+                closed_events = [rank.disconnect_event() for rank in ranks]
+                await put_job(admission, "k8s-spread", JobState.FINISHED)
+                for event in closed_events:
+                    await closed(event, REVOKED_WITHIN_S)
+                assert revoking.revoker is not None
+                assert revoking.revoker.kicked == {str(Refusal.ENDED_JOB): 3}
+        finally:
+            await revoking.stop()
+            for rank in ranks:
+                await rank.close()
 
 
 @pytest.mark.usefixtures("callout_service")
