@@ -2,14 +2,15 @@
 
 The commands are read from the doc's ``sh`` blocks, and where each runs from the doc's
 table "Which of these commands run where", so neither can drift from the other or from
-the files: a command the table does not list fails the test, and so does one the table
-says runs here but that fails. A row "here as `R`" runs ``R`` in place of the
-command's beginning, keeping its other words but its options (``kubectl apply -k DIR``
-is rendered as ``kubectl kustomize DIR``; ``docker compose -f F up -d --build`` is read
-as ``docker-compose -f F config``). The commands run in order, in one folder holding a
-copy of the repository's ``deploy/`` (without any auth directory), ``examples/`` and
-``pyproject.toml``, with the virtualenv's ``bin`` first on the ``PATH`` (``phalanx``,
-``python3``) and ``/secure/`` made a folder of the test's.
+the files: a command the table does not list fails the test, and so do a row that no
+command begins with and a command the table says runs here that fails. A row "here
+as `R`" runs ``R`` in place of the command's beginning, keeping its other words but
+its options (``kubectl apply -k DIR`` is rendered as ``kubectl kustomize DIR``;
+``docker compose -f F up -d --build`` is read as ``docker-compose -f F config``). The
+commands run in order, in one folder holding a copy of the repository's ``deploy/``
+(without any auth directory), ``examples/`` and ``pyproject.toml``, with the
+virtualenv's ``bin`` first on the ``PATH`` (``phalanx``, ``python3``) and ``/secure/``
+made a folder of the test's.
 """
 
 from __future__ import annotations
@@ -138,6 +139,7 @@ def test_every_command_of_the_doc_runs_here_or_is_said_to_need_more(tmp_path: Pa
     rows = table(text)
     listed = {c: where(c, rows) for c in commands(text)}
     assert not [c for c, row in listed.items() if row is None], "commands the table lacks"
+    assert not [r.begins for r in rows if r not in listed.values()], "rows of no command"
     runs = [(c, row) for c, row in listed.items() if row is not None and row.here]
     assert runs, "no command of the doc runs here"
     for needed in ("kubectl", "docker-compose"):
