@@ -31,17 +31,16 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import signal
 import sys
 import tempfile
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterable
 from pathlib import Path
 from typing import Any, TypeVar
 
-from phalanx.bench.results import append, utc_date
+from phalanx.bench.results import append, finish, utc_date
 from phalanx.bus.client import Bus, Delivery
 from phalanx.bus.config import BusConfig
 from phalanx.schemas import settings, subjects
@@ -310,26 +309,31 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             "pass": all(t["pass"] for t in targets.values())}
 
 
+def latency_table(figures: dict[str, dict[str, float]],
+                  rows: Iterable[tuple[str, str, str]]) -> str:
+    """A Markdown table of :func:`stats` figures: one row per (label, key, target)."""
+    lines = [f"| {label} | {figures[key]['n']} | {figures[key]['p50_ms']} | "
+             f"{figures[key]['p99_ms']} | {figures[key]['max_ms']} | {target} |"
+             for label, key, target in rows]
+    return "\n".join(["| latency (ms) | trials | p50 | p99 | max | target |",
+                      "|---|---:|---:|---:|---:|---|", *lines])
+
+
 def record(report: dict[str, Any]) -> None:
-    f = report["figures"]
-    rows = "\n".join(
-        f"| {label} | {f[key]['n']} | {f[key]['p50_ms']} | {f[key]['p99_ms']} | "
-        f"{f[key]['max_ms']} | {target} |"
-        for label, key, target in (
-            ("crash -> fault", "crash_to_fault", "p99 < 100"),
-            ("hang -> fault, minus the timeout", "hang_minus_timeout", "p99 < 100"),
-            ("node lost -> fault, minus the timeout", "node_lost_minus_timeout", "reported"),
-            ("`phalanx chaos kill-rank` -> rank gone (its CLI process included)",
-             "chaos_kill_rank", "reported"),
-            ("fault fan-out to 64 subscribers", "fanout_64", "p99 < 10")))
+    table = latency_table(report["figures"], (
+        ("crash -> fault", "crash_to_fault", "p99 < 100"),
+        ("hang -> fault, minus the timeout", "hang_minus_timeout", "p99 < 100"),
+        ("node lost -> fault, minus the timeout", "node_lost_minus_timeout", "reported"),
+        ("`phalanx chaos kill-rank` -> rank gone (its CLI process included)",
+         "chaos_kill_rank", "reported"),
+        ("fault fan-out to 64 subscribers", "fanout_64", "p99 < 10")))
     verdicts = ", ".join(f"{k} {'pass' if v['pass'] else 'FAIL'}"
                          for k, v in report["targets"].items())
     append(f"\n## detect.py — {report['date']}\n\nCommand: `{report['command']}`\n\n"
            f"Local cluster (nats-server, admission, health, agents as processes); hang "
            f"timeout {report['hang_timeout_s']} s, node timeout {report['node_timeout_s']} s, "
            f"heartbeat every {report['heartbeat_interval_s']} s.\n\n"
-           "| latency (ms) | trials | p50 | p99 | max | target |\n|---|---:|---:|---:|---:|---|\n"
-           f"{rows}\n\nResult: {verdicts}.\n")
+           f"{table}\n\nResult: {verdicts}.\n")
 
 
 def main() -> int:
@@ -346,10 +350,7 @@ def main() -> int:
         report = uvloop.run(run(args))
     except ImportError:
         report = asyncio.run(run(args))
-    if not args.no_record:
-        record(report)
-    print(json.dumps(report))
-    return 0 if report["pass"] else 1
+    return finish(report, record, no_record=args.no_record)
 
 
 if __name__ == "__main__":

@@ -1,11 +1,14 @@
-"""``bench/RESULTS.md``: where every benchmark appends its section, and how it dates them."""
+"""``bench/RESULTS.md``: where every benchmark appends its section, how it dates them, and how
+it ends (its report recorded and printed)."""
 
 from __future__ import annotations
 
 import datetime as dt
+import json
 import shlex
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 RESULTS_PATH = Path(__file__).resolve().parent / "RESULTS.md"
 RESULTS_HEADER = """\
@@ -35,3 +38,14 @@ def append(section: str, path: Path = RESULTS_PATH) -> None:
 def command_line(script: str, argv: Sequence[str]) -> str:
     """How to run ``bench/<script>`` with ``argv`` again, as a section records it."""
     return shlex.join([".venv/bin/python", f"bench/{script}", *argv])
+
+
+def finish(report: dict[str, Any], record: Callable[[dict[str, Any]], None], *,
+           no_record: bool) -> int:
+    """The end of a benchmark: ``record(report)`` (its section here) unless ``no_record``,
+    the report printed as one JSON object on the last line, and the exit status: 0 when
+    ``report["pass"]``."""
+    if not no_record:
+        record(report)
+    print(json.dumps(report))
+    return 0 if report["pass"] else 1

@@ -222,6 +222,7 @@ class Bus:
         self.connected_since: float | None = time.time()
         self._on_reconnect: list[Callable[[], Awaitable[None]]] = []
         self._resyncs: weakref.WeakSet[asyncio.Event] = weakref.WeakSet()
+        self._disconnects: weakref.WeakSet[asyncio.Event] = weakref.WeakSet()
         self._refusal_waiters: dict[tuple[str, str], set[asyncio.Future[None]]] = {}
         self._round_trips: set[asyncio.Task[None]] = set()
         self.chunks = spill.ChunkStore(self.js, config.jetstream_replicas)
@@ -299,8 +300,17 @@ class Bus:
             return task.result()
         raise PermissionDenied(subject)
 
+    def disconnect_event(self) -> asyncio.Event:
+        """A new event that every disconnection sets (the server closed the connection,
+        or the network failed; nats-py then reconnects)."""
+        event = asyncio.Event()
+        self._disconnects.add(event)
+        return event
+
     def _disconnected(self) -> None:
         self.connected_since = None
+        for event in list(self._disconnects):
+            event.set()
 
     async def _reconnected(self) -> None:
         self.connected_since = time.time()

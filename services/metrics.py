@@ -168,7 +168,10 @@ AGENT: Families = (RANKS, RANK_EXITS)
 CALLOUT_DECISIONS = Counter("phalanx_callout_decisions", "Connections the auth callout "
                             "answered: admitted, or the refusal's reason", ["outcome"],
                             registry=None)
-CALLOUT: Families = (CALLOUT_DECISIONS,)
+CALLOUT_REVOCATIONS = Counter("phalanx_callout_revocations", "Open rank connections the "
+                              "callout's revoker closed, by why their job may not be on "
+                              "the bus", ["reason"], registry=None)
+CALLOUT: Families = (CALLOUT_DECISIONS, CALLOUT_REVOCATIONS)
 
 _registered: set[Collector] = set()
 _register_lock = threading.Lock()

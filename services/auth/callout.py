@@ -27,15 +27,13 @@ at the latest, and any reconnection (after a server restart, a network fault) is
 asked about again and refused. Every refusal has a :class:`Refusal` and a one-line
 message, which the response carries to the server's log.
 
-The bound on an open connection is the token's lifetime, not the job's end: the
-server cannot be told to drop a connection when a job ends (that needs a system
-account, which the chart's values do not configure). The job's agents stop its ranks
-when it ends, which closes their connections; only a rank that outlives its agent's
-stop keeps its connection, until its token expires. A shorter ``connection_ttl_s``
-would tighten that, but nats-py (the ranks' client) treats the server's "User
-Authentication Expired" as final and does not reconnect: a rank would lose the bus
-for good at the cap. So phalanx leaves it unset and bounds a connection by the token
-(``PHALANX_AGENT_RANK_TOKEN_TTL_S``).
+An open connection of a job that ended is closed by the revoker
+(:mod:`.revocation`, which refuses by :func:`job_refusal`, the rule here), through the
+servers' system account; where none runs, it lasts until its token expires. A
+``connection_ttl_s`` shorter than the token would cap it too, but nats-py (the ranks'
+client) treats the server's "User Authentication Expired" as final and does not
+reconnect: a rank would lose the bus for good at the cap. So phalanx leaves it unset
+and bounds a connection by the token (``PHALANX_AGENT_RANK_TOKEN_TTL_S``).
 
 :func:`examine` reads the request and the token (the caller then looks the job up);
 :func:`decide` returns the response. Pure: the clock and the job's state are
@@ -184,10 +182,7 @@ def decide(examined: Examined, job_state: JobState | None, *, issuer_seed: bytes
     refusal, message = examined.refusal, examined.message
     token = examined.token
     if refusal is None and token is not None:
-        if job_state is None:
-            refusal, message = Refusal.UNKNOWN_JOB, f"no job {token.job_id}"
-        elif job_state.terminal:
-            refusal, message = Refusal.ENDED_JOB, f"job {token.job_id} is {job_state.value}"
+        refusal, message = job_refusal(token.job_id, job_state) or (None, "")
     if refusal is not None or token is None:
         refused = refusal or Refusal.BAD_TOKEN
         return Decision(_response(request, issuer_seed, now, error=f"{refused}: {message}"),
@@ -198,6 +193,17 @@ def decide(examined: Examined, job_state: JobState | None, *, issuer_seed: bytes
     user_jwt = nats_jwt.encode(user, issuer_seed, issued_at=int(now))
     return Decision(_response(request, issuer_seed, now, user_jwt=user_jwt), token.job_id,
                     expires_at=expires_at)
+
+
+def job_refusal(job_id: str, state: JobState | None) -> tuple[Refusal, str] | None:
+    """Why ``job_id``'s ranks may not be on the bus, given its record's state (None: no
+    record), or None while the job is live. The callout refuses a connection for it, and
+    the revoker (:mod:`.revocation`) closes one already open."""
+    if state is None:
+        return Refusal.UNKNOWN_JOB, f"no job {job_id}"
+    if state.terminal:
+        return Refusal.ENDED_JOB, f"job {job_id} is {state.value}"
+    return None
 
 
 def user_claims(user_nkey: str, job_id: str, *, expires_at: int,

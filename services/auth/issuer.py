@@ -126,6 +126,12 @@ class AuthDir:
         return self.root / "keys" / "rank-token.key"
 
     @property
+    def system_user_path(self) -> Path:
+        """The seed of the servers' system account user, which the auth callout's revoker
+        closes ended jobs' connections as (Kubernetes)."""
+        return self.root / "keys" / "system.nk"
+
+    @property
     def callout_issuer_path(self) -> Path:
         """The seed of the account key the auth callout signs with (Kubernetes)."""
         return self.root / "keys" / "callout-issuer.nk"

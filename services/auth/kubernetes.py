@@ -3,14 +3,15 @@
 ``phalanx auth kubernetes DIR`` makes (or reuses) the auth directory ``DIR`` with
 the agents' shared identity (``agents``, :data:`~.roles.ANY`: nodes are DaemonSet
 pods, and the server's config is the chart's, which phalanx does not rewrite), the
-auth callout's identity (``callout``), the callout's account key and the cluster's
-rank token key, and a server certificate for the names pods dial the NATS service
-by, then writes beside it:
+auth callout's identity (``callout``), the callout's account key, the cluster's
+rank token key and the seed of the servers' system account user, and a server
+certificate for the names pods dial the NATS service by, then writes beside it:
 
 * ``secrets.yaml``, each Secret in the namespace of the pods that mount it: in the
   control plane's (``--namespace``), :data:`IDENTITIES_SECRET` (every identity's seed
   but the agents' as ``<identity>.nk``, the CA as ``ca.pem``, the callout's account
-  seed as :data:`ISSUER_ITEM`, the rank token key as :data:`TOKEN_KEY_ITEM`; each
+  seed as :data:`ISSUER_ITEM`, the rank token key as :data:`TOKEN_KEY_ITEM`, the seed
+  of the servers' system account user as :data:`SYSTEM_ITEM`; each
   workload mounts only its own items), the TLS Secret :data:`TLS_SECRET` the NATS
   chart serves its client port with, and :data:`ROUTES_SECRET`, the route
   certificate (valid for the headless Service's pods, :func:`route_hosts`), the CA
@@ -24,7 +25,9 @@ by, then writes beside it:
   and every identity above is one of its ``auth_users``, which the server admits by
   its seed without asking. Every other connection is asked about: a job's ranks,
   connecting with the rank token their agent minted for the job, are admitted as that
-  job's ranks while it is live (:mod:`.callout`, :mod:`.rank_token`).
+  job's ranks while it is live (:mod:`.callout`, :mod:`.rank_token`). The system
+  account (:data:`SYSTEM_ACCOUNT`) has one user, which bypasses the callout too: the
+  callout's revoker, which closes an ended job's open connections (:mod:`.revocation`).
 
 Jobs have no seed and no user here: the shared ``ranks`` identity of earlier
 versions is revoked when found. The values hold public keys only; the seeds, keys and
@@ -69,6 +72,10 @@ NAMESPACE, NODES_NAMESPACE = "phalanx", "phalanx-nodes"
 #: the rank token key (the agents, which mint, and the callout, which verifies).
 ISSUER_ITEM = "callout-issuer.nk"
 TOKEN_KEY_ITEM = "rank-token.key"
+#: The servers' system account, and the Secret item of its one user's seed (the
+#: callout alone mounts it: its revoker closes ended jobs' connections as that user).
+SYSTEM_ACCOUNT = "SYS"
+SYSTEM_ITEM = "system.nk"
 
 
 def service_hosts(namespace: str, release: str = RELEASE) -> list[str]:
@@ -109,26 +116,33 @@ def prepare(root: Path, namespace: str) -> AuthDir:
     auth.add(Role.CALLOUT)
     auth.remove(Role.RANK, ANY)  # each job's ranks are their job now, through the callout
     write_key(auth.rank_token_key_path)
-    _write_account_seed(auth.callout_issuer_path)
+    _write_seed(auth.callout_issuer_path, nkeys.PREFIX_BYTE_ACCOUNT)
+    _write_seed(auth.system_user_path, nkeys.PREFIX_BYTE_USER)
     # The routes' certificate for the headless Service's pods, and their password.
     tls.make_route_cert(auth.tls_dir, route_hosts(namespace))
     auth.route_security()
     return auth
 
 
-def _write_account_seed(path: Path) -> None:
-    """A new account seed at ``path``, readable by its owner only; an existing one kept."""
+def _write_seed(path: Path, kind: int) -> None:
+    """A new seed of ``kind`` (an nkeys prefix byte) at ``path``, readable by its owner
+    only; an existing one kept."""
     try:
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     except FileExistsError:
         return
     with os.fdopen(fd, "wb") as f:
-        f.write(nkeys.encode_seed(os.urandom(32), nkeys.PREFIX_BYTE_ACCOUNT))
+        f.write(nkeys.encode_seed(os.urandom(32), kind))
 
 
 def callout_issuer(auth: AuthDir) -> str:
     """The public account key the auth callout signs with (the server's ``issuer``)."""
     return nats_jwt.public_key_of(auth.callout_issuer_path.read_bytes(), nats_jwt.ACCOUNT)
+
+
+def system_user(auth: AuthDir) -> str:
+    """The public key of the system account's user (the callout's revoker)."""
+    return nats_jwt.public_key_of(auth.system_user_path.read_bytes(), nats_jwt.USER)
 
 
 def _data(files: dict[str, bytes]) -> dict[str, str]:
@@ -149,7 +163,7 @@ def secrets(auth: AuthDir, namespace: str = NAMESPACE,
     token_key = auth.rank_token_key_path.read_bytes()
     control = {**{name: seed for name, seed in seeds.items() if name != f"{agents}.nk"},
                "ca.pem": ca, ISSUER_ITEM: auth.callout_issuer_path.read_bytes(),
-               TOKEN_KEY_ITEM: token_key}
+               TOKEN_KEY_ITEM: token_key, SYSTEM_ITEM: auth.system_user_path.read_bytes()}
     node = {f"{agents}.nk": seeds[f"{agents}.nk"], "ca.pem": ca, TOKEN_KEY_ITEM: token_key,
             "replication.key": auth.replication_key_path.read_bytes(),
             tls.REPLICATION_CERT: (auth.tls_dir / tls.REPLICATION_CERT).read_bytes(),
@@ -177,9 +191,13 @@ def secrets(auth: AuthDir, namespace: str = NAMESPACE,
 
 def nats_values(auth: AuthDir) -> dict[str, object]:
     """The NATS chart's values that admit exactly ``auth``'s identities, and every other
-    connection only through the auth callout, over TLS."""
+    connection only through the auth callout, over TLS; and the system account, whose
+    one user (the callout's revoker) may close any connection."""
     return {"config": {"nats": {"tls": {"enabled": True, "secretName": TLS_SECRET}},
-                       "merge": {"authorization": server_authorization(auth)}}}
+                       "merge": {"authorization": server_authorization(auth),
+                                 "system_account": SYSTEM_ACCOUNT,
+                                 "accounts": {SYSTEM_ACCOUNT: {"users": [
+                                     {"nkey": system_user(auth)}]}}}}}
 
 
 def server_authorization(auth: AuthDir) -> dict[str, object]:
@@ -188,4 +206,4 @@ def server_authorization(auth: AuthDir) -> dict[str, object]:
     who = auth.identities()
     return {**authorization(who), "auth_callout": {
         "issuer": callout_issuer(auth),
-        "auth_users": sorted(w.public_key for w in who)}}
+        "auth_users": sorted([*(w.public_key for w in who), system_user(auth)])}}

@@ -1,4 +1,5 @@
-"""The auth callout's configuration: its keys and how long an admitted connection lives.
+"""The auth callout's configuration: its keys, how long an admitted connection lives, and
+how its revoker closes an ended job's.
 
 Every field comes from ``PHALANX_CALLOUT_<FIELD>`` (or the constructor). The two key
 files are items of the Secret ``phalanx-identities`` that ``phalanx auth kubernetes``
@@ -31,6 +32,15 @@ class CalloutConfig:
     (the default): until its token expires. nats-py, the ranks' client, does not
     reconnect after the server closes a connection at its expiry, so a cap shorter than a
     job cuts its ranks off the bus: set it only for clients that reconnect (docs/security.md)."""
+    system_seed_file: str | None = None
+    """The seed of a user of the servers' system account (``system.nk``): with it the
+    callout also revokes, closing every open connection of a job that ended
+    (:mod:`~phalanx.services.callout.revoker`). None: an ended job's open connections
+    last until their tokens expire."""
+    revoke_interval_s: float = 10.0
+    """How often the revoker looks over every server's rank connections, besides
+    looking at once when a job's record says it ended: the bound on how long an ended
+    job's connection stays open (docs/security.md)."""
     account: str = GLOBAL_ACCOUNT
     """The account admitted connections land in: the server config's (``$G`` where it
     defines no accounts, as the chart's values do not)."""
@@ -43,6 +53,9 @@ class CalloutConfig:
                                                   or self.connection_ttl_s < 1):
             raise ConfigError(f"callout.connection_ttl_s must be at least 1 s, "
                               f"got {self.connection_ttl_s}")
+        if not (math.isfinite(self.revoke_interval_s) and self.revoke_interval_s >= 1):
+            raise ConfigError(f"callout.revoke_interval_s must be at least 1 s, "
+                              f"got {self.revoke_interval_s}")
         if not self.account:
             raise ConfigError("callout.account must name an account")
 
@@ -60,12 +73,13 @@ class CalloutConfig:
             if raw:
                 values[field.name] = raw
         values.update({k: v for k, v in overrides.items() if v is not None})
-        if "connection_ttl_s" in values:
-            try:
-                values["connection_ttl_s"] = float(values["connection_ttl_s"])
-            except (TypeError, ValueError):
-                raise ConfigError(f"callout.connection_ttl_s must be a number, got "
-                                  f"{values['connection_ttl_s']!r}") from None
+        for name in ("connection_ttl_s", "revoke_interval_s"):
+            if name in values:
+                try:
+                    values[name] = float(values[name])
+                except (TypeError, ValueError):
+                    raise ConfigError(f"callout.{name} must be a number, got "
+                                      f"{values[name]!r}") from None
         for name in ("issuer_seed_file", "token_key_file"):
             values.setdefault(name, "")
         return cls(**values)

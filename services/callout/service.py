@@ -16,6 +16,9 @@ request left unanswered (the server refuses the connection at its auth timeout).
 Every answer is logged and counted (``phalanx_callout_decisions_total{outcome}``);
 tokens never are.
 
+With the seed of a user of the servers' system account it also runs the revoker
+(:mod:`.revoker`), which closes the open connections of every job that ended.
+
 Only a Kubernetes deployment runs it (``phalanx auth kubernetes`` configures the
 server for it, deploy/k8s/base/callout.yaml runs two): bare metal's ``phalanx up
 --secure`` gives each job an NKEY identity in ``nats.conf`` instead, so it is not in
@@ -33,6 +36,7 @@ from pathlib import Path
 
 from nats.aio.msg import Msg
 
+from phalanx.bus.client import Bus
 from phalanx.bus.config import BusConfig
 from phalanx.bus.kv import TypedKV
 from phalanx.schemas import subjects
@@ -44,6 +48,7 @@ from phalanx.services.auth.replication_key import load_key
 from phalanx.services.auth.roles import SERVICE_NAMES, Role
 from phalanx.services.base import Service
 from phalanx.services.callout.config import CalloutConfig
+from phalanx.services.callout.revoker import Revoker
 from phalanx.services.leader import instance_name
 
 log = logging.getLogger("phalanx.callout")
@@ -80,6 +85,9 @@ class CalloutService(Service):
             raise ConfigError(f"callout issuer seed {config.issuer_seed_file}: {exc}") from None
         self.key = load_key(config.token_key_file, "rank token key")
         self.jobs: TypedKV[JobRecord] | None = None
+        #: The revoker and its connection (with ``config.system_seed_file``).
+        self.system: Bus | None = None
+        self.revoker: Revoker | None = None
         #: Answers given, by outcome (``admitted`` or a refusal's value).
         self.decisions: collections.Counter[str] = collections.Counter()
 
@@ -87,6 +95,22 @@ class CalloutService(Service):
         assert self.bus is not None
         self.jobs = await self.bucket(subjects.JOBS_BUCKET, JobRecord)
         await self.bus.nc.subscribe(subjects.auth_callout(), queue=QUEUE, cb=self._on_request)
+        if self.config.system_seed_file:
+            # A connection of its own: the system account's user may use no subject of
+            # the jobs' account, the callout's identity none of the system account's.
+            system = dataclasses.replace(self.bus_config or BusConfig.load(),
+                                         nkey_seed_file=self.config.system_seed_file,
+                                         inbox_prefix="_INBOX")
+            self.system = await Bus.connect(system, name=f"{self.name}-revoker:{self.instance}")
+            revoker = self.revoker = Revoker(self.system, self.jobs,
+                                             interval_s=self.config.revoke_interval_s)
+            self.keep_running(lambda: self.until_stopped(revoker.close_ended()), "revoker")
+            self.keep_running(lambda: self.until_stopped(revoker.watch_ends()),
+                              "revoker watch")
+
+    async def teardown(self) -> None:
+        if self.system is not None:
+            await self.system.close()
 
     async def _on_request(self, msg: Msg) -> None:
         try:

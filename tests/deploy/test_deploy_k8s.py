@@ -244,13 +244,15 @@ def test_rendered_objects_follow_the_deployment_rules(overlay: str) -> None:
             assert values["PHALANX_AGENT_REPLICA_TLS_DIR"] == mount  # with ca.pem there
             assert items == {f"{own}.nk", token_key, "ca.pem", "replication.key",
                              "replication.pem", "replication-key.pem"}
-        elif name == "phalanx-callout":  # and the keys it signs and verifies with, alone
+        elif name == "phalanx-callout":  # and its keys to sign, verify, revoke, alone
             assert values["PHALANX_CALLOUT_ISSUER_SEED_FILE"] == \
                 f"{mount}/{kubernetes.ISSUER_ITEM}"
             assert values["PHALANX_CALLOUT_TOKEN_KEY_FILE"] == \
                 f"{mount}/{kubernetes.TOKEN_KEY_ITEM}"
+            assert values["PHALANX_CALLOUT_SYSTEM_SEED_FILE"] == \
+                f"{mount}/{kubernetes.SYSTEM_ITEM}"
             assert items == {f"{own}.nk", "ca.pem", kubernetes.ISSUER_ITEM,
-                             kubernetes.TOKEN_KEY_ITEM}
+                             kubernetes.TOKEN_KEY_ITEM, kubernetes.SYSTEM_ITEM}
         else:
             assert items == {f"{own}.nk", "ca.pem"}, name
     for cm in by_kind(docs, "ConfigMap").values():
@@ -604,9 +606,18 @@ def test_nats_values_give_a_jetstream_cluster_admitting_exactly_the_identities()
     # it signs with the key whose seed only its pods mount.
     issuer = base64.b64decode(secrets[kubernetes.IDENTITIES_SECRET]["data"][
         kubernetes.ISSUER_ITEM])
+    # The system account's one user is the callout's revoker: its seed is the control
+    # plane's alone, and the callout does not decide about it either.
+    system_seed = base64.b64decode(secrets[kubernetes.IDENTITIES_SECRET]["data"][
+        kubernetes.SYSTEM_ITEM])
+    system_user = nkeys.from_seed(bytearray(system_seed)).public_key.decode()
+    assert values["config"]["merge"]["system_account"] == kubernetes.SYSTEM_ACCOUNT
+    assert values["config"]["merge"]["accounts"] == {
+        kubernetes.SYSTEM_ACCOUNT: {"users": [{"nkey": system_user}]}}
+    assert kubernetes.SYSTEM_ITEM not in secrets[kubernetes.AGENT_SECRET]["data"]
     assert block["auth_callout"] == {
         "issuer": nkeys.from_seed(bytearray(issuer)).public_key.decode(),
-        "auth_users": sorted(w.public_key for w in who)}
+        "auth_users": sorted([*(w.public_key for w in who), system_user])}
     # Each seed in the identities' Secrets is the one whose public key the server admits;
     # the agents' in their namespace's alone, the others' in the control plane's alone.
     control, nodes = (secrets[s]["data"] for s in (kubernetes.IDENTITIES_SECRET,

@@ -81,7 +81,7 @@ from phalanx.services.elasticity.core import ElasticityCore
 from phalanx.services.elasticity.service import ElasticityService
 from phalanx.services.health.core import HealthPolicy
 from phalanx.services.health.service import HealthService
-from phalanx.services.natsd import NatsServer, reload_config
+from phalanx.services.natsd import NatsCluster, NatsServer, reload_config
 
 Connect = Callable[..., Awaitable[Bus]]
 NODES = ("node-a", "node-b", "node-c")  # node-c: the services' agent
@@ -545,16 +545,23 @@ def k8s_auth(tmp_path_factory: pytest.TempPathFactory) -> AuthDir:
     return kubernetes.prepare(tmp_path_factory.mktemp("k8s") / "auth", "phalanx")
 
 
+def chart_config(auth: AuthDir, path: Path) -> Path:
+    """Write at ``path`` a server config as the chart's values make it: TLS on the client
+    port and the values' ``config.merge`` (NKEY users, the auth callout, the system
+    account)."""
+    config = {**server_config(auth.identities(), auth.tls_dir),
+              **kubernetes.nats_values(auth)["config"]["merge"]}  # type: ignore[index]
+    path.write_text(json.dumps(config))
+    return path
+
+
 @pytest.fixture(scope="module")
 def k8s_server(k8s_auth: AuthDir,
                tmp_path_factory: pytest.TempPathFactory) -> Iterator[NatsServer]:
     """A server configured as the chart's values configure it: TLS on the client port and
     the values' ``authorization`` block (NKEY users, and the auth callout)."""
     root = tmp_path_factory.mktemp("k8s-server")
-    config = server_config(k8s_auth.identities(), k8s_auth.tls_dir)
-    config["authorization"] = kubernetes.nats_values(k8s_auth)["config"]["merge"][
-        "authorization"]
-    (root / "nats.conf").write_text(json.dumps(config))
+    chart_config(k8s_auth, root / "nats.conf")
     with NatsServer(root / "js", port=0, log_path=root / "nats.log",
                     config_file=root / "nats.conf") as server:
         yield server
@@ -580,20 +587,29 @@ async def k8s_connect(k8s_auth: AuthDir, k8s_server: NatsServer,
         yield connect
 
 
-@pytest.fixture
-def decisions(callout_service: CalloutService) -> Iterator[asyncio.Queue[Decision]]:
-    """The callout's answers from now on, in order."""
-    queue: asyncio.Queue[Decision] = asyncio.Queue()
-    answer = callout_service.answer
+@contextlib.contextmanager
+def recording(service: CalloutService, queue: asyncio.Queue[Decision]) -> Iterator[None]:
+    """Put each answer ``service`` gives into ``queue`` meanwhile."""
+    answer = service.answer
 
     async def recorded(request: bytes) -> Decision:
         decision = await answer(request)
         queue.put_nowait(decision)
         return decision
 
-    callout_service.answer = recorded  # type: ignore[method-assign]
-    yield queue
-    del callout_service.answer
+    service.answer = recorded  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        del service.answer
+
+
+@pytest.fixture
+def decisions(callout_service: CalloutService) -> Iterator[asyncio.Queue[Decision]]:
+    """The callout's answers from now on, in order."""
+    queue: asyncio.Queue[Decision] = asyncio.Queue()
+    with recording(callout_service, queue):
+        yield queue
 
 
 def token_config(auth: AuthDir, server: NatsServer, job: str, *, key: bytes | None = None,
@@ -721,6 +737,111 @@ async def test_a_job_that_ends_gets_no_new_connection_and_loses_its_own_at_expir
             await asyncio.sleep(0.1)
     finally:
         await rank.close()
+
+
+#: docs/security.md's bound on how long an ended job's rank connection stays open: the
+#: revoker's default interval (it closes one at once when it sees the job end).
+REVOKED_WITHIN_S = CalloutConfig(issuer_seed_file="-", token_key_file="-").revoke_interval_s
+
+
+async def closed(disconnected: asyncio.Event, within_s: float) -> None:
+    """Wait until the server closed a connection (nats-py then reconnects), as its
+    :meth:`Bus.disconnect_event` tells."""
+    try:
+        await asyncio.wait_for(disconnected.wait(), within_s)
+    except TimeoutError:
+        raise AssertionError(f"still connected after {within_s:g} s") from None
+
+
+async def test_an_ended_job_s_open_connection_is_closed_and_its_token_refused(
+        k8s_auth: AuthDir, k8s_server: NatsServer, k8s_connect: Connect,
+        decisions: asyncio.Queue[Decision]) -> None:
+    """A callout holding the system account's user revokes: it closes the open rank
+    connections of a job that ended before it started (a restarted callout, from the
+    jobs' records alone) and of one that ends while it runs (at once: its interval here
+    is an hour). Each rank's client reconnects with its token, and is refused: its job
+    ended."""
+    admission = await k8s_connect(Role.ADMISSION)
+    for job in ("k8s-gone", "k8s-ends"):
+        await put_job(admission, job, JobState.ADMITTED)
+    gone = await Bus.connect(token_config(k8s_auth, k8s_server, "k8s-gone"), name="rank-gone")
+    ends = await Bus.connect(token_config(k8s_auth, k8s_server, "k8s-ends"), name="rank-ends")
+    assert [decisions.get_nowait().job_id for _ in range(2)] == ["k8s-gone", "k8s-ends"]
+    revoking = CalloutService(CalloutConfig(
+        issuer_seed_file=str(k8s_auth.callout_issuer_path),
+        token_key_file=str(k8s_auth.rank_token_key_path),
+        system_seed_file=str(k8s_auth.system_user_path), revoke_interval_s=3600.0),
+        config_for(k8s_auth, k8s_server, Role.CALLOUT), instance="c1")
+    try:
+        gone_closed, ends_closed = gone.disconnect_event(), ends.disconnect_event()
+        await put_job(admission, "k8s-gone", JobState.FINISHED)
+        assert gone.connected  # its token is good for 10 minutes
+        await revoking.start()
+        await closed(gone_closed, REVOKED_WITHIN_S)
+        assert ends.connected and not ends_closed.is_set()
+        await put_job(admission, "k8s-ends", JobState.CANCELLED)
+        await closed(ends_closed, REVOKED_WITHIN_S)
+        # Both clients try again with their tokens (either callout answers): refused, and
+        # the refusal says why.
+        with recording(revoking, decisions):
+            said: set[str] = set()
+            while said != {"job k8s-gone is finished", "job k8s-ends is cancelled"}:
+                refused = await asyncio.wait_for(decisions.get(), 10)
+                assert (refused.job_id, refused.refusal) == (None, Refusal.ENDED_JOB), refused
+                said.add(refused.message)
+        assert not (gone.connected or ends.connected)
+        # The revoker closed both (counted once the server answered its kick: a client can
+        # see its connection closed before that, but not be refused a new one).
+        assert revoking.revoker is not None
+        assert revoking.revoker.kicked == {str(Refusal.ENDED_JOB): 2}
+    finally:
+        await revoking.stop()
+        for rank in (gone, ends):
+            await rank.close()
+
+
+async def test_the_revoker_closes_an_ended_job_s_connections_on_every_server(
+        k8s_auth: AuthDir, tmp_path: Path) -> None:
+    """On a cluster of three servers configured as the chart's (routes over the CA's TLS
+    and a password), a job's ranks connected one to each server all lose their
+    connections when the job ends: every server lists its own, and closes its own."""
+    config = chart_config(k8s_auth, tmp_path / "nats.conf")
+    with NatsCluster(tmp_path / "js", 3, log_dir=tmp_path, config_file=config,
+                     secured=k8s_auth.route_security()) as cluster:
+        def on(role: Role) -> BusConfig:
+            return BusConfig.load(env=k8s_auth.env(role), servers=list(cluster.urls))
+
+        revoking = CalloutService(CalloutConfig(
+            issuer_seed_file=str(k8s_auth.callout_issuer_path),
+            token_key_file=str(k8s_auth.rank_token_key_path),
+            system_seed_file=str(k8s_auth.system_user_path), revoke_interval_s=3600.0),
+            on(Role.CALLOUT), instance="cluster")
+        await revoking.start()
+        ranks: list[Bus] = []
+        try:
+            async with await Bus.connect(on(Role.ADMISSION)) as admission:
+                await put_job(admission, "k8s-spread", JobState.ADMITTED)
+                for i, server in enumerate(cluster.servers):  # one rank on each
+                    ranks.append(await Bus.connect(
+                        token_config(k8s_auth, server, "k8s-spread"), name=f"rank-{i}"))
+                    assert ranks[-1].nc.connected_url is not None
+                    assert ranks[-1].nc.connected_url.port == server.port
+                closed_events = [rank.disconnect_event() for rank in ranks]
+                refusals: asyncio.Queue[Decision] = asyncio.Queue()
+                with recording(revoking, refusals):
+                    await put_job(admission, "k8s-spread", JobState.FINISHED)
+                    for event in closed_events:
+                        await closed(event, REVOKED_WITHIN_S)
+                    # Each reconnects with its token, to whichever server: refused.
+                    for _ in ranks:
+                        refused = await asyncio.wait_for(refusals.get(), 10)
+                        assert refused.message == "job k8s-spread is finished", refused
+                assert revoking.revoker is not None
+                assert revoking.revoker.kicked == {str(Refusal.ENDED_JOB): 3}
+        finally:
+            await revoking.stop()
+            for rank in ranks:
+                await rank.close()
 
 
 @pytest.mark.usefixtures("callout_service")

@@ -78,6 +78,7 @@ def test_the_secrets_hold_each_seed_of_the_key_the_values_admit(tmp_path: Path) 
     assert set(node) == {"agents.nk", "ca.pem", kubernetes.TOKEN_KEY_ITEM, "replication.key",
                          "replication.pem", "replication-key.pem"}
     assert not {"agents.nk", "replication.key", "replication-key.pem"} & set(control)
+    assert kubernetes.SYSTEM_ITEM in control and kubernetes.SYSTEM_ITEM not in node
     data = {**control, **node}
     for who in auth.identities():
         seed = bytearray(data[f"{who.name}.nk"])
@@ -97,15 +98,22 @@ def test_the_secrets_hold_each_seed_of_the_key_the_values_admit(tmp_path: Path) 
     assert data[kubernetes.TOKEN_KEY_ITEM] == auth.rank_token_key_path.read_bytes()
     block = values["config"]["merge"]["authorization"]
     assert block["users"] == authorization(auth.identities())["users"]
-    # Every identity bypasses the callout; everyone else is asked about.
+    # The system account has one user, the callout's revoker, whose seed is the item's.
+    system_user = nkeys.from_seed(bytearray(data[kubernetes.SYSTEM_ITEM])).public_key.decode()
+    assert system_user.startswith("U")
+    merged = values["config"]["merge"]
+    assert merged["system_account"] == kubernetes.SYSTEM_ACCOUNT
+    assert merged["accounts"] == {kubernetes.SYSTEM_ACCOUNT: {"users": [{"nkey": system_user}]}}
+    # Every identity and that user bypass the callout; everyone else is asked about.
     assert block["auth_callout"] == {
         "issuer": nkeys.from_seed(bytearray(data[kubernetes.ISSUER_ITEM])).public_key.decode(),
-        "auth_users": sorted(w.public_key for w in auth.identities())}
+        "auth_users": sorted([*(w.public_key for w in auth.identities()), system_user])}
     shown = yaml.safe_dump(values)
     assert not [w for w in auth.identities()
                 if auth.seed_path(w.role, w.scope).read_text().strip() in shown], "a seed"
     assert data[kubernetes.ISSUER_ITEM].decode().strip() not in shown
     assert data[kubernetes.TOKEN_KEY_ITEM].decode().strip() not in shown
+    assert data[kubernetes.SYSTEM_ITEM].decode().strip() not in shown
 
 
 def test_the_command_writes_the_secrets_for_its_owner_alone(tmp_path: Path, capsys) -> None:
