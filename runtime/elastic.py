@@ -730,6 +730,11 @@ class ElasticSession:
         if s.bus is not None:
             s.bus.close()
             telemetry.shutdown_tracing()
+        if s.bus is not None or s.group is not None:
+            # Under phalanx, or alone in the script's own group of several ranks (a
+            # sharded model under torchrun): a rank of that run died of SIGABRT ("terminate
+            # called without an active exception") in gloo's teardown at exit, its
+            # training done and saved, about one run in 40.
             teardown.arm()
         if s.record is not None:
             s.record.close()

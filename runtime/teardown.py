@@ -10,6 +10,11 @@ store so that no destructor runs, and in the e2e tests a survivor that was
 not a neighbour of the killed rank (its abandoned all-reduce still blocked)
 died of SIGSEGV in the C++ teardown at exit.
 
+Alone, a sharded model's session trains in the script's own group of several ranks
+(``torchrun --nproc-per-node S``), and the same teardown ended about one run in 40
+with SIGABRT ("terminate called without an active exception") after the script had
+saved its model and destroyed its group.
+
 So once a session that trained over gloo is closed (:func:`arm`), the
 interpreter's exit ends with ``os._exit`` from an ``atexit`` handler that
 this module registers when it is imported (with ``phalanx.runtime``'s
