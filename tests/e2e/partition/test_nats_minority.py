@@ -51,9 +51,6 @@ MINORITY, MAJORITY = "nats-2", ("nats-0", "nats-1")
 TRAINED_CUT = 20
 
 
-@pytest.mark.xfail(run=False, strict=True, reason=(
-    "issue 53: a client on a minority nats-server stays there; a leader on it flaps its "
-    "lease and decides nothing (see the module docstring)"))
 @pytest.mark.timeout(180)
 async def test_a_job_trains_on_through_the_majority_of_a_nats_cluster(
         partitioned: tuple[NamespacedCluster, Bus, Watch], data_dir: Path, reference: dict,
