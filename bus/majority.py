@@ -30,8 +30,8 @@ deposes it) while the majority elects another (4.4 s), so during the election a 
 answer comes from the wrong side. Limits: the clients of a cut meta leader stay with it
 until it is deposed; no client moves while no majority answers anywhere (an election, an
 outage: nothing to gain), nor when it can reach no other server (then its agent's round
-trips still count: a node cut from the majority's servers but not its own is fenced
-only through its lost heartbeats). A lone server is not probed. The probe is two small
+trips still count: a node that reaches only a minority's server is not fenced by its
+agent; health loses it by its silence). A lone server is not probed. The probe is two small
 requests a second per connection to the meta leader.
 """
 
