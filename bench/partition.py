@@ -20,6 +20,15 @@ the others, within one):
 * ``node_cut``: the two nodes cut from each other, the bus reaching both. Timed: the cut
   to the generation without one side (published) and to the survivors' first commit.
 
+With ``--agent-kills``, an agent kill is mixed into every cut: the agent of the node
+that is not cut off (``local-0``) is SIGKILLed :data:`AGENT_KILL_AT_S` after the cut and
+started again :data:`AGENT_DOWN_S` later, as a supervisor would; its ranks run on and
+the new agent adopts them. Timed: the cut to that agent's first heartbeat again
+(``agent_back_s``). Not yet on by default: in the first run (``--faults 4 --seed 1``,
+2026-12-07) the adopted ranks finished the job and the new agent, not their parent,
+reported each exit ``lost`` (no status), so elasticity replaced them and the
+replacements waited in rendezvous for members long gone: the job never ended.
+
 Each cut lasts ``--cut-s`` (6 s) at least, then heals; a node cut from the bus comes
 back as new capacity before the next job. Every job is checked: it ended ``finished``,
 admitted once; final parameters bitwise equal to the script alone; from every rank's
@@ -108,6 +117,11 @@ HEARTBEAT_S = 0.2
 LOST_AFTER_S = 3.0
 #: Steps the survivors train while the cut holds, before it heals.
 TRAINED_CUT = 20
+#: The node whose agent is killed during every cut (never the one a cut cuts off: a
+#: node's own agent fences its ranks, and one started while cut off could not connect).
+KILLED_AGENT = "local-0"
+#: When, from the cut, that agent is SIGKILLed, and how long it stays down.
+AGENT_KILL_AT_S, AGENT_DOWN_S = 0.5, 0.5
 
 
 def stats(values: list[float]) -> dict[str, float | int | None]:
@@ -229,12 +243,13 @@ class Bench:
     """The cluster, the bus and the faults of one run."""
 
     def __init__(self, work: Path, cluster: NamespacedCluster, bus: Bus, cut_s: float,
-                 reference: dict[str, Any]) -> None:
+                 reference: dict[str, Any], *, agent_kills: bool = False) -> None:
         self.work = work
         self.reference = reference
         self.cluster = cluster
         self.bus = bus
         self.cut_s = cut_s
+        self.agent_kills = agent_kills
         self.observer = Observer()
         self.client = AdmissionClient(bus)
 
@@ -257,6 +272,21 @@ class Bench:
         since = time.time()
         await self.observer.until(lambda: all(self.observer.heartbeats.get(n, 0) > since
                                               for n in NODES), 120, "both nodes beating")
+
+    async def agent_killed(self, cut_at: float) -> float:
+        """:data:`KILLED_AGENT`'s agent SIGKILLed :data:`AGENT_KILL_AT_S` after the cut
+        and started again :data:`AGENT_DOWN_S` later; when it beats again, from the cut."""
+        await asyncio.sleep(max(0.0, cut_at + AGENT_KILL_AT_S - time.time()))
+        agent = self.cluster.agents[KILLED_AGENT]
+        agent.send_signal(signal.SIGKILL)
+        await agent.wait()
+        await asyncio.sleep(AGENT_DOWN_S)
+        restarted = time.time()
+        await self.cluster.restart(KILLED_AGENT)
+        await self.observer.until(
+            lambda: self.observer.heartbeats.get(KILLED_AGENT, 0) > restarted, 60,
+            f"{KILLED_AGENT}'s agent beating again")
+        return self.observer.heartbeats[KILLED_AGENT] - cut_at
 
     async def one(self, n: int, kind: str) -> dict[str, Any]:
         """Fault ``n``, of ``kind``: a job, its cut, its figures and its checks."""
@@ -282,6 +312,8 @@ class Bench:
         cut_off: set[str] = set()
         net = self.cluster.net
         cut_at = time.time()
+        killing = (asyncio.create_task(self.agent_killed(cut_at)) if self.agent_kills
+                   else None)
         try:
             match kind:
                 case "bus_cut" | "bus_cut_one_way":
@@ -316,8 +348,13 @@ class Bench:
                     found = obs.without(job_id, cut_off)
                     assert found is not None
                     figures["decision_s"] = found[0] - cut_at
+            if killing is not None:
+                figures["agent_back_s"] = await killing
             await asyncio.sleep(max(0.0, cut_at + self.cut_s - time.time()))
         finally:
+            if killing is not None and not killing.done():
+                killing.cancel()
+                await asyncio.wait([killing])
             net.heal()
         healed_at = time.time()
         deposed_acted = 0
@@ -409,7 +446,7 @@ TARGETS: dict[tuple[str, str], tuple[float, str]] = {
 
 
 async def run(work: Path, kinds: list[str], faults: int, seed: int,
-              cut_s: float) -> dict[str, Any]:
+              cut_s: float, agent_kills: bool = False) -> dict[str, Any]:
     started = time.monotonic()
     load_before = os.getloadavg()
     prepare(work)
@@ -426,7 +463,7 @@ async def run(work: Path, kinds: list[str], faults: int, seed: int,
         assert cluster.nats_url is not None
         config = BusConfig.load(env={}, servers=[cluster.nats_url])
         async with await Bus.connect(config, name="bench-partition") as bus:
-            bench = Bench(work, cluster, bus, cut_s, reference)
+            bench = Bench(work, cluster, bus, cut_s, reference, agent_kills=agent_kills)
             await bench.observer.attach(bus)
             await lead_from(cluster, bus, await bench.leases(), HOST, "elasticity",
                             LEADER, STANDBY)
@@ -463,7 +500,8 @@ async def run(work: Path, kinds: list[str], faults: int, seed: int,
     return {"benchmark": "partition", "date": utc_date(),
             "command": command_line("partition.py", sys.argv[1:]),
             "seed": seed, "faults": faults, "completed": len(trials), "errors": errors,
-            "cut_s": cut_s, "lost_after_s": LOST_AFTER_S, "heartbeat_interval_s": HEARTBEAT_S,
+            "cut_s": cut_s, "agent_kills": agent_kills, "lost_after_s": LOST_AFTER_S,
+            "heartbeat_interval_s": HEARTBEAT_S,
             "lease_s": LEASE_S, "duration_s": round(time.monotonic() - started, 1),
             # The machine's load (1, 5, 15 min) at the start and the end: timers run late
             # on a loaded one, and the bounds' figures with them.
@@ -487,10 +525,11 @@ def write_record(report: dict[str, Any]) -> None:
     verdicts = ", ".join(f"{k} {'pass' if v['pass'] else 'FAIL'}"
                          for k, v in report["targets"].items())
     errors = "".join(f"\n- {e}" for e in report["errors"]) or " none"
+    killed = f", {KILLED_AGENT}'s agent killed in each" if report["agent_kills"] else ""
     append(f"\n## partition.py — {report['date']}\n\nCommand: `{report['command']}`\n\n"
            f"{report['completed']} of {report['faults']} faults completed in "
            f"{report['duration_s']} s (seed {report['seed']}); each a 4-replica job on two "
-           f"namespaced nodes, cut at step {CUT_AT_STEP} for {report['cut_s']:g} s; node "
+           f"namespaced nodes, cut at step {CUT_AT_STEP} for {report['cut_s']:g} s{killed}; node "
            f"timeout {report['lost_after_s']} s, heartbeat {report['heartbeat_interval_s']} "
            f"s, elasticity lease {report['lease_s']} s; load average (1, 5, 15 min) "
            f"{'/'.join(f'{x:.1f}' for x in report['load'][0])} at the start, "
@@ -510,6 +549,8 @@ def main() -> int:
     parser.add_argument("--kinds", default=",".join(KINDS),
                         help=f"a comma-separated subset of {','.join(KINDS)}")
     parser.add_argument("--cut-s", type=float, default=6.0, help="how long a cut lasts")
+    parser.add_argument("--agent-kills", action="store_true",
+                        help=f"kill {KILLED_AGENT}'s agent during every cut")
     parser.add_argument("--keep", metavar="DIR", help="work in DIR and keep it")
     parser.add_argument("--no-record", action="store_true")
     args = parser.parse_args()
@@ -522,7 +563,8 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="phalanx-partition-") as tmp:
         work = Path(args.keep) if args.keep else Path(tmp)
         work.mkdir(parents=True, exist_ok=True)
-        report = asyncio.run(run(work, kinds, args.faults, args.seed, args.cut_s))
+        report = asyncio.run(run(work, kinds, args.faults, args.seed, args.cut_s,
+                                 args.agent_kills))
     if not args.no_record:
         write_record(report)
     print(json.dumps({k: v for k, v in report.items() if k != "trials"}))

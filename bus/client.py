@@ -39,6 +39,7 @@ from phalanx.bus.errors import (
     RequestRefused,
     RequestTimeout,
 )
+from phalanx.bus.majority import Majority
 from phalanx.bus.tasks import raise_if_cancelled, within
 from phalanx.schemas import settings
 from phalanx.schemas.codec import MAX_PAYLOAD_BYTES, decode, encode
@@ -214,9 +215,12 @@ class Bus:
     Use :meth:`connect`; ``async with`` drains the connection on exit.
     """
 
-    def __init__(self, nc: Client, config: BusConfig) -> None:
+    def __init__(self, nc: Client, config: BusConfig, majority: Majority) -> None:
         self.nc = nc
         self.config = config
+        #: Whether the server answers for its cluster's majority; it moves this
+        #: connection off one that does not (:mod:`.majority`).
+        self.majority = majority
         self.counters = Counters()
         self.js = JetStream(nc, config.jetstream_replicas)
         self.connected_since: float | None = time.time()
@@ -231,6 +235,14 @@ class Bus:
     def connected(self) -> bool:
         """Whether the connection is up now (False while reconnecting)."""
         return self.connected_since is not None
+
+    @property
+    def in_majority(self) -> bool:
+        """False while this connection's server is found cut from its cluster's majority
+        (:mod:`.majority`: it answers no probe while a majority of the servers answer
+        through others), until the connection has moved. A leader acts, an agent counts
+        its round trips, only while it holds."""
+        return self.majority.in_majority
 
     def on_reconnect(self, callback: Callable[[], Awaitable[None]]) -> None:
         """Await ``callback`` after every reconnection (after nats-py re-subscribed).
@@ -314,6 +326,7 @@ class Bus:
 
     async def _reconnected(self) -> None:
         self.connected_since = time.time()
+        self.majority.connected()
         for event in list(self._resyncs):
             event.set()
         for callback in list(self._on_reconnect):
@@ -358,8 +371,7 @@ class Bus:
 
         nc = Client()
         options: dict[str, Any] = dict(
-            servers=list(config.servers), name=name, error_cb=on_error,
-            disconnected_cb=on_disconnect, reconnected_cb=on_reconnect,
+            servers=list(config.servers), name=name,
             connect_timeout=max(1, int(config.connect_timeout_s)),
             reconnect_time_wait=config.reconnect_wait_s, max_reconnect_attempts=-1,
             user=config.user, password=config.password, token=config.token,
@@ -372,8 +384,12 @@ class Bus:
             if config.tls_cert_file:
                 context.load_cert_chain(config.tls_cert_file, config.tls_key_file)
             options["tls"] = context
+        majority = Majority(options, config.reconnect_wait_s)
         try:
-            await within(nc.connect(**options), config.connect_timeout_s)
+            await within(nc.connect(
+                **options, error_cb=on_error, disconnected_cb=on_disconnect,
+                reconnected_cb=on_reconnect, reconnect_to_server_handler=majority.choose),
+                config.connect_timeout_s)
         except (TimeoutError, OSError, nats.errors.Error) as exc:
             with contextlib.suppress(TimeoutError):  # what is raised is the connect's
                 await within(nc.close(), config.connect_timeout_s)
@@ -383,7 +399,8 @@ class Bus:
                 f"{config.connect_timeout_s:g} s ({type(cause).__name__}: {cause}); "
                 f"is `phalanx up` running, or is {settings.NATS_URL} set?"
             ) from None
-        bus.append(cls(nc, config))
+        bus.append(cls(nc, config, majority))
+        majority.start(nc)
         return bus[0]
 
     async def __aenter__(self) -> Bus:
@@ -399,6 +416,7 @@ class Bus:
         nats-py flushes what is unsent before it closes, and against a server that stopped
         reading (hung, cut off) that flush waited for good.
         """
+        self.majority.stop()
         if self.nc.is_closed:
             return
         try:

@@ -304,6 +304,13 @@ def js_api(operation: str, *tokens: str) -> str:
     return ".".join(("$JS.API", operation, *tokens))
 
 
+def js_account_info() -> str:
+    """Where the JetStream API answers the account's info: the meta leader answers, so
+    every connection asks it whether its server is in the cluster's majority
+    (:mod:`phalanx.bus.majority`)."""
+    return js_api("INFO")
+
+
 def js_flow_control(stream: str) -> str:
     """Where a push consumer on ``stream`` answers flow-control requests."""
     return f"$JS.FC.{stream}.>"

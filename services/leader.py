@@ -83,8 +83,10 @@ class LeaderService(Service, Generic[TermT]):
     def start_leadership(self, leases: TypedKV[Lease]) -> None:
         """Contend for the lease from now until the service stops."""
         assert self.bus is not None
+        bus = self.bus
         self.leadership = Leadership(leases, self.lease_key, self.instance, self.lease_s,
-                                     self._term, bus_config=self.bus.config)
+                                     self._term, bus_config=bus.config,
+                                     in_majority=lambda: bus.in_majority)
         self.keep_running(lambda: self.leadership.run(self.sleep_or_stop), "lease")
 
     async def _term(self) -> None:

@@ -41,6 +41,13 @@ timer that ends a term stays on the service's loop: a loop held past
 :func:`acts_until` cancels the work when it turns again (the step that held it may
 send one more write first, which fencing refuses if a successor wrote since).
 
+**A leader on a minority's server stands down.** On a NATS cluster, a connection whose
+server is found cut from the majority (``Bus.in_majority`` false: :mod:`phalanx.bus.
+majority`) is moving off it. While either of the leader's connections, the service's
+or the renewals', is, it stops at its next check and takes no term: the lease read there
+may be stale, and with the service's connection on the majority and the renewals' on the
+minority it was deposed and took the lease back every 2 s, deciding nothing (issue 53).
+
 A renewal that finds the lease moved on means another instance leads: the leader's
 work is cancelled at once. No error in a check ends the lease's loop: one this module
 does not expect steps down (the work is cancelled, the lease left to run out) and the
@@ -226,12 +233,15 @@ class Leadership:
         bus_config: where the renewal thread connects (the service's own bus).
         hung_s: how long the service's loop may go without turning before renewals
             stop; ``None``: :data:`HUNG_LEASES` leases.
+        in_majority: whether the service's own connection's server answers for the
+            cluster's majority (``Bus.in_majority``); ``None``: only the renewals'
+            connection is judged.
         clock: this instance's monotonic clock (tests give their own).
     """
 
     def __init__(self, leases: TypedKV[Lease], key: str, holder: str, lease_s: float,
                  lead: Callable[[], Awaitable[None]], *, bus_config: BusConfig,
-                 hung_s: float | None = None,
+                 hung_s: float | None = None, in_majority: Callable[[], bool] | None = None,
                  clock: Callable[[], float] = time.monotonic) -> None:
         if not lease_s > 0:
             raise ValueError(f"lease_s must be > 0, got {lease_s}")
@@ -243,6 +253,7 @@ class Leadership:
         self.bus_config = bus_config
         self.hung_s = lease_s * HUNG_LEASES if hung_s is None else hung_s
         self.clock = clock
+        self._service_in_majority = in_majority or (lambda: True)
         self.sighting: Sighting | None = None  # another's lease, while we stand by
         self.epoch = 0
         #: Terms ended because the lease could not be confirmed in time.
@@ -284,8 +295,21 @@ class Leadership:
                 if thread is not None:
                     await thread.close()
 
+    @property
+    def in_majority(self) -> bool:
+        """Whether both connections, the service's and the renewals', are on servers
+        that answer for the cluster's majority (:mod:`phalanx.bus.majority`)."""
+        thread = self._thread
+        renewals = thread is None or thread.bus is None or thread.bus.in_majority
+        return renewals and self._service_in_majority()
+
     async def _check(self) -> None:
-        if self._tenure is None:
+        if not self.in_majority:
+            # A minority's server stores no take nor renewal, and what it reads of the lease
+            # may be stale: stand by until the connections have moved to the majority.
+            if self._tenure is not None:
+                self._end(self._tenure, "its nats-server is cut from the cluster's majority")
+        elif self._tenure is None:
             try:
                 await self._try_take()
             except (PhalanxError, TimeoutError, OSError) as exc:

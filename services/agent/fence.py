@@ -9,11 +9,12 @@ writing snapshots and durable steps of its own (seen in issue 53: a node cut for
 idled unfenced until the heal).
 
 So the agent fences its own node: each heartbeat interval it makes a round trip with
-the bus (a PING the server answers), and once no round trip has succeeded for
-``fence_after_s`` (the node timeout by default) it SIGKILLs every rank it runs, with no
-grace period, and reports each lost (its job still wants it: health counts it an
-infrastructure fault). Measured from the cut, every rank is dead within
-``fence_after_s`` plus two heartbeat intervals (:func:`bound_s`): the last round trip
+the bus (a PING the server answers; not counted from a server found cut from its NATS
+cluster's majority, which still answers: :mod:`phalanx.bus.majority`), and once no
+round trip has succeeded for ``fence_after_s`` (the node timeout by default) it
+SIGKILLs every rank it runs, with no grace period, and reports each lost (its job still
+wants it: health counts it an infrastructure fault). Measured from the cut, every rank
+is dead within ``fence_after_s`` plus two heartbeat intervals (:func:`bound_s`): the last round trip
 confirmed may have been sent up to one interval before the cut, and a round trip waits
 at most one interval for its answer. The node's agent keeps running and heartbeating;
 when the link heals, the node is new capacity, and nothing of the old generation comes

@@ -672,13 +672,16 @@ class AgentService(Service):
 
     async def fence_loop(self) -> None:
         """Each heartbeat interval, a round trip with the bus; the node's ranks SIGKILLed
-        once none has been answered for ``fence_after_s`` (:mod:`.fence`)."""
+        once none has been answered by a server in the cluster's majority for
+        ``fence_after_s`` (:mod:`.fence`)."""
         assert self.bus is not None and self.ranks is not None
         interval = self.config.heartbeat_interval_s
         watch = fence.BusWatch(self.config.fence_s, time.monotonic())
         while not await self.sleep_or_stop(interval):
             sent = time.monotonic()
-            if await self.bus.round_trip(interval):
+            # A server cut from its cluster still answers: only one that answers for the
+            # majority confirms that the node is heard (the bus moves off one that does not).
+            if await self.bus.round_trip(interval) and self.bus.in_majority:
                 watch.confirmed(sent)
                 continue
             verdict = watch.verdict(time.monotonic(), len(self.ranks.ranks))

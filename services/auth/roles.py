@@ -26,7 +26,9 @@ bucket may publish to that bucket's ``STREAM.INFO``, ``DIRECT.GET``,
 agent's node, a service's lease and cursor). A process that opens a bucket or
 the stream may create it if it is missing (the first one up does). Consumers
 are ordered (no acknowledgements), so no role needs ``$JS.ACK``; they answer
-flow control on ``$JS.FC``. Replies come to a per-identity inbox prefix
+flow control on ``$JS.FC``. Every role may ask for its account's JetStream info
+(``$JS.API.INFO``): each connection does, to learn whether its server is in the
+cluster's majority (:mod:`phalanx.bus.majority`). Replies come to a per-identity inbox prefix
 (:func:`~phalanx.schemas.subjects.inbox`), so no identity can read another's
 replies; services answer requests through ``allow_responses`` rather than a
 publish permission on every inbox.
@@ -202,7 +204,8 @@ def permissions(role: Role, scope: str | None = None) -> Permissions:
         ValueError: as :func:`identity`.
     """
     name = identity(role, scope)
-    g = _Grants().sub(f"{s.inbox(name)}.>")
+    # Every connection asks JetStream whether its server is in the majority.
+    g = _Grants().sub(f"{s.inbox(name)}.>").pub(s.js_account_info())
     if role in SERVICE_NAMES:
         # It answers the service API, and may ask it which of its instances answer (its
         # container's liveness and readiness probe, deploy/probe.py).

@@ -222,3 +222,36 @@ async def test_a_leader_whose_loop_hangs_stops_renewing_and_is_deposed(
     finally:
         stop.set()
         await running
+
+
+async def test_a_leader_on_a_minority_server_stands_down_and_takes_no_term_there(
+        bus: Bus, uid: str) -> None:
+    """Its connection judged cut from the cluster's majority (``Bus.in_majority``), a
+    leader stops at its next check and takes no term, its own lease free for it and
+    every write answered (a lone server stands in for the minority's), until its
+    connection is in the majority again. Before, it acted on, and once deposed took the
+    lease back term after term (issue 53)."""
+    leases = await TypedKV.open(bus.js, subjects.LEASES_BUCKET, Lease)
+    lease_s = 1.5
+    leading, ended, lead = waiting_term()
+    majority = [True]
+    stop = asyncio.Event()
+
+    metrics.register(metrics.LEADERSHIP)
+    leadership = Leadership(leases, f"minority-{uid}", "a", lease_s, lead,
+                            bus_config=bus.config, in_majority=lambda: majority[0])
+    running = asyncio.create_task(leadership.run(lambda s: wait_set(stop, s)))
+    try:
+        assert await wait_set(leading, 10) and leadership.epoch == 1
+        leading.clear()
+        majority[0] = False
+        assert await wait_set(ended, lease_s), "it acted on from the minority"
+        assert leadership.deposals == 0  # it stood down; no deadline passed
+        # Its renewals are answered and the lease is its own: still it takes no term.
+        assert not await wait_set(leading, 3 * lease_s)
+        assert not leadership.leading and leadership.epoch == 1
+        majority[0] = True
+        assert await wait_set(leading, lease_s) and leadership.epoch == 2
+    finally:
+        stop.set()
+        await running

@@ -102,7 +102,7 @@ def test_the_viewer_changes_nothing() -> None:
         assert subject.startswith(("$JS.API.STREAM.INFO", "$JS.API.STREAM.MSG.GET",
                                    "$JS.API.DIRECT.GET", "$JS.API.CONSUMER.", "$JS.FC.",
                                    "$SRV.")) \
-            or subject in (s.admission_explain(), s.any_id(s.agent_status),
+            or subject in (s.js_account_info(), s.admission_explain(), s.any_id(s.agent_status),
                            s.any_id(s.agent_logs)), subject
 
 
