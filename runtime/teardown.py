@@ -46,6 +46,8 @@ import os
 import sys
 from typing import Any
 
+from phalanx.schemas.environment import EXIT_STATUS_DIR
+
 _armed = False
 _status: int | None = None  # known from the session's __exit__, if it saw one
 _uncaught = False
@@ -102,6 +104,20 @@ def failed() -> bool:
     return _uncaught
 
 
+def record_status(status: int) -> None:
+    """Write ``status`` where the agent finds it should it not see this process end
+    (:data:`~phalanx.schemas.environment.EXIT_STATUS_DIR`; nothing where that is unset).
+    Best effort: a process that cannot write it is reported ``lost``, as before."""
+    folder = os.environ.get(EXIT_STATUS_DIR)
+    if not folder:
+        return
+    path = os.path.join(folder, str(os.getpid()))
+    with contextlib.suppress(OSError):
+        with open(path + ".tmp", "w") as f:
+            f.write(f"{status}\n")
+        os.replace(path + ".tmp", path)
+
+
 def _leave() -> None:
     if not _armed and _infrastructure is None:
         return
@@ -109,9 +125,10 @@ def _leave() -> None:
     for stream in (sys.stdout, sys.stderr):
         with contextlib.suppress(Exception):
             stream.flush()
-    if _infrastructure is not None:
-        os._exit(_infrastructure)
-    os._exit(1 if _uncaught else (_status or 0) & 0xFF)
+    status = _infrastructure if _infrastructure is not None else \
+        1 if _uncaught else (_status or 0) & 0xFF
+    record_status(status)
+    os._exit(status)
 
 
 atexit.register(_leave)

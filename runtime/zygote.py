@@ -58,6 +58,7 @@ from typing import NoReturn
 
 import msgspec
 
+from phalanx.runtime import teardown
 from phalanx.schemas import zygote as protocol
 
 log = logging.getLogger("phalanx.runtime.zygote")
@@ -226,6 +227,7 @@ class Zygote:
             with contextlib.suppress(Exception):
                 sys.stdout.flush()
                 sys.stderr.flush()
+            teardown.record_status(code)
             os._exit(code)
 
 

@@ -100,6 +100,13 @@ SPARE = "PHALANX_SPARE"
 #: A job's own directory on shared memory (mode 0700, its user's), where the agent runs
 #: each job as a user of its own (``agent.job_uids``).
 SHM_DIR = "PHALANX_SHM_DIR"
+#: Where a job's processes on a node write their exit status as they end, each in a
+#: file named by its pid holding the status in decimal: an agent restarted while a rank
+#: ran (its status then not the agent's to wait for) reads it there instead of
+#: reporting the exit ``lost``. The job's own directory (its user's, with
+#: ``agent.job_uids``); the agent removes a file when it reports its exit, and a stale one
+#: of the same pid when it starts a process.
+EXIT_STATUS_DIR = "PHALANX_EXIT_STATUS_DIR"
 #: The job's rendezvous secret (hex): the stores its replicas host answer only
 #: connections that prove it (:mod:`phalanx.runtime.store`). Its agents derive it from the
 #: cluster's key (:func:`derive_store_secret`), so every node gives a job the same one and

@@ -146,11 +146,17 @@ class JobIdentities:
         home = self._own(self.private[0], job_id, user)
         tmp = home / "tmp"
         _owned_dir(tmp, user)
+        _owned_dir(self.exit_statuses(job_id), user)
         shm = self._own(self.private[1], job_id, user)
         if checkpoint_dir is not None:  # a shared root is left as its operator made it
             checkpoint_dir.mkdir(parents=True, exist_ok=True)
             _owned_dir(checkpoint_dir / job_id, user)
-        return {"HOME": str(home), "TMPDIR": str(tmp), environment.SHM_DIR: str(shm)}
+        return {"HOME": str(home), "TMPDIR": str(tmp), environment.SHM_DIR: str(shm),
+                environment.EXIT_STATUS_DIR: str(self.exit_statuses(job_id))}
+
+    def exit_statuses(self, job_id: str) -> Path:
+        """Where ``job_id``'s processes write their exit status (in its home)."""
+        return self.private[0] / job_id / EXIT_STATUSES
 
     def _own(self, root: Path, job_id: str, user: JobUser) -> Path:
         root.mkdir(parents=True, exist_ok=True)
@@ -185,6 +191,10 @@ class JobIdentities:
         tmp = self.work_dir / f".{USERS_FILE}.tmp"
         tmp.write_text(json.dumps(self.held))
         tmp.replace(self.work_dir / USERS_FILE)
+
+
+#: The folder of a job's exit statuses (:data:`~phalanx.schemas.environment.EXIT_STATUS_DIR`).
+EXIT_STATUSES = "exits"
 
 
 def _owned_dir(path: Path, user: JobUser) -> None:

@@ -118,7 +118,7 @@ from phalanx.services.agent.core import (
     rank_devices,
 )
 from phalanx.services.agent.cpus import pin as pin_cpus
-from phalanx.services.agent.identity import JobIdentities
+from phalanx.services.agent.identity import EXIT_STATUSES, JobIdentities
 from phalanx.services.agent.logs import replica_log, utc_now
 from phalanx.services.agent.zygote import ChildProcess, ForkedProcess, Launcher
 from phalanx.services.auth.credentials import rank_environment
@@ -470,6 +470,9 @@ class RankSet:
         # its own folder of the agent's durable directory where it names no place of its own.
         private = {} if self.identities is None else self.identities.prepare(
             record.job_id, None if spec.checkpoint.durable_url else self.checkpoint_dir)
+        if self.identities is None:
+            self.exit_statuses(record.job_id).mkdir(parents=True, exist_ok=True)
+            private[environment.EXIT_STATUS_DIR] = str(self.exit_statuses(record.job_id))
         # Ranks run in the agent's environment, as torchrun's workers do.
         env = zygote.with_interpreter_path(
             {**advertised.to_env(), **os.environ, **private, **spec.env, **job.to_env()},
@@ -480,6 +483,28 @@ class RankSet:
                 self.store_key, record.job_id)
         return rank_environment(env, self.bus_identity(record.job_id)
                                 if self.bus_identity is not None else {})
+
+    def exit_statuses(self, job_id: str) -> Path:
+        """Where ``job_id``'s processes write their exit status
+        (:data:`~phalanx.schemas.environment.EXIT_STATUS_DIR`)."""
+        if self.identities is not None:
+            return self.identities.exit_statuses(job_id)
+        return self.work_dir / EXIT_STATUSES / job_id
+
+    def recorded_end(self, job_id: str, group_rank: int, pid: int) -> core.ProcessEnd:
+        """How process ``pid`` of ``job_id`` ended by its own word (the status it wrote as
+        it ended), for one this agent did not see end; not known where it wrote none."""
+        try:
+            text = (self.exit_statuses(job_id) / str(pid)).read_text()
+            return core.ProcessEnd(group_rank, int(text))
+        except (OSError, ValueError):
+            return core.ProcessEnd(group_rank, None, known=False)
+
+    def forget_status(self, job_id: str, pid: int) -> None:
+        """Remove the status ``pid`` of ``job_id`` wrote (its exit is reported, or the pid is
+        a new process's)."""
+        with contextlib.suppress(OSError):
+            (self.exit_statuses(job_id) / str(pid)).unlink()
 
     def job_user(self, job_id: str) -> JobUser | None:
         """The user ``job_id``'s processes run as here (None: the agent's own).
@@ -710,6 +735,7 @@ class RankSet:
                 env = {**self.job_environment(record), **identity}
                 process = await self.launcher.start(spec.command, env, log_file, hold=True,
                                                     user=self.job_user(record.job_id))
+                self.forget_status(record.job_id, process.pid)  # an earlier process's
                 self.confine(record, process.pid, log_file)  # held: none of its code ran
                 return process
             except OSError as exc:
@@ -745,8 +771,8 @@ class RankSet:
         """How each of ``entry``'s processes ended, in the order seen, once all have. In a
         group the first to end takes the others down (:func:`~.core.siblings_wait_s`:
         after a clean exit they are given the grace period to end by themselves first)."""
-        waits = {asyncio.create_task(_end(g, pid, ticks, process)): (pid, ticks)
-                 for g, pid, ticks, process in entry.processes()}
+        waits = {asyncio.create_task(self._end(entry.job_id, g, pid, ticks, process)):
+                 (pid, ticks) for g, pid, ticks, process in entry.processes()}
         ends: list[core.ProcessEnd] = []
 
         async def seen(timeout_s: float | None = None, first: bool = False) -> None:
@@ -774,11 +800,20 @@ class RankSet:
             for task in waits:  # cancelled itself: nothing is left waiting
                 task.cancel()
 
+    async def _end(self, job_id: str, group_rank: int, pid: int, ticks: int | None,
+                   process: ChildProcess | None) -> core.ProcessEnd:
+        """How a rank process ended (:func:`_end`); where this agent could not see its
+        status, the status the process wrote as it ended, if it did."""
+        end = await _end(group_rank, pid, ticks, process)
+        return end if end.known else self.recorded_end(job_id, group_rank, pid)
+
     async def _exited(self, entry: Rank, *, exit_code: int | None, signame: str | None,
                       cause: ExitCause | None = None, group_rank: int = 0) -> None:
         if self.ranks.get((entry.job_id, entry.rank)) is entry:
             del self.ranks[(entry.job_id, entry.rank)]
             self._save()
+        for _, pid, _, _ in entry.processes():
+            self.forget_status(entry.job_id, pid)
         self._exit_seen.set()
         cause = cause or exit_cause(entry.stop)
         log.info("rank exited", extra={"job": entry.job_id, "rank": entry.rank,
@@ -1011,12 +1046,16 @@ class RankSet:
                 entry.watcher = asyncio.create_task(self._watch(entry))
                 log.info("rank adopted", extra={"job": entry.job_id, "rank": entry.rank,
                                                 "pid": entry.pid})
-            else:
+            else:  # ended while no agent watched: by its own word, or lost
                 pids = [pid for _, pid, _, _ in entry.processes()]
                 oom = any(self._oom_killed(entry.job_id, pid) for pid in pids)
                 self.unconfine(entry.job_id, pids)
-                await self._exited(entry, exit_code=None, signame=None,
-                                   cause=ExitCause.OOM if oom else ExitCause.LOST)
+                end = core.group_exit([self.recorded_end(entry.job_id, g, pid)
+                                       for g, pid, _, _ in entry.processes()])
+                await self._exited(entry, exit_code=end.exit_code, signame=end.signal,
+                                   cause=exit_cause(entry.stop, status_known=end.known,
+                                                    oom=oom),
+                                   group_rank=end.group_rank)
         self._save()
 
 

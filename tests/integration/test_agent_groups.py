@@ -22,7 +22,7 @@ from test_agent_replicas import process_exit, queue_of
 from phalanx.bus.client import Bus
 from phalanx.bus.config import BusConfig
 from phalanx.bus.kv import TypedKV
-from phalanx.schemas import environment, subjects
+from phalanx.schemas import environment, settings, subjects
 from phalanx.schemas.messages import (
     ExitCause,
     JobRecord,
@@ -37,9 +37,11 @@ from phalanx.schemas.messages import (
     ReplicaRange,
     ReplicaReply,
 )
+from phalanx.services.agent import pidfd
 from phalanx.services.agent.config import AgentConfig
 from phalanx.services.agent.ranks import RankSet
 from phalanx.services.agent.service import AgentService
+from phalanx.services.agent.zygote import ForkedProcess, Launcher
 
 #: Sends its pid and environment to the test's socket, then runs until stopped.
 REPORTS = """
@@ -237,3 +239,73 @@ async def test_a_restarted_agent_adopts_a_group_and_ends_it_whole(tmp_path: Path
     finally:
         await second.stop_all()
     assert exited.empty()
+
+
+#: A group's process that ends by itself, exit 0, once ``release`` exists.
+ENDS_WHEN_RELEASED = """
+import os, pathlib, sys, time
+release = pathlib.Path(sys.argv[1])
+while not release.exists():
+    time.sleep(0.05)
+"""
+
+
+async def test_a_restarted_agent_reports_the_status_its_ranks_wrote_not_lost(
+        tmp_path: Path) -> None:
+    """Ranks forked from a zygote, their agent gone: one group ends while no agent
+    watches, another after a new agent adopted it. Both exit 0 by themselves and are
+    reported so, by the status each process wrote as it ended, not ``lost`` (a lost end
+    of a job's last ranks started replacements that waited for members long gone)."""
+    script = tmp_path / "ends.py"
+    script.write_text(ENDS_WHEN_RELEASED)
+
+    def group(job_id: str) -> JobRecord:
+        spec = JobSpec(name=job_id, team="t", priority_class="normal", ranks_per_replica=2,
+                       replicas=ReplicaRange(min=1, max=1),
+                       command=[sys.executable, str(script), str(tmp_path / job_id)])
+        return JobRecord(job_id=job_id, spec=spec, state=JobState.ADMITTED, submitted_at=1.0,
+                         updated_at=1.0, reason_code=ReasonCode.ADMITTED, nodes=["n1"])
+
+    exited: asyncio.Queue[RankExited] = asyncio.Queue()
+
+    async def report(message: RankStarted | RankExited) -> None:
+        if isinstance(message, RankExited):
+            await exited.put(message)
+
+    async def host_of(_: str) -> str:
+        return "127.0.0.1"
+
+    def agent() -> RankSet:
+        launcher = Launcher(tmp_path / "zygotes", template=os.environ.get(
+            settings.AGENT("zygote_template")))
+        return RankSet("n1", tmp_path, "nats://127.0.0.1:1", host_of, report, capacity=4,
+                       launcher=launcher)
+
+    first = agent()
+    await first.reconcile(group("unwatched"))
+    await first.reconcile(group("adopted"))
+    pids = {}
+    for entry in first.ranks.values():
+        assert entry.watcher is not None
+        entry.watcher.cancel()  # the first agent is gone
+        pids[entry.job_id] = [entry.pid, *(m.pid for m in entry.group)]
+    assert all(isinstance(p, ForkedProcess) for e in first.ranks.values()
+               for _, _, _, p in e.processes())
+    (tmp_path / "unwatched").touch()
+    for pid in pids["unwatched"]:
+        await asyncio.wait_for(pidfd.ended(pid), 30)
+    second = agent()
+    try:
+        await second.adopt()
+        end = await asyncio.wait_for(exited.get(), 30)
+        assert (end.job_id, end.exit_code, end.cause) == ("unwatched", 0, ExitCause.EXITED)
+        assert list(second.ranks) == [("adopted", 0)]
+        (tmp_path / "adopted").touch()
+        end = await asyncio.wait_for(exited.get(), 30)
+        assert (end.job_id, end.exit_code, end.cause) == ("adopted", 0, ExitCause.EXITED)
+        assert second.ranks == {}
+        assert not any((tmp_path / "exits").glob("*/*"))  # each removed once reported
+    finally:
+        await second.stop_all()
+        await first.launcher.close()
+        await second.launcher.close()
