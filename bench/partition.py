@@ -20,14 +20,14 @@ the others, within one):
 * ``node_cut``: the two nodes cut from each other, the bus reaching both. Timed: the cut
   to the generation without one side (published) and to the survivors' first commit.
 
-With ``--agent-kills``, an agent kill is mixed into every cut: the agent of the node
-that is not cut off (``local-0``) is SIGKILLed :data:`AGENT_KILL_AT_S` after the cut and
-started again :data:`AGENT_DOWN_S` later, as a supervisor would; its ranks run on and
-the new agent adopts them. Timed: the cut to that agent's first heartbeat again
-(``agent_back_s``). Not yet on by default: in the first run (``--faults 4 --seed 1``,
-2026-12-07) the adopted ranks finished the job and the new agent, not their parent,
-reported each exit ``lost`` (no status), so elasticity replaced them and the
-replacements waited in rendezvous for members long gone: the job never ended.
+An agent kill is mixed into every cut (``--no-agent-kills``: none): the agent of the
+node that is not cut off (``local-0``) is SIGKILLed :data:`AGENT_KILL_AT_S` after the cut
+and started again :data:`AGENT_DOWN_S` later, as a supervisor would; its ranks run on
+and the new agent adopts them. Timed: the cut to that agent's first heartbeat again
+(``agent_back_s``). (Its first run, 2026-12-07, never ended a job: the adopted ranks
+finished it and the new agent, not their parent, reported each exit ``lost``, so
+elasticity replaced them and the replacements waited in rendezvous for members long
+gone. Each rank now writes its exit status for an agent that did not see it end.)
 
 Each cut lasts ``--cut-s`` (6 s) at least, then heals; a node cut from the bus comes
 back as new capacity before the next job. Every job is checked: it ended ``finished``,
@@ -549,8 +549,9 @@ def main() -> int:
     parser.add_argument("--kinds", default=",".join(KINDS),
                         help=f"a comma-separated subset of {','.join(KINDS)}")
     parser.add_argument("--cut-s", type=float, default=6.0, help="how long a cut lasts")
-    parser.add_argument("--agent-kills", action="store_true",
-                        help=f"kill {KILLED_AGENT}'s agent during every cut")
+    parser.add_argument("--agent-kills", action=argparse.BooleanOptionalAction,
+                        default=True,
+                        help=f"kill {KILLED_AGENT}'s agent during every cut (default)")
     parser.add_argument("--keep", metavar="DIR", help="work in DIR and keep it")
     parser.add_argument("--no-record", action="store_true")
     args = parser.parse_args()
