@@ -5,7 +5,8 @@ failures every few seconds.
 What must hold at any size is asserted: one run per system, each with its failures
 injected and an efficiency above 0 and below 2 (over 1 is the noise of a fault-free step
 time measured over 2 s: with the machine's load falling after that, phalanx's reached
-1.26 in a clean clone's suite; counting every step twice would pass 2), phalanx's data
+1.26 in a clean clone's suite: the bound catches only a figure off by more than that
+noise), phalanx's data
 accounting clean, the plot written and the JSON line last. The figures themselves are
 the benchmark's to record, not this test's.
 """
