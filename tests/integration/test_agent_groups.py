@@ -175,8 +175,12 @@ def on_n1(job_id: str, command: str, grace_period_s: float = 30.0) -> JobRecord:
                      updated_at=1.0, reason_code=ReasonCode.ADMITTED, nodes=["n1"])
 
 
-def rank_set(tmp_path: Path) -> tuple[RankSet, asyncio.Queue[RankExited]]:
-    exited: asyncio.Queue[RankExited] = asyncio.Queue()
+def rank_set(tmp_path: Path, launcher: Launcher | None = None,
+             exited: asyncio.Queue[RankExited] | None = None,
+             ) -> tuple[RankSet, asyncio.Queue[RankExited]]:
+    """An agent's ranks on n1 in ``tmp_path`` (``launcher``: cold starts by default) and
+    the exits they report (into ``exited`` where given)."""
+    exited = asyncio.Queue() if exited is None else exited
 
     async def report(message: RankStarted | RankExited) -> None:
         if isinstance(message, RankExited):
@@ -185,7 +189,8 @@ def rank_set(tmp_path: Path) -> tuple[RankSet, asyncio.Queue[RankExited]]:
     async def host_of(_: str) -> str:
         return "127.0.0.1"
 
-    return RankSet("n1", tmp_path, "nats://127.0.0.1:1", host_of, report, capacity=4), exited
+    return RankSet("n1", tmp_path, "nats://127.0.0.1:1", host_of, report, capacity=4,
+                   launcher=launcher), exited
 
 
 async def test_a_group_that_exits_0_is_reported_clean_once(tmp_path: Path) -> None:
@@ -268,18 +273,9 @@ async def test_a_restarted_agent_reports_the_status_its_ranks_wrote_not_lost(
 
     exited: asyncio.Queue[RankExited] = asyncio.Queue()
 
-    async def report(message: RankStarted | RankExited) -> None:
-        if isinstance(message, RankExited):
-            await exited.put(message)
-
-    async def host_of(_: str) -> str:
-        return "127.0.0.1"
-
-    def agent() -> RankSet:
-        launcher = Launcher(tmp_path / "zygotes", template=os.environ.get(
-            settings.AGENT("zygote_template")))
-        return RankSet("n1", tmp_path, "nats://127.0.0.1:1", host_of, report, capacity=4,
-                       launcher=launcher)
+    def agent() -> RankSet:  # forking from zygotes, as an agent does
+        return rank_set(tmp_path, Launcher(tmp_path / "zygotes", template=os.environ.get(
+            settings.AGENT("zygote_template"))), exited)[0]
 
     first = agent()
     await first.reconcile(group("unwatched"))
