@@ -131,11 +131,21 @@ class MajorityWatch:
             return False
         return now - self.answered_at >= CUT_AFTER_S
 
-    def compared(self, answering: Sequence[str], pool: Sequence[str], now: float) -> bool:
-        """The other servers of ``pool`` were asked, those of ``answering`` answered:
-        whether this server is cut from the majority (:func:`cut_off`) and the connection
-        must move. It, and every other server that did not answer, is then shunned until
-        ``now + SHUN_S``."""
+    def compared(self, answering: Sequence[str], pool: Sequence[str], now: float, *,
+                 answered_here: bool = False) -> bool:
+        """The other servers of ``pool`` were asked, those of ``answering`` answered, and
+        this connection's server asked again at the same time (``answered_here``):
+        whether this server is cut from the majority (:func:`cut_off`, and it did not
+        answer) and the connection must move. It, and every other server that did not
+        answer, is then shunned until ``now + SHUN_S``.
+
+        A server that answers as the others are asked is not cut off, whoever else
+        answers: under load, a majority's server whose probes were slow while the
+        majority elected a meta leader saw the new leader answer through a peer and the
+        cut-off old one through its own server, a majority by count, and moved."""
+        if answered_here:
+            self.answered_at = now
+            return False
         if not cut_off(answering, pool):
             return False
         self.in_majority = False
@@ -206,8 +216,14 @@ class Majority:
             if not (nc.is_connected and self.watch.probed(sent, ok, self.clock())):
                 continue
             pool = [url.netloc for url in nc.servers]
+            # Its own server asked again meanwhile: it counts if it answered by the time
+            # the others had (waiting longer would hold a cut-off connection's move).
+            again = asyncio.create_task(_probe(nc, PROBE_TIMEOUT_S * 2))
             answering = await self._others(pool)
-            if nc.is_connected and self.watch.compared(answering, pool, self.clock()):
+            here = again.done() and again.result()
+            again.cancel()
+            if nc.is_connected and self.watch.compared(answering, pool, self.clock(),
+                                                       answered_here=here):
                 log.warning("the JetStream majority answers through %s, not through %s: "
                             "moving", answering, self.watch.server)
                 self.moves += 1
@@ -242,10 +258,10 @@ async def _unheard(_: Exception) -> None:
     """A probe's connection's errors: what counts is whether it was answered."""
 
 
-async def _probe(nc: Client) -> bool:
-    """Whether the JetStream API answers through ``nc``'s server within the timeout."""
+async def _probe(nc: Client, timeout_s: float = PROBE_TIMEOUT_S) -> bool:
+    """Whether the JetStream API answers through ``nc``'s server within ``timeout_s``."""
     try:
-        reply = await nc.request(PROBE_SUBJECT, b"", timeout=PROBE_TIMEOUT_S)
+        reply = await nc.request(PROBE_SUBJECT, b"", timeout=timeout_s)
     except (nats.errors.Error, TimeoutError, OSError):
         return False  # unanswered, no responders, or the connection is going
     return answered(reply.data)

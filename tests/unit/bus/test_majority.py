@@ -60,6 +60,18 @@ def test_the_others_are_asked_once_no_probe_was_answered_for_cut_after_s() -> No
     assert watch.probed(2.5, False, 2.1 + CUT_AFTER_S)
 
 
+def test_a_server_that_answers_as_the_others_are_asked_is_not_cut_off() -> None:
+    """Seen under load: a majority's server, slow while the majority elected a meta
+    leader, counted the new leader's answer through a peer and the cut-off old leader's
+    through its own server as a majority, and moved."""
+    watch = MajorityWatch(0.0)
+    watch.connected("n0", 0.0)
+    assert watch.probed(1.0, False, CUT_AFTER_S + 0.1)
+    assert not watch.compared(["n1", "n2"], ["n0", "n1", "n2"], 2.0, answered_here=True)
+    assert watch.in_majority and watch.shunned == {}
+    assert not watch.probed(2.5, False, 2.0 + CUT_AFTER_S - 0.1)  # judged from its answer
+
+
 def test_a_reconnection_passes_shunned_servers_and_the_one_it_left_over() -> None:
     servers = pool(0, 0, 0)
     chosen, wait = next_server(servers, "n0:4222", {"n1:4222": 30.0}, 1.0, 0.25)
